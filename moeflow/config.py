@@ -1,0 +1,46 @@
+"""User-facing configuration of expert offloading."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+POLICIES = ("resident", "ondemand", "lru", "lfu", "static", "mixtral-offloading")
+
+
+@dataclass
+class OffloadConfig:
+    """How experts are placed and streamed.
+
+    gpu_expert_slots: number of expert slots in the device pool (each holds one expert of any layer).
+        ``None`` with ``gpu_memory_gb`` unset means every expert resident when the policy is "resident".
+    gpu_memory_gb: alternatively, a device memory budget; the slot count is what is left after the
+        non-expert weights and the KV cache.
+    policy: a named preset (see ``moeflow.scheduling.policies``).
+    prefetch_distance: how many layers ahead predictive policies prefetch.
+    transport: "auto" (CUDA streams on a GPU, synchronous on the CPU), "sync", or "random-delay"
+        (a test transport that completes copies late and out of order).
+    pin_memory: pin the host store (falls back to pageable memory with a warning when pinning fails).
+    """
+
+    gpu_expert_slots: int | None = None
+    gpu_memory_gb: float | None = None
+    policy: str = "resident"
+    prefetch_distance: int = 1
+    transport: str = "auto"
+    pin_memory: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.gpu_expert_slots is not None and self.gpu_expert_slots < 1:
+            raise ValueError(f"OffloadConfig.gpu_expert_slots must be >= 1, got {self.gpu_expert_slots}")
+        if self.gpu_memory_gb is not None and self.gpu_memory_gb <= 0:
+            raise ValueError(f"OffloadConfig.gpu_memory_gb must be > 0, got {self.gpu_memory_gb}")
+        if self.prefetch_distance < 1:
+            raise ValueError(f"OffloadConfig.prefetch_distance must be >= 1, got {self.prefetch_distance}")
+        if self.transport not in ("auto", "sync", "random-delay"):
+            raise ValueError(
+                f"OffloadConfig.transport={self.transport!r}: expected 'auto', 'sync' or 'random-delay'"
+            )
+
+    def as_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,88 @@
+"""The MoE block: router -> top-k -> expert compute (through an :class:`ExpertBackend`) -> combine.
+
+The router and top-k are pure tensor functions (torch.compile traces them). Where the expert
+weights live is the backend's business: :class:`ResidentExperts` keeps every expert in one device
+pool (the compile-friendly path), the offloading backends of :mod:`moeflow.scheduling` stream them.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeflow import kernels
+from moeflow.kernels.pool import ExpertFormat, ExpertPool
+
+
+def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Mixtral routing: softmax in fp32, top-k, renormalise.
+
+    router_logits [T, E] -> (probs fp32 [T, E], topk_ids int32 [T, k], topk_weights fp32 [T, k]).
+    """
+    probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    return probs, ids.to(torch.int32), weights
+
+
+class ExpertBackend(Protocol):
+    """Where expert weights live and how a layer's experts get computed."""
+
+    fmt: ExpertFormat
+
+    def load_expert(self, layer: int, expert: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Store one expert's tensors (names of ``fmt``) at load time."""
+
+    def forward(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        probs: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        """x [T, H], probs fp32 [T, E], topk_ids int32 [T, k], topk_weights fp32 [T, k] -> [T, H]."""
+
+
+class ResidentExperts:
+    """Every expert of every layer in one device pool; slot of (layer, expert) = layer * E + expert."""
+
+    def __init__(
+        self, fmt: ExpertFormat, num_layers: int, num_experts: int, device: torch.device | str,
+        kernels_backend: str = "torch",
+    ) -> None:
+        self.fmt = fmt
+        self.num_experts = num_experts
+        self.kernels_backend = kernels_backend
+        self.pool = ExpertPool.allocate(fmt, num_layers * num_experts, device)
+        base = torch.arange(num_experts, dtype=torch.int32, device=device)
+        self.slot_tables = [base + layer * num_experts for layer in range(num_layers)]
+
+    def load_expert(self, layer: int, expert: int, tensors: dict[str, torch.Tensor]) -> None:
+        self.fmt.write(self.pool.buffer[layer * self.num_experts + expert], tensors)
+
+    def forward(self, layer, x, probs, topk_ids, topk_weights):  # noqa: D102 (see ExpertBackend)
+        return kernels.moe_forward(
+            x, topk_ids, topk_weights, self.pool, self.slot_tables[layer], self.kernels_backend
+        )
+
+
+class MoEBlock(nn.Module):
+    """Mixtral's sparse MoE block. The router ``gate`` is an ordinary module; experts sit in ``experts``."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, layer_idx: int, dtype: torch.dtype):
+        super().__init__()
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False, dtype=dtype)
+        self.top_k = top_k
+        self.layer_idx = layer_idx
+        self.experts: ExpertBackend | None = None  # set by the loader (not a submodule: owns no parameters)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., H] -> [..., H]."""
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        probs, ids, weights = route(self.gate(flat), self.top_k)
+        return self.experts.forward(self.layer_idx, flat, probs, ids, weights).reshape(shape)
