@@ -1,0 +1,74 @@
+"""Counters of what the expert scheduler did, per phase (prefill / decode)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+PHASES = ("prefill", "decode")
+
+
+@dataclass
+class PhaseStats:
+    hits: int = 0  # needed experts already resident (or landed from a prefetch) at the gate
+    misses: int = 0  # needed experts that had to be loaded after the gate
+    prefetches: int = 0  # experts copied ahead of their gate
+    useful_prefetches: int = 0  # prefetched experts that were used before being evicted
+    wasted_prefetches: int = 0  # prefetched experts evicted (or dropped) unused
+    bytes_h2d: int = 0  # host -> device bytes moved
+    stall_s: float = 0.0  # time the compute waited on copies
+    steps: int = 0  # forward passes in this phase
+    tokens: int = 0  # tokens processed in this phase
+    time_s: float = 0.0  # wall time spent in this phase
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+
+@dataclass
+class Stats:
+    """``model.stats``: per-phase counters plus request-level timings."""
+
+    prefill: PhaseStats = field(default_factory=PhaseStats)
+    decode: PhaseStats = field(default_factory=PhaseStats)
+    phase: str = "prefill"  # the phase the counters currently go to
+    ttft_s: float | None = None  # time to first token of the last generate() call
+    tpot_s: float | None = None  # mean time per output token after the first
+    peak_gpu_bytes: int = 0
+
+    def current(self) -> PhaseStats:
+        return getattr(self, self.phase)
+
+    def set_phase(self, phase: str) -> None:
+        if phase not in PHASES:
+            raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+        self.phase = phase
+
+    def reset(self) -> None:
+        self.prefill, self.decode = PhaseStats(), PhaseStats()
+        self.phase, self.ttft_s, self.tpot_s, self.peak_gpu_bytes = "prefill", None, None, 0
+
+    @property
+    def hit_rate(self) -> float:
+        hits = self.prefill.hits + self.decode.hits
+        total = hits + self.prefill.misses + self.decode.misses
+        return hits / total if total else 0.0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        for phase in PHASES:
+            d[phase]["hit_rate"] = getattr(self, phase).hit_rate
+        d["hit_rate"] = self.hit_rate
+        return d
+
+    def summary(self) -> str:
+        ttft = f"{self.ttft_s * 1e3:.1f} ms" if self.ttft_s is not None else "n/a"
+        tps = f"{1.0 / self.tpot_s:.1f} tok/s" if self.tpot_s else "n/a"
+        moved = (self.prefill.bytes_h2d + self.decode.bytes_h2d) / 2**20
+        stall = (self.prefill.stall_s + self.decode.stall_s) * 1e3
+        return (
+            f"TTFT {ttft} | decode {tps} | expert hit rate {self.hit_rate:.1%} "
+            f"(prefill {self.prefill.hit_rate:.1%}, decode {self.decode.hit_rate:.1%}) | "
+            f"{moved:.1f} MiB host->device | stall {stall:.1f} ms"
+        )
