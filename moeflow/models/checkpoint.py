@@ -1,0 +1,190 @@
+"""Reading HF-layout checkpoints: config.json, safetensors shards through the index, quantization config.
+
+Tensors are opened lazily with safetensors (memory-mapped), one at a time, so loading never holds a
+second full copy of the model in RAM. Every error names the file and tensor at fault.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from moeflow.errors import CheckpointError, UnsupportedQuantizationError
+from moeflow.quant.awq import SUPPORTED_GROUP_SIZES
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class QuantizationSpec:
+    """What the checkpoint's quantization config says (only AWQ 4-bit GEMM is readable)."""
+
+    method: str  # "awq"
+    bits: int
+    group_size: int
+    modules_to_not_convert: tuple[str, ...] = ()
+
+
+def resolve_checkpoint(path_or_id: str | os.PathLike, revision: str | None = None) -> Path:
+    """A local directory, or a hub id fetched through huggingface_hub (honours HF_HUB_OFFLINE and the cache)."""
+    p = Path(path_or_id).expanduser()
+    if p.is_dir():
+        return p
+    if p.exists():
+        raise CheckpointError(f"{p} is a file; from_pretrained expects a checkpoint directory or a hub id")
+    text = str(path_or_id)
+    if text.startswith((".", "/", "~")) or text.count("/") > 1:
+        raise CheckpointError(f"checkpoint directory {p} does not exist")
+    try:
+        from huggingface_hub import snapshot_download
+
+        local = snapshot_download(
+            repo_id=text,
+            revision=revision,
+            allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model"],
+        )
+    except Exception as e:  # huggingface_hub raises many types (offline, not found, auth)
+        raise CheckpointError(
+            f"{text!r} is neither a local directory nor a hub id that could be fetched "
+            f"(offline mode: {os.environ.get('HF_HUB_OFFLINE', '0')}): {type(e).__name__}: {e}"
+        ) from e
+    return Path(local)
+
+
+def read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise CheckpointError(f"missing file {path}")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from e
+
+
+def read_quantization(directory: Path, config: dict) -> QuantizationSpec | None:
+    """The quantization spec from config.json's quantization_config, or an older quant_config.json."""
+    qc = config.get("quantization_config")
+    source = directory / "config.json"
+    if qc is None and (directory / "quant_config.json").is_file():
+        source = directory / "quant_config.json"
+        old = read_json(source)
+        qc = {
+            "quant_method": "awq",
+            "bits": old.get("w_bit", old.get("bits")),
+            "group_size": old.get("q_group_size", old.get("group_size")),
+            "version": old.get("version", "GEMM"),
+            "zero_point": old.get("zero_point", True),
+            "modules_to_not_convert": old.get("modules_to_not_convert"),
+        }
+    if qc is None:
+        return None
+    method = str(qc.get("quant_method", "")).lower()
+    if method != "awq":
+        raise UnsupportedQuantizationError(
+            f"{source}: quantization method {qc.get('quant_method')!r} is not supported (moeflow reads AWQ)"
+        )
+    bits = qc.get("bits", qc.get("w_bit"))
+    if bits != 4:
+        raise UnsupportedQuantizationError(f"{source}: AWQ with bits={bits} is not supported (only 4-bit)")
+    version = str(qc.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise UnsupportedQuantizationError(
+            f"{source}: AWQ version {qc.get('version')!r} is not supported (only the GEMM layout)"
+        )
+    if qc.get("zero_point", True) is False:
+        raise UnsupportedQuantizationError(f"{source}: AWQ without zero point is not supported")
+    group = qc.get("group_size", qc.get("q_group_size"))
+    if group not in SUPPORTED_GROUP_SIZES:
+        raise UnsupportedQuantizationError(
+            f"{source}: AWQ group_size={group} is not supported (supported: {SUPPORTED_GROUP_SIZES})"
+        )
+    return QuantizationSpec("awq", 4, int(group), tuple(qc.get("modules_to_not_convert") or ()))
+
+
+class CheckpointReader:
+    """Lazy access to the tensors of a checkpoint directory, wherever the index puts them."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self._handles: dict[Path, object] = {}
+        index_path = directory / INDEX_NAME
+        if index_path.is_file():
+            index = read_json(index_path)
+            if "weight_map" not in index:
+                raise CheckpointError(f"{index_path} has no 'weight_map'")
+            self.weight_map = {name: directory / f for name, f in index["weight_map"].items()}
+            for f in sorted(set(self.weight_map.values())):
+                if not f.is_file():
+                    raise CheckpointError(f"missing weight file {f} (listed in {index_path})")
+        elif (directory / SINGLE_NAME).is_file():
+            self.weight_map = {}
+            self._index_file(directory / SINGLE_NAME)
+        else:
+            files = sorted(directory.glob("*.safetensors"))
+            if not files:
+                raise CheckpointError(
+                    f"no weights in {directory}: expected {SINGLE_NAME} or {INDEX_NAME} with its shards"
+                )
+            self.weight_map = {}
+            for f in files:
+                self._index_file(f)
+
+    def _open(self, path: Path):
+        handle = self._handles.get(path)
+        if handle is None:
+            try:
+                handle = safe_open(str(path), framework="pt")
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"cannot read safetensors file {path} (truncated or corrupt?): {e}") from e
+            self._handles[path] = handle
+        return handle
+
+    def _index_file(self, path: Path) -> None:
+        for name in self._open(path).keys():
+            self.weight_map[name] = path
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def names(self) -> list[str]:
+        return list(self.weight_map)
+
+    def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """Read one tensor (CPU). ``shape``: the shape config.json implies; a mismatch is an error."""
+        path = self.weight_map.get(name)
+        if path is None:
+            raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {self.directory}")
+        try:
+            t = self._open(path).get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"cannot read tensor {name!r} from {path} (truncated or corrupt?): {e}") from e
+        if shape is not None and tuple(t.shape) != tuple(shape):
+            raise CheckpointError(
+                f"tensor {name!r} in {path.name} has shape {tuple(t.shape)}, but config.json implies {tuple(shape)}"
+            )
+        return t
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def get_slice(reader: CheckpointReader, name: str, index: int, full_shape: tuple[int, ...]) -> torch.Tensor:
+    """Row ``index`` of a stacked tensor (e.g. one expert of a fused [E, ...] tensor) without reading the rest."""
+    path = reader.weight_map.get(name)
+    if path is None:
+        raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {reader.directory}")
+    try:
+        sl = reader._open(path).get_slice(name)
+        shape = tuple(sl.get_shape())
+        if shape != tuple(full_shape):
+            raise CheckpointError(
+                f"tensor {name!r} in {path.name} has shape {shape}, but config.json implies {tuple(full_shape)}"
+            )
+        return sl[index]
+    except SafetensorError as e:
+        raise CheckpointError(f"cannot read tensor {name!r} from {path} (truncated or corrupt?): {e}") from e

@@ -1,0 +1,51 @@
+"""A static key/value cache: allocated once per generate() call, written at explicit positions.
+
+Static shapes (the whole cache is attended to, with a mask) let torch.compile trace a decode step
+once and replay it for every token, as gpt-fast does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class StaticKVCache:
+    def __init__(
+        self, num_layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int,
+        dtype: torch.dtype, device: torch.device | str,
+    ) -> None:
+        shape = (num_layers, batch, kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # which cache positions hold a real (non-padding) token, per sequence
+        self.valid = torch.zeros((batch, max_len), dtype=torch.bool, device=device)
+        self.max_len = max_len
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, cache_position: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k/v [B, kv_heads, T, D] at cache_position [T]; return the whole layer cache."""
+        self.k[layer].index_copy_(2, cache_position, k)
+        self.v[layer].index_copy_(2, cache_position, v)
+        return self.k[layer], self.v[layer]
+
+    def mark_valid(self, cache_position: torch.Tensor, token_mask: torch.Tensor) -> None:
+        """token_mask bool [B, T]: which of the tokens written at cache_position [T] are real."""
+        self.valid.index_copy_(1, cache_position, token_mask)
+
+    def attention_mask(self, cache_position: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+        """Boolean mask [B, 1, T, max_len]: causal, padding-aware, sliding-window when configured.
+
+        A query may always see its own position, so rows of padding queries are never empty (no NaN).
+        """
+        keys = torch.arange(self.max_len, device=cache_position.device)
+        q = cache_position[:, None]  # [T, 1]
+        allowed = (keys[None, :] <= q)[None] & self.valid[:, None, :]  # [B, T, max_len]
+        if sliding_window is not None:
+            allowed = allowed & (q - keys[None, :] < sliding_window)[None]
+        allowed = allowed | (keys[None, :] == q)[None]
+        return allowed[:, None]

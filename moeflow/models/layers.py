@@ -1,0 +1,71 @@
+"""Building blocks of the decoder: RMSNorm, rotary embeddings, AWQ linear."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moeflow.quant.awq import dequantize
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., H]: normalise in fp32, then scale in the input dtype (as transformers does)."""
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids [B, T] -> (cos, sin) [B, T, head_dim], computed in fp32."""
+        freqs = position_ids.to(torch.float32)[..., None] * self.inv_freq.to(position_ids.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, T, D]; cos/sin [B, T, D]."""
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+
+
+class AWQLinear(nn.Module):
+    """A bias-free linear layer holding AWQ GEMM-layout 4-bit weights; computes ``x @ W``."""
+
+    def __init__(self, in_features: int, out_features: int, group_size: int, scales_dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        g = in_features // group_size
+        self.register_buffer("qweight", torch.zeros(in_features, out_features // 8, dtype=torch.int32))
+        self.register_buffer("qzeros", torch.zeros(g, out_features // 8, dtype=torch.int32))
+        self.register_buffer("scales", torch.zeros(g, out_features, dtype=scales_dtype))
+        self.kernels_backend = "torch"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> [..., out]: fp32 accumulation, output in the dtype of x."""
+        from moeflow import kernels
+
+        flat = x.reshape(-1, self.in_features)
+        awq_linear = getattr(kernels, "awq_linear", None)
+        if awq_linear is not None:
+            y = awq_linear(flat, self.qweight, self.qzeros, self.scales, self.group_size, backend=self.kernels_backend)
+        else:
+            w = dequantize(self.qweight, self.qzeros, self.scales.float(), self.group_size)
+            y = (flat.float() @ w).to(x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
