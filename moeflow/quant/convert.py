@@ -1,0 +1,147 @@
+"""``moeflow quantize``: convert an fp32/fp16/bf16 HF Mixtral checkpoint into an AWQ 4-bit checkpoint.
+
+Experts are quantized with round-to-nearest (zero point, per group of input features) and written with
+the classic per-expert names; the router, norms, embeddings, lm_head (and attention, unless asked)
+stay in 16 bits. Output goes to a temporary directory renamed at the end, so an interrupted run leaves
+nothing half-written.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from moeflow.errors import CheckpointError
+from moeflow.models.checkpoint import CheckpointReader, read_json, resolve_checkpoint
+from moeflow.quant.awq import check_group_size, quantize_rtn
+
+CLASSIC_EXPERT = re.compile(r"^(model\.layers\.\d+)\.(block_sparse_moe|mlp)\.experts\.(\d+)\.(w[123])\.weight$")
+FUSED_EXPERT = re.compile(r"^(model\.layers\.\d+)\.(block_sparse_moe|mlp)\.experts\.(gate_up_proj|down_proj)$")
+ATTENTION = re.compile(r"^(model\.layers\.\d+\.self_attn\.[qkvo]_proj)\.weight$")
+COPY_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+              "tokenizer.model")
+SHARD_BYTES = 4 * 2**30
+
+
+def _awq(prefix: str, weight: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
+    t = quantize_rtn(weight, group_size)
+    return {f"{prefix}.qweight": t.qweight, f"{prefix}.qzeros": t.qzeros, f"{prefix}.scales": t.scales}
+
+
+def converted_tensors(
+    reader: CheckpointReader, group_size: int, dtype: torch.dtype, quantize_attention: bool
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Yield the output tensors, a few at a time (one source tensor's worth)."""
+    for name in sorted(reader.names()):
+        m = CLASSIC_EXPERT.match(name)
+        if m:
+            layer, _, expert, w = m.groups()
+            yield _awq(f"{layer}.block_sparse_moe.experts.{expert}.{w}", reader.get(name), group_size)
+            continue
+        m = FUSED_EXPERT.match(name)
+        if m:
+            layer, _, kind = m.groups()
+            stacked = reader.get(name)
+            for e in range(stacked.shape[0]):
+                base = f"{layer}.block_sparse_moe.experts.{e}"
+                if kind == "gate_up_proj":
+                    w1, w3 = stacked[e].chunk(2, dim=0)
+                    yield {**_awq(f"{base}.w1", w1, group_size), **_awq(f"{base}.w3", w3, group_size)}
+                else:
+                    yield _awq(f"{base}.w2", stacked[e], group_size)
+            continue
+        m = ATTENTION.match(name)
+        if m and quantize_attention:
+            yield _awq(m.group(1), reader.get(name), group_size)
+            continue
+        tensor = reader.get(name)
+        out_name = name.replace(".mlp.gate.weight", ".block_sparse_moe.gate.weight")
+        yield {out_name: tensor.to(dtype) if tensor.is_floating_point() else tensor}
+
+
+def quantize_checkpoint(
+    src: str | Path,
+    dst: str | Path,
+    group_size: int = 128,
+    dtype: torch.dtype = torch.float16,
+    quantize_attention: bool = False,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Path:
+    """Write an AWQ 4-bit copy of the checkpoint ``src`` into ``dst``; returns ``dst``."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype={dtype}: the unquantized tensors are kept in float16 or bfloat16")
+    src_dir = resolve_checkpoint(src)
+    dst = Path(dst)
+    if dst.exists() and not overwrite:
+        raise FileExistsError(f"{dst} already exists (pass overwrite=True / --overwrite to replace it)")
+    config = read_json(src_dir / "config.json")
+    if config.get("quantization_config") or (src_dir / "quant_config.json").exists():
+        raise CheckpointError(f"{src_dir} is already quantized; moeflow quantize needs an unquantized checkpoint")
+    hidden, inter = config.get("hidden_size"), config.get("intermediate_size")
+    check_group_size(group_size, hidden, "hidden_size")
+    check_group_size(group_size, inter, "intermediate_size")
+    reader = CheckpointReader(src_dir)
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
+    try:
+        shards: list[dict[str, torch.Tensor]] = [{}]
+        size = 0
+        names = reader.names()
+        for chunk in tqdm(converted_tensors(reader, group_size, dtype, quantize_attention), total=len(names),
+                          desc="quantizing", unit="tensor", disable=not progress):
+            for name, t in chunk.items():
+                nbytes = t.numel() * t.element_size()
+                if size and size + nbytes > SHARD_BYTES:
+                    shards.append({})
+                    size = 0
+                shards[-1][name] = t.contiguous()
+                size += nbytes
+        _write_shards(tmp, shards)
+        config["quantization_config"] = {
+            "bits": 4,
+            "group_size": group_size,
+            "modules_to_not_convert": ["gate"],
+            "quant_method": "awq",
+            "version": "gemm",
+            "zero_point": True,
+        }
+        config["torch_dtype"] = config["dtype"] = str(dtype).removeprefix("torch.")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for f in COPY_FILES:
+            if (src_dir / f).is_file():
+                shutil.copy2(src_dir / f, tmp / f)
+        if dst.exists():
+            shutil.rmtree(dst)
+        tmp.rename(dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        reader.close()
+    return dst
+
+
+def _write_shards(directory: Path, shards: list[dict[str, torch.Tensor]]) -> None:
+    metadata = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], directory / "model.safetensors", metadata=metadata)
+        return
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, directory / fname, metadata=metadata)
+        for name, t in shard.items():
+            weight_map[name] = fname
+            total += t.numel() * t.element_size()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
