@@ -47,11 +47,9 @@ def routing_plan_reference(
     first_of_expert = torch.cumsum(counts, 0) - counts
     rank = torch.arange(num_pairs, device=device) - first_of_expert[sorted_experts]
     sorted_ids[starts[sorted_experts] + rank] = order.to(torch.int32)
-    block_start = starts // block_m
     n_expert_blocks = padded // block_m
     for_blocks = torch.repeat_interleave(torch.arange(num_experts, device=device), n_expert_blocks)
     expert_of_block[: for_blocks.numel()] = for_blocks.to(torch.int32)
-    del block_start
     num_padded = padded.sum().reshape(1).to(torch.int32)
     return sorted_ids, expert_of_block, num_padded
 
@@ -105,6 +103,97 @@ def expert_forward_reference(
             y = (a.float() @ w2) * flat_w[pairs, None]
         out[pairs] = y.to(out.dtype)
     return out
+
+
+def _expert_rows(
+    sorted_ids: torch.Tensor, expert_of_block: torch.Tensor, num_pairs: int, expert_mask: torch.Tensor | None
+) -> list[tuple[int, torch.Tensor]]:
+    """(expert, pair indices in plan order) for every expert of the plan that ``expert_mask`` selects."""
+    block_m = sorted_ids.numel() // max(1, expert_of_block.numel())
+    out = []
+    for e in torch.unique(expert_of_block[expert_of_block >= 0]).tolist():
+        if expert_mask is not None and not bool(expert_mask[e]):
+            continue
+        blocks = torch.nonzero(expert_of_block == e).squeeze(1).to(torch.int64)
+        pos = (blocks[:, None] * block_m + torch.arange(block_m, device=blocks.device)).reshape(-1)
+        pairs = sorted_ids[pos].to(torch.int64)
+        out.append((int(e), pairs[pairs < num_pairs]))
+    return out
+
+
+def _weight_of_slot(
+    weights: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None], slot: int, group_size: int
+) -> torch.Tensor:
+    """fp32 W [K, N] (``y = x @ W``) of one slot: AWQ (qweight, qzeros, scales) or dense (w [S, N, K], None, None)."""
+    qweight, qzeros, scales = weights
+    if qzeros is None:
+        return qweight[slot].float().T
+    return dequantize(qweight[slot], qzeros[slot], scales[slot].float(), group_size)
+
+
+def w13_stage_reference(
+    x: torch.Tensor,  # [T, H]
+    sorted_ids: torch.Tensor,  # int32 [n_blocks * block_m]
+    expert_of_block: torch.Tensor,  # int32 [n_blocks]
+    top_k: int,
+    weights: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],  # w13 pool views [S, ...]
+    slot_of_expert: torch.Tensor,  # int32 [E]
+    expert_mask: torch.Tensor | None,  # bool [E]
+    group_size: int,
+    h: torch.Tensor,  # [T*k, I] written in place for the selected pairs
+) -> torch.Tensor:
+    """Plan-driven w13 GEMM + ``silu(gate) * up`` (the stage the Triton w13 kernel computes)."""
+    inter = h.shape[1]
+    dense_same = weights[1] is None and weights[0].dtype == x.dtype
+    for e, pairs in _expert_rows(sorted_ids, expert_of_block, h.shape[0], expert_mask):
+        rows = x[pairs // top_k]
+        s = int(slot_of_expert[e])
+        if dense_same:
+            g = F.linear(rows, weights[0][s])
+            h[pairs] = (F.silu(g[:, :inter]) * g[:, inter:]).to(h.dtype)
+        else:
+            g = rows.float() @ _weight_of_slot(weights, s, group_size)
+            h[pairs] = (F.silu(g[:, :inter]) * g[:, inter:]).to(h.dtype)
+    return h
+
+
+def w2_stage_reference(
+    h: torch.Tensor,  # [P, I]
+    sorted_ids: torch.Tensor,  # int32 [n_blocks * block_m]
+    expert_of_block: torch.Tensor,  # int32 [n_blocks]
+    topk_weights: torch.Tensor | None,  # fp32 [P] or None (no routing weight)
+    weights: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],  # w2 pool views [S, ...]
+    slot_of_expert: torch.Tensor,  # int32 [E]
+    expert_mask: torch.Tensor | None,  # bool [E]
+    group_size: int,
+    out: torch.Tensor,  # [P, H] written in place for the selected pairs
+) -> torch.Tensor:
+    """Plan-driven w2 GEMM times the fp32 routing weight (the stage the Triton w2 kernel computes)."""
+    dense_same = weights[1] is None and weights[0].dtype == h.dtype
+    for e, pairs in _expert_rows(sorted_ids, expert_of_block, out.shape[0], expert_mask):
+        a = h[pairs]
+        s = int(slot_of_expert[e])
+        if dense_same:
+            y = F.linear(a, weights[0][s])
+            if topk_weights is not None:
+                y = y * topk_weights[pairs, None].to(h.dtype)
+        else:
+            y = a.float() @ _weight_of_slot(weights, s, group_size)
+            if topk_weights is not None:
+                y = y * topk_weights[pairs, None].float()
+        out[pairs] = y.to(out.dtype)
+    return out
+
+
+def awq_linear_reference(
+    x: torch.Tensor,  # [M, K]
+    qweight: torch.Tensor,  # int32 [K, N/8]
+    qzeros: torch.Tensor,  # int32 [K/g, N/8]
+    scales: torch.Tensor,  # [K/g, N]
+    group_size: int,
+) -> torch.Tensor:
+    """Dense W4A16 matmul ``x @ W`` with fp32 accumulation, stored in x's dtype: [M, K] -> [M, N]."""
+    return (x.float() @ dequantize(qweight, qzeros, scales.float(), group_size)).to(x.dtype)
 
 
 def combine_reference(y: torch.Tensor, top_k: int) -> torch.Tensor:

@@ -1,0 +1,378 @@
+"""Triton kernels of the expert compute, and their launchers.
+
+Kernels (each has a plain-torch reference in :mod:`moeflow.kernels.reference`):
+
+* ``_plan_kernel``: align-block-size routing plan (one program; counts, padded offsets, stable ranks).
+* ``_moe_gemm_kernel``: grouped W4A16 (or dense) GEMM over the plan. ``MODE 0`` = w13: gathers the rows
+  of ``x`` named by the plan, computes the gate and up tiles and stores ``silu(gate) * up``; ``MODE 1`` = w2
+  (and ``awq_linear``): rows of ``h`` by pair, optional fp32 routing weight in the epilogue. Two regimes:
+  ``BLOCK_M >= 16`` uses ``tl.dot`` tiles (prefill); ``BLOCK_M < 16`` is a GEMV-shaped broadcast-multiply and
+  reduce in fp32 (decode), optionally split over K (``SPLIT_K > 1``) into an fp32 workspace that
+  ``_splitk_reduce_kernel`` sums in a fixed order (deterministic, no atomics).
+* ``_combine_kernel``: one program per (token, column tile) sums the token's k rows in fp32, in k order.
+
+All row/slot offsets are computed in int64. Blocks whose expert is ``-1`` (past the padded count) or not in
+``expert_mask`` return at once, so a staged computation writes each selected row exactly as a single pass.
+
+Importing this module imports triton: on a CPU, ``TRITON_INTERPRET=1`` must be set before the import.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # kernels below were built for the CPU interpreter
+
+# ----------------------------------------------------------------------------------------------------------
+# routing plan
+
+
+@triton.jit
+def _plan_kernel(
+    ids_ptr,  # int32 [P] flattened top-k expert ids
+    sorted_ptr,  # int32 [n_blocks * BLOCK_M], pre-filled with the sentinel P
+    eob_ptr,  # int32 [n_blocks]
+    npad_ptr,  # int32 [1]
+    num_pairs,
+    num_experts,
+    num_blocks,
+    E_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    e_range = tl.arange(0, E_PAD)
+    counts = tl.zeros([E_PAD], dtype=tl.int32)
+    for p0 in range(0, num_pairs, BLOCK_P):
+        offs = p0 + tl.arange(0, BLOCK_P)
+        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1)
+        onehot = (ids[:, None] == e_range[None, :]).to(tl.int32)
+        counts += tl.sum(onehot, axis=0)
+    counts = tl.where(e_range < num_experts, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    tl.store(npad_ptr, tl.sum(padded, axis=0))
+    running = tl.zeros([E_PAD], dtype=tl.int32)
+    for p0 in range(0, num_pairs, BLOCK_P):
+        offs = p0 + tl.arange(0, BLOCK_P)
+        valid = offs < num_pairs
+        ids = tl.load(ids_ptr + offs, mask=valid, other=-1)
+        onehot = ((ids[:, None] == e_range[None, :]) & (e_range[None, :] < num_experts)).to(tl.int32)
+        incl = tl.cumsum(onehot, axis=0)
+        pos = tl.sum(onehot * (incl - 1 + running[None, :] + starts[None, :]), axis=1)
+        ok = valid & (ids >= 0) & (ids < num_experts)
+        tl.store(sorted_ptr + pos, offs, mask=ok)
+        running += tl.sum(onehot, axis=0)
+    blk_start = starts // BLOCK_M
+    blk_end = ends // BLOCK_M
+    for b0 in range(0, num_blocks, BLOCK_P):
+        b = b0 + tl.arange(0, BLOCK_P)
+        inside = (b[:, None] >= blk_start[None, :]) & (b[:, None] < blk_end[None, :])
+        e_of_b = tl.sum(tl.where(inside, e_range[None, :] + 1, 0), axis=1) - 1
+        tl.store(eob_ptr + b, e_of_b, mask=b < num_blocks)
+
+
+def plan_triton(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """topk_ids int [T, k] -> (sorted_ids int32 [nb*block_m], expert_of_block int32 [nb], num_padded int32 [1])."""
+    num_pairs = topk_ids.numel()
+    bound = num_pairs + num_experts * (block_m - 1)
+    n_blocks = triton.cdiv(bound, block_m)
+    dev = topk_ids.device
+    ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
+    sorted_ids = torch.full((n_blocks * block_m,), num_pairs, dtype=torch.int32, device=dev)
+    expert_of_block = torch.empty((n_blocks,), dtype=torch.int32, device=dev)
+    num_padded = torch.empty((1,), dtype=torch.int32, device=dev)
+    _plan_kernel[(1,)](
+        ids, sorted_ids, expert_of_block, num_padded, num_pairs, num_experts, n_blocks,
+        E_PAD=max(2, triton.next_power_of_2(num_experts)), BLOCK_M=block_m, BLOCK_P=256 if num_experts <= 64 else 64,
+    )
+    return sorted_ids, expert_of_block, num_padded
+
+
+# ----------------------------------------------------------------------------------------------------------
+# grouped GEMM
+
+
+@triton.jit
+def _load_w_tile(
+    b_ptr, z_ptr, s_ptr,  # expert base pointers (already offset to the slot)
+    stride_bk, stride_bn, stride_zk, stride_zn, stride_sk, stride_sn,
+    offs_k,  # int64 [BLOCK_K] absolute k
+    offs_n,  # int64 [BLOCK_N] absolute column of the weight matrix
+    k0, K, n_mask,
+    AWQ: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, CDTYPE: tl.constexpr,
+):
+    """Dequantized weight tile W[offs_k, offs_n] ([BLOCK_K, BLOCK_N], dtype CDTYPE), zero outside K / n_mask."""
+    mask = (offs_k[:, None] < K) & n_mask[None, :]
+    if AWQ:
+        col = offs_n // 8
+        shifts = (((offs_n % 8) // 2 + (offs_n % 2) * 4) * 4).to(tl.int32)
+        packed = tl.load(b_ptr + offs_k[:, None] * stride_bk + col[None, :] * stride_bn, mask=mask, other=0)
+        q = (packed >> shifts[None, :]) & 0xF
+        if BLOCK_K <= GROUP:
+            g = k0 // GROUP  # one group per tile; offsets inside one expert stay small
+            zp = tl.load(z_ptr + g * stride_zk + col * stride_zn, mask=n_mask, other=0)
+            z = (zp >> shifts) & 0xF
+            s = tl.load(s_ptr + g * stride_sk + offs_n * stride_sn, mask=n_mask, other=0.0)
+            w = (q - z[None, :]).to(CDTYPE) * s.to(CDTYPE)[None, :]
+        else:
+            g = offs_k // GROUP
+            zp = tl.load(z_ptr + g[:, None] * stride_zk + col[None, :] * stride_zn, mask=mask, other=0)
+            z = (zp >> shifts[None, :]) & 0xF
+            s = tl.load(s_ptr + g[:, None] * stride_sk + offs_n[None, :] * stride_sn, mask=mask, other=0.0)
+            w = (q - z).to(CDTYPE) * s.to(CDTYPE)
+        w = tl.where(mask, w, 0.0)
+    else:
+        w = tl.load(b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn, mask=mask, other=0.0)
+        w = w.to(CDTYPE)
+    return w
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr, stride_am, stride_ak,  # MODE 0: x [T, K] (row = pair // TOPK); MODE 1: h [P, K] (row = pair)
+    b_ptr, stride_bs, stride_bk, stride_bn,  # AWQ qweight [S, K, N/8] / dense, strides in (slot, k, n) sense
+    z_ptr, stride_zs, stride_zk, stride_zn,  # AWQ qzeros [S, K/g, N/8]
+    s_ptr, stride_ss, stride_sk, stride_sn,  # AWQ scales [S, K/g, N]
+    c_ptr, stride_cm, stride_cn,  # output [P, N] indexed by pair
+    ws_ptr, stride_wsp, stride_wsm,  # fp32 split-K workspace [SPLIT_K, n_blocks*BLOCK_M, N_WS] (plan position)
+    sorted_ptr, eob_ptr, slot_ptr, mask_ptr, weight_ptr,
+    num_pairs, N, K, N_UP,  # N output columns; MODE 0: up columns start at N_UP in the weight
+    num_blocks,
+    TOPK: tl.constexpr, GROUP: tl.constexpr, AWQ: tl.constexpr, MODE: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_WEIGHT: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    CDTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    # grouped ordering: GROUP_M consecutive plan blocks share the weight tiles of one column strip
+    num_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_in_group
+    first_m = group_id * GROUP_M
+    group_rows = min(num_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % num_in_group) % group_rows
+    pid_n = (pid % num_in_group) // group_rows
+
+    expert = tl.load(eob_ptr + pid_m)
+    if expert < 0:
+        return
+    if HAS_MASK:
+        if tl.load(mask_ptr + expert) == 0:
+            return
+    slot = tl.load(slot_ptr + expert).to(tl.int64)
+
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + offs_m).to(tl.int64)
+    row_ok = pair < num_pairs
+    if MODE == 0:
+        row = pair // TOPK
+    else:
+        row = pair
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+
+    b_base = b_ptr + slot * stride_bs
+    z_base = z_ptr + slot * stride_zs
+    s_base = s_ptr + slot * stride_ss
+
+    k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_begin = pid_k * k_per_split
+    k_end = min(k_begin + k_per_split, K)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if MODE == 0:
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
+        a = tl.load(
+            a_ptr + row[:, None] * stride_am + offs_k[None, :] * stride_ak,
+            mask=row_ok[:, None] & (offs_k[None, :] < K), other=0.0,
+        )
+        if BLOCK_M >= 16:
+            a = a.to(CDTYPE)
+            w = _load_w_tile(b_base, z_base, s_base, stride_bk, stride_bn, stride_zk, stride_zn, stride_sk, stride_sn,
+                             offs_k, offs_n, k0, K, n_mask, AWQ, GROUP, BLOCK_K, CDTYPE)
+            acc = tl.dot(a, w, acc=acc, input_precision=DOT_PREC)
+            if MODE == 0:
+                w = _load_w_tile(b_base, z_base, s_base, stride_bk, stride_bn, stride_zk, stride_zn, stride_sk,
+                                 stride_sn, offs_k, offs_n + N_UP, k0, K, n_mask, AWQ, GROUP, BLOCK_K, CDTYPE)
+                acc_up = tl.dot(a, w, acc=acc_up, input_precision=DOT_PREC)
+        else:
+            # decode: GEMV-shaped, everything in fp32 (memory-bound; no 16-row tensor-core tile wasted)
+            a = a.to(tl.float32)
+            w = _load_w_tile(b_base, z_base, s_base, stride_bk, stride_bn, stride_zk, stride_zn, stride_sk, stride_sn,
+                             offs_k, offs_n, k0, K, n_mask, AWQ, GROUP, BLOCK_K, tl.float32)
+            acc += tl.sum(a[:, :, None] * w[None, :, :], axis=1)
+            if MODE == 0:
+                w = _load_w_tile(b_base, z_base, s_base, stride_bk, stride_bn, stride_zk, stride_zn, stride_sk,
+                                 stride_sn, offs_k, offs_n + N_UP, k0, K, n_mask, AWQ, GROUP, BLOCK_K, tl.float32)
+                acc_up += tl.sum(a[:, :, None] * w[None, :, :], axis=1)
+
+    out_mask = row_ok[:, None] & n_mask[None, :]
+    if SPLIT_K > 1:
+        ws = ws_ptr + pid_k.to(tl.int64) * stride_wsp + offs_m[:, None] * stride_wsm + offs_n[None, :]
+        tl.store(ws, acc, mask=out_mask)
+        if MODE == 0:
+            tl.store(ws + N, acc_up, mask=out_mask)
+    else:
+        if MODE == 0:
+            res = acc / (1.0 + tl.exp(-acc)) * acc_up
+        else:
+            res = acc
+            if HAS_WEIGHT:
+                wt = tl.load(weight_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
+                res = res * wt[:, None]
+        c = c_ptr + pair[:, None] * stride_cm + offs_n[None, :] * stride_cn
+        tl.store(c, res.to(c_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _splitk_reduce_kernel(
+    ws_ptr, stride_wsp, stride_wsm,  # fp32 [SPLIT_K, n_blocks*BLOCK_M, N_WS]
+    c_ptr, stride_cm, stride_cn,  # [P, N]
+    sorted_ptr, eob_ptr, mask_ptr, weight_ptr,
+    num_pairs, N,
+    MODE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_WEIGHT: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(eob_ptr + pid_m)
+    if expert < 0:
+        return
+    if HAS_MASK:
+        if tl.load(mask_ptr + expert) == 0:
+            return
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + offs_m).to(tl.int64)
+    row_ok = pair < num_pairs
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = row_ok[:, None] & (offs_n[None, :] < N)
+    base = ws_ptr + offs_m[:, None] * stride_wsm + offs_n[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(base + s * stride_wsp, mask=mask, other=0.0)
+        if MODE == 0:
+            acc_up += tl.load(base + s * stride_wsp + N, mask=mask, other=0.0)
+    if MODE == 0:
+        res = acc / (1.0 + tl.exp(-acc)) * acc_up
+    else:
+        res = acc
+        if HAS_WEIGHT:
+            wt = tl.load(weight_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
+            res = res * wt[:, None]
+    tl.store(c_ptr + pair[:, None] * stride_cm + offs_n[None, :] * stride_cn, res.to(c_ptr.dtype.element_ty),
+             mask=mask)
+
+
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+def grouped_gemm_triton(
+    mode: int,
+    a: torch.Tensor,  # MODE 0: x [T, K]; MODE 1: h [P, K]
+    weights: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],  # (qweight, qzeros, scales) | (w,)
+    out: torch.Tensor,  # [P, N]
+    sorted_ids: torch.Tensor,  # int32 [n_blocks * block_m]
+    expert_of_block: torch.Tensor,  # int32 [n_blocks]
+    slot_of_expert: torch.Tensor,  # int32 [E]
+    expert_mask: torch.Tensor | None,  # bool [E]
+    topk_weights: torch.Tensor | None,  # fp32 [P]
+    num_pairs: int,
+    top_k: int,
+    n_out: int,
+    group_size: int,
+    cfg: dict,
+) -> torch.Tensor:
+    """Launch the grouped GEMM (and the split-K reduce). Writes the selected rows of ``out`` in place."""
+    qweight, qzeros, scales = weights
+    awq = qzeros is not None
+    K = a.shape[1]
+    block_m = cfg["BLOCK_M"]
+    n_blocks = expert_of_block.shape[0]
+    if awq:
+        strides_b = (qweight.stride(0), qweight.stride(1), qweight.stride(2))
+        z, s = qzeros, scales
+        strides_z = (qzeros.stride(0), qzeros.stride(1), qzeros.stride(2))
+        strides_s = (scales.stride(0), scales.stride(1), scales.stride(2))
+    else:  # nn.Linear layout [S, N_w, K]: W[k, n] = w[n, k]
+        strides_b = (qweight.stride(0), qweight.stride(2), qweight.stride(1))
+        z = s = qweight
+        strides_z = strides_s = (0, 0, 0)
+    split_k = max(1, int(cfg.get("SPLIT_K", 1))) if block_m < 16 else 1
+    n_ws = 2 * n_out if mode == 0 else n_out
+    if split_k > 1:
+        ws = torch.empty((split_k, n_blocks * block_m, n_ws), dtype=torch.float32, device=a.device)
+        ws_strides = (ws.stride(0), ws.stride(1))
+    else:
+        ws, ws_strides = out, (0, 0)
+    mask_arg = expert_mask if expert_mask is not None else slot_of_expert
+    weight_arg = topk_weights if topk_weights is not None else slot_of_expert
+    cdtype = _TL_DTYPES[a.dtype]
+    grid = (n_blocks * triton.cdiv(n_out, cfg["BLOCK_N"]), split_k)
+    _moe_gemm_kernel[grid](
+        a, a.stride(0), a.stride(1),
+        qweight, *strides_b,
+        z, *strides_z,
+        s, *strides_s,
+        out, out.stride(0), out.stride(1),
+        ws, *ws_strides,
+        sorted_ids, expert_of_block, slot_of_expert, mask_arg, weight_arg,
+        num_pairs, n_out, K, n_out, n_blocks,
+        TOPK=top_k, GROUP=group_size if awq else 1, AWQ=awq, MODE=mode,
+        HAS_MASK=expert_mask is not None, HAS_WEIGHT=topk_weights is not None, SPLIT_K=split_k,
+        BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg.get("GROUP_M", 8),
+        CDTYPE=cdtype, DOT_PREC="ieee" if a.dtype == torch.float32 else "tf32",
+        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2),
+    )
+    if split_k > 1:
+        bn = min(128, triton.next_power_of_2(n_out))
+        _splitk_reduce_kernel[(n_blocks, triton.cdiv(n_out, bn))](
+            ws, *ws_strides, out, out.stride(0), out.stride(1),
+            sorted_ids, expert_of_block, mask_arg, weight_arg, num_pairs, n_out,
+            MODE=mode, HAS_MASK=expert_mask is not None, HAS_WEIGHT=topk_weights is not None, SPLIT_K=split_k,
+            BLOCK_M=block_m, BLOCK_N=bn,
+        )
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# combine
+
+
+@triton.jit
+def _combine_kernel(
+    y_ptr, stride_ym, stride_yn,  # [T*k, H]
+    o_ptr, stride_om, stride_on,  # [T, H]
+    H, TOPK: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = offs < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        acc += tl.load(y_ptr + (t * TOPK + j) * stride_ym + offs * stride_yn, mask=mask, other=0.0).to(tl.float32)
+    tl.store(o_ptr + t * stride_om + offs * stride_on, acc.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+def combine_triton(y: torch.Tensor, top_k: int) -> torch.Tensor:
+    """y [T*k, H] -> [T, H], fp32 sum of each token's k rows in k order (deterministic, no atomics)."""
+    T = y.shape[0] // top_k
+    H = y.shape[1]
+    out = torch.empty((T, H), dtype=y.dtype, device=y.device)
+    if T == 0 or H == 0:
+        return out
+    block_h = min(1024, triton.next_power_of_2(H))
+    _combine_kernel[(T, triton.cdiv(H, block_h))](
+        y, y.stride(0), y.stride(1), out, out.stride(0), out.stride(1), H, TOPK=top_k, BLOCK_H=block_h,
+    )
+    return out
