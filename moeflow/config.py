@@ -20,6 +20,13 @@ class OffloadConfig:
     transport: "auto" (CUDA streams on a GPU, synchronous on the CPU), "sync", or "random-delay"
         (a test transport that completes copies late and out of order).
     pin_memory: pin the host store (falls back to pageable memory with a warning when pinning fails).
+    seed: seed of the random-delay test transport.
+    copy_chunks: chunks per expert copy (ProMoE: one per matrix); a needed expert waits at most one chunk.
+    prefill_ring_slots: slots a layer streams its missing experts through when they do not all fit; with
+        the largest top-k this is the smallest slot count accepted.
+    max_inflight_chunks: chunks handed to the transport before the copy engine waits; small keeps the
+        queue preemptible, 2 keeps the copy engine busy across the worker's wake-up.
+    random_delay_ms: upper bound of the random completion delay of the "random-delay" transport.
     """
 
     gpu_expert_slots: int | None = None
@@ -29,6 +36,10 @@ class OffloadConfig:
     transport: str = "auto"
     pin_memory: bool = True
     seed: int = 0
+    copy_chunks: int = 3
+    prefill_ring_slots: int = 2
+    max_inflight_chunks: int = 2
+    random_delay_ms: float = 2.0
 
     def __post_init__(self) -> None:
         if self.gpu_expert_slots is not None and self.gpu_expert_slots < 1:
@@ -41,6 +52,12 @@ class OffloadConfig:
             raise ValueError(
                 f"OffloadConfig.transport={self.transport!r}: expected 'auto', 'sync' or 'random-delay'"
             )
+
+        for name in ("copy_chunks", "prefill_ring_slots", "max_inflight_chunks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"OffloadConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.random_delay_ms < 0:
+            raise ValueError(f"OffloadConfig.random_delay_ms must be >= 0, got {self.random_delay_ms}")
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -10,6 +10,7 @@ PHASES = ("prefill", "decode")
 @dataclass
 class PhaseStats:
     hits: int = 0  # needed experts already resident (or landed from a prefetch) at the gate
+    inflight_hits: int = 0  # hits whose prefetch was still in flight at the gate (compute may have waited)
     misses: int = 0  # needed experts that had to be loaded after the gate
     prefetches: int = 0  # experts copied ahead of their gate
     useful_prefetches: int = 0  # prefetched experts that were used before being evicted
@@ -36,6 +37,9 @@ class Stats:
     ttft_s: float | None = None  # time to first token of the last generate() call
     tpot_s: float | None = None  # mean time per output token after the first
     peak_gpu_bytes: int = 0
+    expert_pool_bytes: int = 0  # device expert slot pool (set by the offloading backend)
+    host_store_bytes: int = 0  # host copy of every expert
+    host_pinned: bool = False  # whether the host store is page-locked (else copies are synchronous, slower)
 
     def current(self) -> PhaseStats:
         return getattr(self, self.phase)
@@ -46,6 +50,7 @@ class Stats:
         self.phase = phase
 
     def reset(self) -> None:
+        """Clear the counters and timings (the memory layout fields describe the backend and stay)."""
         self.prefill, self.decode = PhaseStats(), PhaseStats()
         self.phase, self.ttft_s, self.tpot_s, self.peak_gpu_bytes = "prefill", None, None, 0
 
@@ -71,4 +76,5 @@ class Stats:
             f"TTFT {ttft} | decode {tps} | expert hit rate {self.hit_rate:.1%} "
             f"(prefill {self.prefill.hit_rate:.1%}, decode {self.decode.hit_rate:.1%}) | "
             f"{moved:.1f} MiB host->device | stall {stall:.1f} ms"
+            + (f" | peak GPU {self.peak_gpu_bytes / 2**30:.2f} GiB" if self.peak_gpu_bytes else "")
         )

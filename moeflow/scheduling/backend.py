@@ -1,0 +1,309 @@
+"""The offloading expert backend: host store + slot cache + copy engine behind ``ExpertBackend``.
+
+One MoE layer (``forward``), in order:
+
+1. one device->host transfer: the experts this layer needs (plus the predictor's proposals);
+2. early preemption: this layer's stale predicted loads are dropped, the needed ones promoted;
+3. acquire: resident experts are pinned (hits); missing ones get a slot and a high-priority load,
+   as many as the pool allows at once, the rest wait for a slot of the ring (prefill);
+4. prefetch: the predictor's guesses for later layers are queued at low priority (only when this
+   layer holds no deferred experts: the ring needs every free slot);
+5. reordered inference: the resident experts are computed first, in one kernel call; then the loads
+   in arrival order, each call also taking whatever else has landed; each computed group releases its
+   slots, which go to the deferred experts. ``out [T*k, H]`` is filled group by group and combined once,
+   so the result is bitwise the one of a single resident pass.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections import deque
+
+import torch
+
+from moeflow import kernels
+from moeflow.kernels.pool import ExpertFormat, ExpertPool
+from moeflow.scheduling.cache import ExpertCache, Slot, SlotState
+from moeflow.scheduling.copy_engine import CopyEngine, LoadTask
+from moeflow.scheduling.eviction import EvictionPolicy
+from moeflow.scheduling.host_store import HostStore
+from moeflow.scheduling.predictor import Predictor
+from moeflow.scheduling.stats import PhaseStats, Stats
+from moeflow.scheduling.transport import CudaTransport, Transport
+
+
+class OffloadedExperts:
+    """``ExpertBackend`` whose experts live in a :class:`HostStore` and stream into ``n_slots`` device slots."""
+
+    def __init__(
+        self,
+        fmt: ExpertFormat,
+        *,
+        num_layers: int,
+        num_experts: int,
+        top_k: int,
+        n_slots: int,
+        device: torch.device | str,
+        transport: Transport,
+        eviction: EvictionPolicy,
+        stats: Stats,
+        retain: bool = True,
+        predictor: Predictor | None = None,
+        warm_start: bool = True,
+        kernels_backend: str = "torch",
+        pin_memory: bool = True,
+        copy_chunks: int = 3,
+        max_inflight_chunks: int = 2,
+        policy_name: str = "",
+    ) -> None:
+        self.fmt = fmt
+        self.num_layers = num_layers
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.device = torch.device(device)
+        self.kernels_backend = kernels_backend
+        self.policy_name = policy_name
+        self.stats = stats
+        self.predictor = predictor
+        self.warm_start = warm_start
+        self.transport = transport
+        self.host = HostStore(fmt, num_layers, num_experts, pin=pin_memory, device=self.device)
+        self.pool = ExpertPool.allocate(fmt, n_slots, self.device)
+        self.cache = ExpertCache(n_slots, eviction, retain=retain, stats=stats.current)
+        self.engine = CopyEngine(
+            transport, self.host, self.pool, chunks=copy_chunks, max_inflight=max_inflight_chunks
+        )
+        self._phase = stats.phase
+        stats.expert_pool_bytes = self.pool.buffer.numel()
+        stats.host_store_bytes = self.host.nbytes
+        stats.host_pinned = self.host.pinned
+        # threads and page registrations go away with the backend, even without close()
+        self._finalizer = weakref.finalize(self, _shutdown, self.engine, self.transport, self.host)
+
+    @property
+    def n_slots(self) -> int:
+        return self.pool.n_slots
+
+    # ------------------------------------------------------------------ loading
+    def load_expert(self, layer: int, expert: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Write one expert straight into its host region (no other full copy of the model in RAM)."""
+        self.host.write(layer, expert, tensors)
+
+    def finish_loading(self) -> None:
+        """Check every expert arrived; optionally fill the pool (layer order) so the first token starts warm."""
+        missing = self.host.missing()
+        if missing:
+            raise RuntimeError(f"expert host store incomplete: {len(missing)} experts never loaded, e.g. {missing[:4]}")
+        if not self.warm_start:
+            return
+        for i in range(self.n_slots):
+            key = divmod(i, self.num_experts)
+            if key[0] >= self.num_layers:
+                break
+            slot = self.cache.allocate(key, layer_now=0)
+            task = self.engine.submit(key[0], key[1], slot.index, high=True)
+            self.cache.start_load(slot, task, prefetched=False)
+        self.engine.pump()
+        for slot in self.cache.slots:
+            if slot.task is not None:
+                self.engine.wait_issued(slot.task)
+                for h in slot.task.handles:
+                    h.synchronize()
+                self.cache.mark_ready(slot)
+
+    # ------------------------------------------------------------------ one layer
+    def forward(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        probs: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        """x [T, H], probs fp32 [T, E], topk_ids int32 [T, k], topk_weights fp32 [T, k] -> [T, H]."""
+        if self.stats.phase != self._phase:
+            self._phase = self.stats.phase
+            self.cache.policy.on_phase(self._phase)
+        st = self.stats.current()
+        E, k = self.num_experts, topk_ids.shape[1]
+
+        # 1. the layer's only device->host sync: its routing, and the predictor's proposals with it
+        proposals = self.predictor.propose(layer, x) if self.predictor is not None else []
+        counts = torch.bincount(topk_ids.reshape(-1).to(torch.int64), minlength=E)
+        host = torch.cat([counts, *(ids.reshape(-1).to(torch.int64) for _, ids in proposals)]).tolist()
+        needed = [e for e in range(E) if host[e]]
+        guesses, at = [], E
+        for target, ids in proposals:
+            guesses.append((target, host[at : at + ids.numel()]))
+            at += ids.numel()
+        if self.predictor is not None:
+            self.predictor.observe(layer, x, probs, topk_ids)
+
+        # 2. early preemption
+        self.cache.poll()
+        _, dropped = self.engine.preempt(layer, set(needed))
+        for task in dropped:
+            self.cache.drop(self.cache.lookup(task.key), task.fences())
+
+        # 3. acquire
+        ready: list[int] = []
+        waiting: list[LoadTask] = []
+        deferred: deque[int] = deque()
+        for e in needed:
+            key = (layer, e)
+            self.cache.policy.access(key)
+            slot = self.cache.lookup(key)
+            if slot is None:
+                st.misses += 1
+                deferred.append(e)
+                continue
+            st.hits += 1
+            self.cache.use(slot)
+            if slot.state is SlotState.READY:
+                ready.append(e)
+            else:
+                st.inflight_hits += 1
+                self.engine.promote(slot.task)
+                waiting.append(slot.task)
+        # arrival order: loads already in the transport first, then the high queue's order
+        waiting.sort(key=lambda t: (not t.issued, t.order))
+        self._load_deferred(layer, deferred, waiting, st)
+
+        # 4. prefetch for later layers
+        if not deferred:
+            for target, ids in guesses:
+                self._prefetch(target, ids, layer, st)
+        self._pump(st)
+
+        # 5. reordered inference
+        out = torch.empty((topk_ids.numel(), x.shape[-1]), dtype=x.dtype, device=x.device)
+        if ready:
+            self._compute(layer, x, topk_ids, topk_weights, out, ready)
+        while waiting:
+            group = [waiting.pop(0)]
+            group += [t for t in waiting if t.complete()]
+            waiting = [t for t in waiting if t not in group]
+            for task in group:
+                self._wait(task, st)
+            self._compute(layer, x, topk_ids, topk_weights, out, [t.expert for t in group])
+            self._load_deferred(layer, deferred, waiting, st)
+            self._pump(st)
+        if deferred:  # cannot happen with n_slots >= 1: every computed group frees its slots
+            raise RuntimeError(f"layer {layer}: experts {list(deferred)} never got a slot")
+        if isinstance(self.transport, CudaTransport):
+            st.stall_s += self.transport.collect_stall_s()
+        return kernels.combine(out, k, self.kernels_backend)
+
+    # ------------------------------------------------------------------ helpers
+    def _load_deferred(self, layer: int, deferred: deque[int], waiting: list[LoadTask], st: PhaseStats) -> None:
+        """Give the deferred experts of ``layer`` slots, while slots can be had, and queue their loads (high)."""
+        while deferred:
+            key = (layer, deferred[0])
+            slot = self.cache.allocate(key, layer)
+            if slot is None:
+                slot = self._reclaim_prefetch_slot(layer, key)
+            if slot is None:
+                return
+            deferred.popleft()
+            task = self.engine.submit(
+                layer, key[1], slot.index, high=True, after=self.cache.take_fences(slot), stats=st
+            )
+            self.cache.start_load(slot, task, prefetched=False)
+            self.cache.use(slot)
+            waiting.append(task)
+
+    def _reclaim_prefetch_slot(self, layer: int, key: tuple[int, int]) -> Slot | None:
+        """No free slot: cancel the prefetch for the farthest layer ahead and take its slot."""
+        loading = self.cache.loading_unused()
+        if not loading:
+            return None
+        victim = max(loading, key=lambda s: ((s.key[0] - layer) % self.num_layers, s.index))
+        if victim.task.complete():
+            self.cache.mark_ready(victim)
+        else:
+            self.cache.drop(victim, self.engine.cancel(victim.task))
+        return self.cache.allocate(key, layer)
+
+    def _prefetch(self, target: int, experts: list[int], layer: int, st: PhaseStats) -> None:
+        for e in experts:
+            key = (target, e)
+            if self.cache.lookup(key) is not None:
+                continue
+            slot = self.cache.allocate(key, layer)
+            if slot is None:
+                return  # best effort: never cancel other loads for a guess
+            task = self.engine.submit(
+                target, e, slot.index, high=False, after=self.cache.take_fences(slot), stats=st
+            )
+            self.cache.start_load(slot, task, prefetched=True)
+            st.prefetches += 1
+
+    def _pump(self, st: PhaseStats) -> None:
+        """Synchronous transport: the copies happen here, on the critical path (counted as stall)."""
+        if self.engine.threaded:
+            return
+        t0 = time.perf_counter()
+        self.engine.pump()
+        st.stall_s += time.perf_counter() - t0
+
+    def _wait(self, task: LoadTask, st: PhaseStats) -> None:
+        """Compute from now on sees ``task``'s bytes (host wait for issue, device-side wait for the copy)."""
+        t0 = time.perf_counter()
+        self.engine.wait_issued(task)
+        self.transport.wait_compute(task.handles)
+        st.stall_s += time.perf_counter() - t0
+        self.cache.mark_ready(self.cache.lookup(task.key))
+
+    def _compute(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        out: torch.Tensor,
+        experts: list[int],
+    ) -> None:
+        """Fill ``out`` rows of ``experts`` from their slots, then release the slots behind a compute fence."""
+        slots = [self.cache.lookup((layer, e)) for e in experts]
+        E = self.num_experts
+        packed = [0] * (2 * E)  # slot table, then the mask: one small host->device copy per call
+        for e, slot in zip(experts, slots, strict=True):
+            packed[e], packed[E + e] = slot.index, 1
+        packed_t = torch.tensor(packed, dtype=torch.int32)
+        if self.device.type == "cuda":
+            # from pinned memory: a pageable source would make the copy wait for the compute stream
+            packed_t = packed_t.pin_memory().to(self.device, non_blocking=True)
+        slot_of_expert, expert_mask = packed_t[:E], packed_t[E:].bool()
+        # value checks cost a device sync per call: keep them on the CPU (tests), skip on the GPU hot path
+        kernels.expert_forward(
+            x, topk_ids, topk_weights, self.pool, slot_of_expert, out, expert_mask, self.kernels_backend,
+            validate=False if self.device.type == "cuda" else None,
+        )
+        fence = self.transport.compute_fence()
+        for slot in slots:
+            self.cache.release(slot, fence)
+
+    # ------------------------------------------------------------------ lifetime
+    def synchronize(self) -> None:
+        """Wait for every queued and in-flight copy (tests, benchmarks)."""
+        for task in self.engine.pending():
+            self.engine.wait_issued(task)
+        self.transport.synchronize()
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def __repr__(self) -> str:
+        return (
+            f"OffloadedExperts(policy={self.policy_name!r}, slots={self.n_slots}/"
+            f"{self.num_layers * self.num_experts}, transport={self.transport.name!r}, "
+            f"eviction={self.cache.policy.name!r}, pinned={self.host.pinned})"
+        )
+
+
+def _shutdown(engine: CopyEngine, transport: Transport, host: HostStore) -> None:
+    engine.close()
+    transport.synchronize()
+    transport.close()
+    host.close()

@@ -1,0 +1,274 @@
+"""The copy engine: a two-priority queue of chunked expert loads, drained into a :class:`Transport`.
+
+ProMoE §5, with one worker:
+
+* **two priorities**: high = needed by the layer being computed (known at its gate), low = predicted.
+  The worker always takes the next chunk of the oldest high task before any low chunk.
+* **chunked**: an expert load is split into ``chunks`` byte ranges of its region (ProMoE: one per
+  matrix). Only ``max_inflight`` chunks sit in the transport at once, so a high task that arrives
+  waits for at most that many chunks, not for whole experts already queued on the stream.
+* **early preemption**: :meth:`CopyEngine.preempt` is called with a layer's gate result; that layer's
+  low tasks for experts it does not need are dropped (their unissued chunks never move), the ones it
+  does need are promoted to the high queue.
+
+With an asynchronous transport (CUDA stream, random-delay test transport) a daemon worker thread
+issues chunks as soon as they are queued. With the synchronous transport there is no thread: chunks
+are issued by :meth:`CopyEngine.pump` at the points the caller chooses, so CPU runs are deterministic.
+Either way the same queue code decides what moves next.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from moeflow.kernels.pool import ALIGN, ExpertPool
+from moeflow.scheduling.host_store import HostStore
+from moeflow.scheduling.stats import PhaseStats
+from moeflow.scheduling.transport import Handle, Transport
+
+
+def chunk_ranges(nbytes: int, chunks: int, align: int = ALIGN) -> list[tuple[int, int]]:
+    """Split ``[0, nbytes)`` into at most ``chunks`` aligned, contiguous, non-empty byte ranges."""
+    step = max(align, -(-nbytes // chunks // align) * align)
+    return [(a, min(a + step, nbytes)) for a in range(0, nbytes, step)]
+
+
+@dataclass(eq=False)
+class LoadTask:
+    """Copy of one expert's host region into one device slot, in chunks."""
+
+    layer: int
+    expert: int
+    slot: int
+    high: bool
+    chunks: list[tuple[int, int]]
+    after: tuple[Handle, ...] = ()  # writes into / reads of the slot that must finish first
+    stats: PhaseStats | None = None  # where the moved bytes are counted (the phase at submit time)
+    priority: float = 0.0  # low queue order: larger first (predictor score hook)
+    order: int = 0  # position in the queue it last entered (arrival order for reordered inference)
+    next_chunk: int = 0
+    handles: list[Handle] = field(default_factory=list)
+    cancelled: bool = False
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.layer, self.expert)
+
+    @property
+    def issued(self) -> bool:
+        """Every chunk handed to the transport."""
+        return self.next_chunk == len(self.chunks)
+
+    def complete(self) -> bool:
+        """Every chunk issued and landed."""
+        return self.issued and not self.cancelled and all(h.query() for h in self.handles)
+
+    def fences(self) -> list[Handle]:
+        """What a later write into the same slot must wait for (this task's copies, and what they waited for)."""
+        return [h for h in (*self.after, *self.handles) if not h.query()]
+
+
+class CopyEngine:
+    """Two-priority chunk queue in front of a transport; see the module docstring."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        host: HostStore,
+        pool: ExpertPool,
+        *,
+        chunks: int = 3,
+        max_inflight: int = 2,
+        threaded: bool | None = None,
+    ) -> None:
+        if host.fmt.nbytes != pool.fmt.nbytes:
+            raise ValueError("host store and slot pool use different expert formats")
+        self.transport = transport
+        self.host = host
+        self.pool = pool
+        self.chunks = chunk_ranges(pool.fmt.nbytes, chunks)
+        self.max_inflight = max_inflight
+        self.threaded = transport.asynchronous if threaded is None else threaded
+        self._high: deque[LoadTask] = deque()
+        self._low: list[LoadTask] = []  # sorted: priority descending, then order
+        self._cond = threading.Condition()
+        self._order = 0
+        self._inflight: deque[Handle] = deque()  # touched only by whoever issues (worker or pump)
+        self._closed = False
+        self._error: BaseException | None = None
+        self.cancelled_chunks = 0  # chunks that never moved because their task was dropped
+        self._thread: threading.Thread | None = None
+        if self.threaded:
+            self._thread = threading.Thread(target=self._worker, name="moeflow-copy-engine", daemon=True)
+            self._thread.start()
+
+    # ----------------------------------------------------------------- queue operations (caller thread)
+    def submit(
+        self,
+        layer: int,
+        expert: int,
+        slot: int,
+        *,
+        high: bool,
+        after: Sequence[Handle] = (),
+        stats: PhaseStats | None = None,
+        priority: float = 0.0,
+    ) -> LoadTask:
+        """Queue the load of expert (layer, expert) into ``slot``."""
+        task = LoadTask(layer, expert, slot, high, list(self.chunks), tuple(after), stats, priority)
+        with self._cond:
+            self._raise_if_failed()
+            self._enqueue(task)
+            self._cond.notify_all()
+        return task
+
+    def _enqueue(self, task: LoadTask) -> None:
+        self._order += 1
+        task.order = self._order
+        if task.high:
+            self._high.append(task)
+            return
+        i = len(self._low)
+        while i > 0 and self._low[i - 1].priority < task.priority:
+            i -= 1
+        self._low.insert(i, task)
+
+    def promote(self, task: LoadTask) -> None:
+        """A predicted expert turned out to be needed now: its remaining chunks jump the queue."""
+        with self._cond:
+            if task.high or task.cancelled:
+                return
+            task.high = True
+            if task in self._low:
+                self._low.remove(task)
+                self._enqueue(task)
+            self._cond.notify_all()
+
+    def cancel(self, task: LoadTask) -> list[Handle]:
+        """Drop the task's unissued chunks; returns what a later write into its slot must wait for."""
+        with self._cond:
+            if not task.cancelled:
+                task.cancelled = True
+                self.cancelled_chunks += len(task.chunks) - task.next_chunk
+                if task in self._low:
+                    self._low.remove(task)
+                elif task in self._high:
+                    self._high.remove(task)
+            return task.fences()
+
+    def preempt(self, layer: int, needed: set[int]) -> tuple[list[LoadTask], list[LoadTask]]:
+        """Gate result of ``layer`` is known: promote its low tasks in ``needed``, drop the others.
+
+        Returns (promoted, dropped). Tasks already fully issued are left alone (their bytes are moving).
+        """
+        promoted, dropped = [], []
+        with self._cond:
+            for task in [t for t in self._low if t.layer == layer]:
+                self._low.remove(task)
+                if task.expert in needed:
+                    task.high = True
+                    self._enqueue(task)
+                    promoted.append(task)
+                else:
+                    task.cancelled = True
+                    self.cancelled_chunks += len(task.chunks) - task.next_chunk
+                    dropped.append(task)
+            self._cond.notify_all()
+        return promoted, dropped
+
+    def pending(self) -> list[LoadTask]:
+        """Queued tasks, in the order the worker will take them."""
+        with self._cond:
+            return [*self._high, *self._low]
+
+    def wait_issued(self, task: LoadTask) -> None:
+        """Block until every chunk of ``task`` is in the transport (issuing inline without a worker)."""
+        if task.cancelled:
+            raise RuntimeError(f"waiting on cancelled load of expert {task.key}")
+        if not self.threaded:
+            while not task.issued:
+                if not self.pump(1):
+                    raise RuntimeError(f"load of expert {task.key} is not queued")
+            return
+        with self._cond:
+            while not task.issued and self._error is None and not task.cancelled:
+                self._cond.wait(timeout=1.0)
+            self._raise_if_failed()
+            if task.cancelled and not task.issued:
+                raise RuntimeError(f"load of expert {task.key} was cancelled while waited on")
+
+    def pump(self, max_chunks: int | None = None) -> int:
+        """Without a worker thread: issue up to ``max_chunks`` queued chunks (all when None). Returns the count."""
+        if self.threaded:
+            return 0
+        n = 0
+        with self._cond:
+            while max_chunks is None or n < max_chunks:
+                if not self._issue_next():
+                    break
+                n += 1
+        return n
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
+
+    # ----------------------------------------------------------------- issuing (worker thread or pump)
+    def _issue_next(self) -> bool:
+        """Issue the next chunk (lock held). High tasks first, each task's chunks in order."""
+        queue_ = self._high if self._high else self._low
+        if not queue_:
+            return False
+        task = queue_[0]
+        a, b = task.chunks[task.next_chunk]
+        src = self.host.buffer[self.host.index(task.layer, task.expert), a:b]
+        dst = self.pool.buffer[task.slot, a:b]
+        # every chunk waits on the fences: an out-of-order transport may start chunk 2 before chunk 1
+        handle = self.transport.copy(dst, src, task.after)
+        task.handles.append(handle)
+        task.next_chunk += 1
+        if task.stats is not None:
+            task.stats.bytes_h2d += b - a
+        if task.issued:
+            if queue_ is self._high:
+                self._high.popleft()
+            else:
+                self._low.pop(0)
+        if self.threaded:
+            self._inflight.append(handle)
+        return True
+
+    def _throttle(self) -> None:
+        """Keep at most ``max_inflight`` chunks in the transport, so the queue stays preemptible."""
+        while self._inflight and self._inflight[0].query():
+            self._inflight.popleft()
+        while len(self._inflight) >= self.max_inflight:
+            self._inflight.popleft().synchronize()
+
+    def _worker(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not (self._high or self._low) and not self._closed:
+                        self._cond.wait()
+                    if self._closed:
+                        return
+                self._throttle()  # outside the lock: submit / preempt must not wait for a copy
+                with self._cond:
+                    # choose after the wait: a high task that arrived meanwhile goes first
+                    if self._issue_next():
+                        self._cond.notify_all()
+        except BaseException as exc:  # surfaced to the compute thread at its next wait
+            with self._cond:
+                self._error = exc
+                self._cond.notify_all()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError("moeflow copy engine worker failed") from self._error

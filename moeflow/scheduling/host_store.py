@@ -1,0 +1,90 @@
+"""Every expert of every layer in one host buffer, one contiguous region per (layer, expert).
+
+A region is byte-identical to a device slot (:class:`moeflow.kernels.pool.ExpertFormat`), so moving an
+expert is one copy (or a few byte-range chunks). For CUDA the buffer is page-locked at its exact size
+with ``cudaHostRegister``: PyTorch's pinned allocator rounds every block up to a power of two (an 87 MiB
+Mixtral expert would take 128 MiB, 32 GiB for the model instead of 22). If registration fails (memlock
+limits, containers, WSL) the store stays pageable and says once what that costs.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from moeflow.kernels.pool import ExpertFormat
+
+_CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context, not only the current one
+
+
+class HostStore:
+    """``uint8 [num_layers * num_experts, fmt.nbytes]`` host buffer; row ``layer * E + expert``."""
+
+    def __init__(
+        self, fmt: ExpertFormat, num_layers: int, num_experts: int, *, pin: bool, device: torch.device | str
+    ) -> None:
+        self.fmt = fmt
+        self.num_layers = num_layers
+        self.num_experts = num_experts
+        # torch.empty on the host never zero-fills, so the only full-size copy of the model is this one
+        self.buffer = torch.empty((num_layers * num_experts, fmt.nbytes), dtype=torch.uint8)
+        self.pinned = False
+        self._registered_ptr: int | None = None
+        self.loaded = torch.zeros(num_layers * num_experts, dtype=torch.bool)
+        if pin and torch.device(device).type == "cuda":
+            self._pin()
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel()
+
+    def _pin(self) -> None:
+        ptr, size = self.buffer.data_ptr(), self.buffer.numel()
+        try:
+            err = int(torch.cuda.cudart().cudaHostRegister(ptr, size, _CUDA_HOST_REGISTER_PORTABLE))
+        except Exception as exc:  # no CUDA runtime, or torch built without cudart bindings
+            err, detail = -1, f"{type(exc).__name__}: {exc}"
+        else:
+            detail = f"cudaError {err}"
+        if err == 0:
+            self.pinned, self._registered_ptr = True, ptr
+            return
+        warnings.warn(
+            f"moeflow: could not pin the {size / 2**30:.2f} GiB expert host store ({detail}; often the "
+            "locked-memory limit, `ulimit -l`, or a container cap). Continuing with pageable memory: every "
+            "expert copy then goes through a driver staging buffer, typically at half the pinned bandwidth "
+            "or less, and copies no longer overlap compute.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+    def index(self, layer: int, expert: int) -> int:
+        if not (0 <= layer < self.num_layers and 0 <= expert < self.num_experts):
+            raise IndexError(
+                f"expert ({layer}, {expert}) outside the host store ({self.num_layers} layers x {self.num_experts})"
+            )
+        return layer * self.num_experts + expert
+
+    def region(self, layer: int, expert: int) -> torch.Tensor:
+        """The ``uint8 [fmt.nbytes]`` region of one expert (a view, no copy)."""
+        return self.buffer[self.index(layer, expert)]
+
+    def write(self, layer: int, expert: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Store one expert's tensors (names of ``fmt``) straight into its region."""
+        i = self.index(layer, expert)
+        self.fmt.write(self.buffer[i], tensors)
+        self.loaded[i] = True
+
+    def missing(self) -> list[tuple[int, int]]:
+        """(layer, expert) pairs never written (the loader must fill every region)."""
+        idx = torch.nonzero(~self.loaded).squeeze(1).tolist()
+        return [divmod(i, self.num_experts) for i in idx]
+
+    def close(self) -> None:
+        """Unregister the pinned pages (the buffer itself is freed with the object)."""
+        if self._registered_ptr is not None:
+            try:
+                torch.cuda.cudart().cudaHostUnregister(self._registered_ptr)
+            finally:
+                self._registered_ptr, self.pinned = None, False

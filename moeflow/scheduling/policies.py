@@ -1,0 +1,50 @@
+"""Named policies: presets of the scheduler's parts (eviction, retention, prediction).
+
+Each paper's system is one preset, so every policy runs on the same model, prompts and memory budget.
+The predictors issue adds "duoserve", "promoe", "expertflow", "finemoe" here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moeflow.config import POLICIES
+from moeflow.errors import SchedulingError
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    name: str
+    offload: bool = True  # False: every expert resident (ResidentExperts)
+    eviction: str = "lru"  # see moeflow.scheduling.eviction
+    retain: bool = True  # keep experts in their slots after use (False: accelerate-style on-demand)
+    speculate: bool = False  # prefetch with the next layers' routers on the current hidden state
+    warm_start: bool = True  # fill the empty pool at load time (layer order) instead of starting cold
+    description: str = ""
+
+
+PRESETS: dict[str, PolicySpec] = {
+    "resident": PolicySpec("resident", offload=False, description="every expert on the device"),
+    "ondemand": PolicySpec(
+        "ondemand", retain=False, warm_start=False,
+        description="load each needed expert after its gate and drop it after use (accelerate offload)",
+    ),
+    "lru": PolicySpec("lru", eviction="lru", description="expert cache, load on miss, evict least recently used"),
+    "lfu": PolicySpec("lfu", eviction="lfu", description="expert cache, load on miss, evict least frequently used"),
+    "static": PolicySpec(
+        "static", eviction="static",
+        description="most popular experts (first prefill, or a profile) fixed; the rest stream through a ring",
+    ),
+    "mixtral-offloading": PolicySpec(
+        "mixtral-offloading", eviction="lru", speculate=True,
+        description="LRU cache plus next-layer speculation: layer l+1's router applied to layer l's input",
+    ),
+}
+
+
+def get_policy(name: str) -> PolicySpec:
+    """The preset called ``name``; SchedulingError listing the known ones otherwise."""
+    if name not in PRESETS:
+        known = ", ".join(repr(p) for p in POLICIES if p in PRESETS)
+        raise SchedulingError(f"unknown offload policy {name!r}; known policies: {known}")
+    return PRESETS[name]
