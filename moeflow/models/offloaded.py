@@ -166,7 +166,9 @@ class MoEOffloadedMixtral(nn.Module):
             lo, hi = int(input_ids.min()), int(input_ids.max())
             if lo < 0 or hi >= self.config.vocab_size:
                 bad = lo if lo < 0 else hi
-                raise InputError(f"input_ids holds token id {bad}, outside the vocabulary [0, {self.config.vocab_size})")
+                raise InputError(
+                    f"input_ids holds token id {bad}, outside the vocabulary [0, {self.config.vocab_size})"
+                )
         if input_ids.shape[1] > self.config.max_position_embeddings:
             raise InputError(
                 f"input_ids has {input_ids.shape[1]} tokens, longer than max_position_embeddings="
