@@ -115,7 +115,7 @@ def test_quantized_checkpoint_matches_transformers_on_dequantized_weights(tmp_pa
     names = load_file(dst / "model.safetensors").keys()
     assert "model.layers.0.block_sparse_moe.experts.0.w1.qweight" in names
     assert "model.layers.0.self_attn.q_proj.weight" in names  # attention stays 16-bit
-    model = MoEOffloadedMixtral.from_pretrained(dst, dtype=torch.float32)
+    model = MoEOffloadedMixtral.from_pretrained(dst, dtype=torch.float32, kernels="torch")
     assert model.experts.fmt.kind == "awq"
     ref = dequantized_reference(dst, overrides, group)
     ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(1))
@@ -145,7 +145,7 @@ def test_awq_attention_and_old_quant_config(tmp_path):
     src = make_tiny_checkpoint(tmp_path / "fp32", seed=4)
     both = quantize_checkpoint(src, tmp_path / "awq-attn", group_size=32, quantize_attention=True, progress=False)
     assert "model.layers.0.self_attn.q_proj.qweight" in load_file(both / "model.safetensors")
-    model = MoEOffloadedMixtral.from_pretrained(both)
+    model = MoEOffloadedMixtral.from_pretrained(both, kernels="torch")
     ids = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(2))
     logits = model(ids).logits
     # old-style: quantization described by quant_config.json instead of config.json
@@ -154,7 +154,7 @@ def test_awq_attention_and_old_quant_config(tmp_path):
     (both / "config.json").write_text(json.dumps(cfg))
     (both / "quant_config.json").write_text(json.dumps({"zero_point": True, "q_group_size": 32, "w_bit": 4,
                                                          "version": "GEMM"}))
-    assert torch.equal(MoEOffloadedMixtral.from_pretrained(both)(ids).logits, logits)
+    assert torch.equal(MoEOffloadedMixtral.from_pretrained(both, kernels="torch")(ids).logits, logits)
 
 
 def test_quantize_leaves_nothing_behind_on_failure(tmp_path, monkeypatch):

@@ -19,7 +19,7 @@ from moeflow.models.mixtral import MixtralConfig, MixtralModel
 from moeflow.models.tokenizer import Tokenizer
 from moeflow.scheduling.stats import Stats
 
-KERNEL_CHOICES = ("auto", "torch", "triton")
+KERNEL_CHOICES = ("auto", "torch", "triton", "cpu-int4")
 PROGRESS_MIN_BYTES = 256 * 2**20  # show a loading progress bar above this much expert data
 KV_BUDGET_TOKENS = 4096  # context assumed when sizing expert slots from gpu_memory_gb
 
@@ -29,11 +29,25 @@ class CausalLMOutput:
     logits: torch.Tensor  # fp32 [B, T, vocab]
 
 
-def resolve_kernels(kernels: str, device: torch.device) -> str:
+def resolve_kernels(kernels: str, device: torch.device, awq: bool) -> str:
+    """auto: Triton on CUDA; on the CPU torch's int4 kernels for AWQ experts, else the torch reference."""
     if kernels not in KERNEL_CHOICES:
         raise ValueError(f"kernels={kernels!r}: expected one of {KERNEL_CHOICES}")
     if kernels == "auto":
-        return "triton" if device.type == "cuda" else "torch"
+        if device.type == "cuda":
+            return "triton"
+        from moeflow.kernels.cpu_int4 import int4_cpu_available
+
+        return "cpu-int4" if awq and int4_cpu_available() else "torch"
+    if kernels == "cpu-int4":
+        from moeflow.kernels.cpu_int4 import int4_cpu_available
+
+        if device.type != "cpu" or not awq:
+            raise ValueError("kernels='cpu-int4' computes AWQ experts on the CPU: it needs device='cpu' and an AWQ "
+                             "checkpoint")
+        if not int4_cpu_available():
+            raise ValueError("kernels='cpu-int4': this torch build lacks the int4 CPU kernels "
+                             "(_weight_int4pack_mm_for_cpu); use kernels='torch'")
     if kernels == "triton" and device.type == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton on the CPU means its interpreter
     return kernels
@@ -81,7 +95,8 @@ class MoEOffloadedMixtral(nn.Module):
 
         dtype: activation/weight dtype; default float16 on CUDA and float32 on the CPU.
         offload: where experts live (default: all resident).
-        kernels: "auto" (Triton on CUDA, torch on the CPU), "torch" or "triton".
+        kernels: "auto" (Triton on CUDA; on the CPU torch's int4 kernels for AWQ experts, else the torch
+            reference), "torch" (the reference), "triton", or "cpu-int4".
         compile: torch.compile the decode step.
         """
         device = torch.device(device)
@@ -91,7 +106,6 @@ class MoEOffloadedMixtral(nn.Module):
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise ValueError(f"dtype={dtype}: expected torch.float16, torch.bfloat16 or torch.float32")
         offload = offload or OffloadConfig()
-        kernels_backend = resolve_kernels(kernels, device)
 
         directory = resolve_checkpoint(path_or_id, revision)
         raw_config = read_json(directory / "config.json")
@@ -104,12 +118,14 @@ class MoEOffloadedMixtral(nn.Module):
         source = loading.detect_expert_source(reader, cfg)
         fmt = loading.expert_format(cfg, source, quant, dtype)
         awq_attention = loading.detect_awq_attention(reader, quant)
+        kernels_backend = resolve_kernels(kernels, device, fmt.kind == "awq")
 
         model = MixtralModel(cfg, dtype, awq_attention)
         loading.load_non_expert_weights(model, reader, cfg, source, device, dtype)
+        linear_backend = "torch" if kernels_backend == "cpu-int4" else kernels_backend
         for module in model.modules():
             if hasattr(module, "kernels_backend"):
-                module.kernels_backend = kernels_backend
+                module.kernels_backend = linear_backend
         model.rotary.to(device)
 
         stats = Stats()
@@ -316,6 +332,12 @@ class MoEOffloadedMixtral(nn.Module):
 
 
 def _create_expert_backend(config: OffloadConfig, **kw):
+    if kw["kernels_backend"] == "cpu-int4" and config.policy == "resident":
+        from moeflow.moe import CpuInt4Experts
+
+        return CpuInt4Experts(kw["fmt"], kw["num_layers"], kw["num_experts"])
+    if kw["kernels_backend"] == "cpu-int4":  # the slot pool holds AWQ bytes: the scheduler computes with torch
+        kw = {**kw, "kernels_backend": "torch"}
     from moeflow import scheduling
 
     factory = getattr(scheduling, "create_expert_backend", None)
