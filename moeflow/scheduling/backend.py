@@ -180,6 +180,9 @@ class OffloadedExperts:
         out = torch.empty((topk_ids.numel(), x.shape[-1]), dtype=x.dtype, device=x.device)
         if ready:
             self._compute(layer, x, topk_ids, topk_weights, out, ready)
+            if deferred:  # the slots just released go to the ring
+                self._load_deferred(layer, deferred, waiting, st)
+                self._pump(st)
         while waiting:
             group = [waiting.pop(0)]
             group += [t for t in waiting if t.complete()]

@@ -32,6 +32,14 @@ class HostStore:
         self.pinned = False
         self._registered_ptr: int | None = None
         self.loaded = torch.zeros(num_layers * num_experts, dtype=torch.bool)
+        # alignment gaps between tensors, zeroed on write so a region's bytes are fully determined
+        self._gaps, end = [], 0
+        for spec in fmt.specs:
+            if spec.offset > end:
+                self._gaps.append((end, spec.offset))
+            end = spec.offset + spec.nbytes
+        if fmt.nbytes > end:
+            self._gaps.append((end, fmt.nbytes))
         if pin and torch.device(device).type == "cuda":
             self._pin()
 
@@ -74,6 +82,8 @@ class HostStore:
         """Store one expert's tensors (names of ``fmt``) straight into its region."""
         i = self.index(layer, expert)
         self.fmt.write(self.buffer[i], tensors)
+        for a, b in self._gaps:
+            self.buffer[i, a:b].zero_()
         self.loaded[i] = True
 
     def missing(self) -> list[tuple[int, int]]:

@@ -1,0 +1,170 @@
+"""The offloaded backend gives bitwise the outputs of ResidentExperts, for every policy, slot count and transport."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_scheduling_helpers import AWQ, DENSE, Synthetic
+
+from moeflow.errors import SchedulingError
+from moeflow.moe import ResidentExperts
+from moeflow.scheduling import OffloadedExperts, Stats
+
+OFFLOAD_POLICIES = ("ondemand", "lru", "lfu", "static", "mixtral-offloading")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # tiny tensors: torch's intra-op threads only add spin-waiting on a loaded 2-core machine
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def dense():
+    s = Synthetic(DENSE, layers=3, experts=6, top_k=2, seed=1)
+    return s, s.run(s.resident())
+
+
+def _check_equal(expected, got):
+    assert len(expected) == len(got)
+    for i, (a, b) in enumerate(zip(expected, got, strict=True)):
+        assert torch.equal(a, b), f"layer call {i} differs"
+
+
+@pytest.mark.parametrize("transport", ["sync", "random-delay"])
+@pytest.mark.parametrize("policy", OFFLOAD_POLICIES)
+def test_every_slot_count_matches_resident(dense, policy, transport):
+    synth, expected = dense
+    for n_slots in range(2, synth.L * synth.E + 1):
+        backend, stats = synth.offloaded(
+            policy=policy, gpu_expert_slots=n_slots, transport=transport, random_delay_ms=0.5, seed=n_slots
+        )
+        try:
+            got = synth.run(backend, stats)
+        finally:
+            backend.close()
+        _check_equal(expected, got)
+
+
+@pytest.mark.parametrize("transport", ["sync", "random-delay"])
+@pytest.mark.parametrize("policy", ["lru", "mixtral-offloading", "ondemand"])
+def test_awq_format_matches_resident(policy, transport):
+    synth = Synthetic(AWQ, layers=2, experts=5, top_k=2, seed=3, steps=5)
+    expected = synth.run(synth.resident())
+    for n_slots in (2, 3, 6, 10):
+        backend, stats = synth.offloaded(policy=policy, gpu_expert_slots=n_slots, transport=transport,
+                                         random_delay_ms=0.5, copy_chunks=4)
+        try:
+            _check_equal(expected, synth.run(backend, stats))
+        finally:
+            backend.close()
+
+
+def test_top_k_three_and_prime_experts():
+    synth = Synthetic(DENSE, layers=2, experts=7, top_k=3, seed=5, steps=6, prefill_tokens=9)
+    expected = synth.run(synth.resident())
+    for policy in ("lru", "mixtral-offloading"):
+        for n_slots in (3, 4, 8, 14):
+            backend, stats = synth.offloaded(policy=policy, gpu_expert_slots=n_slots, transport="random-delay",
+                                             random_delay_ms=0.5, max_inflight_chunks=3)
+            try:
+                _check_equal(expected, synth.run(backend, stats))
+            finally:
+                backend.close()
+
+
+def test_resident_policy_returns_resident_experts(dense):
+    synth, _ = dense
+    backend, _ = synth.offloaded(policy="resident")
+    assert isinstance(backend, ResidentExperts)
+    with pytest.raises(SchedulingError, match="resident"):
+        synth.offloaded(policy="resident", gpu_expert_slots=5)
+
+
+def test_slot_minimum_is_refused_with_the_minimum(dense):
+    synth, _ = dense
+    with pytest.raises(SchedulingError, match="minimum is 2"):
+        synth.offloaded(policy="lru", gpu_expert_slots=1)
+    with pytest.raises(SchedulingError, match="minimum is 4"):
+        synth.offloaded(policy="lru", gpu_expert_slots=3, prefill_ring_slots=4)
+    with pytest.raises(SchedulingError, match="known policies: .*'lru'.*'mixtral-offloading'"):
+        synth.offloaded(policy="nope", gpu_expert_slots=4)
+
+
+def test_gpu_memory_budget_gives_slots(dense):
+    synth, _ = dense
+    n = 5
+    budget_gb = n * DENSE.nbytes / 2**30 + 1e-9
+    backend, _ = synth.offloaded(policy="lru", gpu_memory_gb=budget_gb)
+    assert isinstance(backend, OffloadedExperts) and backend.n_slots == n
+    backend.close()
+    with pytest.raises(SchedulingError, match="minimum is 2"):
+        synth.offloaded(policy="lru", gpu_memory_gb=1.5 * DENSE.nbytes / 2**30)
+    huge, _ = synth.offloaded(policy="lru", gpu_memory_gb=10.0)
+    assert huge.n_slots == synth.L * synth.E  # never more slots than experts
+    huge.close()
+
+
+def test_stats_add_up_sync(dense):
+    synth, expected = dense
+    needed = synth.needed_per_call()
+    for policy in OFFLOAD_POLICIES:
+        for n_slots in (2, 5, 9, 18):
+            stats = Stats()
+            backend, _ = synth.offloaded(stats, policy=policy, gpu_expert_slots=n_slots, transport="sync")
+            _check_equal(expected, synth.run(backend, stats))
+            p, d = stats.prefill, stats.decode
+            assert p.hits + p.misses == needed[0] * 0 + sum(needed[: synth.L])
+            assert d.hits + d.misses == sum(needed[synth.L :])
+            for ph in (p, d):
+                # every byte moved is a whole expert: a miss or a prefetch (nothing is cancelled in sync mode)
+                assert ph.bytes_h2d == (ph.misses + ph.prefetches) * DENSE.nbytes
+                assert ph.useful_prefetches <= ph.prefetches + (p.prefetches if ph is d else 0)
+            assert p.prefetches + d.prefetches >= p.useful_prefetches + d.useful_prefetches + d.wasted_prefetches \
+                + p.wasted_prefetches - 0
+            if policy == "ondemand":
+                assert p.hits == d.hits == 0
+            if n_slots == synth.L * synth.E and policy != "ondemand":
+                assert p.misses == d.misses == 0  # warm start holds everything
+            if policy != "mixtral-offloading":
+                assert p.prefetches == d.prefetches == 0
+            assert stats.as_dict()["decode"]["hit_rate"] == d.hit_rate
+            assert "hit rate" in stats.summary()
+            backend.close()
+
+
+def test_speculation_prefetches_and_counts_use():
+    synth = Synthetic(DENSE, layers=4, experts=6, top_k=2, seed=7, steps=10)
+    expected = synth.run(synth.resident())
+    backend, stats = synth.offloaded(policy="mixtral-offloading", gpu_expert_slots=6, transport="sync")
+    _check_equal(expected, synth.run(backend, stats))
+    d = stats.decode
+    assert d.prefetches > 0
+    assert d.useful_prefetches + d.wasted_prefetches <= d.prefetches + stats.prefill.prefetches
+    backend.close()
+
+
+def test_random_delay_stats_bytes_are_chunk_multiples(dense):
+    synth, expected = dense
+    backend, stats = synth.offloaded(policy="mixtral-offloading", gpu_expert_slots=4, transport="random-delay",
+                                     random_delay_ms=1.0)
+    _check_equal(expected, synth.run(backend, stats))
+    backend.synchronize()
+    chunk_bytes = {b - a for a, b in backend.engine.chunks}
+    moved = stats.prefill.bytes_h2d + stats.decode.bytes_h2d
+    misses = stats.prefill.misses + stats.decode.misses
+    prefetches = stats.prefill.prefetches + stats.decode.prefetches
+    assert misses * DENSE.nbytes <= moved <= (misses + prefetches) * DENSE.nbytes
+    assert len(chunk_bytes) >= 1
+    backend.close()
+
+
+def test_backend_repr_and_pool_size(dense):
+    synth, _ = dense
+    backend, stats = synth.offloaded(policy="lfu", gpu_expert_slots=4)
+    assert "lfu" in repr(backend) and stats.expert_pool_bytes == 4 * DENSE.nbytes
+    assert stats.host_store_bytes == synth.L * synth.E * DENSE.nbytes and stats.host_pinned is False
+    backend.close()

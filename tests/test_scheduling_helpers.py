@@ -1,0 +1,84 @@
+"""Synthetic expert formats, weights and routings for the scheduling tests (no model needed)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moeflow.config import OffloadConfig
+from moeflow.kernels.pool import ExpertFormat
+from moeflow.moe import ResidentExperts, route
+from moeflow.scheduling import Stats, create_expert_backend
+
+DENSE = ExpertFormat(hidden_size=32, intermediate_size=48, kind="dense", dtype=torch.float32)
+AWQ = ExpertFormat(hidden_size=64, intermediate_size=64, kind="awq", dtype=torch.float16, group_size=32)
+
+
+def random_expert(fmt: ExpertFormat, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    out = {}
+    for s in fmt.specs:
+        if s.dtype == torch.int32:
+            out[s.name] = torch.randint(-(2**31), 2**31 - 1, s.shape, generator=gen, dtype=torch.int64).to(torch.int32)
+        else:
+            scale = 0.01 if "scales" in s.name else 0.2
+            out[s.name] = (torch.randn(s.shape, generator=gen) * scale).to(s.dtype)
+    return out
+
+
+class Synthetic:
+    """L layers of E random experts, random routers, and a fixed sequence of layer calls."""
+
+    def __init__(self, fmt: ExpertFormat = DENSE, layers: int = 3, experts: int = 6, top_k: int = 2, seed: int = 0,
+                 steps: int = 8, prefill_tokens: int = 7):
+        self.fmt, self.L, self.E, self.k = fmt, layers, experts, top_k
+        gen = torch.Generator().manual_seed(seed)
+        self.weights = {(l, e): random_expert(fmt, gen) for l in range(layers) for e in range(experts)}
+        torch.manual_seed(seed)
+        self.gates = [nn.Linear(fmt.hidden_size, experts, bias=False) for _ in range(layers)]
+        self.xdtype = torch.float32
+        self.steps = []  # (phase, [x of each layer])
+        for step in range(steps):
+            t = prefill_tokens if step == 0 else 1
+            xs = [torch.randn(t, fmt.hidden_size, generator=gen) for _ in range(layers)]
+            self.steps.append(("prefill" if step == 0 else "decode", xs))
+
+    def calls(self):
+        """(phase, layer, x, probs, ids, weights) in model order."""
+        for phase, xs in self.steps:
+            for layer, x in enumerate(xs):
+                with torch.no_grad():
+                    probs, ids, w = route(self.gates[layer](x), self.k)
+                yield phase, layer, x, probs, ids, w
+
+    def resident(self) -> ResidentExperts:
+        backend = ResidentExperts(self.fmt, self.L, self.E, "cpu")
+        for (l, e), t in self.weights.items():
+            backend.load_expert(l, e, t)
+        return backend
+
+    def offloaded(self, stats: Stats | None = None, **config):
+        stats = stats if stats is not None else Stats()
+        backend = create_expert_backend(
+            OffloadConfig(**config), fmt=self.fmt, num_layers=self.L, num_experts=self.E, top_k=self.k,
+            device=torch.device("cpu"), kernels_backend="torch", gates=self.gates, reserved_bytes=0, stats=stats,
+        )
+        for (l, e), t in self.weights.items():
+            backend.load_expert(l, e, t)
+        if hasattr(backend, "finish_loading"):
+            backend.finish_loading()
+        return backend, stats
+
+    def run(self, backend, stats: Stats | None = None) -> list[torch.Tensor]:
+        outs = []
+        for phase, layer, x, probs, ids, w in self.calls():
+            if stats is not None:
+                stats.set_phase(phase)
+            with torch.no_grad():
+                outs.append(backend.forward(layer, x, probs, ids, w))
+            if hasattr(backend, "cache"):
+                backend.cache.check()
+                assert not any(s.in_use for s in backend.cache.slots), "slot left in use after its layer"
+        return outs
+
+    def needed_per_call(self) -> list[int]:
+        return [len(torch.unique(ids)) for *_, ids, _ in self.calls()]
