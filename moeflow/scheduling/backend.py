@@ -129,6 +129,8 @@ class OffloadedExperts:
         E, k = self.num_experts, topk_ids.shape[1]
 
         # 1. the layer's only device->host sync: its routing, and the predictor's proposals with it
+        if self.predictor is not None:  # routing first: predictors that learn from it (DuoServe) need it
+            self.predictor.observe(layer, x, probs, topk_ids)
         proposals = self.predictor.propose(layer, x) if self.predictor is not None else []
         counts = torch.bincount(topk_ids.reshape(-1).to(torch.int64), minlength=E)
         host = torch.cat([counts, *(ids.reshape(-1).to(torch.int64) for _, ids in proposals)]).tolist()
@@ -137,8 +139,6 @@ class OffloadedExperts:
         for target, ids in proposals:
             guesses.append((target, host[at : at + ids.numel()]))
             at += ids.numel()
-        if self.predictor is not None:
-            self.predictor.observe(layer, x, probs, topk_ids)
 
         # 2. early preemption
         self.cache.poll()

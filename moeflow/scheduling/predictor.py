@@ -1,7 +1,8 @@
 """What to prefetch: the predictor interface and the one predictor the baselines need.
 
-A predictor ``propose``s, at layer ``l``'s MoE input, device tensors of expert ids for later layers
-(most wanted first). The backend fetches all proposals together with the layer's own routing in one
+At each layer the backend first calls ``observe`` with the layer's routing, then ``propose``: at layer
+``l``'s MoE input the predictor proposes device tensors of expert ids for later layers (most wanted
+first). The backend fetches all proposals together with the layer's own routing in one
 device->host transfer, so predicting costs no extra synchronisation. The predictors issue adds learned
 predictors behind the same two methods.
 """

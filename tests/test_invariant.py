@@ -1,0 +1,72 @@
+"""The invariant: every offload policy, at every slot count from the minimum to all experts, with the
+synchronous and the random-delay transport, generates exactly the greedy tokens of "resident"."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import make_tiny_checkpoint
+
+from moeflow import MoEOffloadedMixtral, OffloadConfig
+from moeflow.errors import SchedulingError
+
+LAYERS, EXPERTS, TOP_K = 2, 4, 2
+NEW_TOKENS = 16
+OFFLOAD_POLICIES = ("ondemand", "lru", "lfu", "static", "mixtral-offloading")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # tiny tensors: torch's intra-op threads only add spin-waiting on a loaded 2-core machine
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = make_tiny_checkpoint(
+        tmp_path_factory.mktemp("tiny_invariant"), seed=11, num_hidden_layers=LAYERS, num_local_experts=EXPERTS,
+        num_experts_per_tok=TOP_K,
+    )
+    gen = torch.Generator().manual_seed(0)
+    # two prompts of different lengths (left padding): the prefill needs every expert through the ring
+    ids = torch.randint(0, 97, (2, 9), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    resident = MoEOffloadedMixtral.from_pretrained(path, device="cpu", dtype=torch.float32,
+                                                   offload=OffloadConfig(policy="resident"))
+    expected = resident.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+    return path, ids, mask, expected
+
+
+def _generate(path, ids, mask, **config):
+    model = MoEOffloadedMixtral.from_pretrained(path, device="cpu", dtype=torch.float32,
+                                                offload=OffloadConfig(**config))
+    try:
+        return model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False), model
+    finally:
+        if hasattr(model.experts, "close"):
+            model.experts.close()
+
+
+@pytest.mark.parametrize("transport", ["sync", "random-delay"])
+@pytest.mark.parametrize("policy", OFFLOAD_POLICIES)
+def test_greedy_tokens_equal_resident(tiny, policy, transport):
+    path, ids, mask, expected = tiny
+    for n_slots in range(max(TOP_K, 2), LAYERS * EXPERTS + 1):
+        out, model = _generate(path, ids, mask, policy=policy, gpu_expert_slots=n_slots, transport=transport,
+                               random_delay_ms=0.3, seed=n_slots)
+        assert torch.equal(out, expected), f"{policy}/{transport} with {n_slots} slots: {out} != {expected}"
+        s = model.stats
+        assert s.prefill.hits + s.prefill.misses > 0 and s.decode.hits + s.decode.misses > 0
+        if n_slots < LAYERS * EXPERTS or policy == "ondemand":
+            assert s.prefill.bytes_h2d + s.decode.bytes_h2d > 0
+
+
+def test_below_minimum_is_refused(tiny):
+    path, *_ = tiny
+    with pytest.raises(SchedulingError, match="minimum is 2"):
+        MoEOffloadedMixtral.from_pretrained(path, device="cpu", dtype=torch.float32,
+                                            offload=OffloadConfig(policy="lru", gpu_expert_slots=1))
