@@ -199,7 +199,7 @@ def awq_linear_reference(
 def combine_reference(y: torch.Tensor, top_k: int) -> torch.Tensor:
     """Sum each token's k weighted expert outputs: y [T*k, H] -> [T, H], fp32 sum in k order."""
     y3 = y.reshape(-1, top_k, y.shape[-1])
-    acc = y3[:, 0].float()
+    acc = y3[:, 0].to(torch.float32, copy=True)  # a copy: never alias the input (k = 1, fp32)
     for j in range(1, top_k):
         acc = acc + y3[:, j].float()
     return acc.to(y.dtype)
