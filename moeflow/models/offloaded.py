@@ -332,17 +332,13 @@ class MoEOffloadedMixtral(nn.Module):
 
 
 def _create_expert_backend(config: OffloadConfig, **kw):
-    if kw["kernels_backend"] == "cpu-int4" and config.policy == "resident":
-        from moeflow.moe import CpuInt4Experts
+    """CPU int4 experts for the resident CPU case; otherwise the scheduler's backend for the policy."""
+    from moeflow.scheduling import create_expert_backend
 
-        return CpuInt4Experts(kw["fmt"], kw["num_layers"], kw["num_experts"])
-    if kw["kernels_backend"] == "cpu-int4":  # the slot pool holds AWQ bytes: the scheduler computes with torch
-        kw = {**kw, "kernels_backend": "torch"}
-    from moeflow import scheduling
+    if kw["kernels_backend"] == "cpu-int4":
+        if config.policy == "resident":
+            from moeflow.moe import CpuInt4Experts
 
-    factory = getattr(scheduling, "create_expert_backend", None)
-    if factory is None:  # TEMPORARY until the scheduling package lands: resident only
-        from moeflow.moe import ResidentExperts
-
-        return ResidentExperts(kw["fmt"], kw["num_layers"], kw["num_experts"], kw["device"], kw["kernels_backend"])
-    return factory(config, **kw)
+            return CpuInt4Experts(kw["fmt"], kw["num_layers"], kw["num_experts"])
+        kw = {**kw, "kernels_backend": "torch"}  # the slot pool holds AWQ bytes: the scheduler computes with torch
+    return create_expert_backend(config, **kw)
