@@ -103,8 +103,12 @@ def create_expert_backend(
     gates: Sequence[nn.Linear],
     reserved_bytes: int,
     stats: Stats,
+    host_store: HostStore | None = None,
 ) -> ExpertBackend:
-    """The expert backend of ``config.policy``: :class:`ResidentExperts` or :class:`OffloadedExperts`."""
+    """The expert backend of ``config.policy``: :class:`ResidentExperts` or :class:`OffloadedExperts`.
+
+    ``host_store``: an already filled store to share (then the loader need not call ``load_expert``).
+    """
     spec = get_policy(config.policy)
     device = torch.device(device)
     n_slots = resolve_slots(
@@ -122,4 +126,5 @@ def create_expert_backend(
         transport=transport, eviction=eviction, stats=stats, retain=spec.retain, predictor=predictor,
         warm_start=spec.warm_start, kernels_backend=kernels_backend, pin_memory=config.pin_memory,
         copy_chunks=config.copy_chunks, max_inflight_chunks=config.max_inflight_chunks, policy_name=spec.name,
+        host_store=host_store,
     )

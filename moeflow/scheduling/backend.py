@@ -56,6 +56,7 @@ class OffloadedExperts:
         copy_chunks: int = 3,
         max_inflight_chunks: int = 2,
         policy_name: str = "",
+        host_store: HostStore | None = None,
     ) -> None:
         self.fmt = fmt
         self.num_layers = num_layers
@@ -68,7 +69,11 @@ class OffloadedExperts:
         self.predictor = predictor
         self.warm_start = warm_start
         self.transport = transport
-        self.host = HostStore(fmt, num_layers, num_experts, pin=pin_memory, device=self.device)
+        # a shared, already filled store (benchmarks compare policies without reloading 24 GB)
+        self._owns_host = host_store is None
+        self.host = host_store or HostStore(fmt, num_layers, num_experts, pin=pin_memory, device=self.device)
+        if self.host.fmt != fmt or (self.host.num_layers, self.host.num_experts) != (num_layers, num_experts):
+            raise ValueError("the given host store holds another model's experts")
         self.pool = ExpertPool.allocate(fmt, n_slots, self.device)
         self.cache = ExpertCache(n_slots, eviction, retain=retain, stats=stats.current)
         self.engine = CopyEngine(
@@ -79,7 +84,9 @@ class OffloadedExperts:
         stats.host_store_bytes = self.host.nbytes
         stats.host_pinned = self.host.pinned
         # threads and page registrations go away with the backend, even without close()
-        self._finalizer = weakref.finalize(self, _shutdown, self.engine, self.transport, self.host)
+        self._finalizer = weakref.finalize(
+            self, _shutdown, self.engine, self.transport, self.host if self._owns_host else None
+        )
 
     @property
     def n_slots(self) -> int:
@@ -305,8 +312,9 @@ class OffloadedExperts:
         )
 
 
-def _shutdown(engine: CopyEngine, transport: Transport, host: HostStore) -> None:
+def _shutdown(engine: CopyEngine, transport: Transport, host: HostStore | None) -> None:
     engine.close()
     transport.synchronize()
     transport.close()
-    host.close()
+    if host is not None:
+        host.close()

@@ -1,0 +1,428 @@
+"""GPU offload benchmark: Mixtral-8x7B-shaped AWQ checkpoint, H2D bandwidth, per-policy TTFT/TPOT, memory, trace.
+
+One run does everything (a lent GPU machine starts bare, so the checkpoint is written in the same run):
+
+1. writes a synthetic checkpoint with the exact tensor shapes of Mixtral-8x7B in AWQ 4-bit, group 128
+   (random weights, ~24.6 GB on disk; ``--layers`` writes fewer layers of the same shapes);
+2. loads it once (experts into the pinned host store) and measures host->device bandwidth of one expert
+   region (one copy, and chunked as the copy engine does) against the best copy rate seen in the same run
+   (PyTorch's pinned allocator, a 1 GiB pinned buffer);
+3. for each slot budget and policy: TTFT of a prompt, TPOT of greedy decoding, hit rates, bytes moved,
+   stall time, peak GPU memory, and whether the tokens equal the resident run's (the invariant, on real
+   streams). Policies share the one host store, so nothing is reloaded;
+4. records a torch profiler trace of a few decode steps and reports how much copy time overlapped compute.
+
+Results go to ``--out`` (JSON + a Markdown table) after every configuration, so a run cut short still
+leaves numbers. ``--tiny`` runs the same code on the CPU with a tiny checkpoint (for CI and development).
+
+    python benchmarks/run_gpu_offload.py --out benchmarks/results/gpu_offload         # on a GPU
+    python benchmarks/run_gpu_offload.py --tiny --out /tmp/offload_tiny                  # anywhere
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moeflow import MoEOffloadedMixtral, OffloadConfig  # noqa: E402
+from moeflow.moe import ResidentExperts  # noqa: E402
+from moeflow.scheduling import OffloadedExperts, chunk_ranges, create_expert_backend, min_slots  # noqa: E402
+
+MIXTRAL_8X7B = dict(
+    vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=32768,
+    rms_norm_eps=1e-5, rope_theta=1e6, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+)
+TINY = dict(
+    vocab_size=97, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=512,
+    rms_norm_eps=1e-5, rope_theta=1e6, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+)
+POLICIES = ("ondemand", "lru", "lfu", "static", "mixtral-offloading")
+TEMPLATES = 4  # distinct random experts, reused round-robin: the speed is the same, the writing much faster
+
+
+# ------------------------------------------------------------------------------------------ checkpoint
+def _awq_linear(fan_in: int, fan_out: int, group: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Random AWQ GEMM tensors whose dequantized weights are small ((q - z) * ~2e-3), so fp16 stays finite."""
+    qweight = torch.randint(-(2**31), 2**31 - 1, (fan_in, fan_out // 8), generator=gen, dtype=torch.int64)
+    qzeros = torch.full((fan_in // group, fan_out // 8), 0x88888888 - 2**32, dtype=torch.int64)  # zero point 8
+    scales = torch.rand((fan_in // group, fan_out), generator=gen) * 2e-3 + 1e-3
+    return {"qweight": qweight.to(torch.int32), "qzeros": qzeros.to(torch.int32), "scales": scales.half()}
+
+
+def write_synthetic_awq_checkpoint(directory: Path, config: dict, group_size: int = 128, seed: int = 0) -> Path:
+    """Mixtral-shaped AWQ checkpoint (experts and attention quantized; router, norms, embeddings fp16)."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    if (directory / "config.json").is_file():
+        return directory  # written by an earlier run
+    gen = torch.Generator().manual_seed(seed)
+    H, I = config["hidden_size"], config["intermediate_size"]  # noqa: E741
+    L, E = config["num_hidden_layers"], config["num_local_experts"]
+    head_dim = H // config["num_attention_heads"]
+    kv = config["num_key_value_heads"] * head_dim
+    templates = [
+        {w: _awq_linear(*shape, group_size, gen) for w, shape in (("w1", (H, I)), ("w3", (H, I)), ("w2", (I, H)))}
+        for _ in range(TEMPLATES)
+    ]
+    attention = {p: _awq_linear(H, out, group_size, gen) for p, out in (("q", H), ("k", kv), ("v", kv), ("o", H))}
+    weight_map: dict[str, str] = {}
+    total = 0
+
+    def save(tensors: dict[str, torch.Tensor], fname: str) -> None:
+        nonlocal total
+        save_file(tensors, directory / fname, metadata={"format": "pt"})
+        for name, t in tensors.items():
+            weight_map[name] = fname
+            total += t.numel() * t.element_size()
+
+    shards = L + 1
+    for layer in range(L):
+        t: dict[str, torch.Tensor] = {}
+        p = f"model.layers.{layer}"
+        for e in range(E):
+            tpl = templates[(layer * E + e) % TEMPLATES]
+            for w, parts in tpl.items():
+                for kind, tensor in parts.items():
+                    # safetensors refuses tensors sharing memory within a file: one copy per expert
+                    t[f"{p}.block_sparse_moe.experts.{e}.{w}.{kind}"] = tensor.clone()
+        for proj, parts in attention.items():
+            for kind, tensor in parts.items():
+                t[f"{p}.self_attn.{proj}_proj.{kind}"] = tensor
+        t[f"{p}.block_sparse_moe.gate.weight"] = (torch.randn((E, H), generator=gen) * 0.02).half()
+        t[f"{p}.input_layernorm.weight"] = torch.ones(H, dtype=torch.float16)
+        t[f"{p}.post_attention_layernorm.weight"] = torch.ones(H, dtype=torch.float16)
+        save(t, f"model-{layer + 1:05d}-of-{shards:05d}.safetensors")
+    V = config["vocab_size"]
+    save(
+        {
+            "model.embed_tokens.weight": (torch.randn((V, H), generator=gen) * 0.5).half(),
+            "lm_head.weight": (torch.randn((V, H), generator=gen) * 0.02).half(),
+            "model.norm.weight": torch.ones(H, dtype=torch.float16),
+        },
+        f"model-{shards:05d}-of-{shards:05d}.safetensors",
+    )
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    cfg = {
+        **config, "model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "torch_dtype": "float16",
+        "quantization_config": {
+            "bits": 4, "group_size": group_size, "modules_to_not_convert": ["gate"], "quant_method": "awq",
+            "version": "gemm", "zero_point": True,
+        },
+    }
+    (directory / "generation_config.json").write_text(json.dumps({"do_sample": False}))
+    (directory / "config.json").write_text(json.dumps(cfg, indent=1))  # last: marks the checkpoint complete
+    return directory
+
+
+def checkpoint_bytes(directory: Path) -> int:
+    return sum(f.stat().st_size for f in directory.glob("*.safetensors"))
+
+
+# ------------------------------------------------------------------------------------------ measurements
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _copy_rate(src: torch.Tensor, dst: torch.Tensor, chunks: int, repeats: int, device: torch.device) -> float:
+    """GB/s of copying ``src`` into ``dst`` (uint8, same size) ``repeats`` times, in ``chunks`` copies each."""
+    ranges = chunk_ranges(src.numel(), chunks)
+    if device.type == "cuda":
+        stream = torch.cuda.Stream(device)
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)  # warm-up
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            for _ in range(repeats):
+                for a, b in ranges:
+                    dst[a:b].copy_(src[a:b], non_blocking=True)
+            end.record(stream)
+        end.synchronize()
+        seconds = start.elapsed_time(end) / 1e3
+    else:
+        dst.copy_(src)
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            for a, b in ranges:
+                dst[a:b].copy_(src[a:b])
+        seconds = time.perf_counter() - t0
+    return repeats * src.numel() / seconds / 1e9
+
+
+def measure_h2d(host, device: torch.device, repeats: int) -> dict:
+    """Bandwidth of one expert from the host store into a device slot, against the best rate in this run."""
+    nbytes = host.fmt.nbytes
+    slot = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    pin = device.type == "cuda"
+    region = host.region(0, 0)
+    rates = {
+        "host_store_expert_1_copy": _copy_rate(region, slot, 1, repeats, device),
+        "host_store_expert_3_chunks": _copy_rate(region, slot, 3, repeats, device),
+        "torch_pinned_expert_1_copy": _copy_rate(
+            torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin), slot, 1, repeats, device
+        ),
+        "pageable_expert_1_copy": _copy_rate(torch.empty(nbytes, dtype=torch.uint8), slot, 1, max(2, repeats // 4),
+                                             device),
+    }
+    big = min(2**30, 16 * nbytes)
+    rates["torch_pinned_1GiB"] = _copy_rate(
+        torch.empty(big, dtype=torch.uint8, pin_memory=pin), torch.empty(big, dtype=torch.uint8, device=device), 1,
+        max(2, repeats // 8), device,
+    )
+    best = max(v for k, v in rates.items() if not k.startswith("pageable"))
+    return {
+        "expert_bytes": nbytes, "host_store_pinned": host.pinned, "GBps": rates, "best_GBps": best,
+        "expert_fraction_of_best": rates["host_store_expert_1_copy"] / best,
+        "chunked_fraction_of_best": rates["host_store_expert_3_chunks"] / best,
+        "target_fraction": 0.9,
+    }
+
+
+def _free(model: MoEOffloadedMixtral) -> None:
+    backend = model.experts
+    if hasattr(backend, "close"):
+        backend.close()
+    for layer in model.model.layers:
+        layer.block_sparse_moe.experts = None
+    del backend
+    gc.collect()
+    if model.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def install_backend(model: MoEOffloadedMixtral, host, policy: str, slots: int | None, transport: str) -> object:
+    """Swap the model's expert backend for ``policy`` at ``slots``, sharing the already filled host store."""
+    _free(model)
+    cfg, device = model.config, model.device
+    if policy == "resident":
+        backend = ResidentExperts(host.fmt, cfg.num_hidden_layers, cfg.num_local_experts, device, model.kernels)
+        backend.pool.buffer.copy_(host.buffer)  # the store's rows are in the resident slot order
+    else:
+        backend = create_expert_backend(
+            OffloadConfig(policy=policy, gpu_expert_slots=slots, transport=transport), fmt=host.fmt,
+            num_layers=cfg.num_hidden_layers, num_experts=cfg.num_local_experts, top_k=cfg.num_experts_per_tok,
+            device=device, kernels_backend=model.kernels, gates=[l.block_sparse_moe.gate for l in model.model.layers],
+            reserved_bytes=0, stats=model.stats, host_store=host,
+        )
+        backend.finish_loading()
+    for layer in model.model.layers:
+        layer.block_sparse_moe.experts = backend
+    _sync(device)
+    return backend
+
+
+def run_config(
+    model, prompt: torch.Tensor, new_tokens: int, expected: torch.Tensor | None
+) -> tuple[dict, torch.Tensor]:
+    device = model.device
+    model.stats.reset()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    _sync(device)
+    t0 = time.perf_counter()
+    out = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False)
+    _sync(device)
+    wall = time.perf_counter() - t0
+    s = model.stats
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    row = {
+        "ttft_s": s.ttft_s, "tpot_s": s.tpot_s, "tok_per_s": (1 / s.tpot_s) if s.tpot_s else None, "wall_s": wall,
+        "peak_gpu_bytes": peak, "stats": s.as_dict(), "summary": s.summary(),
+        "tokens_equal_reference": None if expected is None else bool(torch.equal(out.cpu(), expected.cpu())),
+    }
+    return row, out
+
+
+def trace_overlap(trace_path: Path) -> dict | None:
+    """From a chrome trace: share of host->device copy time that overlapped a kernel on another stream."""
+    try:
+        events = json.loads(trace_path.read_text()).get("traceEvents", [])
+    except (OSError, json.JSONDecodeError):
+        return None
+    copies = [(e["ts"], e["ts"] + e["dur"], e.get("tid")) for e in events
+              if e.get("cat") == "gpu_memcpy" and "HtoD" in e.get("name", "") and "dur" in e]
+    kernels = [(e["ts"], e["ts"] + e["dur"], e.get("tid")) for e in events if e.get("cat") == "kernel" and "dur" in e]
+    if not copies:
+        return None
+    kernels.sort()
+    copy_time = sum(b - a for a, b, _ in copies)
+    overlapped = 0.0
+    for a, b, tid in copies:
+        spans = sorted((max(a, ka), min(b, kb)) for ka, kb, ktid in kernels if ktid != tid and ka < b and kb > a)
+        end = a
+        for s, e in spans:  # union of the overlapping kernel intervals
+            s = max(s, end)
+            if e > s:
+                overlapped += e - s
+                end = e
+    return {"htod_copies": len(copies), "htod_us": copy_time, "overlapped_us": overlapped,
+            "overlap_fraction": overlapped / copy_time if copy_time else 0.0, "kernels": len(kernels)}
+
+
+def profile_decode(model, prompt: torch.Tensor, tokens: int, out_dir: Path) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if model.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        model.generate(prompt, max_new_tokens=tokens, do_sample=False)
+        _sync(model.device)
+    path = out_dir / "offload_trace.json"
+    prof.export_chrome_trace(str(path))
+    return {"trace": path.name, "bytes": path.stat().st_size, "overlap": trace_overlap(path)}
+
+
+# ------------------------------------------------------------------------------------------ report
+def write_report(out_dir: Path, result: dict) -> None:
+    (out_dir / "offload_results.json").write_text(json.dumps(result, indent=1, default=str))
+    lines = [f"# moeflow offload benchmark ({result['env'].get('device_name', 'cpu')})", ""]
+    bw = result.get("h2d")
+    if bw:
+        lines += [f"H2D: one expert ({bw['expert_bytes'] / 2**20:.1f} MiB) "
+                  f"{bw['GBps']['host_store_expert_1_copy']:.1f} GB/s = {bw['expert_fraction_of_best']:.0%} of the "
+                  f"best rate in this run ({bw['best_GBps']:.1f} GB/s; target 90%); chunked x3 "
+                  f"{bw['chunked_fraction_of_best']:.0%}; host store pinned: {bw['host_store_pinned']}", ""]
+    full = result.get("full_model_bytes")
+    lines += ["| policy | slots | expert GiB | TTFT s | TPOT ms | tok/s | decode hit | MiB moved | stall ms | "
+              "peak GiB | % of model | tokens = resident |", "|" + "---|" * 12]
+    for r in result["runs"]:
+        if "error" in r:
+            lines.append(f"| {r['policy']} | {r['slots']} | error: {r['error']} |" + " |" * 9)
+            continue
+        st = r["stats"]
+        moved = (st["prefill"]["bytes_h2d"] + st["decode"]["bytes_h2d"]) / 2**20
+        stall = (st["prefill"]["stall_s"] + st["decode"]["stall_s"]) * 1e3
+        peak = r["peak_gpu_bytes"]
+        lines.append(
+            f"| {r['policy']} | {r['slots']} | {r['expert_pool_bytes'] / 2**30:.2f} | {r['ttft_s']:.3f} | "
+            f"{(r['tpot_s'] or 0) * 1e3:.1f} | {r['tok_per_s'] or 0:.2f} | {st['decode']['hit_rate']:.0%} | "
+            f"{moved:.0f} | {stall:.0f} | {(peak or 0) / 2**30:.2f} | "
+            f"{(peak / full * 100) if (peak and full) else float('nan'):.1f} | {r['tokens_equal_reference']} |"
+        )
+    if result.get("profile"):
+        ov = result["profile"].get("overlap") or {}
+        lines += ["", f"Trace: {result['profile']['trace']}; copy/compute overlap: "
+                  f"{ov.get('overlap_fraction', float('nan')):.0%} of {ov.get('htod_us', 0) / 1e3:.1f} ms "
+                  "of H2D copies"]
+    (out_dir / "offload_results.md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tiny", action="store_true", help="tiny checkpoint on the CPU (exercises the code)")
+    ap.add_argument("--checkpoint", type=Path, default=None, help="where the synthetic checkpoint is (or goes)")
+    ap.add_argument("--layers", type=int, default=None, help="write fewer layers (same shapes per layer)")
+    ap.add_argument("--budgets", default=None, help="comma-separated slot counts (default: min,16,64,128)")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--prompt-len", type=int, default=None)
+    ap.add_argument("--new-tokens", type=int, default=None)
+    ap.add_argument("--transport", default="auto")
+    ap.add_argument("--no-resident", action="store_true", help="skip the all-resident baseline")
+    ap.add_argument("--trace-tokens", type=int, default=4)
+    ap.add_argument("--time-budget-s", type=float, default=480.0, help="stop starting configurations after this")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu_offload"))
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+
+    if args.tiny:
+        torch.set_num_threads(1)  # tiny tensors: intra-op threads only add wake-up latency to every copy
+        device, dtype, config, kernels = torch.device("cpu"), torch.float32, dict(TINY), "torch"
+        budgets = [int(b) for b in (args.budgets or "2,5,16").split(",")]
+        prompt_len, new_tokens, group = args.prompt_len or 12, args.new_tokens or 6, 32
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("no CUDA device: run with --tiny on the CPU")
+        device, dtype, config, kernels = torch.device("cuda"), torch.float16, dict(MIXTRAL_8X7B), "auto"
+        budgets = [int(b) for b in (args.budgets or "2,16,64,128").split(",")]
+        prompt_len, new_tokens, group = args.prompt_len or 128, args.new_tokens or 16, 128
+    if args.layers:
+        config["num_hidden_layers"] = args.layers
+    ckpt = args.checkpoint or Path(tempfile.gettempdir()) / (
+        f"moeflow-synthetic-{'tiny' if args.tiny else 'mixtral-8x7b'}-awq-L{config['num_hidden_layers']}")
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    env = {"torch": torch.__version__, "python": platform.python_version(), "device": str(device),
+           "argv": sys.argv[1:], "cpu_count": os.cpu_count()}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env.update(device_name=props.name, device_memory_bytes=props.total_memory)
+    result: dict = {"env": env, "config": config, "runs": []}
+
+    t0 = time.perf_counter()
+    write_synthetic_awq_checkpoint(ckpt, config, group_size=group)
+    result["checkpoint"] = {"path": str(ckpt), "write_s": time.perf_counter() - t0}
+    result["full_model_bytes"] = checkpoint_bytes(ckpt)
+
+    L, E, k = config["num_hidden_layers"], config["num_local_experts"], config["num_experts_per_tok"]
+    smallest = min_slots(OffloadConfig(), k)
+    budgets = sorted({max(smallest, min(b, L * E)) for b in budgets})
+    t0 = time.perf_counter()
+    model = MoEOffloadedMixtral.from_pretrained(
+        ckpt, device=device, dtype=dtype, kernels=kernels, progress=False,
+        offload=OffloadConfig(policy="lru", gpu_expert_slots=smallest, transport=args.transport),
+    )
+    host = model.experts.host
+    result["checkpoint"]["load_s"] = time.perf_counter() - t0
+    result["h2d"] = measure_h2d(host, device, repeats=3 if args.tiny else 20)
+    write_report(args.out, result)
+
+    prompt = torch.randint(3, config["vocab_size"], (1, prompt_len), generator=torch.Generator().manual_seed(0))
+    # warm-up (kernel compilation, allocator): not measured
+    model.generate(prompt[:, :8], max_new_tokens=2, do_sample=False)
+
+    expected = None
+    plan: list[tuple[str, int]] = []
+    resident_bytes = L * E * host.fmt.nbytes
+    fits = device.type == "cpu" or resident_bytes < 0.85 * torch.cuda.get_device_properties(device).total_memory
+    if not args.no_resident and fits:
+        plan.append(("resident", L * E))
+    plan += [(p, b) for b in budgets for p in args.policies.split(",")]
+    for policy, slots in plan:
+        if time.perf_counter() - t_start > args.time_budget_s:
+            result["runs"].append({"policy": policy, "slots": slots, "error": "skipped: time budget"})
+            continue
+        try:
+            backend = install_backend(model, host, policy, slots, args.transport)
+            row, out = run_config(model, prompt, new_tokens, expected)
+        except Exception as exc:  # keep going: one failing configuration must not lose the others
+            result["runs"].append({"policy": policy, "slots": slots, "error": f"{type(exc).__name__}: {exc}"})
+            write_report(args.out, result)
+            continue
+        if expected is None:
+            expected = out  # resident when it fits, else the first offloaded run
+        pool_bytes = backend.pool.buffer.numel()
+        row.update(policy=policy, slots=slots, expert_pool_bytes=pool_bytes,
+                   transport=getattr(getattr(backend, "transport", None), "name", "none"))
+        result["runs"].append(row)
+        write_report(args.out, result)
+        print(f"{policy:>20} slots={slots:>4}: {row['summary']}", flush=True)
+
+    mid = budgets[len(budgets) // 2]
+    policy = "mixtral-offloading" if "mixtral-offloading" in args.policies else args.policies.split(",")[0]
+    install_backend(model, host, policy, mid, args.transport)
+    result["profile"] = {"policy": policy, "slots": mid, **profile_decode(model, prompt[:, :16], args.trace_tokens,
+                                                                            args.out)}
+    result["total_s"] = time.perf_counter() - t_start
+    write_report(args.out, result)
+    if isinstance(model.experts, OffloadedExperts):
+        model.experts.close()
+    print((args.out / "offload_results.md").read_text())
+    return result
+
+
+if __name__ == "__main__":
+    main()
