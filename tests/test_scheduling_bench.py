@@ -1,0 +1,30 @@
+"""The GPU offload benchmark's code runs end to end in its --tiny CPU mode."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+
+def test_run_gpu_offload_tiny(tmp_path):
+    import run_gpu_offload
+
+    threads = torch.get_num_threads()
+    try:
+        result = run_gpu_offload.main([
+            "--tiny", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--budgets", "2,16",
+            "--policies", "lru,mixtral-offloading", "--new-tokens", "3", "--prompt-len", "6", "--trace-tokens", "2",
+        ])
+    finally:
+        torch.set_num_threads(threads)
+    runs = result["runs"]
+    assert [r["policy"] for r in runs] == ["resident", "lru", "mixtral-offloading", "lru", "mixtral-offloading"]
+    assert all(r.get("tokens_equal_reference") is not False and "error" not in r for r in runs)
+    saved = json.loads((tmp_path / "out" / "offload_results.json").read_text())
+    assert saved["h2d"]["best_GBps"] > 0 and (tmp_path / "out" / "offload_trace.json").is_file()
+    assert "| lru | 2 |" in (tmp_path / "out" / "offload_results.md").read_text()
