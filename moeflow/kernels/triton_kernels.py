@@ -108,7 +108,11 @@ def _load_w_tile(
     k0, K, n_mask,
     AWQ: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, CDTYPE: tl.constexpr,
 ):
-    """Dequantized weight tile W[offs_k, offs_n] ([BLOCK_K, BLOCK_N], dtype CDTYPE), zero outside K / n_mask."""
+    """Dequantized weight tile W[offs_k, offs_n] ([BLOCK_K, BLOCK_N], dtype CDTYPE), zero outside K / n_mask.
+
+    (q - z) * s is formed in fp32 and rounded once to CDTYPE (the same value as a correctly rounded CDTYPE
+    product); the interpreter's int32 -> bf16 cast and bf16 multiply are wrong, fp32 sidesteps both.
+    """
     mask = (offs_k[:, None] < K) & n_mask[None, :]
     if AWQ:
         col = offs_n // 8
@@ -120,14 +124,14 @@ def _load_w_tile(
             zp = tl.load(z_ptr + g * stride_zk + col * stride_zn, mask=n_mask, other=0)
             z = (zp >> shifts) & 0xF
             s = tl.load(s_ptr + g * stride_sk + offs_n * stride_sn, mask=n_mask, other=0.0)
-            w = (q - z[None, :]).to(CDTYPE) * s.to(CDTYPE)[None, :]
+            w = (q - z[None, :]).to(tl.float32) * s.to(tl.float32)[None, :]
         else:
             g = offs_k // GROUP
             zp = tl.load(z_ptr + g[:, None] * stride_zk + col[None, :] * stride_zn, mask=mask, other=0)
             z = (zp >> shifts[None, :]) & 0xF
             s = tl.load(s_ptr + g[:, None] * stride_sk + offs_n[None, :] * stride_sn, mask=mask, other=0.0)
-            w = (q - z).to(CDTYPE) * s.to(CDTYPE)
-        w = tl.where(mask, w, 0.0)
+            w = (q - z).to(tl.float32) * s.to(tl.float32)
+        w = tl.where(mask, w, 0.0).to(CDTYPE)
     else:
         w = tl.load(b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn, mask=mask, other=0.0)
         w = w.to(CDTYPE)
@@ -148,7 +152,7 @@ def _moe_gemm_kernel(
     TOPK: tl.constexpr, GROUP: tl.constexpr, AWQ: tl.constexpr, MODE: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_WEIGHT: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    CDTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+    CDTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -197,14 +201,14 @@ def _moe_gemm_kernel(
             mask=row_ok[:, None] & (offs_k[None, :] < K), other=0.0,
         )
         if BLOCK_M >= 16:
-            a = a.to(CDTYPE)
+            a = a.to(CDTYPE).to(DOT_DTYPE)
             w = _load_w_tile(b_base, z_base, s_base, stride_bk, stride_bn, stride_zk, stride_zn, stride_sk, stride_sn,
                              offs_k, offs_n, k0, K, n_mask, AWQ, GROUP, BLOCK_K, CDTYPE)
-            acc = tl.dot(a, w, acc=acc, input_precision=DOT_PREC)
+            acc = tl.dot(a, w.to(DOT_DTYPE), acc=acc, input_precision=DOT_PREC)
             if MODE == 0:
                 w = _load_w_tile(b_base, z_base, s_base, stride_bk, stride_bn, stride_zk, stride_zn, stride_sk,
                                  stride_sn, offs_k, offs_n + N_UP, k0, K, n_mask, AWQ, GROUP, BLOCK_K, CDTYPE)
-                acc_up = tl.dot(a, w, acc=acc_up, input_precision=DOT_PREC)
+                acc_up = tl.dot(a, w.to(DOT_DTYPE), acc=acc_up, input_precision=DOT_PREC)
         else:
             # decode: GEMV-shaped, everything in fp32 (memory-bound; no 16-row tensor-core tile wasted)
             a = a.to(tl.float32)
@@ -318,6 +322,9 @@ def grouped_gemm_triton(
     mask_arg = expert_mask if expert_mask is not None else slot_of_expert
     weight_arg = topk_weights if topk_weights is not None else slot_of_expert
     cdtype = _TL_DTYPES[a.dtype]
+    # the interpreter's bf16 tl.dot is wrong: multiply the (bf16-rounded) operands in fp32 there, which gives the
+    # same products as bf16 tensor cores with fp32 accumulation
+    dot_dtype = tl.float32 if INTERPRETED and a.dtype == torch.bfloat16 else cdtype
     grid = (n_blocks * triton.cdiv(n_out, cfg["BLOCK_N"]), split_k)
     _moe_gemm_kernel[grid](
         a, a.stride(0), a.stride(1),
@@ -331,7 +338,7 @@ def grouped_gemm_triton(
         TOPK=top_k, GROUP=group_size if awq else 1, AWQ=awq, MODE=mode,
         HAS_MASK=expert_mask is not None, HAS_WEIGHT=topk_weights is not None, SPLIT_K=split_k,
         BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg.get("GROUP_M", 8),
-        CDTYPE=cdtype, DOT_PREC="ieee" if a.dtype == torch.float32 else "tf32",
+        CDTYPE=cdtype, DOT_DTYPE=dot_dtype, DOT_PREC="ieee" if dot_dtype == tl.float32 else "tf32",
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2),
     )
     if split_k > 1:
