@@ -1,0 +1,195 @@
+"""DuoServe-MoE's decode-phase predictor (§4): popularity, inter-layer affinity and the activation
+path, fed to a seven-layer MLP ("ExpertMLP") trained with binary cross-entropy.
+
+From the training trace (the "Experts Tracer" of §4.1):
+
+* eq. 2, popularity ``P_l(i)``: the share of layer l's selections that chose expert i;
+* eq. 3, affinity ``A_{l,l+1}(i, j)``: given expert i selected at layer l, the probability that
+  expert j is selected at layer l+1 (rows normalised to 1). With a prediction distance ``d > 1`` the
+  same statistic is taken between layers l and l+d.
+
+For target layer ``t`` (source ``s = t - d``), eqs. 4-5 build the state ``s_t = [h_t, p_t, a_{s,t}]``:
+
+* ``h_t``: the activation path, i.e. the experts selected at layers 0..s of this iteration; stored as
+  a fixed-length [L, E] multi-hot (layers after ``s`` zero-padded), the paper's "flattened, zero-padded
+  expert indices" in a form an MLP can use;
+* ``p_t``: the popularity vector of the target layer [E];
+* ``a_{s,t}``: the affinity rows of the experts just selected at layer s, in routing order [k, E]
+  (what the State Constructor reads from the affinity matrix), flattened.
+
+ExpertMLP: seven fully connected layers, hidden widths halving from 2048 to 64 (2048, 1024, 512,
+256, 128, 64) and an output layer of E logits; each hidden layer is followed by BatchNorm, ReLU and
+Dropout(0.1). Trained with BCE on the target layer's top-k (eq. 6). One MLP serves every layer (a
+layer-level predictor); for small models the widths are scaled down with the input size, keeping
+the structure (the first width is a power of two in [64, 2048]).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from moeflow.scheduling.predictors.base import (
+    ExpertPredictor,
+    ModelShape,
+    PredictorError,
+    default_width,
+    ids_to_mask,
+    popularity_matrix,
+)
+
+PAPER_WIDTHS = (2048, 1024, 512, 256, 128, 64)
+MIXTRAL_INPUT = 32 * 8 + 8 + 2 * 8  # state size for Mixtral-8x7B (L=32, E=8, k=2): the paper's scale
+
+
+def affinity_matrices(topk_ids: torch.Tensor, num_experts: int, distance: int = 1) -> torch.Tensor:
+    """DuoServe eq. 3 between layers s and s+distance.
+
+    topk_ids int [N, L, k] -> float32 [L - distance, E, E]; row i of matrix s is the distribution of
+    the experts chosen at layer s+distance given expert i chosen at layer s (uniform if i never was).
+    """
+    n, L, k = topk_ids.shape
+    E = num_experts
+    out = torch.zeros(max(L - distance, 0), E, E, dtype=torch.float64)
+    mask = ids_to_mask(topk_ids, E).double()  # [N, L, E]
+    for s in range(L - distance):
+        out[s] = mask[:, s].T @ mask[:, s + distance]  # co-selection counts [E, E]
+    total = out.sum(-1, keepdim=True)
+    out = torch.where(total > 0, out / total.clamp(min=1), torch.full_like(out, 1.0 / E))
+    return out.float()
+
+
+def expert_mlp(in_dim: int, num_experts: int, widths: tuple[int, ...], dropout: float = 0.1) -> nn.Sequential:
+    """Linear -> BatchNorm -> ReLU -> Dropout for each hidden width, then Linear to E logits."""
+    layers: list[nn.Module] = []
+    prev = in_dim
+    for w in widths:
+        layers += [nn.Linear(prev, w), nn.BatchNorm1d(w), nn.ReLU(), nn.Dropout(dropout)]
+        prev = w
+    layers.append(nn.Linear(prev, num_experts))
+    return nn.Sequential(*layers)
+
+
+def scaled_widths(in_dim: int) -> tuple[int, ...]:
+    """The paper's 2048 -> 64 halving at Mixtral scale; the same six halving steps from a smaller start
+    for smaller models (never below 8)."""
+    first = default_width(PAPER_WIDTHS[0], in_dim, MIXTRAL_INPUT)
+    return tuple(max(8, first >> i) for i in range(len(PAPER_WIDTHS)))
+
+
+class DuoServePredictor(ExpertPredictor):
+    """DuoServe-MoE's layer-level ExpertMLP (see the module docstring)."""
+
+    kind = "duoserve"
+
+    def __init__(self, shape: ModelShape, distance: int = 1, popularity: torch.Tensor | None = None,
+                 widths: list[int] | None = None, dropout: float = 0.1) -> None:
+        super().__init__(shape, distance, popularity)
+        L, E, k = shape.num_layers, shape.num_experts, shape.top_k
+        self.in_dim = L * E + E + k * E
+        self.widths = tuple(widths) if widths else scaled_widths(self.in_dim)
+        self.dropout = dropout
+        self.affinity = torch.full((max(L - distance, 0), E, E), 1.0 / E)  # [L-d, E, E]
+        self.mlp = expert_mlp(self.in_dim, E, self.widths, dropout).eval()
+
+    # ------------------------------------------------------------------ features
+    def state_vector(self, topk_path: torch.Tensor, target_layer: int) -> torch.Tensor:
+        """Eq. 5. topk_path int [R, s+1, k]: the experts chosen at layers 0..s (s = target - distance).
+        -> float32 [R, L*E + E + k*E]."""
+        L, E = self.shape.num_layers, self.shape.num_experts
+        r, m, _ = topk_path.shape
+        src = target_layer - self.distance
+        if m != src + 1:
+            raise PredictorError(f"activation path of {m} layers given for target {target_layer} (needs {src + 1})")
+        h = torch.zeros(r, L, E)
+        h[:, :m] = ids_to_mask(topk_path, E).float()  # h_t: layers 0..s, zero-padded after
+        p = self.popularity[target_layer].expand(r, E)  # p_t
+        a = self.affinity[src][topk_path[:, -1].long()].reshape(r, -1)  # a_{s,t}: rows of the chosen experts
+        return torch.cat([h.reshape(r, L * E), p, a], dim=1)
+
+    def _predict(self, target_layer: int, source_layer: int) -> torch.Tensor:
+        path = torch.stack([self._topk[layer].cpu() for layer in range(source_layer + 1)], dim=1)  # [T, s+1, k]
+        with torch.no_grad():
+            return torch.sigmoid(self.mlp(self.state_vector(path, target_layer)))
+
+    # ------------------------------------------------------------------ training
+    def dataset(self, trace) -> tuple[torch.Tensor, torch.Tensor]:
+        """(states [M, in], targets [M, E]) for every token and every target layer t >= distance."""
+        xs, ys = [], []
+        topk = trace.topk_ids.long()
+        for t in range(self.distance, self.shape.num_layers):
+            xs.append(self.state_vector(topk[:, : t - self.distance + 1], t))
+            ys.append(ids_to_mask(topk[:, t], self.shape.num_experts).float())
+        return torch.cat(xs), torch.cat(ys)
+
+    @classmethod
+    def fit(cls, trace, distance: int = 1, epochs: int = 20, batch_size: int = 256, lr: float = 1e-3,
+            widths: list[int] | None = None, dropout: float = 0.1, seed: int = 0,
+            max_seconds: float | None = None) -> DuoServePredictor:
+        """Statistics (eqs. 2-3) from ``trace`` (the training rows), then ExpertMLP trained with BCE (eq. 6).
+        The paper trains 15-20 epochs for Mixtral-8x7B; ``max_seconds`` caps the wall time."""
+        start = time.perf_counter()
+        shape = ModelShape.from_trace(trace)
+        self = cls(shape, distance, popularity_matrix(trace.topk_ids, shape.num_experts), widths, dropout)
+        self.affinity = affinity_matrices(trace.topk_ids, shape.num_experts, distance)
+        x, y = self.dataset(trace)
+        losses = _train_bce(self.mlp, x, y, epochs, batch_size, lr, seed, max_seconds)
+        self.train_info.train_tokens = len(trace)
+        self.train_info.train_seconds = time.perf_counter() - start
+        self.train_info.notes = {"samples": int(x.shape[0]), "epochs_run": len(losses),
+                                 "final_loss": losses[-1] if losses else None}
+        return self
+
+    # ------------------------------------------------------------------ persistence
+    def config(self) -> dict[str, Any]:
+        return {"widths": list(self.widths), "dropout": self.dropout}
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {"affinity": self.affinity.contiguous(), "mlp": self.mlp.state_dict()}
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        aff = state.get("affinity")
+        if aff is None or tuple(aff.shape) != tuple(self.affinity.shape):
+            raise PredictorError(f"duoserve predictor file: 'affinity' has shape "
+                                 f"{None if aff is None else tuple(aff.shape)}, expected {tuple(self.affinity.shape)}")
+        self.affinity = aff.float()
+        try:
+            self.mlp.load_state_dict(state["mlp"])
+        except (KeyError, RuntimeError) as e:
+            raise PredictorError(f"duoserve predictor file: the ExpertMLP weights do not fit: {e}") from e
+        self.mlp.eval()
+
+
+def _train_bce(model: nn.Module, x: torch.Tensor, y: torch.Tensor, epochs: int, batch_size: int, lr: float,
+               seed: int, max_seconds: float | None) -> list[float]:
+    """Minibatch Adam on BCE-with-logits (x [M, in], y [M, E] in {0, 1}); returns the mean loss per epoch."""
+    if x.shape[0] == 0:
+        raise PredictorError("no training samples: the trace is empty or has too few layers for this distance")
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    loss_fn = nn.BCEWithLogitsLoss()
+    start = time.perf_counter()
+    losses = []
+    model.train()
+    for _ in range(epochs):
+        perm = torch.randperm(x.shape[0], generator=gen)
+        total, count = 0.0, 0
+        for i in range(0, x.shape[0], batch_size):
+            idx = perm[i : i + batch_size]
+            if idx.numel() < 2 and any(isinstance(m, nn.BatchNorm1d) for m in model.modules()):
+                continue  # BatchNorm cannot normalise one sample
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(model(x[idx]), y[idx])
+            loss.backward()
+            opt.step()
+            total += float(loss.detach()) * idx.numel()
+            count += idx.numel()
+        losses.append(total / max(count, 1))
+        if max_seconds is not None and time.perf_counter() - start > max_seconds:
+            break
+    model.eval()
+    return losses

@@ -1,0 +1,389 @@
+"""FineMoE's expert-map guidance (§4.1-4.5): an Expert Map Store searched by semantic and trajectory
+similarity, a similarity-aware prefetch threshold, and the prefetch and eviction priorities.
+
+* Expert map (§4.1): for one iteration, the router probability distributions of all layers,
+  ``map_i = {P_1, ..., P_L}`` ([L, E]); stored with the iteration's semantic embedding (the
+  embedding-layer output, [H]).
+* Search (§4.2): for the first ``d`` layers (``d`` = prefetch distance) no routing of this iteration
+  is known yet, so the map whose semantic embedding is most cosine-similar (eq. 4) guides them; for a
+  layer ``l >= d`` the observed trajectory ``P_0 .. P_{l-d}`` is compared by cosine (eq. 5) with the
+  same layers of every stored map, and the best map's ``P_l`` guides layer ``l``.
+* Similarity-aware selection (§4.3): ``delta_l = clip(1 - score, 0, 1)``; experts are taken in
+  decreasing probability until their summed probability reaches ``delta_l``, and never fewer than
+  ``k`` (eqs. 6-8). A confident match prefetches few experts, a poor one many.
+* Priorities (§4.5): prefetch ``p_{l,j} / (l - l_now)``; eviction ``1 / (p_{l,j} * freq_{l,j})``
+  (LFU weighted by the searched map; the lowest ``p * freq`` goes first).
+* Store management (§4.4): capacity ``C`` maps (1K in the paper); once full, each new map replaces
+  the stored map most redundant with it, ``RDY = d/L * score_sem + (L-d)/L * score_traj``.
+* Asynchrony (§4.3): the inference thread publishes contexts (embeddings, each layer's probabilities,
+  finished maps) and a single worker thread searches and updates the store off the critical path
+  (``async_search=True``); ``predict`` then collects the search started when the source layer was
+  observed.
+
+No offline training: the store fills as the predictor serves (``online=True`` publishes each
+finished iteration) and can be warmed from a trace (:meth:`FineMoEPredictor.fit`). An iteration is
+one token of a sequence by default (decode iterations are one token; ``aggregate=True`` makes a
+multi-token forward pass, a prefill, one iteration with mean probabilities and mean embedding).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from moeflow.scheduling.predictors.base import ExpertPredictor, ModelShape, PredictorError, popularity_matrix
+
+DEFAULT_CAPACITY = 1000
+PAPER_DISTANCE = 3  # Mixtral-8x7B in the paper
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [B, D], b [C, D] -> [B, C] cosine similarity (0 against zero vectors)."""
+    an = a / a.norm(dim=1, keepdim=True).clamp(min=1e-12)
+    bn = b / b.norm(dim=1, keepdim=True).clamp(min=1e-12)
+    return an @ bn.T
+
+
+def similarity_threshold(score: torch.Tensor | float) -> torch.Tensor:
+    """delta = clip(1 - score, 0, 1) (FineMoE §4.3)."""
+    return torch.clamp(1.0 - torch.as_tensor(score, dtype=torch.float32), 0.0, 1.0)
+
+
+def select_experts(probs: torch.Tensor, delta: torch.Tensor | float, k: int) -> torch.Tensor:
+    """Eqs. 6-8: per row, the fewest most-probable experts whose probabilities sum to >= delta, at least k.
+
+    probs [R, E], delta [R] or scalar -> bool [R, E].
+    """
+    probs = probs.float()
+    r, e = probs.shape
+    delta = torch.as_tensor(delta, dtype=torch.float32).expand(r)
+    sorted_p, order = torch.sort(probs, dim=1, descending=True)
+    before = torch.cumsum(sorted_p, dim=1) - sorted_p  # mass of the experts ranked above each one
+    # an expert is taken while the mass before it is still short of delta (tolerance for fp rounding)
+    take = before < delta[:, None] - 1e-6
+    take[:, : min(k, e)] = True
+    return torch.zeros_like(take).scatter_(1, order, take)
+
+
+def prefetch_priority(p: torch.Tensor | float, layer: int, layer_now: int) -> torch.Tensor:
+    """PRI_prefetch = p / (l - l_now) (FineMoE §4.5); layer > layer_now."""
+    if layer <= layer_now:
+        raise ValueError(f"prefetch priority of layer {layer} at layer {layer_now}: the layer must lie ahead")
+    return torch.as_tensor(p, dtype=torch.float32) / (layer - layer_now)
+
+
+def eviction_priority(p: torch.Tensor | float, freq: torch.Tensor | float) -> torch.Tensor:
+    """PRI_evict = 1 / (p * freq) (FineMoE §4.5): the highest is evicted first (inf when p * freq = 0)."""
+    denom = torch.as_tensor(p, dtype=torch.float32) * torch.as_tensor(freq, dtype=torch.float32)
+    return torch.where(denom > 0, 1.0 / denom.clamp(min=1e-30), torch.full_like(denom, float("inf")))
+
+
+class ExpertMapStore:
+    """Capacity-bounded store of (expert map [L, E], semantic embedding [H]) records, thread-safe."""
+
+    def __init__(self, num_layers: int, num_experts: int, hidden_size: int | None, capacity: int = DEFAULT_CAPACITY,
+                 distance: int = PAPER_DISTANCE) -> None:
+        if capacity < 1:
+            raise ValueError(f"Expert Map Store capacity must be >= 1, got {capacity}")
+        self.num_layers, self.num_experts, self.hidden_size = num_layers, num_experts, hidden_size
+        self.capacity, self.distance = capacity, distance
+        self.maps = torch.zeros(capacity, num_layers, num_experts)  # [C, L, E]
+        self.sems = torch.zeros(capacity, hidden_size) if hidden_size else None  # [C, H]
+        self.has_sem = torch.zeros(capacity, dtype=torch.bool)
+        self.size = 0
+        self.replaced = 0
+        self.lock = threading.RLock()
+
+    def __len__(self) -> int:
+        return self.size
+
+    def redundancy(self, maps: torch.Tensor, sems: torch.Tensor | None) -> torch.Tensor:
+        """RDY [B, size] = d/L * semantic cosine + (L-d)/L * trajectory cosine (whole maps).
+        maps [B, L, E], sems [B, H] or None (then the trajectory term alone)."""
+        with self.lock:
+            n = self.size
+            traj = _cosine(maps.reshape(maps.shape[0], -1).float(), self.maps[:n].reshape(n, -1))
+            if sems is None or self.sems is None:
+                return traj
+            sem = _cosine(sems.float(), self.sems[:n])
+            sem = torch.where(self.has_sem[:n][None, :], sem, traj)  # a stored map without embedding
+            L, d = self.num_layers, self.distance
+            return d / L * sem + (L - d) / L * traj
+
+    def add(self, maps: torch.Tensor, sems: torch.Tensor | None = None) -> list[int]:
+        """Store new iterations (maps [B, L, E], sems [B, H]); when full, each replaces the stored map
+        with the highest redundancy score. Returns the slots written."""
+        if maps.dim() != 3 or tuple(maps.shape[1:]) != (self.num_layers, self.num_experts):
+            raise PredictorError(f"expert maps must be [B, {self.num_layers}, {self.num_experts}], "
+                                 f"got {list(maps.shape)}")
+        if sems is not None and (self.sems is None or sems.shape != (maps.shape[0], self.hidden_size)):
+            raise PredictorError(f"semantic embeddings must be [{maps.shape[0]}, {self.hidden_size}], "
+                                 f"got {list(sems.shape)}")
+        slots = []
+        with self.lock:
+            for x in range(maps.shape[0]):
+                sem = None if sems is None else sems[x : x + 1]
+                if self.size < self.capacity:
+                    slot = self.size
+                    self.size += 1
+                else:
+                    slot = int(torch.argmax(self.redundancy(maps[x : x + 1], sem)[0]))
+                    self.replaced += 1
+                self.maps[slot] = maps[x].float()
+                if sem is not None:
+                    self.sems[slot] = sem[0].float()
+                self.has_sem[slot] = sem is not None
+                slots.append(slot)
+        return slots
+
+    def search_semantic(self, sems: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Eq. 4: for each query [B, H], (index of the most similar stored embedding [B], its cosine [B])."""
+        with self.lock:
+            n = self.size
+            if n == 0 or self.sems is None or not bool(self.has_sem[:n].any()):
+                return None
+            score = _cosine(sems.float(), self.sems[:n])
+            score = torch.where(self.has_sem[:n][None, :], score, torch.full_like(score, -2.0))
+            best, idx = score.max(dim=1)
+            return idx, best
+
+    def search_trajectory(self, traj: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Eq. 5: traj [B, m, E] (layers 0..m-1 of this iteration) against the same layers of every map."""
+        with self.lock:
+            n, m = self.size, traj.shape[1]
+            if n == 0:
+                return None
+            score = _cosine(traj.reshape(traj.shape[0], -1).float(), self.maps[:n, :m].reshape(n, -1))
+            best, idx = score.max(dim=1)
+            return idx, best
+
+    def layer_maps(self, idx: torch.Tensor, layer: int) -> torch.Tensor:
+        """P_layer of the stored maps ``idx`` [B] -> [B, E]."""
+        with self.lock:
+            return self.maps[idx, layer].clone()
+
+    def state(self) -> dict[str, torch.Tensor]:
+        with self.lock:
+            out = {"maps": self.maps[: self.size].clone(), "has_sem": self.has_sem[: self.size].clone()}
+            if self.sems is not None:
+                out["sems"] = self.sems[: self.size].clone()
+            return out
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        maps = state.get("maps")
+        if maps is None or maps.dim() != 3 or tuple(maps.shape[1:]) != (self.num_layers, self.num_experts):
+            raise PredictorError(f"finemoe predictor file: stored maps have shape "
+                                 f"{None if maps is None else list(maps.shape)}, expected [C, {self.num_layers}, "
+                                 f"{self.num_experts}]")
+        n = min(maps.shape[0], self.capacity)
+        with self.lock:
+            self.maps[:n] = maps[:n].float()
+            if self.sems is not None and "sems" in state:
+                self.sems[:n] = state["sems"][:n].float()
+                self.has_sem[:n] = state.get("has_sem", torch.ones(n, dtype=torch.bool))[:n]
+            self.size = n
+
+
+class FineMoEPredictor(ExpertPredictor):
+    """FineMoE's expert-map search as a predictor (see the module docstring)."""
+
+    kind = "finemoe"
+    needs_embed = True
+    eval_block = 1  # an iteration is one token: serve them in order, publishing each map
+
+    def __init__(self, shape: ModelShape, distance: int = PAPER_DISTANCE, popularity: torch.Tensor | None = None,
+                 capacity: int = DEFAULT_CAPACITY, online: bool = True, aggregate: bool = False,
+                 async_search: bool = False) -> None:
+        super().__init__(shape, distance, popularity)
+        L, E = shape.num_layers, shape.num_experts
+        self.capacity, self.online, self.aggregate = capacity, online, aggregate
+        self.store = ExpertMapStore(L, E, shape.hidden_size, capacity, distance)
+        self.freq = torch.zeros(L, E)  # visit counts (observed activations) for the eviction priority
+        self.guidance = torch.full((L, E), 1.0 / E)  # the latest searched probabilities per layer
+        self._found: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # target -> (p [B, E], score [B])
+        self._futures: dict[int, Future] = {}
+        self._query_sem: torch.Tensor | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        if async_search:
+            self.start_async()
+
+    # ------------------------------------------------------------------ async worker
+    def start_async(self) -> None:
+        """Search and update the store on a worker thread (publish/subscribe, off the critical path)."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="finemoe-search")
+
+    def close(self) -> None:
+        """Stop the worker thread (pending work finishes first)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    @property
+    def is_async(self) -> bool:
+        return self._executor is not None
+
+    def _submit(self, fn, *args) -> Future:
+        if self._executor is not None:
+            return self._executor.submit(fn, *args)
+        fut: Future = Future()
+        fut.set_result(fn(*args))
+        return fut
+
+    # ------------------------------------------------------------------ iteration
+    def _clear_iteration(self) -> None:
+        super()._clear_iteration()
+        self._found = {}
+        self._futures = {}
+        self._query_sem = None
+
+    def begin_iteration(self, embed: torch.Tensor | None = None) -> None:
+        """embed [T, H]: the iteration's token embeddings (its semantic context)."""
+        super().begin_iteration(embed)
+        if embed is not None:
+            sem = embed.float().cpu()
+            self._query_sem = sem.mean(0, keepdim=True) if self.aggregate else sem
+            if self.is_async:  # start the semantic search for the first d layers now
+                sem_query = self._query_sem
+                self._futures[-1] = self._submit(self.store.search_semantic, sem_query)
+
+    def _rows_of(self, t: torch.Tensor) -> torch.Tensor:
+        return t.mean(0, keepdim=True) if self.aggregate else t
+
+    def _on_observe(self, layer: int) -> None:
+        ids = self._topk[layer].reshape(-1).cpu()
+        self.freq[layer] += torch.bincount(ids, minlength=self.shape.num_experts).float()
+        target = layer + self.distance
+        if self.is_async and target < self.shape.num_layers:
+            traj = self._trajectory(layer)
+            self._futures[target] = self._submit(self._search_trajectory, traj, target)
+
+    def _trajectory(self, last_layer: int) -> torch.Tensor:
+        """[B, last_layer + 1, E]: this iteration's probabilities of layers 0..last_layer."""
+        return torch.stack([self._rows_of(self._probs[layer].cpu()) for layer in range(last_layer + 1)], dim=1)
+
+    def _search_trajectory(self, traj: torch.Tensor, target: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        hit = self.store.search_trajectory(traj)
+        if hit is None:
+            return None
+        idx, score = hit
+        return self.store.layer_maps(idx, target), score
+
+    def _no_match(self, rows: int, target: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Nothing to search (empty store or no embedding): popularity with similarity 0 (delta = 1)."""
+        return self.popularity[target].expand(rows, -1).clone(), torch.zeros(rows)
+
+    def _rows(self) -> int:
+        if self._query_sem is not None:
+            return self._query_sem.shape[0]
+        if self._rows is not None:
+            return 1 if self.aggregate else self._rows
+        return 1
+
+    def prior(self, target_layer: int) -> torch.Tensor:
+        """Semantic search (first d layers): P_target of the map with the most similar embedding."""
+        if target_layer not in self._found:
+            hit = None
+            if -1 in self._futures:
+                hit = self._futures[-1].result()
+            elif self._query_sem is not None:
+                hit = self.store.search_semantic(self._query_sem)
+            if hit is None:
+                found = self._no_match(self._rows(), target_layer)
+            else:
+                idx, score = hit
+                found = (self.store.layer_maps(idx, target_layer), score)
+            self._remember(target_layer, found)
+        return self._found[target_layer][0].clone()
+
+    def _predict(self, target_layer: int, source_layer: int) -> torch.Tensor:
+        """Trajectory search: P_target of the map whose layers 0..target-d best match this iteration's."""
+        if target_layer not in self._found:
+            fut = self._futures.get(target_layer)
+            hit = fut.result() if fut is not None else self._search_trajectory(self._trajectory(source_layer),
+                                                                               target_layer)
+            self._remember(target_layer, hit if hit is not None else self._no_match(self._rows(), target_layer))
+        return self._found[target_layer][0].clone()
+
+    def _remember(self, target: int, found: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self._found[target] = found
+        self.guidance[target] = found[0].max(0).values
+
+    def search_score(self, target_layer: int) -> torch.Tensor:
+        """Cosine score [B] of the map guiding ``target_layer`` (after ``predict``)."""
+        if target_layer not in self._found:
+            raise PredictorError(f"no search result for layer {target_layer}: call predict({target_layer}) first")
+        return self._found[target_layer][1]
+
+    def predicted_mask(self, scores: torch.Tensor, target_layer: int) -> torch.Tensor:
+        """delta = clip(1 - score, 0, 1); the fewest most-probable experts with mass >= delta, at least k."""
+        found = self._found.get(target_layer)
+        score = found[1] if found is not None and found[1].shape[0] == scores.shape[0] else torch.zeros(scores.shape[0])
+        return select_experts(scores, similarity_threshold(score), self.shape.top_k)
+
+    def end_iteration(self) -> None:
+        """Publish the finished iteration's map (and embedding) to the store."""
+        super().end_iteration()
+        L = self.shape.num_layers
+        if self.online and all(layer in self._probs for layer in range(L)):
+            maps = self._trajectory(L - 1)  # [B, L, E]
+            sems = self._query_sem if self._query_sem is not None and self._query_sem.shape[0] == maps.shape[0] \
+                else None
+            self._submit(self.store.add, maps, sems)
+
+    # ------------------------------------------------------------------ cache priorities
+    def eviction_priority(self, layer: int, expert: int, freq: float | None = None) -> float:
+        """1 / (p * freq): p from the latest searched map of ``layer``, freq the visit count (own count
+        of observed activations unless the cache passes its own)."""
+        f = float(self.freq[layer, expert]) if freq is None else freq
+        return float(eviction_priority(self.guidance[layer, expert], f))
+
+    def eviction_score(self, key: tuple[int, int], layer_now: int = 0) -> float:
+        """For :class:`moeflow.scheduling.eviction.PriorityEviction` (evicts the lowest): p * freq."""
+        layer, expert = key
+        return float(self.guidance[layer, expert] * self.freq[layer, expert])
+
+    # ------------------------------------------------------------------ warm start and files
+    @classmethod
+    def fit(cls, trace, distance: int | None = None, capacity: int = DEFAULT_CAPACITY, online: bool = True,
+            aggregate: bool = False) -> FineMoEPredictor:
+        """Warm the store with the training rows of ``trace`` (one map per token; needs ``embed``)."""
+        if trace.embed is None:
+            raise PredictorError(f"{trace.source}: the finemoe predictor searches semantic embeddings, but the trace "
+                                 "has no 'embed' tensor (record it with `moeflow trace --hidden`)")
+        start = time.perf_counter()
+        shape = ModelShape.from_trace(trace)
+        if distance is None:
+            distance = max(1, min(PAPER_DISTANCE, shape.num_layers - 1))
+        self = cls(shape, distance, popularity_matrix(trace.topk_ids, shape.num_experts), capacity, online, aggregate)
+        self.store.add(trace.probs.float(), trace.embed.float())
+        self.freq += torch.zeros_like(self.freq).scatter_add_(
+            1, trace.topk_ids.long().permute(1, 0, 2).reshape(shape.num_layers, -1),
+            torch.ones(shape.num_layers, trace.topk_ids.shape[0] * shape.top_k))
+        self.train_info.train_tokens = len(trace)
+        self.train_info.train_seconds = time.perf_counter() - start
+        self.train_info.notes = {"stored_maps": len(self.store), "replaced": self.store.replaced}
+        return self
+
+    def config(self) -> dict[str, Any]:
+        return {"capacity": self.capacity, "online": self.online, "aggregate": self.aggregate}
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {"store": self.store.state(), "freq": self.freq.clone()}
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        if "store" not in state:
+            raise PredictorError("finemoe predictor file: the Expert Map Store is missing")
+        self.store.load_state(state["store"])
+        freq = state.get("freq")
+        if freq is not None and tuple(freq.shape) == tuple(self.freq.shape):
+            self.freq = freq.float()
+
+    def __del__(self) -> None:
+        executor = getattr(self, "_executor", None)
+        if executor is not None:
+            executor.shutdown(wait=False)
