@@ -70,3 +70,23 @@ def test_below_minimum_is_refused(tiny):
     with pytest.raises(SchedulingError, match="minimum is 2"):
         MoEOffloadedMixtral.from_pretrained(path, device="cpu", dtype=torch.float32,
                                             offload=OffloadConfig(policy="lru", gpu_expert_slots=1))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (real streams, events, pinning)")
+@pytest.mark.parametrize("kernels", ["torch", "auto"])
+def test_cuda_streams_keep_the_tokens(tiny, kernels):
+    from moeflow.scheduling import CudaTransport
+
+    path, ids, mask, _ = tiny
+    load = dict(device="cuda", dtype=torch.float16, kernels=kernels)
+    resident = MoEOffloadedMixtral.from_pretrained(path, **load, offload=OffloadConfig(policy="resident"))
+    expected = resident.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+    for policy in OFFLOAD_POLICIES:
+        for n_slots in range(max(TOP_K, 2), LAYERS * EXPERTS + 1):
+            model = MoEOffloadedMixtral.from_pretrained(
+                path, **load, offload=OffloadConfig(policy=policy, gpu_expert_slots=n_slots, max_inflight_chunks=1)
+            )
+            assert isinstance(model.experts.transport, CudaTransport)
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+            model.experts.close()
+            assert torch.equal(out.cpu(), expected.cpu()), f"{policy} with {n_slots} slots on CUDA"

@@ -226,3 +226,26 @@ def test_reordered_inference_computes_resident_experts_first(dense, monkeypatch)
             assert not any(set(g) & set(call["ready"]) for g in groups[1:])
             mixed += len(groups) > 1
     assert mixed > 0  # some calls had both resident and loaded experts
+
+
+def test_failed_layer_leaves_no_slot_pinned(dense, monkeypatch):
+    from moeflow import kernels
+
+    synth, expected = dense
+    backend, stats = synth.offloaded(policy="lru", gpu_expert_slots=2, transport="random-delay", random_delay_ms=0.5)
+    real = kernels.expert_forward
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("simulated kernel failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "expert_forward", flaky)
+    phase, layer, x, probs, ids, w = next(iter(synth.calls()))
+    with pytest.raises(RuntimeError, match="simulated"):
+        backend.forward(layer, x, probs, ids, w)
+    assert not any(s.in_use for s in backend.cache.slots)
+    _check_equal(expected, synth.run(backend, stats))  # and the backend still works
+    backend.close()

@@ -147,6 +147,31 @@ class OffloadedExperts:
             guesses.append((target, host[at : at + ids.numel()]))
             at += ids.numel()
 
+        try:
+            out = self._schedule_and_compute(layer, x, topk_ids, topk_weights, needed, guesses, st)
+        except BaseException:
+            # an interrupted layer (kernel error, Ctrl-C) must not leave slots pinned for good
+            fence = self.transport.compute_fence()
+            for slot in self.cache.slots:
+                if slot.in_use:
+                    slot.pins = 1
+                    self.cache.release(slot, fence)
+            raise
+        if isinstance(self.transport, CudaTransport):
+            st.stall_s += self.transport.collect_stall_s()
+        return kernels.combine(out, k, self.kernels_backend)
+
+    def _schedule_and_compute(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        needed: list[int],
+        guesses: list[tuple[int, list[int]]],
+        st: PhaseStats,
+    ) -> torch.Tensor:
+        """Steps 2-5 of the module docstring; returns the uncombined ``out [T*k, H]``."""
         # 2. early preemption
         self.cache.poll()
         _, dropped = self.engine.preempt(layer, set(needed))
@@ -201,9 +226,7 @@ class OffloadedExperts:
             self._pump(st)
         if deferred:  # cannot happen with n_slots >= 1: every computed group frees its slots
             raise RuntimeError(f"layer {layer}: experts {list(deferred)} never got a slot")
-        if isinstance(self.transport, CudaTransport):
-            st.stall_s += self.transport.collect_stall_s()
-        return kernels.combine(out, k, self.kernels_backend)
+        return out
 
     # ------------------------------------------------------------------ helpers
     def _load_deferred(self, layer: int, deferred: deque[int], waiting: list[LoadTask], st: PhaseStats) -> None:
