@@ -24,5 +24,11 @@ class PopularityPredictor(ExpertPredictor):
         self.train_info.train_seconds = time.perf_counter() - start
         return self
 
+    def predict(self, target_layer: int) -> torch.Tensor:
+        """P_target [1, E], whatever was observed."""
+        if not 0 <= target_layer < self.shape.num_layers:
+            return super().predict(target_layer)  # the range error
+        return self.prior(target_layer)
+
     def _predict(self, target_layer: int, source_layer: int) -> torch.Tensor:
         return self.prior(target_layer)
