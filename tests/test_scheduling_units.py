@@ -444,3 +444,38 @@ def test_random_delay_transport_is_fast_enough_for_tests():
         h.synchronize()
     assert time.perf_counter() - t0 < 5.0
     t.close()
+
+
+def test_registered_policy_plugs_predictor_and_eviction():
+    from test_scheduling_helpers import Synthetic
+
+    from moeflow.scheduling import PolicySpec, register_policy
+    from moeflow.scheduling.policies import PRESETS
+
+    built = {}
+
+    class Fixed:
+        def observe(self, layer, x, probs, topk_ids):
+            built["observed"] = built.get("observed", 0) + 1
+
+        def propose(self, layer, x):
+            return [(layer + 1, torch.tensor([0, 1]))] if layer + 1 < 3 else []
+
+    def make_predictor(ctx):
+        built["ctx"] = ctx
+        return Fixed()
+
+    register_policy(PolicySpec("test-fixed", make_predictor=make_predictor, make_eviction=lambda ctx: LFU()))
+    try:
+        with pytest.raises(ValueError, match="already registered"):
+            register_policy(PolicySpec("test-fixed"))
+        synth = Synthetic(DENSE, layers=3, experts=6, top_k=2, seed=2, steps=4)
+        expected = synth.run(synth.resident())
+        backend, stats = synth.offloaded(policy="test-fixed", gpu_expert_slots=5)
+        got = synth.run(backend, stats)
+        assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+        assert built["ctx"].n_slots == 5 and built["observed"] == 12 and backend.cache.policy.name == "lfu"
+        assert stats.prefill.prefetches + stats.decode.prefetches > 0
+        backend.close()
+    finally:
+        PRESETS.pop("test-fixed")

@@ -19,7 +19,7 @@ from moeflow.scheduling.cache import ExpertCache, Slot, SlotState
 from moeflow.scheduling.copy_engine import CopyEngine, LoadTask, chunk_ranges
 from moeflow.scheduling.eviction import LFU, LRU, EvictionPolicy, PriorityEviction, Static, make_eviction
 from moeflow.scheduling.host_store import HostStore
-from moeflow.scheduling.policies import PRESETS, PolicySpec, get_policy
+from moeflow.scheduling.policies import PRESETS, PolicyContext, PolicySpec, get_policy, register_policy
 from moeflow.scheduling.predictor import GateSpeculator, Predictor
 from moeflow.scheduling.stats import PhaseStats, Stats
 from moeflow.scheduling.transport import (
@@ -33,7 +33,8 @@ from moeflow.scheduling.transport import (
 __all__ = [
     "create_expert_backend", "resolve_slots", "min_slots", "OffloadedExperts", "HostStore", "ExpertCache", "Slot",
     "SlotState", "CopyEngine", "LoadTask", "chunk_ranges", "EvictionPolicy", "LRU", "LFU", "Static",
-    "PriorityEviction", "make_eviction", "PolicySpec", "PRESETS", "get_policy", "Predictor", "GateSpeculator",
+    "PriorityEviction", "make_eviction", "PolicySpec", "PolicyContext", "PRESETS", "get_policy", "register_policy",
+    "Predictor", "GateSpeculator",
     "Stats", "PhaseStats", "Transport", "SyncTransport", "RandomDelayTransport", "CudaTransport", "make_transport",
 ]
 
@@ -118,8 +119,15 @@ def create_expert_backend(
     if not spec.offload:
         return ResidentExperts(fmt, num_layers, num_experts, device, kernels_backend)
     ring = min_slots(config, top_k)
-    eviction = make_eviction(spec.eviction, n_slots=n_slots, ring_slots=ring)
-    predictor = GateSpeculator(gates, top_k, config.prefetch_distance) if spec.speculate else None
+    ctx = PolicyContext(config, num_layers, num_experts, top_k, n_slots, ring, gates, device)
+    if spec.make_eviction is not None:
+        eviction = spec.make_eviction(ctx)
+    else:
+        eviction = make_eviction(spec.eviction, n_slots=n_slots, ring_slots=ring)
+    if spec.make_predictor is not None:
+        predictor = spec.make_predictor(ctx)
+    else:
+        predictor = GateSpeculator(gates, top_k, config.prefetch_distance) if spec.speculate else None
     transport = make_transport(config.transport, device, seed=config.seed, random_delay_ms=config.random_delay_ms)
     return OffloadedExperts(
         fmt, num_layers=num_layers, num_experts=num_experts, top_k=top_k, n_slots=n_slots, device=device,

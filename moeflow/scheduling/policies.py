@@ -6,10 +6,28 @@ The predictors issue adds "duoserve", "promoe", "expertflow", "finemoe" here.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from moeflow.config import POLICIES
+from torch import nn
+
+from moeflow.config import POLICIES, OffloadConfig
 from moeflow.errors import SchedulingError
+
+
+@dataclass(frozen=True)
+class PolicyContext:
+    """What a policy's factories may build from (handed to ``make_predictor`` / ``make_eviction``)."""
+
+    config: OffloadConfig
+    num_layers: int
+    num_experts: int
+    top_k: int
+    n_slots: int
+    ring_slots: int
+    gates: Sequence[nn.Module]
+    device: Any
 
 
 @dataclass(frozen=True)
@@ -21,6 +39,9 @@ class PolicySpec:
     speculate: bool = False  # prefetch with the next layers' routers on the current hidden state
     warm_start: bool = True  # fill the empty pool at load time (layer order) instead of starting cold
     description: str = ""
+    # extension points for the predictor policies (they override ``speculate`` / ``eviction``)
+    make_predictor: Callable[[PolicyContext], Any] | None = None  # -> moeflow.scheduling.predictor.Predictor
+    make_eviction: Callable[[PolicyContext], Any] | None = None  # -> moeflow.scheduling.eviction.EvictionPolicy
 
 
 PRESETS: dict[str, PolicySpec] = {
@@ -42,9 +63,17 @@ PRESETS: dict[str, PolicySpec] = {
 }
 
 
+def register_policy(spec: PolicySpec, *, replace: bool = False) -> None:
+    """Add a named preset (the predictors module registers "duoserve", "promoe", ... this way)."""
+    if spec.name in PRESETS and not replace:
+        raise ValueError(f"offload policy {spec.name!r} is already registered")
+    PRESETS[spec.name] = spec
+
+
 def get_policy(name: str) -> PolicySpec:
     """The preset called ``name``; SchedulingError listing the known ones otherwise."""
     if name not in PRESETS:
-        known = ", ".join(repr(p) for p in POLICIES if p in PRESETS)
+        ordered = [p for p in POLICIES if p in PRESETS] + sorted(p for p in PRESETS if p not in POLICIES)
+        known = ", ".join(repr(p) for p in ordered)
         raise SchedulingError(f"unknown offload policy {name!r}; known policies: {known}")
     return PRESETS[name]
