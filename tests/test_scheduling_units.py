@@ -479,3 +479,17 @@ def test_registered_policy_plugs_predictor_and_eviction():
         backend.close()
     finally:
         PRESETS.pop("test-fixed")
+
+
+def test_cuda_default_budget_from_device_memory(monkeypatch):
+    from moeflow.errors import SchedulingError
+    from moeflow.scheduling import resolve_slots
+
+    class Props:
+        total_memory = int(10 * DENSE.nbytes / 0.9) + 1
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
+    kw = dict(fmt=DENSE, num_layers=4, num_experts=8, top_k=2, device=torch.device("cuda"))
+    assert resolve_slots(OffloadConfig(policy="lru"), reserved_bytes=2 * DENSE.nbytes, **kw) == 8
+    with pytest.raises(SchedulingError, match="resident.*32 experts"):
+        resolve_slots(OffloadConfig(policy="resident"), reserved_bytes=0, **kw)

@@ -71,9 +71,10 @@ def resolve_slots(
             f"gpu_memory_gb={config.gpu_memory_gb} ({reserved_bytes / GiB:.2f} GiB go to non-expert weights and "
             f"KV cache, {fmt.nbytes / 2**20:.1f} MiB per expert: {max(n, 0)} slots)"
         )
-    elif torch.device(device).type == "cuda" and spec.offload:
+    elif torch.device(device).type == "cuda":
         capacity = torch.cuda.get_device_properties(device).total_memory * CUDA_MEMORY_FRACTION
-        n, source = min(total, int((capacity - reserved_bytes) // fmt.nbytes)), "the device's memory"
+        n = min(total, int((capacity - reserved_bytes) // fmt.nbytes))
+        source = f"{CUDA_MEMORY_FRACTION:.0%} of the device's {capacity / CUDA_MEMORY_FRACTION / GiB:.1f} GiB"
     else:
         n, source = total, "default (every expert)"
     if not spec.offload:
