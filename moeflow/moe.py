@@ -109,10 +109,14 @@ class MoEBlock(nn.Module):
         self.top_k = top_k
         self.layer_idx = layer_idx
         self.experts: ExpertBackend | None = None  # set by the loader (not a submodule: owns no parameters)
+        self.record_routing = False  # keep the last top-k ids (generate's token scheduler reads them)
+        self.last_topk_ids: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., H] -> [..., H]."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         probs, ids, weights = route(self.gate(flat), self.top_k)
+        if self.record_routing:
+            self.last_topk_ids = ids.reshape(*shape[:-1], self.top_k)
         return self.experts.forward(self.layer_idx, flat, probs, ids, weights).reshape(shape)

@@ -38,14 +38,50 @@ class StaticKVCache:
         self.valid.index_copy_(1, cache_position, token_mask)
 
     def attention_mask(self, cache_position: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
-        """Boolean mask [B, 1, T, max_len]: causal, padding-aware, sliding-window when configured.
+        """Boolean mask [B, 1, T, max_len]: causal, padding-aware, sliding-window when configured."""
+        return attention_mask(self.valid, cache_position, sliding_window)
 
-        A query may always see its own position, so rows of padding queries are never empty (no NaN).
-        """
-        keys = torch.arange(self.max_len, device=cache_position.device)
-        q = cache_position[:, None]  # [T, 1]
-        allowed = (keys[None, :] <= q)[None] & self.valid[:, None, :]  # [B, T, max_len]
-        if sliding_window is not None:
-            allowed = allowed & (q - keys[None, :] < sliding_window)[None]
-        allowed = allowed | (keys[None, :] == q)[None]
-        return allowed[:, None]
+    def rows(self, rows: torch.Tensor) -> CacheRows:
+        """A view of the sequences ``rows`` (a micro-batch) that reads and writes this cache in place."""
+        return CacheRows(self, rows)
+
+
+def attention_mask(valid: torch.Tensor, cache_position: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+    """valid bool [B, max_len], cache_position [T] -> mask [B, 1, T, max_len].
+
+    A query may always see its own position, so rows of padding queries are never empty (no NaN).
+    """
+    keys = torch.arange(valid.shape[1], device=cache_position.device)
+    q = cache_position[:, None]  # [T, 1]
+    allowed = (keys[None, :] <= q)[None] & valid[:, None, :]  # [B, T, max_len]
+    if sliding_window is not None:
+        allowed = allowed & (q - keys[None, :] < sliding_window)[None]
+    allowed = allowed | (keys[None, :] == q)[None]
+    return allowed[:, None]
+
+
+class CacheRows:
+    """Some sequences of a :class:`StaticKVCache`, for regrouped micro-batches (ExpertFlow's merge/reindex).
+
+    Writes go straight into the parent's rows; reads gather them, so a sequence can move between
+    micro-batches from one step to the next without recomputing or moving its cache.
+    """
+
+    def __init__(self, parent: StaticKVCache, rows: torch.Tensor):
+        self.parent, self.rows = parent, rows  # rows: int64 [b]
+        self.max_len = parent.max_len
+
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, cache_position: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k/v [b, kv_heads, T, D] at cache_position [T] of these rows; return [b, kv_heads, max_len, D]."""
+        r, p = self.rows[:, None], cache_position[None, :]
+        self.parent.k[layer][r, :, p] = k.transpose(1, 2)  # advanced indices first: [b, T, kv_heads, D]
+        self.parent.v[layer][r, :, p] = v.transpose(1, 2)
+        return self.parent.k[layer].index_select(0, self.rows), self.parent.v[layer].index_select(0, self.rows)
+
+    def mark_valid(self, cache_position: torch.Tensor, token_mask: torch.Tensor) -> None:
+        self.parent.valid[self.rows[:, None], cache_position[None, :]] = token_mask
+
+    def attention_mask(self, cache_position: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+        return attention_mask(self.parent.valid.index_select(0, self.rows), cache_position, sliding_window)

@@ -238,6 +238,8 @@ class MoEOffloadedMixtral(nn.Module):
         pad_token_id: int | None = None,
         streamer=None,
         seed: int | None = None,
+        micro_batch_size: int | None = None,
+        path_predictor=None,
     ) -> torch.Tensor:
         """Generate up to ``max_new_tokens`` tokens; returns ``[B, T + n]`` ids including the prompt.
 
@@ -245,6 +247,10 @@ class MoEOffloadedMixtral(nn.Module):
         Prompts of a batch are left-padded, with ``attention_mask`` marking the real tokens. A sequence
         that produced an EOS is continued with ``pad_token_id`` until every sequence is done.
         ``streamer``: an object with ``put(ids)`` and ``end()`` (transformers' streamers work).
+        ``micro_batch_size``: run the batch as micro-batches of at most this many sequences, regrouped
+        before every step by routing-path similarity (ExpertFlow's token scheduler): the first step by
+        ``path_predictor.predict_paths(input_ids, attention_mask) -> bool [B, L, E]`` when given (else
+        contiguous groups), later steps by the paths each sequence's last token took.
         """
         gen = self.generation_config.override(
             max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
@@ -253,6 +259,8 @@ class MoEOffloadedMixtral(nn.Module):
         gen.validate()
         self._check_inputs(input_ids, attention_mask)
         b, t = input_ids.shape
+        if micro_batch_size is not None and (not isinstance(micro_batch_size, int) or not 1 <= micro_batch_size <= b):
+            raise ValueError(f"micro_batch_size must be an integer in [1, batch={b}], got {micro_batch_size!r}")
         total = t + gen.max_new_tokens
         if total > self.config.max_position_embeddings:
             raise InputError(
@@ -279,36 +287,42 @@ class MoEOffloadedMixtral(nn.Module):
         if gen.max_new_tokens == 0:
             return input_ids
 
+        scheduler = _MicroBatcher(self, b, micro_batch_size)
+        if path_predictor is not None and micro_batch_size is not None:
+            scheduler.regroup(path_predictor.predict_paths(input_ids, token_mask))
         self.stats.set_phase("prefill")
-        logits = self._step(input_ids, positions, cache, torch.arange(t, device=device), token_mask)[:, -1]
-        next_pos = positions[:, -1] + 1
-        for step in range(gen.max_new_tokens):
-            tok = next_tokens(logits, gen, generator)
-            tok = torch.where(finished, torch.full_like(tok, pad), tok)
-            out.append(tok[:, None])
-            if eos.numel():
-                finished |= torch.isin(tok, eos)
-            self._sync()
-            now = time.perf_counter()
-            phase = self.stats.current()
-            phase.steps += 1
-            phase.tokens += b * (t if step == 0 else 1)
-            if step == 0:
-                self.stats.ttft_s = now - start
+        try:
+            logits = scheduler.run(self._step, input_ids, positions, cache, torch.arange(t, device=device),
+                                   token_mask)
+            next_pos = positions[:, -1] + 1
+            for step in range(gen.max_new_tokens):
+                tok = next_tokens(logits, gen, generator)
+                tok = torch.where(finished, torch.full_like(tok, pad), tok)
+                out.append(tok[:, None])
+                if eos.numel():
+                    finished |= torch.isin(tok, eos)
+                self._sync()
+                now = time.perf_counter()
+                phase = self.stats.current()
+                phase.steps += 1
+                phase.tokens += b * (t if step == 0 else 1)
                 phase.time_s += now - start
-            else:
-                decode_times.append(now - start)
-                phase.time_s += now - start
-            if streamer is not None:
-                streamer.put(tok.cpu())
-            if step + 1 == gen.max_new_tokens or bool(finished.all()):
-                break
-            start = time.perf_counter()
-            self.stats.set_phase("decode")
-            cache_position = torch.tensor([t + step], device=device)
-            logits = self._decode_step(tok[:, None], next_pos[:, None], cache, cache_position,
-                                       torch.ones((b, 1), dtype=torch.bool, device=device))[:, -1]
-            next_pos = next_pos + 1
+                if step == 0:
+                    self.stats.ttft_s = now - start
+                else:
+                    decode_times.append(now - start)
+                if streamer is not None:
+                    streamer.put(tok.cpu())
+                if step + 1 == gen.max_new_tokens or bool(finished.all()):
+                    break
+                start = time.perf_counter()
+                self.stats.set_phase("decode")
+                cache_position = torch.tensor([t + step], device=device)
+                logits = scheduler.run(self._decode_step, tok[:, None], next_pos[:, None], cache, cache_position,
+                                       torch.ones((b, 1), dtype=torch.bool, device=device))
+                next_pos = next_pos + 1
+        finally:
+            scheduler.close()
         if decode_times:
             self.stats.tpot_s = sum(decode_times) / len(decode_times)
         self._record_peak_memory()
@@ -329,6 +343,51 @@ class MoEOffloadedMixtral(nn.Module):
         return (f"MoEOffloadedMixtral({self.name_or_path!r}, layers={c.num_hidden_layers}, "
                 f"experts={c.num_local_experts}, top_k={c.num_experts_per_tok}, device={self.device}, "
                 f"dtype={self.dtype}, policy={self.offload.policy!r}, kernels={self.kernels!r})")
+
+
+class _MicroBatcher:
+    """Runs a step for the whole batch, or micro-batch by micro-batch regrouped by routing paths (ExpertFlow)."""
+
+    def __init__(self, model: MoEOffloadedMixtral, batch: int, micro_batch_size: int | None):
+        from moeflow.scheduling.rebatch import group_by_routing
+
+        self.model, self.batch, self.size = model, batch, micro_batch_size
+        self._group = group_by_routing
+        cfg = model.config
+        self.blocks = [layer.block_sparse_moe for layer in model.model.layers]
+        self.paths = torch.zeros((batch, cfg.num_hidden_layers, cfg.num_local_experts), dtype=torch.bool)
+        self.groups = [list(range(batch))]
+        if micro_batch_size is not None:
+            self.groups = [list(range(i, min(i + micro_batch_size, batch))) for i in range(0, batch, micro_batch_size)]
+            for block in self.blocks:
+                block.record_routing = True
+
+    def regroup(self, paths: torch.Tensor) -> None:
+        """paths bool [B, L, E] (predicted or observed) -> new micro-batches."""
+        self.groups = self._group(paths.cpu(), self.size)
+
+    def run(self, step_fn, ids, positions, cache, cache_position, token_mask) -> torch.Tensor:
+        """Logits of the last position [B, V] for inputs [B, T]."""
+        if self.size is None:
+            return step_fn(ids, positions, cache, cache_position, token_mask)[:, -1]
+        logits = None
+        for group in self.groups:
+            rows = torch.tensor(group, dtype=torch.long, device=ids.device)
+            out = step_fn(ids[rows], positions[rows], cache.rows(rows), cache_position, token_mask[rows])[:, -1]
+            if logits is None:
+                logits = out.new_empty((self.batch, out.shape[-1]))
+            logits[rows] = out
+            for layer, block in enumerate(self.blocks):
+                last = block.last_topk_ids[:, -1].long().cpu()  # [b, k] experts of each sequence's last token
+                self.paths[group, layer] = False
+                self.paths[torch.tensor(group)[:, None], layer, last] = True
+        self.regroup(self.paths)
+        return logits
+
+    def close(self) -> None:
+        for block in self.blocks:
+            block.record_routing = False
+            block.last_topk_ids = None
 
 
 def _create_expert_backend(config: OffloadConfig, **kw):
