@@ -228,3 +228,29 @@ def test_shipped_tables_and_defaults():
     prefill = configs.default_config("moe", 4096, 8, 2, 14336, 4096)
     assert decode["BLOCK_M"] < 16 and decode["w2"]["SPLIT_K"] > 1 and prefill["BLOCK_M"] >= 64
     assert configs.default_config("linear", 1, 1, 1, 4096, 4096)["BLOCK_M"] == 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the GPU benchmark script's CPU-runnable parts
+
+
+def test_run_gpu_kernels_dry_run(tmp_path):
+    import importlib.util
+    import sys
+
+    path = configs.CONFIG_DIR.parents[2] / "benchmarks" / "run_gpu_kernels.py"
+    spec = importlib.util.spec_from_file_location("run_gpu_kernels", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["run_gpu_kernels"] = mod
+    spec.loader.exec_module(mod)
+    with pytest.raises(SystemExit):
+        mod.parse_args(["--shapes", "nope"])
+    with pytest.raises(SystemExit):
+        mod.parse_args(["--tune", "--device", "cpu"])
+    out = tmp_path / "r.json"
+    report = mod.main(["--dry-run", "--skip-baselines", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert data["meta"]["dry_run"] and len(data["results"]) == 3 == len(report["results"])
+    r = data["results"][0]
+    assert {"ours_s", "bytes_per_s", "frac_of_copy_bw", "tflops", "frac_of_cublas", "config"} <= set(r)
+    assert "| tiny | 1 |" in out.with_suffix(".md").read_text()

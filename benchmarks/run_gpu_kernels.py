@@ -1,0 +1,413 @@
+"""One script for all kernel benchmarks on a GPU (< 8 minutes on an H100/H200); writes JSON + a Markdown table.
+
+    python benchmarks/run_gpu_kernels.py                       # Mixtral-8x7B and 8x22B, T = 1..4096
+    python benchmarks/run_gpu_kernels.py --tune                # also sweep block configs, write a config table
+    python benchmarks/run_gpu_kernels.py --dry-run             # tiny shapes on whatever device (CPU: torch only)
+
+For every (model shape, T): the Triton MoE forward (plan + w13 + w2 + combine, eager and CUDA graph), achieved
+bytes/s against the measured device-copy bandwidth, TFLOP/s against a bf16 cuBLAS matmul of the same FLOPs,
+and the speed ratio to (a) a per-expert loop of bf16 torch matmuls and (b) dequantize-then-matmul. Raw times
+(seconds, every repetition) are kept in the JSON. Nothing here asserts on time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from moeflow import kernels  # noqa: E402
+from moeflow.kernels import configs as kcfg  # noqa: E402
+from moeflow.kernels.pool import ExpertFormat, ExpertPool  # noqa: E402
+from moeflow.quant.awq import dequantize  # noqa: E402
+
+SHAPES = {  # name: (hidden, intermediate, experts, top_k)
+    "mixtral-8x7b": (4096, 14336, 8, 2),
+    "mixtral-8x22b": (6144, 16384, 8, 2),
+    "tiny": (128, 256, 8, 2),
+}
+TOKENS = (1, 4, 16, 64, 512, 4096)
+GROUP = 128
+
+# candidate configs for --tune (decode: GEMV path; prefill: tensor-core tiles)
+TUNE_DECODE = [
+    {"BLOCK_M": bm, "w13": {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw},
+     "w2": {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "num_warps": nw}}
+    for bm in (1, 2, 4) for bn, bk in ((32, 128), (64, 64), (16, 256)) for sk in (1, 4) for nw in (4,)
+]
+TUNE_PREFILL = [
+    {"BLOCK_M": bm, "w13": {"BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": nw, "num_stages": st},
+     "w2": {"BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": nw, "num_stages": st}}
+    for bm, bn, bk, nw, st in (
+        (16, 64, 128, 4, 3), (32, 64, 128, 4, 3), (64, 64, 64, 4, 3), (64, 128, 64, 4, 3),
+        (128, 128, 64, 8, 3), (128, 128, 128, 8, 2), (128, 256, 64, 8, 3),
+    )
+]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# builders
+
+
+def random_awq_pool(hidden: int, inter: int, n_experts: int, dtype: torch.dtype, device: str, seed: int = 0):
+    """A pool of random AWQ experts (random nibbles and zero points, small positive scales)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    fmt = ExpertFormat(hidden, inter, "awq", dtype, GROUP)
+    pool = ExpertPool.allocate(fmt, n_experts, device)
+    pool.buffer.copy_(torch.randint(0, 256, pool.buffer.shape, dtype=torch.uint8, device=device, generator=gen))
+    for name in ("w13_scales", "w2_scales"):
+        t = pool.tensors[name]
+        t.copy_((torch.rand(t.shape, device=device, generator=gen) * 2e-3 + 1e-3).to(dtype))
+    return pool
+
+
+def random_routing(T: int, E: int, k: int, device: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    logits = torch.randn(T, E, device=device, generator=gen)
+    w, ids = torch.topk(torch.softmax(logits, -1), k, dim=-1)
+    return ids.to(torch.int32), (w / w.sum(-1, keepdim=True)).float()
+
+
+def per_expert_loop(x, ids, w, w13_list, w2_list, inter):
+    """Baseline (a): HF-style loop over experts with bf16/fp16 torch matmuls (dense weights [H, 2I], [I, H])."""
+    out = torch.zeros_like(x)
+    flat_ids = ids.reshape(-1)
+    k = ids.shape[1]
+    for e in range(len(w13_list)):
+        pairs = torch.nonzero(flat_ids == e).squeeze(1)
+        if pairs.numel() == 0:
+            continue
+        tok = pairs // k
+        h = x[tok] @ w13_list[e]
+        a = F.silu(h[:, :inter]) * h[:, inter:]
+        y = (a @ w2_list[e]) * w.reshape(-1)[pairs, None].to(x.dtype)
+        out.index_add_(0, tok, y)
+    return out
+
+
+def dequant_then_matmul(x, ids, w, pool: ExpertPool, inter):
+    """Baseline (b): dequantize each used expert's AWQ weights to x's dtype, then torch matmuls."""
+    t = pool.tensors
+    out = torch.zeros_like(x)
+    flat_ids = ids.reshape(-1)
+    k = ids.shape[1]
+    for e in range(pool.n_slots):
+        pairs = torch.nonzero(flat_ids == e).squeeze(1)
+        if pairs.numel() == 0:
+            continue
+        tok = pairs // k
+        w13 = dequantize(t["w13_qweight"][e], t["w13_qzeros"][e], t["w13_scales"][e], GROUP).to(x.dtype)
+        w2 = dequantize(t["w2_qweight"][e], t["w2_qzeros"][e], t["w2_scales"][e], GROUP).to(x.dtype)
+        h = x[tok] @ w13
+        a = F.silu(h[:, :inter]) * h[:, inter:]
+        out.index_add_(0, tok, (a @ w2) * w.reshape(-1)[pairs, None].to(x.dtype))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# timing
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def time_fn(fn: Callable[[], object], device: str, reps: int, warmup: int = 2) -> list[float]:
+    """Seconds per call, one entry per repetition (CUDA events on a GPU, perf_counter elsewhere)."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(reps):
+        if device.startswith("cuda"):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def median(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[len(s) // 2] if s else float("nan")
+
+
+def copy_bandwidth(device: str, nbytes: int) -> dict:
+    """Measured device-to-device copy bandwidth (read + write bytes per second)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = time_fn(lambda: dst.copy_(src), device, reps=10)
+    return {"bytes": nbytes, "times_s": times, "bytes_per_s": 2 * nbytes / median(times)}
+
+
+def cuda_graph_fn(fn: Callable[[], object], device: str) -> Callable[[], object] | None:
+    if not device.startswith("cuda"):
+        return None
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def reps_for(T: int, quick: bool) -> int:
+    if quick:
+        return 3
+    return 30 if T <= 64 else 10 if T <= 512 else 5
+
+
+# ---------------------------------------------------------------------------------------------------------
+# one (shape, T) point
+
+
+def bench_point(name: str, T: int, args, dense_cache: dict, copy_bw: float, cublas_cache: dict) -> dict:
+    H, I, E, k = SHAPES[name]  # noqa: E741
+    dev, dtype = args.device, args.dtype
+    if ("pool", name) not in dense_cache:
+        dense_cache[("pool", name)] = random_awq_pool(H, I, E, dtype, dev)
+    pool = dense_cache[("pool", name)]
+    slot = torch.arange(E, dtype=torch.int32, device=dev)
+    ids, w = random_routing(T, E, k, dev, seed=T)
+    x = torch.randn(T, H, device=dev).to(dtype)
+    backend = "triton" if dev.startswith("cuda") or args.interpret else "torch"
+    reps = reps_for(T, args.quick)
+    cfg = kcfg.lookup_config("moe", T, kind="awq", dtype=dtype, group_size=GROUP, num_experts=E, top_k=k, n=I, k=H,
+                             device=dev)
+
+    def ours():
+        return kernels.moe_forward(x, ids, w, pool, slot, backend, validate=False)
+
+    res: dict = {"shape": name, "T": T, "hidden": H, "intermediate": I, "experts": E, "top_k": k, "backend": backend,
+                 "config": cfg}
+    used = int(torch.unique(ids).numel())
+    weight_bytes = used * pool.fmt.nbytes
+    act = torch.finfo(dtype).bits // 8
+    act_bytes = act * (T * H + 2 * T * k * I + 2 * T * k * H + T * H)
+    flops = 2 * T * k * (H * 2 * I + I * H)
+    res.update({"experts_used": used, "weight_bytes": weight_bytes, "total_bytes": weight_bytes + act_bytes,
+                "flops": flops})
+    res["ours_times_s"] = time_fn(ours, dev, reps)
+    try:
+        graph = cuda_graph_fn(ours, dev)
+        res["ours_graph_times_s"] = time_fn(graph, dev, reps) if graph else None
+    except Exception as exc:  # record, do not fail the run
+        res["ours_graph_error"] = repr(exc)
+    t_ours = min(median(res["ours_times_s"]), median(res.get("ours_graph_times_s") or [math.inf]))
+    res["ours_s"] = t_ours
+    res["bytes_per_s"] = res["total_bytes"] / t_ours
+    res["frac_of_copy_bw"] = res["bytes_per_s"] / copy_bw
+    res["tflops"] = flops / t_ours / 1e12
+
+    # bf16 cuBLAS of the same work: the two dense GEMMs with all T*k rows
+    key = (name, T)
+    if key not in cublas_cache:
+        a1 = torch.randn(T * k, H, device=dev, dtype=torch.bfloat16)
+        b1 = torch.randn(H, 2 * I, device=dev, dtype=torch.bfloat16)
+        a2 = torch.randn(T * k, I, device=dev, dtype=torch.bfloat16)
+        b2 = torch.randn(I, H, device=dev, dtype=torch.bfloat16)
+        times = time_fn(lambda: (a1 @ b1, a2 @ b2), dev, reps)
+        cublas_cache[key] = times
+        del a1, b1, a2, b2
+    res["cublas_bf16_times_s"] = cublas_cache[key]
+    res["cublas_bf16_tflops"] = flops / median(cublas_cache[key]) / 1e12
+    res["frac_of_cublas"] = res["tflops"] / res["cublas_bf16_tflops"]
+
+    # (a) per-expert bf16 loop
+    if not args.skip_baselines:
+        dk = ("dense", name)
+        if dk not in dense_cache:
+            gen = torch.Generator(device=dev).manual_seed(1)
+            dense_cache[dk] = (
+                [torch.randn(H, 2 * I, device=dev, generator=gen).to(dtype) * 0.01 for _ in range(E)],
+                [torch.randn(I, H, device=dev, generator=gen).to(dtype) * 0.01 for _ in range(E)],
+            )
+        w13s, w2s = dense_cache[dk]
+        res["loop_bf16_times_s"] = time_fn(lambda: per_expert_loop(x, ids, w, w13s, w2s, I), dev, reps)
+        res["speedup_vs_loop"] = median(res["loop_bf16_times_s"]) / t_ours
+        res["dequant_matmul_times_s"] = time_fn(lambda: dequant_then_matmul(x, ids, w, pool, I), dev,
+                                                max(2, reps // 3), warmup=1)
+        res["speedup_vs_dequant_matmul"] = median(res["dequant_matmul_times_s"]) / t_ours
+        if T <= 64:  # correctness against the dequantize-then-matmul baseline
+            ref = dequant_then_matmul(x.float(), ids, w, pool, I)
+            got = ours().float()
+            res["max_abs_err_vs_dequant_fp32"] = float((got - ref).abs().max())
+            res["max_abs_ref"] = float(ref.abs().max())
+    return res
+
+
+def tune_point(name: str, T: int, args) -> dict:
+    """Time every candidate config at one point; returns {"best": cfg, "candidates": [...]} (raw times kept)."""
+    H, I, E, k = SHAPES[name]  # noqa: E741
+    dev, dtype = args.device, args.dtype
+    pool = random_awq_pool(H, I, E, dtype, dev)
+    slot = torch.arange(E, dtype=torch.int32, device=dev)
+    ids, w = random_routing(T, E, k, dev, seed=T)
+    x = torch.randn(T, H, device=dev).to(dtype)
+    cands = TUNE_DECODE if T <= 8 else TUNE_PREFILL
+    out = []
+    for cfg in cands:
+        try:
+            times = time_fn(lambda cfg=cfg: kernels.moe_forward(x, ids, w, pool, slot, "triton", config=cfg,
+                                                                validate=False), dev, reps=5 if T <= 512 else 3)
+            out.append({"config": cfg, "times_s": times, "median_s": median(times)})
+        except Exception as exc:  # e.g. out of shared memory for a big tile
+            out.append({"config": cfg, "error": repr(exc)})
+    ok = [c for c in out if "median_s" in c]
+    return {"best": min(ok, key=lambda c: c["median_s"])["config"] if ok else None, "candidates": out}
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", default="mixtral-8x7b,mixtral-8x22b", help=f"comma list of {sorted(SHAPES)}")
+    p.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma list of T")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels-<device>-<time>.json)")
+    p.add_argument("--dry-run", action="store_true", help="tiny shape, T=1,4,16, few reps (runs on a CPU)")
+    p.add_argument("--quick", action="store_true", help="3 repetitions per measurement")
+    p.add_argument("--interpret", action="store_true", help="on a CPU, time the Triton interpreter (very slow)")
+    p.add_argument("--skip-baselines", action="store_true", help="skip the per-expert loop and dequant baselines")
+    p.add_argument("--tune", action="store_true", help="sweep configs and write a config table (GPU only)")
+    p.add_argument("--tune-out", default=None, help="table path (default moeflow/kernels/configs/<device>.json)")
+    p.add_argument("--budget-s", type=float, default=450.0, help="stop starting new points after this long")
+    a = p.parse_args(argv)
+    if a.dry_run:
+        a.shapes, a.tokens, a.quick = "tiny", "1,4,16", True
+    a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    a.dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[a.dtype]
+    a.shape_list = [s for s in a.shapes.split(",") if s]
+    for s in a.shape_list:
+        if s not in SHAPES:
+            p.error(f"unknown shape {s!r}; known: {sorted(SHAPES)}")
+    a.token_list = [int(t) for t in a.tokens.split(",") if t]
+    if a.tune and not a.device.startswith("cuda"):
+        p.error("--tune needs a CUDA device")
+    return a
+
+
+def slug(s: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in s.lower()).strip("-")
+
+
+def markdown_table(results: list[dict], copy_bw: float) -> str:
+    lines = [
+        f"device-copy bandwidth: {copy_bw / 1e9:.0f} GB/s",
+        "",
+        "| shape | T | ours (us) | GB/s | % copy BW | TFLOP/s | % cuBLAS bf16 | x vs bf16 loop | x vs dequant+mm |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['shape']} | {r['T']} | error: {r['error'][:60]} |||||||")
+            continue
+        lines.append(
+            f"| {r['shape']} | {r['T']} | {r['ours_s'] * 1e6:.1f} | {r['bytes_per_s'] / 1e9:.0f} | "
+            f"{100 * r['frac_of_copy_bw']:.0f} | {r['tflops']:.1f} | {100 * r['frac_of_cublas']:.0f} | "
+            f"{r.get('speedup_vs_loop', float('nan')):.2f} | {r.get('speedup_vs_dequant_matmul', float('nan')):.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    t_start = time.time()
+    dev = args.device
+    dev_name = kcfg.device_name(dev)
+    meta = {
+        "device": dev_name, "torch": torch.__version__, "triton": kcfg.triton_version(),
+        "python": platform.python_version(), "dtype": str(args.dtype).replace("torch.", ""), "group_size": GROUP,
+        "started": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "dry_run": args.dry_run,
+    }
+    bw = copy_bandwidth(dev, (1 << 30) if dev.startswith("cuda") else (1 << 24))
+    results, tuned, skipped = [], {}, []
+    dense_cache: dict = {}
+    cublas_cache: dict = {}
+    for name in args.shape_list:
+        for T in args.token_list:
+            if time.time() - t_start > args.budget_s:
+                skipped.append({"shape": name, "T": T})
+                continue
+            try:
+                results.append(bench_point(name, T, args, dense_cache, bw["bytes_per_s"], cublas_cache))
+            except Exception as exc:  # keep going; record the failure
+                results.append({"shape": name, "T": T, "error": repr(exc)})
+            print(json.dumps({k: v for k, v in results[-1].items() if not k.endswith("times_s")}), flush=True)
+        dense_cache.clear()
+        if dev.startswith("cuda"):
+            torch.cuda.empty_cache()
+    if args.tune:
+        for name in args.shape_list:
+            for T in args.token_list:
+                if time.time() - t_start > args.budget_s:
+                    skipped.append({"shape": name, "T": T, "tune": True})
+                    continue
+                tuned[f"{name}/{T}"] = tune_point(name, T, args)
+        write_tune_table(args, tuned, dev_name)
+    report = {"meta": meta, "copy_bandwidth": bw, "results": results, "tuning": tuned, "skipped": skipped,
+              "elapsed_s": time.time() - t_start}
+    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / (
+        f"kernels-{slug(dev_name)}-{_dt.datetime.now():%Y%m%d-%H%M%S}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1, default=str))
+    out.with_suffix(".md").write_text(markdown_table(results, bw["bytes_per_s"]))
+    print(markdown_table(results, bw["bytes_per_s"]))
+    print(f"wrote {out} ({report['elapsed_s']:.0f} s)")
+    return report
+
+
+def write_tune_table(args, tuned: dict, dev_name: str) -> Path:
+    """Write the best configs as a config table (format 1, see docs/kernels.md)."""
+    entries = []
+    for name in args.shape_list:
+        H, I, E, k = SHAPES[name]  # noqa: E741
+        cfgs = {str(T): tuned[f"{name}/{T}"]["best"] for T in args.token_list
+                if f"{name}/{T}" in tuned and tuned[f"{name}/{T}"]["best"]}
+        if cfgs:
+            entries.append({"op": "moe", "kind": "awq", "dtype": str(args.dtype).replace("torch.", ""),
+                            "group_size": GROUP, "num_experts": E, "top_k": k, "n": I, "k": H, "configs": cfgs})
+    table = {"format": 1, "device": dev_name, "triton": kcfg.triton_version(),
+             "note": "written by benchmarks/run_gpu_kernels.py --tune", "entries": entries}
+    path = Path(args.tune_out) if args.tune_out else kcfg.CONFIG_DIR / f"{slug(dev_name)}.json"
+    if path.exists():  # keep entries of other shapes / dtypes tuned before
+        old = json.loads(path.read_text())
+        if old.get("device") == dev_name and old.get("triton") == table["triton"]:
+            def key(e):
+                return (e["op"], e["kind"], e["dtype"], e["group_size"], e["num_experts"], e["top_k"], e["n"], e["k"])
+            new_keys = {key(e) for e in entries}
+            table["entries"] = [e for e in old["entries"] if key(e) not in new_keys] + entries
+    kcfg.validate_table(table)
+    path.write_text(json.dumps(table, indent=1))
+    print(f"wrote config table {path}")
+    return path
+
+
+if __name__ == "__main__":
+    main()
