@@ -67,6 +67,7 @@ class ExpertCache:
         self.retain = retain  # False: a slot is emptied as soon as its reader releases it ("ondemand")
         self._stats = stats
         self.evictions = 0
+        self._loading: dict[int, Slot] = {}  # LOADING slots by index: poll() is per layer, the pool can be large
 
     @property
     def n_slots(self) -> int:
@@ -97,6 +98,7 @@ class ExpertCache:
             empty = victim
         empty.key, empty.state = key, SlotState.LOADING
         self.where[key] = empty
+        self._loading[empty.index] = empty
         return empty
 
     def _evict(self, slot: Slot) -> None:
@@ -108,6 +110,7 @@ class ExpertCache:
             del self.where[slot.key]
             self.evictions += 1
         slot.key, slot.state, slot.task, slot.prefetched = None, SlotState.EMPTY, None, False
+        self._loading.pop(slot.index, None)
 
     def start_load(self, slot: Slot, task: LoadTask, *, prefetched: bool) -> None:
         """``slot`` (from :meth:`allocate`) is being filled by ``task``."""
@@ -127,16 +130,17 @@ class ExpertCache:
 
     def mark_ready(self, slot: Slot) -> None:
         slot.state, slot.task = SlotState.READY, None
+        self._loading.pop(slot.index, None)
 
     def poll(self) -> None:
         """Loads that completed behind our back (prefetches) become READY."""
-        for s in self.slots:
-            if s.state is SlotState.LOADING and s.task is not None and s.task.complete():
+        for s in list(self._loading.values()):
+            if s.task is not None and s.task.complete():
                 self.mark_ready(s)
 
     def loading_unused(self) -> list[Slot]:
         """Loading slots nobody reads now (prefetches): reclaimable by cancelling their load."""
-        return [s for s in self.slots if s.state is SlotState.LOADING and not s.in_use]
+        return [s for s in self._loading.values() if not s.in_use]
 
     # ----------------------------------------------------------------- use
     def use(self, slot: Slot) -> None:
@@ -162,3 +166,4 @@ class ExpertCache:
         for slot in self.slots:
             assert (slot.key is None) == (slot.state is SlotState.EMPTY), slot
             assert (slot.task is not None) == (slot.state is SlotState.LOADING), slot
+            assert (slot.index in self._loading) == (slot.state is SlotState.LOADING), slot

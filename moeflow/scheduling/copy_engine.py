@@ -202,7 +202,7 @@ class CopyEngine:
 
     def pump(self, max_chunks: int | None = None) -> int:
         """Without a worker thread: issue up to ``max_chunks`` queued chunks (all when None). Returns the count."""
-        if self.threaded:
+        if self.threaded or not (self._high or self._low):
             return 0
         n = 0
         with self._cond:
