@@ -175,8 +175,22 @@ class ExpertPredictor:
         self._fresh = True
 
     def end_iteration(self) -> None:
-        """The forward pass is over (every layer observed)."""
+        """The forward pass is over (every layer observed). Called implicitly when layer 0 is observed
+        again without :meth:`begin_iteration`."""
         self._fresh = False
+
+    @property
+    def device(self) -> torch.device:
+        return self.popularity.device
+
+    def to(self, device: torch.device | str) -> ExpertPredictor:
+        """Move the predictor's tensors and networks (the runtime keeps them next to the model)."""
+        self.popularity = self.popularity.to(device)
+        self._move(torch.device(device))
+        return self
+
+    def _move(self, device: torch.device) -> None:
+        """Subclasses move their own tensors / modules."""
 
     def observe(self, layer: int, hidden: torch.Tensor | None, probs: torch.Tensor | None,
                 topk_ids: torch.Tensor | None) -> None:
@@ -184,8 +198,10 @@ class ExpertPredictor:
         L = self.shape.num_layers
         if not 0 <= layer < L:
             raise PredictorError(f"observe(layer={layer}): layer outside [0, {L})")
-        if layer == 0 and not self._fresh:
-            self._clear_iteration()  # a new iteration that nobody announced
+        if layer == 0 and not self._fresh:  # a new iteration that nobody announced
+            if self._last_layer >= 0:
+                self.end_iteration()
+            self._clear_iteration()
         self._fresh = False
         if self.needs_hidden:
             if hidden is None:
@@ -275,7 +291,7 @@ class ExpertPredictor:
         prio = torch.where(mask, self.prefetch_priority(scores, target, layer), torch.zeros_like(scores))
         mass = prio.sum(0)
         n = int(mask.any(0).sum()) if max_experts is None else min(max_experts, self.shape.num_experts)
-        return [(target, torch.topk(mass, max(n, 1)).indices)]
+        return [(target, torch.topk(mass, max(n, 1)).indices.to(x.device))]
 
     def observe_and_propose(self, layer: int, x: torch.Tensor, probs: torch.Tensor, topk_ids: torch.Tensor,
                             max_experts: int | None = None) -> list[tuple[int, torch.Tensor]]:

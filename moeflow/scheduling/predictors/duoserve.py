@@ -104,16 +104,21 @@ class DuoServePredictor(ExpertPredictor):
         src = target_layer - self.distance
         if m != src + 1:
             raise PredictorError(f"activation path of {m} layers given for target {target_layer} (needs {src + 1})")
-        h = torch.zeros(r, L, E)
+        topk_path = topk_path.to(self.affinity.device)
+        h = torch.zeros(r, L, E, device=topk_path.device)
         h[:, :m] = ids_to_mask(topk_path, E).float()  # h_t: layers 0..s, zero-padded after
         p = self.popularity[target_layer].expand(r, E)  # p_t
         a = self.affinity[src][topk_path[:, -1].long()].reshape(r, -1)  # a_{s,t}: rows of the chosen experts
         return torch.cat([h.reshape(r, L * E), p, a], dim=1)
 
     def _predict(self, target_layer: int, source_layer: int) -> torch.Tensor:
-        path = torch.stack([self._topk[layer].cpu() for layer in range(source_layer + 1)], dim=1)  # [T, s+1, k]
+        path = torch.stack([self._topk[layer] for layer in range(source_layer + 1)], dim=1)  # [T, s+1, k]
         with torch.no_grad():
             return torch.sigmoid(self.mlp(self.state_vector(path, target_layer)))
+
+    def _move(self, device: torch.device) -> None:
+        self.affinity = self.affinity.to(device)
+        self.mlp.to(device)
 
     # ------------------------------------------------------------------ training
     def dataset(self, trace) -> tuple[torch.Tensor, torch.Tensor]:

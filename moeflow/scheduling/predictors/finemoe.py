@@ -207,6 +207,7 @@ class FineMoEPredictor(ExpertPredictor):
         self._found: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # target -> (p [B, E], score [B])
         self._futures: dict[int, Future] = {}
         self._query_sem: torch.Tensor | None = None
+        self._published = False
         self._executor: ThreadPoolExecutor | None = None
         if async_search:
             self.start_async()
@@ -237,6 +238,7 @@ class FineMoEPredictor(ExpertPredictor):
     # ------------------------------------------------------------------ iteration
     def _clear_iteration(self) -> None:
         super()._clear_iteration()
+        self._published = False
         self._found = {}
         self._futures = {}
         self._query_sem = None
@@ -277,7 +279,7 @@ class FineMoEPredictor(ExpertPredictor):
         """Nothing to search (empty store or no embedding): popularity with similarity 0 (delta = 1)."""
         return self.popularity[target].expand(rows, -1).clone(), torch.zeros(rows)
 
-    def _rows(self) -> int:
+    def _request_rows(self) -> int:
         if self._query_sem is not None:
             return self._query_sem.shape[0]
         if self._rows is not None:
@@ -293,7 +295,7 @@ class FineMoEPredictor(ExpertPredictor):
             elif self._query_sem is not None:
                 hit = self.store.search_semantic(self._query_sem)
             if hit is None:
-                found = self._no_match(self._rows(), target_layer)
+                found = self._no_match(self._request_rows(), target_layer)
             else:
                 idx, score = hit
                 found = (self.store.layer_maps(idx, target_layer), score)
@@ -306,7 +308,7 @@ class FineMoEPredictor(ExpertPredictor):
             fut = self._futures.get(target_layer)
             hit = fut.result() if fut is not None else self._search_trajectory(self._trajectory(source_layer),
                                                                                target_layer)
-            self._remember(target_layer, hit if hit is not None else self._no_match(self._rows(), target_layer))
+            self._remember(target_layer, hit if hit is not None else self._no_match(self._request_rows(), target_layer))
         return self._found[target_layer][0].clone()
 
     def _remember(self, target: int, found: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -329,11 +331,17 @@ class FineMoEPredictor(ExpertPredictor):
         """Publish the finished iteration's map (and embedding) to the store."""
         super().end_iteration()
         L = self.shape.num_layers
-        if self.online and all(layer in self._probs for layer in range(L)):
+        if self.online and not self._published and all(layer in self._probs for layer in range(L)):
+            self._published = True
             maps = self._trajectory(L - 1)  # [B, L, E]
             sems = self._query_sem if self._query_sem is not None and self._query_sem.shape[0] == maps.shape[0] \
                 else None
             self._submit(self.store.add, maps, sems)
+
+    def to(self, device: torch.device | str) -> FineMoEPredictor:
+        """The Expert Map Store and its search live in host memory (as in the paper); proposals are
+        returned on the device of the hidden state they were asked for."""
+        return self
 
     # ------------------------------------------------------------------ cache priorities
     def eviction_priority(self, layer: int, expert: int, freq: float | None = None) -> float:

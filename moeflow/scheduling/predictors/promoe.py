@@ -60,10 +60,14 @@ class ProMoEPredictor(ExpertPredictor):
         self.std = torch.ones(L, H)
 
     def _predict(self, target_layer: int, source_layer: int) -> torch.Tensor:
-        h = self._hidden[source_layer].cpu()  # [T, H]
+        h = self._hidden[source_layer].to(self.mean.device)  # [T, H]
         z = (h - self.mean[source_layer]) / self.std[source_layer]
         with torch.no_grad():
             return torch.sigmoid(self.mlps[target_layer - self.distance](z))
+
+    def _move(self, device: torch.device) -> None:
+        self.mlps.to(device)
+        self.mean, self.std = self.mean.to(device), self.std.to(device)
 
     @classmethod
     def fit(cls, trace, distance: int = 2, epochs: int = 20, batch_size: int = 256, lr: float = 1e-3,

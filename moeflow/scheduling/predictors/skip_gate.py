@@ -89,6 +89,9 @@ class SkipGatePredictor(ExpertPredictor):
         w = self.gates[target_layer].to(h.device)  # [E, H]
         return torch.softmax(h @ w.T, dim=-1)
 
+    def _move(self, device: torch.device) -> None:
+        self.gates = self.gates.to(device)
+
     def _extra_state(self) -> dict[str, Any]:
         return {"gates": self.gates.contiguous()}
 
