@@ -493,3 +493,21 @@ def test_cuda_default_budget_from_device_memory(monkeypatch):
     assert resolve_slots(OffloadConfig(policy="lru"), reserved_bytes=2 * DENSE.nbytes, **kw) == 8
     with pytest.raises(SchedulingError, match="resident.*32 experts"):
         resolve_slots(OffloadConfig(policy="resident"), reserved_bytes=0, **kw)
+
+
+def test_per_layer_quota_partitions_the_pool():
+    cache = ExpertCache(6, LRU(), layer_quota=2)  # 3 layers x 2
+    for layer in range(3):
+        for e in range(2):
+            _load(cache, (layer, e))
+    _load(cache, (0, 5))  # layer 0 at its quota: evicts its own least recent, not layer 1's older ones
+    assert sorted(k for k in cache.where if k[0] == 0) == [(0, 1), (0, 5)]
+    assert sum(1 for k in cache.where if k[0] == 1) == 2
+    cache.check()
+    # a layer below quota takes from a layer above it
+    unbalanced = ExpertCache(4, LRU(), layer_quota=2)
+    for e in range(4):
+        _load(unbalanced, (0, e))
+    _load(unbalanced, (1, 0))
+    assert sum(1 for k in unbalanced.where if k[0] == 0) == 3
+    unbalanced.check()

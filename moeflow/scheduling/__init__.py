@@ -135,5 +135,5 @@ def create_expert_backend(
         transport=transport, eviction=eviction, stats=stats, retain=spec.retain, predictor=predictor,
         warm_start=spec.warm_start, kernels_backend=kernels_backend, pin_memory=config.pin_memory,
         copy_chunks=config.copy_chunks, max_inflight_chunks=config.max_inflight_chunks, policy_name=spec.name,
-        host_store=host_store,
+        host_store=host_store, per_layer=spec.per_layer,
     )

@@ -57,6 +57,7 @@ class OffloadedExperts:
         max_inflight_chunks: int = 2,
         policy_name: str = "",
         host_store: HostStore | None = None,
+        per_layer: bool = False,
     ) -> None:
         self.fmt = fmt
         self.num_layers = num_layers
@@ -75,7 +76,8 @@ class OffloadedExperts:
         if self.host.fmt != fmt or (self.host.num_layers, self.host.num_experts) != (num_layers, num_experts):
             raise ValueError("the given host store holds another model's experts")
         self.pool = ExpertPool.allocate(fmt, n_slots, self.device)
-        self.cache = ExpertCache(n_slots, eviction, retain=retain, stats=stats.current)
+        quota = n_slots // num_layers if per_layer else 0
+        self.cache = ExpertCache(n_slots, eviction, retain=retain, stats=stats.current, layer_quota=quota)
         self.engine = CopyEngine(
             transport, self.host, self.pool, chunks=copy_chunks, max_inflight=max_inflight_chunks
         )
@@ -98,16 +100,14 @@ class OffloadedExperts:
         self.host.write(layer, expert, tensors)
 
     def finish_loading(self) -> None:
-        """Check every expert arrived; optionally fill the pool (layer order) so the first token starts warm."""
+        """Check every expert arrived; fill the pool (expert 0 of every layer, then 1, ...) for a warm start."""
         missing = self.host.missing()
         if missing:
             raise RuntimeError(f"expert host store incomplete: {len(missing)} experts never loaded, e.g. {missing[:4]}")
         if not self.warm_start:
             return
-        for i in range(self.n_slots):
-            key = divmod(i, self.num_experts)
-            if key[0] >= self.num_layers:
-                break
+        for i in range(min(self.n_slots, self.num_layers * self.num_experts)):
+            key = (i % self.num_layers, i // self.num_layers)  # expert-major: every layer gets a share
             slot = self.cache.allocate(key, layer_now=0)
             task = self.engine.submit(key[0], key[1], slot.index, high=True)
             self.cache.start_load(slot, task, prefetched=False)

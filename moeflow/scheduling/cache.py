@@ -14,6 +14,7 @@ the next load, which orders itself after them on the transport.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -60,8 +61,13 @@ class ExpertCache:
         *,
         retain: bool = True,
         stats: Callable[[], PhaseStats] | None = None,
+        layer_quota: int = 0,
     ) -> None:
         self.slots = [Slot(i) for i in range(n_slots)]
+        # > 0: per-layer partitioning (mixtral-offloading, ProMoE): a layer at its quota evicts its own
+        # experts, one below it takes from a layer above it; slots beyond L * quota are shared
+        self.layer_quota = layer_quota
+        self._per_layer: Counter[int] = Counter()
         self.where: dict[Key, Slot] = {}
         self.policy = policy
         self.retain = retain  # False: a slot is emptied as soon as its reader releases it ("ondemand")
@@ -93,13 +99,25 @@ class ExpertCache:
             candidates = [s.key for s in self.slots if s.state is SlotState.READY and not s.in_use]
             if not candidates:
                 return None
+            if self.layer_quota:
+                candidates = self._within_quota(key[0], candidates)
             victim = self.where[self.policy.victim(candidates, layer_now)]
             self._evict(victim)
             empty = victim
         empty.key, empty.state = key, SlotState.LOADING
         self.where[key] = empty
         self._loading[empty.index] = empty
+        self._per_layer[key[0]] += 1
         return empty
+
+    def _within_quota(self, layer: int, candidates: list[Key]) -> list[Key]:
+        """Per-layer partitioning: narrow the victims to the layer's own, or to layers above quota."""
+        if self._per_layer[layer] >= self.layer_quota:
+            own = [k for k in candidates if k[0] == layer]
+            if own:
+                return own
+        over = [k for k in candidates if self._per_layer[k[0]] > self.layer_quota]
+        return over or candidates  # never refuse: correctness first, the quota is a preference
 
     def _evict(self, slot: Slot) -> None:
         assert not slot.in_use, f"evicting in-use slot {slot.index}"
@@ -108,6 +126,7 @@ class ExpertCache:
         if slot.key is not None:
             self.policy.evicted(slot.key)
             del self.where[slot.key]
+            self._per_layer[slot.key[0]] -= 1
             self.evictions += 1
         slot.key, slot.state, slot.task, slot.prefetched = None, SlotState.EMPTY, None, False
         self._loading.pop(slot.index, None)
@@ -167,3 +186,4 @@ class ExpertCache:
             assert (slot.key is None) == (slot.state is SlotState.EMPTY), slot
             assert (slot.task is not None) == (slot.state is SlotState.LOADING), slot
             assert (slot.index in self._loading) == (slot.state is SlotState.LOADING), slot
+        assert +self._per_layer == Counter(k[0] for k in self.where), self._per_layer

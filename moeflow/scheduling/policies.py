@@ -37,7 +37,8 @@ class PolicySpec:
     eviction: str = "lru"  # see moeflow.scheduling.eviction
     retain: bool = True  # keep experts in their slots after use (False: accelerate-style on-demand)
     speculate: bool = False  # prefetch with the next layers' routers on the current hidden state
-    warm_start: bool = True  # fill the empty pool at load time (layer order) instead of starting cold
+    warm_start: bool = True  # fill the empty pool at load time instead of starting cold
+    per_layer: bool = False  # partition the pool: n_slots // num_layers per layer (when that is >= 1)
     description: str = ""
     # extension points for the predictor policies (they override ``speculate`` / ``eviction``)
     make_predictor: Callable[[PolicyContext], Any] | None = None  # -> moeflow.scheduling.predictor.Predictor
@@ -57,8 +58,8 @@ PRESETS: dict[str, PolicySpec] = {
         description="most popular experts (first prefill, or a profile) fixed; the rest stream through a ring",
     ),
     "mixtral-offloading": PolicySpec(
-        "mixtral-offloading", eviction="lru", speculate=True,
-        description="LRU cache plus next-layer speculation: layer l+1's router applied to layer l's input",
+        "mixtral-offloading", eviction="lru", speculate=True, per_layer=True,
+        description="per-layer LRU cache plus next-layer speculation: layer l+1's router on layer l's input",
     ),
 }
 
