@@ -1,8 +1,9 @@
-"""The ``moeflow`` command: demo, generate, quantize."""
+"""The ``moeflow`` command: demo, generate, quantize, trace, train-predictor, eval-predictor, simulate, bench."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from importlib import resources
@@ -10,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+# modules that add their subcommands through register(subparsers)
+COMMAND_MODULES = ("moeflow.cli_predictors",)
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 EMBEDDED_MODEL = "tiny-mixtral-awq"
 
@@ -117,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantize-attention", action="store_true", help="also quantize q/k/v/o projections")
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=cmd_quantize)
+    for module in COMMAND_MODULES:
+        importlib.import_module(module).register(sub)
     return parser
 
 

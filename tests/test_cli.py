@@ -1,0 +1,40 @@
+"""The moeflow command line, run as a user would (in-process through main())."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import make_tiny_checkpoint
+from safetensors.torch import load_file
+
+from moeflow.cli import build_parser, main
+
+
+def test_every_documented_command_is_there():
+    names = set(build_parser()._subparsers._group_actions[0].choices)
+    assert {"demo", "generate", "quantize", "trace", "train-predictor", "eval-predictor"} <= names
+
+
+def test_quantize_command(tmp_path, capsys):
+    src = make_tiny_checkpoint(tmp_path / "fp32")
+    assert main(["quantize", str(src), str(tmp_path / "awq"), "--group-size", "32"]) == 0
+    assert "wrote AWQ 4-bit checkpoint" in capsys.readouterr().out
+    assert "model.layers.0.block_sparse_moe.experts.0.w2.qweight" in load_file(tmp_path / "awq" / "model.safetensors")
+    # a second run refuses to overwrite, with a clear message and a non-zero exit
+    assert main(["quantize", str(src), str(tmp_path / "awq"), "--group-size", "32"]) == 2
+    assert "already exists" in capsys.readouterr().err
+
+
+def test_generate_without_tokenizer_says_so(tmp_path, capsys):
+    src = make_tiny_checkpoint(tmp_path / "fp32")
+    assert main(["generate", "--model", str(src), "--prompt", "hi", "--device", "cpu"]) == 2
+    assert "tokenizer.json" in capsys.readouterr().err
+
+
+def test_missing_model_is_a_clear_error(tmp_path, capsys):
+    assert main(["generate", "--model", str(tmp_path / "none"), "--device", "cpu"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_bad_group_size_is_refused_by_the_parser():
+    with pytest.raises(SystemExit):
+        main(["quantize", "a", "b", "--group-size", "48"])
