@@ -100,34 +100,52 @@ def plan_triton(
 
 
 @triton.jit
+def _expand8(p):
+    """[..., C] -> [..., 8C], element j = p[..., j // 8]: one load per packed int32 instead of eight."""
+    p = tl.interleave(p, p)
+    p = tl.interleave(p, p)
+    return tl.interleave(p, p)
+
+
+@triton.jit
 def _load_w_tile(
     b_ptr, z_ptr, s_ptr,  # expert base pointers (already offset to the slot)
     stride_bk, stride_bn, stride_zk, stride_zn, stride_sk, stride_sn,
     offs_k,  # int64 [BLOCK_K] absolute k
-    offs_n,  # int64 [BLOCK_N] absolute column of the weight matrix
-    k0, K, n_mask,
-    AWQ: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, CDTYPE: tl.constexpr,
+    n0,  # int64 weight column of the tile start (a multiple of 8)
+    n_left,  # valid columns from n0 on (N is a multiple of 8)
+    k0, K,
+    AWQ: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, CDTYPE: tl.constexpr,
 ):
-    """Dequantized weight tile W[offs_k, offs_n] ([BLOCK_K, BLOCK_N], dtype CDTYPE), zero outside K / n_mask.
+    """Dequantized weight tile W[offs_k, n0:n0+BLOCK_N] ([BLOCK_K, BLOCK_N], dtype CDTYPE), zero outside.
 
     (q - z) * s is formed in fp32 and rounded once to CDTYPE (the same value as a correctly rounded CDTYPE
     product); the interpreter's int32 -> bf16 cast and bf16 multiply are wrong, fp32 sidesteps both.
     """
-    mask = (offs_k[:, None] < K) & n_mask[None, :]
+    r = tl.arange(0, BLOCK_N)
+    offs_n = n0 + r
+    n_mask = r < n_left
+    k_mask = offs_k < K
+    mask = k_mask[:, None] & n_mask[None, :]
     if AWQ:
-        col = offs_n // 8
-        shifts = (((offs_n % 8) // 2 + (offs_n % 2) * 4) * 4).to(tl.int32)
-        packed = tl.load(b_ptr + offs_k[:, None] * stride_bk + col[None, :] * stride_bn, mask=mask, other=0)
-        q = (packed >> shifts[None, :]) & 0xF
+        r8 = tl.arange(0, BLOCK_N // 8)
+        col8 = n0 // 8 + r8
+        m8 = r8 * 8 < n_left
+        # column n of a block of 8 sits in nibble [0, 4, 1, 5, 2, 6, 3, 7][n % 8] (n0 % 8 == 0)
+        shifts = (((r % 8) // 2 + (r % 2) * 4) * 4).to(tl.int32)
+        packed = tl.load(b_ptr + offs_k[:, None] * stride_bk + col8[None, :] * stride_bn,
+                         mask=k_mask[:, None] & m8[None, :], other=0)
+        q = (_expand8(packed) >> shifts[None, :]) & 0xF
         if BLOCK_K <= GROUP:
             g = k0 // GROUP  # one group per tile; offsets inside one expert stay small
-            zp = tl.load(z_ptr + g * stride_zk + col * stride_zn, mask=n_mask, other=0)
-            z = (zp >> shifts) & 0xF
+            zp = tl.load(z_ptr + g * stride_zk + col8 * stride_zn, mask=m8, other=0)
+            z = (_expand8(zp) >> shifts) & 0xF
             s = tl.load(s_ptr + g * stride_sk + offs_n * stride_sn, mask=n_mask, other=0.0)
             w = (q - z[None, :]).to(tl.float32) * s.to(tl.float32)[None, :]
         else:
             g = offs_k // GROUP
-            zp = tl.load(z_ptr + g[:, None] * stride_zk + col[None, :] * stride_zn, mask=mask, other=0)
+            # zero points of each row's group: small and cached, read per column (no interleaves)
+            zp = tl.load(z_ptr + g[:, None] * stride_zk + (offs_n // 8)[None, :] * stride_zn, mask=mask, other=0)
             z = (zp >> shifts[None, :]) & 0xF
             s = tl.load(s_ptr + g[:, None] * stride_sk + offs_n[None, :] * stride_sn, mask=mask, other=0.0)
             w = (q - z).to(tl.float32) * s.to(tl.float32)
@@ -180,7 +198,9 @@ def _moe_gemm_kernel(
         row = pair // TOPK
     else:
         row = pair
-    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = pid_n.to(tl.int64) * BLOCK_N
+    n_left = N - n0
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
 
     b_base = b_ptr + slot * stride_bs
@@ -203,21 +223,21 @@ def _moe_gemm_kernel(
         if BLOCK_M >= 16:
             a = a.to(CDTYPE).to(DOT_DTYPE)
             w = _load_w_tile(b_base, z_base, s_base, stride_bk, stride_bn, stride_zk, stride_zn, stride_sk, stride_sn,
-                             offs_k, offs_n, k0, K, n_mask, AWQ, GROUP, BLOCK_K, CDTYPE)
+                             offs_k, n0, n_left, k0, K, AWQ, GROUP, BLOCK_K, BLOCK_N, CDTYPE)
             acc = tl.dot(a, w.to(DOT_DTYPE), acc=acc, input_precision=DOT_PREC)
             if MODE == 0:
                 w = _load_w_tile(b_base, z_base, s_base, stride_bk, stride_bn, stride_zk, stride_zn, stride_sk,
-                                 stride_sn, offs_k, offs_n + N_UP, k0, K, n_mask, AWQ, GROUP, BLOCK_K, CDTYPE)
+                                 stride_sn, offs_k, n0 + N_UP, n_left, k0, K, AWQ, GROUP, BLOCK_K, BLOCK_N, CDTYPE)
                 acc_up = tl.dot(a, w.to(DOT_DTYPE), acc=acc_up, input_precision=DOT_PREC)
         else:
             # decode: GEMV-shaped, everything in fp32 (memory-bound; no 16-row tensor-core tile wasted)
             a = a.to(tl.float32)
             w = _load_w_tile(b_base, z_base, s_base, stride_bk, stride_bn, stride_zk, stride_zn, stride_sk, stride_sn,
-                             offs_k, offs_n, k0, K, n_mask, AWQ, GROUP, BLOCK_K, tl.float32)
+                             offs_k, n0, n_left, k0, K, AWQ, GROUP, BLOCK_K, BLOCK_N, tl.float32)
             acc += tl.sum(a[:, :, None] * w[None, :, :], axis=1)
             if MODE == 0:
                 w = _load_w_tile(b_base, z_base, s_base, stride_bk, stride_bn, stride_zk, stride_zn, stride_sk,
-                                 stride_sn, offs_k, offs_n + N_UP, k0, K, n_mask, AWQ, GROUP, BLOCK_K, tl.float32)
+                                 stride_sn, offs_k, n0 + N_UP, n_left, k0, K, AWQ, GROUP, BLOCK_K, BLOCK_N, tl.float32)
                 acc_up += tl.sum(a[:, :, None] * w[None, :, :], axis=1)
 
     out_mask = row_ok[:, None] & n_mask[None, :]
@@ -300,6 +320,10 @@ def grouped_gemm_triton(
     """Launch the grouped GEMM (and the split-K reduce). Writes the selected rows of ``out`` in place."""
     qweight, qzeros, scales = weights
     awq = qzeros is not None
+    for key, low in (("BLOCK_M", 1), ("BLOCK_N", 16), ("BLOCK_K", 16)):
+        v = cfg[key]
+        if v < low or v & (v - 1):
+            raise ValueError(f"kernel config {key}={v}: must be a power of two >= {low}")
     K = a.shape[1]
     block_m = cfg["BLOCK_M"]
     n_blocks = expert_of_block.shape[0]
