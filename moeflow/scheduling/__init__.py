@@ -106,10 +106,14 @@ def create_expert_backend(
     reserved_bytes: int,
     stats: Stats,
     host_store: HostStore | None = None,
+    transport: Transport | None = None,
+    backend_options: dict | None = None,
 ) -> ExpertBackend:
     """The expert backend of ``config.policy``: :class:`ResidentExperts` or :class:`OffloadedExperts`.
 
     ``host_store``: an already filled store to share (then the loader need not call ``load_expert``).
+    ``transport`` (instead of ``config.transport``) and ``backend_options`` (extra ``OffloadedExperts``
+    keywords: ``clock``, ``compute``, ``engine_factory``) are the simulator's seams (``moeflow.sim``).
     """
     spec = get_policy(config.policy)
     device = torch.device(device)
@@ -129,11 +133,12 @@ def create_expert_backend(
         predictor = spec.make_predictor(ctx)
     else:
         predictor = GateSpeculator(gates, top_k, config.prefetch_distance) if spec.speculate else None
-    transport = make_transport(config.transport, device, seed=config.seed, random_delay_ms=config.random_delay_ms)
+    if transport is None:
+        transport = make_transport(config.transport, device, seed=config.seed, random_delay_ms=config.random_delay_ms)
     return OffloadedExperts(
         fmt, num_layers=num_layers, num_experts=num_experts, top_k=top_k, n_slots=n_slots, device=device,
         transport=transport, eviction=eviction, stats=stats, retain=spec.retain, predictor=predictor,
         warm_start=spec.warm_start, kernels_backend=kernels_backend, pin_memory=config.pin_memory,
         copy_chunks=config.copy_chunks, max_inflight_chunks=config.max_inflight_chunks, policy_name=spec.name,
-        host_store=host_store, per_layer=spec.per_layer,
+        host_store=host_store, per_layer=spec.per_layer, **(backend_options or {}),
     )

@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
@@ -58,6 +59,9 @@ class OffloadedExperts:
         policy_name: str = "",
         host_store: HostStore | None = None,
         per_layer: bool = False,
+        clock: Callable[[], float] | None = None,
+        compute: Callable[[int, torch.Tensor, list[int]], None] | None = None,
+        engine_factory: Callable[..., CopyEngine] | None = None,
     ) -> None:
         self.fmt = fmt
         self.num_layers = num_layers
@@ -70,6 +74,10 @@ class OffloadedExperts:
         self.predictor = predictor
         self.warm_start = warm_start
         self.transport = transport
+        # simulator seams (moeflow.sim): a virtual clock for stall times, and a compute hook that accounts
+        # compute(layer, topk_ids, experts) instead of running kernels (no expert weights needed)
+        self.clock = clock or time.perf_counter
+        self.compute_hook = compute
         # a shared, already filled store (benchmarks compare policies without reloading 24 GB)
         self._owns_host = host_store is None
         self.host = host_store or HostStore(fmt, num_layers, num_experts, pin=pin_memory, device=self.device)
@@ -78,7 +86,7 @@ class OffloadedExperts:
         self.pool = ExpertPool.allocate(fmt, n_slots, self.device)
         quota = n_slots // num_layers if per_layer else 0
         self.cache = ExpertCache(n_slots, eviction, retain=retain, stats=stats.current, layer_quota=quota)
-        self.engine = CopyEngine(
+        self.engine = (engine_factory or CopyEngine)(
             transport, self.host, self.pool, chunks=copy_chunks, max_inflight=max_inflight_chunks
         )
         self._phase = stats.phase
@@ -276,16 +284,16 @@ class OffloadedExperts:
         """Synchronous transport: the copies happen here, on the critical path (counted as stall)."""
         if self.engine.threaded:
             return
-        t0 = time.perf_counter()
+        t0 = self.clock()
         self.engine.pump()
-        st.stall_s += time.perf_counter() - t0
+        st.stall_s += self.clock() - t0
 
     def _wait(self, task: LoadTask, st: PhaseStats) -> None:
         """Compute from now on sees ``task``'s bytes (host wait for issue, device-side wait for the copy)."""
-        t0 = time.perf_counter()
+        t0 = self.clock()
         self.engine.wait_issued(task)
         self.transport.wait_compute(task.handles)
-        st.stall_s += time.perf_counter() - t0
+        st.stall_s += self.clock() - t0
         self.cache.mark_ready(self.cache.lookup(task.key))
 
     def _compute(
@@ -299,6 +307,10 @@ class OffloadedExperts:
     ) -> None:
         """Fill ``out`` rows of ``experts`` from their slots, then release the slots behind a compute fence."""
         slots = [self.cache.lookup((layer, e)) for e in experts]
+        if self.compute_hook is not None:  # simulator: the hook accounts the compute, no weights are read
+            self.compute_hook(layer, topk_ids, experts)
+            self._release_after_compute(slots)
+            return
         E = self.num_experts
         packed = [0] * (2 * E)  # slot table, then the mask: one small host->device copy per call
         for e, slot in zip(experts, slots, strict=True):
@@ -313,6 +325,9 @@ class OffloadedExperts:
             x, topk_ids, topk_weights, self.pool, slot_of_expert, out, expert_mask, self.kernels_backend,
             validate=False if self.device.type == "cuda" else None,
         )
+        self._release_after_compute(slots)
+
+    def _release_after_compute(self, slots: list[Slot]) -> None:
         fence = self.transport.compute_fence()
         for slot in slots:
             self.cache.release(slot, fence)
