@@ -56,7 +56,8 @@ def default_config(op: str, m: int, num_experts: int, top_k: int, n: int, k: int
     per_expert = m * top_k / max(1, num_experts) if op == "moe" else m
     if m <= 8 or per_expert <= 2:
         bm = min(_next_pow2(min(m, 4)), 4)
-        gemv = {"BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3}
+        # the fp32 product tile [BLOCK_M, BLOCK_K, BLOCK_N] lives in registers: keep it at <= 8K elements
+        gemv = {"BLOCK_N": 32, "BLOCK_K": 256 // bm, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3}
         if op == "linear":
             return {"BLOCK_M": bm, **gemv, "SPLIT_K": 4 if n <= 8192 and k >= 4096 else 1}
         active = min(num_experts, m * top_k)

@@ -163,7 +163,7 @@ def _moe_gemm_kernel(
     z_ptr, stride_zs, stride_zk, stride_zn,  # AWQ qzeros [S, K/g, N/8]
     s_ptr, stride_ss, stride_sk, stride_sn,  # AWQ scales [S, K/g, N]
     c_ptr, stride_cm, stride_cn,  # output [P, N] indexed by pair
-    ws_ptr, stride_wsp, stride_wsm,  # fp32 split-K workspace [SPLIT_K, n_blocks*BLOCK_M, N_WS] (plan position)
+    ws_ptr, stride_wsp, stride_wsm,  # fp32 split-K workspace [n_blocks*BLOCK_M, SPLIT_K, N_WS] (plan position)
     sorted_ptr, eob_ptr, slot_ptr, mask_ptr, weight_ptr,
     num_pairs, N, K, N_UP,  # N output columns; MODE 0: up columns start at N_UP in the weight
     num_blocks,
@@ -260,7 +260,7 @@ def _moe_gemm_kernel(
 
 @triton.jit
 def _splitk_reduce_kernel(
-    ws_ptr, stride_wsp, stride_wsm,  # fp32 [SPLIT_K, n_blocks*BLOCK_M, N_WS]
+    ws_ptr, stride_wsp, stride_wsm,  # fp32 [n_blocks*BLOCK_M, SPLIT_K, N_WS]; split stride N_WS (small)
     c_ptr, stride_cm, stride_cn,  # [P, N]
     sorted_ptr, eob_ptr, mask_ptr, weight_ptr,
     num_pairs, N,
@@ -339,8 +339,9 @@ def grouped_gemm_triton(
     split_k = max(1, int(cfg.get("SPLIT_K", 1))) if block_m < 16 else 1
     n_ws = 2 * n_out if mode == 0 else n_out
     if split_k > 1:
-        ws = torch.empty((split_k, n_blocks * block_m, n_ws), dtype=torch.float32, device=a.device)
-        ws_strides = (ws.stride(0), ws.stride(1))
+        # row-major by plan position: the (int64) row offset carries the size, split offsets stay small
+        ws = torch.empty((n_blocks * block_m, split_k, n_ws), dtype=torch.float32, device=a.device)
+        ws_strides = (ws.stride(1), ws.stride(0))
     else:
         ws, ws_strides = out, (0, 0)
     mask_arg = expert_mask if expert_mask is not None else slot_of_expert
@@ -362,7 +363,7 @@ def grouped_gemm_triton(
         TOPK=top_k, GROUP=group_size if awq else 1, AWQ=awq, MODE=mode,
         HAS_MASK=expert_mask is not None, HAS_WEIGHT=topk_weights is not None, SPLIT_K=split_k,
         BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg.get("GROUP_M", 8),
-        CDTYPE=cdtype, DOT_DTYPE=dot_dtype, DOT_PREC="ieee" if dot_dtype == tl.float32 else "tf32",
+        CDTYPE=cdtype, DOT_DTYPE=dot_dtype, DOT_PREC="ieee" if dot_dtype == tl.float32 else None,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2),
     )
     if split_k > 1:
