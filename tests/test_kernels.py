@@ -276,3 +276,14 @@ def test_awq_linear(M, g, kg, n8, dtype, seed):
     assert got.shape == (M, N) and got.dtype == dtype
     assert_close(got, ref, dtype)
     assert torch.equal(kernels.awq_linear(x, q.qweight, q.qzeros, q.scales, g, "torch"), ref)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_no_tokens(backend):
+    pool = _pool(64, 64, 4, 32, torch.float32)
+    slot = torch.arange(4, dtype=torch.int32)
+    x = torch.empty(0, 64)
+    y = kernels.moe_forward(x, torch.empty(0, 2, dtype=torch.int32), torch.empty(0, 2), pool, slot, backend)
+    assert y.shape == (0, 64)
+    q = quantize_rtn(torch.randn(16, 64), 32)
+    assert kernels.awq_linear(x, q.qweight, q.qzeros, q.scales, 32, backend).shape == (0, 16)

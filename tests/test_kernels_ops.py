@@ -86,18 +86,21 @@ def test_compile_moe_forward_fullgraph(setup):
         calls.append(gm)
         return gm.forward
 
-    def f(x, ids, w):
+    q = quantize_rtn(torch.randn(32, H) / 8, G)
+
+    def f(x, ids, w):  # an AWQ projection feeding the MoE block, like attention output -> MoE
+        x = x + kernels.awq_linear(x, q.qweight, q.qzeros, q.scales, G, "triton")[:, :1]
         return kernels.moe_forward(x, ids, w, pool, slot, "triton", config=CFG)
 
     compiled = torch.compile(f, fullgraph=True, backend=counting_backend)
-    eager = kernels.moe_forward(x, ids, w, pool, slot, "triton", config=CFG)
-    assert torch.equal(compiled(x, ids, w), eager)
+    assert torch.equal(compiled(x, ids, w), f(x, ids, w))
     ids2, w2 = make_routing(3, K_TOP, E, "skewed", 8)
-    assert torch.equal(compiled(x * 2, ids2, w2), kernels.moe_forward(x * 2, ids2, w2, pool, slot, "triton",
-                                                                      config=CFG))
+    assert torch.equal(compiled(x * 2, ids2, w2), f(x * 2, ids2, w2))
     assert len(calls) == 1  # same shapes, new values: no recompilation
     ops = {str(n.target) for n in calls[0].graph.nodes if n.op == "call_function"}
-    assert any("moeflow.expert_forward" in o for o in ops) and any("moeflow.combine" in o for o in ops)
+    for name in ("expert_forward", "combine", "awq_linear"):
+        assert any(f"moeflow.{name}" in o for o in ops), (name, ops)
+    eager = kernels.moe_forward(x, ids, w, pool, slot, "triton", config=CFG)
     ref = combine_reference(expert_forward_reference(x, ids, w, pool, slot, torch.empty(6, H, dtype=x.dtype)), 2)
     assert_close(eager, ref, torch.float16)
 
