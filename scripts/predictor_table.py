@@ -145,7 +145,8 @@ def main() -> int:
         rows.append(
             f"| {kind} | {distance} | {fmt(res['exact_topk'])} | {fmt(res['at_least_one'])} | {fmt(res['recall'])} "
             f"| {fmt(res['precision'])} | {res['mean_predicted']:.2f} | {fmt(dec['recall'])} "
-            f"| {fmt(pop['recall'])} / {fmt(pop['exact_topk'])} | {train_s:.1f} |"
+            f"| {fmt(pop['recall'])} / {fmt(pop['exact_topk'])} | {fmt(res['first_layers']['recall'])} "
+            f"| {train_s:.1f} |"
         )
         print(rows[-1], flush=True)
 
@@ -158,14 +159,15 @@ def main() -> int:
         f"prefill + {info.get('max_new_tokens', '?')} greedy tokens each, {len(trace)} tokens traced; predictors "
         f"built from {len(sequences) - held} sequences and evaluated on the other {held} "
         f"({raw[0]['all']['tokens'] if raw else 0} tokens). Figures in %, over every (token, layer >= distance) "
-        f"pair; popularity is evaluated on the same pairs. CPU, torch {torch.__version__}, Python "
+        f"pair; popularity is evaluated on the same pairs; \"layers < d\": the first layers, guessed before the "
+        f"forward pass routes anything (popularity, FineMoE's semantic search). CPU, torch {torch.__version__}, Python "
         f"{platform.python_version()}. Made by `python scripts/predictor_table.py`."
     )
     table = "\n".join([
         header, "",
         "| predictor | distance | exact top-k | at least one | recall | precision | experts predicted "
-        "| recall (decode) | popularity recall / exact | build s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| recall (decode) | popularity recall / exact | recall, layers < d | build s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
         *rows,
     ])
     (out_dir / "results.json").write_text(json.dumps(raw, indent=1, default=str))
