@@ -257,3 +257,10 @@ def test_run_gpu_kernels_dry_run(tmp_path):
     r = data["results"][0]
     assert {"ours_s", "bytes_per_s", "frac_of_copy_bw", "tflops", "frac_of_cublas", "config"} <= set(r)
     assert "| tiny | 1 |" in out.with_suffix(".md").read_text()
+
+
+def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        kernels.combine(torch.zeros(2, 4), 1, "triton")
+    assert kernels.combine(torch.ones(2, 4), 1, "auto").sum() == 8  # auto = torch on a CPU
