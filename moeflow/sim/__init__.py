@@ -1,0 +1,39 @@
+"""Trace-driven simulation: the real scheduler on virtual time (see ``docs/simulator.md``).
+
+::
+
+    from moeflow.sim import simulate, get_profile
+    result = simulate(Trace.load("trace.safetensors"), "lru", slots=64, profile=get_profile("pcie4-24gb"))
+    result.tpot_s, result.ttft_s, result.hit_rate, result.bytes_h2d
+"""
+
+from __future__ import annotations
+
+from moeflow.sim.engine import Interval, SimClock, SimCopyEngine, SimHandle, SimTransport
+from moeflow.sim.profile import (
+    PRESET_NAMES,
+    HardwareProfile,
+    ProfileError,
+    custom_profile,
+    get_profile,
+    presets,
+)
+from moeflow.sim.simulator import (
+    SIM_FORMAT,
+    OraclePredictor,
+    SimResult,
+    SimulationError,
+    analytic_ondemand_step_s,
+    check_policy,
+    known_policies,
+    load_gates,
+    simulate,
+    step_compute_s,
+)
+
+__all__ = [
+    "Interval", "SimClock", "SimCopyEngine", "SimHandle", "SimTransport", "PRESET_NAMES", "HardwareProfile",
+    "ProfileError", "custom_profile", "get_profile", "presets", "SIM_FORMAT", "OraclePredictor", "SimResult",
+    "SimulationError", "analytic_ondemand_step_s", "check_policy", "known_policies", "load_gates", "simulate",
+    "step_compute_s",
+]

@@ -1,0 +1,403 @@
+"""Replay a routing trace through the real scheduler on virtual time.
+
+For each sequence of the trace: one prefill forward pass over its prompt rows, then one decode pass per
+decode row; in each pass, layer by layer:
+
+1. the non-MoE part of the layer (norms, attention, router) is enqueued on the compute stream;
+2. the host waits for the router (the backend's one device->host sync per layer) and spends the
+   profile's scheduling time;
+3. ``OffloadedExperts.forward`` runs unchanged with the trace's routing: acquire, preemption, prefetch,
+   reordered inference. Its copies go to :class:`~moeflow.sim.engine.SimTransport` and its expert compute
+   to the compute hook, which charges the profile's expert time for the tokens routed to each expert.
+
+After the last layer the head runs and the host waits for the token. ``resident`` is run the way the
+model runs it (``ResidentExperts``: no scheduler, no per-layer sync), so it is compute alone.
+
+The expert regions the real host store and slot pool hold are tiny (``SIM_FORMAT``); each copied chunk is
+charged its share of the profile's expert size, and the bytes in the stats are scaled the same way.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from moeflow.config import OffloadConfig
+from moeflow.errors import MoeflowError, SchedulingError
+from moeflow.kernels.pool import ExpertFormat
+from moeflow.scheduling import create_expert_backend, get_policy
+from moeflow.scheduling.backend import OffloadedExperts
+from moeflow.scheduling.policies import PRESETS
+from moeflow.scheduling.stats import Stats
+from moeflow.sim.engine import Interval, SimClock, SimCopyEngine, SimTransport
+from moeflow.sim.profile import HardwareProfile
+from moeflow.tracing import DECODE, PREFILL, Trace
+
+# 16 x 16 fp32 dense expert: 3 KiB, splits evenly into 1, 2, 3, 4, 6 or 12 aligned chunks
+SIM_FORMAT = ExpertFormat(16, 16, "dense", torch.float32)
+SIM_ONLY_POLICIES = ("oracle",)  # lru eviction + perfect foresight from the trace (an upper bound)
+
+
+class SimulationError(MoeflowError, ValueError):
+    """The simulation cannot run as asked (unknown policy, missing routers or hidden states, ...)."""
+
+
+def known_policies() -> list[str]:
+    """Every policy the simulator can run: the registered presets plus the simulator's own ('oracle')."""
+    return [*PRESETS, *SIM_ONLY_POLICIES]
+
+
+def check_policy(name: str) -> None:
+    """SimulationError naming the known policies when ``name`` is none of them."""
+    if name in SIM_ONLY_POLICIES:
+        return
+    try:
+        get_policy(name)
+    except SchedulingError as e:
+        raise SimulationError(f"{e}; the simulator also knows {', '.join(map(repr, SIM_ONLY_POLICIES))}") from None
+
+
+# ----------------------------------------------------------------------------------------- predictors
+class OraclePredictor:
+    """Perfect foresight: at layer l, the experts the trace routes at layer l + distance of this forward
+    pass (or, past the last layer, of the sequence's next pass). Not a real predictor: the bound."""
+
+    def __init__(self, trace: Trace, distance: int = 1) -> None:
+        self.topk = trace.topk_ids
+        self.L = trace.num_layers
+        self.distance = distance
+        self.rows: slice | None = None
+        self.next_rows: slice | None = None
+
+    def set_step(self, rows: slice, next_rows: slice | None) -> None:
+        self.rows, self.next_rows = rows, next_rows
+
+    def _ids(self, rows: slice, layer: int) -> torch.Tensor:
+        ids = self.topk[rows, layer].reshape(-1).long()
+        counts = torch.bincount(ids)
+        order = torch.argsort(counts, descending=True, stable=True)
+        return order[counts[order] > 0]
+
+    def propose(self, layer: int, x: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        out = []
+        for d in range(1, self.distance + 1):
+            target = layer + d
+            if target < self.L:
+                out.append((target, self._ids(self.rows, target)))
+            elif self.next_rows is not None and target - self.L < layer:
+                out.append((target - self.L, self._ids(self.next_rows, target - self.L)))
+        return out
+
+    def observe(self, layer: int, x: torch.Tensor, probs: torch.Tensor, topk_ids: torch.Tensor) -> None:
+        return None
+
+
+def load_gates(path: str | Path, num_layers: int) -> list[nn.Linear]:
+    """The routers ``model.layers.{l}.block_sparse_moe.gate.weight`` from a checkpoint directory or one
+    safetensors file (e.g. the ``*.gates.safetensors`` written next to a synthetic trace)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    if not files or not all(f.is_file() for f in files):
+        raise SimulationError(f"no safetensors file with the routers at {path}")
+    want = {f"model.layers.{l}.block_sparse_moe.gate.weight": l for l in range(num_layers)}
+    weights: dict[int, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), "pt") as sf:
+            for key in sf.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if key in want:
+                    weights[want[key]] = sf.get_tensor(key).float()
+    missing = [l for l in range(num_layers) if l not in weights]
+    if missing:
+        raise SimulationError(f"{path}: router weights of layers {missing} not found "
+                              "(model.layers.N.block_sparse_moe.gate.weight)")
+    gates = []
+    for l in range(num_layers):
+        w = weights[l]
+        g = nn.Linear(w.shape[1], w.shape[0], bias=False)
+        with torch.no_grad():
+            g.weight.copy_(w)
+        gates.append(g.requires_grad_(False))
+    return gates
+
+
+# ----------------------------------------------------------------------------------------- results
+@dataclass
+class SimResult:
+    """What one policy did on one trace, profile and slot budget (times in seconds, bytes of the profile)."""
+
+    policy: str
+    slots: int
+    total_experts: int
+    profile: str
+    sequences: int
+    prefill_tokens: int
+    decode_steps: int
+    ttft_s: float | None  # mean over sequences: prefill pass until the first token is on the host
+    tpot_s: float | None  # mean decode pass time
+    decode_compute_s: float | None  # mean decode pass with compute alone (the same routing, every expert resident)
+    decode_bound_s: float | None  # compute alone plus the offloaded runtime's per-layer host time
+    hit_rate: float
+    prefill_hit_rate: float
+    decode_hit_rate: float
+    bytes_h2d: int
+    prefill_bytes_h2d: int
+    decode_bytes_h2d: int
+    prefill_stall_s: float  # compute stream idle, waiting for copies
+    decode_stall_s: float
+    prefetches: int
+    useful_prefetches: int
+    wasted_prefetches: int
+    copy_busy_s: float
+    step_times_s: list[float] = field(default_factory=list, repr=False)
+    timeline_prefill: list[Interval] = field(default_factory=list, repr=False)
+    timeline_decode: list[Interval] = field(default_factory=list, repr=False)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return 1.0 / self.tpot_s if self.tpot_s else None
+
+    def as_dict(self, timelines: bool = False) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("step_times_s")
+        if not timelines:
+            d.pop("timeline_prefill")
+            d.pop("timeline_decode")
+        return d
+
+
+# ----------------------------------------------------------------------------------------- the driver
+@dataclass
+class _Step:
+    seq: int
+    phase: int
+    rows: slice
+
+
+def _steps(trace: Trace, max_sequences: int | None) -> list[list[_Step]]:
+    """Per sequence: the prefill pass (its prompt rows) then one pass per decode row."""
+    seq = trace.seq_id.tolist()
+    phase = trace.phase.tolist()
+    out: list[list[_Step]] = []
+    i, n = 0, len(seq)
+    while i < n:
+        j = i
+        while j < n and seq[j] == seq[i]:
+            j += 1
+        steps, r = [], i
+        while r < j and phase[r] == PREFILL:
+            r += 1
+        if r > i:
+            steps.append(_Step(seq[i], PREFILL, slice(i, r)))
+        steps += [_Step(seq[i], DECODE if phase[q] == DECODE else PREFILL, slice(q, q + 1)) for q in range(r, j)]
+        out.append(steps)
+        i = j
+        if max_sequences is not None and len(out) >= max_sequences:
+            break
+    return out
+
+
+def step_compute_s(trace: Trace, profile: HardwareProfile, rows: slice) -> float:
+    """One forward pass with compute alone: per layer attention plus each used expert for its tokens, plus the head."""
+    T = rows.stop - rows.start
+    total = profile.head_s
+    for l in range(trace.num_layers):
+        counts = torch.bincount(trace.topk_ids[rows, l].reshape(-1).long(), minlength=trace.num_experts)
+        total += profile.attn_s(T) + sum(profile.expert_s(int(c)) for c in counts.tolist() if c)
+    return total
+
+
+def simulate(
+    trace: Trace,
+    policy: str,
+    slots: int,
+    profile: HardwareProfile,
+    *,
+    copy_chunks: int = 3,
+    max_inflight_chunks: int = 2,
+    prefetch_distance: int = 1,
+    prefill_ring_slots: int = 2,
+    gates: Sequence[nn.Module] | None = None,
+    max_sequences: int | None = None,
+    timeline: bool = True,
+    timeline_decode_step: int | None = None,
+) -> SimResult:
+    """Run ``policy`` with ``slots`` device expert slots over ``trace`` on ``profile``'s hardware.
+
+    gates: the model's routers, for policies that apply them to hidden states (mixtral-offloading).
+    timeline_decode_step: which decode pass of the first sequence to draw (default: the middle one).
+    """
+    profile.check_trace(trace.num_layers, trace.num_experts, trace.top_k, f"trace {trace.source}")
+    check_policy(policy)
+    if len(trace) == 0:
+        raise SimulationError(f"{trace.source}: the trace holds no tokens")
+    L, E, k = trace.num_layers, trace.num_experts, trace.top_k
+    total = L * E
+    clock = SimClock()
+    transport = SimTransport(clock, bandwidth_bps=profile.bandwidth_bps, latency_s=profile.h2d_latency_us * 1e-6,
+                             scale=profile.expert_bytes / SIM_FORMAT.nbytes, region_bytes=SIM_FORMAT.nbytes,
+                             num_experts=E)
+    stats = Stats()
+    notes: list[str] = []
+    backend: OffloadedExperts | None = None
+    counts_now: list[int] = []
+
+    def compute_hook(layer: int, topk_ids: torch.Tensor, experts: list[int]) -> None:
+        seconds = sum(profile.expert_s(counts_now[e]) for e in experts)
+        transport.compute(seconds, "expert", f"L{layer} E{','.join(map(str, experts))}")
+
+    oracle: OraclePredictor | None = None
+    needs_hidden = False
+    if policy == "resident":
+        n_slots = total
+    else:
+        name = "lru" if policy == "oracle" else policy
+        spec = get_policy(name)
+        if spec.speculate and spec.make_predictor is None:
+            if gates is None:
+                raise SimulationError(
+                    f"policy {policy!r} applies layer l+1's router to layer l's hidden state: give the model's "
+                    "routers (--gates CHECKPOINT_DIR or a *.gates.safetensors file)")
+            if len(gates) != L:
+                raise SimulationError(f"{len(gates)} routers given for a trace of {L} layers")
+        config = OffloadConfig(gpu_expert_slots=slots, policy=name, prefetch_distance=prefetch_distance,
+                               copy_chunks=copy_chunks, max_inflight_chunks=max_inflight_chunks,
+                               prefill_ring_slots=prefill_ring_slots, transport="sync", pin_memory=False)
+        backend = create_expert_backend(
+            config, fmt=SIM_FORMAT, num_layers=L, num_experts=E, top_k=k, device="cpu", kernels_backend="torch",
+            gates=list(gates) if gates is not None else [], reserved_bytes=0, stats=stats, transport=transport,
+            backend_options={"clock": clock, "compute": compute_hook, "engine_factory": SimCopyEngine},
+        )
+        assert isinstance(backend, OffloadedExperts)
+        n_slots = backend.n_slots
+        if policy == "oracle":
+            oracle = OraclePredictor(trace, prefetch_distance)
+            backend.predictor = oracle
+            backend.policy_name = "oracle"
+        pred = backend.predictor
+        needs_hidden = pred is not None and (getattr(pred, "needs_hidden", False) or hasattr(pred, "gates"))
+        if needs_hidden and trace.hidden is None:
+            raise SimulationError(f"policy {policy!r} predicts from the MoE-layer inputs, and trace {trace.source} "
+                                  "has no hidden states: record it with `moeflow trace --hidden`")
+        backend.host.loaded.fill_(True)  # the tiny regions' contents are never read
+        backend.finish_loading()  # warm start (not timed: it happens at load time)
+        transport.synchronize()
+    clock.now = max(clock.now, transport.copy_free, transport.compute_free)
+    transport.copy_busy_s = transport.compute_busy_s = transport.stall_s = 0.0
+    if slots > n_slots and policy != "resident":
+        notes.append(f"{slots} slots capped at the model's {n_slots} experts")
+
+    sequences = _steps(trace, max_sequences)
+    first_decodes = [s for s in sequences[0] if s.phase == DECODE]
+    tl_decode = None
+    if first_decodes:
+        tl_decode = first_decodes[len(first_decodes) // 2 if timeline_decode_step is None
+                                  else min(timeline_decode_step, len(first_decodes) - 1)]
+    tl_prefill = sequences[0][0] if sequences[0][0].phase == PREFILL else None
+    timelines: dict[str, list[Interval]] = {"prefill": [], "decode": []}
+
+    ttfts: list[float] = []
+    decode_times: list[float] = []
+    step_times: list[float] = []
+    stall = {"prefill": 0.0, "decode": 0.0}
+    compute_alone: list[float] = []
+    prefill_tokens = 0
+    for steps in sequences:
+        for i, step in enumerate(steps):
+            phase = "prefill" if step.phase == PREFILL else "decode"
+            stats.set_phase(phase)
+            if oracle is not None:
+                oracle.set_step(step.rows, steps[i + 1].rows if i + 1 < len(steps) else None)
+            record = timeline and step in (tl_prefill, tl_decode)
+            transport.record = record
+            transport.intervals = []
+            start, stall0 = clock.now, transport.stall_s
+            T = step.rows.stop - step.rows.start
+            for l in range(L):
+                topk = trace.topk_ids[step.rows, l]
+                counts_now = torch.bincount(topk.reshape(-1).long(), minlength=E).tolist()
+                transport.compute(profile.attn_s(T), "attention", f"L{l}")
+                if backend is None:  # resident: no scheduler, the host never waits per layer
+                    compute_hook(l, topk, [e for e in range(E) if counts_now[e]])
+                    continue
+                clock.advance_to(transport.compute_free)  # the routing sync
+                clock.advance_to(clock.now + profile.sched_s)  # the host schedules the layer
+                probs = trace.probs[step.rows, l].float()
+                weights = probs.gather(1, topk.long())
+                weights = weights / weights.sum(-1, keepdim=True).clamp(min=1e-9)
+                x = trace.hidden[step.rows, l].float() if needs_hidden else torch.zeros(T, 1)
+                backend.forward(l, x, probs, topk, weights)
+            transport.compute(profile.head_s, "head", "head")
+            clock.advance_to(transport.compute_free)  # the token reaches the host
+            elapsed = clock.now - start
+            step_times.append(elapsed)
+            stall[phase] += transport.stall_s - stall0
+            ps = stats.current()
+            ps.steps += 1
+            ps.tokens += T
+            ps.time_s += elapsed
+            if step.phase == PREFILL:
+                prefill_tokens += T
+                if i == 0:
+                    ttfts.append(elapsed)
+            else:
+                decode_times.append(elapsed)
+                compute_alone.append(step_compute_s(trace, profile, step.rows))
+            if record:
+                timelines[phase] = [Interval(iv.lane, iv.kind, iv.start - start, iv.end - start, iv.label)
+                                    for iv in transport.intervals]
+    transport.record = False
+    if backend is not None:
+        backend.close()
+
+    scale = profile.expert_bytes / SIM_FORMAT.nbytes
+    mean = (lambda xs: sum(xs) / len(xs) if xs else None)  # noqa: E731
+    compute_mean = mean(compute_alone)
+    bound = None
+    if compute_mean is not None:
+        bound = compute_mean + (L * profile.sched_s if backend is not None else 0.0)
+    pre, dec = stats.prefill, stats.decode
+    return SimResult(
+        policy=policy, slots=n_slots, total_experts=total, profile=profile.name, sequences=len(sequences),
+        prefill_tokens=prefill_tokens, decode_steps=len(decode_times), ttft_s=mean(ttfts), tpot_s=mean(decode_times),
+        decode_compute_s=compute_mean, decode_bound_s=bound,
+        hit_rate=stats.hit_rate if backend is not None else 1.0,
+        prefill_hit_rate=pre.hit_rate if backend is not None else 1.0,
+        decode_hit_rate=dec.hit_rate if backend is not None else 1.0,
+        bytes_h2d=int(round((pre.bytes_h2d + dec.bytes_h2d) * scale)),
+        prefill_bytes_h2d=int(round(pre.bytes_h2d * scale)), decode_bytes_h2d=int(round(dec.bytes_h2d * scale)),
+        prefill_stall_s=stall["prefill"], decode_stall_s=stall["decode"],
+        prefetches=pre.prefetches + dec.prefetches, useful_prefetches=pre.useful_prefetches + dec.useful_prefetches,
+        wasted_prefetches=pre.wasted_prefetches + dec.wasted_prefetches, copy_busy_s=transport.copy_busy_s,
+        step_times_s=step_times, timeline_prefill=timelines["prefill"], timeline_decode=timelines["decode"],
+        notes=notes,
+    )
+
+
+# ----------------------------------------------------------------------------------------- analytic checks
+def analytic_ondemand_step_s(trace: Trace, profile: HardwareProfile, rows: slice, chunks: int = 3) -> float:
+    """``ondemand`` with enough slots for a layer's experts: every expert is loaded after its gate, one after
+    another on the copy stream (c each), none before; expert j is computed once it landed and expert j-1
+    is done: done_j = max(done_{j-1}, j*c) + e_j. Per layer: attention + host scheduling + that pipeline."""
+    T = rows.stop - rows.start
+    c = profile.copy_s(chunks)
+    total = profile.head_s
+    for l in range(trace.num_layers):
+        counts = torch.bincount(trace.topk_ids[rows, l].reshape(-1).long(), minlength=trace.num_experts).tolist()
+        done = 0.0
+        for j, n in enumerate([n for n in counts if n], start=1):
+            done = max(done, j * c) + profile.expert_s(n)
+        total += profile.attn_s(T) + profile.sched_s + done
+    return total
+
+
+def relative_error(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-30) if math.isfinite(a) and math.isfinite(b) else math.inf
