@@ -226,8 +226,11 @@ def presets() -> dict[str, HardwareProfile]:
     return _presets()
 
 
-def custom_profile(*, h2d_gbps: float, expert_mb: float, layer_ms: float = 0.0, expert_ms: float = 0.0,
-                   latency_us: float = 10.0, name: str = "custom", **more: Any) -> HardwareProfile:
-    """A profile for any model from the command line's figures (expert size in MiB)."""
+def custom_profile(*, h2d_gbps: float, expert_mb: float, layer_ms: float | None = None, latency_us: float = 10.0,
+                   name: str = "custom", **fields_: Any) -> HardwareProfile:
+    """A profile for any model from the command line's figures (expert size in MiB; ``layer_ms`` is ``attn_ms``;
+    other keywords are :class:`HardwareProfile` fields)."""
+    if layer_ms is not None:
+        fields_.setdefault("attn_ms", layer_ms)
     return HardwareProfile(name=name, h2d_gbps=h2d_gbps, expert_bytes=max(1, int(round(expert_mb * MiB))),
-                           h2d_latency_us=latency_us, attn_ms=layer_ms, expert_ms=expert_ms, **more)
+                           h2d_latency_us=latency_us, **fields_)
