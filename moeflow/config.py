@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-POLICIES = ("resident", "ondemand", "lru", "lfu", "static", "mixtral-offloading")
+POLICIES = ("resident", "ondemand", "lru", "lfu", "static", "mixtral-offloading", "fiddler")
+CPU_COMPUTE = ("auto", "never", "always")
 
 
 @dataclass
@@ -27,6 +28,17 @@ class OffloadConfig:
     max_inflight_chunks: chunks handed to the transport before the copy engine waits; small keeps the
         queue preemptible, 2 keeps the copy engine busy across the worker's wake-up.
     random_delay_ms: upper bound of the random completion delay of the "random-delay" transport.
+    cpu_compute: where a missed expert runs (AWQ experts, torch's int4 CPU kernels; see docs/hybrid.md):
+        "never" (copy it to the device), "always" (compute it on the CPU; experts a static placement keeps on
+        the device are still copied), "auto" (a cost model picks copy, CPU or both per expert). ``None``: the
+        policy's default ("always" for "fiddler", "never" otherwise).
+    cpu_workers: threads computing experts on the CPU (each uses torch's intra-op threads).
+    cpu_expert_ms, cpu_token_ms, h2d_gbps: cost-model rates (CPU ms for one expert and one token, ms per
+        further token, host->device GB/s); each one given replaces its start-up calibration.
+    calibration_file: where the measured rates are cached (default: ``$MOEFLOW_CACHE_DIR`` or
+        ``~/.cache/moeflow``, one file per machine, model shape and torch version).
+    race_margin: "auto" starts both the copy and the CPU compute when their estimates are within this
+        fraction of each other, and uses whichever finishes first.
     """
 
     gpu_expert_slots: int | None = None
@@ -40,6 +52,13 @@ class OffloadConfig:
     prefill_ring_slots: int = 2
     max_inflight_chunks: int = 2
     random_delay_ms: float = 2.0
+    cpu_compute: str | None = None
+    cpu_workers: int = 1
+    cpu_expert_ms: float | None = None
+    cpu_token_ms: float | None = None
+    h2d_gbps: float | None = None
+    calibration_file: str | None = None
+    race_margin: float = 0.25
 
     def __post_init__(self) -> None:
         if self.gpu_expert_slots is not None and self.gpu_expert_slots < 1:
@@ -58,6 +77,20 @@ class OffloadConfig:
                 raise ValueError(f"OffloadConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.random_delay_ms < 0:
             raise ValueError(f"OffloadConfig.random_delay_ms must be >= 0, got {self.random_delay_ms}")
+        if self.cpu_compute is not None and self.cpu_compute not in CPU_COMPUTE:
+            raise ValueError(
+                f"OffloadConfig.cpu_compute={self.cpu_compute!r}: expected 'auto', 'never' or 'always' (or None "
+                "for the policy's default)"
+            )
+        if self.cpu_workers < 1:
+            raise ValueError(f"OffloadConfig.cpu_workers must be >= 1, got {self.cpu_workers}")
+        for name in ("cpu_expert_ms", "h2d_gbps"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"OffloadConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.cpu_token_ms is not None and self.cpu_token_ms < 0:
+            raise ValueError(f"OffloadConfig.cpu_token_ms must be >= 0, got {self.cpu_token_ms}")
+        if self.race_margin < 0:
+            raise ValueError(f"OffloadConfig.race_margin must be >= 0, got {self.race_margin}")
 
     def as_dict(self) -> dict:
         return asdict(self)

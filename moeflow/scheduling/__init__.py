@@ -17,6 +17,7 @@ from moeflow.moe import ExpertBackend, ResidentExperts
 from moeflow.scheduling.backend import OffloadedExperts
 from moeflow.scheduling.cache import ExpertCache, Slot, SlotState
 from moeflow.scheduling.copy_engine import CopyEngine, LoadTask, chunk_ranges
+from moeflow.scheduling.cpu_compute import HybridCompute, fixed_set, resolve_cpu_compute
 from moeflow.scheduling.eviction import LFU, LRU, EvictionPolicy, PriorityEviction, Static, make_eviction
 from moeflow.scheduling.host_store import HostStore
 from moeflow.scheduling.policies import PRESETS, PolicyContext, PolicySpec, get_policy, register_policy
@@ -34,7 +35,7 @@ __all__ = [
     "create_expert_backend", "resolve_slots", "min_slots", "OffloadedExperts", "HostStore", "ExpertCache", "Slot",
     "SlotState", "CopyEngine", "LoadTask", "chunk_ranges", "EvictionPolicy", "LRU", "LFU", "Static",
     "PriorityEviction", "make_eviction", "PolicySpec", "PolicyContext", "PRESETS", "get_policy", "register_policy",
-    "Predictor", "GateSpeculator",
+    "Predictor", "GateSpeculator", "HybridCompute",
     "Stats", "PhaseStats", "Transport", "SyncTransport", "RandomDelayTransport", "CudaTransport", "make_transport",
 ]
 
@@ -135,10 +136,13 @@ def create_expert_backend(
         predictor = GateSpeculator(gates, top_k, config.prefetch_distance) if spec.speculate else None
     if transport is None:
         transport = make_transport(config.transport, device, seed=config.seed, random_delay_ms=config.random_delay_ms)
+    # hybrid execution (docs/hybrid.md): misses computed on the CPU where the cost model says so
+    cpu_mode = resolve_cpu_compute(config, spec, fmt)
+    cpu = HybridCompute(cpu_mode, config, fixed_set(eviction)) if cpu_mode != "never" else None
     return OffloadedExperts(
         fmt, num_layers=num_layers, num_experts=num_experts, top_k=top_k, n_slots=n_slots, device=device,
         transport=transport, eviction=eviction, stats=stats, retain=spec.retain, predictor=predictor,
         warm_start=spec.warm_start, kernels_backend=kernels_backend, pin_memory=config.pin_memory,
         copy_chunks=config.copy_chunks, max_inflight_chunks=config.max_inflight_chunks, policy_name=spec.name,
-        host_store=host_store, per_layer=spec.per_layer, **(backend_options or {}),
+        host_store=host_store, per_layer=spec.per_layer, cpu_compute=cpu, **(backend_options or {}),
     )

@@ -27,6 +27,7 @@ from moeflow import kernels
 from moeflow.kernels.pool import ExpertFormat, ExpertPool
 from moeflow.scheduling.cache import ExpertCache, Slot, SlotState
 from moeflow.scheduling.copy_engine import CopyEngine, LoadTask
+from moeflow.scheduling.cpu_compute import HybridCompute
 from moeflow.scheduling.eviction import EvictionPolicy
 from moeflow.scheduling.host_store import HostStore
 from moeflow.scheduling.predictor import Predictor
@@ -62,6 +63,7 @@ class OffloadedExperts:
         clock: Callable[[], float] | None = None,
         compute: Callable[[int, torch.Tensor, list[int]], None] | None = None,
         engine_factory: Callable[..., CopyEngine] | None = None,
+        cpu_compute: HybridCompute | None = None,
     ) -> None:
         self.fmt = fmt
         self.num_layers = num_layers
@@ -90,6 +92,9 @@ class OffloadedExperts:
             transport, self.host, self.pool, chunks=copy_chunks, max_inflight=max_inflight_chunks
         )
         self._phase = stats.phase
+        self.cpu = cpu_compute  # hybrid execution: misses computed on the CPU (docs/hybrid.md)
+        if cpu_compute is not None:
+            cpu_compute.bind(self)
         stats.expert_pool_bytes = self.pool.buffer.numel()
         stats.host_store_bytes = self.host.nbytes
         stats.host_pinned = self.host.pinned
@@ -112,6 +117,8 @@ class OffloadedExperts:
         missing = self.host.missing()
         if missing:
             raise RuntimeError(f"expert host store incomplete: {len(missing)} experts never loaded, e.g. {missing[:4]}")
+        if self.cpu is not None:  # CPU int4 forms + cost-model rates (measures H2D into slot 0: before the fill)
+            self.cpu.prepare()
         if not self.warm_start:
             return
         for i in range(min(self.n_slots, self.num_layers * self.num_experts)):
@@ -159,6 +166,8 @@ class OffloadedExperts:
             out = self._schedule_and_compute(layer, x, topk_ids, topk_weights, needed, guesses, st)
         except BaseException:
             # an interrupted layer (kernel error, Ctrl-C) must not leave slots pinned for good
+            if self.cpu is not None:
+                self.cpu.abort()
             fence = self.transport.compute_fence()
             for slot in self.cache.slots:
                 if slot.in_use:
@@ -206,6 +215,8 @@ class OffloadedExperts:
                 st.inflight_hits += 1
                 self.engine.promote(slot.task)
                 waiting.append(slot.task)
+        if self.cpu is not None:  # the cost model sends some misses to the CPU workers (out of `deferred`)
+            self.cpu.start_layer(layer, x, topk_ids, topk_weights, deferred, waiting, st)
         # arrival order: loads already in the transport first, then the high queue's order
         waiting.sort(key=lambda t: (not t.issued, t.order))
         self._load_deferred(layer, deferred, waiting, st)
@@ -224,9 +235,16 @@ class OffloadedExperts:
                 self._load_deferred(layer, deferred, waiting, st)
                 self._pump(st)
         while waiting:
+            if self.cpu is not None and self.cpu.racing:  # a load whose CPU twin finished first is not computed
+                waiting = self.cpu.settle(waiting, out, st, self._release_unread)
+                self._load_deferred(layer, deferred, waiting, st)
+                if not waiting:
+                    continue
             group = [waiting.pop(0)]
             group += [t for t in waiting if t.complete()]
             waiting = [t for t in waiting if t not in group]
+            if self.cpu is not None:
+                self.cpu.discard_races([t.expert for t in group])
             for task in group:
                 self._wait(task, st)
             self._compute(layer, x, topk_ids, topk_weights, out, [t.expert for t in group])
@@ -234,6 +252,8 @@ class OffloadedExperts:
             self._pump(st)
         if deferred:  # cannot happen with n_slots >= 1: every computed group frees its slots
             raise RuntimeError(f"layer {layer}: experts {list(deferred)} never got a slot")
+        if self.cpu is not None:
+            self.cpu.finish(out, st)
         return out
 
     # ------------------------------------------------------------------ helpers
@@ -332,6 +352,10 @@ class OffloadedExperts:
         for slot in slots:
             self.cache.release(slot, fence)
 
+    def _release_unread(self, task: LoadTask) -> None:
+        """Hybrid race won by the CPU: unpin the slot unread; its load carries on and the expert stays cached."""
+        self.cache.release(self.cache.lookup(task.key), self.transport.compute_fence())
+
     # ------------------------------------------------------------------ lifetime
     def synchronize(self) -> None:
         """Wait for every queued and in-flight copy (tests, benchmarks)."""
@@ -340,6 +364,8 @@ class OffloadedExperts:
         self.transport.synchronize()
 
     def close(self) -> None:
+        if self.cpu is not None:
+            self.cpu.close()
         self._finalizer()
 
     def __repr__(self) -> str:

@@ -42,6 +42,8 @@ class HostStore:
             self._gaps.append((end, fmt.nbytes))
         if pin and torch.device(device).type == "cuda":
             self._pin()
+        # hybrid execution: each AWQ expert also in torch's CPU int4 format, built on first use, then kept
+        self._cpu_forms: dict[int, object] = {}
 
     @property
     def nbytes(self) -> int:
@@ -85,6 +87,27 @@ class HostStore:
         for a, b in self._gaps:
             self.buffer[i, a:b].zero_()
         self.loaded[i] = True
+        self._cpu_forms.pop(i, None)
+
+    def cpu_expert(self, layer: int, expert: int):
+        """The expert as a :class:`moeflow.kernels.cpu_int4.Int4Expert` (AWQ only), converted on first use.
+
+        Costs about 1.02x the expert's AWQ bytes of extra RAM per converted expert (docs/hybrid.md).
+        Thread-safe: two threads converting the same expert at once both succeed, one copy is kept.
+        """
+        i = self.index(layer, expert)
+        form = self._cpu_forms.get(i)
+        if form is None:
+            from moeflow.kernels.cpu_int4 import Int4Expert
+
+            tensors = {k: v[0] for k, v in self.fmt.views(self.buffer[i : i + 1]).items()}
+            form = self._cpu_forms.setdefault(i, Int4Expert.from_awq_tensors(tensors, self.fmt.group_size))
+        return form
+
+    @property
+    def cpu_nbytes(self) -> int:
+        """RAM held by the CPU int4 forms built so far."""
+        return sum(f.nbytes for f in list(self._cpu_forms.values()))
 
     def missing(self) -> list[tuple[int, int]]:
         """(layer, expert) pairs never written (the loader must fill every region)."""

@@ -43,6 +43,15 @@ class PolicySpec:
     # extension points for the predictor policies (they override ``speculate`` / ``eviction``)
     make_predictor: Callable[[PolicyContext], Any] | None = None  # -> moeflow.scheduling.predictor.Predictor
     make_eviction: Callable[[PolicyContext], Any] | None = None  # -> moeflow.scheduling.eviction.EvictionPolicy
+    # hybrid execution: the policy's own cpu_compute mode (used when OffloadConfig.cpu_compute is None);
+    # a policy that sets it cannot run with cpu_compute="never"
+    cpu_compute: str | None = None
+
+
+def _fiddler_eviction(ctx: PolicyContext) -> Any:
+    from moeflow.scheduling.eviction import Static
+
+    return Static(ctx.n_slots)  # no streaming ring: experts outside the placement run on the CPU
 
 
 PRESETS: dict[str, PolicySpec] = {
@@ -60,6 +69,11 @@ PRESETS: dict[str, PolicySpec] = {
     "mixtral-offloading": PolicySpec(
         "mixtral-offloading", eviction="lru", speculate=True, per_layer=True,
         description="per-layer LRU cache plus next-layer speculation: layer l+1's router on layer l's input",
+    ),
+    "fiddler": PolicySpec(
+        "fiddler", eviction="static", make_eviction=_fiddler_eviction, cpu_compute="always",
+        description="most popular experts placed on the device (profile or first prefill), every other expert "
+                    "computed on the CPU with int4 kernels (Fiddler)",
     ),
 }
 

@@ -20,6 +20,11 @@ class PhaseStats:
     steps: int = 0  # forward passes in this phase
     tokens: int = 0  # tokens processed in this phase
     time_s: float = 0.0  # wall time spent in this phase
+    # hybrid execution (docs/hybrid.md): misses computed on the CPU instead of (or racing) their copy
+    cpu_experts: int = 0  # expert computations whose CPU result was used
+    cpu_s: float = 0.0  # CPU worker seconds spent on expert compute (results used or not)
+    cpu_races: int = 0  # experts started both ways (copy and CPU), first finisher used
+    cpu_race_wins: int = 0  # of those, how many the CPU won
 
     @property
     def hit_rate(self) -> float:
@@ -77,4 +82,7 @@ class Stats:
             f"(prefill {self.prefill.hit_rate:.1%}, decode {self.decode.hit_rate:.1%}) | "
             f"{moved:.1f} MiB host->device | stall {stall:.1f} ms"
             + (f" | peak GPU {self.peak_gpu_bytes / 2**30:.2f} GiB" if self.peak_gpu_bytes else "")
+            + (f" | {self.prefill.cpu_experts + self.decode.cpu_experts} experts on the CPU "
+               f"({(self.prefill.cpu_s + self.decode.cpu_s) * 1e3:.1f} ms)"
+               if self.prefill.cpu_experts + self.decode.cpu_experts else "")
         )

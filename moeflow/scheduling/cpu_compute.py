@@ -1,0 +1,258 @@
+"""Hybrid execution: missed experts computed on the CPU (torch's int4 kernels) while the device computes the rest.
+
+:class:`HybridCompute` is the part of :class:`~moeflow.scheduling.backend.OffloadedExperts` that decides,
+per layer, which missing experts are copied, computed on the CPU, or both (:mod:`.cost_model`), runs the
+CPU ones on a worker thread pool, and writes their rows of the layer's ``out [T*k, H]`` before the one
+``combine``. Experts computed on the device keep the bitwise staging property; CPU rows differ from the
+device's by the int4 kernel's bf16 rounding (see ``docs/hybrid.md`` for the tolerance).
+
+The CPU form of each expert lives in the host store beside its AWQ bytes (:meth:`HostStore.cpu_expert`):
+converted for every expert when loading finishes (``prepare``), so no miss ever pays a conversion.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from moeflow.errors import SchedulingError
+from moeflow.scheduling.calibration import calibration_key, measure_cpu, measure_h2d, resolve_rates
+from moeflow.scheduling.cost_model import Candidate, Choice, Rates, plan
+from moeflow.scheduling.stats import PhaseStats
+
+if TYPE_CHECKING:
+    from moeflow.scheduling.backend import OffloadedExperts
+    from moeflow.scheduling.copy_engine import LoadTask
+
+RACE_POLL_S = 1e-4  # how often a race is checked while neither side has finished
+
+
+def resolve_cpu_compute(config: Any, spec: Any, fmt: Any) -> str:
+    """The effective mode ("never" / "auto" / "always") for ``config`` under policy ``spec``.
+
+    Raises SchedulingError when the policy needs CPU compute (fiddler) and cannot have it; otherwise falls
+    back to "never" with one warning when the experts are not AWQ or torch lacks the int4 CPU kernels.
+    """
+    from moeflow.kernels.cpu_int4 import int4_cpu_available
+
+    policy_mode = getattr(spec, "cpu_compute", None)
+    if policy_mode is not None and config.cpu_compute == "never":
+        raise SchedulingError(
+            f"policy {spec.name!r} computes the experts it does not place on the device on the CPU; it cannot run "
+            "with cpu_compute='never' (use a caching policy such as 'static' for that)"
+        )
+    mode = config.cpu_compute or policy_mode or "never"
+    if mode == "never" or not spec.offload:
+        return "never"
+    problem = None
+    if fmt.kind != "awq":
+        problem = f"the experts are {fmt.kind!r}, not AWQ 4-bit"
+    elif not int4_cpu_available():
+        problem = f"torch {torch.__version__} lacks the int4 CPU kernels (_weight_int4pack_mm_for_cpu)"
+    if problem is None:
+        return mode
+    if policy_mode is not None:
+        raise SchedulingError(f"policy {spec.name!r} computes experts on the CPU, but {problem}")
+    warnings.warn(
+        f"moeflow: cpu_compute={mode!r} needs AWQ experts and torch's int4 CPU kernels, but {problem}; "
+        "every expert is computed on the device (cpu_compute='never')", RuntimeWarning, stacklevel=3,
+    )
+    return "never"
+
+
+def fixed_set(eviction: Any) -> Callable[[tuple[int, int]], bool]:
+    """Whether a static placement (``Static.fixed``, possibly wrapped) wants ``key`` on the device."""
+    def keep(key: tuple[int, int]) -> bool:
+        policy = eviction
+        while policy is not None:
+            fixed = getattr(policy, "fixed", None)
+            if fixed is not None:
+                return key in fixed
+            policy = getattr(policy, "base", None)
+        return False
+    return keep
+
+
+class HybridCompute:
+    """Cost model + CPU worker pool for one :class:`OffloadedExperts` (see the module docstring)."""
+
+    def __init__(self, mode: str, config: Any, keep_on_device: Callable[[tuple[int, int]], bool] | None = None):
+        if mode not in ("auto", "always"):
+            raise ValueError(f"HybridCompute mode {mode!r}: expected 'auto' or 'always'")
+        self.mode = mode
+        self.config = config
+        self.workers = config.cpu_workers
+        self.race_margin = config.race_margin
+        self.keep_on_device = keep_on_device or (lambda key: False)
+        self.rates: Rates | None = None
+        self.rates_source = ""
+        self.build_s = 0.0  # time converting every expert to the CPU int4 form
+        self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="moeflow-cpu-expert")
+        self._lock = threading.Lock()  # CPU seconds are added from the worker threads
+        self._backend: OffloadedExperts | None = None
+        self._layer = -1
+        self._jobs: dict[int, tuple[Future, torch.Tensor]] = {}  # expert -> (CPU result, its pair indices)
+        self._race: set[int] = set()  # experts of the current layer also being copied
+
+    # ------------------------------------------------------------------ set-up
+    def bind(self, backend: OffloadedExperts) -> None:
+        self._backend = backend
+
+    def prepare(self) -> None:
+        """Convert every expert to the CPU int4 form (kept in the host store) and get the cost model's rates.
+
+        Called by the backend when loading finished, before the warm start fills the device pool (the H2D
+        measurement writes slot 0).
+        """
+        b = self._backend
+        host = b.host
+        t0 = time.perf_counter()
+        for layer in range(b.num_layers):
+            for expert in range(b.num_experts):
+                host.cpu_expert(layer, expert)
+        self.build_s = time.perf_counter() - t0
+        key = calibration_key(host.fmt, b.device, transport=b.transport.name, pinned=host.pinned,
+                              workers=self.workers)
+        self.rates, self.rates_source = resolve_rates(self.config, key, self._measure)
+
+    def _measure(self) -> Rates:
+        b = self._backend
+        h2d = measure_h2d(b.host.buffer[0], b.pool.buffer[0])
+        one, per_token = measure_cpu(b.host.cpu_expert(0, 0), b.fmt.hidden_size,
+                                     lambda fn: self.pool.submit(fn).result())
+        return Rates(h2d, one, per_token)
+
+    # ------------------------------------------------------------------ one layer
+    def start_layer(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        deferred: Any,
+        waiting: list[LoadTask],
+        st: PhaseStats,
+    ) -> None:
+        """Plan the layer's misses (``deferred``) and loads under way (``waiting``); start the CPU jobs.
+
+        Removes from ``deferred`` the experts computed only on the CPU; racing experts stay in both.
+        """
+        b = self._backend
+        self._layer, self._jobs, self._race = layer, {}, set()
+        if not deferred and not waiting:
+            return
+        # the routing on the host (right after the layer's routing sync, so this waits for little)
+        flat_ids = topk_ids.reshape(-1).to("cpu", torch.int64)
+        counts = torch.bincount(flat_ids, minlength=b.num_experts).tolist()
+        pending = [t for t in b.engine.pending() if t.high]
+        chunk_bytes = {t: sum(hi - lo for lo, hi in t.chunks[t.next_chunk:]) for t in pending}
+        backlog = sum(chunk_bytes.values())
+        ahead, landed_after = 0, {}
+        for t in pending:  # the high queue drains in order: a queued load lands after everything before it
+            ahead += chunk_bytes[t]
+            landed_after[t] = ahead
+        cands = [Candidate(e, counts[e], b.fmt.nbytes, keep_on_device=self.keep_on_device((layer, e)))
+                 for e in deferred]
+        cands += [Candidate(t.expert, counts[t.expert], landed_after.get(t, 0), loading=True) for t in waiting]
+        choices = plan(cands, self.rates, mode=self.mode, backlog_bytes=backlog, cpu_workers=self.workers,
+                       race_margin=self.race_margin)
+        on_cpu = [e for e, c in choices.items() if c is not Choice.COPY]
+        if not on_cpu:
+            return
+        x_h = x.detach().to("cpu")
+        flat_w = topk_weights.reshape(-1).to("cpu", torch.float32)
+        k = topk_ids.shape[1]
+        for e in sorted(on_cpu, key=lambda e: -counts[e]):  # longest first: the pool's tail is shorter
+            pairs = torch.nonzero(flat_ids == e).squeeze(1)
+            fut = self.pool.submit(self._job, layer, e, x_h, pairs, k, flat_w, st)
+            self._jobs[e] = (fut, pairs)
+            if choices[e] is Choice.BOTH:
+                self._race.add(e)
+                st.cpu_races += 1
+        for e, c in choices.items():
+            if c is Choice.CPU:
+                deferred.remove(e)
+
+    def _job(self, layer: int, e: int, x_h: torch.Tensor, pairs: torch.Tensor, k: int, flat_w: torch.Tensor,
+             st: PhaseStats) -> torch.Tensor:
+        t0 = time.perf_counter()
+        y = self._backend.host.cpu_expert(layer, e).forward(x_h[pairs // k], flat_w[pairs])
+        with self._lock:
+            st.cpu_s += time.perf_counter() - t0
+        return y
+
+    @property
+    def racing(self) -> bool:
+        return bool(self._race)
+
+    def settle(
+        self, waiting: list[LoadTask], out: torch.Tensor, st: PhaseStats, release: Callable[[LoadTask], None]
+    ) -> list[LoadTask]:
+        """Resolve races among ``waiting`` (loads of the current layer, in the order they will be computed).
+
+        A load whose CPU twin finished first is dropped from the list (``release`` unpins its slot; the copy
+        carries on and stays cached) and its CPU rows are written; a load that landed first cancels its CPU
+        twin. When the head of the list is racing, blocks until one of the two finishes.
+        """
+        keep: list[LoadTask] = []
+        for task in waiting:
+            e = task.expert
+            if task.layer != self._layer or e not in self._race:
+                keep.append(task)
+                continue
+            fut = self._jobs[e][0]
+            while not keep and not (fut.done() or task.complete()):
+                wait_futures([fut], timeout=RACE_POLL_S)  # head of the queue: nothing else to do meanwhile
+            if fut.done() and not task.complete():
+                self._race.discard(e)
+                self._write(e, out, st)
+                st.cpu_race_wins += 1
+                release(task)
+            elif task.complete():
+                self._race.discard(e)
+                self._jobs.pop(e)[0].cancel()  # the device computes it; a running CPU job's result is dropped
+                keep.append(task)
+            else:
+                keep.append(task)
+        return keep
+
+    def discard_races(self, experts: list[int]) -> None:
+        """The device computed ``experts`` (their loads were taken in a group): their CPU results are not used."""
+        for e in experts:
+            if e in self._race:
+                self._race.discard(e)
+                self._jobs.pop(e)[0].cancel()
+
+    def finish(self, out: torch.Tensor, st: PhaseStats) -> None:
+        """Write every remaining CPU result into ``out`` (blocks for the ones still running)."""
+        for e in list(self._jobs):
+            self._write(e, out, st)
+        self._jobs, self._race = {}, set()
+
+    def _write(self, e: int, out: torch.Tensor, st: PhaseStats) -> None:
+        fut, pairs = self._jobs.pop(e)
+        y = fut.result()
+        dev = out.device
+        out.index_copy_(0, pairs.to(dev, non_blocking=True), y.to(dev, out.dtype, non_blocking=True))
+        st.cpu_experts += 1
+
+    def abort(self) -> None:
+        """An interrupted layer: drop its CPU work."""
+        for fut, _ in self._jobs.values():
+            fut.cancel()
+        self._jobs, self._race = {}, set()
+
+    def close(self) -> None:
+        self.abort()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def __repr__(self) -> str:
+        return (f"HybridCompute(mode={self.mode!r}, workers={self.workers}, rates={self.rates}, "
+                f"from {self.rates_source})")
