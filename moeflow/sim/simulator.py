@@ -33,6 +33,7 @@ from moeflow.errors import MoeflowError, SchedulingError
 from moeflow.kernels.pool import ExpertFormat
 from moeflow.scheduling import create_expert_backend, get_policy
 from moeflow.scheduling.backend import OffloadedExperts
+from moeflow.scheduling.eviction import PriorityEviction
 from moeflow.scheduling.policies import PRESETS
 from moeflow.scheduling.stats import Stats
 from moeflow.sim.engine import Interval, SimClock, SimCopyEngine, SimTransport
@@ -41,7 +42,7 @@ from moeflow.tracing import DECODE, PREFILL, Trace
 
 # 16 x 16 fp32 dense expert: 3 KiB, splits evenly into 1, 2, 3, 4, 6 or 12 aligned chunks
 SIM_FORMAT = ExpertFormat(16, 16, "dense", torch.float32)
-SIM_ONLY_POLICIES = ("oracle",)  # lru eviction + perfect foresight from the trace (an upper bound)
+SIM_ONLY_POLICIES = ("oracle",)  # perfect prediction + Belady eviction from the trace (an upper bound)
 
 
 class SimulationError(MoeflowError, ValueError):
@@ -54,32 +55,53 @@ def known_policies() -> list[str]:
 
 
 def check_policy(name: str) -> None:
-    """SimulationError naming the known policies when ``name`` is none of them."""
+    """SimulationError naming the known policies when ``name`` is none of them, or when the simulator cannot
+    model it (policies that compute experts on the CPU: hybrid execution has no cost in the profiles yet)."""
     if name in SIM_ONLY_POLICIES:
         return
     try:
-        get_policy(name)
+        spec = get_policy(name)
     except SchedulingError as e:
         raise SimulationError(f"{e}; the simulator also knows {', '.join(map(repr, SIM_ONLY_POLICIES))}") from None
+    if getattr(spec, "cpu_compute", None) not in (None, "never"):
+        raise SimulationError(f"policy {name!r} computes experts on the CPU (hybrid execution), which the simulator "
+                              "does not model yet: its profiles have no CPU compute cost")
 
 
 # ----------------------------------------------------------------------------------------- predictors
 class OraclePredictor:
-    """Perfect foresight: at layer l, the experts the trace routes at layer l + distance of this forward
-    pass (or, past the last layer, of the sequence's next pass). Not a real predictor: the bound."""
+    """Perfect foresight, the upper bound of prediction (not a real predictor).
+
+    * ``propose``: at layer l, the experts the trace routes at layer l + distance of this forward pass (past
+      the last layer: of the sequence's next pass), most used first;
+    * ``score``: Belady's eviction for ``PriorityEviction``: the expert whose next use is farthest goes first.
+    """
 
     def __init__(self, trace: Trace, distance: int = 1) -> None:
-        self.topk = trace.topk_ids
+        self.trace = trace
         self.L = trace.num_layers
         self.distance = distance
-        self.rows: slice | None = None
-        self.next_rows: slice | None = None
+        self.steps: list[slice] = []
+        self.i = 0
+        self._next_use: list[list[list[float]]] = []  # [step][layer][expert]: next step index using it
 
-    def set_step(self, rows: slice, next_rows: slice | None) -> None:
-        self.rows, self.next_rows = rows, next_rows
+    def set_sequence(self, steps: list[slice]) -> None:
+        mask = self.trace.topk_mask()
+        inf = float("inf")
+        nxt = [[inf] * self.trace.num_experts for _ in range(self.L)]
+        table = [nxt]
+        for s in range(len(steps) - 1, -1, -1):
+            used = mask[steps[s]].any(0).tolist()
+            nxt = [[s if used[l][e] else nxt[l][e] for e in range(len(used[l]))] for l in range(self.L)]
+            table.append(nxt)
+        self._next_use = table[::-1]  # index s: from step s on; index len(steps): never
+        self.steps, self.i = steps, 0
+
+    def set_step(self, i: int) -> None:
+        self.i = i
 
     def _ids(self, rows: slice, layer: int) -> torch.Tensor:
-        ids = self.topk[rows, layer].reshape(-1).long()
+        ids = self.trace.topk_ids[rows, layer].reshape(-1).long()
         counts = torch.bincount(ids)
         order = torch.argsort(counts, descending=True, stable=True)
         return order[counts[order] > 0]
@@ -89,13 +111,19 @@ class OraclePredictor:
         for d in range(1, self.distance + 1):
             target = layer + d
             if target < self.L:
-                out.append((target, self._ids(self.rows, target)))
-            elif self.next_rows is not None and target - self.L < layer:
-                out.append((target - self.L, self._ids(self.next_rows, target - self.L)))
+                out.append((target, self._ids(self.steps[self.i], target)))
+            elif self.i + 1 < len(self.steps) and target - self.L < layer:
+                out.append((target - self.L, self._ids(self.steps[self.i + 1], target - self.L)))
         return out
 
     def observe(self, layer: int, x: torch.Tensor, probs: torch.Tensor, topk_ids: torch.Tensor) -> None:
         return None
+
+    def score(self, key: tuple[int, int], layer_now: int) -> float:
+        """Minus the layers until ``key`` is used next (lowest, i.e. farthest, is evicted first)."""
+        l, e = key
+        s = self._next_use[self.i + (0 if l > layer_now else 1)][l][e]
+        return -((s - self.i) * self.L + l - layer_now)
 
 
 def load_gates(path: str | Path, num_layers: int) -> list[nn.Linear]:
@@ -281,6 +309,7 @@ def simulate(
         if policy == "oracle":
             oracle = OraclePredictor(trace, prefetch_distance)
             backend.predictor = oracle
+            backend.cache.policy = PriorityEviction(backend.cache.policy, oracle.score)
             backend.policy_name = "oracle"
         pred = backend.predictor
         needs_hidden = pred is not None and (getattr(pred, "needs_hidden", False) or hasattr(pred, "gates"))
@@ -315,7 +344,9 @@ def simulate(
             phase = "prefill" if step.phase == PREFILL else "decode"
             stats.set_phase(phase)
             if oracle is not None:
-                oracle.set_step(step.rows, steps[i + 1].rows if i + 1 < len(steps) else None)
+                if i == 0:
+                    oracle.set_sequence([st.rows for st in steps])
+                oracle.set_step(i)
             record = timeline and step in (tl_prefill, tl_decode)
             transport.record = record
             transport.intervals = []
