@@ -1,0 +1,139 @@
+"""pytest-benchmark: one Mixtral-8x7B expert (H 4096, I 14336, AWQ group 128) on the CPU.
+
+* ``int4``: torch's int4 CPU kernel (:class:`moeflow.kernels.cpu_int4.Int4Expert`, bf16 activations), the path
+  hybrid execution and ``device="cpu"`` use;
+* ``dequant``: dequantize the AWQ weights to fp32, then matmul (what the torch reference does per call);
+* ``memcpy``: a 256 MiB memory copy on the same machine in the same run, the bandwidth yardstick.
+
+At T = 1, 4, 16 tokens. Each benchmark records in ``extra_info`` the weight bytes it reads and the achieved
+GB/s (median time), and the int4 ones their fraction of the memcpy rate (bytes copied per second; a copy
+reads and writes each byte, the kernel mostly reads). Target (issue 8): int4 >= 10x dequant at T = 1.
+
+    python -m pytest benchmarks/bench_cpu_int4.py --benchmark-json=benchmarks/results/cpu_int4/bench.json
+    python benchmarks/bench_cpu_int4.py --table benchmarks/results/cpu_int4/bench.json   # Markdown table
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moeflow.kernels.cpu_int4 import Int4Expert, int4_cpu_available
+from moeflow.quant.awq import dequantize
+
+H, I, GROUP = 4096, 14336, 128  # noqa: E741
+TOKENS = (1, 4, 16)
+COPY_BYTES = 256 * 2**20
+_STATE: dict = {}
+
+pytestmark = pytest.mark.skipif(not int4_cpu_available(), reason="this torch build has no int4 CPU kernels")
+
+
+def _awq(fan_in: int, fan_out: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    qweight = torch.randint(-(2**31), 2**31 - 1, (fan_in, fan_out // 8), generator=gen, dtype=torch.int64)
+    qzeros = torch.randint(-(2**31), 2**31 - 1, (fan_in // GROUP, fan_out // 8), generator=gen, dtype=torch.int64)
+    scales = (torch.rand((fan_in // GROUP, fan_out), generator=gen) * 2e-3 + 1e-3).half()
+    return qweight.to(torch.int32), qzeros.to(torch.int32), scales
+
+
+def expert_tensors() -> dict[str, torch.Tensor]:
+    if "tensors" not in _STATE:
+        gen = torch.Generator().manual_seed(0)
+        (a, b, c), (d, e, f) = _awq(H, 2 * I, gen), _awq(I, H, gen)
+        _STATE["tensors"] = {"w13_qweight": a, "w13_qzeros": b, "w13_scales": c,
+                             "w2_qweight": d, "w2_qzeros": e, "w2_scales": f}
+    return _STATE["tensors"]
+
+
+def int4_expert() -> Int4Expert:
+    if "int4" not in _STATE:
+        t0 = time.perf_counter()
+        _STATE["int4"] = Int4Expert.from_awq_tensors(expert_tensors(), GROUP)
+        _STATE["convert_s"] = time.perf_counter() - t0
+    return _STATE["int4"]
+
+
+def dequant_forward(t: dict[str, torch.Tensor], x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Dequantize both matrices to fp32, then the expert MLP (the torch reference's per-call cost)."""
+    w13 = dequantize(t["w13_qweight"], t["w13_qzeros"], t["w13_scales"].float(), GROUP)
+    w2 = dequantize(t["w2_qweight"], t["w2_qzeros"], t["w2_scales"].float(), GROUP)
+    h = x.float() @ w13
+    return ((F.silu(h[:, :I]) * h[:, I:]) @ w2) * w[:, None]
+
+
+def memcpy_rate() -> float:
+    """Bytes copied per second by one 256 MiB ``copy_`` (best of 5), measured once per run."""
+    if "memcpy" not in _STATE:
+        src, dst = torch.ones(COPY_BYTES, dtype=torch.uint8), torch.empty(COPY_BYTES, dtype=torch.uint8)
+        dst.copy_(src)
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - t0)
+        _STATE["memcpy"] = COPY_BYTES / best
+    return _STATE["memcpy"]
+
+
+def _record(benchmark, kind: str, T: int, nbytes: int) -> None:
+    median = benchmark.stats.stats.median
+    gbps = nbytes / median / 1e9
+    benchmark.extra_info.update({
+        "kind": kind, "T": T, "weight_bytes": nbytes, "achieved_GBps": gbps, "memcpy_GBps": memcpy_rate() / 1e9,
+        "fraction_of_memcpy": gbps * 1e9 / memcpy_rate(), "torch_threads": torch.get_num_threads(),
+        "convert_s": _STATE.get("convert_s"),
+    })
+
+
+def test_memcpy(benchmark):
+    src, dst = torch.ones(COPY_BYTES, dtype=torch.uint8), torch.empty(COPY_BYTES, dtype=torch.uint8)
+    benchmark.pedantic(lambda: dst.copy_(src), rounds=5, iterations=1, warmup_rounds=1)
+    _record(benchmark, "memcpy", 0, COPY_BYTES)
+
+
+@pytest.mark.parametrize("T", TOKENS)
+def test_int4(benchmark, T):
+    ex = int4_expert()
+    x, w = torch.randn(T, H), torch.rand(T)
+    benchmark.pedantic(lambda: ex.forward(x, w), rounds=10, iterations=1, warmup_rounds=2)
+    _record(benchmark, "int4", T, ex.nbytes)
+
+
+@pytest.mark.parametrize("T", TOKENS)
+def test_dequant(benchmark, T):
+    t = expert_tensors()
+    x, w = torch.randn(T, H), torch.rand(T)
+    benchmark.pedantic(lambda: dequant_forward(t, x, w), rounds=3, iterations=1, warmup_rounds=1)
+    _record(benchmark, "dequant", T, sum(v.numel() * v.element_size() for v in t.values()))
+
+
+def table(path: str) -> str:
+    """Markdown table of a ``--benchmark-json`` file: int4 vs dequant per T, GB/s vs memcpy."""
+    data = json.loads(open(path).read())
+    rows = {(b["extra_info"]["kind"], b["extra_info"]["T"]): b for b in data["benchmarks"]}
+    info = next(iter(rows.values()))["extra_info"]
+    med = rows[("memcpy", 0)]["extra_info"]["achieved_GBps"] if ("memcpy", 0) in rows else float("nan")
+    lines = [f"memcpy (256 MiB copy_, bytes copied/s): {info['memcpy_GBps']:.2f} GB/s best of 5 (the yardstick "
+             f"below), {med:.2f} GB/s median of the memcpy benchmark", "",
+             "| T | int4 ms | dequant+matmul ms | int4 speed-up | int4 GB/s | int4 / memcpy | dequant GB/s |",
+             "|---|---|---|---|---|---|---|"]
+    for T in TOKENS:
+        a, b = rows.get(("int4", T)), rows.get(("dequant", T))
+        if a is None or b is None:
+            continue
+        ta, tb = a["stats"]["median"], b["stats"]["median"]
+        lines.append(f"| {T} | {ta * 1e3:.1f} | {tb * 1e3:.0f} | {tb / ta:.1f}x | "
+                     f"{a['extra_info']['achieved_GBps']:.2f} | {a['extra_info']['fraction_of_memcpy']:.0%} | "
+                     f"{b['extra_info']['achieved_GBps']:.3f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description="print the Markdown table of a bench_cpu_int4 JSON file")
+    ap.add_argument("--table", required=True)
+    print(table(ap.parse_args().table))
