@@ -42,15 +42,18 @@ def setup(tmp_path_factory):
 @pytest.mark.parametrize("kind,from_file", [("skip-gate", False), ("duoserve", True), ("promoe", True),
                                             ("finemoe", True), ("finemoe", False)])
 def test_predictor_policy_keeps_exact_tokens(setup, kind, from_file):
-    from moeflow.scheduling.policies import PolicySpec, register_policy
+    from moeflow.scheduling.policies import PRESETS, PolicySpec, register_policy
 
     ckpt, files, want = setup
     name = f"test-predictor-{kind}-{from_file}"
     register_policy(PolicySpec(name, eviction="lru", make_predictor=predictor_factory(
         kind, files[kind] if from_file else None)), replace=True)
-    model = MoEOffloadedMixtral.from_pretrained(
-        ckpt, offload=OffloadConfig(gpu_expert_slots=6, policy=name, transport="random-delay"))
-    got = model.generate(PROMPT, max_new_tokens=6, do_sample=False)
+    try:
+        model = MoEOffloadedMixtral.from_pretrained(
+            ckpt, offload=OffloadConfig(gpu_expert_slots=6, policy=name, transport="random-delay"))
+        got = model.generate(PROMPT, max_new_tokens=6, do_sample=False)
+    finally:
+        PRESETS.pop(name, None)  # leave the registry as other tests expect it
     assert torch.equal(got, want)
     assert model.stats.decode.prefetches > 0 or kind == "finemoe"
     if kind == "finemoe":
