@@ -11,7 +11,8 @@ from moeflow.cli import build_parser, main
 
 def test_every_documented_command_is_there():
     names = set(build_parser()._subparsers._group_actions[0].choices)
-    assert {"demo", "generate", "quantize", "trace", "train-predictor", "eval-predictor"} <= names
+    assert {"demo", "generate", "quantize", "trace", "train-predictor", "eval-predictor",
+                                                              "simulate", "bench"} <= names
 
 
 def test_quantize_command(tmp_path, capsys):

@@ -1,0 +1,94 @@
+"""Quantize the trained tiny Mixtral into the package (moeflow/data/tiny-mixtral-awq) and measure what 4 bits cost.
+
+    python scripts/train_tiny_model.py --out build/tiny-mixtral-fp32      # ~10 minutes on 2 cores
+    python scripts/build_embedded_model.py --src build/tiny-mixtral-fp32 --group-size 32
+
+Writes the AWQ checkpoint with `moeflow quantize` and a `report.json` beside it: held-out bits/byte of the
+fp32 model and of the AWQ model (torch reference and the CPU int4 path), per-layer expert usage, and the
+training report. Held-out text is the training script's own held-out split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT))
+
+from train_tiny_model import collect_corpus, split_corpus  # noqa: E402
+
+from moeflow import MoEOffloadedMixtral  # noqa: E402
+from moeflow.quant.convert import quantize_checkpoint  # noqa: E402
+
+DEST = ROOT / "moeflow" / "data" / "tiny-mixtral-awq"
+
+
+@torch.inference_mode()
+def heldout_stats(model: MoEOffloadedMixtral, heldout: torch.Tensor, seq_len: int, windows: int) -> dict:
+    """Bits per byte over `windows` held-out windows, and each layer's expert usage shares."""
+    blocks = model.model.layers
+    for b in blocks:
+        b.block_sparse_moe.record_routing = True
+    counts = torch.zeros(len(blocks), model.config.num_local_experts)
+    nll, n = 0.0, 0
+    step = max(1, (heldout.numel() - seq_len - 1) // windows)
+    for i in range(windows):
+        w = heldout[i * step : i * step + seq_len + 1]
+        logits = model(w[None, :-1]).logits[0]
+        nll += float(torch.nn.functional.cross_entropy(logits, w[1:], reduction="sum"))
+        n += seq_len
+        for li, b in enumerate(blocks):
+            ids = b.block_sparse_moe.last_topk_ids.reshape(-1)
+            counts[li] += torch.bincount(ids.long(), minlength=counts.shape[1]).float()
+    for b in blocks:
+        b.block_sparse_moe.record_routing = False
+    share = counts / counts.sum(dim=1, keepdim=True)
+    entropy = -(share * share.clamp_min(1e-12).log()).sum(dim=1) / math.log(share.shape[1])
+    return {"bits_per_byte": nll / n / math.log(2), "tokens": n, "usage_share": share.round(decimals=4).tolist(),
+            "usage_entropy_fraction": entropy.round(decimals=4).tolist()}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--src", default=str(ROOT / "build" / "tiny-mixtral-fp32"))
+    p.add_argument("--dst", default=str(DEST))
+    p.add_argument("--group-size", type=int, default=32, choices=[32, 64, 128])
+    p.add_argument("--windows", type=int, default=48)
+    p.add_argument("--seq-len", type=int, default=256)
+    args = p.parse_args(argv)
+    torch.manual_seed(0)
+    _, heldout_bytes = split_corpus(collect_corpus()[0])
+    heldout = torch.frombuffer(bytearray(heldout_bytes), dtype=torch.uint8).long()
+
+    dst = quantize_checkpoint(args.src, args.dst, group_size=args.group_size, overwrite=True, progress=False)
+    report = {"source": str(Path(args.src).relative_to(ROOT)) if Path(args.src).is_relative_to(ROOT) else args.src,
+              "group_size": args.group_size, "heldout_windows": args.windows, "seq_len": args.seq_len}
+    fp32 = MoEOffloadedMixtral.from_pretrained(args.src, kernels="torch")
+    report["fp32"] = heldout_stats(fp32, heldout, args.seq_len, args.windows)
+    for kernels in ("torch", "cpu-int4"):
+        awq = MoEOffloadedMixtral.from_pretrained(dst, kernels=kernels)
+        report[f"awq_{kernels}"] = {k: v for k, v in heldout_stats(awq, heldout, args.seq_len, args.windows).items()
+                                    if k in ("bits_per_byte", "tokens")}
+    training = Path(args.src) / "training_report.json"
+    if training.is_file():
+        shutil.copy2(training, dst / "training_report.json")
+    (dst / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    size = sum(f.stat().st_size for f in dst.iterdir())
+    print(f"wrote {dst} ({size / 2**20:.2f} MiB)")
+    print(f"held-out bits/byte: fp32 {report['fp32']['bits_per_byte']:.3f}, "
+          f"AWQ g{args.group_size} {report['awq_torch']['bits_per_byte']:.3f} (torch), "
+          f"{report['awq_cpu-int4']['bits_per_byte']:.3f} (cpu-int4)")
+    print("per-layer usage entropy / max:", report["fp32"]["usage_entropy_fraction"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
