@@ -46,8 +46,9 @@ def _run_prompt(model, prompt: str, args) -> int:
     sys.stdout.write(prompt)
     sys.stdout.flush()
     model.stats.reset()
+    do_sample = True if args.sample else (False if args.greedy else None)  # None: the checkpoint's default
     model.generate(enc["input_ids"], attention_mask=enc["attention_mask"], max_new_tokens=args.max_new_tokens,
-                   do_sample=args.sample or None, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                   do_sample=do_sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                    streamer=streamer, seed=args.seed)
     print(model.stats.summary())
     if args.json:
@@ -64,10 +65,13 @@ def cmd_demo(args) -> int:
 
     cfg = read_json(Path(args.model) / "config.json")
     experts = cfg["num_local_experts"]
-    slots = args.slots or max(cfg["num_experts_per_tok"], experts // 2)
+    # half of all experts fit on the device: enough for a cache to matter, too few to hold the model
+    slots = args.slots or cfg["num_hidden_layers"] * experts // 2
     model = _load(args, slots, args.policy)
     print(f"moeflow demo: {cfg['num_hidden_layers']} layers x {experts} experts, {slots} expert slots "
           f"(policy {args.policy!r}) on {model.device}\n")
+    if args.seed is None:
+        args.seed = 0  # the embedded model samples by default (its generation_config.json): keep the demo repeatable
     return _run_prompt(model, args.prompt, args)
 
 
@@ -88,7 +92,9 @@ def cmd_quantize(args) -> int:
 def _add_generation_args(p: argparse.ArgumentParser, default_policy: str) -> None:
     p.add_argument("--prompt", default="The import statement")
     p.add_argument("--max-new-tokens", type=int, default=None)
-    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--sample", action="store_true", help="sample (default: the checkpoint's generation_config)")
+    mode.add_argument("--greedy", action="store_true", help="greedy decoding")
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)

@@ -77,6 +77,10 @@ def main(argv=None) -> int:
         awq = MoEOffloadedMixtral.from_pretrained(dst, kernels=kernels)
         report[f"awq_{kernels}"] = {k: v for k, v in heldout_stats(awq, heldout, args.seq_len, args.windows).items()
                                     if k in ("bits_per_byte", "tokens")}
+    # a 3M-parameter byte model repeats itself under greedy decoding; sample by default, as many published
+    # checkpoints do (callers override with do_sample=False)
+    gen = {"do_sample": True, "temperature": 0.7, "top_k": 40, "top_p": 1.0, "max_new_tokens": 96}
+    (dst / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     training = Path(args.src) / "training_report.json"
     if training.is_file():
         shutil.copy2(training, dst / "training_report.json")

@@ -9,6 +9,7 @@ nothing half-written.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import tempfile
@@ -93,6 +94,9 @@ def quantize_checkpoint(
 
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the result should be an ordinary directory
     try:
         shards: list[dict[str, torch.Tensor]] = [{}]
         size = 0
