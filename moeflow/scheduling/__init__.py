@@ -5,6 +5,7 @@ The model calls exactly one thing here, :func:`create_expert_backend`; see ``doc
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -48,6 +49,14 @@ def min_slots(config: OffloadConfig, top_k: int) -> int:
     return max(top_k, config.prefill_ring_slots)
 
 
+def _size(nbytes: float) -> str:
+    """Bytes in the unit that keeps three significant digits readable (tiny test models to Mixtral)."""
+    for unit, scale in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{int(nbytes)} B"
+
+
 def resolve_slots(
     config: OffloadConfig,
     *,
@@ -69,8 +78,8 @@ def resolve_slots(
     elif config.gpu_memory_gb is not None:
         n = int((config.gpu_memory_gb * GiB - reserved_bytes) // fmt.nbytes)
         source = (
-            f"gpu_memory_gb={config.gpu_memory_gb} ({reserved_bytes / GiB:.2f} GiB go to non-expert weights and "
-            f"KV cache, {fmt.nbytes / 2**20:.1f} MiB per expert: {max(n, 0)} slots)"
+            f"gpu_memory_gb={config.gpu_memory_gb} ({_size(reserved_bytes)} go to non-expert weights and "
+            f"KV cache, {_size(fmt.nbytes)} per expert: {max(n, 0)} slots)"
         )
     elif torch.device(device).type == "cuda":
         capacity = torch.cuda.get_device_properties(device).total_memory * CUDA_MEMORY_FRACTION
@@ -89,7 +98,7 @@ def resolve_slots(
     if n < lowest:
         raise SchedulingError(
             f"{source}: too few expert slots; the minimum is {lowest} (the larger of top-k={top_k} and "
-            f"prefill_ring_slots={config.prefill_ring_slots}), i.e. {lowest * fmt.nbytes / GiB:.3f} GiB of experts"
+            f"prefill_ring_slots={config.prefill_ring_slots}), i.e. {_size(lowest * fmt.nbytes)} of experts"
         )
     return min(n, total)
 
@@ -109,12 +118,16 @@ def create_expert_backend(
     host_store: HostStore | None = None,
     transport: Transport | None = None,
     backend_options: dict | None = None,
+    checkpoint_dir=None,
+    embed_tokens: nn.Module | None = None,
 ) -> ExpertBackend:
     """The expert backend of ``config.policy``: :class:`ResidentExperts` or :class:`OffloadedExperts`.
 
     ``host_store``: an already filled store to share (then the loader need not call ``load_expert``).
     ``transport`` (instead of ``config.transport``) and ``backend_options`` (extra ``OffloadedExperts``
     keywords: ``clock``, ``compute``, ``engine_factory``) are the simulator's seams (``moeflow.sim``).
+    ``checkpoint_dir`` / ``embed_tokens``: for the predictor policies (their default predictor files, FineMoE's
+    embedding hook; ``moeflow.scheduling.predictive_policies``).
     """
     spec = get_policy(config.policy)
     device = torch.device(device)
@@ -125,24 +138,37 @@ def create_expert_backend(
     if not spec.offload:
         return ResidentExperts(fmt, num_layers, num_experts, device, kernels_backend)
     ring = min_slots(config, top_k)
-    ctx = PolicyContext(config, num_layers, num_experts, top_k, n_slots, ring, gates, device)
+    ctx = PolicyContext(config, num_layers, num_experts, top_k, n_slots, ring, gates, device,
+                        checkpoint_dir=checkpoint_dir, embed_tokens=embed_tokens)
+    if spec.select is not None:  # "auto": run the preset it picks for this budget
+        spec = get_policy(spec.select(ctx))
+    if spec.make_predictor is not None:  # first: an eviction policy may rank by the predictor (FineMoE)
+        predictor = spec.make_predictor(ctx)
+        ctx = dataclasses.replace(ctx, predictor=predictor)
+    else:
+        predictor = GateSpeculator(gates, top_k, config.prefetch_distance) if spec.speculate else None
     if spec.make_eviction is not None:
         eviction = spec.make_eviction(ctx)
     else:
         eviction = make_eviction(spec.eviction, n_slots=n_slots, ring_slots=ring)
-    if spec.make_predictor is not None:
-        predictor = spec.make_predictor(ctx)
-    else:
-        predictor = GateSpeculator(gates, top_k, config.prefetch_distance) if spec.speculate else None
+    if spec.backend_options is not None:
+        backend_options = {**spec.backend_options(ctx), **(backend_options or {})}
     if transport is None:
         transport = make_transport(config.transport, device, seed=config.seed, random_delay_ms=config.random_delay_ms)
     # hybrid execution (docs/hybrid.md): misses computed on the CPU where the cost model says so
     cpu_mode = resolve_cpu_compute(config, spec, fmt)
     cpu = HybridCompute(cpu_mode, config, fixed_set(eviction)) if cpu_mode != "never" else None
-    return OffloadedExperts(
+    backend = OffloadedExperts(
         fmt, num_layers=num_layers, num_experts=num_experts, top_k=top_k, n_slots=n_slots, device=device,
         transport=transport, eviction=eviction, stats=stats, retain=spec.retain, predictor=predictor,
         warm_start=spec.warm_start, kernels_backend=kernels_backend, pin_memory=config.pin_memory,
         copy_chunks=config.copy_chunks, max_inflight_chunks=config.max_inflight_chunks, policy_name=spec.name,
         host_store=host_store, per_layer=spec.per_layer, cpu_compute=cpu, **(backend_options or {}),
     )
+    bind = getattr(predictor, "bind_backend", None)  # predictors that prefetch outside forward (FineMoE's hook)
+    if bind is not None:
+        bind(backend)
+    return backend
+
+# the predictor presets ("duoserve", "promoe", "finemoe", "auto") register themselves
+from moeflow.scheduling import predictive_policies  # noqa: E402,F401
