@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-POLICIES = ("resident", "ondemand", "lru", "lfu", "static", "mixtral-offloading", "fiddler")
+POLICIES = ("resident", "ondemand", "lru", "lfu", "static", "mixtral-offloading", "fiddler", "duoserve", "promoe",
+            "finemoe", "auto")
 CPU_COMPUTE = ("auto", "never", "always")
 
 
@@ -39,6 +40,9 @@ class OffloadConfig:
         ``~/.cache/moeflow``, one file per machine, model shape and torch version).
     race_margin: "auto" starts both the copy and the CPU compute when their estimates are within this
         fraction of each other, and uses whichever finishes first.
+    predictor_path: the trained predictor file of the "duoserve" / "promoe" policies (``moeflow train-predictor``);
+        ``None``: ``<checkpoint dir>/predictors/<kind>.pt``. "finemoe" may name a warmed store (else it starts
+        empty and fills as it serves). See docs/policies.md.
     """
 
     gpu_expert_slots: int | None = None
@@ -59,6 +63,7 @@ class OffloadConfig:
     h2d_gbps: float | None = None
     calibration_file: str | None = None
     race_margin: float = 0.25
+    predictor_path: str | None = None
 
     def __post_init__(self) -> None:
         if self.gpu_expert_slots is not None and self.gpu_expert_slots < 1:

@@ -136,6 +136,7 @@ class MoEOffloadedMixtral(nn.Module):
             top_k=cfg.num_experts_per_tok, device=device, kernels_backend=kernels_backend,
             gates=[layer.block_sparse_moe.gate for layer in model.layers],
             reserved_bytes=loading.non_expert_bytes(model) + kv_bytes, stats=stats,
+            checkpoint_dir=directory, embed_tokens=model.embed_tokens,
         )
         if progress is None:
             progress = fmt.nbytes * cfg.num_hidden_layers * cfg.num_local_experts >= PROGRESS_MIN_BYTES

@@ -64,6 +64,7 @@ class OffloadedExperts:
         compute: Callable[[int, torch.Tensor, list[int]], None] | None = None,
         engine_factory: Callable[..., CopyEngine] | None = None,
         cpu_compute: HybridCompute | None = None,
+        prefill_ring: int | None = None,
     ) -> None:
         self.fmt = fmt
         self.num_layers = num_layers
@@ -93,6 +94,11 @@ class OffloadedExperts:
         )
         self._phase = stats.phase
         self.cpu = cpu_compute  # hybrid execution: misses computed on the CPU (docs/hybrid.md)
+        # DuoServe: in prefill, at most this many of a layer's loads hold slots at once (a k-slot ring)
+        self.prefill_ring = prefill_ring
+        # predictors that predict beside the expert compute (DuoServe's prediction stream) hand their
+        # proposals over after the layer's first expert group: ``collect_proposals(layer)``
+        self._collect = getattr(predictor, "collect_proposals", None)
         if cpu_compute is not None:
             cpu_compute.bind(self)
         stats.expert_pool_bytes = self.pool.buffer.numel()
@@ -157,10 +163,7 @@ class OffloadedExperts:
         counts = torch.bincount(topk_ids.reshape(-1).to(torch.int64), minlength=E)
         host = torch.cat([counts, *(ids.reshape(-1).to(torch.int64) for _, ids in proposals)]).tolist()
         needed = [e for e in range(E) if host[e]]
-        guesses, at = [], E
-        for target, ids in proposals:
-            guesses.append((target, host[at : at + ids.numel()]))
-            at += ids.numel()
+        guesses = _split_proposals(proposals, host[E:])
 
         try:
             out = self._schedule_and_compute(layer, x, topk_ids, topk_weights, needed, guesses, st)
@@ -229,8 +232,11 @@ class OffloadedExperts:
 
         # 5. reordered inference
         out = torch.empty((topk_ids.numel(), x.shape[-1]), dtype=x.dtype, device=x.device)
+        late = self._collect is not None
         if ready:
             self._compute(layer, x, topk_ids, topk_weights, out, ready)
+            if late:
+                late = self._late_prefetch(layer, deferred, st)
             if deferred:  # the slots just released go to the ring
                 self._load_deferred(layer, deferred, waiting, st)
                 self._pump(st)
@@ -249,7 +255,11 @@ class OffloadedExperts:
                 self._wait(task, st)
             self._compute(layer, x, topk_ids, topk_weights, out, [t.expert for t in group])
             self._load_deferred(layer, deferred, waiting, st)
+            if late:
+                late = self._late_prefetch(layer, deferred, st)
             self._pump(st)
+        if late:
+            self._late_prefetch(layer, deferred, st)
         if deferred:  # cannot happen with n_slots >= 1: every computed group frees its slots
             raise RuntimeError(f"layer {layer}: experts {list(deferred)} never got a slot")
         if self.cpu is not None:
@@ -257,9 +267,31 @@ class OffloadedExperts:
         return out
 
     # ------------------------------------------------------------------ helpers
+    def _late_prefetch(self, layer: int, deferred: deque[int], st: PhaseStats) -> bool:
+        """DuoServe's second synchronisation point: the first expert group is computed and the prediction
+        (made beside it) is ready: queue its prefetches. Returns False (done for this layer)."""
+        proposals = self._collect(layer)
+        if proposals:
+            host = torch.cat([ids.reshape(-1).to(torch.int64) for _, ids in proposals]).tolist()
+            if not deferred:
+                for target, ids in _split_proposals(proposals, host):
+                    self._prefetch(target, ids, layer, st)
+            self._pump(st)
+        return False
+
+    def prefetch(self, target: int, experts: list[int], layer_now: int = 0) -> None:
+        """Queue low-priority loads of ``target``'s ``experts`` outside ``forward`` (e.g. FineMoE's guesses for
+        the first layers, made from the token embeddings before layer 0 runs); best effort, as in step 4."""
+        st = self.stats.current()
+        self.cache.poll()
+        self._prefetch(target, list(experts), layer_now, st)
+        self._pump(st)
+
     def _load_deferred(self, layer: int, deferred: deque[int], waiting: list[LoadTask], st: PhaseStats) -> None:
         """Give the deferred experts of ``layer`` slots, while slots can be had, and queue their loads (high)."""
         while deferred:
+            if self.prefill_ring and self._phase == "prefill" and len(waiting) >= self.prefill_ring:
+                return  # the ring is full: the next load waits for a computed expert's slot
             key = (layer, deferred[0])
             slot = self.cache.allocate(key, layer)
             if slot is None:
@@ -374,6 +406,15 @@ class OffloadedExperts:
             f"{self.num_layers * self.num_experts}, transport={self.transport.name!r}, "
             f"eviction={self.cache.policy.name!r}, pinned={self.host.pinned})"
         )
+
+
+def _split_proposals(proposals: list[tuple[int, torch.Tensor]], flat: list[int]) -> list[tuple[int, list[int]]]:
+    """[(target, device ids)] and their ids fetched to the host in one list -> [(target, host ids)]."""
+    out, at = [], 0
+    for target, ids in proposals:
+        out.append((target, flat[at : at + ids.numel()]))
+        at += ids.numel()
+    return out
 
 
 def _shutdown(engine: CopyEngine, transport: Transport, host: HostStore | None) -> None:

@@ -28,6 +28,9 @@ class PolicyContext:
     ring_slots: int
     gates: Sequence[nn.Module]
     device: Any
+    checkpoint_dir: Any = None  # the model's directory (predictor policies look for predictors/<kind>.pt there)
+    embed_tokens: nn.Module | None = None  # the embedding layer (FineMoE hooks it for the semantic search)
+    predictor: Any = None  # the policy's predictor, set before make_eviction is called (FineMoE's eviction uses it)
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,10 @@ class PolicySpec:
     # hybrid execution: the policy's own cpu_compute mode (used when OffloadConfig.cpu_compute is None);
     # a policy that sets it cannot run with cpu_compute="never"
     cpu_compute: str | None = None
+    # "auto": the name of the preset to run, chosen from the context (slot budget, predictor files)
+    select: Callable[[PolicyContext], str] | None = None
+    # extra OffloadedExperts keywords from the context (e.g. DuoServe's k-slot prefill ring)
+    backend_options: Callable[[PolicyContext], dict] | None = None
 
 
 def _fiddler_eviction(ctx: PolicyContext) -> Any:
