@@ -5,3 +5,9 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# test tensors are tiny: torch's intra-op threads only spin-wait (5x slower seen on a loaded 2-core machine)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)

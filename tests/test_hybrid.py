@@ -31,14 +31,6 @@ CACHING_POLICIES = ("ondemand", "lru", "lfu", "static", "mixtral-offloading")
 AUTO_RATES = dict(h2d_gbps=0.04, cpu_expert_ms=0.9, cpu_token_ms=0.5)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors: intra-op threads only spin on a loaded 2-core machine
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny_hybrid")

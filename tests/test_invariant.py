@@ -15,15 +15,6 @@ NEW_TOKENS = 16
 OFFLOAD_POLICIES = ("ondemand", "lru", "lfu", "static", "mixtral-offloading")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # tiny tensors: torch's intra-op threads only add spin-waiting on a loaded 2-core machine
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path = make_tiny_checkpoint(

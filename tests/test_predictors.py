@@ -42,14 +42,6 @@ FAST = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 @pytest.fixture(scope="module")
 def synth():
     return synthetic_trace(num_sequences=32, tokens_per_sequence=24, seed=0)

@@ -16,14 +16,6 @@ from moeflow.tracing import record_trace
 PROMPT = torch.tensor([[5, 17, 33, 2, 9, 41]])
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("rt")

@@ -13,15 +13,6 @@ from moeflow.scheduling import OffloadedExperts, Stats
 OFFLOAD_POLICIES = ("ondemand", "lru", "lfu", "static", "mixtral-offloading")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # tiny tensors: torch's intra-op threads only add spin-waiting on a loaded 2-core machine
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def dense():
     s = Synthetic(DENSE, layers=3, experts=6, top_k=2, seed=1)

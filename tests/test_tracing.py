@@ -18,14 +18,6 @@ NEW = 4
 L, E, K, H = 3, 6, 2, 64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "m", seed=3, num_hidden_layers=L)
