@@ -1,0 +1,59 @@
+"""The predictor presets on the embedded tiny model with the predictors shipped next to it
+(``moeflow/data/tiny-mixtral-awq/predictors/``, built by scripts/build_embedded_predictors.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import moeflow
+from moeflow import MoEOffloadedMixtral, OffloadConfig
+from moeflow.scheduling.predictors import ModelShape, load_predictor
+
+MODEL = Path(moeflow.__file__).parent / "data" / "tiny-mixtral-awq"
+PREDICTORS = MODEL / "predictors"
+NEW_TOKENS = 10
+pytestmark = pytest.mark.skipif(not (PREDICTORS / "promoe.pt").is_file(), reason="no shipped predictors")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    model = MoEOffloadedMixtral.from_pretrained(MODEL)
+    ids = torch.tensor([model.tokenizer.encode("The \"with\" statement is used to wrap the execution")])
+    return model, ids, model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+
+
+def test_shipped_predictors_fit_the_model_and_are_small(reference):
+    model, *_ = reference
+    shape = ModelShape.from_config(model.config)
+    for kind in ("duoserve", "promoe", "finemoe"):
+        path = PREDICTORS / f"{kind}.pt"
+        assert path.stat().st_size < 400 * 1024, f"{path} is {path.stat().st_size} bytes"
+        assert load_predictor(path, expect=shape).kind == kind
+
+
+@pytest.mark.parametrize("transport", ["sync", "random-delay"])
+@pytest.mark.parametrize("policy", ["duoserve", "promoe", "finemoe", "auto"])
+def test_greedy_tokens_equal_resident(reference, policy, transport):
+    model, ids, expected = reference
+    total = model.config.num_hidden_layers * model.config.num_local_experts
+    for n_slots in (2, 3, 4, 6, 8, 12, 16, 24, total):  # the minimum to every expert
+        m = MoEOffloadedMixtral.from_pretrained(MODEL, offload=OffloadConfig(
+            policy=policy, gpu_expert_slots=n_slots, transport=transport, random_delay_ms=0.3, seed=n_slots))
+        try:
+            out = m.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+        finally:
+            m.experts.close()
+        assert torch.equal(out, expected), f"{policy}/{transport} with {n_slots} slots"
+        if policy != "auto" and 4 <= n_slots < total:
+            assert m.stats.decode.prefetches > 0
