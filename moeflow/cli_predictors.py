@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-KINDS = ("duoserve", "promoe", "finemoe", "skip-gate", "popularity")
+KINDS = ("duoserve", "promoe", "finemoe", "skip-gate", "popularity", "expertflow")
 
 
 def _threads(args) -> None:
@@ -59,7 +59,7 @@ def cmd_train_predictor(args: argparse.Namespace) -> int:
     _threads(args)
     trace = Trace.load(args.trace)
     options: dict = {}
-    if args.kind in ("duoserve", "promoe"):
+    if args.kind in ("duoserve", "promoe", "expertflow"):
         if args.epochs is not None:
             options["epochs"] = args.epochs
         if args.max_seconds is not None:
@@ -89,6 +89,11 @@ def cmd_eval_predictor(args: argparse.Namespace) -> int:
     predictor = load_predictor(args.predictor)
     trace = Trace.load(args.trace)
     result = evaluate_held_out(predictor, trace, args.phase)
+    if predictor.kind == "expertflow":  # ExpertFlow eq. 7: batch-level accuracy at batch sizes 1/4/16/32
+        from moeflow.scheduling.predictors import held_out_rows
+        from moeflow.scheduling.predictors.expertflow import batch_level_report
+
+        result["batch_level"] = batch_level_report(predictor, held_out_rows(predictor, trace), phase=args.phase)
     if not args.per_layer:
         result.pop("per_layer_recall", None)
     json.dump(result, sys.stdout, indent=None if args.compact else 2)
@@ -120,8 +125,8 @@ def register(subparsers) -> None:
                    help="layers ahead (default: the paper's: duoserve 1, promoe 2, finemoe 3, capped at layers - 1)")
     p.add_argument("--eval-fraction", type=float, default=0.1, help="share of sequences held out (default 0.1: 9:1)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--epochs", type=int, default=None, help="duoserve / promoe training epochs (default 20)")
-    p.add_argument("--max-seconds", type=float, default=None, help="cap on duoserve / promoe training time")
+    p.add_argument("--epochs", type=int, default=None, help="training epochs (duoserve / promoe 20, expertflow 30)")
+    p.add_argument("--max-seconds", type=float, default=None, help="cap on training time (learned kinds)")
     p.add_argument("--capacity", type=int, default=None, help="finemoe Expert Map Store capacity (default 1000)")
     p.add_argument("--model", default=None, help="checkpoint whose routers skip-gate uses")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 POLICIES = ("resident", "ondemand", "lru", "lfu", "static", "mixtral-offloading", "fiddler", "duoserve", "promoe",
-            "finemoe", "auto")
+            "finemoe", "auto", "expertflow")
 CPU_COMPUTE = ("auto", "never", "always")
 
 

@@ -146,6 +146,9 @@ class MoEOffloadedMixtral(nn.Module):
             backend.finish_loading()
         for layer in model.layers:
             layer.block_sparse_moe.experts = backend
+        attach = getattr(getattr(backend, "predictor", None), "attach_model", None)
+        if attach is not None:  # predictors that read each pass's token ids (ExpertFlow's PLEC) hook the decoder
+            attach(model)
         reader.close()
 
         gen = GenerationConfig.from_file(
@@ -259,6 +262,8 @@ class MoEOffloadedMixtral(nn.Module):
         )
         gen.validate()
         self._check_inputs(input_ids, attention_mask)
+        if attention_mask is not None:
+            _check_left_padded(attention_mask)
         b, t = input_ids.shape
         if micro_batch_size is not None and (not isinstance(micro_batch_size, int) or not 1 <= micro_batch_size <= b):
             raise ValueError(f"micro_batch_size must be an integer in [1, batch={b}], got {micro_batch_size!r}")
@@ -389,6 +394,21 @@ class _MicroBatcher:
         for block in self.blocks:
             block.record_routing = False
             block.last_topk_ids = None
+
+
+def _check_left_padded(attention_mask: torch.Tensor) -> None:
+    """generate() takes left-padded batches: 0/1 masks, every row's real tokens at its end, at least one each."""
+    m = attention_mask.detach().cpu()
+    if m.dtype != torch.bool and not bool(((m == 0) | (m == 1)).all()):
+        raise InputError("attention_mask must hold 0 (padding) or 1 (real token)")
+    m = m != 0
+    empty = (~m.any(dim=1)).nonzero().flatten().tolist()
+    if empty:
+        raise InputError(f"attention_mask marks no real token in row(s) {empty[:8]}: every prompt needs at least one")
+    right = (m[:, :-1] & ~m[:, 1:]).any(dim=1).nonzero().flatten().tolist()
+    if right:
+        raise InputError(f"attention_mask row(s) {right[:8]} have padding after a real token: generate() expects "
+                         "left padding (padding first, the prompt's tokens at the end of the row)")
 
 
 def _create_expert_backend(config: OffloadConfig, **kw):

@@ -170,5 +170,6 @@ def create_expert_backend(
         bind(backend)
     return backend
 
-# the predictor presets ("duoserve", "promoe", "finemoe", "auto") register themselves
-from moeflow.scheduling import predictive_policies  # noqa: E402,F401
+# the predictor presets ("duoserve", "promoe", "finemoe", "auto") and ExpertFlow's PLEC cache ("expertflow",
+# moeflow.scheduling.plec) register themselves
+from moeflow.scheduling import plec, predictive_policies  # noqa: E402,F401

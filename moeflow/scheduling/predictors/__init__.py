@@ -8,6 +8,7 @@ skip-gate      layer l+d's router applied to layer l's MoE input (Mixtral-offloa
 duoserve       DuoServe-MoE ExpertMLP on [activation path, popularity, affinity]            routing
 promoe         ProMoE per-layer MLP from layer l's MoE input to layer l+d's experts         hidden
 finemoe        FineMoE Expert Map Store: semantic / trajectory search, delta threshold      routing, embed
+expertflow     ExpertFlow routing-path predictor: transformer encoder over token ids        token ids
 =============  ===========================================================================  ===========
 
 All share :class:`~moeflow.scheduling.predictors.base.ExpertPredictor` (``observe`` / ``predict`` /
@@ -32,6 +33,7 @@ from moeflow.scheduling.predictors.base import (
 )
 from moeflow.scheduling.predictors.duoserve import DuoServePredictor
 from moeflow.scheduling.predictors.evaluate import EvalResult, check_compatible, evaluate
+from moeflow.scheduling.predictors.expertflow import ExpertFlowPredictor
 from moeflow.scheduling.predictors.finemoe import ExpertMapStore, FineMoEPredictor
 from moeflow.scheduling.predictors.popularity import PopularityPredictor
 from moeflow.scheduling.predictors.promoe import ProMoEPredictor
@@ -44,10 +46,12 @@ PREDICTORS: dict[str, type[ExpertPredictor]] = {
     "duoserve": DuoServePredictor,
     "promoe": ProMoEPredictor,
     "finemoe": FineMoEPredictor,
+    "expertflow": ExpertFlowPredictor,
 }
 # the papers' prediction distances: DuoServe predicts the next layer, ProMoE strides one further,
 # FineMoE prefetches 3 layers ahead on Mixtral-8x7B
-PAPER_DISTANCE = {"popularity": 1, "skip-gate": 1, "duoserve": 1, "promoe": 2, "finemoe": 3}
+PAPER_DISTANCE = {"popularity": 1, "skip-gate": 1, "duoserve": 1, "promoe": 2, "finemoe": 3,
+                  "expertflow": 1}  # expertflow predicts every layer before the pass; 1 is nominal
 
 
 def default_distance(kind: str, num_layers: int) -> int:
@@ -90,7 +94,7 @@ def train_predictor(kind: str, trace: Trace, eval_fraction: float = 0.1, seed: i
         distance = default_distance(kind, trace.num_layers)
     train_ids, eval_ids = split_sequence_ids(trace.sequence_ids(), eval_fraction, seed)
     train = trace.select(train_ids)
-    if kind in ("duoserve", "promoe"):
+    if kind in ("duoserve", "promoe", "expertflow"):
         options.setdefault("seed", seed)
     predictor = cls.fit(train, distance=distance, **options)
     predictor.train_info = dataclasses.replace(
@@ -131,6 +135,7 @@ def evaluate_held_out(predictor: ExpertPredictor, trace: Trace, phase: str = "al
 __all__ = [
     "PREDICTORS", "PAPER_DISTANCE", "ExpertPredictor", "ModelShape", "PredictorError", "PredictorMismatchError",
     "TrainInfo", "PopularityPredictor", "SkipGatePredictor", "DuoServePredictor", "ProMoEPredictor",
-    "FineMoEPredictor", "ExpertMapStore", "EvalResult", "evaluate", "evaluate_held_out", "held_out_rows",
+    "FineMoEPredictor", "ExpertFlowPredictor", "ExpertMapStore", "EvalResult", "evaluate", "evaluate_held_out",
+    "held_out_rows",
     "load_predictor", "train_predictor", "default_distance", "predictor_class",
 ]

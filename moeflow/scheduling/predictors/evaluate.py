@@ -89,6 +89,9 @@ def check_compatible(predictor: ExpertPredictor, trace: Trace, what: str = "the 
 def evaluate(predictor: ExpertPredictor, trace: Trace, phase: str = "all") -> EvalResult:
     """Replay ``trace`` (the held-out rows) through ``predictor``; count only rows of ``phase``."""
     check_compatible(predictor, trace)
+    custom = getattr(predictor, "evaluate_trace", None)  # predictors of whole paths (expertflow) replay themselves
+    if custom is not None:
+        return custom(trace, phase)
     L, E, d = predictor.shape.num_layers, predictor.shape.num_experts, predictor.distance
     use_embed = predictor.needs_embed and trace.embed is not None
     res = EvalResult()

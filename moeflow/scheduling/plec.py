@@ -1,0 +1,250 @@
+"""ExpertFlow's Expert Cache Engine: Predictive Locality-aware Expert Caching (PLEC) with real-time correction.
+
+``OffloadConfig(policy="expertflow")`` (ExpertFlow §3.2):
+
+* **Prediction before the pass.** A forward pre-hook on the decoder (``attach_model``) reads the step's token
+  ids, keeps each sequence's earlier tokens (by KV-cache row, so regrouped micro-batches keep their history)
+  and runs the routing-path predictor (:mod:`moeflow.scheduling.predictors.expertflow`) once: the step's plan
+  is the OR over its tokens of each token's predicted path (top-k per layer), experts of a layer ranked by
+  summed score.
+* **Prefetch across the whole slot budget** (§3.2.1). Right after the prediction, and again at every layer's
+  gate (``propose``), the planned experts of the layers still ahead are queued in layer order, as many as
+  the pool can take without evicting a planned expert of a nearer layer: there is no per-layer share, a
+  layer with many predicted experts takes what the others leave.
+* **Real-time correction** (§3.2.2). A missed expert is loaded at high priority by the runtime; the slot it
+  takes is chosen by :class:`PLECEviction`, in this order:
+
+  0. mis-prefetched experts: loaded ahead of their gate and not used since (predicted, but the gate passed
+     without them, or no longer planned);
+  1. experts of layers still ahead that the plan predicts idle for this step;
+  2. experts whose compute for this step is done (layers already passed), the one whose layer comes back
+     last first (the layer just computed), then the least frequently used;
+  3. last resort: planned experts of layers still ahead, the farthest layer first.
+
+  The paper names classes 0 and 2 (in that order); class 1 is our addition: such an expert is neither
+  mis-prefetched nor done, and by the prediction its next use is further away than a done expert's.
+
+Where the prediction runs before layer 0, layer 0's prefetches are issued just before its gate (on a GPU
+they overlap the embedding and attention of layer 0 only; the paper's dual-batch pipeline, which predicts
+the next micro-batch during the current one, is not built).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from moeflow.scheduling.eviction import EvictionPolicy, Key
+from moeflow.scheduling.policies import PolicyContext, PolicySpec, register_policy
+
+
+class PLECState:
+    """What the predictor side and the eviction side share: the step's plan and its progress."""
+
+    def __init__(self, num_layers: int, num_experts: int) -> None:
+        self.num_layers, self.num_experts = num_layers, num_experts
+        self.plan: dict[int, list[int]] = {}  # layer -> planned experts, most likely first
+        self.planned: dict[Key, int] = {}  # (layer, expert) -> rank within its layer
+        self.pass_no = 0
+        self.layer_now = -1  # last layer whose gate ran in this pass (-1: before layer 0)
+        self.started = False  # False during the warm start (those loads are not prefetches)
+        self.accessed: dict[Key, int] = {}  # key -> pass of its last gate access
+        self.prefetched: set[Key] = set()  # loaded ahead of the gate, not used since
+
+    def new_pass(self, plan: dict[int, list[int]]) -> None:
+        self.pass_no += 1
+        self.layer_now = -1
+        self.started = True
+        self.plan = plan
+        self.planned = {(layer, e): r for layer, es in plan.items() for r, e in enumerate(es)}
+
+    def eviction_class(self, key: Key, layer_now: int) -> tuple:
+        """Sort key of PLEC's correction order (the smallest is replaced first); see the module docstring."""
+        layer = key[0]
+        L = self.num_layers
+        if layer > layer_now and key in self.planned:
+            return (3, -layer, -self.planned[key])
+        if key in self.prefetched:
+            return (0,)
+        if layer > layer_now:
+            return (1, -(L + layer - layer_now))
+        return (2, -(((layer - layer_now - 1) % L) + 1))
+
+
+class PLECEviction(EvictionPolicy):
+    """PLEC's replacement order (real-time correction); ties by frequency, then recency."""
+
+    name = "plec"
+
+    def __init__(self, state: PLECState) -> None:
+        super().__init__()
+        self.state = state
+
+    def access(self, key: Key) -> None:
+        super().access(key)
+        self.state.accessed[key] = self.state.pass_no
+        self.state.prefetched.discard(key)
+
+    def loaded(self, key: Key) -> None:
+        super().loaded(key)
+        s = self.state
+        demand = s.accessed.get(key) == s.pass_no and key[0] == s.layer_now
+        if s.started and not demand:
+            s.prefetched.add(key)
+
+    def evicted(self, key: Key) -> None:
+        self.state.prefetched.discard(key)
+
+    def order(self, key: Key, layer_now: int | None = None) -> tuple:
+        now = self.state.layer_now if layer_now is None else layer_now
+        return (*self.state.eviction_class(key, now), self.freq.get(key, 0), self.last_use.get(key, 0))
+
+    def victim(self, candidates: Sequence[Key], layer_now: int) -> Key:
+        return min(candidates, key=lambda k: self.order(k, layer_now))
+
+
+class PLECPredictor:
+    """The runtime side of PLEC: predicts each pass's path from the token ids and proposes prefetches."""
+
+    def __init__(self, predictor: Any, state: PLECState) -> None:
+        self.predictor = predictor  # ExpertFlowPredictor
+        self.state = state
+        self.backend: Any = None
+        self._hist: torch.Tensor | None = None  # [B, max_len] token ids of the current generate() cache
+        self._valid: torch.Tensor | None = None
+        self._parent: Any = None
+        self._hooked = False  # the pre-hook planned the pass that is starting
+        self._handle: Any = None
+
+    # ------------------------------------------------------------------ wiring
+    def bind_backend(self, backend: Any) -> None:
+        """The runtime's backend (its cache and ``prefetch``), handed over by ``create_expert_backend``."""
+        self.backend = backend
+
+    def attach_model(self, model: torch.nn.Module) -> None:
+        """Hook the decoder (``MixtralModel``) so each forward pass is predicted before layer 0 runs."""
+        if self._handle is not None:
+            self._handle.remove()
+        self._handle = model.register_forward_pre_hook(self._before_pass)
+
+    def predict_paths(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """For ``generate(path_predictor=...)``: bool [B, L, E] (see ExpertFlowPredictor.predict_paths)."""
+        return self.predictor.predict_paths(input_ids, attention_mask)
+
+    # ------------------------------------------------------------------ the pass
+    def _before_pass(self, module: torch.nn.Module, args: tuple) -> None:
+        input_ids, _, cache, cache_position, token_mask = args[:5]
+        parent = getattr(cache, "parent", cache)
+        b = input_ids.shape[0]
+        rows = cache.rows.cpu() if hasattr(cache, "parent") else torch.arange(b)  # CacheRows: a micro-batch
+        if parent is not self._parent:  # a new generate() / forward(): a new cache
+            n = parent.valid.shape[0]
+            self._parent = parent
+            self._hist = torch.zeros((n, parent.max_len), dtype=torch.long)
+            self._valid = torch.zeros((n, parent.max_len), dtype=torch.bool)
+        pos = cache_position.cpu()
+        mask = token_mask.cpu()
+        self._hist[rows[:, None], pos[None, :]] = input_ids.cpu().long()
+        self._valid[rows[:, None], pos[None, :]] = mask
+        upto = int(pos.max()) + 1
+        L, E = self.state.num_layers, self.state.num_experts
+        mass = torch.zeros(L, E)
+        active = torch.zeros(L, E, dtype=torch.bool)
+        for i, r in enumerate(rows.tolist()):
+            new = int(mask[i].sum())
+            if new == 0:
+                continue
+            context = self._hist[r, :upto][self._valid[r, :upto]]
+            scores = self.predictor.token_scores(context, new).cpu()  # [new, L, E]
+            paths = self.predictor.token_paths(scores)
+            active |= paths.any(0)
+            mass += (scores * paths).sum(0)
+        plan = {layer: [e for e in torch.argsort(mass[layer], descending=True).tolist() if active[layer, e]]
+                for layer in range(L)}
+        self.state.new_pass(plan)
+        self._hooked = True
+        self._prefetch_ahead(-1)
+
+    def _budget_targets(self, layer_now: int) -> list[tuple[int, list[int]]]:
+        """Planned experts of layers after ``layer_now`` not resident yet, as many as the pool can take without
+        evicting a planned expert: [(layer, experts)] in layer order."""
+        if self.backend is None:
+            return []
+        cache = self.backend.cache
+        free = 0
+        for s in cache.slots:
+            if s.in_use:
+                continue
+            if s.key is None:
+                free += 1
+            elif s.task is None and self.state.eviction_class(s.key, layer_now)[0] < 3:  # READY, not planned ahead
+                free += 1
+        out = []
+        for layer in range(layer_now + 1, self.state.num_layers):
+            if free <= 0:
+                break
+            want = [e for e in self.state.plan.get(layer, []) if cache.lookup((layer, e)) is None][:free]
+            if want:
+                out.append((layer, want))
+                free -= len(want)
+        return out
+
+    def _prefetch_ahead(self, layer_now: int) -> None:
+        backend = self.backend
+        if backend is None:
+            return
+        for target, experts in self._budget_targets(layer_now):
+            if hasattr(backend, "prefetch"):
+                backend.prefetch(target, experts, layer_now)
+            else:  # runtime without the public prefetch entry point
+                st = backend.stats.current()
+                backend.cache.poll()
+                backend._prefetch(target, experts, layer_now, st)
+                backend._pump(st)
+
+    # ------------------------------------------------------------------ Predictor protocol
+    def observe(self, layer: int, x: torch.Tensor, probs: torch.Tensor, topk_ids: torch.Tensor) -> None:
+        if layer == 0 and not self._hooked:  # driven without the model hook (simulator, unit tests): popularity
+            pop = self.predictor.popularity.cpu()
+            k = self.predictor.shape.top_k
+            self.state.new_pass({t: torch.topk(pop[t], k).indices.tolist() for t in range(pop.shape[0])})
+        self._hooked = False
+        self.state.layer_now = layer
+
+    def propose(self, layer: int, x: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        if self.backend is None:  # without the hook: the plan's next layers, best effort
+            targets = [(t, self.state.plan.get(t, [])) for t in range(layer + 1, self.state.num_layers)]
+        else:
+            self.backend.cache.poll()
+            targets = self._budget_targets(layer)
+        return [(t, torch.tensor(es, dtype=torch.int64, device=x.device)) for t, es in targets if es]
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+
+# ---------------------------------------------------------------------- the policy
+def make_plec_predictor(ctx: PolicyContext) -> PLECPredictor:
+    """The expertflow predictor from ``OffloadConfig.predictor_path`` or ``<checkpoint>/predictors/expertflow.pt``."""
+    from moeflow.scheduling.predictive_policies import load_policy_predictor
+
+    pred = load_policy_predictor(ctx, "expertflow")
+    return PLECPredictor(pred, PLECState(ctx.num_layers, ctx.num_experts))
+
+
+def make_plec_eviction(ctx: PolicyContext) -> PLECEviction:
+    """PLEC's correction order over the predictor's plan (``ctx.predictor``, made first)."""
+    pred = getattr(ctx, "predictor", None)
+    state = pred.state if isinstance(pred, PLECPredictor) else PLECState(ctx.num_layers, ctx.num_experts)
+    return PLECEviction(state)
+
+
+register_policy(PolicySpec(
+    "expertflow", make_predictor=make_plec_predictor, make_eviction=make_plec_eviction,
+    description="ExpertFlow PLEC: routing paths predicted from the token ids before each pass, prefetched across "
+                "the whole slot budget; misses replace mis-prefetched experts first, then idle and finished ones",
+), replace=True)

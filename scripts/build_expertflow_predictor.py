@@ -1,0 +1,134 @@
+#!/usr/bin/env python
+"""Train the ExpertFlow routing-path predictor shipped with the embedded tiny model.
+
+One command:
+
+1. prompts: cut from the tiny model's TRAINING text (``scripts/train_tiny_model.py``'s ``collect_corpus`` /
+   ``split_corpus``; the held-out blocks, from which ``scripts/predictor_prompts.jsonl`` is cut, are never used
+   here): ``--prompts-per-block`` pieces of ``--prompt-bytes`` bytes from every ``--block-stride``-th 4096-byte
+   training block, each starting at a word;
+2. trace: prefill + greedy decode of each prompt (routing only, no hidden states) to ``build/expertflow/``;
+3. ``train_predictor("expertflow", ...)`` on 90 % of the sequences (the rest held out and evaluated), written to
+   ``moeflow/data/tiny-mixtral-awq/predictors/expertflow.pt`` where ``OffloadConfig(policy="expertflow")``
+   finds it; the summary (held-out figures, batch-level accuracy, size, model digest) is printed as JSON and
+   written next to the trace.
+
+    python scripts/build_expertflow_predictor.py          # ~2-3 min on 2 shared CPU cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MODEL = ROOT / "moeflow" / "data" / "tiny-mixtral-awq"
+BLOCK = 4096
+
+
+def training_text() -> bytes:
+    """The tiny model's training bytes, from its training script's own split."""
+    spec = importlib.util.spec_from_file_location("train_tiny_model", ROOT / "scripts" / "train_tiny_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    data, _ = module.collect_corpus()
+    train, _ = module.split_corpus(data)
+    return train
+
+
+def training_prompts(prompt_bytes: int, per_block: int, stride: int) -> list[str]:
+    """``per_block`` prompts from every ``stride``-th training block, each starting at a word."""
+    data = training_text()
+    prompts = []
+    for b in range(0, len(data), BLOCK * stride):
+        chunk = data[b : b + BLOCK]
+        step = max(len(chunk) // per_block, 1)
+        for j in range(per_block):
+            text = chunk[j * step : j * step + prompt_bytes + 16].decode("utf-8", errors="ignore")
+            if j:
+                cut = next((i for i, c in enumerate(text) if c.isspace()), 0)
+                text = text[cut:]
+            text = text.lstrip()[:prompt_bytes]
+            if len(text) >= prompt_bytes // 2:
+                prompts.append(text)
+    return prompts
+
+
+def file_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, default=MODEL)
+    p.add_argument("--out", type=Path, default=None, help="default: <model>/predictors/expertflow.pt")
+    p.add_argument("--prompt-bytes", type=int, default=160)
+    p.add_argument("--prompts-per-block", type=int, default=2)
+    p.add_argument("--block-stride", type=int, default=2, help="use every n-th training block")
+    p.add_argument("--max-prompts", type=int, default=240)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--epochs", type=int, default=30)
+    p.add_argument("--max-seconds", type=float, default=150.0, help="training time cap")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--work-dir", type=Path, default=ROOT / "build" / "expertflow")
+    p.add_argument("--retrace", action="store_true", help="record the trace again even when it exists")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    torch.manual_seed(args.seed)
+
+    from moeflow import MoEOffloadedMixtral
+    from moeflow.scheduling.predictors import evaluate_held_out, held_out_rows, train_predictor
+    from moeflow.scheduling.predictors.expertflow import batch_level_report
+    from moeflow.tracing import Trace, record_trace
+
+    out = args.out or args.model / "predictors" / "expertflow.pt"
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    trace_path = args.work_dir / "train-trace.safetensors"
+    digest = file_digest(args.model / "model.safetensors")
+    tag = f"{digest}|{args.prompt_bytes}|{args.prompts_per_block}|{args.block_stride}|{args.max_prompts}|" \
+          f"{args.max_new_tokens}"
+    trace_s = 0.0
+    if args.retrace or not trace_path.is_file() or Trace.load(trace_path).metadata.get("build_tag") != tag:
+        model = MoEOffloadedMixtral.from_pretrained(args.model, device="cpu")
+        prompts = training_prompts(args.prompt_bytes, args.prompts_per_block, args.block_stride)[: args.max_prompts]
+        ids = [model.tokenizer.encode(t) for t in prompts]
+        start = time.perf_counter()
+        trace = record_trace(model, ids, args.max_new_tokens)
+        trace.metadata.update(build_tag=tag,
+                              prompts="training text of scripts/train_tiny_model.py (build_expertflow_predictor.py)")
+        trace.save(trace_path)
+        trace_s = time.perf_counter() - start
+        print(f"traced {len(ids)} training-text prompts, {len(trace)} tokens in {trace_s:.0f} s", flush=True)
+    trace = Trace.load(trace_path)
+
+    pred = train_predictor("expertflow", trace, eval_fraction=0.1, seed=args.seed, epochs=args.epochs,
+                           max_seconds=args.max_seconds)
+    pred.train_info.trace_model = str(args.model.relative_to(ROOT) if args.model.is_relative_to(ROOT) else args.model)
+    pred.save(out)
+    res = evaluate_held_out(pred, trace)
+    rows = held_out_rows(pred, trace)
+    summary = {
+        "out": str(out.relative_to(ROOT) if out.is_relative_to(ROOT) else out), "bytes": out.stat().st_size,
+        "model_sha": digest, "trace": {"sequences": len(trace.sequence_ids()), "tokens": len(trace),
+                                       "seconds": round(trace_s, 1)},
+        "train_seconds": round(pred.train_info.train_seconds, 1), "notes": pred.train_info.notes,
+        "held_out": {k: res[k] for k in ("held_out_sequences", "exact_topk", "recall", "tokens")},
+        "popularity": {k: res["popularity"][k] for k in ("exact_topk", "recall")},
+        "batch_level": batch_level_report(pred, rows),
+    }
+    (args.work_dir / "build_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
