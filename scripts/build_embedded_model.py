@@ -3,6 +3,10 @@
     python scripts/train_tiny_model.py --out build/tiny-mixtral-fp32      # ~10 minutes on 2 cores
     python scripts/build_embedded_model.py --src build/tiny-mixtral-fp32 --group-size 32
 
+Replaces the whole directory, so rebuild what derives from the model afterwards:
+`scripts/build_embedded_predictors.py` and `scripts/build_expertflow_predictor.py` (predictors/), then the
+tables (`scripts/predictor_table.py`, `scripts/policy_table.py`, `scripts/expertflow_table.py`).
+
 Writes the AWQ checkpoint with `moeflow quantize` and a `report.json` beside it: held-out bits/byte of the
 fp32 model and of the AWQ model (torch reference and the CPU int4 path), per-layer expert usage, and the
 training report. Held-out text is the training script's own held-out split.
@@ -79,7 +83,7 @@ def main(argv=None) -> int:
                                     if k in ("bits_per_byte", "tokens")}
     # a 3M-parameter byte model repeats itself under greedy decoding; sample by default, as many published
     # checkpoints do (callers override with do_sample=False)
-    gen = {"do_sample": True, "temperature": 0.7, "top_k": 40, "top_p": 1.0, "max_new_tokens": 96}
+    gen = {"do_sample": True, "temperature": 0.5, "top_k": 40, "top_p": 1.0, "max_new_tokens": 96}
     (dst / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     training = Path(args.src) / "training_report.json"
     if training.is_file():
