@@ -39,7 +39,7 @@ MODEL = ROOT / "moeflow" / "data" / "tiny-mixtral-awq"
 PROMPTS = ROOT / "scripts" / "predictor_prompts.jsonl"
 DOC = ROOT / "docs" / "policies.md"
 BEGIN, END = "<!-- policy-table:begin -->", "<!-- policy-table:end -->"
-POLICIES = ["ondemand", "lru", "lfu", "mixtral-offloading", "duoserve", "promoe", "finemoe", "expertflow"]
+POLICIES = ["ondemand", "lru", "lfu", "mixtral-offloading", "duoserve", "promoe", "finemoe", "expertflow", "auto"]
 
 
 def load_prompts(model, stride: int) -> list[list[int]]:
@@ -53,10 +53,14 @@ def run(job: tuple[str, int | None, str, int, int]) -> dict:
     policy, slots, model_path, stride, new_tokens = job
     torch.set_num_threads(1)
     from moeflow import MoEOffloadedMixtral, OffloadConfig
+    from moeflow.errors import SchedulingError
 
     start = time.perf_counter()
     cfg = OffloadConfig(policy=policy, gpu_expert_slots=slots, transport="sync")
-    model = MoEOffloadedMixtral.from_pretrained(model_path, device="cpu", offload=cfg)
+    try:
+        model = MoEOffloadedMixtral.from_pretrained(model_path, device="cpu", offload=cfg)
+    except SchedulingError as e:  # e.g. a predictor file not built yet: report it, keep the other rows
+        return {"policy": policy, "slots": slots, "error": str(e)}
     outs = []
     for ids in load_prompts(model, stride):
         out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False)
@@ -108,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", type=Path, default=MODEL)
     p.add_argument("--budgets", default="4,8,16", help="slot counts (the tiny model has 4 x 8 = 32 experts)")
     p.add_argument("--policies", default=",".join(POLICIES), help="unregistered names are skipped")
-    p.add_argument("--stride", type=int, default=4, help="use every n-th held-out prompt")
+    p.add_argument("--stride", type=int, default=8, help="use every n-th held-out prompt")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--out-dir", type=Path, default=ROOT / "build" / "policy-table")
@@ -133,8 +137,11 @@ def main(argv: list[str] | None = None) -> int:
         rows = list(pool.map(run, jobs))
     ref = rows[0]
     generated = sum(len(o) for o in ref["outputs"])
-    results = []
+    results, failed = [], []
     for row in rows[1:]:
+        if "error" in row:
+            failed.append(row)
+            continue
         row.update(figures(row, generated), tokens_equal=row["outputs"] == ref["outputs"])
         results.append({k: v for k, v in row.items() if k != "outputs"})
     wall = time.perf_counter() - start
@@ -161,12 +168,14 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['decode_experts_per_token']:.2f} | {pct(r['prefetch_useful'])} | "
             f"{'yes' if r['tokens_equal'] else 'NO'} |"
         )
+    for r in failed:
+        lines.append(f"| {r['slots']} | {r['policy']} | not run: {r['error'].split(';')[0]} |" + " |" * 6)
     table = "\n".join(lines)
     print(table)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "results.json").write_text(json.dumps(
         {"model": model, "prompts": n_prompts, "generated_tokens": generated, "budgets": budgets,
-         "rows": results}, indent=1) + "\n", encoding="utf-8")
+         "rows": results, "not_run": failed}, indent=1) + "\n", encoding="utf-8")
     if not args.no_doc:
         text = DOC.read_text(encoding="utf-8")
         if BEGIN not in text or END not in text:
