@@ -58,7 +58,9 @@ def run(job: tuple[str, int | None, str, int, int]) -> dict:
     start = time.perf_counter()
     cfg = OffloadConfig(policy=policy, gpu_expert_slots=slots, transport="sync")
     try:
-        model = MoEOffloadedMixtral.from_pretrained(model_path, device="cpu", offload=cfg)
+        # one kernel for every run (resident would otherwise take the bf16 int4 CPU kernels, offloaded runs the
+        # fp32 torch reference, and their greedy tokens may part after many steps)
+        model = MoEOffloadedMixtral.from_pretrained(model_path, device="cpu", offload=cfg, kernels="torch")
     except SchedulingError as e:  # e.g. a predictor file not built yet: report it, keep the other rows
         return {"policy": policy, "slots": slots, "error": str(e)}
     outs = []

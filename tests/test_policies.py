@@ -108,7 +108,7 @@ def test_finemoe_needs_no_file(tiny, tmp_path):
     assert torch.equal(out, expected)
     assert len(model.experts.predictor.store) > 0
     # and auto falls back to it without files
-    out, model = _generate(bare, ids, mask, policy="auto", gpu_expert_slots=4)
+    out, model = _generate(bare, ids, mask, policy="auto", gpu_expert_slots=LAYERS * TOP_K)
     assert torch.equal(out, expected) and model.experts.policy_name == "finemoe"
 
 
@@ -127,11 +127,14 @@ def _ctx(n_slots, checkpoint_dir=None, predictor_path=None):
 
 def test_auto_choice(tiny, tmp_path):
     path, files, *_ = tiny
+    one_token = LAYERS * TOP_K  # experts one decode token needs
     assert choose_policy(_ctx(LAYERS * EXPERTS, path)) == "lru"  # everything fits: nothing to predict
-    assert choose_policy(_ctx(LAYERS, path)) == "promoe"  # a slot per layer and a promoe file
-    assert choose_policy(_ctx(LAYERS - 1, path)) == "duoserve"  # fewer slots than layers
-    assert choose_policy(_ctx(LAYERS, tmp_path)) == "finemoe"  # no files at all
-    assert choose_policy(_ctx(LAYERS - 1, tmp_path, str(files["promoe"]))) == "promoe"
+    assert choose_policy(_ctx(one_token, path)) == "promoe"
+    assert choose_policy(_ctx(one_token - 1, path)) == "duoserve"
+    assert choose_policy(_ctx(one_token, tmp_path)) == "finemoe"  # no files: the ones that need none
+    assert choose_policy(_ctx(one_token - 1, tmp_path)) == "mixtral-offloading"
+    assert choose_policy(_ctx(one_token, tmp_path, str(files["promoe"]))) == "promoe"
+    assert choose_policy(_ctx(one_token - 1, tmp_path, str(files["promoe"]))) == "mixtral-offloading"
 
 
 def test_missing_predictor_file_says_how_to_train(tiny, tmp_path):

@@ -28,7 +28,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def reference():
-    model = MoEOffloadedMixtral.from_pretrained(MODEL)
+    model = MoEOffloadedMixtral.from_pretrained(MODEL, kernels="torch")  # the offloaded runs' kernels (fp32)
     ids = torch.tensor([model.tokenizer.encode("The \"with\" statement is used to wrap the execution")])
     return model, ids, model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
 

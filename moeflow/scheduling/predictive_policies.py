@@ -229,25 +229,24 @@ def _has_file(ctx: PolicyContext, kind: str) -> bool:
 
 
 def choose_policy(ctx: PolicyContext) -> str:
-    """What ``auto`` runs (docs/policies.md has the measurements behind it):
+    """What ``auto`` runs, from the slot budget and the predictor files at hand (docs/policies.md has the
+    measurements behind it):
 
     * every expert fits: ``lru`` (the warm start loads them all; nothing to predict);
-    * at least one slot per layer and a ProMoE file: ``promoe`` (most accurate predictor, per-layer cache);
-    * fewer slots than layers and a DuoServe file: ``duoserve`` (k-slot prefill ring, global cache);
-    * otherwise ``finemoe`` (needs no file: it learns as it serves).
+    * fewer slots than one token's experts (L x k): ``duoserve`` with its file (the best decode hit rate at
+      that budget; a per-layer split would leave a layer fewer than k slots), else ``mixtral-offloading``
+      (needs no file: the model's own routers);
+    * otherwise ``promoe`` with its file (the fewest bytes moved and the most useful prefetches of the
+      predictor policies), else ``finemoe`` (needs no file: it learns as it serves).
 
     Prefill is the same in every case: the layer's missing experts stream through the runtime's ring while
     resident ones compute first; only the decode-phase predictor and cache differ.
     """
     if ctx.n_slots >= ctx.num_layers * ctx.num_experts:
         return "lru"
-    if ctx.n_slots >= ctx.num_layers and _has_file(ctx, "promoe"):
-        return "promoe"
-    if _has_file(ctx, "duoserve"):
-        return "duoserve"
-    if _has_file(ctx, "promoe"):
-        return "promoe"
-    return "finemoe"
+    if ctx.n_slots < ctx.num_layers * ctx.top_k:
+        return "duoserve" if _has_file(ctx, "duoserve") else "mixtral-offloading"
+    return "promoe" if _has_file(ctx, "promoe") else "finemoe"
 
 
 PREDICTIVE_PRESETS = (
@@ -268,7 +267,8 @@ PREDICTIVE_PRESETS = (
     ),
     PolicySpec(
         "auto", select=choose_policy,
-        description="picks lru / promoe / duoserve / finemoe from the slot budget and the predictor files",
+        description="picks lru / duoserve / promoe (or, without files, mixtral-offloading / finemoe) from the slot "
+                    "budget",
     ),
 )
 
