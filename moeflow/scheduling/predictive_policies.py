@@ -128,6 +128,8 @@ class OverlappedPredictor:
         return proposals
 
     def __getattr__(self, name: str) -> Any:  # pred.distance, pred.kind, ... for callers that inspect it
+        if "predictor" not in self.__dict__:
+            raise AttributeError(name)
         return getattr(self.__dict__["predictor"], name)
 
 
@@ -181,6 +183,8 @@ class FineMoERuntime:
         self.predictor.close()
 
     def __getattr__(self, name: str) -> Any:
+        if "predictor" not in self.__dict__:
+            raise AttributeError(name)
         return getattr(self.__dict__["predictor"], name)
 
     def __del__(self) -> None:
