@@ -172,4 +172,5 @@ def create_expert_backend(
 
 # the predictor presets ("duoserve", "promoe", "finemoe", "auto") and ExpertFlow's PLEC cache ("expertflow",
 # moeflow.scheduling.plec) register themselves
-from moeflow.scheduling import plec, predictive_policies  # noqa: E402,F401
+from moeflow.scheduling import predictive_policies  # noqa: E402,F401,I001
+from moeflow.scheduling import plec  # noqa: E402,F401,I001

@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from moeflow.errors import SchedulingError
 from moeflow.sim.profile import PRESET_NAMES, HardwareProfile, ProfileError, custom_profile, get_profile
 from moeflow.sim.simulator import SimResult, SimulationError, check_policy, known_policies
 
@@ -92,7 +93,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                 r = simulate(trace, policy, slots, profile, copy_chunks=args.copy_chunks,
                              max_inflight_chunks=args.max_inflight, prefetch_distance=args.prefetch_distance,
                              gates=gates, max_sequences=args.max_sequences, timeline=bool(args.plot))
-            except SimulationError as e:
+            except (SimulationError, SchedulingError) as e:  # e.g. a predictor policy without its trained file
                 if args.policy != "all":
                     raise
                 skipped.append(f"{policy}: {e}")
