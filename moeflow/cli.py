@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moeflow", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="run the embedded tiny Mixtral with fewer expert slots than experts")
-    _add_generation_args(p, "lru")
+    _add_generation_args(p, "auto")
     p.set_defaults(func=cmd_demo, max_new_tokens=120)
     p = sub.add_parser("generate", help="generate text with any Mixtral checkpoint")
     p.add_argument("--model", required=True, help="checkpoint directory or hub id")
