@@ -88,22 +88,29 @@ def test_micro_batched_generation_gives_the_full_batch_tokens(ckpt, policy, slot
         assert torch.equal(out, ref), m
 
 
-def test_first_step_uses_the_path_predictor(ckpt):
+def test_every_step_is_grouped_by_the_path_predictor(ckpt):
     model = MoEOffloadedMixtral.from_pretrained(ckpt)
     ids, mask = padded_batch(4, seed=2)
-    seen = []
+    calls = []
 
-    class Predictor:
-        def predict_paths(self, input_ids, attention_mask):
-            seen.append(tuple(input_ids.shape))
+    class Predictor:  # sequences 0 and 2 share a path, 1 and 3 another
+        def predict_paths(self, input_ids, attention_mask, last_only=False):
+            calls.append((tuple(input_ids.shape), last_only))
+            assert torch.equal(attention_mask[:, : ids.shape[1]], mask.bool())
             paths = torch.zeros(4, model.config.num_hidden_layers, 8, dtype=torch.bool)
             paths[::2, :, 0] = True
             paths[1::2, :, 7] = True
             return paths
 
+    seen_rows = []
+    hook = model.model.embed_tokens.register_forward_hook(lambda m, i, o: seen_rows.append(i[0].clone()))
     out = model.generate(ids, attention_mask=mask, max_new_tokens=4, eos_token_id=[], micro_batch_size=2,
                          path_predictor=Predictor())
-    assert seen == [(4, ids.shape[1])]
+    hook.remove()
+    t = ids.shape[1]
+    assert calls == [((4, t), False), ((4, t + 1), True), ((4, t + 2), True), ((4, t + 3), True)]
+    assert torch.equal(seen_rows[0], ids[[0, 2]]) and torch.equal(seen_rows[1], ids[[1, 3]])  # prefill groups
+    assert torch.equal(seen_rows[2][:, 0], out[[0, 2], t])  # first decode step, same grouping
     assert torch.equal(out, model.generate(ids, attention_mask=mask, max_new_tokens=4, eos_token_id=[]))
     with pytest.raises(ValueError, match="micro_batch_size"):
         model.generate(ids, attention_mask=mask, micro_batch_size=5)

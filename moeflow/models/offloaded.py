@@ -253,8 +253,10 @@ class MoEOffloadedMixtral(nn.Module):
         ``streamer``: an object with ``put(ids)`` and ``end()`` (transformers' streamers work).
         ``micro_batch_size``: run the batch as micro-batches of at most this many sequences, regrouped
         before every step by routing-path similarity (ExpertFlow's token scheduler): the first step by
-        ``path_predictor.predict_paths(input_ids, attention_mask) -> bool [B, L, E]`` when given (else
-        contiguous groups), later steps by the paths each sequence's last token took.
+        ``path_predictor.predict_paths(input_ids, attention_mask, last_only=...) -> bool [B, L, E]`` when
+        given (the prefill by the prompt's paths, each decode step by its own token's predicted path, which
+        is known before the step runs), else contiguous groups first and then the paths each sequence's
+        last token took.
         """
         gen = self.generation_config.override(
             max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
@@ -323,6 +325,10 @@ class MoEOffloadedMixtral(nn.Module):
                     break
                 start = time.perf_counter()
                 self.stats.set_phase("decode")
+                if path_predictor is not None and micro_batch_size is not None:
+                    history = torch.cat(out, dim=1)
+                    history_mask = torch.cat([token_mask, torch.ones_like(history[:, t:], dtype=torch.bool)], 1)
+                    scheduler.regroup(path_predictor.predict_paths(history, history_mask, last_only=True))
                 cache_position = torch.tensor([t + step], device=device)
                 logits = scheduler.run(self._decode_step, tok[:, None], next_pos[:, None], cache, cache_position,
                                        torch.ones((b, 1), dtype=torch.bool, device=device))

@@ -129,9 +129,10 @@ class PLECPredictor:
             self._handle.remove()
         self._handle = model.register_forward_pre_hook(self._before_pass)
 
-    def predict_paths(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def predict_paths(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                      last_only: bool = False) -> torch.Tensor:
         """For ``generate(path_predictor=...)``: bool [B, L, E] (see ExpertFlowPredictor.predict_paths)."""
-        return self.predictor.predict_paths(input_ids, attention_mask)
+        return self.predictor.predict_paths(input_ids, attention_mask, last_only=last_only)
 
     # ------------------------------------------------------------------ the pass
     def _before_pass(self, module: torch.nn.Module, args: tuple) -> None:
