@@ -6,6 +6,7 @@
 #   bash benchmarks/run_all_gpu.sh offload   # synthetic Mixtral-8x7B AWQ: H2D bandwidth, policies, memory, trace
 #   bash benchmarks/run_all_gpu.sh hybrid    # cpu_compute never vs auto at 12 / 16 GB
 #   bash benchmarks/run_all_gpu.sh sim       # simulator vs measured time per token
+#   bash benchmarks/run_all_gpu.sh policies  # TTFT / time per token of every predictive policy, predictor overhead
 #
 # Results go to $OUT (the device tool's output folder) or benchmarks/results/gpu-<date>/; copy them under
 # benchmarks/results/ with the GPU's name and the date, and add a short table. The synthetic checkpoint
@@ -25,5 +26,6 @@ case "${1:-}" in
   offload) python benchmarks/run_gpu_offload.py --checkpoint "$ckpt" --out "$out/offload" --time-budget-s 420 ;;
   hybrid)  python benchmarks/run_gpu_hybrid.py --checkpoint "$ckpt" --out "$out/hybrid" --time-budget-s 420 ;;
   sim)     python benchmarks/run_gpu_sim_validation.py --checkpoint "$ckpt" --out "$out/sim" --time-budget-s 420 ;;
-  *) echo "usage: $0 tests|kernels|offload|hybrid|sim" >&2; exit 2 ;;
+  policies) python benchmarks/run_gpu_policies.py --checkpoint "$ckpt" --out "$out/policies" --time-budget-s 420 ;;
+  *) echo "usage: $0 tests|kernels|offload|hybrid|sim|policies" >&2; exit 2 ;;
 esac
