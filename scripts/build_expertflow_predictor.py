@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.util
 import json
 import sys
 import time
@@ -30,39 +29,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from build_embedded_predictors import training_prompts  # noqa: E402  (same prompts as the other predictors)
 
 MODEL = ROOT / "moeflow" / "data" / "tiny-mixtral-awq"
-BLOCK = 4096
-
-
-def training_text() -> bytes:
-    """The tiny model's training bytes, from its training script's own split."""
-    spec = importlib.util.spec_from_file_location("train_tiny_model", ROOT / "scripts" / "train_tiny_model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    data, _ = module.collect_corpus()
-    train, _ = module.split_corpus(data)
-    return train
-
-
-def training_prompts(prompt_bytes: int, per_block: int, stride: int) -> list[str]:
-    """``per_block`` prompts from every ``stride``-th training block, each starting at a word."""
-    data = training_text()
-    prompts = []
-    for b in range(0, len(data), BLOCK * stride):
-        chunk = data[b : b + BLOCK]
-        step = max(len(chunk) // per_block, 1)
-        for j in range(per_block):
-            text = chunk[j * step : j * step + prompt_bytes + 16].decode("utf-8", errors="ignore")
-            if j:
-                cut = next((i for i, c in enumerate(text) if c.isspace()), 0)
-                text = text[cut:]
-            text = text.lstrip()[:prompt_bytes]
-            if len(text) >= prompt_bytes // 2:
-                prompts.append(text)
-    return prompts
-
-
 def file_digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
