@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 
 import moeflow
@@ -13,7 +12,6 @@ from moeflow.scheduling.predictors import ModelShape, load_predictor
 
 MODEL = Path(moeflow.__file__).parent / "data" / "tiny-mixtral-awq"
 PREDICTOR = MODEL / "predictors" / "expertflow.pt"
-pytestmark = pytest.mark.skipif(not PREDICTOR.is_file(), reason="no shipped expertflow predictor")
 
 
 def test_shipped_predictor_fits_and_batched_tokens_equal_resident():
