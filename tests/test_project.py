@@ -21,3 +21,17 @@ def test_ruff_clean():
     result = subprocess.run([ruff, "check", "moeflow", "tests", "benchmarks", "scripts"], cwd=ROOT,
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_readme_usage_example_runs():
+    """The README's Python example, with the embedded model and the CPU in place of a hub id and CUDA."""
+    readme = (ROOT / "README.md").read_text()
+    code = readme.split("## Use", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    code = code.replace('"path/or/hub-id"', "str(embedded_model_path())").replace('device="cuda"', 'device="cpu"')
+    code = code.replace("dtype=torch.float16", "dtype=torch.float32").replace("max_new_tokens=64", "max_new_tokens=8")
+    from moeflow.cli import embedded_model_path
+
+    namespace = {"embedded_model_path": embedded_model_path}
+    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 (our own README)
+    assert namespace["out"].shape[1] > namespace["enc"]["input_ids"].shape[1]
+    assert namespace["logits"].dim() == 3
