@@ -30,8 +30,7 @@ class GenerationConfig:
             data = json.loads(path.read_text())
         except json.JSONDecodeError:
             return cfg
-        if "max_new_tokens" not in data and "max_length" in data:
-            data = {**data}  # max_length counts the prompt in HF; without the prompt we keep the default
+        # HF's max_length counts the prompt, which is unknown here: only max_new_tokens is taken
         known = {f.name for f in fields(cls)}
         return replace(cfg, **{k: v for k, v in data.items() if k in known and v is not None})
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moeflow.quant.awq import dequantize
+from moeflow import kernels
 
 
 class RMSNorm(nn.Module):
@@ -59,13 +59,7 @@ class AWQLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]: fp32 accumulation, output in the dtype of x."""
-        from moeflow import kernels
-
         flat = x.reshape(-1, self.in_features)
-        awq_linear = getattr(kernels, "awq_linear", None)
-        if awq_linear is not None:
-            y = awq_linear(flat, self.qweight, self.qzeros, self.scales, self.group_size, backend=self.kernels_backend)
-        else:
-            w = dequantize(self.qweight, self.qzeros, self.scales.float(), self.group_size)
-            y = (flat.float() @ w).to(x.dtype)
+        y = kernels.awq_linear(flat, self.qweight, self.qzeros, self.scales, self.group_size,
+                               backend=self.kernels_backend)
         return y.reshape(*x.shape[:-1], self.out_features)

@@ -91,15 +91,6 @@ def read_expert(
     return fused
 
 
-def expert_tensor_names(reader: CheckpointReader, cfg: MixtralConfig, source: ExpertSource) -> set[str]:
-    """Every checkpoint tensor name that belongs to the experts (so the rest can be checked for leftovers)."""
-    names = set()
-    for layer in range(cfg.num_hidden_layers):
-        base = f"model.layers.{layer}.{source.prefix}.experts"
-        names.update(n for n in reader.names() if n.startswith(base + "."))
-    return names
-
-
 def load_non_expert_weights(
     model: MixtralModel, reader: CheckpointReader, cfg: MixtralConfig, source: ExpertSource,
     device: torch.device, dtype: torch.dtype,
