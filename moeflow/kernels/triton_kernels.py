@@ -157,6 +157,22 @@ def _load_w_tile(
 
 
 @triton.jit
+def _store_epilogue(acc, acc_up, c_ptr, stride_cm, stride_cn, pair, offs_n, row_ok, mask, weight_ptr,
+                    MODE: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+    """The numeric contract's epilogue, shared by the GEMM and the split-K reduction: MODE 0 stores
+    silu(gate) * up, MODE 1 the product times the pair's routing weight; fp32 until the store."""
+    if MODE == 0:
+        res = acc / (1.0 + tl.exp(-acc)) * acc_up
+    else:
+        res = acc
+        if HAS_WEIGHT:
+            wt = tl.load(weight_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
+            res = res * wt[:, None]
+    tl.store(c_ptr + pair[:, None] * stride_cm + offs_n[None, :] * stride_cn, res.to(c_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
 def _moe_gemm_kernel(
     a_ptr, stride_am, stride_ak,  # MODE 0: x [T, K] (row = pair // TOPK); MODE 1: h [P, K] (row = pair)
     b_ptr, stride_bs, stride_bk, stride_bn,  # AWQ qweight [S, K, N/8] / dense, strides in (slot, k, n) sense
@@ -212,8 +228,7 @@ def _moe_gemm_kernel(
     k_end = min(k_begin + k_per_split, K)
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if MODE == 0:
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # the up projection (MODE 0 only; unused otherwise)
     for k0 in range(k_begin, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
         a = tl.load(
@@ -247,15 +262,8 @@ def _moe_gemm_kernel(
         if MODE == 0:
             tl.store(ws + N, acc_up, mask=out_mask)
     else:
-        if MODE == 0:
-            res = acc / (1.0 + tl.exp(-acc)) * acc_up
-        else:
-            res = acc
-            if HAS_WEIGHT:
-                wt = tl.load(weight_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
-                res = res * wt[:, None]
-        c = c_ptr + pair[:, None] * stride_cm + offs_n[None, :] * stride_cn
-        tl.store(c, res.to(c_ptr.dtype.element_ty), mask=out_mask)
+        _store_epilogue(acc, acc_up, c_ptr, stride_cm, stride_cn, pair, offs_n, row_ok, out_mask, weight_ptr,
+                        MODE, HAS_WEIGHT)
 
 
 @triton.jit
@@ -287,15 +295,7 @@ def _splitk_reduce_kernel(
         acc += tl.load(base + s * stride_wsp, mask=mask, other=0.0)
         if MODE == 0:
             acc_up += tl.load(base + s * stride_wsp + N, mask=mask, other=0.0)
-    if MODE == 0:
-        res = acc / (1.0 + tl.exp(-acc)) * acc_up
-    else:
-        res = acc
-        if HAS_WEIGHT:
-            wt = tl.load(weight_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
-            res = res * wt[:, None]
-    tl.store(c_ptr + pair[:, None] * stride_cm + offs_n[None, :] * stride_cn, res.to(c_ptr.dtype.element_ty),
-             mask=mask)
+    _store_epilogue(acc, acc_up, c_ptr, stride_cm, stride_cn, pair, offs_n, row_ok, mask, weight_ptr, MODE, HAS_WEIGHT)
 
 
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
