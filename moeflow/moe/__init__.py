@@ -7,14 +7,15 @@ pool (the compile-friendly path), the offloading backends of :mod:`moeflow.sched
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moeflow import kernels
 from moeflow.kernels.pool import ExpertFormat, ExpertPool
+from moeflow.moe.backend import ExpertBackend, StepInfo
+
+__all__ = ["route", "ExpertBackend", "StepInfo", "ResidentExperts", "CpuInt4Experts", "MoEBlock"]
 
 
 def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -28,26 +29,7 @@ def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.
     return probs, ids.to(torch.int32), weights
 
 
-class ExpertBackend(Protocol):
-    """Where expert weights live and how a layer's experts get computed."""
-
-    fmt: ExpertFormat
-
-    def load_expert(self, layer: int, expert: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Store one expert's tensors (names of ``fmt``) at load time."""
-
-    def forward(
-        self,
-        layer: int,
-        x: torch.Tensor,
-        probs: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-    ) -> torch.Tensor:
-        """x [T, H], probs fp32 [T, E], topk_ids int32 [T, k], topk_weights fp32 [T, k] -> [T, H]."""
-
-
-class ResidentExperts:
+class ResidentExperts(ExpertBackend):
     """Every expert of every layer in one device pool; slot of (layer, expert) = layer * E + expert."""
 
     def __init__(
@@ -72,7 +54,7 @@ class ResidentExperts:
         )
 
 
-class CpuInt4Experts:
+class CpuInt4Experts(ExpertBackend):
     """Every expert in host RAM in torch's CPU int4 format, computed with its int4 kernels (bf16 activations).
 
     The CPU inference path for AWQ checkpoints: far faster than dequantizing per call (see

@@ -1,0 +1,70 @@
+"""The seam between the model and the place its experts live: :class:`ExpertBackend` and :class:`StepInfo`.
+
+The engine owns the step loop and tells the backend what a forward pass is about before layer 0
+(``begin_step``); each MoE block then hands one layer to ``forward``. Nothing else crosses this
+seam: no module hooks, no attributes read off the model, no flags set on blocks.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from moeflow.kernels.pool import ExpertFormat
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What one forward pass (a prefill, a decode step, or one micro-batch of either) is about.
+
+    input_ids [B, T] int64: this pass's tokens.  positions [B, T] int64: their position ids.
+    token_mask bool [B, T]: real tokens (False on left padding).  rows [B] int64 or None: the cache rows
+    of a micro-batch (None: the whole batch, rows 0..B-1).  embeds [B, T, H] or None: the embedding
+    output (None when the caller asks only for a plan, e.g. micro-batch grouping).  phase: "prefill" or
+    "decode".  history_ids [B, S] int64 / history_mask bool [B, S] or None: every token of each sequence so
+    far, prompt and generated (path predictors read them).
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    token_mask: torch.Tensor
+    phase: str
+    rows: torch.Tensor | None = None
+    embeds: torch.Tensor | None = None
+    history_ids: torch.Tensor | None = None
+    history_mask: torch.Tensor | None = None
+
+
+class ExpertBackend(ABC):
+    """Where expert weights live and how a layer's experts get computed.
+
+    Lifecycle: ``load_expert`` for every (layer, expert), then ``finish_loading`` once; per forward
+    pass ``begin_step`` once, then ``forward`` per MoE layer in layer order; ``close`` at the end.
+    """
+
+    fmt: ExpertFormat
+
+    @abstractmethod
+    def load_expert(self, layer: int, expert: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Store one expert's tensors (names of ``fmt``) at load time."""
+
+    def finish_loading(self) -> None:  # noqa: B027 (optional hook)
+        """Called once after every expert was loaded (checks, warm start). Default: nothing to do."""
+
+    def begin_step(self, step: StepInfo) -> None:  # noqa: B027 (optional hook)
+        """Called by the engine before layer 0 of every forward pass. Default: nothing to do."""
+
+    def predict_paths(self, step: StepInfo, last_only: bool = False) -> torch.Tensor | None:
+        """Predicted routing paths bool [B, L, E] for micro-batch grouping, or None (no path predictor)."""
+        return None
+
+    @abstractmethod
+    def forward(
+        self, layer: int, x: torch.Tensor, probs: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """x [T, H], probs fp32 [T, E], topk_ids int32 [T, k], topk_weights fp32 [T, k] -> [T, H]."""
+
+    def close(self) -> None:  # noqa: B027 (optional hook)
+        """Release threads, streams and host registrations. Default: nothing to release."""
