@@ -20,7 +20,7 @@ from moeflow.scheduling.predictors import (
     train_predictor,
 )
 from moeflow.scheduling.predictors.expertflow import batch_level_accuracy, batch_level_report
-from moeflow.tracing import record_trace
+from moeflow.trace.record import record_trace
 
 LAYERS, EXPERTS = 3, 8
 
@@ -108,7 +108,7 @@ def test_predict_paths_or_of_tokens_and_checks(predictor_file):
 
 
 def test_cli_train_and_eval(trace, tmp_path, capsys):
-    from moeflow.cli_predictors import main
+    from moeflow.cli.predictors import main
 
     path = trace.save(tmp_path / "t.safetensors")
     out = tmp_path / "ef.pt"

@@ -154,7 +154,7 @@ class Family(ABC):
     # ------------------------------------------------------------------ the checkpoint
     @abstractmethod
     def checkpoint_name(self, param_path: str, layout: ExpertLayout) -> str:
-        """The checkpoint tensor name of the decoder's parameter/buffer ``param_path`` (e.g. ``layers.0.norm.weight``)."""
+        """The checkpoint tensor name of the decoder parameter ``param_path`` (e.g. ``layers.0.norm.weight``)."""
 
     @abstractmethod
     def detect_expert_layout(self, reader: CheckpointReader) -> ExpertLayout:

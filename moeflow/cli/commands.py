@@ -1,0 +1,151 @@
+"""The ``moeflow`` command: demo, generate, quantize, trace, train-predictor, eval-predictor, simulate, bench."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+# modules that add their subcommands through register(subparsers)
+COMMAND_MODULES = ("moeflow.cli.predictors", "moeflow.sim.cli")
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+EMBEDDED_MODEL = "tiny-mixtral-awq"
+
+
+def embedded_model_path() -> Path:
+    """The small AWQ Mixtral shipped inside the package (trained by scripts/train_tiny_model.py)."""
+    return Path(str(resources.files("moeflow") / "data" / EMBEDDED_MODEL))
+
+
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _load(args, slots: int | None, policy: str):
+    from moeflow import MoEOffloadedMixtral, OffloadConfig
+
+    offload = OffloadConfig(gpu_expert_slots=slots, policy=policy)
+    dtype = DTYPES[args.dtype] if args.dtype else None
+    return MoEOffloadedMixtral.from_pretrained(args.model, device=args.device, dtype=dtype, offload=offload,
+                                               kernels=args.kernels)
+
+
+def _run_prompt(model, prompt: str, args) -> int:
+    from moeflow.streaming import TextStreamer
+
+    if model.tokenizer is None:
+        print(f"error: {args.model} has no tokenizer.json; pass token ids with --ids instead", file=sys.stderr)
+        return 2
+    enc = model.tokenizer(prompt)
+    if args.warmup:
+        # the first call pays one-time costs (op registration, lazy imports: ~2 s on a CPU); keep them out of TTFT
+        model.generate(enc["input_ids"][:, :1], max_new_tokens=1, do_sample=False)
+    streamer = TextStreamer(model.tokenizer)
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+    model.stats.reset()
+    do_sample = True if args.sample else (False if args.greedy else None)  # None: the checkpoint's default
+    model.generate(enc["input_ids"], attention_mask=enc["attention_mask"], max_new_tokens=args.max_new_tokens,
+                   do_sample=do_sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                   streamer=streamer, seed=args.seed)
+    print(model.stats.summary())
+    if args.json:
+        print(json.dumps(model.stats.as_dict()))
+    return 0
+
+
+def cmd_demo(args) -> int:
+    args.model = str(embedded_model_path())
+    if not Path(args.model).is_dir():
+        print(f"error: the embedded model is missing from {args.model}", file=sys.stderr)
+        return 2
+    from moeflow.io.checkpoint import read_json
+
+    cfg = read_json(Path(args.model) / "config.json")
+    experts = cfg["num_local_experts"]
+    # half of all experts fit on the device: enough for a cache to matter, too few to hold the model
+    slots = args.slots or cfg["num_hidden_layers"] * experts // 2
+    model = _load(args, slots, args.policy)
+    print(f"moeflow demo: {cfg['num_hidden_layers']} layers x {experts} experts, {slots} expert slots "
+          f"(policy {args.policy!r}) on {model.device}\n")
+    if args.seed is None:
+        args.seed = 0  # the embedded model samples by default (its generation_config.json): keep the demo repeatable
+    return _run_prompt(model, args.prompt, args)
+
+
+def cmd_generate(args) -> int:
+    model = _load(args, args.slots, args.policy)
+    return _run_prompt(model, args.prompt, args)
+
+
+def cmd_quantize(args) -> int:
+    from moeflow.quant.convert import quantize_checkpoint
+
+    dst = quantize_checkpoint(args.src, args.dst, group_size=args.group_size, dtype=DTYPES[args.dtype],
+                              quantize_attention=args.quantize_attention, overwrite=args.overwrite)
+    print(f"wrote AWQ 4-bit checkpoint (group size {args.group_size}) to {dst}")
+    return 0
+
+
+def _add_generation_args(p: argparse.ArgumentParser, default_policy: str) -> None:
+    p.add_argument("--prompt", default="The import statement")
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--sample", action="store_true", help="sample (default: the checkpoint's generation_config)")
+    mode.add_argument("--greedy", action="store_true", help="greedy decoding")
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--device", default=_default_device())
+    p.add_argument("--dtype", choices=list(DTYPES), default=None)
+    p.add_argument("--kernels", choices=["auto", "torch", "triton"], default="auto")
+    p.add_argument("--slots", type=int, default=None, help="GPU expert slots")
+    p.add_argument("--policy", default=default_policy)
+    p.add_argument("--json", action="store_true", help="also print the stats as JSON")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="time the very first call too (by default a one-token warm-up runs first)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moeflow", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("demo", help="run the embedded tiny Mixtral with fewer expert slots than experts")
+    _add_generation_args(p, "auto")
+    p.set_defaults(func=cmd_demo, max_new_tokens=120)
+    p = sub.add_parser("generate", help="generate text with any Mixtral checkpoint")
+    p.add_argument("--model", required=True, help="checkpoint directory or hub id")
+    _add_generation_args(p, "resident")
+    p.set_defaults(func=cmd_generate)
+    p = sub.add_parser("quantize", help="convert an fp16/bf16/fp32 Mixtral checkpoint to AWQ 4-bit")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--group-size", type=int, default=128, choices=[32, 64, 128])
+    p.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16",
+                   help="dtype of the tensors that stay unquantized")
+    p.add_argument("--quantize-attention", action="store_true", help="also quantize q/k/v/o projections")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=cmd_quantize)
+    for module in COMMAND_MODULES:
+        importlib.import_module(module).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from moeflow.errors import MoeflowError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (MoeflowError, ValueError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
