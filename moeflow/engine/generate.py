@@ -96,7 +96,7 @@ class MicroBatcher:
 def deprecated_path_predictor(path_predictor: Any) -> PathPredictor:
     """``generate(path_predictor=obj)``: obj.predict_paths(ids, mask, last_only=...) (before the backend asked)."""
     warnings.warn("generate(path_predictor=...) is deprecated: micro-batches are grouped by the expert backend's "
-                  "predict_paths (the expertflow policy provides it)", DeprecationWarning, stacklevel=3)
+                  "predict_paths (the expertflow policy provides it)", DeprecationWarning, stacklevel=4)
 
     def predict(step: StepInfo, last_only: bool) -> torch.Tensor | None:
         return path_predictor.predict_paths(step.history_ids, step.history_mask, last_only=last_only)
