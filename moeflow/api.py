@@ -101,6 +101,13 @@ class MoEModel(nn.Module):
         """The expert backend shared by every MoE layer."""
         return self.backend
 
+    def use_backend(self, backend: ExpertBackend | None) -> ExpertBackend | None:
+        """Swap the expert backend (benchmarks compare policies on one loaded model); returns the previous one.
+        The new backend must already hold every expert (``finish_loading`` called). None detaches it."""
+        previous, self.backend = self.backend, backend
+        self._runner.backend = backend
+        return previous
+
     def compile_decode(self) -> None:
         """torch.compile the one-token decode step (fullgraph when every expert is resident)."""
         from moeflow.moe.resident import ResidentExperts
