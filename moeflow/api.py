@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +59,8 @@ class MoEModel(nn.Module):
         self.kernels = kernels
         self.name_or_path = name
         self._compiled = False
+        # close the backend once: on close(), or when the model is garbage-collected
+        self._closer = weakref.finalize(self, runner.close_backend)
 
     @classmethod
     def from_pretrained(
@@ -117,8 +120,8 @@ class MoEModel(nn.Module):
         self._compiled = True
 
     def close(self) -> None:
-        """Release the expert backend's threads, streams and host registrations."""
-        self.backend.close()
+        """Release the expert backend's threads, streams and host registrations (once; also on deletion)."""
+        self._closer()
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()

@@ -3,6 +3,7 @@ finish_loading, close), MoEModel's family choice, and the routing functions behi
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
@@ -64,6 +65,15 @@ def test_begin_step_precedes_layer_zero_of_every_pass_with_the_embeddings(ckpt):
     assert [e[1] for e in rec.events if e[0] == "forward"] == [0, 1] * 3
     model.close()
     assert rec.events[-1] == ("close",)
+    del model
+    gc.collect()
+    assert [e for e in rec.events if e[0] == "close"] == [("close",)]  # closed once, not again on deletion
+    other = MoEModel.from_pretrained(ckpt)
+    rec2 = Recording(other.experts)
+    other.use_backend(rec2)
+    del other
+    gc.collect()
+    assert rec2.events == [("close",)]  # deleting the model closes its backend
 
 
 def test_micro_batches_ask_the_backend_and_follow_its_paths(ckpt):

@@ -29,13 +29,17 @@ PathPredictor = Callable[[StepInfo, bool], "torch.Tensor | None"]
 class Runner:
     """Forward passes of one decoder with its expert backend (``decode_fn``: the decoder, or its compiled form)."""
 
-    def __init__(self, decoder: CausalDecoder, backend: ExpertBackend, stats: Stats, config: Any,
+    def __init__(self, decoder: CausalDecoder, backend: ExpertBackend | None, stats: Stats, config: Any,
                  device: torch.device, dtype: torch.dtype) -> None:
         self.decoder, self.backend, self.stats, self.config = decoder, backend, stats, config
         self.device, self.dtype = device, dtype
         self.num_moe_layers = len(decoder.moe_blocks)
         self.num_experts = decoder.moe_blocks[0].gate.out_features
         self.decode_fn: Callable[..., torch.Tensor] = decoder
+
+    def close_backend(self) -> None:
+        if self.backend is not None:
+            self.backend.close()
 
     def new_cache(self, batch: int, max_len: int) -> StaticKVCache:
         cfg = self.config
