@@ -66,9 +66,12 @@ class LegacySchedulingBackend(ExpertBackend):
         return repr(self.inner)
 
 
+def as_expert_backend(backend: Any, decoder: nn.Module) -> ExpertBackend:
+    """A backend built by ``moeflow.scheduling.create_expert_backend`` (benchmarks swap them in) as an ExpertBackend."""
+    return backend if isinstance(backend, ExpertBackend) else LegacySchedulingBackend(backend, decoder)
+
+
 def create_legacy_backend(config: Any, *, decoder: nn.Module, **kw: Any) -> ExpertBackend:
     """``moeflow.scheduling.create_expert_backend`` plus the module hooks its predictors still need."""
     backend = create_expert_backend(config, embed_tokens=decoder.embed_tokens, **kw)  # FineMoE hooks it
-    if isinstance(backend, ExpertBackend):
-        return backend
-    return LegacySchedulingBackend(backend, decoder)
+    return as_expert_backend(backend, decoder)
