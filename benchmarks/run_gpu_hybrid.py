@@ -45,7 +45,7 @@ from run_gpu_offload import (  # noqa: E402
 )
 
 from moeflow import MoEOffloadedMixtral, OffloadConfig  # noqa: E402
-from moeflow.models.loading import non_expert_bytes  # noqa: E402
+from moeflow.engine.loading import non_expert_bytes  # noqa: E402
 from moeflow.scheduling import OffloadedExperts, create_expert_backend, min_slots  # noqa: E402
 
 GiB = 2**30
@@ -71,12 +71,11 @@ def install(model: MoEOffloadedMixtral, host, policy: str, slots: int, mode: str
     backend = create_expert_backend(
         config, fmt=host.fmt, num_layers=cfg.num_hidden_layers, num_experts=cfg.num_local_experts,
         top_k=cfg.num_experts_per_tok, device=model.device, kernels_backend=model.kernels,
-        gates=[layer.block_sparse_moe.gate for layer in model.model.layers], reserved_bytes=0, stats=model.stats,
+        gates=[b.gate for b in model.model.moe_blocks], reserved_bytes=0, stats=model.stats,
         host_store=host,
     )
     backend.finish_loading()
-    for layer in model.model.layers:
-        layer.block_sparse_moe.experts = backend
+    model.use_backend(backend)
     _sync(model.device)
     return backend
 

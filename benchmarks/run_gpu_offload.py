@@ -197,8 +197,7 @@ def _free(model: MoEOffloadedMixtral) -> None:
     backend = model.experts
     if hasattr(backend, "close"):
         backend.close()
-    for layer in model.model.layers:
-        layer.block_sparse_moe.experts = None
+    model.use_backend(None)
     del backend
     gc.collect()
     if model.device.type == "cuda":
@@ -216,12 +215,11 @@ def install_backend(model: MoEOffloadedMixtral, host, policy: str, slots: int | 
         backend = create_expert_backend(
             OffloadConfig(policy=policy, gpu_expert_slots=slots, transport=transport), fmt=host.fmt,
             num_layers=cfg.num_hidden_layers, num_experts=cfg.num_local_experts, top_k=cfg.num_experts_per_tok,
-            device=device, kernels_backend=model.kernels, gates=[l.block_sparse_moe.gate for l in model.model.layers],
+            device=device, kernels_backend=model.kernels, gates=[b.gate for b in model.model.moe_blocks],
             reserved_bytes=0, stats=model.stats, host_store=host,
         )
         backend.finish_loading()
-    for layer in model.model.layers:
-        layer.block_sparse_moe.experts = backend
+    model.use_backend(backend)
     _sync(device)
     return backend
 

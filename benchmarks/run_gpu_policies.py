@@ -65,13 +65,12 @@ def install(model: MoEOffloadedMixtral, host, policy: str, slots: int, transport
         backend = create_expert_backend(
             OffloadConfig(policy=policy, gpu_expert_slots=slots, transport=transport), fmt=host.fmt,
             num_layers=cfg.num_hidden_layers, num_experts=cfg.num_local_experts, top_k=cfg.num_experts_per_tok,
-            device=device, kernels_backend=model.kernels, gates=[l.block_sparse_moe.gate for l in model.model.layers],
+            device=device, kernels_backend=model.kernels, gates=[b.gate for b in model.model.moe_blocks],
             reserved_bytes=0, stats=model.stats, host_store=host, checkpoint_dir=ckpt,
             embed_tokens=model.model.embed_tokens,
         )
         backend.finish_loading()
-    for layer in model.model.layers:
-        layer.block_sparse_moe.experts = backend
+    model.use_backend(backend)
     _sync(device)
     return backend
 
@@ -80,7 +79,7 @@ def train_predictors(model, ckpt: Path, prompts: list[list[int]], new_tokens: in
                      epochs: int) -> dict:
     """Trace ``prompts`` on ``model`` (whatever backend it has), train duoserve and promoe, save them."""
     from moeflow.scheduling.predictors import evaluate_held_out, train_predictor
-    from moeflow.tracing import record_trace
+    from moeflow.trace.record import record_trace
 
     t0 = time.perf_counter()
     trace = record_trace(model, prompts, new_tokens, hidden=True)

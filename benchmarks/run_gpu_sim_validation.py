@@ -54,7 +54,7 @@ from moeflow.scheduling import min_slots  # noqa: E402
 from moeflow.sim import HardwareProfile, simulate  # noqa: E402
 from moeflow.sim.bench import _timer  # noqa: E402
 from moeflow.sim.synthetic import gate_modules  # noqa: E402
-from moeflow.tracing import record_trace  # noqa: E402
+from moeflow.trace.record import record_trace  # noqa: E402
 
 POLICIES = ("ondemand", "lru", "static", "mixtral-offloading")
 

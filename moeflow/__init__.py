@@ -8,7 +8,9 @@ if "torch" not in sys.modules:
     # that made the CPU path ~50x slower (0.8 vs 45 tok/s measured). Sleep instead, unless the user chose.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from moeflow.api import CausalLMOutput, MoEModel, MoEOffloadedMixtral  # noqa: E402
 from moeflow.config import OffloadConfig  # noqa: E402
+from moeflow.engine.sampling import GenerationConfig  # noqa: E402
 from moeflow.errors import (  # noqa: E402
     CheckpointError,
     InputError,
@@ -16,12 +18,11 @@ from moeflow.errors import (  # noqa: E402
     SchedulingError,
     UnsupportedQuantizationError,
 )
-from moeflow.models.generation import GenerationConfig  # noqa: E402
-from moeflow.models.offloaded import CausalLMOutput, MoEOffloadedMixtral  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "MoEModel",
     "MoEOffloadedMixtral",
     "OffloadConfig",
     "GenerationConfig",

@@ -38,22 +38,21 @@ DEST = ROOT / "moeflow" / "data" / "tiny-mixtral-awq"
 @torch.inference_mode()
 def heldout_stats(model: MoEOffloadedMixtral, heldout: torch.Tensor, seq_len: int, windows: int) -> dict:
     """Bits per byte over `windows` held-out windows, and each layer's expert usage shares."""
-    blocks = model.model.layers
-    for b in blocks:
-        b.block_sparse_moe.record_routing = True
-    counts = torch.zeros(len(blocks), model.config.num_local_experts)
+    from moeflow.trace.record import TraceRecorder
+
+    n_layers = len(model.model.moe_blocks)
+    counts = torch.zeros(n_layers, model.config.num_local_experts)
     nll, n = 0.0, 0
     step = max(1, (heldout.numel() - seq_len - 1) // windows)
     for i in range(windows):
         w = heldout[i * step : i * step + seq_len + 1]
-        logits = model(w[None, :-1]).logits[0]
+        with TraceRecorder(model) as rec:
+            logits = model(w[None, :-1]).logits[0]
         nll += float(torch.nn.functional.cross_entropy(logits, w[1:], reduction="sum"))
         n += seq_len
-        for li, b in enumerate(blocks):
-            ids = b.block_sparse_moe.last_topk_ids.reshape(-1)
+        for li in range(n_layers):
+            ids = rec.steps[-1]["topk"][li].reshape(-1)
             counts[li] += torch.bincount(ids.long(), minlength=counts.shape[1]).float()
-    for b in blocks:
-        b.block_sparse_moe.record_routing = False
     share = counts / counts.sum(dim=1, keepdim=True)
     entropy = -(share * share.clamp_min(1e-12).log()).sum(dim=1) / math.log(share.shape[1])
     return {"bits_per_byte": nll / n / math.log(2), "tokens": n, "usage_share": share.round(decimals=4).tolist(),

@@ -38,7 +38,7 @@ BEGIN, END = "<!-- sim-report:begin -->", "<!-- sim-report:end -->"
 def small_model_trace(workdir: Path):
     """(trace, routers, description) from the embedded model, else from a tiny random AWQ checkpoint."""
     from moeflow import MoEOffloadedMixtral
-    from moeflow.tracing import record_trace
+    from moeflow.trace.record import record_trace
 
     embedded = ROOT / "moeflow" / "data" / "tiny-mixtral-awq"
     if (embedded / "config.json").is_file():

@@ -20,7 +20,7 @@ from moeflow.scheduling.predictors import (
     train_predictor,
 )
 from moeflow.scheduling.predictors.expertflow import batch_level_accuracy, batch_level_report
-from moeflow.tracing import record_trace
+from moeflow.trace.record import record_trace
 
 LAYERS, EXPERTS = 3, 8
 
@@ -108,7 +108,7 @@ def test_predict_paths_or_of_tokens_and_checks(predictor_file):
 
 
 def test_cli_train_and_eval(trace, tmp_path, capsys):
-    from moeflow.cli_predictors import main
+    from moeflow.cli.predictors import main
 
     path = trace.save(tmp_path / "t.safetensors")
     out = tmp_path / "ef.pt"
@@ -203,10 +203,8 @@ def test_exact_tokens_batched_rebatched_expertflow(ckpt, predictor_file, transpo
             policy="expertflow", gpu_expert_slots=slots, predictor_path=str(predictor_file), transport=transport,
             random_delay_ms=0.5))
         assert isinstance(model.experts.predictor, PLECPredictor)
-        for m in (None, 2, 3):
-            path_predictor = model.experts.predictor if m else None
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=6, eos_token_id=[], micro_batch_size=m,
-                                 path_predictor=path_predictor)
+        for m in (None, 2, 3):  # micro-batches grouped by the backend's predict_paths (the PLEC predictor)
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=6, eos_token_id=[], micro_batch_size=m)
             assert torch.equal(out, ref), (slots, m)
         assert model.stats.decode.prefetches > 0 or slots == LAYERS * EXPERTS
         model.experts.cache.check()

@@ -351,7 +351,7 @@ def test_held_out_rows(synth, trained):
 
 
 def test_train_and_eval_commands(synth, tmp_path, capsys):
-    from moeflow.cli_predictors import register
+    from moeflow.cli.predictors import register
 
     trace, _ = synth
     trace_path = trace.save(tmp_path / "t.safetensors")

@@ -11,7 +11,8 @@ from helpers import make_tiny_checkpoint
 
 from moeflow import MoEOffloadedMixtral
 from moeflow.errors import MoeflowError
-from moeflow.tracing import Trace, TraceError, TraceRecorder, read_prompts, record_trace, split_sequence_ids
+from moeflow.trace import Trace, TraceError, split_sequence_ids
+from moeflow.trace.record import TraceRecorder, read_prompts, record_trace
 
 PROMPTS = [[1, 5, 9, 13, 2, 7], [3, 4, 40]]
 NEW = 4
@@ -191,7 +192,7 @@ def test_read_prompts(tmp_path):
 
 
 def test_trace_command(ckpt, tmp_path, capsys):
-    from moeflow.cli_predictors import register
+    from moeflow.cli.predictors import register
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"input_ids": p}) for p in PROMPTS) + "\n")

@@ -1,7 +1,8 @@
-"""``moeflow quantize``: convert an fp32/fp16/bf16 HF Mixtral checkpoint into an AWQ 4-bit checkpoint.
+"""``moeflow quantize``: convert an fp32/fp16/bf16 HF checkpoint into an AWQ 4-bit checkpoint.
 
-Experts are quantized with round-to-nearest (zero point, per group of input features) and written with
-the classic per-expert names; the router, norms, embeddings, lm_head (and attention, unless asked)
+Which tensors are experts, and the per-expert names they are written under, is the model family's
+(:meth:`~moeflow.families.base.Family.expert_linears`). Experts are quantized with round-to-nearest (zero
+point, per group of input features); the router, norms, embeddings, lm_head (and attention, unless asked)
 stay in 16 bits. Output goes to a temporary directory renamed at the end, so an interrupted run leaves
 nothing half-written.
 """
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -21,12 +21,10 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from moeflow.errors import CheckpointError
-from moeflow.models.checkpoint import CheckpointReader, read_json, resolve_checkpoint
+from moeflow.families import Family, family_for_config
+from moeflow.io.checkpoint import CheckpointReader, read_json, resolve_checkpoint
 from moeflow.quant.awq import check_group_size, quantize_rtn
 
-CLASSIC_EXPERT = re.compile(r"^(model\.layers\.\d+)\.(block_sparse_moe|mlp)\.experts\.(\d+)\.(w[123])\.weight$")
-FUSED_EXPERT = re.compile(r"^(model\.layers\.\d+)\.(block_sparse_moe|mlp)\.experts\.(gate_up_proj|down_proj)$")
-ATTENTION = re.compile(r"^(model\.layers\.\d+\.self_attn\.[qkvo]_proj)\.weight$")
 COPY_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
               "tokenizer.model")
 SHARD_BYTES = 4 * 2**30
@@ -38,34 +36,23 @@ def _awq(prefix: str, weight: torch.Tensor, group_size: int) -> dict[str, torch.
 
 
 def converted_tensors(
-    reader: CheckpointReader, group_size: int, dtype: torch.dtype, quantize_attention: bool
+    reader: CheckpointReader, family: Family, group_size: int, dtype: torch.dtype, quantize_attention: bool
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Yield the output tensors, a few at a time (one source tensor's worth)."""
     for name in sorted(reader.names()):
-        m = CLASSIC_EXPERT.match(name)
-        if m:
-            layer, _, expert, w = m.groups()
-            yield _awq(f"{layer}.block_sparse_moe.experts.{expert}.{w}", reader.get(name), group_size)
+        experts = family.expert_linears(name, reader)
+        if experts is not None:
+            out: dict[str, torch.Tensor] = {}
+            for prefix, weight in experts:
+                out.update(_awq(prefix, weight, group_size))
+            yield out
             continue
-        m = FUSED_EXPERT.match(name)
-        if m:
-            layer, _, kind = m.groups()
-            stacked = reader.get(name)
-            for e in range(stacked.shape[0]):
-                base = f"{layer}.block_sparse_moe.experts.{e}"
-                if kind == "gate_up_proj":
-                    w1, w3 = stacked[e].chunk(2, dim=0)
-                    yield {**_awq(f"{base}.w1", w1, group_size), **_awq(f"{base}.w3", w3, group_size)}
-                else:
-                    yield _awq(f"{base}.w2", stacked[e], group_size)
-            continue
-        m = ATTENTION.match(name)
-        if m and quantize_attention:
-            yield _awq(m.group(1), reader.get(name), group_size)
+        attention = family.attention_linear(name)
+        if attention is not None and quantize_attention:
+            yield _awq(attention, reader.get(name), group_size)
             continue
         tensor = reader.get(name)
-        out_name = name.replace(".mlp.gate.weight", ".block_sparse_moe.gate.weight")
-        yield {out_name: tensor.to(dtype) if tensor.is_floating_point() else tensor}
+        yield {family.quantized_name(name): tensor.to(dtype) if tensor.is_floating_point() else tensor}
 
 
 def quantize_checkpoint(
@@ -85,6 +72,7 @@ def quantize_checkpoint(
     if dst.exists() and not overwrite:
         raise FileExistsError(f"{dst} already exists (pass overwrite=True / --overwrite to replace it)")
     config = read_json(src_dir / "config.json")
+    family = family_for_config(config, str(src_dir / "config.json"))
     if config.get("quantization_config") or (src_dir / "quant_config.json").exists():
         raise CheckpointError(f"{src_dir} is already quantized; moeflow quantize needs an unquantized checkpoint")
     hidden, inter = config.get("hidden_size"), config.get("intermediate_size")
@@ -101,7 +89,7 @@ def quantize_checkpoint(
         shards: list[dict[str, torch.Tensor]] = [{}]
         size = 0
         names = reader.names()
-        for chunk in tqdm(converted_tensors(reader, group_size, dtype, quantize_attention), total=len(names),
+        for chunk in tqdm(converted_tensors(reader, family, group_size, dtype, quantize_attention), total=len(names),
                           desc="quantizing", unit="tensor", disable=not progress):
             for name, t in chunk.items():
                 nbytes = t.numel() * t.element_size()

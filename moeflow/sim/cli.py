@@ -72,7 +72,7 @@ def format_table(results: list[SimResult]) -> str:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from moeflow.sim.simulator import load_gates, simulate
-    from moeflow.tracing import Trace
+    from moeflow.trace import Trace
 
     profile = build_profile(args)
     trace = Trace.load(args.trace)

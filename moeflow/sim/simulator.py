@@ -38,7 +38,7 @@ from moeflow.scheduling.policies import PRESETS
 from moeflow.scheduling.stats import Stats
 from moeflow.sim.engine import Interval, SimClock, SimCopyEngine, SimTransport
 from moeflow.sim.profile import HardwareProfile
-from moeflow.tracing import DECODE, PREFILL, Trace
+from moeflow.trace import DECODE, PREFILL, Trace
 
 # 16 x 16 fp32 dense expert: 3 KiB, splits evenly into 1, 2, 3, 4, 6 or 12 aligned chunks
 SIM_FORMAT = ExpertFormat(16, 16, "dense", torch.float32)

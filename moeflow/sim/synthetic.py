@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from moeflow.tracing import DECODE, PREFILL, Trace
+from moeflow.trace import DECODE, PREFILL, Trace
 
 
 def synthesize_trace(

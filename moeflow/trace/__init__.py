@@ -1,1 +1,5 @@
-"""Routing traces: their file format, recording them from a model, and synthetic traces for tests and the simulator."""
+"""Routing traces: their file format (:mod:`.format`) and recording them from a model (:mod:`.record`)."""
+
+from moeflow.trace.format import DECODE, PREFILL, Trace, TraceError, split_sequence_ids
+
+__all__ = ["Trace", "TraceError", "DECODE", "PREFILL", "split_sequence_ids"]

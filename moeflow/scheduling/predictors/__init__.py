@@ -12,7 +12,7 @@ expertflow     ExpertFlow routing-path predictor: transformer encoder over token
 =============  ===========================================================================  ===========
 
 All share :class:`~moeflow.scheduling.predictors.base.ExpertPredictor` (``observe`` / ``predict`` /
-``predicted_mask`` / ``propose``), are built from a :class:`~moeflow.tracing.Trace` with
+``predicted_mask`` / ``propose``), are built from a :class:`~moeflow.trace.Trace` with
 :func:`train_predictor` and saved to one file that :func:`load_predictor` reads back, refusing a model
 of another shape.
 """
@@ -38,7 +38,7 @@ from moeflow.scheduling.predictors.finemoe import ExpertMapStore, FineMoEPredict
 from moeflow.scheduling.predictors.popularity import PopularityPredictor
 from moeflow.scheduling.predictors.promoe import ProMoEPredictor
 from moeflow.scheduling.predictors.skip_gate import SkipGatePredictor
-from moeflow.tracing import Trace, split_sequence_ids
+from moeflow.trace import Trace, split_sequence_ids
 
 PREDICTORS: dict[str, type[ExpertPredictor]] = {
     "popularity": PopularityPredictor,

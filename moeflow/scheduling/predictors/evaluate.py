@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moeflow.scheduling.predictors.base import ExpertPredictor, ModelShape, PredictorError
-from moeflow.tracing import Trace
+from moeflow.trace import Trace
 
 
 @dataclass

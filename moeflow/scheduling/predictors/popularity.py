@@ -17,7 +17,7 @@ class PopularityPredictor(ExpertPredictor):
 
     @classmethod
     def fit(cls, trace, distance: int = 1) -> PopularityPredictor:
-        """trace: the training rows (a :class:`~moeflow.tracing.Trace`)."""
+        """trace: the training rows (a :class:`~moeflow.trace.Trace`)."""
         start = time.perf_counter()
         self = cls(ModelShape.from_trace(trace), distance, popularity_matrix(trace.topk_ids, trace.num_experts))
         self.train_info.train_tokens = len(trace)

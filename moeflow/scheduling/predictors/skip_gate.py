@@ -51,8 +51,8 @@ class SkipGatePredictor(ExpertPredictor):
     def from_checkpoint(cls, path: str | Path, distance: int = 1, trace=None) -> SkipGatePredictor:
         """Read the routers of an HF-layout Mixtral checkpoint directory (no expert weights are read).
         ``trace``: optional training rows, for the popularity prior of the first ``distance`` layers."""
-        from moeflow.models.checkpoint import CheckpointReader, read_json
-        from moeflow.models.mixtral import MixtralConfig
+        from moeflow.families.mixtral import MixtralConfig
+        from moeflow.io.checkpoint import CheckpointReader, read_json
 
         directory = Path(path)
         cfg = MixtralConfig.from_dict(read_json(directory / "config.json"), str(directory / "config.json"))

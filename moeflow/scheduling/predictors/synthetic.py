@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from moeflow.moe import route
-from moeflow.tracing import DECODE, PREFILL, Trace
+from moeflow.trace import DECODE, PREFILL, Trace
 
 
 def synthetic_trace(

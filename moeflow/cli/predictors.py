@@ -27,7 +27,7 @@ def _threads(args) -> None:
 def cmd_trace(args: argparse.Namespace) -> int:
     """Record a routing trace of the prompts in a JSONL file."""
     from moeflow import MoEOffloadedMixtral
-    from moeflow.tracing import read_prompts, record_trace
+    from moeflow.trace.record import read_prompts, record_trace
 
     _threads(args)
     dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}.get(args.dtype)
@@ -54,7 +54,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
 def cmd_train_predictor(args: argparse.Namespace) -> int:
     """Build a predictor from a trace's training sequences and save it."""
     from moeflow.scheduling.predictors import train_predictor
-    from moeflow.tracing import Trace
+    from moeflow.trace import Trace
 
     _threads(args)
     trace = Trace.load(args.trace)
@@ -83,7 +83,7 @@ def cmd_train_predictor(args: argparse.Namespace) -> int:
 def cmd_eval_predictor(args: argparse.Namespace) -> int:
     """Print held-out accuracy (and the popularity baseline's) as JSON."""
     from moeflow.scheduling.predictors import evaluate_held_out, load_predictor
-    from moeflow.tracing import Trace
+    from moeflow.trace import Trace
 
     _threads(args)
     predictor = load_predictor(args.predictor)
@@ -143,7 +143,7 @@ def register(subparsers) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry point (``python -m moeflow.cli_predictors ...``) until ``moeflow.cli`` registers these."""
+    """Stand-alone entry point (``python -m moeflow.cli.predictors ...``) until ``moeflow.cli`` registers these."""
     from moeflow.errors import MoeflowError
 
     parser = argparse.ArgumentParser(prog="moeflow", description=__doc__)

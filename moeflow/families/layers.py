@@ -1,8 +1,12 @@
-"""Building blocks of the decoder: RMSNorm, rotary embeddings, AWQ linear."""
+"""Building blocks shared by the families' decoders: RMSNorm, rotary embeddings, AWQ linear, GQA attention."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from moeflow import kernels
@@ -63,3 +67,41 @@ class AWQLinear(nn.Module):
         y = kernels.awq_linear(flat, self.qweight, self.qzeros, self.scales, self.group_size,
                                backend=self.kernels_backend)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+
+LinearFactory = Callable[[str, int, int], nn.Module]  # (name, fan_in, fan_out) -> a linear module
+
+
+class Attention(nn.Module):
+    """Rotary grouped-query attention over a static KV cache (Llama/Mixtral layout: q/k/v/o projections)."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, layer_idx: int,
+                 linear_factory: LinearFactory, sliding_window: int | None = None):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv, self.head_dim = num_heads, num_kv_heads, head_dim
+        h = hidden_size
+        self.q_proj = linear_factory("q_proj", h, self.n_heads * self.head_dim)
+        self.k_proj = linear_factory("k_proj", h, self.n_kv * self.head_dim)
+        self.v_proj = linear_factory("v_proj", h, self.n_kv * self.head_dim)
+        self.o_proj = linear_factory("o_proj", self.n_heads * self.head_dim, h)
+        self.sliding_window = sliding_window
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any,
+        cache_position: torch.Tensor, mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """x [B, T, H] -> [B, T, H]; cache: the engine's KV cache (``update(layer, k, v, cache_position)``);
+        mask bool [B, 1, T, max_len]."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        k_all, v_all = cache.update(self.layer_idx, k, v, cache_position)
+        groups = self.n_heads // self.n_kv
+        if groups > 1:  # grouped-query attention: share each kv head across its query heads
+            k_all = k_all.repeat_interleave(groups, dim=1)
+            v_all = v_all.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))

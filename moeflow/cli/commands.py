@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 # modules that add their subcommands through register(subparsers)
-COMMAND_MODULES = ("moeflow.cli_predictors", "moeflow.sim.cli")
+COMMAND_MODULES = ("moeflow.cli.predictors", "moeflow.sim.cli")
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 EMBEDDED_MODEL = "tiny-mixtral-awq"
 
@@ -64,7 +64,7 @@ def cmd_demo(args) -> int:
     if not Path(args.model).is_dir():
         print(f"error: the embedded model is missing from {args.model}", file=sys.stderr)
         return 2
-    from moeflow.models.checkpoint import read_json
+    from moeflow.io.checkpoint import read_json
 
     cfg = read_json(Path(args.model) / "config.json")
     experts = cfg["num_local_experts"]

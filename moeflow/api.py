@@ -1,0 +1,211 @@
+"""The public model classes: :class:`MoEModel` (any supported family) and :class:`MoEOffloadedMixtral`."""
+
+from __future__ import annotations
+
+import os
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from moeflow.config import OffloadConfig
+from moeflow.engine.build import KERNEL_CHOICES, build_model
+from moeflow.engine.generate import (
+    Runner,
+    check_inputs,
+    check_left_padded,
+    deprecated_path_predictor,
+    generate,
+    positions_from_mask,
+)
+from moeflow.engine.sampling import GenerationConfig
+from moeflow.errors import InputError
+from moeflow.families import Family, MixtralFamily
+from moeflow.moe.backend import ExpertBackend
+
+__all__ = ["MoEModel", "MoEOffloadedMixtral", "CausalLMOutput", "KERNEL_CHOICES"]
+
+
+@dataclass
+class CausalLMOutput:
+    logits: torch.Tensor  # fp32 [B, T, vocab]
+
+
+class MoEModel(nn.Module):
+    """A Mixture-of-Experts LM whose experts are kept resident or streamed by moeflow's scheduler.
+
+    Build it with :meth:`from_pretrained`, which picks the family from config.json's ``model_type``.
+    ``model(input_ids)`` returns ``.logits`` ``[B, T, vocab]``; :meth:`generate` returns token ids
+    including the prompt, as transformers does.
+    """
+
+    _families: tuple[type[Family], ...] | None = None  # restrict from_pretrained to these (None: any)
+
+    def __init__(self, family: Family, model: nn.Module, backend: ExpertBackend, runner: Runner,
+                 offload: OffloadConfig, generation_config: GenerationConfig, tokenizer=None, kernels: str = "torch",
+                 name: str = "") -> None:
+        super().__init__()
+        self.family = family
+        self.config = family.config
+        self.model = model  # the decoder (embeddings, layers, LM head); experts live in ``experts``
+        self.backend = backend
+        self._runner = runner
+        self.device, self.dtype = runner.device, runner.dtype
+        self.offload = offload
+        self.stats = runner.stats
+        self.generation_config = generation_config
+        self.tokenizer = tokenizer
+        self.kernels = kernels
+        self.name_or_path = name
+        self._compiled = False
+        # close the backend once: on close(), or when the model is garbage-collected
+        self._closer = weakref.finalize(self, runner.close_backend)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path_or_id: str | os.PathLike,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+        offload: OffloadConfig | None = None,
+        kernels: str = "auto",
+        compile: bool = False,
+        revision: str | None = None,
+        progress: bool | None = None,
+    ):
+        """Load an HF-layout checkpoint (fp32/fp16/bf16 or AWQ 4-bit) from a directory or the hub.
+
+        dtype: activation/weight dtype; default float16 on CUDA and float32 on the CPU.
+        offload: where experts live (default: all resident).
+        kernels: "auto" (Triton on CUDA; on the CPU torch's int4 kernels for AWQ experts, else the torch
+            reference), "torch" (the reference), "triton", or "cpu-int4".
+        compile: torch.compile the decode step.
+        """
+        device = torch.device(device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was requested but torch sees no CUDA device")
+        dtype = dtype or (torch.float16 if device.type == "cuda" else torch.float32)
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"dtype={dtype}: expected torch.float16, torch.bfloat16 or torch.float32")
+        offload = offload or OffloadConfig()
+        built = build_model(path_or_id, device=device, dtype=dtype, offload=offload, kernels=kernels,
+                            revision=revision, progress=progress, families=cls._families)
+        runner = Runner(built.decoder, built.backend, built.stats, built.family.config, device, dtype)
+        self = cls(built.family, built.decoder, built.backend, runner, offload, built.generation_config,
+                   built.tokenizer, built.kernels.choice, str(path_or_id))
+        self.eval()
+        if compile:
+            self.compile_decode()
+        return self
+
+    @property
+    def experts(self) -> ExpertBackend:
+        """The expert backend shared by every MoE layer."""
+        return self.backend
+
+    def use_backend(self, backend: ExpertBackend | None) -> ExpertBackend | None:
+        """Swap the expert backend (benchmarks compare policies on one loaded model); returns the previous one.
+        The new backend must already hold every expert (``finish_loading`` called). None detaches it."""
+        if backend is not None:  # TEMPORARY until moeflow.offload (its backends are ExpertBackends): delete at merge
+            from moeflow.engine.legacy_scheduling import as_expert_backend
+
+            backend = as_expert_backend(backend, self.model)
+        previous, self.backend = self.backend, backend
+        self._runner.backend = backend
+        return previous
+
+    def compile_decode(self) -> None:
+        """torch.compile the one-token decode step (fullgraph when every expert is resident)."""
+        from moeflow.moe.resident import ResidentExperts
+
+        fullgraph = isinstance(self.backend, ResidentExperts)
+        self._runner.decode_fn = torch.compile(self.model, fullgraph=fullgraph, dynamic=False)
+        self._compiled = True
+
+    def close(self) -> None:
+        """Release the expert backend's threads, streams and host registrations (once; also on deletion)."""
+        self._closer()
+
+    # ------------------------------------------------------------------ forward
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> CausalLMOutput:
+        """input_ids [B, T] (attention_mask [B, T], 1 = real token) -> CausalLMOutput(logits fp32 [B, T, vocab])."""
+        check_inputs(input_ids, attention_mask, self.config.vocab_size, self.config.max_position_embeddings)
+        input_ids = input_ids.to(self.device, torch.long)
+        b, t = input_ids.shape
+        token_mask = (attention_mask.to(self.device) != 0) if attention_mask is not None else \
+            torch.ones((b, t), dtype=torch.bool, device=self.device)
+        self.stats.set_phase("prefill")
+        logits = self._runner.forward_pass(input_ids, positions_from_mask(token_mask), self._runner.new_cache(b, t),
+                                           torch.arange(t, device=self.device), token_mask, "prefill",
+                                           history=(input_ids, token_mask))
+        return CausalLMOutput(logits=logits)
+
+    # ------------------------------------------------------------------ generate
+    @torch.inference_mode()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        max_new_tokens: int | None = None,
+        do_sample: bool | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_token_id: int | list[int] | None = None,
+        pad_token_id: int | None = None,
+        streamer=None,
+        seed: int | None = None,
+        micro_batch_size: int | None = None,
+        path_predictor=None,
+    ) -> torch.Tensor:
+        """Generate up to ``max_new_tokens`` tokens; returns ``[B, T + n]`` ids including the prompt.
+
+        Defaults come from the checkpoint's generation_config.json; arguments given here override them.
+        Prompts of a batch are left-padded, with ``attention_mask`` marking the real tokens. A sequence
+        that produced an EOS is continued with ``pad_token_id`` until every sequence is done.
+        ``streamer``: an object with ``put(ids)`` and ``end()`` (transformers' streamers work).
+        ``micro_batch_size``: run the batch as micro-batches of at most this many sequences, regrouped
+        before every step by routing-path similarity (ExpertFlow's token scheduler): by the paths the
+        expert backend predicts (``experts.predict_paths``: the expertflow policy predicts them from the
+        token ids; the prefill by the prompt's paths, each decode step by its own token's path, known
+        before the step runs), else contiguous groups first and then the paths each sequence's last token
+        took. ``path_predictor`` (deprecated): an object with ``predict_paths(ids, mask, last_only=...)``
+        used instead of the backend's.
+        """
+        gen = self.generation_config.override(
+            max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
+            top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+        )
+        gen.validate()
+        check_inputs(input_ids, attention_mask, self.config.vocab_size, self.config.max_position_embeddings)
+        if attention_mask is not None:
+            check_left_padded(attention_mask)
+        b, t = input_ids.shape
+        if micro_batch_size is not None and (not isinstance(micro_batch_size, int) or not 1 <= micro_batch_size <= b):
+            raise ValueError(f"micro_batch_size must be an integer in [1, batch={b}], got {micro_batch_size!r}")
+        if t + gen.max_new_tokens > self.config.max_position_embeddings:
+            raise InputError(
+                f"prompt ({t} tokens) + max_new_tokens ({gen.max_new_tokens}) exceeds "
+                f"max_position_embeddings={self.config.max_position_embeddings}"
+            )
+        input_ids = input_ids.to(self.device, torch.long)
+        token_mask = (attention_mask.to(self.device) != 0) if attention_mask is not None else \
+            torch.ones((b, t), dtype=torch.bool, device=self.device)
+        predict = deprecated_path_predictor(path_predictor) if path_predictor is not None else None
+        return generate(self._runner, gen, input_ids, token_mask, streamer=streamer, seed=seed,
+                        micro_batch_size=micro_batch_size, predict_paths=predict)
+
+    def __repr__(self) -> str:
+        c, f = self.config, self.family
+        return (f"{type(self).__name__}({self.name_or_path!r}, layers={c.num_hidden_layers}, "
+                f"experts={f.num_experts}, top_k={f.router_spec().top_k}, device={self.device}, "
+                f"dtype={self.dtype}, policy={self.offload.policy!r}, kernels={self.kernels!r})")
+
+
+class MoEOffloadedMixtral(MoEModel):
+    """A Mixtral whose experts are kept resident or streamed by moeflow's scheduler (see :class:`MoEModel`);
+    ``from_pretrained`` accepts Mixtral checkpoints only."""
+
+    _families = (MixtralFamily,)

@@ -1,0 +1,162 @@
+"""The one place a model gets assembled: checkpoint -> family -> decoder + expert backend, kernels resolved once.
+
+Order: read config.json and pick the family; detect the expert layout and format; resolve the kernel
+choice (``resolve_kernels``: the only place it is decided, errors instead of silent rewrites); build the
+decoder and load its weights; build the expert backend (:func:`make_expert_backend`) and load every
+expert into it; ``finish_loading``. The result is a :class:`BuiltModel` the API class wraps.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from moeflow.config import OffloadConfig
+from moeflow.engine import loading
+from moeflow.engine.legacy_scheduling import create_legacy_backend
+from moeflow.engine.sampling import GenerationConfig
+from moeflow.families import Family, family_for_config
+from moeflow.families.base import CausalDecoder
+from moeflow.families.layers import AWQLinear
+from moeflow.io.checkpoint import CheckpointReader, read_json, read_quantization, resolve_checkpoint
+from moeflow.io.tokenizer import Tokenizer
+from moeflow.kernels.pool import ExpertFormat
+from moeflow.moe.backend import ExpertBackend
+from moeflow.moe.resident import CpuInt4Experts
+from moeflow.scheduling import Stats
+
+KERNEL_CHOICES = ("auto", "torch", "triton", "cpu-int4")
+PROGRESS_MIN_BYTES = 256 * 2**20  # show a loading progress bar above this much expert data
+KV_BUDGET_TOKENS = 4096  # context assumed when sizing expert slots from gpu_memory_gb
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The resolved kernel choice: ``experts`` for the expert backend, ``linear`` for AWQ attention layers."""
+
+    choice: str  # what the model reports: "torch", "triton" or "cpu-int4"
+    experts: str
+    linear: str
+
+
+def resolve_kernels(kernels: str, device: torch.device, offload: OffloadConfig, awq: bool) -> Kernels:
+    """auto: Triton on CUDA; on the CPU torch's int4 kernels for AWQ experts, else the torch reference.
+
+    "cpu-int4" computes resident AWQ experts on the CPU (``CpuInt4Experts``); with an offloading policy
+    the slot pool holds AWQ bytes, computed by the torch reference. AWQ attention layers use torch then.
+    """
+    if kernels not in KERNEL_CHOICES:
+        raise ValueError(f"kernels={kernels!r}: expected one of {KERNEL_CHOICES}")
+    from moeflow.kernels.cpu_int4 import int4_cpu_available
+
+    if kernels == "auto":
+        if device.type == "cuda":
+            kernels = "triton"
+        else:
+            kernels = "cpu-int4" if awq and int4_cpu_available() else "torch"
+    elif kernels == "cpu-int4":
+        if device.type != "cpu" or not awq:
+            raise ValueError("kernels='cpu-int4' computes AWQ experts on the CPU: it needs device='cpu' and an AWQ "
+                             "checkpoint")
+        if not int4_cpu_available():
+            raise ValueError("kernels='cpu-int4': this torch build lacks the int4 CPU kernels "
+                             "(_weight_int4pack_mm_for_cpu); use kernels='torch'")
+    if kernels == "triton" and device.type == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton on the CPU means its interpreter
+    if kernels == "cpu-int4":
+        return Kernels("cpu-int4", "cpu-int4" if offload.policy == "resident" else "torch", "torch")
+    return Kernels(kernels, kernels, kernels)
+
+
+def make_expert_backend(
+    offload: OffloadConfig, kernels: Kernels, *, fmt: ExpertFormat, family: Family, decoder: CausalDecoder,
+    device: torch.device, reserved_bytes: int, stats: Stats, checkpoint_dir: Path,
+) -> ExpertBackend:
+    """``CpuInt4Experts`` for resident experts computed with the CPU int4 kernels; otherwise the offload
+    package's backend for ``offload.policy`` (``ResidentExperts`` for "resident")."""
+    num_moe = len(family.moe_layers)
+    if kernels.experts == "cpu-int4":
+        return CpuInt4Experts(fmt, num_moe, family.num_experts)
+    return create_legacy_backend(
+        offload, decoder=decoder, fmt=fmt, num_layers=num_moe, num_experts=family.num_experts,
+        top_k=family.router_spec().top_k, device=device, kernels_backend=kernels.experts,
+        gates=[block.gate for block in decoder.moe_blocks], reserved_bytes=reserved_bytes, stats=stats,
+        checkpoint_dir=checkpoint_dir,
+    )
+
+
+@dataclass
+class BuiltModel:
+    """Everything ``from_pretrained`` assembles."""
+
+    family: Family
+    decoder: CausalDecoder
+    backend: ExpertBackend
+    stats: Stats
+    generation_config: GenerationConfig
+    tokenizer: Tokenizer | None
+    kernels: Kernels
+    device: torch.device
+    dtype: torch.dtype
+
+
+def build_model(
+    path_or_id: str | os.PathLike, *, device: torch.device, dtype: torch.dtype, offload: OffloadConfig,
+    kernels: str, revision: str | None, progress: bool | None, families: tuple[type[Family], ...] | None = None,
+) -> BuiltModel:
+    """Load the checkpoint ``path_or_id`` (directory or hub id). ``families``: accept only these (else ValueError)."""
+    directory = resolve_checkpoint(path_or_id, revision)
+    config_path = directory / "config.json"
+    raw_config = read_json(config_path)
+    model_type = raw_config.get("model_type")
+    if families is not None and (model_type or "mixtral") not in {t for f in families for t in f.model_types}:
+        raise ValueError(f"{config_path}: model_type {model_type!r} is not a "
+                         f"{' or '.join(f.name.capitalize() for f in families)}")
+    family = family_for_config(raw_config, str(config_path))
+    quant = read_quantization(directory, raw_config)
+    reader = CheckpointReader(directory)
+    try:
+        layout = family.detect_expert_layout(reader)
+        fmt = loading.expert_format(family, layout, quant, dtype)
+        resolved = resolve_kernels(kernels, device, offload, fmt.kind == "awq")
+        awq_attention = loading.detect_awq_attention(reader, family, layout, quant)
+        decoder = family.build_decoder(dtype, _linear_factory(dtype, awq_attention))
+        loading.load_non_expert_weights(decoder, reader, family, layout, device, dtype)
+        for module in decoder.modules():
+            if isinstance(module, AWQLinear):
+                module.kernels_backend = resolved.linear
+        decoder.rotary.to(device)
+
+        stats = Stats()
+        cfg = family.config
+        kv_bytes = 2 * cfg.num_hidden_layers * min(cfg.max_position_embeddings, KV_BUDGET_TOKENS) \
+            * cfg.num_key_value_heads * cfg.head_dim * torch.tensor([], dtype=dtype).element_size()
+        backend = make_expert_backend(
+            offload, resolved, fmt=fmt, family=family, decoder=decoder, device=device,
+            reserved_bytes=loading.non_expert_bytes(decoder) + kv_bytes, stats=stats, checkpoint_dir=directory,
+        )
+        if progress is None:
+            progress = fmt.nbytes * len(family.moe_layers) * family.num_experts >= PROGRESS_MIN_BYTES
+        for moe_layer, expert, tensors in loading.iter_experts(reader, family, layout, quant, progress):
+            backend.load_expert(moe_layer, expert, tensors)
+        backend.finish_loading()
+    finally:
+        reader.close()
+    gen = GenerationConfig.from_file(directory / "generation_config.json", cfg.eos_token_id, cfg.pad_token_id)
+    tokenizer = Tokenizer(directory / "tokenizer.json") if (directory / "tokenizer.json").is_file() else None
+    return BuiltModel(family, decoder, backend, stats, gen, tokenizer, resolved, device, dtype)
+
+
+def _linear_factory(dtype: torch.dtype, awq_attention: dict | None):
+    """Attention projections: AWQ 4-bit when the checkpoint stores them so, else dense bias-free linears."""
+
+    def make(name: str, fan_in: int, fan_out: int) -> nn.Module:
+        if awq_attention is not None:
+            return AWQLinear(fan_in, fan_out, awq_attention["group_size"], awq_attention["scales_dtype"])
+        return nn.Linear(fan_in, fan_out, bias=False, dtype=dtype)
+
+    return make

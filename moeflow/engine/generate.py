@@ -1,0 +1,233 @@
+"""Running a built model: one forward pass (:class:`Runner`), micro-batching, and the generate loop.
+
+Every forward pass (a prefill, a decode step, or one micro-batch of either) goes through
+:meth:`Runner.forward_pass`: embed the tokens, tell the backend what the pass is about
+(``backend.begin_step(StepInfo)``), then run the decoder, which hands each MoE layer to the backend.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from moeflow.engine.kv_cache import StaticKVCache
+from moeflow.engine.sampling import GenerationConfig, next_tokens
+from moeflow.errors import InputError
+from moeflow.families.base import CausalDecoder
+from moeflow.moe.backend import ExpertBackend, StepInfo
+from moeflow.moe.block import RoutingRecorder
+from moeflow.scheduling import Stats
+from moeflow.scheduling.rebatch import group_by_routing
+
+PathPredictor = Callable[[StepInfo, bool], "torch.Tensor | None"]
+
+
+class Runner:
+    """Forward passes of one decoder with its expert backend (``decode_fn``: the decoder, or its compiled form)."""
+
+    def __init__(self, decoder: CausalDecoder, backend: ExpertBackend | None, stats: Stats, config: Any,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.decoder, self.backend, self.stats, self.config = decoder, backend, stats, config
+        self.device, self.dtype = device, dtype
+        self.num_moe_layers = len(decoder.moe_blocks)
+        self.num_experts = decoder.moe_blocks[0].gate.out_features
+        self.decode_fn: Callable[..., torch.Tensor] = decoder
+
+    def close_backend(self) -> None:
+        if self.backend is not None:
+            self.backend.close()
+
+    def new_cache(self, batch: int, max_len: int) -> StaticKVCache:
+        cfg = self.config
+        return StaticKVCache(cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim,
+                             self.dtype, self.device)
+
+    def forward_pass(
+        self, ids: torch.Tensor, positions: torch.Tensor, cache: Any, cache_position: torch.Tensor,
+        token_mask: torch.Tensor, phase: str, rows: torch.Tensor | None = None,
+        history: tuple[torch.Tensor, torch.Tensor] | None = None, routing: RoutingRecorder | None = None,
+    ) -> torch.Tensor:
+        """ids/positions/token_mask [B, T] (the rows ``rows`` of the batch, when a micro-batch), cache_position [T]
+        -> logits fp32 [B, T, V]. ``history``: (ids, mask) [B, S] of every token so far, for the backend."""
+        embeds = self.decoder.embed_tokens(ids)
+        hist_ids, hist_mask = history if history is not None else (None, None)
+        self.backend.begin_step(StepInfo(ids, positions, token_mask, phase, rows, embeds, hist_ids, hist_mask))
+        # the compiled step takes no recorder (micro-batched steps run eagerly: they leave the graph anyway)
+        fn = self.decode_fn if phase == "decode" and routing is None else self.decoder
+        return fn(embeds, positions, cache, cache_position, token_mask, self.backend, routing)
+
+
+class MicroBatcher:
+    """Runs a pass for the whole batch, or micro-batch by micro-batch regrouped by routing paths (ExpertFlow)."""
+
+    def __init__(self, runner: Runner, batch: int, micro_batch_size: int | None):
+        self.runner, self.batch, self.size = runner, batch, micro_batch_size
+        self.paths = torch.zeros((batch, runner.num_moe_layers, runner.num_experts), dtype=torch.bool)
+        self.groups = [list(range(batch))]
+        self.routing = RoutingRecorder(runner.num_moe_layers) if micro_batch_size is not None else None
+        if micro_batch_size is not None:
+            self.groups = [list(range(i, min(i + micro_batch_size, batch))) for i in range(0, batch, micro_batch_size)]
+
+    def regroup(self, paths: torch.Tensor) -> None:
+        """paths bool [B, L, E] (predicted or observed) -> new micro-batches."""
+        self.groups = group_by_routing(paths.cpu(), self.size)
+
+    def run(self, ids, positions, cache, cache_position, token_mask, phase: str, history) -> torch.Tensor:
+        """Logits of the last position [B, V] for inputs [B, T]; ``history``: (ids, mask) [B, S]."""
+        if self.size is None:
+            return self.runner.forward_pass(ids, positions, cache, cache_position, token_mask, phase,
+                                            history=history)[:, -1]
+        logits = None
+        for group in self.groups:
+            rows = torch.tensor(group, dtype=torch.long, device=ids.device)
+            out = self.runner.forward_pass(
+                ids[rows], positions[rows], cache.rows(rows), cache_position, token_mask[rows], phase, rows,
+                (history[0][rows], history[1][rows]), self.routing)[:, -1]
+            if logits is None:
+                logits = out.new_empty((self.batch, out.shape[-1]))
+            logits[rows] = out
+            for layer, last in enumerate(self.routing.last_token_experts()):  # [b, k] per MoE layer
+                self.paths[group, layer] = False
+                self.paths[torch.tensor(group)[:, None], layer, last] = True
+        self.regroup(self.paths)
+        return logits
+
+
+def deprecated_path_predictor(path_predictor: Any) -> PathPredictor:
+    """``generate(path_predictor=obj)``: obj.predict_paths(ids, mask, last_only=...) (before the backend asked)."""
+    warnings.warn("generate(path_predictor=...) is deprecated: micro-batches are grouped by the expert backend's "
+                  "predict_paths (the expertflow policy provides it)", DeprecationWarning, stacklevel=4)
+
+    def predict(step: StepInfo, last_only: bool) -> torch.Tensor | None:
+        return path_predictor.predict_paths(step.history_ids, step.history_mask, last_only=last_only)
+
+    return predict
+
+
+def generate(
+    runner: Runner, gen: GenerationConfig, input_ids: torch.Tensor, token_mask: torch.Tensor, *,
+    streamer: Any = None, seed: int | None = None, micro_batch_size: int | None = None,
+    predict_paths: PathPredictor | None = None,
+) -> torch.Tensor:
+    """The generate loop (arguments checked by the caller): input_ids/token_mask [B, T] on the device ->
+    [B, T + n] ids. ``predict_paths`` (default: the backend's) groups micro-batches before each step."""
+    stats, device = runner.stats, runner.device
+    b, t = input_ids.shape
+    predict_paths = predict_paths or runner.backend.predict_paths
+    generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    eos = torch.tensor(gen.eos_ids(), dtype=torch.long, device=device)
+    pad = gen.pad_token_id if gen.pad_token_id is not None else (gen.eos_ids() or [0])[0]
+
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+    total = t + gen.max_new_tokens
+    cache = runner.new_cache(b, total)
+    # every token so far, cache-aligned (column j = cache position j): what path predictors read
+    hist = torch.zeros((b, total), dtype=torch.long, device=device)
+    hist_mask = torch.zeros((b, total), dtype=torch.bool, device=device)
+    hist[:, :t], hist_mask[:, :t] = input_ids, token_mask
+    finished = torch.zeros(b, dtype=torch.bool, device=device)
+    positions = positions_from_mask(token_mask)
+    stats.ttft_s = stats.tpot_s = None
+    start = time.perf_counter()
+    decode_times: list[float] = []
+    if gen.max_new_tokens == 0:
+        return input_ids
+
+    batcher = MicroBatcher(runner, b, micro_batch_size)
+    if micro_batch_size is not None:
+        paths = predict_paths(StepInfo(input_ids, positions, token_mask, "prefill", history_ids=input_ids,
+                                       history_mask=token_mask), False)
+        if paths is not None:
+            batcher.regroup(paths)
+    stats.set_phase("prefill")
+    logits = batcher.run(input_ids, positions, cache, torch.arange(t, device=device), token_mask, "prefill",
+                         (hist[:, :t], hist_mask[:, :t]))
+    next_pos = positions[:, -1] + 1
+    ones = torch.ones((b, 1), dtype=torch.bool, device=device)
+    n = t
+    for step in range(gen.max_new_tokens):
+        tok = next_tokens(logits, gen, generator)
+        tok = torch.where(finished, torch.full_like(tok, pad), tok)
+        hist[:, n], hist_mask[:, n] = tok, True
+        n += 1
+        if eos.numel():
+            finished |= torch.isin(tok, eos)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        now = time.perf_counter()
+        phase = stats.current()
+        phase.steps += 1
+        phase.tokens += b * (t if step == 0 else 1)
+        phase.time_s += now - start
+        if step == 0:
+            stats.ttft_s = now - start
+        else:
+            decode_times.append(now - start)
+        if streamer is not None:
+            streamer.put(tok.cpu())
+        if step + 1 == gen.max_new_tokens or bool(finished.all()):
+            break
+        start = time.perf_counter()
+        stats.set_phase("decode")
+        history = (hist[:, :n], hist_mask[:, :n])
+        step_info = StepInfo(tok[:, None], next_pos[:, None], ones, "decode", history_ids=history[0],
+                             history_mask=history[1])
+        if micro_batch_size is not None:
+            paths = predict_paths(step_info, True)
+            if paths is not None:
+                batcher.regroup(paths)
+        logits = batcher.run(tok[:, None], next_pos[:, None], cache, torch.tensor([n - 1], device=device), ones,
+                             "decode", history)
+        next_pos = next_pos + 1
+    if decode_times:
+        stats.tpot_s = sum(decode_times) / len(decode_times)
+    if device.type == "cuda":
+        stats.peak_gpu_bytes = max(stats.peak_gpu_bytes, torch.cuda.max_memory_allocated(device))
+    if streamer is not None:
+        streamer.end()
+    return hist[:, :n]
+
+
+def positions_from_mask(token_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids from a left-padded mask [B, T]: count of real tokens so far minus one (0 on padding)."""
+    return (token_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def check_inputs(input_ids: Any, attention_mask: torch.Tensor | None, vocab_size: int, max_positions: int) -> None:
+    """InputError naming what is wrong with ``input_ids`` [B, T] / ``attention_mask`` [B, T]."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise InputError(f"input_ids must be a [batch, seq] tensor, got {getattr(input_ids, 'shape', input_ids)}")
+    if input_ids.dtype not in (torch.int64, torch.int32):
+        raise InputError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    if input_ids.shape[1] == 0:
+        raise InputError("input_ids is empty: the prompt needs at least one token")
+    if input_ids.numel():
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= vocab_size:
+            bad = lo if lo < 0 else hi
+            raise InputError(f"input_ids holds token id {bad}, outside the vocabulary [0, {vocab_size})")
+    if input_ids.shape[1] > max_positions:
+        raise InputError(f"input_ids has {input_ids.shape[1]} tokens, longer than max_position_embeddings="
+                         f"{max_positions}")
+    if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise InputError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(input_ids.shape)}")
+
+
+def check_left_padded(attention_mask: torch.Tensor) -> None:
+    """generate() takes left-padded batches: 0/1 masks, every row's real tokens at its end, at least one each."""
+    m = attention_mask.detach().cpu()
+    if m.dtype != torch.bool and not bool(((m == 0) | (m == 1)).all()):
+        raise InputError("attention_mask must hold 0 (padding) or 1 (real token)")
+    m = m != 0
+    empty = (~m.any(dim=1)).nonzero().flatten().tolist()
+    if empty:
+        raise InputError(f"attention_mask marks no real token in row(s) {empty[:8]}: every prompt needs at least one")
+    right = (m[:, :-1] & ~m[:, 1:]).any(dim=1).nonzero().flatten().tolist()
+    if right:
+        raise InputError(f"attention_mask row(s) {right[:8]} have padding after a real token: generate() expects "
+                         "left padding (padding first, the prompt's tokens at the end of the row)")

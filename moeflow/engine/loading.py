@@ -1,0 +1,86 @@
+"""Turning a checkpoint into a model: non-expert weights into the decoder, experts into the expert backend.
+
+Everything family-specific (tensor names, expert layouts) is asked of the :class:`~moeflow.families.Family`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from moeflow.errors import CheckpointError
+from moeflow.families import Family
+from moeflow.families.base import ExpertLayout
+from moeflow.families.layers import AWQLinear
+from moeflow.io.checkpoint import CheckpointReader, QuantizationSpec
+from moeflow.kernels.pool import ExpertFormat
+
+
+def expert_format(family: Family, layout: ExpertLayout, quant: QuantizationSpec | None,
+                  dtype: torch.dtype) -> ExpertFormat:
+    """The slot format of one expert: AWQ bytes as stored, or dense weights in ``dtype``."""
+    spec = family.expert_spec()
+    if spec.activation != "silu" or spec.bias:
+        raise CheckpointError(f"{family.name}: experts with activation {spec.activation!r} and bias={spec.bias} "
+                              "have no kernel yet (the kernels compute silu(gate) * up without biases)")
+    if layout.awq:
+        if quant is None:
+            raise CheckpointError("expert tensors are AWQ-quantized (qweight) but the checkpoint has no "
+                                  "quantization_config in config.json nor a quant_config.json")
+        return ExpertFormat(spec.hidden_size, spec.intermediate_size, "awq", layout.scales_dtype, quant.group_size)
+    return ExpertFormat(spec.hidden_size, spec.intermediate_size, "dense", dtype)
+
+
+def load_non_expert_weights(
+    decoder: nn.Module, reader: CheckpointReader, family: Family, layout: ExpertLayout,
+    device: torch.device, dtype: torch.dtype,
+) -> None:
+    """Fill every parameter/buffer of ``decoder`` from the checkpoint, checking shapes against config.json."""
+    tie = bool(getattr(family.config, "tie_word_embeddings", False))
+    for module_name, module in decoder.named_modules():
+        if module_name == "rotary":
+            continue
+        for pname, tensor in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
+            full = f"{module_name}.{pname}"
+            ckpt = family.checkpoint_name(full, layout)
+            if full == "lm_head.weight" and ckpt not in reader and tie:
+                ckpt = family.checkpoint_name("embed_tokens.weight", layout)
+            src = reader.get(ckpt, tuple(tensor.shape))
+            target_dtype = tensor.dtype if isinstance(module, AWQLinear) else dtype
+            with torch.no_grad():
+                tensor.data = src.to(device=device, dtype=target_dtype)
+
+
+def detect_awq_attention(reader: CheckpointReader, family: Family, layout: ExpertLayout,
+                         quant: QuantizationSpec | None) -> dict | None:
+    """{group_size, scales_dtype} when the attention projections are AWQ 4-bit, else None."""
+    probe = family.checkpoint_name("layers.0.self_attn.q_proj.qweight", layout)
+    if probe not in reader:
+        return None
+    if quant is None:
+        raise CheckpointError("attention tensors are AWQ-quantized (qweight) but the checkpoint has no "
+                              "quantization_config")
+    scales = reader.get(family.checkpoint_name("layers.0.self_attn.q_proj.scales", layout))
+    return {"group_size": quant.group_size, "scales_dtype": scales.dtype}
+
+
+def iter_experts(
+    reader: CheckpointReader, family: Family, layout: ExpertLayout, quant: QuantizationSpec | None, progress: bool,
+) -> Iterator[tuple[int, int, dict[str, torch.Tensor]]]:
+    """Yield (MoE layer index, expert, tensors) one expert at a time, with a progress bar on large checkpoints."""
+    n_moe, n_exp = len(family.moe_layers), family.num_experts
+    bar = tqdm(total=n_moe * n_exp, desc="loading experts", unit="expert", disable=not progress)
+    try:
+        for moe_layer in range(n_moe):
+            for expert in range(n_exp):
+                yield moe_layer, expert, family.read_expert(reader, layout, quant, moe_layer, expert)
+                bar.update(1)
+    finally:
+        bar.close()
+
+
+def non_expert_bytes(model: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))

@@ -1,0 +1,32 @@
+"""Model families: each module describes one architecture through :class:`~moeflow.families.base.Family`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moeflow.errors import CheckpointError
+from moeflow.families.base import CausalDecoder, ExpertLayout, ExpertSpec, Family, RouterSpec
+from moeflow.families.mixtral import MixtralConfig, MixtralFamily
+
+FAMILIES: tuple[type[Family], ...] = (MixtralFamily,)
+
+__all__ = ["FAMILIES", "Family", "ExpertSpec", "ExpertLayout", "RouterSpec", "CausalDecoder", "MixtralFamily",
+           "MixtralConfig", "family_class", "supported_model_types", "family_for_config"]
+
+
+def supported_model_types() -> list[str]:
+    return sorted(t for fam in FAMILIES for t in fam.model_types)
+
+
+def family_class(model_type: str | None, source: str = "config.json") -> type[Family]:
+    """The family reading config.json's ``model_type`` (None, as in old Mixtral exports: Mixtral)."""
+    for fam in FAMILIES:
+        if (model_type or "mixtral") in fam.model_types:
+            return fam
+    raise CheckpointError(f"{source}: model_type {model_type!r} is not supported; supported model types: "
+                          f"{', '.join(supported_model_types())}")
+
+
+def family_for_config(raw: dict[str, Any], source: str = "config.json") -> Family:
+    """The family of a parsed config.json, bound to its config."""
+    return family_class(raw.get("model_type"), source).from_config_dict(raw, source)

@@ -1,0 +1,1 @@
+"""Reading what a checkpoint directory holds: safetensors tensors, config.json, quantization settings, the tokenizer."""
