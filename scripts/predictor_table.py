@@ -101,7 +101,7 @@ def main() -> int:
     torch.set_num_threads(1)
 
     from moeflow import MoEOffloadedMixtral
-    from moeflow.scheduling.predictors import evaluate_held_out, train_predictor
+    from moeflow.offload.predictors import evaluate_held_out, train_predictor
     from moeflow.tracing import Trace, read_prompts, record_trace
 
     model_path = Path(args.model) if args.model else next((m for m in MODELS if (m / "config.json").is_file()), None)

@@ -10,8 +10,8 @@ from helpers import make_tiny_checkpoint
 
 from moeflow import MoEOffloadedMixtral, OffloadConfig
 from moeflow.errors import InputError, SchedulingError
-from moeflow.scheduling.plec import PLECEviction, PLECPredictor, PLECState
-from moeflow.scheduling.predictors import (
+from moeflow.offload.policies.expertflow import PLECEviction, PLECPredictor, PLECState
+from moeflow.offload.predictors import (
     ExpertFlowPredictor,
     PredictorError,
     evaluate_held_out,
@@ -19,7 +19,7 @@ from moeflow.scheduling.predictors import (
     load_predictor,
     train_predictor,
 )
-from moeflow.scheduling.predictors.expertflow import batch_level_accuracy, batch_level_report
+from moeflow.offload.predictors.expertflow import batch_level_accuracy, batch_level_report
 from moeflow.tracing import record_trace
 
 LAYERS, EXPERTS = 3, 8
@@ -184,7 +184,7 @@ def test_plec_budget_never_evicts_planned():
 
     state = PLECState(num_layers=3, num_experts=4)
     plec = PLECPredictor(predictor=None, state=state)
-    plec.bind_backend(Backend([(1, 0), (2, 1), (0, 3), None]))
+    plec.bind(Backend([(1, 0), (2, 1), (0, 3), None]))
     state.new_pass({0: [3], 1: [0, 1, 2], 2: [1, 2, 3]})
     # planned and resident: (1,0), (2,1), (0,3) (ahead of layer -1) stay; one empty slot: one prefetch
     assert plec._budget_targets(-1) == [(1, [1])]

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from moeflow.scheduling.copy_engine import chunk_ranges
+from moeflow.offload.copy_engine import chunk_ranges
 from moeflow.sim import (
     SIM_FORMAT,
     HardwareProfile,

@@ -19,6 +19,7 @@ class StaticKVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         # which cache positions hold a real (non-padding) token, per sequence
         self.valid = torch.zeros((batch, max_len), dtype=torch.bool, device=device)
+        self.ids = torch.zeros((batch, max_len), dtype=torch.long, device=device)  # the tokens (StepInfo history)
         self.max_len = max_len
 
     @property
@@ -36,6 +37,15 @@ class StaticKVCache:
     def mark_valid(self, cache_position: torch.Tensor, token_mask: torch.Tensor) -> None:
         """token_mask bool [B, T]: which of the tokens written at cache_position [T] are real."""
         self.valid.index_copy_(1, cache_position, token_mask)
+
+    def record_ids(self, cache_position: torch.Tensor, input_ids: torch.Tensor) -> None:
+        """input_ids [B, T] written at cache_position [T] (the sequences' token history)."""
+        self.ids.index_copy_(1, cache_position, input_ids)
+
+    def history(self, cache_position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids [B, max_len], mask bool [B, max_len]): every real token up to this pass's last position."""
+        upto = torch.arange(self.max_len, device=cache_position.device) <= cache_position.max()
+        return self.ids, self.valid & upto[None, :]
 
     def attention_mask(self, cache_position: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
         """Boolean mask [B, 1, T, max_len]: causal, padding-aware, sliding-window when configured."""
@@ -82,6 +92,13 @@ class CacheRows:
 
     def mark_valid(self, cache_position: torch.Tensor, token_mask: torch.Tensor) -> None:
         self.parent.valid[self.rows[:, None], cache_position[None, :]] = token_mask
+
+    def record_ids(self, cache_position: torch.Tensor, input_ids: torch.Tensor) -> None:
+        self.parent.ids[self.rows[:, None], cache_position[None, :]] = input_ids
+
+    def history(self, cache_position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, mask = self.parent.history(cache_position)
+        return ids.index_select(0, self.rows), mask.index_select(0, self.rows)
 
     def attention_mask(self, cache_position: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
         return attention_mask(self.parent.valid.index_select(0, self.rows), cache_position, sliding_window)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeflow.errors import CheckpointError
+from moeflow.moe.backend import StepInfo
 from moeflow.models.kv_cache import StaticKVCache
 from moeflow.models.layers import AWQLinear, RMSNorm, RotaryEmbedding, apply_rotary
 from moeflow.moe import MoEBlock
@@ -147,6 +148,13 @@ class MixtralModel(nn.Module):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(position_ids, x.dtype)
         cache.mark_valid(cache_position, token_mask)
+        cache.record_ids(cache_position, input_ids)
+        history_ids, history_mask = cache.history(cache_position)
+        phase = "prefill" if input_ids.shape[1] > 1 else "decode"
+        rows = getattr(cache, "rows", None)
+        self.layers[0].block_sparse_moe.experts.begin_step(StepInfo(
+            input_ids, position_ids, token_mask, phase, rows=rows if isinstance(rows, torch.Tensor) else None,
+            embeds=x, history_ids=history_ids, history_mask=history_mask))
         mask = cache.attention_mask(cache_position, self.config.sliding_window)
         for layer in self.layers:
             x = layer(x, cos, sin, cache, cache_position, mask)

@@ -17,7 +17,8 @@ from moeflow.models.generation import GenerationConfig, next_tokens
 from moeflow.models.kv_cache import StaticKVCache
 from moeflow.models.mixtral import MixtralConfig, MixtralModel
 from moeflow.models.tokenizer import Tokenizer
-from moeflow.scheduling.stats import Stats
+from moeflow.moe.backend import StepInfo
+from moeflow.offload.stats import Stats
 
 KERNEL_CHOICES = ("auto", "torch", "triton", "cpu-int4")
 PROGRESS_MIN_BYTES = 256 * 2**20  # show a loading progress bar above this much expert data
@@ -136,19 +137,15 @@ class MoEOffloadedMixtral(nn.Module):
             top_k=cfg.num_experts_per_tok, device=device, kernels_backend=kernels_backend,
             gates=[layer.block_sparse_moe.gate for layer in model.layers],
             reserved_bytes=loading.non_expert_bytes(model) + kv_bytes, stats=stats,
-            checkpoint_dir=directory, embed_tokens=model.embed_tokens,
+            checkpoint_dir=directory,
         )
         if progress is None:
             progress = fmt.nbytes * cfg.num_hidden_layers * cfg.num_local_experts >= PROGRESS_MIN_BYTES
         for layer, expert, tensors in loading.iter_experts(reader, cfg, source, quant, progress):
             backend.load_expert(layer, expert, tensors)
-        if hasattr(backend, "finish_loading"):
-            backend.finish_loading()
+        backend.finish_loading()
         for layer in model.layers:
             layer.block_sparse_moe.experts = backend
-        attach = getattr(getattr(backend, "predictor", None), "attach_model", None)
-        if attach is not None:  # predictors that read each pass's token ids (ExpertFlow's PLEC) hook the decoder
-            attach(model)
         reader.close()
 
         gen = GenerationConfig.from_file(
@@ -296,8 +293,8 @@ class MoEOffloadedMixtral(nn.Module):
             return input_ids
 
         scheduler = _MicroBatcher(self, b, micro_batch_size)
-        if path_predictor is not None and micro_batch_size is not None:
-            scheduler.regroup(path_predictor.predict_paths(input_ids, token_mask))
+        if micro_batch_size is not None:
+            scheduler.regroup_predicted(path_predictor, input_ids, token_mask, "prefill", False)
         self.stats.set_phase("prefill")
         try:
             logits = scheduler.run(self._step, input_ids, positions, cache, torch.arange(t, device=device),
@@ -325,10 +322,10 @@ class MoEOffloadedMixtral(nn.Module):
                     break
                 start = time.perf_counter()
                 self.stats.set_phase("decode")
-                if path_predictor is not None and micro_batch_size is not None:
+                if micro_batch_size is not None:
                     history = torch.cat(out, dim=1)
                     history_mask = torch.cat([token_mask, torch.ones_like(history[:, t:], dtype=torch.bool)], 1)
-                    scheduler.regroup(path_predictor.predict_paths(history, history_mask, last_only=True))
+                    scheduler.regroup_predicted(path_predictor, history, history_mask, "decode", True)
                 cache_position = torch.tensor([t + step], device=device)
                 logits = scheduler.run(self._decode_step, tok[:, None], next_pos[:, None], cache, cache_position,
                                        torch.ones((b, 1), dtype=torch.bool, device=device))
@@ -361,7 +358,7 @@ class _MicroBatcher:
     """Runs a step for the whole batch, or micro-batch by micro-batch regrouped by routing paths (ExpertFlow)."""
 
     def __init__(self, model: MoEOffloadedMixtral, batch: int, micro_batch_size: int | None):
-        from moeflow.scheduling.rebatch import group_by_routing
+        from moeflow.offload.rebatch import group_by_routing
 
         self.model, self.batch, self.size = model, batch, micro_batch_size
         self._group = group_by_routing
@@ -377,6 +374,18 @@ class _MicroBatcher:
     def regroup(self, paths: torch.Tensor) -> None:
         """paths bool [B, L, E] (predicted or observed) -> new micro-batches."""
         self.groups = self._group(paths.cpu(), self.size)
+
+    def regroup_predicted(self, path_predictor, ids: torch.Tensor, mask: torch.Tensor, phase: str,
+                          last_only: bool) -> None:
+        """Regroup by predicted paths of the next step: the caller's ``path_predictor`` (ids/mask API), else the
+        backend's (``predict_paths(StepInfo)``); neither: keep the groups."""
+        if path_predictor is not None:
+            paths = path_predictor.predict_paths(ids, mask, last_only=last_only)
+        else:
+            step = StepInfo(ids, mask.long().cumsum(-1) - 1, mask, phase, history_ids=ids, history_mask=mask)
+            paths = self.model.experts.predict_paths(step, last_only)
+        if paths is not None:
+            self.regroup(paths)
 
     def run(self, step_fn, ids, positions, cache, cache_position, token_mask) -> torch.Tensor:
         """Logits of the last position [B, V] for inputs [B, T]."""
@@ -419,7 +428,7 @@ def _check_left_padded(attention_mask: torch.Tensor) -> None:
 
 def _create_expert_backend(config: OffloadConfig, **kw):
     """CPU int4 experts for the resident CPU case; otherwise the scheduler's backend for the policy."""
-    from moeflow.scheduling import create_expert_backend
+    from moeflow.offload import create_expert_backend
 
     if kw["kernels_backend"] == "cpu-int4":
         if config.policy == "resident":

@@ -2,7 +2,7 @@
 
 The router and top-k are pure tensor functions (torch.compile traces them). Where the expert
 weights live is the backend's business: :class:`ResidentExperts` keeps every expert in one device
-pool (the compile-friendly path), the offloading backends of :mod:`moeflow.scheduling` stream them.
+pool (the compile-friendly path), the offloading backends of :mod:`moeflow.offload` stream them.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from moeflow.scheduling.predictors.base import ExpertPredictor, ModelShape, PredictorError
+from moeflow.offload.predictors.base import ExpertPredictor, ModelShape, PredictorError
 
 GATE_NAMES = ("model.layers.{l}.block_sparse_moe.gate.weight", "model.layers.{l}.mlp.gate.weight")
 
@@ -65,7 +65,7 @@ class SkipGatePredictor(ExpertPredictor):
         reader.close()
         popularity = None
         if trace is not None:
-            from moeflow.scheduling.predictors.base import popularity_matrix
+            from moeflow.offload.predictors.base import popularity_matrix
 
             ModelShape.from_config(cfg).check(ModelShape.from_trace(trace), f"checkpoint {directory}", "the trace")
             popularity = popularity_matrix(trace.topk_ids, trace.num_experts)
