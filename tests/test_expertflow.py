@@ -204,9 +204,8 @@ def test_exact_tokens_batched_rebatched_expertflow(ckpt, predictor_file, transpo
             random_delay_ms=0.5))
         assert isinstance(model.experts.predictor, PLECPredictor)
         for m in (None, 2, 3):
-            path_predictor = model.experts.predictor if m else None
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=6, eos_token_id=[], micro_batch_size=m,
-                                 path_predictor=path_predictor)
+            # micro-batches are grouped by the backend's predict_paths (PLEC's predictor) when m is given
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=6, eos_token_id=[], micro_batch_size=m)
             assert torch.equal(out, ref), (slots, m)
         assert model.stats.decode.prefetches > 0 or slots == LAYERS * EXPERTS
         model.experts.cache.check()
