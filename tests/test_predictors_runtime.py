@@ -39,7 +39,7 @@ def test_predictor_policy_keeps_exact_tokens(setup, kind, from_file):
     ckpt, files, want = setup
     name = f"test-predictor-{kind}-{from_file}"
     register_policy(PolicySpec(name, eviction=evict("lru"), predictor=predictor_factory(
-        kind, files[kind] if from_file else None)), replace=True)
+        kind, files[kind] if from_file else None)))
     try:
         model = MoEOffloadedMixtral.from_pretrained(
             ckpt, offload=OffloadConfig(gpu_expert_slots=6, policy=name, transport="random-delay"))
