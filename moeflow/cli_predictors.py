@@ -67,7 +67,10 @@ def cmd_train_predictor(args: argparse.Namespace) -> int:
     if args.kind == "finemoe" and args.capacity is not None:
         options["capacity"] = args.capacity
     if args.kind == "skip-gate":
-        options["model"] = args.model
+        if args.model:
+            from moeflow.models.loading import read_routers
+
+            options["routers"] = read_routers(args.model)[0]
     elif args.model:
         raise ValueError("--model is only used by --kind skip-gate (the routers' weights)")
     predictor = train_predictor(args.kind, trace, eval_fraction=args.eval_fraction, seed=args.seed,

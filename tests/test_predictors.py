@@ -33,7 +33,7 @@ from moeflow.offload.predictors.finemoe import (
     select_experts,
     similarity_threshold,
 )
-from moeflow.trace.synthetic_clusters import synthetic_trace
+from moeflow.trace.synthetic import synthetic_trace
 
 FAST = {
     "duoserve": {"epochs": 10, "batch_size": 64, "lr": 3e-3, "widths": [128, 64, 32, 32, 16, 16]},

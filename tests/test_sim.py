@@ -24,7 +24,7 @@ from moeflow.sim import (
 )
 from moeflow.sim.cli import register
 from moeflow.sim.simulator import _steps
-from moeflow.sim.synthetic import gate_modules, save_gates, synthesize_trace
+from moeflow.trace.synthetic import gate_modules, save_gates, synthesize_trace
 from moeflow.tracing import DECODE
 
 

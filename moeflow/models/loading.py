@@ -146,3 +146,25 @@ def iter_experts(
 
 def non_expert_bytes(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+
+
+def read_routers(directory) -> tuple[list[torch.Tensor], int]:
+    """(router weight fp32 [E, H] of every MoE layer, top-k) of an HF-layout Mixtral checkpoint directory, reading
+    no expert weight (skip-gate predictors, the simulator's ``--gates``)."""
+    from pathlib import Path
+
+    from moeflow.models.checkpoint import read_json
+
+    directory = Path(directory)
+    cfg = MixtralConfig.from_dict(read_json(directory / "config.json"), str(directory / "config.json"))
+    reader = CheckpointReader(directory)
+    try:
+        weights = []
+        for layer in range(cfg.num_hidden_layers):
+            names = [f"model.layers.{layer}.{prefix}.gate.weight" for prefix in MOE_PREFIXES]
+            name = next((n for n in names if n in reader), names[0])
+            weights.append(reader.get(name, (cfg.num_local_experts, cfg.hidden_size)).float())
+    finally:
+        reader.close()
+    return weights, cfg.num_experts_per_tok
+

@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeflow.errors import CheckpointError
-from moeflow.moe.backend import StepInfo
 from moeflow.models.kv_cache import StaticKVCache
 from moeflow.models.layers import AWQLinear, RMSNorm, RotaryEmbedding, apply_rotary
 from moeflow.moe import MoEBlock
+from moeflow.moe.backend import StepInfo
 
 
 @dataclass

@@ -5,8 +5,9 @@ which missing experts are copied, computed on the CPU, or both (:mod:`.cost_mode
 worker thread pool, and writes their rows of the layer's ``out [T*k, H]`` before the one ``combine``. It
 holds no reference to the backend: the host store's CPU forms, the copy queue's backlog and the loads come in
 as arguments, and the experts it takes are returned (the caller's plan moves them, see
-:meth:`~moeflow.offload.plan.LayerPlan.move_to_cpu`). Experts computed on the device keep the bitwise staging property; CPU rows differ from the
-device's by the int4 kernel's bf16 rounding (see ``docs/hybrid.md`` for the tolerance).
+:meth:`~moeflow.offload.plan.LayerPlan.move_to_cpu`). Experts computed on the device keep the bitwise staging
+property; CPU rows differ from the device's by the int4 kernel's bf16 rounding
+(see ``docs/hybrid.md`` for the tolerance).
 
 The CPU form of each expert lives in the host store beside its AWQ bytes (:meth:`HostStore.cpu_expert`):
 converted for every expert when loading finishes (``prepare``), so no miss ever pays a conversion.

@@ -133,33 +133,32 @@ def oracle_policy(oracle: OraclePredictor) -> PolicySpec:
 
 
 def load_gates(path: str | Path, num_layers: int) -> list[nn.Linear]:
-    """The routers ``model.layers.{l}.block_sparse_moe.gate.weight`` from a checkpoint directory or one
-    safetensors file (e.g. the ``*.gates.safetensors`` written next to a synthetic trace)."""
+    """The routers of ``num_layers`` layers: from a safetensors file written by
+    :func:`moeflow.trace.synthetic.save_gates` (``routers.{l}.weight``), or from a checkpoint directory (read by
+    the model side, :func:`moeflow.models.loading.read_routers`, which knows the family's weight names)."""
     from safetensors import safe_open
 
+    from moeflow.trace.synthetic import ROUTER_KEY, gate_modules
+
     path = Path(path)
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-    if not files or not all(f.is_file() for f in files):
+    if path.is_dir():
+        from moeflow.models.loading import read_routers
+
+        try:
+            weights = read_routers(path)[0]
+        except (OSError, ValueError) as e:
+            raise SimulationError(f"cannot read the routers of checkpoint {path}: {e}") from e
+        if len(weights) != num_layers:
+            raise SimulationError(f"{path}: {len(weights)} routers for a trace of {num_layers} layers")
+        return gate_modules(weights)
+    if not path.is_file():
         raise SimulationError(f"no safetensors file with the routers at {path}")
-    want = {f"model.layers.{l}.block_sparse_moe.gate.weight": l for l in range(num_layers)}
-    weights: dict[int, torch.Tensor] = {}
-    for f in files:
-        with safe_open(str(f), "pt") as sf:
-            for key in sf.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if key in want:
-                    weights[want[key]] = sf.get_tensor(key).float()
-    missing = [l for l in range(num_layers) if l not in weights]
-    if missing:
-        raise SimulationError(f"{path}: router weights of layers {missing} not found "
-                              "(model.layers.N.block_sparse_moe.gate.weight)")
-    gates = []
-    for l in range(num_layers):
-        w = weights[l]
-        g = nn.Linear(w.shape[1], w.shape[0], bias=False)
-        with torch.no_grad():
-            g.weight.copy_(w)
-        gates.append(g.requires_grad_(False))
-    return gates
+    with safe_open(str(path), "pt") as sf:
+        keys = set(sf.keys())
+        missing = [l for l in range(num_layers) if ROUTER_KEY.format(l=l) not in keys]
+        if missing:
+            raise SimulationError(f"{path}: router weights of layers {missing} not found ({ROUTER_KEY})")
+        return gate_modules([sf.get_tensor(ROUTER_KEY.format(l=l)).float() for l in range(num_layers)])
 
 
 # ----------------------------------------------------------------------------------------- results

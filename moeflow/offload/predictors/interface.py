@@ -36,8 +36,9 @@ class Predictor(ABC):
     def begin_step(self, step: StepInfo) -> None:  # noqa: B027 (optional hook)
         """A forward pass starts (called before layer 0)."""
 
-    def observe(self, layer: int, x: torch.Tensor | None, probs: torch.Tensor | None,
-                topk_ids: torch.Tensor | None) -> None:  # noqa: B027 (optional hook)
+    def observe(  # noqa: B027 (optional hook)
+        self, layer: int, x: torch.Tensor | None, probs: torch.Tensor | None, topk_ids: torch.Tensor | None
+    ) -> None:
         """Layer ``layer``'s routing: x [T, H] MoE input, probs fp32 [T, E], topk_ids int [T, k]."""
 
     @abstractmethod
