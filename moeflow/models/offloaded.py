@@ -382,7 +382,8 @@ class _MicroBatcher:
         if path_predictor is not None:
             paths = path_predictor.predict_paths(ids, mask, last_only=last_only)
         else:
-            step = StepInfo(ids, mask.long().cumsum(-1) - 1, mask, phase, history_ids=ids, history_mask=mask)
+            positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+            step = StepInfo(ids, positions, mask, phase, history_ids=ids, history_mask=mask)
             paths = self.model.experts.predict_paths(step, last_only)
         if paths is not None:
             self.regroup(paths)
