@@ -14,10 +14,10 @@ import torch
 from moeflow.offload.policies.files import load_policy_predictor
 from moeflow.offload.policies.spec import PolicyContext, PolicySpec, evict
 from moeflow.offload.predictors.base import ExpertPredictor
-from moeflow.offload.predictors.interface import Predictor, Proposals
+from moeflow.offload.predictors.interface import LearnedPredictorRuntime, Proposals
 
 
-class OverlappedPredictor(Predictor):
+class OverlappedPredictor(LearnedPredictorRuntime):
     """A predictor whose prediction step runs beside the expert compute (DuoServe's prediction stream).
 
     ``observe`` records the routing and starts predicting the next layer: on CUDA on a side stream that
@@ -30,18 +30,10 @@ class OverlappedPredictor(Predictor):
     proposes_late = True
 
     def __init__(self, predictor: ExpertPredictor, device: torch.device | str) -> None:
-        self.predictor = predictor
+        super().__init__(predictor)
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._pending: tuple[int, Proposals] | None = None
-
-    @property
-    def kind(self) -> str:
-        return self.predictor.kind
-
-    @property
-    def distance(self) -> int:
-        return self.predictor.distance
 
     def observe(self, layer: int, x: torch.Tensor, probs: torch.Tensor, topk_ids: torch.Tensor) -> None:
         pred = self.predictor
@@ -65,9 +57,6 @@ class OverlappedPredictor(Predictor):
         if self.stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
         return proposals
-
-    def close(self) -> None:
-        self.predictor.close()
 
 
 def _duoserve_predictor(ctx: PolicyContext) -> OverlappedPredictor:

@@ -14,10 +14,10 @@ from moeflow.offload.eviction import LFU, EvictionPolicy, PriorityEviction
 from moeflow.offload.policies.files import load_policy_predictor
 from moeflow.offload.policies.spec import PolicyContext, PolicySpec
 from moeflow.offload.predictors.finemoe import ExpertMapStore, FineMoEPredictor
-from moeflow.offload.predictors.interface import Predictor, Proposals
+from moeflow.offload.predictors.interface import LearnedPredictorRuntime, Proposals
 
 
-class FineMoERuntime(Predictor):
+class FineMoERuntime(LearnedPredictorRuntime):
     """FineMoE in the runtime: each forward pass is announced by ``begin_step`` with its token embeddings.
 
     ``begin_step`` publishes the previous iteration's map (``end_iteration``), starts the new one with the
@@ -27,16 +27,8 @@ class FineMoERuntime(Predictor):
     """
 
     def __init__(self, predictor: FineMoEPredictor) -> None:
-        self.predictor = predictor
+        super().__init__(predictor)
         self._runtime: Any = None
-
-    @property
-    def kind(self) -> str:
-        return self.predictor.kind
-
-    @property
-    def distance(self) -> int:
-        return self.predictor.distance
 
     @property
     def store(self) -> ExpertMapStore:
@@ -69,9 +61,6 @@ class FineMoERuntime(Predictor):
 
     def eviction_score(self, key: tuple[int, int], layer_now: int = 0) -> float:
         return self.predictor.eviction_score(key, layer_now)
-
-    def close(self) -> None:
-        self.predictor.close()
 
 
 def _finemoe_predictor(ctx: PolicyContext) -> FineMoERuntime:

@@ -55,3 +55,22 @@ class Predictor(ABC):
 
     def close(self) -> None:  # noqa: B027 (optional hook)
         """Release what the predictor holds (threads, streams)."""
+
+
+class LearnedPredictorRuntime(Predictor):
+    """A runtime predictor around a learned predictor (``self.predictor``, an ExpertPredictor): its kind,
+    distance and lifetime are the learned one's (DuoServe's prediction stream, FineMoE's map search)."""
+
+    def __init__(self, predictor: Any) -> None:
+        self.predictor = predictor
+
+    @property
+    def kind(self) -> str:
+        return self.predictor.kind
+
+    @property
+    def distance(self) -> int:
+        return self.predictor.distance
+
+    def close(self) -> None:
+        self.predictor.close()
