@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeflow.scheduling.predictors import (
+from moeflow.offload.predictors import (
     DuoServePredictor,
     FineMoEPredictor,
     ModelShape,

@@ -46,7 +46,7 @@ from run_gpu_offload import (  # noqa: E402
 
 from moeflow import MoEOffloadedMixtral, OffloadConfig  # noqa: E402
 from moeflow.engine.loading import non_expert_bytes  # noqa: E402
-from moeflow.scheduling import OffloadedExperts, create_expert_backend, min_slots  # noqa: E402
+from moeflow.offload import OffloadedExperts, create_expert_backend, min_slots  # noqa: E402
 
 GiB = 2**30
 POLICIES = ("lru", "mixtral-offloading", "fiddler")

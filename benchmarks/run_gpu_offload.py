@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moeflow import MoEOffloadedMixtral, OffloadConfig  # noqa: E402
 from moeflow.moe import ResidentExperts  # noqa: E402
-from moeflow.scheduling import OffloadedExperts, chunk_ranges, create_expert_backend, min_slots  # noqa: E402
+from moeflow.offload import OffloadedExperts, chunk_ranges, create_expert_backend, min_slots  # noqa: E402
 
 MIXTRAL_8X7B = dict(
     vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,

@@ -48,7 +48,7 @@ from run_gpu_offload import (  # noqa: E402
 
 from moeflow import MoEOffloadedMixtral, OffloadConfig  # noqa: E402
 from moeflow.moe import ResidentExperts  # noqa: E402
-from moeflow.scheduling import PRESETS, create_expert_backend, min_slots  # noqa: E402
+from moeflow.offload import POLICY_TABLE, create_expert_backend, min_slots  # noqa: E402
 
 POLICIES = ("ondemand", "lru", "lfu", "static", "mixtral-offloading", "duoserve", "promoe", "finemoe", "expertflow",
             "auto")
@@ -67,7 +67,6 @@ def install(model: MoEOffloadedMixtral, host, policy: str, slots: int, transport
             num_layers=cfg.num_hidden_layers, num_experts=cfg.num_local_experts, top_k=cfg.num_experts_per_tok,
             device=device, kernels_backend=model.kernels, gates=[b.gate for b in model.model.moe_blocks],
             reserved_bytes=0, stats=model.stats, host_store=host, checkpoint_dir=ckpt,
-            embed_tokens=model.model.embed_tokens,
         )
         backend.finish_loading()
     model.use_backend(backend)
@@ -78,7 +77,7 @@ def install(model: MoEOffloadedMixtral, host, policy: str, slots: int, transport
 def train_predictors(model, ckpt: Path, prompts: list[list[int]], new_tokens: int, max_seconds: float,
                      epochs: int) -> dict:
     """Trace ``prompts`` on ``model`` (whatever backend it has), train duoserve and promoe, save them."""
-    from moeflow.scheduling.predictors import evaluate_held_out, train_predictor
+    from moeflow.offload.predictors import evaluate_held_out, train_predictor
     from moeflow.trace.record import record_trace
 
     t0 = time.perf_counter()
@@ -96,7 +95,7 @@ def train_predictors(model, ckpt: Path, prompts: list[list[int]], new_tokens: in
 
 def predictor_overhead(ckpt: Path, cfg, device: torch.device, dtype: torch.dtype, reps: int) -> dict:
     """Per-layer time of observe + propose for one decode token (device time with CUDA events on a GPU)."""
-    from moeflow.scheduling.predictors import ModelShape, load_predictor
+    from moeflow.offload.predictors import ModelShape, load_predictor
 
     shape = ModelShape.from_config(cfg)
     out = {}
@@ -212,7 +211,7 @@ def main(argv: list[str] | None = None) -> dict:
     prompt = torch.randint(3, config["vocab_size"], (1, prompt_len), generator=torch.Generator().manual_seed(0))
     model.generate(prompt[:, :8], max_new_tokens=2, do_sample=False)  # warm-up (kernels, allocator)
     expected = None
-    plan = (["resident"] if fits else []) + [p for p in args.policies.split(",") if p in PRESETS]
+    plan = (["resident"] if fits else []) + [p for p in args.policies.split(",") if p in POLICY_TABLE]
     for policy in plan:
         if time.perf_counter() - t_start > args.time_budget_s:
             result["runs"].append({"policy": policy, "error": "skipped: time budget"})

@@ -50,18 +50,18 @@ from run_gpu_offload import (  # noqa: E402
 )
 
 from moeflow import MoEOffloadedMixtral, OffloadConfig  # noqa: E402
-from moeflow.scheduling import min_slots  # noqa: E402
+from moeflow.offload import min_slots  # noqa: E402
 from moeflow.sim import HardwareProfile, simulate  # noqa: E402
 from moeflow.sim.bench import _timer  # noqa: E402
-from moeflow.sim.synthetic import gate_modules  # noqa: E402
 from moeflow.trace.record import record_trace  # noqa: E402
+from moeflow.trace.synthetic import gate_modules  # noqa: E402
 
 POLICIES = ("ondemand", "lru", "static", "mixtral-offloading")
 
 
 def measure_copy(host, device: torch.device, chunks: int = 3) -> tuple[float, float]:
     """(GB/s, latency s) of copying one expert region of the host store into a device slot in ``chunks`` copies."""
-    from moeflow.scheduling import chunk_ranges
+    from moeflow.offload import chunk_ranges
 
     timed = _timer(device)
     nbytes = host.fmt.nbytes

@@ -18,6 +18,7 @@ from moeflow.errors import (  # noqa: E402
     SchedulingError,
     UnsupportedQuantizationError,
 )
+from moeflow.offload.policies import POLICY_NAMES as POLICIES  # noqa: E402  (the built-in policy names)
 
 __version__ = "0.1.0"
 
@@ -25,6 +26,7 @@ __all__ = [
     "MoEModel",
     "MoEOffloadedMixtral",
     "OffloadConfig",
+    "POLICIES",
     "GenerationConfig",
     "CausalLMOutput",
     "MoeflowError",

@@ -107,10 +107,6 @@ class MoEModel(nn.Module):
     def use_backend(self, backend: ExpertBackend | None) -> ExpertBackend | None:
         """Swap the expert backend (benchmarks compare policies on one loaded model); returns the previous one.
         The new backend must already hold every expert (``finish_loading`` called). None detaches it."""
-        if backend is not None:  # TEMPORARY until moeflow.offload (its backends are ExpertBackends): delete at merge
-            from moeflow.engine.legacy_scheduling import as_expert_backend
-
-            backend = as_expert_backend(backend, self.model)
         previous, self.backend = self.backend, backend
         self._runner.backend = backend
         return previous

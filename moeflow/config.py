@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-POLICIES = ("resident", "ondemand", "lru", "lfu", "static", "mixtral-offloading", "fiddler", "duoserve", "promoe",
-            "finemoe", "auto", "expertflow")
 CPU_COMPUTE = ("auto", "never", "always")
 
 
@@ -17,7 +15,7 @@ class OffloadConfig:
         ``None`` with ``gpu_memory_gb`` unset means every expert resident when the policy is "resident".
     gpu_memory_gb: alternatively, a device memory budget; the slot count is what is left after the
         non-expert weights and the KV cache.
-    policy: a named preset (see ``moeflow.scheduling.policies``).
+    policy: a named policy (``POLICIES``; the table is ``moeflow.offload.policies.POLICY_TABLE``).
     prefetch_distance: how many layers ahead predictive policies prefetch.
     transport: "auto" (CUDA streams on a GPU, synchronous on the CPU), "sync", or "random-delay"
         (a test transport that completes copies late and out of order).
@@ -99,3 +97,4 @@ class OffloadConfig:
 
     def as_dict(self) -> dict:
         return asdict(self)
+

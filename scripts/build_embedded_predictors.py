@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
 
     from moeflow import MoEOffloadedMixtral
-    from moeflow.scheduling.predictors import evaluate_held_out, train_predictor
+    from moeflow.offload.predictors import evaluate_held_out, train_predictor
     from moeflow.trace.record import record_trace
 
     out_dir = args.out_dir or args.model / "predictors"

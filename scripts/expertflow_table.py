@@ -49,8 +49,8 @@ def pct(x) -> str:
 
 def rebatch_pairs(trace, scores: torch.Tensor, top_k: int, batch: int, max_new: int) -> dict:
     """Mean activated (layer, expert) pairs per micro-batch over every decode step, four ways of grouping."""
-    from moeflow.scheduling.predictors.base import topk_mask
-    from moeflow.scheduling.rebatch import activated_pairs, group_by_routing
+    from moeflow.offload.predictors.base import topk_mask
+    from moeflow.offload.rebatch import activated_pairs, group_by_routing
 
     m = max(1, batch // 2)
     seqs = trace.sequence_ids()
@@ -85,7 +85,7 @@ def run_cache(model_path: Path, predictor: Path, prompts: list[list[int]], polic
               max_new: int) -> dict:
     """generate() over the prompts in batches of ``batch`` (left-padded, micro-batches of batch // 2, regrouped)."""
     from moeflow import MoEOffloadedMixtral, OffloadConfig
-    from moeflow.scheduling.predictors import load_predictor
+    from moeflow.offload.predictors import load_predictor
 
     model = MoEOffloadedMixtral.from_pretrained(model_path, offload=OffloadConfig(
         policy=policy, gpu_expert_slots=slots, transport="sync", predictor_path=str(predictor)))
@@ -132,8 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
 
     from moeflow import MoEOffloadedMixtral
-    from moeflow.scheduling.predictors import load_predictor
-    from moeflow.scheduling.predictors.expertflow import batch_level_report
+    from moeflow.offload.predictors import load_predictor
+    from moeflow.offload.predictors.expertflow import batch_level_report
     from moeflow.trace import Trace
     from moeflow.trace.record import read_prompts, record_trace
 
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     scores = pred.trace_scores(trace)
     print(json.dumps({"all": {k_: acc_all[k_] for k_ in ("exact_topk", "recall")}, "batch_level": batch_level}),
           flush=True)
-    from moeflow.scheduling.predictors import PopularityPredictor, evaluate
+    from moeflow.offload.predictors import PopularityPredictor, evaluate
 
     pop = evaluate(PopularityPredictor(pred.shape, 1, pred.popularity), trace).as_dict()
 

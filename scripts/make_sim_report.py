@@ -7,7 +7,7 @@
    routing is recorded with ``record_trace`` (prefill + greedy decode, with hidden states and its routers).
    Its experts are charged as Mixtral-8x7B experts on the pcie4-24gb profile (the routing is the small
    model's, the costs are Mixtral's): the figure compares policies on real recorded routing.
-2. Mixtral-8x7B-sized: a SYNTHETIC trace of Mixtral's shape (32 layers x 8 experts, top-2; moeflow.sim.synthetic:
+2. Mixtral-8x7B-sized: a SYNTHETIC trace of Mixtral's shape (32 layers x 8 experts, top-2; moeflow.trace.synthetic:
    skewed, temporally local, residual-stream routing, not real Mixtral routing) on the pcie4-24gb and h100-pcie5
    presets.
 """
@@ -30,7 +30,7 @@ from moeflow.sim import get_profile, simulate  # noqa: E402
 from moeflow.sim.cli import format_table  # noqa: E402
 from moeflow.sim.plot import plot_sweep, plot_timeline  # noqa: E402
 from moeflow.sim.simulator import SimulationError, known_policies  # noqa: E402
-from moeflow.sim.synthetic import gate_modules, synthesize_trace  # noqa: E402
+from moeflow.trace.synthetic import gate_modules, synthesize_trace  # noqa: E402
 
 BEGIN, END = "<!-- sim-report:begin -->", "<!-- sim-report:end -->"
 

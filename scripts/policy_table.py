@@ -80,9 +80,9 @@ def run(job: tuple[str, int | None, str, int, int]) -> dict:
 
 
 def registered_policies(names: list[str]) -> list[str]:
-    from moeflow.scheduling import PRESETS
+    from moeflow.offload import POLICY_TABLE
 
-    return [p for p in names if p in PRESETS]
+    return [p for p in names if p in POLICY_TABLE]
 
 
 def figures(row: dict, generated: int) -> dict:

@@ -101,7 +101,7 @@ def main() -> int:
     torch.set_num_threads(1)
 
     from moeflow import MoEOffloadedMixtral
-    from moeflow.scheduling.predictors import evaluate_held_out, train_predictor
+    from moeflow.offload.predictors import evaluate_held_out, train_predictor
     from moeflow.trace import Trace
     from moeflow.trace.record import read_prompts, record_trace
 

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "moeflow"
-OFFLOAD_NAMES = ("offload", "scheduling")  # "scheduling" is offload's name before the architecture merge
 
 # (module prefix, group, rank): the longest matching prefix decides; groups may import within themselves
 LAYERS = [
@@ -24,17 +23,13 @@ LAYERS = [
     ("moeflow.moe", "moe", 3),
     ("moeflow.trace.synthetic", "trace-synthetic", 3.5),  # synthetic traces route with moe.routing
     ("moeflow.families", "families", 4),
-    *[(f"moeflow.{name}", "offload", 4) for name in OFFLOAD_NAMES],
+    ("moeflow.offload", "offload", 4),
     ("moeflow.engine", "engine", 5),
     ("moeflow.api", "api", 6), ("moeflow", "package", 7),  # moeflow/__init__.py re-exports the API
     # tools built on the whole library
     ("moeflow.trace.record", "tools", 8), ("moeflow.quant.convert", "tools", 8), ("moeflow.cli", "tools", 8),
     ("moeflow.sim", "tools", 8), ("moeflow.__main__", "tools", 8),
 ]
-# pre-merge only (issue 13 items 2 and 6, fixed by moeflow/offload): scheduling reads the Mixtral config itself,
-# and its backend and hybrid compute import each other. Nothing here applies to moeflow/offload.
-KNOWN_IN_SCHEDULING = {("moeflow.scheduling.predictors.skip_gate", "moeflow.families.mixtral")}
-KNOWN_CYCLES_IN_SCHEDULING = [["moeflow.scheduling.backend", "moeflow.scheduling.cpu_compute"]]
 
 
 def module_names() -> dict[str, Path]:
@@ -82,34 +77,29 @@ def graph() -> dict[str, set[str]]:
 
 def test_the_graph_is_read(graph):
     assert "moeflow.engine.build" in graph and "moeflow.families.base" in graph["moeflow.families.mixtral"]
-    assert any(n.startswith(tuple(f"moeflow.{o}" for o in OFFLOAD_NAMES)) for n in graph)
+    assert "moeflow.offload.backend" in graph
 
 
 def test_imports_point_down(graph):
-    bad, known = [], set()
+    bad = []
     for src, targets in graph.items():
         group, rank = layer_of(src)
         for dst in targets:
             dst_group, dst_rank = layer_of(dst)
             if dst_group == group or dst_rank < rank:
                 continue
-            if (src, dst) in KNOWN_IN_SCHEDULING:
-                known.add((src, dst))
-                continue
             bad.append(f"{src} ({group}) imports {dst} ({dst_group})")
     assert not bad, "imports against the layering:\n" + "\n".join(sorted(bad))
-    assert known <= KNOWN_IN_SCHEDULING
 
 
 def test_offload_and_families_do_not_know_each_other(graph):
-    prefixes = tuple(f"moeflow.{name}" for name in OFFLOAD_NAMES)
-    offload_modules = [n for n in graph if n.startswith(prefixes)]
-    assert offload_modules, "neither moeflow/offload nor moeflow/scheduling exists"
+    offload_modules = [n for n in graph if n.startswith("moeflow.offload")]
+    assert offload_modules, "moeflow/offload is missing"
     for src in offload_modules:
-        for dst in graph[src] - {d for s, d in KNOWN_IN_SCHEDULING if s == src}:
+        for dst in graph[src]:
             assert not dst.startswith(("moeflow.families", "moeflow.engine", "moeflow.api")), (src, dst)
     for src in (n for n in graph if n.startswith("moeflow.families")):
-        assert not any(d.startswith(prefixes) for d in graph[src]), src
+        assert not any(d.startswith("moeflow.offload") for d in graph[src]), src
 
 
 def test_no_import_cycles(graph):
@@ -144,5 +134,4 @@ def test_no_import_cycles(graph):
     for v in sorted(graph):
         if v not in index:
             visit(v)
-    cycles = [c for c in cycles if c not in KNOWN_CYCLES_IN_SCHEDULING]
     assert not cycles, f"import cycles: {cycles}"

@@ -10,8 +10,8 @@ from helpers import make_tiny_checkpoint
 
 from moeflow import MoEOffloadedMixtral, OffloadConfig
 from moeflow.errors import InputError, SchedulingError
-from moeflow.scheduling.plec import PLECEviction, PLECPredictor, PLECState
-from moeflow.scheduling.predictors import (
+from moeflow.offload.policies.expertflow import PLECEviction, PLECPredictor, PLECState
+from moeflow.offload.predictors import (
     ExpertFlowPredictor,
     PredictorError,
     evaluate_held_out,
@@ -19,7 +19,7 @@ from moeflow.scheduling.predictors import (
     load_predictor,
     train_predictor,
 )
-from moeflow.scheduling.predictors.expertflow import batch_level_accuracy, batch_level_report
+from moeflow.offload.predictors.expertflow import batch_level_accuracy, batch_level_report
 from moeflow.trace.record import record_trace
 
 LAYERS, EXPERTS = 3, 8
@@ -184,7 +184,7 @@ def test_plec_budget_never_evicts_planned():
 
     state = PLECState(num_layers=3, num_experts=4)
     plec = PLECPredictor(predictor=None, state=state)
-    plec.bind_backend(Backend([(1, 0), (2, 1), (0, 3), None]))
+    plec.bind(Backend([(1, 0), (2, 1), (0, 3), None]))
     state.new_pass({0: [3], 1: [0, 1, 2], 2: [1, 2, 3]})
     # planned and resident: (1,0), (2,1), (0,3) (ahead of layer -1) stay; one empty slot: one prefetch
     assert plec._budget_targets(-1) == [(1, [1])]
@@ -203,7 +203,8 @@ def test_exact_tokens_batched_rebatched_expertflow(ckpt, predictor_file, transpo
             policy="expertflow", gpu_expert_slots=slots, predictor_path=str(predictor_file), transport=transport,
             random_delay_ms=0.5))
         assert isinstance(model.experts.predictor, PLECPredictor)
-        for m in (None, 2, 3):  # micro-batches grouped by the backend's predict_paths (the PLEC predictor)
+        for m in (None, 2, 3):
+            # micro-batches are grouped by the backend's predict_paths (PLEC's predictor) when m is given
             out = model.generate(ids, attention_mask=mask, max_new_tokens=6, eos_token_id=[], micro_batch_size=m)
             assert torch.equal(out, ref), (slots, m)
         assert model.stats.decode.prefetches > 0 or slots == LAYERS * EXPERTS

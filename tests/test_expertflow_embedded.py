@@ -8,7 +8,7 @@ import torch
 
 import moeflow
 from moeflow import MoEOffloadedMixtral, OffloadConfig
-from moeflow.scheduling.predictors import ModelShape, load_predictor
+from moeflow.offload.predictors import ModelShape, load_predictor
 
 MODEL = Path(moeflow.__file__).parent / "data" / "tiny-mixtral-awq"
 PREDICTOR = MODEL / "predictors" / "expertflow.pt"
@@ -32,6 +32,7 @@ def test_shipped_predictor_fits_and_batched_tokens_equal_resident():
             policy="expertflow", gpu_expert_slots=slots, transport=transport, random_delay_ms=0.3))
         try:
             out = m.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, micro_batch_size=2)
+            # the micro-batches are grouped by the backend's predict_paths (the expertflow policy's predictor)
         finally:
             m.experts.close()
         assert torch.equal(out, expected), (slots, transport)

@@ -16,11 +16,11 @@ from moeflow import MoEOffloadedMixtral, OffloadConfig
 from moeflow.errors import SchedulingError
 from moeflow.kernels.cpu_int4 import INNER_K_TILES, awq_to_int4pack_cpu, int4_cpu_available
 from moeflow.kernels.pool import ExpertFormat
+from moeflow.offload import HostStore, Stats, get_policy
+from moeflow.offload.calibration import cache_path, calibration_key, resolve_rates
+from moeflow.offload.cost_model import Candidate, Choice, Rates, plan
+from moeflow.offload.hybrid import resolve_cpu_compute
 from moeflow.quant.awq import unpack_int4
-from moeflow.scheduling import HostStore, Stats, get_policy
-from moeflow.scheduling.calibration import cache_path, calibration_key, resolve_rates
-from moeflow.scheduling.cost_model import Candidate, Choice, Rates, plan
-from moeflow.scheduling.cpu_compute import resolve_cpu_compute
 
 needs_int4 = pytest.mark.skipif(not int4_cpu_available(), reason="this torch build has no int4 CPU kernels")
 MB = 1_000_000

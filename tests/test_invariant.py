@@ -66,7 +66,7 @@ def test_below_minimum_is_refused(tiny):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (real streams, events, pinning)")
 @pytest.mark.parametrize("kernels", ["torch", "auto"])
 def test_cuda_streams_keep_the_tokens(tiny, kernels):
-    from moeflow.scheduling import CudaTransport
+    from moeflow.offload import CudaTransport
 
     path, ids, mask, _ = tiny
     load = dict(device="cuda", dtype=torch.float16, kernels=kernels)

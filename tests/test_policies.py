@@ -12,8 +12,8 @@ from helpers import make_tiny_checkpoint
 
 from moeflow import MoEOffloadedMixtral, OffloadConfig
 from moeflow.errors import SchedulingError
-from moeflow.scheduling.predictive_policies import choose_policy
-from moeflow.scheduling.predictors import train_predictor
+from moeflow.offload.policies import choose_policy
+from moeflow.offload.predictors import train_predictor
 from moeflow.trace.record import record_trace
 
 LAYERS, EXPERTS, TOP_K = 3, 4, 2
@@ -82,7 +82,7 @@ def test_greedy_tokens_equal_resident(tiny, policy, transport):
 
 def test_presets_are_what_the_papers_describe(tiny):
     path, *_ = tiny
-    from moeflow.scheduling.predictive_policies import FineMoERuntime, OverlappedPredictor
+    from moeflow.offload.policies import FineMoERuntime, OverlappedPredictor
 
     m = MoEOffloadedMixtral.from_pretrained(path, offload=OffloadConfig(policy="duoserve", gpu_expert_slots=5))
     assert isinstance(m.experts.predictor, OverlappedPredictor) and m.experts.predictor.kind == "duoserve"

@@ -12,7 +12,7 @@ import torch
 
 import moeflow
 from moeflow import MoEOffloadedMixtral, OffloadConfig
-from moeflow.scheduling.predictors import ModelShape, load_predictor
+from moeflow.offload.predictors import ModelShape, load_predictor
 
 MODEL = Path(moeflow.__file__).parent / "data" / "tiny-mixtral-awq"
 PREDICTORS = MODEL / "predictors"

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moeflow.errors import MoeflowError
-from moeflow.scheduling.predictors import (
+from moeflow.offload.predictors import (
     DuoServePredictor,
     ExpertMapStore,
     FineMoEPredictor,
@@ -26,14 +26,14 @@ from moeflow.scheduling.predictors import (
     load_predictor,
     train_predictor,
 )
-from moeflow.scheduling.predictors.duoserve import PAPER_WIDTHS, affinity_matrices, scaled_widths
-from moeflow.scheduling.predictors.finemoe import (
+from moeflow.offload.predictors.duoserve import PAPER_WIDTHS, affinity_matrices, scaled_widths
+from moeflow.offload.predictors.finemoe import (
     eviction_priority,
     prefetch_priority,
     select_experts,
     similarity_threshold,
 )
-from moeflow.scheduling.predictors.synthetic import synthetic_trace
+from moeflow.trace.synthetic import synthetic_trace
 
 FAST = {
     "duoserve": {"epochs": 10, "batch_size": 64, "lr": 3e-3, "widths": [128, 64, 32, 32, 16, 16]},

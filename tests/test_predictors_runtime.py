@@ -9,8 +9,8 @@ import torch
 from helpers import make_tiny_checkpoint
 
 from moeflow import MoEOffloadedMixtral, OffloadConfig
-from moeflow.scheduling.predictors import PredictorError, PredictorMismatchError, train_predictor
-from moeflow.scheduling.predictors.runtime import build_predictor, finemoe_eviction_score, predictor_factory
+from moeflow.offload.predictors import PredictorError, PredictorMismatchError, train_predictor
+from moeflow.offload.predictors.runtime import build_predictor, finemoe_eviction_score, predictor_factory
 from moeflow.trace.record import record_trace
 
 PROMPT = torch.tensor([[5, 17, 33, 2, 9, 41]])
@@ -34,18 +34,18 @@ def setup(tmp_path_factory):
 @pytest.mark.parametrize("kind,from_file", [("skip-gate", False), ("duoserve", True), ("promoe", True),
                                             ("finemoe", True), ("finemoe", False)])
 def test_predictor_policy_keeps_exact_tokens(setup, kind, from_file):
-    from moeflow.scheduling.policies import PRESETS, PolicySpec, register_policy
+    from moeflow.offload.policies import PolicySpec, evict, register_policy, unregister_policy
 
     ckpt, files, want = setup
     name = f"test-predictor-{kind}-{from_file}"
-    register_policy(PolicySpec(name, eviction="lru", make_predictor=predictor_factory(
-        kind, files[kind] if from_file else None)), replace=True)
+    register_policy(PolicySpec(name, eviction=evict("lru"), predictor=predictor_factory(
+        kind, files[kind] if from_file else None)))
     try:
         model = MoEOffloadedMixtral.from_pretrained(
             ckpt, offload=OffloadConfig(gpu_expert_slots=6, policy=name, transport="random-delay"))
         got = model.generate(PROMPT, max_new_tokens=6, do_sample=False)
     finally:
-        PRESETS.pop(name, None)  # leave the registry as other tests expect it
+        unregister_policy(name)  # leave the registry as other tests expect it
     assert torch.equal(got, want)
     assert model.stats.decode.prefetches > 0 or kind == "finemoe"
     if kind == "finemoe":

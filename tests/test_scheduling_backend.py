@@ -8,7 +8,7 @@ from test_scheduling_helpers import AWQ, DENSE, Synthetic
 
 from moeflow.errors import SchedulingError
 from moeflow.moe import ResidentExperts
-from moeflow.scheduling import OffloadedExperts, Stats
+from moeflow.offload import OffloadedExperts, Stats
 
 OFFLOAD_POLICIES = ("ondemand", "lru", "lfu", "static", "mixtral-offloading")
 
@@ -162,7 +162,7 @@ def test_backend_repr_and_pool_size(dense):
 
 
 def test_preemption_paths_run_under_random_delays(monkeypatch):
-    from moeflow.scheduling.copy_engine import CopyEngine
+    from moeflow.offload.copy_engine import CopyEngine
 
     synth = Synthetic(DENSE, layers=4, experts=6, top_k=2, seed=1, steps=12)
     expected = synth.run(synth.resident())

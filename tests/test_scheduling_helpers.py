@@ -8,7 +8,7 @@ from torch import nn
 from moeflow.config import OffloadConfig
 from moeflow.kernels.pool import ExpertFormat
 from moeflow.moe import ResidentExperts, route
-from moeflow.scheduling import Stats, create_expert_backend
+from moeflow.offload import Stats, create_expert_backend
 
 DENSE = ExpertFormat(hidden_size=32, intermediate_size=48, kind="dense", dtype=torch.float32)
 AWQ = ExpertFormat(hidden_size=64, intermediate_size=64, kind="awq", dtype=torch.float16, group_size=32)

@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 import random
+import re
 import threading
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 from test_scheduling_helpers import AWQ, DENSE, random_expert
 
-from moeflow.config import POLICIES, OffloadConfig
+from moeflow.config import OffloadConfig
 from moeflow.kernels.pool import ALIGN, ExpertPool
-from moeflow.scheduling import (
+from moeflow.offload import (
     LFU,
     LRU,
-    PRESETS,
+    POLICY_TABLE,
     CopyEngine,
     ExpertCache,
     HostStore,
@@ -30,8 +32,8 @@ from moeflow.scheduling import (
     make_eviction,
     make_transport,
 )
-from moeflow.scheduling import host_store as host_store_mod
-from moeflow.scheduling.transport import DONE, EventHandle
+from moeflow.offload import host_store as host_store_mod
+from moeflow.offload.transport import DONE, EventHandle
 
 
 # ---------------------------------------------------------------------------------------------- transports
@@ -413,8 +415,13 @@ def test_ondemand_cache_forgets_after_use():
 
 
 # ---------------------------------------------------------------------------------------------- config, stats
-def test_policies_are_known_to_the_config():
-    assert set(PRESETS) <= set(POLICIES)
+def test_every_builtin_policy_is_documented_in_the_readme():
+    """The README's policy table (first column, backticked names) lists exactly the built-in policies."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Policies", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
+    documented = {name for cell in rows for name in re.findall(r"`([a-z0-9-]+)`", cell)}
+    assert documented == set(POLICY_TABLE)
     with pytest.raises(ValueError, match="copy_chunks"):
         OffloadConfig(copy_chunks=0)
     with pytest.raises(ValueError, match="random_delay_ms"):
@@ -450,12 +457,11 @@ def test_random_delay_transport_is_fast_enough_for_tests():
 def test_registered_policy_plugs_predictor_and_eviction():
     from test_scheduling_helpers import Synthetic
 
-    from moeflow.scheduling import PolicySpec, register_policy
-    from moeflow.scheduling.policies import PRESETS
+    from moeflow.offload import PolicySpec, Predictor, register_policy, unregister_policy
 
     built = {}
 
-    class Fixed:
+    class Fixed(Predictor):
         def observe(self, layer, x, probs, topk_ids):
             built["observed"] = built.get("observed", 0) + 1
 
@@ -466,7 +472,7 @@ def test_registered_policy_plugs_predictor_and_eviction():
         built["ctx"] = ctx
         return Fixed()
 
-    register_policy(PolicySpec("test-fixed", make_predictor=make_predictor, make_eviction=lambda ctx: LFU()))
+    register_policy(PolicySpec("test-fixed", predictor=make_predictor, eviction=lambda ctx: LFU()))
     try:
         with pytest.raises(ValueError, match="already registered"):
             register_policy(PolicySpec("test-fixed"))
@@ -479,12 +485,12 @@ def test_registered_policy_plugs_predictor_and_eviction():
         assert stats.prefill.prefetches + stats.decode.prefetches > 0
         backend.close()
     finally:
-        PRESETS.pop("test-fixed")
+        unregister_policy("test-fixed")
 
 
 def test_cuda_default_budget_from_device_memory(monkeypatch):
     from moeflow.errors import SchedulingError
-    from moeflow.scheduling import resolve_slots
+    from moeflow.offload import resolve_slots
 
     class Props:
         total_memory = int(10 * DENSE.nbytes / 0.9) + 1

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from moeflow.scheduling.copy_engine import chunk_ranges
+from moeflow.offload.copy_engine import chunk_ranges
 from moeflow.sim import (
     SIM_FORMAT,
     HardwareProfile,
@@ -24,8 +24,8 @@ from moeflow.sim import (
 )
 from moeflow.sim.cli import register
 from moeflow.sim.simulator import _steps
-from moeflow.sim.synthetic import gate_modules, save_gates, synthesize_trace
 from moeflow.trace import DECODE
+from moeflow.trace.synthetic import gate_modules, save_gates, synthesize_trace
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import matplotlib  # noqa: F401  (a test dependency: the figures are part of wha
 from moeflow.sim import custom_profile, simulate
 from moeflow.sim.cli import register
 from moeflow.sim.plot import plot_sweep, plot_timeline
-from moeflow.sim.synthetic import synthesize_trace
+from moeflow.trace.synthetic import synthesize_trace
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -53,7 +53,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 def cmd_train_predictor(args: argparse.Namespace) -> int:
     """Build a predictor from a trace's training sequences and save it."""
-    from moeflow.scheduling.predictors import train_predictor
+    from moeflow.offload.predictors import train_predictor
     from moeflow.trace import Trace
 
     _threads(args)
@@ -67,7 +67,10 @@ def cmd_train_predictor(args: argparse.Namespace) -> int:
     if args.kind == "finemoe" and args.capacity is not None:
         options["capacity"] = args.capacity
     if args.kind == "skip-gate":
-        options["model"] = args.model
+        if args.model:
+            from moeflow.engine.loading import read_routers
+
+            options["routers"] = read_routers(args.model)[0]
     elif args.model:
         raise ValueError("--model is only used by --kind skip-gate (the routers' weights)")
     predictor = train_predictor(args.kind, trace, eval_fraction=args.eval_fraction, seed=args.seed,
@@ -82,7 +85,7 @@ def cmd_train_predictor(args: argparse.Namespace) -> int:
 
 def cmd_eval_predictor(args: argparse.Namespace) -> int:
     """Print held-out accuracy (and the popularity baseline's) as JSON."""
-    from moeflow.scheduling.predictors import evaluate_held_out, load_predictor
+    from moeflow.offload.predictors import evaluate_held_out, load_predictor
     from moeflow.trace import Trace
 
     _threads(args)
@@ -90,8 +93,8 @@ def cmd_eval_predictor(args: argparse.Namespace) -> int:
     trace = Trace.load(args.trace)
     result = evaluate_held_out(predictor, trace, args.phase)
     if predictor.kind == "expertflow":  # ExpertFlow eq. 7: batch-level accuracy at batch sizes 1/4/16/32
-        from moeflow.scheduling.predictors import held_out_rows
-        from moeflow.scheduling.predictors.expertflow import batch_level_report
+        from moeflow.offload.predictors import held_out_rows
+        from moeflow.offload.predictors.expertflow import batch_level_report
 
         result["batch_level"] = batch_level_report(predictor, held_out_rows(predictor, trace), phase=args.phase)
     if not args.per_layer:

@@ -17,7 +17,6 @@ from torch import nn
 
 from moeflow.config import OffloadConfig
 from moeflow.engine import loading
-from moeflow.engine.legacy_scheduling import create_legacy_backend
 from moeflow.engine.sampling import GenerationConfig
 from moeflow.families import Family, family_for_config
 from moeflow.families.base import CausalDecoder
@@ -27,7 +26,7 @@ from moeflow.io.tokenizer import Tokenizer
 from moeflow.kernels.pool import ExpertFormat
 from moeflow.moe.backend import ExpertBackend
 from moeflow.moe.resident import CpuInt4Experts
-from moeflow.scheduling import Stats
+from moeflow.offload import Stats, create_expert_backend
 
 KERNEL_CHOICES = ("auto", "torch", "triton", "cpu-int4")
 PROGRESS_MIN_BYTES = 256 * 2**20  # show a loading progress bar above this much expert data
@@ -81,11 +80,12 @@ def make_expert_backend(
     num_moe = len(family.moe_layers)
     if kernels.experts == "cpu-int4":
         return CpuInt4Experts(fmt, num_moe, family.num_experts)
-    return create_legacy_backend(
-        offload, decoder=decoder, fmt=fmt, num_layers=num_moe, num_experts=family.num_experts,
+    blocks = decoder.moe_blocks
+    return create_expert_backend(
+        offload, fmt=fmt, num_layers=num_moe, num_experts=family.num_experts,
         top_k=family.router_spec().top_k, device=device, kernels_backend=kernels.experts,
-        gates=[block.gate for block in decoder.moe_blocks], reserved_bytes=reserved_bytes, stats=stats,
-        checkpoint_dir=checkpoint_dir,
+        gates=[block.gate for block in blocks], route=blocks[0].route, reserved_bytes=reserved_bytes,
+        stats=stats, checkpoint_dir=checkpoint_dir,
     )
 
 

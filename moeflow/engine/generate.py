@@ -20,8 +20,8 @@ from moeflow.errors import InputError
 from moeflow.families.base import CausalDecoder
 from moeflow.moe.backend import ExpertBackend, StepInfo
 from moeflow.moe.block import RoutingRecorder
-from moeflow.scheduling import Stats
-from moeflow.scheduling.rebatch import group_by_routing
+from moeflow.offload import Stats
+from moeflow.offload.rebatch import group_by_routing
 
 PathPredictor = Callable[[StepInfo, bool], "torch.Tensor | None"]
 

@@ -6,16 +6,17 @@ Everything family-specific (tensor names, expert layouts) is asked of the :class
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
 from moeflow.errors import CheckpointError
-from moeflow.families import Family
+from moeflow.families import Family, family_for_config
 from moeflow.families.base import ExpertLayout
 from moeflow.families.layers import AWQLinear
-from moeflow.io.checkpoint import CheckpointReader, QuantizationSpec
+from moeflow.io.checkpoint import CheckpointReader, QuantizationSpec, read_json
 from moeflow.kernels.pool import ExpertFormat
 
 
@@ -84,3 +85,24 @@ def iter_experts(
 
 def non_expert_bytes(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+
+
+def read_routers(directory: str | Path) -> tuple[list[torch.Tensor], int]:
+    """(router weight fp32 [E, H] of every MoE layer, top-k) of an HF-layout checkpoint directory, reading no
+    expert weight (skip-gate predictors, the simulator's ``--gates``). The family names the tensors."""
+    directory = Path(directory)
+    family = family_for_config(read_json(directory / "config.json"), str(directory / "config.json"))
+    reader = CheckpointReader(directory)
+    try:
+        layout = family.detect_expert_layout(reader)
+        with torch.device("meta"):  # module paths and shapes only: nothing is allocated
+            decoder = family.build_decoder(torch.float32, lambda _n, fan_in, fan_out: nn.Linear(fan_in, fan_out))
+        paths = {id(m): name for name, m in decoder.named_modules()}
+        weights = [
+            reader.get(family.checkpoint_name(f"{paths[id(block)]}.gate.weight", layout),
+                       tuple(block.gate.weight.shape)).float()
+            for block in decoder.moe_blocks
+        ]
+    finally:
+        reader.close()
+    return weights, family.router_spec().top_k

@@ -65,7 +65,7 @@ def measure_sched_ms(num_layers: int = 4, num_experts: int = 8, top_k: int = 2, 
     """Host ms per layer of the real ``OffloadedExperts.forward`` with every expert a hit (compute stubbed)."""
     from moeflow.sim.profile import custom_profile
     from moeflow.sim.simulator import simulate
-    from moeflow.sim.synthetic import synthesize_trace
+    from moeflow.trace.synthetic import synthesize_trace
 
     trace, _ = synthesize_trace(num_layers, num_experts, top_k, hidden_size=16, sequences=1, prompt_len=1,
                                 new_tokens=steps + 1, seed=0)

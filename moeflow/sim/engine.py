@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from moeflow.kernels.pool import ExpertPool
-from moeflow.scheduling.copy_engine import CopyEngine, LoadTask
-from moeflow.scheduling.host_store import HostStore
+from moeflow.kernels.pool import ExpertFormat, ExpertPool
+from moeflow.offload.copy_engine import CopyEngine, LoadTask
+from moeflow.offload.host_store import HostStore
 
 
 @dataclass
@@ -44,7 +44,7 @@ class Interval:
 
 
 class SimClock:
-    """Host time in seconds. Callable, so it plugs into ``OffloadedExperts(clock=...)``."""
+    """Host time in seconds. Callable, so it is a ``Platform.clock``."""
 
     def __init__(self) -> None:
         self.now = 0.0
@@ -79,7 +79,7 @@ class SimHandle:
 
 
 class SimTransport:
-    """A :class:`moeflow.scheduling.transport.Transport` whose copies and compute take virtual time.
+    """A :class:`moeflow.offload.transport.Transport` whose copies and compute take virtual time.
 
     ``scale``: real bytes per simulated byte (the simulator keeps tiny expert regions in memory and
     charges each chunk its share of the profile's expert size). ``num_experts`` and ``region_bytes``
@@ -153,11 +153,21 @@ class SimTransport:
         return self.compute_free
 
 
+class SimHostStore(HostStore):
+    """A host store whose (tiny) regions count as loaded: the simulator never reads expert bytes."""
+
+    def __init__(self, fmt: ExpertFormat, num_layers: int, num_experts: int, *, pin: bool = False,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__(fmt, num_layers, num_experts, pin=False, device="cpu")
+        self.loaded.fill_(True)
+
+
 class SimCopyEngine(CopyEngine):
     """The real :class:`CopyEngine` queue; its worker thread replayed in virtual time.
 
     The worker loop is: wait for work, wait until fewer than ``max_inflight`` chunks are in the stream
-    (the oldest completes), issue the next chunk (the queue's choice: :meth:`CopyEngine._issue_next`).
+    (the oldest completes), issue the next chunk (the queue's choice: :meth:`CopyEngine.head`, issued by
+    :meth:`CopyEngine.issue_next`).
     :meth:`pump` runs that loop at the current virtual time, :meth:`run_until` while the clock moves.
     """
 
@@ -170,22 +180,20 @@ class SimCopyEngine(CopyEngine):
         self._window: deque[SimHandle] = deque()  # chunks in the stream, oldest first
 
     def _queued(self) -> bool:
-        return bool(self._high or self._low)
+        return self.head() is not None
 
     def pump(self, max_chunks: int | None = None) -> int:
         """Issue queued chunks while fewer than ``max_inflight`` are in the stream at the current time."""
         n = 0
-        with self._cond:
-            while max_chunks is None or n < max_chunks:
-                while self._window and self._window[0].query():
-                    self._window.popleft()
-                if len(self._window) >= self.max_inflight or not self._queued():
-                    break
-                head: LoadTask = (self._high or self._low)[0]
-                self.sim.next_copy_kind = "needed" if head.high else "prefetch"
-                self._issue_next()
-                self._window.append(self.sim.last)
-                n += 1
+        while max_chunks is None or n < max_chunks:
+            while self._window and self._window[0].query():
+                self._window.popleft()
+            head: LoadTask | None = self.head()
+            if len(self._window) >= self.max_inflight or head is None:
+                break
+            self.sim.next_copy_kind = "needed" if head.high else "prefetch"
+            self._window.append(self.issue_next())
+            n += 1
         return n
 
     def _next_event(self) -> float | None:

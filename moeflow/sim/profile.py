@@ -25,7 +25,8 @@ class ProfileError(MoeflowError, ValueError):
 
 
 def awq_expert_bytes(hidden: int, intermediate: int, group_size: int = 128) -> int:
-    """Bytes of one AWQ expert region (w13 + w2 with scales and zeros, 256-byte aligned) as the runtime stores it."""
+    """Bytes of one AWQ expert region (every projection with its scales and zeros, 256-byte aligned) as the runtime
+    stores it."""
     import torch
 
     from moeflow.kernels.pool import ExpertFormat

@@ -31,12 +31,15 @@ from torch import nn
 from moeflow.config import OffloadConfig
 from moeflow.errors import MoeflowError, SchedulingError
 from moeflow.kernels.pool import ExpertFormat
-from moeflow.scheduling import create_expert_backend, get_policy
-from moeflow.scheduling.backend import OffloadedExperts
-from moeflow.scheduling.eviction import PriorityEviction
-from moeflow.scheduling.policies import PRESETS
-from moeflow.scheduling.stats import Stats
-from moeflow.sim.engine import Interval, SimClock, SimCopyEngine, SimTransport
+from moeflow.offload import create_expert_backend, get_policy
+from moeflow.offload.backend import OffloadedExperts
+from moeflow.offload.eviction import LRU, PriorityEviction
+from moeflow.offload.platform import Platform
+from moeflow.offload.policies import PolicySpec, registered_policies
+from moeflow.offload.predictors.gate_speculator import GateSpeculator
+from moeflow.offload.predictors.interface import Predictor
+from moeflow.offload.stats import Stats
+from moeflow.sim.engine import Interval, SimClock, SimCopyEngine, SimHostStore, SimTransport
 from moeflow.sim.profile import HardwareProfile
 from moeflow.trace import DECODE, PREFILL, Trace
 
@@ -51,7 +54,7 @@ class SimulationError(MoeflowError, ValueError):
 
 def known_policies() -> list[str]:
     """Every policy the simulator can run: the registered presets plus the simulator's own ('oracle')."""
-    return [*PRESETS, *SIM_ONLY_POLICIES]
+    return [*registered_policies(), *SIM_ONLY_POLICIES]
 
 
 def check_policy(name: str) -> None:
@@ -69,7 +72,7 @@ def check_policy(name: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------- predictors
-class OraclePredictor:
+class OraclePredictor(Predictor):
     """Perfect foresight, the upper bound of prediction (not a real predictor).
 
     * ``propose``: at layer l, the experts the trace routes at layer l + distance of this forward pass (past
@@ -116,9 +119,6 @@ class OraclePredictor:
                 out.append((target - self.L, self._ids(self.steps[self.i + 1], target - self.L)))
         return out
 
-    def observe(self, layer: int, x: torch.Tensor, probs: torch.Tensor, topk_ids: torch.Tensor) -> None:
-        return None
-
     def score(self, key: tuple[int, int], layer_now: int) -> float:
         """Minus the layers until ``key`` is used next (lowest, i.e. farthest, is evicted first)."""
         l, e = key
@@ -126,34 +126,39 @@ class OraclePredictor:
         return -((s - self.i) * self.L + l - layer_now)
 
 
+def oracle_policy(oracle: OraclePredictor) -> PolicySpec:
+    """The simulator-only "oracle" policy: ``oracle``'s proposals, Belady eviction over LRU."""
+    return PolicySpec("oracle", "perfect prediction and Belady eviction from the trace (an upper bound)",
+                      predictor=lambda ctx: oracle, eviction=lambda ctx: PriorityEviction(LRU(), oracle.score))
+
+
 def load_gates(path: str | Path, num_layers: int) -> list[nn.Linear]:
-    """The routers ``model.layers.{l}.block_sparse_moe.gate.weight`` from a checkpoint directory or one
-    safetensors file (e.g. the ``*.gates.safetensors`` written next to a synthetic trace)."""
+    """The routers of ``num_layers`` layers: from a safetensors file written by
+    :func:`moeflow.trace.synthetic.save_gates` (``routers.{l}.weight``), or from a checkpoint directory (read by
+    the model side, :func:`moeflow.engine.loading.read_routers`, which knows the family's weight names)."""
     from safetensors import safe_open
 
+    from moeflow.trace.synthetic import ROUTER_KEY, gate_modules
+
     path = Path(path)
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-    if not files or not all(f.is_file() for f in files):
+    if path.is_dir():
+        from moeflow.engine.loading import read_routers
+
+        try:
+            weights = read_routers(path)[0]
+        except (OSError, ValueError) as e:
+            raise SimulationError(f"cannot read the routers of checkpoint {path}: {e}") from e
+        if len(weights) != num_layers:
+            raise SimulationError(f"{path}: {len(weights)} routers for a trace of {num_layers} layers")
+        return gate_modules(weights)
+    if not path.is_file():
         raise SimulationError(f"no safetensors file with the routers at {path}")
-    want = {f"model.layers.{l}.block_sparse_moe.gate.weight": l for l in range(num_layers)}
-    weights: dict[int, torch.Tensor] = {}
-    for f in files:
-        with safe_open(str(f), "pt") as sf:
-            for key in sf.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if key in want:
-                    weights[want[key]] = sf.get_tensor(key).float()
-    missing = [l for l in range(num_layers) if l not in weights]
-    if missing:
-        raise SimulationError(f"{path}: router weights of layers {missing} not found "
-                              "(model.layers.N.block_sparse_moe.gate.weight)")
-    gates = []
-    for l in range(num_layers):
-        w = weights[l]
-        g = nn.Linear(w.shape[1], w.shape[0], bias=False)
-        with torch.no_grad():
-            g.weight.copy_(w)
-        gates.append(g.requires_grad_(False))
-    return gates
+    with safe_open(str(path), "pt") as sf:
+        keys = set(sf.keys())
+        missing = [l for l in range(num_layers) if ROUTER_KEY.format(l=l) not in keys]
+        if missing:
+            raise SimulationError(f"{path}: router weights of layers {missing} not found ({ROUTER_KEY})")
+        return gate_modules([sf.get_tensor(ROUTER_KEY.format(l=l)).float() for l in range(num_layers)])
 
 
 # ----------------------------------------------------------------------------------------- results
@@ -287,36 +292,34 @@ def simulate(
     if policy == "resident":
         n_slots = total
     else:
-        name = "lru" if policy == "oracle" else policy
-        spec = get_policy(name)
-        if spec.speculate and spec.make_predictor is None:
+        policies = registered_policies()
+        if policy == "oracle":
+            oracle = OraclePredictor(trace, prefetch_distance)
+            policies["oracle"] = oracle_policy(oracle)
+        config = OffloadConfig(gpu_expert_slots=slots, policy=policy, prefetch_distance=prefetch_distance,
+                               copy_chunks=copy_chunks, max_inflight_chunks=max_inflight_chunks,
+                               prefill_ring_slots=prefill_ring_slots, transport="sync", pin_memory=False)
+        platform = Platform(clock=clock, transport=lambda config, device: transport, copy_engine=SimCopyEngine,
+                            host_store=SimHostStore, compute=compute_hook)
+        backend = create_expert_backend(
+            config, fmt=SIM_FORMAT, num_layers=L, num_experts=E, top_k=k, device="cpu", kernels_backend="torch",
+            gates=list(gates) if gates is not None else [], reserved_bytes=0, stats=stats, platform=platform,
+            policies=policies,
+        )
+        assert isinstance(backend, OffloadedExperts)
+        n_slots = backend.n_slots
+        pred = backend.predictor
+        if isinstance(pred, GateSpeculator):
             if gates is None:
                 raise SimulationError(
                     f"policy {policy!r} applies layer l+1's router to layer l's hidden state: give the model's "
                     "routers (--gates CHECKPOINT_DIR or a *.gates.safetensors file)")
             if len(gates) != L:
                 raise SimulationError(f"{len(gates)} routers given for a trace of {L} layers")
-        config = OffloadConfig(gpu_expert_slots=slots, policy=name, prefetch_distance=prefetch_distance,
-                               copy_chunks=copy_chunks, max_inflight_chunks=max_inflight_chunks,
-                               prefill_ring_slots=prefill_ring_slots, transport="sync", pin_memory=False)
-        backend = create_expert_backend(
-            config, fmt=SIM_FORMAT, num_layers=L, num_experts=E, top_k=k, device="cpu", kernels_backend="torch",
-            gates=list(gates) if gates is not None else [], reserved_bytes=0, stats=stats, transport=transport,
-            backend_options={"clock": clock, "compute": compute_hook, "engine_factory": SimCopyEngine},
-        )
-        assert isinstance(backend, OffloadedExperts)
-        n_slots = backend.n_slots
-        if policy == "oracle":
-            oracle = OraclePredictor(trace, prefetch_distance)
-            backend.predictor = oracle
-            backend.cache.policy = PriorityEviction(backend.cache.policy, oracle.score)
-            backend.policy_name = "oracle"
-        pred = backend.predictor
-        needs_hidden = pred is not None and (getattr(pred, "needs_hidden", False) or hasattr(pred, "gates"))
+        needs_hidden = isinstance(pred, GateSpeculator) or getattr(pred, "needs_hidden", False)
         if needs_hidden and trace.hidden is None:
             raise SimulationError(f"policy {policy!r} predicts from the MoE-layer inputs, and trace {trace.source} "
                                   "has no hidden states: record it with `moeflow trace --hidden`")
-        backend.host.loaded.fill_(True)  # the tiny regions' contents are never read
         backend.finish_loading()  # warm start (not timed: it happens at load time)
         transport.synchronize()
     clock.now = max(clock.now, transport.copy_free, transport.compute_free)

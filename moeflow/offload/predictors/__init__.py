@@ -11,7 +11,7 @@ finemoe        FineMoE Expert Map Store: semantic / trajectory search, delta thr
 expertflow     ExpertFlow routing-path predictor: transformer encoder over token ids        token ids
 =============  ===========================================================================  ===========
 
-All share :class:`~moeflow.scheduling.predictors.base.ExpertPredictor` (``observe`` / ``predict`` /
+All share :class:`~moeflow.offload.predictors.base.ExpertPredictor` (``observe`` / ``predict`` /
 ``predicted_mask`` / ``propose``), are built from a :class:`~moeflow.trace.Trace` with
 :func:`train_predictor` and saved to one file that :func:`load_predictor` reads back, refusing a model
 of another shape.
@@ -23,7 +23,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from moeflow.scheduling.predictors.base import (
+from moeflow.offload.predictors.base import (
     ExpertPredictor,
     ModelShape,
     PredictorError,
@@ -31,13 +31,13 @@ from moeflow.scheduling.predictors.base import (
     TrainInfo,
     read_predictor_blob,
 )
-from moeflow.scheduling.predictors.duoserve import DuoServePredictor
-from moeflow.scheduling.predictors.evaluate import EvalResult, check_compatible, evaluate
-from moeflow.scheduling.predictors.expertflow import ExpertFlowPredictor
-from moeflow.scheduling.predictors.finemoe import ExpertMapStore, FineMoEPredictor
-from moeflow.scheduling.predictors.popularity import PopularityPredictor
-from moeflow.scheduling.predictors.promoe import ProMoEPredictor
-from moeflow.scheduling.predictors.skip_gate import SkipGatePredictor
+from moeflow.offload.predictors.duoserve import DuoServePredictor
+from moeflow.offload.predictors.evaluate import EvalResult, check_compatible, evaluate
+from moeflow.offload.predictors.expertflow import ExpertFlowPredictor
+from moeflow.offload.predictors.finemoe import ExpertMapStore, FineMoEPredictor
+from moeflow.offload.predictors.popularity import PopularityPredictor
+from moeflow.offload.predictors.promoe import ProMoEPredictor
+from moeflow.offload.predictors.skip_gate import SkipGatePredictor
 from moeflow.trace import Trace, split_sequence_ids
 
 PREDICTORS: dict[str, type[ExpertPredictor]] = {

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from moeflow.scheduling.predictors.base import ExpertPredictor, ModelShape, popularity_matrix
+from moeflow.offload.predictors.base import ExpertPredictor, ModelShape, popularity_matrix
 
 
 class PopularityPredictor(ExpertPredictor):

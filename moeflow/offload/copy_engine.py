@@ -25,9 +25,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from moeflow.kernels.pool import ALIGN, ExpertPool
-from moeflow.scheduling.host_store import HostStore
-from moeflow.scheduling.stats import PhaseStats
-from moeflow.scheduling.transport import Handle, Transport
+from moeflow.offload.host_store import HostStore
+from moeflow.offload.stats import PhaseStats
+from moeflow.offload.transport import Handle, Transport
 
 
 def chunk_ranges(nbytes: int, chunks: int, align: int = ALIGN) -> list[tuple[int, int]]:
@@ -184,6 +184,23 @@ class CopyEngine:
         with self._cond:
             return [*self._high, *self._low]
 
+    def head(self) -> LoadTask | None:
+        """The task whose chunk goes next (None: nothing queued)."""
+        with self._cond:
+            return self._high[0] if self._high else (self._low[0] if self._low else None)
+
+    def issue_next(self) -> Handle | None:
+        """Issue the next chunk of :meth:`head` now, from the caller's thread (None: nothing queued).
+
+        For engines that replay the worker themselves (the simulator's virtual-time worker)."""
+        with self._cond:
+            return self._issue_next()
+
+    def high_backlog(self) -> list[tuple[LoadTask, int]]:
+        """Queued high-priority loads in the order they will land, each with its bytes still to issue."""
+        with self._cond:
+            return [(t, sum(hi - lo for lo, hi in t.chunks[t.next_chunk:])) for t in self._high]
+
     def wait_issued(self, task: LoadTask) -> None:
         """Block until every chunk of ``task`` is in the transport (issuing inline without a worker)."""
         if task.cancelled:
@@ -207,7 +224,7 @@ class CopyEngine:
         n = 0
         with self._cond:
             while max_chunks is None or n < max_chunks:
-                if not self._issue_next():
+                if self._issue_next() is None:
                     break
                 n += 1
         return n
@@ -220,11 +237,11 @@ class CopyEngine:
             self._thread.join(timeout=5.0)
 
     # ----------------------------------------------------------------- issuing (worker thread or pump)
-    def _issue_next(self) -> bool:
-        """Issue the next chunk (lock held). High tasks first, each task's chunks in order."""
+    def _issue_next(self) -> Handle | None:
+        """Issue the next chunk (lock held) and return its handle. High tasks first, each task's chunks in order."""
         queue_ = self._high if self._high else self._low
         if not queue_:
-            return False
+            return None
         task = queue_[0]
         a, b = task.chunks[task.next_chunk]
         src = self.host.buffer[self.host.index(task.layer, task.expert), a:b]
@@ -242,7 +259,7 @@ class CopyEngine:
                 self._low.pop(0)
         if self.threaded:
             self._inflight.append(handle)
-        return True
+        return handle
 
     def _throttle(self) -> None:
         """Keep at most ``max_inflight`` chunks in the transport, so the queue stays preemptible."""
@@ -262,7 +279,7 @@ class CopyEngine:
                 self._throttle()  # outside the lock: submit / preempt must not wait for a copy
                 with self._cond:
                     # choose after the wait: a high task that arrived meanwhile goes first
-                    if self._issue_next():
+                    if self._issue_next() is not None:
                         self._cond.notify_all()
         except BaseException as exc:  # surfaced to the compute thread at its next wait
             with self._cond:

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from moeflow.kernels.pool import ExpertFormat
-from moeflow.scheduling.cost_model import Rates
+from moeflow.offload.cost_model import Rates
 
 FORMAT_VERSION = 1
 CPU_TOKENS = 8  # second point of the CPU line (the first is one token)

@@ -19,10 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
-from moeflow.scheduling.copy_engine import LoadTask
-from moeflow.scheduling.eviction import EvictionPolicy, Key
-from moeflow.scheduling.stats import PhaseStats
-from moeflow.scheduling.transport import Handle
+from moeflow.offload.copy_engine import LoadTask
+from moeflow.offload.eviction import EvictionPolicy, Key
+from moeflow.offload.stats import PhaseStats
+from moeflow.offload.transport import Handle
 
 
 class SlotState(Enum):

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moeflow.scheduling.predictors.base import (
+from moeflow.offload.predictors.base import (
     ExpertPredictor,
     ModelShape,
     PredictorError,

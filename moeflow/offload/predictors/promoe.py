@@ -10,7 +10,7 @@ number the model activates per token) are handed to the prefetcher.
   2 million parameters for a 4096-wide model (a 512-wide hidden layer); smaller models get
   ``min(512, max(64, 2 * hidden))``.
 * Training on traces of MoE-layer inputs and router outputs, split 9:1 into train and evaluation
-  sets by sequence (the split is done by the caller, :func:`moeflow.scheduling.predictors.train_predictor`).
+  sets by sequence (the split is done by the caller, :func:`moeflow.offload.predictors.train_predictor`).
   Inputs are standardised per source layer with the training set's mean and std; the loss is BCE on
   the target layer's top-k.
 """
@@ -23,14 +23,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from moeflow.scheduling.predictors.base import (
+from moeflow.offload.predictors.base import (
     ExpertPredictor,
     ModelShape,
     PredictorError,
     ids_to_mask,
     popularity_matrix,
 )
-from moeflow.scheduling.predictors.duoserve import _train_bce
+from moeflow.offload.predictors.duoserve import _train_bce
 
 
 def promoe_width(hidden_size: int) -> int:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moeflow.scheduling.predictors.base import ExpertPredictor, ModelShape, PredictorError
+from moeflow.offload.predictors.base import ExpertPredictor, ModelShape, PredictorError
 from moeflow.trace import Trace
 
 

@@ -6,7 +6,7 @@ The model calls exactly one thing here, :func:`create_expert_backend`; see ``doc
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -15,16 +15,28 @@ from moeflow.config import OffloadConfig
 from moeflow.errors import SchedulingError
 from moeflow.kernels.pool import ExpertFormat
 from moeflow.moe import ExpertBackend, ResidentExperts
-from moeflow.scheduling.backend import OffloadedExperts
-from moeflow.scheduling.cache import ExpertCache, Slot, SlotState
-from moeflow.scheduling.copy_engine import CopyEngine, LoadTask, chunk_ranges
-from moeflow.scheduling.cpu_compute import HybridCompute, fixed_set, resolve_cpu_compute
-from moeflow.scheduling.eviction import LFU, LRU, EvictionPolicy, PriorityEviction, Static, make_eviction
-from moeflow.scheduling.host_store import HostStore
-from moeflow.scheduling.policies import PRESETS, PolicyContext, PolicySpec, get_policy, register_policy
-from moeflow.scheduling.predictor import GateSpeculator, Predictor
-from moeflow.scheduling.stats import PhaseStats, Stats
-from moeflow.scheduling.transport import (
+from moeflow.offload.backend import OffloadedExperts
+from moeflow.offload.cache import ExpertCache, Slot, SlotState
+from moeflow.offload.copy_engine import CopyEngine, LoadTask, chunk_ranges
+from moeflow.offload.eviction import LFU, LRU, EvictionPolicy, PriorityEviction, Static, make_eviction
+from moeflow.offload.host_store import HostStore
+from moeflow.offload.hybrid import HybridCompute, fixed_set, resolve_cpu_compute
+from moeflow.offload.platform import REAL, Platform
+from moeflow.offload.policies import (
+    POLICY_NAMES,
+    POLICY_TABLE,
+    PolicyContext,
+    PolicySpec,
+    get_policy,
+    register_policy,
+    registered_policies,
+    unregister_policy,
+)
+from moeflow.offload.predictors.gate_speculator import GateSpeculator
+from moeflow.offload.predictors.interface import Predictor
+from moeflow.offload.rebatch import group_by_routing
+from moeflow.offload.stats import PhaseStats, Stats
+from moeflow.offload.transport import (
     CudaTransport,
     RandomDelayTransport,
     SyncTransport,
@@ -35,8 +47,9 @@ from moeflow.scheduling.transport import (
 __all__ = [
     "create_expert_backend", "resolve_slots", "min_slots", "OffloadedExperts", "HostStore", "ExpertCache", "Slot",
     "SlotState", "CopyEngine", "LoadTask", "chunk_ranges", "EvictionPolicy", "LRU", "LFU", "Static",
-    "PriorityEviction", "make_eviction", "PolicySpec", "PolicyContext", "PRESETS", "get_policy", "register_policy",
-    "Predictor", "GateSpeculator", "HybridCompute",
+    "PriorityEviction", "make_eviction", "PolicySpec", "PolicyContext", "POLICY_TABLE", "POLICY_NAMES",
+    "get_policy", "register_policy", "unregister_policy", "registered_policies", "Predictor", "GateSpeculator",
+    "HybridCompute", "Platform", "REAL", "group_by_routing",
     "Stats", "PhaseStats", "Transport", "SyncTransport", "RandomDelayTransport", "CudaTransport", "make_transport",
 ]
 
@@ -66,13 +79,14 @@ def resolve_slots(
     top_k: int,
     device: torch.device,
     reserved_bytes: int,
+    spec: PolicySpec | None = None,
 ) -> int:
     """Number of device expert slots from ``gpu_expert_slots`` or ``gpu_memory_gb`` (capped at all experts).
 
     Raises SchedulingError below the minimum (saying the minimum) or when "resident" does not fit.
     """
     total = num_layers * num_experts
-    spec = get_policy(config.policy)
+    spec = spec or get_policy(config.policy)
     if config.gpu_expert_slots is not None:
         n, source = config.gpu_expert_slots, f"gpu_expert_slots={config.gpu_expert_slots}"
     elif config.gpu_memory_gb is not None:
@@ -112,65 +126,52 @@ def create_expert_backend(
     top_k: int,
     device: torch.device,
     kernels_backend: str,
-    gates: Sequence[nn.Linear],
+    gates: Sequence[nn.Module],
     reserved_bytes: int,
     stats: Stats,
-    host_store: HostStore | None = None,
-    transport: Transport | None = None,
-    backend_options: dict | None = None,
     checkpoint_dir=None,
-    embed_tokens: nn.Module | None = None,
+    route: Callable | None = None,
+    host_store: HostStore | None = None,
+    platform: Platform = REAL,
+    policies: Mapping[str, PolicySpec] | None = None,
 ) -> ExpertBackend:
     """The expert backend of ``config.policy``: :class:`ResidentExperts` or :class:`OffloadedExperts`.
 
-    ``host_store``: an already filled store to share (then the loader need not call ``load_expert``).
-    ``transport`` (instead of ``config.transport``) and ``backend_options`` (extra ``OffloadedExperts``
-    keywords: ``clock``, ``compute``, ``engine_factory``) are the simulator's seams (``moeflow.sim``).
-    ``checkpoint_dir`` / ``embed_tokens``: for the predictor policies (their default predictor files, FineMoE's
-    embedding hook; ``moeflow.scheduling.predictive_policies``).
+    gates: one router per MoE layer (x [T, H] -> logits [T, E]); route: logits [T, E] -> (probs fp32 [T, E],
+    ids int32 [T, k], weights fp32 [T, k]), the family's routing for speculation (None: softmax-top-k).
+    checkpoint_dir: where the predictor policies look for ``predictors/<kind>.pt``.
+    host_store: an already filled store to share (then the loader need not call ``load_expert``).
+    platform: clock, transport, copy engine, host store and compute executor (the simulator's seam).
+    policies: the table ``config.policy`` is looked up in (default: the built-in table plus user policies;
+    the simulator adds its own "oracle").
     """
-    spec = get_policy(config.policy)
+    spec = get_policy(config.policy, policies)
     device = torch.device(device)
     n_slots = resolve_slots(
         config, fmt=fmt, num_layers=num_layers, num_experts=num_experts, top_k=top_k, device=device,
-        reserved_bytes=reserved_bytes,
+        reserved_bytes=reserved_bytes, spec=spec,
     )
     if not spec.offload:
         return ResidentExperts(fmt, num_layers, num_experts, device, kernels_backend)
     ring = min_slots(config, top_k)
-    ctx = PolicyContext(config, num_layers, num_experts, top_k, n_slots, ring, gates, device,
-                        checkpoint_dir=checkpoint_dir, embed_tokens=embed_tokens)
-    if spec.select is not None:  # "auto": run the preset it picks for this budget
-        spec = get_policy(spec.select(ctx))
-    if spec.make_predictor is not None:  # first: an eviction policy may rank by the predictor (FineMoE)
-        predictor = spec.make_predictor(ctx)
-        ctx = dataclasses.replace(ctx, predictor=predictor)
-    else:
-        predictor = GateSpeculator(gates, top_k, config.prefetch_distance) if spec.speculate else None
-    if spec.make_eviction is not None:
-        eviction = spec.make_eviction(ctx)
-    else:
-        eviction = make_eviction(spec.eviction, n_slots=n_slots, ring_slots=ring)
-    if spec.backend_options is not None:
-        backend_options = {**spec.backend_options(ctx), **(backend_options or {})}
-    if transport is None:
-        transport = make_transport(config.transport, device, seed=config.seed, random_delay_ms=config.random_delay_ms)
+    ctx = PolicyContext(config, num_layers, num_experts, top_k, n_slots, ring, list(gates), device,
+                        checkpoint_dir=checkpoint_dir, route=route)
+    if spec.select is not None:  # "auto": run the policy it picks for this budget
+        spec = get_policy(spec.select(ctx), policies)
+    predictor = spec.predictor(ctx) if spec.predictor is not None else None
+    ctx = dataclasses.replace(ctx, predictor=predictor)  # an eviction policy may rank by the predictor (FineMoE)
+    eviction = spec.eviction(ctx)
+    owns_host = host_store is None
+    host = host_store or platform.host_store(fmt, num_layers, num_experts, pin=config.pin_memory, device=device)
+    if (host.num_layers, host.num_experts) != (num_layers, num_experts):
+        raise ValueError("the given host store holds another model's experts")
     # hybrid execution (docs/hybrid.md): misses computed on the CPU where the cost model says so
     cpu_mode = resolve_cpu_compute(config, spec, fmt)
-    cpu = HybridCompute(cpu_mode, config, fixed_set(eviction)) if cpu_mode != "never" else None
-    backend = OffloadedExperts(
-        fmt, num_layers=num_layers, num_experts=num_experts, top_k=top_k, n_slots=n_slots, device=device,
-        transport=transport, eviction=eviction, stats=stats, retain=spec.retain, predictor=predictor,
-        warm_start=spec.warm_start, kernels_backend=kernels_backend, pin_memory=config.pin_memory,
-        copy_chunks=config.copy_chunks, max_inflight_chunks=config.max_inflight_chunks, policy_name=spec.name,
-        host_store=host_store, per_layer=spec.per_layer, cpu_compute=cpu, **(backend_options or {}),
+    cpu = HybridCompute(cpu_mode, config, host, fixed_set(eviction)) if cpu_mode != "never" else None
+    return OffloadedExperts(
+        fmt, top_k=top_k, n_slots=n_slots, device=device, host=host, transport=platform.transport(config, device),
+        eviction=eviction, stats=stats, predictor=predictor, cpu=cpu, retain=spec.retain,
+        warm_start=spec.warm_start, per_layer=spec.per_layer, prefill_ring=top_k if spec.prefill_ring else None,
+        copy_chunks=config.copy_chunks, max_inflight_chunks=config.max_inflight_chunks,
+        kernels_backend=kernels_backend, policy_name=spec.name, owns_host=owns_host, platform=platform,
     )
-    bind = getattr(predictor, "bind_backend", None)  # predictors that prefetch outside forward (FineMoE's hook)
-    if bind is not None:
-        bind(backend)
-    return backend
-
-# the predictor presets ("duoserve", "promoe", "finemoe", "auto") and ExpertFlow's PLEC cache ("expertflow",
-# moeflow.scheduling.plec) register themselves
-from moeflow.scheduling import predictive_policies  # noqa: E402,F401,I001
-from moeflow.scheduling import plec  # noqa: E402,F401,I001

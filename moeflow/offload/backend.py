@@ -16,60 +16,60 @@ One MoE layer (``forward``), in order:
 
 from __future__ import annotations
 
-import time
 import weakref
 from collections import deque
-from collections.abc import Callable
 
 import torch
 
 from moeflow import kernels
 from moeflow.kernels.pool import ExpertFormat, ExpertPool
-from moeflow.scheduling.cache import ExpertCache, Slot, SlotState
-from moeflow.scheduling.copy_engine import CopyEngine, LoadTask
-from moeflow.scheduling.cpu_compute import HybridCompute
-from moeflow.scheduling.eviction import EvictionPolicy
-from moeflow.scheduling.host_store import HostStore
-from moeflow.scheduling.predictor import Predictor
-from moeflow.scheduling.stats import PhaseStats, Stats
-from moeflow.scheduling.transport import CudaTransport, Transport
+from moeflow.moe.backend import ExpertBackend, StepInfo
+from moeflow.offload.cache import ExpertCache, Slot
+from moeflow.offload.copy_engine import CopyEngine, LoadTask
+from moeflow.offload.eviction import EvictionPolicy
+from moeflow.offload.host_store import HostStore
+from moeflow.offload.hybrid import HybridCompute
+from moeflow.offload.plan import arrival_order, plan_layer
+from moeflow.offload.platform import REAL, Platform
+from moeflow.offload.predictors.interface import Predictor
+from moeflow.offload.stats import PhaseStats, Stats
+from moeflow.offload.transport import CudaTransport, Transport
 
 
-class OffloadedExperts:
-    """``ExpertBackend`` whose experts live in a :class:`HostStore` and stream into ``n_slots`` device slots."""
+class OffloadedExperts(ExpertBackend):
+    """``ExpertBackend`` whose experts live in a :class:`HostStore` and stream into ``n_slots`` device slots.
+
+    Built by :func:`moeflow.offload.create_expert_backend` from a policy; ``platform`` supplies the clock,
+    the copy engine and (optionally) the compute executor (see :mod:`moeflow.offload.platform`).
+    prefill_ring: in prefill at most this many of a layer's loads hold slots at once (DuoServe), None: no limit.
+    """
 
     def __init__(
         self,
         fmt: ExpertFormat,
         *,
-        num_layers: int,
-        num_experts: int,
         top_k: int,
         n_slots: int,
         device: torch.device | str,
+        host: HostStore,
         transport: Transport,
         eviction: EvictionPolicy,
         stats: Stats,
-        retain: bool = True,
         predictor: Predictor | None = None,
+        cpu: HybridCompute | None = None,
+        retain: bool = True,
         warm_start: bool = True,
-        kernels_backend: str = "torch",
-        pin_memory: bool = True,
+        per_layer: bool = False,
+        prefill_ring: int | None = None,
         copy_chunks: int = 3,
         max_inflight_chunks: int = 2,
+        kernels_backend: str = "torch",
         policy_name: str = "",
-        host_store: HostStore | None = None,
-        per_layer: bool = False,
-        clock: Callable[[], float] | None = None,
-        compute: Callable[[int, torch.Tensor, list[int]], None] | None = None,
-        engine_factory: Callable[..., CopyEngine] | None = None,
-        cpu_compute: HybridCompute | None = None,
-        prefill_ring: int | None = None,
+        owns_host: bool = True,
+        platform: Platform = REAL,
     ) -> None:
         self.fmt = fmt
-        self.num_layers = num_layers
-        self.num_experts = num_experts
-        self.top_k = top_k
+        self.num_layers, self.num_experts, self.top_k = host.num_layers, host.num_experts, top_k
         self.device = torch.device(device)
         self.kernels_backend = kernels_backend
         self.policy_name = policy_name
@@ -77,36 +77,27 @@ class OffloadedExperts:
         self.predictor = predictor
         self.warm_start = warm_start
         self.transport = transport
-        # simulator seams (moeflow.sim): a virtual clock for stall times, and a compute hook that accounts
-        # compute(layer, topk_ids, experts) instead of running kernels (no expert weights needed)
-        self.clock = clock or time.perf_counter
-        self.compute_hook = compute
-        # a shared, already filled store (benchmarks compare policies without reloading 24 GB)
-        self._owns_host = host_store is None
-        self.host = host_store or HostStore(fmt, num_layers, num_experts, pin=pin_memory, device=self.device)
-        if self.host.fmt != fmt or (self.host.num_layers, self.host.num_experts) != (num_layers, num_experts):
+        self.clock = platform.clock
+        self.compute_executor = platform.compute  # None: the kernels; the simulator's accounts the time instead
+        if host.fmt != fmt:
             raise ValueError("the given host store holds another model's experts")
+        self.host = host
         self.pool = ExpertPool.allocate(fmt, n_slots, self.device)
-        quota = n_slots // num_layers if per_layer else 0
+        quota = n_slots // self.num_layers if per_layer else 0
         self.cache = ExpertCache(n_slots, eviction, retain=retain, stats=stats.current, layer_quota=quota)
-        self.engine = (engine_factory or CopyEngine)(
-            transport, self.host, self.pool, chunks=copy_chunks, max_inflight=max_inflight_chunks
-        )
+        self.engine = platform.make_engine(transport, host, self.pool, chunks=copy_chunks,
+                                           max_inflight=max_inflight_chunks)
         self._phase = stats.phase
-        self.cpu = cpu_compute  # hybrid execution: misses computed on the CPU (docs/hybrid.md)
-        # DuoServe: in prefill, at most this many of a layer's loads hold slots at once (a k-slot ring)
+        self.cpu = cpu  # hybrid execution: misses computed on the CPU (docs/hybrid.md)
         self.prefill_ring = prefill_ring
-        # predictors that predict beside the expert compute (DuoServe's prediction stream) hand their
-        # proposals over after the layer's first expert group: ``collect_proposals(layer)``
-        self._collect = getattr(predictor, "collect_proposals", None)
-        if cpu_compute is not None:
-            cpu_compute.bind(self)
+        if predictor is not None:
+            predictor.bind(self)  # predictors that prefetch outside forward (FineMoE, ExpertFlow)
         stats.expert_pool_bytes = self.pool.buffer.numel()
         stats.host_store_bytes = self.host.nbytes
         stats.host_pinned = self.host.pinned
         # threads and page registrations go away with the backend, even without close()
         self._finalizer = weakref.finalize(
-            self, _shutdown, self.engine, self.transport, self.host if self._owns_host else None
+            self, _shutdown, self.engine, self.transport, self.host if owns_host else None
         )
 
     @property
@@ -123,8 +114,8 @@ class OffloadedExperts:
         missing = self.host.missing()
         if missing:
             raise RuntimeError(f"expert host store incomplete: {len(missing)} experts never loaded, e.g. {missing[:4]}")
-        if self.cpu is not None:  # CPU int4 forms + cost-model rates (measures H2D into slot 0: before the fill)
-            self.cpu.prepare()
+        if self.cpu is not None:  # CPU int4 forms + cost-model rates
+            self.cpu.prepare(self.device, self.transport.name)
         if not self.warm_start:
             return
         for i in range(min(self.n_slots, self.num_layers * self.num_experts)):
@@ -139,6 +130,15 @@ class OffloadedExperts:
                 for h in slot.task.handles:
                     h.synchronize()
                 self.cache.mark_ready(slot)
+
+    # ------------------------------------------------------------------ one pass
+    def begin_step(self, step: StepInfo) -> None:
+        """Hand the pass to the predictor (FineMoE's semantic search, ExpertFlow's path plan)."""
+        if self.predictor is not None:
+            self.predictor.begin_step(step)
+
+    def predict_paths(self, step: StepInfo, last_only: bool = False) -> torch.Tensor | None:
+        return self.predictor.predict_paths(step, last_only) if self.predictor is not None else None
 
     # ------------------------------------------------------------------ one layer
     def forward(
@@ -198,30 +198,24 @@ class OffloadedExperts:
         for task in dropped:
             self.cache.drop(self.cache.lookup(task.key), task.fences())
 
-        # 3. acquire
-        ready: list[int] = []
-        waiting: list[LoadTask] = []
-        deferred: deque[int] = deque()
+        # 3. acquire: the plan from the cache's state, then the hits pinned and the loads under way promoted
+        plan = plan_layer(layer, needed, self.cache.lookup)
         for e in needed:
             key = (layer, e)
             self.cache.policy.access(key)
             slot = self.cache.lookup(key)
-            if slot is None:
-                st.misses += 1
-                deferred.append(e)
-                continue
-            st.hits += 1
-            self.cache.use(slot)
-            if slot.state is SlotState.READY:
-                ready.append(e)
-            else:
-                st.inflight_hits += 1
-                self.engine.promote(slot.task)
-                waiting.append(slot.task)
-        if self.cpu is not None:  # the cost model sends some misses to the CPU workers (out of `deferred`)
-            self.cpu.start_layer(layer, x, topk_ids, topk_weights, deferred, waiting, st)
-        # arrival order: loads already in the transport first, then the high queue's order
-        waiting.sort(key=lambda t: (not t.issued, t.order))
+            if slot is not None:
+                self.cache.use(slot)
+        st.hits += plan.hits()
+        st.misses += len(plan.deferred)
+        st.inflight_hits += len(plan.waiting)
+        for task in plan.waiting:
+            self.engine.promote(task)
+        if self.cpu is not None:  # the cost model sends some misses to the CPU workers
+            plan.move_to_cpu(self.cpu.start_layer(layer, x, topk_ids, topk_weights, list(plan.deferred),
+                                                  plan.waiting, self.engine.high_backlog(), st))
+        ready, deferred = plan.ready, plan.deferred
+        waiting = arrival_order(plan.waiting)
         self._load_deferred(layer, deferred, waiting, st)
 
         # 4. prefetch for later layers
@@ -232,7 +226,7 @@ class OffloadedExperts:
 
         # 5. reordered inference
         out = torch.empty((topk_ids.numel(), x.shape[-1]), dtype=x.dtype, device=x.device)
-        late = self._collect is not None
+        late = self.predictor is not None and self.predictor.proposes_late
         if ready:
             self._compute(layer, x, topk_ids, topk_weights, out, ready)
             if late:
@@ -270,7 +264,7 @@ class OffloadedExperts:
     def _late_prefetch(self, layer: int, deferred: deque[int], st: PhaseStats) -> bool:
         """DuoServe's second synchronisation point: the first expert group is computed and the prediction
         (made beside it) is ready: queue its prefetches. Returns False (done for this layer)."""
-        proposals = self._collect(layer)
+        proposals = self.predictor.collect_proposals(layer)
         if proposals:
             host = torch.cat([ids.reshape(-1).to(torch.int64) for _, ids in proposals]).tolist()
             if not deferred:
@@ -359,8 +353,8 @@ class OffloadedExperts:
     ) -> None:
         """Fill ``out`` rows of ``experts`` from their slots, then release the slots behind a compute fence."""
         slots = [self.cache.lookup((layer, e)) for e in experts]
-        if self.compute_hook is not None:  # simulator: the hook accounts the compute, no weights are read
-            self.compute_hook(layer, topk_ids, experts)
+        if self.compute_executor is not None:  # simulator: accounts the compute, no weights are read
+            self.compute_executor(layer, topk_ids, experts)
             self._release_after_compute(slots)
             return
         E = self.num_experts
@@ -398,6 +392,8 @@ class OffloadedExperts:
     def close(self) -> None:
         if self.cpu is not None:
             self.cpu.close()
+        if self.predictor is not None:
+            self.predictor.close()
         self._finalizer()
 
     def __repr__(self) -> str:

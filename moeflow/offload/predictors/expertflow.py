@@ -33,7 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from moeflow.scheduling.predictors.base import (
+from moeflow.moe.backend import StepInfo
+from moeflow.offload.predictors.base import (
     ExpertPredictor,
     ModelShape,
     PredictorError,
@@ -149,11 +150,19 @@ class ExpertFlowPredictor(ExpertPredictor):
         """Scores [..., L, E] -> bool paths [..., L, E]: each token's top-k per layer."""
         return topk_mask(scores.reshape(-1, scores.shape[-1]), self.shape.top_k).reshape(scores.shape)
 
-    def predict_paths(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+    def predict_paths(self, input_ids: torch.Tensor | StepInfo, attention_mask: torch.Tensor | None = None,
                       last_only: bool = False) -> torch.Tensor:
         """input_ids [B, T] (left-padded; attention_mask [B, T], 1 = real) -> bool [B, L, E]: the path of each
         sequence's next step, the OR over the tokens that step processes (every real token of the prompt,
-        or with ``last_only`` only the last token, as in a decode step)."""
+        or with ``last_only`` only the last token, as in a decode step). A :class:`StepInfo` (the runtime's
+        call) stands for its tokens so far (``history_ids`` / ``history_mask``)."""
+        if isinstance(input_ids, StepInfo):
+            step = input_ids
+            last_only = bool(attention_mask) if isinstance(attention_mask, bool) else last_only
+            if step.history_ids is not None:
+                input_ids, attention_mask = step.history_ids, step.history_mask
+            else:
+                input_ids, attention_mask = step.input_ids, step.token_mask
         if input_ids.dim() != 2:
             raise PredictorError(f"predict_paths: input_ids must be [batch, seq], got {tuple(input_ids.shape)}")
         if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
@@ -267,7 +276,7 @@ class ExpertFlowPredictor(ExpertPredictor):
 
     def evaluate_trace(self, trace, phase: str = "all"):
         """EvalResult over every (token, layer) pair (all layers are predicted before the pass)."""
-        from moeflow.scheduling.predictors.evaluate import EvalResult, Tally
+        from moeflow.offload.predictors.evaluate import EvalResult, Tally
 
         if phase not in ("all", "prefill", "decode"):
             raise ValueError(f"phase={phase!r}: expected 'all', 'prefill' or 'decode'")

@@ -2,21 +2,19 @@
 
 The residual stream changes slowly from layer to layer, so the router of a later layer, fed the
 current layer's input, approximates that later layer's routing. No training: the predictor holds
-the routers' weights (read from a checkpoint or taken from a loaded model).
+the routers' weights (given by the caller: the CLI reads them from a checkpoint, the runtime takes the loaded
+model's router modules from the policy context).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from moeflow.scheduling.predictors.base import ExpertPredictor, ModelShape, PredictorError
-
-GATE_NAMES = ("model.layers.{l}.block_sparse_moe.gate.weight", "model.layers.{l}.mlp.gate.weight")
+from moeflow.offload.predictors.base import ExpertPredictor, ModelShape, PredictorError
 
 
 class SkipGatePredictor(ExpertPredictor):
@@ -48,38 +46,17 @@ class SkipGatePredictor(ExpertPredictor):
         return self
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path, distance: int = 1, trace=None) -> SkipGatePredictor:
-        """Read the routers of an HF-layout Mixtral checkpoint directory (no expert weights are read).
-        ``trace``: optional training rows, for the popularity prior of the first ``distance`` layers."""
-        from moeflow.families.mixtral import MixtralConfig
-        from moeflow.io.checkpoint import CheckpointReader, read_json
-
-        directory = Path(path)
-        cfg = MixtralConfig.from_dict(read_json(directory / "config.json"), str(directory / "config.json"))
-        reader = CheckpointReader(directory)
-        weights = []
-        for layer in range(cfg.num_hidden_layers):
-            names = [n.format(l=layer) for n in GATE_NAMES]
-            name = next((n for n in names if n in reader), names[0])
-            weights.append(reader.get(name, (cfg.num_local_experts, cfg.hidden_size)))
-        reader.close()
-        popularity = None
-        if trace is not None:
-            from moeflow.scheduling.predictors.base import popularity_matrix
-
-            ModelShape.from_config(cfg).check(ModelShape.from_trace(trace), f"checkpoint {directory}", "the trace")
-            popularity = popularity_matrix(trace.topk_ids, trace.num_experts)
-        self = cls.from_gates(weights, cfg.num_experts_per_tok, distance, popularity)
-        self.train_info.trace_model = str(directory)
-        return self
-
-    @classmethod
-    def fit(cls, trace, distance: int = 1, model: str | Path | None = None) -> SkipGatePredictor:
-        if model is None:
+    def fit(cls, trace, distance: int = 1, routers: Sequence[torch.Tensor] | None = None) -> SkipGatePredictor:
+        """routers: the model's router weights [E, H], one per MoE layer (the CLI reads them from ``--model``);
+        the trace gives the popularity prior of the first ``distance`` layers."""
+        if routers is None:
             raise PredictorError("the skip-gate predictor is built from the model's routers: pass the checkpoint "
                                  "(--model PATH)")
         start = time.perf_counter()
-        self = cls.from_checkpoint(model, distance, trace)
+        from moeflow.offload.predictors.base import popularity_matrix
+
+        self = cls.from_gates(routers, trace.top_k, distance, popularity_matrix(trace.topk_ids, trace.num_experts))
+        self.shape.check(ModelShape.from_trace(trace), "the routers", "the trace")
         self.train_info.train_tokens = len(trace)
         self.train_info.train_seconds = time.perf_counter() - start
         return self

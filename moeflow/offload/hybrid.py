@@ -1,10 +1,13 @@
 """Hybrid execution: missed experts computed on the CPU (torch's int4 kernels) while the device computes the rest.
 
-:class:`HybridCompute` is the part of :class:`~moeflow.scheduling.backend.OffloadedExperts` that decides,
-per layer, which missing experts are copied, computed on the CPU, or both (:mod:`.cost_model`), runs the
-CPU ones on a worker thread pool, and writes their rows of the layer's ``out [T*k, H]`` before the one
-``combine``. Experts computed on the device keep the bitwise staging property; CPU rows differ from the
-device's by the int4 kernel's bf16 rounding (see ``docs/hybrid.md`` for the tolerance).
+:class:`HybridCompute` is an executor the backend hands each layer's misses and loads under way: it decides
+which missing experts are copied, computed on the CPU, or both (:mod:`.cost_model`), runs the CPU ones on a
+worker thread pool, and writes their rows of the layer's ``out [T*k, H]`` before the one ``combine``. It
+holds no reference to the backend: the host store's CPU forms, the copy queue's backlog and the loads come in
+as arguments, and the experts it takes are returned (the caller's plan moves them, see
+:meth:`~moeflow.offload.plan.LayerPlan.move_to_cpu`). Experts computed on the device keep the bitwise staging
+property; CPU rows differ from the device's by the int4 kernel's bf16 rounding
+(see ``docs/hybrid.md`` for the tolerance).
 
 The CPU form of each expert lives in the host store beside its AWQ bytes (:meth:`HostStore.cpu_expert`):
 converted for every expert when loading finishes (``prepare``), so no miss ever pays a conversion.
@@ -18,18 +21,16 @@ import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from moeflow.errors import SchedulingError
-from moeflow.scheduling.calibration import calibration_key, measure_cpu, measure_h2d, resolve_rates
-from moeflow.scheduling.cost_model import Candidate, Choice, Rates, plan
-from moeflow.scheduling.stats import PhaseStats
-
-if TYPE_CHECKING:
-    from moeflow.scheduling.backend import OffloadedExperts
-    from moeflow.scheduling.copy_engine import LoadTask
+from moeflow.offload.calibration import calibration_key, measure_cpu, measure_h2d, resolve_rates
+from moeflow.offload.copy_engine import LoadTask
+from moeflow.offload.cost_model import Candidate, Choice, Rates, plan
+from moeflow.offload.host_store import HostStore
+from moeflow.offload.stats import PhaseStats
 
 RACE_POLL_S = 1e-4  # how often a race is checked while neither side has finished
 
@@ -81,9 +82,10 @@ def fixed_set(eviction: Any) -> Callable[[tuple[int, int]], bool]:
 
 
 class HybridCompute:
-    """Cost model + CPU worker pool for one :class:`OffloadedExperts` (see the module docstring)."""
+    """Cost model + CPU worker pool over one host store (see the module docstring)."""
 
-    def __init__(self, mode: str, config: Any, keep_on_device: Callable[[tuple[int, int]], bool] | None = None):
+    def __init__(self, mode: str, config: Any, host: HostStore,
+                 keep_on_device: Callable[[tuple[int, int]], bool] | None = None):
         if mode not in ("auto", "always"):
             raise ValueError(f"HybridCompute mode {mode!r}: expected 'auto' or 'always'")
         self.mode = mode
@@ -96,36 +98,31 @@ class HybridCompute:
         self.build_s = 0.0  # time converting every expert to the CPU int4 form
         self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="moeflow-cpu-expert")
         self._lock = threading.Lock()  # CPU seconds are added from the worker threads
-        self._backend: OffloadedExperts | None = None
+        self.host = host  # the experts' CPU int4 forms (HostStore.cpu_expert)
         self._layer = -1
         self._jobs: dict[int, tuple[Future, torch.Tensor]] = {}  # expert -> (CPU result, its pair indices)
         self._race: set[int] = set()  # experts of the current layer also being copied
 
     # ------------------------------------------------------------------ set-up
-    def bind(self, backend: OffloadedExperts) -> None:
-        self._backend = backend
-
-    def prepare(self) -> None:
+    def prepare(self, device: torch.device, transport_name: str) -> None:
         """Convert every expert to the CPU int4 form (kept in the host store) and get the cost model's rates.
 
-        Called by the backend when loading finished, before the warm start fills the device pool (the H2D
-        measurement writes slot 0).
+        Called by the backend when loading finished (the H2D measurement copies one expert region into a
+        scratch buffer on ``device``).
         """
-        b = self._backend
-        host = b.host
+        host = self.host
         t0 = time.perf_counter()
-        for layer in range(b.num_layers):
-            for expert in range(b.num_experts):
+        for layer in range(host.num_layers):
+            for expert in range(host.num_experts):
                 host.cpu_expert(layer, expert)
         self.build_s = time.perf_counter() - t0
-        key = calibration_key(host.fmt, b.device, transport=b.transport.name, pinned=host.pinned,
-                              workers=self.workers)
-        self.rates, self.rates_source = resolve_rates(self.config, key, self._measure)
+        key = calibration_key(host.fmt, device, transport=transport_name, pinned=host.pinned, workers=self.workers)
+        self.rates, self.rates_source = resolve_rates(self.config, key, lambda: self._measure(device))
 
-    def _measure(self) -> Rates:
-        b = self._backend
-        h2d = measure_h2d(b.host.buffer[0], b.pool.buffer[0])
-        one, per_token = measure_cpu(b.host.cpu_expert(0, 0), b.fmt.hidden_size,
+    def _measure(self, device: torch.device) -> Rates:
+        src = self.host.buffer[0]
+        h2d = measure_h2d(src, torch.empty_like(src, device=device))
+        one, per_token = measure_cpu(self.host.cpu_expert(0, 0), self.host.fmt.hidden_size,
                                      lambda fn: self.pool.submit(fn).result())
         return Rates(h2d, one, per_token)
 
@@ -136,36 +133,35 @@ class HybridCompute:
         x: torch.Tensor,
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
-        deferred: Any,
+        misses: list[int],
         waiting: list[LoadTask],
+        backlog: list[tuple[LoadTask, int]],
         st: PhaseStats,
-    ) -> None:
-        """Plan the layer's misses (``deferred``) and loads under way (``waiting``); start the CPU jobs.
+    ) -> list[int]:
+        """Plan the layer's ``misses`` and loads under way (``waiting``) and start the CPU jobs.
 
-        Removes from ``deferred`` the experts computed only on the CPU; racing experts stay in both.
+        backlog: the copy queue's high-priority loads in landing order with their bytes still to issue
+        (``CopyEngine.high_backlog``). Returns the misses computed only on the CPU (they need no slot);
+        racing experts are also copied.
         """
-        b = self._backend
         self._layer, self._jobs, self._race = layer, {}, set()
-        if not deferred and not waiting:
-            return
+        if not misses and not waiting:
+            return []
         # the routing on the host (right after the layer's routing sync, so this waits for little)
         flat_ids = topk_ids.reshape(-1).to("cpu", torch.int64)
-        counts = torch.bincount(flat_ids, minlength=b.num_experts).tolist()
-        pending = [t for t in b.engine.pending() if t.high]
-        chunk_bytes = {t: sum(hi - lo for lo, hi in t.chunks[t.next_chunk:]) for t in pending}
-        backlog = sum(chunk_bytes.values())
+        counts = torch.bincount(flat_ids, minlength=self.host.num_experts).tolist()
         ahead, landed_after = 0, {}
-        for t in pending:  # the high queue drains in order: a queued load lands after everything before it
-            ahead += chunk_bytes[t]
+        for t, nbytes in backlog:  # the high queue drains in order: a queued load lands after everything before it
+            ahead += nbytes
             landed_after[t] = ahead
-        cands = [Candidate(e, counts[e], b.fmt.nbytes, keep_on_device=self.keep_on_device((layer, e)))
-                 for e in deferred]
+        cands = [Candidate(e, counts[e], self.host.fmt.nbytes, keep_on_device=self.keep_on_device((layer, e)))
+                 for e in misses]
         cands += [Candidate(t.expert, counts[t.expert], landed_after.get(t, 0), loading=True) for t in waiting]
-        choices = plan(cands, self.rates, mode=self.mode, backlog_bytes=backlog, cpu_workers=self.workers,
+        choices = plan(cands, self.rates, mode=self.mode, backlog_bytes=ahead, cpu_workers=self.workers,
                        race_margin=self.race_margin)
         on_cpu = [e for e, c in choices.items() if c is not Choice.COPY]
         if not on_cpu:
-            return
+            return []
         x_h = x.detach().to("cpu")
         flat_w = topk_weights.reshape(-1).to("cpu", torch.float32)
         k = topk_ids.shape[1]
@@ -176,14 +172,12 @@ class HybridCompute:
             if choices[e] is Choice.BOTH:
                 self._race.add(e)
                 st.cpu_races += 1
-        for e, c in choices.items():
-            if c is Choice.CPU:
-                deferred.remove(e)
+        return [e for e, c in choices.items() if c is Choice.CPU]
 
     def _job(self, layer: int, e: int, x_h: torch.Tensor, pairs: torch.Tensor, k: int, flat_w: torch.Tensor,
              st: PhaseStats) -> torch.Tensor:
         t0 = time.perf_counter()
-        y = self._backend.host.cpu_expert(layer, e).forward(x_h[pairs // k], flat_w[pairs])
+        y = self.host.cpu_expert(layer, e).forward(x_h[pairs // k], flat_w[pairs])
         with self._lock:
             st.cpu_s += time.perf_counter() - t0
         return y

@@ -1,13 +1,13 @@
 """Glue for the offload policies: predictor and eviction-score factories taking a ``PolicyContext``.
 
-``moeflow.scheduling.policies.register_policy(PolicySpec(name, make_predictor=..., make_eviction=...))``
+``moeflow.offload.policies.register_policy(PolicySpec(name, predictor=..., eviction=...))``
 hands its factories a context with ``num_layers``, ``num_experts``, ``top_k``, ``gates`` (the routers),
 ``device`` and ``config``. The helpers here build predictors from it:
 
-    from moeflow.scheduling.predictors.runtime import predictor_factory, finemoe_eviction_score
-    make_predictor = predictor_factory("duoserve", path="duoserve.pt")      # a trained file
-    make_predictor = predictor_factory("skip-gate")                         # the model's own routers
-    make_predictor = predictor_factory("finemoe")                           # empty store, fills as it serves
+    from moeflow.offload.predictors.runtime import predictor_factory, finemoe_eviction_score
+    predictor = predictor_factory("duoserve", path="duoserve.pt")      # a trained file
+    predictor = predictor_factory("skip-gate")                              # the model's own routers
+    predictor = predictor_factory("finemoe")                                # empty store, fills as it serves
     PriorityEviction(LFU(), finemoe_eviction_score(predictor))              # FineMoE's 1 / (p * freq)
 """
 
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from moeflow.scheduling.predictors import (
+from moeflow.offload.predictors import (
     PREDICTORS,
     ExpertPredictor,
     FineMoEPredictor,
@@ -63,7 +63,7 @@ def build_predictor(kind: str, ctx: Any, path: str | Path | None = None, distanc
 
 def predictor_factory(kind: str, path: str | Path | None = None, distance: int | None = None,
                       **options: Any) -> Callable[[Any], ExpertPredictor]:
-    """A ``make_predictor`` for :class:`moeflow.scheduling.policies.PolicySpec`."""
+    """A ``predictor`` factory for :class:`moeflow.offload.policies.PolicySpec`."""
     def make(ctx: Any) -> ExpertPredictor:
         return build_predictor(kind, ctx, path, distance, **options)
     return make

@@ -15,10 +15,9 @@ Life cycle inside one forward pass ("iteration") of L MoE layers over T tokens::
 source layer); for ``t < distance`` there is no source yet and the predictor gives its prior
 (popularity for the learned predictors, the semantic search for FineMoE).
 
-The runtime (``moeflow.scheduling.backend``) speaks the older two-method protocol of
-:mod:`moeflow.scheduling.predictor`: :meth:`ExpertPredictor.propose` adapts to it, provided the
-backend calls ``observe(layer, ...)`` before ``propose(layer, x)`` for predictors with
-``needs_routing`` (DuoServe, FineMoE).
+An ExpertPredictor is a :class:`~moeflow.offload.predictors.interface.Predictor` (the one interface the
+runtime speaks): :meth:`ExpertPredictor.propose` serves it, provided the backend calls ``observe(layer, ...)``
+before ``propose(layer, x)`` for predictors with ``needs_routing`` (DuoServe, FineMoE).
 """
 
 from __future__ import annotations
@@ -31,6 +30,7 @@ from typing import Any, ClassVar
 import torch
 
 from moeflow.errors import MoeflowError
+from moeflow.offload.predictors.interface import Predictor
 
 PREDICTOR_FORMAT = "moeflow-predictor"
 PREDICTOR_VERSION = 1
@@ -59,7 +59,7 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, cfg) -> ModelShape:
-        """From a :class:`~moeflow.models.mixtral.MixtralConfig` (or anything with its field names)."""
+        """From a :class:`~moeflow.families.mixtral.MixtralConfig` (or anything with its field names)."""
         return cls(cfg.num_hidden_layers, cfg.num_local_experts, cfg.num_experts_per_tok, cfg.hidden_size)
 
     def check(self, other: ModelShape, what: str = "the predictor", against: str = "the model") -> None:
@@ -120,7 +120,7 @@ def ids_to_mask(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     return torch.zeros(shape, dtype=torch.bool, device=topk_ids.device).scatter_(-1, topk_ids.long(), True)
 
 
-class ExpertPredictor:
+class ExpertPredictor(Predictor):
     """Base class: iteration state, argument checks, prior, selection, runtime adapter, save/load.
 
     Subclasses set ``kind`` and the ``needs_*`` flags, implement :meth:`_predict` (and usually
@@ -272,7 +272,7 @@ class ExpertPredictor:
 
     # ------------------------------------------------------------------ runtime adapter
     def propose(self, layer: int, x: torch.Tensor, max_experts: int | None = None) -> list[tuple[int, torch.Tensor]]:
-        """moeflow.scheduling.predictor.Predictor protocol: at layer ``layer`` (MoE input x [T, H]),
+        """The runtime's :class:`Predictor` call: at layer ``layer`` (MoE input x [T, H]),
         [(layer + distance, expert ids int64 [n])], most wanted first; several tokens are merged by
         summed priority. Hidden-only predictors observe ``x`` here; routing-based ones need
         ``observe(layer, ...)`` called first."""

@@ -2,9 +2,10 @@
 
 ``OffloadConfig(policy="expertflow")`` (ExpertFlow §3.2):
 
-* **Prediction before the pass.** A forward pre-hook on the decoder (``attach_model``) reads the step's token
-  ids, keeps each sequence's earlier tokens (by KV-cache row, so regrouped micro-batches keep their history)
-  and runs the routing-path predictor (:mod:`moeflow.scheduling.predictors.expertflow`) once: the step's plan
+* **Prediction before the pass.** ``begin_step`` (the engine calls it before layer 0) reads each sequence's
+  tokens so far from the :class:`~moeflow.moe.backend.StepInfo` (``history_ids``: the engine keeps them by
+  KV-cache row, so regrouped micro-batches keep their history) and runs the routing-path predictor
+  (:mod:`moeflow.offload.predictors.expertflow`) once: the step's plan
   is the OR over its tokens of each token's predicted path (top-k per layer), experts of a layer ranked by
   summed score.
 * **Prefetch across the whole slot budget** (§3.2.1). Right after the prediction, and again at every layer's
@@ -36,8 +37,11 @@ from typing import Any
 
 import torch
 
-from moeflow.scheduling.eviction import EvictionPolicy, Key
-from moeflow.scheduling.policies import PolicyContext, PolicySpec, register_policy
+from moeflow.moe.backend import StepInfo
+from moeflow.offload.eviction import EvictionPolicy, Key
+from moeflow.offload.policies.files import load_policy_predictor
+from moeflow.offload.policies.spec import PolicyContext, PolicySpec
+from moeflow.offload.predictors.interface import Predictor
 
 
 class PLECState:
@@ -105,59 +109,41 @@ class PLECEviction(EvictionPolicy):
         return min(candidates, key=lambda k: self.order(k, layer_now))
 
 
-class PLECPredictor:
+class PLECPredictor(Predictor):
     """The runtime side of PLEC: predicts each pass's path from the token ids and proposes prefetches."""
 
     def __init__(self, predictor: Any, state: PLECState) -> None:
         self.predictor = predictor  # ExpertFlowPredictor
         self.state = state
         self.backend: Any = None
-        self._hist: torch.Tensor | None = None  # [B, max_len] token ids of the current generate() cache
-        self._valid: torch.Tensor | None = None
-        self._parent: Any = None
-        self._hooked = False  # the pre-hook planned the pass that is starting
-        self._handle: Any = None
+        self._planned = False  # begin_step planned the pass that is starting
 
     # ------------------------------------------------------------------ wiring
-    def bind_backend(self, backend: Any) -> None:
-        """The runtime's backend (its cache and ``prefetch``), handed over by ``create_expert_backend``."""
-        self.backend = backend
+    def bind(self, runtime: Any) -> None:
+        """The runtime's backend (its cache and ``prefetch``)."""
+        self.backend = runtime
 
-    def attach_model(self, model: torch.nn.Module) -> None:
-        """Hook the decoder (``MixtralModel``) so each forward pass is predicted before layer 0 runs."""
-        if self._handle is not None:
-            self._handle.remove()
-        self._handle = model.register_forward_pre_hook(self._before_pass)
-
-    def predict_paths(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                      last_only: bool = False) -> torch.Tensor:
-        """For ``generate(path_predictor=...)``: bool [B, L, E] (see ExpertFlowPredictor.predict_paths)."""
-        return self.predictor.predict_paths(input_ids, attention_mask, last_only=last_only)
+    def predict_paths(self, step: StepInfo, last_only: bool = False) -> torch.Tensor:
+        """bool [B, L, E] of ``step``'s sequences from their tokens so far (ExpertFlowPredictor.predict_paths)."""
+        ids = step.history_ids if step.history_ids is not None else step.input_ids
+        mask = step.history_mask if step.history_ids is not None else step.token_mask
+        return self.predictor.predict_paths(ids, mask, last_only=last_only)
 
     # ------------------------------------------------------------------ the pass
-    def _before_pass(self, module: torch.nn.Module, args: tuple) -> None:
-        input_ids, _, cache, cache_position, token_mask = args[:5]
-        parent = getattr(cache, "parent", cache)
-        b = input_ids.shape[0]
-        rows = cache.rows.cpu() if hasattr(cache, "parent") else torch.arange(b)  # CacheRows: a micro-batch
-        if parent is not self._parent:  # a new generate() / forward(): a new cache
-            n = parent.valid.shape[0]
-            self._parent = parent
-            self._hist = torch.zeros((n, parent.max_len), dtype=torch.long)
-            self._valid = torch.zeros((n, parent.max_len), dtype=torch.bool)
-        pos = cache_position.cpu()
-        mask = token_mask.cpu()
-        self._hist[rows[:, None], pos[None, :]] = input_ids.cpu().long()
-        self._valid[rows[:, None], pos[None, :]] = mask
-        upto = int(pos.max()) + 1
+    def begin_step(self, step: StepInfo) -> None:
+        """Plan the pass: the OR over its tokens of each token's predicted path, then prefetch ahead."""
+        if step.history_ids is None:
+            raise ValueError("the expertflow policy predicts from the tokens so far: StepInfo.history_ids is None")
+        hist, valid = step.history_ids.cpu(), step.history_mask.cpu()
+        mask = step.token_mask.cpu()
         L, E = self.state.num_layers, self.state.num_experts
         mass = torch.zeros(L, E)
         active = torch.zeros(L, E, dtype=torch.bool)
-        for i, r in enumerate(rows.tolist()):
+        for i in range(hist.shape[0]):
             new = int(mask[i].sum())
             if new == 0:
                 continue
-            context = self._hist[r, :upto][self._valid[r, :upto]]
+            context = hist[i][valid[i]]
             scores = self.predictor.token_scores(context, new).cpu()  # [new, L, E]
             paths = self.predictor.token_paths(scores)
             active |= paths.any(0)
@@ -165,7 +151,7 @@ class PLECPredictor:
         plan = {layer: [e for e in torch.argsort(mass[layer], descending=True).tolist() if active[layer, e]]
                 for layer in range(L)}
         self.state.new_pass(plan)
-        self._hooked = True
+        self._planned = True
         self._prefetch_ahead(-1)
 
     def _budget_targets(self, layer_now: int) -> list[tuple[int, list[int]]]:
@@ -197,21 +183,15 @@ class PLECPredictor:
         if backend is None:
             return
         for target, experts in self._budget_targets(layer_now):
-            if hasattr(backend, "prefetch"):
-                backend.prefetch(target, experts, layer_now)
-            else:  # runtime without the public prefetch entry point
-                st = backend.stats.current()
-                backend.cache.poll()
-                backend._prefetch(target, experts, layer_now, st)
-                backend._pump(st)
+            backend.prefetch(target, experts, layer_now)
 
     # ------------------------------------------------------------------ Predictor protocol
     def observe(self, layer: int, x: torch.Tensor, probs: torch.Tensor, topk_ids: torch.Tensor) -> None:
-        if layer == 0 and not self._hooked:  # driven without the model hook (simulator, unit tests): popularity
+        if layer == 0 and not self._planned:  # driven without begin_step (simulator, unit tests): popularity
             pop = self.predictor.popularity.cpu()
             k = self.predictor.shape.top_k
             self.state.new_pass({t: torch.topk(pop[t], k).indices.tolist() for t in range(pop.shape[0])})
-        self._hooked = False
+        self._planned = False
         self.state.layer_now = layer
 
     def propose(self, layer: int, x: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
@@ -222,30 +202,23 @@ class PLECPredictor:
             targets = self._budget_targets(layer)
         return [(t, torch.tensor(es, dtype=torch.int64, device=x.device)) for t, es in targets if es]
 
-    def close(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
-
 
 # ---------------------------------------------------------------------- the policy
 def make_plec_predictor(ctx: PolicyContext) -> PLECPredictor:
     """The expertflow predictor from ``OffloadConfig.predictor_path`` or ``<checkpoint>/predictors/expertflow.pt``."""
-    from moeflow.scheduling.predictive_policies import load_policy_predictor
-
     pred = load_policy_predictor(ctx, "expertflow")
     return PLECPredictor(pred, PLECState(ctx.num_layers, ctx.num_experts))
 
 
 def make_plec_eviction(ctx: PolicyContext) -> PLECEviction:
     """PLEC's correction order over the predictor's plan (``ctx.predictor``, made first)."""
-    pred = getattr(ctx, "predictor", None)
+    pred = ctx.predictor
     state = pred.state if isinstance(pred, PLECPredictor) else PLECState(ctx.num_layers, ctx.num_experts)
     return PLECEviction(state)
 
 
-register_policy(PolicySpec(
-    "expertflow", make_predictor=make_plec_predictor, make_eviction=make_plec_eviction,
-    description="ExpertFlow PLEC: routing paths predicted from the token ids before each pass, prefetched across "
-                "the whole slot budget; misses replace mis-prefetched experts first, then idle and finished ones",
-), replace=True)
+EXPERTFLOW = PolicySpec(
+    "expertflow", "ExpertFlow PLEC: routing paths predicted from the token ids before each pass, prefetched across "
+                  "the whole slot budget; misses replace mis-prefetched experts first, then idle and finished ones",
+    eviction=make_plec_eviction, predictor=make_plec_predictor,
+)

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from moeflow.scheduling.predictors.base import ExpertPredictor, ModelShape, PredictorError, popularity_matrix
+from moeflow.offload.predictors.base import ExpertPredictor, ModelShape, PredictorError, popularity_matrix
 
 DEFAULT_CAPACITY = 1000
 PAPER_DISTANCE = 3  # Mixtral-8x7B in the paper
@@ -351,7 +351,7 @@ class FineMoEPredictor(ExpertPredictor):
         return float(eviction_priority(self.guidance[layer, expert], f))
 
     def eviction_score(self, key: tuple[int, int], layer_now: int = 0) -> float:
-        """For :class:`moeflow.scheduling.eviction.PriorityEviction` (evicts the lowest): p * freq."""
+        """For :class:`moeflow.offload.eviction.PriorityEviction` (evicts the lowest): p * freq."""
         layer, expert = key
         return float(self.guidance[layer, expert] * self.freq[layer, expert])
 

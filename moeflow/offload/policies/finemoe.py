@@ -1,0 +1,83 @@
+"""``finemoe`` (FineMoE §4): Expert Map Store search (semantic search from the token embeddings for the first
+d layers, trajectory search after), δ-threshold prefetch ranked by p / (l − l_now), eviction by 1 / (p · freq)
+(``PriorityEviction(LFU(), p · freq)``). Needs no file: the store fills as it serves."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from moeflow.errors import SchedulingError
+from moeflow.moe.backend import StepInfo
+from moeflow.offload.eviction import LFU, EvictionPolicy, PriorityEviction
+from moeflow.offload.policies.files import load_policy_predictor
+from moeflow.offload.policies.spec import PolicyContext, PolicySpec
+from moeflow.offload.predictors.finemoe import ExpertMapStore, FineMoEPredictor
+from moeflow.offload.predictors.interface import LearnedPredictorRuntime, Proposals
+
+
+class FineMoERuntime(LearnedPredictorRuntime):
+    """FineMoE in the runtime: each forward pass is announced by ``begin_step`` with its token embeddings.
+
+    ``begin_step`` publishes the previous iteration's map (``end_iteration``), starts the new one with the
+    embeddings (``begin_iteration``: the semantic search) and prefetches the first ``d`` layers' δ-selected
+    experts through the bound backend's ``prefetch``; during the pass ``observe`` / ``propose`` drive the
+    trajectory search for layer ``l + d``.
+    """
+
+    def __init__(self, predictor: FineMoEPredictor) -> None:
+        super().__init__(predictor)
+        self._runtime: Any = None
+
+    @property
+    def store(self) -> ExpertMapStore:
+        return self.predictor.store
+
+    def bind(self, runtime: Any) -> None:
+        self._runtime = runtime
+
+    def begin_step(self, step: StepInfo) -> None:
+        if step.embeds is None:  # a plan-only step (micro-batch grouping): nothing runs
+            return
+        pred = self.predictor
+        pred.end_iteration()
+        pred.begin_iteration(step.embeds.detach().reshape(-1, step.embeds.shape[-1]))
+        if self._runtime is None:
+            return
+        for target in range(min(pred.distance, pred.shape.num_layers)):
+            scores = pred.predict(target)
+            mask = pred.predicted_mask(scores, target)
+            prio = torch.where(mask, pred.prefetch_priority(scores, target, -1), torch.zeros_like(scores)).sum(0)
+            n = int(mask.any(0).sum())
+            ids = torch.topk(prio, max(n, 1)).indices.tolist()
+            self._runtime.prefetch(target, ids, layer_now=0)
+
+    def observe(self, layer: int, x: torch.Tensor, probs: torch.Tensor, topk_ids: torch.Tensor) -> None:
+        self.predictor.observe(layer, None, probs, topk_ids)
+
+    def propose(self, layer: int, x: torch.Tensor) -> Proposals:
+        return self.predictor.propose(layer, x)
+
+    def eviction_score(self, key: tuple[int, int], layer_now: int = 0) -> float:
+        return self.predictor.eviction_score(key, layer_now)
+
+
+def _finemoe_predictor(ctx: PolicyContext) -> FineMoERuntime:
+    pred = load_policy_predictor(ctx, "finemoe")
+    if torch.device(ctx.device).type == "cuda":
+        pred.start_async()  # searches on a worker thread, off the critical path (FineMoE §4.3)
+    return FineMoERuntime(pred)
+
+
+def _finemoe_eviction(ctx: PolicyContext) -> EvictionPolicy:
+    if ctx.predictor is None:
+        raise SchedulingError("the finemoe eviction policy ranks by its predictor's maps, but none was built")
+    return PriorityEviction(LFU(), ctx.predictor.eviction_score)
+
+
+FINEMOE = PolicySpec(
+    "finemoe", "FineMoE: expert-map search (semantic, then trajectory), delta-threshold prefetch by p/(l - l_now), "
+               "eviction by 1/(p*freq)",
+    eviction=_finemoe_eviction, predictor=_finemoe_predictor,
+)

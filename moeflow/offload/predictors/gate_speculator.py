@@ -1,0 +1,52 @@
+"""mixtral-offloading's speculation in the runtime: layer ``l + d``'s router applied to layer ``l``'s MoE input.
+
+Consecutive layers' hidden states are close (residual stream), so the next router's top-k on the current
+input is a good guess. The routers and the routing function come from the context (``PolicyContext.gates``,
+``route``), so any family's routing can be speculated. For a batch of tokens the experts are ranked by summed
+probability.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from moeflow.moe import route as softmax_topk
+from moeflow.offload.predictors.interface import Predictor, Proposals
+
+Route = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+class GateSpeculator(Predictor):
+    """gates: one router per MoE layer (x [T, H] -> logits [T, E]); route: logits [T, E] -> (probs fp32 [T, E],
+    ids int32 [T, k], weights fp32 [T, k]) (default: softmax, top-k, renormalise)."""
+
+    def __init__(self, gates: Sequence[nn.Module], top_k: int, distance: int = 1, max_experts: int | None = None,
+                 route: Route | None = None):
+        self.gates = list(gates)
+        self.top_k = top_k
+        self.distance = distance
+        self.max_experts = max_experts or top_k
+        self.route = route or (lambda logits: softmax_topk(logits, top_k))
+
+    def propose(self, layer: int, x: torch.Tensor) -> Proposals:
+        out = []
+        for d in range(1, self.distance + 1):
+            target = layer + d
+            if target >= len(self.gates):
+                break
+            with torch.no_grad():
+                probs, top, _ = self.route(self.gates[target](x))
+                if probs.shape[0] == 1:
+                    ids = top[0].long()
+                else:
+                    # several tokens: the union of their top-k, ranked by summed probability
+                    top = top.long()
+                    mass = torch.zeros(probs.shape[-1], device=probs.device).index_add_(
+                        0, top.reshape(-1), probs.gather(1, top).reshape(-1)
+                    )
+                    ids = torch.topk(mass, min(self.max_experts, probs.shape[-1])).indices
+            out.append((target, ids))
+        return out

@@ -1,0 +1,76 @@
+"""The one interface the offloading backend speaks to a predictor: :class:`Predictor`.
+
+Per forward pass the backend calls ``begin_step`` once (before layer 0, with the engine's
+:class:`~moeflow.moe.backend.StepInfo`), then per MoE layer ``observe`` (the layer's routing) and ``propose``
+(expert ids for later layers, fetched to the host together with the routing in one transfer). Every method
+but ``propose`` has a no-op default, so a predictor implements only what it uses:
+
+* ``bind(runtime)``: the backend, for predictors that prefetch outside ``forward`` (FineMoE before layer 0,
+  ExpertFlow's whole-budget plan) through ``runtime.prefetch`` / ``runtime.cache``;
+* ``collect_proposals(layer)``: proposals made beside the layer's expert compute (DuoServe's prediction
+  stream), asked for after the layer's first expert group when ``proposes_late`` is True;
+* ``predict_paths(step, last_only)``: routing paths bool [B, L, E] for micro-batch grouping (ExpertFlow);
+* ``close()``: release hooks, threads, side streams.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import torch
+
+from moeflow.moe.backend import StepInfo
+
+Proposals = list[tuple[int, torch.Tensor]]  # [(target layer, expert ids int [n], most wanted first)]
+
+
+class Predictor(ABC):
+    """What to prefetch (see the module docstring for the call order)."""
+
+    proposes_late: ClassVar[bool] = False  # the backend calls collect_proposals after a layer's first group
+
+    def bind(self, runtime: Any) -> None:  # noqa: B027 (optional hook)
+        """The backend that runs this predictor (``prefetch(target, experts, layer_now)``, ``cache``)."""
+
+    def begin_step(self, step: StepInfo) -> None:  # noqa: B027 (optional hook)
+        """A forward pass starts (called before layer 0)."""
+
+    def observe(  # noqa: B027 (optional hook)
+        self, layer: int, x: torch.Tensor | None, probs: torch.Tensor | None, topk_ids: torch.Tensor | None
+    ) -> None:
+        """Layer ``layer``'s routing: x [T, H] MoE input, probs fp32 [T, E], topk_ids int [T, k]."""
+
+    @abstractmethod
+    def propose(self, layer: int, x: torch.Tensor) -> Proposals:
+        """At layer ``layer`` with MoE input ``x`` [T, H]: [(target_layer, expert ids int [n]), ...]."""
+
+    def collect_proposals(self, layer: int) -> Proposals:
+        """Proposals made beside layer ``layer``'s expert compute (only asked when ``proposes_late``)."""
+        return []
+
+    def predict_paths(self, step: StepInfo, last_only: bool = False) -> torch.Tensor | None:
+        """Predicted routing paths bool [B, L, E] of ``step``'s sequences (None: no path prediction)."""
+        return None
+
+    def close(self) -> None:  # noqa: B027 (optional hook)
+        """Release what the predictor holds (threads, streams)."""
+
+
+class LearnedPredictorRuntime(Predictor):
+    """A runtime predictor around a learned predictor (``self.predictor``, an ExpertPredictor): its kind,
+    distance and lifetime are the learned one's (DuoServe's prediction stream, FineMoE's map search)."""
+
+    def __init__(self, predictor: Any) -> None:
+        self.predictor = predictor
+
+    @property
+    def kind(self) -> str:
+        return self.predictor.kind
+
+    @property
+    def distance(self) -> int:
+        return self.predictor.distance
+
+    def close(self) -> None:
+        self.predictor.close()
