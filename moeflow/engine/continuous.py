@@ -198,6 +198,11 @@ class ContinuousEngine:
         self._waiting.clear()
 
     @property
+    def alive(self) -> bool:
+        """Whether the scheduler thread is running."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
     def waiting(self) -> int:
         return len(self._waiting)
 
@@ -231,6 +236,9 @@ class ContinuousEngine:
             self._finish(seq, "cancelled")
         while self._waiting and self.cache.free_rows:
             seq = self._waiting.popleft()
+            if seq.params.max_new_tokens == 0:
+                self._finish(seq, "length")
+                continue
             seq.row = self.cache.allocate()
             self._running.append(seq)
 
