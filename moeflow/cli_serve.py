@@ -99,6 +99,8 @@ def cmd_serve(args) -> int:
         print("error: --policy expertflow reads whole-batch cache rows that the serving engine does not have yet; "
               "pick another policy", file=sys.stderr)
         return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model = _load_model(args)
     # the first pass pays one-time costs (op registration, lazy imports: seconds on a CPU): not the first client
     model.generate(torch.zeros((1, 1), dtype=torch.long), max_new_tokens=1, do_sample=False)
@@ -157,6 +159,7 @@ def register(sub) -> None:
     p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens read per scheduler iteration")
     p.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (or set {API_KEY_ENV})")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: directory name)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)
 

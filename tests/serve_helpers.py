@@ -26,9 +26,9 @@ START_TIMEOUT_S = 120
 class Server:
     """``moeflow serve ARGS`` in a subprocess; ``url`` once it printed its address; ``stop()`` ends it."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, device: str = "cpu") -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-        self.proc = subprocess.Popen([sys.executable, "-m", "moeflow", "serve", "--port", "0", "--device", "cpu",
+        self.proc = subprocess.Popen([sys.executable, "-m", "moeflow", "serve", "--port", "0", "--device", device,
                                       *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.lines: queue.Queue = queue.Queue()
         self.output: list[str] = []

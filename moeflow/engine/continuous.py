@@ -262,6 +262,7 @@ class ContinuousEngine:
                 break
             chunks.append((seq, seq.prefilled, take))
             budget -= take
+        chunks.sort(key=lambda c: c[0].row)  # rows in order: the cache reads a view, not a gather
         width = max(take for _, _, take in chunks)
         ids = torch.zeros((len(chunks), width), dtype=torch.long)
         pos = torch.zeros((len(chunks), width), dtype=torch.long)
@@ -278,6 +279,7 @@ class ContinuousEngine:
 
     def _decode(self, seqs: list[Sequence]) -> None:
         """Feed each sequence's last token at its own position: [B, 1]."""
+        seqs = sorted(seqs, key=lambda s: s.row)
         ids = torch.tensor([[s.generated[-1]] for s in seqs], dtype=torch.long)
         pos = torch.tensor([[len(s.prompt_ids) + len(s.generated) - 1] for s in seqs], dtype=torch.long)
         logits = self._pass("decode", seqs, ids, pos, torch.ones_like(ids, dtype=torch.bool))

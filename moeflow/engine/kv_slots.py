@@ -102,6 +102,10 @@ class SlotBatch:
         self._write_pos = self.cache_position[self._b, self._t]
         furthest = int(self.cache_position.max()) + 1
         self.key_len = min(parent.max_len, -(-furthest // self.KEY_BLOCK) * self.KEY_BLOCK)
+        # consecutive rows (the engine sorts a pass by row) are read as a view instead of gathered
+        lo = int(rows[0])
+        contiguous = bool((rows == torch.arange(lo, lo + len(rows), device=rows.device)).all())
+        self._read_rows = slice(lo, lo + len(rows)) if contiguous else rows
 
     def mark_valid(self, cache_position: torch.Tensor, token_mask: torch.Tensor) -> None:
         self.parent.valid[self._write_rows, self._write_pos] = True
@@ -110,7 +114,7 @@ class SlotBatch:
         """Boolean mask [B, 1, T, key_len]: causal per row, padding-aware, sliding-window when configured."""
         keys = torch.arange(self.key_len, device=self.rows.device)
         q = self.cache_position[:, :, None]  # [B, T, 1]
-        valid = self.parent.valid.index_select(0, self.rows)[:, None, : self.key_len]  # [B, 1, key_len]
+        valid = self.parent.valid[self._read_rows][:, None, : self.key_len]  # [B, 1, key_len]
         allowed = (keys <= q) & valid
         if sliding_window is not None:
             allowed = allowed & (q - keys < sliding_window)
@@ -122,4 +126,4 @@ class SlotBatch:
         kl, vl = self.parent.k[layer], self.parent.v[layer]
         kl[self._write_rows, :, self._write_pos] = k.transpose(1, 2)[self._b, self._t]
         vl[self._write_rows, :, self._write_pos] = v.transpose(1, 2)[self._b, self._t]
-        return kl[self.rows, :, : self.key_len], vl[self.rows, :, : self.key_len]
+        return kl[self._read_rows, :, : self.key_len], vl[self._read_rows, :, : self.key_len]

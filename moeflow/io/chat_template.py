@@ -138,3 +138,10 @@ def chat_template_for(directory: str | Path) -> ChatTemplate:
         raise CheckpointError(f"{directory} ships no chat template (no chat_template.jinja, no chat_template in "
                               "tokenizer_config.json): send plain prompts (/v1/completions, generate --prompt)")
     return template
+
+
+def stop_token_ids(template: ChatTemplate | None, eos_ids: list[int], encode) -> tuple[int, ...]:
+    """Tokens that end a chat reply: generation_config.json's ``eos_token_id`` list plus the template's
+    end-of-turn token, in that order, without repeats."""
+    eot = template.end_of_turn_ids(encode) if template is not None else []
+    return tuple(dict.fromkeys([*eos_ids, *eot]))
