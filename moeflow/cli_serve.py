@@ -109,9 +109,11 @@ def cmd_serve(args) -> int:
     max_len = args.max_model_len or min(cfg.max_position_embeddings, KV_BUDGET_TOKENS)
     if args.kv_cache_gb is not None:
         budget = int(args.kv_cache_gb * 2**30)
-    else:  # what from_pretrained reserved for the KV cache when it sized the expert slots
+    elif model.device.type == "cuda":  # what from_pretrained reserved for the KV cache when it sized the expert slots
         budget = kv_bytes_per_row(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
                                   max(KV_BUDGET_TOKENS, max_len), model.dtype)
+    else:  # host memory: --max-batch rows
+        budget = None
     cache = SlotKVCache.for_model(model, max_len, budget, max_rows=args.max_batch)
     metrics = ServeMetrics(model.stats, cache)
     engine = ContinuousEngine(model, cache, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
@@ -154,7 +156,8 @@ def register(sub) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context per sequence (default: the model's, at most 4096)")
     p.add_argument("--kv-cache-gb", type=float, default=None,
-                   help="KV cache budget (default: what expert sizing reserved, 4096 positions)")
+                   help="KV cache budget (default on CUDA: what expert sizing reserved, 4096 positions; "
+                        "on the CPU: --max-batch rows)")
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 503")
     p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens read per scheduler iteration")
     p.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (or set {API_KEY_ENV})")

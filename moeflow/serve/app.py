@@ -128,15 +128,18 @@ class ServeState:
 
 async def _wait_for_end(request: Request, events: asyncio.Queue) -> str | None:
     """The finish reason, or None when the client disconnected first."""
+    getter = asyncio.ensure_future(events.get())  # one getter across polls: no event is dropped by a timeout
     while True:
-        try:
-            token, reason = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
-        except asyncio.TimeoutError:
+        done, _ = await asyncio.wait({getter}, timeout=DISCONNECT_POLL_S)
+        if not done:
             if await request.is_disconnected():
+                getter.cancel()
                 return None
             continue
+        token, reason = getter.result()
         if reason is not None:
             return reason
+        getter = asyncio.ensure_future(events.get())
 
 
 def _finish(reason: str) -> str:
