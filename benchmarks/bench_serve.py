@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import threading
@@ -119,10 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads, in process and in the server")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--requests", type=int, default=16, help="requests per level (at least 2 x clients)")
+    p.add_argument("--prefill-chunk", type=int, default=64, help="the server's --prefill-chunk")
     p.add_argument("--out", type=Path, default=None, help="write bench_serve.json and README.md here")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    server_args = ["--max-model-len", "256", "--max-batch", "16", "--max-queue", "64", "--threads", str(args.threads)]
+    server_args = ["--max-model-len", "512", "--max-batch", "16", "--max-queue", "64", "--threads", str(args.threads),
+                   "--prefill-chunk", str(args.prefill_chunk)]
     if args.model:
         server_args += ["--model", args.model]
     rate = single_stream_rate(args.model, args.max_tokens) if args.device == "cpu" else None
@@ -134,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         srv.stop()
     result = {"model": args.model or MODEL_NAME, "device": args.device, "max_tokens": args.max_tokens,
+              "prefill_chunk": args.prefill_chunk, "load_average": list(os.getloadavg()),
               "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
               "torch_threads": torch.get_num_threads(), "single_stream_tokens_per_s": rate, "levels": levels}
     print(json.dumps(result, indent=2))
@@ -141,7 +145,10 @@ def main(argv: list[str] | None = None) -> int:
         print(table(result))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "bench_serve.json").write_text(json.dumps(result, indent=2) + "\n")
+        name = f"bench_serve_chunk{args.prefill_chunk}"
+        (args.out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+        if rate:
+            (args.out / f"{name}.md").write_text(table(result))
     return 0
 
 
