@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeflow import MoEOffloadedMixtral
+from moeflow import MoEOffloadedMixtral, OffloadConfig
 from moeflow.cli import embedded_model_path
 from moeflow.engine.continuous import ContinuousEngine, EngineOverloaded, SamplingParams
 from moeflow.engine.kv_slots import SlotKVCache, kv_bytes_per_row
@@ -24,8 +24,17 @@ def prompts() -> list[list[int]]:
     return [list(text[:n]) for n in (3, 17, 40, 95)]
 
 
-def test_chunked_prefill_and_joining_mid_decode_give_single_request_tokens(model):
+@pytest.fixture(scope="module")
+def offloaded():
+    """Half of the 32 experts in slots, LRU: the scheduler's backend sees the engine's mixed batches."""
+    return MoEOffloadedMixtral.from_pretrained(embedded_model_path(),
+                                               offload=OffloadConfig(gpu_expert_slots=16, policy="lru"))
+
+
+@pytest.mark.parametrize("which", ["resident", "lru"])
+def test_chunked_prefill_and_joining_mid_decode_give_single_request_tokens(which, request):
     """A prefill chunk of 7 splits every prompt but the shortest; rows join while others decode."""
+    model = request.getfixturevalue("model" if which == "resident" else "offloaded")
     budgets = (12, 5, 20, 9)
     want = [model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=[])[0, len(p):].tolist()
             for p, n in zip(prompts(), budgets, strict=True)]

@@ -195,5 +195,15 @@ def test_full_queue_is_503_and_a_disconnect_frees_the_row():
         assert metric(m, "moeflow_sequences_finished_total", reason="cancelled") == 1
         assert metric(m, "moeflow_running_sequences") == 0
         assert metric(m, "moeflow_generation_tokens_total") < 400 + 5  # A stopped early
+        # a plain (non-streamed) request whose client gives up is cancelled too
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(srv.url + "/v1/chat/completions", timeout=1.0,
+                       json={"model": MODEL_NAME, "messages": msg, "max_tokens": 450, "temperature": 0})
+        deadline = time.monotonic() + POLL_LIMIT_S
+        while metric(m, "moeflow_sequences_finished_total", reason="cancelled") < 2 and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+            m = get_metrics(srv)
+        assert metric(m, "moeflow_sequences_finished_total", reason="cancelled") == 2
+        assert metric(m, "moeflow_running_sequences") == 0
     finally:
         srv.stop()

@@ -127,19 +127,22 @@ class ServeState:
 
 
 async def _wait_for_end(request: Request, events: asyncio.Queue) -> str | None:
-    """The finish reason, or None when the client disconnected first."""
+    """The finish reason, or None when the client disconnected first (checked every DISCONNECT_POLL_S)."""
+    loop = asyncio.get_running_loop()
     getter = asyncio.ensure_future(events.get())  # one getter across polls: no event is dropped by a timeout
+    next_check = loop.time() + DISCONNECT_POLL_S
     while True:
-        done, _ = await asyncio.wait({getter}, timeout=DISCONNECT_POLL_S)
-        if not done:
+        done, _ = await asyncio.wait({getter}, timeout=max(0.0, next_check - loop.time()))
+        if done:
+            token, reason = getter.result()
+            if reason is not None:
+                return reason
+            getter = asyncio.ensure_future(events.get())
+        if loop.time() >= next_check:
             if await request.is_disconnected():
                 getter.cancel()
                 return None
-            continue
-        token, reason = getter.result()
-        if reason is not None:
-            return reason
-        getter = asyncio.ensure_future(events.get())
+            next_check = loop.time() + DISCONNECT_POLL_S
 
 
 def _finish(reason: str) -> str:
