@@ -207,3 +207,27 @@ def test_full_queue_is_503_and_a_disconnect_frees_the_row():
         assert metric(m, "moeflow_running_sequences") == 0
     finally:
         srv.stop()
+
+
+def test_logprobs_are_the_models_distribution(server, ref):
+    import torch
+
+    messages = [{"role": "user", "content": "What is a package?"}]
+    r = client(server).chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=6, temperature=0,
+                                               logprobs=True, top_logprobs=3)
+    ids = ref.chat_ids(messages)
+    full = ref.model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, eos_token_id=[])
+    logp = torch.log_softmax(ref.model(full).logits[0].double(), dim=-1)  # one pass over prompt + reply
+    content = r.choices[0].logprobs.content
+    assert len(content) == 6
+    for j, entry in enumerate(content):
+        token = int(full[0, len(ids) + j])
+        assert entry.token == ref.tokenizer.decode([token])
+        assert abs(entry.logprob - float(logp[len(ids) + j - 1, token])) < 1e-3
+        assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].logprob == entry.logprob  # greedy: the top
+    # completions, streamed: the tokens of the chunks' logprobs spell the text
+    chunks = list(client(server).completions.create(model=MODEL_NAME, prompt="The import", max_tokens=8,
+                                                    temperature=0, logprobs=2, stream=True))
+    text = "".join(c.choices[0].text for c in chunks)
+    tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert "".join(tokens) == text and len(tokens) == 8

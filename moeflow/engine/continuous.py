@@ -48,6 +48,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None  # None: none; k >= 0: the chosen token's log-probability and the k most likely
 
     def generation_config(self) -> GenerationConfig:
         cfg = GenerationConfig(max_new_tokens=self.max_new_tokens, do_sample=self.do_sample,
@@ -80,6 +81,8 @@ class Sequence:
             on_event = lambda token, reason: self._events.put((token, reason))  # noqa: E731
         self.on_event = on_event
         self.generated: list[int] = []
+        # per generated token when params.logprobs is set: (its log-probability, [(id, logprob)] top k)
+        self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []
         self.row: int | None = None
         self.prefilled = 0  # prompt tokens already in the cache
         self.finish_reason: str | None = None
@@ -275,7 +278,7 @@ class ContinuousEngine:
         for i, (seq, start, take) in enumerate(chunks):
             seq.prefilled = start + take
             if seq.prefilled == len(seq.prompt_ids):
-                self._emit(seq, self._sample(seq, logits[i, take - 1]))
+                self._emit(seq, self._sample(seq, logits[i, take - 1]), logits[i, take - 1])
 
     def _decode(self, seqs: list[Sequence]) -> None:
         """Feed each sequence's last token at its own position: [B, 1]."""
@@ -286,7 +289,7 @@ class ContinuousEngine:
         greedy = logits[:, -1].argmax(dim=-1).tolist()
         for i, seq in enumerate(seqs):
             token = self._sample(seq, logits[i, -1]) if seq.gen_config.do_sample else greedy[i]
-            self._emit(seq, token)
+            self._emit(seq, token, logits[i, -1])
 
     def _pass(self, phase: str, seqs: list[Sequence], ids: torch.Tensor, pos: torch.Tensor,
               mask: torch.Tensor) -> torch.Tensor:
@@ -319,7 +322,13 @@ class ContinuousEngine:
         """logits fp32 [V] -> the next token, by the sequence's own settings and generator."""
         return int(next_tokens(logits[None], seq.gen_config, seq.generator)[0])
 
-    def _emit(self, seq: Sequence, token: int) -> None:
+    def _emit(self, seq: Sequence, token: int, logits: torch.Tensor) -> None:
+        """Record and report ``token``; logits fp32 [V] it was chosen from (for log-probabilities)."""
+        if seq.params.logprobs is not None:
+            logp = torch.log_softmax(logits.float(), dim=-1)  # of the model's distribution, before sampling
+            top = torch.topk(logp, min(seq.params.logprobs, logp.shape[-1]))
+            seq.logprobs.append((float(logp[token]), list(zip(top.indices.tolist(), top.values.tolist(),
+                                                               strict=True))))
         now = time.perf_counter()
         if seq.t_first is None:
             seq.t_first = now

@@ -58,8 +58,16 @@ class ServeState:
             max_new_tokens=limit, do_sample=do_sample,
             temperature=gen.temperature if req.temperature in (None, 0) else req.temperature,
             top_k=gen.top_k, top_p=gen.top_p if req.top_p is None else req.top_p, seed=req.seed,
-            stop_token_ids=self.stop_ids,
+            stop_token_ids=self.stop_ids, logprobs=req.logprob_count(),
         )
+
+    def logprobs(self, seq, start: int, end: int) -> list[p.TokenLogprob] | None:
+        """Log-probabilities of generated tokens [start, end) with token texts, or None when not asked for."""
+        if seq.params.logprobs is None:
+            return None
+        piece = lambda i: self.tokenizer.decode([i], skip_special_tokens=False)  # noqa: E731
+        return [(piece(seq.generated[i]), lp, [(piece(a), alp) for a, alp in top])
+                for i, (lp, top) in enumerate(seq.logprobs[start:end], start)]
 
     async def complete(self, request: Request, kind: str, req: p.SamplingFields, ids: list[int]) -> Response:
         """Run one request: a JSON body, or an SSE stream when ``req.stream``."""
@@ -91,14 +99,26 @@ class ServeState:
             raise APIError(500, f"generation failed: {seq.error}")
         usage = _usage(len(ids), seq.generated)
         body = (p.chat_response if kind == "chat" else p.completion_response)(
-            rid, self.model_name, text.text(seq.generated), _finish(reason), usage)
+            rid, self.model_name, text.text(seq.generated), _finish(reason), usage,
+            self.logprobs(seq, 0, len(seq.generated)))
         return JSONResponse(body)
 
     async def _stream(self, kind: str, req: p.SamplingFields, rid: str, seq, events: asyncio.Queue,
                       text: TextAssembler) -> AsyncIterator[str]:
         name = self.model_name
-        chunk = p.chat_chunk if kind == "chat" else p.completion_chunk
         ids: list[int] = []  # the tokens reported so far (the engine may already be further on)
+        lp_sent, offset = 0, 0  # tokens whose log-probabilities went out; text offset for completions
+
+        def chunk(delta: str, finish: str | None = None) -> str:
+            nonlocal lp_sent, offset
+            logprobs = self.logprobs(seq, lp_sent, len(ids))
+            lp_sent = len(ids)
+            if kind == "chat":
+                return _sse(p.chat_chunk(rid, name, {"content": delta} if delta else {}, finish, logprobs))
+            out = _sse(p.completion_chunk(rid, name, delta, finish, logprobs, offset))
+            offset += sum(len(t) for t, _, _ in logprobs or [])
+            return out
+
         try:
             if kind == "chat":
                 yield _sse(p.chat_chunk(rid, name, {"role": "assistant", "content": ""}, None))
@@ -108,15 +128,15 @@ class ServeState:
                     ids.append(token)
                     delta = text.delta(ids, final=False)
                     if delta:
-                        yield _sse(chunk(rid, name, {"content": delta} if kind == "chat" else delta, None))
+                        yield chunk(delta)
                     continue
                 if reason == "error":
                     yield _sse(error_body(500, f"generation failed: {seq.error}"))
                     break
                 delta = text.delta(ids, final=True)
                 if delta:
-                    yield _sse(chunk(rid, name, {"content": delta} if kind == "chat" else delta, None))
-                yield _sse(chunk(rid, name, {} if kind == "chat" else "", _finish(reason)))
+                    yield chunk(delta)
+                yield chunk("", _finish(reason))
                 if req.include_usage():
                     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
                     yield _sse(p.usage_chunk(rid, name, obj, _usage(len(seq.prompt_ids), ids)))

@@ -1,7 +1,7 @@
 """OpenAI request and response bodies (the fields moeflow reads and writes), as pydantic models.
 
 Unknown request fields are accepted and ignored, as OpenAI-compatible servers do, except those that would
-change the output in a way moeflow does not implement (``n`` > 1, penalties, ``logprobs``): those are
+change the output in a way moeflow does not implement (``n`` > 1, penalties): those are
 refused with a 400 naming the parameter, rather than silently ignored.
 """
 
@@ -40,7 +40,6 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
-    logprobs: bool | int | None = None
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
 
@@ -53,8 +52,6 @@ class SamplingFields(BaseModel):
     def check_supported(self) -> None:
         if self.n != 1:
             raise Unsupported("n", f"n={self.n}: moeflow returns one choice per request (n=1)")
-        if self.logprobs:
-            raise Unsupported("logprobs", "logprobs are not supported by moeflow serve")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise Unsupported(name, f"{name} is not supported (only 0)")
@@ -87,18 +84,28 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     tools: list[dict[str, Any]] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def logprob_count(self) -> int | None:
+        """None: no log-probabilities; k: each token's and its k most likely alternatives'."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int]
     echo: bool = False
     suffix: str | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=5)
 
     def token_limit(self) -> int | None:
         return self.max_tokens
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -122,27 +129,56 @@ def now() -> int:
     return int(time.time())
 
 
-def chat_response(rid: str, model: str, text: str, finish: str, usage: Usage) -> dict[str, Any]:
+# a token's log-probability as the server hands it over: (text, logprob, [(alternative text, logprob)])
+TokenLogprob = tuple[str, float, list[tuple[str, float]]]
+
+
+def chat_logprobs(entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    if entries is None:
+        return None
+    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
+                         "top_logprobs": [{"token": a, "logprob": alp, "bytes": list(a.encode())} for a, alp in top]}
+                        for t, lp, top in entries]}
+
+
+def completion_logprobs(entries: list[TokenLogprob] | None, offset: int = 0) -> dict[str, Any] | None:
+    if entries is None:
+        return None
+    offsets = []
+    for t, _, _ in entries:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": [t for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
+            "top_logprobs": [dict(top) for _, _, top in entries], "text_offset": offsets}
+
+
+def chat_response(rid: str, model: str, text: str, finish: str, usage: Usage,
+                  logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
     return {"id": rid, "object": "chat.completion", "created": now(), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "logprobs": chat_logprobs(logprobs), "finish_reason": finish}],
+            "usage": usage.model_dump()}
+
+
+def chat_chunk(rid: str, model: str, delta: dict[str, Any], finish: str | None,
+               logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
+    return {"id": rid, "object": "chat.completion.chunk", "created": now(), "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": chat_logprobs(logprobs), "finish_reason": finish}]}
+
+
+def completion_response(rid: str, model: str, text: str, finish: str, usage: Usage,
+                        logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
+    return {"id": rid, "object": "text_completion", "created": now(), "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": completion_logprobs(logprobs),
                          "finish_reason": finish}],
             "usage": usage.model_dump()}
 
 
-def chat_chunk(rid: str, model: str, delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
-    return {"id": rid, "object": "chat.completion.chunk", "created": now(), "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
-
-
-def completion_response(rid: str, model: str, text: str, finish: str, usage: Usage) -> dict[str, Any]:
+def completion_chunk(rid: str, model: str, text: str, finish: str | None,
+                     logprobs: list[TokenLogprob] | None = None, offset: int = 0) -> dict[str, Any]:
     return {"id": rid, "object": "text_completion", "created": now(), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
-            "usage": usage.model_dump()}
-
-
-def completion_chunk(rid: str, model: str, text: str, finish: str | None) -> dict[str, Any]:
-    return {"id": rid, "object": "text_completion", "created": now(), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+            "choices": [{"index": 0, "text": text, "logprobs": completion_logprobs(logprobs, offset),
+                         "finish_reason": finish}]}
 
 
 def usage_chunk(rid: str, model: str, obj: Literal["chat.completion.chunk", "text_completion"],

@@ -23,10 +23,14 @@ class TextAssembler:
         return text[:cut] if cut >= 0 else text
 
     def hits_stop_string(self, ids: list[int]) -> bool:
-        """For the engine's stop check: does the text contain one of the stop strings yet?"""
+        """For the engine's stop check after each token: does a stop string end in the latest tokens?
+
+        Only a tail of the ids is decoded (an ordinary token makes at least one byte of text, a character is
+        at most 4 bytes), so the check stays cheap on long replies; the text is cut on the full decode.
+        """
         if not self.stop_strings:
             return False
-        text = self.decode(ids)
+        text = self.decode(ids[-(4 * max(len(s) for s in self.stop_strings) + 8):])
         return any(s in text for s in self.stop_strings)
 
     def delta(self, ids: list[int], final: bool) -> str:
