@@ -95,10 +95,6 @@ def cmd_serve(args) -> int:
     from moeflow.serve.app import create_app
     from moeflow.serve.metrics import ServeMetrics
 
-    if args.policy == "expertflow":
-        print("error: --policy expertflow reads whole-batch cache rows that the serving engine does not have yet; "
-              "pick another policy", file=sys.stderr)
-        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     model = _load_model(args)

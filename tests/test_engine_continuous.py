@@ -106,3 +106,10 @@ def test_kv_rows_come_from_the_budget(model):
     cache.release(0)
     with pytest.raises(ValueError):
         cache.release(0)
+
+
+def test_a_policy_whose_predictor_hooks_the_decoder_is_refused():
+    m = MoEOffloadedMixtral.from_pretrained(embedded_model_path(),
+                                            offload=OffloadConfig(gpu_expert_slots=16, policy="expertflow"))
+    with pytest.raises(ValueError, match="expertflow"):
+        ContinuousEngine(m, SlotKVCache.for_model(m, 64, max_rows=1))

@@ -141,6 +141,9 @@ class ContinuousEngine:
                  listener: EngineListener | None = None) -> None:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if hasattr(getattr(model.experts, "predictor", None), "attach_model"):
+            raise ValueError(f"policy {model.offload.policy!r}: its predictor hooks the decoder and reads whole-batch "
+                             "cache rows, which continuous batching does not have; pick another policy")
         self.model, self.cache = model, cache
         self.max_queue, self.prefill_chunk = max_queue, prefill_chunk
         self.listener = listener or EngineListener()

@@ -229,8 +229,8 @@ def create_app(model, engine: ContinuousEngine, metrics: ServeMetrics, model_nam
         if state.template is None:
             raise APIError(400, f"{state.model_name} ships no chat template: use /v1/completions", "messages")
         messages = [m.as_template_input() for m in req.messages]
-        ids = state.template.render(messages, add_generation_prompt=True, tools=req.tools)
-        ids = state.tokenizer.encode(ids, add_special_tokens=False)
+        prompt = state.template.render(messages, add_generation_prompt=True, tools=req.tools)
+        ids = state.tokenizer.encode(prompt, add_special_tokens=False)  # the template wrote the special tokens
         return await state.complete(request, "chat", req, ids)
 
     @app.post("/v1/completions")
