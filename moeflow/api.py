@@ -100,6 +100,11 @@ class MoEModel(nn.Module):
         return self
 
     @property
+    def runner(self) -> Runner:
+        """Runs forward passes of this model (the continuous-batching engine drives it with its own cache)."""
+        return self._runner
+
+    @property
     def experts(self) -> ExpertBackend:
         """The expert backend shared by every MoE layer."""
         return self.backend

@@ -35,6 +35,27 @@ from moeflow.quant.convert import quantize_checkpoint  # noqa: E402
 DEST = ROOT / "moeflow" / "data" / "tiny-mixtral-awq"
 
 
+# Chat: a byte vocabulary has no special tokens, so turns end with the control byte ETX ("end of text", id 3),
+# which no training text contains; generation_config.json lists it as the EOS, and tokenizer.json declares it a
+# special token under its byte-level name "\u0103" (so transformers' tokenizer maps eos_token to id 3, not a new
+# id). The model never learned to emit it: replies run to max_tokens or a stop string, but chat has a template.
+END_OF_TURN = 3
+END_OF_TURN_TEXT = "\u0103"  # the ByteLevel pre-tokenizer's character for byte 3
+CHAT_TEMPLATE = (
+    "{% if tools %}### tools\n{{ tools | tojson }}{{ eos_token }}\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
+    "{{ raise_exception('role ' ~ message['role'] ~ ' is not one of system, user, assistant, tool') }}"
+    "{% endif %}"
+    "### {{ message['role'] }}\n{{ message['content'] or '' }}{{ eos_token }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}### assistant\n{% endif %}"
+)
+TOKENIZER_CONFIG = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 512, "bos_token": None,
+                    "eos_token": END_OF_TURN_TEXT, "clean_up_tokenization_spaces": False,
+                    "chat_template": CHAT_TEMPLATE}
+
+
 @torch.inference_mode()
 def heldout_stats(model: MoEOffloadedMixtral, heldout: torch.Tensor, seq_len: int, windows: int) -> dict:
     """Bits per byte over `windows` held-out windows, and each layer's expert usage shares."""
@@ -82,8 +103,14 @@ def main(argv=None) -> int:
                                     if k in ("bits_per_byte", "tokens")}
     # a 3M-parameter byte model repeats itself under greedy decoding; sample by default, as many published
     # checkpoints do (callers override with do_sample=False)
-    gen = {"do_sample": True, "temperature": 0.5, "top_k": 40, "top_p": 1.0, "max_new_tokens": 96}
+    gen = {"do_sample": True, "temperature": 0.5, "top_k": 40, "top_p": 1.0, "max_new_tokens": 96,
+           "eos_token_id": END_OF_TURN}
     (dst / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    (dst / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=2) + "\n")
+    tokenizer = json.loads((dst / "tokenizer.json").read_text(encoding="utf-8"))
+    tokenizer["added_tokens"] = [{"id": END_OF_TURN, "content": END_OF_TURN_TEXT, "single_word": False,
+                                  "lstrip": False, "rstrip": False, "normalized": False, "special": True}]
+    (dst / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False, indent=2), encoding="utf-8")
     training = Path(args.src) / "training_report.json"
     if training.is_file():
         shutil.copy2(training, dst / "training_report.json")

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 # modules that add their subcommands through register(subparsers)
-COMMAND_MODULES = ("moeflow.cli.predictors", "moeflow.sim.cli")
+COMMAND_MODULES = ("moeflow.cli.predictors", "moeflow.sim.cli", "moeflow.cli.serve")
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 EMBEDDED_MODEL = "tiny-mixtral-awq"
 

@@ -30,6 +30,14 @@ class Tokenizer:
             ids = ids.tolist()
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False, tokenize: bool = True,
+                            tools: list[dict] | None = None, **kwargs) -> list[int] | str:
+        """The checkpoint's chat template applied to ``messages`` (transformers' semantics): ids, or the text."""
+        from moeflow.io.chat_template import chat_template_for
+
+        text = chat_template_for(self.path.parent).render(messages, add_generation_prompt, tools=tools, **kwargs)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
     def __call__(self, texts: str | list[str], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
         """Encode one text or a batch, left-padded (as generation wants): input_ids and attention_mask [B, T]."""
         batch = [texts] if isinstance(texts, str) else list(texts)

@@ -1,0 +1,175 @@
+"""`moeflow serve` (the OpenAI-compatible server), `moeflow chat` (an interactive prompt), `generate --chat`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from pathlib import Path
+
+import torch
+
+from moeflow.cli.commands import DTYPES, _add_generation_args, _default_device, embedded_model_path
+
+API_KEY_ENV = "MOEFLOW_API_KEY"
+
+
+def _load_model(args):
+    from moeflow import MoEOffloadedMixtral, OffloadConfig
+
+    offload = OffloadConfig(gpu_expert_slots=args.slots, gpu_memory_gb=getattr(args, "gpu_memory_gb", None),
+                            policy=args.policy)
+    dtype = DTYPES[args.dtype] if args.dtype else None
+    return MoEOffloadedMixtral.from_pretrained(args.model or str(embedded_model_path()), device=args.device,
+                                               dtype=dtype, offload=offload, kernels=args.kernels)
+
+
+def _chat_reply(model, messages: list[dict], args) -> str:
+    """Generate one assistant turn for ``messages``, streamed to stdout; returns its text."""
+    from moeflow.io.chat_template import ChatTemplate, stop_token_ids
+    from moeflow.streaming import TextStreamer
+
+    tok = model.tokenizer
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True)
+    stops = stop_token_ids(ChatTemplate.from_directory(tok.path.parent), model.generation_config.eos_ids(), tok.encode)
+    do_sample = True if args.sample else (False if args.greedy else None)
+    streamer = TextStreamer(tok)
+    out = model.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, do_sample=do_sample,
+                         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                         eos_token_id=list(stops), streamer=streamer, seed=args.seed)
+    reply = out[0, len(ids):].tolist()
+    if reply and reply[-1] in stops:
+        reply = reply[:-1]
+    return tok.decode(reply)
+
+
+def _check_tokenizer(model) -> bool:
+    if model.tokenizer is None:
+        print(f"error: {model.name_or_path} has no tokenizer.json, which chat needs", file=sys.stderr)
+        return False
+    return True
+
+
+def cmd_generate_chat(args, plain) -> int:
+    """``generate --chat``: the prompt as one user message of the checkpoint's chat template."""
+    if not args.chat:
+        return plain(args)
+    model = _load_model(args)
+    if not _check_tokenizer(model):
+        return 2
+    _chat_reply(model, [{"role": "user", "content": args.prompt}], args)
+    print(model.stats.summary())
+    return 0
+
+
+def cmd_chat(args) -> int:
+    """An interactive conversation; empty line or EOF ends it, ``/reset`` forgets the history."""
+    model = _load_model(args)
+    if not _check_tokenizer(model):
+        return 2
+    messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    print(f"moeflow chat: {model.name_or_path} ({model.device}); an empty line or Ctrl-D ends, /reset forgets")
+    while True:
+        try:
+            line = input("you> ")
+        except EOFError:
+            print()
+            return 0
+        if not line.strip():
+            return 0
+        if line.strip() == "/reset":
+            messages = messages[:1] if args.system else []
+            continue
+        messages.append({"role": "user", "content": line})
+        sys.stdout.write("assistant> ")
+        messages.append({"role": "assistant", "content": _chat_reply(model, messages, args)})
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from moeflow.engine.build import KV_BUDGET_TOKENS
+    from moeflow.engine.continuous import ContinuousEngine
+    from moeflow.engine.kv_slots import SlotKVCache, kv_bytes_per_row
+    from moeflow.serve.app import create_app
+    from moeflow.serve.metrics import ServeMetrics
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = _load_model(args)
+    # the first pass pays one-time costs (op registration, lazy imports: seconds on a CPU): not the first client
+    model.generate(torch.zeros((1, 1), dtype=torch.long), max_new_tokens=1, do_sample=False)
+    model.stats.reset()
+    cfg = model.config
+    max_len = args.max_model_len or min(cfg.max_position_embeddings, KV_BUDGET_TOKENS)
+    if args.kv_cache_gb is not None:
+        budget = int(args.kv_cache_gb * 2**30)
+    elif model.device.type == "cuda":  # what from_pretrained reserved for the KV cache when it sized the expert slots
+        budget = kv_bytes_per_row(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+                                  max(KV_BUDGET_TOKENS, max_len), model.dtype)
+    else:  # host memory: --max-batch rows
+        budget = None
+    cache = SlotKVCache.for_model(model, max_len, budget, max_rows=args.max_batch)
+    metrics = ServeMetrics(model.stats, cache)
+    engine = ContinuousEngine(model, cache, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
+                              listener=metrics)
+    source = args.model or str(embedded_model_path())
+    name = args.served_model_name or (Path(source).name if Path(source).exists() else source)
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    app = create_app(model, engine, metrics, name, api_key=api_key, aliases=(source,))
+
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    port = sock.getsockname()[1]
+    print(f"moeflow serve: model '{name}' on http://{args.host}:{port}/v1 | {model.device}, policy "
+          f"{args.policy!r} | KV cache {cache.rows} rows x {max_len} tokens ({cache.nbytes / 2**20:.1f} MiB) | "
+          f"API key {'required' if api_key else 'off'}", flush=True)
+    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[sock])
+    return 0
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="checkpoint directory or hub id (default: the embedded model)")
+    p.add_argument("--device", default=_default_device())
+    p.add_argument("--dtype", choices=list(DTYPES), default=None)
+    p.add_argument("--kernels", choices=["auto", "torch", "triton"], default="auto")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--slots", type=int, default=None, help="GPU expert slots")
+    budget.add_argument("--gpu-memory-gb", type=float, default=None, help="size the expert slots from this budget")
+    p.add_argument("--policy", default="resident")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (docs/serving.md)")
+    _add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0: any free port (printed at start)")
+    p.add_argument("--max-batch", type=int, default=16, help="most sequences decoded together (KV rows)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context per sequence (default: the model's, at most 4096)")
+    p.add_argument("--kv-cache-gb", type=float, default=None,
+                   help="KV cache budget (default on CUDA: what expert sizing reserved, 4096 positions; "
+                        "on the CPU: --max-batch rows)")
+    p.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 503")
+    p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens read per scheduler iteration")
+    p.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (or set {API_KEY_ENV})")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: directory name)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("chat", help="chat with a model in the terminal (its chat template, streamed)")
+    p.add_argument("--model", default=None, help="checkpoint directory or hub id (default: the embedded model)")
+    _add_generation_args(p, "resident")
+    p.add_argument("--gpu-memory-gb", type=float, default=None)
+    p.add_argument("--system", default=None, help="a system message")
+    p.set_defaults(func=cmd_chat)
+
+    generate = sub.choices["generate"]
+    generate.add_argument("--chat", action="store_true", help="send --prompt as a user message of the chat template")
+    plain = generate.get_default("func")
+    generate.set_defaults(func=lambda args: cmd_generate_chat(args, plain))

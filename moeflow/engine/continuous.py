@@ -1,0 +1,362 @@
+"""Continuous batching: one scheduler thread owns the model and steps every running sequence together.
+
+Requests queue (:meth:`ContinuousEngine.submit`). Each iteration of the scheduler thread
+
+1. drops cancelled sequences (a client that went away) and frees their KV rows,
+2. admits waiting requests while a KV row is free (:class:`~moeflow.engine.kv_slots.SlotKVCache`),
+3. runs one prefill pass over the sequences still reading their prompt, at most ``prefill_chunk`` prompt
+   tokens in all, so a long prompt is read over several iterations instead of stalling everyone's decode,
+4. runs one decode pass over every sequence that has a token to feed: one token each, at its own position.
+
+A sequence whose prefill finishes samples its first token and joins the next decode pass; a finished one
+(end-of-turn token, ``max_new_tokens``, a stop check, cancellation) leaves and its row goes to the queue.
+The offload backend sees one batch per pass, as in ``generate``.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from moeflow.engine.kv_slots import SlotKVCache
+from moeflow.engine.sampling import GenerationConfig, next_tokens
+from moeflow.errors import InputError, MoeflowError
+
+log = logging.getLogger(__name__)
+
+
+class EngineOverloaded(MoeflowError):
+    """The request queue is full (or the engine is stopping): try again later (HTTP 503)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding settings (``do_sample=False``: greedy). stop_token_ids end the sequence."""
+
+    max_new_tokens: int
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None  # None: none; k >= 0: the chosen token's log-probability and the k most likely
+
+    def generation_config(self) -> GenerationConfig:
+        cfg = GenerationConfig(max_new_tokens=self.max_new_tokens, do_sample=self.do_sample,
+                               temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+        cfg.validate()
+        return cfg
+
+
+class Sequence:
+    """One request inside the engine. ``cancel()`` may be called from any thread.
+
+    Tokens and the end are reported through ``on_event(token_id, finish_reason)``, called on the engine
+    thread: ``(id, None)`` per new token, then once ``(None, reason)`` with reason "stop" (an end-of-turn
+    token or the stop check), "length", "cancelled" or "error". Without ``on_event`` the events queue up
+    for :meth:`events` / :meth:`result`.
+    """
+
+    _ids = itertools.count()
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams,
+                 on_event: Callable[[int | None, str | None], None] | None = None,
+                 stop_check: Callable[[list[int]], bool] | None = None) -> None:
+        self.id = next(Sequence._ids)
+        self.prompt_ids, self.params, self.stop_check = list(prompt_ids), params, stop_check
+        self.gen_config = params.generation_config()
+        self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        self._events: queue.Queue | None = None
+        if on_event is None:
+            self._events = queue.Queue()
+            on_event = lambda token, reason: self._events.put((token, reason))  # noqa: E731
+        self.on_event = on_event
+        self.generated: list[int] = []
+        # per generated token when params.logprobs is set: (its log-probability, [(id, logprob)] top k)
+        self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []
+        self.row: int | None = None
+        self.prefilled = 0  # prompt tokens already in the cache
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.cancelled = False
+        self.t_submit = time.perf_counter()
+        self.t_first: float | None = None
+        self.t_last: float | None = None
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def events(self, timeout: float | None = None) -> Iterator[tuple[int | None, str | None]]:
+        """(token, None) per token, then (None, finish_reason); only when no ``on_event`` was given."""
+        if self._events is None:
+            raise RuntimeError("this sequence reports through its on_event callback")
+        while True:
+            token, reason = self._events.get(timeout=timeout)
+            yield token, reason
+            if reason is not None:
+                return
+
+    def result(self, timeout: float | None = None) -> list[int]:
+        """Wait for the end; the generated token ids (end-of-turn token included when one ended it)."""
+        for _ in self.events(timeout):
+            pass
+        return list(self.generated)
+
+
+class EngineListener:
+    """What the engine reports as it runs (the server's metrics implement it). Every hook runs on the engine
+    thread and must return quickly."""
+
+    def on_pass(self, phase: str, batch: int, tokens: int, seconds: float) -> None:
+        """One forward pass: phase "prefill"/"decode", sequences in it, real tokens in it."""
+
+    def on_queue(self, waiting: int, running: int) -> None:
+        """Queue depth and running sequences after an iteration's admissions and departures."""
+
+    def on_finish(self, seq: Sequence) -> None:
+        """A sequence left (its timings and counts are final)."""
+
+
+class ContinuousEngine:
+    """Continuous batching over a loaded model (``MoEOffloadedMixtral``) and a :class:`SlotKVCache`.
+
+    prefill_chunk: prompt tokens read per iteration, over all prefilling sequences together.
+    max_queue: waiting requests beyond the running ones; one more raises :class:`EngineOverloaded`.
+    """
+
+    def __init__(self, model, cache: SlotKVCache, max_queue: int = 64, prefill_chunk: int = 64,
+                 listener: EngineListener | None = None) -> None:
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.model, self.cache = model, cache
+        self.max_queue, self.prefill_chunk = max_queue, prefill_chunk
+        self.listener = listener or EngineListener()
+        self.device = model.device
+        self._waiting: collections.deque[Sequence] = collections.deque()
+        self._running: list[Sequence] = []
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ client side (any thread)
+    def submit(self, prompt_ids: list[int], params: SamplingParams,
+               on_event: Callable[[int | None, str | None], None] | None = None,
+               stop_check: Callable[[list[int]], bool] | None = None) -> Sequence:
+        """Queue a request. InputError when it can never run, EngineOverloaded when the queue is full."""
+        self.check_request(len(prompt_ids), params.max_new_tokens)
+        vocab = self.model.config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= int(t) < vocab]
+        if bad:
+            raise InputError(f"prompt holds token id {bad[0]}, outside the vocabulary [0, {vocab})")
+        seq = Sequence(prompt_ids, params, on_event, stop_check)
+        with self._cond:
+            if self._stopping:
+                raise EngineOverloaded("the engine is shutting down")
+            if len(self._waiting) >= self.max_queue:
+                raise EngineOverloaded(f"{len(self._waiting)} requests are already waiting (max_queue="
+                                       f"{self.max_queue}); retry later")
+            self._waiting.append(seq)
+            self._cond.notify()
+        return seq
+
+    def check_request(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """InputError unless a prompt of this length plus max_new_tokens fits one KV row."""
+        if prompt_tokens < 1:
+            raise InputError("the prompt is empty: it needs at least one token")
+        if max_new_tokens < 0:
+            raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if prompt_tokens + max_new_tokens > self.cache.max_len:
+            raise InputError(f"the prompt ({prompt_tokens} tokens) plus max_tokens ({max_new_tokens}) exceeds "
+                             f"the context of {self.cache.max_len} tokens")
+
+    def start(self) -> ContinuousEngine:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="moeflow-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Finish nothing more: waiting and running sequences end as "cancelled"; the thread exits."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        for seq in list(self._waiting) + self._running:
+            self._finish(seq, "cancelled")
+        self._waiting.clear()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the scheduler thread is running."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    # ------------------------------------------------------------------ the scheduler thread
+    def _loop(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._cond:
+                    while not self._stopping and not self._waiting and not self._running:
+                        self._cond.wait()
+                    if self._stopping:
+                        return
+                    self._admit()
+                try:
+                    self._iterate()
+                except Exception as e:  # a failed pass ends the sequences in it, never the server
+                    log.exception("engine pass failed")
+                    for seq in list(self._running):
+                        seq.error = f"{type(e).__name__}: {e}"
+                        self._finish(seq, "error")
+                self.listener.on_queue(len(self._waiting), len(self._running))
+
+    def _admit(self) -> None:
+        """Drop cancelled waiting requests; move waiting ones into free rows (caller holds the lock)."""
+        for seq in [s for s in self._waiting if s.cancelled]:
+            self._waiting.remove(seq)
+            self._finish(seq, "cancelled")
+        while self._waiting and self.cache.free_rows:
+            seq = self._waiting.popleft()
+            if seq.params.max_new_tokens == 0:
+                self._finish(seq, "length")
+                continue
+            seq.row = self.cache.allocate()
+            self._running.append(seq)
+
+    def _iterate(self) -> None:
+        for seq in [s for s in self._running if s.cancelled]:
+            self._finish(seq, "cancelled")
+        prefilling = [s for s in self._running if s.prefilled < len(s.prompt_ids)]
+        if prefilling:
+            self._prefill(prefilling)
+        decoding = [s for s in self._running if s.prefilled == len(s.prompt_ids) and not s.done]
+        if decoding:
+            self._decode(decoding)
+
+    def _prefill(self, seqs: list[Sequence]) -> None:
+        """Read the next chunk of each prompt (FIFO, ``prefill_chunk`` tokens in all), right-padded [P, C]."""
+        chunks: list[tuple[Sequence, int, int]] = []
+        budget = self.prefill_chunk
+        for seq in seqs:
+            take = min(len(seq.prompt_ids) - seq.prefilled, budget)
+            if take <= 0:
+                break
+            chunks.append((seq, seq.prefilled, take))
+            budget -= take
+        chunks.sort(key=lambda c: c[0].row)  # rows in order: the cache reads a view, not a gather
+        width = max(take for _, _, take in chunks)
+        ids = torch.zeros((len(chunks), width), dtype=torch.long)
+        pos = torch.zeros((len(chunks), width), dtype=torch.long)
+        mask = torch.zeros((len(chunks), width), dtype=torch.bool)
+        for i, (seq, start, take) in enumerate(chunks):
+            ids[i, :take] = torch.tensor(seq.prompt_ids[start:start + take])
+            pos[i, :take] = torch.arange(start, start + take)
+            mask[i, :take] = True
+        logits = self._pass("prefill", [s for s, _, _ in chunks], ids, pos, mask)
+        for i, (seq, start, take) in enumerate(chunks):
+            seq.prefilled = start + take
+            if seq.prefilled == len(seq.prompt_ids):
+                self._emit(seq, self._sample(seq, logits[i, take - 1]), logits[i, take - 1])
+
+    def _decode(self, seqs: list[Sequence]) -> None:
+        """Feed each sequence's last token at its own position: [B, 1]."""
+        seqs = sorted(seqs, key=lambda s: s.row)
+        ids = torch.tensor([[s.generated[-1]] for s in seqs], dtype=torch.long)
+        pos = torch.tensor([[len(s.prompt_ids) + len(s.generated) - 1] for s in seqs], dtype=torch.long)
+        logits = self._pass("decode", seqs, ids, pos, torch.ones_like(ids, dtype=torch.bool))
+        greedy = logits[:, -1].argmax(dim=-1).tolist()
+        for i, seq in enumerate(seqs):
+            token = self._sample(seq, logits[i, -1]) if seq.gen_config.do_sample else greedy[i]
+            self._emit(seq, token, logits[i, -1])
+
+    def _pass(self, phase: str, seqs: list[Sequence], ids: torch.Tensor, pos: torch.Tensor,
+              mask: torch.Tensor) -> torch.Tensor:
+        """One forward pass over ``seqs``' rows: ids/pos int64 [B, T], mask bool [B, T] -> logits fp32 [B, T, V]."""
+        dev = self.device
+        ids, pos, mask = ids.to(dev), pos.to(dev), mask.to(dev)
+        rows = torch.tensor([s.row for s in seqs], dtype=torch.long, device=dev)
+        view = self.cache.batch(rows, pos, mask)
+        stats = self.model.stats
+        stats.set_phase(phase)
+        start = time.perf_counter()
+        logits = self.model.runner.forward_pass(ids, view.cache_position, view, view.cache_position, mask, phase,
+                                                rows=rows, history=_history(seqs, pos, mask, dev))
+        logits = logits.cpu()
+        seconds = time.perf_counter() - start
+        tokens = int(mask.sum())
+        current = stats.current()
+        current.steps += 1
+        current.tokens += tokens
+        current.time_s += seconds
+        self.listener.on_pass(phase, len(seqs), tokens, seconds)
+        return logits
+
+    @staticmethod
+    def _sample(seq: Sequence, logits: torch.Tensor) -> int:
+        """logits fp32 [V] -> the next token, by the sequence's own settings and generator."""
+        return int(next_tokens(logits[None], seq.gen_config, seq.generator)[0])
+
+    def _emit(self, seq: Sequence, token: int, logits: torch.Tensor) -> None:
+        """Record and report ``token``; logits fp32 [V] it was chosen from (for log-probabilities)."""
+        if seq.params.logprobs is not None:
+            logp = torch.log_softmax(logits.float(), dim=-1)  # of the model's distribution, before sampling
+            top = torch.topk(logp, min(seq.params.logprobs, logp.shape[-1]))
+            seq.logprobs.append((float(logp[token]), list(zip(top.indices.tolist(), top.values.tolist(),
+                                                               strict=True))))
+        now = time.perf_counter()
+        if seq.t_first is None:
+            seq.t_first = now
+        seq.t_last = now
+        seq.generated.append(token)
+        seq.on_event(token, None)
+        if token in seq.params.stop_token_ids or (seq.stop_check is not None and seq.stop_check(seq.generated)):
+            self._finish(seq, "stop")
+        elif len(seq.generated) >= seq.params.max_new_tokens:
+            self._finish(seq, "length")
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.done:
+            return
+        seq.finish_reason = reason
+        if seq.row is not None:
+            self.cache.release(seq.row)
+            seq.row = None
+        if seq in self._running:
+            self._running.remove(seq)
+        seq.on_event(None, reason)
+        self.listener.on_finish(seq)
+
+
+def _history(seqs: list[Sequence], pos: torch.Tensor, mask: torch.Tensor,
+             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every token of each sequence up to this pass's last real position, at its cache position:
+    (ids int64 [B, S], mask bool [B, S]) for the backend's path predictors (StepInfo.history_*)."""
+    ends = [int(p[m].max()) + 1 for p, m in zip(pos.cpu(), mask.cpu(), strict=True)]
+    ids = torch.zeros((len(seqs), max(ends)), dtype=torch.long)
+    valid = torch.zeros_like(ids, dtype=torch.bool)
+    for i, (seq, end) in enumerate(zip(seqs, ends, strict=True)):
+        ids[i, :end] = torch.tensor((seq.prompt_ids + seq.generated)[:end], dtype=torch.long)
+        valid[i, :end] = True
+    return ids.to(device), valid.to(device)

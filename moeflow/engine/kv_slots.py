@@ -1,0 +1,129 @@
+"""A row-slotted KV cache for continuous batching: each sequence owns one row and sits at its own position.
+
+Row-slotted rather than paged: a row reserves ``max_len`` positions for one sequence, so a request fits
+when a row is free and its prompt plus ``max_tokens`` fit in ``max_len``; the number of rows comes from a
+byte budget. Requests that find no free row wait in the engine's queue.
+
+The decoder reaches a cache only through ``mark_valid``, ``attention_mask`` and ``update`` (see
+``moeflow/families/layers.py``); :class:`SlotBatch` implements them for one pass over some rows, with a
+position per token (``cache_position [B, T]``) instead of one shared column range.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moeflow.errors import InputError
+
+
+def kv_bytes_per_row(num_layers: int, kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype) -> int:
+    """Bytes of keys plus values one sequence of ``max_len`` positions needs."""
+    return 2 * num_layers * kv_heads * max_len * head_dim * torch.tensor([], dtype=dtype).element_size()
+
+
+class SlotKVCache:
+    """Keys/values [L, rows, kv_heads, max_len, D] plus ``valid`` bool [rows, max_len] and a free-row list."""
+
+    def __init__(self, num_layers: int, rows: int, max_len: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        if rows < 1 or max_len < 2:
+            raise InputError(f"a slotted KV cache needs rows >= 1 and max_len >= 2, got rows={rows}, "
+                             f"max_len={max_len}")
+        shape = (num_layers, rows, kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.valid = torch.zeros((rows, max_len), dtype=torch.bool, device=device)
+        self.rows, self.max_len = rows, max_len
+        self._free = list(range(rows - 1, -1, -1))  # pop() hands out the lowest row first
+
+    @classmethod
+    def for_model(cls, model, max_len: int, budget_bytes: int | None = None, max_rows: int = 16) -> SlotKVCache:
+        """As many rows of ``max_len`` as ``budget_bytes`` holds (at most ``max_rows``; all of them when None)."""
+        cfg = model.config
+        if max_len > cfg.max_position_embeddings:
+            raise InputError(f"max_len={max_len} exceeds the model's max_position_embeddings="
+                             f"{cfg.max_position_embeddings}")
+        per_row = kv_bytes_per_row(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, max_len,
+                                   model.dtype)
+        rows = max_rows if budget_bytes is None else min(max_rows, budget_bytes // per_row)
+        if rows < 1:
+            raise InputError(f"a KV budget of {budget_bytes / 2**20:.1f} MiB holds no sequence of {max_len} "
+                             f"positions ({per_row / 2**20:.1f} MiB each): raise the budget or lower max_len")
+        return cls(cfg.num_hidden_layers, rows, max_len, cfg.num_key_value_heads, cfg.head_dim, model.dtype,
+                   model.device)
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    @property
+    def free_rows(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int | None:
+        """A free row, cleared (no valid position), or None when every row is taken."""
+        if not self._free:
+            return None
+        row = self._free.pop()
+        self.valid[row] = False
+        return row
+
+    def release(self, row: int) -> None:
+        if row in self._free or not 0 <= row < self.rows:
+            raise ValueError(f"row {row} is not an allocated row of this cache")
+        self._free.append(row)
+        self._free.sort(reverse=True)
+
+    def batch(self, rows: torch.Tensor, cache_position: torch.Tensor, token_mask: torch.Tensor) -> SlotBatch:
+        """The view one forward pass over ``rows`` [B] writes and reads (see :class:`SlotBatch`)."""
+        return SlotBatch(self, rows, cache_position, token_mask)
+
+
+class SlotBatch:
+    """One pass over some rows of a :class:`SlotKVCache`.
+
+    rows int64 [B]; cache_position int64 [B, T]: where each token of each row goes; token_mask bool [B, T]:
+    real tokens (False on the right padding of a shorter prefill chunk). Padding is never written, and a
+    padding query (its position set to 0) sees only key 0, so its attention row is never empty.
+    Reads cover keys [0, key_len): the furthest position in the pass, rounded up to a multiple of 64, so a
+    short sequence does not attend over the whole row.
+    """
+
+    KEY_BLOCK = 64
+
+    def __init__(self, parent: SlotKVCache, rows: torch.Tensor, cache_position: torch.Tensor,
+                 token_mask: torch.Tensor) -> None:
+        self.parent, self.rows = parent, rows
+        self.max_len = parent.max_len
+        self.token_mask = token_mask
+        self.cache_position = torch.where(token_mask, cache_position, torch.zeros_like(cache_position))
+        self._b, self._t = token_mask.nonzero(as_tuple=True)  # the real tokens, written in this pass
+        self._write_rows = rows[self._b]
+        self._write_pos = self.cache_position[self._b, self._t]
+        furthest = int(self.cache_position.max()) + 1
+        self.key_len = min(parent.max_len, -(-furthest // self.KEY_BLOCK) * self.KEY_BLOCK)
+        # consecutive rows (the engine sorts a pass by row) are read as a view instead of gathered
+        lo = int(rows[0])
+        contiguous = bool((rows == torch.arange(lo, lo + len(rows), device=rows.device)).all())
+        self._read_rows = slice(lo, lo + len(rows)) if contiguous else rows
+
+    def mark_valid(self, cache_position: torch.Tensor, token_mask: torch.Tensor) -> None:
+        self.parent.valid[self._write_rows, self._write_pos] = True
+
+    def attention_mask(self, cache_position: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+        """Boolean mask [B, 1, T, key_len]: causal per row, padding-aware, sliding-window when configured."""
+        keys = torch.arange(self.key_len, device=self.rows.device)
+        q = self.cache_position[:, :, None]  # [B, T, 1]
+        valid = self.parent.valid[self._read_rows][:, None, : self.key_len]  # [B, 1, key_len]
+        allowed = (keys <= q) & valid
+        if sliding_window is not None:
+            allowed = allowed & (q - keys < sliding_window)
+        return (allowed | (keys == q))[:, None]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, cache_position: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the real tokens of k/v [B, kv_heads, T, D]; return the pass's keys/values [B, kv_heads, key_len, D]."""
+        kl, vl = self.parent.k[layer], self.parent.v[layer]
+        kl[self._write_rows, :, self._write_pos] = k.transpose(1, 2)[self._b, self._t]
+        vl[self._write_rows, :, self._write_pos] = v.transpose(1, 2)[self._b, self._t]
+        return kl[self._read_rows, :, : self.key_len], vl[self._read_rows, :, : self.key_len]

@@ -1,0 +1,1 @@
+"""``moeflow serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over the continuous-batching engine."""

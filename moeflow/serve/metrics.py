@@ -1,0 +1,90 @@
+"""Prometheus metrics of a server: requests, tokens, latencies, batch sizes, queue, and the expert scheduler.
+
+One :class:`CollectorRegistry` per app (several apps in one process do not collide). The engine reports
+through :class:`ServeMetrics` (an :class:`~moeflow.engine.continuous.EngineListener`); the expert counters
+are read from ``model.stats`` when ``/metrics`` is scraped.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from moeflow.engine.continuous import EngineListener, Sequence
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class _StatsCollector:
+    """Expert-scheduler counters from ``model.stats`` (both phases summed), read at scrape time."""
+
+    def __init__(self, stats, cache) -> None:
+        self.stats, self.cache = stats, cache
+
+    def collect(self):
+        s = self.stats
+        total = {f: getattr(s.prefill, f) + getattr(s.decode, f) for f in ("hits", "misses", "bytes_h2d")}
+        for name, value, doc in (("moeflow_expert_hits", total["hits"], "Needed experts found resident"),
+                                 ("moeflow_expert_misses", total["misses"], "Needed experts loaded after the gate"),
+                                 ("moeflow_expert_bytes_host_to_device", total["bytes_h2d"],
+                                  "Expert bytes copied host to device")):
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], value)
+            yield c
+        g = GaugeMetricFamily("moeflow_expert_hit_rate", "Expert hit rate since start (0 when nothing ran)")
+        g.add_metric([], s.hit_rate)
+        yield g
+        g = GaugeMetricFamily("moeflow_kv_cache_rows", "KV cache rows (sequences that can run at once)",
+                              labels=["state"])
+        g.add_metric(["free"], self.cache.free_rows)
+        g.add_metric(["total"], self.cache.rows)
+        yield g
+
+
+class ServeMetrics(EngineListener):
+    def __init__(self, stats, cache) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("moeflow_requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
+        self.finished = Counter("moeflow_sequences_finished", "Sequences that left the engine", ["reason"],
+                                registry=r)
+        self.prompt_tokens = Counter("moeflow_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.generation_tokens = Counter("moeflow_generation_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram("moeflow_time_to_first_token_seconds", "Submission to first token", registry=r,
+                              buckets=LATENCY_BUCKETS)
+        self.tpot = Histogram("moeflow_time_per_output_token_seconds",
+                              "Mean time between a request's tokens after the first", registry=r,
+                              buckets=LATENCY_BUCKETS)
+        self.e2e = Histogram("moeflow_request_seconds", "Submission to last token", registry=r,
+                             buckets=LATENCY_BUCKETS)
+        self.batch = Histogram("moeflow_batch_size", "Sequences in one forward pass", ["phase"], registry=r,
+                               buckets=BATCH_BUCKETS)
+        self.pass_seconds = Histogram("moeflow_pass_seconds", "Duration of one forward pass", ["phase"],
+                                      registry=r, buckets=LATENCY_BUCKETS)
+        self.queue = Gauge("moeflow_queue_depth", "Requests waiting for a KV row", registry=r)
+        self.running = Gauge("moeflow_running_sequences", "Sequences holding a KV row", registry=r)
+        r.register(_StatsCollector(stats, cache))
+
+    # EngineListener: called on the engine thread
+    def on_pass(self, phase: str, batch: int, tokens: int, seconds: float) -> None:
+        self.batch.labels(phase).observe(batch)
+        self.pass_seconds.labels(phase).observe(seconds)
+        if phase == "prefill":
+            self.prompt_tokens.inc(tokens)
+
+    def on_queue(self, waiting: int, running: int) -> None:
+        self.queue.set(waiting)
+        self.running.set(running)
+
+    def on_finish(self, seq: Sequence) -> None:
+        self.finished.labels(seq.finish_reason).inc()
+        self.generation_tokens.inc(len(seq.generated))
+        if seq.t_first is not None:
+            self.ttft.observe(seq.t_first - seq.t_submit)
+            self.e2e.observe(seq.t_last - seq.t_submit)
+            if len(seq.generated) > 1:
+                self.tpot.observe((seq.t_last - seq.t_first) / (len(seq.generated) - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

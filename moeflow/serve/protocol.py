@@ -1,0 +1,186 @@
+"""OpenAI request and response bodies (the fields moeflow reads and writes), as pydantic models.
+
+Unknown request fields are accepted and ignored, as OpenAI-compatible servers do, except those that would
+change the output in a way moeflow does not implement (``n`` > 1, penalties): those are
+refused with a 400 naming the parameter, rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Unsupported(ValueError):
+    """A request parameter moeflow does not implement (400, with ``param`` set)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by chat and text completions."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+
+    def stop_strings(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > 4:
+            raise Unsupported("stop", f"at most 4 stop sequences, got {len(stops)}")
+        return [s for s in stops if s]
+
+    def check_supported(self) -> None:
+        if self.n != 1:
+            raise Unsupported("n", f"n={self.n}: moeflow returns one choice per request (n=1)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise Unsupported(name, f"{name} is not supported (only 0)")
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def as_template_input(self) -> dict[str, Any]:
+        """The message for the chat template: text parts joined into one string (images are refused)."""
+        data = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            texts = []
+            for part in self.content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise Unsupported("messages", f"content part of type {part.get('type')!r}: only text parts "
+                                                  "are supported")
+                texts.append(part["text"])
+            data["content"] = "".join(texts)
+        return data
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list[dict[str, Any]] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def logprob_count(self) -> int | None:
+        """None: no log-probabilities; k: each token's and its k most likely alternatives'."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int]
+    echo: bool = False
+    suffix: str | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise Unsupported("echo", "echo is not supported")
+        if self.suffix:
+            raise Unsupported("suffix", "suffix (insertion) is not supported")
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+# a token's log-probability as the server hands it over: (text, logprob, [(alternative text, logprob)])
+TokenLogprob = tuple[str, float, list[tuple[str, float]]]
+
+
+def chat_logprobs(entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    if entries is None:
+        return None
+    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
+                         "top_logprobs": [{"token": a, "logprob": alp, "bytes": list(a.encode())} for a, alp in top]}
+                        for t, lp, top in entries]}
+
+
+def completion_logprobs(entries: list[TokenLogprob] | None, offset: int = 0) -> dict[str, Any] | None:
+    if entries is None:
+        return None
+    offsets = []
+    for t, _, _ in entries:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": [t for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
+            "top_logprobs": [dict(top) for _, _, top in entries], "text_offset": offsets}
+
+
+def chat_response(rid: str, model: str, text: str, finish: str, usage: Usage,
+                  logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
+    return {"id": rid, "object": "chat.completion", "created": now(), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "logprobs": chat_logprobs(logprobs), "finish_reason": finish}],
+            "usage": usage.model_dump()}
+
+
+def chat_chunk(rid: str, model: str, delta: dict[str, Any], finish: str | None,
+               logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
+    return {"id": rid, "object": "chat.completion.chunk", "created": now(), "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": chat_logprobs(logprobs), "finish_reason": finish}]}
+
+
+def completion_response(rid: str, model: str, text: str, finish: str, usage: Usage,
+                        logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
+    return {"id": rid, "object": "text_completion", "created": now(), "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": completion_logprobs(logprobs),
+                         "finish_reason": finish}],
+            "usage": usage.model_dump()}
+
+
+def completion_chunk(rid: str, model: str, text: str, finish: str | None,
+                     logprobs: list[TokenLogprob] | None = None, offset: int = 0) -> dict[str, Any]:
+    return {"id": rid, "object": "text_completion", "created": now(), "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": completion_logprobs(logprobs, offset),
+                         "finish_reason": finish}]}
+
+
+def usage_chunk(rid: str, model: str, obj: Literal["chat.completion.chunk", "text_completion"],
+                usage: Usage) -> dict[str, Any]:
+    return {"id": rid, "object": obj, "created": now(), "model": model, "choices": [], "usage": usage.model_dump()}
