@@ -28,7 +28,7 @@ LAYERS = [
     ("moeflow.api", "api", 6), ("moeflow", "package", 7),  # moeflow/__init__.py re-exports the API
     # tools built on the whole library
     ("moeflow.trace.record", "tools", 8), ("moeflow.quant.convert", "tools", 8), ("moeflow.cli", "tools", 8),
-    ("moeflow.sim", "tools", 8), ("moeflow.__main__", "tools", 8),
+    ("moeflow.sim", "tools", 8), ("moeflow.serve", "tools", 8), ("moeflow.__main__", "tools", 8),
 ]
 
 
