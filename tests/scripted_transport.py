@@ -5,8 +5,8 @@ cannot change a number. :class:`ScriptedTransport` brings the GPU's freedom back
 
 * **compute is deferred.** :meth:`ScriptedTransport.deferring_compute` patches ``kernels.expert_forward`` and
   ``kernels.combine`` so their calls are queued on an emulated compute stream instead of run (a layer's output is
-  filled in later); the queue runs only as far as a forced compute fence needs, and at :meth:`synchronize`. A ``wait_compute`` is queued too:
-  compute after it sees the awaited copies.
+  filled in later); the queue runs only as far as a forced compute fence needs, and at :meth:`synchronize`.
+  A ``wait_compute`` is queued too: compute after it sees the awaited copies.
 * **copies land when the script says.** ``mode="eager"``: a copy lands as soon as everything in its ``after``
   completed (before compute that is still queued ran: a copy not ordered after a compute fence overwrites the slot
   under the queued reader). ``mode="late"``: a copy lands only when someone needs it (its handle is synchronized
@@ -205,7 +205,8 @@ class ScriptedTransport:
         real_forward, real_combine = kernels_module.expert_forward, kernels_module.combine
 
         def queued_forward(x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask=None, *args, **kw):
-            selected = range(slot_of_expert.numel()) if expert_mask is None else expert_mask.nonzero().flatten().tolist()
+            every = range(slot_of_expert.numel())
+            selected = every if expert_mask is None else expert_mask.nonzero().flatten().tolist()
             spans = [_span(pool.buffer[int(slot_of_expert[e])]) for e in selected]
             args_now = (x, topk_ids, topk_weights, pool, slot_of_expert.clone(), out,
                         None if expert_mask is None else expert_mask.clone())

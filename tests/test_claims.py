@@ -64,7 +64,8 @@ def test_expertflow_exact_on_every_slot_count(embedded):
 def test_fiddler_greedy_equal_and_logits_close_on_every_slot_count(embedded):
     """Policy "fiddler" computes the experts it did not place on the device on the CPU (int4, bf16 activations),
     so it is exact only up to bf16 rounding: logits within INT4_RTOL (relative norm) of the fp32 resident model,
-    every logit within half the reference's top-1 / top-2 margin (so the greedy choice cannot flip on PROMPTS), and the greedy tokens equal,
+    every logit within half the reference's top-1 / top-2 margin (so the greedy choice cannot flip on PROMPTS),
+    and the greedy tokens equal,
     on every slot count from 2 to all 32 experts."""
     path, ids, mask, expected, full_mask, logits, margin = embedded
     for slots in range(2, 33):
@@ -78,7 +79,8 @@ def test_fiddler_greedy_equal_and_logits_close_on_every_slot_count(embedded):
             model.experts.close()
         rel = float((got - logits).norm() / logits.norm())
         worst = float((got - logits)[:, ids.shape[1] - 1 : -1].abs().max())
-        assert rel < INT4_RTOL and worst < margin / 2, f"margin {margin:.3f}; fiddler, {slots} slots: rel {rel:.2e}, max {worst:.3f}"
+        assert rel < INT4_RTOL and worst < margin / 2, (
+            f"margin {margin:.3f}; fiddler, {slots} slots: rel {rel:.2e}, max {worst:.3f}")
         assert torch.equal(out, expected), f"fiddler with {slots} slots"
         assert cpu_experts > 0 or slots == 32
 
