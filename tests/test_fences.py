@@ -9,16 +9,13 @@ poisons a slot whenever an order is violated, so the outputs go NaN or wrong and
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 from scripted_transport import ScriptedTransport
 from test_scheduling_helpers import DENSE, Synthetic
 
 from moeflow import kernels
-from moeflow.config import OffloadConfig
-from moeflow.scheduling import CopyEngine, Stats, create_expert_backend
+from moeflow.scheduling import CopyEngine
 
 
 class OneChunkPerPump(CopyEngine):
@@ -29,17 +26,8 @@ class OneChunkPerPump(CopyEngine):
 
 
 def scripted_backend(synth: Synthetic, transport: ScriptedTransport, *, trickle: bool = False, **config):
-    stats = Stats()
-    options = {"engine_factory": functools.partial(OneChunkPerPump)} if trickle else None
-    backend = create_expert_backend(
-        OffloadConfig(**config), fmt=synth.fmt, num_layers=synth.L, num_experts=synth.E, top_k=synth.k,
-        device=torch.device("cpu"), kernels_backend="torch", gates=synth.gates, reserved_bytes=0, stats=stats,
-        transport=transport, backend_options=options,
-    )
-    for (layer, e), t in synth.weights.items():
-        backend.load_expert(layer, e, t)
-    backend.finish_loading()
-    return backend, stats
+    options = {"engine_factory": OneChunkPerPump} if trickle else None
+    return synth.offloaded(transport_object=transport, backend_options=options, **config)
 
 
 def run_scripted(synth, expected, mode: str, *, trickle: bool = False, **config):

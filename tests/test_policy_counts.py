@@ -12,21 +12,11 @@ import pytest
 import torch
 from test_scheduling_helpers import DENSE, Synthetic
 
-from moeflow.config import OffloadConfig
-from moeflow.scheduling import CopyEngine, Stats, SyncTransport, create_expert_backend
+from moeflow.scheduling import CopyEngine, Stats, SyncTransport
 
 
 def backend_for(synth: Synthetic, backend_options: dict | None = None, **config):
-    stats = Stats()
-    backend = create_expert_backend(
-        OffloadConfig(transport="sync", **config), fmt=synth.fmt, num_layers=synth.L, num_experts=synth.E,
-        top_k=synth.k, device=torch.device("cpu"), kernels_backend="torch", gates=synth.gates, reserved_bytes=0,
-        stats=stats, backend_options=backend_options,
-    )
-    for (layer, e), t in synth.weights.items():
-        backend.load_expert(layer, e, t)
-    backend.finish_loading()
-    return backend, stats
+    return synth.offloaded(transport="sync", backend_options=backend_options, **config)
 
 
 def step(backend, stats, layer: int, experts: list[int], phase: str = "decode", x: torch.Tensor | None = None):

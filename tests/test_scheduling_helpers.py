@@ -56,11 +56,14 @@ class Synthetic:
             backend.load_expert(l, e, t)
         return backend
 
-    def offloaded(self, stats: Stats | None = None, **config):
+    def offloaded(self, stats: Stats | None = None, *, transport_object=None, backend_options: dict | None = None,
+                  **config):
+        """A backend filled with the experts; ``transport_object`` replaces ``config.transport`` (test transports)."""
         stats = stats if stats is not None else Stats()
         backend = create_expert_backend(
             OffloadConfig(**config), fmt=self.fmt, num_layers=self.L, num_experts=self.E, top_k=self.k,
             device=torch.device("cpu"), kernels_backend="torch", gates=self.gates, reserved_bytes=0, stats=stats,
+            transport=transport_object, backend_options=backend_options,
         )
         for (l, e), t in self.weights.items():
             backend.load_expert(l, e, t)
