@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import subprocess
 import time
 from pathlib import Path
 
@@ -101,6 +102,7 @@ def markdown(s: dict) -> str:
              f"{s['layers']} layers. Wall time per decode step without the profiler: "
              f"{s['wall_ms_per_step']:.1f} ms ({1e3 / s['wall_ms_per_step']:.1f} tok/s). "
              f"Aten ops per step: {s['aten_ops_per_step']:.0f}.", "",
+             f"uptime before: `{s.get('uptime_before')}`  ", f"uptime after: `{s.get('uptime_after')}`", "",
              "| region | self ms / step (profiled) | aten ops / step | per layer | mm / copy_ / _to_copy per step |",
              "|---|---|---|---|---|"]
     for r, v in s["regions"].items():
@@ -126,6 +128,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     args = ap.parse_args()
     torch.set_num_threads(2)
+    uptime_before = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     model = MoEOffloadedMixtral.from_pretrained(args.model, device="cpu")
     ids = torch.randint(3, model.config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0))
     gen = dict(max_new_tokens=args.steps + 1, do_sample=False, eos_token_id=[])
@@ -140,7 +143,8 @@ def main() -> None:
         for h in handles:
             h.remove()
     s = summarize(prof.events(), args.steps, model.config.num_hidden_layers)
-    s.update(kernels=model.kernels, wall_ms_per_step=wall * 1e3, uptime=time.strftime("%H:%M UTC", time.gmtime()),
+    s.update(kernels=model.kernels, wall_ms_per_step=wall * 1e3, uptime_before=uptime_before,
+             uptime_after=subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
              generate_wall_s=time.perf_counter() - t0, torch=torch.__version__)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(s, indent=1))
