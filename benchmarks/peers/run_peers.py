@@ -68,7 +68,9 @@ def llama_cpp(bench: Path, gguf: Path, prompts: list[int], tg: int, reps: int) -
     """llama-bench on one GGUF: mean tok/s (and std) of pp<N> and tg<tg> over ``reps`` repetitions."""
     out = json.loads(sh(bench, "-m", gguf, "-t", THREADS, "-p", ",".join(map(str, prompts)), "-n", tg,
                         "-r", reps, "-o", "json"))
-    res = {"build": out[0].get("build_commit"), "file_bytes": gguf.stat().st_size}
+    version = bench.parents[2] / "LLAMA_CPP_PYTHON_VERSION"
+    res = {"build": out[0].get("build_commit"), "file_bytes": gguf.stat().st_size,
+           "llama_cpp_python_sdist": version.read_text().strip() if version.is_file() else None}
     for row in out:
         key = f"pp{row['n_prompt']}" if row["n_gen"] == 0 else "tg"
         res[key] = row["avg_ts"]
