@@ -21,9 +21,8 @@ fp32 model of ``forward`` (same rounding points).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+from torch import nn
 
 from moeflow.kernels.cpu_int4 import COMPUTE_DTYPE, Int4Matrix
 from moeflow.quant.awq import check_group_size, dequantize, quantize_rtn
@@ -31,16 +30,25 @@ from moeflow.quant.awq import check_group_size, dequantize, quantize_rtn
 INT8_MAX = 127
 
 
-@dataclass
-class CpuQuantLinear:
-    """``y = x @ W.T`` for a bias-free ``nn.Linear`` weight ``W [out, in]`` held in int8 or int4."""
+class CpuQuantLinear(nn.Module):
+    """``y = x @ W.T`` for a bias-free ``nn.Linear`` weight ``W [out, in]`` held in int8 or int4.
 
-    bits: int
-    in_features: int
-    out_features: int
-    int8_weight: torch.Tensor | None = None  # int8 [out, in]
-    int8_scales: torch.Tensor | None = None  # bf16 [out]
-    int4: Int4Matrix | None = None  # torch's int4 CPU format of W.T [in, out]
+    A module, so it can take an ``nn.Linear``'s place (``model.lm_head = quantize_linear_cpu(...)``). Buffers:
+    int8: ``int8_weight`` int8 [out, in] and ``int8_scales`` bf16 [out]; int4: ``packed`` uint8 [out, in/2]
+    and ``scales_zeros`` bf16 [in/g, out, 2] (torch's int4 CPU format, see :class:`Int4Matrix`).
+    """
+
+    def __init__(self, bits: int, in_features: int, out_features: int, *, int8_weight: torch.Tensor | None = None,
+                 int8_scales: torch.Tensor | None = None, int4: Int4Matrix | None = None) -> None:
+        super().__init__()
+        self.bits, self.in_features, self.out_features = bits, in_features, out_features
+        self.group_size = int4.group_size if int4 is not None else in_features
+        if bits == 8:
+            self.register_buffer("int8_weight", int8_weight)
+            self.register_buffer("int8_scales", int8_scales)
+        else:
+            self.register_buffer("packed", int4.packed)
+            self.register_buffer("scales_zeros", int4.scales_zeros)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] (any float dtype) -> [..., out] in x's dtype (bf16 compute, see the module docstring)."""
@@ -51,10 +59,12 @@ class CpuQuantLinear:
         if self.bits == 8:
             y = torch._weight_int8pack_mm(flat, self.int8_weight, self.int8_scales)
         else:
-            y = self.int4.matmul(flat)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scales_zeros)
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
-    __call__ = forward
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}" + \
+            (f", group_size={self.group_size}" if self.bits == 4 else "")
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows of W as an embedding table: ids [...] -> fp32 [..., in] (int8 only: int4 rows are packed)."""
@@ -73,7 +83,7 @@ class CpuQuantLinear:
         """Bytes the kernel reads per call (weights and scales)."""
         if self.bits == 8:
             return self.int8_weight.numel() + self.int8_scales.numel() * self.int8_scales.element_size()
-        return self.int4.nbytes
+        return self.packed.numel() + self.scales_zeros.numel() * self.scales_zeros.element_size()
 
 
 def int4_dequantized(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
