@@ -152,11 +152,12 @@ def build_model(
 
 
 def _linear_factory(dtype: torch.dtype, awq_attention: dict | None):
-    """Attention projections: AWQ 4-bit when the checkpoint stores them so, else dense bias-free linears."""
+    """Attention projections (and the families' dense MLPs): AWQ 4-bit when the checkpoint stores them so,
+    else dense linears."""
 
-    def make(name: str, fan_in: int, fan_out: int) -> nn.Module:
+    def make(name: str, fan_in: int, fan_out: int, bias: bool = False) -> nn.Module:
         if awq_attention is not None:
-            return AWQLinear(fan_in, fan_out, awq_attention["group_size"], awq_attention["scales_dtype"])
-        return nn.Linear(fan_in, fan_out, bias=False, dtype=dtype)
+            return AWQLinear(fan_in, fan_out, awq_attention["group_size"], awq_attention["scales_dtype"], bias=bias)
+        return nn.Linear(fan_in, fan_out, bias=bias, dtype=dtype)
 
     return make

@@ -169,6 +169,13 @@ class CheckpointReader:
             )
         return t
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of tensor ``name``, read from the file's header (no data is read)."""
+        path = self.weight_map.get(name)
+        if path is None:
+            raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {self.directory}")
+        return tuple(self._open(path).get_slice(name).get_shape())
+
     def close(self) -> None:
         self._handles.clear()
 
