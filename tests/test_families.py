@@ -108,3 +108,34 @@ def test_parse_config_as_published():
         "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 16, "num_experts": 64,
         "num_experts_per_tok": 8, "norm_topk_prob": False, "clip_qkv": None, "rope_theta": 10000})
     assert olmoe.num_experts == 64 and olmoe.config.qk_norm == "projection" and olmoe.config.rms_norm_eps == 1e-5
+
+
+def fuse_experts(src, dst, num_layers: int, num_experts: int):
+    """Rewrite a per-expert checkpoint with transformers 5.x's in-memory fused names."""
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir()
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    sd = load_file(src / "model.safetensors")
+    out = {k: v for k, v in sd.items() if ".mlp.experts." not in k}
+    for layer in range(num_layers):
+        base = f"model.layers.{layer}.mlp.experts"
+        if f"{base}.0.gate_proj.weight" not in sd:
+            continue
+        out[f"{base}.gate_up_proj"] = torch.stack([
+            torch.cat([sd[f"{base}.{e}.gate_proj.weight"], sd[f"{base}.{e}.up_proj.weight"]])
+            for e in range(num_experts)])
+        out[f"{base}.down_proj"] = torch.stack([sd[f"{base}.{e}.down_proj.weight"] for e in range(num_experts)])
+    save_file(out, dst / "model.safetensors")
+    return dst
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "olmoe"])
+def test_fused_expert_layout_loads_like_per_expert(tmp_path, model_type):
+    overrides = dict(num_hidden_layers=3, mlp_only_layers=[0]) if model_type == "qwen3_moe" else {}
+    per_expert = make_family_checkpoint(tmp_path / "per", model_type, seed=4, **overrides)
+    fused = fuse_experts(per_expert, tmp_path / "fused", 3, 8)
+    ids = torch.randint(0, 97, (1, 11), generator=torch.Generator().manual_seed(5))
+    a = MoEModel.from_pretrained(per_expert)
+    b = MoEModel.from_pretrained(fused)
+    assert torch.equal(a(ids).logits, b(ids).logits)
