@@ -21,7 +21,7 @@ from moeflow.engine.sampling import GenerationConfig
 from moeflow.families import Family, family_for_config
 from moeflow.families.base import CausalDecoder
 from moeflow.families.layers import AWQLinear
-from moeflow.io.checkpoint import CheckpointReader, read_json, read_quantization, resolve_checkpoint
+from moeflow.io.checkpoint import open_checkpoint, read_json, read_quantization, resolve_checkpoint
 from moeflow.io.tokenizer import Tokenizer
 from moeflow.kernels.pool import ExpertFormat
 from moeflow.moe.backend import ExpertBackend
@@ -118,7 +118,7 @@ def build_model(
                          f"{' or '.join(f.name.capitalize() for f in families)}")
     family = family_for_config(raw_config, str(config_path))
     quant = read_quantization(directory, raw_config)
-    reader = CheckpointReader(directory)
+    reader = open_checkpoint(directory, quant)
     try:
         layout = family.detect_expert_layout(reader)
         fmt = loading.expert_format(family, layout, quant, dtype)
