@@ -65,7 +65,8 @@ def test_fused_expert_count_disagreeing_with_config_names_both(tmp_path):
     per = make_family_checkpoint(tmp_path / "per", "qwen3_moe")
     fused = fuse_experts(per, tmp_path / "fused", 2, 8)
     edit_config(fused, num_local_experts=None, num_experts=7)
-    with pytest.raises(CheckpointError, match=r"holds 8 experts \(.*gate_up_proj\) but config\.json says num_experts=7"):
+    with pytest.raises(CheckpointError,
+                       match=r"holds 8 experts \(.*gate_up_proj\) but config\.json says num_experts=7"):
         MoEModel.from_pretrained(fused)
 
 
