@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from family_models import make_family_checkpoint, make_family_model
+from test_model import rel_err
 
 from moeflow import MoEModel
 from moeflow.families import OlmoeFamily, Qwen2MoeFamily, Qwen3MoeFamily
@@ -27,10 +28,6 @@ CONFIGS = {
     "olmoe-norm-topk-clip-bias": ("olmoe", dict(norm_topk_prob=True, clip_qkv=0.6, attention_bias=True,
                                                 num_key_value_heads=4)),
 }
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max())
 
 
 def check_against(ref, model, vocab: int, new_tokens: int = 32) -> None:

@@ -108,13 +108,14 @@ def expert_linear_weights(name: str, reader: CheckpointReader, moe_prefix: str, 
     fused = re.match(rf"^(model\.layers\.\d+)\.(?:{re.escape(moe_prefix)}|mlp)\.experts\.(gate_up_proj|down_proj)$",
                      name)
     if fused:
-        return _split_fused(reader.get(name), fused.group(1), fused.group(2), out_prefix, out_names)
+        return split_fused_experts(reader.get(name), fused.group(1), fused.group(2), out_prefix, out_names)
     return None
 
 
-def _split_fused(stacked: torch.Tensor, layer: str, kind: str, prefix: str, names: ProjectionNames
-                 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """stacked [E, 2I, H] (gate_up_proj) or [E, H, I] (down_proj) -> per-expert ``[out, in]`` weights."""
+def split_fused_experts(stacked: torch.Tensor, layer: str, kind: str, prefix: str, names: ProjectionNames
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+    """stacked [E, 2I, H] (``gate_up_proj``) or [E, H, I] (``down_proj``) -> per-expert ``[out, in]`` weights named
+    ``{layer}.{prefix}.experts.{e}.{projection}``."""
     for e in range(stacked.shape[0]):
         base = f"{layer}.{prefix}.experts.{e}"
         if kind == "gate_up_proj":

@@ -136,6 +136,20 @@ def common_fields(raw: dict[str, Any], source: str, rope_default: float = 10000.
     )
 
 
+def qwen_moe_fields(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """The fields Qwen2-MoE and Qwen3-MoE spell alike: the common ones, the expert count (``num_experts``, or
+    ``num_local_experts`` as transformers 5.x writes Qwen3's), the expert and dense MLP sizes, and the MoE
+    layers (``decoder_sparse_step``, ``mlp_only_layers``)."""
+    fields = common_fields(raw, source)
+    num_experts, key = expert_count(raw, source, ("num_experts", "num_local_experts"))
+    require(raw, source, "moe_intermediate_size")
+    return dict(fields, num_experts=num_experts, experts_key=key,
+                moe_intermediate_size=int(raw["moe_intermediate_size"]),
+                intermediate_size=int(raw.get("intermediate_size") or 0),
+                moe_layer_ids=sparse_layers(fields["num_hidden_layers"], num_experts, raw.get("decoder_sparse_step", 1),
+                                            raw.get("mlp_only_layers")))
+
+
 class DecoderLayer(nn.Module):
     """Attention + (MoE block | dense gated MLP), pre-norm residual."""
 

@@ -11,14 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from moeflow.families.llama_moe import (
-    LlamaMoEConfig,
-    LlamaMoEFamily,
-    common_fields,
-    expert_count,
-    require,
-    sparse_layers,
-)
+from moeflow.families.llama_moe import LlamaMoEConfig, LlamaMoEFamily, qwen_moe_fields
 
 
 def layer_windows(raw: dict[str, Any], num_layers: int) -> tuple[int | None, ...] | None:
@@ -39,17 +32,9 @@ class Qwen2MoeFamily(LlamaMoEFamily):
 
     @classmethod
     def parse_config(cls, raw: dict[str, Any], source: str) -> LlamaMoEConfig:
-        fields = common_fields(raw, source)
-        num_experts, key = expert_count(raw, source, ("num_experts", "num_local_experts"))
-        require(raw, source, "moe_intermediate_size")
-        layers = fields["num_hidden_layers"]
+        fields = qwen_moe_fields(raw, source)
         return LlamaMoEConfig(
-            **fields, num_experts=num_experts, experts_key=key,
-            moe_intermediate_size=int(raw["moe_intermediate_size"]),
-            intermediate_size=int(raw.get("intermediate_size") or 0),
-            moe_layer_ids=sparse_layers(layers, num_experts, raw.get("decoder_sparse_step", 1),
-                                        raw.get("mlp_only_layers")),
-            shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
+            **fields, shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
             shared_expert_gate=True, qkv_bias=bool(raw.get("qkv_bias", True)),
-            layer_windows=layer_windows(raw, layers),
+            layer_windows=layer_windows(raw, fields["num_hidden_layers"]),
         )

@@ -10,14 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from moeflow.families.llama_moe import (
-    LlamaMoEConfig,
-    LlamaMoEFamily,
-    common_fields,
-    expert_count,
-    require,
-    sparse_layers,
-)
+from moeflow.families.llama_moe import LlamaMoEConfig, LlamaMoEFamily, qwen_moe_fields
 
 
 class Qwen3MoeFamily(LlamaMoEFamily):
@@ -26,19 +19,9 @@ class Qwen3MoeFamily(LlamaMoEFamily):
 
     @classmethod
     def parse_config(cls, raw: dict[str, Any], source: str) -> LlamaMoEConfig:
-        fields = common_fields(raw, source)
-        num_experts, key = expert_count(raw, source, ("num_experts", "num_local_experts"))
-        require(raw, source, "moe_intermediate_size")
-        layers = fields["num_hidden_layers"]
+        fields = qwen_moe_fields(raw, source)
         # transformers 5.x: one sliding window for every layer when use_sliding_window (off in the releases)
         window = raw.get("sliding_window") if raw.get("use_sliding_window") else None
         bias = bool(raw.get("attention_bias", False))
-        return LlamaMoEConfig(
-            **fields, num_experts=num_experts, experts_key=key,
-            moe_intermediate_size=int(raw["moe_intermediate_size"]),
-            intermediate_size=int(raw.get("intermediate_size") or 0),
-            moe_layer_ids=sparse_layers(layers, num_experts, raw.get("decoder_sparse_step", 1),
-                                        raw.get("mlp_only_layers")),
-            qkv_bias=bias, o_bias=bias, qk_norm="head",
-            layer_windows=(int(window),) * layers if window else None,
-        )
+        return LlamaMoEConfig(**fields, qkv_bias=bias, o_bias=bias, qk_norm="head",
+                              layer_windows=(int(window),) * fields["num_hidden_layers"] if window else None)
