@@ -83,3 +83,22 @@ def test_simulate_with_the_models_routers(traced, capsys):
     assert sorted((r["policy"], r["slots"]) for r in rows) == [("lru", 4), ("lru", 16), ("mixtral-offloading", 4),
                                                                 ("mixtral-offloading", 16)]
     assert all(r["tpot_s"] > 0 and r["bytes_h2d"] > 0 for r in rows)
+
+
+def test_qwen3_shaped_simulator_presets():
+    from moeflow.sim import get_profile, simulate
+    from moeflow.sim.profile import ProfileError, awq_expert_bytes
+    from moeflow.trace.synthetic import gate_modules, synthesize_trace
+
+    small, big = get_profile("qwen3-30b-pcie4-12gb"), get_profile("qwen3-235b-h100-pcie5")
+    assert (small.num_layers, small.num_experts, small.top_k) == (48, 128, 8)
+    assert (big.num_layers, big.num_experts, big.top_k) == (94, 128, 8)
+    assert small.expert_bytes == awq_expert_bytes(2048, 768) and 2.2 < small.expert_bytes / 2**20 < 2.6
+    assert big.expert_bytes == awq_expert_bytes(4096, 1536)
+    assert big.max_slots() < 94 * 128 and small.max_slots() < 48 * 128  # neither fits whole in its GPU
+    trace, gates = synthesize_trace(num_layers=48, num_experts=128, top_k=8, sequences=1, prompt_len=2, new_tokens=3)
+    resident = simulate(trace, "resident", 48 * 128, small)
+    lru = simulate(trace, "lru", 8, small, gates=gate_modules(gates))
+    assert lru.bytes_h2d > 0 and lru.tpot_s > resident.tpot_s > 0
+    with pytest.raises(ProfileError, match="num_layers: .* has 48, the profile 94"):
+        simulate(trace, "lru", 8, big)
