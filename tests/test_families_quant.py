@@ -165,3 +165,15 @@ def test_gptq_act_order_is_refused_naming_the_setting(tmp_path):
     save_file(sd, tmp_path / "gptq" / "model.safetensors")
     with pytest.raises(UnsupportedQuantizationError, match=r"experts\.2\.up_proj\.g_idx: .*desc_act=true"):
         MoEModel.from_pretrained(tmp_path / "gptq")
+
+
+@pytest.mark.parametrize("model_type,dtype", [("qwen3_moe", torch.bfloat16), ("qwen2_moe", torch.float16)])
+def test_moeflow_quantize_command_from_16_bit(tmp_path, model_type, dtype):
+    from moeflow.cli import main
+
+    overrides = dict(intermediate_size=64, shared_expert_intermediate_size=64) if model_type == "qwen2_moe" else {}
+    src = make_family_checkpoint(tmp_path / "src", model_type, seed=2, dtype=dtype, **overrides)
+    assert main(["quantize", str(src), str(tmp_path / "awq"), "--group-size", str(GROUP)]) == 0
+    model = MoEModel.from_pretrained(tmp_path / "awq", dtype=torch.float32, kernels="torch")
+    assert model.experts.fmt.kind == "awq" and model.family.name == model_type
+    check(model, reference_model(model_type, overrides, awq_dequantized_state(tmp_path / "awq")), new_tokens=12)
