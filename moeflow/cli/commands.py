@@ -128,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--group-size", type=int, default=128, choices=[32, 64, 128])
     p.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16",
                    help="dtype of the tensors that stay unquantized")
-    p.add_argument("--quantize-attention", action="store_true", help="also quantize q/k/v/o projections")
+    p.add_argument("--quantize-attention", action="store_true",
+                   help="also quantize q/k/v/o projections (and dense MLP layers and shared experts)")
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=cmd_quantize)
     for module in COMMAND_MODULES:
