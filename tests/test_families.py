@@ -136,3 +136,20 @@ def test_fused_expert_layout_loads_like_per_expert(tmp_path, model_type):
     a = MoEModel.from_pretrained(per_expert)
     b = MoEModel.from_pretrained(fused)
     assert torch.equal(a(ids).logits, b(ids).logits)
+
+
+def test_hub_id_resolved_from_the_local_hub_cache(tmp_path, monkeypatch):
+    """A hub id loads through huggingface_hub (offline here: from its cache layout)."""
+    import huggingface_hub.constants as hub
+
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--tiny-org--tiny-olmoe" / "snapshots" / ("0" * 40)
+    ref = make_family_model("olmoe", seed=6)
+    ref.save_pretrained(snapshot)
+    (cache / "models--tiny-org--tiny-olmoe" / "refs").mkdir()
+    (cache / "models--tiny-org--tiny-olmoe" / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+    model = MoEModel.from_pretrained("tiny-org/tiny-olmoe")
+    assert model.family.name == "olmoe"
+    check_against(ref, model, 97, new_tokens=4)
