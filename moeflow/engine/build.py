@@ -21,7 +21,7 @@ from moeflow.engine.sampling import GenerationConfig
 from moeflow.families import Family, family_for_config
 from moeflow.families.base import CausalDecoder
 from moeflow.families.layers import AWQLinear
-from moeflow.io.checkpoint import CheckpointReader, read_json, read_quantization, resolve_checkpoint
+from moeflow.io.checkpoint import open_checkpoint, read_json, read_quantization, resolve_checkpoint
 from moeflow.io.tokenizer import Tokenizer
 from moeflow.kernels.pool import ExpertFormat
 from moeflow.moe.backend import ExpertBackend
@@ -118,7 +118,7 @@ def build_model(
                          f"{' or '.join(f.name.capitalize() for f in families)}")
     family = family_for_config(raw_config, str(config_path))
     quant = read_quantization(directory, raw_config)
-    reader = CheckpointReader(directory)
+    reader = open_checkpoint(directory, quant)
     try:
         layout = family.detect_expert_layout(reader)
         fmt = loading.expert_format(family, layout, quant, dtype)
@@ -152,11 +152,12 @@ def build_model(
 
 
 def _linear_factory(dtype: torch.dtype, awq_attention: dict | None):
-    """Attention projections: AWQ 4-bit when the checkpoint stores them so, else dense bias-free linears."""
+    """Attention projections (and the families' dense MLPs): AWQ 4-bit when the checkpoint stores them so,
+    else dense linears."""
 
-    def make(name: str, fan_in: int, fan_out: int) -> nn.Module:
+    def make(name: str, fan_in: int, fan_out: int, bias: bool = False) -> nn.Module:
         if awq_attention is not None:
-            return AWQLinear(fan_in, fan_out, awq_attention["group_size"], awq_attention["scales_dtype"])
-        return nn.Linear(fan_in, fan_out, bias=False, dtype=dtype)
+            return AWQLinear(fan_in, fan_out, awq_attention["group_size"], awq_attention["scales_dtype"], bias=bias)
+        return nn.Linear(fan_in, fan_out, bias=bias, dtype=dtype)
 
     return make

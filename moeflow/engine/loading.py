@@ -96,7 +96,8 @@ def read_routers(directory: str | Path) -> tuple[list[torch.Tensor], int]:
     try:
         layout = family.detect_expert_layout(reader)
         with torch.device("meta"):  # module paths and shapes only: nothing is allocated
-            decoder = family.build_decoder(torch.float32, lambda _n, fan_in, fan_out: nn.Linear(fan_in, fan_out))
+            decoder = family.build_decoder(torch.float32,
+                                           lambda _n, fan_in, fan_out, bias=False: nn.Linear(fan_in, fan_out, bias))
         paths = {id(m): name for name, m in decoder.named_modules()}
         weights = [
             reader.get(family.checkpoint_name(f"{paths[id(block)]}.gate.weight", layout),

@@ -80,7 +80,10 @@ class CausalDecoder(nn.Module):
     """
 
     def __init__(self, vocab_size: int, hidden_size: int, layers: list[nn.Module], rms_norm_eps: float,
-                 head_dim: int, rope_theta: float, dtype: torch.dtype, sliding_window: int | None = None):
+                 head_dim: int, rope_theta: float, dtype: torch.dtype, sliding_window: int | None = None,
+                 layer_windows: list[int | None] | None = None):
+        """``sliding_window``: one window for every layer; ``layer_windows``: one per layer instead (Qwen2-MoE
+        alternates sliding and full attention layers)."""
         super().__init__()
         self.embed_tokens = nn.Embedding(vocab_size, hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(layers)
@@ -88,6 +91,9 @@ class CausalDecoder(nn.Module):
         self.rotary = RotaryEmbedding(head_dim, rope_theta)
         self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False, dtype=dtype)
         self.sliding_window = sliding_window
+        if layer_windows is not None and len(layer_windows) != len(layers):
+            raise ValueError(f"layer_windows has {len(layer_windows)} entries for {len(layers)} layers")
+        self.layer_windows = layer_windows
 
     @property
     def moe_blocks(self) -> list[MoEBlock]:
@@ -103,9 +109,10 @@ class CausalDecoder(nn.Module):
         x = embeds
         cos, sin = self.rotary(position_ids, x.dtype)
         cache.mark_valid(cache_position, token_mask)
-        mask = cache.attention_mask(cache_position, self.sliding_window)
-        for layer in self.layers:
-            x = layer(x, cos, sin, cache, cache_position, mask, experts, routing)
+        windows = self.layer_windows or [self.sliding_window] * len(self.layers)
+        masks = {w: cache.attention_mask(cache_position, w) for w in dict.fromkeys(windows)}
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache, cache_position, masks[windows[i]], experts, routing)
         return self.lm_head(self.norm(x)).float()
 
 

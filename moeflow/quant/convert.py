@@ -75,9 +75,9 @@ def quantize_checkpoint(
     family = family_for_config(config, str(src_dir / "config.json"))
     if config.get("quantization_config") or (src_dir / "quant_config.json").exists():
         raise CheckpointError(f"{src_dir} is already quantized; moeflow quantize needs an unquantized checkpoint")
-    hidden, inter = config.get("hidden_size"), config.get("intermediate_size")
-    check_group_size(group_size, hidden, "hidden_size")
-    check_group_size(group_size, inter, "intermediate_size")
+    spec = family.expert_spec()  # the experts' sizes (Qwen's moe_intermediate_size, not the dense MLPs')
+    check_group_size(group_size, spec.hidden_size, "hidden_size")
+    check_group_size(group_size, spec.intermediate_size, "the experts' intermediate size")
     reader = CheckpointReader(src_dir)
 
     dst.parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,8 @@
 """Hardware profiles: what one copy and one unit of compute cost on a given machine, for a given model.
 
 A profile is a dataclass, saved as JSON. Times are for batch-1 inference of one model; the presets are
-for Mixtral-8x7B in AWQ 4-bit (87.3 MiB per expert, 32 layers x 8 experts, top-2) and are estimates from
+for Mixtral-8x7B in AWQ 4-bit (87.3 MiB per expert, 32 layers x 8 experts, top-2; ``pcie4-24gb``,
+``h100-pcie5``), Qwen3-30B-A3B and Qwen3-235B-A22B (128 experts, top-8; ``qwen3-*``) and are estimates from
 the hardware's data sheet (bandwidths) and roofline arithmetic (compute), not measurements: see
 ``docs/simulator.md``. ``moeflow bench profile`` measures the machine at hand.
 """
@@ -35,6 +36,9 @@ def awq_expert_bytes(hidden: int, intermediate: int, group_size: int = 128) -> i
 
 
 MIXTRAL_8X7B = {"num_layers": 32, "num_experts": 8, "top_k": 2, "hidden": 4096, "intermediate": 14336}
+# many small experts: ~2.5 MB (30B-A3B) and ~9.7 MB (235B-A22B) per AWQ expert, 6,144 and 12,032 experts
+QWEN3_30B_A3B = {"num_layers": 48, "num_experts": 128, "top_k": 8, "hidden": 2048, "intermediate": 768}
+QWEN3_235B_A22B = {"num_layers": 94, "num_experts": 128, "top_k": 8, "hidden": 4096, "intermediate": 1536}
 
 
 @dataclass(frozen=True)
@@ -185,6 +189,13 @@ def _mixtral_preset(name: str, description: str, **costs: Any) -> HardwareProfil
                            description=description, **costs)
 
 
+def _shaped_preset(model: dict[str, int], name: str, description: str, **costs: Any) -> HardwareProfile:
+    """A preset for the model of shape ``model`` (layers, experts, top-k; AWQ g128 experts of its sizes)."""
+    return HardwareProfile(name=name, expert_bytes=awq_expert_bytes(model["hidden"], model["intermediate"]),
+                           num_layers=model["num_layers"], num_experts=model["num_experts"], top_k=model["top_k"],
+                           description=description, **costs)
+
+
 def _presets() -> dict[str, HardwareProfile]:
     return {
         # PCIe 4.0 x16 (~25 GB/s pinned in practice), a 24 GB consumer GPU (~1 TB/s HBM, RTX 3090/4090 class)
@@ -203,10 +214,32 @@ def _presets() -> dict[str, HardwareProfile]:
             h2d_gbps=50.0, h2d_latency_us=8.0, attn_ms=0.065, attn_ms_per_token=0.0008, expert_ms=0.065,
             expert_ms_per_token=0.0015, head_ms=0.18, sched_ms=0.1, gpu_memory_gb=80.0, non_expert_gb=6.0,
         ),
+        # Qwen3-30B-A3B (AWQ experts and attention) on a 12 GB PCIe 4.0 card (~0.45 TB/s effective, RTX 4070
+        # class): an expert reads 2.5 MB (5.5 us) plus its share of the layer's one grouped launch; attention
+        # 10 MB of int4 weights per layer; the fp16 LM head (151,936 x 2048) reads 0.62 GB per token.
+        # Non-expert memory: attention 0.5 GB + embeddings and head 1.24 GB + 4k-token KV 0.38 GB + workspace.
+        "qwen3-30b-pcie4-12gb": _shaped_preset(
+            QWEN3_30B_A3B, "qwen3-30b-pcie4-12gb",
+            "Qwen3-30B-A3B AWQ (48 layers x 128 experts, top-8, 2.3 MiB per expert) on a 12 GB GPU over PCIe 4.0 x16: "
+            "25 GB/s pinned copies; compute from ~0.45 TB/s effective memory bandwidth (decode) and ~40 TFLOP/s "
+            "(prefill). Estimates, not measurements.",
+            h2d_gbps=25.0, h2d_latency_us=10.0, attn_ms=0.05, attn_ms_per_token=0.001, expert_ms=0.009,
+            expert_ms_per_token=0.00024, head_ms=1.4, sched_ms=0.15, gpu_memory_gb=12.0, non_expert_gb=2.5,
+        ),
+        # Qwen3-235B-A22B (AWQ experts and attention) on an H100 PCIe: 9.7 MB per expert (6 us at 1.6 TB/s);
+        # attention 38 MB of int4 weights per layer; LM head 1.24 GB fp16. 117 GB of experts: they cannot all fit.
+        "qwen3-235b-h100-pcie5": _shaped_preset(
+            QWEN3_235B_A22B, "qwen3-235b-h100-pcie5",
+            "Qwen3-235B-A22B AWQ (94 layers x 128 experts, top-8, 9.4 MiB per expert) on an H100 PCIe (80 GB) over "
+            "PCIe 5.0 x16: 50 GB/s pinned copies; compute from ~1.6 TB/s effective HBM bandwidth (decode) and "
+            "~250 TFLOP/s (prefill). Estimates, not measurements.",
+            h2d_gbps=50.0, h2d_latency_us=8.0, attn_ms=0.04, attn_ms_per_token=0.0006, expert_ms=0.008,
+            expert_ms_per_token=0.00015, head_ms=0.8, sched_ms=0.1, gpu_memory_gb=80.0, non_expert_gb=7.3,
+        ),
     }
 
 
-PRESET_NAMES = ("pcie4-24gb", "h100-pcie5")
+PRESET_NAMES = ("pcie4-24gb", "h100-pcie5", "qwen3-30b-pcie4-12gb", "qwen3-235b-h100-pcie5")
 
 
 def get_profile(name_or_path: str) -> HardwareProfile:
