@@ -124,7 +124,5 @@ def test_routing_functions():
     assert torch.equal(ids2, ids) and torch.allclose(raw, probs.gather(1, ids.long()))
     scaled = make_router(RouterSpec(top_k=2, scaling_factor=2.5))(logits)[2]
     assert torch.allclose(scaled, 2.5 * weights)
-    with pytest.raises(NotImplementedError, match="scoring"):
-        make_router(RouterSpec(top_k=2, scoring="sigmoid"))
-    with pytest.raises(NotImplementedError, match="n_groups"):
-        make_router(RouterSpec(top_k=2, n_groups=4, topk_groups=2))
+    with pytest.raises(NotImplementedError, match="topk_before_scoring"):
+        make_router(RouterSpec(top_k=2, topk_before_scoring=True))
