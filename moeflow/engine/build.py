@@ -133,8 +133,8 @@ def build_model(
 
         stats = Stats()
         cfg = family.config
-        kv_bytes = 2 * cfg.num_hidden_layers * min(cfg.max_position_embeddings, KV_BUDGET_TOKENS) \
-            * cfg.num_key_value_heads * cfg.head_dim * torch.tensor([], dtype=dtype).element_size()
+        kv_bytes = min(cfg.max_position_embeddings, KV_BUDGET_TOKENS) \
+            * family.kv_cache_spec().bytes_per_token(torch.tensor([], dtype=dtype).element_size())
         backend = make_expert_backend(
             offload, resolved, fmt=fmt, family=family, decoder=decoder, device=device,
             reserved_bytes=loading.non_expert_bytes(decoder) + kv_bytes, stats=stats, checkpoint_dir=directory,

@@ -6,9 +6,11 @@ from typing import Any
 
 from moeflow.errors import CheckpointError
 from moeflow.families.base import CausalDecoder, ExpertLayout, ExpertSpec, Family, RouterSpec
+from moeflow.families.deepseek import DeepSeekV2Family, DeepSeekV3Family
+from moeflow.families.glm4_moe import Glm4MoeFamily
 from moeflow.families.mixtral import MixtralConfig, MixtralFamily
 
-FAMILIES: tuple[type[Family], ...] = (MixtralFamily,)
+FAMILIES: tuple[type[Family], ...] = (MixtralFamily, DeepSeekV2Family, DeepSeekV3Family, Glm4MoeFamily)
 
 __all__ = ["FAMILIES", "Family", "ExpertSpec", "ExpertLayout", "RouterSpec", "CausalDecoder", "MixtralFamily",
            "MixtralConfig", "family_class", "supported_model_types", "family_for_config"]
