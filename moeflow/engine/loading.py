@@ -18,6 +18,7 @@ from moeflow.families.base import ExpertLayout
 from moeflow.families.layers import AWQLinear
 from moeflow.io.checkpoint import CheckpointReader, QuantizationSpec, read_json
 from moeflow.kernels.pool import ExpertFormat
+from moeflow.quant.fp8 import awq_expert_tensors, int4_group_size
 
 
 def expert_format(family: Family, layout: ExpertLayout, quant: QuantizationSpec | None,
@@ -81,6 +82,20 @@ def iter_experts(
                 bar.update(1)
     finally:
         bar.close()
+
+
+def requantized_expert_format(family: Family) -> ExpertFormat:
+    """The int4 (AWQ, fp16 scales) format dense-read experts are requantized into (FP8 checkpoints)."""
+    spec = family.expert_spec()
+    group = int4_group_size(spec.hidden_size, spec.intermediate_size)
+    return ExpertFormat(spec.hidden_size, spec.intermediate_size, "awq", torch.float16, group)
+
+
+def requantize_experts(experts: Iterator[tuple[int, int, dict[str, torch.Tensor]]], fmt: ExpertFormat
+                       ) -> Iterator[tuple[int, int, dict[str, torch.Tensor]]]:
+    """Dense experts (``w13``/``w2``) -> AWQ expert tensors of ``fmt`` (round-to-nearest), one at a time."""
+    for moe_layer, expert, tensors in experts:
+        yield moe_layer, expert, awq_expert_tensors(tensors["w13"], tensors["w2"], fmt.group_size, fmt.dtype)
 
 
 def non_expert_bytes(model: nn.Module) -> int:

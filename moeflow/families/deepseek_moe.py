@@ -30,6 +30,7 @@ from moeflow.moe.block import MoEBlock
 from moeflow.moe.routing import RouterSpec
 
 PER_EXPERT = re.compile(r"^(model\.layers\.(\d+))\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 FUSED = re.compile(r"^(model\.layers\.(\d+))\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
 
@@ -126,6 +127,12 @@ class SharedExpertMoEFamily(Family):
             return ExpertLayout("mlp", fused=False, awq=True, scales_dtype=scales.dtype)
         if f"{base}.0.gate_proj.weight" in reader:
             return ExpertLayout("mlp", fused=False, awq=False)
+        layers = {int(m.group(1)) for n in reader.names() if (m := LAYER.match(n))}
+        if layers and min(layers) >= self.config.num_hidden_layers:
+            raise CheckpointError(
+                f"{reader.directory} holds only multi-token-prediction layer tensors (model.layers.{min(layers)}.*, "
+                f"past num_hidden_layers={self.config.num_hidden_layers}), which moeflow never reads: the decoder "
+                "layers' shards are missing")
         raise CheckpointError(f"no expert tensors for the first MoE layer in {reader.directory}: expected "
                               f"'{base}.0.gate_proj.weight' (or .qweight for AWQ) or '{base}.gate_up_proj'")
 
