@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny_families import DEEPSEEK_V3, GLM4_MOE, make_checkpoint
+from tiny_families import DEEPSEEK_V3, GLM4_MOE, assert_matches_transformers, make_checkpoint
 
 from moeflow import MoEModel, OffloadConfig
 from moeflow.kernels.cpu_int4 import int4_cpu_available
@@ -56,14 +56,7 @@ def test_awq_checkpoint_matches_transformers_on_dequantized_weights(awq):
     path, ref, _ = awq
     model = MoEModel.from_pretrained(path, dtype=torch.float32, kernels="torch")
     assert model.experts.fmt.kind == "awq"
-    ids = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        want = ref(ids).logits
-        want_tokens = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
-                                   eos_token_id=None, pad_token_id=0)
-    got = model(ids).logits
-    assert float((got - want).abs().max() / want.abs().max()) < 1e-4
-    assert torch.equal(model.generate(ids, max_new_tokens=32, do_sample=False, eos_token_id=[]), want_tokens)
+    assert_matches_transformers(model, ref)
 
 
 @pytest.mark.skipif(not int4_cpu_available(), reason="this torch build has no int4 CPU kernels")

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_families import DEEPSEEK_V3, make_model
+from tiny_families import DEEPSEEK_V3, assert_matches_transformers, make_model
 
 from moeflow import MoEModel
 from moeflow.errors import CheckpointError
@@ -87,14 +87,7 @@ def test_fp8_checkpoint_loads_and_matches_transformers(fp8_checkpoint):
     model = MoEModel.from_pretrained(path, dtype=torch.float32, kernels="torch")
     assert model.experts.fmt.kind == "awq" and model.experts.fmt.group_size == 32
     ref = reference_on(ref, effective, 32)
-    ids = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        want = ref(ids).logits
-        want_tokens = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
-                                   eos_token_id=None, pad_token_id=0)
-    got = model(ids).logits
-    assert float((got - want).abs().max() / want.abs().max()) < 1e-4
-    assert torch.equal(model.generate(ids, max_new_tokens=32, do_sample=False, eos_token_id=[]), want_tokens)
+    assert_matches_transformers(model, ref)
 
 
 def test_moeflow_quantize_converts_fp8(fp8_checkpoint, tmp_path):

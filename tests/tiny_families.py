@@ -69,3 +69,16 @@ def make_checkpoint(directory: str | Path, kind: str, seed: int = 0, **overrides
     model = make_model(kind, seed, **overrides)
     model.save_pretrained(directory)
     return Path(directory), model
+
+
+def assert_matches_transformers(model, ref, new_tokens: int = 32, seed: int = 3) -> None:
+    """fp32 logits within 1e-4 (relative to the largest) and ``new_tokens`` greedy tokens equal to ``ref``'s."""
+    ids = torch.randint(0, ref.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        want = ref(ids).logits
+        want_tokens = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                   do_sample=False, eos_token_id=None, pad_token_id=0)
+    got = model(ids).logits
+    assert got.shape == want.shape
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-4
+    assert torch.equal(model.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=[]), want_tokens)
