@@ -83,3 +83,11 @@ def test_yarn_matches_transformers():
     hf = DeepseekV3Attention(cfg, 0)
     assert (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5 * softmax_mult == pytest.approx(hf.scaling)
     assert softmax_mult > 1.5  # mscale(40) ** 2: YaRN really sharpens the softmax here
+
+
+def test_selection_bias_stays_fp32_in_a_half_precision_model(tmp_path):
+    make_checkpoint(tmp_path, "deepseek_v3", **DEEPSEEK_V3["qlora-groups-dense"])
+    model = MoEModel.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    block = model.model.moe_blocks[0]
+    assert block.gate.weight.dtype == torch.bfloat16
+    assert block.gate.e_score_correction_bias.dtype == torch.float32

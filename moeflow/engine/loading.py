@@ -20,6 +20,10 @@ from moeflow.io.checkpoint import CheckpointReader, QuantizationSpec, read_json
 from moeflow.kernels.pool import ExpertFormat
 from moeflow.quant.fp8 import awq_expert_tensors, int4_group_size
 
+# buffers that stay fp32 whatever the model's dtype: DeepSeek-V3's selection bias decides near-ties among
+# sigmoid scores in [0, 1], which bf16's 8 bits of mantissa would flip (its checkpoints store it in fp32)
+FP32_BUFFERS = ("e_score_correction_bias",)
+
 
 def expert_format(family: Family, layout: ExpertLayout, quant: QuantizationSpec | None,
                   dtype: torch.dtype) -> ExpertFormat:
@@ -51,7 +55,8 @@ def load_non_expert_weights(
             if full == "lm_head.weight" and ckpt not in reader and tie:
                 ckpt = family.checkpoint_name("embed_tokens.weight", layout)
             src = reader.get(ckpt, tuple(tensor.shape))
-            target_dtype = tensor.dtype if isinstance(module, AWQLinear) else dtype
+            keep = isinstance(module, AWQLinear) or pname in FP32_BUFFERS
+            target_dtype = tensor.dtype if keep else dtype
             with torch.no_grad():
                 tensor.data = src.to(device=device, dtype=target_dtype)
 
