@@ -84,3 +84,13 @@ def test_fiddler_keeps_the_resident_tokens(awq, slots, tmp_path, monkeypatch):
     assert float((got - want).norm() / want.norm()) < 2e-2
     assert float((top2[..., 0] - top2[..., 1]).min()) > 2 * deviation, "checkpoint too close to a tie for the test"
     assert torch.equal(out, expected)
+
+
+def test_quantize_attention_keeps_latent_attention_dense(tmp_path):
+    src, _ = make_checkpoint(tmp_path / "src", "deepseek_v3", **DEEPSEEK_V3["no-qlora-unnormalised"])
+    dst = quantize_checkpoint(src, tmp_path / "awq", group_size=GROUP, quantize_attention=True, progress=False)
+    names = load_file(dst / "model.safetensors").keys()
+    assert "model.layers.0.self_attn.q_proj.weight" in names and "model.layers.0.self_attn.o_proj.weight" in names
+    assert "model.layers.0.mlp.experts.0.gate_proj.qweight" in names
+    model = MoEModel.from_pretrained(dst, kernels="torch")
+    assert model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, eos_token_id=[]).shape == (1, 7)

@@ -143,6 +143,11 @@ class DeepSeekFamily(SharedExpertMoEFamily):
         decoder.rotary = rotary
         return decoder
 
+    def attention_linear(self, name: str) -> str | None:
+        """None: ``moeflow quantize --attention`` keeps MLA's projections in 16 bits (``kv_b_proj`` is read
+        dense to be absorbed, and the engine detects AWQ attention by ``q_proj`` alone)."""
+        return None
+
     def kv_cache_spec(self) -> KVCacheSpec:
         cfg, shape = self.config, self.mla_shape()
         if self.latent_kv_cache:
