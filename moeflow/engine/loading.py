@@ -18,6 +18,11 @@ from moeflow.families.base import ExpertLayout
 from moeflow.families.layers import AWQLinear
 from moeflow.io.checkpoint import CheckpointReader, QuantizationSpec, read_json
 from moeflow.kernels.pool import ExpertFormat
+from moeflow.quant.fp8 import awq_expert_tensors, int4_group_size
+
+# buffers that stay fp32 whatever the model's dtype: DeepSeek-V3's selection bias decides near-ties among
+# sigmoid scores in [0, 1], which bf16's 8 bits of mantissa would flip (its checkpoints store it in fp32)
+FP32_BUFFERS = ("e_score_correction_bias",)
 
 
 def expert_format(family: Family, layout: ExpertLayout, quant: QuantizationSpec | None,
@@ -50,7 +55,8 @@ def load_non_expert_weights(
             if full == "lm_head.weight" and ckpt not in reader and tie:
                 ckpt = family.checkpoint_name("embed_tokens.weight", layout)
             src = reader.get(ckpt, tuple(tensor.shape))
-            target_dtype = tensor.dtype if isinstance(module, AWQLinear) else dtype
+            keep = isinstance(module, AWQLinear) or pname in FP32_BUFFERS
+            target_dtype = tensor.dtype if keep else dtype
             with torch.no_grad():
                 tensor.data = src.to(device=device, dtype=target_dtype)
 
@@ -81,6 +87,20 @@ def iter_experts(
                 bar.update(1)
     finally:
         bar.close()
+
+
+def requantized_expert_format(family: Family) -> ExpertFormat:
+    """The int4 (AWQ, fp16 scales) format dense-read experts are requantized into (FP8 checkpoints)."""
+    spec = family.expert_spec()
+    group = int4_group_size(spec.hidden_size, spec.intermediate_size)
+    return ExpertFormat(spec.hidden_size, spec.intermediate_size, "awq", torch.float16, group)
+
+
+def requantize_experts(experts: Iterator[tuple[int, int, dict[str, torch.Tensor]]], fmt: ExpertFormat
+                       ) -> Iterator[tuple[int, int, dict[str, torch.Tensor]]]:
+    """Dense experts (``w13``/``w2``) -> AWQ expert tensors of ``fmt`` (round-to-nearest), one at a time."""
+    for moe_layer, expert, tensors in experts:
+        yield moe_layer, expert, awq_expert_tensors(tensors["w13"], tensors["w2"], fmt.group_size, fmt.dtype)
 
 
 def non_expert_bytes(model: nn.Module) -> int:

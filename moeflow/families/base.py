@@ -30,7 +30,7 @@ from moeflow.moe.backend import ExpertBackend
 from moeflow.moe.block import MoEBlock, RoutingRecorder
 from moeflow.moe.routing import RouterSpec
 
-__all__ = ["Family", "ExpertSpec", "ExpertLayout", "RouterSpec", "CausalDecoder", "ModelConfig"]
+__all__ = ["Family", "ExpertSpec", "ExpertLayout", "RouterSpec", "CausalDecoder", "ModelConfig", "KVCacheSpec"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,25 @@ class ExpertLayout:
     fused: bool  # all experts of a layer stacked in one tensor per projection
     awq: bool  # AWQ 4-bit (qweight / qzeros / scales)
     scales_dtype: torch.dtype | None = None
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What the engine's KV cache keeps per layer and token (:meth:`Family.kv_cache_spec`).
+
+    Full key/value heads (``kv_heads`` x ``head_dim`` each: the engine's ``StaticKVCache``), or, when
+    ``latent_dim`` is set, one compressed vector of that many values (multi-head latent attention, whose
+    layers read it with ``cache.update_latent``)."""
+
+    num_layers: int
+    kv_heads: int = 0
+    head_dim: int = 0
+    latent_dim: int = 0
+
+    def bytes_per_token(self, element_size: int) -> int:
+        """Cache bytes one token costs over all layers."""
+        per_layer = self.latent_dim if self.latent_dim else 2 * self.kv_heads * self.head_dim
+        return self.num_layers * per_layer * element_size
 
 
 class ModelConfig:
@@ -176,6 +195,11 @@ class Family(ABC):
     def expert_linears(self, name: str, reader: CheckpointReader) -> Iterator[tuple[str, torch.Tensor]] | None:
         """For ``moeflow quantize``: when checkpoint tensor ``name`` holds expert weights, the per-expert linear
         weights ``[out, in]`` it holds, each with the module name an AWQ checkpoint stores it under; else None."""
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """The KV cache the family's attention layers read (default: full heads of the config's sizes)."""
+        cfg = self.config
+        return KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
 
     def quantized_name(self, name: str) -> str:
         """The name a non-expert tensor gets in a quantized checkpoint (default: unchanged)."""

@@ -39,6 +39,10 @@ MIXTRAL_8X7B = {"num_layers": 32, "num_experts": 8, "top_k": 2, "hidden": 4096, 
 # many small experts: ~2.5 MB (30B-A3B) and ~9.7 MB (235B-A22B) per AWQ expert, 6,144 and 12,032 experts
 QWEN3_30B_A3B = {"num_layers": 48, "num_experts": 128, "top_k": 8, "hidden": 2048, "intermediate": 768}
 QWEN3_235B_A22B = {"num_layers": 94, "num_experts": 128, "top_k": 8, "hidden": 4096, "intermediate": 1536}
+# DeepSeek-V3 / R1 / Kimi-K2-like: 61 decoder layers, the first 3 dense, so 58 MoE layers (what a trace counts)
+DEEPSEEK_V3 = {"num_layers": 58, "num_experts": 256, "top_k": 8, "hidden": 7168, "intermediate": 2048}
+# GLM-4.5-Air: 46 decoder layers, the first dense, so 45 MoE layers
+GLM45_AIR = {"num_layers": 45, "num_experts": 128, "top_k": 8, "hidden": 4096, "intermediate": 1408}
 
 
 @dataclass(frozen=True)
@@ -196,7 +200,38 @@ def _shaped_preset(model: dict[str, int], name: str, description: str, **costs: 
                            description=description, **costs)
 
 
+def _family_presets() -> dict[str, HardwareProfile]:
+    """DeepSeek-V3- and GLM-4.5-Air-shaped models in AWQ 4-bit on a 24 GB PCIe 4.0 GPU (estimates, derivation in
+    docs/simulator.md): decode times from the bytes read at ~0.8 TB/s effective plus ~0.01 ms per launch, prefill
+    per-token times from the FLOPs at ~80 TFLOP/s. The dense first layers and the LM head are in ``head_ms``."""
+    return {
+        # expert 3 x 7168 x 2048 int4 (~21.4 MiB); per MoE layer MLA (~187 M params) + the shared expert (~44 M)
+        # in int4 ~116 MB; head: the 129,280 x 7168 fp16 LM head (1.85 GB) + 3 dense layers in int4 (~0.9 GB)
+        "deepseek-v3-pcie4-24gb": _shaped_preset(
+            DEEPSEEK_V3, "deepseek-v3-pcie4-24gb",
+            "DeepSeek-V3-shaped (58 MoE layers x 256 experts, top-8, intermediate 2048) AWQ on a 24 GB GPU over "
+            "PCIe 4.0 x16: 25 GB/s pinned copies; ~10 GB non-expert (int4 attention and shared experts, fp16 "
+            "embeddings/LM head, latent KV cache). Estimates, not measurements.",
+            h2d_gbps=25.0, h2d_latency_us=10.0, attn_ms=0.16, attn_ms_per_token=0.006, expert_ms=0.037,
+            expert_ms_per_token=0.0011, head_ms=3.4, sched_ms=0.15, gpu_memory_gb=24.0, non_expert_gb=10.0,
+        ),
+        # expert 3 x 4096 x 1408 int4 (~8.4 MiB); per MoE layer GQA attention (~109 M) + shared expert (~17 M) in
+        # int4 ~63 MB; head: the 151,552 x 4096 fp16 LM head (1.24 GB) + 1 dense layer
+        "glm45-air-pcie4-24gb": _shaped_preset(
+            GLM45_AIR, "glm45-air-pcie4-24gb",
+            "GLM-4.5-Air-shaped (45 MoE layers x 128 experts, top-8, intermediate 1408) AWQ on a 24 GB GPU over "
+            "PCIe 4.0 x16: 25 GB/s pinned copies; ~6.5 GB non-expert. Estimates, not measurements.",
+            h2d_gbps=25.0, h2d_latency_us=10.0, attn_ms=0.09, attn_ms_per_token=0.0032, expert_ms=0.021,
+            expert_ms_per_token=0.00043, head_ms=1.7, sched_ms=0.15, gpu_memory_gb=24.0, non_expert_gb=6.5,
+        ),
+    }
+
+
 def _presets() -> dict[str, HardwareProfile]:
+    return {**_mixtral_presets(), **_family_presets()}
+
+
+def _mixtral_presets() -> dict[str, HardwareProfile]:
     return {
         # PCIe 4.0 x16 (~25 GB/s pinned in practice), a 24 GB consumer GPU (~1 TB/s HBM, RTX 3090/4090 class)
         "pcie4-24gb": _mixtral_preset(
@@ -239,7 +274,8 @@ def _presets() -> dict[str, HardwareProfile]:
     }
 
 
-PRESET_NAMES = ("pcie4-24gb", "h100-pcie5", "qwen3-30b-pcie4-12gb", "qwen3-235b-h100-pcie5")
+PRESET_NAMES = ("pcie4-24gb", "h100-pcie5", "qwen3-30b-pcie4-12gb", "qwen3-235b-h100-pcie5", "deepseek-v3-pcie4-24gb",
+                "glm45-air-pcie4-24gb")
 
 
 def get_profile(name_or_path: str) -> HardwareProfile:

@@ -1,0 +1,33 @@
+"""DeepSeek-V2 / V3 and GLM-4.5 through ``moeflow.MoEModel`` against transformers on tiny random checkpoints (fp32)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tiny_families import DEEPSEEK_V2, DEEPSEEK_V3, GLM4_MOE, assert_matches_transformers, make_checkpoint
+
+from moeflow import MoEModel
+
+pytest.importorskip("transformers")
+CASES = [("deepseek_v3", n) for n in DEEPSEEK_V3] + [("deepseek_v2", n) for n in DEEPSEEK_V2] + \
+    [("glm4_moe", n) for n in GLM4_MOE]
+CONFIGS = {"deepseek_v3": DEEPSEEK_V3, "deepseek_v2": DEEPSEEK_V2, "glm4_moe": GLM4_MOE}
+
+
+@pytest.mark.parametrize("kind,name", CASES)
+def test_logits_and_greedy_tokens_match_transformers(tmp_path, kind, name):
+    _, ref = make_checkpoint(tmp_path, kind, seed=1, **CONFIGS[kind][name])
+    model = MoEModel.from_pretrained(tmp_path, device="cpu", dtype=torch.float32)
+    assert model.family.name == kind
+    assert_matches_transformers(model, ref)
+
+
+def test_kimi_k2_config_reads_as_deepseek_v3(tmp_path):
+    _, ref = make_checkpoint(tmp_path, "deepseek_v3", seed=2, **DEEPSEEK_V3["no-qlora-unnormalised"])
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "kimi_k2"}))  # as Kimi-K2 declares
+    model = MoEModel.from_pretrained(tmp_path, dtype=torch.float32)
+    assert model.family.name == "deepseek_v3" and model.family.moe_layers == (0, 1, 2)
+    assert_matches_transformers(model, ref, new_tokens=16)
