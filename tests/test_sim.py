@@ -189,7 +189,7 @@ def test_too_few_slots_is_refused(small):
 # ------------------------------------------------------------------------------------------ profiles
 def test_presets_and_json_round_trip(tmp_path):
     p = presets()
-    assert {"pcie4-24gb", "h100-pcie5", "deepseek-v3-pcie4-24gb", "glm45-air-pcie4-24gb"} <= set(p)  # (Qwen3: test_families_tools)
+    assert {"pcie4-24gb", "h100-pcie5", "deepseek-v3-pcie4-24gb", "glm45-air-pcie4-24gb"} <= set(p)  # Qwen3: elsewhere
     pc = p["pcie4-24gb"]
     assert pc.expert_bytes == pytest.approx(87.3 * 2**20, rel=0.01)  # Mixtral-8x7B AWQ expert
     assert pc.copy_s(1) == pytest.approx(pc.expert_bytes / 25e9 + 10e-6)
