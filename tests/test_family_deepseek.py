@@ -31,3 +31,19 @@ def test_kimi_k2_config_reads_as_deepseek_v3(tmp_path):
     model = MoEModel.from_pretrained(tmp_path, dtype=torch.float32)
     assert model.family.name == "deepseek_v3" and model.family.moe_layers == (0, 1, 2)
     assert_matches_transformers(model, ref, new_tokens=16)
+
+
+@pytest.mark.parametrize("model_type,drop", [("deepseek_v3", "kv_lora_rank"), ("glm4_moe", "moe_intermediate_size"),
+                                             ("deepseek_v2", "n_routed_experts")])
+def test_missing_config_fields_are_named(tmp_path, model_type, drop):
+    from moeflow.errors import CheckpointError
+
+    kind = "deepseek_v3" if model_type == "deepseek_v3" else model_type
+    make_checkpoint(tmp_path, kind, **CONFIGS[kind][next(iter(CONFIGS[kind]))])
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.pop(drop)
+    config.pop("num_local_experts", None)
+    config.pop("num_experts", None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=f"missing required field.*{drop}"):
+        MoEModel.from_pretrained(tmp_path)
