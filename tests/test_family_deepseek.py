@@ -47,3 +47,12 @@ def test_missing_config_fields_are_named(tmp_path, model_type, drop):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=f"missing required field.*{drop}"):
         MoEModel.from_pretrained(tmp_path)
+
+
+def test_read_routers_reads_only_the_moe_layers(tmp_path):
+    from moeflow.engine.loading import read_routers
+
+    _, ref = make_checkpoint(tmp_path, "deepseek_v3", **DEEPSEEK_V3["qlora-groups-dense"])  # layer 0 is dense
+    weights, top_k = read_routers(tmp_path)
+    assert top_k == 2 and len(weights) == 2
+    assert torch.equal(weights[0], ref.model.layers[1].mlp.gate.weight.detach().float())
