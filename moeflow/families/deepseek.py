@@ -10,31 +10,30 @@ set ``family.latent_kv_cache = False`` to keep full heads instead.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
 from moeflow.errors import CheckpointError
 from moeflow.families.base import CausalDecoder, KVCacheSpec
-from moeflow.families.deepseek_moe import MoEDecoderLayer, SharedExpertMoEFamily, check_groups, sigmoid_router_spec
+from moeflow.families.deepseek_moe import (
+    MoEDecoderLayer,
+    SharedExpertMoEConfig,
+    SharedExpertMoEFamily,
+    check_groups,
+    sigmoid_router_spec,
+)
 from moeflow.families.layers import LinearFactory
 from moeflow.families.mla import LatentAttention, MLAShape, rotary_from_config
 from moeflow.moe.routing import RouterSpec
 
 V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
+MLA_FIELDS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 @dataclass
-class DeepSeekConfig:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    moe_intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    n_routed_experts: int
-    num_experts_per_tok: int
+class DeepSeekConfig(SharedExpertMoEConfig):
     kv_lora_rank: int
     qk_nope_head_dim: int
     qk_rope_head_dim: int
@@ -82,16 +81,7 @@ class DeepSeekConfig:
         d["rope_scaling"] = rope
         if d.get("rope_theta") is None:
             d.pop("rope_theta", None)
-        if "n_routed_experts" not in d:  # transformers' attribute names
-            d["n_routed_experts"] = d.get("num_local_experts", d.get("num_experts"))
-        required = [n for n in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
-                                "num_hidden_layers", "num_attention_heads", "n_routed_experts",
-                                "num_experts_per_tok", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-                                "v_head_dim") if d.get(n) is None]
-        if required:
-            raise CheckpointError(f"{source}: missing required field(s) {', '.join(required)}")
-        names = {f.name for f in fields(cls)} - {"num_key_value_heads", "head_dim"}
-        return cls(**{k: v for k, v in d.items() if k in names and v is not None})
+        return cls(**cls.known_entries(d, source, MLA_FIELDS, derived=("num_key_value_heads", "head_dim")))
 
 
 def check_common(cfg: DeepSeekConfig, source: str) -> None:

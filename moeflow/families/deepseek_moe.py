@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -32,6 +33,35 @@ from moeflow.moe.routing import RouterSpec
 PER_EXPERT = re.compile(r"^(model\.layers\.(\d+))\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 FUSED = re.compile(r"^(model\.layers\.(\d+))\.mlp\.experts\.(gate_up_proj|down_proj)$")
+
+
+@dataclass
+class SharedExpertMoEConfig:
+    """The config.json fields both families require (each family's config adds its attention's)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int  # the dense first layers' MLP
+    moe_intermediate_size: int  # one routed (and one shared) expert
+    num_hidden_layers: int
+    num_attention_heads: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+
+    @classmethod
+    def known_entries(cls, d: dict[str, Any], source: str, required: tuple[str, ...] = (),
+                      derived: tuple[str, ...] = ()) -> dict[str, Any]:
+        """config.json's entries that are fields of ``cls`` (nulls dropped, ``derived`` fields left to
+        ``__post_init__``); CheckpointError naming every missing required field."""
+        d = dict(d)
+        if d.get("n_routed_experts") is None:  # transformers' attribute names
+            d["n_routed_experts"] = d.get("num_local_experts", d.get("num_experts"))
+        base = tuple(f.name for f in fields(SharedExpertMoEConfig))
+        missing = [n for n in (*base, *required) if d.get(n) is None]
+        if missing:
+            raise CheckpointError(f"{source}: missing required field(s) {', '.join(missing)}")
+        names = {f.name for f in fields(cls)} - set(derived)
+        return {k: v for k, v in d.items() if k in names and v is not None}
 
 
 class GatedMLP(nn.Module):

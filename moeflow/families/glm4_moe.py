@@ -4,7 +4,7 @@ experts, dense first layers; :mod:`.deepseek_moe`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -13,21 +13,18 @@ from torch import nn
 
 from moeflow.errors import CheckpointError
 from moeflow.families.base import CausalDecoder
-from moeflow.families.deepseek_moe import MoEDecoderLayer, SharedExpertMoEFamily, sigmoid_router_spec
+from moeflow.families.deepseek_moe import (
+    MoEDecoderLayer,
+    SharedExpertMoEConfig,
+    SharedExpertMoEFamily,
+    sigmoid_router_spec,
+)
 from moeflow.families.layers import LinearFactory, RMSNorm, rotate_half
 from moeflow.moe.routing import RouterSpec
 
 
 @dataclass
-class Glm4MoeConfig:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    moe_intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    n_routed_experts: int
-    num_experts_per_tok: int
+class Glm4MoeConfig(SharedExpertMoEConfig):
     num_key_value_heads: int | None = None
     head_dim: int | None = None
     partial_rotary_factor: float = 0.5
@@ -67,15 +64,7 @@ class Glm4MoeConfig:
         kind = rope.get("rope_type", rope.get("type", "default")) or "default"
         if kind != "default":
             raise CheckpointError(f"{source}: rope type {kind!r} is not supported for glm4_moe (only the default)")
-        if "n_routed_experts" not in d:
-            d["n_routed_experts"] = d.get("num_local_experts")
-        required = [n for n in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
-                                "num_hidden_layers", "num_attention_heads", "n_routed_experts", "num_experts_per_tok")
-                    if d.get(n) is None]
-        if required:
-            raise CheckpointError(f"{source}: missing required field(s) {', '.join(required)}")
-        names = {f.name for f in fields(cls)}
-        cfg = cls(**{k: v for k, v in d.items() if k in names and v is not None})
+        cfg = cls(**cls.known_entries(d, source))
         if cfg.num_attention_heads % cfg.num_key_value_heads:
             raise CheckpointError(f"{source}: num_attention_heads={cfg.num_attention_heads} is not a multiple of "
                                   f"num_key_value_heads={cfg.num_key_value_heads}")
