@@ -1,103 +1,19 @@
-"""Triton kernels of the expert compute, and their launchers.
+"""The W4A16 GEMM on AWQ tensors *as published* (``qweight [K, N/8]`` in AWQ's nibble order): what
+:func:`moeflow.kernels.awq_linear` runs for the dense (attention) layers of an AWQ checkpoint. The experts use
+:mod:`moeflow.kernels.triton_experts` on the pool's own layout instead.
 
-Kernels (each has a plain-torch reference in :mod:`moeflow.kernels.reference`):
-
-* ``_plan_kernel``: align-block-size routing plan (one program; counts, padded offsets, stable ranks).
-* ``_moe_gemm_kernel``: grouped W4A16 (or dense) GEMM over the plan. ``MODE 0`` = w13: gathers the rows
-  of ``x`` named by the plan, computes the gate and up tiles and stores ``silu(gate) * up``; ``MODE 1`` = w2
-  (and ``awq_linear``): rows of ``h`` by pair, optional fp32 routing weight in the epilogue. Two regimes:
-  ``BLOCK_M >= 16`` uses ``tl.dot`` tiles (prefill); ``BLOCK_M < 16`` is a GEMV-shaped broadcast-multiply and
-  reduce in fp32 (decode), optionally split over K (``SPLIT_K > 1``) into an fp32 workspace that
-  ``_splitk_reduce_kernel`` sums in a fixed order (deterministic, no atomics).
-* ``_combine_kernel``: one program per (token, column tile) sums the token's k rows in fp32, in k order.
-
-All row/slot offsets are computed in int64. Blocks whose expert is ``-1`` (past the padded count) or not in
-``expert_mask`` return at once, so a staged computation writes each selected row exactly as a single pass.
-
-Importing this module imports triton: on a CPU, ``TRITON_INTERPRET=1`` must be set before the import.
+``BLOCK_M >= 16`` uses ``tl.dot`` tiles; ``BLOCK_M < 16`` a GEMV-shaped broadcast-multiply and reduce in fp32,
+optionally split over K (``SPLIT_K > 1``) into an fp32 workspace that ``_splitk_reduce_kernel`` sums in a fixed
+order (deterministic, no atomics). ``BLOCK_K`` is clamped to the group: one zero/scale row per tile.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # kernels below were built for the CPU interpreter
-
-# ----------------------------------------------------------------------------------------------------------
-# routing plan
-
-
-@triton.jit
-def _plan_kernel(
-    ids_ptr,  # int32 [P] flattened top-k expert ids
-    sorted_ptr,  # int32 [n_blocks * BLOCK_M], pre-filled with the sentinel P
-    eob_ptr,  # int32 [n_blocks]
-    npad_ptr,  # int32 [1]
-    num_pairs,
-    num_experts,
-    num_blocks,
-    E_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-):
-    e_range = tl.arange(0, E_PAD)
-    counts = tl.zeros([E_PAD], dtype=tl.int32)
-    for p0 in range(0, num_pairs, BLOCK_P):
-        offs = p0 + tl.arange(0, BLOCK_P)
-        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1)
-        onehot = (ids[:, None] == e_range[None, :]).to(tl.int32)
-        counts += tl.sum(onehot, axis=0)
-    counts = tl.where(e_range < num_experts, counts, 0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    starts = ends - padded
-    tl.store(npad_ptr, tl.sum(padded, axis=0))
-    running = tl.zeros([E_PAD], dtype=tl.int32)
-    for p0 in range(0, num_pairs, BLOCK_P):
-        offs = p0 + tl.arange(0, BLOCK_P)
-        valid = offs < num_pairs
-        ids = tl.load(ids_ptr + offs, mask=valid, other=-1)
-        onehot = ((ids[:, None] == e_range[None, :]) & (e_range[None, :] < num_experts)).to(tl.int32)
-        incl = tl.cumsum(onehot, axis=0)
-        pos = tl.sum(onehot * (incl - 1 + running[None, :] + starts[None, :]), axis=1)
-        ok = valid & (ids >= 0) & (ids < num_experts)
-        tl.store(sorted_ptr + pos, offs, mask=ok)
-        running += tl.sum(onehot, axis=0)
-    blk_start = starts // BLOCK_M
-    blk_end = ends // BLOCK_M
-    for b0 in range(0, num_blocks, BLOCK_P):
-        b = b0 + tl.arange(0, BLOCK_P)
-        inside = (b[:, None] >= blk_start[None, :]) & (b[:, None] < blk_end[None, :])
-        e_of_b = tl.sum(tl.where(inside, e_range[None, :] + 1, 0), axis=1) - 1
-        tl.store(eob_ptr + b, e_of_b, mask=b < num_blocks)
-
-
-def plan_triton(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """topk_ids int [T, k] -> (sorted_ids int32 [nb*block_m], expert_of_block int32 [nb], num_padded int32 [1])."""
-    num_pairs = topk_ids.numel()
-    bound = num_pairs + num_experts * (block_m - 1)
-    n_blocks = triton.cdiv(bound, block_m)
-    dev = topk_ids.device
-    ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
-    sorted_ids = torch.full((n_blocks * block_m,), num_pairs, dtype=torch.int32, device=dev)
-    expert_of_block = torch.empty((n_blocks,), dtype=torch.int32, device=dev)
-    num_padded = torch.empty((1,), dtype=torch.int32, device=dev)
-    _plan_kernel[(1,)](
-        ids, sorted_ids, expert_of_block, num_padded, num_pairs, num_experts, n_blocks,
-        E_PAD=max(2, triton.next_power_of_2(num_experts)), BLOCK_M=block_m, BLOCK_P=256 if num_experts <= 64 else 64,
-    )
-    return sorted_ids, expert_of_block, num_padded
-
-
-# ----------------------------------------------------------------------------------------------------------
-# grouped GEMM
-
+from moeflow.kernels.triton_common import INTERPRETED, TL_DTYPES
 
 @triton.jit
 def _expand8(p):
@@ -136,19 +52,11 @@ def _load_w_tile(
         packed = tl.load(b_ptr + offs_k[:, None] * stride_bk + col8[None, :] * stride_bn,
                          mask=k_mask[:, None] & m8[None, :], other=0)
         q = (_expand8(packed) >> shifts[None, :]) & 0xF
-        if BLOCK_K <= GROUP:
-            g = k0 // GROUP  # one group per tile; offsets inside one expert stay small
-            zp = tl.load(z_ptr + g * stride_zk + col8 * stride_zn, mask=m8, other=0)
-            z = (_expand8(zp) >> shifts) & 0xF
-            s = tl.load(s_ptr + g * stride_sk + offs_n * stride_sn, mask=n_mask, other=0.0)
-            w = (q - z[None, :]).to(tl.float32) * s.to(tl.float32)[None, :]
-        else:
-            g = offs_k // GROUP
-            # zero points of each row's group: small and cached, read per column (no interleaves)
-            zp = tl.load(z_ptr + g[:, None] * stride_zk + (offs_n // 8)[None, :] * stride_zn, mask=mask, other=0)
-            z = (zp >> shifts[None, :]) & 0xF
-            s = tl.load(s_ptr + g[:, None] * stride_sk + offs_n[None, :] * stride_sn, mask=mask, other=0.0)
-            w = (q - z).to(tl.float32) * s.to(tl.float32)
+        g = k0 // GROUP  # BLOCK_K <= GROUP: one group per tile
+        zp = tl.load(z_ptr + g * stride_zk + col8 * stride_zn, mask=m8, other=0)
+        z = (_expand8(zp) >> shifts) & 0xF
+        s = tl.load(s_ptr + g * stride_sk + offs_n * stride_sn, mask=n_mask, other=0.0)
+        w = (q - z[None, :]).to(tl.float32) * s.to(tl.float32)[None, :]
         w = tl.where(mask, w, 0.0).to(CDTYPE)
     else:
         w = tl.load(b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn, mask=mask, other=0.0)
@@ -298,9 +206,6 @@ def _splitk_reduce_kernel(
     _store_epilogue(acc, acc_up, c_ptr, stride_cm, stride_cn, pair, offs_n, row_ok, mask, weight_ptr, MODE, HAS_WEIGHT)
 
 
-_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
-
-
 def grouped_gemm_triton(
     mode: int,
     a: torch.Tensor,  # MODE 0: x [T, K]; MODE 1: h [P, K]
@@ -326,6 +231,7 @@ def grouped_gemm_triton(
             raise ValueError(f"kernel config {key}={v}: must be a power of two >= {low}")
     K = a.shape[1]
     block_m = cfg["BLOCK_M"]
+    block_k = min(cfg["BLOCK_K"], group_size) if awq else cfg["BLOCK_K"]
     n_blocks = expert_of_block.shape[0]
     if awq:
         strides_b = (qweight.stride(0), qweight.stride(1), qweight.stride(2))
@@ -346,7 +252,7 @@ def grouped_gemm_triton(
         ws, ws_strides = out, (0, 0)
     mask_arg = expert_mask if expert_mask is not None else slot_of_expert
     weight_arg = topk_weights if topk_weights is not None else slot_of_expert
-    cdtype = _TL_DTYPES[a.dtype]
+    cdtype = TL_DTYPES[a.dtype]
     # the interpreter's bf16 tl.dot is wrong: multiply the (bf16-rounded) operands in fp32 there, which gives the
     # same products as bf16 tensor cores with fp32 accumulation
     dot_dtype = tl.float32 if INTERPRETED and a.dtype == torch.bfloat16 else cdtype
@@ -362,7 +268,7 @@ def grouped_gemm_triton(
         num_pairs, n_out, K, n_out, n_blocks,
         TOPK=top_k, GROUP=group_size if awq else 1, AWQ=awq, MODE=mode,
         HAS_MASK=expert_mask is not None, HAS_WEIGHT=topk_weights is not None, SPLIT_K=split_k,
-        BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg.get("GROUP_M", 8),
+        BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, GROUP_M=cfg.get("GROUP_M", 8),
         CDTYPE=cdtype, DOT_DTYPE=dot_dtype, DOT_PREC="ieee" if dot_dtype == tl.float32 else None,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2),
     )
@@ -374,37 +280,4 @@ def grouped_gemm_triton(
             MODE=mode, HAS_MASK=expert_mask is not None, HAS_WEIGHT=topk_weights is not None, SPLIT_K=split_k,
             BLOCK_M=block_m, BLOCK_N=bn,
         )
-    return out
-
-
-# ----------------------------------------------------------------------------------------------------------
-# combine
-
-
-@triton.jit
-def _combine_kernel(
-    y_ptr, stride_ym, stride_yn,  # [T*k, H]
-    o_ptr, stride_om, stride_on,  # [T, H]
-    H, TOPK: tl.constexpr, BLOCK_H: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask = offs < H
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for j in tl.static_range(TOPK):
-        acc += tl.load(y_ptr + (t * TOPK + j) * stride_ym + offs * stride_yn, mask=mask, other=0.0).to(tl.float32)
-    tl.store(o_ptr + t * stride_om + offs * stride_on, acc.to(o_ptr.dtype.element_ty), mask=mask)
-
-
-def combine_triton(y: torch.Tensor, top_k: int) -> torch.Tensor:
-    """y [T*k, H] -> [T, H], fp32 sum of each token's k rows in k order (deterministic, no atomics)."""
-    T = y.shape[0] // top_k
-    H = y.shape[1]
-    out = torch.empty((T, H), dtype=y.dtype, device=y.device)
-    if T == 0 or H == 0:
-        return out
-    block_h = min(1024, triton.next_power_of_2(H))
-    _combine_kernel[(T, triton.cdiv(H, block_h))](
-        y, y.stride(0), y.stride(1), out, out.stride(0), out.stride(1), H, TOPK=top_k, BLOCK_H=block_h,
-    )
     return out
