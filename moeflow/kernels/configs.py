@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 from pathlib import Path
 from typing import Any
@@ -70,12 +69,14 @@ def default_config(
     (asynchronous tensor cores). ``BLOCK_K`` never exceeds the AWQ group (``group_size`` 0: dense).
     """
     bk_cap = group_size if group_size else 128
-    if op == "linear":
-        bm = min(_next_pow2(m), 16)
-        tile = {**GEMM_DEFAULTS, "BLOCK_N": 32 if m <= 16 else 64, "BLOCK_K": min(64 if m > 16 else 128, bk_cap)}
-        if m <= 16:
-            tile["SPLIT_K"] = 4 if n <= 8192 and k >= 4096 else 1
-        return {"BLOCK_M": bm, **tile}
+    if op == "linear":  # the published-AWQ kernel: GEMV-shaped below 16 rows, tensor-core tiles above
+        if m < 16:
+            split = 4 if n <= 8192 and k >= 4096 else 1
+            return {"BLOCK_M": _next_pow2(m), **GEMM_DEFAULTS, "BLOCK_N": 32, "BLOCK_K": min(128, bk_cap),
+                    "SPLIT_K": split}
+        bm = 16 if m <= 32 else 64 if m <= 256 else 128
+        return {"BLOCK_M": bm, **GEMM_DEFAULTS, "BLOCK_N": 64 if bm < 128 else 128, "BLOCK_K": min(64, bk_cap),
+                "GROUP_M": 8, "num_warps": 4 if bm < 128 else 8}
     per_expert = m * top_k / max(1, num_experts)
     if m <= DECODE_MAX_M or per_expert <= 16:
         bm = min(_next_pow2(m), DECODE_MAX_M)
@@ -98,7 +99,7 @@ def tuning_candidates(phase: str, group_size: int) -> list[dict]:
         cands = [
             {"BLOCK_M": bm, "w13": {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": s13, "num_warps": 4, "num_stages": st},
              "w2": {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": s2, "num_warps": 4, "num_stages": st}}
-            for bm in (1, 2, 4, 8, 16) for bn, bk in ((128, 128), (64, 128), (128, 64), (256, 64))
+            for bm in (1, 2, 4, 8, 16) for bn, bk in ((128, 128), (64, 128), (128, 64), (256, 64), (256, 32))
             for s13, s2 in ((1, 1), (1, 2), (1, 4), (2, 4)) for st in (3, 4)
         ]
     else:
@@ -106,7 +107,8 @@ def tuning_candidates(phase: str, group_size: int) -> list[dict]:
             {"BLOCK_M": bm, **{w: {"BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": nw, "num_stages": st,
                                    "SCALE_IN_A": 1} for w in ("w13", "w2")}}
             for bm, bn, bk, nw, st in ((64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 128, 128, 8, 2),
-                                       (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (64, 128, 128, 4, 3))
+                                       (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (64, 128, 128, 4, 3),
+                                       (128, 128, 32, 8, 4), (64, 128, 32, 4, 4))
         ]
     return [c for c in cands if all(c[w]["BLOCK_K"] <= group_size for w in ("w13", "w2"))]
 

@@ -248,13 +248,18 @@ def awq_linear_op(
     if backend != "triton" or M == 0:
         return ref.awq_linear_reference(x, qweight, qzeros, scales, group_size)
     check_triton_device(x)
-    from moeflow.kernels.triton_linear import grouped_gemm_triton
-
     if not config:
         cfg = lookup_config("linear", M, kind="awq", dtype=x.dtype, group_size=group_size, num_experts=1, top_k=1,
                             n=N, k=K, device=x.device)
         config = encode_linear_config(cfg)
-    cfg = decode_linear_config(config)
+    return linear_eager(x, qweight, qzeros, scales, group_size, decode_linear_config(config))
+
+
+def linear_eager(x: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, group_size: int, cfg: dict) -> Tensor:
+    """Launch the published-AWQ GEMM: x [M, K] -> [M, N] (a fresh tensor)."""
+    from moeflow.kernels.triton_linear import grouped_gemm_triton
+
+    M, N = x.shape[0], scales.shape[1]
     bm = cfg["BLOCK_M"]
     n_blocks = -(-M // bm)
     sorted_ids = torch.arange(n_blocks * bm, dtype=torch.int32, device=x.device)  # >= M means padding

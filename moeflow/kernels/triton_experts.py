@@ -203,8 +203,8 @@ def _splitk_reduce_kernel(
 
 
 def dot_m(block_m: int) -> int:
-    """Token columns of the swapped MMA: at least 8 (the smallest MMA N side)."""
-    return max(8, block_m)
+    """Token columns of the swapped MMA: at least 16 (N = 8 compiles to a longer loop with Triton 3.6)."""
+    return max(16, block_m)
 
 
 def expert_gemm(
@@ -230,6 +230,8 @@ def expert_gemm(
     K = a.shape[1]
     N = qweight.shape[1]  # weight rows (MODE 0: 2I interleaved)
     block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    if awq:
+        block_k = min(block_k, group_size)  # one zero/scale row per tile (the kernel relies on it)
     n_blocks = expert_of_block.shape[0]
     split_k = max(1, int(cfg.get("SPLIT_K", 1)))
     if split_k > 1 and ws is None:

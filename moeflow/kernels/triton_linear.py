@@ -15,6 +15,7 @@ import triton.language as tl
 
 from moeflow.kernels.triton_common import INTERPRETED, TL_DTYPES
 
+
 @triton.jit
 def _expand8(p):
     """[..., C] -> [..., 8C], element j = p[..., j // 8]: one load per packed int32 instead of eight."""

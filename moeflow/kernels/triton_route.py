@@ -129,6 +129,8 @@ def route_plan(
 ) -> None:
     """One launch: (optionally) route, then fill the sentinel and build the plan into the given buffers."""
     route = logits is not None
+    e_pad = max(2, triton.next_power_of_2(num_experts))
+    block_t = (4 if gate is not None else 32) if num_experts <= 64 else 8
     _route_plan_kernel[(1,)](
         logits if route else topk_ids, logits.stride(0) if route else 0,
         gate if gate is not None else topk_ids, gate.stride(0) if gate is not None else 0,
@@ -136,7 +138,7 @@ def route_plan(
         topk_ids, topk_weights if route else topk_ids,
         sorted_ids, expert_of_block, num_padded,
         num_tokens, num_tokens * top_k, num_experts, expert_of_block.shape[0],
-        TOPK=top_k, ROUTE=route, GATE=gate is not None, RENORM=renormalize, E_PAD=max(2, triton.next_power_of_2(num_experts)),
-        BLOCK_M=block_m, BLOCK_P=256 if num_experts <= 64 else 64, BLOCK_T=(4 if gate is not None else 32) if num_experts <= 64 else 8,
-        BLOCK_H=max(16, min(256, 4096 // max(2, triton.next_power_of_2(num_experts)))),
+        TOPK=top_k, ROUTE=route, GATE=gate is not None, RENORM=renormalize, E_PAD=e_pad,
+        BLOCK_M=block_m, BLOCK_P=256 if num_experts <= 64 else 64, BLOCK_T=block_t,
+        BLOCK_H=max(16, min(256, 4096 // e_pad)),
     )
