@@ -246,6 +246,7 @@ class ExpertPool:
     fmt: ExpertFormat
     buffer: torch.Tensor  # uint8 [n_slots, nbytes]
     tensors: dict[str, torch.Tensor] = field(init=False)
+    checked: bool = field(default=False, init=False, repr=False)  # views validated once (they never change)
 
     def __post_init__(self) -> None:
         self.tensors = self.fmt.views(self.buffer)
