@@ -207,3 +207,24 @@ def test_decode_step_is_four_launches_with_persistent_scratch():
         assert len(names) <= 4, names
         assert names[0] == "_route_plan_kernel" and names[-1] == "_combine_kernel"
         assert {key: buf.data_ptr() for key, buf in workspace._BUFFERS.items()} == buffers  # nothing reallocated
+
+
+# ---------------------------------------------------------------------------------------------------------
+# awq_linear on the packed (kernel) layout
+
+
+@pytest.mark.parametrize(("M", "g", "kg", "n8", "dtype"), [(1, 32, 3, 5, torch.float16), (7, 64, 2, 12, torch.float32),
+                                                          (40, 128, 1, 20, torch.bfloat16)])
+def test_awq_linear_packed_matches_the_published_one(M, g, kg, n8, dtype):
+    K, N = g * kg, 8 * n8
+    gen = torch.Generator().manual_seed(M)
+    q = quantize_rtn(torch.randn(N, K, generator=gen) / K**0.5, g)
+    x = torch.randn(M, K, generator=gen).to(dtype)
+    ref = kernels.awq_linear(x, q.qweight, q.qzeros, q.scales.to(dtype), g, "torch")
+    packed = kernels.pack_awq_linear(q.qweight, q.qzeros, q.scales.to(dtype))
+    for backend in ("triton", "torch"):
+        got = kernels.awq_linear_packed(x, packed["qweight"], packed["qzeros"], packed["scales"], g, backend)
+        assert got.shape == (M, N) and got.dtype == dtype
+        assert_close(got, ref, dtype)
+    with pytest.raises(ValueError, match="qweight must have shape"):
+        kernels.awq_linear_packed(x, q.qweight, packed["qzeros"], packed["scales"], g, "triton")

@@ -24,7 +24,7 @@ from moeflow.kernels.pool import ExpertFormat, ExpertPool
 from moeflow.kernels.reference import pool_weights
 
 __all__ = ["ExpertFormat", "ExpertPool", "expert_forward", "combine", "moe_forward", "route", "awq_linear",
-           "resolve_backend"]
+           "pack_awq_linear", "awq_linear_packed", "resolve_backend"]
 
 BACKENDS = ("torch", "triton", "auto")
 
@@ -237,3 +237,39 @@ def awq_linear(
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
     flat_cfg = ops.encode_linear_config(config) if config is not None else []
     return ops.awq_linear_op(x, qweight, qzeros, scales, group_size, flat_cfg, resolve_backend(backend, x.device))
+
+
+def pack_awq_linear(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor) -> dict[str, torch.Tensor]:
+    """AWQ as published (``qweight int32 [K, N/8]``, ``qzeros [K/g, N/8]``, ``scales [K/g, N]``) -> the kernel
+    layout of :mod:`.pool` (``qweight [N, K/8]`` K-contiguous, natural nibble order): done once at load, for
+    :func:`awq_linear_packed`. Exact (a permutation of nibbles)."""
+    from moeflow.kernels.pool import to_kernel_layout
+
+    return {"qweight": to_kernel_layout("w2_qweight", qweight, 0), "qzeros": to_kernel_layout("w2_qzeros", qzeros, 0),
+            "scales": scales.contiguous()}
+
+
+def awq_linear_packed(
+    x: torch.Tensor,  # [M, K]
+    qweight: torch.Tensor,  # int32 [N, K/8] (pack_awq_linear)
+    qzeros: torch.Tensor,  # int32 [K/g, N/8]
+    scales: torch.Tensor,  # [K/g, N]
+    group_size: int,
+    backend: str = "torch",
+    *,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """``x @ W`` on weights packed by :func:`pack_awq_linear`: the expert kernel (no per-element gathers,
+    asynchronous MMA at prefill) instead of the published-layout one. fp32 accumulation, [M, N] in x's dtype."""
+    check_float(x, "x", 2)
+    K, N = x.shape[1], scales.shape[-1]
+    check_pool_weights(qweight[None], qzeros[None], scales[None], group_size, K, N, "", 1)
+    for name, t in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales)):
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+    backend = resolve_backend(backend, x.device)
+    if backend == "triton" and _eager() and x.shape[0]:
+        ops.check_triton_device(x)
+        return ops.linear_packed_eager(x, qweight, qzeros, scales, group_size, config, workspace.scratch)
+    flat_cfg = ops.encode_linear_config(config) if config is not None else []
+    return ops.awq_linear_packed_op(x, qweight, qzeros, scales, group_size, flat_cfg, backend)

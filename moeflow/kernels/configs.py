@@ -92,6 +92,13 @@ def default_config(
     return {"BLOCK_M": bm, "w13": w13, "w2": w2}
 
 
+def packed_linear_config(m: int, n: int, k: int, group_size: int) -> dict[str, Any]:
+    """Config of ``awq_linear_packed`` (the expert GEMM with one "expert"): the MoE rules for one matrix."""
+    moe = default_config("moe", m, 1, 1, n, k, group_size)
+    return {"BLOCK_M": moe["BLOCK_M"], **moe["w2"], "SPLIT_K": _split_k(1, n, k, moe["w2"]["BLOCK_N"],
+                                                                       moe["w2"]["BLOCK_K"]) if m <= 16 else 1}
+
+
 def tuning_candidates(phase: str, group_size: int) -> list[dict]:
     """Configs ``benchmarks/run_gpu_kernels.py --tune`` times: ``phase`` "decode" or "prefill"; any candidate
     with BLOCK_K above the AWQ group is dropped (it would need a per-row zero/scale gather)."""

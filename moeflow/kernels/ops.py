@@ -274,3 +274,40 @@ def linear_eager(x: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, gro
 @awq_linear_op.register_fake
 def _(x, qweight, qzeros, scales, group_size, config, backend):
     return x.new_empty((x.shape[0], scales.shape[1]))
+
+
+def linear_packed_eager(x: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, group_size: int,
+                        cfg: dict | None, alloc: Alloc) -> Tensor:
+    """x [M, K] @ W with W in the pool's kernel layout (``qweight [N, K/8]``): the expert GEMM, one expert."""
+    from moeflow.kernels.configs import packed_linear_config
+    from moeflow.kernels.triton_experts import expert_gemm
+
+    M, N = x.shape[0], scales.shape[1]
+    cfg = cfg or packed_linear_config(M, N, x.shape[1], group_size)
+    bm = cfg["BLOCK_M"]
+    nb = -(-M // bm)
+    sorted_ids = torch.arange(nb * bm, dtype=torch.int32, device=x.device)  # >= M: padding rows
+    zeros = torch.zeros((max(nb, 1),), dtype=torch.int32, device=x.device)  # every block: expert 0 in slot 0
+    out = x.new_empty((M, N))
+    split = int(cfg.get("SPLIT_K", 1))
+    ws = alloc("linear_ws", (split, M, N), torch.float32, x.device) if split > 1 else None
+    return expert_gemm(1, x, (qweight[None], qzeros[None], scales[None]), out, sorted_ids, zeros[:nb], zeros[:1],
+                       None, None, M, 1, group_size, cfg, ws=ws)
+
+
+@torch.library.custom_op("moeflow::awq_linear_packed", mutates_args=())
+def awq_linear_packed_op(
+    x: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, group_size: int, config: list[int], backend: str
+) -> Tensor:
+    """x [M, K] @ W, W packed by ``kernels.pack_awq_linear`` (``qweight [N, K/8]``) -> [M, N] in x's dtype."""
+    if backend != "triton" or x.shape[0] == 0:
+        w_t = ref.dequantize_kernel_layout(qweight, qzeros, scales, group_size)
+        return (x.float() @ w_t.T).to(x.dtype)
+    check_triton_device(x)
+    return linear_packed_eager(x, qweight, qzeros, scales, group_size,
+                               decode_linear_config(config) if config else None, fresh)
+
+
+@awq_linear_packed_op.register_fake
+def _(x, qweight, qzeros, scales, group_size, config, backend):
+    return x.new_empty((x.shape[0], scales.shape[1]))
