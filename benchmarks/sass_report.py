@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -61,26 +62,38 @@ def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
+CACHE_DIR = Path(os.environ.get("MOEFLOW_SASS_CACHE", Path(tempfile.gettempdir()) / "moeflow-sass-cache"))
+
+
 def _read_cubin(cubin: bytes) -> tuple[int | None, int | None, int | None, collections.Counter]:
-    """(registers, stack bytes, hot-loop instruction count, hot-loop opcode histogram) of one cubin."""
+    """(registers, stack bytes, hot-loop instruction count, hot-loop opcode histogram) of one cubin.
+
+    cuobjdump costs ~1 s a call on a busy machine: results are cached on disk by the cubin's hash."""
+    cached = CACHE_DIR / (hashlib.sha256(cubin).hexdigest() + ".json")
+    if cached.exists():
+        regs, stack, n, ops = json.loads(cached.read_text())
+        return regs, stack, n, collections.Counter(ops)
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
     try:
-        usage = subprocess.run([_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
-        sass = subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
+        text = subprocess.run([_tool("cuobjdump"), "-res-usage", "-sass", f.name], capture_output=True,
+                              text=True).stdout
     finally:
         os.unlink(f.name)
-    regs, stack = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
+    regs, stack = re.search(r"REG:(\d+)", text), re.search(r"STACK:(\d+)", text)
     code = [(int(m.group(1), 16), m.group(2).strip())
-            for m in (re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line) for line in sass.splitlines()) if m]
+            for m in (re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line) for line in text.splitlines()) if m]
     loop: list[str] = []
-    for addr, text in code:  # a branch to an earlier address closes a loop: keep the largest body
-        m = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))", text)
+    for addr, instr in code:  # a branch to an earlier address closes a loop: keep the largest body
+        m = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))", instr)
         if m and m.group(1) and int(m.group(1), 16) < addr:
             body = [t for a, t in code if int(m.group(1), 16) <= a <= addr]
             loop = body if len(body) > len(loop) else loop
     ops = collections.Counter(re.sub(r"^@!?U?P[T0-9]\s+", "", t).split()[0].split(".")[0] for t in loop)
-    return (int(regs.group(1)) if regs else None, int(stack.group(1)) if stack else None, len(loop) or None, ops)
+    result = (int(regs.group(1)) if regs else None, int(stack.group(1)) if stack else None, len(loop) or None, ops)
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    cached.write_text(json.dumps([*result[:3], dict(ops)]))
+    return result
 
 
 @contextlib.contextmanager

@@ -40,14 +40,16 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 def _check_pool(pool: ExpertPool) -> None:
     """Shapes, dtypes and layout of the pool's views: checked on first use only (views are fixed)."""
-    if pool.checked:
+    compiling = torch.compiler.is_compiling()  # no flag read or write while tracing: it would guard / recompile
+    if not compiling and pool.checked:
         return
     fmt, t, S = pool.fmt, pool.tensors, pool.n_slots
     H, I = fmt.hidden_size, fmt.intermediate_size  # noqa: E741
     if fmt.kind == "awq":
         check_pool_weights(t["w13_qweight"], t["w13_qzeros"], t["w13_scales"], fmt.group_size, H, 2 * I, "pool.w13_", S)
         check_pool_weights(t["w2_qweight"], t["w2_qzeros"], t["w2_scales"], fmt.group_size, I, H, "pool.w2_", S)
-    pool.checked = True
+    if not compiling:
+        pool.checked = True
 
 
 def _eager() -> bool:
