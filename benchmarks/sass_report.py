@@ -214,8 +214,7 @@ def awq_linear_launches(n: int, k: int, T: int, group: int = 128, dtype: torch.d
     with compile_only() as found:
         ops.linear_eager(x, q, z, s, group, cfg)
     wcfg = {**cfg, "BLOCK_K": min(cfg["BLOCK_K"], group)}
-    rows = [_row(c, f"linear-{k}x{n}", T, "awq_linear" if "gemm" in c.name else c.name.strip("_"), cfg["BLOCK_M"],
-                 wcfg) for c in found]
+    rows = [_row(c, f"linear-{k}x{n}", T, "awq_linear", cfg["BLOCK_M"], wcfg) for c in found]
     pcfg = configs.packed_linear_config(T, n, k, group)
     with compile_only() as found:  # the same matrix packed for the expert kernel (kernels.pack_awq_linear)
         ops.linear_packed_eager(x, torch.empty((n, k // 8), dtype=torch.int32), z, s, group, pcfg, ops.fresh)

@@ -223,8 +223,8 @@ def test_awq_linear_packed_matches_the_published_one(M, g, kg, n8, dtype):
     ref = kernels.awq_linear(x, q.qweight, q.qzeros, q.scales.to(dtype), g, "torch")
     packed = kernels.pack_awq_linear(q.qweight, q.qzeros, q.scales.to(dtype))
     for backend in ("triton", "torch"):
-        got = kernels.awq_linear_packed(x, packed["qweight"], packed["qzeros"], packed["scales"], g, backend)
+        got = kernels.awq_linear(x, packed["qweight"], packed["qzeros"], packed["scales"], g, backend, packed=True)
         assert got.shape == (M, N) and got.dtype == dtype
         assert_close(got, ref, dtype)
     with pytest.raises(ValueError, match="qweight must have shape"):
-        kernels.awq_linear_packed(x, q.qweight, packed["qzeros"], packed["scales"], g, "triton")
+        kernels.awq_linear(x, q.qweight, packed["qzeros"], packed["scales"], g, "triton", packed=True)

@@ -18,13 +18,14 @@ from moeflow.kernels.checks import (
     check_float,
     check_ids_and_slots,
     check_pool_weights,
+    check_same_device,
     values_checked,
 )
 from moeflow.kernels.pool import ExpertFormat, ExpertPool
 from moeflow.kernels.reference import pool_weights
 
 __all__ = ["ExpertFormat", "ExpertPool", "expert_forward", "combine", "moe_forward", "route", "awq_linear",
-           "pack_awq_linear", "awq_linear_packed", "resolve_backend"]
+           "pack_awq_linear", "resolve_backend"]
 
 BACKENDS = ("torch", "triton", "auto")
 
@@ -220,58 +221,43 @@ def _moe_forward_eager(x, topk_ids, topk_weights, pool, slot_of_expert, config, 
 
 def awq_linear(
     x: torch.Tensor,  # [M, K]
-    qweight: torch.Tensor,  # int32 [K, N/8]
+    qweight: torch.Tensor,  # int32 [K, N/8] as published; packed: [N, K/8] (pack_awq_linear)
     qzeros: torch.Tensor,  # int32 [K/g, N/8]
     scales: torch.Tensor,  # [K/g, N]
     group_size: int,
     backend: str = "torch",
     *,
     config: dict | None = None,
+    packed: bool = False,
 ) -> torch.Tensor:
-    """Dense W4A16 matmul ``x @ W`` (AWQ GEMM layout), fp32 accumulation, result [M, N] in x's dtype."""
+    """Dense W4A16 matmul ``x @ W``, fp32 accumulation, result [M, N] in x's dtype.
+
+    ``packed=False``: AWQ's GEMM layout as published. ``packed=True``: weights from :func:`pack_awq_linear`, run
+    by the expert kernel (no per-element gathers, asynchronous MMA at prefill: a third of the instructions)."""
     check_float(x, "x", 2)
     K = x.shape[1]
     if scales.dim() != 2:
         raise ValueError(f"scales must be [K/g, N], got shape {tuple(scales.shape)}")
-    check_awq_weights(qweight, qzeros, scales, group_size, K, scales.shape[1], "")
-    for name, t in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales)):
-        if t.device != x.device:
-            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+    if packed:
+        check_pool_weights(qweight[None], qzeros[None], scales[None], group_size, K, scales.shape[1], "", 1)
+    else:
+        check_awq_weights(qweight, qzeros, scales, group_size, K, scales.shape[1], "")
+    check_same_device(x.device, qweight=qweight, qzeros=qzeros, scales=scales)
+    backend = resolve_backend(backend, x.device)
     flat_cfg = ops.encode_linear_config(config) if config is not None else []
-    return ops.awq_linear_op(x, qweight, qzeros, scales, group_size, flat_cfg, resolve_backend(backend, x.device))
+    if not packed:
+        return ops.awq_linear_op(x, qweight, qzeros, scales, group_size, flat_cfg, backend)
+    if backend == "triton" and _eager() and x.shape[0]:
+        ops.check_triton_device(x)
+        return ops.linear_packed_eager(x, qweight, qzeros, scales, group_size, config, workspace.scratch)
+    return ops.awq_linear_packed_op(x, qweight, qzeros, scales, group_size, flat_cfg, backend)
 
 
 def pack_awq_linear(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor) -> dict[str, torch.Tensor]:
     """AWQ as published (``qweight int32 [K, N/8]``, ``qzeros [K/g, N/8]``, ``scales [K/g, N]``) -> the kernel
     layout of :mod:`.pool` (``qweight [N, K/8]`` K-contiguous, natural nibble order): done once at load, for
-    :func:`awq_linear_packed`. Exact (a permutation of nibbles)."""
+    :func:`awq_linear` with ``packed=True``. Exact (a permutation of nibbles)."""
     from moeflow.kernels.pool import to_kernel_layout
 
     return {"qweight": to_kernel_layout("w2_qweight", qweight, 0), "qzeros": to_kernel_layout("w2_qzeros", qzeros, 0),
             "scales": scales.contiguous()}
-
-
-def awq_linear_packed(
-    x: torch.Tensor,  # [M, K]
-    qweight: torch.Tensor,  # int32 [N, K/8] (pack_awq_linear)
-    qzeros: torch.Tensor,  # int32 [K/g, N/8]
-    scales: torch.Tensor,  # [K/g, N]
-    group_size: int,
-    backend: str = "torch",
-    *,
-    config: dict | None = None,
-) -> torch.Tensor:
-    """``x @ W`` on weights packed by :func:`pack_awq_linear`: the expert kernel (no per-element gathers,
-    asynchronous MMA at prefill) instead of the published-layout one. fp32 accumulation, [M, N] in x's dtype."""
-    check_float(x, "x", 2)
-    K, N = x.shape[1], scales.shape[-1]
-    check_pool_weights(qweight[None], qzeros[None], scales[None], group_size, K, N, "", 1)
-    for name, t in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales)):
-        if t.device != x.device:
-            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
-    backend = resolve_backend(backend, x.device)
-    if backend == "triton" and _eager() and x.shape[0]:
-        ops.check_triton_device(x)
-        return ops.linear_packed_eager(x, qweight, qzeros, scales, group_size, config, workspace.scratch)
-    flat_cfg = ops.encode_linear_config(config) if config is not None else []
-    return ops.awq_linear_packed_op(x, qweight, qzeros, scales, group_size, flat_cfg, backend)

@@ -30,12 +30,18 @@ DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float
 
 def device_name(device: torch.device | str) -> str:
     """The name tables are keyed by: ``torch.cuda.get_device_name`` on CUDA, ``"cpu"`` otherwise."""
+    return _device_name(str(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _device_name(device: str) -> str:
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return device.type
 
 
+@functools.cache
 def triton_version() -> str:
     try:
         import triton
@@ -71,9 +77,7 @@ def default_config(
     bk_cap = group_size if group_size else 128
     if op == "linear":  # the published-AWQ kernel: GEMV-shaped below 16 rows, tensor-core tiles above
         if m < 16:
-            split = 4 if n <= 8192 and k >= 4096 else 1
-            return {"BLOCK_M": _next_pow2(m), **GEMM_DEFAULTS, "BLOCK_N": 32, "BLOCK_K": min(128, bk_cap),
-                    "SPLIT_K": split}
+            return {"BLOCK_M": _next_pow2(m), **GEMM_DEFAULTS, "BLOCK_N": 32, "BLOCK_K": min(128, bk_cap)}
         bm = 16 if m <= 32 else 64 if m <= 256 else 128
         return {"BLOCK_M": bm, **GEMM_DEFAULTS, "BLOCK_N": 64 if bm < 128 else 128, "BLOCK_K": min(64, bk_cap),
                 "GROUP_M": 8, "num_warps": 4 if bm < 128 else 8}

@@ -257,23 +257,9 @@ def awq_linear_op(
 
 def linear_eager(x: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, group_size: int, cfg: dict) -> Tensor:
     """Launch the published-AWQ GEMM: x [M, K] -> [M, N] (a fresh tensor)."""
-    from moeflow.kernels.triton_linear import grouped_gemm_triton
+    from moeflow.kernels.triton_linear import awq_linear_triton
 
-    M, N = x.shape[0], scales.shape[1]
-    bm = cfg["BLOCK_M"]
-    n_blocks = -(-M // bm)
-    sorted_ids = torch.arange(n_blocks * bm, dtype=torch.int32, device=x.device)  # >= M means padding
-    expert_of_block = torch.zeros((n_blocks,), dtype=torch.int32, device=x.device)
-    slot = torch.zeros((1,), dtype=torch.int32, device=x.device)
-    out = x.new_empty((M, N))
-    weights = (qweight.unsqueeze(0), qzeros.unsqueeze(0), scales.unsqueeze(0))
-    return grouped_gemm_triton(1, x, weights, out, sorted_ids, expert_of_block, slot, None, None, M, 1, N, group_size,
-                               cfg)
-
-
-@awq_linear_op.register_fake
-def _(x, qweight, qzeros, scales, group_size, config, backend):
-    return x.new_empty((x.shape[0], scales.shape[1]))
+    return awq_linear_triton(x, qweight, qzeros, scales, group_size, cfg)
 
 
 def linear_packed_eager(x: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, group_size: int,

@@ -87,6 +87,14 @@ def _weight_t(weights: tuple, slot: int, group_size: int) -> torch.Tensor:
     return dequantize_kernel_layout(qweight[slot], qzeros[slot], scales[slot], group_size)
 
 
+def _selected_experts(topk_ids: torch.Tensor, expert_mask: torch.Tensor | None):
+    """(expert, pair indices [n]) of every expert in ``topk_ids`` [T, k] that ``expert_mask`` selects."""
+    flat_ids = topk_ids.reshape(-1)
+    for e in torch.unique(flat_ids).tolist():
+        if expert_mask is None or bool(expert_mask[e]):
+            yield e, torch.nonzero(flat_ids == e).squeeze(1)
+
+
 def _gate_up(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Columns of a w13 product in the pool's interleaved order -> (gate, up)."""
     return h[:, 0::2], h[:, 1::2]
@@ -105,13 +113,9 @@ def expert_forward_pool_reference(
 ) -> torch.Tensor:
     """The torch backend of ``expert_forward``: each selected expert's pairs, per the numeric contract."""
     k = topk_ids.shape[1]
-    flat_ids = topk_ids.reshape(-1)
     flat_w = topk_weights.reshape(-1).float()
     dense_same = w13[1] is None and w13[0].dtype == x.dtype
-    for e in torch.unique(flat_ids).tolist():
-        if expert_mask is not None and not bool(expert_mask[e]):
-            continue
-        pairs = torch.nonzero(flat_ids == e).squeeze(1)
+    for e, pairs in _selected_experts(topk_ids, expert_mask):
         rows = x[pairs // k]
         s = int(slot_of_expert[e])
         if dense_same:
@@ -164,12 +168,8 @@ def expert_forward_reference(
     """
     k = topk_ids.shape[1]
     inter = pool.fmt.intermediate_size
-    flat_ids = topk_ids.reshape(-1)
     flat_w = topk_weights.reshape(-1).float()
-    for e in torch.unique(flat_ids).tolist():
-        if expert_mask is not None and not bool(expert_mask[e]):
-            continue
-        pairs = torch.nonzero(flat_ids == e).squeeze(1)
+    for e, pairs in _selected_experts(topk_ids, expert_mask):
         rows = x[pairs // k]
         s = int(slot_of_expert[e])
         if pool.fmt.kind == "dense" and x.dtype == pool.fmt.dtype:

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moeflow.kernels.triton_common import cdiv, next_pow2
+
 
 @triton.jit
 def _combine_kernel(
@@ -48,9 +50,9 @@ def combine(
     T, H = out.shape
     if T == 0 or H == 0:
         return out
-    block_h = min(1024, triton.next_power_of_2(H))
+    block_h = min(1024, next_pow2(H))
     src = y if y is not None else out
-    _combine_kernel[(T, triton.cdiv(H, block_h))](
+    _combine_kernel[(T, cdiv(H, block_h))](
         src, src.stride(0),
         partials if partials is not None else out, partials.stride(0) if partials is not None else 0,
         topk_weights if topk_weights is not None else out,

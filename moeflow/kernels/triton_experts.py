@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeflow.kernels.triton_common import INTERPRETED, TL_DTYPES
+from moeflow.kernels.triton_common import INTERPRETED, TL_DTYPES, cdiv, next_pow2
 
 
 @triton.jit
@@ -60,6 +60,16 @@ def _dequant_tile(w, z, nib):
 
 
 @triton.jit
+def _block_expert(eob_ptr, pid_m, mask_ptr, HAS_MASK: tl.constexpr):
+    """The expert of plan block ``pid_m``, or -1 when past the padded count or not in ``expert_mask``."""
+    expert = tl.load(eob_ptr + pid_m)
+    if HAS_MASK:
+        selected = tl.load(mask_ptr + tl.maximum(expert, 0)) != 0
+        expert = tl.where(selected, expert, -1)
+    return expert
+
+
+@triton.jit
 def _expert_gemm_kernel(
     a_ptr, stride_am,  # MODE 0: x [T, K] (row = pair // TOPK); MODE 1: h [P, K] (row = pair); last dim contiguous
     b_ptr, stride_bs, stride_bn,  # AWQ qweight [S, N, K/8] int32, or dense [S, N, K]
@@ -85,12 +95,9 @@ def _expert_gemm_kernel(
     pid_m = first_m + (pid % num_in_group) % group_rows
     pid_n = (pid % num_in_group) // group_rows
 
-    expert = tl.load(eob_ptr + pid_m)
-    if expert < 0:
+    expert = _block_expert(eob_ptr, pid_m, mask_ptr, HAS_MASK)
+    if expert < 0:  # past the padded count, or not selected: nothing to do (staged runs rely on it)
         return
-    if HAS_MASK:
-        if tl.load(mask_ptr + expert) == 0:
-            return
     slot = tl.load(slot_ptr + expert).to(tl.int64)
 
     r = tl.arange(0, DOT_M)
@@ -185,12 +192,8 @@ def _splitk_reduce_kernel(
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    expert = tl.load(eob_ptr + pid_m)
-    if expert < 0:
+    if _block_expert(eob_ptr, pid_m, mask_ptr, HAS_MASK) < 0:
         return
-    if HAS_MASK:
-        if tl.load(mask_ptr + expert) == 0:
-            return
     pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     row_ok = pair < num_pairs
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -242,7 +245,7 @@ def expert_gemm(
     cdtype = TL_DTYPES[a.dtype]
     # the interpreter's bf16 tl.dot is wrong: fp32 operands there (the same products as bf16 tensor cores)
     dot_dtype = tl.float32 if INTERPRETED and a.dtype == torch.bfloat16 else cdtype
-    grid = (n_blocks * triton.cdiv(N, block_n), split_k)
+    grid = (n_blocks * cdiv(N, block_n), split_k)
     _expert_gemm_kernel[grid](
         a, a.stride(0),
         qweight, qweight.stride(0), qweight.stride(1),
@@ -272,8 +275,8 @@ def splitk_reduce(
 ) -> None:
     """Sum split-K partials ws fp32 [SPLIT_K, P, N] in split order and run the epilogue into ``out``."""
     N = ws.shape[2]
-    bn = min(128, triton.next_power_of_2(N))
-    _splitk_reduce_kernel[(expert_of_block.shape[0], triton.cdiv(N, bn))](
+    bn = min(128, next_pow2(N))
+    _splitk_reduce_kernel[(expert_of_block.shape[0], cdiv(N, bn))](
         ws, ws.stride(0), out, out.stride(0), sorted_ids, expert_of_block,
         expert_mask if expert_mask is not None else expert_of_block,
         topk_weights if topk_weights is not None else expert_of_block, num_pairs, N,

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moeflow.kernels.triton_common import cdiv, next_pow2
+
 
 @triton.jit
 def _topk_pass(p, e_range, TOPK: tl.constexpr, total, STORE: tl.constexpr, ids_ptr, wts_ptr, rt, t_ok):
@@ -110,7 +112,7 @@ def _route_plan_kernel(
 
 def plan_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Host-known number of plan blocks: ceil((P + E (BLOCK_M - 1)) / BLOCK_M)."""
-    return triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m)
+    return cdiv(num_pairs + num_experts * (block_m - 1), block_m)
 
 
 def route_plan(
@@ -129,7 +131,7 @@ def route_plan(
 ) -> None:
     """One launch: (optionally) route, then fill the sentinel and build the plan into the given buffers."""
     route = logits is not None
-    e_pad = max(2, triton.next_power_of_2(num_experts))
+    e_pad = max(2, next_pow2(num_experts))
     block_t = (4 if gate is not None else 32) if num_experts <= 64 else 8
     _route_plan_kernel[(1,)](
         logits if route else topk_ids, logits.stride(0) if route else 0,
