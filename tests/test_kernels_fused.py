@@ -137,6 +137,10 @@ def test_moe_forward_from_router_logits():
     for backend in ("triton", "torch"):
         got = kernels.moe_forward(x, None, None, pool, slot, backend, router_logits=logits, top_k=k)
         assert_close(got, ref, torch.float16)
+        y, got_ids, got_w = kernels.moe_forward(x, None, None, pool, slot, backend, router_logits=logits, top_k=k,
+                                                return_routing=True)
+        assert torch.equal(y, got) and torch.equal(got_ids, ids)
+        torch.testing.assert_close(got_w, w, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="needs top_k"):
         kernels.moe_forward(x, None, None, pool, slot, "triton", router_logits=logits)
 

@@ -156,10 +156,12 @@ def moe_forward(
     router_logits: torch.Tensor | None = None,  # [T, E]: route inside the plan launch (Mixtral's router)
     top_k: int | None = None,  # with router_logits
     renormalize: bool = True,
-) -> torch.Tensor:
+    return_routing: bool = False,  # also return (topk_ids int32 [T, k], topk_weights fp32 [T, k])
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """All experts resident: plan, expert GEMMs and combine in one call. x [T, H] -> [T, H].
 
     Eager Triton at decode is 4 launches: route + sentinel fill + plan, w13, w2, combine (+ w2 split-K sum).
+    ``return_routing`` hands back the routing too (what a trace or a predictor records).
     """
     backend = resolve_backend(backend, x.device)
     if router_logits is not None:
@@ -170,22 +172,29 @@ def moe_forward(
     elif topk_ids is None or topk_weights is None:
         raise ValueError("moe_forward: pass topk_ids and topk_weights, or router_logits and top_k")
     if backend == "triton" and _eager():
-        return _moe_forward_eager(x, topk_ids, topk_weights, pool, slot_of_expert, config, validate, router_logits,
-                                  top_k, renormalize)
+        y, ids, wts = _moe_forward_eager(x, topk_ids, topk_weights, pool, slot_of_expert, config, validate,
+                                         router_logits, top_k, renormalize)
+        if not return_routing:
+            return y
+        T, k = x.shape[0], top_k if router_logits is not None else topk_ids.shape[1]
+        return y, ids.reshape(T, k).to(torch.int32, copy=True), wts.reshape(T, k).to(torch.float32, copy=True)
     out = torch.empty((topk_ids.numel(), x.shape[-1]), dtype=x.dtype, device=x.device)
     expert_forward(x, topk_ids, topk_weights, pool, slot_of_expert, out, None, backend, config=config,
                    validate=validate)
-    return combine(out, topk_ids.shape[1], backend)
+    y = combine(out, topk_ids.shape[1], backend)
+    return (y, topk_ids.to(torch.int32), topk_weights.float()) if return_routing else y
 
 
 def _moe_forward_eager(x, topk_ids, topk_weights, pool, slot_of_expert, config, validate, router_logits, top_k,
-                       renormalize) -> torch.Tensor:
+                       renormalize) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y [T, H], flat ids int32 [T*k], weights [T, k] or flat fp32 [T*k]); ids/weights may be scratch views."""
     E = slot_of_expert.shape[0]
     T, H = x.shape
     k = top_k if router_logits is not None else topk_ids.shape[1]
     result = x.new_empty((T, H))
     if T == 0:
-        return result
+        empty = torch.empty((0,), device=x.device)
+        return result, empty.to(torch.int32), empty
     ops.check_triton_device(x)
     if router_logits is not None:
         if tuple(router_logits.shape) != (T, E):
@@ -215,8 +224,8 @@ def _moe_forward_eager(x, topk_ids, topk_weights, pool, slot_of_expert, config, 
     if partials is not None:
         w = topk_weights.reshape(-1)
         w = w if w.dtype == torch.float32 and w.is_contiguous() else w.float().contiguous()
-        return ops.combine_eager(None, k, result, partials, w)
-    return ops.combine_eager(pairs, k, result)
+        return ops.combine_eager(None, k, result, partials, w), plan[0], topk_weights
+    return ops.combine_eager(pairs, k, result), plan[0], topk_weights
 
 
 def awq_linear(
