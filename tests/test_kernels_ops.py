@@ -70,6 +70,9 @@ def test_opcheck_awq_linear(backend):
     flat = encode_linear_config({"BLOCK_M": 4, "BLOCK_N": 64, "BLOCK_K": 64})
     torch.library.opcheck(torch.ops.moeflow.awq_linear.default, (x, q.qweight, q.qzeros, q.scales, 64, flat, backend))
     torch.library.opcheck(torch.ops.moeflow.awq_linear.default, (x, q.qweight, q.qzeros, q.scales, 64, [], backend))
+    p = kernels.pack_awq_linear(q.qweight, q.qzeros, q.scales)
+    torch.library.opcheck(torch.ops.moeflow.awq_linear_packed.default,
+                          (x, p["qweight"], p["qzeros"], p["scales"], 64, [], backend))
 
 
 # ---------------------------------------------------------------------------------------------------------

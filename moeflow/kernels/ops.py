@@ -255,6 +255,11 @@ def awq_linear_op(
     return linear_eager(x, qweight, qzeros, scales, group_size, decode_linear_config(config))
 
 
+@awq_linear_op.register_fake
+def _(x, qweight, qzeros, scales, group_size, config, backend):
+    return x.new_empty((x.shape[0], scales.shape[1]))
+
+
 def linear_eager(x: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, group_size: int, cfg: dict) -> Tensor:
     """Launch the published-AWQ GEMM: x [M, K] -> [M, N] (a fresh tensor)."""
     from moeflow.kernels.triton_linear import awq_linear_triton
