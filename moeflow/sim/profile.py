@@ -187,10 +187,7 @@ class HardwareProfile:
 
 
 def _mixtral_preset(name: str, description: str, **costs: Any) -> HardwareProfile:
-    m = MIXTRAL_8X7B
-    return HardwareProfile(name=name, expert_bytes=awq_expert_bytes(m["hidden"], m["intermediate"]),
-                           num_layers=m["num_layers"], num_experts=m["num_experts"], top_k=m["top_k"],
-                           description=description, **costs)
+    return _shaped_preset(MIXTRAL_8X7B, name, description, **costs)
 
 
 def _shaped_preset(model: dict[str, int], name: str, description: str, **costs: Any) -> HardwareProfile:
