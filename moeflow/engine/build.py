@@ -122,7 +122,8 @@ def build_model(
     try:
         layout = family.detect_expert_layout(reader)
         fmt = loading.expert_format(family, layout, quant, dtype)
-        resolved = resolve_kernels(kernels, device, offload, fmt.kind == "awq")
+        resolved = resolve_kernels(kernels, device, offload,
+                                   fmt.kind == "awq" and not getattr(fmt, "extended", False))  # cpu-int4: no biases
         awq_attention = loading.detect_awq_attention(reader, family, layout, quant)
         decoder = family.build_decoder(dtype, _linear_factory(dtype, awq_attention))
         loading.load_non_expert_weights(decoder, reader, family, layout, device, dtype)

@@ -6,12 +6,13 @@ from typing import Any
 
 from moeflow.errors import CheckpointError
 from moeflow.families.base import CausalDecoder, ExpertLayout, ExpertSpec, Family, RouterSpec
+from moeflow.families.gpt_oss import GptOssFamily
 from moeflow.families.mixtral import MixtralConfig, MixtralFamily
 
-FAMILIES: tuple[type[Family], ...] = (MixtralFamily,)
+FAMILIES: tuple[type[Family], ...] = (MixtralFamily, GptOssFamily)
 
 __all__ = ["FAMILIES", "Family", "ExpertSpec", "ExpertLayout", "RouterSpec", "CausalDecoder", "MixtralFamily",
-           "MixtralConfig", "family_class", "supported_model_types", "family_for_config"]
+           "GptOssFamily", "MixtralConfig", "family_class", "supported_model_types", "family_for_config"]
 
 
 def supported_model_types() -> list[str]:

@@ -41,6 +41,8 @@ class ExpertSpec:
     intermediate_size: int
     activation: str = "silu"  # the gate's activation ("silu"; gpt-oss's clamped SwiGLU would be a new name)
     bias: bool = False  # the expert projections carry biases (gpt-oss)
+    swiglu_alpha: float = 1.702  # "clamped_swiglu" only: (clamp(up, +-limit) + 1) * g * sigmoid(alpha * g)
+    swiglu_limit: float = 7.0  # "clamped_swiglu" only: g = clamp(gate, max=limit)
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,7 @@ class ExpertLayout:
     fused: bool  # all experts of a layer stacked in one tensor per projection
     awq: bool  # AWQ 4-bit (qweight / qzeros / scales)
     scales_dtype: torch.dtype | None = None
+    mxfp4: bool = False  # MXFP4 (``*_blocks`` / ``*_scales``, gpt-oss as published)
 
 
 class ModelConfig:
@@ -80,7 +83,8 @@ class CausalDecoder(nn.Module):
     """
 
     def __init__(self, vocab_size: int, hidden_size: int, layers: list[nn.Module], rms_norm_eps: float,
-                 head_dim: int, rope_theta: float, dtype: torch.dtype, sliding_window: int | None = None):
+                 head_dim: int, rope_theta: float, dtype: torch.dtype, sliding_window: int | None = None,
+                 layer_sliding_windows: list[int | None] | None = None):
         super().__init__()
         self.embed_tokens = nn.Embedding(vocab_size, hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(layers)
@@ -88,6 +92,8 @@ class CausalDecoder(nn.Module):
         self.rotary = RotaryEmbedding(head_dim, rope_theta)
         self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False, dtype=dtype)
         self.sliding_window = sliding_window
+        # per decoder layer (gpt-oss alternates sliding and full layers); None: ``sliding_window`` for every layer
+        self.layer_sliding_windows = layer_sliding_windows
 
     @property
     def moe_blocks(self) -> list[MoEBlock]:
@@ -103,8 +109,12 @@ class CausalDecoder(nn.Module):
         x = embeds
         cos, sin = self.rotary(position_ids, x.dtype)
         cache.mark_valid(cache_position, token_mask)
-        mask = cache.attention_mask(cache_position, self.sliding_window)
-        for layer in self.layers:
+        if self.layer_sliding_windows is None:
+            masks = [cache.attention_mask(cache_position, self.sliding_window)] * len(self.layers)
+        else:
+            by_window = {w: cache.attention_mask(cache_position, w) for w in set(self.layer_sliding_windows)}
+            masks = [by_window[w] for w in self.layer_sliding_windows]
+        for layer, mask in zip(self.layers, masks, strict=True):
             x = layer(x, cos, sin, cache, cache_position, mask, experts, routing)
         return self.lm_head(self.norm(x)).float()
 

@@ -23,9 +23,9 @@ SINGLE_NAME = "model.safetensors"
 
 @dataclass(frozen=True)
 class QuantizationSpec:
-    """What the checkpoint's quantization config says (only AWQ 4-bit GEMM is readable)."""
+    """What the checkpoint's quantization config says (AWQ 4-bit GEMM, or MXFP4 with group 32)."""
 
-    method: str  # "awq"
+    method: str  # "awq" or "mxfp4"
     bits: int
     group_size: int
     modules_to_not_convert: tuple[str, ...] = ()
@@ -84,9 +84,12 @@ def read_quantization(directory: Path, config: dict) -> QuantizationSpec | None:
     if qc is None:
         return None
     method = str(qc.get("quant_method", "")).lower()
+    if method == "mxfp4":  # gpt-oss as published: e2m1 values, one e8m0 scale per 32
+        return QuantizationSpec("mxfp4", 4, 32, tuple(qc.get("modules_to_not_convert") or ()))
     if method != "awq":
         raise UnsupportedQuantizationError(
-            f"{source}: quantization method {qc.get('quant_method')!r} is not supported (moeflow reads AWQ)"
+            f"{source}: quantization_config.quant_method {qc.get('quant_method')!r} is not supported "
+            "(moeflow reads AWQ and MXFP4)"
         )
     bits = qc.get("bits", qc.get("w_bit"))
     if bits != 4:

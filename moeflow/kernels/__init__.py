@@ -78,6 +78,11 @@ def expert_forward(
     check_expert_args(x, topk_ids, topk_weights, slot_of_expert, out, expert_mask, pool.fmt.hidden_size)
     if pool.device != x.device:
         raise ValueError(f"pool is on {pool.device} but x is on {x.device}")
+    if getattr(pool.fmt, "extended", False):  # biases / clamped SwiGLU / MXFP4 (gpt-oss): moeflow.kernels.biased
+        from moeflow.kernels.biased import biased_expert_forward
+
+        return biased_expert_forward(x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask, backend,
+                                     config=config, validate=validate)
     _check_pool(pool)
     if values_checked(validate, topk_ids):
         check_ids_and_slots(topk_ids, slot_of_expert, expert_mask, pool.n_slots)

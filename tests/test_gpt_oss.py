@@ -1,0 +1,143 @@
+"""moeflow's gpt-oss against transformers' GptOssForCausalLM on tiny random checkpoints (fp32), and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from gpt_oss_helpers import make_gpt_oss_model, save_gpt_oss_checkpoint
+
+from moeflow import MoEModel
+from moeflow.errors import CheckpointError, UnsupportedQuantizationError
+from moeflow.moe.routing import RouterSpec, make_router
+
+CONFIGS = {  # sliding window 4 < the 12-token prompts + 32 new tokens: the sliding layers really slide
+    "E4-top2-sliding-full": {},
+    "E5-top1-3-layers": dict(num_local_experts=5, num_experts_per_tok=1, num_hidden_layers=3),
+    "E3-top3-full-sliding-odd-heads": dict(num_local_experts=3, num_experts_per_tok=3, num_attention_heads=6,
+                                           num_key_value_heads=3, layer_types=["full_attention", "sliding_attention"]),
+    "E8-top4-mha-all-sliding": dict(num_local_experts=8, num_experts_per_tok=4, num_key_value_heads=4,
+                                    layer_types=["sliding_attention", "sliding_attention"]),
+}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def compare(ref, model, vocab: int, seed: int = 3, logits_tol: float = 1e-4) -> None:
+    ids = torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        want = ref(ids).logits
+    got = model(ids).logits
+    assert got.shape == want.shape
+    assert rel_err(got, want) < logits_tol
+    with torch.no_grad():
+        want_tokens = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
+                                   eos_token_id=None, pad_token_id=0)
+    got_tokens = model.generate(ids, max_new_tokens=32, do_sample=False, eos_token_id=[])
+    assert torch.equal(got_tokens, want_tokens)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_logits_and_greedy_tokens_match_transformers(tmp_path, name):
+    ref = make_gpt_oss_model(seed=1, **CONFIGS[name])
+    save_gpt_oss_checkpoint(ref, tmp_path)
+    model = MoEModel.from_pretrained(tmp_path, device="cpu", dtype=torch.float32)
+    assert model.family.name == "gpt_oss"
+    compare(ref, model, ref.config.vocab_size)
+
+
+def test_left_padded_batch_matches_transformers(tmp_path):
+    ref = make_gpt_oss_model(seed=2)
+    save_gpt_oss_checkpoint(ref, tmp_path)
+    model = MoEModel.from_pretrained(tmp_path)
+    ids = torch.randint(3, 97, (3, 9), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    mask[2, :1] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    with torch.no_grad():
+        want_logits = ref(ids, attention_mask=mask).logits
+        want = ref.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)
+    real = mask.bool()
+    assert rel_err(model(ids, attention_mask=mask).logits[real], want_logits[real]) < 1e-4
+    assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
+                                      eos_token_id=[]), want)
+
+
+def test_router_takes_topk_of_logits_then_softmax():
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
+
+    cfg = GptOssConfig(hidden_size=16, num_local_experts=7, num_experts_per_tok=3)
+    torch.manual_seed(0)
+    ref = GptOssTopKRouter(cfg)
+    with torch.no_grad():
+        ref.weight.normal_()
+        ref.bias.normal_()
+    x = torch.randn(11, 16)
+    logits, want_w, want_ids = ref(x)
+    probs, ids, weights = make_router(RouterSpec(top_k=3, topk_before_scoring=True, router_bias=True))(logits)
+    assert torch.equal(ids.long(), want_ids)
+    torch.testing.assert_close(weights, want_w)
+    torch.testing.assert_close(probs, torch.softmax(logits, -1))
+
+
+def test_yarn_frequencies_match_transformers():
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
+
+    from moeflow.families.gpt_oss import GptOssFamily
+
+    cfg = GptOssConfig(head_dim=64, num_attention_heads=64, hidden_size=2880)  # gpt-oss-120b's rope
+    family = GptOssFamily.from_config_dict(json.loads(cfg.to_json_string()))
+    decoder = family.build_decoder(torch.float32, lambda _n, i, o: torch.nn.Linear(i, o, bias=False))
+    want = GptOssRotaryEmbedding(cfg)
+    pos = torch.arange(0, 5000, 7)[None]
+    cos, sin = want(torch.zeros(1), pos)
+    got_cos, got_sin = decoder.rotary(pos, torch.float32)
+    torch.testing.assert_close(got_cos[..., :32], cos, rtol=0, atol=1e-6)
+    torch.testing.assert_close(got_sin[..., 32:], sin, rtol=0, atol=1e-6)
+    assert decoder.rotary.attention_factor > 1.0
+
+
+# ------------------------------------------------------------------ bad input
+
+
+@pytest.fixture()
+def tiny_dir(tmp_path):
+    return save_gpt_oss_checkpoint(make_gpt_oss_model(seed=4), tmp_path)
+
+
+def _edit_config(directory, **changes):
+    path = directory / "config.json"
+    config = json.loads(path.read_text())
+    config.update(changes)
+    path.write_text(json.dumps(config))
+
+
+def test_layer_types_of_wrong_length_is_refused(tiny_dir):
+    _edit_config(tiny_dir, layer_types=["sliding_attention"] * 3)
+    with pytest.raises(CheckpointError, match="layer_types has 3 entries but num_hidden_layers is 2"):
+        MoEModel.from_pretrained(tiny_dir)
+
+
+def test_unknown_layer_type_is_refused(tiny_dir):
+    _edit_config(tiny_dir, layer_types=["sliding_attention", "chunked_attention"])
+    with pytest.raises(CheckpointError, match="layer_types holds .*chunked_attention"):
+        MoEModel.from_pretrained(tiny_dir)
+
+
+def test_unsupported_quant_method_is_refused(tiny_dir):
+    _edit_config(tiny_dir, quantization_config={"quant_method": "bitsandbytes", "load_in_4bit": True})
+    with pytest.raises(UnsupportedQuantizationError, match="quantization_config.quant_method 'bitsandbytes'"):
+        MoEModel.from_pretrained(tiny_dir)
+
+
+def test_unsupported_rope_type_is_refused(tiny_dir):
+    _edit_config(tiny_dir, rope_parameters={"rope_type": "longrope", "rope_theta": 1e4})
+    with pytest.raises(CheckpointError, match="rope_type 'longrope'"):
+        MoEModel.from_pretrained(tiny_dir)
