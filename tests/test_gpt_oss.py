@@ -141,3 +141,41 @@ def test_unsupported_rope_type_is_refused(tiny_dir):
     _edit_config(tiny_dir, rope_parameters={"rope_type": "longrope", "rope_theta": 1e4})
     with pytest.raises(CheckpointError, match="rope_type 'longrope'"):
         MoEModel.from_pretrained(tiny_dir)
+
+
+# ------------------------------------------------------------------ MXFP4 experts as published
+
+
+@pytest.mark.parametrize("name", ["E4-top2-sliding-full", "E5-top1-3-layers"])
+def test_mxfp4_experts_match_transformers_on_dequantized_weights(tmp_path, name):
+    """Dequantizing e2m1 x 2^e is exact in fp32, so the tolerance is the fp32 one (1e-4 relative)."""
+    ref = make_gpt_oss_model(seed=5, **CONFIGS[name])
+    save_gpt_oss_checkpoint(ref, tmp_path, mxfp4=True)  # ref now holds the dequantized expert weights
+    model = MoEModel.from_pretrained(tmp_path, device="cpu", dtype=torch.float32)
+    fmt = model.experts.fmt
+    assert fmt.kind == "mxfp4" and model.experts.pool.tensors["w13_blocks"].dtype == torch.uint8
+    H, I = ref.config.hidden_size, ref.config.intermediate_size  # noqa: E741
+    assert fmt.nbytes < 2 * I * H  # 4.25 bits a weight (+ biases), far below bf16's 16
+    compare(ref, model, ref.config.vocab_size)
+
+
+def test_mxfp4_blocks_that_disagree_with_scales_are_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    save_gpt_oss_checkpoint(make_gpt_oss_model(seed=6), tmp_path, mxfp4=True)
+    path = tmp_path / "model.safetensors"
+    tensors = load_file(path)
+    name = "model.layers.1.mlp.experts.down_proj_scales"
+    tensors[name] = tensors[name][..., :-1].contiguous()  # one block of scales short
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="down_proj_scales"):
+        MoEModel.from_pretrained(tmp_path)
+
+
+def test_mxfp4_blocks_without_quantization_config_are_refused(tmp_path):
+    save_gpt_oss_checkpoint(make_gpt_oss_model(seed=6), tmp_path, mxfp4=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["quantization_config"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="quantization_config.quant_method 'mxfp4'"):
+        MoEModel.from_pretrained(tmp_path)
