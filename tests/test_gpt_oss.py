@@ -159,6 +159,20 @@ def test_mxfp4_experts_match_transformers_on_dequantized_weights(tmp_path, name)
     compare(ref, model, ref.config.vocab_size)
 
 
+def test_mxfp4_experts_through_the_triton_kernels(tmp_path):
+    """The MXFP4 Triton kernels (interpreted) inside the model: logits and greedy tokens of transformers."""
+    ref = make_gpt_oss_model(seed=8, num_local_experts=5, num_experts_per_tok=2)
+    save_gpt_oss_checkpoint(ref, tmp_path, mxfp4=True)
+    model = MoEModel.from_pretrained(tmp_path, device="cpu", dtype=torch.float32, kernels="triton")
+    ids = torch.randint(0, 97, (1, 10), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = ref(ids).logits
+        want_tokens = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                                   eos_token_id=None, pad_token_id=0)
+    assert rel_err(model(ids).logits, want) < 1e-4
+    assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=[]), want_tokens)
+
+
 def test_mxfp4_blocks_that_disagree_with_scales_are_refused(tmp_path):
     from safetensors.torch import load_file, save_file
 

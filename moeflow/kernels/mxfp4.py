@@ -34,7 +34,7 @@ from moeflow.kernels.pool import ExpertPool
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # built for the CPU interpreter
 ACTIVATION_CODES = {"silu": 0, "clamped_swiglu": 1}
-DEFAULTS = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+DEFAULTS = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2}
 
 
 @triton.jit
@@ -57,6 +57,18 @@ def _load_w_block(w_base, s_base, stride_wn, stride_sn, offs_n, n_mask, kb, HALF
 
 
 @triton.jit
+def _scaled_step(a, acc, w_base, s_base, stride_wn, stride_sn, offs_n, n_mask, k0, K, BLOCK_K: tl.constexpr):
+    """acc [BM, BN] += a bf16 [BM, BLOCK_K] @ W[offs_n, k0:k0+BLOCK_K].T through ``tl.dot_scaled`` (e2m1 + e8m0)."""
+    jj = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    packed = tl.load(w_base + offs_n[None, :] * stride_wn + jj[:, None],
+                     mask=(jj < K // 2)[:, None] & n_mask[None, :], other=0)  # [BLOCK_K/2, BN], k-packed
+    g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    scales = tl.load(s_base + offs_n[:, None] * stride_sn + g[None, :],
+                     mask=n_mask[:, None] & (g < K // 32)[None, :], other=127)  # [BN, BLOCK_K/32]
+    return tl.dot_scaled(a, None, "bf16", packed, scales, "e2m1", acc=acc)
+
+
+@triton.jit
 def _mxfp4_gemm_kernel(
     a_ptr, stride_am, stride_ak,  # MODE 0: x [T, K] (row = pair // TOPK); MODE 1: h [P, K] (row = pair)
     w_ptr, stride_ws, stride_wn,  # blocks uint8 [S, N_w, K/2] (a row's K/32 blocks of 16 bytes, contiguous)
@@ -67,7 +79,7 @@ def _mxfp4_gemm_kernel(
     num_pairs, N, K, N_UP, num_blocks, alpha, limit,
     TOPK: tl.constexpr, MODE: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CDTYPE: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, SCALED: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     HALF: tl.constexpr = 16
     pid = tl.program_id(0)
@@ -95,9 +107,24 @@ def _mxfp4_gemm_kernel(
     s_base = sc_ptr + slot * stride_ss
     offs_k = tl.arange(0, 32)
 
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for kb in range(0, K // 32):
+    if SCALED:  # bf16 activations: tl.dot_scaled decodes the e2m1 tile (Triton's own upcast) for the MMA
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(a_ptr + row[:, None] * stride_am + kk[None, :] * stride_ak,
+                        mask=row_ok[:, None] & (kk < K)[None, :], other=0.0).to(tl.bfloat16)
+            acc = _scaled_step(a, acc, w_base, s_base, stride_wn, stride_sn, offs_n, n_mask, k0, K, BLOCK_K)
+            if MODE == 0:
+                acc_up = _scaled_step(a, acc_up, w_base, s_base, stride_wn, stride_sn, offs_n + N_UP, n_mask, k0, K,
+                                      BLOCK_K)
+    elif BLOCK_M >= 16:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    else:  # decode: per-lane fp32 partial products, reduced over the block's 32 values once after the loop
+        acc3 = tl.zeros([BLOCK_M, BLOCK_N, 32], dtype=tl.float32)
+        acc3_up = tl.zeros([BLOCK_M, BLOCK_N, 32], dtype=tl.float32)
+    for kb in range(0, (K // 32) * (1 - SCALED)):
         a = tl.load(a_ptr + row[:, None] * stride_am + (kb * 32 + offs_k)[None, :] * stride_ak,
                     mask=row_ok[:, None], other=0.0)
         w = _load_w_block(w_base, s_base, stride_wn, stride_sn, offs_n, n_mask, kb, HALF)
@@ -105,14 +132,17 @@ def _mxfp4_gemm_kernel(
             acc = tl.dot(a.to(CDTYPE).to(DOT_DTYPE), tl.trans(w.to(CDTYPE).to(DOT_DTYPE)), acc=acc,
                          input_precision=DOT_PREC)
         else:
-            acc += tl.sum(a.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
+            acc3 += a.to(tl.float32)[:, None, :] * w[None, :, :]
         if MODE == 0:
             w = _load_w_block(w_base, s_base, stride_wn, stride_sn, offs_n + N_UP, n_mask, kb, HALF)
             if BLOCK_M >= 16:
                 acc_up = tl.dot(a.to(CDTYPE).to(DOT_DTYPE), tl.trans(w.to(CDTYPE).to(DOT_DTYPE)), acc=acc_up,
                                 input_precision=DOT_PREC)
             else:
-                acc_up += tl.sum(a.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
+                acc3_up += a.to(tl.float32)[:, None, :] * w[None, :, :]
+    if BLOCK_M < 16:
+        acc = tl.sum(acc3, axis=2)
+        acc_up = tl.sum(acc3_up, axis=2)
 
     if HAS_BIAS:
         b = tl.load(bias_ptr + slot * stride_bs + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -139,10 +169,13 @@ def _mxfp4_gemm_kernel(
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
-def default_block_m(num_pairs: int, num_experts: int) -> int:
-    """Rows per plan block: the average rows an expert gets, as a power of two (GEMV below 16, tiles above)."""
+def default_block_m(num_pairs: int, num_experts: int, dtype: torch.dtype) -> int:
+    """Rows per plan block: bf16 activations always take 16+ row ``tl.dot_scaled`` tiles (its e2m1 decode is the
+    cheapest in machine code, see benchmarks/sass_mxfp4.py); otherwise the average rows an expert gets, as a
+    power of two (fp32 GEMV below 16, ``tl.dot`` tiles above)."""
     per_expert = max(1, num_pairs // max(1, min(num_experts, num_pairs)))
-    return min(64, triton.next_power_of_2(per_expert))
+    block_m = min(64, triton.next_power_of_2(per_expert))
+    return max(16, block_m) if dtype == torch.bfloat16 else block_m
 
 
 def mxfp4_gemm(
@@ -177,6 +210,10 @@ def mxfp4_gemm(
     # the interpreter's bf16 tl.dot is wrong: multiply the bf16-rounded operands in fp32 there (the same products
     # as bf16 tensor cores with fp32 accumulation)
     dot_dtype = tl.float32 if INTERPRETED and a.dtype == torch.bfloat16 else cdtype
+    scaled = bool(cfg.get("SCALED", a.dtype == torch.bfloat16 and block_m >= 16))
+    if scaled and (block_m < 16 or a.dtype != torch.bfloat16 or cfg["BLOCK_K"] % 32):
+        raise ValueError(f"SCALED (tl.dot_scaled) needs bf16 activations, BLOCK_M >= 16 and BLOCK_K a multiple of 32; "
+                         f"got {a.dtype}, BLOCK_M={block_m}, BLOCK_K={cfg['BLOCK_K']}")
     mask_arg = expert_mask if expert_mask is not None else slot_of_expert
     weight_arg = topk_weights if topk_weights is not None else slot_of_expert
     bias_arg = bias if bias is not None else scales
@@ -192,6 +229,7 @@ def mxfp4_gemm(
         TOPK=top_k, MODE=mode, ACT=ACTIVATION_CODES[activation], HAS_BIAS=bias is not None,
         HAS_MASK=expert_mask is not None, HAS_WEIGHT=topk_weights is not None, BLOCK_M=block_m, BLOCK_N=bn,
         CDTYPE=cdtype, DOT_DTYPE=dot_dtype, DOT_PREC="ieee" if dot_dtype == tl.float32 else None,
+        SCALED=scaled, BLOCK_K=cfg["BLOCK_K"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
@@ -216,7 +254,7 @@ def mxfp4_expert_forward(
     T, top_k = topk_ids.shape
     num_pairs, num_experts = T * top_k, slot_of_expert.shape[0]
     config = config or {}
-    block_m = int(config.get("BLOCK_M", default_block_m(num_pairs, num_experts)))
+    block_m = int(config.get("BLOCK_M", default_block_m(num_pairs, num_experts, x.dtype)))
     sorted_ids, expert_of_block, _ = routing_plan(topk_ids, num_experts, block_m, "triton")
     h = x.new_empty((num_pairs, fmt.intermediate_size))
     act = dict(activation=getattr(fmt, "activation", "silu"), alpha=getattr(fmt, "swiglu_alpha", 1.702),
