@@ -193,3 +193,38 @@ def test_mxfp4_blocks_without_quantization_config_are_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="quantization_config.quant_method 'mxfp4'"):
         MoEModel.from_pretrained(tmp_path)
+
+
+# ------------------------------------------------------------------ moeflow quantize: AWQ int4 experts
+
+
+def test_quantized_bf16_gpt_oss_loads_with_awq_experts(tmp_path):
+    """``moeflow quantize`` on a bf16/fp32 gpt-oss: per-expert AWQ gate/up/down, biases kept; moeflow's AWQ model
+    matches transformers run on the dequantized AWQ weights (1e-4; RTN's own error is not tested here)."""
+    from safetensors.torch import load_file
+
+    from moeflow.quant.awq import dequantize
+    from moeflow.quant.convert import quantize_checkpoint
+
+    ref = make_gpt_oss_model(seed=9, num_local_experts=5, num_experts_per_tok=2)
+    save_gpt_oss_checkpoint(ref, tmp_path / "src")
+    quantize_checkpoint(tmp_path / "src", tmp_path / "awq", group_size=32, dtype=torch.float16, progress=False)
+    tensors = load_file(tmp_path / "awq" / "model.safetensors")
+    assert not any(n.endswith("experts.gate_up_proj") for n in tensors)
+    with torch.no_grad():  # the reference: transformers with the dequantized AWQ expert weights (fp16 scales)
+        for name, p in ref.named_parameters():  # everything else went through fp16
+            if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                p.copy_(p.half().float())
+        for i, layer in enumerate(ref.model.layers):
+            experts = layer.mlp.experts
+            for e in range(experts.num_experts):
+                def deq(part, i=i, e=e):
+                    base = f"model.layers.{i}.mlp.experts.{e}.{part}"
+                    return dequantize(tensors[f"{base}.qweight"], tensors[f"{base}.qzeros"],
+                                      tensors[f"{base}.scales"].float(), 32)  # [in, out]
+                experts.gate_up_proj[e, :, 0::2] = deq("gate_proj")
+                experts.gate_up_proj[e, :, 1::2] = deq("up_proj")
+                experts.down_proj[e] = deq("down_proj")
+    model = MoEModel.from_pretrained(tmp_path / "awq", device="cpu", dtype=torch.float32)
+    assert model.experts.fmt.kind == "awq" and model.experts.fmt.bias
+    compare(ref, model, ref.config.vocab_size)
