@@ -228,3 +228,21 @@ def test_quantized_bf16_gpt_oss_loads_with_awq_experts(tmp_path):
     model = MoEModel.from_pretrained(tmp_path / "awq", device="cpu", dtype=torch.float32)
     assert model.experts.fmt.kind == "awq" and model.experts.fmt.bias
     compare(ref, model, ref.config.vocab_size)
+
+
+def test_compiled_decode_is_one_graph(tmp_path):
+    """Sink attention, per-layer masks and the biased experts (a custom op) trace as one graph, no recompiles."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    save_gpt_oss_checkpoint(make_gpt_oss_model(seed=3, num_hidden_layers=2), tmp_path)
+    ids = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(1))
+    want = MoEModel.from_pretrained(tmp_path).generate(ids, max_new_tokens=9, eos_token_id=[])
+    torch._dynamo.reset()
+    counters.clear()
+    model = MoEModel.from_pretrained(tmp_path, compile=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got = model.generate(ids, max_new_tokens=9, eos_token_id=[])
+    assert torch.equal(got, want)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert not counters["graph_break"]

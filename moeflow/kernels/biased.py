@@ -22,6 +22,7 @@ routing weight and stored in the activation dtype. Dense weights in the activati
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
 from typing import ClassVar
@@ -163,18 +164,60 @@ def biased_expert_forward(
     validate: bool | None = None,
 ) -> torch.Tensor:
     """``expert_forward`` for extended formats: MXFP4 through the Triton kernels of :mod:`moeflow.kernels.mxfp4`
-    on backend "triton", everything else (and backend "torch") through the plain-torch reference."""
+    on backend "triton", everything else (and backend "torch") through the plain-torch reference. Runs as the
+    custom op ``torch.ops.moeflow.biased_expert_forward`` so ``torch.compile(fullgraph=True)`` traces through."""
     global _warned_reference
     if values_checked(validate, topk_ids):
         check_ids_and_slots(topk_ids, slot_of_expert, expert_mask, pool.n_slots)
     if topk_ids.numel() == 0:
         return out
-    if backend == "triton" and pool.fmt.kind == "mxfp4":
+    fmt = pool.fmt
+    if backend == "triton" and fmt.kind != "mxfp4" and not _warned_reference:
+        _warned_reference = True
+        warnings.warn(f"no Triton kernel for {fmt.kind} experts with biases/{fmt.activation}: "
+                      "computing them with the plain-torch reference", stacklevel=2)
+    flat_cfg = [] if config is None else [int(config.get("BLOCK_M", 0))] + [
+        int(config.get(stage, {}).get(key, -1)) for stage in ("w13", "w2") for key in _STAGE_KEYS]
+    _biased_expert_forward_op(x, topk_ids, topk_weights, pool.buffer, slot_of_expert, expert_mask,
+                              fmt.hidden_size, fmt.intermediate_size, fmt.kind, fmt.dtype, fmt.group_size or 0,
+                              fmt.activation, fmt.bias, fmt.swiglu_alpha, fmt.swiglu_limit, flat_cfg, backend, out)
+    return out
+
+
+_STAGE_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "SCALED")
+
+
+@functools.lru_cache(maxsize=64)
+def _format(hidden: int, inter: int, kind: str, dtype: torch.dtype, group: int, activation: str, bias: bool,
+            alpha: float, limit: float) -> BiasedExpertFormat:
+    return BiasedExpertFormat(hidden, inter, kind, dtype, group or None, activation=activation, bias=bias,
+                              swiglu_alpha=alpha, swiglu_limit=limit)
+
+
+@torch.library.custom_op("moeflow::biased_expert_forward", mutates_args=("out",))
+def _biased_expert_forward_op(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, buffer: torch.Tensor,
+    slot_of_expert: torch.Tensor, expert_mask: torch.Tensor | None, hidden: int, inter: int, kind: str,
+    dtype: torch.dtype, group: int, activation: str, bias: bool, alpha: float, limit: float, config: list[int],
+    backend: str, out: torch.Tensor,
+) -> None:
+    """out[pairs of selected experts] = weighted expert outputs; the pool is ``buffer`` uint8 [S, nbytes]."""
+    pool = ExpertPool(_format(hidden, inter, kind, dtype, group, activation, bias, alpha, limit), buffer)
+    if backend == "triton" and kind == "mxfp4":
         from moeflow.kernels.mxfp4 import mxfp4_expert_forward
 
-        return mxfp4_expert_forward(x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask, config=config)
-    if backend == "triton" and not _warned_reference:
-        _warned_reference = True
-        warnings.warn(f"no Triton kernel for {pool.fmt.kind} experts with biases/{pool.fmt.activation}: "
-                      "computing them with the plain-torch reference", stacklevel=2)
-    return biased_expert_forward_reference(x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask)
+        cfg = None
+        if config:
+            n = len(_STAGE_KEYS)
+            stages = {name: {k: v for k, v in zip(_STAGE_KEYS, config[1 + i * n: 1 + (i + 1) * n], strict=True)
+                             if v >= 0} for i, name in enumerate(("w13", "w2"))}
+            cfg = {**({"BLOCK_M": config[0]} if config[0] > 0 else {}), **stages}
+        mxfp4_expert_forward(x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask, config=cfg)
+        return
+    biased_expert_forward_reference(x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask)
+
+
+@_biased_expert_forward_op.register_fake
+def _(x, topk_ids, topk_weights, buffer, slot_of_expert, expert_mask, hidden, inter, kind, dtype, group, activation,
+      bias, alpha, limit, config, backend, out):
+    return None
