@@ -246,3 +246,33 @@ def test_compiled_decode_is_one_graph(tmp_path):
     assert torch.equal(got, want)
     assert counters["stats"]["unique_graphs"] == 1
     assert not counters["graph_break"]
+
+
+def test_clamped_swiglu_matches_transformers_past_the_limit():
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    from moeflow.kernels.biased import BiasedExpertFormat, gate_activation
+
+    experts = GptOssExperts(GptOssConfig(hidden_size=32, intermediate_size=32, num_local_experts=2))
+    gate_up = torch.linspace(-20, 20, 2 * 64).reshape(2, 64)[:, torch.randperm(64)]  # interleaved gate/up
+    fmt = BiasedExpertFormat(32, 32, "dense", torch.float32, activation="clamped_swiglu")
+    ours = gate_activation(torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=-1), fmt)
+    assert torch.equal(ours, experts._apply_gate(gate_up))
+    assert (gate_up.abs() > 7).any()
+
+
+def test_biased_format_layout():
+    from moeflow.kernels.biased import BiasedExpertFormat
+    from moeflow.kernels.pool import ExpertFormat
+
+    plain = ExpertFormat(64, 96, "awq", torch.float16, 32)
+    biased = BiasedExpertFormat(64, 96, "awq", torch.float16, 32, activation="clamped_swiglu")
+    assert biased.names == plain.names + ("w13_bias", "w2_bias")
+    assert biased.spec("w13_qweight") == plain.spec("w13_qweight") and biased.nbytes > plain.nbytes
+    mx = BiasedExpertFormat(2880, 2880, "mxfp4", torch.bfloat16, 32, activation="clamped_swiglu")
+    assert mx.spec("w13_blocks").shape == (5760, 90, 16) and mx.spec("w2_scales").shape == (2880, 90)
+    with pytest.raises(ValueError, match="divisible by 32"):
+        BiasedExpertFormat(64, 48, "mxfp4", torch.bfloat16, 32)
+    with pytest.raises(ValueError, match="activation 'gelu'"):
+        BiasedExpertFormat(64, 64, "dense", torch.float32, activation="gelu")
