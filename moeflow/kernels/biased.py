@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from moeflow.kernels.checks import check_ids_and_slots, values_checked
 from moeflow.kernels.mxfp4_reference import BLOCK, dequantize_mxfp4
-from moeflow.kernels.pool import ALIGN, ExpertFormat, ExpertPool, TensorSpec, _round_up
+from moeflow.kernels.pool import ALIGN, ExpertFormat, ExpertPool, TensorSpec
 from moeflow.quant.awq import dequantize
 
 ACTIVATIONS = ("silu", "clamped_swiglu")
@@ -68,7 +68,7 @@ class BiasedExpertFormat(ExpertFormat):
         for name, dtype, shape in shapes:
             spec = TensorSpec(name, dtype, shape, offset)
             specs.append(spec)
-            offset = _round_up(offset + spec.nbytes, ALIGN)
+            offset = -(-(offset + spec.nbytes) // ALIGN) * ALIGN  # each tensor ALIGN-aligned, as the plain format
         object.__setattr__(self, "specs", tuple(specs))
         object.__setattr__(self, "nbytes", offset)
 
