@@ -45,12 +45,19 @@ def _e2m1_times_2_pow_m14(code):
 
 
 @triton.jit
+def _e2m1_hi_times_2_pow_m14(byte):
+    """The high nibble's e2m1 code of int32 bytes -> fp32 ``e2m1 * 2**-14`` without shifting the code down first."""
+    bits = ((byte & 0x70) << 5) | ((byte & 0x80) << 8)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _load_w_block(w_base, s_base, stride_wn, stride_sn, offs_n, n_mask, kb, HALF: tl.constexpr):
     """Decoded fp32 weights W[offs_n, 32*kb : 32*kb + 32] -> [BLOCK_N, 32] (zero outside ``n_mask``)."""
     j = tl.arange(0, HALF)
     packed = tl.load(w_base + offs_n[:, None] * stride_wn + kb * HALF + j[None, :], mask=n_mask[:, None], other=0)
     packed = packed.to(tl.int32)
-    w = tl.interleave(_e2m1_times_2_pow_m14(packed & 15), _e2m1_times_2_pow_m14(packed >> 4))
+    w = tl.interleave(_e2m1_times_2_pow_m14(packed & 15), _e2m1_hi_times_2_pow_m14(packed))
     scale_bits = tl.load(s_base + offs_n * stride_sn + kb, mask=n_mask, other=0).to(tl.int32)
     scale = ((scale_bits + 14) << 23).to(tl.float32, bitcast=True)  # 2 ** (scale - 113)
     return w * scale[:, None]
