@@ -23,6 +23,7 @@ from moeflow.families.base import CausalDecoder
 from moeflow.families.layers import AWQLinear
 from moeflow.io.checkpoint import open_checkpoint, read_json, read_quantization, resolve_checkpoint
 from moeflow.io.tokenizer import Tokenizer
+from moeflow.kernels.biased import is_extended
 from moeflow.kernels.pool import ExpertFormat
 from moeflow.moe.backend import ExpertBackend
 from moeflow.moe.resident import CpuInt4Experts
@@ -128,7 +129,8 @@ def build_model(
         fmt = loading.expert_format(family, layout, quant, dtype)
         if fp8 is not None:  # FP8 experts become int4 (AWQ) experts
             fmt = loading.requantized_expert_format(family)
-        resolved = resolve_kernels(kernels, device, offload, fmt.kind == "awq")
+        resolved = resolve_kernels(kernels, device, offload,
+                                   fmt.kind == "awq" and not is_extended(fmt))  # cpu-int4: no biases
         awq_attention = loading.detect_awq_attention(reader, family, layout, quant)
         decoder = family.build_decoder(dtype, _linear_factory(dtype, awq_attention))
         loading.load_non_expert_weights(decoder, reader, family, layout, device, dtype)

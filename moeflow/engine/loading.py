@@ -14,9 +14,10 @@ from tqdm.auto import tqdm
 
 from moeflow.errors import CheckpointError
 from moeflow.families import Family, family_for_config
-from moeflow.families.base import ExpertLayout
+from moeflow.families.base import ExpertLayout, ExpertSpec
 from moeflow.families.layers import AWQLinear
 from moeflow.io.checkpoint import CheckpointReader, QuantizationSpec, read_json
+from moeflow.kernels.biased import BiasedExpertFormat
 from moeflow.kernels.pool import ExpertFormat
 from moeflow.quant.fp8 import awq_expert_tensors, int4_group_size
 
@@ -29,15 +30,32 @@ def expert_format(family: Family, layout: ExpertLayout, quant: QuantizationSpec 
                   dtype: torch.dtype) -> ExpertFormat:
     """The slot format of one expert: AWQ bytes as stored, or dense weights in ``dtype``."""
     spec = family.expert_spec()
-    if spec.activation != "silu" or spec.bias:
-        raise CheckpointError(f"{family.name}: experts with activation {spec.activation!r} and bias={spec.bias} "
-                              "have no kernel yet (the kernels compute silu(gate) * up without biases)")
+    if spec.activation != "silu" or spec.bias or layout.mxfp4:
+        return biased_expert_format(spec, layout, quant, dtype)
     if layout.awq:
         if quant is None:
             raise CheckpointError("expert tensors are AWQ-quantized (qweight) but the checkpoint has no "
                                   "quantization_config in config.json nor a quant_config.json")
         return ExpertFormat(spec.hidden_size, spec.intermediate_size, "awq", layout.scales_dtype, quant.group_size)
     return ExpertFormat(spec.hidden_size, spec.intermediate_size, "dense", dtype)
+
+
+def biased_expert_format(spec: ExpertSpec, layout: ExpertLayout, quant: QuantizationSpec | None,
+                         dtype: torch.dtype) -> BiasedExpertFormat:
+    """Experts with biases / another activation / MXFP4 storage (gpt-oss): :mod:`moeflow.kernels.biased`."""
+    kw = dict(activation=spec.activation, bias=spec.bias, swiglu_alpha=spec.swiglu_alpha,
+              swiglu_limit=spec.swiglu_limit)
+    H, I = spec.hidden_size, spec.intermediate_size  # noqa: E741
+    if layout.mxfp4 or layout.awq:
+        want = "mxfp4" if layout.mxfp4 else "awq"
+        if quant is None or quant.method != want:
+            found = "no quantization_config" if quant is None else f"quant_method {quant.method!r}"
+            raise CheckpointError(f"expert tensors are {want.upper()}-quantized but config.json has {found} "
+                                  f"(expected quantization_config.quant_method {want!r})")
+        if layout.mxfp4:  # biases in the model dtype (exact for the published bf16 biases)
+            return BiasedExpertFormat(H, I, "mxfp4", dtype, 32, **kw)
+        return BiasedExpertFormat(H, I, "awq", layout.scales_dtype, quant.group_size, **kw)
+    return BiasedExpertFormat(H, I, "dense", dtype, **kw)
 
 
 def load_non_expert_weights(

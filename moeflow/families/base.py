@@ -41,6 +41,8 @@ class ExpertSpec:
     intermediate_size: int
     activation: str = "silu"  # the gate's activation ("silu"; gpt-oss's clamped SwiGLU would be a new name)
     bias: bool = False  # the expert projections carry biases (gpt-oss)
+    swiglu_alpha: float = 1.702  # "clamped_swiglu" only: (clamp(up, +-limit) + 1) * g * sigmoid(alpha * g)
+    swiglu_limit: float = 7.0  # "clamped_swiglu" only: g = clamp(gate, max=limit)
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,7 @@ class ExpertLayout:
     fused: bool  # all experts of a layer stacked in one tensor per projection
     awq: bool  # AWQ 4-bit (qweight / qzeros / scales)
     scales_dtype: torch.dtype | None = None
+    mxfp4: bool = False  # MXFP4 (``*_blocks`` / ``*_scales``, gpt-oss as published)
 
 
 @dataclass(frozen=True)

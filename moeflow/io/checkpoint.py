@@ -24,9 +24,10 @@ SINGLE_NAME = "model.safetensors"
 
 @dataclass(frozen=True)
 class QuantizationSpec:
-    """What the checkpoint's quantization config says (AWQ 4-bit GEMM, or GPTQ 4-bit read as AWQ)."""
+    """What the checkpoint's quantization config says (AWQ 4-bit GEMM, GPTQ 4-bit read as AWQ, or MXFP4 with
+    group 32)."""
 
-    method: str  # "awq" or "gptq" (converted into AWQ's layout as read: :class:`GPTQCheckpointReader`)
+    method: str  # "awq", "gptq" (converted into AWQ's layout as read: :class:`GPTQCheckpointReader`) or "mxfp4"
     bits: int
     group_size: int
     modules_to_not_convert: tuple[str, ...] = ()
@@ -89,9 +90,12 @@ def read_quantization(directory: Path, config: dict) -> QuantizationSpec | None:
     if method == "gptq":
         group, offset = gptq_settings(qc, str(source))
         return QuantizationSpec("gptq", 4, group, tuple(qc.get("modules_to_not_convert") or ()), offset)
+    if method == "mxfp4":  # gpt-oss as published: e2m1 values, one e8m0 scale per 32
+        return QuantizationSpec("mxfp4", 4, 32, tuple(qc.get("modules_to_not_convert") or ()))
     if method != "awq":
         raise UnsupportedQuantizationError(
-            f"{source}: quantization method {qc.get('quant_method')!r} is not supported (moeflow reads AWQ and GPTQ)"
+            f"{source}: quantization_config.quant_method {qc.get('quant_method')!r} is not supported "
+            "(moeflow reads AWQ, GPTQ and MXFP4)"
         )
     bits = qc.get("bits", qc.get("w_bit"))
     if bits != 4:

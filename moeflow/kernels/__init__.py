@@ -87,6 +87,11 @@ def expert_forward(
     one device sync; default on, except while ``torch.compile`` traces or a CUDA graph is captured).
     """
     backend = resolve_backend(backend, x.device)
+    if getattr(pool.fmt, "extended", False):  # biases / clamped SwiGLU / MXFP4 (gpt-oss): moeflow.kernels.biased
+        from moeflow.kernels.biased import biased_expert_forward
+
+        return biased_expert_forward(x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask, backend,
+                                     config=config, validate=validate)
     _check_call(x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask, validate)
     w13, w2, group = pool_weights(pool)
     if backend == "triton" and _eager():

@@ -47,6 +47,18 @@ def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool = Tr
     return probs, ids.to(torch.int32), weights
 
 
+def topk_then_softmax(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """gpt-oss routing: top-k of the raw logits, then a softmax over those k only (fp32).
+
+    router_logits [T, E] -> (probs fp32 [T, E] (softmax over every expert, for predictors and statistics),
+    topk_ids int32 [T, k], topk_weights fp32 [T, k] (sum to 1)).
+    """
+    values, ids = torch.topk(router_logits, top_k, dim=-1)
+    weights = F.softmax(values, dim=-1, dtype=torch.float32)
+    probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
+    return probs, ids.to(torch.int32), weights
+
+
 def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Mixtral routing (softmax, top-k, renormalise): router_logits [T, E] -> (probs, ids, weights)."""
     return softmax_topk(router_logits, top_k, renormalize=True)
@@ -57,6 +69,8 @@ def make_router(spec: RouterSpec) -> Router:
 
     With ``spec.selection_bias`` the function takes the bias as a second argument: ``router(logits, bias)``.
     """
+    if spec.topk_before_scoring and spec.scoring == "softmax" and not spec.selection_bias and spec.n_groups == 1:
+        return _topk_then_softmax_router(spec)
     if spec.scoring == "sigmoid" or spec.n_groups > 1 or spec.selection_bias:
         return make_grouped_router(spec)
     unsupported = [name for name, value, plain in (
@@ -150,5 +164,14 @@ def make_grouped_router(spec: RouterSpec) -> GroupedRouter:
         if e % spec.n_groups:
             raise ValueError(f"router {spec}: n_groups={spec.n_groups} does not divide the {e} experts")
         return grouped_topk(router_logits, top_k, selection_bias=selection_bias, **kwargs)
+
+
+
+def _topk_then_softmax_router(spec: RouterSpec) -> Router:
+    top_k, scale = spec.top_k, spec.scaling_factor
+
+    def router(router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        probs, ids, weights = topk_then_softmax(router_logits, top_k)
+        return probs, ids, (weights * scale if scale != 1.0 else weights)
 
     return router

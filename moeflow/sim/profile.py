@@ -35,6 +35,15 @@ def awq_expert_bytes(hidden: int, intermediate: int, group_size: int = 128) -> i
     return ExpertFormat(hidden, intermediate, "awq", torch.float16, group_size).nbytes
 
 
+def mxfp4_expert_bytes(hidden: int, intermediate: int) -> int:
+    """Bytes of one gpt-oss MXFP4 expert region (e2m1 blocks, e8m0 scales, bf16 biases, 256-byte aligned)."""
+    import torch
+
+    from moeflow.kernels.biased import BiasedExpertFormat
+
+    return BiasedExpertFormat(hidden, intermediate, "mxfp4", torch.bfloat16, 32, activation="clamped_swiglu").nbytes
+
+
 MIXTRAL_8X7B = {"num_layers": 32, "num_experts": 8, "top_k": 2, "hidden": 4096, "intermediate": 14336}
 # many small experts: ~2.5 MB (30B-A3B) and ~9.7 MB (235B-A22B) per AWQ expert, 6,144 and 12,032 experts
 QWEN3_30B_A3B = {"num_layers": 48, "num_experts": 128, "top_k": 8, "hidden": 2048, "intermediate": 768}
@@ -43,6 +52,8 @@ QWEN3_235B_A22B = {"num_layers": 94, "num_experts": 128, "top_k": 8, "hidden": 4
 DEEPSEEK_V3 = {"num_layers": 58, "num_experts": 256, "top_k": 8, "hidden": 7168, "intermediate": 2048}
 # GLM-4.5-Air: 46 decoder layers, the first dense, so 45 MoE layers
 GLM45_AIR = {"num_layers": 45, "num_experts": 128, "top_k": 8, "hidden": 4096, "intermediate": 1408}
+GPT_OSS_20B = {"num_layers": 24, "num_experts": 32, "top_k": 4, "hidden": 2880, "intermediate": 2880}
+GPT_OSS_120B = {"num_layers": 36, "num_experts": 128, "top_k": 4, "hidden": 2880, "intermediate": 2880}
 
 
 @dataclass(frozen=True)
@@ -224,12 +235,52 @@ def _family_presets() -> dict[str, HardwareProfile]:
     }
 
 
+def _gpt_oss_preset(name: str, model: dict[str, int], description: str, **costs: Any) -> HardwareProfile:
+    return HardwareProfile(name=name, expert_bytes=mxfp4_expert_bytes(model["hidden"], model["intermediate"]),
+                           num_layers=model["num_layers"], num_experts=model["num_experts"], top_k=model["top_k"],
+                           description=description, **costs)
+
+
+def _gpt_oss_presets() -> dict[str, HardwareProfile]:
+    """gpt-oss with MXFP4 experts (13.2 MB each; 24 x 32 = 10.2 GB for 20b, 36 x 128 = 61 GB for 120b). Per layer
+    the attention reads ~53 MB of bf16 weights (q 2880x4096, k/v 2880x512, o 4096x2880); the LM head and
+    embeddings are 2 x 1.16 GB; non-expert memory = those weights + KV cache and activations for 4k tokens."""
+    pcie4 = dict(h2d_gbps=25.0, h2d_latency_us=10.0, sched_ms=0.15)
+    return {
+        # a 12 GB consumer GPU (~0.8 TB/s effective) over PCIe 4.0: gpt-oss-20b's experts do not all fit
+        "gpt-oss-20b-12gb": _gpt_oss_preset(
+            "gpt-oss-20b-12gb", GPT_OSS_20B,
+            "gpt-oss-20b MXFP4 on a 12 GB GPU over PCIe 4.0 x16: 25 GB/s pinned copies; compute from ~0.8 TB/s "
+            "effective memory bandwidth (decode) and ~80 TFLOP/s (prefill). Estimates, not measurements.",
+            attn_ms=0.075, attn_ms_per_token=0.0007, expert_ms=0.025, expert_ms_per_token=0.0006, head_ms=1.5,
+            gpu_memory_gb=12.0, non_expert_gb=4.2, **pcie4,
+        ),
+        # gpt-oss-120b on a 24 GB GPU over PCIe 4.0 (RTX 3090/4090 class)
+        "gpt-oss-120b-24gb": _gpt_oss_preset(
+            "gpt-oss-120b-24gb", GPT_OSS_120B,
+            "gpt-oss-120b MXFP4 on a 24 GB GPU over PCIe 4.0 x16: 25 GB/s pinned copies; compute from ~0.8 TB/s "
+            "effective memory bandwidth (decode) and ~80 TFLOP/s (prefill). Estimates, not measurements.",
+            attn_ms=0.075, attn_ms_per_token=0.0007, expert_ms=0.025, expert_ms_per_token=0.0006, head_ms=1.5,
+            gpu_memory_gb=24.0, non_expert_gb=5.0, **pcie4,
+        ),
+        # gpt-oss-120b on a 32 GB GPU over PCIe 5.0 (RTX 5090 class: ~1.8 TB/s GDDR7)
+        "gpt-oss-120b-32gb": _gpt_oss_preset(
+            "gpt-oss-120b-32gb", GPT_OSS_120B,
+            "gpt-oss-120b MXFP4 on a 32 GB GPU over PCIe 5.0 x16: 50 GB/s pinned copies; compute from ~1.4 TB/s "
+            "effective memory bandwidth (decode) and ~200 TFLOP/s (prefill). Estimates, not measurements.",
+            h2d_gbps=50.0, h2d_latency_us=8.0, attn_ms=0.045, attn_ms_per_token=0.0003, expert_ms=0.015,
+            expert_ms_per_token=0.00025, head_ms=0.85, sched_ms=0.1, gpu_memory_gb=32.0, non_expert_gb=5.0,
+        ),
+    }
+
+
 def _presets() -> dict[str, HardwareProfile]:
     return {**_mixtral_presets(), **_family_presets()}
 
 
 def _mixtral_presets() -> dict[str, HardwareProfile]:
     return {
+        **_gpt_oss_presets(),
         # PCIe 4.0 x16 (~25 GB/s pinned in practice), a 24 GB consumer GPU (~1 TB/s HBM, RTX 3090/4090 class)
         "pcie4-24gb": _mixtral_preset(
             "pcie4-24gb",
@@ -272,7 +323,7 @@ def _mixtral_presets() -> dict[str, HardwareProfile]:
 
 
 PRESET_NAMES = ("pcie4-24gb", "h100-pcie5", "qwen3-30b-pcie4-12gb", "qwen3-235b-h100-pcie5", "deepseek-v3-pcie4-24gb",
-                "glm45-air-pcie4-24gb")
+                "glm45-air-pcie4-24gb", "gpt-oss-20b-12gb", "gpt-oss-120b-24gb", "gpt-oss-120b-32gb")
 
 
 def get_profile(name_or_path: str) -> HardwareProfile:
