@@ -41,6 +41,11 @@ class OffloadConfig:
     predictor_path: the trained predictor file of the "duoserve" / "promoe" policies (``moeflow train-predictor``);
         ``None``: ``<checkpoint dir>/predictors/<kind>.pt``. "finemoe" may name a warmed store (else it starts
         empty and fills as it serves). See docs/policies.md.
+    host_memory_gb: keep at most this many GB in host memory (experts, plus the non-expert weights and KV cache
+        when they live there, plus the disk staging buffers); experts that do not fit are read from the
+        checkpoint's files when needed or predicted (docs/disk.md). "auto": the machine's available memory
+        minus a margin. ``None``: every expert in host memory.
+    disk_readers: threads reading experts from disk (the disk tier's reads overlap compute and each other).
     """
 
     gpu_expert_slots: int | None = None
@@ -62,6 +67,8 @@ class OffloadConfig:
     calibration_file: str | None = None
     race_margin: float = 0.25
     predictor_path: str | None = None
+    host_memory_gb: float | str | None = None
+    disk_readers: int = 2
 
     def __post_init__(self) -> None:
         if self.gpu_expert_slots is not None and self.gpu_expert_slots < 1:
@@ -92,6 +99,14 @@ class OffloadConfig:
                 raise ValueError(f"OffloadConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.cpu_token_ms is not None and self.cpu_token_ms < 0:
             raise ValueError(f"OffloadConfig.cpu_token_ms must be >= 0, got {self.cpu_token_ms}")
+        if isinstance(self.host_memory_gb, str):
+            if self.host_memory_gb != "auto":
+                raise ValueError(f"OffloadConfig.host_memory_gb={self.host_memory_gb!r}: expected a number of GB or "
+                                 "'auto'")
+        elif self.host_memory_gb is not None and not self.host_memory_gb > 0:
+            raise ValueError(f"OffloadConfig.host_memory_gb must be > 0, got {self.host_memory_gb}")
+        if self.disk_readers < 1:
+            raise ValueError(f"OffloadConfig.disk_readers must be >= 1, got {self.disk_readers}")
         if self.race_margin < 0:
             raise ValueError(f"OffloadConfig.race_margin must be >= 0, got {self.race_margin}")
 

@@ -22,6 +22,7 @@ from moeflow.families import Family, family_for_config
 from moeflow.families.base import CausalDecoder
 from moeflow.families.layers import AWQLinear
 from moeflow.io.checkpoint import CheckpointReader, read_json, read_quantization, resolve_checkpoint
+from moeflow.io.expert_index import ExpertIndex
 from moeflow.io.tokenizer import Tokenizer
 from moeflow.kernels.pool import ExpertFormat
 from moeflow.moe.backend import ExpertBackend
@@ -73,7 +74,8 @@ def resolve_kernels(kernels: str, device: torch.device, offload: OffloadConfig, 
 
 def make_expert_backend(
     offload: OffloadConfig, kernels: Kernels, *, fmt: ExpertFormat, family: Family, decoder: CausalDecoder,
-    device: torch.device, reserved_bytes: int, stats: Stats, checkpoint_dir: Path,
+    device: torch.device, reserved_bytes: int, stats: Stats, checkpoint_dir: Path, expert_source=None,
+    host_reserved_bytes: int = 0,
 ) -> ExpertBackend:
     """``CpuInt4Experts`` for resident experts computed with the CPU int4 kernels; otherwise the offload
     package's backend for ``offload.policy`` (``ResidentExperts`` for "resident")."""
@@ -85,7 +87,8 @@ def make_expert_backend(
         offload, fmt=fmt, num_layers=num_moe, num_experts=family.num_experts,
         top_k=family.router_spec().top_k, device=device, kernels_backend=kernels.experts,
         gates=[block.gate for block in blocks], route=blocks[0].route, reserved_bytes=reserved_bytes,
-        stats=stats, checkpoint_dir=checkpoint_dir,
+        stats=stats, checkpoint_dir=checkpoint_dir, expert_source=expert_source,
+        host_reserved_bytes=host_reserved_bytes,
     )
 
 
@@ -133,22 +136,48 @@ def build_model(
 
         stats = Stats()
         cfg = family.config
-        kv_bytes = 2 * cfg.num_hidden_layers * min(cfg.max_position_embeddings, KV_BUDGET_TOKENS) \
-            * cfg.num_key_value_heads * cfg.head_dim * torch.tensor([], dtype=dtype).element_size()
-        backend = make_expert_backend(
-            offload, resolved, fmt=fmt, family=family, decoder=decoder, device=device,
-            reserved_bytes=loading.non_expert_bytes(decoder) + kv_bytes, stats=stats, checkpoint_dir=directory,
-        )
+        kv_bytes = kv_cache_bytes(cfg, dtype)
+        source = open_expert_index(reader, family, layout, quant) if offload.host_memory_gb is not None else None
+        non_expert = loading.non_expert_bytes(decoder)
+        try:
+            backend = make_expert_backend(
+                offload, resolved, fmt=fmt, family=family, decoder=decoder, device=device,
+                reserved_bytes=non_expert + kv_bytes, stats=stats, checkpoint_dir=directory, expert_source=source,
+                host_reserved_bytes=non_expert + kv_bytes if device.type == "cpu" else 0,
+            )
+        except BaseException:
+            if source is not None:
+                source.close()
+            raise
+        host = getattr(backend, "host", None)
+        on_disk = host is not None and host.on_disk
+        if source is not None and not on_disk:
+            source.close()  # every expert fits in host memory: loaded below as without a budget
         if progress is None:
             progress = fmt.nbytes * len(family.moe_layers) * family.num_experts >= PROGRESS_MIN_BYTES
-        for moe_layer, expert, tensors in loading.iter_experts(reader, family, layout, quant, progress):
-            backend.load_expert(moe_layer, expert, tensors)
+        if not on_disk:  # the disk tier reads its experts itself, when needed
+            for moe_layer, expert, tensors in loading.iter_experts(reader, family, layout, quant, progress):
+                backend.load_expert(moe_layer, expert, tensors)
         backend.finish_loading()
+        if on_disk:
+            host.finish_warm_fill()
     finally:
         reader.close()
     gen = GenerationConfig.from_file(directory / "generation_config.json", cfg.eos_token_id, cfg.pad_token_id)
     tokenizer = Tokenizer(directory / "tokenizer.json") if (directory / "tokenizer.json").is_file() else None
     return BuiltModel(family, decoder, backend, stats, gen, tokenizer, resolved, device, dtype)
+
+
+def kv_cache_bytes(cfg, dtype: torch.dtype, tokens: int = KV_BUDGET_TOKENS, batch: int = 1) -> int:
+    """Keys and values of every layer for ``batch`` sequences of ``tokens`` (capped at the model's context)."""
+    tokens = min(cfg.max_position_embeddings, tokens)
+    return 2 * cfg.num_hidden_layers * batch * tokens * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
+
+
+def open_expert_index(reader: CheckpointReader, family: Family, layout, quant) -> ExpertIndex:
+    """The byte ranges of every expert in the checkpoint (the disk tier reads experts through it)."""
+    return ExpertIndex(reader, lambda r, layer, expert: family.read_expert(r, layout, quant, layer, expert),
+                       len(family.moe_layers), family.num_experts)
 
 
 def _linear_factory(dtype: torch.dtype, awq_attention: dict | None):
