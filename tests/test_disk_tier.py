@@ -81,6 +81,7 @@ def _run(ids, **config):
 @pytest.mark.parametrize("policy", EXACT_POLICIES)
 def test_quarter_of_the_experts_on_the_host_keeps_the_tokens(reference, slow_disk, policy, transport):
     ids, expected, total, budget = reference
+    prefetch_reads = 0
     for n_slots in (2, 6, total):
         out, model = _run(ids, policy=policy, gpu_expert_slots=n_slots, host_memory_gb=budget, transport=transport,
                           random_delay_ms=0.3, seed=n_slots)
@@ -89,6 +90,9 @@ def test_quarter_of_the_experts_on_the_host_keeps_the_tokens(reference, slow_dis
         assert isinstance(host, DiskHostStore) and host.capacity == total // 4
         if n_slots < total:  # the rest came from disk
             assert host.stats.bytes_read > host.stats.load_bytes_read and host.stats.misses > 0
+        prefetch_reads += host.stats.prefetch_reads
+    if policy not in ("ondemand", "lru", "lfu", "static"):  # guesses are read from disk ahead of their layer
+        assert prefetch_reads > 0
 
 
 @pytest.mark.skipif(not int4_cpu_available(), reason="this torch build has no int4 CPU kernels")
