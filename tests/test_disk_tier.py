@@ -16,8 +16,9 @@ import torch
 import moeflow
 import moeflow.io.expert_index as expert_index
 from moeflow import MoEOffloadedMixtral, OffloadConfig
-from moeflow.engine.build import kv_cache_bytes, open_expert_index
+from moeflow.engine.build import open_expert_index
 from moeflow.engine.loading import non_expert_bytes
+from moeflow.engine.memory import kv_cache_bytes
 from moeflow.errors import CheckpointError, SchedulingError
 from moeflow.families import family_for_config
 from moeflow.io.checkpoint import CheckpointReader, read_json, read_quantization
@@ -42,7 +43,7 @@ def host_budget_gb(path: Path, rows: int, dtype=torch.float32) -> float:
     index = open_expert_index(reader, family, layout, quant)
     index.close()
     resident = MoEOffloadedMixtral.from_pretrained(path, kernels="torch")
-    reserved = non_expert_bytes(resident.model) + kv_cache_bytes(family.config, dtype)
+    reserved = non_expert_bytes(resident.model) + kv_cache_bytes(family.config, dtype, 4096)
     row = resident.experts.fmt.nbytes
     return (reserved + READERS * index.staging_nbytes + rows * row + row // 2) / 2**30
 

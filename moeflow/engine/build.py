@@ -8,6 +8,7 @@ expert into it; ``finish_loading``. The result is a :class:`BuiltModel` the API 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from moeflow.config import OffloadConfig
-from moeflow.engine import loading
+from moeflow.engine import loading, memory
 from moeflow.engine.sampling import GenerationConfig
 from moeflow.families import Family, family_for_config
 from moeflow.families.base import CausalDecoder
@@ -27,11 +28,10 @@ from moeflow.io.tokenizer import Tokenizer
 from moeflow.kernels.pool import ExpertFormat
 from moeflow.moe.backend import ExpertBackend
 from moeflow.moe.resident import CpuInt4Experts
-from moeflow.offload import Stats, create_expert_backend
+from moeflow.offload import Stats, create_expert_backend, get_policy, min_slots
 
 KERNEL_CHOICES = ("auto", "torch", "triton", "cpu-int4")
 PROGRESS_MIN_BYTES = 256 * 2**20  # show a loading progress bar above this much expert data
-KV_BUDGET_TOKENS = 4096  # context assumed when sizing expert slots from gpu_memory_gb
 
 
 @dataclass(frozen=True)
@@ -105,6 +105,7 @@ class BuiltModel:
     kernels: Kernels
     device: torch.device
     dtype: torch.dtype
+    memory_plan: memory.MemoryPlan
 
 
 def build_model(
@@ -136,14 +137,14 @@ def build_model(
 
         stats = Stats()
         cfg = family.config
-        kv_bytes = kv_cache_bytes(cfg, dtype)
+        plan, sized = plan_memory(offload, family, fmt, device, dtype, loading.non_expert_bytes(decoder))
         source = open_expert_index(reader, family, layout, quant) if offload.host_memory_gb is not None else None
-        non_expert = loading.non_expert_bytes(decoder)
+        host_reserved = plan.non_expert + plan.kv_cache if device.type == "cpu" else 0  # weights in host memory
         try:
             backend = make_expert_backend(
-                offload, resolved, fmt=fmt, family=family, decoder=decoder, device=device,
-                reserved_bytes=non_expert + kv_bytes, stats=stats, checkpoint_dir=directory, expert_source=source,
-                host_reserved_bytes=non_expert + kv_bytes if device.type == "cpu" else 0,
+                sized, resolved, fmt=fmt, family=family, decoder=decoder, device=device,
+                reserved_bytes=memory.reserved_device_bytes(plan), stats=stats, checkpoint_dir=directory,
+                expert_source=source, host_reserved_bytes=host_reserved,
             )
         except BaseException:
             if source is not None:
@@ -161,17 +162,27 @@ def build_model(
         backend.finish_loading()
         if on_disk:
             host.finish_warm_fill()
+        memory.fill_from_backend(plan, backend, offload, source.staging_nbytes if on_disk else 0)
     finally:
         reader.close()
     gen = GenerationConfig.from_file(directory / "generation_config.json", cfg.eos_token_id, cfg.pad_token_id)
     tokenizer = Tokenizer(directory / "tokenizer.json") if (directory / "tokenizer.json").is_file() else None
-    return BuiltModel(family, decoder, backend, stats, gen, tokenizer, resolved, device, dtype)
+    return BuiltModel(family, decoder, backend, stats, gen, tokenizer, resolved, device, dtype, plan)
 
 
-def kv_cache_bytes(cfg, dtype: torch.dtype, tokens: int = KV_BUDGET_TOKENS, batch: int = 1) -> int:
-    """Keys and values of every layer for ``batch`` sequences of ``tokens`` (capped at the model's context)."""
-    tokens = min(cfg.max_position_embeddings, tokens)
-    return 2 * cfg.num_hidden_layers * batch * tokens * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
+def plan_memory(offload: OffloadConfig, family: Family, fmt: ExpertFormat, device: torch.device, dtype: torch.dtype,
+                non_expert: int) -> tuple[memory.MemoryPlan, OffloadConfig]:
+    """The device side of the memory plan, and the config the backend sizes its slots with ("auto" resolved)."""
+    top_k = family.router_spec().top_k
+    plan = memory.plan_device(
+        offload, cfg=family.config, device=device, dtype=dtype, non_expert=non_expert, expert_bytes=fmt.nbytes,
+        total_experts=len(family.moe_layers) * family.num_experts, top_k=top_k,
+        intermediate=family.expert_spec().intermediate_size, min_slots=min_slots(offload, top_k),
+        offloads=get_policy(offload.policy).offload)
+    sized = offload
+    if offload.gpu_memory_gb == "auto":
+        sized = dataclasses.replace(offload, gpu_memory_gb=plan.gpu_budget / memory.GiB)
+    return plan, sized
 
 
 def open_expert_index(reader: CheckpointReader, family: Family, layout, quant) -> ExpertIndex:
