@@ -39,6 +39,18 @@ def aligned_buffer(nbytes: int) -> memoryview:
     return memoryview(raw)[:nbytes]
 
 
+def timed_reads(one, ranges: list[tuple[int, int]], threads: int) -> float:
+    """Seconds to run ``one((i, range))`` over every range, from ``threads`` threads."""
+    t0 = time.perf_counter()
+    if threads == 1:
+        for item in enumerate(ranges):
+            one(item)
+    else:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(one, enumerate(ranges)))
+    return time.perf_counter() - t0
+
+
 def read_pread(path: str, ranges: list[tuple[int, int]], threads: int, direct: bool) -> float:
     flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
     fd = os.open(path, flags)
@@ -56,14 +68,7 @@ def read_pread(path: str, ranges: list[tuple[int, int]], threads: int, direct: b
         else:
             assert os.preadv(fd, [buf[:n]], offset) == n
 
-    t0 = time.perf_counter()
-    if threads == 1:
-        for item in enumerate(ranges):
-            one(item)
-    else:
-        with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(one, enumerate(ranges)))
-    dt = time.perf_counter() - t0
+    dt = timed_reads(one, ranges, threads)
     os.close(fd)
     return dt
 
@@ -79,14 +84,7 @@ def read_mmap(path: str, ranges: list[tuple[int, int]], threads: int) -> float:
         i, (offset, n) = i_rng
         bufs[i % threads][:n] = arr[offset : offset + n]  # page faults pull the file in
 
-    t0 = time.perf_counter()
-    if threads == 1:
-        for item in enumerate(ranges):
-            one(item)
-    else:
-        with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(one, enumerate(ranges)))
-    dt = time.perf_counter() - t0
+    dt = timed_reads(one, ranges, threads)
     arr = None  # release the exported buffer before closing the map
     mm.close()
     return dt

@@ -209,3 +209,25 @@ def _reader_family_layout_quant(path: Path):
     family = family_for_config(raw, "config.json")
     reader = CheckpointReader(path)
     return reader, family, family.detect_expert_layout(reader), read_quantization(path, raw)
+
+
+@pytest.mark.parametrize("transport", ["sync", "random-delay"])
+def test_sharded_checkpoint_with_a_quarter_on_the_host(tmp_path, slow_disk, transport):
+    """A checkpoint in many shards (experts split across files): the same tokens as with every expert resident."""
+    from helpers import make_tiny_model
+
+    path = tmp_path / "sharded"
+    make_tiny_model(seed=12, num_hidden_layers=2, num_local_experts=8).save_pretrained(path, max_shard_size="40KB")
+    assert len(list(path.glob("*.safetensors"))) > 3
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(1))
+    expected = MoEOffloadedMixtral.from_pretrained(path).generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+    budget = host_budget_gb(path, 4)
+    for slots in (2, 5):
+        model = MoEOffloadedMixtral.from_pretrained(path, offload=OffloadConfig(
+            policy="lfu", gpu_expert_slots=slots, host_memory_gb=budget, disk_readers=READERS, transport=transport,
+            random_delay_ms=0.3))
+        try:
+            assert torch.equal(model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False), expected)
+            assert model.experts.host.capacity == 4 and model.experts.host.stats.misses > 0
+        finally:
+            model.close()

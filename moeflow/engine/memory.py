@@ -159,9 +159,9 @@ def reserved_device_bytes(plan: MemoryPlan) -> int:
 
 
 def _gb(n: int) -> str:
-    if n >= 2**26:
-        return f"{n / GiB:.3g} GiB"
-    return f"{n / 2**20:.3g} MiB" if n >= 2**16 else f"{n / 2**10:.3g} KiB"
+    from moeflow.offload import _size
+
+    return _size(n)
 
 
 def fill_from_backend(plan: MemoryPlan, backend, config: OffloadConfig, staging_per_reader: int) -> None:

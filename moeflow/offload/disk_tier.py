@@ -20,10 +20,9 @@ GiB = 2**30
 
 
 def _size(nbytes: float) -> str:
-    for unit, scale in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.3g} {unit}"
-    return f"{int(nbytes)} B"
+    from moeflow.offload import _size as size  # the package's one byte formatter (it imports this module)
+
+    return size(nbytes)
 
 
 def host_rows(config: OffloadConfig, *, fmt: ExpertFormat, total: int, min_rows: int, host_reserved_bytes: int,
