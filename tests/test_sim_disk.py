@@ -73,3 +73,10 @@ def test_cli_simulates_host_budgets(trace, tmp_path, capsys):
                  f"{8 * gib_per_expert:.4f},{TOTAL * gib_per_expert:.4f}"]) == 0
     out = capsys.readouterr().out
     assert "host experts" in out and "| 8/32 |" in out and "| 32/32 |" in out
+
+
+def test_cli_host_budget_needs_a_disk(trace, tmp_path, capsys):
+    path = trace.save(tmp_path / "t.trace")
+    assert main(["simulate", "--trace", str(path), "--policy", "all", "--slots", "8", "--h2d-gbps", "20",
+                 "--expert-mb", "40", "--host-memory-gb", "1"]) == 2
+    assert "has no disk; give --disk-gbps" in capsys.readouterr().err

@@ -82,6 +82,7 @@ class DiskHostStore(HostStore):
         self._row_of: dict[Key, int] = {}
         self._key_of: list[Key | None] = [None] * capacity
         self._state = [FREE] * capacity
+        self._free = list(range(capacity - 1, -1, -1))  # free rows, row 0 on top
         self._pins = [0] * capacity
         self._holds: list[list] = [[] for _ in range(capacity)]  # copy tasks reading the row
         self._errors: dict[Key, BaseException] = {}
@@ -278,9 +279,8 @@ class DiskHostStore(HostStore):
 
     def _take_row(self, key: Key) -> int | None:
         """A free row, else the policy's victim among rows nobody uses; None when every row is in use."""
-        for row, state in enumerate(self._state):
-            if state == FREE:
-                return row
+        if self._free:
+            return self._free.pop()
         candidates = [self._key_of[r] for r in range(self.capacity) if self._row_free(r)]
         if not candidates:
             return None
@@ -329,6 +329,7 @@ class DiskHostStore(HostStore):
                 with self._cond:
                     self._row_of.pop(key, None)
                     self._key_of[row], self._state[row] = None, FREE
+                    self._free.append(row)
                     self._errors[key] = exc
                     self.stats.failed_reads += 1
                     self._cond.notify_all()

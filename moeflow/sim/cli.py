@@ -103,6 +103,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     results: list[SimResult] = []
     skipped: list[str] = []
     host_list = _host_gb(args.host_memory_gb)
+    if host_list != [None] and profile.disk_gbps is None:
+        raise ProfileError(f"--host-memory-gb: profile {profile.name!r} has no disk; give --disk-gbps (or a profile "
+                           "measured by `moeflow bench profile`)")
     for policy in policies:
         for slots, host_gb in [(s, h) for s in ([max(slot_list)] if policy == "resident" else slot_list)
                                for h in host_list]:
@@ -112,7 +115,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                              max_inflight_chunks=args.max_inflight, prefetch_distance=args.prefetch_distance,
                              gates=gates, max_sequences=args.max_sequences, timeline=bool(args.plot),
                              host_experts=host_experts)
-            except (SimulationError, SchedulingError, ValueError) as e:  # e.g. a predictor without its file
+            except (SimulationError, SchedulingError) as e:  # e.g. a predictor policy without its trained file
                 if args.policy != "all":
                     raise
                 skipped.append(f"{policy}: {e}")
