@@ -217,14 +217,16 @@ class DiskHostStore(HostStore):
                 self.stats.reads += 1
                 self.stats.demand_reads += 1
             return Int4Expert.from_awq_tensors(tensors, self.fmt.group_size)
+        form = None
         try:
             tensors = {k: v[0] for k, v in self.fmt.views(self.buffer[row : row + 1]).items()}
             form = Int4Expert.from_awq_tensors(tensors, self.fmt.group_size)
         finally:
             with self._cond:
                 self._pins[row] -= 1
-                if self._key_of[row] == key:
+                if form is not None and self._key_of[row] == key:
                     self._cpu_forms[key] = form
+                self._cond.notify_all()
         return form
 
     @property
