@@ -19,6 +19,7 @@ import torch
 
 from moeflow.config import OffloadConfig
 from moeflow.errors import SchedulingError
+from moeflow.offload.units import format_bytes
 
 GiB = 2**30
 DEFAULT_CONTEXT = 4096  # tokens the KV cache is sized for when OffloadConfig.context_length is None
@@ -159,9 +160,7 @@ def reserved_device_bytes(plan: MemoryPlan) -> int:
 
 
 def _gb(n: int) -> str:
-    from moeflow.offload import _size
-
-    return _size(n)
+    return format_bytes(n)
 
 
 def fill_from_backend(plan: MemoryPlan, backend, config: OffloadConfig, staging_per_reader: int) -> None:

@@ -45,6 +45,7 @@ from moeflow.offload.transport import (
     Transport,
     make_transport,
 )
+from moeflow.offload.units import format_bytes as _size
 
 __all__ = [
     "create_expert_backend", "resolve_slots", "min_slots", "OffloadedExperts", "HostStore", "DiskHostStore",
@@ -64,14 +65,6 @@ CUDA_MEMORY_FRACTION = 0.9  # without a budget, experts may take this share of t
 def min_slots(config: OffloadConfig, top_k: int) -> int:
     """Smallest pool accepted: one layer's top-k experts, or the prefill ring, whichever is larger."""
     return max(top_k, config.prefill_ring_slots)
-
-
-def _size(nbytes: float) -> str:
-    """Bytes in the unit that keeps three significant digits readable (tiny test models to Mixtral)."""
-    for unit, scale in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.3g} {unit}"
-    return f"{int(nbytes)} B"
 
 
 def resolve_slots(
@@ -96,8 +89,8 @@ def resolve_slots(
     elif config.gpu_memory_gb is not None:
         n = int((config.gpu_memory_gb * GiB - reserved_bytes) // fmt.nbytes)
         source = (
-            f"gpu_memory_gb={config.gpu_memory_gb} ({_size(reserved_bytes)} go to non-expert weights and "
-            f"KV cache, {_size(fmt.nbytes)} per expert: {max(n, 0)} slots)"
+            f"gpu_memory_gb={config.gpu_memory_gb} ({_size(reserved_bytes)} go to non-expert weights, "
+            f"KV cache, activations and workspaces, {_size(fmt.nbytes)} per expert: {max(n, 0)} slots)"
         )
     elif torch.device(device).type == "cuda":
         capacity = torch.cuda.get_device_properties(device).total_memory * CUDA_MEMORY_FRACTION

@@ -15,14 +15,9 @@ from moeflow.errors import SchedulingError
 from moeflow.kernels.pool import ExpertFormat
 from moeflow.offload.disk_store import DiskHostStore
 from moeflow.offload.eviction import LFU, LRU, EvictionPolicy, PriorityEviction, Static
+from moeflow.offload.units import format_bytes as _size
 
 GiB = 2**30
-
-
-def _size(nbytes: float) -> str:
-    from moeflow.offload import _size as size  # the package's one byte formatter (it imports this module)
-
-    return size(nbytes)
 
 
 def host_rows(config: OffloadConfig, *, fmt: ExpertFormat, total: int, min_rows: int, host_reserved_bytes: int,
