@@ -95,6 +95,7 @@ class MoEModel(nn.Module):
                         kv_cache_spec=built.family.kv_cache_spec)
         self = cls(built.family, built.decoder, built.backend, runner, offload, built.generation_config,
                    built.tokenizer, built.kernels.choice, str(path_or_id))
+        self._memory_plan = built.memory_plan
         self.eval()
         if compile:
             self.compile_decode()
@@ -109,6 +110,11 @@ class MoEModel(nn.Module):
     def experts(self) -> ExpertBackend:
         """The expert backend shared by every MoE layer."""
         return self.backend
+
+    def memory_plan(self):
+        """How device and host memory are split (:class:`moeflow.engine.memory.MemoryPlan`: ``summary()``,
+        ``as_dict()``): non-expert weights, KV cache, activations, workspaces, expert slots, host expert cache."""
+        return self._memory_plan
 
     def use_backend(self, backend: ExpertBackend | None) -> ExpertBackend | None:
         """Swap the expert backend (benchmarks compare policies on one loaded model); returns the previous one.

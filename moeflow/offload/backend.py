@@ -215,6 +215,7 @@ class OffloadedExperts(ExpertBackend):
             plan.move_to_cpu(self.cpu.start_layer(layer, x, topk_ids, topk_weights, list(plan.deferred),
                                                   plan.waiting, self.engine.high_backlog(), st))
         ready, deferred = plan.ready, plan.deferred
+        self.host.stage_all(layer, deferred)  # disk tier: read every miss at once, not one per copy
         waiting = arrival_order(plan.waiting)
         self._load_deferred(layer, deferred, waiting, st)
 
@@ -317,6 +318,8 @@ class OffloadedExperts(ExpertBackend):
             key = (target, e)
             if self.cache.lookup(key) is not None:
                 continue
+            if not self.host.stage(target, e):
+                continue  # disk tier: a guess not in host memory is read from disk now, copied when needed
             slot = self.cache.allocate(key, layer)
             if slot is None:
                 return  # best effort: never cancel other loads for a guess
