@@ -219,7 +219,7 @@ class DiskHostStore(HostStore):
             return Int4Expert.from_awq_tensors(tensors, self.fmt.group_size)
         form = None
         try:
-            tensors = {k: v[0] for k, v in self.fmt.views(self.buffer[row : row + 1]).items()}
+            tensors = self.fmt.awq_tensors(self.buffer[row])
             form = Int4Expert.from_awq_tensors(tensors, self.fmt.group_size)
         finally:
             with self._cond:
