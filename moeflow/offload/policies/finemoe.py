@@ -26,8 +26,11 @@ class FineMoERuntime(LearnedPredictorRuntime):
     trajectory search for layer ``l + d``.
     """
 
+    host_routing = True  # the map search runs on the host: probs and top-k come with the layer's one read-back
+
     def __init__(self, predictor: FineMoEPredictor) -> None:
         super().__init__(predictor)
+        predictor.runtime_mode = True
         self._runtime: Any = None
 
     @property
@@ -53,11 +56,13 @@ class FineMoERuntime(LearnedPredictorRuntime):
             ids = torch.topk(prio, max(n, 1)).indices.tolist()
             self._runtime.prefetch(target, ids, layer_now=0)
 
-    def observe(self, layer: int, x: torch.Tensor, probs: torch.Tensor, topk_ids: torch.Tensor) -> None:
+    def observe_host(self, layer: int, probs: torch.Tensor, topk_ids: torch.Tensor) -> None:
+        """The layer's routing, read back with its one read: extends the trajectory, starts its search."""
         self.predictor.observe(layer, None, probs, topk_ids)
 
     def propose(self, layer: int, x: torch.Tensor) -> Proposals:
-        return self.predictor.propose(layer, x)
+        """Host lists from the previous layer's search (never waits for this layer's)."""
+        return self.predictor.runtime_proposals(layer)
 
     def eviction_score(self, key: tuple[int, int], layer_now: int = 0) -> float:
         return self.predictor.eviction_score(key, layer_now)

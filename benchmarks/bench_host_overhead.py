@@ -1,0 +1,202 @@
+"""Host microseconds per MoE layer per decode step (issue 14), on the embedded tiny Mixtral, CPU.
+
+Three measurements, each the median of ``--repeats`` runs in one process:
+
+* ``noop``: every policy's ``OffloadedExperts.forward`` (+ its ``begin_step``, amortised over the layers) with
+  the expert kernels replaced by a no-op through the Platform seam (``Platform(compute=...)``), driven by a
+  seeded random routing (one token per step, top-k of E uniformly) so half the slots give ~50 % hits; at
+  all-hit (every expert fits in the slots) and at half the slots: the scheduler's own cost, what the host
+  must do per layer whatever the GPU;
+* ``real``: the same policies inside the embedded model's greedy decode with the real kernels (the torch
+  reference on the CPU), host time of the backend's calls per layer;
+* ``tok/s``: whole greedy decode, policy "lru" with every expert fitting and with half the slots, against the
+  all-resident CPU int4 path (``kernels="cpu-int4"``) measured in the same run; ratio lru / resident.
+
+    PYTHONPATH=$PWD python benchmarks/bench_host_overhead.py --out benchmarks/results/host_overhead/after.json
+
+The machine is shared: the load average is recorded with the numbers, and every time is reported twice:
+``cpu_us`` (the calling thread's CPU time, ``time.thread_time``: what the host loop costs, insensitive to
+other processes taking the cores) and ``wall_us`` (``time.perf_counter``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from moeflow import MoEOffloadedMixtral, OffloadConfig
+from moeflow.cli import embedded_model_path
+from moeflow.moe.backend import StepInfo
+from moeflow.offload import create_expert_backend
+from moeflow.offload.platform import Platform
+
+POLICIES = ("ondemand", "lru", "lfu", "static", "mixtral-offloading", "duoserve", "promoe", "finemoe", "expertflow")
+PROMPT = "The \"with\" statement is used to wrap the execution of a block"
+
+
+def _noop_compute(layer: int, topk_ids: torch.Tensor, experts: list[int]) -> None:
+    """The Platform's compute executor: the expert kernels replaced by nothing."""
+
+
+class _Timed:
+    """Wraps a backend's ``forward`` and ``begin_step``: thread CPU and wall seconds spent in decode passes."""
+
+    def __init__(self, backend) -> None:
+        self.backend, self.cpu_s, self.wall_s, self.layers = backend, 0.0, 0.0, 0
+        self._forward, self._begin = backend.forward, backend.begin_step
+        backend.forward, backend.begin_step = self.forward, self.begin_step
+
+    def _timed(self, fn, *args):
+        c0, w0 = time.thread_time(), time.perf_counter()
+        out = fn(*args)
+        if self.backend.stats.phase == "decode":
+            self.cpu_s += time.thread_time() - c0
+            self.wall_s += time.perf_counter() - w0
+        return out
+
+    def forward(self, *args):
+        out = self._timed(self._forward, *args)
+        self.layers += self.backend.stats.phase == "decode"
+        return out
+
+    def begin_step(self, step):
+        return self._timed(self._begin, step)
+
+
+def _backend(model, policy: str, slots: int, noop: bool):
+    """A fresh backend of ``policy`` sharing ``model``'s filled host store (kernels: no-op or the model's)."""
+    old = model.experts
+    cfg = model.config
+    config = OffloadConfig(policy=policy, gpu_expert_slots=slots)
+    gates = [blk.gate for blk in model.model.moe_blocks]
+    backend = create_expert_backend(
+        config, fmt=old.fmt, num_layers=old.num_layers, num_experts=old.num_experts, top_k=cfg.num_experts_per_tok,
+        device=model.device, kernels_backend=old.kernels_backend, gates=gates, reserved_bytes=0,
+        stats=model.stats, checkpoint_dir=embedded_model_path(), host_store=old.host,
+        platform=Platform(compute=_noop_compute) if noop else Platform(),
+    )
+    backend.finish_loading()
+    return backend
+
+
+def _summary(cpu: list[float], wall: list[float], hits: list[float]) -> dict:
+    return {"cpu_us": statistics.median(cpu), "wall_us": statistics.median(wall), "cpu_runs_us": cpu,
+            "hit_rate": statistics.median(hits)}
+
+
+def noop_us_per_layer(model, policy: str, slots: int, steps: int, repeats: int) -> dict:
+    """Drive a no-op-kernel backend directly: one decode token per step, seeded uniform routing."""
+    E, L = model.experts.num_experts, model.experts.num_layers
+    k, H = model.config.num_experts_per_tok, model.config.hidden_size
+    cpu, wall, hits = [], [], []
+    for r in range(repeats):
+        gen = torch.Generator().manual_seed(r)
+        backend = _backend(model, policy, slots, noop=True)
+        timed = _Timed(backend)
+        model.stats.reset()
+        model.stats.set_phase("decode")
+        text = model.tokenizer.encode(PROMPT * (1 + steps // 8))  # real token ids (the path predictor's vocabulary)
+        history = torch.tensor([text[: 8 + steps]])
+        for step in range(steps):
+            ids = history[:, 8 + step : 9 + step]
+            embeds = torch.randn(1, 1, H, generator=gen)
+            info = StepInfo(ids, torch.tensor([[8 + step]]), torch.ones_like(ids, dtype=torch.bool), "decode", None,
+                            embeds, history[:, : 9 + step], torch.ones(1, 9 + step, dtype=torch.bool))
+            timed.begin_step(info)
+            for layer in range(L):
+                x = torch.randn(1, H, generator=gen)
+                probs = torch.softmax(torch.randn(1, E, generator=gen), -1)
+                top = torch.randperm(E, generator=gen)[:k].view(1, k).to(torch.int32)
+                w = probs.gather(1, top.long())
+                timed.forward(layer, x, probs, top, w / w.sum(-1, keepdim=True))
+        backend.close()
+        cpu.append(timed.cpu_s / max(timed.layers, 1) * 1e6)
+        wall.append(timed.wall_s / max(timed.layers, 1) * 1e6)
+        d = model.stats.decode
+        hits.append(d.hits / max(d.hits + d.misses, 1))
+    return _summary(cpu, wall, hits)
+
+
+def real_us_per_layer(model, ids: torch.Tensor, policy: str, slots: int, new_tokens: int, repeats: int) -> dict:
+    """The backend's host time per MoE layer inside the embedded model's greedy decode, real kernels."""
+    cpu, wall, hits = [], [], []
+    base = model.experts
+    for _ in range(repeats):
+        backend = _backend(model, policy, slots, noop=False)
+        timed = _Timed(backend)
+        model.use_backend(backend)
+        model.stats.reset()
+        model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
+        model.use_backend(base)
+        backend.close()
+        cpu.append(timed.cpu_s / max(timed.layers, 1) * 1e6)
+        wall.append(timed.wall_s / max(timed.layers, 1) * 1e6)
+        d = model.stats.decode
+        hits.append(d.hits / max(d.hits + d.misses, 1))
+    return _summary(cpu, wall, hits)
+
+
+def decode_tok_s(model, ids: torch.Tensor, new_tokens: int, repeats: int) -> float:
+    """Decode tokens/s: (generate n+1 tokens) - (generate 1 token), medians over repeats."""
+    def run(n: int) -> float:
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, do_sample=False)
+        return time.perf_counter() - t0
+    run(2)
+    long = statistics.median(run(new_tokens + 1) for _ in range(repeats))
+    short = statistics.median(run(1) for _ in range(repeats))
+    return new_tokens / max(long - short, 1e-9)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--skip-tok-s", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    path = embedded_model_path()
+    model = MoEOffloadedMixtral.from_pretrained(path, kernels="torch",
+                                                offload=OffloadConfig(policy="lru", transport="sync"))
+    ids = torch.tensor([model.tokenizer.encode(PROMPT)])
+    total = model.experts.num_layers * model.experts.num_experts
+    result: dict = {"load_before": os.getloadavg(), "torch": torch.__version__, "python": platform.python_version(),
+                    "model": str(path.name), "tokens": args.tokens, "repeats": args.repeats, "noop": {}, "real": {}}
+    for policy in args.policies.split(","):
+        for label, slots in (("all-hit", total), ("half", total // 2)):
+            runs = {"noop": noop_us_per_layer(model, policy, slots, 4 * args.tokens, args.repeats),
+                    "real": real_us_per_layer(model, ids, policy, slots, args.tokens, args.repeats)}
+            for kind, r in runs.items():
+                result[kind][f"{policy}/{label}"] = r
+                print(f"{kind:5s} {policy:19s} {label:8s} cpu {r['cpu_us']:8.1f} us/layer  wall {r['wall_us']:8.1f}  "
+                      f"hit {r['hit_rate']:.2f}", flush=True)
+    model.close()
+    if not args.skip_tok_s:
+        resident = MoEOffloadedMixtral.from_pretrained(path, kernels="cpu-int4")
+        tok = {"resident-cpu-int4": decode_tok_s(resident, ids, args.tokens, args.repeats)}
+        resident.close()
+        for label, slots in (("lru-all", total), ("lru-half", total // 2)):
+            m = MoEOffloadedMixtral.from_pretrained(path, offload=OffloadConfig(policy="lru", gpu_expert_slots=slots))
+            tok[label] = decode_tok_s(m, ids, args.tokens, args.repeats)
+            m.close()
+        tok["ratio_lru_all"] = tok["lru-all"] / tok["resident-cpu-int4"]
+        tok["ratio_lru_half"] = tok["lru-half"] / tok["resident-cpu-int4"]
+        result["tok_s"] = tok
+        print(json.dumps(tok, indent=1))
+    result["load_after"] = os.getloadavg()
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
