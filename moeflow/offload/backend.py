@@ -157,7 +157,7 @@ class OffloadedExperts(ExpertBackend):
             self._phase = self.stats.phase
             self.cache.policy.on_phase(self._phase)
         st = self.stats.current()
-        E, k = self.num_experts, topk_ids.shape[1]
+        k = topk_ids.shape[1]
 
         # 1. the layer's only blocking device->host read: its routing, and the predictor's proposals with it
         pred = self.predictor

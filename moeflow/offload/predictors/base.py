@@ -274,8 +274,8 @@ class ExpertPredictor(Predictor):
     def propose(self, layer: int, x: torch.Tensor, max_experts: int | None = None) -> list[tuple[int, torch.Tensor]]:
         """The runtime's :class:`Predictor` call: at layer ``layer`` (MoE input x [T, H]),
         [(layer + distance, expert ids int64 [E])], most wanted first, unselected experts as -1 (``max_experts``:
-        exactly that many ids, no padding); several tokens are merged by summed priority. Hidden-only predictors observe ``x`` here; routing-based ones need
-        ``observe(layer, ...)`` called first."""
+        exactly that many ids, no padding); several tokens are merged by summed priority.
+        Hidden-only predictors observe ``x`` here; routing-based ones need ``observe(layer, ...)`` called first."""
         target = layer + self.distance
         if target >= self.shape.num_layers:
             return []
