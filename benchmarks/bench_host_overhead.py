@@ -14,9 +14,10 @@ Three measurements, each the median of ``--repeats`` runs in one process:
 
     PYTHONPATH=$PWD python benchmarks/bench_host_overhead.py --out benchmarks/results/host_overhead/after.json
 
-The machine is shared: the load average is recorded with the numbers, and every time is reported twice:
-``cpu_us`` (the calling thread's CPU time, ``time.thread_time``: what the host loop costs, insensitive to
-other processes taking the cores) and ``wall_us`` (``time.perf_counter``).
+The machine is shared: the load average is recorded with the numbers. Every decode call is timed on its own
+(``time.perf_counter``); ``us`` is the median call (forward + begin_step / layers): what the host loop costs,
+robust to the preemptions of a loaded machine (on a VM even the thread's CPU time counts the hypervisor's
+steal); ``mean_us`` the mean, preemptions included. Both are medians over ``--repeats`` runs.
 """
 
 from __future__ import annotations
@@ -46,28 +47,36 @@ def _noop_compute(layer: int, topk_ids: torch.Tensor, experts: list[int]) -> Non
 
 
 class _Timed:
-    """Wraps a backend's ``forward`` and ``begin_step``: thread CPU and wall seconds spent in decode passes."""
+    """Wraps a backend's ``forward`` and ``begin_step``: the wall time of every decode call, one by one."""
 
     def __init__(self, backend) -> None:
-        self.backend, self.cpu_s, self.wall_s, self.layers = backend, 0.0, 0.0, 0
+        self.backend, self.forward_s, self.step_s = backend, [], []
         self._forward, self._begin = backend.forward, backend.begin_step
         backend.forward, backend.begin_step = self.forward, self.begin_step
 
-    def _timed(self, fn, *args):
-        c0, w0 = time.thread_time(), time.perf_counter()
+    def _timed(self, into: list[float], fn, *args):
+        t0 = time.perf_counter()
         out = fn(*args)
         if self.backend.stats.phase == "decode":
-            self.cpu_s += time.thread_time() - c0
-            self.wall_s += time.perf_counter() - w0
+            into.append(time.perf_counter() - t0)
         return out
 
     def forward(self, *args):
-        out = self._timed(self._forward, *args)
-        self.layers += self.backend.stats.phase == "decode"
-        return out
+        return self._timed(self.forward_s, self._forward, *args)
 
     def begin_step(self, step):
-        return self._timed(self._begin, step)
+        return self._timed(self.step_s, self._begin, step)
+
+    def us_per_layer(self, num_layers: int) -> tuple[float, float]:
+        """(median forward + median begin_step / layers, mean forward + mean begin_step / layers) in us: the
+        median call is what the host loop costs, the mean adds the preemptions of a loaded machine."""
+        def med(xs):
+            return statistics.median(xs) if xs else 0.0
+
+        def mean(xs):
+            return statistics.fmean(xs) if xs else 0.0
+        return ((med(self.forward_s) + med(self.step_s) / num_layers) * 1e6,
+                (mean(self.forward_s) + mean(self.step_s) / num_layers) * 1e6)
 
 
 def _backend(model, policy: str, slots: int, noop: bool):
@@ -86,8 +95,8 @@ def _backend(model, policy: str, slots: int, noop: bool):
     return backend
 
 
-def _summary(cpu: list[float], wall: list[float], hits: list[float]) -> dict:
-    return {"cpu_us": statistics.median(cpu), "wall_us": statistics.median(wall), "cpu_runs_us": cpu,
+def _summary(med: list[float], mean: list[float], hits: list[float]) -> dict:
+    return {"us": statistics.median(med), "mean_us": statistics.median(mean), "runs_us": med,
             "hit_rate": statistics.median(hits)}
 
 
@@ -95,7 +104,7 @@ def noop_us_per_layer(model, policy: str, slots: int, steps: int, repeats: int) 
     """Drive a no-op-kernel backend directly: one decode token per step, seeded uniform routing."""
     E, L = model.experts.num_experts, model.experts.num_layers
     k, H = model.config.num_experts_per_tok, model.config.hidden_size
-    cpu, wall, hits = [], [], []
+    med, mean, hits = [], [], []
     for r in range(repeats):
         gen = torch.Generator().manual_seed(r)
         backend = _backend(model, policy, slots, noop=True)
@@ -117,16 +126,17 @@ def noop_us_per_layer(model, policy: str, slots: int, steps: int, repeats: int) 
                 w = probs.gather(1, top.long())
                 timed.forward(layer, x, probs, top, w / w.sum(-1, keepdim=True))
         backend.close()
-        cpu.append(timed.cpu_s / max(timed.layers, 1) * 1e6)
-        wall.append(timed.wall_s / max(timed.layers, 1) * 1e6)
+        a, b = timed.us_per_layer(L)
+        med.append(a)
+        mean.append(b)
         d = model.stats.decode
         hits.append(d.hits / max(d.hits + d.misses, 1))
-    return _summary(cpu, wall, hits)
+    return _summary(med, mean, hits)
 
 
 def real_us_per_layer(model, ids: torch.Tensor, policy: str, slots: int, new_tokens: int, repeats: int) -> dict:
     """The backend's host time per MoE layer inside the embedded model's greedy decode, real kernels."""
-    cpu, wall, hits = [], [], []
+    med, mean, hits = [], [], []
     base = model.experts
     for _ in range(repeats):
         backend = _backend(model, policy, slots, noop=False)
@@ -136,11 +146,12 @@ def real_us_per_layer(model, ids: torch.Tensor, policy: str, slots: int, new_tok
         model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
         model.use_backend(base)
         backend.close()
-        cpu.append(timed.cpu_s / max(timed.layers, 1) * 1e6)
-        wall.append(timed.wall_s / max(timed.layers, 1) * 1e6)
+        a, b = timed.us_per_layer(backend.num_layers)
+        med.append(a)
+        mean.append(b)
         d = model.stats.decode
         hits.append(d.hits / max(d.hits + d.misses, 1))
-    return _summary(cpu, wall, hits)
+    return _summary(med, mean, hits)
 
 
 def decode_tok_s(model, ids: torch.Tensor, new_tokens: int, repeats: int) -> float:
@@ -177,7 +188,7 @@ def main() -> None:
                     "real": real_us_per_layer(model, ids, policy, slots, args.tokens, args.repeats)}
             for kind, r in runs.items():
                 result[kind][f"{policy}/{label}"] = r
-                print(f"{kind:5s} {policy:19s} {label:8s} cpu {r['cpu_us']:8.1f} us/layer  wall {r['wall_us']:8.1f}  "
+                print(f"{kind:5s} {policy:19s} {label:8s} {r['us']:8.1f} us/layer (mean {r['mean_us']:8.1f})  "
                       f"hit {r['hit_rate']:.2f}", flush=True)
     model.close()
     if not args.skip_tok_s:
