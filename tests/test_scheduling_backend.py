@@ -7,6 +7,7 @@ import torch
 from test_scheduling_helpers import AWQ, DENSE, Synthetic
 
 from moeflow.errors import SchedulingError
+from moeflow.kernels.pool import ALIGN
 from moeflow.moe import ResidentExperts
 from moeflow.offload import OffloadedExperts, Stats
 
@@ -144,12 +145,20 @@ def test_random_delay_stats_bytes_are_chunk_multiples(dense):
                                      random_delay_ms=1.0)
     _check_equal(expected, synth.run(backend, stats))
     backend.synchronize()
-    chunk_bytes = {b - a for a, b in backend.engine.chunks}
     moved = stats.prefill.bytes_h2d + stats.decode.bytes_h2d
     misses = stats.prefill.misses + stats.decode.misses
     prefetches = stats.prefill.prefetches + stats.decode.prefetches
     assert misses * DENSE.nbytes <= moved <= (misses + prefetches) * DENSE.nbytes
-    assert len(chunk_bytes) >= 1
+    # the chunks tile the expert region at ALIGN boundaries; all but the last have the same size
+    starts = [a for a, _ in backend.engine.chunks]
+    assert starts[0] == 0 and backend.engine.chunks[-1][1] == DENSE.nbytes and len(starts) == 3
+    assert all(b == a2 for (_, b), (a2, _) in zip(backend.engine.chunks[:-1], backend.engine.chunks[1:], strict=True))
+    sizes = [b - a for a, b in backend.engine.chunks]
+    assert all(a % ALIGN == 0 for a in starts) and set(sizes[:-1]) == {sizes[0]}
+    assert 0 < sizes[-1] <= sizes[0]
+    # a cancelled prefetch moved a prefix of its chunks: what is not whole experts is whole leading chunks
+    step, extra = starts[1], moved - misses * DENSE.nbytes
+    assert any((extra - n * DENSE.nbytes) % step == 0 for n in range(prefetches + 1) if extra >= n * DENSE.nbytes)
     backend.close()
 
 

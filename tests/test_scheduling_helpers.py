@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
 from moeflow.config import OffloadConfig
 from moeflow.kernels.pool import ExpertFormat
 from moeflow.moe import ResidentExperts, route
-from moeflow.offload import Stats, create_expert_backend
+from moeflow.offload import POLICY_TABLE, REAL, Stats, create_expert_backend
 
 DENSE = ExpertFormat(hidden_size=32, intermediate_size=48, kind="dense", dtype=torch.float32)
 AWQ = ExpertFormat(hidden_size=64, intermediate_size=64, kind="awq", dtype=torch.float16, group_size=32)
@@ -56,11 +58,25 @@ class Synthetic:
             backend.load_expert(l, e, t)
         return backend
 
-    def offloaded(self, stats: Stats | None = None, **config):
+    def offloaded(self, stats: Stats | None = None, *, transport_object=None, copy_engine=None,
+                  spec_changes: dict | None = None, **config):
+        """A backend filled with the experts. ``transport_object`` replaces ``config.transport`` (test transports),
+        ``copy_engine`` the copy-engine class (through the Platform seam); ``spec_changes`` edits the policy's
+        PolicySpec (e.g. ``{"prefill_ring": True}``) in a table of this call's own."""
         stats = stats if stats is not None else Stats()
+        platform = REAL
+        if transport_object is not None:
+            platform = dataclasses.replace(platform, transport=lambda _config, _device: transport_object)
+        if copy_engine is not None:
+            platform = dataclasses.replace(platform, copy_engine=copy_engine)
+        cfg = OffloadConfig(**config)
+        policies = None
+        if spec_changes:
+            policies = {**POLICY_TABLE, cfg.policy: dataclasses.replace(POLICY_TABLE[cfg.policy], **spec_changes)}
         backend = create_expert_backend(
-            OffloadConfig(**config), fmt=self.fmt, num_layers=self.L, num_experts=self.E, top_k=self.k,
+            cfg, fmt=self.fmt, num_layers=self.L, num_experts=self.E, top_k=self.k,
             device=torch.device("cpu"), kernels_backend="torch", gates=self.gates, reserved_bytes=0, stats=stats,
+            platform=platform, policies=policies,
         )
         for (l, e), t in self.weights.items():
             backend.load_expert(l, e, t)

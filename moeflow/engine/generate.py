@@ -7,6 +7,7 @@ Every forward pass (a prefill, a decode step, or one micro-batch of either) goes
 
 from __future__ import annotations
 
+import inspect
 import time
 import warnings
 from collections.abc import Callable
@@ -102,7 +103,12 @@ def deprecated_path_predictor(path_predictor: Any) -> PathPredictor:
     warnings.warn("generate(path_predictor=...) is deprecated: micro-batches are grouped by the expert backend's "
                   "predict_paths (the expertflow policy provides it)", DeprecationWarning, stacklevel=4)
 
+    # the backend's own predictors (``model.experts.predictor``) take the StepInfo; older objects take ids and mask
+    takes_step = next(iter(inspect.signature(path_predictor.predict_paths).parameters), None) == "step"
+
     def predict(step: StepInfo, last_only: bool) -> torch.Tensor | None:
+        if takes_step:
+            return path_predictor.predict_paths(step, last_only=last_only)
         return path_predictor.predict_paths(step.history_ids, step.history_mask, last_only=last_only)
 
     return predict

@@ -1,0 +1,198 @@
+"""Mutation check: apply one deliberate single-line bug at a time to a copy of the repo; the named tests must fail.
+
+Each mutation is (id, what it models, an exact code snippet, its replacement, the test node ids that must kill
+it). The snippet is looked up anywhere under ``moeflow/``, so files may move; it must occur exactly once in the
+whole package (the script stops with the id and the count otherwise: the guarded code moved or changed, and the
+mutation must be updated with it). Every mutation runs ``--runs`` times (default 2) in a temporary copy
+(``PYTHONPATH=<copy>``), reverted in between. Not part of the suite (slow); run it before closing an issue that
+touches the guarded code, and record the table in docs/testing.md.
+
+    python scripts/mutation_check.py                  # every mutation, twice
+    python scripts/mutation_check.py --only fence-     # ids starting with "fence-"
+    python scripts/mutation_check.py --list           # ids, what they model, where the snippet is now
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = "moeflow"
+
+
+@dataclass(frozen=True)
+class Mutation:
+    id: str
+    models: str
+    snippet: str
+    replacement: str
+    tests: tuple[str, ...]
+
+
+FENCES = ("tests/test_fences.py",)
+COUNTS = "tests/test_policy_counts.py"
+MUTATIONS = [
+    # ---- ordering guards (scripted transport, tests/test_fences.py)
+    Mutation("fence-engine-ignores-after", "the copy engine issues a chunk without waiting for task.after",
+             "handle = self.transport.copy(dst, src, task.after)", "handle = self.transport.copy(dst, src, ())",
+             FENCES),
+    Mutation("fence-deferred-load-unfenced", "a deferred (ring) load does not wait for its slot's fences",
+             "layer, key[1], slot.index, high=True, after=self.cache.take_fences(slot), stats=st",
+             "layer, key[1], slot.index, high=True, after=(), stats=st", FENCES),
+    Mutation("fence-prefetch-unfenced", "a prefetch does not wait for its slot's fences",
+             "target, e, slot.index, high=False, after=self.cache.take_fences(slot), stats=st",
+             "target, e, slot.index, high=False, after=(), stats=st", FENCES),
+    Mutation("fence-no-compute-fence", "a released slot forgets the compute that read it (next copy may overwrite "
+             "it under the kernel)", "slot.fences = [fence]", "slot.fences = []", FENCES),
+    Mutation("fence-drop-forgets-copies", "a cancelled load's in-flight copies are not kept as the slot's fences",
+             "slot.fences = [*slot.fences, *fences]", "slot.fences = list(slot.fences)", FENCES),
+    Mutation("fence-task-fences-omit-copies", "a task's fences omit its own issued copies",
+             "return [h for h in (*self.after, *self.handles) if not h.query()]",
+             "return [h for h in self.after if not h.query()]", FENCES),
+    Mutation("fence-reclaim-unfenced", "a reclaimed prefetch slot is reused without waiting for the cancelled copies",
+             "self.cache.drop(victim, self.engine.cancel(victim.task))",
+             "self.cache.drop(victim, self.engine.cancel(victim.task) and [])", FENCES),
+    Mutation("fence-preempt-unfenced", "a prefetch dropped at its gate leaves no fences on its slot",
+             "self.cache.drop(self.cache.lookup(task.key), task.fences())",
+             "self.cache.drop(self.cache.lookup(task.key), [])", FENCES),
+    Mutation("fence-compute-no-wait", "compute does not wait for the copy it reads",
+             "self.transport.wait_compute(task.handles)", "self.transport.wait_compute([])", FENCES),
+    # ---- precision
+    Mutation("kernel-half-accumulation", "the prefill GEMM rounds its accumulator to the activation dtype each k-step",
+             "acc = tl.dot(a, w.to(DOT_DTYPE), acc=acc, input_precision=DOT_PREC)",
+             "acc = tl.dot(a, w.to(DOT_DTYPE), acc=acc, input_precision=DOT_PREC).to(CDTYPE).to(tl.float32)",
+             ("tests/test_kernel_precision.py",)),
+    # ---- hit rates (pinned counts, tests/test_policy_counts.py)
+    Mutation("lru-fresh-load-not-recent", "a fresh load is not counted as recent (LRU evicts a prefetch first)",
+             "(a fresh load counts as recent, else a prefetch would be evicted first).\"\"\"\n"
+             "        self.last_use[key] = self._now()",
+             "(a fresh load counts as recent, else a prefetch would be evicted first).\"\"\"\n"
+             "        pass", (COUNTS,)),
+    Mutation("lru-access-not-recent", "a gate access does not refresh recency",
+             "(hit or miss).\"\"\"\n        self.last_use[key] = self._now()",
+             "(hit or miss).\"\"\"\n        self._now()", (COUNTS,)),
+    Mutation("lfu-by-recency", "LFU evicts by recency only",
+             "return (self.freq.get(key, 0), self.last_use.get(key, 0))", "return (self.last_use.get(key, 0),)",
+             (COUNTS,)),
+    Mutation("static-evicts-fixed", "static evicts its fixed (popular) experts first",
+             "return (key in self.fixed, self.last_use.get(key, 0))",
+             "return (key not in self.fixed, self.last_use.get(key, 0))", (COUNTS,)),
+    Mutation("speculation-current-router", "mixtral-offloading speculates with the current layer's router",
+             "logits = self.gates[target](x)", "logits = self.gates[layer](x)", (COUNTS,)),
+    Mutation("speculation-least-likely", "mixtral-offloading prefetches the least likely experts (one token)",
+             "ids = torch.topk(probs[0], min(self.top_k, probs.shape[-1])).indices",
+             "ids = torch.topk(probs[0], min(self.top_k, probs.shape[-1]), largest=False).indices", (COUNTS,)),
+    Mutation("duoserve-ring-removed", "DuoServe's k-slot prefill ring removed (every miss loads at once)",
+             "if self.prefill_ring and self._phase == \"prefill\" and len(waiting) >= self.prefill_ring:",
+             "if False:", (COUNTS,)),
+    Mutation("finemoe-low-queue-fifo", "the low queue ignores the prefetch priority (FineMoE's p / (l - l_now))",
+             "while i > 0 and self._low[i - 1].priority < task.priority:", "while False:", (COUNTS,)),
+    Mutation("plec-misprefetched-not-first", "PLEC's correction replaces mis-prefetched experts after finished ones",
+             "        if key in self.prefetched:\n            return (0,)",
+             "        if key in self.prefetched:\n            return (2, 0)",
+             ("tests/test_expertflow.py::test_plec_correction_order_misprefetched_before_finished",)),
+    Mutation("plec-finished-by-first-use", "PLEC replaces the finished expert that comes back first, not last",
+             "return (2, -(((layer - layer_now - 1) % L) + 1))", "return (2, ((layer - layer_now - 1) % L) + 1)",
+             ("tests/test_expertflow.py::test_plec_finished_experts_by_next_use",)),
+    # ---- claims
+    Mutation("cpu-int4-repack-falls-back", "the fast AWQ->int4 repack silently falls back to torch's conversion",
+             "_FAST_REPACK_OK = tuple(ref.shape) == (128, 64) and torch.equal(_repack_bytes(q), ref)",
+             "_FAST_REPACK_OK = False", ("tests/test_claims.py::test_fast_int4_repack_is_the_path_taken",)),
+    Mutation("chunks-unaligned", "copy chunks are not multiples of the pool alignment",
+             "step = max(align, -(-nbytes // chunks // align) * align)",
+             "step = max(align, -(-nbytes // chunks // align) * align) + 1",
+             ("tests/test_scheduling_backend.py::test_random_delay_stats_bytes_are_chunk_multiples",)),
+]
+
+
+def locate(m: Mutation, root: Path) -> Path:
+    """The one file under ``root/moeflow`` holding ``m.snippet`` exactly once (SystemExit otherwise)."""
+    hits = []
+    for path in sorted((root / PACKAGE).rglob("*.py")):
+        n = path.read_text().count(m.snippet)
+        hits += [path] * n
+    if len(hits) != 1:
+        where = ", ".join(str(p.relative_to(root)) for p in hits) or "nowhere"
+        sys.exit(f"mutation {m.id!r}: its snippet occurs {len(hits)} times under {PACKAGE}/ ({where}); the guarded "
+                 f"code moved or changed: update the snippet in scripts/mutation_check.py\n  snippet: {m.snippet!r}")
+    return hits[0]
+
+
+def copy_repo(dst: Path) -> None:
+    ignore = shutil.ignore_patterns(".git", "__pycache__", "*.pyc", ".pytest_cache", ".ruff_cache", ".hypothesis",
+                                    "*.egg-info", ".venv", "build", "dist")
+    shutil.copytree(ROOT, dst, ignore=ignore, dirs_exist_ok=True)
+
+
+def run_tests(copy: Path, tests: tuple[str, ...], timeout: float) -> tuple[bool, str]:
+    """(killed, short reason): the named tests run in the copy; killed when pytest reports failures or errors."""
+    env = {**os.environ, "PYTHONPATH": str(copy)}
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+    try:
+        proc = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return True, "timeout"
+    last = (proc.stdout.strip().splitlines() or ["?"])[-1]
+    return proc.returncode != 0, last[:90]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", nargs="*", default=None, help="run the mutations whose id starts with one of these")
+    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per test run")
+    ap.add_argument("--list", action="store_true")
+    ap.add_argument("--out", type=Path, default=None, help="also write the markdown table here")
+    args = ap.parse_args(argv)
+    chosen = [m for m in MUTATIONS if args.only is None or any(m.id.startswith(p) for p in args.only)]
+    if not chosen:
+        sys.exit(f"no mutation id starts with {args.only}")
+    where = {m.id: locate(m, ROOT) for m in chosen}  # fail fast, before any copy
+    if args.list:
+        for m in chosen:
+            print(f"{m.id:32s} {where[m.id].relative_to(ROOT)}  {m.models}")
+        return 0
+    rows, survived = [], 0
+    with tempfile.TemporaryDirectory(prefix="moeflow-mutation-") as tmp:
+        copy = Path(tmp)
+        copy_repo(copy)
+        for m in chosen:
+            target = copy / where[m.id].relative_to(ROOT)
+            original = target.read_text()
+            results = []
+            for _ in range(args.runs):
+                target.write_text(original.replace(m.snippet, m.replacement))
+                t0 = time.perf_counter()
+                try:
+                    killed, why = run_tests(copy, m.tests, args.timeout)
+                finally:
+                    target.write_text(original)
+                results.append((killed, why, time.perf_counter() - t0))
+                print(f"{m.id}: {'killed' if killed else 'SURVIVED'} in {results[-1][2]:.0f}s ({why})", flush=True)
+            verdict = "killed" if all(k for k, _, _ in results) else "SURVIVED"
+            survived += verdict != "killed"
+            rows.append(f"| {m.id} | {m.models} | `{where[m.id].relative_to(ROOT)}` | "
+                        f"{' / '.join('killed' if k else 'survived' for k, _, _ in results)} | "
+                        f"{', '.join(f'`{t}`' for t in m.tests)} |")
+    table = "\n".join([
+        f"Mutation check of {datetime.date.today()} ({args.runs} runs each):", "",
+        "| mutation | models | file | runs | killed by |", "|---|---|---|---|---|", *rows,
+    ])
+    print(table)
+    if args.out is not None:
+        args.out.write_text(table + "\n")
+    print(f"{len(chosen) - survived}/{len(chosen)} killed every time")
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
