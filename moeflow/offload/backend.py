@@ -85,7 +85,8 @@ class OffloadedExperts(ExpertBackend):
         self.host = host
         self.pool = ExpertPool.allocate(fmt, n_slots, self.device)
         quota = n_slots // self.num_layers if per_layer else 0
-        self.cache = ExpertCache(n_slots, eviction, retain=retain, stats=stats.current, layer_quota=quota)
+        self.cache = ExpertCache(n_slots, eviction, retain=retain, stats=stats.current, layer_quota=quota,
+                                 key_space=(self.num_layers, self.num_experts))
         self.engine = platform.make_engine(transport, host, self.pool, chunks=copy_chunks,
                                            max_inflight=max_inflight_chunks)
         self._phase = stats.phase

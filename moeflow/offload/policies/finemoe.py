@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from moeflow.errors import SchedulingError
@@ -67,6 +68,10 @@ class FineMoERuntime(LearnedPredictorRuntime):
     def eviction_score(self, key: tuple[int, int], layer_now: int = 0) -> float:
         return self.predictor.eviction_score(key, layer_now)
 
+    def eviction_table(self, layer_now: int = 0) -> np.ndarray:
+        """Every key's ``eviction_score`` at once, float32 [L, E] (the vectorised victim choice)."""
+        return (self.predictor.guidance * self.predictor.freq).numpy()
+
 
 def _finemoe_predictor(ctx: PolicyContext) -> FineMoERuntime:
     pred = load_policy_predictor(ctx, "finemoe")
@@ -78,7 +83,7 @@ def _finemoe_predictor(ctx: PolicyContext) -> FineMoERuntime:
 def _finemoe_eviction(ctx: PolicyContext) -> EvictionPolicy:
     if ctx.predictor is None:
         raise SchedulingError("the finemoe eviction policy ranks by its predictor's maps, but none was built")
-    return PriorityEviction(LFU(), ctx.predictor.eviction_score)
+    return PriorityEviction(LFU(), ctx.predictor.eviction_score, ctx.predictor.eviction_table)
 
 
 FINEMOE = PolicySpec(
