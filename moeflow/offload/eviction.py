@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from bisect import insort
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 import numpy as np
 
