@@ -10,7 +10,9 @@ Three measurements, each the median of ``--repeats`` runs in one process:
 * ``real``: the same policies inside the embedded model's greedy decode with the real kernels (the torch
   reference on the CPU), host time of the backend's calls per layer;
 * ``tok/s``: whole greedy decode, policy "lru" with every expert fitting and with half the slots, against the
-  all-resident CPU int4 path (``kernels="cpu-int4"``) measured in the same run; ratio lru / resident.
+  all-resident CPU int4 path (``kernels="cpu-int4"``) measured in the same run; ratio lru / resident. "lru" with
+  ``kernels="cpu-int4"`` computes the slots with the int4 kernels (``*-torch-ref``: ``kernels="auto"``, which
+  keeps the torch reference on the slot pool, the only CPU offload path before issue 14).
 
     PYTHONPATH=$PWD python benchmarks/bench_host_overhead.py --out benchmarks/results/host_overhead/after.json
 
@@ -166,6 +168,15 @@ def decode_tok_s(model, ids: torch.Tensor, new_tokens: int, repeats: int) -> flo
     return new_tokens / max(long - short, 1e-9)
 
 
+def _slot_int4_supported() -> bool:
+    """Whether this moeflow computes offloaded slots with the int4 kernels (kernels="cpu-int4" + a policy)."""
+    try:
+        import moeflow.offload.cpu_slots  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=None)
@@ -195,12 +206,17 @@ def main() -> None:
         resident = MoEOffloadedMixtral.from_pretrained(path, kernels="cpu-int4")
         tok = {"resident-cpu-int4": decode_tok_s(resident, ids, args.tokens, args.repeats)}
         resident.close()
-        for label, slots in (("lru-all", total), ("lru-half", total // 2)):
-            m = MoEOffloadedMixtral.from_pretrained(path, offload=OffloadConfig(policy="lru", gpu_expert_slots=slots))
+        for label, slots, kernels in (("lru-all", total, "cpu-int4"), ("lru-half", total // 2, "cpu-int4"),
+                                      ("lru-all-torch-ref", total, "auto"), ("lru-half-torch-ref", total // 2, "auto")):
+            if kernels == "cpu-int4" and not _slot_int4_supported():
+                continue
+            m = MoEOffloadedMixtral.from_pretrained(path, kernels=kernels,
+                                                    offload=OffloadConfig(policy="lru", gpu_expert_slots=slots))
             tok[label] = decode_tok_s(m, ids, args.tokens, args.repeats)
             m.close()
-        tok["ratio_lru_all"] = tok["lru-all"] / tok["resident-cpu-int4"]
-        tok["ratio_lru_half"] = tok["lru-half"] / tok["resident-cpu-int4"]
+        for label in ("lru-all", "lru-half", "lru-all-torch-ref", "lru-half-torch-ref"):
+            if label in tok:
+                tok[f"ratio_{label}"] = tok[label] / tok["resident-cpu-int4"]
         result["tok_s"] = tok
         print(json.dumps(tok, indent=1))
     result["load_after"] = os.getloadavg()

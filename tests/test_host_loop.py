@@ -133,3 +133,24 @@ def test_one_blocking_read_per_layer(model, policy, slots):
         backend.cache.check()
     finally:
         backend.close()
+
+
+@pytest.mark.parametrize(("policy", "slots", "transport"), [
+    ("lru", 32, "sync"), ("lru", 16, "random-delay"), ("lru", 2, "sync"), ("finemoe", 8, "random-delay"),
+    ("duoserve", 4, "sync"), ("mixtral-offloading", 8, "random-delay"),
+])
+def test_cpu_int4_slots_give_the_resident_cpu_int4_tokens(policy, slots, transport):
+    """kernels="cpu-int4" with an offloading policy: slot experts through per-slot int4 forms, bitwise the
+    resident CPU int4 path's tokens (the forms are converted from the slot bytes once the load landed)."""
+    ref = MoEOffloadedMixtral.from_pretrained(MODEL, kernels="cpu-int4")
+    ids = torch.tensor([ref.tokenizer.encode("The \"with\" statement is used to wrap the execution")])
+    want = ref.generate(ids, max_new_tokens=12, do_sample=False)
+    m = MoEOffloadedMixtral.from_pretrained(MODEL, kernels="cpu-int4", offload=OffloadConfig(
+        policy=policy, gpu_expert_slots=slots, transport=transport, random_delay_ms=0.3))
+    try:
+        got = m.generate(ids, max_new_tokens=12, do_sample=False)
+        forms = m.experts.int4_slots
+    finally:
+        m.close()
+    assert torch.equal(got, want)
+    assert forms.conversions > 0  # the slots computed were converted from their own bytes

@@ -16,6 +16,7 @@ One MoE layer (``forward``), in order:
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections import deque
 
@@ -26,6 +27,7 @@ from moeflow.kernels.pool import ExpertFormat, ExpertPool
 from moeflow.moe.backend import ExpertBackend, StepInfo
 from moeflow.offload.cache import ExpertCache, Slot
 from moeflow.offload.copy_engine import CopyEngine, LoadTask
+from moeflow.offload.cpu_slots import SlotInt4Forms
 from moeflow.offload.eviction import EvictionPolicy
 from moeflow.offload.host_store import HostStore
 from moeflow.offload.hybrid import HybridCompute
@@ -92,6 +94,9 @@ class OffloadedExperts(ExpertBackend):
         self._phase = stats.phase
         self.readback = ReadBack(self.device, self.num_experts)
         self.slot_tables = SlotTables(self.device, self.num_experts)
+        # kernels="cpu-int4" on the CPU: slots computed with torch's int4 kernels (forms kept per slot)
+        self.int4_slots = SlotInt4Forms(self.pool) if kernels_backend == "cpu-int4" else None
+        self._combine_backend = "torch" if kernels_backend == "cpu-int4" else kernels_backend
         self.cpu = cpu  # hybrid execution: misses computed on the CPU (docs/hybrid.md)
         self.prefill_ring = prefill_ring
         if predictor is not None:
@@ -99,6 +104,11 @@ class OffloadedExperts(ExpertBackend):
         stats.expert_pool_bytes = self.pool.buffer.numel()
         stats.host_store_bytes = self.host.nbytes
         stats.host_pinned = self.host.pinned
+        if self.device.type == "cuda" and not self.host.pinned:
+            warnings.warn("moeflow: the expert host store is not in pinned memory: every copy goes through a staging "
+                          "buffer at a fraction of the link's speed and waits for the compute stream "
+                          "(OffloadConfig.pin_memory, or the OS refused to pin; see stats.host_pinned)",
+                          RuntimeWarning, stacklevel=3)
         # threads and page registrations go away with the backend, even without close()
         self._finalizer = weakref.finalize(
             self, _shutdown, self.engine, self.transport, self.host if owns_host else None
@@ -190,7 +200,7 @@ class OffloadedExperts(ExpertBackend):
             raise
         if isinstance(self.transport, CudaTransport):
             st.stall_s += self.transport.collect_stall_s()
-        return kernels.combine(out, k, self.kernels_backend)
+        return kernels.combine(out, k, self._combine_backend)
 
     def _schedule_and_compute(
         self,
@@ -366,6 +376,10 @@ class OffloadedExperts(ExpertBackend):
         slots = [self.cache.lookup((layer, e)) for e in experts]
         if self.compute_executor is not None:  # simulator: accounts the compute, no weights are read
             self.compute_executor(layer, topk_ids, experts)
+            self._release_after_compute(slots)
+            return
+        if self.int4_slots is not None:
+            self.int4_slots.compute(layer, x, topk_ids, topk_weights, out, experts, [slot.index for slot in slots])
             self._release_after_compute(slots)
             return
         slot_of_expert, expert_mask = self.slot_tables.fill(experts, [slot.index for slot in slots])

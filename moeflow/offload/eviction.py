@@ -198,12 +198,11 @@ class PriorityEviction(EvictionPolicy):
     def pick(self, evictable, layer_now, allowed=None, flags=None):  # noqa: D102 (the base's)
         if self.score_table is None or flags is None or allowed is not None:
             return super().pick(evictable, layer_now, allowed, flags)
-        table = self.score_table(layer_now).reshape(-1)
-        idx = np.flatnonzero(flags)
-        if idx.size == 0:
+        masked = np.where(flags, self.score_table(layer_now), np.inf)
+        low = masked.min()
+        if low == np.inf:
             return None
-        scores = table[idx]
-        tied = idx[scores == scores.min()]
+        tied = np.flatnonzero(masked == low)
         E = flags.shape[1]
         keys = [(int(i) // E, int(i) % E) for i in tied]
         return keys[0] if len(keys) == 1 else min(keys, key=self.base.order)

@@ -70,7 +70,11 @@ class FineMoERuntime(LearnedPredictorRuntime):
 
     def eviction_table(self, layer_now: int = 0) -> np.ndarray:
         """Every key's ``eviction_score`` at once, float32 [L, E] (the vectorised victim choice)."""
-        return (self.predictor.guidance * self.predictor.freq).numpy()
+        pred = self.predictor
+        table = getattr(self, "_table", None)
+        if table is None or table.shape != tuple(pred.freq.shape):
+            table = self._table = np.empty(tuple(pred.freq.shape), dtype=np.float32)
+        return np.multiply(pred.guidance.numpy(), pred.freq.numpy(), out=table)
 
 
 def _finemoe_predictor(ctx: PolicyContext) -> FineMoERuntime:
