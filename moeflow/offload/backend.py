@@ -155,6 +155,7 @@ class OffloadedExperts(ExpertBackend):
         return self.predictor.predict_paths(step, last_only) if self.predictor is not None else None
 
     # ------------------------------------------------------------------ one layer
+    @torch.compiler.disable  # the host-side scheduler: the one graph break per MoE layer under torch.compile
     def forward(
         self,
         layer: int,

@@ -115,11 +115,13 @@ class AsyncHostCopy:
 
 
 class SlotTables:
-    """The (slot of expert, expert mask) pair of each expert-kernel call, from persistent buffers.
+    """The (slot of expert, expert mask) pair of each expert-kernel call.
 
-    On a GPU a ring of pinned host buffers, each copied into its own device buffer; a buffer is refilled only
-    after its previous copy ran (its event, recorded at the copy, has long completed by then: ``RING`` calls
-    later). On the CPU one buffer, used in place (the compute is synchronous).
+    On a GPU from persistent buffers: a ring of pinned host buffers, each copied into its own device buffer on
+    the compute stream (so the kernel that reads a device buffer runs before the copy that refills it, ``RING``
+    calls later); a host buffer is refilled only after its copy ran (its event, long completed by then). On the
+    CPU two small fresh tensors per call: the call may still be queued behind others (the tests' emulated
+    stream), so a reused buffer could change under it.
     """
 
     RING = 8
@@ -127,27 +129,28 @@ class SlotTables:
     def __init__(self, device: torch.device, num_experts: int) -> None:
         self.device, self.num_experts = torch.device(device), num_experts
         self.cuda = self.device.type == "cuda"
-        n = self.RING if self.cuda else 1
-        self.host = [torch.zeros(2 * num_experts, dtype=torch.int32, pin_memory=self.cuda) for _ in range(n)]
-        self.dev = [h.to(self.device) for h in self.host] if self.cuda else self.host
+        n = self.RING if self.cuda else 0
+        self.host = [torch.zeros(2 * num_experts, dtype=torch.int32, pin_memory=True) for _ in range(n)]
+        self.dev = [h.to(self.device) for h in self.host]
         self.mask = [torch.zeros(num_experts, dtype=torch.bool, device=self.device) for _ in range(n)]
-        self.events = [torch.cuda.Event(blocking=True) if self.cuda else None for _ in range(n)]
+        self.events = [torch.cuda.Event(blocking=True) for _ in range(n)]
         self._next = 0
 
     def fill(self, experts: list[int], slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """experts and their slot indices -> (slot_of_expert int32 [E], expert_mask bool [E]) on the device."""
-        i = self._next
-        self._next = (i + 1) % len(self.host)
-        E, host = self.num_experts, self.host[i]
-        if self.events[i] is not None:
-            self.events[i].synchronize()  # the copy of RING calls ago (long done): the buffer is free again
-        host.zero_()
+        E = self.num_experts
+        packed = [0] * (2 * E)  # slot table, then the mask
         for e, slot in zip(experts, slots, strict=True):
-            host[e] = slot
-            host[E + e] = 1
-        dev = self.dev[i]
-        if self.cuda:
-            dev.copy_(host, non_blocking=True)
-            self.events[i].record()
+            packed[e], packed[E + e] = slot, 1
+        if not self.cuda:
+            t = torch.tensor(packed, dtype=torch.int32)
+            return t[:E], t[E:] != 0
+        i = self._next
+        self._next = (i + 1) % self.RING
+        self.events[i].synchronize()  # the copy of RING calls ago (long done): the host buffer is free again
+        host, dev = self.host[i], self.dev[i]
+        host.copy_(torch.tensor(packed, dtype=torch.int32))
+        dev.copy_(host, non_blocking=True)
+        self.events[i].record()
         torch.ne(dev[E:], 0, out=self.mask[i])
         return dev[:E], self.mask[i]
