@@ -69,6 +69,12 @@ class _Timed:
     def begin_step(self, step):
         return self._timed(self.step_s, self._begin, step)
 
+    def p10_per_layer(self, num_layers: int) -> float:
+        """10th-percentile forward + begin_step / layers in us: the intrinsic cost when the cores are oversubscribed."""
+        def p10(xs):
+            return sorted(xs)[len(xs) // 10] if xs else 0.0
+        return (p10(self.forward_s) + p10(self.step_s) / num_layers) * 1e6
+
     def us_per_layer(self, num_layers: int) -> tuple[float, float]:
         """(median forward + median begin_step / layers, mean forward + mean begin_step / layers) in us: the
         median call is what the host loop costs, the mean adds the preemptions of a loaded machine."""
@@ -97,16 +103,19 @@ def _backend(model, policy: str, slots: int, noop: bool):
     return backend
 
 
-def _summary(med: list[float], mean: list[float], hits: list[float]) -> dict:
-    return {"us": statistics.median(med), "mean_us": statistics.median(mean), "runs_us": med,
-            "hit_rate": statistics.median(hits)}
+def _summary(med: list[float], mean: list[float], hits: list[float], p10: list[float] | None = None) -> dict:
+    out = {"us": statistics.median(med), "mean_us": statistics.median(mean), "runs_us": med,
+           "hit_rate": statistics.median(hits)}
+    if p10:
+        out["p10_us"] = statistics.median(p10)
+    return out
 
 
 def noop_us_per_layer(model, policy: str, slots: int, steps: int, repeats: int) -> dict:
     """Drive a no-op-kernel backend directly: one decode token per step, seeded uniform routing."""
     E, L = model.experts.num_experts, model.experts.num_layers
     k, H = model.config.num_experts_per_tok, model.config.hidden_size
-    med, mean, hits = [], [], []
+    med, mean, hits, p10 = [], [], [], []
     for r in range(repeats):
         gen = torch.Generator().manual_seed(r)
         backend = _backend(model, policy, slots, noop=True)
@@ -131,9 +140,10 @@ def noop_us_per_layer(model, policy: str, slots: int, steps: int, repeats: int) 
         a, b = timed.us_per_layer(L)
         med.append(a)
         mean.append(b)
+        p10.append(timed.p10_per_layer(L))
         d = model.stats.decode
         hits.append(d.hits / max(d.hits + d.misses, 1))
-    return _summary(med, mean, hits)
+    return _summary(med, mean, hits, p10)
 
 
 def real_us_per_layer(model, ids: torch.Tensor, policy: str, slots: int, new_tokens: int, repeats: int) -> dict:
@@ -177,14 +187,47 @@ def _slot_int4_supported() -> bool:
         return False
 
 
+TARGET_US = {"ondemand": 120, "lru": 120, "lfu": 120, "static": 120, "mixtral-offloading": 120}  # else 250
+
+
+def _us(r: dict) -> str:
+    if not r:
+        return ""
+    return f"{r['us']:.0f}" + (f" / {r['p10_us']:.0f}" if "p10_us" in r else "")
+
+
+def table(before_path: Path, after_path: Path) -> str:
+    """Markdown: us per layer before -> after for every policy, kind and hit level, and the tok/s ratios."""
+    before, after = (json.loads(Path(p).read_text()) for p in (before_path, after_path))
+    lines = ["| kernels | policy | slots | before us (median / p10) | after us (median / p10) | target | hit rate |",
+             "|---|---|---|---:|---:|---:|---:|"]
+    for kind in ("noop", "real"):
+        for key, r in after.get(kind, {}).items():
+            policy, label = key.split("/")
+            b = before.get(kind, {}).get(key, {})
+            target = TARGET_US.get(policy, 250) if kind == "noop" and label == "all-hit" else ""
+            lines.append(f"| {kind} | {policy} | {label} | {_us(b)} | {_us(r)} | {target} | {r['hit_rate']:.2f} |")
+    lines += ["", "| decode tok/s | before | after |", "|---|---:|---:|"]
+    for key in after.get("tok_s", {}):
+        b = before.get("tok_s", {}).get(key)
+        lines.append(f"| {key} | {'' if b is None else f'{b:.3g}'} | {after['tok_s'][key]:.3g} |")
+    lines += ["", f"load average before/after: {before.get('load_before')} / {after.get('load_before')} (2 cores)"]
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--table", nargs=2, type=Path, metavar=("BEFORE", "AFTER"), help="print the Markdown table")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--skip-tok-s", action="store_true")
+    ap.add_argument("--noop-only", action="store_true", help="only the no-op-kernel scheduler timings")
     args = ap.parse_args()
+    if args.table:
+        print(table(*args.table))
+        return
     torch.set_num_threads(1)
     path = embedded_model_path()
     model = MoEOffloadedMixtral.from_pretrained(path, kernels="torch",
@@ -195,14 +238,16 @@ def main() -> None:
                     "model": str(path.name), "tokens": args.tokens, "repeats": args.repeats, "noop": {}, "real": {}}
     for policy in args.policies.split(","):
         for label, slots in (("all-hit", total), ("half", total // 2)):
-            runs = {"noop": noop_us_per_layer(model, policy, slots, 4 * args.tokens, args.repeats),
-                    "real": real_us_per_layer(model, ids, policy, slots, args.tokens, args.repeats)}
+            runs = {"noop": noop_us_per_layer(model, policy, slots, 4 * args.tokens, args.repeats)}
+            if not args.noop_only:
+                runs["real"] = real_us_per_layer(model, ids, policy, slots, args.tokens, args.repeats)
             for kind, r in runs.items():
                 result[kind][f"{policy}/{label}"] = r
-                print(f"{kind:5s} {policy:19s} {label:8s} {r['us']:8.1f} us/layer (mean {r['mean_us']:8.1f})  "
+                print(f"{kind:5s} {policy:19s} {label:8s} {r['us']:8.1f} us/layer (p10 {r.get('p10_us', 0):7.1f}, mean "
+                      f"{r['mean_us']:8.1f})  "
                       f"hit {r['hit_rate']:.2f}", flush=True)
     model.close()
-    if not args.skip_tok_s:
+    if not (args.skip_tok_s or args.noop_only):
         resident = MoEOffloadedMixtral.from_pretrained(path, kernels="cpu-int4")
         tok = {"resident-cpu-int4": decode_tok_s(resident, ids, args.tokens, args.repeats)}
         resident.close()
