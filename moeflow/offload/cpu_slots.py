@@ -31,8 +31,12 @@ class SlotInt4Forms:
     def form(self, slot: int, key: tuple[int, int]):
         held = self._forms.get(slot)
         if held is None or held[0] != key:
-            tensors = {name: t[slot] for name, t in self.pool.tensors.items()}
-            held = self._forms[slot] = (key, self._make(tensors, self.pool.fmt.group_size))
+            fmt = self.pool.fmt
+            if hasattr(fmt, "awq_tensors"):  # the pool holds the GPU kernels' layout: its exact inverse
+                tensors = fmt.awq_tensors(self.pool.buffer[slot])
+            else:
+                tensors = {name: t[slot] for name, t in self.pool.tensors.items()}
+            held = self._forms[slot] = (key, self._make(tensors, fmt.group_size))
             self.conversions += 1
         return held[1]
 
