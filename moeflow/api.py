@@ -123,12 +123,23 @@ class MoEModel(nn.Module):
         self._runner.backend = backend
         return previous
 
-    def compile_decode(self) -> None:
-        """torch.compile the one-token decode step (fullgraph when every expert is resident)."""
+    def compile_decode(self, backend: str = "inductor") -> None:
+        """torch.compile the one-token decode step (fullgraph when every expert is resident; an offloading
+        backend is the one graph break per MoE layer). The layer index is traced as a symbolic int, so the
+        decoder layers share their graphs instead of recompiling per layer (which hit dynamo's recompile
+        limit at 8 layers and left the rest eager)."""
         from moeflow.moe.resident import ResidentExperts
 
         fullgraph = isinstance(self.backend, ResidentExperts)
-        self._runner.decode_fn = torch.compile(self.model, fullgraph=fullgraph, dynamic=False)
+        unspec_layer_index = torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True)
+        with unspec_layer_index:
+            compiled = torch.compile(self.model, fullgraph=fullgraph, dynamic=False, backend=backend)
+
+        def decode(*args, **kwargs):
+            with unspec_layer_index:
+                return compiled(*args, **kwargs)
+
+        self._runner.decode_fn = decode
         self._compiled = True
 
     def close(self) -> None:

@@ -48,11 +48,13 @@ class Kernels:
 def resolve_kernels(kernels: str, device: torch.device, offload: OffloadConfig, awq: bool) -> Kernels:
     """auto: Triton on CUDA; on the CPU torch's int4 kernels for AWQ experts, else the torch reference.
 
-    "cpu-int4" computes resident AWQ experts on the CPU (``CpuInt4Experts``); with an offloading policy
-    the slot pool holds AWQ bytes, computed by the torch reference. AWQ attention layers use torch then.
+    "cpu-int4" computes resident AWQ experts on the CPU (``CpuInt4Experts``); with an offloading policy the slot
+    pool holds AWQ bytes, computed with the int4 kernels on per-slot forms when "cpu-int4" is asked for, by the
+    torch reference when "auto" chose it. AWQ attention layers use torch then.
     """
     if kernels not in KERNEL_CHOICES:
         raise ValueError(f"kernels={kernels!r}: expected one of {KERNEL_CHOICES}")
+    requested = kernels
     from moeflow.kernels.cpu_int4 import int4_cpu_available
 
     if kernels == "auto":
@@ -70,7 +72,10 @@ def resolve_kernels(kernels: str, device: torch.device, offload: OffloadConfig, 
     if kernels == "triton" and device.type == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton on the CPU means its interpreter
     if kernels == "cpu-int4":
-        return Kernels("cpu-int4", "cpu-int4" if offload.policy == "resident" else "torch", "torch")
+        # given explicitly, offloaded slots are computed with the int4 kernels too (forms converted per slot);
+        # chosen by "auto", an offloading policy keeps the torch reference on the slot pool
+        explicit = requested == "cpu-int4"
+        return Kernels("cpu-int4", "cpu-int4" if offload.policy == "resident" or explicit else "torch", "torch")
     return Kernels(kernels, kernels, kernels)
 
 
@@ -82,7 +87,7 @@ def make_expert_backend(
     """``CpuInt4Experts`` for resident experts computed with the CPU int4 kernels; otherwise the offload
     package's backend for ``offload.policy`` (``ResidentExperts`` for "resident")."""
     num_moe = len(family.moe_layers)
-    if kernels.experts == "cpu-int4":
+    if kernels.experts == "cpu-int4" and offload.policy == "resident":
         return CpuInt4Experts(fmt, num_moe, family.num_experts)
     blocks = decoder.moe_blocks
     return create_expert_backend(
