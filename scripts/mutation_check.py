@@ -46,11 +46,9 @@ MUTATIONS = [
              "handle = self.transport.copy(dst, src, task.after)", "handle = self.transport.copy(dst, src, ())",
              FENCES),
     Mutation("fence-deferred-load-unfenced", "a deferred (ring) load does not wait for its slot's fences",
-             "layer, key[1], slot.index, high=True, after=self.cache.take_fences(slot), stats=st",
-             "layer, key[1], slot.index, high=True, after=(), stats=st", FENCES),
+             "high=True, after=self.cache.take_fences(slot)", "high=True, after=()", FENCES),
     Mutation("fence-prefetch-unfenced", "a prefetch does not wait for its slot's fences",
-             "target, e, slot.index, high=False, after=self.cache.take_fences(slot), stats=st",
-             "target, e, slot.index, high=False, after=(), stats=st", FENCES),
+             "high=False, after=self.cache.take_fences(slot)", "high=False, after=()", FENCES),
     Mutation("fence-no-compute-fence", "a released slot forgets the compute that read it (next copy may overwrite "
              "it under the kernel)", "slot.fences = [fence]", "slot.fences = []", FENCES),
     Mutation("fence-drop-forgets-copies", "a cancelled load's in-flight copies are not kept as the slot's fences",
