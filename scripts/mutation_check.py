@@ -66,8 +66,9 @@ MUTATIONS = [
              "self.transport.wait_compute(task.handles)", "self.transport.wait_compute([])", FENCES),
     # ---- precision
     Mutation("kernel-half-accumulation", "the prefill GEMM rounds its accumulator to the activation dtype each k-step",
-             "acc = tl.dot(a, w.to(DOT_DTYPE), acc=acc, input_precision=DOT_PREC)",
-             "acc = tl.dot(a, w.to(DOT_DTYPE), acc=acc, input_precision=DOT_PREC).to(CDTYPE).to(tl.float32)",
+             "acc = tl.dot(a.to(CDTYPE).to(DOT_DTYPE), w.to(DOT_DTYPE), acc=acc, input_precision=DOT_PREC)",
+             "acc = tl.dot(a.to(CDTYPE).to(DOT_DTYPE), w.to(DOT_DTYPE), acc=acc, input_precision=DOT_PREC)"
+             ".to(CDTYPE).to(tl.float32)",
              ("tests/test_kernel_precision.py",)),
     # ---- hit rates (pinned counts, tests/test_policy_counts.py)
     Mutation("lru-fresh-load-not-recent", "a fresh load is not counted as recent (LRU evicts a prefetch first)",
