@@ -132,6 +132,7 @@ def generate(
     stats, device = runner.stats, runner.device
     b, t = input_ids.shape
     custom_paths = predict_paths is not None
+    runner.pipeline_stats = None
     predict_paths = predict_paths or runner.backend.predict_paths
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     eos = torch.tensor(gen.eos_ids(), dtype=torch.long, device=device)

@@ -82,6 +82,7 @@ class DualBatchPipeline:
         self.scores = torch.zeros((batch, L, E))  # each row's newest scores in hand
         self.jobs: dict[int, tuple[Future, int]] = {}  # row -> (its pending prediction, its index in the job)
         self.schedule: Future | None = None
+        self.just_ran: set[int] = set()  # rows of the pass that ended last (their prediction has just started)
         self.stats = PipelineStats()
         state = self.pred.state  # the policy's counters run across calls: keep where they stood
         self._counters0 = (state.next_pass_prefetches, state.planned_at_start, state.resident_at_start)
@@ -173,13 +174,12 @@ class DualBatchPipeline:
         state.upcoming = None
         out = torch.empty_like(tok)
         ones = torch.ones((self.batch, 1), dtype=torch.bool, device=device)
-        just_ran: set[int] = set()
         try:
             for i, group in enumerate(self.groups):
                 last = i == len(self.groups) - 1
                 if last and self.lane.overlaps and len(self.groups) > 1:  # beside the last pass
                     self.schedule = self.lane.submit(self._schedule, group, self.scores.clone(), dict(self.jobs))
-                scores = self._take_scores(group, just_ran)
+                scores = self._take_scores(group, self.just_ran)
                 state.upcoming = self._upcoming(i)
                 rows = torch.tensor(group, dtype=torch.long, device=device)
                 logits = self.runner.forward_pass(tok[rows, None], next_pos[rows, None], cache.rows(rows),
@@ -188,7 +188,7 @@ class DualBatchPipeline:
                 out[rows] = pick(logits, rows)
                 hist[rows, n], hist_mask[rows, n] = out[rows], True
                 self._submit_prediction(group, hist[:, : n + 1], hist_mask[:, : n + 1])
-                just_ran = set(group)
+                self.just_ran = set(group)
                 self.stats.passes += 1
             if len(self.groups) > 1:
                 if self.schedule is None:  # inline lane: after the last pass's prediction

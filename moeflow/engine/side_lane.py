@@ -4,6 +4,7 @@
   job runs beside the main thread's forward pass (ExpertFlow §4.2). torch releases the GIL in its kernels.
 * :class:`InlineLane`: the job runs at once on the calling thread, on the critical path: the same work in the
   same order without the overlap (the "without the pipeline" baseline of the benchmark).
+* :class:`VirtualLane`: jobs cost given virtual seconds on a virtual clock (tests, the virtual-clock benchmark).
 
 Both time what they do: ``busy_s`` (seconds of side work) and ``exposed_s`` (seconds the main thread spent
 waiting for it: all of ``busy_s`` inline, what the overlap did not hide on the thread).
@@ -91,3 +92,49 @@ class ThreadLane(Lane):
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+
+
+class _VirtualFuture(Future):
+    """A job's result, done once the virtual clock reaches ``ready``; waiting for it moves the clock there."""
+
+    def __init__(self, clock: Any, ready: float) -> None:
+        super().__init__()
+        self.clock, self.ready = clock, ready
+
+    def done(self) -> bool:
+        return self.clock() >= self.ready
+
+    def result(self, timeout: float | None = None) -> Any:
+        self.clock.advance_to(self.ready)
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self.clock.advance_to(self.ready)
+        return super().exception(timeout)
+
+
+class VirtualLane(Lane):
+    """Side work in virtual time (tests, benchmarks on ``moeflow.sim``'s SimClock or any clock with
+    ``advance_to``): a job runs at once, but counts as done only at max(its submission, the previous job's end)
+    + ``cost(fn)`` seconds. ``overlaps=False``: the host is blocked for that time at submission instead."""
+
+    def __init__(self, clock: Any, cost: Callable[[Callable[..., Any]], float], overlaps: bool = True) -> None:
+        super().__init__(clock)
+        self.cost, self.overlaps = cost, overlaps
+        self.free = 0.0  # when the lane finishes what it holds
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        seconds = self.cost(fn)
+        start = max(self.clock(), self.free)
+        self.free = start + seconds
+        self.busy_s += seconds
+        self.jobs += 1
+        future = _VirtualFuture(self.clock, self.free)
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:
+            future.set_exception(e)
+        if not self.overlaps:
+            self.exposed_s += self.free - self.clock()
+            self.clock.advance_to(self.free)
+        return future
