@@ -1,4 +1,5 @@
-"""pytest-benchmark: one Mixtral-8x7B expert (H 4096, I 14336, AWQ group 128) on the CPU.
+"""pytest-benchmark: one Mixtral-8x7B expert (H 4096, I 14336, AWQ group 128) on the CPU, and one expert of
+the peer benchmark's synthetic Mixtral (H 1024, I 3584; benchmarks/peers/).
 
 * ``int4``: torch's int4 CPU kernel (:class:`moeflow.kernels.cpu_int4.Int4Expert`, bf16 activations), the path
   hybrid execution and ``device="cpu"`` use;
@@ -7,7 +8,8 @@
 
 At T = 1, 4, 16 tokens. Each benchmark records in ``extra_info`` the weight bytes it reads and the achieved
 GB/s (median time), and the int4 ones their fraction of the memcpy rate (bytes copied per second; a copy
-reads and writes each byte, the kernel mostly reads). Target (issue 8): int4 >= 10x dequant at T = 1.
+reads and writes each byte, the kernel mostly reads). Targets: int4 >= 10x dequant at T = 1 (issue 8);
+int4 bytes/s at T = 4 and 16 within 1.5x of T = 1 (issue 21; the "per byte vs T=1" column).
 
     python -m pytest benchmarks/bench_cpu_int4.py --benchmark-json=benchmarks/results/cpu_int4/bench.json
     python benchmarks/bench_cpu_int4.py --table benchmarks/results/cpu_int4/bench.json   # Markdown table
@@ -27,6 +29,7 @@ from moeflow.kernels.cpu_int4 import Int4Expert, int4_cpu_available
 from moeflow.quant.awq import dequantize
 
 H, I, GROUP = 4096, 14336, 128  # noqa: E741
+SHAPES = {"mixtral-8x7b": (H, I), "synthetic": (1024, 3584)}
 TOKENS = (1, 4, 16)
 COPY_BYTES = 256 * 2**20
 _STATE: dict = {}
@@ -41,21 +44,22 @@ def _awq(fan_in: int, fan_out: int, gen: torch.Generator) -> tuple[torch.Tensor,
     return qweight.to(torch.int32), qzeros.to(torch.int32), scales
 
 
-def expert_tensors() -> dict[str, torch.Tensor]:
-    if "tensors" not in _STATE:
+def expert_tensors(shape: str = "mixtral-8x7b") -> dict[str, torch.Tensor]:
+    if ("tensors", shape) not in _STATE:
+        hidden, inter = SHAPES[shape]
         gen = torch.Generator().manual_seed(0)
-        (a, b, c), (d, e, f) = _awq(H, 2 * I, gen), _awq(I, H, gen)
-        _STATE["tensors"] = {"w13_qweight": a, "w13_qzeros": b, "w13_scales": c,
-                             "w2_qweight": d, "w2_qzeros": e, "w2_scales": f}
-    return _STATE["tensors"]
+        (a, b, c), (d, e, f) = _awq(hidden, 2 * inter, gen), _awq(inter, hidden, gen)
+        _STATE[("tensors", shape)] = {"w13_qweight": a, "w13_qzeros": b, "w13_scales": c,
+                                      "w2_qweight": d, "w2_qzeros": e, "w2_scales": f}
+    return _STATE[("tensors", shape)]
 
 
-def int4_expert() -> Int4Expert:
-    if "int4" not in _STATE:
+def int4_expert(shape: str = "mixtral-8x7b") -> Int4Expert:
+    if ("int4", shape) not in _STATE:
         t0 = time.perf_counter()
-        _STATE["int4"] = Int4Expert.from_awq_tensors(expert_tensors(), GROUP)
-        _STATE["convert_s"] = time.perf_counter() - t0
-    return _STATE["int4"]
+        _STATE[("int4", shape)] = Int4Expert.from_awq_tensors(expert_tensors(shape), GROUP)
+        _STATE[("convert_s", shape)] = time.perf_counter() - t0
+    return _STATE[("int4", shape)]
 
 
 def dequant_forward(t: dict[str, torch.Tensor], x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -80,13 +84,14 @@ def memcpy_rate() -> float:
     return _STATE["memcpy"]
 
 
-def _record(benchmark, kind: str, T: int, nbytes: int) -> None:
+def _record(benchmark, kind: str, T: int, nbytes: int, shape: str = "mixtral-8x7b") -> None:
     median = benchmark.stats.stats.median
     gbps = nbytes / median / 1e9
     benchmark.extra_info.update({
-        "kind": kind, "T": T, "weight_bytes": nbytes, "achieved_GBps": gbps, "memcpy_GBps": memcpy_rate() / 1e9,
-        "fraction_of_memcpy": gbps * 1e9 / memcpy_rate(), "torch_threads": torch.get_num_threads(),
-        "convert_s": _STATE.get("convert_s"),
+        "kind": kind, "T": T, "shape": shape, "weight_bytes": nbytes, "achieved_GBps": gbps,
+        "memcpy_GBps": memcpy_rate() / 1e9, "fraction_of_memcpy": gbps * 1e9 / memcpy_rate(),
+        "torch_threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "convert_s": _STATE.get(("convert_s", shape)),
     })
 
 
@@ -96,12 +101,14 @@ def test_memcpy(benchmark):
     _record(benchmark, "memcpy", 0, COPY_BYTES)
 
 
+@pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("T", TOKENS)
-def test_int4(benchmark, T):
-    ex = int4_expert()
-    x, w = torch.randn(T, H), torch.rand(T)
-    benchmark.pedantic(lambda: ex.forward(x, w), rounds=10, iterations=1, warmup_rounds=2)
-    _record(benchmark, "int4", T, ex.nbytes)
+def test_int4(benchmark, T, shape):
+    ex = int4_expert(shape)
+    x, w = torch.randn(T, SHAPES[shape][0]), torch.rand(T)
+    rounds = 10 if shape == "mixtral-8x7b" else 40
+    benchmark.pedantic(lambda: ex.forward(x, w), rounds=rounds, iterations=1, warmup_rounds=2)
+    _record(benchmark, "int4", T, ex.nbytes, shape)
 
 
 @pytest.mark.parametrize("T", TOKENS)
@@ -115,7 +122,8 @@ def test_dequant(benchmark, T):
 def table(path: str) -> str:
     """Markdown table of a ``--benchmark-json`` file: int4 vs dequant per T, GB/s vs memcpy."""
     data = json.loads(open(path).read())
-    rows = {(b["extra_info"]["kind"], b["extra_info"]["T"]): b for b in data["benchmarks"]}
+    rows = {(b["extra_info"]["kind"], b["extra_info"]["T"]): b for b in data["benchmarks"]
+            if b["extra_info"].get("shape", "mixtral-8x7b") == "mixtral-8x7b"}
     info = next(iter(rows.values()))["extra_info"]
     med = rows[("memcpy", 0)]["extra_info"]["achieved_GBps"] if ("memcpy", 0) in rows else float("nan")
     lines = [f"memcpy (256 MiB copy_, bytes copied/s): {info['memcpy_GBps']:.2f} GB/s best of 5 (the yardstick "
@@ -130,6 +138,21 @@ def table(path: str) -> str:
         lines.append(f"| {T} | {ta * 1e3:.1f} | {tb * 1e3:.0f} | {tb / ta:.1f}x | "
                      f"{a['extra_info']['achieved_GBps']:.2f} | {a['extra_info']['fraction_of_memcpy']:.0%} | "
                      f"{b['extra_info']['achieved_GBps']:.3f} |")
+    return "\n".join(lines + ["", per_token_table(data)])
+
+
+def per_token_table(data: dict) -> str:
+    """Issue 21's metric: int4 time per byte at T relative to T = 1, per expert shape."""
+    lines = ["| expert shape | T | int4 ms (median) | GB/s | time per byte vs T = 1 |", "|---|---|---|---|---|"]
+    rows = {(b["extra_info"].get("shape", "mixtral-8x7b"), b["extra_info"]["T"]): b for b in data["benchmarks"]
+            if b["extra_info"]["kind"] == "int4"}
+    for shape in SHAPES:
+        for T in TOKENS:
+            if (shape, T) not in rows or (shape, 1) not in rows:
+                continue
+            med, base = rows[(shape, T)]["stats"]["median"], rows[(shape, 1)]["stats"]["median"]
+            lines.append(f"| {shape} | {T} | {med * 1e3:.2f} | {rows[(shape, T)]['extra_info']['achieved_GBps']:.2f}"
+                         f" | {med / base:.2f}x |")
     return "\n".join(lines)
 
 

@@ -113,26 +113,16 @@ def test_embedded_model_bits_per_byte_recomputed_from_its_weights():
     assert bits < 3.0  # learned text: uniform bytes would be 8 bits, a unigram model of this text ~4.5
 
 
-# torch packs int4 for the CPU in blocks of 64 output columns on AVX512 machines but of 32 on AVX2 ones (probed on
-# torch 2.13: byte (k, j) of a block's [K, 16] array holds column j low, column 16 + j high); the byte repack knows
-# only the 64-column layout, so on AVX2 it falls back to torch's slower conversion. Strict: passes only once fixed.
-AVX2_REPACK_BUG = pytest.mark.xfail(
-    torch.backends.cpu.get_cpu_capability() != "AVX512", strict=True,
-    reason="cpu_int4._repack_bytes assumes the AVX512 (64-column) int4pack layout; AVX2 packs 32 columns per block",
-)
-
-
 @pytest.mark.skipif(not cpu_int4.int4_cpu_available(), reason="this torch build has no int4 CPU kernels")
-@AVX2_REPACK_BUG
 def test_fast_int4_repack_is_the_path_taken(monkeypatch):
     """On the pinned torch the byte-shuffle repack matches torch's conversion and is what awq_to_int4pack_cpu uses
     (a layout change in torch would otherwise fall back silently, 3-4x slower)."""
     q = torch.randint(-(2**31), 2**31 - 1, (256, 32), generator=torch.Generator().manual_seed(1),
                       dtype=torch.int64).to(torch.int32)
-    assert cpu_int4._fast_repack_ok(), f"torch {torch.__version__}: the fast repack no longer matches torch's layout"
+    assert cpu_int4._repack_block() in (32, 64), f"torch {torch.__version__}: no byte repack matches its int4 layout"
     calls = []
     real = cpu_int4._repack_bytes
-    monkeypatch.setattr(cpu_int4, "_repack_bytes", lambda w: calls.append(w.shape) or real(w))
+    monkeypatch.setattr(cpu_int4, "_repack_bytes", lambda w, block: calls.append(w.shape) or real(w, block))
     packed = cpu_int4.awq_to_int4pack_cpu(q)
     assert calls == [q.shape]
     from moeflow.quant.awq import unpack_int4

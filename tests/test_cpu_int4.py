@@ -7,8 +7,14 @@ import torch
 from helpers import make_tiny_checkpoint
 
 from moeflow import MoEOffloadedMixtral
-from moeflow.kernels.cpu_int4 import Int4Expert, int4_cpu_available, int4_expert_reference
-from moeflow.quant.awq import quantize_rtn
+from moeflow.kernels.cpu_int4 import (
+    INNER_K_TILES,
+    Int4Expert,
+    awq_to_int4pack_cpu,
+    int4_cpu_available,
+    int4_expert_reference,
+)
+from moeflow.quant.awq import quantize_rtn, unpack_int4
 from moeflow.quant.convert import quantize_checkpoint
 
 pytestmark = pytest.mark.skipif(not int4_cpu_available(), reason="this torch build has no int4 CPU kernels")
@@ -28,6 +34,15 @@ def awq_expert(hidden, inter, group, seed):
         "w13_scales": torch.cat([a1.scales, a3.scales], 1), "w2_qweight": a2.qweight, "w2_qzeros": a2.qzeros,
         "w2_scales": a2.scales,
     }
+
+
+@pytest.mark.parametrize("k,n", [(64, 96), (128, 160), (256, 512)])
+def test_byte_repack_equals_torchs_conversion(k, n):
+    """The byte-shuffle repack (64- or 32-column blocks, whichever this torch build uses) or its fallback."""
+    q = torch.randint(-(2**31), 2**31 - 1, (k, n // 8), generator=torch.Generator().manual_seed(k),
+                      dtype=torch.int64).to(torch.int32)
+    ref = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(q).T.contiguous(), INNER_K_TILES)
+    assert torch.equal(awq_to_int4pack_cpu(q), ref)
 
 
 @pytest.mark.parametrize("hidden,inter,group,n", [(128, 256, 32, 1), (256, 128, 64, 7), (128, 384, 128, 33)])

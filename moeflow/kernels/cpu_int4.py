@@ -31,19 +31,21 @@ def int4_cpu_available() -> bool:
     )
 
 
-def _repack_bytes(qweight: torch.Tensor) -> torch.Tensor:
+def _repack_bytes(qweight: torch.Tensor, block: int) -> torch.Tensor:
     """AWQ qweight int32 [K, N/8] -> torch's CPU int4pack uint8 [N, K/2], with byte ops only.
 
-    The CPU int4pack layout (torch 2.6-2.13, found by probing): per block of 64 output columns, a
-    ``[K, 32]`` byte array whose byte (k, j) holds column j in its low nibble and column 32 + j in its
-    high one. In AWQ those two columns sit in words 4 apart, in the same nibble, so the repack is a
-    word transpose plus nibble shuffles (3-4x faster than unpack + ``_convert_weight_to_int4pack_for_cpu``
-    at Mixtral shapes, and 4x less temporary memory).
+    The CPU int4pack layout (torch 2.6-2.13, found by probing; ``block`` is 64 columns where torch runs its
+    AVX-512 kernels, 32 where it runs AVX2): per block of columns, a ``[K, block/2]`` byte array whose byte
+    (k, j) holds column j in its low nibble and column block/2 + j in its high one. In AWQ those two columns
+    sit in words block/16 apart, in the same nibble, so the repack is a word transpose plus nibble shuffles
+    (several times faster than unpack + ``_convert_weight_to_int4pack_for_cpu``, and 4x less temporary memory).
     """
     K, n8 = qweight.shape
-    nb = n8 // 8
-    words = qweight.contiguous().view(K, nb, 8).permute(1, 0, 2).contiguous()  # [N/64, K, 8] words
-    u = words.view(torch.uint8).view(nb, K, 2, 4, 4)  # (columns 0-31 | 32-63) x word x byte
+    words_per_block = block // 8
+    nb = n8 // words_per_block
+    half = words_per_block // 2
+    words = qweight.contiguous().view(K, nb, words_per_block).permute(1, 0, 2).contiguous()  # [N/block, K, w]
+    u = words.view(torch.uint8).view(nb, K, 2, half, 4)  # (low | high columns) x word x byte
     lo, hi = u[:, :, 0], u[:, :, 1]
     lows = (lo & 0xF) | (hi << 4)  # even AWQ nibbles of the byte
     highs = (lo >> 4) | (hi & 0xF0)  # odd AWQ nibbles
@@ -53,24 +55,26 @@ def _repack_bytes(qweight: torch.Tensor) -> torch.Tensor:
     return out.view(n8 * 8, K // 2)
 
 
-_FAST_REPACK_OK: bool | None = None
+_REPACK_BLOCK: int | None = None  # 0: no byte repack matches this torch build
 
 
-def _fast_repack_ok() -> bool:
-    """Probe once that the byte repack matches torch's own conversion (the layout is not a public API)."""
-    global _FAST_REPACK_OK
-    if _FAST_REPACK_OK is None:
+def _repack_block() -> int:
+    """Probe once which column block torch's int4pack uses here (the layout is not a public API)."""
+    global _REPACK_BLOCK
+    if _REPACK_BLOCK is None:
         q = torch.randint(-(2**31), 2**31 - 1, (128, 16), generator=torch.Generator().manual_seed(0),
                           dtype=torch.int64).to(torch.int32)
         ref = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(q).T.contiguous(), INNER_K_TILES)
-        _FAST_REPACK_OK = tuple(ref.shape) == (128, 64) and torch.equal(_repack_bytes(q), ref)
-    return _FAST_REPACK_OK
+        _REPACK_BLOCK = next((b for b in (64, 32) if tuple(ref.shape) == (128, 64)
+                              and torch.equal(_repack_bytes(q, b), ref)), 0)
+    return _REPACK_BLOCK
 
 
 def awq_to_int4pack_cpu(qweight: torch.Tensor) -> torch.Tensor:
     """AWQ qweight int32 [K, N/8] -> uint8 [N, K/2] for ``_weight_int4pack_mm_for_cpu``."""
-    if qweight.shape[1] % 8 == 0 and qweight.shape[0] % 2 == 0 and _fast_repack_ok():
-        return _repack_bytes(qweight)
+    block = _repack_block()
+    if block and qweight.shape[1] % (block // 8) == 0 and qweight.shape[0] % 2 == 0:
+        return _repack_bytes(qweight, block)
     q = unpack_int4(qweight).T.contiguous()  # int32 [N, K]
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, INNER_K_TILES)
 

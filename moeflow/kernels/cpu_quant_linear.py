@@ -1,0 +1,133 @@
+"""Large linear layers on the CPU with quantized weights (``lm_head``, embeddings, attention projections).
+
+Two formats, both through torch's own CPU kernels (no extension to build):
+
+* ``bits=8``: symmetric int8 per output channel, ``W[n, k] = q[n, k] * s[n]``, through
+  ``torch._weight_int8pack_mm``; 1 byte per weight (half of bf16); the weight error is at most s/2,
+  ~0.2% of the channel's largest weight. The int8 rows double as an embedding table (:meth:`embedding`).
+* ``bits=4``: asymmetric int4 per group of ``group_size`` input features (round-to-nearest with an integer
+  zero point, exactly AWQ's format, so published AWQ projections load the same way: :func:`awq_linear_cpu`),
+  through ``_weight_int4pack_mm_for_cpu`` (see :mod:`moeflow.kernels.cpu_int4`); ~0.53 bytes per weight.
+
+Numerics: both kernels take bf16 activations (their fp32 paths are many times slower) and return bf16, so
+``forward`` rounds x to bf16 and its result to bf16 before casting back to x's dtype. Measured on the
+embedded model's lm_head (tests/test_cpu_quant_linear.py; max over positions of the relative logit error):
+int8 1.7% with every argmax kept, int4 g32 15.5% and int4 per-channel 22% with 2% of the argmaxes changed.
+So int8 is the format for ``lm_head`` / embeddings; int4 suits projections whose error the model absorbs
+(and AWQ checkpoints, whose calibrated int4 is what the model was evaluated with).
+:func:`reference_linear` with :meth:`CpuQuantLinear.dequantized` / :func:`int4_dequantized` is the plain-torch
+fp32 model of ``forward`` (same rounding points).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moeflow.kernels.cpu_int4 import COMPUTE_DTYPE, Int4Matrix
+from moeflow.quant.awq import check_group_size, dequantize, quantize_rtn
+
+INT8_MAX = 127
+
+
+class CpuQuantLinear(nn.Module):
+    """``y = x @ W.T`` for a bias-free ``nn.Linear`` weight ``W [out, in]`` held in int8 or int4.
+
+    A module, so it can take an ``nn.Linear``'s place (``model.lm_head = quantize_linear_cpu(...)``). Buffers:
+    int8: ``int8_weight`` int8 [out, in] and ``int8_scales`` bf16 [out]; int4: ``packed`` uint8 [out, in/2]
+    and ``scales_zeros`` bf16 [in/g, out, 2] (torch's int4 CPU format, see :class:`Int4Matrix`).
+    """
+
+    def __init__(self, bits: int, in_features: int, out_features: int, *, int8_weight: torch.Tensor | None = None,
+                 int8_scales: torch.Tensor | None = None, int4: Int4Matrix | None = None) -> None:
+        super().__init__()
+        self.bits, self.in_features, self.out_features = bits, in_features, out_features
+        self.group_size = int4.group_size if int4 is not None else in_features
+        if bits == 8:
+            self.register_buffer("int8_weight", int8_weight)
+            self.register_buffer("int8_scales", int8_scales)
+        else:
+            self.register_buffer("packed", int4.packed)
+            self.register_buffer("scales_zeros", int4.scales_zeros)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] (any float dtype) -> [..., out] in x's dtype (bf16 compute, see the module docstring)."""
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"x has {x.shape[-1]} features in its last dimension, this layer takes "
+                             f"{self.in_features}")
+        flat = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
+        if self.bits == 8:
+            y = torch._weight_int8pack_mm(flat, self.int8_weight, self.int8_scales)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scales_zeros)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}" + \
+            (f", group_size={self.group_size}" if self.bits == 4 else "")
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of W as an embedding table: ids [...] -> fp32 [..., in] (int8 only: int4 rows are packed)."""
+        if self.bits != 8:
+            raise ValueError("embedding lookup needs bits=8 (torch's int4 CPU layout packs rows together)")
+        return self.int8_weight[ids].float() * self.int8_scales[ids].float()[..., None]
+
+    def dequantized(self) -> torch.Tensor:
+        """The int8 weight this layer multiplies by, fp32 [out, in] (int4: see :func:`int4_dequantized`)."""
+        if self.bits != 8:
+            raise ValueError("dequantized() reads int8 weights; for int4 use int4_dequantized(AWQ tensors)")
+        return self.int8_weight.float() * self.int8_scales.float()[:, None]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the kernel reads per call (weights and scales)."""
+        if self.bits == 8:
+            return self.int8_weight.numel() + self.int8_scales.numel() * self.int8_scales.element_size()
+        return self.packed.numel() + self.scales_zeros.numel() * self.scales_zeros.element_size()
+
+
+def int4_dequantized(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                     group_size: int) -> torch.Tensor:
+    """The weight an int4 :class:`CpuQuantLinear` built from these AWQ tensors multiplies by, fp32 [out, in]
+    (its scales rounded to bf16, as torch's int4 format stores them)."""
+    s = scales.float().to(COMPUTE_DTYPE).float()
+    return dequantize(qweight, qzeros, s, group_size).T.contiguous()
+
+
+def reference_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Plain-torch fp32 model of :meth:`CpuQuantLinear.forward` for a dequantized weight [out, in]:
+    bf16-rounded x [..., in] times the weight, result rounded to bf16, returned in x's dtype."""
+    y = x.to(COMPUTE_DTYPE).float() @ weight.float().T
+    return y.to(COMPUTE_DTYPE).to(x.dtype)
+
+
+def quantize_linear_cpu(weight: torch.Tensor, bits: int = 8, group_size: int = 128) -> CpuQuantLinear:
+    """Quantize an ``nn.Linear`` weight ``[out, in]`` (any float dtype) at load time for the CPU kernels.
+
+    bits=8: per output channel (group_size is ignored); bits=4: per ``group_size`` input features.
+    """
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(f"weight must be a float [out, in] matrix, got {weight.dtype} {tuple(weight.shape)}")
+    out_features, in_features = weight.shape
+    w = weight.detach().cpu().float()
+    if bits == 8:
+        scales = (w.abs().amax(dim=1) / INT8_MAX).clamp(min=1e-8).to(COMPUTE_DTYPE)
+        q = torch.round(w / scales.float()[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8).contiguous()
+        return CpuQuantLinear(8, in_features, out_features, int8_weight=q, int8_scales=scales)
+    if bits == 4:
+        check_group_size(group_size, in_features)
+        t = quantize_rtn(w, group_size)
+        return awq_linear_cpu(t.qweight, t.qzeros, t.scales, group_size)
+    raise ValueError(f"bits={bits}: expected 8 or 4")
+
+
+def awq_linear_cpu(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                   group_size: int) -> CpuQuantLinear:
+    """An AWQ (GEMM layout) linear as published: qweight int32 [in, out/8], qzeros int32 [in/g, out/8],
+    scales [in/g, out] -> torch's int4 CPU format."""
+    in_features, out_features = qweight.shape[0], scales.shape[1]
+    if out_features % 16 or in_features % 32:
+        raise ValueError(f"qweight [{in_features}, {out_features // 8}]: the int4 CPU kernel needs out_features "
+                         f"% 16 == 0 and in_features % 32 == 0")
+    int4 = Int4Matrix.from_awq(qweight, qzeros, scales, group_size)
+    return CpuQuantLinear(4, in_features, out_features, int4=int4)
