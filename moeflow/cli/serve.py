@@ -89,9 +89,9 @@ def cmd_chat(args) -> int:
 def cmd_serve(args) -> int:
     import uvicorn
 
-    from moeflow.engine.build import KV_BUDGET_TOKENS
     from moeflow.engine.continuous import ContinuousEngine
     from moeflow.engine.kv_slots import SlotKVCache, kv_bytes_per_row
+    from moeflow.engine.memory import DEFAULT_CONTEXT as KV_BUDGET_TOKENS
     from moeflow.serve.app import create_app
     from moeflow.serve.metrics import ServeMetrics
 

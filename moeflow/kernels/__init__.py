@@ -169,14 +169,16 @@ def moe_forward(
     ``return_routing`` hands back the routing too (what a trace or a predictor records).
     """
     backend = resolve_backend(backend, x.device)
+    # the fused eager launches know the plain formats; biased / MXFP4 experts go through expert_forward's hook
+    fused = backend == "triton" and _eager() and not getattr(pool.fmt, "extended", False)
     if router_logits is not None:
         if top_k is None:
             raise ValueError("moe_forward: router_logits needs top_k")
-        if not (backend == "triton" and _eager()):
+        if not fused:
             topk_ids, topk_weights = route(router_logits, top_k, backend, renormalize=renormalize)
     elif topk_ids is None or topk_weights is None:
         raise ValueError("moe_forward: pass topk_ids and topk_weights, or router_logits and top_k")
-    if backend == "triton" and _eager():
+    if fused:
         y, ids, wts = _moe_forward_eager(x, topk_ids, topk_weights, pool, slot_of_expert, config, validate,
                                          router_logits, top_k, renormalize)
         if not return_routing:

@@ -61,8 +61,11 @@ class BiasedExpertFormat(ExpertFormat):
                       ("w2_scales", torch.uint8, (H, I // BLOCK))]
             specs, offset = [], 0
         else:
-            super().__post_init__()  # the dense / AWQ weights laid out as the plain format lays them out
-            shapes, specs, offset = [], list(self.specs), self.nbytes
+            super().__post_init__()  # the plain format's checks; its kernel layout is not used here:
+            # this module computes these experts itself, from the loader form (AWQ as published / nn.Linear)
+            shapes = [(name, torch.int32 if name.endswith(("qweight", "qzeros")) else self.dtype, shape)
+                      for name, shape in ExpertFormat.loader_shapes(self).items()]
+            specs, offset = [], 0
         if self.bias:
             shapes += [("w13_bias", self.dtype, (2 * I,)), ("w2_bias", self.dtype, (H,))]
         for name, dtype, shape in shapes:
@@ -71,6 +74,29 @@ class BiasedExpertFormat(ExpertFormat):
             offset = -(-(offset + spec.nbytes) // ALIGN) * ALIGN  # each tensor ALIGN-aligned, as the plain format
         object.__setattr__(self, "specs", tuple(specs))
         object.__setattr__(self, "nbytes", offset)
+
+
+    def loader_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor is stored in its loader form: the region holds exactly what the loader gives."""
+        return {spec.name: spec.shape for spec in self.specs}
+
+    def write(self, region: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy one expert's loader-form tensors into its region ``uint8 [nbytes]`` (checked, no conversion)."""
+        views = self.views(region.view(1, -1))
+        for spec in self.specs:
+            if spec.name not in tensors:
+                raise KeyError(f"missing expert tensor {spec.name!r}")
+            t = tensors[spec.name]
+            if tuple(t.shape) != spec.shape:
+                raise ValueError(f"expert tensor {spec.name!r} has shape {tuple(t.shape)}, expected {spec.shape}")
+            if spec.dtype in (torch.int32, torch.uint8) and t.dtype != spec.dtype:
+                raise ValueError(f"expert tensor {spec.name!r} must be {spec.dtype}, got {t.dtype}")
+            views[spec.name][0].copy_(t.to(spec.dtype))
+
+    def loader_tensors(self, region: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Exact inverse of :meth:`write`."""
+        views = self.views(region.view(1, -1))
+        return {spec.name: views[spec.name][0].clone() for spec in self.specs}
 
 
 def is_extended(fmt: ExpertFormat) -> bool:
