@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import make_tiny_checkpoint
+from test_expertflow import padded_batch  # n left-padded prompts of random lengths
 
 from moeflow import MoEOffloadedMixtral, OffloadConfig
 from moeflow.engine.pipeline import DualBatchPipeline
@@ -32,19 +33,6 @@ def predictor_file(ckpt, tmp_path_factory):
                for _ in range(12)]
     pred = train_predictor("expertflow", record_trace(model, prompts, 5), epochs=3, seed=0)
     return pred.save(tmp_path_factory.mktemp("dbp") / "expertflow.pt")
-
-
-def padded_batch(n: int, seed: int, lo: int = 2, hi: int = 10):
-    """n left-padded prompts of random lengths in [lo, hi)."""
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(lo, hi, (n,), generator=g).tolist()
-    width = max(lengths)
-    ids = torch.zeros((n, width), dtype=torch.long)
-    mask = torch.zeros((n, width), dtype=torch.long)
-    for i, length in enumerate(lengths):
-        ids[i, width - length:] = torch.randint(3, 97, (length,), generator=g)
-        mask[i, width - length:] = 1
-    return ids, mask
 
 
 def expertflow(ckpt, predictor_file, slots: int, transport: str = "sync", seed: int = 0):
