@@ -178,6 +178,7 @@ class MoEModel(nn.Module):
         seed: int | None = None,
         micro_batch_size: int | None = None,
         path_predictor=None,
+        dual_batch: bool | None = None,
     ) -> torch.Tensor:
         """Generate up to ``max_new_tokens`` tokens; returns ``[B, T + n]`` ids including the prompt.
 
@@ -191,7 +192,10 @@ class MoEModel(nn.Module):
         token ids; the prefill by the prompt's paths, each decode step by its own token's path, known
         before the step runs), else contiguous groups first and then the paths each sequence's last token
         took. ``path_predictor`` (deprecated): an object with ``predict_paths(ids, mask, last_only=...)``
-        used instead of the backend's.
+        used instead of the backend's. ``dual_batch``: decode through ExpertFlow's dual-batch pipeline (path
+        prediction and token scheduling of the next micro-batch beside the current one's pass; docs/expertflow.md);
+        default (None): on with micro-batches under a policy with a routing-path predictor (expertflow);
+        True with another policy raises SchedulingError. Its counters: ``pipeline_stats``.
         """
         gen = self.generation_config.override(
             max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
@@ -214,7 +218,12 @@ class MoEModel(nn.Module):
             torch.ones((b, t), dtype=torch.bool, device=self.device)
         predict = deprecated_path_predictor(path_predictor) if path_predictor is not None else None
         return generate(self._runner, gen, input_ids, token_mask, streamer=streamer, seed=seed,
-                        micro_batch_size=micro_batch_size, predict_paths=predict)
+                        micro_batch_size=micro_batch_size, predict_paths=predict, dual_batch=dual_batch)
+
+    @property
+    def pipeline_stats(self):
+        """The dual-batch pipeline's counters of the last ``generate`` that ran it (PipelineStats), else None."""
+        return self._runner.pipeline_stats
 
     def __repr__(self) -> str:
         c, f = self.config, self.family

@@ -17,8 +17,10 @@ import torch
 
 from moeflow.engine.kv_cache import StaticKVCache
 from moeflow.engine.latent_cache import new_kv_cache
+from moeflow.engine.pipeline import DualBatchPipeline, PipelineStats, plec_of
 from moeflow.engine.sampling import GenerationConfig, next_tokens
-from moeflow.errors import InputError
+from moeflow.engine.side_lane import Lane, ThreadLane
+from moeflow.errors import InputError, SchedulingError
 from moeflow.families.base import CausalDecoder, KVCacheSpec
 from moeflow.moe.backend import ExpertBackend, StepInfo
 from moeflow.moe.block import RoutingRecorder
@@ -41,6 +43,7 @@ class Runner:
         self.num_moe_layers = len(decoder.moe_blocks)
         self.num_experts = decoder.moe_blocks[0].gate.out_features
         self.decode_fn: Callable[..., torch.Tensor] = decoder
+        self.pipeline_stats: PipelineStats | None = None  # the dual-batch pipeline's, of the last generate
 
     def close_backend(self) -> None:
         if self.backend is not None:
@@ -57,12 +60,15 @@ class Runner:
         self, ids: torch.Tensor, positions: torch.Tensor, cache: Any, cache_position: torch.Tensor,
         token_mask: torch.Tensor, phase: str, rows: torch.Tensor | None = None,
         history: tuple[torch.Tensor, torch.Tensor] | None = None, routing: RoutingRecorder | None = None,
+        path_scores: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """ids/positions/token_mask [B, T] (the rows ``rows`` of the batch, when a micro-batch), cache_position [T]
-        -> logits fp32 [B, T, V]. ``history``: (ids, mask) [B, S] of every token so far, for the backend."""
+        -> logits fp32 [B, T, V]. ``history``: (ids, mask) [B, S] of every token so far, for the backend;
+        ``path_scores`` [B, L, E]: routing-path scores predicted ahead (the dual-batch pipeline's)."""
         embeds = self.decoder.embed_tokens(ids)
         hist_ids, hist_mask = history if history is not None else (None, None)
-        self.backend.begin_step(StepInfo(ids, positions, token_mask, phase, rows, embeds, hist_ids, hist_mask))
+        self.backend.begin_step(StepInfo(ids, positions, token_mask, phase, rows, embeds, hist_ids, hist_mask,
+                                         path_scores))
         # the compiled step takes no recorder (micro-batched steps run eagerly: they leave the graph anyway)
         fn = self.decode_fn if phase == "decode" and routing is None else self.decoder
         return fn(embeds, positions, cache, cache_position, token_mask, self.backend, routing)
@@ -123,12 +129,16 @@ def deprecated_path_predictor(path_predictor: Any) -> PathPredictor:
 def generate(
     runner: Runner, gen: GenerationConfig, input_ids: torch.Tensor, token_mask: torch.Tensor, *,
     streamer: Any = None, seed: int | None = None, micro_batch_size: int | None = None,
-    predict_paths: PathPredictor | None = None,
+    predict_paths: PathPredictor | None = None, dual_batch: bool | None = None, lane: Lane | None = None,
 ) -> torch.Tensor:
     """The generate loop (arguments checked by the caller): input_ids/token_mask [B, T] on the device ->
-    [B, T + n] ids. ``predict_paths`` (default: the backend's) groups micro-batches before each step."""
+    [B, T + n] ids. ``predict_paths`` (default: the backend's) groups micro-batches before each step.
+    ``dual_batch`` (see :func:`use_dual_batch`): decode through :class:`DualBatchPipeline`, its side work on
+    ``lane`` (default: a :class:`ThreadLane`; an :class:`InlineLane` runs the same work without the overlap)."""
     stats, device = runner.stats, runner.device
     b, t = input_ids.shape
+    custom_paths = predict_paths is not None
+    runner.pipeline_stats = None
     predict_paths = predict_paths or runner.backend.predict_paths
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     eos = torch.tensor(gen.eos_ids(), dtype=torch.long, device=device)
@@ -151,6 +161,12 @@ def generate(
         return input_ids
 
     batcher = MicroBatcher(runner, b, micro_batch_size)
+    pipeline_on = use_dual_batch(runner, micro_batch_size, dual_batch, custom_paths)
+
+    def pick(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """logits [b, V] of ``rows`` [b] -> their next tokens [b] (padding once a row finished)."""
+        tok = next_tokens(logits, gen, generator)
+        return torch.where(finished[rows], torch.full_like(tok, pad), tok)
     if micro_batch_size is not None:
         paths = predict_paths(StepInfo(input_ids, positions, token_mask, "prefill", history_ids=input_ids,
                                        history_mask=token_mask), False)
@@ -162,9 +178,10 @@ def generate(
     next_pos = positions[:, -1] + 1
     ones = torch.ones((b, 1), dtype=torch.bool, device=device)
     n = t
+    pipeline: DualBatchPipeline | None = None
+    sampled: torch.Tensor | None = None  # a pipeline round's tokens, sampled micro-batch by micro-batch
     for step in range(gen.max_new_tokens):
-        tok = next_tokens(logits, gen, generator)
-        tok = torch.where(finished, torch.full_like(tok, pad), tok)
+        tok = sampled if sampled is not None else pick(logits, torch.arange(b, device=device))
         hist[:, n], hist_mask[:, n] = tok, True
         n += 1
         if eos.numel():
@@ -186,6 +203,18 @@ def generate(
             break
         start = time.perf_counter()
         stats.set_phase("decode")
+        if pipeline_on:
+            if pipeline is None:
+                lane = lane or ThreadLane(device)
+                pipeline = DualBatchPipeline(runner, b, micro_batch_size, lane, batcher.groups)
+                pipeline.start(hist[:, :n], hist_mask[:, :n])
+            try:
+                sampled = pipeline.round(tok, next_pos, cache, n, hist, hist_mask, pick)
+            except BaseException:
+                pipeline.lane.close()
+                raise
+            next_pos = next_pos + 1
+            continue
         history = (hist[:, :n], hist_mask[:, :n])
         step_info = StepInfo(tok[:, None], next_pos[:, None], ones, "decode", history_ids=history[0],
                              history_mask=history[1])
@@ -196,6 +225,11 @@ def generate(
         logits = batcher.run(tok[:, None], next_pos[:, None], cache, torch.tensor([n - 1], device=device), ones,
                              "decode", history)
         next_pos = next_pos + 1
+    if pipeline is not None:
+        pipeline.close()
+        runner.pipeline_stats = pipeline.stats
+    elif lane is not None:
+        lane.close()
     if decode_times:
         stats.tpot_s = sum(decode_times) / len(decode_times)
     if device.type == "cuda":
@@ -203,6 +237,26 @@ def generate(
     if streamer is not None:
         streamer.end()
     return hist[:, :n]
+
+
+def use_dual_batch(runner: Runner, micro_batch_size: int | None, dual_batch: bool | None, custom: bool) -> bool:
+    """Whether decode steps run through the dual-batch pipeline: ``dual_batch`` True/False, or None (default):
+    on when micro-batches are asked and the backend has a routing-path predictor (policy expertflow) and no
+    ``path_predictor`` replaces it. Asked of a backend without one: SchedulingError."""
+    if dual_batch is None:
+        if micro_batch_size is None or custom:
+            return False
+        try:
+            plec_of(runner.backend)
+        except SchedulingError:
+            return False
+        return True
+    if not dual_batch:
+        return False
+    if micro_batch_size is None:
+        raise InputError("generate(dual_batch=True) runs micro-batches: give micro_batch_size as well")
+    plec_of(runner.backend)
+    return True
 
 
 def positions_from_mask(token_mask: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,9 @@ class StepInfo:
     of a micro-batch (None: the whole batch, rows 0..B-1).  embeds [B, T, H] or None: the embedding
     output (None when the caller asks only for a plan, e.g. micro-batch grouping).  phase: "prefill" or
     "decode".  history_ids [B, S] int64 / history_mask bool [B, S] or None: every token of each sequence so
-    far, prompt and generated (path predictors read them).
+    far, prompt and generated (path predictors read them).  path_scores [B, L, E] fp32 or None: routing-path
+    scores of each row's last token predicted ahead of the pass (the dual-batch pipeline computes them beside
+    the previous micro-batch's pass; a path predictor uses them instead of predicting again).
     """
 
     input_ids: torch.Tensor
@@ -35,6 +37,7 @@ class StepInfo:
     embeds: torch.Tensor | None = None
     history_ids: torch.Tensor | None = None
     history_mask: torch.Tensor | None = None
+    path_scores: torch.Tensor | None = None
 
 
 class ExpertBackend(ABC):

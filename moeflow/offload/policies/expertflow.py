@@ -25,14 +25,17 @@
   The paper names classes 0 and 2 (in that order); class 1 is our addition: such an expert is neither
   mis-prefetched nor done, and by the prediction its next use is further away than a done expert's.
 
-Where the prediction runs before layer 0, layer 0's prefetches are issued just before its gate (on a GPU
-they overlap the embedding and attention of layer 0 only; the paper's dual-batch pipeline, which predicts
-the next micro-batch during the current one, is not built).
+Run alone, the prediction runs before layer 0 and layer 0's prefetches are issued just before its gate. Under
+the dual-batch pipeline (:mod:`moeflow.engine.pipeline`, §4.1-4.2) the scores arrive precomputed
+(``StepInfo.path_scores``) and the plan of the *next* micro-batch is known while this one runs
+(``PLECState.upcoming``): once a layer's compute for this pass is done, the next pass's planned experts of that
+layer are prefetched into slots nothing of this pass still needs, so the copies of pass t+1 overlap the compute
+of pass t.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -56,6 +59,11 @@ class PLECState:
         self.started = False  # False during the warm start (those loads are not prefetches)
         self.accessed: dict[Key, int] = {}  # key -> pass of its last gate access
         self.prefetched: set[Key] = set()  # loaded ahead of the gate, not used since
+        # the next pass's plan when already known (the dual-batch pipeline's), polled without blocking
+        self.upcoming: Callable[[], dict[int, list[int]] | None] | None = None
+        self.next_planned: dict[Key, int] = {}  # of the upcoming plan, once polled in this pass
+        self.next_pass_prefetches = 0  # prefetches issued for the next pass during this one (§4.1)
+        self.planned_at_start = self.resident_at_start = 0  # planned experts / resident or loading at pass start
 
     def new_pass(self, plan: dict[int, list[int]]) -> None:
         self.pass_no += 1
@@ -63,6 +71,23 @@ class PLECState:
         self.started = True
         self.plan = plan
         self.planned = {(layer, e): r for layer, es in plan.items() for r, e in enumerate(es)}
+        self.next_planned = {}
+
+    def count_resident_at_start(self, cache: Any) -> None:
+        """How much of the new plan is resident or loading as the pass starts (§4.1's overlap, measured)."""
+        if cache is None:
+            return
+        self.planned_at_start += len(self.planned)
+        self.resident_at_start += sum(1 for key in self.planned if cache.lookup(key) is not None)
+
+    def poll_upcoming(self) -> dict[int, list[int]]:
+        """The next pass's plan if the pipeline has it (never waits); {} otherwise."""
+        plan = self.upcoming() if self.upcoming is not None else None
+        if plan is None:
+            return {}
+        if not self.next_planned:
+            self.next_planned = {(layer, e): r for layer, es in plan.items() for r, e in enumerate(es)}
+        return plan
 
     def eviction_class(self, key: Key, layer_now: int) -> tuple:
         """Sort key of PLEC's correction order (the smallest is replaced first); see the module docstring."""
@@ -70,10 +95,12 @@ class PLECState:
         L = self.num_layers
         if layer > layer_now and key in self.planned:
             return (3, -layer, -self.planned[key])
-        if key in self.prefetched:
+        if key in self.prefetched and key not in self.next_planned:
             return (0,)
         if layer > layer_now:
             return (1, -(L + layer - layer_now))
+        if key in self.next_planned:  # done for this pass, planned for the next: after the done ones
+            return (2.5, -self.next_planned[key])
         return (2, -(((layer - layer_now - 1) % L) + 1))
 
 
@@ -130,27 +157,44 @@ class PLECPredictor(Predictor):
         return self.predictor.predict_paths(ids, mask, last_only=last_only)
 
     # ------------------------------------------------------------------ the pass
-    def begin_step(self, step: StepInfo) -> None:
-        """Plan the pass: the OR over its tokens of each token's predicted path, then prefetch ahead."""
+    def step_scores(self, step: StepInfo) -> torch.Tensor:
+        """Scores fp32 [B, L, E] of each row's last token (a decode step) from its tokens so far: what the
+        dual-batch pipeline computes beside the previous pass (reads the predictor, changes no state)."""
         if step.history_ids is None:
             raise ValueError("the expertflow policy predicts from the tokens so far: StepInfo.history_ids is None")
         hist, valid = step.history_ids.cpu(), step.history_mask.cpu()
-        mask = step.token_mask.cpu()
-        L, E = self.state.num_layers, self.state.num_experts
-        mass = torch.zeros(L, E)
-        active = torch.zeros(L, E, dtype=torch.bool)
-        for i in range(hist.shape[0]):
-            new = int(mask[i].sum())
-            if new == 0:
-                continue
-            context = hist[i][valid[i]]
-            scores = self.predictor.token_scores(context, new).cpu()  # [new, L, E]
-            paths = self.predictor.token_paths(scores)
-            active |= paths.any(0)
-            mass += (scores * paths).sum(0)
-        plan = {layer: [e for e in torch.argsort(mass[layer], descending=True).tolist() if active[layer, e]]
-                for layer in range(L)}
+        return torch.stack([self.predictor.token_scores(hist[i][valid[i]], 1)[0].cpu()
+                            for i in range(hist.shape[0])])
+
+    def paths_from_scores(self, scores: torch.Tensor) -> torch.Tensor:
+        """Scores [B, L, E] -> bool paths [B, L, E] (each row's top-k per layer), for micro-batch grouping."""
+        return self.predictor.token_paths(scores)
+
+    def plan_from_scores(self, scores: torch.Tensor) -> dict[int, list[int]]:
+        """Scores [N, L, E] of a pass's tokens -> its plan: per layer the experts on some token's path, ranked
+        by summed score."""
+        paths = self.predictor.token_paths(scores)
+        active, mass = paths.any(0), (scores * paths).sum(0)
+        return {layer: [e for e in torch.argsort(mass[layer], descending=True).tolist() if active[layer, e]]
+                for layer in range(self.state.num_layers)}
+
+    def begin_step(self, step: StepInfo) -> None:
+        """Plan the pass: the OR over its tokens of each token's predicted path, then prefetch ahead."""
+        if step.path_scores is not None:  # predicted beside the previous pass (dual-batch pipeline)
+            rows = step.token_mask.cpu().any(1)
+            plan = self.plan_from_scores(step.path_scores.cpu()[rows])
+        else:
+            if step.history_ids is None:
+                raise ValueError("the expertflow policy predicts from the tokens so far: StepInfo.history_ids "
+                                 "is None")
+            hist, valid = step.history_ids.cpu(), step.history_mask.cpu()
+            mask = step.token_mask.cpu()
+            scores = [self.predictor.token_scores(hist[i][valid[i]], int(mask[i].sum())).cpu()
+                      for i in range(hist.shape[0]) if int(mask[i].sum())]  # [new, L, E] each
+            L, E = self.state.num_layers, self.state.num_experts
+            plan = self.plan_from_scores(torch.cat(scores) if scores else torch.zeros(0, L, E))
         self.state.new_pass(plan)
+        self.state.count_resident_at_start(self.backend.cache if self.backend is not None else None)
         self._planned = True
         self._prefetch_ahead(-1)
 
@@ -176,6 +220,27 @@ class PLECPredictor(Predictor):
             if want:
                 out.append((layer, want))
                 free -= len(want)
+        if free > 0 and layer_now >= 0:
+            out += self._next_pass_targets(layer_now, cache)
+        return out
+
+    def _next_pass_targets(self, layer_now: int, cache: Any) -> list[tuple[int, list[int]]]:
+        """§4.1: the next pass's planned experts of layers this pass is done with (0..layer_now), into slots
+        holding nothing this pass or the next still plans (classes 0-2): [(layer, experts)] in layer order."""
+        upcoming = self.state.poll_upcoming()
+        if not upcoming:
+            return []
+        free = sum(1 for s in cache.slots if not s.in_use and (
+            s.key is None or (s.task is None and self.state.eviction_class(s.key, layer_now)[0] < 2.5)))
+        out = []
+        for layer in range(layer_now + 1):
+            if free <= 0:
+                break
+            want = [e for e in upcoming.get(layer, []) if cache.lookup((layer, e)) is None][:free]
+            if want:
+                out.append((layer, want))
+                free -= len(want)
+                self.state.next_pass_prefetches += len(want)
         return out
 
     def _prefetch_ahead(self, layer_now: int) -> None:
