@@ -25,6 +25,7 @@ from torch import nn
 
 from moeflow.errors import CheckpointError
 from moeflow.families.base import ExpertLayout, ExpertSpec, Family
+from moeflow.families.gated_experts import ProjectionNames, split_fused_experts
 from moeflow.families.layers import RMSNorm
 from moeflow.io.checkpoint import CheckpointReader, QuantizationSpec, get_slice
 from moeflow.moe.block import MoEBlock
@@ -204,17 +205,5 @@ class SharedExpertMoEFamily(Family):
                                                                          None))])
         m = FUSED.match(name)
         if m and int(m.group(2)) < self.config.num_hidden_layers:
-            return self._split_fused(name, reader, m.group(1), m.group(3))
+            return split_fused_experts(reader.get(name), m.group(1), m.group(3), "mlp", ProjectionNames())
         return None
-
-    @staticmethod
-    def _split_fused(name: str, reader: CheckpointReader, layer: str, kind: str) -> Iterator[tuple[str, torch.Tensor]]:
-        stacked = reader.get(name)
-        for e in range(stacked.shape[0]):
-            base = f"{layer}.mlp.experts.{e}"
-            if kind == "gate_up_proj":
-                gate, up = stacked[e].chunk(2, dim=0)
-                yield f"{base}.gate_proj", gate
-                yield f"{base}.up_proj", up
-            else:
-                yield f"{base}.down_proj", stacked[e]
