@@ -17,6 +17,7 @@ from torch import nn
 
 from moeflow.config import OffloadConfig
 from moeflow.engine import loading
+from moeflow.engine.cpu_linears import check_attention_bits, quantize_decoder_linears
 from moeflow.engine.sampling import GenerationConfig
 from moeflow.families import Family, family_for_config
 from moeflow.families.base import CausalDecoder
@@ -46,7 +47,8 @@ def resolve_kernels(kernels: str, device: torch.device, offload: OffloadConfig, 
     """auto: Triton on CUDA; on the CPU torch's int4 kernels for AWQ experts, else the torch reference.
 
     "cpu-int4" computes resident AWQ experts on the CPU (``CpuInt4Experts``); with an offloading policy
-    the slot pool holds AWQ bytes, computed by the torch reference. AWQ attention layers use torch then.
+    the slot pool holds AWQ bytes, computed by the torch reference. Either way the lm_head and the AWQ
+    attention projections run quantized CPU kernels (``linear="cpu-int4"``, :mod:`moeflow.engine.cpu_linears`).
     """
     if kernels not in KERNEL_CHOICES:
         raise ValueError(f"kernels={kernels!r}: expected one of {KERNEL_CHOICES}")
@@ -66,8 +68,8 @@ def resolve_kernels(kernels: str, device: torch.device, offload: OffloadConfig, 
                              "(_weight_int4pack_mm_for_cpu); use kernels='torch'")
     if kernels == "triton" and device.type == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton on the CPU means its interpreter
-    if kernels == "cpu-int4":
-        return Kernels("cpu-int4", "cpu-int4" if offload.policy == "resident" else "torch", "torch")
+    if kernels == "cpu-int4":  # lm_head and AWQ attention through the CPU int8/int4 kernels (engine/cpu_linears)
+        return Kernels("cpu-int4", "cpu-int4" if offload.policy == "resident" else "torch", "cpu-int4")
     return Kernels(kernels, kernels, kernels)
 
 
@@ -107,8 +109,10 @@ class BuiltModel:
 def build_model(
     path_or_id: str | os.PathLike, *, device: torch.device, dtype: torch.dtype, offload: OffloadConfig,
     kernels: str, revision: str | None, progress: bool | None, families: tuple[type[Family], ...] | None = None,
+    attention_bits: int | None = None,
 ) -> BuiltModel:
-    """Load the checkpoint ``path_or_id`` (directory or hub id). ``families``: accept only these (else ValueError)."""
+    """Load the checkpoint ``path_or_id`` (directory or hub id). ``families``: accept only these (else ValueError).
+    ``attention_bits``: quantize 16-bit attention projections at load (CPU int4 path only, see cpu_linears)."""
     directory = resolve_checkpoint(path_or_id, revision)
     config_path = directory / "config.json"
     raw_config = read_json(config_path)
@@ -123,12 +127,15 @@ def build_model(
         layout = family.detect_expert_layout(reader)
         fmt = loading.expert_format(family, layout, quant, dtype)
         resolved = resolve_kernels(kernels, device, offload, fmt.kind == "awq")
+        check_attention_bits(attention_bits, resolved.linear)
         awq_attention = loading.detect_awq_attention(reader, family, layout, quant)
         decoder = family.build_decoder(dtype, _linear_factory(dtype, awq_attention))
         loading.load_non_expert_weights(decoder, reader, family, layout, device, dtype)
+        if resolved.linear == "cpu-int4":
+            quantize_decoder_linears(decoder, attention_bits)
         for module in decoder.modules():
-            if isinstance(module, AWQLinear):
-                module.kernels_backend = resolved.linear
+            if isinstance(module, AWQLinear):  # what the CPU kernels cannot tile stays on the torch reference
+                module.kernels_backend = "torch" if resolved.linear == "cpu-int4" else resolved.linear
         decoder.rotary.to(device)
 
         stats = Stats()
