@@ -96,7 +96,8 @@ class MoEModel(nn.Module):
         built = build_model(path_or_id, device=device, dtype=dtype, offload=offload, kernels=kernels,
                             revision=revision, progress=progress, families=cls._families,
                             attention_bits=attention_bits)
-        runner = Runner(built.decoder, built.backend, built.stats, built.family.config, device, dtype)
+        runner = Runner(built.decoder, built.backend, built.stats, built.family.config, device, dtype,
+                        kv_cache_spec=built.family.kv_cache_spec)
         self = cls(built.family, built.decoder, built.backend, runner, offload, built.generation_config,
                    built.tokenizer, built.kernels.choice, str(path_or_id))
         self.eval()

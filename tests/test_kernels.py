@@ -181,8 +181,9 @@ def test_expert_forward_awq(data, k, E, g, dtype, mode, decode, seed):
     ref = expert_forward_reference(x, ids, w, pool, slot, torch.full((T * k, H), float("nan"), dtype=dtype))
     got = _run(x, ids, w, pool, slot, "triton", cfg)
     assert_close(got, ref, dtype)
-    if seed % 3 == 0:  # the torch backend (plan-driven stage references) is the reference, bit for bit
-        assert torch.equal(_run(x, ids, w, pool, slot, "torch", cfg), ref)
+    if seed % 3 == 0:  # the torch backend reads the kernel layout: the oracle's values, at fp32 rounding
+        torch.testing.assert_close(_run(x, ids, w, pool, slot, "torch", cfg).float(), ref.float(), rtol=1e-5,
+                                   atol=1e-5 * max(1.0, float(ref.float().abs().max())))
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

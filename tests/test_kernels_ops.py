@@ -45,23 +45,22 @@ def test_opcheck_routing_plan_and_combine(backend, setup):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_opcheck_expert_ops(backend, setup):
+def test_opcheck_expert_and_route_ops(backend, setup):
     pool, slot, ids, w, x = setup
     w13, w2 = _w(pool)
     flat = encode_moe_config(CFG)
-    sorted_ids, eob, _ = torch.ops.moeflow.routing_plan(ids, E, CFG["BLOCK_M"], backend)
-    torch.library.opcheck(
-        torch.ops.moeflow.moe_w13.default, (x, sorted_ids, eob, *w13, slot, None, K_TOP, G, flat, backend)
-    )
-    h = torch.ops.moeflow.moe_w13(x, sorted_ids, eob, *w13, slot, None, K_TOP, G, flat, backend)
     out = torch.zeros(ids.numel(), H, dtype=x.dtype)
     mask = torch.tensor([True, False, True, True, False])
     torch.library.opcheck(
-        torch.ops.moeflow.moe_w2.default, (h, sorted_ids, eob, w, *w2, slot, mask, G, flat, backend, out)
+        torch.ops.moeflow.expert_forward.default, (x, ids, w, *w13, *w2, slot, mask, G, flat, backend, out)
     )
     torch.library.opcheck(
-        torch.ops.moeflow.expert_forward.default, (x, ids, w, *w13, *w2, slot, None, G, flat, backend, out)
+        torch.ops.moeflow.expert_forward.default, (x, ids, w, *w13, *w2, slot, None, G, [], backend, out)
     )
+    logits = torch.randn(3, E, dtype=torch.float16)
+    torch.library.opcheck(torch.ops.moeflow.route.default, (logits, K_TOP, True, None, backend))
+    gate = torch.randn(E, H, dtype=torch.float16) / 8
+    torch.library.opcheck(torch.ops.moeflow.route.default, (x, K_TOP, False, gate, backend))
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -71,6 +70,9 @@ def test_opcheck_awq_linear(backend):
     flat = encode_linear_config({"BLOCK_M": 4, "BLOCK_N": 64, "BLOCK_K": 64})
     torch.library.opcheck(torch.ops.moeflow.awq_linear.default, (x, q.qweight, q.qzeros, q.scales, 64, flat, backend))
     torch.library.opcheck(torch.ops.moeflow.awq_linear.default, (x, q.qweight, q.qzeros, q.scales, 64, [], backend))
+    p = kernels.pack_awq_linear(q.qweight, q.qzeros, q.scales)
+    torch.library.opcheck(torch.ops.moeflow.awq_linear_packed.default,
+                          (x, p["qweight"], p["qzeros"], p["scales"], 64, [], backend))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -210,18 +212,49 @@ def test_config_lookup_nearest_m_and_fallbacks(tmp_path, monkeypatch):
         (tmp_path / "b.json").write_text(json.dumps(_table("cpu", configs.triton_version(), {1: 1, 16: 16, 512: 128})))
         configs.clear_cache()
         assert _lookup(1)["BLOCK_M"] == 1
-        assert _lookup(3)["BLOCK_M"] == 1 and _lookup(5)["BLOCK_M"] == 16  # nearest in log2(M)
+        assert _lookup(3)["BLOCK_M"] == 16 and _lookup(5)["BLOCK_M"] == 16  # smallest tuned M >= T
         assert _lookup(100)["BLOCK_M"] == 128 and _lookup(10**6)["BLOCK_M"] == 128
         got = _lookup(512)
         assert got["w13"]["BLOCK_N"] == 128 and "BLOCK_K" in got["w13"] and "num_warps" in got["w2"]  # completed
         assert _lookup(1, dtype=torch.bfloat16) == configs.default_config("moe", 1, 8, 2, 14336, 4096)
-        assert _lookup(1, group=64) == configs.default_config("moe", 1, 8, 2, 14336, 4096)
+        assert _lookup(1, group=64) == configs.default_config("moe", 1, 8, 2, 14336, 4096, 64)
         (tmp_path / "c.json").write_text(json.dumps({"format": 1, "device": "x"}))
         configs.clear_cache()
         with pytest.raises(ValueError, match="missing key 'triton'"):
             _lookup(1)
     finally:
         configs.clear_cache()
+
+
+def test_lookup_never_splits_a_shared_expert_and_is_cached(tmp_path, monkeypatch):
+    """T = 2 must not get a BLOCK_M 1 config (an expert picked by both tokens would be streamed twice)."""
+    monkeypatch.setenv(configs.ENV_CONFIG_DIR, str(tmp_path))
+    (tmp_path / "a.json").write_text(json.dumps(_table("cpu", configs.triton_version(), {1: 1})))
+    configs.clear_cache()
+    try:
+        for T in range(2, 17):
+            assert _lookup(T)["BLOCK_M"] >= T  # every expert's rows in one block
+        assert _lookup(2) is _lookup(2)  # resolved once per T bucket
+        assert _lookup(3) is _lookup(4)
+    finally:
+        configs.clear_cache()
+    for T in range(1, 17):
+        assert configs.default_config("moe", T, 8, 2, 14336, 4096)["BLOCK_M"] >= T
+
+
+def test_config_defaults_have_one_source():
+    flat = encode_moe_config({"BLOCK_M": 4})
+    assert flat[1:] == [configs.GEMM_DEFAULTS[key] for _ in ("w13", "w2") for key in configs.GEMM_KEYS]
+    for phase in ("decode", "prefill"):
+        for g in (32, 64, 128):
+            cands = configs.tuning_candidates(phase, g)
+            assert cands and all(c[w]["BLOCK_K"] <= g for c in cands for w in ("w13", "w2"))
+        assert len(configs.tuning_candidates(phase, 32)) < len(configs.tuning_candidates(phase, 128))
+    for T in (1, 4, 16, 64, 512, 4096):
+        for g in (32, 128):
+            cfg = configs.default_config("moe", T, 8, 2, 14336, 4096, g)
+            assert cfg["w13"]["BLOCK_K"] <= g and cfg["w2"]["BLOCK_K"] <= g
+            assert set(cfg["w13"]) == set(configs.GEMM_DEFAULTS)
 
 
 def test_shipped_tables_and_defaults():

@@ -18,12 +18,12 @@ AWQ = ExpertFormat(hidden_size=64, intermediate_size=64, kind="awq", dtype=torch
 
 def random_expert(fmt: ExpertFormat, gen: torch.Generator) -> dict[str, torch.Tensor]:
     out = {}
-    for s in fmt.specs:
-        if s.dtype == torch.int32:
-            out[s.name] = torch.randint(-(2**31), 2**31 - 1, s.shape, generator=gen, dtype=torch.int64).to(torch.int32)
+    for name, shape in fmt.loader_shapes().items():
+        if name.endswith(("qweight", "qzeros")):
+            out[name] = torch.randint(-(2**31), 2**31 - 1, shape, generator=gen, dtype=torch.int64).to(torch.int32)
         else:
-            scale = 0.01 if "scales" in s.name else 0.2
-            out[s.name] = (torch.randn(s.shape, generator=gen) * scale).to(s.dtype)
+            scale = 0.01 if "scales" in name else 0.2
+            out[name] = (torch.randn(shape, generator=gen) * scale).to(fmt.dtype)
     return out
 
 

@@ -11,6 +11,7 @@ import torch
 
 from moeflow.offload.copy_engine import chunk_ranges
 from moeflow.sim import (
+    PRESET_NAMES,
     SIM_FORMAT,
     HardwareProfile,
     ProfileError,
@@ -189,7 +190,7 @@ def test_too_few_slots_is_refused(small):
 # ------------------------------------------------------------------------------------------ profiles
 def test_presets_and_json_round_trip(tmp_path):
     p = presets()
-    assert set(p) == {"pcie4-24gb", "h100-pcie5"}
+    assert set(p) == set(PRESET_NAMES) and {"pcie4-24gb", "h100-pcie5"} <= set(p)
     pc = p["pcie4-24gb"]
     assert pc.expert_bytes == pytest.approx(87.3 * 2**20, rel=0.01)  # Mixtral-8x7B AWQ expert
     assert pc.copy_s(1) == pytest.approx(pc.expert_bytes / 25e9 + 10e-6)
@@ -246,3 +247,22 @@ def test_simulate_command_table_and_errors(small, tmp_path, capsys):
         _run([*base, "--policy", "nope", "--h2d-gbps", "10", "--expert-mb", "10"])
     with pytest.raises(ProfileError, match="--h2d-gbps and --expert-mb"):
         _run([*base, "--policy", "lru"])
+
+
+def test_gpt_oss_profiles_simulate_a_gpt_oss_shaped_trace():
+    """gpt-oss presets: MXFP4 expert size from the expert format, model shape checked, a 120b-shaped trace runs."""
+    from moeflow.trace.synthetic import synthetic_trace
+
+    p = presets()
+    big, small = p["gpt-oss-120b-24gb"], p["gpt-oss-20b-12gb"]
+    assert big.expert_bytes == pytest.approx(13.24e6, rel=0.01)  # 4.25 bits a weight + biases
+    assert (big.num_layers, big.num_experts, big.top_k) == (36, 128, 4)
+    assert (small.num_layers, small.num_experts, small.top_k) == (24, 32, 4)
+    assert small.max_slots() < 24 * 32 < p["gpt-oss-120b-32gb"].max_slots()  # 20b needs offloading on 12 GB
+    trace, _ = synthetic_trace(num_sequences=2, tokens_per_sequence=6, num_layers=36, num_experts=128, top_k=4,
+                               hidden_size=16, seed=1)
+    fast = simulate(trace, "lru", big.max_slots(), p["gpt-oss-120b-32gb"].with_overrides(gpu_memory_gb=24.0))
+    slow = simulate(trace, "lru", big.max_slots(), big)
+    assert 0 < slow.tokens_per_s < fast.tokens_per_s
+    with pytest.raises(ProfileError, match="num_experts"):
+        simulate(trace, "lru", 64, get_profile("pcie4-24gb"))

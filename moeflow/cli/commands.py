@@ -27,12 +27,12 @@ def _default_device() -> str:
 
 
 def _load(args, slots: int | None, policy: str):
-    from moeflow import MoEOffloadedMixtral, OffloadConfig
+    from moeflow import MoEModel, OffloadConfig
 
     offload = OffloadConfig(gpu_expert_slots=slots, policy=policy)
     dtype = DTYPES[args.dtype] if args.dtype else None
-    return MoEOffloadedMixtral.from_pretrained(args.model, device=args.device, dtype=dtype, offload=offload,
-                                               kernels=args.kernels)
+    return MoEModel.from_pretrained(args.model, device=args.device, dtype=dtype, offload=offload,
+                                    kernels=args.kernels)
 
 
 def _run_prompt(model, prompt: str, args) -> int:
@@ -118,17 +118,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="run the embedded tiny Mixtral with fewer expert slots than experts")
     _add_generation_args(p, "auto")
     p.set_defaults(func=cmd_demo, max_new_tokens=120)
-    p = sub.add_parser("generate", help="generate text with any Mixtral checkpoint")
+    p = sub.add_parser("generate", help="generate text with any supported MoE checkpoint")
     p.add_argument("--model", required=True, help="checkpoint directory or hub id")
     _add_generation_args(p, "resident")
     p.set_defaults(func=cmd_generate)
-    p = sub.add_parser("quantize", help="convert an fp16/bf16/fp32 Mixtral checkpoint to AWQ 4-bit")
+    p = sub.add_parser("quantize", help="convert an fp16/bf16/fp32 MoE checkpoint to AWQ 4-bit")
     p.add_argument("src")
     p.add_argument("dst")
     p.add_argument("--group-size", type=int, default=128, choices=[32, 64, 128])
     p.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16",
                    help="dtype of the tensors that stay unquantized")
-    p.add_argument("--quantize-attention", action="store_true", help="also quantize q/k/v/o projections")
+    p.add_argument("--quantize-attention", action="store_true",
+                   help="also quantize q/k/v/o projections (and dense MLP layers and shared experts)")
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=cmd_quantize)
     for module in COMMAND_MODULES:

@@ -26,12 +26,12 @@ def _threads(args) -> None:
 
 def cmd_trace(args: argparse.Namespace) -> int:
     """Record a routing trace of the prompts in a JSONL file."""
-    from moeflow import MoEOffloadedMixtral
+    from moeflow import MoEModel
     from moeflow.trace.record import read_prompts, record_trace
 
     _threads(args)
     dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}.get(args.dtype)
-    model = MoEOffloadedMixtral.from_pretrained(args.model, device=args.device, dtype=dtype)
+    model = MoEModel.from_pretrained(args.model, device=args.device, dtype=dtype)
     prompts = read_prompts(args.prompts, model.tokenizer)
     if args.limit:
         prompts = prompts[: args.limit]

@@ -22,12 +22,14 @@ from moeflow.engine.sampling import GenerationConfig
 from moeflow.families import Family, family_for_config
 from moeflow.families.base import CausalDecoder
 from moeflow.families.layers import AWQLinear
-from moeflow.io.checkpoint import CheckpointReader, read_json, read_quantization, resolve_checkpoint
+from moeflow.io.checkpoint import open_checkpoint, read_json, read_quantization, resolve_checkpoint
 from moeflow.io.tokenizer import Tokenizer
+from moeflow.kernels.biased import is_extended
 from moeflow.kernels.pool import ExpertFormat
 from moeflow.moe.backend import ExpertBackend
 from moeflow.moe.resident import CpuInt4Experts
 from moeflow.offload import Stats, create_expert_backend
+from moeflow.quant.fp8 import Fp8BlockReader, fp8_block_spec
 
 KERNEL_CHOICES = ("auto", "torch", "triton", "cpu-int4")
 PROGRESS_MIN_BYTES = 256 * 2**20  # show a loading progress bar above this much expert data
@@ -121,12 +123,18 @@ def build_model(
         raise ValueError(f"{config_path}: model_type {model_type!r} is not a "
                          f"{' or '.join(f.name.capitalize() for f in families)}")
     family = family_for_config(raw_config, str(config_path))
-    quant = read_quantization(directory, raw_config)
-    reader = CheckpointReader(directory)
+    fp8 = fp8_block_spec(raw_config, config_path)  # FP8 block-scaled (DeepSeek-V3): dequantized as read
+    quant = None if fp8 else read_quantization(directory, raw_config)
+    reader = open_checkpoint(directory, quant)
+    if fp8 is not None:
+        reader = Fp8BlockReader(reader, fp8)
     try:
         layout = family.detect_expert_layout(reader)
         fmt = loading.expert_format(family, layout, quant, dtype)
-        resolved = resolve_kernels(kernels, device, offload, fmt.kind == "awq")
+        if fp8 is not None:  # FP8 experts become int4 (AWQ) experts
+            fmt = loading.requantized_expert_format(family)
+        resolved = resolve_kernels(kernels, device, offload,
+                                   fmt.kind == "awq" and not is_extended(fmt))  # cpu-int4: no biases
         check_attention_bits(attention_bits, resolved.linear)
         awq_attention = loading.detect_awq_attention(reader, family, layout, quant)
         decoder = family.build_decoder(dtype, _linear_factory(dtype, awq_attention))
@@ -140,15 +148,18 @@ def build_model(
 
         stats = Stats()
         cfg = family.config
-        kv_bytes = 2 * cfg.num_hidden_layers * min(cfg.max_position_embeddings, KV_BUDGET_TOKENS) \
-            * cfg.num_key_value_heads * cfg.head_dim * torch.tensor([], dtype=dtype).element_size()
+        kv_bytes = min(cfg.max_position_embeddings, KV_BUDGET_TOKENS) \
+            * family.kv_cache_spec().bytes_per_token(torch.tensor([], dtype=dtype).element_size())
         backend = make_expert_backend(
             offload, resolved, fmt=fmt, family=family, decoder=decoder, device=device,
             reserved_bytes=loading.non_expert_bytes(decoder) + kv_bytes, stats=stats, checkpoint_dir=directory,
         )
         if progress is None:
             progress = fmt.nbytes * len(family.moe_layers) * family.num_experts >= PROGRESS_MIN_BYTES
-        for moe_layer, expert, tensors in loading.iter_experts(reader, family, layout, quant, progress):
+        experts = loading.iter_experts(reader, family, layout, quant, progress)
+        if fp8 is not None:
+            experts = loading.requantize_experts(experts, fmt)
+        for moe_layer, expert, tensors in experts:
             backend.load_expert(moe_layer, expert, tensors)
         backend.finish_loading()
     finally:
@@ -159,11 +170,12 @@ def build_model(
 
 
 def _linear_factory(dtype: torch.dtype, awq_attention: dict | None):
-    """Attention projections: AWQ 4-bit when the checkpoint stores them so, else dense bias-free linears."""
+    """Attention projections (and the families' dense MLPs): AWQ 4-bit when the checkpoint stores them so,
+    else dense linears."""
 
-    def make(name: str, fan_in: int, fan_out: int) -> nn.Module:
+    def make(name: str, fan_in: int, fan_out: int, bias: bool = False) -> nn.Module:
         if awq_attention is not None:
-            return AWQLinear(fan_in, fan_out, awq_attention["group_size"], awq_attention["scales_dtype"])
-        return nn.Linear(fan_in, fan_out, bias=False, dtype=dtype)
+            return AWQLinear(fan_in, fan_out, awq_attention["group_size"], awq_attention["scales_dtype"], bias=bias)
+        return nn.Linear(fan_in, fan_out, bias=bias, dtype=dtype)
 
     return make

@@ -16,9 +16,10 @@ from typing import Any
 import torch
 
 from moeflow.engine.kv_cache import StaticKVCache
+from moeflow.engine.latent_cache import new_kv_cache
 from moeflow.engine.sampling import GenerationConfig, next_tokens
 from moeflow.errors import InputError
-from moeflow.families.base import CausalDecoder
+from moeflow.families.base import CausalDecoder, KVCacheSpec
 from moeflow.moe.backend import ExpertBackend, StepInfo
 from moeflow.moe.block import RoutingRecorder
 from moeflow.offload import Stats
@@ -31,8 +32,11 @@ class Runner:
     """Forward passes of one decoder with its expert backend (``decode_fn``: the decoder, or its compiled form)."""
 
     def __init__(self, decoder: CausalDecoder, backend: ExpertBackend | None, stats: Stats, config: Any,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype,
+                 kv_cache_spec: Callable[[], KVCacheSpec] | None = None) -> None:
         self.decoder, self.backend, self.stats, self.config = decoder, backend, stats, config
+        # the family's choice of cache (``Family.kv_cache_spec``), asked for each new cache; None: full heads
+        self.kv_cache_spec = kv_cache_spec
         self.device, self.dtype = device, dtype
         self.num_moe_layers = len(decoder.moe_blocks)
         self.num_experts = decoder.moe_blocks[0].gate.out_features
@@ -43,6 +47,8 @@ class Runner:
             self.backend.close()
 
     def new_cache(self, batch: int, max_len: int) -> StaticKVCache:
+        if self.kv_cache_spec is not None:
+            return new_kv_cache(self.kv_cache_spec(), batch, max_len, self.dtype, self.device)
         cfg = self.config
         return StaticKVCache(cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim,
                              self.dtype, self.device)

@@ -14,25 +14,48 @@ from tqdm.auto import tqdm
 
 from moeflow.errors import CheckpointError
 from moeflow.families import Family, family_for_config
-from moeflow.families.base import ExpertLayout
+from moeflow.families.base import ExpertLayout, ExpertSpec
 from moeflow.families.layers import AWQLinear
 from moeflow.io.checkpoint import CheckpointReader, QuantizationSpec, read_json
+from moeflow.kernels.biased import BiasedExpertFormat
 from moeflow.kernels.pool import ExpertFormat
+from moeflow.quant.fp8 import awq_expert_tensors, int4_group_size
+
+# buffers that stay fp32 whatever the model's dtype: DeepSeek-V3's selection bias decides near-ties among
+# sigmoid scores in [0, 1], which bf16's 8 bits of mantissa would flip (its checkpoints store it in fp32)
+FP32_BUFFERS = ("e_score_correction_bias",)
 
 
 def expert_format(family: Family, layout: ExpertLayout, quant: QuantizationSpec | None,
                   dtype: torch.dtype) -> ExpertFormat:
     """The slot format of one expert: AWQ bytes as stored, or dense weights in ``dtype``."""
     spec = family.expert_spec()
-    if spec.activation != "silu" or spec.bias:
-        raise CheckpointError(f"{family.name}: experts with activation {spec.activation!r} and bias={spec.bias} "
-                              "have no kernel yet (the kernels compute silu(gate) * up without biases)")
+    if spec.activation != "silu" or spec.bias or layout.mxfp4:
+        return biased_expert_format(spec, layout, quant, dtype)
     if layout.awq:
         if quant is None:
             raise CheckpointError("expert tensors are AWQ-quantized (qweight) but the checkpoint has no "
                                   "quantization_config in config.json nor a quant_config.json")
         return ExpertFormat(spec.hidden_size, spec.intermediate_size, "awq", layout.scales_dtype, quant.group_size)
     return ExpertFormat(spec.hidden_size, spec.intermediate_size, "dense", dtype)
+
+
+def biased_expert_format(spec: ExpertSpec, layout: ExpertLayout, quant: QuantizationSpec | None,
+                         dtype: torch.dtype) -> BiasedExpertFormat:
+    """Experts with biases / another activation / MXFP4 storage (gpt-oss): :mod:`moeflow.kernels.biased`."""
+    kw = dict(activation=spec.activation, bias=spec.bias, swiglu_alpha=spec.swiglu_alpha,
+              swiglu_limit=spec.swiglu_limit)
+    H, I = spec.hidden_size, spec.intermediate_size  # noqa: E741
+    if layout.mxfp4 or layout.awq:
+        want = "mxfp4" if layout.mxfp4 else "awq"
+        if quant is None or quant.method != want:
+            found = "no quantization_config" if quant is None else f"quant_method {quant.method!r}"
+            raise CheckpointError(f"expert tensors are {want.upper()}-quantized but config.json has {found} "
+                                  f"(expected quantization_config.quant_method {want!r})")
+        if layout.mxfp4:  # biases in the model dtype (exact for the published bf16 biases)
+            return BiasedExpertFormat(H, I, "mxfp4", dtype, 32, **kw)
+        return BiasedExpertFormat(H, I, "awq", layout.scales_dtype, quant.group_size, **kw)
+    return BiasedExpertFormat(H, I, "dense", dtype, **kw)
 
 
 def load_non_expert_weights(
@@ -50,7 +73,8 @@ def load_non_expert_weights(
             if full == "lm_head.weight" and ckpt not in reader and tie:
                 ckpt = family.checkpoint_name("embed_tokens.weight", layout)
             src = reader.get(ckpt, tuple(tensor.shape))
-            target_dtype = tensor.dtype if isinstance(module, AWQLinear) else dtype
+            keep = isinstance(module, AWQLinear) or pname in FP32_BUFFERS
+            target_dtype = tensor.dtype if keep else dtype
             with torch.no_grad():
                 tensor.data = src.to(device=device, dtype=target_dtype)
 
@@ -83,6 +107,20 @@ def iter_experts(
         bar.close()
 
 
+def requantized_expert_format(family: Family) -> ExpertFormat:
+    """The int4 (AWQ, fp16 scales) format dense-read experts are requantized into (FP8 checkpoints)."""
+    spec = family.expert_spec()
+    group = int4_group_size(spec.hidden_size, spec.intermediate_size)
+    return ExpertFormat(spec.hidden_size, spec.intermediate_size, "awq", torch.float16, group)
+
+
+def requantize_experts(experts: Iterator[tuple[int, int, dict[str, torch.Tensor]]], fmt: ExpertFormat
+                       ) -> Iterator[tuple[int, int, dict[str, torch.Tensor]]]:
+    """Dense experts (``w13``/``w2``) -> AWQ expert tensors of ``fmt`` (round-to-nearest), one at a time."""
+    for moe_layer, expert, tensors in experts:
+        yield moe_layer, expert, awq_expert_tensors(tensors["w13"], tensors["w2"], fmt.group_size, fmt.dtype)
+
+
 def non_expert_bytes(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
 
@@ -96,7 +134,8 @@ def read_routers(directory: str | Path) -> tuple[list[torch.Tensor], int]:
     try:
         layout = family.detect_expert_layout(reader)
         with torch.device("meta"):  # module paths and shapes only: nothing is allocated
-            decoder = family.build_decoder(torch.float32, lambda _n, fan_in, fan_out: nn.Linear(fan_in, fan_out))
+            decoder = family.build_decoder(torch.float32,
+                                           lambda _n, fan_in, fan_out, bias=False: nn.Linear(fan_in, fan_out, bias))
         paths = {id(m): name for name, m in decoder.named_modules()}
         weights = [
             reader.get(family.checkpoint_name(f"{paths[id(block)]}.gate.weight", layout),

@@ -6,12 +6,20 @@ from typing import Any
 
 from moeflow.errors import CheckpointError
 from moeflow.families.base import CausalDecoder, ExpertLayout, ExpertSpec, Family, RouterSpec
+from moeflow.families.deepseek import DeepSeekV2Family, DeepSeekV3Family
+from moeflow.families.glm4_moe import Glm4MoeFamily
+from moeflow.families.gpt_oss import GptOssFamily
 from moeflow.families.mixtral import MixtralConfig, MixtralFamily
+from moeflow.families.olmoe import OlmoeFamily
+from moeflow.families.qwen2_moe import Qwen2MoeFamily
+from moeflow.families.qwen3_moe import Qwen3MoeFamily
 
-FAMILIES: tuple[type[Family], ...] = (MixtralFamily,)
+FAMILIES: tuple[type[Family], ...] = (MixtralFamily, Qwen3MoeFamily, Qwen2MoeFamily, OlmoeFamily, DeepSeekV2Family,
+                                      DeepSeekV3Family, Glm4MoeFamily, GptOssFamily)
 
 __all__ = ["FAMILIES", "Family", "ExpertSpec", "ExpertLayout", "RouterSpec", "CausalDecoder", "MixtralFamily",
-           "MixtralConfig", "family_class", "supported_model_types", "family_for_config"]
+           "MixtralConfig", "Qwen3MoeFamily", "Qwen2MoeFamily", "OlmoeFamily", "GptOssFamily", "family_class",
+           "supported_model_types", "family_for_config"]
 
 
 def supported_model_types() -> list[str]:

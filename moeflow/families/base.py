@@ -30,7 +30,7 @@ from moeflow.moe.backend import ExpertBackend
 from moeflow.moe.block import MoEBlock, RoutingRecorder
 from moeflow.moe.routing import RouterSpec
 
-__all__ = ["Family", "ExpertSpec", "ExpertLayout", "RouterSpec", "CausalDecoder", "ModelConfig"]
+__all__ = ["Family", "ExpertSpec", "ExpertLayout", "RouterSpec", "CausalDecoder", "ModelConfig", "KVCacheSpec"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,8 @@ class ExpertSpec:
     intermediate_size: int
     activation: str = "silu"  # the gate's activation ("silu"; gpt-oss's clamped SwiGLU would be a new name)
     bias: bool = False  # the expert projections carry biases (gpt-oss)
+    swiglu_alpha: float = 1.702  # "clamped_swiglu" only: (clamp(up, +-limit) + 1) * g * sigmoid(alpha * g)
+    swiglu_limit: float = 7.0  # "clamped_swiglu" only: g = clamp(gate, max=limit)
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,26 @@ class ExpertLayout:
     fused: bool  # all experts of a layer stacked in one tensor per projection
     awq: bool  # AWQ 4-bit (qweight / qzeros / scales)
     scales_dtype: torch.dtype | None = None
+    mxfp4: bool = False  # MXFP4 (``*_blocks`` / ``*_scales``, gpt-oss as published)
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What the engine's KV cache keeps per layer and token (:meth:`Family.kv_cache_spec`).
+
+    Full key/value heads (``kv_heads`` x ``head_dim`` each: the engine's ``StaticKVCache``), or, when
+    ``latent_dim`` is set, one compressed vector of that many values (multi-head latent attention, whose
+    layers read it with ``cache.update_latent``)."""
+
+    num_layers: int
+    kv_heads: int = 0
+    head_dim: int = 0
+    latent_dim: int = 0
+
+    def bytes_per_token(self, element_size: int) -> int:
+        """Cache bytes one token costs over all layers."""
+        per_layer = self.latent_dim if self.latent_dim else 2 * self.kv_heads * self.head_dim
+        return self.num_layers * per_layer * element_size
 
 
 class ModelConfig:
@@ -80,7 +102,10 @@ class CausalDecoder(nn.Module):
     """
 
     def __init__(self, vocab_size: int, hidden_size: int, layers: list[nn.Module], rms_norm_eps: float,
-                 head_dim: int, rope_theta: float, dtype: torch.dtype, sliding_window: int | None = None):
+                 head_dim: int, rope_theta: float, dtype: torch.dtype, sliding_window: int | None = None,
+                 layer_windows: list[int | None] | None = None):
+        """``sliding_window``: one window for every layer; ``layer_windows``: one per layer instead (Qwen2-MoE
+        alternates sliding and full attention layers)."""
         super().__init__()
         self.embed_tokens = nn.Embedding(vocab_size, hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(layers)
@@ -88,6 +113,9 @@ class CausalDecoder(nn.Module):
         self.rotary = RotaryEmbedding(head_dim, rope_theta)
         self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False, dtype=dtype)
         self.sliding_window = sliding_window
+        if layer_windows is not None and len(layer_windows) != len(layers):
+            raise ValueError(f"layer_windows has {len(layer_windows)} entries for {len(layers)} layers")
+        self.layer_windows = layer_windows
 
     @property
     def moe_blocks(self) -> list[MoEBlock]:
@@ -103,9 +131,10 @@ class CausalDecoder(nn.Module):
         x = embeds
         cos, sin = self.rotary(position_ids, x.dtype)
         cache.mark_valid(cache_position, token_mask)
-        mask = cache.attention_mask(cache_position, self.sliding_window)
-        for layer in self.layers:
-            x = layer(x, cos, sin, cache, cache_position, mask, experts, routing)
+        windows = self.layer_windows or [self.sliding_window] * len(self.layers)
+        masks = {w: cache.attention_mask(cache_position, w) for w in dict.fromkeys(windows)}
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache, cache_position, masks[windows[i]], experts, routing)
         return self.lm_head(self.norm(x)).float()
 
 
@@ -169,6 +198,11 @@ class Family(ABC):
     def expert_linears(self, name: str, reader: CheckpointReader) -> Iterator[tuple[str, torch.Tensor]] | None:
         """For ``moeflow quantize``: when checkpoint tensor ``name`` holds expert weights, the per-expert linear
         weights ``[out, in]`` it holds, each with the module name an AWQ checkpoint stores it under; else None."""
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """The KV cache the family's attention layers read (default: full heads of the config's sizes)."""
+        cfg = self.config
+        return KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
 
     def quantized_name(self, name: str) -> str:
         """The name a non-expert tensor gets in a quantized checkpoint (default: unchanged)."""

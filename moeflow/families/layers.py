@@ -1,4 +1,5 @@
-"""Building blocks shared by the families' decoders: RMSNorm, rotary embeddings, AWQ linear, GQA attention."""
+"""Building blocks shared by the families' decoders: RMSNorm, rotary embeddings, AWQ linear, GQA attention,
+and the dense gated MLP (dense layers between MoE layers, shared experts)."""
 
 from __future__ import annotations
 
@@ -50,15 +51,18 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class AWQLinear(nn.Module):
-    """A bias-free linear layer holding AWQ GEMM-layout 4-bit weights; computes ``x @ W``."""
+    """A linear layer holding AWQ GEMM-layout 4-bit weights (and an optional bias); computes ``x @ W (+ b)``."""
 
-    def __init__(self, in_features: int, out_features: int, group_size: int, scales_dtype: torch.dtype):
+    def __init__(self, in_features: int, out_features: int, group_size: int, scales_dtype: torch.dtype,
+                 bias: bool = False):
         super().__init__()
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
         g = in_features // group_size
         self.register_buffer("qweight", torch.zeros(in_features, out_features // 8, dtype=torch.int32))
         self.register_buffer("qzeros", torch.zeros(g, out_features // 8, dtype=torch.int32))
         self.register_buffer("scales", torch.zeros(g, out_features, dtype=scales_dtype))
+        # quantized checkpoints keep a projection's bias (Qwen2's q/k/v) unquantized, in the scales' dtype
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=scales_dtype), requires_grad=False) if bias else None
         self.kernels_backend = "torch"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -66,26 +70,83 @@ class AWQLinear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         y = kernels.awq_linear(flat, self.qweight, self.qzeros, self.scales, self.group_size,
                                backend=self.kernels_backend)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
-LinearFactory = Callable[[str, int, int], nn.Module]  # (name, fan_in, fan_out) -> a linear module
+# (name, fan_in, fan_out) -> a linear module; called with ``bias=True`` as a keyword for a biased projection
+LinearFactory = Callable[..., nn.Module]
+
+
+def make_linear(factory: LinearFactory, name: str, fan_in: int, fan_out: int, bias: bool = False) -> nn.Module:
+    """``factory``'s linear module, passing ``bias=True`` only when asked (bias-free factories stay valid)."""
+    return factory(name, fan_in, fan_out, bias=True) if bias else factory(name, fan_in, fan_out)
+
+
+class GatedMLP(nn.Module):
+    """A dense SwiGLU MLP ``down(silu(gate(x)) * up(x))``: Qwen's dense layers and shared experts.
+
+    ``output_gate``: a ``[1, H]`` linear whose sigmoid scales the output (Qwen2-MoE's ``shared_expert_gate``).
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, linear_factory: LinearFactory,
+                 dtype: torch.dtype, output_gate: bool = False):
+        super().__init__()
+        self.gate_proj = linear_factory("gate_proj", hidden_size, intermediate_size)
+        self.up_proj = linear_factory("up_proj", hidden_size, intermediate_size)
+        self.down_proj = linear_factory("down_proj", intermediate_size, hidden_size)
+        # a one-output linear is never quantized: always a plain linear layer
+        self.output_gate = nn.Linear(hidden_size, 1, bias=False, dtype=dtype) if output_gate else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., H] -> [..., H]."""
+        y = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.output_gate is not None:
+            y = torch.sigmoid(self.output_gate(x)) * y
+        return y
 
 
 class Attention(nn.Module):
-    """Rotary grouped-query attention over a static KV cache (Llama/Mixtral layout: q/k/v/o projections)."""
+    """Rotary grouped-query attention over a static KV cache (Llama/Mixtral layout: q/k/v/o projections).
+
+    Options some families need (defaults: Mixtral's plain attention): ``qkv_bias`` / ``o_bias`` (biased
+    projections: Qwen2, OLMoE's ``attention_bias``), ``qk_norm`` (RMSNorm of queries and keys before the
+    rotary: ``"head"`` over each head's ``head_dim`` as Qwen3, ``"projection"`` over the whole projection
+    as OLMoE), ``clip_qkv`` (clamp q, k and v to +-clip_qkv, OLMoE).
+    """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, layer_idx: int,
-                 linear_factory: LinearFactory, sliding_window: int | None = None):
+                 linear_factory: LinearFactory, sliding_window: int | None = None, *, qkv_bias: bool = False,
+                 o_bias: bool = False, qk_norm: str | None = None, norm_eps: float = 1e-6,
+                 clip_qkv: float | None = None, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv, self.head_dim = num_heads, num_kv_heads, head_dim
         h = hidden_size
-        self.q_proj = linear_factory("q_proj", h, self.n_heads * self.head_dim)
-        self.k_proj = linear_factory("k_proj", h, self.n_kv * self.head_dim)
-        self.v_proj = linear_factory("v_proj", h, self.n_kv * self.head_dim)
-        self.o_proj = linear_factory("o_proj", self.n_heads * self.head_dim, h)
+        self.q_proj = make_linear(linear_factory, "q_proj", h, self.n_heads * self.head_dim, qkv_bias)
+        self.k_proj = make_linear(linear_factory, "k_proj", h, self.n_kv * self.head_dim, qkv_bias)
+        self.v_proj = make_linear(linear_factory, "v_proj", h, self.n_kv * self.head_dim, qkv_bias)
+        self.o_proj = make_linear(linear_factory, "o_proj", self.n_heads * self.head_dim, h, o_bias)
         self.sliding_window = sliding_window
+        if qk_norm not in (None, "head", "projection"):
+            raise ValueError(f"qk_norm={qk_norm!r}: expected None, 'head' or 'projection'")
+        self.qk_norm, self.clip_qkv = qk_norm, clip_qkv
+        if qk_norm is not None:
+            per_head = qk_norm == "head"
+            self.q_norm = RMSNorm(head_dim if per_head else self.n_heads * head_dim, norm_eps, dtype)
+            self.k_norm = RMSNorm(head_dim if per_head else self.n_kv * head_dim, norm_eps, dtype)
+
+    def _normalize_qkv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, heads, T, D], k/v [B, kv_heads, T, D]: QK-norm, then the clamp (the order OLMoE uses)."""
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        elif self.qk_norm == "projection":  # normalise the concatenated heads of each token
+            q, k = (_per_token(norm, t) for norm, t in ((self.q_norm, q), (self.k_norm, k)))
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+        return q, k, v
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any,
@@ -97,6 +158,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        if self.qk_norm is not None or self.clip_qkv is not None:
+            q, k, v = self._normalize_qkv(q, k, v)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         k_all, v_all = cache.update(self.layer_idx, k, v, cache_position)
         groups = self.n_heads // self.n_kv
@@ -105,3 +168,9 @@ class Attention(nn.Module):
             v_all = v_all.repeat_interleave(groups, dim=1)
         out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+
+def _per_token(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Apply ``norm`` over all heads of each token: x [B, heads, T, D] -> [B, heads, T, D]."""
+    b, n, t, d = x.shape
+    return norm(x.transpose(1, 2).reshape(b, t, n * d)).view(b, t, n, d).transpose(1, 2)

@@ -21,12 +21,14 @@ from torch import nn
 
 from moeflow.errors import CheckpointError
 from moeflow.families.base import CausalDecoder, ExpertLayout, ExpertSpec, Family
+from moeflow.families.gated_experts import ProjectionNames, read_gated_expert, split_fused_experts
 from moeflow.families.layers import Attention, LinearFactory, RMSNorm
-from moeflow.io.checkpoint import CheckpointReader, QuantizationSpec, get_slice
+from moeflow.io.checkpoint import CheckpointReader, QuantizationSpec
 from moeflow.moe.block import MoEBlock
 from moeflow.moe.routing import RouterSpec
 
 MOE_PREFIXES = ("block_sparse_moe", "mlp")
+PROJECTIONS = ProjectionNames(gate="w1", up="w3", down="w2")
 CLASSIC_EXPERT = re.compile(r"^(model\.layers\.\d+)\.(block_sparse_moe|mlp)\.experts\.(\d+)\.(w[123])\.weight$")
 FUSED_EXPERT = re.compile(r"^(model\.layers\.\d+)\.(block_sparse_moe|mlp)\.experts\.(gate_up_proj|down_proj)$")
 
@@ -155,28 +157,8 @@ class MixtralFamily(Family):
     def read_expert(self, reader: CheckpointReader, layout: ExpertLayout, quant: QuantizationSpec | None,
                     moe_layer: int, expert: int) -> dict[str, torch.Tensor]:
         cfg = self.config
-        H, I, E = cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts  # noqa: E741
-        base = f"model.layers.{moe_layer}.{layout.prefix}.experts"
-        if layout.fused:
-            return {
-                "w13": get_slice(reader, f"{base}.gate_up_proj", expert, (E, 2 * I, H)),
-                "w2": get_slice(reader, f"{base}.down_proj", expert, (E, H, I)),
-            }
-        name = f"{base}.{expert}"
-        if not layout.awq:
-            w1 = reader.get(f"{name}.w1.weight", (I, H))
-            w3 = reader.get(f"{name}.w3.weight", (I, H))
-            return {"w13": torch.cat([w1, w3], dim=0), "w2": reader.get(f"{name}.w2.weight", (H, I))}
-        g = quant.group_size
-        out: dict[str, torch.Tensor] = {}
-        for part, (fan_in, fan_out) in (("w1", (H, I)), ("w3", (H, I)), ("w2", (I, H))):
-            for kind, shape in (("qweight", (fan_in, fan_out // 8)), ("qzeros", (fan_in // g, fan_out // 8)),
-                                ("scales", (fan_in // g, fan_out))):
-                out[f"{part}.{kind}"] = reader.get(f"{name}.{part}.{kind}", shape)
-        fused = {f"w13_{kind}": torch.cat([out[f"w1.{kind}"], out[f"w3.{kind}"]], dim=1)
-                 for kind in ("qweight", "qzeros", "scales")}
-        fused.update({f"w2_{kind}": out[f"w2.{kind}"] for kind in ("qweight", "qzeros", "scales")})
-        return fused
+        return read_gated_expert(reader, layout, quant, f"model.layers.{moe_layer}.{layout.prefix}.experts", expert,
+                                 PROJECTIONS, cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts)
 
     # ------------------------------------------------------------------ quantization (moeflow quantize)
     def expert_linears(self, name: str, reader: CheckpointReader) -> Iterator[tuple[str, torch.Tensor]] | None:
@@ -186,20 +168,9 @@ class MixtralFamily(Family):
             return iter([(f"{layer}.block_sparse_moe.experts.{expert}.{w}", reader.get(name))])
         m = FUSED_EXPERT.match(name)
         if m:
-            return self._split_fused(name, reader, *m.group(1, 3))
+            layer, kind = m.group(1, 3)
+            return split_fused_experts(reader.get(name), layer, kind, "block_sparse_moe", PROJECTIONS)
         return None
-
-    @staticmethod
-    def _split_fused(name: str, reader: CheckpointReader, layer: str, kind: str) -> Iterator[tuple[str, torch.Tensor]]:
-        stacked = reader.get(name)
-        for e in range(stacked.shape[0]):
-            base = f"{layer}.block_sparse_moe.experts.{e}"
-            if kind == "gate_up_proj":
-                w1, w3 = stacked[e].chunk(2, dim=0)
-                yield f"{base}.w1", w1
-                yield f"{base}.w3", w3
-            else:
-                yield f"{base}.w2", stacked[e]
 
     def quantized_name(self, name: str) -> str:
         return name.replace(".mlp.gate.weight", ".block_sparse_moe.gate.weight")

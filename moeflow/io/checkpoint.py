@@ -16,6 +16,7 @@ from safetensors import SafetensorError, safe_open
 
 from moeflow.errors import CheckpointError, UnsupportedQuantizationError
 from moeflow.quant.awq import SUPPORTED_GROUP_SIZES
+from moeflow.quant.gptq import check_sequential_groups, gptq_qweight_to_awq, gptq_qzeros_to_awq, gptq_settings
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -23,12 +24,14 @@ SINGLE_NAME = "model.safetensors"
 
 @dataclass(frozen=True)
 class QuantizationSpec:
-    """What the checkpoint's quantization config says (only AWQ 4-bit GEMM is readable)."""
+    """What the checkpoint's quantization config says (AWQ 4-bit GEMM, GPTQ 4-bit read as AWQ, or MXFP4 with
+    group 32)."""
 
-    method: str  # "awq"
+    method: str  # "awq", "gptq" (converted into AWQ's layout as read: :class:`GPTQCheckpointReader`) or "mxfp4"
     bits: int
     group_size: int
     modules_to_not_convert: tuple[str, ...] = ()
+    zero_offset: int = 0  # GPTQ: added to every stored zero point (1 in the v1 "gptq" checkpoint format)
 
 
 def resolve_checkpoint(path_or_id: str | os.PathLike, revision: str | None = None) -> Path:
@@ -84,9 +87,15 @@ def read_quantization(directory: Path, config: dict) -> QuantizationSpec | None:
     if qc is None:
         return None
     method = str(qc.get("quant_method", "")).lower()
+    if method == "gptq":
+        group, offset = gptq_settings(qc, str(source))
+        return QuantizationSpec("gptq", 4, group, tuple(qc.get("modules_to_not_convert") or ()), offset)
+    if method == "mxfp4":  # gpt-oss as published: e2m1 values, one e8m0 scale per 32
+        return QuantizationSpec("mxfp4", 4, 32, tuple(qc.get("modules_to_not_convert") or ()))
     if method != "awq":
         raise UnsupportedQuantizationError(
-            f"{source}: quantization method {qc.get('quant_method')!r} is not supported (moeflow reads AWQ)"
+            f"{source}: quantization_config.quant_method {qc.get('quant_method')!r} is not supported "
+            "(moeflow reads AWQ, GPTQ and MXFP4)"
         )
     bits = qc.get("bits", qc.get("w_bit"))
     if bits != 4:
@@ -169,6 +178,13 @@ class CheckpointReader:
             )
         return t
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of tensor ``name``, read from the file's header (no data is read)."""
+        path = self.weight_map.get(name)
+        if path is None:
+            raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {self.directory}")
+        return tuple(self._open(path).get_slice(name).get_shape())
+
     def close(self) -> None:
         self._handles.clear()
 
@@ -188,3 +204,36 @@ def get_slice(reader: CheckpointReader, name: str, index: int, full_shape: tuple
         return sl[index]
     except SafetensorError as e:
         raise CheckpointError(f"cannot read tensor {name!r} from {path} (truncated or corrupt?): {e}") from e
+
+
+class GPTQCheckpointReader(CheckpointReader):
+    """A GPTQ checkpoint read as if it were AWQ: every ``qweight`` / ``qzeros`` is repacked into AWQ's layout
+    as it is read (``scales``, biases and unquantized tensors pass through), after checking the layer's
+    ``g_idx`` (no act-order). The loaders above it see one quantized format."""
+
+    def __init__(self, directory: Path, quant: QuantizationSpec):
+        super().__init__(directory)
+        self.quant = quant
+
+    def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        if not name.endswith((".qweight", ".qzeros")):
+            return super().get(name, shape)
+        module = name.rsplit(".", 1)[0]
+        raw = super().get(name)
+        if name.endswith(".qweight"):
+            if f"{module}.g_idx" in self:
+                check_sequential_groups(super().get(f"{module}.g_idx"), self.quant.group_size, f"{module}.g_idx")
+            t = gptq_qweight_to_awq(raw)
+        else:
+            t = gptq_qzeros_to_awq(raw, self.quant.zero_offset, name)
+        if shape is not None and tuple(t.shape) != tuple(shape):
+            raise CheckpointError(f"tensor {name!r} (GPTQ, shape {tuple(raw.shape)}) has AWQ shape {tuple(t.shape)} "
+                                  f"once repacked, but config.json implies {tuple(shape)}")
+        return t
+
+
+def open_checkpoint(directory: Path, quant: QuantizationSpec | None) -> CheckpointReader:
+    """The reader for ``directory``: GPTQ checkpoints through :class:`GPTQCheckpointReader`."""
+    if quant is not None and quant.method == "gptq":
+        return GPTQCheckpointReader(directory, quant)
+    return CheckpointReader(directory)

@@ -82,6 +82,17 @@ def check_awq_weights(
     check_packed(scales, f"{prefix}scales", lead + (k // group_size, n), FLOAT_DTYPES)
 
 
+def check_pool_weights(
+    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int, k: int, n: int, prefix: str,
+    slots: int,
+) -> None:
+    """AWQ tensors of a [k, n] matrix in the pool's kernel layout (``qweight [S, n, k/8]``, see ``pool.py``)."""
+    check_group_size(group_size, k, prefix)
+    check_packed(qweight, f"{prefix}qweight", (slots, n, k // 8), torch.int32)
+    check_packed(qzeros, f"{prefix}qzeros", (slots, k // group_size, n // 8), torch.int32)
+    check_packed(scales, f"{prefix}scales", (slots, k // group_size, n), FLOAT_DTYPES)
+
+
 def check_ids_and_slots(
     topk_ids: torch.Tensor,  # int [T, k]
     slot_of_expert: torch.Tensor,  # int32 [E]

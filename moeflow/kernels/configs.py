@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 from pathlib import Path
 from typing import Any
@@ -21,18 +20,28 @@ import torch
 CONFIG_DIR = Path(__file__).with_name("configs")
 ENV_CONFIG_DIR = "MOEFLOW_KERNEL_CONFIG_DIR"  # extra directory searched first (e.g. a freshly tuned table)
 
-GEMM_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K", "num_warps", "num_stages")
+GEMM_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K", "num_warps", "num_stages", "SCALE_IN_A")
+# the one source of default values: what a table entry or a hand-written config leaves out
+GEMM_DEFAULTS = {"BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3,
+                 "SCALE_IN_A": 0}
+DECODE_MAX_M = 16  # up to this many tokens every expert's rows fit one block (BLOCK_M = next power of two >= T)
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
 def device_name(device: torch.device | str) -> str:
     """The name tables are keyed by: ``torch.cuda.get_device_name`` on CUDA, ``"cpu"`` otherwise."""
+    return _device_name(str(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _device_name(device: str) -> str:
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return device.type
 
 
+@functools.cache
 def triton_version() -> str:
     try:
         import triton
@@ -45,36 +54,74 @@ def _next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
-def default_config(op: str, m: int, num_experts: int, top_k: int, n: int, k: int) -> dict[str, Any]:
-    """Heuristic config when no table entry matches.
+def _split_k(active: int, n: int, k: int, block_n: int, block_k: int) -> int:
+    """Split K until the grid has ~2 programs per SM of a large GPU, keeping >= 2 K tiles per split."""
+    programs = active * -(-n // block_n)
+    split = 1
+    while programs * split < 256 and k // (2 * split) >= 2 * block_k and split < 8:
+        split *= 2
+    return split
 
-    op "moe": ``{"BLOCK_M": bm, "w13": {...}, "w2": {...}}`` for T = m tokens, N = intermediate, K = hidden.
-    op "linear": one GEMM config with ``BLOCK_M`` for an [m, k] @ [k, n] matmul.
-    Decode (few rows per expert) gets BLOCK_M < 16, i.e. the GEMV-shaped fp32 path, with split-K on the
-    w2 GEMM when the grid would not fill a large GPU; prefill gets tensor-core tiles.
+
+def default_config(
+    op: str, m: int, num_experts: int, top_k: int, n: int, k: int, group_size: int = 128
+) -> dict[str, Any]:
+    """Heuristic config when no table entry matches (the values every missing key gets: ``GEMM_DEFAULTS``).
+
+    op "moe": ``{"BLOCK_M": bm, "w13": {...}, "w2": {...}}`` for T = m tokens, N = intermediate, K = hidden;
+    op "linear": one GEMM config with ``BLOCK_M`` for an [m, k] @ [k, n] matmul (the published-AWQ kernel).
+    Up to ``DECODE_MAX_M`` tokens, BLOCK_M is the next power of two >= T, so an expert shared by several
+    tokens is streamed once; prefill gets 64/128-row tiles with the scale folded into the MMA operand
+    (asynchronous tensor cores). ``BLOCK_K`` never exceeds the AWQ group (``group_size`` 0: dense).
     """
-    per_expert = m * top_k / max(1, num_experts) if op == "moe" else m
-    if m <= 8 or per_expert <= 2:
-        bm = min(_next_pow2(min(m, 4)), 4)
-        # the fp32 product tile [BLOCK_M, BLOCK_K, BLOCK_N] lives in registers: keep it at <= 8K elements
-        gemv = {"BLOCK_N": 32, "BLOCK_K": 256 // bm, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3}
-        if op == "linear":
-            return {"BLOCK_M": bm, **gemv, "SPLIT_K": 4 if n <= 8192 and k >= 4096 else 1}
-        active = min(num_experts, m * top_k)
-        programs_w2 = active * math.ceil(k / 32)
-        split = 1
-        while programs_w2 * split < 1024 and split < 8 and n // (split * 2) >= 512:
-            split *= 2
-        return {"BLOCK_M": bm, "w13": dict(gemv), "w2": {**gemv, "SPLIT_K": split}}
-    if per_expert <= 32:
-        bm, tile = 16, {"BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3}
-    elif per_expert <= 256:
-        bm, tile = 64, {"BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3}
+    bk_cap = group_size if group_size else 128
+    if op == "linear":  # the published-AWQ kernel: GEMV-shaped below 16 rows, tensor-core tiles above
+        if m < 16:
+            return {"BLOCK_M": _next_pow2(m), **GEMM_DEFAULTS, "BLOCK_N": 32, "BLOCK_K": min(128, bk_cap)}
+        bm = 16 if m <= 32 else 64 if m <= 256 else 128
+        return {"BLOCK_M": bm, **GEMM_DEFAULTS, "BLOCK_N": 64 if bm < 128 else 128, "BLOCK_K": min(64, bk_cap),
+                "GROUP_M": 8, "num_warps": 4 if bm < 128 else 8}
+    per_expert = m * top_k / max(1, num_experts)
+    if m <= DECODE_MAX_M or per_expert <= 16:
+        bm = min(_next_pow2(m), DECODE_MAX_M)
+        tile = {**GEMM_DEFAULTS, "BLOCK_K": min(128, bk_cap)}
+    elif per_expert <= 96:
+        bm, tile = 64, {**GEMM_DEFAULTS, "BLOCK_K": min(64, bk_cap), "GROUP_M": 8, "SCALE_IN_A": 1}
     else:
-        bm, tile = 128, {"BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "SPLIT_K": 1, "num_warps": 8, "num_stages": 3}
-    if op == "linear":
-        return {"BLOCK_M": bm, **tile}
-    return {"BLOCK_M": bm, "w13": dict(tile), "w2": dict(tile)}
+        bm = 128
+        tile = {**GEMM_DEFAULTS, "BLOCK_K": min(64, bk_cap), "GROUP_M": 8, "num_warps": 8, "SCALE_IN_A": 1}
+    active = min(num_experts, m * top_k)
+    w13 = {**tile, "SPLIT_K": _split_k(active, 2 * n, k, tile["BLOCK_N"], tile["BLOCK_K"]) if bm <= 16 else 1}
+    w2 = {**tile, "SPLIT_K": _split_k(active, k, n, tile["BLOCK_N"], tile["BLOCK_K"]) if bm <= 16 else 1}
+    return {"BLOCK_M": bm, "w13": w13, "w2": w2}
+
+
+def packed_linear_config(m: int, n: int, k: int, group_size: int) -> dict[str, Any]:
+    """Config of ``awq_linear_packed`` (the expert GEMM with one "expert"): the MoE rules for one matrix."""
+    moe = default_config("moe", m, 1, 1, n, k, group_size)
+    return {"BLOCK_M": moe["BLOCK_M"], **moe["w2"], "SPLIT_K": _split_k(1, n, k, moe["w2"]["BLOCK_N"],
+                                                                       moe["w2"]["BLOCK_K"]) if m <= 16 else 1}
+
+
+def tuning_candidates(phase: str, group_size: int) -> list[dict]:
+    """Configs ``benchmarks/run_gpu_kernels.py --tune`` times: ``phase`` "decode" or "prefill"; any candidate
+    with BLOCK_K above the AWQ group is dropped (it would need a per-row zero/scale gather)."""
+    if phase == "decode":
+        cands = [
+            {"BLOCK_M": bm, "w13": {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": s13, "num_warps": 4, "num_stages": st},
+             "w2": {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": s2, "num_warps": 4, "num_stages": st}}
+            for bm in (1, 2, 4, 8, 16) for bn, bk in ((128, 128), (64, 128), (128, 64), (256, 64), (256, 32))
+            for s13, s2 in ((1, 1), (1, 2), (1, 4), (2, 4)) for st in (3, 4)
+        ]
+    else:
+        cands = [
+            {"BLOCK_M": bm, **{w: {"BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": nw, "num_stages": st,
+                                   "SCALE_IN_A": 1} for w in ("w13", "w2")}}
+            for bm, bn, bk, nw, st in ((64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 128, 128, 8, 2),
+                                       (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (64, 128, 128, 4, 3),
+                                       (128, 128, 32, 8, 4), (64, 128, 32, 4, 4))
+        ]
+    return [c for c in cands if all(c[w]["BLOCK_K"] <= group_size for w in ("w13", "w2"))]
 
 
 @functools.cache
@@ -115,9 +162,19 @@ def _search_dirs() -> tuple[str, ...]:
 
 
 def _nearest(configs: dict[str, dict], m: int) -> dict:
-    lm = math.log2(max(1, m))
-    key = min(configs, key=lambda s: (abs(math.log2(max(1, int(s))) - lm), int(s)))
-    return configs[key]
+    """The entry of the smallest tuned M >= m (else the largest): a config tuned for fewer tokens could split
+    an expert's rows over two blocks and stream its weights twice (T = 2 must never get BLOCK_M 1)."""
+    keys = sorted(int(s) for s in configs)
+    key = next((km for km in keys if km >= m), keys[-1])
+    cfg = dict(configs[str(key)])
+    if m <= DECODE_MAX_M:
+        cfg["BLOCK_M"] = max(int(cfg["BLOCK_M"]), _next_pow2(m))
+    return cfg
+
+
+def bucket(m: int) -> int:
+    """The shape bucket of T: configs are resolved once per bucket (next power of two)."""
+    return _next_pow2(max(1, m))
 
 
 def lookup_config(
@@ -133,35 +190,44 @@ def lookup_config(
     k: int,
     device: torch.device | str,
 ) -> dict[str, Any]:
-    """The block config for one launch (host-side, cached tables; never touches device memory)."""
-    name, tv = device_name(device), triton_version()
-    tables = _load_tables(_search_dirs())
+    """The block config for one launch: resolved once per (op, T bucket, shapes, dtype, device) and cached.
+
+    Host-side only (never touches device memory). The returned dict is shared: do not modify it.
+    """
+    return _lookup(op, bucket(m), kind, DTYPE_NAMES.get(dtype), int(group_size), num_experts, top_k, n, k,
+                   device_name(device), triton_version(), _search_dirs())
+
+
+@functools.lru_cache(maxsize=4096)
+def _lookup(op: str, m: int, kind: str, dtype: str | None, group_size: int, num_experts: int, top_k: int, n: int,
+            k: int, name: str, tv: str, dirs: tuple[str, ...]) -> dict[str, Any]:
+    tables = _load_tables(dirs)
     for same_version in (True, False):
         for t in tables:
             if t["device"] != name or (t["triton"] == tv) != same_version:
                 continue
             for e in t["entries"]:
                 if (
-                    e["op"] == op and e["kind"] == kind and e["dtype"] == DTYPE_NAMES.get(dtype)
-                    and int(e["group_size"]) == int(group_size) and int(e["num_experts"]) == num_experts
+                    e["op"] == op and e["kind"] == kind and e["dtype"] == dtype
+                    and int(e["group_size"]) == group_size and int(e["num_experts"]) == num_experts
                     and int(e["top_k"]) == top_k and int(e["n"]) == n and int(e["k"]) == k
                 ):
-                    return _complete(op, _nearest(e["configs"], m), m, num_experts, top_k, n, k)
-    return default_config(op, m, num_experts, top_k, n, k)
+                    return _complete(op, _nearest(e["configs"], m), m, num_experts, top_k, n, k, group_size)
+    return default_config(op, m, num_experts, top_k, n, k, group_size)
 
 
-def _complete(op: str, cfg: dict, m: int, num_experts: int, top_k: int, n: int, k: int) -> dict:
-    """Fill keys a table entry leaves out from the heuristic default (tables may store only what was tuned)."""
-    base = default_config(op, m, num_experts, top_k, n, k)
+def _complete(op: str, cfg: dict, m: int, num_experts: int, top_k: int, n: int, k: int, group_size: int) -> dict:
+    """Fill keys a table entry leaves out from ``GEMM_DEFAULTS`` (tables may store only what was tuned)."""
     if op == "linear":
-        return {**base, **cfg}
+        return {**GEMM_DEFAULTS, **cfg}
     return {
         "BLOCK_M": cfg["BLOCK_M"],
-        "w13": {**base["w13"], **cfg.get("w13", {})},
-        "w2": {**base["w2"], **cfg.get("w2", {})},
+        "w13": {**GEMM_DEFAULTS, **cfg.get("w13", {})},
+        "w2": {**GEMM_DEFAULTS, **cfg.get("w2", {})},
     }
 
 
 def clear_cache() -> None:
-    """Forget loaded tables (after writing a new one)."""
+    """Forget loaded tables and resolved configs (after writing a new table)."""
     _load_tables.cache_clear()
+    _lookup.cache_clear()

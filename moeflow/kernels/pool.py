@@ -5,13 +5,25 @@ matrix when chunked). A pool is a ``uint8 [n_slots, nbytes]`` buffer; :meth:`Exp
 turns it into the typed tensors ``[n_slots, ...]`` that the kernels read. The host store uses the
 same format with one "slot" per (layer, expert), so a slot and a host region are byte-identical.
 
-Tensor names and shapes (H = hidden, I = intermediate, g = AWQ group size):
+The region holds the *kernel layout*, converted once in :meth:`ExpertFormat.write` from the tensors the
+loader produces (AWQ as published, or dense ``nn.Linear`` weights); :meth:`ExpertFormat.loader_tensors`
+is its exact inverse. The bytes per expert are the same as AWQ's (the conversion only moves nibbles).
 
-* ``dense``: ``w13`` ``[2I, H]`` (``nn.Linear`` layout, rows of w1 (gate) first, then w3 (up)),
-  ``w2`` ``[H, I]``.
-* ``awq``: ``w13_qweight`` int32 ``[H, 2I/8]``, ``w13_qzeros`` int32 ``[H/g, 2I/8]``,
-  ``w13_scales`` ``[H/g, 2I]`` (columns of w1 first, then w3), ``w2_qweight`` int32 ``[I, H/8]``,
-  ``w2_qzeros`` int32 ``[I/g, H/8]``, ``w2_scales`` ``[I/g, H]``.
+Loader form (H = hidden, I = intermediate, g = AWQ group size):
+
+* ``dense``: ``w13`` ``[2I, H]`` (``nn.Linear`` layout, rows of w1 (gate) first, then w3 (up)), ``w2`` ``[H, I]``.
+* ``awq``: ``w13_qweight`` int32 ``[H, 2I/8]``, ``w13_qzeros`` int32 ``[H/g, 2I/8]``, ``w13_scales``
+  ``[H/g, 2I]`` (columns of w1 first, then w3), ``w2_qweight`` int32 ``[I, H/8]``, ``w2_qzeros`` int32
+  ``[I/g, H/8]``, ``w2_scales`` ``[I/g, H]``; AWQ's nibble order (``moeflow.quant.awq.AWQ_ORDER``).
+
+Kernel layout (what :meth:`ExpertFormat.views` returns), for a matrix ``y = x @ W`` with W ``[K, N]``:
+
+* ``*_qweight`` int32 ``[N, K/8]``: K-contiguous; nibble ``i`` (bits 4i..4i+3) of word ``(n, j)`` is
+  ``q[8j + i, n]``. A 16-byte load gives one output column 32 consecutive k.
+* ``*_qzeros`` int32 ``[K/g, N/8]``: nibble ``i`` of word ``(r, c)`` is the zero of column ``8c + i``.
+* ``*_scales`` ``[K/g, N]`` as published.
+* w13 (and dense ``w13``): gate and up columns interleaved, column ``2j`` is gate j, ``2j + 1`` up j, so one
+  accumulator tile holds both halves of ``silu(gate) * up``. Dense ``w2`` is unchanged.
 """
 
 from __future__ import annotations
@@ -70,10 +82,10 @@ class ExpertFormat:
                     f"the group size ({g}) and by 8"
                 )
             shapes = [
-                ("w13_qweight", torch.int32, (H, 2 * I // 8)),
+                ("w13_qweight", torch.int32, (2 * I, H // 8)),
                 ("w13_qzeros", torch.int32, (H // g, 2 * I // 8)),
                 ("w13_scales", self.dtype, (H // g, 2 * I)),
-                ("w2_qweight", torch.int32, (I, H // 8)),
+                ("w2_qweight", torch.int32, (H, I // 8)),
                 ("w2_qzeros", torch.int32, (I // g, H // 8)),
                 ("w2_scales", self.dtype, (I // g, H)),
             ]
@@ -109,16 +121,122 @@ class ExpertFormat:
             out[s.name] = raw.view(s.dtype).view(buffer.shape[0], *s.shape)
         return out
 
+    def loader_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shapes of the loader form (AWQ as published / dense ``nn.Linear``) of each tensor."""
+        H, I, g = self.hidden_size, self.intermediate_size, self.group_size  # noqa: E741
+        if self.kind == "dense":
+            return {"w13": (2 * I, H), "w2": (H, I)}
+        return {"w13_qweight": (H, 2 * I // 8), "w13_qzeros": (H // g, 2 * I // 8), "w13_scales": (H // g, 2 * I),
+                "w2_qweight": (I, H // 8), "w2_qzeros": (I // g, H // 8), "w2_scales": (I // g, H)}
+
     def write(self, region: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy one expert's tensors into its byte region ``uint8 [nbytes]`` (checks names, shapes, dtypes)."""
+        """Convert one expert's loader-form tensors into the kernel layout in its region ``uint8 [nbytes]``.
+
+        Checks names, shapes and dtypes (int32 for packed AWQ tensors); see the module docstring for both forms.
+        """
         views = self.views(region.view(1, -1))
-        for s in self.specs:
-            if s.name not in tensors:
-                raise KeyError(f"missing expert tensor {s.name!r}")
-            t = tensors[s.name]
-            if tuple(t.shape) != s.shape:
-                raise ValueError(f"expert tensor {s.name!r} has shape {tuple(t.shape)}, expected {s.shape}")
-            views[s.name][0].copy_(t.to(s.dtype))
+        want = self.loader_shapes()
+        for name, shape in want.items():
+            if name not in tensors:
+                raise KeyError(f"missing expert tensor {name!r}")
+            t = tensors[name]
+            if tuple(t.shape) != shape:
+                raise ValueError(f"expert tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
+            if (name.endswith("qweight") or name.endswith("qzeros")) and t.dtype != torch.int32:
+                raise ValueError(f"expert tensor {name!r} must be int32 (packed AWQ), got {t.dtype}")
+        for name, t in tensors.items():
+            if name in want:
+                views[name][0].copy_(to_kernel_layout(name, t.to(self.spec(name).dtype), self.intermediate_size))
+
+    def loader_tensors(self, region: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Exact inverse of :meth:`write`: the loader-form tensors (AWQ as published, or dense) of one region."""
+        views = self.views(region.view(1, -1))
+        return {name: from_kernel_layout(name, views[name][0], self.intermediate_size) for name in self.names}
+
+    def awq_tensors(self, region: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The AWQ tensors as published (``w13_qweight [H, 2I/8]``, ...) of one region ``uint8 [nbytes]``.
+
+        What the CPU int4 path (``Int4Expert.from_awq_tensors``) takes; bit-exact inverse of :meth:`write`.
+        """
+        if self.kind != "awq":
+            raise ValueError(f"awq_tensors: expert format is {self.kind!r}, not 'awq'")
+        return self.loader_tensors(region)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# loader form <-> kernel layout (pure permutations of nibbles, rows and columns: exact both ways)
+
+_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
+
+
+def _unpack(packed: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
+    """int32 [R, C/8] -> uint8 [R, C]; column 8c + j of the result is nibble ``order[j]`` of word c."""
+    shifts = _SHIFTS[list(order)].to(packed.device)
+    q = (packed.unsqueeze(-1) >> shifts) & 0xF
+    return q.to(torch.uint8).reshape(packed.shape[0], -1)
+
+
+def _pack(values: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
+    """uint8 [R, C] in [0, 15] -> int32 [R, C/8]; nibble i of word c holds column 8c + order[i]."""
+    v = values.to(torch.int32).reshape(values.shape[0], -1, 8)
+    out = torch.zeros(v.shape[:2], dtype=torch.int32, device=values.device)
+    for nibble, column in enumerate(order):
+        out |= v[:, :, column] << (4 * nibble)  # int32 wraps: the bit pattern is what counts
+    return out
+
+
+_NATURAL = (0, 1, 2, 3, 4, 5, 6, 7)
+
+
+def _interleave_halves(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """[.., 2I, ..] with halves (a, b) along ``dim`` -> (a0, b0, a1, b1, ...)."""
+    a, b = t.chunk(2, dim=dim)
+    return torch.stack([a, b], dim=dim + 1).flatten(dim, dim + 1)
+
+
+def _split_halves(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Inverse of :func:`_interleave_halves`."""
+    shape = list(t.shape)
+    pairs = t.unflatten(dim, (shape[dim] // 2, 2))
+    return torch.cat([pairs.select(dim + 1, 0), pairs.select(dim + 1, 1)], dim=dim)
+
+
+def to_kernel_layout(name: str, t: torch.Tensor, inter: int) -> torch.Tensor:
+    """One loader-form tensor -> its kernel layout (see the module docstring)."""
+    w13 = name.startswith("w13")
+    if name == "w13":
+        return _interleave_halves(t, 0)
+    if name == "w2":
+        return t
+    if name.endswith("scales"):
+        return _interleave_halves(t, 1) if w13 else t
+    from moeflow.quant.awq import AWQ_REVERSE_ORDER
+
+    q = _unpack(t, AWQ_REVERSE_ORDER)  # [rows, N] natural columns
+    if w13:
+        q = _interleave_halves(q, 1)
+    if name.endswith("qzeros"):
+        return _pack(q, _NATURAL)
+    return _pack(q.T.contiguous(), _NATURAL)  # qweight: [N, K/8], K-contiguous
+
+
+def from_kernel_layout(name: str, t: torch.Tensor, inter: int) -> torch.Tensor:
+    """Inverse of :func:`to_kernel_layout`."""
+    w13 = name.startswith("w13")
+    if name == "w13":
+        return _split_halves(t, 0).contiguous()
+    if name == "w2":
+        return t.clone()
+    if name.endswith("scales"):
+        return (_split_halves(t, 1) if w13 else t).contiguous()
+    from moeflow.quant.awq import AWQ_ORDER
+
+    q = _unpack(t, _NATURAL)
+    if name.endswith("qweight"):
+        q = q.T
+    if w13:
+        q = _split_halves(q, 1)
+    return _pack(q.contiguous(), AWQ_ORDER)
 
 
 @dataclass
@@ -128,6 +246,7 @@ class ExpertPool:
     fmt: ExpertFormat
     buffer: torch.Tensor  # uint8 [n_slots, nbytes]
     tensors: dict[str, torch.Tensor] = field(init=False)
+    checked: bool = field(default=False, init=False, repr=False)  # views validated once (they never change)
 
     def __post_init__(self) -> None:
         self.tensors = self.fmt.views(self.buffer)

@@ -54,14 +54,100 @@ def routing_plan_reference(
     return sorted_ids, expert_of_block, num_padded
 
 
-def expert_weights_reference(pool: ExpertPool, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense fp32 (w13 [H, 2I], w2 [I, H]) of the expert in ``slot`` (``y = x @ W`` orientation)."""
+def route_reference(logits: torch.Tensor, top_k: int, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mixtral's router: logits [T, E] -> (topk_ids int32 [T, k], topk_weights fp32 [T, k]); softmax in fp32,
+    top-k, then (``renormalize``) the k weights divided by their sum."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    w, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return ids.to(torch.int32), w
+
+
+def dequantize_kernel_layout(
+    qweight: torch.Tensor,  # int32 [N, K/8] (pool kernel layout, one slot)
+    qzeros: torch.Tensor,  # int32 [K/g, N/8]
+    scales: torch.Tensor,  # [K/g, N]
+    group_size: int,
+) -> torch.Tensor:
+    """fp32 W^T [N, K] (``nn.Linear`` orientation) of one matrix in the pool's kernel layout: (q - z) * s."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=qweight.device)
+    q = ((qweight.unsqueeze(-1) >> shifts) & 0xF).reshape(qweight.shape[0], -1)  # [N, K]
+    z = ((qzeros.unsqueeze(-1) >> shifts) & 0xF).reshape(qzeros.shape[0], -1)  # [K/g, N]
+    z = z.T.repeat_interleave(group_size, dim=1)
+    s = scales.float().T.repeat_interleave(group_size, dim=1)
+    return (q - z).float() * s
+
+
+def _weight_t(weights: tuple, slot: int, group_size: int) -> torch.Tensor:
+    """fp32 W^T [N, K] of one slot: AWQ kernel layout (qweight, qzeros, scales) or dense (w [S, N, K], None, None)."""
+    qweight, qzeros, scales = weights
+    if qzeros is None:
+        return qweight[slot].float()
+    return dequantize_kernel_layout(qweight[slot], qzeros[slot], scales[slot], group_size)
+
+
+def _selected_experts(topk_ids: torch.Tensor, expert_mask: torch.Tensor | None):
+    """(expert, pair indices [n]) of every expert in ``topk_ids`` [T, k] that ``expert_mask`` selects."""
+    flat_ids = topk_ids.reshape(-1)
+    for e in torch.unique(flat_ids).tolist():
+        if expert_mask is None or bool(expert_mask[e]):
+            yield e, torch.nonzero(flat_ids == e).squeeze(1)
+
+
+def _gate_up(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Columns of a w13 product in the pool's interleaved order -> (gate, up)."""
+    return h[:, 0::2], h[:, 1::2]
+
+
+def expert_forward_pool_reference(
+    x: torch.Tensor,  # [T, H]
+    topk_ids: torch.Tensor,  # int [T, k]
+    topk_weights: torch.Tensor,  # float [T, k]
+    w13: tuple,  # pool views (qweight, qzeros, scales) [S, ...] or (w13 [S, 2I, H], None, None); interleaved
+    w2: tuple,  # pool views, or (w2 [S, H, I], None, None)
+    slot_of_expert: torch.Tensor,  # int32 [E]
+    expert_mask: torch.Tensor | None,  # bool [E]
+    group_size: int,
+    out: torch.Tensor,  # [T*k, H], written in place for the pairs of selected experts only
+) -> torch.Tensor:
+    """The torch backend of ``expert_forward``: each selected expert's pairs, per the numeric contract."""
+    k = topk_ids.shape[1]
+    flat_w = topk_weights.reshape(-1).float()
+    dense_same = w13[1] is None and w13[0].dtype == x.dtype
+    for e, pairs in _selected_experts(topk_ids, expert_mask):
+        rows = x[pairs // k]
+        s = int(slot_of_expert[e])
+        if dense_same:
+            # dense weights in the activation dtype: nn.Linear semantics, like the transformers model
+            gate, up = _gate_up(F.linear(rows, w13[0][s]))
+            y = F.linear(F.silu(gate) * up, w2[0][s]) * flat_w[pairs, None].to(x.dtype)
+        else:
+            gate, up = _gate_up(rows.float() @ _weight_t(w13, s, group_size).T)
+            a = (F.silu(gate) * up).to(x.dtype)
+            y = (a.float() @ _weight_t(w2, s, group_size).T) * flat_w[pairs, None]
+        out[pairs] = y.to(out.dtype)
+    return out
+
+
+def pool_weights(pool: ExpertPool) -> tuple[tuple, tuple, int]:
+    """(w13, w2, group_size) views of a pool as the kernels take them."""
     t, fmt = pool.tensors, pool.fmt
     if fmt.kind == "dense":
-        return t["w13"][slot].float().T, t["w2"][slot].float().T
-    g = fmt.group_size
-    w13 = dequantize(t["w13_qweight"][slot], t["w13_qzeros"][slot], t["w13_scales"][slot].float(), g)
-    w2 = dequantize(t["w2_qweight"][slot], t["w2_qzeros"][slot], t["w2_scales"][slot].float(), g)
+        return (t["w13"], None, None), (t["w2"], None, None), 0
+    return ((t["w13_qweight"], t["w13_qzeros"], t["w13_scales"]),
+            (t["w2_qweight"], t["w2_qzeros"], t["w2_scales"]), fmt.group_size)
+
+
+def expert_weights_reference(pool: ExpertPool, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense fp32 (w13 [H, 2I] gate columns first, w2 [I, H]) of the expert in ``slot`` (``y = x @ W``),
+    from the loader form (AWQ as published): independent of the kernel layout."""
+    src = pool.fmt.loader_tensors(pool.buffer[slot])
+    if pool.fmt.kind == "dense":
+        return src["w13"].float().T, src["w2"].float().T
+    g = pool.fmt.group_size
+    w13 = dequantize(src["w13_qweight"], src["w13_qzeros"], src["w13_scales"].float(), g)
+    w2 = dequantize(src["w2_qweight"], src["w2_qzeros"], src["w2_scales"].float(), g)
     return w13, w2
 
 
@@ -74,113 +160,27 @@ def expert_forward_reference(
     out: torch.Tensor,
     expert_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Compute the weighted expert outputs of every (token, k) pair whose expert is in ``expert_mask``.
+    """The oracle: weighted expert outputs of every (token, k) pair whose expert is in ``expert_mask``,
+    computed from the published AWQ form (so it also checks the layout conversion).
 
     x [T, H]; topk_ids int [T, k]; topk_weights fp32 [T, k]; slot_of_expert int32 [E];
     out [T*k, H] (activation dtype) is written in place for the selected pairs only; expert_mask bool [E].
     """
     k = topk_ids.shape[1]
     inter = pool.fmt.intermediate_size
-    flat_ids = topk_ids.reshape(-1)
     flat_w = topk_weights.reshape(-1).float()
-    experts = torch.unique(flat_ids).tolist()
-    for e in experts:
-        if expert_mask is not None and not bool(expert_mask[e]):
-            continue
-        pairs = torch.nonzero(flat_ids == e).squeeze(1)
+    for e, pairs in _selected_experts(topk_ids, expert_mask):
         rows = x[pairs // k]
-        w13, w2 = expert_weights_reference(pool, int(slot_of_expert[e]))
+        s = int(slot_of_expert[e])
         if pool.fmt.kind == "dense" and x.dtype == pool.fmt.dtype:
-            # dense weights in the activation dtype: nn.Linear semantics, like the transformers model
-            t = pool.tensors
-            s = int(slot_of_expert[e])
-            h = F.linear(rows, t["w13"][s])
-            a = F.silu(h[:, :inter]) * h[:, inter:]
-            y = F.linear(a, t["w2"][s]) * flat_w[pairs, None].to(x.dtype)
+            src = pool.fmt.loader_tensors(pool.buffer[s])
+            h = F.linear(rows, src["w13"])
+            y = F.linear(F.silu(h[:, :inter]) * h[:, inter:], src["w2"]) * flat_w[pairs, None].to(x.dtype)
         else:
+            w13, w2 = expert_weights_reference(pool, s)
             h = rows.float() @ w13
             a = (F.silu(h[:, :inter]) * h[:, inter:]).to(x.dtype)
             y = (a.float() @ w2) * flat_w[pairs, None]
-        out[pairs] = y.to(out.dtype)
-    return out
-
-
-def _expert_rows(
-    sorted_ids: torch.Tensor, expert_of_block: torch.Tensor, num_pairs: int, expert_mask: torch.Tensor | None
-) -> list[tuple[int, torch.Tensor]]:
-    """(expert, pair indices in plan order) for every expert of the plan that ``expert_mask`` selects."""
-    block_m = sorted_ids.numel() // max(1, expert_of_block.numel())
-    out = []
-    for e in torch.unique(expert_of_block[expert_of_block >= 0]).tolist():
-        if expert_mask is not None and not bool(expert_mask[e]):
-            continue
-        blocks = torch.nonzero(expert_of_block == e).squeeze(1).to(torch.int64)
-        pos = (blocks[:, None] * block_m + torch.arange(block_m, device=blocks.device)).reshape(-1)
-        pairs = sorted_ids[pos].to(torch.int64)
-        out.append((int(e), pairs[pairs < num_pairs]))
-    return out
-
-
-def _weight_of_slot(
-    weights: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None], slot: int, group_size: int
-) -> torch.Tensor:
-    """fp32 W [K, N] (``y = x @ W``) of one slot: AWQ (qweight, qzeros, scales) or dense (w [S, N, K], None, None)."""
-    qweight, qzeros, scales = weights
-    if qzeros is None:
-        return qweight[slot].float().T
-    return dequantize(qweight[slot], qzeros[slot], scales[slot].float(), group_size)
-
-
-def w13_stage_reference(
-    x: torch.Tensor,  # [T, H]
-    sorted_ids: torch.Tensor,  # int32 [n_blocks * block_m]
-    expert_of_block: torch.Tensor,  # int32 [n_blocks]
-    top_k: int,
-    weights: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],  # w13 pool views [S, ...]
-    slot_of_expert: torch.Tensor,  # int32 [E]
-    expert_mask: torch.Tensor | None,  # bool [E]
-    group_size: int,
-    h: torch.Tensor,  # [T*k, I] written in place for the selected pairs
-) -> torch.Tensor:
-    """Plan-driven w13 GEMM + ``silu(gate) * up`` (the stage the Triton w13 kernel computes)."""
-    inter = h.shape[1]
-    dense_same = weights[1] is None and weights[0].dtype == x.dtype
-    for e, pairs in _expert_rows(sorted_ids, expert_of_block, h.shape[0], expert_mask):
-        rows = x[pairs // top_k]
-        s = int(slot_of_expert[e])
-        if dense_same:
-            g = F.linear(rows, weights[0][s])
-            h[pairs] = (F.silu(g[:, :inter]) * g[:, inter:]).to(h.dtype)
-        else:
-            g = rows.float() @ _weight_of_slot(weights, s, group_size)
-            h[pairs] = (F.silu(g[:, :inter]) * g[:, inter:]).to(h.dtype)
-    return h
-
-
-def w2_stage_reference(
-    h: torch.Tensor,  # [P, I]
-    sorted_ids: torch.Tensor,  # int32 [n_blocks * block_m]
-    expert_of_block: torch.Tensor,  # int32 [n_blocks]
-    topk_weights: torch.Tensor | None,  # fp32 [P] or None (no routing weight)
-    weights: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],  # w2 pool views [S, ...]
-    slot_of_expert: torch.Tensor,  # int32 [E]
-    expert_mask: torch.Tensor | None,  # bool [E]
-    group_size: int,
-    out: torch.Tensor,  # [P, H] written in place for the selected pairs
-) -> torch.Tensor:
-    """Plan-driven w2 GEMM times the fp32 routing weight (the stage the Triton w2 kernel computes)."""
-    dense_same = weights[1] is None and weights[0].dtype == h.dtype
-    for e, pairs in _expert_rows(sorted_ids, expert_of_block, out.shape[0], expert_mask):
-        a = h[pairs]
-        s = int(slot_of_expert[e])
-        if dense_same:
-            y = F.linear(a, weights[0][s])
-            if topk_weights is not None:
-                y = y * topk_weights[pairs, None].to(h.dtype)
-        else:
-            y = a.float() @ _weight_of_slot(weights, s, group_size)
-            if topk_weights is not None:
-                y = y * topk_weights[pairs, None].float()
         out[pairs] = y.to(out.dtype)
     return out
 
@@ -194,6 +194,16 @@ def awq_linear_reference(
 ) -> torch.Tensor:
     """Dense W4A16 matmul ``x @ W`` with fp32 accumulation, stored in x's dtype: [M, K] -> [M, N]."""
     return (x.float() @ dequantize(qweight, qzeros, scales.float(), group_size)).to(x.dtype)
+
+
+def combine_partials_reference(partials: torch.Tensor, topk_weights: torch.Tensor, top_k: int,
+                               dtype: torch.dtype) -> torch.Tensor:
+    """The combine fused with the w2 split-K reduction: partials fp32 [S, T*k, H] summed in split order, times
+    the fp32 weight, rounded to ``dtype`` (what w2 would store), then :func:`combine_reference`."""
+    acc = partials[0].clone()
+    for s in range(1, partials.shape[0]):
+        acc = acc + partials[s]
+    return combine_reference((acc * topk_weights.reshape(-1, 1).float()).to(dtype), top_k)
 
 
 def combine_reference(y: torch.Tensor, top_k: int) -> torch.Tensor:

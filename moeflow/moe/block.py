@@ -51,6 +51,11 @@ class MoEBlock(nn.Module):
         self.gate = nn.Linear(hidden_size, num_experts, bias=router.router_bias, dtype=dtype)
         self.router = router
         self.route = make_router(router)
+        if router.selection_bias:
+            # DeepSeek-V3's ``gate.e_score_correction_bias`` [E] (fp32): chooses experts, never weighs them
+            self.gate.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
+            biased = self.route
+            self.route = lambda logits: biased(logits, self.gate.e_score_correction_bias)
         self.top_k = router.top_k
         self.layer_idx = layer_idx
         self.shared_expert = shared_expert

@@ -100,7 +100,7 @@ class HostStore:
         if form is None:
             from moeflow.kernels.cpu_int4 import Int4Expert
 
-            tensors = {k: v[0] for k, v in self.fmt.views(self.buffer[i : i + 1]).items()}
+            tensors = self.fmt.awq_tensors(self.buffer[i])
             form = self._cpu_forms.setdefault(i, Int4Expert.from_awq_tensors(tensors, self.fmt.group_size))
         return form
 

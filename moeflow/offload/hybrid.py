@@ -55,6 +55,8 @@ def resolve_cpu_compute(config: Any, spec: Any, fmt: Any) -> str:
     problem = None
     if fmt.kind != "awq":
         problem = f"the experts are {fmt.kind!r}, not AWQ 4-bit"
+    elif getattr(fmt, "extended", False):  # moeflow.kernels.biased: the int4 CPU form has no bias/activation
+        problem = f"the experts carry biases or the {getattr(fmt, 'activation', '?')!r} activation (gpt-oss)"
     elif not int4_cpu_available():
         problem = f"torch {torch.__version__} lacks the int4 CPU kernels (_weight_int4pack_mm_for_cpu)"
     if problem is None:

@@ -24,6 +24,7 @@ from moeflow.errors import CheckpointError
 from moeflow.families import Family, family_for_config
 from moeflow.io.checkpoint import CheckpointReader, read_json, resolve_checkpoint
 from moeflow.quant.awq import check_group_size, quantize_rtn
+from moeflow.quant.fp8 import Fp8BlockReader, fp8_block_spec
 
 COPY_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
               "tokenizer.model")
@@ -39,7 +40,10 @@ def converted_tensors(
     reader: CheckpointReader, family: Family, group_size: int, dtype: torch.dtype, quantize_attention: bool
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Yield the output tensors, a few at a time (one source tensor's worth)."""
+    num_layers = family.config.num_hidden_layers
     for name in sorted(reader.names()):
+        if past_last_layer(name, num_layers):  # multi-token-prediction layers: not part of the decoder
+            continue
         experts = family.expert_linears(name, reader)
         if experts is not None:
             out: dict[str, torch.Tensor] = {}
@@ -53,6 +57,12 @@ def converted_tensors(
             continue
         tensor = reader.get(name)
         yield {family.quantized_name(name): tensor.to(dtype) if tensor.is_floating_point() else tensor}
+
+
+def past_last_layer(name: str, num_layers: int) -> bool:
+    """``model.layers.N.*`` with N >= num_hidden_layers (DeepSeek-V3's and GLM-4.5's MTP layers)."""
+    parts = name.split(".")
+    return len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= num_layers
 
 
 def quantize_checkpoint(
@@ -73,12 +83,16 @@ def quantize_checkpoint(
         raise FileExistsError(f"{dst} already exists (pass overwrite=True / --overwrite to replace it)")
     config = read_json(src_dir / "config.json")
     family = family_for_config(config, str(src_dir / "config.json"))
-    if config.get("quantization_config") or (src_dir / "quant_config.json").exists():
-        raise CheckpointError(f"{src_dir} is already quantized; moeflow quantize needs an unquantized checkpoint")
-    hidden, inter = config.get("hidden_size"), config.get("intermediate_size")
-    check_group_size(group_size, hidden, "hidden_size")
-    check_group_size(group_size, inter, "intermediate_size")
+    fp8 = fp8_block_spec(config, src_dir / "config.json")  # FP8 block-scaled weights are dequantized as read
+    if (config.get("quantization_config") and fp8 is None) or (src_dir / "quant_config.json").exists():
+        raise CheckpointError(f"{src_dir} is already quantized; moeflow quantize needs an unquantized checkpoint "
+                              "(or FP8 with block scales)")
+    spec = family.expert_spec()  # the experts' sizes (Qwen's moe_intermediate_size, not the dense MLPs')
+    check_group_size(group_size, spec.hidden_size, "hidden_size")
+    check_group_size(group_size, spec.intermediate_size, "the experts' intermediate size")
     reader = CheckpointReader(src_dir)
+    if fp8 is not None:
+        reader = Fp8BlockReader(reader, fp8)
 
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))

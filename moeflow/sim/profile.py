@@ -1,7 +1,8 @@
 """Hardware profiles: what one copy and one unit of compute cost on a given machine, for a given model.
 
 A profile is a dataclass, saved as JSON. Times are for batch-1 inference of one model; the presets are
-for Mixtral-8x7B in AWQ 4-bit (87.3 MiB per expert, 32 layers x 8 experts, top-2) and are estimates from
+for Mixtral-8x7B in AWQ 4-bit (87.3 MiB per expert, 32 layers x 8 experts, top-2; ``pcie4-24gb``,
+``h100-pcie5``), Qwen3-30B-A3B and Qwen3-235B-A22B (128 experts, top-8; ``qwen3-*``) and are estimates from
 the hardware's data sheet (bandwidths) and roofline arithmetic (compute), not measurements: see
 ``docs/simulator.md``. ``moeflow bench profile`` measures the machine at hand.
 """
@@ -34,7 +35,25 @@ def awq_expert_bytes(hidden: int, intermediate: int, group_size: int = 128) -> i
     return ExpertFormat(hidden, intermediate, "awq", torch.float16, group_size).nbytes
 
 
+def mxfp4_expert_bytes(hidden: int, intermediate: int) -> int:
+    """Bytes of one gpt-oss MXFP4 expert region (e2m1 blocks, e8m0 scales, bf16 biases, 256-byte aligned)."""
+    import torch
+
+    from moeflow.kernels.biased import BiasedExpertFormat
+
+    return BiasedExpertFormat(hidden, intermediate, "mxfp4", torch.bfloat16, 32, activation="clamped_swiglu").nbytes
+
+
 MIXTRAL_8X7B = {"num_layers": 32, "num_experts": 8, "top_k": 2, "hidden": 4096, "intermediate": 14336}
+# many small experts: ~2.5 MB (30B-A3B) and ~9.7 MB (235B-A22B) per AWQ expert, 6,144 and 12,032 experts
+QWEN3_30B_A3B = {"num_layers": 48, "num_experts": 128, "top_k": 8, "hidden": 2048, "intermediate": 768}
+QWEN3_235B_A22B = {"num_layers": 94, "num_experts": 128, "top_k": 8, "hidden": 4096, "intermediate": 1536}
+# DeepSeek-V3 / R1 / Kimi-K2-like: 61 decoder layers, the first 3 dense, so 58 MoE layers (what a trace counts)
+DEEPSEEK_V3 = {"num_layers": 58, "num_experts": 256, "top_k": 8, "hidden": 7168, "intermediate": 2048}
+# GLM-4.5-Air: 46 decoder layers, the first dense, so 45 MoE layers
+GLM45_AIR = {"num_layers": 45, "num_experts": 128, "top_k": 8, "hidden": 4096, "intermediate": 1408}
+GPT_OSS_20B = {"num_layers": 24, "num_experts": 32, "top_k": 4, "hidden": 2880, "intermediate": 2880}
+GPT_OSS_120B = {"num_layers": 36, "num_experts": 128, "top_k": 4, "hidden": 2880, "intermediate": 2880}
 
 
 @dataclass(frozen=True)
@@ -179,14 +198,89 @@ class HardwareProfile:
 
 
 def _mixtral_preset(name: str, description: str, **costs: Any) -> HardwareProfile:
-    m = MIXTRAL_8X7B
-    return HardwareProfile(name=name, expert_bytes=awq_expert_bytes(m["hidden"], m["intermediate"]),
-                           num_layers=m["num_layers"], num_experts=m["num_experts"], top_k=m["top_k"],
+    return _shaped_preset(MIXTRAL_8X7B, name, description, **costs)
+
+
+def _shaped_preset(model: dict[str, int], name: str, description: str, **costs: Any) -> HardwareProfile:
+    """A preset for the model of shape ``model`` (layers, experts, top-k; AWQ g128 experts of its sizes)."""
+    return HardwareProfile(name=name, expert_bytes=awq_expert_bytes(model["hidden"], model["intermediate"]),
+                           num_layers=model["num_layers"], num_experts=model["num_experts"], top_k=model["top_k"],
                            description=description, **costs)
 
 
-def _presets() -> dict[str, HardwareProfile]:
+def _family_presets() -> dict[str, HardwareProfile]:
+    """DeepSeek-V3- and GLM-4.5-Air-shaped models in AWQ 4-bit on a 24 GB PCIe 4.0 GPU (estimates, derivation in
+    docs/simulator.md): decode times from the bytes read at ~0.8 TB/s effective plus ~0.01 ms per launch, prefill
+    per-token times from the FLOPs at ~80 TFLOP/s. The dense first layers and the LM head are in ``head_ms``."""
     return {
+        # expert 3 x 7168 x 2048 int4 (~21.4 MiB); per MoE layer MLA (~187 M params) + the shared expert (~44 M)
+        # in int4 ~116 MB; head: the 129,280 x 7168 fp16 LM head (1.85 GB) + 3 dense layers in int4 (~0.9 GB)
+        "deepseek-v3-pcie4-24gb": _shaped_preset(
+            DEEPSEEK_V3, "deepseek-v3-pcie4-24gb",
+            "DeepSeek-V3-shaped (58 MoE layers x 256 experts, top-8, intermediate 2048) AWQ on a 24 GB GPU over "
+            "PCIe 4.0 x16: 25 GB/s pinned copies; ~10 GB non-expert (int4 attention and shared experts, fp16 "
+            "embeddings/LM head, latent KV cache). Estimates, not measurements.",
+            h2d_gbps=25.0, h2d_latency_us=10.0, attn_ms=0.16, attn_ms_per_token=0.006, expert_ms=0.037,
+            expert_ms_per_token=0.0011, head_ms=3.4, sched_ms=0.15, gpu_memory_gb=24.0, non_expert_gb=10.0,
+        ),
+        # expert 3 x 4096 x 1408 int4 (~8.4 MiB); per MoE layer GQA attention (~109 M) + shared expert (~17 M) in
+        # int4 ~63 MB; head: the 151,552 x 4096 fp16 LM head (1.24 GB) + 1 dense layer
+        "glm45-air-pcie4-24gb": _shaped_preset(
+            GLM45_AIR, "glm45-air-pcie4-24gb",
+            "GLM-4.5-Air-shaped (45 MoE layers x 128 experts, top-8, intermediate 1408) AWQ on a 24 GB GPU over "
+            "PCIe 4.0 x16: 25 GB/s pinned copies; ~6.5 GB non-expert. Estimates, not measurements.",
+            h2d_gbps=25.0, h2d_latency_us=10.0, attn_ms=0.09, attn_ms_per_token=0.0032, expert_ms=0.021,
+            expert_ms_per_token=0.00043, head_ms=1.7, sched_ms=0.15, gpu_memory_gb=24.0, non_expert_gb=6.5,
+        ),
+    }
+
+
+def _gpt_oss_preset(name: str, model: dict[str, int], description: str, **costs: Any) -> HardwareProfile:
+    return HardwareProfile(name=name, expert_bytes=mxfp4_expert_bytes(model["hidden"], model["intermediate"]),
+                           num_layers=model["num_layers"], num_experts=model["num_experts"], top_k=model["top_k"],
+                           description=description, **costs)
+
+
+def _gpt_oss_presets() -> dict[str, HardwareProfile]:
+    """gpt-oss with MXFP4 experts (13.2 MB each; 24 x 32 = 10.2 GB for 20b, 36 x 128 = 61 GB for 120b). Per layer
+    the attention reads ~53 MB of bf16 weights (q 2880x4096, k/v 2880x512, o 4096x2880); the LM head and
+    embeddings are 2 x 1.16 GB; non-expert memory = those weights + KV cache and activations for 4k tokens."""
+    pcie4 = dict(h2d_gbps=25.0, h2d_latency_us=10.0, sched_ms=0.15)
+    return {
+        # a 12 GB consumer GPU (~0.8 TB/s effective) over PCIe 4.0: gpt-oss-20b's experts do not all fit
+        "gpt-oss-20b-12gb": _gpt_oss_preset(
+            "gpt-oss-20b-12gb", GPT_OSS_20B,
+            "gpt-oss-20b MXFP4 on a 12 GB GPU over PCIe 4.0 x16: 25 GB/s pinned copies; compute from ~0.8 TB/s "
+            "effective memory bandwidth (decode) and ~80 TFLOP/s (prefill). Estimates, not measurements.",
+            attn_ms=0.075, attn_ms_per_token=0.0007, expert_ms=0.025, expert_ms_per_token=0.0006, head_ms=1.5,
+            gpu_memory_gb=12.0, non_expert_gb=4.2, **pcie4,
+        ),
+        # gpt-oss-120b on a 24 GB GPU over PCIe 4.0 (RTX 3090/4090 class)
+        "gpt-oss-120b-24gb": _gpt_oss_preset(
+            "gpt-oss-120b-24gb", GPT_OSS_120B,
+            "gpt-oss-120b MXFP4 on a 24 GB GPU over PCIe 4.0 x16: 25 GB/s pinned copies; compute from ~0.8 TB/s "
+            "effective memory bandwidth (decode) and ~80 TFLOP/s (prefill). Estimates, not measurements.",
+            attn_ms=0.075, attn_ms_per_token=0.0007, expert_ms=0.025, expert_ms_per_token=0.0006, head_ms=1.5,
+            gpu_memory_gb=24.0, non_expert_gb=5.0, **pcie4,
+        ),
+        # gpt-oss-120b on a 32 GB GPU over PCIe 5.0 (RTX 5090 class: ~1.8 TB/s GDDR7)
+        "gpt-oss-120b-32gb": _gpt_oss_preset(
+            "gpt-oss-120b-32gb", GPT_OSS_120B,
+            "gpt-oss-120b MXFP4 on a 32 GB GPU over PCIe 5.0 x16: 50 GB/s pinned copies; compute from ~1.4 TB/s "
+            "effective memory bandwidth (decode) and ~200 TFLOP/s (prefill). Estimates, not measurements.",
+            h2d_gbps=50.0, h2d_latency_us=8.0, attn_ms=0.045, attn_ms_per_token=0.0003, expert_ms=0.015,
+            expert_ms_per_token=0.00025, head_ms=0.85, sched_ms=0.1, gpu_memory_gb=32.0, non_expert_gb=5.0,
+        ),
+    }
+
+
+def _presets() -> dict[str, HardwareProfile]:
+    return {**_mixtral_presets(), **_family_presets()}
+
+
+def _mixtral_presets() -> dict[str, HardwareProfile]:
+    return {
+        **_gpt_oss_presets(),
         # PCIe 4.0 x16 (~25 GB/s pinned in practice), a 24 GB consumer GPU (~1 TB/s HBM, RTX 3090/4090 class)
         "pcie4-24gb": _mixtral_preset(
             "pcie4-24gb",
@@ -203,10 +297,33 @@ def _presets() -> dict[str, HardwareProfile]:
             h2d_gbps=50.0, h2d_latency_us=8.0, attn_ms=0.065, attn_ms_per_token=0.0008, expert_ms=0.065,
             expert_ms_per_token=0.0015, head_ms=0.18, sched_ms=0.1, gpu_memory_gb=80.0, non_expert_gb=6.0,
         ),
+        # Qwen3-30B-A3B (AWQ experts and attention) on a 12 GB PCIe 4.0 card (~0.45 TB/s effective, RTX 4070
+        # class): an expert reads 2.5 MB (5.5 us) plus its share of the layer's one grouped launch; attention
+        # 10 MB of int4 weights per layer; the fp16 LM head (151,936 x 2048) reads 0.62 GB per token.
+        # Non-expert memory: attention 0.5 GB + embeddings and head 1.24 GB + 4k-token KV 0.38 GB + workspace.
+        "qwen3-30b-pcie4-12gb": _shaped_preset(
+            QWEN3_30B_A3B, "qwen3-30b-pcie4-12gb",
+            "Qwen3-30B-A3B AWQ (48 layers x 128 experts, top-8, 2.3 MiB per expert) on a 12 GB GPU over PCIe 4.0 x16: "
+            "25 GB/s pinned copies; compute from ~0.45 TB/s effective memory bandwidth (decode) and ~40 TFLOP/s "
+            "(prefill). Estimates, not measurements.",
+            h2d_gbps=25.0, h2d_latency_us=10.0, attn_ms=0.05, attn_ms_per_token=0.001, expert_ms=0.009,
+            expert_ms_per_token=0.00024, head_ms=1.4, sched_ms=0.15, gpu_memory_gb=12.0, non_expert_gb=2.5,
+        ),
+        # Qwen3-235B-A22B (AWQ experts and attention) on an H100 PCIe: 9.7 MB per expert (6 us at 1.6 TB/s);
+        # attention 38 MB of int4 weights per layer; LM head 1.24 GB fp16. 117 GB of experts: they cannot all fit.
+        "qwen3-235b-h100-pcie5": _shaped_preset(
+            QWEN3_235B_A22B, "qwen3-235b-h100-pcie5",
+            "Qwen3-235B-A22B AWQ (94 layers x 128 experts, top-8, 9.4 MiB per expert) on an H100 PCIe (80 GB) over "
+            "PCIe 5.0 x16: 50 GB/s pinned copies; compute from ~1.6 TB/s effective HBM bandwidth (decode) and "
+            "~250 TFLOP/s (prefill). Estimates, not measurements.",
+            h2d_gbps=50.0, h2d_latency_us=8.0, attn_ms=0.04, attn_ms_per_token=0.0006, expert_ms=0.008,
+            expert_ms_per_token=0.00015, head_ms=0.8, sched_ms=0.1, gpu_memory_gb=80.0, non_expert_gb=7.3,
+        ),
     }
 
 
-PRESET_NAMES = ("pcie4-24gb", "h100-pcie5")
+PRESET_NAMES = ("pcie4-24gb", "h100-pcie5", "qwen3-30b-pcie4-12gb", "qwen3-235b-h100-pcie5", "deepseek-v3-pcie4-24gb",
+                "glm45-air-pcie4-24gb", "gpt-oss-20b-12gb", "gpt-oss-120b-24gb", "gpt-oss-120b-32gb")
 
 
 def get_profile(name_or_path: str) -> HardwareProfile:

@@ -1,0 +1,64 @@
+"""MXFP4 (OCP microscaling FP4) as gpt-oss publishes its experts: exact plain-torch dequantization and a quantizer.
+
+Layout of one weight ``W [N, K]`` (``nn.Linear`` orientation, ``y = x @ W.T``):
+
+* ``blocks`` uint8 ``[N, K/32, 16]``: 32 consecutive values of a row per block, two e2m1 codes per byte, the
+  low nibble holding the even element (``k = 2j``) and the high nibble the odd one (``k = 2j + 1``);
+* ``scales`` uint8 ``[N, K/32]``: one e8m0 exponent per block, value ``2 ** (scale - 127)``.
+
+An e2m1 code is ``s e1 e0 m``: magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6, negated when ``s`` is set. The value
+``e2m1 * 2**(scale-127)`` is exact in fp32 and bf16 (both keep 8 exponent bits; e2m1 needs 2 mantissa bits),
+so dequantizing is exact and the only error of an MXFP4 model is the published rounding itself.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK = 32  # values per scale
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def check_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, name: str) -> None:
+    """Raise ValueError naming ``name`` unless blocks uint8 [..., G, 16] and scales uint8 [..., G] agree."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"{name}: MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
+    if blocks.dim() < 2 or blocks.shape[-1] != BLOCK // 2 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
+        raise ValueError(
+            f"{name}: MXFP4 blocks {tuple(blocks.shape)} disagree with scales {tuple(scales.shape)} "
+            f"(expected blocks [..., G, {BLOCK // 2}] and scales [..., G])"
+        )
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """blocks uint8 [..., N, G, 16], scales uint8 [..., N, G] -> W [..., N, G*32] in ``dtype`` (exact)."""
+    check_mxfp4(blocks, scales, "dequantize_mxfp4")
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=blocks.device)
+    lo = lut[(blocks & 0x0F).long()]
+    hi = lut[(blocks >> 4).long()]
+    values = torch.stack((lo, hi), dim=-1).flatten(-2)  # [..., G, 32]: even elements from the low nibble
+    exponent = scales.to(torch.int32) - 127
+    w = torch.ldexp(values, exponent[..., None].to(torch.float32))
+    return w.flatten(-2).to(dtype)
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [..., N, K] (K a multiple of 32) -> (blocks uint8 [..., N, K/32, 16], scales uint8 [..., N, K/32]).
+
+    Each block's exponent is chosen so its largest magnitude fits e2m1's range (<= 6), values are rounded to
+    the nearest e2m1 value (ties towards the smaller magnitude); for tests and synthetic checkpoints.
+    """
+    if w.shape[-1] % BLOCK:
+        raise ValueError(f"quantize_mxfp4: the last dimension ({w.shape[-1]}) must be a multiple of {BLOCK}")
+    w = w.float()
+    grouped = w.reshape(*w.shape[:-1], w.shape[-1] // BLOCK, BLOCK)
+    amax = grouped.abs().amax(dim=-1)
+    # smallest e with amax / 2**e <= 6
+    exponent = torch.ceil(torch.log2(torch.clamp(amax, min=2.0**-126) / 6.0)).clamp(-127, 127)
+    scaled = grouped / torch.exp2(exponent)[..., None]
+    magnitudes = torch.tensor(E2M1_VALUES[:8], dtype=torch.float32, device=w.device)
+    code = (scaled.abs()[..., None] - magnitudes).abs().argmin(dim=-1)  # nearest magnitude (first on ties)
+    code = code | ((scaled < 0).long() << 3)
+    code = code.to(torch.uint8)
+    blocks = code[..., 0::2] | (code[..., 1::2] << 4)
+    return blocks.contiguous(), (exponent + 127).to(torch.uint8).contiguous()

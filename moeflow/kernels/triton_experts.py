@@ -1,0 +1,285 @@
+"""The grouped expert GEMM (W4A16 or dense) over a routing plan, reading the slot pool's kernel layout.
+
+One kernel for every T, operand-swapped: a program computes ``acc [BLOCK_N, DOT_M] = W^T[n-tile, :] @ X^T``,
+so the dequantized weight is the MMA's register operand (A) and the few token rows are its N side (>= 8).
+Weights come in the K-contiguous layout of :mod:`moeflow.kernels.pool` (``qweight [S, N, K/8]``): one 16-byte
+load is one output column's 32 consecutive k, and the whole dequantization of a nibble is one ``LOP3`` (mask |
+``0x4B000000``, the fp32 of ``2^23 + q * 16^i``) and one ``FFMA`` (times ``16^-i`` minus ``2^(23-4i) + z``),
+which gives ``q - z`` exactly. ``BLOCK_K`` never exceeds the group: one zero/scale row per tile.
+
+* ``SCALE_IN_A = False`` (decode): ``acc += dot(q - z, X^T) * s`` — exact integer operands, the scale applied
+  to the fp32 partial of each group (more precise than rounding ``(q - z) * s`` to bf16).
+* ``SCALE_IN_A = True`` (prefill): ``acc = dot(((q - z) * s).to(bf16), X^T, acc)`` — one accumulator chain, so
+  the tensor cores run asynchronously (``wgmma`` with pending groups) while the next tile is dequantized.
+* ``MODE 0`` (w13): rows of the tile alternate gate / up (the pool's interleaved layout), so one accumulator
+  holds both; epilogue ``silu(gate) * up`` in fp32 -> ``h [P, I]`` by pair. ``MODE 1`` (w2): times the fp32
+  routing weight of the pair -> ``out [P, H]``. ``SPLIT_K > 1`` stores fp32 partials ``[SPLIT_K, P, N]`` (by
+  pair) that :func:`splitk_reduce` or the combine (:mod:`.triton_combine`) sum in a fixed order.
+
+Offsets inside one expert are int32, the slot base int64. Masks on N vanish when ``BLOCK_N`` divides N; token
+rows past the plan's count read row 0 (a valid row) and are never stored, so the loads carry no masks.
+Blocks whose expert is ``-1`` or not in ``expert_mask`` return at once (staged runs equal one pass bitwise).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moeflow.kernels.triton_common import INTERPRETED, TL_DTYPES, cdiv, next_pow2
+
+
+@triton.jit
+def _nibble(word, mask, SH: tl.constexpr, zc):
+    """q - z (exact fp32) of the nibble ``mask`` selects; ``zc = 2^(23 - 4 SH) + z``."""
+    t = ((word & mask) | 0x4B000000).to(tl.float32, bitcast=True)
+    return t * (1.0 / (1 << (4 * SH))) - zc
+
+
+@triton.jit
+def _dequant_tile(w, z, nib):
+    """Packed words ``w`` int32 [BN, BK/8] (nibble i = k 8j+i) and zeros z fp32 [BN, 1] -> q - z fp32 [BN, BK]."""
+    m0 = nib  # a runtime 0xF: keeps the four masks in registers (immediates would be re-materialised per use)
+    m1 = nib << 4
+    m2 = nib << 8
+    m3 = nib << 12
+    hi = w >> 16
+    z0 = z + 8388608.0
+    z1 = z + 524288.0
+    z2 = z + 32768.0
+    z3 = z + 2048.0
+    # joined so that the flattened last axis runs over nibbles 0..7 in k order
+    a = tl.join(
+        tl.join(tl.join(_nibble(w, m0, 0, z0), _nibble(hi, m0, 0, z0)),
+                tl.join(_nibble(w, m2, 2, z2), _nibble(hi, m2, 2, z2))),
+        tl.join(tl.join(_nibble(w, m1, 1, z1), _nibble(hi, m1, 1, z1)),
+                tl.join(_nibble(w, m3, 3, z3), _nibble(hi, m3, 3, z3))),
+    )
+    return tl.reshape(a, [w.shape[0], w.shape[1] * 8])
+
+
+@triton.jit
+def _block_expert(eob_ptr, pid_m, mask_ptr, HAS_MASK: tl.constexpr):
+    """The expert of plan block ``pid_m``, or -1 when past the padded count or not in ``expert_mask``."""
+    expert = tl.load(eob_ptr + pid_m)
+    if HAS_MASK:
+        selected = tl.load(mask_ptr + tl.maximum(expert, 0)) != 0
+        expert = tl.where(selected, expert, -1)
+    return expert
+
+
+@triton.jit
+def _expert_gemm_kernel(
+    a_ptr, stride_am,  # MODE 0: x [T, K] (row = pair // TOPK); MODE 1: h [P, K] (row = pair); last dim contiguous
+    b_ptr, stride_bs, stride_bn,  # AWQ qweight [S, N, K/8] int32, or dense [S, N, K]
+    z_ptr, stride_zs, stride_zg,  # AWQ qzeros [S, K/g, N/8]
+    s_ptr, stride_ss, stride_sg,  # AWQ scales [S, K/g, N]
+    c_ptr, stride_cm,  # output by pair: MODE 0 h [P, N/2], MODE 1 [P, N]
+    ws_ptr, stride_wsp,  # fp32 split-K partials [SPLIT_K, P, N] (rows by pair, row stride N)
+    sorted_ptr, eob_ptr, slot_ptr, mask_ptr, weight_ptr,
+    num_pairs, N, K, num_blocks, nib,
+    TOPK: tl.constexpr, GROUP: tl.constexpr, AWQ: tl.constexpr, MODE: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_WEIGHT: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr, SCALE_IN_A: tl.constexpr,
+    BLOCK_M: tl.constexpr, DOT_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    # grouped ordering: GROUP_M consecutive plan blocks share the weight tiles of one column strip (L2 reuse)
+    num_in_group = GROUP_M * num_pid_n
+    first_m = (pid // num_in_group) * GROUP_M
+    group_rows = min(num_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % num_in_group) % group_rows
+    pid_n = (pid % num_in_group) // group_rows
+
+    expert = _block_expert(eob_ptr, pid_m, mask_ptr, HAS_MASK)
+    if expert < 0:  # past the padded count, or not selected: nothing to do (staged runs rely on it)
+        return
+    slot = tl.load(slot_ptr + expert).to(tl.int64)
+
+    r = tl.arange(0, DOT_M)
+    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + r, mask=r < BLOCK_M, other=num_pairs)
+    row_ok = pair < num_pairs
+    if MODE == 0:
+        row = pair // TOPK
+    else:
+        row = pair
+    row = tl.where(row_ok, row, 0).to(tl.int64)  # padding rows read row 0 and are never stored
+    a_rows = a_ptr + row[None, :] * stride_am  # [1, DOT_M]
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if EVEN_N:
+        rn_ld = rn
+    else:
+        rn_ld = tl.minimum(rn, N - 1)  # clamped: loads stay in bounds without masks
+    b_base = b_ptr + slot * stride_bs
+    z_base = z_ptr + slot * stride_zs
+    s_base = s_ptr + slot * stride_ss
+
+    k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_begin = pid_k * k_per_split
+    k_end = min(k_begin + k_per_split, K)
+    acc = tl.zeros([BLOCK_N, DOT_M], dtype=tl.float32)
+    rk0 = tl.arange(0, BLOCK_K)
+    if AWQ:
+        rj = tl.arange(0, BLOCK_K // 8)
+        b_rows = b_base + rn_ld[:, None] * stride_bn
+        zc_shift = (rn_ld % 8) * 4
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            kw = tl.multiple_of(k0 // 8, BLOCK_K // 8)
+            w = tl.load(b_rows + (kw + rj)[None, :])
+            g = k0 // GROUP
+            zw = tl.load(z_base + g * stride_zg + rn_ld // 8)
+            z = ((zw >> zc_shift) & 0xF).to(tl.float32)
+            s = tl.load(s_base + g * stride_sg + rn_ld).to(tl.float32)
+            xt = tl.load(a_rows + (k0 + rk0)[:, None]).to(DOT_DTYPE)  # [BLOCK_K, DOT_M]
+            q = _dequant_tile(w, z[:, None], nib)
+            if SCALE_IN_A:
+                acc = tl.dot((q * s[:, None]).to(DOT_DTYPE), xt, acc=acc, input_precision=DOT_PREC)
+            else:
+                acc += tl.dot(q.to(DOT_DTYPE), xt, input_precision=DOT_PREC) * s[:, None]
+    else:
+        b_rows = b_base + rn_ld[:, None] * stride_bn
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            rk = k0 + rk0
+            if EVEN_K:
+                w = tl.load(b_rows + rk[None, :])
+                xt = tl.load(a_rows + rk[:, None])
+            else:
+                w = tl.load(b_rows + rk[None, :], mask=rk[None, :] < K, other=0.0)
+                xt = tl.load(a_rows + rk[:, None], mask=rk[:, None] < K, other=0.0)
+            acc = tl.dot(w.to(DOT_DTYPE), xt.to(DOT_DTYPE), acc=acc, input_precision=DOT_PREC)
+
+    acc = tl.trans(acc)  # [DOT_M, BLOCK_N]
+    if SPLIT_K > 1:
+        n_ok = rn < N
+        ws = ws_ptr + pid_k * stride_wsp + pair.to(tl.int64)[:, None] * N + rn[None, :]
+        tl.store(ws, acc, mask=row_ok[:, None] & n_ok[None, :])
+    else:
+        _epilogue(acc, c_ptr, stride_cm, pair, row_ok, pid_n * BLOCK_N, N, weight_ptr, MODE, HAS_WEIGHT, BLOCK_N)
+
+
+@triton.jit
+def _epilogue(acc, c_ptr, stride_cm, pair, row_ok, n0, N, weight_ptr,
+              MODE: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """acc fp32 [M, BLOCK_N] of weight columns n0.. -> MODE 0: silu(gate) * up (columns interleaved) into
+    h[pair, n0/2 ..]; MODE 1: times the pair's routing weight into out[pair, n0 ..]. fp32 until the store."""
+    if MODE == 0:
+        gate, up = tl.split(tl.reshape(acc, [acc.shape[0], BLOCK_N // 2, 2]))
+        res = gate / (1.0 + tl.exp(-gate)) * up
+        cols = n0 // 2 + tl.arange(0, BLOCK_N // 2)
+        n_out = N // 2
+    else:
+        res = acc
+        if HAS_WEIGHT:
+            res = res * tl.load(weight_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+        cols = n0 + tl.arange(0, BLOCK_N)
+        n_out = N
+    ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + cols[None, :]
+    tl.store(ptrs, res.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols[None, :] < n_out))
+
+
+@triton.jit
+def _splitk_reduce_kernel(
+    ws_ptr, stride_wsp,  # fp32 [SPLIT_K, P, N] by pair
+    c_ptr, stride_cm,
+    sorted_ptr, eob_ptr, mask_ptr, weight_ptr,
+    num_pairs, N,
+    MODE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_WEIGHT: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if _block_expert(eob_ptr, pid_m, mask_ptr, HAS_MASK) < 0:
+        return
+    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = pair < num_pairs
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = row_ok[:, None] & (rn[None, :] < N)
+    base = ws_ptr + pair.to(tl.int64)[:, None] * N + rn[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):  # fixed order: deterministic
+        acc += tl.load(base + s * stride_wsp, mask=mask, other=0.0)
+    _epilogue(acc, c_ptr, stride_cm, pair, row_ok, pid_n * BLOCK_N, N, weight_ptr, MODE, HAS_WEIGHT, BLOCK_N)
+
+
+def dot_m(block_m: int) -> int:
+    """Token columns of the swapped MMA: at least 16 (N = 8 compiles to a longer loop with Triton 3.6)."""
+    return max(16, block_m)
+
+
+def expert_gemm(
+    mode: int,
+    a: torch.Tensor,  # MODE 0: x [T, K]; MODE 1: h [P, K]
+    weights: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],  # (qweight, qzeros, scales) | (w,)
+    out: torch.Tensor,  # MODE 0: h [P, N/2]; MODE 1: [P, N]
+    sorted_ids: torch.Tensor,  # int32 [n_blocks * block_m]
+    expert_of_block: torch.Tensor,  # int32 [n_blocks]
+    slot_of_expert: torch.Tensor,  # int32 [E]
+    expert_mask: torch.Tensor | None,  # bool [E]
+    topk_weights: torch.Tensor | None,  # fp32 [P]
+    num_pairs: int,
+    top_k: int,
+    group_size: int,
+    cfg: dict,
+    ws: torch.Tensor | None = None,  # fp32 [SPLIT_K, P, N] scratch for the partials (allocated when None)
+    reduce: bool = True,  # SPLIT_K > 1: run the split-K reduction (False: the caller sums ``ws``, e.g. the combine)
+) -> torch.Tensor:
+    """Launch the grouped GEMM (and, with SPLIT_K > 1 and ``reduce``, the split-K reduction)."""
+    qweight, qzeros, scales = weights
+    awq = qzeros is not None
+    K = a.shape[1]
+    N = qweight.shape[1]  # weight rows (MODE 0: 2I interleaved)
+    block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    if awq:
+        block_k = min(block_k, group_size)  # one zero/scale row per tile (the kernel relies on it)
+    n_blocks = expert_of_block.shape[0]
+    split_k = max(1, int(cfg.get("SPLIT_K", 1)))
+    if split_k > 1 and ws is None:
+        ws = torch.empty((split_k, num_pairs, N), dtype=torch.float32, device=a.device)
+    elif split_k == 1:
+        ws = out
+    z, s = (qzeros, scales) if awq else (qweight, qweight)
+    cdtype = TL_DTYPES[a.dtype]
+    # the interpreter's bf16 tl.dot is wrong: fp32 operands there (the same products as bf16 tensor cores)
+    dot_dtype = tl.float32 if INTERPRETED and a.dtype == torch.bfloat16 else cdtype
+    grid = (n_blocks * cdiv(N, block_n), split_k)
+    _expert_gemm_kernel[grid](
+        a, a.stride(0),
+        qweight, qweight.stride(0), qweight.stride(1),
+        z, z.stride(0), z.stride(1),
+        s, s.stride(0), s.stride(1),
+        out, out.stride(0),
+        ws, ws.stride(0) if split_k > 1 else 0,
+        sorted_ids, expert_of_block, slot_of_expert,
+        expert_mask if expert_mask is not None else slot_of_expert,
+        topk_weights if topk_weights is not None else slot_of_expert,
+        num_pairs, N, K, n_blocks, 0xF,
+        TOPK=top_k, GROUP=group_size if awq else 1, AWQ=awq, MODE=mode,
+        HAS_MASK=expert_mask is not None, HAS_WEIGHT=topk_weights is not None, SPLIT_K=split_k,
+        EVEN_N=N % block_n == 0, EVEN_K=K % (block_k * split_k) == 0, SCALE_IN_A=bool(cfg.get("SCALE_IN_A", 0)),
+        BLOCK_M=block_m, DOT_M=dot_m(block_m), BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=cfg.get("GROUP_M", 1),
+        DOT_DTYPE=dot_dtype, DOT_PREC="ieee" if dot_dtype == tl.float32 else None,
+        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
+    )
+    if split_k > 1 and reduce:
+        splitk_reduce(mode, ws, out, sorted_ids, expert_of_block, expert_mask, topk_weights, num_pairs, block_m)
+    return out
+
+
+def splitk_reduce(
+    mode: int, ws: torch.Tensor, out: torch.Tensor, sorted_ids: torch.Tensor, expert_of_block: torch.Tensor,
+    expert_mask: torch.Tensor | None, topk_weights: torch.Tensor | None, num_pairs: int, block_m: int,
+) -> None:
+    """Sum split-K partials ws fp32 [SPLIT_K, P, N] in split order and run the epilogue into ``out``."""
+    N = ws.shape[2]
+    bn = min(128, next_pow2(N))
+    _splitk_reduce_kernel[(expert_of_block.shape[0], cdiv(N, bn))](
+        ws, ws.stride(0), out, out.stride(0), sorted_ids, expert_of_block,
+        expert_mask if expert_mask is not None else expert_of_block,
+        topk_weights if topk_weights is not None else expert_of_block, num_pairs, N,
+        MODE=mode, HAS_MASK=expert_mask is not None, HAS_WEIGHT=topk_weights is not None, SPLIT_K=ws.shape[0],
+        BLOCK_M=block_m, BLOCK_N=bn,
+    )

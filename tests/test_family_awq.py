@@ -1,0 +1,96 @@
+"""DeepSeek-V3 and GLM-4.5 in AWQ 4-bit (``moeflow quantize`` of a tiny random checkpoint): logits and tokens
+against transformers on the dequantized weights; Fiddler (experts not on the device computed on the CPU with the
+int4 kernels) keeps the all-resident tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tiny_families import DEEPSEEK_V3, GLM4_MOE, assert_matches_transformers, make_checkpoint
+
+from moeflow import MoEModel, OffloadConfig
+from moeflow.kernels.cpu_int4 import int4_cpu_available
+from moeflow.quant.awq import dequantize
+from moeflow.quant.convert import quantize_checkpoint
+
+pytest.importorskip("transformers")
+GROUP = 32
+# (config, checkpoint seed, prompt seed): chosen so that the greedy path's top-1/top-2 logit margins exceed twice
+# the CPU int4 kernels' deviation (bf16 activations), which the Fiddler test checks before comparing tokens
+CASES = {"deepseek_v3": (DEEPSEEK_V3["qlora-groups-dense"], 16, 5),
+         "glm4_moe": (GLM4_MOE["qk-norm-bias-groups"], 10, 0)}
+
+
+def dequantized_reference(ref, awq_dir):
+    """The transformers model carrying exactly the AWQ checkpoint's weights (experts dequantized, fused)."""
+    cfg = ref.config
+    sd = load_file(awq_dir / "model.safetensors")
+    state = {k: v.float() for k, v in sd.items() if ".mlp.experts." not in k}
+    for layer in range(cfg.first_k_dense_replace, cfg.num_hidden_layers):
+        gate_up, down = [], []
+        for e in range(cfg.n_routed_experts):
+            w = {p: dequantize(sd[f"model.layers.{layer}.mlp.experts.{e}.{p}.qweight"],
+                               sd[f"model.layers.{layer}.mlp.experts.{e}.{p}.qzeros"],
+                               sd[f"model.layers.{layer}.mlp.experts.{e}.{p}.scales"].float(), GROUP).T
+                 for p in ("gate_proj", "up_proj", "down_proj")}
+            gate_up.append(torch.cat([w["gate_proj"], w["up_proj"]]))
+            down.append(w["down_proj"])
+        state[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = torch.stack(gate_up)
+        state[f"model.layers.{layer}.mlp.experts.down_proj"] = torch.stack(down)
+    missing, unexpected = ref.load_state_dict(state, strict=False)
+    assert not unexpected and not missing, (missing, unexpected)
+    return ref.eval()
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def awq(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"awq_{request.param}")
+    config, seed, prompt_seed = CASES[request.param]
+    src, ref = make_checkpoint(root / "src", request.param, seed=seed, **config)
+    dst = quantize_checkpoint(src, root / "awq", group_size=GROUP, progress=False)
+    return dst, dequantized_reference(ref, dst), prompt_seed
+
+
+def test_awq_checkpoint_matches_transformers_on_dequantized_weights(awq):
+    path, ref, _ = awq
+    model = MoEModel.from_pretrained(path, dtype=torch.float32, kernels="torch")
+    assert model.experts.fmt.kind == "awq"
+    assert_matches_transformers(model, ref)
+
+
+@pytest.mark.skipif(not int4_cpu_available(), reason="this torch build has no int4 CPU kernels")
+@pytest.mark.parametrize("slots", [2, 5])
+def test_fiddler_keeps_the_resident_tokens(awq, slots, tmp_path, monkeypatch):
+    monkeypatch.setenv("MOEFLOW_CACHE_DIR", str(tmp_path / "cache"))  # never the user's calibration cache
+    path, _, prompt_seed = awq
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(prompt_seed))
+    resident = MoEModel.from_pretrained(path, kernels="torch")
+    expected = resident.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=[])
+    want = resident(expected).logits
+    model = MoEModel.from_pretrained(path, kernels="torch", offload=OffloadConfig(
+        policy="fiddler", gpu_expert_slots=slots, transport="random-delay", random_delay_ms=0.3))
+    try:
+        out = model.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=[])
+        got = model(expected).logits
+    finally:
+        model.experts.close()
+    assert model.stats.prefill.cpu_experts + model.stats.decode.cpu_experts > 0
+    # the CPU int4 kernels round activations to bf16 (tests/test_hybrid.py): tokens are equal by construction
+    # only where the reference's top-1/top-2 margin exceeds twice the logit deviation; check that first
+    path_logits = slice(ids.shape[1] - 1, -1)
+    top2 = want[:, path_logits].topk(2, dim=-1).values
+    deviation = float((got - want)[:, path_logits].abs().max())
+    assert float((got - want).norm() / want.norm()) < 2e-2
+    assert float((top2[..., 0] - top2[..., 1]).min()) > 2 * deviation, "checkpoint too close to a tie for the test"
+    assert torch.equal(out, expected)
+
+
+def test_quantize_attention_keeps_latent_attention_dense(tmp_path):
+    src, _ = make_checkpoint(tmp_path / "src", "deepseek_v3", **DEEPSEEK_V3["no-qlora-unnormalised"])
+    dst = quantize_checkpoint(src, tmp_path / "awq", group_size=GROUP, quantize_attention=True, progress=False)
+    names = load_file(dst / "model.safetensors").keys()
+    assert "model.layers.0.self_attn.q_proj.weight" in names and "model.layers.0.self_attn.o_proj.weight" in names
+    assert "model.layers.0.mlp.experts.0.gate_proj.qweight" in names
+    model = MoEModel.from_pretrained(dst, kernels="torch")
+    assert model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, eos_token_id=[]).shape == (1, 7)

@@ -1,0 +1,58 @@
+"""DeepSeek-V2 / V3 and GLM-4.5 through ``moeflow.MoEModel`` against transformers on tiny random checkpoints (fp32)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tiny_families import DEEPSEEK_V2, DEEPSEEK_V3, GLM4_MOE, assert_matches_transformers, make_checkpoint
+
+from moeflow import MoEModel
+
+pytest.importorskip("transformers")
+CASES = [("deepseek_v3", n) for n in DEEPSEEK_V3] + [("deepseek_v2", n) for n in DEEPSEEK_V2] + \
+    [("glm4_moe", n) for n in GLM4_MOE]
+CONFIGS = {"deepseek_v3": DEEPSEEK_V3, "deepseek_v2": DEEPSEEK_V2, "glm4_moe": GLM4_MOE}
+
+
+@pytest.mark.parametrize("kind,name", CASES)
+def test_logits_and_greedy_tokens_match_transformers(tmp_path, kind, name):
+    _, ref = make_checkpoint(tmp_path, kind, seed=1, **CONFIGS[kind][name])
+    model = MoEModel.from_pretrained(tmp_path, device="cpu", dtype=torch.float32)
+    assert model.family.name == kind
+    assert_matches_transformers(model, ref)
+
+
+def test_kimi_k2_config_reads_as_deepseek_v3(tmp_path):
+    _, ref = make_checkpoint(tmp_path, "deepseek_v3", seed=2, **DEEPSEEK_V3["no-qlora-unnormalised"])
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "kimi_k2"}))  # as Kimi-K2 declares
+    model = MoEModel.from_pretrained(tmp_path, dtype=torch.float32)
+    assert model.family.name == "deepseek_v3" and model.family.moe_layers == (0, 1, 2)
+    assert_matches_transformers(model, ref, new_tokens=16)
+
+
+@pytest.mark.parametrize("model_type,drop", [("deepseek_v3", "kv_lora_rank"), ("glm4_moe", "moe_intermediate_size"),
+                                             ("deepseek_v2", "n_routed_experts")])
+def test_missing_config_fields_are_named(tmp_path, model_type, drop):
+    from moeflow.errors import CheckpointError
+
+    kind = "deepseek_v3" if model_type == "deepseek_v3" else model_type
+    make_checkpoint(tmp_path, kind, **CONFIGS[kind][next(iter(CONFIGS[kind]))])
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.pop(drop)
+    config.pop("num_local_experts", None)
+    config.pop("num_experts", None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=f"missing required field.*{drop}"):
+        MoEModel.from_pretrained(tmp_path)
+
+
+def test_read_routers_reads_only_the_moe_layers(tmp_path):
+    from moeflow.engine.loading import read_routers
+
+    _, ref = make_checkpoint(tmp_path, "deepseek_v3", **DEEPSEEK_V3["qlora-groups-dense"])  # layer 0 is dense
+    weights, top_k = read_routers(tmp_path)
+    assert top_k == 2 and len(weights) == 2
+    assert torch.equal(weights[0], ref.model.layers[1].mlp.gate.weight.detach().float())
