@@ -100,6 +100,7 @@ class MoEModel(nn.Module):
                         kv_cache_spec=built.family.kv_cache_spec)
         self = cls(built.family, built.decoder, built.backend, runner, offload, built.generation_config,
                    built.tokenizer, built.kernels.choice, str(path_or_id))
+        self._memory_plan = built.memory_plan
         self.eval()
         if compile:
             self.compile_decode()
@@ -115,6 +116,11 @@ class MoEModel(nn.Module):
         """The expert backend shared by every MoE layer."""
         return self.backend
 
+    def memory_plan(self):
+        """How device and host memory are split (:class:`moeflow.engine.memory.MemoryPlan`: ``summary()``,
+        ``as_dict()``): non-expert weights, KV cache, activations, workspaces, expert slots, host expert cache."""
+        return self._memory_plan
+
     def use_backend(self, backend: ExpertBackend | None) -> ExpertBackend | None:
         """Swap the expert backend (benchmarks compare policies on one loaded model); returns the previous one.
         The new backend must already hold every expert (``finish_loading`` called). None detaches it."""
@@ -122,12 +128,23 @@ class MoEModel(nn.Module):
         self._runner.backend = backend
         return previous
 
-    def compile_decode(self) -> None:
-        """torch.compile the one-token decode step (fullgraph when every expert is resident)."""
+    def compile_decode(self, backend: str = "inductor") -> None:
+        """torch.compile the one-token decode step (fullgraph when every expert is resident; an offloading
+        backend is the one graph break per MoE layer). The layer index is traced as a symbolic int, so the
+        decoder layers share their graphs instead of recompiling per layer (which hit dynamo's recompile
+        limit at 8 layers and left the rest eager)."""
         from moeflow.moe.resident import ResidentExperts
 
         fullgraph = isinstance(self.backend, ResidentExperts)
-        self._runner.decode_fn = torch.compile(self.model, fullgraph=fullgraph, dynamic=False)
+        unspec_layer_index = torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True)
+        with unspec_layer_index:
+            compiled = torch.compile(self.model, fullgraph=fullgraph, dynamic=False, backend=backend)
+
+        def decode(*args, **kwargs):
+            with unspec_layer_index:
+                return compiled(*args, **kwargs)
+
+        self._runner.decode_fn = decode
         self._compiled = True
 
     def close(self) -> None:

@@ -13,8 +13,9 @@ class OffloadConfig:
 
     gpu_expert_slots: number of expert slots in the device pool (each holds one expert of any layer).
         ``None`` with ``gpu_memory_gb`` unset means every expert resident when the policy is "resident".
-    gpu_memory_gb: alternatively, a device memory budget; the slot count is what is left after the
-        non-expert weights and the KV cache.
+    gpu_memory_gb: alternatively, a device memory budget in GB; the slot count is what is left after the
+        non-expert weights, the KV cache, activations and workspaces (``model.memory_plan()``, docs/disk.md).
+        "auto": the device's free memory minus a margin.
     policy: a named policy (``POLICIES``; the table is ``moeflow.offload.policies.POLICY_TABLE``).
     prefetch_distance: how many layers ahead predictive policies prefetch.
     transport: "auto" (CUDA streams on a GPU, synchronous on the CPU), "sync", or "random-delay"
@@ -41,10 +42,17 @@ class OffloadConfig:
     predictor_path: the trained predictor file of the "duoserve" / "promoe" policies (``moeflow train-predictor``);
         ``None``: ``<checkpoint dir>/predictors/<kind>.pt``. "finemoe" may name a warmed store (else it starts
         empty and fills as it serves). See docs/policies.md.
+    host_memory_gb: keep at most this many GB in host memory (experts, plus the non-expert weights and KV cache
+        when they live there, plus the disk staging buffers); experts that do not fit are read from the
+        checkpoint's files when needed or predicted (docs/disk.md). "auto": the machine's available memory
+        minus a margin. ``None``: every expert in host memory.
+    disk_readers: threads reading experts from disk (the disk tier's reads overlap compute and each other).
+    context_length, max_batch_size: what the memory plan sizes the KV cache, activations and workspaces for
+        (``None``: 4096 tokens, capped at the model's context).
     """
 
     gpu_expert_slots: int | None = None
-    gpu_memory_gb: float | None = None
+    gpu_memory_gb: float | str | None = None
     policy: str = "resident"
     prefetch_distance: int = 1
     transport: str = "auto"
@@ -62,12 +70,25 @@ class OffloadConfig:
     calibration_file: str | None = None
     race_margin: float = 0.25
     predictor_path: str | None = None
+    host_memory_gb: float | str | None = None
+    disk_readers: int = 2
+    context_length: int | None = None
+    max_batch_size: int = 1
 
     def __post_init__(self) -> None:
         if self.gpu_expert_slots is not None and self.gpu_expert_slots < 1:
             raise ValueError(f"OffloadConfig.gpu_expert_slots must be >= 1, got {self.gpu_expert_slots}")
-        if self.gpu_memory_gb is not None and self.gpu_memory_gb <= 0:
-            raise ValueError(f"OffloadConfig.gpu_memory_gb must be > 0, got {self.gpu_memory_gb}")
+        for name in ("gpu_memory_gb", "host_memory_gb"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                if value != "auto":
+                    raise ValueError(f"OffloadConfig.{name}={value!r}: expected a number of GB or 'auto'")
+            elif value is not None and not value > 0:
+                raise ValueError(f"OffloadConfig.{name} must be > 0, got {value}")
+        if self.context_length is not None and self.context_length < 1:
+            raise ValueError(f"OffloadConfig.context_length must be >= 1, got {self.context_length}")
+        if self.max_batch_size < 1:
+            raise ValueError(f"OffloadConfig.max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.prefetch_distance < 1:
             raise ValueError(f"OffloadConfig.prefetch_distance must be >= 1, got {self.prefetch_distance}")
         if self.transport not in ("auto", "sync", "random-delay"):
@@ -92,6 +113,8 @@ class OffloadConfig:
                 raise ValueError(f"OffloadConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.cpu_token_ms is not None and self.cpu_token_ms < 0:
             raise ValueError(f"OffloadConfig.cpu_token_ms must be >= 0, got {self.cpu_token_ms}")
+        if self.disk_readers < 1:
+            raise ValueError(f"OffloadConfig.disk_readers must be >= 1, got {self.disk_readers}")
         if self.race_margin < 0:
             raise ValueError(f"OffloadConfig.race_margin must be >= 0, got {self.race_margin}")
 

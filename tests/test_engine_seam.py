@@ -126,4 +126,4 @@ def test_routing_functions():
     scaled = make_router(RouterSpec(top_k=2, scaling_factor=2.5))(logits)[2]
     assert torch.allclose(scaled, 2.5 * weights)
     with pytest.raises(NotImplementedError, match="topk_before_scoring"):
-        make_router(RouterSpec(top_k=2, topk_before_scoring=True))
+        make_router(RouterSpec(top_k=2, scoring="sigmoid", topk_before_scoring=True))

@@ -244,15 +244,15 @@ def test_propose_adapter(synth, trained):
     trace, _ = synth
     x = trace.hidden[:1, 0].float()
     pro = trained["promoe"]
-    (target, ids), = pro.propose(0, x)
-    assert target == 2 and ids.numel() == trace.top_k
+    (target, ids), = pro.propose(0, x)  # a fixed shape [E]: the selected experts first, the rest -1
+    assert target == 2 and ids.numel() == trace.num_experts and int((ids >= 0).sum()) == trace.top_k
     assert trained["skip-gate"].propose(3, trace.hidden[:1, 3].float()) == []  # nothing beyond the last layer
     duo = trained["duoserve"]
     duo.reset()
     with pytest.raises(PredictorError, match="observe"):
         duo.propose(0, x)
     (target, ids), = duo.observe_and_propose(0, x, trace.probs[:1, 0].float(), trace.topk_ids[:1, 0])
-    assert target == 1 and ids.numel() == 2
+    assert target == 1 and int((ids >= 0).sum()) == 2 and bool((ids[2:] == -1).all())
     batch = trace.hidden[:5, 0].float()  # several tokens: union ranked by summed priority
     (_, ids), = pro.propose(0, batch, max_experts=3)
     assert ids.numel() == 3

@@ -29,7 +29,8 @@ def _default_device() -> str:
 def _load(args, slots: int | None, policy: str):
     from moeflow import MoEModel, OffloadConfig
 
-    offload = OffloadConfig(gpu_expert_slots=slots, policy=policy)
+    offload = OffloadConfig(gpu_expert_slots=slots, policy=policy, gpu_memory_gb=getattr(args, "gpu_memory_gb", None),
+                            host_memory_gb=getattr(args, "host_memory_gb", None))
     dtype = DTYPES[args.dtype] if args.dtype else None
     return MoEModel.from_pretrained(args.model, device=args.device, dtype=dtype, offload=offload,
                                     kernels=args.kernels)
@@ -54,6 +55,12 @@ def _run_prompt(model, prompt: str, args) -> int:
                    do_sample=do_sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                    streamer=streamer, seed=args.seed)
     print(model.stats.summary())
+    print(model.memory_plan().summary())
+    host = getattr(model.experts, "host", None)
+    if host is not None and host.on_disk:
+        d = host.stats
+        print(f"disk tier: {d.bytes_read / 2**20:.1f} MiB read ({d.reads} experts, {d.prefetch_reads} ahead of need), "
+              f"host cache hits {d.hits} / misses {d.misses}, disk stall {d.stall_s * 1e3:.1f} ms")
     if args.json:
         print(json.dumps(model.stats.as_dict()))
     return 0
@@ -69,8 +76,9 @@ def cmd_demo(args) -> int:
     cfg = read_json(Path(args.model) / "config.json")
     experts = cfg["num_local_experts"]
     # half of all experts fit on the device: enough for a cache to matter, too few to hold the model
-    slots = args.slots or cfg["num_hidden_layers"] * experts // 2
+    slots = args.slots or (None if args.gpu_memory_gb else cfg["num_hidden_layers"] * experts // 2)
     model = _load(args, slots, args.policy)
+    slots = getattr(model.experts, "n_slots", slots)
     print(f"moeflow demo: {cfg['num_hidden_layers']} layers x {experts} experts, {slots} expert slots "
           f"(policy {args.policy!r}) on {model.device}\n")
     if args.seed is None:
@@ -92,6 +100,18 @@ def cmd_quantize(args) -> int:
     return 0
 
 
+def _gb_or_auto(text: str) -> float | str:
+    if text == "auto":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of GB or 'auto', got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of GB, got {text!r}")
+    return value
+
+
 def _add_generation_args(p: argparse.ArgumentParser, default_policy: str) -> None:
     p.add_argument("--prompt", default="The import statement")
     p.add_argument("--max-new-tokens", type=int, default=None)
@@ -106,6 +126,10 @@ def _add_generation_args(p: argparse.ArgumentParser, default_policy: str) -> Non
     p.add_argument("--dtype", choices=list(DTYPES), default=None)
     p.add_argument("--kernels", choices=["auto", "torch", "triton"], default="auto")
     p.add_argument("--slots", type=int, default=None, help="GPU expert slots")
+    p.add_argument("--gpu-memory-gb", type=_gb_or_auto, default=None,
+                   help="device memory budget in GB, or 'auto' (free memory minus a margin); sizes the slots")
+    p.add_argument("--host-memory-gb", type=_gb_or_auto, default=None,
+                   help="host memory budget in GB, or 'auto'; experts that do not fit are read from disk")
     p.add_argument("--policy", default=default_policy)
     p.add_argument("--json", action="store_true", help="also print the stats as JSON")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",

@@ -10,19 +10,19 @@ from pathlib import Path
 
 import torch
 
-from moeflow.cli.commands import DTYPES, _add_generation_args, _default_device, embedded_model_path
+from moeflow.cli.commands import DTYPES, _add_generation_args, _default_device, _gb_or_auto, embedded_model_path
 
 API_KEY_ENV = "MOEFLOW_API_KEY"
 
 
 def _load_model(args):
-    from moeflow import MoEOffloadedMixtral, OffloadConfig
+    from moeflow import MoEModel, OffloadConfig
 
     offload = OffloadConfig(gpu_expert_slots=args.slots, gpu_memory_gb=getattr(args, "gpu_memory_gb", None),
-                            policy=args.policy)
+                            host_memory_gb=getattr(args, "host_memory_gb", None), policy=args.policy)
     dtype = DTYPES[args.dtype] if args.dtype else None
-    return MoEOffloadedMixtral.from_pretrained(args.model or str(embedded_model_path()), device=args.device,
-                                               dtype=dtype, offload=offload, kernels=args.kernels)
+    return MoEModel.from_pretrained(args.model or str(embedded_model_path()), device=args.device,
+                                    dtype=dtype, offload=offload, kernels=args.kernels)
 
 
 def _chat_reply(model, messages: list[dict], args) -> str:
@@ -89,9 +89,9 @@ def cmd_chat(args) -> int:
 def cmd_serve(args) -> int:
     import uvicorn
 
-    from moeflow.engine.build import KV_BUDGET_TOKENS
     from moeflow.engine.continuous import ContinuousEngine
     from moeflow.engine.kv_slots import SlotKVCache, kv_bytes_per_row
+    from moeflow.engine.memory import DEFAULT_CONTEXT as KV_BUDGET_TOKENS
     from moeflow.serve.app import create_app
     from moeflow.serve.metrics import ServeMetrics
 
@@ -139,7 +139,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernels", choices=["auto", "torch", "triton"], default="auto")
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--slots", type=int, default=None, help="GPU expert slots")
-    budget.add_argument("--gpu-memory-gb", type=float, default=None, help="size the expert slots from this budget")
+    budget.add_argument("--gpu-memory-gb", type=_gb_or_auto, default=None,
+                        help="device memory budget in GB, or 'auto'; sizes the expert slots")
+    p.add_argument("--host-memory-gb", type=_gb_or_auto, default=None,
+                   help="host memory budget in GB, or 'auto'; experts that do not fit are read from disk")
     p.add_argument("--policy", default="resident")
 
 
@@ -165,7 +168,6 @@ def register(sub) -> None:
     p = sub.add_parser("chat", help="chat with a model in the terminal (its chat template, streamed)")
     p.add_argument("--model", default=None, help="checkpoint directory or hub id (default: the embedded model)")
     _add_generation_args(p, "resident")
-    p.add_argument("--gpu-memory-gb", type=float, default=None)
     p.add_argument("--system", default=None, help="a system message")
     p.set_defaults(func=cmd_chat)
 

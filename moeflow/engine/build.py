@@ -8,6 +8,7 @@ expert into it; ``finish_loading``. The result is a :class:`BuiltModel` the API 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,24 +17,24 @@ import torch
 from torch import nn
 
 from moeflow.config import OffloadConfig
-from moeflow.engine import loading
+from moeflow.engine import loading, memory
 from moeflow.engine.cpu_linears import check_attention_bits, quantize_decoder_linears
 from moeflow.engine.sampling import GenerationConfig
 from moeflow.families import Family, family_for_config
 from moeflow.families.base import CausalDecoder
 from moeflow.families.layers import AWQLinear
-from moeflow.io.checkpoint import open_checkpoint, read_json, read_quantization, resolve_checkpoint
+from moeflow.io.checkpoint import CheckpointReader, open_checkpoint, read_json, read_quantization, resolve_checkpoint
+from moeflow.io.expert_index import ExpertIndex
 from moeflow.io.tokenizer import Tokenizer
 from moeflow.kernels.biased import is_extended
 from moeflow.kernels.pool import ExpertFormat
 from moeflow.moe.backend import ExpertBackend
 from moeflow.moe.resident import CpuInt4Experts
-from moeflow.offload import Stats, create_expert_backend
+from moeflow.offload import Stats, create_expert_backend, get_policy, min_slots
 from moeflow.quant.fp8 import Fp8BlockReader, fp8_block_spec
 
 KERNEL_CHOICES = ("auto", "torch", "triton", "cpu-int4")
 PROGRESS_MIN_BYTES = 256 * 2**20  # show a loading progress bar above this much expert data
-KV_BUDGET_TOKENS = 4096  # context assumed when sizing expert slots from gpu_memory_gb
 
 
 @dataclass(frozen=True)
@@ -48,12 +49,14 @@ class Kernels:
 def resolve_kernels(kernels: str, device: torch.device, offload: OffloadConfig, awq: bool) -> Kernels:
     """auto: Triton on CUDA; on the CPU torch's int4 kernels for AWQ experts, else the torch reference.
 
-    "cpu-int4" computes resident AWQ experts on the CPU (``CpuInt4Experts``); with an offloading policy
-    the slot pool holds AWQ bytes, computed by the torch reference. Either way the lm_head and the AWQ
-    attention projections run quantized CPU kernels (``linear="cpu-int4"``, :mod:`moeflow.engine.cpu_linears`).
+    "cpu-int4" computes resident AWQ experts on the CPU (``CpuInt4Experts``); with an offloading policy the slot
+    pool holds AWQ bytes, computed with the int4 kernels on per-slot forms when "cpu-int4" is asked for, by the
+    torch reference when "auto" chose it. Either way the lm_head and the AWQ attention projections run quantized
+    CPU kernels (``linear="cpu-int4"``, :mod:`moeflow.engine.cpu_linears`).
     """
     if kernels not in KERNEL_CHOICES:
         raise ValueError(f"kernels={kernels!r}: expected one of {KERNEL_CHOICES}")
+    requested = kernels
     from moeflow.kernels.cpu_int4 import int4_cpu_available
 
     if kernels == "auto":
@@ -70,26 +73,32 @@ def resolve_kernels(kernels: str, device: torch.device, offload: OffloadConfig, 
                              "(_weight_int4pack_mm_for_cpu); use kernels='torch'")
     if kernels == "triton" and device.type == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton on the CPU means its interpreter
-    if kernels == "cpu-int4":  # lm_head and AWQ attention through the CPU int8/int4 kernels (engine/cpu_linears)
-        return Kernels("cpu-int4", "cpu-int4" if offload.policy == "resident" else "torch", "cpu-int4")
+    if kernels == "cpu-int4":
+        # given explicitly, offloaded slots are computed with the int4 kernels too (forms converted per slot);
+        # chosen by "auto", an offloading policy keeps the torch reference on the slot pool. The lm_head and
+        # AWQ attention go through the CPU int8/int4 kernels either way (engine/cpu_linears)
+        explicit = requested == "cpu-int4"
+        return Kernels("cpu-int4", "cpu-int4" if offload.policy == "resident" or explicit else "torch", "cpu-int4")
     return Kernels(kernels, kernels, kernels)
 
 
 def make_expert_backend(
     offload: OffloadConfig, kernels: Kernels, *, fmt: ExpertFormat, family: Family, decoder: CausalDecoder,
-    device: torch.device, reserved_bytes: int, stats: Stats, checkpoint_dir: Path,
+    device: torch.device, reserved_bytes: int, stats: Stats, checkpoint_dir: Path, expert_source=None,
+    host_reserved_bytes: int = 0,
 ) -> ExpertBackend:
     """``CpuInt4Experts`` for resident experts computed with the CPU int4 kernels; otherwise the offload
     package's backend for ``offload.policy`` (``ResidentExperts`` for "resident")."""
     num_moe = len(family.moe_layers)
-    if kernels.experts == "cpu-int4":
+    if kernels.experts == "cpu-int4" and offload.policy == "resident":
         return CpuInt4Experts(fmt, num_moe, family.num_experts)
     blocks = decoder.moe_blocks
     return create_expert_backend(
         offload, fmt=fmt, num_layers=num_moe, num_experts=family.num_experts,
         top_k=family.router_spec().top_k, device=device, kernels_backend=kernels.experts,
         gates=[block.gate for block in blocks], route=blocks[0].route, reserved_bytes=reserved_bytes,
-        stats=stats, checkpoint_dir=checkpoint_dir,
+        stats=stats, checkpoint_dir=checkpoint_dir, expert_source=expert_source,
+        host_reserved_bytes=host_reserved_bytes,
     )
 
 
@@ -106,6 +115,7 @@ class BuiltModel:
     kernels: Kernels
     device: torch.device
     dtype: torch.dtype
+    memory_plan: memory.MemoryPlan
 
 
 def build_model(
@@ -148,25 +158,62 @@ def build_model(
 
         stats = Stats()
         cfg = family.config
-        kv_bytes = min(cfg.max_position_embeddings, KV_BUDGET_TOKENS) \
-            * family.kv_cache_spec().bytes_per_token(torch.tensor([], dtype=dtype).element_size())
-        backend = make_expert_backend(
-            offload, resolved, fmt=fmt, family=family, decoder=decoder, device=device,
-            reserved_bytes=loading.non_expert_bytes(decoder) + kv_bytes, stats=stats, checkpoint_dir=directory,
-        )
+        plan, sized = plan_memory(offload, family, fmt, device, dtype, loading.non_expert_bytes(decoder))
+        source = open_expert_index(reader, family, layout, quant) if offload.host_memory_gb is not None else None
+        host_reserved = plan.non_expert + plan.kv_cache if device.type == "cpu" else 0  # weights in host memory
+        try:
+            backend = make_expert_backend(
+                sized, resolved, fmt=fmt, family=family, decoder=decoder, device=device,
+                reserved_bytes=memory.reserved_device_bytes(plan), stats=stats, checkpoint_dir=directory,
+                expert_source=source, host_reserved_bytes=host_reserved,
+            )
+        except BaseException:
+            if source is not None:
+                source.close()
+            raise
+        host = getattr(backend, "host", None)
+        on_disk = host is not None and host.on_disk
+        if source is not None and not on_disk:
+            source.close()  # every expert fits in host memory: loaded below as without a budget
         if progress is None:
             progress = fmt.nbytes * len(family.moe_layers) * family.num_experts >= PROGRESS_MIN_BYTES
-        experts = loading.iter_experts(reader, family, layout, quant, progress)
-        if fp8 is not None:
-            experts = loading.requantize_experts(experts, fmt)
-        for moe_layer, expert, tensors in experts:
-            backend.load_expert(moe_layer, expert, tensors)
+        if not on_disk:  # the disk tier reads its experts itself, when needed
+            experts = loading.iter_experts(reader, family, layout, quant, progress)
+            if fp8 is not None:
+                experts = loading.requantize_experts(experts, fmt)
+            for moe_layer, expert, tensors in experts:
+                backend.load_expert(moe_layer, expert, tensors)
         backend.finish_loading()
+        if on_disk:
+            host.finish_warm_fill()
+        memory.fill_from_backend(plan, backend, offload, source.staging_nbytes if on_disk else 0)
     finally:
         reader.close()
     gen = GenerationConfig.from_file(directory / "generation_config.json", cfg.eos_token_id, cfg.pad_token_id)
     tokenizer = Tokenizer(directory / "tokenizer.json") if (directory / "tokenizer.json").is_file() else None
-    return BuiltModel(family, decoder, backend, stats, gen, tokenizer, resolved, device, dtype)
+    return BuiltModel(family, decoder, backend, stats, gen, tokenizer, resolved, device, dtype, plan)
+
+
+def plan_memory(offload: OffloadConfig, family: Family, fmt: ExpertFormat, device: torch.device, dtype: torch.dtype,
+                non_expert: int) -> tuple[memory.MemoryPlan, OffloadConfig]:
+    """The device side of the memory plan, and the config the backend sizes its slots with ("auto" resolved)."""
+    top_k = family.router_spec().top_k
+    plan = memory.plan_device(
+        offload, cfg=family.config, device=device, dtype=dtype, non_expert=non_expert, expert_bytes=fmt.nbytes,
+        total_experts=len(family.moe_layers) * family.num_experts, top_k=top_k,
+        intermediate=family.expert_spec().intermediate_size, min_slots=min_slots(offload, top_k),
+        offloads=get_policy(offload.policy).offload,
+        kv_bytes_per_token=family.kv_cache_spec().bytes_per_token(dtype.itemsize))
+    sized = offload
+    if offload.gpu_memory_gb == "auto":
+        sized = dataclasses.replace(offload, gpu_memory_gb=plan.gpu_budget / memory.GiB)
+    return plan, sized
+
+
+def open_expert_index(reader: CheckpointReader, family: Family, layout, quant) -> ExpertIndex:
+    """The byte ranges of every expert in the checkpoint (the disk tier reads experts through it)."""
+    return ExpertIndex(reader, lambda r, layer, expert: family.read_expert(r, layout, quant, layer, expert),
+                       len(family.moe_layers), family.num_experts)
 
 
 def _linear_factory(dtype: torch.dtype, awq_attention: dict | None):

@@ -75,6 +75,18 @@ class AWQLinear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
+def _sdpa_has_gqa() -> bool:
+    """torch >= 2.5 takes ``enable_gqa`` in scaled_dot_product_attention."""
+    try:
+        q, kv = torch.zeros(1, 2, 1, 4), torch.zeros(1, 1, 1, 4)
+        F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
+        return True
+    except TypeError:
+        return False
+
+
+_SDPA_GQA = _sdpa_has_gqa()
+
 # (name, fan_in, fan_out) -> a linear module; called with ``bias=True`` as a keyword for a biased projection
 LinearFactory = Callable[..., nn.Module]
 
@@ -163,10 +175,13 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         k_all, v_all = cache.update(self.layer_idx, k, v, cache_position)
         groups = self.n_heads // self.n_kv
-        if groups > 1:  # grouped-query attention: share each kv head across its query heads
-            k_all = k_all.repeat_interleave(groups, dim=1)
-            v_all = v_all.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
+        if groups > 1 and _SDPA_GQA:  # each kv head serves its query heads inside the kernel: no copy of the cache
+            out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=True)
+        else:
+            if groups > 1:  # torch without enable_gqa: share the kv heads by copying them
+                k_all = k_all.repeat_interleave(groups, dim=1)
+                v_all = v_all.repeat_interleave(groups, dim=1)
+            out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
 

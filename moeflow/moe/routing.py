@@ -86,6 +86,7 @@ def make_router(spec: RouterSpec) -> Router:
 
     return router
 
+
 # ---------------------------------------------------------------- group-limited routers (the DeepSeek line)
 # Experts are split into ``n_groups`` equal groups, each group gets a score, only the ``topk_groups`` best
 # groups stay eligible, and the top-k experts among them are chosen; the weights are then scaled by
@@ -165,6 +166,7 @@ def make_grouped_router(spec: RouterSpec) -> GroupedRouter:
             raise ValueError(f"router {spec}: n_groups={spec.n_groups} does not divide the {e} experts")
         return grouped_topk(router_logits, top_k, selection_bias=selection_bias, **kwargs)
 
+    return router
 
 
 def _topk_then_softmax_router(spec: RouterSpec) -> Router:

@@ -18,6 +18,8 @@ from moeflow.moe import ExpertBackend, ResidentExperts
 from moeflow.offload.backend import OffloadedExperts
 from moeflow.offload.cache import ExpertCache, Slot, SlotState
 from moeflow.offload.copy_engine import CopyEngine, LoadTask, chunk_ranges
+from moeflow.offload.disk_store import DiskHostStore, DiskStats
+from moeflow.offload.disk_tier import maybe_disk_store, staged_engine_factory
 from moeflow.offload.eviction import LFU, LRU, EvictionPolicy, PriorityEviction, Static, make_eviction
 from moeflow.offload.host_store import HostStore
 from moeflow.offload.hybrid import HybridCompute, fixed_set, resolve_cpu_compute
@@ -43,9 +45,12 @@ from moeflow.offload.transport import (
     Transport,
     make_transport,
 )
+from moeflow.offload.units import format_bytes as _size
 
 __all__ = [
-    "create_expert_backend", "resolve_slots", "min_slots", "OffloadedExperts", "HostStore", "ExpertCache", "Slot",
+    "create_expert_backend", "resolve_slots", "min_slots", "OffloadedExperts", "HostStore", "DiskHostStore",
+    "DiskStats",
+    "ExpertCache", "Slot",
     "SlotState", "CopyEngine", "LoadTask", "chunk_ranges", "EvictionPolicy", "LRU", "LFU", "Static",
     "PriorityEviction", "make_eviction", "PolicySpec", "PolicyContext", "POLICY_TABLE", "POLICY_NAMES",
     "get_policy", "register_policy", "unregister_policy", "registered_policies", "Predictor", "GateSpeculator",
@@ -60,14 +65,6 @@ CUDA_MEMORY_FRACTION = 0.9  # without a budget, experts may take this share of t
 def min_slots(config: OffloadConfig, top_k: int) -> int:
     """Smallest pool accepted: one layer's top-k experts, or the prefill ring, whichever is larger."""
     return max(top_k, config.prefill_ring_slots)
-
-
-def _size(nbytes: float) -> str:
-    """Bytes in the unit that keeps three significant digits readable (tiny test models to Mixtral)."""
-    for unit, scale in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.3g} {unit}"
-    return f"{int(nbytes)} B"
 
 
 def resolve_slots(
@@ -92,8 +89,8 @@ def resolve_slots(
     elif config.gpu_memory_gb is not None:
         n = int((config.gpu_memory_gb * GiB - reserved_bytes) // fmt.nbytes)
         source = (
-            f"gpu_memory_gb={config.gpu_memory_gb} ({_size(reserved_bytes)} go to non-expert weights and "
-            f"KV cache, {_size(fmt.nbytes)} per expert: {max(n, 0)} slots)"
+            f"gpu_memory_gb={config.gpu_memory_gb} ({_size(reserved_bytes)} go to non-expert weights, "
+            f"KV cache, activations and workspaces, {_size(fmt.nbytes)} per expert: {max(n, 0)} slots)"
         )
     elif torch.device(device).type == "cuda":
         capacity = torch.cuda.get_device_properties(device).total_memory * CUDA_MEMORY_FRACTION
@@ -134,6 +131,8 @@ def create_expert_backend(
     host_store: HostStore | None = None,
     platform: Platform = REAL,
     policies: Mapping[str, PolicySpec] | None = None,
+    expert_source=None,
+    host_reserved_bytes: int = 0,
 ) -> ExpertBackend:
     """The expert backend of ``config.policy``: :class:`ResidentExperts` or :class:`OffloadedExperts`.
 
@@ -144,6 +143,9 @@ def create_expert_backend(
     platform: clock, transport, copy engine, host store and compute executor (the simulator's seam).
     policies: the table ``config.policy`` is looked up in (default: the built-in table plus user policies;
     the simulator adds its own "oracle").
+    expert_source: the checkpoint's :class:`~moeflow.io.expert_index.ExpertIndex`; with ``host_memory_gb`` the
+    experts that do not fit in host memory are read through it (the disk tier, :mod:`moeflow.offload.disk_tier`).
+    host_reserved_bytes: host memory ``host_memory_gb`` must also hold (non-expert weights on a CPU device).
     """
     spec = get_policy(config.policy, policies)
     device = torch.device(device)
@@ -162,7 +164,13 @@ def create_expert_backend(
     ctx = dataclasses.replace(ctx, predictor=predictor)  # an eviction policy may rank by the predictor (FineMoE)
     eviction = spec.eviction(ctx)
     owns_host = host_store is None
-    host = host_store or platform.host_store(fmt, num_layers, num_experts, pin=config.pin_memory, device=device)
+    disk = None if host_store is not None else maybe_disk_store(
+        config, expert_source=expert_source, fmt=fmt, total=num_layers * num_experts, min_rows=ring,
+        device_eviction=eviction, host_reserved_bytes=host_reserved_bytes, device=device)
+    if disk is not None:  # copies first wait for their expert to be read from disk into host memory
+        platform = dataclasses.replace(platform, copy_engine=staged_engine_factory(platform.copy_engine, disk))
+    host = host_store or disk or platform.host_store(fmt, num_layers, num_experts, pin=config.pin_memory,
+                                                     device=device)
     if (host.num_layers, host.num_experts) != (num_layers, num_experts):
         raise ValueError("the given host store holds another model's experts")
     # hybrid execution (docs/hybrid.md): misses computed on the CPU where the cost model says so

@@ -16,6 +16,7 @@ One MoE layer (``forward``), in order:
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections import deque
 
@@ -26,12 +27,14 @@ from moeflow.kernels.pool import ExpertFormat, ExpertPool
 from moeflow.moe.backend import ExpertBackend, StepInfo
 from moeflow.offload.cache import ExpertCache, Slot
 from moeflow.offload.copy_engine import CopyEngine, LoadTask
+from moeflow.offload.cpu_slots import SlotInt4Forms
 from moeflow.offload.eviction import EvictionPolicy
 from moeflow.offload.host_store import HostStore
 from moeflow.offload.hybrid import HybridCompute
 from moeflow.offload.plan import arrival_order, plan_layer
 from moeflow.offload.platform import REAL, Platform
 from moeflow.offload.predictors.interface import Predictor
+from moeflow.offload.readback import ReadBack, SlotTables
 from moeflow.offload.stats import PhaseStats, Stats
 from moeflow.offload.transport import CudaTransport, Transport
 
@@ -84,10 +87,16 @@ class OffloadedExperts(ExpertBackend):
         self.host = host
         self.pool = ExpertPool.allocate(fmt, n_slots, self.device)
         quota = n_slots // self.num_layers if per_layer else 0
-        self.cache = ExpertCache(n_slots, eviction, retain=retain, stats=stats.current, layer_quota=quota)
+        self.cache = ExpertCache(n_slots, eviction, retain=retain, stats=stats.current, layer_quota=quota,
+                                 key_space=(self.num_layers, self.num_experts))
         self.engine = platform.make_engine(transport, host, self.pool, chunks=copy_chunks,
                                            max_inflight=max_inflight_chunks)
         self._phase = stats.phase
+        self.readback = ReadBack(self.device, self.num_experts)
+        self.slot_tables = SlotTables(self.device, self.num_experts)
+        # kernels="cpu-int4" on the CPU: slots computed with torch's int4 kernels (forms kept per slot)
+        self.int4_slots = SlotInt4Forms(self.pool) if kernels_backend == "cpu-int4" else None
+        self._combine_backend = "torch" if kernels_backend == "cpu-int4" else kernels_backend
         self.cpu = cpu  # hybrid execution: misses computed on the CPU (docs/hybrid.md)
         self.prefill_ring = prefill_ring
         if predictor is not None:
@@ -95,6 +104,11 @@ class OffloadedExperts(ExpertBackend):
         stats.expert_pool_bytes = self.pool.buffer.numel()
         stats.host_store_bytes = self.host.nbytes
         stats.host_pinned = self.host.pinned
+        if self.device.type == "cuda" and not self.host.pinned:
+            warnings.warn("moeflow: the expert host store is not in pinned memory: every copy goes through a staging "
+                          "buffer at a fraction of the link's speed and waits for the compute stream "
+                          "(OffloadConfig.pin_memory, or the OS refused to pin; see stats.host_pinned)",
+                          RuntimeWarning, stacklevel=3)
         # threads and page registrations go away with the backend, even without close()
         self._finalizer = weakref.finalize(
             self, _shutdown, self.engine, self.transport, self.host if owns_host else None
@@ -141,6 +155,7 @@ class OffloadedExperts(ExpertBackend):
         return self.predictor.predict_paths(step, last_only) if self.predictor is not None else None
 
     # ------------------------------------------------------------------ one layer
+    @torch.compiler.disable  # the host-side scheduler: the one graph break per MoE layer under torch.compile
     def forward(
         self,
         layer: int,
@@ -154,16 +169,23 @@ class OffloadedExperts(ExpertBackend):
             self._phase = self.stats.phase
             self.cache.policy.on_phase(self._phase)
         st = self.stats.current()
-        E, k = self.num_experts, topk_ids.shape[1]
+        k = topk_ids.shape[1]
 
-        # 1. the layer's only device->host sync: its routing, and the predictor's proposals with it
-        if self.predictor is not None:  # routing first: predictors that learn from it (DuoServe) need it
-            self.predictor.observe(layer, x, probs, topk_ids)
-        proposals = self.predictor.propose(layer, x) if self.predictor is not None else []
-        counts = torch.bincount(topk_ids.reshape(-1).to(torch.int64), minlength=E)
-        host = torch.cat([counts, *(ids.reshape(-1).to(torch.int64) for _, ids in proposals)]).tolist()
-        needed = [e for e in range(E) if host[e]]
-        guesses = _split_proposals(proposals, host[E:])
+        # 1. the layer's only blocking device->host read: its routing, and the predictor's proposals with it
+        pred = self.predictor
+        if pred is not None:  # routing first: predictors that learn from it (DuoServe) need it
+            pred.observe(layer, x, probs, topk_ids)
+        proposals = pred.propose(layer, x) if pred is not None else []
+        on_device = [ids for _, ids in proposals if isinstance(ids, torch.Tensor)]
+        host_routing = pred is not None and pred.host_routing
+        if host_routing:  # the predictor searches on the host: the routing rides in the same read
+            needed, fetched, floats = self.readback.read(topk_ids, [*on_device, topk_ids], [probs])
+            top_host = torch.tensor(fetched.pop(), dtype=torch.int64).view(topk_ids.shape)
+        else:
+            needed, fetched, _ = self.readback.read(topk_ids, on_device)
+        guesses = _host_proposals(proposals, fetched)
+        if host_routing:
+            pred.observe_host(layer, floats[0], top_host)
 
         try:
             out = self._schedule_and_compute(layer, x, topk_ids, topk_weights, needed, guesses, st)
@@ -179,7 +201,7 @@ class OffloadedExperts(ExpertBackend):
             raise
         if isinstance(self.transport, CudaTransport):
             st.stall_s += self.transport.collect_stall_s()
-        return kernels.combine(out, k, self.kernels_backend)
+        return kernels.combine(out, k, self._combine_backend)
 
     def _schedule_and_compute(
         self,
@@ -215,6 +237,7 @@ class OffloadedExperts(ExpertBackend):
             plan.move_to_cpu(self.cpu.start_layer(layer, x, topk_ids, topk_weights, list(plan.deferred),
                                                   plan.waiting, self.engine.high_backlog(), st))
         ready, deferred = plan.ready, plan.deferred
+        self.host.stage_all(layer, deferred)  # disk tier: read every miss at once, not one per copy
         waiting = arrival_order(plan.waiting)
         self._load_deferred(layer, deferred, waiting, st)
 
@@ -262,15 +285,15 @@ class OffloadedExperts(ExpertBackend):
 
     # ------------------------------------------------------------------ helpers
     def _late_prefetch(self, layer: int, deferred: deque[int], st: PhaseStats) -> bool:
-        """DuoServe's second synchronisation point: the first expert group is computed and the prediction
-        (made beside it) is ready: queue its prefetches. Returns False (done for this layer)."""
-        proposals = self.predictor.collect_proposals(layer)
-        if proposals:
-            host = torch.cat([ids.reshape(-1).to(torch.int64) for _, ids in proposals]).tolist()
-            if not deferred:
-                for target, ids in _split_proposals(proposals, host):
-                    self._prefetch(target, ids, layer, st)
-            self._pump(st)
+        """DuoServe's second synchronisation point: after an expert group, poll the prediction made beside it
+        (never wait); once it landed, queue its prefetches. Returns whether to poll again."""
+        proposals = self.predictor.collect_proposals(layer)  # host lists whose copy completed
+        if not proposals:
+            return True
+        if not deferred:
+            for target, ids in proposals:
+                self._prefetch(target, [e for e in ids if e >= 0], layer, st)
+        self._pump(st)
         return False
 
     def prefetch(self, target: int, experts: list[int], layer_now: int = 0) -> None:
@@ -317,6 +340,8 @@ class OffloadedExperts(ExpertBackend):
             key = (target, e)
             if self.cache.lookup(key) is not None:
                 continue
+            if not self.host.stage(target, e):
+                continue  # disk tier: a guess not in host memory is read from disk now, copied when needed
             slot = self.cache.allocate(key, layer)
             if slot is None:
                 return  # best effort: never cancel other loads for a guess
@@ -357,15 +382,11 @@ class OffloadedExperts(ExpertBackend):
             self.compute_executor(layer, topk_ids, experts)
             self._release_after_compute(slots)
             return
-        E = self.num_experts
-        packed = [0] * (2 * E)  # slot table, then the mask: one small host->device copy per call
-        for e, slot in zip(experts, slots, strict=True):
-            packed[e], packed[E + e] = slot.index, 1
-        packed_t = torch.tensor(packed, dtype=torch.int32)
-        if self.device.type == "cuda":
-            # from pinned memory: a pageable source would make the copy wait for the compute stream
-            packed_t = packed_t.pin_memory().to(self.device, non_blocking=True)
-        slot_of_expert, expert_mask = packed_t[:E], packed_t[E:].bool()
+        if self.int4_slots is not None:
+            self.int4_slots.compute(layer, x, topk_ids, topk_weights, out, experts, [slot.index for slot in slots])
+            self._release_after_compute(slots)
+            return
+        slot_of_expert, expert_mask = self.slot_tables.fill(experts, [slot.index for slot in slots])
         # value checks cost a device sync per call: keep them on the CPU (tests), skip on the GPU hot path
         kernels.expert_forward(
             x, topk_ids, topk_weights, self.pool, slot_of_expert, out, expert_mask, self.kernels_backend,
@@ -404,12 +425,14 @@ class OffloadedExperts(ExpertBackend):
         )
 
 
-def _split_proposals(proposals: list[tuple[int, torch.Tensor]], flat: list[int]) -> list[tuple[int, list[int]]]:
-    """[(target, device ids)] and their ids fetched to the host in one list -> [(target, host ids)]."""
-    out, at = [], 0
+def _host_proposals(proposals: list[tuple[int, torch.Tensor | list[int]]],
+                    fetched: list[list[int]]) -> list[tuple[int, list[int]]]:
+    """[(target, device ids or host list)] and the device ones read back, in order -> [(target, host ids)]
+    without the padding (< 0)."""
+    out, it = [], iter(fetched)
     for target, ids in proposals:
-        out.append((target, flat[at : at + ids.numel()]))
-        at += ids.numel()
+        host = next(it) if isinstance(ids, torch.Tensor) else ids
+        out.append((target, [e for e in host if e >= 0]))
     return out
 
 

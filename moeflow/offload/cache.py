@@ -14,10 +14,13 @@ the next load, which orders itself after them on the transport.
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
+
+import numpy as np
 
 from moeflow.offload.copy_engine import LoadTask
 from moeflow.offload.eviction import EvictionPolicy, Key
@@ -62,8 +65,13 @@ class ExpertCache:
         retain: bool = True,
         stats: Callable[[], PhaseStats] | None = None,
         layer_quota: int = 0,
+        key_space: tuple[int, int] | None = None,
     ) -> None:
+        """key_space: (layers, experts), for policies that rank every key at once (a flag array [L, E])."""
         self.slots = [Slot(i) for i in range(n_slots)]
+        self._free = list(range(n_slots))  # heap of empty slot indices (lazy: entries re-checked when popped)
+        self._evictable: dict[Key, None] = {}  # resident, READY, not in use: the policy picks among these
+        self._flags = np.zeros(key_space, dtype=bool) if key_space is not None else None
         # > 0: per-layer partitioning (mixtral-offloading, ProMoE): a layer at its quota evicts its own
         # experts, one below it takes from a layer above it; slots beyond L * quota are shared
         self.layer_quota = layer_quota
@@ -94,42 +102,74 @@ class ExpertCache:
         """
         if key in self.where:
             raise KeyError(f"expert {key} already has slot {self.where[key].index}")
-        empty = next((s for s in self.slots if s.key is None and not s.in_use), None)
+        empty = self._pop_free()
         if empty is None:
-            candidates = [s.key for s in self.slots if s.state is SlotState.READY and not s.in_use]
-            if not candidates:
+            victim = self._victim(key[0], layer_now)
+            if victim is None:
                 return None
-            if self.layer_quota:
-                candidates = self._within_quota(key[0], candidates)
-            victim = self.where[self.policy.victim(candidates, layer_now)]
-            self._evict(victim)
-            empty = victim
+            empty = self.where[victim]
+            self._evict(empty)
         empty.key, empty.state = key, SlotState.LOADING
         self.where[key] = empty
         self._loading[empty.index] = empty
         self._per_layer[key[0]] += 1
         return empty
 
-    def _within_quota(self, layer: int, candidates: list[Key]) -> list[Key]:
-        """Per-layer partitioning: narrow the victims to the layer's own, or to layers above quota."""
-        if self._per_layer[layer] >= self.layer_quota:
-            own = [k for k in candidates if k[0] == layer]
-            if own:
-                return own
-        over = [k for k in candidates if self._per_layer[k[0]] > self.layer_quota]
-        return over or candidates  # never refuse: correctness first, the quota is a preference
+    def _pop_free(self) -> Slot | None:
+        """The lowest-index empty slot (O(log n))."""
+        while self._free:
+            slot = self.slots[heapq.heappop(self._free)]
+            if slot.key is None and not slot.in_use:
+                return slot
+        return None
+
+    def _victim(self, layer: int, layer_now: int) -> Key | None:
+        """The policy's choice among the evictable keys; per-layer partitioning narrows it to the layer's own
+        (at its quota) or to layers above quota first (never refuses: the quota is a preference)."""
+        if not self._evictable:
+            return None
+        pick, evictable = self.policy.pick, self._evictable
+        if self.layer_quota:
+            quota, per_layer = self.layer_quota, self._per_layer
+            if per_layer[layer] >= quota:
+                own = pick(evictable, layer_now, lambda k: k[0] == layer)
+                if own is not None:
+                    return own
+            over = pick(evictable, layer_now, lambda k: per_layer[k[0]] > quota)
+            if over is not None:
+                return over
+        return pick(evictable, layer_now, None, self._flags)
+
+    def _refresh(self, slot: Slot) -> None:
+        """Keep the evictable set (and flags) in step with ``slot``'s state."""
+        key = slot.key
+        if key is None:
+            return
+        if slot.state is SlotState.READY and slot.pins == 0:
+            self._evictable[key] = None
+            if self._flags is not None:
+                self._flags[key] = True
+        elif key in self._evictable:
+            del self._evictable[key]
+            if self._flags is not None:
+                self._flags[key] = False
 
     def _evict(self, slot: Slot) -> None:
         assert not slot.in_use, f"evicting in-use slot {slot.index}"
         if slot.prefetched and self._stats is not None:
             self._stats().wasted_prefetches += 1
         if slot.key is not None:
+            if slot.key in self._evictable:
+                del self._evictable[slot.key]
+                if self._flags is not None:
+                    self._flags[slot.key] = False
             self.policy.evicted(slot.key)
             del self.where[slot.key]
             self._per_layer[slot.key[0]] -= 1
             self.evictions += 1
         slot.key, slot.state, slot.task, slot.prefetched = None, SlotState.EMPTY, None, False
         self._loading.pop(slot.index, None)
+        heapq.heappush(self._free, slot.index)
 
     def start_load(self, slot: Slot, task: LoadTask, *, prefetched: bool) -> None:
         """``slot`` (from :meth:`allocate`) is being filled by ``task``."""
@@ -150,6 +190,7 @@ class ExpertCache:
     def mark_ready(self, slot: Slot) -> None:
         slot.state, slot.task = SlotState.READY, None
         self._loading.pop(slot.index, None)
+        self._refresh(slot)
 
     def poll(self) -> None:
         """Loads that completed behind our back (prefetches) become READY."""
@@ -165,6 +206,7 @@ class ExpertCache:
     def use(self, slot: Slot) -> None:
         """The current layer reads ``slot``: pin it, and credit the prefetch that brought it."""
         slot.pins += 1
+        self._refresh(slot)
         if slot.prefetched:
             slot.prefetched = False
             if self._stats is not None:
@@ -177,6 +219,8 @@ class ExpertCache:
         slot.fences = [fence]  # earlier fences precede this compute, which waited on the slot's load
         if not self.retain and not slot.in_use and slot.state is SlotState.READY:
             self._evict(slot)
+        else:
+            self._refresh(slot)
 
     def check(self) -> None:
         """Internal consistency (tests): the map and the slots agree."""
@@ -187,3 +231,8 @@ class ExpertCache:
             assert (slot.task is not None) == (slot.state is SlotState.LOADING), slot
             assert (slot.index in self._loading) == (slot.state is SlotState.LOADING), slot
         assert +self._per_layer == Counter(k[0] for k in self.where), self._per_layer
+        evictable = {k for k, s in self.where.items() if s.state is SlotState.READY and not s.in_use}
+        assert set(self._evictable) == evictable, (set(self._evictable), evictable)
+        if self._flags is not None:
+            flagged = {(int(a), int(b)) for a, b in zip(*np.nonzero(self._flags), strict=True)}
+            assert flagged == evictable, "evictable flags out of step"

@@ -5,8 +5,10 @@ ProMoE §5, with one worker:
 * **two priorities**: high = needed by the layer being computed (known at its gate), low = predicted.
   The worker always takes the next chunk of the oldest high task before any low chunk.
 * **chunked**: an expert load is split into ``chunks`` byte ranges of its region (ProMoE: one per
-  matrix). Only ``max_inflight`` chunks sit in the transport at once, so a high task that arrives
-  waits for at most that many chunks, not for whole experts already queued on the stream.
+  matrix); a predicted (low) load also into pieces of at most ``PREFETCH_CHUNK_BYTES``. Only
+  ``max_inflight`` chunks sit in the transport at once while low work is issued, so a high task that
+  arrives waits for at most that many small chunks, not for whole experts already queued on the stream;
+  high chunks are never held back by that cap (a needed load is issued as soon as it is queued).
 * **early preemption**: :meth:`CopyEngine.preempt` is called with a layer's gate result; that layer's
   low tasks for experts it does not need are dropped (their unissued chunks never move), the ones it
   does need are promoted to the high queue.
@@ -28,6 +30,8 @@ from moeflow.kernels.pool import ALIGN, ExpertPool
 from moeflow.offload.host_store import HostStore
 from moeflow.offload.stats import PhaseStats
 from moeflow.offload.transport import Handle, Transport
+
+PREFETCH_CHUNK_BYTES = 8 * 2**20  # a needed load waits behind at most ~one such piece of a prefetch
 
 
 def chunk_ranges(nbytes: int, chunks: int, align: int = ALIGN) -> list[tuple[int, int]]:
@@ -90,6 +94,7 @@ class CopyEngine:
         self.host = host
         self.pool = pool
         self.chunks = chunk_ranges(pool.fmt.nbytes, chunks)
+        self.low_chunks = chunk_ranges(pool.fmt.nbytes, max(chunks, -(-pool.fmt.nbytes // PREFETCH_CHUNK_BYTES)))
         self.max_inflight = max_inflight
         self.threaded = transport.asynchronous if threaded is None else threaded
         self._high: deque[LoadTask] = deque()
@@ -118,7 +123,8 @@ class CopyEngine:
         priority: float = 0.0,
     ) -> LoadTask:
         """Queue the load of expert (layer, expert) into ``slot``."""
-        task = LoadTask(layer, expert, slot, high, list(self.chunks), tuple(after), stats, priority)
+        task = LoadTask(layer, expert, slot, high, list(self.chunks if high else self.low_chunks), tuple(after),
+                        stats, priority)
         with self._cond:
             self._raise_if_failed()
             self._enqueue(task)
@@ -276,7 +282,9 @@ class CopyEngine:
                         self._cond.wait()
                     if self._closed:
                         return
-                self._throttle()  # outside the lock: submit / preempt must not wait for a copy
+                    high = bool(self._high)
+                if not high:  # only prefetches are held back; outside the lock: submit must not wait
+                    self._throttle()
                 with self._cond:
                     # choose after the wait: a high task that arrived meanwhile goes first
                     if self._issue_next() is not None:

@@ -4,12 +4,21 @@ One interface: the cache reports gate accesses (:meth:`EvictionPolicy.access`), 
 and asks :meth:`EvictionPolicy.victim` to pick among the slots it may evict (resident, not in use).
 Predictors plug in through :class:`PriorityEviction` (a score per expert, lowest evicted first, e.g.
 FineMoE's ``1 / (p * freq)``) without touching the cache.
+
+The cache calls :meth:`EvictionPolicy.pick` with its set of evictable keys (kept as slots change state) instead
+of listing the candidates: LRU walks a recency-ordered dict from the oldest resident key, LFU frequency buckets
+(each recency-ordered) from the lowest frequency, both stopping at the first evictable key (O(1) amortised: the
+keys skipped are the few in use or loading). A policy that only implements ``victim`` gets the candidate list.
+:class:`PriorityEviction` with a ``score_table`` ranks every key in one vectorised pass.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from bisect import insort
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Collection, Iterable, Sequence
+
+import numpy as np
 
 Key = tuple[int, int]  # (layer, expert)
 
@@ -23,6 +32,7 @@ class EvictionPolicy:
         self._tick = 0
         self.last_use: dict[Key, int] = {}
         self.freq: Counter[Key] = Counter()  # gate accesses over the whole run (kept across evictions)
+        self.recency: OrderedDict[Key, None] = OrderedDict()  # resident keys, least recently used first
 
     def _now(self) -> int:
         self._tick += 1
@@ -32,13 +42,25 @@ class EvictionPolicy:
         """``key`` was needed at its layer's gate (hit or miss)."""
         self.last_use[key] = self._now()
         self.freq[key] += 1
+        if key in self.recency:
+            self.recency.move_to_end(key)
 
     def loaded(self, key: Key) -> None:
         """``key`` got a slot (a fresh load counts as recent, else a prefetch would be evicted first)."""
         self.last_use[key] = self._now()
+        self.recency[key] = None
+        self.recency.move_to_end(key)
 
     def evicted(self, key: Key) -> None:
         """``key`` lost its slot."""
+        self.recency.pop(key, None)
+
+    def pick(self, evictable: Collection[Key], layer_now: int, allowed: Callable[[Key], bool] | None = None,
+             flags: np.ndarray | None = None) -> Key | None:
+        """The victim among ``evictable`` (resident, ready, not in use) keys passing ``allowed``; None if none.
+        ``flags``: the same set as a bool array [L, E] (for vectorised policies)."""
+        candidates = [k for k in evictable if allowed is None or allowed(k)]
+        return self.victim(candidates, layer_now) if candidates else None
 
     def on_phase(self, phase: str) -> None:
         """The model switched phase ("prefill" / "decode")."""
@@ -57,14 +79,66 @@ class LRU(EvictionPolicy):
 
     name = "lru"
 
+    def pick(self, evictable, layer_now, allowed=None, flags=None):  # noqa: D102 (the base's)
+        for key in self.recency:  # oldest first; skips the few keys in use or loading
+            if key in evictable and (allowed is None or allowed(key)):
+                return key
+        return None
+
 
 class LFU(EvictionPolicy):
     """Least frequently used over the whole run; ties broken by recency."""
 
     name = "lfu"
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._buckets: dict[int, OrderedDict[Key, None]] = {}  # frequency -> resident keys, oldest first
+        self._levels: list[int] = []  # the frequencies that have a bucket, ascending
+
+    def _place(self, key: Key, old: int | None) -> None:
+        if old is not None:
+            bucket = self._buckets[old]
+            bucket.pop(key, None)
+            if not bucket:
+                del self._buckets[old]
+                self._levels.remove(old)
+        f = self.freq.get(key, 0)
+        if f not in self._buckets:
+            self._buckets[f] = OrderedDict()
+            insort(self._levels, f)
+        self._buckets[f][key] = None
+
+    def access(self, key: Key) -> None:
+        resident = key in self.recency
+        super().access(key)
+        if resident:
+            self._place(key, self.freq[key] - 1)
+
+    def loaded(self, key: Key) -> None:
+        resident = key in self.recency
+        super().loaded(key)
+        self._place(key, self.freq.get(key, 0) if resident else None)
+
+    def evicted(self, key: Key) -> None:
+        if key in self.recency:
+            f = self.freq.get(key, 0)
+            bucket = self._buckets[f]
+            bucket.pop(key, None)
+            if not bucket:
+                del self._buckets[f]
+                self._levels.remove(f)
+        super().evicted(key)
+
     def order(self, key: Key) -> tuple:
         return (self.freq.get(key, 0), self.last_use.get(key, 0))
+
+    def pick(self, evictable, layer_now, allowed=None, flags=None):  # noqa: D102 (the base's)
+        for f in self._levels:  # lowest frequency first, oldest first within it
+            for key in self._buckets[f]:
+                if key in evictable and (allowed is None or allowed(key)):
+                    return key
+        return None
 
 
 class Static(LFU):
@@ -95,15 +169,43 @@ class Static(LFU):
             return super().order(key)
         return (key in self.fixed, self.last_use.get(key, 0))
 
+    def pick(self, evictable, layer_now, allowed=None, flags=None):  # noqa: D102 (the base's)
+        if self.fixed is None:
+            return super().pick(evictable, layer_now, allowed, flags)
+        fixed = self.fixed
+        for want_fixed in (False, True):  # the streaming ring in LRU order, the placement last
+            for key in self.recency:
+                if (key in fixed) == want_fixed and key in evictable and (allowed is None or allowed(key)):
+                    return key
+        return None
+
 
 class PriorityEviction(EvictionPolicy):
-    """Evict the lowest ``score(key, layer_now)``; ties by the base policy's order (predictor hook)."""
+    """Evict the lowest ``score(key, layer_now)``; ties by the base policy's order (predictor hook).
 
-    def __init__(self, base: EvictionPolicy, score: Callable[[Key, int], float]) -> None:
+    ``score_table(layer_now)``, when given, returns every key's score at once (float array [L * E], the same
+    values ``score`` gives): the victim is then chosen in one vectorised pass over the cache's flags.
+    """
+
+    def __init__(self, base: EvictionPolicy, score: Callable[[Key, int], float],
+                 score_table: Callable[[int], np.ndarray] | None = None) -> None:
         super().__init__()
         self.base = base
         self.score = score
+        self.score_table = score_table
         self.name = f"priority+{base.name}"
+
+    def pick(self, evictable, layer_now, allowed=None, flags=None):  # noqa: D102 (the base's)
+        if self.score_table is None or flags is None or allowed is not None:
+            return super().pick(evictable, layer_now, allowed, flags)
+        masked = np.where(flags, self.score_table(layer_now), np.inf)
+        low = masked.min()
+        if low == np.inf:
+            return None
+        tied = np.flatnonzero(masked == low)
+        E = flags.shape[1]
+        keys = [(int(i) // E, int(i) % E) for i in tied]
+        return keys[0] if len(keys) == 1 else min(keys, key=self.base.order)
 
     def access(self, key: Key) -> None:
         self.base.access(key)

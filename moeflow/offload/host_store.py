@@ -32,22 +32,37 @@ class HostStore:
         self.pinned = False
         self._registered_ptr: int | None = None
         self.loaded = torch.zeros(num_layers * num_experts, dtype=torch.bool)
-        # alignment gaps between tensors, zeroed on write so a region's bytes are fully determined
-        self._gaps, end = [], 0
-        for spec in fmt.specs:
-            if spec.offset > end:
-                self._gaps.append((end, spec.offset))
-            end = spec.offset + spec.nbytes
-        if fmt.nbytes > end:
-            self._gaps.append((end, fmt.nbytes))
+        self._gaps = self._alignment_gaps(fmt)
         if pin and torch.device(device).type == "cuda":
             self._pin()
         # hybrid execution: each AWQ expert also in torch's CPU int4 format, built on first use, then kept
         self._cpu_forms: dict[int, object] = {}
 
+    @staticmethod
+    def _alignment_gaps(fmt: ExpertFormat) -> list[tuple[int, int]]:
+        """Alignment gaps between tensors, zeroed on write so a region's bytes are fully determined."""
+        gaps, end = [], 0
+        for spec in fmt.specs:
+            if spec.offset > end:
+                gaps.append((end, spec.offset))
+            end = spec.offset + spec.nbytes
+        if fmt.nbytes > end:
+            gaps.append((end, fmt.nbytes))
+        return gaps
+
     @property
     def nbytes(self) -> int:
         return self.buffer.numel()
+
+    # the disk tier's hooks (moeflow/offload/disk_store.py); every expert is in host memory here
+    on_disk = False
+
+    def stage(self, layer: int, expert: int) -> bool:
+        """Is the expert in host memory now (a prefetch may copy it)? Always, for this store."""
+        return True
+
+    def stage_all(self, layer: int, experts) -> None:
+        """Start reading a layer's misses into host memory: nothing to read here."""
 
     def _pin(self) -> None:
         ptr, size = self.buffer.data_ptr(), self.buffer.numel()

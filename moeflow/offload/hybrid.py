@@ -114,7 +114,7 @@ class HybridCompute:
         """
         host = self.host
         t0 = time.perf_counter()
-        for layer in range(host.num_layers):
+        for layer in range(host.num_layers * (not host.on_disk)):  # the disk tier converts on use
             for expert in range(host.num_experts):
                 host.cpu_expert(layer, expert)
         self.build_s = time.perf_counter() - t0

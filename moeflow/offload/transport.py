@@ -215,6 +215,8 @@ class CudaTransport:
     def __init__(self, device: torch.device, time_stalls: bool = True) -> None:
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(device=self.device)
+        # the stream the model computes on, bound now: fences recorded on another stream would order nothing
+        self.compute_stream = torch.cuda.current_stream(self.device)
         self.time_stalls = time_stalls
         self._stall_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._last: torch.cuda.Event | None = None
@@ -225,18 +227,25 @@ class CudaTransport:
                 if isinstance(h, CudaHandle):
                     self.stream.wait_event(h.event)
             dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(blocking=True)  # a host wait sleeps instead of spinning a core
             event.record(self.stream)
         self._last = event
         return CudaHandle(event)
 
+    def _check_stream(self) -> torch.cuda.Stream:
+        stream = torch.cuda.current_stream(self.device)
+        if stream != self.compute_stream:
+            raise RuntimeError(f"moeflow CudaTransport: the model computes on {stream}, but the transport was built "
+                               f"for {self.compute_stream}; build the model under the stream it runs on")
+        return stream
+
     def compute_fence(self) -> Handle:
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
+        event = torch.cuda.Event(blocking=True)
+        event.record(self._check_stream())
         return CudaHandle(event)
 
     def wait_compute(self, handles: Sequence[Handle]) -> float:
-        stream = torch.cuda.current_stream(self.device)
+        stream = self._check_stream()
         pending = [h for h in handles if isinstance(h, CudaHandle) and not h.query()]
         if not pending:
             return 0.0

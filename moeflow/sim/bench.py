@@ -139,6 +139,9 @@ def measure_profile(device: str | torch.device | None = None, shape: str | dict 
     xh = torch.randn(1, H, device=device, dtype=dt)
     head = timed(lambda: xh @ head_w.T, repeats)
     sched = measure_sched_ms()
+    from moeflow.sim.disk import measure_disk
+
+    disk_gbps, disk_lat_us, _ = measure_disk(fmt.nbytes)
 
     what = (torch.cuda.get_device_name(device) if cuda else f"CPU ({platform.processor() or platform.machine()}, "
             f"{torch.get_num_threads()} threads)")
@@ -147,11 +150,13 @@ def measure_profile(device: str | torch.device | None = None, shape: str | dict 
         desc += ("; NO GPU: 'h2d' is a host memcpy into the CPU slot pool and compute is the CPU kernels "
                  "(this describes the CPU path, not any GPU)")
     desc += "; attention is a proxy (projections + SDPA over 256 tokens), not the model's layer"
+    desc += "; disk: cold preads of a scratch file in the temp directory (page cache dropped with posix_fadvise)"
     return HardwareProfile(
         name=name or f"measured-{device.type}-{shape_name}", h2d_gbps=round(gbps, 3), expert_bytes=fmt.nbytes,
         h2d_latency_us=round(lat_s * 1e6, 3), attn_ms=round(a1 * 1e3, 5),
         attn_ms_per_token=round(max(0.0, (a64 - a1) / 63) * 1e3, 6), expert_ms=round(e1 * 1e3, 5),
         expert_ms_per_token=round(per_tok_e * 1e3, 6), head_ms=round(head * 1e3, 5), sched_ms=round(sched, 5),
         num_layers=m["num_layers"], num_experts=m["num_experts"], top_k=m["top_k"], description=desc, measured=True,
+        disk_gbps=round(disk_gbps, 3), disk_latency_us=round(disk_lat_us, 2),
         gpu_memory_gb=round(torch.cuda.get_device_properties(device).total_memory / 2**30, 2) if cuda else None,
     )

@@ -17,7 +17,7 @@ from moeflow.sim.simulator import SimResult, SimulationError, check_policy, know
 OVERRIDES = {
     "h2d_gbps": "h2d_gbps", "latency_us": "h2d_latency_us", "layer_ms": "attn_ms",
     "layer_ms_per_token": "attn_ms_per_token", "expert_ms": "expert_ms", "expert_ms_per_token": "expert_ms_per_token",
-    "head_ms": "head_ms", "sched_ms": "sched_ms",
+    "head_ms": "head_ms", "sched_ms": "sched_ms", "disk_gbps": "disk_gbps", "disk_latency_us": "disk_latency_us",
 }
 
 
@@ -52,11 +52,25 @@ def _slots(text: str) -> list[int]:
     return out
 
 
+def _host_gb(text: str | None) -> list[float | None]:
+    if not text:
+        return [None]
+    try:
+        out = [float(s) for s in str(text).split(",") if s.strip()]
+    except ValueError:
+        raise SimulationError(f"--host-memory-gb {text!r}: expected GB or a comma-separated list") from None
+    if not out or any(g <= 0 for g in out):
+        raise SimulationError(f"--host-memory-gb {text!r}: budgets must be > 0")
+    return out
+
+
 def format_table(results: list[SimResult]) -> str:
-    """The per-policy table (see docs/simulator.md: how to read it)."""
+    """The per-policy table (see docs/simulator.md: how to read it; docs/disk.md for the host column)."""
+    disk = any(r.host_experts is not None and r.host_experts < r.total_experts for r in results)
     head = ("| policy | slots | TTFT ms | TPOT ms | tok/s | x bound | hit rate (prefill / decode) | GiB moved | "
             "decode stall ms/token | prefetches (useful / wasted) |")
-    lines = [head, "|" + "---|" * 10]
+    head += " host experts | disk GiB read |" if disk else ""
+    lines = [head, "|" + "---|" * (12 if disk else 10)]
     for r in results:
         ttft = f"{r.ttft_s * 1e3:.1f}" if r.ttft_s is not None else "n/a"
         tpot = f"{r.tpot_s * 1e3:.2f}" if r.tpot_s is not None else "n/a"
@@ -66,7 +80,8 @@ def format_table(results: list[SimResult]) -> str:
         lines.append(
             f"| {r.policy} | {r.slots}/{r.total_experts} | {ttft} | {tpot} | {tps} | {bound} | "
             f"{r.hit_rate:.1%} ({r.prefill_hit_rate:.1%} / {r.decode_hit_rate:.1%}) | {r.bytes_h2d / 2**30:.2f} | "
-            f"{stall} | {r.prefetches} ({r.useful_prefetches} / {r.wasted_prefetches}) |")
+            f"{stall} | {r.prefetches} ({r.useful_prefetches} / {r.wasted_prefetches}) |"
+            + (f" {r.host_experts}/{r.total_experts} | {r.disk_bytes / 2**30:.2f} |" if disk else ""))
     return "\n".join(lines)
 
 
@@ -87,12 +102,19 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             check_policy(p)
     results: list[SimResult] = []
     skipped: list[str] = []
+    host_list = _host_gb(args.host_memory_gb)
+    if host_list != [None] and profile.disk_gbps is None:
+        raise ProfileError(f"--host-memory-gb: profile {profile.name!r} has no disk; give --disk-gbps (or a profile "
+                           "measured by `moeflow bench profile`)")
     for policy in policies:
-        for slots in ([max(slot_list)] if policy == "resident" else slot_list):
+        for slots, host_gb in [(s, h) for s in ([max(slot_list)] if policy == "resident" else slot_list)
+                               for h in host_list]:
+            host_experts = None if host_gb is None else int(host_gb * 2**30 // profile.expert_bytes)
             try:
                 r = simulate(trace, policy, slots, profile, copy_chunks=args.copy_chunks,
                              max_inflight_chunks=args.max_inflight, prefetch_distance=args.prefetch_distance,
-                             gates=gates, max_sequences=args.max_sequences, timeline=bool(args.plot))
+                             gates=gates, max_sequences=args.max_sequences, timeline=bool(args.plot),
+                             host_experts=host_experts)
             except (SimulationError, SchedulingError) as e:  # e.g. a predictor policy without its trained file
                 if args.policy != "all":
                     raise
@@ -149,6 +171,10 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--expert-ms-per-token", type=float, default=None)
     p.add_argument("--head-ms", type=float, default=None, help="embedding + LM head per pass (ms)")
     p.add_argument("--sched-ms", type=float, default=None, help="host scheduling per offloaded layer (ms)")
+    p.add_argument("--host-memory-gb", default=None, help="host expert cache in GiB (or a comma-separated list); "
+                   "experts beyond it are read from the profile's disk (docs/disk.md)")
+    p.add_argument("--disk-gbps", type=float, default=None, help="disk read GB/s (cold, expert-sized reads)")
+    p.add_argument("--disk-latency-us", type=float, default=None, help="latency of one disk read (us)")
     p.add_argument("--copy-chunks", type=int, default=3)
     p.add_argument("--max-inflight", type=int, default=2)
     p.add_argument("--prefetch-distance", type=int, default=1)

@@ -108,6 +108,7 @@ class SimTransport:
         self.intervals: list[Interval] = []
         self.next_copy_kind = "needed"  # set by SimCopyEngine before each issue (needed = high priority)
         self.last: SimHandle | None = None
+        self.disk = None  # a SimDiskTier: copies of experts not in host memory first wait for their disk read
 
     def _log(self, lane: str, kind: str, start: float, end: float, label: str) -> None:
         if self.record and end > start:
@@ -116,11 +117,16 @@ class SimTransport:
     # ----------------------------------------------------------------- Transport protocol
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Sequence = ()) -> SimHandle:
         start = max([self.clock.now, self.copy_free, *(getattr(h, "end", 0.0) for h in after)])
+        region = src.storage_offset() // self.region_bytes
+        layer, expert = divmod(region, self.num_experts)
+        if self.disk is not None:
+            ready, read_start = self.disk.ready_at((layer, expert), self.clock.now)
+            if read_start is not None:
+                self._log("disk", self.next_copy_kind, read_start, ready, f"L{layer} E{expert}")
+            start = max(start, ready)
         end = start + src.numel() * self.scale / self.bandwidth_bps + self.latency_s
         self.copy_free = end
         self.copy_busy_s += end - start
-        region = src.storage_offset() // self.region_bytes
-        layer, expert = divmod(region, self.num_experts)
         self._log("copy", self.next_copy_kind, start, end, f"L{layer} E{expert}")
         self.last = SimHandle(self.clock, end)
         return self.last

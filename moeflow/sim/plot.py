@@ -40,7 +40,7 @@ def _pyplot() -> Any:
 
 
 def _lanes(ax: Any, intervals: Sequence[Interval], title: str) -> None:
-    lanes = {"compute": 1, "copy": 0}
+    lanes = {"compute": 1, "copy": 0, "disk": -1}
     seen = set()
     for iv in intervals:
         key = (iv.lane, iv.kind)
@@ -49,10 +49,12 @@ def _lanes(ax: Any, intervals: Sequence[Interval], title: str) -> None:
                        facecolors=COLORS.get(key, "#999999"), edgecolor="white", linewidth=0.3,
                        label=LABELS.get(key) if key not in seen else None)
         seen.add(key)
-    ax.set_yticks([0, 1], ["copy stream", "compute stream"])
+    disk = any(iv.lane == "disk" for iv in intervals)
+    ax.set_yticks([-1, 0, 1] if disk else [0, 1],
+                  (["disk reads"] if disk else []) + ["copy stream", "compute stream"])
     ax.set_xlabel("ms from the start of the forward pass")
     ax.set_title(title, fontsize=10)
-    ax.set_ylim(-0.6, 1.6)
+    ax.set_ylim(-1.6 if disk else -0.6, 1.6)
     end = max((iv.end for iv in intervals), default=0.0) * 1e3
     ax.set_xlim(0, end * 1.01 if end else 1)
 

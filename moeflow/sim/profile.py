@@ -72,6 +72,8 @@ class HardwareProfile:
       activations take (GiB), to say how many slots fit; optional.
     * ``num_layers`` / ``num_experts`` / ``top_k``: the model the compute times are for (None: any); a
       trace of another shape is refused.
+    * ``disk_gbps`` / ``disk_latency_us``: the disk the experts that do not fit in host memory are read from
+      (cold reads of expert-sized ranges; ``bench profile`` measures them); needed to simulate a host budget.
     """
 
     name: str
@@ -89,6 +91,8 @@ class HardwareProfile:
     num_layers: int | None = None
     num_experts: int | None = None
     top_k: int | None = None
+    disk_gbps: float | None = None
+    disk_latency_us: float = 100.0
     description: str = ""
     measured: bool = False  # True: written by `moeflow bench profile` (then ``description`` says on what)
 
@@ -108,6 +112,10 @@ class HardwareProfile:
             v = getattr(self, name)
             if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0):
                 raise ProfileError(f"{where}: {name}={v!r} must be a finite number >= 0")
+        if self.disk_gbps is not None and not (isinstance(self.disk_gbps, int | float) and self.disk_gbps > 0):
+            raise ProfileError(f"{where}: disk_gbps={self.disk_gbps!r} must be a positive number of GB/s or null")
+        if not (isinstance(self.disk_latency_us, int | float) and self.disk_latency_us >= 0):
+            raise ProfileError(f"{where}: disk_latency_us={self.disk_latency_us!r} must be a number >= 0")
         for name in ("gpu_memory_gb", "non_expert_gb"):
             v = getattr(self, name)
             if v is not None and not (isinstance(v, int | float) and v >= 0):

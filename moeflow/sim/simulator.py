@@ -39,6 +39,7 @@ from moeflow.offload.policies import PolicySpec, registered_policies
 from moeflow.offload.predictors.gate_speculator import GateSpeculator
 from moeflow.offload.predictors.interface import Predictor
 from moeflow.offload.stats import Stats
+from moeflow.sim.disk import sim_disk_for
 from moeflow.sim.engine import Interval, SimClock, SimCopyEngine, SimHostStore, SimTransport
 from moeflow.sim.profile import HardwareProfile
 from moeflow.trace import DECODE, PREFILL, Trace
@@ -193,6 +194,9 @@ class SimResult:
     timeline_prefill: list[Interval] = field(default_factory=list, repr=False)
     timeline_decode: list[Interval] = field(default_factory=list, repr=False)
     notes: list[str] = field(default_factory=list)
+    host_experts: int | None = None  # experts in the host cache (the rest read from disk)
+    disk_bytes: int = 0  # read from disk after load (bytes of the profile)
+    disk_busy_s: float = 0.0
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -262,11 +266,13 @@ def simulate(
     max_sequences: int | None = None,
     timeline: bool = True,
     timeline_decode_step: int | None = None,
+    host_experts: int | None = None,
 ) -> SimResult:
     """Run ``policy`` with ``slots`` device expert slots over ``trace`` on ``profile``'s hardware.
 
     gates: the model's routers, for policies that apply them to hidden states (mixtral-offloading).
     timeline_decode_step: which decode pass of the first sequence to draw (default: the middle one).
+    host_experts: experts the host cache holds (None: all); the rest are read from the profile's disk.
     """
     profile.check_trace(trace.num_layers, trace.num_experts, trace.top_k, f"trace {trace.source}")
     check_policy(policy)
@@ -278,6 +284,7 @@ def simulate(
     transport = SimTransport(clock, bandwidth_bps=profile.bandwidth_bps, latency_s=profile.h2d_latency_us * 1e-6,
                              scale=profile.expert_bytes / SIM_FORMAT.nbytes, region_bytes=SIM_FORMAT.nbytes,
                              num_experts=E)
+    transport.disk = sim_disk_for(profile, host_experts, L, E)
     stats = Stats()
     notes: list[str] = []
     backend: OffloadedExperts | None = None
@@ -324,6 +331,8 @@ def simulate(
         transport.synchronize()
     clock.now = max(clock.now, transport.copy_free, transport.compute_free)
     transport.copy_busy_s = transport.compute_busy_s = transport.stall_s = 0.0
+    if transport.disk is not None:
+        transport.disk.reset_counters()  # the warm start's reads happen at load time
     if slots > n_slots and policy != "resident":
         notes.append(f"{slots} slots capped at the model's {n_slots} experts")
 
@@ -412,7 +421,9 @@ def simulate(
         prefetches=pre.prefetches + dec.prefetches, useful_prefetches=pre.useful_prefetches + dec.useful_prefetches,
         wasted_prefetches=pre.wasted_prefetches + dec.wasted_prefetches, copy_busy_s=transport.copy_busy_s,
         step_times_s=step_times, timeline_prefill=timelines["prefill"], timeline_decode=timelines["decode"],
-        notes=notes,
+        notes=notes, host_experts=host_experts if transport.disk is not None else total,
+        disk_bytes=transport.disk.bytes_read if transport.disk is not None else 0,
+        disk_busy_s=transport.disk.busy_s if transport.disk is not None else 0.0,
     )
 
 

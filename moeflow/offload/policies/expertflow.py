@@ -194,13 +194,14 @@ class PLECPredictor(Predictor):
         self._planned = False
         self.state.layer_now = layer
 
-    def propose(self, layer: int, x: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    def propose(self, layer: int, x: torch.Tensor) -> list[tuple[int, list[int]]]:
+        """The plan's experts for the layers ahead, as host lists: the plan lives on the host, nothing to read back."""
         if self.backend is None:  # without the hook: the plan's next layers, best effort
             targets = [(t, self.state.plan.get(t, [])) for t in range(layer + 1, self.state.num_layers)]
         else:
             self.backend.cache.poll()
             targets = self._budget_targets(layer)
-        return [(t, torch.tensor(es, dtype=torch.int64, device=x.device)) for t, es in targets if es]
+        return [(t, list(es)) for t, es in targets if es]
 
 
 # ---------------------------------------------------------------------- the policy

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from moeflow.errors import SchedulingError
@@ -26,8 +27,11 @@ class FineMoERuntime(LearnedPredictorRuntime):
     trajectory search for layer ``l + d``.
     """
 
+    host_routing = True  # the map search runs on the host: probs and top-k come with the layer's one read-back
+
     def __init__(self, predictor: FineMoEPredictor) -> None:
         super().__init__(predictor)
+        predictor.runtime_mode = True
         self._runtime: Any = None
 
     @property
@@ -53,14 +57,24 @@ class FineMoERuntime(LearnedPredictorRuntime):
             ids = torch.topk(prio, max(n, 1)).indices.tolist()
             self._runtime.prefetch(target, ids, layer_now=0)
 
-    def observe(self, layer: int, x: torch.Tensor, probs: torch.Tensor, topk_ids: torch.Tensor) -> None:
+    def observe_host(self, layer: int, probs: torch.Tensor, topk_ids: torch.Tensor) -> None:
+        """The layer's routing, read back with its one read: extends the trajectory, starts its search."""
         self.predictor.observe(layer, None, probs, topk_ids)
 
     def propose(self, layer: int, x: torch.Tensor) -> Proposals:
-        return self.predictor.propose(layer, x)
+        """Host lists from the previous layer's search (never waits for this layer's)."""
+        return self.predictor.runtime_proposals(layer)
 
     def eviction_score(self, key: tuple[int, int], layer_now: int = 0) -> float:
         return self.predictor.eviction_score(key, layer_now)
+
+    def eviction_table(self, layer_now: int = 0) -> np.ndarray:
+        """Every key's ``eviction_score`` at once, float32 [L, E] (the vectorised victim choice)."""
+        pred = self.predictor
+        table = getattr(self, "_table", None)
+        if table is None or table.shape != tuple(pred.freq.shape):
+            table = self._table = np.empty(tuple(pred.freq.shape), dtype=np.float32)
+        return np.multiply(pred.guidance.numpy(), pred.freq.numpy(), out=table)
 
 
 def _finemoe_predictor(ctx: PolicyContext) -> FineMoERuntime:
@@ -73,7 +87,7 @@ def _finemoe_predictor(ctx: PolicyContext) -> FineMoERuntime:
 def _finemoe_eviction(ctx: PolicyContext) -> EvictionPolicy:
     if ctx.predictor is None:
         raise SchedulingError("the finemoe eviction policy ranks by its predictor's maps, but none was built")
-    return PriorityEviction(LFU(), ctx.predictor.eviction_score)
+    return PriorityEviction(LFU(), ctx.predictor.eviction_score, ctx.predictor.eviction_table)
 
 
 FINEMOE = PolicySpec(

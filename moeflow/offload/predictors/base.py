@@ -273,9 +273,9 @@ class ExpertPredictor(Predictor):
     # ------------------------------------------------------------------ runtime adapter
     def propose(self, layer: int, x: torch.Tensor, max_experts: int | None = None) -> list[tuple[int, torch.Tensor]]:
         """The runtime's :class:`Predictor` call: at layer ``layer`` (MoE input x [T, H]),
-        [(layer + distance, expert ids int64 [n])], most wanted first; several tokens are merged by
-        summed priority. Hidden-only predictors observe ``x`` here; routing-based ones need
-        ``observe(layer, ...)`` called first."""
+        [(layer + distance, expert ids int64 [E])], most wanted first, unselected experts as -1 (``max_experts``:
+        exactly that many ids, no padding); several tokens are merged by summed priority.
+        Hidden-only predictors observe ``x`` here; routing-based ones need ``observe(layer, ...)`` called first."""
         target = layer + self.distance
         if target >= self.shape.num_layers:
             return []
@@ -290,8 +290,13 @@ class ExpertPredictor(Predictor):
         mask = self.predicted_mask(scores, target)
         prio = torch.where(mask, self.prefetch_priority(scores, target, layer), torch.zeros_like(scores))
         mass = prio.sum(0)
-        n = int(mask.any(0).sum()) if max_experts is None else min(max_experts, self.shape.num_experts)
-        return [(target, torch.topk(mass, max(n, 1)).indices.to(x.device))]
+        if max_experts is not None:
+            n = min(max_experts, self.shape.num_experts)
+            return [(target, torch.topk(mass, max(n, 1)).indices.to(x.device))]
+        # every expert some row selected, most wanted first; the others padded with -1: a fixed shape, so
+        # counting the selection (a device->host read) is left to the layer's one read-back
+        ranked, order = torch.sort(torch.where(mask.any(0), mass, torch.full_like(mass, -1.0)), descending=True)
+        return [(target, torch.where(ranked >= 0, order, torch.full_like(order, -1)).to(x.device))]
 
     def observe_and_propose(self, layer: int, x: torch.Tensor, probs: torch.Tensor, topk_ids: torch.Tensor,
                             max_experts: int | None = None) -> list[tuple[int, torch.Tensor]]:

@@ -208,6 +208,9 @@ class FineMoEPredictor(ExpertPredictor):
         self._futures: dict[int, Future] = {}
         self._query_sem: torch.Tensor | None = None
         self._published = False
+        self._traj: torch.Tensor | None = None  # [B, L, E] this iteration's probabilities, filled layer by layer
+        self.runtime_mode = False  # True (the offload runtime): one search per observed layer, used one layer later
+        self._searches: dict[int, Future] = {}  # source layer -> search of the trajectory 0..source
         self._executor: ThreadPoolExecutor | None = None
         if async_search:
             self.start_async()
@@ -242,6 +245,8 @@ class FineMoEPredictor(ExpertPredictor):
         self._found = {}
         self._futures = {}
         self._query_sem = None
+        self._traj = None  # a new tensor per iteration: a search of the last one may still read the old
+        self._searches = {}
 
     def begin_iteration(self, embed: torch.Tensor | None = None) -> None:
         """embed [T, H]: the iteration's token embeddings (its semantic context)."""
@@ -257,16 +262,52 @@ class FineMoEPredictor(ExpertPredictor):
         return t.mean(0, keepdim=True) if self.aggregate else t
 
     def _on_observe(self, layer: int) -> None:
+        E, L = self.shape.num_experts, self.shape.num_layers
         ids = self._topk[layer].reshape(-1).cpu()
-        self.freq[layer] += torch.bincount(ids, minlength=self.shape.num_experts).float()
+        self.freq[layer] += torch.bincount(ids, minlength=E).float()
+        row = self._rows_of(self._probs[layer].cpu())
+        if self._traj is None or self._traj.shape[0] != row.shape[0]:
+            self._traj = torch.zeros(row.shape[0], L, E)
+        self._traj[:, layer] = row  # incremental: earlier layers are never copied again
+        if self.runtime_mode:
+            self._searches[layer] = self._submit(self.store.search_trajectory, self._trajectory(layer))
+            return
         target = layer + self.distance
-        if self.is_async and target < self.shape.num_layers:
-            traj = self._trajectory(layer)
-            self._futures[target] = self._submit(self._search_trajectory, traj, target)
+        if self.is_async and target < L:
+            self._futures[target] = self._submit(self._search_trajectory, self._trajectory(layer), target)
 
     def _trajectory(self, last_layer: int) -> torch.Tensor:
-        """[B, last_layer + 1, E]: this iteration's probabilities of layers 0..last_layer."""
-        return torch.stack([self._rows_of(self._probs[layer].cpu()) for layer in range(last_layer + 1)], dim=1)
+        """[B, last_layer + 1, E]: this iteration's probabilities of layers 0..last_layer (a view)."""
+        if self._traj is None:
+            raise PredictorError(f"no layer of this iteration observed (asked for layers 0..{last_layer})")
+        return self._traj[:, : last_layer + 1]
+
+    def runtime_proposals(self, layer: int) -> list[tuple[int, list[int]]]:
+        """At layer ``layer`` (its gate): [(layer + d, expert ids, most wanted first)] as a host list, from the
+        latest trajectory search already finished (the one started at layer ``layer - 1``, never waited for),
+        or the semantic search before any; delta-threshold selection, ranked by p / (target - layer)."""
+        target = layer + self.distance
+        if target >= self.shape.num_layers:
+            return []
+        found = None
+        for src in range(layer - 1, -1, -1):
+            fut = self._searches.get(src)
+            if fut is not None and fut.done():
+                hit = fut.result()
+                if hit is not None:
+                    idx, score = hit
+                    found = (self.store.layer_maps(idx, target), score)
+                break
+        if found is None:
+            self.prior(target)
+            found = self._found[target]
+        else:
+            self._remember(target, found)
+        p, score = found
+        mask = select_experts(p, similarity_threshold(score), self.shape.top_k)
+        prio = torch.where(mask, p.float() / (target - layer), torch.zeros_like(p, dtype=torch.float32)).sum(0)
+        chosen = mask.any(0).tolist()
+        return [(target, [e for e in torch.argsort(prio, descending=True).tolist() if chosen[e]])]
 
     def _search_trajectory(self, traj: torch.Tensor, target: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         hit = self.store.search_trajectory(traj)
@@ -333,7 +374,7 @@ class FineMoEPredictor(ExpertPredictor):
         L = self.shape.num_layers
         if self.online and not self._published and all(layer in self._probs for layer in range(L)):
             self._published = True
-            maps = self._trajectory(L - 1)  # [B, L, E]
+            maps = self._trajectory(L - 1).clone()  # [B, L, E]
             sems = self._query_sem if self._query_sem is not None and self._query_sem.shape[0] == maps.shape[0] \
                 else None
             self._submit(self.store.add, maps, sems)

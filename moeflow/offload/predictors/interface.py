@@ -2,13 +2,17 @@
 
 Per forward pass the backend calls ``begin_step`` once (before layer 0, with the engine's
 :class:`~moeflow.moe.backend.StepInfo`), then per MoE layer ``observe`` (the layer's routing) and ``propose``
-(expert ids for later layers, fetched to the host together with the routing in one transfer). Every method
-but ``propose`` has a no-op default, so a predictor implements only what it uses:
+(expert ids for later layers, fetched to the host together with the routing in one transfer). Proposed ids are
+device tensors (they ride in the layer's one read-back; entries < 0 are padding, so a predictor never needs a
+data-dependent shape) or host lists (a plan already on the host: nothing to read back). Every method but
+``propose`` has a no-op default, so a predictor implements only what it uses:
 
 * ``bind(runtime)``: the backend, for predictors that prefetch outside ``forward`` (FineMoE before layer 0,
   ExpertFlow's whole-budget plan) through ``runtime.prefetch`` / ``runtime.cache``;
 * ``collect_proposals(layer)``: proposals made beside the layer's expert compute (DuoServe's prediction
   stream), asked for after the layer's first expert group when ``proposes_late`` is True;
+* ``observe_host(layer, probs, topk_ids)``: with ``host_routing`` True, the layer's routing as host tensors,
+  fetched in the layer's one read-back (FineMoE's map search runs on the host);
 * ``predict_paths(step, last_only)``: routing paths bool [B, L, E] for micro-batch grouping (ExpertFlow);
 * ``close()``: release hooks, threads, side streams.
 """
@@ -22,13 +26,15 @@ import torch
 
 from moeflow.moe.backend import StepInfo
 
-Proposals = list[tuple[int, torch.Tensor]]  # [(target layer, expert ids int [n], most wanted first)]
+# [(target layer, expert ids: int tensor [n] on the device (entries < 0: padding) or a host list, most wanted first)]
+Proposals = list[tuple[int, "torch.Tensor | list[int]"]]
 
 
 class Predictor(ABC):
     """What to prefetch (see the module docstring for the call order)."""
 
     proposes_late: ClassVar[bool] = False  # the backend calls collect_proposals after a layer's first group
+    host_routing: ClassVar[bool] = False  # the backend reads probs/topk_ids back with the layer's one read
 
     def bind(self, runtime: Any) -> None:  # noqa: B027 (optional hook)
         """The backend that runs this predictor (``prefetch(target, experts, layer_now)``, ``cache``)."""
@@ -41,12 +47,18 @@ class Predictor(ABC):
     ) -> None:
         """Layer ``layer``'s routing: x [T, H] MoE input, probs fp32 [T, E], topk_ids int [T, k]."""
 
+    def observe_host(  # noqa: B027 (optional hook)
+        self, layer: int, probs: torch.Tensor, topk_ids: torch.Tensor
+    ) -> None:
+        """With ``host_routing``: layer ``layer``'s routing on the host, probs fp32 [T, E], topk_ids int64 [T, k]."""
+
     @abstractmethod
     def propose(self, layer: int, x: torch.Tensor) -> Proposals:
         """At layer ``layer`` with MoE input ``x`` [T, H]: [(target_layer, expert ids int [n]), ...]."""
 
     def collect_proposals(self, layer: int) -> Proposals:
-        """Proposals made beside layer ``layer``'s expert compute (only asked when ``proposes_late``)."""
+        """Proposals made beside layer ``layer``'s expert compute (only asked when ``proposes_late``), as host
+        lists: only those whose copy to the host has completed (polled, never waited for)."""
         return []
 
     def predict_paths(self, step: StepInfo, last_only: bool = False) -> torch.Tensor | None:

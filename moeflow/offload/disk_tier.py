@@ -1,0 +1,142 @@
+"""Wiring the disk tier (GPU slots <- host store <- disk) into the offloading backend.
+
+* :func:`host_rows`: how many experts ``OffloadConfig.host_memory_gb`` holds in host memory once the non-expert
+  weights kept on the host and the readers' staging buffers are counted; a clear error below the minimum.
+* :func:`host_eviction`: the host tier's own eviction policy, of the same kind as the device cache's.
+* :class:`StagedCopyEngine`: the copy engine, with every submitted copy first made to wait for its expert to be
+  in host memory (``acquire``) and then holding the host row until its chunks landed (``hold``).
+* :func:`make_disk_store`: the :class:`~moeflow.offload.disk_store.DiskHostStore`, warm-filled.
+"""
+
+from __future__ import annotations
+
+from moeflow.config import OffloadConfig
+from moeflow.errors import SchedulingError
+from moeflow.kernels.pool import ExpertFormat
+from moeflow.offload.disk_store import DiskHostStore
+from moeflow.offload.eviction import LFU, LRU, EvictionPolicy, PriorityEviction, Static
+from moeflow.offload.units import format_bytes as _size
+
+GiB = 2**30
+
+
+def host_rows(config: OffloadConfig, *, fmt: ExpertFormat, total: int, min_rows: int, host_reserved_bytes: int,
+              staging_bytes: int, host_memory_bytes: float) -> int | None:
+    """Expert rows the host budget holds; None when every expert fits (no disk tier needed).
+
+    host_reserved_bytes: what else lives in host memory (non-expert weights on a CPU device); staging_bytes:
+    the reader threads' buffers. Raises SchedulingError naming every size when fewer than ``min_rows`` fit.
+    """
+    rows = int((host_memory_bytes - host_reserved_bytes - staging_bytes) // fmt.nbytes)
+    if rows >= total:
+        return None
+    if rows < min_rows:
+        raise SchedulingError(
+            f"host_memory_gb={config.host_memory_gb}: {_size(host_memory_bytes)} of host memory leaves room for "
+            f"{max(rows, 0)} experts after {_size(host_reserved_bytes)} of non-expert weights and "
+            f"{_size(staging_bytes)} of disk staging buffers; the minimum is {min_rows} experts of {_size(fmt.nbytes)} "
+            f"(the larger of top-k and prefill_ring_slots), i.e. host_memory_gb >= "
+            f"{(host_reserved_bytes + staging_bytes + min_rows * fmt.nbytes) / GiB:.3g}")
+    return rows
+
+
+def host_eviction(device_policy: EvictionPolicy, rows: int, ring: int) -> EvictionPolicy:
+    """A fresh policy of the device cache's kind for the host rows (predictor scores shared, counts not)."""
+    if isinstance(device_policy, PriorityEviction):
+        return PriorityEviction(host_eviction(device_policy.base, rows, ring), device_policy.score)
+    if isinstance(device_policy, Static):
+        return Static(rows - ring)
+    if isinstance(device_policy, LFU):
+        return LFU()
+    return LRU()
+
+
+class StagedCopyEngine:
+    """A copy engine whose ``submit`` first has the expert read into host memory; everything else delegates."""
+
+    def __init__(self, inner, host: DiskHostStore) -> None:
+        self.inner = inner
+        self.host = host
+        host.bind_engine(inner)
+
+    def submit(self, layer: int, expert: int, slot: int, **kwargs):
+        self.host.acquire(layer, expert)
+        try:
+            task = self.inner.submit(layer, expert, slot, **kwargs)
+        except BaseException:
+            self.host.release(layer, expert)
+            raise
+        self.host.hold(task)
+        return task
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+def staged_engine_factory(make_engine, host: DiskHostStore):
+    """Platform.copy_engine for the disk tier: ``make_engine``'s engine behind :class:`StagedCopyEngine`."""
+
+    def make(transport, host_store, pool, **kwargs):
+        return StagedCopyEngine(make_engine(transport, host_store, pool, **kwargs), host)
+
+    return make
+
+
+def make_disk_store(config: OffloadConfig, source, fmt: ExpertFormat, rows: int, eviction: EvictionPolicy, *,
+                    device, warm: bool = True) -> DiskHostStore:
+    """The disk-backed host store, warm-filled at load with the first ``rows`` experts in the order the device
+    pool fills (expert 0 of every layer, then expert 1, ...)."""
+    store = DiskHostStore(fmt, source, rows, eviction, pin=config.pin_memory, device=device,
+                          readers=config.disk_readers)
+    if warm:
+        order = [(i % source.num_layers, i // source.num_layers)
+                 for i in range(source.num_layers * source.num_experts)]
+        try:
+            store.warm_fill(order[:rows])
+        except BaseException:
+            store.close()
+            raise
+    return store
+
+
+AUTO_MARGIN = 0.10  # "auto" leaves this share of the available memory to the rest of the machine
+AUTO_MIN_MARGIN = 1 * GiB
+
+
+def available_host_bytes() -> int:
+    """MemAvailable of /proc/meminfo (else free physical pages): what the machine can give without swapping."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def host_memory_bytes(config: OffloadConfig) -> float:
+    """``host_memory_gb`` in bytes; "auto": the available memory minus max(10%, 1 GiB)."""
+    if config.host_memory_gb == "auto":
+        free = available_host_bytes()
+        return free - max(free * AUTO_MARGIN, AUTO_MIN_MARGIN)
+    return float(config.host_memory_gb) * GiB
+
+
+def maybe_disk_store(config: OffloadConfig, *, expert_source, fmt: ExpertFormat, total: int, min_rows: int,
+                     device_eviction: EvictionPolicy, host_reserved_bytes: int, device) -> DiskHostStore | None:
+    """The disk-backed host store ``config.host_memory_gb`` asks for, or None when every expert fits."""
+    if config.host_memory_gb is None:
+        return None
+    if expert_source is None:
+        raise ValueError("OffloadConfig.host_memory_gb needs the checkpoint's expert index (ExpertIndex), which "
+                         "from_pretrained builds; this backend was created without one")
+    staging = max(1, config.disk_readers) * expert_source.staging_nbytes
+    rows = host_rows(config, fmt=fmt, total=total, min_rows=min_rows, host_reserved_bytes=host_reserved_bytes,
+                     staging_bytes=staging, host_memory_bytes=host_memory_bytes(config))
+    if rows is None:
+        return None
+    return make_disk_store(config, expert_source, fmt, rows, host_eviction(device_eviction, rows, min_rows),
+                           device=device)

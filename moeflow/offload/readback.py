@@ -1,0 +1,156 @@
+"""The layer's one blocking device->host read: :class:`ReadBack`.
+
+Everything the host needs to schedule a layer (which experts its tokens chose, the predictor's proposals,
+the routing probabilities a host-side predictor searches with) is gathered on the device into persistent
+staging buffers, copied in one asynchronous copy per dtype into persistent pinned host buffers, and waited
+for with one event (created with ``blocking=True``: the host thread sleeps instead of spinning a core).
+Nothing else on the scheduling path reads device memory: no ``bincount`` (it reads min/max back on CUDA),
+``.item()``, ``.tolist()`` or data-dependent shapes of device tensors.
+
+``blocking_reads`` counts the reads (tests install a counter on it; the GPU profile shows one
+``cudaEventSynchronize`` per MoE layer). :class:`AsyncHostCopy` is the non-blocking sibling: a copy whose
+completion is polled (``ready``) and never waited for on the scheduling path (DuoServe's prediction stream).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _pinned(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    pin = device.type == "cuda"
+    return torch.empty(n, dtype=dtype, pin_memory=pin)
+
+
+class ReadBack:
+    """Persistent device staging + pinned host buffers for one backend (grown on demand, never per call)."""
+
+    def __init__(self, device: torch.device | str, num_experts: int, capacity: int = 256) -> None:
+        self.device = torch.device(device)
+        self.num_experts = num_experts
+        self.cuda = self.device.type == "cuda"
+        self.mask = torch.zeros(num_experts, dtype=torch.int64, device=self.device)  # needed-expert mask
+        self._int_dev, self._int_host = self._alloc(capacity, torch.int64)
+        self._flt_dev, self._flt_host = self._alloc(0, torch.float32)
+        self.event = torch.cuda.Event(blocking=True) if self.cuda else None
+        self.blocking_reads = 0
+
+    def _alloc(self, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        host = _pinned(n, dtype, self.device)
+        return (torch.empty(n, dtype=dtype, device=self.device) if self.cuda else host), host
+
+    def read(
+        self, topk_ids: torch.Tensor, ids: list[torch.Tensor], floats: list[torch.Tensor] = ()
+    ) -> tuple[list[int], list[list[int]], list[torch.Tensor]]:
+        """topk_ids int [T, k]; ids: int tensors (proposals); floats: fp32 tensors (e.g. probs [T, E]) ->
+        (needed experts ascending, each ``ids`` tensor as a host list, each ``floats`` tensor as a host copy
+        of its shape). One blocking wait."""
+        E = self.num_experts
+        if not self.cuda:  # host memory already: read it in place (the subclass guard: tests' device stand-in)
+            with torch._C.DisableTorchFunctionSubclass():
+                self.blocking_reads += 1
+                chosen = set(topk_ids.reshape(-1).tolist())
+                return ([e for e in range(E) if e in chosen], [t.reshape(-1).tolist() for t in ids],
+                        [t.float().clone() for t in floats])
+        flat = topk_ids.reshape(-1)
+        self.mask.zero_()
+        self.mask.index_fill_(0, flat.long(), 1)  # not bincount: that reads min/max back on CUDA
+        n = E + sum(t.numel() for t in ids)
+        if n > self._int_host.numel():
+            self._int_dev, self._int_host = self._alloc(2 * n, torch.int64)
+        torch.cat([self.mask, *(t.reshape(-1).to(torch.int64) for t in ids)], out=self._int_dev[:n])
+        m = sum(t.numel() for t in floats)
+        if m > self._flt_host.numel():
+            self._flt_dev, self._flt_host = self._alloc(2 * m, torch.float32)
+        if m:
+            torch.cat([t.reshape(-1).float() for t in floats], out=self._flt_dev[:m])
+        if self.cuda:
+            self._int_host[:n].copy_(self._int_dev[:n], non_blocking=True)
+            if m:
+                self._flt_host[:m].copy_(self._flt_dev[:m], non_blocking=True)
+            self.event.record()
+            self.event.synchronize()
+        self.blocking_reads += 1
+        values = self._int_host[:n].tolist()
+        needed = [e for e in range(E) if values[e]]
+        lists, at = [], E
+        for t in ids:
+            lists.append(values[at : at + t.numel()])
+            at += t.numel()
+        host_floats, at = [], 0
+        for t in floats:
+            host_floats.append(self._flt_host[at : at + t.numel()].view(t.shape).clone())
+            at += t.numel()
+        return needed, lists, host_floats
+
+
+class AsyncHostCopy:
+    """An int64 device vector copied to pinned host memory on the current stream; completion is polled.
+
+    ``post(ids)`` stages and copies (no wait); ``ready()`` queries the event (never blocks); ``values()``
+    reads the host copy once ready. On the CPU the copy is done when ``post`` returns.
+    """
+
+    def __init__(self, device: torch.device | str, capacity: int = 64) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.host = _pinned(capacity, torch.int64, self.device)
+        self.event = torch.cuda.Event(blocking=True) if self.cuda else None
+        self.n = 0
+
+    def post(self, ids: torch.Tensor) -> None:
+        n = ids.numel()
+        if n > self.host.numel():
+            self.host = _pinned(2 * n, torch.int64, self.device)
+        self.host[:n].copy_(ids.reshape(-1).to(torch.int64), non_blocking=self.cuda)
+        if self.cuda:
+            self.event.record()
+        self.n = n
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def values(self) -> list[int]:
+        return self.host[: self.n].tolist()
+
+
+class SlotTables:
+    """The (slot of expert, expert mask) pair of each expert-kernel call.
+
+    On a GPU from persistent buffers: a ring of pinned host buffers, each copied into its own device buffer on
+    the compute stream (so the kernel that reads a device buffer runs before the copy that refills it, ``RING``
+    calls later); a host buffer is refilled only after its copy ran (its event, long completed by then). On the
+    CPU two small fresh tensors per call: the call may still be queued behind others (the tests' emulated
+    stream), so a reused buffer could change under it.
+    """
+
+    RING = 8
+
+    def __init__(self, device: torch.device, num_experts: int) -> None:
+        self.device, self.num_experts = torch.device(device), num_experts
+        self.cuda = self.device.type == "cuda"
+        n = self.RING if self.cuda else 0
+        self.host = [torch.zeros(2 * num_experts, dtype=torch.int32, pin_memory=True) for _ in range(n)]
+        self.dev = [h.to(self.device) for h in self.host]
+        self.mask = [torch.zeros(num_experts, dtype=torch.bool, device=self.device) for _ in range(n)]
+        self.events = [torch.cuda.Event(blocking=True) for _ in range(n)]
+        self._next = 0
+
+    def fill(self, experts: list[int], slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """experts and their slot indices -> (slot_of_expert int32 [E], expert_mask bool [E]) on the device."""
+        E = self.num_experts
+        packed = [0] * (2 * E)  # slot table, then the mask
+        for e, slot in zip(experts, slots, strict=True):
+            packed[e], packed[E + e] = slot, 1
+        if not self.cuda:
+            t = torch.tensor(packed, dtype=torch.int32)
+            return t[:E], t[E:] != 0
+        i = self._next
+        self._next = (i + 1) % self.RING
+        self.events[i].synchronize()  # the copy of RING calls ago (long done): the host buffer is free again
+        host, dev = self.host[i], self.dev[i]
+        host.copy_(torch.tensor(packed, dtype=torch.int32))
+        dev.copy_(host, non_blocking=True)
+        self.events[i].record()
+        torch.ne(dev[E:], 0, out=self.mask[i])
+        return dev[:E], self.mask[i]
