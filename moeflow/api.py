@@ -73,6 +73,7 @@ class MoEModel(nn.Module):
         compile: bool = False,
         revision: str | None = None,
         progress: bool | None = None,
+        attention_bits: int | None = None,
     ):
         """Load an HF-layout checkpoint (fp32/fp16/bf16 or AWQ 4-bit) from a directory or the hub.
 
@@ -81,6 +82,9 @@ class MoEModel(nn.Module):
         kernels: "auto" (Triton on CUDA; on the CPU torch's int4 kernels for AWQ experts, else the torch
             reference), "torch" (the reference), "triton", or "cpu-int4".
         compile: torch.compile the decode step.
+        attention_bits: on the CPU int4 path (device="cpu", AWQ experts), quantize 16-bit attention
+            projections at load to int8 (8) or int4 (4, group 128); None (default) keeps them as stored.
+            That path always runs the lm_head in int8 and AWQ attention through the int4 CPU kernel.
         """
         device = torch.device(device)
         if device.type == "cuda" and not torch.cuda.is_available():
@@ -90,7 +94,8 @@ class MoEModel(nn.Module):
             raise ValueError(f"dtype={dtype}: expected torch.float16, torch.bfloat16 or torch.float32")
         offload = offload or OffloadConfig()
         built = build_model(path_or_id, device=device, dtype=dtype, offload=offload, kernels=kernels,
-                            revision=revision, progress=progress, families=cls._families)
+                            revision=revision, progress=progress, families=cls._families,
+                            attention_bits=attention_bits)
         runner = Runner(built.decoder, built.backend, built.stats, built.family.config, device, dtype,
                         kv_cache_spec=built.family.kv_cache_spec)
         self = cls(built.family, built.decoder, built.backend, runner, offload, built.generation_config,

@@ -82,7 +82,7 @@ def test_bad_arguments_are_named():
 @pytest.fixture(scope="module")
 def embedded_lm_head():
     """(final normed hidden states [T, H] fp32, lm_head weight [V, H] fp32) of the embedded model on a prompt."""
-    model = MoEOffloadedMixtral.from_pretrained(embedded_model_path())
+    model = MoEOffloadedMixtral.from_pretrained(embedded_model_path(), kernels="torch")  # the fp32 lm_head
     seen = []
     hook = model.model.lm_head.register_forward_hook(lambda m, inp, out: seen.append(inp[0].detach()))
     ids = torch.randint(0, model.config.vocab_size, (1, 48), generator=torch.Generator().manual_seed(0))
@@ -103,9 +103,11 @@ def test_embedded_lm_head_error_is_as_stated(embedded_lm_head, bits, group):
 
 
 def test_int8_lm_head_takes_the_linears_place_and_keeps_greedy_tokens():
-    model = MoEOffloadedMixtral.from_pretrained(embedded_model_path())
+    model = MoEOffloadedMixtral.from_pretrained(embedded_model_path())  # CPU int4 path: its lm_head is int8
+    fp32_head = MoEOffloadedMixtral.from_pretrained(embedded_model_path(), kernels="torch").model.lm_head
+    model.model.lm_head = fp32_head
     ids = torch.randint(0, model.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(5))
     want = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=[])
-    model.model.lm_head = quantize_linear_cpu(model.model.lm_head.weight, bits=8)
+    model.model.lm_head = quantize_linear_cpu(fp32_head.weight, bits=8)
     assert "bits=8" in repr(model.model.lm_head)
     assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=[]), want)

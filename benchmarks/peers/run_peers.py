@@ -113,11 +113,14 @@ def transformers_eager(hf: Path, dtype: torch.dtype, prompts: list[int], tg: int
     return res
 
 
-def moeflow_cpu(awq: Path, prompts: list[int], tg: int, reps: int, budget_s: float) -> dict:
-    """moeflow ``device="cpu"`` on the AWQ checkpoint (its default kernels: torch's int4 CPU kernel)."""
+def moeflow_cpu(awq: Path, prompts: list[int], tg: int, reps: int, budget_s: float,
+                attention_bits: int | None = None) -> dict:
+    """moeflow ``device="cpu"`` on the AWQ checkpoint (its default kernels: torch's int4 CPU kernel);
+    ``attention_bits``: also quantize the 16-bit attention projections at load (as llama.cpp's Q4_0 does)."""
     from moeflow import MoEOffloadedMixtral
 
-    model = MoEOffloadedMixtral.from_pretrained(awq, device="cpu")
+    extra = {"attention_bits": attention_bits} if attention_bits is not None else {}
+    model = MoEOffloadedMixtral.from_pretrained(awq, device="cpu", **extra)
     gen = torch.Generator().manual_seed(0)
 
     def prefill(n: int) -> float:
@@ -183,7 +186,7 @@ def main() -> None:
     ap.add_argument("--tg", type=int, default=32, help="decode tokens per repetition")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--budget", type=float, default=120.0, help="seconds per prefill length and engine")
-    ap.add_argument("--engines", default="llama.cpp,transformers-fp32,transformers-bf16,moeflow")
+    ap.add_argument("--engines", default="llama.cpp,transformers-fp32,transformers-bf16,moeflow,moeflow-attn4")
     args = ap.parse_args()
     prompts = [int(p) for p in args.prompts.split(",")]
     engines = args.engines.split(",")
@@ -205,6 +208,9 @@ def main() -> None:
     if "moeflow" in engines:
         runs.append(("moeflow cpu (AWQ)", "AWQ int4 experts, g128", lambda: moeflow_cpu(
             files["awq"], prompts, args.tg, args.reps, args.budget)))
+    if "moeflow-attn4" in engines:
+        runs.append(("moeflow cpu (AWQ, attention_bits=4)", "AWQ int4 experts, int4 attention, int8 lm_head",
+                     lambda: moeflow_cpu(files["awq"], prompts, args.tg, args.reps, args.budget, attention_bits=4)))
     for name, weights, fn in runs:
         t0 = time.perf_counter()
         try:

@@ -18,6 +18,7 @@ from torch import nn
 
 from moeflow.config import OffloadConfig
 from moeflow.engine import loading, memory
+from moeflow.engine.cpu_linears import check_attention_bits, quantize_decoder_linears
 from moeflow.engine.sampling import GenerationConfig
 from moeflow.families import Family, family_for_config
 from moeflow.families.base import CausalDecoder
@@ -50,7 +51,8 @@ def resolve_kernels(kernels: str, device: torch.device, offload: OffloadConfig, 
 
     "cpu-int4" computes resident AWQ experts on the CPU (``CpuInt4Experts``); with an offloading policy the slot
     pool holds AWQ bytes, computed with the int4 kernels on per-slot forms when "cpu-int4" is asked for, by the
-    torch reference when "auto" chose it. AWQ attention layers use torch then.
+    torch reference when "auto" chose it. Either way the lm_head and the AWQ attention projections run quantized
+    CPU kernels (``linear="cpu-int4"``, :mod:`moeflow.engine.cpu_linears`).
     """
     if kernels not in KERNEL_CHOICES:
         raise ValueError(f"kernels={kernels!r}: expected one of {KERNEL_CHOICES}")
@@ -73,9 +75,10 @@ def resolve_kernels(kernels: str, device: torch.device, offload: OffloadConfig, 
         os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton on the CPU means its interpreter
     if kernels == "cpu-int4":
         # given explicitly, offloaded slots are computed with the int4 kernels too (forms converted per slot);
-        # chosen by "auto", an offloading policy keeps the torch reference on the slot pool
+        # chosen by "auto", an offloading policy keeps the torch reference on the slot pool. The lm_head and
+        # AWQ attention go through the CPU int8/int4 kernels either way (engine/cpu_linears)
         explicit = requested == "cpu-int4"
-        return Kernels("cpu-int4", "cpu-int4" if offload.policy == "resident" or explicit else "torch", "torch")
+        return Kernels("cpu-int4", "cpu-int4" if offload.policy == "resident" or explicit else "torch", "cpu-int4")
     return Kernels(kernels, kernels, kernels)
 
 
@@ -118,8 +121,10 @@ class BuiltModel:
 def build_model(
     path_or_id: str | os.PathLike, *, device: torch.device, dtype: torch.dtype, offload: OffloadConfig,
     kernels: str, revision: str | None, progress: bool | None, families: tuple[type[Family], ...] | None = None,
+    attention_bits: int | None = None,
 ) -> BuiltModel:
-    """Load the checkpoint ``path_or_id`` (directory or hub id). ``families``: accept only these (else ValueError)."""
+    """Load the checkpoint ``path_or_id`` (directory or hub id). ``families``: accept only these (else ValueError).
+    ``attention_bits``: quantize 16-bit attention projections at load (CPU int4 path only, see cpu_linears)."""
     directory = resolve_checkpoint(path_or_id, revision)
     config_path = directory / "config.json"
     raw_config = read_json(config_path)
@@ -140,12 +145,15 @@ def build_model(
             fmt = loading.requantized_expert_format(family)
         resolved = resolve_kernels(kernels, device, offload,
                                    fmt.kind == "awq" and not is_extended(fmt))  # cpu-int4: no biases
+        check_attention_bits(attention_bits, resolved.linear)
         awq_attention = loading.detect_awq_attention(reader, family, layout, quant)
         decoder = family.build_decoder(dtype, _linear_factory(dtype, awq_attention))
         loading.load_non_expert_weights(decoder, reader, family, layout, device, dtype)
+        if resolved.linear == "cpu-int4":
+            quantize_decoder_linears(decoder, attention_bits)
         for module in decoder.modules():
-            if isinstance(module, AWQLinear):
-                module.kernels_backend = resolved.linear
+            if isinstance(module, AWQLinear):  # what the CPU kernels cannot tile stays on the torch reference
+                module.kernels_backend = "torch" if resolved.linear == "cpu-int4" else resolved.linear
         decoder.rotary.to(device)
 
         stats = Stats()

@@ -122,11 +122,15 @@ class Int4Expert:
 
     def forward(self, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """rows [n, H] (any float dtype), routing weights fp32 [n] -> weighted output [n, H] in rows' dtype."""
-        h = self.w13.matmul(rows.to(COMPUTE_DTYPE)).float()
+        return self.forward_bf16(rows.to(COMPUTE_DTYPE), weights, rows.dtype)
+
+    def forward_bf16(self, rows: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """:meth:`forward` for rows already in bf16 [n, H] (a layer converts its activations once for all its
+        experts): weights fp32 [n] -> weighted output [n, H] in ``out_dtype``, the same numbers."""
+        h = self.w13.matmul(rows).float()
         inter = self.intermediate_size
         a = (F.silu(h[:, :inter]) * h[:, inter:]).to(COMPUTE_DTYPE)
-        y = self.w2.matmul(a).float() * weights[:, None]
-        return y.to(rows.dtype)
+        return (self.w2.matmul(a).float() * weights[:, None]).to(out_dtype)
 
     @property
     def nbytes(self) -> int:

@@ -31,7 +31,7 @@ INT8_MAX = 127
 
 
 class CpuQuantLinear(nn.Module):
-    """``y = x @ W.T`` for a bias-free ``nn.Linear`` weight ``W [out, in]`` held in int8 or int4.
+    """``y = x @ W.T (+ bias)`` for an ``nn.Linear`` weight ``W [out, in]`` held in int8 or int4 (bias: ``set_bias``).
 
     A module, so it can take an ``nn.Linear``'s place (``model.lm_head = quantize_linear_cpu(...)``). Buffers:
     int8: ``int8_weight`` int8 [out, in] and ``int8_scales`` bf16 [out]; int4: ``packed`` uint8 [out, in/2]
@@ -49,6 +49,13 @@ class CpuQuantLinear(nn.Module):
         else:
             self.register_buffer("packed", int4.packed)
             self.register_buffer("scales_zeros", int4.scales_zeros)
+        self.register_buffer("bias", None)
+
+    def set_bias(self, bias: torch.Tensor) -> None:
+        """Add ``bias [out]`` to every output (a biased projection's bias, kept unquantized in fp32)."""
+        if tuple(bias.shape) != (self.out_features,):
+            raise ValueError(f"bias has shape {tuple(bias.shape)}, this layer has {self.out_features} outputs")
+        self.bias = bias.detach().float().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] (any float dtype) -> [..., out] in x's dtype (bf16 compute, see the module docstring)."""
@@ -60,7 +67,8 @@ class CpuQuantLinear(nn.Module):
             y = torch._weight_int8pack_mm(flat, self.int8_weight, self.int8_scales)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scales_zeros)
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        y = y.to(x.dtype) if self.bias is None else (y.float() + self.bias).to(x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}" + \

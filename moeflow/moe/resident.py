@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from moeflow import kernels
+from moeflow.kernels.cpu_int4 import COMPUTE_DTYPE, Int4Expert
 from moeflow.kernels.pool import ExpertFormat, ExpertPool
 from moeflow.moe.backend import ExpertBackend
 
@@ -42,8 +43,6 @@ class CpuInt4Experts(ExpertBackend):
     """
 
     def __init__(self, fmt: ExpertFormat, num_layers: int, num_experts: int) -> None:
-        from moeflow.kernels.cpu_int4 import Int4Expert
-
         if fmt.kind != "awq":
             raise ValueError(f"CpuInt4Experts needs AWQ experts, got expert format {fmt.kind!r}")
         self.fmt = fmt
@@ -54,11 +53,25 @@ class CpuInt4Experts(ExpertBackend):
         self.experts[layer][expert] = self._make(tensors, self.fmt.group_size)
 
     def forward(self, layer, x, probs, topk_ids, topk_weights):  # noqa: D102 (see ExpertBackend)
-        k = topk_ids.shape[1]
-        flat_ids = topk_ids.reshape(-1)
-        flat_w = topk_weights.reshape(-1).float()
-        out = torch.empty((flat_ids.numel(), x.shape[-1]), dtype=x.dtype, device=x.device)
-        for e in torch.unique(flat_ids).tolist():
-            pairs = torch.nonzero(flat_ids == e).squeeze(1)
-            out[pairs] = self.experts[layer][e].forward(x[pairs // k], flat_w[pairs])
+        # one host read of the routing per layer; the activations go to bf16 once for all the layer's experts
+        ids = topk_ids.tolist()
+        experts = self.experts[layer]
+        rows = x.to(COMPUTE_DTYPE)
+        weights = topk_weights.float()
+        if len(ids) == 1:  # one token (decode): its k experts called directly, summed in fp32 in k order
+            acc = None
+            for j, e in enumerate(ids[0]):
+                y = experts[e].forward_bf16(rows, weights[:, j], x.dtype).float()
+                acc = y if acc is None else acc + y
+            return acc.to(x.dtype)
+        k = len(ids[0])
+        pairs_of: dict[int, list[int]] = {}  # expert -> its (token, slot) pairs, flattened as token * k + slot
+        for t, row in enumerate(ids):
+            for j, e in enumerate(row):
+                pairs_of.setdefault(e, []).append(t * k + j)
+        flat_w = weights.reshape(-1)
+        out = torch.empty((len(ids) * k, x.shape[-1]), dtype=x.dtype, device=x.device)
+        for e, pairs in pairs_of.items():
+            p = torch.tensor(pairs, device=x.device)
+            out.index_copy_(0, p, experts[e].forward_bf16(rows[p // k], flat_w[p], x.dtype))
         return kernels.combine(out, k)

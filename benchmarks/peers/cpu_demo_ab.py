@@ -1,0 +1,106 @@
+"""``moeflow demo --device cpu`` and the embedded model's resident CPU decode, two source trees A/B (issue 21).
+
+Runs each tree's demo (TTFT, decode tok/s as the demo prints them) and a resident greedy generate on the
+embedded model (default kernels, eager and, with ``--compile``, ``compile_decode``), alternating A and B
+``--reps`` times so the machine's load hits both alike; reports medians with ``uptime`` before and after.
+
+    python benchmarks/peers/cpu_demo_ab.py --a /tmp/before --b . --reps 5 --out benchmarks/results/peers/demo_ab
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+DEMO = "import sys; from moeflow.cli import main; sys.exit(main(['demo', '--device', 'cpu']))"
+RESIDENT = """
+import json, sys, time, torch
+from moeflow import MoEOffloadedMixtral
+from moeflow.cli import embedded_model_path
+m = MoEOffloadedMixtral.from_pretrained(embedded_model_path())
+ids = torch.tensor([m.tokenizer.encode("The import statement")])
+out = {"kernels": m.kernels}
+for mode in sys.argv[1:]:
+    if mode == "compile":
+        t0 = time.perf_counter(); m.compile_decode()
+        m.generate(ids, max_new_tokens=4, do_sample=False)
+        out["compile_s"] = time.perf_counter() - t0
+    m.generate(ids, max_new_tokens=4, do_sample=False)
+    m.generate(ids, max_new_tokens=64, do_sample=False, eos_token_id=[])
+    out[mode] = {"ttft_ms": m.stats.ttft_s * 1e3, "tok_s": 1 / m.stats.tpot_s}
+print("RESULT " + json.dumps(out))
+"""
+
+
+def run(tree: Path, code: str, *args: str) -> str:
+    env = dict(os.environ, PYTHONPATH=str(tree.resolve()))
+    res = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=900)
+    if res.returncode:
+        raise RuntimeError(f"{tree}: exit {res.returncode}\n{res.stderr[-2000:]}")
+    return res.stdout
+
+
+def demo(tree: Path) -> dict:
+    out = run(tree, DEMO)
+    m = re.search(r"TTFT ([\d.]+) ms \| decode ([\d.]+) tok/s", out)
+    return {"ttft_ms": float(m.group(1)), "tok_s": float(m.group(2))}
+
+
+def resident(tree: Path, modes: list[str]) -> dict:
+    line = next(ln for ln in run(tree, RESIDENT, *modes).splitlines() if ln.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def median_of(rows: list[dict], *path: str) -> float:
+    vals = []
+    for r in rows:
+        for p in path:
+            r = r.get(p) if isinstance(r, dict) else None
+        if r is not None:
+            vals.append(r)
+    return statistics.median(vals) if vals else float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--a", type=Path, required=True, help="source tree A (before)")
+    ap.add_argument("--b", type=Path, required=True, help="source tree B (after)")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--compile", action="store_true", help="also time compile_decode (B only)")
+    ap.add_argument("--out", type=Path, required=True, help="output prefix (.json and .md are added)")
+    args = ap.parse_args()
+    up = lambda: subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()  # noqa: E731
+    result = {"uptime_before": up(), "a": str(args.a), "b": str(args.b), "runs": {"a": [], "b": []}}
+    for rep in range(args.reps):
+        for side in ("a", "b"):
+            tree = args.a if side == "a" else args.b
+            modes = ["eager", "compile"] if args.compile and side == "b" and rep == 0 else ["eager"]
+            row = {"demo": demo(tree), "resident": resident(tree, modes), "uptime": up()}
+            result["runs"][side].append(row)
+            print(side, rep, json.dumps(row), flush=True)
+    result["uptime_after"] = up()
+    lines = [f"uptime before: `{result['uptime_before']}`  ", f"uptime after: `{result['uptime_after']}`", "",
+             f"Medians of {args.reps} alternating runs. A = `{args.a}`, B = `{args.b}`.", "",
+             "| run | A | B | B / A |", "|---|---|---|---|"]
+    for label, path, better in (("demo TTFT ms", ("demo", "ttft_ms"), "lower"),
+                                ("demo decode tok/s", ("demo", "tok_s"), "higher"),
+                                ("resident TTFT ms", ("resident", "eager", "ttft_ms"), "lower"),
+                                ("resident decode tok/s", ("resident", "eager", "tok_s"), "higher")):
+        a, b = median_of(result["runs"]["a"], *path), median_of(result["runs"]["b"], *path)
+        speedup = a / b if better == "lower" else b / a
+        result.setdefault("medians", {})[label] = {"a": a, "b": b, "speedup": speedup}
+        lines.append(f"| {label} | {a:.1f} | {b:.1f} | {speedup:.2f}x faster |")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

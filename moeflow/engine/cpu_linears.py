@@ -1,0 +1,86 @@
+"""The CPU int4 path's non-expert linear layers, quantized once at load (issue 21).
+
+When the kernels resolve to ``cpu-int4`` (``device="cpu"``, an AWQ checkpoint), :func:`quantize_decoder_linears`
+replaces, in the built decoder, each module by a :class:`~moeflow.kernels.cpu_quant_linear.CpuQuantLinear`
+(the 16-bit module is dropped, never held beside it):
+
+* ``lm_head`` -> int8 per output channel (torch's ``_weight_int8pack_mm``): a quarter of its fp32 bytes, the
+  largest single read of a CPU decode step. Error: weights within half a quantization step (~0.4% of the
+  channel's largest weight); activations and logits rounded to bf16 (the kernel's dtype). Measured on the
+  embedded model: logits within 2% (relative norm) of the fp32 reference, greedy tokens equal
+  (tests/test_cpu_linears.py).
+* AWQ attention projections (checkpoints that publish them in 4-bit) -> torch's int4 CPU kernel with the
+  same weights (:func:`~moeflow.kernels.cpu_quant_linear.awq_linear_cpu`), instead of dequantizing per call.
+* 16-bit attention projections -> int8 or int4 (group 128) only when asked: ``attention_bits``
+  (``from_pretrained(..., attention_bits=8)``); the model then runs weights it was not evaluated with.
+
+The embeddings stay as loaded: a lookup reads only the prompt's rows, so quantizing them saves RAM, not time.
+``kernels="torch"`` never comes here: it stays the exact fp32 reference.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moeflow.families.layers import Attention, AWQLinear
+from moeflow.kernels.cpu_quant_linear import CpuQuantLinear, awq_linear_cpu, quantize_linear_cpu
+
+ATTENTION_BITS = (None, 8, 4)
+LM_HEAD_BITS = 8  # int4 moves logits by 15-22% on the embedded model (benchmarks/results/peers/README.md)
+ATTENTION_GROUP = 128  # int4 group size for projections quantized at load (the AWQ default)
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def check_attention_bits(attention_bits: int | None, kernels_linear: str) -> None:
+    """ValueError unless ``attention_bits`` is None, 8 or 4, and given only on the CPU int4 path."""
+    if attention_bits not in ATTENTION_BITS:
+        raise ValueError(f"attention_bits={attention_bits!r}: expected None, 8 or 4")
+    if attention_bits is not None and kernels_linear != "cpu-int4":
+        raise ValueError(f"attention_bits={attention_bits} quantizes 16-bit attention projections for the CPU "
+                         "int4 path (device='cpu', an AWQ checkpoint, kernels 'auto' or 'cpu-int4'); here the "
+                         f"linear layers run the {kernels_linear!r} kernels")
+
+
+def quantize_decoder_linears(decoder: nn.Module, attention_bits: int | None) -> dict[str, int]:
+    """Replace ``decoder``'s lm_head and attention projections in place (see the module docstring).
+
+    Returns how many modules of each kind were replaced ({"lm_head", "awq", "attention"}).
+    """
+    counts = {"lm_head": 0, "awq": 0, "attention": 0}
+    decoder.lm_head = _with_bias(quantize_linear_cpu(decoder.lm_head.weight, bits=LM_HEAD_BITS), decoder.lm_head)
+    counts["lm_head"] = 1
+    for parent in list(decoder.modules()):
+        for name, child in list(parent.named_children()):
+            new = None
+            if isinstance(child, AWQLinear) and _int4_shape_ok(child.in_features, child.out_features):
+                new = awq_linear_cpu(child.qweight, child.qzeros, child.scales, child.group_size)
+                counts["awq"] += 1
+            elif attention_bits is not None and isinstance(parent, Attention) and name in PROJECTIONS \
+                    and type(child) is nn.Linear:
+                new = _quantize_dense(child.weight, attention_bits)
+                counts["attention"] += new is not None
+            if new is not None:
+                setattr(parent, name, _with_bias(new, child))
+    return counts
+
+
+def _int4_shape_ok(in_features: int, out_features: int) -> bool:
+    return out_features % 16 == 0 and in_features % 32 == 0  # torch's int4 CPU kernel's tiling
+
+
+def _quantize_dense(weight: torch.Tensor, bits: int) -> CpuQuantLinear | None:
+    out_features, in_features = weight.shape
+    if bits == 8:
+        return quantize_linear_cpu(weight, bits=8)
+    group = min(ATTENTION_GROUP, in_features)
+    if not _int4_shape_ok(in_features, out_features) or in_features % group:
+        return None  # the kernel cannot tile it: the projection stays 16-bit
+    return quantize_linear_cpu(weight, bits=4, group_size=group)
+
+
+def _with_bias(new: CpuQuantLinear, old: nn.Module) -> CpuQuantLinear:
+    bias = getattr(old, "bias", None)
+    if bias is not None:
+        new.set_bias(bias)
+    return new
