@@ -93,7 +93,8 @@ def test_missing_expert_tensor(ckpt, tmp_path):
 @pytest.mark.parametrize("qc,match", [
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True, "sym": True}, "desc_act=true"),
     ({"quant_method": "gptq", "bits": 8, "group_size": 128, "desc_act": False}, "GPTQ with bits=8"),
-    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "'fp8' is not supported"),
+    ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}, "FP8 format 'e5m2' is not supported"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes' is not supported"),
     ({"quant_method": "awq", "bits": 3, "group_size": 128, "version": "gemm"}, "bits=3"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "gemv"),
     ({"quant_method": "awq", "bits": 4, "group_size": 16, "version": "gemm"}, "group_size=16"),
