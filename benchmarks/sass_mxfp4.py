@@ -17,7 +17,6 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "shared", "tools"))
-sys.path.insert(0, "/work/shared/tools")
 
 H = I = 2880  # gpt-oss-120b: hidden 2880, expert intermediate 2880, 128 experts, top-4  # noqa: E741
 EXPERTS, TOP_K = 128, 4
