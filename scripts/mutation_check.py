@@ -72,10 +72,8 @@ MUTATIONS = [
              ("tests/test_kernel_precision.py",)),
     # ---- hit rates (pinned counts, tests/test_policy_counts.py)
     Mutation("lru-fresh-load-not-recent", "a fresh load is not counted as recent (LRU evicts a prefetch first)",
-             "(a fresh load counts as recent, else a prefetch would be evicted first).\"\"\"\n"
-             "        self.last_use[key] = self._now()",
-             "(a fresh load counts as recent, else a prefetch would be evicted first).\"\"\"\n"
-             "        pass", (COUNTS,)),
+             "self.recency[key] = None\n        self.recency.move_to_end(key)\n",
+             "self.recency[key] = None\n        self.recency.move_to_end(key, last=False)\n", (COUNTS,)),
     Mutation("lru-access-not-recent", "a gate access does not refresh recency",
              "self.last_use[key] = self._now()\n        self.freq[key] += 1",
              "self._now()\n        self.freq[key] += 1", (COUNTS,)),
