@@ -209,9 +209,12 @@ def _mixtral_preset(name: str, description: str, **costs: Any) -> HardwareProfil
     return _shaped_preset(MIXTRAL_8X7B, name, description, **costs)
 
 
-def _shaped_preset(model: dict[str, int], name: str, description: str, **costs: Any) -> HardwareProfile:
-    """A preset for the model of shape ``model`` (layers, experts, top-k; AWQ g128 experts of its sizes)."""
-    return HardwareProfile(name=name, expert_bytes=awq_expert_bytes(model["hidden"], model["intermediate"]),
+def _shaped_preset(model: dict[str, int], name: str, description: str, expert_bytes=None,
+                   **costs: Any) -> HardwareProfile:
+    """A preset for the model of shape ``model`` (layers, experts, top-k); ``expert_bytes(hidden, intermediate)``
+    sizes one expert (default: AWQ g128)."""
+    size = expert_bytes or awq_expert_bytes
+    return HardwareProfile(name=name, expert_bytes=size(model["hidden"], model["intermediate"]),
                            num_layers=model["num_layers"], num_experts=model["num_experts"], top_k=model["top_k"],
                            description=description, **costs)
 
@@ -244,9 +247,7 @@ def _family_presets() -> dict[str, HardwareProfile]:
 
 
 def _gpt_oss_preset(name: str, model: dict[str, int], description: str, **costs: Any) -> HardwareProfile:
-    return HardwareProfile(name=name, expert_bytes=mxfp4_expert_bytes(model["hidden"], model["intermediate"]),
-                           num_layers=model["num_layers"], num_experts=model["num_experts"], top_k=model["top_k"],
-                           description=description, **costs)
+    return _shaped_preset(model, name, description, expert_bytes=mxfp4_expert_bytes, **costs)
 
 
 def _gpt_oss_presets() -> dict[str, HardwareProfile]:
