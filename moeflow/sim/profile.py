@@ -284,12 +284,11 @@ def _gpt_oss_presets() -> dict[str, HardwareProfile]:
 
 
 def _presets() -> dict[str, HardwareProfile]:
-    return {**_mixtral_presets(), **_family_presets()}
+    return {**_mixtral_and_qwen3_presets(), **_family_presets(), **_gpt_oss_presets()}
 
 
-def _mixtral_presets() -> dict[str, HardwareProfile]:
+def _mixtral_and_qwen3_presets() -> dict[str, HardwareProfile]:
     return {
-        **_gpt_oss_presets(),
         # PCIe 4.0 x16 (~25 GB/s pinned in practice), a 24 GB consumer GPU (~1 TB/s HBM, RTX 3090/4090 class)
         "pcie4-24gb": _mixtral_preset(
             "pcie4-24gb",
