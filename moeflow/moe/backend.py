@@ -8,11 +8,21 @@ seam: no module hooks, no attributes read off the model, no flags set on blocks.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from moeflow.kernels.pool import ExpertFormat
+
+
+class KernelRouting(NamedTuple):
+    """A router the expert kernels can compute in their own plan launch: softmax over the E logits (fp32),
+    top-k (ties: lowest expert), optionally renormalised, weights unscaled (Mixtral, Qwen-MoE, OLMoE)."""
+
+    top_k: int
+    renormalize: bool
 
 
 @dataclass(frozen=True)
@@ -68,6 +78,21 @@ class ExpertBackend(ABC):
         self, layer: int, x: torch.Tensor, probs: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
         """x [T, H], probs fp32 [T, E], topk_ids int32 [T, k], topk_weights fp32 [T, k] -> [T, H]."""
+
+    def forward_logits(
+        self, layer: int, x: torch.Tensor, router_logits: torch.Tensor,
+        route: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        kernel_routing: KernelRouting | None, want_ids: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer from its router logits: x [T, H], router_logits [T, E] -> (out [T, H], topk_ids int32 [T, k]
+        when ``want_ids``, else None). ``route`` is the block's router (logits -> probs, ids, weights);
+        ``kernel_routing`` says the kernels may compute the same router themselves (None: they cannot).
+
+        Default: ``route`` then :meth:`forward`. A backend whose kernels fuse the routing into their launches
+        overrides it (:class:`~moeflow.moe.resident.ResidentExperts` on the Triton path).
+        """
+        probs, ids, weights = route(router_logits)
+        return self.forward(layer, x, probs, ids, weights), ids if want_ids else None
 
     def close(self) -> None:  # noqa: B027 (optional hook)
         """Release threads, streams and host registrations. Default: nothing to release."""

@@ -1,6 +1,7 @@
 """The MoE block: router -> top-k -> expert compute (through an :class:`ExpertBackend`) -> combine.
 
-The router and top-k are pure tensor functions (torch.compile traces them). Where the expert weights
+The router and top-k are pure tensor functions (torch.compile traces them); the backend gets the router
+logits and may compute a plain softmax top-k inside its own kernels (``forward_logits``). Where the expert weights
 live is the backend's business; the engine hands the block its backend on every call, so a block never
 holds one. A family with shared experts (Qwen2-MoE, DeepSeek) passes them as ``shared_expert``: an
 ordinary resident module whose output is added to the routed experts'.
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moeflow.moe.backend import ExpertBackend
+from moeflow.moe.backend import ExpertBackend, KernelRouting
 from moeflow.moe.routing import RouterSpec, make_router
 
 
@@ -57,6 +58,10 @@ class MoEBlock(nn.Module):
             biased = self.route
             self.route = lambda logits: biased(logits, self.gate.e_score_correction_bias)
         self.top_k = router.top_k
+        # the routers the Triton plan kernel computes itself (grouped, biased, scaled ones stay in torch)
+        plain = (router.scoring == "softmax" and not router.topk_before_scoring and not router.selection_bias
+                 and router.n_groups == 1 and router.scaling_factor == 1.0)
+        self.kernel_routing = KernelRouting(router.top_k, router.renormalize) if plain else None
         self.layer_idx = layer_idx
         self.shared_expert = shared_expert
 
@@ -66,10 +71,10 @@ class MoEBlock(nn.Module):
         """x [..., H] -> [..., H]; ``routing``: where to keep this layer's top-k ids (when the engine asks)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        probs, ids, weights = self.route(self.gate(flat))
+        out, ids = experts.forward_logits(self.layer_idx, flat, self.gate(flat), self.route, self.kernel_routing,
+                                          want_ids=routing is not None)
         if routing is not None:
             routing.record(self.layer_idx, ids.reshape(*shape[:-1], self.top_k))
-        out = experts.forward(self.layer_idx, flat, probs, ids, weights)
         if self.shared_expert is not None:
             out = out + self.shared_expert(flat)
         return out.reshape(shape)
