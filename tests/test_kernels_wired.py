@@ -14,6 +14,7 @@ from test_kernels import make_pool
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moeflow import MoEOffloadedMixtral, OffloadConfig, kernels
+from moeflow.families.layers import AWQLinear
 from moeflow.moe import MoEBlock, ResidentExperts, RouterSpec
 from moeflow.quant.convert import quantize_checkpoint
 
@@ -75,7 +76,7 @@ def awq_checkpoint(tmp_path_factory):
     d = tmp_path_factory.mktemp("wired")
     src = make_tiny_checkpoint(d / "fp32", seed=4, num_hidden_layers=2, hidden_size=64, intermediate_size=64,
                                num_local_experts=4, num_experts_per_tok=2)
-    return quantize_checkpoint(src, d / "awq", group_size=32, progress=False)
+    return quantize_checkpoint(src, d / "awq", group_size=32, quantize_attention=True, progress=False)
 
 
 def _prompt() -> torch.Tensor:
@@ -100,6 +101,11 @@ def test_decode_is_at_most_four_launches_per_moe_layer(awq_checkpoint):
             block.register_forward_pre_hook(opened)
             block.register_forward_hook(closed)
         model.generate(_prompt(), max_new_tokens=3, eos_token_id=[])
+    # the AWQ attention projections were packed once at load: the expert kernel runs them, never the published-
+    # layout kernel that gathers zeros and scales per element
+    awq = [m for m in model.model.modules() if isinstance(m, AWQLinear)]
+    assert awq and all(m.packed for m in awq)
+    assert "_awq_linear_kernel" not in launches.triton and "_expert_gemm_kernel" in launches.triton
     decode = [c for c in calls if c[0] == 1]
     assert len(decode) == 2 * len(blocks) and len(calls) == 3 * len(blocks)  # prefill + two decode steps
     for _, triton_kernels, others in decode:

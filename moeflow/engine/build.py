@@ -153,7 +153,7 @@ def build_model(
             quantize_decoder_linears(decoder, attention_bits)
         for module in decoder.modules():
             if isinstance(module, AWQLinear):  # what the CPU kernels cannot tile stays on the torch reference
-                module.kernels_backend = "torch" if resolved.linear == "cpu-int4" else resolved.linear
+                module.use_kernels("torch" if resolved.linear == "cpu-int4" else resolved.linear)
         decoder.rotary.to(device)
 
         stats = Stats()

@@ -64,12 +64,22 @@ class AWQLinear(nn.Module):
         # quantized checkpoints keep a projection's bias (Qwen2's q/k/v) unquantized, in the scales' dtype
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=scales_dtype), requires_grad=False) if bias else None
         self.kernels_backend = "torch"
+        self.packed = False  # weights in the expert kernels' layout (use_kernels), not AWQ's as published
+
+    def use_kernels(self, backend: str) -> None:
+        """Pick the kernels once the weights are loaded. The Triton path repacks them here, once, into the expert
+        kernels' K-contiguous layout (``kernels.pack_awq_linear``: exact, the same bytes) instead of per call."""
+        self.kernels_backend = backend
+        if not self.packed and kernels.resolve_backend(backend, self.qweight.device) == "triton":
+            for name, tensor in kernels.pack_awq_linear(self.qweight, self.qzeros, self.scales).items():
+                setattr(self, name, tensor)  # registered buffers: assignment keeps them buffers
+            self.packed = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]: fp32 accumulation, output in the dtype of x."""
         flat = x.reshape(-1, self.in_features)
         y = kernels.awq_linear(flat, self.qweight, self.qzeros, self.scales, self.group_size,
-                               backend=self.kernels_backend)
+                               backend=self.kernels_backend, packed=self.packed)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)

@@ -277,13 +277,27 @@ def linear_packed_eager(x: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tens
     cfg = cfg or packed_linear_config(M, N, x.shape[1], group_size)
     bm = cfg["BLOCK_M"]
     nb = -(-M // bm)
-    sorted_ids = torch.arange(nb * bm, dtype=torch.int32, device=x.device)  # >= M: padding rows
-    zeros = torch.zeros((max(nb, 1),), dtype=torch.int32, device=x.device)  # every block: expert 0 in slot 0
+    sorted_ids, zeros = _dense_plan(nb * bm, x.device)
     out = x.new_empty((M, N))
     split = int(cfg.get("SPLIT_K", 1))
     ws = alloc("linear_ws", (split, M, N), torch.float32, x.device) if split > 1 else None
     return expert_gemm(1, x, (qweight[None], qzeros[None], scales[None]), out, sorted_ids, zeros[:nb], zeros[:1],
                        None, None, M, 1, group_size, cfg, ws=ws)
+
+
+_DENSE_PLANS: dict[tuple, tuple[Tensor, Tensor]] = {}
+
+
+def _dense_plan(rows: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The constant plan of a dense GEMM through the expert kernel, made once per (size, device), not per call:
+    (sorted_ids int32 [rows] = 0..rows-1 (>= M: padding rows), zeros int32 [rows]: every block expert 0, slot 0)."""
+    key = (rows, device)
+    plan = _DENSE_PLANS.get(key)
+    if plan is None:
+        plan = (torch.arange(rows, dtype=torch.int32, device=device),
+                torch.zeros((max(rows, 1),), dtype=torch.int32, device=device))
+        _DENSE_PLANS[key] = plan
+    return plan
 
 
 @torch.library.custom_op("moeflow::awq_linear_packed", mutates_args=())
