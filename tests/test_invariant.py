@@ -63,6 +63,7 @@ def test_below_minimum_is_refused(tiny):
                                             offload=OffloadConfig(policy="lru", gpu_expert_slots=1))
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (real streams, events, pinning)")
 @pytest.mark.parametrize("kernels", ["torch", "auto"])
 def test_cuda_streams_keep_the_tokens(tiny, kernels):

@@ -1,0 +1,236 @@
+"""The CUDA lane (issue 12), run on a lent GPU with the kernels compiled, not interpreted:
+
+    TRITON_INTERPRET=0 python -m pytest -m cuda tests/test_cuda_lane.py tests/test_invariant.py
+
+1. the Triton kernels at Mixtral-8x7B shapes against the fp32 torch reference (fused route + plan included);
+2. the race harness (tests/race_transport.py): evicted slots poisoned with NaN on the copy stream and every chunk
+   delayed, each layer's MoE output bitwise the resident backend's, for the caching policies at 3 slot budgets;
+   and, with one ``wait_event`` deleted, the harness must catch the race (else it proves nothing);
+3. every policy's greedy tokens equal resident on real streams, at 3 slot budgets.
+
+Skipped without CUDA, and under the interpreter (conftest sets TRITON_INTERPRET=1 unless it is set already).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                       reason="run with TRITON_INTERPRET=0: the lane checks the compiled kernels"),
+]
+
+MIXTRAL = (4096, 14336, 8, 2, 128)  # hidden, intermediate, experts, top_k, group
+CACHING_POLICIES = ("ondemand", "lru", "mixtral-offloading")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 1. compiled kernels at Mixtral shapes
+
+
+@pytest.fixture(scope="module")
+def mixtral_pool():
+    H, I, E, _, g = MIXTRAL  # noqa: E741
+    return _pool_on_cuda(H, I, E, g)
+
+
+def _pool_on_cuda(H, I, E, g):  # noqa: E741
+    """E random AWQ experts (random nibbles and zero points, scales ~0.01) in a bf16 pool on the GPU."""
+    from test_scheduling_helpers import random_expert
+
+    from moeflow.kernels.pool import ExpertFormat, ExpertPool
+
+    fmt = ExpertFormat(H, I, "awq", torch.bfloat16, g)
+    pool = ExpertPool.allocate(fmt, E, "cuda")
+    gen = torch.Generator().manual_seed(0)
+    for e in range(E):
+        fmt.write(pool.buffer[e], {k: v.cuda() for k, v in random_expert(fmt, gen).items()})
+    return pool
+
+
+@pytest.mark.parametrize("T", [1, 2, 4, 16, 64, 512])
+def test_compiled_moe_forward_at_mixtral_shapes(mixtral_pool, T):
+    from test_kernels import assert_close
+
+    from moeflow import kernels
+    from moeflow.kernels.reference import combine_reference, expert_forward_reference, route_reference
+
+    H, I, E, k, _ = MIXTRAL  # noqa: E741
+    pool = mixtral_pool
+    gen = torch.Generator(device="cuda").manual_seed(T)
+    x = torch.randn(T, H, device="cuda", generator=gen).bfloat16()
+    logits = torch.randn(T, E, device="cuda", generator=gen)
+    slot = torch.arange(E, dtype=torch.int32, device="cuda")
+    y, ids, w = kernels.moe_forward(x, None, None, pool, slot, "triton", router_logits=logits, top_k=k,
+                                    return_routing=True)
+    ref_ids, ref_w = route_reference(logits, k)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
+    r_ids, r_w = kernels.route(logits, k, "triton")  # the offloaded path's router: bitwise the fused plan's
+    assert torch.equal(r_ids, ids) and torch.equal(r_w, w)
+    out = torch.empty(T * k, H, dtype=x.dtype, device="cuda")
+    ref = combine_reference(expert_forward_reference(x, ids, w, pool, slot, out), k)
+    assert_close(y, ref, torch.bfloat16)
+    torch.cuda.synchronize()
+
+
+def test_compiled_packed_awq_linear_at_attention_shape():
+    from test_kernels import assert_close
+
+    from moeflow import kernels
+    from moeflow.quant.awq import quantize_rtn
+
+    K = N = 4096
+    q = quantize_rtn(torch.randn(N, K) / K**0.5, 128)
+    packed = {n: t.cuda() for n, t in kernels.pack_awq_linear(q.qweight, q.qzeros, q.scales.bfloat16()).items()}
+    for M in (1, 4, 64, 512):
+        x = torch.randn(M, K, device="cuda").bfloat16()
+        ref = kernels.awq_linear(x, q.qweight.cuda(), q.qzeros.cuda(), q.scales.bfloat16().cuda(), 128, "torch")
+        got = kernels.awq_linear(x, packed["qweight"], packed["qzeros"], packed["scales"], 128, "triton", packed=True)
+        assert_close(got, ref, torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 2. the race harness
+
+
+class CudaSynthetic:
+    """L layers of E random AWQ experts on the GPU, torch routers, a fixed sequence of layer calls (prefill, decode)."""
+
+    def __init__(self, L=3, E=8, k=2, H=1024, I=2048, g=128, steps=8, prefill_tokens=64, seed=0):  # noqa: E741
+        from test_scheduling_helpers import random_expert
+
+        from moeflow.kernels.pool import ExpertFormat
+
+        self.fmt = ExpertFormat(H, I, "awq", torch.float16, g)
+        self.L, self.E, self.k = L, E, k
+        gen = torch.Generator().manual_seed(seed)
+        self.weights = {(la, e): random_expert(self.fmt, gen) for la in range(L) for e in range(E)}
+        self.gates = [(torch.randn(E, H, generator=gen) / H**0.5).half().cuda() for _ in range(L)]
+        self.steps = [[torch.randn(prefill_tokens if s == 0 else 1, H, generator=gen).half().cuda() for _ in range(L)]
+                      for s in range(steps)]
+
+    def resident(self):
+        from moeflow.moe import ResidentExperts
+
+        backend = ResidentExperts(self.fmt, self.L, self.E, "cuda", "triton")
+        for (la, e), t in self.weights.items():
+            backend.load_expert(la, e, {n: v.cuda() for n, v in t.items()})
+        return backend
+
+    def offloaded(self, transport, **config):
+        from moeflow.config import OffloadConfig
+        from moeflow.offload import REAL, Stats, create_expert_backend
+
+        platform = dataclasses.replace(REAL, transport=lambda _config, _device: transport)
+        gates = [torch.nn.Linear(self.fmt.hidden_size, self.E, bias=False, dtype=torch.float16, device="cuda")
+                 for _ in range(self.L)]
+        for lin, w in zip(gates, self.gates, strict=True):
+            lin.weight.data.copy_(w)
+        stats = Stats()
+        backend = create_expert_backend(
+            OffloadConfig(**config), fmt=self.fmt, num_layers=self.L, num_experts=self.E, top_k=self.k,
+            device=torch.device("cuda"), kernels_backend="triton", gates=gates, reserved_bytes=0, stats=stats,
+            platform=platform)
+        for (la, e), t in self.weights.items():
+            backend.load_expert(la, e, t)
+        backend.finish_loading()
+        return backend, stats
+
+    def run(self, backend, stats=None) -> list[torch.Tensor]:
+        """Each layer call's MoE output (a copy), in model order."""
+        from moeflow.moe import route
+
+        outs = []
+        for s, xs in enumerate(self.steps):
+            if stats is not None:
+                stats.set_phase("prefill" if s == 0 else "decode")
+            for layer, x in enumerate(xs):
+                with torch.no_grad():
+                    probs, ids, w = route(torch.nn.functional.linear(x, self.gates[layer]), self.k)
+                    outs.append(backend.forward(layer, x, probs, ids, w).clone())
+        torch.cuda.synchronize()
+        return outs
+
+
+@pytest.fixture(scope="module")
+def race_synth():
+    s = CudaSynthetic()
+    return s, s.run(s.resident())
+
+
+def _race_run(synth, drop, policy, slots, **config):
+    from race_transport import RaceTransport
+
+    transport = RaceTransport(torch.device("cuda"), drop=drop)
+    backend, stats = synth.offloaded(transport, policy=policy, gpu_expert_slots=slots, **config)
+    try:
+        got = synth.run(backend, stats)
+    finally:
+        backend.close()
+    return got, transport
+
+
+@pytest.mark.parametrize("policy", CACHING_POLICIES)
+def test_race_harness_outputs_are_bitwise_resident(race_synth, policy):
+    synth, expected = race_synth
+    for slots in (synth.k, synth.E, synth.L * synth.E - 1):
+        got, transport = _race_run(synth, None, policy, slots)
+        assert transport.copies > 0
+        for i, (a, b) in enumerate(zip(expected, got, strict=True)):
+            assert torch.equal(a, b), f"{policy} with {slots} slots: layer call {i} differs from resident"
+
+
+@pytest.mark.parametrize("drop", ["compute-wait", "copy-after"])
+def test_race_harness_catches_a_deleted_wait(race_synth, drop):
+    """One wait_event deleted: some layer output must differ (poison read, or a slot overwritten under a kernel).
+    If this fails, the harness cannot see that race and the test above proves nothing about it."""
+    synth, expected = race_synth
+    caught = 0
+    for policy in ("ondemand", "lru"):
+        got, _ = _race_run(synth, drop, policy, synth.k, max_inflight_chunks=16)
+        caught += sum(not torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+    assert caught > 0, f"deleting the {drop} wait went unnoticed"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 3. every policy on real streams
+
+
+def test_every_policy_keeps_the_tokens_on_real_streams(tmp_path):
+    from helpers import make_tiny_checkpoint
+    from test_policies import train_tiny_predictors
+
+    from moeflow import POLICIES, MoEOffloadedMixtral, OffloadConfig
+
+    L, E, k = 3, 4, 2
+    path = make_tiny_checkpoint(tmp_path / "m", seed=5, num_hidden_layers=L, num_local_experts=E,
+                                num_experts_per_tok=k)
+    train_tiny_predictors(path, path / "predictors")  # where duoserve / promoe / finemoe / auto look
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 97, (2, 9), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    load = dict(device="cuda", dtype=torch.float16, kernels="auto")
+    resident = MoEOffloadedMixtral.from_pretrained(path, **load, offload=OffloadConfig(policy="resident"))
+    expected = resident.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False).cpu()
+    failures = []
+    for policy in POLICIES:
+        if policy == "resident":
+            continue
+        for slots in (k, L * E // 2, L * E):
+            model = MoEOffloadedMixtral.from_pretrained(
+                path, **load, offload=OffloadConfig(policy=policy, gpu_expert_slots=slots))
+            try:
+                out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False).cpu()
+            finally:
+                model.experts.close()
+            if not torch.equal(out, expected):
+                failures.append(f"{policy} @ {slots} slots")
+    assert not failures, failures
