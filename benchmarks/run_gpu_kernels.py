@@ -41,7 +41,7 @@ SHAPES = {  # name: (hidden, intermediate, experts, top_k)
     "mixtral-8x22b": (6144, 16384, 8, 2),
     "tiny": (128, 256, 8, 2),
 }
-TOKENS = (1, 4, 16, 64, 512, 4096)
+TOKENS = (1, 2, 4, 8, 16, 64, 512, 4096)  # issue 12
 GROUP = 128
 
 # ---------------------------------------------------------------------------------------------------------
@@ -174,6 +174,14 @@ def copy_bandwidth(device: str, nbytes: int) -> dict:
     return {"bytes": nbytes, "times_s": times, "bytes_per_s": 2 * nbytes / median(times)}
 
 
+def cublas_peak(device: str, n: int) -> dict:
+    """bf16 cuBLAS TFLOP/s of one square [n, n] @ [n, n] matmul on random data (the compute ceiling)."""
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    times = time_fn(lambda: a @ b, device, reps=10 if device.startswith("cuda") else 2)
+    return {"n": n, "times_s": times, "tflops": 2 * n**3 / median(times) / 1e12}
+
+
 def cuda_graph_fn(fn: Callable[[], object], device: str) -> Callable[[], object] | None:
     if not device.startswith("cuda"):
         return None
@@ -290,7 +298,7 @@ def bench_point(name: str, T: int, args, dense_cache: dict, copy_bw: float, cubl
     return res
 
 
-def tune_point(name: str, T: int, args) -> dict:
+def tune_point(name: str, T: int, args, deadline: float | None = None) -> dict:
     """Time every candidate config at one point; returns {"best": cfg, "candidates": [...]} (raw times kept)."""
     H, I, E, k = SHAPES[name]  # noqa: E741
     dev, dtype = args.device, args.dtype
@@ -299,8 +307,13 @@ def tune_point(name: str, T: int, args) -> dict:
     ids, w = random_routing(T, E, k, dev, seed=T)
     x = torch.randn(T, H, device=dev).to(dtype)
     cands = kcfg.tuning_candidates("decode" if T <= kcfg.DECODE_MAX_M else "prefill", GROUP)
+    if T <= kcfg.DECODE_MAX_M:  # the lookup gives T's bucket BLOCK_M (every expert's rows in one block): time that
+        cands = [c for c in cands if c["BLOCK_M"] == kcfg.bucket(T)]
     out = []
     for cfg in cands:
+        if deadline is not None and time.time() > deadline:
+            out.append({"config": cfg, "error": "skipped: time budget"})
+            continue
         try:
             def run(cfg=cfg):
                 return kernels.moe_forward(x, ids, w, pool, slot, "triton", config=cfg, validate=False)
@@ -350,9 +363,9 @@ def slug(s: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in s.lower()).strip("-")
 
 
-def markdown_table(results: list[dict], copy_bw: float) -> str:
+def markdown_table(results: list[dict], copy_bw: float, peak_tflops: float) -> str:
     lines = [
-        f"device-copy bandwidth: {copy_bw / 1e9:.0f} GB/s",
+        f"device-copy bandwidth: {copy_bw / 1e9:.0f} GB/s; bf16 cuBLAS 8192^3: {peak_tflops:.0f} TFLOP/s",
         "",
         "| shape | T | ours (us) | GB/s | % copy BW | TFLOP/s | % cuBLAS bf16 | x vs bf16 loop | x vs dequant+mm "
         "| x vs int4pack_mm |",
@@ -382,9 +395,22 @@ def main(argv: list[str] | None = None) -> dict:
         "started": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "dry_run": args.dry_run,
     }
     bw = copy_bandwidth(dev, (1 << 30) if dev.startswith("cuda") else (1 << 24))
+    peak = cublas_peak(dev, 8192 if dev.startswith("cuda") else 256)
     results, tuned, skipped = [], {}, []
     dense_cache: dict = {}
     cublas_cache: dict = {}
+    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / (
+        f"kernels-{slug(dev_name)}-{_dt.datetime.now():%Y%m%d-%H%M%S}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> dict:  # after every point: a run cut short keeps what it measured
+        report = {"meta": meta, "copy_bandwidth": bw, "cublas_bf16_peak": peak, "results": results, "tuning": tuned,
+                  "skipped": skipped, "elapsed_s": time.time() - t_start}
+        out.write_text(json.dumps(report, indent=1, default=str))
+        out.with_suffix(".md").write_text(markdown_table(results, bw["bytes_per_s"], peak["tflops"]))
+        return report
+
+    save()
     for name in args.shape_list:
         for T in args.token_list:
             if time.time() - t_start > args.budget_s:
@@ -395,6 +421,7 @@ def main(argv: list[str] | None = None) -> dict:
             except Exception as exc:  # keep going; record the failure
                 results.append({"shape": name, "T": T, "error": repr(exc)})
             print(json.dumps({k: v for k, v in results[-1].items() if not k.endswith("times_s")}), flush=True)
+            save()
         dense_cache.clear()
         if dev.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -404,16 +431,11 @@ def main(argv: list[str] | None = None) -> dict:
                 if time.time() - t_start > args.budget_s:
                     skipped.append({"shape": name, "T": T, "tune": True})
                     continue
-                tuned[f"{name}/{T}"] = tune_point(name, T, args)
+                tuned[f"{name}/{T}"] = tune_point(name, T, args, deadline=t_start + args.budget_s)
+                save()
         write_tune_table(args, tuned, dev_name)
-    report = {"meta": meta, "copy_bandwidth": bw, "results": results, "tuning": tuned, "skipped": skipped,
-              "elapsed_s": time.time() - t_start}
-    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / (
-        f"kernels-{slug(dev_name)}-{_dt.datetime.now():%Y%m%d-%H%M%S}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1, default=str))
-    out.with_suffix(".md").write_text(markdown_table(results, bw["bytes_per_s"]))
-    print(markdown_table(results, bw["bytes_per_s"]))
+    report = save()
+    print(markdown_table(results, bw["bytes_per_s"], peak["tflops"]))
     print(f"wrote {out} ({report['elapsed_s']:.0f} s)")
     return report
 

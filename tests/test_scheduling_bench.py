@@ -28,5 +28,5 @@ def test_run_gpu_offload_tiny(tmp_path):
     # resident is the reference (None); every offloaded run must have been compared, and be equal
     assert [r["tokens_equal_reference"] for r in runs] == [None] + [True] * (len(runs) - 1), runs
     saved = json.loads((tmp_path / "out" / "offload_results.json").read_text())
-    assert saved["h2d"]["best_GBps"] > 0 and (tmp_path / "out" / "offload_trace.json").is_file()
+    assert saved["h2d"]["best_GBps"] > 0 and (tmp_path / "out" / "offload_trace.json.gz").is_file()
     assert "| lru | 2 |" in (tmp_path / "out" / "offload_results.md").read_text()
