@@ -45,3 +45,88 @@ class TextAssembler:
             return ""
         new, self.sent = text[len(self.sent):], text
         return new
+
+    def delta_fields(self, ids: list[int], final: bool) -> dict:
+        """:meth:`delta` as a chat chunk's delta fields."""
+        delta = self.delta(ids, final)
+        return {"content": delta} if delta else {}
+
+    def message(self, ids: list[int]) -> dict:
+        """The chat response's assistant message."""
+        return {"role": "assistant", "content": self.text(ids)}
+
+    def finish(self, ids: list[int], reason: str) -> str:
+        return "length" if reason == "length" else "stop"
+
+
+class HarmonyAssembler(TextAssembler):
+    """:class:`TextAssembler` for harmony replies (gpt-oss): the final channel is the content, the analysis
+    channel ``reasoning_content``, messages to ``functions.NAME`` tool calls (:mod:`moeflow.io.harmony`).
+    Stop strings cut the content; reasoning streams as it settles, tool calls come whole at the end."""
+
+    def __init__(self, decode: Callable[..., str], stop_strings: list[str], stop_ids: set[int], tokens) -> None:
+        super().__init__(decode, stop_strings, stop_ids)
+        self.tokens = tokens
+        self.sent_reasoning = ""
+
+    def _reply(self, ids: list[int], final: bool):
+        from moeflow.io.harmony import split_reply
+
+        return split_reply(ids, self.tokens, self.decode, final=final)
+
+    def text(self, ids: list[int]) -> str:
+        return self._cut(self._reply(ids, final=True).content)
+
+    def _cut(self, text: str) -> str:
+        cut = min((i for i in (text.find(s) for s in self.stop_strings) if i >= 0), default=-1)
+        return text[:cut] if cut >= 0 else text
+
+    def hits_stop_string(self, ids: list[int]) -> bool:
+        if not self.stop_strings:
+            return False
+        content = self._reply(ids, final=False).content
+        return any(s in content for s in self.stop_strings)
+
+    def delta_fields(self, ids: list[int], final: bool) -> dict:
+        reply = self._reply(ids, final)
+        out = {}
+        reasoning = reply.reasoning if final else reply.reasoning.rstrip("\ufffd")
+        if reasoning.startswith(self.sent_reasoning) and len(reasoning) > len(self.sent_reasoning):
+            out["reasoning_content"] = reasoning[len(self.sent_reasoning):]
+            self.sent_reasoning = reasoning
+        content = self._settled(self._cut(reply.content), final)
+        if content.startswith(self.sent) and len(content) > len(self.sent):
+            out["content"] = content[len(self.sent):]
+            self.sent = content
+        if final and reply.tool_calls:
+            out["tool_calls"] = _tool_calls(reply.tool_calls, with_index=True)
+        return out
+
+    def _settled(self, text: str, final: bool) -> str:
+        if final:
+            return text
+        text = text.rstrip("\ufffd")
+        hold = max((k for s in self.stop_strings for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        return text[: len(text) - hold]
+
+    def message(self, ids: list[int]) -> dict:
+        reply = self._reply(ids, final=True)
+        out = {"role": "assistant", "content": self._cut(reply.content)}
+        if reply.reasoning:
+            out["reasoning_content"] = reply.reasoning
+        if reply.tool_calls:
+            out["tool_calls"] = _tool_calls(reply.tool_calls)
+            out["content"] = out["content"] or None
+        return out
+
+    def finish(self, ids: list[int], reason: str) -> str:
+        if reason == "length":
+            return "length"
+        return "tool_calls" if self._reply(ids, final=True).tool_calls else "stop"
+
+
+def _tool_calls(calls, with_index: bool = False) -> list[dict]:
+    import uuid
+
+    return [{**({"index": i} if with_index else {}), "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+             "function": {"name": c.name, "arguments": c.arguments}} for i, c in enumerate(calls)]
