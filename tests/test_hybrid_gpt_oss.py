@@ -140,3 +140,22 @@ def test_cpu_computed_mxfp4_experts_keep_the_tokens(tiny, config):
     host = model.experts.host
     # every expert's digit form sits beside its MXFP4 bytes: ~2.4x them at real shapes, more at tiny ones
     assert 1.5 < host.cpu_nbytes / host.nbytes < 4
+
+
+def test_fiddler_with_the_disk_tier(tiny):
+    """Half the experts in host memory, the rest read from disk: the CPU forms of disk experts are converted from
+    the bytes read (DiskHostStore.cpu_expert), the tokens stay those of the resident model."""
+    from test_disk_tier import host_budget_gb
+
+    from moeflow.offload import DiskHostStore
+
+    path, ids, expected, _ = tiny
+    model = MoEModel.from_pretrained(path, kernels="torch", offload=OffloadConfig(
+        policy="fiddler", gpu_expert_slots=3, host_memory_gb=host_budget_gb(path, 8), disk_readers=2))
+    try:
+        out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=[])
+        assert isinstance(model.experts.host, DiskHostStore)
+        assert torch.equal(out, expected)
+        assert model.stats.prefill.cpu_experts + model.stats.decode.cpu_experts > 0
+    finally:
+        model.close()
