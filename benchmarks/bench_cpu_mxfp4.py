@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
 
 import torch
+from bench_cpu_quant_linear import median_s  # benchmarks/ is on sys.path when this file runs
 
 from moeflow.kernels.biased import BiasedExpertFormat, gate_activation
 from moeflow.kernels.cpu_int4 import Int4Expert
@@ -32,16 +32,6 @@ from moeflow.quant.awq import quantize_rtn
 
 H, I = 2880, 2880  # noqa: E741
 PCIE4_BYTES_PER_S = 25e9
-
-
-def median_s(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 _E2M1 = torch.tensor(E2M1_VALUES)

@@ -77,6 +77,8 @@ class ChatMessage(BaseModel):
                                                   "are supported")
                 texts.append(part["text"])
             data["content"] = "".join(texts)
+        if "reasoning_content" in data:  # a reply sent back: transformers' templates (gpt-oss) read "thinking"
+            data.setdefault("thinking", data["reasoning_content"])
         return data
 
 
