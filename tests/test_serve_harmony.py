@@ -148,3 +148,24 @@ def test_chat_cli_streams_thinking_then_the_answer(reference):
     model.generate(torch.tensor([ids]), max_new_tokens=80, do_sample=False, eos_token_id=stops,
                    streamer=HarmonyStreamer(tok, harmony_tokens(tok), stream=out))
     assert out.getvalue() == "(thinking) User greets. Greet back.\nHello, friend!\n"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_cuts_the_answer_not_the_reasoning(server, stream):
+    """"Greet" occurs in the reasoning ("Greet back."): only the final channel is searched for stop strings."""
+    args = dict(model=NAME, messages=GREETING, temperature=0, max_tokens=80, stop=["friend", "Greet"],
+                extra_body=KWARGS)
+    c = client(server)
+    if not stream:
+        r = c.chat.completions.create(**args)
+        content, reasoning, finish = r.choices[0].message.content, r.choices[0].message.reasoning_content, \
+            r.choices[0].finish_reason
+    else:
+        parts, thoughts, finish = [], [], None
+        for chunk in c.chat.completions.create(stream=True, **args):
+            for choice in chunk.choices:
+                parts.append(choice.delta.content or "")
+                thoughts.append(getattr(choice.delta, "reasoning_content", None) or "")
+                finish = choice.finish_reason or finish
+        content, reasoning = "".join(parts), "".join(thoughts)
+    assert (content, reasoning, finish) == ("Hello, ", "User greets. Greet back.", "stop")
