@@ -18,7 +18,8 @@ Cost (``benchmarks/bench_cpu_mxfp4.py``): the kernel reads 1 byte per weight plu
 scale/zero pairs, 1.25 B/weight against MXFP4's 0.53: the CPU form takes ~2.4x the expert's MXFP4 bytes of
 extra RAM (converted once, when loading finishes, as the AWQ form). The alternative that keeps no extra RAM,
 dequantizing to bf16 per call, was 12-19x slower on the machine we measured (a byte-to-value table gather per
-weight and call; docs/hybrid.md has the numbers). Biased experts only: ``w13`` rows are gate then up (:mod:`moeflow.kernels.biased`).
+weight and call; docs/hybrid.md has the numbers). Biased experts only: ``w13`` rows are gate then up
+(:mod:`moeflow.kernels.biased`).
 """
 
 from __future__ import annotations
