@@ -159,3 +159,20 @@ def test_fiddler_with_the_disk_tier(tiny):
         assert model.stats.prefill.cpu_experts + model.stats.decode.cpu_experts > 0
     finally:
         model.close()
+
+
+def test_cpu_rates_are_measured_for_the_mxfp4_form_and_cached_apart(tiny, tmp_path):
+    """The cost model's CPU rates come from timing the MXFP4 CPU form; the cache key names the expert kind."""
+    import json
+
+    path, ids, _, _ = tiny
+    model = MoEModel.from_pretrained(path, kernels="torch", offload=OffloadConfig(policy="fiddler", gpu_expert_slots=5))
+    try:
+        model.generate(ids, max_new_tokens=2, do_sample=False, eos_token_id=[])
+        cpu = model.experts.cpu
+        assert cpu.rates_source.startswith("measured") and cpu.rates.cpu_expert_s > 0
+        assert isinstance(model.experts.host.cpu_expert(0, 0), Mxfp4CpuExpert)
+        cached = json.loads(open(cpu.rates_source.split(" ", 1)[1]).read())
+        assert cached["key"]["model"]["kind"] == "mxfp4"
+    finally:
+        model.close()
