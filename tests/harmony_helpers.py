@@ -57,8 +57,15 @@ def harmony_encoding(root: Path):
     """openai-harmony's gpt-oss encoding, its vocabulary read from ``root`` (no download)."""
     from openai_harmony import HarmonyEncodingName, load_harmony_encoding
 
-    os.environ["TIKTOKEN_ENCODINGS_BASE"] = str(o200k_dir(root))
-    return load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
+    before = os.environ.get("TIKTOKEN_ENCODINGS_BASE")
+    os.environ["TIKTOKEN_ENCODINGS_BASE"] = str(o200k_dir(root))  # read once, while loading
+    try:
+        return load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
+    finally:
+        if before is None:
+            del os.environ["TIKTOKEN_ENCODINGS_BASE"]
+        else:
+            os.environ["TIKTOKEN_ENCODINGS_BASE"] = before
 
 
 def render(messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True) -> str:

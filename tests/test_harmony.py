@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 
+import openai_harmony as oh  # the test extra: OpenAI's own harmony renderer and parser
 import pytest
 from harmony_helpers import DATE, WEATHER_TOOL, harmony_encoding, render
 
 from moeflow.io.chat_template import ChatTemplate, harmony_template, stop_token_ids
 from moeflow.io.harmony import HarmonyTokens, split_reply
-
-oh = pytest.importorskip("openai_harmony", reason="openai-harmony is in the test extra")
 
 TOOLS = [
     WEATHER_TOOL,
