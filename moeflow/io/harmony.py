@@ -56,7 +56,8 @@ class HarmonyMessage:
     done: bool = False
 
 
-_HEADER = re.compile(r"<\|channel\|>\s*(?P<channel>[^\s<]+)|to=(?P<recipient>[^\s<]+)|<\|constrain\|>\s*(?P<ctype>[^\s<]+)")
+_HEADER = re.compile(r"<\|channel\|>\s*(?P<channel>[^\s<]+)|to=(?P<recipient>[^\s<]+)"
+                     r"|<\|constrain\|>\s*(?P<ctype>[^\s<]+)")
 
 
 def parse_header(text: str, message: HarmonyMessage) -> None:
@@ -71,7 +72,8 @@ def parse_header(text: str, message: HarmonyMessage) -> None:
             message.content_type = m.group("ctype")
 
 
-def parse_reply(ids: list[int], tokens: HarmonyTokens, decode: Callable[..., str]) -> tuple[list[HarmonyMessage], list[int]]:
+def parse_reply(ids: list[int], tokens: HarmonyTokens,
+                decode: Callable[..., str]) -> tuple[list[HarmonyMessage], list[int]]:
     """The messages in generated ``ids`` and the ids of a header not yet closed by ``<|message|>``.
 
     The reply starts inside a header (the prompt wrote ``<|start|>assistant``). Tokens between a message's end
