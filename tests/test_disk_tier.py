@@ -15,7 +15,7 @@ import torch
 
 import moeflow
 import moeflow.io.expert_index as expert_index
-from moeflow import MoEOffloadedMixtral, OffloadConfig
+from moeflow import MoEModel, MoEOffloadedMixtral, OffloadConfig
 from moeflow.engine.build import open_expert_index
 from moeflow.engine.loading import non_expert_bytes
 from moeflow.engine.memory import kv_cache_bytes
@@ -42,7 +42,7 @@ def host_budget_gb(path: Path, rows: int, dtype=torch.float32) -> float:
     reader, family, layout, quant = _reader_family_layout_quant(path)
     index = open_expert_index(reader, family, layout, quant)
     index.close()
-    resident = MoEOffloadedMixtral.from_pretrained(path)  # the kernels _run gets (int8 lm_head on the CPU int4 path)
+    resident = MoEModel.from_pretrained(path)  # the kernels _run gets (int8 lm_head on the CPU int4 path); any family
     reserved = non_expert_bytes(resident.model) + kv_cache_bytes(family.config, dtype, 4096)
     row = resident.experts.fmt.nbytes
     return (reserved + READERS * index.staging_nbytes + rows * row + row // 2) / 2**30

@@ -25,20 +25,65 @@ def _load_model(args):
                                     dtype=dtype, offload=offload, kernels=args.kernels)
 
 
+class HarmonyStreamer:
+    """Streams a harmony reply (gpt-oss) to ``stream``: the analysis channel after "(thinking) ", then the final
+    answer on its own line; tool calls are printed whole when they end."""
+
+    def __init__(self, tokenizer, tokens, stream=None) -> None:
+        self.tokenizer, self.tokens, self.stream = tokenizer, tokens, stream or sys.stdout
+        self.ids: list[int] = []
+        self.printed = {"reasoning": "", "content": ""}
+        self._prompt_seen = False
+
+    def put(self, ids: torch.Tensor) -> None:
+        if not self._prompt_seen:  # generate() hands the prompt first
+            self._prompt_seen = True
+            return
+        self.ids.extend(int(i) for i in ids.reshape(-1)[:1])
+        self._emit(final=False)
+
+    def _emit(self, final: bool) -> None:
+        from moeflow.io.harmony import split_reply
+
+        reply = split_reply(self.ids, self.tokens, self.tokenizer.decode, final=final)
+        for field, label in (("reasoning", "(thinking) "), ("content", "")):
+            text = getattr(reply, field) if final else getattr(reply, field).rstrip("\ufffd")
+            done = self.printed[field]
+            if len(text) > len(done) and text.startswith(done):
+                if not done:
+                    self.stream.write(("\n" if field == "content" and self.printed["reasoning"] else "") + label)
+                self.stream.write(text[len(done):])
+                self.printed[field] = text
+        if final:
+            for call in reply.tool_calls:
+                self.stream.write(f"\n(tool call) {call.name}({call.arguments})")
+        self.stream.flush()
+
+    def end(self) -> None:
+        self._emit(final=True)
+        self.stream.write("\n")
+        self.stream.flush()
+
+
 def _chat_reply(model, messages: list[dict], args) -> str:
-    """Generate one assistant turn for ``messages``, streamed to stdout; returns its text."""
+    """Generate one assistant turn for ``messages``, streamed to stdout; returns its text (for a harmony model,
+    gpt-oss, the final channel's: the analysis is shown but not kept, as harmony drops it from finished turns)."""
     from moeflow.io.chat_template import ChatTemplate, stop_token_ids
+    from moeflow.io.harmony import harmony_tokens, split_reply
     from moeflow.streaming import TextStreamer
 
     tok = model.tokenizer
     ids = tok.apply_chat_template(messages, add_generation_prompt=True)
     stops = stop_token_ids(ChatTemplate.from_directory(tok.path.parent), model.generation_config.eos_ids(), tok.encode)
     do_sample = True if args.sample else (False if args.greedy else None)
-    streamer = TextStreamer(tok)
+    harmony = harmony_tokens(tok)
+    streamer = HarmonyStreamer(tok, harmony) if harmony is not None else TextStreamer(tok)
     out = model.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, do_sample=do_sample,
                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                          eos_token_id=list(stops), streamer=streamer, seed=args.seed)
     reply = out[0, len(ids):].tolist()
+    if harmony is not None:
+        return split_reply(reply, harmony, tok.decode).content
     if reply and reply[-1] in stops:
         reply = reply[:-1]
     return tok.decode(reply)

@@ -2,7 +2,9 @@
 
 Where the template comes from: ``chat_template.jinja`` beside the tokenizer when present, else the
 ``chat_template`` field of ``tokenizer_config.json`` (a string, or a list of ``{"name", "template"}`` where
-"default" is used, or "tool_use" when tools are passed and the checkpoint has one).
+"default" is used, or "tool_use" when tools are passed and the checkpoint has one), else, for a gpt-oss
+checkpoint (``model_type`` "gpt_oss"), moeflow's own rendering of the harmony format
+(``moeflow/data/chat_templates/harmony.jinja``, checked against the openai-harmony package in tests).
 
 What the template sees (as in transformers' ``apply_chat_template``): ``messages``, ``tools``,
 ``documents``, ``add_generation_prompt``, the special tokens of ``tokenizer_config.json``
@@ -23,6 +25,8 @@ from typing import Any
 from moeflow.errors import CheckpointError, InputError
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
+HARMONY_TEMPLATE = Path(__file__).resolve().parent.parent / "data" / "chat_templates" / "harmony.jinja"
+HARMONY_TURN_ENDS = ("<|return|>", "<|call|>")  # a harmony reply ends with its answer or with a tool call
 
 
 class ChatTemplateError(InputError):
@@ -85,7 +89,7 @@ class ChatTemplate:
             return cls({"default": jinja_path.read_text(encoding="utf-8")}, special, str(jinja_path))
         raw = config.get("chat_template")
         if raw is None:
-            return None
+            return harmony_template(special) if _model_type(directory) == "gpt_oss" else None
         if isinstance(raw, str):
             return cls({"default": raw}, special, str(config_path))
         if isinstance(raw, list) and all(isinstance(t, dict) and {"name", "template"} <= t.keys() for t in raw):
@@ -123,12 +127,32 @@ class ChatTemplate:
             raise ChatTemplateError(f"{self.source}: rendering the chat template failed: {e}") from e
 
     def end_of_turn_ids(self, encode) -> list[int]:
-        """The template's end-of-turn token: ``eos_token`` when it encodes to exactly one id, else none."""
-        eos = self.special_tokens.get("eos_token")
-        if not eos:
-            return []
-        ids = encode(eos, add_special_tokens=False)
-        return list(ids) if len(ids) == 1 else []
+        """The template's end-of-turn tokens: ``eos_token`` when it encodes to exactly one id, and for a harmony
+        template (one that writes ``<|return|>`` and ``<|call|>``) those two, each when it is one id."""
+        ends = [self.special_tokens.get("eos_token")]
+        sources = " ".join(self.templates.values())
+        if all(end in sources for end in HARMONY_TURN_ENDS):
+            ends += HARMONY_TURN_ENDS
+        out = []
+        for end in ends:
+            ids = encode(end, add_special_tokens=False) if end else []
+            if len(ids) == 1:
+                out.append(ids[0])
+        return list(dict.fromkeys(out))
+
+
+def _model_type(directory: Path) -> str | None:
+    try:
+        return json.loads((directory / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def harmony_template(special_tokens: dict[str, str | None] | None = None) -> ChatTemplate:
+    """moeflow's harmony template (gpt-oss), with ``special_tokens`` (``eos_token`` defaults to ``<|return|>``)."""
+    special = {name: None for name in SPECIAL_TOKENS} | dict(special_tokens or {})
+    special["eos_token"] = special["eos_token"] or "<|return|>"
+    return ChatTemplate({"default": HARMONY_TEMPLATE.read_text(encoding="utf-8")}, special, str(HARMONY_TEMPLATE))
 
 
 def chat_template_for(directory: str | Path) -> ChatTemplate:

@@ -25,6 +25,10 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def token_id(self, token: str) -> int | None:
+        """The id of ``token`` as one vocabulary entry (e.g. a special token), or None when it is not one."""
+        return self._tok.token_to_id(token)
+
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         if isinstance(ids, torch.Tensor):
             ids = ids.tolist()

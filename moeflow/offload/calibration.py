@@ -4,7 +4,9 @@ Measured once (well under a second at tiny shapes, a few seconds at Mixtral's):
 
 * host->device: copies of one expert region from the host store into a device slot (the path the copy
   engine takes; on a CPU "device" this is a memory copy);
-* CPU: one expert in torch's int4 CPU format at 1 and at 8 tokens, on a worker of the CPU pool.
+* CPU: one expert in its CPU form (torch's int4 format for AWQ; for MXFP4 the two-digit int4 form of
+  :mod:`moeflow.kernels.cpu_mxfp4`, about twice the AWQ work per weight) at 1 and at 8 tokens, on a worker of
+  the CPU pool. The key holds the expert kind, so AWQ and MXFP4 rates are cached apart.
 
 The cache file holds the key it was measured under. A file whose key differs (another machine, another
 model shape, another torch, another device) is refused with a message saying what differs, and the
@@ -141,7 +143,8 @@ def measure_h2d(src: torch.Tensor, dst: torch.Tensor, reps: int = 5) -> float:
 
 
 def measure_cpu(expert, hidden: int, run: Callable[[Callable[[], float]], float], reps: int = 3) -> tuple[float, float]:
-    """(seconds for one token, seconds per further token) of an ``Int4Expert``; ``run`` executes a timing
+    """(seconds for one token, seconds per further token) of an expert's CPU form (``Int4Expert``,
+    ``Mxfp4CpuExpert``); ``run`` executes a timing
     function on a CPU worker thread and returns its result."""
     x = torch.randn(CPU_TOKENS, hidden, generator=torch.Generator().manual_seed(0))
     w = torch.ones(CPU_TOKENS)

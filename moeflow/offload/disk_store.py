@@ -196,9 +196,10 @@ class DiskHostStore(HostStore):
             self._cond.notify_all()
 
     def cpu_expert(self, layer: int, expert: int):
-        """The expert's CPU int4 form (hybrid execution). A resident expert's form is kept while its row is;
+        """The expert's CPU form (hybrid execution, :func:`moeflow.kernels.cpu_mxfp4.cpu_expert_form`). A
+        resident expert's form is kept while its row is;
         one not in host memory is read into a private buffer (no row: a CPU worker never waits for rows)."""
-        from moeflow.kernels.cpu_int4 import Int4Expert
+        from moeflow.kernels.cpu_mxfp4 import cpu_expert_form, region_tensors
 
         key = (layer, expert)
         with self._cond:
@@ -216,11 +217,10 @@ class DiskHostStore(HostStore):
                 self.stats.bytes_read += self.source.nbytes(layer, expert)
                 self.stats.reads += 1
                 self.stats.demand_reads += 1
-            return Int4Expert.from_awq_tensors(tensors, self.fmt.group_size)
+            return cpu_expert_form(self.fmt, tensors)
         form = None
         try:
-            tensors = self.fmt.awq_tensors(self.buffer[row])
-            form = Int4Expert.from_awq_tensors(tensors, self.fmt.group_size)
+            form = cpu_expert_form(self.fmt, region_tensors(self.fmt, self.buffer[row]))
         finally:
             with self._cond:
                 self._pins[row] -= 1

@@ -105,18 +105,19 @@ class HostStore:
         self._cpu_forms.pop(i, None)
 
     def cpu_expert(self, layer: int, expert: int):
-        """The expert as a :class:`moeflow.kernels.cpu_int4.Int4Expert` (AWQ only), converted on first use.
+        """The expert's CPU form (:func:`moeflow.kernels.cpu_mxfp4.cpu_expert_form`: torch int4 for AWQ, two
+        exact int4 digits for MXFP4), converted on first use.
 
-        Costs about 1.02x the expert's AWQ bytes of extra RAM per converted expert (docs/hybrid.md).
+        Costs about 1.02x the expert's AWQ bytes (2.4x its MXFP4 bytes) of extra RAM per converted expert
+        (docs/hybrid.md).
         Thread-safe: two threads converting the same expert at once both succeed, one copy is kept.
         """
         i = self.index(layer, expert)
         form = self._cpu_forms.get(i)
         if form is None:
-            from moeflow.kernels.cpu_int4 import Int4Expert
+            from moeflow.kernels.cpu_mxfp4 import cpu_expert_form, region_tensors
 
-            tensors = self.fmt.awq_tensors(self.buffer[i])
-            form = self._cpu_forms.setdefault(i, Int4Expert.from_awq_tensors(tensors, self.fmt.group_size))
+            form = self._cpu_forms.setdefault(i, cpu_expert_form(self.fmt, region_tensors(self.fmt, self.buffer[i])))
         return form
 
     @property

@@ -1,4 +1,5 @@
-"""Hybrid execution: missed experts computed on the CPU (torch's int4 kernels) while the device computes the rest.
+"""Hybrid execution: missed experts computed on the CPU (torch's int4 kernels; AWQ, or MXFP4 as two exact int4
+digits, :mod:`moeflow.kernels.cpu_mxfp4`) while the device computes the rest.
 
 :class:`HybridCompute` is an executor the backend hands each layer's misses and loads under way: it decides
 which missing experts are copied, computed on the CPU, or both (:mod:`.cost_model`), runs the CPU ones on a
@@ -39,9 +40,11 @@ def resolve_cpu_compute(config: Any, spec: Any, fmt: Any) -> str:
     """The effective mode ("never" / "auto" / "always") for ``config`` under policy ``spec``.
 
     Raises SchedulingError when the policy needs CPU compute (fiddler) and cannot have it; otherwise falls
-    back to "never" with one warning when the experts are not AWQ or torch lacks the int4 CPU kernels.
+    back to "never" with one warning when the experts are neither plain AWQ nor MXFP4, or torch lacks the int4
+    CPU kernels.
     """
     from moeflow.kernels.cpu_int4 import int4_cpu_available
+    from moeflow.kernels.cpu_mxfp4 import cpu_form_supported
 
     policy_mode = getattr(spec, "cpu_compute", None)
     if policy_mode is not None and config.cpu_compute == "never":
@@ -52,19 +55,15 @@ def resolve_cpu_compute(config: Any, spec: Any, fmt: Any) -> str:
     mode = config.cpu_compute or policy_mode or "never"
     if mode == "never" or not spec.offload:
         return "never"
-    problem = None
-    if fmt.kind != "awq":
-        problem = f"the experts are {fmt.kind!r}, not AWQ 4-bit"
-    elif getattr(fmt, "extended", False):  # moeflow.kernels.biased: the int4 CPU form has no bias/activation
-        problem = f"the experts carry biases or the {getattr(fmt, 'activation', '?')!r} activation (gpt-oss)"
-    elif not int4_cpu_available():
+    problem = cpu_form_supported(fmt)  # AWQ (moeflow.kernels.cpu_int4) or MXFP4 (moeflow.kernels.cpu_mxfp4)
+    if problem is None and not int4_cpu_available():
         problem = f"torch {torch.__version__} lacks the int4 CPU kernels (_weight_int4pack_mm_for_cpu)"
     if problem is None:
         return mode
     if policy_mode is not None:
         raise SchedulingError(f"policy {spec.name!r} computes experts on the CPU, but {problem}")
     warnings.warn(
-        f"moeflow: cpu_compute={mode!r} needs AWQ experts and torch's int4 CPU kernels, but {problem}; "
+        f"moeflow: cpu_compute={mode!r} needs AWQ or MXFP4 experts and torch's int4 CPU kernels, but {problem}; "
         "every expert is computed on the device (cpu_compute='never')", RuntimeWarning, stacklevel=3,
     )
     return "never"

@@ -22,10 +22,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from moeflow.engine.continuous import ContinuousEngine, SamplingParams
 from moeflow.io.chat_template import ChatTemplate, stop_token_ids
+from moeflow.io.harmony import harmony_tokens
 from moeflow.serve import protocol as p
 from moeflow.serve.errors import APIError, error_body, install_handlers
 from moeflow.serve.metrics import ServeMetrics
-from moeflow.serve.text import TextAssembler
+from moeflow.serve.text import HarmonyAssembler, TextAssembler
 
 DISCONNECT_POLL_S = 0.5  # how often a plain (non-streamed) request checks that its client is still there
 
@@ -42,6 +43,8 @@ class ServeState:
         self.names = {model_name, *aliases}
         self.template = ChatTemplate.from_directory(model.tokenizer.path.parent)
         self.stop_ids = stop_token_ids(self.template, model.generation_config.eos_ids(), self.tokenizer.encode)
+        # gpt-oss: chat replies are harmony messages, split into content / reasoning_content / tool_calls
+        self.harmony = harmony_tokens(self.tokenizer) if self.template is not None else None
 
     def check_model(self, name: str) -> None:
         if name not in self.names:
@@ -73,7 +76,10 @@ class ServeState:
         """Run one request: a JSON body, or an SSE stream when ``req.stream``."""
         req.check_supported()
         params = self.sampling(req, req.token_limit(), len(ids))
-        text = TextAssembler(self.tokenizer.decode, req.stop_strings(), set(self.stop_ids))
+        if kind == "chat" and self.harmony is not None:
+            text = HarmonyAssembler(self.tokenizer.decode, req.stop_strings(), set(self.stop_ids), self.harmony)
+        else:
+            text = TextAssembler(self.tokenizer.decode, req.stop_strings(), set(self.stop_ids))
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -98,9 +104,13 @@ class ServeState:
         if reason == "error":
             raise APIError(500, f"generation failed: {seq.error}")
         usage = _usage(len(ids), seq.generated)
-        body = (p.chat_response if kind == "chat" else p.completion_response)(
-            rid, self.model_name, text.text(seq.generated), _finish(reason), usage,
-            self.logprobs(seq, 0, len(seq.generated)))
+        logprobs = self.logprobs(seq, 0, len(seq.generated))
+        if kind == "chat":
+            body = p.chat_response(rid, self.model_name, text.message(seq.generated),
+                                   text.finish(seq.generated, reason), usage, logprobs)
+        else:
+            body = p.completion_response(rid, self.model_name, text.text(seq.generated), _finish(reason), usage,
+                                         logprobs)
         return JSONResponse(body)
 
     async def _stream(self, kind: str, req: p.SamplingFields, rid: str, seq, events: asyncio.Queue,
@@ -109,12 +119,12 @@ class ServeState:
         ids: list[int] = []  # the tokens reported so far (the engine may already be further on)
         lp_sent, offset = 0, 0  # tokens whose log-probabilities went out; text offset for completions
 
-        def chunk(delta: str, finish: str | None = None) -> str:
+        def chunk(delta: str | dict, finish: str | None = None) -> str:
             nonlocal lp_sent, offset
             logprobs = self.logprobs(seq, lp_sent, len(ids))
             lp_sent = len(ids)
-            if kind == "chat":
-                return _sse(p.chat_chunk(rid, name, {"content": delta} if delta else {}, finish, logprobs))
+            if kind == "chat":  # delta: the chat delta's fields
+                return _sse(p.chat_chunk(rid, name, delta, finish, logprobs))
             out = _sse(p.completion_chunk(rid, name, delta, finish, logprobs, offset))
             offset += sum(len(t) for t, _, _ in logprobs or [])
             return out
@@ -126,17 +136,18 @@ class ServeState:
                 token, reason = await events.get()
                 if reason is None:
                     ids.append(token)
-                    delta = text.delta(ids, final=False)
+                    delta = text.delta_fields(ids, final=False) if kind == "chat" else text.delta(ids, final=False)
                     if delta:
                         yield chunk(delta)
                     continue
                 if reason == "error":
                     yield _sse(error_body(500, f"generation failed: {seq.error}"))
                     break
-                delta = text.delta(ids, final=True)
+                delta = text.delta_fields(ids, final=True) if kind == "chat" else text.delta(ids, final=True)
                 if delta:
                     yield chunk(delta)
-                yield chunk("", _finish(reason))
+                finish = text.finish(ids, reason) if kind == "chat" else _finish(reason)
+                yield chunk({} if kind == "chat" else "", finish)
                 if req.include_usage():
                     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
                     yield _sse(p.usage_chunk(rid, name, obj, _usage(len(seq.prompt_ids), ids)))
@@ -229,7 +240,7 @@ def create_app(model, engine: ContinuousEngine, metrics: ServeMetrics, model_nam
         if state.template is None:
             raise APIError(400, f"{state.model_name} ships no chat template: use /v1/completions", "messages")
         messages = [m.as_template_input() for m in req.messages]
-        prompt = state.template.render(messages, add_generation_prompt=True, tools=req.tools)
+        prompt = state.template.render(messages, add_generation_prompt=True, tools=req.tools, **req.template_kwargs())
         ids = state.tokenizer.encode(prompt, add_special_tokens=False)  # the template wrote the special tokens
         return await state.complete(request, "chat", req, ids)
 

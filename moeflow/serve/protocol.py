@@ -77,6 +77,8 @@ class ChatMessage(BaseModel):
                                                   "are supported")
                 texts.append(part["text"])
             data["content"] = "".join(texts)
+        if "reasoning_content" in data:  # a reply sent back: transformers' templates (gpt-oss) read "thinking"
+            data.setdefault("thinking", data["reasoning_content"])
         return data
 
 
@@ -84,11 +86,23 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     tools: list[dict[str, Any]] | None = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = None  # harmony (gpt-oss) templates read it
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template (as vLLM)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for the chat template: ``chat_template_kwargs`` and ``reasoning_effort``."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        reserved = {"messages", "tools", "documents", "add_generation_prompt"} & kwargs.keys()
+        if reserved:
+            raise Unsupported("chat_template_kwargs", f"chat_template_kwargs may not set {sorted(reserved)}")
+        if self.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = self.reasoning_effort
+        return kwargs
 
     def logprob_count(self) -> int | None:
         """None: no log-probabilities; k: each token's and its k most likely alternatives'."""
@@ -152,10 +166,11 @@ def completion_logprobs(entries: list[TokenLogprob] | None, offset: int = 0) -> 
             "top_logprobs": [dict(top) for _, _, top in entries], "text_offset": offsets}
 
 
-def chat_response(rid: str, model: str, text: str, finish: str, usage: Usage,
+def chat_response(rid: str, model: str, message: dict[str, Any], finish: str, usage: Usage,
                   logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
+    """message: the assistant message ({"role", "content"}, and "reasoning_content" / "tool_calls" for harmony)."""
     return {"id": rid, "object": "chat.completion", "created": now(), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+            "choices": [{"index": 0, "message": message,
                          "logprobs": chat_logprobs(logprobs), "finish_reason": finish}],
             "usage": usage.model_dump()}
 

@@ -1,4 +1,5 @@
-"""Generated ids -> the text a client sees: end-of-turn tokens dropped, cut at a stop string, streamed in order.
+"""Generated ids -> the text a client sees: end-of-turn tokens dropped, cut at a stop string, streamed in order
+(for harmony models, gpt-oss, split by channel into content, reasoning and tool calls).
 
 A streamed delta never has to be taken back: text that may still turn into a stop string, and a
 multi-byte character whose bytes have not all arrived, are held until they are settled.
@@ -6,11 +7,14 @@ multi-byte character whose bytes have not all arrived, are held until they are s
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
+
+from moeflow.io.harmony import HarmonyReply, HarmonyTokens, ToolCall, split_reply
 
 
 class TextAssembler:
-    def __init__(self, decode: Callable[[list[int]], str], stop_strings: list[str], stop_ids: set[int]) -> None:
+    def __init__(self, decode: Callable[..., str], stop_strings: list[str], stop_ids: set[int]) -> None:
         self.decode, self.stop_strings, self.stop_ids = decode, stop_strings, stop_ids
         self.sent = ""
 
@@ -18,9 +22,20 @@ class TextAssembler:
         """The reply so far: a final end-of-turn token dropped, everything from the first stop string cut."""
         if ids and ids[-1] in self.stop_ids:
             ids = ids[:-1]
-        text = self.decode(ids)
+        return self._cut(self.decode(ids))
+
+    def _cut(self, text: str) -> str:
         cut = min((i for i in (text.find(s) for s in self.stop_strings) if i >= 0), default=-1)
         return text[:cut] if cut >= 0 else text
+
+    def _settled(self, text: str, final: bool) -> str:
+        """``text`` less what may still change: a split character, the start of a stop string (none when final)."""
+        if final:
+            return text
+        if text.endswith("\ufffd"):  # a character split across tokens: wait for its other bytes
+            text = text.rstrip("\ufffd")
+        hold = max((k for s in self.stop_strings for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        return text[: len(text) - hold]
 
     def hits_stop_string(self, ids: list[int]) -> bool:
         """For the engine's stop check after each token: does a stop string end in the latest tokens?
@@ -35,13 +50,76 @@ class TextAssembler:
 
     def delta(self, ids: list[int], final: bool) -> str:
         """The text not yet sent that is settled (everything, when ``final``)."""
-        text = self.text(ids)
-        if not final:
-            if text.endswith("\ufffd"):  # a character split across tokens: wait for its other bytes
-                text = text.rstrip("\ufffd")
-            hold = max((k for s in self.stop_strings for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-            text = text[: len(text) - hold]
+        text = self._settled(self.text(ids), final)
         if not text.startswith(self.sent) or len(text) <= len(self.sent):
             return ""
         new, self.sent = text[len(self.sent):], text
         return new
+
+    def delta_fields(self, ids: list[int], final: bool) -> dict:
+        """:meth:`delta` as a chat chunk's delta fields."""
+        delta = self.delta(ids, final)
+        return {"content": delta} if delta else {}
+
+    def message(self, ids: list[int]) -> dict:
+        """The chat response's assistant message."""
+        return {"role": "assistant", "content": self.text(ids)}
+
+    def finish(self, ids: list[int], reason: str) -> str:
+        return "length" if reason == "length" else "stop"
+
+
+class HarmonyAssembler(TextAssembler):
+    """:class:`TextAssembler` for harmony replies (gpt-oss): the final channel is the content, the analysis
+    channel ``reasoning_content``, messages to ``functions.NAME`` tool calls (:mod:`moeflow.io.harmony`).
+    Stop strings cut the content; reasoning streams as it settles, tool calls come whole at the end.
+    Each step splits the whole reply again (a decode per message): fine for replies of thousands of tokens."""
+
+    def __init__(self, decode: Callable[..., str], stop_strings: list[str], stop_ids: set[int],
+                 tokens: HarmonyTokens) -> None:
+        super().__init__(decode, stop_strings, stop_ids)
+        self.tokens = tokens
+        self.sent_reasoning = ""
+
+    def _reply(self, ids: list[int], final: bool) -> HarmonyReply:
+        return split_reply(ids, self.tokens, self.decode, final=final)
+
+    def text(self, ids: list[int]) -> str:
+        return self._cut(self._reply(ids, final=True).content)
+
+    def hits_stop_string(self, ids: list[int]) -> bool:
+        return bool(self.stop_strings) and any(s in self._reply(ids, final=False).content for s in self.stop_strings)
+
+    def delta_fields(self, ids: list[int], final: bool) -> dict:
+        reply = self._reply(ids, final)
+        out = {}
+        reasoning = reply.reasoning if final else reply.reasoning.rstrip("\ufffd")
+        if reasoning.startswith(self.sent_reasoning) and len(reasoning) > len(self.sent_reasoning):
+            out["reasoning_content"], self.sent_reasoning = reasoning[len(self.sent_reasoning):], reasoning
+        content = self._settled(self._cut(reply.content), final)
+        if content.startswith(self.sent) and len(content) > len(self.sent):
+            out["content"], self.sent = content[len(self.sent):], content
+        if final and reply.tool_calls:
+            out["tool_calls"] = _tool_calls(reply.tool_calls, with_index=True)
+        return out
+
+    def message(self, ids: list[int]) -> dict:
+        reply = self._reply(ids, final=True)
+        out = {"role": "assistant", "content": self._cut(reply.content)}
+        if reply.reasoning:
+            out["reasoning_content"] = reply.reasoning
+        if reply.tool_calls:
+            out["tool_calls"] = _tool_calls(reply.tool_calls)
+            out["content"] = out["content"] or None
+        return out
+
+    def finish(self, ids: list[int], reason: str) -> str:
+        if reason == "length":
+            return "length"
+        return "tool_calls" if self._reply(ids, final=True).tool_calls else "stop"
+
+
+def _tool_calls(calls: list[ToolCall], with_index: bool = False) -> list[dict]:
+    """OpenAI's ``tool_calls`` entries (with ``index`` in stream deltas); ids are fresh per reply."""
+    return [{**({"index": i} if with_index else {}), "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+             "function": {"name": c.name, "arguments": c.arguments}} for i, c in enumerate(calls)]
