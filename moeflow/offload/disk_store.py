@@ -199,6 +199,7 @@ class DiskHostStore(HostStore):
         """The expert's CPU int4 form (hybrid execution). A resident expert's form is kept while its row is;
         one not in host memory is read into a private buffer (no row: a CPU worker never waits for rows)."""
         from moeflow.kernels.cpu_int4 import Int4Expert
+        from moeflow.offload.cpu_slots import int4_expert_of
 
         key = (layer, expert)
         with self._cond:
@@ -219,8 +220,7 @@ class DiskHostStore(HostStore):
             return Int4Expert.from_awq_tensors(tensors, self.fmt.group_size)
         form = None
         try:
-            tensors = self.fmt.awq_tensors(self.buffer[row])
-            form = Int4Expert.from_awq_tensors(tensors, self.fmt.group_size)
+            form = int4_expert_of(self.fmt, self.buffer[row], own=True)  # kept after the row is reused
         finally:
             with self._cond:
                 self._pins[row] -= 1

@@ -1,7 +1,9 @@
 """Every expert of every layer in one host buffer, one contiguous region per (layer, expert).
 
 A region is byte-identical to a device slot (:class:`moeflow.kernels.pool.ExpertFormat`), so moving an
-expert is one copy (or a few byte-range chunks). For CUDA the buffer is page-locked at its exact size
+expert is one copy (or a few byte-range chunks). On a CPU device with the int4 kernels the format is
+:class:`~moeflow.offload.cpu_slots.CpuInt4Format`: every expert converted to torch's int4 layout once, as it is
+written here, so a CPU slot computes the very bytes it was copied. For CUDA the buffer is page-locked at its exact size
 with ``cudaHostRegister``: PyTorch's pinned allocator rounds every block up to a power of two (an 87 MiB
 Mixtral expert would take 128 MiB, 32 GiB for the model instead of 22). If registration fails (memlock
 limits, containers, WSL) the store stays pageable and says once what that costs.
@@ -105,23 +107,26 @@ class HostStore:
         self._cpu_forms.pop(i, None)
 
     def cpu_expert(self, layer: int, expert: int):
-        """The expert as a :class:`moeflow.kernels.cpu_int4.Int4Expert` (AWQ only), converted on first use.
+        """The expert as a :class:`moeflow.kernels.cpu_int4.Int4Expert` (AWQ only).
 
-        Costs about 1.02x the expert's AWQ bytes of extra RAM per converted expert (docs/hybrid.md).
-        Thread-safe: two threads converting the same expert at once both succeed, one copy is kept.
+        A store in :class:`~moeflow.offload.cpu_slots.CpuInt4Format` (the CPU device's offloading) holds that
+        form already: views of the region, no copy. An AWQ store converts on first use and keeps the form, about
+        1.02x the expert's AWQ bytes of extra RAM per converted expert (docs/hybrid.md). Thread-safe: two
+        threads converting the same expert at once both succeed, one copy is kept.
         """
+        from moeflow.offload.cpu_slots import CpuInt4Format, int4_expert_of
+
         i = self.index(layer, expert)
+        if isinstance(self.fmt, CpuInt4Format):
+            return self.fmt.int4_expert(self.buffer[i])
         form = self._cpu_forms.get(i)
         if form is None:
-            from moeflow.kernels.cpu_int4 import Int4Expert
-
-            tensors = self.fmt.awq_tensors(self.buffer[i])
-            form = self._cpu_forms.setdefault(i, Int4Expert.from_awq_tensors(tensors, self.fmt.group_size))
+            form = self._cpu_forms.setdefault(i, int4_expert_of(self.fmt, self.buffer[i]))
         return form
 
     @property
     def cpu_nbytes(self) -> int:
-        """RAM held by the CPU int4 forms built so far."""
+        """RAM held by the CPU int4 forms built so far (none for a store that holds them as its regions)."""
         return sum(f.nbytes for f in list(self._cpu_forms.values()))
 
     def missing(self) -> list[tuple[int, int]]:
