@@ -46,7 +46,7 @@ def host_budget_gb(path: Path, rows: int, dtype=torch.float32) -> float:
     resident = MoEOffloadedMixtral.from_pretrained(path)  # the kernels _run gets (int8 lm_head on the CPU int4 path)
     reserved = non_expert_bytes(resident.model) + kv_cache_bytes(family.config, dtype, 4096)
     row = resident.experts.fmt.nbytes
-    if int4_cpu_available():  # an offloading policy on the CPU stores torch's int4 form (moeflow.offload.cpu_slots)
+    if resident.kernels == "cpu-int4":  # offloading on the CPU stores torch's int4 form (moeflow.offload.cpu_slots)
         row = CpuInt4Format.of(resident.experts.fmt).nbytes
     return (reserved + READERS * index.staging_nbytes + rows * row + row // 2) / 2**30
 
