@@ -11,8 +11,9 @@ Three measurements, each the median of ``--repeats`` runs in one process:
   reference on the CPU), host time of the backend's calls per layer;
 * ``tok/s``: whole greedy decode, policy "lru" with every expert fitting and with half the slots, against the
   all-resident CPU int4 path (``kernels="cpu-int4"``) measured in the same run; ratio lru / resident. "lru" with
-  ``kernels="cpu-int4"`` computes the slots with the int4 kernels (``*-torch-ref``: ``kernels="auto"``, which
-  keeps the torch reference on the slot pool, the only CPU offload path before issue 14).
+  ``kernels="cpu-int4"`` computes the slots with the int4 kernels; ``*-torch-ref`` rows use ``kernels="auto"``,
+  which kept the torch reference on the slot pool until the slots learnt to hold torch's int4 form
+  (moeflow/offload/cpu_slots.py): since then they run the same path as ``lru-all`` / ``lru-half``.
 
     PYTHONPATH=$PWD python benchmarks/bench_host_overhead.py --out benchmarks/results/host_overhead/after.json
 

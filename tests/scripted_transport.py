@@ -201,8 +201,22 @@ class ScriptedTransport:
     # ----------------------------------------------------------------- deferred compute
     @contextlib.contextmanager
     def deferring_compute(self, kernels_module) -> Iterator[None]:
-        """Within the block, ``kernels_module.expert_forward`` and ``combine`` calls are queued, not run."""
+        """Within the block, ``kernels_module.expert_forward`` and ``combine`` calls are queued, not run; so are
+        the CPU int4 slots' (``SlotInt4Forms.compute`` / ``combine``, moeflow.offload.cpu_slots)."""
+        from moeflow.offload.cpu_slots import SlotInt4Forms
+
         real_forward, real_combine = kernels_module.expert_forward, kernels_module.combine
+        real_int4_compute, real_int4_combine = SlotInt4Forms.compute, SlotInt4Forms.combine
+
+        def queued_int4_compute(forms, layer, x, topk_ids, topk_weights, out, experts, slots):
+            spans = [_span(forms.pool.buffer[s]) for s in slots]
+            args_now = (forms, layer, x, topk_ids, topk_weights, out, list(experts), list(slots))
+            self.queue.append(("call", lambda: real_int4_compute(*args_now), spans))
+
+        def queued_int4_combine(out, top_k):
+            result = out.new_empty((out.shape[0] // top_k, out.shape[1]))
+            self.queue.append(("call", lambda: result.copy_(real_int4_combine(out, top_k)), []))
+            return result
 
         def queued_forward(x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask=None, *args, **kw):
             every = range(slot_of_expert.numel())
@@ -219,7 +233,9 @@ class ScriptedTransport:
             return result
 
         kernels_module.expert_forward, kernels_module.combine = queued_forward, queued_combine
+        SlotInt4Forms.compute, SlotInt4Forms.combine = queued_int4_compute, staticmethod(queued_int4_combine)
         try:
             yield
         finally:
             kernels_module.expert_forward, kernels_module.combine = real_forward, real_combine
+            SlotInt4Forms.compute, SlotInt4Forms.combine = real_int4_compute, staticmethod(real_int4_combine)

@@ -24,6 +24,7 @@ from moeflow.families import family_for_config
 from moeflow.io.checkpoint import CheckpointReader, read_json, read_quantization
 from moeflow.kernels.cpu_int4 import int4_cpu_available
 from moeflow.offload import DiskHostStore
+from moeflow.offload.cpu_slots import CpuInt4Format
 
 MODEL = Path(moeflow.__file__).parent / "data" / "tiny-mixtral-awq"  # 4 layers x 8 experts, predictors shipped
 NEW_TOKENS = 8
@@ -45,12 +46,14 @@ def host_budget_gb(path: Path, rows: int, dtype=torch.float32) -> float:
     resident = MoEModel.from_pretrained(path)  # the kernels _run gets (int8 lm_head on the CPU int4 path); any family
     reserved = non_expert_bytes(resident.model) + kv_cache_bytes(family.config, dtype, 4096)
     row = resident.experts.fmt.nbytes
+    if resident.kernels == "cpu-int4":  # offloading on the CPU stores torch's int4 form (moeflow.offload.cpu_slots)
+        row = CpuInt4Format.of(resident.experts.fmt).nbytes
     return (reserved + READERS * index.staging_nbytes + rows * row + row // 2) / 2**30
 
 
 @pytest.fixture(scope="module")
 def reference():
-    model = MoEOffloadedMixtral.from_pretrained(MODEL, kernels="torch")
+    model = MoEOffloadedMixtral.from_pretrained(MODEL)  # resident CPU int4: _run's kernels and bytes
     ids = torch.tensor([model.tokenizer.encode("The \"with\" statement is used to wrap the execution")])
     total = model.config.num_hidden_layers * model.config.num_local_experts
     return ids, model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False), total, \

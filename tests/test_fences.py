@@ -12,9 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 from scripted_transport import ScriptedTransport
-from test_scheduling_helpers import DENSE, Synthetic
+from test_scheduling_helpers import AWQ, DENSE, Synthetic
 
 from moeflow import kernels
+from moeflow.kernels.cpu_int4 import int4_cpu_available
 from moeflow.offload import CopyEngine
 
 
@@ -46,9 +47,16 @@ def run_scripted(synth, expected, mode: str, *, trickle: bool = False, **config)
     return backend
 
 
-@pytest.fixture(scope="module")
-def synth():
-    s = Synthetic(DENSE, layers=3, experts=6, top_k=2, seed=11, steps=6, prefill_tokens=9)
+NO_INT4 = pytest.mark.skipif(not int4_cpu_available(), reason="this torch build has no int4 CPU kernels")
+
+
+@pytest.fixture(scope="module", params=["dense", pytest.param("cpu-int4", marks=NO_INT4)])
+def synth(request):
+    """Dense experts on the torch reference, and AWQ experts in CPU int4 slots (bitwise CpuInt4Experts')."""
+    if request.param == "dense":
+        s = Synthetic(DENSE, layers=3, experts=6, top_k=2, seed=11, steps=6, prefill_tokens=9)
+    else:
+        s = Synthetic(AWQ, layers=3, experts=6, top_k=2, seed=11, steps=6, prefill_tokens=9, kernels="cpu-int4")
     return s, s.run(s.resident())
 
 

@@ -82,3 +82,52 @@ def test_cuda_streams_keep_the_tokens(tiny, kernels):
             out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
             model.experts.close()
             assert torch.equal(out.cpu(), expected.cpu()), f"{policy} with {n_slots} slots on CUDA"
+
+
+@pytest.fixture(scope="module")
+def tiny_awq(tmp_path_factory):
+    """AWQ experts on the CPU: the reference is the resident CPU int4 path (``CpuInt4Experts``)."""
+    from moeflow.kernels.cpu_int4 import int4_cpu_available
+    from moeflow.quant.convert import quantize_checkpoint
+
+    if not int4_cpu_available():
+        pytest.skip("this torch build has no int4 CPU kernels")
+    root = tmp_path_factory.mktemp("tiny_invariant_awq")
+    src = make_tiny_checkpoint(root / "fp32", seed=11, hidden_size=128, intermediate_size=128,
+                               num_hidden_layers=LAYERS, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K)
+    awq = quantize_checkpoint(src, root / "awq", group_size=32, progress=False)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 97, (2, 9), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    resident = MoEOffloadedMixtral.from_pretrained(awq, offload=OffloadConfig(policy="resident"))
+    assert resident.kernels == "cpu-int4" and type(resident.experts).__name__ == "CpuInt4Experts"
+    expected = resident.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+    return awq, ids, mask, expected
+
+
+@pytest.mark.parametrize("transport", ["sync", "random-delay"])
+@pytest.mark.parametrize(("policy", "cpu_compute"), [*((p, None) for p in OFFLOAD_POLICIES), ("fiddler", None),
+                                                     ("lru", "always")])
+def test_cpu_int4_slots_give_the_resident_cpu_int4_tokens(tiny_awq, policy, cpu_compute, transport):
+    """kernels="auto" on the CPU with AWQ experts: the host store and the slots hold torch's int4 form, so every
+    policy at every slot count computes the resident CPU int4 path's bytes with its kernels: the same tokens
+    (misses computed on the CPU by hybrid execution included: they read the same form in the host store)."""
+    from moeflow.offload.cpu_slots import CpuInt4Format
+
+    path, ids, mask, expected = tiny_awq
+    for n_slots in range(max(TOP_K, 2), LAYERS * EXPERTS + 1):
+        model = MoEOffloadedMixtral.from_pretrained(path, offload=OffloadConfig(
+            policy=policy, gpu_expert_slots=n_slots, transport=transport, random_delay_ms=0.3, seed=n_slots,
+            cpu_compute=cpu_compute))
+        try:
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+        finally:
+            model.close()
+        assert isinstance(model.experts.fmt, CpuInt4Format) and model.experts.int4_slots is not None
+        assert torch.equal(out, expected), f"{policy}/{transport} with {n_slots} slots: {out} != {expected}"
+        s = model.stats
+        if policy == "fiddler" or cpu_compute == "always":  # misses on the CPU, from the host store's int4 form
+            assert n_slots == LAYERS * EXPERTS or s.prefill.cpu_experts + s.decode.cpu_experts > 0
+        elif n_slots < LAYERS * EXPERTS:
+            assert s.prefill.bytes_h2d + s.decode.bytes_h2d > 0

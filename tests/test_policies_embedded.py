@@ -30,15 +30,13 @@ def test_predictors_are_shipped_for_the_current_model():
 
 @pytest.fixture(scope="module")
 def reference():
-    # the all-resident model on the CPU int4 path (int8 lm_head, the offloaded runs' decoder) with its experts
-    # in a resident pool computed by the offloaded runs' expert kernel (the fp32 torch reference)
+    # the all-resident model on the CPU int4 path (int8 lm_head, experts in torch's int4 form): the offloaded runs
+    # (kernels "auto" on the CPU) compute their slots with the same int4 kernels on the same bytes
     model = MoEOffloadedMixtral.from_pretrained(MODEL)
-    pool = MoEOffloadedMixtral.from_pretrained(MODEL, kernels="torch")
     assert model.kernels == "cpu-int4" and type(model.model.lm_head).__name__ == "CpuQuantLinear"
-    model.use_backend(pool.experts)
+    assert type(model.experts).__name__ == "CpuInt4Experts"
     ids = torch.tensor([model.tokenizer.encode("The \"with\" statement is used to wrap the execution")])
     yield model, ids, model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
-    pool.close()  # the pool's model lives as long as the fixture: its backend is the reference's
 
 
 def test_shipped_predictors_fit_the_model_and_are_small(reference):

@@ -10,7 +10,9 @@ from torch import nn
 from moeflow.config import OffloadConfig
 from moeflow.kernels.pool import ExpertFormat
 from moeflow.moe import ResidentExperts, route
+from moeflow.moe.resident import CpuInt4Experts
 from moeflow.offload import POLICY_TABLE, REAL, Stats, create_expert_backend
+from moeflow.offload.cpu_slots import CpuInt4Format
 
 DENSE = ExpertFormat(hidden_size=32, intermediate_size=48, kind="dense", dtype=torch.float32)
 AWQ = ExpertFormat(hidden_size=64, intermediate_size=64, kind="awq", dtype=torch.float16, group_size=32)
@@ -31,8 +33,10 @@ class Synthetic:
     """L layers of E random experts, random routers, and a fixed sequence of layer calls."""
 
     def __init__(self, fmt: ExpertFormat = DENSE, layers: int = 3, experts: int = 6, top_k: int = 2, seed: int = 0,
-                 steps: int = 8, prefill_tokens: int = 7):
-        self.fmt, self.L, self.E, self.k = fmt, layers, experts, top_k
+                 steps: int = 8, prefill_tokens: int = 7, kernels: str = "torch"):
+        """kernels: "torch" (the reference on the slot pool) or "cpu-int4" (AWQ ``fmt``: the slots and the host
+        store in torch's int4 form, :mod:`moeflow.offload.cpu_slots`; resident: ``CpuInt4Experts``)."""
+        self.fmt, self.L, self.E, self.k, self.kernels = fmt, layers, experts, top_k, kernels
         gen = torch.Generator().manual_seed(seed)
         self.weights = {(l, e): random_expert(fmt, gen) for l in range(layers) for e in range(experts)}
         torch.manual_seed(seed)
@@ -53,7 +57,10 @@ class Synthetic:
                 yield phase, layer, x, probs, ids, w
 
     def resident(self) -> ResidentExperts:
-        backend = ResidentExperts(self.fmt, self.L, self.E, "cpu")
+        if self.kernels == "cpu-int4":
+            backend = CpuInt4Experts(self.fmt, self.L, self.E)
+        else:
+            backend = ResidentExperts(self.fmt, self.L, self.E, "cpu")
         for (l, e), t in self.weights.items():
             backend.load_expert(l, e, t)
         return backend
@@ -74,8 +81,9 @@ class Synthetic:
         if spec_changes:
             policies = {**POLICY_TABLE, cfg.policy: dataclasses.replace(POLICY_TABLE[cfg.policy], **spec_changes)}
         backend = create_expert_backend(
-            cfg, fmt=self.fmt, num_layers=self.L, num_experts=self.E, top_k=self.k,
-            device=torch.device("cpu"), kernels_backend="torch", gates=self.gates, reserved_bytes=0, stats=stats,
+            cfg, fmt=CpuInt4Format.of(self.fmt) if self.kernels == "cpu-int4" else self.fmt, num_layers=self.L,
+            num_experts=self.E, top_k=self.k, device=torch.device("cpu"), kernels_backend=self.kernels,
+            gates=self.gates, reserved_bytes=0, stats=stats,
             platform=platform, policies=policies,
         )
         for (l, e), t in self.weights.items():

@@ -31,6 +31,7 @@ from moeflow.kernels.pool import ExpertFormat
 from moeflow.moe.backend import ExpertBackend
 from moeflow.moe.resident import CpuInt4Experts
 from moeflow.offload import Stats, create_expert_backend, get_policy, min_slots
+from moeflow.offload.cpu_slots import CpuInt4Format
 from moeflow.quant.fp8 import Fp8BlockReader, fp8_block_spec
 
 KERNEL_CHOICES = ("auto", "torch", "triton", "cpu-int4")
@@ -46,17 +47,17 @@ class Kernels:
     linear: str
 
 
-def resolve_kernels(kernels: str, device: torch.device, offload: OffloadConfig, awq: bool) -> Kernels:
+def resolve_kernels(kernels: str, device: torch.device, awq: bool) -> Kernels:
     """auto: Triton on CUDA; on the CPU torch's int4 kernels for AWQ experts, else the torch reference.
 
-    "cpu-int4" computes resident AWQ experts on the CPU (``CpuInt4Experts``); with an offloading policy the slot
-    pool holds AWQ bytes, computed with the int4 kernels on per-slot forms when "cpu-int4" is asked for, by the
-    torch reference when "auto" chose it. Either way the lm_head and the AWQ attention projections run quantized
-    CPU kernels (``linear="cpu-int4"``, :mod:`moeflow.engine.cpu_linears`).
+    "cpu-int4" (asked for, or chosen by "auto") computes AWQ experts on the CPU with torch's int4 kernels:
+    resident ones in ``CpuInt4Experts``, offloaded ones in slots that hold the same int4 form
+    (:mod:`moeflow.offload.cpu_slots`, see :func:`expert_storage_format`). Formats the int4 form cannot hold
+    (biases, clamped activations, MXFP4: ``awq=False``) keep the torch reference. The lm_head and the AWQ
+    attention projections run quantized CPU kernels (``linear="cpu-int4"``, :mod:`moeflow.engine.cpu_linears`).
     """
     if kernels not in KERNEL_CHOICES:
         raise ValueError(f"kernels={kernels!r}: expected one of {KERNEL_CHOICES}")
-    requested = kernels
     from moeflow.kernels.cpu_int4 import int4_cpu_available
 
     if kernels == "auto":
@@ -73,13 +74,16 @@ def resolve_kernels(kernels: str, device: torch.device, offload: OffloadConfig, 
                              "(_weight_int4pack_mm_for_cpu); use kernels='torch'")
     if kernels == "triton" and device.type == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton on the CPU means its interpreter
-    if kernels == "cpu-int4":
-        # given explicitly, offloaded slots are computed with the int4 kernels too (forms converted per slot);
-        # chosen by "auto", an offloading policy keeps the torch reference on the slot pool. The lm_head and
-        # AWQ attention go through the CPU int8/int4 kernels either way (engine/cpu_linears)
-        explicit = requested == "cpu-int4"
-        return Kernels("cpu-int4", "cpu-int4" if offload.policy == "resident" or explicit else "torch", "cpu-int4")
     return Kernels(kernels, kernels, kernels)
+
+
+def expert_storage_format(fmt: ExpertFormat, kernels: Kernels, offload: OffloadConfig) -> ExpertFormat:
+    """The layout the expert backend stores and moves experts in: with the CPU int4 kernels and an offloading
+    policy, torch's int4 form (``CpuInt4Format``: converted once at load, a miss copies the bytes the slot
+    computes with); otherwise ``fmt`` itself (the GPU kernels' layout)."""
+    if kernels.experts == "cpu-int4" and offload.policy != "resident":
+        return CpuInt4Format.of(fmt)
+    return fmt
 
 
 def make_expert_backend(
@@ -143,7 +147,7 @@ def build_model(
         fmt = loading.expert_format(family, layout, quant, dtype)
         if fp8 is not None:  # FP8 experts become int4 (AWQ) experts
             fmt = loading.requantized_expert_format(family)
-        resolved = resolve_kernels(kernels, device, offload,
+        resolved = resolve_kernels(kernels, device,
                                    fmt.kind == "awq" and not is_extended(fmt))  # cpu-int4: no biases
         check_attention_bits(attention_bits, resolved.linear)
         awq_attention = loading.detect_awq_attention(reader, family, layout, quant)
@@ -158,12 +162,13 @@ def build_model(
 
         stats = Stats()
         cfg = family.config
-        plan, sized = plan_memory(offload, family, fmt, device, dtype, loading.non_expert_bytes(decoder))
+        stored = expert_storage_format(fmt, resolved, offload)
+        plan, sized = plan_memory(offload, family, stored, device, dtype, loading.non_expert_bytes(decoder))
         source = open_expert_index(reader, family, layout, quant) if offload.host_memory_gb is not None else None
         host_reserved = plan.non_expert + plan.kv_cache if device.type == "cpu" else 0  # weights in host memory
         try:
             backend = make_expert_backend(
-                sized, resolved, fmt=fmt, family=family, decoder=decoder, device=device,
+                sized, resolved, fmt=stored, family=family, decoder=decoder, device=device,
                 reserved_bytes=memory.reserved_device_bytes(plan), stats=stats, checkpoint_dir=directory,
                 expert_source=source, host_reserved_bytes=host_reserved,
             )

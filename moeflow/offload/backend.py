@@ -94,7 +94,7 @@ class OffloadedExperts(ExpertBackend):
         self._phase = stats.phase
         self.readback = ReadBack(self.device, self.num_experts)
         self.slot_tables = SlotTables(self.device, self.num_experts)
-        # kernels="cpu-int4" on the CPU: slots computed with torch's int4 kernels (forms kept per slot)
+        # kernels="cpu-int4" on the CPU: the slots hold torch's int4 form (CpuInt4Format), computed with its kernels
         self.int4_slots = SlotInt4Forms(self.pool) if kernels_backend == "cpu-int4" else None
         self._combine_backend = "torch" if kernels_backend == "cpu-int4" else kernels_backend
         self.cpu = cpu  # hybrid execution: misses computed on the CPU (docs/hybrid.md)
@@ -212,6 +212,8 @@ class OffloadedExperts(ExpertBackend):
             raise
         if isinstance(self.transport, CudaTransport):
             st.stall_s += self.transport.collect_stall_s()
+        if self.int4_slots is not None:
+            return self.int4_slots.combine(out, k)
         return kernels.combine(out, k, self._combine_backend)
 
     def _schedule_and_compute(

@@ -200,6 +200,7 @@ class DiskHostStore(HostStore):
         resident expert's form is kept while its row is;
         one not in host memory is read into a private buffer (no row: a CPU worker never waits for rows)."""
         from moeflow.kernels.cpu_mxfp4 import cpu_expert_form, region_tensors
+        from moeflow.offload.cpu_slots import CpuInt4Format, int4_expert_of
 
         key = (layer, expert)
         with self._cond:
@@ -220,7 +221,10 @@ class DiskHostStore(HostStore):
             return cpu_expert_form(self.fmt, tensors)
         form = None
         try:
-            form = cpu_expert_form(self.fmt, region_tensors(self.fmt, self.buffer[row]))
+            if isinstance(self.fmt, CpuInt4Format):
+                form = int4_expert_of(self.fmt, self.buffer[row], own=True)  # kept after the row is reused
+            else:
+                form = cpu_expert_form(self.fmt, region_tensors(self.fmt, self.buffer[row]))
         finally:
             with self._cond:
                 self._pins[row] -= 1

@@ -1,7 +1,9 @@
 """Every expert of every layer in one host buffer, one contiguous region per (layer, expert).
 
 A region is byte-identical to a device slot (:class:`moeflow.kernels.pool.ExpertFormat`), so moving an
-expert is one copy (or a few byte-range chunks). For CUDA the buffer is page-locked at its exact size
+expert is one copy (or a few byte-range chunks). On a CPU device with the int4 kernels the format is
+:class:`~moeflow.offload.cpu_slots.CpuInt4Format`: every expert converted to torch's int4 layout once, as it is
+written here, so a CPU slot computes the very bytes it was copied. For CUDA the buffer is page-locked at its exact size
 with ``cudaHostRegister``: PyTorch's pinned allocator rounds every block up to a power of two (an 87 MiB
 Mixtral expert would take 128 MiB, 32 GiB for the model instead of 22). If registration fails (memlock
 limits, containers, WSL) the store stays pageable and says once what that costs.
@@ -106,13 +108,18 @@ class HostStore:
 
     def cpu_expert(self, layer: int, expert: int):
         """The expert's CPU form (:func:`moeflow.kernels.cpu_mxfp4.cpu_expert_form`: torch int4 for AWQ, two
-        exact int4 digits for MXFP4), converted on first use.
+        exact int4 digits for MXFP4).
 
-        Costs about 1.02x the expert's AWQ bytes (2.4x its MXFP4 bytes) of extra RAM per converted expert
-        (docs/hybrid.md).
+        A store in :class:`~moeflow.offload.cpu_slots.CpuInt4Format` (the CPU device's offloading) holds that
+        form already: views of the region, no copy. Other stores convert on first use and keep the form, about
+        1.02x the expert's AWQ bytes (2.4x its MXFP4 bytes) of extra RAM per converted expert (docs/hybrid.md).
         Thread-safe: two threads converting the same expert at once both succeed, one copy is kept.
         """
+        from moeflow.offload.cpu_slots import CpuInt4Format
+
         i = self.index(layer, expert)
+        if isinstance(self.fmt, CpuInt4Format):
+            return self.fmt.int4_expert(self.buffer[i])
         form = self._cpu_forms.get(i)
         if form is None:
             from moeflow.kernels.cpu_mxfp4 import cpu_expert_form, region_tensors
@@ -122,7 +129,7 @@ class HostStore:
 
     @property
     def cpu_nbytes(self) -> int:
-        """RAM held by the CPU int4 forms built so far."""
+        """RAM held by the CPU int4 forms built so far (none for a store that holds them as its regions)."""
         return sum(f.nbytes for f in list(self._cpu_forms.values()))
 
     def missing(self) -> list[tuple[int, int]]:
