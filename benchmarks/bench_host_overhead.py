@@ -49,10 +49,12 @@ def _noop_compute(layer: int, topk_ids: torch.Tensor, experts: list[int]) -> Non
 
 
 class _Timed:
-    """Wraps a backend's ``forward`` and ``begin_step``: the wall time of every decode call, one by one."""
+    """Wraps a backend's ``forward`` and ``begin_step``: the wall time of every decode call, one by one, the
+    forwards kept by MoE layer (a predictor's work differs by layer: layers near the end propose nothing)."""
 
     def __init__(self, backend) -> None:
-        self.backend, self.forward_s, self.step_s = backend, [], []
+        self.backend, self.step_s = backend, []
+        self.forward_s: dict[int, list[float]] = {}
         self._forward, self._begin = backend.forward, backend.begin_step
         backend.forward, backend.begin_step = self.forward, self.begin_step
 
@@ -63,28 +65,29 @@ class _Timed:
             into.append(time.perf_counter() - t0)
         return out
 
-    def forward(self, *args):
-        return self._timed(self.forward_s, self._forward, *args)
+    def forward(self, layer, *args):
+        return self._timed(self.forward_s.setdefault(layer, []), self._forward, layer, *args)
 
     def begin_step(self, step):
         return self._timed(self.step_s, self._begin, step)
 
-    def p10_per_layer(self, num_layers: int) -> float:
-        """10th-percentile forward + begin_step / layers in us: the intrinsic cost when the cores are oversubscribed."""
-        def p10(xs):
-            return sorted(xs)[len(xs) // 10] if xs else 0.0
-        return (p10(self.forward_s) + p10(self.step_s) / num_layers) * 1e6
+    def _per_layer(self, stat) -> float:
+        """stat over each layer's forwards, averaged over the layers, + stat(begin_step) / layers, in us."""
+        layers = [xs for xs in self.forward_s.values() if xs]
+        if not layers:
+            return 0.0
+        step = stat(self.step_s) if self.step_s else 0.0
+        return (statistics.fmean(stat(xs) for xs in layers) + step / len(layers)) * 1e6
 
-    def us_per_layer(self, num_layers: int) -> tuple[float, float]:
-        """(median forward + median begin_step / layers, mean forward + mean begin_step / layers) in us: the
-        median call is what the host loop costs, the mean adds the preemptions of a loaded machine."""
-        def med(xs):
-            return statistics.median(xs) if xs else 0.0
+    def p10_per_layer(self) -> float:
+        """10th-percentile call per layer (the intrinsic cost when the cores are oversubscribed), averaged over
+        the layers, + the 10th-percentile begin_step / layers, in us."""
+        return self._per_layer(lambda xs: sorted(xs)[len(xs) // 10])
 
-        def mean(xs):
-            return statistics.fmean(xs) if xs else 0.0
-        return ((med(self.forward_s) + med(self.step_s) / num_layers) * 1e6,
-                (mean(self.forward_s) + mean(self.step_s) / num_layers) * 1e6)
+    def us_per_layer(self) -> tuple[float, float]:
+        """(median call per layer averaged over the layers + median begin_step / layers, the same with means) in
+        us: the median call is what the host loop costs, the mean adds the preemptions of a loaded machine."""
+        return self._per_layer(statistics.median), self._per_layer(statistics.fmean)
 
 
 def _backend(model, policy: str, slots: int, noop: bool):
@@ -137,10 +140,10 @@ def noop_us_per_layer(model, policy: str, slots: int, steps: int, repeats: int) 
                 w = probs.gather(1, top.long())
                 timed.forward(layer, x, probs, top, w / w.sum(-1, keepdim=True))
         backend.close()
-        a, b = timed.us_per_layer(L)
+        a, b = timed.us_per_layer()
         med.append(a)
         mean.append(b)
-        p10.append(timed.p10_per_layer(L))
+        p10.append(timed.p10_per_layer())
         d = model.stats.decode
         hits.append(d.hits / max(d.hits + d.misses, 1))
     return _summary(med, mean, hits, p10)
@@ -158,7 +161,7 @@ def real_us_per_layer(model, ids: torch.Tensor, policy: str, slots: int, new_tok
         model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
         model.use_backend(base)
         backend.close()
-        a, b = timed.us_per_layer(backend.num_layers)
+        a, b = timed.us_per_layer()
         med.append(a)
         mean.append(b)
         d = model.stats.decode

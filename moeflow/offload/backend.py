@@ -96,7 +96,9 @@ class OffloadedExperts(ExpertBackend):
         self.slot_tables = SlotTables(self.device, self.num_experts)
         # kernels="cpu-int4" on the CPU: slots computed with torch's int4 kernels (forms kept per slot)
         self.int4_slots = SlotInt4Forms(self.pool) if kernels_backend == "cpu-int4" else None
-        self._combine_backend = "torch" if kernels_backend == "cpu-int4" else kernels_backend
+        combine_backend = "torch" if kernels_backend == "cpu-int4" else kernels_backend
+        # resolved once: the torch combine is called directly (no custom-op dispatch in eager mode)
+        self._combine_backend = kernels.resolve_backend(combine_backend, self.device)
         self.cpu = cpu  # hybrid execution: misses computed on the CPU (docs/hybrid.md)
         self.prefill_ring = prefill_ring
         if predictor is not None:
@@ -201,7 +203,9 @@ class OffloadedExperts(ExpertBackend):
             raise
         if isinstance(self.transport, CudaTransport):
             st.stall_s += self.transport.collect_stall_s()
-        return kernels.combine(out, k, self._combine_backend)
+        if self._combine_backend == "torch":
+            return combine_in_order(out, k)
+        return kernels.combine(out, k, self._combine_backend)  # triton: its eager launcher, no custom op
 
     def _schedule_and_compute(
         self,
@@ -221,13 +225,15 @@ class OffloadedExperts(ExpertBackend):
             self.cache.drop(self.cache.lookup(task.key), task.fences())
 
         # 3. acquire: the plan from the cache's state, then the hits pinned and the loads under way promoted
-        plan = plan_layer(layer, needed, self.cache.lookup)
+        lookup = self.cache.lookup
+        plan = plan_layer(layer, needed, lookup)
+        access, use = self.cache.policy.access, self.cache.use
         for e in needed:
             key = (layer, e)
-            self.cache.policy.access(key)
-            slot = self.cache.lookup(key)
+            access(key)
+            slot = lookup(key)
             if slot is not None:
-                self.cache.use(slot)
+                use(slot)
         st.hits += plan.hits()
         st.misses += len(plan.deferred)
         st.inflight_hits += len(plan.waiting)
@@ -423,6 +429,22 @@ class OffloadedExperts(ExpertBackend):
             f"{self.num_layers * self.num_experts}, transport={self.transport.name!r}, "
             f"eviction={self.cache.policy.name!r}, pinned={self.host.pinned})"
         )
+
+
+def combine_in_order(y: torch.Tensor, top_k: int) -> torch.Tensor:
+    """y [T*k, H] -> [T, H]: each token's k rows summed in fp32 in k order, cast back to y's dtype; bitwise
+    :func:`moeflow.kernels.reference.combine_reference` (the resident path's torch combine) in fewer ops,
+    called directly in eager mode instead of through its ``torch.library`` custom op (~50 us a call)."""
+    y3 = y.view(-1, top_k, y.shape[-1])
+    if top_k == 1:
+        return y3[:, 0].clone()  # a copy: never alias the slot output buffer
+    if y.dtype == torch.float32:
+        acc = torch.add(y3[:, 0], y3[:, 1])
+    else:
+        acc = torch.add(y3[:, 0].float(), y3[:, 1])  # y[:, 1] promoted to fp32 inside the add, exactly
+    for j in range(2, top_k):
+        acc += y3[:, j]
+    return acc if y.dtype == torch.float32 else acc.to(y.dtype)
 
 
 def _host_proposals(proposals: list[tuple[int, torch.Tensor | list[int]]],

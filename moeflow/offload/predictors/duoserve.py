@@ -36,6 +36,7 @@ from moeflow.offload.predictors.base import (
     ExpertPredictor,
     ModelShape,
     PredictorError,
+    EvalSequential,
     default_width,
     ids_to_mask,
     popularity_matrix,
@@ -94,6 +95,7 @@ class DuoServePredictor(ExpertPredictor):
         self.dropout = dropout
         self.affinity = torch.full((max(L - distance, 0), E, E), 1.0 / E)  # [L-d, E, E]
         self.mlp = expert_mlp(self.in_dim, E, self.widths, dropout).eval()
+        self._mlp_eval = EvalSequential(self.mlp)  # the runtime's call: no per-module overhead
 
     # ------------------------------------------------------------------ features
     def state_vector(self, topk_path: torch.Tensor, target_layer: int) -> torch.Tensor:
@@ -113,12 +115,12 @@ class DuoServePredictor(ExpertPredictor):
 
     def _predict(self, target_layer: int, source_layer: int) -> torch.Tensor:
         path = torch.stack([self._topk[layer] for layer in range(source_layer + 1)], dim=1)  # [T, s+1, k]
-        with torch.no_grad():
-            return torch.sigmoid(self.mlp(self.state_vector(path, target_layer)))
+        return torch.sigmoid(self._mlp_eval(self.state_vector(path, target_layer)))
 
     def _move(self, device: torch.device) -> None:
         self.affinity = self.affinity.to(device)
         self.mlp.to(device)
+        self._mlp_eval.reset()
 
     # ------------------------------------------------------------------ training
     def dataset(self, trace) -> tuple[torch.Tensor, torch.Tensor]:
