@@ -33,10 +33,10 @@ import torch
 from torch import nn
 
 from moeflow.offload.predictors.base import (
+    EvalSequential,
     ExpertPredictor,
     ModelShape,
     PredictorError,
-    EvalSequential,
     default_width,
     ids_to_mask,
     popularity_matrix,
