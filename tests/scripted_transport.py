@@ -201,8 +201,12 @@ class ScriptedTransport:
     # ----------------------------------------------------------------- deferred compute
     @contextlib.contextmanager
     def deferring_compute(self, kernels_module) -> Iterator[None]:
-        """Within the block, ``kernels_module.expert_forward`` and ``combine`` calls are queued, not run."""
+        """Within the block, ``kernels_module.expert_forward`` and ``combine`` calls (and the offload backend's
+        eager torch combine, ``combine_in_order``) are queued, not run."""
+        from moeflow.offload import backend as backend_module  # its eager torch combine (no custom op)
+
         real_forward, real_combine = kernels_module.expert_forward, kernels_module.combine
+        real_in_order = backend_module.combine_in_order
 
         def queued_forward(x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask=None, *args, **kw):
             every = range(slot_of_expert.numel())
@@ -218,8 +222,15 @@ class ScriptedTransport:
             self.queue.append(("call", lambda: result.copy_(real_combine(y, top_k, *args, **kw)), []))
             return result
 
+        def queued_in_order(y, top_k):
+            result = y.new_empty((y.shape[0] // top_k, y.shape[1]))
+            self.queue.append(("call", lambda: result.copy_(real_in_order(y, top_k)), []))
+            return result
+
         kernels_module.expert_forward, kernels_module.combine = queued_forward, queued_combine
+        backend_module.combine_in_order = queued_in_order
         try:
             yield
         finally:
             kernels_module.expert_forward, kernels_module.combine = real_forward, real_combine
+            backend_module.combine_in_order = real_in_order
