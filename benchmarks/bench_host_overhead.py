@@ -5,8 +5,10 @@ Three measurements, each the median of ``--repeats`` runs in one process:
 * ``noop``: every policy's ``OffloadedExperts.forward`` (+ its ``begin_step``, amortised over the layers) with
   the expert kernels replaced by a no-op through the Platform seam (``Platform(compute=...)``), driven by a
   seeded random routing (one token per step, top-k of E uniformly) so half the slots give ~50 % hits; at
-  all-hit (every expert fits in the slots) and at half the slots: the scheduler's own cost, what the host
-  must do per layer whatever the GPU;
+  all-hit (every expert fits in the slots) and at half the slots, under ``torch.inference_mode`` as
+  ``generate`` runs: the scheduler's own cost, what the host must do per layer whatever the GPU. Per-call
+  times are kept by layer (a predictor's work differs by layer: the last layers propose nothing), so the
+  statistics are per layer position, averaged over the layers; ``step_p10_us`` is ``begin_step`` alone;
 * ``real``: the same policies inside the embedded model's greedy decode with the real kernels (the torch
   reference on the CPU), host time of the backend's calls per layer;
 * ``tok/s``: whole greedy decode, policy "lru" with every expert fitting and with half the slots, against the
@@ -106,19 +108,23 @@ def _backend(model, policy: str, slots: int, noop: bool):
     return backend
 
 
-def _summary(med: list[float], mean: list[float], hits: list[float], p10: list[float] | None = None) -> dict:
+def _summary(med: list[float], mean: list[float], hits: list[float], p10: list[float] | None = None,
+             step: list[float] | None = None) -> dict:
     out = {"us": statistics.median(med), "mean_us": statistics.median(mean), "runs_us": med,
            "hit_rate": statistics.median(hits)}
     if p10:
         out["p10_us"] = statistics.median(p10)
+    if step:  # begin_step alone, per step (the predictors' per-pass work, amortised over the layers above)
+        out["step_p10_us"] = statistics.median(step)
     return out
 
 
+@torch.inference_mode()  # as the model's generate() runs its decode
 def noop_us_per_layer(model, policy: str, slots: int, steps: int, repeats: int) -> dict:
     """Drive a no-op-kernel backend directly: one decode token per step, seeded uniform routing."""
     E, L = model.experts.num_experts, model.experts.num_layers
     k, H = model.config.num_experts_per_tok, model.config.hidden_size
-    med, mean, hits, p10 = [], [], [], []
+    med, mean, hits, p10, step_p10 = [], [], [], [], []
     for r in range(repeats):
         gen = torch.Generator().manual_seed(r)
         backend = _backend(model, policy, slots, noop=True)
@@ -144,9 +150,10 @@ def noop_us_per_layer(model, policy: str, slots: int, steps: int, repeats: int) 
         med.append(a)
         mean.append(b)
         p10.append(timed.p10_per_layer())
+        step_p10.append(sorted(timed.step_s)[len(timed.step_s) // 10] * 1e6)
         d = model.stats.decode
         hits.append(d.hits / max(d.hits + d.misses, 1))
-    return _summary(med, mean, hits, p10)
+    return _summary(med, mean, hits, p10, step_p10)
 
 
 def real_us_per_layer(model, ids: torch.Tensor, policy: str, slots: int, new_tokens: int, repeats: int) -> dict:

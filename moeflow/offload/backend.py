@@ -80,6 +80,7 @@ class OffloadedExperts(ExpertBackend):
         self.predictor = predictor
         self.warm_start = warm_start
         self.transport = transport
+        self._cuda_transport = isinstance(transport, CudaTransport)
         self.clock = platform.clock
         self.compute_executor = platform.compute  # None: the kernels; the simulator's accounts the time instead
         if host.fmt != fmt:
@@ -201,7 +202,7 @@ class OffloadedExperts(ExpertBackend):
                     slot.pins = 1
                     self.cache.release(slot, fence)
             raise
-        if isinstance(self.transport, CudaTransport):
+        if self._cuda_transport:
             st.stall_s += self.transport.collect_stall_s()
         if self._combine_backend == "torch":
             return combine_in_order(out, k)
@@ -451,6 +452,8 @@ def _host_proposals(proposals: list[tuple[int, torch.Tensor | list[int]]],
                     fetched: list[list[int]]) -> list[tuple[int, list[int]]]:
     """[(target, device ids or host list)] and the device ones read back, in order -> [(target, host ids)]
     without the padding (< 0)."""
+    if not proposals:
+        return []
     out, it = [], iter(fetched)
     for target, ids in proposals:
         host = next(it) if isinstance(ids, torch.Tensor) else ids

@@ -81,6 +81,21 @@ def eviction_priority(p: torch.Tensor | float, freq: torch.Tensor | float) -> to
     return torch.where(denom > 0, 1.0 / denom.clamp(min=1e-30), torch.full_like(denom, float("inf")))
 
 
+class _Done:
+    """A finished result with the two methods of a Future the predictor uses."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> Any:
+        return self.value
+
+
 class FineMoEPredictor(ExpertPredictor):
     """FineMoE's expert-map search as a predictor (see the module docstring)."""
 
@@ -98,12 +113,12 @@ class FineMoEPredictor(ExpertPredictor):
         self.freq = torch.zeros(L, E)  # visit counts (observed activations) for the eviction priority
         self.guidance = torch.full((L, E), 1.0 / E)  # the latest searched probabilities per layer
         self._found: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # target -> (p [B, E], score [B])
-        self._futures: dict[int, Future] = {}
+        self._futures: dict[int, Future | _Done] = {}
         self._query_sem: torch.Tensor | None = None
         self._published = False
         self._traj: torch.Tensor | None = None  # [B, L, E] this iteration's probabilities, filled layer by layer
         self.runtime_mode = False  # True (the offload runtime): one search per observed layer, used one layer later
-        self._searches: dict[int, Future] = {}  # source layer -> search of the trajectory 0..source
+        self._searches: dict[int, Future | _Done] = {}  # source layer -> search of the trajectory 0..source
         self._traj_search = TrajectorySearch(self.store)  # the runtime's incremental eq. 5 of this iteration
         self._executor: ThreadPoolExecutor | None = None
         if async_search:
@@ -125,12 +140,10 @@ class FineMoEPredictor(ExpertPredictor):
     def is_async(self) -> bool:
         return self._executor is not None
 
-    def _submit(self, fn, *args) -> Future:
+    def _submit(self, fn, *args) -> Future | _Done:
         if self._executor is not None:
             return self._executor.submit(fn, *args)
-        fut: Future = Future()
-        fut.set_result(fn(*args))
-        return fut
+        return _Done(fn(*args))  # synchronous: no Future (its condition variable costs more than a search)
 
     # ------------------------------------------------------------------ iteration
     def _clear_iteration(self) -> None:
