@@ -171,7 +171,7 @@ class FineMoEPredictor(ExpertPredictor):
 
     def _on_observe(self, layer: int) -> None:
         E, L = self.shape.num_experts, self.shape.num_layers
-        np.add.at(self.freq.numpy()[layer], self._topk[layer].reshape(-1).cpu().numpy(), 1.0)
+        self.freq.numpy()[layer] += np.bincount(self._topk[layer].reshape(-1).cpu().numpy(), minlength=E)
         row = self._rows_of(self._probs[layer].cpu())
         if self._traj is None or self._traj.shape[0] != row.shape[0]:
             self._traj = torch.zeros(row.shape[0], L, E)

@@ -24,6 +24,10 @@ from moeflow.offload.predictors.base import PredictorError
 DEFAULT_CAPACITY = 1000
 PAPER_DISTANCE = 3  # Mixtral-8x7B in the paper
 _EPS = 1e-12  # norms below this count as this (a zero vector scores 0)
+# numpy scalars of the arrays' dtypes, and array methods rather than module functions: on tiny arrays numpy's
+# Python-level wrappers (np.clip, np.argsort) and Python-int operands cost 10-20 us a call, the methods ~1 us
+_F0, _F1, _TOL = np.float32(0.0), np.float32(1.0), np.float32(1e-6)
+_EPS64 = np.float64(_EPS)
 
 
 def _cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -35,9 +39,9 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def _best(dots: np.ndarray, qnorm: np.ndarray, knorm: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     """dots [B, n], query norms [B], key norms [n] -> (argmax index int64 [B], its cosine fp32 [B])."""
-    score = dots / (np.maximum(qnorm, _EPS)[:, None] * np.maximum(knorm, _EPS)[None, :])
+    score = dots / (np.maximum(qnorm, _EPS64)[:, None] * np.maximum(knorm, _EPS64)[None, :])
     idx = score.argmax(1)
-    best = score[np.arange(score.shape[0]), idx]
+    best = score[np.arange(score.shape[0]), idx] if score.shape[0] > 1 else score[0, idx]
     return torch.from_numpy(idx.astype(np.int64)), torch.from_numpy(best.astype(np.float32))
 
 
@@ -194,8 +198,13 @@ class TrajectorySearch:
                 self._dots, self._qsq, self._version = np.zeros((t.shape[0], n)), np.zeros(t.shape[0]), store.version
             for source in range(0 if restart else layer, layer + 1):
                 row = t[:, source]  # [B, E]
-                self._dots += (store._by_layer[source, :n] @ row.T).T  # [n, B]: a contiguous matrix-vector product
-                self._qsq += (row.astype(np.float64) ** 2).sum(1)
+                keys = store._by_layer[source, :n]  # [n, E], contiguous
+                if row.shape[0] == 1:  # a decode step: one matrix-vector product
+                    self._dots[0] += keys.dot(row[0])
+                else:
+                    self._dots += (keys @ row.T).T
+                row64 = row.astype(np.float64)
+                self._qsq += (row64 * row64).sum(1)
             self._next = layer + 1
             return _best(self._dots, np.sqrt(self._qsq), np.sqrt(store._layer_sq[:n, layer]))
 
@@ -205,24 +214,22 @@ def ranked_selection(p: np.ndarray, score: np.ndarray, top_k: int, distance: int
     the experts some row selects (per row the fewest most probable with mass >= delta = clip(1 - score, 0, 1),
     at least ``top_k``), most wanted first by summed p / distance (ties: lower expert first)."""
     p = np.asarray(p, dtype=np.float32)
-    delta = np.clip(1.0 - np.asarray(score, dtype=np.float32), 0.0, 1.0)
+    delta = np.minimum(np.maximum(_F1 - np.asarray(score, dtype=np.float32), _F0), _F1)
     if p.shape[0] == 1:  # one row (a decode step): the same selection without the along-axis helpers
         row = p[0]
-        order = np.argsort(-row, kind="stable")
+        order = (-row).argsort(kind="stable")
         ranked_p = row[order]
-        take = (np.cumsum(ranked_p) - ranked_p) < (delta[0] - np.float32(1e-6))
+        take = (ranked_p.cumsum() - ranked_p) < (delta[0] - _TOL)
         take[:top_k] = True
-        chosen = np.sort(order[take])
-        return chosen[np.argsort(-(row[chosen] / np.float32(distance)), kind="stable")].tolist()
-    order = np.argsort(-p, axis=1, kind="stable")
+        chosen = order[take]
+        chosen.sort()
+        return chosen[(-(row[chosen] / np.float32(distance))).argsort(kind="stable")].tolist()
+    order = (-p).argsort(axis=1, kind="stable")
     sorted_p = np.take_along_axis(p, order, 1)
-    take = (np.cumsum(sorted_p, axis=1) - sorted_p) < (delta[:, None] - np.float32(1e-6))
+    take = (sorted_p.cumsum(axis=1) - sorted_p) < (delta[:, None] - _TOL)
     take[:, :top_k] = True
     mask = np.zeros_like(take)
     np.put_along_axis(mask, order, take, 1)
-    prio = np.where(mask, p / np.float32(distance), np.float32(0.0))
-    if p.shape[0] == 1:
-        prio, chosen = prio[0], mask[0]
-    else:
-        prio, chosen = prio.sum(0), mask.any(0)
-    return [int(e) for e in np.argsort(-prio, kind="stable") if chosen[e]]
+    prio = np.where(mask, p / np.float32(distance), _F0).sum(0)
+    chosen = mask.any(0)
+    return [int(e) for e in (-prio).argsort(kind="stable") if chosen[e]]
