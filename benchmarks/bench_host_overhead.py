@@ -209,18 +209,22 @@ def _us(r: dict) -> str:
 def table(before_path: Path, after_path: Path) -> str:
     """Markdown: us per layer before -> after for every policy, kind and hit level, and the tok/s ratios."""
     before, after = (json.loads(Path(p).read_text()) for p in (before_path, after_path))
-    lines = ["| kernels | policy | slots | before us (median / p10) | after us (median / p10) | target | hit rate |",
-             "|---|---|---|---:|---:|---:|---:|"]
+    lines = ["| kernels | policy | slots | before us (median / p10) | after us (median / p10) | target | hit rate "
+             "| after: begin_step p10 us (per step) |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
     for kind in ("noop", "real"):
         for key, r in after.get(kind, {}).items():
             policy, label = key.split("/")
             b = before.get(kind, {}).get(key, {})
             target = TARGET_US.get(policy, 250) if kind == "noop" and label == "all-hit" else ""
-            lines.append(f"| {kind} | {policy} | {label} | {_us(b)} | {_us(r)} | {target} | {r['hit_rate']:.2f} |")
-    lines += ["", "| decode tok/s | before | after |", "|---|---:|---:|"]
-    for key in after.get("tok_s", {}):
-        b = before.get("tok_s", {}).get(key)
-        lines.append(f"| {key} | {'' if b is None else f'{b:.3g}'} | {after['tok_s'][key]:.3g} |")
+            step = f"{r['step_p10_us']:.0f}" if r.get("step_p10_us", 0) > 1 else ""
+            lines.append(f"| {kind} | {policy} | {label} | {_us(b)} | {_us(r)} | {target} | {r['hit_rate']:.2f} "
+                         f"| {step} |")
+    if after.get("tok_s"):
+        lines += ["", "| decode tok/s | before | after |", "|---|---:|---:|"]
+        for key in after["tok_s"]:
+            b = before.get("tok_s", {}).get(key)
+            lines.append(f"| {key} | {'' if b is None else f'{b:.3g}'} | {after['tok_s'][key]:.3g} |")
     lines += ["", f"load average before/after: {before.get('load_before')} / {after.get('load_before')} (2 cores)"]
     return "\n".join(lines)
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from moeflow.kernels.reference import combine_reference
 from moeflow.offload.backend import combine_in_order
+from moeflow.offload.eviction import Static
 from moeflow.offload.policies.expertflow import PLECEviction, PLECState
 from moeflow.offload.predictors.base import EvalSequential
 from moeflow.offload.predictors.duoserve import expert_mlp
@@ -121,3 +122,28 @@ def test_plec_vectorised_pick_is_the_correction_order():
             flags[key] = True
         want = ev.victim(cands, now) if cands else None
         assert ev.pick(dict.fromkeys(cands), now, None, flags) == want
+
+
+def test_static_ring_pick_is_the_static_order():
+    """Static's own ring dict picks what its order (placement last, least recent first) picks."""
+    rng = random.Random(1)
+    for _ in range(300):
+        policy = Static(n_fixed=rng.randint(0, 6))
+        keys = [(layer, e) for layer in range(3) for e in range(4)]
+        resident: set = set()
+        for step in range(40):
+            key = rng.choice(keys)
+            action = rng.random()
+            if action < 0.4:
+                policy.access(key)
+            elif action < 0.7 and key not in resident:
+                policy.loaded(key)
+                resident.add(key)
+            elif key in resident:
+                policy.evicted(key)
+                resident.discard(key)
+            if step == 20:
+                policy.on_phase("decode")  # freezes the placement from the gate counts so far
+        evictable = [k for k in resident if rng.random() < 0.7]
+        want = policy.victim(evictable, 0) if evictable else None
+        assert policy.pick(dict.fromkeys(evictable), 0) == want
