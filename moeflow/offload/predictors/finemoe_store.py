@@ -56,7 +56,8 @@ class ExpertMapStore:
         self.capacity, self.distance = capacity, distance
         self.maps = torch.zeros(capacity, num_layers, num_experts)  # [C, L, E]
         self.sems = torch.zeros(capacity, hidden_size) if hidden_size else None  # [C, H]
-        self.has_sem = torch.zeros(capacity, dtype=torch.bool)
+        self._has_sem = np.zeros(capacity, dtype=bool)
+        self.has_sem = torch.from_numpy(self._has_sem)  # [C], the same memory (read as numpy by the searches)
         self._by_layer = np.zeros((num_layers, capacity, num_experts), dtype=np.float32)  # maps, layer-major
         self._layer_sq = np.zeros((capacity, num_layers))  # [C, L]: sum of squares of layers 0..l of each map
         self._sem_norm = np.zeros(capacity)  # [C]
@@ -70,12 +71,14 @@ class ExpertMapStore:
 
     def _write(self, slot: int, m: torch.Tensor, sem: torch.Tensor | None) -> None:
         self.maps[slot] = m.float()
+        m64 = self.maps[slot].numpy().astype(np.float64)  # [L, E]
         self._by_layer[:, slot] = self.maps[slot].numpy()  # a layer's [C, E] rows contiguous for the search
-        self._layer_sq[slot] = np.cumsum((self.maps[slot].double().numpy() ** 2).sum(1))
+        self._layer_sq[slot] = (m64 * m64).sum(1).cumsum()
         if sem is not None:
             self.sems[slot] = sem.float()
-            self._sem_norm[slot] = float(np.linalg.norm(self.sems[slot].double().numpy()))
-        self.has_sem[slot] = sem is not None
+            s64 = self.sems[slot].numpy().astype(np.float64)
+            self._sem_norm[slot] = np.sqrt((s64 * s64).sum())
+        self._has_sem[slot] = sem is not None
         self.version += 1
 
     def redundancy(self, maps: torch.Tensor, sems: torch.Tensor | None) -> torch.Tensor:
@@ -88,15 +91,16 @@ class ExpertMapStore:
             if sems is None or self.sems is None:
                 return torch.from_numpy(traj.astype(np.float32))
             sem = self._cosines(sems.detach().float().cpu().numpy(), self.sems[:n].numpy(), self._sem_norm[:n])
-            sem = np.where(self.has_sem[:n].numpy()[None, :], sem, traj)  # a stored map without embedding
+            sem = np.where(self._has_sem[:n][None, :], sem, traj)  # a stored map without embedding
             L, d = self.num_layers, self.distance
-            return torch.from_numpy((d / L * sem + (L - d) / L * traj).astype(np.float32))
+            return torch.from_numpy((np.float64(d / L) * sem + np.float64((L - d) / L) * traj).astype(np.float32))
 
     @staticmethod
     def _cosines(q: np.ndarray, keys: np.ndarray, key_norms: np.ndarray) -> np.ndarray:
         """q fp32 [B, D], keys fp32 [n, D] with their norms [n] -> cosines float64 [B, n]."""
-        qn = np.maximum(np.sqrt((q.astype(np.float64) ** 2).sum(1)), _EPS)
-        return (q @ keys.T) / (qn[:, None] * np.maximum(key_norms, _EPS)[None, :])
+        q64 = q.astype(np.float64)
+        qn = np.maximum(np.sqrt((q64 * q64).sum(1)), _EPS64)
+        return (q @ keys.T) / (qn[:, None] * np.maximum(key_norms, _EPS64)[None, :])
 
     def add(self, maps: torch.Tensor, sems: torch.Tensor | None = None) -> list[int]:
         """Store new iterations (maps [B, L, E], sems [B, H]); when full, each replaces the stored map
@@ -125,14 +129,14 @@ class ExpertMapStore:
         """Eq. 4: for each query [B, H], (index of the most similar stored embedding [B], its cosine [B])."""
         with self.lock:
             n = self.size
-            has = self.has_sem[:n].numpy()
+            has = self._has_sem[:n]
             if n == 0 or self.sems is None or not has.any():
                 return None
             q = sems.detach().float().cpu().numpy()
             score = self._cosines(q, self.sems[:n].numpy(), self._sem_norm[:n])
             score[:, ~has] = -np.inf  # a map stored without an embedding never matches semantically
             idx = score.argmax(1)
-            best = score[np.arange(score.shape[0]), idx]
+            best = score[np.arange(score.shape[0]), idx] if score.shape[0] > 1 else score[0, idx]
             return torch.from_numpy(idx.astype(np.int64)), torch.from_numpy(best.astype(np.float32))
 
     def search_trajectory(self, traj: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -141,9 +145,9 @@ class ExpertMapStore:
             n, m = self.size, traj.shape[1]
             if n == 0:
                 return None
-            q = traj.detach().float().cpu().reshape(traj.shape[0], -1).numpy()
-            dots = q.astype(np.float64) @ self.maps[:n, :m].reshape(n, -1).numpy().T
-            return _best(dots, np.sqrt((q.astype(np.float64) ** 2).sum(1)), np.sqrt(self._layer_sq[:n, m - 1]))
+            q = traj.detach().float().cpu().reshape(traj.shape[0], -1).numpy().astype(np.float64)
+            dots = q @ self.maps[:n, :m].reshape(n, -1).numpy().T
+            return _best(dots, np.sqrt((q * q).sum(1)), np.sqrt(self._layer_sq[:n, m - 1]))
 
     def layer_maps(self, idx: torch.Tensor, layer: int) -> torch.Tensor:
         """P_layer of the stored maps ``idx`` [B] -> [B, E]."""
