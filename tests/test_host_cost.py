@@ -15,11 +15,11 @@ import torch
 from torch import nn
 
 from moeflow.kernels.reference import combine_reference
-from moeflow.offload.backend import combine_in_order
+from moeflow.offload.combine import combine_in_order
 from moeflow.offload.eviction import Static
 from moeflow.offload.policies.expertflow import PLECEviction, PLECState
-from moeflow.offload.predictors.base import EvalSequential
 from moeflow.offload.predictors.duoserve import expert_mlp
+from moeflow.offload.predictors.eval_mlp import EvalSequential
 from moeflow.offload.predictors.finemoe import select_experts, similarity_threshold
 from moeflow.offload.predictors.finemoe_store import ExpertMapStore, TrajectorySearch, _cosine, ranked_selection
 

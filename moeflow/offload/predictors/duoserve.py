@@ -33,7 +33,6 @@ import torch
 from torch import nn
 
 from moeflow.offload.predictors.base import (
-    EvalSequential,
     ExpertPredictor,
     ModelShape,
     PredictorError,
@@ -41,6 +40,7 @@ from moeflow.offload.predictors.base import (
     ids_to_mask,
     popularity_matrix,
 )
+from moeflow.offload.predictors.eval_mlp import EvalSequential
 
 PAPER_WIDTHS = (2048, 1024, 512, 256, 128, 64)
 MIXTRAL_INPUT = 32 * 8 + 8 + 2 * 8  # state size for Mixtral-8x7B (L=32, E=8, k=2): the paper's scale

@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from moeflow.offload.predictors.base import (
-    EvalSequential,
     ExpertPredictor,
     ModelShape,
     PredictorError,
@@ -32,6 +31,7 @@ from moeflow.offload.predictors.base import (
     popularity_matrix,
 )
 from moeflow.offload.predictors.duoserve import _train_bce
+from moeflow.offload.predictors.eval_mlp import EvalSequential
 
 
 def promoe_width(hidden_size: int) -> int:
