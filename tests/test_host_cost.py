@@ -106,6 +106,7 @@ def test_plec_vectorised_pick_is_the_correction_order():
         L, E = rng.randint(1, 6), rng.randint(1, 6)
         state = PLECState(L, E)
         ev = PLECEviction(state)
+        ev.vectorise_from = 0  # the array path whatever the number of candidates
         keys = [(layer, e) for layer in range(L) for e in range(E)]
         state.new_pass({layer: rng.sample(range(E), rng.randint(0, E)) for layer in range(L)})
         for _ in range(rng.randint(0, 30)):

@@ -134,6 +134,7 @@ class PLECEviction(EvictionPolicy):
     """
 
     name = "plec"
+    vectorise_from = 32  # candidates; below, ranking the list by ``order`` costs less than the array passes
 
     def __init__(self, state: PLECState) -> None:
         super().__init__()
@@ -168,8 +169,8 @@ class PLECEviction(EvictionPolicy):
         return min(candidates, key=lambda k: self.order(k, layer_now))
 
     def pick(self, evictable, layer_now, allowed=None, flags=None):  # noqa: D102 (the base's)
-        if flags is None or allowed is not None:
-            return super().pick(evictable, layer_now, allowed, flags)
+        if flags is None or allowed is not None or len(evictable) < self.vectorise_from:
+            return super().pick(evictable, layer_now, allowed, flags)  # a few candidates: the list is cheaper
         s = self.state
         ahead = self._layers > layer_now  # [L, 1]
         planned_ahead = ahead & s.planned_mask  # class 3
