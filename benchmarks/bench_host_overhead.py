@@ -5,8 +5,10 @@ Three measurements, each the median of ``--repeats`` runs in one process:
 * ``noop``: every policy's ``OffloadedExperts.forward`` (+ its ``begin_step``, amortised over the layers) with
   the expert kernels replaced by a no-op through the Platform seam (``Platform(compute=...)``), driven by a
   seeded random routing (one token per step, top-k of E uniformly) so half the slots give ~50 % hits; at
-  all-hit (every expert fits in the slots) and at half the slots: the scheduler's own cost, what the host
-  must do per layer whatever the GPU;
+  all-hit (every expert fits in the slots) and at half the slots, under ``torch.inference_mode`` as
+  ``generate`` runs: the scheduler's own cost, what the host must do per layer whatever the GPU. Per-call
+  times are kept by layer (a predictor's work differs by layer: the last layers propose nothing), so the
+  statistics are per layer position, averaged over the layers; ``step_p10_us`` is ``begin_step`` alone;
 * ``real``: the same policies inside the embedded model's greedy decode with the real kernels (the torch
   reference on the CPU), host time of the backend's calls per layer;
 * ``tok/s``: whole greedy decode, policy "lru" with every expert fitting and with half the slots, against the
@@ -50,10 +52,12 @@ def _noop_compute(layer: int, topk_ids: torch.Tensor, experts: list[int]) -> Non
 
 
 class _Timed:
-    """Wraps a backend's ``forward`` and ``begin_step``: the wall time of every decode call, one by one."""
+    """Wraps a backend's ``forward`` and ``begin_step``: the wall time of every decode call, one by one, the
+    forwards kept by MoE layer (a predictor's work differs by layer: layers near the end propose nothing)."""
 
     def __init__(self, backend) -> None:
-        self.backend, self.forward_s, self.step_s = backend, [], []
+        self.backend, self.step_s = backend, []
+        self.forward_s: dict[int, list[float]] = {}
         self._forward, self._begin = backend.forward, backend.begin_step
         backend.forward, backend.begin_step = self.forward, self.begin_step
 
@@ -64,28 +68,29 @@ class _Timed:
             into.append(time.perf_counter() - t0)
         return out
 
-    def forward(self, *args):
-        return self._timed(self.forward_s, self._forward, *args)
+    def forward(self, layer, *args):
+        return self._timed(self.forward_s.setdefault(layer, []), self._forward, layer, *args)
 
     def begin_step(self, step):
         return self._timed(self.step_s, self._begin, step)
 
-    def p10_per_layer(self, num_layers: int) -> float:
-        """10th-percentile forward + begin_step / layers in us: the intrinsic cost when the cores are oversubscribed."""
-        def p10(xs):
-            return sorted(xs)[len(xs) // 10] if xs else 0.0
-        return (p10(self.forward_s) + p10(self.step_s) / num_layers) * 1e6
+    def _per_layer(self, stat) -> float:
+        """stat over each layer's forwards, averaged over the layers, + stat(begin_step) / layers, in us."""
+        layers = [xs for xs in self.forward_s.values() if xs]
+        if not layers:
+            return 0.0
+        step = stat(self.step_s) if self.step_s else 0.0
+        return (statistics.fmean(stat(xs) for xs in layers) + step / len(layers)) * 1e6
 
-    def us_per_layer(self, num_layers: int) -> tuple[float, float]:
-        """(median forward + median begin_step / layers, mean forward + mean begin_step / layers) in us: the
-        median call is what the host loop costs, the mean adds the preemptions of a loaded machine."""
-        def med(xs):
-            return statistics.median(xs) if xs else 0.0
+    def p10_per_layer(self) -> float:
+        """10th-percentile call per layer (the intrinsic cost when the cores are oversubscribed), averaged over
+        the layers, + the 10th-percentile begin_step / layers, in us."""
+        return self._per_layer(lambda xs: sorted(xs)[len(xs) // 10])
 
-        def mean(xs):
-            return statistics.fmean(xs) if xs else 0.0
-        return ((med(self.forward_s) + med(self.step_s) / num_layers) * 1e6,
-                (mean(self.forward_s) + mean(self.step_s) / num_layers) * 1e6)
+    def us_per_layer(self) -> tuple[float, float]:
+        """(median call per layer averaged over the layers + median begin_step / layers, the same with means) in
+        us: the median call is what the host loop costs, the mean adds the preemptions of a loaded machine."""
+        return self._per_layer(statistics.median), self._per_layer(statistics.fmean)
 
 
 def _backend(model, policy: str, slots: int, noop: bool):
@@ -104,19 +109,23 @@ def _backend(model, policy: str, slots: int, noop: bool):
     return backend
 
 
-def _summary(med: list[float], mean: list[float], hits: list[float], p10: list[float] | None = None) -> dict:
+def _summary(med: list[float], mean: list[float], hits: list[float], p10: list[float] | None = None,
+             step: list[float] | None = None) -> dict:
     out = {"us": statistics.median(med), "mean_us": statistics.median(mean), "runs_us": med,
            "hit_rate": statistics.median(hits)}
     if p10:
         out["p10_us"] = statistics.median(p10)
+    if step:  # begin_step alone, per step (the predictors' per-pass work, amortised over the layers above)
+        out["step_p10_us"] = statistics.median(step)
     return out
 
 
+@torch.inference_mode()  # as the model's generate() runs its decode
 def noop_us_per_layer(model, policy: str, slots: int, steps: int, repeats: int) -> dict:
     """Drive a no-op-kernel backend directly: one decode token per step, seeded uniform routing."""
     E, L = model.experts.num_experts, model.experts.num_layers
     k, H = model.config.num_experts_per_tok, model.config.hidden_size
-    med, mean, hits, p10 = [], [], [], []
+    med, mean, hits, p10, step_p10 = [], [], [], [], []
     for r in range(repeats):
         gen = torch.Generator().manual_seed(r)
         backend = _backend(model, policy, slots, noop=True)
@@ -138,13 +147,14 @@ def noop_us_per_layer(model, policy: str, slots: int, steps: int, repeats: int) 
                 w = probs.gather(1, top.long())
                 timed.forward(layer, x, probs, top, w / w.sum(-1, keepdim=True))
         backend.close()
-        a, b = timed.us_per_layer(L)
+        a, b = timed.us_per_layer()
         med.append(a)
         mean.append(b)
-        p10.append(timed.p10_per_layer(L))
+        p10.append(timed.p10_per_layer())
+        step_p10.append(sorted(timed.step_s)[len(timed.step_s) // 10] * 1e6)
         d = model.stats.decode
         hits.append(d.hits / max(d.hits + d.misses, 1))
-    return _summary(med, mean, hits, p10)
+    return _summary(med, mean, hits, p10, step_p10)
 
 
 def real_us_per_layer(model, ids: torch.Tensor, policy: str, slots: int, new_tokens: int, repeats: int) -> dict:
@@ -159,7 +169,7 @@ def real_us_per_layer(model, ids: torch.Tensor, policy: str, slots: int, new_tok
         model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
         model.use_backend(base)
         backend.close()
-        a, b = timed.us_per_layer(backend.num_layers)
+        a, b = timed.us_per_layer()
         med.append(a)
         mean.append(b)
         d = model.stats.decode
@@ -200,18 +210,22 @@ def _us(r: dict) -> str:
 def table(before_path: Path, after_path: Path) -> str:
     """Markdown: us per layer before -> after for every policy, kind and hit level, and the tok/s ratios."""
     before, after = (json.loads(Path(p).read_text()) for p in (before_path, after_path))
-    lines = ["| kernels | policy | slots | before us (median / p10) | after us (median / p10) | target | hit rate |",
-             "|---|---|---|---:|---:|---:|---:|"]
+    lines = ["| kernels | policy | slots | before us (median / p10) | after us (median / p10) | target | hit rate "
+             "| after: begin_step p10 us (per step) |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
     for kind in ("noop", "real"):
         for key, r in after.get(kind, {}).items():
             policy, label = key.split("/")
             b = before.get(kind, {}).get(key, {})
             target = TARGET_US.get(policy, 250) if kind == "noop" and label == "all-hit" else ""
-            lines.append(f"| {kind} | {policy} | {label} | {_us(b)} | {_us(r)} | {target} | {r['hit_rate']:.2f} |")
-    lines += ["", "| decode tok/s | before | after |", "|---|---:|---:|"]
-    for key in after.get("tok_s", {}):
-        b = before.get("tok_s", {}).get(key)
-        lines.append(f"| {key} | {'' if b is None else f'{b:.3g}'} | {after['tok_s'][key]:.3g} |")
+            step = f"{r['step_p10_us']:.0f}" if r.get("step_p10_us", 0) > 5 else ""  # no per-pass work: ~1 us
+            lines.append(f"| {kind} | {policy} | {label} | {_us(b)} | {_us(r)} | {target} | {r['hit_rate']:.2f} "
+                         f"| {step} |")
+    if after.get("tok_s"):
+        lines += ["", "| decode tok/s | before | after |", "|---|---:|---:|"]
+        for key in after["tok_s"]:
+            b = before.get("tok_s", {}).get(key)
+            lines.append(f"| {key} | {'' if b is None else f'{b:.3g}'} | {after['tok_s'][key]:.3g} |")
     lines += ["", f"load average before/after: {before.get('load_before')} / {after.get('load_before')} (2 cores)"]
     return "\n".join(lines)
 

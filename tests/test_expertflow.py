@@ -178,6 +178,18 @@ def test_plec_budget_never_evicts_planned():
         def lookup(self, key):
             return next((s for s in self.slots if s.key == key), None)
 
+        def empty_slots(self):
+            return sum(1 for s in self.slots if s.key is None)
+
+        def _evictable(self):
+            return [s.key for s in self.slots if s.key is not None and s.task is None and not s.in_use]
+
+        def evictable_count(self):
+            return len(self._evictable())
+
+        def is_evictable(self, key):
+            return key in self._evictable()
+
     class Backend:
         def __init__(self, keys):
             self.cache = Cache(keys)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import moeflow
 from moeflow import MoEOffloadedMixtral, OffloadConfig
@@ -134,6 +135,47 @@ def test_one_blocking_read_per_layer(model, policy, slots):
         backend.cache.check()
     finally:
         backend.close()
+
+
+class _CustomOpCalls(TorchDispatchMode):
+    """Records every op of the ``moeflow`` torch.library namespace dispatched while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "namespace", None) == "moeflow":
+            self.calls.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_eager_decode_makes_no_custom_op_call(model, policy):
+    """The dispatch tax: the scheduler's eager path (read-back, plan, predictors, the combine) calls plain torch,
+    never a ``torch.ops.moeflow`` custom op (those stay for torch.compile); expert kernels are a no-op here."""
+    backend = _backend(model, policy, 16)
+    L, E, k, H = backend.num_layers, backend.num_experts, backend.top_k, model.config.hidden_size
+    gen = torch.Generator().manual_seed(0)
+    history = torch.tensor([model.tokenizer.encode("The quick brown fox jumps over the lazy dog")])
+    model.stats.reset()
+    model.stats.set_phase("decode")
+    try:
+        with _CustomOpCalls() as seen:
+            for step in range(3):
+                n = history.shape[1] - 3 + step
+                ids = history[:, n - 1 : n]
+                backend.begin_step(StepInfo(ids, torch.tensor([[n - 1]]), torch.ones_like(ids, dtype=torch.bool),
+                                            "decode", None, torch.randn(1, 1, H, generator=gen), history[:, :n],
+                                            torch.ones(1, n, dtype=torch.bool)))
+                for layer in range(L):
+                    probs = torch.softmax(torch.randn(1, E, generator=gen), -1)
+                    top = torch.topk(probs, k).indices.to(torch.int32)
+                    w = probs.gather(1, top.long())
+                    backend.forward(layer, torch.randn(1, H, generator=gen), probs, top, w / w.sum(-1, keepdim=True))
+    finally:
+        backend.close()
+    assert seen.calls == [], f"{policy}: custom ops dispatched in eager decode: {sorted(set(seen.calls))}"
 
 
 @pytest.mark.parametrize(("policy", "slots", "transport"), [

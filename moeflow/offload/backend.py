@@ -26,6 +26,7 @@ from moeflow import kernels
 from moeflow.kernels.pool import ExpertFormat, ExpertPool
 from moeflow.moe.backend import ExpertBackend, StepInfo
 from moeflow.offload.cache import ExpertCache, Slot
+from moeflow.offload.combine import combine_in_order
 from moeflow.offload.copy_engine import CopyEngine, LoadTask
 from moeflow.offload.cpu_slots import SlotInt4Forms
 from moeflow.offload.eviction import EvictionPolicy
@@ -80,6 +81,7 @@ class OffloadedExperts(ExpertBackend):
         self.predictor = predictor
         self.warm_start = warm_start
         self.transport = transport
+        self._cuda_transport = isinstance(transport, CudaTransport)
         self.clock = platform.clock
         self.compute_executor = platform.compute  # None: the kernels; the simulator's accounts the time instead
         if host.fmt != fmt:
@@ -96,7 +98,9 @@ class OffloadedExperts(ExpertBackend):
         self.slot_tables = SlotTables(self.device, self.num_experts)
         # kernels="cpu-int4" on the CPU: the slots hold torch's int4 form (CpuInt4Format), computed with its kernels
         self.int4_slots = SlotInt4Forms(self.pool) if kernels_backend == "cpu-int4" else None
-        self._combine_backend = "torch" if kernels_backend == "cpu-int4" else kernels_backend
+        combine_backend = "torch" if kernels_backend == "cpu-int4" else kernels_backend
+        # resolved once: the torch combine is called directly (no custom-op dispatch in eager mode)
+        self._combine_backend = kernels.resolve_backend(combine_backend, self.device)
         self.cpu = cpu  # hybrid execution: misses computed on the CPU (docs/hybrid.md)
         self.prefill_ring = prefill_ring
         if predictor is not None:
@@ -210,11 +214,13 @@ class OffloadedExperts(ExpertBackend):
                     slot.pins = 1
                     self.cache.release(slot, fence)
             raise
-        if isinstance(self.transport, CudaTransport):
+        if self._cuda_transport:
             st.stall_s += self.transport.collect_stall_s()
         if self.int4_slots is not None:
             return self.int4_slots.combine(out, k)
-        return kernels.combine(out, k, self._combine_backend)
+        if self._combine_backend == "torch":
+            return combine_in_order(out, k)
+        return kernels.combine(out, k, self._combine_backend)  # triton: its eager launcher, no custom op
 
     def _schedule_and_compute(
         self,
@@ -234,13 +240,15 @@ class OffloadedExperts(ExpertBackend):
             self.cache.drop(self.cache.lookup(task.key), task.fences())
 
         # 3. acquire: the plan from the cache's state, then the hits pinned and the loads under way promoted
-        plan = plan_layer(layer, needed, self.cache.lookup)
+        lookup = self.cache.lookup
+        plan = plan_layer(layer, needed, lookup)
+        access, use = self.cache.policy.access, self.cache.use
         for e in needed:
             key = (layer, e)
-            self.cache.policy.access(key)
-            slot = self.cache.lookup(key)
+            access(key)
+            slot = lookup(key)
             if slot is not None:
-                self.cache.use(slot)
+                use(slot)
         st.hits += plan.hits()
         st.misses += len(plan.deferred)
         st.inflight_hits += len(plan.waiting)
@@ -442,6 +450,8 @@ def _host_proposals(proposals: list[tuple[int, torch.Tensor | list[int]]],
                     fetched: list[list[int]]) -> list[tuple[int, list[int]]]:
     """[(target, device ids or host list)] and the device ones read back, in order -> [(target, host ids)]
     without the padding (< 0)."""
+    if not proposals:
+        return []
     out, it = [], iter(fetched)
     for target, ids in proposals:
         host = next(it) if isinstance(ids, torch.Tensor) else ids

@@ -90,6 +90,17 @@ class ExpertCache:
     def lookup(self, key: Key) -> Slot | None:
         return self.where.get(key)
 
+    def empty_slots(self) -> int:
+        """Slots holding nothing (an empty slot is never in use)."""
+        return len(self.slots) - len(self.where)
+
+    def evictable_count(self) -> int:
+        """Slots the policy may take now: READY and not in use."""
+        return len(self._evictable)
+
+    def is_evictable(self, key: Key) -> bool:
+        return key in self._evictable
+
     def resident(self) -> dict[Key, SlotState]:
         return {k: s.state for k, s in self.where.items()}
 

@@ -155,10 +155,27 @@ class Static(LFU):
         super().__init__()
         self.n_fixed = max(0, n_fixed)
         self.fixed: frozenset[Key] | None = None
+        self._ring: OrderedDict[Key, None] = OrderedDict()  # resident keys outside the placement, LRU first
 
     def set_popularity(self, counts: dict[Key, float]) -> None:
         ranked = sorted(counts, key=lambda k: (-counts[k], k))
         self.fixed = frozenset(ranked[: self.n_fixed])
+        self._ring = OrderedDict((k, None) for k in self.recency if k not in self.fixed)
+
+    def access(self, key: Key) -> None:
+        super().access(key)
+        if key in self._ring:
+            self._ring.move_to_end(key)
+
+    def loaded(self, key: Key) -> None:
+        super().loaded(key)
+        if self.fixed is not None and key not in self.fixed:
+            self._ring[key] = None
+            self._ring.move_to_end(key)
+
+    def evicted(self, key: Key) -> None:
+        super().evicted(key)
+        self._ring.pop(key, None)
 
     def on_phase(self, phase: str) -> None:
         if phase == "decode" and self.fixed is None:
@@ -172,11 +189,13 @@ class Static(LFU):
     def pick(self, evictable, layer_now, allowed=None, flags=None):  # noqa: D102 (the base's)
         if self.fixed is None:
             return super().pick(evictable, layer_now, allowed, flags)
+        for key in self._ring:  # the streaming ring in LRU order (its own ordered dict: O(1) amortised) ...
+            if key in evictable and (allowed is None or allowed(key)):
+                return key
         fixed = self.fixed
-        for want_fixed in (False, True):  # the streaming ring in LRU order, the placement last
-            for key in self.recency:
-                if (key in fixed) == want_fixed and key in evictable and (allowed is None or allowed(key)):
-                    return key
+        for key in self.recency:  # ... the placement last
+            if key in fixed and key in evictable and (allowed is None or allowed(key)):
+                return key
         return None
 
 
@@ -199,13 +218,15 @@ class PriorityEviction(EvictionPolicy):
         if self.score_table is None or flags is None or allowed is not None:
             return super().pick(evictable, layer_now, allowed, flags)
         masked = np.where(flags, self.score_table(layer_now), np.inf)
-        low = masked.min()
+        i = int(masked.argmin())
+        low = masked.flat[i]
         if low == np.inf:
             return None
-        tied = np.flatnonzero(masked == low)
         E = flags.shape[1]
-        keys = [(int(i) // E, int(i) % E) for i in tied]
-        return keys[0] if len(keys) == 1 else min(keys, key=self.base.order)
+        if np.count_nonzero(masked == low) == 1:  # the usual case: no tie to break
+            return (i // E, i % E)
+        keys = [(int(j) // E, int(j) % E) for j in np.flatnonzero(masked == low)]
+        return min(keys, key=self.base.order)
 
     def access(self, key: Key) -> None:
         self.base.access(key)

@@ -49,8 +49,7 @@ class ReadBack:
         if not self.cuda:  # host memory already: read it in place (the subclass guard: tests' device stand-in)
             with torch._C.DisableTorchFunctionSubclass():
                 self.blocking_reads += 1
-                chosen = set(topk_ids.reshape(-1).tolist())
-                return ([e for e in range(E) if e in chosen], [t.reshape(-1).tolist() for t in ids],
+                return (sorted(set(topk_ids.reshape(-1).tolist())), [t.reshape(-1).tolist() for t in ids],
                         [t.float().clone() for t in floats])
         flat = topk_ids.reshape(-1)
         self.mask.zero_()

@@ -38,6 +38,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from moeflow.moe.backend import StepInfo
@@ -64,6 +65,12 @@ class PLECState:
         self.next_planned: dict[Key, int] = {}  # of the upcoming plan, once polled in this pass
         self.next_pass_prefetches = 0  # prefetches issued for the next pass during this one (§4.1)
         self.planned_at_start = self.resident_at_start = 0  # planned experts / resident or loading at pass start
+        # the same sets as arrays [L, E], for the vectorised victim choice (PLECEviction.pick)
+        self.planned_mask = np.zeros((num_layers, num_experts), dtype=bool)
+        self.planned_rank = np.zeros((num_layers, num_experts), dtype=np.int64)
+        self.next_mask = np.zeros((num_layers, num_experts), dtype=bool)
+        self.next_rank = np.zeros((num_layers, num_experts), dtype=np.int64)
+        self.prefetched_mask = np.zeros((num_layers, num_experts), dtype=bool)
 
     def new_pass(self, plan: dict[int, list[int]]) -> None:
         self.pass_no += 1
@@ -72,6 +79,17 @@ class PLECState:
         self.plan = plan
         self.planned = {(layer, e): r for layer, es in plan.items() for r, e in enumerate(es)}
         self.next_planned = {}
+        self.planned_mask[:] = False
+        self.next_mask[:] = False
+        for (layer, e), r in self.planned.items():
+            self.planned_mask[layer, e], self.planned_rank[layer, e] = True, r
+
+    def mark_prefetched(self, key: Key, prefetched: bool) -> None:
+        if prefetched:
+            self.prefetched.add(key)
+        else:
+            self.prefetched.discard(key)
+        self.prefetched_mask[key] = prefetched
 
     def count_resident_at_start(self, cache: Any) -> None:
         """How much of the new plan is resident or loading as the pass starts (§4.1's overlap, measured)."""
@@ -87,6 +105,8 @@ class PLECState:
             return {}
         if not self.next_planned:
             self.next_planned = {(layer, e): r for layer, es in plan.items() for r, e in enumerate(es)}
+            for (layer, e), r in self.next_planned.items():
+                self.next_mask[layer, e], self.next_rank[layer, e] = True, r
         return plan
 
     def eviction_class(self, key: Key, layer_now: int) -> tuple:
@@ -105,28 +125,41 @@ class PLECState:
 
 
 class PLECEviction(EvictionPolicy):
-    """PLEC's replacement order (real-time correction); ties by frequency, then recency."""
+    """PLEC's replacement order (real-time correction); ties by frequency, then recency.
+
+    ``victim`` ranks a candidate list by :meth:`PLECState.eviction_class`; ``pick`` (the cache's call, with its
+    evictable flags [L, E]) finds the same victim with a fixed number of array operations over [L, E], whatever
+    the number of slots: the class masks, then within the first non-empty class its secondary order (the
+    layer, the plan's rank), then frequency and recency, kept here as arrays beside the base's dicts.
+    """
 
     name = "plec"
+    vectorise_from = 32  # candidates; below, ranking the list by ``order`` costs less than the array passes
 
     def __init__(self, state: PLECState) -> None:
         super().__init__()
         self.state = state
+        shape = (state.num_layers, state.num_experts)
+        self._freq = np.zeros(shape, dtype=np.int64)
+        self._last = np.zeros(shape, dtype=np.int64)
+        self._layers = np.arange(state.num_layers)[:, None]
 
     def access(self, key: Key) -> None:
         super().access(key)
+        self._freq[key], self._last[key] = self.freq[key], self.last_use[key]
         self.state.accessed[key] = self.state.pass_no
-        self.state.prefetched.discard(key)
+        self.state.mark_prefetched(key, False)
 
     def loaded(self, key: Key) -> None:
         super().loaded(key)
+        self._last[key] = self.last_use[key]
         s = self.state
         demand = s.accessed.get(key) == s.pass_no and key[0] == s.layer_now
         if s.started and not demand:
-            s.prefetched.add(key)
+            s.mark_prefetched(key, True)
 
     def evicted(self, key: Key) -> None:
-        self.state.prefetched.discard(key)
+        self.state.mark_prefetched(key, False)
 
     def order(self, key: Key, layer_now: int | None = None) -> tuple:
         now = self.state.layer_now if layer_now is None else layer_now
@@ -134,6 +167,30 @@ class PLECEviction(EvictionPolicy):
 
     def victim(self, candidates: Sequence[Key], layer_now: int) -> Key:
         return min(candidates, key=lambda k: self.order(k, layer_now))
+
+    def pick(self, evictable, layer_now, allowed=None, flags=None):  # noqa: D102 (the base's)
+        if flags is None or allowed is not None or len(evictable) < self.vectorise_from:
+            return super().pick(evictable, layer_now, allowed, flags)  # a few candidates: the list is cheaper
+        s = self.state
+        ahead = self._layers > layer_now  # [L, 1]
+        planned_ahead = ahead & s.planned_mask  # class 3
+        misfetched = s.prefetched_mask & ~s.next_mask & ~planned_ahead  # class 0
+        classes = (misfetched, ahead & ~planned_ahead & ~misfetched,  # 0, 1 (predicted idle ahead)
+                   ~ahead & ~s.next_mask & ~misfetched, ~ahead & s.next_mask, planned_ahead)  # 2, 2.5, 3
+        c = next((i for i, cls in enumerate(classes) if (flags & cls).any()), None)
+        if c is None:
+            return None
+        m = flags & classes[c]
+        if c in (1, 2, 4):  # the latest layer first
+            m &= self._layers == np.flatnonzero(m.any(1))[-1]
+        rank = s.next_rank if c == 3 else s.planned_rank if c == 4 else None
+        if rank is not None:  # then the plan's least likely first
+            m &= rank == rank[m].max()
+        idx = np.flatnonzero(m)
+        f = self._freq.flat[idx]
+        idx = idx[f == f.min()]
+        i = int(idx[self._last.flat[idx].argmin()])
+        return (i // s.num_experts, i % s.num_experts)
 
 
 class PLECPredictor(Predictor):
@@ -174,9 +231,9 @@ class PLECPredictor(Predictor):
         """Scores [N, L, E] of a pass's tokens -> its plan: per layer the experts on some token's path, ranked
         by summed score."""
         paths = self.predictor.token_paths(scores)
-        active, mass = paths.any(0), (scores * paths).sum(0)
-        return {layer: [e for e in torch.argsort(mass[layer], descending=True).tolist() if active[layer, e]]
-                for layer in range(self.state.num_layers)}
+        active, mass = paths.any(0).tolist(), (scores * paths).sum(0)
+        order = torch.argsort(mass, dim=1, descending=True).tolist()  # every layer's row at once
+        return {layer: [e for e in order[layer] if active[layer][e]] for layer in range(self.state.num_layers)}
 
     def begin_step(self, step: StepInfo) -> None:
         """Plan the pass: the OR over its tokens of each token's predicted path, then prefetch ahead."""
@@ -204,14 +261,7 @@ class PLECPredictor(Predictor):
         if self.backend is None:
             return []
         cache = self.backend.cache
-        free = 0
-        for s in cache.slots:
-            if s.in_use:
-                continue
-            if s.key is None:
-                free += 1
-            elif s.task is None and self.state.eviction_class(s.key, layer_now)[0] < 3:  # READY, not planned ahead
-                free += 1
+        free = self._free_slots(cache, layer_now)
         out = []
         for layer in range(layer_now + 1, self.state.num_layers):
             if free <= 0:
@@ -224,14 +274,24 @@ class PLECPredictor(Predictor):
             out += self._next_pass_targets(layer_now, cache)
         return out
 
+    def _free_slots(self, cache: Any, layer_now: int) -> int:
+        """Empty slots + READY unused ones, less those holding a planned expert of a layer ahead (class 3):
+        O(plan ahead), not a walk over the slots."""
+        free = cache.empty_slots() + cache.evictable_count()
+        plan = self.state.plan
+        for layer in range(layer_now + 1, self.state.num_layers):
+            free -= sum(1 for e in plan.get(layer, ()) if cache.is_evictable((layer, e)))
+        return free
+
     def _next_pass_targets(self, layer_now: int, cache: Any) -> list[tuple[int, list[int]]]:
         """§4.1: the next pass's planned experts of layers this pass is done with (0..layer_now), into slots
         holding nothing this pass or the next still plans (classes 0-2): [(layer, experts)] in layer order."""
         upcoming = self.state.poll_upcoming()
         if not upcoming:
             return []
-        free = sum(1 for s in cache.slots if not s.in_use and (
-            s.key is None or (s.task is None and self.state.eviction_class(s.key, layer_now)[0] < 2.5)))
+        # less also the slots of done layers' experts the next pass plans (class 2.5)
+        free = self._free_slots(cache, layer_now)
+        free -= sum(1 for key in self.state.next_planned if key[0] <= layer_now and cache.is_evictable(key))
         out = []
         for layer in range(layer_now + 1):
             if free <= 0:

@@ -49,13 +49,8 @@ class FineMoERuntime(LearnedPredictorRuntime):
         pred.begin_iteration(step.embeds.detach().reshape(-1, step.embeds.shape[-1]))
         if self._runtime is None:
             return
-        for target in range(min(pred.distance, pred.shape.num_layers)):
-            scores = pred.predict(target)
-            mask = pred.predicted_mask(scores, target)
-            prio = torch.where(mask, pred.prefetch_priority(scores, target, -1), torch.zeros_like(scores)).sum(0)
-            n = int(mask.any(0).sum())
-            ids = torch.topk(prio, max(n, 1)).indices.tolist()
-            self._runtime.prefetch(target, ids, layer_now=0)
+        for target in range(min(pred.distance, pred.shape.num_layers)):  # the semantic search's guesses
+            self._runtime.prefetch(target, pred.selection(target, -1), layer_now=0)
 
     def observe_host(self, layer: int, probs: torch.Tensor, topk_ids: torch.Tensor) -> None:
         """The layer's routing, read back with its one read: extends the trajectory, starts its search."""
@@ -71,10 +66,11 @@ class FineMoERuntime(LearnedPredictorRuntime):
     def eviction_table(self, layer_now: int = 0) -> np.ndarray:
         """Every key's ``eviction_score`` at once, float32 [L, E] (the vectorised victim choice)."""
         pred = self.predictor
-        table = getattr(self, "_table", None)
-        if table is None or table.shape != tuple(pred.freq.shape):
-            table = self._table = np.empty(tuple(pred.freq.shape), dtype=np.float32)
-        return np.multiply(pred.guidance.numpy(), pred.freq.numpy(), out=table)
+        views = getattr(self, "_views", None)
+        if views is None or views[0] is not pred.guidance or views[1] is not pred.freq:  # numpy views, made once
+            views = self._views = (pred.guidance, pred.freq, pred.guidance.numpy(), pred.freq.numpy(),
+                                   np.empty(tuple(pred.freq.shape), dtype=np.float32))
+        return np.multiply(views[2], views[3], out=views[4])
 
 
 def _finemoe_predictor(ctx: PolicyContext) -> FineMoERuntime:

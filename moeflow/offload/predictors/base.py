@@ -287,16 +287,30 @@ class ExpertPredictor(Predictor):
             self._hidden[layer] = self._check_rows("hidden", x, 2, self.shape.hidden_size).float()
             self._last_layer = max(self._last_layer, layer)
         scores = self.predict(target)
+        if scores.shape[0] == 1 and max_experts is None and self._default_selection:
+            # one row (decode), the default top-k: ranked by p / distance is ranked by score, which topk gives
+            k = min(self.shape.top_k, self.shape.num_experts)
+            ids = torch.full((self.shape.num_experts,), -1, dtype=torch.int64, device=scores.device)
+            ids[:k] = torch.topk(scores[0].float(), k).indices
+            return [(target, ids.to(x.device))]
         mask = self.predicted_mask(scores, target)
-        prio = torch.where(mask, self.prefetch_priority(scores, target, layer), torch.zeros_like(scores))
-        mass = prio.sum(0)
+        prio = torch.where(mask, self.prefetch_priority(scores, target, layer), 0.0)
+        # one row (a decode step): its own values, without the reductions over rows
+        mass, chosen = (prio[0], mask[0]) if prio.shape[0] == 1 else (prio.sum(0), mask.any(0))
         if max_experts is not None:
             n = min(max_experts, self.shape.num_experts)
             return [(target, torch.topk(mass, max(n, 1)).indices.to(x.device))]
         # every expert some row selected, most wanted first; the others padded with -1: a fixed shape, so
         # counting the selection (a device->host read) is left to the layer's one read-back
-        ranked, order = torch.sort(torch.where(mask.any(0), mass, torch.full_like(mass, -1.0)), descending=True)
-        return [(target, torch.where(ranked >= 0, order, torch.full_like(order, -1)).to(x.device))]
+        ranked, order = torch.sort(torch.where(chosen, mass, -1.0), descending=True)
+        return [(target, torch.where(ranked >= 0, order, -1).to(x.device))]
+
+    @property
+    def _default_selection(self) -> bool:
+        """Whether selection and priority are the base's (the top-k of each row, the score / distance)."""
+        cls = type(self)
+        return (cls.predicted_mask is ExpertPredictor.predicted_mask
+                and cls.prefetch_priority is ExpertPredictor.prefetch_priority)
 
     def observe_and_propose(self, layer: int, x: torch.Tensor, probs: torch.Tensor, topk_ids: torch.Tensor,
                             max_experts: int | None = None) -> list[tuple[int, torch.Tensor]]:

@@ -40,6 +40,7 @@ from moeflow.offload.predictors.base import (
     ids_to_mask,
     popularity_matrix,
 )
+from moeflow.offload.predictors.eval_mlp import EvalSequential
 
 PAPER_WIDTHS = (2048, 1024, 512, 256, 128, 64)
 MIXTRAL_INPUT = 32 * 8 + 8 + 2 * 8  # state size for Mixtral-8x7B (L=32, E=8, k=2): the paper's scale
@@ -94,6 +95,8 @@ class DuoServePredictor(ExpertPredictor):
         self.dropout = dropout
         self.affinity = torch.full((max(L - distance, 0), E, E), 1.0 / E)  # [L-d, E, E]
         self.mlp = expert_mlp(self.in_dim, E, self.widths, dropout).eval()
+        self._mlp_eval = EvalSequential(self.mlp)  # the runtime's call: no per-module overhead
+        self._offset_cache: dict[torch.device, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ features
     def state_vector(self, topk_path: torch.Tensor, target_layer: int) -> torch.Tensor:
@@ -104,21 +107,30 @@ class DuoServePredictor(ExpertPredictor):
         src = target_layer - self.distance
         if m != src + 1:
             raise PredictorError(f"activation path of {m} layers given for target {target_layer} (needs {src + 1})")
-        topk_path = topk_path.to(self.affinity.device)
-        h = torch.zeros(r, L, E, device=topk_path.device)
-        h[:, :m] = ids_to_mask(topk_path, E).float()  # h_t: layers 0..s, zero-padded after
-        p = self.popularity[target_layer].expand(r, E)  # p_t
-        a = self.affinity[src][topk_path[:, -1].long()].reshape(r, -1)  # a_{s,t}: rows of the chosen experts
-        return torch.cat([h.reshape(r, L * E), p, a], dim=1)
+        topk_path = topk_path.to(self.affinity.device).long()
+        state = torch.zeros(r, self.in_dim, device=topk_path.device)
+        # h_t: layers 0..s multi-hot at l * E + expert, zero-padded after (one scatter, no [r, L, E] temporary)
+        flat = (topk_path + self._offsets(m, topk_path.device)).reshape(r, -1)
+        state[:, : L * E].scatter_(1, flat, 1.0)
+        state[:, L * E : L * E + E] = self.popularity[target_layer]  # p_t
+        state[:, L * E + E :] = self.affinity[src][topk_path[:, -1]].reshape(r, -1)  # a_{s,t}: the chosen rows
+        return state
+
+    def _offsets(self, m: int, device: torch.device) -> torch.Tensor:
+        """[m, 1] int64: l * E for layers 0..m-1 (cached per device)."""
+        cache = self._offset_cache
+        if device not in cache:
+            cache[device] = (torch.arange(self.shape.num_layers, device=device) * self.shape.num_experts)[:, None]
+        return cache[device][:m]
 
     def _predict(self, target_layer: int, source_layer: int) -> torch.Tensor:
         path = torch.stack([self._topk[layer] for layer in range(source_layer + 1)], dim=1)  # [T, s+1, k]
-        with torch.no_grad():
-            return torch.sigmoid(self.mlp(self.state_vector(path, target_layer)))
+        return torch.sigmoid(self._mlp_eval(self.state_vector(path, target_layer)))
 
     def _move(self, device: torch.device) -> None:
         self.affinity = self.affinity.to(device)
         self.mlp.to(device)
+        self._mlp_eval.reset()
 
     # ------------------------------------------------------------------ training
     def dataset(self, trace) -> tuple[torch.Tensor, torch.Tensor]:

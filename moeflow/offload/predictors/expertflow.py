@@ -109,13 +109,18 @@ class ExpertFlowPredictor(ExpertPredictor):
         if not windows:
             return []
         dev = self.popularity.device
+        if len(windows) == 1:  # a decode step: the window as it is, nothing padded
+            w = windows[0]
+            ids, pad = w.reshape(1, -1).to(dev, torch.long), torch.zeros((1, w.numel()), dtype=torch.bool, device=dev)
+            with torch.inference_mode():
+                return [torch.sigmoid(self.net(ids, pad).float())[0]]
         width = max(w.numel() for w in windows)
         ids = torch.zeros((len(windows), width), dtype=torch.long, device=dev)
         pad = torch.ones((len(windows), width), dtype=torch.bool, device=dev)
         for i, w in enumerate(windows):
             ids[i, : w.numel()] = w.to(dev)
             pad[i, : w.numel()] = False
-        with torch.no_grad():
+        with torch.inference_mode():  # bitwise no_grad's result, less dispatch bookkeeping
             probs = torch.sigmoid(self.net(ids, pad).float())
         return [probs[i, : w.numel()] for i, w in enumerate(windows)]
 

@@ -28,25 +28,24 @@ multi-token forward pass, a prefill, one iteration with mean probabilities and m
 
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import torch
 
 from moeflow.offload.predictors.base import ExpertPredictor, ModelShape, PredictorError, popularity_matrix
+from moeflow.offload.predictors.finemoe_store import (
+    DEFAULT_CAPACITY,
+    PAPER_DISTANCE,
+    ExpertMapStore,
+    TrajectorySearch,
+    ranked_selection,
+)
 
-DEFAULT_CAPACITY = 1000
-PAPER_DISTANCE = 3  # Mixtral-8x7B in the paper
-
-
-def _cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [B, D], b [C, D] -> [B, C] cosine similarity (0 against zero vectors)."""
-    an = a / a.norm(dim=1, keepdim=True).clamp(min=1e-12)
-    bn = b / b.norm(dim=1, keepdim=True).clamp(min=1e-12)
-    return an @ bn.T
-
+__all__ = ["DEFAULT_CAPACITY", "PAPER_DISTANCE", "ExpertMapStore", "FineMoEPredictor", "eviction_priority",
+           "prefetch_priority", "select_experts", "similarity_threshold"]
 
 def similarity_threshold(score: torch.Tensor | float) -> torch.Tensor:
     """delta = clip(1 - score, 0, 1) (FineMoE §4.3)."""
@@ -61,7 +60,7 @@ def select_experts(probs: torch.Tensor, delta: torch.Tensor | float, k: int) -> 
     probs = probs.float()
     r, e = probs.shape
     delta = torch.as_tensor(delta, dtype=torch.float32).expand(r)
-    sorted_p, order = torch.sort(probs, dim=1, descending=True)
+    sorted_p, order = torch.sort(probs, dim=1, descending=True, stable=True)  # ties: lower expert first
     before = torch.cumsum(sorted_p, dim=1) - sorted_p  # mass of the experts ranked above each one
     # an expert is taken while the mass before it is still short of delta (tolerance for fp rounding)
     take = before < delta[:, None] - 1e-6
@@ -82,110 +81,19 @@ def eviction_priority(p: torch.Tensor | float, freq: torch.Tensor | float) -> to
     return torch.where(denom > 0, 1.0 / denom.clamp(min=1e-30), torch.full_like(denom, float("inf")))
 
 
-class ExpertMapStore:
-    """Capacity-bounded store of (expert map [L, E], semantic embedding [H]) records, thread-safe."""
+class _Done:
+    """A finished result with the two methods of a Future the predictor uses."""
 
-    def __init__(self, num_layers: int, num_experts: int, hidden_size: int | None, capacity: int = DEFAULT_CAPACITY,
-                 distance: int = PAPER_DISTANCE) -> None:
-        if capacity < 1:
-            raise ValueError(f"Expert Map Store capacity must be >= 1, got {capacity}")
-        self.num_layers, self.num_experts, self.hidden_size = num_layers, num_experts, hidden_size
-        self.capacity, self.distance = capacity, distance
-        self.maps = torch.zeros(capacity, num_layers, num_experts)  # [C, L, E]
-        self.sems = torch.zeros(capacity, hidden_size) if hidden_size else None  # [C, H]
-        self.has_sem = torch.zeros(capacity, dtype=torch.bool)
-        self.size = 0
-        self.replaced = 0
-        self.lock = threading.RLock()
+    __slots__ = ("value",)
 
-    def __len__(self) -> int:
-        return self.size
+    def __init__(self, value: Any) -> None:
+        self.value = value
 
-    def redundancy(self, maps: torch.Tensor, sems: torch.Tensor | None) -> torch.Tensor:
-        """RDY [B, size] = d/L * semantic cosine + (L-d)/L * trajectory cosine (whole maps).
-        maps [B, L, E], sems [B, H] or None (then the trajectory term alone)."""
-        with self.lock:
-            n = self.size
-            traj = _cosine(maps.reshape(maps.shape[0], -1).float(), self.maps[:n].reshape(n, -1))
-            if sems is None or self.sems is None:
-                return traj
-            sem = _cosine(sems.float(), self.sems[:n])
-            sem = torch.where(self.has_sem[:n][None, :], sem, traj)  # a stored map without embedding
-            L, d = self.num_layers, self.distance
-            return d / L * sem + (L - d) / L * traj
+    def done(self) -> bool:
+        return True
 
-    def add(self, maps: torch.Tensor, sems: torch.Tensor | None = None) -> list[int]:
-        """Store new iterations (maps [B, L, E], sems [B, H]); when full, each replaces the stored map
-        with the highest redundancy score. Returns the slots written."""
-        if maps.dim() != 3 or tuple(maps.shape[1:]) != (self.num_layers, self.num_experts):
-            raise PredictorError(f"expert maps must be [B, {self.num_layers}, {self.num_experts}], "
-                                 f"got {list(maps.shape)}")
-        if sems is not None and (self.sems is None or sems.shape != (maps.shape[0], self.hidden_size)):
-            raise PredictorError(f"semantic embeddings must be [{maps.shape[0]}, {self.hidden_size}], "
-                                 f"got {list(sems.shape)}")
-        slots = []
-        with self.lock:
-            for x in range(maps.shape[0]):
-                sem = None if sems is None else sems[x : x + 1]
-                if self.size < self.capacity:
-                    slot = self.size
-                    self.size += 1
-                else:
-                    slot = int(torch.argmax(self.redundancy(maps[x : x + 1], sem)[0]))
-                    self.replaced += 1
-                self.maps[slot] = maps[x].float()
-                if sem is not None:
-                    self.sems[slot] = sem[0].float()
-                self.has_sem[slot] = sem is not None
-                slots.append(slot)
-        return slots
-
-    def search_semantic(self, sems: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Eq. 4: for each query [B, H], (index of the most similar stored embedding [B], its cosine [B])."""
-        with self.lock:
-            n = self.size
-            if n == 0 or self.sems is None or not bool(self.has_sem[:n].any()):
-                return None
-            score = _cosine(sems.float(), self.sems[:n])
-            score = torch.where(self.has_sem[:n][None, :], score, torch.full_like(score, -2.0))
-            best, idx = score.max(dim=1)
-            return idx, best
-
-    def search_trajectory(self, traj: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Eq. 5: traj [B, m, E] (layers 0..m-1 of this iteration) against the same layers of every map."""
-        with self.lock:
-            n, m = self.size, traj.shape[1]
-            if n == 0:
-                return None
-            score = _cosine(traj.reshape(traj.shape[0], -1).float(), self.maps[:n, :m].reshape(n, -1))
-            best, idx = score.max(dim=1)
-            return idx, best
-
-    def layer_maps(self, idx: torch.Tensor, layer: int) -> torch.Tensor:
-        """P_layer of the stored maps ``idx`` [B] -> [B, E]."""
-        with self.lock:
-            return self.maps[idx, layer].clone()
-
-    def state(self) -> dict[str, torch.Tensor]:
-        with self.lock:
-            out = {"maps": self.maps[: self.size].clone(), "has_sem": self.has_sem[: self.size].clone()}
-            if self.sems is not None:
-                out["sems"] = self.sems[: self.size].clone()
-            return out
-
-    def load_state(self, state: dict[str, torch.Tensor]) -> None:
-        maps = state.get("maps")
-        if maps is None or maps.dim() != 3 or tuple(maps.shape[1:]) != (self.num_layers, self.num_experts):
-            raise PredictorError(f"finemoe predictor file: stored maps have shape "
-                                 f"{None if maps is None else list(maps.shape)}, expected [C, {self.num_layers}, "
-                                 f"{self.num_experts}]")
-        n = min(maps.shape[0], self.capacity)
-        with self.lock:
-            self.maps[:n] = maps[:n].float()
-            if self.sems is not None and "sems" in state:
-                self.sems[:n] = state["sems"][:n].float()
-                self.has_sem[:n] = state.get("has_sem", torch.ones(n, dtype=torch.bool))[:n]
-            self.size = n
+    def result(self) -> Any:
+        return self.value
 
 
 class FineMoEPredictor(ExpertPredictor):
@@ -205,12 +113,13 @@ class FineMoEPredictor(ExpertPredictor):
         self.freq = torch.zeros(L, E)  # visit counts (observed activations) for the eviction priority
         self.guidance = torch.full((L, E), 1.0 / E)  # the latest searched probabilities per layer
         self._found: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # target -> (p [B, E], score [B])
-        self._futures: dict[int, Future] = {}
+        self._futures: dict[int, Future | _Done] = {}
         self._query_sem: torch.Tensor | None = None
         self._published = False
         self._traj: torch.Tensor | None = None  # [B, L, E] this iteration's probabilities, filled layer by layer
         self.runtime_mode = False  # True (the offload runtime): one search per observed layer, used one layer later
-        self._searches: dict[int, Future] = {}  # source layer -> search of the trajectory 0..source
+        self._searches: dict[int, Future | _Done] = {}  # source layer -> search of the trajectory 0..source
+        self._traj_search = TrajectorySearch(self.store)  # the runtime's incremental eq. 5 of this iteration
         self._executor: ThreadPoolExecutor | None = None
         if async_search:
             self.start_async()
@@ -231,12 +140,10 @@ class FineMoEPredictor(ExpertPredictor):
     def is_async(self) -> bool:
         return self._executor is not None
 
-    def _submit(self, fn, *args) -> Future:
+    def _submit(self, fn, *args) -> Future | _Done:
         if self._executor is not None:
             return self._executor.submit(fn, *args)
-        fut: Future = Future()
-        fut.set_result(fn(*args))
-        return fut
+        return _Done(fn(*args))  # synchronous: no Future (its condition variable costs more than a search)
 
     # ------------------------------------------------------------------ iteration
     def _clear_iteration(self) -> None:
@@ -247,6 +154,7 @@ class FineMoEPredictor(ExpertPredictor):
         self._query_sem = None
         self._traj = None  # a new tensor per iteration: a search of the last one may still read the old
         self._searches = {}
+        self._traj_search = TrajectorySearch(self.store)
 
     def begin_iteration(self, embed: torch.Tensor | None = None) -> None:
         """embed [T, H]: the iteration's token embeddings (its semantic context)."""
@@ -263,14 +171,13 @@ class FineMoEPredictor(ExpertPredictor):
 
     def _on_observe(self, layer: int) -> None:
         E, L = self.shape.num_experts, self.shape.num_layers
-        ids = self._topk[layer].reshape(-1).cpu()
-        self.freq[layer] += torch.bincount(ids, minlength=E).float()
+        self.freq.numpy()[layer] += np.bincount(self._topk[layer].reshape(-1).cpu().numpy(), minlength=E)
         row = self._rows_of(self._probs[layer].cpu())
         if self._traj is None or self._traj.shape[0] != row.shape[0]:
             self._traj = torch.zeros(row.shape[0], L, E)
         self._traj[:, layer] = row  # incremental: earlier layers are never copied again
-        if self.runtime_mode:
-            self._searches[layer] = self._submit(self.store.search_trajectory, self._trajectory(layer))
+        if self.runtime_mode:  # the search adds this layer to the iteration's running dot products
+            self._searches[layer] = self._submit(self._traj_search.step, self._traj, layer)
             return
         target = layer + self.distance
         if self.is_async and target < L:
@@ -297,17 +204,17 @@ class FineMoEPredictor(ExpertPredictor):
                 if hit is not None:
                     idx, score = hit
                     found = (self.store.layer_maps(idx, target), score)
+                    self._remember(target, found)
                 break
-        if found is None:
+        return [(target, self.selection(target, layer))]
+
+    def selection(self, target: int, layer_now: int) -> list[int]:
+        """The delta-selected experts of ``target`` from its latest search result (the semantic search when
+        none), most wanted first by p / (target - layer_now): host lists, computed on host arrays."""
+        if target not in self._found:
             self.prior(target)
-            found = self._found[target]
-        else:
-            self._remember(target, found)
-        p, score = found
-        mask = select_experts(p, similarity_threshold(score), self.shape.top_k)
-        prio = torch.where(mask, p.float() / (target - layer), torch.zeros_like(p, dtype=torch.float32)).sum(0)
-        chosen = mask.any(0).tolist()
-        return [(target, [e for e in torch.argsort(prio, descending=True).tolist() if chosen[e]])]
+        p, score = self._found[target]
+        return ranked_selection(p.numpy(), score.numpy(), self.shape.top_k, max(target - layer_now, 1))
 
     def _search_trajectory(self, traj: torch.Tensor, target: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         hit = self.store.search_trajectory(traj)
@@ -331,10 +238,10 @@ class FineMoEPredictor(ExpertPredictor):
         """Semantic search (first d layers): P_target of the map with the most similar embedding."""
         if target_layer not in self._found:
             hit = None
+            if -1 not in self._futures and self._query_sem is not None:  # once per iteration, for every target
+                self._futures[-1] = self._submit(self.store.search_semantic, self._query_sem)
             if -1 in self._futures:
                 hit = self._futures[-1].result()
-            elif self._query_sem is not None:
-                hit = self.store.search_semantic(self._query_sem)
             if hit is None:
                 found = self._no_match(self._request_rows(), target_layer)
             else:
@@ -354,7 +261,7 @@ class FineMoEPredictor(ExpertPredictor):
 
     def _remember(self, target: int, found: tuple[torch.Tensor, torch.Tensor]) -> None:
         self._found[target] = found
-        self.guidance[target] = found[0].max(0).values
+        self.guidance.numpy()[target] = found[0].numpy().max(0)
 
     def search_score(self, target_layer: int) -> torch.Tensor:
         """Cosine score [B] of the map guiding ``target_layer`` (after ``predict``)."""

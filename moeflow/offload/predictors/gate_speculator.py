@@ -32,21 +32,26 @@ class GateSpeculator(Predictor):
         self.route = route or (lambda logits: softmax_topk(logits, top_k))
 
     def propose(self, layer: int, x: torch.Tensor) -> Proposals:
+        if torch.is_grad_enabled():  # generate() runs under inference_mode: no context to enter per layer
+            with torch.no_grad():
+                return self._propose(layer, x)
+        return self._propose(layer, x)
+
+    def _propose(self, layer: int, x: torch.Tensor) -> Proposals:
         out = []
         for d in range(1, self.distance + 1):
             target = layer + d
             if target >= len(self.gates):
                 break
-            with torch.no_grad():
-                probs, top, _ = self.route(self.gates[target](x))
-                if probs.shape[0] == 1:
-                    ids = top[0].long()
-                else:
-                    # several tokens: the union of their top-k, ranked by summed probability
-                    top = top.long()
-                    mass = torch.zeros(probs.shape[-1], device=probs.device).index_add_(
-                        0, top.reshape(-1), probs.gather(1, top).reshape(-1)
-                    )
-                    ids = torch.topk(mass, min(self.max_experts, probs.shape[-1])).indices
+            probs, top, _ = self.route(self.gates[target](x))
+            if probs.shape[0] == 1:
+                ids = top[0].long()
+            else:
+                # several tokens: the union of their top-k, ranked by summed probability
+                top = top.long()
+                mass = torch.zeros(probs.shape[-1], device=probs.device).index_add_(
+                    0, top.reshape(-1), probs.gather(1, top).reshape(-1)
+                )
+                ids = torch.topk(mass, min(self.max_experts, probs.shape[-1])).indices
             out.append((target, ids))
         return out

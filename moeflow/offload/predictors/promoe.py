@@ -31,6 +31,7 @@ from moeflow.offload.predictors.base import (
     popularity_matrix,
 )
 from moeflow.offload.predictors.duoserve import _train_bce
+from moeflow.offload.predictors.eval_mlp import EvalSequential
 
 
 def promoe_width(hidden_size: int) -> int:
@@ -56,17 +57,19 @@ class ProMoEPredictor(ExpertPredictor):
         self.mlps = nn.ModuleList(
             nn.Sequential(nn.Linear(H, self.width), nn.ReLU(), nn.Linear(self.width, E)) for _ in range(L - distance)
         ).eval()
+        self._mlps_eval = [EvalSequential(m) for m in self.mlps]  # the runtime's call: no per-module overhead
         self.mean = torch.zeros(L, H)  # [L, H] per source layer
         self.std = torch.ones(L, H)
 
     def _predict(self, target_layer: int, source_layer: int) -> torch.Tensor:
         h = self._hidden[source_layer].to(self.mean.device)  # [T, H]
         z = (h - self.mean[source_layer]) / self.std[source_layer]
-        with torch.no_grad():
-            return torch.sigmoid(self.mlps[target_layer - self.distance](z))
+        return torch.sigmoid(self._mlps_eval[target_layer - self.distance](z))
 
     def _move(self, device: torch.device) -> None:
         self.mlps.to(device)
+        for m in self._mlps_eval:
+            m.reset()
         self.mean, self.std = self.mean.to(device), self.std.to(device)
 
     @classmethod

@@ -1,0 +1,150 @@
+"""Issue 14: the host loop's fast paths compute exactly what the plain implementations they replace compute.
+
+Each fast path (the eager combine, the predictors' MLPs run as direct torch calls, FineMoE's searches and
+selection on host arrays, PLEC's vectorised victim) is checked against its reference on random inputs, ties
+included. That the eager decode makes no ``torch.library`` custom-op call is in test_host_loop.py.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from moeflow.kernels.reference import combine_reference
+from moeflow.offload.combine import combine_in_order
+from moeflow.offload.eviction import Static
+from moeflow.offload.policies.expertflow import PLECEviction, PLECState
+from moeflow.offload.predictors.duoserve import expert_mlp
+from moeflow.offload.predictors.eval_mlp import EvalSequential
+from moeflow.offload.predictors.finemoe import select_experts, similarity_threshold
+from moeflow.offload.predictors.finemoe_store import ExpertMapStore, TrajectorySearch, _cosine, ranked_selection
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k", [1, 2, 3, 8])
+def test_combine_in_order_is_bitwise_the_reference(dtype, k):
+    y = torch.randn(5 * k, 33, generator=torch.Generator().manual_seed(k)).to(dtype)
+    y[0, :4] = torch.tensor([-0.0, 0.0, float("inf"), -1e-30])
+    got = combine_in_order(y, k)
+    ref = combine_reference(y, k)
+    assert got.dtype == ref.dtype and got.shape == ref.shape
+    assert torch.equal(got.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                       ref.view(torch.int16 if dtype != torch.float32 else torch.int32))  # bit patterns
+    assert got.data_ptr() != y.data_ptr()
+
+
+def test_eval_sequential_is_bitwise_the_module():
+    torch.manual_seed(0)
+    mlp = expert_mlp(40, 8, (32, 16, 8))
+    for m in mlp:
+        if isinstance(m, nn.BatchNorm1d):  # trained statistics, not the identity
+            m.running_mean.uniform_(-1, 1)
+            m.running_var.uniform_(0.5, 2)
+            m.weight.data.uniform_(0.5, 1.5)
+            m.bias.data.uniform_(-0.5, 0.5)
+    mlp.eval()
+    fast = EvalSequential(mlp)
+    for rows in (1, 3):
+        x = torch.randn(rows, 40)
+        with torch.no_grad():
+            ref = mlp(x)
+        assert torch.equal(fast(x), ref)
+    mlp.train()  # training mode: the module itself (BatchNorm uses batch statistics)
+    assert fast(torch.randn(4, 40)).requires_grad
+
+
+def test_ranked_selection_is_select_experts_then_the_priority_order():
+    rng = np.random.default_rng(0)
+    for trial in range(400):
+        E = int(rng.integers(2, 20))
+        k = int(rng.integers(1, E + 1))
+        rows = 1 + trial % 2
+        p = rng.random((rows, E)).astype(np.float32)
+        if trial % 3 == 0:
+            p = np.round(p, 1)  # ties
+        p /= p.sum(1, keepdims=True)
+        score = rng.random(rows).astype(np.float32)
+        d = int(rng.integers(1, 4))
+        pt = torch.from_numpy(p)
+        mask = select_experts(pt, similarity_threshold(torch.from_numpy(score)), k)
+        prio = torch.where(mask, pt / d, torch.zeros_like(pt)).sum(0)
+        chosen = mask.any(0).tolist()
+        ref = [e for e in torch.argsort(prio, descending=True, stable=True).tolist() if chosen[e]]
+        assert ranked_selection(p, score, k, d) == ref
+
+
+def test_incremental_trajectory_search_matches_the_cosine_search():
+    g = torch.Generator().manual_seed(0)
+    L, E, C = 5, 8, 30
+    store = ExpertMapStore(L, E, 16, C, distance=2)
+    store.add(torch.softmax(torch.randn(C, L, E, generator=g), -1), torch.randn(C, 16, generator=g))
+    for rows in (1, 2):
+        traj = torch.zeros(rows, L, E)
+        search = TrajectorySearch(store)
+        for layer in range(L):
+            traj[:, layer] = torch.softmax(torch.randn(rows, E, generator=g), -1)
+            if layer == 3:  # the store changes mid-iteration: the running sums restart
+                store.add(torch.softmax(torch.randn(1, L, E, generator=g), -1), torch.randn(1, 16, generator=g))
+            idx, best = search.step(traj, layer)
+            ref_best, ref_idx = _cosine(traj[:, : layer + 1].reshape(rows, -1),
+                                        store.maps[: store.size, : layer + 1].reshape(store.size, -1)).max(1)
+            assert torch.equal(idx, ref_idx)
+            assert torch.allclose(best, ref_best, atol=1e-6)
+    q = torch.randn(2, 16, generator=g)
+    idx, best = store.search_semantic(q)
+    ref_best, ref_idx = _cosine(q, store.sems[: store.size]).max(1)
+    assert torch.equal(idx, ref_idx) and torch.allclose(best, ref_best, atol=1e-6)
+
+
+def test_plec_vectorised_pick_is_the_correction_order():
+    rng = random.Random(0)
+    for _ in range(500):
+        L, E = rng.randint(1, 6), rng.randint(1, 6)
+        state = PLECState(L, E)
+        ev = PLECEviction(state)
+        ev.vectorise_from = 0  # the array path whatever the number of candidates
+        keys = [(layer, e) for layer in range(L) for e in range(E)]
+        state.new_pass({layer: rng.sample(range(E), rng.randint(0, E)) for layer in range(L)})
+        for _ in range(rng.randint(0, 30)):
+            state.layer_now = rng.randint(-1, L - 1)
+            (ev.access if rng.random() < 0.5 else ev.loaded)(rng.choice(keys))
+        if rng.random() < 0.5:  # the dual-batch pipeline's next plan
+            upcoming = {layer: rng.sample(range(E), rng.randint(0, E)) for layer in range(L)}
+            state.upcoming = lambda upcoming=upcoming: upcoming
+            state.poll_upcoming()
+        now = rng.randint(-1, L - 1)
+        cands = [key for key in keys if rng.random() < 0.6]
+        flags = np.zeros((L, E), dtype=bool)
+        for key in cands:
+            flags[key] = True
+        want = ev.victim(cands, now) if cands else None
+        assert ev.pick(dict.fromkeys(cands), now, None, flags) == want
+
+
+def test_static_ring_pick_is_the_static_order():
+    """Static's own ring dict picks what its order (placement last, least recent first) picks."""
+    rng = random.Random(1)
+    for _ in range(300):
+        policy = Static(n_fixed=rng.randint(0, 6))
+        keys = [(layer, e) for layer in range(3) for e in range(4)]
+        resident: set = set()
+        for step in range(40):
+            key = rng.choice(keys)
+            action = rng.random()
+            if action < 0.4:
+                policy.access(key)
+            elif action < 0.7 and key not in resident:
+                policy.loaded(key)
+                resident.add(key)
+            elif key in resident:
+                policy.evicted(key)
+                resident.discard(key)
+            if step == 20:
+                policy.on_phase("decode")  # freezes the placement from the gate counts so far
+        evictable = [k for k in resident if rng.random() < 0.7]
+        want = policy.victim(evictable, 0) if evictable else None
+        assert policy.pick(dict.fromkeys(evictable), 0) == want
