@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +12,7 @@ from torch import nn
 
 from moeflow.config import OffloadConfig
 from moeflow.engine.build import KERNEL_CHOICES, build_model
+from moeflow.engine.compiled import CompiledDecode
 from moeflow.engine.generate import (
     Runner,
     check_inputs,
@@ -128,23 +130,11 @@ class MoEModel(nn.Module):
         self._runner.backend = backend
         return previous
 
-    def compile_decode(self, backend: str = "inductor") -> None:
-        """torch.compile the one-token decode step (fullgraph when every expert is resident; an offloading
-        backend is the one graph break per MoE layer). The layer index is traced as a symbolic int, so the
-        decoder layers share their graphs instead of recompiling per layer (which hit dynamo's recompile
-        limit at 8 layers and left the rest eager)."""
-        from moeflow.moe.resident import ResidentExperts
-
-        fullgraph = isinstance(self.backend, ResidentExperts)
-        unspec_layer_index = torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True)
-        with unspec_layer_index:
-            compiled = torch.compile(self.model, fullgraph=fullgraph, dynamic=False, backend=backend)
-
-        def decode(*args, **kwargs):
-            with unspec_layer_index:
-                return compiled(*args, **kwargs)
-
-        self._runner.decode_fn = decode
+    def compile_decode(self, backend: str | Callable = "inductor") -> None:
+        """torch.compile the one-token decode step (``backend``: the dynamo backend). One graph when every
+        expert is resident; with an offloading backend, one graph break per MoE layer (its compiler-disabled
+        ``forward``) and the decoder layers share their graphs: see :mod:`moeflow.engine.compiled`."""
+        self._runner.decode_fn = CompiledDecode(self.model, backend)
         self._compiled = True
 
     def close(self) -> None:
