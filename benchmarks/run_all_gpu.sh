@@ -21,7 +21,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee "$out/versions.txt"
 case "${1:-}" in
   tests)   python -m pytest -q -p no:cacheprovider tests/test_invariant.py tests/test_kernels.py \
-             tests/test_kernels_ops.py tests/test_model_kernels.py tests/test_hybrid.py 2>&1 | tee "$out/pytest-gpu.log" ;;
+             tests/test_kernels_ops.py tests/test_model_kernels.py tests/test_hybrid.py \
+             tests/test_compile_cuda_graphs.py 2>&1 | tee "$out/pytest-gpu.log" ;;
   kernels) python benchmarks/run_gpu_kernels.py --out "$out/kernels.json" --budget-s 460 ;;
   offload) python benchmarks/run_gpu_offload.py --checkpoint "$ckpt" --out "$out/offload" --time-budget-s 420 ;;
   hybrid)  python benchmarks/run_gpu_hybrid.py --checkpoint "$ckpt" --out "$out/hybrid" --time-budget-s 420 ;;
