@@ -161,6 +161,22 @@ def test_a_piece_that_reads_back_is_refused_and_the_step_runs_eagerly(caplog):
     assert torch.equal(got, want) and graphs.step is None
 
 
+def test_passes_over_some_rows_of_a_cache_run_eagerly():
+    """Micro-batches and the serving engine pass a new view of some cache rows every time: never captured."""
+    model, graphs = captured_model(None)
+    runner = model.runner
+    try:
+        cache = runner.new_cache(2, 8)
+        rows = torch.tensor([1])
+        embeds = runner.decoder.embed_tokens(torch.tensor([[3]]))
+        logits = graphs(embeds, torch.tensor([[0]]), cache.rows(rows), torch.tensor([0]),
+                        torch.ones(1, 1, dtype=torch.bool), model.experts)
+    finally:
+        model.close()
+    assert logits.shape == (1, 1, model.config.vocab_size)
+    assert graphs.captures == 0 and graphs.step is None
+
+
 def test_cuda_graphs_need_a_cuda_device():
     with pytest.raises(ValueError, match="cuda_graphs=True needs device='cuda'"):
         MoEOffloadedMixtral.from_pretrained(MODEL, kernels="torch", cuda_graphs=True)

@@ -15,7 +15,8 @@ call at replay), and starts the next piece on a static buffer that the real call
 A backend dynamo traces through (every expert resident: pure device work) needs no boundary: one graph.
 
 Graphs bake in the addresses of the KV cache they were captured with and of the batch's shapes: a new cache
-(a new ``generate``) or batch captures again. A capture the device refuses (an op that syncs, a host tensor
+(a new ``generate``) or batch captures again; passes over some rows of a cache (micro-batches, the serving
+engine) run eagerly. A capture the device refuses (an op that syncs, a host tensor
 copied in, ...) is logged once and the step runs eagerly from then on (``CudaGraphDecode.refused`` says why).
 How a piece is captured is a :class:`GraphCapture`: :class:`CudaCapture` on a GPU; the tests give one that
 records and replays the pieces' ops on the CPU.
@@ -32,6 +33,7 @@ from typing import Any, Protocol
 import torch
 
 from moeflow.engine.compiled import traces_through
+from moeflow.engine.kv_cache import StaticKVCache
 from moeflow.moe.backend import ExpertBackend
 
 log = logging.getLogger(__name__)
@@ -178,7 +180,8 @@ class CudaGraphDecode:
 
     def __call__(self, embeds: torch.Tensor, positions: torch.Tensor, cache: Any, cache_position: torch.Tensor,
                  token_mask: torch.Tensor, experts: ExpertBackend, routing: Any = None) -> torch.Tensor:
-        if self.refused is not None or routing is not None:
+        if self.refused is not None or routing is not None or not isinstance(cache, StaticKVCache):
+            # a view of some rows (micro-batches, the serving engine) is a new object every pass: not captured
             return self.inner(embeds, positions, cache, cache_position, token_mask, experts, routing)
         given = (embeds, positions, cache_position, token_mask)
         if self._key(self.step, embeds, cache, experts):
