@@ -41,10 +41,10 @@ class CountingCompiler:
                    if any("scaled_dot_product_attention" in str(node.target) for node in gm.graph.nodes))
 
 
-def checkpoint(tmp_path, family: str):
+def checkpoint(tmp_path, family: str, layers: int = LAYERS):
     if family == "mixtral":
-        return make_tiny_checkpoint(tmp_path, num_hidden_layers=LAYERS)
-    return make_family_checkpoint(tmp_path, family, num_hidden_layers=LAYERS)
+        return make_tiny_checkpoint(tmp_path, num_hidden_layers=layers)
+    return make_family_checkpoint(tmp_path, family, num_hidden_layers=layers)
 
 
 def compiled_run(path, offload: OffloadConfig | None, steps: int):
@@ -81,8 +81,10 @@ def test_offloaded_decode_compiles_once_for_every_layer(tmp_path, family, steps)
     assert torch.equal(first, want) and torch.equal(again, want)
 
 
-def test_resident_decode_is_one_graph_for_32_layers(tmp_path):
-    want, first, again, breaks, graphs, attention_runs = compiled_run(checkpoint(tmp_path, "mixtral"), None, 8)
+def test_resident_decode_is_one_graph(tmp_path):
+    """Every expert resident: the whole step, all layers, is one graph (8 layers: dynamo's trace of one frame
+    grows with the depth, and nothing here is per layer)."""
+    want, first, again, breaks, graphs, attention_runs = compiled_run(checkpoint(tmp_path, "mixtral", 8), None, 8)
     assert not breaks and graphs == 1
-    assert attention_runs == 8  # the one graph holds all 32 layers' attention, once per step
+    assert attention_runs == 8  # the one graph holds every layer's attention, once per step
     assert torch.equal(first, want) and torch.equal(again, want)
