@@ -45,6 +45,7 @@ def measure(path, kernels: str, policy: str, tokens: int, repeats: int, ids: tor
     cfg = json.loads((Path(path) / "config.json").read_text())
     every_expert = cfg["num_hidden_layers"] * cfg["num_local_experts"]
     offload = OffloadConfig(policy="lru", gpu_expert_slots=every_expert) if policy == "lru" else None
+    ids = ids % cfg["vocab_size"]  # the embedded tokenizer's prompt, folded into a tiny model's vocabulary
     row: dict = {"kernels": kernels, "policy": policy}
     for mode in ("eager", "compiled"):
         torch._dynamo.reset()

@@ -74,10 +74,10 @@ class MoEModel(nn.Module):
         offload: OffloadConfig | None = None,
         kernels: str = "auto",
         compile: bool = False,
-        cuda_graphs: bool = False,
         revision: str | None = None,
         progress: bool | None = None,
         attention_bits: int | None = None,
+        cuda_graphs: bool = False,
     ):
         """Load an HF-layout checkpoint (fp32/fp16/bf16 or AWQ 4-bit) from a directory or the hub.
 
