@@ -5,7 +5,8 @@ kernels, and a 32-layer tiny fp32 Mixtral (the tests' random checkpoint) - each 
 (the step compiles as one graph) and with the "lru" offload policy, every expert fitting (one graph break per
 layer, the layers sharing their compiled code). Per case: greedy decode of ``--tokens`` tokens, batch 1;
 ``tok_s`` is 1 / the mean decode step time (``stats.tpot_s``), the median of ``--repeats`` generates;
-``compile_s`` is the first compiled generate's wall time minus an eager generate's (tracing + code generation);
+``compile_s`` is the first compiled generate's wall time minus an eager generate's (tracing + code generation,
+with an empty inductor cache unless ``--warm-cache``);
 ``same_tokens``: the compiled tokens equal the eager ones. The machine is shared: the load average is recorded.
 
     PYTHONPATH=$PWD python benchmarks/bench_compile.py --out benchmarks/results/compile/cpu.json
@@ -81,9 +82,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=33)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (the machine is shared)")
+    ap.add_argument("--warm-cache", action="store_true",
+                    help="keep inductor's on-disk cache (default: a fresh one, so compile_s is a cold compile)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if not args.warm_cache:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-")
     embedded = embedded_model_path()
     tok = MoEOffloadedMixtral.from_pretrained(embedded).tokenizer
     ids = torch.tensor([tok.encode(PROMPT)])
@@ -100,7 +105,8 @@ def main() -> None:
     result = {"torch": torch.__version__, "machine": platform.processor() or platform.machine(),
               "cpus": os.cpu_count(), "threads": args.threads, "load_average_before": load_before,
               "load_average_after": os.getloadavg(),
-              "tokens": args.tokens, "repeats": args.repeats, "rows": rows}
+              "tokens": args.tokens, "repeats": args.repeats, "inductor_cache": "warm" if args.warm_cache else "cold",
+              "rows": rows}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1) + "\n")
