@@ -84,6 +84,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (the machine is shared)")
     ap.add_argument("--warm-cache", action="store_true",
                     help="keep inductor's on-disk cache (default: a fresh one, so compile_s is a cold compile)")
+    ap.add_argument("--models", nargs="+", default=["embedded", "tiny-32-layer"], help="which models to run")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -94,11 +95,11 @@ def main() -> None:
     ids = torch.tensor([tok.encode(PROMPT)])
     rows, load_before = [], os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
-        deep = tiny32(Path(tmp))
+        deep = tiny32(Path(tmp)) if "tiny-32-layer" in args.models else None
         cases = [("embedded", embedded, "torch", "resident"), ("embedded", embedded, "torch", "lru"),
                  ("embedded", embedded, "cpu-int4", "resident"), ("tiny-32-layer", deep, "torch", "resident"),
                  ("tiny-32-layer", deep, "torch", "lru")]
-        for name, path, kernels, policy in cases:
+        for name, path, kernels, policy in (c for c in cases if c[0] in args.models):
             row = {"model": name, **measure(path, kernels, policy, args.tokens, args.repeats, ids)}
             print(json.dumps(row), flush=True)
             rows.append(row)
