@@ -54,7 +54,7 @@ case "$stage" in
   correctness)
     # the kernels compiled, not interpreted (tests/conftest.py sets TRITON_INTERPRET=1 only when it is unset)
     TRITON_INTERPRET=0 run 540 correctness.log python -m pytest -q -m cuda -p no:cacheprovider --durations=15 \
-      --junitxml "$out/pytest-cuda.xml" tests/test_cuda_lane.py tests/test_invariant.py ;;
+      --junitxml "$out/pytest-cuda.xml" tests/test_cuda_lane.py tests/test_invariant.py tests/test_compile_cuda_graphs.py ;;
   kernels)
     if [ "${TINY:-0}" = 1 ]; then
       run 300 kernels.log python benchmarks/run_gpu_kernels.py --dry-run --out "$out/kernels.json"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +12,8 @@ from torch import nn
 
 from moeflow.config import OffloadConfig
 from moeflow.engine.build import KERNEL_CHOICES, build_model
+from moeflow.engine.compiled import CompiledDecode
+from moeflow.engine.cuda_graphs import CudaGraphDecode
 from moeflow.engine.generate import (
     Runner,
     check_inputs,
@@ -74,6 +77,7 @@ class MoEModel(nn.Module):
         revision: str | None = None,
         progress: bool | None = None,
         attention_bits: int | None = None,
+        cuda_graphs: bool = False,
     ):
         """Load an HF-layout checkpoint (fp32/fp16/bf16 or AWQ 4-bit) from a directory or the hub.
 
@@ -82,6 +86,9 @@ class MoEModel(nn.Module):
         kernels: "auto" (Triton on CUDA; on the CPU torch's int4 kernels for AWQ experts, else the torch
             reference), "torch" (the reference), "triton", or "cpu-int4".
         compile: torch.compile the decode step.
+        cuda_graphs: capture the decode step as CUDA graphs (device="cuda"), piecewise around an offloading
+            backend's calls (see :mod:`moeflow.engine.cuda_graphs`); eager with a logged warning when the
+            device refuses the capture. Off by default.
         attention_bits: on the CPU int4 path (device="cpu", AWQ experts), quantize 16-bit attention
             projections at load to int8 (8) or int4 (4, group 128); None (default) keeps them as stored.
             That path always runs the lm_head in int8 and AWQ attention through the int4 CPU kernel.
@@ -104,6 +111,8 @@ class MoEModel(nn.Module):
         self.eval()
         if compile:
             self.compile_decode()
+        if cuda_graphs:
+            self.capture_decode()
         return self
 
     @property
@@ -128,24 +137,29 @@ class MoEModel(nn.Module):
         self._runner.backend = backend
         return previous
 
-    def compile_decode(self, backend: str = "inductor") -> None:
-        """torch.compile the one-token decode step (fullgraph when every expert is resident; an offloading
-        backend is the one graph break per MoE layer). The layer index is traced as a symbolic int, so the
-        decoder layers share their graphs instead of recompiling per layer (which hit dynamo's recompile
-        limit at 8 layers and left the rest eager)."""
-        from moeflow.moe.resident import ResidentExperts
-
-        fullgraph = isinstance(self.backend, ResidentExperts)
-        unspec_layer_index = torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True)
-        with unspec_layer_index:
-            compiled = torch.compile(self.model, fullgraph=fullgraph, dynamic=False, backend=backend)
-
-        def decode(*args, **kwargs):
-            with unspec_layer_index:
-                return compiled(*args, **kwargs)
-
-        self._runner.decode_fn = decode
+    def compile_decode(self, backend: str | Callable = "inductor") -> None:
+        """torch.compile the one-token decode step (``backend``: the dynamo backend). One graph when every
+        expert is resident; with an offloading backend, one graph break per MoE layer (its compiler-disabled
+        ``forward``) and the decoder layers share their graphs: see :mod:`moeflow.engine.compiled`."""
+        compiled = CompiledDecode(self.model, backend)
+        if isinstance(self._runner.decode_fn, CudaGraphDecode):  # captured: capture the compiled step instead
+            self._runner.decode_fn = CudaGraphDecode(compiled, self._runner.decode_fn.capture_factory)
+        else:
+            self._runner.decode_fn = compiled
         self._compiled = True
+
+    def capture_decode(self, capture_factory=None) -> CudaGraphDecode:
+        """Replay the decode step (eager or compiled) as CUDA graphs, piecewise around the expert backend's calls
+        (:class:`moeflow.engine.cuda_graphs.CudaGraphDecode`, returned; ``capture_factory``: how a piece is
+        captured, default CUDA graphs, which need device="cuda"). The KV cache is kept from one generate to
+        the next of the same shape so the graphs are not captured again."""
+        if capture_factory is None and self.device.type != "cuda":
+            raise ValueError(f"cuda_graphs=True needs device='cuda'; this model is on {self.device}")
+        decode = self._runner.decode_fn
+        inner = decode.inner if isinstance(decode, CudaGraphDecode) else decode
+        self._runner.decode_fn = CudaGraphDecode(inner, capture_factory)
+        self._runner.reuse_cache = True
+        return self._runner.decode_fn
 
     def close(self) -> None:
         """Release the expert backend's threads, streams and host registrations (once; also on deletion)."""

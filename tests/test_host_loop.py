@@ -201,34 +201,3 @@ def test_cpu_int4_slots_give_the_resident_cpu_int4_tokens(policy, slots, transpo
     for slot, form in enumerate(backend.int4_slots.forms):
         assert form.w13.packed.data_ptr() == backend.pool.buffer[slot].data_ptr(), slot
 
-
-@pytest.mark.xfail(strict=True, reason="issue 14 item 6, not done: the decoder layers still compile per layer index "
-                   "(layer_idx is a static int on the modules; compile_decode's allow_unspec_int_on_nn_module patch "
-                   "does not take effect for the resumed frames): 22 graphs and dynamo's recompile limit, so layers "
-                   "past the 8th run eagerly")
-def test_compiled_decode_breaks_only_at_the_offload_backend(tmp_path):
-    """compile=True on a 32-layer model: the graph breaks only at the offload backend's boundary
-    (``OffloadedExperts.forward``, compiler-disabled), the decoder layers share their graphs (no graph per
-    layer), and a further 32 decode steps compile nothing new."""
-    from helpers import make_tiny_checkpoint
-    from torch._dynamo.utils import counters
-
-    make_tiny_checkpoint(tmp_path, num_hidden_layers=32)
-    m = MoEOffloadedMixtral.from_pretrained(tmp_path, kernels="torch",
-                                            offload=OffloadConfig(policy="lru", gpu_expert_slots=64))
-    m.compile_decode(backend="eager")  # dynamo's tracing and guards are the subject; eager keeps it fast
-    ids = torch.tensor([[1, 5, 7, 9]])
-    torch._dynamo.reset()
-    counters.clear()
-    try:
-        first = m.generate(ids, max_new_tokens=32, do_sample=False, eos_token_id=[])
-        breaks = list(counters["graph_break"])
-        graphs = counters["stats"]["unique_graphs"]
-        with torch._dynamo.config.patch(error_on_recompile=True):
-            again = m.generate(ids, max_new_tokens=32, do_sample=False, eos_token_id=[])
-    finally:
-        m.close()
-        torch._dynamo.reset()
-    assert breaks and all("OffloadedExperts.forward" in reason for reason in breaks), breaks
-    assert graphs <= 12, f"{graphs} graphs for 32 layers: the layers do not share their graphs"
-    assert torch.equal(first, again)

@@ -44,17 +44,30 @@ class Runner:
         self.num_experts = decoder.moe_blocks[0].gate.out_features
         self.decode_fn: Callable[..., torch.Tensor] = decoder
         self.pipeline_stats: PipelineStats | None = None  # the dual-batch pipeline's, of the last generate
+        # keep the last cache for the next pass of the same shape (CUDA graphs baked its addresses in)
+        self.reuse_cache = False
+        self._last_cache: tuple[tuple[int, int], Any] | None = None
 
     def close_backend(self) -> None:
         if self.backend is not None:
             self.backend.close()
 
     def new_cache(self, batch: int, max_len: int) -> StaticKVCache:
+        """An empty KV cache for ``batch`` sequences of up to ``max_len`` tokens (with ``reuse_cache``, the last
+        one of that shape, emptied: its tokens marked invalid)."""
+        if self.reuse_cache and self._last_cache is not None and self._last_cache[0] == (batch, max_len):
+            cache = self._last_cache[1]
+            cache.valid.zero_()
+            return cache
         if self.kv_cache_spec is not None:
-            return new_kv_cache(self.kv_cache_spec(), batch, max_len, self.dtype, self.device)
-        cfg = self.config
-        return StaticKVCache(cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim,
-                             self.dtype, self.device)
+            cache = new_kv_cache(self.kv_cache_spec(), batch, max_len, self.dtype, self.device)
+        else:
+            cfg = self.config
+            cache = StaticKVCache(cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim,
+                                  self.dtype, self.device)
+        if self.reuse_cache:
+            self._last_cache = ((batch, max_len), cache)
+        return cache
 
     def forward_pass(
         self, ids: torch.Tensor, positions: torch.Tensor, cache: Any, cache_position: torch.Tensor,

@@ -64,6 +64,7 @@ class CpuInt4Experts(ExpertBackend):
     def load_expert(self, layer: int, expert: int, tensors: dict[str, torch.Tensor]) -> None:
         self.experts[layer][expert] = self._make(tensors, self.fmt.group_size)
 
+    @torch.compiler.disable  # host logic (reads the routing back): under torch.compile, the layer's one graph break
     def forward(self, layer, x, probs, topk_ids, topk_weights):  # noqa: D102 (see ExpertBackend)
         # one host read of the routing per layer; the activations go to bf16 once for all the layer's experts
         ids = topk_ids.tolist()

@@ -1,0 +1,204 @@
+"""The decode step as CUDA graphs (``from_pretrained(..., cuda_graphs=True)``), piecewise around the expert backend.
+
+Between two calls into a host-side expert backend (the offload scheduler: its one read-back, its plan, its
+copies) a decode step's device work has static shapes and never waits for the host, so it is captured once
+and replayed every step:
+
+    piece 0:  rotary, masks, layer 0 up to its router        | backend.forward(0, x, probs, ids, weights)
+    piece 1:  layer 0 after its experts, layer 1 to its router | backend.forward(1, ...)
+    ...
+    piece L:  the last layer after its experts, final norm, LM head  -> logits
+
+The pieces are found by running the decode function once with a stand-in backend (:class:`_Boundary`) that,
+at each MoE call, ends the capture in progress, keeps the call's tensors (the static arguments of the real
+call at replay), and starts the next piece on a static buffer that the real call's output is copied into.
+A backend dynamo traces through (every expert resident: pure device work) needs no boundary: one graph.
+
+Graphs bake in the addresses of the KV cache they were captured with and of the batch's shapes: a new cache
+(a new ``generate``) or batch captures again; passes over some rows of a cache (micro-batches, the serving
+engine) run eagerly. A capture the device refuses (an op that syncs, a host tensor
+copied in, ...) is logged once and the step runs eagerly from then on (``CudaGraphDecode.refused`` says why).
+How a piece is captured is a :class:`GraphCapture`: :class:`CudaCapture` on a GPU; the tests give one that
+records and replays the pieces' ops on the CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from moeflow.engine.compiled import traces_through
+from moeflow.engine.kv_cache import StaticKVCache
+from moeflow.moe.backend import ExpertBackend
+
+log = logging.getLogger(__name__)
+
+DecodeFn = Callable[..., torch.Tensor]  # (embeds, positions, cache, cache_position, token_mask, experts, routing)
+
+
+class GraphCapture(Protocol):
+    """Captures pieces one after the other: ``begin()`` ... ``end()`` -> the piece's replay."""
+
+    def begin(self) -> None: ...
+    def end(self) -> Callable[[], None]: ...
+    def abort(self) -> None: ...
+    def side_stream(self) -> contextlib.AbstractContextManager: ...
+
+
+class CudaCapture:
+    """Pieces as ``torch.cuda.CUDAGraph``s sharing one memory pool, captured on a side stream; only this
+    thread's CUDA calls are checked during capture (the copy engine's threads keep working)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(device)
+        self._graph: torch.cuda.CUDAGraph | None = None
+
+    def begin(self) -> None:
+        self._graph = torch.cuda.CUDAGraph()
+        self._graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+
+    def end(self) -> Callable[[], None]:
+        graph, self._graph = self._graph, None
+        graph.capture_end()
+        return graph.replay
+
+    def abort(self) -> None:
+        graph, self._graph = self._graph, None
+        if graph is not None:
+            with contextlib.suppress(Exception):  # the capture is already invalid: end it, keep the first error
+                graph.capture_end()
+
+    @contextlib.contextmanager
+    def side_stream(self) -> Iterator[None]:
+        current = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
+            yield
+        current.wait_stream(self.stream)
+
+
+@dataclass
+class _Call:
+    """One MoE layer's call into the backend, as captured: static arguments and the output buffer."""
+
+    layer: int
+    x: torch.Tensor  # [T, H]
+    probs: torch.Tensor  # fp32 [T, E]
+    topk_ids: torch.Tensor  # int32 [T, k]
+    topk_weights: torch.Tensor  # fp32 [T, k]
+    out: torch.Tensor  # [T, H]: the real call's output, copied in before the next piece
+
+
+class _Boundary:
+    """Stands in for the expert backend while the pieces are captured: each ``forward`` ends a piece. Without
+    a capture (the warm-up) it returns zeros: the warm-up only runs every kernel once, with the same types
+    (a compiled decode function then needs nothing new while the capture runs)."""
+
+    def __init__(self, capture: GraphCapture | None) -> None:
+        self.capture = capture
+        self.replays: list[Callable[[], None]] = []
+        self.calls: list[_Call] = []
+
+    @torch.compiler.disable  # host logic (a compiled decode function breaks here, as at the real backend)
+    def forward(self, layer: int, x: torch.Tensor, probs: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor) -> torch.Tensor:
+        if self.capture is None:
+            return torch.zeros_like(x)
+        self.replays.append(self.capture.end())
+        out = torch.empty_like(x)  # allocated between captures: the graphs only read it
+        self.calls.append(_Call(layer, x, probs, topk_ids, topk_weights, out))
+        self.capture.begin()
+        return out
+
+
+@dataclass
+class CapturedStep:
+    """One captured decode step: ``inputs`` (static copies of embeds, positions, cache_position, token_mask),
+    the pieces' replays, the backend calls between them, and the static logits the last piece writes."""
+
+    cache: Any  # the KV cache the graphs write (held so its tensors, and its identity, stay)
+    inputs: tuple[torch.Tensor, ...]
+    replays: list[Callable[[], None]]
+    calls: list[_Call]
+    logits: torch.Tensor
+
+    def run(self, experts: ExpertBackend) -> torch.Tensor:
+        """Replay every piece, the backend's real calls in between; returns the static logits [B, T, V]."""
+        for i, replay in enumerate(self.replays):
+            replay()
+            if i < len(self.calls):
+                c = self.calls[i]
+                c.out.copy_(experts.forward(c.layer, c.x, c.probs, c.topk_ids, c.topk_weights))
+        return self.logits
+
+
+def capture_step(fn: DecodeFn, capture: GraphCapture, inputs: tuple[torch.Tensor, ...], cache: Any,
+                 experts: ExpertBackend) -> CapturedStep:
+    """Warm ``fn`` up once, then capture it piecewise around ``experts`` (whole when dynamo traces it)."""
+    embeds, positions, cache_position, token_mask = inputs
+    whole = traces_through(experts)
+    with capture.side_stream():
+        fn(embeds, positions, cache, cache_position, token_mask, experts if whole else _Boundary(None), None)
+        boundary = None if whole else _Boundary(capture)
+        capture.begin()
+        try:
+            logits = fn(embeds, positions, cache, cache_position, token_mask, experts if whole else boundary, None)
+            last = capture.end()
+        except BaseException:
+            capture.abort()
+            raise
+    replays = [*boundary.replays, last] if boundary is not None else [last]
+    return CapturedStep(cache, inputs, replays, boundary.calls if boundary is not None else [], logits)
+
+
+class CudaGraphDecode:
+    """A ``Runner.decode_fn`` that replays the captured step of ``inner`` (the decoder, or its compiled form).
+
+    ``capture_factory``: makes the :class:`GraphCapture` (default :class:`CudaCapture` on the inputs' device).
+    The logits returned are the step's static buffer, overwritten by the next step (the generate loop reads
+    them before). ``captures`` counts captures; ``refused`` holds the reason capture was given up, if it was.
+    """
+
+    def __init__(self, inner: DecodeFn, capture_factory: Callable[[torch.device], GraphCapture] | None = None):
+        self.inner = inner
+        self.capture_factory = capture_factory or CudaCapture
+        self.step: CapturedStep | None = None
+        self.captures = 0
+        self.refused: str | None = None
+        self._capture: GraphCapture | None = None
+
+    def _key(self, step: CapturedStep | None, embeds: torch.Tensor, cache: Any, experts: ExpertBackend) -> bool:
+        return (step is not None and step.cache is cache and step.inputs[0].shape == embeds.shape
+                and step.inputs[0].dtype == embeds.dtype and (not step.calls) == traces_through(experts))
+
+    def __call__(self, embeds: torch.Tensor, positions: torch.Tensor, cache: Any, cache_position: torch.Tensor,
+                 token_mask: torch.Tensor, experts: ExpertBackend, routing: Any = None) -> torch.Tensor:
+        if self.refused is not None or routing is not None or not isinstance(cache, StaticKVCache):
+            # a view of some rows (micro-batches, the serving engine) is a new object every pass: not captured
+            return self.inner(embeds, positions, cache, cache_position, token_mask, experts, routing)
+        given = (embeds, positions, cache_position, token_mask)
+        if self._key(self.step, embeds, cache, experts):
+            for static, value in zip(self.step.inputs, given, strict=True):
+                static.copy_(value)
+            return self.step.run(experts)
+        if self.step is not None and embeds.is_cuda:  # the old graphs' buffers may still be read: let them finish
+            torch.cuda.synchronize(embeds.device)
+        self.step = None  # free the old graphs before capturing new ones
+        if self._capture is None:
+            self._capture = self.capture_factory(embeds.device)
+        try:
+            self.step = capture_step(self.inner, self._capture, tuple(t.clone() for t in given), cache, experts)
+        except Exception as err:  # noqa: BLE001 (any refusal: the step runs eagerly instead)
+            self.refused = f"{type(err).__name__}: {err}"
+            log.warning("CUDA-graph capture of the decode step refused; decoding eagerly from now on (%s)",
+                        self.refused)
+            return self.inner(embeds, positions, cache, cache_position, token_mask, experts, routing)
+        self.captures += 1
+        return self.step.run(experts)

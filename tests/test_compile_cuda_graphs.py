@@ -1,0 +1,204 @@
+"""CUDA-graph capture of the decode step, piecewise around the expert backend (issue 14 item 6).
+
+On the CPU the pieces are captured by :class:`TraceCapture`, which gives them CUDA-graph semantics: a piece is
+the list of aten ops run while it was captured, replayed on the same tensors (inputs copied into static
+buffers, outputs written into the tensors the capture produced). Whatever a piece decided in Python from
+values at capture time is frozen, exactly as in a CUDA graph, so replays that give the eager tokens step after
+step show the pieces are value-independent; a host read (``.item()``, ``bool``, ``.tolist()`` via the
+:class:`DeviceTensor` of test_host_loop), a data-dependent shape (``nonzero``, ``unique``, ``bincount``) or
+host data copied in (``torch.tensor(...)``) while capturing is refused as the device would refuse it. The
+real capture on a GPU is the CUDA test at the end (run by ``benchmarks/run_all_gpu.sh correctness``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from test_host_loop import DeviceTensor, HostSyncError
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+import moeflow
+from moeflow import MoEOffloadedMixtral, OffloadConfig
+
+MODEL = Path(moeflow.__file__).parent / "data" / "tiny-mixtral-awq"
+PROMPT = "The \"with\" statement is used to wrap the execution"
+aten = torch.ops.aten
+# ops a CUDA graph cannot hold: they read device values back to the host, or copy host data in
+REFUSED = {aten._local_scalar_dense.default, aten.item.default, aten.nonzero.default, aten._unique2.default,
+           aten.unique_dim.default, aten.unique_consecutive.default, aten.bincount.default,
+           aten.masked_select.default, aten.lift_fresh.default, aten.lift_fresh_copy.default,
+           aten.repeat_interleave.Tensor}
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in REFUSED:
+            raise HostSyncError(f"{func} while capturing: a CUDA graph cannot hold it")
+        out = func(*args, **(kwargs or {}))
+        self.ops.append((func, args, kwargs or {}, out))
+        return out
+
+
+def _replay(ops: list[tuple]) -> None:
+    for func, args, kwargs, captured in ops:
+        fresh = func(*args, **kwargs)
+        for old, new in zip(tree_flatten(captured)[0], tree_flatten(fresh)[0], strict=True):
+            if not isinstance(old, torch.Tensor):
+                assert old == new, f"{func}: a non-tensor output changed on replay ({old} -> {new})"
+                continue
+            assert old.shape == new.shape, f"{func}: shape {tuple(old.shape)} at capture, {tuple(new.shape)} now"
+            if new.untyped_storage().data_ptr() != old.untyped_storage().data_ptr():
+                old.copy_(new)  # a fresh output: into the buffer later ops of the capture read
+
+
+class TraceCapture:
+    """A :class:`moeflow.engine.cuda_graphs.GraphCapture` on the CPU (see the module docstring)."""
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.pieces: list[list[tuple]] = []
+        self._mode: _Recorder | None = None
+
+    def begin(self) -> None:
+        self._mode = _Recorder()
+        self._mode.__enter__()
+
+    def end(self):
+        mode, self._mode = self._mode, None
+        mode.__exit__(None, None, None)
+        self.pieces.append(mode.ops)
+        return lambda: _replay(mode.ops)
+
+    def abort(self) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self._mode = None
+
+    def side_stream(self):
+        return contextlib.nullcontext()
+
+
+class HostArgs:
+    """The expert backend called with plain tensors (the pieces' outputs are DeviceTensors; the backend's own
+    read-back is test_host_loop's subject). Everything else is the wrapped backend's."""
+
+    def __init__(self, backend) -> None:
+        self.backend = backend
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+    def forward(self, layer, *tensors):
+        return self.backend.forward(layer, *(t.as_subclass(torch.Tensor) for t in tensors))
+
+
+def on_device(decoder):
+    """The decode function with its step inputs as DeviceTensors: anything computed from them that reads
+    values back to the host raises."""
+    def decode(embeds, positions, cache, cache_position, token_mask, experts, routing=None):
+        return decoder(*(t.as_subclass(DeviceTensor) for t in (embeds, positions)), cache,
+                       *(t.as_subclass(DeviceTensor) for t in (cache_position, token_mask)), experts, routing)
+    return decode
+
+
+def captured_model(offload: OffloadConfig | None, inner=None):
+    model = MoEOffloadedMixtral.from_pretrained(MODEL, kernels="torch", offload=offload)
+    graphs = model.capture_decode(capture_factory=TraceCapture)
+    graphs.inner = inner(model.model) if inner is not None else on_device(model.model)
+    # every backend through a boundary here: the resident one's torch reference kernels check values on the host
+    # (the Triton path skips its checks while a CUDA graph captures; the GPU test below captures it whole)
+    model.use_backend(HostArgs(model.experts))
+    return model, graphs
+
+
+@pytest.mark.parametrize("offload", [None, OffloadConfig(policy="lru", gpu_expert_slots=24)], ids=["resident", "lru"])
+def test_replayed_pieces_give_the_eager_tokens(offload):
+    ref = MoEOffloadedMixtral.from_pretrained(MODEL, kernels="torch")
+    ids = torch.tensor([ref.tokenizer.encode(PROMPT)] * 2)
+    want = ref.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=[])
+    model, graphs = captured_model(offload)
+    try:
+        got = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=[])
+        again = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=[])  # same cache: no capture
+    finally:
+        model.close()
+    assert graphs.refused is None
+    assert torch.equal(got, want) and torch.equal(again, want)
+    assert graphs.captures == 1
+    layers = model.config.num_hidden_layers  # one piece before each backend call, one after the last
+    assert len(graphs.step.replays) == layers + 1
+    assert [c.layer for c in graphs.step.calls] == list(range(layers))
+    assert all(graphs._capture.pieces)  # every piece holds device work
+
+
+def test_a_piece_that_reads_back_is_refused_and_the_step_runs_eagerly(caplog):
+    def syncing(decoder):
+        def decode(embeds, *args):
+            if float(embeds.as_subclass(torch.Tensor).abs().sum()) < 0:  # a host read in the hot region
+                raise AssertionError("unreachable")
+            return decoder(embeds, *args)
+        return decode  # (plain tensors: the eager fallback runs it too)
+
+    ref = MoEOffloadedMixtral.from_pretrained(MODEL, kernels="torch")
+    ids = torch.tensor([ref.tokenizer.encode(PROMPT)])
+    want = ref.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=[])
+    model, graphs = captured_model(OffloadConfig(policy="lru", gpu_expert_slots=24), inner=syncing)
+    try:
+        with caplog.at_level(logging.WARNING, logger="moeflow.engine.cuda_graphs"):
+            got = model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=[])
+    finally:
+        model.close()
+    assert graphs.refused and "aten.item" in graphs.refused
+    assert "capture of the decode step refused" in caplog.text
+    assert torch.equal(got, want) and graphs.step is None
+
+
+def test_passes_over_some_rows_of_a_cache_run_eagerly():
+    """Micro-batches and the serving engine pass a new view of some cache rows every time: never captured."""
+    model, graphs = captured_model(None)
+    runner = model.runner
+    try:
+        cache = runner.new_cache(2, 8)
+        rows = torch.tensor([1])
+        embeds = runner.decoder.embed_tokens(torch.tensor([[3]]))
+        logits = graphs(embeds, torch.tensor([[0]]), cache.rows(rows), torch.tensor([0]),
+                        torch.ones(1, 1, dtype=torch.bool), model.experts)
+    finally:
+        model.close()
+    assert logits.shape == (1, 1, model.config.vocab_size)
+    assert graphs.captures == 0 and graphs.step is None
+
+
+def test_cuda_graphs_need_a_cuda_device():
+    with pytest.raises(ValueError, match="cuda_graphs=True needs device='cuda'"):
+        MoEOffloadedMixtral.from_pretrained(MODEL, kernels="torch", cuda_graphs=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (real graph capture)")
+@pytest.mark.parametrize("policy", ["resident", "lru"])
+def test_cuda_graph_decode_gives_the_eager_tokens_on_a_gpu(policy):
+    load = dict(device="cuda", dtype=torch.float16, kernels="auto")
+    offload = OffloadConfig(policy=policy, gpu_expert_slots=None if policy == "resident" else 24)
+    ref = MoEOffloadedMixtral.from_pretrained(MODEL, **load, offload=offload)
+    ids = torch.tensor([ref.tokenizer.encode(PROMPT)] * 2, device="cuda")
+    want = ref.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=[])
+    ref.close()
+    model = MoEOffloadedMixtral.from_pretrained(MODEL, **load, offload=offload, cuda_graphs=True)
+    try:
+        got = model.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=[])
+        again = model.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=[])
+        graphs = model.runner.decode_fn
+    finally:
+        model.close()
+    assert graphs.refused is None, graphs.refused
+    assert graphs.captures == 1
+    assert torch.equal(got, want) and torch.equal(again, want)
