@@ -99,6 +99,10 @@ class HostArgs:
     def forward(self, layer, *tensors):
         return self.backend.forward(layer, *(t.as_subclass(torch.Tensor) for t in tensors))
 
+    def forward_logits(self, layer, x, router_logits, route, kernel_routing, want_ids):
+        return self.backend.forward_logits(layer, x.as_subclass(torch.Tensor), router_logits.as_subclass(torch.Tensor),
+                                           route, kernel_routing, want_ids)
+
 
 def on_device(decoder):
     """The decode function with its step inputs as DeviceTensors: anything computed from them that reads

@@ -4,14 +4,15 @@ Between two calls into a host-side expert backend (the offload scheduler: its on
 copies) a decode step's device work has static shapes and never waits for the host, so it is captured once
 and replayed every step:
 
-    piece 0:  rotary, masks, layer 0 up to its router        | backend.forward(0, x, probs, ids, weights)
-    piece 1:  layer 0 after its experts, layer 1 to its router | backend.forward(1, ...)
+    piece 0:  rotary, masks, layer 0 up to its gate         | backend.forward_logits(0, x, router_logits, ...)
+    piece 1:  layer 0 after its experts, layer 1 to its gate | backend.forward_logits(1, ...)
     ...
     piece L:  the last layer after its experts, final norm, LM head  -> logits
 
 The pieces are found by running the decode function once with a stand-in backend (:class:`_Boundary`) that,
 at each MoE call, ends the capture in progress, keeps the call's tensors (the static arguments of the real
-call at replay), and starts the next piece on a static buffer that the real call's output is copied into.
+call at replay; the routing runs in the backend, which may fuse it into its kernels), and starts the next
+piece on a static buffer that the real call's output is copied into.
 A backend dynamo traces through (every expert resident: pure device work) needs no boundary: one graph.
 
 Graphs bake in the addresses of the KV cache they were captured with and of the batch's shapes: a new cache
@@ -90,9 +91,9 @@ class _Call:
 
     layer: int
     x: torch.Tensor  # [T, H]
-    probs: torch.Tensor  # fp32 [T, E]
-    topk_ids: torch.Tensor  # int32 [T, k]
-    topk_weights: torch.Tensor  # fp32 [T, k]
+    router_logits: torch.Tensor  # [T, E]: the block's gate output (in the graph); routing runs in the backend
+    route: Callable  # the block's router (logits -> probs, ids, weights)
+    kernel_routing: Any  # moeflow.moe.backend.KernelRouting | None
     out: torch.Tensor  # [T, H]: the real call's output, copied in before the next piece
 
 
@@ -107,15 +108,17 @@ class _Boundary:
         self.calls: list[_Call] = []
 
     @torch.compiler.disable  # host logic (a compiled decode function breaks here, as at the real backend)
-    def forward(self, layer: int, x: torch.Tensor, probs: torch.Tensor, topk_ids: torch.Tensor,
-                topk_weights: torch.Tensor) -> torch.Tensor:
+    def forward_logits(self, layer: int, x: torch.Tensor, router_logits: torch.Tensor, route: Callable,
+                       kernel_routing: Any, want_ids: bool) -> tuple[torch.Tensor, None]:
+        if want_ids:  # a recorded routing would be a host value of the captured step
+            raise RuntimeError("the decode step records its routing (tracing): CUDA-graph pieces do not return it")
         if self.capture is None:
-            return torch.zeros_like(x)
+            return torch.zeros_like(x), None
         self.replays.append(self.capture.end())
         out = torch.empty_like(x)  # allocated between captures: the graphs only read it
-        self.calls.append(_Call(layer, x, probs, topk_ids, topk_weights, out))
+        self.calls.append(_Call(layer, x, router_logits, route, kernel_routing, out))
         self.capture.begin()
-        return out
+        return out, None
 
 
 @dataclass
@@ -135,7 +138,7 @@ class CapturedStep:
             replay()
             if i < len(self.calls):
                 c = self.calls[i]
-                c.out.copy_(experts.forward(c.layer, c.x, c.probs, c.topk_ids, c.topk_weights))
+                c.out.copy_(experts.forward_logits(c.layer, c.x, c.router_logits, c.route, c.kernel_routing, False)[0])
         return self.logits
 
 
