@@ -104,10 +104,10 @@ def test_triton_matches_reference(case):
 
 
 @pytest.mark.parametrize("tokens, config", [
-    (40, None),  # 80 pairs: 32-row tl.dot_scaled tiles (the bf16 default)
-    (1, None),  # decode: one token padded to a 16-row tl.dot_scaled tile
-    (3, {"BLOCK_M": 2, "w13": {"SCALED": False}, "w2": {"SCALED": False}}),  # the explicit fp32 GEMV in bf16
-    (40, {"BLOCK_M": 16, "w13": {"SCALED": False}, "w2": {"SCALED": False}}),  # explicit decode + tl.dot
+    (40, None),  # 80 pairs: 32-row plan blocks (the default)
+    (1, None),  # decode: one token, 16 MMA columns
+    (3, {"BLOCK_M": 2, "w13": {"BLOCK_N": 16, "BLOCK_K": 32}, "w2": {"BLOCK_N": 32}}),  # small tiles, clamped rows
+    (40, {"BLOCK_M": 16, "w13": {"BLOCK_N": 128}, "w2": {"BLOCK_N": 128, "BLOCK_K": 128}}),  # tiles past N
 ])
 def test_triton_bf16_and_all_tokens_on_one_expert(tokens, config):
     gen = torch.Generator().manual_seed(5)

@@ -8,7 +8,9 @@ one expert = one contiguous region, host region and device slot byte-identical) 
 * ``bias``: ``w13_bias`` ``[2I]`` (gate biases first, then up) and ``w2_bias`` ``[H]`` after the weights;
 * the storage ``kind`` ``"mxfp4"`` besides ``"dense"`` / ``"awq"``: ``w13_blocks`` uint8 ``[2I, H/32, 16]``,
   ``w13_scales`` uint8 ``[2I, H/32]``, ``w2_blocks`` ``[H, I/32, 16]``, ``w2_scales`` ``[H, I/32]``
-  (:mod:`moeflow.kernels.mxfp4_reference`); ``dtype`` is then the bias dtype.
+  (:mod:`moeflow.kernels.mxfp4_reference`); ``dtype`` is then the bias dtype. The region keeps the blocks in
+  the kernel layout (bits permuted within each 32-bit word, :func:`~moeflow.kernels.mxfp4_reference.to_kernel_layout`),
+  converted in :meth:`BiasedExpertFormat.write` and inverted by :meth:`BiasedExpertFormat.loader_tensors`.
 
 w13 rows (dense, MXFP4) / columns (AWQ) hold the gate first, then up: gpt-oss's interleaved ``gate_up_proj``
 is de-interleaved once when the checkpoint is read. ``moeflow.kernels.expert_forward`` hands pools of this
@@ -31,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from moeflow.kernels.checks import check_ids_and_slots, values_checked
-from moeflow.kernels.mxfp4_reference import BLOCK, dequantize_mxfp4
+from moeflow.kernels.mxfp4_reference import BLOCK, dequantize_mxfp4, from_kernel_layout, to_kernel_layout
 from moeflow.kernels.pool import ALIGN, ExpertFormat, ExpertPool, TensorSpec
 from moeflow.quant.awq import dequantize
 
@@ -91,12 +93,13 @@ class BiasedExpertFormat(ExpertFormat):
                 raise ValueError(f"expert tensor {spec.name!r} has shape {tuple(t.shape)}, expected {spec.shape}")
             if spec.dtype in (torch.int32, torch.uint8) and t.dtype != spec.dtype:
                 raise ValueError(f"expert tensor {spec.name!r} must be {spec.dtype}, got {t.dtype}")
-            views[spec.name][0].copy_(t.to(spec.dtype))
+            views[spec.name][0].copy_(to_kernel_layout(t) if spec.name.endswith("_blocks") else t.to(spec.dtype))
 
     def loader_tensors(self, region: torch.Tensor) -> dict[str, torch.Tensor]:
         """Exact inverse of :meth:`write`."""
         views = self.views(region.view(1, -1))
-        return {spec.name: views[spec.name][0].clone() for spec in self.specs}
+        return {spec.name: from_kernel_layout(views[spec.name][0]) if spec.name.endswith("_blocks")
+                else views[spec.name][0].clone() for spec in self.specs}
 
 
 def is_extended(fmt: ExpertFormat) -> bool:
@@ -128,8 +131,8 @@ def slot_weights(pool: ExpertPool, slot: int) -> Weights:
         w13 = dequantize(t["w13_qweight"][slot], t["w13_qzeros"][slot], t["w13_scales"][slot].float(), g).T
         w2 = dequantize(t["w2_qweight"][slot], t["w2_qzeros"][slot], t["w2_scales"][slot].float(), g).T
     else:
-        w13 = dequantize_mxfp4(t["w13_blocks"][slot], t["w13_scales"][slot])
-        w2 = dequantize_mxfp4(t["w2_blocks"][slot], t["w2_scales"][slot])
+        w13 = dequantize_mxfp4(from_kernel_layout(t["w13_blocks"][slot]), t["w13_scales"][slot])
+        w2 = dequantize_mxfp4(from_kernel_layout(t["w2_blocks"][slot]), t["w2_scales"][slot])
     has_bias = getattr(fmt, "bias", False)
     b13 = t["w13_bias"][slot].float() if has_bias else None
     b2 = t["w2_bias"][slot].float() if has_bias else None
