@@ -33,8 +33,10 @@ MODELS = {  # name: (hidden, intermediate, experts, top_k)
 TOKENS = (1, 4, 16, 512, 4096)
 
 
-def mxfp4_layer_launches(model: str, T: int, config: dict | None = None) -> list[dict]:
-    """Compile the two MXFP4 expert stages of one MoE layer at T tokens (bf16 activations); one row per kernel."""
+def mxfp4_layer_launches(model: str, T: int, config: dict | None = None, dtype: torch.dtype = torch.bfloat16
+                         ) -> list[dict]:
+    """Compile the two MXFP4 expert stages of one MoE layer at T tokens; one row per kernel. ``config``: the
+    launcher's (``{"BLOCK_M", "w13": {...}, "w2": {...}}``), None for the shipped defaults."""
     from sass_report import _row, compile_only
 
     from moeflow.kernels import mxfp4
@@ -43,7 +45,7 @@ def mxfp4_layer_launches(model: str, T: int, config: dict | None = None) -> list
     from moeflow.kernels.reference import routing_plan_reference
 
     H, I, E, k = MODELS[model]  # noqa: E741
-    fmt = BiasedExpertFormat(H, I, "mxfp4", torch.bfloat16, 32, activation="clamped_swiglu")
+    fmt = BiasedExpertFormat(H, I, "mxfp4", dtype, 32, activation="clamped_swiglu")
     pool = ExpertPool(fmt, torch.empty((1, fmt.nbytes), dtype=torch.uint8))
     t = pool.tensors
     config = config or {}
@@ -51,11 +53,11 @@ def mxfp4_layer_launches(model: str, T: int, config: dict | None = None) -> list
     ids = (torch.arange(T * k, dtype=torch.int32) % E).reshape(T, k)
     sorted_ids, eob = routing_plan_reference(ids, E, block_m)[:2]
     slots = torch.zeros(E, dtype=torch.int32)
-    x = torch.empty((T, H), dtype=torch.bfloat16)
-    h = torch.empty((T * k, I), dtype=torch.bfloat16)
-    out = torch.empty((T * k, H), dtype=torch.bfloat16)
+    x = torch.empty((T, H), dtype=dtype)
+    h = torch.empty((T * k, I), dtype=dtype)
+    out = torch.empty((T * k, H), dtype=dtype)
     act = dict(activation="clamped_swiglu")
-    stages = {"w13": {**mxfp4.DEFAULTS, **config.get("w13", {})}, "w2": {**mxfp4.DEFAULTS, **config.get("w2", {})}}
+    stages = {name: {**mxfp4.stage_defaults(block_m), **config.get(name, {})} for name in ("w13", "w2")}
     with compile_only() as found:
         mxfp4.mxfp4_gemm(0, x, t["w13_blocks"], t["w13_scales"], t["w13_bias"], h, sorted_ids, eob, slots, None,
                          None, k, block_m, **act, config=stages["w13"])
@@ -64,7 +66,7 @@ def mxfp4_layer_launches(model: str, T: int, config: dict | None = None) -> list
     rows = []
     for c, (stage, K) in zip(found, (("w13", H), ("w2", I)), strict=True):
         wcfg = {**stages[stage], "BLOCK_K": mxfp4.block_k_for(K, stages[stage]["BLOCK_K"])}
-        rows.append(_row(c, model, T, stage, block_m, wcfg))
+        rows.append({**_row(c, model, T, stage, block_m, wcfg), "dtype": str(dtype).replace("torch.", "")})
     return rows
 
 
@@ -74,10 +76,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=["gpt-oss-120b"], choices=sorted(MODELS))
     p.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--config", type=json.loads, default=None, help='e.g. \'{"w13": {"BLOCK_N": 128}}\'')
     p.add_argument("--out", type=Path, help="also write the lines to this file")
     args = p.parse_args(argv)
-    rows = [r for model in args.models for T in args.tokens for r in mxfp4_layer_launches(model, T, args.config)]
+    dtype = getattr(torch, args.dtype)
+    rows = [r for model in args.models for T in args.tokens for r in mxfp4_layer_launches(model, T, args.config, dtype)]
     lines = [json.dumps({**r, "triton": triton.__version__, "sm": 90}) for r in rows]
     print("\n".join(lines))
     if args.out:

@@ -43,6 +43,13 @@ from moeflow.kernels.triton_common import INTERPRETED, cdiv, next_pow2
 ACTIVATION_CODES = {"silu": 0, "clamped_swiglu": 1}
 # per stage: weight rows per program, k per iteration (a multiple of 32 that divides K: reduced at launch)
 DEFAULTS = {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1}
+PREFILL_BLOCK_M = 64  # from here on the loop is software-pipelined (cp.async, asynchronous wgmma)
+
+
+def stage_defaults(block_m: int) -> dict:
+    """Default launch config of one stage: decode loads straight into registers (fewest instructions per weight,
+    benchmarks/sass_mxfp4.py); prefill tiles pipeline the loads so the tensor cores run asynchronously."""
+    return {**DEFAULTS, "num_stages": 3 if block_m >= PREFILL_BLOCK_M else 1}
 _CODE = -0x7E3F7E40  # 0x81C081C0 as int32: bf16 bits s..e1 e0 m of both halves (15, 8..6 / 31, 24..22)
 
 
@@ -50,16 +57,20 @@ _CODE = -0x7E3F7E40  # 0x81C081C0 as int32: bf16 bits s..e1 e0 m of both halves 
 def _lo(v, FP32: tl.constexpr):
     """The low bf16 bit pattern of int32 ``v`` as bf16 (or, exactly, as fp32)."""
     if FP32:
-        return (v << 16).to(tl.float32, bitcast=True)
-    return v.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        r = (v << 16).to(tl.float32, bitcast=True)
+    else:
+        r = v.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return r
 
 
 @triton.jit
 def _hi(v, FP32: tl.constexpr):
     """The high bf16 bit pattern of int32 ``v`` as bf16 (or fp32)."""
     if FP32:
-        return (v & -0x10000).to(tl.float32, bitcast=True)
-    return (v >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        r = (v & -0x10000).to(tl.float32, bitcast=True)
+    else:
+        r = (v >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return r
 
 
 @triton.jit
@@ -207,7 +218,7 @@ def mxfp4_gemm(
     config: dict | None = None,
 ) -> torch.Tensor:
     """Launch one grouped MXFP4 GEMM stage; writes the rows of selected experts of ``out`` in place."""
-    cfg = {**DEFAULTS, **(config or {})}
+    cfg = {**stage_defaults(block_m), **(config or {})}
     S, n_w, kb, half = blocks.shape
     K = a.shape[1]
     if half != BLOCK // 2 or kb * BLOCK != K or tuple(scales.shape) != (S, n_w, kb):
