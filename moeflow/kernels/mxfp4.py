@@ -9,15 +9,16 @@ afterwards. The plain-torch reference is :func:`moeflow.kernels.biased.biased_ex
 One kernel for every T, operand-swapped like the AWQ kernel: a program computes ``acc [BLOCK_N, DOT_M] =
 W[n-tile, :] @ X^T``, the decoded weight tile is the MMA's register operand and the token rows its N side.
 
-* Weights: ``blocks`` viewed as int32 ``[S, N, K/8]`` (one 16-byte load = one row's 32-value block); nibble
-  ``i`` of word ``j`` is ``k = 8j + i`` (:mod:`moeflow.kernels.mxfp4_reference`'s byte order).
-* Decode without lookups or conversions: one int32 word gives four bf16 pairs ``(nibble p, nibble p + 4)``,
-  each two shifts and two bit-ops (``((w << 6 - 4p) & 0x01C001C0) | ((w << 12 - 4p) & 0x80008000)``): the bf16
-  bits ``s 00000 e1 e0 m 000000`` of ``e2m1 * 2**-126`` (exact; e2m1's subnormal 0.5 lands on a bf16
-  subnormal). Times ``2**126`` and times the block's ``2**(scale - 127)`` (bf16 multiplies of powers of two:
-  exact, the latter unless the weight under/overflows bf16, i.e. never for e8m0 scales 1..254), so every
-  decoded weight equals the reference's. The tile's k order is therefore ``(p, p + 4)`` pairs per word; the
-  activations are loaded in the same order (a dot product does not care which k comes first).
+* Weights: ``blocks`` in the slot pool's kernel layout (:func:`moeflow.kernels.mxfp4_reference.to_kernel_layout`:
+  MXFP4's bytes with the bits of each 32-bit word permuted at load), viewed as int32 ``[S, N, K/8]``; one
+  16-byte load = one row's 32-value block. Word ``j`` holds ``k = 8j .. 8j + 7``.
+* Decode without lookups or conversions: the bf16 bits ``s 00000 e1 e0 m 000000`` of ``e2m1 * 2**-126``
+  (exact; e2m1's subnormal 0.5 lands on a bf16 subnormal) of the pair ``(k 2p, 2p + 1)``, both halves of one
+  int32, are ``(w << 3p) & 0x81C081C0`` for p = 0, 1, 2 (p = 0: one AND) and three shifted fields for p = 3.
+  Joined so that each decoded int32 is one bf16 pair of the MMA operand in k order (no repacking). Times
+  ``2**126`` and times the block's ``2**(scale - 127)``: bf16 multiplies by powers of two (``HMUL2.BF16_V2``,
+  no flush-to-zero), exact: bf16 has fp32's exponent range and subnormals, so every decoded weight equals the
+  fp32 reference's (scale 0's 2**-127 is a bf16 subnormal too).
 * ``MODE 0`` (w13): weight rows of a tile alternate gate row ``j`` / up row ``I + j`` (the pool keeps gate rows
   first), so one accumulator holds both; epilogue ``+ bias`` and silu or gpt-oss's clamped SwiGLU in fp32 ->
   ``h [P, I]`` by pair. ``MODE 1`` (w2): ``+ bias``, times the fp32 routing weight -> ``out [P, H]``.
