@@ -49,7 +49,7 @@ def mxfp4_layer_launches(model: str, T: int, config: dict | None = None, dtype: 
     pool = ExpertPool(fmt, torch.empty((1, fmt.nbytes), dtype=torch.uint8))
     t = pool.tensors
     config = config or {}
-    block_m = int(config.get("BLOCK_M", mxfp4.default_block_m(T * k, E)))
+    block_m = int(config.get("BLOCK_M", mxfp4.default_block_m(T, T * k, E)))
     ids = (torch.arange(T * k, dtype=torch.int32) % E).reshape(T, k)
     sorted_ids, eob = routing_plan_reference(ids, E, block_m)[:2]
     slots = torch.zeros(E, dtype=torch.int32)

@@ -184,11 +184,14 @@ def dot_m(block_m: int) -> int:
     return max(16, block_m)
 
 
-def default_block_m(num_pairs: int, num_experts: int) -> int:
-    """Rows per plan block: the average rows an expert gets, as a power of two in [1, 64] (the MMA's N side is
-    at least 16 columns whatever BLOCK_M is, so decode costs no more than one 16-column tile)."""
+def default_block_m(tokens: int, num_pairs: int, num_experts: int) -> int:
+    """Rows per plan block. Up to 16 tokens: the next power of two >= T, so an expert shared by several tokens
+    is one block (its weights streamed once) at no cost (the MMA's N side is 16 columns anyway). Above: the
+    average rows an expert gets, as a power of two in [16, 64]."""
+    if tokens <= 16:
+        return next_pow2(tokens)
     per_expert = max(1, num_pairs // max(1, min(num_experts, num_pairs)))
-    return min(64, next_pow2(per_expert))
+    return min(PREFILL_BLOCK_M, max(16, next_pow2(per_expert)))
 
 
 def block_k_for(K: int, block_k: int) -> int:
@@ -274,7 +277,7 @@ def mxfp4_expert_forward(
     T, top_k = topk_ids.shape
     num_pairs, num_experts = T * top_k, slot_of_expert.shape[0]
     config = config or {}
-    block_m = int(config.get("BLOCK_M", default_block_m(num_pairs, num_experts)))
+    block_m = int(config.get("BLOCK_M", default_block_m(T, num_pairs, num_experts)))
     sorted_ids, expert_of_block, _ = routing_plan(topk_ids, num_experts, block_m, "triton")
     h = x.new_empty((num_pairs, fmt.intermediate_size))
     act = dict(activation=getattr(fmt, "activation", "silu"), alpha=getattr(fmt, "swiglu_alpha", 1.702),
