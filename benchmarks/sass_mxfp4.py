@@ -1,73 +1,94 @@
-"""Machine-code figures of the MXFP4 expert kernels at gpt-oss-120b shapes, compiled for sm_90 without a GPU.
+"""Machine-code report of the MXFP4 expert kernels at gpt-oss shapes, compiled for sm_90 on any machine (no GPU).
 
-For each stage (w13: gate + up tiles; w2) and regime (decode: 1 token x top-4, GEMV-shaped; prefill: 16-row
-``tl.dot`` tiles) it prints registers, spills, the hot loop's warp-instructions per weight (the figure that
-bounds a memory-bound kernel: an H100 issues ~1e12 warp-instructions/s and streams ~3.35e12 B/s, so 4.25-bit
-weights at HBM speed allow about 0.15) and the loop's opcode histogram.
+    python benchmarks/sass_mxfp4.py                       # gpt-oss-120b shapes, one JSON object per line
+    python benchmarks/sass_mxfp4.py --out benchmarks/results/sass/mxfp4-after.json
 
-    python benchmarks/sass_mxfp4.py [--sm 90] [--block-n 64] [--warps 4]   (TRITON_INTERPRET unset)
+Every launch of ``mxfp4_expert_forward``'s two stages (w13 with bias + clamped SwiGLU, w2 with bias and the
+routing weight) is compiled with the installed Triton and its ptxas through :func:`sass_report.compile_only`
+and reported with the same keys as ``benchmarks/sass_report.py``: registers, spills, shared memory, and
+``warp_instructions_per_weight`` = hot-loop instructions x warps / weights one iteration consumes
+(``BLOCK_N x BLOCK_K``; a w13 tile's rows are gate and up rows). An H100 issues ~1e12 warp-instructions/s and
+streams ~3.35e12 B/s, so a 4.25-bit weight loop above ~0.15 cannot reach HBM speed. TRITON_INTERPRET must be unset.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import json
 import sys
+from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "shared", "tools"))
+ROOT = Path(__file__).resolve().parents[1]
+for p in (ROOT, ROOT / "benchmarks"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
 
-H = I = 2880  # gpt-oss-120b: hidden 2880, expert intermediate 2880, 128 experts, top-4  # noqa: E741
-EXPERTS, TOP_K = 128, 4
+MODELS = {  # name: (hidden, intermediate, experts, top_k)
+    "gpt-oss-120b": (2880, 2880, 128, 4),
+    "gpt-oss-20b": (2880, 2880, 32, 4),
+    "tiny": (64, 96, 4, 2),
+}
+TOKENS = (1, 4, 16, 512, 4096)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--sm", type=int, default=90)
-    ap.add_argument("--block-n", type=int, default=64)
-    ap.add_argument("--warps", type=int, default=4)
-    ap.add_argument("--block-k", type=int, default=128)
-    args = ap.parse_args()
-    from sass_probe import probe
+def mxfp4_layer_launches(model: str, T: int, config: dict | None = None, dtype: torch.dtype = torch.bfloat16
+                         ) -> list[dict]:
+    """Compile the two MXFP4 expert stages of one MoE layer at T tokens; one row per kernel. ``config``: the
+    launcher's (``{"BLOCK_M", "w13": {...}, "w2": {...}}``), None for the shipped defaults."""
+    from sass_report import _row, compile_only
 
+    from moeflow.kernels import mxfp4
     from moeflow.kernels.biased import BiasedExpertFormat
-    from moeflow.kernels.mxfp4 import mxfp4_gemm
     from moeflow.kernels.pool import ExpertPool
     from moeflow.kernels.reference import routing_plan_reference
 
-    fmt = BiasedExpertFormat(H, I, "mxfp4", torch.bfloat16, 32, activation="clamped_swiglu")
-    print(f"one gpt-oss-120b MXFP4 expert: {fmt.nbytes / 1e6:.2f} MB ({fmt.nbytes * 8 / (3 * H * I):.3f} bits/weight)")
-    pool = ExpertPool.allocate(fmt, 4, "cpu")
-    slots = torch.arange(EXPERTS, dtype=torch.int32) % 4
-    for regime, tokens, block_m, scaled in (("decode", 1, 1, False), ("decode", 1, 16, True),
-                                            ("prefill", 512, 16, False), ("prefill", 512, 16, True)):
-        x = torch.zeros(tokens, H, dtype=torch.bfloat16)
-        ids = torch.randint(0, EXPERTS, (tokens, TOP_K), dtype=torch.int32)
-        w = torch.full((tokens, TOP_K), 0.25)
-        out = torch.zeros(tokens * TOP_K, H, dtype=torch.bfloat16)
-        stage = {"BLOCK_N": args.block_n, "num_warps": args.warps, "SCALED": scaled, "BLOCK_K": args.block_k}
-        plan = routing_plan_reference(ids, EXPERTS, block_m)[:2]  # the plan kernel is the AWQ module's
-        h = torch.zeros(tokens * TOP_K, I, dtype=torch.bfloat16)
-        t, act = pool.tensors, dict(activation="clamped_swiglu", config=stage)
-        with probe(sm=args.sm) as found:
-            mxfp4_gemm(0, x, t["w13_blocks"], t["w13_scales"], t["w13_bias"], h, *plan, slots, None, None, TOP_K,
-                       block_m, **act)
-            mxfp4_gemm(1, h, t["w2_blocks"], t["w2_scales"], t["w2_bias"], out, *plan, slots, None,
-                       w.reshape(-1), 1, block_m, **act)
-        gemms = [k for k in found if k.name == "_mxfp4_gemm_kernel"]
-        for stage_name, k in zip(("w13", "w2"), gemms, strict=True):
-            if k.error:
-                print(regime, stage_name, "ERROR", k.error)
-                continue
-            step_k = args.block_k if scaled else 32  # one K step: BLOCK_K (tl.dot_scaled) or one 32-block per row
-            weights = (2 if stage_name == "w13" else 1) * args.block_n * step_k
-            path = "dot_scaled" if scaled else "explicit"
-            print(f"{regime:8s} {path:10s} {stage_name}: BLOCK_M={block_m} BLOCK_N={args.block_n} warps={k.num_warps} "
-                  f"regs={k.regs} spill={k.spill_bytes} loop={k.loop_instructions} instr -> "
-                  f"{k.warp_instructions_per_weight(weights):.3f} warp-instr/weight; "
-                  f"top ops {k.loop_ops.most_common(8)}")
+    H, I, E, k = MODELS[model]  # noqa: E741
+    fmt = BiasedExpertFormat(H, I, "mxfp4", dtype, 32, activation="clamped_swiglu")
+    pool = ExpertPool(fmt, torch.empty((1, fmt.nbytes), dtype=torch.uint8))
+    t = pool.tensors
+    config = config or {}
+    block_m = int(config.get("BLOCK_M", mxfp4.default_block_m(T, T * k, E)))
+    ids = (torch.arange(T * k, dtype=torch.int32) % E).reshape(T, k)
+    sorted_ids, eob = routing_plan_reference(ids, E, block_m)[:2]
+    slots = torch.zeros(E, dtype=torch.int32)
+    x = torch.empty((T, H), dtype=dtype)
+    h = torch.empty((T * k, I), dtype=dtype)
+    out = torch.empty((T * k, H), dtype=dtype)
+    act = dict(activation="clamped_swiglu")
+    stages = {name: {**mxfp4.stage_defaults(block_m), **config.get(name, {})} for name in ("w13", "w2")}
+    with compile_only() as found:
+        mxfp4.mxfp4_gemm(0, x, t["w13_blocks"], t["w13_scales"], t["w13_bias"], h, sorted_ids, eob, slots, None,
+                         None, k, block_m, **act, config=stages["w13"])
+        mxfp4.mxfp4_gemm(1, h, t["w2_blocks"], t["w2_scales"], t["w2_bias"], out, sorted_ids, eob, slots, None,
+                         torch.empty(T * k), 1, block_m, **act, config=stages["w2"])
+    rows = []
+    for c, (stage, K) in zip(found, (("w13", H), ("w2", I)), strict=True):
+        wcfg = {**stages[stage], "BLOCK_K": mxfp4.block_k_for(K, stages[stage]["BLOCK_K"])}
+        rows.append({**_row(c, model, T, stage, block_m, wcfg), "dtype": str(dtype).replace("torch.", "")})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    import triton
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", nargs="+", default=["gpt-oss-120b"], choices=sorted(MODELS))
+    p.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--config", type=json.loads, default=None, help='e.g. \'{"w13": {"BLOCK_N": 128}}\'')
+    p.add_argument("--out", type=Path, help="also write the lines to this file")
+    args = p.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
+    rows = [r for model in args.models for T in args.tokens for r in mxfp4_layer_launches(model, T, args.config, dtype)]
+    lines = [json.dumps({**r, "triton": triton.__version__, "sm": 90}) for r in rows]
+    print("\n".join(lines))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text("\n".join(lines) + "\n")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

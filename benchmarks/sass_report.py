@@ -234,7 +234,7 @@ def _row(c: Compiled, model: str, T: int, kernel: str, block_m: int, wcfg: dict)
         "loop_instructions": c.loop_instructions, "weights_per_iteration": weights or None,
         "warp_instructions_per_weight": per_weight,
         "async_mma": any(n > 0 for n in c.mma_waits), "mma_waits": c.mma_waits,
-        "top_ops": dict(c.loop_ops.most_common(8)), "error": c.error,
+        "top_ops": dict(c.loop_ops.most_common(40)), "error": c.error,
     }
 
 

@@ -269,8 +269,9 @@ def test_biased_format_layout():
     plain = ExpertFormat(64, 96, "awq", torch.float16, 32)
     biased = BiasedExpertFormat(64, 96, "awq", torch.float16, 32, activation="clamped_swiglu")
     assert biased.names == plain.names + ("w13_bias", "w2_bias")
-    # biased experts are computed from the loader form (AWQ as published), not the plain kernels' layout
-    assert biased.spec("w13_qweight").shape == plain.loader_shapes()["w13_qweight"] and biased.nbytes > plain.nbytes
+    # biased AWQ experts keep the plain kernels' layout (the AWQ Triton kernels read them), biases after it
+    assert biased.spec("w13_qweight").shape == plain.spec("w13_qweight").shape and biased.nbytes > plain.nbytes
+    assert biased.spec("w2_scales").offset == plain.spec("w2_scales").offset
     mx = BiasedExpertFormat(2880, 2880, "mxfp4", torch.bfloat16, 32, activation="clamped_swiglu")
     assert mx.spec("w13_blocks").shape == (5760, 90, 16) and mx.spec("w2_scales").shape == (2880, 90)
     with pytest.raises(ValueError, match="divisible by 32"):

@@ -8,7 +8,13 @@ import torch
 
 from moeflow import kernels
 from moeflow.kernels.biased import BiasedExpertFormat, biased_expert_forward_reference
-from moeflow.kernels.mxfp4_reference import check_mxfp4, dequantize_mxfp4, quantize_mxfp4
+from moeflow.kernels.mxfp4_reference import (
+    check_mxfp4,
+    dequantize_mxfp4,
+    from_kernel_layout,
+    quantize_mxfp4,
+    to_kernel_layout,
+)
 from moeflow.kernels.pool import ExpertPool
 
 
@@ -38,6 +44,25 @@ def test_quantize_round_trips_representable_values():
     x = torch.randn(8, 64, generator=gen)
     err = (dequantize_mxfp4(*quantize_mxfp4(x)) - x).abs() / x.abs().amax(-1, keepdim=True)
     assert float(err.max()) <= 0.25 / 1.0 + 1e-6  # half an e2m1 step at the top of the block's range
+
+
+def test_kernel_layout_is_an_exact_permutation_of_the_published_bytes():
+    gen = torch.Generator().manual_seed(2)
+    blocks, scales = random_mxfp4((6, 3), gen)
+    kernel = to_kernel_layout(blocks)
+    assert torch.equal(from_kernel_layout(kernel), blocks) and not torch.equal(kernel, blocks)
+    # per word, the bits move but their count does not (a permutation, not a re-encoding)
+    ones = lambda t: sum(((t.long() >> b) & 1).sum() for b in range(8))  # noqa: E731
+    assert ones(kernel) == ones(blocks)
+    fmt = BiasedExpertFormat(64, 32, "mxfp4", torch.bfloat16, 32)
+    region = torch.zeros(fmt.nbytes, dtype=torch.uint8)
+    (b13, s13), (b2, s2) = random_mxfp4((64, 2), gen), random_mxfp4((64, 1), gen)
+    bias = torch.randn(128, generator=gen).bfloat16()
+    tensors = {"w13_blocks": b13, "w13_scales": s13, "w2_blocks": b2, "w2_scales": s2,
+               "w13_bias": bias[:64], "w2_bias": bias[64:]}
+    fmt.write(region, tensors)
+    back = fmt.loader_tensors(region)
+    assert all(torch.equal(back[name], t) for name, t in tensors.items())
 
 
 def test_blocks_that_disagree_with_scales_are_refused():
@@ -104,10 +129,10 @@ def test_triton_matches_reference(case):
 
 
 @pytest.mark.parametrize("tokens, config", [
-    (40, None),  # 80 pairs: 32-row tl.dot_scaled tiles (the bf16 default)
-    (1, None),  # decode: one token padded to a 16-row tl.dot_scaled tile
-    (3, {"BLOCK_M": 2, "w13": {"SCALED": False}, "w2": {"SCALED": False}}),  # the explicit fp32 GEMV in bf16
-    (40, {"BLOCK_M": 16, "w13": {"SCALED": False}, "w2": {"SCALED": False}}),  # explicit decode + tl.dot
+    (40, None),  # 80 pairs: 32-row plan blocks (the default)
+    (1, None),  # decode: one token, 16 MMA columns
+    (3, {"BLOCK_M": 2, "w13": {"BLOCK_N": 16, "BLOCK_K": 32}, "w2": {"BLOCK_N": 32}}),  # small tiles, clamped rows
+    (40, {"BLOCK_M": 16, "w13": {"BLOCK_N": 128}, "w2": {"BLOCK_N": 128, "BLOCK_K": 128}}),  # tiles past N
 ])
 def test_triton_bf16_and_all_tokens_on_one_expert(tokens, config):
     gen = torch.Generator().manual_seed(5)

@@ -8,7 +8,9 @@ one expert = one contiguous region, host region and device slot byte-identical) 
 * ``bias``: ``w13_bias`` ``[2I]`` (gate biases first, then up) and ``w2_bias`` ``[H]`` after the weights;
 * the storage ``kind`` ``"mxfp4"`` besides ``"dense"`` / ``"awq"``: ``w13_blocks`` uint8 ``[2I, H/32, 16]``,
   ``w13_scales`` uint8 ``[2I, H/32]``, ``w2_blocks`` ``[H, I/32, 16]``, ``w2_scales`` ``[H, I/32]``
-  (:mod:`moeflow.kernels.mxfp4_reference`); ``dtype`` is then the bias dtype.
+  (:mod:`moeflow.kernels.mxfp4_reference`); ``dtype`` is then the bias dtype. The region keeps the blocks in
+  the kernel layout (bits permuted within each 32-bit word, :func:`~moeflow.kernels.mxfp4_reference.to_kernel_layout`),
+  converted in :meth:`BiasedExpertFormat.write` and inverted by :meth:`BiasedExpertFormat.loader_tensors`.
 
 w13 rows (dense, MXFP4) / columns (AWQ) hold the gate first, then up: gpt-oss's interleaved ``gate_up_proj``
 is de-interleaved once when the checkpoint is read. ``moeflow.kernels.expert_forward`` hands pools of this
@@ -31,8 +33,10 @@ import torch
 import torch.nn.functional as F
 
 from moeflow.kernels.checks import check_ids_and_slots, values_checked
-from moeflow.kernels.mxfp4_reference import BLOCK, dequantize_mxfp4
+from moeflow.kernels.mxfp4_reference import BLOCK, dequantize_mxfp4, from_kernel_layout, to_kernel_layout
 from moeflow.kernels.pool import ALIGN, ExpertFormat, ExpertPool, TensorSpec
+from moeflow.kernels.pool import from_kernel_layout as pool_from_kernel_layout
+from moeflow.kernels.pool import to_kernel_layout as pool_to_kernel_layout
 from moeflow.quant.awq import dequantize
 
 ACTIVATIONS = ("silu", "clamped_swiglu")
@@ -60,11 +64,13 @@ class BiasedExpertFormat(ExpertFormat):
                       ("w2_blocks", torch.uint8, (H, I // BLOCK, BLOCK // 2)),
                       ("w2_scales", torch.uint8, (H, I // BLOCK))]
             specs, offset = [], 0
-        else:
-            super().__post_init__()  # the plain format's checks; its kernel layout is not used here:
-            # this module computes these experts itself, from the loader form (AWQ as published / nn.Linear)
-            shapes = [(name, torch.int32 if name.endswith(("qweight", "qzeros")) else self.dtype, shape)
-                      for name, shape in ExpertFormat.loader_shapes(self).items()]
+        elif self.kind == "awq":  # the plain format's checks and kernel layout (the AWQ Triton kernels read it)
+            super().__post_init__()
+            shapes = [(spec.name, spec.dtype, spec.shape) for spec in self.specs]
+            specs, offset = [], 0
+        else:  # dense: the loader form (nn.Linear), computed by the plain-torch reference
+            super().__post_init__()
+            shapes = [(name, self.dtype, shape) for name, shape in ExpertFormat.loader_shapes(self).items()]
             specs, offset = [], 0
         if self.bias:
             shapes += [("w13_bias", self.dtype, (2 * I,)), ("w2_bias", self.dtype, (H,))]
@@ -77,26 +83,52 @@ class BiasedExpertFormat(ExpertFormat):
 
 
     def loader_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every tensor is stored in its loader form: the region holds exactly what the loader gives."""
-        return {spec.name: spec.shape for spec in self.specs}
+        """The loader form: AWQ as published plus the biases for kind "awq", else exactly the region's tensors."""
+        if self.kind != "awq":
+            return {spec.name: spec.shape for spec in self.specs}
+        shapes = ExpertFormat.loader_shapes(self)
+        if self.bias:
+            shapes.update(w13_bias=(2 * self.intermediate_size,), w2_bias=(self.hidden_size,))
+        return shapes
 
     def write(self, region: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy one expert's loader-form tensors into its region ``uint8 [nbytes]`` (checked, no conversion)."""
+        """Convert one expert's loader-form tensors into its region ``uint8 [nbytes]`` (checked): MXFP4 blocks
+        to their kernel layout, AWQ tensors to the plain format's kernel layout and the w13 bias interleaved
+        like its columns (gate j, up j); everything else copied."""
         views = self.views(region.view(1, -1))
-        for spec in self.specs:
-            if spec.name not in tensors:
-                raise KeyError(f"missing expert tensor {spec.name!r}")
-            t = tensors[spec.name]
-            if tuple(t.shape) != spec.shape:
-                raise ValueError(f"expert tensor {spec.name!r} has shape {tuple(t.shape)}, expected {spec.shape}")
-            if spec.dtype in (torch.int32, torch.uint8) and t.dtype != spec.dtype:
-                raise ValueError(f"expert tensor {spec.name!r} must be {spec.dtype}, got {t.dtype}")
-            views[spec.name][0].copy_(t.to(spec.dtype))
+        for name, shape in self.loader_shapes().items():
+            if name not in tensors:
+                raise KeyError(f"missing expert tensor {name!r}")
+            t = tensors[name]
+            if tuple(t.shape) != shape:
+                raise ValueError(f"expert tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
+            dtype = self.spec(name).dtype
+            if dtype in (torch.int32, torch.uint8) and t.dtype != dtype:
+                raise ValueError(f"expert tensor {name!r} must be {dtype}, got {t.dtype}")
+            views[name][0].copy_(self._to_region(name, t.to(dtype)))
 
     def loader_tensors(self, region: torch.Tensor) -> dict[str, torch.Tensor]:
         """Exact inverse of :meth:`write`."""
         views = self.views(region.view(1, -1))
-        return {spec.name: views[spec.name][0].clone() for spec in self.specs}
+        return {spec.name: self._from_region(spec.name, views[spec.name][0]) for spec in self.specs}
+
+    def _to_region(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        if name.endswith("_blocks"):
+            return to_kernel_layout(t)
+        if self.kind == "awq" and name == "w13_bias":
+            return torch.stack(t.chunk(2), dim=1).flatten()
+        if self.kind == "awq" and name != "w2_bias":
+            return pool_to_kernel_layout(name, t, self.intermediate_size)
+        return t
+
+    def _from_region(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        if name.endswith("_blocks"):
+            return from_kernel_layout(t)
+        if self.kind == "awq" and name == "w13_bias":
+            return torch.cat([t[0::2], t[1::2]])
+        if self.kind == "awq" and name != "w2_bias":
+            return pool_from_kernel_layout(name, t, self.intermediate_size)
+        return t.clone()
 
 
 def is_extended(fmt: ExpertFormat) -> bool:
@@ -123,13 +155,15 @@ def slot_weights(pool: ExpertPool, slot: int) -> Weights:
     t, fmt = pool.tensors, pool.fmt
     if fmt.kind == "dense":
         w13, w2 = t["w13"][slot].float(), t["w2"][slot].float()
-    elif fmt.kind == "awq":
-        g = fmt.group_size
-        w13 = dequantize(t["w13_qweight"][slot], t["w13_qzeros"][slot], t["w13_scales"][slot].float(), g).T
-        w2 = dequantize(t["w2_qweight"][slot], t["w2_qzeros"][slot], t["w2_scales"][slot].float(), g).T
+    elif fmt.kind == "awq":  # from the region's kernel layout back to AWQ as published
+        g, t = fmt.group_size, fmt.loader_tensors(pool.buffer[slot])
+        w13 = dequantize(t["w13_qweight"], t["w13_qzeros"], t["w13_scales"].float(), g).T
+        w2 = dequantize(t["w2_qweight"], t["w2_qzeros"], t["w2_scales"].float(), g).T
+        b13, b2 = (t["w13_bias"].float(), t["w2_bias"].float()) if fmt.bias else (None, None)
+        return w13, b13, w2, b2
     else:
-        w13 = dequantize_mxfp4(t["w13_blocks"][slot], t["w13_scales"][slot])
-        w2 = dequantize_mxfp4(t["w2_blocks"][slot], t["w2_scales"][slot])
+        w13 = dequantize_mxfp4(from_kernel_layout(t["w13_blocks"][slot]), t["w13_scales"][slot])
+        w2 = dequantize_mxfp4(from_kernel_layout(t["w2_blocks"][slot]), t["w2_scales"][slot])
     has_bias = getattr(fmt, "bias", False)
     b13 = t["w13_bias"][slot].float() if has_bias else None
     b2 = t["w2_bias"][slot].float() if has_bias else None
@@ -173,6 +207,44 @@ def biased_expert_forward_reference(
     return out
 
 
+def biased_awq_forward(
+    x: torch.Tensor,  # [T, H]
+    topk_ids: torch.Tensor,  # int [T, k]
+    topk_weights: torch.Tensor,  # fp32 [T, k]
+    pool: ExpertPool,  # a BiasedExpertFormat pool of kind "awq" (the plain format's kernel layout + biases)
+    slot_of_expert: torch.Tensor,  # int32 [E]
+    out: torch.Tensor,  # [T*k, H]
+    expert_mask: torch.Tensor | None = None,  # bool [E]
+    *,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Biased AWQ experts through the grouped AWQ Triton kernels: plan, w13 with ``+ bias`` and the format's
+    activation in the epilogue, w2 with ``+ bias`` times the routing weight (``config``: ``{"BLOCK_M", "w13":
+    {...}, "w2": {...}}`` overriding the heuristic defaults; split-K is off, the bias is added exactly once)."""
+    from moeflow.kernels import configs
+    from moeflow.kernels.ops import routing_plan
+    from moeflow.kernels.triton_experts import expert_gemm
+
+    fmt, t = pool.fmt, pool.tensors
+    T, top_k = topk_ids.shape
+    num_pairs, num_experts = T * top_k, slot_of_expert.shape[0]
+    g, inter = fmt.group_size, fmt.intermediate_size
+    cfg = configs.default_config("moe", T, num_experts, top_k, inter, fmt.hidden_size, g)
+    config = config or {}
+    block_m = int(config.get("BLOCK_M", cfg["BLOCK_M"]))
+    stage = {name: {**cfg[name], **config.get(name, {}), "BLOCK_M": block_m, "SPLIT_K": 1} for name in ("w13", "w2")}
+    sorted_ids, expert_of_block, _ = routing_plan(topk_ids, num_experts, block_m, "triton")
+    act = dict(activation=fmt.activation, alpha=fmt.swiglu_alpha, limit=fmt.swiglu_limit)
+    h = x.new_empty((num_pairs, inter))
+    expert_gemm(0, x, (t["w13_qweight"], t["w13_qzeros"], t["w13_scales"]), h, sorted_ids, expert_of_block,
+                slot_of_expert, expert_mask, None, num_pairs, top_k, g, stage["w13"],
+                bias=t["w13_bias"] if fmt.bias else None, **act)
+    w = topk_weights.reshape(-1).float().contiguous()
+    expert_gemm(1, h, (t["w2_qweight"], t["w2_qzeros"], t["w2_scales"]), out, sorted_ids, expert_of_block,
+                slot_of_expert, expert_mask, w, num_pairs, 1, g, stage["w2"], bias=t["w2_bias"] if fmt.bias else None)
+    return out
+
+
 _warned_reference = False
 
 
@@ -189,8 +261,9 @@ def biased_expert_forward(
     config: dict | None = None,
     validate: bool | None = None,
 ) -> torch.Tensor:
-    """``expert_forward`` for extended formats: MXFP4 through the Triton kernels of :mod:`moeflow.kernels.mxfp4`
-    on backend "triton", everything else (and backend "torch") through the plain-torch reference. Runs as the
+    """``expert_forward`` for extended formats: on backend "triton" MXFP4 through :mod:`moeflow.kernels.mxfp4` and
+    AWQ through the grouped AWQ kernels (:func:`biased_awq_forward`); dense experts (and backend "torch") through
+    the plain-torch reference. Runs as the
     custom op ``torch.ops.moeflow.biased_expert_forward`` so ``torch.compile(fullgraph=True)`` traces through."""
     global _warned_reference
     if values_checked(validate, topk_ids):
@@ -198,7 +271,7 @@ def biased_expert_forward(
     if topk_ids.numel() == 0:
         return out
     fmt = pool.fmt
-    if backend == "triton" and fmt.kind != "mxfp4" and not _warned_reference:
+    if backend == "triton" and fmt.kind == "dense" and not _warned_reference:
         _warned_reference = True
         warnings.warn(f"no Triton kernel for {fmt.kind} experts with biases/{fmt.activation}: "
                       "computing them with the plain-torch reference", stacklevel=2)
@@ -210,7 +283,7 @@ def biased_expert_forward(
     return out
 
 
-_STAGE_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "SCALED")
+_STAGE_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 
 
 @functools.lru_cache(maxsize=64)
@@ -229,15 +302,18 @@ def _biased_expert_forward_op(
 ) -> None:
     """out[pairs of selected experts] = weighted expert outputs; the pool is ``buffer`` uint8 [S, nbytes]."""
     pool = ExpertPool(_format(hidden, inter, kind, dtype, group, activation, bias, alpha, limit), buffer)
-    if backend == "triton" and kind == "mxfp4":
-        from moeflow.kernels.mxfp4 import mxfp4_expert_forward
-
+    if backend == "triton" and kind in ("mxfp4", "awq"):
         cfg = None
         if config:
             n = len(_STAGE_KEYS)
             stages = {name: {k: v for k, v in zip(_STAGE_KEYS, config[1 + i * n: 1 + (i + 1) * n], strict=True)
                              if v >= 0} for i, name in enumerate(("w13", "w2"))}
             cfg = {**({"BLOCK_M": config[0]} if config[0] > 0 else {}), **stages}
+        if kind == "awq":
+            biased_awq_forward(x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask, config=cfg)
+            return
+        from moeflow.kernels.mxfp4 import mxfp4_expert_forward
+
         mxfp4_expert_forward(x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask, config=cfg)
         return
     biased_expert_forward_reference(x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask)

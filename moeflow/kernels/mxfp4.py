@@ -1,29 +1,37 @@
 """Grouped Triton kernels for MXFP4 experts (gpt-oss as published), decoding e2m1 in the K loop.
 
-Same contract as the AWQ kernels (:mod:`moeflow.kernels.triton_kernels`): an align-block-size routing plan
+Same contract as the AWQ kernels (:mod:`moeflow.kernels.triton_experts`): an align-block-size routing plan
 (``torch.ops.moeflow.routing_plan``), weights read from the slot pool through ``slot_of_expert``, blocks of
 experts outside ``expert_mask`` return at once (a staged computation writes each selected row exactly as a
 single pass), ``out`` ``[T*k, H]`` written in place for the selected pairs, :func:`moeflow.kernels.combine`
 afterwards. The plain-torch reference is :func:`moeflow.kernels.biased.biased_expert_forward_reference`.
 
-* ``_mxfp4_gemm_kernel`` ``MODE 0`` (w13): gathers the rows of ``x`` named by the plan, computes the gate
-  tile (weight rows ``n``) and the up tile (rows ``I + n``), adds the biases and stores the activation
-  (silu or gpt-oss's clamped SwiGLU) in fp32 -> the activation dtype. ``MODE 1`` (w2): rows of ``h`` by pair,
-  bias, times the fp32 routing weight.
-* One K step is one MXFP4 block (32 values, one scale) per weight row: the scale is a per-row broadcast.
-* Decode: an e2m1 code ``s e1 e0 m`` becomes the fp16 bit pattern ``s00000 e1 e0 m 000000000`` whose value is
-  ``e2m1 * 2**-14`` (exact; e2m1's subnormal 0.5 lands on an fp16 subnormal), widened to fp32 and multiplied
-  by ``2**(scale - 113)`` formed as fp32 bits ``(scale + 14) << 23`` (exact for scales <= 240, i.e. block
-  multipliers up to 2**113). So every decoded weight equals the reference's exactly.
-* ``BLOCK_M >= 16``: ``tl.dot`` tiles in the activation dtype (weights rounded exactly to it); ``BLOCK_M < 16``
-  (decode): broadcast-multiply-reduce in fp32.
+One kernel for every T, operand-swapped like the AWQ kernel: a program computes ``acc [BLOCK_N, DOT_M] =
+W[n-tile, :] @ X^T``, the decoded weight tile is the MMA's register operand and the token rows its N side.
+
+* Weights: ``blocks`` in the slot pool's kernel layout (:func:`moeflow.kernels.mxfp4_reference.to_kernel_layout`:
+  MXFP4's bytes with the bits of each 32-bit word permuted at load), viewed as int32 ``[S, N, K/8]``; one
+  16-byte load = one row's 32-value block. Word ``j`` holds ``k = 8j .. 8j + 7``.
+* Decode without lookups or conversions: the bf16 bits ``s 00000 e1 e0 m 000000`` of ``e2m1 * 2**-126``
+  (exact; e2m1's subnormal 0.5 lands on a bf16 subnormal) of the pair ``(k 2p, 2p + 1)``, both halves of one
+  int32, are ``(w << 3p) & 0x81C081C0`` for p = 0, 1, 2 (p = 0: one AND) and three shifted fields for p = 3.
+  Joined so that each decoded int32 is one bf16 pair of the MMA operand in k order (no repacking). Times
+  ``2**126`` and times the block's ``2**(scale - 127)``: bf16 multiplies by powers of two (``HMUL2.BF16_V2``,
+  no flush-to-zero), exact: bf16 has fp32's exponent range and subnormals, so every decoded weight equals the
+  fp32 reference's (scale 0's 2**-127 is a bf16 subnormal too).
+* ``MODE 0`` (w13): weight rows of a tile alternate gate row ``j`` / up row ``I + j`` (the pool keeps gate rows
+  first), so one accumulator holds both; epilogue ``+ bias`` and silu or gpt-oss's clamped SwiGLU in fp32 ->
+  ``h [P, I]`` by pair. ``MODE 1`` (w2): ``+ bias``, times the fp32 routing weight -> ``out [P, H]``.
+* ``BLOCK_K`` divides K (no masks in the loop); rows past N are clamped to N - 1 and never stored; token rows
+  past the plan's count read row 0 and are never stored; int32 offsets inside an expert, int64 slot base.
+* bf16 activations: bf16 MMA, fp32 accumulation. fp16 / fp32 activations: the decoded weights and the
+  activations multiplied in fp32 (``ieee``): exact weights either way. Under ``TRITON_INTERPRET=1`` bf16 runs
+  through fp32 too (the interpreter's bf16 ``tl.dot`` is wrong; the products are the same).
 
 Importing this module imports triton: on a CPU ``TRITON_INTERPRET=1`` must be set before the import.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -31,158 +39,167 @@ import triton.language as tl
 
 from moeflow.kernels.mxfp4_reference import BLOCK
 from moeflow.kernels.pool import ExpertPool
+from moeflow.kernels.triton_common import INTERPRETED, cdiv, next_pow2
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # built for the CPU interpreter
 ACTIVATION_CODES = {"silu": 0, "clamped_swiglu": 1}
-DEFAULTS = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2}
+# per stage: weight rows per program, k per iteration (a multiple of 32 that divides K: reduced at launch)
+DEFAULTS = {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1}
+PREFILL_BLOCK_M = 64  # from here on the loop is software-pipelined (cp.async, asynchronous wgmma)
+
+
+def stage_defaults(block_m: int) -> dict:
+    """Default launch config of one stage: decode loads straight into registers (fewest instructions per weight,
+    benchmarks/sass_mxfp4.py); prefill tiles pipeline the loads so the tensor cores run asynchronously."""
+    return {**DEFAULTS, "num_stages": 3 if block_m >= PREFILL_BLOCK_M else 1}
+_CODE = -0x7E3F7E40  # 0x81C081C0 as int32: bf16 bits s..e1 e0 m of both halves (15, 8..6 / 31, 24..22)
 
 
 @triton.jit
-def _e2m1_times_2_pow_m14(code):
-    """int32 e2m1 codes (0..15) -> fp32 ``e2m1 * 2**-14`` (through the fp16 bit pattern; exact)."""
-    bits = ((code & 7) << 9) | ((code & 8) << 12)
-    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+def _lo(v, FP32: tl.constexpr):
+    """The low bf16 bit pattern of int32 ``v`` as bf16 (or, exactly, as fp32)."""
+    if FP32:
+        r = (v << 16).to(tl.float32, bitcast=True)
+    else:
+        r = v.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return r
 
 
 @triton.jit
-def _e2m1_hi_times_2_pow_m14(byte):
-    """The high nibble's e2m1 code of int32 bytes -> fp32 ``e2m1 * 2**-14`` without shifting the code down first."""
-    bits = ((byte & 0x70) << 5) | ((byte & 0x80) << 8)
-    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+def _hi(v, FP32: tl.constexpr):
+    """The high bf16 bit pattern of int32 ``v`` as bf16 (or fp32)."""
+    if FP32:
+        r = (v & -0x10000).to(tl.float32, bitcast=True)
+    else:
+        r = (v >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return r
 
 
 @triton.jit
-def _load_w_block(w_base, s_base, stride_wn, stride_sn, offs_n, n_mask, kb, HALF: tl.constexpr):
-    """Decoded fp32 weights W[offs_n, 32*kb : 32*kb + 32] -> [BLOCK_N, 32] (zero outside ``n_mask``)."""
-    j = tl.arange(0, HALF)
-    packed = tl.load(w_base + offs_n[:, None] * stride_wn + kb * HALF + j[None, :], mask=n_mask[:, None], other=0)
-    packed = packed.to(tl.int32)
-    w = tl.interleave(_e2m1_times_2_pow_m14(packed & 15), _e2m1_hi_times_2_pow_m14(packed))
-    scale_bits = tl.load(s_base + offs_n * stride_sn + kb, mask=n_mask, other=0).to(tl.int32)
-    scale = ((scale_bits + 14) << 23).to(tl.float32, bitcast=True)  # 2 ** (scale - 113)
-    return w * scale[:, None]
-
-
-@triton.jit
-def _scaled_step(a, acc, w_base, s_base, stride_wn, stride_sn, offs_n, n_mask, k0, K, BLOCK_K: tl.constexpr):
-    """acc [BM, BN] += a bf16 [BM, BLOCK_K] @ W[offs_n, k0:k0+BLOCK_K].T through ``tl.dot_scaled`` (e2m1 + e8m0)."""
-    jj = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    packed = tl.load(w_base + offs_n[None, :] * stride_wn + jj[:, None],
-                     mask=(jj < K // 2)[:, None] & n_mask[None, :], other=0)  # [BLOCK_K/2, BN], k-packed
-    g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-    scales = tl.load(s_base + offs_n[:, None] * stride_sn + g[None, :],
-                     mask=n_mask[:, None] & (g < K // 32)[None, :], other=127)  # [BN, BLOCK_K/32]
-    return tl.dot_scaled(a, None, "bf16", packed, scales, "e2m1", acc=acc)
+def _decode_e2m1(w, CODE: tl.constexpr, FP32: tl.constexpr):
+    """Kernel-layout int32 words [BN, W] -> ``e2m1 * 2**-126`` [BN, 8W] in k order (bf16, or fp32 when FP32)."""
+    a = w & CODE  # k 0, 1: already in place
+    b = (w << 3) & CODE  # k 2, 3
+    c = (w << 6) & CODE  # k 4, 5
+    d = ((w >> 4) & 0x00400040) | ((w >> 6) & 0x01800180) | ((w << 4) & -0x7FFF8000)  # k 6, 7 (m, e1 e0, s)
+    # join appends a last axis: [.., i, o, h] flattens to 4i + 2o + h = 2p + h (pair p = 2i + o, h = half), so
+    # each bf16 pair of the MMA operand is one decoded int32
+    lo = tl.join(tl.join(_lo(a, FP32), _lo(c, FP32)), tl.join(_lo(b, FP32), _lo(d, FP32)))
+    hi = tl.join(tl.join(_hi(a, FP32), _hi(c, FP32)), tl.join(_hi(b, FP32), _hi(d, FP32)))
+    return tl.reshape(tl.join(lo, hi), [w.shape[0], w.shape[1] * 8])
 
 
 @triton.jit
 def _mxfp4_gemm_kernel(
-    a_ptr, stride_am, stride_ak,  # MODE 0: x [T, K] (row = pair // TOPK); MODE 1: h [P, K] (row = pair)
-    w_ptr, stride_ws, stride_wn,  # blocks uint8 [S, N_w, K/2] (a row's K/32 blocks of 16 bytes, contiguous)
-    sc_ptr, stride_ss, stride_sn,  # scales uint8 [S, N_w, K/32]
+    a_ptr, stride_am,  # MODE 0: x [T, K] (row = pair // TOPK); MODE 1: h [P, K] (row = pair); last dim contiguous
+    w_ptr, stride_ws,  # blocks as int32 [S, N_w, K/8] (kernel layout), rows contiguous
+    sc_ptr, stride_ss,  # scales uint8 [S, N_w, K/32], rows contiguous
     bias_ptr, stride_bs,  # [S, N_w] (HAS_BIAS)
-    c_ptr, stride_cm, stride_cn,  # output [P, N] indexed by pair
+    c_ptr, stride_cm,  # output by pair: MODE 0 h [P, I], MODE 1 [P, H]
     sorted_ptr, eob_ptr, slot_ptr, mask_ptr, weight_ptr,
-    num_pairs, N, K, N_UP, num_blocks, alpha, limit,
+    num_pairs, N, K, KB, N_UP, alpha, limit,
     TOPK: tl.constexpr, MODE: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CDTYPE: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, SCALED: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, DOT_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+    CODE: tl.constexpr, FP32_DECODE: tl.constexpr,
 ):
-    HALF: tl.constexpr = 16
+    # N: weight rows of the stage (MODE 0: 2I, gate rows then up rows; N_UP = I); the tile interleaves them
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pid_m = pid // num_pid_n
     pid_n = pid % num_pid_n
     expert = tl.load(eob_ptr + pid_m)
-    if expert < 0:
-        return
     if HAS_MASK:
-        if tl.load(mask_ptr + expert) == 0:
-            return
+        selected = tl.load(mask_ptr + tl.maximum(expert, 0)) != 0
+        expert = tl.where(selected, expert, -1)
+    if expert < 0:  # past the padded count, or not selected: nothing to do (staged runs rely on it)
+        return
     slot = tl.load(slot_ptr + expert).to(tl.int64)
 
-    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + offs_m).to(tl.int64)
+    r = tl.arange(0, DOT_M)
+    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + r, mask=r < BLOCK_M, other=num_pairs)
     row_ok = pair < num_pairs
     if MODE == 0:
         row = pair // TOPK
     else:
         row = pair
-    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    w_base = w_ptr + slot * stride_ws
-    s_base = sc_ptr + slot * stride_ss
-    offs_k = tl.arange(0, 32)
+    row = tl.where(row_ok, row, 0).to(tl.int64)  # padding rows read row 0 and are never stored
+    a_rows = a_ptr + row[None, :] * stride_am  # [1, DOT_M]
 
-    if SCALED:  # bf16 activations: tl.dot_scaled decodes the e2m1 tile (Triton's own upcast) for the MMA
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(a_ptr + row[:, None] * stride_am + kk[None, :] * stride_ak,
-                        mask=row_ok[:, None] & (kk < K)[None, :], other=0.0).to(tl.bfloat16)
-            acc = _scaled_step(a, acc, w_base, s_base, stride_wn, stride_sn, offs_n, n_mask, k0, K, BLOCK_K)
-            if MODE == 0:
-                acc_up = _scaled_step(a, acc_up, w_base, s_base, stride_wn, stride_sn, offs_n + N_UP, n_mask, k0, K,
-                                      BLOCK_K)
-    elif BLOCK_M >= 16:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    else:  # decode: per-lane fp32 partial products, reduced over the block's 32 values once after the loop
-        acc3 = tl.zeros([BLOCK_M, BLOCK_N, 32], dtype=tl.float32)
-        acc3_up = tl.zeros([BLOCK_M, BLOCK_N, 32], dtype=tl.float32)
-    for kb in range(0, (K // 32) * (1 - SCALED)):
-        a = tl.load(a_ptr + row[:, None] * stride_am + (kb * 32 + offs_k)[None, :] * stride_ak,
-                    mask=row_ok[:, None], other=0.0)
-        w = _load_w_block(w_base, s_base, stride_wn, stride_sn, offs_n, n_mask, kb, HALF)
-        if BLOCK_M >= 16:
-            acc = tl.dot(a.to(CDTYPE).to(DOT_DTYPE), tl.trans(w.to(CDTYPE).to(DOT_DTYPE)), acc=acc,
-                         input_precision=DOT_PREC)
-        else:
-            acc3 += a.to(tl.float32)[:, None, :] * w[None, :, :]
-        if MODE == 0:
-            w = _load_w_block(w_base, s_base, stride_wn, stride_sn, offs_n + N_UP, n_mask, kb, HALF)
-            if BLOCK_M >= 16:
-                acc_up = tl.dot(a.to(CDTYPE).to(DOT_DTYPE), tl.trans(w.to(CDTYPE).to(DOT_DTYPE)), acc=acc_up,
-                                input_precision=DOT_PREC)
-            else:
-                acc3_up += a.to(tl.float32)[:, None, :] * w[None, :, :]
-    if BLOCK_M < 16:
-        acc = tl.sum(acc3, axis=2)
-        acc_up = tl.sum(acc3_up, axis=2)
+    i = tl.arange(0, BLOCK_N)
+    if MODE == 0:  # tile row 2j: gate row n0/2 + j, tile row 2j + 1: up row N_UP + n0/2 + j
+        col = pid_n * (BLOCK_N // 2) + i // 2
+        rn = col + (i % 2) * N_UP
+        if not EVEN_N:
+            rn = tl.minimum(col, N_UP - 1) + (i % 2) * N_UP
+    else:
+        col = pid_n * BLOCK_N + i
+        rn = col
+        if not EVEN_N:
+            rn = tl.minimum(col, N - 1)  # clamped: loads stay in bounds without masks
+    w_rows = w_ptr + slot * stride_ws + rn[:, None] * (KB * 4)  # [BN, 1]: a row is KB 16-byte blocks
+    s_rows = sc_ptr + slot * stride_ss + rn[:, None] * KB  # [BN, 1]
+
+    rk = tl.arange(0, BLOCK_K)
+    rj = tl.arange(0, BLOCK_K // 8)
+    rb = tl.arange(0, BLOCK_K // 32)
+    acc = tl.zeros([BLOCK_N, DOT_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kw = tl.multiple_of(k0 // 8, BLOCK_K // 8)
+        w = tl.load(w_rows + (kw + rj)[None, :])  # int32 [BN, BK/8]
+        sc = tl.load(s_rows + (k0 // 32 + rb)[None, :]).to(tl.int32)  # e8m0 [BN, BK/32]
+        if FP32_DECODE:  # 2**(scale - 127) as fp32 bits (scale 0: the subnormal 2**-127)
+            s = tl.where(sc == 0, 0x400000, sc << 23).to(tl.float32, bitcast=True)
+        else:  # ... as bf16 bits
+            s = tl.where(sc == 0, 0x40, sc << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        q = _decode_e2m1(w, CODE, FP32_DECODE) * 8.507059173023462e37  # times 2**126: the exact e2m1 values
+        q = tl.reshape(tl.reshape(q, [BLOCK_N, BLOCK_K // 32, 32]) * s[:, :, None], [BLOCK_N, BLOCK_K])
+        xt = tl.load(a_rows + (k0 + rk)[:, None])  # [BLOCK_K, DOT_M]
+        acc = tl.dot(q.to(DOT_DTYPE), xt.to(DOT_DTYPE), acc=acc, input_precision=DOT_PREC)
 
     if HAS_BIAS:
-        b = tl.load(bias_ptr + slot * stride_bs + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        acc += b[None, :]
-        if MODE == 0:
-            b_up = tl.load(bias_ptr + slot * stride_bs + N_UP + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-            acc_up += b_up[None, :]
+        acc += tl.load(bias_ptr + slot * stride_bs + rn).to(tl.float32)[:, None]
+    acc = tl.trans(acc)  # [DOT_M, BLOCK_N]
     if MODE == 0:
+        gate, up = tl.split(tl.reshape(acc, [DOT_M, BLOCK_N // 2, 2]))
         if ACT == 0:
-            res = acc / (1.0 + tl.exp(-acc)) * acc_up
+            res = gate / (1.0 + tl.exp(-gate)) * up
         else:  # gpt-oss: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = clamp(gate, max=limit)
-            g = tl.minimum(acc, limit)
-            up = tl.minimum(tl.maximum(acc_up, -limit), limit)
+            g = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
             res = (up + 1.0) * (g / (1.0 + tl.exp(-(g * alpha))))
+        cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        n_out = N_UP
     else:
         res = acc
         if HAS_WEIGHT:
             res = res * tl.load(weight_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    out_mask = row_ok[:, None] & n_mask[None, :]
-    tl.store(c_ptr + pair[:, None] * stride_cm + offs_n[None, :] * stride_cn, res.to(c_ptr.dtype.element_ty),
-             mask=out_mask)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_out = N
+    ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + cols[None, :]
+    tl.store(ptrs, res.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols[None, :] < n_out))
 
 
-_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+def dot_m(block_m: int) -> int:
+    """Token columns of the swapped MMA: at least 16."""
+    return max(16, block_m)
 
 
-def default_block_m(num_pairs: int, num_experts: int, dtype: torch.dtype) -> int:
-    """Rows per plan block: bf16 activations always take 16+ row ``tl.dot_scaled`` tiles (its e2m1 decode is the
-    cheapest in machine code, see benchmarks/sass_mxfp4.py); otherwise the average rows an expert gets, as a
-    power of two (fp32 GEMV below 16, ``tl.dot`` tiles above)."""
+def default_block_m(tokens: int, num_pairs: int, num_experts: int) -> int:
+    """Rows per plan block. Up to 16 tokens: the next power of two >= T, so an expert shared by several tokens
+    is one block (its weights streamed once) at no cost (the MMA's N side is 16 columns anyway). Above: the
+    average rows an expert gets, as a power of two in [16, 64]."""
+    if tokens <= 16:
+        return next_pow2(tokens)
     per_expert = max(1, num_pairs // max(1, min(num_experts, num_pairs)))
-    block_m = min(64, triton.next_power_of_2(per_expert))
-    return max(16, block_m) if dtype == torch.bfloat16 else block_m
+    return min(PREFILL_BLOCK_M, max(16, next_pow2(per_expert)))
+
+
+def block_k_for(K: int, block_k: int) -> int:
+    """The largest power-of-two multiple of 32 that is <= ``block_k`` and divides K (K is a multiple of 32)."""
+    bk = max(BLOCK, block_k)
+    while K % bk:
+        bk //= 2
+    return bk
 
 
 def mxfp4_gemm(
@@ -191,7 +208,7 @@ def mxfp4_gemm(
     blocks: torch.Tensor,  # uint8 [S, N_w, K/32, 16]
     scales: torch.Tensor,  # uint8 [S, N_w, K/32]
     bias: torch.Tensor | None,  # [S, N_w]
-    out: torch.Tensor,  # [P, N]
+    out: torch.Tensor,  # MODE 0: h [P, N_w/2]; MODE 1: [P, N_w]
     sorted_ids: torch.Tensor,  # int32 [n_blocks * block_m]
     expert_of_block: torch.Tensor,  # int32 [n_blocks]
     slot_of_expert: torch.Tensor,  # int32 [E]
@@ -205,38 +222,37 @@ def mxfp4_gemm(
     config: dict | None = None,
 ) -> torch.Tensor:
     """Launch one grouped MXFP4 GEMM stage; writes the rows of selected experts of ``out`` in place."""
-    cfg = {**DEFAULTS, **(config or {})}
+    cfg = {**stage_defaults(block_m), **(config or {})}
     S, n_w, kb, half = blocks.shape
     K = a.shape[1]
     if half != BLOCK // 2 or kb * BLOCK != K or tuple(scales.shape) != (S, n_w, kb):
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} / scales {tuple(scales.shape)} do not match K={K}")
+    if a.stride(1) != 1 or blocks[0].stride() != (kb * half, half, 1) or scales[0].stride() != (kb, 1):
+        raise ValueError("mxfp4_gemm: activations, each slot's blocks and scales must be contiguous")
+    words = blocks.view(torch.int32)  # [S, N_w, K/32, 4]: a row's K/8 words at stride 1
     n_out = out.shape[1]
-    n_blocks = expert_of_block.shape[0]
-    bn = min(cfg["BLOCK_N"], max(16, triton.next_power_of_2(n_out)))
-    cdtype = _TL_DTYPES[a.dtype]
-    # the interpreter's bf16 tl.dot is wrong: multiply the bf16-rounded operands in fp32 there (the same products
-    # as bf16 tensor cores with fp32 accumulation)
-    dot_dtype = tl.float32 if INTERPRETED and a.dtype == torch.bfloat16 else cdtype
-    scaled = bool(cfg.get("SCALED", a.dtype == torch.bfloat16 and block_m >= 16))
-    if scaled and (block_m < 16 or a.dtype != torch.bfloat16 or cfg["BLOCK_K"] % 32):
-        raise ValueError(f"SCALED (tl.dot_scaled) needs bf16 activations, BLOCK_M >= 16 and BLOCK_K a multiple of 32; "
-                         f"got {a.dtype}, BLOCK_M={block_m}, BLOCK_K={cfg['BLOCK_K']}")
-    mask_arg = expert_mask if expert_mask is not None else slot_of_expert
-    weight_arg = topk_weights if topk_weights is not None else slot_of_expert
-    bias_arg = bias if bias is not None else scales
-    grid = (n_blocks * triton.cdiv(n_out, bn),)
+    bn = cfg["BLOCK_N"]
+    if bn & (bn - 1) or bn < 16:
+        raise ValueError(f"mxfp4_gemm: BLOCK_N must be a power of two >= 16, got {bn}")
+    bk = block_k_for(K, int(cfg["BLOCK_K"]))
+    tile_cols = bn // 2 if mode == 0 else bn  # output columns one program writes
+    grid = (expert_of_block.shape[0] * cdiv(n_out, tile_cols),)
+    dot_dtype = tl.bfloat16 if a.dtype == torch.bfloat16 and not INTERPRETED else tl.float32
     _mxfp4_gemm_kernel[grid](
-        a, a.stride(0), a.stride(1),
-        blocks, blocks.stride(0), blocks.stride(1),
-        scales, scales.stride(0), scales.stride(1),
-        bias_arg, bias_arg.stride(0),
-        out, out.stride(0), out.stride(1),
-        sorted_ids, expert_of_block, slot_of_expert, mask_arg, weight_arg,
-        out.shape[0], n_out, K, n_out, n_blocks, float(alpha), float(limit),
+        a, a.stride(0),
+        words, words.stride(0),
+        scales, scales.stride(0),
+        bias if bias is not None else scales, bias.stride(0) if bias is not None else 0,
+        out, out.stride(0),
+        sorted_ids, expert_of_block, slot_of_expert,
+        expert_mask if expert_mask is not None else slot_of_expert,
+        topk_weights if topk_weights is not None else slot_of_expert,
+        out.shape[0], n_w, K, kb, n_w // 2 if mode == 0 else n_w, float(alpha), float(limit),
         TOPK=top_k, MODE=mode, ACT=ACTIVATION_CODES[activation], HAS_BIAS=bias is not None,
-        HAS_MASK=expert_mask is not None, HAS_WEIGHT=topk_weights is not None, BLOCK_M=block_m, BLOCK_N=bn,
-        CDTYPE=cdtype, DOT_DTYPE=dot_dtype, DOT_PREC="ieee" if dot_dtype == tl.float32 else None,
-        SCALED=scaled, BLOCK_K=cfg["BLOCK_K"],
+        HAS_MASK=expert_mask is not None, HAS_WEIGHT=topk_weights is not None,
+        EVEN_N=n_out % tile_cols == 0, BLOCK_M=block_m, DOT_M=dot_m(block_m), BLOCK_N=bn, BLOCK_K=bk,
+        DOT_DTYPE=dot_dtype, DOT_PREC="ieee" if dot_dtype == tl.float32 else None, CODE=_CODE,
+        FP32_DECODE=dot_dtype == tl.float32,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
@@ -254,14 +270,14 @@ def mxfp4_expert_forward(
     config: dict | None = None,
 ) -> torch.Tensor:
     """Plan + w13 stage + w2 stage for the pairs of selected experts (``config``: ``{"BLOCK_M", "w13": {...},
-    "w2": {...}}`` with ``BLOCK_N``, ``num_warps``, ``num_stages``; defaults otherwise)."""
+    "w2": {...}}`` with ``BLOCK_N``, ``BLOCK_K``, ``num_warps``, ``num_stages``; defaults otherwise)."""
     from moeflow.kernels.ops import routing_plan
 
     fmt, t = pool.fmt, pool.tensors
     T, top_k = topk_ids.shape
     num_pairs, num_experts = T * top_k, slot_of_expert.shape[0]
     config = config or {}
-    block_m = int(config.get("BLOCK_M", default_block_m(num_pairs, num_experts, x.dtype)))
+    block_m = int(config.get("BLOCK_M", default_block_m(T, num_pairs, num_experts)))
     sorted_ids, expert_of_block, _ = routing_plan(topk_ids, num_experts, block_m, "triton")
     h = x.new_empty((num_pairs, fmt.intermediate_size))
     act = dict(activation=getattr(fmt, "activation", "silu"), alpha=getattr(fmt, "swiglu_alpha", 1.702),

@@ -9,6 +9,18 @@ Layout of one weight ``W [N, K]`` (``nn.Linear`` orientation, ``y = x @ W.T``):
 An e2m1 code is ``s e1 e0 m``: magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6, negated when ``s`` is set. The value
 ``e2m1 * 2**(scale-127)`` is exact in fp32 and bf16 (both keep 8 exponent bits; e2m1 needs 2 mantissa bits),
 so dequantizing is exact and the only error of an MXFP4 model is the published rounding itself.
+
+Kernel layout (what the slot pool holds, :func:`to_kernel_layout`): the same bytes per block with the bits of
+each 32-bit word (8 consecutive k) permuted so that the Triton kernel decodes a bf16 pair ``(k 2p, k 2p + 1)``
+with at most three shifts (see :mod:`moeflow.kernels.mxfp4`): code ``k`` of a word puts its bits
+``(m, e0, e1, s)`` at ``KERNEL_BITS[k]``. A pure permutation: :func:`from_kernel_layout` inverts it exactly.
+
+Numeric contract of the Triton kernels (:mod:`moeflow.kernels.mxfp4`) against the plain-torch reference
+(``moeflow.kernels.biased.biased_expert_forward_reference``, which dequantizes with :func:`dequantize_mxfp4`):
+the decoded weights are bitwise the reference's; products and sums in fp32 (bf16 tensor cores with fp32
+accumulation for bf16 activations), in another order; bias and activation in fp32; h and the outputs stored
+in the activation dtype. Tested (tests/test_mxfp4.py, max error / max |reference|): fp32 activations < 1e-5;
+bf16 < 2e-2 under the interpreter (its fp32 -> bf16 stores truncate; a GPU rounds). Staged runs are bitwise.
 """
 
 from __future__ import annotations
@@ -17,6 +29,40 @@ import torch
 
 BLOCK = 32  # values per scale
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+# bit positions (m, e0, e1, s) of code k (0..7) in a kernel-layout word: the bf16 subnormal bit pattern of pair
+# (k 2p, 2p + 1) is the word shifted left by 0 / 3 / 6 (p = 0, 1, 2) under the mask 0x81C081C0; p = 3 is gathered
+KERNEL_BITS = ((6, 7, 8, 15), (22, 23, 24, 31), (3, 4, 5, 12), (19, 20, 21, 28),
+               (0, 1, 2, 9), (16, 17, 18, 25), (10, 13, 14, 11), (26, 29, 30, 27))
+
+
+def _permute_word_bits(blocks: torch.Tensor, dest: list[int]) -> torch.Tensor:
+    """uint8 [..., 16] -> the same shape with bit ``i`` of each little-endian 32-bit word moved to ``dest[i]``."""
+    luts = torch.zeros(4, 256, dtype=torch.int64)
+    values = torch.arange(256)
+    for byte in range(4):
+        for bit in range(8):
+            luts[byte] |= ((values >> bit) & 1) << dest[8 * byte + bit]
+    luts = luts.to(blocks.device)
+    b = blocks.reshape(-1, 4).long()
+    word = luts[0][b[:, 0]] | luts[1][b[:, 1]] | luts[2][b[:, 2]] | luts[3][b[:, 3]]
+    out = torch.stack([(word >> (8 * i)) & 0xFF for i in range(4)], dim=-1)
+    return out.to(torch.uint8).reshape(blocks.shape)
+
+
+_TO_KERNEL = [KERNEL_BITS[i // 4][i % 4] for i in range(32)]  # published bit 4k + b -> KERNEL_BITS[k][b]
+_FROM_KERNEL = [_TO_KERNEL.index(i) for i in range(32)]
+
+
+def to_kernel_layout(blocks: torch.Tensor) -> torch.Tensor:
+    """MXFP4 blocks as published, uint8 [..., 16] -> the kernel layout (module doc); exact, same shape."""
+    return _permute_word_bits(blocks, _TO_KERNEL)
+
+
+def from_kernel_layout(blocks: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`to_kernel_layout`."""
+    return _permute_word_bits(blocks, _FROM_KERNEL)
 
 
 def check_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, name: str) -> None:

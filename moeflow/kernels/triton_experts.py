@@ -84,6 +84,8 @@ def _expert_gemm_kernel(
     EVEN_K: tl.constexpr, SCALE_IN_A: tl.constexpr,
     BLOCK_M: tl.constexpr, DOT_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+    bias_ptr=None, stride_bias=0, alpha=1.702, limit=7.0,  # bias [S, N] (kernel row order) or None; ACT 1's knobs
+    ACT: tl.constexpr = 0,  # MODE 0 activation: 0 silu(gate) * up, 1 gpt-oss's clamped SwiGLU (see _epilogue)
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -152,23 +154,33 @@ def _expert_gemm_kernel(
                 xt = tl.load(a_rows + rk[:, None], mask=rk[:, None] < K, other=0.0)
             acc = tl.dot(w.to(DOT_DTYPE), xt.to(DOT_DTYPE), acc=acc, input_precision=DOT_PREC)
 
+    if bias_ptr is not None:  # one bias per weight row (w13: interleaved like the rows), added once in fp32
+        acc += tl.load(bias_ptr + slot * stride_bias + rn_ld).to(tl.float32)[:, None]
     acc = tl.trans(acc)  # [DOT_M, BLOCK_N]
     if SPLIT_K > 1:
         n_ok = rn < N
         ws = ws_ptr + pid_k * stride_wsp + pair.to(tl.int64)[:, None] * N + rn[None, :]
         tl.store(ws, acc, mask=row_ok[:, None] & n_ok[None, :])
     else:
-        _epilogue(acc, c_ptr, stride_cm, pair, row_ok, pid_n * BLOCK_N, N, weight_ptr, MODE, HAS_WEIGHT, BLOCK_N)
+        _epilogue(acc, c_ptr, stride_cm, pair, row_ok, pid_n * BLOCK_N, N, weight_ptr, MODE, HAS_WEIGHT, BLOCK_N,
+                  alpha, limit, ACT)
 
 
 @triton.jit
 def _epilogue(acc, c_ptr, stride_cm, pair, row_ok, n0, N, weight_ptr,
-              MODE: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr):
-    """acc fp32 [M, BLOCK_N] of weight columns n0.. -> MODE 0: silu(gate) * up (columns interleaved) into
-    h[pair, n0/2 ..]; MODE 1: times the pair's routing weight into out[pair, n0 ..]. fp32 until the store."""
+              MODE: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr, alpha, limit, ACT: tl.constexpr):
+    """acc fp32 [M, BLOCK_N] of weight columns n0.. -> MODE 0: silu(gate) * up (ACT 0) or gpt-oss's
+    ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, ``g = clamp(gate, max=limit)`` (ACT 1), columns
+    interleaved, into h[pair, n0/2 ..]; MODE 1: times the pair's routing weight into out[pair, n0 ..]. fp32 until
+    the store."""
     if MODE == 0:
         gate, up = tl.split(tl.reshape(acc, [acc.shape[0], BLOCK_N // 2, 2]))
-        res = gate / (1.0 + tl.exp(-gate)) * up
+        if ACT == 0:
+            res = gate / (1.0 + tl.exp(-gate)) * up
+        else:
+            g = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+            res = (up + 1.0) * (g / (1.0 + tl.exp(-(g * alpha))))
         cols = n0 // 2 + tl.arange(0, BLOCK_N // 2)
         n_out = N // 2
     else:
@@ -202,7 +214,8 @@ def _splitk_reduce_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):  # fixed order: deterministic
         acc += tl.load(base + s * stride_wsp, mask=mask, other=0.0)
-    _epilogue(acc, c_ptr, stride_cm, pair, row_ok, pid_n * BLOCK_N, N, weight_ptr, MODE, HAS_WEIGHT, BLOCK_N)
+    _epilogue(acc, c_ptr, stride_cm, pair, row_ok, pid_n * BLOCK_N, N, weight_ptr, MODE, HAS_WEIGHT, BLOCK_N,
+              1.702, 7.0, 0)
 
 
 def dot_m(block_m: int) -> int:
@@ -226,6 +239,10 @@ def expert_gemm(
     cfg: dict,
     ws: torch.Tensor | None = None,  # fp32 [SPLIT_K, P, N] scratch for the partials (allocated when None)
     reduce: bool = True,  # SPLIT_K > 1: run the split-K reduction (False: the caller sums ``ws``, e.g. the combine)
+    bias: torch.Tensor | None = None,  # [S, N] per weight row in kernel order (w13: interleaved); needs SPLIT_K 1
+    activation: str = "silu",  # MODE 0: "silu" or "clamped_swiglu" (gpt-oss, with ``alpha`` / ``limit``)
+    alpha: float = 1.702,
+    limit: float = 7.0,
 ) -> torch.Tensor:
     """Launch the grouped GEMM (and, with SPLIT_K > 1 and ``reduce``, the split-K reduction)."""
     qweight, qzeros, scales = weights
@@ -237,6 +254,9 @@ def expert_gemm(
         block_k = min(block_k, group_size)  # one zero/scale row per tile (the kernel relies on it)
     n_blocks = expert_of_block.shape[0]
     split_k = max(1, int(cfg.get("SPLIT_K", 1)))
+    act = {"silu": 0, "clamped_swiglu": 1}[activation]
+    if split_k > 1 and (bias is not None or act):
+        raise ValueError("expert_gemm: a bias or the clamped SwiGLU epilogue needs SPLIT_K 1")
     if split_k > 1 and ws is None:
         ws = torch.empty((split_k, num_pairs, N), dtype=torch.float32, device=a.device)
     elif split_k == 1:
@@ -263,6 +283,9 @@ def expert_gemm(
         BLOCK_M=block_m, DOT_M=dot_m(block_m), BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=cfg.get("GROUP_M", 1),
         DOT_DTYPE=dot_dtype, DOT_PREC="ieee" if dot_dtype == tl.float32 else None,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
+        **({} if bias is None and not act else
+           dict(bias_ptr=bias, stride_bias=0 if bias is None else bias.stride(0), alpha=float(alpha),
+                limit=float(limit), ACT=act)),
     )
     if split_k > 1 and reduce:
         splitk_reduce(mode, ws, out, sorted_ids, expert_of_block, expert_mask, topk_weights, num_pairs, block_m)
