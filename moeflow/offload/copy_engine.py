@@ -13,11 +13,12 @@ ProMoE §5, with one worker:
   low tasks for experts it does not need are dropped (their unissued chunks never move), the ones it
   does need are promoted to the high queue.
 * **batched issue** (many small experts, issue 16): when the transport has ``copy_batch``, one issue takes
-  the consecutive queued chunks of one priority up to ``batch_bytes`` (one expert's chunks, or several
-  experts of a layer) and hands them over as one batch: chunks adjacent in both the host store and the
-  pool become one copy, and the batch completes on one handle (one CUDA event) waiting on the union of
-  its tasks' ``after``. ``batch_bytes`` is the preemptible unit of prefetch work, so a needed load still
-  waits behind at most ``max_inflight`` batches of at most ``PREFETCH_CHUNK_BYTES``. Transports without
+  consecutive queued chunks up to ``batch_bytes`` and hands them over as one batch: chunks adjacent in
+  both the host store and the pool become one copy, and the batch completes on one handle (one CUDA
+  event) waiting on the union of its tasks' ``after``. A needed (high) batch may span several experts
+  (a layer's misses: a few events instead of one per chunk); a prefetch (low) batch stays within one
+  task, so a queued prediction is still dropped whole at its gate, and a needed load waits behind at
+  most ``max_inflight`` prefetch batches of at most ``PREFETCH_CHUNK_BYTES``. Transports without
   ``copy_batch`` (the simulator's, the scripted test transport) get one chunk per issue, as before.
 * **copies outside the queue lock**: chunks are claimed under the lock (``LoadTask.in_transit``), handed
   to the transport without it (a pageable-memory copy blocks for its whole length; ``submit`` and
@@ -234,7 +235,7 @@ class CopyEngine:
         thread; returns its handle (None: nothing queued).
 
         For engines that replay the worker themselves (the simulator's virtual-time worker)."""
-        return self._issue_batch()
+        return self._issue_next()
 
     def high_backlog(self) -> list[tuple[LoadTask, int]]:
         """Queued high-priority loads in the order they will land, each with its bytes still to issue."""
@@ -264,7 +265,7 @@ class CopyEngine:
             return 0
         n = 0
         while max_chunks is None or n < max_chunks:
-            if self._issue_batch() is None:
+            if self._issue_next() is None:
                 break
             n += 1
         return n
@@ -279,15 +280,16 @@ class CopyEngine:
     # ----------------------------------------------------------------- issuing (worker thread or pump)
     def _claim(self) -> list[tuple[LoadTask, int, int]]:
         """(lock held) Take the next chunks off the queue: the head's next chunk, then while the batch stays
-        within ``batch_bytes`` the following chunks of the same queue, in the order the worker would issue them."""
+        within ``batch_bytes`` the following chunks in the order the worker would issue them: of any needed
+        (high) task, of the same task only for a prediction (low)."""
         queue_ = self._high if self._high else self._low
         pieces: list[tuple[LoadTask, int, int]] = []
         total = 0
         while queue_:
             task = queue_[0]
             a, b = task.chunks[task.next_chunk]
-            if pieces and total + (b - a) > self.batch_bytes:
-                break
+            if pieces and (total + (b - a) > self.batch_bytes or (not task.high and task is not pieces[-1][0])):
+                break  # a prefetch batch stays within one task: queued predictions remain droppable at their gate
             pieces.append((task, a, b))
             total += b - a
             task.next_chunk += 1
@@ -299,7 +301,7 @@ class CopyEngine:
                     self._low.pop(0)
         return pieces
 
-    def _issue_batch(self) -> Handle | None:
+    def _issue_next(self) -> Handle | None:
         """Claim a batch under the lock, copy it without the lock, attach its handle under the lock."""
         with self._cond:
             pieces = self._claim()
@@ -371,7 +373,7 @@ class CopyEngine:
                     high = bool(self._high)
                 if not high:  # only prefetches are held back; outside the lock: submit must not wait
                     self._throttle()
-                self._issue_batch()  # chooses after the wait: a high task that arrived meanwhile goes first
+                self._issue_next()  # chooses after the wait: a high task that arrived meanwhile goes first
         except BaseException as exc:  # surfaced to the compute thread at its next wait
             with self._cond:
                 self._error = exc
