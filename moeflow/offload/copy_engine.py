@@ -280,16 +280,22 @@ class CopyEngine:
     # ----------------------------------------------------------------- issuing (worker thread or pump)
     def _claim(self) -> list[tuple[LoadTask, int, int]]:
         """(lock held) Take the next chunks off the queue: the head's next chunk, then while the batch stays
-        within ``batch_bytes`` the following chunks in the order the worker would issue them: of any needed
-        (high) task, of the same task only for a prediction (low)."""
+        within ``batch_bytes`` the following chunks in the order the worker would issue them: the same task's,
+        then whole needed (high) tasks; a prediction's (low) batch holds its own chunks only."""
         queue_ = self._high if self._high else self._low
         pieces: list[tuple[LoadTask, int, int]] = []
         total = 0
         while queue_:
             task = queue_[0]
             a, b = task.chunks[task.next_chunk]
-            if pieces and (total + (b - a) > self.batch_bytes or (not task.high and task is not pieces[-1][0])):
-                break  # a prefetch batch stays within one task: queued predictions remain droppable at their gate
+            if pieces and task is not pieces[-1][0]:
+                # another task joins only whole (one copy per expert), and never a prefetch batch: queued
+                # predictions remain droppable at their gate
+                rest = sum(hi - lo for lo, hi in task.chunks[task.next_chunk:])
+                if not task.high or total + rest > self.batch_bytes:
+                    break
+            elif pieces and total + (b - a) > self.batch_bytes:
+                break
             pieces.append((task, a, b))
             total += b - a
             task.next_chunk += 1
