@@ -1,7 +1,7 @@
 """Batched issue in the copy engine (many small experts, issue 16) and its ordering guards.
 
 A transport with ``copy_batch`` gets several chunks per issue: a layer's needed loads share one handle, chunks
-adjacent in the host store and the pool become one copy, a prefetch batch stays within one task. The scripted
+adjacent in the host store and the pool become one copy, a prediction goes one chunk per issue. The scripted
 transport below lands each copy of a batch on its own, at the worst moment its fences allow (on a GPU the
 copies of a batch land one by one before the batch's event), so a fence of any task in a batch that is not
 passed to the transport shows up as a hazard.
@@ -64,17 +64,18 @@ def test_needed_loads_of_a_layer_go_as_one_batch_with_adjacent_runs_merged():
         assert torch.equal(pool.buffer[t.slot], store.region(t.layer, t.expert))
 
 
-def test_batch_bytes_bound_and_prefetch_batches_stay_within_one_task():
+def test_batch_bytes_bound_and_predictions_one_chunk_per_issue():
     transport = CountingSync()
     per_chunk = -(-DENSE.nbytes // 3)
     engine, store, pool = _engine(transport, chunks=3, batch_bytes=4 * per_chunk)
-    low = [engine.submit(1, e, e, high=False) for e in range(3)]
-    high = [engine.submit(0, e, 4 + e, high=True) for e in range(2)]
+    low = [engine.submit(1, e, e, high=False) for e in range(2)]
+    high = [engine.submit(0, e, 4 + e, high=True) for e in range(3)]
     engine.pump()
     sizes = [sum(d.numel() for d, _ in pairs) for pairs, _ in transport.batches]
-    assert all(size <= 4 * per_chunk + 64 for size in sizes)  # chunks are aligned: at most one alignment pad over
-    # the two high tasks first (6 chunks: 4 + 2), then each low task alone (3 chunks each)
-    assert len(transport.batches) == 2 + 3
+    # high first: a batch takes the head's chunks, then another task only whole (3 + 0: the second task's 3
+    # chunks would pass the bound), so one expert per batch here; then every low chunk alone
+    assert sizes == [DENSE.nbytes] * 3 + [hi - lo for _ in low for lo, hi in engine.low_chunks]
+    assert all(len(pairs) == 1 for pairs, _ in transport.batches)  # an expert's chunks merged into one copy
     assert [t.complete() for t in (*high, *low)] == [True] * 5
     for t in (*high, *low):
         assert torch.equal(pool.buffer[t.slot], store.region(t.layer, t.expert))
@@ -124,10 +125,10 @@ def test_copies_are_issued_outside_the_queue_lock():
     try:
         first = engine.submit(0, 0, 0, high=False)
         assert transport.entered.wait(10.0)  # the worker is inside the transport with first's chunk
-        assert first.in_transit == 3 and not first.issued  # its three chunks, one batch
+        assert first.in_transit == 1 and not first.issued  # a prediction: one chunk per issue
         # the queue stays usable meanwhile: these return while the copy call is still blocked
         needed = engine.submit(0, 1, 1, high=True)
-        assert engine.pending() == [needed] and engine.head() is needed
+        assert engine.pending() == [needed, first] and engine.head() is needed
         fences: list = []
         canceller = threading.Thread(target=lambda: fences.extend(engine.cancel(first)))
         canceller.start()
@@ -135,7 +136,8 @@ def test_copies_are_issued_outside_the_queue_lock():
         assert canceller.is_alive()  # cancel waits for the handle of the chunk in transit
         transport.gate.set()
         canceller.join(10.0)
-        assert not canceller.is_alive() and first.handles and first.in_transit == 0
+        assert not canceller.is_alive() and len(first.handles) == 1 and first.in_transit == 0
+        assert engine.cancelled_chunks == 2  # its other two chunks never moved
         engine.wait_issued(needed)
         assert torch.equal(pool.buffer[1], store.region(0, 1))
     finally:

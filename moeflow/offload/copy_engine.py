@@ -12,14 +12,13 @@ ProMoE §5, with one worker:
 * **early preemption**: :meth:`CopyEngine.preempt` is called with a layer's gate result; that layer's
   low tasks for experts it does not need are dropped (their unissued chunks never move), the ones it
   does need are promoted to the high queue.
-* **batched issue** (many small experts, issue 16): when the transport has ``copy_batch``, one issue takes
-  consecutive queued chunks up to ``batch_bytes`` and hands them over as one batch: chunks adjacent in
-  both the host store and the pool become one copy, and the batch completes on one handle (one CUDA
-  event) waiting on the union of its tasks' ``after``. A needed (high) batch may span several experts
-  (a layer's misses: a few events instead of one per chunk); a prefetch (low) batch stays within one
-  task, so a queued prediction is still dropped whole at its gate, and a needed load waits behind at
-  most ``max_inflight`` prefetch batches of at most ``PREFETCH_CHUNK_BYTES``. Transports without
-  ``copy_batch`` (the simulator's, the scripted test transport) get one chunk per issue, as before.
+* **batched issue** (many small experts, issue 16): when the transport has ``copy_batch``, one issue of
+  needed (high) work takes the head task's chunks and then whole high tasks behind it, up to ``batch_bytes``
+  (a layer's misses), and hands them over as one batch: chunks adjacent in both the host store and the pool
+  become one copy (an expert's chunks, one ``cudaMemcpyAsync``), and the batch completes on one handle (one
+  CUDA event) waiting on the union of its tasks' ``after``. Predicted (low) work stays one chunk per issue:
+  a needed load still waits behind at most ``max_inflight`` small chunks. Transports without ``copy_batch``
+  (the simulator's, the scripted test transport) get one chunk per issue for everything, as before.
 * **copies outside the queue lock**: chunks are claimed under the lock (``LoadTask.in_transit``), handed
   to the transport without it (a pageable-memory copy blocks for its whole length; ``submit`` and
   ``promote`` from the compute thread must not wait for that), and their handle attached under it again.
@@ -45,7 +44,7 @@ from moeflow.offload.stats import PhaseStats
 from moeflow.offload.transport import Handle, Transport
 
 PREFETCH_CHUNK_BYTES = 8 * 2**20  # a needed load waits behind at most ~one such piece of a prefetch
-BATCH_BYTES = PREFETCH_CHUNK_BYTES  # one issue gathers queued chunks up to this many bytes (copy_batch transports)
+BATCH_BYTES = PREFETCH_CHUNK_BYTES  # one issue of needed loads gathers up to this many bytes (copy_batch transports)
 
 
 def chunk_ranges(nbytes: int, chunks: int, align: int = ALIGN) -> list[tuple[int, int]]:
@@ -279,29 +278,33 @@ class CopyEngine:
 
     # ----------------------------------------------------------------- issuing (worker thread or pump)
     def _claim(self) -> list[tuple[LoadTask, int, int]]:
-        """(lock held) Take the next chunks off the queue: the head's next chunk, then while the batch stays
-        within ``batch_bytes`` the following chunks in the order the worker would issue them: the same task's,
-        then whole needed (high) tasks; a prediction's (low) batch holds its own chunks only."""
-        queue_ = self._high if self._high else self._low
+        """(lock held) Take the next chunks off the queue: the head's next chunk; for a needed (high) head, while
+        the batch stays within ``batch_bytes``, the rest of its chunks and then whole high tasks behind it. A
+        prediction (low) goes one chunk per issue, so a needed load that arrives waits behind small pieces only
+        and a queued prediction can still be dropped at its gate (the simulator measured that batching
+        predictions costs more in needed-load latency than it saves in copies)."""
+        high = bool(self._high)
+        queue_ = self._high if high else self._low
         pieces: list[tuple[LoadTask, int, int]] = []
         total = 0
         while queue_:
             task = queue_[0]
             a, b = task.chunks[task.next_chunk]
-            if pieces and task is not pieces[-1][0]:
-                # another task joins only whole (one copy per expert), and never a prefetch batch: queued
-                # predictions remain droppable at their gate
-                rest = sum(hi - lo for lo, hi in task.chunks[task.next_chunk:])
-                if not task.high or total + rest > self.batch_bytes:
+            if pieces:
+                if not high:
                     break
-            elif pieces and total + (b - a) > self.batch_bytes:
-                break
+                if task is not pieces[-1][0]:  # another task joins whole: one copy per expert
+                    b_rest = sum(hi - lo for lo, hi in task.chunks[task.next_chunk:])
+                    if total + b_rest > self.batch_bytes:
+                        break
+                elif total + (b - a) > self.batch_bytes:
+                    break
             pieces.append((task, a, b))
             total += b - a
             task.next_chunk += 1
             task.in_transit += 1
             if task.next_chunk == len(task.chunks):
-                if queue_ is self._high:
+                if high:
                     self._high.popleft()
                 else:
                     self._low.pop(0)
