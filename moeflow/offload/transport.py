@@ -91,7 +91,9 @@ class CudaHandle:
     """Completion of work on a CUDA stream, marked by an event recorded after it.
 
     A pooled event is recorded again only after it completed: a handle from an earlier generation reports
-    done (its work finished before the reuse) and is never waited on.
+    done (its work finished before the reuse) and is never waited on. A wait racing the reuse (another thread
+    re-records the event between the check and ``wait_event``) covers work enqueued before the wait: a longer
+    wait at worst, never a missing order or a cycle.
     """
 
     __slots__ = ("pooled", "generation")
