@@ -177,12 +177,14 @@ def test_host_store_falls_back_to_pageable_with_one_warning(monkeypatch, result)
 
 
 # ---------------------------------------------------------------------------------------------- copy engine
-def _engine(transport=None, n_slots=4, chunks=3, threaded=None, max_inflight=2):
+def _engine(transport=None, n_slots=4, chunks=3, threaded=None, max_inflight=2, batch_bytes=0):
+    """batch_bytes=0: one chunk per issue, so these tests follow the chunks one by one (batched issue:
+    tests/test_copy_batching.py)."""
     store, weights = _filled_store(DENSE, layers=3, experts=4)
     pool = ExpertPool.allocate(DENSE, n_slots, "cpu")
     pool.buffer.zero_()
     engine = CopyEngine(transport or SyncTransport(), store, pool, chunks=chunks, max_inflight=max_inflight,
-                        threaded=threaded)
+                        threaded=threaded, batch_bytes=batch_bytes)
     return engine, store, pool
 
 

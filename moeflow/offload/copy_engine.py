@@ -12,6 +12,18 @@ ProMoE §5, with one worker:
 * **early preemption**: :meth:`CopyEngine.preempt` is called with a layer's gate result; that layer's
   low tasks for experts it does not need are dropped (their unissued chunks never move), the ones it
   does need are promoted to the high queue.
+* **batched issue** (many small experts, issue 16): when the transport has ``copy_batch``, one issue of
+  needed (high) work takes the head task's chunks and then whole high tasks behind it, up to ``batch_bytes``
+  (a layer's misses), and hands them over as one batch: chunks adjacent in both the host store and the pool
+  become one copy (an expert's chunks, one ``cudaMemcpyAsync``), and the batch completes on one handle (one
+  CUDA event) waiting on the union of its tasks' ``after``. Predicted (low) work stays one chunk per issue:
+  a needed load still waits behind at most ``max_inflight`` small chunks. Transports without ``copy_batch``
+  (the simulator's, the scripted test transport) get one chunk per issue for everything, as before.
+* **copies outside the queue lock**: chunks are claimed under the lock (``LoadTask.in_transit``), handed
+  to the transport without it (a pageable-memory copy blocks for its whole length; ``submit`` and
+  ``promote`` from the compute thread must not wait for that), and their handle attached under it again.
+  A task with chunks in transit is not ``issued``; ``cancel`` and ``preempt`` wait for the handle, so the
+  fences they return are complete.
 
 With an asynchronous transport (CUDA stream, random-delay test transport) a daemon worker thread
 issues chunks as soon as they are queued. With the synchronous transport there is no thread: chunks
@@ -32,6 +44,7 @@ from moeflow.offload.stats import PhaseStats
 from moeflow.offload.transport import Handle, Transport
 
 PREFETCH_CHUNK_BYTES = 8 * 2**20  # a needed load waits behind at most ~one such piece of a prefetch
+BATCH_BYTES = PREFETCH_CHUNK_BYTES  # one issue of needed loads gathers up to this many bytes (copy_batch transports)
 
 
 def chunk_ranges(nbytes: int, chunks: int, align: int = ALIGN) -> list[tuple[int, int]]:
@@ -56,6 +69,7 @@ class LoadTask:
     next_chunk: int = 0
     handles: list[Handle] = field(default_factory=list)
     cancelled: bool = False
+    in_transit: int = 0  # chunks claimed by the issuer whose handle is not attached yet (copy call under way)
 
     @property
     def key(self) -> tuple[int, int]:
@@ -63,8 +77,8 @@ class LoadTask:
 
     @property
     def issued(self) -> bool:
-        """Every chunk handed to the transport."""
-        return self.next_chunk == len(self.chunks)
+        """Every chunk handed to the transport (and its handle attached)."""
+        return self.next_chunk == len(self.chunks) and self.in_transit == 0
 
     def complete(self) -> bool:
         """Every chunk issued and landed."""
@@ -76,7 +90,12 @@ class LoadTask:
 
 
 class CopyEngine:
-    """Two-priority chunk queue in front of a transport; see the module docstring."""
+    """Two-priority chunk queue in front of a transport; see the module docstring.
+
+    batch_bytes: most bytes one issue hands the transport (``copy_batch`` transports only); 0: one chunk per
+    issue. Counters: ``tasks`` submitted, ``copies`` (copy operations handed to the transport), ``batches``
+    (transport calls, each with one completion handle: a CUDA event).
+    """
 
     def __init__(
         self,
@@ -87,6 +106,7 @@ class CopyEngine:
         chunks: int = 3,
         max_inflight: int = 2,
         threaded: bool | None = None,
+        batch_bytes: int = BATCH_BYTES,
     ) -> None:
         if host.fmt.nbytes != pool.fmt.nbytes:
             raise ValueError("host store and slot pool use different expert formats")
@@ -97,6 +117,9 @@ class CopyEngine:
         self.low_chunks = chunk_ranges(pool.fmt.nbytes, max(chunks, -(-pool.fmt.nbytes // PREFETCH_CHUNK_BYTES)))
         self.max_inflight = max_inflight
         self.threaded = transport.asynchronous if threaded is None else threaded
+        # batch_bytes=0 or a transport without copy_batch: one chunk per issue through transport.copy
+        self._copy_batch = getattr(transport, "copy_batch", None) if batch_bytes > 0 else None
+        self.batch_bytes = batch_bytes if self._copy_batch is not None else 0
         self._high: deque[LoadTask] = deque()
         self._low: list[LoadTask] = []  # sorted: priority descending, then order
         self._cond = threading.Condition()
@@ -105,6 +128,7 @@ class CopyEngine:
         self._closed = False
         self._error: BaseException | None = None
         self.cancelled_chunks = 0  # chunks that never moved because their task was dropped
+        self.tasks = self.copies = self.batches = 0
         self._thread: threading.Thread | None = None
         if self.threaded:
             self._thread = threading.Thread(target=self._worker, name="moeflow-copy-engine", daemon=True)
@@ -128,6 +152,7 @@ class CopyEngine:
         with self._cond:
             self._raise_if_failed()
             self._enqueue(task)
+            self.tasks += 1
             self._cond.notify_all()
         return task
 
@@ -163,12 +188,14 @@ class CopyEngine:
                     self._low.remove(task)
                 elif task in self._high:
                     self._high.remove(task)
+            self._await_transit([task])
             return task.fences()
 
     def preempt(self, layer: int, needed: set[int]) -> tuple[list[LoadTask], list[LoadTask]]:
         """Gate result of ``layer`` is known: promote its low tasks in ``needed``, drop the others.
 
         Returns (promoted, dropped). Tasks already fully issued are left alone (their bytes are moving).
+        A dropped task's chunks in transit have their handles attached before this returns (its fences).
         """
         promoted, dropped = [], []
         with self._cond:
@@ -183,7 +210,14 @@ class CopyEngine:
                     self.cancelled_chunks += len(task.chunks) - task.next_chunk
                     dropped.append(task)
             self._cond.notify_all()
+            self._await_transit(dropped)
         return promoted, dropped
+
+    def _await_transit(self, tasks: list[LoadTask]) -> None:
+        """(lock held) Wait until the issuer attached the handles of ``tasks``' claimed chunks."""
+        while any(t.in_transit for t in tasks) and self._error is None:
+            self._cond.wait(timeout=1.0)
+        self._raise_if_failed()
 
     def pending(self) -> list[LoadTask]:
         """Queued tasks, in the order the worker will take them."""
@@ -196,11 +230,11 @@ class CopyEngine:
             return self._high[0] if self._high else (self._low[0] if self._low else None)
 
     def issue_next(self) -> Handle | None:
-        """Issue the next chunk of :meth:`head` now, from the caller's thread (None: nothing queued).
+        """Issue the next batch (one chunk of :meth:`head`, or more with ``copy_batch``) now, from the caller's
+        thread; returns its handle (None: nothing queued).
 
         For engines that replay the worker themselves (the simulator's virtual-time worker)."""
-        with self._cond:
-            return self._issue_next()
+        return self._issue_next()
 
     def high_backlog(self) -> list[tuple[LoadTask, int]]:
         """Queued high-priority loads in the order they will land, each with its bytes still to issue."""
@@ -224,15 +258,15 @@ class CopyEngine:
                 raise RuntimeError(f"load of expert {task.key} was cancelled while waited on")
 
     def pump(self, max_chunks: int | None = None) -> int:
-        """Without a worker thread: issue up to ``max_chunks`` queued chunks (all when None). Returns the count."""
+        """Without a worker thread: issue up to ``max_chunks`` queued batches (all when None; a batch is one
+        chunk unless the transport takes ``copy_batch``). Returns the count."""
         if self.threaded or not (self._high or self._low):
             return 0
         n = 0
-        with self._cond:
-            while max_chunks is None or n < max_chunks:
-                if self._issue_next() is None:
-                    break
-                n += 1
+        while max_chunks is None or n < max_chunks:
+            if self._issue_next() is None:
+                break
+            n += 1
         return n
 
     def close(self) -> None:
@@ -243,32 +277,95 @@ class CopyEngine:
             self._thread.join(timeout=5.0)
 
     # ----------------------------------------------------------------- issuing (worker thread or pump)
+    def _claim(self) -> list[tuple[LoadTask, int, int]]:
+        """(lock held) Take the next chunks off the queue: the head's next chunk; for a needed (high) head, while
+        the batch stays within ``batch_bytes``, the rest of its chunks and then whole high tasks behind it. A
+        prediction (low) goes one chunk per issue, so a needed load that arrives waits behind small pieces only
+        and a queued prediction can still be dropped at its gate (the simulator measured that batching
+        predictions costs more in needed-load latency than it saves in copies)."""
+        high = bool(self._high)
+        queue_ = self._high if high else self._low
+        pieces: list[tuple[LoadTask, int, int]] = []
+        total = 0
+        while queue_:
+            task = queue_[0]
+            a, b = task.chunks[task.next_chunk]
+            if pieces:
+                if not high:
+                    break
+                if task is not pieces[-1][0]:  # another task joins whole: one copy per expert
+                    b_rest = sum(hi - lo for lo, hi in task.chunks[task.next_chunk:])
+                    if total + b_rest > self.batch_bytes:
+                        break
+                elif total + (b - a) > self.batch_bytes:
+                    break
+            pieces.append((task, a, b))
+            total += b - a
+            task.next_chunk += 1
+            task.in_transit += 1
+            if task.next_chunk == len(task.chunks):
+                if high:
+                    self._high.popleft()
+                else:
+                    self._low.pop(0)
+        return pieces
+
     def _issue_next(self) -> Handle | None:
-        """Issue the next chunk (lock held) and return its handle. High tasks first, each task's chunks in order."""
-        queue_ = self._high if self._high else self._low
-        if not queue_:
+        """Claim a batch under the lock, copy it without the lock, attach its handle under the lock."""
+        with self._cond:
+            pieces = self._claim()
+        if not pieces:
             return None
-        task = queue_[0]
-        a, b = task.chunks[task.next_chunk]
-        src = self.host.buffer[self.host.index(task.layer, task.expert), a:b]
-        dst = self.pool.buffer[task.slot, a:b]
-        # every chunk waits on the fences: an out-of-order transport may start chunk 2 before chunk 1
-        handle = self.transport.copy(dst, src, task.after)
-        task.handles.append(handle)
-        task.next_chunk += 1
-        if task.stats is not None:
-            task.stats.bytes_h2d += b - a
-        if task.issued:
-            if queue_ is self._high:
-                self._high.popleft()
-            else:
-                self._low.pop(0)
+        try:
+            handle, copies = self._copy(pieces)
+        except BaseException:
+            with self._cond:  # the chunks never moved: release the claim so waiters see the failure, not a hang
+                for task, _, _ in pieces:
+                    task.in_transit -= 1
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            for task, a, b in pieces:
+                if not task.handles or task.handles[-1] is not handle:
+                    task.handles.append(handle)
+                task.in_transit -= 1
+                if task.stats is not None:
+                    task.stats.bytes_h2d += b - a
+            stats = pieces[0][0].stats
+            if stats is not None:
+                stats.copies += copies
+                stats.copy_batches += 1
+            self.copies += copies
+            self.batches += 1
+            self._cond.notify_all()
         if self.threaded:
             self._inflight.append(handle)
         return handle
 
+    def _copy(self, pieces: list[tuple[LoadTask, int, int]]) -> tuple[Handle, int]:
+        """Hand the claimed chunks to the transport (no lock held); returns (handle, copy operations)."""
+        if self._copy_batch is None:  # one chunk per issue; every chunk waits on the fences (out-of-order transports)
+            task, a, b = pieces[0]
+            src = self.host.buffer[self.host.index(task.layer, task.expert), a:b]
+            return self.transport.copy(self.pool.buffer[task.slot, a:b], src, task.after), 1
+        nbytes = self.pool.fmt.nbytes
+        host_flat, pool_flat = self.host.buffer.view(-1), self.pool.buffer.view(-1)
+        spans: list[list[int]] = []  # [src_start, dst_start, length]: runs adjacent in the store and in the pool
+        after: dict[int, Handle] = {}
+        for task, a, b in pieces:
+            src = self.host.index(task.layer, task.expert) * nbytes + a
+            dst = task.slot * nbytes + a
+            if spans and spans[-1][0] + spans[-1][2] == src and spans[-1][1] + spans[-1][2] == dst:
+                spans[-1][2] += b - a
+            else:
+                spans.append([src, dst, b - a])
+            for h in task.after:
+                after.setdefault(id(h), h)
+        pairs = [(pool_flat[d:d + n], host_flat[s:s + n]) for s, d, n in spans]
+        return self._copy_batch(pairs, tuple(after.values())), len(pairs)
+
     def _throttle(self) -> None:
-        """Keep at most ``max_inflight`` chunks in the transport, so the queue stays preemptible."""
+        """Keep at most ``max_inflight`` batches in the transport, so the queue stays preemptible."""
         while self._inflight and self._inflight[0].query():
             self._inflight.popleft()
         while len(self._inflight) >= self.max_inflight:
@@ -285,10 +382,7 @@ class CopyEngine:
                     high = bool(self._high)
                 if not high:  # only prefetches are held back; outside the lock: submit must not wait
                     self._throttle()
-                with self._cond:
-                    # choose after the wait: a high task that arrived meanwhile goes first
-                    if self._issue_next() is not None:
-                        self._cond.notify_all()
+                self._issue_next()  # chooses after the wait: a high task that arrived meanwhile goes first
         except BaseException as exc:  # surfaced to the compute thread at its next wait
             with self._cond:
                 self._error = exc

@@ -16,6 +16,8 @@ class PhaseStats:
     useful_prefetches: int = 0  # prefetched experts that were used before being evicted
     wasted_prefetches: int = 0  # prefetched experts evicted (or dropped) unused
     bytes_h2d: int = 0  # host -> device bytes moved
+    copies: int = 0  # copy operations handed to the transport (one cudaMemcpyAsync each)
+    copy_batches: int = 0  # transport calls, each completing on one handle (one CUDA event)
     stall_s: float = 0.0  # time the compute waited on copies
     steps: int = 0  # forward passes in this phase
     tokens: int = 0  # tokens processed in this phase

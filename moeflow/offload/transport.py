@@ -15,6 +15,10 @@ Two kinds of ordering matter and every transport honours both:
 * ``after``: a copy into a slot starts only after the given handles completed (an earlier, cancelled
   copy into the same slot, or the compute that last read the slot: see :meth:`Transport.compute_fence`).
 * :meth:`Transport.wait_compute`: compute issued after this call sees the copy's bytes.
+
+``copy_batch`` (optional; the copy engine batches chunks only where a transport has it): several copies that
+start after the union of their fences and complete on one handle: one CUDA event for several
+``cudaMemcpyAsync`` (many small experts, issue 16).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import queue
 import random
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -72,19 +77,75 @@ class EventHandle:
             raise RuntimeError("a random-delay transport copy failed") from self.error
 
 
-class CudaHandle:
-    """Completion of work on a CUDA stream, marked by an event recorded after it."""
+class PooledEvent:
+    """A CUDA event of an :class:`EventPool`; ``generation`` grows each time the pool hands it out again."""
 
-    __slots__ = ("event",)
+    __slots__ = ("event", "generation")
 
     def __init__(self, event: torch.cuda.Event) -> None:
         self.event = event
+        self.generation = 0
+
+
+class CudaHandle:
+    """Completion of work on a CUDA stream, marked by an event recorded after it.
+
+    A pooled event is recorded again only after it completed: a handle from an earlier generation reports
+    done (its work finished before the reuse) and is never waited on. A wait racing the reuse (another thread
+    re-records the event between the check and ``wait_event``) covers work enqueued before the wait: a longer
+    wait at worst, never a missing order or a cycle.
+    """
+
+    __slots__ = ("pooled", "generation")
+
+    def __init__(self, event: torch.cuda.Event | PooledEvent, generation: int | None = None) -> None:
+        self.pooled = event if isinstance(event, PooledEvent) else PooledEvent(event)
+        self.generation = self.pooled.generation if generation is None else generation
+
+    @property
+    def event(self) -> torch.cuda.Event:
+        return self.pooled.event
+
+    @property
+    def current(self) -> bool:
+        """The event still marks this handle's work (not recycled since)."""
+        return self.pooled.generation == self.generation
 
     def query(self) -> bool:
-        return self.event.query()
+        return not self.current or self.pooled.event.query()
 
     def synchronize(self) -> None:
-        self.event.synchronize()
+        if self.current:
+            self.pooled.event.synchronize()
+
+
+class EventPool:
+    """Events recorded on one stream, reused once they completed instead of created per copy.
+
+    Created with ``blocking=True``: a host wait on them sleeps instead of spinning a core. Events recorded on
+    one stream complete in record order, so the oldest live ones are the first to check for reuse.
+    """
+
+    def __init__(self) -> None:
+        self._free: list[PooledEvent] = []
+        self._live: deque[PooledEvent] = deque()
+        self._lock = threading.Lock()  # the copy worker and the compute thread may each own a pool; cheap insurance
+        self.created = 0
+
+    def record(self, stream: torch.cuda.Stream) -> CudaHandle:
+        with self._lock:
+            while self._live and self._live[0].event.query():
+                done = self._live.popleft()
+                done.generation += 1  # earlier handles now read as done without touching the event
+                self._free.append(done)
+            if self._free:
+                pooled = self._free.pop()
+            else:
+                pooled = PooledEvent(torch.cuda.Event(blocking=True))
+                self.created += 1
+            pooled.event.record(stream)
+            self._live.append(pooled)
+            return CudaHandle(pooled)
 
 
 class Transport(Protocol):
@@ -95,6 +156,9 @@ class Transport(Protocol):
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[Handle] = ()) -> Handle:
         """Enqueue ``dst.copy_(src)`` to start once every handle of ``after`` completed."""
+
+    # optional: copy_batch(pairs: Sequence[tuple[dst, src]], after) -> Handle, every copy starting once
+    # ``after`` completed, one handle completing when all did (see the module docstring)
 
     def compute_fence(self) -> Handle:
         """A handle that completes when the compute issued so far is done (reads of slots included)."""
@@ -116,9 +180,13 @@ class SyncTransport:
     asynchronous = False
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[Handle] = ()) -> Handle:
+        return self.copy_batch([(dst, src)], after)
+
+    def copy_batch(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], after: Sequence[Handle] = ()) -> Handle:
         for h in after:
             h.synchronize()
-        dst.copy_(src)
+        for dst, src in pairs:
+            dst.copy_(src)
         return DONE
 
     def compute_fence(self) -> Handle:
@@ -162,23 +230,28 @@ class RandomDelayTransport:
             job = self._jobs.get()
             if job is None:
                 return
-            dst, src, after, handle = job
+            pairs, after, handle = job
             try:
                 for h in after:
                     h.synchronize()
                 with self._rng_lock:
                     delay = self._rng.uniform(0.0, self.max_delay_s)
                 time.sleep(delay)
-                dst.copy_(src)
+                for dst, src in pairs:
+                    dst.copy_(src)
             except BaseException as exc:  # reported to whoever waits on the handle
                 handle.error = exc
             handle.event.set()
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[Handle] = ()) -> Handle:
+        return self.copy_batch([(dst, src)], after)
+
+    def copy_batch(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], after: Sequence[Handle] = ()) -> Handle:
+        """One job: every copy of the batch after one random delay, completing on one handle."""
         handle = EventHandle()
         self._pending = [h for h in self._pending if not h.query()]
         self._pending.append(handle)
-        self._jobs.put((dst, src, tuple(after), handle))
+        self._jobs.put((list(pairs), tuple(after), handle))
         return handle
 
     def compute_fence(self) -> Handle:
@@ -219,18 +292,21 @@ class CudaTransport:
         self.compute_stream = torch.cuda.current_stream(self.device)
         self.time_stalls = time_stalls
         self._stall_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self._last: torch.cuda.Event | None = None
+        self.copy_events = EventPool()  # recorded by the copy worker on the side stream
+        self.fence_events = EventPool()  # recorded by the compute thread on the compute stream
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[Handle] = ()) -> Handle:
+        return self.copy_batch([(dst, src)], after)
+
+    def copy_batch(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], after: Sequence[Handle] = ()) -> Handle:
+        """Every copy on the side stream after the fences of ``after``, then one pooled event."""
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             for h in after:
-                if isinstance(h, CudaHandle):
+                if isinstance(h, CudaHandle) and h.current:  # a recycled event's work is done: nothing to wait for
                     self.stream.wait_event(h.event)
-            dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event(blocking=True)  # a host wait sleeps instead of spinning a core
-            event.record(self.stream)
-        self._last = event
-        return CudaHandle(event)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+            return self.copy_events.record(self.stream)
 
     def _check_stream(self) -> torch.cuda.Stream:
         stream = torch.cuda.current_stream(self.device)
@@ -240,13 +316,12 @@ class CudaTransport:
         return stream
 
     def compute_fence(self) -> Handle:
-        event = torch.cuda.Event(blocking=True)
-        event.record(self._check_stream())
-        return CudaHandle(event)
+        return self.fence_events.record(self._check_stream())
 
     def wait_compute(self, handles: Sequence[Handle]) -> float:
         stream = self._check_stream()
-        pending = [h for h in handles if isinstance(h, CudaHandle) and not h.query()]
+        # tasks batched together share one handle: wait on each event once
+        pending = list({id(h): h for h in handles if isinstance(h, CudaHandle) and not h.query()}.values())
         if not pending:
             return 0.0
         start = torch.cuda.Event(enable_timing=True) if self.time_stalls else None
