@@ -126,10 +126,13 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True, help="output prefix (.json and .md are added)")
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--attention-bits", type=int, default=None, help="from_pretrained(attention_bits=...)")
     args = ap.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     uptime_before = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    model = MoEOffloadedMixtral.from_pretrained(args.model, device="cpu")
+    extra = {} if args.attention_bits is None else {"attention_bits": args.attention_bits}
+    model = MoEOffloadedMixtral.from_pretrained(args.model, device="cpu", **extra)
     ids = torch.randint(3, model.config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0))
     gen = dict(max_new_tokens=args.steps + 1, do_sample=False, eos_token_id=[])
     with torch.inference_mode():
@@ -145,7 +148,8 @@ def main() -> None:
     s = summarize(prof.events(), args.steps, model.config.num_hidden_layers)
     s.update(kernels=model.kernels, wall_ms_per_step=wall * 1e3, uptime_before=uptime_before,
              uptime_after=subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
-             generate_wall_s=time.perf_counter() - t0, torch=torch.__version__)
+             generate_wall_s=time.perf_counter() - t0, torch=torch.__version__, threads=args.threads,
+             attention_bits=args.attention_bits)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(s, indent=1))
     args.out.with_suffix(".md").write_text(markdown(s) + "\n")
