@@ -27,6 +27,7 @@
 #define QB 32     /* features per activation block */
 #define TILE 4    /* tokens computed together per weight row (the row's unpacked block is reused) */
 #define ROWS 16   /* weight rows per parallel work item */
+#define PREFETCH_ROWS 8  /* software prefetch this many rows ahead */
 
 int mf_simd(void) { return MF_AVX2; }
 
@@ -79,26 +80,37 @@ static inline __attribute__((always_inline)) void q4_tile(
 #if MF_AVX2
     const __m256i low = _mm256_set1_epi8(0x0F);
     const __m256i ones = _mm256_set1_epi16(1);
+    /* per group: sum over its blocks of (integer block dot) * activation scale, then times the weight scale */
     __m256 acc[TILE][TILE];
     for (int r = 0; r < nr; r++)
         for (int i = 0; i < tt; i++) acc[r][i] = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        __m256i xv[TILE];
-        float xd[TILE];
-        for (int i = 0; i < tt; i++) {
-            size_t t = (size_t)(t0 + i);
-            xv[i] = _mm256_loadu_si256((const __m256i*)(xq + t * K + b * QB));
-            xd[i] = xs[t * nb + b];
+    for (int g = 0; g < ng; g++) {
+        __m256 accg[TILE][TILE];
+        for (int r = 0; r < nr; r++)
+            for (int i = 0; i < tt; i++) accg[r][i] = _mm256_setzero_ps();
+        for (int b = g * bpg; b < (g + 1) * bpg; b++) {
+            __m256i xv[TILE];
+            __m256 xd[TILE];
+            for (int i = 0; i < tt; i++) {
+                size_t t = (size_t)(t0 + i);
+                xv[i] = _mm256_loadu_si256((const __m256i*)(xq + t * K + b * QB));
+                xd[i] = _mm256_broadcast_ss(xs + t * nb + b);
+            }
+            for (int r = 0; r < nr; r++) {
+                const uint8_t* row = qw + (size_t)(n + r) * (K / 2);
+                __m128i raw = _mm_loadu_si128((const __m128i*)(row + b * (QB / 2)));
+                if ((b & 3) == 0)  /* the rows after this tile's: the stream the hardware prefetcher misses */
+                    _mm_prefetch((const char*)(row + (size_t)PREFETCH_ROWS * (K / 2) + b * (QB / 2)), _MM_HINT_T0);
+                __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low);
+                for (int i = 0; i < tt; i++) {
+                    __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv[i]), ones);
+                    accg[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), xd[i], accg[r][i]);
+                }
+            }
         }
         for (int r = 0; r < nr; r++) {
-            const uint8_t* row = qw + (size_t)(n + r) * (K / 2);
-            __m128i raw = _mm_loadu_si128((const __m128i*)(row + b * (QB / 2)));
-            __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low);
-            float sw = s[(size_t)(n + r) * ng + b / bpg];
-            for (int i = 0; i < tt; i++) {
-                __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv[i]), ones);
-                acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(sw * xd[i]), acc[r][i]);
-            }
+            __m256 sw = _mm256_broadcast_ss(s + (size_t)(n + r) * ng + g);
+            for (int i = 0; i < tt; i++) acc[r][i] = _mm256_fmadd_ps(accg[r][i], sw, acc[r][i]);
         }
     }
     for (int r = 0; r < nr; r++)
@@ -109,12 +121,16 @@ static inline __attribute__((always_inline)) void q4_tile(
         for (int i = 0; i < tt; i++) {
             size_t t = (size_t)(t0 + i);
             float a = 0.0f;
-            for (int b = 0; b < nb; b++) {
-                const uint8_t* rb = row + b * (QB / 2);
-                const int8_t* xb = xq + t * K + b * QB;
-                int dot = 0;
-                for (int j = 0; j < QB / 2; j++) dot += (rb[j] & 0xF) * xb[j] + (rb[j] >> 4) * xb[QB / 2 + j];
-                a += (float)dot * (s[(size_t)(n + r) * ng + b / bpg] * xs[t * nb + b]);
+            for (int g = 0; g < ng; g++) {
+                float ag = 0.0f;
+                for (int b = g * bpg; b < (g + 1) * bpg; b++) {
+                    const uint8_t* rb = row + b * (QB / 2);
+                    const int8_t* xb = xq + t * K + b * QB;
+                    int dot = 0;
+                    for (int j = 0; j < QB / 2; j++) dot += (rb[j] & 0xF) * xb[j] + (rb[j] >> 4) * xb[QB / 2 + j];
+                    ag += (float)dot * xs[t * nb + b];
+                }
+                a += ag * s[(size_t)(n + r) * ng + g];
             }
             out[r][i] = a;
         }
@@ -138,8 +154,7 @@ static void q4_rows(int n0, int n1, int T, int K, int group, const uint8_t* qw, 
     for (; n + 4 <= n1; n += 4) {
         int t0 = 0;
         for (; t0 + TILE <= T; t0 += TILE) {
-            q4_tile(qw, s, m, K, group, xq, xs, gsum, n, 2, t0, TILE, y, ldy);
-            q4_tile(qw, s, m, K, group, xq, xs, gsum, n + 2, 2, t0, TILE, y, ldy);
+            for (int r = 0; r < 4; r++) q4_tile(qw, s, m, K, group, xq, xs, gsum, n + r, 1, t0, TILE, y, ldy);
         }
         for (; t0 < T; t0++) q4_tile(qw, s, m, K, group, xq, xs, gsum, n, 4, t0, 1, y, ldy);
     }
@@ -147,46 +162,65 @@ static void q4_rows(int n0, int n1, int T, int K, int group, const uint8_t* qw, 
         for (int t0 = 0; t0 < T; t0++) q4_tile(qw, s, m, K, group, xq, xs, gsum, n, 1, t0, 1, y, ldy);
 }
 
-static inline __attribute__((always_inline)) void q8_row(
-    const int8_t* row, float s, int K, const int8_t* xq, const float* xs, int t0, int tt, float* y, int ldy, int n) {
+/* ``nr`` int8 weight rows from row n against ``tt`` tokens from token t0 (see q4_tile). */
+static inline __attribute__((always_inline)) void q8_tile(
+    const int8_t* w, const float* s, int K, const int8_t* xq, const float* xs, int n, int nr, int t0, int tt,
+    float* y, int ldy) {
     int nb = K / QB;
 #if MF_AVX2
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[TILE];
-    for (int i = 0; i < tt; i++) acc[i] = _mm256_setzero_ps();
+    __m256 acc[TILE][TILE];
+    for (int r = 0; r < nr; r++)
+        for (int i = 0; i < tt; i++) acc[r][i] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        __m256i w = _mm256_loadu_si256((const __m256i*)(row + b * QB));
-        __m256i wabs = _mm256_sign_epi8(w, w);
+        __m256i xv[TILE];
+        __m256 xd[TILE];
         for (int i = 0; i < tt; i++) {
             size_t t = (size_t)(t0 + i);
-            __m256i xv = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)(xq + t * K + b * QB)), w);
-            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xv), ones);
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(xs[t * nb + b]), acc[i]);
+            xv[i] = _mm256_loadu_si256((const __m256i*)(xq + t * K + b * QB));
+            xd[i] = _mm256_broadcast_ss(xs + t * nb + b);
+        }
+        for (int r = 0; r < nr; r++) {
+            const int8_t* row = w + (size_t)(n + r) * K;
+            __m256i wv = _mm256_loadu_si256((const __m256i*)(row + b * QB));
+            if ((b & 1) == 0) _mm_prefetch((const char*)(row + (size_t)PREFETCH_ROWS * K + b * QB), _MM_HINT_T0);
+            __m256i wabs = _mm256_sign_epi8(wv, wv);  /* |w| x sign(w)*x: maddubs wants one unsigned operand */
+            for (int i = 0; i < tt; i++) {
+                __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xv[i], wv)), ones);
+                acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), xd[i], acc[r][i]);
+            }
         }
     }
-    for (int i = 0; i < tt; i++) y[(size_t)(t0 + i) * ldy + n] = s * hsum(acc[i]);
+    for (int r = 0; r < nr; r++)
+        for (int i = 0; i < tt; i++) y[(size_t)(t0 + i) * ldy + n + r] = s[n + r] * hsum(acc[r][i]);
 #else
-    for (int i = 0; i < tt; i++) {
-        size_t t = (size_t)(t0 + i);
-        float a = 0.0f;
-        for (int b = 0; b < nb; b++) {
-            int dot = 0;
-            for (int j = 0; j < QB; j++) dot += row[b * QB + j] * xq[t * K + b * QB + j];
-            a += (float)dot * xs[t * nb + b];
+    for (int r = 0; r < nr; r++) {
+        const int8_t* row = w + (size_t)(n + r) * K;
+        for (int i = 0; i < tt; i++) {
+            size_t t = (size_t)(t0 + i);
+            float a = 0.0f;
+            for (int b = 0; b < nb; b++) {
+                int dot = 0;
+                for (int j = 0; j < QB; j++) dot += row[b * QB + j] * xq[t * K + b * QB + j];
+                a += (float)dot * xs[t * nb + b];
+            }
+            y[t * ldy + n + r] = s[n + r] * a;
         }
-        y[t * ldy + n] = s * a;
     }
 #endif
 }
 
 static void q8_rows(int n0, int n1, int T, int K, const int8_t* w, const float* s, const int8_t* xq, const float* xs,
                     float* y, int ldy) {
-    for (int n = n0; n < n1; n++) {
-        const int8_t* row = w + (size_t)n * K;
+    int n = n0;
+    for (; n + 4 <= n1; n += 4) {
         int t0 = 0;
-        for (; t0 + TILE <= T; t0 += TILE) q8_row(row, s[n], K, xq, xs, t0, TILE, y, ldy, n);
-        for (; t0 < T; t0++) q8_row(row, s[n], K, xq, xs, t0, 1, y, ldy, n);
+        for (; t0 + TILE <= T; t0 += TILE)
+            for (int r = 0; r < 4; r++) q8_tile(w, s, K, xq, xs, n + r, 1, t0, TILE, y, ldy);
+        for (; t0 < T; t0++) q8_tile(w, s, K, xq, xs, n, 4, t0, 1, y, ldy);
     }
+    for (; n < n1; n++)
+        for (int t0 = 0; t0 < T; t0++) q8_tile(w, s, K, xq, xs, n, 1, t0, 1, y, ldy);
 }
 
 static int nchunks(int N) { return (N + ROWS - 1) / ROWS; }
