@@ -115,6 +115,14 @@ def native_format_fits(group_size: int) -> bool:
     return group_size % 32 == 0 and native_available()
 
 
+def cpu_expert_kernel() -> str:
+    """Which kernels :class:`Int4Expert` runs here (cost-model calibrations are keyed by it)."""
+    from moeflow.kernels.cpu_native import library
+
+    lib = library()
+    return ("moeflow cpu_native " + ("avx2" if lib.mf_simd() else "scalar")) if lib is not None else "torch int4"
+
+
 @dataclass
 class Int4Expert:
     """One expert (fused gate/up ``w13`` and down ``w2``) in a CPU int4 format: moeflow's own

@@ -4,7 +4,8 @@ Measured once (well under a second at tiny shapes, a few seconds at Mixtral's):
 
 * host->device: copies of one expert region from the host store into a device slot (the path the copy
   engine takes; on a CPU "device" this is a memory copy);
-* CPU: one expert in torch's int4 CPU format at 1 and at 8 tokens, on a worker of the CPU pool.
+* CPU: one expert in the CPU int4 format ``Int4Expert`` picks (moeflow's own kernels where they build, else
+  torch's; the key names which) at 1 and at 8 tokens, on a worker of the CPU pool.
 
 The cache file holds the key it was measured under. A file whose key differs (another machine, another
 model shape, another torch, another device) is refused with a message saying what differs, and the
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from moeflow.kernels.cpu_int4 import cpu_expert_kernel
 from moeflow.kernels.pool import ExpertFormat
 from moeflow.offload.cost_model import Rates
 
@@ -55,6 +57,7 @@ def calibration_key(
         "cpu": _cpu_name(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "cpu_kernel": cpu_expert_kernel(),
         "torch": torch.__version__,
         "device": dev,
         "transport": transport,
