@@ -105,7 +105,8 @@ def _check(rc: int, what: str) -> None:
 
 
 def _fp32_rows(x: torch.Tensor, k: int) -> torch.Tensor:
-    return x.reshape(-1, k).to(torch.float32).contiguous()
+    rows = x.reshape(-1, k)
+    return rows if rows.dtype == torch.float32 and rows.is_contiguous() else rows.float().contiguous()
 
 
 @dataclass
@@ -137,13 +138,7 @@ class Q4Matrix:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] (any float dtype) -> fp32 [M, N] (``x @ W.T``)."""
-        n, k = self.shape
-        rows = _fp32_rows(x, k)
-        y = torch.empty((rows.shape[0], n), dtype=torch.float32)
-        _check(library().mf_q4_linear(rows.data_ptr(), rows.shape[0], k, n, self.group_size, self.packed.data_ptr(),
-                                      self.scales.data_ptr(), self.mins.data_ptr(), y.data_ptr(),
-                                      torch.get_num_threads()), "q4 linear")
-        return y
+        return q4_matmul(x, self.packed, self.scales, self.mins, self.group_size)
 
     def dequantized(self) -> torch.Tensor:
         """fp32 [N, K]: the weight the kernel multiplies by."""
@@ -156,6 +151,18 @@ class Q4Matrix:
     @property
     def nbytes(self) -> int:
         return self.packed.numel() + 4 * (self.scales.numel() + self.mins.numel())
+
+
+def q4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+              group_size: int) -> torch.Tensor:
+    """:meth:`Q4Matrix.matmul` on the matrix's tensors (no object per call: the decode step's hot path)."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    rows = _fp32_rows(x, k)
+    y = torch.empty((rows.shape[0], n), dtype=torch.float32)
+    _check(library().mf_q4_linear(rows.data_ptr(), rows.shape[0], k, n, group_size, packed.data_ptr(),
+                                  scales.data_ptr(), mins.data_ptr(), y.data_ptr(), torch.get_num_threads()),
+           "q4 linear")
+    return y
 
 
 def q8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

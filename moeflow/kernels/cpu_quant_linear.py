@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from moeflow.kernels.cpu_int4 import COMPUTE_DTYPE, Int4Matrix, native_format_fits
-from moeflow.kernels.cpu_native import BLOCK, Q4Matrix, native_available, q4_reference, q8_matmul
+from moeflow.kernels.cpu_native import BLOCK, Q4Matrix, native_available, q4_matmul, q4_reference, q8_matmul
 from moeflow.quant.awq import check_group_size, dequantize, quantize_rtn
 
 INT8_MAX = 127
@@ -78,9 +78,10 @@ class CpuQuantLinear(nn.Module):
             if self.bits == 8:
                 y = q8_matmul(x, self.int8_weight, self.int8_scales)
             else:
-                y = Q4Matrix(self.packed, self.scales, self.mins, self.group_size).matmul(x)
-            y = y if self.bias is None else y + self.bias
-            return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+                y = q4_matmul(x, self.packed, self.scales, self.mins, self.group_size)
+            if self.bias is not None:
+                y += self.bias
+            return (y if x.dtype == torch.float32 else y.to(x.dtype)).view(*x.shape[:-1], self.out_features)
         flat = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
         if self.bits == 8:
             y = torch._weight_int8pack_mm(flat, self.int8_weight, self.int8_scales)
