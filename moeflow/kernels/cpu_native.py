@@ -49,11 +49,14 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
-def _build(cache: Path) -> Path:
+def build(cache: Path, native_arch: bool = True) -> Path:
+    """Compile ``cpu_native.c`` into ``cache`` (once per source, compiler and CPU); returns the library's path.
+    ``native_arch=False`` builds for the baseline ISA (the portable C loops instead of AVX2; tests use it)."""
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         raise RuntimeError("no C compiler (set CC, or install gcc)")
-    flags = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]  # no implicit FMA
+    arch = ["-march=native"] if native_arch else []
+    flags = ["-O3", *arch, "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]  # no implicit FMA: as the reference
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, *flags, _cpu_flags(), platform.machine()])
                          .encode()).hexdigest()[:16]
@@ -78,7 +81,7 @@ def library() -> ctypes.CDLL | None:
         if os.environ.get("MOEFLOW_CPU_NATIVE", "1") != "0":
             cache = Path(os.environ.get("MOEFLOW_CACHE", Path.home() / ".cache" / "moeflow")) / "cpu_native"
             try:
-                _LIB = _declare(ctypes.CDLL(str(_build(cache))))
+                _LIB = load(build(cache))
             except (OSError, RuntimeError) as e:
                 log.warning("moeflow's CPU kernels are unavailable (%s); using torch's int4/int8 kernels", e)
     return _LIB
@@ -87,6 +90,11 @@ def library() -> ctypes.CDLL | None:
 def native_available() -> bool:
     """Whether moeflow's CPU kernels are built and loaded here (see the module docstring)."""
     return library() is not None
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """The library at ``path`` with its functions' signatures declared."""
+    return _declare(ctypes.CDLL(str(path)))
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
