@@ -80,6 +80,16 @@ def llama_cpp_decode_cpu_ms(bench: Path, gguf: Path, tg: int, reps: int) -> floa
     return (cpu(tg + 1) - cpu(1)) / (tg * reps) * 1e3
 
 
+def llama_cpp_prefill_cpu_ms(bench: Path, gguf: Path, prompt: int, reps: int) -> float:
+    """CPU milliseconds per prompt of ``prompt`` tokens on one thread: ``-r 2*reps`` minus ``-r reps`` (the
+    load and warm-up cancel)."""
+    def cpu(r: int) -> float:
+        c0 = _child_cpu_s()
+        sh(bench, "-m", gguf, "-t", 1, "-p", prompt, "-n", 0, "-r", r, "-o", "json")
+        return _child_cpu_s() - c0
+    return (cpu(2 * reps) - cpu(reps)) / reps * 1e3
+
+
 def llama_cpp(bench: Path, gguf: Path, prompts: list[int], tg: int, reps: int) -> dict:
     """llama-bench on one GGUF: mean tok/s (and std) of pp<N> and tg<tg> over ``reps`` repetitions."""
     out = json.loads(sh(bench, "-m", gguf, "-t", THREADS, "-p", ",".join(map(str, prompts)), "-n", tg,
@@ -162,11 +172,22 @@ def moeflow_cpu(awq: Path, prompts: list[int], tg: int, reps: int, budget_s: flo
         torch.set_num_threads(threads)
         return (cpu[1] - cpu[0]) / (tg * reps) * 1e3
 
+    def prefill_cpu_ms() -> float:  # CPU ms per prompt of prompts[0] tokens (and its first token) on one thread
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        ids = torch.randint(3, CONFIG["vocab_size"], (1, prompts[0]), generator=gen)
+        c0 = time.process_time()
+        for _ in range(reps):
+            model.generate(ids, max_new_tokens=1, do_sample=False, eos_token_id=[])
+        torch.set_num_threads(threads)
+        return (time.process_time() - c0) / reps * 1e3
+
     with torch.inference_mode():
         model.generate(torch.ones(1, 8, dtype=torch.long), max_new_tokens=4, do_sample=False, eos_token_id=[])
         res = {"kernels": model.kernels, **_timed(prefill, decode, prompts, tg, reps, budget_s)}
         if cpu_time:
             res["decode_cpu_ms_1thread"] = decode_cpu_ms()
+            res[f"pp{prompts[0]}_cpu_ms_1thread"] = prefill_cpu_ms()
         return res
 
 
@@ -219,12 +240,17 @@ def markdown(result: dict) -> str:
             lines.append(f"| {name} | | " + " | ".join("error" for _ in prompts) + f" | {r['error'][:60]} | |")
             continue
         if "tg" not in r:  # a CPU-time-only row
-            lines.append(f"| {name} | {r.get('weights', '')} | " + " | ".join("" for _ in prompts) +
+            pp_cpu = r.get(f"pp{prompts[0]}_cpu_ms_1thread")
+            lines.append(f"| {name} | {r.get('weights', '')} | " +
+                         " | ".join([f"{pp_cpu:.0f} ms CPU / prompt" if pp_cpu else ""] + ["" for _ in prompts[1:]]) +
                          f" | {r.get('decode_cpu_ms_1thread', 0):.2f} ms CPU / token | |")
             continue
         cells = [f"{r[f'pp{n}']:.1f}" if r.get(f"pp{n}") else "skipped" for n in prompts]
         ratio = f"{mf / r['tg']:.2f}x" if mf and r.get("tg") else ""
         cpu = f" ({r['decode_cpu_ms_1thread']:.2f} ms CPU / token, 1 thread)" if r.get("decode_cpu_ms_1thread") else ""
+        pp_cpu = r.get(f"pp{prompts[0]}_cpu_ms_1thread")
+        if pp_cpu:
+            cells[0] += f" ({pp_cpu:.0f} ms CPU / prompt)"
         lines.append(f"| {name} | {r.get('weights', '')} | " + " | ".join(cells) + f" | {r['tg']:.1f}{cpu} | {ratio} |")
     return "\n".join(lines)
 
@@ -266,7 +292,9 @@ def main() -> None:
                 files["hf"], dt, prompts, args.tg, args.reps, args.budget)))
     if args.cpu_time and "llama.cpp" in engines:
         runs.append(("llama.cpp Q4_0 decode CPU ms (1 thread)", "Q4_0", lambda: {
-            "decode_cpu_ms_1thread": llama_cpp_decode_cpu_ms(files["bench"], files["Q4_0"], args.tg, args.reps)}))
+            "decode_cpu_ms_1thread": llama_cpp_decode_cpu_ms(files["bench"], files["Q4_0"], args.tg, args.reps),
+            f"pp{prompts[0]}_cpu_ms_1thread": llama_cpp_prefill_cpu_ms(files["bench"], files["Q4_0"], prompts[0],
+                                                                        args.reps)}))
     for tree, tag in ((args.before_tree, " before"), (None, "")):
         if tree is None and tag:
             continue
