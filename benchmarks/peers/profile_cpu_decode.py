@@ -168,12 +168,13 @@ def main() -> None:
             model.generate(ids, **gen)
         for h in handles:
             h.remove()
-        prefill_calls = count_native_calls()
-        model.generate(ids, max_new_tokens=1, do_sample=False, eos_token_id=[])  # the prefill's share, to subtract
+        total_calls = dict(native_calls or {})
+        if native_calls is not None:  # the prefill's share, to subtract
+            native_calls.clear()
+            model.generate(ids, max_new_tokens=1, do_sample=False, eos_token_id=[])
     s = summarize(prof.events(), args.steps, model.config.num_hidden_layers)
     if native_calls is not None:  # moeflow's own kernels are ctypes calls, not aten ops: counted here
-        s["native_kernel_calls_per_step"] = {k: (native_calls[k] - prefill_calls[k]) / args.steps
-                                             for k in native_calls}
+        s["native_kernel_calls_per_step"] = {k: (v - native_calls[k]) / args.steps for k, v in total_calls.items()}
     s.update(kernels=model.kernels, wall_ms_per_step=wall * 1e3, uptime_before=uptime_before,
              uptime_after=subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
              generate_wall_s=time.perf_counter() - t0, torch=torch.__version__, threads=args.threads,
