@@ -62,6 +62,17 @@ static void quantize_rows(const float* x, int T, int K, int group, int8_t* xq, f
 }
 
 #if MF_AVX2
+/* Activation block b of ``tt`` tokens from t0: its 32 int8 values and its scale, broadcast. */
+static inline __attribute__((always_inline)) void load_block(
+    const int8_t* xq, const float* xs, int K, int b, int t0, int tt, __m256i* xv, __m256* xd) {
+    int nb = K / QB;
+    for (int i = 0; i < tt; i++) {
+        size_t t = (size_t)(t0 + i);
+        xv[i] = _mm256_loadu_si256((const __m256i*)(xq + t * K + b * QB));
+        xd[i] = _mm256_broadcast_ss(xs + t * nb + b);
+    }
+}
+
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -76,6 +87,7 @@ static inline __attribute__((always_inline)) void q4_tile(
     const uint8_t* qw, const float* s, const float* m, int K, int group, const int8_t* xq, const float* xs,
     const float* gsum, int n, int nr, int t0, int tt, float* y, int ldy) {
     int nb = K / QB, bpg = group / QB, ng = K / group;
+    (void)nb;  /* the portable loops' */
     float out[TILE][TILE];
 #if MF_AVX2
     const __m256i low = _mm256_set1_epi8(0x0F);
@@ -91,11 +103,7 @@ static inline __attribute__((always_inline)) void q4_tile(
         for (int b = g * bpg; b < (g + 1) * bpg; b++) {
             __m256i xv[TILE];
             __m256 xd[TILE];
-            for (int i = 0; i < tt; i++) {
-                size_t t = (size_t)(t0 + i);
-                xv[i] = _mm256_loadu_si256((const __m256i*)(xq + t * K + b * QB));
-                xd[i] = _mm256_broadcast_ss(xs + t * nb + b);
-            }
+            load_block(xq, xs, K, b, t0, tt, xv, xd);
             for (int r = 0; r < nr; r++) {
                 const uint8_t* row = qw + (size_t)(n + r) * (K / 2);
                 __m128i raw = _mm_loadu_si128((const __m128i*)(row + b * (QB / 2)));
@@ -175,11 +183,7 @@ static inline __attribute__((always_inline)) void q8_tile(
     for (int b = 0; b < nb; b++) {
         __m256i xv[TILE];
         __m256 xd[TILE];
-        for (int i = 0; i < tt; i++) {
-            size_t t = (size_t)(t0 + i);
-            xv[i] = _mm256_loadu_si256((const __m256i*)(xq + t * K + b * QB));
-            xd[i] = _mm256_broadcast_ss(xs + t * nb + b);
-        }
+        load_block(xq, xs, K, b, t0, tt, xv, xd);
         for (int r = 0; r < nr; r++) {
             const int8_t* row = w + (size_t)(n + r) * K;
             __m256i wv = _mm256_loadu_si256((const __m256i*)(row + b * QB));
