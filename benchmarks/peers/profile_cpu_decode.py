@@ -57,6 +57,26 @@ def label_regions(model) -> list:
     return handles
 
 
+def count_native_calls() -> collections.Counter | None:
+    """Count the calls into moeflow's own CPU kernels from now on (None where this moeflow has none)."""
+    try:
+        from moeflow.kernels import cpu_native
+    except ImportError:
+        return None
+    lib = cpu_native.library()
+    if lib is None:
+        return None
+    calls: collections.Counter = collections.Counter()
+
+    class Counting:
+        def __getattr__(self, name):
+            fn = getattr(lib, name)
+            return lambda *a: calls.update([name]) or fn(*a)
+
+    cpu_native._LIB = Counting()
+    return calls
+
+
 def summarize(events, n_steps: int, n_layers: int) -> dict:
     """Per decode step: aten op counts and self times, overall and per region."""
     ops = collections.Counter()
@@ -101,7 +121,9 @@ def markdown(s: dict) -> str:
     lines = [f"Decode step of moeflow `device=\"cpu\"` ({s['kernels']}), {s['decode_steps']} profiled steps, "
              f"{s['layers']} layers. Wall time per decode step without the profiler: "
              f"{s['wall_ms_per_step']:.1f} ms ({1e3 / s['wall_ms_per_step']:.1f} tok/s). "
-             f"Aten ops per step: {s['aten_ops_per_step']:.0f}.", "",
+             f"Aten ops per step: {s['aten_ops_per_step']:.0f}." +
+             (f" Calls into moeflow's own CPU kernels per step (not aten ops): "
+              f"{s['native_kernel_calls_per_step']}." if s.get("native_kernel_calls_per_step") else ""), "",
              f"uptime before: `{s.get('uptime_before')}`  ", f"uptime after: `{s.get('uptime_after')}`", "",
              "| region | self ms / step (profiled) | aten ops / step | per layer | mm / copy_ / _to_copy per step |",
              "|---|---|---|---|---|"]
@@ -126,10 +148,13 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True, help="output prefix (.json and .md are added)")
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--attention-bits", type=int, default=None, help="from_pretrained(attention_bits=...)")
     args = ap.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     uptime_before = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    model = MoEOffloadedMixtral.from_pretrained(args.model, device="cpu")
+    extra = {} if args.attention_bits is None else {"attention_bits": args.attention_bits}
+    model = MoEOffloadedMixtral.from_pretrained(args.model, device="cpu", **extra)
     ids = torch.randint(3, model.config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0))
     gen = dict(max_new_tokens=args.steps + 1, do_sample=False, eos_token_id=[])
     with torch.inference_mode():
@@ -138,14 +163,22 @@ def main() -> None:
         model.generate(ids, **gen)
         wall = model.stats.tpot_s
         handles = label_regions(model)
+        native_calls = count_native_calls()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             model.generate(ids, **gen)
         for h in handles:
             h.remove()
+        total_calls = dict(native_calls or {})
+        if native_calls is not None:  # the prefill's share, to subtract
+            native_calls.clear()
+            model.generate(ids, max_new_tokens=1, do_sample=False, eos_token_id=[])
     s = summarize(prof.events(), args.steps, model.config.num_hidden_layers)
+    if native_calls is not None:  # moeflow's own kernels are ctypes calls, not aten ops: counted here
+        s["native_kernel_calls_per_step"] = {k: (v - native_calls[k]) / args.steps for k, v in total_calls.items()}
     s.update(kernels=model.kernels, wall_ms_per_step=wall * 1e3, uptime_before=uptime_before,
              uptime_after=subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
-             generate_wall_s=time.perf_counter() - t0, torch=torch.__version__)
+             generate_wall_s=time.perf_counter() - t0, torch=torch.__version__, threads=args.threads,
+             attention_bits=args.attention_bits)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(s, indent=1))
     args.out.with_suffix(".md").write_text(markdown(s) + "\n")

@@ -19,6 +19,7 @@ import gc
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -31,7 +32,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from synthetic_mixtral import CONFIG, parameter_count, write_checkpoint  # noqa: E402
 
-THREADS = 2
+THREADS = 2  # default; --threads
 GGUF_TYPES = ("Q4_0", "Q4_K_M")
 
 
@@ -62,6 +63,31 @@ def set_up(work: Path) -> dict[str, Path]:
     if not (files["awq"] / "config.json").is_file():
         sh(sys.executable, "-m", "moeflow", "quantize", hf, files["awq"])
     return files
+
+
+def _child_cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def llama_cpp_decode_cpu_ms(bench: Path, gguf: Path, tg: int, reps: int) -> float:
+    """CPU milliseconds per decoded token (one thread: a rate the machine's other load barely moves): the CPU
+    time of ``llama-bench -n tg+1`` minus that of ``-n 1`` (same load, warm-up and single token), per token."""
+    def cpu(n: int) -> float:
+        c0 = _child_cpu_s()
+        sh(bench, "-m", gguf, "-t", 1, "-p", 0, "-n", n, "-r", reps, "-o", "json")
+        return _child_cpu_s() - c0
+    return (cpu(tg + 1) - cpu(1)) / (tg * reps) * 1e3
+
+
+def llama_cpp_prefill_cpu_ms(bench: Path, gguf: Path, prompt: int, reps: int) -> float:
+    """CPU milliseconds per prompt of ``prompt`` tokens on one thread: ``-r 2*reps`` minus ``-r reps`` (the
+    load and warm-up cancel)."""
+    def cpu(r: int) -> float:
+        c0 = _child_cpu_s()
+        sh(bench, "-m", gguf, "-t", 1, "-p", prompt, "-n", 0, "-r", r, "-o", "json")
+        return _child_cpu_s() - c0
+    return (cpu(2 * reps) - cpu(reps)) / reps * 1e3
 
 
 def llama_cpp(bench: Path, gguf: Path, prompts: list[int], tg: int, reps: int) -> dict:
@@ -114,7 +140,7 @@ def transformers_eager(hf: Path, dtype: torch.dtype, prompts: list[int], tg: int
 
 
 def moeflow_cpu(awq: Path, prompts: list[int], tg: int, reps: int, budget_s: float,
-                attention_bits: int | None = None) -> dict:
+                attention_bits: int | None = None, cpu_time: bool = False) -> dict:
     """moeflow ``device="cpu"`` on the AWQ checkpoint (its default kernels: torch's int4 CPU kernel);
     ``attention_bits``: also quantize the 16-bit attention projections at load (as llama.cpp's Q4_0 does)."""
     from moeflow import MoEOffloadedMixtral
@@ -133,9 +159,50 @@ def moeflow_cpu(awq: Path, prompts: list[int], tg: int, reps: int, budget_s: flo
         model.generate(ids, max_new_tokens=tg + 1, do_sample=False, eos_token_id=[])
         return model.stats.tpot_s
 
+    def decode_cpu_ms() -> float:  # CPU ms per decode step on one thread: generate(tg + 1) minus generate(1)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        ids = torch.randint(3, CONFIG["vocab_size"], (1, prompts[0]), generator=gen)
+        cpu = []
+        for n in (1, tg + 1):
+            c0 = time.process_time()
+            for _ in range(reps):
+                model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=[])
+            cpu.append(time.process_time() - c0)
+        torch.set_num_threads(threads)
+        return (cpu[1] - cpu[0]) / (tg * reps) * 1e3
+
+    def prefill_cpu_ms() -> float:  # CPU ms per prompt of prompts[0] tokens (and its first token) on one thread
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        ids = torch.randint(3, CONFIG["vocab_size"], (1, prompts[0]), generator=gen)
+        c0 = time.process_time()
+        for _ in range(reps):
+            model.generate(ids, max_new_tokens=1, do_sample=False, eos_token_id=[])
+        torch.set_num_threads(threads)
+        return (time.process_time() - c0) / reps * 1e3
+
     with torch.inference_mode():
         model.generate(torch.ones(1, 8, dtype=torch.long), max_new_tokens=4, do_sample=False, eos_token_id=[])
-        return {"kernels": model.kernels, **_timed(prefill, decode, prompts, tg, reps, budget_s)}
+        res = {"kernels": model.kernels, **_timed(prefill, decode, prompts, tg, reps, budget_s)}
+        if cpu_time:
+            res["decode_cpu_ms_1thread"] = decode_cpu_ms()
+            res[f"pp{prompts[0]}_cpu_ms_1thread"] = prefill_cpu_ms()
+        return res
+
+
+def moeflow_in_tree(tree: Path, args: argparse.Namespace, attention_bits: int | None) -> dict:
+    """:func:`moeflow_cpu` with the moeflow of another source tree (the branch point), in a child process."""
+    code = (f"import json, sys, torch; sys.path.insert(0, {str(HERE)!r}); torch.set_num_threads({THREADS}); "
+            f"from run_peers import moeflow_cpu; from pathlib import Path; "
+            f"print('RESULT', json.dumps(moeflow_cpu(Path({str(args.work / 'awq')!r}), {args.prompts_list!r}, "
+            f"{args.tg}, {args.reps}, {args.budget}, {attention_bits!r}, {args.cpu_time!r})))")
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    out = sh(sys.executable, "-c", code, env=env, cwd=tree)
+    res = json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[len("RESULT "):])
+    res["tree"] = str(tree)
+    res["commit"] = sh("git", "-C", tree, "rev-parse", "--short", "HEAD").strip()
+    return res
 
 
 def _timed(prefill, decode, prompts: list[int], tg: int, reps: int, budget_s: float) -> dict:
@@ -172,13 +239,24 @@ def markdown(result: dict) -> str:
         if "error" in r:
             lines.append(f"| {name} | | " + " | ".join("error" for _ in prompts) + f" | {r['error'][:60]} | |")
             continue
+        if "tg" not in r:  # a CPU-time-only row
+            pp_cpu = r.get(f"pp{prompts[0]}_cpu_ms_1thread")
+            lines.append(f"| {name} | {r.get('weights', '')} | " +
+                         " | ".join([f"{pp_cpu:.0f} ms CPU / prompt" if pp_cpu else ""] + ["" for _ in prompts[1:]]) +
+                         f" | {r.get('decode_cpu_ms_1thread', 0):.2f} ms CPU / token | |")
+            continue
         cells = [f"{r[f'pp{n}']:.1f}" if r.get(f"pp{n}") else "skipped" for n in prompts]
         ratio = f"{mf / r['tg']:.2f}x" if mf and r.get("tg") else ""
-        lines.append(f"| {name} | {r.get('weights', '')} | " + " | ".join(cells) + f" | {r['tg']:.1f} | {ratio} |")
+        cpu = f" ({r['decode_cpu_ms_1thread']:.2f} ms CPU / token, 1 thread)" if r.get("decode_cpu_ms_1thread") else ""
+        pp_cpu = r.get(f"pp{prompts[0]}_cpu_ms_1thread")
+        if pp_cpu:
+            cells[0] += f" ({pp_cpu:.0f} ms CPU / prompt)"
+        lines.append(f"| {name} | {r.get('weights', '')} | " + " | ".join(cells) + f" | {r['tg']:.1f}{cpu} | {ratio} |")
     return "\n".join(lines)
 
 
 def main() -> None:
+    global THREADS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", type=Path, required=True, help="scratch directory (build, checkpoints, GGUFs)")
     ap.add_argument("--out", type=Path, required=True, help="where peers.json and peers.md go")
@@ -187,8 +265,15 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--budget", type=float, default=120.0, help="seconds per prefill length and engine")
     ap.add_argument("--engines", default="llama.cpp,transformers-fp32,transformers-bf16,moeflow,moeflow-attn4")
+    ap.add_argument("--threads", type=int, default=THREADS, help="threads of every engine")
+    ap.add_argument("--before-tree", type=Path, default=None,
+                    help="also run moeflow (and moeflow-attn4) from this source tree (the branch point), same run")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="also measure CPU ms per decoded token on one thread (llama.cpp Q4_0 and moeflow)")
     args = ap.parse_args()
+    THREADS = args.threads
     prompts = [int(p) for p in args.prompts.split(",")]
+    args.prompts_list = prompts
     engines = args.engines.split(",")
     torch.set_num_threads(THREADS)
     files = set_up(args.work)
@@ -205,12 +290,25 @@ def main() -> None:
         if f"transformers-{name}" in engines:
             runs.append((f"transformers eager {name}", name, lambda dt=dt: transformers_eager(
                 files["hf"], dt, prompts, args.tg, args.reps, args.budget)))
-    if "moeflow" in engines:
-        runs.append(("moeflow cpu (AWQ)", "AWQ int4 experts, g128", lambda: moeflow_cpu(
-            files["awq"], prompts, args.tg, args.reps, args.budget)))
-    if "moeflow-attn4" in engines:
-        runs.append(("moeflow cpu (AWQ, attention_bits=4)", "AWQ int4 experts, int4 attention, int8 lm_head",
-                     lambda: moeflow_cpu(files["awq"], prompts, args.tg, args.reps, args.budget, attention_bits=4)))
+    if args.cpu_time and "llama.cpp" in engines:
+        runs.append(("llama.cpp Q4_0 decode CPU ms (1 thread)", "Q4_0", lambda: {
+            "decode_cpu_ms_1thread": llama_cpp_decode_cpu_ms(files["bench"], files["Q4_0"], args.tg, args.reps),
+            f"pp{prompts[0]}_cpu_ms_1thread": llama_cpp_prefill_cpu_ms(files["bench"], files["Q4_0"], prompts[0],
+                                                                        args.reps)}))
+    for tree, tag in ((args.before_tree, " before"), (None, "")):
+        if tree is None and tag:
+            continue
+        for engine, bits, name, weights in (
+                ("moeflow", None, "moeflow cpu (AWQ)", "AWQ int4 experts, g128"),
+                ("moeflow-attn4", 4, "moeflow cpu (AWQ, attention_bits=4)",
+                 "AWQ int4 experts, int4 attention, int8 lm_head")):
+            if engine not in engines:
+                continue
+            if tree is None:
+                runs.append((name, weights, lambda b=bits: moeflow_cpu(
+                    files["awq"], prompts, args.tg, args.reps, args.budget, b, args.cpu_time)))
+            else:
+                runs.append((name + tag, weights, lambda b=bits, t=tree: moeflow_in_tree(t, args, b)))
     for name, weights, fn in runs:
         t0 = time.perf_counter()
         try:

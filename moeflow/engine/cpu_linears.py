@@ -15,7 +15,9 @@ replaces, in the built decoder, each module by a :class:`~moeflow.kernels.cpu_qu
   (``from_pretrained(..., attention_bits=8)``); the model then runs weights it was not evaluated with.
 
 The embeddings stay as loaded: a lookup reads only the prompt's rows, so quantizing them saves RAM, not time.
-``kernels="torch"`` never comes here: it stays the exact fp32 reference.
+Where moeflow's own CPU kernels build (:mod:`moeflow.kernels.cpu_native`), every module here runs them instead of
+torch's (fp32 in and out, activations rounded to int8 per 32 features; embedded model: logits within 0.8% of
+the fp32 reference, greedy tokens equal). ``kernels="torch"`` never comes here: it stays the exact fp32 reference.
 """
 
 from __future__ import annotations

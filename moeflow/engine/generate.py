@@ -73,17 +73,20 @@ class Runner:
         self, ids: torch.Tensor, positions: torch.Tensor, cache: Any, cache_position: torch.Tensor,
         token_mask: torch.Tensor, phase: str, rows: torch.Tensor | None = None,
         history: tuple[torch.Tensor, torch.Tensor] | None = None, routing: RoutingRecorder | None = None,
-        path_scores: torch.Tensor | None = None,
+        path_scores: torch.Tensor | None = None, last_only: bool = False,
     ) -> torch.Tensor:
         """ids/positions/token_mask [B, T] (the rows ``rows`` of the batch, when a micro-batch), cache_position [T]
-        -> logits fp32 [B, T, V]. ``history``: (ids, mask) [B, S] of every token so far, for the backend;
-        ``path_scores`` [B, L, E]: routing-path scores predicted ahead (the dual-batch pipeline's)."""
+        -> logits fp32 [B, T, V] ([B, 1, V] with ``last_only``). ``history``: (ids, mask) [B, S] of every token
+        so far, for the backend; ``path_scores`` [B, L, E]: routing-path scores predicted ahead (the dual-batch
+        pipeline's)."""
         embeds = self.decoder.embed_tokens(ids)
         hist_ids, hist_mask = history if history is not None else (None, None)
         self.backend.begin_step(StepInfo(ids, positions, token_mask, phase, rows, embeds, hist_ids, hist_mask,
                                          path_scores))
         # the compiled step takes no recorder (micro-batched steps run eagerly: they leave the graph anyway)
         fn = self.decode_fn if phase == "decode" and routing is None else self.decoder
+        if last_only and fn is self.decoder:  # (the compiled one-token step has one position anyway)
+            return fn(embeds, positions, cache, cache_position, token_mask, self.backend, routing, last_only=True)
         return fn(embeds, positions, cache, cache_position, token_mask, self.backend, routing)
 
 
@@ -106,13 +109,13 @@ class MicroBatcher:
         """Logits of the last position [B, V] for inputs [B, T]; ``history``: (ids, mask) [B, S]."""
         if self.size is None:
             return self.runner.forward_pass(ids, positions, cache, cache_position, token_mask, phase,
-                                            history=history)[:, -1]
+                                            history=history, last_only=True)[:, -1]
         logits = None
         for group in self.groups:
             rows = torch.tensor(group, dtype=torch.long, device=ids.device)
             out = self.runner.forward_pass(
                 ids[rows], positions[rows], cache.rows(rows), cache_position, token_mask[rows], phase, rows,
-                (history[0][rows], history[1][rows]), self.routing)[:, -1]
+                (history[0][rows], history[1][rows]), self.routing, last_only=True)[:, -1]
             if logits is None:
                 logits = out.new_empty((self.batch, out.shape[-1]))
             logits[rows] = out

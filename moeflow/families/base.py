@@ -125,9 +125,11 @@ class CausalDecoder(nn.Module):
     def forward(
         self, embeds: torch.Tensor, position_ids: torch.Tensor, cache: Any, cache_position: torch.Tensor,
         token_mask: torch.Tensor, experts: ExpertBackend, routing: RoutingRecorder | None = None,
+        last_only: bool = False,
     ) -> torch.Tensor:
         """embeds [B, T, H] (``embed_tokens``'s output), position_ids [B, T], cache_position [T], token_mask
-        bool [B, T] -> logits fp32 [B, T, V]."""
+        bool [B, T] -> logits fp32 [B, T, V] (``last_only``: [B, 1, V], the last position's: what generation
+        reads after a prefill, without T - 1 lm_head rows it would drop)."""
         x = embeds
         cos, sin = self.rotary(position_ids, x.dtype)
         cache.mark_valid(cache_position, token_mask)
@@ -135,6 +137,8 @@ class CausalDecoder(nn.Module):
         masks = {w: cache.attention_mask(cache_position, w) for w in dict.fromkeys(windows)}
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache, cache_position, masks[windows[i]], experts, routing)
+        if last_only:
+            x = x[:, -1:]
         return self.lm_head(self.norm(x)).float()
 
 

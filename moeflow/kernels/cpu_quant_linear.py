@@ -9,7 +9,11 @@ Two formats, both through torch's own CPU kernels (no extension to build):
   zero point, exactly AWQ's format, so published AWQ projections load the same way: :func:`awq_linear_cpu`),
   through ``_weight_int4pack_mm_for_cpu`` (see :mod:`moeflow.kernels.cpu_int4`); ~0.53 bytes per weight.
 
-Numerics: both kernels take bf16 activations (their fp32 paths are many times slower) and return bf16, so
+Where moeflow's own CPU kernels build (:mod:`moeflow.kernels.cpu_native`), both formats run those instead
+(``native``): fp32 in and out, activations rounded to int8 per 32 features, int4 scales kept in fp32; 2-4x
+faster than torch's kernels on AVX2. :func:`reference_linear` models whichever runs.
+
+Numerics of torch's kernels: both take bf16 activations (their fp32 paths are many times slower) and return bf16, so
 ``forward`` rounds x to bf16 and its result to bf16 before casting back to x's dtype. Measured on the
 embedded model's lm_head (tests/test_cpu_quant_linear.py; max over positions of the relative logit error):
 int8 1.7% with every argmax kept, int4 g32 15.5% and int4 per-channel 22% with 2% of the argmaxes changed.
@@ -24,7 +28,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moeflow.kernels.cpu_int4 import COMPUTE_DTYPE, Int4Matrix
+from moeflow.kernels.cpu_int4 import COMPUTE_DTYPE, Int4Matrix, native_format_fits
+from moeflow.kernels.cpu_native import BLOCK, Q4Matrix, native_available, q4_matmul, q4_reference, q8_matmul
 from moeflow.quant.awq import check_group_size, dequantize, quantize_rtn
 
 INT8_MAX = 127
@@ -34,21 +39,28 @@ class CpuQuantLinear(nn.Module):
     """``y = x @ W.T (+ bias)`` for an ``nn.Linear`` weight ``W [out, in]`` held in int8 or int4 (bias: ``set_bias``).
 
     A module, so it can take an ``nn.Linear``'s place (``model.lm_head = quantize_linear_cpu(...)``). Buffers:
-    int8: ``int8_weight`` int8 [out, in] and ``int8_scales`` bf16 [out]; int4: ``packed`` uint8 [out, in/2]
-    and ``scales_zeros`` bf16 [in/g, out, 2] (torch's int4 CPU format, see :class:`Int4Matrix`).
+    int8: ``int8_weight`` int8 [out, in] and ``int8_scales`` [out] (bf16 values; held in fp32 for moeflow's
+    kernel); int4 for torch's kernel: ``packed`` uint8 [out, in/2] and ``scales_zeros`` bf16 [in/g, out, 2]
+    (see :class:`Int4Matrix`); int4 for moeflow's: ``packed``, ``scales``, ``mins`` (see :class:`Q4Matrix`).
     """
 
     def __init__(self, bits: int, in_features: int, out_features: int, *, int8_weight: torch.Tensor | None = None,
-                 int8_scales: torch.Tensor | None = None, int4: Int4Matrix | None = None) -> None:
+                 int8_scales: torch.Tensor | None = None, int4: Int4Matrix | Q4Matrix | None = None) -> None:
         super().__init__()
         self.bits, self.in_features, self.out_features = bits, in_features, out_features
         self.group_size = int4.group_size if int4 is not None else in_features
         if bits == 8:
+            self.native = native_available() and in_features % BLOCK == 0
             self.register_buffer("int8_weight", int8_weight)
-            self.register_buffer("int8_scales", int8_scales)
+            self.register_buffer("int8_scales", int8_scales.float() if self.native else int8_scales)
         else:
+            self.native = isinstance(int4, Q4Matrix)
             self.register_buffer("packed", int4.packed)
-            self.register_buffer("scales_zeros", int4.scales_zeros)
+            if self.native:
+                self.register_buffer("scales", int4.scales)
+                self.register_buffer("mins", int4.mins)
+            else:
+                self.register_buffer("scales_zeros", int4.scales_zeros)
         self.register_buffer("bias", None)
 
     def set_bias(self, bias: torch.Tensor) -> None:
@@ -62,6 +74,14 @@ class CpuQuantLinear(nn.Module):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"x has {x.shape[-1]} features in its last dimension, this layer takes "
                              f"{self.in_features}")
+        if self.native:
+            if self.bits == 8:
+                y = q8_matmul(x, self.int8_weight, self.int8_scales)
+            else:
+                y = q4_matmul(x, self.packed, self.scales, self.mins, self.group_size)
+            if self.bias is not None:
+                y += self.bias
+            return (y if x.dtype == torch.float32 else y.to(x.dtype)).view(*x.shape[:-1], self.out_features)
         flat = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
         if self.bits == 8:
             y = torch._weight_int8pack_mm(flat, self.int8_weight, self.int8_scales)
@@ -91,20 +111,27 @@ class CpuQuantLinear(nn.Module):
         """Bytes the kernel reads per call (weights and scales)."""
         if self.bits == 8:
             return self.int8_weight.numel() + self.int8_scales.numel() * self.int8_scales.element_size()
+        if self.native:
+            return self.packed.numel() + 4 * (self.scales.numel() + self.mins.numel())
         return self.packed.numel() + self.scales_zeros.numel() * self.scales_zeros.element_size()
 
 
 def int4_dequantized(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                      group_size: int) -> torch.Tensor:
     """The weight an int4 :class:`CpuQuantLinear` built from these AWQ tensors multiplies by, fp32 [out, in]
-    (its scales rounded to bf16, as torch's int4 format stores them)."""
+    (moeflow's kernel: fp32 scales; torch's: scales rounded to bf16, as its int4 format stores them)."""
+    if native_format_fits(group_size):
+        return Q4Matrix.from_awq(qweight, qzeros, scales, group_size).dequantized()
     s = scales.float().to(COMPUTE_DTYPE).float()
     return dequantize(qweight, qzeros, s, group_size).T.contiguous()
 
 
-def reference_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Plain-torch fp32 model of :meth:`CpuQuantLinear.forward` for a dequantized weight [out, in]:
-    bf16-rounded x [..., in] times the weight, result rounded to bf16, returned in x's dtype."""
+def reference_linear(x: torch.Tensor, weight: torch.Tensor, native: bool | None = None) -> torch.Tensor:
+    """Plain-torch fp32 model of :meth:`CpuQuantLinear.forward` for a dequantized weight [out, in], returned in
+    x's dtype. ``native`` (default: whether moeflow's kernels run here): x [..., in] rounded to int8 per 32
+    features, fp32 result; otherwise x rounded to bf16 and the result too (torch's kernels)."""
+    if native if native is not None else native_available():
+        return q4_reference(x, weight).to(x.dtype)
     y = x.to(COMPUTE_DTYPE).float() @ weight.float().T
     return y.to(COMPUTE_DTYPE).to(x.dtype)
 
@@ -137,5 +164,6 @@ def awq_linear_cpu(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Te
     if out_features % 16 or in_features % 32:
         raise ValueError(f"qweight [{in_features}, {out_features // 8}]: the int4 CPU kernel needs out_features "
                          f"% 16 == 0 and in_features % 32 == 0")
-    int4 = Int4Matrix.from_awq(qweight, qzeros, scales, group_size)
+    make = Q4Matrix.from_awq if native_format_fits(group_size) else Int4Matrix.from_awq
+    int4 = make(qweight, qzeros, scales, group_size)
     return CpuQuantLinear(4, in_features, out_features, int4=int4)

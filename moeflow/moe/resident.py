@@ -6,6 +6,7 @@ import torch
 
 from moeflow import kernels
 from moeflow.kernels.cpu_int4 import COMPUTE_DTYPE, Int4Expert
+from moeflow.kernels.cpu_native import q4_expert
 from moeflow.kernels.pool import ExpertFormat, ExpertPool
 from moeflow.moe.backend import ExpertBackend, KernelRouting
 
@@ -66,25 +67,38 @@ class CpuInt4Experts(ExpertBackend):
 
     @torch.compiler.disable  # host logic (reads the routing back): under torch.compile, the layer's one graph break
     def forward(self, layer, x, probs, topk_ids, topk_weights):  # noqa: D102 (see ExpertBackend)
-        # one host read of the routing per layer; the activations go to bf16 once for all the layer's experts
+        # one host read of the routing per layer; each expert runs once on all its tokens
         ids = topk_ids.tolist()
         experts = self.experts[layer]
-        rows = x.to(COMPUTE_DTYPE)
         weights = topk_weights.float()
-        if len(ids) == 1:  # one token (decode): its k experts called directly, summed in fp32 in k order
+        if experts[ids[0][0]].native:  # moeflow's kernels: fp32 activations, one call per expert
+            if len(ids) == 1 and x.dtype == torch.float32:  # decode: the k experts accumulate into x's row
+                out = None  # in k order, as combine sums them (the same numbers as several tokens get)
+                for j, e in enumerate(ids[0]):
+                    out = q4_expert(x, experts[e].w13, experts[e].w2, weights[:, j], out)
+                return out
+            return self._grouped(x, ids, weights, lambda e, rows, w: experts[e].forward(rows, w))
+        rows = x.to(COMPUTE_DTYPE)  # torch's kernels: the activations go to bf16 once for all the layer's experts
+        if len(ids) == 1:
             acc = None
             for j, e in enumerate(ids[0]):
                 y = experts[e].forward_bf16(rows, weights[:, j], x.dtype).float()
                 acc = y if acc is None else acc + y
             return acc.to(x.dtype)
+        return self._grouped(rows, ids, weights, lambda e, r, w: experts[e].forward_bf16(r, w, x.dtype), x.dtype)
+
+    @staticmethod
+    def _grouped(rows: torch.Tensor, ids: list[list[int]], weights: torch.Tensor, run, dtype=None) -> torch.Tensor:
+        """Several tokens: each expert on its (token, slot) pairs, then the k outputs of a token summed in k order
+        (so a token's result does not depend on the batch). rows [T, H]; weights fp32 [T, k]."""
         k = len(ids[0])
         pairs_of: dict[int, list[int]] = {}  # expert -> its (token, slot) pairs, flattened as token * k + slot
         for t, row in enumerate(ids):
             for j, e in enumerate(row):
                 pairs_of.setdefault(e, []).append(t * k + j)
         flat_w = weights.reshape(-1)
-        out = torch.empty((len(ids) * k, x.shape[-1]), dtype=x.dtype, device=x.device)
+        out = torch.empty((len(ids) * k, rows.shape[-1]), dtype=dtype or rows.dtype, device=rows.device)
         for e, pairs in pairs_of.items():
-            p = torch.tensor(pairs, device=x.device)
-            out.index_copy_(0, p, experts[e].forward_bf16(rows[p // k], flat_w[p], x.dtype))
+            p = torch.tensor(pairs, device=rows.device)
+            out.index_copy_(0, p, run(e, rows[p // k], flat_w[p]))
         return kernels.combine(out, k)

@@ -4,9 +4,10 @@ Measured once (well under a second at tiny shapes, a few seconds at Mixtral's):
 
 * host->device: copies of one expert region from the host store into a device slot (the path the copy
   engine takes; on a CPU "device" this is a memory copy);
-* CPU: one expert in its CPU form (torch's int4 format for AWQ; for MXFP4 the two-digit int4 form of
-  :mod:`moeflow.kernels.cpu_mxfp4`, about twice the AWQ work per weight) at 1 and at 8 tokens, on a worker of
-  the CPU pool. The key holds the expert kind, so AWQ and MXFP4 rates are cached apart.
+* CPU: one expert in its CPU form (for AWQ the int4 format ``Int4Expert`` picks: moeflow's own kernels where
+  they build, else torch's; for MXFP4 the two-digit int4 form of :mod:`moeflow.kernels.cpu_mxfp4`, about twice
+  the AWQ work per weight) at 1 and at 8 tokens, on a worker of the CPU pool. The key holds the expert kind and
+  the CPU kernel, so rates are cached apart.
 
 The cache file holds the key it was measured under. A file whose key differs (another machine, another
 model shape, another torch, another device) is refused with a message saying what differs, and the
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from moeflow.kernels.cpu_int4 import cpu_expert_kernel
 from moeflow.kernels.pool import ExpertFormat
 from moeflow.offload.cost_model import Rates
 
@@ -57,6 +59,7 @@ def calibration_key(
         "cpu": _cpu_name(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "cpu_kernel": cpu_expert_kernel(),
         "torch": torch.__version__,
         "device": dev,
         "transport": transport,

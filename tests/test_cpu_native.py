@@ -1,0 +1,124 @@
+"""moeflow's own CPU kernels (moeflow/kernels/cpu_native.c) against their plain-torch fp32 models."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moeflow.kernels import cpu_native
+from moeflow.kernels.cpu_native import (
+    Q4Matrix,
+    native_available,
+    q4_expert,
+    q4_expert_reference,
+    q4_reference,
+    q8_matmul,
+    quantize_activations,
+)
+from moeflow.quant.awq import dequantize, quantize_rtn
+
+pytestmark = pytest.mark.skipif(not native_available(), reason="moeflow's CPU kernels do not build here (no compiler)")
+
+# kernel vs its model: the same int8 activations and weights, integer block sums exact; only the fp32 summation
+# order across blocks and groups differs (~1e-6 relative)
+NATIVE_RTOL = 1e-5
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def q4(n: int, k: int, group: int, seed: int) -> tuple[Q4Matrix, torch.Tensor]:
+    t = quantize_rtn(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05, group)
+    return Q4Matrix.from_awq(t.qweight, t.qzeros, t.scales, group), \
+        dequantize(t.qweight, t.qzeros, t.scales.float(), group).T
+
+
+@pytest.mark.parametrize("n,k,group,tokens", [(64, 128, 32, 1), (96, 256, 64, 3), (80, 256, 128, 9),
+                                              (1032, 512, 128, 5)])
+def test_q4_matmul_matches_its_reference(n, k, group, tokens):
+    m, w = q4(n, k, group, seed=tokens)
+    assert torch.equal(m.dequantized(), w)  # the format holds AWQ's weights exactly
+    x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(1))
+    y = m.matmul(x)
+    assert y.shape == (tokens, n) and y.dtype == torch.float32
+    assert rel(y, q4_reference(x, w)) < NATIVE_RTOL
+    assert rel(y, x @ w.T) < 2e-2  # the int8 activations' own error against exact fp32
+
+
+def test_q8_matmul_matches_its_reference():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randint(-127, 128, (70, 256), generator=g, dtype=torch.int8)
+    s = torch.rand(70, generator=g)
+    x = torch.randn(6, 256, generator=g)
+    assert rel(q8_matmul(x, w, s), q4_reference(x, w.float() * s[:, None])) < NATIVE_RTOL
+
+
+def test_activation_quantization_model():
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    x[1, :32] = 0.0  # an all-zero block quantizes to zeros, not NaN
+    xq = quantize_activations(x)
+    assert torch.equal(xq[1, :32], torch.zeros(32))
+    step = x.reshape(3, 2, 32).abs().amax(-1, keepdim=True) / 127
+    assert bool(((xq - x).reshape(3, 2, 32).abs() <= step / 2 + 1e-7).all())
+
+
+def test_expert_matches_its_reference_and_accumulates():
+    H, I, G, T = 128, 96, 32, 4  # noqa: E741
+    w13, d13 = q4(2 * I, H, G, seed=0)
+    w2, d2 = q4(H, I, G, seed=1)
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(T, H, generator=g), torch.rand(T, generator=g)
+    y = q4_expert(x, w13, w2, w)
+    assert rel(y, q4_expert_reference(x, d13, d2, w)) < NATIVE_RTOL
+    base = torch.randn(T, H, generator=g)
+    out = base.clone()
+    assert q4_expert(x, w13, w2, w, out) is out
+    assert torch.equal(out, base + y)  # out += w * y, the same numbers as adding the result
+
+
+def test_a_tokens_result_does_not_depend_on_the_batch():
+    """Every output row depends only on its own token: batched prefill and one-token decode agree bit for bit."""
+    H, I, G = 256, 128, 64  # noqa: E741
+    w13, _ = q4(2 * I, H, G, seed=3)
+    w2, _ = q4(H, I, G, seed=4)
+    x = torch.randn(9, H, generator=torch.Generator().manual_seed(5))
+    w = torch.rand(9, generator=torch.Generator().manual_seed(6))
+    batched = q4_expert(x, w13, w2, w)
+    for t in (0, 4, 8):
+        assert torch.equal(q4_expert(x[t:t + 1], w13, w2, w[t:t + 1]), batched[t:t + 1])
+    assert torch.equal(w13.matmul(x[5:6]), w13.matmul(x)[5:6])
+
+
+def test_portable_build_gives_the_same_results(tmp_path, monkeypatch):
+    """The plain C loops (machines without AVX2) against the same reference."""
+    lib = cpu_native.load(cpu_native.build(tmp_path, native_arch=False))
+    if lib.mf_simd():
+        pytest.skip("this compiler enables AVX2 by default: no portable build to test")
+    monkeypatch.setattr(cpu_native, "_LIB", lib)
+    m, w = q4(64, 256, 64, seed=7)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(8))
+    assert rel(m.matmul(x), q4_reference(x, w)) < NATIVE_RTOL
+    q = torch.randint(-127, 128, (48, 128), generator=torch.Generator().manual_seed(9), dtype=torch.int8)
+    s = torch.rand(48, generator=torch.Generator().manual_seed(10))
+    assert rel(q8_matmul(x[:, :128], q, s), q4_reference(x[:, :128], q.float() * s[:, None])) < NATIVE_RTOL
+
+
+def test_switched_off_falls_back_to_torchs_kernels():
+    code = ("from moeflow.kernels.cpu_native import native_available; from moeflow.kernels.cpu_int4 import "
+            "cpu_expert_kernel; print(native_available(), cpu_expert_kernel())")
+    env = {**os.environ, "MOEFLOW_CPU_NATIVE": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split()[0] == "False" and "torch int4" in out
+
+
+def test_bad_shapes_are_named():
+    t = quantize_rtn(torch.randn(32, 64), 32)
+    with pytest.raises(ValueError, match="group_size"):
+        Q4Matrix.from_awq(t.qweight, t.qzeros, t.scales, 48)  # the kernel's activation blocks are 32 wide
+    with pytest.raises(ValueError, match="in_features"):
+        q8_matmul(torch.randn(1, 40), torch.zeros(8, 40, dtype=torch.int8), torch.ones(8))
