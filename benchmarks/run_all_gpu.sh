@@ -20,8 +20,8 @@
 #                                                  #   AWQ checkpoint (48 layers, ~17 GB), decode tok/s at 4/8/12 GB
 #                                                  #   x lru/mixtral-offloading/static x cpu_compute never/auto
 #   6. bash benchmarks/run_all_gpu.sh families-gpt-oss # ~7-9 min (issue 18): a gpt-oss-120b-shaped MXFP4 checkpoint
-#                                                  #   of 12 of its 36 layers (~22 GB: the full 61 GB does not fit
-#                                                  #   the disk beside the others; per-layer times reported), 16/24 GB
+#                                                  #   of 18 of its 36 layers (~33 GB: the full 61 GB does not fit
+#                                                  #   the disk beside the others; per-layer times reported), 16/24 GB.
 #                                                  #   Both delete the other synthetic checkpoints in /tmp when the
 #                                                  #   disk is short (stages 3-4 then rewrite theirs: ~1-2 min).
 #   optional: bash benchmarks/run_all_gpu.sh tune  # ~9 min: config sweep for T = 1, 4, 16 (writes $OUT/<gpu>.json;
@@ -85,9 +85,9 @@ case "$stage" in
       --time-budget-s 80
     (cd "$out" && tar czf models-tables-logs.tgz policies/*.md hybrid/*.md sim/*.md models.log 2>/dev/null \
       && rm -f policies/*.md hybrid/*.md sim/*.md models.log) ;;
-  families-qwen3|families-gpt-oss)  # one family per stage: each writes a ~17-22 GB checkpoint (write + load ~2 min)
+  families-qwen3|families-gpt-oss)  # one family per stage: each writes a ~17-33 GB checkpoint (write + load ~2 min)
     family=qwen3_moe need_gb=19
-    if [ "$stage" = families-gpt-oss ]; then family=gpt_oss need_gb=24; fi
+    if [ "$stage" = families-gpt-oss ]; then family=gpt_oss need_gb=36; fi
     own="/tmp/moeflow-synthetic-$family-"
     if [ "${TINY:-0}" != 1 ] && [ "$(df --output=avail -BG /tmp | tail -1 | tr -dc 0-9)" -lt "$need_gb" ]; then
       for d in "${CKPT:-/tmp/moeflow-mixtral-8x7b-awq}" /tmp/moeflow-synthetic-*; do  # the 64 GiB disk: make room

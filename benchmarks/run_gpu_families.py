@@ -9,9 +9,10 @@ published layouts (a lent machine starts bare and has no network, so the run wri
 * ``gpt_oss`` (gpt-oss-120b: hidden 2880, 128 experts, top-4, intermediate 2880, sink attention alternating
   sliding/full): experts MXFP4 as published (``mlp.experts.{gate_up_proj,down_proj}_{blocks,scales}`` uint8,
   biases bf16), ``quantization_config: mxfp4``. The full model (36 layers, ~61 GB) does not fit the 64 GiB disk
-  beside anything else, so ``--layers`` (default 12, ~22 GB) writes fewer layers of the same shapes: decode time
+  beside anything else, so ``--layers`` (default 18, ~33 GB) writes fewer layers of the same shapes: decode time
   scales with the layer count only approximately, so the per-layer decode time is reported too, and the share of
-  the experts a budget holds on the device is higher than the full model's at the same budget.
+  the experts a budget holds on the device is higher than the full model's at the same budget (18 layers: 24 GB
+  still leaves a third of the experts off the device; with 12 it would hold them all).
 
 Weights are random bytes (no quantization of real floats), a few expert templates reused, so writing is fast;
 the checkpoint goes under /tmp once and later runs reuse it. The model is loaded once (experts into the pinned
@@ -25,7 +26,7 @@ configuration; ``--time-budget-s`` stops starting new ones. ``--tiny`` runs tiny
 instead of GB budgets).
 
     python benchmarks/run_gpu_families.py --family qwen3_moe --out benchmarks/results/gpu_families    # on a GPU
-    python benchmarks/run_gpu_families.py --family gpt_oss --layers 12 --out benchmarks/results/gpu_families
+    python benchmarks/run_gpu_families.py --family gpt_oss --layers 18 --out benchmarks/results/gpu_families
     python benchmarks/run_gpu_families.py --tiny --family gpt_oss --out /tmp/families_tiny                # anywhere
 """
 
@@ -88,7 +89,7 @@ TINY = {
                 "eos_token_id": 2, "pad_token_id": 1},
 }
 FULL = {"qwen3_moe": QWEN3_30B_A3B, "gpt_oss": GPT_OSS_120B}
-DEFAULT_LAYERS = {"qwen3_moe": None, "gpt_oss": 12}
+DEFAULT_LAYERS = {"qwen3_moe": None, "gpt_oss": 18}
 BUDGETS_GB = {"qwen3_moe": "4,8,12", "gpt_oss": "16,24"}
 POLICIES = ("lru", "mixtral-offloading", "static", "promoe", "duoserve")
 MODES = ("never", "auto")
@@ -227,6 +228,13 @@ def install(model: MoEModel, host, policy: str, budget: float, mode: str, tiny: 
     return backend
 
 
+def auto_over_never(runs: list[dict]) -> dict[str, float]:
+    """Decode tok/s with cpu_compute "auto" over "never", per policy and budget (where both ran)."""
+    tps = {(r["policy"], r["budget"], r["mode"]): r["tok_per_s"] for r in runs if r.get("tok_per_s")}
+    return {f"{p} @ {b:g}": v / tps[(p, b, "never")] for (p, b, m), v in tps.items()
+            if m == "auto" and (p, b, "never") in tps}
+
+
 def write_report(out_dir: Path, result: dict) -> None:
     name = f"families_{result['family']}"
     (out_dir / f"{name}.json").write_text(json.dumps(result, indent=1, default=str))
@@ -238,18 +246,23 @@ def write_report(out_dir: Path, result: dict) -> None:
                   "layer count; see ms/layer. A budget holds a larger share of these experts than of the full "
                   "model's.", ""]
     lines += ["| budget | slots | % experts | policy | cpu_compute | TTFT s | decode tok/s | ms/layer | decode hit | "
-              "MiB moved | CPU experts | tokens = first |", "|" + "---|" * 12]
+              "MiB moved | CPU experts | peak GiB | tokens = first |", "|" + "---|" * 13]
     for r in result["runs"]:
         head = f"| {r['budget']} | {r.get('slots', '-')} | {r.get('expert_share', 0):.0%} | {r['policy']} | " \
                f"{r['mode']} |"
         if "error" in r:
-            lines.append(head + f" {r['error']} |" + " |" * 6)
+            lines.append(head + f" {r['error']} |" + " |" * 7)
             continue
         st = r["stats"]
         moved = (st["prefill"]["bytes_h2d"] + st["decode"]["bytes_h2d"]) / 2**20
         cpu_n = st["prefill"].get("cpu_experts", 0) + st["decode"].get("cpu_experts", 0)
+        peak = (r["peak_gpu_bytes"] or 0) / GiB
         lines.append(head + f" {r['ttft_s']:.3f} | {r['tok_per_s'] or 0:.2f} | {r['ms_per_layer'] or 0:.2f} | "
-                     f"{st['decode']['hit_rate']:.0%} | {moved:.1f} | {cpu_n} | {r['tokens_equal_reference']} |")
+                     f"{st['decode']['hit_rate']:.0%} | {moved:.1f} | {cpu_n} | {peak:.2f} | "
+                     f"{r['tokens_equal_reference']} |")
+    if result.get("auto_over_never"):
+        lines += ["", "Decode tok/s, cpu_compute auto / never: " + ", ".join(
+            f"{k}: {v:.2f}x" for k, v in result["auto_over_never"].items())]
     for policy, reason in result["skipped_policies"].items():
         lines += ["", f"{policy}: not run ({reason.split(';')[0]})"]
     (out_dir / f"{name}.md").write_text("\n".join(lines) + "\n")
@@ -260,7 +273,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--family", choices=sorted(FULL), required=True)
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (budgets are slot counts)")
     ap.add_argument("--checkpoint", type=Path, default=None, help="where the synthetic checkpoint is (or goes)")
-    ap.add_argument("--layers", type=int, default=None, help="write fewer layers (gpt_oss default 12 of 36)")
+    ap.add_argument("--layers", type=int, default=None, help="write fewer layers (gpt_oss default 18 of 36)")
     ap.add_argument("--budgets", default=None, help="GB of device memory (qwen3_moe 4,8,12; gpt_oss 16,24)")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--modes", default=",".join(MODES), help="cpu_compute values")
@@ -335,11 +348,13 @@ def main(argv: list[str] | None = None) -> dict:
     write_report(args.out, result)
 
     expected = None
-    for budget in budgets:
-        for policy in args.policies.split(","):
-            if policy in result["skipped_policies"]:
-                continue
-            for mode in args.modes.split(","):
+    # every "never" configuration first: the first "auto" one builds the CPU forms of all experts (minutes at
+    # these sizes), and a stage cut short must still have the GPU-only numbers
+    for mode in args.modes.split(","):
+        for budget in budgets:
+            for policy in args.policies.split(","):
+                if policy in result["skipped_policies"]:
+                    continue
                 run = {"budget": budget, "policy": policy, "mode": mode}
                 if time.perf_counter() - t_start > args.time_budget_s:
                     result["runs"].append({**run, "error": "skipped: time budget"})
@@ -351,7 +366,7 @@ def main(argv: list[str] | None = None) -> dict:
                     reason = str(exc).splitlines()[0]
                     if "predictor" in reason:  # the policy cannot run here at all: say so once
                         result["skipped_policies"][policy] = reason
-                        break
+                        continue
                     result["runs"].append({**run, "error": f"skipped: {reason}"})
                     write_report(args.out, result)
                     continue
@@ -365,6 +380,7 @@ def main(argv: list[str] | None = None) -> dict:
                 row.update(slots=slots, expert_share=slots / total_experts,
                            ms_per_layer=tpot * 1e3 / L if tpot else None)
                 result["runs"].append({**run, **row})
+                result["auto_over_never"] = auto_over_never(result["runs"])
                 write_report(args.out, result)
                 print(f"{budget:>5} {policy:>20} {mode:>6}: {row['summary']}", flush=True)
     result["total_s"] = time.perf_counter() - t_start

@@ -33,11 +33,13 @@ def test_run_gpu_families_tiny(tmp_path, family):
         torch.set_num_threads(threads)
     runs = result["runs"]
     assert [(r["budget"], r["policy"], r["mode"]) for r in runs] == [
-        (b, p, m) for b in (2.0, 5.0) for p in ("lru", "mixtral-offloading") for m in ("never", "auto")]
+        (b, p, m) for m in ("never", "auto") for b in (2.0, 5.0) for p in ("lru", "mixtral-offloading")]
     assert all("error" not in r for r in runs), runs
     # the first configuration is the reference; every later one is compared with it and must be equal
     assert [r["tokens_equal_reference"] for r in runs] == [None] + [True] * (len(runs) - 1), runs
-    assert [r["slots"] for r in runs] == [2] * 4 + [5] * 4
+    assert [r["slots"] for r in runs] == [2, 2, 5, 5] * 2
+    assert sorted(result["auto_over_never"]) == ["lru @ 2", "lru @ 5", "mixtral-offloading @ 2",
+                                                 "mixtral-offloading @ 5"]
     assert all(r["tok_per_s"] > 0 and r["ms_per_layer"] > 0 for r in runs)
     assert "needs a trained promoe predictor" in result["skipped_policies"]["promoe"]
 
