@@ -16,6 +16,14 @@
 #                                                  #   bandwidth, resident + 5 caching policies x 4 slot budgets, trace
 #   4. (device time left >= 10 min, else the next session) bash benchmarks/run_all_gpu.sh models
 #                                                  # ~9.5 min: predictive policies, cpu_compute auto, simulator check
+#   5. bash benchmarks/run_all_gpu.sh families-qwen3   # ~6-9 min (issue 16): writes the synthetic Qwen3-30B-A3B
+#                                                  #   AWQ checkpoint (48 layers, ~17 GB), decode tok/s at 4/8/12 GB
+#                                                  #   x lru/mixtral-offloading/static x cpu_compute never/auto
+#   6. bash benchmarks/run_all_gpu.sh families-gpt-oss # ~7-9 min (issue 18): a gpt-oss-120b-shaped MXFP4 checkpoint
+#                                                  #   of 18 of its 36 layers (~33 GB: the full 61 GB does not fit
+#                                                  #   the disk beside the others; per-layer times reported), 16/24 GB.
+#                                                  #   Both delete the other synthetic checkpoints in /tmp when the
+#                                                  #   disk is short (stages 3-4 then rewrite theirs: ~1-2 min).
 #   optional: bash benchmarks/run_all_gpu.sh tune  # ~9 min: config sweep for T = 1, 4, 16 (writes $OUT/<gpu>.json;
 #                                                  #   commit it as moeflow/kernels/configs/<gpu>.json)
 #
@@ -77,6 +85,20 @@ case "$stage" in
       --time-budget-s 80
     (cd "$out" && tar czf models-tables-logs.tgz policies/*.md hybrid/*.md sim/*.md models.log 2>/dev/null \
       && rm -f policies/*.md hybrid/*.md sim/*.md models.log) ;;
-  *) echo "usage: $0 correctness|kernels|offload|models|tune (TINY=1: CPU sizes)" >&2; exit 2 ;;
+  families-qwen3|families-gpt-oss)  # one family per stage: each writes a ~17-33 GB checkpoint (write + load ~2 min)
+    family=qwen3_moe need_gb=19
+    if [ "$stage" = families-gpt-oss ]; then family=gpt_oss need_gb=36; fi
+    own="/tmp/moeflow-synthetic-$family-"
+    if [ "${TINY:-0}" != 1 ] && [ "$(df --output=avail -BG /tmp | tail -1 | tr -dc 0-9)" -lt "$need_gb" ]; then
+      for d in "${CKPT:-/tmp/moeflow-mixtral-8x7b-awq}" /tmp/moeflow-synthetic-*; do  # the 64 GiB disk: make room
+        case "$d" in "$own"*) ;; *) [ -d "$d" ] && echo "removing $d (disk)" && rm -rf "$d" ;; esac
+      done
+    fi
+    layers=()  # LAYERS=12: a smaller gpt-oss checkpoint (its MXFP4 load repacks ~0.03-0.3 s per expert on the CPU)
+    if [ -n "${LAYERS:-}" ]; then layers=(--layers "$LAYERS"); fi
+    run 570 "$stage.log" python benchmarks/run_gpu_families.py --family "$family" "${tiny[@]}" "${layers[@]}" \
+      --out "$out/families" --time-budget-s 450 ;;
+  *) echo "usage: $0 correctness|kernels|offload|models|families-qwen3|families-gpt-oss|tune (TINY=1: CPU sizes)" >&2
+     exit 2 ;;
 esac
 echo "stage $stage done: $(ls -R "$out" | tr '\n' ' ')"
