@@ -25,6 +25,8 @@ bf16 < 2e-2 under the interpreter (its fp32 -> bf16 stores truncate; a GPU round
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 BLOCK = 32  # values per scale
@@ -37,18 +39,26 @@ KERNEL_BITS = ((6, 7, 8, 15), (22, 23, 24, 31), (3, 4, 5, 12), (19, 20, 21, 28),
                (0, 1, 2, 9), (16, 17, 18, 25), (10, 13, 14, 11), (26, 29, 30, 27))
 
 
+@functools.lru_cache(maxsize=4)
+def _half_word_luts(dest: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """int32 [65536] x 2: where the bits of a word's low and high 16-bit halves land (``dest`` as below)."""
+    values = torch.arange(65536, dtype=torch.int64)
+    lo, hi = torch.zeros_like(values), torch.zeros_like(values)
+    for bit in range(16):
+        lo |= ((values >> bit) & 1) << dest[bit]
+        hi |= ((values >> bit) & 1) << dest[16 + bit]
+    return lo.to(torch.int32), hi.to(torch.int32)  # bit 31 wraps to the sign: the same 32 bits
+
+
 def _permute_word_bits(blocks: torch.Tensor, dest: list[int]) -> torch.Tensor:
-    """uint8 [..., 16] -> the same shape with bit ``i`` of each little-endian 32-bit word moved to ``dest[i]``."""
-    luts = torch.zeros(4, 256, dtype=torch.int64)
-    values = torch.arange(256)
-    for byte in range(4):
-        for bit in range(8):
-            luts[byte] |= ((values >> bit) & 1) << dest[8 * byte + bit]
-    luts = luts.to(blocks.device)
-    b = blocks.reshape(-1, 4).long()
-    word = luts[0][b[:, 0]] | luts[1][b[:, 1]] | luts[2][b[:, 2]] | luts[3][b[:, 3]]
-    out = torch.stack([(word >> (8 * i)) & 0xFF for i in range(4)], dim=-1)
-    return out.to(torch.uint8).reshape(blocks.shape)
+    """uint8 [..., 16] -> the same shape with bit ``i`` of each little-endian 32-bit word moved to ``dest[i]``.
+    Two 16-bit table lookups per word (about 5x faster than four 8-bit ones at load)."""
+    lo, hi = (t.to(blocks.device) for t in _half_word_luts(tuple(dest)))
+    if not blocks.is_contiguous() or blocks.storage_offset() % 4:
+        blocks = blocks.clone(memory_format=torch.contiguous_format)  # an int32 view needs 4-byte alignment
+    word = blocks.view(torch.int32).reshape(-1)
+    out = lo[(word & 0xFFFF).long()] | hi[((word >> 16) & 0xFFFF).long()]
+    return out.view(torch.uint8).reshape(blocks.shape)
 
 
 _TO_KERNEL = [KERNEL_BITS[i // 4][i % 4] for i in range(32)]  # published bit 4k + b -> KERNEL_BITS[k][b]
