@@ -42,9 +42,8 @@ FENCES = ("tests/test_fences.py",)
 COUNTS = "tests/test_policy_counts.py"
 MUTATIONS = [
     # ---- ordering guards (scripted transport, tests/test_fences.py)
-    Mutation("fence-engine-ignores-after", "the copy engine issues a chunk without waiting for task.after",
-             "handle = self.transport.copy(dst, src, task.after)", "handle = self.transport.copy(dst, src, ())",
-             FENCES),
+    Mutation("fence-engine-ignores-after", "the copy engine issues a batch without waiting for its tasks' after",
+             "after.setdefault(id(h), h)", "pass", FENCES + ("tests/test_copy_batching.py",)),
     Mutation("fence-deferred-load-unfenced", "a deferred (ring) load does not wait for its slot's fences",
              "high=True, after=self.cache.take_fences(slot)", "high=True, after=()", FENCES),
     Mutation("fence-prefetch-unfenced", "a prefetch does not wait for its slot's fences",
@@ -75,14 +74,15 @@ MUTATIONS = [
              "self.recency[key] = None\n        self.recency.move_to_end(key)\n",
              "self.recency[key] = None\n        self.recency.move_to_end(key, last=False)\n", (COUNTS,)),
     Mutation("lru-access-not-recent", "a gate access does not refresh recency",
-             "self.last_use[key] = self._now()\n        self.freq[key] += 1",
-             "self._now()\n        self.freq[key] += 1", (COUNTS,)),
+             "        if key in self.recency:\n            self.recency.move_to_end(key)", "        pass", (COUNTS,)),
     Mutation("lfu-by-recency", "LFU evicts by recency only",
-             "return (self.freq.get(key, 0), self.last_use.get(key, 0))", "return (self.last_use.get(key, 0),)",
-             (COUNTS,)),
+             "        for f in self._levels:  # lowest frequency first, oldest first within it\n"
+             "            for key in self._buckets[f]:",
+             "        for _f in (0,):\n            for key in self.recency:", (COUNTS,)),
     Mutation("static-evicts-fixed", "static evicts its fixed (popular) experts first",
-             "return (key in self.fixed, self.last_use.get(key, 0))",
-             "return (key not in self.fixed, self.last_use.get(key, 0))", (COUNTS,)),
+             "        for key in self._ring:  # the streaming ring in LRU order",
+             "        for key in [k for k in self.recency if k in self.fixed]:  # (mutant) the placement first",
+             (COUNTS,)),
     Mutation("speculation-current-router", "mixtral-offloading speculates with the current layer's router",
              "probs, top, _ = self.route(self.gates[target](x))", "probs, top, _ = self.route(self.gates[layer](x))",
              (COUNTS,)),
