@@ -16,7 +16,7 @@ from torch import nn
 
 from moeflow.kernels.reference import combine_reference
 from moeflow.offload.combine import combine_in_order
-from moeflow.offload.eviction import Static
+from moeflow.offload.eviction import LRU, Static
 from moeflow.offload.policies.expertflow import PLECEviction, PLECState
 from moeflow.offload.predictors.duoserve import expert_mlp
 from moeflow.offload.predictors.eval_mlp import EvalSequential
@@ -148,3 +148,30 @@ def test_static_ring_pick_is_the_static_order():
         evictable = [k for k in resident if rng.random() < 0.7]
         want = policy.victim(evictable, 0) if evictable else None
         assert policy.pick(dict.fromkeys(evictable), 0) == want
+
+
+def test_lru_pick_in_layer_is_the_filtered_global_pick():
+    """LRU's per-layer order (per-layer quotas) picks what a walk of the global order filtered to the layer picks,
+    and what the plain least-recent order over that layer's candidates picks."""
+    rng = random.Random(2)
+    for _ in range(300):
+        policy = LRU()
+        keys = [(layer, e) for layer in range(3) for e in range(5)]
+        resident: set = set()
+        for _step in range(50):
+            key = rng.choice(keys)
+            action = rng.random()
+            if action < 0.45:
+                policy.access(key)
+            elif action < 0.75 and key not in resident:
+                policy.loaded(key)
+                resident.add(key)
+            elif key in resident:
+                policy.evicted(key)
+                resident.discard(key)
+        evictable = dict.fromkeys(k for k in resident if rng.random() < 0.7)
+        for layer in range(3):
+            got = policy.pick_in_layer(evictable, 0, layer)
+            assert got == policy.pick(evictable, 0, lambda k, layer=layer: k[0] == layer)
+            own = [k for k in evictable if k[0] == layer]
+            assert got == (policy.victim(own, 0) if own else None)

@@ -143,7 +143,7 @@ class ExpertCache:
         if self.layer_quota:
             quota, per_layer = self.layer_quota, self._per_layer
             if per_layer[layer] >= quota:
-                own = pick(evictable, layer_now, lambda k: k[0] == layer)
+                own = self.policy.pick_in_layer(evictable, layer_now, layer)
                 if own is not None:
                     return own
             over = pick(evictable, layer_now, lambda k: per_layer[k[0]] > quota)

@@ -62,6 +62,11 @@ class EvictionPolicy:
         candidates = [k for k in evictable if allowed is None or allowed(k)]
         return self.victim(candidates, layer_now) if candidates else None
 
+    def pick_in_layer(self, evictable: Collection[Key], layer_now: int, layer: int) -> Key | None:
+        """:meth:`pick` restricted to ``layer``'s keys (per-layer partitioning: a layer at its quota evicts its own).
+        Default: ``pick`` with that filter; :class:`LRU` keeps a recency order per layer instead."""
+        return self.pick(evictable, layer_now, lambda k: k[0] == layer)
+
     def on_phase(self, phase: str) -> None:
         """The model switched phase ("prefill" / "decode")."""
 
@@ -79,9 +84,39 @@ class LRU(EvictionPolicy):
 
     name = "lru"
 
+    def __init__(self) -> None:
+        super().__init__()
+        # the same order per layer (a subsequence of ``recency``): a layer's own victim without walking every
+        # other layer's keys (mixtral-offloading's and ProMoE's per-layer quotas, thousands of slots)
+        self._layer_recency: dict[int, OrderedDict[Key, None]] = {}
+
+    def access(self, key: Key) -> None:
+        super().access(key)
+        order = self._layer_recency.get(key[0])
+        if order is not None and key in order:
+            order.move_to_end(key)
+
+    def loaded(self, key: Key) -> None:
+        super().loaded(key)
+        order = self._layer_recency.setdefault(key[0], OrderedDict())
+        order[key] = None
+        order.move_to_end(key)
+
+    def evicted(self, key: Key) -> None:
+        super().evicted(key)
+        order = self._layer_recency.get(key[0])
+        if order is not None:
+            order.pop(key, None)
+
     def pick(self, evictable, layer_now, allowed=None, flags=None):  # noqa: D102 (the base's)
         for key in self.recency:  # oldest first; skips the few keys in use or loading
             if key in evictable and (allowed is None or allowed(key)):
+                return key
+        return None
+
+    def pick_in_layer(self, evictable, layer_now, layer):  # noqa: D102 (the base's)
+        for key in self._layer_recency.get(layer, ()):  # the layer's oldest first, as ``pick`` would find them
+            if key in evictable:
                 return key
         return None
 
