@@ -125,26 +125,36 @@ def test_plec_vectorised_pick_is_the_correction_order():
         assert ev.pick(dict.fromkeys(cands), now, None, flags) == want
 
 
+def _random_history(policy, rng: random.Random, keys: list, steps: int, p_access: float, p_load: float,
+                    at_step=None) -> set:
+    """Drive ``policy`` through random gate accesses, loads and evictions of ``keys``; returns the resident keys.
+    ``at_step(step)`` runs after each step (e.g. a phase switch)."""
+    resident: set = set()
+    for step in range(steps):
+        key = rng.choice(keys)
+        action = rng.random()
+        if action < p_access:
+            policy.access(key)
+        elif action < p_load and key not in resident:
+            policy.loaded(key)
+            resident.add(key)
+        elif key in resident:
+            policy.evicted(key)
+            resident.discard(key)
+        if at_step is not None:
+            at_step(step)
+    return resident
+
+
 def test_static_ring_pick_is_the_static_order():
     """Static's own ring dict picks what its order (placement last, least recent first) picks."""
     rng = random.Random(1)
     for _ in range(300):
         policy = Static(n_fixed=rng.randint(0, 6))
         keys = [(layer, e) for layer in range(3) for e in range(4)]
-        resident: set = set()
-        for step in range(40):
-            key = rng.choice(keys)
-            action = rng.random()
-            if action < 0.4:
-                policy.access(key)
-            elif action < 0.7 and key not in resident:
-                policy.loaded(key)
-                resident.add(key)
-            elif key in resident:
-                policy.evicted(key)
-                resident.discard(key)
-            if step == 20:
-                policy.on_phase("decode")  # freezes the placement from the gate counts so far
+        # step 20 freezes the placement from the gate counts so far
+        resident = _random_history(policy, rng, keys, 40, 0.4, 0.7,
+                                   at_step=lambda step, p=policy: p.on_phase("decode") if step == 20 else None)
         evictable = [k for k in resident if rng.random() < 0.7]
         want = policy.victim(evictable, 0) if evictable else None
         assert policy.pick(dict.fromkeys(evictable), 0) == want
@@ -157,18 +167,7 @@ def test_lru_pick_in_layer_is_the_filtered_global_pick():
     for _ in range(300):
         policy = LRU()
         keys = [(layer, e) for layer in range(3) for e in range(5)]
-        resident: set = set()
-        for _step in range(50):
-            key = rng.choice(keys)
-            action = rng.random()
-            if action < 0.45:
-                policy.access(key)
-            elif action < 0.75 and key not in resident:
-                policy.loaded(key)
-                resident.add(key)
-            elif key in resident:
-                policy.evicted(key)
-                resident.discard(key)
+        resident = _random_history(policy, rng, keys, 50, 0.45, 0.75)
         evictable = dict.fromkeys(k for k in resident if rng.random() < 0.7)
         for layer in range(3):
             got = policy.pick_in_layer(evictable, 0, layer)
