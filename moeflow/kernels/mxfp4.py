@@ -39,7 +39,7 @@ import triton.language as tl
 
 from moeflow.kernels.mxfp4_reference import BLOCK
 from moeflow.kernels.pool import ExpertPool
-from moeflow.kernels.triton_common import INTERPRETED, cdiv, next_pow2
+from moeflow.kernels.triton_common import INTERPRETED, block_expert, cdiv, next_pow2, plan_rows
 
 ACTIVATION_CODES = {"silu": 0, "clamped_swiglu": 1}
 # per stage: weight rows per program, k per iteration (a multiple of 32 that divides K: reduced at launch)
@@ -107,22 +107,12 @@ def _mxfp4_gemm_kernel(
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pid_m = pid // num_pid_n
     pid_n = pid % num_pid_n
-    expert = tl.load(eob_ptr + pid_m)
-    if HAS_MASK:
-        selected = tl.load(mask_ptr + tl.maximum(expert, 0)) != 0
-        expert = tl.where(selected, expert, -1)
+    expert = block_expert(eob_ptr, pid_m, mask_ptr, HAS_MASK)
     if expert < 0:  # past the padded count, or not selected: nothing to do (staged runs rely on it)
         return
     slot = tl.load(slot_ptr + expert).to(tl.int64)
 
-    r = tl.arange(0, DOT_M)
-    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + r, mask=r < BLOCK_M, other=num_pairs)
-    row_ok = pair < num_pairs
-    if MODE == 0:
-        row = pair // TOPK
-    else:
-        row = pair
-    row = tl.where(row_ok, row, 0).to(tl.int64)  # padding rows read row 0 and are never stored
+    pair, row_ok, row = plan_rows(sorted_ptr, pid_m, num_pairs, BLOCK_M, DOT_M, TOPK, MODE)
     a_rows = a_ptr + row[None, :] * stride_am  # [1, DOT_M]
 
     i = tl.arange(0, BLOCK_N)

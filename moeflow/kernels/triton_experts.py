@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeflow.kernels.triton_common import INTERPRETED, TL_DTYPES, cdiv, next_pow2
+from moeflow.kernels.triton_common import INTERPRETED, TL_DTYPES, block_expert, cdiv, next_pow2, plan_rows
 
 
 @triton.jit
@@ -60,16 +60,6 @@ def _dequant_tile(w, z, nib):
 
 
 @triton.jit
-def _block_expert(eob_ptr, pid_m, mask_ptr, HAS_MASK: tl.constexpr):
-    """The expert of plan block ``pid_m``, or -1 when past the padded count or not in ``expert_mask``."""
-    expert = tl.load(eob_ptr + pid_m)
-    if HAS_MASK:
-        selected = tl.load(mask_ptr + tl.maximum(expert, 0)) != 0
-        expert = tl.where(selected, expert, -1)
-    return expert
-
-
-@triton.jit
 def _expert_gemm_kernel(
     a_ptr, stride_am,  # MODE 0: x [T, K] (row = pair // TOPK); MODE 1: h [P, K] (row = pair); last dim contiguous
     b_ptr, stride_bs, stride_bn,  # AWQ qweight [S, N, K/8] int32, or dense [S, N, K]
@@ -97,19 +87,12 @@ def _expert_gemm_kernel(
     pid_m = first_m + (pid % num_in_group) % group_rows
     pid_n = (pid % num_in_group) // group_rows
 
-    expert = _block_expert(eob_ptr, pid_m, mask_ptr, HAS_MASK)
+    expert = block_expert(eob_ptr, pid_m, mask_ptr, HAS_MASK)
     if expert < 0:  # past the padded count, or not selected: nothing to do (staged runs rely on it)
         return
     slot = tl.load(slot_ptr + expert).to(tl.int64)
 
-    r = tl.arange(0, DOT_M)
-    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + r, mask=r < BLOCK_M, other=num_pairs)
-    row_ok = pair < num_pairs
-    if MODE == 0:
-        row = pair // TOPK
-    else:
-        row = pair
-    row = tl.where(row_ok, row, 0).to(tl.int64)  # padding rows read row 0 and are never stored
+    pair, row_ok, row = plan_rows(sorted_ptr, pid_m, num_pairs, BLOCK_M, DOT_M, TOPK, MODE)
     a_rows = a_ptr + row[None, :] * stride_am  # [1, DOT_M]
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if EVEN_N:
@@ -204,7 +187,7 @@ def _splitk_reduce_kernel(
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if _block_expert(eob_ptr, pid_m, mask_ptr, HAS_MASK) < 0:
+    if block_expert(eob_ptr, pid_m, mask_ptr, HAS_MASK) < 0:
         return
     pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     row_ok = pair < num_pairs
