@@ -71,7 +71,7 @@ def mxfp4_layer_launches(model: str, T: int, config: dict | None = None, dtype: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    import triton
+    from sass_report import emit_json_lines
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=["gpt-oss-120b"], choices=sorted(MODELS))
@@ -82,11 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     rows = [r for model in args.models for T in args.tokens for r in mxfp4_layer_launches(model, T, args.config, dtype)]
-    lines = [json.dumps({**r, "triton": triton.__version__, "sm": 90}) for r in rows]
-    print("\n".join(lines))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text("\n".join(lines) + "\n")
+    emit_json_lines(rows, args.out)
     return 0
 
 

@@ -260,9 +260,18 @@ def shipped_table_configs() -> list[tuple[str, int, dict, torch.dtype]]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def emit_json_lines(rows: list[dict], out: Path | None) -> None:
+    """Print one JSON object per row (with the Triton version and the target), and write them to ``out`` too."""
     import triton
 
+    lines = [json.dumps({**r, "triton": triton.__version__, "sm": 90}) for r in rows]
+    print("\n".join(lines))
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=["mixtral-8x7b"], choices=sorted(MODELS))
     p.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
@@ -281,11 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_linear:
         for T in (1, 16, 4096):
             rows += [{**r, "source": "default"} for r in awq_linear_launches(4096, 4096, T)]
-    lines = [json.dumps({**r, "triton": triton.__version__, "sm": 90}) for r in rows]
-    print("\n".join(lines))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text("\n".join(lines) + "\n")
+    emit_json_lines(rows, args.out)
     return 0
 
 
