@@ -13,22 +13,18 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import make_tiny_checkpoint
+from hybrid_helpers import AUTO_RATES, resident_reference, run_and_compare
 
-from moeflow import MoEOffloadedMixtral, OffloadConfig
+from moeflow import MoEOffloadedMixtral
 from moeflow.kernels.cpu_int4 import int4_cpu_available
 from moeflow.quant.convert import quantize_checkpoint
 
 pytestmark = pytest.mark.skipif(not int4_cpu_available(), reason="this torch build has no int4 CPU kernels")
 
-INT4_RTOL = 2e-2  # as tests/test_cpu_int4.py
 LAYERS, EXPERTS, TOP_K = 2, 4, 2
 NEW_TOKENS = 12
 MIN_MARGIN = 0.05  # reference top-1 minus top-2 logit along the greedy path (the fixture checks it)
 CACHING_POLICIES = ("ondemand", "lru", "lfu", "static", "mixtral-offloading")
-# constructed rates for "auto": a tiny expert (~40 KB) copies in ~1 ms, one token on the CPU takes 0.9 ms
-# (within the race margin: both start), each further token 0.5 ms (two tokens: copy wins); a copy backlog
-# pushes misses to the CPU. So prefill and decode exercise all three choices, deterministically.
-AUTO_RATES = dict(h2d_gbps=0.04, cpu_expert_ms=0.9, cpu_token_ms=0.5)
 
 
 @pytest.fixture(scope="module")
@@ -38,11 +34,7 @@ def tiny(tmp_path_factory):
                                num_hidden_layers=LAYERS, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K)
     awq = quantize_checkpoint(src, root / "awq", group_size=32, progress=False)
     ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(0))
-    resident = MoEOffloadedMixtral.from_pretrained(awq, kernels="torch", offload=OffloadConfig(policy="resident"))
-    expected = resident.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=[])
-    logits = resident(expected).logits
-    top2 = logits[:, ids.shape[1] - 1 : -1].topk(2, dim=-1).values
-    assert float((top2[..., 0] - top2[..., 1]).min()) > MIN_MARGIN, "checkpoint too close to a tie for the test"
+    expected, logits = resident_reference(awq, ids, NEW_TOKENS, MIN_MARGIN, MoEOffloadedMixtral.from_pretrained)
     return awq, ids, expected, logits
 
 
@@ -53,17 +45,7 @@ def calibration_cache(tmp_path, monkeypatch):
 
 def _check(tiny, **config):
     awq, ids, expected, logits = tiny
-    model = MoEOffloadedMixtral.from_pretrained(awq, kernels="torch", offload=OffloadConfig(**config))
-    try:
-        out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=[])
-        got = model(expected).logits
-    finally:
-        model.experts.close()
-    rel = float((got - logits).norm() / logits.norm())
-    assert rel < INT4_RTOL, f"{config}: relative logit error {rel:.2e}"
-    assert torch.equal(out, expected), f"{config}: {out} != {expected}"
-    return model
-
+    return run_and_compare(awq, ids, expected, logits, config, MoEOffloadedMixtral.from_pretrained)
 
 @pytest.mark.parametrize("transport", ["sync", "random-delay"])
 @pytest.mark.parametrize("mode", ["never", "auto", "always"])

@@ -14,6 +14,7 @@ import warnings
 import pytest
 import torch
 from gpt_oss_helpers import make_gpt_oss_model, save_gpt_oss_checkpoint
+from hybrid_helpers import AUTO_RATES, INT4_RTOL, resident_reference, run_and_compare
 
 from moeflow import MoEModel, OffloadConfig
 from moeflow.kernels.biased import BiasedExpertFormat
@@ -25,11 +26,9 @@ from moeflow.offload.policies import POLICY_TABLE
 
 pytestmark = pytest.mark.skipif(not int4_cpu_available(), reason="this torch build has no int4 CPU kernels")
 
-INT4_RTOL = 2e-2  # as tests/test_hybrid.py
 BF16_MATMUL_RTOL = 1e-2  # one bf16 rounding of activations and of the output (~2**-8 each)
 MIN_MARGIN = 0.06
 NEW_TOKENS = 6
-AUTO_RATES = dict(h2d_gbps=0.04, cpu_expert_ms=0.9, cpu_token_ms=0.5)  # as tests/test_hybrid.py
 
 
 def _mxfp4(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,11 +101,7 @@ def tiny(tmp_path_factory):
     ref = make_gpt_oss_model(seed=0, num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=2)
     save_gpt_oss_checkpoint(ref, path, mxfp4=True)
     ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(0))
-    resident = MoEModel.from_pretrained(path, kernels="torch", offload=OffloadConfig(policy="resident"))
-    expected = resident.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=[])
-    logits = resident(expected).logits
-    top2 = logits[:, ids.shape[1] - 1 : -1].topk(2, dim=-1).values
-    assert float((top2[..., 0] - top2[..., 1]).min()) > MIN_MARGIN, "checkpoint too close to a tie for the test"
+    expected, logits = resident_reference(path, ids, NEW_TOKENS, MIN_MARGIN)
     return path, ids, expected, logits
 
 
@@ -124,15 +119,7 @@ def calibration_cache(tmp_path, monkeypatch):
 ])
 def test_cpu_computed_mxfp4_experts_keep_the_tokens(tiny, config):
     path, ids, expected, logits = tiny
-    model = MoEModel.from_pretrained(path, kernels="torch", offload=OffloadConfig(**config))
-    try:
-        out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=[])
-        got = model(expected).logits
-    finally:
-        model.close()
-    rel = float((got - logits).norm() / logits.norm())
-    assert rel < INT4_RTOL, f"{config}: relative logit error {rel:.2e}"
-    assert torch.equal(out, expected), f"{config}: {out} != {expected}"
+    model = run_and_compare(path, ids, expected, logits, config)
     s = model.stats
     assert s.prefill.cpu_experts + s.decode.cpu_experts + s.prefill.cpu_races + s.decode.cpu_races > 0
     cpu = model.experts.cpu

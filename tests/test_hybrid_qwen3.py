@@ -11,17 +11,15 @@ from __future__ import annotations
 import pytest
 import torch
 from family_models import make_family_checkpoint
+from hybrid_helpers import AUTO_RATES, resident_reference, run_and_compare
 
-from moeflow import MoEModel, OffloadConfig
 from moeflow.kernels.cpu_int4 import int4_cpu_available
 from moeflow.quant.convert import quantize_checkpoint
 
 pytestmark = pytest.mark.skipif(not int4_cpu_available(), reason="this torch build has no int4 CPU kernels")
 
-INT4_RTOL = 2e-2
 MIN_MARGIN = 0.05
 NEW_TOKENS = 6
-AUTO_RATES = dict(h2d_gbps=0.04, cpu_expert_ms=0.9, cpu_token_ms=0.5)  # as tests/test_hybrid.py
 SHAPE = dict(hidden_size=128, moe_intermediate_size=128, intermediate_size=128, num_hidden_layers=3,
              mlp_only_layers=[1], num_attention_heads=4, num_key_value_heads=2, num_experts=64,
              num_experts_per_tok=8, norm_topk_prob=True)
@@ -33,11 +31,7 @@ def tiny(tmp_path_factory):
     src = make_family_checkpoint(root / "fp32", "qwen3_moe", seed=21, **SHAPE)
     awq = quantize_checkpoint(src, root / "awq", group_size=32, progress=False)
     ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(0))
-    resident = MoEModel.from_pretrained(awq, kernels="torch", offload=OffloadConfig(policy="resident"))
-    expected = resident.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=[])
-    logits = resident(expected).logits
-    top2 = logits[:, ids.shape[1] - 1 : -1].topk(2, dim=-1).values
-    assert float((top2[..., 0] - top2[..., 1]).min()) > MIN_MARGIN, "checkpoint too close to a tie for the test"
+    expected, logits = resident_reference(awq, ids, NEW_TOKENS, MIN_MARGIN)
     return awq, ids, expected, logits
 
 
@@ -55,14 +49,6 @@ def calibration_cache(tmp_path, monkeypatch):
 ])
 def test_cpu_computed_experts_keep_the_tokens(tiny, config):
     awq, ids, expected, logits = tiny
-    model = MoEModel.from_pretrained(awq, kernels="torch", offload=OffloadConfig(**config))
-    try:
-        out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=[])
-        got = model(expected).logits
-    finally:
-        model.close()
-    rel = float((got - logits).norm() / logits.norm())
-    assert rel < INT4_RTOL, f"{config}: relative logit error {rel:.2e}"
-    assert torch.equal(out, expected), f"{config}: {out} != {expected}"
+    model = run_and_compare(awq, ids, expected, logits, config)
     s = model.stats
     assert s.prefill.cpu_experts + s.decode.cpu_experts + s.prefill.cpu_races + s.decode.cpu_races > 0
