@@ -22,12 +22,7 @@ NEW_TOKENS = 5
 CASES = [("lru", "sync"), ("duoserve", "sync"), ("expertflow", "random-delay"), ("mixtral-offloading", "random-delay")]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

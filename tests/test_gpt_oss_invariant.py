@@ -24,12 +24,7 @@ POLICIES = tuple(p for p in POLICY_NAMES if p not in ("resident", *CPU_POLICIES)
 MXFP4_POLICIES = ("lru", "duoserve", "expertflow")  # MXFP4 bytes through host store and slots
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

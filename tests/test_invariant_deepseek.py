@@ -24,12 +24,7 @@ TRAINED = {"duoserve": {"epochs": 2, "widths": [32, 16, 16, 8, 8, 8]}, "promoe":
            "finemoe": {"capacity": 64}, "expertflow": {"epochs": 2, "vocab_size": 97}}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

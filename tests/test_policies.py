@@ -21,12 +21,7 @@ NEW_TOKENS = 8
 PRESETS = ("duoserve", "promoe", "finemoe", "auto")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def train_tiny_predictors(ckpt, out_dir, model=None) -> dict:
