@@ -204,11 +204,11 @@ class ScriptedTransport:
         """Within the block, ``kernels_module.expert_forward`` and ``combine`` calls (and the offload backend's
         eager torch combine, ``combine_in_order``) are queued, not run; so are the CPU int4 slots'
         (``SlotInt4Forms.compute`` / ``combine``, moeflow.offload.cpu_slots)."""
-        from moeflow.offload import backend as backend_module  # its eager torch combine (no custom op)
+        from moeflow.offload import compute as compute_module  # its eager torch combine (no custom op)
         from moeflow.offload.cpu_slots import SlotInt4Forms
 
         real_forward, real_combine = kernels_module.expert_forward, kernels_module.combine
-        real_in_order = backend_module.combine_in_order
+        real_in_order = compute_module.combine_in_order
         real_int4_compute, real_int4_combine = SlotInt4Forms.compute, SlotInt4Forms.combine
 
         def queued_int4_compute(forms, layer, x, topk_ids, topk_weights, out, experts, slots):
@@ -242,10 +242,10 @@ class ScriptedTransport:
 
         kernels_module.expert_forward, kernels_module.combine = queued_forward, queued_combine
         SlotInt4Forms.compute, SlotInt4Forms.combine = queued_int4_compute, staticmethod(queued_int4_combine)
-        backend_module.combine_in_order = queued_in_order
+        compute_module.combine_in_order = queued_in_order
         try:
             yield
         finally:
             kernels_module.expert_forward, kernels_module.combine = real_forward, real_combine
             SlotInt4Forms.compute, SlotInt4Forms.combine = real_int4_compute, staticmethod(real_int4_combine)
-            backend_module.combine_in_order = real_in_order
+            compute_module.combine_in_order = real_in_order

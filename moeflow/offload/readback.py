@@ -83,6 +83,20 @@ class ReadBack:
         return needed, lists, host_floats
 
 
+def host_proposals(proposals: list[tuple[int, torch.Tensor | list[int]]],
+                   fetched: list[list[int]]) -> list[tuple[int, list[int]]]:
+    """[(target, device ids or host list)] and the device ones read back, in order -> [(target, host ids)]
+    without the padding (< 0)."""
+    if not proposals:
+        return []
+    out, it = [], iter(fetched)
+    for target, ids in proposals:
+        host = next(it) if isinstance(ids, torch.Tensor) else ids
+        out.append((target, [e for e in host if e >= 0]))
+    return out
+
+
+
 class AsyncHostCopy:
     """An int64 device vector copied to pinned host memory on the current stream; completion is polled.
 
