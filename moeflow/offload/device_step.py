@@ -46,6 +46,7 @@ from moeflow.kernels.checks import check_expert_args
 from moeflow.kernels.pool import ExpertPool
 from moeflow.kernels.reference import pool_weights
 from moeflow.offload.combine import combine_in_order
+from moeflow.offload.readback import pack_slot_table
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +73,7 @@ class StaticSlotTable:
 
     def fill(self, experts: list[int], slots: list[int]) -> None:
         """The group's experts and their slot indices into the table (every other entry: slot 0, unselected)."""
-        E = self.num_experts
-        packed = [0] * (2 * E)
-        for e, slot in zip(experts, slots, strict=True):
-            packed[e], packed[E + e] = slot, 1
+        packed = pack_slot_table(experts, slots, self.num_experts)
         if not self.cuda:  # host memory: written in place (no tensor op, no new tensor)
             self.table.numpy()[:] = packed
             return
