@@ -16,13 +16,18 @@ import logging
 
 import pytest
 import torch
+from scripted_transport import ScriptedTransport
 from test_compile_cuda_graphs import MODEL, PROMPT, TraceCapture, _Recorder, captured_model
 from test_host_loop import FORBIDDEN as HOST_READS
 from test_host_loop import HostSyncError
+from test_kernels import make_pool, make_routing
+from test_scheduling_helpers import DENSE, Synthetic
 from torch.overrides import TorchFunctionMode
 
-from moeflow import MoEOffloadedMixtral, OffloadConfig
+from moeflow import MoEOffloadedMixtral, OffloadConfig, kernels
+from moeflow.kernels.capturable import nibble_shifts, static_expert_forward
 from moeflow.kernels.cpu_int4 import int4_cpu_available
+from moeflow.kernels.reference import expert_forward_pool_reference, pool_weights
 from moeflow.offload.device_step import DeviceGraphs
 
 _T = torch.Tensor
@@ -73,6 +78,26 @@ def guarded(monkeypatch) -> list[DevicePartGuard]:
     monkeypatch.setattr(DeviceGraphs, "_compute_fn", wrap(real_compute))
     monkeypatch.setattr(DeviceGraphs, "_combine_fn", wrap(real_combine))
     return guards
+
+
+@pytest.mark.parametrize(("kind", "dtype"), [("awq", torch.float32), ("awq", torch.bfloat16),
+                                           ("dense", torch.float32), ("dense", torch.float16)])
+def test_the_static_torch_form_matches_the_reference(kind, dtype):
+    """kernels/capturable.py against the torch reference: the selected experts' rows close, the others untouched."""
+    H, I, E, S, T, k = 64, 96, 6, 5, 7, 2  # noqa: E741
+    pool = make_pool(H, I, S, 32 if kind == "awq" else None, dtype, kind=kind)
+    ids, weights = make_routing(T, k, E, seed=3)
+    x = (torch.randn(T, H, generator=torch.Generator().manual_seed(4)) * 0.5).to(dtype)
+    slot_of_expert = torch.tensor([3, 0, 4, 1, 2, 0], dtype=torch.int32)
+    mask = torch.tensor([True, False, True, True, False, True])
+    sentinel = torch.full((T * k, H), 7.0, dtype=dtype)
+    want = expert_forward_pool_reference(x, ids, weights, *pool_weights(pool)[:2], slot_of_expert, mask,
+                                         pool.fmt.group_size or 0, sentinel.clone())
+    got = static_expert_forward(x, ids, weights, pool, slot_of_expert, mask, sentinel.clone(), nibble_shifts(x.device))
+    chosen = mask[ids.reshape(-1).long()]
+    assert torch.equal(got[~chosen], sentinel[~chosen]) and chosen.any() and (~chosen).any()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got[chosen].float(), want[chosen].float(), rtol=tol, atol=tol)
 
 
 @pytest.fixture(scope="module")
@@ -269,3 +294,64 @@ def test_a_backend_without_a_capturable_device_part_stays_eager(caplog):
     finally:
         model.close()
     assert "cpu-int4" in graphs.disabled and "runs eagerly" in caplog.text
+
+
+# ---------------------------------------------------------------------------------------------------------
+# ordering: the replays under the scripted transport (tests/scripted_transport.py: compute deferred on an emulated
+# stream, copies landed as late or as early as their fences allow, a violated order poisons the slot)
+
+
+def _scripted_graph_run(s: Synthetic, transport: ScriptedTransport, **config) -> tuple[list, DeviceGraphs]:
+    backend, stats = s.offloaded(transport_object=transport, **config)
+    graphs = backend.enable_device_graphs(TraceCapture)
+    try:
+        with transport.deferring_compute(kernels), graphs.region():
+            got = s.run(backend, stats)  # each output a queued copy of the static y
+            backend.synchronize()
+    finally:
+        backend.close()
+    return got, graphs
+
+
+@pytest.fixture(scope="module")
+def synth_uncaptured():
+    """A dense trace and its outputs from the same device part (the static torch form), uncaptured and synchronous."""
+    s = Synthetic(DENSE, layers=3, experts=6, top_k=2, seed=11, steps=6, prefill_tokens=9)
+    backend, stats = s.offloaded(policy="lru", gpu_expert_slots=s.L * s.E)
+    graphs = backend.enable_device_graphs(TraceCapture)
+    graphs.capture_enabled = False
+    expected = []
+    with graphs.region():
+        for phase, layer, x, probs, ids, w in s.calls():
+            stats.set_phase(phase)
+            expected.append(backend.forward(layer, x, probs, ids, w).clone())
+    backend.close()
+    return s, expected
+
+
+@pytest.mark.parametrize("mode", ["eager", "late"])
+def test_the_fences_order_the_replayed_device_part(synth_uncaptured, mode):
+    """Every group's replay waits (on the emulated stream) for its loads, and every copy into a slot waits for the
+    queued replay that reads it: no hazard, and bitwise the uncaptured outputs, with slots reused within and
+    across layers."""
+    s, expected = synth_uncaptured
+    for policy in ("lru", "ondemand", "mixtral-offloading"):
+        for n_slots in (2, 3, 5):
+            transport = ScriptedTransport(mode)
+            got, graphs = _scripted_graph_run(s, transport, policy=policy, gpu_expert_slots=n_slots)
+            label = f"{policy} with {n_slots} slots, mode={mode}"
+            assert transport.hazards == [], f"{label}: {transport.hazards[:3]}"
+            assert graphs.refused == {} and graphs.captures == 2 and graphs.replays > len(expected), label
+            for i, (a, b) in enumerate(zip(expected, got, strict=True)):
+                assert torch.equal(a, b), f"{label}: layer call {i} differs"
+
+
+def test_a_replay_not_ordered_after_its_loads_is_caught(synth_uncaptured):
+    """The check above is not blind: with the compute stream's wait for the copies deleted, replays read slots
+    whose copies have not landed."""
+    s, expected = synth_uncaptured
+    transport = ScriptedTransport("late")
+    transport.wait_compute = lambda handles: 0.0
+    got, _ = _scripted_graph_run(s, transport, policy="lru", gpu_expert_slots=2)
+    wrong = sum(not torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+    assert transport.hazards and wrong > 0

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -71,9 +71,8 @@ class StaticSlotTable:
         self.events = [torch.cuda.Event(blocking=True) for _ in range(n)]
         self._next = 0
 
-    def fill(self, experts: list[int], slots: list[int]) -> None:
-        """The group's experts and their slot indices into the table (every other entry: slot 0, unselected)."""
-        packed = pack_slot_table(experts, slots, self.num_experts)
+    def fill(self, packed: list[int]) -> None:
+        """A group's table (:func:`~moeflow.offload.readback.pack_slot_table`) into the device table."""
         if not self.cuda:  # host memory: written in place (no tensor op, no new tensor)
             self.table.numpy()[:] = packed
             return
@@ -176,31 +175,45 @@ class DeviceGraphs:
             self._refuse(T, f"activations in {x.dtype}, the bucket holds {bucket.x.dtype}")
             self.eager_layers += 1
             return None
-        bucket.x.copy_(x)
-        bucket.ids.copy_(topk_ids)
-        bucket.weights.copy_(topk_weights)
+
+        def copy_in() -> None:
+            bucket.x.copy_(x)
+            bucket.ids.copy_(topk_ids)
+            bucket.weights.copy_(topk_weights)
+        self._launch(copy_in)
         return bucket
 
     def compute(self, bucket: Bucket, experts: list[int], slots: list[int]) -> None:
         """Fill ``bucket.out``'s rows of ``experts`` (held in ``slots``): fill the table, replay (or capture)."""
-        self.table.fill(experts, slots)
-        if bucket.compute is not None and self.capture_enabled:
-            bucket.compute()
-            self.replays += 1
-            return
-        if not bucket.tried and self.capture_enabled:
-            self._capture_pieces(bucket)  # runs this group too (the warm-up)
-            return
-        self._compute_fn(bucket)()
+        packed = pack_slot_table(experts, slots, self.num_experts)
+
+        def group() -> None:
+            self.table.fill(packed)
+            if bucket.compute is not None and self.capture_enabled:
+                bucket.compute()
+                self.replays += 1
+            elif not bucket.tried and self.capture_enabled:
+                self._capture_pieces(bucket)  # runs this group too (the warm-up)
+            else:
+                self._compute_fn(bucket)()
+        self._launch(group, slots)
 
     def combine(self, bucket: Bucket) -> torch.Tensor:
         """``bucket.y`` [T, H] from ``bucket.out`` (its replay once captured)."""
-        if bucket.combine is not None and self.capture_enabled:
-            bucket.combine()
-            self.replays += 1
-        else:
-            self._combine_fn(bucket)()
+        def run() -> None:
+            if bucket.combine is not None and self.capture_enabled:
+                bucket.combine()
+                self.replays += 1
+            else:
+                self._combine_fn(bucket)()
+        self._launch(run)
         return bucket.y
+
+    def _launch(self, work: Callable[[], None], slots: Sequence[int] = ()) -> None:
+        """Enqueue device work (reading the pool's ``slots``) on the compute stream: on a GPU every op in
+        ``work`` is a stream operation, so calling it is enqueueing it; the tests' emulated stream
+        (tests/scripted_transport.py) queues it instead, to run it as late as the fences allow."""
+        work()
 
     # ------------------------------------------------------------------ the two pieces
     def _compute_fn(self, bucket: Bucket) -> Callable[[], None]:
