@@ -143,7 +143,8 @@ class MoEModel(nn.Module):
         ``forward``) and the decoder layers share their graphs: see :mod:`moeflow.engine.compiled`."""
         compiled = CompiledDecode(self.model, backend)
         if isinstance(self._runner.decode_fn, CudaGraphDecode):  # captured: capture the compiled step instead
-            self._runner.decode_fn = CudaGraphDecode(compiled, self._runner.decode_fn.capture_factory)
+            old = self._runner.decode_fn
+            self._runner.decode_fn = CudaGraphDecode(compiled, old.capture_factory, old.capture_experts)
         else:
             self._runner.decode_fn = compiled
         self._compiled = True

@@ -203,13 +203,25 @@ class ScriptedTransport:
     def deferring_compute(self, kernels_module) -> Iterator[None]:
         """Within the block, ``kernels_module.expert_forward`` and ``combine`` calls (and the offload backend's
         eager torch combine, ``combine_in_order``) are queued, not run; so are the CPU int4 slots'
-        (``SlotInt4Forms.compute`` / ``combine``, moeflow.offload.cpu_slots)."""
-        from moeflow.offload import backend as backend_module  # its eager torch combine (no custom op)
+        (``SlotInt4Forms.compute`` / ``combine``, moeflow.offload.cpu_slots) and the captured device part's
+        launches (``DeviceGraphs._launch``: inputs copied in, each group's table + replay, the combine)."""
+        from moeflow.offload import compute as compute_module  # its eager torch combine (no custom op)
         from moeflow.offload.cpu_slots import SlotInt4Forms
+        from moeflow.offload.device_step import DeviceGraphs
 
         real_forward, real_combine = kernels_module.expert_forward, kernels_module.combine
-        real_in_order = backend_module.combine_in_order
+        real_in_order = compute_module.combine_in_order
         real_int4_compute, real_int4_combine = SlotInt4Forms.compute, SlotInt4Forms.combine
+        real_launch, real_graph_combine = DeviceGraphs._launch, DeviceGraphs.combine
+
+        def queued_launch(graphs, work, slots=()):
+            self.queue.append(("call", work, [_span(graphs.pool.buffer[s]) for s in slots]))
+
+        def queued_graph_combine(graphs, bucket):
+            result = bucket.y.new_empty(bucket.y.shape)  # the static y is overwritten by the next layer's combine
+            real_graph_combine(graphs, bucket)  # its launch is queued
+            self.queue.append(("call", lambda: result.copy_(bucket.y), []))
+            return result
 
         def queued_int4_compute(forms, layer, x, topk_ids, topk_weights, out, experts, slots):
             spans = [_span(forms.pool.buffer[s]) for s in slots]
@@ -242,10 +254,12 @@ class ScriptedTransport:
 
         kernels_module.expert_forward, kernels_module.combine = queued_forward, queued_combine
         SlotInt4Forms.compute, SlotInt4Forms.combine = queued_int4_compute, staticmethod(queued_int4_combine)
-        backend_module.combine_in_order = queued_in_order
+        compute_module.combine_in_order = queued_in_order
+        DeviceGraphs._launch, DeviceGraphs.combine = queued_launch, queued_graph_combine
         try:
             yield
         finally:
             kernels_module.expert_forward, kernels_module.combine = real_forward, real_combine
             SlotInt4Forms.compute, SlotInt4Forms.combine = real_int4_compute, staticmethod(real_int4_combine)
-            backend_module.combine_in_order = real_in_order
+            compute_module.combine_in_order = real_in_order
+            DeviceGraphs._launch, DeviceGraphs.combine = real_launch, real_graph_combine

@@ -7,7 +7,10 @@
    delayed, each layer's MoE output bitwise the resident backend's, for the caching policies at 3 slot budgets;
    and, with one ``wait_event`` deleted, the harness must catch the race (else it proves nothing);
 3. every policy's greedy tokens equal resident on real streams, at 3 slot budgets (fiddler, whose CPU experts run
-   in bf16, is checked to a margin by tests/test_claims.py instead).
+   in bf16, is checked to a margin by tests/test_claims.py instead);
+4. the offload backend's device part captured as CUDA graphs: the race harness again (bitwise resident, and a
+   deleted wait caught) with every expert group and combine replayed, and ``cuda_graphs=True`` decoding with it
+   (lru / ondemand / finemoe / expertflow, Triton and the torch static form) gives the resident tokens.
 
 Skipped without CUDA, and under the interpreter (conftest sets TRITON_INTERPRET=1 unless it is set already).
 """
@@ -166,23 +169,32 @@ def race_synth():
     return s, s.run(s.resident())
 
 
-def _race_run(synth, drop, policy, slots, **config):
+def _race_run(synth, drop, policy, slots, graphs=False, **config):
+    """Each layer call's output through a RaceTransport; ``graphs``: with the backend's device part (expert groups
+    + combine) replayed from CUDA graphs, the fences recorded on the compute stream before each replay (section 4).
+    Returns (outputs, transport, the backend's DeviceGraphs or None)."""
+    from contextlib import nullcontext
+
     from race_transport import RaceTransport
+
+    from moeflow.engine.cuda_graphs import CudaCapture
 
     transport = RaceTransport(torch.device("cuda"), drop=drop)
     backend, stats = synth.offloaded(transport, policy=policy, gpu_expert_slots=slots, **config)
+    device = backend.enable_device_graphs(CudaCapture) if graphs else None
     try:
-        got = synth.run(backend, stats)
+        with device.region() if device is not None else nullcontext():
+            got = synth.run(backend, stats)  # each layer's output cloned at once (a replayed one is static)
     finally:
         backend.close()
-    return got, transport
+    return got, transport, device
 
 
 @pytest.mark.parametrize("policy", CACHING_POLICIES)
 def test_race_harness_outputs_are_bitwise_resident(race_synth, policy):
     synth, expected = race_synth
     for slots in (synth.k, synth.E, synth.L * synth.E - 1):
-        got, transport = _race_run(synth, None, policy, slots)
+        got, transport, _ = _race_run(synth, None, policy, slots)
         assert transport.copies > 0
         for i, (a, b) in enumerate(zip(expected, got, strict=True)):
             assert torch.equal(a, b), f"{policy} with {slots} slots: layer call {i} differs from resident"
@@ -195,7 +207,7 @@ def test_race_harness_catches_a_deleted_wait(race_synth, drop):
     synth, expected = race_synth
     caught = 0
     for policy in ("ondemand", "lru"):
-        got, _ = _race_run(synth, drop, policy, synth.k, max_inflight_chunks=16)
+        got, _, _ = _race_run(synth, drop, policy, synth.k, max_inflight_chunks=16)
         caught += sum(not torch.equal(a, b) for a, b in zip(expected, got, strict=True))
     assert caught > 0, f"deleting the {drop} wait went unnoticed"
 
@@ -240,3 +252,59 @@ def test_every_policy_keeps_the_tokens_on_real_streams(tmp_path):
             if not torch.equal(out, expected):
                 failures.append(f"{policy} @ {slots} slots")
     assert not failures, failures
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 4. the offload backend's device part captured as CUDA graphs (issue 14 item 6; moeflow/offload/device_step.py)
+
+
+@pytest.mark.parametrize("policy", CACHING_POLICIES)
+def test_race_harness_with_the_captured_device_part_is_bitwise_resident(race_synth, policy):
+    synth, expected = race_synth
+    for slots in (synth.k, synth.E, synth.L * synth.E - 1):
+        got, _, graphs = _race_run(synth, None, policy, slots, graphs=True)
+        assert graphs.refused == {} and graphs.disabled is None, (graphs.refused, graphs.disabled)
+        assert graphs.captures == 2 and graphs.replays > len(expected)  # prefill and decode batch sizes
+        for i, (a, b) in enumerate(zip(expected, got, strict=True)):
+            assert torch.equal(a, b), f"{policy} with {slots} slots: layer call {i} differs from resident (graphs)"
+
+
+@pytest.mark.parametrize("drop", ["compute-wait", "copy-after"])
+def test_race_harness_catches_a_deleted_wait_with_the_captured_device_part(race_synth, drop):
+    """With the device part replayed, deleting one wait must still show (else the test above proves nothing)."""
+    synth, expected = race_synth
+    caught = 0
+    for policy in ("ondemand", "lru"):
+        got, _, graphs = _race_run(synth, drop, policy, synth.k, graphs=True, max_inflight_chunks=16)
+        assert graphs.captures == 2
+        caught += sum(not torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+    assert caught > 0, f"deleting the {drop} wait went unnoticed with the captured device part"
+
+
+@pytest.mark.parametrize(("policy", "kernels"), [("lru", "auto"), ("ondemand", "auto"), ("finemoe", "auto"),
+                                                 ("expertflow", "auto"), ("lru", "torch")])
+def test_cuda_graphs_capture_the_device_part_and_keep_the_tokens(policy, kernels):
+    from pathlib import Path
+
+    import moeflow
+    from moeflow import MoEOffloadedMixtral, OffloadConfig
+
+    model_dir = Path(moeflow.__file__).parent / "data" / "tiny-mixtral-awq"
+    load = dict(device="cuda", dtype=torch.float16, kernels=kernels)
+    resident = MoEOffloadedMixtral.from_pretrained(model_dir, **load, offload=OffloadConfig(policy="resident"))
+    ids = torch.tensor([resident.tokenizer.encode("The \"with\" statement is used to wrap the execution")] * 2,
+                       device="cuda")
+    expected = resident.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=[])
+    resident.close()
+    model = MoEOffloadedMixtral.from_pretrained(
+        model_dir, **load, offload=OffloadConfig(policy=policy, gpu_expert_slots=12), cuda_graphs=True)
+    try:
+        got = model.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=[])
+        again = model.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=[])
+        step, device = model.runner.decode_fn, model.experts.device_graphs
+    finally:
+        model.close()
+    assert step.refused is None, step.refused
+    assert device is not None and device.refused == {} and device.disabled is None, (device.refused, device.disabled)
+    assert device.captures == 1 and device.replays > 2 * 15 * model.config.num_hidden_layers
+    assert torch.equal(got, expected) and torch.equal(again, expected)

@@ -15,6 +15,11 @@ call at replay; the routing runs in the backend, which may fuse it into its kern
 piece on a static buffer that the real call's output is copied into.
 A backend dynamo traces through (every expert resident: pure device work) needs no boundary: one graph.
 
+Inside a backend call, the offload backend's own device part (the expert groups over the slot pool and the
+combine, after its read-back and schedule) is captured too, once per batch size, and replayed for every layer
+(:mod:`moeflow.offload.device_step`): the step replays its pieces inside the backend's
+``device_graphs.region()``, which makes ``forward`` run from static buffers whose output is copied out at once.
+
 Graphs bake in the addresses of the KV cache they were captured with and of the batch's shapes: a new cache
 (a new ``generate``) or batch captures again; passes over some rows of a cache (micro-batches, the serving
 engine) run eagerly. A capture the device refuses (an op that syncs, a host tensor
@@ -132,13 +137,16 @@ class CapturedStep:
     calls: list[_Call]
     logits: torch.Tensor
 
-    def run(self, experts: ExpertBackend) -> torch.Tensor:
-        """Replay every piece, the backend's real calls in between; returns the static logits [B, T, V]."""
-        for i, replay in enumerate(self.replays):
-            replay()
-            if i < len(self.calls):
-                c = self.calls[i]
-                c.out.copy_(experts.forward_logits(c.layer, c.x, c.router_logits, c.route, c.kernel_routing, False)[0])
+    def run(self, experts: ExpertBackend, device_part: Any = None) -> torch.Tensor:
+        """Replay every piece, the backend's real calls in between (inside ``device_part.region()``, the
+        backend's captured device part, when given); returns the static logits [B, T, V]."""
+        with device_part.region() if device_part is not None else contextlib.nullcontext():
+            for i, replay in enumerate(self.replays):
+                replay()
+                if i < len(self.calls):
+                    c = self.calls[i]
+                    out = experts.forward_logits(c.layer, c.x, c.router_logits, c.route, c.kernel_routing, False)[0]
+                    c.out.copy_(out)  # at once: a captured device part's output is overwritten by the next layer
         return self.logits
 
 
@@ -165,13 +173,17 @@ class CudaGraphDecode:
     """A ``Runner.decode_fn`` that replays the captured step of ``inner`` (the decoder, or its compiled form).
 
     ``capture_factory``: makes the :class:`GraphCapture` (default :class:`CudaCapture` on the inputs' device).
+    ``capture_experts``: also capture the offload backend's device part (``enable_device_graphs``; its own
+    ``refused`` / ``disabled`` say where it stays eager).
     The logits returned are the step's static buffer, overwritten by the next step (the generate loop reads
     them before). ``captures`` counts captures; ``refused`` holds the reason capture was given up, if it was.
     """
 
-    def __init__(self, inner: DecodeFn, capture_factory: Callable[[torch.device], GraphCapture] | None = None):
+    def __init__(self, inner: DecodeFn, capture_factory: Callable[[torch.device], GraphCapture] | None = None,
+                 capture_experts: bool = True):
         self.inner = inner
         self.capture_factory = capture_factory or CudaCapture
+        self.capture_experts = capture_experts
         self.step: CapturedStep | None = None
         self.captures = 0
         self.refused: str | None = None
@@ -190,7 +202,7 @@ class CudaGraphDecode:
         if self._key(self.step, embeds, cache, experts):
             for static, value in zip(self.step.inputs, given, strict=True):
                 static.copy_(value)
-            return self.step.run(experts)
+            return self.step.run(experts, self._device_part(experts))
         if self.step is not None and embeds.is_cuda:  # the old graphs' buffers may still be read: let them finish
             torch.cuda.synchronize(embeds.device)
         self.step = None  # free the old graphs before capturing new ones
@@ -204,4 +216,9 @@ class CudaGraphDecode:
                         self.refused)
             return self.inner(embeds, positions, cache, cache_position, token_mask, experts, routing)
         self.captures += 1
-        return self.step.run(experts)
+        return self.step.run(experts, self._device_part(experts))
+
+    def _device_part(self, experts: ExpertBackend) -> Any:
+        """The backend's captured device part (``moeflow.offload.device_step.DeviceGraphs``), or None."""
+        enable = getattr(experts, "enable_device_graphs", None) if self.capture_experts else None
+        return enable(self.capture_factory) if enable is not None else None

@@ -12,6 +12,9 @@ One MoE layer (``forward``), in order:
    in arrival order, each call also taking whatever else has landed; each computed group releases its
    slots, which go to the deferred experts. ``out [T*k, H]`` is filled group by group and combined once,
    so the result is bitwise the one of a single resident pass.
+
+The expert groups and the combine are the device part (:mod:`moeflow.offload.compute`), eager or replayed
+from graphs captured per batch size (:mod:`moeflow.offload.device_step`, which argues the ordering).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
@@ -26,16 +30,17 @@ from moeflow import kernels
 from moeflow.kernels.pool import ExpertFormat, ExpertPool
 from moeflow.moe.backend import ExpertBackend, StepInfo
 from moeflow.offload.cache import ExpertCache, Slot
-from moeflow.offload.combine import combine_in_order
+from moeflow.offload.compute import LayerCompute
 from moeflow.offload.copy_engine import CopyEngine, LoadTask
 from moeflow.offload.cpu_slots import SlotInt4Forms
+from moeflow.offload.device_step import DeviceGraphs
 from moeflow.offload.eviction import EvictionPolicy
 from moeflow.offload.host_store import HostStore
 from moeflow.offload.hybrid import HybridCompute
 from moeflow.offload.plan import arrival_order, plan_layer
 from moeflow.offload.platform import REAL, Platform
 from moeflow.offload.predictors.interface import Predictor
-from moeflow.offload.readback import ReadBack, SlotTables
+from moeflow.offload.readback import ReadBack, host_proposals
 from moeflow.offload.stats import PhaseStats, Stats
 from moeflow.offload.transport import CudaTransport, Transport
 
@@ -83,7 +88,6 @@ class OffloadedExperts(ExpertBackend):
         self.transport = transport
         self._cuda_transport = isinstance(transport, CudaTransport)
         self.clock = platform.clock
-        self.compute_executor = platform.compute  # None: the kernels; the simulator's accounts the time instead
         if host.fmt != fmt:
             raise ValueError("the given host store holds another model's experts")
         self.host = host
@@ -95,12 +99,8 @@ class OffloadedExperts(ExpertBackend):
                                            max_inflight=max_inflight_chunks)
         self._phase = stats.phase
         self.readback = ReadBack(self.device, self.num_experts)
-        self.slot_tables = SlotTables(self.device, self.num_experts)
-        # kernels="cpu-int4" on the CPU: the slots hold torch's int4 form (CpuInt4Format), computed with its kernels
-        self.int4_slots = SlotInt4Forms(self.pool) if kernels_backend == "cpu-int4" else None
-        combine_backend = "torch" if kernels_backend == "cpu-int4" else kernels_backend
-        # resolved once: the torch combine is called directly (no custom-op dispatch in eager mode)
-        self._combine_backend = kernels.resolve_backend(combine_backend, self.device)
+        # the device part: expert groups and the combine, eager or captured (platform.compute: the simulator's)
+        self.compute = LayerCompute(fmt, self.pool, self.num_experts, top_k, kernels_backend, platform.compute)
         self.cpu = cpu  # hybrid execution: misses computed on the CPU (docs/hybrid.md)
         self.prefill_ring = prefill_ring
         if predictor is not None:
@@ -121,6 +121,20 @@ class OffloadedExperts(ExpertBackend):
     @property
     def n_slots(self) -> int:
         return self.pool.n_slots
+
+    @property
+    def int4_slots(self) -> SlotInt4Forms | None:
+        """kernels="cpu-int4" on the CPU: the slots' torch int4 forms (CpuInt4Format), computed with its kernels."""
+        return self.compute.int4_slots
+
+    @property
+    def device_graphs(self) -> DeviceGraphs | None:
+        return self.compute.graphs
+
+    def enable_device_graphs(self, capture_factory: Callable[[torch.device], object]) -> DeviceGraphs:
+        """Capture the device part of ``forward`` per batch size, replayed inside ``DeviceGraphs.region()``
+        (see :mod:`moeflow.offload.device_step`); ``capture_factory(device)`` makes the ``GraphCapture``."""
+        return self.compute.enable_graphs(capture_factory)
 
     # ------------------------------------------------------------------ loading
     def load_expert(self, layer: int, expert: int, tensors: dict[str, torch.Tensor]) -> None:
@@ -198,13 +212,14 @@ class OffloadedExperts(ExpertBackend):
             top_host = torch.tensor(fetched.pop(), dtype=torch.int64).view(topk_ids.shape)
         else:
             needed, fetched, _ = self.readback.read(topk_ids, on_device)
-        guesses = _host_proposals(proposals, fetched)
+        guesses = host_proposals(proposals, fetched)
         if host_routing:
             pred.observe_host(layer, floats[0], top_host)
 
         try:
             out = self._schedule_and_compute(layer, x, topk_ids, topk_weights, needed, guesses, st)
         except BaseException:
+            self.compute.abort()
             # an interrupted layer (kernel error, Ctrl-C) must not leave slots pinned for good
             if self.cpu is not None:
                 self.cpu.abort()
@@ -216,11 +231,7 @@ class OffloadedExperts(ExpertBackend):
             raise
         if self._cuda_transport:
             st.stall_s += self.transport.collect_stall_s()
-        if self.int4_slots is not None:
-            return self.int4_slots.combine(out, k)
-        if self._combine_backend == "torch":
-            return combine_in_order(out, k)
-        return kernels.combine(out, k, self._combine_backend)  # triton: its eager launcher, no custom op
+        return self.compute.combine(out, k)
 
     def _schedule_and_compute(
         self,
@@ -269,7 +280,7 @@ class OffloadedExperts(ExpertBackend):
         self._pump(st)
 
         # 5. reordered inference
-        out = torch.empty((topk_ids.numel(), x.shape[-1]), dtype=x.dtype, device=x.device)
+        out = self.compute.begin_layer(x, topk_ids, topk_weights)  # static when the device part is captured
         late = self.predictor is not None and self.predictor.proposes_late
         if ready:
             self._compute(layer, x, topk_ids, topk_weights, out, ready)
@@ -388,31 +399,11 @@ class OffloadedExperts(ExpertBackend):
         st.stall_s += self.clock() - t0
         self.cache.mark_ready(self.cache.lookup(task.key))
 
-    def _compute(
-        self,
-        layer: int,
-        x: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-        out: torch.Tensor,
-        experts: list[int],
-    ) -> None:
+    def _compute(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 out: torch.Tensor, experts: list[int]) -> None:
         """Fill ``out`` rows of ``experts`` from their slots, then release the slots behind a compute fence."""
         slots = [self.cache.lookup((layer, e)) for e in experts]
-        if self.compute_executor is not None:  # simulator: accounts the compute, no weights are read
-            self.compute_executor(layer, topk_ids, experts)
-            self._release_after_compute(slots)
-            return
-        if self.int4_slots is not None:
-            self.int4_slots.compute(layer, x, topk_ids, topk_weights, out, experts, [slot.index for slot in slots])
-            self._release_after_compute(slots)
-            return
-        slot_of_expert, expert_mask = self.slot_tables.fill(experts, [slot.index for slot in slots])
-        # value checks cost a device sync per call: keep them on the CPU (tests), skip on the GPU hot path
-        kernels.expert_forward(
-            x, topk_ids, topk_weights, self.pool, slot_of_expert, out, expert_mask, self.kernels_backend,
-            validate=False if self.device.type == "cuda" else None,
-        )
+        self.compute.compute(layer, x, topk_ids, topk_weights, out, experts, [slot.index for slot in slots])
         self._release_after_compute(slots)
 
     def _release_after_compute(self, slots: list[Slot]) -> None:
@@ -439,24 +430,9 @@ class OffloadedExperts(ExpertBackend):
         self._finalizer()
 
     def __repr__(self) -> str:
-        return (
-            f"OffloadedExperts(policy={self.policy_name!r}, slots={self.n_slots}/"
-            f"{self.num_layers * self.num_experts}, transport={self.transport.name!r}, "
-            f"eviction={self.cache.policy.name!r}, pinned={self.host.pinned})"
-        )
-
-
-def _host_proposals(proposals: list[tuple[int, torch.Tensor | list[int]]],
-                    fetched: list[list[int]]) -> list[tuple[int, list[int]]]:
-    """[(target, device ids or host list)] and the device ones read back, in order -> [(target, host ids)]
-    without the padding (< 0)."""
-    if not proposals:
-        return []
-    out, it = [], iter(fetched)
-    for target, ids in proposals:
-        host = next(it) if isinstance(ids, torch.Tensor) else ids
-        out.append((target, [e for e in host if e >= 0]))
-    return out
+        return (f"OffloadedExperts(policy={self.policy_name!r}, slots={self.n_slots}/"
+                f"{self.num_layers * self.num_experts}, transport={self.transport.name!r}, "
+                f"eviction={self.cache.policy.name!r}, pinned={self.host.pinned})")
 
 
 def _shutdown(engine: CopyEngine, transport: Transport, host: HostStore | None) -> None:

@@ -83,6 +83,20 @@ class ReadBack:
         return needed, lists, host_floats
 
 
+def host_proposals(proposals: list[tuple[int, torch.Tensor | list[int]]],
+                   fetched: list[list[int]]) -> list[tuple[int, list[int]]]:
+    """[(target, device ids or host list)] and the device ones read back, in order -> [(target, host ids)]
+    without the padding (< 0)."""
+    if not proposals:
+        return []
+    out, it = [], iter(fetched)
+    for target, ids in proposals:
+        host = next(it) if isinstance(ids, torch.Tensor) else ids
+        out.append((target, [e for e in host if e >= 0]))
+    return out
+
+
+
 class AsyncHostCopy:
     """An int64 device vector copied to pinned host memory on the current stream; completion is polled.
 
@@ -138,9 +152,7 @@ class SlotTables:
     def fill(self, experts: list[int], slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """experts and their slot indices -> (slot_of_expert int32 [E], expert_mask bool [E]) on the device."""
         E = self.num_experts
-        packed = [0] * (2 * E)  # slot table, then the mask
-        for e, slot in zip(experts, slots, strict=True):
-            packed[e], packed[E + e] = slot, 1
+        packed = pack_slot_table(experts, slots, E)
         if not self.cuda:
             t = torch.tensor(packed, dtype=torch.int32)
             return t[:E], t[E:] != 0
@@ -148,8 +160,17 @@ class SlotTables:
         self._next = (i + 1) % self.RING
         self.events[i].synchronize()  # the copy of RING calls ago (long done): the host buffer is free again
         host, dev = self.host[i], self.dev[i]
-        host.copy_(torch.tensor(packed, dtype=torch.int32))
+        host.numpy()[:] = packed  # in place: no tensor per call
         dev.copy_(host, non_blocking=True)
         self.events[i].record()
         torch.ne(dev[E:], 0, out=self.mask[i])
         return dev[:E], self.mask[i]
+
+
+def pack_slot_table(experts: list[int], slots: list[int], num_experts: int) -> list[int]:
+    """A group's experts and their slots -> [slot of expert e for e < E] + [1 if e is in the group] (2E ints;
+    the slot of an expert outside the group is 0, a valid index never read through the mask)."""
+    packed = [0] * (2 * num_experts)
+    for e, slot in zip(experts, slots, strict=True):
+        packed[e], packed[num_experts + e] = slot, 1
+    return packed
