@@ -227,15 +227,16 @@ def install_backend(model: MoEOffloadedMixtral, host, policy: str, slots: int | 
 
 
 def run_config(
-    model, prompt: torch.Tensor, new_tokens: int, expected: torch.Tensor | None
+    model, prompt: torch.Tensor, new_tokens: int, expected: torch.Tensor | None, **generate_kwargs
 ) -> tuple[dict, torch.Tensor]:
+    """One timed greedy ``generate`` (``generate_kwargs``: e.g. ``eos_token_id=[]`` to decode every token)."""
     device = model.device
     model.stats.reset()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     _sync(device)
     t0 = time.perf_counter()
-    out = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False)
+    out = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, **generate_kwargs)
     _sync(device)
     wall = time.perf_counter() - t0
     s = model.stats
