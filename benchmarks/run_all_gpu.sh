@@ -47,6 +47,7 @@
 # leaves at most 8 files in $OUT, no deeper than one folder (the device tool's limits); Markdown tables and logs of
 # `models` are packed into one .tgz.
 # Every stage also runs on a CPU (`--tiny` / `--dry-run` sizes) with TINY=1: bash benchmarks/run_all_gpu.sh offload
+# PLAN=1 prints each step's time limit and command and runs nothing (tests/test_gpu_lane_tiny.py sums the limits).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -55,8 +56,9 @@ stage="${1:-}"
 ckpt=(--checkpoint "${CKPT:-/tmp/moeflow-mixtral-8x7b-awq}")
 tiny=()  # TINY=1: the CPU sizes; each script then writes its own tiny checkpoint (their layer counts differ)
 if [ "${TINY:-0}" = 1 ]; then tiny=(--tiny); ckpt=(); fi
+plan="${PLAN:-0}"
 mkdir -p "$out"
-{
+[ "$plan" = 1 ] || {
   date -u +%FT%TZ
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>/dev/null || echo "no nvidia-smi"
   python -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
@@ -66,6 +68,7 @@ mkdir -p "$out"
 run() {  # run <seconds> <log name> <command...>: bounded, logged, never aborting the stage
   local limit=$1 log=$2
   shift 2
+  if [ "$plan" = 1 ]; then echo "plan $limit $*"; return 0; fi
   echo "== $(date -u +%T) $* (limit ${limit}s)" | tee -a "$out/$log"
   timeout --signal=INT --kill-after=15 "$limit" "$@" 2>&1 | tee -a "$out/$log"
   local rc=${PIPESTATUS[0]}
@@ -99,7 +102,7 @@ case "$stage" in
     run 510 offload.log python benchmarks/run_gpu_offload.py "${tiny[@]}" "${ckpt[@]}" --out "$out/offload" \
       --time-budget-s 370 ;;
   engine)  # moeflow serve first (no checkpoint needed), then CUDA graphs and the disk tier on the Mixtral checkpoint
-    if [ "${TINY:-0}" != 1 ] && ls .whl/*.whl >/dev/null 2>&1; then  # benchmarks/gpu_wheels.sh, carried: the server's packages
+    if [ "${TINY:-0}" != 1 ] && [ "$plan" != 1 ] && ls .whl/*.whl >/dev/null 2>&1; then  # benchmarks/gpu_wheels.sh, carried: the server's packages
       python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -3 \
         && export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH#"$PWD"}"
     fi
@@ -109,19 +112,19 @@ case "$stage" in
     run 390 engine.log python benchmarks/run_gpu_engine.py "${tiny[@]}" "${ckpt[@]}" --out "$out/engine" \
       --time-budget-s 300 ;;
   models)  # three scripts share the checkpoint (written by the first that finds none: ~1-2 min); each loads it
-    run 280 models.log python benchmarks/run_gpu_policies.py "${tiny[@]}" "${ckpt[@]}" \
+    run 265 models.log python benchmarks/run_gpu_policies.py "${tiny[@]}" "${ckpt[@]}" \
       --out "$out/policies" --time-budget-s 200 --train-seconds 15 --trace-prompts 12
-    run 130 models.log python benchmarks/run_gpu_hybrid.py "${tiny[@]}" "${ckpt[@]}" --out "$out/hybrid" \
+    run 125 models.log python benchmarks/run_gpu_hybrid.py "${tiny[@]}" "${ckpt[@]}" --out "$out/hybrid" \
       --time-budget-s 80
-    run 150 models.log python benchmarks/run_gpu_sim_validation.py "${tiny[@]}" "${ckpt[@]}" --out "$out/sim" \
+    run 140 models.log python benchmarks/run_gpu_sim_validation.py "${tiny[@]}" "${ckpt[@]}" --out "$out/sim" \
       --time-budget-s 80
-    (cd "$out" && tar czf models-tables-logs.tgz policies/*.md hybrid/*.md sim/*.md models.log 2>/dev/null \
+    [ "$plan" = 1 ] || (cd "$out" && tar czf models-tables-logs.tgz policies/*.md hybrid/*.md sim/*.md models.log 2>/dev/null \
       && rm -f policies/*.md hybrid/*.md sim/*.md models.log) ;;
   families-qwen3|families-gpt-oss)  # one family per stage: each writes a ~17-33 GB checkpoint (write + load ~2 min)
     family=qwen3_moe need_gb=19
     if [ "$stage" = families-gpt-oss ]; then family=gpt_oss need_gb=36; fi
     own="/tmp/moeflow-synthetic-$family-"
-    if [ "${TINY:-0}" != 1 ] && [ "$(df --output=avail -BG /tmp | tail -1 | tr -dc 0-9)" -lt "$need_gb" ]; then
+    if [ "${TINY:-0}" != 1 ] && [ "$plan" != 1 ] && [ "$(df --output=avail -BG /tmp | tail -1 | tr -dc 0-9)" -lt "$need_gb" ]; then
       for d in "${CKPT:-/tmp/moeflow-mixtral-8x7b-awq}" /tmp/moeflow-synthetic-*; do  # the 64 GiB disk: make room
         case "$d" in "$own"*) ;; *) [ -d "$d" ] && echo "removing $d (disk)" && rm -rf "$d" ;; esac
       done
@@ -134,4 +137,4 @@ case "$stage" in
        "sizes)" >&2
      exit 2 ;;
 esac
-echo "stage $stage done: $(ls -R "$out" | tr '\n' ' ')"
+[ "$plan" = 1 ] || echo "stage $stage done: $(ls -R "$out" | tr '\n' ' ')"
