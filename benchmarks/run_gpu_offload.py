@@ -196,9 +196,16 @@ def measure_h2d(host, device: torch.device, repeats: int) -> dict:
 
 
 def _free(model: MoEOffloadedMixtral) -> None:
+    """Close the model's expert backend (the host store stays: the next backend shares it, pinned)."""
     backend = model.experts
+    host = getattr(backend, "host", None)
+    was_pinned = bool(getattr(host, "pinned", False))
     if hasattr(backend, "close"):
         backend.close()
+    if was_pinned and not host.pinned:
+        # the backend from_pretrained built owns the store and unregisters its pages on close: register them
+        # again, else every later backend copies from pageable memory (half the bandwidth, no overlap)
+        host._pin()
     model.use_backend(None)
     del backend
     gc.collect()

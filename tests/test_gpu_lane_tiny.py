@@ -118,3 +118,27 @@ def test_every_stage_fits_one_command_and_the_first_three_one_session(tmp_path):
     header = (ROOT / "benchmarks" / "run_all_gpu.sh").read_text().split("set -uo pipefail")[0]
     order = [header.index(f"run_all_gpu.sh {s} ") for s in stages[:-1]]
     assert order == sorted(order), "the header lists the stages in the order a session runs them"
+
+
+def test_freeing_the_loaders_backend_keeps_the_shared_host_store_pinned():
+    """The backend from_pretrained built owns the host store and unregisters its pages on close; the benchmarks
+    swap backends over that store, so ``_free`` registers them again (else later policies copy from pageable
+    memory on a GPU)."""
+    from types import SimpleNamespace
+
+    import run_gpu_offload
+
+    host = SimpleNamespace(pinned=True, pins=0)
+
+    def pin():
+        host.pinned, host.pins = True, host.pins + 1
+
+    host._pin = pin
+    owner = SimpleNamespace(host=host, close=lambda: setattr(host, "pinned", False))
+    sharer = SimpleNamespace(host=host, close=lambda: None)  # owns_host=False: leaves the store alone
+    model = SimpleNamespace(experts=owner, device=torch.device("cpu"), use_backend=lambda b: None)
+    run_gpu_offload._free(model)
+    assert host.pinned and host.pins == 1
+    model.experts = sharer
+    run_gpu_offload._free(model)
+    assert host.pinned and host.pins == 1
