@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU lane (issue 12): everything that needs a GPU, in stages that each end inside one 10-minute device command
 # (every Python step runs under `timeout`, and writes its JSON under $OUT after every point it measures, so a run
-# cut short still leaves numbers). Nothing here needs the network or a package the lent machine lacks.
+# cut short still leaves numbers). Nothing here needs the network; only the engine stage's serve step needs packages
+# the lent machine lacks, carried as wheels (benchmarks/gpu_wheels.sh; without them that step records the error).
 #
 # A lent GPU session (30 minutes of device time, the machine's start included) runs, in this order, back to back
 # (a machine left idle 30 s is given back, and the ~25 GB synthetic checkpoint in /tmp goes with it). Stages 1-3
