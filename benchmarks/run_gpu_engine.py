@@ -27,10 +27,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -42,12 +39,11 @@ for p in (ROOT, ROOT / "benchmarks"):
         sys.path.insert(0, str(p))
 
 from bench_disk_tier import drop_page_cache  # noqa: E402
-from run_gpu_offload import (  # noqa: E402
-    MIXTRAL_8X7B,
-    TINY,
+from run_gpu_offload import install_backend, run_config, run_env  # noqa: E402
+from synthetic_mixtral import (  # noqa: E402
+    add_checkpoint_args,
     checkpoint_bytes,
-    install_backend,
-    run_config,
+    mixtral_setup,
     write_synthetic_awq_checkpoint,
 )
 
@@ -176,9 +172,7 @@ def write_report(out_dir: Path, result: dict) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tiny", action="store_true", help="tiny checkpoint on the CPU (exercises the code)")
-    ap.add_argument("--checkpoint", type=Path, default=None, help="where the synthetic checkpoint is (or goes)")
-    ap.add_argument("--layers", type=int, default=None, help="write fewer layers (same shapes per layer)")
+    add_checkpoint_args(ap)
     ap.add_argument("--slots", type=int, default=None, help="GPU expert slots of the lru runs (default 64; tiny 5)")
     ap.add_argument("--host-fractions", default="0.375,0.625",
                     help="disk tier: host_memory_gb holding these fractions of all experts (comma list)")
@@ -189,27 +183,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu_engine"))
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
+    device, dtype, config, kernels, group, ckpt = mixtral_setup(args)
     if args.tiny:
-        torch.set_num_threads(1)
-        device, dtype, config, kernels, group = torch.device("cpu"), torch.float32, dict(TINY), "torch", 32
-        slots = args.slots or 5
-        prompt_len, new_tokens, capture_factory = args.prompt_len or 8, args.new_tokens or 6, cpu_capture_factory()
+        slots, prompt_len, new_tokens = args.slots or 5, args.prompt_len or 8, args.new_tokens or 6
+        capture_factory = cpu_capture_factory()
     else:
-        if not torch.cuda.is_available():
-            raise SystemExit("no CUDA device: run with --tiny on the CPU")
-        device, dtype, config, kernels, group = torch.device("cuda"), torch.float16, dict(MIXTRAL_8X7B), "auto", 128
-        slots = args.slots or 64
-        prompt_len, new_tokens, capture_factory = args.prompt_len or 64, args.new_tokens or 32, None
-    if args.layers:
-        config["num_hidden_layers"] = args.layers
-    ckpt = args.checkpoint or Path(tempfile.gettempdir()) / (
-        f"moeflow-synthetic-{'tiny' if args.tiny else 'mixtral-8x7b'}-awq-L{config['num_hidden_layers']}")
+        slots, prompt_len, new_tokens = args.slots or 64, args.prompt_len or 64, args.new_tokens or 32
+        capture_factory = None  # CUDA graphs
     args.out.mkdir(parents=True, exist_ok=True)
-    env = {"torch": torch.__version__, "python": platform.python_version(), "device": str(device),
-           "argv": sys.argv[1:] if argv is None else argv, "cpu_count": os.cpu_count()}
-    if device.type == "cuda":
-        env["device_name"] = torch.cuda.get_device_properties(device).name
-    result: dict = {"env": env, "config": config, "runs": []}
+    result: dict = {"env": run_env(device, argv), "config": config, "runs": []}
     t0 = time.perf_counter()
     write_synthetic_awq_checkpoint(ckpt, config, group_size=group)
     result["checkpoint"] = {"path": str(ckpt), "write_s": time.perf_counter() - t0, "bytes": checkpoint_bytes(ckpt)}

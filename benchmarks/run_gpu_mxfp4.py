@@ -12,8 +12,9 @@ dense weights of the same shapes (``run_gpu_kernels.per_expert_loop``: SiLU, no 
 is noise next to the weight traffic). At T <= 64 the output is checked against the fp32 plain-torch reference on
 the dequantized weights (max abs error and relative Frobenius error are recorded, never asserted).
 
-The timing harness (events, CUDA-graph replay, copy bandwidth) is ``run_gpu_kernels``'s. The JSON is rewritten
-after every point and each point prints one summary line; a failing point is recorded and the run goes on.
+The timing harness (events, CUDA-graph replay, copy bandwidth) is run_gpu_kernels.py's (benchmarks/gpu_timing.py).
+The JSON is rewritten after every point and each point prints one summary line; a failing point is recorded and the
+run goes on.
 """
 
 from __future__ import annotations
@@ -33,15 +34,8 @@ for p in (ROOT, ROOT / "benchmarks"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from run_gpu_kernels import (  # noqa: E402
-    copy_bandwidth,
-    cuda_graph_fn,
-    median,
-    per_expert_loop,
-    random_routing,
-    reps_for,
-    time_fn,
-)
+from gpu_timing import copy_bandwidth, median, point_inputs, time_fn, time_ours  # noqa: E402
+from run_gpu_kernels import per_expert_loop  # noqa: E402
 
 from moeflow import kernels  # noqa: E402
 from moeflow.kernels import configs as kcfg  # noqa: E402
@@ -76,14 +70,7 @@ def random_mxfp4_pool(hidden: int, inter: int, n_experts: int, dtype: torch.dtyp
 def bench_point(name: str, T: int, args, cache: dict, copy_bw: float) -> dict:
     H, I, E, k = SHAPES[name]  # noqa: E741
     dev, dtype = args.device, args.dtype
-    if ("pool", name) not in cache:
-        cache[("pool", name)] = random_mxfp4_pool(H, I, E, dtype, dev)
-    pool = cache[("pool", name)]
-    slot = torch.arange(E, dtype=torch.int32, device=dev)
-    ids, w = random_routing(T, E, k, dev, seed=T)
-    x = torch.randn(T, H, device=dev).to(dtype)
-    backend = "triton" if dev.startswith("cuda") or args.interpret else "torch"
-    reps = reps_for(T, args.quick)
+    pool, slot, ids, w, x, backend, reps = point_inputs(SHAPES[name], name, T, args, cache, random_mxfp4_pool)
 
     def ours():
         return kernels.moe_forward(x, ids, w, pool, slot, backend, validate=False)
@@ -95,15 +82,9 @@ def bench_point(name: str, T: int, args, cache: dict, copy_bw: float) -> dict:
                  "experts_used": used, "expert_bytes": pool.fmt.nbytes, "weight_bytes": weight_bytes,
                  "total_bytes": weight_bytes + act * (T * H + T * k * I + 2 * T * k * H),
                  "flops": 2 * T * k * (H * 2 * I + I * H)}
-    res["ours_times_s"] = time_fn(ours, dev, reps)
-    try:
-        graph = cuda_graph_fn(ours, dev)
-        res["ours_graph_times_s"] = time_fn(graph, dev, reps) if graph else None
-    except Exception as exc:  # record, do not fail the run
-        res["ours_graph_error"] = repr(exc)
-    res["timed_as"] = "cuda_graph" if res.get("ours_graph_times_s") else "eager"
-    t_ours = median(res.get("ours_graph_times_s") or res["ours_times_s"])
-    res.update(ours_s=t_ours, ours_eager_s=median(res["ours_times_s"]), bytes_per_s=res["total_bytes"] / t_ours,
+    res.update(time_ours(ours, dev, reps))
+    t_ours = res["ours_s"]
+    res.update(bytes_per_s=res["total_bytes"] / t_ours,
                frac_of_copy_bw=res["total_bytes"] / t_ours / copy_bw, tflops=res["flops"] / t_ours / 1e12)
     if not args.skip_baselines:
         try:
