@@ -21,7 +21,7 @@
 #                                                  #   checkpoint (~25 GB, ~1-2 min), H2D bandwidth, resident + 5
 #                                                  #   caching policies x 4 slot budgets, copy/compute trace
 #   -- the next session (or this one with >= 10 min of device time left), same order:
-#   4. bash benchmarks/run_all_gpu.sh engine       # ~8 min (limits 170 + 390 s); carry=[".whl"] after
+#   4. bash benchmarks/run_all_gpu.sh engine       # ~6-9 min (limits 190 + 370 s); carry=[".whl"] after
 #                                                  #   `bash benchmarks/gpu_wheels.sh` (fastapi, pydantic, uvicorn,
 #                                                  #   openai: the machine lacks them). moeflow serve on the GPU
 #                                                  #   (embedded model, resident + lru, 1 and 8 concurrent clients,
@@ -109,9 +109,9 @@ case "$stage" in
     fi
     serve=(--out "$out/serve")
     if [ "${TINY:-0}" = 1 ]; then serve=(--tiny --out "$out/serve"); fi
-    run 170 engine.log python benchmarks/run_gpu_serve.py "${serve[@]}"
-    run 390 engine.log python benchmarks/run_gpu_engine.py "${tiny[@]}" "${ckpt[@]}" --out "$out/engine" \
-      --time-budget-s 300 ;;
+    run 190 engine.log python benchmarks/run_gpu_serve.py "${serve[@]}"
+    run 370 engine.log python benchmarks/run_gpu_engine.py "${tiny[@]}" "${ckpt[@]}" --out "$out/engine" \
+      --time-budget-s 290 ;;
   models)  # three scripts share the checkpoint (written by the first that finds none: ~1-2 min); each loads it
     run 265 models.log python benchmarks/run_gpu_policies.py "${tiny[@]}" "${ckpt[@]}" \
       --out "$out/policies" --time-budget-s 200 --train-seconds 15 --trace-prompts 12
