@@ -81,11 +81,13 @@ case "$stage" in
   correctness)
     # the kernels compiled, not interpreted (tests/conftest.py sets TRITON_INTERPRET=1 only when it is unset);
     # -v: one line per test as it ends; a test stuck past 200 s fails alone where pytest-timeout is installed
-    per_test=()
+    # and benchmarks/pytest_jsonl.py appends one JSON line per test as it ends to $out/pytest-cuda.jsonl
+    per_test=() plugin=()
     if python -c "import pytest_timeout" 2>/dev/null; then per_test=(--timeout 200); fi
-    TRITON_INTERPRET=0 run 470 correctness.log python -m pytest -v -m cuda -p no:cacheprovider --durations=15 \
-      "${per_test[@]}" --junitxml "$out/pytest-cuda.xml" tests/test_cuda_lane.py tests/test_invariant.py \
-      tests/test_compile_cuda_graphs.py ;;
+    if python -c "import benchmarks.pytest_jsonl" 2>/dev/null; then plugin=(-p benchmarks.pytest_jsonl); fi
+    MOEFLOW_TEST_JSONL="$out/pytest-cuda.jsonl" TRITON_INTERPRET=0 run 470 correctness.log python -m pytest -v -m cuda \
+      -p no:cacheprovider "${plugin[@]}" --durations=15 "${per_test[@]}" --junitxml "$out/pytest-cuda.xml" \
+      tests/test_cuda_lane.py tests/test_invariant.py tests/test_compile_cuda_graphs.py ;;
   kernels)
     if [ "${TINY:-0}" = 1 ]; then
       run 300 kernels.log python benchmarks/run_gpu_kernels.py --dry-run --out "$out/kernels.json"

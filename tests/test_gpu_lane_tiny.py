@@ -142,3 +142,24 @@ def test_freeing_the_loaders_backend_keeps_the_shared_host_store_pinned():
     model.experts = sharer
     run_gpu_offload._free(model)
     assert host.pinned and host.pins == 1
+
+
+def test_the_correctness_stage_writes_one_json_line_per_test_as_it_ends(tmp_path):
+    (tmp_path / "test_sample.py").write_text(
+        "import pytest\n"
+        "@pytest.fixture\ndef broken():\n    raise RuntimeError('no device')\n"
+        "def test_ok():\n    pass\n"
+        "def test_bad():\n    assert 1 == 2\n"
+        "@pytest.mark.skip(reason='needs a CUDA device')\ndef test_skipped():\n    pass\n"
+        "def test_setup_fails(broken):\n    pass\n")
+    jsonl = tmp_path / "out.jsonl"
+    env = {**os.environ, "MOEFLOW_TEST_JSONL": str(jsonl), "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "benchmarks.pytest_jsonl",
+                    "--rootdir", str(tmp_path), "-c", os.devnull, str(tmp_path / "test_sample.py")], env=env,
+                   cwd=tmp_path, capture_output=True, text=True)
+    rows = {r["test"].split("::")[1]: r for r in map(json.loads, jsonl.read_text().splitlines())}
+    assert {k: (r["outcome"], r["when"]) for k, r in rows.items()} == {
+        "test_ok": ("passed", "call"), "test_bad": ("failed", "call"), "test_skipped": ("skipped", "setup"),
+        "test_setup_fails": ("failed", "setup")}
+    assert "assert 1 == 2" in rows["test_bad"]["error"] and "no device" in rows["test_setup_fails"]["error"]
+    assert "needs a CUDA device" in rows["test_skipped"]["reason"]
