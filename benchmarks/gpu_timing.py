@@ -5,6 +5,7 @@ and one (shape, T) point's random inputs. On a CPU the same functions time with 
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections.abc import Callable
 
@@ -100,6 +101,33 @@ def time_ours(fn: Callable[[], object], device: str, reps: int) -> dict:
     res["ours_s"] = median(res.get("ours_graph_times_s") or res["ours_times_s"])
     res["ours_eager_s"] = median(res["ours_times_s"])
     return res
+
+
+def point_parser(description: str, shapes: dict, default_shapes: str, tokens: tuple[int, ...],
+                 budget_s: float) -> argparse.ArgumentParser:
+    """The kernel scripts' shared arguments: shapes, T, dtype, device, repetitions, interpreter, baselines, budget."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--shapes", default=default_shapes, help=f"comma list of {sorted(shapes)}")
+    p.add_argument("--tokens", default=",".join(map(str, tokens)), help="comma list of T")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--quick", action="store_true", help="3 repetitions per measurement")
+    p.add_argument("--interpret", action="store_true", help="on a CPU, time the Triton interpreter (very slow)")
+    p.add_argument("--skip-baselines", action="store_true", help="skip the torch baselines (per-expert loops)")
+    p.add_argument("--budget-s", type=float, default=budget_s, help="stop starting new points after this long")
+    return p
+
+
+def finish_point_args(parser: argparse.ArgumentParser, a: argparse.Namespace, shapes: dict) -> None:
+    """The kernel scripts' shared arguments, resolved in place: ``device`` (cuda when there is one), ``dtype``,
+    ``shape_list`` (names of ``shapes``, else a parser error) and ``token_list`` from the comma lists."""
+    a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    a.dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[a.dtype]
+    a.shape_list = [s for s in a.shapes.split(",") if s]
+    for s in a.shape_list:
+        if s not in shapes:
+            parser.error(f"unknown shape {s!r}; known: {sorted(shapes)}")
+    a.token_list = [int(t) for t in a.tokens.split(",") if t]
 
 
 def point_inputs(shape: tuple[int, int, int, int], key: str, T: int, args, cache: dict, make_pool: Callable):

@@ -35,8 +35,10 @@ from gpu_timing import (  # noqa: E402
     copy_bandwidth,
     cublas_peak,
     cuda_graph_fn,
+    finish_point_args,
     median,
     point_inputs,
+    point_parser,
     random_routing,
     time_fn,
     time_ours,
@@ -244,29 +246,15 @@ def tune_point(name: str, T: int, args, deadline: float | None = None) -> dict:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--shapes", default="mixtral-8x7b,mixtral-8x22b", help=f"comma list of {sorted(SHAPES)}")
-    p.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma list of T")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p = point_parser(__doc__.split("\n")[0], SHAPES, "mixtral-8x7b,mixtral-8x22b", TOKENS, 450.0)
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels-<device>-<time>.json)")
     p.add_argument("--dry-run", action="store_true", help="tiny shape, T=1,4,16, few reps (runs on a CPU)")
-    p.add_argument("--quick", action="store_true", help="3 repetitions per measurement")
-    p.add_argument("--interpret", action="store_true", help="on a CPU, time the Triton interpreter (very slow)")
-    p.add_argument("--skip-baselines", action="store_true", help="skip the per-expert loop and dequant baselines")
     p.add_argument("--tune", action="store_true", help="sweep configs and write a config table (GPU only)")
     p.add_argument("--tune-out", default=None, help="table path (default moeflow/kernels/configs/<device>.json)")
-    p.add_argument("--budget-s", type=float, default=450.0, help="stop starting new points after this long")
     a = p.parse_args(argv)
     if a.dry_run:
         a.shapes, a.tokens, a.quick = "tiny", "1,4,16", True
-    a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    a.dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[a.dtype]
-    a.shape_list = [s for s in a.shapes.split(",") if s]
-    for s in a.shape_list:
-        if s not in SHAPES:
-            p.error(f"unknown shape {s!r}; known: {sorted(SHAPES)}")
-    a.token_list = [int(t) for t in a.tokens.split(",") if t]
+    finish_point_args(p, a, SHAPES)
     if a.tune and not a.device.startswith("cuda"):
         p.error("--tune needs a CUDA device")
     return a

@@ -34,19 +34,25 @@ for p in (ROOT, ROOT / "benchmarks"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from gpu_timing import copy_bandwidth, median, point_inputs, time_fn, time_ours  # noqa: E402
+from gpu_timing import (  # noqa: E402
+    copy_bandwidth,
+    finish_point_args,
+    median,
+    point_inputs,
+    point_parser,
+    time_fn,
+    time_ours,
+)
 from run_gpu_kernels import per_expert_loop  # noqa: E402
+from sass_mxfp4 import MODELS  # noqa: E402
 
 from moeflow import kernels  # noqa: E402
 from moeflow.kernels import configs as kcfg  # noqa: E402
 from moeflow.kernels.biased import BiasedExpertFormat  # noqa: E402
 from moeflow.kernels.pool import ExpertPool  # noqa: E402
 
-SHAPES = {  # name: (hidden, intermediate, experts, top_k)
-    "gpt-oss-120b": (2880, 2880, 128, 4),
-    "gpt-oss-20b": (2880, 2880, 32, 4),
-    "tiny": (64, 96, 8, 2),
-}
+SHAPES = {"gpt-oss-120b": MODELS["gpt-oss-120b"], "gpt-oss-20b": MODELS["gpt-oss-20b"],  # (H, I, E, top_k)
+          "tiny": (64, 96, 8, 2)}
 TOKENS = (1, 4, 16, 64, 512)
 
 
@@ -134,29 +140,15 @@ def markdown_table(results: list[dict], copy_bw: float) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--shapes", default="gpt-oss-120b", help=f"comma list of {sorted(SHAPES)}")
-    p.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma list of T")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p = point_parser(__doc__.split("\n")[0], SHAPES, "gpt-oss-120b", TOKENS, 150.0)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "mxfp4_kernels.json")
     p.add_argument("--tiny", action="store_true", help="tiny shape, T = 1, 4, 16, few repetitions (runs on a CPU)")
-    p.add_argument("--quick", action="store_true", help="3 repetitions per measurement")
-    p.add_argument("--interpret", action="store_true", help="on a CPU, run the Triton kernels interpreted")
-    p.add_argument("--skip-baselines", action="store_true", help="skip the bf16 per-expert loop")
-    p.add_argument("--budget-s", type=float, default=150.0, help="stop starting new points after this long")
     a = p.parse_args(argv)
     if a.tiny:
         a.shapes, a.quick = "tiny", True
         if a.tokens == ",".join(map(str, TOKENS)):
             a.tokens = "1,4,16"
-    a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    a.dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[a.dtype]
-    a.shape_list = [s for s in a.shapes.split(",") if s]
-    for s in a.shape_list:
-        if s not in SHAPES:
-            p.error(f"unknown shape {s!r}; known: {sorted(SHAPES)}")
-    a.token_list = [int(t) for t in a.tokens.split(",") if t]
+    finish_point_args(p, a, SHAPES)
     return a
 
 
