@@ -96,6 +96,9 @@ def graphs_rows(model, host, policy: str, slots: int | None, prompt, new_tokens:
                    if row["tok_per_s"] and rows[0]["tok_per_s"] else None)
         row["tokens_equal_eager"] = row.pop("tokens_equal_reference")
         rows.append({"section": "cuda_graphs", "policy": policy, "slots": slots, "mode": "cuda_graphs", **row})
+    except Exception as exc:  # the eager row stands; the graphs' failure is the result
+        rows.append({"section": "cuda_graphs", "policy": policy, "slots": slots, "mode": "cuda_graphs",
+                     "error": f"{type(exc).__name__}: {exc}"})
     finally:
         runner.decode_fn = eager_fn
     return rows, eager_out
