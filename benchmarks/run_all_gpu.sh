@@ -52,6 +52,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+py="${PYTHON:-$(command -v python3 || command -v python)}"  # the lent machine documents python3 (its torch venv)
 out="${OUT:-benchmarks/results/gpu-$(date +%Y-%m-%d)}"
 stage="${1:-}"
 ckpt=(--checkpoint "${CKPT:-/tmp/moeflow-mixtral-8x7b-awq}")
@@ -62,7 +63,7 @@ mkdir -p "$out"
 [ "$plan" = 1 ] || {
   date -u +%FT%TZ
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>/dev/null || echo "no nvidia-smi"
-  python -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+  "$py" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
   nproc; free -g | head -2; df -h /tmp | tail -1
 } > "$out/env-$stage.txt" 2>&1
 
@@ -83,58 +84,61 @@ case "$stage" in
     # -v: one line per test as it ends; a test stuck past 200 s fails alone where pytest-timeout is installed
     # and benchmarks/pytest_jsonl.py appends one JSON line per test as it ends to $out/pytest-cuda.jsonl
     per_test=() plugin=()
-    if python -c "import pytest_timeout" 2>/dev/null; then per_test=(--timeout 200); fi
-    if python -c "import benchmarks.pytest_jsonl" 2>/dev/null; then plugin=(-p benchmarks.pytest_jsonl); fi
-    MOEFLOW_TEST_JSONL="$out/pytest-cuda.jsonl" TRITON_INTERPRET=0 run 470 correctness.log python -m pytest -v -m cuda \
+    if "$py" -c "import pytest_timeout" 2>/dev/null; then per_test=(--timeout 200); fi
+    if "$py" -c "import benchmarks.pytest_jsonl" 2>/dev/null; then plugin=(-p benchmarks.pytest_jsonl); fi
+    MOEFLOW_TEST_JSONL="$out/pytest-cuda.jsonl" TRITON_INTERPRET=0 run 470 correctness.log "$py" -m pytest -v -m cuda \
       -p no:cacheprovider "${plugin[@]}" --durations=15 "${per_test[@]}" --junitxml "$out/pytest-cuda.xml" \
       tests/test_cuda_lane.py tests/test_invariant.py tests/test_compile_cuda_graphs.py ;;
   kernels)
     if [ "${TINY:-0}" = 1 ]; then
-      run 300 kernels.log python benchmarks/run_gpu_kernels.py --dry-run --out "$out/kernels.json"
-      run 120 kernels.log python benchmarks/run_gpu_mxfp4.py --tiny --out "$out/mxfp4.json"
+      run 300 kernels.log "$py" benchmarks/run_gpu_kernels.py --dry-run --out "$out/kernels.json"
+      run 120 kernels.log "$py" benchmarks/run_gpu_mxfp4.py --tiny --out "$out/mxfp4.json"
     else
-      run 330 kernels.log python benchmarks/run_gpu_kernels.py --shapes mixtral-8x7b,mixtral-8x22b \
+      run 330 kernels.log "$py" benchmarks/run_gpu_kernels.py --shapes mixtral-8x7b,mixtral-8x22b \
         --out "$out/kernels.json" --budget-s 250
-      run 170 kernels.log python benchmarks/run_gpu_mxfp4.py --shapes gpt-oss-120b --out "$out/mxfp4.json" \
+      run 170 kernels.log "$py" benchmarks/run_gpu_mxfp4.py --shapes gpt-oss-120b --out "$out/mxfp4.json" \
         --budget-s 110
     fi ;;
   tune)
-    run 560 tune.log python benchmarks/run_gpu_kernels.py --shapes mixtral-8x7b --tokens 1,4,16 --skip-baselines \
+    run 560 tune.log "$py" benchmarks/run_gpu_kernels.py --shapes mixtral-8x7b --tokens 1,4,16 --skip-baselines \
       --quick --tune --tune-out "$out/tuned-configs.json" --out "$out/tune.json" --budget-s 480 ;;
   offload)
-    run 510 offload.log python benchmarks/run_gpu_offload.py "${tiny[@]}" "${ckpt[@]}" --out "$out/offload" \
+    run 510 offload.log "$py" benchmarks/run_gpu_offload.py "${tiny[@]}" "${ckpt[@]}" --out "$out/offload" \
       --time-budget-s 370 ;;
   engine)  # moeflow serve first (no checkpoint needed), then CUDA graphs and the disk tier on the Mixtral checkpoint
-    if [ "${TINY:-0}" != 1 ] && [ "$plan" != 1 ] && ls .whl/*.whl >/dev/null 2>&1; then  # benchmarks/gpu_wheels.sh, carried: the server's packages
-      python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -3 \
-        && export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH#"$PWD"}"
+    # the server's packages: the wheels of benchmarks/gpu_wheels.sh, carried in .whl/ (else serve records the error)
+    if [ "${TINY:-0}" != 1 ] && [ "$plan" != 1 ] && ls .whl/*.whl >/dev/null 2>&1; then
+      "$py" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 \
+        | tail -3 | tee -a "$out/engine.log" && export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH#"$PWD"}" \
+        && echo "== wheels of .whl/ installed in /tmp/site" | tee -a "$out/engine.log"
     fi
     serve=(--out "$out/serve")
     if [ "${TINY:-0}" = 1 ]; then serve=(--tiny --out "$out/serve"); fi
-    run 190 engine.log python benchmarks/run_gpu_serve.py "${serve[@]}"
-    run 370 engine.log python benchmarks/run_gpu_engine.py "${tiny[@]}" "${ckpt[@]}" --out "$out/engine" \
+    run 190 engine.log "$py" benchmarks/run_gpu_serve.py "${serve[@]}"
+    run 370 engine.log "$py" benchmarks/run_gpu_engine.py "${tiny[@]}" "${ckpt[@]}" --out "$out/engine" \
       --time-budget-s 290 ;;
   models)  # three scripts share the checkpoint (written by the first that finds none: ~1-2 min); each loads it
-    run 265 models.log python benchmarks/run_gpu_policies.py "${tiny[@]}" "${ckpt[@]}" \
+    run 265 models.log "$py" benchmarks/run_gpu_policies.py "${tiny[@]}" "${ckpt[@]}" \
       --out "$out/policies" --time-budget-s 200 --train-seconds 15 --trace-prompts 12
-    run 125 models.log python benchmarks/run_gpu_hybrid.py "${tiny[@]}" "${ckpt[@]}" --out "$out/hybrid" \
+    run 125 models.log "$py" benchmarks/run_gpu_hybrid.py "${tiny[@]}" "${ckpt[@]}" --out "$out/hybrid" \
       --time-budget-s 80
-    run 140 models.log python benchmarks/run_gpu_sim_validation.py "${tiny[@]}" "${ckpt[@]}" --out "$out/sim" \
+    run 140 models.log "$py" benchmarks/run_gpu_sim_validation.py "${tiny[@]}" "${ckpt[@]}" --out "$out/sim" \
       --time-budget-s 80
-    [ "$plan" = 1 ] || (cd "$out" && tar czf models-tables-logs.tgz policies/*.md hybrid/*.md sim/*.md models.log 2>/dev/null \
-      && rm -f policies/*.md hybrid/*.md sim/*.md models.log) ;;
+    [ "$plan" = 1 ] || (cd "$out" && tar czf models-tables-logs.tgz policies/*.md hybrid/*.md sim/*.md models.log \
+      2>/dev/null && rm -f policies/*.md hybrid/*.md sim/*.md models.log) ;;
   families-qwen3|families-gpt-oss)  # one family per stage: each writes a ~17-33 GB checkpoint (write + load ~2 min)
     family=qwen3_moe need_gb=19
     if [ "$stage" = families-gpt-oss ]; then family=gpt_oss need_gb=36; fi
     own="/tmp/moeflow-synthetic-$family-"
-    if [ "${TINY:-0}" != 1 ] && [ "$plan" != 1 ] && [ "$(df --output=avail -BG /tmp | tail -1 | tr -dc 0-9)" -lt "$need_gb" ]; then
+    avail_gb=$(df --output=avail -BG /tmp | tail -1 | tr -dc 0-9)
+    if [ "${TINY:-0}" != 1 ] && [ "$plan" != 1 ] && [ "$avail_gb" -lt "$need_gb" ]; then
       for d in "${CKPT:-/tmp/moeflow-mixtral-8x7b-awq}" /tmp/moeflow-synthetic-*; do  # the 64 GiB disk: make room
         case "$d" in "$own"*) ;; *) [ -d "$d" ] && echo "removing $d (disk)" && rm -rf "$d" ;; esac
       done
     fi
     layers=()  # LAYERS=12: a smaller gpt-oss checkpoint (its MXFP4 load repacks ~0.03-0.3 s per expert on the CPU)
     if [ -n "${LAYERS:-}" ]; then layers=(--layers "$LAYERS"); fi
-    run 570 "$stage.log" python benchmarks/run_gpu_families.py --family "$family" "${tiny[@]}" "${layers[@]}" \
+    run 570 "$stage.log" "$py" benchmarks/run_gpu_families.py --family "$family" "${tiny[@]}" "${layers[@]}" \
       --out "$out/families" --time-budget-s 450 ;;
   *) echo "usage: $0 correctness|kernels|offload|engine|models|families-qwen3|families-gpt-oss|tune (TINY=1: CPU" \
        "sizes)" >&2
