@@ -239,6 +239,7 @@ def main(argv: list[str] | None = None) -> dict:
             for row in rows:
                 record(row)
         model.close()
+        host.close()  # the backends shared it (none owned it after the swaps): unregister its pages before freeing
         del model, host
         gc.collect()
         if device.type == "cuda":
