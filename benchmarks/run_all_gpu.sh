@@ -1,56 +1,76 @@
 #!/usr/bin/env bash
 # The GPU lane (issue 12): everything that needs a GPU, in stages that each end inside one 10-minute device command
 # (every Python step runs under `timeout`, and writes its JSON under $OUT after every point it measures, so a run
-# cut short still leaves numbers). Nothing here needs the network or a package the lent machine lacks.
+# cut short still leaves numbers). Nothing here needs the network; only the engine stage's serve step needs packages
+# the lent machine lacks, carried as wheels (benchmarks/gpu_wheels.sh; without them that step records the error).
 #
-# A lent GPU session (30 minutes of device time, machine start included) runs, in this order, back to back
-# (a machine left idle 30 s is given back, and the ~25 GB synthetic checkpoint in /tmp goes with it):
+# A lent GPU session (30 minutes of device time, the machine's start included) runs, in this order, back to back
+# (a machine left idle 30 s is given back, and the ~25 GB synthetic checkpoint in /tmp goes with it). Stages 1-3
+# are bounded at 470 + 500 + 510 s = 24.7 min of commands, which leaves ~5 min for the start and the transfers:
 #
-#   1. bash benchmarks/run_all_gpu.sh correctness  # ~6-8 min: pytest -m cuda with the kernels compiled: kernels at
-#                                                  #   Mixtral shapes vs the fp32 reference, the race harness
-#                                                  #   (NaN-poisoned evicted slots, delayed chunks; a deleted
-#                                                  #   wait_event must be caught), every policy's tokens on streams
-#   2. bash benchmarks/run_all_gpu.sh kernels      # ~8 min: copy BW, cuBLAS peak, W4A16 MoE at Mixtral 8x7B/8x22B,
-#                                                  #   T = 1..4096 under CUDA-graph replay vs bf16 loop and int4pack_mm
-#   3. bash benchmarks/run_all_gpu.sh offload      # ~9 min: writes the synthetic Mixtral-8x7B AWQ checkpoint, H2D
-#                                                  #   bandwidth, resident + 5 caching policies x 4 slot budgets, trace
-#   4. (device time left >= 10 min, else the next session) bash benchmarks/run_all_gpu.sh models
-#                                                  # ~9.5 min: predictive policies, cpu_compute auto, simulator check
-#   5. bash benchmarks/run_all_gpu.sh families-qwen3   # ~6-9 min (issue 16): writes the synthetic Qwen3-30B-A3B
+#   1. bash benchmarks/run_all_gpu.sh correctness  # ~5-7 min (limit 470 s): pytest -v -m cuda with the kernels
+#                                                  #   compiled: AWQ kernels at Mixtral shapes and MXFP4 at gpt-oss-120b
+#                                                  #   shapes (bf16) vs the fp32 reference, the race harness (NaN-
+#                                                  #   poisoned evicted slots, delayed chunks; a deleted wait_event
+#                                                  #   must be caught), every policy's tokens on streams, CUDA graphs
+#   2. bash benchmarks/run_all_gpu.sh kernels      # ~8 min (limits 330 + 170 s): copy BW, cuBLAS peak, W4A16 MoE at
+#                                                  #   Mixtral 8x7B/8x22B, T = 1..4096 under CUDA-graph replay vs bf16
+#                                                  #   loop and int4pack_mm; then MXFP4 gpt-oss-120b experts, T = 1..512,
+#                                                  #   % of HBM and x bf16 loop (run_gpu_mxfp4.py)
+#   3. bash benchmarks/run_all_gpu.sh offload      # ~8 min (limit 510 s): writes the synthetic Mixtral-8x7B AWQ
+#                                                  #   checkpoint (~25 GB, ~1-2 min), H2D bandwidth, resident + 5
+#                                                  #   caching policies x 4 slot budgets, copy/compute trace
+#   -- the next session (or this one with >= 10 min of device time left), same order:
+#   4. bash benchmarks/run_all_gpu.sh engine       # ~6-9 min (limits 190 + 370 s); carry=[".whl"] after
+#                                                  #   `bash benchmarks/gpu_wheels.sh` (fastapi, pydantic, uvicorn,
+#                                                  #   openai: the machine lacks them). moeflow serve on the GPU
+#                                                  #   (embedded model, resident + lru, 1 and 8 concurrent clients,
+#                                                  #   every reply = generate's text); cuda_graphs=True vs eager decode
+#                                                  #   (resident, lru) and the disk tier (host_memory_gb, pinned rows,
+#                                                  #   CUDA transport, tokens = in-RAM) on the stage-3 checkpoint
+#                                                  #   (rewritten first on a fresh machine: ~1-2 min)
+#   5. bash benchmarks/run_all_gpu.sh models       # ~9.5 min: predictive policies, cpu_compute auto, simulator check
+#   6. bash benchmarks/run_all_gpu.sh families-qwen3   # ~6-9 min (issue 16): writes the synthetic Qwen3-30B-A3B
 #                                                  #   AWQ checkpoint (48 layers, ~17 GB), decode tok/s at 4/8/12 GB
 #                                                  #   x lru/mixtral-offloading/static x cpu_compute never/auto
-#   6. bash benchmarks/run_all_gpu.sh families-gpt-oss # ~7-9 min (issue 18): a gpt-oss-120b-shaped MXFP4 checkpoint
+#   7. bash benchmarks/run_all_gpu.sh families-gpt-oss # ~7-9 min (issue 18): a gpt-oss-120b-shaped MXFP4 checkpoint
 #                                                  #   of 18 of its 36 layers (~33 GB: the full 61 GB does not fit
 #                                                  #   the disk beside the others; per-layer times reported), 16/24 GB.
 #                                                  #   Both delete the other synthetic checkpoints in /tmp when the
-#                                                  #   disk is short (stages 3-4 then rewrite theirs: ~1-2 min).
+#                                                  #   disk is short (stages 3-5 then rewrite theirs: ~1-2 min).
 #   optional: bash benchmarks/run_all_gpu.sh tune  # ~9 min: config sweep for T = 1, 4, 16 (writes $OUT/<gpu>.json;
 #                                                  #   commit it as moeflow/kernels/configs/<gpu>.json)
 #
-# Device tool call: run(command="bash benchmarks/run_all_gpu.sh correctness", timeout_s=600). If a stage dies, its
-# log is $OUT/<stage>.log. Results go to $OUT (else benchmarks/results/gpu-<date>/): copy them under
-# benchmarks/results/<gpu>-<date>/ with a short table. Each stage leaves at most 8 files in $OUT, no deeper than
-# one folder (the device tool's limits); Markdown tables and logs of `models` are packed into one .tgz.
+# Device tool call: run(command="bash benchmarks/run_all_gpu.sh correctness", timeout_s=600). Every measurement
+# prints one line as it ends and is written to JSON under $OUT at once; a failing one is recorded and the stage
+# goes on; every step runs under `timeout`. If a stage dies, its log is $OUT/<stage>.log. Results go to $OUT (else
+# benchmarks/results/gpu-<date>/): copy them under benchmarks/results/<gpu>-<date>/ with a short table. Each stage
+# leaves at most 8 files in $OUT, no deeper than one folder (the device tool's limits); Markdown tables and logs of
+# `models` are packed into one .tgz.
 # Every stage also runs on a CPU (`--tiny` / `--dry-run` sizes) with TINY=1: bash benchmarks/run_all_gpu.sh offload
+# PLAN=1 prints each step's time limit and command and runs nothing (tests/test_gpu_lane_tiny.py sums the limits).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+py="${PYTHON:-$(command -v python3 || command -v python)}"  # the lent machine documents python3 (its torch venv)
 out="${OUT:-benchmarks/results/gpu-$(date +%Y-%m-%d)}"
 stage="${1:-}"
 ckpt=(--checkpoint "${CKPT:-/tmp/moeflow-mixtral-8x7b-awq}")
 tiny=()  # TINY=1: the CPU sizes; each script then writes its own tiny checkpoint (their layer counts differ)
 if [ "${TINY:-0}" = 1 ]; then tiny=(--tiny); ckpt=(); fi
+plan="${PLAN:-0}"
 mkdir -p "$out"
-{
+[ "$plan" = 1 ] || {
   date -u +%FT%TZ
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>/dev/null || echo "no nvidia-smi"
-  python -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+  "$py" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
   nproc; free -g | head -2; df -h /tmp | tail -1
 } > "$out/env-$stage.txt" 2>&1
 
 run() {  # run <seconds> <log name> <command...>: bounded, logged, never aborting the stage
   local limit=$1 log=$2
   shift 2
+  if [ "$plan" = 1 ]; then echo "plan $limit $*"; return 0; fi
   echo "== $(date -u +%T) $* (limit ${limit}s)" | tee -a "$out/$log"
   timeout --signal=INT --kill-after=15 "$limit" "$@" 2>&1 | tee -a "$out/$log"
   local rc=${PIPESTATUS[0]}
@@ -60,45 +80,68 @@ run() {  # run <seconds> <log name> <command...>: bounded, logged, never abortin
 
 case "$stage" in
   correctness)
-    # the kernels compiled, not interpreted (tests/conftest.py sets TRITON_INTERPRET=1 only when it is unset)
-    TRITON_INTERPRET=0 run 540 correctness.log python -m pytest -q -m cuda -p no:cacheprovider --durations=15 \
-      --junitxml "$out/pytest-cuda.xml" tests/test_cuda_lane.py tests/test_invariant.py tests/test_compile_cuda_graphs.py ;;
+    # the kernels compiled, not interpreted (tests/conftest.py sets TRITON_INTERPRET=1 only when it is unset);
+    # -v: one line per test as it ends; a test stuck past 200 s fails alone where pytest-timeout is installed
+    # and benchmarks/pytest_jsonl.py appends one JSON line per test as it ends to $out/pytest-cuda.jsonl
+    per_test=() plugin=()
+    if "$py" -c "import pytest_timeout" 2>/dev/null; then per_test=(--timeout 200); fi
+    if "$py" -c "import benchmarks.pytest_jsonl" 2>/dev/null; then plugin=(-p benchmarks.pytest_jsonl); fi
+    MOEFLOW_TEST_JSONL="$out/pytest-cuda.jsonl" TRITON_INTERPRET=0 run 470 correctness.log "$py" -m pytest -v -m cuda \
+      -p no:cacheprovider "${plugin[@]}" --durations=15 "${per_test[@]}" --junitxml "$out/pytest-cuda.xml" \
+      tests/test_cuda_lane.py tests/test_invariant.py tests/test_compile_cuda_graphs.py ;;
   kernels)
     if [ "${TINY:-0}" = 1 ]; then
-      run 300 kernels.log python benchmarks/run_gpu_kernels.py --dry-run --out "$out/kernels.json"
+      run 300 kernels.log "$py" benchmarks/run_gpu_kernels.py --dry-run --out "$out/kernels.json"
+      run 120 kernels.log "$py" benchmarks/run_gpu_mxfp4.py --tiny --out "$out/mxfp4.json"
     else
-      run 560 kernels.log python benchmarks/run_gpu_kernels.py --shapes mixtral-8x7b,mixtral-8x22b \
-        --out "$out/kernels.json" --budget-s 440
+      run 330 kernels.log "$py" benchmarks/run_gpu_kernels.py --shapes mixtral-8x7b,mixtral-8x22b \
+        --out "$out/kernels.json" --budget-s 250
+      run 170 kernels.log "$py" benchmarks/run_gpu_mxfp4.py --shapes gpt-oss-120b --out "$out/mxfp4.json" \
+        --budget-s 110
     fi ;;
   tune)
-    run 560 tune.log python benchmarks/run_gpu_kernels.py --shapes mixtral-8x7b --tokens 1,4,16 --skip-baselines \
+    run 560 tune.log "$py" benchmarks/run_gpu_kernels.py --shapes mixtral-8x7b --tokens 1,4,16 --skip-baselines \
       --quick --tune --tune-out "$out/tuned-configs.json" --out "$out/tune.json" --budget-s 480 ;;
   offload)
-    run 570 offload.log python benchmarks/run_gpu_offload.py "${tiny[@]}" "${ckpt[@]}" --out "$out/offload" \
-      --time-budget-s 400 ;;
+    run 510 offload.log "$py" benchmarks/run_gpu_offload.py "${tiny[@]}" "${ckpt[@]}" --out "$out/offload" \
+      --time-budget-s 370 ;;
+  engine)  # moeflow serve first (no checkpoint needed), then CUDA graphs and the disk tier on the Mixtral checkpoint
+    # the server's packages: the wheels of benchmarks/gpu_wheels.sh, carried in .whl/ (else serve records the error)
+    if [ "${TINY:-0}" != 1 ] && [ "$plan" != 1 ] && ls .whl/*.whl >/dev/null 2>&1; then
+      "$py" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 \
+        | tail -3 | tee -a "$out/engine.log" && export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH#"$PWD"}" \
+        && echo "== wheels of .whl/ installed in /tmp/site" | tee -a "$out/engine.log"
+    fi
+    serve=(--out "$out/serve")
+    if [ "${TINY:-0}" = 1 ]; then serve=(--tiny --out "$out/serve"); fi
+    run 190 engine.log "$py" benchmarks/run_gpu_serve.py "${serve[@]}"
+    run 370 engine.log "$py" benchmarks/run_gpu_engine.py "${tiny[@]}" "${ckpt[@]}" --out "$out/engine" \
+      --time-budget-s 290 ;;
   models)  # three scripts share the checkpoint (written by the first that finds none: ~1-2 min); each loads it
-    run 280 models.log python benchmarks/run_gpu_policies.py "${tiny[@]}" "${ckpt[@]}" \
+    run 265 models.log "$py" benchmarks/run_gpu_policies.py "${tiny[@]}" "${ckpt[@]}" \
       --out "$out/policies" --time-budget-s 200 --train-seconds 15 --trace-prompts 12
-    run 130 models.log python benchmarks/run_gpu_hybrid.py "${tiny[@]}" "${ckpt[@]}" --out "$out/hybrid" \
+    run 125 models.log "$py" benchmarks/run_gpu_hybrid.py "${tiny[@]}" "${ckpt[@]}" --out "$out/hybrid" \
       --time-budget-s 80
-    run 150 models.log python benchmarks/run_gpu_sim_validation.py "${tiny[@]}" "${ckpt[@]}" --out "$out/sim" \
+    run 140 models.log "$py" benchmarks/run_gpu_sim_validation.py "${tiny[@]}" "${ckpt[@]}" --out "$out/sim" \
       --time-budget-s 80
-    (cd "$out" && tar czf models-tables-logs.tgz policies/*.md hybrid/*.md sim/*.md models.log 2>/dev/null \
-      && rm -f policies/*.md hybrid/*.md sim/*.md models.log) ;;
+    [ "$plan" = 1 ] || (cd "$out" && tar czf models-tables-logs.tgz policies/*.md hybrid/*.md sim/*.md models.log \
+      2>/dev/null && rm -f policies/*.md hybrid/*.md sim/*.md models.log) ;;
   families-qwen3|families-gpt-oss)  # one family per stage: each writes a ~17-33 GB checkpoint (write + load ~2 min)
     family=qwen3_moe need_gb=19
     if [ "$stage" = families-gpt-oss ]; then family=gpt_oss need_gb=36; fi
     own="/tmp/moeflow-synthetic-$family-"
-    if [ "${TINY:-0}" != 1 ] && [ "$(df --output=avail -BG /tmp | tail -1 | tr -dc 0-9)" -lt "$need_gb" ]; then
+    avail_gb=$(df --output=avail -BG /tmp | tail -1 | tr -dc 0-9)
+    if [ "${TINY:-0}" != 1 ] && [ "$plan" != 1 ] && [ "$avail_gb" -lt "$need_gb" ]; then
       for d in "${CKPT:-/tmp/moeflow-mixtral-8x7b-awq}" /tmp/moeflow-synthetic-*; do  # the 64 GiB disk: make room
         case "$d" in "$own"*) ;; *) [ -d "$d" ] && echo "removing $d (disk)" && rm -rf "$d" ;; esac
       done
     fi
     layers=()  # LAYERS=12: a smaller gpt-oss checkpoint (its MXFP4 load repacks ~0.03-0.3 s per expert on the CPU)
     if [ -n "${LAYERS:-}" ]; then layers=(--layers "$LAYERS"); fi
-    run 570 "$stage.log" python benchmarks/run_gpu_families.py --family "$family" "${tiny[@]}" "${layers[@]}" \
+    run 570 "$stage.log" "$py" benchmarks/run_gpu_families.py --family "$family" "${tiny[@]}" "${layers[@]}" \
       --out "$out/families" --time-budget-s 450 ;;
-  *) echo "usage: $0 correctness|kernels|offload|models|families-qwen3|families-gpt-oss|tune (TINY=1: CPU sizes)" >&2
+  *) echo "usage: $0 correctness|kernels|offload|engine|models|families-qwen3|families-gpt-oss|tune (TINY=1: CPU" \
+       "sizes)" >&2
      exit 2 ;;
 esac
-echo "stage $stage done: $(ls -R "$out" | tr '\n' ' ')"
+[ "$plan" = 1 ] || echo "stage $stage done: $(ls -R "$out" | tr '\n' ' ')"

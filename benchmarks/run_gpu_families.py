@@ -49,7 +49,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from run_gpu_offload import _awq_linear, _free, _sync, run_config  # noqa: E402
+from run_gpu_offload import _free, _sync, run_config  # noqa: E402
+from synthetic_mixtral import random_awq_linear  # noqa: E402
 
 from moeflow import MoEModel, OffloadConfig  # noqa: E402
 from moeflow.engine.memory import reserved_device_bytes  # noqa: E402
@@ -108,7 +109,7 @@ def _qwen3_layers(cfg: dict, group: int, gen: torch.Generator):
     """Yields each decoder layer's tensors {name: tensor} (experts AWQ, the rest fp16)."""
     H, I, E = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_experts"]  # noqa: E741
     hd, nh, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    templates = [{p: _awq_linear(*shape, group, gen) for p, shape in
+    templates = [{p: random_awq_linear(*shape, group, gen) for p, shape in
                   (("gate_proj", (H, I)), ("up_proj", (H, I)), ("down_proj", (I, H)))} for _ in range(TEMPLATES)]
     attention = {"q_proj": (nh * hd, H), "k_proj": (nkv * hd, H), "v_proj": (nkv * hd, H), "o_proj": (H, nh * hd)}
     attention = {f"self_attn.{p}.weight": _normal(s, 0.02, gen, torch.float16) for p, s in attention.items()}

@@ -21,15 +21,28 @@ import json
 import platform
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _p in (ROOT, ROOT / "benchmarks"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+from gpu_timing import (  # noqa: E402
+    copy_bandwidth,
+    cublas_peak,
+    cuda_graph_fn,
+    finish_point_args,
+    median,
+    point_inputs,
+    point_parser,
+    random_routing,
+    time_fn,
+    time_ours,
+)
 
 from moeflow import kernels  # noqa: E402
 from moeflow.kernels import configs as kcfg  # noqa: E402
@@ -58,13 +71,6 @@ def random_awq_pool(hidden: int, inter: int, n_experts: int, dtype: torch.dtype,
         t = pool.tensors[name]
         t.copy_((torch.rand(t.shape, device=device, generator=gen) * 2e-3 + 1e-3).to(dtype))
     return pool
-
-
-def random_routing(T: int, E: int, k: int, device: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator(device=device).manual_seed(seed)
-    logits = torch.randn(T, E, device=device, generator=gen)
-    w, ids = torch.topk(torch.softmax(logits, -1), k, dim=-1)
-    return ids.to(torch.int32), (w / w.sum(-1, keepdim=True)).float()
 
 
 def per_expert_loop(x, ids, w, w13_list, w2_list, inter):
@@ -131,93 +137,10 @@ def int4pack_expert(pool: ExpertPool, slot: int, inter: int):
     return fn
 
 
-# ---------------------------------------------------------------------------------------------------------
-# timing
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def time_fn(fn: Callable[[], object], device: str, reps: int, warmup: int = 2) -> list[float]:
-    """Seconds per call, one entry per repetition (CUDA events on a GPU, perf_counter elsewhere)."""
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    times = []
-    for _ in range(reps):
-        if device.startswith("cuda"):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return times
-
-
-def median(xs: list[float]) -> float:
-    s = sorted(xs)
-    return s[len(s) // 2] if s else float("nan")
-
-
-def copy_bandwidth(device: str, nbytes: int) -> dict:
-    """Measured device-to-device copy bandwidth (read + write bytes per second)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    times = time_fn(lambda: dst.copy_(src), device, reps=10)
-    return {"bytes": nbytes, "times_s": times, "bytes_per_s": 2 * nbytes / median(times)}
-
-
-def cublas_peak(device: str, n: int) -> dict:
-    """bf16 cuBLAS TFLOP/s of one square [n, n] @ [n, n] matmul on random data (the compute ceiling)."""
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    times = time_fn(lambda: a @ b, device, reps=10 if device.startswith("cuda") else 2)
-    return {"n": n, "times_s": times, "tflops": 2 * n**3 / median(times) / 1e12}
-
-
-def cuda_graph_fn(fn: Callable[[], object], device: str) -> Callable[[], object] | None:
-    if not device.startswith("cuda"):
-        return None
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
-
-
-def reps_for(T: int, quick: bool) -> int:
-    if quick:
-        return 3
-    return 30 if T <= 64 else 10 if T <= 512 else 5
-
-
-# ---------------------------------------------------------------------------------------------------------
-# one (shape, T) point
-
-
 def bench_point(name: str, T: int, args, dense_cache: dict, copy_bw: float, cublas_cache: dict) -> dict:
     H, I, E, k = SHAPES[name]  # noqa: E741
     dev, dtype = args.device, args.dtype
-    if ("pool", name) not in dense_cache:
-        dense_cache[("pool", name)] = random_awq_pool(H, I, E, dtype, dev)
-    pool = dense_cache[("pool", name)]
-    slot = torch.arange(E, dtype=torch.int32, device=dev)
-    ids, w = random_routing(T, E, k, dev, seed=T)
-    x = torch.randn(T, H, device=dev).to(dtype)
-    backend = "triton" if dev.startswith("cuda") or args.interpret else "torch"
-    reps = reps_for(T, args.quick)
+    pool, slot, ids, w, x, backend, reps = point_inputs(SHAPES[name], name, T, args, dense_cache, random_awq_pool)
     cfg = kcfg.lookup_config("moe", T, kind="awq", dtype=dtype, group_size=GROUP, num_experts=E, top_k=k, n=I, k=H,
                              device=dev)
 
@@ -233,16 +156,8 @@ def bench_point(name: str, T: int, args, dense_cache: dict, copy_bw: float, cubl
     flops = 2 * T * k * (H * 2 * I + I * H)
     res.update({"experts_used": used, "weight_bytes": weight_bytes, "total_bytes": weight_bytes + act_bytes,
                 "flops": flops})
-    res["ours_times_s"] = time_fn(ours, dev, reps)
-    try:
-        graph = cuda_graph_fn(ours, dev)
-        res["ours_graph_times_s"] = time_fn(graph, dev, reps) if graph else None
-    except Exception as exc:  # record, do not fail the run
-        res["ours_graph_error"] = repr(exc)
-    # the reported time is the CUDA-graph replay (what a captured decode step pays); eager when capture failed
-    t_ours = median(res.get("ours_graph_times_s") or res["ours_times_s"])
-    res["timed_as"] = "cuda_graph" if res.get("ours_graph_times_s") else "eager"
-    res["ours_s"] = t_ours
+    res.update(time_ours(ours, dev, reps))
+    t_ours = res["ours_s"]
     res["bytes_per_s"] = res["total_bytes"] / t_ours
     res["frac_of_copy_bw"] = res["bytes_per_s"] / copy_bw
     res["tflops"] = flops / t_ours / 1e12
@@ -331,29 +246,15 @@ def tune_point(name: str, T: int, args, deadline: float | None = None) -> dict:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--shapes", default="mixtral-8x7b,mixtral-8x22b", help=f"comma list of {sorted(SHAPES)}")
-    p.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma list of T")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p = point_parser(__doc__.split("\n")[0], SHAPES, "mixtral-8x7b,mixtral-8x22b", TOKENS, 450.0)
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels-<device>-<time>.json)")
     p.add_argument("--dry-run", action="store_true", help="tiny shape, T=1,4,16, few reps (runs on a CPU)")
-    p.add_argument("--quick", action="store_true", help="3 repetitions per measurement")
-    p.add_argument("--interpret", action="store_true", help="on a CPU, time the Triton interpreter (very slow)")
-    p.add_argument("--skip-baselines", action="store_true", help="skip the per-expert loop and dequant baselines")
     p.add_argument("--tune", action="store_true", help="sweep configs and write a config table (GPU only)")
     p.add_argument("--tune-out", default=None, help="table path (default moeflow/kernels/configs/<device>.json)")
-    p.add_argument("--budget-s", type=float, default=450.0, help="stop starting new points after this long")
     a = p.parse_args(argv)
     if a.dry_run:
         a.shapes, a.tokens, a.quick = "tiny", "1,4,16", True
-    a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    a.dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[a.dtype]
-    a.shape_list = [s for s in a.shapes.split(",") if s]
-    for s in a.shape_list:
-        if s not in SHAPES:
-            p.error(f"unknown shape {s!r}; known: {sorted(SHAPES)}")
-    a.token_list = [int(t) for t in a.tokens.split(",") if t]
+    finish_point_args(p, a, SHAPES)
     if a.tune and not a.device.startswith("cuda"):
         p.error("--tune needs a CUDA device")
     return a

@@ -29,7 +29,6 @@ import os
 import platform
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -37,102 +36,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from synthetic_mixtral import (  # noqa: E402
+    add_checkpoint_args,
+    checkpoint_bytes,
+    mixtral_setup,
+    write_synthetic_awq_checkpoint,
+)
+
 from moeflow import MoEOffloadedMixtral, OffloadConfig  # noqa: E402
 from moeflow.moe import ResidentExperts  # noqa: E402
 from moeflow.offload import OffloadedExperts, chunk_ranges, create_expert_backend, min_slots  # noqa: E402
 
-MIXTRAL_8X7B = dict(
-    vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-    num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=32768,
-    rms_norm_eps=1e-5, rope_theta=1e6, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
-)
-TINY = dict(
-    vocab_size=97, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=512,
-    rms_norm_eps=1e-5, rope_theta=1e6, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
-)
 POLICIES = ("ondemand", "lru", "lfu", "static", "mixtral-offloading")
-TEMPLATES = 4  # distinct random experts, reused round-robin: the speed is the same, the writing much faster
-
-
-# ------------------------------------------------------------------------------------------ checkpoint
-def _awq_linear(fan_in: int, fan_out: int, group: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    """Random AWQ GEMM tensors whose dequantized weights are small ((q - z) * ~2e-3), so fp16 stays finite."""
-    qweight = torch.randint(-(2**31), 2**31 - 1, (fan_in, fan_out // 8), generator=gen, dtype=torch.int64)
-    qzeros = torch.full((fan_in // group, fan_out // 8), 0x88888888 - 2**32, dtype=torch.int64)  # zero point 8
-    scales = torch.rand((fan_in // group, fan_out), generator=gen) * 2e-3 + 1e-3
-    return {"qweight": qweight.to(torch.int32), "qzeros": qzeros.to(torch.int32), "scales": scales.half()}
-
-
-def write_synthetic_awq_checkpoint(directory: Path, config: dict, group_size: int = 128, seed: int = 0) -> Path:
-    """Mixtral-shaped AWQ checkpoint (experts and attention quantized; router, norms, embeddings fp16)."""
-    from safetensors.torch import save_file
-
-    directory.mkdir(parents=True, exist_ok=True)
-    if (directory / "config.json").is_file():
-        return directory  # written by an earlier run
-    gen = torch.Generator().manual_seed(seed)
-    H, I = config["hidden_size"], config["intermediate_size"]  # noqa: E741
-    L, E = config["num_hidden_layers"], config["num_local_experts"]
-    head_dim = H // config["num_attention_heads"]
-    kv = config["num_key_value_heads"] * head_dim
-    templates = [
-        {w: _awq_linear(*shape, group_size, gen) for w, shape in (("w1", (H, I)), ("w3", (H, I)), ("w2", (I, H)))}
-        for _ in range(TEMPLATES)
-    ]
-    attention = {p: _awq_linear(H, out, group_size, gen) for p, out in (("q", H), ("k", kv), ("v", kv), ("o", H))}
-    weight_map: dict[str, str] = {}
-    total = 0
-
-    def save(tensors: dict[str, torch.Tensor], fname: str) -> None:
-        nonlocal total
-        save_file(tensors, directory / fname, metadata={"format": "pt"})
-        for name, t in tensors.items():
-            weight_map[name] = fname
-            total += t.numel() * t.element_size()
-
-    shards = L + 1
-    for layer in range(L):
-        t: dict[str, torch.Tensor] = {}
-        p = f"model.layers.{layer}"
-        for e in range(E):
-            tpl = templates[(layer * E + e) % TEMPLATES]
-            for w, parts in tpl.items():
-                for kind, tensor in parts.items():
-                    # safetensors refuses tensors sharing memory within a file: one copy per expert
-                    t[f"{p}.block_sparse_moe.experts.{e}.{w}.{kind}"] = tensor.clone()
-        for proj, parts in attention.items():
-            for kind, tensor in parts.items():
-                t[f"{p}.self_attn.{proj}_proj.{kind}"] = tensor
-        t[f"{p}.block_sparse_moe.gate.weight"] = (torch.randn((E, H), generator=gen) * 0.02).half()
-        t[f"{p}.input_layernorm.weight"] = torch.ones(H, dtype=torch.float16)
-        t[f"{p}.post_attention_layernorm.weight"] = torch.ones(H, dtype=torch.float16)
-        save(t, f"model-{layer + 1:05d}-of-{shards:05d}.safetensors")
-    V = config["vocab_size"]
-    save(
-        {
-            "model.embed_tokens.weight": (torch.randn((V, H), generator=gen) * 0.5).half(),
-            "lm_head.weight": (torch.randn((V, H), generator=gen) * 0.02).half(),
-            "model.norm.weight": torch.ones(H, dtype=torch.float16),
-        },
-        f"model-{shards:05d}-of-{shards:05d}.safetensors",
-    )
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-    cfg = {
-        **config, "model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "torch_dtype": "float16",
-        "quantization_config": {
-            "bits": 4, "group_size": group_size, "modules_to_not_convert": ["gate"], "quant_method": "awq",
-            "version": "gemm", "zero_point": True,
-        },
-    }
-    (directory / "generation_config.json").write_text(json.dumps({"do_sample": False}))
-    (directory / "config.json").write_text(json.dumps(cfg, indent=1))  # last: marks the checkpoint complete
-    return directory
-
-
-def checkpoint_bytes(directory: Path) -> int:
-    return sum(f.stat().st_size for f in directory.glob("*.safetensors"))
 
 
 # ------------------------------------------------------------------------------------------ measurements
@@ -196,9 +111,16 @@ def measure_h2d(host, device: torch.device, repeats: int) -> dict:
 
 
 def _free(model: MoEOffloadedMixtral) -> None:
+    """Close the model's expert backend (the host store stays: the next backend shares it, pinned)."""
     backend = model.experts
+    host = getattr(backend, "host", None)
+    was_pinned = bool(getattr(host, "pinned", False))
     if hasattr(backend, "close"):
         backend.close()
+    if was_pinned and not host.pinned:
+        # the backend from_pretrained built owns the store and unregisters its pages on close: register them
+        # again, else every later backend copies from pageable memory (half the bandwidth, no overlap)
+        host._pin()
     model.use_backend(None)
     del backend
     gc.collect()
@@ -227,15 +149,16 @@ def install_backend(model: MoEOffloadedMixtral, host, policy: str, slots: int | 
 
 
 def run_config(
-    model, prompt: torch.Tensor, new_tokens: int, expected: torch.Tensor | None
+    model, prompt: torch.Tensor, new_tokens: int, expected: torch.Tensor | None, **generate_kwargs
 ) -> tuple[dict, torch.Tensor]:
+    """One timed greedy ``generate`` (``generate_kwargs``: e.g. ``eos_token_id=[]`` to decode every token)."""
     device = model.device
     model.stats.reset()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     _sync(device)
     t0 = time.perf_counter()
-    out = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False)
+    out = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, **generate_kwargs)
     _sync(device)
     wall = time.perf_counter() - t0
     s = model.stats
@@ -327,11 +250,19 @@ def write_report(out_dir: Path, result: dict) -> None:
     (out_dir / "offload_results.md").write_text("\n".join(lines) + "\n")
 
 
+def run_env(device: torch.device, argv: list[str] | None) -> dict:
+    """Versions, arguments and the device, for the results' ``env``."""
+    env = {"torch": torch.__version__, "python": platform.python_version(), "device": str(device),
+           "argv": sys.argv[1:] if argv is None else argv, "cpu_count": os.cpu_count()}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env.update(device_name=props.name, device_memory_bytes=props.total_memory)
+    return env
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tiny", action="store_true", help="tiny checkpoint on the CPU (exercises the code)")
-    ap.add_argument("--checkpoint", type=Path, default=None, help="where the synthetic checkpoint is (or goes)")
-    ap.add_argument("--layers", type=int, default=None, help="write fewer layers (same shapes per layer)")
+    add_checkpoint_args(ap)
     ap.add_argument("--budgets", default=None, help="comma-separated slot counts (default: min,16,64,128)")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--prompt-len", type=int, default=None)
@@ -343,30 +274,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu_offload"))
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
-
+    device, dtype, config, kernels, group, ckpt = mixtral_setup(args)
     if args.tiny:
-        torch.set_num_threads(1)  # tiny tensors: intra-op threads only add wake-up latency to every copy
-        device, dtype, config, kernels = torch.device("cpu"), torch.float32, dict(TINY), "torch"
         budgets = [int(b) for b in (args.budgets or "2,5,16").split(",")]
-        prompt_len, new_tokens, group = args.prompt_len or 12, args.new_tokens or 6, 32
+        prompt_len, new_tokens = args.prompt_len or 12, args.new_tokens or 6
     else:
-        if not torch.cuda.is_available():
-            raise SystemExit("no CUDA device: run with --tiny on the CPU")
-        device, dtype, config, kernels = torch.device("cuda"), torch.float16, dict(MIXTRAL_8X7B), "auto"
         budgets = [int(b) for b in (args.budgets or "2,16,64,128").split(",")]
-        prompt_len, new_tokens, group = args.prompt_len or 128, args.new_tokens or 16, 128
-    if args.layers:
-        config["num_hidden_layers"] = args.layers
-    ckpt = args.checkpoint or Path(tempfile.gettempdir()) / (
-        f"moeflow-synthetic-{'tiny' if args.tiny else 'mixtral-8x7b'}-awq-L{config['num_hidden_layers']}")
+        prompt_len, new_tokens = args.prompt_len or 128, args.new_tokens or 16
     args.out.mkdir(parents=True, exist_ok=True)
-
-    env = {"torch": torch.__version__, "python": platform.python_version(), "device": str(device),
-           "argv": sys.argv[1:], "cpu_count": os.cpu_count()}
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        env.update(device_name=props.name, device_memory_bytes=props.total_memory)
-    result: dict = {"env": env, "config": config, "runs": []}
+    result: dict = {"env": run_env(device, argv), "config": config, "runs": []}
 
     t0 = time.perf_counter()
     write_synthetic_awq_checkpoint(ckpt, config, group_size=group)
@@ -383,7 +299,12 @@ def main(argv: list[str] | None = None) -> dict:
     )
     host = model.experts.host
     result["checkpoint"]["load_s"] = time.perf_counter() - t0
-    result["h2d"] = measure_h2d(host, device, repeats=3 if args.tiny else 20)
+    try:
+        result["h2d"] = measure_h2d(host, device, repeats=3 if args.tiny else 20)
+        print(f"h2d: one expert {result['h2d']['GBps']['host_store_expert_1_copy']:.1f} GB/s = "
+              f"{result['h2d']['expert_fraction_of_best']:.0%} of the best copy", flush=True)
+    except Exception as exc:  # the policy runs below do not need it
+        result["h2d_error"] = f"{type(exc).__name__}: {exc}"
     write_report(args.out, result)
 
     prompt = torch.randint(3, config["vocab_size"], (1, prompt_len), generator=torch.Generator().manual_seed(0))
@@ -419,9 +340,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     mid = budgets[len(budgets) // 2]
     policy = "mixtral-offloading" if "mixtral-offloading" in args.policies else args.policies.split(",")[0]
-    install_backend(model, host, policy, mid, args.transport)
-    result["profile"] = {"policy": policy, "slots": mid, **profile_decode(model, prompt[:, :16], args.trace_tokens,
-                                                                            args.out)}
+    try:
+        install_backend(model, host, policy, mid, args.transport)
+        result["profile"] = {"policy": policy, "slots": mid, **profile_decode(model, prompt[:, :16],
+                                                                                args.trace_tokens, args.out)}
+    except Exception as exc:  # the runs above are already written
+        result["profile_error"] = f"{type(exc).__name__}: {exc}"
     result["total_s"] = time.perf_counter() - t_start
     write_report(args.out, result)
     if isinstance(model.experts, OffloadedExperts):

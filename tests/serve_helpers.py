@@ -63,10 +63,11 @@ class Server:
 
 
 class Reference:
-    """Single-request greedy ``generate`` on the embedded model, as the server runs it (same kernels, fp32)."""
+    """Single-request greedy ``generate`` on the embedded model, as the server runs it (same kernels; the
+    device's default dtype: fp32 on the CPU, fp16 on a GPU, as ``moeflow serve --device``)."""
 
-    def __init__(self) -> None:
-        self.model = MoEOffloadedMixtral.from_pretrained(embedded_model_path())
+    def __init__(self, device: str = "cpu") -> None:
+        self.model = MoEOffloadedMixtral.from_pretrained(embedded_model_path(), device=device)
         tok = self.model.tokenizer
         self.tokenizer = tok
         self.stop_ids = list(stop_token_ids(ChatTemplate.from_directory(tok.path.parent),

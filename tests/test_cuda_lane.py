@@ -2,7 +2,8 @@
 
     TRITON_INTERPRET=0 python -m pytest -m cuda tests/test_cuda_lane.py tests/test_invariant.py
 
-1. the Triton kernels at Mixtral-8x7B shapes against the fp32 torch reference (fused route + plan included);
+1. the Triton kernels at Mixtral-8x7B shapes against the fp32 torch reference (fused route + plan included), and
+   the MXFP4 kernels at gpt-oss-120b expert shapes in bf16 (a path the interpreter never runs);
 2. the race harness (tests/race_transport.py): evicted slots poisoned with NaN on the copy stream and every chunk
    delayed, each layer's MoE output bitwise the resident backend's, for the caching policies at 3 slot budgets;
    and, with one ``wait_event`` deleted, the harness must catch the race (else it proves nothing);
@@ -31,6 +32,7 @@ pytestmark = [
 ]
 
 MIXTRAL = (4096, 14336, 8, 2, 128)  # hidden, intermediate, experts, top_k, group
+GPT_OSS_120B = (2880, 2880, 128, 4)  # hidden, intermediate, experts, top_k (MXFP4 experts, group 32)
 CACHING_POLICIES = ("ondemand", "lru", "mixtral-offloading")
 
 
@@ -98,6 +100,48 @@ def test_compiled_packed_awq_linear_at_attention_shape():
         ref = kernels.awq_linear(x, q.qweight.cuda(), q.qzeros.cuda(), q.scales.bfloat16().cuda(), 128, "torch")
         got = kernels.awq_linear(x, packed["qweight"], packed["qzeros"], packed["scales"], 128, "triton", packed=True)
         assert_close(got, ref, torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_pool():
+    """16 random gpt-oss-120b-shaped MXFP4 experts (bf16 biases, clamped SwiGLU) in a pool on the GPU."""
+    from test_mxfp4 import mxfp4_pool
+
+    from moeflow.kernels.pool import ExpertPool
+
+    H, I, _, _ = GPT_OSS_120B  # noqa: E741
+    pool = mxfp4_pool(H, I, 16, torch.Generator().manual_seed(0), dtype=torch.bfloat16)
+    return ExpertPool(pool.fmt, pool.buffer.cuda())
+
+
+@pytest.mark.parametrize("T", [1, 4, 16, 64, 512])
+def test_compiled_mxfp4_experts_at_gpt_oss_shapes(gpt_oss_pool, T):
+    """The bf16 MMA path of the MXFP4 kernels (the interpreter runs bf16 through fp32) against the fp32 reference
+    on the dequantized weights, and staged masks bitwise one pass, with the kernels compiled."""
+    from moeflow import kernels
+    from moeflow.kernels.biased import biased_expert_forward_reference
+
+    H, _, _, k = GPT_OSS_120B
+    E = gpt_oss_pool.n_slots
+    gen = torch.Generator(device="cuda").manual_seed(T)
+    x = torch.randn(T, H, device="cuda", generator=gen).bfloat16()
+    ids = torch.topk(torch.rand(T, E, device="cuda", generator=gen), k, dim=-1).indices.to(torch.int32)
+    w = torch.softmax(torch.randn(T, k, device="cuda", generator=gen), -1)
+    slot = torch.randperm(E, device="cuda", generator=gen).to(torch.int32)
+    want = biased_expert_forward_reference(x.float(), ids, w, gpt_oss_pool, slot, torch.zeros(T * k, H, device="cuda"))
+    got = kernels.expert_forward(x, ids, w, gpt_oss_pool, slot, torch.full((T * k, H), float("nan"), device="cuda",
+                                                                           dtype=torch.bfloat16), backend="triton")
+    assert not torch.isnan(got).any(), "output has unwritten (NaN-poisoned) rows"
+    # exact weights; h and the outputs rounded to bf16: a few bf16 ulps of the largest output
+    assert float((got.float() - want).abs().max() / want.abs().max()) < 2e-2
+    staged = torch.full_like(got, float("nan"))
+    first = torch.arange(E, device="cuda") % 2 == 0
+    for mask in (first, ~first):
+        kernels.expert_forward(x, ids, w, gpt_oss_pool, slot, staged, mask, backend="triton")
+    assert torch.equal(staged, got)
+    y = kernels.moe_forward(x, ids, w, gpt_oss_pool, slot, "triton")  # plan + stages + combine, as the model runs
+    assert torch.equal(y, kernels.combine(got, k, "triton"))
+    torch.cuda.synchronize()
 
 
 # ---------------------------------------------------------------------------------------------------------

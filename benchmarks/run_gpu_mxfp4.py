@@ -1,0 +1,200 @@
+"""MXFP4 expert kernels (gpt-oss) on a GPU: % of measured HBM bandwidth and speed against a bf16 per-expert loop.
+
+    python benchmarks/run_gpu_mxfp4.py --out $OUT/mxfp4.json            # gpt-oss-120b experts, T = 1..512
+    python benchmarks/run_gpu_mxfp4.py --tiny --out /tmp/mxfp4.json     # tiny shape on the CPU (torch reference)
+
+For every T: one MoE layer of gpt-oss-120b's experts (hidden 2880, intermediate 2880, 128 experts, top-4, MXFP4
+blocks + e8m0 scales, bf16 biases, clamped SwiGLU) through ``moeflow.kernels.moe_forward`` (plan + the w13 and w2
+stages of :mod:`moeflow.kernels.mxfp4` + combine), timed eagerly and under CUDA-graph replay (reported: what a
+captured decode step pays). Achieved bytes/s on the active experts' bytes (+ activations) against the device-copy
+bandwidth measured in the same run (% of HBM), and the speed ratio to a per-expert loop of bf16 torch matmuls on
+dense weights of the same shapes (``run_gpu_kernels.per_expert_loop``: SiLU, no biases; the elementwise epilogue
+is noise next to the weight traffic). At T <= 64 the output is checked against the fp32 plain-torch reference on
+the dequantized weights (max abs error and relative Frobenius error are recorded, never asserted).
+
+The timing harness (events, CUDA-graph replay, copy bandwidth) is run_gpu_kernels.py's (benchmarks/gpu_timing.py).
+The JSON is rewritten after every point and each point prints one summary line; a failing point is recorded and the
+run goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+for p in (ROOT, ROOT / "benchmarks"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+from gpu_timing import (  # noqa: E402
+    copy_bandwidth,
+    finish_point_args,
+    median,
+    point_inputs,
+    point_parser,
+    time_fn,
+    time_ours,
+)
+from run_gpu_kernels import per_expert_loop  # noqa: E402
+from sass_mxfp4 import MODELS  # noqa: E402
+
+from moeflow import kernels  # noqa: E402
+from moeflow.kernels import configs as kcfg  # noqa: E402
+from moeflow.kernels.biased import BiasedExpertFormat  # noqa: E402
+from moeflow.kernels.pool import ExpertPool  # noqa: E402
+
+SHAPES = {"gpt-oss-120b": MODELS["gpt-oss-120b"], "gpt-oss-20b": MODELS["gpt-oss-20b"],  # (H, I, E, top_k)
+          "tiny": (64, 96, 8, 2)}
+TOKENS = (1, 4, 16, 64, 512)
+
+
+def random_mxfp4_pool(hidden: int, inter: int, n_experts: int, dtype: torch.dtype, device: str,
+                      seed: int = 0) -> ExpertPool:
+    """A pool of random gpt-oss experts: random e2m1 nibbles (every code is a finite value), e8m0 scales
+    2**-9 .. 2**-4 (so weights stay <= 0.375 and bf16 activations finite), small biases."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    fmt = BiasedExpertFormat(hidden, inter, "mxfp4", dtype, 32, activation="clamped_swiglu")
+    pool = ExpertPool.allocate(fmt, n_experts, device)
+    pool.buffer.copy_(torch.randint(0, 256, pool.buffer.shape, dtype=torch.uint8, device=device, generator=gen))
+    for name in ("w13_scales", "w2_scales"):
+        t = pool.tensors[name]
+        t.copy_(torch.randint(118, 124, t.shape, dtype=torch.uint8, device=device, generator=gen))
+    for name in ("w13_bias", "w2_bias"):
+        t = pool.tensors[name]
+        t.copy_((torch.randn(t.shape, device=device, generator=gen) * 0.05).to(dtype))
+    return pool
+
+
+def bench_point(name: str, T: int, args, cache: dict, copy_bw: float) -> dict:
+    H, I, E, k = SHAPES[name]  # noqa: E741
+    dev, dtype = args.device, args.dtype
+    pool, slot, ids, w, x, backend, reps = point_inputs(SHAPES[name], name, T, args, cache, random_mxfp4_pool)
+
+    def ours():
+        return kernels.moe_forward(x, ids, w, pool, slot, backend, validate=False)
+
+    used = int(torch.unique(ids).numel())
+    act = torch.finfo(dtype).bits // 8
+    weight_bytes = used * pool.fmt.nbytes
+    res: dict = {"shape": name, "T": T, "hidden": H, "intermediate": I, "experts": E, "top_k": k, "backend": backend,
+                 "experts_used": used, "expert_bytes": pool.fmt.nbytes, "weight_bytes": weight_bytes,
+                 "total_bytes": weight_bytes + act * (T * H + T * k * I + 2 * T * k * H),
+                 "flops": 2 * T * k * (H * 2 * I + I * H)}
+    res.update(time_ours(ours, dev, reps))
+    t_ours = res["ours_s"]
+    res.update(bytes_per_s=res["total_bytes"] / t_ours,
+               frac_of_copy_bw=res["total_bytes"] / t_ours / copy_bw, tflops=res["flops"] / t_ours / 1e12)
+    if not args.skip_baselines:
+        try:
+            if ("dense", name) not in cache:  # bf16 weights of the same shapes (2I x H and H x I per expert)
+                gen = torch.Generator(device=dev).manual_seed(1)
+                cache[("dense", name)] = (
+                    [(torch.randn(H, 2 * I, device=dev, generator=gen) * 0.01).to(dtype) for _ in range(E)],
+                    [(torch.randn(I, H, device=dev, generator=gen) * 0.01).to(dtype) for _ in range(E)])
+            w13s, w2s = cache[("dense", name)]
+            res["loop_bf16_times_s"] = time_fn(lambda: per_expert_loop(x, ids, w, w13s, w2s, I), dev, reps)
+            res["speedup_vs_loop"] = median(res["loop_bf16_times_s"]) / t_ours
+        except Exception as exc:  # e.g. out of memory for the dense copy: the kernel's numbers stand
+            res["loop_error"] = repr(exc)
+    if T <= 64:  # against the fp32 reference on the dequantized weights
+        ref = kernels.moe_forward(x.float(), ids, w, pool, slot, "torch", validate=False)
+        got = ours().float()
+        res["max_abs_err_vs_fp32"] = float((got - ref).abs().max())
+        res["rel_err_vs_fp32"] = float((got - ref).norm() / ref.norm().clamp_min(1e-30))
+        res["all_finite"] = bool(torch.isfinite(got).all())
+    return res
+
+
+def summary(r: dict) -> str:
+    """The one line printed per point."""
+    if "error" in r:
+        return f"mxfp4 {r['shape']} T={r['T']}: error {r['error']}"
+    loop = f"{r['speedup_vs_loop']:.2f}x bf16 loop" if "speedup_vs_loop" in r else r.get("loop_error", "no loop")
+    err = f", rel err {r['rel_err_vs_fp32']:.1e}" if "rel_err_vs_fp32" in r else ""
+    return (f"mxfp4 {r['shape']} T={r['T']}: {r['ours_s'] * 1e6:.1f} us ({r['timed_as']}; eager "
+            f"{r['ours_eager_s'] * 1e6:.1f} us), {r['experts_used']} experts, {r['bytes_per_s'] / 1e9:.0f} GB/s = "
+            f"{100 * r['frac_of_copy_bw']:.0f}% of copy BW, {loop}{err}")
+
+
+def markdown_table(results: list[dict], copy_bw: float) -> str:
+    lines = [f"device-copy bandwidth: {copy_bw / 1e9:.0f} GB/s (read + write)", "",
+             "| shape | T | experts used | us (graph) | us (eager) | GB/s | % copy BW | x vs bf16 loop | rel err |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['shape']} | {r['T']} | error: {r['error'][:60]} ||||||")
+            continue
+        lines.append(f"| {r['shape']} | {r['T']} | {r['experts_used']} | {r['ours_s'] * 1e6:.1f} | "
+                     f"{r['ours_eager_s'] * 1e6:.1f} | {r['bytes_per_s'] / 1e9:.0f} | "
+                     f"{100 * r['frac_of_copy_bw']:.0f} | {r.get('speedup_vs_loop', float('nan')):.2f} | "
+                     f"{r.get('rel_err_vs_fp32', float('nan')):.1e} |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = point_parser(__doc__.split("\n")[0], SHAPES, "gpt-oss-120b", TOKENS, 150.0)
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "mxfp4_kernels.json")
+    p.add_argument("--tiny", action="store_true", help="tiny shape, T = 1, 4, 16, few repetitions (runs on a CPU)")
+    a = p.parse_args(argv)
+    if a.tiny:
+        a.shapes, a.quick = "tiny", True
+        if a.tokens == ",".join(map(str, TOKENS)):
+            a.tokens = "1,4,16"
+    finish_point_args(p, a, SHAPES)
+    return a
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    t_start, dev = time.time(), args.device
+    meta = {"device": kcfg.device_name(dev), "torch": torch.__version__, "triton": kcfg.triton_version(),
+            "python": platform.python_version(), "dtype": str(args.dtype).replace("torch.", ""),
+            "started": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "tiny": args.tiny}
+    results: list[dict] = []
+    skipped: list[dict] = []
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    bw = {"bytes_per_s": float("nan")}
+
+    def save() -> dict:  # after every point: a run cut short keeps what it measured
+        report = {"meta": meta, "copy_bandwidth": bw, "results": results, "skipped": skipped,
+                  "elapsed_s": time.time() - t_start}
+        args.out.write_text(json.dumps(report, indent=1, default=str))
+        args.out.with_suffix(".md").write_text(markdown_table(results, bw["bytes_per_s"]))
+        return report
+
+    try:
+        bw = copy_bandwidth(dev, (1 << 30) if dev.startswith("cuda") else (1 << 24))
+    except Exception as exc:  # the % column is then NaN; the times still count
+        bw = {"bytes_per_s": float("nan"), "error": repr(exc)}
+    save()
+    cache: dict = {}
+    for name in args.shape_list:
+        for T in args.token_list:
+            if time.time() - t_start > args.budget_s:
+                skipped.append({"shape": name, "T": T})
+                continue
+            try:
+                results.append(bench_point(name, T, args, cache, bw["bytes_per_s"]))
+            except Exception as exc:  # keep going; record the failure
+                results.append({"shape": name, "T": T, "error": repr(exc)})
+            print(summary(results[-1]), flush=True)
+            save()
+        cache.clear()
+        if dev.startswith("cuda"):
+            torch.cuda.empty_cache()
+    report = save()
+    print(markdown_table(results, bw["bytes_per_s"]))
+    print(f"wrote {args.out} ({report['elapsed_s']:.0f} s)")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""The GPU lane's newer scripts run end to end in their --tiny CPU modes (MXFP4 kernel timing, CUDA graphs and the
+disk tier, `moeflow serve`), keep going past a failing measurement, and the stages' time limits fit the device
+tool's budget (benchmarks/run_all_gpu.sh with PLAN=1 prints each step's limit and runs nothing)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+COMMAND_LIMIT_S = 600  # one device command
+SESSION_S = 30 * 60  # device time of one session, the machine's start included
+
+
+@pytest.fixture
+def keep_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_run_gpu_mxfp4_tiny(tmp_path):
+    import run_gpu_mxfp4
+
+    out = tmp_path / "mxfp4.json"
+    report = run_gpu_mxfp4.main(["--tiny", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert [r["T"] for r in saved["results"]] == [1, 4, 16] == [r["T"] for r in report["results"]]
+    for r in saved["results"]:
+        assert "error" not in r, r
+        assert r["ours_s"] > 0 and r["frac_of_copy_bw"] > 0 and r["speedup_vs_loop"] > 0
+        assert r["experts_used"] <= 8 and r["weight_bytes"] == r["experts_used"] * r["expert_bytes"]
+        assert r["all_finite"] and r["rel_err_vs_fp32"] < 1e-2  # bf16 activations against the fp32 reference
+    assert "| tiny | 16 |" in out.with_suffix(".md").read_text()
+
+
+def test_run_gpu_mxfp4_times_the_triton_kernels_and_survives_a_failing_point(tmp_path, monkeypatch):
+    import run_gpu_mxfp4
+
+    real = run_gpu_mxfp4.bench_point
+
+    def failing_at_4(name, T, *args):
+        if T == 4:
+            raise RuntimeError("out of memory (planted)")
+        return real(name, T, *args)
+
+    monkeypatch.setattr(run_gpu_mxfp4, "bench_point", failing_at_4)
+    out = tmp_path / "mxfp4.json"
+    run_gpu_mxfp4.main(["--tiny", "--interpret", "--tokens", "1,4,16", "--skip-baselines", "--out", str(out)])
+    results = json.loads(out.read_text())["results"]
+    assert [r["T"] for r in results] == [1, 4, 16]
+    assert "planted" in results[1]["error"] and "error" not in results[2]
+    for r in (results[0], results[2]):  # the interpreted kernels (bf16 through fp32) against the fp32 reference
+        assert r["backend"] == "triton" and r["rel_err_vs_fp32"] < 2e-2
+
+
+def test_run_gpu_engine_tiny(tmp_path, keep_threads):
+    import run_gpu_engine
+
+    result = run_gpu_engine.main(["--tiny", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"),
+                                  "--new-tokens", "4", "--prompt-len", "6"])
+    runs = result["runs"]
+    assert all("error" not in r for r in runs), runs
+    assert [(r["section"], r["policy"], r.get("mode")) for r in runs] == [
+        ("cuda_graphs", "resident", "eager"), ("cuda_graphs", "resident", "cuda_graphs"),
+        ("cuda_graphs", "lru", "eager"), ("cuda_graphs", "lru", "cuda_graphs"), ("disk", "lru", None),
+        ("disk", "lru", None)]
+    graphs = [r for r in runs if r.get("mode") == "cuda_graphs"]
+    assert all(r["tokens_equal_eager"] and r["tokens_equal_resident"] is not False for r in graphs)
+    lru = graphs[1]  # the offloading backend is captured piecewise (the CPU stand-in for CUDA graphs)
+    assert lru["refused"] is None and lru["captures"] == 1 and lru["captures_during_timed_run"] == 0
+    assert lru["pieces"] == result["config"]["num_hidden_layers"] + 1
+    disk = [r for r in runs if r["section"] == "disk"]
+    assert all(r["on_disk"] and r["tokens_equal_in_ram_lru"] and r["tokens_equal_resident"] for r in disk)
+    assert disk[0]["host_experts"] < disk[1]["host_experts"] < 16 and disk[0]["disk_bytes"] > 0
+    saved = json.loads((tmp_path / "out" / "engine_results.json").read_text())
+    assert len(saved["runs"]) == 6 and "| disk | lru | 5 |" in (tmp_path / "out" / "engine_results.md").read_text()
+
+
+def test_run_gpu_serve_tiny(tmp_path):
+    import run_gpu_serve
+
+    result = run_gpu_serve.main(["--tiny", "--out", str(tmp_path)])
+    rows = result["rows"]
+    assert [(r["config"], r.get("clients")) for r in rows] == [
+        ("resident", 1), ("resident", 3), ("lru:8", 1), ("lru:8", 3)]
+    assert all("error" not in r for r in rows), rows
+    # continuous batching and offloading in the server keep generate's greedy text, reply by reply
+    assert all(r["replies_equal_generate"] == r["requests"] == 3 and r["tokens_per_s"] > 0 for r in rows), rows
+    assert json.loads((tmp_path / "serve_results.json").read_text())["single_stream_tokens_per_s"] > 0
+
+
+def stage_plan(stage: str, tmp_path: Path) -> list[int]:
+    env = {**os.environ, "PLAN": "1", "OUT": str(tmp_path / stage)}
+    env.pop("TINY", None)
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "run_all_gpu.sh"), stage], env=env, text=True,
+                          capture_output=True, check=True)
+    return [int(line.split()[1]) for line in done.stdout.splitlines() if line.startswith("plan ")]
+
+
+def test_every_stage_fits_one_command_and_the_first_three_one_session(tmp_path):
+    stages = ("correctness", "kernels", "offload", "engine", "models", "families-qwen3", "families-gpt-oss", "tune")
+    limits = {stage: stage_plan(stage, tmp_path) for stage in stages}
+    assert all(limits.values()), limits
+    # each step may run 15 s past its limit (timeout's --kill-after) and the stage starts with an env probe
+    for stage, steps in limits.items():
+        assert sum(steps) + 15 * len(steps) + 10 <= COMMAND_LIMIT_S, (stage, steps)
+    first_session = sum(sum(limits[s]) for s in ("correctness", "kernels", "offload"))
+    assert first_session <= SESSION_S - 4 * 60, limits  # ~2 min machine start, transfers and idle gaps
+    header = (ROOT / "benchmarks" / "run_all_gpu.sh").read_text().split("set -uo pipefail")[0]
+    order = [header.index(f"run_all_gpu.sh {s} ") for s in stages[:-1]]
+    assert order == sorted(order), "the header lists the stages in the order a session runs them"
+
+
+def test_freeing_the_loaders_backend_keeps_the_shared_host_store_pinned():
+    """The backend from_pretrained built owns the host store and unregisters its pages on close; the benchmarks
+    swap backends over that store, so ``_free`` registers them again (else later policies copy from pageable
+    memory on a GPU)."""
+    from types import SimpleNamespace
+
+    import run_gpu_offload
+
+    host = SimpleNamespace(pinned=True, pins=0)
+
+    def pin():
+        host.pinned, host.pins = True, host.pins + 1
+
+    host._pin = pin
+    owner = SimpleNamespace(host=host, close=lambda: setattr(host, "pinned", False))
+    sharer = SimpleNamespace(host=host, close=lambda: None)  # owns_host=False: leaves the store alone
+    model = SimpleNamespace(experts=owner, device=torch.device("cpu"), use_backend=lambda b: None)
+    run_gpu_offload._free(model)
+    assert host.pinned and host.pins == 1
+    model.experts = sharer
+    run_gpu_offload._free(model)
+    assert host.pinned and host.pins == 1
+
+
+def test_the_correctness_stage_writes_one_json_line_per_test_as_it_ends(tmp_path):
+    (tmp_path / "test_sample.py").write_text(
+        "import pytest\n"
+        "@pytest.fixture\ndef broken():\n    raise RuntimeError('no device')\n"
+        "def test_ok():\n    pass\n"
+        "def test_bad():\n    assert 1 == 2\n"
+        "@pytest.mark.skip(reason='needs a CUDA device')\ndef test_skipped():\n    pass\n"
+        "def test_setup_fails(broken):\n    pass\n")
+    jsonl = tmp_path / "out.jsonl"
+    env = {**os.environ, "MOEFLOW_TEST_JSONL": str(jsonl), "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "benchmarks.pytest_jsonl",
+                    "--rootdir", str(tmp_path), "-c", os.devnull, str(tmp_path / "test_sample.py")], env=env,
+                   cwd=tmp_path, capture_output=True, text=True)
+    rows = {r["test"].split("::")[1]: r for r in map(json.loads, jsonl.read_text().splitlines())}
+    assert {k: (r["outcome"], r["when"]) for k, r in rows.items()} == {
+        "test_ok": ("passed", "call"), "test_bad": ("failed", "call"), "test_skipped": ("skipped", "setup"),
+        "test_setup_fails": ("failed", "setup")}
+    assert "assert 1 == 2" in rows["test_bad"]["error"] and "no device" in rows["test_setup_fails"]["error"]
+    assert "needs a CUDA device" in rows["test_skipped"]["reason"]
