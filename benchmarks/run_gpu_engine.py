@@ -74,8 +74,8 @@ def host_budgets_gb(plan: dict, fractions: list[float], readers: int = OffloadCo
 
 def graphs_rows(model, host, policy: str, slots: int | None, prompt, new_tokens: int, capture_factory,
                 expected) -> tuple[list[dict], torch.Tensor]:
-    """Eager then captured decode of one backend: two rows (``mode`` "eager" / "cuda_graphs") and the eager
-    tokens."""
+    """Eager then captured decode of one backend: three rows (``mode`` "eager", "cuda_graphs" and
+    "cuda_graphs_experts_eager": the offload backend's device part left eager) and the eager tokens."""
     runner = model.runner
     eager_fn = getattr(runner.decode_fn, "inner", runner.decode_fn)
     runner.decode_fn = eager_fn
@@ -84,23 +84,25 @@ def graphs_rows(model, host, policy: str, slots: int | None, prompt, new_tokens:
     model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, eos_token_id=[])  # warm-up: compile, cache
     row, eager_out = run_config(model, prompt, new_tokens, expected, eos_token_id=[])
     rows.append({"section": "cuda_graphs", "policy": policy, "slots": slots, "mode": "eager", **row})
-    try:
-        graphs = model.capture_decode(capture_factory)
-        model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, eos_token_id=[])  # captures
-        before = graphs.captures
-        row, out = run_config(model, prompt, new_tokens, eager_out, eos_token_id=[])
-        row.update(captures=graphs.captures, captures_during_timed_run=graphs.captures - before,
-                   refused=graphs.refused, pieces=len(graphs.step.replays) if graphs.step else 0,
-                   tokens_equal_resident=None if expected is None else bool(torch.equal(out.cpu(), expected.cpu())),
-                   speedup_vs_eager=(row["tok_per_s"] / rows[0]["tok_per_s"])
-                   if row["tok_per_s"] and rows[0]["tok_per_s"] else None)
-        row["tokens_equal_eager"] = row.pop("tokens_equal_reference")
-        rows.append({"section": "cuda_graphs", "policy": policy, "slots": slots, "mode": "cuda_graphs", **row})
-    except Exception as exc:  # the eager row stands; the graphs' failure is the result
-        rows.append({"section": "cuda_graphs", "policy": policy, "slots": slots, "mode": "cuda_graphs",
-                     "error": f"{type(exc).__name__}: {exc}"})
-    finally:
-        runner.decode_fn = eager_fn
+    for mode, capture_experts in (("cuda_graphs", True), ("cuda_graphs_experts_eager", False)):
+        try:
+            graphs = model.capture_decode(capture_factory, capture_experts=capture_experts)
+            model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, eos_token_id=[])  # captures
+            before = graphs.captures
+            row, out = run_config(model, prompt, new_tokens, eager_out, eos_token_id=[])
+            row.update(captures=graphs.captures, captures_during_timed_run=graphs.captures - before,
+                       refused=graphs.refused, pieces=len(graphs.step.replays) if graphs.step else 0,
+                       tokens_equal_resident=None if expected is None
+                       else bool(torch.equal(out.cpu(), expected.cpu())),
+                       speedup_vs_eager=(row["tok_per_s"] / rows[0]["tok_per_s"])
+                       if row["tok_per_s"] and rows[0]["tok_per_s"] else None)
+            row["tokens_equal_eager"] = row.pop("tokens_equal_reference")
+            rows.append({"section": "cuda_graphs", "policy": policy, "slots": slots, "mode": mode, **row})
+        except Exception as exc:  # the eager row stands; the graphs' failure is the result
+            rows.append({"section": "cuda_graphs", "policy": policy, "slots": slots, "mode": mode,
+                         "error": f"{type(exc).__name__}: {exc}"})
+        finally:
+            runner.decode_fn = eager_fn
     return rows, eager_out
 
 
@@ -145,8 +147,8 @@ def summary(r: dict) -> str:
     tok = f"{r['tok_per_s']:.2f} tok/s" if r.get("tok_per_s") else "no decode time"
     if r["section"] == "cuda_graphs":
         extra = (f", x{r['speedup_vs_eager']:.2f} vs eager, tokens = eager: {r['tokens_equal_eager']}, refused: "
-                 f"{r['refused']}" if r["mode"] == "cuda_graphs" else "")
-        return f"{head} {r['mode']:>11}: {tok}{extra}"
+                 f"{r['refused']}" if r["mode"] != "eager" else "")
+        return f"{head} {r['mode']:>25}: {tok}{extra}"
     per_tok = r.get("disk_bytes_per_token")
     disk = f", {per_tok / 2**20:.1f} MiB/token from disk" if per_tok is not None else ", all in host memory"
     return (f"{head} host {r['host_memory_gb']} GB ({r['host_experts']} experts, pinned {r['host_pinned']}, "

@@ -149,16 +149,17 @@ class MoEModel(nn.Module):
             self._runner.decode_fn = compiled
         self._compiled = True
 
-    def capture_decode(self, capture_factory=None) -> CudaGraphDecode:
+    def capture_decode(self, capture_factory=None, capture_experts: bool = True) -> CudaGraphDecode:
         """Replay the decode step (eager or compiled) as CUDA graphs, piecewise around the expert backend's calls
         (:class:`moeflow.engine.cuda_graphs.CudaGraphDecode`, returned; ``capture_factory``: how a piece is
-        captured, default CUDA graphs, which need device="cuda"). The KV cache is kept from one generate to
+        captured, default CUDA graphs, which need device="cuda"; ``capture_experts=False`` leaves an offload
+        backend's device part eager, for A/B runs). The KV cache is kept from one generate to
         the next of the same shape so the graphs are not captured again."""
         if capture_factory is None and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs device='cuda'; this model is on {self.device}")
         decode = self._runner.decode_fn
         inner = decode.inner if isinstance(decode, CudaGraphDecode) else decode
-        self._runner.decode_fn = CudaGraphDecode(inner, capture_factory)
+        self._runner.decode_fn = CudaGraphDecode(inner, capture_factory, capture_experts)
         self._runner.reuse_cache = True
         return self._runner.decode_fn
 

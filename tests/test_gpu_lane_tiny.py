@@ -71,18 +71,19 @@ def test_run_gpu_engine_tiny(tmp_path, keep_threads):
     assert all("error" not in r for r in runs), runs
     assert [(r["section"], r["policy"], r.get("mode")) for r in runs] == [
         ("cuda_graphs", "resident", "eager"), ("cuda_graphs", "resident", "cuda_graphs"),
-        ("cuda_graphs", "lru", "eager"), ("cuda_graphs", "lru", "cuda_graphs"), ("disk", "lru", None),
-        ("disk", "lru", None)]
-    graphs = [r for r in runs if r.get("mode") == "cuda_graphs"]
+        ("cuda_graphs", "resident", "cuda_graphs_experts_eager"),
+        ("cuda_graphs", "lru", "eager"), ("cuda_graphs", "lru", "cuda_graphs"),
+        ("cuda_graphs", "lru", "cuda_graphs_experts_eager"), ("disk", "lru", None), ("disk", "lru", None)]
+    graphs = [r for r in runs if r.get("mode", "").startswith("cuda_graphs")]
     assert all(r["tokens_equal_eager"] and r["tokens_equal_resident"] is not False for r in graphs)
-    lru = graphs[1]  # the offloading backend is captured piecewise (the CPU stand-in for CUDA graphs)
+    lru = graphs[2]  # the offloading backend is captured piecewise (the CPU stand-in for CUDA graphs)
     assert lru["refused"] is None and lru["captures"] == 1 and lru["captures_during_timed_run"] == 0
     assert lru["pieces"] == result["config"]["num_hidden_layers"] + 1
     disk = [r for r in runs if r["section"] == "disk"]
     assert all(r["on_disk"] and r["tokens_equal_in_ram_lru"] and r["tokens_equal_resident"] for r in disk)
     assert disk[0]["host_experts"] < disk[1]["host_experts"] < 16 and disk[0]["disk_bytes"] > 0
     saved = json.loads((tmp_path / "out" / "engine_results.json").read_text())
-    assert len(saved["runs"]) == 6 and "| disk | lru | 5 |" in (tmp_path / "out" / "engine_results.md").read_text()
+    assert len(saved["runs"]) == 8 and "| disk | lru | 5 |" in (tmp_path / "out" / "engine_results.md").read_text()
 
 
 def test_run_gpu_serve_tiny(tmp_path):
