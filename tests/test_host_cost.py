@@ -19,7 +19,8 @@ from moeflow.offload.combine import combine_in_order
 from moeflow.offload.eviction import LRU, Static
 from moeflow.offload.policies.expertflow import PLECEviction, PLECState
 from moeflow.offload.predictors.duoserve import expert_mlp
-from moeflow.offload.predictors.eval_mlp import EvalSequential
+from moeflow.offload.predictors.eval_mlp import EvalEncoder, EvalSequential
+from moeflow.offload.predictors.expertflow import PathEncoder
 from moeflow.offload.predictors.finemoe import select_experts, similarity_threshold
 from moeflow.offload.predictors.finemoe_store import ExpertMapStore, TrajectorySearch, _cosine, ranked_selection
 
@@ -55,6 +56,28 @@ def test_eval_sequential_is_bitwise_the_module():
         assert torch.equal(fast(x), ref)
     mlp.train()  # training mode: the module itself (BatchNorm uses batch statistics)
     assert fast(torch.randn(4, 40)).requires_grad
+
+
+def test_eval_encoder_is_bitwise_the_path_encoder():
+    """ExpertFlow's encoder as direct fused-layer calls: the module's own output for decode windows and padded
+    prompt windows; the module itself in training mode, with grad on, or with a hook attached."""
+    torch.manual_seed(0)
+    net = PathEncoder(50, 5, 8, d_model=32, n_heads=4, n_blocks=2, d_ff=64, window=16).eval()
+    fast = EvalEncoder(net)
+    g = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        for rows, width in ((1, 16), (1, 3), (3, 16), (4, 9)):
+            ids = torch.randint(0, 50, (rows, width), generator=g)
+            pad = torch.zeros(rows, width, dtype=torch.bool)
+            pad[1:, width // 2 + 1:] = True  # shorter windows, right-padded as ExpertFlowPredictor._run pads
+            assert torch.equal(fast(ids, pad), net(ids, pad))
+        assert fast._plan is not False  # the direct path ran
+    ids, pad = torch.randint(0, 50, (1, 8), generator=g), torch.zeros(1, 8, dtype=torch.bool)
+    assert fast(ids, pad).requires_grad  # grad on: the module (autograd through it)
+    net.heads[0].register_forward_hook(lambda *args: None)
+    fast.reset()
+    with torch.inference_mode():
+        assert torch.equal(fast(ids, pad), net(ids, pad)) and fast._plan is False
 
 
 def test_ranked_selection_is_select_experts_then_the_priority_order():
