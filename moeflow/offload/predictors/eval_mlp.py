@@ -102,8 +102,8 @@ class EvalEncoder:
         for layer in enc.layers:
             attn = layer.self_attn
             if not (type(layer) is nn.TransformerEncoderLayer and attn.batch_first and attn.in_proj_bias is not None
-                    and attn._qkv_same_embed_dim and layer.activation_relu_or_gelu and layer.norm1.eps == layer.norm2.eps
-                    and attn.num_heads % 2 == 0):
+                    and attn._qkv_same_embed_dim and layer.activation_relu_or_gelu
+                    and layer.norm1.eps == layer.norm2.eps and attn.num_heads % 2 == 0):
                 return False
             layers.append((attn.embed_dim, attn.num_heads, attn.in_proj_weight, attn.in_proj_bias,
                            attn.out_proj.weight, attn.out_proj.bias, layer.activation_relu_or_gelu == 2,
