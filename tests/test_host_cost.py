@@ -18,10 +18,11 @@ from moeflow.kernels.reference import combine_reference
 from moeflow.offload.combine import combine_in_order
 from moeflow.offload.eviction import LRU, Static
 from moeflow.offload.policies.expertflow import PLECEviction, PLECState
+from moeflow.offload.predictors.base import ModelShape
 from moeflow.offload.predictors.duoserve import expert_mlp
 from moeflow.offload.predictors.eval_mlp import EvalEncoder, EvalSequential
 from moeflow.offload.predictors.expertflow import PathEncoder
-from moeflow.offload.predictors.finemoe import select_experts, similarity_threshold
+from moeflow.offload.predictors.finemoe import FineMoEPredictor, select_experts, similarity_threshold
 from moeflow.offload.predictors.finemoe_store import ExpertMapStore, TrajectorySearch, _cosine, ranked_selection
 
 
@@ -121,6 +122,47 @@ def test_incremental_trajectory_search_matches_the_cosine_search():
     idx, best = store.search_semantic(q)
     ref_best, ref_idx = _cosine(q, store.sems[: store.size]).max(1)
     assert torch.equal(idx, ref_idx) and torch.allclose(best, ref_best, atol=1e-6)
+
+
+def test_finemoe_runtime_proposals_are_the_full_searches():
+    """FineMoE in the runtime (searches kept incremental, only those a later layer reads, the published map's
+    semantic redundancy reused from the step's search) proposes, remembers and stores what the plain searches
+    give: at layer l, the delta-selection of layer l + d from the map whose layers 0..l-1 best match (the
+    semantic search at layer 0), ranked by p / d; each finished iteration replaces the most redundant map."""
+    g = torch.Generator().manual_seed(3)
+    L, E, H, k, d, C = 7, 8, 12, 2, 2, 20
+    pred = FineMoEPredictor(ModelShape(L, E, k, H), distance=d, capacity=C)
+    pred.runtime_mode = True
+    pred.store.add(torch.softmax(3 * torch.randn(C, L, E, generator=g), -1), torch.randn(C, H, generator=g))
+    freq = torch.zeros(L, E)
+    for _ in range(6):  # iterations; each publishes its map into the full store (a replacement)
+        embed = torch.randn(1, H, generator=g)
+        maps, sems = pred.store.maps[: pred.store.size].clone(), pred.store.sems[: pred.store.size].clone()
+        pred.end_iteration()
+        if pred._traj is not None:  # the previous iteration's map replaced the most redundant stored one
+            traj_prev = pred._traj[0].reshape(1, -1)
+            rdy = d / L * _cosine(prev_embed, sems) + (L - d) / L * _cosine(traj_prev, maps.reshape(C, -1))
+            assert torch.equal(pred.store.maps[int(rdy.argmax())], pred._traj[0])
+        pred.begin_iteration(embed)
+        prev_embed = embed
+        for layer in range(L):
+            probs = torch.softmax(3 * torch.randn(1, E, generator=g), -1)
+            top = torch.topk(probs, k).indices
+            freq[layer, top[0]] += 1
+            pred.observe(layer, None, probs, top)
+            got = pred.runtime_proposals(layer)
+            if layer + d >= L:
+                assert got == []
+                continue
+            if layer == 0:
+                score, idx = _cosine(embed, pred.store.sems[: pred.store.size]).max(1)
+            else:
+                score, idx = _cosine(pred._traj[:, :layer].reshape(1, -1),
+                                     pred.store.maps[: pred.store.size, :layer].reshape(pred.store.size, -1)).max(1)
+            p = pred.store.maps[idx, layer + d]
+            assert got == [(layer + d, ranked_selection(p.numpy(), score.numpy(), k, d))]
+            assert torch.equal(pred.guidance[layer + d], p[0])
+        assert torch.equal(pred.freq, freq)
 
 
 def test_plec_vectorised_pick_is_the_correction_order():

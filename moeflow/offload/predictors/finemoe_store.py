@@ -65,14 +65,18 @@ class ExpertMapStore:
         self.replaced = 0
         self.version = 0  # bumped by every write (an incremental search restarts)
         self.lock = threading.RLock()
+        # the last semantic search's (store version, query, cosines [B, n]): the iteration's map is published
+        # with the same query against the same store, and its redundancy reuses them (the same values)
+        self._sem_memo: tuple[int, np.ndarray, np.ndarray] | None = None
 
     def __len__(self) -> int:
         return self.size
 
     def _write(self, slot: int, m: torch.Tensor, sem: torch.Tensor | None) -> None:
         self.maps[slot] = m.float()
-        m64 = self.maps[slot].numpy().astype(np.float64)  # [L, E]
-        self._by_layer[:, slot] = self.maps[slot].numpy()  # a layer's [C, E] rows contiguous for the search
+        m32 = self.maps[slot].numpy()  # [L, E]
+        m64 = m32.astype(np.float64)
+        self._by_layer[:, slot] = m32  # a layer's [C, E] rows contiguous for the search
         self._layer_sq[slot] = (m64 * m64).sum(1).cumsum()
         if sem is not None:
             self.sems[slot] = sem.float()
@@ -90,10 +94,21 @@ class ExpertMapStore:
             traj = self._cosines(q, self.maps[:n].reshape(n, -1).numpy(), np.sqrt(self._layer_sq[:n, -1]))
             if sems is None or self.sems is None:
                 return torch.from_numpy(traj.astype(np.float32))
-            sem = self._cosines(sems.detach().float().cpu().numpy(), self.sems[:n].numpy(), self._sem_norm[:n])
+            sem = self._semantic_cosines(sems.detach().float().cpu().numpy())
             sem = np.where(self._has_sem[:n][None, :], sem, traj)  # a stored map without embedding
             L, d = self.num_layers, self.distance
             return torch.from_numpy((np.float64(d / L) * sem + np.float64((L - d) / L) * traj).astype(np.float32))
+
+    def _semantic_cosines(self, q: np.ndarray) -> np.ndarray:
+        """(lock held) q fp32 [B, H] -> cosines float64 [B, size] with every stored embedding (the memo's when
+        the store and the query are those of the last call)."""
+        memo = self._sem_memo
+        if memo is not None and memo[0] == self.version and np.array_equal(memo[1], q):
+            return memo[2]
+        n = self.size
+        cos = self._cosines(q, self.sems[:n].numpy(), self._sem_norm[:n])
+        self._sem_memo = (self.version, q.copy(), cos)
+        return cos
 
     @staticmethod
     def _cosines(q: np.ndarray, keys: np.ndarray, key_norms: np.ndarray) -> np.ndarray:
@@ -119,7 +134,7 @@ class ExpertMapStore:
                     slot = self.size
                     self.size += 1
                 else:
-                    slot = int(torch.argmax(self.redundancy(maps[x : x + 1], sem)[0]))
+                    slot = int(self.redundancy(maps[x : x + 1], sem)[0].numpy().argmax())  # the first maximum
                     self.replaced += 1
                 self._write(slot, maps[x], None if sem is None else sem[0])
                 slots.append(slot)
@@ -132,9 +147,9 @@ class ExpertMapStore:
             has = self._has_sem[:n]
             if n == 0 or self.sems is None or not has.any():
                 return None
-            q = sems.detach().float().cpu().numpy()
-            score = self._cosines(q, self.sems[:n].numpy(), self._sem_norm[:n])
-            score[:, ~has] = -np.inf  # a map stored without an embedding never matches semantically
+            score = self._semantic_cosines(sems.detach().float().cpu().numpy())
+            if not has.all():  # a map stored without an embedding never matches semantically
+                score = np.where(has[None, :], score, -np.inf)
             idx = score.argmax(1)
             best = score[np.arange(score.shape[0]), idx] if score.shape[0] > 1 else score[0, idx]
             return torch.from_numpy(idx.astype(np.int64)), torch.from_numpy(best.astype(np.float32))
