@@ -134,12 +134,12 @@ def test_finemoe_runtime_proposals_are_the_full_searches():
     pred = FineMoEPredictor(ModelShape(L, E, k, H), distance=d, capacity=C)
     pred.runtime_mode = True
     pred.store.add(torch.softmax(3 * torch.randn(C, L, E, generator=g), -1), torch.randn(C, H, generator=g))
-    freq = torch.zeros(L, E)
+    freq, prev_embed = torch.zeros(L, E), None
     for _ in range(6):  # iterations; each publishes its map into the full store (a replacement)
         embed = torch.randn(1, H, generator=g)
         maps, sems = pred.store.maps[: pred.store.size].clone(), pred.store.sems[: pred.store.size].clone()
         pred.end_iteration()
-        if pred._traj is not None:  # the previous iteration's map replaced the most redundant stored one
+        if prev_embed is not None:  # the previous iteration's map replaced the most redundant stored one
             traj_prev = pred._traj[0].reshape(1, -1)
             rdy = d / L * _cosine(prev_embed, sems) + (L - d) / L * _cosine(traj_prev, maps.reshape(C, -1))
             assert torch.equal(pred.store.maps[int(rdy.argmax())], pred._traj[0])
