@@ -16,6 +16,7 @@ from torch import nn
 
 from moeflow.kernels.reference import combine_reference
 from moeflow.offload.combine import combine_in_order
+from moeflow.offload.copy_engine import CopyEngine, LoadTask, chunk_ranges
 from moeflow.offload.eviction import LRU, Static
 from moeflow.offload.policies.expertflow import PLECEviction, PLECState
 from moeflow.offload.predictors.base import ModelShape
@@ -239,3 +240,63 @@ def test_lru_pick_in_layer_is_the_filtered_global_pick():
             assert got == policy.pick(evictable, 0, lambda k, layer=layer: k[0] == layer)
             own = [k for k in evictable if k[0] == layer]
             assert got == (policy.victim(own, 0) if own else None)
+
+
+def _claim_chunk_by_chunk(high_q, low_q, batch_bytes):
+    """The copy engine's claim as first written: one (task, start, end) per chunk, then merged per task."""
+    high = bool(high_q)
+    queue_ = high_q if high else low_q
+    pieces, total = [], 0
+    while queue_:
+        task = queue_[0]
+        a, b = task.chunks[task.next_chunk]
+        if pieces:
+            if not high:
+                break
+            if task is not pieces[-1][0]:
+                if total + sum(hi - lo for lo, hi in task.chunks[task.next_chunk:]) > batch_bytes:
+                    break
+            elif total + (b - a) > batch_bytes:
+                break
+        pieces.append((task, a, b))
+        total += b - a
+        task.next_chunk += 1
+        if task.next_chunk == len(task.chunks):
+            queue_.popleft() if high else queue_.pop(0)
+    merged = []
+    for task, a, b in pieces:
+        if merged and merged[-1][0] is task:
+            merged[-1] = (task, merged[-1][1], b)
+        else:
+            merged.append((task, a, b))
+    return merged
+
+
+def test_claim_takes_the_chunks_the_chunk_by_chunk_claim_takes():
+    """One piece per task (its claimed chunks as one byte range): the same chunks, tasks and queues as claiming
+    chunk by chunk, for needed batches within and beyond ``batch_bytes`` and one-chunk predictions."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    rng = random.Random(4)
+    for _ in range(400):
+        queues = []
+        for _ in range(2):
+            tasks = {}
+            for i in range(rng.randint(0, 5)):  # each task twice: one for each claim
+                ranges = tuple(chunk_ranges(rng.choice((96, 512, 4096)), rng.randint(1, 4), align=32))
+                started = rng.randrange(len(ranges)) if rng.random() < 0.3 else 0  # chunks already issued
+                tasks[i] = [LoadTask(0, i, i, True, ranges, next_chunk=started) for _ in range(2)]
+            queues.append(tasks)
+        high, low = list(queues[0].values()), list(queues[1].values())
+        budget = rng.choice((0, 64, 200, 1000, 8192))
+        fast = SimpleNamespace(_high=deque(t[0] for t in high), _low=[t[0] for t in low], batch_bytes=budget)
+        got = CopyEngine._claim(fast)
+        ref_high, ref_low = deque(t[1] for t in high), [t[1] for t in low]
+        ref = _claim_chunk_by_chunk(ref_high, ref_low, budget)
+        assert [(t.expert, a, b) for t, a, b in got] == [(t.expert, a, b) for t, a, b in ref]
+        assert [t.next_chunk for t in fast._high] == [t.next_chunk for t in ref_high]
+        assert [t.next_chunk for t in fast._low] == [t.next_chunk for t in ref_low]
+        assert all(t.in_transit == 1 for t, _, _ in got)
+        assert [(t.expert, t.next_chunk) for ts in high + low for t in ts[:1]] == \
+            [(t.expert, t.next_chunk) for ts in high + low for t in ts[1:]]
