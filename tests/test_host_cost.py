@@ -18,11 +18,11 @@ from moeflow.kernels.reference import combine_reference
 from moeflow.offload.combine import combine_in_order
 from moeflow.offload.copy_engine import CopyEngine, LoadTask, chunk_ranges
 from moeflow.offload.eviction import LRU, Static
-from moeflow.offload.policies.expertflow import PLECEviction, PLECState
+from moeflow.offload.policies.expertflow import PLECEviction, PLECPredictor, PLECState
 from moeflow.offload.predictors.base import ModelShape
 from moeflow.offload.predictors.duoserve import expert_mlp
 from moeflow.offload.predictors.eval_mlp import EvalEncoder, EvalSequential
-from moeflow.offload.predictors.expertflow import PathEncoder
+from moeflow.offload.predictors.expertflow import ExpertFlowPredictor, PathEncoder
 from moeflow.offload.predictors.finemoe import FineMoEPredictor, select_experts, similarity_threshold
 from moeflow.offload.predictors.finemoe_store import ExpertMapStore, TrajectorySearch, _cosine, ranked_selection
 
@@ -80,6 +80,31 @@ def test_eval_encoder_is_bitwise_the_path_encoder():
     fast.reset()
     with torch.inference_mode():
         assert torch.equal(fast(ids, pad), net(ids, pad)) and fast._plan is False
+
+
+@pytest.mark.parametrize("E", [8, 40])  # 40: torch's unstable argsort no longer breaks ties by index
+def test_plec_plan_of_one_token_is_the_general_plan(E):
+    """A decode step's plan (one token) built with the host mask is the general plan (paths, masses summed
+    over tokens, argsort): the same experts in the same order, ties and zero scores included."""
+    L, k = 5, 3
+    pred = ExpertFlowPredictor(ModelShape(L, E, k), vocab_size=10, d_model=8, n_heads=2, n_blocks=1, d_ff=8,
+                               window=4)
+    plec = PLECPredictor(pred, PLECState(L, E))
+    g = torch.Generator().manual_seed(E)
+    for trial in range(200):
+        scores = torch.rand(1, L, E, generator=g)
+        if trial % 2:
+            scores = (scores * 4).round() / 4  # ties, zeros
+        paths = pred.token_paths(scores)
+        active, mass = paths.any(0).tolist(), (scores * paths).sum(0)
+        order = torch.argsort(mass, dim=1, descending=True).tolist()
+        ref = {layer: [e for e in order[layer] if active[layer][e]] for layer in range(L)}
+        assert plec.plan_from_scores(scores) == ref
+        state = PLECState(L, E)
+        state.new_pass(ref)
+        assert state.planned_mask.sum() == sum(map(len, ref.values()))
+        assert all(state.planned_mask[layer, e] and state.planned_rank[layer, e] == r
+                   for layer, es in ref.items() for r, e in enumerate(es))
 
 
 def test_ranked_selection_is_select_experts_then_the_priority_order():
