@@ -127,6 +127,37 @@ def test_ranked_selection_is_select_experts_then_the_priority_order():
         assert ranked_selection(p, score, k, d) == ref
 
 
+def test_ranked_selection_in_python_is_the_numpy_one(monkeypatch):
+    """A small row selected in plain Python (float32 rounding emulated) gives numpy's selection and order."""
+    from moeflow.offload.predictors import finemoe_store
+
+    rng = np.random.default_rng(5)
+    cases = []
+    for trial in range(1500):
+        E = int(rng.integers(1, 33))
+        p = rng.random((1, E)).astype(np.float32) ** rng.choice([1, 4, 12])  # spread: many tiny values
+        if trial % 4 == 0:
+            p = np.round(p, 1)  # ties and zeros
+        if trial % 2:
+            p /= max(float(p.sum()), 1e-30)
+        score = rng.random(1).astype(np.float32) if trial % 5 else np.ones(1, np.float32)
+        k, d = int(rng.integers(1, E + 1)), int(rng.integers(1, 5))
+        cases.append((p, score, k, d))
+        # scores whose threshold 1 - score - 1e-6 falls within a few float32 steps of a running sum: where
+        # summing or subtracting in float64 instead of float32 would take one expert more or less
+        ranked = np.sort(p[0])[::-1]
+        before = ranked.cumsum() - ranked
+        edge = np.float32(1) - (before[int(rng.integers(0, E))] + np.float32(1e-6))
+        for step in range(-3, 4):
+            s = np.array([edge], np.float32)
+            for _ in range(abs(step)):
+                s = np.nextafter(s, np.float32(np.sign(step) * np.inf)).astype(np.float32)
+            cases.append((p, s, k, d))
+    fast = [ranked_selection(*c) for c in cases]
+    monkeypatch.setattr(finemoe_store, "_SMALL_E", 0)  # numpy for every row
+    assert fast == [ranked_selection(*c) for c in cases]
+
+
 def test_incremental_trajectory_search_matches_the_cosine_search():
     g = torch.Generator().manual_seed(0)
     L, E, C = 5, 8, 30

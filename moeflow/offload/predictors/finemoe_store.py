@@ -14,6 +14,7 @@ where the same dozen torch ops on [1, E] tensors cost tens).
 
 from __future__ import annotations
 
+import struct
 import threading
 
 import numpy as np
@@ -28,6 +29,15 @@ _EPS = 1e-12  # norms below this count as this (a zero vector scores 0)
 # Python-level wrappers (np.clip, np.argsort) and Python-int operands cost 10-20 us a call, the methods ~1 us
 _F0, _F1, _TOL = np.float32(0.0), np.float32(1.0), np.float32(1e-6)
 _EPS64 = np.float64(_EPS)
+_F32 = struct.Struct("f")
+_TOL_F = float(_TOL)
+_SMALL_E = 32  # rows up to this many experts are selected in plain Python (numpy's per-call cost dominates)
+
+
+def _f32(x: float) -> float:
+    """x rounded to float32. An add, subtract or divide of two float32 values done in float64 and then rounded
+    is the float32 operation's result exactly (float64 carries more than 2 * 24 + 2 bits)."""
+    return _F32.unpack(_F32.pack(x))[0]
 
 
 def _cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -234,6 +244,10 @@ def ranked_selection(p: np.ndarray, score: np.ndarray, top_k: int, distance: int
     at least ``top_k``), most wanted first by summed p / distance (ties: lower expert first)."""
     p = np.asarray(p, dtype=np.float32)
     delta = np.minimum(np.maximum(_F1 - np.asarray(score, dtype=np.float32), _F0), _F1)
+    if p.shape[0] == 1 and p.shape[1] <= _SMALL_E:
+        row = p[0].tolist()
+        if all(x == x for x in row):  # no NaN (numpy's sort order for NaN is not Python's)
+            return _ranked_one(row, float(delta[0]), top_k, distance)
     if p.shape[0] == 1:  # one row (a decode step): the same selection without the along-axis helpers
         row = p[0]
         order = (-row).argsort(kind="stable")
@@ -252,3 +266,20 @@ def ranked_selection(p: np.ndarray, score: np.ndarray, top_k: int, distance: int
     prio = np.where(mask, p / np.float32(distance), _F0).sum(0)
     chosen = mask.any(0)
     return [int(e) for e in (-prio).argsort(kind="stable") if chosen[e]]
+
+
+def _ranked_one(row: list[float], delta: float, top_k: int, distance: int) -> list[int]:
+    """:func:`ranked_selection` of one row of float32 values in plain Python, every float32 operation rounded
+    as numpy's: a stable sort by -p, the running float32 sum (numpy's cumsum is sequential), the threshold
+    delta - 1e-6 in float32, then the chosen experts (ascending) stably by -(p / distance) in float32."""
+    order = sorted(range(len(row)), key=lambda e: -row[e])
+    limit = _f32(delta - _TOL_F)
+    chosen, cum = [], 0.0
+    for i, e in enumerate(order):
+        x = row[e]
+        cum = _f32(cum + x)
+        if i < top_k or _f32(cum - x) < limit:
+            chosen.append(e)
+    chosen.sort()
+    d = float(distance)
+    return sorted(chosen, key=lambda e: -_f32(row[e] / d))
