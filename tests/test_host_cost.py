@@ -73,6 +73,8 @@ def test_eval_encoder_is_bitwise_the_path_encoder():
             pad = torch.zeros(rows, width, dtype=torch.bool)
             pad[1:, width // 2 + 1:] = True  # shorter windows, right-padded as ExpertFlowPredictor._run pads
             assert torch.equal(fast(ids, pad), net(ids, pad))
+            if rows == 1:  # no padding given: the cached all-zero mask
+                assert torch.equal(fast(ids, None), net(ids, torch.zeros_like(pad)))
         assert fast._plan is not False  # the direct path ran
     ids, pad = torch.randint(0, 50, (1, 8), generator=g), torch.zeros(1, 8, dtype=torch.bool)
     assert fast(ids, pad).requires_grad  # grad on: the module (autograd through it)

@@ -86,6 +86,7 @@ class EvalEncoder:
     def __init__(self, net: nn.Module) -> None:
         self.net = net
         self._plan: list[tuple] | None | bool = None  # None: not planned yet; False: the modules' own path
+        self._no_padding: dict[tuple, torch.Tensor] = {}  # (shape, device): the all-zero float mask (read only)
 
     def reset(self) -> None:
         self._plan = None
@@ -121,14 +122,20 @@ class EvalEncoder:
             self._plan = self._make_plan()
         return self._plan is not False
 
-    def __call__(self, ids: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
-        """ids int64 [B, W], pad bool [B, W] (True = padding) -> logits [B, W, L, E]."""
+    def __call__(self, ids: torch.Tensor, pad: torch.Tensor | None) -> torch.Tensor:
+        """ids int64 [B, W], pad bool [B, W] (True = padding; None: no padding) -> logits [B, W, L, E]."""
         if not self._fast(ids):
-            return self.net(ids, pad)
+            return self.net(ids, torch.zeros(ids.shape, dtype=torch.bool, device=ids.device) if pad is None else pad)
         net = self.net
         # nn.Embedding: padding_idx None -> -1; the positions 0..W-1 are the first W rows of the table
         h = torch.embedding(net.tok.weight, ids, -1, False, False) + net.pos.weight[: ids.shape[1]][None]
-        mask = torch.zeros_like(pad, dtype=h.dtype).masked_fill_(pad, float("-inf"))  # F._canonical_mask
+        if pad is None:  # F._canonical_mask of an all-False mask: zeros, made once per shape
+            key = (tuple(ids.shape), ids.device, h.dtype)
+            mask = self._no_padding.get(key)
+            if mask is None:
+                mask = self._no_padding[key] = torch.zeros(ids.shape, dtype=h.dtype, device=ids.device)
+        else:
+            mask = torch.zeros_like(pad, dtype=h.dtype).masked_fill_(pad, float("-inf"))  # F._canonical_mask
         for args in self._plan:
             h = torch._transformer_encoder_layer_fwd(h, *args, mask, 1)  # mask type 1: key padding
         norm = net.norm

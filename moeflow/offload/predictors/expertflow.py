@@ -112,10 +112,11 @@ class ExpertFlowPredictor(ExpertPredictor):
             return []
         dev = self.popularity.device
         if len(windows) == 1:  # a decode step: the window as it is, nothing padded
-            w = windows[0]
-            ids, pad = w.reshape(1, -1).to(dev, torch.long), torch.zeros((1, w.numel()), dtype=torch.bool, device=dev)
+            ids = windows[0].reshape(1, -1).to(dev, torch.long)
+            if torch.is_inference_mode_enabled():  # the runtime's decode step: already under inference_mode
+                return [torch.sigmoid(self._net_eval(ids, None).float())[0]]
             with torch.inference_mode():
-                return [torch.sigmoid(self._net_eval(ids, pad).float())[0]]
+                return [torch.sigmoid(self._net_eval(ids, None).float())[0]]
         width = max(w.numel() for w in windows)
         ids = torch.zeros((len(windows), width), dtype=torch.long, device=dev)
         pad = torch.ones((len(windows), width), dtype=torch.bool, device=dev)

@@ -83,14 +83,15 @@ class ExpertMapStore:
         return self.size
 
     def _write(self, slot: int, m: torch.Tensor, sem: torch.Tensor | None) -> None:
-        self.maps[slot] = m.float()
-        m32 = self.maps[slot].numpy()  # [L, E]
+        m32 = self.maps.numpy()[slot]  # [L, E], the store's memory
+        m32[...] = m.detach().float().cpu().numpy()
         m64 = m32.astype(np.float64)
         self._by_layer[:, slot] = m32  # a layer's [C, E] rows contiguous for the search
         self._layer_sq[slot] = (m64 * m64).sum(1).cumsum()
         if sem is not None:
-            self.sems[slot] = sem.float()
-            s64 = self.sems[slot].numpy().astype(np.float64)
+            s32 = self.sems.numpy()[slot]
+            s32[...] = sem.detach().float().cpu().numpy()
+            s64 = s32.astype(np.float64)
             self._sem_norm[slot] = np.sqrt((s64 * s64).sum())
         self._has_sem[slot] = sem is not None
         self.version += 1
