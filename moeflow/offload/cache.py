@@ -34,7 +34,7 @@ class SlotState(Enum):
     READY = "ready"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Slot:
     index: int
     state: SlotState = SlotState.EMPTY

@@ -53,7 +53,7 @@ def chunk_ranges(nbytes: int, chunks: int, align: int = ALIGN) -> list[tuple[int
     return [(a, min(a + step, nbytes)) for a in range(0, nbytes, step)]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class LoadTask:
     """Copy of one expert's host region into one device slot, in chunks."""
 
@@ -61,7 +61,7 @@ class LoadTask:
     expert: int
     slot: int
     high: bool
-    chunks: list[tuple[int, int]]
+    chunks: Sequence[tuple[int, int]]  # adjacent byte ranges covering the region (shared by tasks, never changed)
     after: tuple[Handle, ...] = ()  # writes into / reads of the slot that must finish first
     stats: PhaseStats | None = None  # where the moved bytes are counted (the phase at submit time)
     priority: float = 0.0  # low queue order: larger first (predictor score hook)
@@ -82,7 +82,12 @@ class LoadTask:
 
     def complete(self) -> bool:
         """Every chunk issued and landed."""
-        return self.issued and not self.cancelled and all(h.query() for h in self.handles)
+        if self.next_chunk != len(self.chunks) or self.in_transit or self.cancelled:
+            return False
+        for h in self.handles:
+            if not h.query():
+                return False
+        return True
 
     def fences(self) -> list[Handle]:
         """What a later write into the same slot must wait for (this task's copies, and what they waited for)."""
@@ -113,13 +118,15 @@ class CopyEngine:
         self.transport = transport
         self.host = host
         self.pool = pool
-        self.chunks = chunk_ranges(pool.fmt.nbytes, chunks)
-        self.low_chunks = chunk_ranges(pool.fmt.nbytes, max(chunks, -(-pool.fmt.nbytes // PREFETCH_CHUNK_BYTES)))
+        self.chunks = tuple(chunk_ranges(pool.fmt.nbytes, chunks))
+        self.low_chunks = tuple(chunk_ranges(pool.fmt.nbytes, max(chunks, -(-pool.fmt.nbytes // PREFETCH_CHUNK_BYTES))))
         self.max_inflight = max_inflight
         self.threaded = transport.asynchronous if threaded is None else threaded
         # batch_bytes=0 or a transport without copy_batch: one chunk per issue through transport.copy
         self._copy_batch = getattr(transport, "copy_batch", None) if batch_bytes > 0 else None
         self.batch_bytes = batch_bytes if self._copy_batch is not None else 0
+        self._flat: tuple | None = None  # flat views of the host buffer and the pool (first batched copy)
+        self._rows: tuple[list, list] = ([], [])  # row views of both, the host's made on first use
         self._high: deque[LoadTask] = deque()
         self._low: list[LoadTask] = []  # sorted: priority descending, then order
         self._cond = threading.Condition()
@@ -147,8 +154,8 @@ class CopyEngine:
         priority: float = 0.0,
     ) -> LoadTask:
         """Queue the load of expert (layer, expert) into ``slot``."""
-        task = LoadTask(layer, expert, slot, high, list(self.chunks if high else self.low_chunks), tuple(after),
-                        stats, priority)
+        task = LoadTask(layer, expert, slot, high, self.chunks if high else self.low_chunks, tuple(after), stats,
+                        priority)
         with self._cond:
             self._raise_if_failed()
             self._enqueue(task)
@@ -199,6 +206,9 @@ class CopyEngine:
         """
         promoted, dropped = [], []
         with self._cond:
+            if not self._low:  # nothing predicted is queued (every all-hit layer, every policy without a predictor)
+                self._raise_if_failed()
+                return promoted, dropped
             for task in [t for t in self._low if t.layer == layer]:
                 self._low.remove(task)
                 if task.expert in needed:
@@ -282,32 +292,41 @@ class CopyEngine:
         the batch stays within ``batch_bytes``, the rest of its chunks and then whole high tasks behind it. A
         prediction (low) goes one chunk per issue, so a needed load that arrives waits behind small pieces only
         and a queued prediction can still be dropped at its gate (the simulator measured that batching
-        predictions costs more in needed-load latency than it saves in copies)."""
-        high = bool(self._high)
-        queue_ = self._high if high else self._low
-        pieces: list[tuple[LoadTask, int, int]] = []
-        total = 0
-        while queue_:
-            task = queue_[0]
+        predictions costs more in needed-load latency than it saves in copies).
+
+        Returns one piece ``(task, start, end)`` per task: the byte range of the chunks claimed from it (adjacent
+        chunks, so one range)."""
+        if not self._high:
+            if not self._low:
+                return []
+            task = self._low[0]
             a, b = task.chunks[task.next_chunk]
-            if pieces:
-                if not high:
-                    break
-                if task is not pieces[-1][0]:  # another task joins whole: one copy per expert
-                    b_rest = sum(hi - lo for lo, hi in task.chunks[task.next_chunk:])
-                    if total + b_rest > self.batch_bytes:
-                        break
-                elif total + (b - a) > self.batch_bytes:
-                    break
-            pieces.append((task, a, b))
-            total += b - a
             task.next_chunk += 1
             task.in_transit += 1
             if task.next_chunk == len(task.chunks):
-                if high:
-                    self._high.popleft()
-                else:
-                    self._low.pop(0)
+                self._low.pop(0)
+            return [(task, a, b)]
+        pieces: list[tuple[LoadTask, int, int]] = []
+        total, budget, queue_ = 0, self.batch_bytes, self._high
+        while queue_:
+            task = queue_[0]
+            chunks, i = task.chunks, task.next_chunk
+            a, end = chunks[i][0], chunks[-1][1]
+            if total + (end - a) <= budget:  # the rest of the task fits: take it whole
+                task.next_chunk = len(chunks)
+            elif pieces:  # another task joins only whole: one copy per expert
+                break
+            else:  # the head alone is larger than a batch: its chunks while they fit (at least one)
+                j = i + 1
+                while j < len(chunks) and total + (chunks[j][1] - a) <= budget:
+                    j += 1
+                task.next_chunk, end = j, chunks[j - 1][1]
+            pieces.append((task, a, end))
+            total += end - a
+            task.in_transit += 1
+            if task.next_chunk < len(chunks):
+                break
+            queue_.popleft()
         return pieces
 
     def _issue_next(self) -> Handle | None:
@@ -349,19 +368,35 @@ class CopyEngine:
             src = self.host.buffer[self.host.index(task.layer, task.expert), a:b]
             return self.transport.copy(self.pool.buffer[task.slot, a:b], src, task.after), 1
         nbytes = self.pool.fmt.nbytes
-        host_flat, pool_flat = self.host.buffer.view(-1), self.pool.buffer.view(-1)
-        spans: list[list[int]] = []  # [src_start, dst_start, length]: runs adjacent in the store and in the pool
+        if self._flat is None:  # both buffers are allocated once, with their owners
+            self._flat = (self.host.buffer.view(-1), self.pool.buffer.view(-1))
+            self._rows = ([None] * self.host.buffer.shape[0], list(self.pool.buffer))
+        # [src_start, dst_start, length, host row, slot]: runs adjacent in the store and in the pool; the row and
+        # the slot while the run is one whole expert (its row views, kept: no slicing per copy)
+        spans: list[list[int]] = []
         after: dict[int, Handle] = {}
+        index = self.host.index
         for task, a, b in pieces:
-            src = self.host.index(task.layer, task.expert) * nbytes + a
-            dst = task.slot * nbytes + a
+            row = index(task.layer, task.expert)
+            src, dst = row * nbytes + a, task.slot * nbytes + a
             if spans and spans[-1][0] + spans[-1][2] == src and spans[-1][1] + spans[-1][2] == dst:
                 spans[-1][2] += b - a
+                spans[-1][3] = -1
             else:
-                spans.append([src, dst, b - a])
+                spans.append([src, dst, b - a, row if b - a == nbytes else -1, task.slot])
             for h in task.after:
                 after.setdefault(id(h), h)
-        pairs = [(pool_flat[d:d + n], host_flat[s:s + n]) for s, d, n in spans]
+        host_flat, pool_flat = self._flat
+        host_rows, pool_rows = self._rows
+        pairs = []
+        for s, d, n, row, slot in spans:
+            if row < 0:
+                pairs.append((pool_flat[d:d + n], host_flat[s:s + n]))
+                continue
+            src = host_rows[row]
+            if src is None:
+                src = host_rows[row] = self.host.buffer[row]
+            pairs.append((pool_rows[slot], src))
         return self._copy_batch(pairs, tuple(after.values())), len(pairs)
 
     def _throttle(self) -> None:

@@ -53,4 +53,6 @@ def plan_layer(layer: int, needed: list[int], lookup: Callable[[tuple[int, int]]
 
 def arrival_order(waiting: list[LoadTask]) -> list[LoadTask]:
     """Loads already in the transport first, then the high queue's order."""
+    if len(waiting) < 2:
+        return list(waiting)
     return sorted(waiting, key=lambda t: (not t.issued, t.order))

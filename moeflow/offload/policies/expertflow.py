@@ -81,8 +81,10 @@ class PLECState:
         self.next_planned = {}
         self.planned_mask[:] = False
         self.next_mask[:] = False
-        for (layer, e), r in self.planned.items():
-            self.planned_mask[layer, e], self.planned_rank[layer, e] = True, r
+        if self.planned:  # one fancy assignment per array instead of two per planned expert
+            (layers, experts), ranks = zip(*self.planned.keys(), strict=True), list(self.planned.values())
+            self.planned_mask[layers, experts] = True
+            self.planned_rank[layers, experts] = ranks
 
     def mark_prefetched(self, key: Key, prefetched: bool) -> None:
         if prefetched:
@@ -230,10 +232,25 @@ class PLECPredictor(Predictor):
     def plan_from_scores(self, scores: torch.Tensor) -> dict[int, list[int]]:
         """Scores [N, L, E] of a pass's tokens -> its plan: per layer the experts on some token's path, ranked
         by summed score."""
+        if scores.shape[0] == 1:  # a decode step: one token's path, without the reductions over tokens
+            return self._plan_one(scores[0])
         paths = self.predictor.token_paths(scores)
         active, mass = paths.any(0).tolist(), (scores * paths).sum(0)
         order = torch.argsort(mass, dim=1, descending=True).tolist()  # every layer's row at once
         return {layer: [e for e in order[layer] if active[layer][e]] for layer in range(self.state.num_layers)}
+
+    def _plan_one(self, scores: torch.Tensor) -> dict[int, list[int]]:
+        """:meth:`plan_from_scores` of one token, scores [L, E]: the same top-k (``topk_mask``'s call) and the same
+        argsort of the same masses (a score, or 0 off the path), the mask built on the host."""
+        L, E = scores.shape
+        scores = scores.float()
+        top = torch.topk(scores, min(self.predictor.shape.top_k, E), dim=-1).indices.numpy()
+        active = np.zeros((L, E), dtype=bool)
+        active[np.arange(L)[:, None], top] = True
+        mass = torch.from_numpy(scores.numpy() * active)  # x * True is x, x * False is 0: the summed masses of one row
+        order = torch.argsort(mass, dim=1, descending=True).tolist()
+        flags = active.tolist()
+        return {layer: [e for e in order[layer] if flags[layer][e]] for layer in range(L)}
 
     def begin_step(self, step: StepInfo) -> None:
         """Plan the pass: the OR over its tokens of each token's predicted path, then prefetch ahead."""
@@ -245,11 +262,13 @@ class PLECPredictor(Predictor):
                 raise ValueError("the expertflow policy predicts from the tokens so far: StepInfo.history_ids "
                                  "is None")
             hist, valid = step.history_ids.cpu(), step.history_mask.cpu()
-            mask = step.token_mask.cpu()
-            scores = [self.predictor.token_scores(hist[i][valid[i]], int(mask[i].sum())).cpu()
-                      for i in range(hist.shape[0]) if int(mask[i].sum())]  # [new, L, E] each
+            new = step.token_mask.cpu().sum(1).tolist()  # tokens this pass processes, per row
+            scores = [self.predictor.token_scores(hist[i][valid[i]], n).cpu()
+                      for i, n in enumerate(new) if n]  # [new, L, E] each
             L, E = self.state.num_layers, self.state.num_experts
-            plan = self.plan_from_scores(torch.cat(scores) if scores else torch.zeros(0, L, E))
+            if len(scores) > 1:
+                scores = [torch.cat(scores)]
+            plan = self.plan_from_scores(scores[0] if scores else torch.zeros(0, L, E))
         self.state.new_pass(plan)
         self.state.count_resident_at_start(self.backend.cache if self.backend is not None else None)
         self._planned = True

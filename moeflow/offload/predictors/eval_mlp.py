@@ -1,9 +1,16 @@
-"""Small eval-mode MLPs run as direct torch calls: :class:`EvalSequential` (the learned predictors' runtime call)."""
+"""The learned predictors' small eval-mode networks run as direct torch calls (their runtime call):
+:class:`EvalSequential` (DuoServe's and ProMoE's MLPs) and :class:`EvalEncoder` (ExpertFlow's path encoder).
+
+Each calls the kernels the modules themselves would call, with the same arguments in the same order, so the
+output is bitwise the module's; what goes is the per-module Python (hooks, ``__getattr__``, argument
+canonicalisation, the transformer layers' fast-path checks, which walk every submodule on every call).
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _module
 
 
 class EvalSequential:
@@ -63,3 +70,74 @@ class EvalSequential:
             else:
                 x = torch.relu(x)
         return x
+
+
+class EvalEncoder:
+    """ExpertFlow's ``PathEncoder`` (token + position embeddings, an ``nn.TransformerEncoder`` of norm-first
+    layers, a final LayerNorm, one Linear head per MoE layer) in eval mode as direct calls: per layer the one
+    fused ``torch._transformer_encoder_layer_fwd`` the layer's own inference fast path calls, with the same
+    float key-padding mask. Bitwise ``net(ids, pad)``.
+
+    Used only where the modules would take that fast path themselves: eval mode, grad off, no autocast, the MHA
+    fast path enabled, no hooks (checked when planned; :meth:`reset` after changing the modules), the layer
+    options the fast path needs (batch-first, even heads, ReLU/GELU, ...). Anything else runs ``net`` itself.
+    """
+
+    def __init__(self, net: nn.Module) -> None:
+        self.net = net
+        self._plan: list[tuple] | None | bool = None  # None: not planned yet; False: the modules' own path
+        self._no_padding: dict[tuple, torch.Tensor] = {}  # (shape, device): the all-zero float mask (read only)
+
+    def reset(self) -> None:
+        self._plan = None
+
+    def _make_plan(self) -> list[tuple] | bool:
+        net = self.net
+        enc = net.encoder
+        if getattr(enc, "use_nested_tensor", True) or enc.norm is not None or type(net.norm) is not nn.LayerNorm \
+                or net.tok.max_norm is not None or net.pos.max_norm is not None \
+                or any(type(head) is not nn.Linear for head in net.heads) \
+                or any(m._forward_hooks or m._forward_pre_hooks for m in net.modules()):
+            return False
+        layers = []
+        for layer in enc.layers:
+            attn = layer.self_attn
+            if not (type(layer) is nn.TransformerEncoderLayer and attn.batch_first and attn.in_proj_bias is not None
+                    and attn._qkv_same_embed_dim and layer.activation_relu_or_gelu
+                    and layer.norm1.eps == layer.norm2.eps and attn.num_heads % 2 == 0):
+                return False
+            layers.append((attn.embed_dim, attn.num_heads, attn.in_proj_weight, attn.in_proj_bias,
+                           attn.out_proj.weight, attn.out_proj.bias, layer.activation_relu_or_gelu == 2,
+                           layer.norm_first, layer.norm1.eps, layer.norm1.weight, layer.norm1.bias, layer.norm2.weight,
+                           layer.norm2.bias, layer.linear1.weight, layer.linear1.bias, layer.linear2.weight,
+                           layer.linear2.bias))
+        return layers
+
+    def _fast(self, ids: torch.Tensor) -> bool:
+        if self.net.training or torch.is_grad_enabled() or torch.is_autocast_enabled() \
+                or not torch.backends.mha.get_fastpath_enabled() or ids.device.type not in ("cpu", "cuda") \
+                or _module._global_forward_hooks or _module._global_forward_pre_hooks:
+            return False
+        if self._plan is None:
+            self._plan = self._make_plan()
+        return self._plan is not False
+
+    def __call__(self, ids: torch.Tensor, pad: torch.Tensor | None) -> torch.Tensor:
+        """ids int64 [B, W], pad bool [B, W] (True = padding; None: no padding) -> logits [B, W, L, E]."""
+        if not self._fast(ids):
+            return self.net(ids, torch.zeros(ids.shape, dtype=torch.bool, device=ids.device) if pad is None else pad)
+        net = self.net
+        # nn.Embedding: padding_idx None -> -1; the positions 0..W-1 are the first W rows of the table
+        h = torch.embedding(net.tok.weight, ids, -1, False, False) + net.pos.weight[: ids.shape[1]][None]
+        if pad is None:  # F._canonical_mask of an all-False mask: zeros, made once per shape
+            key = (tuple(ids.shape), ids.device, h.dtype)
+            mask = self._no_padding.get(key)
+            if mask is None:
+                mask = self._no_padding[key] = torch.zeros(ids.shape, dtype=h.dtype, device=ids.device)
+        else:
+            mask = torch.zeros_like(pad, dtype=h.dtype).masked_fill_(pad, float("-inf"))  # F._canonical_mask
+        for args in self._plan:
+            h = torch._transformer_encoder_layer_fwd(h, *args, mask, 1)  # mask type 1: key padding
+        norm = net.norm
+        h = torch.layer_norm(h, norm.normalized_shape, norm.weight, norm.bias, norm.eps, torch.backends.cudnn.enabled)
+        return torch.stack([torch._C._nn.linear(h, head.weight, head.bias) for head in net.heads], dim=2)

@@ -42,6 +42,7 @@ from moeflow.offload.predictors.base import (
     popularity_matrix,
     topk_mask,
 )
+from moeflow.offload.predictors.eval_mlp import EvalEncoder
 
 BATCH_SIZES = (1, 4, 16, 32)
 
@@ -97,6 +98,7 @@ class ExpertFlowPredictor(ExpertPredictor):
         self.vocab_size, self.window = vocab_size, window
         self.net = PathEncoder(vocab_size, shape.num_layers, shape.num_experts, d_model, n_heads, n_blocks, d_ff,
                                window).eval()
+        self._net_eval = EvalEncoder(self.net)  # the runtime's call: no per-module overhead, bitwise the module
         self._scores: torch.Tensor | None = None  # [T, L, E] of the current iteration
 
     # ------------------------------------------------------------------ inference
@@ -110,10 +112,11 @@ class ExpertFlowPredictor(ExpertPredictor):
             return []
         dev = self.popularity.device
         if len(windows) == 1:  # a decode step: the window as it is, nothing padded
-            w = windows[0]
-            ids, pad = w.reshape(1, -1).to(dev, torch.long), torch.zeros((1, w.numel()), dtype=torch.bool, device=dev)
+            ids = windows[0].reshape(1, -1).to(dev, torch.long)
+            if torch.is_inference_mode_enabled():  # the runtime's decode step: already under inference_mode
+                return [torch.sigmoid(self._net_eval(ids, None).float())[0]]
             with torch.inference_mode():
-                return [torch.sigmoid(self.net(ids, pad).float())[0]]
+                return [torch.sigmoid(self._net_eval(ids, None).float())[0]]
         width = max(w.numel() for w in windows)
         ids = torch.zeros((len(windows), width), dtype=torch.long, device=dev)
         pad = torch.ones((len(windows), width), dtype=torch.bool, device=dev)
@@ -121,7 +124,7 @@ class ExpertFlowPredictor(ExpertPredictor):
             ids[i, : w.numel()] = w.to(dev)
             pad[i, : w.numel()] = False
         with torch.inference_mode():  # bitwise no_grad's result, less dispatch bookkeeping
-            probs = torch.sigmoid(self.net(ids, pad).float())
+            probs = torch.sigmoid(self._net_eval(ids, pad).float())
         return [probs[i, : w.numel()] for i, w in enumerate(windows)]
 
     def token_scores(self, context: torch.Tensor, new: int) -> torch.Tensor:
@@ -205,6 +208,7 @@ class ExpertFlowPredictor(ExpertPredictor):
 
     def _move(self, device: torch.device) -> None:
         self.net.to(device)
+        self._net_eval.reset()
 
     # ------------------------------------------------------------------ training
     @classmethod
@@ -311,6 +315,7 @@ class ExpertFlowPredictor(ExpertPredictor):
         except (KeyError, RuntimeError) as e:
             raise PredictorError(f"expertflow predictor file: the encoder weights do not fit: {e}") from e
         self.net.eval()
+        self._net_eval.reset()
 
 
 def batch_level_accuracy(pred: torch.Tensor, actual: torch.Tensor, batch_size: int, seed: int = 0) -> dict[str, Any]:

@@ -171,13 +171,20 @@ class FineMoEPredictor(ExpertPredictor):
 
     def _on_observe(self, layer: int) -> None:
         E, L = self.shape.num_experts, self.shape.num_layers
-        self.freq.numpy()[layer] += np.bincount(self._topk[layer].reshape(-1).cpu().numpy(), minlength=E)
+        ids = self._topk[layer].reshape(-1).cpu().tolist()
+        freq = self.freq.numpy()[layer]
+        if len(set(ids)) == len(ids):  # a decode step's top-k: += 1 each is exactly bincount's += count
+            for e in ids:
+                freq[e] += 1
+        else:
+            freq += np.bincount(np.asarray(ids, dtype=np.int64), minlength=E)
         row = self._rows_of(self._probs[layer].cpu())
         if self._traj is None or self._traj.shape[0] != row.shape[0]:
             self._traj = torch.zeros(row.shape[0], L, E)
-        self._traj[:, layer] = row  # incremental: earlier layers are never copied again
+        self._traj.numpy()[:, layer] = row.numpy()  # incremental: earlier layers are never copied again
         if self.runtime_mode:  # the search adds this layer to the iteration's running dot products
-            self._searches[layer] = self._submit(self._traj_search.step, self._traj, layer)
+            if layer + 1 + self.distance < L:  # only layers up to L-1-d propose, each from an earlier layer's search
+                self._searches[layer] = self._submit(self._traj_search.step, self._traj, layer)
             return
         target = layer + self.distance
         if self.is_async and target < L:
@@ -212,7 +219,7 @@ class FineMoEPredictor(ExpertPredictor):
         """The delta-selected experts of ``target`` from its latest search result (the semantic search when
         none), most wanted first by p / (target - layer_now): host lists, computed on host arrays."""
         if target not in self._found:
-            self.prior(target)
+            self._semantic(target)
         p, score = self._found[target]
         return ranked_selection(p.numpy(), score.numpy(), self.shape.top_k, max(target - layer_now, 1))
 
@@ -236,6 +243,11 @@ class FineMoEPredictor(ExpertPredictor):
 
     def prior(self, target_layer: int) -> torch.Tensor:
         """Semantic search (first d layers): P_target of the map with the most similar embedding."""
+        self._semantic(target_layer)
+        return self._found[target_layer][0].clone()
+
+    def _semantic(self, target_layer: int) -> None:
+        """:meth:`prior`'s search result for ``target_layer`` remembered (``_found``), without the copy."""
         if target_layer not in self._found:
             hit = None
             if -1 not in self._futures and self._query_sem is not None:  # once per iteration, for every target
@@ -248,7 +260,6 @@ class FineMoEPredictor(ExpertPredictor):
                 idx, score = hit
                 found = (self.store.layer_maps(idx, target_layer), score)
             self._remember(target_layer, found)
-        return self._found[target_layer][0].clone()
 
     def _predict(self, target_layer: int, source_layer: int) -> torch.Tensor:
         """Trajectory search: P_target of the map whose layers 0..target-d best match this iteration's."""

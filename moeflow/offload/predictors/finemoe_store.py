@@ -14,6 +14,7 @@ where the same dozen torch ops on [1, E] tensors cost tens).
 
 from __future__ import annotations
 
+import struct
 import threading
 
 import numpy as np
@@ -28,6 +29,15 @@ _EPS = 1e-12  # norms below this count as this (a zero vector scores 0)
 # Python-level wrappers (np.clip, np.argsort) and Python-int operands cost 10-20 us a call, the methods ~1 us
 _F0, _F1, _TOL = np.float32(0.0), np.float32(1.0), np.float32(1e-6)
 _EPS64 = np.float64(_EPS)
+_F32 = struct.Struct("f")
+_TOL_F = float(_TOL)
+_SMALL_E = 32  # rows up to this many experts are selected in plain Python (numpy's per-call cost dominates)
+
+
+def _f32(x: float) -> float:
+    """x rounded to float32. An add, subtract or divide of two float32 values done in float64 and then rounded
+    is the float32 operation's result exactly (float64 carries more than 2 * 24 + 2 bits)."""
+    return _F32.unpack(_F32.pack(x))[0]
 
 
 def _cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -65,18 +75,23 @@ class ExpertMapStore:
         self.replaced = 0
         self.version = 0  # bumped by every write (an incremental search restarts)
         self.lock = threading.RLock()
+        # the last semantic search's (store version, query, cosines [B, n]): the iteration's map is published
+        # with the same query against the same store, and its redundancy reuses them (the same values)
+        self._sem_memo: tuple[int, np.ndarray, np.ndarray] | None = None
 
     def __len__(self) -> int:
         return self.size
 
     def _write(self, slot: int, m: torch.Tensor, sem: torch.Tensor | None) -> None:
-        self.maps[slot] = m.float()
-        m64 = self.maps[slot].numpy().astype(np.float64)  # [L, E]
-        self._by_layer[:, slot] = self.maps[slot].numpy()  # a layer's [C, E] rows contiguous for the search
+        m32 = self.maps.numpy()[slot]  # [L, E], the store's memory
+        m32[...] = m.detach().float().cpu().numpy()
+        m64 = m32.astype(np.float64)
+        self._by_layer[:, slot] = m32  # a layer's [C, E] rows contiguous for the search
         self._layer_sq[slot] = (m64 * m64).sum(1).cumsum()
         if sem is not None:
-            self.sems[slot] = sem.float()
-            s64 = self.sems[slot].numpy().astype(np.float64)
+            s32 = self.sems.numpy()[slot]
+            s32[...] = sem.detach().float().cpu().numpy()
+            s64 = s32.astype(np.float64)
             self._sem_norm[slot] = np.sqrt((s64 * s64).sum())
         self._has_sem[slot] = sem is not None
         self.version += 1
@@ -90,10 +105,21 @@ class ExpertMapStore:
             traj = self._cosines(q, self.maps[:n].reshape(n, -1).numpy(), np.sqrt(self._layer_sq[:n, -1]))
             if sems is None or self.sems is None:
                 return torch.from_numpy(traj.astype(np.float32))
-            sem = self._cosines(sems.detach().float().cpu().numpy(), self.sems[:n].numpy(), self._sem_norm[:n])
+            sem = self._semantic_cosines(sems.detach().float().cpu().numpy())
             sem = np.where(self._has_sem[:n][None, :], sem, traj)  # a stored map without embedding
             L, d = self.num_layers, self.distance
             return torch.from_numpy((np.float64(d / L) * sem + np.float64((L - d) / L) * traj).astype(np.float32))
+
+    def _semantic_cosines(self, q: np.ndarray) -> np.ndarray:
+        """(lock held) q fp32 [B, H] -> cosines float64 [B, size] with every stored embedding (the memo's when
+        the store and the query are those of the last call)."""
+        memo = self._sem_memo
+        if memo is not None and memo[0] == self.version and np.array_equal(memo[1], q):
+            return memo[2]
+        n = self.size
+        cos = self._cosines(q, self.sems[:n].numpy(), self._sem_norm[:n])
+        self._sem_memo = (self.version, q.copy(), cos)
+        return cos
 
     @staticmethod
     def _cosines(q: np.ndarray, keys: np.ndarray, key_norms: np.ndarray) -> np.ndarray:
@@ -119,7 +145,7 @@ class ExpertMapStore:
                     slot = self.size
                     self.size += 1
                 else:
-                    slot = int(torch.argmax(self.redundancy(maps[x : x + 1], sem)[0]))
+                    slot = int(self.redundancy(maps[x : x + 1], sem)[0].numpy().argmax())  # the first maximum
                     self.replaced += 1
                 self._write(slot, maps[x], None if sem is None else sem[0])
                 slots.append(slot)
@@ -132,9 +158,9 @@ class ExpertMapStore:
             has = self._has_sem[:n]
             if n == 0 or self.sems is None or not has.any():
                 return None
-            q = sems.detach().float().cpu().numpy()
-            score = self._cosines(q, self.sems[:n].numpy(), self._sem_norm[:n])
-            score[:, ~has] = -np.inf  # a map stored without an embedding never matches semantically
+            score = self._semantic_cosines(sems.detach().float().cpu().numpy())
+            if not has.all():  # a map stored without an embedding never matches semantically
+                score = np.where(has[None, :], score, -np.inf)
             idx = score.argmax(1)
             best = score[np.arange(score.shape[0]), idx] if score.shape[0] > 1 else score[0, idx]
             return torch.from_numpy(idx.astype(np.int64)), torch.from_numpy(best.astype(np.float32))
@@ -219,6 +245,10 @@ def ranked_selection(p: np.ndarray, score: np.ndarray, top_k: int, distance: int
     at least ``top_k``), most wanted first by summed p / distance (ties: lower expert first)."""
     p = np.asarray(p, dtype=np.float32)
     delta = np.minimum(np.maximum(_F1 - np.asarray(score, dtype=np.float32), _F0), _F1)
+    if p.shape[0] == 1 and p.shape[1] <= _SMALL_E:
+        row = p[0].tolist()
+        if all(x == x for x in row):  # no NaN (numpy's sort order for NaN is not Python's)
+            return _ranked_one(row, float(delta[0]), top_k, distance)
     if p.shape[0] == 1:  # one row (a decode step): the same selection without the along-axis helpers
         row = p[0]
         order = (-row).argsort(kind="stable")
@@ -237,3 +267,20 @@ def ranked_selection(p: np.ndarray, score: np.ndarray, top_k: int, distance: int
     prio = np.where(mask, p / np.float32(distance), _F0).sum(0)
     chosen = mask.any(0)
     return [int(e) for e in (-prio).argsort(kind="stable") if chosen[e]]
+
+
+def _ranked_one(row: list[float], delta: float, top_k: int, distance: int) -> list[int]:
+    """:func:`ranked_selection` of one row of float32 values in plain Python, every float32 operation rounded
+    as numpy's: a stable sort by -p, the running float32 sum (numpy's cumsum is sequential), the threshold
+    delta - 1e-6 in float32, then the chosen experts (ascending) stably by -(p / distance) in float32."""
+    order = sorted(range(len(row)), key=lambda e: -row[e])
+    limit = _f32(delta - _TOL_F)
+    chosen, cum = [], 0.0
+    for i, e in enumerate(order):
+        x = row[e]
+        cum = _f32(cum + x)
+        if i < top_k or _f32(cum - x) < limit:
+            chosen.append(e)
+    chosen.sort()
+    d = float(distance)
+    return sorted(chosen, key=lambda e: -_f32(row[e] / d))
