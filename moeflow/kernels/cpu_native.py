@@ -37,8 +37,10 @@ from moeflow.quant.awq import unpack_int4
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_native.c")
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("cpu_native.c", "cpu_q4.c"))
+HEADER = Path(__file__).with_name("cpu_native.h")
 BLOCK = 32  # activation features per int8 scale (and the weights' packing block)
+ROW_GROUP = 8  # q4 rows interleaved together (cpu_q4.c's layout)
 _LIB: ctypes.CDLL | None | bool = False  # False: not tried yet; None: unavailable
 
 
@@ -49,8 +51,14 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
+def source_digest() -> str:
+    """A short hash of the kernels' C sources: names the kernel revision (cost-model calibrations are keyed by it)."""
+    return hashlib.sha256("\0".join(f.read_text() for f in (*SOURCES, HEADER)).encode()).hexdigest()[:12]
+
+
 def build(cache: Path, native_arch: bool = True) -> Path:
-    """Compile ``cpu_native.c`` into ``cache`` (once per source, compiler and CPU); returns the library's path.
+    """Compile ``cpu_native.c`` and ``cpu_q4.c`` into ``cache`` (once per source, compiler and CPU); returns the
+    library's path.
     ``native_arch=False`` builds for the baseline ISA (the portable C loops instead of AVX2; tests use it)."""
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
@@ -58,17 +66,17 @@ def build(cache: Path, native_arch: bool = True) -> Path:
     arch = ["-march=native"] if native_arch else []
     flags = ["-O3", *arch, "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]  # no implicit FMA: as the reference
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, *flags, _cpu_flags(), platform.machine()])
+    key = hashlib.sha256("\0".join([source_digest(), cc, version, *flags, _cpu_flags(), platform.machine()])
                          .encode()).hexdigest()[:16]
     lib = cache / f"libmoeflow_cpu_{key}.so"
     if not lib.is_file():
         cache.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
         os.close(fd)
-        res = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+        res = subprocess.run([cc, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True)
         if res.returncode:
             os.unlink(tmp)
-            raise RuntimeError(f"{cc} could not build {SOURCE.name}:\n{res.stderr[-2000:]}")
+            raise RuntimeError(f"{cc} could not build {', '.join(f.name for f in SOURCES)}:\n{res.stderr[-2000:]}")
         os.replace(tmp, lib)  # atomic: concurrent builders each write their own temporary file
     return lib
 
@@ -119,11 +127,15 @@ def _fp32_rows(x: torch.Tensor, k: int) -> torch.Tensor:
 
 @dataclass
 class Q4Matrix:
-    """A 4-bit matrix ``W [N, K]`` in this module's format: ``W = q * s + m`` per group of ``group_size`` inputs."""
+    """A 4-bit matrix ``W [N, K]`` in this module's format: ``W = q * s + m`` per group of ``group_size`` inputs.
 
-    packed: torch.Tensor  # uint8 [N, K/2]: per 32-feature block, byte j = q[j] | q[16 + j] << 4
-    scales: torch.Tensor  # fp32 [N, K/g]
-    mins: torch.Tensor  # fp32 [N, K/g] (= -zero * scale)
+    Rows are interleaved in groups of 8 (``cpu_q4.c``'s layout: one integer multiply covers 8 rows x 4 features),
+    the last ``N % 8`` rows stored plainly; each group's bytes are its rows' bytes of a ``[N, K/2]`` tensor, so a
+    range of rows starting and ending at multiples of 8 (or at N) is still a slice of every tensor."""
+
+    packed: torch.Tensor  # uint8 [N, K/2], row-grouped (see _group_rows)
+    scales: torch.Tensor  # fp32 [N, K/g], row-grouped
+    mins: torch.Tensor  # fp32 [N, K/g] (= -zero * scale), row-grouped
     group_size: int
 
     @classmethod
@@ -133,12 +145,9 @@ class Q4Matrix:
             raise ValueError(f"qweight {tuple(qweight.shape)}, group_size {group_size}: the CPU kernel needs "
                              f"group_size % {BLOCK} == 0 and in_features % group_size == 0")
         q = unpack_int4(qweight.cpu()).T.to(torch.uint8)  # [N, K]
-        n, k = q.shape
-        blocks = q.reshape(n, k // BLOCK, 2, BLOCK // 2)
-        packed = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
         s = scales.cpu().float()
         mins = -unpack_int4(qzeros.cpu()).float() * s
-        return cls(packed, s.T.contiguous(), mins.T.contiguous(), group_size)
+        return cls(_pack_q4(q), _group_rows(s.T.contiguous()), _group_rows(mins.T.contiguous()), group_size)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -150,15 +159,42 @@ class Q4Matrix:
 
     def dequantized(self) -> torch.Tensor:
         """fp32 [N, K]: the weight the kernel multiplies by."""
-        n, k = self.shape
-        lo, hi = (self.packed & 0xF), (self.packed >> 4)
-        q = torch.stack([lo.view(n, k // BLOCK, BLOCK // 2), hi.view(n, k // BLOCK, BLOCK // 2)], 2).view(n, k)
         g = self.group_size
-        return q.float() * self.scales.repeat_interleave(g, 1) + self.mins.repeat_interleave(g, 1)
+        s, m = _group_rows(self.scales, inverse=True), _group_rows(self.mins, inverse=True)
+        return _unpack_q4(self.packed).float() * s.repeat_interleave(g, 1) + m.repeat_interleave(g, 1)
 
     @property
     def nbytes(self) -> int:
         return self.packed.numel() + 4 * (self.scales.numel() + self.mins.numel())
+
+
+def _group_rows(t: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Per-row values [N, C] (scales, mins) <-> the kernel's order: within each group of 8 rows, [C, 8]."""
+    n, c = t.shape
+    whole = n - n % ROW_GROUP
+    g = t[:whole].reshape(whole // ROW_GROUP, *((c, ROW_GROUP) if inverse else (ROW_GROUP, c)))
+    return torch.cat([g.transpose(1, 2).reshape(whole, c), t[whole:]]).contiguous()
+
+
+def _pack_q4(q: torch.Tensor) -> torch.Tensor:
+    """q uint8 [N, K] in [0, 15] -> packed uint8 [N, K/2] in cpu_q4.c's layout."""
+    n, k = q.shape
+    whole = n - n % ROW_GROUP
+    # grouped rows: [group, row r, block b, c, nibble h, j] (feature 32b + 8c + 4h + j) -> bytes [group, b, c, r, j]
+    g = q[:whole].reshape(whole // ROW_GROUP, ROW_GROUP, k // BLOCK, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
+    grouped = (g[..., 0] | (g[..., 1] << 4)).reshape(whole, k // 2)
+    tail = q[whole:].reshape(n - whole, k // BLOCK, 2, BLOCK // 2)  # plain rows: byte j = q[j] | q[16 + j] << 4
+    return torch.cat([grouped, (tail[:, :, 0] | (tail[:, :, 1] << 4)).reshape(n - whole, k // 2)]).contiguous()
+
+
+def _unpack_q4(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`_pack_q4`: uint8 [N, K] in [0, 15]."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    whole = n - n % ROW_GROUP
+    nib = torch.stack([packed & 0xF, packed >> 4], -1)  # [N, K/2, 2]
+    g = nib[:whole].reshape(whole // ROW_GROUP, k // BLOCK, 4, ROW_GROUP, 4, 2).permute(0, 3, 1, 2, 5, 4)
+    tail = nib[whole:].reshape(n - whole, k // BLOCK, BLOCK // 2, 2).transpose(2, 3)
+    return torch.cat([g.reshape(whole, k), tail.reshape(n - whole, k)])
 
 
 def q4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
