@@ -83,6 +83,19 @@ def test_q4_layout_round_trips_and_keeps_row_groups_as_slices():
     assert torch.equal(part.dequantized(), w[8:16])
 
 
+def test_concat_rows_is_the_matrix_of_the_stacked_rows():
+    """q, k, v fused into one matrix: aligned parts by plain concatenation, others re-grouped."""
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(12))
+    for rows in ((16, 8, 8), (13, 8, 5), (8, 3)):
+        parts = [q4_any_rows(n, 128, 32, seed=20 + i) for i, n in enumerate(rows)]
+        fused = Q4Matrix.concat_rows([m for m, _ in parts])
+        w = torch.cat([w for _, w in parts])
+        assert torch.equal(fused.dequantized(), w)
+        assert rel(fused.matmul(x), q4_reference(x, w)) < NATIVE_RTOL
+    with pytest.raises(ValueError, match="in_features"):
+        Q4Matrix.concat_rows([q4_any_rows(8, 128, 32, 0)[0], q4_any_rows(8, 64, 32, 0)[0]])
+
+
 def test_q8_matmul_matches_its_reference():
     g = torch.Generator().manual_seed(0)
     w = torch.randint(-127, 128, (70, 256), generator=g, dtype=torch.int8)

@@ -149,6 +149,20 @@ class Q4Matrix:
         mins = -unpack_int4(qzeros.cpu()).float() * s
         return cls(_pack_q4(q), _group_rows(s.T.contiguous()), _group_rows(mins.T.contiguous()), group_size)
 
+    @classmethod
+    def concat_rows(cls, parts: list[Q4Matrix]) -> Q4Matrix:
+        """One matrix whose rows are ``parts``' rows in order (e.g. q, k, v fused into one). Plain concatenation of
+        the tensors where every part but the last has a multiple of 8 rows; else the rows are re-grouped."""
+        if len({(p.shape[1], p.group_size) for p in parts}) != 1:
+            raise ValueError(f"concat_rows: parts of shapes {[p.shape for p in parts]} and group sizes "
+                             f"{[p.group_size for p in parts]}: in_features and group_size must agree")
+        if all(p.shape[0] % ROW_GROUP == 0 for p in parts[:-1]):
+            return cls(*(torch.cat([getattr(p, f) for p in parts]) for f in ("packed", "scales", "mins")),
+                       parts[0].group_size)
+        q = torch.cat([_unpack_q4(p.packed) for p in parts])
+        s, m = (torch.cat([_group_rows(getattr(p, f), inverse=True) for p in parts]) for f in ("scales", "mins"))
+        return cls(_pack_q4(q), _group_rows(s), _group_rows(m), parts[0].group_size)
+
     @property
     def shape(self) -> tuple[int, int]:
         return self.packed.shape[0], self.packed.shape[1] * 2

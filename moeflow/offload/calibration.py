@@ -7,7 +7,10 @@ Measured once (well under a second at tiny shapes, a few seconds at Mixtral's):
 * CPU: one expert in its CPU form (for AWQ the int4 format ``Int4Expert`` picks: moeflow's own kernels where
   they build, else torch's; for MXFP4 the two-digit int4 form of :mod:`moeflow.kernels.cpu_mxfp4`, about twice
   the AWQ work per weight) at 1 and at 8 tokens, on a worker of the CPU pool. The key holds the expert kind and
-  the CPU kernel, so rates are cached apart.
+  the CPU kernel (for moeflow's own, the hash of its C sources), so rates are cached apart and a changed kernel
+  is timed again. moeflow's int4 kernel is memory-bound up to ~4 tokens and compute-bound beyond, so the line
+  through 1 and 8 tokens overestimates 2-4 tokens by up to ~25% and underestimates 16-32 by up to ~20%
+  (benchmarks/results/cpu_native/README.md).
 
 The cache file holds the key it was measured under. A file whose key differs (another machine, another
 model shape, another torch, another device) is refused with a message saying what differs, and the
