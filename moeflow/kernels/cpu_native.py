@@ -1,13 +1,16 @@
-"""moeflow's own CPU kernels for quantized weights (``cpu_native.c``): int4 and int8 weights times int8 activations.
+"""moeflow's own CPU kernels for quantized weights (``cpu_native.c``, the int4 kernel in ``cpu_q4.c``): int4 and
+int8 weights times int8 activations.
 
 Why: torch's CPU kernels for quantized weights are compute-bound on AVX2 machines (``_weight_int4pack_mm_for_cpu``
 reads 2.4 GB/s on one core of the 2-core AMD EPYC we benchmark on, ``_weight_int8pack_mm`` 3.4 GB/s, where a core
 streams ~10-16 GB/s), so a decode step of a 4-bit model ran at a third of llama.cpp's speed. These kernels quantize
 the activations to int8 per block of 32 features and multiply with integer dot products (AVX2 ``maddubs``), the
 technique llama.cpp's Q4_0 x Q8_0 path uses, on moeflow's own formats (AWQ's asymmetric int4 groups as published).
+The int4 rows are interleaved in groups of 8 (:class:`Q4Matrix`) so one multiply serves 8 rows and a tile of 4
+tokens reuses each unpacked block: memory-bound up to ~4 tokens per call (issue 21, benchmarks/results/cpu_native).
 
 Build: compiled on first use with the system C compiler (``$CC``, else ``gcc``/``cc``; ``-O3 -march=native
--fopenmp``) into ``$MOEFLOW_CACHE`` (default ``~/.cache/moeflow``)/cpu_native, keyed by the source, the compiler
+-fopenmp``) into ``$MOEFLOW_CACHE`` (default ``~/.cache/moeflow``)/cpu_native, keyed by the sources, the compiler
 and the CPU's flags; about a second. Without a compiler (or with ``MOEFLOW_CPU_NATIVE=0``)
 :func:`native_available` is False and the callers keep torch's kernels. OpenMP threads: torch's count
 (``torch.get_num_threads()``), in the libgomp torch already loaded (same soname), so both share one pool.
