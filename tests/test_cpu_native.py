@@ -38,6 +38,15 @@ def q4(n: int, k: int, group: int, seed: int) -> tuple[Q4Matrix, torch.Tensor]:
         dequantize(t.qweight, t.qzeros, t.scales.float(), group).T
 
 
+def q4_any_rows(n: int, k: int, group: int, seed: int) -> tuple[Q4Matrix, torch.Tensor]:
+    """A random q4 matrix with any row count (AWQ packing needs multiples of 8; the kernel's tail rows do not)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    s, m = torch.rand(n, k // group, generator=g) * 0.01, -torch.rand(n, k // group, generator=g) * 0.08
+    w = q.float() * s.repeat_interleave(group, 1) + m.repeat_interleave(group, 1)
+    return Q4Matrix(cpu_native._pack_q4(q), cpu_native._group_rows(s), cpu_native._group_rows(m), group), w
+
+
 @pytest.mark.parametrize("n,k,group,tokens", [(64, 128, 32, 1), (96, 256, 64, 3), (80, 256, 128, 9),
                                               (1032, 512, 128, 5)])
 def test_q4_matmul_matches_its_reference(n, k, group, tokens):
@@ -48,6 +57,43 @@ def test_q4_matmul_matches_its_reference(n, k, group, tokens):
     assert y.shape == (tokens, n) and y.dtype == torch.float32
     assert rel(y, q4_reference(x, w)) < NATIVE_RTOL
     assert rel(y, x @ w.T) < 2e-2  # the int8 activations' own error against exact fp32
+
+
+@pytest.mark.parametrize("tokens", range(1, 34))
+def test_q4_every_token_count_and_row_tail(tokens):
+    """The token tiles (4 at a time, then 1..3) and the plain tail rows (N % 8) at every T from 1 to 33."""
+    m, w = q4_any_rows(8 * 5 + 5, 256, 64, seed=tokens)
+    assert torch.equal(m.dequantized(), w)
+    x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(tokens))
+    y = m.matmul(x)
+    assert rel(y, q4_reference(x, w)) < NATIVE_RTOL
+    # every row checked, not only the norm: a wrong tile or tail shows up as one wrong column
+    err = (y - q4_reference(x, w)).abs().amax(0) / q4_reference(x, w).abs().amax(0).clamp_min(1e-6)
+    assert float(err.max()) < 1e-4
+
+
+def test_q4_layout_round_trips_and_keeps_row_groups_as_slices():
+    m, w = q4_any_rows(8 * 3 + 3, 128, 32, seed=11)
+    assert m.packed.shape == (27, 64) and m.scales.shape == (27, 4)
+    assert torch.equal(cpu_native._unpack_q4(cpu_native._pack_q4(torch.arange(16).repeat(27, 8).to(torch.uint8))),
+                       torch.arange(16).repeat(27, 8).to(torch.uint8))
+    assert torch.equal(cpu_native._group_rows(cpu_native._group_rows(m.scales), inverse=True), m.scales)
+    # rows 8..16 of the matrix are rows 8..16 of every tensor: a slice the kernel reads as a matrix of its own
+    part = Q4Matrix(m.packed[8:16], m.scales[8:16], m.mins[8:16], 32)
+    assert torch.equal(part.dequantized(), w[8:16])
+
+
+def test_concat_rows_is_the_matrix_of_the_stacked_rows():
+    """q, k, v fused into one matrix: aligned parts by plain concatenation, others re-grouped."""
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(12))
+    for rows in ((16, 8, 8), (13, 8, 5), (8, 3)):
+        parts = [q4_any_rows(n, 128, 32, seed=20 + i) for i, n in enumerate(rows)]
+        fused = Q4Matrix.concat_rows([m for m, _ in parts])
+        w = torch.cat([w for _, w in parts])
+        assert torch.equal(fused.dequantized(), w)
+        assert rel(fused.matmul(x), q4_reference(x, w)) < NATIVE_RTOL
+    with pytest.raises(ValueError, match="in_features"):
+        Q4Matrix.concat_rows([q4_any_rows(8, 128, 32, 0)[0], q4_any_rows(8, 64, 32, 0)[0]])
 
 
 def test_q8_matmul_matches_its_reference():
@@ -67,8 +113,9 @@ def test_activation_quantization_model():
     assert bool(((xq - x).reshape(3, 2, 32).abs() <= step / 2 + 1e-7).all())
 
 
-def test_expert_matches_its_reference_and_accumulates():
-    H, I, G, T = 128, 96, 32, 4  # noqa: E741
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5, 7, 16, 17, 33])
+def test_expert_matches_its_reference_and_accumulates(tokens):
+    H, I, G, T = 128, 96, 32, tokens  # noqa: E741
     w13, d13 = q4(2 * I, H, G, seed=0)
     w2, d2 = q4(H, I, G, seed=1)
     g = torch.Generator().manual_seed(2)
@@ -100,9 +147,10 @@ def test_portable_build_gives_the_same_results(tmp_path, monkeypatch):
     if lib.mf_simd():
         pytest.skip("this compiler enables AVX2 by default: no portable build to test")
     monkeypatch.setattr(cpu_native, "_LIB", lib)
-    m, w = q4(64, 256, 64, seed=7)
-    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(8))
-    assert rel(m.matmul(x), q4_reference(x, w)) < NATIVE_RTOL
+    m, w = q4_any_rows(67, 256, 64, seed=7)  # 8 row groups and 3 plain tail rows
+    for tokens in (1, 2, 5, 9):
+        x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(8))
+        assert rel(m.matmul(x), q4_reference(x, w)) < NATIVE_RTOL
     q = torch.randint(-127, 128, (48, 128), generator=torch.Generator().manual_seed(9), dtype=torch.int8)
     s = torch.rand(48, generator=torch.Generator().manual_seed(10))
     assert rel(q8_matmul(x[:, :128], q, s), q4_reference(x[:, :128], q.float() * s[:, None])) < NATIVE_RTOL

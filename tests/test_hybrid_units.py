@@ -16,8 +16,8 @@ from moeflow import MoEOffloadedMixtral, OffloadConfig
 from moeflow.errors import SchedulingError
 from moeflow.kernels.cpu_int4 import INNER_K_TILES, awq_to_int4pack_cpu, int4_cpu_available
 from moeflow.kernels.pool import ExpertFormat
-from moeflow.offload import HostStore, Stats, get_policy
-from moeflow.offload.calibration import cache_path, calibration_key, resolve_rates
+from moeflow.offload import HostStore, Stats, calibration, get_policy
+from moeflow.offload.calibration import cache_path, calibration_key, measure_cpu, resolve_rates
 from moeflow.offload.cost_model import Candidate, Choice, Rates, plan
 from moeflow.offload.hybrid import resolve_cpu_compute
 from moeflow.quant.awq import unpack_int4
@@ -203,6 +203,46 @@ def test_config_overrides_replace_measurements(tmp_path):
     partial = OffloadConfig(h2d_gbps=25.0, calibration_file=str(tmp_path / "r"))
     rates, _ = resolve_rates(partial, _key(), measure)
     assert rates == Rates(25e9, RATES.cpu_expert_s, RATES.cpu_token_s) and measure.calls == 1
+
+
+def test_cpu_cost_with_free_tokens():
+    """A memory-bound kernel: the first tokens' compute hides under the weight read, the rest adds up."""
+    r = Rates(1e9, 6.9e-3, 2.3e-3, cpu_free_tokens=3.0)
+    assert [round(r.cpu_time(t) * 1e3, 2) for t in (1, 2, 3, 4, 16)] == [6.9, 6.9, 6.9, 9.2, 36.8]
+    assert RATES.cpu_time(4) == pytest.approx(0.9e-3 + 3 * 0.5e-3)  # the default: every further token
+
+
+class FakeCpuExpert:
+    """A fake CPU expert whose forward advances a fake clock by ``cost(tokens)`` seconds."""
+
+    def __init__(self, cost) -> None:
+        self.cost, self.now = cost, 0.0
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor) -> None:
+        self.now += self.cost(x.shape[0])
+
+
+@pytest.mark.parametrize("cost,want", [
+    (lambda t: max(6.9e-3, t * 2.3e-3), (6.9e-3, 2.3e-3, 3.0)),  # memory-bound up to 3 tokens (moeflow's int4)
+    (lambda t: 50e-3 + (t - 1) * 31e-3, (50e-3, 31e-3, 1.0)),  # compute from the second token (torch's int4)
+    (lambda t: 1e-3, (1e-3, 0.0, 1.0)),  # no cost per token at all
+])
+def test_calibration_fits_the_cpu_cost_shape(monkeypatch, cost, want):
+    expert = FakeCpuExpert(cost)
+    monkeypatch.setattr(calibration.time, "perf_counter", lambda: expert.now)
+    got = measure_cpu(expert, 16, lambda fn: fn())
+    assert got == pytest.approx(want)
+    rates = Rates(1e9, *got)
+    assert all(rates.cpu_time(t) == pytest.approx(cost(t)) for t in (1, 2, 3, 4, 8, 16, 32))
+
+
+def test_configured_token_rate_is_charged_from_the_second_token(tmp_path):
+    measured = Rates(1e9, 6.9e-3, 2.3e-3, cpu_free_tokens=3.0)
+    cfg = OffloadConfig(cpu_token_ms=4.0, calibration_file=str(tmp_path / "r"))
+    rates, _ = resolve_rates(cfg, _key(), Measure(measured))
+    assert rates == Rates(1e9, 6.9e-3, 4e-3, cpu_free_tokens=1.0)
+    rates, _ = resolve_rates(OffloadConfig(calibration_file=str(tmp_path / "r")), _key(), Measure(measured))
+    assert rates == measured  # from the file, with its free tokens
 
 
 # ------------------------------------------------------------------------------------------ CPU forms

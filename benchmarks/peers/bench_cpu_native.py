@@ -1,12 +1,16 @@
 """One expert on the CPU per token count: moeflow's own kernels (``cpu_native``) vs torch's int4 kernel (issue 21).
 
-Shapes of the peer benchmark's synthetic Mixtral (hidden 1024, intermediate 3584, AWQ g128). Each timing runs
-``--experts`` distinct experts in turn (~6 MB each, so the weights stream from memory as in a decode step, not
-from cache) on one thread and reports CPU milliseconds per expert call (``time.process_time``: on a shared
-machine the CPU time a call needs moves far less with the load than its wall time) and the weight bytes read per
-CPU second.
+Shapes: ``--shape synthetic`` (the peer benchmark's synthetic Mixtral: hidden 1024, intermediate 3584) or
+``mixtral-8x7b`` (hidden 4096, intermediate 14336); AWQ group 128. Each timing runs ``--experts`` distinct
+experts in turn (so the weights stream from memory as in a decode step, not from cache) and reports CPU
+milliseconds per expert call (``time.process_time``, all threads together: on a shared machine the CPU time a call
+needs moves far less with the load than its wall time), wall milliseconds, and the weight bytes read per wall
+second and per CPU second, with the ratio of bytes/s at T = 1 to bytes/s at T, by wall and by CPU time (1.0 =
+memory-bound at every T).
+Run it once per tree to compare a change (``PYTHONPATH=<tree>``; ``--label`` names the tree in the JSON).
 
-    python benchmarks/peers/bench_cpu_native.py --out benchmarks/results/peers/s3/bench_cpu_native.json
+    python benchmarks/peers/bench_cpu_native.py --shape mixtral-8x7b --threads 1,2 --kernels native \\
+        --out benchmarks/results/cpu_native/after.json --label after
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from moeflow.kernels.cpu_int4 import COMPUTE_DTYPE, Int4Matrix
 from moeflow.kernels.cpu_native import Q4Matrix, library, q4_expert
 from moeflow.quant.awq import quantize_rtn
 
-HIDDEN, INTER, GROUP = 1024, 3584, 128
+SHAPES = {"synthetic": (1024, 3584), "mixtral-8x7b": (4096, 14336)}
+GROUP = 128
+NATIVE, TORCH = "moeflow cpu_native", "torch _weight_int4pack_mm_for_cpu"
 
 
 def awq(n: int, k: int, seed: int):
@@ -32,59 +38,89 @@ def awq(n: int, k: int, seed: int):
     return t.qweight, t.qzeros, t.scales
 
 
-def torch_expert(w13: Int4Matrix, w2: Int4Matrix, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def torch_expert(w13: Int4Matrix, w2: Int4Matrix, x: torch.Tensor, w: torch.Tensor, inter: int) -> torch.Tensor:
     """The torch-kernel expert as ``Int4Expert`` runs it without moeflow's kernels (bf16 activations)."""
     h = w13.matmul(x.to(COMPUTE_DTYPE)).float()
-    a = (torch.nn.functional.silu(h[:, :INTER]) * h[:, INTER:]).to(COMPUTE_DTYPE)
+    a = (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]).to(COMPUTE_DTYPE)
     return w2.matmul(a).float() * w[:, None]
+
+
+def experts_of(kernel: str, hidden: int, inter: int, count: int) -> tuple[list, int]:
+    """``count`` distinct copies of one random expert in ``kernel``'s format, and the bytes of one."""
+    base13, base2 = awq(2 * inter, hidden, 0), awq(hidden, inter, 1)
+    if kernel == NATIVE:
+        a, b = Q4Matrix.from_awq(*base13, GROUP), Q4Matrix.from_awq(*base2, GROUP)
+        copies = [(a, b)] + [(Q4Matrix(a.packed.clone(), a.scales.clone(), a.mins.clone(), GROUP),
+                              Q4Matrix(b.packed.clone(), b.scales.clone(), b.mins.clone(), GROUP))
+                             for _ in range(count - 1)]
+    else:
+        a, b = Int4Matrix.from_awq(*base13, GROUP), Int4Matrix.from_awq(*base2, GROUP)
+        copies = [(a, b)] + [(Int4Matrix(a.packed.clone(), a.scales_zeros.clone(), GROUP),
+                              Int4Matrix(b.packed.clone(), b.scales_zeros.clone(), GROUP)) for _ in range(count - 1)]
+    return copies, a.nbytes + b.nbytes
+
+
+def time_calls(fn, experts: list, reps: int) -> tuple[float, float]:
+    """Median CPU and wall seconds per call over ``reps`` passes through every expert."""
+    fn(experts[0])
+    cpu, wall = [], []
+    for _ in range(reps):
+        c0, w0 = time.process_time(), time.perf_counter()
+        for e in experts:
+            fn(e)
+        cpu.append((time.process_time() - c0) / len(experts))
+        wall.append((time.perf_counter() - w0) / len(experts))
+    return statistics.median(cpu), statistics.median(wall)
+
+
+def uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--label", default="", help="names the tree measured (e.g. before / after)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="synthetic")
     ap.add_argument("--tokens", default="1,2,4,8,16,32")
-    ap.add_argument("--experts", type=int, default=24, help="distinct experts cycled through (memory, not cache)")
+    ap.add_argument("--threads", default="1")
+    ap.add_argument("--kernels", default="native,torch", help="native and/or torch")
+    ap.add_argument("--experts", type=int, default=None,
+                    help="distinct experts cycled through (default: enough for 200 MB, so memory, not cache)")
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    base13, base2 = awq(2 * INTER, HIDDEN, 0), awq(HIDDEN, INTER, 1)
-    native = [(Q4Matrix.from_awq(*base13, GROUP), Q4Matrix.from_awq(*base2, GROUP))]
-    reference = [(Int4Matrix.from_awq(*base13, GROUP), Int4Matrix.from_awq(*base2, GROUP))]
-    for _ in range(args.experts - 1):  # distinct copies: each call reads its own bytes from memory
-        a, b = native[0]
-        native.append((Q4Matrix(a.packed.clone(), a.scales.clone(), a.mins.clone(), GROUP),
-                       Q4Matrix(b.packed.clone(), b.scales.clone(), b.mins.clone(), GROUP)))
-        c, d = reference[0]
-        reference.append((Int4Matrix(c.packed.clone(), c.scales_zeros.clone(), GROUP),
-                          Int4Matrix(d.packed.clone(), d.scales_zeros.clone(), GROUP)))
-    sizes = {"moeflow cpu_native": native[0][0].nbytes + native[0][1].nbytes,
-             "torch _weight_int4pack_mm_for_cpu": reference[0][0].nbytes + reference[0][1].nbytes}
-    rows = []
-    uptime = [subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()]
+    hidden, inter = SHAPES[args.shape]
+    kernels = [{"native": NATIVE, "torch": TORCH}[k] for k in args.kernels.split(",")]
+    one = 3 * hidden * inter * 9 // 16  # int4 + fp32 scale and min per 128: about one expert's bytes
+    count = args.experts or max(2, -(-200_000_000 // one))
+    rows, marks = [], [uptime()]
     with torch.inference_mode():
-        for t in (int(v) for v in args.tokens.split(",")):
-            x, w = torch.randn(t, HIDDEN), torch.rand(t)
-            for name, experts, fn in (
-                    ("moeflow cpu_native", native, lambda e, x=x, w=w: q4_expert(x, e[0], e[1], w)),
-                    ("torch _weight_int4pack_mm_for_cpu", reference,
-                     lambda e, x=x, w=w: torch_expert(e[0], e[1], x, w))):
-                fn(experts[0])
-                times = []
-                for _ in range(args.reps):
-                    c0 = time.process_time()
-                    for e in experts:
-                        fn(e)
-                    times.append((time.process_time() - c0) / len(experts))
-                ms = statistics.median(times) * 1e3
-                rows.append({"kernel": name, "tokens": t, "cpu_ms_per_expert": round(ms, 3),
-                             "weight_gb_per_cpu_s": round(sizes[name] / ms / 1e6, 2),
-                             "cpu_ms_per_token": round(ms / t, 3)})
-                print(rows[-1], flush=True)
-    uptime.append(subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
+        for kernel in kernels:
+            experts, nbytes = experts_of(kernel, hidden, inter, count)
+            for threads in (int(v) for v in args.threads.split(",")):
+                torch.set_num_threads(threads)
+                base = None
+                for t in (int(v) for v in args.tokens.split(",")):
+                    x, w = torch.randn(t, hidden), torch.rand(t)
+                    fn = ((lambda e, x=x, w=w: q4_expert(x, e[0], e[1], w)) if kernel == NATIVE
+                          else (lambda e, x=x, w=w: torch_expert(e[0], e[1], x, w, inter)))
+                    cpu, wall = time_calls(fn, experts, args.reps)
+                    base = base or (wall, cpu)
+                    rows.append({"kernel": kernel, "threads": threads, "tokens": t,
+                                 "wall_ms_per_expert": round(wall * 1e3, 3), "cpu_ms_per_expert": round(cpu * 1e3, 3),
+                                 "weight_gb_per_s": round(nbytes / wall / 1e9, 2),
+                                 "weight_gb_per_cpu_s": round(nbytes / cpu / 1e9, 2),
+                                 "slowdown_per_byte_vs_t1": round(wall / base[0], 2),
+                                 "cpu_slowdown_per_byte_vs_t1": round(cpu / base[1], 2),
+                                 "wall_ms_per_token": round(wall * 1e3 / t, 3)})
+                    print(rows[-1], flush=True)
+            del experts
+    marks.append(uptime())
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"shapes": {"hidden": HIDDEN, "intermediate": INTER, "group": GROUP},
-                                    "expert_bytes": sizes, "simd": bool(library().mf_simd()), "threads": 1,
-                                    "uptime": uptime, "torch": torch.__version__, "rows": rows}, indent=1))
+    args.out.write_text(json.dumps({"label": args.label, "shape": args.shape,
+                                    "shapes": {"hidden": hidden, "intermediate": inter, "group": GROUP},
+                                    "experts_cycled": count, "simd": bool(library().mf_simd()), "uptime": marks,
+                                    "torch": torch.__version__, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

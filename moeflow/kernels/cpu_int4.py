@@ -116,11 +116,14 @@ def native_format_fits(group_size: int) -> bool:
 
 
 def cpu_expert_kernel() -> str:
-    """Which kernels :class:`Int4Expert` runs here (cost-model calibrations are keyed by it)."""
-    from moeflow.kernels.cpu_native import library
+    """Which kernels :class:`Int4Expert` runs here, with the C sources' revision (cost-model calibrations are
+    keyed by it, so a changed kernel is timed again instead of planned with the old one's rates)."""
+    from moeflow.kernels.cpu_native import library, source_digest
 
     lib = library()
-    return ("moeflow cpu_native " + ("avx2" if lib.mf_simd() else "scalar")) if lib is not None else "torch int4"
+    if lib is None:
+        return "torch int4"
+    return f"moeflow cpu_native {'avx2' if lib.mf_simd() else 'scalar'} {source_digest()}"
 
 
 @dataclass

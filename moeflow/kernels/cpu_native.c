@@ -6,8 +6,8 @@
    Activations x fp32 [T, K] are quantized per token and per block of 32 features: xs = max|x| / 127,
    xq = round-half-even(x * (127 / max|x|)), int8 in [-127, 127].
    q4 weights: W[n, k] = q[n, k] * s[n, g] + m[n, g] with q in [0, 15] and g = k / group (AWQ's asymmetric
-   format with the zero folded into m = -zero * s). Packed uint8 [N, K/2]: within each block of 32 features
-   byte j holds feature j in its low nibble and feature 16 + j in its high one. s, m fp32 [N, K/group].
+   format with the zero folded into m = -zero * s). Packed uint8 [N, K/2], s, m fp32 [N, K/group], rows
+   interleaved in groups of 8 (layout and kernel in cpu_q4.c).
    q8 weights: W[n, k] = q[n, k] * s[n], int8 [N, K] in [-127, 127], s fp32 [N].
    y[t, n] = sum_k xs[t, k/32] * xq[t, k] * W[n, k], accumulated in int32 per block and in fp32 across blocks.
    Every output element depends only on its own token's row: results do not change with the batch. */
@@ -17,16 +17,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define MF_AVX2 1
-#else
-#define MF_AVX2 0
-#endif
+#include "cpu_native.h"
 
-#define QB 32     /* features per activation block */
 #define TILE 4    /* tokens computed together per weight row (the row's unpacked block is reused) */
-#define ROWS 16   /* weight rows per parallel work item */
+#define ROWS 16   /* weight rows per parallel work item (a multiple of Q4_GROUP) */
 #define PREFETCH_ROWS 8  /* software prefetch this many rows ahead */
 
 int mf_simd(void) { return MF_AVX2; }
@@ -37,14 +31,37 @@ static void quantize_row(const float* x, int K, int group, int8_t* xq, float* xs
     for (int b = 0; b < nb; b++) {
         const float* xb = x + b * QB;
         float amax = 0.0f;
+        int sum = 0;
+#if MF_AVX2  /* the same numbers as the loops below: max, one product, round half to even */
+        __m256 v[4], mx = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(xb + 8 * i);
+            mx = _mm256_max_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), v[i]), mx);
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        __m256i q[4];
+        for (int i = 0; i < 4; i++)
+            q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], inv),
+                                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        _mm256_storeu_si256((__m256i*)(xq + b * QB),
+                            _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+        sum = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1)));
+#else
         for (int i = 0; i < QB; i++) amax = fmaxf(amax, fabsf(xb[i]));
         float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int sum = 0;
         for (int i = 0; i < QB; i++) {
             int q = (int)nearbyintf(xb[i] * inv);
             xq[b * QB + i] = (int8_t)q;
             sum += q;
         }
+#endif
         xs[b] = amax / 127.0f;
         if (gsum) {
             if (b % bpg == 0) gsum[b / bpg] = 0.0f;
@@ -80,95 +97,6 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 #endif
-
-/* ``nr`` q4 weight rows from row n against ``tt`` tokens from token t0 (nr * tt independent accumulators, so
-   the fused multiply-adds of successive blocks do not wait on each other): y[t, n .. n + nr). */
-static inline __attribute__((always_inline)) void q4_tile(
-    const uint8_t* qw, const float* s, const float* m, int K, int group, const int8_t* xq, const float* xs,
-    const float* gsum, int n, int nr, int t0, int tt, float* y, int ldy) {
-    int nb = K / QB, bpg = group / QB, ng = K / group;
-    (void)nb;  /* the portable loops' */
-    float out[TILE][TILE];
-#if MF_AVX2
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    const __m256i ones = _mm256_set1_epi16(1);
-    /* per group: sum over its blocks of (integer block dot) * activation scale, then times the weight scale */
-    __m256 acc[TILE][TILE];
-    for (int r = 0; r < nr; r++)
-        for (int i = 0; i < tt; i++) acc[r][i] = _mm256_setzero_ps();
-    for (int g = 0; g < ng; g++) {
-        __m256 accg[TILE][TILE];
-        for (int r = 0; r < nr; r++)
-            for (int i = 0; i < tt; i++) accg[r][i] = _mm256_setzero_ps();
-        for (int b = g * bpg; b < (g + 1) * bpg; b++) {
-            __m256i xv[TILE];
-            __m256 xd[TILE];
-            load_block(xq, xs, K, b, t0, tt, xv, xd);
-            for (int r = 0; r < nr; r++) {
-                const uint8_t* row = qw + (size_t)(n + r) * (K / 2);
-                __m128i raw = _mm_loadu_si128((const __m128i*)(row + b * (QB / 2)));
-                if ((b & 3) == 0)  /* the rows after this tile's: the stream the hardware prefetcher misses */
-                    _mm_prefetch((const char*)(row + (size_t)PREFETCH_ROWS * (K / 2) + b * (QB / 2)), _MM_HINT_T0);
-                __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low);
-                for (int i = 0; i < tt; i++) {
-                    __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv[i]), ones);
-                    accg[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), xd[i], accg[r][i]);
-                }
-            }
-        }
-        for (int r = 0; r < nr; r++) {
-            __m256 sw = _mm256_broadcast_ss(s + (size_t)(n + r) * ng + g);
-            for (int i = 0; i < tt; i++) acc[r][i] = _mm256_fmadd_ps(accg[r][i], sw, acc[r][i]);
-        }
-    }
-    for (int r = 0; r < nr; r++)
-        for (int i = 0; i < tt; i++) out[r][i] = hsum(acc[r][i]);
-#else
-    for (int r = 0; r < nr; r++) {
-        const uint8_t* row = qw + (size_t)(n + r) * (K / 2);
-        for (int i = 0; i < tt; i++) {
-            size_t t = (size_t)(t0 + i);
-            float a = 0.0f;
-            for (int g = 0; g < ng; g++) {
-                float ag = 0.0f;
-                for (int b = g * bpg; b < (g + 1) * bpg; b++) {
-                    const uint8_t* rb = row + b * (QB / 2);
-                    const int8_t* xb = xq + t * K + b * QB;
-                    int dot = 0;
-                    for (int j = 0; j < QB / 2; j++) dot += (rb[j] & 0xF) * xb[j] + (rb[j] >> 4) * xb[QB / 2 + j];
-                    ag += (float)dot * xs[t * nb + b];
-                }
-                a += ag * s[(size_t)(n + r) * ng + g];
-            }
-            out[r][i] = a;
-        }
-    }
-#endif
-    for (int r = 0; r < nr; r++) {
-        const float* mr = m + (size_t)(n + r) * ng;
-        for (int i = 0; i < tt; i++) {
-            const float* gs = gsum + (size_t)(t0 + i) * ng;
-            float z = 0.0f;
-            for (int g = 0; g < ng; g++) z += mr[g] * gs[g];
-            y[(size_t)(t0 + i) * ldy + n + r] = out[r][i] + z;
-        }
-    }
-}
-
-/* Rows [n0, n1) of a q4 matrix against all T quantized tokens: tiles of 4 rows x 1 token or 2 rows x 4 tokens. */
-static void q4_rows(int n0, int n1, int T, int K, int group, const uint8_t* qw, const float* s, const float* m,
-                    const int8_t* xq, const float* xs, const float* gsum, float* y, int ldy) {
-    int n = n0;
-    for (; n + 4 <= n1; n += 4) {
-        int t0 = 0;
-        for (; t0 + TILE <= T; t0 += TILE) {
-            for (int r = 0; r < 4; r++) q4_tile(qw, s, m, K, group, xq, xs, gsum, n + r, 1, t0, TILE, y, ldy);
-        }
-        for (; t0 < T; t0++) q4_tile(qw, s, m, K, group, xq, xs, gsum, n, 4, t0, 1, y, ldy);
-    }
-    for (; n < n1; n++)
-        for (int t0 = 0; t0 < T; t0++) q4_tile(qw, s, m, K, group, xq, xs, gsum, n, 1, t0, 1, y, ldy);
-}
 
 /* ``nr`` int8 weight rows from row n against ``tt`` tokens from token t0 (see q4_tile). */
 static inline __attribute__((always_inline)) void q8_tile(
@@ -240,7 +168,7 @@ int mf_q4_linear(const float* x, int T, int K, int N, int group, const uint8_t* 
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int c = 0; c < nchunks(N); c++) {
         int n1 = (c + 1) * ROWS < N ? (c + 1) * ROWS : N;
-        q4_rows(c * ROWS, n1, T, K, group, qw, s, m, xq, xs, gsum, y, N);
+        mf_q4_rows(c * ROWS, n1, T, K, group, qw, s, m, xq, xs, gsum, y, N);
     }
     free(xq); free(xs);
     return 0;
@@ -283,7 +211,7 @@ int mf_q4_expert(const float* x, int T, int H, int I, int group,
 #pragma omp for schedule(static)
         for (int c = 0; c < nchunks(2 * I); c++) {
             int n1 = (c + 1) * ROWS < 2 * I ? (c + 1) * ROWS : 2 * I;
-            q4_rows(c * ROWS, n1, T, H, group, w13, s13, m13, xq, xs, gsum, h, 2 * I);
+            mf_q4_rows(c * ROWS, n1, T, H, group, w13, s13, m13, xq, xs, gsum, h, 2 * I);
         }
 #pragma omp for schedule(static)
         for (int t = 0; t < T; t++) {
@@ -299,7 +227,7 @@ int mf_q4_expert(const float* x, int T, int H, int I, int group,
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int c = 0; c < nchunks(H); c++) {
         int n1 = (c + 1) * ROWS < H ? (c + 1) * ROWS : H;
-        q4_rows(c * ROWS, n1, T, I, group, w2, s2, m2, xq, xs, gsum, y, H);
+        mf_q4_rows(c * ROWS, n1, T, I, group, w2, s2, m2, xq, xs, gsum, y, H);
         for (int t = 0; t < T; t++)
             for (int n = c * ROWS; n < n1; n++) {
                 float v = weight[t] * y[(size_t)t * H + n];

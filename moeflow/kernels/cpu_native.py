@@ -1,13 +1,16 @@
-"""moeflow's own CPU kernels for quantized weights (``cpu_native.c``): int4 and int8 weights times int8 activations.
+"""moeflow's own CPU kernels for quantized weights (``cpu_native.c``, the int4 kernel in ``cpu_q4.c``): int4 and
+int8 weights times int8 activations.
 
 Why: torch's CPU kernels for quantized weights are compute-bound on AVX2 machines (``_weight_int4pack_mm_for_cpu``
 reads 2.4 GB/s on one core of the 2-core AMD EPYC we benchmark on, ``_weight_int8pack_mm`` 3.4 GB/s, where a core
 streams ~10-16 GB/s), so a decode step of a 4-bit model ran at a third of llama.cpp's speed. These kernels quantize
 the activations to int8 per block of 32 features and multiply with integer dot products (AVX2 ``maddubs``), the
 technique llama.cpp's Q4_0 x Q8_0 path uses, on moeflow's own formats (AWQ's asymmetric int4 groups as published).
+The int4 rows are interleaved in groups of 8 (:class:`Q4Matrix`) so one multiply serves 8 rows and a tile of 4
+tokens reuses each unpacked block: memory-bound up to ~4 tokens per call (issue 21, benchmarks/results/cpu_native).
 
 Build: compiled on first use with the system C compiler (``$CC``, else ``gcc``/``cc``; ``-O3 -march=native
--fopenmp``) into ``$MOEFLOW_CACHE`` (default ``~/.cache/moeflow``)/cpu_native, keyed by the source, the compiler
+-fopenmp``) into ``$MOEFLOW_CACHE`` (default ``~/.cache/moeflow``)/cpu_native, keyed by the sources, the compiler
 and the CPU's flags; about a second. Without a compiler (or with ``MOEFLOW_CPU_NATIVE=0``)
 :func:`native_available` is False and the callers keep torch's kernels. OpenMP threads: torch's count
 (``torch.get_num_threads()``), in the libgomp torch already loaded (same soname), so both share one pool.
@@ -37,8 +40,10 @@ from moeflow.quant.awq import unpack_int4
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_native.c")
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("cpu_native.c", "cpu_q4.c"))
+HEADER = Path(__file__).with_name("cpu_native.h")
 BLOCK = 32  # activation features per int8 scale (and the weights' packing block)
+ROW_GROUP = 8  # q4 rows interleaved together (cpu_q4.c's layout)
 _LIB: ctypes.CDLL | None | bool = False  # False: not tried yet; None: unavailable
 
 
@@ -49,8 +54,14 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
+def source_digest() -> str:
+    """A short hash of the kernels' C sources: names the kernel revision (cost-model calibrations are keyed by it)."""
+    return hashlib.sha256("\0".join(f.read_text() for f in (*SOURCES, HEADER)).encode()).hexdigest()[:12]
+
+
 def build(cache: Path, native_arch: bool = True) -> Path:
-    """Compile ``cpu_native.c`` into ``cache`` (once per source, compiler and CPU); returns the library's path.
+    """Compile ``cpu_native.c`` and ``cpu_q4.c`` into ``cache`` (once per source, compiler and CPU); returns the
+    library's path.
     ``native_arch=False`` builds for the baseline ISA (the portable C loops instead of AVX2; tests use it)."""
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
@@ -58,17 +69,17 @@ def build(cache: Path, native_arch: bool = True) -> Path:
     arch = ["-march=native"] if native_arch else []
     flags = ["-O3", *arch, "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]  # no implicit FMA: as the reference
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, *flags, _cpu_flags(), platform.machine()])
+    key = hashlib.sha256("\0".join([source_digest(), cc, version, *flags, _cpu_flags(), platform.machine()])
                          .encode()).hexdigest()[:16]
     lib = cache / f"libmoeflow_cpu_{key}.so"
     if not lib.is_file():
         cache.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
         os.close(fd)
-        res = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+        res = subprocess.run([cc, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True)
         if res.returncode:
             os.unlink(tmp)
-            raise RuntimeError(f"{cc} could not build {SOURCE.name}:\n{res.stderr[-2000:]}")
+            raise RuntimeError(f"{cc} could not build {', '.join(f.name for f in SOURCES)}:\n{res.stderr[-2000:]}")
         os.replace(tmp, lib)  # atomic: concurrent builders each write their own temporary file
     return lib
 
@@ -119,11 +130,15 @@ def _fp32_rows(x: torch.Tensor, k: int) -> torch.Tensor:
 
 @dataclass
 class Q4Matrix:
-    """A 4-bit matrix ``W [N, K]`` in this module's format: ``W = q * s + m`` per group of ``group_size`` inputs."""
+    """A 4-bit matrix ``W [N, K]`` in this module's format: ``W = q * s + m`` per group of ``group_size`` inputs.
 
-    packed: torch.Tensor  # uint8 [N, K/2]: per 32-feature block, byte j = q[j] | q[16 + j] << 4
-    scales: torch.Tensor  # fp32 [N, K/g]
-    mins: torch.Tensor  # fp32 [N, K/g] (= -zero * scale)
+    Rows are interleaved in groups of 8 (``cpu_q4.c``'s layout: one integer multiply covers 8 rows x 4 features),
+    the last ``N % 8`` rows stored plainly; each group's bytes are its rows' bytes of a ``[N, K/2]`` tensor, so a
+    range of rows starting and ending at multiples of 8 (or at N) is still a slice of every tensor."""
+
+    packed: torch.Tensor  # uint8 [N, K/2], row-grouped (see _group_rows)
+    scales: torch.Tensor  # fp32 [N, K/g], row-grouped
+    mins: torch.Tensor  # fp32 [N, K/g] (= -zero * scale), row-grouped
     group_size: int
 
     @classmethod
@@ -133,12 +148,23 @@ class Q4Matrix:
             raise ValueError(f"qweight {tuple(qweight.shape)}, group_size {group_size}: the CPU kernel needs "
                              f"group_size % {BLOCK} == 0 and in_features % group_size == 0")
         q = unpack_int4(qweight.cpu()).T.to(torch.uint8)  # [N, K]
-        n, k = q.shape
-        blocks = q.reshape(n, k // BLOCK, 2, BLOCK // 2)
-        packed = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
         s = scales.cpu().float()
         mins = -unpack_int4(qzeros.cpu()).float() * s
-        return cls(packed, s.T.contiguous(), mins.T.contiguous(), group_size)
+        return cls(_pack_q4(q), _group_rows(s.T.contiguous()), _group_rows(mins.T.contiguous()), group_size)
+
+    @classmethod
+    def concat_rows(cls, parts: list[Q4Matrix]) -> Q4Matrix:
+        """One matrix whose rows are ``parts``' rows in order (e.g. q, k, v fused into one). Plain concatenation of
+        the tensors where every part but the last has a multiple of 8 rows; else the rows are re-grouped."""
+        if len({(p.shape[1], p.group_size) for p in parts}) != 1:
+            raise ValueError(f"concat_rows: parts of shapes {[p.shape for p in parts]} and group sizes "
+                             f"{[p.group_size for p in parts]}: in_features and group_size must agree")
+        if all(p.shape[0] % ROW_GROUP == 0 for p in parts[:-1]):
+            return cls(*(torch.cat([getattr(p, f) for p in parts]) for f in ("packed", "scales", "mins")),
+                       parts[0].group_size)
+        q = torch.cat([_unpack_q4(p.packed) for p in parts])
+        s, m = (torch.cat([_group_rows(getattr(p, f), inverse=True) for p in parts]) for f in ("scales", "mins"))
+        return cls(_pack_q4(q), _group_rows(s), _group_rows(m), parts[0].group_size)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -150,15 +176,42 @@ class Q4Matrix:
 
     def dequantized(self) -> torch.Tensor:
         """fp32 [N, K]: the weight the kernel multiplies by."""
-        n, k = self.shape
-        lo, hi = (self.packed & 0xF), (self.packed >> 4)
-        q = torch.stack([lo.view(n, k // BLOCK, BLOCK // 2), hi.view(n, k // BLOCK, BLOCK // 2)], 2).view(n, k)
         g = self.group_size
-        return q.float() * self.scales.repeat_interleave(g, 1) + self.mins.repeat_interleave(g, 1)
+        s, m = _group_rows(self.scales, inverse=True), _group_rows(self.mins, inverse=True)
+        return _unpack_q4(self.packed).float() * s.repeat_interleave(g, 1) + m.repeat_interleave(g, 1)
 
     @property
     def nbytes(self) -> int:
         return self.packed.numel() + 4 * (self.scales.numel() + self.mins.numel())
+
+
+def _group_rows(t: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Per-row values [N, C] (scales, mins) <-> the kernel's order: within each group of 8 rows, [C, 8]."""
+    n, c = t.shape
+    whole = n - n % ROW_GROUP
+    g = t[:whole].reshape(whole // ROW_GROUP, *((c, ROW_GROUP) if inverse else (ROW_GROUP, c)))
+    return torch.cat([g.transpose(1, 2).reshape(whole, c), t[whole:]]).contiguous()
+
+
+def _pack_q4(q: torch.Tensor) -> torch.Tensor:
+    """q uint8 [N, K] in [0, 15] -> packed uint8 [N, K/2] in cpu_q4.c's layout."""
+    n, k = q.shape
+    whole = n - n % ROW_GROUP
+    # grouped rows: [group, row r, block b, c, nibble h, j] (feature 32b + 8c + 4h + j) -> bytes [group, b, c, r, j]
+    g = q[:whole].reshape(whole // ROW_GROUP, ROW_GROUP, k // BLOCK, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
+    grouped = (g[..., 0] | (g[..., 1] << 4)).reshape(whole, k // 2)
+    tail = q[whole:].reshape(n - whole, k // BLOCK, 2, BLOCK // 2)  # plain rows: byte j = q[j] | q[16 + j] << 4
+    return torch.cat([grouped, (tail[:, :, 0] | (tail[:, :, 1] << 4)).reshape(n - whole, k // 2)]).contiguous()
+
+
+def _unpack_q4(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`_pack_q4`: uint8 [N, K] in [0, 15]."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    whole = n - n % ROW_GROUP
+    nib = torch.stack([packed & 0xF, packed >> 4], -1)  # [N, K/2, 2]
+    g = nib[:whole].reshape(whole // ROW_GROUP, k // BLOCK, 4, ROW_GROUP, 4, 2).permute(0, 3, 1, 2, 5, 4)
+    tail = nib[whole:].reshape(n - whole, k // BLOCK, BLOCK // 2, 2).transpose(2, 3)
+    return torch.cat([g.reshape(whole, k), tail.reshape(n - whole, k)])
 
 
 def q4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,

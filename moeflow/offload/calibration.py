@@ -6,8 +6,12 @@ Measured once (well under a second at tiny shapes, a few seconds at Mixtral's):
   engine takes; on a CPU "device" this is a memory copy);
 * CPU: one expert in its CPU form (for AWQ the int4 format ``Int4Expert`` picks: moeflow's own kernels where
   they build, else torch's; for MXFP4 the two-digit int4 form of :mod:`moeflow.kernels.cpu_mxfp4`, about twice
-  the AWQ work per weight) at 1 and at 8 tokens, on a worker of the CPU pool. The key holds the expert kind and
-  the CPU kernel, so rates are cached apart.
+  the AWQ work per weight) at 1, 8 and 16 tokens, on a worker of the CPU pool: the cost per further token is
+  the slope from 8 to 16, and the tokens that cost nothing extra (``Rates.cpu_free_tokens``) are where that
+  line meets the one-token cost - moeflow's int4 kernel is memory-bound up to ~3 tokens and compute-bound
+  beyond (benchmarks/results/cpu_native/README.md), torch's is compute-bound from the second token. The key
+  holds the expert kind and the CPU kernel (for moeflow's own, the hash of its C sources), so rates are cached
+  apart and a changed kernel is timed again.
 
 The cache file holds the key it was measured under. A file whose key differs (another machine, another
 model shape, another torch, another device) is refused with a message saying what differs, and the
@@ -32,8 +36,8 @@ from moeflow.kernels.cpu_int4 import cpu_expert_kernel
 from moeflow.kernels.pool import ExpertFormat
 from moeflow.offload.cost_model import Rates
 
-FORMAT_VERSION = 1
-CPU_TOKENS = 8  # second point of the CPU line (the first is one token)
+FORMAT_VERSION = 2  # 2: rates hold cpu_free_tokens
+CPU_TOKENS = (8, 16)  # where the CPU cost per further token is measured (besides one token)
 
 
 def _cpu_name() -> str:
@@ -97,7 +101,8 @@ def load_rates(path: Path, key: dict) -> Rates | None:
     try:
         data = json.loads(path.read_text())
         theirs, r = data["key"], data["rates"]
-        rates = Rates(float(r["h2d_bytes_per_s"]), float(r["cpu_expert_s"]), float(r["cpu_token_s"]))
+        rates = Rates(float(r["h2d_bytes_per_s"]), float(r["cpu_expert_s"]), float(r["cpu_token_s"]),
+                      float(r["cpu_free_tokens"]))
     except (OSError, ValueError, KeyError, TypeError) as exc:
         warnings.warn(f"moeflow: ignoring unreadable calibration file {path} ({type(exc).__name__}: {exc}); "
                       "measuring the rates again", RuntimeWarning, stacklevel=3)
@@ -145,12 +150,14 @@ def measure_h2d(src: torch.Tensor, dst: torch.Tensor, reps: int = 5) -> float:
     return src.numel() * src.element_size() / max(_best(once, reps), 1e-9)
 
 
-def measure_cpu(expert, hidden: int, run: Callable[[Callable[[], float]], float], reps: int = 3) -> tuple[float, float]:
-    """(seconds for one token, seconds per further token) of an expert's CPU form (``Int4Expert``,
-    ``Mxfp4CpuExpert``); ``run`` executes a timing
-    function on a CPU worker thread and returns its result."""
-    x = torch.randn(CPU_TOKENS, hidden, generator=torch.Generator().manual_seed(0))
-    w = torch.ones(CPU_TOKENS)
+def measure_cpu(expert, hidden: int, run: Callable[[Callable[[], float]], float],
+                reps: int = 3) -> tuple[float, float, float]:
+    """(seconds for one token, seconds per further token, tokens free under the one-token cost) of an expert's
+    CPU form (``Int4Expert``, ``Mxfp4CpuExpert``); ``run`` executes a timing function on a CPU worker thread and
+    returns its result."""
+    lo, hi = CPU_TOKENS
+    x = torch.randn(hi, hidden, generator=torch.Generator().manual_seed(0))
+    w = torch.ones(hi)
 
     def timed(n: int) -> Callable[[], float]:
         def once() -> float:
@@ -159,9 +166,13 @@ def measure_cpu(expert, hidden: int, run: Callable[[Callable[[], float]], float]
             return time.perf_counter() - t0
         return once
 
-    one = run(lambda: _best(timed(1), reps))
-    many = run(lambda: _best(timed(CPU_TOKENS), reps))
-    return one, max(0.0, (many - one) / (CPU_TOKENS - 1))
+    one, mid, many = (run(lambda n=n: _best(timed(n), reps)) for n in (1, lo, hi))
+    per_token = (many - mid) / (hi - lo)
+    if per_token <= 1e-6 * one:  # no measurable cost per token (free tokens would be meaningless)
+        return one, 0.0, 1.0
+    # the line through (lo, mid) with that slope meets the one-token cost at 1 + free tokens
+    free = min(float(lo), max(1.0, lo - (mid - one) / per_token))
+    return one, per_token, free
 
 
 def resolve_rates(config, key: dict, measure: Callable[[], Rates]) -> tuple[Rates, str]:
@@ -183,4 +194,5 @@ def resolve_rates(config, key: dict, measure: Callable[[], Rates]) -> tuple[Rate
         config.h2d_gbps * 1e9 if config.h2d_gbps is not None else rates.h2d_bytes_per_s,
         config.cpu_expert_ms / 1e3 if config.cpu_expert_ms is not None else rates.cpu_expert_s,
         config.cpu_token_ms / 1e3 if config.cpu_token_ms is not None else rates.cpu_token_s,
+        1.0 if config.cpu_token_ms is not None else rates.cpu_free_tokens,  # a configured rate: every further token
     ), source

@@ -4,8 +4,10 @@ Per layer, for the experts that are not resident, with the rates of :class:`Rate
 
 * copy: the expert's bytes / the host->device rate, *behind* what the copy engine still has to move
   (the backlog: queued high-priority chunks, and the copies chosen earlier in the same plan);
-* CPU: ``cpu_expert_s + (tokens - 1) * cpu_token_s`` behind the CPU work already planned on the least
-  busy worker (one token pays the weight read, further tokens add compute).
+* CPU: ``cpu_expert_s + max(0, tokens - cpu_free_tokens) * cpu_token_s`` behind the CPU work already planned
+  on the least busy worker (one token pays the weight read; the compute of the first ``cpu_free_tokens``
+  hides under it - 1 for a compute-bound kernel, ~2-3 for moeflow's memory-bound int4 one - and each
+  further token adds compute).
 
 The cheaper one is chosen; when the two estimates are within ``race_margin`` of each other both are
 started and the backend uses whichever finishes first (the copy still lands and stays cached). Experts
@@ -32,17 +34,18 @@ class Rates:
 
     h2d_bytes_per_s: float  # host -> device copy rate of one expert region
     cpu_expert_s: float  # one expert, one token, on one CPU worker
-    cpu_token_s: float  # each further token of the same expert
+    cpu_token_s: float  # each further token of the same expert (past cpu_free_tokens)
+    cpu_free_tokens: float = 1.0  # tokens whose compute hides under the one-token cost (the weight read)
 
     def cpu_time(self, tokens: int) -> float:
-        return self.cpu_expert_s + max(0, tokens - 1) * self.cpu_token_s
+        return self.cpu_expert_s + max(0.0, tokens - self.cpu_free_tokens) * self.cpu_token_s
 
     def copy_time(self, nbytes: float) -> float:
         return nbytes / self.h2d_bytes_per_s
 
     def as_dict(self) -> dict:
         return {"h2d_bytes_per_s": self.h2d_bytes_per_s, "cpu_expert_s": self.cpu_expert_s,
-                "cpu_token_s": self.cpu_token_s}
+                "cpu_token_s": self.cpu_token_s, "cpu_free_tokens": self.cpu_free_tokens}
 
 
 @dataclass(frozen=True)

@@ -123,9 +123,9 @@ class HybridCompute:
     def _measure(self, device: torch.device) -> Rates:
         src = self.host.buffer[0]
         h2d = measure_h2d(src, torch.empty_like(src, device=device))
-        one, per_token = measure_cpu(self.host.cpu_expert(0, 0), self.host.fmt.hidden_size,
-                                     lambda fn: self.pool.submit(fn).result())
-        return Rates(h2d, one, per_token)
+        one, per_token, free = measure_cpu(self.host.cpu_expert(0, 0), self.host.fmt.hidden_size,
+                                           lambda fn: self.pool.submit(fn).result())
+        return Rates(h2d, one, per_token, free)
 
     # ------------------------------------------------------------------ one layer
     def start_layer(
