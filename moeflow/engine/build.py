@@ -19,6 +19,7 @@ from torch import nn
 from moeflow.config import OffloadConfig
 from moeflow.engine import loading, memory
 from moeflow.engine.cpu_linears import check_attention_bits, quantize_decoder_linears
+from moeflow.engine.cpu_step import fuse_cpu_step
 from moeflow.engine.sampling import GenerationConfig
 from moeflow.families import Family, family_for_config
 from moeflow.families.base import CausalDecoder
@@ -155,6 +156,7 @@ def build_model(
         loading.load_non_expert_weights(decoder, reader, family, layout, device, dtype)
         if resolved.linear == "cpu-int4":
             quantize_decoder_linears(decoder, attention_bits)
+            fuse_cpu_step(decoder, dtype)
         for module in decoder.modules():
             if isinstance(module, AWQLinear):  # what the CPU kernels cannot tile stays on the torch reference
                 module.use_kernels("torch" if resolved.linear == "cpu-int4" else resolved.linear)

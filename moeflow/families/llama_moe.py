@@ -175,8 +175,8 @@ class DecoderLayer(nn.Module):
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, linear_factory, dtype)
 
     def forward(self, x, cos, sin, cache, cache_position, mask, experts, routing=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, cache_position, mask)
-        h = self.post_attention_layernorm(x)
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, cache, cache_position, mask)
+        x, h = self.post_attention_layernorm(x, residual=attn)  # x + attn, and its norm
         return x + (self.mlp(h, experts, routing) if isinstance(self.mlp, MoEBlock) else self.mlp(h))
 
 

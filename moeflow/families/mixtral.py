@@ -99,8 +99,9 @@ class DecoderLayer(nn.Module):
         self.block_sparse_moe = MoEBlock(cfg.hidden_size, cfg.num_local_experts, router, layer_idx, dtype)
 
     def forward(self, x, cos, sin, cache, cache_position, mask, experts, routing=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, cache_position, mask)
-        return x + self.block_sparse_moe(self.post_attention_layernorm(x), experts, routing)
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, cache, cache_position, mask)
+        x, h = self.post_attention_layernorm(x, residual=attn)  # x + attn, and its norm (one call on the CPU)
+        return x + self.block_sparse_moe(h, experts, routing)
 
 
 class MixtralFamily(Family):
