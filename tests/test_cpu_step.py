@@ -18,7 +18,7 @@ from helpers import make_tiny_checkpoint
 import moeflow.engine.build as build
 from moeflow import MoEOffloadedMixtral
 from moeflow.cli import embedded_model_path
-from moeflow.engine.cpu_step import fuse_qkv
+from moeflow.engine.cpu_step import fuse_qkv, set_cpu_step_fused
 from moeflow.engine.kv_cache import StaticKVCache, attention_mask
 from moeflow.engine.loading import non_expert_bytes
 from moeflow.families.layers import Attention, RMSNorm, RotaryEmbedding, apply_rotary
@@ -129,6 +129,7 @@ def test_fused_qkv_is_the_three_projections_with_their_memory_shared(bits):
 
 
 def _unfused(path, **kw) -> MoEOffloadedMixtral:
+    """The model as built before the CPU step was fused (fuse_cpu_step not called at all)."""
     orig = build.fuse_cpu_step
     build.fuse_cpu_step = lambda decoder, dtype: {"attention": 0, "norm": 0}
     try:
@@ -140,7 +141,7 @@ def _unfused(path, **kw) -> MoEOffloadedMixtral:
 def _check_same_model(path, ids, new_tokens=24, **kw):
     fused, plain = MoEOffloadedMixtral.from_pretrained(path, **kw), _unfused(path, **kw)
     attn = fused.model.layers[0].self_attn
-    assert isinstance(attn, Attention) and attn.qkv_proj is not None and attn.native_step
+    assert isinstance(attn, Attention) and attn.qkv_proj is not None and attn.fused_step
     assert fused.model.layers[0].input_layernorm.native and not plain.model.layers[0].input_layernorm.native
     assert plain.model.layers[0].self_attn.qkv_proj is None
     with torch.inference_mode():
@@ -172,6 +173,14 @@ def test_fused_step_on_an_awq_attention_checkpoint_with_padding(tmp_path):
         a = fused.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=[])
         b = plain.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=[])
     assert torch.equal(a, b)
+    # switched off, the fused model runs the unfused step (q/k/v as views of the fused rows): the same logits
+    with torch.inference_mode():
+        on = fused(ids, attention_mask=mask).logits
+        set_cpu_step_fused(fused.model, False)
+        assert not fused.model.layers[0].self_attn.fused_step
+        assert torch.equal(fused(ids, attention_mask=mask).logits, plain(ids, attention_mask=mask).logits)
+        set_cpu_step_fused(fused.model, True)
+        assert torch.equal(fused(ids, attention_mask=mask).logits, on)
 
 
 def test_cache_layer_views_are_the_cache():

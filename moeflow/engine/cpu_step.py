@@ -39,8 +39,7 @@ def fuse_cpu_step(decoder: nn.Module, dtype: torch.dtype) -> dict[str, int]:
         elif type(module) is Attention and module.qk_norm is None and module.clip_qkv is None:
             fused = fuse_qkv([getattr(module, name) for name in QKV])
             if fused is not None:
-                module.qkv_proj = fused
-                module.native_step = True
+                module.qkv_proj, module.fused_step = fused, True
                 counts["attention"] += 1
     return counts
 
@@ -85,3 +84,13 @@ def _share_rows(projections: list[nn.Module], fused: nn.Module, names: list[str]
             rows = getattr(fused, n).detach()[start:start + p.out_features]
             setattr(p, n, nn.Parameter(rows, requires_grad=False) if n in p._parameters else rows)
         start += p.out_features
+
+
+def set_cpu_step_fused(decoder: nn.Module, fused: bool) -> None:
+    """Switch a decoder :func:`fuse_cpu_step` changed between its fused and its unfused step (the same weights:
+    q/k/v then run as their three views of the fused matrix) - for A/B benchmarks and tests."""
+    for module in decoder.modules():
+        if type(module) is RMSNorm and module.weight.dtype == torch.float32:
+            module.native = fused and native_available()
+        elif type(module) is Attention and module.qkv_proj is not None:
+            module.fused_step = fused

@@ -169,7 +169,7 @@ class Attention(nn.Module):
         # set by engine.cpu_step on the CPU: q/k/v as one matrix (its rows are q_proj's, k_proj's, v_proj's), and
         # rotary + cache write + attention as one call into moeflow's CPU library (fp32, a static cache)
         self.qkv_proj: nn.Module | None = None
-        self.native_step = False
+        self.fused_step = False
         if qk_norm is not None:
             per_head = qk_norm == "head"
             self.q_norm = RMSNorm(head_dim if per_head else self.n_heads * head_dim, norm_eps, dtype)
@@ -193,9 +193,9 @@ class Attention(nn.Module):
         """x [B, T, H] -> [B, T, H]; cache: the engine's KV cache (``update(layer, k, v, cache_position)``);
         mask bool [B, 1, T, max_len]."""
         b, t, _ = x.shape
-        if self.qkv_proj is not None:
+        if self.fused_step:
             qkv = self.qkv_proj(x)  # [B, T, (heads + 2 kv_heads) D]
-            layer_kv = getattr(cache, "layer_kv", None) if self.native_step else None
+            layer_kv = getattr(cache, "layer_kv", None)
             if layer_kv is not None and qkv.dtype == torch.float32 and mask.is_contiguous() \
                     and layer_kv[self.layer_idx][0].dtype == torch.float32:
                 k_all, v_all = layer_kv[self.layer_idx]
