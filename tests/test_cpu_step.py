@@ -22,9 +22,15 @@ from moeflow.engine.cpu_step import fuse_qkv, set_cpu_step_fused
 from moeflow.engine.kv_cache import StaticKVCache, attention_mask
 from moeflow.engine.loading import non_expert_bytes
 from moeflow.families.layers import Attention, RMSNorm, RotaryEmbedding, apply_rotary
-from moeflow.kernels.cpu_native import native_available
+from moeflow.kernels.cpu_native import Q4Matrix, native_available, q4_reference
 from moeflow.kernels.cpu_quant_linear import CpuQuantLinear, quantize_linear_cpu
-from moeflow.kernels.cpu_step_ops import attention_step, attention_step_reference, rmsnorm, rmsnorm_reference
+from moeflow.kernels.cpu_step_ops import (
+    attention_block,
+    attention_step,
+    attention_step_reference,
+    rmsnorm,
+    rmsnorm_reference,
+)
 from moeflow.quant.convert import quantize_checkpoint
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="moeflow's CPU kernels cannot be built here")
@@ -93,6 +99,38 @@ def test_attention_step_matches_its_reference_and_sdpa(batch, steps, heads, kv_h
     assert rel(out, sdpa.transpose(1, 2).reshape(batch, steps, heads * d)) < ATTN_RTOL
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_attention_block_is_the_separate_calls(bits):
+    b, t, h, heads, kv_heads, d, length = 2, 3, 64, 4, 2, 16, 9
+    g = _gen(bits)
+    qkv = quantize_linear_cpu(torch.randn((heads + 2 * kv_heads) * d, h, generator=g) * 0.2, bits, group_size=32)
+    o = quantize_linear_cpu(torch.randn(h, heads * d, generator=g) * 0.2, bits, group_size=32)
+    x = torch.randn(b, t, h, generator=g)
+    w_in, w_post = torch.rand(h, generator=g) + 0.5, torch.rand(h, generator=g) + 0.5
+    pos = torch.arange(2, 2 + t)
+    cos, sin = RotaryEmbedding(d, 1e4)(pos.expand(b, t), torch.float32)
+    valid = torch.zeros(b, length, dtype=torch.bool)
+    valid[:, :2 + t] = True
+    valid[1, 0] = False
+    mask = attention_mask(valid, pos, None)
+    caches = [torch.randn(b, kv_heads, length, d, generator=g) for _ in range(2)]
+    k1, v1, k2, v2 = (c.clone() for c in caches + caches)
+    x_out, h_out = attention_block(x, w_in, w_post, 1e-5, qkv, o, heads, kv_heads, cos, sin, k1, v1, pos, mask)
+    normed, _ = rmsnorm(x, w_in, 1e-5)
+    a = attention_step(qkv(normed), heads, kv_heads, cos, sin, k2, v2, pos, mask)
+    after, total = rmsnorm(x, w_post, 1e-5, residual=o(a))
+    assert torch.equal(x_out, total) and torch.equal(h_out, after) and torch.equal(k1, k2) and torch.equal(v1, v2)
+    # and the plain-torch fp32 model of each step
+    w_qkv = qkv.dequantized() if bits == 8 else Q4Matrix(qkv.packed, qkv.scales, qkv.mins, 32).dequantized()
+    w_o = o.dequantized() if bits == 8 else Q4Matrix(o.packed, o.scales, o.mins, 32).dequantized()
+    k3, v3 = (c.clone() for c in caches)
+    ref_a = attention_step_reference(q4_reference(rmsnorm_reference(x, w_in, 1e-5)[0], w_qkv), heads, kv_heads,
+                                     cos, sin, k3, v3, pos, mask)
+    ref_h, ref_total = rmsnorm_reference(x, w_post, 1e-5, residual=q4_reference(ref_a, w_o))
+    # int8 activation rounding turns ~1e-7 differences into whole int8 steps at a few elements
+    assert rel(x_out, ref_total) < 1e-3 and rel(h_out, ref_h) < 1e-3
+
+
 def test_attention_step_rejects_a_wrong_cache():
     qkv = torch.randn(1, 1, 8 * 16)
     cos = sin = torch.ones(1, 1, 16)
@@ -144,6 +182,8 @@ def _check_same_model(path, ids, new_tokens=24, **kw):
     assert isinstance(attn, Attention) and attn.qkv_proj is not None and attn.fused_step
     assert fused.model.layers[0].input_layernorm.native and not plain.model.layers[0].input_layernorm.native
     assert plain.model.layers[0].self_attn.qkv_proj is None
+    quantized = isinstance(attn.q_proj, CpuQuantLinear)  # then the whole attention half is one call
+    assert (fused.model.layers[0].attention_half is not None) == quantized
     with torch.inference_mode():
         out = fused.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=[])
         assert torch.equal(out, plain.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=[]))

@@ -223,6 +223,20 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
 
+def attention_half(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any,
+                   cache_position: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pre-norm decoder layer's attention half: x [B, T, H] -> (x + attn, post_attention_layernorm(x + attn)).
+
+    ``layer`` holds ``input_layernorm``, ``self_attn``, ``post_attention_layernorm`` and an ``attention_half``
+    slot: None, or a callable the engine set (one native call on the CPU, engine.cpu_step) that returns the
+    same pair, or None when it cannot take this step."""
+    fused = layer.attention_half(x, cos, sin, cache, cache_position, mask) if layer.attention_half else None
+    if fused is not None:
+        return fused
+    attn = layer.self_attn(layer.input_layernorm(x), cos, sin, cache, cache_position, mask)
+    return layer.post_attention_layernorm(x, residual=attn)  # x + attn, and its norm (one call on the CPU)
+
+
 def _per_token(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Apply ``norm`` over all heads of each token: x [B, heads, T, D] -> [B, heads, T, D]."""
     b, n, t, d = x.shape

@@ -414,3 +414,45 @@ int mf_attn_step(const float* qkv, int B, int T, int nh, int nkv, int D, const f
     }
     return fail ? -1 : 0;
 }
+
+/* A quantized linear layer of the attention block: int4 (bits 4: packed, s, m, group) or int8 (bits 8: packed
+   holds the int8 weight, s its row scales). */
+typedef struct {
+    int bits, group, n;
+    const void* w;
+    const float* s;
+    const float* m;
+} mf_linear;
+
+static int run_linear(const mf_linear* l, const float* x, int T, int K, float* y, int nthreads) {
+    if (l->bits == 4) return mf_q4_linear(x, T, K, l->n, l->group, (const uint8_t*)l->w, l->s, l->m, y, nthreads);
+    return mf_q8_linear(x, T, K, l->n, (const int8_t*)l->w, l->s, y, nthreads);
+}
+
+/* A decoder layer's attention half in one call, for x fp32 [B, T, H] (the layer's input):
+   h = rmsnorm(x, w_in); qkv = h @ Wqkv.T; a = attention (mf_attn_step, writing the cache); o = a @ Wo.T;
+   x_out = x + o; h_out = rmsnorm(x_out, w_post) (the MoE block's input). Exactly the sequence of the
+   separate calls, so the same numbers. Returns 0, or -1 when out of memory. */
+int mf_attn_block(const float* x, int B, int T, int H, const float* w_in, const float* w_post, float eps,
+                  int qkv_bits, int qkv_group, const void* qkv_w, const float* qkv_s, const float* qkv_m,
+                  int o_bits, int o_group, const void* o_w, const float* o_s, const float* o_m,
+                  int nh, int nkv, int D, const float* cos, const float* sin, float* kc, float* vc, int L,
+                  const int64_t* pos, const uint8_t* mask, float scale, float* x_out, float* h_out,
+                  int nthreads) {
+    int BT = B * T, F = (nh + 2 * nkv) * D;
+    mf_linear qkv = {qkv_bits, qkv_group, F, qkv_w, qkv_s, qkv_m};
+    mf_linear o = {o_bits, o_group, H, o_w, o_s, o_m};
+    float* buf = malloc(sizeof(float) * ((size_t)BT * H * 2 + (size_t)BT * F + (size_t)BT * nh * D));
+    if (!buf) return -1;
+    float* h = buf;                            /* [BT, H] */
+    float* q = h + (size_t)BT * H;             /* [BT, F] */
+    float* a = q + (size_t)BT * F;             /* [BT, nh D] */
+    float* y = a + (size_t)BT * nh * D;        /* [BT, H] */
+    mf_rmsnorm(x, NULL, NULL, w_in, eps, BT, H, h);
+    int rc = run_linear(&qkv, h, BT, H, q, nthreads);
+    if (!rc) rc = mf_attn_step(q, B, T, nh, nkv, D, cos, sin, kc, vc, L, pos, mask, scale, a, nthreads);
+    if (!rc) rc = run_linear(&o, a, BT, nh * D, y, nthreads);
+    if (!rc) mf_rmsnorm(x, y, x_out, w_post, eps, BT, H, h_out);
+    free(buf);
+    return rc;
+}

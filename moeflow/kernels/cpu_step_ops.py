@@ -23,6 +23,7 @@ import math
 import torch
 
 from moeflow.kernels.cpu_native import library
+from moeflow.kernels.cpu_quant_linear import CpuQuantLinear
 
 _DECLARED: set[int] = set()
 
@@ -38,6 +39,9 @@ def _lib() -> ctypes.CDLL:
         lib.mf_rmsnorm.restype = None
         lib.mf_attn_step.argtypes = [p, i, i, i, i, i, p, p, p, p, i, p, p, f, p, i]
         lib.mf_attn_step.restype = i
+        lib.mf_attn_block.argtypes = [p, i, i, i, p, p, f, i, i, p, p, p, i, i, p, p, p, i, i, i, p, p, p, p, i, p,
+                                      p, f, p, p, i]
+        lib.mf_attn_block.restype = i
         _DECLARED.add(id(lib))
     return lib
 
@@ -46,6 +50,25 @@ def _check_fp32(name: str, t: torch.Tensor) -> None:
     if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
         raise ValueError(f"{name}: expected a contiguous fp32 CPU tensor, got {t.dtype} {tuple(t.shape)} on "
                          f"{t.device}{'' if t.is_contiguous() else ' (not contiguous)'}")
+
+
+def _check_attention_args(b: int, t: int, n_heads: int, n_kv: int, d: int, cos: torch.Tensor, sin: torch.Tensor,
+                          k_cache: torch.Tensor, v_cache: torch.Tensor, cache_position: torch.Tensor,
+                          mask: torch.Tensor) -> None:
+    for name, x in (("cos", cos), ("sin", sin), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_fp32(name, x)
+    length = k_cache.shape[2]
+    if tuple(k_cache.shape) != (b, n_kv, length, d) or v_cache.shape != k_cache.shape:
+        raise ValueError(f"k/v cache {tuple(k_cache.shape)} / {tuple(v_cache.shape)}: expected "
+                         f"[{b}, {n_kv}, L, {d}] for {n_heads} query heads of {d} features")
+    if tuple(cos.shape) != (b, t, d) or sin.shape != cos.shape:
+        raise ValueError(f"cos/sin {tuple(cos.shape)} / {tuple(sin.shape)}: expected [{b}, {t}, {d}]")
+    if mask.dtype != torch.bool or tuple(mask.shape) != (b, 1, t, length) or not mask.is_contiguous():
+        raise ValueError(f"mask: expected contiguous bool [{b}, 1, {t}, {length}], got {mask.dtype} "
+                         f"{tuple(mask.shape)}")
+    if cache_position.dtype != torch.int64 or cache_position.shape != (t,):
+        raise ValueError(f"cache_position: expected int64 [{t}], got {cache_position.dtype} "
+                         f"{tuple(cache_position.shape)}")
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -79,25 +102,50 @@ def attention_step(qkv: torch.Tensor, n_heads: int, n_kv: int, cos: torch.Tensor
     mask bool [B, 1, T, L] -> fp32 [B, T, n_heads D] (heads concatenated, ready for o_proj)."""
     b, t, features = qkv.shape
     d = features // (n_heads + 2 * n_kv)
-    length = k_cache.shape[2]
-    for name, x in (("qkv", qkv), ("cos", cos), ("sin", sin), ("k_cache", k_cache), ("v_cache", v_cache)):
-        _check_fp32(name, x)
-    if tuple(k_cache.shape) != (b, n_kv, length, d) or v_cache.shape != k_cache.shape:
-        raise ValueError(f"k/v cache {tuple(k_cache.shape)} / {tuple(v_cache.shape)}: expected "
-                         f"[{b}, {n_kv}, L, {d}] for qkv {tuple(qkv.shape)}")
-    if mask.dtype != torch.bool or tuple(mask.shape) != (b, 1, t, length) or not mask.is_contiguous():
-        raise ValueError(f"mask: expected contiguous bool [{b}, 1, {t}, {length}], got {mask.dtype} "
-                         f"{tuple(mask.shape)}")
-    if cache_position.dtype != torch.int64 or cache_position.shape != (t,):
-        raise ValueError(f"cache_position: expected int64 [{t}], got {cache_position.dtype} "
-                         f"{tuple(cache_position.shape)}")
+    _check_fp32("qkv", qkv)
+    _check_attention_args(b, t, n_heads, n_kv, d, cos, sin, k_cache, v_cache, cache_position, mask)
     out = torch.empty((b, t, n_heads * d), dtype=torch.float32)
     rc = _lib().mf_attn_step(qkv.data_ptr(), b, t, n_heads, n_kv, d, cos.data_ptr(), sin.data_ptr(),
-                             k_cache.data_ptr(), v_cache.data_ptr(), length, cache_position.data_ptr(),
+                             k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[2], cache_position.data_ptr(),
                              mask.data_ptr(), 1.0 / math.sqrt(d), out.data_ptr(), torch.get_num_threads())
     if rc:
         raise MemoryError("attention_step: the CPU kernel could not allocate its score buffers")
     return out
+
+
+def attention_block(x: torch.Tensor, norm_in: torch.Tensor, norm_post: torch.Tensor, eps: float,
+                    qkv: CpuQuantLinear, o: CpuQuantLinear, n_heads: int, n_kv: int, cos: torch.Tensor,
+                    sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_position: torch.Tensor,
+                    mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder layer's attention half in one call: x fp32 [B, T, H] -> (x + attn, rmsnorm(x + attn, norm_post)),
+    where attn = o(attention_step(qkv(rmsnorm(x, norm_in)))), each fp32 [B, T, H]; writes this step's keys
+    and values into the cache. ``qkv``, ``o``: native int4/int8 :class:`CpuQuantLinear` without bias; the other
+    arguments as :func:`rmsnorm` and :func:`attention_step`. The same kernels in the same order as those calls."""
+    b, t, h = x.shape
+    _check_fp32("x", x)
+    _check_attention_args(b, t, n_heads, n_kv, qkv.out_features // (n_heads + 2 * n_kv), cos, sin, k_cache,
+                          v_cache, cache_position, mask)
+    x_out, h_out = torch.empty_like(x), torch.empty_like(x)
+    rc = _lib().mf_attn_block(x.data_ptr(), b, t, h, norm_in.data_ptr(), norm_post.data_ptr(), eps,
+                              *_linear_args(qkv), *_linear_args(o), n_heads, n_kv, k_cache.shape[3],
+                              cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                              k_cache.shape[2], cache_position.data_ptr(), mask.data_ptr(),
+                              1.0 / math.sqrt(k_cache.shape[3]), x_out.data_ptr(), h_out.data_ptr(),
+                              torch.get_num_threads())
+    if rc:
+        raise MemoryError("attention_block: the CPU kernel could not allocate its buffers")
+    return x_out, h_out
+
+
+def block_linear_ok(layer: torch.nn.Module) -> bool:
+    """Whether :func:`attention_block` takes ``layer`` as its qkv or o projection."""
+    return isinstance(layer, CpuQuantLinear) and layer.native and layer.bias is None and layer.bits in (4, 8)
+
+
+def _linear_args(layer: CpuQuantLinear) -> tuple:
+    if layer.bits == 4:
+        return 4, layer.group_size, layer.packed.data_ptr(), layer.scales.data_ptr(), layer.mins.data_ptr()
+    return 8, 0, layer.int8_weight.data_ptr(), layer.int8_scales.data_ptr(), None
 
 
 # ---- plain-torch fp32 models of the ops above ----
