@@ -22,12 +22,13 @@ from moeflow.engine.cpu_step import fuse_qkv, set_cpu_step_fused
 from moeflow.engine.kv_cache import StaticKVCache, attention_mask
 from moeflow.engine.loading import non_expert_bytes
 from moeflow.families.layers import Attention, RMSNorm, RotaryEmbedding, apply_rotary
-from moeflow.kernels.cpu_native import Q4Matrix, native_available, q4_reference
+from moeflow.kernels.cpu_native import Q4Matrix, native_available, q4_expert, q4_expert_reference, q4_reference
 from moeflow.kernels.cpu_quant_linear import CpuQuantLinear, quantize_linear_cpu
 from moeflow.kernels.cpu_step_ops import (
     attention_block,
     attention_step,
     attention_step_reference,
+    experts_step,
     rmsnorm,
     rmsnorm_reference,
 )
@@ -129,6 +130,28 @@ def test_attention_block_is_the_separate_calls(bits):
     ref_h, ref_total = rmsnorm_reference(x, w_post, 1e-5, residual=q4_reference(ref_a, w_o))
     # int8 activation rounding turns ~1e-7 differences into whole int8 steps at a few elements
     assert rel(x_out, ref_total) < 1e-3 and rel(h_out, ref_h) < 1e-3
+
+
+def test_experts_step_is_the_accumulating_expert_calls():
+    g = _gen(11)
+    hidden, inter = 64, 96
+
+    def matrix(n, k):
+        return quantize_linear_cpu(torch.randn(n, k, generator=g) * 0.1, 4, group_size=32)
+
+    experts = []
+    for _ in range(3):
+        w13, w2 = matrix(2 * inter, hidden), matrix(hidden, inter)
+        experts.append(tuple(Q4Matrix(m.packed, m.scales, m.mins, 32) for m in (w13, w2)))
+    x = torch.randn(1, hidden, generator=g)
+    weights = torch.softmax(torch.randn(1, 3, generator=g), -1)
+    out = None
+    for j, (w13, w2) in enumerate(experts):
+        out = q4_expert(x, w13, w2, weights[:, j], out)
+    assert torch.equal(experts_step(x, experts, weights), out)
+    ref = sum(q4_expert_reference(x, w13.dequantized(), w2.dequantized(), weights[:, j])
+              for j, (w13, w2) in enumerate(experts))
+    assert rel(out, ref) < 1e-3
 
 
 def test_attention_step_rejects_a_wrong_cache():

@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from moeflow.kernels.cpu_native import library
+from moeflow.kernels.cpu_native import Q4Matrix, library
 from moeflow.kernels.cpu_quant_linear import CpuQuantLinear
 
 _DECLARED: set[int] = set()
@@ -135,6 +135,27 @@ def attention_block(x: torch.Tensor, norm_in: torch.Tensor, norm_post: torch.Ten
     if rc:
         raise MemoryError("attention_block: the CPU kernel could not allocate its buffers")
     return x_out, h_out
+
+
+def experts_step(x: torch.Tensor, experts: list[tuple[Q4Matrix, Q4Matrix]], weights: torch.Tensor) -> torch.Tensor:
+    """One token through its k experts, summed in k order: x fp32 [1, H], experts [(w13 [2I, H], w2 [H, I])] * k,
+    weights fp32 [1, k] -> fp32 [1, H]. The same kernel calls and order as k :func:`q4_expert` calls that
+    accumulate into one output (so the same numbers), without the per-call tensor set-up of that wrapper."""
+    _check_fp32("x", x)
+    _check_fp32("weights", weights)
+    if weights.shape != (1, len(experts)) or x.shape[0] != 1:
+        raise ValueError(f"experts_step takes one token: x {tuple(x.shape)}, weights {tuple(weights.shape)} for "
+                         f"{len(experts)} experts")
+    out = torch.empty_like(x)
+    lib, threads = library(), torch.get_num_threads()
+    for j, (w13, w2) in enumerate(experts):
+        rc = lib.mf_q4_expert(x.data_ptr(), 1, w2.packed.shape[0], w2.packed.shape[1] * 2, w13.group_size,
+                              w13.packed.data_ptr(), w13.scales.data_ptr(), w13.mins.data_ptr(), w2.packed.data_ptr(),
+                              w2.scales.data_ptr(), w2.mins.data_ptr(), weights.data_ptr() + 4 * j, out.data_ptr(),
+                              int(j > 0), threads)
+        if rc:
+            raise MemoryError("experts_step: the CPU kernel could not allocate its activation buffers")
+    return out
 
 
 def block_linear_ok(layer: torch.nn.Module) -> bool:
