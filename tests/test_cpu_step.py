@@ -31,6 +31,9 @@ from moeflow.kernels.cpu_step_ops import (
     experts_step,
     rmsnorm,
     rmsnorm_reference,
+    router_logits,
+    softmax_topk,
+    softmax_topk_reference,
 )
 from moeflow.quant.convert import quantize_checkpoint
 
@@ -154,6 +157,20 @@ def test_experts_step_is_the_accumulating_expert_calls():
     assert rel(out, ref) < 1e-3
 
 
+def test_router_ops_match_their_references():
+    g = _gen(13)
+    x, w = torch.randn(5, 64, generator=g), torch.randn(8, 64, generator=g)
+    logits = router_logits(x, w)
+    assert rel(logits, x @ w.T) < NORM_RTOL
+    for renormalize in (True, False):
+        probs, ids, weights = softmax_topk(logits, 2, renormalize)
+        ref_probs, ref_ids, ref_weights = softmax_topk_reference(logits, 2, renormalize)
+        assert ids.dtype == torch.int32 and torch.equal(ids, ref_ids)
+        assert rel(probs, ref_probs) < NORM_RTOL and rel(weights, ref_weights) < NORM_RTOL
+    tie = torch.zeros(1, 4)  # equal probabilities: the lower expert index first
+    assert softmax_topk(tie, 2)[1].tolist() == [[0, 1]]
+
+
 def test_attention_step_rejects_a_wrong_cache():
     qkv = torch.randn(1, 1, 8 * 16)
     cos = sin = torch.ones(1, 1, 16)
@@ -240,7 +257,7 @@ def test_fused_step_on_an_awq_attention_checkpoint_with_padding(tmp_path):
     with torch.inference_mode():
         on = fused(ids, attention_mask=mask).logits
         set_cpu_step_fused(fused.model, False)
-        assert not fused.model.layers[0].self_attn.fused_step
+        assert not fused.model.layers[0].self_attn.fused_step and not fused.model.layers[0].block_sparse_moe.gate.native
         assert torch.equal(fused(ids, attention_mask=mask).logits, plain(ids, attention_mask=mask).logits)
         set_cpu_step_fused(fused.model, True)
         assert torch.equal(fused(ids, attention_mask=mask).logits, on)

@@ -11,7 +11,9 @@ model runs in fp32, :func:`fuse_cpu_step` changes, in the built decoder:
   add before the post-attention norm;
 * each decoder layer with an ``attention_half`` slot (Mixtral, the Llama-MoE layouts) whose q/k/v and o
   projections are int4/int8 (``attention_bits``, AWQ attention): its whole attention half - input norm,
-  q/k/v, attention, o_proj, residual add, post-attention norm - as one call (:class:`NativeAttentionHalf`).
+  q/k/v, attention, o_proj, residual add, post-attention norm - as one call (:class:`NativeAttentionHalf`);
+* each MoE block with a plain softmax-top-k router: its logits and its routing as one call each
+  (:class:`NativeRouterGate`, :class:`NativeRoute`); every expert backend gets the same routing from them.
 
 The weights and the formulas stay; the numerics differ from the unfused step only in summation order
 (tests/test_cpu_step.py: logits within 1e-4 relative of the unfused step, greedy tokens equal).
@@ -22,21 +24,23 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from moeflow.families.layers import Attention, RMSNorm
 from moeflow.kernels.cpu_native import Q4Matrix, native_available
 from moeflow.kernels.cpu_quant_linear import CpuQuantLinear
-from moeflow.kernels.cpu_step_ops import attention_block, block_linear_ok
+from moeflow.kernels.cpu_step_ops import attention_block, block_linear_ok, router_logits, softmax_topk
+from moeflow.moe.block import MoEBlock
 
 QKV = ("q_proj", "k_proj", "v_proj")
 
 
 def fuse_cpu_step(decoder: nn.Module, dtype: torch.dtype) -> dict[str, int]:
     """Fuse ``decoder``'s attention layers and norms in place (see the module docstring); returns how many
-    modules were changed ({"attention", "norm", "attention_half"}). Nothing changes without the native library
+    modules were changed ({"attention", "norm", "attention_half", "router"}). Nothing changes without the native library
     or in 16-bit."""
-    counts = {"attention": 0, "norm": 0, "attention_half": 0}
+    counts = {"attention": 0, "norm": 0, "attention_half": 0, "router": 0}
     if dtype != torch.float32 or not native_available():
         return counts
     for module in decoder.modules():
@@ -48,6 +52,8 @@ def fuse_cpu_step(decoder: nn.Module, dtype: torch.dtype) -> dict[str, int]:
             if fused is not None:
                 module.qkv_proj, module.fused_step = fused, True
                 counts["attention"] += 1
+    for block in [m for m in decoder.modules() if isinstance(m, MoEBlock)]:
+        counts["router"] += _native_router(block)
     for layer in getattr(decoder, "layers", []):
         half = _attention_half(layer)
         if half is not None:
@@ -78,6 +84,46 @@ class NativeAttentionHalf:
             return None
         return attention_block(x, self.norm_in.weight, self.norm_post.weight, self.norm_in.eps, attn.qkv_proj,
                                attn.o_proj, attn.n_heads, attn.n_kv, cos, sin, k_all, v_all, cache_position, mask)
+
+
+class NativeRouterGate(nn.Module):
+    """A plain router's linear layer (the MoE block's ``gate``, its weight kept as ``weight``) computed by
+    :func:`~moeflow.kernels.cpu_step_ops.router_logits` (``native``) or ``F.linear``."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight, self.native = weight, True
+        self.out_features, self.in_features = weight.shape  # as the nn.Linear it replaces
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> logits [T, E]."""
+        if self.native and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous():
+            return router_logits(x, self.weight)
+        return F.linear(x, self.weight)
+
+
+class NativeRoute:
+    """A plain softmax-top-k router (the MoE block's ``route``) as one native call (``native``), else the
+    block's own router function it replaced."""
+
+    def __init__(self, route: Any, top_k: int, renormalize: bool) -> None:
+        self.fallback, self.top_k, self.renormalize, self.native = route, top_k, renormalize, True
+
+    def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.native and logits.dtype == torch.float32 and logits.is_contiguous():
+            return softmax_topk(logits, self.top_k, self.renormalize)
+        return self.fallback(logits)
+
+
+def _native_router(block: MoEBlock) -> bool:
+    """Give ``block`` the native gate and route when its router is a plain softmax top-k on fp32 weights."""
+    gate = block.gate
+    if block.kernel_routing is None or block.router.scaling_factor != 1.0 or type(gate) is not nn.Linear or \
+            gate.bias is not None or gate.weight.dtype != torch.float32:
+        return False
+    block.gate = NativeRouterGate(gate.weight)
+    block.route = NativeRoute(block.route, block.kernel_routing.top_k, block.kernel_routing.renormalize)
+    return True
 
 
 def _attention_half(layer: nn.Module) -> NativeAttentionHalf | None:
@@ -143,3 +189,7 @@ def set_cpu_step_fused(decoder: nn.Module, fused: bool) -> None:
             module.native = fused and native_available()
         elif type(module) is Attention and module.qkv_proj is not None:
             module.fused_step = fused
+        elif isinstance(module, NativeRouterGate):
+            module.native = fused
+        elif isinstance(module, MoEBlock) and isinstance(module.route, NativeRoute):
+            module.route.native = fused

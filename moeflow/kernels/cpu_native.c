@@ -456,3 +456,40 @@ int mf_attn_block(const float* x, int B, int T, int H, const float* w_in, const 
     free(buf);
     return rc;
 }
+
+/* y fp32 [T, N] = x fp32 [T, K] @ w.T for a small fp32 matrix w [N, K] (a router: N = experts). */
+void mf_dense_f32(const float* x, int T, int K, int N, const float* w, float* y) {
+    for (int t = 0; t < T; t++)
+        for (int n = 0; n < N; n++) y[(size_t)t * N + n] = dot(x + (size_t)t * K, w + (size_t)n * K, K);
+}
+
+/* Softmax routing per token: probs = softmax(logits [T, E]) in fp32; ids int32 [T, k]: the k largest
+   probabilities, largest first (the lower expert index first among equals); weights fp32 [T, k] their
+   probabilities, divided by their sum when ``renorm``. */
+void mf_softmax_topk(const float* logits, int T, int E, int k, int renorm, float* probs, int32_t* ids,
+                     float* weights) {
+    for (int t = 0; t < T; t++) {
+        const float* l = logits + (size_t)t * E;
+        float* p = probs + (size_t)t * E;
+        float mx = -INFINITY, sum = 0.0f;
+        for (int e = 0; e < E; e++) mx = fmaxf(mx, l[e]);
+        for (int e = 0; e < E; e++) { p[e] = expf(l[e] - mx); sum += p[e]; }
+        for (int e = 0; e < E; e++) p[e] /= sum;
+        int32_t* it = ids + (size_t)t * k;
+        float* wt = weights + (size_t)t * k;
+        float total = 0.0f;
+        for (int j = 0; j < k; j++) {
+            int best = -1;
+            for (int e = 0; e < E; e++) {
+                int taken = 0;
+                for (int i = 0; i < j; i++) taken |= it[i] == e;
+                if (!taken && (best < 0 || p[e] > p[best])) best = e;
+            }
+            it[j] = best;
+            wt[j] = p[best];
+            total += p[best];
+        }
+        if (renorm)
+            for (int j = 0; j < k; j++) wt[j] /= total;
+    }
+}

@@ -42,6 +42,10 @@ def _lib() -> ctypes.CDLL:
         lib.mf_attn_block.argtypes = [p, i, i, i, p, p, f, i, i, p, p, p, i, i, p, p, p, i, i, i, p, p, p, p, i, p,
                                       p, f, p, p, i]
         lib.mf_attn_block.restype = i
+        lib.mf_dense_f32.argtypes = [p, i, i, i, p, p]
+        lib.mf_dense_f32.restype = None
+        lib.mf_softmax_topk.argtypes = [p, i, i, i, i, p, p, p]
+        lib.mf_softmax_topk.restype = None
         _DECLARED.add(id(lib))
     return lib
 
@@ -158,6 +162,31 @@ def experts_step(x: torch.Tensor, experts: list[tuple[Q4Matrix, Q4Matrix]], weig
     return out
 
 
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x fp32 [T, H] @ weight fp32 [E, H].T -> fp32 [T, E] (a router's logits: a few dot products, no BLAS call)."""
+    _check_fp32("x", x)
+    _check_fp32("weight", weight)
+    if x.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"router_logits: x {tuple(x.shape)} for a weight {tuple(weight.shape)}")
+    y = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
+    _lib().mf_dense_f32(x.data_ptr(), x.shape[0], x.shape[1], weight.shape[0], weight.data_ptr(), y.data_ptr())
+    return y
+
+
+def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool = True
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`moeflow.moe.routing.softmax_topk` in one call: logits fp32 [T, E] -> (probs fp32 [T, E],
+    ids int32 [T, k] (largest first, the lower index first among equals), weights fp32 [T, k])."""
+    _check_fp32("logits", logits)
+    t, e = logits.shape
+    probs = torch.empty_like(logits)
+    ids = torch.empty((t, top_k), dtype=torch.int32)
+    weights = torch.empty((t, top_k), dtype=torch.float32)
+    _lib().mf_softmax_topk(logits.data_ptr(), t, e, top_k, int(renormalize), probs.data_ptr(), ids.data_ptr(),
+                           weights.data_ptr())
+    return probs, ids, weights
+
+
 def block_linear_ok(layer: torch.nn.Module) -> bool:
     """Whether :func:`attention_block` takes ``layer`` as its qkv or o projection."""
     return isinstance(layer, CpuQuantLinear) and layer.native and layer.bias is None and layer.bits in (4, 8)
@@ -200,3 +229,11 @@ def attention_step_reference(qkv: torch.Tensor, n_heads: int, n_kv: int, cos: to
     scores = (q @ keys.transpose(-1, -2)) / math.sqrt(d)
     probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
     return (probs @ values).transpose(1, 2).reshape(b, t, n_heads * d)
+
+
+def softmax_topk_reference(logits: torch.Tensor, top_k: int, renormalize: bool = True
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 model of :func:`softmax_topk` (and :func:`router_logits` is ``x @ weight.T``)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    return probs, ids.to(torch.int32), weights / weights.sum(-1, keepdim=True) if renormalize else weights
