@@ -30,7 +30,13 @@ from torch import nn
 from moeflow.families.layers import Attention, RMSNorm
 from moeflow.kernels.cpu_native import Q4Matrix, native_available
 from moeflow.kernels.cpu_quant_linear import CpuQuantLinear
-from moeflow.kernels.cpu_step_ops import attention_block, block_linear_ok, router_logits, softmax_topk
+from moeflow.kernels.cpu_step_ops import (
+    NATIVE_ATTENTION_TOKENS,
+    attention_block,
+    block_linear_ok,
+    router_logits,
+    softmax_topk,
+)
 from moeflow.moe.block import MoEBlock
 
 QKV = ("q_proj", "k_proj", "v_proj")
@@ -77,7 +83,8 @@ class NativeAttentionHalf:
         attn = self.attn
         layer_kv = getattr(cache, "layer_kv", None)
         if not (attn.fused_step and self.norm_in.native and self.norm_post.native) or layer_kv is None \
-                or x.dtype != torch.float32 or not x.is_contiguous() or not mask.is_contiguous():
+                or x.shape[1] > NATIVE_ATTENTION_TOKENS or x.dtype != torch.float32 or not x.is_contiguous() \
+                or not mask.is_contiguous():
             return None
         k_all, v_all = layer_kv[attn.layer_idx]
         if k_all.dtype != torch.float32:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeflow import kernels
-from moeflow.kernels.cpu_step_ops import attention_step, rmsnorm
+from moeflow.kernels.cpu_step_ops import NATIVE_ATTENTION_TOKENS, attention_step, rmsnorm
 
 
 class RMSNorm(nn.Module):
@@ -196,8 +196,8 @@ class Attention(nn.Module):
         if self.fused_step:
             qkv = self.qkv_proj(x)  # [B, T, (heads + 2 kv_heads) D]
             layer_kv = getattr(cache, "layer_kv", None)
-            if layer_kv is not None and qkv.dtype == torch.float32 and mask.is_contiguous() \
-                    and layer_kv[self.layer_idx][0].dtype == torch.float32:
+            if layer_kv is not None and t <= NATIVE_ATTENTION_TOKENS and qkv.dtype == torch.float32 \
+                    and mask.is_contiguous() and layer_kv[self.layer_idx][0].dtype == torch.float32:
                 k_all, v_all = layer_kv[self.layer_idx]
                 return self.o_proj(attention_step(qkv, self.n_heads, self.n_kv, cos, sin, k_all, v_all,
                                                   cache_position, mask))

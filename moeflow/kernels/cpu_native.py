@@ -38,6 +38,7 @@ from moeflow.quant.awq import unpack_int4
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_native.c")
+SOURCES = (SOURCE, SOURCE.with_name("cpu_step.c"))  # one library: the matrix kernels, the decode-step ops
 BLOCK = 32  # activation features per int8 scale (and the weights' packing block)
 _LIB: ctypes.CDLL | None | bool = False  # False: not tried yet; None: unavailable
 
@@ -50,7 +51,8 @@ def _cpu_flags() -> str:
 
 
 def build(cache: Path, native_arch: bool = True) -> Path:
-    """Compile ``cpu_native.c`` into ``cache`` (once per source, compiler and CPU); returns the library's path.
+    """Compile ``cpu_native.c`` and ``cpu_step.c`` into one library in ``cache`` (once per source, compiler and
+    CPU); returns the library's path.
     ``native_arch=False`` builds for the baseline ISA (the portable C loops instead of AVX2; tests use it)."""
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
@@ -58,17 +60,18 @@ def build(cache: Path, native_arch: bool = True) -> Path:
     arch = ["-march=native"] if native_arch else []
     flags = ["-O3", *arch, "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]  # no implicit FMA: as the reference
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, *flags, _cpu_flags(), platform.machine()])
+    texts = [src.read_text() for src in SOURCES]
+    key = hashlib.sha256("\0".join([*texts, cc, version, *flags, _cpu_flags(), platform.machine()])
                          .encode()).hexdigest()[:16]
     lib = cache / f"libmoeflow_cpu_{key}.so"
     if not lib.is_file():
         cache.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
         os.close(fd)
-        res = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+        res = subprocess.run([cc, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True)
         if res.returncode:
             os.unlink(tmp)
-            raise RuntimeError(f"{cc} could not build {SOURCE.name}:\n{res.stderr[-2000:]}")
+            raise RuntimeError(f"{cc} could not build {' + '.join(src.name for src in SOURCES)}:\n{res.stderr[-2000:]}")
         os.replace(tmp, lib)  # atomic: concurrent builders each write their own temporary file
     return lib
 

@@ -1,4 +1,4 @@
-"""The glue of a CPU decode step as single calls into moeflow's CPU library (``cpu_native.c``, its last section).
+"""The glue of a CPU decode step as single calls into moeflow's CPU library (``cpu_step.c``, built with cpu_native.c).
 
 A decode step on the CPU reads ~140 MB of 4-bit weights in ~15 ms; what it used to spend beside that was ~190
 small torch ops per layer (RMSNorm's pow/mean/rsqrt/mul chain, rotary's slices and cats, the KV-cache
@@ -26,6 +26,9 @@ from moeflow.kernels.cpu_native import Q4Matrix, library
 from moeflow.kernels.cpu_quant_linear import CpuQuantLinear
 
 _DECLARED: set[int] = set()
+# tokens per sequence up to which the attention op runs (decode, short prompts); beyond, SDPA's blocked GEMMs
+# beat its loop over queries and positions
+NATIVE_ATTENTION_TOKENS = 16
 
 
 def _lib() -> ctypes.CDLL:
