@@ -78,6 +78,7 @@ class MoEModel(nn.Module):
         progress: bool | None = None,
         attention_bits: int | None = None,
         cuda_graphs: bool = False,
+        lm_head_bits: int = 8,
     ):
         """Load an HF-layout checkpoint (fp32/fp16/bf16 or AWQ 4-bit) from a directory or the hub.
 
@@ -91,7 +92,10 @@ class MoEModel(nn.Module):
             device refuses the capture. Off by default.
         attention_bits: on the CPU int4 path (device="cpu", AWQ experts), quantize 16-bit attention
             projections at load to int8 (8) or int4 (4, group 128); None (default) keeps them as stored.
-            That path always runs the lm_head in int8 and AWQ attention through the int4 CPU kernel.
+            That path always runs AWQ attention through the int4 CPU kernel.
+        lm_head_bits: on the CPU int4 path, the lm_head in int8 (8, default) or int4 (4: ~half the bytes per
+            decoded token; the top 16 logits, so the greedy tokens, recomputed in int8, the others with int4's
+            error; see :mod:`moeflow.kernels.cpu_lm_head`).
         """
         device = torch.device(device)
         if device.type == "cuda" and not torch.cuda.is_available():
@@ -102,7 +106,7 @@ class MoEModel(nn.Module):
         offload = offload or OffloadConfig()
         built = build_model(path_or_id, device=device, dtype=dtype, offload=offload, kernels=kernels,
                             revision=revision, progress=progress, families=cls._families,
-                            attention_bits=attention_bits)
+                            attention_bits=attention_bits, lm_head_bits=lm_head_bits)
         runner = Runner(built.decoder, built.backend, built.stats, built.family.config, device, dtype,
                         kv_cache_spec=built.family.kv_cache_spec)
         self = cls(built.family, built.decoder, built.backend, runner, offload, built.generation_config,

@@ -22,7 +22,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 STEP_LABELS = ("decode_step", "prefill_step")
-REGIONS = ("embedding", "attention", "norms", "router", "moe (experts + combine)", "lm_head")
+LAYER = "layer (one-call attention half, residual add)"
+REGIONS = ("embedding", "attention", "norms", "router", "moe (experts + combine)", "lm_head", LAYER)
 WATCH = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::copy_", "aten::_to_copy",
          "aten::to", "aten::nonzero", "aten::index", "aten::index_put_", "aten::unique_dim", "aten::_unique2",
          "aten::cat", "aten::empty", "aten::_weight_int4pack_mm_for_cpu", "aten::scaled_dot_product_attention")
@@ -49,6 +50,7 @@ def label_regions(model) -> list:
     add(inner.norm, lambda a: "norms")
     add(inner.lm_head, lambda a: "lm_head")
     for layer in inner.layers:
+        add(layer, lambda a: LAYER)  # what runs in no module below: the engine's one-call attention half (cpu_step)
         add(layer.self_attn, lambda a: "attention")
         add(layer.input_layernorm, lambda a: "norms")
         add(layer.post_attention_layernorm, lambda a: "norms")
@@ -150,10 +152,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--attention-bits", type=int, default=None, help="from_pretrained(attention_bits=...)")
+    ap.add_argument("--lm-head-bits", type=int, default=8, help="from_pretrained(lm_head_bits=...)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     uptime_before = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     extra = {} if args.attention_bits is None else {"attention_bits": args.attention_bits}
+    if args.lm_head_bits != 8:
+        extra["lm_head_bits"] = args.lm_head_bits
     model = MoEOffloadedMixtral.from_pretrained(args.model, device="cpu", **extra)
     ids = torch.randint(3, model.config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0))
     gen = dict(max_new_tokens=args.steps + 1, do_sample=False, eos_token_id=[])
@@ -178,7 +183,7 @@ def main() -> None:
     s.update(kernels=model.kernels, wall_ms_per_step=wall * 1e3, uptime_before=uptime_before,
              uptime_after=subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
              generate_wall_s=time.perf_counter() - t0, torch=torch.__version__, threads=args.threads,
-             attention_bits=args.attention_bits)
+             attention_bits=args.attention_bits, lm_head_bits=args.lm_head_bits)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(s, indent=1))
     args.out.with_suffix(".md").write_text(markdown(s) + "\n")

@@ -140,12 +140,15 @@ def transformers_eager(hf: Path, dtype: torch.dtype, prompts: list[int], tg: int
 
 
 def moeflow_cpu(awq: Path, prompts: list[int], tg: int, reps: int, budget_s: float,
-                attention_bits: int | None = None, cpu_time: bool = False) -> dict:
+                attention_bits: int | None = None, cpu_time: bool = False, lm_head_bits: int = 8) -> dict:
     """moeflow ``device="cpu"`` on the AWQ checkpoint (its default kernels: torch's int4 CPU kernel);
-    ``attention_bits``: also quantize the 16-bit attention projections at load (as llama.cpp's Q4_0 does)."""
+    ``attention_bits``: also quantize the 16-bit attention projections at load (as llama.cpp's Q4_0 does);
+    ``lm_head_bits=4``: the int4 lm_head (top logits recomputed in int8)."""
     from moeflow import MoEOffloadedMixtral
 
     extra = {"attention_bits": attention_bits} if attention_bits is not None else {}
+    if lm_head_bits != 8:
+        extra["lm_head_bits"] = lm_head_bits
     model = MoEOffloadedMixtral.from_pretrained(awq, device="cpu", **extra)
     gen = torch.Generator().manual_seed(0)
 
@@ -264,7 +267,8 @@ def main() -> None:
     ap.add_argument("--tg", type=int, default=32, help="decode tokens per repetition")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--budget", type=float, default=120.0, help="seconds per prefill length and engine")
-    ap.add_argument("--engines", default="llama.cpp,transformers-fp32,transformers-bf16,moeflow,moeflow-attn4")
+    ap.add_argument("--engines", default="llama.cpp,transformers-fp32,transformers-bf16,moeflow,moeflow-attn4,"
+                                         "moeflow-attn4-lm4")
     ap.add_argument("--threads", type=int, default=THREADS, help="threads of every engine")
     ap.add_argument("--before-tree", type=Path, default=None,
                     help="also run moeflow (and moeflow-attn4) from this source tree (the branch point), same run")
@@ -298,15 +302,17 @@ def main() -> None:
     for tree, tag in ((args.before_tree, " before"), (None, "")):
         if tree is None and tag:
             continue
-        for engine, bits, name, weights in (
-                ("moeflow", None, "moeflow cpu (AWQ)", "AWQ int4 experts, g128"),
-                ("moeflow-attn4", 4, "moeflow cpu (AWQ, attention_bits=4)",
-                 "AWQ int4 experts, int4 attention, int8 lm_head")):
-            if engine not in engines:
+        for engine, bits, head, name, weights in (
+                ("moeflow", None, 8, "moeflow cpu (AWQ)", "AWQ int4 experts, g128"),
+                ("moeflow-attn4", 4, 8, "moeflow cpu (AWQ, attention_bits=4)",
+                 "AWQ int4 experts, int4 attention, int8 lm_head"),
+                ("moeflow-attn4-lm4", 4, 4, "moeflow cpu (AWQ, attention_bits=4, lm_head_bits=4)",
+                 "AWQ int4 experts, int4 attention, int4 lm_head (top 16 in int8)")):
+            if engine not in engines or (tree is not None and head != 8):
                 continue
             if tree is None:
-                runs.append((name, weights, lambda b=bits: moeflow_cpu(
-                    files["awq"], prompts, args.tg, args.reps, args.budget, b, args.cpu_time)))
+                runs.append((name, weights, lambda b=bits, h=head: moeflow_cpu(
+                    files["awq"], prompts, args.tg, args.reps, args.budget, b, args.cpu_time, h)))
             else:
                 runs.append((name + tag, weights, lambda b=bits, t=tree: moeflow_in_tree(t, args, b)))
     for name, weights, fn in runs:

@@ -19,6 +19,7 @@ from torch import nn
 from moeflow.config import OffloadConfig
 from moeflow.engine import loading, memory
 from moeflow.engine.cpu_linears import check_attention_bits, quantize_decoder_linears
+from moeflow.engine.cpu_step import fuse_cpu_step
 from moeflow.engine.sampling import GenerationConfig
 from moeflow.families import Family, family_for_config
 from moeflow.families.base import CausalDecoder
@@ -125,10 +126,11 @@ class BuiltModel:
 def build_model(
     path_or_id: str | os.PathLike, *, device: torch.device, dtype: torch.dtype, offload: OffloadConfig,
     kernels: str, revision: str | None, progress: bool | None, families: tuple[type[Family], ...] | None = None,
-    attention_bits: int | None = None,
+    attention_bits: int | None = None, lm_head_bits: int = 8,
 ) -> BuiltModel:
     """Load the checkpoint ``path_or_id`` (directory or hub id). ``families``: accept only these (else ValueError).
-    ``attention_bits``: quantize 16-bit attention projections at load (CPU int4 path only, see cpu_linears)."""
+    ``attention_bits``: quantize 16-bit attention projections at load (CPU int4 path only, see cpu_linears);
+    ``lm_head_bits``: 8 (default) or 4 (CPU int4 path only, see cpu_linears)."""
     directory = resolve_checkpoint(path_or_id, revision)
     config_path = directory / "config.json"
     raw_config = read_json(config_path)
@@ -149,12 +151,13 @@ def build_model(
             fmt = loading.requantized_expert_format(family)
         resolved = resolve_kernels(kernels, device,
                                    fmt.kind == "awq" and not is_extended(fmt))  # cpu-int4: no biases
-        check_attention_bits(attention_bits, resolved.linear)
+        check_attention_bits(attention_bits, resolved.linear, lm_head_bits)
         awq_attention = loading.detect_awq_attention(reader, family, layout, quant)
         decoder = family.build_decoder(dtype, _linear_factory(dtype, awq_attention))
         loading.load_non_expert_weights(decoder, reader, family, layout, device, dtype)
         if resolved.linear == "cpu-int4":
-            quantize_decoder_linears(decoder, attention_bits)
+            quantize_decoder_linears(decoder, attention_bits, lm_head_bits)
+            fuse_cpu_step(decoder, dtype)
         for module in decoder.modules():
             if isinstance(module, AWQLinear):  # what the CPU kernels cannot tile stays on the torch reference
                 module.use_kernels("torch" if resolved.linear == "cpu-int4" else resolved.linear)

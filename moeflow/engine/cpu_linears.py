@@ -9,6 +9,10 @@ replaces, in the built decoder, each module by a :class:`~moeflow.kernels.cpu_qu
   channel's largest weight); activations and logits rounded to bf16 (the kernel's dtype). Measured on the
   embedded model: logits within 2% (relative norm) of the fp32 reference, greedy tokens equal
   (tests/test_cpu_linears.py).
+* ``lm_head_bits=4`` (asked for): int4 (group 128) with the top 16 logits recomputed from the int8 rows
+  (:class:`~moeflow.kernels.cpu_lm_head.RefinedInt4LmHead`): ~18 MB read per token instead of 33 MB on the
+  peer benchmark's model; the top logits and greedy tokens are the int8 head's, the other logits int4's
+  (3-4% relative error on the embedded model).
 * AWQ attention projections (checkpoints that publish them in 4-bit) -> torch's int4 CPU kernel with the
   same weights (:func:`~moeflow.kernels.cpu_quant_linear.awq_linear_cpu`), instead of dequantizing per call.
 * 16-bit attention projections -> int8 or int4 (group 128) only when asked: ``attention_bits``
@@ -26,16 +30,25 @@ import torch
 from torch import nn
 
 from moeflow.families.layers import Attention, AWQLinear
+from moeflow.kernels.cpu_lm_head import RefinedInt4LmHead
+from moeflow.kernels.cpu_native import native_available
 from moeflow.kernels.cpu_quant_linear import CpuQuantLinear, awq_linear_cpu, quantize_linear_cpu
 
 ATTENTION_BITS = (None, 8, 4)
-LM_HEAD_BITS = 8  # int4 moves logits by 15-22% on the embedded model (benchmarks/results/peers/README.md)
+LM_HEAD_BITS = (8, 4)  # 8: the default; 4: int4 with the top candidates recomputed in int8 (kernels/cpu_lm_head.py)
 ATTENTION_GROUP = 128  # int4 group size for projections quantized at load (the AWQ default)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
-def check_attention_bits(attention_bits: int | None, kernels_linear: str) -> None:
-    """ValueError unless ``attention_bits`` is None, 8 or 4, and given only on the CPU int4 path."""
+def check_attention_bits(attention_bits: int | None, kernels_linear: str, lm_head_bits: int = 8) -> None:
+    """ValueError unless ``attention_bits`` is None, 8 or 4 and ``lm_head_bits`` 8 or 4, each other than the
+    default given only on the CPU int4 path (``lm_head_bits=4`` also needs moeflow's native CPU kernels)."""
+    if lm_head_bits not in LM_HEAD_BITS:
+        raise ValueError(f"lm_head_bits={lm_head_bits!r}: expected 8 or 4")
+    if lm_head_bits != 8 and (kernels_linear != "cpu-int4" or not native_available()):
+        raise ValueError(f"lm_head_bits={lm_head_bits} runs the lm_head through moeflow's native CPU kernels on "
+                         "the CPU int4 path (device='cpu', an AWQ checkpoint, a C compiler); here the linear "
+                         f"layers run the {kernels_linear!r} kernels")
     if attention_bits not in ATTENTION_BITS:
         raise ValueError(f"attention_bits={attention_bits!r}: expected None, 8 or 4")
     if attention_bits is not None and kernels_linear != "cpu-int4":
@@ -44,13 +57,17 @@ def check_attention_bits(attention_bits: int | None, kernels_linear: str) -> Non
                          f"linear layers run the {kernels_linear!r} kernels")
 
 
-def quantize_decoder_linears(decoder: nn.Module, attention_bits: int | None) -> dict[str, int]:
+def quantize_decoder_linears(decoder: nn.Module, attention_bits: int | None, lm_head_bits: int = 8
+                             ) -> dict[str, int]:
     """Replace ``decoder``'s lm_head and attention projections in place (see the module docstring).
 
     Returns how many modules of each kind were replaced ({"lm_head", "awq", "attention"}).
     """
     counts = {"lm_head": 0, "awq": 0, "attention": 0}
-    decoder.lm_head = _with_bias(quantize_linear_cpu(decoder.lm_head.weight, bits=LM_HEAD_BITS), decoder.lm_head)
+    if lm_head_bits == 4 and getattr(decoder.lm_head, "bias", None) is None:
+        decoder.lm_head = RefinedInt4LmHead.quantize(decoder.lm_head.weight)
+    else:
+        decoder.lm_head = _with_bias(quantize_linear_cpu(decoder.lm_head.weight, bits=8), decoder.lm_head)
     counts["lm_head"] = 1
     for parent in list(decoder.modules()):
         for name, child in list(parent.named_children()):

@@ -20,6 +20,8 @@ class StaticKVCache:
         # which cache positions hold a real (non-padding) token, per sequence
         self.valid = torch.zeros((batch, max_len), dtype=torch.bool, device=device)
         self.max_len = max_len
+        # each layer's k/v [B, kv_heads, max_len, D] as views made once (the CPU step's attention op writes them)
+        self.layer_kv = [(self.k[i], self.v[i]) for i in range(num_layers)]
 
     @property
     def nbytes(self) -> int:

@@ -122,7 +122,16 @@ def requantize_experts(experts: Iterator[tuple[int, int, dict[str, torch.Tensor]
 
 
 def non_expert_bytes(model: nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    """Bytes of ``model``'s parameters and buffers, shared storage once (tied weights, views of a fused matrix)."""
+    groups: dict[int, list[torch.Tensor]] = {}
+    for i, t in enumerate(list(model.parameters()) + list(model.buffers())):
+        key = t.untyped_storage().data_ptr() if t.device.type != "meta" and t.numel() else -1 - i
+        groups.setdefault(key, []).append(t)
+    total = 0
+    for ts in groups.values():
+        size = sum(t.numel() * t.element_size() for t in ts)
+        total += size if len(ts) == 1 else min(size, ts[0].untyped_storage().nbytes())
+    return total
 
 
 def read_routers(directory: str | Path) -> tuple[list[torch.Tensor], int]:

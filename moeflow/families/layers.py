@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeflow import kernels
+from moeflow.kernels.cpu_step_ops import NATIVE_ATTENTION_TOKENS, attention_step, rmsnorm
 
 
 class RMSNorm(nn.Module):
@@ -18,9 +19,20 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
         self.eps = eps
+        self.native = False  # one call into moeflow's CPU library (fp32 on the CPU; set by engine.cpu_step)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., H]: normalise in fp32, then scale in the input dtype (as transformers does)."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """x [..., H]: normalise in fp32, then scale in the input dtype (as transformers does).
+
+        With ``residual`` [..., H]: normalise ``x + residual`` instead and return ``(x + residual, normed)``
+        (the residual stream and the next block's input, one call on the native path)."""
+        if self.native and x.dtype == torch.float32 and x.is_contiguous() and \
+                (residual is None or residual.is_contiguous()):
+            normed, total = rmsnorm(x, self.weight, self.eps, residual)
+            return normed if residual is None else (total, normed)
+        if residual is not None:
+            x = x + residual
+            return x, self(x)
         dtype = x.dtype
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -154,6 +166,10 @@ class Attention(nn.Module):
         if qk_norm not in (None, "head", "projection"):
             raise ValueError(f"qk_norm={qk_norm!r}: expected None, 'head' or 'projection'")
         self.qk_norm, self.clip_qkv = qk_norm, clip_qkv
+        # set by engine.cpu_step on the CPU: q/k/v as one matrix (its rows are q_proj's, k_proj's, v_proj's), and
+        # rotary + cache write + attention as one call into moeflow's CPU library (fp32, a static cache)
+        self.qkv_proj: nn.Module | None = None
+        self.fused_step = False
         if qk_norm is not None:
             per_head = qk_norm == "head"
             self.q_norm = RMSNorm(head_dim if per_head else self.n_heads * head_dim, norm_eps, dtype)
@@ -177,9 +193,21 @@ class Attention(nn.Module):
         """x [B, T, H] -> [B, T, H]; cache: the engine's KV cache (``update(layer, k, v, cache_position)``);
         mask bool [B, 1, T, max_len]."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        if self.fused_step:
+            qkv = self.qkv_proj(x)  # [B, T, (heads + 2 kv_heads) D]
+            layer_kv = getattr(cache, "layer_kv", None)
+            if layer_kv is not None and t <= NATIVE_ATTENTION_TOKENS and qkv.dtype == torch.float32 \
+                    and mask.is_contiguous() and layer_kv[self.layer_idx][0].dtype == torch.float32:
+                k_all, v_all = layer_kv[self.layer_idx]
+                return self.o_proj(attention_step(qkv, self.n_heads, self.n_kv, cos, sin, k_all, v_all,
+                                                  cache_position, mask))
+            d = self.head_dim
+            q, k, v = qkv.split([self.n_heads * d, self.n_kv * d, self.n_kv * d], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         if self.qk_norm is not None or self.clip_qkv is not None:
             q, k, v = self._normalize_qkv(q, k, v)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -193,6 +221,20 @@ class Attention(nn.Module):
                 v_all = v_all.repeat_interleave(groups, dim=1)
             out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+
+def attention_half(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any,
+                   cache_position: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pre-norm decoder layer's attention half: x [B, T, H] -> (x + attn, post_attention_layernorm(x + attn)).
+
+    ``layer`` holds ``input_layernorm``, ``self_attn``, ``post_attention_layernorm`` and an ``attention_half``
+    slot: None, or a callable the engine set (one native call on the CPU, engine.cpu_step) that returns the
+    same pair, or None when it cannot take this step."""
+    fused = layer.attention_half(x, cos, sin, cache, cache_position, mask) if layer.attention_half else None
+    if fused is not None:
+        return fused
+    attn = layer.self_attn(layer.input_layernorm(x), cos, sin, cache, cache_position, mask)
+    return layer.post_attention_layernorm(x, residual=attn)  # x + attn, and its norm (one call on the CPU)
 
 
 def _per_token(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:

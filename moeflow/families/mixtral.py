@@ -22,7 +22,7 @@ from torch import nn
 from moeflow.errors import CheckpointError
 from moeflow.families.base import CausalDecoder, ExpertLayout, ExpertSpec, Family
 from moeflow.families.gated_experts import ProjectionNames, read_gated_expert, split_fused_experts
-from moeflow.families.layers import Attention, LinearFactory, RMSNorm
+from moeflow.families.layers import Attention, LinearFactory, RMSNorm, attention_half
 from moeflow.io.checkpoint import CheckpointReader, QuantizationSpec
 from moeflow.moe.block import MoEBlock
 from moeflow.moe.routing import RouterSpec
@@ -95,12 +95,13 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                                    layer_idx, linear_factory, cfg.sliding_window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.attention_half = None  # the engine's one-call attention half on the CPU (layers.attention_half)
         # every Mixtral layer is an MoE layer: its MoE index is its layer index
         self.block_sparse_moe = MoEBlock(cfg.hidden_size, cfg.num_local_experts, router, layer_idx, dtype)
 
     def forward(self, x, cos, sin, cache, cache_position, mask, experts, routing=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, cache_position, mask)
-        return x + self.block_sparse_moe(self.post_attention_layernorm(x), experts, routing)
+        x, h = attention_half(self, x, cos, sin, cache, cache_position, mask)
+        return x + self.block_sparse_moe(h, experts, routing)
 
 
 class MixtralFamily(Family):

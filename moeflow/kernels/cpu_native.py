@@ -40,7 +40,8 @@ from moeflow.quant.awq import unpack_int4
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(f) for f in ("cpu_native.c", "cpu_q4.c"))
+# one library: the matrix kernels, the int4 row-group kernel, the decode-step ops
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("cpu_native.c", "cpu_q4.c", "cpu_step.c"))
 HEADER = Path(__file__).with_name("cpu_native.h")
 BLOCK = 32  # activation features per int8 scale (and the weights' packing block)
 ROW_GROUP = 8  # q4 rows interleaved together (cpu_q4.c's layout)
@@ -60,8 +61,8 @@ def source_digest() -> str:
 
 
 def build(cache: Path, native_arch: bool = True) -> Path:
-    """Compile ``cpu_native.c`` and ``cpu_q4.c`` into ``cache`` (once per source, compiler and CPU); returns the
-    library's path.
+    """Compile ``cpu_native.c``, ``cpu_q4.c`` and ``cpu_step.c`` into one library in ``cache`` (once per source,
+    compiler and CPU); returns the library's path.
     ``native_arch=False`` builds for the baseline ISA (the portable C loops instead of AVX2; tests use it)."""
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:

@@ -6,7 +6,7 @@ import torch
 
 from moeflow import kernels
 from moeflow.kernels.cpu_int4 import COMPUTE_DTYPE, Int4Expert
-from moeflow.kernels.cpu_native import q4_expert
+from moeflow.kernels.cpu_step_ops import experts_step
 from moeflow.kernels.pool import ExpertFormat, ExpertPool
 from moeflow.moe.backend import ExpertBackend, KernelRouting
 
@@ -65,18 +65,26 @@ class CpuInt4Experts(ExpertBackend):
     def load_expert(self, layer: int, expert: int, tensors: dict[str, torch.Tensor]) -> None:
         self.experts[layer][expert] = self._make(tensors, self.fmt.group_size)
 
+    def forward_logits(self, layer, x, router_logits, route, kernel_routing, want_ids):  # noqa: D102
+        # the base class's, without the compile-disabled wrapper's cost per call when not compiling
+        probs, ids, weights = route(router_logits)
+        run = self.forward if torch.compiler.is_compiling() else self._forward
+        return run(layer, x, probs, ids, weights), ids if want_ids else None
+
     @torch.compiler.disable  # host logic (reads the routing back): under torch.compile, the layer's one graph break
     def forward(self, layer, x, probs, topk_ids, topk_weights):  # noqa: D102 (see ExpertBackend)
+        return self._forward(layer, x, probs, topk_ids, topk_weights)
+
+    def _forward(self, layer, x, probs, topk_ids, topk_weights):
         # one host read of the routing per layer; each expert runs once on all its tokens
         ids = topk_ids.tolist()
         experts = self.experts[layer]
         weights = topk_weights.float()
         if experts[ids[0][0]].native:  # moeflow's kernels: fp32 activations, one call per expert
-            if len(ids) == 1 and x.dtype == torch.float32:  # decode: the k experts accumulate into x's row
-                out = None  # in k order, as combine sums them (the same numbers as several tokens get)
-                for j, e in enumerate(ids[0]):
-                    out = q4_expert(x, experts[e].w13, experts[e].w2, weights[:, j], out)
-                return out
+            if len(ids) == 1 and x.dtype == torch.float32 and x.is_contiguous() and weights.is_contiguous():
+                # decode: the k experts accumulate into one row in k order, as combine sums them (the same
+                # numbers as several tokens get)
+                return experts_step(x, [(experts[e].w13, experts[e].w2) for e in ids[0]], weights)
             return self._grouped(x, ids, weights, lambda e, rows, w: experts[e].forward(rows, w))
         rows = x.to(COMPUTE_DTYPE)  # torch's kernels: the activations go to bf16 once for all the layer's experts
         if len(ids) == 1:

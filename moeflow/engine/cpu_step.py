@@ -1,0 +1,204 @@
+"""A lean CPU decode step (issue 21): the decoder's glue fused at load, on the CPU int4 path.
+
+After :func:`~moeflow.engine.cpu_linears.quantize_decoder_linears`, when moeflow's CPU library is built and the
+model runs in fp32, :func:`fuse_cpu_step` changes, in the built decoder:
+
+* each plain attention layer (no QK-norm, no clamp, no biases): q/k/v become one matrix ``qkv_proj`` (one
+  kernel call instead of three; q_proj/k_proj/v_proj stay as views of its rows, no second copy), and rotary +
+  KV-cache write + attention run as one call (:func:`~moeflow.kernels.cpu_step_ops.attention_step`) whenever
+  the cache is the engine's static one;
+* each ``RMSNorm``: one call (:func:`~moeflow.kernels.cpu_step_ops.rmsnorm`), which also does the residual
+  add before the post-attention norm;
+* each decoder layer with an ``attention_half`` slot (Mixtral, the Llama-MoE layouts) whose q/k/v and o
+  projections are int4/int8 (``attention_bits``, AWQ attention): its whole attention half - input norm,
+  q/k/v, attention, o_proj, residual add, post-attention norm - as one call (:class:`NativeAttentionHalf`);
+* each MoE block with a plain softmax-top-k router: its logits and its routing as one call each
+  (:class:`NativeRouterGate`, :class:`NativeRoute`); every expert backend gets the same routing from them.
+
+The weights and the formulas stay; the numerics differ from the unfused step only in summation order
+(tests/test_cpu_step.py: logits within 1e-4 relative of the unfused step, greedy tokens equal).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeflow.families.layers import Attention, RMSNorm
+from moeflow.kernels.cpu_native import ROW_GROUP, Q4Matrix, native_available
+from moeflow.kernels.cpu_quant_linear import CpuQuantLinear
+from moeflow.kernels.cpu_step_ops import (
+    NATIVE_ATTENTION_TOKENS,
+    attention_block,
+    block_linear_ok,
+    router_logits,
+    softmax_topk,
+)
+from moeflow.moe.block import MoEBlock
+
+QKV = ("q_proj", "k_proj", "v_proj")
+
+
+def fuse_cpu_step(decoder: nn.Module, dtype: torch.dtype) -> dict[str, int]:
+    """Fuse ``decoder``'s attention layers and norms in place (see the module docstring); returns how many
+    modules were changed ({"attention", "norm", "attention_half", "router"}). Nothing changes without the native library
+    or in 16-bit."""
+    counts = {"attention": 0, "norm": 0, "attention_half": 0, "router": 0}
+    if dtype != torch.float32 or not native_available():
+        return counts
+    for module in decoder.modules():
+        if type(module) is RMSNorm and module.weight.dtype == torch.float32:
+            module.native = True
+            counts["norm"] += 1
+        elif type(module) is Attention and module.qk_norm is None and module.clip_qkv is None:
+            fused = fuse_qkv([getattr(module, name) for name in QKV])
+            if fused is not None:
+                module.qkv_proj, module.fused_step = fused, True
+                counts["attention"] += 1
+    for block in [m for m in decoder.modules() if isinstance(m, MoEBlock)]:
+        counts["router"] += _native_router(block)
+    for layer in getattr(decoder, "layers", []):
+        half = _attention_half(layer)
+        if half is not None:
+            layer.attention_half = half
+            counts["attention_half"] += 1
+    return counts
+
+
+class NativeAttentionHalf:
+    """A decoder layer's attention half (input norm, q/k/v, attention, o_proj, residual add, post-attention
+    norm) as one call (:func:`~moeflow.kernels.cpu_step_ops.attention_block`): the layer calls it with its
+    attention's arguments and gets ``(x + attn, normed)``, or None when this step cannot take it (the modules'
+    fused path switched off, a cache other than the static one, a non-fp32 input), and then runs its modules.
+    Not a module: it holds the layer's own modules, no weights of its own."""
+
+    def __init__(self, norm_in: RMSNorm, attn: Attention, norm_post: RMSNorm) -> None:
+        self.norm_in, self.attn, self.norm_post = norm_in, attn, norm_post
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any,
+                 cache_position: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        attn = self.attn
+        layer_kv = getattr(cache, "layer_kv", None)
+        if not (attn.fused_step and self.norm_in.native and self.norm_post.native) or layer_kv is None \
+                or x.shape[1] > NATIVE_ATTENTION_TOKENS or x.dtype != torch.float32 or not x.is_contiguous() \
+                or not mask.is_contiguous():
+            return None
+        k_all, v_all = layer_kv[attn.layer_idx]
+        if k_all.dtype != torch.float32:
+            return None
+        return attention_block(x, self.norm_in.weight, self.norm_post.weight, self.norm_in.eps, attn.qkv_proj,
+                               attn.o_proj, attn.n_heads, attn.n_kv, cos, sin, k_all, v_all, cache_position, mask)
+
+
+class NativeRouterGate(nn.Module):
+    """A plain router's linear layer (the MoE block's ``gate``, its weight kept as ``weight``) computed by
+    :func:`~moeflow.kernels.cpu_step_ops.router_logits` (``native``) or ``F.linear``."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight, self.native = weight, True
+        self.out_features, self.in_features = weight.shape  # as the nn.Linear it replaces
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> logits [T, E]."""
+        if self.native and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous():
+            return router_logits(x, self.weight)
+        return F.linear(x, self.weight)
+
+
+class NativeRoute:
+    """A plain softmax-top-k router (the MoE block's ``route``) as one native call (``native``), else the
+    block's own router function it replaced."""
+
+    def __init__(self, route: Any, top_k: int, renormalize: bool) -> None:
+        self.fallback, self.top_k, self.renormalize, self.native = route, top_k, renormalize, True
+
+    def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.native and logits.dtype == torch.float32 and logits.is_contiguous():
+            return softmax_topk(logits, self.top_k, self.renormalize)
+        return self.fallback(logits)
+
+
+def _native_router(block: MoEBlock) -> bool:
+    """Give ``block`` the native gate and route when its router is a plain softmax top-k on fp32 weights."""
+    gate = block.gate
+    if block.kernel_routing is None or block.router.scaling_factor != 1.0 or type(gate) is not nn.Linear or \
+            gate.bias is not None or gate.weight.dtype != torch.float32:
+        return False
+    block.gate = NativeRouterGate(gate.weight)
+    block.route = NativeRoute(block.route, block.kernel_routing.top_k, block.kernel_routing.renormalize)
+    return True
+
+
+def _attention_half(layer: nn.Module) -> NativeAttentionHalf | None:
+    """The layer's :class:`NativeAttentionHalf` when it has one to take (the Mixtral / Llama-MoE layer layout,
+    quantized bias-free projections, both norms alike), else None."""
+    parts = [getattr(layer, n, None) for n in ("input_layernorm", "self_attn", "post_attention_layernorm")]
+    norm_in, attn, norm_post = parts
+    if not hasattr(layer, "attention_half") or type(attn) is not Attention or not attn.fused_step or \
+            any(type(n) is not RMSNorm or not n.native for n in (norm_in, norm_post)) or norm_in.eps != norm_post.eps:
+        return None
+    if not (block_linear_ok(attn.qkv_proj) and block_linear_ok(attn.o_proj)):
+        return None
+    return NativeAttentionHalf(norm_in, attn, norm_post)
+
+
+def fuse_qkv(projections: list[nn.Module]) -> nn.Module | None:
+    """One linear module whose output is the projections' outputs concatenated, or None when they cannot share
+    one matrix (different kinds, formats or input sizes, biases). Each projection's weight tensors become views
+    of the fused ones (so the memory is held once)."""
+    first = projections[0]
+    if any(getattr(p, "bias", None) is not None for p in projections):
+        return None
+    if all(type(p) is nn.Linear for p in projections):
+        if len({(p.in_features, p.weight.dtype) for p in projections}) != 1:
+            return None
+        fused = nn.Linear(first.in_features, sum(p.out_features for p in projections), bias=False,
+                          dtype=first.weight.dtype)
+        fused.weight = nn.Parameter(torch.cat([p.weight.detach() for p in projections]), requires_grad=False)
+        _share_rows(projections, fused, ["weight"])
+        return fused
+    if not all(isinstance(p, CpuQuantLinear) and p.native for p in projections):
+        return None
+    if len({(p.bits, p.in_features, p.group_size) for p in projections}) != 1:
+        return None
+    if first.bits == 4 and any(p.out_features % ROW_GROUP for p in projections):
+        return None  # int4 rows are interleaved in groups of ROW_GROUP: row views are valid only at group bounds
+    names = ["int8_weight", "int8_scales"] if first.bits == 8 else ["packed", "scales", "mins"]
+    tensors = {n: torch.cat([getattr(p, n) for p in projections]) for n in names}
+    out_features = sum(p.out_features for p in projections)
+    if first.bits == 8:
+        fused = CpuQuantLinear(8, first.in_features, out_features, int8_weight=tensors["int8_weight"],
+                               int8_scales=tensors["int8_scales"])
+    else:
+        fused = CpuQuantLinear(4, first.in_features, out_features, int4=Q4Matrix(
+            tensors["packed"], tensors["scales"], tensors["mins"], first.group_size))
+    _share_rows(projections, fused, names)
+    return fused
+
+
+def _share_rows(projections: list[nn.Module], fused: nn.Module, names: list[str]) -> None:
+    """Point each projection's ``names`` tensors at its rows of ``fused``'s (row blocks in projection order)."""
+    start = 0
+    for p in projections:
+        for n in names:
+            rows = getattr(fused, n).detach()[start:start + p.out_features]
+            setattr(p, n, nn.Parameter(rows, requires_grad=False) if n in p._parameters else rows)
+        start += p.out_features
+
+
+def set_cpu_step_fused(decoder: nn.Module, fused: bool) -> None:
+    """Switch a decoder :func:`fuse_cpu_step` changed between its fused and its unfused step (the same weights:
+    q/k/v then run as their three views of the fused matrix) - for A/B benchmarks and tests."""
+    for module in decoder.modules():
+        if type(module) is RMSNorm and module.weight.dtype == torch.float32:
+            module.native = fused and native_available()
+        elif type(module) is Attention and module.qkv_proj is not None:
+            module.fused_step = fused
+        elif isinstance(module, NativeRouterGate):
+            module.native = fused
+        elif isinstance(module, MoEBlock) and isinstance(module.route, NativeRoute):
+            module.route.native = fused

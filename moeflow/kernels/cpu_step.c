@@ -1,0 +1,194 @@
+/* ---- decode-step ops ---- */
+/* The per-layer glue of a CPU decode step in one call each (issue 21; cpu_step_ops.py holds their fp32 torch
+   models): RMSNorm (with the residual add before it), rotary + KV-cache write + attention over the static
+   cache, a layer's whole attention half, and a plain softmax-top-k router. Built into the same library as
+   cpu_native.c (cpu_native.py's build), whose linear kernels the attention half calls. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+int mf_q4_linear(const float* x, int T, int K, int N, int group, const uint8_t* qw, const float* s, const float* m,
+                 float* y, int nthreads);
+int mf_q8_linear(const float* x, int T, int K, int N, const int8_t* w, const float* s, float* y, int nthreads);
+
+/* out[t] = w * (x[t] / sqrt(mean(x[t]^2) + eps)) for x fp32 [T, H]. With ``res`` (may be NULL): x[t] + res[t]
+   is normalised instead and written to ``sum`` (the residual stream the layer continues with). */
+void mf_rmsnorm(const float* x, const float* res, float* sum, const float* w, float eps, int T, int H, float* out) {
+    for (int t = 0; t < T; t++) {
+        const float* xt = x + (size_t)t * H;
+        float* ot = out + (size_t)t * H;
+        if (res) {
+            const float* rt = res + (size_t)t * H;
+            float* st = sum + (size_t)t * H;
+            for (int i = 0; i < H; i++) st[i] = xt[i] + rt[i];
+            xt = st;
+        }
+        double ss = 0.0;  /* H values of either sign: a double sum keeps the mean exact to fp32 */
+        for (int i = 0; i < H; i++) ss += (double)xt[i] * xt[i];
+        float r = 1.0f / sqrtf((float)(ss / H) + eps);
+        for (int i = 0; i < H; i++) ot[i] = w[i] * (xt[i] * r);
+    }
+}
+
+/* x [D] -> y [D]: y = x * cos + rotate_half(x) * sin (rotate_half(x) = [-x[D/2:], x[:D/2]]), the products
+   rounded before the sum as torch's unfused ops do. */
+static void rotary(const float* x, const float* c, const float* s, int D, float* y) {
+    int h = D / 2;
+    for (int i = 0; i < h; i++) y[i] = x[i] * c[i] + (-x[i + h]) * s[i];
+    for (int i = h; i < D; i++) y[i] = x[i] * c[i] + x[i - h] * s[i];
+}
+
+/* q . k over D features in 8 interleaved partial sums (vectorizable without reordering a single sum). */
+static float dot(const float* q, const float* k, int D) {
+    float part[8] = {0};
+    int j = 0;
+    for (; j + 8 <= D; j += 8)
+        for (int u = 0; u < 8; u++) part[u] += q[j + u] * k[j + u];
+    float d = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+    for (; j < D; j++) d += q[j] * k[j];
+    return d;
+}
+
+/* One attention layer's step after its fused q/k/v projection.
+   qkv fp32 [B, T, (nh + 2 nkv) D] (q heads, then k heads, then v heads); cos, sin fp32 [B, T, D];
+   kc, vc fp32 [B, nkv, L, D]: this layer's static cache, written at positions pos int64 [T] (rotated keys);
+   mask bool [B, T, L]: which cache positions each query sees; out fp32 [B, T, nh D]: softmax(q k^T * scale) v
+   per head, query head h reading kv head h / (nh / nkv). Returns 0, or -1 when out of memory. */
+int mf_attn_step(const float* qkv, int B, int T, int nh, int nkv, int D, const float* cos, const float* sin,
+                 float* kc, float* vc, int L, const int64_t* pos, const uint8_t* mask, float scale, float* out,
+                 int nthreads) {
+    int F = (nh + 2 * nkv) * D, groups = nh / nkv;
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < T; t++) {
+            const float* row = qkv + ((size_t)b * T + t) * F;
+            const float* c = cos + ((size_t)b * T + t) * D;
+            const float* s = sin + ((size_t)b * T + t) * D;
+            for (int h = 0; h < nkv; h++) {
+                size_t at = (((size_t)b * nkv + h) * L + (size_t)pos[t]) * D;
+                rotary(row + (size_t)(nh + h) * D, c, s, D, kc + at);
+                memcpy(vc + at, row + (size_t)(nh + nkv + h) * D, sizeof(float) * D);
+            }
+        }
+    int fail = 0;
+#pragma omp parallel num_threads(nthreads) if (B * T * nh > 1 && (size_t)B * T * nh * L * D >= 262144)
+    {
+        float* buf = malloc(sizeof(float) * ((size_t)L + 2 * (size_t)D));
+        if (!buf) {
+#pragma omp atomic write
+            fail = 1;
+        }
+#pragma omp for schedule(static)
+        for (int i = 0; i < B * T * nh; i++) {
+            if (!buf) continue;
+            int b = i / (T * nh), t = (i / nh) % T, h = i % nh, kvh = h / groups;
+            float* p = buf;
+            float* q = buf + L;
+            float* acc = q + D;
+            const float* row = qkv + ((size_t)b * T + t) * F;
+            rotary(row + (size_t)h * D, cos + ((size_t)b * T + t) * D, sin + ((size_t)b * T + t) * D, D, q);
+            const uint8_t* mrow = mask + ((size_t)b * T + t) * L;
+            const float* kh = kc + ((size_t)b * nkv + kvh) * L * D;
+            const float* vh = vc + ((size_t)b * nkv + kvh) * L * D;
+            float mx = -INFINITY;
+            for (int l = 0; l < L; l++) {
+                if (!mrow[l]) continue;
+                p[l] = dot(q, kh + (size_t)l * D, D) * scale;
+                mx = fmaxf(mx, p[l]);
+            }
+            float den = 0.0f;
+            for (int j = 0; j < D; j++) acc[j] = 0.0f;
+            for (int l = 0; l < L; l++) {
+                if (!mrow[l]) continue;
+                float e = expf(p[l] - mx);
+                den += e;
+                const float* vl = vh + (size_t)l * D;
+                for (int j = 0; j < D; j++) acc[j] += e * vl[j];
+            }
+            float* o = out + ((size_t)b * T + t) * nh * D + (size_t)h * D;
+            for (int j = 0; j < D; j++) o[j] = acc[j] / den;
+        }
+        free(buf);
+    }
+    return fail ? -1 : 0;
+}
+
+/* A quantized linear layer of the attention block: int4 (bits 4: packed, s, m, group) or int8 (bits 8: packed
+   holds the int8 weight, s its row scales). */
+typedef struct {
+    int bits, group, n;
+    const void* w;
+    const float* s;
+    const float* m;
+} mf_linear;
+
+static int run_linear(const mf_linear* l, const float* x, int T, int K, float* y, int nthreads) {
+    if (l->bits == 4) return mf_q4_linear(x, T, K, l->n, l->group, (const uint8_t*)l->w, l->s, l->m, y, nthreads);
+    return mf_q8_linear(x, T, K, l->n, (const int8_t*)l->w, l->s, y, nthreads);
+}
+
+/* A decoder layer's attention half in one call, for x fp32 [B, T, H] (the layer's input):
+   h = rmsnorm(x, w_in); qkv = h @ Wqkv.T; a = attention (mf_attn_step, writing the cache); o = a @ Wo.T;
+   x_out = x + o; h_out = rmsnorm(x_out, w_post) (the MoE block's input). Exactly the sequence of the
+   separate calls, so the same numbers. Returns 0, or -1 when out of memory. */
+int mf_attn_block(const float* x, int B, int T, int H, const float* w_in, const float* w_post, float eps,
+                  int qkv_bits, int qkv_group, const void* qkv_w, const float* qkv_s, const float* qkv_m,
+                  int o_bits, int o_group, const void* o_w, const float* o_s, const float* o_m,
+                  int nh, int nkv, int D, const float* cos, const float* sin, float* kc, float* vc, int L,
+                  const int64_t* pos, const uint8_t* mask, float scale, float* x_out, float* h_out,
+                  int nthreads) {
+    int BT = B * T, F = (nh + 2 * nkv) * D;
+    mf_linear qkv = {qkv_bits, qkv_group, F, qkv_w, qkv_s, qkv_m};
+    mf_linear o = {o_bits, o_group, H, o_w, o_s, o_m};
+    float* buf = malloc(sizeof(float) * ((size_t)BT * H * 2 + (size_t)BT * F + (size_t)BT * nh * D));
+    if (!buf) return -1;
+    float* h = buf;                            /* [BT, H] */
+    float* q = h + (size_t)BT * H;             /* [BT, F] */
+    float* a = q + (size_t)BT * F;             /* [BT, nh D] */
+    float* y = a + (size_t)BT * nh * D;        /* [BT, H] */
+    mf_rmsnorm(x, NULL, NULL, w_in, eps, BT, H, h);
+    int rc = run_linear(&qkv, h, BT, H, q, nthreads);
+    if (!rc) rc = mf_attn_step(q, B, T, nh, nkv, D, cos, sin, kc, vc, L, pos, mask, scale, a, nthreads);
+    if (!rc) rc = run_linear(&o, a, BT, nh * D, y, nthreads);
+    if (!rc) mf_rmsnorm(x, y, x_out, w_post, eps, BT, H, h_out);
+    free(buf);
+    return rc;
+}
+
+/* y fp32 [T, N] = x fp32 [T, K] @ w.T for a small fp32 matrix w [N, K] (a router: N = experts). */
+void mf_dense_f32(const float* x, int T, int K, int N, const float* w, float* y) {
+    for (int t = 0; t < T; t++)
+        for (int n = 0; n < N; n++) y[(size_t)t * N + n] = dot(x + (size_t)t * K, w + (size_t)n * K, K);
+}
+
+/* Softmax routing per token: probs = softmax(logits [T, E]) in fp32; ids int32 [T, k]: the k largest
+   probabilities, largest first (the lower expert index first among equals); weights fp32 [T, k] their
+   probabilities, divided by their sum when ``renorm``. */
+void mf_softmax_topk(const float* logits, int T, int E, int k, int renorm, float* probs, int32_t* ids,
+                     float* weights) {
+    for (int t = 0; t < T; t++) {
+        const float* l = logits + (size_t)t * E;
+        float* p = probs + (size_t)t * E;
+        float mx = -INFINITY, sum = 0.0f;
+        for (int e = 0; e < E; e++) mx = fmaxf(mx, l[e]);
+        for (int e = 0; e < E; e++) { p[e] = expf(l[e] - mx); sum += p[e]; }
+        for (int e = 0; e < E; e++) p[e] /= sum;
+        int32_t* it = ids + (size_t)t * k;
+        float* wt = weights + (size_t)t * k;
+        float total = 0.0f;
+        for (int j = 0; j < k; j++) {
+            int best = -1;
+            for (int e = 0; e < E; e++) {
+                int taken = 0;
+                for (int i = 0; i < j; i++) taken |= it[i] == e;
+                if (!taken && (best < 0 || p[e] > p[best])) best = e;
+            }
+            it[j] = best;
+            wt[j] = p[best];
+            total += p[best];
+        }
+        if (renorm)
+            for (int j = 0; j < k; j++) wt[j] /= total;
+    }
+}

@@ -1,0 +1,242 @@
+"""The glue of a CPU decode step as single calls into moeflow's CPU library (``cpu_step.c``, built with cpu_native.c).
+
+A decode step on the CPU reads ~140 MB of 4-bit weights in ~15 ms; what it used to spend beside that was ~190
+small torch ops per layer (RMSNorm's pow/mean/rsqrt/mul chain, rotary's slices and cats, the KV-cache
+``index_copy_``, SDPA's set-up), each a few microseconds of dispatch on one core. These ops do that glue in one
+call each, fp32 in and out:
+
+* :func:`rmsnorm`: ``w * (x / sqrt(mean(x^2) + eps))``, optionally after the residual add ``x + res``;
+* :func:`attention_step`: rotary on q and k, k/v written into the static cache, softmax attention of every
+  query head over the positions its mask allows, from the fused q/k/v projection's output.
+
+Numerics (the fp32 torch models below: :func:`rmsnorm_reference`, :func:`attention_step_reference`): the same
+formulas in fp32; the rotary and the residual add round exactly as torch's unfused ops (the cache gets the
+same keys), the norm's mean of squares is summed in double, the attention's dot products and softmax in fp32 in
+another order than SDPA's (relative differences ~1e-6).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import torch
+
+from moeflow.kernels.cpu_native import Q4Matrix, library
+from moeflow.kernels.cpu_quant_linear import CpuQuantLinear
+
+_DECLARED: set[int] = set()
+# tokens per sequence up to which the attention op runs (decode, short prompts); beyond, SDPA's blocked GEMMs
+# beat its loop over queries and positions
+NATIVE_ATTENTION_TOKENS = 16
+
+
+def _lib() -> ctypes.CDLL:
+    """The library with this section's functions declared (once per loaded library)."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("moeflow's CPU kernels are unavailable here (see moeflow.kernels.cpu_native)")
+    if id(lib) not in _DECLARED:
+        p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+        lib.mf_rmsnorm.argtypes = [p, p, p, p, f, i, i, p]
+        lib.mf_rmsnorm.restype = None
+        lib.mf_attn_step.argtypes = [p, i, i, i, i, i, p, p, p, p, i, p, p, f, p, i]
+        lib.mf_attn_step.restype = i
+        lib.mf_attn_block.argtypes = [p, i, i, i, p, p, f, i, i, p, p, p, i, i, p, p, p, i, i, i, p, p, p, p, i, p,
+                                      p, f, p, p, i]
+        lib.mf_attn_block.restype = i
+        lib.mf_dense_f32.argtypes = [p, i, i, i, p, p]
+        lib.mf_dense_f32.restype = None
+        lib.mf_softmax_topk.argtypes = [p, i, i, i, i, p, p, p]
+        lib.mf_softmax_topk.restype = None
+        _DECLARED.add(id(lib))
+    return lib
+
+
+def _check_fp32(name: str, t: torch.Tensor) -> None:
+    if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(f"{name}: expected a contiguous fp32 CPU tensor, got {t.dtype} {tuple(t.shape)} on "
+                         f"{t.device}{'' if t.is_contiguous() else ' (not contiguous)'}")
+
+
+def _check_attention_args(b: int, t: int, n_heads: int, n_kv: int, d: int, cos: torch.Tensor, sin: torch.Tensor,
+                          k_cache: torch.Tensor, v_cache: torch.Tensor, cache_position: torch.Tensor,
+                          mask: torch.Tensor) -> None:
+    for name, x in (("cos", cos), ("sin", sin), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_fp32(name, x)
+    length = k_cache.shape[2]
+    if tuple(k_cache.shape) != (b, n_kv, length, d) or v_cache.shape != k_cache.shape:
+        raise ValueError(f"k/v cache {tuple(k_cache.shape)} / {tuple(v_cache.shape)}: expected "
+                         f"[{b}, {n_kv}, L, {d}] for {n_heads} query heads of {d} features")
+    if tuple(cos.shape) != (b, t, d) or sin.shape != cos.shape:
+        raise ValueError(f"cos/sin {tuple(cos.shape)} / {tuple(sin.shape)}: expected [{b}, {t}, {d}]")
+    if mask.dtype != torch.bool or tuple(mask.shape) != (b, 1, t, length) or not mask.is_contiguous():
+        raise ValueError(f"mask: expected contiguous bool [{b}, 1, {t}, {length}], got {mask.dtype} "
+                         f"{tuple(mask.shape)}")
+    if cache_position.dtype != torch.int64 or cache_position.shape != (t,):
+        raise ValueError(f"cache_position: expected int64 [{t}], got {cache_position.dtype} "
+                         f"{tuple(cache_position.shape)}")
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+            residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x fp32 [..., H], weight fp32 [H] -> (normed fp32 [..., H], x + residual or None).
+
+    With ``residual`` [..., H] the sum ``x + residual`` is normalised (and returned: the residual stream)."""
+    _check_fp32("x", x)
+    _check_fp32("weight", weight)
+    h = x.shape[-1]
+    out = torch.empty_like(x)
+    total = None
+    if residual is not None:
+        _check_fp32("residual", residual)
+        if residual.shape != x.shape:
+            raise ValueError(f"residual has shape {tuple(residual.shape)}, x {tuple(x.shape)}")
+        total = torch.empty_like(x)
+    _lib().mf_rmsnorm(x.data_ptr(), None if residual is None else residual.data_ptr(),
+                      None if total is None else total.data_ptr(), weight.data_ptr(), eps, x.numel() // h, h,
+                      out.data_ptr())
+    return out, total
+
+
+def attention_step(qkv: torch.Tensor, n_heads: int, n_kv: int, cos: torch.Tensor, sin: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, cache_position: torch.Tensor,
+                   mask: torch.Tensor) -> torch.Tensor:
+    """One attention layer after its fused projection; writes this step's keys and values into the cache.
+
+    qkv fp32 [B, T, (n_heads + 2 n_kv) D] (q heads, k heads, v heads); cos, sin fp32 [B, T, D];
+    k_cache, v_cache fp32 [B, n_kv, L, D] (this layer's, contiguous); cache_position int64 [T];
+    mask bool [B, 1, T, L] -> fp32 [B, T, n_heads D] (heads concatenated, ready for o_proj)."""
+    b, t, features = qkv.shape
+    d = features // (n_heads + 2 * n_kv)
+    _check_fp32("qkv", qkv)
+    _check_attention_args(b, t, n_heads, n_kv, d, cos, sin, k_cache, v_cache, cache_position, mask)
+    out = torch.empty((b, t, n_heads * d), dtype=torch.float32)
+    rc = _lib().mf_attn_step(qkv.data_ptr(), b, t, n_heads, n_kv, d, cos.data_ptr(), sin.data_ptr(),
+                             k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[2], cache_position.data_ptr(),
+                             mask.data_ptr(), 1.0 / math.sqrt(d), out.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise MemoryError("attention_step: the CPU kernel could not allocate its score buffers")
+    return out
+
+
+def attention_block(x: torch.Tensor, norm_in: torch.Tensor, norm_post: torch.Tensor, eps: float,
+                    qkv: CpuQuantLinear, o: CpuQuantLinear, n_heads: int, n_kv: int, cos: torch.Tensor,
+                    sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_position: torch.Tensor,
+                    mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder layer's attention half in one call: x fp32 [B, T, H] -> (x + attn, rmsnorm(x + attn, norm_post)),
+    where attn = o(attention_step(qkv(rmsnorm(x, norm_in)))), each fp32 [B, T, H]; writes this step's keys
+    and values into the cache. ``qkv``, ``o``: native int4/int8 :class:`CpuQuantLinear` without bias; the other
+    arguments as :func:`rmsnorm` and :func:`attention_step`. The same kernels in the same order as those calls."""
+    b, t, h = x.shape
+    _check_fp32("x", x)
+    _check_attention_args(b, t, n_heads, n_kv, qkv.out_features // (n_heads + 2 * n_kv), cos, sin, k_cache,
+                          v_cache, cache_position, mask)
+    x_out, h_out = torch.empty_like(x), torch.empty_like(x)
+    rc = _lib().mf_attn_block(x.data_ptr(), b, t, h, norm_in.data_ptr(), norm_post.data_ptr(), eps,
+                              *_linear_args(qkv), *_linear_args(o), n_heads, n_kv, k_cache.shape[3],
+                              cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                              k_cache.shape[2], cache_position.data_ptr(), mask.data_ptr(),
+                              1.0 / math.sqrt(k_cache.shape[3]), x_out.data_ptr(), h_out.data_ptr(),
+                              torch.get_num_threads())
+    if rc:
+        raise MemoryError("attention_block: the CPU kernel could not allocate its buffers")
+    return x_out, h_out
+
+
+def experts_step(x: torch.Tensor, experts: list[tuple[Q4Matrix, Q4Matrix]], weights: torch.Tensor) -> torch.Tensor:
+    """One token through its k experts, summed in k order: x fp32 [1, H], experts [(w13 [2I, H], w2 [H, I])] * k,
+    weights fp32 [1, k] -> fp32 [1, H]. The same kernel calls and order as k :func:`q4_expert` calls that
+    accumulate into one output (so the same numbers), without the per-call tensor set-up of that wrapper."""
+    _check_fp32("x", x)
+    _check_fp32("weights", weights)
+    if weights.shape != (1, len(experts)) or x.shape[0] != 1:
+        raise ValueError(f"experts_step takes one token: x {tuple(x.shape)}, weights {tuple(weights.shape)} for "
+                         f"{len(experts)} experts")
+    out = torch.empty_like(x)
+    lib, threads = library(), torch.get_num_threads()
+    for j, (w13, w2) in enumerate(experts):
+        rc = lib.mf_q4_expert(x.data_ptr(), 1, w2.packed.shape[0], w2.packed.shape[1] * 2, w13.group_size,
+                              w13.packed.data_ptr(), w13.scales.data_ptr(), w13.mins.data_ptr(), w2.packed.data_ptr(),
+                              w2.scales.data_ptr(), w2.mins.data_ptr(), weights.data_ptr() + 4 * j, out.data_ptr(),
+                              int(j > 0), threads)
+        if rc:
+            raise MemoryError("experts_step: the CPU kernel could not allocate its activation buffers")
+    return out
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x fp32 [T, H] @ weight fp32 [E, H].T -> fp32 [T, E] (a router's logits: a few dot products, no BLAS call)."""
+    _check_fp32("x", x)
+    _check_fp32("weight", weight)
+    if x.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"router_logits: x {tuple(x.shape)} for a weight {tuple(weight.shape)}")
+    y = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
+    _lib().mf_dense_f32(x.data_ptr(), x.shape[0], x.shape[1], weight.shape[0], weight.data_ptr(), y.data_ptr())
+    return y
+
+
+def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool = True
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`moeflow.moe.routing.softmax_topk` in one call: logits fp32 [T, E] -> (probs fp32 [T, E],
+    ids int32 [T, k] (largest first, the lower index first among equals), weights fp32 [T, k])."""
+    _check_fp32("logits", logits)
+    t, e = logits.shape
+    probs = torch.empty_like(logits)
+    ids = torch.empty((t, top_k), dtype=torch.int32)
+    weights = torch.empty((t, top_k), dtype=torch.float32)
+    _lib().mf_softmax_topk(logits.data_ptr(), t, e, top_k, int(renormalize), probs.data_ptr(), ids.data_ptr(),
+                           weights.data_ptr())
+    return probs, ids, weights
+
+
+def block_linear_ok(layer: torch.nn.Module) -> bool:
+    """Whether :func:`attention_block` takes ``layer`` as its qkv or o projection."""
+    return isinstance(layer, CpuQuantLinear) and layer.native and layer.bias is None and layer.bits in (4, 8)
+
+
+def _linear_args(layer: CpuQuantLinear) -> tuple:
+    if layer.bits == 4:
+        return 4, layer.group_size, layer.packed.data_ptr(), layer.scales.data_ptr(), layer.mins.data_ptr()
+    return 8, 0, layer.int8_weight.data_ptr(), layer.int8_scales.data_ptr(), None
+
+
+# ---- plain-torch fp32 models of the ops above ----
+
+def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                      residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fp32 model of :func:`rmsnorm`."""
+    total = None if residual is None else x + residual
+    h = x if total is None else total
+    h = h * torch.rsqrt(h.double().pow(2).mean(-1, keepdim=True).float() + eps)
+    return weight * h, total
+
+
+def attention_step_reference(qkv: torch.Tensor, n_heads: int, n_kv: int, cos: torch.Tensor, sin: torch.Tensor,
+                             k_cache: torch.Tensor, v_cache: torch.Tensor, cache_position: torch.Tensor,
+                             mask: torch.Tensor) -> torch.Tensor:
+    """fp32 model of :func:`attention_step` (same arguments; writes the caches the same way)."""
+    b, t, features = qkv.shape
+    d = features // (n_heads + 2 * n_kv)
+    q, k, v = qkv.view(b, t, n_heads + 2 * n_kv, d).transpose(1, 2).split([n_heads, n_kv, n_kv], dim=1)
+
+    def rotary(x: torch.Tensor) -> torch.Tensor:
+        rot = torch.cat((-x[..., d // 2:], x[..., :d // 2]), dim=-1)
+        return x * cos[:, None] + rot * sin[:, None]
+
+    q, k = rotary(q), rotary(k)
+    k_cache.index_copy_(2, cache_position, k)
+    v_cache.index_copy_(2, cache_position, v)
+    groups = n_heads // n_kv
+    keys, values = k_cache.repeat_interleave(groups, 1), v_cache.repeat_interleave(groups, 1)
+    scores = (q @ keys.transpose(-1, -2)) / math.sqrt(d)
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return (probs @ values).transpose(1, 2).reshape(b, t, n_heads * d)
+
+
+def softmax_topk_reference(logits: torch.Tensor, top_k: int, renormalize: bool = True
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 model of :func:`softmax_topk` (and :func:`router_logits` is ``x @ weight.T``)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    return probs, ids.to(torch.int32), weights / weights.sum(-1, keepdim=True) if renormalize else weights

@@ -1,0 +1,271 @@
+"""The lean CPU decode step (issue 21, engine/cpu_step.py): fused q/k/v, one-call RMSNorm (+ residual add) and
+one-call rotary + KV-cache write + attention, each against its fp32 torch model, and the fused model against the
+unfused one (the same weights and kernels, only the glue differs).
+
+Tolerances: the ops match their fp32 models to ~1e-6 relative (RMSNorm_RTOL, ATTN_RTOL; the rotary keys written
+into the cache exactly); whole models: logits within STEP_RTOL (relative norm) of the unfused step, and the
+same greedy tokens. Measured 1.4e-4 on the embedded model: the kernels round activations to int8 per 32 features,
+so a 1e-7 difference that moves one value across a rounding boundary changes it by a whole int8 step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import make_tiny_checkpoint
+
+import moeflow.engine.build as build
+from moeflow import MoEOffloadedMixtral
+from moeflow.cli import embedded_model_path
+from moeflow.engine.cpu_step import fuse_qkv, set_cpu_step_fused
+from moeflow.engine.kv_cache import StaticKVCache, attention_mask
+from moeflow.engine.loading import non_expert_bytes
+from moeflow.families.layers import Attention, RMSNorm, RotaryEmbedding, apply_rotary
+from moeflow.kernels.cpu_native import Q4Matrix, native_available, q4_expert, q4_expert_reference, q4_reference
+from moeflow.kernels.cpu_quant_linear import CpuQuantLinear, quantize_linear_cpu
+from moeflow.kernels.cpu_step_ops import (
+    attention_block,
+    attention_step,
+    attention_step_reference,
+    experts_step,
+    rmsnorm,
+    rmsnorm_reference,
+    router_logits,
+    softmax_topk,
+    softmax_topk_reference,
+)
+from moeflow.quant.convert import quantize_checkpoint
+
+pytestmark = pytest.mark.skipif(not native_available(), reason="moeflow's CPU kernels cannot be built here")
+
+NORM_RTOL = 1e-6
+ATTN_RTOL = 1e-5
+STEP_RTOL = 1e-3
+PROMPT = "The \"with\" statement is used to wrap the execution"
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).detach().norm() / b.detach().norm())
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def test_rmsnorm_matches_its_reference_and_the_torch_norm():
+    x = torch.randn(3, 5, 64, generator=_gen(0)) * 3
+    res = torch.randn(3, 5, 64, generator=_gen(1))
+    w = torch.randn(64, generator=_gen(2))
+    out, total = rmsnorm(x, w, 1e-5)
+    assert total is None and rel(out, rmsnorm_reference(x, w, 1e-5)[0]) < NORM_RTOL
+    out, total = rmsnorm(x, w, 1e-5, residual=res)
+    ref_out, ref_total = rmsnorm_reference(x, w, 1e-5, residual=res)
+    assert torch.equal(total, ref_total)  # the residual add rounds as torch's
+    assert rel(out, ref_out) < NORM_RTOL
+    norm = RMSNorm(64, 1e-5, torch.float32)
+    norm.weight.data.copy_(w)
+    plain_total, plain = norm(x, residual=res)
+    norm.native = True
+    fused_total, fused = norm(x, residual=res)
+    assert torch.equal(fused_total, plain_total) and rel(fused, plain) < NORM_RTOL
+    assert rel(norm(x), rmsnorm_reference(x, w, 1e-5)[0]) < NORM_RTOL
+    with pytest.raises(ValueError, match="x: expected a contiguous fp32"):
+        rmsnorm(x.double(), w, 1e-5)
+
+
+@pytest.mark.parametrize("batch,steps,heads,kv_heads", [(1, 1, 4, 2), (2, 3, 4, 4), (2, 1, 8, 2)])
+def test_attention_step_matches_its_reference_and_sdpa(batch, steps, heads, kv_heads):
+    d, length, start = 16, 12, 5
+    g = _gen(batch * 100 + steps * 10 + heads)
+    qkv = torch.randn(batch, steps, (heads + 2 * kv_heads) * d, generator=g)
+    cos, sin = RotaryEmbedding(d, 1e4)(torch.arange(start, start + steps).expand(batch, steps), torch.float32)
+    pos = torch.arange(start, start + steps)
+    valid = torch.ones(batch, length, dtype=torch.bool)
+    valid[0, :2] = False  # a left-padded row
+    valid[:, start + steps:] = False
+    mask = attention_mask(valid, pos, None)
+    k0 = torch.randn(batch, kv_heads, length, d, generator=g)
+    v0 = torch.randn(batch, kv_heads, length, d, generator=g)
+    kc, vc, kr, vr = k0.clone(), v0.clone(), k0.clone(), v0.clone()
+    out = attention_step(qkv, heads, kv_heads, cos.contiguous(), sin.contiguous(), kc, vc, pos, mask)
+    ref = attention_step_reference(qkv, heads, kv_heads, cos, sin, kr, vr, pos, mask)
+    assert torch.equal(kc, kr) and torch.equal(vc, vr)  # the same rotated keys and values in the cache
+    assert rel(out, ref) < ATTN_RTOL
+    # and the Attention module's own torch path (rotary, index_copy_, SDPA with GQA)
+    q, k, v = qkv.view(batch, steps, heads + 2 * kv_heads, d).transpose(1, 2).split([heads, kv_heads, kv_heads], 1)
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    ks, vs = k0.clone(), v0.clone()
+    ks.index_copy_(2, pos, k)
+    vs.index_copy_(2, pos, v)
+    sdpa = F.scaled_dot_product_attention(q, ks.repeat_interleave(heads // kv_heads, 1),
+                                          vs.repeat_interleave(heads // kv_heads, 1), attn_mask=mask)
+    assert rel(out, sdpa.transpose(1, 2).reshape(batch, steps, heads * d)) < ATTN_RTOL
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_attention_block_is_the_separate_calls(bits):
+    b, t, h, heads, kv_heads, d, length = 2, 3, 64, 4, 2, 16, 9
+    g = _gen(bits)
+    qkv = quantize_linear_cpu(torch.randn((heads + 2 * kv_heads) * d, h, generator=g) * 0.2, bits, group_size=32)
+    o = quantize_linear_cpu(torch.randn(h, heads * d, generator=g) * 0.2, bits, group_size=32)
+    x = torch.randn(b, t, h, generator=g)
+    w_in, w_post = torch.rand(h, generator=g) + 0.5, torch.rand(h, generator=g) + 0.5
+    pos = torch.arange(2, 2 + t)
+    cos, sin = RotaryEmbedding(d, 1e4)(pos.expand(b, t), torch.float32)
+    valid = torch.zeros(b, length, dtype=torch.bool)
+    valid[:, :2 + t] = True
+    valid[1, 0] = False
+    mask = attention_mask(valid, pos, None)
+    caches = [torch.randn(b, kv_heads, length, d, generator=g) for _ in range(2)]
+    k1, v1, k2, v2 = (c.clone() for c in caches + caches)
+    x_out, h_out = attention_block(x, w_in, w_post, 1e-5, qkv, o, heads, kv_heads, cos, sin, k1, v1, pos, mask)
+    normed, _ = rmsnorm(x, w_in, 1e-5)
+    a = attention_step(qkv(normed), heads, kv_heads, cos, sin, k2, v2, pos, mask)
+    after, total = rmsnorm(x, w_post, 1e-5, residual=o(a))
+    assert torch.equal(x_out, total) and torch.equal(h_out, after) and torch.equal(k1, k2) and torch.equal(v1, v2)
+    # and the plain-torch fp32 model of each step
+    w_qkv = qkv.dequantized() if bits == 8 else Q4Matrix(qkv.packed, qkv.scales, qkv.mins, 32).dequantized()
+    w_o = o.dequantized() if bits == 8 else Q4Matrix(o.packed, o.scales, o.mins, 32).dequantized()
+    k3, v3 = (c.clone() for c in caches)
+    ref_a = attention_step_reference(q4_reference(rmsnorm_reference(x, w_in, 1e-5)[0], w_qkv), heads, kv_heads,
+                                     cos, sin, k3, v3, pos, mask)
+    ref_h, ref_total = rmsnorm_reference(x, w_post, 1e-5, residual=q4_reference(ref_a, w_o))
+    # int8 activation rounding turns ~1e-7 differences into whole int8 steps at a few elements
+    assert rel(x_out, ref_total) < 1e-3 and rel(h_out, ref_h) < 1e-3
+
+
+def test_experts_step_is_the_accumulating_expert_calls():
+    g = _gen(11)
+    hidden, inter = 64, 96
+
+    def matrix(n, k):
+        return quantize_linear_cpu(torch.randn(n, k, generator=g) * 0.1, 4, group_size=32)
+
+    experts = []
+    for _ in range(3):
+        w13, w2 = matrix(2 * inter, hidden), matrix(hidden, inter)
+        experts.append(tuple(Q4Matrix(m.packed, m.scales, m.mins, 32) for m in (w13, w2)))
+    x = torch.randn(1, hidden, generator=g)
+    weights = torch.softmax(torch.randn(1, 3, generator=g), -1)
+    out = None
+    for j, (w13, w2) in enumerate(experts):
+        out = q4_expert(x, w13, w2, weights[:, j], out)
+    assert torch.equal(experts_step(x, experts, weights), out)
+    ref = sum(q4_expert_reference(x, w13.dequantized(), w2.dequantized(), weights[:, j])
+              for j, (w13, w2) in enumerate(experts))
+    assert rel(out, ref) < 1e-3
+
+
+def test_router_ops_match_their_references():
+    g = _gen(13)
+    x, w = torch.randn(5, 64, generator=g), torch.randn(8, 64, generator=g)
+    logits = router_logits(x, w)
+    assert rel(logits, x @ w.T) < NORM_RTOL
+    for renormalize in (True, False):
+        probs, ids, weights = softmax_topk(logits, 2, renormalize)
+        ref_probs, ref_ids, ref_weights = softmax_topk_reference(logits, 2, renormalize)
+        assert ids.dtype == torch.int32 and torch.equal(ids, ref_ids)
+        assert rel(probs, ref_probs) < NORM_RTOL and rel(weights, ref_weights) < NORM_RTOL
+    tie = torch.zeros(1, 4)  # equal probabilities: the lower expert index first
+    assert softmax_topk(tie, 2)[1].tolist() == [[0, 1]]
+
+
+def test_attention_step_rejects_a_wrong_cache():
+    qkv = torch.randn(1, 1, 8 * 16)
+    cos = sin = torch.ones(1, 1, 16)
+    cache = torch.zeros(1, 3, 8, 16)  # 3 kv heads for qkv's 2 + 2 * 3 = 8 heads: the shapes disagree
+    with pytest.raises(ValueError, match="k/v cache"):
+        attention_step(qkv, 4, 2, cos, sin, cache, cache.clone(), torch.tensor([0]),
+                       torch.ones(1, 1, 1, 8, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("bits", [None, 8, 4])
+def test_fused_qkv_is_the_three_projections_with_their_memory_shared(bits):
+    g = _gen(7)
+    weights = [torch.randn(n, 64, generator=g) for n in (64, 32, 32)]
+    if bits is None:
+        projections = []
+        for w in weights:
+            p = torch.nn.Linear(64, w.shape[0], bias=False)
+            p.weight.data.copy_(w)
+            projections.append(p)
+    else:
+        projections = [quantize_linear_cpu(w, bits=bits, group_size=32) for w in weights]
+    module = torch.nn.Module()
+    for name, p in zip(("q", "k", "v"), projections, strict=True):
+        setattr(module, name, p)
+    x = torch.randn(3, 64, generator=g)
+    separate = torch.cat([p(x) for p in projections], -1)
+    before = non_expert_bytes(module)
+    fused = fuse_qkv(projections)
+    module.qkv = fused
+    assert isinstance(fused, torch.nn.Linear if bits is None else CpuQuantLinear)
+    assert torch.equal(fused(x), separate)  # per output row the same computation
+    assert torch.equal(torch.cat([p(x) for p in projections], -1), separate)  # the views still compute the same
+    assert non_expert_bytes(module) == before  # the rows are held once
+
+
+def _unfused(path, **kw) -> MoEOffloadedMixtral:
+    """The model as built before the CPU step was fused (fuse_cpu_step not called at all)."""
+    orig = build.fuse_cpu_step
+    build.fuse_cpu_step = lambda decoder, dtype: {"attention": 0, "norm": 0}
+    try:
+        return MoEOffloadedMixtral.from_pretrained(path, **kw)
+    finally:
+        build.fuse_cpu_step = orig
+
+
+def _check_same_model(path, ids, new_tokens=24, **kw):
+    fused, plain = MoEOffloadedMixtral.from_pretrained(path, **kw), _unfused(path, **kw)
+    attn = fused.model.layers[0].self_attn
+    assert isinstance(attn, Attention) and attn.qkv_proj is not None and attn.fused_step
+    assert fused.model.layers[0].input_layernorm.native and not plain.model.layers[0].input_layernorm.native
+    assert plain.model.layers[0].self_attn.qkv_proj is None
+    quantized = isinstance(attn.q_proj, CpuQuantLinear)  # then the whole attention half is one call
+    assert (fused.model.layers[0].attention_half is not None) == quantized
+    with torch.inference_mode():
+        out = fused.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=[])
+        assert torch.equal(out, plain.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=[]))
+        # the whole sequence teacher-forced (prefill), then the decode steps' logits through generate's scores
+        assert rel(fused(out).logits, plain(out).logits) < STEP_RTOL
+    return fused, plain
+
+
+@pytest.mark.parametrize("attention_bits", [None, 8, 4])
+def test_fused_step_gives_the_unfused_logits_and_tokens_on_the_embedded_model(attention_bits):
+    path = embedded_model_path()
+    tok = MoEOffloadedMixtral.from_pretrained(path, kernels="torch").tokenizer
+    ids = torch.tensor([tok.encode(PROMPT)])
+    _check_same_model(path, ids, attention_bits=attention_bits)
+
+
+def test_fused_step_on_an_awq_attention_checkpoint_with_padding(tmp_path):
+    src = make_tiny_checkpoint(tmp_path / "fp32", seed=5, hidden_size=128, intermediate_size=128,
+                               num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2)
+    awq = quantize_checkpoint(src, tmp_path / "awq", group_size=32, quantize_attention=True, progress=False)
+    ids = torch.randint(3, 97, (2, 7), generator=_gen(1))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding: the mask reaches the attention op
+    fused, plain = _check_same_model(awq, ids)
+    assert fused.model.layers[0].self_attn.qkv_proj.bits == 4
+    with torch.inference_mode():
+        a = fused.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=[])
+        b = plain.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=[])
+    assert torch.equal(a, b)
+    # switched off, the fused model runs the unfused step (q/k/v as views of the fused rows): the same logits
+    with torch.inference_mode():
+        on = fused(ids, attention_mask=mask).logits
+        set_cpu_step_fused(fused.model, False)
+        assert not fused.model.layers[0].self_attn.fused_step and not fused.model.layers[0].block_sparse_moe.gate.native
+        assert torch.equal(fused(ids, attention_mask=mask).logits, plain(ids, attention_mask=mask).logits)
+        set_cpu_step_fused(fused.model, True)
+        assert torch.equal(fused(ids, attention_mask=mask).logits, on)
+
+
+def test_cache_layer_views_are_the_cache():
+    cache = StaticKVCache(3, 2, 8, 2, 4, torch.float32, "cpu")
+    k, v = cache.layer_kv[1]
+    k.fill_(1.0)
+    v.fill_(2.0)
+    assert cache.k[1].eq(1).all() and cache.v[1].eq(2).all() and cache.k[0].eq(0).all()
