@@ -28,6 +28,7 @@ from moeflow.kernels.cpu_step_ops import (
     attention_block,
     attention_step,
     attention_step_reference,
+    expert_row,
     experts_step,
     rmsnorm,
     rmsnorm_reference,
@@ -155,6 +156,26 @@ def test_experts_step_is_the_accumulating_expert_calls():
     ref = sum(q4_expert_reference(x, w13.dequantized(), w2.dequantized(), weights[:, j])
               for j, (w13, w2) in enumerate(experts))
     assert rel(out, ref) < 1e-3
+
+
+def test_expert_row_writes_the_weighted_expert_output_into_its_row():
+    g = _gen(12)
+    hidden, inter = 64, 96
+
+    def matrix(n, k):
+        m = quantize_linear_cpu(torch.randn(n, k, generator=g) * 0.1, 4, group_size=32)
+        return Q4Matrix(m.packed, m.scales, m.mins, 32)
+
+    experts = [(matrix(2 * inter, hidden), matrix(hidden, inter)) for _ in range(3)]
+    x = torch.randn(1, hidden, generator=g)
+    weights = torch.softmax(torch.randn(3, generator=g), -1)
+    out = torch.full((3, hidden), float("nan"))
+    for j in (2, 0, 1):  # any order: each call writes its own row only
+        expert_row(x, *experts[j], weights, j, out)
+    for j, (w13, w2) in enumerate(experts):
+        assert torch.equal(out[j:j + 1], q4_expert(x, w13, w2, weights[j:j + 1]))
+    with pytest.raises(ValueError, match="row 3"):
+        expert_row(x, *experts[0], weights, 3, out)
 
 
 def test_router_ops_match_their_references():

@@ -165,6 +165,26 @@ def experts_step(x: torch.Tensor, experts: list[tuple[Q4Matrix, Q4Matrix]], weig
     return out
 
 
+def expert_row(x: torch.Tensor, w13: Q4Matrix, w2: Q4Matrix, weights: torch.Tensor, j: int,
+               out: torch.Tensor) -> None:
+    """One token through one expert into row ``j`` of ``out``: x fp32 [1, H], weights fp32 [k] (contiguous; row j
+    is weighted by weights[j]), out fp32 [rows, H] (contiguous). The numbers of ``q4_expert(x, w13, w2,
+    weights[j:j+1])``, without its tensor set-up or the copy into ``out`` (an offloaded layer's decode rows)."""
+    _check_fp32("x", x)
+    _check_fp32("out", out)
+    if x.shape[0] != 1 or not (0 <= j < out.shape[0]) or weights.dtype != torch.float32 \
+            or not weights.is_contiguous() or j >= weights.numel():
+        raise ValueError(f"expert_row: x {tuple(x.shape)}, weights {weights.dtype} {tuple(weights.shape)}, "
+                         f"row {j} of out {tuple(out.shape)}")
+    h = w2.packed.shape[0]
+    rc = _lib().mf_q4_expert(x.data_ptr(), 1, h, w2.packed.shape[1] * 2, w13.group_size, w13.packed.data_ptr(),
+                             w13.scales.data_ptr(), w13.mins.data_ptr(), w2.packed.data_ptr(), w2.scales.data_ptr(),
+                             w2.mins.data_ptr(), weights.data_ptr() + 4 * j, out.data_ptr() + 4 * h * j, 0,
+                             torch.get_num_threads())
+    if rc:
+        raise MemoryError("expert_row: the CPU kernel could not allocate its activation buffers")
+
+
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x fp32 [T, H] @ weight fp32 [E, H].T -> fp32 [T, E] (a router's logits: a few dot products, no BLAS call)."""
     _check_fp32("x", x)

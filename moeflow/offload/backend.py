@@ -176,13 +176,16 @@ class OffloadedExperts(ExpertBackend):
     def forward_logits(self, layer, x, router_logits, route, kernel_routing, want_ids):
         """On the Triton path a plain softmax top-k is routed by the resident backend's fused plan kernel, so
         it is routed here by the same kernel (one launch; bitwise the resident routing); probs only for a predictor."""
+        # forward's body without its compile-disabled wrapper (a cost per call) when not compiling
+        run = self.forward if torch.compiler.is_compiling() else self._forward
         if kernel_routing is None or self.kernels_backend not in ("triton", "auto") \
                 or kernels.resolve_backend(self.kernels_backend, x.device) != "triton":
-            return super().forward_logits(layer, x, router_logits, route, kernel_routing, want_ids)
+            probs, ids, weights = route(router_logits)
+            return run(layer, x, probs, ids, weights), ids if want_ids else None
         ids, weights = kernels.route(router_logits, kernel_routing.top_k, "triton",
                                      renormalize=kernel_routing.renormalize)
         probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32) if self.predictor is not None else None
-        return self.forward(layer, x, probs, ids, weights), ids if want_ids else None
+        return run(layer, x, probs, ids, weights), ids if want_ids else None
 
     @torch.compiler.disable  # the host-side scheduler: the one graph break per MoE layer under torch.compile
     def forward(
@@ -194,6 +197,10 @@ class OffloadedExperts(ExpertBackend):
         topk_weights: torch.Tensor,
     ) -> torch.Tensor:
         """x [T, H], probs fp32 [T, E], topk_ids int32 [T, k], topk_weights fp32 [T, k] -> [T, H]."""
+        return self._forward(layer, x, probs, topk_ids, topk_weights)
+
+    def _forward(self, layer: int, x: torch.Tensor, probs: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor) -> torch.Tensor:
         if self.stats.phase != self._phase:
             self._phase = self.stats.phase
             self.cache.policy.on_phase(self._phase)

@@ -32,6 +32,7 @@ import torch
 
 from moeflow.kernels import reference
 from moeflow.kernels.cpu_int4 import Int4Expert
+from moeflow.kernels.cpu_step_ops import expert_row
 from moeflow.kernels.pool import ALIGN, ExpertFormat, ExpertPool, TensorSpec
 
 
@@ -134,9 +135,15 @@ class SlotInt4Forms:
         flat_w = topk_weights.reshape(-1).float()
         if topk_ids.shape[0] == 1:  # decode: an expert's one pair is its position among the token's k
             position = {e: j for j, e in enumerate(topk_ids[0].tolist())}
+            # fp32 rows on moeflow's kernels: each weighted row written straight into out (the same numbers)
+            direct = x.dtype == torch.float32 and out.dtype == torch.float32 and x.is_contiguous() \
+                and out.is_contiguous() and flat_w.is_contiguous()
             for e, slot in zip(experts, slots, strict=True):
-                j = position[e]
-                out[j:j + 1] = self.forms[slot].forward(x, flat_w[j:j + 1])
+                j, form = position[e], self.forms[slot]
+                if direct and form.native:
+                    expert_row(x, form.w13, form.w2, flat_w, j, out)
+                else:
+                    out[j:j + 1] = form.forward(x, flat_w[j:j + 1])
             return
         flat_ids = topk_ids.reshape(-1)
         for e, slot in zip(experts, slots, strict=True):
