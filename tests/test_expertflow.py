@@ -107,6 +107,23 @@ def test_predict_paths_or_of_tokens_and_checks(predictor_file):
         pred.predict_paths(torch.full((1, 3), 10_000))
 
 
+def test_decode_scores_read_and_check_only_the_window(predictor_file):
+    """A decode step encodes the last ``window`` tokens only, so only those are checked: its cost stays flat as
+    the context grows, and a token outside the window changes nothing."""
+    pred = load_predictor(predictor_file)
+    ctx = torch.randint(3, 97, (pred.window + 5,), generator=torch.Generator().manual_seed(1))
+    scores = pred.token_scores(ctx, 1)
+    far = ctx.clone()
+    far[0] = 10_000  # outside the window: never read
+    assert torch.equal(pred.token_scores(far, 1), scores)
+    near = ctx.clone()
+    near[-1] = 10_000
+    with pytest.raises(PredictorError, match="vocabulary"):
+        pred.token_scores(near, 1)
+    with pytest.raises(PredictorError, match="vocabulary"):
+        pred.token_scores(near, 3)
+
+
 def test_cli_train_and_eval(trace, tmp_path, capsys):
     from moeflow.cli.predictors import main
 

@@ -134,12 +134,15 @@ class ExpertFlowPredictor(ExpertPredictor):
         the ``new`` tokens in consecutive windows, each token seeing its whole window.
         """
         context = context.reshape(-1).long()
-        self._check_ids(context)
         if new < 1 or new > context.numel():
             raise PredictorError(f"expertflow: {new} new tokens in a context of {context.numel()}")
+        # only the tokens the encoder reads are checked: a decode step's cost stays flat as the context grows
         if new == 1:
-            return self._run([context[-self.window:]])[0][-1:]
+            window = context[-self.window:]
+            self._check_ids(window)
+            return self._run([window])[0][-1:]
         toks = context[-new:]
+        self._check_ids(toks)
         windows = [toks[i : i + self.window] for i in range(0, new, self.window)]
         return torch.cat(self._run(windows))
 
