@@ -120,7 +120,7 @@ def _free(model: MoEOffloadedMixtral) -> None:
     if was_pinned and not host.pinned:
         # the backend from_pretrained built owns the store and unregisters its pages on close: register them
         # again, else every later backend copies from pageable memory (half the bandwidth, no overlap)
-        host._pin()
+        host.pin()
     model.use_backend(None)
     del backend
     gc.collect()

@@ -134,7 +134,7 @@ def test_freeing_the_loaders_backend_keeps_the_shared_host_store_pinned():
     def pin():
         host.pinned, host.pins = True, host.pins + 1
 
-    host._pin = pin
+    host.pin = pin
     owner = SimpleNamespace(host=host, close=lambda: setattr(host, "pinned", False))
     sharer = SimpleNamespace(host=host, close=lambda: None)  # owns_host=False: leaves the store alone
     model = SimpleNamespace(experts=owner, device=torch.device("cpu"), use_backend=lambda b: None)

@@ -163,6 +163,8 @@ def test_host_store_pins_exact_size_with_cuda_host_register(monkeypatch):
     assert fake.registered == [(store.buffer.data_ptr(), 6 * DENSE.nbytes, 1)]  # exact size, one buffer
     store.close()
     assert fake.unregistered == [store.buffer.data_ptr()] and not store.pinned
+    assert store.pin() and store.pin()  # pinned again for a next owner; a second call registers nothing
+    assert fake.registered == [(store.buffer.data_ptr(), 6 * DENSE.nbytes, 1)] * 2
 
 
 @pytest.mark.parametrize("result", [2, RuntimeError("no CUDA")])

@@ -66,6 +66,14 @@ class HostStore:
     def stage_all(self, layer: int, experts) -> None:
         """Start reading a layer's misses into host memory: nothing to read here."""
 
+    def pin(self) -> bool:
+        """Register the buffer's pages with CUDA (page-locked: copies at full bandwidth, overlapping compute);
+        a no-op when already pinned. Returns whether it is pinned (a failure warns and leaves it pageable).
+        For a store that outlives the backend that closed (unregistered) it and is handed to another one."""
+        if self._registered_ptr is None:
+            self._pin()
+        return self.pinned
+
     def _pin(self) -> None:
         ptr, size = self.buffer.data_ptr(), self.buffer.numel()
         try:
