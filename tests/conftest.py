@@ -22,3 +22,9 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def calibration_cache(tmp_path, monkeypatch):
+    """The hybrid cost model's calibration cache in the test's own folder: never the user's cache."""
+    monkeypatch.setenv("MOEFLOW_CACHE_DIR", str(tmp_path / "cache"))

@@ -33,9 +33,7 @@ EXACT_POLICIES = ("ondemand", "lru", "lfu", "static", "mixtral-offloading", "duo
 READERS = 2
 
 
-@pytest.fixture(autouse=True)
-def calibration_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("MOEFLOW_CACHE_DIR", str(tmp_path / "cache"))  # hybrid rates: never the user's cache
+pytestmark = pytest.mark.usefixtures("calibration_cache")
 
 
 def host_budget_gb(path: Path, rows: int, dtype=torch.float32) -> float:

@@ -19,7 +19,8 @@ from moeflow import MoEOffloadedMixtral
 from moeflow.kernels.cpu_int4 import int4_cpu_available
 from moeflow.quant.convert import quantize_checkpoint
 
-pytestmark = pytest.mark.skipif(not int4_cpu_available(), reason="this torch build has no int4 CPU kernels")
+pytestmark = [pytest.mark.skipif(not int4_cpu_available(), reason="this torch build has no int4 CPU kernels"),
+              pytest.mark.usefixtures("calibration_cache")]
 
 LAYERS, EXPERTS, TOP_K = 2, 4, 2
 NEW_TOKENS = 12
@@ -36,11 +37,6 @@ def tiny(tmp_path_factory):
     ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(0))
     expected, logits = resident_reference(awq, ids, NEW_TOKENS, MIN_MARGIN, MoEOffloadedMixtral.from_pretrained)
     return awq, ids, expected, logits
-
-
-@pytest.fixture(autouse=True)
-def calibration_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("MOEFLOW_CACHE_DIR", str(tmp_path / "cache"))  # never the user's cache
 
 
 def _check(tiny, **config):

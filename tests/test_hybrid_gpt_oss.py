@@ -24,7 +24,8 @@ from moeflow.kernels.mxfp4_reference import dequantize_mxfp4, quantize_mxfp4
 from moeflow.offload.hybrid import resolve_cpu_compute
 from moeflow.offload.policies import POLICY_TABLE
 
-pytestmark = pytest.mark.skipif(not int4_cpu_available(), reason="this torch build has no int4 CPU kernels")
+pytestmark = [pytest.mark.skipif(not int4_cpu_available(), reason="this torch build has no int4 CPU kernels"),
+              pytest.mark.usefixtures("calibration_cache")]
 
 BF16_MATMUL_RTOL = 1e-2  # one bf16 rounding of activations and of the output (~2**-8 each)
 MIN_MARGIN = 0.06
@@ -103,11 +104,6 @@ def tiny(tmp_path_factory):
     ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(0))
     expected, logits = resident_reference(path, ids, NEW_TOKENS, MIN_MARGIN)
     return path, ids, expected, logits
-
-
-@pytest.fixture(autouse=True)
-def calibration_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("MOEFLOW_CACHE_DIR", str(tmp_path / "cache"))  # never the user's cache
 
 
 @pytest.mark.parametrize("config", [

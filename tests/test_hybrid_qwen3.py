@@ -16,7 +16,8 @@ from hybrid_helpers import AUTO_RATES, resident_reference, run_and_compare
 from moeflow.kernels.cpu_int4 import int4_cpu_available
 from moeflow.quant.convert import quantize_checkpoint
 
-pytestmark = pytest.mark.skipif(not int4_cpu_available(), reason="this torch build has no int4 CPU kernels")
+pytestmark = [pytest.mark.skipif(not int4_cpu_available(), reason="this torch build has no int4 CPU kernels"),
+              pytest.mark.usefixtures("calibration_cache")]
 
 MIN_MARGIN = 0.05
 NEW_TOKENS = 6
@@ -33,11 +34,6 @@ def tiny(tmp_path_factory):
     ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(0))
     expected, logits = resident_reference(awq, ids, NEW_TOKENS, MIN_MARGIN)
     return awq, ids, expected, logits
-
-
-@pytest.fixture(autouse=True)
-def calibration_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("MOEFLOW_CACHE_DIR", str(tmp_path / "cache"))  # never the user's cache
 
 
 @pytest.mark.parametrize("config", [
