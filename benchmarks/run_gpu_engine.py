@@ -39,13 +39,13 @@ for p in (ROOT, ROOT / "benchmarks"):
         sys.path.insert(0, str(p))
 
 from bench_disk_tier import drop_page_cache  # noqa: E402
-from run_gpu_offload import install_backend, run_config, run_env  # noqa: E402
-from synthetic_mixtral import (  # noqa: E402
+from gpu_checkpoint import (  # noqa: E402
     add_checkpoint_args,
     checkpoint_bytes,
     mixtral_setup,
     write_synthetic_awq_checkpoint,
 )
+from run_gpu_offload import install_backend, run_config, run_env  # noqa: E402
 
 from moeflow import MoEOffloadedMixtral, OffloadConfig  # noqa: E402
 

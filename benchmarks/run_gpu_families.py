@@ -49,8 +49,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gpu_checkpoint import random_awq_linear  # noqa: E402
 from run_gpu_offload import _free, _sync, run_config  # noqa: E402
-from synthetic_mixtral import random_awq_linear  # noqa: E402
 
 from moeflow import MoEModel, OffloadConfig  # noqa: E402
 from moeflow.engine.memory import reserved_device_bytes  # noqa: E402

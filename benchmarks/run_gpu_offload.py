@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from synthetic_mixtral import (  # noqa: E402
+from gpu_checkpoint import (  # noqa: E402
     add_checkpoint_args,
     checkpoint_bytes,
     mixtral_setup,

@@ -36,8 +36,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gpu_checkpoint import MIXTRAL_8X7B, TINY, checkpoint_bytes, write_synthetic_awq_checkpoint  # noqa: E402
 from run_gpu_offload import _free, _sync, run_config  # noqa: E402
-from synthetic_mixtral import MIXTRAL_8X7B, TINY, checkpoint_bytes, write_synthetic_awq_checkpoint  # noqa: E402
 
 from moeflow import MoEOffloadedMixtral, OffloadConfig  # noqa: E402
 from moeflow.moe import ResidentExperts  # noqa: E402

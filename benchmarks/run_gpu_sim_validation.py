@@ -40,8 +40,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from gpu_checkpoint import MIXTRAL_8X7B, TINY, write_synthetic_awq_checkpoint  # noqa: E402
 from run_gpu_offload import _sync, install_backend, run_config  # noqa: E402
-from synthetic_mixtral import MIXTRAL_8X7B, TINY, write_synthetic_awq_checkpoint  # noqa: E402
 
 from moeflow import MoEOffloadedMixtral, OffloadConfig  # noqa: E402
 from moeflow.offload import min_slots  # noqa: E402

@@ -3,7 +3,7 @@
     python scripts/make_sim_report.py            # writes docs/sim_*.png and the tables between the markers
 
 1. Small-model routing: the embedded model (moeflow/data/tiny-mixtral-awq) when it exists; otherwise a tiny
-   random AWQ checkpoint written here (benchmarks/synthetic_mixtral.py, 8 layers x 8 experts), whose
+   random AWQ checkpoint written here (benchmarks/gpu_checkpoint.py, 8 layers x 8 experts), whose
    routing is recorded with ``record_trace`` (prefill + greedy decode, with hidden states and its routers).
    Its experts are charged as Mixtral-8x7B experts on the pcie4-24gb profile (the routing is the small
    model's, the costs are Mixtral's): the figure compares policies on real recorded routing.
@@ -44,7 +44,7 @@ def small_model_trace(workdir: Path):
     if (embedded / "config.json").is_file():
         path, what = embedded, "the embedded model moeflow/data/tiny-mixtral-awq"
     else:
-        from synthetic_mixtral import TINY, write_synthetic_awq_checkpoint
+        from gpu_checkpoint import TINY, write_synthetic_awq_checkpoint
 
         cfg = dict(TINY, num_hidden_layers=8)
         path = write_synthetic_awq_checkpoint(workdir / "tiny-random-awq", cfg, group_size=32)
