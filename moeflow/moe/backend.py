@@ -92,7 +92,15 @@ class ExpertBackend(ABC):
         overrides it (:class:`~moeflow.moe.resident.ResidentExperts` on the Triton path).
         """
         probs, ids, weights = route(router_logits)
-        return self.forward(layer, x, probs, ids, weights), ids if want_ids else None
+        return self._forward_to_call()(layer, x, probs, ids, weights), ids if want_ids else None
+
+    def _forward_to_call(self) -> Callable[..., torch.Tensor]:
+        """:meth:`forward`; in eager mode its body ``_forward`` where a backend keeps one behind a
+        ``torch.compiler.disable``d ``forward`` (host logic: the graph break under torch.compile), which skips
+        the wrapper's cost on every call."""
+        if torch.compiler.is_compiling() or getattr(type(self), "_forward", None) is None:
+            return self.forward
+        return self._forward
 
     def close(self) -> None:  # noqa: B027 (optional hook)
         """Release threads, streams and host registrations. Default: nothing to release."""

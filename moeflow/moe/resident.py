@@ -65,12 +65,6 @@ class CpuInt4Experts(ExpertBackend):
     def load_expert(self, layer: int, expert: int, tensors: dict[str, torch.Tensor]) -> None:
         self.experts[layer][expert] = self._make(tensors, self.fmt.group_size)
 
-    def forward_logits(self, layer, x, router_logits, route, kernel_routing, want_ids):  # noqa: D102
-        # the base class's, without the compile-disabled wrapper's cost per call when not compiling
-        probs, ids, weights = route(router_logits)
-        run = self.forward if torch.compiler.is_compiling() else self._forward
-        return run(layer, x, probs, ids, weights), ids if want_ids else None
-
     @torch.compiler.disable  # host logic (reads the routing back): under torch.compile, the layer's one graph break
     def forward(self, layer, x, probs, topk_ids, topk_weights):  # noqa: D102 (see ExpertBackend)
         return self._forward(layer, x, probs, topk_ids, topk_weights)

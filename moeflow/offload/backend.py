@@ -176,16 +176,13 @@ class OffloadedExperts(ExpertBackend):
     def forward_logits(self, layer, x, router_logits, route, kernel_routing, want_ids):
         """On the Triton path a plain softmax top-k is routed by the resident backend's fused plan kernel, so
         it is routed here by the same kernel (one launch; bitwise the resident routing); probs only for a predictor."""
-        # forward's body without its compile-disabled wrapper (a cost per call) when not compiling
-        run = self.forward if torch.compiler.is_compiling() else self._forward
         if kernel_routing is None or self.kernels_backend not in ("triton", "auto") \
                 or kernels.resolve_backend(self.kernels_backend, x.device) != "triton":
-            probs, ids, weights = route(router_logits)
-            return run(layer, x, probs, ids, weights), ids if want_ids else None
+            return super().forward_logits(layer, x, router_logits, route, kernel_routing, want_ids)
         ids, weights = kernels.route(router_logits, kernel_routing.top_k, "triton",
                                      renormalize=kernel_routing.renormalize)
         probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32) if self.predictor is not None else None
-        return run(layer, x, probs, ids, weights), ids if want_ids else None
+        return self._forward_to_call()(layer, x, probs, ids, weights), ids if want_ids else None
 
     @torch.compiler.disable  # the host-side scheduler: the one graph break per MoE layer under torch.compile
     def forward(
