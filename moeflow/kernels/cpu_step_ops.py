@@ -154,15 +154,21 @@ def experts_step(x: torch.Tensor, experts: list[tuple[Q4Matrix, Q4Matrix]], weig
         raise ValueError(f"experts_step takes one token: x {tuple(x.shape)}, weights {tuple(weights.shape)} for "
                          f"{len(experts)} experts")
     out = torch.empty_like(x)
-    lib, threads = library(), torch.get_num_threads()
     for j, (w13, w2) in enumerate(experts):
-        rc = lib.mf_q4_expert(x.data_ptr(), 1, w2.packed.shape[0], w2.packed.shape[1] * 2, w13.group_size,
-                              w13.packed.data_ptr(), w13.scales.data_ptr(), w13.mins.data_ptr(), w2.packed.data_ptr(),
-                              w2.scales.data_ptr(), w2.mins.data_ptr(), weights.data_ptr() + 4 * j, out.data_ptr(),
-                              int(j > 0), threads)
-        if rc:
-            raise MemoryError("experts_step: the CPU kernel could not allocate its activation buffers")
+        _q4_expert_row(x, w13, w2, weights.data_ptr() + 4 * j, out.data_ptr(), accumulate=j > 0, what="experts_step")
     return out
+
+
+def _q4_expert_row(x: torch.Tensor, w13: Q4Matrix, w2: Q4Matrix, weight_ptr: int, out_ptr: int, accumulate: bool,
+                   what: str) -> None:
+    """One token x fp32 [1, H] through one expert, weighted by the fp32 at ``weight_ptr``, written to (or added
+    into) the fp32 row [H] at ``out_ptr``: ``mf_q4_expert`` called directly (no tensor set-up)."""
+    rc = library().mf_q4_expert(x.data_ptr(), 1, w2.packed.shape[0], w2.packed.shape[1] * 2, w13.group_size,
+                                w13.packed.data_ptr(), w13.scales.data_ptr(), w13.mins.data_ptr(),
+                                w2.packed.data_ptr(), w2.scales.data_ptr(), w2.mins.data_ptr(), weight_ptr, out_ptr,
+                                int(accumulate), torch.get_num_threads())
+    if rc:
+        raise MemoryError(f"{what}: the CPU kernel could not allocate its activation buffers")
 
 
 def expert_row(x: torch.Tensor, w13: Q4Matrix, w2: Q4Matrix, weights: torch.Tensor, j: int,
@@ -176,13 +182,8 @@ def expert_row(x: torch.Tensor, w13: Q4Matrix, w2: Q4Matrix, weights: torch.Tens
             or not weights.is_contiguous() or j >= weights.numel():
         raise ValueError(f"expert_row: x {tuple(x.shape)}, weights {weights.dtype} {tuple(weights.shape)}, "
                          f"row {j} of out {tuple(out.shape)}")
-    h = w2.packed.shape[0]
-    rc = _lib().mf_q4_expert(x.data_ptr(), 1, h, w2.packed.shape[1] * 2, w13.group_size, w13.packed.data_ptr(),
-                             w13.scales.data_ptr(), w13.mins.data_ptr(), w2.packed.data_ptr(), w2.scales.data_ptr(),
-                             w2.mins.data_ptr(), weights.data_ptr() + 4 * j, out.data_ptr() + 4 * h * j, 0,
-                             torch.get_num_threads())
-    if rc:
-        raise MemoryError("expert_row: the CPU kernel could not allocate its activation buffers")
+    _q4_expert_row(x, w13, w2, weights.data_ptr() + 4 * j, out.data_ptr() + 4 * out.shape[1] * j,
+                   accumulate=False, what="expert_row")
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
