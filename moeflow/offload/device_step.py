@@ -46,7 +46,7 @@ from moeflow.kernels.checks import check_expert_args
 from moeflow.kernels.pool import ExpertPool
 from moeflow.kernels.reference import pool_weights
 from moeflow.offload.combine import combine_in_order
-from moeflow.offload.readback import pack_slot_table
+from moeflow.offload.readback import PinnedRing, pack_slot_table
 
 log = logging.getLogger(__name__)
 
@@ -62,26 +62,17 @@ class StaticSlotTable:
 
     def __init__(self, device: torch.device, num_experts: int) -> None:
         self.num_experts = num_experts
-        self.cuda = device.type == "cuda"
         self.table = torch.zeros(2 * num_experts, dtype=torch.int32, device=device)  # slots, then 0/1 mask
         self.slot_of_expert = self.table[:num_experts]
         self.expert_mask = torch.zeros(num_experts, dtype=torch.bool, device=device)
-        n = self.RING if self.cuda else 0
-        self.host = [torch.zeros(2 * num_experts, dtype=torch.int32, pin_memory=True) for _ in range(n)]
-        self.events = [torch.cuda.Event(blocking=True) for _ in range(n)]
-        self._next = 0
+        self.ring = PinnedRing(2 * num_experts, self.RING) if device.type == "cuda" else None
 
     def fill(self, packed: list[int]) -> None:
         """A group's table (:func:`~moeflow.offload.readback.pack_slot_table`) into the device table."""
-        if not self.cuda:  # host memory: written in place (no tensor op, no new tensor)
+        if self.ring is None:  # host memory: written in place (no tensor op, no new tensor)
             self.table.numpy()[:] = packed
-            return
-        i = self._next
-        self._next = (i + 1) % self.RING
-        self.events[i].synchronize()  # the copy of RING groups ago (long done): the host buffer is free again
-        self.host[i].numpy()[:] = packed
-        self.table.copy_(self.host[i], non_blocking=True)
-        self.events[i].record()
+        else:
+            self.ring.copy(packed, self.table)
 
     def derive_mask(self) -> None:
         """expert_mask from the table's second half (device work: part of the captured compute)."""

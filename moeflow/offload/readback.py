@@ -127,42 +127,56 @@ class AsyncHostCopy:
         return self.host[: self.n].tolist()
 
 
+class PinnedRing:
+    """A ring of pinned host buffers of ``n`` int32 for host->device copies on the compute stream, none allocated
+    per call: buffer i is refilled only after its previous copy ran (its event, long completed ``ring`` copies
+    later). The slot tables of the eager launches (:class:`SlotTables`) and of the captured device part
+    (:class:`moeflow.offload.device_step.StaticSlotTable`) are staged through it."""
+
+    def __init__(self, n: int, ring: int = 8) -> None:
+        self.host = [torch.zeros(n, dtype=torch.int32, pin_memory=True) for _ in range(ring)]
+        self.events = [torch.cuda.Event(blocking=True) for _ in range(ring)]
+        self.index = 0  # the buffer the next copy goes through
+
+    def copy(self, values: list[int], dst: torch.Tensor) -> None:
+        """``values`` into ``dst`` (int32 [n] on the device), asynchronously on the current stream."""
+        i = self.index
+        self.index = (i + 1) % len(self.host)
+        self.events[i].synchronize()  # the copy of a full ring ago (long done): the host buffer is free again
+        self.host[i].numpy()[:] = values  # in place: no tensor per call
+        dst.copy_(self.host[i], non_blocking=True)
+        self.events[i].record()
+
+
 class SlotTables:
     """The (slot of expert, expert mask) pair of each expert-kernel call.
 
-    On a GPU from persistent buffers: a ring of pinned host buffers, each copied into its own device buffer on
-    the compute stream (so the kernel that reads a device buffer runs before the copy that refills it, ``RING``
-    calls later); a host buffer is refilled only after its copy ran (its event, long completed by then). On the
-    CPU two small fresh tensors per call: the call may still be queued behind others (the tests' emulated
-    stream), so a reused buffer could change under it.
+    On a GPU from persistent buffers: one device buffer per buffer of a :class:`PinnedRing`, each copied on the
+    compute stream (so the kernel that reads a device buffer runs before the copy that refills it, ``RING``
+    calls later). On the CPU two small fresh tensors per call: the call may still be queued behind others (the
+    tests' emulated stream), so a reused buffer could change under it.
     """
 
     RING = 8
 
-    def __init__(self, device: torch.device, num_experts: int) -> None:
+    def __init__(self, device: torch.device | str, num_experts: int) -> None:
         self.device, self.num_experts = torch.device(device), num_experts
         self.cuda = self.device.type == "cuda"
         n = self.RING if self.cuda else 0
-        self.host = [torch.zeros(2 * num_experts, dtype=torch.int32, pin_memory=True) for _ in range(n)]
-        self.dev = [h.to(self.device) for h in self.host]
+        self.ring = PinnedRing(2 * num_experts, self.RING) if self.cuda else None
+        self.dev = [torch.zeros(2 * num_experts, dtype=torch.int32, device=self.device) for _ in range(n)]
         self.mask = [torch.zeros(num_experts, dtype=torch.bool, device=self.device) for _ in range(n)]
-        self.events = [torch.cuda.Event(blocking=True) for _ in range(n)]
-        self._next = 0
 
     def fill(self, experts: list[int], slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """experts and their slot indices -> (slot_of_expert int32 [E], expert_mask bool [E]) on the device."""
         E = self.num_experts
         packed = pack_slot_table(experts, slots, E)
-        if not self.cuda:
+        if self.ring is None:
             t = torch.tensor(packed, dtype=torch.int32)
             return t[:E], t[E:] != 0
-        i = self._next
-        self._next = (i + 1) % self.RING
-        self.events[i].synchronize()  # the copy of RING calls ago (long done): the host buffer is free again
-        host, dev = self.host[i], self.dev[i]
-        host.numpy()[:] = packed  # in place: no tensor per call
-        dev.copy_(host, non_blocking=True)
-        self.events[i].record()
+        i = self.ring.index
+        dev = self.dev[i]
+        self.ring.copy(packed, dev)
         torch.ne(dev[E:], 0, out=self.mask[i])
         return dev[:E], self.mask[i]
 
