@@ -108,6 +108,16 @@ MUTATIONS = [
              "step = max(align, -(-nbytes // chunks // align) * align)",
              "step = max(align, -(-nbytes // chunks // align) * align) + 1",
              ("tests/test_scheduling_backend.py::test_random_delay_stats_bytes_are_chunk_multiples",)),
+    # ---- GPU-only branches, run with CUDA's streams and events stood in for
+    Mutation("readback-proposals-shifted", "the staged read-back splits the proposals one value late",
+             "lists, at = [], E\n", "lists, at = [], E + 1\n",
+             ("tests/test_cuda_paths_emulated.py::test_staged_read_back_equals_the_in_place_read",)),
+    Mutation("pinned-ring-no-wait", "the pinned ring refills a host buffer before its last copy ran",
+             "self.events[i].synchronize()", "pass",
+             ("tests/test_cuda_paths_emulated.py::test_slot_tables_through_the_pinned_ring",)),
+    Mutation("transport-waits-on-recycled", "the copy stream also waits on fences whose event was recycled",
+             "if isinstance(h, CudaHandle) and h.current:", "if isinstance(h, CudaHandle):",
+             ("tests/test_cuda_paths_emulated.py::test_cuda_transport_fences_stalls_and_stream_check",)),
 ]
 
 

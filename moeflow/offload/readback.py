@@ -17,18 +17,24 @@ from __future__ import annotations
 import torch
 
 
-def _pinned(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    pin = device.type == "cuda"
-    return torch.empty(n, dtype=dtype, pin_memory=pin)
+def _pinned(n: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """A host buffer, page-locked when ``pin`` (then a device copy from or into it can be asynchronous)."""
+    return torch.zeros(n, dtype=dtype, pin_memory=pin)
 
 
 class ReadBack:
-    """Persistent device staging + pinned host buffers for one backend (grown on demand, never per call)."""
+    """Persistent device staging + pinned host buffers for one backend (grown on demand, never per call).
 
-    def __init__(self, device: torch.device | str, num_experts: int, capacity: int = 256) -> None:
+    ``staged`` (default: on a CUDA device) selects the GPU path: device staging buffers, one asynchronous copy
+    per dtype into pinned host buffers, one event wait. The tests run that path on host tensors with CUDA's
+    streams and events stood in for (tests/test_cuda_paths_emulated.py); without it the CPU reads in place.
+    """
+
+    def __init__(self, device: torch.device | str, num_experts: int, capacity: int = 256,
+                 staged: bool | None = None) -> None:
         self.device = torch.device(device)
         self.num_experts = num_experts
-        self.cuda = self.device.type == "cuda"
+        self.cuda = self.device.type == "cuda" if staged is None else staged
         self.mask = torch.zeros(num_experts, dtype=torch.int64, device=self.device)  # needed-expert mask
         self._int_dev, self._int_host = self._alloc(capacity, torch.int64)
         self._flt_dev, self._flt_host = self._alloc(0, torch.float32)
@@ -36,7 +42,7 @@ class ReadBack:
         self.blocking_reads = 0
 
     def _alloc(self, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        host = _pinned(n, dtype, self.device)
+        host = _pinned(n, dtype, self.cuda)
         return (torch.empty(n, dtype=dtype, device=self.device) if self.cuda else host), host
 
     def read(
@@ -104,17 +110,17 @@ class AsyncHostCopy:
     reads the host copy once ready. On the CPU the copy is done when ``post`` returns.
     """
 
-    def __init__(self, device: torch.device | str, capacity: int = 64) -> None:
+    def __init__(self, device: torch.device | str, capacity: int = 64, staged: bool | None = None) -> None:
         self.device = torch.device(device)
-        self.cuda = self.device.type == "cuda"
-        self.host = _pinned(capacity, torch.int64, self.device)
+        self.cuda = self.device.type == "cuda" if staged is None else staged
+        self.host = _pinned(capacity, torch.int64, self.cuda)
         self.event = torch.cuda.Event(blocking=True) if self.cuda else None
         self.n = 0
 
     def post(self, ids: torch.Tensor) -> None:
         n = ids.numel()
         if n > self.host.numel():
-            self.host = _pinned(2 * n, torch.int64, self.device)
+            self.host = _pinned(2 * n, torch.int64, self.cuda)
         self.host[:n].copy_(ids.reshape(-1).to(torch.int64), non_blocking=self.cuda)
         if self.cuda:
             self.event.record()
@@ -134,7 +140,7 @@ class PinnedRing:
     (:class:`moeflow.offload.device_step.StaticSlotTable`) are staged through it."""
 
     def __init__(self, n: int, ring: int = 8) -> None:
-        self.host = [torch.zeros(n, dtype=torch.int32, pin_memory=True) for _ in range(ring)]
+        self.host = [_pinned(n, torch.int32, True) for _ in range(ring)]
         self.events = [torch.cuda.Event(blocking=True) for _ in range(ring)]
         self.index = 0  # the buffer the next copy goes through
 
@@ -159,9 +165,9 @@ class SlotTables:
 
     RING = 8
 
-    def __init__(self, device: torch.device | str, num_experts: int) -> None:
+    def __init__(self, device: torch.device | str, num_experts: int, staged: bool | None = None) -> None:
         self.device, self.num_experts = torch.device(device), num_experts
-        self.cuda = self.device.type == "cuda"
+        self.cuda = self.device.type == "cuda" if staged is None else staged
         n = self.RING if self.cuda else 0
         self.ring = PinnedRing(2 * num_experts, self.RING) if self.cuda else None
         self.dev = [torch.zeros(2 * num_experts, dtype=torch.int32, device=self.device) for _ in range(n)]
