@@ -1,0 +1,116 @@
+"""Tokens that are not real (left padding, finished rows) never pull, count or compute experts.
+
+The batch below is left-padded to unequal lengths, and a router stub sends every padding token to experts 6 and 7,
+which no real token ever chooses: routed like real tokens, the padding would need them in every prefill layer.
+The invariant (every policy x slot count x transport gives the resident tokens) holds, experts 6 and 7 are never
+copied, and the hit/miss counts are exactly the experts the real tokens need. The control test runs the same
+batch with the masking switched off and sees the padding pull 6 and 7 in: the construction bites.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import make_tiny_checkpoint
+from torch import nn
+
+from moeflow import MoEOffloadedMixtral, OffloadConfig
+from moeflow.moe import StepInfo
+
+LAYERS, EXPERTS, TOP_K = 2, 8, 2
+PAD_ONLY = (6, 7)  # the experts only padding would choose
+NEW_TOKENS = 6
+
+
+class PadSeekingGate(nn.Module):
+    """The router stub: the real gate's logits, with experts 6 and 7 made unreachable for real tokens and the
+    top choice of padding. It knows the prefill's layout (``mask`` [B, T]); a decode step's tokens are all real.
+    ``needed`` records, per call, the experts the real tokens choose (what hits + misses must count)."""
+
+    def __init__(self, gate: nn.Linear, mask: torch.Tensor, top_k: int) -> None:
+        super().__init__()
+        self.inner, self.mask, self.top_k = gate, mask.bool(), top_k
+        self.out_features = gate.out_features
+        self.needed: list[set[int]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.inner(x).clone()
+        pad = ~self.mask.reshape(-1) if x.shape[0] == self.mask.numel() else torch.zeros(x.shape[0], dtype=torch.bool)
+        logits[:, list(PAD_ONLY)] = torch.where(pad[:, None], 1e4, -1e4).to(logits.dtype)
+        self.needed.append(set(torch.topk(logits[~pad], self.top_k).indices.reshape(-1).tolist()))
+        return logits
+
+
+def install_stub(model, mask: torch.Tensor) -> list[PadSeekingGate]:
+    gates = []
+    for block in model.model.moe_blocks:
+        block.gate = PadSeekingGate(block.gate, mask, block.top_k)
+        gates.append(block.gate)
+    return gates
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_padding"), seed=11, num_hidden_layers=LAYERS,
+                                num_local_experts=EXPERTS, num_experts_per_tok=TOP_K)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 97, (3, 9), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # three prompts of 9, 5 and 2 tokens
+    mask[2, :7] = 0
+    ids[mask == 0] = 0
+    resident = MoEOffloadedMixtral.from_pretrained(path, offload=OffloadConfig(policy="resident"))
+    install_stub(resident, mask)
+    expected = resident.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                                 eos_token_id=[])
+    return path, ids, mask, expected
+
+
+def run_offloaded(path, ids, mask, **config):
+    """Tokens, stats, the (layer, expert) loads queued while generating, and the real tokens' needed sets."""
+    model = MoEOffloadedMixtral.from_pretrained(path, offload=OffloadConfig(**config))
+    gates = install_stub(model, mask)
+    loads: list[tuple[int, int]] = []
+    engine = model.experts.engine
+    submit = engine.submit
+
+    def recording_submit(layer, expert, *args, **kwargs):
+        loads.append((layer, expert))
+        return submit(layer, expert, *args, **kwargs)
+
+    engine.submit = recording_submit
+    try:
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=[])
+    finally:
+        model.close()
+    return out, model.stats, loads, [n for g in gates for n in g.needed]
+
+
+@pytest.mark.parametrize("transport", ["sync", "random-delay"])
+@pytest.mark.parametrize("policy", ["ondemand", "lru", "lfu"])
+def test_padding_never_pulls_or_counts_experts(tiny, policy, transport):
+    path, ids, mask, expected = tiny
+    for n_slots in (2, 4, 8, LAYERS * EXPERTS):
+        out, stats, loads, needed = run_offloaded(path, ids, mask, policy=policy, gpu_expert_slots=n_slots,
+                                                  transport=transport, random_delay_ms=0.3, seed=n_slots)
+        where = f"{policy}/{transport} with {n_slots} slots"
+        assert torch.equal(out, expected), f"{where}: {out} != {expected}"
+        assert loads or n_slots == LAYERS * EXPERTS, where  # the scheduler did copy experts (the test can bite)
+        assert not [key for key in loads if key[1] in PAD_ONLY], f"{where}: padding pulled experts in: {loads}"
+        counted = sum(p.hits + p.misses for p in (stats.prefill, stats.decode))
+        assert counted == sum(len(n) for n in needed), where  # one hit or miss per expert a real token needs
+        assert stats.prefill.tokens == int(mask.sum()), where  # the stats count real tokens only
+
+
+def test_without_the_masking_padding_pulls_its_experts_in(tiny, monkeypatch):
+    """The control: padding routed like real tokens needs 6 and 7 (the construction bites), and the resident
+    tokens of the real positions are those of today's unmasked batch."""
+    path, ids, mask, expected = tiny
+    monkeypatch.setattr(StepInfo, "real_tokens", property(lambda step: None))
+    out, _, loads, _ = run_offloaded(path, ids, mask, policy="lru", gpu_expert_slots=4, transport="sync")
+    assert {e for _, e in loads} >= set(PAD_ONLY)
+    assert torch.equal(out, expected)
+    unmasked = MoEOffloadedMixtral.from_pretrained(path, offload=OffloadConfig(policy="resident"))
+    install_stub(unmasked, mask)
+    assert torch.equal(unmasked.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                                         eos_token_id=[]), expected)
