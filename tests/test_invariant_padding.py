@@ -114,3 +114,71 @@ def test_without_the_masking_padding_pulls_its_experts_in(tiny, monkeypatch):
     install_stub(unmasked, mask)
     assert torch.equal(unmasked.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
                                          eos_token_id=[]), expected)
+
+
+@pytest.mark.parametrize(("kernels", "policy"), [("torch", "resident"), ("triton", "resident"), ("torch", "lru")])
+def test_padding_rows_come_out_zero_and_leave_the_real_rows_alone(tiny, kernels, policy):
+    """At the seam: whatever a padding row holds (NaN here) gives output 0 and ids -1, and the real rows are
+    bitwise those of a pass over the real tokens alone (the resident Triton path's fused route + plan included)."""
+    path, *_ = tiny
+    slots = None if policy == "resident" else 4
+    model = MoEOffloadedMixtral.from_pretrained(path, kernels=kernels,
+                                                offload=OffloadConfig(policy=policy, gpu_expert_slots=slots))
+    backend, block = model.experts, model.model.moe_blocks[0]
+    mask = torch.tensor([[False, False, True, True], [False, True, True, True]])
+    real = mask.reshape(-1)
+    x = torch.randn(8, block.gate.in_features, generator=torch.Generator().manual_seed(3))
+    x[~real] = float("nan")
+    logits = block.gate(x)
+
+    def layer(tokens: torch.Tensor, m: torch.Tensor):
+        zeros = torch.zeros(m.shape, dtype=torch.long)
+        backend.begin_step(StepInfo(zeros, zeros, m, "prefill"))
+        return backend.forward_logits(0, x[tokens], logits[tokens], block.route, block.kernel_routing, True)
+
+    try:
+        out, ids = layer(torch.ones(8, dtype=torch.bool), mask)
+        alone, alone_ids = layer(real, torch.ones((1, int(real.sum())), dtype=torch.bool))
+    finally:
+        model.close()
+    assert torch.equal(out[~real], torch.zeros_like(out[~real])) and bool((ids[~real] == -1).all())
+    assert torch.equal(out[real], alone) and torch.equal(ids[real], alone_ids)
+
+
+def routed_tokens(backend) -> list[tuple[int, int]]:
+    """Records (layer, tokens) of every layer the backend computes (the tokens that reach routing)."""
+    calls: list[tuple[int, int]] = []
+    inner = backend._route_and_forward
+
+    def recording(layer, x, *args):
+        calls.append((layer, x.shape[0]))
+        return inner(layer, x, *args)
+
+    backend._route_and_forward = recording
+    return calls
+
+
+@pytest.mark.parametrize(("policy", "micro_batch_size"), [("resident", None), ("lru", None), ("lru", 2)])
+def test_finished_rows_route_nothing(tiny, policy, micro_batch_size):
+    """Once a row generated EOS its later tokens (padding, discarded) reach no expert; the other rows' tokens
+    are the ones generated without EOS."""
+    path, ids, mask, expected = tiny
+    new = expected[:, ids.shape[1]:]
+    eos = int(new[0, 1])  # row 0 finishes at its second token
+    finish = [row.tolist().index(eos) if eos in row.tolist() else NEW_TOKENS for row in new]
+    slots = None if policy == "resident" else 4
+    model = MoEOffloadedMixtral.from_pretrained(path, offload=OffloadConfig(policy=policy, gpu_expert_slots=slots))
+    install_stub(model, mask)
+    calls = routed_tokens(model.experts)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=eos,
+                         micro_batch_size=micro_batch_size)
+    model.close()
+    for r, f in enumerate(finish):  # each row's tokens up to its EOS are the EOS-free run's
+        assert torch.equal(out[r, : ids.shape[1] + f + 1], expected[r, : ids.shape[1] + f + 1]), r
+    passes = out.shape[1] - ids.shape[1]  # the prefill, then one decode pass per token but the last
+    want = [int(mask.sum())] + [sum(f > j - 1 for f in finish) for j in range(1, passes)]
+    layer0 = [n for layer, n in calls if layer == 0]  # one per pass (per micro-batch with micro_batch_size)
+    assert sum(layer0) == sum(want)
+    if micro_batch_size is None:
+        assert layer0 == want
+    assert min(finish) < passes - 1  # some decode pass did run with a finished row
