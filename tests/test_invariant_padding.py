@@ -182,3 +182,31 @@ def test_finished_rows_route_nothing(tiny, policy, micro_batch_size):
     if micro_batch_size is None:
         assert layer0 == want
     assert min(finish) < passes - 1  # some decode pass did run with a finished row
+
+
+def test_finemoe_searches_and_counts_real_tokens_only(tiny):
+    """FineMoE's inputs: the semantic query holds the real tokens' embeddings, and its expert frequencies (the
+    eviction's priority) count each real token's k experts, never the padding's 6 and 7; tokens stay resident."""
+    path, ids, mask, expected = tiny
+    model = MoEOffloadedMixtral.from_pretrained(path, offload=OffloadConfig(policy="finemoe", gpu_expert_slots=4))
+    install_stub(model, mask)
+    pred = model.experts.predictor.predictor
+    queries: list[int] = []
+    begin = pred.begin_iteration
+
+    def recording(embed=None):
+        queries.append(embed.shape[0])
+        begin(embed)
+
+    pred.begin_iteration = recording
+    freq_before = pred.freq.clone()
+    try:
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=[])
+    finally:
+        model.close()
+    assert torch.equal(out, expected)
+    real = int(mask.sum())
+    assert queries == [real] + [ids.shape[0]] * (NEW_TOKENS - 1)
+    counted = pred.freq - freq_before  # [L, E]
+    assert counted.sum(1).tolist() == [float(TOP_K * sum(queries))] * LAYERS
+    assert not counted[:, list(PAD_ONLY)].any()
