@@ -49,16 +49,22 @@ def install_stub(model, mask: torch.Tensor) -> list[PadSeekingGate]:
     return gates
 
 
+def request_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """Three prompts of 9, 5 and 2 tokens, left-padded: ids, mask [3, 9]."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 97, (3, 9), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    mask[2, :7] = 0
+    ids[mask == 0] = 0
+    return ids, mask
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_padding"), seed=11, num_hidden_layers=LAYERS,
                                 num_local_experts=EXPERTS, num_experts_per_tok=TOP_K)
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, 97, (3, 9), generator=gen)
-    mask = torch.ones_like(ids)
-    mask[1, :4] = 0  # three prompts of 9, 5 and 2 tokens
-    mask[2, :7] = 0
-    ids[mask == 0] = 0
+    ids, mask = request_batch()
     resident = MoEOffloadedMixtral.from_pretrained(path, offload=OffloadConfig(policy="resident"))
     install_stub(resident, mask)
     expected = resident.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
@@ -210,3 +216,51 @@ def test_finemoe_searches_and_counts_real_tokens_only(tiny):
     counted = pred.freq - freq_before  # [L, E]
     assert counted.sum(1).tolist() == [float(TOP_K * sum(queries))] * LAYERS
     assert not counted[:, list(PAD_ONLY)].any()
+
+
+@pytest.fixture(scope="module")
+def tiny_awq(tmp_path_factory):
+    """AWQ experts (the hybrid CPU path needs them); reference: the resident CPU int4 path, with the stub."""
+    from moeflow.kernels.cpu_int4 import int4_cpu_available
+    from moeflow.quant.convert import quantize_checkpoint
+
+    if not int4_cpu_available():
+        pytest.skip("this torch build has no int4 CPU kernels")
+    root = tmp_path_factory.mktemp("tiny_padding_awq")
+    src = make_tiny_checkpoint(root / "fp32", seed=11, hidden_size=128, intermediate_size=128,
+                               num_hidden_layers=LAYERS, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K)
+    awq = quantize_checkpoint(src, root / "awq", group_size=32, progress=False)
+    ids, mask = request_batch()
+    resident = MoEOffloadedMixtral.from_pretrained(awq, offload=OffloadConfig(policy="resident"))
+    install_stub(resident, mask)
+    expected = resident.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                                 eos_token_id=[])
+    return awq, ids, mask, expected
+
+
+@pytest.mark.parametrize(("policy", "cpu_compute"), [("fiddler", None), ("lru", "always")])
+def test_the_cpu_or_copy_choice_sees_real_tokens_only(tiny_awq, policy, cpu_compute):
+    """Hybrid execution: the misses handed to the CPU-vs-copy choice and the token counts it weighs are the real
+    tokens' (never the padding's experts 6 and 7); the tokens are the resident CPU int4 path's."""
+    path, ids, mask, expected = tiny_awq
+    model = MoEOffloadedMixtral.from_pretrained(path, offload=OffloadConfig(policy=policy, gpu_expert_slots=4,
+                                                                            cpu_compute=cpu_compute))
+    install_stub(model, mask)
+    cpu = model.experts.cpu
+    seen: list[tuple[int, list[int]]] = []  # (tokens, misses) per layer the choice planned
+    start = cpu.start_layer
+
+    def recording(layer, x, topk_ids, topk_weights, misses, *args):
+        seen.append((topk_ids.shape[0], list(misses)))
+        return start(layer, x, topk_ids, topk_weights, misses, *args)
+
+    cpu.start_layer = recording
+    try:
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=[])
+    finally:
+        model.close()
+    assert torch.equal(out, expected)
+    tokens = [n for n, _ in seen]
+    assert tokens == [int(mask.sum())] * LAYERS + [ids.shape[0]] * (len(seen) - LAYERS)
+    assert any(misses for _, misses in seen) and not [m for _, ms in seen for m in ms if m in PAD_ONLY]
+    assert model.stats.prefill.cpu_experts + model.stats.decode.cpu_experts > 0
