@@ -1,5 +1,6 @@
 """The invariant: every offload policy, at every slot count from the minimum to all experts, with the
-synchronous and the random-delay transport, generates exactly the greedy tokens of "resident"."""
+synchronous and the random-delay transport, generates exactly the greedy tokens of "resident" on a left-padded
+batch of unequal lengths (tests/test_invariant_padding.py: the padding never reaches an expert)."""
 
 from __future__ import annotations
 
@@ -22,10 +23,12 @@ def tiny(tmp_path_factory):
         num_experts_per_tok=TOP_K,
     )
     gen = torch.Generator().manual_seed(0)
-    # two prompts of different lengths (left padding): the prefill needs every expert through the ring
-    ids = torch.randint(0, 97, (2, 9), generator=gen)
+    # three prompts of different lengths (left padding, which reaches no expert): the prefill needs every expert
+    # through the ring
+    ids = torch.randint(0, 97, (3, 9), generator=gen)
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
+    mask[2, :7] = 0
     resident = MoEOffloadedMixtral.from_pretrained(path, device="cpu", dtype=torch.float32,
                                                    offload=OffloadConfig(policy="resident"))
     expected = resident.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
