@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_tiny_checkpoint
+from helpers import make_tiny_awq_checkpoint, make_tiny_checkpoint
 
 from moeflow import MoEOffloadedMixtral, OffloadConfig
 from moeflow.errors import SchedulingError
@@ -90,15 +90,8 @@ def test_cuda_streams_keep_the_tokens(tiny, kernels):
 @pytest.fixture(scope="module")
 def tiny_awq(tmp_path_factory):
     """AWQ experts on the CPU: the reference is the resident CPU int4 path (``CpuInt4Experts``)."""
-    from moeflow.kernels.cpu_int4 import int4_cpu_available
-    from moeflow.quant.convert import quantize_checkpoint
-
-    if not int4_cpu_available():
-        pytest.skip("this torch build has no int4 CPU kernels")
-    root = tmp_path_factory.mktemp("tiny_invariant_awq")
-    src = make_tiny_checkpoint(root / "fp32", seed=11, hidden_size=128, intermediate_size=128,
-                               num_hidden_layers=LAYERS, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K)
-    awq = quantize_checkpoint(src, root / "awq", group_size=32, progress=False)
+    awq = make_tiny_awq_checkpoint(tmp_path_factory.mktemp("tiny_invariant_awq"), seed=11, num_hidden_layers=LAYERS,
+                                   num_local_experts=EXPERTS, num_experts_per_tok=TOP_K)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 97, (2, 9), generator=gen)
     mask = torch.ones_like(ids)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_tiny_checkpoint
+from helpers import make_tiny_awq_checkpoint, make_tiny_checkpoint
 from torch import nn
 
 from moeflow import MoEOffloadedMixtral, OffloadConfig
@@ -64,6 +64,11 @@ def request_batch() -> tuple[torch.Tensor, torch.Tensor]:
 def tiny(tmp_path_factory):
     path = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_padding"), seed=11, num_hidden_layers=LAYERS,
                                 num_local_experts=EXPERTS, num_experts_per_tok=TOP_K)
+    return with_resident_tokens(path)
+
+
+def with_resident_tokens(path) -> tuple:
+    """(path, ids, mask, the resident model's greedy tokens with the stub) for :func:`request_batch`."""
     ids, mask = request_batch()
     resident = MoEOffloadedMixtral.from_pretrained(path, offload=OffloadConfig(policy="resident"))
     install_stub(resident, mask)
@@ -116,10 +121,7 @@ def test_without_the_masking_padding_pulls_its_experts_in(tiny, monkeypatch):
     out, _, loads, _ = run_offloaded(path, ids, mask, policy="lru", gpu_expert_slots=4, transport="sync")
     assert {e for _, e in loads} >= set(PAD_ONLY)
     assert torch.equal(out, expected)
-    unmasked = MoEOffloadedMixtral.from_pretrained(path, offload=OffloadConfig(policy="resident"))
-    install_stub(unmasked, mask)
-    assert torch.equal(unmasked.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
-                                         eos_token_id=[]), expected)
+    assert torch.equal(with_resident_tokens(path)[3], expected)  # the resident model, unmasked
 
 
 @pytest.mark.parametrize(("kernels", "policy"), [("torch", "resident"), ("triton", "resident"), ("torch", "lru")])
@@ -221,21 +223,9 @@ def test_finemoe_searches_and_counts_real_tokens_only(tiny):
 @pytest.fixture(scope="module")
 def tiny_awq(tmp_path_factory):
     """AWQ experts (the hybrid CPU path needs them); reference: the resident CPU int4 path, with the stub."""
-    from moeflow.kernels.cpu_int4 import int4_cpu_available
-    from moeflow.quant.convert import quantize_checkpoint
-
-    if not int4_cpu_available():
-        pytest.skip("this torch build has no int4 CPU kernels")
-    root = tmp_path_factory.mktemp("tiny_padding_awq")
-    src = make_tiny_checkpoint(root / "fp32", seed=11, hidden_size=128, intermediate_size=128,
-                               num_hidden_layers=LAYERS, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K)
-    awq = quantize_checkpoint(src, root / "awq", group_size=32, progress=False)
-    ids, mask = request_batch()
-    resident = MoEOffloadedMixtral.from_pretrained(awq, offload=OffloadConfig(policy="resident"))
-    install_stub(resident, mask)
-    expected = resident.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
-                                 eos_token_id=[])
-    return awq, ids, mask, expected
+    awq = make_tiny_awq_checkpoint(tmp_path_factory.mktemp("tiny_padding_awq"), seed=11, num_hidden_layers=LAYERS,
+                                   num_local_experts=EXPERTS, num_experts_per_tok=TOP_K)
+    return with_resident_tokens(awq)
 
 
 @pytest.mark.parametrize(("policy", "cpu_compute"), [("fiddler", None), ("lru", "always")])
