@@ -118,6 +118,19 @@ MUTATIONS = [
     Mutation("transport-waits-on-recycled", "the copy stream also waits on fences whose event was recycled",
              "if isinstance(h, CudaHandle) and h.current:", "if isinstance(h, CudaHandle):",
              ("tests/test_cuda_paths_emulated.py::test_cuda_transport_fences_stalls_and_stream_check",)),
+    # ---- tokens that are not real
+    Mutation("padding-routed", "padding and finished rows are routed like real tokens (they pull experts in)",
+             "if real is None or real[0] is None or real[1] != x.shape[0]:",
+             "if True or real is None or real[0] is None or real[1] != x.shape[0]:",
+             ("tests/test_invariant_padding.py",
+              "tests/test_engine_continuous.py::test_right_padding_of_short_chunks_reaches_no_expert")),
+    Mutation("finished-rows-real", "generate feeds finished rows as real tokens",
+             "running = ~finished[:, None] if mask_finished and bool(done.any()) else ones", "running = ones",
+             ("tests/test_invariant_padding.py::test_finished_rows_route_nothing",)),
+    Mutation("finemoe-searches-padding", "FineMoE's semantic query holds the padding's embeddings",
+             "pred.begin_iteration(embeds if real is None else embeds.index_select(0, real))",
+             "pred.begin_iteration(embeds)",
+             ("tests/test_invariant_padding.py::test_finemoe_searches_and_counts_real_tokens_only",)),
 ]
 
 

@@ -49,3 +49,19 @@ def make_tiny_checkpoint(directory: str | Path, seed: int = 0, dtype: torch.dtyp
     model = make_tiny_model(seed, **overrides).to(dtype)
     model.save_pretrained(directory)
     return directory
+
+
+def make_tiny_awq_checkpoint(root: str | Path, seed: int = 0, **overrides) -> Path:
+    """A tiny Mixtral (hidden and intermediate 128) quantized to AWQ experts (group 32) under ``root``: what the
+    CPU int4 paths (resident ``CpuInt4Experts``, int4 slots, hybrid execution) run. Skips the test when this
+    torch build has no int4 CPU kernels."""
+    import pytest
+
+    from moeflow.kernels.cpu_int4 import int4_cpu_available
+    from moeflow.quant.convert import quantize_checkpoint
+
+    if not int4_cpu_available():
+        pytest.skip("this torch build has no int4 CPU kernels")
+    root = Path(root)
+    src = make_tiny_checkpoint(root / "fp32", seed=seed, hidden_size=128, intermediate_size=128, **overrides)
+    return quantize_checkpoint(src, root / "awq", group_size=32, progress=False)

@@ -121,3 +121,27 @@ def test_expertflow_plans_from_each_rows_history():
         assert [s.result(TIMEOUT_S) for s in seqs] == want
     finally:
         engine.stop()
+
+
+def test_right_padding_of_short_chunks_reaches_no_expert(offloaded):
+    """A prefill pass right-pads the shorter chunks to the longest; only the prompts' own tokens are routed
+    (each once), so the padding pulls no expert into the slots."""
+    backend = offloaded.experts
+    inner, routed = backend._route_and_forward, {"prefill": 0, "decode": 0}
+
+    def counting(layer, x, *args):
+        if layer == 0:
+            routed[offloaded.stats.phase] += x.shape[0]
+        return inner(layer, x, *args)
+
+    backend._route_and_forward = counting
+    engine = ContinuousEngine(offloaded, SlotKVCache.for_model(offloaded, 128, max_rows=4), prefill_chunk=20).start()
+    try:
+        seqs = [engine.submit(p, SamplingParams(max_new_tokens=2)) for p in prompts()]
+        for s in seqs:
+            s.result(TIMEOUT_S)
+    finally:
+        engine.stop()
+        del backend._route_and_forward
+    assert routed["prefill"] == sum(len(p) for p in prompts())  # 155 real tokens in chunks padded to up to 20
+    assert routed["decode"] == len(prompts())  # one decode pass per request (its second token)

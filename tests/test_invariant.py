@@ -1,11 +1,12 @@
 """The invariant: every offload policy, at every slot count from the minimum to all experts, with the
-synchronous and the random-delay transport, generates exactly the greedy tokens of "resident"."""
+synchronous and the random-delay transport, generates exactly the greedy tokens of "resident" on a left-padded
+batch of unequal lengths (tests/test_invariant_padding.py: the padding never reaches an expert)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_tiny_checkpoint
+from helpers import make_tiny_awq_checkpoint, make_tiny_checkpoint
 
 from moeflow import MoEOffloadedMixtral, OffloadConfig
 from moeflow.errors import SchedulingError
@@ -22,10 +23,12 @@ def tiny(tmp_path_factory):
         num_experts_per_tok=TOP_K,
     )
     gen = torch.Generator().manual_seed(0)
-    # two prompts of different lengths (left padding): the prefill needs every expert through the ring
-    ids = torch.randint(0, 97, (2, 9), generator=gen)
+    # three prompts of different lengths (left padding, which reaches no expert): the prefill needs every expert
+    # through the ring
+    ids = torch.randint(0, 97, (3, 9), generator=gen)
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
+    mask[2, :7] = 0
     resident = MoEOffloadedMixtral.from_pretrained(path, device="cpu", dtype=torch.float32,
                                                    offload=OffloadConfig(policy="resident"))
     expected = resident.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
@@ -87,15 +90,8 @@ def test_cuda_streams_keep_the_tokens(tiny, kernels):
 @pytest.fixture(scope="module")
 def tiny_awq(tmp_path_factory):
     """AWQ experts on the CPU: the reference is the resident CPU int4 path (``CpuInt4Experts``)."""
-    from moeflow.kernels.cpu_int4 import int4_cpu_available
-    from moeflow.quant.convert import quantize_checkpoint
-
-    if not int4_cpu_available():
-        pytest.skip("this torch build has no int4 CPU kernels")
-    root = tmp_path_factory.mktemp("tiny_invariant_awq")
-    src = make_tiny_checkpoint(root / "fp32", seed=11, hidden_size=128, intermediate_size=128,
-                               num_hidden_layers=LAYERS, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K)
-    awq = quantize_checkpoint(src, root / "awq", group_size=32, progress=False)
+    awq = make_tiny_awq_checkpoint(tmp_path_factory.mktemp("tiny_invariant_awq"), seed=11, num_hidden_layers=LAYERS,
+                                   num_local_experts=EXPERTS, num_experts_per_tok=TOP_K)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 97, (2, 9), generator=gen)
     mask = torch.ones_like(ids)

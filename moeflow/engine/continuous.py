@@ -295,6 +295,7 @@ class ContinuousEngine:
               mask: torch.Tensor) -> torch.Tensor:
         """One forward pass over ``seqs``' rows: ids/pos int64 [B, T], mask bool [B, T] -> logits fp32 [B, T, V]."""
         dev = self.device
+        all_real = bool(mask.all())  # on the host still: a decode pass's backend reads no mask back
         ids, pos, mask = ids.to(dev), pos.to(dev), mask.to(dev)
         rows = torch.tensor([s.row for s in seqs], dtype=torch.long, device=dev)
         view = self.cache.batch(rows, pos, mask)
@@ -302,7 +303,7 @@ class ContinuousEngine:
         stats.set_phase(phase)
         start = time.perf_counter()
         logits = self.model.runner.forward_pass(ids, view.cache_position, view, view.cache_position, mask, phase,
-                                                rows=rows, history=_history(seqs, pos, mask, dev))
+                                                rows=rows, history=_history(seqs, pos, mask, dev), all_real=all_real)
         logits = logits.cpu()
         seconds = time.perf_counter() - start
         tokens = int(mask.sum())

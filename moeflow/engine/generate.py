@@ -73,16 +73,16 @@ class Runner:
         self, ids: torch.Tensor, positions: torch.Tensor, cache: Any, cache_position: torch.Tensor,
         token_mask: torch.Tensor, phase: str, rows: torch.Tensor | None = None,
         history: tuple[torch.Tensor, torch.Tensor] | None = None, routing: RoutingRecorder | None = None,
-        path_scores: torch.Tensor | None = None, last_only: bool = False,
+        path_scores: torch.Tensor | None = None, last_only: bool = False, all_real: bool = False,
     ) -> torch.Tensor:
         """ids/positions/token_mask [B, T] (the rows ``rows`` of the batch, when a micro-batch), cache_position [T]
         -> logits fp32 [B, T, V] ([B, 1, V] with ``last_only``). ``history``: (ids, mask) [B, S] of every token
         so far, for the backend; ``path_scores`` [B, L, E]: routing-path scores predicted ahead (the dual-batch
-        pipeline's)."""
+        pipeline's); ``all_real``: the caller knows token_mask is all True (``StepInfo.all_real``)."""
         embeds = self.decoder.embed_tokens(ids)
         hist_ids, hist_mask = history if history is not None else (None, None)
         self.backend.begin_step(StepInfo(ids, positions, token_mask, phase, rows, embeds, hist_ids, hist_mask,
-                                         path_scores))
+                                         path_scores, all_real))
         # the compiled step takes no recorder (micro-batched steps run eagerly: they leave the graph anyway)
         fn = self.decode_fn if phase == "decode" and routing is None else self.decoder
         if last_only and fn is self.decoder:  # (the compiled one-token step has one position anyway)
@@ -105,23 +105,26 @@ class MicroBatcher:
         """paths bool [B, L, E] (predicted or observed) -> new micro-batches."""
         self.groups = group_by_routing(paths.cpu(), self.size)
 
-    def run(self, ids, positions, cache, cache_position, token_mask, phase: str, history) -> torch.Tensor:
-        """Logits of the last position [B, V] for inputs [B, T]; ``history``: (ids, mask) [B, S]."""
+    def run(self, ids, positions, cache, cache_position, token_mask, phase: str, history,
+            all_real: bool = False) -> torch.Tensor:
+        """Logits of the last position [B, V] for inputs [B, T]; ``history``: (ids, mask) [B, S]; ``all_real``:
+        token_mask is all True."""
         if self.size is None:
             return self.runner.forward_pass(ids, positions, cache, cache_position, token_mask, phase,
-                                            history=history, last_only=True)[:, -1]
+                                            history=history, last_only=True, all_real=all_real)[:, -1]
         logits = None
         for group in self.groups:
             rows = torch.tensor(group, dtype=torch.long, device=ids.device)
             out = self.runner.forward_pass(
                 ids[rows], positions[rows], cache.rows(rows), cache_position, token_mask[rows], phase, rows,
-                (history[0][rows], history[1][rows]), self.routing, last_only=True)[:, -1]
+                (history[0][rows], history[1][rows]), self.routing, last_only=True, all_real=all_real)[:, -1]
             if logits is None:
                 logits = out.new_empty((self.batch, out.shape[-1]))
             logits[rows] = out
             for layer, last in enumerate(self.routing.last_token_experts()):  # [b, k] per MoE layer
                 self.paths[group, layer] = False
-                self.paths[torch.tensor(group)[:, None], layer, last] = True
+                routed = last >= 0  # a finished row's token is not routed (-1)
+                self.paths[torch.tensor(group)[:, None].expand_as(last)[routed], layer, last[routed]] = True
         self.regroup(self.paths)
         return logits
 
@@ -191,8 +194,12 @@ def generate(
     stats.set_phase("prefill")
     logits = batcher.run(input_ids, positions, cache, torch.arange(t, device=device), token_mask, "prefill",
                          (hist[:, :t], hist_mask[:, :t]))
+    pass_tokens = int(token_mask.sum())  # real tokens of the pass just run (the stats count no padding)
     next_pos = positions[:, -1] + 1
     ones = torch.ones((b, 1), dtype=torch.bool, device=device)
+    # finished rows still run (their tokens are padding, discarded) but are not real: their tokens route to no
+    # expert. Eager decode only: a compiled or captured step keeps one token mask (all real).
+    mask_finished = runner.decode_fn is runner.decoder
     n = t
     pipeline: DualBatchPipeline | None = None
     sampled: torch.Tensor | None = None  # a pipeline round's tokens, sampled micro-batch by micro-batch
@@ -207,7 +214,7 @@ def generate(
         now = time.perf_counter()
         phase = stats.current()
         phase.steps += 1
-        phase.tokens += b * (t if step == 0 else 1)
+        phase.tokens += pass_tokens
         phase.time_s += now - start
         if step == 0:
             stats.ttft_s = now - start
@@ -215,7 +222,8 @@ def generate(
             decode_times.append(now - start)
         if streamer is not None:
             streamer.put(tok.cpu())
-        if step + 1 == gen.max_new_tokens or bool(finished.all()):
+        done = finished.cpu()  # the step's one read of the finished rows
+        if step + 1 == gen.max_new_tokens or bool(done.all()):
             break
         start = time.perf_counter()
         stats.set_phase("decode")
@@ -232,14 +240,16 @@ def generate(
             next_pos = next_pos + 1
             continue
         history = (hist[:, :n], hist_mask[:, :n])
-        step_info = StepInfo(tok[:, None], next_pos[:, None], ones, "decode", history_ids=history[0],
-                             history_mask=history[1])
+        running = ~finished[:, None] if mask_finished and bool(done.any()) else ones
+        pass_tokens = b - int(done.sum()) if running is not ones else b
+        step_info = StepInfo(tok[:, None], next_pos[:, None], running, "decode", history_ids=history[0],
+                             history_mask=history[1], all_real=running is ones)
         if micro_batch_size is not None:
             paths = predict_paths(step_info, True)
             if paths is not None:
                 batcher.regroup(paths)
-        logits = batcher.run(tok[:, None], next_pos[:, None], cache, torch.tensor([n - 1], device=device), ones,
-                             "decode", history)
+        logits = batcher.run(tok[:, None], next_pos[:, None], cache, torch.tensor([n - 1], device=device), running,
+                             "decode", history, all_real=running is ones)
         next_pos = next_pos + 1
     if pipeline is not None:
         pipeline.close()

@@ -184,7 +184,8 @@ class DualBatchPipeline:
                 rows = torch.tensor(group, dtype=torch.long, device=device)
                 logits = self.runner.forward_pass(tok[rows, None], next_pos[rows, None], cache.rows(rows),
                                                   torch.tensor([n - 1], device=device), ones[rows], "decode", rows,
-                                                  (hist[rows, :n], hist_mask[rows, :n]), path_scores=scores)[:, -1]
+                                                  (hist[rows, :n], hist_mask[rows, :n]), path_scores=scores,
+                                                  all_real=True)[:, -1]
                 out[rows] = pick(logits, rows)
                 hist[rows, n], hist_mask[rows, n] = out[rows], True
                 self._submit_prediction(group, hist[:, : n + 1], hist_mask[:, : n + 1])

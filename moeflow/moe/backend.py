@@ -10,6 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple
 
 import torch
@@ -36,7 +37,8 @@ class StepInfo:
     "decode".  history_ids [B, S] int64 / history_mask bool [B, S] or None: every token of each sequence so
     far, prompt and generated (path predictors read them).  path_scores [B, L, E] fp32 or None: routing-path
     scores of each row's last token predicted ahead of the pass (the dual-batch pipeline computes them beside
-    the previous micro-batch's pass; a path predictor uses them instead of predicting again).
+    the previous micro-batch's pass; a path predictor uses them instead of predicting again).  all_real: the
+    engine knows on the host that every token is real (a decode step of running rows): no read of token_mask.
     """
 
     input_ids: torch.Tensor
@@ -48,6 +50,19 @@ class StepInfo:
     history_ids: torch.Tensor | None = None
     history_mask: torch.Tensor | None = None
     path_scores: torch.Tensor | None = None
+    all_real: bool = False
+
+    @cached_property
+    def real_tokens(self) -> torch.Tensor | None:
+        """The real tokens' indices int64 [N] into the pass's B*T tokens flattened row by row (the order an MoE
+        block sees them), on token_mask's device; None when every token is real. One host read of token_mask
+        (unless ``all_real``), made once per pass."""
+        if self.all_real:
+            return None
+        flat = self.token_mask.reshape(-1).cpu()
+        if bool(flat.all()):
+            return None
+        return flat.nonzero().flatten().to(self.token_mask.device)
 
 
 class ExpertBackend(ABC):
@@ -66,8 +81,12 @@ class ExpertBackend(ABC):
     def finish_loading(self) -> None:  # noqa: B027 (optional hook)
         """Called once after every expert was loaded (checks, warm start). Default: nothing to do."""
 
-    def begin_step(self, step: StepInfo) -> None:  # noqa: B027 (optional hook)
-        """Called by the engine before layer 0 of every forward pass. Default: nothing to do."""
+    _real_tokens: tuple[torch.Tensor | None, int] | None = None  # this pass's (StepInfo.real_tokens, B*T)
+
+    def begin_step(self, step: StepInfo) -> None:
+        """Called by the engine before layer 0 of every forward pass. The base keeps the pass's real tokens, which
+        :meth:`forward_logits` computes alone; an override calls it."""
+        self._real_tokens = (step.real_tokens, step.token_mask.numel())
 
     def predict_paths(self, step: StepInfo, last_only: bool = False) -> torch.Tensor | None:
         """Predicted routing paths bool [B, L, E] for micro-batch grouping, or None (no path predictor)."""
@@ -88,9 +107,35 @@ class ExpertBackend(ABC):
         when ``want_ids``, else None). ``route`` is the block's router (logits -> probs, ids, weights);
         ``kernel_routing`` says the kernels may compute the same router themselves (None: they cannot).
 
-        Default: ``route`` then :meth:`forward`. A backend whose kernels fuse the routing into their launches
-        overrides it (:class:`~moeflow.moe.resident.ResidentExperts` on the Triton path).
+        Tokens that are not real (left padding, a finished row, a short chunk's right padding:
+        ``StepInfo.real_tokens``) are left out before routing, so they pull in, count and cost nothing anywhere
+        behind this seam; their output is 0 (finite: nothing can leak into real tokens through attention) and
+        their ids -1. The real tokens go through :meth:`_route_and_forward`.
         """
+        real = self._real_tokens
+        if real is None or real[0] is None or real[1] != x.shape[0]:  # every token real (or a call outside a pass)
+            return self._route_and_forward(layer, x, router_logits, route, kernel_routing, want_ids)
+        index = real[0]
+        out = x.new_zeros(x.shape)
+        if not index.numel():  # no real token at all (a micro-batch of finished rows)
+            k = route(router_logits[:1])[1].shape[1] if want_ids else 0
+            return out, torch.full((x.shape[0], k), -1, dtype=torch.int32, device=x.device) if want_ids else None
+        part, part_ids = self._route_and_forward(layer, x.index_select(0, index), router_logits.index_select(0, index),
+                                                 route, kernel_routing, want_ids)
+        out.index_copy_(0, index, part)
+        if not want_ids:
+            return out, None
+        ids = torch.full((x.shape[0], part_ids.shape[1]), -1, dtype=torch.int32, device=x.device)
+        return out, ids.index_copy_(0, index, part_ids.to(torch.int32))
+
+    def _route_and_forward(
+        self, layer: int, x: torch.Tensor, router_logits: torch.Tensor,
+        route: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        kernel_routing: KernelRouting | None, want_ids: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`forward_logits` of tokens that are all real. Default: ``route`` then :meth:`forward`. A backend
+        whose kernels fuse the routing into their launches overrides it
+        (:class:`~moeflow.moe.resident.ResidentExperts` on the Triton path)."""
         probs, ids, weights = route(router_logits)
         return self._forward_to_call()(layer, x, probs, ids, weights), ids if want_ids else None
 

@@ -17,7 +17,8 @@ from moeflow.moe.routing import RouterSpec, make_router
 
 
 class RoutingRecorder:
-    """Keeps, for the forward pass that just ran, each MoE layer's top-k ids [B, T, k] (int32).
+    """Keeps, for the forward pass that just ran, each MoE layer's top-k ids [B, T, k] (int32; -1 for tokens
+    that are not real, which are routed to no expert).
 
     Owned by the engine (micro-batch grouping reads the path each sequence's last token took) and passed
     into the forward pass explicitly; blocks record into it only when they are given one.

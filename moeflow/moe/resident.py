@@ -35,11 +35,11 @@ class ResidentExperts(ExpertBackend):
             validate=False if x.is_cuda else None,
         )
 
-    def forward_logits(self, layer, x, router_logits, route, kernel_routing: KernelRouting | None, want_ids):
+    def _route_and_forward(self, layer, x, router_logits, route, kernel_routing: KernelRouting | None, want_ids):
         """On the Triton path a plain softmax top-k is computed by the plan launch itself: with the two expert
         GEMMs and the combine, 4 launches per layer at decode (``kernels.moe_forward(router_logits=...)``)."""
         if kernel_routing is None or kernels.resolve_backend(self.kernels_backend, x.device) != "triton":
-            return super().forward_logits(layer, x, router_logits, route, kernel_routing, want_ids)
+            return super()._route_and_forward(layer, x, router_logits, route, kernel_routing, want_ids)
         result = kernels.moe_forward(
             x, None, None, self.pool, self.slot_tables[layer], "triton", validate=False if x.is_cuda else None,
             router_logits=router_logits, top_k=kernel_routing.top_k, renormalize=kernel_routing.renormalize,

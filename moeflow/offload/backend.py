@@ -165,7 +165,9 @@ class OffloadedExperts(ExpertBackend):
 
     # ------------------------------------------------------------------ one pass
     def begin_step(self, step: StepInfo) -> None:
-        """Hand the pass to the predictor (FineMoE's semantic search, ExpertFlow's path plan)."""
+        """Keep the pass's real tokens (the base's); hand the pass to the predictor (FineMoE's semantic search,
+        ExpertFlow's path plan)."""
+        super().begin_step(step)
         if self.predictor is not None:
             self.predictor.begin_step(step)
 
@@ -173,12 +175,14 @@ class OffloadedExperts(ExpertBackend):
         return self.predictor.predict_paths(step, last_only) if self.predictor is not None else None
 
     # ------------------------------------------------------------------ one layer
-    def forward_logits(self, layer, x, router_logits, route, kernel_routing, want_ids):
+    def _route_and_forward(self, layer, x, router_logits, route, kernel_routing, want_ids):
         """On the Triton path a plain softmax top-k is routed by the resident backend's fused plan kernel, so
-        it is routed here by the same kernel (one launch; bitwise the resident routing); probs only for a predictor."""
+        it is routed here by the same kernel (one launch; bitwise the resident routing); probs only for a predictor.
+        Only real tokens get here (``ExpertBackend.forward_logits``): the needed-expert read-back, the predictor's
+        observations, the cache's counts and the CPU-vs-copy choice never see padding."""
         if kernel_routing is None or self.kernels_backend not in ("triton", "auto") \
                 or kernels.resolve_backend(self.kernels_backend, x.device) != "triton":
-            return super().forward_logits(layer, x, router_logits, route, kernel_routing, want_ids)
+            return super()._route_and_forward(layer, x, router_logits, route, kernel_routing, want_ids)
         ids, weights = kernels.route(router_logits, kernel_routing.top_k, "triton",
                                      renormalize=kernel_routing.renormalize)
         probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32) if self.predictor is not None else None

@@ -46,7 +46,8 @@ class FineMoERuntime(LearnedPredictorRuntime):
             return
         pred = self.predictor
         pred.end_iteration()
-        pred.begin_iteration(step.embeds.detach().reshape(-1, step.embeds.shape[-1]))
+        embeds, real = step.embeds.detach().reshape(-1, step.embeds.shape[-1]), step.real_tokens
+        pred.begin_iteration(embeds if real is None else embeds.index_select(0, real))  # padding searches nothing
         if self._runtime is None:
             return
         for target in range(min(pred.distance, pred.shape.num_layers)):  # the semantic search's guesses
