@@ -34,11 +34,17 @@ class EvalSequential:
         steps: list[tuple] = []
         for m in self.seq:
             if type(m) is nn.Linear:
-                steps.append(("linear", m.weight, m.bias))
+                if m.bias is not None:  # what linear() itself calls for a 2-d input with a bias: addmm(b, x, W.t())
+                    steps.append(("addmm", m.bias, m.weight.t()))
+                else:
+                    steps.append(("linear", m.weight, None))
             elif type(m) is nn.BatchNorm1d and m.track_running_stats and m.running_mean is not None:
-                steps.append(("bn", m.weight, m.bias, m.running_mean, m.running_var, m.eps))
+                # on the CPU torch.batch_norm calls native_batch_norm (cuDNN and MIOpen are GPU-only): the same kernel
+                kind = "native_bn" if m.running_mean.device.type == "cpu" else "bn"
+                steps.append((kind, m.weight, m.bias, m.running_mean, m.running_var, m.eps))
             elif type(m) is nn.ReLU:
-                steps.append(("relu",))
+                # in place on an intermediate this runner made, never on the caller's input
+                steps.append(("relu_" if steps else "relu",))
             elif type(m) is nn.Dropout:
                 continue
             else:
@@ -59,16 +65,29 @@ class EvalSequential:
         return self._run(x)
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
+        """x [R, in] -> [R, out]; for a 2-d x (what the predictors give)."""
+        if x.dim() != 2:
+            with torch.no_grad():
+                return self.seq(x)
         cudnn = torch.backends.cudnn.enabled
+        addmm, linear, native_bn, batch_norm, relu, relu_ = (torch.addmm, torch._C._nn.linear, torch.native_batch_norm,
+                                                             torch.batch_norm, torch.relu, torch.relu_)
         for step in self._steps:
             kind = step[0]
-            if kind == "linear":
-                x = torch._C._nn.linear(x, step[1], step[2])
+            if kind == "addmm":
+                x = addmm(step[1], x, step[2])
+            elif kind == "native_bn":
+                _, w, b, mean, var, eps = step
+                x = native_bn(x, w, b, mean, var, False, 0.0, eps)[0]
+            elif kind == "relu_":
+                x = relu_(x)
             elif kind == "bn":
                 _, w, b, mean, var, eps = step
-                x = torch.batch_norm(x, w, b, mean, var, False, 0.0, eps, cudnn)
+                x = batch_norm(x, w, b, mean, var, False, 0.0, eps, cudnn)
+            elif kind == "linear":
+                x = linear(x, step[1], step[2])
             else:
-                x = torch.relu(x)
+                x = relu(x)
         return x
 
 
