@@ -14,7 +14,7 @@ from torch import nn
 
 from moeflow.cli import embedded_model_path
 from moeflow.offload.predictors import DuoServePredictor, ModelShape, load_predictor
-from moeflow.offload.predictors.eval_mlp import EvalSequential
+from moeflow.offload.predictors.eval_mlp import EvalSequential, cpu_batch_norm_affine
 from moeflow.offload.readback import AsyncHostCopy
 
 SHIPPED = embedded_model_path() / "predictors"
@@ -45,6 +45,55 @@ def test_eval_sequential_is_bitwise_the_shipped_modules(kind):
             with torch.inference_mode():
                 assert torch.equal(_bits(fast(x)), _bits(ref))
             assert torch.equal(x, x.clone())  # the input untouched (ReLU runs in place on intermediates only)
+
+
+def test_batch_norm_affine_is_the_kernel_beyond_its_probe():
+    """Where the planned (alpha, beta) are accepted, addcmul gives the CPU kernel's bits on inputs the probe never
+    saw: other seeds, huge and tiny values, zeros of both signs, infinities; a layer whose beta has a zero of
+    the wrong sign is refused (the kernel is kept)."""
+    pred = load_predictor(SHIPPED / "duoserve.pt")
+    g = torch.Generator().manual_seed(11)
+    for bn in (m for m in pred.mlp if isinstance(m, nn.BatchNorm1d)):
+        with torch.no_grad():
+            affine = cpu_batch_norm_affine(bn)
+        if affine is None:  # this build's kernel computes otherwise: nothing to check
+            continue
+        alpha, beta = affine
+        x = torch.randn(33, bn.num_features, generator=g) * torch.logspace(-30, 30, 33)[:, None]
+        x[0, :4] = torch.tensor([0.0, -0.0, float("inf"), -float("inf")])
+        with torch.inference_mode():
+            ref = torch.batch_norm(x, bn.weight, bn.bias, bn.running_mean, bn.running_var, False, 0.0, bn.eps, True)
+            assert torch.equal(_bits(torch.addcmul(beta, x, alpha)), _bits(ref))
+    bn = nn.BatchNorm1d(4).eval()
+    with torch.no_grad():
+        bn.bias.copy_(torch.tensor([-0.0, 1.0, 2.0, 3.0]))  # mean 0: beta = -0 - 0 * alpha = -0
+        assert cpu_batch_norm_affine(bn) is None
+
+
+def test_eval_sequential_replans_after_the_parameters_change():
+    """load_state_dict, a call in training mode (an optimizer step may follow) and reset() drop the plan."""
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(6, 5), nn.BatchNorm1d(5), nn.ReLU(), nn.Linear(5, 3)).eval()
+    other = nn.Sequential(nn.Linear(6, 5), nn.BatchNorm1d(5), nn.ReLU(), nn.Linear(5, 3))
+    with torch.no_grad():
+        other[1].running_mean.uniform_(-1, 1)
+        other[1].running_var.uniform_(0.5, 2)
+    fast = EvalSequential(mlp)
+    x = torch.randn(2, 6)
+    with torch.no_grad():
+        assert torch.equal(fast(x), mlp(x))
+        mlp.load_state_dict(other.state_dict())
+        assert torch.equal(fast(x), mlp(x)) and torch.equal(fast(x), other.eval()(x))
+    mlp.train()
+    fast(torch.randn(4, 6))  # training mode: the module; the plan is dropped
+    with torch.no_grad():
+        mlp[1].running_var.mul_(3.0)
+    mlp.eval()
+    with torch.no_grad():
+        assert torch.equal(fast(x), mlp(x))
+        mlp[1].bias.add_(1.0)
+        fast.reset()
+        assert torch.equal(fast(x), mlp(x))
 
 
 def test_eval_sequential_leading_relu_leaves_the_input_alone():
