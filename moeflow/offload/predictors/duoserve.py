@@ -143,7 +143,7 @@ class DuoServePredictor(ExpertPredictor):
         st = self._decode_state
         if st is None or st.device != ids.device:
             st = self._decode_state = DecodeState(self.shape, self.in_dim, ids.device)
-        return st.state(self._topk, self.popularity[target_layer], self.affinity[source_layer], source_layer)
+        return st.state(self._topk, self.popularity, self.affinity, target_layer, source_layer)
 
     def _clear_iteration(self) -> None:
         super()._clear_iteration()
@@ -224,29 +224,33 @@ class DecodeState:
         self._affinity = self.buffer[0, L * E + E :].view(k, E)  # the k chosen rows
         self.written = 0  # layers 0..written-1 of this iteration are in h_t
         self._stale = False  # h_t holds an earlier iteration's path
+        self._rows: tuple | None = None  # (popularity, affinity, their rows): the predictor's tensors, by identity
 
     def restart(self) -> None:
         """A new iteration: h_t is cleared at the next call."""
         self._stale = self._stale or self.written > 0
         self.written = 0
 
-    def state(self, topk: dict[int, torch.Tensor], popularity: torch.Tensor, affinity: torch.Tensor,
+    def state(self, topk: dict[int, torch.Tensor], popularity: torch.Tensor, affinity: torch.Tensor, target: int,
               source: int) -> torch.Tensor | None:
-        """topk: layer -> int64 ids [1, k] of this iteration; popularity [E] of the target layer; affinity [E, E]
-        of the source layer -> the state [1, in_dim] (this object's buffer), or None if layers past ``source`` are
-        already written (an earlier target asked after later layers)."""
+        """topk: layer -> int64 ids [1, k] of this iteration; popularity [L, E]; affinity [L - d, E, E] -> the state
+        of ``target`` from layers 0..``source`` [1, in_dim] (this object's buffer), or None if layers past
+        ``source`` are already written (an earlier target asked after later layers)."""
         if source < self.written - 1:
             return None
-        if any(layer not in topk for layer in range(self.written, source + 1)):
-            return None
+        for layer in range(self.written, source + 1):
+            if layer not in topk:
+                return None
         if self._stale:
             self._path.zero_()
             self._stale = False
         for layer in range(self.written, source + 1):
             self._layer[layer].scatter_(1, topk[layer], 1.0)
         self.written = source + 1
-        self._popularity.copy_(popularity)
-        torch.index_select(affinity, 0, topk[source][0], out=self._affinity)
+        if self._rows is None or self._rows[0] is not popularity or self._rows[1] is not affinity:
+            self._rows = (popularity, affinity, popularity.unbind(0), affinity.unbind(0))  # row views, made once
+        self._popularity.copy_(self._rows[2][target])
+        torch.index_select(self._rows[3][source], 0, topk[source].view(-1), out=self._affinity)
         return self.buffer
 
 
