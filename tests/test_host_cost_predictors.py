@@ -143,6 +143,12 @@ def test_one_row_state_is_the_state_vector(distance):
             assert p._one_row_state(2, 1) is None
             path = torch.stack([p._topk[s] for s in range(2)], dim=1)
             assert torch.equal(p.predict(2), torch.sigmoid(p.mlp(p.state_vector(path, 2))))
+    p.begin_iteration()  # a layer observed twice in one iteration: the state of its latest ids
+    for layer, ids in ((0, [1, 2]), (1, [3, 4]), (1, [5, 6]), (2, [7, 0])):
+        p.observe(layer, None, torch.full((1, 8), 1 / 8), torch.tensor([ids], dtype=torch.int32))
+        if layer + distance < L:
+            path = torch.stack([p._topk[s] for s in range(layer + 1)], dim=1)
+            assert torch.equal(p._one_row_state(layer + distance, layer), p.state_vector(path, layer + distance))
     p.begin_iteration()
     p.observe(0, None, torch.full((2, 8), 1 / 8), torch.tensor([[0, 1], [2, 3]], dtype=torch.int32))
     assert p._one_row_state(distance, 0) is None  # two rows: the general state

@@ -150,6 +150,11 @@ class DuoServePredictor(ExpertPredictor):
         if self._decode_state is not None:
             self._decode_state.restart()
 
+    def _on_observe(self, layer: int) -> None:
+        st = self._decode_state
+        if st is not None and layer < st.written:  # a layer observed again: its new ids replace the written ones
+            st.restart()
+
     def _move(self, device: torch.device) -> None:
         self.affinity = self.affinity.to(device)
         self.mlp.to(device)
