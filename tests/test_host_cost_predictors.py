@@ -15,7 +15,6 @@ from torch import nn
 from moeflow.cli import embedded_model_path
 from moeflow.offload.predictors import DuoServePredictor, ModelShape, load_predictor
 from moeflow.offload.predictors.eval_mlp import EvalSequential, cpu_batch_norm_affine
-from moeflow.offload.readback import AsyncHostCopy
 
 SHIPPED = embedded_model_path() / "predictors"
 
@@ -174,9 +173,20 @@ def test_one_row_proposal_is_the_padded_top_k():
             assert target == layer + 1 and torch.equal(proposed, want)
 
 
-def test_async_host_copy_on_the_cpu_is_a_snapshot():
-    copy = AsyncHostCopy("cpu")
-    ids = torch.tensor([3, 1, -1], dtype=torch.int32)
-    copy.post(ids)
-    ids[0] = 7
-    assert copy.ready() and copy.values() == [3, 1, -1] and copy.n == 3
+def test_duoserve_on_the_cpu_collects_its_proposal_without_a_host_copy():
+    """On the CPU the prediction's ids are read where they are (no copy into a host buffer): the same ids the
+    learned predictor proposed, at the layer's first poll, once."""
+    from moeflow.offload.policies.duoserve import OverlappedPredictor
+
+    runtime = OverlappedPredictor(load_predictor(SHIPPED / "duoserve.pt"), "cpu")
+    pred = runtime.predictor
+    E, k = pred.shape.num_experts, pred.shape.top_k
+    assert runtime._copy is None
+    with torch.inference_mode():
+        ids = torch.tensor([[1, 4]], dtype=torch.int32)
+        runtime.observe(0, torch.zeros(1, 4), torch.full((1, E), 1 / E), ids)
+        (target, want), = pred.propose(0, torch.zeros(1, 4))
+        assert runtime.collect_proposals(1) == []  # another layer's poll
+        assert runtime.collect_proposals(0) == [(target, want.tolist())] and target == 1
+        assert runtime.collect_proposals(0) == []  # collected once
+        assert sum(e >= 0 for e in want.tolist()) == k

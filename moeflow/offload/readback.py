@@ -110,24 +110,21 @@ class AsyncHostCopy:
         self.host = _pinned(capacity, torch.int64, self.device)
         self.event = torch.cuda.Event(blocking=True) if self.cuda else None
         self.n = 0
-        self._values: list[int] = []  # the CPU's: the last post's values
 
     def post(self, ids: torch.Tensor) -> None:
         n = ids.numel()
-        if not self.cuda:  # host memory already: the values now (a snapshot, as the copy would be)
-            self._values, self.n = ids.reshape(-1).tolist(), n
-            return
         if n > self.host.numel():
             self.host = _pinned(2 * n, torch.int64, self.device)
-        self.host[:n].copy_(ids.reshape(-1).to(torch.int64), non_blocking=True)
-        self.event.record()
+        self.host[:n].copy_(ids.reshape(-1).to(torch.int64), non_blocking=self.cuda)
+        if self.cuda:
+            self.event.record()
         self.n = n
 
     def ready(self) -> bool:
         return self.event is None or self.event.query()
 
     def values(self) -> list[int]:
-        return self._values if not self.cuda else self.host[: self.n].tolist()
+        return self.host[: self.n].tolist()
 
 
 class PinnedRing:
