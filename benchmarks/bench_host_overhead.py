@@ -120,32 +120,43 @@ def _summary(med: list[float], mean: list[float], hits: list[float], p10: list[f
     return out
 
 
+def noop_steps(model, steps: int, seed: int):
+    """The no-op driver's inputs: per decode step (one token) its StepInfo and, per MoE layer, (x [1, H], probs
+    [1, E], topk_ids int32 [1, k], topk_weights [1, k]) with seeded uniform routing; real token ids (the path
+    predictor's vocabulary)."""
+    E, L = model.experts.num_experts, model.experts.num_layers
+    k, H = model.config.num_experts_per_tok, model.config.hidden_size
+    gen = torch.Generator().manual_seed(seed)
+    text = model.tokenizer.encode(PROMPT * (1 + steps // 8))
+    history = torch.tensor([text[: 8 + steps]])
+    for step in range(steps):
+        ids = history[:, 8 + step : 9 + step]
+        embeds = torch.randn(1, 1, H, generator=gen)
+        info = StepInfo(ids, torch.tensor([[8 + step]]), torch.ones_like(ids, dtype=torch.bool), "decode", None,
+                        embeds, history[:, : 9 + step], torch.ones(1, 9 + step, dtype=torch.bool))
+        layers = []
+        for _ in range(L):
+            x = torch.randn(1, H, generator=gen)
+            probs = torch.softmax(torch.randn(1, E, generator=gen), -1)
+            top = torch.randperm(E, generator=gen)[:k].view(1, k).to(torch.int32)
+            w = probs.gather(1, top.long())
+            layers.append((x, probs, top, w / w.sum(-1, keepdim=True)))
+        yield info, layers
+
+
 @torch.inference_mode()  # as the model's generate() runs its decode
 def noop_us_per_layer(model, policy: str, slots: int, steps: int, repeats: int) -> dict:
     """Drive a no-op-kernel backend directly: one decode token per step, seeded uniform routing."""
-    E, L = model.experts.num_experts, model.experts.num_layers
-    k, H = model.config.num_experts_per_tok, model.config.hidden_size
     med, mean, hits, p10, step_p10 = [], [], [], [], []
     for r in range(repeats):
-        gen = torch.Generator().manual_seed(r)
         backend = _backend(model, policy, slots, noop=True)
         timed = _Timed(backend)
         model.stats.reset()
         model.stats.set_phase("decode")
-        text = model.tokenizer.encode(PROMPT * (1 + steps // 8))  # real token ids (the path predictor's vocabulary)
-        history = torch.tensor([text[: 8 + steps]])
-        for step in range(steps):
-            ids = history[:, 8 + step : 9 + step]
-            embeds = torch.randn(1, 1, H, generator=gen)
-            info = StepInfo(ids, torch.tensor([[8 + step]]), torch.ones_like(ids, dtype=torch.bool), "decode", None,
-                            embeds, history[:, : 9 + step], torch.ones(1, 9 + step, dtype=torch.bool))
+        for info, layers in noop_steps(model, steps, r):
             timed.begin_step(info)
-            for layer in range(L):
-                x = torch.randn(1, H, generator=gen)
-                probs = torch.softmax(torch.randn(1, E, generator=gen), -1)
-                top = torch.randperm(E, generator=gen)[:k].view(1, k).to(torch.int32)
-                w = probs.gather(1, top.long())
-                timed.forward(layer, x, probs, top, w / w.sum(-1, keepdim=True))
+            for layer, args in enumerate(layers):
+                timed.forward(layer, *args)
         backend.close()
         a, b = timed.us_per_layer()
         med.append(a)

@@ -28,7 +28,7 @@ class OverlappedPredictor(LearnedPredictorRuntime):
     synchronisation point) polls the copy's event and hands the ids over once they landed; if they have not
     by the end of the layer, :meth:`propose` of the next layer hands the device ids to that layer's one
     read-back (the compute stream waits for the side stream there: an ordering, not a host wait). On the CPU
-    the prediction runs in ``observe`` and is collected at the first poll.
+    the prediction runs in ``observe`` and its ids (host memory already, no copy) are collected at the first poll.
     """
 
     proposes_late = True
@@ -37,7 +37,8 @@ class OverlappedPredictor(LearnedPredictorRuntime):
         super().__init__(predictor)
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._copy = AsyncHostCopy(self.device)
+        # the ids' copy to pinned host memory; on the CPU they are host memory already (read when collected)
+        self._copy = AsyncHostCopy(self.device) if self.stream is not None else None
         self._pending: tuple[int, int, torch.Tensor] | None = None  # (layer, target, device ids)
         self._carry: tuple[int, int, torch.Tensor] | None = None  # the previous layer's, never collected
 
@@ -55,8 +56,6 @@ class OverlappedPredictor(LearnedPredictorRuntime):
                     self._copy.post(proposals[0][1])
         else:
             proposals = pred.propose(layer, x)
-            if proposals:
-                self._copy.post(proposals[0][1])
         if proposals:
             (target, ids), = proposals
             self._pending = (layer, target, ids)
@@ -72,11 +71,12 @@ class OverlappedPredictor(LearnedPredictorRuntime):
         return [(pending[1], pending[2])]
 
     def collect_proposals(self, layer: int) -> Proposals:
-        if self._pending is None or self._pending[0] != layer or not self._copy.ready():
+        if self._pending is None or self._pending[0] != layer or (self._copy is not None and not self._copy.ready()):
             return []
-        _, target, _ = self._pending
+        _, target, ids = self._pending
         self._pending = None
-        return [(target, self._copy.values())]
+        # a fresh tensor per proposal, never written after: reading it now is reading it when it was made
+        return [(target, self._copy.values() if self._copy is not None else ids.reshape(-1).tolist())]
 
 
 def _duoserve_predictor(ctx: PolicyContext) -> OverlappedPredictor:

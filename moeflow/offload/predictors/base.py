@@ -151,6 +151,7 @@ class ExpertPredictor(Predictor):
         self._rows: int | None = None  # T of the current iteration
         self._last_layer = -1
         self._fresh = False  # begin_iteration() called and no layer observed since
+        self._paddings: dict[tuple[int, torch.device], torch.Tensor] = {}  # see _padding
 
     # ------------------------------------------------------------------ state
     def reset(self) -> None:
@@ -231,7 +232,7 @@ class ExpertPredictor(Predictor):
                 self._rows = t.shape[0]
             elif t.shape[0] != self._rows:
                 raise PredictorError(f"{name} has {t.shape[0]} rows, but this iteration has {self._rows} tokens")
-        return t.detach()
+        return t.detach() if t.requires_grad else t
 
     # ------------------------------------------------------------------ prediction
     def source_layer(self, target_layer: int) -> int:
@@ -290,8 +291,7 @@ class ExpertPredictor(Predictor):
         if scores.shape[0] == 1 and max_experts is None and self._default_selection:
             # one row (decode), the default top-k: ranked by p / distance is ranked by score, which topk gives
             k = min(self.shape.top_k, self.shape.num_experts)
-            ids = torch.full((self.shape.num_experts,), -1, dtype=torch.int64, device=scores.device)
-            ids[:k] = torch.topk(scores[0].float(), k).indices
+            ids = torch.cat((torch.topk(scores[0].float(), k).indices, self._padding(k, scores.device)))
             return [(target, ids.to(x.device))]
         mask = self.predicted_mask(scores, target)
         prio = torch.where(mask, self.prefetch_priority(scores, target, layer), 0.0)
@@ -304,6 +304,14 @@ class ExpertPredictor(Predictor):
         # counting the selection (a device->host read) is left to the layer's one read-back
         ranked, order = torch.sort(torch.where(chosen, mass, -1.0), descending=True)
         return [(target, torch.where(ranked >= 0, order, -1).to(x.device))]
+
+    def _padding(self, k: int, device: torch.device) -> torch.Tensor:
+        """int64 [E - k] of -1 on ``device`` (made once; read only): a one-row proposal's padding."""
+        pads = self._paddings
+        pad = pads.get((k, device))
+        if pad is None:
+            pad = pads[(k, device)] = torch.full((self.shape.num_experts - k,), -1, dtype=torch.int64, device=device)
+        return pad
 
     @property
     def _default_selection(self) -> bool:

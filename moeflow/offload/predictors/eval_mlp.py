@@ -18,14 +18,27 @@ class EvalSequential:
 
     Bitwise the module's own output (the same kernels, in the same order; Dropout is the identity in eval
     mode), without the per-module call overhead (hooks, ``__getattr__``, BatchNorm's argument logic: ~2-4 us a
-    module on a small CPU, 26 modules in DuoServe's ExpertMLP), and under ``no_grad`` only when grad is on.
-    The parameter tensors are gathered on first use; :meth:`reset` after moving the module (``.to`` replaces
-    buffers). Any other module, or a module in training mode, runs through the module itself.
+    module on a small CPU, 26 modules in DuoServe's ExpertMLP), and under ``no_grad`` only when grad is on:
+
+    * Linear: ``addmm(b, x, W.t())``, what ``linear`` itself calls for a 2-d input with a bias (W.t() made once);
+    * BatchNorm1d on the CPU: the kernel computes ``x * alpha + beta`` per channel with alpha and beta worked out
+      from the statistics on every call; they are worked out once here (:func:`cpu_batch_norm_affine`, checked
+      bit for bit against the kernel when planned, else the kernel itself) and applied with one ``addcmul``.
+      On a GPU ``torch.batch_norm`` as the module calls it (cuDNN);
+    * ReLU in place on the intermediates this runner made (never on the caller's input).
+
+    The plan is made on first use and dropped by :meth:`reset` (after ``.to``, which replaces the tensors, or an
+    in-place change of the parameters), by ``load_state_dict`` and by any call in training mode (an optimizer
+    may change the parameters after it). Any other module, or a module in training mode, runs the module itself.
     """
 
     def __init__(self, seq: nn.Sequential) -> None:
         self.seq = seq
         self._steps: list[tuple] | None = None
+        seq.register_load_state_dict_post_hook(self._loaded)
+
+    def _loaded(self, module: nn.Module, incompatible_keys) -> None:
+        self._steps = None
 
     def reset(self) -> None:
         self._steps = None
@@ -34,11 +47,18 @@ class EvalSequential:
         steps: list[tuple] = []
         for m in self.seq:
             if type(m) is nn.Linear:
-                steps.append(("linear", m.weight, m.bias))
+                if m.bias is not None:
+                    steps.append(("addmm", m.bias, m.weight.t()))
+                else:
+                    steps.append(("linear", m.weight, None))
             elif type(m) is nn.BatchNorm1d and m.track_running_stats and m.running_mean is not None:
-                steps.append(("bn", m.weight, m.bias, m.running_mean, m.running_var, m.eps))
+                affine = cpu_batch_norm_affine(m) if m.running_mean.device.type == "cpu" else None
+                if affine is not None:
+                    steps.append(("affine", *affine))
+                else:
+                    steps.append(("bn", m.weight, m.bias, m.running_mean, m.running_var, m.eps))
             elif type(m) is nn.ReLU:
-                steps.append(("relu",))
+                steps.append(("relu_" if steps else "relu",))
             elif type(m) is nn.Dropout:
                 continue
             else:
@@ -47,10 +67,12 @@ class EvalSequential:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.seq.training:
+            self._steps = None  # the parameters may change before the next eval call
             return self.seq(x)
         if self._steps is None:
-            self._steps = self._plan() or []
-        if not self._steps:
+            with torch.no_grad():
+                self._steps = self._plan() or []
+        if not self._steps or x.dim() != 2:
             with torch.no_grad():
                 return self.seq(x)
         if torch.is_grad_enabled():
@@ -59,17 +81,57 @@ class EvalSequential:
         return self._run(x)
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
+        """x [R, in] -> [R, out]."""
         cudnn = torch.backends.cudnn.enabled
+        addmm, addcmul, relu_ = torch.addmm, torch.addcmul, torch.relu_
         for step in self._steps:
             kind = step[0]
-            if kind == "linear":
-                x = torch._C._nn.linear(x, step[1], step[2])
+            if kind == "addmm":
+                x = addmm(step[1], x, step[2])
+            elif kind == "affine":
+                x = addcmul(step[2], x, step[1])  # beta + x * alpha
+            elif kind == "relu_":
+                x = relu_(x)
             elif kind == "bn":
                 _, w, b, mean, var, eps = step
                 x = torch.batch_norm(x, w, b, mean, var, False, 0.0, eps, cudnn)
+            elif kind == "linear":
+                x = torch._C._nn.linear(x, step[1], step[2])
             else:
                 x = torch.relu(x)
         return x
+
+
+def cpu_batch_norm_affine(bn: nn.BatchNorm1d, probe_rows: int = 64) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(alpha [C], beta [C]) with ``addcmul(beta, x, alpha)`` bitwise the eval-mode CPU kernel on x [R, C], or None.
+
+    The CPU kernel computes, per channel, alpha = rsqrt(var + eps) * weight and beta = bias - mean * alpha, then
+    x * alpha + beta (whether each multiply-add is fused is the build's choice). The same formulas in torch ops
+    are checked here against the kernel on a probe of random rows spanning eight decades (and on one row), bit
+    for bit, with beta also against the kernel's own output for x = 0: any difference (another build, another
+    vector unit) gives None and the caller keeps the kernel. Call under ``no_grad``.
+    """
+    C, eps = bn.num_features, bn.eps
+    w = bn.weight if bn.weight is not None else torch.ones(C)
+    b = bn.bias if bn.bias is not None else torch.zeros(C)
+    mean, var = bn.running_mean, bn.running_var
+    if mean.dtype != torch.float32 or w.dtype != torch.float32:
+        return None
+    alpha = torch.rsqrt(var + eps) * w
+    beta = torch.addcmul(b, mean, alpha, value=-1)
+
+    def kernel(x: torch.Tensor) -> torch.Tensor:
+        return torch.native_batch_norm(x, bn.weight, bn.bias, mean, var, False, 0.0, eps)[0]
+
+    g = torch.Generator().manual_seed(C)
+    probe = torch.randn(probe_rows, C, generator=g) * torch.logspace(-4, 4, probe_rows)[:, None]
+    probe[0] = 0.0
+    for x, ref in ((probe, kernel(probe)), (probe[1:2], kernel(probe[1:2]))):
+        if not torch.equal(torch.addcmul(beta, x, alpha).view(torch.int32), ref.view(torch.int32)):
+            return None
+    if not torch.equal(beta.view(torch.int32), kernel(probe[:1])[0].view(torch.int32)):
+        return None
+    return alpha, beta
 
 
 class EvalEncoder:

@@ -171,14 +171,15 @@ class FineMoEPredictor(ExpertPredictor):
 
     def _on_observe(self, layer: int) -> None:
         E, L = self.shape.num_experts, self.shape.num_layers
-        ids = self._topk[layer].reshape(-1).cpu().tolist()
+        top, probs = self._topk[layer], self._probs[layer]
+        ids = (top if top.is_cpu else top.cpu()).reshape(-1).tolist()
         freq = self.freq.numpy()[layer]
         if len(set(ids)) == len(ids):  # a decode step's top-k: += 1 each is exactly bincount's += count
             for e in ids:
                 freq[e] += 1
         else:
             freq += np.bincount(np.asarray(ids, dtype=np.int64), minlength=E)
-        row = self._rows_of(self._probs[layer].cpu())
+        row = self._rows_of(probs if probs.is_cpu else probs.cpu())
         if self._traj is None or self._traj.shape[0] != row.shape[0]:
             self._traj = torch.zeros(row.shape[0], L, E)
         self._traj.numpy()[:, layer] = row.numpy()  # incremental: earlier layers are never copied again
@@ -272,7 +273,8 @@ class FineMoEPredictor(ExpertPredictor):
 
     def _remember(self, target: int, found: tuple[torch.Tensor, torch.Tensor]) -> None:
         self._found[target] = found
-        self.guidance.numpy()[target] = found[0].numpy().max(0)
+        p = found[0].numpy()
+        self.guidance.numpy()[target] = p[0] if p.shape[0] == 1 else p.max(0)  # one row: its own values
 
     def search_score(self, target_layer: int) -> torch.Tensor:
         """Cosine score [B] of the map guiding ``target_layer`` (after ``predict``)."""

@@ -177,8 +177,9 @@ class ExpertMapStore:
 
     def layer_maps(self, idx: torch.Tensor, layer: int) -> torch.Tensor:
         """P_layer of the stored maps ``idx`` [B] -> [B, E]."""
+        rows = idx.numpy() if isinstance(idx, torch.Tensor) else np.asarray(idx)  # not np.asarray of a tensor: slow
         with self.lock:
-            return torch.from_numpy(self.maps.numpy()[np.asarray(idx), layer])  # fancy indexing: a copy
+            return torch.from_numpy(self.maps.numpy()[rows, layer])  # fancy indexing: a copy
 
     def state(self) -> dict[str, torch.Tensor]:
         with self.lock:
