@@ -6,9 +6,11 @@
 #
 # A lent GPU session (30 minutes of device time, the machine's start included) runs, in this order, back to back
 # (a machine left idle 30 s is given back, and the ~25 GB synthetic checkpoint in /tmp goes with it). Stages 1-3
-# are bounded at 470 + 500 + 510 s = 24.7 min of commands, which leaves ~5 min for the start and the transfers:
+# are bounded at 515 + 500 + 510 s = 25.4 min of commands, which leaves ~5 min for the start and the transfers:
 #
-#   1. bash benchmarks/run_all_gpu.sh correctness  # ~5-7 min (limit 470 s): pytest -v -m cuda with the kernels
+#   1. bash benchmarks/run_all_gpu.sh correctness  # ~5-7 min (limits 45 + 470 s): the stack check (versions; stops
+#                                                  #   at once naming a missing package or torch API:
+#                                                  #   benchmarks/gpu_stack.py), then pytest -v -m cuda with the kernels
 #                                                  #   compiled: AWQ kernels at Mixtral shapes and MXFP4 at gpt-oss-120b
 #                                                  #   shapes (bf16) vs the fp32 reference, the race harness (NaN-
 #                                                  #   poisoned evicted slots, delayed chunks; a deleted wait_event
@@ -78,8 +80,19 @@ run() {  # run <seconds> <log name> <command...>: bounded, logged, never abortin
   return 0
 }
 
+stack_check() {  # the stage's first step: the stack's versions, and a stop (exit 3) naming what a step would lack
+  if [ "$plan" = 1 ]; then echo "plan 45 $py benchmarks/gpu_stack.py $*"; return 0; fi
+  local cuda=(--cuda)
+  if [ "${TINY:-0}" = 1 ]; then cuda=(); fi  # the CPU sizes: no device needed
+  echo "== $(date -u +%T) stack check" | tee -a "$out/$stage.log"
+  timeout --kill-after=5 45 "$py" benchmarks/gpu_stack.py "${cuda[@]}" "$@" 2>&1 | tee -a "$out/$stage.log"
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" = 0 ] || { echo "stage $stage stopped: stack check rc=$rc (above)" | tee -a "$out/$stage.log"; exit 3; }
+}
+
 case "$stage" in
   correctness)
+    stack_check --pytest
     # the kernels compiled, not interpreted (tests/conftest.py sets TRITON_INTERPRET=1 only when it is unset);
     # -v: one line per test as it ends; a test stuck past 200 s fails alone where pytest-timeout is installed
     # and benchmarks/pytest_jsonl.py appends one JSON line per test as it ends to $out/pytest-cuda.jsonl

@@ -95,6 +95,10 @@ def test_embedded_model_bits_per_byte_recomputed_from_its_weights():
     report = json.loads((path / "report.json").read_text())
     training = json.loads((path / "training_report.json").read_text())
     data, info = collect_corpus()
+    if info["python"].split(".")[:2] != training["corpus"]["python"].split(".")[:2]:
+        # the corpus is the interpreter's own documentation: another Python minor version has other text
+        pytest.skip(f"the held-out text is Python {training['corpus']['python']}'s documentation; this is "
+                    f"Python {info['python']}")
     assert info["sha256"] == training["corpus"]["sha256"], (
         f"the corpus differs from the training run's (Python {info['python']} vs {training['corpus']['python']})")
     held = torch.frombuffer(bytearray(split_corpus(data)[1]), dtype=torch.uint8).long()

@@ -164,3 +164,17 @@ def test_the_correctness_stage_writes_one_json_line_per_test_as_it_ends(tmp_path
         "test_setup_fails": ("failed", "setup")}
     assert "assert 1 == 2" in rows["test_bad"]["error"] and "no device" in rows["test_setup_fails"]["error"]
     assert "needs a CUDA device" in rows["test_skipped"]["reason"]
+
+
+def test_the_stack_check_names_what_is_missing_and_fails(monkeypatch, capsys):
+    """The correctness stage's first step (benchmarks/gpu_stack.py): this stack passes; a needed package that does
+    not import, or a torch API the GPU paths call that is absent, fails it with the name in the message."""
+    import gpu_stack
+
+    assert gpu_stack.main([]) == 0
+    assert f"torch {torch.__version__}" in capsys.readouterr().out
+    monkeypatch.setitem(gpu_stack.NEEDED, "moeflow_no_such_package", "the test")
+    monkeypatch.setattr(gpu_stack, "TORCH_APIS", (*gpu_stack.TORCH_APIS, "cuda.no_such_api"))
+    assert gpu_stack.main(["--pytest"]) == 1
+    err = capsys.readouterr().err
+    assert "moeflow_no_such_package: MISSING" in err and "torch.cuda.no_such_api: missing" in err

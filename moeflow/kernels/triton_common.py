@@ -11,6 +11,46 @@ import triton.language as tl
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # kernels below were built for the CPU interpreter
 
+
+def _interpreter_scalar_index_fix() -> bool:
+    """Let the interpreter use a loaded scalar as a Python int (``range(0, n, B)``) with numpy >= 2.5.
+
+    Triton <= 3.6's interpreter turns a scalar into an int with ``int(data)`` on its 1-element 1-d array, which
+    numpy 2.5 refuses ("only 0-dimensional arrays can be converted"); later Triton squeezes first. Detected by
+    behaviour on a stand-in class (no version check); returns whether the fix was installed."""
+    try:
+        import numpy as np
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    scope_type = getattr(interpreter, "_LangPatchScope", None)
+    if original is None or scope_type is None:
+        return False
+
+    class Probe:
+        class handle:  # noqa: N801 (mirrors the interpreter's tensor.handle)
+            data = np.zeros(1, dtype=np.int32)
+
+    try:
+        original(Probe, scope_type())
+        Probe().__index__()
+        return False  # this Triton converts 1-element arrays itself
+    except TypeError:
+        pass
+    except Exception:  # the interpreter's internals changed shape: leave them alone
+        return False
+
+    def patch_lang_tensor(tensor, scope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    interpreter._patch_lang_tensor = patch_lang_tensor
+    return True
+
+
+INTERPRETER_INDEX_FIXED = INTERPRETED and _interpreter_scalar_index_fix()
+
 TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
