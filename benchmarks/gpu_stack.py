@@ -30,7 +30,7 @@ OPTIONAL = {
     "transformers": "peers and family tests", "accelerate": "peers", "pytest_timeout": "per-test time limit",
     "xdist": "pytest -n", "prometheus_client": "moeflow serve", "fastapi": "moeflow serve (gpu_wheels.sh)",
     "uvicorn": "moeflow serve (gpu_wheels.sh)", "pydantic": "moeflow serve (gpu_wheels.sh)",
-    "openai": "serve client (optional)", "hypothesis": "CPU property tests", "einops": "declared, unused",
+    "openai": "serve client (optional)", "hypothesis": "CPU property tests",
 }
 # attributes the GPU-only paths call (moeflow/offload/host_store.py, readback.py, transport.py,
 # moeflow/engine/cuda_graphs.py, moeflow/kernels/ops.py, tests/race_transport.py): present in torch >= 2.4
