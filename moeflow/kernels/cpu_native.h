@@ -1,4 +1,4 @@
-/* Shared between moeflow's CPU kernel sources (cpu_native.c, cpu_q4.c); see cpu_native.c's comment. */
+/* Shared between moeflow's CPU kernel sources (cpu_native.c, cpu_q4.c, cpu_q8.c); see cpu_native.c's comment. */
 #ifndef MOEFLOW_CPU_NATIVE_H
 #define MOEFLOW_CPU_NATIVE_H
 #include <stdint.h>
@@ -12,9 +12,15 @@
 
 #define QB 32       /* features per activation block */
 #define Q4_GROUP 8  /* q4 weight rows interleaved together (cpu_q4.c's layout) */
+#define Q8_GROUP 8  /* q8 weight rows interleaved together (cpu_q8.c's layout) */
 
 /* Rows [n0, n1) of a q4 matrix [N, K] against T quantized tokens: y[t, n] for n in [n0, n1) (cpu_q4.c). */
 __attribute__((visibility("hidden"))) void mf_q4_rows(
     int n0, int n1, int T, int K, int group, const uint8_t* qw, const float* s, const float* m,
     const int8_t* xq, const float* xs, const float* gsum, float* y, int ldy);
+
+/* Rows [n0, n1) of a q8 matrix [N, K] against T quantized tokens: y[t, n] for n in [n0, n1) (cpu_q8.c). */
+__attribute__((visibility("hidden"))) void mf_q8_rows(
+    int n0, int n1, int T, int K, const int8_t* w, const float* s, const int8_t* xq, const float* xs, float* y,
+    int ldy);
 #endif
