@@ -5,7 +5,13 @@
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+#include <string.h>
 #define MF_AVX2 1
+static inline __m256i bcast4(const int8_t* p) {  /* 4 int8 activations (one int32) to every lane */
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
 #else
 #define MF_AVX2 0
 #endif

@@ -62,8 +62,8 @@ def source_digest() -> str:
 
 
 def build(cache: Path, native_arch: bool = True) -> Path:
-    """Compile ``SOURCES`` (``cpu_native.c``, ``cpu_q4.c``, ``cpu_q8.c``, ``cpu_step.c``) into one library in ``cache`` (once per source,
-    compiler and CPU); returns the library's path.
+    """Compile ``SOURCES`` (``cpu_native.c``, ``cpu_q4.c``, ``cpu_q8.c``, ``cpu_step.c``) into one library in
+    ``cache`` (once per source, compiler and CPU); returns the library's path.
     ``native_arch=False`` builds for the baseline ISA (the portable C loops instead of AVX2; tests use it)."""
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:

@@ -33,12 +33,6 @@
 #endif
 
 #if MF_AVX2
-static inline __m256i bcast4(const int8_t* p) {  /* 4 activations (one int32) to every lane */
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm256_set1_epi32(v);
-}
-
 /* 8 grouped rows (w, s: this row group's bytes and scales) against ``tt`` tokens from t0: y[t, n .. n + 8). */
 static inline __attribute__((always_inline)) void q8_group_tile(
     const int8_t* w, const float* s, int K, const int8_t* xq, const float* xs, int t0, int tt, float* y, int ldy,

@@ -39,10 +39,11 @@ class CpuQuantLinear(nn.Module):
     """``y = x @ W.T (+ bias)`` for an ``nn.Linear`` weight ``W [out, in]`` held in int8 or int4 (bias: ``set_bias``).
 
     A module, so it can take an ``nn.Linear``'s place (``model.lm_head = quantize_linear_cpu(...)``). Buffers:
-    int8: ``int8_weight`` int8 [out, in] and ``int8_scales`` [out] (bf16 values; for moeflow's kernel held in
-    fp32, the rows grouped at construction as :class:`Q8Matrix` lays them out: ``int8`` gives them grouped
-    already, ``int8_weight`` in plain row order); int4 for torch's kernel: ``packed`` uint8 [out, in/2] and ``scales_zeros`` bf16 [in/g, out, 2]
-    (see :class:`Int4Matrix`); int4 for moeflow's: ``packed``, ``scales``, ``mins`` (see :class:`Q4Matrix`).
+    int8: ``int8_weight`` int8 [out, in] and ``int8_scales`` [out] (bf16 values). For moeflow's kernel they are
+    held in fp32 with the rows grouped as :class:`Q8Matrix` lays them out, once at construction (``int8``:
+    already grouped; ``int8_weight``: plain rows). int4 for torch's kernel: ``packed`` uint8 [out, in/2] and
+    ``scales_zeros`` bf16 [in/g, out, 2] (see :class:`Int4Matrix`); int4 for moeflow's: ``packed``, ``scales``,
+    ``mins`` (see :class:`Q4Matrix`).
     """
 
     def __init__(self, bits: int, in_features: int, out_features: int, *, int8_weight: torch.Tensor | None = None,
