@@ -132,6 +132,9 @@ def test_q8_rows_are_bit_identical_however_computed():
         ids = torch.tensor(ids)
         part = Q8Matrix.from_rows(m.rows(ids), s[ids])
         assert torch.equal(part.matmul(x), full[:, ids])
+        assert torch.equal(m.matmul_rows(x, ids), full[:, ids])  # read in place, one row at a time
+    with pytest.raises(IndexError, match="45 rows"):
+        m.matmul_rows(x, torch.tensor([45]))
 
 
 def test_q8_matrix_rows_and_concatenation():
@@ -202,6 +205,7 @@ def test_portable_build_gives_the_same_results(tmp_path, monkeypatch):
     assert rel(m8.matmul(x[:, :128]), q4_reference(x[:, :128], q.float() * s[:, None])) < NATIVE_RTOL
     ids = torch.tensor([50, 3, 9])
     assert torch.equal(Q8Matrix.from_rows(m8.rows(ids), s[ids]).matmul(x[:, :128]), m8.matmul(x[:, :128])[:, ids])
+    assert torch.equal(m8.matmul_rows(x[:, :128], ids), m8.matmul(x[:, :128])[:, ids])
 
 
 def test_switched_off_falls_back_to_torchs_kernels():

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moeflow.kernels.cpu_native import Q8Matrix, q4_reference
+from moeflow.kernels.cpu_native import q4_reference
 from moeflow.kernels.cpu_quant_linear import CpuQuantLinear, quantize_linear_cpu
 
 CANDIDATES = 16
@@ -62,9 +62,7 @@ class RefinedInt4LmHead(nn.Module):
         top = y.topk(self.candidates, dim=-1).indices  # [M, c]
         q8 = self.int8.q8
         for m in range(rows.shape[0]):  # decode: M = 1 (a few more when a batch decodes)
-            # the candidates' rows as a small matrix of their own: each row's lane runs the same operations
-            exact = Q8Matrix.from_rows(q8.rows(top[m]), q8.scales.index_select(0, top[m]))
-            y[m].index_copy_(0, top[m], exact.matmul(rows[m:m + 1])[0])
+            y[m].index_copy_(0, top[m], q8.matmul_rows(rows[m:m + 1], top[m])[0])
         return y.view(*x.shape[:-1], self.out_features)
 
     @property

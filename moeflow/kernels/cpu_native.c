@@ -111,6 +111,19 @@ int mf_q8_linear(const float* x, int T, int K, int N, const int8_t* w, const flo
     return 0;
 }
 
+/* y fp32 [T, nids] = x fp32 [T, K] @ W[ids].T for rows ids int64 [nids] of a q8 matrix [N, K]: each the same
+   numbers as that row's column of mf_q8_linear (the int4 lm_head's recomputed candidates). */
+int mf_q8_linear_rows(const float* x, int T, int K, int N, const int8_t* w, const float* s, const int64_t* ids,
+                      int nids, float* y) {
+    int8_t* xq = malloc((size_t)T * K);
+    float* xs = malloc(sizeof(float) * (size_t)T * (K / QB));
+    if (!xq || !xs) { free(xq); free(xs); return -1; }
+    quantize_rows(x, T, K, 0, xq, xs, NULL, 1);
+    for (int i = 0; i < nids; i++) mf_q8_row((int)ids[i], N, T, K, w, s, xq, xs, y + i, nids);
+    free(xq); free(xs);
+    return 0;
+}
+
 /* One SwiGLU expert on T tokens: h = x @ W13.T ([T, 2I], gate then up), a = silu(h[:, :I]) * h[:, I:],
    out[t] (+)= weight[t] * (a @ W2.T)[t]; ``accumulate`` adds into out instead of overwriting it.
    x fp32 [T, H]; W13 q4 [2I, H]; W2 q4 [H, I]; weight fp32 [T]; out fp32 [T, H]. */

@@ -29,4 +29,7 @@ __attribute__((visibility("hidden"))) void mf_q4_rows(
 __attribute__((visibility("hidden"))) void mf_q8_rows(
     int n0, int n1, int T, int K, const int8_t* w, const float* s, const int8_t* xq, const float* xs, float* y,
     int ldy);
+/* Row n of a q8 matrix [N, K] against T quantized tokens: y[t * ldy] (cpu_q8.c). */
+__attribute__((visibility("hidden"))) void mf_q8_row(
+    int n, int N, int T, int K, const int8_t* w, const float* s, const int8_t* xq, const float* xs, float* y, int ldy);
 #endif

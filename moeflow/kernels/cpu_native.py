@@ -114,8 +114,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.mf_q4_linear.argtypes = [p, i, i, i, i, p, p, p, p, i]
     lib.mf_q8_linear.argtypes = [p, i, i, i, p, p, p, i]
+    lib.mf_q8_linear_rows.argtypes = [p, i, i, i, p, p, p, i, p]
     lib.mf_q4_expert.argtypes = [p, i, i, i, i, p, p, p, p, p, p, p, p, i, i]
-    for f in (lib.mf_q4_linear, lib.mf_q8_linear, lib.mf_q4_expert):
+    for f in (lib.mf_q4_linear, lib.mf_q8_linear, lib.mf_q8_linear_rows, lib.mf_q4_expert):
         f.restype = i
     return lib
 
@@ -257,6 +258,20 @@ class Q8Matrix:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] (any float dtype) -> fp32 [M, N] (``x @ W.T``)."""
         return q8_matmul(x, self.weight, self.scales)
+
+    def matmul_rows(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [M, K] (any float dtype) -> fp32 [M, len(ids)]: ``matmul(x)[:, ids]`` for a few rows ids (int64 [n]),
+        the same bits, reading only those rows (the int4 lm_head's recomputed candidates; one thread)."""
+        n, k = self.weight.shape
+        rows = _fp32_rows(x, k)
+        ids = ids.to(torch.int64).contiguous()
+        if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < n):
+            raise IndexError(f"row ids {ids.tolist()} out of range for a q8 matrix of {n} rows")
+        y = torch.empty((rows.shape[0], ids.numel()), dtype=torch.float32)
+        _check(library().mf_q8_linear_rows(rows.data_ptr(), rows.shape[0], k, n, self.weight.data_ptr(),
+                                           self.scales.data_ptr(), ids.data_ptr(), ids.numel(), y.data_ptr()),
+               "q8 rows")
+        return y
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The int8 codes of rows ``ids`` (int64 [...]) in plain order: int8 [..., K] (an embedding lookup, a

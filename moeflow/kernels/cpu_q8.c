@@ -19,7 +19,8 @@
    convert + 1 fma; per 256 bytes, shared by the tile: 8 loads and 8 vpsignb (|w|).
    Numerics: y[t, n] = s[n] * acc, acc = fma(float(block dot), xs[t, b], acc) over blocks b in order, block dots
    exact integers: every row and token the same operations whatever the tile, row group or batch (the plain
-   tail rows too, with fmaf), so a row's result is bit-identical however it is computed. */
+   tail rows and rows picked by index too, with fmaf: mf_q8_row), so a row's result is bit-identical however it
+   is computed. */
 
 #include <math.h>
 #include <stddef.h>
@@ -98,19 +99,24 @@ static void q8_group(const int8_t* w, const float* s, int T, int K, const int8_t
 }
 #endif
 
-/* A tail row (plain row layout) against all T tokens: the same operations as a grouped row's lane. */
-static void q8_tail_row(const int8_t* row, float s, int T, int K, const int8_t* xq, const float* xs, float* y,
-                        int ldy, int n) {
-    const int nb = K / QB;
+/* Row n of a q8 matrix [N, K] against all T tokens, y[t * ldy]: the operations of a grouped row's lane, read
+   from either layout (a plain tail row; a few rows picked by index, mf_q8_linear_rows). */
+void mf_q8_row(int n, int N, int T, int K, const int8_t* w, const float* s, const int8_t* xq, const float* xs,
+               float* y, int ldy) {
+    const int nb = K / QB, grouped = n < N - N % Q8_GROUP;
+    /* feature 32b + 4c + j at row + b * bstride + c * cstride + j */
+    const int8_t* row = grouped ? w + (size_t)(n / Q8_GROUP) * Q8_GROUP * K + 4 * (n % Q8_GROUP) : w + (size_t)n * K;
+    const int bstride = grouped ? 256 : QB, cstride = grouped ? 32 : 4;
     for (int t = 0; t < T; t++) {
         const int8_t* xt = xq + (size_t)t * K;
         float acc = 0.0f;
         for (int b = 0; b < nb; b++) {
             int dot = 0;
-            for (int j = 0; j < QB; j++) dot += row[b * QB + j] * xt[b * QB + j];
+            for (int c = 0; c < 8; c++)
+                for (int j = 0; j < 4; j++) dot += row[b * bstride + c * cstride + j] * xt[b * QB + 4 * c + j];
             acc = fmaf((float)dot, xs[(size_t)t * nb + b], acc);
         }
-        y[(size_t)t * ldy + n] = s * acc;
+        y[(size_t)t * ldy] = s[n] * acc;
     }
 }
 
@@ -118,5 +124,5 @@ void mf_q8_rows(int n0, int n1, int T, int K, const int8_t* w, const float* s, c
                 float* y, int ldy) {
     int n = n0;  /* n0 is a multiple of 8; rows past the last whole group only in the last call (n1 = N) */
     for (; n + Q8_GROUP <= n1; n += Q8_GROUP) q8_group(w + (size_t)n * K, s + n, T, K, xq, xs, y, ldy, n);
-    for (; n < n1; n++) q8_tail_row(w + (size_t)n * K, s[n], T, K, xq, xs, y, ldy, n);
+    for (; n < n1; n++) mf_q8_row(n, n1, T, K, w, s, xq, xs, y + n, ldy);  /* here n1 = N */
 }
