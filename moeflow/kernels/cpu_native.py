@@ -302,8 +302,8 @@ def _group_q8(q: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     whole = n - n % ROW_GROUP
     shape = (k // BLOCK, BLOCK // 4, ROW_GROUP, 4) if inverse else (ROW_GROUP, k // BLOCK, BLOCK // 4, 4)
     order = (0, 3, 1, 2, 4) if inverse else (0, 2, 3, 1, 4)  # [group, b, c, r, j] <-> [group, r, b, c, j]
-    g = q[:whole].reshape(whole // ROW_GROUP, *shape).permute(*order).reshape(whole, k)
-    return torch.cat([g, q[whole:]]).contiguous()
+    g = q[:whole].reshape(whole // ROW_GROUP, *shape).permute(*order).reshape(whole, k)  # a copy
+    return g if whole == n else torch.cat([g, q[whole:]])  # one copy of a 600 MB lm_head at load, not two
 
 
 def q4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
