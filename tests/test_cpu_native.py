@@ -12,11 +12,11 @@ import torch
 from moeflow.kernels import cpu_native
 from moeflow.kernels.cpu_native import (
     Q4Matrix,
+    Q8Matrix,
     native_available,
     q4_expert,
     q4_expert_reference,
     q4_reference,
-    q8_matmul,
     quantize_activations,
 )
 from moeflow.quant.awq import dequantize, quantize_rtn
@@ -96,12 +96,61 @@ def test_concat_rows_is_the_matrix_of_the_stacked_rows():
         Q4Matrix.concat_rows([q4_any_rows(8, 128, 32, 0)[0], q4_any_rows(8, 64, 32, 0)[0]])
 
 
-def test_q8_matmul_matches_its_reference():
-    g = torch.Generator().manual_seed(0)
-    w = torch.randint(-127, 128, (70, 256), generator=g, dtype=torch.int8)
-    s = torch.rand(70, generator=g)
-    x = torch.randn(6, 256, generator=g)
-    assert rel(q8_matmul(x, w, s), q4_reference(x, w.float() * s[:, None])) < NATIVE_RTOL
+def q8_codes(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random int8 rows [n, k] in [-127, 127] (the extremes included) and fp32 row scales [n]."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    q[0, :32], q[-1, -32:] = 127, -127  # a block of the largest products: maddubs' pairs must not saturate
+    return q, torch.rand(n, generator=g)
+
+
+@pytest.mark.parametrize("n,k,tokens", [(70, 256, 6), (64, 128, 1), (5, 64, 2), (8, 32, 4), (1032, 512, 9),
+                                        (48, 256, 33)])
+def test_q8_matmul_matches_its_reference(n, k, tokens):
+    q, s = q8_codes(n, k, seed=tokens)
+    m = Q8Matrix.from_rows(q, s)
+    w = q.float() * s[:, None]
+    assert torch.equal(m.dequantized(), w)  # the layout holds the codes exactly (8-row groups, plain tail rows)
+    x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(1))
+    x[0, :32] = torch.linspace(-1, 1, 32).sign() * 3.0  # +-127 activations against the +-127 weights above
+    y = m.matmul(x)
+    assert y.shape == (tokens, n) and y.dtype == torch.float32
+    assert rel(y, q4_reference(x, w)) < NATIVE_RTOL
+    assert rel(y, x @ w.T) < 2e-2
+
+
+def test_q8_rows_are_bit_identical_however_computed():
+    """A row's logit is the same bits in a row group, in the plain tail, in a matrix of a few gathered rows and
+    in any batch: the int4 lm_head's recomputed candidates rely on it (kernels/cpu_lm_head.py)."""
+    q, s = q8_codes(45, 256, seed=3)  # 5 groups of 8 and 5 tail rows
+    m = Q8Matrix.from_rows(q, s)
+    x = torch.randn(7, 256, generator=torch.Generator().manual_seed(4))
+    full = m.matmul(x)
+    for t in (0, 3, 6):
+        assert torch.equal(m.matmul(x[t:t + 1]), full[t:t + 1])
+    for ids in ([3, 41, 17, 40, 0, 9, 33, 44, 12], [42], [1, 2, 43]):  # rows moved between groups and the tail
+        ids = torch.tensor(ids)
+        part = Q8Matrix.from_rows(m.rows(ids), s[ids])
+        assert torch.equal(part.matmul(x), full[:, ids])
+        assert torch.equal(m.matmul_rows(x, ids), full[:, ids])  # read in place, one row at a time
+    with pytest.raises(IndexError, match="45 rows"):
+        m.matmul_rows(x, torch.tensor([45]))
+
+
+def test_q8_matrix_rows_and_concatenation():
+    q, s = q8_codes(45, 128, seed=5)
+    m = Q8Matrix.from_rows(q, s)
+    ids = torch.tensor([[44, 0], [7, 8], [40, 39]])
+    assert torch.equal(m.rows(ids), q[ids])
+    assert torch.equal(Q8Matrix.from_rows(q[:40], s[:40]).rows(ids[:, 1]), q[ids[:, 1]])
+    for rows in ([16, 29], [24, 8, 13], [5, 16]):  # slices of the groups; else the rows re-grouped
+        parts = [Q8Matrix.from_rows(*q8_codes(n, 128, seed=30 + i)) for i, n in enumerate(rows)]
+        fused = Q8Matrix.concat_rows(parts)
+        assert torch.equal(fused.dequantized(), torch.cat([p.dequantized() for p in parts]))
+        x = torch.randn(2, 128, generator=torch.Generator().manual_seed(6))
+        assert torch.equal(fused.matmul(x), torch.cat([p.matmul(x) for p in parts], dim=1))
+    with pytest.raises(ValueError, match="in_features"):
+        Q8Matrix.concat_rows([m, Q8Matrix.from_rows(*q8_codes(8, 64, seed=0))])
 
 
 def test_activation_quantization_model():
@@ -151,9 +200,12 @@ def test_portable_build_gives_the_same_results(tmp_path, monkeypatch):
     for tokens in (1, 2, 5, 9):
         x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(8))
         assert rel(m.matmul(x), q4_reference(x, w)) < NATIVE_RTOL
-    q = torch.randint(-127, 128, (48, 128), generator=torch.Generator().manual_seed(9), dtype=torch.int8)
-    s = torch.rand(48, generator=torch.Generator().manual_seed(10))
-    assert rel(q8_matmul(x[:, :128], q, s), q4_reference(x[:, :128], q.float() * s[:, None])) < NATIVE_RTOL
+    q, s = q8_codes(51, 128, seed=9)  # 6 row groups and 3 tail rows
+    m8 = Q8Matrix.from_rows(q, s)
+    assert rel(m8.matmul(x[:, :128]), q4_reference(x[:, :128], q.float() * s[:, None])) < NATIVE_RTOL
+    ids = torch.tensor([50, 3, 9])
+    assert torch.equal(Q8Matrix.from_rows(m8.rows(ids), s[ids]).matmul(x[:, :128]), m8.matmul(x[:, :128])[:, ids])
+    assert torch.equal(m8.matmul_rows(x[:, :128], ids), m8.matmul(x[:, :128])[:, ids])
 
 
 def test_switched_off_falls_back_to_torchs_kernels():
@@ -169,4 +221,6 @@ def test_bad_shapes_are_named():
     with pytest.raises(ValueError, match="group_size"):
         Q4Matrix.from_awq(t.qweight, t.qzeros, t.scales, 48)  # the kernel's activation blocks are 32 wide
     with pytest.raises(ValueError, match="in_features"):
-        q8_matmul(torch.randn(1, 40), torch.zeros(8, 40, dtype=torch.int8), torch.ones(8))
+        Q8Matrix.from_rows(torch.zeros(8, 40, dtype=torch.int8), torch.ones(8))
+    with pytest.raises(ValueError, match="one per row"):
+        Q8Matrix.from_rows(torch.zeros(8, 64, dtype=torch.int8), torch.ones(4))

@@ -3,8 +3,13 @@
 Runs each tree's demo (TTFT, decode tok/s as the demo prints them) and a resident greedy generate on the
 embedded model (default kernels, eager and, with ``--compile``, ``compile_decode``), alternating A and B
 ``--reps`` times so the machine's load hits both alike; reports medians with ``uptime`` before and after.
+With ``--peers-work`` (``run_peers.py``'s scratch directory) each run also decodes the peer benchmark's
+synthetic Mixtral (``run_peers.moeflow_cpu``: tg tok/s by wall time and CPU ms per token on one thread) with
+``--attention-bits`` (default 8: every attention projection and the lm_head through the int8 kernel).
 
     python benchmarks/peers/cpu_demo_ab.py --a /tmp/before --b . --reps 5 --out benchmarks/results/peers/demo_ab
+    python benchmarks/peers/cpu_demo_ab.py --a /tmp/q8_base --b . --reps 3 --peers-work /tmp/peers \
+        --out benchmarks/results/cpu_native/s5_q8_e2e
 """
 
 from __future__ import annotations
@@ -57,6 +62,16 @@ def resident(tree: Path, modes: list[str]) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
+def peers(tree: Path, work: Path, attention_bits: int, tg: int) -> dict:
+    """run_peers.moeflow_cpu on the synthetic Mixtral with ``tree``'s moeflow (prompt 32, 3 reps, CPU time)."""
+    code = (f"import json, sys, torch; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); "
+            "from pathlib import Path; from run_peers import moeflow_cpu; "
+            f"print('RESULT ' + json.dumps(moeflow_cpu(Path({str(work / 'awq')!r}), [32], {tg}, 3, 120.0, "
+            f"{attention_bits}, True)))")
+    line = next(ln for ln in run(tree, code).splitlines() if ln.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
 def median_of(rows: list[dict], *path: str) -> float:
     vals = []
     for r in rows:
@@ -74,6 +89,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--compile", action="store_true", help="also time compile_decode (B only)")
     ap.add_argument("--out", type=Path, required=True, help="output prefix (.json and .md are added)")
+    ap.add_argument("--peers-work", type=Path, default=None, help="run_peers.py's scratch directory (awq/)")
+    ap.add_argument("--attention-bits", type=int, default=8)
+    ap.add_argument("--tg", type=int, default=32, help="decoded tokens per peers repetition")
     args = ap.parse_args()
     up = lambda: subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()  # noqa: E731
     result = {"uptime_before": up(), "a": str(args.a), "b": str(args.b), "runs": {"a": [], "b": []}}
@@ -82,16 +100,26 @@ def main() -> None:
             tree = args.a if side == "a" else args.b
             modes = ["eager", "compile"] if args.compile and side == "b" and rep == 0 else ["eager"]
             row = {"demo": demo(tree), "resident": resident(tree, modes), "uptime": up()}
+            if args.peers_work:
+                row["peers"] = peers(tree, args.peers_work, args.attention_bits, args.tg)
+                row["uptime_after_peers"] = up()
             result["runs"][side].append(row)
             print(side, rep, json.dumps(row), flush=True)
     result["uptime_after"] = up()
     lines = [f"uptime before: `{result['uptime_before']}`  ", f"uptime after: `{result['uptime_after']}`", "",
              f"Medians of {args.reps} alternating runs. A = `{args.a}`, B = `{args.b}`.", "",
              "| run | A | B | B / A |", "|---|---|---|---|"]
-    for label, path, better in (("demo TTFT ms", ("demo", "ttft_ms"), "lower"),
-                                ("demo decode tok/s", ("demo", "tok_s"), "higher"),
-                                ("resident TTFT ms", ("resident", "eager", "ttft_ms"), "lower"),
-                                ("resident decode tok/s", ("resident", "eager", "tok_s"), "higher")):
+    rows = [("demo TTFT ms", ("demo", "ttft_ms"), "lower"),
+            ("demo decode tok/s", ("demo", "tok_s"), "higher"),
+            ("resident TTFT ms", ("resident", "eager", "ttft_ms"), "lower"),
+            ("resident decode tok/s", ("resident", "eager", "tok_s"), "higher")]
+    if args.peers_work:
+        bits = args.attention_bits
+        rows += [(f"peers attention_bits={bits} tg{args.tg} tok/s (wall)", ("peers", "tg"), "higher"),
+                 (f"peers attention_bits={bits} decode CPU ms / token (1 thread)", ("peers", "decode_cpu_ms_1thread"),
+                  "lower"),
+                 (f"peers attention_bits={bits} pp32 tok/s (wall)", ("peers", "pp32"), "higher")]
+    for label, path, better in rows:
         a, b = median_of(result["runs"]["a"], *path), median_of(result["runs"]["b"], *path)
         speedup = a / b if better == "lower" else b / a
         result.setdefault("medians", {})[label] = {"a": a, "b": b, "speedup": speedup}

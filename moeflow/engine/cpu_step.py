@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeflow.families.layers import Attention, RMSNorm
-from moeflow.kernels.cpu_native import ROW_GROUP, Q4Matrix, native_available
+from moeflow.kernels.cpu_native import ROW_GROUP, Q4Matrix, Q8Matrix, native_available
 from moeflow.kernels.cpu_quant_linear import CpuQuantLinear
 from moeflow.kernels.cpu_step_ops import (
     NATIVE_ATTENTION_TOKENS,
@@ -165,14 +165,14 @@ def fuse_qkv(projections: list[nn.Module]) -> nn.Module | None:
         return None
     if len({(p.bits, p.in_features, p.group_size) for p in projections}) != 1:
         return None
-    if first.bits == 4 and any(p.out_features % ROW_GROUP for p in projections):
-        return None  # int4 rows are interleaved in groups of ROW_GROUP: row views are valid only at group bounds
+    if any(p.out_features % ROW_GROUP for p in projections):
+        return None  # int4/int8 rows are interleaved in groups of ROW_GROUP: row views are valid only at group bounds
     names = ["int8_weight", "int8_scales"] if first.bits == 8 else ["packed", "scales", "mins"]
     tensors = {n: torch.cat([getattr(p, n) for p in projections]) for n in names}
     out_features = sum(p.out_features for p in projections)
     if first.bits == 8:
-        fused = CpuQuantLinear(8, first.in_features, out_features, int8_weight=tensors["int8_weight"],
-                               int8_scales=tensors["int8_scales"])
+        fused = CpuQuantLinear(8, first.in_features, out_features,
+                               int8=Q8Matrix(tensors["int8_weight"], tensors["int8_scales"]))
     else:
         fused = CpuQuantLinear(4, first.in_features, out_features, int4=Q4Matrix(
             tensors["packed"], tensors["scales"], tensors["mins"], first.group_size))

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moeflow.kernels.cpu_native import q4_reference, q8_matmul
+from moeflow.kernels.cpu_native import q4_reference
 from moeflow.kernels.cpu_quant_linear import CpuQuantLinear, quantize_linear_cpu
 
 CANDIDATES = 16
@@ -60,10 +60,9 @@ class RefinedInt4LmHead(nn.Module):
             return self.int8(x)
         y = self.int4(rows)  # fp32 [M, V]
         top = y.topk(self.candidates, dim=-1).indices  # [M, c]
+        q8 = self.int8.q8
         for m in range(rows.shape[0]):  # decode: M = 1 (a few more when a batch decodes)
-            exact = self.int8.int8_weight.index_select(0, top[m])
-            scales = self.int8.int8_scales.index_select(0, top[m])
-            y[m].index_copy_(0, top[m], q8_matmul(rows[m:m + 1], exact, scales)[0])
+            y[m].index_copy_(0, top[m], q8.matmul_rows(rows[m:m + 1], top[m])[0])
         return y.view(*x.shape[:-1], self.out_features)
 
     @property

@@ -8,7 +8,8 @@
    q4 weights: W[n, k] = q[n, k] * s[n, g] + m[n, g] with q in [0, 15] and g = k / group (AWQ's asymmetric
    format with the zero folded into m = -zero * s). Packed uint8 [N, K/2], s, m fp32 [N, K/group], rows
    interleaved in groups of 8 (layout and kernel in cpu_q4.c).
-   q8 weights: W[n, k] = q[n, k] * s[n], int8 [N, K] in [-127, 127], s fp32 [N].
+   q8 weights: W[n, k] = q[n, k] * s[n], int8 [N, K] in [-127, 127], s fp32 [N], rows interleaved in groups of
+   8 (layout and kernel in cpu_q8.c).
    y[t, n] = sum_k xs[t, k/32] * xq[t, k] * W[n, k], accumulated in int32 per block and in fp32 across blocks.
    Every output element depends only on its own token's row: results do not change with the batch. */
 
@@ -19,9 +20,7 @@
 
 #include "cpu_native.h"
 
-#define TILE 4    /* tokens computed together per weight row (the row's unpacked block is reused) */
-#define ROWS 16   /* weight rows per parallel work item (a multiple of Q4_GROUP) */
-#define PREFETCH_ROWS 8  /* software prefetch this many rows ahead */
+#define ROWS 16   /* weight rows per parallel work item (a multiple of Q4_GROUP and Q8_GROUP) */
 
 int mf_simd(void) { return MF_AVX2; }
 
@@ -78,83 +77,6 @@ static void quantize_rows(const float* x, int T, int K, int group, int8_t* xq, f
                      gsum ? gsum + (size_t)t * ng : NULL);
 }
 
-#if MF_AVX2
-/* Activation block b of ``tt`` tokens from t0: its 32 int8 values and its scale, broadcast. */
-static inline __attribute__((always_inline)) void load_block(
-    const int8_t* xq, const float* xs, int K, int b, int t0, int tt, __m256i* xv, __m256* xd) {
-    int nb = K / QB;
-    for (int i = 0; i < tt; i++) {
-        size_t t = (size_t)(t0 + i);
-        xv[i] = _mm256_loadu_si256((const __m256i*)(xq + t * K + b * QB));
-        xd[i] = _mm256_broadcast_ss(xs + t * nb + b);
-    }
-}
-
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-#endif
-
-/* ``nr`` int8 weight rows from row n against ``tt`` tokens from token t0 (see q4_tile). */
-static inline __attribute__((always_inline)) void q8_tile(
-    const int8_t* w, const float* s, int K, const int8_t* xq, const float* xs, int n, int nr, int t0, int tt,
-    float* y, int ldy) {
-    int nb = K / QB;
-#if MF_AVX2
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[TILE][TILE];
-    for (int r = 0; r < nr; r++)
-        for (int i = 0; i < tt; i++) acc[r][i] = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        __m256i xv[TILE];
-        __m256 xd[TILE];
-        load_block(xq, xs, K, b, t0, tt, xv, xd);
-        for (int r = 0; r < nr; r++) {
-            const int8_t* row = w + (size_t)(n + r) * K;
-            __m256i wv = _mm256_loadu_si256((const __m256i*)(row + b * QB));
-            if ((b & 1) == 0) _mm_prefetch((const char*)(row + (size_t)PREFETCH_ROWS * K + b * QB), _MM_HINT_T0);
-            __m256i wabs = _mm256_sign_epi8(wv, wv);  /* |w| x sign(w)*x: maddubs wants one unsigned operand */
-            for (int i = 0; i < tt; i++) {
-                __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xv[i], wv)), ones);
-                acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), xd[i], acc[r][i]);
-            }
-        }
-    }
-    for (int r = 0; r < nr; r++)
-        for (int i = 0; i < tt; i++) y[(size_t)(t0 + i) * ldy + n + r] = s[n + r] * hsum(acc[r][i]);
-#else
-    for (int r = 0; r < nr; r++) {
-        const int8_t* row = w + (size_t)(n + r) * K;
-        for (int i = 0; i < tt; i++) {
-            size_t t = (size_t)(t0 + i);
-            float a = 0.0f;
-            for (int b = 0; b < nb; b++) {
-                int dot = 0;
-                for (int j = 0; j < QB; j++) dot += row[b * QB + j] * xq[t * K + b * QB + j];
-                a += (float)dot * xs[t * nb + b];
-            }
-            y[t * ldy + n + r] = s[n + r] * a;
-        }
-    }
-#endif
-}
-
-static void q8_rows(int n0, int n1, int T, int K, const int8_t* w, const float* s, const int8_t* xq, const float* xs,
-                    float* y, int ldy) {
-    int n = n0;
-    for (; n + 4 <= n1; n += 4) {
-        int t0 = 0;
-        for (; t0 + TILE <= T; t0 += TILE)
-            for (int r = 0; r < 4; r++) q8_tile(w, s, K, xq, xs, n + r, 1, t0, TILE, y, ldy);
-        for (; t0 < T; t0++) q8_tile(w, s, K, xq, xs, n, 4, t0, 1, y, ldy);
-    }
-    for (; n < n1; n++)
-        for (int t0 = 0; t0 < T; t0++) q8_tile(w, s, K, xq, xs, n, 1, t0, 1, y, ldy);
-}
-
 static int nchunks(int N) { return (N + ROWS - 1) / ROWS; }
 
 /* y fp32 [T, N] = x fp32 [T, K] @ W.T for a q4 matrix (see the file comment). Returns 0, or -1 when out of memory. */
@@ -174,7 +96,7 @@ int mf_q4_linear(const float* x, int T, int K, int N, int group, const uint8_t* 
     return 0;
 }
 
-/* y fp32 [T, N] = x fp32 [T, K] @ W.T for a q8 matrix. */
+/* y fp32 [T, N] = x fp32 [T, K] @ W.T for a q8 matrix (see the file comment). */
 int mf_q8_linear(const float* x, int T, int K, int N, const int8_t* w, const float* s, float* y, int nthreads) {
     int8_t* xq = malloc((size_t)T * K);
     float* xs = malloc(sizeof(float) * (size_t)T * (K / QB));
@@ -183,8 +105,21 @@ int mf_q8_linear(const float* x, int T, int K, int N, const int8_t* w, const flo
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int c = 0; c < nchunks(N); c++) {
         int n1 = (c + 1) * ROWS < N ? (c + 1) * ROWS : N;
-        q8_rows(c * ROWS, n1, T, K, w, s, xq, xs, y, N);
+        mf_q8_rows(c * ROWS, n1, T, K, w, s, xq, xs, y, N);
     }
+    free(xq); free(xs);
+    return 0;
+}
+
+/* y fp32 [T, nids] = x fp32 [T, K] @ W[ids].T for rows ids int64 [nids] of a q8 matrix [N, K]: each the same
+   numbers as that row's column of mf_q8_linear (the int4 lm_head's recomputed candidates). */
+int mf_q8_linear_rows(const float* x, int T, int K, int N, const int8_t* w, const float* s, const int64_t* ids,
+                      int nids, float* y) {
+    int8_t* xq = malloc((size_t)T * K);
+    float* xs = malloc(sizeof(float) * (size_t)T * (K / QB));
+    if (!xq || !xs) { free(xq); free(xs); return -1; }
+    quantize_rows(x, T, K, 0, xq, xs, NULL, 1);
+    for (int i = 0; i < nids; i++) mf_q8_row((int)ids[i], N, T, K, w, s, xq, xs, y + i, nids);
     free(xq); free(xs);
     return 0;
 }

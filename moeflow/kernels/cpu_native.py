@@ -1,5 +1,5 @@
-"""moeflow's own CPU kernels for quantized weights (``cpu_native.c``, the int4 kernel in ``cpu_q4.c``): int4 and
-int8 weights times int8 activations.
+"""moeflow's own CPU kernels for quantized weights (``cpu_native.c``, the int4 kernel in ``cpu_q4.c``, the int8
+one in ``cpu_q8.c``): int4 and int8 weights times int8 activations.
 
 Why: torch's CPU kernels for quantized weights are compute-bound on AVX2 machines (``_weight_int4pack_mm_for_cpu``
 reads 2.4 GB/s on one core of the 2-core AMD EPYC we benchmark on, ``_weight_int8pack_mm`` 3.4 GB/s, where a core
@@ -8,6 +8,7 @@ the activations to int8 per block of 32 features and multiply with integer dot p
 technique llama.cpp's Q4_0 x Q8_0 path uses, on moeflow's own formats (AWQ's asymmetric int4 groups as published).
 The int4 rows are interleaved in groups of 8 (:class:`Q4Matrix`) so one multiply serves 8 rows and a tile of 4
 tokens reuses each unpacked block: memory-bound up to ~4 tokens per call (issue 21, benchmarks/results/cpu_native).
+The int8 rows likewise (:class:`Q8Matrix`, converted once at load; the stored checkpoint is not changed).
 
 Build: compiled on first use with the system C compiler (``$CC``, else ``gcc``/``cc``; ``-O3 -march=native
 -fopenmp``) into ``$MOEFLOW_CACHE`` (default ``~/.cache/moeflow``)/cpu_native, keyed by the sources, the compiler
@@ -40,11 +41,11 @@ from moeflow.quant.awq import unpack_int4
 
 log = logging.getLogger(__name__)
 
-# one library: the matrix kernels, the int4 row-group kernel, the decode-step ops
-SOURCES = tuple(Path(__file__).with_name(f) for f in ("cpu_native.c", "cpu_q4.c", "cpu_step.c"))
+# one library: the matrix kernels, the int4 and int8 row-group kernels, the decode-step ops
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("cpu_native.c", "cpu_q4.c", "cpu_q8.c", "cpu_step.c"))
 HEADER = Path(__file__).with_name("cpu_native.h")
 BLOCK = 32  # activation features per int8 scale (and the weights' packing block)
-ROW_GROUP = 8  # q4 rows interleaved together (cpu_q4.c's layout)
+ROW_GROUP = 8  # q4 and q8 rows interleaved together (cpu_q4.c's and cpu_q8.c's layouts)
 _LIB: ctypes.CDLL | None | bool = False  # False: not tried yet; None: unavailable
 
 
@@ -61,8 +62,8 @@ def source_digest() -> str:
 
 
 def build(cache: Path, native_arch: bool = True) -> Path:
-    """Compile ``cpu_native.c``, ``cpu_q4.c`` and ``cpu_step.c`` into one library in ``cache`` (once per source,
-    compiler and CPU); returns the library's path.
+    """Compile ``SOURCES`` (``cpu_native.c``, ``cpu_q4.c``, ``cpu_q8.c``, ``cpu_step.c``) into one library in
+    ``cache`` (once per source, compiler and CPU); returns the library's path.
     ``native_arch=False`` builds for the baseline ISA (the portable C loops instead of AVX2; tests use it)."""
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
@@ -113,8 +114,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.mf_q4_linear.argtypes = [p, i, i, i, i, p, p, p, p, i]
     lib.mf_q8_linear.argtypes = [p, i, i, i, p, p, p, i]
+    lib.mf_q8_linear_rows.argtypes = [p, i, i, i, p, p, p, i, p]
     lib.mf_q4_expert.argtypes = [p, i, i, i, i, p, p, p, p, p, p, p, p, i, i]
-    for f in (lib.mf_q4_linear, lib.mf_q8_linear, lib.mf_q4_expert):
+    for f in (lib.mf_q4_linear, lib.mf_q8_linear, lib.mf_q8_linear_rows, lib.mf_q4_expert):
         f.restype = i
     return lib
 
@@ -215,6 +217,95 @@ def _unpack_q4(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat([g.reshape(whole, k), tail.reshape(n - whole, k)])
 
 
+@dataclass
+class Q8Matrix:
+    """An 8-bit matrix ``W [N, K] = q * s[:, None]`` (q int8 in [-127, 127], one fp32 scale per row) in
+    ``cpu_q8.c``'s layout: rows interleaved in groups of 8 (one integer multiply covers 8 rows x 4 features), the
+    last ``N % 8`` rows stored plainly. Each group's bytes are its rows' bytes of a ``[N, K]`` tensor and the
+    scales stay in row order, so a range of rows starting and ending at multiples of 8 (or at N) is a slice."""
+
+    weight: torch.Tensor  # int8 [N, K], row-grouped (see _group_q8)
+    scales: torch.Tensor  # fp32 [N]
+
+    @classmethod
+    def from_rows(cls, q: torch.Tensor, scales: torch.Tensor) -> Q8Matrix:
+        """From plain rows: q int8 [N, K] (K % 32 == 0), scales [N] (any float dtype; held in fp32)."""
+        if q.dim() != 2 or q.dtype != torch.int8 or q.shape[1] % BLOCK:
+            raise ValueError(f"int8 weight {q.dtype} {tuple(q.shape)}: the CPU kernel needs an int8 [out, in] "
+                             f"matrix with in_features % {BLOCK} == 0")
+        if tuple(scales.shape) != (q.shape[0],):
+            raise ValueError(f"int8 scales {tuple(scales.shape)} for a weight {tuple(q.shape)}: expected one per row")
+        return cls(_group_q8(q.cpu()), scales.detach().cpu().float().contiguous())
+
+    @classmethod
+    def concat_rows(cls, parts: list[Q8Matrix]) -> Q8Matrix:
+        """One matrix whose rows are ``parts``' rows in order (as :meth:`Q4Matrix.concat_rows`)."""
+        if len({p.shape[1] for p in parts}) != 1:
+            raise ValueError(f"concat_rows: parts of shapes {[p.shape for p in parts]}: in_features must agree")
+        scales = torch.cat([p.scales for p in parts])
+        if all(p.shape[0] % ROW_GROUP == 0 for p in parts[:-1]):
+            return cls(torch.cat([p.weight for p in parts]), scales)
+        return cls(_group_q8(torch.cat([_group_q8(p.weight, inverse=True) for p in parts])), scales)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.weight.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() + 4 * self.scales.numel()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] (any float dtype) -> fp32 [M, N] (``x @ W.T``)."""
+        return q8_matmul(x, self.weight, self.scales)
+
+    def matmul_rows(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [M, K] (any float dtype) -> fp32 [M, len(ids)]: ``matmul(x)[:, ids]`` for a few rows ids (int64 [n]),
+        the same bits, reading only those rows (the int4 lm_head's recomputed candidates; one thread)."""
+        n, k = self.weight.shape
+        rows = _fp32_rows(x, k)
+        ids = ids.to(torch.int64).contiguous()
+        if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < n):
+            raise IndexError(f"row ids {ids.tolist()} out of range for a q8 matrix of {n} rows")
+        y = torch.empty((rows.shape[0], ids.numel()), dtype=torch.float32)
+        _check(library().mf_q8_linear_rows(rows.data_ptr(), rows.shape[0], k, n, self.weight.data_ptr(),
+                                           self.scales.data_ptr(), ids.data_ptr(), ids.numel(), y.data_ptr()),
+               "q8 rows")
+        return y
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The int8 codes of rows ``ids`` (int64 [...]) in plain order: int8 [..., K] (an embedding lookup, a
+        few rows recomputed) without ungrouping the matrix."""
+        n, k = self.weight.shape
+        whole = n - n % ROW_GROUP
+        flat = ids.reshape(-1)
+        grouped = self.weight[:whole].view(whole // ROW_GROUP, k // BLOCK, BLOCK // 4, ROW_GROUP, 4)
+        if whole == n:
+            out = grouped[flat // ROW_GROUP, :, :, flat % ROW_GROUP]
+        else:
+            out = torch.empty((flat.numel(), k), dtype=torch.int8)
+            inside = flat < whole
+            g = flat[inside]
+            out[inside] = grouped[g // ROW_GROUP, :, :, g % ROW_GROUP].reshape(-1, k)
+            out[~inside] = self.weight[flat[~inside]]
+        return out.reshape(*ids.shape, k)
+
+    def dequantized(self) -> torch.Tensor:
+        """fp32 [N, K]: the weight the kernel multiplies by."""
+        return _group_q8(self.weight, inverse=True).float() * self.scales[:, None]
+
+
+def _group_q8(q: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """int8 rows [N, K] <-> cpu_q8.c's layout: within each group of 8 rows, per 32-feature block b, bytes
+    [c, r, j] = row r's feature 32b + 4c + j."""
+    n, k = q.shape
+    whole = n - n % ROW_GROUP
+    shape = (k // BLOCK, BLOCK // 4, ROW_GROUP, 4) if inverse else (ROW_GROUP, k // BLOCK, BLOCK // 4, 4)
+    order = (0, 3, 1, 2, 4) if inverse else (0, 2, 3, 1, 4)  # [group, b, c, r, j] <-> [group, r, b, c, j]
+    g = q[:whole].reshape(whole // ROW_GROUP, *shape).permute(*order).reshape(whole, k)  # a copy
+    return g if whole == n else torch.cat([g, q[whole:]])  # one copy of a 600 MB lm_head at load, not two
+
+
 def q4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
               group_size: int) -> torch.Tensor:
     """:meth:`Q4Matrix.matmul` on the matrix's tensors (no object per call: the decode step's hot path)."""
@@ -228,7 +319,8 @@ def q4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins:
 
 
 def q8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (any float dtype) @ (weight int8 [N, K] * scales fp32 [N, 1]).T -> fp32 [M, N]."""
+    """:meth:`Q8Matrix.matmul` on the matrix's tensors: x [M, K] (any float dtype) @ (weight int8 [N, K],
+    row-grouped, * scales fp32 [N, 1]).T -> fp32 [M, N]."""
     n, k = weight.shape
     if k % BLOCK:
         raise ValueError(f"int8 weight {tuple(weight.shape)}: the CPU kernel needs in_features % {BLOCK} == 0")
@@ -268,7 +360,7 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
 
 
 def q4_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """fp32 model of :meth:`Q4Matrix.matmul` / :func:`q8_matmul` for the dequantized weight [N, K]."""
+    """fp32 model of :meth:`Q4Matrix.matmul` / :meth:`Q8Matrix.matmul` for the dequantized weight [N, K]."""
     return quantize_activations(x) @ weight.float().T
 
 

@@ -25,12 +25,6 @@
 #define TT 4  /* tokens per register tile (3..8 measured alike; 4 keeps every accumulator in a register) */
 
 #if MF_AVX2
-static inline __m256i bcast4(const int8_t* p) {  /* 4 activations (one int32) to every lane */
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm256_set1_epi32(v);
-}
-
 /* 8 grouped rows (w, s, m: this row group's bytes) against ``tt`` tokens from t0: y[t, n .. n + 8). */
 static inline __attribute__((always_inline)) void q4_group_tile(
     const uint8_t* w, const float* s, const float* m, int K, int group, const int8_t* xq, const float* xs,

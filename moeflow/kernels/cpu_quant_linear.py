@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from moeflow.kernels.cpu_int4 import COMPUTE_DTYPE, Int4Matrix, native_format_fits
-from moeflow.kernels.cpu_native import BLOCK, Q4Matrix, native_available, q4_matmul, q4_reference, q8_matmul
+from moeflow.kernels.cpu_native import BLOCK, Q4Matrix, Q8Matrix, native_available, q4_matmul, q4_reference, q8_matmul
 from moeflow.quant.awq import check_group_size, dequantize, quantize_rtn
 
 INT8_MAX = 127
@@ -39,20 +39,25 @@ class CpuQuantLinear(nn.Module):
     """``y = x @ W.T (+ bias)`` for an ``nn.Linear`` weight ``W [out, in]`` held in int8 or int4 (bias: ``set_bias``).
 
     A module, so it can take an ``nn.Linear``'s place (``model.lm_head = quantize_linear_cpu(...)``). Buffers:
-    int8: ``int8_weight`` int8 [out, in] and ``int8_scales`` [out] (bf16 values; held in fp32 for moeflow's
-    kernel); int4 for torch's kernel: ``packed`` uint8 [out, in/2] and ``scales_zeros`` bf16 [in/g, out, 2]
-    (see :class:`Int4Matrix`); int4 for moeflow's: ``packed``, ``scales``, ``mins`` (see :class:`Q4Matrix`).
+    int8: ``int8_weight`` int8 [out, in] and ``int8_scales`` [out] (bf16 values). For moeflow's kernel they are
+    held in fp32 with the rows grouped as :class:`Q8Matrix` lays them out, once at construction (``int8``:
+    already grouped; ``int8_weight``: plain rows). int4 for torch's kernel: ``packed`` uint8 [out, in/2] and
+    ``scales_zeros`` bf16 [in/g, out, 2] (see :class:`Int4Matrix`); int4 for moeflow's: ``packed``, ``scales``,
+    ``mins`` (see :class:`Q4Matrix`).
     """
 
     def __init__(self, bits: int, in_features: int, out_features: int, *, int8_weight: torch.Tensor | None = None,
-                 int8_scales: torch.Tensor | None = None, int4: Int4Matrix | Q4Matrix | None = None) -> None:
+                 int8_scales: torch.Tensor | None = None, int4: Int4Matrix | Q4Matrix | None = None,
+                 int8: Q8Matrix | None = None) -> None:
         super().__init__()
         self.bits, self.in_features, self.out_features = bits, in_features, out_features
         self.group_size = int4.group_size if int4 is not None else in_features
         if bits == 8:
-            self.native = native_available() and in_features % BLOCK == 0
-            self.register_buffer("int8_weight", int8_weight)
-            self.register_buffer("int8_scales", int8_scales.float() if self.native else int8_scales)
+            self.native = int8 is not None or (native_available() and in_features % BLOCK == 0)
+            if self.native and int8 is None:
+                int8 = Q8Matrix.from_rows(int8_weight, int8_scales)  # the kernel's row groups, once at load
+            self.register_buffer("int8_weight", int8.weight if self.native else int8_weight)
+            self.register_buffer("int8_scales", int8.scales if self.native else int8_scales)
         else:
             self.native = isinstance(int4, Q4Matrix)
             self.register_buffer("packed", int4.packed)
@@ -98,13 +103,23 @@ class CpuQuantLinear(nn.Module):
         """Rows of W as an embedding table: ids [...] -> fp32 [..., in] (int8 only: int4 rows are packed)."""
         if self.bits != 8:
             raise ValueError("embedding lookup needs bits=8 (torch's int4 CPU layout packs rows together)")
-        return self.int8_weight[ids].float() * self.int8_scales[ids].float()[..., None]
+        rows = self.q8.rows(ids) if self.native else self.int8_weight[ids]
+        return rows.float() * self.int8_scales[ids].float()[..., None]
 
     def dequantized(self) -> torch.Tensor:
         """The int8 weight this layer multiplies by, fp32 [out, in] (int4: see :func:`int4_dequantized`)."""
         if self.bits != 8:
             raise ValueError("dequantized() reads int8 weights; for int4 use int4_dequantized(AWQ tensors)")
+        if self.native:
+            return self.q8.dequantized()
         return self.int8_weight.float() * self.int8_scales.float()[:, None]
+
+    @property
+    def q8(self) -> Q8Matrix:
+        """The int8 weight in moeflow's kernel format (a view of this layer's buffers; native int8 layers only)."""
+        if self.bits != 8 or not self.native:
+            raise ValueError("q8 is the native int8 layer's matrix; this layer runs torch's kernels or int4")
+        return Q8Matrix(self.int8_weight, self.int8_scales)
 
     @property
     def nbytes(self) -> int:
