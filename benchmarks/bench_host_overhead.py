@@ -188,16 +188,23 @@ def real_us_per_layer(model, ids: torch.Tensor, policy: str, slots: int, new_tok
     return _summary(med, mean, hits)
 
 
-def decode_tok_s(model, ids: torch.Tensor, new_tokens: int, repeats: int) -> float:
-    """Decode tokens/s: (generate n+1 tokens) - (generate 1 token), medians over repeats."""
-    def run(n: int) -> float:
+def decode_tok_s(models: dict, ids: torch.Tensor, new_tokens: int, repeats: int) -> dict[str, float]:
+    """Decode tokens/s of each model: (generate n+1 tokens) - (generate 1 token), medians over repeats. The
+    models take turns within every repeat, so a slow spell of this shared machine lands on all of them alike."""
+    def run(model, n: int) -> float:
         t0 = time.perf_counter()
         model.generate(ids, max_new_tokens=n, do_sample=False)
         return time.perf_counter() - t0
-    run(2)
-    long = statistics.median(run(new_tokens + 1) for _ in range(repeats))
-    short = statistics.median(run(1) for _ in range(repeats))
-    return new_tokens / max(long - short, 1e-9)
+    long: dict[str, list[float]] = {label: [] for label in models}
+    short: dict[str, list[float]] = {label: [] for label in models}
+    for model in models.values():
+        run(model, 2)
+    for _ in range(repeats):
+        for label, model in models.items():
+            long[label].append(run(model, new_tokens + 1))
+            short[label].append(run(model, 1))
+    return {label: new_tokens / max(statistics.median(long[label]) - statistics.median(short[label]), 1e-9)
+            for label in models}
 
 
 def _slot_int4_supported() -> bool:
@@ -274,16 +281,15 @@ def main() -> None:
                       f"hit {r['hit_rate']:.2f}", flush=True)
     model.close()
     if not (args.skip_tok_s or args.noop_only):
-        resident = MoEOffloadedMixtral.from_pretrained(path, kernels="cpu-int4")
-        tok = {"resident-cpu-int4": decode_tok_s(resident, ids, args.tokens, args.repeats)}
-        resident.close()
+        models = {"resident-cpu-int4": MoEOffloadedMixtral.from_pretrained(path, kernels="cpu-int4")}
         for label, slots, kernels in (("lru-all", total, "cpu-int4"), ("lru-half", total // 2, "cpu-int4"),
                                       ("lru-all-torch-ref", total, "auto"), ("lru-half-torch-ref", total // 2, "auto")):
             if kernels == "cpu-int4" and not _slot_int4_supported():
                 continue
-            m = MoEOffloadedMixtral.from_pretrained(path, kernels=kernels,
-                                                    offload=OffloadConfig(policy="lru", gpu_expert_slots=slots))
-            tok[label] = decode_tok_s(m, ids, args.tokens, args.repeats)
+            models[label] = MoEOffloadedMixtral.from_pretrained(
+                path, kernels=kernels, offload=OffloadConfig(policy="lru", gpu_expert_slots=slots))
+        tok = decode_tok_s(models, ids, args.tokens, args.repeats)
+        for m in models.values():
             m.close()
         for label in ("lru-all", "lru-half", "lru-all-torch-ref", "lru-half-torch-ref"):
             if label in tok:
