@@ -181,7 +181,7 @@ def test_duoserve_on_the_cpu_collects_its_proposal_without_a_host_copy():
     runtime = OverlappedPredictor(load_predictor(SHIPPED / "duoserve.pt"), "cpu")
     pred = runtime.predictor
     E, k = pred.shape.num_experts, pred.shape.top_k
-    assert runtime._copy is None
+    assert runtime._copy.host is None  # no host buffer to copy into
     with torch.inference_mode():
         ids = torch.tensor([[1, 4]], dtype=torch.int32)
         runtime.observe(0, torch.zeros(1, 4), torch.full((1, E), 1 / E), ids)

@@ -107,30 +107,33 @@ class AsyncHostCopy:
     """An int64 device vector copied to pinned host memory on the current stream; completion is polled.
 
     ``post(ids)`` stages and copies (no wait); ``ready()`` queries the event (never blocks); ``values()``
-    reads the host copy once ready. On the CPU the copy is done when ``post`` returns.
+    reads the host copy once ready. On the CPU the ids are host memory already: nothing is copied, ``values()``
+    reads them where they are (a caller posts a fresh tensor and never writes it after).
     """
 
     def __init__(self, device: torch.device | str, capacity: int = 64, staged: bool | None = None) -> None:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda" if staged is None else staged
-        self.host = _pinned(capacity, torch.int64, self.cuda)
+        self.host = _pinned(capacity, torch.int64, True) if self.cuda else None
         self.event = torch.cuda.Event(blocking=True) if self.cuda else None
-        self.n = 0
+        self._posted: torch.Tensor | None = None  # what values() reads: the host copy, or the ids themselves
 
     def post(self, ids: torch.Tensor) -> None:
+        if not self.cuda:
+            self._posted = ids.reshape(-1)
+            return
         n = ids.numel()
         if n > self.host.numel():
-            self.host = _pinned(2 * n, torch.int64, self.cuda)
-        self.host[:n].copy_(ids.reshape(-1).to(torch.int64), non_blocking=self.cuda)
-        if self.cuda:
-            self.event.record()
-        self.n = n
+            self.host = _pinned(2 * n, torch.int64, True)
+        self.host[:n].copy_(ids.reshape(-1).to(torch.int64), non_blocking=True)
+        self.event.record()
+        self._posted = self.host[:n]
 
     def ready(self) -> bool:
         return self.event is None or self.event.query()
 
     def values(self) -> list[int]:
-        return self.host[: self.n].tolist()
+        return self._posted.tolist()
 
 
 class PinnedRing:

@@ -9,6 +9,8 @@ synchronisation point); a miss at the gate is re-fetched at high priority (the r
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from moeflow.offload.policies.files import load_policy_predictor
@@ -37,8 +39,7 @@ class OverlappedPredictor(LearnedPredictorRuntime):
         super().__init__(predictor)
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        # the ids' copy to pinned host memory; on the CPU they are host memory already (read when collected)
-        self._copy = AsyncHostCopy(self.device) if self.stream is not None else None
+        self._copy = AsyncHostCopy(self.device)  # the ids to pinned host memory (on the CPU: read in place)
         self._pending: tuple[int, int, torch.Tensor] | None = None  # (layer, target, device ids)
         self._carry: tuple[int, int, torch.Tensor] | None = None  # the previous layer's, never collected
 
@@ -46,16 +47,16 @@ class OverlappedPredictor(LearnedPredictorRuntime):
         pred = self.predictor
         pred.observe(layer, x if pred.needs_hidden else None, probs, topk_ids)
         self._carry, self._pending = self._pending, None
+        side = contextlib.nullcontext()
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             for t in (x, probs, topk_ids):  # made on the compute stream, read on the side stream
                 t.record_stream(self.stream)
-            with torch.cuda.stream(self.stream):
-                proposals = pred.propose(layer, x)
-                if proposals:
-                    self._copy.post(proposals[0][1])
-        else:
+            side = torch.cuda.stream(self.stream)
+        with side:
             proposals = pred.propose(layer, x)
+            if proposals:
+                self._copy.post(proposals[0][1])
         if proposals:
             (target, ids), = proposals
             self._pending = (layer, target, ids)
@@ -71,12 +72,11 @@ class OverlappedPredictor(LearnedPredictorRuntime):
         return [(pending[1], pending[2])]
 
     def collect_proposals(self, layer: int) -> Proposals:
-        if self._pending is None or self._pending[0] != layer or (self._copy is not None and not self._copy.ready()):
+        if self._pending is None or self._pending[0] != layer or not self._copy.ready():
             return []
-        _, target, ids = self._pending
+        _, target, _ = self._pending
         self._pending = None
-        # a fresh tensor per proposal, never written after: reading it now is reading it when it was made
-        return [(target, self._copy.values() if self._copy is not None else ids.reshape(-1).tolist())]
+        return [(target, self._copy.values())]
 
 
 def _duoserve_predictor(ctx: PolicyContext) -> OverlappedPredictor:
