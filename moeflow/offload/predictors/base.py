@@ -23,6 +23,7 @@ before ``propose(layer, x)`` for predictors with ``needs_routing`` (DuoServe, Fi
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -118,6 +119,21 @@ def ids_to_mask(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     """topk_ids int [..., k] -> bool [..., E]."""
     shape = (*topk_ids.shape[:-1], num_experts)
     return torch.zeros(shape, dtype=torch.bool, device=topk_ids.device).scatter_(-1, topk_ids.long(), True)
+
+
+class RowViews:
+    """The row views (``unbind(0)``) of some tensors, made once and again only when a tensor is replaced (by
+    identity: ``.to`` or ``load_state_dict`` hand over new tensors). Indexing a tuple of views costs less than
+    ``tensor[i]`` on every call of a per-layer hot path."""
+
+    def __init__(self) -> None:
+        self._of: tuple[torch.Tensor, ...] = ()
+        self._rows: tuple[tuple[torch.Tensor, ...], ...] = ()
+
+    def __call__(self, *tensors: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], ...]:
+        if len(tensors) != len(self._of) or any(map(operator.is_not, tensors, self._of)):
+            self._of, self._rows = tensors, tuple(t.unbind(0) for t in tensors)
+        return self._rows
 
 
 class ExpertPredictor(Predictor):

@@ -36,6 +36,7 @@ from moeflow.offload.predictors.base import (
     ExpertPredictor,
     ModelShape,
     PredictorError,
+    RowViews,
     default_width,
     ids_to_mask,
     popularity_matrix,
@@ -229,7 +230,7 @@ class DecodeState:
         self._affinity = self.buffer[0, L * E + E :].view(k, E)  # the k chosen rows
         self.written = 0  # layers 0..written-1 of this iteration are in h_t
         self._stale = False  # h_t holds an earlier iteration's path
-        self._rows: tuple | None = None  # (popularity, affinity, their rows): the predictor's tensors, by identity
+        self._rows = RowViews()  # the rows of the predictor's popularity and affinity
 
     def restart(self) -> None:
         """A new iteration: h_t is cleared at the next call."""
@@ -252,10 +253,9 @@ class DecodeState:
         for layer in range(self.written, source + 1):
             self._layer[layer].scatter_(1, topk[layer], 1.0)
         self.written = source + 1
-        if self._rows is None or self._rows[0] is not popularity or self._rows[1] is not affinity:
-            self._rows = (popularity, affinity, popularity.unbind(0), affinity.unbind(0))  # row views, made once
-        self._popularity.copy_(self._rows[2][target])
-        torch.index_select(self._rows[3][source], 0, topk[source].view(-1), out=self._affinity)
+        popularity_rows, affinity_rows = self._rows(popularity, affinity)
+        self._popularity.copy_(popularity_rows[target])
+        torch.index_select(affinity_rows[source], 0, topk[source].view(-1), out=self._affinity)
         return self.buffer
 
 

@@ -27,6 +27,7 @@ from moeflow.offload.predictors.base import (
     ExpertPredictor,
     ModelShape,
     PredictorError,
+    RowViews,
     ids_to_mask,
     popularity_matrix,
 )
@@ -60,14 +61,12 @@ class ProMoEPredictor(ExpertPredictor):
         self._mlps_eval = [EvalSequential(m) for m in self.mlps]  # the runtime's call: no per-module overhead
         self.mean = torch.zeros(L, H)  # [L, H] per source layer
         self.std = torch.ones(L, H)
-        self._rows_of_stats: tuple | None = None  # (mean, std, their rows): see _predict
+        self._stat_rows = RowViews()  # the rows of mean and std
 
     def _predict(self, target_layer: int, source_layer: int) -> torch.Tensor:
         h = self._hidden[source_layer].to(self.mean.device)  # [T, H]
-        rows = self._rows_of_stats
-        if rows is None or rows[0] is not self.mean or rows[1] is not self.std:  # row views, made once
-            rows = self._rows_of_stats = (self.mean, self.std, self.mean.unbind(0), self.std.unbind(0))
-        z = (h - rows[2][source_layer]) / rows[3][source_layer]
+        mean, std = self._stat_rows(self.mean, self.std)
+        z = (h - mean[source_layer]) / std[source_layer]
         return torch.sigmoid_(self._mlps_eval[target_layer - self.distance](z))  # in place: a fresh tensor
 
     def _move(self, device: torch.device) -> None:
