@@ -41,20 +41,21 @@ class RaceTransport(CudaTransport):
         self.drop = drop
         self.copies = 0
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[Handle] = ()) -> Handle:
+    def copy_batch(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], after: Sequence[Handle] = ()) -> Handle:
+        """The copy engine's one entry (``copy`` calls it too): every destination poisoned, one sleep, the copies."""
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             if self.drop != "copy-after":
                 for h in after:
-                    if isinstance(h, CudaHandle):
+                    if isinstance(h, CudaHandle) and h.current:
                         self.stream.wait_event(h.event)
-            dst.view(torch.uint8).fill_(POISON)
+            for dst, _ in pairs:
+                dst.view(torch.uint8).fill_(POISON)
             torch.cuda._sleep(self.sleep_cycles)
-            dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event(blocking=True)
-            event.record(self.stream)
-        self._last = event
-        self.copies += 1
-        return CudaHandle(event)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+            handle = self.copy_events.record(self.stream)
+        self.copies += len(pairs)
+        return handle
 
     def wait_compute(self, handles: Sequence[Handle]) -> float:
         if self.drop == "compute-wait":

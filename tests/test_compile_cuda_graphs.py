@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from pathlib import Path
 
 import pytest
@@ -206,3 +207,58 @@ def test_cuda_graph_decode_gives_the_eager_tokens_on_a_gpu(policy):
     assert graphs.refused is None, graphs.refused
     assert graphs.captures == 1
     assert torch.equal(got, want) and torch.equal(again, want)
+
+
+class PoolRuleCapture(TraceCapture):
+    """TraceCapture under torch's pool rule: each capture object is one memory pool, and a capture into a pool
+    whose graphs have all been freed fails as CUDACachingAllocator's ``use_count > 0`` assert does (torch 2.11)."""
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        super().__init__(device)
+        self.live_graphs = 0
+        self.ever_used = False
+
+    def begin(self) -> None:
+        if self.ever_used and self.live_graphs == 0:
+            raise RuntimeError("it->second->use_count > 0 INTERNAL ASSERT FAILED (a dead pool captured into)")
+        super().begin()
+
+    def end(self):
+        replay = super().end()
+        self.live_graphs += 1
+        self.ever_used = True
+        graph = _Graph(replay)
+        weakref.finalize(graph, self._freed)
+        return graph
+
+    def _freed(self) -> None:
+        self.live_graphs -= 1
+
+
+class _Graph:
+    """A replay callable whose lifetime stands for a CUDAGraph's."""
+
+    def __init__(self, replay) -> None:
+        self.replay = replay
+
+    def __call__(self) -> None:
+        self.replay()
+
+
+def test_a_new_shape_recaptures_into_a_fresh_pool():
+    """A generate of another length is a new cache: the old graphs are dropped and the step captured again, which
+    must not reuse the dropped graphs' pool (the GPU refused that capture before the fix)."""
+    ref = MoEOffloadedMixtral.from_pretrained(MODEL, kernels="torch")
+    ids = torch.tensor([ref.tokenizer.encode(PROMPT)])
+    want = [ref.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=[]) for n in (6, 9)]
+    model = MoEOffloadedMixtral.from_pretrained(MODEL, kernels="torch")
+    graphs = model.capture_decode(capture_factory=PoolRuleCapture)
+    graphs.inner = on_device(model.model)
+    model.use_backend(HostArgs(model.experts))
+    try:
+        got = [model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=[]) for n in (6, 9)]
+    finally:
+        model.close()
+    assert graphs.refused is None
+    assert graphs.captures == 2
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))

@@ -244,10 +244,15 @@ def test_race_harness_outputs_are_bitwise_resident(race_synth, policy):
             assert torch.equal(a, b), f"{policy} with {slots} slots: layer call {i} differs from resident"
 
 
-@pytest.mark.parametrize("drop", ["compute-wait", "copy-after"])
+@pytest.mark.parametrize("drop", ["compute-wait"])
 def test_race_harness_catches_a_deleted_wait(race_synth, drop):
     """One wait_event deleted: some layer output must differ (poison read, or a slot overwritten under a kernel).
-    If this fails, the harness cannot see that race and the test above proves nothing about it."""
+    If this fails, the harness cannot see that race and the test above proves nothing about it.
+
+    Only "compute-wait" here: eagerly, each layer's one blocking read-back waits for the compute stream up to that
+    layer's router, so every kernel that read a slot being evicted has finished before the host issues the copy,
+    and the "copy-after" fence is already complete (a lent H100 confirmed it: deleting it changed no output). It
+    matters when the host runs ahead of the kernels, as with the captured device part: shown in the test below."""
     synth, expected = race_synth
     caught = 0
     for policy in ("ondemand", "lru"):

@@ -10,6 +10,7 @@ or a renamed call there fails on CI instead of in a lent GPU's first minute.
 from __future__ import annotations
 
 import contextlib
+import re
 
 import pytest
 import torch
@@ -219,3 +220,29 @@ def test_cuda_capture_begin_end_abort(fake_cuda, monkeypatch):
     capture.abort()  # the capture's own error is swallowed: the caller keeps the first one
     assert capture._graph is None and FakeGraph.made[1].calls[-1] == "end"
     capture.abort()  # nothing open: no-op
+
+
+def test_the_race_harness_transport_overrides_every_copy_entry_the_engine_calls():
+    """The GPU race harness poisons and delays copies by overriding the transport's copy methods; when the copy
+    engine moved to ``copy_batch`` the harness kept overriding only ``copy`` and silently tested nothing (its
+    copy count stayed 0 on the lent H100). Every copy entry of CudaTransport must be the harness's own, or reach
+    one through ``copy_batch``."""
+    import inspect
+
+    from race_transport import RaceTransport
+
+    from moeflow.offload.transport import CudaTransport
+
+    entries = [n for n, f in vars(CudaTransport).items() if n.startswith("copy") and callable(f)]
+    assert "copy_batch" in entries
+    for name in entries:
+        own = name in vars(RaceTransport)
+        delegates = "self.copy_batch(" in inspect.getsource(getattr(CudaTransport, name))
+        assert own or (delegates and "copy_batch" in vars(RaceTransport)), name
+    from moeflow.offload import copy_engine
+
+    source = inspect.getsource(copy_engine)
+    engine_calls = set(re.findall(r"transport\.(copy\w*)\(", source)) | set(
+        re.findall(r'getattr\(transport, "(copy\w*)"', source))
+    assert engine_calls == {"copy", "copy_batch"}, engine_calls  # a new entry: the harness must override it too
+    assert engine_calls <= set(entries)

@@ -205,9 +205,13 @@ class CudaGraphDecode:
             return self.step.run(experts, self._device_part(experts))
         if self.step is not None and embeds.is_cuda:  # the old graphs' buffers may still be read: let them finish
             torch.cuda.synchronize(embeds.device)
+        dropped = self.step is not None
         self.step = None  # free the old graphs before capturing new ones
-        if self._capture is None:
-            self._capture = self.capture_factory(embeds.device)
+        # a fresh capture (a fresh memory pool) per round: torch's allocator refuses a capture into a pool whose
+        # graphs are all gone (CUDACachingAllocator asserts use_count > 0), which is what dropping the step did
+        self._capture = self.capture_factory(embeds.device)
+        if dropped and embeds.is_cuda:
+            torch.cuda.empty_cache()  # the dead pool's memory back to the device
         try:
             self.step = capture_step(self.inner, self._capture, tuple(t.clone() for t in given), cache, experts)
         except Exception as err:  # noqa: BLE001 (any refusal: the step runs eagerly instead)
