@@ -9,6 +9,7 @@ host time (wall time of a step / layers: the host issues a layer's work no faste
 Optionally (``--graphs``) the same with the decode step captured as CUDA graphs (``model.capture_decode()``).
 
     python benchmarks/gpu_decode_profile.py --layers 8 --out $OUT/decode_profile.json
+    python benchmarks/gpu_decode_profile.py --tiny --out /tmp/decode_profile.json   # the CPU sizes (no GPU times)
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ for p in (ROOT, ROOT / "benchmarks"):
         sys.path.insert(0, str(p))
 
 from gpu_checkpoint import add_checkpoint_args, mixtral_setup, write_synthetic_awq_checkpoint  # noqa: E402
+from run_gpu_engine import cpu_capture_factory  # noqa: E402
 from run_gpu_offload import install_backend  # noqa: E402
 
 from moeflow import MoEOffloadedMixtral, OffloadConfig  # noqa: E402
@@ -53,25 +55,34 @@ def _decode(model, prompt: torch.Tensor, new_tokens: int) -> tuple[float, torch.
     return (clock.stamps[-1] - clock.stamps[1]) / (len(clock.stamps) - 2), out
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _profile(model, prompt: torch.Tensor, steps: int) -> dict:
     """GPU busy ms per decode step from a trace of (prefill + steps) minus a trace of prefill alone (with CUDA
     graphs the two shapes each capture once more: the wall time then includes captures; the GPU time does not
     count a capture's work twice only approximately)."""
     from torch.profiler import ProfilerActivity, profile
 
+    cuda = model.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+
     def busy(n: int) -> tuple[float, float]:
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _sync(model.device)
+        with profile(activities=activities) as prof:
             t0 = time.perf_counter()
             model.generate(prompt, max_new_tokens=n, do_sample=False, eos_token_id=[])
-            torch.cuda.synchronize()
+            _sync(model.device)
             wall = time.perf_counter() - t0
         gpu = sum(e.device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA") / 1e3  # ms
         # top-level kernels only: key_averages' CUDA rows are the kernels and memcpys themselves
         return wall * 1e3, gpu
     w1, g1 = busy(1)
     wn, gn = busy(1 + steps)
-    return {"profiled_wall_ms_per_step": (wn - w1) / steps, "gpu_busy_ms_per_step": (gn - g1) / steps}
+    return {"profiled_wall_ms_per_step": (wn - w1) / steps,
+            "gpu_busy_ms_per_step": (gn - g1) / steps if cuda else None}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -92,7 +103,8 @@ def main(argv: list[str] | None = None) -> None:
                                                 offload=OffloadConfig(policy="lru", gpu_expert_slots=L * E))
     host = model.experts.host
     prompt = torch.randint(3, config["vocab_size"], (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
-    result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": L,
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    result: dict = {"device": name, "torch": torch.__version__, "layers": L,
                     "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "rows": []}
     expected = None
     modes = ([] if args.graphs_only else ["eager"]) + (["cuda_graphs"] if args.graphs or args.graphs_only else [])
@@ -103,16 +115,19 @@ def main(argv: list[str] | None = None) -> None:
             row: dict = {"policy": policy, "slots": slots, "mode": mode}
             try:
                 if mode == "cuda_graphs":
-                    row["captures"] = str(model.capture_decode())
+                    graphs = model.capture_decode(None if device.type == "cuda" else cpu_capture_factory())
                 for _ in range(2):  # every specialization, plan and capture made at this shape
                     model.generate(prompt, max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=[])
                 step_s, out = _decode(model, prompt, args.new_tokens)
                 expected = out if expected is None else expected
+                if mode == "cuda_graphs":
+                    row.update(captures=graphs.captures, refused=graphs.refused)
                 row.update(ms_per_step=step_s * 1e3, tok_s=1 / step_s, tokens_equal_resident=bool(
                     torch.equal(out, expected)), **_profile(model, prompt, args.profile_steps))
                 row["host_ms_per_layer"] = row["ms_per_step"] / L
-                row["gpu_ms_per_layer"] = row["gpu_busy_ms_per_step"] / L
-                row["host_bound"] = row["ms_per_step"] > 1.5 * row["gpu_busy_ms_per_step"]
+                if row["gpu_busy_ms_per_step"] is not None:
+                    row["gpu_ms_per_layer"] = row["gpu_busy_ms_per_step"] / L
+                    row["host_bound"] = row["ms_per_step"] > 1.5 * row["gpu_busy_ms_per_step"]
             except Exception as exc:  # one failing row must not lose the others
                 row["error"] = f"{type(exc).__name__}: {exc}"
             finally:

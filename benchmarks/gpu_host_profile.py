@@ -1,6 +1,6 @@
 """Where a GPU decode step's host time goes: cProfile and torch.profiler's CPU table of steady-state decode steps
-(resident, synthetic Mixtral checkpoint of ``--layers`` layers). Prints the top functions by own time and by
-cumulative time, and the top aten ops by self CPU time; writes the pstats text to ``--out``.
+(``--policy``, default resident, on the synthetic Mixtral checkpoint of ``--layers`` layers). Prints the top
+functions by own time and by cumulative time, and the top aten ops by self CPU time; writes them to ``--out``.
 
     python benchmarks/gpu_host_profile.py --layers 8 --out $OUT/host_profile.txt
 """
@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_checkpoint_args(ap)
     ap.add_argument("--policy", default="resident")
+    ap.add_argument("--slots", type=int, default=None, help="expert slots for a caching policy (default: all)")
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
@@ -39,15 +40,20 @@ def main(argv: list[str] | None = None) -> None:
     L, E = config["num_hidden_layers"], config["num_local_experts"]
     model = MoEOffloadedMixtral.from_pretrained(ckpt, device=device, dtype=dtype, kernels=kernels, progress=False,
                                                 offload=OffloadConfig(policy="lru", gpu_expert_slots=L * E))
-    install_backend(model, model.experts.host, args.policy, L * E, "auto")
+    install_backend(model, model.experts.host, args.policy, args.slots or L * E, "auto")
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     prompt = torch.randint(3, config["vocab_size"], (1, 64), generator=torch.Generator().manual_seed(0))
     for _ in range(2):
         model.generate(prompt, max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=[])
-    torch.cuda.synchronize()
+    sync()
     prof = cProfile.Profile()
     prof.enable()
     model.generate(prompt, max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=[])
-    torch.cuda.synchronize()
+    sync()
     prof.disable()
     text = io.StringIO()
     stats = pstats.Stats(prof, stream=text)
@@ -56,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU]) as tp:
         model.generate(prompt, max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=[])
-        torch.cuda.synchronize()
+        sync()
     text.write(tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text.getvalue())

@@ -23,6 +23,11 @@
 #                                                  #   checkpoint (~25 GB, ~1-2 min), H2D bandwidth, resident + 5
 #                                                  #   caching policies x 4 slot budgets, copy/compute trace
 #   -- the next session (or this one with >= 10 min of device time left), same order:
+#   3b. bash benchmarks/run_all_gpu.sh decode     # ~6-8 min (limits 390 + 150 s): steady-state decode of the stage-3
+#                                                  #   checkpoint (rewritten first on a fresh machine: ~1-2 min),
+#                                                  #   resident and lru at 128 / 64 slots, eager and as CUDA graphs:
+#                                                  #   ms per step, host vs GPU ms per layer (issue 14); then
+#                                                  #   cProfile of eager lru decode (benchmarks/gpu_host_profile.py)
 #   4. bash benchmarks/run_all_gpu.sh engine       # ~6-9 min (limits 190 + 370 s); carry=[".whl"] after
 #                                                  #   `bash benchmarks/gpu_wheels.sh` (fastapi, pydantic, uvicorn,
 #                                                  #   openai: the machine lacks them). moeflow serve on the GPU
@@ -118,6 +123,11 @@ case "$stage" in
   offload)
     run 510 offload.log "$py" benchmarks/run_gpu_offload.py "${tiny[@]}" "${ckpt[@]}" --out "$out/offload" \
       --time-budget-s 370 ;;
+  decode)  # steady-state decode, eager and as CUDA graphs: host vs GPU ms per layer (issue 14), on stage 3's checkpoint
+    run 390 decode.log "$py" benchmarks/gpu_decode_profile.py "${tiny[@]}" "${ckpt[@]}" --graphs --slots 128,64 \
+      --out "$out/decode_profile.json"
+    run 150 decode.log "$py" benchmarks/gpu_host_profile.py "${tiny[@]}" "${ckpt[@]}" --policy lru --slots 128 \
+      --out "$out/host_profile_lru.txt" ;;
   engine)  # moeflow serve first (no checkpoint needed), then CUDA graphs and the disk tier on the Mixtral checkpoint
     # the server's packages: the wheels of benchmarks/gpu_wheels.sh, carried in .whl/ (else serve records the error)
     if [ "${TINY:-0}" != 1 ] && [ "$plan" != 1 ] && ls .whl/*.whl >/dev/null 2>&1; then
@@ -153,7 +163,7 @@ case "$stage" in
     if [ -n "${LAYERS:-}" ]; then layers=(--layers "$LAYERS"); fi
     run 570 "$stage.log" "$py" benchmarks/run_gpu_families.py --family "$family" "${tiny[@]}" "${layers[@]}" \
       --out "$out/families" --time-budget-s 450 ;;
-  *) echo "usage: $0 correctness|kernels|offload|engine|models|families-qwen3|families-gpt-oss|tune (TINY=1: CPU" \
+  *) echo "usage: $0 correctness|kernels|offload|decode|engine|models|families-qwen3|families-gpt-oss|tune (TINY=1: CPU" \
        "sizes)" >&2
      exit 2 ;;
 esac

@@ -108,7 +108,8 @@ def stage_plan(stage: str, tmp_path: Path) -> list[int]:
 
 
 def test_every_stage_fits_one_command_and_the_first_three_one_session(tmp_path):
-    stages = ("correctness", "kernels", "offload", "engine", "models", "families-qwen3", "families-gpt-oss", "tune")
+    stages = ("correctness", "kernels", "offload", "decode", "engine", "models", "families-qwen3", "families-gpt-oss",
+              "tune")
     limits = {stage: stage_plan(stage, tmp_path) for stage in stages}
     assert all(limits.values()), limits
     # each step may run 15 s past its limit (timeout's --kill-after) and the stage starts with an env probe
@@ -178,3 +179,21 @@ def test_the_stack_check_names_what_is_missing_and_fails(monkeypatch, capsys):
     assert gpu_stack.main(["--pytest"]) == 1
     err = capsys.readouterr().err
     assert "moeflow_no_such_package: MISSING" in err and "torch.cuda.no_such_api: missing" in err
+
+
+def test_gpu_decode_profile_tiny(tmp_path):
+    """The decode stage's profile at the CPU sizes: every row decodes the resident tokens; lru's graph row captures
+    once, at the warmed-up shape (the timed generate replays), and is not refused."""
+    out = tmp_path / "decode.json"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_decode_profile.py"), "--tiny", "--graphs",
+                           "--slots", "8", "--new-tokens", "4", "--profile-steps", "1", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["policy"], r["mode"]) for r in rows] == [
+        (p, m) for p in ("resident", "lru") for m in ("eager", "cuda_graphs")]
+    assert all("error" not in r and r["tokens_equal_resident"] for r in rows), rows
+    # (resident's torch reference kernels read values on the host: the CPU stand-in refuses them, the GPU does not)
+    assert all(r["captures"] == 1 and r["refused"] is None for r in rows
+               if r["mode"] == "cuda_graphs" and r["policy"] == "lru"), rows
+    assert all(r["ms_per_step"] > 0 for r in rows)
