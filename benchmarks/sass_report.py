@@ -222,6 +222,21 @@ def awq_linear_launches(n: int, k: int, T: int, group: int = 128, dtype: torch.d
                         pcfg["BLOCK_M"], pcfg) for c in found]
 
 
+# sm_90 (H100) per-SM limits: 64 K registers allocated per warp in units of 256, 64 warps, 32 programs, 228 KB of
+# shared memory of which each program also reserves 1 KB
+SM90_REGS, SM90_WARPS, SM90_PROGRAMS, SM90_SMEM, SMEM_RESERVED = 65536, 64, 32, 233472, 1024
+
+
+def programs_per_sm(regs: int | None, smem_bytes: int | None, num_warps: int) -> int | None:
+    """How many programs of this build an sm_90 SM holds at once (the occupancy the grid's waves are made of).
+    On the first H100 run the profiler's registers and shared memory per program matched this report's exactly."""
+    if regs is None or not num_warps:
+        return None
+    per_warp = -(-regs * 32 // 256) * 256
+    by_smem = SM90_SMEM // ((smem_bytes or 0) + SMEM_RESERVED)
+    return min(SM90_REGS // (per_warp * num_warps), by_smem, SM90_WARPS // num_warps, SM90_PROGRAMS)
+
+
 def _row(c: Compiled, model: str, T: int, kernel: str, block_m: int, wcfg: dict) -> dict:
     weights = wcfg.get("BLOCK_N", 0) * wcfg.get("BLOCK_K", 0)
     per_weight = None
@@ -231,6 +246,7 @@ def _row(c: Compiled, model: str, T: int, kernel: str, block_m: int, wcfg: dict)
         "kernel": kernel, "model": model, "T": T, "BLOCK_M": block_m,
         "config": {key: wcfg[key] for key in sorted(wcfg) if key != "BLOCK_M"},
         "regs": c.regs, "spill_bytes": c.spill_bytes, "smem_bytes": c.smem_bytes, "num_warps": c.num_warps,
+        "programs_per_sm": programs_per_sm(c.regs, c.smem_bytes, c.num_warps),
         "loop_instructions": c.loop_instructions, "weights_per_iteration": weights or None,
         "warp_instructions_per_weight": per_weight,
         "async_mma": any(n > 0 for n in c.mma_waits), "mma_waits": c.mma_waits,

@@ -58,3 +58,11 @@ def test_decode_step_launches(report):
     for T in (1, 4, 16):
         kernels = [r["kernel"] for r in report if r["source"] == "default" and r["T"] == T]
         assert kernels[0] == "route_plan" and kernels[-1] == "combine" and len(kernels) <= 4, (T, kernels)
+
+
+def test_every_build_fits_an_sm(report):
+    """Each row says how many programs of its build an sm_90 SM holds (the waves a grid makes: the first H100
+    run's decode gap); a build that fits none (too many registers or too much shared memory) fails here."""
+    for r in report:
+        if r["error"] is None and r["regs"] is not None:
+            assert isinstance(r["programs_per_sm"], int) and r["programs_per_sm"] >= 1, r

@@ -107,11 +107,14 @@ def tuning_candidates(phase: str, group_size: int) -> list[dict]:
     """Configs ``benchmarks/run_gpu_kernels.py --tune`` times: ``phase`` "decode" or "prefill"; any candidate
     with BLOCK_K above the AWQ group is dropped (it would need a per-row zero/scale gather)."""
     if phase == "decode":
+        # the first H100 run: the default tile (BLOCK_N 128, 4 warps) holds 3 programs per SM, so w13's 448
+        # programs at T = 1 make 1.13 waves; 8 warps (2 per SM), narrower tiles (5-7 per SM) and deeper w2 splits
+        # fill the waves differently (benchmarks/results/h100-2026-11-23/README.md): time them all
         cands = [
-            {"BLOCK_M": bm, "w13": {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": s13, "num_warps": 4, "num_stages": st},
-             "w2": {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": s2, "num_warps": 4, "num_stages": st}}
-            for bm in (1, 2, 4, 8, 16) for bn, bk in ((128, 128), (64, 128), (128, 64), (256, 64), (256, 32))
-            for s13, s2 in ((1, 1), (1, 2), (1, 4), (2, 4)) for st in (3, 4)
+            {"BLOCK_M": bm, "w13": {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": s13, "num_warps": nw, "num_stages": 3},
+             "w2": {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": s2, "num_warps": nw, "num_stages": 3}}
+            for bm in (1, 2, 4, 8, 16) for bn, bk in ((128, 128), (64, 128), (32, 128), (128, 64), (256, 64), (128, 32))
+            for nw in (4, 8) for s13, s2 in ((1, 1), (1, 4), (1, 8), (1, 16), (2, 4))
         ]
     else:
         cands = [
