@@ -140,7 +140,7 @@ MUTATIONS = [
              "captures again)", "max_len = cache_length(max_len, self.config.max_position_embeddings)", "pass",
              BUCKETS),
     Mutation("graphs-cache-any-batch", "the kept cache is reused for another batch size",
-             "self._last_cache[0] == (batch, max_len)", "self._last_cache[0][1] == max_len",
+             "key = (batch, max_len, spec)", "key = (1, max_len, spec)",
              BUCKETS),
     Mutation("graphs-forward-evicts", "a forward() pass replaces the kept cache (the next generate captures again)",
              "self._runner.new_cache(b, t, reuse=False)", "self._runner.new_cache(b, t)",

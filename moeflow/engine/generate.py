@@ -60,7 +60,7 @@ class Runner:
         # with CUDA graphs (``capture_decode``), keep the last cache for the next generate: the graphs baked its
         # addresses in; its length is rounded up to a bucket so calls of other lengths reuse it (:func:`cache_length`)
         self.reuse_cache = False
-        self._last_cache: tuple[tuple[int, int], Any] | None = None
+        self._last_cache: tuple[tuple, Any] | None = None  # ((batch, max_len, KVCacheSpec | None), cache)
 
     def close_backend(self) -> None:
         if self.backend is not None:
@@ -74,19 +74,22 @@ class Runner:
         reuse = reuse and self.reuse_cache
         if reuse:
             max_len = cache_length(max_len, self.config.max_position_embeddings)
-            if self._last_cache is not None and self._last_cache[0] == (batch, max_len):
+        spec = self.kv_cache_spec() if self.kv_cache_spec is not None else None
+        key = (batch, max_len, spec)  # (the family may change its cache kind: DeepSeek's latent_kv_cache)
+        if reuse:
+            if self._last_cache is not None and self._last_cache[0] == key:
                 cache = self._last_cache[1]
                 cache.valid.zero_()
                 return cache
             self._last_cache = None  # (its graphs may still hold it until they are captured again)
-        if self.kv_cache_spec is not None:
-            cache = new_kv_cache(self.kv_cache_spec(), batch, max_len, self.dtype, self.device)
+        if spec is not None:
+            cache = new_kv_cache(spec, batch, max_len, self.dtype, self.device)
         else:
             cfg = self.config
             cache = StaticKVCache(cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim,
                                   self.dtype, self.device)
         if reuse:
-            self._last_cache = ((batch, max_len), cache)
+            self._last_cache = (key, cache)
         return cache
 
     def forward_pass(
