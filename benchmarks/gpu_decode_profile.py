@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> None:
     write_synthetic_awq_checkpoint(ckpt, config, group_size=group)
     L, E = config["num_hidden_layers"], config["num_local_experts"]
     model = MoEOffloadedMixtral.from_pretrained(ckpt, device=device, dtype=dtype, kernels=kernels, progress=False,
-                                                offload=OffloadConfig(policy="lru", gpu_expert_slots=L * E))
+                                                offload=OffloadConfig(policy="lru", gpu_expert_slots=L * E),
+                                                cuda_graphs=False)  # the eager rows eager; --graphs captures
     host = model.experts.host
     prompt = torch.randint(3, config["vocab_size"], (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> None:
     write_synthetic_awq_checkpoint(ckpt, config, group_size=group)
     L, E = config["num_hidden_layers"], config["num_local_experts"]
     model = MoEOffloadedMixtral.from_pretrained(ckpt, device=device, dtype=dtype, kernels=kernels, progress=False,
-                                                offload=OffloadConfig(policy="lru", gpu_expert_slots=L * E))
+                                                offload=OffloadConfig(policy="lru", gpu_expert_slots=L * E),
+                                                cuda_graphs=False)  # the eager step's host time is the subject
     install_backend(model, model.experts.host, args.policy, args.slots or L * E, "auto")
 
     def sync() -> None:

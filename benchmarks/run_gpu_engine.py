@@ -61,7 +61,8 @@ def cpu_capture_factory():
 def load_in_ram(ckpt: Path, device, dtype, kernels: str, slots: int) -> MoEOffloadedMixtral:
     """Every expert in the pinned host store, ``lru`` at ``slots`` (the backends share that store)."""
     return MoEOffloadedMixtral.from_pretrained(ckpt, device=device, dtype=dtype, kernels=kernels, progress=False,
-                                               offload=OffloadConfig(policy="lru", gpu_expert_slots=slots))
+                                               offload=OffloadConfig(policy="lru", gpu_expert_slots=slots),
+                                               cuda_graphs=False)  # eager first: graphs_rows captures itself
 
 
 def host_budgets_gb(plan: dict, fractions: list[float], readers: int = OffloadConfig.disk_readers) -> list[float]:

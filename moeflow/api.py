@@ -13,7 +13,7 @@ from torch import nn
 from moeflow.config import OffloadConfig
 from moeflow.engine.build import KERNEL_CHOICES, build_model
 from moeflow.engine.compiled import CompiledDecode
-from moeflow.engine.cuda_graphs import CudaGraphDecode
+from moeflow.engine.cuda_graphs import CudaGraphDecode, graphs_wanted
 from moeflow.engine.generate import (
     Runner,
     check_inputs,
@@ -77,7 +77,7 @@ class MoEModel(nn.Module):
         revision: str | None = None,
         progress: bool | None = None,
         attention_bits: int | None = None,
-        cuda_graphs: bool = False,
+        cuda_graphs: bool | None = None,
         lm_head_bits: int = 8,
     ):
         """Load an HF-layout checkpoint (fp32/fp16/bf16 or AWQ 4-bit) from a directory or the hub.
@@ -87,9 +87,11 @@ class MoEModel(nn.Module):
         kernels: "auto" (Triton on CUDA; on the CPU torch's int4 kernels for AWQ experts, else the torch
             reference), "torch" (the reference), "triton", or "cpu-int4".
         compile: torch.compile the decode step.
-        cuda_graphs: capture the decode step as CUDA graphs (device="cuda"), piecewise around an offloading
-            backend's calls (see :mod:`moeflow.engine.cuda_graphs`); eager with a logged warning when the
-            device refuses the capture. Off by default.
+        cuda_graphs: capture the decode step as CUDA graphs, piecewise around an offloading backend's calls
+            (see :mod:`moeflow.engine.cuda_graphs`); eager with a logged warning when the device refuses the
+            capture. None (default): on when ``device`` is CUDA, off otherwise; True off CUDA: ValueError.
+            With graphs the KV cache is kept between generate() calls, its length rounded up to a multiple
+            of 256 positions, so calls within one such bucket replay the same graphs.
         attention_bits: on the CPU int4 path (device="cpu", AWQ experts), quantize 16-bit attention
             projections at load to int8 (8) or int4 (4, group 128); None (default) keeps them as stored.
             That path always runs AWQ attention through the int4 CPU kernel.
@@ -104,6 +106,7 @@ class MoEModel(nn.Module):
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise ValueError(f"dtype={dtype}: expected torch.float16, torch.bfloat16 or torch.float32")
         offload = offload or OffloadConfig()
+        cuda_graphs = graphs_wanted(cuda_graphs, device)  # (before loading: True on a CPU model is refused at once)
         built = build_model(path_or_id, device=device, dtype=dtype, offload=offload, kernels=kernels,
                             revision=revision, progress=progress, families=cls._families,
                             attention_bits=attention_bits, lm_head_bits=lm_head_bits)
@@ -157,10 +160,11 @@ class MoEModel(nn.Module):
         """Replay the decode step (eager or compiled) as CUDA graphs, piecewise around the expert backend's calls
         (:class:`moeflow.engine.cuda_graphs.CudaGraphDecode`, returned; ``capture_factory``: how a piece is
         captured, default CUDA graphs, which need device="cuda"; ``capture_experts=False`` leaves an offload
-        backend's device part eager, for A/B runs). The KV cache is kept from one generate to
-        the next of the same shape so the graphs are not captured again."""
-        if capture_factory is None and self.device.type != "cuda":
-            raise ValueError(f"cuda_graphs=True needs device='cuda'; this model is on {self.device}")
+        backend's device part eager, for A/B runs). The KV cache is kept from one generate to the next of the
+        same batch size and length bucket (:func:`moeflow.engine.generate.cache_length`) so the graphs are not
+        captured again."""
+        if capture_factory is None:
+            graphs_wanted(True, self.device)  # ValueError off CUDA
         decode = self._runner.decode_fn
         inner = decode.inner if isinstance(decode, CudaGraphDecode) else decode
         self._runner.decode_fn = CudaGraphDecode(inner, capture_factory, capture_experts)
@@ -181,7 +185,8 @@ class MoEModel(nn.Module):
         token_mask = (attention_mask.to(self.device) != 0) if attention_mask is not None else \
             torch.ones((b, t), dtype=torch.bool, device=self.device)
         self.stats.set_phase("prefill")
-        logits = self._runner.forward_pass(input_ids, positions_from_mask(token_mask), self._runner.new_cache(b, t),
+        logits = self._runner.forward_pass(input_ids, positions_from_mask(token_mask),
+                                           self._runner.new_cache(b, t, reuse=False),
                                            torch.arange(t, device=self.device), token_mask, "prefill",
                                            history=(input_ids, token_mask))
         return CausalLMOutput(logits=logits)

@@ -40,6 +40,8 @@ class Mutation:
 
 FENCES = ("tests/test_fences.py",)
 COUNTS = "tests/test_policy_counts.py"
+BUCKETS = ("tests/test_compile_cuda_graphs.py::"
+           "test_lengths_in_one_bucket_replay_one_capture_and_another_bucket_recaptures_into_a_fresh_pool",)
 MUTATIONS = [
     # ---- ordering guards (scripted transport, tests/test_fences.py)
     Mutation("fence-engine-ignores-after", "the copy engine issues a batch without waiting for its tasks' after",
@@ -133,6 +135,16 @@ MUTATIONS = [
              "pred.begin_iteration(embeds if real is None else embeds.index_select(0, real))",
              "pred.begin_iteration(embeds)",
              ("tests/test_invariant_padding.py::test_finemoe_searches_and_counts_real_tokens_only",)),
+    # ---- the KV cache kept for the CUDA-graph decode step (tests/test_compile_cuda_graphs.py)
+    Mutation("graphs-cache-exact-length", "the kept cache is not rounded up to its bucket (every other length "
+             "captures again)", "max_len = cache_length(max_len, self.config.max_position_embeddings)", "pass",
+             BUCKETS),
+    Mutation("graphs-cache-any-batch", "the kept cache is reused for another batch size",
+             "key = (batch, max_len, spec)", "key = (1, max_len, spec)",
+             BUCKETS),
+    Mutation("graphs-forward-evicts", "a forward() pass replaces the kept cache (the next generate captures again)",
+             "self._runner.new_cache(b, t, reuse=False)", "self._runner.new_cache(b, t)",
+             BUCKETS),
 ]
 
 

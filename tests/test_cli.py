@@ -39,3 +39,13 @@ def test_missing_model_is_a_clear_error(tmp_path, capsys):
 def test_bad_group_size_is_refused_by_the_parser():
     with pytest.raises(SystemExit):
         main(["quantize", "a", "b", "--group-size", "48"])
+
+
+@pytest.mark.parametrize("command", [["generate", "--model", "unused"], ["demo"], ["chat"]])
+def test_cuda_graphs_flag_reaches_from_pretrained(command, capsys):
+    """--cuda-graphs auto (default) / on / off is from_pretrained's None / True / False: "on" with a CPU device is
+    the clear error from_pretrained gives before loading anything."""
+    args = build_parser().parse_args([*command, "--device", "cpu"])
+    assert args.cuda_graphs == "auto"
+    assert main([*command, "--device", "cpu", "--cuda-graphs", "on"]) == 2
+    assert "cuda_graphs=True needs device='cuda'" in capsys.readouterr().err

@@ -193,7 +193,8 @@ def test_cuda_graphs_need_a_cuda_device():
 def test_cuda_graph_decode_gives_the_eager_tokens_on_a_gpu(policy):
     load = dict(device="cuda", dtype=torch.float16, kernels="auto")
     offload = OffloadConfig(policy=policy, gpu_expert_slots=None if policy == "resident" else 24)
-    ref = MoEOffloadedMixtral.from_pretrained(MODEL, **load, offload=offload)
+    ref = MoEOffloadedMixtral.from_pretrained(MODEL, **load, offload=offload, cuda_graphs=False)
+    ref.runner.reuse_cache = True  # the graph run's bucketed cache length: only replay vs eager differs
     ids = torch.tensor([ref.tokenizer.encode(PROMPT)] * 2, device="cuda")
     want = ref.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=[])
     ref.close()
@@ -245,20 +246,111 @@ class _Graph:
         self.replay()
 
 
-def test_a_new_shape_recaptures_into_a_fresh_pool():
-    """A generate of another length is a new cache: the old graphs are dropped and the step captured again, which
-    must not reuse the dropped graphs' pool (the GPU refused that capture before the fix)."""
-    ref = MoEOffloadedMixtral.from_pretrained(MODEL, kernels="torch")
-    ids = torch.tensor([ref.tokenizer.encode(PROMPT)])
-    want = [ref.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=[]) for n in (6, 9)]
+def _eager(offload: OffloadConfig | None, calls: list[tuple[torch.Tensor, torch.Tensor | None, int]]):
+    """The eager tokens of each (ids, attention_mask, max_new_tokens) call (a cache of exactly its length)."""
+    ref = MoEOffloadedMixtral.from_pretrained(MODEL, kernels="torch", offload=offload)
+    try:
+        return [ref.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, eos_token_id=[])
+                for ids, mask, n in calls]
+    finally:
+        ref.close()
+
+
+def test_lengths_in_one_bucket_replay_one_capture_and_another_bucket_recaptures_into_a_fresh_pool():
+    """The kept cache is 256 positions for every call up to 256 tokens: other prompt lengths and max_new_tokens
+    replay the same graphs (a forward() pass between them leaves the cache alone). Another batch size, or a call
+    past 256 (bucket 512, the tiny model's max_position_embeddings), captures again, into a fresh pool (torch's
+    allocator refuses a dead one: PoolRuleCapture), and so does the next short call (one cache is kept). Every
+    call gives the eager tokens."""
+    tok = MoEOffloadedMixtral.from_pretrained(MODEL, kernels="torch").tokenizer
+    words = tok.encode(PROMPT)
+    long = torch.tensor([(words * 40)[:250]])
+    calls = [(torch.tensor([words]), None, 6), (torch.tensor([words]), None, 9), (torch.tensor([words[:5]]), None, 12),
+             (torch.tensor([words] * 2), None, 6), (long, None, 10), (torch.tensor([words]), None, 6)]
+    want = _eager(None, calls)
     model = MoEOffloadedMixtral.from_pretrained(MODEL, kernels="torch")
     graphs = model.capture_decode(capture_factory=PoolRuleCapture)
     graphs.inner = on_device(model.model)
     model.use_backend(HostArgs(model.experts))
+    captures, lengths = [], []
     try:
-        got = [model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=[]) for n in (6, 9)]
+        for i, (ids, mask, n) in enumerate(calls):
+            got = model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, eos_token_id=[])
+            assert torch.equal(got, want[i]), f"call {i} ({tuple(ids.shape)} + {n} tokens)"
+            captures.append(graphs.captures)
+            lengths.append(graphs.step.cache.max_len)
+            if i == 1:
+                model(torch.tensor([words] * 3))  # a prefill-only pass: a cache of its own
     finally:
         model.close()
     assert graphs.refused is None
-    assert graphs.captures == 2
-    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert captures == [1, 1, 1, 2, 3, 4]
+    assert lengths == [256, 256, 256, 256, 512, 256]
+
+
+def test_cache_length_rounds_up_to_the_bucket_within_the_model_limit():
+    from moeflow.engine.generate import cache_length
+
+    assert [cache_length(n, 512) for n in (1, 28, 256, 257, 512)] == [256, 256, 256, 512, 512]
+    assert cache_length(290, 300) == 300  # the model's max_position_embeddings caps it
+    assert cache_length(700, 512) == 700  # never fewer positions than asked (generate refuses those first)
+
+
+def test_cuda_graphs_default_to_the_device():
+    from moeflow.engine.cuda_graphs import graphs_wanted
+
+    assert graphs_wanted(None, torch.device("cuda")) and graphs_wanted(True, torch.device("cuda", 1))
+    assert not graphs_wanted(None, torch.device("cpu")) and not graphs_wanted(False, torch.device("cuda"))
+    with pytest.raises(ValueError, match="cuda_graphs=True needs device='cuda'"):
+        graphs_wanted(True, torch.device("cpu"))
+    for cuda_graphs in (None, False):  # the default on the CPU: eager, a cache of exactly each call's length
+        model = MoEOffloadedMixtral.from_pretrained(MODEL, kernels="torch", cuda_graphs=cuda_graphs)
+        assert model.runner.decode_fn is model.model and not model.runner.reuse_cache
+        assert model.runner.new_cache(1, 20).max_len == 20
+        model.close()
+
+
+@pytest.mark.parametrize("offload", [OffloadConfig(policy="lru", gpu_expert_slots=8),
+                                     OffloadConfig(policy="mixtral-offloading", gpu_expert_slots=12)],
+                         ids=["lru", "mixtral-offloading"])
+def test_offloaded_decode_on_the_bucketed_cache_gives_the_eager_resident_tokens(offload):
+    """The exact-token invariant with the kept cache: an offload policy's captured decode, a left-padded batch,
+    a long call then shorter ones in the same bucket (their masked positions hold the long call's keys) equal
+    the eager resident model's tokens."""
+    tok = MoEOffloadedMixtral.from_pretrained(MODEL, kernels="torch").tokenizer
+    words = tok.encode(PROMPT)
+    ids = torch.tensor([words, [0, 0, 0] + words[3:]])
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    calls = [(ids, mask, 30), (ids[:, 2:], mask[:, 2:], 7), (ids, mask, 12)]
+    want = _eager(None, calls)
+    model, graphs = captured_model(offload)
+    try:
+        got = [model.generate(i, attention_mask=m, max_new_tokens=n, do_sample=False, eos_token_id=[])
+               for i, m, n in calls]
+    finally:
+        model.close()
+    assert graphs.refused is None and graphs.captures == 1 and graphs.step.cache.max_len == 256
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a, b), f"call {i}"
+
+
+def test_the_serving_engine_runs_a_captured_model_eagerly():
+    """The engine's passes read rows of its slotted cache (a new view each): the captured step runs them eagerly,
+    with the tokens of the uncaptured model, and captures nothing."""
+    from moeflow.engine.continuous import ContinuousEngine, SamplingParams
+    from moeflow.engine.kv_slots import SlotKVCache
+
+    model = MoEOffloadedMixtral.from_pretrained(MODEL, kernels="torch")
+    prompts = [model.tokenizer.encode(PROMPT)[:n] for n in (4, 11)]
+    want = [model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=[])[0, len(p):].tolist()
+            for p in prompts]
+    graphs = model.capture_decode(capture_factory=TraceCapture)
+    engine = ContinuousEngine(model, SlotKVCache.for_model(model, 64, max_rows=2)).start()
+    try:
+        got = [s.result(120) for s in [engine.submit(p, SamplingParams(max_new_tokens=8)) for p in prompts]]
+    finally:
+        engine.stop()
+        model.close()
+    assert got == want
+    assert graphs.captures == 0 and graphs.step is None and graphs.refused is None

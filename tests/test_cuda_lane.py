@@ -285,6 +285,7 @@ def test_every_policy_keeps_the_tokens_on_real_streams(tmp_path):
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
     load = dict(device="cuda", dtype=torch.float16, kernels="auto")
+    # resident and every policy loaded alike (CUDA graphs by default, the bucketed cache): only offloading differs
     resident = MoEOffloadedMixtral.from_pretrained(path, **load, offload=OffloadConfig(policy="resident"))
     expected = resident.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False).cpu()
     failures = []
@@ -340,7 +341,9 @@ def test_cuda_graphs_capture_the_device_part_and_keep_the_tokens(policy, kernels
 
     model_dir = Path(moeflow.__file__).parent / "data" / "tiny-mixtral-awq"
     load = dict(device="cuda", dtype=torch.float16, kernels=kernels)
-    resident = MoEOffloadedMixtral.from_pretrained(model_dir, **load, offload=OffloadConfig(policy="resident"))
+    resident = MoEOffloadedMixtral.from_pretrained(model_dir, **load, offload=OffloadConfig(policy="resident"),
+                                                   cuda_graphs=False)  # eager: the graphs' tokens are the subject
+    resident.runner.reuse_cache = True  # the graph run's bucketed cache length: only replay vs eager differs
     ids = torch.tensor([resident.tokenizer.encode("The \"with\" statement is used to wrap the execution")] * 2,
                        device="cuda")
     expected = resident.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=[])

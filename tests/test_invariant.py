@@ -74,6 +74,7 @@ def test_cuda_streams_keep_the_tokens(tiny, kernels):
 
     path, ids, mask, _ = tiny
     load = dict(device="cuda", dtype=torch.float16, kernels=kernels)
+    # resident and every policy loaded alike (CUDA graphs by default, the bucketed cache): only offloading differs
     resident = MoEOffloadedMixtral.from_pretrained(path, **load, offload=OffloadConfig(policy="resident"))
     expected = resident.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
     for policy in OFFLOAD_POLICIES:

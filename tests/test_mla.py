@@ -34,6 +34,19 @@ def test_latent_cache_size_and_use(tmp_path):
     assert cache.nbytes * 4 < full.nbytes  # 40 values per token per layer instead of 2 x 4 heads x 24
 
 
+def test_a_kept_cache_follows_the_family_cache_kind(tmp_path):
+    """With the cache kept between generates (CUDA graphs), switching latent_kv_cache off gets full heads, not the
+    kept latent cache of the same length."""
+    make_checkpoint(tmp_path, "deepseek_v3", **DEEPSEEK_V3["qlora-groups-dense"])
+    model = MoEModel.from_pretrained(tmp_path, device="cpu", dtype=torch.float16)
+    runner = model.runner
+    runner.reuse_cache = True
+    latent = runner.new_cache(2, 10)
+    assert isinstance(latent, LatentKVCache) and runner.new_cache(2, 30) is latent
+    model.family.latent_kv_cache = False
+    assert not isinstance(runner.new_cache(2, 10), LatentKVCache)
+
+
 @pytest.mark.parametrize("kind,name", [("deepseek_v3", "qlora-groups-dense"), ("deepseek_v3", "yarn-halves-rope"),
                                        ("deepseek_v2", "greedy-no-qlora")])
 def test_latent_cache_gives_the_full_head_tokens(tmp_path, kind, name):

@@ -15,6 +15,7 @@ import torch
 COMMAND_MODULES = ("moeflow.cli.predictors", "moeflow.sim.cli", "moeflow.cli.serve")
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 EMBEDDED_MODEL = "tiny-mixtral-awq"
+CUDA_GRAPHS = {"auto": None, "on": True, "off": False}  # --cuda-graphs -> from_pretrained(cuda_graphs=...)
 
 
 def embedded_model_path() -> Path:
@@ -33,7 +34,7 @@ def _load(args, slots: int | None, policy: str):
                             host_memory_gb=getattr(args, "host_memory_gb", None))
     dtype = DTYPES[args.dtype] if args.dtype else None
     return MoEModel.from_pretrained(args.model, device=args.device, dtype=dtype, offload=offload,
-                                    kernels=args.kernels)
+                                    kernels=args.kernels, cuda_graphs=CUDA_GRAPHS[args.cuda_graphs])
 
 
 def _run_prompt(model, prompt: str, args) -> int:
@@ -131,6 +132,8 @@ def _add_generation_args(p: argparse.ArgumentParser, default_policy: str) -> Non
     p.add_argument("--host-memory-gb", type=_gb_or_auto, default=None,
                    help="host memory budget in GB, or 'auto'; experts that do not fit are read from disk")
     p.add_argument("--policy", default=default_policy)
+    p.add_argument("--cuda-graphs", choices=list(CUDA_GRAPHS), default="auto",
+                   help="replay the decode step as CUDA graphs (auto: on when --device is CUDA)")
     p.add_argument("--json", action="store_true", help="also print the stats as JSON")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="time the very first call too (by default a one-token warm-up runs first)")

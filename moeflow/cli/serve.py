@@ -10,19 +10,28 @@ from pathlib import Path
 
 import torch
 
-from moeflow.cli.commands import DTYPES, _add_generation_args, _default_device, _gb_or_auto, embedded_model_path
+from moeflow.cli.commands import (
+    CUDA_GRAPHS,
+    DTYPES,
+    _add_generation_args,
+    _default_device,
+    _gb_or_auto,
+    embedded_model_path,
+)
 
 API_KEY_ENV = "MOEFLOW_API_KEY"
 
 
-def _load_model(args):
+def _load_model(args, cuda_graphs: bool | None):
+    """The model of ``chat``, ``generate --chat`` and ``serve`` (``cuda_graphs``: from_pretrained's)."""
     from moeflow import MoEModel, OffloadConfig
 
     offload = OffloadConfig(gpu_expert_slots=args.slots, gpu_memory_gb=getattr(args, "gpu_memory_gb", None),
                             host_memory_gb=getattr(args, "host_memory_gb", None), policy=args.policy)
     dtype = DTYPES[args.dtype] if args.dtype else None
     return MoEModel.from_pretrained(args.model or str(embedded_model_path()), device=args.device,
-                                    dtype=dtype, offload=offload, kernels=args.kernels)
+                                    dtype=dtype, offload=offload, kernels=args.kernels,
+                                    cuda_graphs=cuda_graphs)
 
 
 class HarmonyStreamer:
@@ -100,7 +109,7 @@ def cmd_generate_chat(args, plain) -> int:
     """``generate --chat``: the prompt as one user message of the checkpoint's chat template."""
     if not args.chat:
         return plain(args)
-    model = _load_model(args)
+    model = _load_model(args, CUDA_GRAPHS[args.cuda_graphs])
     if not _check_tokenizer(model):
         return 2
     _chat_reply(model, [{"role": "user", "content": args.prompt}], args)
@@ -110,7 +119,7 @@ def cmd_generate_chat(args, plain) -> int:
 
 def cmd_chat(args) -> int:
     """An interactive conversation; empty line or EOF ends it, ``/reset`` forgets the history."""
-    model = _load_model(args)
+    model = _load_model(args, CUDA_GRAPHS[args.cuda_graphs])
     if not _check_tokenizer(model):
         return 2
     messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
@@ -142,7 +151,9 @@ def cmd_serve(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = _load_model(args)
+    # no CUDA graphs: the engine's passes read some rows of its slotted cache each, which a captured step would
+    # run eagerly anyway (and the warm-up below would keep a cache for them)
+    model = _load_model(args, cuda_graphs=False)
     # the first pass pays one-time costs (op registration, lazy imports: seconds on a CPU): not the first client
     model.generate(torch.zeros((1, 1), dtype=torch.long), max_new_tokens=1, do_sample=False)
     model.stats.reset()

@@ -1,4 +1,5 @@
-"""The decode step as CUDA graphs (``from_pretrained(..., cuda_graphs=True)``), piecewise around the expert backend.
+"""The decode step as CUDA graphs (``from_pretrained``'s ``cuda_graphs``: on by default on CUDA), piecewise around the
+expert backend.
 
 Between two calls into a host-side expert backend (the offload scheduler: its one read-back, its plan, its
 copies) a decode step's device work has static shapes and never waits for the host, so it is captured once
@@ -20,10 +21,12 @@ combine, after its read-back and schedule) is captured too, once per batch size,
 (:mod:`moeflow.offload.device_step`): the step replays its pieces inside the backend's
 ``device_graphs.region()``, which makes ``forward`` run from static buffers whose output is copied out at once.
 
-Graphs bake in the addresses of the KV cache they were captured with and of the batch's shapes: a new cache
-(a new ``generate``) or batch captures again; passes over some rows of a cache (micro-batches, the serving
-engine) run eagerly. A capture the device refuses (an op that syncs, a host tensor
-copied in, ...) is logged once and the step runs eagerly from then on (``CudaGraphDecode.refused`` says why).
+Graphs bake in the addresses of the KV cache they were captured with and of the batch's shapes: the runner keeps
+its cache across ``generate`` calls, its length rounded up to a bucket of 256 positions
+(:func:`moeflow.engine.generate.cache_length`), so only a call in another bucket or with another batch size
+captures again; passes over some rows of a cache (micro-batches, the serving engine) run eagerly. A capture the
+device refuses (an op that syncs, a host tensor copied in, ...) is logged once and the step runs eagerly from then
+on (``CudaGraphDecode.refused`` says why).
 How a piece is captured is a :class:`GraphCapture`: :class:`CudaCapture` on a GPU; the tests give one that
 records and replays the pieces' ops on the CPU.
 """
@@ -45,6 +48,16 @@ from moeflow.moe.backend import ExpertBackend
 log = logging.getLogger(__name__)
 
 DecodeFn = Callable[..., torch.Tensor]  # (embeds, positions, cache, cache_position, token_mask, experts, routing)
+
+
+def graphs_wanted(cuda_graphs: bool | None, device: torch.device) -> bool:
+    """``from_pretrained``'s ``cuda_graphs``: None (default) is on for a CUDA device and off elsewhere; True
+    asks for them (ValueError off CUDA); False is off."""
+    if cuda_graphs is None:
+        return device.type == "cuda"
+    if cuda_graphs and device.type != "cuda":
+        raise ValueError(f"cuda_graphs=True needs device='cuda'; this model is on {device}")
+    return bool(cuda_graphs)
 
 
 class GraphCapture(Protocol):
