@@ -142,6 +142,11 @@ MUTATIONS = [
     Mutation("graphs-cache-any-batch", "the kept cache is reused for another batch size",
              "key = (batch, max_len, spec)", "key = (1, max_len, spec)",
              BUCKETS),
+    Mutation("graphs-dead-pool", "a recapture reuses the capture (memory pool) whose graphs were just dropped "
+             "(torch's allocator refused it on the H100)",
+             "self._capture = self.capture_factory(embeds.device)",
+             "self._capture = self._capture or self.capture_factory(embeds.device)",
+             BUCKETS),
     Mutation("graphs-forward-evicts", "a forward() pass replaces the kept cache (the next generate captures again)",
              "self._runner.new_cache(b, t, reuse=False)", "self._runner.new_cache(b, t)",
              BUCKETS),
