@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The llama.cpp sources the GPU lane's `peers` stage builds on the lent machine (which has no network): the
+# smallest subset of the llama.cpp vendored in the llama-cpp-python sdist that configures and builds
+# `llama-bench` and `llama-quantize` with -DGGML_CUDA=ON (CPU + CUDA backends only), plus the GGUF converter
+# (convert_hf_to_gguf.py, its conversion/ package and gguf-py). Run here (PyPI reachable), from any directory:
+#
+#   bash benchmarks/peers/gpu_peer_sources.sh      # -> .peers/llama.cpp (git-ignored, ~16 MiB), then
+#   run(command="bash benchmarks/run_all_gpu.sh peers", carry=[".peers/llama.cpp"], timeout_s=600)
+#
+# Source: $LLAMA_CPP_SRC (a llama.cpp tree, e.g. the /tmp/peers/llama.cpp of build_llama_cpp.sh) when set and
+# present, else the llama-cpp-python sdist downloaded with pip (the version is kept in LLAMA_CPP_PYTHON_VERSION).
+# What is left out: docs, models, tests, examples, the server and its web UI, mtmd's sources beyond its
+# CMakeLists, every ggml backend but CPU and CUDA. tools/CMakeLists.txt is replaced by one that adds only
+# llama-bench and quantize (the original adds every tool). CHECK=1 (default) then configures the subset here with
+# CUDA on (configure only: no CUDA compile on this 2-core machine) and with CUDA off, so a missing file fails here.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+dest=.peers/llama.cpp
+src="${LLAMA_CPP_SRC:-/tmp/peers/llama.cpp}"
+if [ ! -f "$src/CMakeLists.txt" ]; then
+  mkdir -p .peers/sdist
+  python3 -m pip download -q --no-binary :all: --no-deps llama-cpp-python -d .peers/sdist
+  tar xzf .peers/sdist/llama_cpp_python-*.tar.gz -C .peers/sdist
+  src=$(ls -d .peers/sdist/llama_cpp_python-*/vendor/llama.cpp | head -1)
+  ls -d .peers/sdist/llama_cpp_python-* | sed 's/.*llama_cpp_python-//' > "$src/LLAMA_CPP_PYTHON_VERSION"
+fi
+rm -rf "$dest" && mkdir -p "$dest"
+# top-level files (CMake, licence, the converter) and the directories the build and the converter read
+for f in CMakeLists.txt LICENSE LLAMA_CPP_PYTHON_VERSION convert_hf_to_gguf.py; do
+  [ -f "$src/$f" ] && cp "$src/$f" "$dest/"
+done
+for d in cmake common conversion gguf-py include licenses src vendor; do
+  cp -r "$src/$d" "$dest/"
+done
+mkdir -p "$dest/ggml/src" "$dest/tools"
+cp -r "$src/ggml/CMakeLists.txt" "$src/ggml/cmake" "$src/ggml/include" "$dest/ggml/"
+# ggml/src: its own files plus the CPU and CUDA backends (the others are added only when their option is on)
+find "$src/ggml/src" -maxdepth 1 -type f -exec cp {} "$dest/ggml/src/" \;
+cp -r "$src/ggml/src/ggml-cpu" "$src/ggml/src/ggml-cuda" "$dest/ggml/src/"
+cp -r "$src/tools/llama-bench" "$src/tools/quantize" "$dest/tools/"
+cat > "$dest/tools/CMakeLists.txt" <<'EOF'
+# moeflow's subset (benchmarks/peers/gpu_peer_sources.sh): only the two tools the GPU lane's peers stage runs
+find_package(Threads REQUIRED)
+llama_add_compile_flags()
+add_subdirectory(llama-bench)
+add_subdirectory(quantize)
+EOF
+find "$dest" \( -name '__pycache__' -o -name '*.md' -o -name '.git*' \) -prune -exec rm -rf {} +
+echo "$dest: $(du -sh "$dest" | cut -f1) ($(find "$dest" -type f | wc -l) files) from $src"
+
+[ "${CHECK:-1}" = 1 ] || exit 0
+# the flags the device build uses (benchmarks/peers/run_gpu_peers.py's CMAKE_FLAGS), configure only
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+python3 - "$dest" "$tmp" <<'EOF'
+import subprocess, sys
+sys.path.insert(0, "benchmarks/peers")
+from run_gpu_peers import cmake_configure_command
+
+src, tmp = sys.argv[1], sys.argv[2]
+for cuda in (True, False):
+    cmd = cmake_configure_command(src, f"{tmp}/build-{'cuda' if cuda else 'cpu'}", cuda=cuda)
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    log = done.stdout + done.stderr
+    errors = [ln for ln in log.splitlines() if ln.startswith("CMake Error")]
+    # this machine's CUDA toolkit has nvcc and cudart but no cuBLAS: every source and CMake file was found
+    # ("Configuring done"); only the generate step misses the library, which the lent machine has
+    no_cublas = cuda and "-- Configuring done" in log and errors and "CUDA::cublas" in log \
+        and all("ggml-cuda/CMakeLists.txt" in e and "target_link_libraries" in e for e in errors)
+    if done.returncode and not no_cublas:
+        sys.exit(f"configure (cuda={cuda}) failed:\n{log[-2500:]}")
+    note = " (generate step: no cuBLAS in this machine's toolkit)" if done.returncode else ""
+    print(f"configure (cuda={cuda}) ok{note}:", " ".join(cmd[3:]))
+EOF
