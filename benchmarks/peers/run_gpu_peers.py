@@ -42,7 +42,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-sys.path.insert(0, str(HERE))
+sys.path[:0] = [str(HERE), str(REPO)]
 from synthetic_mixtral import train_tokenizer  # noqa: E402
 
 SOURCES = REPO / ".peers" / "llama.cpp"  # benchmarks/peers/gpu_peer_sources.sh
@@ -119,6 +119,7 @@ class Report:
 
     def __init__(self, out: Path, head: dict, prep_file: Path):
         self.out, self.prep_file, self.data = out, prep_file, {**head, "prep": {}, "rows": []}
+        self.t0 = time.perf_counter()
         out.mkdir(parents=True, exist_ok=True)
         if prep_file.is_file():  # the prep phase's timings, from an earlier command on the same machine
             self.data["prep"] = json.loads(prep_file.read_text())
@@ -138,6 +139,8 @@ class Report:
         except Exception as e:  # noqa: BLE001 - the other steps and engines go on
             value = None
             self.data["prep"][name] = {"s": round(time.perf_counter() - t0, 1), "error": f"{type(e).__name__}: {e}"}
+        # steps overlap (the build, the conversion and moeflow quantize run at once): when each ended
+        self.data["prep"][name]["done_at_s"] = round(time.perf_counter() - self.t0, 1)
         print(f"prep {name}: {self.data['prep'][name]}", flush=True)
         self.save()
         return value
@@ -162,8 +165,11 @@ def prepare(args: argparse.Namespace, report: Report) -> dict[str, Path]:
              "bench": args.llama_build / "bin" / "llama-bench", "quantize": args.llama_build / "bin" / "llama-quantize"}
     build = None
     if args.tiny:
-        if not files["bench"].is_file():
-            raise FileNotFoundError(f"{files['bench']}: --tiny uses a built CPU llama.cpp (build_llama_cpp.sh)")
+        if not files["bench"].is_file() and "llama.cpp" in args.engines:
+            args.engines.remove("llama.cpp")
+            report.data["llama_cpp_skipped"] = (f"{files['bench']} is not built (--tiny uses a CPU llama.cpp: "
+                                                "benchmarks/peers/build_llama_cpp.sh WORKDIR); llama.cpp skipped")
+            print(report.data["llama_cpp_skipped"], flush=True)
     else:
         t_build = time.perf_counter()
         build = report.step("build_start", lambda: start_build(args.sources, args.llama_build, args.flash_attn,
@@ -171,7 +177,8 @@ def prepare(args: argparse.Namespace, report: Report) -> dict[str, Path]:
     report.step("write_hf", lambda: write_hf(files["hf"], config))
     bf16 = work / "mixtral-synth-bf16.gguf"
     procs = {}
-    if not files["q4_0"].is_file() and not bf16.is_file():
+    peer_gguf = "llama.cpp" in args.engines
+    if peer_gguf and not files["q4_0"].is_file() and not bf16.is_file():
         procs["convert_gguf"] = subprocess.Popen(
             [sys.executable, str(args.sources / "convert_hf_to_gguf.py"), str(files["hf"]), "--outfile", str(bf16),
              "--outtype", "bf16"], stdout=(work / "convert.log").open("w"), stderr=subprocess.STDOUT)
@@ -185,7 +192,7 @@ def prepare(args: argparse.Namespace, report: Report) -> dict[str, Path]:
     if build is not None:
         report.step("build", lambda: _wait(build, work / "build.log"))
         report.data["prep"]["build"]["since_start_s"] = round(time.perf_counter() - t_build, 1)
-    if not files["q4_0"].is_file():
+    if peer_gguf and not files["q4_0"].is_file():
         report.step("quantize_q4_0", lambda: sh(files["quantize"], bf16, files["q4_0"], "Q4_0", os.cpu_count()))
         if files["q4_0"].is_file():
             bf16.unlink(missing_ok=True)  # disk: the stage-3 checkpoint may be beside it
@@ -267,8 +274,8 @@ def transformers_offload(hf: Path, device: torch.device, gpu_bytes: int | None, 
         max_memory = {"cpu": 120 * 2**30}  # the CPU plumbing run: everything on the CPU
     model = MixtralForCausalLM.from_pretrained(hf, dtype=torch.float16 if device.type == "cuda" else torch.float32,
                                                device_map="auto", max_memory=max_memory).eval()
-    placed = sorted({str(d) for d in model.hf_device_map.values()})
     first = next(model.parameters()).device
+    placed = sorted({str(d) for d in getattr(model, "hf_device_map", {"": first}).values()})
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     try:
@@ -357,12 +364,13 @@ def markdown(data: dict) -> str:
             continue
         dec = next((f"{r[k]:.1f} ({k})" for k in r if k.startswith("tg") and not k.endswith("_std")), "")
         note = f"n_cpu_moe {r['n_cpu_moe']}" if r["engine"].startswith("llama") else \
-            (f"hit {r['decode_hit_rate']:.0%}" if r.get("decode_hit_rate") is not None else "")
+            (f"decode hit {r['decode_hit_rate']:.0%}" if r.get("policy") not in (None, "resident") else
+             ", ".join(r.get("devices", [])))
         lines.append(f"| {r['engine']} | {r['gpu_experts']} | {r.get(pp, 0):.1f} | {dec} | {note} |")
     if data.get("ratios"):
         lines += ["", f"| moeflow | peer | experts on GPU | {pp} ratio | decode ratio |", "|---|---|---|---|---|"]
         for q in data["ratios"]:
-            cells = [f"{q[k]:.2f}x" if q[k] else "" for k in (f"{pp}_ratio", "tg_ratio")]
+            cells = [f"{q[k]:.3g}x" if q[k] else "" for k in (f"{pp}_ratio", "tg_ratio")]
             lines.append(f"| {q['moeflow']} | {q['peer']} | {q['gpu_experts']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
