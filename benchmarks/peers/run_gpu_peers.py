@@ -319,7 +319,7 @@ def bench(args: argparse.Namespace, files: dict[str, Path], report: Report) -> N
             report.data.setdefault("skipped", []).append(f"n_cpu_moe={k}: time budget")
             continue
         if "llama.cpp" in args.engines:
-            report.row("llama.cpp Q4_0", gpu_experts, lambda: llama_bench(
+            report.row("llama.cpp Q4_0", gpu_experts, lambda k=k: llama_bench(
                 files["bench"], files["q4_0"], k, args.prompt, args.tg, args.reps, threads), n_cpu_moe=k)
         if "moeflow" in args.engines:
             configs = [("resident", None, None)] if k == 0 else [("lru", gpu_experts, None),
@@ -351,7 +351,7 @@ def ratios(rows: list[dict], pp: str, tg: str) -> list[dict]:
 
 
 def markdown(data: dict) -> str:
-    pp, tg = f"pp{data['prompt']}", f"tg{data['tg']}"
+    pp = f"pp{data['prompt']}"
     lines = [f"Peers on {data.get('device_name', 'cpu')}, {data['date']}: a {data['config']['num_hidden_layers']}-"
              f"layer Mixtral-8x7B-shaped synthetic model (hidden {data['config']['hidden_size']}, "
              f"{data['config']['num_local_experts']} experts per layer), same weights for every engine.", "",
