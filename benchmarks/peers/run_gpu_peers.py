@@ -358,6 +358,8 @@ def markdown(data: dict) -> str:
              "Prep: " + ", ".join(f"{k} {v.get('s')} s" + (" (error)" if "error" in v else "")
                                   for k, v in data["prep"].items()), "",
              f"| engine | experts on GPU | {pp} tok/s | decode tok/s | note |", "|---|---|---|---|---|"]
+    if data.get("llama_cpp_skipped"):
+        lines[3:3] = [data["llama_cpp_skipped"], ""]
     for r in data["rows"]:
         if "error" in r:
             lines.append(f"| {r['engine']} | {r['gpu_experts']} | error | error | {r['error'][:80]!r} |")
