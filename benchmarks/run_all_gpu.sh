@@ -54,7 +54,7 @@
 #                                                  #   AWQ (`moeflow quantize`, ~3.2 GB) in /tmp/moeflow-peers (~31 GB at
 #                                                  #   the peak, 19 after: beside stage 3's 25 GB; the families' removed
 #                                                  #   first if short, then stage 3's)
-#   9. bash benchmarks/run_all_gpu.sh peers        # ~4-6 min (limit 540 s), right after 8 (same warm machine: its
+#   9. bash benchmarks/run_all_gpu.sh peers        # ~5-8 min (limit 560 s), right after 8 (same warm machine: its
 #                                                  #   build and models are in /tmp; on a fresh one it redoes 8 first
 #                                                  #   and may not finish): llama-bench -ngl 99 pp512/tg64 with
 #                                                  #   --n-cpu-moe 0/2/3 vs moeflow resident / lru / lru+cpu_compute
@@ -195,10 +195,11 @@ case "$stage" in
         fi
       done
     fi
+    if [ "${PEERS_FA:-0}" = 1 ]; then peers+=(--flash-attn); fi  # llama.cpp's FA kernels too: ~+2 min of build
     if [ "$stage" = peers-prep ]; then
       run 570 peers.log "$py" benchmarks/peers/run_gpu_peers.py --phase prep "${peers[@]}"
-    else
-      run 540 peers.log "$py" benchmarks/peers/run_gpu_peers.py --phase all "${peers[@]}" --time-budget-s 330
+    else  # prep again first: it skips what exists (a fresh machine redoes it all, in the same limit)
+      run 560 peers.log "$py" benchmarks/peers/run_gpu_peers.py --phase all "${peers[@]}" --time-budget-s 400
     fi ;;
   *) echo "usage: $0 correctness|kernels|offload|decode|engine|models|families-qwen3|families-gpt-oss|peers-prep|" \
        "peers|tune (TINY=1: CPU sizes)" >&2

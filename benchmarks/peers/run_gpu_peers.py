@@ -69,7 +69,7 @@ def cmake_configure_command(src: str | Path, build: str | Path, cuda: bool = Tru
         return cmd + ["-DGGML_CUDA=OFF"]
     cmd += ["-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=90", f"-DGGML_CUDA_FA={'ON' if flash_attn else 'OFF'}",
             "-DGGML_CUDA_NCCL=OFF", "-DGGML_CUDA_CUB_3DOT2=OFF"]
-    nvcc = shutil.which("nvcc")
+    nvcc = shutil.which("nvcc") or next((p for p in ("/usr/local/cuda/bin/nvcc",) if os.path.isfile(p)), None)
     return cmd + ([f"-DCMAKE_CUDA_COMPILER={nvcc}"] if nvcc else [])
 
 
@@ -311,24 +311,28 @@ def bench(args: argparse.Namespace, files: dict[str, Path], report: Report) -> N
     non_expert = hf_fp16 - layers * experts * expert_fp16
     t_end = time.perf_counter() + args.time_budget_s
     threads = args.threads or os.cpu_count() or 1
-    for k in args.cpu_moe_layers:
-        if k > layers:
-            continue
-        gpu_experts = (layers - k) * experts
-        if time.perf_counter() > t_end:
-            report.data.setdefault("skipped", []).append(f"n_cpu_moe={k}: time budget")
-            continue
-        if "llama.cpp" in args.engines:
+    budgets = [(k, (layers - k) * experts) for k in args.cpu_moe_layers if 0 <= k <= layers]
+
+    def in_time(what: str) -> bool:
+        if time.perf_counter() < t_end:
+            return True
+        report.data.setdefault("skipped", []).append(f"{what}: past --time-budget-s")
+        return False
+
+    for k, gpu_experts in budgets:  # llama.cpp and moeflow first, every budget; transformers (slowest) after
+        if "llama.cpp" in args.engines and in_time(f"llama.cpp n_cpu_moe={k}"):
             report.row("llama.cpp Q4_0", gpu_experts, lambda k=k: llama_bench(
                 files["bench"], files["q4_0"], k, args.prompt, args.tg, args.reps, threads), n_cpu_moe=k)
-        if "moeflow" in args.engines:
-            configs = [("resident", None, None)] if k == 0 else [("lru", gpu_experts, None),
-                                                                  ("lru", gpu_experts, "auto")]
-            for policy, slots, cpu in configs:
-                name = "moeflow AWQ " + policy + (" cpu_compute=auto" if cpu else "")
+        if "moeflow" not in args.engines:
+            continue
+        configs = [("resident", None, None)] if k == 0 else [("lru", gpu_experts, None), ("lru", gpu_experts, "auto")]
+        for policy, slots, cpu in configs:
+            name = "moeflow AWQ " + policy + (" cpu_compute=auto" if cpu else "")
+            if in_time(f"{name} at {gpu_experts} experts"):
                 report.row(name, gpu_experts, lambda p=policy, s=slots, cc=cpu: moeflow_bench(
                     files["awq"], device, p, s, cc, args.prompt, args.tg, args.reps), n_cpu_moe=k)
-        if "transformers" in args.engines and time.perf_counter() < t_end:
+    for k, gpu_experts in budgets:
+        if "transformers" in args.engines and in_time(f"transformers at {gpu_experts} experts"):
             gpu_bytes = int(non_expert + gpu_experts * expert_fp16 + 2**30)  # + activations and the KV cache
             report.row("transformers+accelerate fp16", gpu_experts, lambda g=gpu_bytes: transformers_offload(
                 files["hf"], device, g, args.prompt, args.tg_transformers), n_cpu_moe=k)
