@@ -64,7 +64,9 @@
 #   optional: bash benchmarks/run_all_gpu.sh tune  # ~9 min: config sweep for T = 1, 4, 16 (writes $OUT/<gpu>.json;
 #                                                  #   commit it as moeflow/kernels/configs/<gpu>.json)
 #
-# Device tool call: run(command="bash benchmarks/run_all_gpu.sh correctness", timeout_s=600). Every measurement
+# Device tool call: run(command="bash benchmarks/run_all_gpu.sh correctness", timeout_s=600). Stages 8-9, after
+# `bash benchmarks/peers/gpu_peer_sources.sh` here, back to back: run(command="bash benchmarks/run_all_gpu.sh
+# peers-prep", carry=[".peers/llama.cpp"], timeout_s=600), then the same with `peers` (benchmarks/peers/README.md). Every measurement
 # prints one line as it ends and is written to JSON under $OUT at once; a failing one is recorded and the stage
 # goes on; every step runs under `timeout`. If a stage dies, its log is $OUT/<stage>.log. Results go to $OUT (else
 # benchmarks/results/gpu-<date>/): copy them under benchmarks/results/<gpu>-<date>/ with a short table. Each stage
