@@ -275,7 +275,13 @@ def transformers_offload(hf: Path, device: torch.device, gpu_bytes: int | None, 
     model = MixtralForCausalLM.from_pretrained(hf, dtype=torch.float16 if device.type == "cuda" else torch.float32,
                                                device_map="auto", max_memory=max_memory).eval()
     first = next(model.parameters()).device
-    placed = sorted({str(d) for d in getattr(model, "hf_device_map", {"": first}).values()})
+    device_map = getattr(model, "hf_device_map", {"": str(first)})
+    placed = sorted({str(d) for d in device_map.values()})
+    # decoder layers accelerate put on the GPU (the others stream from host memory at every forward)
+    on_gpu = {name for name, d in device_map.items() if str(d) in ("0", "cuda:0")}
+    n_layers = model.config.num_hidden_layers
+    gpu_layers = n_layers if {"", "model", "model.layers"} & on_gpu else \
+        sum(1 for i in range(n_layers) if f"model.layers.{i}" in on_gpu)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     try:
@@ -295,7 +301,7 @@ def transformers_offload(hf: Path, device: torch.device, gpu_bytes: int | None, 
                 past, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
             _sync(device)
             return {f"pp{prompt}": pp, f"tg{tg}": tg / (time.perf_counter() - t0), "max_memory_gpu_bytes": gpu_bytes,
-                    "devices": placed, "dtype": str(next(model.parameters()).dtype)}
+                    "devices": placed, "gpu_layers": gpu_layers, "dtype": str(next(model.parameters()).dtype)}
     finally:
         del model
         if device.type == "cuda":
@@ -333,7 +339,10 @@ def bench(args: argparse.Namespace, files: dict[str, Path], report: Report) -> N
                     files["awq"], device, p, s, cc, args.prompt, args.tg, args.reps), n_cpu_moe=k)
     for k, gpu_experts in budgets:
         if "transformers" in args.engines and in_time(f"transformers at {gpu_experts} experts"):
-            gpu_bytes = int(non_expert + gpu_experts * expert_fp16 + 2**30)  # + activations and the KV cache
+            # + one layer: accelerate keeps room for the largest offloaded layer it streams in; + 1 GiB for the
+            # activations and the KV cache. gpu_layers in the row says what it placed.
+            layer = experts * expert_fp16 if k else 0
+            gpu_bytes = int(non_expert + gpu_experts * expert_fp16 + layer + 2**30)
             report.row("transformers+accelerate fp16", gpu_experts, lambda g=gpu_bytes: transformers_offload(
                 files["hf"], device, g, args.prompt, args.tg_transformers), n_cpu_moe=k)
     report.data["ratios"] = ratios(report.data["rows"], f"pp{args.prompt}", f"tg{args.tg}")
@@ -371,7 +380,7 @@ def markdown(data: dict) -> str:
         dec = next((f"{r[k]:.1f} ({k})" for k in r if k.startswith("tg") and not k.endswith("_std")), "")
         note = f"n_cpu_moe {r['n_cpu_moe']}" if r["engine"].startswith("llama") else \
             (f"decode hit {r['decode_hit_rate']:.0%}" if r.get("policy") not in (None, "resident") else
-             ", ".join(r.get("devices", [])))
+             f"{r['gpu_layers']} layers on GPU ({', '.join(r['devices'])})" if "gpu_layers" in r else "")
         lines.append(f"| {r['engine']} | {r['gpu_experts']} | {r.get(pp, 0):.1f} | {dec} | {note} |")
     if data.get("ratios"):
         lines += ["", f"| moeflow | peer | experts on GPU | {pp} ratio | decode ratio |", "|---|---|---|---|---|"]
