@@ -98,9 +98,11 @@ def write_hf(out: Path, config: dict, seed: int = 0) -> Path:
     """The bf16 HF checkpoint (transformers' MixtralForCausalLM, its own init, seeded) + sentencepiece tokenizer."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    if (out / "config.json").is_file() and (out / "tokenizer.model").is_file():
+    if out.is_dir():
         return out
-    out.mkdir(parents=True, exist_ok=True)
+    final, out = out, out.with_name(out.name + ".part")
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
     torch.manual_seed(seed)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # built in bf16: half the host memory and time of fp32 then a cast
@@ -111,7 +113,7 @@ def write_hf(out: Path, config: dict, seed: int = 0) -> Path:
     model.save_pretrained(out, max_shard_size="4GB")
     del model
     train_tokenizer(out)
-    return out
+    return out.rename(final)
 
 
 class Report:
@@ -175,25 +177,33 @@ def prepare(args: argparse.Namespace, report: Report) -> dict[str, Path]:
         build = report.step("build_start", lambda: start_build(args.sources, args.llama_build, args.flash_attn,
                                                                os.cpu_count() or 16, work / "build.log"))
     report.step("write_hf", lambda: write_hf(files["hf"], config))
+    # every output is written under a .part name and renamed when complete: a command cut short by its limit
+    # leaves nothing that looks done, and the next command redoes that step
     bf16 = work / "mixtral-synth-bf16.gguf"
-    procs = {}
+    procs = {}  # name -> (process, log, the .part output, its final name)
     peer_gguf = "llama.cpp" in args.engines
     if peer_gguf and not files["q4_0"].is_file() and not bf16.is_file():
-        procs["convert_gguf"] = subprocess.Popen(
-            [sys.executable, str(args.sources / "convert_hf_to_gguf.py"), str(files["hf"]), "--outfile", str(bf16),
-             "--outtype", "bf16"], stdout=(work / "convert.log").open("w"), stderr=subprocess.STDOUT)
-    if not (files["awq"] / "config.json").is_file():  # at the same time (CPU-bound, both)
-        procs["moeflow_quantize"] = subprocess.Popen(
-            [sys.executable, "-m", "moeflow", "quantize", "--overwrite", str(files["hf"]), str(files["awq"])],
+        part = bf16.with_suffix(".part")
+        procs["convert_gguf"] = (subprocess.Popen(
+            [sys.executable, str(args.sources / "convert_hf_to_gguf.py"), str(files["hf"]), "--outfile", str(part),
+             "--outtype", "bf16"], stdout=(work / "convert.log").open("w"), stderr=subprocess.STDOUT),
+            work / "convert.log", part, bf16)
+    if not files["awq"].is_dir():  # at the same time (CPU-bound, both)
+        part = work / "awq.part"
+        procs["moeflow_quantize"] = (subprocess.Popen(
+            [sys.executable, "-m", "moeflow", "quantize", "--overwrite", str(files["hf"]), str(part)],
             stdout=(work / "moeflow_quantize.log").open("w"), stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
-    for name, proc in procs.items():
-        report.step(name, lambda p=proc, n=name: _wait(p, work / f"{'convert' if n == 'convert_gguf' else n}.log"))
+            env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}),
+            work / "moeflow_quantize.log", part, files["awq"])
+    for name, (proc, log, part, final) in procs.items():
+        report.step(name, lambda p=proc, lg=log, a=part, b=final: (_wait(p, lg), a.rename(b)))
     if build is not None:
         report.step("build", lambda: _wait(build, work / "build.log"))
         report.data["prep"]["build"]["since_start_s"] = round(time.perf_counter() - t_build, 1)
     if peer_gguf and not files["q4_0"].is_file():
-        report.step("quantize_q4_0", lambda: sh(files["quantize"], bf16, files["q4_0"], "Q4_0", os.cpu_count()))
+        part = files["q4_0"].with_suffix(".part")
+        report.step("quantize_q4_0", lambda: (sh(files["quantize"], bf16, part, "Q4_0", os.cpu_count()),
+                                              part.rename(files["q4_0"])))
         if files["q4_0"].is_file():
             bf16.unlink(missing_ok=True)  # disk: the stage-3 checkpoint may be beside it
     report.data["files"] = {k: str(v) for k, v in files.items()}
