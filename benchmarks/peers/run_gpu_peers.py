@@ -176,7 +176,8 @@ def prepare(args: argparse.Namespace, report: Report) -> dict[str, Path]:
         t_build = time.perf_counter()
         build = report.step("build_start", lambda: start_build(args.sources, args.llama_build, args.flash_attn,
                                                                os.cpu_count() or 16, work / "build.log"))
-    report.step("write_hf", lambda: write_hf(files["hf"], config))
+    if not files["hf"].is_dir():
+        report.step("write_hf", lambda: write_hf(files["hf"], config))
     # every output is written under a .part name and renamed when complete: a command cut short by its limit
     # leaves nothing that looks done, and the next command redoes that step
     bf16 = work / "mixtral-synth-bf16.gguf"
