@@ -66,8 +66,8 @@
 #
 # Device tool call: run(command="bash benchmarks/run_all_gpu.sh correctness", timeout_s=600). Stages 8-9, after
 # `bash benchmarks/peers/gpu_peer_sources.sh` here, back to back: run(command="bash benchmarks/run_all_gpu.sh
-# peers-prep", carry=[".peers/llama.cpp"], timeout_s=600), then the same with `peers` (benchmarks/peers/README.md). Every measurement
-# prints one line as it ends and is written to JSON under $OUT at once; a failing one is recorded and the stage
+# peers-prep", carry=[".peers/llama.cpp"], timeout_s=600), then the same with `peers` (benchmarks/peers/README.md).
+# Every measurement prints one line as it ends and is written to JSON under $OUT at once; a failing one is recorded and the stage
 # goes on; every step runs under `timeout`. If a stage dies, its log is $OUT/<stage>.log. Results go to $OUT (else
 # benchmarks/results/gpu-<date>/): copy them under benchmarks/results/<gpu>-<date>/ with a short table. Each stage
 # leaves at most 8 files in $OUT, no deeper than one folder (the device tool's limits); Markdown tables and logs of
