@@ -45,15 +45,16 @@
 #                                                  #   the disk beside the others; per-layer times reported), 16/24 GB.
 #                                                  #   Both delete the other synthetic checkpoints in /tmp when the
 #                                                  #   disk is short (stages 3-5 then rewrite theirs: ~1-2 min).
-#   8. bash benchmarks/run_all_gpu.sh peers-prep   # ~6-9 min (limit 570 s; issue 12 item 5), carry=[".peers/llama.cpp"]
-#                                                  #   after `bash benchmarks/peers/gpu_peer_sources.sh` here (~24 MiB
+#   8. bash benchmarks/run_all_gpu.sh peers-prep   # ~6-9 min (limit 570 s; issue 12 item 5); carry=
+#                                                  #   [".peers/llama.cpp"] after `bash benchmarks/peers/
+#                                                  #   gpu_peer_sources.sh` here (~24 MiB
 #                                                  #   of llama.cpp sources): builds llama-bench + llama-quantize with
 #                                                  #   CUDA (sm_90, no FA kernels, -j16) while it writes a 4-layer
 #                                                  #   Mixtral-8x7B-shaped model (transformers, bf16, ~12 GB), converts
 #                                                  #   it to GGUF, quantizes Q4_0 (~3.3 GB; the bf16 GGUF deleted) and
-#                                                  #   AWQ (`moeflow quantize`, ~3.2 GB) in /tmp/moeflow-peers (~31 GB at
-#                                                  #   the peak, 19 after: beside stage 3's 25 GB; the families' removed
-#                                                  #   first if short, then stage 3's)
+#                                                  #   AWQ (`moeflow quantize`, ~3.2 GB) in /tmp/moeflow-peers
+#                                                  #   (~31 GB at the peak, 19 after: beside stage 3's 25 GB; the
+#                                                  #   families' removed first if short, then stage 3's)
 #   9. bash benchmarks/run_all_gpu.sh peers        # ~5-8 min (limit 560 s), right after 8 (same warm machine: its
 #                                                  #   build and models are in /tmp; on a fresh one it redoes 8 first
 #                                                  #   and may not finish): llama-bench -ngl 99 pp512/tg64 with
@@ -67,11 +68,11 @@
 # Device tool call: run(command="bash benchmarks/run_all_gpu.sh correctness", timeout_s=600). Stages 8-9, after
 # `bash benchmarks/peers/gpu_peer_sources.sh` here, back to back: run(command="bash benchmarks/run_all_gpu.sh
 # peers-prep", carry=[".peers/llama.cpp"], timeout_s=600), then the same with `peers` (benchmarks/peers/README.md).
-# Every measurement prints one line as it ends and is written to JSON under $OUT at once; a failing one is recorded and the stage
-# goes on; every step runs under `timeout`. If a stage dies, its log is $OUT/<stage>.log. Results go to $OUT (else
-# benchmarks/results/gpu-<date>/): copy them under benchmarks/results/<gpu>-<date>/ with a short table. Each stage
-# leaves at most 8 files in $OUT, no deeper than one folder (the device tool's limits); Markdown tables and logs of
-# `models` are packed into one .tgz.
+# Every measurement prints one line as it ends and is written to JSON under $OUT at once; a failing one is recorded
+# and the stage goes on; every step runs under `timeout`. If a stage dies, its log is $OUT/<stage>.log. Results go to
+# $OUT (else benchmarks/results/gpu-<date>/): copy them under benchmarks/results/<gpu>-<date>/ with a short table.
+# Each stage leaves at most 8 files in $OUT, no deeper than one folder (the device tool's limits); Markdown tables and
+# logs of `models` are packed into one .tgz.
 # Every stage also runs on a CPU (`--tiny` / `--dry-run` sizes) with TINY=1: bash benchmarks/run_all_gpu.sh offload
 # PLAN=1 prints each step's time limit and command and runs nothing (tests/test_gpu_lane_tiny.py sums the limits).
 set -uo pipefail
