@@ -12,7 +12,8 @@
 # What is left out: docs, models, tests, examples, the server and its web UI, mtmd's sources beyond its
 # CMakeLists, every ggml backend but CPU and CUDA. tools/CMakeLists.txt is replaced by one that adds only
 # llama-bench and quantize (the original adds every tool). CHECK=1 (default) then configures the subset here with
-# CUDA on (configure only: no CUDA compile on this 2-core machine) and with CUDA off, so a missing file fails here.
+# CUDA on (configure only: no CUDA compile on this 2-core machine) and with CUDA off, and runs the compiler's -MM
+# over every C/C++ source of the CPU build (every #include found), so a missing file fails here.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 dest=.peers/llama.cpp
@@ -53,7 +54,7 @@ echo "$dest: $(du -sh "$dest" | cut -f1) ($(find "$dest" -type f | wc -l) files)
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 python3 - "$dest" "$tmp" <<'EOF'
-import subprocess, sys
+import json, shlex, subprocess, sys
 sys.path.insert(0, "benchmarks/peers")
 from run_gpu_peers import cmake_configure_command
 
@@ -71,4 +72,22 @@ for cuda in (True, False):
         sys.exit(f"configure (cuda={cuda}) failed:\n{log[-2500:]}")
     note = " (generate step: no cuBLAS in this machine's toolkit)" if done.returncode else ""
     print(f"configure (cuda={cuda}) ok{note}:", " ".join(cmd[3:]))
+
+# every C/C++ source of the CPU build resolves its #includes: the compiler's -MM (dependencies only, ~10 s)
+# over the compile database; no object is compiled (the lent machine builds them, with CUDA)
+build = f"{tmp}/build-cpu"
+subprocess.run(["cmake", "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON", build], capture_output=True, check=True)
+entries = json.load(open(f"{build}/compile_commands.json"))
+for e in entries:
+    args, keep, skip = shlex.split(e["command"]), [], False
+    for a in args:
+        if skip or a in ("-o", "-MF", "-MT"):
+            skip = not skip
+            continue
+        if a not in ("-c", "-MD"):
+            keep.append(a)
+    done = subprocess.run(keep + ["-MM"], cwd=e["directory"], capture_output=True, text=True)
+    if done.returncode:
+        sys.exit(f"{e['file']}: its includes do not resolve in the subset:\n{done.stderr[-1500:]}")
+print(f"{len(entries)} C/C++ sources of the CPU build: every #include found")
 EOF
