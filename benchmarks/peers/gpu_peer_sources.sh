@@ -64,13 +64,15 @@ for cuda in (True, False):
     done = subprocess.run(cmd, capture_output=True, text=True)
     log = done.stdout + done.stderr
     errors = [ln for ln in log.splitlines() if ln.startswith("CMake Error")]
-    # this machine's CUDA toolkit has nvcc and cudart but no cuBLAS: every source and CMake file was found
-    # ("Configuring done"); only the generate step misses the library, which the lent machine has
-    no_cublas = cuda and "-- Configuring done" in log and errors and "CUDA::cublas" in log \
+    # this machine's CUDA toolkit has nvcc and cudart but no cuBLAS and no driver: every source and CMake file
+    # was found ("Configuring done"); only the generate step misses the libraries (the lent machine has the
+    # driver, and cuBLAS in torch's pip wheels: run_gpu_peers.cuda_library_flags)
+    no_cublas = cuda and "-- Configuring done" in log and errors \
+        and ("CUDA::cublas" in log or "CUDA::cuda_driver" in log) \
         and all("ggml-cuda/CMakeLists.txt" in e and "target_link_libraries" in e for e in errors)
     if done.returncode and not no_cublas:
         sys.exit(f"configure (cuda={cuda}) failed:\n{log[-2500:]}")
-    note = " (generate step: no cuBLAS in this machine's toolkit)" if done.returncode else ""
+    note = " (generate step: no cuBLAS / libcuda on this machine)" if done.returncode else ""
     print(f"configure (cuda={cuda}) ok{note}:", " ".join(cmd[3:]))
 
 # every C/C++ source of the CPU build resolves its #includes: the compiler's -MM (dependencies only, ~10 s)

@@ -70,7 +70,53 @@ def cmake_configure_command(src: str | Path, build: str | Path, cuda: bool = Tru
     cmd += ["-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=90", f"-DGGML_CUDA_FA={'ON' if flash_attn else 'OFF'}",
             "-DGGML_CUDA_NCCL=OFF", "-DGGML_CUDA_CUB_3DOT2=OFF"]
     nvcc = shutil.which("nvcc") or next((p for p in ("/usr/local/cuda/bin/nvcc",) if os.path.isfile(p)), None)
-    return cmd + ([f"-DCMAKE_CUDA_COMPILER={nvcc}"] if nvcc else [])
+    return cmd + ([f"-DCMAKE_CUDA_COMPILER={nvcc}"] if nvcc else []) + cuda_library_flags(nvcc, Path(build))
+
+
+def nvidia_wheel_dirs() -> list[Path]:
+    """The ``nvidia/`` folders of pip's CUDA wheels (torch's own cuBLAS: headers and libraries) on sys.path, and
+    $PEERS_NVIDIA_DIR."""
+    extra = [Path(os.environ["PEERS_NVIDIA_DIR"])] if os.environ.get("PEERS_NVIDIA_DIR") else []
+    return extra + [Path(p) / "nvidia" for p in sys.path if p and (Path(p) / "nvidia").is_dir()]
+
+
+def cuda_library_flags(nvcc: str | None, build: Path) -> list[str]:
+    """CMake hints for what a CUDA toolkit with nvcc alone lacks: cuBLAS (taken from pip's nvidia wheels: its
+    headers linked into ``build/cublas-include``, its libraries by path) and the driver's libcuda (no stub)."""
+    toolkit = Path(os.path.realpath(nvcc)).parents[1] if nvcc else Path("/usr/local/cuda")
+    if nvcc and Path(nvcc).read_bytes()[:2] == b"#!":  # a wrapper script (exec /usr/local/cuda-X/bin/nvcc)
+        found = [w for w in Path(nvcc).read_text().split() if w.endswith("/bin/nvcc")]
+        toolkit = Path(found[0]).parents[1] if found else toolkit
+    libdirs = [toolkit / "lib64", toolkit / "lib", toolkit / "targets" / "x86_64-linux" / "lib"]
+    flags = []
+    if not any((d / "libcublas.so").exists() for d in libdirs):
+        for root in nvidia_wheel_dirs():
+            lib, lt = sorted(root.glob("*/lib/libcublas.so*")), sorted(root.glob("*/lib/libcublasLt.so*"))
+            heads = sorted(root.glob("*/include/cublas_v2.h"))
+            if lib and lt and heads:
+                inc = build / "cublas-include"
+                inc.mkdir(parents=True, exist_ok=True)
+                for h in heads[0].parent.glob("cublas*.h"):
+                    if not (inc / h.name).exists():
+                        (inc / h.name).symlink_to(h)
+                flags += [f"-DCUDA_cublas_LIBRARY={lib[0]}", f"-DCUDA_cublasLt_LIBRARY={lt[0]}",
+                          f"-DCMAKE_CUDA_FLAGS=-I{inc}", f"-DCMAKE_CXX_FLAGS=-I{inc}"]
+                break
+    if not any((d / "stubs" / "libcuda.so").exists() or (d / "libcuda.so").exists() for d in libdirs):
+        driver = next((p for p in ("/usr/lib/x86_64-linux-gnu/libcuda.so", "/usr/lib/x86_64-linux-gnu/libcuda.so.1",
+                                   "/usr/local/nvidia/lib64/libcuda.so.1", "/usr/lib64/libcuda.so.1")
+                       if os.path.exists(p)), None)
+        if driver:
+            flags.append(f"-DCUDA_cuda_driver_LIBRARY={driver}")
+    return flags
+
+
+def runtime_env() -> dict[str, str]:
+    """The environment llama.cpp's binaries run in: pip's CUDA libraries on LD_LIBRARY_PATH (when cuBLAS came
+    from there, see :func:`cuda_library_flags`)."""
+    libs = [str(d) for root in nvidia_wheel_dirs() for d in sorted(root.glob("*/lib")) if any(d.glob("libcublas*"))]
+    old = os.environ.get("LD_LIBRARY_PATH", "")
+    return {**os.environ, "LD_LIBRARY_PATH": os.pathsep.join(libs + ([old] if old else []))}
 
 
 def sh(*cmd, timeout: float | None = None, **kw) -> str:
@@ -203,8 +249,8 @@ def prepare(args: argparse.Namespace, report: Report) -> dict[str, Path]:
         report.data["prep"]["build"]["since_start_s"] = round(time.perf_counter() - t_build, 1)
     if peer_gguf and not files["q4_0"].is_file():
         part = files["q4_0"].with_suffix(".part")
-        report.step("quantize_q4_0", lambda: (sh(files["quantize"], bf16, part, "Q4_0", os.cpu_count()),
-                                              part.rename(files["q4_0"])))
+        report.step("quantize_q4_0", lambda: (
+            sh(files["quantize"], bf16, part, "Q4_0", os.cpu_count(), env=runtime_env()), part.rename(files["q4_0"])))
         if files["q4_0"].is_file():
             bf16.unlink(missing_ok=True)  # disk: the stage-3 checkpoint may be beside it
     report.data["files"] = {k: str(v) for k, v in files.items()}
@@ -228,7 +274,7 @@ def _bytes(path: Path) -> int:
 def llama_bench(bench: Path, gguf: Path, n_cpu_moe: int, prompt: int, tg: int, reps: int, threads: int) -> dict:
     """llama-bench -ngl 99 --n-cpu-moe k: mean (and std) tok/s of pp<prompt> and tg<tg>."""
     rows = json.loads(sh(bench, "-m", gguf, "-ngl", 99, "--n-cpu-moe", n_cpu_moe, "-t", threads, "-p", prompt,
-                         "-n", tg, "-r", reps, "-o", "json", timeout=300))
+                         "-n", tg, "-r", reps, "-o", "json", timeout=300, env=runtime_env()))
     res = {"build": rows[0].get("build_commit"), "backends": rows[0].get("backends"),
            "gpu": rows[0].get("gpu_info"), "n_cpu_moe": n_cpu_moe, "threads": threads}
     for r in rows:
