@@ -435,7 +435,7 @@ def markdown(data: dict) -> str:
             lines.append(f"| {r['engine']} | {r['gpu_experts']} | error | error | {r['error'][:80]!r} |")
             continue
         dec = next((f"{r[k]:.1f} ({k})" for k in r if k.startswith("tg") and not k.endswith("_std")), "")
-        note = f"n_cpu_moe {r['n_cpu_moe']}" if r["engine"].startswith("llama") else \
+        note = f"n_cpu_moe {r['n_cpu_moe']}, {r.get('backends')}" if r["engine"].startswith("llama") else \
             (f"decode hit {r['decode_hit_rate']:.0%}" if r.get("policy") not in (None, "resident") else
              f"{r['gpu_layers']} layers on GPU ({', '.join(r['devices'])})" if "gpu_layers" in r else "")
         lines.append(f"| {r['engine']} | {r['gpu_experts']} | {r.get(pp, 0):.1f} | {dec} | {note} |")
