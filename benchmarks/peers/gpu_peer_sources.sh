@@ -16,14 +16,20 @@
 # over every C/C++ source of the CPU build (every #include found), so a missing file fails here.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+extracted=
 dest=.peers/llama.cpp
 src="${LLAMA_CPP_SRC:-/tmp/peers/llama.cpp}"
-if [ ! -f "$src/CMakeLists.txt" ]; then
+if [ ! -f "$src/CMakeLists.txt" ]; then  # the sdist (kept in .peers/sdist; its extracted tree is removed at the end)
   mkdir -p .peers/sdist
-  python3 -m pip download -q --no-binary :all: --no-deps llama-cpp-python -d .peers/sdist
-  tar xzf .peers/sdist/llama_cpp_python-*.tar.gz -C .peers/sdist
-  src=$(ls -d .peers/sdist/llama_cpp_python-*/vendor/llama.cpp | head -1)
-  ls -d .peers/sdist/llama_cpp_python-* | sed 's/.*llama_cpp_python-//' > "$src/LLAMA_CPP_PYTHON_VERSION"
+  ls .peers/sdist/llama_cpp_python-*.tar.gz >/dev/null 2>&1 ||
+    python3 -m pip download -q --no-binary :all: --no-deps llama-cpp-python -d .peers/sdist
+  tarball=$(ls .peers/sdist/llama_cpp_python-*.tar.gz | tail -1)
+  tar xzf "$tarball" -C .peers/sdist
+  version=$(basename "$tarball" .tar.gz | sed 's/^llama_cpp_python-//')
+  src=.peers/sdist/llama_cpp_python-$version/vendor/llama.cpp
+  echo "$version" > "$src/LLAMA_CPP_PYTHON_VERSION"
+  extracted=.peers/sdist/llama_cpp_python-$version
+  trap 'rm -rf "$extracted"' EXIT
 fi
 rm -rf "$dest" && mkdir -p "$dest"
 # top-level files (CMake, licence, the converter) and the directories the build and the converter read
@@ -52,7 +58,7 @@ echo "$dest: $(du -sh "$dest" | cut -f1) ($(find "$dest" -type f | wc -l) files)
 [ "${CHECK:-1}" = 1 ] || exit 0
 # the flags the device build uses (benchmarks/peers/run_gpu_peers.py's CMAKE_FLAGS), configure only
 tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
+trap 'rm -rf "$tmp" ${extracted:+"$extracted"}' EXIT
 python3 - "$dest" "$tmp" <<'EOF'
 import json, shlex, subprocess, sys
 sys.path.insert(0, "benchmarks/peers")
