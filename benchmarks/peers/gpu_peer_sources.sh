@@ -8,7 +8,7 @@
 #   run(command="bash benchmarks/run_all_gpu.sh peers", carry=[".peers/llama.cpp"], timeout_s=600)
 #
 # Source: $LLAMA_CPP_SRC (a llama.cpp tree, e.g. the /tmp/peers/llama.cpp of build_llama_cpp.sh) when set and
-# present, else the llama-cpp-python sdist downloaded with pip (the version is kept in LLAMA_CPP_PYTHON_VERSION).
+# present, else the llama-cpp-python sdist ($LLAMA_CPP_PYTHON, default 0.3.36: the CPU peers' version) from PyPI.
 # What is left out: docs, models, tests, examples, the server and its web UI, mtmd's sources beyond its
 # CMakeLists, every ggml backend but CPU and CUDA. tools/CMakeLists.txt is replaced by one that adds only
 # llama-bench and quantize (the original adds every tool). CHECK=1 (default) then configures the subset here with
@@ -22,7 +22,8 @@ src="${LLAMA_CPP_SRC:-/tmp/peers/llama.cpp}"
 if [ ! -f "$src/CMakeLists.txt" ]; then  # the sdist (kept in .peers/sdist; its extracted tree is removed at the end)
   mkdir -p .peers/sdist
   ls .peers/sdist/llama_cpp_python-*.tar.gz >/dev/null 2>&1 ||
-    python3 -m pip download -q --no-binary :all: --no-deps llama-cpp-python -d .peers/sdist
+    python3 -m pip download -q --no-binary :all: --no-deps "llama-cpp-python==${LLAMA_CPP_PYTHON:-0.3.36}" \
+      -d .peers/sdist
   tarball=$(ls .peers/sdist/llama_cpp_python-*.tar.gz | tail -1)
   tar xzf "$tarball" -C .peers/sdist
   version=$(basename "$tarball" .tar.gz | sed 's/^llama_cpp_python-//')
