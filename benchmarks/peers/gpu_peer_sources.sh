@@ -9,8 +9,8 @@
 #
 # Source: $LLAMA_CPP_SRC (a llama.cpp tree, e.g. the /tmp/peers/llama.cpp of build_llama_cpp.sh) when set and
 # present, else the llama-cpp-python sdist ($LLAMA_CPP_PYTHON, default 0.3.36: the CPU peers' version) from PyPI.
-# What is left out: docs, models, tests, examples, the server and its web UI, mtmd's sources beyond its
-# CMakeLists, every ggml backend but CPU and CUDA. tools/CMakeLists.txt is replaced by one that adds only
+# What is left out: docs, models, tests, examples, the server, its web UI and mtmd, every ggml backend but CPU
+# and CUDA. tools/CMakeLists.txt is replaced by one that adds only
 # llama-bench and quantize (the original adds every tool). CHECK=1 (default) then configures the subset here with
 # CUDA on (configure only: no CUDA compile on this 2-core machine) and with CUDA off, and runs the compiler's -MM
 # over every C/C++ source of the CPU build (every #include found), so a missing file fails here.
