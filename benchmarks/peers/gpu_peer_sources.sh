@@ -57,13 +57,13 @@ find "$dest" \( -name '__pycache__' -o -name '*.md' -o -name '.git*' \) -prune -
 echo "$dest: $(du -sh "$dest" | cut -f1) ($(find "$dest" -type f | wc -l) files) from $src"
 
 [ "${CHECK:-1}" = 1 ] || exit 0
-# the flags the device build uses (benchmarks/peers/run_gpu_peers.py's CMAKE_FLAGS), configure only
+# the flags the device build uses (benchmarks/peers/llama_cpp_build.py), configure only
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp" ${extracted:+"$extracted"}' EXIT
 python3 - "$dest" "$tmp" <<'EOF'
 import json, shlex, subprocess, sys
 sys.path.insert(0, "benchmarks/peers")
-from run_gpu_peers import cmake_configure_command
+from llama_cpp_build import cmake_configure_command
 
 src, tmp = sys.argv[1], sys.argv[2]
 for cuda in (True, False):
@@ -73,7 +73,7 @@ for cuda in (True, False):
     errors = [ln for ln in log.splitlines() if ln.startswith("CMake Error")]
     # this machine's CUDA toolkit has nvcc and cudart but no cuBLAS and no driver: every source and CMake file
     # was found ("Configuring done"); only the generate step misses the libraries (the lent machine has the
-    # driver, and cuBLAS in torch's pip wheels: run_gpu_peers.cuda_library_flags)
+    # driver, and cuBLAS in torch's pip wheels: llama_cpp_build.cuda_library_flags)
     no_cublas = cuda and "-- Configuring done" in log and errors \
         and ("CUDA::cublas" in log or "CUDA::cuda_driver" in log) \
         and all("ggml-cuda/CMakeLists.txt" in e and "target_link_libraries" in e for e in errors)
