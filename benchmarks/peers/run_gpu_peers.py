@@ -8,8 +8,9 @@ Two phases (``--phase prep`` and ``--phase bench``; ``all`` = both), each skippi
   fewest CUDA template instances; started first, in the background: llama_cpp_build.py) from the subset that
   gpu_peer_sources.sh copied to .peers/llama.cpp; writes the model with transformers' own MixtralForCausalLM +
   save_pretrained (bf16, random weights, a sentencepiece tokenizer trained on the repository's Markdown:
-  synthetic_mixtral.py); converts it with the subset's convert_hf_to_gguf.py (bf16 GGUF), quantizes to Q4_0 with llama-quantize (the bf16 GGUF is
-  then deleted: disk) and, meanwhile, AWQ-quantizes the same weights with ``moeflow quantize``.
+  synthetic_mixtral.py); converts it with the subset's convert_hf_to_gguf.py (bf16 GGUF), quantizes to Q4_0
+  with llama-quantize (the bf16 GGUF is then deleted: disk) and, meanwhile, AWQ-quantizes the same weights with
+  ``moeflow quantize``.
 * bench: prefill (pp<N>) and decode (tg<N>) tokens per second. llama.cpp: ``llama-bench -ngl 99`` with
   ``--n-cpu-moe k`` for k in --cpu-moe-layers (k = 0: every expert on the GPU); its CPU experts run on the CPU
   threads. moeflow at the same GPU budget: ``gpu_expert_slots = (layers - k) * experts`` (one slot = one
