@@ -45,15 +45,34 @@
 #                                                  #   the disk beside the others; per-layer times reported), 16/24 GB.
 #                                                  #   Both delete the other synthetic checkpoints in /tmp when the
 #                                                  #   disk is short (stages 3-5 then rewrite theirs: ~1-2 min).
+#   8. bash benchmarks/run_all_gpu.sh peers-prep   # ~6-9 min (limit 570 s; issue 12 item 5); carry=
+#                                                  #   [".peers/llama.cpp"] after `bash benchmarks/peers/
+#                                                  #   gpu_peer_sources.sh` here (~24 MiB
+#                                                  #   of llama.cpp sources): builds llama-bench + llama-quantize with
+#                                                  #   CUDA (sm_90, no FA kernels, -j16) while it writes a 4-layer
+#                                                  #   Mixtral-8x7B-shaped model (transformers, bf16, ~12 GB), converts
+#                                                  #   it to GGUF, quantizes Q4_0 (~3.3 GB; the bf16 GGUF deleted) and
+#                                                  #   AWQ (`moeflow quantize`, ~3.2 GB) in /tmp/moeflow-peers
+#                                                  #   (~31 GB at the peak, 19 after: beside stage 3's 25 GB; the
+#                                                  #   families' removed first if short, then stage 3's)
+#   9. bash benchmarks/run_all_gpu.sh peers        # ~5-8 min (limit 560 s), right after 8 (same warm machine: its
+#                                                  #   build and models are in /tmp; on a fresh one it redoes 8 first
+#                                                  #   and may not finish): llama-bench -ngl 99 pp512/tg64 with
+#                                                  #   --n-cpu-moe 0/2/3 vs moeflow resident / lru / lru+cpu_compute
+#                                                  #   auto at the same experts on the GPU (32/16/8 slots) vs
+#                                                  #   transformers+accelerate fp16 (device_map="auto", max_memory);
+#                                                  #   moeflow/peer ratios in $OUT/peers/peers_gpu.{json,md}
 #   optional: bash benchmarks/run_all_gpu.sh tune  # ~9 min: config sweep for T = 1, 4, 16 (writes $OUT/<gpu>.json;
 #                                                  #   commit it as moeflow/kernels/configs/<gpu>.json)
 #
-# Device tool call: run(command="bash benchmarks/run_all_gpu.sh correctness", timeout_s=600). Every measurement
-# prints one line as it ends and is written to JSON under $OUT at once; a failing one is recorded and the stage
-# goes on; every step runs under `timeout`. If a stage dies, its log is $OUT/<stage>.log. Results go to $OUT (else
-# benchmarks/results/gpu-<date>/): copy them under benchmarks/results/<gpu>-<date>/ with a short table. Each stage
-# leaves at most 8 files in $OUT, no deeper than one folder (the device tool's limits); Markdown tables and logs of
-# `models` are packed into one .tgz.
+# Device tool call: run(command="bash benchmarks/run_all_gpu.sh correctness", timeout_s=600). Stages 8-9, after
+# `bash benchmarks/peers/gpu_peer_sources.sh` here, back to back: run(command="bash benchmarks/run_all_gpu.sh
+# peers-prep", carry=[".peers/llama.cpp"], timeout_s=600), then the same with `peers` (benchmarks/peers/README.md).
+# Every measurement prints one line as it ends and is written to JSON under $OUT at once; a failing one is recorded
+# and the stage goes on; every step runs under `timeout`. If a stage dies, its log is $OUT/<stage>.log. Results go to
+# $OUT (else benchmarks/results/gpu-<date>/): copy them under benchmarks/results/<gpu>-<date>/ with a short table.
+# Each stage leaves at most 8 files in $OUT, no deeper than one folder (the device tool's limits); Markdown tables and
+# logs of `models` are packed into one .tgz.
 # Every stage also runs on a CPU (`--tiny` / `--dry-run` sizes) with TINY=1: bash benchmarks/run_all_gpu.sh offload
 # PLAN=1 prints each step's time limit and command and runs nothing (tests/test_gpu_lane_tiny.py sums the limits).
 set -uo pipefail
@@ -163,8 +182,30 @@ case "$stage" in
     if [ -n "${LAYERS:-}" ]; then layers=(--layers "$LAYERS"); fi
     run 570 "$stage.log" "$py" benchmarks/run_gpu_families.py --family "$family" "${tiny[@]}" "${layers[@]}" \
       --out "$out/families" --time-budget-s 450 ;;
-  *) echo "usage: $0 correctness|kernels|offload|decode|engine|models|families-qwen3|families-gpt-oss|tune (TINY=1: CPU" \
-       "sizes)" >&2
+  peers-prep|peers)  # issue 12 item 5: llama.cpp (CUDA) and transformers+accelerate vs moeflow on one model
+    # (benchmarks/peers/README.md). TINY=1: a tiny model on the CPU with the CPU llama.cpp of build_llama_cpp.sh
+    # at $LLAMA_CPP_BUILD (without one, llama.cpp is skipped with a message)
+    peers=(--work "${PEERS_WORK:-/tmp/moeflow-peers}" --out "$out/peers")
+    if [ "${TINY:-0}" = 1 ]; then
+      peers=(--tiny --work "${PEERS_WORK:-/tmp/moeflow-peers-tiny}" --out "$out/peers"
+             --llama-build "${LLAMA_CPP_BUILD:-/tmp/peers/llama.cpp/build}")
+    elif [ "$plan" != 1 ]; then
+      # the bf16 HF model and GGUF, Q4_0 and AWQ: ~31 GB at the peak (~19 GB after); the others go if short
+      for d in /tmp/moeflow-synthetic-* "${CKPT:-/tmp/moeflow-mixtral-8x7b-awq}"; do
+        avail_gb=$(df --output=avail -BG /tmp | tail -1 | tr -dc 0-9)
+        if [ "$avail_gb" -lt 34 ] && [ ! -d "${PEERS_WORK:-/tmp/moeflow-peers}/awq" ] && [ -d "$d" ]; then
+          echo "removing $d (disk: ${avail_gb} GB free)" | tee -a "$out/peers.log" && rm -rf "$d"
+        fi
+      done
+    fi
+    if [ "${PEERS_FA:-0}" = 1 ]; then peers+=(--flash-attn); fi  # llama.cpp's FA kernels too: ~+2 min of build
+    if [ "$stage" = peers-prep ]; then
+      run 570 peers.log "$py" benchmarks/peers/run_gpu_peers.py --phase prep "${peers[@]}"
+    else  # prep again first: it skips what exists (a fresh machine redoes it all, in the same limit)
+      run 560 peers.log "$py" benchmarks/peers/run_gpu_peers.py --phase all "${peers[@]}" --time-budget-s 400
+    fi ;;
+  *) echo "usage: $0 correctness|kernels|offload|decode|engine|models|families-qwen3|families-gpt-oss|peers-prep|" \
+       "peers|tune (TINY=1: CPU sizes)" >&2
      exit 2 ;;
 esac
 [ "$plan" = 1 ] || echo "stage $stage done: $(ls -R "$out" | tr '\n' ' ')"
