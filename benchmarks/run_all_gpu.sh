@@ -4,9 +4,12 @@
 # cut short still leaves numbers). Nothing here needs the network; only the engine stage's serve step needs packages
 # the lent machine lacks, carried as wheels (benchmarks/gpu_wheels.sh; without them that step records the error).
 #
-# A lent GPU session (30 minutes of device time, the machine's start included) runs, in this order, back to back
-# (a machine left idle 30 s is given back, and the ~25 GB synthetic checkpoint in /tmp goes with it). Stages 1-3
-# are bounded at 515 + 500 + 510 s = 25.4 min of commands, which leaves ~5 min for the start and the transfers:
+# A lent GPU session (30 minutes of device time, the machine's start included) runs stages back to back (a machine
+# left idle 30 s is given back, and the ~25 GB synthetic checkpoint in /tmp goes with it). Stages 1-3 ran on
+# 2026-11-23 (H100: 2.3 + 0.75 + 4.8 min; benchmarks/results/h100-2026-11-23/). THE NEXT SESSION lent a GPU runs:
+# correctness (the fixes since, CUDA graphs by default), decode (3b), then peers-prep and peers (8, 9: first
+# `bash benchmarks/peers/gpu_peer_sources.sh` here, carry=[".peers/llama.cpp"]); the one after: tune, engine,
+# models, the families. The list in the order the stages were written:
 #
 #   1. bash benchmarks/run_all_gpu.sh correctness  # ~5-7 min (limits 45 + 470 s): the stack check (versions; stops
 #                                                  #   at once naming a missing package or torch API:
