@@ -15,10 +15,12 @@ counts per decoder layer and decode step are deterministic build facts:
 
 Two synthetic AWQ checkpoints (attention quantized too; ``benchmarks/gpu_checkpoint.py``): the GPU lane's tiny
 Mixtral and one layer of Mixtral-8x7B's exact shapes (vocabulary cut to 256). The value checks of the kernels'
-arguments are off (``MOEFLOW_KERNEL_CHECKS=0``): on a GPU the resident path skips them. ``--before-rev REV`` counts the same for a git revision of this
-repository (``git archive`` into a temporary folder, run in a subprocess) and writes both. The configs part lists,
-for the families' real attention shapes, the packed GEMM config of q, k, v and of the fused q/k/v: where all are
-equal the fused projection computes every column bitwise as the three did.
+arguments are off (``MOEFLOW_KERNEL_CHECKS=0``): on a GPU the resident path skips them. ``--before-rev REV``
+counts the same for a git revision of this repository (``git archive`` into a temporary folder, run in a
+subprocess) and writes both. The configs part lists, for the families' real attention shapes, the packed GEMM
+config of q, k, v and of the fused q/k/v: where all are equal and every projection fills whole BLOCK_N tiles, each
+column keeps its tile, place and K split, so the fused projection computes it as the three did (bitwise under
+the interpreter, tests/test_fused_qkv.py; on a GPU not measured).
 
     PYTHONPATH=$PWD python benchmarks/count_eager_launches.py --before-rev dd3a7ec \\
         --out benchmarks/results/host_overhead/eager_launches.json
@@ -147,9 +149,11 @@ def counting(counts: Counts, aten: bool, python: bool):
         yield
 
 
-def per_layer_decode(model, prompt: torch.Tensor, new_tokens: int, aten: bool, python: bool) -> list[dict]:
-    """The counts of every decoder layer call at decode (one token per row), in call order."""
-    counts, layers = Counts(), []
+def per_layer_decode(model, prompt: torch.Tensor, new_tokens: int, aten: bool, python: bool,
+                     counts: Counts | None = None) -> list[dict]:
+    """The counts of every decoder layer call at decode (one token per row), in call order (running totals in
+    ``counts`` when given)."""
+    counts, layers = counts or Counts(), []
     start: list[collections.Counter] = []
 
     def opened(mod, args):
@@ -226,9 +230,12 @@ def config_table() -> list[dict]:
         for m in (1, 2, 4, 8, 16, 64, 512):
             cfgs = {p: packed_linear_config(m, width, h, 128) for p, width in n.items()}
             fused = packed_linear_config(m, fused_n, h, 128)
+            # a column keeps its arithmetic when the config is the same and it keeps its place in its BLOCK_N tile
+            aligned = all(width % fused["BLOCK_N"] == 0 for width in n.values())
             rows.append({"family": name, "m": m, "n_q": n["q"], "n_kv": n["k"], "n_fused": fused_n, "k": h,
                          "split_k": {**{p: c["SPLIT_K"] for p, c in cfgs.items()}, "fused": fused["SPLIT_K"]},
-                         "bitwise_as_unfused": all(c == fused for c in cfgs.values())})
+                         "tiles_aligned": aligned,
+                         "bitwise_as_unfused": aligned and all(c == fused for c in cfgs.values())})
     return rows
 
 
