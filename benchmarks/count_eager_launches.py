@@ -153,30 +153,40 @@ def counting(counts: Counts, aten: bool, python: bool, execute: bool = True):
         yield
 
 
-def per_layer_decode(model, prompt: torch.Tensor, new_tokens: int, aten: bool, python: bool,
-                     counts: Counts | None = None, execute: bool = True) -> list[dict]:
-    """The counts of every decoder layer call at decode (one token per row), in call order (running totals in
-    ``counts`` when given)."""
-    counts, layers = counts or Counts(), []
+def decode_counts(model, groups: dict[str, list], prompt: torch.Tensor, new_tokens: int, aten: bool, python: bool,
+                  execute: bool = True) -> dict[str, list[dict]]:
+    """For each group of modules, the counts of every call of one of them at decode (one token per row), in
+    call order: a greedy ``generate`` of ``new_tokens`` from ``prompt`` [B, T]."""
+    counts = Counts()
+    calls: dict[str, list[dict]] = {name: [] for name in groups}
     start: list[collections.Counter] = []
 
     def opened(mod, args):
         start.append(counts.snapshot())
 
-    def closed(mod, args, out):
-        before = start.pop()
-        if args[0].shape[1] == 1:
-            layers.append(dict(counts.c - before))
+    def closer(name: str):
+        def closed(mod, args, out):
+            before = start.pop()
+            if args[0].shape[1] == 1:
+                calls[name].append(dict(counts.c - before))
+        return closed
 
-    hooks = [layer.register_forward_pre_hook(opened) for layer in model.model.layers]
-    hooks += [layer.register_forward_hook(closed) for layer in model.model.layers]
+    hooks = [h for name, modules in groups.items() for m in modules
+             for h in (m.register_forward_pre_hook(opened), m.register_forward_hook(closer(name)))]
     try:
         with counting(counts, aten, python, execute):
             model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, eos_token_id=[])
     finally:
         for h in hooks:
             h.remove()
-    return layers
+    return calls
+
+
+def per_layer_decode(model, prompt: torch.Tensor, new_tokens: int, aten: bool, python: bool,
+                     execute: bool = True) -> list[dict]:
+    """The counts of every decoder layer call at decode, in call order."""
+    return decode_counts(model, {"layers": list(model.model.layers)}, prompt, new_tokens, aten, python,
+                         execute)["layers"]
 
 
 def summarize(layers: list[dict]) -> dict:

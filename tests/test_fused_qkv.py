@@ -110,27 +110,10 @@ def _fused_attention(model) -> list[torch.nn.Module]:
 
 def _decode_counts(model) -> tuple[list[dict], list[dict]]:
     """(per decode layer, per decode attention) launch and op counts, two decode steps of one row."""
-    counts = count_eager_launches.Counts()
-    attention: list[dict] = []
-    start: list = []
-
-    def opened(mod, args):
-        start.append(counts.snapshot())
-
-    def closed(mod, args, out):
-        before = start.pop()
-        if args[0].shape[1] == 1:
-            attention.append(dict(counts.c - before))
-
-    hooks = [h for a in _fused_attention(model)
-             for h in (a.register_forward_pre_hook(opened), a.register_forward_hook(closed))]
-    try:
-        layers = count_eager_launches.per_layer_decode(model, _prompt()[:1], 3, aten=True, python=False,
-                                                       counts=counts)
-    finally:
-        for h in hooks:
-            h.remove()
-    return layers, attention
+    calls = count_eager_launches.decode_counts(
+        model, {"layers": list(model.model.layers), "attention": _fused_attention(model)}, _prompt()[:1], 3,
+        aten=True, python=False)
+    return calls["layers"], calls["attention"]
 
 
 def test_decode_layer_is_one_gemm_for_qkv(mixtral_awq):
