@@ -43,7 +43,6 @@ import types
 from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel module is imported
-os.environ["MOEFLOW_KERNEL_CHECKS"] = "0"  # the value checks (a host sync) run on the CPU only, never on a GPU
 
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
@@ -278,6 +277,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--single", action="store_true", help="print this tree's counts as one JSON line (internal)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    os.environ["MOEFLOW_KERNEL_CHECKS"] = "0"  # the value checks (a host sync) run on the CPU only, never on a GPU
     torch.set_num_threads(1)
     models = args.models.split(",")
     args.workdir.mkdir(parents=True, exist_ok=True)
