@@ -246,3 +246,55 @@ def test_the_race_harness_transport_overrides_every_copy_entry_the_engine_calls(
         re.findall(r'getattr\(transport, "(copy\w*)"', source))
     assert engine_calls == {"copy", "copy_batch"}, engine_calls  # a new entry: the harness must override it too
     assert engine_calls <= set(entries)
+
+
+def test_scratch_stream_key_is_the_raw_current_stream_of_the_device(fake_cuda, monkeypatch):
+    """workspace's key on CUDA: the raw handle of the device's current stream, the query Triton's launcher makes
+    (``torch._C._cuda_getCurrentRawStream``), no ``torch.cuda.current_stream`` object per request; without that
+    binding, ``current_stream(index).cuda_stream``, the same handle. The stand-ins follow ``torch.cuda.stream``."""
+    from moeflow.kernels import workspace
+
+    handles = {"compute": 100, "side": 200}
+    asked: list[int] = []
+
+    def raw(index: int) -> int:
+        asked.append(index)
+        return handles[fake_cuda.current.name]
+
+    def stream_object(device=None):
+        asked.append(-1)  # not expected while the raw query exists
+        return type("S", (), {"cuda_stream": handles[fake_cuda.current.name]})()
+
+    monkeypatch.setattr(torch.cuda, "current_stream", stream_object)
+    monkeypatch.setattr(workspace, "_raw_current_stream", raw)
+    side = FakeStream(name="side")
+    cuda1 = torch.device("cuda", 1)
+    assert workspace._stream_key(cuda1) == 100
+    with torch.cuda.stream(side):
+        assert workspace._stream_key(cuda1) == 200
+    assert workspace._stream_key(cuda1) == 100 and asked == [1, 1, 1]
+    monkeypatch.setattr(workspace, "_raw_current_stream", None)  # a torch without the raw binding
+    with torch.cuda.stream(side):
+        assert workspace._stream_key(cuda1) == 200
+    assert workspace._stream_key(torch.device("cpu")) == 0
+
+
+def test_scratch_buffers_and_views_per_stream(monkeypatch):
+    """One buffer per (name, stream, dtype), one cached view per shape; a grown buffer drops its stale views."""
+    from moeflow.kernels import workspace
+
+    stream = [1]
+    monkeypatch.setattr(workspace, "_stream_key", lambda device: stream[0])
+    workspace.clear()
+    cpu = torch.device("cpu")
+    a = workspace.scratch("t", (2, 3), torch.float32, cpu)
+    assert workspace.scratch("t", (2, 3), torch.float32, cpu) is a  # the same view, no slice / view ops
+    b = workspace.scratch("t", (4,), torch.float32, cpu)
+    assert b.data_ptr() == a.data_ptr() and b.shape == (4,)
+    stream[0] = 2  # another stream: its own buffer
+    assert workspace.scratch("t", (2, 3), torch.float32, cpu).data_ptr() != a.data_ptr()
+    stream[0] = 1
+    grown = workspace.scratch("t", (5, 5), torch.float32, cpu)
+    again = workspace.scratch("t", (2, 3), torch.float32, cpu)
+    assert again is not a and again.data_ptr() == grown.data_ptr()  # the old view pointed at the old buffer
+    workspace.clear()

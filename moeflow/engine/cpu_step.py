@@ -56,7 +56,7 @@ def fuse_cpu_step(decoder: nn.Module, dtype: torch.dtype) -> dict[str, int]:
         elif type(module) is Attention and module.qk_norm is None and module.clip_qkv is None:
             fused = fuse_qkv([getattr(module, name) for name in QKV])
             if fused is not None:
-                module.qkv_proj, module.fused_step = fused, True
+                module.qkv_proj, module.fused_qkv, module.fused_step = fused, True, True
                 counts["attention"] += 1
     for block in [m for m in decoder.modules() if isinstance(m, MoEBlock)]:
         counts["router"] += _native_router(block)
@@ -197,7 +197,7 @@ def set_cpu_step_fused(decoder: nn.Module, fused: bool) -> None:
         if type(module) is RMSNorm and module.weight.dtype == torch.float32:
             module.native = fused and native_available()
         elif type(module) is Attention and module.qkv_proj is not None:
-            module.fused_step = fused
+            module.fused_qkv = module.fused_step = fused
         elif isinstance(module, NativeRouterGate):
             module.native = fused
         elif isinstance(module, MoEBlock) and isinstance(module.route, NativeRoute):

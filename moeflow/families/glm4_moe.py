@@ -19,7 +19,7 @@ from moeflow.families.deepseek_moe import (
     SharedExpertMoEFamily,
     sigmoid_router_spec,
 )
-from moeflow.families.layers import LinearFactory, RMSNorm, rotate_half
+from moeflow.families.layers import LinearFactory, RMSNorm, project_qkv, rotate_half
 from moeflow.moe.routing import RouterSpec
 
 
@@ -99,14 +99,19 @@ class PartialRotaryAttention(nn.Module):
                 proj.bias = nn.Parameter(torch.zeros(proj.out_features, dtype=dtype))
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if cfg.use_qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if cfg.use_qk_norm else None
+        # q/k/v as one packed AWQ matrix on the Triton path (set at load: layers.fuse_qkv_projections)
+        self.qkv_proj: nn.Module | None = None
+        self.qkv_sizes = (self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim)
+        self.fused_qkv = False
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any,
                 cache_position: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """x [B, T, H]; cos/sin [B, T, rotary_dim]; mask bool [B, 1, T, max_len] -> [B, T, H]."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k, v = project_qkv(self, x)
+        q = q.view(b, t, self.n_heads, self.head_dim)
+        k = k.view(b, t, self.n_kv, self.head_dim)
+        v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotate_partial(q.transpose(1, 2), cos, sin), rotate_partial(k.transpose(1, 2), cos, sin)

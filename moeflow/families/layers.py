@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeflow import kernels
+from moeflow.kernels.checks import check_pool_weights
 from moeflow.kernels.cpu_step_ops import NATIVE_ATTENTION_TOKENS, attention_step, rmsnorm
 
 
@@ -85,16 +86,82 @@ class AWQLinear(nn.Module):
         if not self.packed and kernels.resolve_backend(backend, self.qweight.device) == "triton":
             for name, tensor in kernels.pack_awq_linear(self.qweight, self.qzeros, self.scales).items():
                 setattr(self, name, tensor)  # registered buffers: assignment keeps them buffers
+            # checked here, once: forward skips the weight checks on every call (weights_checked)
+            check_pool_weights(self.qweight[None], self.qzeros[None], self.scales[None], self.group_size,
+                               self.in_features, self.out_features, "AWQLinear ", 1)
             self.packed = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]: fp32 accumulation, output in the dtype of x."""
         flat = x.reshape(-1, self.in_features)
+        # packed: the weights were checked when packed and never change (no per-call weight checks)
         y = kernels.awq_linear(flat, self.qweight, self.qzeros, self.scales, self.group_size,
-                               backend=self.kernels_backend, packed=self.packed)
+                               backend=self.kernels_backend, packed=self.packed, weights_checked=self.packed)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+
+QKV = ("q_proj", "k_proj", "v_proj")
+
+
+def fuse_awq_linears(linears: list[nn.Module]) -> AWQLinear | None:
+    """One packed :class:`AWQLinear` whose output is ``linears``' outputs concatenated (q/k/v: one GEMM launch, and
+    one split-K reduction, instead of three), or None when they cannot share one matrix (not all AWQ linears
+    packed for the Triton kernels, different input sizes, groups, dtypes or devices, biased and unbiased mixed).
+
+    Exact per output column: concatenating along N keeps each column's weights, zeros, scales and bias, so a
+    column is computed as before whenever the launch config (BLOCK_K, SPLIT_K) is the one the unfused linear got
+    (``benchmarks/count_eager_launches.py`` reports it for the families' shapes). Each linear's tensors become
+    views of the fused ones (the memory is held once): ``qweight [N, K/8]`` rows, ``qzeros [K/g, N/8]`` and
+    ``scales [K/g, N]`` columns (row-strided views the packed kernel reads by stride), bias entries."""
+    if not linears or not all(type(p) is AWQLinear and p.packed for p in linears):
+        return None
+    first = linears[0]
+    if len({(p.in_features, p.group_size, p.scales.dtype, p.scales.device, p.bias is None, p.kernels_backend)
+            for p in linears}) != 1 or any(p.out_features % 8 for p in linears):
+        return None
+    with torch.device("meta"):  # every tensor is replaced below: allocate none here
+        fused = AWQLinear(first.in_features, sum(p.out_features for p in linears), first.group_size,
+                          first.scales.dtype, bias=first.bias is not None)
+    fused.qweight = torch.cat([p.qweight for p in linears])
+    fused.qzeros = torch.cat([p.qzeros for p in linears], dim=1)
+    fused.scales = torch.cat([p.scales for p in linears], dim=1)
+    if first.bias is not None:
+        fused.bias = nn.Parameter(torch.cat([p.bias.detach() for p in linears]), requires_grad=False)
+    fused.kernels_backend, fused.packed = first.kernels_backend, True
+    start = 0
+    for p in linears:
+        end = start + p.out_features
+        p.qweight, p.qzeros, p.scales = (fused.qweight[start:end], fused.qzeros[:, start // 8:end // 8],
+                                         fused.scales[:, start:end])
+        if p.bias is not None:
+            p.bias = nn.Parameter(fused.bias.detach()[start:end], requires_grad=False)
+        start = end
+    return fused
+
+
+def fuse_qkv_projections(decoder: nn.Module) -> int:
+    """Give every attention module of ``decoder`` with a ``qkv_proj`` slot one fused q/k/v linear when its
+    projections are packed AWQ linears (the Triton path: :func:`fuse_awq_linears`); done once at load. Returns
+    how many were fused."""
+    count = 0
+    for module in list(decoder.modules()):
+        if not hasattr(module, "qkv_proj") or module.qkv_proj is not None:
+            continue
+        fused = fuse_awq_linears([getattr(module, name, None) for name in QKV])
+        if fused is not None:
+            module.qkv_proj, module.fused_qkv = fused, True
+            count += 1
+    return count
+
+
+def project_qkv(attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [B, T, H] -> (q, k, v) [B, T, heads * D] / [B, T, kv_heads * D]: one launch through ``attn.qkv_proj``
+    when fused (views of its output), else ``q_proj``, ``k_proj``, ``v_proj``."""
+    if attn.fused_qkv:
+        return attn.qkv_proj(x).split(attn.qkv_sizes, dim=-1)
+    return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
 
 
 def _sdpa_has_gqa() -> bool:
@@ -166,9 +233,12 @@ class Attention(nn.Module):
         if qk_norm not in (None, "head", "projection"):
             raise ValueError(f"qk_norm={qk_norm!r}: expected None, 'head' or 'projection'")
         self.qk_norm, self.clip_qkv = qk_norm, clip_qkv
-        # set by engine.cpu_step on the CPU: q/k/v as one matrix (its rows are q_proj's, k_proj's, v_proj's), and
+        # q/k/v as one matrix (its rows are q_proj's, k_proj's, v_proj's) with ``fused_qkv``: set at load on the
+        # CPU int4 path (engine.cpu_step) and the Triton path (fuse_qkv_projections). ``fused_step`` (CPU only):
         # rotary + cache write + attention as one call into moeflow's CPU library (fp32, a static cache)
         self.qkv_proj: nn.Module | None = None
+        self.qkv_sizes = (self.n_heads * head_dim, self.n_kv * head_dim, self.n_kv * head_dim)
+        self.fused_qkv = False
         self.fused_step = False
         if qk_norm is not None:
             per_head = qk_norm == "head"
@@ -201,10 +271,9 @@ class Attention(nn.Module):
                 k_all, v_all = layer_kv[self.layer_idx]
                 return self.o_proj(attention_step(qkv, self.n_heads, self.n_kv, cos, sin, k_all, v_all,
                                                   cache_position, mask))
-            d = self.head_dim
-            q, k, v = qkv.split([self.n_heads * d, self.n_kv * d, self.n_kv * d], dim=-1)
+            q, k, v = qkv.split(self.qkv_sizes, dim=-1)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k, v = project_qkv(self, x)
         q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = k.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)

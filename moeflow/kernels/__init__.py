@@ -245,20 +245,30 @@ def awq_linear(
     *,
     config: dict | None = None,
     packed: bool = False,
+    weights_checked: bool = False,
 ) -> torch.Tensor:
     """Dense W4A16 matmul ``x @ W``, fp32 accumulation, result [M, N] in x's dtype.
 
     ``packed=False``: AWQ's GEMM layout as published. ``packed=True``: weights from :func:`pack_awq_linear`, run
-    by the expert kernel (no per-element gathers, asynchronous MMA at prefill: a third of the instructions)."""
+    by the expert kernel (no per-element gathers, asynchronous MMA at prefill: a third of the instructions); its
+    ``qzeros`` / ``scales`` may be column slices of a wider packed matrix (rows read by stride). A caller whose
+    weights were checked once and never change (``AWQLinear``) passes ``weights_checked`` to skip their checks
+    on every call (x is still checked against them)."""
     check_float(x, "x", 2)
     K = x.shape[1]
-    if scales.dim() != 2:
-        raise ValueError(f"scales must be [K/g, N], got shape {tuple(scales.shape)}")
-    if packed:
-        check_pool_weights(qweight[None], qzeros[None], scales[None], group_size, K, scales.shape[1], "", 1)
+    if weights_checked:
+        if x.device != qweight.device or qweight.shape[-1 if packed else 0] * (8 if packed else 1) != K:
+            raise ValueError(f"x {tuple(x.shape)} on {x.device} does not fit weights qweight "
+                             f"{tuple(qweight.shape)} on {qweight.device}")
     else:
-        check_awq_weights(qweight, qzeros, scales, group_size, K, scales.shape[1], "")
-    check_same_device(x.device, qweight=qweight, qzeros=qzeros, scales=scales)
+        if scales.dim() != 2:
+            raise ValueError(f"scales must be [K/g, N], got shape {tuple(scales.shape)}")
+        if packed:
+            check_pool_weights(qweight[None], qzeros[None], scales[None], group_size, K, scales.shape[1], "", 1,
+                               strided_rows=True)
+        else:
+            check_awq_weights(qweight, qzeros, scales, group_size, K, scales.shape[1], "")
+        check_same_device(x.device, qweight=qweight, qzeros=qzeros, scales=scales)
     backend = resolve_backend(backend, x.device)
     flat_cfg = ops.encode_linear_config(config) if config is not None else []
     if not packed:

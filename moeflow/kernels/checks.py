@@ -47,9 +47,11 @@ def check_same_device(device: torch.device, **tensors: torch.Tensor | None) -> N
 
 
 def check_packed(
-    t: torch.Tensor, name: str, shape: tuple[int, ...], dtype: torch.dtype | tuple[torch.dtype, ...]
+    t: torch.Tensor, name: str, shape: tuple[int, ...], dtype: torch.dtype | tuple[torch.dtype, ...],
+    strided_rows: bool = False,
 ) -> None:
-    """A packed weight tensor: exact shape and dtype, rows contiguous (leading slot dim may have any stride)."""
+    """A packed weight tensor: exact shape and dtype, rows contiguous (leading slot dim may have any stride);
+    ``strided_rows``: the rows may be further apart than their length (columns of a wider matrix)."""
     dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
     if t.dtype not in dtypes:
         names = " or ".join(str(d).replace("torch.", "") for d in dtypes)
@@ -57,7 +59,8 @@ def check_packed(
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
     inner = t.shape[-2:]
-    if t.numel() and (t.stride(-1) != 1 or (inner[0] > 1 and t.stride(-2) != inner[1])):
+    gap = inner[0] > 1 and (t.stride(-2) < inner[1] if strided_rows else t.stride(-2) != inner[1])
+    if t.numel() and (t.stride(-1) != 1 or gap):
         raise ValueError(f"{name} must be contiguous in its last two dimensions, got strides {t.stride()}")
 
 
@@ -84,13 +87,14 @@ def check_awq_weights(
 
 def check_pool_weights(
     qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int, k: int, n: int, prefix: str,
-    slots: int,
+    slots: int, strided_rows: bool = False,
 ) -> None:
-    """AWQ tensors of a [k, n] matrix in the pool's kernel layout (``qweight [S, n, k/8]``, see ``pool.py``)."""
+    """AWQ tensors of a [k, n] matrix in the pool's kernel layout (``qweight [S, n, k/8]``, see ``pool.py``);
+    ``strided_rows``: qzeros / scales may be column slices of a wider matrix (the kernel reads rows by stride)."""
     check_group_size(group_size, k, prefix)
     check_packed(qweight, f"{prefix}qweight", (slots, n, k // 8), torch.int32)
-    check_packed(qzeros, f"{prefix}qzeros", (slots, k // group_size, n // 8), torch.int32)
-    check_packed(scales, f"{prefix}scales", (slots, k // group_size, n), FLOAT_DTYPES)
+    check_packed(qzeros, f"{prefix}qzeros", (slots, k // group_size, n // 8), torch.int32, strided_rows)
+    check_packed(scales, f"{prefix}scales", (slots, k // group_size, n), FLOAT_DTYPES, strided_rows)
 
 
 def check_ids_and_slots(

@@ -96,8 +96,10 @@ def default_config(
     return {"BLOCK_M": bm, "w13": w13, "w2": w2}
 
 
+@functools.lru_cache(maxsize=4096)
 def packed_linear_config(m: int, n: int, k: int, group_size: int) -> dict[str, Any]:
-    """Config of ``awq_linear_packed`` (the expert GEMM with one "expert"): the MoE rules for one matrix."""
+    """Config of ``awq_linear_packed`` (the expert GEMM with one "expert"): the MoE rules for one matrix.
+    Cached per shape (a host-side hot path); the returned dict is shared: do not modify it."""
     moe = default_config("moe", m, 1, 1, n, k, group_size)
     return {"BLOCK_M": moe["BLOCK_M"], **moe["w2"], "SPLIT_K": _split_k(1, n, k, moe["w2"]["BLOCK_N"],
                                                                        moe["w2"]["BLOCK_K"]) if m <= 16 else 1}

@@ -269,33 +269,36 @@ def linear_eager(x: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, gro
 
 def linear_packed_eager(x: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, group_size: int,
                         cfg: dict | None, alloc: Alloc) -> Tensor:
-    """x [M, K] @ W with W in the pool's kernel layout (``qweight [N, K/8]``): the expert GEMM, one expert."""
+    """x [M, K] @ W with W in the pool's kernel layout (``qweight [N, K/8]``): the expert GEMM, one expert.
+
+    Per call only the launch (and the split-K reduction when the config splits K): the config comes from a
+    cache per (M, N, K, group), the constant plan from a cache per (blocks, device)."""
     from moeflow.kernels.configs import packed_linear_config
     from moeflow.kernels.triton_experts import expert_gemm
 
     M, N = x.shape[0], scales.shape[1]
     cfg = cfg or packed_linear_config(M, N, x.shape[1], group_size)
-    bm = cfg["BLOCK_M"]
-    nb = -(-M // bm)
-    sorted_ids, zeros = _dense_plan(nb * bm, x.device)
+    sorted_ids, expert_of_block, slots = _dense_plan(M, cfg["BLOCK_M"], x.device)
     out = x.new_empty((M, N))
-    split = int(cfg.get("SPLIT_K", 1))
+    split = cfg["SPLIT_K"] if "SPLIT_K" in cfg else 1
     ws = alloc("linear_ws", (split, M, N), torch.float32, x.device) if split > 1 else None
-    return expert_gemm(1, x, (qweight[None], qzeros[None], scales[None]), out, sorted_ids, zeros[:nb], zeros[:1],
+    return expert_gemm(1, x, (qweight, qzeros, scales), out, sorted_ids, expert_of_block, slots,
                        None, None, M, 1, group_size, cfg, ws=ws)
 
 
-_DENSE_PLANS: dict[tuple, tuple[Tensor, Tensor]] = {}
+_DENSE_PLANS: dict[tuple, tuple[Tensor, Tensor, Tensor]] = {}
 
 
-def _dense_plan(rows: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """The constant plan of a dense GEMM through the expert kernel, made once per (size, device), not per call:
-    (sorted_ids int32 [rows] = 0..rows-1 (>= M: padding rows), zeros int32 [rows]: every block expert 0, slot 0)."""
-    key = (rows, device)
+def _dense_plan(rows: int, block_m: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """The constant plan of a dense GEMM of ``rows`` rows through the expert kernel, made once per (rows, block,
+    device), not per call: (sorted_ids int32 [nb * block_m] = 0.. (>= rows: padding), expert_of_block int32 [nb]
+    all expert 0, slot_of_expert int32 [1] = slot 0)."""
+    nb = -(-rows // block_m)
+    key = (nb, block_m, device)
     plan = _DENSE_PLANS.get(key)
     if plan is None:
-        plan = (torch.arange(rows, dtype=torch.int32, device=device),
-                torch.zeros((max(rows, 1),), dtype=torch.int32, device=device))
+        zeros = torch.zeros((max(nb, 1),), dtype=torch.int32, device=device)
+        plan = (torch.arange(nb * block_m, dtype=torch.int32, device=device), zeros[:nb], zeros[:1])
         _DENSE_PLANS[key] = plan
     return plan
 

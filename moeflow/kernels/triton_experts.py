@@ -210,6 +210,7 @@ def expert_gemm(
     mode: int,
     a: torch.Tensor,  # MODE 0: x [T, K]; MODE 1: h [P, K]
     weights: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],  # (qweight, qzeros, scales) | (w,)
+    # of every slot [S, ...], or of one matrix without the slot dim (a dense linear: slot stride 0)
     out: torch.Tensor,  # MODE 0: h [P, N/2]; MODE 1: [P, N]
     sorted_ids: torch.Tensor,  # int32 [n_blocks * block_m]
     expert_of_block: torch.Tensor,  # int32 [n_blocks]
@@ -231,7 +232,7 @@ def expert_gemm(
     qweight, qzeros, scales = weights
     awq = qzeros is not None
     K = a.shape[1]
-    N = qweight.shape[1]  # weight rows (MODE 0: 2I interleaved)
+    N = qweight.shape[-2]  # weight rows (MODE 0: 2I interleaved)
     block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     if awq:
         block_k = min(block_k, group_size)  # one zero/scale row per tile (the kernel relies on it)
@@ -249,11 +250,12 @@ def expert_gemm(
     # the interpreter's bf16 tl.dot is wrong: fp32 operands there (the same products as bf16 tensor cores)
     dot_dtype = tl.float32 if INTERPRETED and a.dtype == torch.bfloat16 else cdtype
     grid = (n_blocks * cdiv(N, block_n), split_k)
+    one = qweight.dim() == 2  # one matrix: every block reads slot 0, the slot stride is never used
     _expert_gemm_kernel[grid](
         a, a.stride(0),
-        qweight, qweight.stride(0), qweight.stride(1),
-        z, z.stride(0), z.stride(1),
-        s, s.stride(0), s.stride(1),
+        qweight, 0 if one else qweight.stride(0), qweight.stride(-2),
+        z, 0 if one else z.stride(0), z.stride(-2),
+        s, 0 if one else s.stride(0), s.stride(-2),
         out, out.stride(0),
         ws, ws.stride(0) if split_k > 1 else 0,
         sorted_ids, expert_of_block, slot_of_expert,
