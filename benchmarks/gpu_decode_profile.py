@@ -28,10 +28,8 @@ for p in (ROOT, ROOT / "benchmarks"):
         sys.path.insert(0, str(p))
 
 from gpu_checkpoint import add_checkpoint_args, mixtral_setup, write_synthetic_awq_checkpoint  # noqa: E402
-from run_gpu_engine import cpu_capture_factory  # noqa: E402
-from run_gpu_offload import install_backend  # noqa: E402
-
-from moeflow import MoEOffloadedMixtral, OffloadConfig  # noqa: E402
+from run_gpu_engine import cpu_capture_factory, load_in_ram  # noqa: E402
+from run_gpu_offload import _sync, install_backend  # noqa: E402
 
 
 class _StepClock:
@@ -53,11 +51,6 @@ def _decode(model, prompt: torch.Tensor, new_tokens: int) -> tuple[float, torch.
     clock = _StepClock()
     out = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, eos_token_id=[], streamer=clock)
     return (clock.stamps[-1] - clock.stamps[1]) / (len(clock.stamps) - 2), out
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _profile(model, prompt: torch.Tensor, steps: int) -> dict:
@@ -99,9 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     device, dtype, config, kernels, group, ckpt = mixtral_setup(args)
     write_synthetic_awq_checkpoint(ckpt, config, group_size=group)
     L, E = config["num_hidden_layers"], config["num_local_experts"]
-    model = MoEOffloadedMixtral.from_pretrained(ckpt, device=device, dtype=dtype, kernels=kernels, progress=False,
-                                                offload=OffloadConfig(policy="lru", gpu_expert_slots=L * E),
-                                                cuda_graphs=False)  # the eager rows eager; --graphs captures
+    model = load_in_ram(ckpt, device, dtype, kernels, L * E)  # eager (the eager rows); --graphs captures
     host = model.experts.host
     prompt = torch.randint(3, config["vocab_size"], (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

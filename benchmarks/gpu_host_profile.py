@@ -22,9 +22,8 @@ for p in (ROOT, ROOT / "benchmarks"):
         sys.path.insert(0, str(p))
 
 from gpu_checkpoint import add_checkpoint_args, mixtral_setup, write_synthetic_awq_checkpoint  # noqa: E402
-from run_gpu_offload import install_backend  # noqa: E402
-
-from moeflow import MoEOffloadedMixtral, OffloadConfig  # noqa: E402
+from run_gpu_engine import load_in_ram  # noqa: E402
+from run_gpu_offload import _sync, install_backend  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -38,23 +37,16 @@ def main(argv: list[str] | None = None) -> None:
     device, dtype, config, kernels, group, ckpt = mixtral_setup(args)
     write_synthetic_awq_checkpoint(ckpt, config, group_size=group)
     L, E = config["num_hidden_layers"], config["num_local_experts"]
-    model = MoEOffloadedMixtral.from_pretrained(ckpt, device=device, dtype=dtype, kernels=kernels, progress=False,
-                                                offload=OffloadConfig(policy="lru", gpu_expert_slots=L * E),
-                                                cuda_graphs=False)  # the eager step's host time is the subject
+    model = load_in_ram(ckpt, device, dtype, kernels, L * E)  # eager: its step's host time is the subject
     install_backend(model, model.experts.host, args.policy, args.slots or L * E, "auto")
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     prompt = torch.randint(3, config["vocab_size"], (1, 64), generator=torch.Generator().manual_seed(0))
     for _ in range(2):
         model.generate(prompt, max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=[])
-    sync()
+    _sync(device)
     prof = cProfile.Profile()
     prof.enable()
     model.generate(prompt, max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=[])
-    sync()
+    _sync(device)
     prof.disable()
     text = io.StringIO()
     stats = pstats.Stats(prof, stream=text)
@@ -63,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU]) as tp:
         model.generate(prompt, max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=[])
-        sync()
+        _sync(device)
     text.write(tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text.getvalue())
