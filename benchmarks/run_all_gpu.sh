@@ -8,7 +8,8 @@
 # left idle 30 s is given back, and the ~25 GB synthetic checkpoint in /tmp goes with it). Stages 1-3 ran on
 # 2026-11-23 (H100: 2.3 + 0.75 + 4.8 min; benchmarks/results/h100-2026-11-23/). THE NEXT SESSION lent a GPU runs:
 # correctness (the fixes since, CUDA graphs by default), decode (3b), then peers-prep and peers (8, 9: first
-# `bash benchmarks/peers/gpu_peer_sources.sh` here, carry=[".peers/llama.cpp"]); the one after: tune, engine,
+# `bash benchmarks/peers/gpu_peer_sources.sh` and `bash benchmarks/gpu_wheels.sh` here, carry=[".peers/llama.cpp",
+# ".whl"]); the one after: tune, engine,
 # models, the families. The list in the order the stages were written:
 #
 #   1. bash benchmarks/run_all_gpu.sh correctness  # ~5-7 min (limits 45 + 470 s): the stack check (versions; stops
@@ -49,8 +50,8 @@
 #                                                  #   Both delete the other synthetic checkpoints in /tmp when the
 #                                                  #   disk is short (stages 3-5 then rewrite theirs: ~1-2 min).
 #   8. bash benchmarks/run_all_gpu.sh peers-prep   # ~6-9 min (limit 570 s; issue 12 item 5); carry=
-#                                                  #   [".peers/llama.cpp"] after `bash benchmarks/peers/
-#                                                  #   gpu_peer_sources.sh` here (~24 MiB
+#                                                  #   [".peers/llama.cpp", ".whl"] after `bash benchmarks/peers/
+#                                                  #   gpu_peer_sources.sh` and `bash benchmarks/gpu_wheels.sh` here (~24 MiB
 #                                                  #   of llama.cpp sources): builds llama-bench + llama-quantize with
 #                                                  #   CUDA (sm_90, no FA kernels, -j16) while it writes a 4-layer
 #                                                  #   Mixtral-8x7B-shaped model (transformers, bf16, ~12 GB), converts
@@ -70,7 +71,7 @@
 #
 # Device tool call: run(command="bash benchmarks/run_all_gpu.sh correctness", timeout_s=600). Stages 8-9, after
 # `bash benchmarks/peers/gpu_peer_sources.sh` here, back to back: run(command="bash benchmarks/run_all_gpu.sh
-# peers-prep", carry=[".peers/llama.cpp"], timeout_s=600), then the same with `peers` (benchmarks/peers/README.md).
+# peers-prep", carry=[".peers/llama.cpp", ".whl"], timeout_s=600), then the same with `peers` (benchmarks/peers/README.md).
 # Every measurement prints one line as it ends and is written to JSON under $OUT at once; a failing one is recorded
 # and the stage goes on; every step runs under `timeout`. If a stage dies, its log is $OUT/<stage>.log. Results go to
 # $OUT (else benchmarks/results/gpu-<date>/): copy them under benchmarks/results/<gpu>-<date>/ with a short table.
@@ -105,6 +106,15 @@ run() {  # run <seconds> <log name> <command...>: bounded, logged, never abortin
   local rc=${PIPESTATUS[0]}
   echo "== rc=$rc" | tee -a "$out/$log"
   return 0
+}
+
+install_wheels() {  # install_wheels <log>: the wheels of benchmarks/gpu_wheels.sh, carried in .whl/ (no network
+  # there): the server's packages for `engine`, sentencepiece for the peers' tokenizer. Installed into /tmp/site.
+  if [ "${TINY:-0}" != 1 ] && [ "$plan" != 1 ] && ls .whl/*.whl >/dev/null 2>&1; then
+    "$py" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 \
+      | tail -3 | tee -a "$out/$1" && export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH#"$PWD"}" \
+      && echo "== wheels of .whl/ installed in /tmp/site" | tee -a "$out/$1"
+  fi
 }
 
 stack_check() {  # the stage's first step: the stack's versions, and a stop (exit 3) naming what a step would lack
@@ -151,12 +161,7 @@ case "$stage" in
     run 150 decode.log "$py" benchmarks/gpu_host_profile.py "${tiny[@]}" "${ckpt[@]}" --policy lru --slots 128 \
       --out "$out/host_profile_lru.txt" ;;
   engine)  # moeflow serve first (no checkpoint needed), then CUDA graphs and the disk tier on the Mixtral checkpoint
-    # the server's packages: the wheels of benchmarks/gpu_wheels.sh, carried in .whl/ (else serve records the error)
-    if [ "${TINY:-0}" != 1 ] && [ "$plan" != 1 ] && ls .whl/*.whl >/dev/null 2>&1; then
-      "$py" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 \
-        | tail -3 | tee -a "$out/engine.log" && export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH#"$PWD"}" \
-        && echo "== wheels of .whl/ installed in /tmp/site" | tee -a "$out/engine.log"
-    fi
+    install_wheels engine.log  # the server's packages (else serve records the error)
     serve=(--out "$out/serve")
     if [ "${TINY:-0}" = 1 ]; then serve=(--tiny --out "$out/serve"); fi
     run 190 engine.log "$py" benchmarks/run_gpu_serve.py "${serve[@]}"
@@ -201,6 +206,7 @@ case "$stage" in
         fi
       done
     fi
+    install_wheels peers.log  # sentencepiece: the tokenizer llama.cpp's converter reads
     if [ "${PEERS_FA:-0}" = 1 ]; then peers+=(--flash-attn); fi  # llama.cpp's FA kernels too: ~+2 min of build
     if [ "$stage" = peers-prep ]; then
       run 570 peers.log "$py" benchmarks/peers/run_gpu_peers.py --phase prep "${peers[@]}"
