@@ -92,7 +92,9 @@ def test_yarn_frequencies_match_transformers():
 
     from moeflow.families.gpt_oss import GptOssFamily
 
-    cfg = GptOssConfig(head_dim=64, num_attention_heads=64, hidden_size=2880)  # gpt-oss-120b's rope
+    # gpt-oss-120b's rope (head_dim, theta, YaRN scaling, context); one small layer: the rest does not touch it
+    cfg = GptOssConfig(head_dim=64, num_attention_heads=64, hidden_size=2880, num_hidden_layers=1,
+                       num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, vocab_size=64)
     family = GptOssFamily.from_config_dict(json.loads(cfg.to_json_string()))
     decoder = family.build_decoder(torch.float32, lambda _n, i, o: torch.nn.Linear(i, o, bias=False))
     want = GptOssRotaryEmbedding(cfg)
