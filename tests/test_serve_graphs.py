@@ -15,7 +15,7 @@ import threading
 
 import pytest
 import torch
-from test_compile_cuda_graphs import MODEL, HostArgs, TraceCapture, on_device
+from test_compile_cuda_graphs import MODEL, HostArgs, PoolRuleCapture, TraceCapture, on_device
 
 from moeflow import MoEOffloadedMixtral, OffloadConfig
 from moeflow.engine.continuous import ContinuousEngine, SamplingParams, key_bucket, padded_batch
@@ -76,10 +76,10 @@ def plain_logits(decode):
     return lambda *args: decode(*args).as_subclass(torch.Tensor)
 
 
-def captured(offload: OffloadConfig | None, inner=None):
+def captured(offload: OffloadConfig | None, inner=None, capture=TraceCapture):
     """The tiny model decoding through TraceCapture'd steps (its step inputs DeviceTensors: no host read)."""
     model = MoEOffloadedMixtral.from_pretrained(MODEL, kernels="torch", offload=offload)
-    graphs = model.capture_decode(capture_factory=TraceCapture)
+    graphs = model.capture_decode(capture_factory=capture)
     graphs.inner = inner(model.model) if inner is not None else plain_logits(on_device(model.model))
     model.use_backend(HostArgs(model.experts))
     return model, graphs
@@ -165,6 +165,21 @@ def test_a_generate_call_between_passes_drops_the_engines_steps_and_the_engine_r
         model.close()
     assert got == again == reference and out[0, len(p):].tolist() == reference[0]
     assert graphs.captures == 2 * engine_steps + 1
+
+
+def test_beyond_max_steps_the_least_recent_step_is_dropped_and_captured_again(reference):
+    """Two steps kept: the engine's shapes (more than two) evict each other; a shape met again after its eviction
+    captures again, into a fresh pool (PoolRuleCapture: torch refuses a pool whose graphs are all gone)."""
+    model, graphs = captured(LRU, capture=PoolRuleCapture)
+    graphs.max_steps = 2
+    try:
+        got, views = run_engine(model, cuda_graphs=None)
+    finally:
+        model.close()
+    assert graphs.refused is None and got == reference
+    assert len(graphs.steps) == 2 and graphs.captures > len(set(views))
+    changes = sum(a != b for a, b in zip(views, views[1:], strict=False))  # a capture at most at each change
+    assert graphs.captures <= changes + 1
 
 
 def test_cuda_graphs_true_needs_a_captured_model():
