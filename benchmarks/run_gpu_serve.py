@@ -3,15 +3,19 @@
     python benchmarks/run_gpu_serve.py --out $OUT/serve              # a GPU: the embedded model, resident and lru
     python benchmarks/run_gpu_serve.py --tiny --out /tmp/serve       # the same on the CPU, fewer requests (CI)
 
-For each server configuration (``--configs``: ``resident`` and ``lru:S``, S GPU expert slots) the server is started as a
-user starts it (``moeflow serve --device D --port 0``, a subprocess; tests/serve_helpers.Server) on the embedded tiny
-Mixtral, and for each concurrency level C (``--levels``) C client threads send non-streamed greedy
+For each server configuration (``--configs``: ``resident`` and ``lru:S``, S GPU expert slots) and each decode mode
+(``--graphs``: ``off`` eager, ``on`` the decode passes as CUDA graphs; both on a GPU, ``off`` in ``--tiny``) the server
+is started as a user starts it (``moeflow serve --device D --port 0 --cuda-graphs MODE``, a subprocess;
+tests/serve_helpers.Server) on the embedded tiny Mixtral, and for each concurrency level C (``--levels``) C client
+threads send non-streamed greedy
 chat completions (temperature 0, ``--max-tokens``) over the prompts of benchmarks/bench_serve.py, ``--requests``
 per level. Every reply's text is compared with single-request in-process greedy ``generate`` of the resident model
 on the same device and dtype (tests/serve_helpers.Reference): continuous batching, chunked prefill and offloading
 must not change a token. Reported per level: requests, completion tokens per second over the level's wall time,
-request latency p50 / max, and how many replies equal the reference; the yardstick is the in-process single-stream
-decode rate on the same device.
+request latency p50 / max, how many replies equal the reference, and the server's own account of its decode graphs
+(``/metrics``: state on/off/refused, steps captured); the yardstick is the in-process single-stream decode rate on
+the same device. ``graphs_vs_eager`` pairs each level's ``on`` row with its ``off`` row: the tok/s ratio, and
+whether every reply text of the two is the same.
 
 The official ``openai`` client is used when it imports (on the lent GPU machine: carry the wheels of
 benchmarks/gpu_wheels.sh), else the same requests go over plain HTTP (``urllib``). Results are rewritten to
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 import sys
 import time
 import urllib.request
@@ -82,10 +87,40 @@ def run_level(ask, model: str, clients: int, requests: int, max_tokens: int, wan
     tokens = sum(d[3] for d in done)
     mismatches = [{"prompt": job % len(PROMPTS), "got": text, "want": want[job % len(PROMPTS)]}
                   for job, _, text, _ in done if text != want[job % len(PROMPTS)]]
+    texts: dict[str, list[str]] = {}
+    for job, _, text, _ in done:  # every distinct reply per prompt (greedy: one each when batching changes nothing)
+        texts.setdefault(str(job % len(PROMPTS)), [])
+        if text not in texts[str(job % len(PROMPTS))]:
+            texts[str(job % len(PROMPTS))].append(text)
     return {"clients": clients, "requests": requests, "completion_tokens": tokens, "wall_s": wall,
             "tokens_per_s": tokens / wall, "latency_p50_s": latencies[len(latencies) // 2],
             "latency_max_s": latencies[-1], "replies_equal_generate": requests - len(mismatches),
-            "mismatches": mismatches[:4]}
+            "mismatches": mismatches[:4], "texts": texts}
+
+
+def graphs_metrics(url: str) -> dict:
+    """The server's decode-graph state ("on" / "off" / "refused") and steps captured, from its /metrics."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    state = [m.group(1) for m in re.finditer(r'^moeflow_decode_graphs\{state="(\w+)"\} 1\.0$', text, re.M)]
+    captures = re.search(r"^moeflow_decode_graph_captures_total (\S+)$", text, re.M)
+    return {"graphs_state": state[0] if state else None,
+            "graph_captures": int(float(captures.group(1))) if captures else None}
+
+
+def graphs_vs_eager(rows: list[dict]) -> list[dict]:
+    """Each (config, clients) measured with graphs on and off: tok/s on / off, and whether the two levels' replies
+    are the same texts (each reply is also checked against generate: replies_equal_generate)."""
+    eager = {(r["config"], r["clients"]): r for r in rows if r.get("cuda_graphs") == "off" and "error" not in r}
+    out = []
+    for r in rows:
+        e = eager.get((r["config"], r.get("clients")))
+        if r.get("cuda_graphs") != "on" or "error" in r or e is None:
+            continue
+        out.append({"config": r["config"], "clients": r["clients"], "graphs_tokens_per_s": r["tokens_per_s"],
+                    "eager_tokens_per_s": e["tokens_per_s"], "speedup": r["tokens_per_s"] / e["tokens_per_s"],
+                    "replies_equal_eager": r["texts"] == e["texts"], "graphs_state": r.get("graphs_state")})
+    return out
 
 
 def single_stream_rate(ref: Reference, max_tokens: int) -> float:
@@ -101,9 +136,10 @@ def single_stream_rate(ref: Reference, max_tokens: int) -> float:
     return (out.shape[1] - ids.shape[1]) / (time.perf_counter() - t0)
 
 
-def server_args(config: str, args) -> list[str]:
-    """``resident`` or ``lru:S`` -> `moeflow serve` arguments."""
-    common = ["--max-model-len", "512", "--max-batch", str(args.max_batch), "--prefill-chunk", str(args.prefill_chunk)]
+def server_args(config: str, graphs: str, args) -> list[str]:
+    """``resident`` or ``lru:S``, and the decode mode (on/off) -> `moeflow serve` arguments."""
+    common = ["--max-model-len", "512", "--max-batch", str(args.max_batch), "--prefill-chunk", str(args.prefill_chunk),
+              "--cuda-graphs", graphs]
     if config == "resident":
         return common
     policy, _, slots = config.partition(":")
@@ -111,12 +147,12 @@ def server_args(config: str, args) -> list[str]:
 
 
 def summary(row: dict) -> str:
-    head = f"serve {row['config']:>10} on {row['device']}"
+    head = f"serve {row['config']:>10} graphs {row.get('cuda_graphs', '?'):>3} on {row['device']}"
     if "error" in row:
         return f"{head}: error {row['error']}"
     return (f"{head}, {row['clients']:>2} clients: {row['requests']} requests, {row['tokens_per_s']:.1f} tok/s, "
             f"p50 {row['latency_p50_s'] * 1e3:.0f} ms, replies = generate: {row['replies_equal_generate']}/"
-            f"{row['requests']}")
+            f"{row['requests']}, graphs {row.get('graphs_state')} ({row.get('graph_captures')} captured)")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -125,6 +161,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--tiny", action="store_true", help="the CPU, levels 1 and 3, 3 requests of 6 tokens")
     p.add_argument("--configs", default="resident,lru:8", help="comma list of resident / POLICY:SLOTS")
     p.add_argument("--levels", default="1,8", help="concurrent clients per level")
+    p.add_argument("--graphs", default=None,
+                   help="comma list of decode modes, off (eager) / on (CUDA graphs); default off,on on CUDA, else off")
     p.add_argument("--requests", type=int, default=16, help="requests per level (at least the clients)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--max-batch", type=int, default=8)
@@ -133,6 +171,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     if args.tiny:
         args.device, args.levels, args.requests, args.max_tokens = "cpu", "1,3", 3, 6
+    if args.graphs is None:
+        args.graphs = "off,on" if args.device.startswith("cuda") else "off"
     args.out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     result: dict = {"device": args.device, "torch": torch.__version__, "python": platform.python_version(),
@@ -151,36 +191,52 @@ def main(argv: list[str] | None = None) -> dict:
     del ref
     save()
     for config in args.configs.split(","):
-        try:
-            srv = Server(*server_args(config, args), device=args.device)
-        except Exception as exc:  # e.g. fastapi missing on the machine: the reason is the result
-            result["rows"].append({"config": config, "device": args.device, "error": f"{type(exc).__name__}: "
-                                   f"{str(exc)[-600:]}"})
-            print(summary(result["rows"][-1]), flush=True)
-            save()
-            continue
-        try:
-            ask, result["client"] = chat_client(srv.url)
-            ask(MODEL_NAME, [{"role": "user", "content": PROMPTS[0]}], 4)  # warm-up (kernel compilation)
-        except Exception as exc:  # the server answers nothing: record why, try the next configuration
-            srv.stop()
-            result["rows"].append({"config": config, "device": args.device, "error": f"{type(exc).__name__}: {exc}"})
-            print(summary(result["rows"][-1]), flush=True)
-            save()
-            continue
-        try:
-            for clients in (int(c) for c in args.levels.split(",")):
-                try:
-                    row = run_level(ask, MODEL_NAME, clients, max(clients, args.requests), args.max_tokens, want)
-                except Exception as exc:  # one failing level must not lose the others
-                    row = {"clients": clients, "error": f"{type(exc).__name__}: {exc}"}
-                result["rows"].append({"config": config, "device": args.device, **row})
-                print(summary(result["rows"][-1]), flush=True)
-                save()
-        finally:
-            srv.stop()
+        for graphs in args.graphs.split(","):
+            run_server(config, graphs, args, want, result, save)
+    result["graphs_vs_eager"] = graphs_vs_eager(result["rows"])
+    for c in result["graphs_vs_eager"]:
+        print(f"serve {c['config']:>10}, {c['clients']:>2} clients: graphs {c['graphs_tokens_per_s']:.1f} tok/s, "
+              f"eager {c['eager_tokens_per_s']:.1f} ({c['speedup']:.2f}x), replies equal: {c['replies_equal_eager']}",
+              flush=True)
     save()
     return result
+
+
+def run_server(config: str, graphs: str, args, want: dict[int, str], result: dict, save) -> None:
+    """One server (``config``, decode mode ``graphs``): every level into ``result["rows"]``; errors recorded."""
+    base = {"config": config, "cuda_graphs": graphs, "device": args.device}
+    try:
+        srv = Server(*server_args(config, graphs, args), device=args.device)
+    except Exception as exc:  # e.g. fastapi missing on the machine: the reason is the result
+        result["rows"].append({**base, "error": f"{type(exc).__name__}: {str(exc)[-600:]}"})
+        print(summary(result["rows"][-1]), flush=True)
+        save()
+        return
+    try:
+        ask, result["client"] = chat_client(srv.url)
+        ask(MODEL_NAME, [{"role": "user", "content": PROMPTS[0]}], 4)  # warm-up (kernel compilation)
+        top = max(int(c) for c in args.levels.split(","))  # and the batch sizes' graphs, mostly, before timing
+        with ThreadPoolExecutor(top) as pool:
+            list(pool.map(lambda i: ask(MODEL_NAME, [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], 4),
+                          range(top)))
+    except Exception as exc:  # the server answers nothing: record why, try the next configuration
+        srv.stop()
+        result["rows"].append({**base, "error": f"{type(exc).__name__}: {exc}"})
+        print(summary(result["rows"][-1]), flush=True)
+        save()
+        return
+    try:
+        for clients in (int(c) for c in args.levels.split(",")):
+            try:
+                row = run_level(ask, MODEL_NAME, clients, max(clients, args.requests), args.max_tokens, want)
+                row.update(graphs_metrics(srv.url))
+            except Exception as exc:  # one failing level must not lose the others
+                row = {"clients": clients, "error": f"{type(exc).__name__}: {exc}"}
+            result["rows"].append({**base, **row})
+            print(summary(result["rows"][-1]), flush=True)
+            save()
+    finally:
+        srv.stop()
 
 
 if __name__ == "__main__":

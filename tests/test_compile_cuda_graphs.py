@@ -335,9 +335,10 @@ def test_offloaded_decode_on_the_bucketed_cache_gives_the_eager_resident_tokens(
         assert torch.equal(a, b), f"call {i}"
 
 
-def test_the_serving_engine_runs_a_captured_model_eagerly():
-    """The engine's passes read rows of its slotted cache (a new view each): the captured step runs them eagerly,
-    with the tokens of the uncaptured model, and captures nothing."""
+def test_the_serving_engine_without_cuda_graphs_runs_a_captured_model_eagerly():
+    """With cuda_graphs=False the engine's passes read rows of its slotted cache through a new view each: the
+    captured step runs them eagerly, with the tokens of the uncaptured model, and captures nothing (the engine's
+    captured passes: tests/test_serve_graphs.py)."""
     from moeflow.engine.continuous import ContinuousEngine, SamplingParams
     from moeflow.engine.kv_slots import SlotKVCache
 
@@ -346,7 +347,7 @@ def test_the_serving_engine_runs_a_captured_model_eagerly():
     want = [model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=[])[0, len(p):].tolist()
             for p in prompts]
     graphs = model.capture_decode(capture_factory=TraceCapture)
-    engine = ContinuousEngine(model, SlotKVCache.for_model(model, 64, max_rows=2)).start()
+    engine = ContinuousEngine(model, SlotKVCache.for_model(model, 64, max_rows=2), cuda_graphs=False).start()
     try:
         got = [s.result(120) for s in [engine.submit(p, SamplingParams(max_new_tokens=8)) for p in prompts]]
     finally:

@@ -96,7 +96,24 @@ def test_run_gpu_serve_tiny(tmp_path):
     assert all("error" not in r for r in rows), rows
     # continuous batching and offloading in the server keep generate's greedy text, reply by reply
     assert all(r["replies_equal_generate"] == r["requests"] == 3 and r["tokens_per_s"] > 0 for r in rows), rows
-    assert json.loads((tmp_path / "serve_results.json").read_text())["single_stream_tokens_per_s"] > 0
+    # the CPU decodes eagerly (the server says so in /metrics); a GPU adds each level with --cuda-graphs on
+    assert all(r["cuda_graphs"] == "off" and r["graphs_state"] == "off" and r["graph_captures"] == 0 for r in rows)
+    saved = json.loads((tmp_path / "serve_results.json").read_text())
+    assert saved["single_stream_tokens_per_s"] > 0 and saved["graphs_vs_eager"] == []
+
+
+def test_run_gpu_serve_pairs_each_graphs_level_with_its_eager_level():
+    import run_gpu_serve
+
+    def row(graphs, clients, tok_s, texts, **extra):
+        return {"config": "lru:8", "cuda_graphs": graphs, "clients": clients, "tokens_per_s": tok_s,
+                "texts": texts, "graphs_state": graphs, **extra}
+
+    rows = [row("off", 1, 10.0, {"0": ["a"]}), row("off", 8, 40.0, {"0": ["a"], "1": ["b"]}),
+            row("on", 1, 50.0, {"0": ["a"]}), row("on", 8, 80.0, {"0": ["a"], "1": ["c"]}),
+            {"config": "resident", "cuda_graphs": "on", "clients": 1, "error": "planted"}]
+    pairs = run_gpu_serve.graphs_vs_eager(rows)
+    assert [(p["clients"], p["speedup"], p["replies_equal_eager"]) for p in pairs] == [(1, 5.0, True), (8, 2.0, False)]
 
 
 def stage_plan(stage: str, tmp_path: Path) -> list[int]:

@@ -121,6 +121,10 @@ def test_sixteen_concurrent_clients_get_their_single_request_output(server, ref)
         total = metric(text, "moeflow_batch_size_count", phase="decode")
         return total - metric(text, "moeflow_batch_size_bucket", phase="decode", le="1.0")
     assert multi(after) - multi(before) > 0
+    # a CPU server decodes eagerly (--cuda-graphs auto: on CUDA only)
+    assert metric(after, "moeflow_decode_graphs", state="off") == 1
+    assert metric(after, "moeflow_decode_graphs", state="on") == 0
+    assert metric(after, "moeflow_decode_graph_captures_total") == 0
 
 
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):

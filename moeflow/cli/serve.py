@@ -151,10 +151,10 @@ def cmd_serve(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    # no CUDA graphs: the engine's passes read some rows of its slotted cache each, which a captured step would
-    # run eagerly anyway (and the warm-up below would keep a cache for them)
-    model = _load_model(args, cuda_graphs=False)
+    # CUDA graphs (auto: on CUDA): the engine captures its decode passes per padded batch size and key bucket
+    model = _load_model(args, CUDA_GRAPHS[args.cuda_graphs])
     # the first pass pays one-time costs (op registration, lazy imports: seconds on a CPU): not the first client
+    # (a prefill only: generate keeps no decode graphs for the engine's first capture to drop)
     model.generate(torch.zeros((1, 1), dtype=torch.long), max_new_tokens=1, do_sample=False)
     model.stats.reset()
     cfg = model.config
@@ -170,6 +170,7 @@ def cmd_serve(args) -> int:
     metrics = ServeMetrics(model.stats, cache)
     engine = ContinuousEngine(model, cache, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
                               listener=metrics)
+    metrics.watch_graphs(engine.graphs)
     source = args.model or str(embedded_model_path())
     name = args.served_model_name or (Path(source).name if Path(source).exists() else source)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
@@ -182,6 +183,7 @@ def cmd_serve(args) -> int:
     port = sock.getsockname()[1]
     print(f"moeflow serve: model '{name}' on http://{args.host}:{port}/v1 | {model.device}, policy "
           f"{args.policy!r} | KV cache {cache.rows} rows x {max_len} tokens ({cache.nbytes / 2**20:.1f} MiB) | "
+          f"CUDA graphs {'on' if engine.graphs is not None else 'off'} | "
           f"API key {'required' if api_key else 'off'}", flush=True)
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
     uvicorn.Server(config).run(sockets=[sock])
@@ -219,6 +221,8 @@ def register(sub) -> None:
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: directory name)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--cuda-graphs", choices=list(CUDA_GRAPHS), default="auto",
+                   help="replay the decode passes as CUDA graphs (auto: on when --device is CUDA)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("chat", help="chat with a model in the terminal (its chat template, streamed)")

@@ -11,6 +11,14 @@ Requests queue (:meth:`ContinuousEngine.submit`). Each iteration of the schedule
 A sequence whose prefill finishes samples its first token and joins the next decode pass; a finished one
 (end-of-turn token, ``max_new_tokens``, a stop check, cancellation) leaves and its row goes to the queue.
 The offload backend sees one batch per pass, as in ``generate``.
+
+Captured decode passes (``cuda_graphs``, on when the model decodes through CUDA graphs): a decode pass of B
+sequences is padded to Bp, the next power of two, with copies of its first sequence (same row, position and
+token: identical writes, the same experts, so an offload backend loads nothing more for them; their logits are
+dropped) and reads a key-length bucket (:func:`key_bucket`), so it runs on the slotted cache's persistent
+:class:`~moeflow.engine.kv_slots.SlotDecodeView` of (Bp, bucket), whose step is captured once and replayed
+(:class:`~moeflow.engine.cuda_graphs.CudaGraphDecode`). Prefill passes stay eager. Counts (stats, the listener)
+are of real tokens only.
 """
 
 from __future__ import annotations
@@ -26,11 +34,25 @@ from dataclasses import dataclass
 
 import torch
 
+from moeflow.engine.cuda_graphs import CudaGraphDecode
 from moeflow.engine.kv_slots import SlotKVCache
 from moeflow.engine.sampling import GenerationConfig, next_tokens
 from moeflow.errors import InputError, MoeflowError
 
 log = logging.getLogger(__name__)
+MIN_KEY_BUCKET = 256  # keys a captured decode pass reads at least (see key_bucket)
+
+
+def padded_batch(batch: int) -> int:
+    """A captured decode pass's batch size: the next power of two >= ``batch`` (1, 2, 4, 8, ...)."""
+    return 1 << max(0, batch - 1).bit_length()
+
+
+def key_bucket(needed: int, max_len: int) -> int:
+    """Keys a captured decode pass reads for ``needed`` (its furthest position + 1): the next power of two, at
+    least MIN_KEY_BUCKET, at most ``max_len``; few buckets, so few captures, and a short context does not attend
+    over the whole row."""
+    return min(max_len, max(MIN_KEY_BUCKET, 1 << max(0, needed - 1).bit_length()))
 
 
 class EngineOverloaded(MoeflowError):
@@ -135,12 +157,20 @@ class ContinuousEngine:
 
     prefill_chunk: prompt tokens read per iteration, over all prefilling sequences together.
     max_queue: waiting requests beyond the running ones; one more raises :class:`EngineOverloaded`.
+    cuda_graphs: capture the decode passes (see the module docstring); None: when the model decodes through
+    CUDA graphs (``from_pretrained``'s ``cuda_graphs``, on by default on CUDA); True needs such a model.
+    ``graphs`` is that model's :class:`CudaGraphDecode` when on, else None.
     """
 
     def __init__(self, model, cache: SlotKVCache, max_queue: int = 64, prefill_chunk: int = 64,
-                 listener: EngineListener | None = None) -> None:
+                 listener: EngineListener | None = None, cuda_graphs: bool | None = None) -> None:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        decode = model.runner.decode_fn
+        if cuda_graphs and not isinstance(decode, CudaGraphDecode):
+            raise ValueError("cuda_graphs=True needs a model that decodes through CUDA graphs "
+                             "(from_pretrained(cuda_graphs=True) or capture_decode())")
+        self.graphs = decode if cuda_graphs is not False and isinstance(decode, CudaGraphDecode) else None
         self.model, self.cache = model, cache
         self.max_queue, self.prefill_chunk = max_queue, prefill_chunk
         self.listener = listener or EngineListener()
@@ -285,7 +315,10 @@ class ContinuousEngine:
         seqs = sorted(seqs, key=lambda s: s.row)
         ids = torch.tensor([[s.generated[-1]] for s in seqs], dtype=torch.long)
         pos = torch.tensor([[len(s.prompt_ids) + len(s.generated) - 1] for s in seqs], dtype=torch.long)
-        logits = self._pass("decode", seqs, ids, pos, torch.ones_like(ids, dtype=torch.bool))
+        if self.graphs is not None and self.graphs.refused is None:
+            logits = self._captured_pass(seqs, ids, pos)
+        else:
+            logits = self._pass("decode", seqs, ids, pos, torch.ones_like(ids, dtype=torch.bool))
         greedy = logits[:, -1].argmax(dim=-1).tolist()
         for i, seq in enumerate(seqs):
             token = self._sample(seq, logits[i, -1]) if seq.gen_config.do_sample else greedy[i]
@@ -305,14 +338,36 @@ class ContinuousEngine:
         logits = self.model.runner.forward_pass(ids, view.cache_position, view, view.cache_position, mask, phase,
                                                 rows=rows, history=_history(seqs, pos, mask, dev), all_real=all_real)
         logits = logits.cpu()
-        seconds = time.perf_counter() - start
-        tokens = int(mask.sum())
-        current = stats.current()
+        self._count(phase, len(seqs), int(mask.sum()), time.perf_counter() - start)
+        return logits
+
+    def _captured_pass(self, seqs: list[Sequence], ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """A decode pass padded for its captured step: ids/pos int64 [B, 1] -> logits fp32 [B, 1, V] (the real
+        rows'). Padding row i copies row ``source[i]`` (0) of the pass: its token, position, cache row, history."""
+        dev, B = self.device, len(seqs)
+        source = torch.tensor(list(range(B)) + [0] * (padded_batch(B) - B), dtype=torch.long)
+        view = self.cache.decode_view(len(source), key_bucket(int(pos.max()) + 1, self.cache.max_len))
+        rows = torch.tensor([seqs[i].row for i in source.tolist()], dtype=torch.long)
+        view.load(rows, source)
+        ids, pos = ids[source], pos[source]
+        mask = torch.ones_like(ids, dtype=torch.bool)
+        history = _history([seqs[i] for i in source.tolist()], pos, mask, dev)
+        ids, pos, mask = ids.to(dev), pos.to(dev), mask.to(dev)
+        self.model.stats.set_phase("decode")
+        start = time.perf_counter()
+        logits = self.model.runner.forward_pass(ids, pos, view, pos, mask, "decode", rows=view.rows,
+                                                history=history, all_real=True)
+        logits = logits[:B].cpu()  # (the step's static buffer on the CPU: read before the step's next replay)
+        self._count("decode", B, B, time.perf_counter() - start)
+        return logits
+
+    def _count(self, phase: str, batch: int, tokens: int, seconds: float) -> None:
+        """One pass into the model's stats and the listener: ``batch`` sequences, ``tokens`` real tokens."""
+        current = self.model.stats.current()
         current.steps += 1
         current.tokens += tokens
         current.time_s += seconds
-        self.listener.on_pass(phase, len(seqs), tokens, seconds)
-        return logits
+        self.listener.on_pass(phase, batch, tokens, seconds)
 
     @staticmethod
     def _sample(seq: Sequence, logits: torch.Tensor) -> int:

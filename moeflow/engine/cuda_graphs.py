@@ -21,18 +21,25 @@ combine, after its read-back and schedule) is captured too, once per batch size,
 (:mod:`moeflow.offload.device_step`): the step replays its pieces inside the backend's
 ``device_graphs.region()``, which makes ``forward`` run from static buffers whose output is copied out at once.
 
-Graphs bake in the addresses of the KV cache they were captured with and of the batch's shapes: the runner keeps
-its cache across ``generate`` calls, its length rounded up to a bucket of 256 positions
+Graphs bake in the addresses of the KV cache they were captured with and of the batch's shapes, so a step is
+captured only on a *capturable* cache: one with a ``graph_owner`` (the object whose memory the graphs read and
+write), kept across passes. ``generate``'s :class:`~moeflow.engine.kv_cache.StaticKVCache` is its own owner: the
+runner keeps it across calls, its length rounded up to a bucket of 256 positions
 (:func:`moeflow.engine.generate.cache_length`), so only a call in another bucket or with another batch size
-captures again; passes over some rows of a cache (micro-batches, the serving engine) run eagerly. A capture the
-device refuses (an op that syncs, a host tensor copied in, ...) is logged once and the step runs eagerly from then
-on (``CudaGraphDecode.refused`` says why).
+captures again. The serving engine's :class:`~moeflow.engine.kv_slots.SlotDecodeView` (one per padded batch size
+and key-length bucket, owned by its slotted cache) gets one captured step each, several kept at once (at most
+``max_steps``, the least recently used dropped first); a capture on another owner drops the steps of the old one
+(its cache is gone: generate's old cache, or a generate call between serving passes). Views made anew every pass
+(micro-batches' row views, the engine's eager :class:`~moeflow.engine.kv_slots.SlotBatch`) run eagerly. A capture
+the device refuses (an op that syncs, a host tensor copied in, ...) is logged once and the step runs eagerly from
+then on (``CudaGraphDecode.refused`` says why).
 How a piece is captured is a :class:`GraphCapture`: :class:`CudaCapture` on a GPU; the tests give one that
 records and replays the pieces' ops on the CPU.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
@@ -42,7 +49,6 @@ from typing import Any, Protocol
 import torch
 
 from moeflow.engine.compiled import traces_through
-from moeflow.engine.kv_cache import StaticKVCache
 from moeflow.moe.backend import ExpertBackend
 
 log = logging.getLogger(__name__)
@@ -58,6 +64,12 @@ def graphs_wanted(cuda_graphs: bool | None, device: torch.device) -> bool:
     if cuda_graphs and device.type != "cuda":
         raise ValueError(f"cuda_graphs=True needs device='cuda'; this model is on {device}")
     return bool(cuda_graphs)
+
+
+def graph_owner(cache: Any) -> Any:
+    """What a step captured on ``cache`` bakes in (its ``graph_owner``), or None: not capturable (a view made anew
+    every pass)."""
+    return getattr(cache, "graph_owner", None)
 
 
 class GraphCapture(Protocol):
@@ -149,6 +161,7 @@ class CapturedStep:
     replays: list[Callable[[], None]]
     calls: list[_Call]
     logits: torch.Tensor
+    capture: Any = None  # the GraphCapture (its memory pool) the pieces were captured with
 
     def run(self, experts: ExpertBackend, device_part: Any = None) -> torch.Tensor:
         """Replay every piece, the backend's real calls in between (inside ``device_part.region()``, the
@@ -179,61 +192,83 @@ def capture_step(fn: DecodeFn, capture: GraphCapture, inputs: tuple[torch.Tensor
             capture.abort()
             raise
     replays = [*boundary.replays, last] if boundary is not None else [last]
-    return CapturedStep(cache, inputs, replays, boundary.calls if boundary is not None else [], logits)
+    return CapturedStep(cache, inputs, replays, boundary.calls if boundary is not None else [], logits, capture)
 
 
 class CudaGraphDecode:
     """A ``Runner.decode_fn`` that replays the captured step of ``inner`` (the decoder, or its compiled form).
 
-    ``capture_factory``: makes the :class:`GraphCapture` (default :class:`CudaCapture` on the inputs' device).
+    ``capture_factory``: makes the :class:`GraphCapture` (default :class:`CudaCapture` on the inputs' device),
+    a fresh one (a fresh memory pool) per captured step.
     ``capture_experts``: also capture the offload backend's device part (``enable_device_graphs``; its own
     ``refused`` / ``disabled`` say where it stays eager).
-    The logits returned are the step's static buffer, overwritten by the next step (the generate loop reads
-    them before). ``captures`` counts captures; ``refused`` holds the reason capture was given up, if it was.
+    ``max_steps``: captured steps kept at once (one per capturable cache, batch shape and dtype).
+    The logits returned are the step's static buffer, overwritten by the next replay of that step (callers read
+    them before). ``captures`` counts captures; ``refused`` holds the reason capture was given up, if it was;
+    ``step`` is the step replayed last.
     """
 
     def __init__(self, inner: DecodeFn, capture_factory: Callable[[torch.device], GraphCapture] | None = None,
-                 capture_experts: bool = True):
+                 capture_experts: bool = True, max_steps: int = 16):
         self.inner = inner
         self.capture_factory = capture_factory or CudaCapture
         self.capture_experts = capture_experts
+        self.max_steps = max_steps
+        self.steps: collections.OrderedDict[tuple, CapturedStep] = collections.OrderedDict()  # least recent first
         self.step: CapturedStep | None = None
         self.captures = 0
         self.refused: str | None = None
         self._capture: GraphCapture | None = None
 
-    def _key(self, step: CapturedStep | None, embeds: torch.Tensor, cache: Any, experts: ExpertBackend) -> bool:
-        return (step is not None and step.cache is cache and step.inputs[0].shape == embeds.shape
-                and step.inputs[0].dtype == embeds.dtype and (not step.calls) == traces_through(experts))
-
     def __call__(self, embeds: torch.Tensor, positions: torch.Tensor, cache: Any, cache_position: torch.Tensor,
                  token_mask: torch.Tensor, experts: ExpertBackend, routing: Any = None) -> torch.Tensor:
-        if self.refused is not None or routing is not None or not isinstance(cache, StaticKVCache):
-            # a view of some rows (micro-batches, the serving engine) is a new object every pass: not captured
+        owner = graph_owner(cache)
+        if self.refused is not None or routing is not None or owner is None:
             return self.inner(embeds, positions, cache, cache_position, token_mask, experts, routing)
         given = (embeds, positions, cache_position, token_mask)
-        if self._key(self.step, embeds, cache, experts):
-            for static, value in zip(self.step.inputs, given, strict=True):
+        key = (id(cache), tuple(embeds.shape), embeds.dtype, traces_through(experts))
+        step = self.steps.get(key)
+        if step is None or step.cache is not cache:
+            step = self._capture_new(key, owner, given, cache, experts)
+            if step is None:
+                return self.inner(embeds, positions, cache, cache_position, token_mask, experts, routing)
+        else:
+            for static, value in zip(step.inputs, given, strict=True):
                 static.copy_(value)
-            return self.step.run(experts, self._device_part(experts))
-        if self.step is not None and embeds.is_cuda:  # the old graphs' buffers may still be read: let them finish
-            torch.cuda.synchronize(embeds.device)
-        dropped = self.step is not None
-        self.step = None  # free the old graphs before capturing new ones
-        # a fresh capture (a fresh memory pool) per round: torch's allocator refuses a capture into a pool whose
-        # graphs are all gone (CUDACachingAllocator asserts use_count > 0), which is what dropping the step did
+        self.steps.move_to_end(key)
+        self.step = step
+        return step.run(experts, self._device_part(experts))
+
+    def _capture_new(self, key: tuple, owner: Any, given: tuple[torch.Tensor, ...], cache: Any,
+                     experts: ExpertBackend) -> CapturedStep | None:
+        """Capture a step for ``key`` (dropping other owners' steps and the least recent beyond ``max_steps``);
+        None when the device refuses (then ``refused`` is set and every later step runs eagerly)."""
+        embeds = given[0]
+        drop = [k for k, s in self.steps.items() if graph_owner(s.cache) is not owner or k == key]
+        keep = len(self.steps) - len(drop)
+        drop += [k for k in self.steps if k not in drop][: max(0, keep - self.max_steps + 1)]
+        if drop:
+            if embeds.is_cuda:  # the old graphs' buffers may still be read: let them finish
+                torch.cuda.synchronize(embeds.device)
+            for k in drop:
+                if self.steps[k] is self.step:
+                    self.step = None
+                del self.steps[k]
+            if embeds.is_cuda:
+                torch.cuda.empty_cache()  # the dropped pools' memory back to the device
+        # a fresh capture (a fresh memory pool) per step: torch's allocator refuses a capture into a pool whose
+        # graphs are all gone (CUDACachingAllocator asserts use_count > 0), which is what dropping a step does
         self._capture = self.capture_factory(embeds.device)
-        if dropped and embeds.is_cuda:
-            torch.cuda.empty_cache()  # the dead pool's memory back to the device
         try:
-            self.step = capture_step(self.inner, self._capture, tuple(t.clone() for t in given), cache, experts)
+            step = capture_step(self.inner, self._capture, tuple(t.clone() for t in given), cache, experts)
         except Exception as err:  # noqa: BLE001 (any refusal: the step runs eagerly instead)
             self.refused = f"{type(err).__name__}: {err}"
             log.warning("CUDA-graph capture of the decode step refused; decoding eagerly from now on (%s)",
                         self.refused)
-            return self.inner(embeds, positions, cache, cache_position, token_mask, experts, routing)
+            return None
         self.captures += 1
-        return self.step.run(experts, self._device_part(experts))
+        self.steps[key] = step
+        return step
 
     def _device_part(self, experts: ExpertBackend) -> Any:
         """The backend's captured device part (``moeflow.offload.device_step.DeviceGraphs``), or None."""

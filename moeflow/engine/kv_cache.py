@@ -24,6 +24,11 @@ class StaticKVCache:
         self.layer_kv = [(self.k[i], self.v[i]) for i in range(num_layers)]
 
     @property
+    def graph_owner(self) -> StaticKVCache:
+        """A captured decode step on this cache bakes in its own tensors (moeflow.engine.cuda_graphs)."""
+        return self
+
+    @property
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 

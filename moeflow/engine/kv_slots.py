@@ -6,7 +6,9 @@ byte budget. Requests that find no free row wait in the engine's queue.
 
 The decoder reaches a cache only through ``mark_valid``, ``attention_mask`` and ``update`` (see
 ``moeflow/families/layers.py``); :class:`SlotBatch` implements them for one pass over some rows, with a
-position per token (``cache_position [B, T]``) instead of one shared column range.
+position per token (``cache_position [B, T]``) instead of one shared column range. :class:`SlotDecodeView`
+implements them for the engine's captured decode passes (CUDA graphs): the same reads and writes with no host
+read and no shape that depends on values, over persistent row tensors the graphs bake in.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class SlotKVCache:
         self.valid = torch.zeros((rows, max_len), dtype=torch.bool, device=device)
         self.rows, self.max_len = rows, max_len
         self._free = list(range(rows - 1, -1, -1))  # pop() hands out the lowest row first
+        self._views: dict[tuple[int, int], SlotDecodeView] = {}
 
     @classmethod
     def for_model(cls, model, max_len: int, budget_bytes: int | None = None, max_rows: int = 16) -> SlotKVCache:
@@ -77,6 +80,14 @@ class SlotKVCache:
     def batch(self, rows: torch.Tensor, cache_position: torch.Tensor, token_mask: torch.Tensor) -> SlotBatch:
         """The view one forward pass over ``rows`` [B] writes and reads (see :class:`SlotBatch`)."""
         return SlotBatch(self, rows, cache_position, token_mask)
+
+    def decode_view(self, batch: int, key_len: int) -> SlotDecodeView:
+        """The persistent :class:`SlotDecodeView` of one-token passes over ``batch`` rows reading ``key_len`` keys
+        (made once: a graph captured on it stays valid for every later pass of that shape)."""
+        view = self._views.get((batch, key_len))
+        if view is None:
+            view = self._views[(batch, key_len)] = SlotDecodeView(self, batch, key_len)
+        return view
 
 
 class SlotBatch:
@@ -127,3 +138,58 @@ class SlotBatch:
         kl[self._write_rows, :, self._write_pos] = k.transpose(1, 2)[self._b, self._t]
         vl[self._write_rows, :, self._write_pos] = v.transpose(1, 2)[self._b, self._t]
         return kl[self._read_rows, :, : self.key_len], vl[self._read_rows, :, : self.key_len]
+
+
+class SlotDecodeView:
+    """One-token passes over ``batch`` rows of a :class:`SlotKVCache`, reading keys [0, key_len): capturable.
+
+    ``rows`` int64 [batch] and ``source`` int64 [batch] are persistent tensors (a captured step bakes their
+    addresses in) that :meth:`load` refills before each pass. Token i is written to row ``rows[i]`` from token
+    ``source[i]`` of the pass: a padding copy of token j (same row, same position) writes token j's own keys and
+    values, so the duplicate writes agree whatever the copy computed. Every token of the pass is real (the engine
+    pads with copies, never with masked tokens). No op reads a value back or sizes a tensor from one.
+    """
+
+    def __init__(self, parent: SlotKVCache, batch: int, key_len: int) -> None:
+        if not 1 <= key_len <= parent.max_len:
+            raise ValueError(f"key_len={key_len} outside [1, {parent.max_len}]")
+        self.parent, self.batch, self.key_len = parent, batch, key_len
+        self.max_len = parent.max_len
+        device = parent.valid.device
+        self.rows = torch.zeros(batch, dtype=torch.long, device=device)
+        self.source = torch.arange(batch, device=device)
+
+    @property
+    def graph_owner(self) -> SlotKVCache:
+        """What a captured step on this view bakes in: the parent cache (moeflow.engine.cuda_graphs)."""
+        return self.parent
+
+    def load(self, rows: torch.Tensor, source: torch.Tensor) -> None:
+        """rows int64 [batch]: each token's cache row; source int64 [batch]: the token whose keys it writes."""
+        self.rows.copy_(rows)
+        self.source.copy_(source)
+
+    def mark_valid(self, cache_position: torch.Tensor, token_mask: torch.Tensor) -> None:
+        """cache_position int64 [batch, 1]; token_mask is all True (see the class docstring)."""
+        self.parent.valid.index_put_((self.rows, cache_position[:, 0]), token_mask[:, 0])
+
+    def attention_mask(self, cache_position: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+        """Boolean mask [batch, 1, 1, key_len] (cache_position int64 [batch, 1]): as :class:`SlotBatch`'s."""
+        keys = torch.arange(self.key_len, device=cache_position.device)
+        q = cache_position[:, :, None]  # [B, 1, 1]
+        valid = self.parent.valid[:, : self.key_len].index_select(0, self.rows)[:, None]  # [B, 1, key_len]
+        allowed = (keys <= q) & valid
+        if sliding_window is not None:
+            allowed = allowed & (q - keys < sliding_window)
+        return (allowed | (keys == q))[:, None]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, cache_position: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k/v [batch, kv_heads, 1, D] at cache_position [batch, 1]; return the rows' keys/values
+        [batch, kv_heads, key_len, D]."""
+        kl, vl = self.parent.k[layer], self.parent.v[layer]
+        r, p = self.rows[:, None], cache_position  # [B, 1] each: advanced indices first -> [B, 1, kv_heads, D]
+        kl[r, :, p] = k.index_select(0, self.source).transpose(1, 2)
+        vl[r, :, p] = v.index_select(0, self.source).transpose(1, 2)
+        return (kl[:, :, : self.key_len].index_select(0, self.rows),
+                vl[:, :, : self.key_len].index_select(0, self.rows))

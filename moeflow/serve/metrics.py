@@ -42,6 +42,25 @@ class _StatsCollector:
         yield g
 
 
+class _GraphsCollector:
+    """The engine's captured decode passes (its ``CudaGraphDecode``), read at scrape time."""
+
+    def __init__(self, graphs) -> None:
+        self.graphs = graphs
+
+    def collect(self):
+        g = self.graphs
+        c = CounterMetricFamily("moeflow_decode_graph_captures", "Decode steps captured as CUDA graphs")
+        c.add_metric([], g.captures if g is not None else 0)
+        yield c
+        state = "off" if g is None else "refused" if g.refused is not None else "on"
+        s = GaugeMetricFamily("moeflow_decode_graphs", "Decode passes as CUDA graphs: 1 for the current state",
+                              labels=["state"])
+        for name in ("on", "off", "refused"):
+            s.add_metric([name], float(name == state))
+        yield s
+
+
 class ServeMetrics(EngineListener):
     def __init__(self, stats, cache) -> None:
         self.registry = CollectorRegistry()
@@ -65,6 +84,10 @@ class ServeMetrics(EngineListener):
         self.queue = Gauge("moeflow_queue_depth", "Requests waiting for a KV row", registry=r)
         self.running = Gauge("moeflow_running_sequences", "Sequences holding a KV row", registry=r)
         r.register(_StatsCollector(stats, cache))
+
+    def watch_graphs(self, graphs) -> None:
+        """Report the engine's captured decode (``ContinuousEngine.graphs``: a CudaGraphDecode, or None: off)."""
+        self.registry.register(_GraphsCollector(graphs))
 
     # EngineListener: called on the engine thread
     def on_pass(self, phase: str, batch: int, tokens: int, seconds: float) -> None:
