@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # The GPU lane (issue 12): everything that needs a GPU, in stages that each end inside one 10-minute device command
 # (every Python step runs under `timeout`, and writes its JSON under $OUT after every point it measures, so a run
-# cut short still leaves numbers). Nothing here needs the network; only the engine stage's serve step needs packages
-# the lent machine lacks, carried as wheels (benchmarks/gpu_wheels.sh; without them that step records the error).
+# cut short still leaves numbers). Nothing here needs the network; the serve and peers stages need packages the lent
+# machine lacks, carried as wheels (benchmarks/gpu_wheels.sh; without them those steps record the error).
 #
 # A lent GPU session (30 minutes of device time, the machine's start included) runs stages back to back (a machine
 # left idle 30 s is given back, and the ~25 GB synthetic checkpoint in /tmp goes with it). Stages 1-3 ran on
 # 2026-11-23 (H100: 2.3 + 0.75 + 4.8 min; benchmarks/results/h100-2026-11-23/). THE NEXT SESSION lent a GPU runs:
 # correctness (the fixes since, CUDA graphs by default), decode (3b), then peers-prep and peers (8, 9: first
 # `bash benchmarks/peers/gpu_peer_sources.sh` and `bash benchmarks/gpu_wheels.sh` here, carry=[".peers/llama.cpp",
-# ".whl"]); the one after: tune, engine,
-# models, the families. The list in the order the stages were written:
+# ".whl"]), then serve (4, carry=[".whl"]: the server's decode passes as CUDA graphs, new in session 7); the one
+# after: tune, engine, models, the families. The list in the order the stages were written:
 #
 #   1. bash benchmarks/run_all_gpu.sh correctness  # ~5-7 min (limits 45 + 470 s): the stack check (versions; stops
 #                                                  #   at once naming a missing package or torch API:
@@ -32,11 +32,13 @@
 #                                                  #   resident and lru at 128 / 64 slots, eager and as CUDA graphs:
 #                                                  #   ms per step, host vs GPU ms per layer (issue 14); then
 #                                                  #   cProfile of eager lru decode (benchmarks/gpu_host_profile.py)
-#   4. bash benchmarks/run_all_gpu.sh engine       # ~6-9 min (limits 190 + 370 s); carry=[".whl"] after
+#   4. bash benchmarks/run_all_gpu.sh serve        # ~4-6 min (limit 400 s); carry=[".whl"] after
 #                                                  #   `bash benchmarks/gpu_wheels.sh` (fastapi, pydantic, uvicorn,
 #                                                  #   openai: the machine lacks them). moeflow serve on the GPU
 #                                                  #   (embedded model, resident + lru, 1 and 8 concurrent clients,
-#                                                  #   every reply = generate's text); cuda_graphs=True vs eager decode
+#                                                  #   decode passes eager and as CUDA graphs, every reply =
+#                                                  #   generate's text)
+#   4b. bash benchmarks/run_all_gpu.sh engine      # ~5-7 min (limit 370 s): cuda_graphs=True vs eager decode
 #                                                  #   (resident, lru) and the disk tier (host_memory_gb, pinned rows,
 #                                                  #   CUDA transport, tokens = in-RAM) on the stage-3 checkpoint
 #                                                  #   (rewritten first on a fresh machine: ~1-2 min)
@@ -109,7 +111,7 @@ run() {  # run <seconds> <log name> <command...>: bounded, logged, never abortin
 }
 
 install_wheels() {  # install_wheels <log>: the wheels of benchmarks/gpu_wheels.sh, carried in .whl/ (no network
-  # there): the server's packages for `engine`, sentencepiece for the peers' tokenizer. Installed into /tmp/site.
+  # there): the server's packages for `serve`, sentencepiece for the peers' tokenizer. Installed into /tmp/site.
   if [ "${TINY:-0}" != 1 ] && [ "$plan" != 1 ] && ls .whl/*.whl >/dev/null 2>&1; then
     "$py" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 \
       | tail -3 | tee -a "$out/$1" && export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH#"$PWD"}" \
@@ -138,7 +140,7 @@ case "$stage" in
     if "$py" -c "import benchmarks.pytest_jsonl" 2>/dev/null; then plugin=(-p benchmarks.pytest_jsonl); fi
     MOEFLOW_TEST_JSONL="$out/pytest-cuda.jsonl" TRITON_INTERPRET=0 run 470 correctness.log "$py" -m pytest -v -m cuda \
       -p no:cacheprovider "${plugin[@]}" --durations=15 "${per_test[@]}" --junitxml "$out/pytest-cuda.xml" \
-      tests/test_cuda_lane.py tests/test_invariant.py tests/test_compile_cuda_graphs.py ;;
+      tests/test_cuda_lane.py tests/test_invariant.py tests/test_compile_cuda_graphs.py tests/test_serve_graphs.py ;;
   kernels)
     if [ "${TINY:-0}" = 1 ]; then
       run 300 kernels.log "$py" benchmarks/run_gpu_kernels.py --dry-run --out "$out/kernels.json"
@@ -160,11 +162,12 @@ case "$stage" in
       --out "$out/decode_profile.json"
     run 150 decode.log "$py" benchmarks/gpu_host_profile.py "${tiny[@]}" "${ckpt[@]}" --policy lru --slots 128 \
       --out "$out/host_profile_lru.txt" ;;
-  engine)  # moeflow serve first (no checkpoint needed), then CUDA graphs and the disk tier on the Mixtral checkpoint
-    install_wheels engine.log  # the server's packages (else serve records the error)
+  serve)  # moeflow serve on the embedded model (no checkpoint needed): decode passes eager vs as CUDA graphs
+    install_wheels serve.log  # the server's packages (else serve records the error)
     serve=(--out "$out/serve")
     if [ "${TINY:-0}" = 1 ]; then serve=(--tiny --out "$out/serve"); fi
-    run 190 engine.log "$py" benchmarks/run_gpu_serve.py "${serve[@]}"
+    run 400 serve.log "$py" benchmarks/run_gpu_serve.py "${serve[@]}" ;;
+  engine)  # CUDA graphs and the disk tier on the Mixtral checkpoint
     run 370 engine.log "$py" benchmarks/run_gpu_engine.py "${tiny[@]}" "${ckpt[@]}" --out "$out/engine" \
       --time-budget-s 290 ;;
   models)  # three scripts share the checkpoint (written by the first that finds none: ~1-2 min); each loads it
@@ -213,7 +216,7 @@ case "$stage" in
     else  # prep again first: it skips what exists (a fresh machine redoes it all, in the same limit)
       run 560 peers.log "$py" benchmarks/peers/run_gpu_peers.py --phase all "${peers[@]}" --time-budget-s 400
     fi ;;
-  *) echo "usage: $0 correctness|kernels|offload|decode|engine|models|families-qwen3|families-gpt-oss|peers-prep|" \
+  *) echo "usage: $0 correctness|kernels|offload|decode|serve|engine|models|families-qwen3|families-gpt-oss|peers-prep|" \
        "peers|tune (TINY=1: CPU sizes)" >&2
      exit 2 ;;
 esac
