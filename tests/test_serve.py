@@ -199,9 +199,11 @@ def test_full_queue_is_503_and_a_disconnect_frees_the_row():
         assert metric(m, "moeflow_sequences_finished_total", reason="cancelled") == 1
         assert metric(m, "moeflow_running_sequences") == 0
         assert metric(m, "moeflow_generation_tokens_total") < 400 + 5  # A stopped early
-        # a plain (non-streamed) request whose client gives up is cancelled too
+        # a plain (non-streamed) request whose client gives up is cancelled too: its client waits 0.1 s and the
+        # server looks every 0.1 s (DISCONNECT_POLL_S), while 450 tokens take the tiny model >= 0.6 s on this CPU
+        # (a 1 s wait with a 0.5 s poll let fast runs finish first: the test failed as "DID NOT RAISE")
         with pytest.raises(httpx.TimeoutException):
-            httpx.post(srv.url + "/v1/chat/completions", timeout=1.0,
+            httpx.post(srv.url + "/v1/chat/completions", timeout=0.1,
                        json={"model": MODEL_NAME, "messages": msg, "max_tokens": 450, "temperature": 0})
         deadline = time.monotonic() + POLL_LIMIT_S
         while metric(m, "moeflow_sequences_finished_total", reason="cancelled") < 2 and time.monotonic() < deadline:

@@ -28,7 +28,7 @@ from moeflow.serve.errors import APIError, error_body, install_handlers
 from moeflow.serve.metrics import ServeMetrics
 from moeflow.serve.text import HarmonyAssembler, TextAssembler
 
-DISCONNECT_POLL_S = 0.5  # how often a plain (non-streamed) request checks that its client is still there
+DISCONNECT_POLL_S = 0.1  # how often a plain (non-streamed) request checks that its client is still there
 
 
 class ServeState:
