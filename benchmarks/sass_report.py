@@ -3,7 +3,7 @@
     python benchmarks/sass_report.py                      # Mixtral-8x7B shapes, sm_90, one JSON object per line
     python benchmarks/sass_report.py --out benchmarks/results/sass/after.json --models mixtral-8x7b tiny
 
-Every launch of the MoE layer (route + plan, w13, w2, split-K reduction, combine) and of ``awq_linear`` is
+Every launch of the MoE layer (route + plan, w13, w2, combine) and of ``awq_linear`` is
 compiled with the installed Triton and its ptxas for ``sm_<N>`` instead of being run; for each kernel and T
 it prints registers, spilled bytes, shared memory, the hot loop (the largest backward branch of the SASS) and
 ``warp_instructions_per_weight``: loop instructions x warps / weights one iteration consumes. An H100 issues
@@ -192,7 +192,7 @@ def moe_layer_launches(model: str, T: int, cfg: dict | None = None, dtype: torch
                                      defer_w2_reduce=True)
         ops.combine_eager(None if partials is not None else pairs, k, torch.empty((T, H), dtype=dtype), partials,
                           plan[1])
-    names = {"_route_plan_kernel": "route_plan", "_splitk_reduce_kernel": "splitk_reduce", "_combine_kernel": "combine"}
+    names = {"_route_plan_kernel": "route_plan", "_combine_kernel": "combine"}
     gemms = iter(("w13", "w2"))
     rows = []
     for c in found:
