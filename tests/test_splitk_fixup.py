@@ -156,3 +156,18 @@ def test_staged_masks_equal_one_pass_with_split_w13_and_w2():
         kernels.expert_forward(x, ids, w, pool, slots, staged, mask, backend="triton", config=cfg)
     assert torch.equal(one, staged) and counters_zero()
     close(one, kernels.expert_forward(x, ids, w, pool, slots, torch.zeros(10, 128), backend="torch"))
+
+
+def test_w13_decode_split_is_the_wave_rule():
+    """Mixtral-8x7B at decode (132 SMs, 3 programs per SM): T = 1's 448 programs fill 1.13 waves (57 %), split 4
+    fills 4.53 (91 %); T = 2 needs split 2; from T = 4 the 1792 programs are 4.53 waves already. ``--tune`` times
+    w13 splits 1 / 2 / 4 / 8 at every decode tile."""
+    from moeflow.kernels import configs
+
+    assert round(configs.wave_efficiency(448), 3) == 0.566 and round(configs.wave_efficiency(1792), 3) == 0.905
+    splits = {T: configs.default_config("moe", T, 8, 2, 14336, 4096, 128)["w13"]["SPLIT_K"] for T in (1, 2, 4, 16)}
+    assert splits == {1: 4, 2: 2, 4: 1, 16: 1}
+    assert configs.default_config("moe", 64, 8, 2, 14336, 4096, 128)["w13"]["SPLIT_K"] == 1  # prefill: whole K
+    cands = configs.tuning_candidates("decode", 128)
+    for bm in (1, 16):
+        assert {c["w13"]["SPLIT_K"] for c in cands if c["BLOCK_M"] == bm} == {1, 2, 4, 8}
