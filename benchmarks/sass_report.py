@@ -53,6 +53,7 @@ class Compiled:
     loop_instructions: int | None = None
     loop_ops: collections.Counter = field(default_factory=collections.Counter)
     mma_waits: list[int] = field(default_factory=list)
+    atomics: list[str] = field(default_factory=list)  # the PTX atomics (the split-K fixup's arrival counter)
     error: str | None = None
 
 
@@ -149,6 +150,7 @@ def compile_only(sm: int = 90):
         if "cubin" in k.asm:
             rec.regs, rec.spill_bytes, rec.loop_instructions, rec.loop_ops = _read_cubin(k.asm["cubin"])
         rec.mma_waits = [int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", k.asm.get("ptx", ""))]
+        rec.atomics = sorted(set(re.findall(r"\batom\.[\w.]+", k.asm.get("ptx", ""))))
         found.append(rec)
         return k
 
@@ -249,7 +251,7 @@ def _row(c: Compiled, model: str, T: int, kernel: str, block_m: int, wcfg: dict)
         "programs_per_sm": programs_per_sm(c.regs, c.smem_bytes, c.num_warps),
         "loop_instructions": c.loop_instructions, "weights_per_iteration": weights or None,
         "warp_instructions_per_weight": per_weight,
-        "async_mma": any(n > 0 for n in c.mma_waits), "mma_waits": c.mma_waits,
+        "async_mma": any(n > 0 for n in c.mma_waits), "mma_waits": c.mma_waits, "atomics": c.atomics,
         "top_ops": dict(c.loop_ops.most_common(40)), "error": c.error,
     }
 
