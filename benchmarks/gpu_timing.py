@@ -77,7 +77,7 @@ def cuda_graph_fn(fn: Callable[[], object], device: str) -> Callable[[], object]
             fn()
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with torch.cuda.graph(g, stream=s):  # on the warmed stream: its workspace buffers and split-K counters exist
         fn()
     return g.replay
 

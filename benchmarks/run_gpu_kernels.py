@@ -213,8 +213,21 @@ def bench_point(name: str, T: int, args, dense_cache: dict, copy_bw: float, cubl
     return res
 
 
+TUNE_TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}  # x max |ref| (docs/kernels.md)
+
+
+def output_error(got: torch.Tensor, ref: torch.Tensor) -> str | None:
+    """None when ``got`` [T, H] matches the fp32 reference within the kernels' stated tolerance (relative to
+    max |ref|, by got's dtype), else what is wrong: a candidate that computes something else is never timed."""
+    err = float((got.float() - ref.float()).abs().max())
+    bound = TUNE_TOL[got.dtype] * float(ref.abs().max())
+    return None if err <= bound else f"wrong output: max |err| {err:.3g} > {bound:.3g}"
+
+
 def tune_point(name: str, T: int, args, deadline: float | None = None) -> dict:
-    """Time every candidate config at one point; returns {"best": cfg, "candidates": [...]} (raw times kept)."""
+    """Time every candidate config at one point; returns {"best": cfg, "candidates": [...]} (raw times kept).
+    Each candidate's output is checked against the fp32 dequantize-then-matmul reference first (split-K fixups,
+    tiles): a wrong one is recorded with its error and not timed."""
     H, I, E, k = SHAPES[name]  # noqa: E741
     dev, dtype = args.device, args.dtype
     pool = random_awq_pool(H, I, E, dtype, dev)
@@ -224,6 +237,7 @@ def tune_point(name: str, T: int, args, deadline: float | None = None) -> dict:
     cands = kcfg.tuning_candidates("decode" if T <= kcfg.DECODE_MAX_M else "prefill", GROUP)
     if T <= kcfg.DECODE_MAX_M:  # the lookup gives T's bucket BLOCK_M (every expert's rows in one block): time that
         cands = [c for c in cands if c["BLOCK_M"] == kcfg.bucket(T)]
+    ref = dequant_then_matmul(x.float(), ids, w, pool, I)
     out = []
     for cfg in cands:
         if deadline is not None and time.time() > deadline:
@@ -233,7 +247,11 @@ def tune_point(name: str, T: int, args, deadline: float | None = None) -> dict:
             def run(cfg=cfg):
                 return kernels.moe_forward(x, ids, w, pool, slot, "triton", config=cfg, validate=False)
 
-            replay = cuda_graph_fn(run, dev)  # timed as a decode step pays it: no Python, no launch gaps
+            wrong = output_error(run(), ref)
+            if wrong:
+                out.append({"config": cfg, "error": wrong})
+                continue
+            replay = cuda_graph_fn(run, dev) or run  # timed as a decode step pays it: no Python, no launch gaps
             times = time_fn(replay, dev, reps=10 if T <= 512 else 3)
             out.append({"config": cfg, "times_s": times, "median_s": median(times)})
         except Exception as exc:  # e.g. out of shared memory for a big tile

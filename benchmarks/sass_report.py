@@ -3,7 +3,7 @@
     python benchmarks/sass_report.py                      # Mixtral-8x7B shapes, sm_90, one JSON object per line
     python benchmarks/sass_report.py --out benchmarks/results/sass/after.json --models mixtral-8x7b tiny
 
-Every launch of the MoE layer (route + plan, w13, w2, split-K reduction, combine) and of ``awq_linear`` is
+Every launch of the MoE layer (route + plan, w13, w2, combine) and of ``awq_linear`` is
 compiled with the installed Triton and its ptxas for ``sm_<N>`` instead of being run; for each kernel and T
 it prints registers, spilled bytes, shared memory, the hot loop (the largest backward branch of the SASS) and
 ``warp_instructions_per_weight``: loop instructions x warps / weights one iteration consumes. An H100 issues
@@ -53,6 +53,7 @@ class Compiled:
     loop_instructions: int | None = None
     loop_ops: collections.Counter = field(default_factory=collections.Counter)
     mma_waits: list[int] = field(default_factory=list)
+    atomics: list[str] = field(default_factory=list)  # the PTX atomics (the split-K fixup's arrival counter)
     error: str | None = None
 
 
@@ -149,6 +150,7 @@ def compile_only(sm: int = 90):
         if "cubin" in k.asm:
             rec.regs, rec.spill_bytes, rec.loop_instructions, rec.loop_ops = _read_cubin(k.asm["cubin"])
         rec.mma_waits = [int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", k.asm.get("ptx", ""))]
+        rec.atomics = sorted(set(re.findall(r"\batom\.[\w.]+", k.asm.get("ptx", ""))))
         found.append(rec)
         return k
 
@@ -192,7 +194,7 @@ def moe_layer_launches(model: str, T: int, cfg: dict | None = None, dtype: torch
                                      defer_w2_reduce=True)
         ops.combine_eager(None if partials is not None else pairs, k, torch.empty((T, H), dtype=dtype), partials,
                           plan[1])
-    names = {"_route_plan_kernel": "route_plan", "_splitk_reduce_kernel": "splitk_reduce", "_combine_kernel": "combine"}
+    names = {"_route_plan_kernel": "route_plan", "_combine_kernel": "combine"}
     gemms = iter(("w13", "w2"))
     rows = []
     for c in found:
@@ -249,7 +251,7 @@ def _row(c: Compiled, model: str, T: int, kernel: str, block_m: int, wcfg: dict)
         "programs_per_sm": programs_per_sm(c.regs, c.smem_bytes, c.num_warps),
         "loop_instructions": c.loop_instructions, "weights_per_iteration": weights or None,
         "warp_instructions_per_weight": per_weight,
-        "async_mma": any(n > 0 for n in c.mma_waits), "mma_waits": c.mma_waits,
+        "async_mma": any(n > 0 for n in c.mma_waits), "mma_waits": c.mma_waits, "atomics": c.atomics,
         "top_ops": dict(c.loop_ops.most_common(40)), "error": c.error,
     }
 

@@ -87,14 +87,17 @@ def test_triton_matches_reference(case):
     assert torch.equal(half[untouched], torch.full_like(half[untouched], 7.0))
 
 
-def test_split_k_refuses_an_epilogue_it_would_add_twice():
+def test_unreduced_split_k_refuses_an_epilogue_it_cannot_run():
+    """Partials the caller sums (reduce=False) cannot carry a bias: it would be added once per split. (The
+    in-kernel fixup adds it once, after the sum: tests/test_splitk_fixup.py.)"""
     from moeflow.kernels.triton_experts import expert_gemm
 
     gen = torch.Generator().manual_seed(3)
     pool, _ = biased_awq_pool(64, 32, 32, 1, gen)
     t = pool.tensors
-    with pytest.raises(ValueError, match="needs SPLIT_K 1"):
+    with pytest.raises(ValueError, match="reduce=False"):
         expert_gemm(1, torch.zeros(1, 32), (t["w2_qweight"], t["w2_qzeros"], t["w2_scales"]), torch.zeros(1, 64),
                     torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
                     torch.zeros(1, dtype=torch.int32), None, None, 1, 1, 32,
-                    {"BLOCK_M": 1, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 2}, bias=t["w2_bias"])
+                    {"BLOCK_M": 1, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 2}, bias=t["w2_bias"],
+                    reduce=False)

@@ -297,3 +297,34 @@ def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         kernels.combine(torch.zeros(2, 4), 1, "triton")
     assert kernels.combine(torch.ones(2, 4), 1, "auto").sum() == 8  # auto = torch on a CPU
+
+
+def test_tune_checks_every_candidate_before_timing_it(monkeypatch):
+    """--tune runs each candidate once against the fp32 reference: a wrong output is recorded, never timed, and
+    cannot be picked (a broken split-K fixup or tile would otherwise win by doing less)."""
+    import importlib.util
+    import sys
+    import types
+
+    path = configs.CONFIG_DIR.parents[2] / "benchmarks" / "run_gpu_kernels.py"
+    spec = importlib.util.spec_from_file_location("run_gpu_kernels", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["run_gpu_kernels"] = mod
+    spec.loader.exec_module(mod)
+    good = {"BLOCK_M": 1, "w13": {"BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 2}, "w2": {"BLOCK_N": 128, "SPLIT_K": 1}}
+    bad = {**good, "w13": {**good["w13"], "SPLIT_K": 4}}
+    monkeypatch.setattr(mod.kcfg, "tuning_candidates", lambda phase, group: [bad, good])
+    forward = kernels.moe_forward
+
+    def moe_forward(*args, config=None, **kw):  # the "bad" candidate computes something else
+        y = forward(*args, config=config, **kw)
+        return y * 1.5 if config is bad else y
+
+    monkeypatch.setattr(mod.kernels, "moe_forward", moe_forward)
+    timed = []
+    monkeypatch.setattr(mod, "time_fn", lambda fn, dev, reps: timed.append(fn) or [1.0])
+    result = mod.tune_point("tiny", 1, types.SimpleNamespace(device="cpu", dtype=torch.float32))
+    wrong, right = result["candidates"]
+    assert wrong["error"].startswith("wrong output") and "median_s" not in wrong
+    assert right.get("error") is None and right["median_s"] == 1.0 and len(timed) == 1
+    assert result["best"] is good

@@ -60,6 +60,16 @@ def test_decode_step_launches(report):
         assert kernels[0] == "route_plan" and kernels[-1] == "combine" and len(kernels) <= 4, (T, kernels)
 
 
+def test_split_w13_reduces_through_one_gpu_scope_acq_rel_atomic(report):
+    """w13 split at T = 1 (the wave rule): the fixup's arrival counter is one acq_rel atomic at GPU scope (the
+    release of every thread's partial, after a CTA barrier, and the acquire before the last program reads
+    them); an unsplit build carries no atomic."""
+    rows = {(r["kernel"], r["T"]): r for r in report if r["source"] == "default"}
+    assert rows[("w13", 1)]["config"]["SPLIT_K"] > 1
+    assert rows[("w13", 1)]["atomics"] == ["atom.global.gpu.acq_rel.add.u32"], rows[("w13", 1)]
+    assert rows[("w13", 16)]["config"]["SPLIT_K"] == 1 and rows[("w13", 16)]["atomics"] == []
+
+
 def test_every_build_fits_an_sm(report):
     """Each row says how many programs of its build an sm_90 SM holds (the waves a grid makes: the first H100
     run's decode gap); a build that fits none (too many registers or too much shared memory) fails here."""

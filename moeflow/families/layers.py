@@ -106,8 +106,8 @@ QKV = ("q_proj", "k_proj", "v_proj")
 
 
 def fuse_awq_linears(linears: list[nn.Module]) -> AWQLinear | None:
-    """One packed :class:`AWQLinear` whose output is ``linears``' outputs concatenated (q/k/v: one GEMM launch, and
-    one split-K reduction, instead of three), or None when they cannot share one matrix (not all AWQ linears
+    """One packed :class:`AWQLinear` whose output is ``linears``' outputs concatenated (q/k/v: one GEMM launch,
+    its split K reduced inside it, instead of three), or None when they cannot share one matrix (not all AWQ linears
     packed for the Triton kernels, different input sizes, groups, dtypes or devices, biased and unbiased mixed).
 
     Exact per output column: concatenating along N keeps each column's weights, zeros, scales and bias, so a

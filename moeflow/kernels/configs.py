@@ -63,6 +63,37 @@ def _split_k(active: int, n: int, k: int, block_n: int, block_k: int) -> int:
     return split
 
 
+# w13's decode split comes from wave arithmetic: an H100 has 132 SMs and holds DECODE_PROGRAMS_PER_SM programs of
+# the decode tile (128 x 128, 4 warps: benchmarks/sass_report.py's programs_per_sm, also with the split-K fixup)
+SMS = 132
+DECODE_PROGRAMS_PER_SM = 3
+WAVE_FILL = 0.85  # the last wave must be at least this full (averaged over all waves)
+
+
+def wave_efficiency(programs: int, programs_per_sm: int = DECODE_PROGRAMS_PER_SM, sms: int = SMS) -> float:
+    """waves / ceil(waves): the fraction of the GPU's program slots a grid of ``programs`` keeps busy."""
+    waves = programs / (programs_per_sm * sms)
+    return waves / max(1, -(-programs // (programs_per_sm * sms)))
+
+
+def _wave_split(programs: int, k: int, block_k: int) -> int:
+    """w13's SPLIT_K at decode (one launch at every split: the in-kernel fixup reduces). Rule: the smallest split
+    of 1, 2, 4, 8 whose grid (``programs`` x split) fills its waves to >= ``WAVE_FILL`` (else the fullest), with
+    >= 2 K tiles per split. Splitting keeps the warp-instructions per weight (the same loop), so only the waves
+    change: Mixtral-8x7B T = 1 has 448 programs at 3 per SM, 1.13 waves (57 %): split 4 makes 4.53 (91 %);
+    T = 2: split 2 (2.26 -> 4.53 waves); T >= 4: 1792 programs, 4.53 waves already: split 1."""
+    best, best_eff = 1, wave_efficiency(programs)
+    for split in (1, 2, 4, 8):
+        if split > 1 and k // split < 2 * block_k:
+            break
+        eff = wave_efficiency(programs * split)
+        if eff >= WAVE_FILL:
+            return split
+        if eff > best_eff:
+            best, best_eff = split, eff
+    return best
+
+
 def default_config(
     op: str, m: int, num_experts: int, top_k: int, n: int, k: int, group_size: int = 128
 ) -> dict[str, Any]:
@@ -91,7 +122,8 @@ def default_config(
         bm = 128
         tile = {**GEMM_DEFAULTS, "BLOCK_K": min(64, bk_cap), "GROUP_M": 8, "num_warps": 8, "SCALE_IN_A": 1}
     active = min(num_experts, m * top_k)
-    w13 = {**tile, "SPLIT_K": _split_k(active, 2 * n, k, tile["BLOCK_N"], tile["BLOCK_K"]) if bm <= 16 else 1}
+    w13 = {**tile, "SPLIT_K": _wave_split(active * -(-2 * n // tile["BLOCK_N"]), k, tile["BLOCK_K"]) if bm <= 16
+           else 1}
     w2 = {**tile, "SPLIT_K": _split_k(active, k, n, tile["BLOCK_N"], tile["BLOCK_K"]) if bm <= 16 else 1}
     return {"BLOCK_M": bm, "w13": w13, "w2": w2}
 
@@ -105,6 +137,11 @@ def packed_linear_config(m: int, n: int, k: int, group_size: int) -> dict[str, A
                                                                        moe["w2"]["BLOCK_K"]) if m <= 16 else 1}
 
 
+# decode (w13, w2) splits --tune times: w2's deeper splits with w13 whole, then w13's 2 / 4 / 8 (the fixup: still
+# one launch) with the w2 splits around the default
+SPLIT_PAIRS = ((1, 1), (1, 4), (1, 8), (1, 16), (2, 4), (4, 4), (8, 4), (2, 8), (4, 8), (8, 8))
+
+
 def tuning_candidates(phase: str, group_size: int) -> list[dict]:
     """Configs ``benchmarks/run_gpu_kernels.py --tune`` times: ``phase`` "decode" or "prefill"; any candidate
     with BLOCK_K above the AWQ group is dropped (it would need a per-row zero/scale gather)."""
@@ -116,7 +153,7 @@ def tuning_candidates(phase: str, group_size: int) -> list[dict]:
             {"BLOCK_M": bm, "w13": {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": s13, "num_warps": nw, "num_stages": 3},
              "w2": {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": s2, "num_warps": nw, "num_stages": 3}}
             for bm in (1, 2, 4, 8, 16) for bn, bk in ((128, 128), (64, 128), (32, 128), (128, 64), (256, 64), (128, 32))
-            for nw in (4, 8) for s13, s2 in ((1, 1), (1, 4), (1, 8), (1, 16), (2, 4))
+            for nw in (4, 8) for s13, s2 in SPLIT_PAIRS
         ]
     else:
         cands = [

@@ -271,7 +271,7 @@ def linear_packed_eager(x: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tens
                         cfg: dict | None, alloc: Alloc) -> Tensor:
     """x [M, K] @ W with W in the pool's kernel layout (``qweight [N, K/8]``): the expert GEMM, one expert.
 
-    Per call only the launch (and the split-K reduction when the config splits K): the config comes from a
+    Per call only the launch (a split K is reduced inside it: the fixup): the config comes from a
     cache per (M, N, K, group), the constant plan from a cache per (blocks, device)."""
     from moeflow.kernels.configs import packed_linear_config
     from moeflow.kernels.triton_experts import expert_gemm

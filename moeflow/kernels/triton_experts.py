@@ -14,7 +14,18 @@ which gives ``q - z`` exactly. ``BLOCK_K`` never exceeds the group: one zero/sca
 * ``MODE 0`` (w13): rows of the tile alternate gate / up (the pool's interleaved layout), so one accumulator
   holds both; epilogue ``silu(gate) * up`` in fp32 -> ``h [P, I]`` by pair. ``MODE 1`` (w2): times the fp32
   routing weight of the pair -> ``out [P, H]``. ``SPLIT_K > 1`` stores fp32 partials ``[SPLIT_K, P, N]`` (by
-  pair) that :func:`splitk_reduce` or the combine (:mod:`.triton_combine`) sum in a fixed order.
+  pair); with ``FIXUP`` the last program of a tile to arrive sums them and runs the epilogue (below), without
+  it the combine (:mod:`.triton_combine`) sums them (w2 at decode). Both sum in split order 0..SPLIT_K-1.
+
+Serial split-K fixup ("last arriver reduces", CUTLASS's serial split-K / stream-K fixup): every split program
+stores its fp32 partial tile, passes a CTA barrier, then bumps the tile's int32 counter with one acq_rel,
+GPU-scope atomic; the program that reads ``SPLIT_K - 1`` back sums all partials in split order (deterministic
+whichever program arrives last), runs the epilogue and resets the counter to 0, so every launch leaves the
+counters zero (CUDA-graph replays need no memset). The ordering follows CUTLASS's ``cutlass/barrier.h``
+(``arrive_inc``: ``__syncthreads`` then one thread's release, whose fence also releases the other threads'
+earlier weak writes; ``wait_eq``: one thread's acquire, then ``__syncthreads``) and Triton's scalar atomics
+(one thread issues ``atom.acq_rel.gpu``, the result reaches every thread through shared memory and a barrier);
+the partials are read with ``.cg`` (L2, never a stale L1 line).
 
 Offsets inside one expert are int32, the slot base int64. Masks on N vanish when ``BLOCK_N`` divides N; token
 rows past the plan's count read row 0 (a valid row) and are never stored, so the loads carry no masks.
@@ -27,7 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moeflow.kernels.triton_common import INTERPRETED, TL_DTYPES, block_expert, cdiv, next_pow2, plan_rows
+from moeflow.kernels import workspace
+from moeflow.kernels.triton_common import INTERPRETED, TL_DTYPES, block_expert, cdiv, plan_rows
 
 
 @triton.jit
@@ -67,11 +79,12 @@ def _expert_gemm_kernel(
     s_ptr, stride_ss, stride_sg,  # AWQ scales [S, K/g, N]
     c_ptr, stride_cm,  # output by pair: MODE 0 h [P, N/2], MODE 1 [P, N]
     ws_ptr, stride_wsp,  # fp32 split-K partials [SPLIT_K, P, N] (rows by pair, row stride N)
+    cnt_ptr,  # int32 [>= grid dim 0] arrival counters, zero between launches (FIXUP)
     sorted_ptr, eob_ptr, slot_ptr, mask_ptr, weight_ptr,
     num_pairs, N, K, num_blocks, nib,
     TOPK: tl.constexpr, GROUP: tl.constexpr, AWQ: tl.constexpr, MODE: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_WEIGHT: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_N: tl.constexpr,
-    EVEN_K: tl.constexpr, SCALE_IN_A: tl.constexpr,
+    EVEN_K: tl.constexpr, SCALE_IN_A: tl.constexpr, FIXUP: tl.constexpr,
     BLOCK_M: tl.constexpr, DOT_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
     bias_ptr=None, stride_bias=0, alpha=1.702, limit=7.0,  # bias [S, N] (kernel row order) or None; ACT 1's knobs
@@ -137,16 +150,28 @@ def _expert_gemm_kernel(
                 xt = tl.load(a_rows + rk[:, None], mask=rk[:, None] < K, other=0.0)
             acc = tl.dot(w.to(DOT_DTYPE), xt.to(DOT_DTYPE), acc=acc, input_precision=DOT_PREC)
 
-    if bias_ptr is not None:  # one bias per weight row (w13: interleaved like the rows), added once in fp32
-        acc += tl.load(bias_ptr + slot * stride_bias + rn_ld).to(tl.float32)[:, None]
-    acc = tl.trans(acc)  # [DOT_M, BLOCK_N]
-    if SPLIT_K > 1:
-        n_ok = rn < N
-        ws = ws_ptr + pid_k * stride_wsp + pair.to(tl.int64)[:, None] * N + rn[None, :]
-        tl.store(ws, acc, mask=row_ok[:, None] & n_ok[None, :])
+    if SPLIT_K == 1:
+        if bias_ptr is not None:  # one bias per weight row (w13: interleaved like the rows), added once in fp32
+            acc += tl.load(bias_ptr + slot * stride_bias + rn_ld).to(tl.float32)[:, None]
+        _epilogue(tl.trans(acc), c_ptr, stride_cm, pair, row_ok, pid_n * BLOCK_N, N, weight_ptr, MODE, HAS_WEIGHT,
+                  BLOCK_N, alpha, limit, ACT)
     else:
-        _epilogue(acc, c_ptr, stride_cm, pair, row_ok, pid_n * BLOCK_N, N, weight_ptr, MODE, HAS_WEIGHT, BLOCK_N,
-                  alpha, limit, ACT)
+        ok = row_ok[:, None] & (rn < N)[None, :]
+        ws = ws_ptr + pair.to(tl.int64)[:, None] * N + rn[None, :]  # [DOT_M, BLOCK_N] of split 0
+        tl.store(ws + pid_k * stride_wsp, tl.trans(acc), mask=ok)
+        if FIXUP:
+            tl.debug_barrier()  # every thread's partial stored before the release below
+            arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:  # the last of the tile's programs: the others' partials are visible
+                tl.debug_barrier()
+                total = tl.zeros([DOT_M, BLOCK_N], dtype=tl.float32)
+                for s in tl.static_range(SPLIT_K):  # fixed order: the same bits whoever arrives last
+                    total += tl.load(ws + s * stride_wsp, mask=ok, other=0.0, cache_modifier=".cg")
+                if bias_ptr is not None:  # after the sum: added once
+                    total += tl.load(bias_ptr + slot * stride_bias + rn_ld).to(tl.float32)[None, :]
+                _epilogue(total, c_ptr, stride_cm, pair, row_ok, pid_n * BLOCK_N, N, weight_ptr, MODE, HAS_WEIGHT,
+                          BLOCK_N, alpha, limit, ACT)
+                tl.store(cnt_ptr + pid, 0)  # replay-safe: the next launch (stream-ordered) finds it zero
 
 
 @triton.jit
@@ -176,31 +201,6 @@ def _epilogue(acc, c_ptr, stride_cm, pair, row_ok, n0, N, weight_ptr,
     tl.store(ptrs, res.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols[None, :] < n_out))
 
 
-@triton.jit
-def _splitk_reduce_kernel(
-    ws_ptr, stride_wsp,  # fp32 [SPLIT_K, P, N] by pair
-    c_ptr, stride_cm,
-    sorted_ptr, eob_ptr, mask_ptr, weight_ptr,
-    num_pairs, N,
-    MODE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_WEIGHT: tl.constexpr, SPLIT_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    if block_expert(eob_ptr, pid_m, mask_ptr, HAS_MASK) < 0:
-        return
-    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_ok = pair < num_pairs
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = row_ok[:, None] & (rn[None, :] < N)
-    base = ws_ptr + pair.to(tl.int64)[:, None] * N + rn[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):  # fixed order: deterministic
-        acc += tl.load(base + s * stride_wsp, mask=mask, other=0.0)
-    _epilogue(acc, c_ptr, stride_cm, pair, row_ok, pid_n * BLOCK_N, N, weight_ptr, MODE, HAS_WEIGHT, BLOCK_N,
-              1.702, 7.0, 0)
-
-
 def dot_m(block_m: int) -> int:
     """Token columns of the swapped MMA: at least 16 (N = 8 compiles to a longer loop with Triton 3.6)."""
     return max(16, block_m)
@@ -222,13 +222,15 @@ def expert_gemm(
     group_size: int,
     cfg: dict,
     ws: torch.Tensor | None = None,  # fp32 [SPLIT_K, P, N] scratch for the partials (allocated when None)
-    reduce: bool = True,  # SPLIT_K > 1: run the split-K reduction (False: the caller sums ``ws``, e.g. the combine)
-    bias: torch.Tensor | None = None,  # [S, N] per weight row in kernel order (w13: interleaved); needs SPLIT_K 1
+    reduce: bool = True,  # SPLIT_K > 1: the in-kernel fixup sums the splits (False: the caller sums ``ws``, e.g.
+    # the combine; MODE 1 without bias only)
+    bias: torch.Tensor | None = None,  # [S, N] per weight row in kernel order (w13: interleaved), added once
     activation: str = "silu",  # MODE 0: "silu" or "clamped_swiglu" (gpt-oss, with ``alpha`` / ``limit``)
     alpha: float = 1.702,
     limit: float = 7.0,
 ) -> torch.Tensor:
-    """Launch the grouped GEMM (and, with SPLIT_K > 1 and ``reduce``, the split-K reduction)."""
+    """Launch the grouped GEMM: one launch at every SPLIT_K (split partials reduced by the tile's last program
+    through ``workspace.counters``, or left in ``ws`` for the caller with ``reduce=False``)."""
     qweight, qzeros, scales = weights
     awq = qzeros is not None
     K = a.shape[1]
@@ -239,8 +241,8 @@ def expert_gemm(
     n_blocks = expert_of_block.shape[0]
     split_k = max(1, int(cfg.get("SPLIT_K", 1)))
     act = {"silu": 0, "clamped_swiglu": 1}[activation]
-    if split_k > 1 and (bias is not None or act):
-        raise ValueError("expert_gemm: a bias or the clamped SwiGLU epilogue needs SPLIT_K 1")
+    if split_k > 1 and not reduce and (mode == 0 or bias is not None):
+        raise ValueError("expert_gemm: reduce=False (the caller sums the partials) is for MODE 1 without a bias")
     if split_k > 1 and ws is None:
         ws = torch.empty((split_k, num_pairs, N), dtype=torch.float32, device=a.device)
     elif split_k == 1:
@@ -250,6 +252,8 @@ def expert_gemm(
     # the interpreter's bf16 tl.dot is wrong: fp32 operands there (the same products as bf16 tensor cores)
     dot_dtype = tl.float32 if INTERPRETED and a.dtype == torch.bfloat16 else cdtype
     grid = (n_blocks * cdiv(N, block_n), split_k)
+    fixup = split_k > 1 and reduce
+    cnt = workspace.counters(grid[0], a.device) if fixup else sorted_ids  # placeholder when unused
     one = qweight.dim() == 2  # one matrix: every block reads slot 0, the slot stride is never used
     _expert_gemm_kernel[grid](
         a, a.stride(0),
@@ -257,7 +261,7 @@ def expert_gemm(
         z, 0 if one else z.stride(0), z.stride(-2),
         s, 0 if one else s.stride(0), s.stride(-2),
         out, out.stride(0),
-        ws, ws.stride(0) if split_k > 1 else 0,
+        ws, ws.stride(0) if split_k > 1 else 0, cnt,
         sorted_ids, expert_of_block, slot_of_expert,
         expert_mask if expert_mask is not None else slot_of_expert,
         topk_weights if topk_weights is not None else slot_of_expert,
@@ -265,6 +269,7 @@ def expert_gemm(
         TOPK=top_k, GROUP=group_size if awq else 1, AWQ=awq, MODE=mode,
         HAS_MASK=expert_mask is not None, HAS_WEIGHT=topk_weights is not None, SPLIT_K=split_k,
         EVEN_N=N % block_n == 0, EVEN_K=K % (block_k * split_k) == 0, SCALE_IN_A=bool(cfg.get("SCALE_IN_A", 0)),
+        FIXUP=fixup,
         BLOCK_M=block_m, DOT_M=dot_m(block_m), BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=cfg.get("GROUP_M", 1),
         DOT_DTYPE=dot_dtype, DOT_PREC="ieee" if dot_dtype == tl.float32 else None,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
@@ -272,22 +277,5 @@ def expert_gemm(
            dict(bias_ptr=bias, stride_bias=0 if bias is None else bias.stride(0), alpha=float(alpha),
                 limit=float(limit), ACT=act)),
     )
-    if split_k > 1 and reduce:
-        splitk_reduce(mode, ws, out, sorted_ids, expert_of_block, expert_mask, topk_weights, num_pairs, block_m)
     return out
 
-
-def splitk_reduce(
-    mode: int, ws: torch.Tensor, out: torch.Tensor, sorted_ids: torch.Tensor, expert_of_block: torch.Tensor,
-    expert_mask: torch.Tensor | None, topk_weights: torch.Tensor | None, num_pairs: int, block_m: int,
-) -> None:
-    """Sum split-K partials ws fp32 [SPLIT_K, P, N] in split order and run the epilogue into ``out``."""
-    N = ws.shape[2]
-    bn = min(128, next_pow2(N))
-    _splitk_reduce_kernel[(expert_of_block.shape[0], cdiv(N, bn))](
-        ws, ws.stride(0), out, out.stride(0), sorted_ids, expert_of_block,
-        expert_mask if expert_mask is not None else expert_of_block,
-        topk_weights if topk_weights is not None else expert_of_block, num_pairs, N,
-        MODE=mode, HAS_MASK=expert_mask is not None, HAS_WEIGHT=topk_weights is not None, SPLIT_K=ws.shape[0],
-        BLOCK_M=block_m, BLOCK_N=bn,
-    )

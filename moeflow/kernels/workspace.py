@@ -61,6 +61,21 @@ def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch
     return view
 
 
+MIN_COUNTERS = 4096  # the first counter buffer's size: every decode grid fits, so none grows on the hot path
+
+
+def counters(n: int, device: torch.device) -> torch.Tensor:
+    """Zeroed int32 arrival counters [>= n] of the split-K fixup (``triton_experts``), one buffer per (device,
+    stream): every launch that uses them leaves them zero, so they are zeroed once, when the buffer is made or
+    grows (never per call; a warm-up on the stream a CUDA graph is captured on makes them before the capture)."""
+    key = ("split_k_counters", device, _stream_key(device), torch.int32)
+    buf = _BUFFERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros((max(n, MIN_COUNTERS),), dtype=torch.int32, device=device)
+        _BUFFERS[key] = buf
+    return buf
+
+
 def clear() -> None:
     """Free every scratch buffer (e.g. after a model is unloaded)."""
     _VIEWS.clear()
