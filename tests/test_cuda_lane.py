@@ -11,7 +11,10 @@
    in bf16, is checked to a margin by tests/test_claims.py instead);
 4. the offload backend's device part captured as CUDA graphs: the race harness again (bitwise resident, and a
    deleted wait caught) with every expert group and combine replayed, and ``cuda_graphs=True`` decoding with it
-   (lru / ondemand / finemoe / expertflow, Triton and the torch static form) gives the resident tokens.
+   (lru / ondemand / finemoe / expertflow, Triton and the torch static form) gives the resident tokens;
+5. the split-K fixup (the last program of a tile sums the splits, ``triton_experts``) with real concurrency: w13
+   split 2 / 4 / 8 at Mixtral shapes, bitwise the same over many launches and CUDA-graph replays, close to the
+   reference, counters back at zero (the interpreter runs programs one at a time: it cannot show a visibility race).
 
 Skipped without CUDA, and under the interpreter (conftest sets TRITON_INTERPRET=1 unless it is set already).
 """
@@ -360,3 +363,55 @@ def test_cuda_graphs_capture_the_device_part_and_keep_the_tokens(policy, kernels
     assert device is not None and device.refused == {} and device.disabled is None, (device.refused, device.disabled)
     assert device.captures == 1 and device.replays > 2 * 15 * model.config.num_hidden_layers
     assert torch.equal(got, expected) and torch.equal(again, expected)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 5. the split-K fixup with real concurrency
+
+
+@pytest.mark.parametrize("split", [2, 4, 8])
+def test_split_k_fixup_is_bitwise_stable_across_launches_and_replays(mixtral_pool, split):
+    from test_kernels import assert_close
+
+    from moeflow.kernels import workspace
+    from moeflow.kernels.reference import routing_plan_reference
+    from moeflow.kernels.triton_experts import expert_gemm
+
+    H, I, E, k, g = MIXTRAL  # noqa: E741
+    t = mixtral_pool.tensors
+    gen = torch.Generator(device="cuda").manual_seed(split)
+    x = torch.randn(1, H, device="cuda", generator=gen).bfloat16()
+    ids = torch.tensor([[1, 6]], dtype=torch.int32, device="cuda")
+    sorted_ids, eob, _ = routing_plan_reference(ids, E, 1)
+    out = torch.empty(k, I, dtype=torch.bfloat16, device="cuda")
+    slots = torch.arange(E, dtype=torch.int32, device="cuda")
+    cfg = {"BLOCK_M": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": split, "num_warps": 4, "num_stages": 3}
+
+    def launch() -> torch.Tensor:
+        expert_gemm(0, x, (t["w13_qweight"], t["w13_qzeros"], t["w13_scales"]), out, sorted_ids, eob, slots,
+                    None, None, k, k, g, cfg)
+        return out
+
+    cfg["SPLIT_K"] = 1
+    unsplit = launch().clone()
+    cfg["SPLIT_K"] = split
+    first = launch().clone()
+    assert_close(first, unsplit, torch.bfloat16)  # the fixup's sum = one program's sum up to fp32 order
+    for _ in range(50):  # thousands of programs racing to each tile's counter, every launch
+        assert torch.equal(launch(), first)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        launch()  # this stream's counters made before the capture
+        with torch.cuda.graph(graph, stream=stream):
+            launch()
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(50):
+        out.zero_()
+        graph.replay()
+        assert torch.equal(out, first)
+    torch.cuda.synchronize()
+    for on in (torch.cuda.current_stream(), stream):  # each stream's own counters (the buffers already exist)
+        with torch.cuda.stream(on):
+            assert int(torch.count_nonzero(workspace.counters(1, x.device))) == 0
