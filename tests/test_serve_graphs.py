@@ -182,6 +182,47 @@ def test_beyond_max_steps_the_least_recent_step_is_dropped_and_captured_again(re
     assert graphs.captures <= changes + 1
 
 
+@pytest.mark.parametrize("offload", [LRU, OffloadConfig(policy="expertflow", gpu_expert_slots=8)],
+                         ids=["lru", "expertflow"])
+def test_warm_up_captures_every_padded_batch_size_and_a_burst_captures_nothing_more(offload, reference):
+    """warm_up() before start: one step per padded batch size up to the rows (1, 2, 4, 8 for 6 rows) at the
+    256-key bucket, the offload backend's device part per size too; the cache is left as it was. A burst of
+    requests (decode batches of 1 to 4, all below 256 keys) then replays only, with each request's own tokens."""
+    model, graphs = captured(offload)
+    try:
+        cache = SlotKVCache.for_model(model, 512, max_rows=6)
+        engine = ContinuousEngine(model, cache, prefill_chunk=16)
+        assert (engine.history is not None) == (offload.policy == "expertflow")  # only a path predictor reads it
+        steps, seconds = engine.warm_up()
+        assert steps == graphs.captures == 4 and seconds >= 0 and graphs.refused is None
+        assert sorted(k[1][0] for k in graphs.steps) == [1, 2, 4, 8]  # the steps' embeds [Bp, 1, H]
+        assert {s.cache.key_len for s in graphs.steps.values()} == {256}
+        assert cache.free_rows == 6 and not cache.valid.any()
+        device_graphs = model.experts.device_graphs
+        device_captures = device_graphs.captures
+        assert set(device_graphs.buckets) == {1, 2, 4, 8} and device_graphs.refused == {}
+        burst = [0, 1, 3, 4]  # PLAN's short requests, all at once
+        engine.start()
+        try:
+            seqs = [engine.submit(PLAN[i][0], SamplingParams(max_new_tokens=PLAN[i][1])) for i in burst]
+            got = [s.result(TIMEOUT_S) for s in seqs]
+        finally:
+            engine.stop()
+        assert graphs.captures == steps and device_graphs.captures == device_captures  # nothing captured again
+    finally:
+        model.close()
+    assert got == [reference[i] for i in burst]
+
+
+def test_warm_up_is_off_without_graphs():
+    model = MoEOffloadedMixtral.from_pretrained(MODEL, kernels="torch")
+    try:
+        cache = SlotKVCache.for_model(model, 64, max_rows=2)
+        assert ContinuousEngine(model, cache).warm_up() == (0, 0.0) and cache.free_rows == 2
+    finally:
+        model.close()
+
+
 def test_cuda_graphs_true_needs_a_captured_model():
     model = MoEOffloadedMixtral.from_pretrained(MODEL, kernels="torch")
     try:
