@@ -30,10 +30,11 @@ PLAN = [(list(TEXT[:9]), 14, (2, 2)), (list(TEXT[:23]), 9, None), (LONG, 16, (3,
 LRU = OffloadConfig(policy="lru", gpu_expert_slots=8)
 
 
-def run_engine(model, cuda_graphs: bool | None) -> tuple[list[list[int]], list[tuple[int, int]]]:
-    """PLAN's requests through a fresh engine: the first alone, the others arriving as earlier ones produce tokens
-    (the decode batch grows 1 -> 3 -> 5, then shrinks as they finish). Returns each request's tokens and the
-    (batch, key_len) of every captured decode pass."""
+def run_engine(model, cuda_graphs: bool | None, warm_up: bool = False
+               ) -> tuple[list[list[int]], list[tuple[int, int]]]:
+    """PLAN's requests through a fresh engine (``warm_up``: ContinuousEngine.warm_up first, its views not logged):
+    the first alone, the others arriving as earlier ones produce tokens (the decode batch grows 1 -> 3 -> 5, then
+    shrinks as they finish). Returns each request's tokens and the (batch, key_len) of every captured decode pass."""
     cache = SlotKVCache.for_model(model, 512, max_rows=6)
     views, make_view = [], cache.decode_view
 
@@ -43,6 +44,9 @@ def run_engine(model, cuda_graphs: bool | None) -> tuple[list[list[int]], list[t
 
     cache.decode_view = logged_view
     engine = ContinuousEngine(model, cache, prefill_chunk=64, cuda_graphs=cuda_graphs)
+    if warm_up:
+        engine.warm_up()
+        views.clear()
     seqs: list = [None] * len(PLAN)
     upcoming = list(range(1, len(PLAN)))
     finished = threading.Semaphore(0)
@@ -255,3 +259,24 @@ def test_captured_engine_gives_the_eager_engines_tokens_on_a_gpu(policy):
     assert graphs.refused is None, graphs.refused
     assert got == want
     assert {1, 4, 8} <= {b for b, _ in views} and graphs.captures == len(set(views)) < len(views)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (real graph capture)")
+def test_warmed_up_engine_captures_only_beyond_the_first_key_bucket_on_a_gpu():
+    """After warm_up (batch sizes 1, 2, 4, 8 at 256 keys) only the 512-key passes of PLAN's long request capture."""
+    load = dict(device="cuda", dtype=torch.float16, kernels="auto", offload=LRU)
+    ref = MoEOffloadedMixtral.from_pretrained(MODEL, **load, cuda_graphs=False)
+    try:
+        want, _ = run_engine(ref, cuda_graphs=None)
+    finally:
+        ref.close()
+    model = MoEOffloadedMixtral.from_pretrained(MODEL, **load, cuda_graphs=True)
+    try:
+        got, views = run_engine(model, cuda_graphs=None, warm_up=True)
+        graphs = model.runner.decode_fn
+    finally:
+        model.close()
+    assert graphs.refused is None, graphs.refused
+    assert got == want
+    assert graphs.captures == 4 + len({v for v in views if v[1] > 256})

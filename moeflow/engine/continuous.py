@@ -302,9 +302,7 @@ class ContinuousEngine:
             raise RuntimeError("warm_up() runs before start(): it uses the engine's model and cache")
         sizes = [1 << i for i in range(padded_batch(self.cache.rows).bit_length())][: self.graphs.max_steps]
         seq = Sequence([0], SamplingParams(max_new_tokens=1))
-        seq.row = self._allocate()
-        if seq.row is None:
-            raise RuntimeError("warm_up() needs a free cache row")
+        seq.row = self._allocate()  # (every row is free before start)
         before, start = self.graphs.captures, time.perf_counter()
         try:
             with torch.inference_mode():
@@ -450,4 +448,3 @@ class ContinuousEngine:
             self._running.remove(seq)
         seq.on_event(None, reason)
         self.listener.on_finish(seq)
-
