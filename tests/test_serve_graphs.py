@@ -30,10 +30,11 @@ PLAN = [(list(TEXT[:9]), 14, (2, 2)), (list(TEXT[:23]), 9, None), (LONG, 16, (3,
 LRU = OffloadConfig(policy="lru", gpu_expert_slots=8)
 
 
-def run_engine(model, cuda_graphs: bool | None) -> tuple[list[list[int]], list[tuple[int, int]]]:
-    """PLAN's requests through a fresh engine: the first alone, the others arriving as earlier ones produce tokens
-    (the decode batch grows 1 -> 3 -> 5, then shrinks as they finish). Returns each request's tokens and the
-    (batch, key_len) of every captured decode pass."""
+def run_engine(model, cuda_graphs: bool | None, warm_up: bool = False
+               ) -> tuple[list[list[int]], list[tuple[int, int]]]:
+    """PLAN's requests through a fresh engine (``warm_up``: ContinuousEngine.warm_up first, its views not logged):
+    the first alone, the others arriving as earlier ones produce tokens (the decode batch grows 1 -> 3 -> 5, then
+    shrinks as they finish). Returns each request's tokens and the (batch, key_len) of every captured decode pass."""
     cache = SlotKVCache.for_model(model, 512, max_rows=6)
     views, make_view = [], cache.decode_view
 
@@ -43,6 +44,9 @@ def run_engine(model, cuda_graphs: bool | None) -> tuple[list[list[int]], list[t
 
     cache.decode_view = logged_view
     engine = ContinuousEngine(model, cache, prefill_chunk=64, cuda_graphs=cuda_graphs)
+    if warm_up:
+        engine.warm_up()
+        views.clear()
     seqs: list = [None] * len(PLAN)
     upcoming = list(range(1, len(PLAN)))
     finished = threading.Semaphore(0)
@@ -182,6 +186,47 @@ def test_beyond_max_steps_the_least_recent_step_is_dropped_and_captured_again(re
     assert graphs.captures <= changes + 1
 
 
+@pytest.mark.parametrize("offload", [LRU, OffloadConfig(policy="expertflow", gpu_expert_slots=8)],
+                         ids=["lru", "expertflow"])
+def test_warm_up_captures_every_padded_batch_size_and_a_burst_captures_nothing_more(offload, reference):
+    """warm_up() before start: one step per padded batch size up to the rows (1, 2, 4, 8 for 6 rows) at the
+    256-key bucket, the offload backend's device part per size too; the cache is left as it was. A burst of
+    requests (decode batches of 1 to 4, all below 256 keys) then replays only, with each request's own tokens."""
+    model, graphs = captured(offload)
+    try:
+        cache = SlotKVCache.for_model(model, 512, max_rows=6)
+        engine = ContinuousEngine(model, cache, prefill_chunk=16)
+        assert (engine.history is not None) == (offload.policy == "expertflow")  # only a path predictor reads it
+        steps, seconds = engine.warm_up()
+        assert steps == graphs.captures == 4 and seconds >= 0 and graphs.refused is None
+        assert sorted(k[1][0] for k in graphs.steps) == [1, 2, 4, 8]  # the steps' embeds [Bp, 1, H]
+        assert {s.cache.key_len for s in graphs.steps.values()} == {256}
+        assert cache.free_rows == 6 and not cache.valid.any()
+        device_graphs = model.experts.device_graphs
+        device_captures = device_graphs.captures
+        assert set(device_graphs.buckets) == {1, 2, 4, 8} and device_graphs.refused == {}
+        burst = [0, 1, 3, 4]  # PLAN's short requests, all at once
+        engine.start()
+        try:
+            seqs = [engine.submit(PLAN[i][0], SamplingParams(max_new_tokens=PLAN[i][1])) for i in burst]
+            got = [s.result(TIMEOUT_S) for s in seqs]
+        finally:
+            engine.stop()
+        assert graphs.captures == steps and device_graphs.captures == device_captures  # nothing captured again
+    finally:
+        model.close()
+    assert got == [reference[i] for i in burst]
+
+
+def test_warm_up_is_off_without_graphs():
+    model = MoEOffloadedMixtral.from_pretrained(MODEL, kernels="torch")
+    try:
+        cache = SlotKVCache.for_model(model, 64, max_rows=2)
+        assert ContinuousEngine(model, cache).warm_up() == (0, 0.0) and cache.free_rows == 2
+    finally:
+        model.close()
+
+
 def test_cuda_graphs_true_needs_a_captured_model():
     model = MoEOffloadedMixtral.from_pretrained(MODEL, kernels="torch")
     try:
@@ -214,3 +259,24 @@ def test_captured_engine_gives_the_eager_engines_tokens_on_a_gpu(policy):
     assert graphs.refused is None, graphs.refused
     assert got == want
     assert {1, 4, 8} <= {b for b, _ in views} and graphs.captures == len(set(views)) < len(views)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (real graph capture)")
+def test_warmed_up_engine_captures_only_beyond_the_first_key_bucket_on_a_gpu():
+    """After warm_up (batch sizes 1, 2, 4, 8 at 256 keys) only the 512-key passes of PLAN's long request capture."""
+    load = dict(device="cuda", dtype=torch.float16, kernels="auto", offload=LRU)
+    ref = MoEOffloadedMixtral.from_pretrained(MODEL, **load, cuda_graphs=False)
+    try:
+        want, _ = run_engine(ref, cuda_graphs=None)
+    finally:
+        ref.close()
+    model = MoEOffloadedMixtral.from_pretrained(MODEL, **load, cuda_graphs=True)
+    try:
+        got, views = run_engine(model, cuda_graphs=None, warm_up=True)
+        graphs = model.runner.decode_fn
+    finally:
+        model.close()
+    assert graphs.refused is None, graphs.refused
+    assert got == want
+    assert graphs.captures == 4 + len({v for v in views if v[1] > 256})

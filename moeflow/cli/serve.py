@@ -143,7 +143,7 @@ def cmd_chat(args) -> int:
 def cmd_serve(args) -> int:
     import uvicorn
 
-    from moeflow.engine.continuous import ContinuousEngine
+    from moeflow.engine.continuous import ContinuousEngine, key_bucket, padded_batch
     from moeflow.engine.kv_slots import SlotKVCache, kv_bytes_per_row
     from moeflow.engine.memory import DEFAULT_CONTEXT as KV_BUDGET_TOKENS
     from moeflow.serve.app import create_app
@@ -156,7 +156,6 @@ def cmd_serve(args) -> int:
     # the first pass pays one-time costs (op registration, lazy imports: seconds on a CPU): not the first client
     # (a prefill only: generate keeps no decode graphs for the engine's first capture to drop)
     model.generate(torch.zeros((1, 1), dtype=torch.long), max_new_tokens=1, do_sample=False)
-    model.stats.reset()
     cfg = model.config
     max_len = args.max_model_len or min(cfg.max_position_embeddings, KV_BUDGET_TOKENS)
     if args.kv_cache_gb is not None:
@@ -170,6 +169,12 @@ def cmd_serve(args) -> int:
     metrics = ServeMetrics(model.stats, cache)
     engine = ContinuousEngine(model, cache, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
                               listener=metrics)
+    # the decode steps of every padded batch size at the smallest key bucket, captured before the first client
+    steps, seconds = engine.warm_up()
+    if engine.graphs is not None:
+        print(f"moeflow serve: captured {steps} decode steps (batch sizes up to {padded_batch(cache.rows)}, "
+              f"{key_bucket(1, max_len)} keys) in {seconds:.2f} s", flush=True)
+    model.stats.reset()
     metrics.watch_graphs(engine.graphs)
     source = args.model or str(embedded_model_path())
     name = args.served_model_name or (Path(source).name if Path(source).exists() else source)

@@ -18,7 +18,12 @@ token: identical writes, the same experts, so an offload backend loads nothing m
 dropped) and reads a key-length bucket (:func:`key_bucket`), so it runs on the slotted cache's persistent
 :class:`~moeflow.engine.kv_slots.SlotDecodeView` of (Bp, bucket), whose step is captured once and replayed
 (:class:`~moeflow.engine.cuda_graphs.CudaGraphDecode`). Prefill passes stay eager. Counts (stats, the listener)
-are of real tokens only.
+are of real tokens only. :meth:`ContinuousEngine.warm_up` captures the steps of every padded batch size at the
+smallest bucket before the first request (``moeflow serve`` calls it before it reports ready).
+
+Token history: a backend whose predictor reads every token so far (``ExpertBackend.needs_history``: the
+expertflow policy) gets them from a :class:`~moeflow.engine.token_history.TokenHistory` on the device, which each
+pass writes its own tokens into; other backends get none (no per-pass host work over the whole context).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import torch
 from moeflow.engine.cuda_graphs import CudaGraphDecode
 from moeflow.engine.kv_slots import SlotKVCache
 from moeflow.engine.sampling import GenerationConfig, next_tokens
+from moeflow.engine.token_history import TokenHistory
 from moeflow.errors import InputError, MoeflowError
 
 log = logging.getLogger(__name__)
@@ -159,7 +165,8 @@ class ContinuousEngine:
     max_queue: waiting requests beyond the running ones; one more raises :class:`EngineOverloaded`.
     cuda_graphs: capture the decode passes (see the module docstring); None: when the model decodes through
     CUDA graphs (``from_pretrained``'s ``cuda_graphs``, on by default on CUDA); True needs such a model.
-    ``graphs`` is that model's :class:`CudaGraphDecode` when on, else None.
+    ``graphs`` is that model's :class:`CudaGraphDecode` when on, else None. ``history``: the device token history
+    when the model's backend (the one at construction) ``needs_history``, else None.
     """
 
     def __init__(self, model, cache: SlotKVCache, max_queue: int = 64, prefill_chunk: int = 64,
@@ -175,6 +182,8 @@ class ContinuousEngine:
         self.max_queue, self.prefill_chunk = max_queue, prefill_chunk
         self.listener = listener or EngineListener()
         self.device = model.device
+        needs = getattr(model.runner.backend, "needs_history", False)
+        self.history = TokenHistory(cache.rows, cache.max_len, self.device) if needs else None
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._running: list[Sequence] = []
         self._cond = threading.Condition()
@@ -272,8 +281,40 @@ class ContinuousEngine:
             if seq.params.max_new_tokens == 0:
                 self._finish(seq, "length")
                 continue
-            seq.row = self.cache.allocate()
+            seq.row = self._allocate()
             self._running.append(seq)
+
+    def _allocate(self) -> int | None:
+        """A free cache row with no valid position and (when kept) no token history."""
+        row = self.cache.allocate()
+        if row is not None and self.history is not None:
+            self.history.clear(row)
+        return row
+
+    def warm_up(self) -> tuple[int, float]:
+        """Capture the decode steps of every padded batch size (1, 2, 4, ... up to the cache's rows, at most
+        ``graphs.max_steps``) at the smallest key bucket, before the engine starts, so a user's first requests
+        capture nothing there. Each is a pass of token 0 at position 0 of a free row, padded with copies; the row
+        is left free with no valid position. Returns (steps captured, seconds); (0, 0.0) when graphs are off."""
+        if self.graphs is None or self.graphs.refused is not None:
+            return 0, 0.0
+        if self._thread is not None:
+            raise RuntimeError("warm_up() runs before start(): it uses the engine's model and cache")
+        sizes = [1 << i for i in range(padded_batch(self.cache.rows).bit_length())][: self.graphs.max_steps]
+        seq = Sequence([0], SamplingParams(max_new_tokens=1))
+        seq.row = self._allocate()  # (every row is free before start)
+        before, start = self.graphs.captures, time.perf_counter()
+        try:
+            with torch.inference_mode():
+                for b in sizes:
+                    if self.graphs.refused is not None:  # refused: every pass runs eagerly, nothing to warm up
+                        break
+                    zeros = torch.zeros((b, 1), dtype=torch.long)
+                    self._captured_pass([seq] * b, zeros, zeros, count=False)
+        finally:
+            self.cache.valid[seq.row] = False
+            self.cache.release(seq.row)
+        return self.graphs.captures - before, time.perf_counter() - start
 
     def _iterate(self) -> None:
         for seq in [s for s in self._running if s.cancelled]:
@@ -329,6 +370,7 @@ class ContinuousEngine:
         """One forward pass over ``seqs``' rows: ids/pos int64 [B, T], mask bool [B, T] -> logits fp32 [B, T, V]."""
         dev = self.device
         all_real = bool(mask.all())  # on the host still: a decode pass's backend reads no mask back
+        history = self.history.feed([s.row for s in seqs], ids, pos, mask) if self.history is not None else None
         ids, pos, mask = ids.to(dev), pos.to(dev), mask.to(dev)
         rows = torch.tensor([s.row for s in seqs], dtype=torch.long, device=dev)
         view = self.cache.batch(rows, pos, mask)
@@ -336,14 +378,16 @@ class ContinuousEngine:
         stats.set_phase(phase)
         start = time.perf_counter()
         logits = self.model.runner.forward_pass(ids, view.cache_position, view, view.cache_position, mask, phase,
-                                                rows=rows, history=_history(seqs, pos, mask, dev), all_real=all_real)
+                                                rows=rows, history=history, all_real=all_real)
         logits = logits.cpu()
         self._count(phase, len(seqs), int(mask.sum()), time.perf_counter() - start)
         return logits
 
-    def _captured_pass(self, seqs: list[Sequence], ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def _captured_pass(self, seqs: list[Sequence], ids: torch.Tensor, pos: torch.Tensor,
+                       count: bool = True) -> torch.Tensor:
         """A decode pass padded for its captured step: ids/pos int64 [B, 1] -> logits fp32 [B, 1, V] (the real
-        rows'). Padding row i copies row ``source[i]`` (0) of the pass: its token, position, cache row, history."""
+        rows'). Padding row i copies row ``source[i]`` (0) of the pass: its token, position, cache row, history.
+        ``count``: into the stats and the listener (not the warm-up's)."""
         dev, B = self.device, len(seqs)
         source = torch.tensor(list(range(B)) + [0] * (padded_batch(B) - B), dtype=torch.long)
         view = self.cache.decode_view(len(source), key_bucket(int(pos.max()) + 1, self.cache.max_len))
@@ -351,14 +395,15 @@ class ContinuousEngine:
         view.load(rows, source)
         ids, pos = ids[source], pos[source]
         mask = torch.ones_like(ids, dtype=torch.bool)
-        history = _history([seqs[i] for i in source.tolist()], pos, mask, dev)
+        history = self.history.feed(rows.tolist(), ids, pos, mask) if self.history is not None else None
         ids, pos, mask = ids.to(dev), pos.to(dev), mask.to(dev)
         self.model.stats.set_phase("decode")
         start = time.perf_counter()
         logits = self.model.runner.forward_pass(ids, pos, view, pos, mask, "decode", rows=view.rows,
                                                 history=history, all_real=True)
         logits = logits[:B].cpu()  # (the step's static buffer on the CPU: read before the step's next replay)
-        self._count("decode", B, B, time.perf_counter() - start)
+        if count:
+            self._count("decode", B, B, time.perf_counter() - start)
         return logits
 
     def _count(self, phase: str, batch: int, tokens: int, seconds: float) -> None:
@@ -403,16 +448,3 @@ class ContinuousEngine:
             self._running.remove(seq)
         seq.on_event(None, reason)
         self.listener.on_finish(seq)
-
-
-def _history(seqs: list[Sequence], pos: torch.Tensor, mask: torch.Tensor,
-             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every token of each sequence up to this pass's last real position, at its cache position:
-    (ids int64 [B, S], mask bool [B, S]) for the backend's path predictors (StepInfo.history_*)."""
-    ends = [int(p[m].max()) + 1 for p, m in zip(pos.cpu(), mask.cpu(), strict=True)]
-    ids = torch.zeros((len(seqs), max(ends)), dtype=torch.long)
-    valid = torch.zeros_like(ids, dtype=torch.bool)
-    for i, (seq, end) in enumerate(zip(seqs, ends, strict=True)):
-        ids[i, :end] = torch.tensor((seq.prompt_ids + seq.generated)[:end], dtype=torch.long)
-        valid[i, :end] = True
-    return ids.to(device), valid.to(device)

@@ -92,6 +92,12 @@ class ExpertBackend(ABC):
         """Predicted routing paths bool [B, L, E] for micro-batch grouping, or None (no path predictor)."""
         return None
 
+    @property
+    def needs_history(self) -> bool:
+        """Whether ``begin_step`` reads ``StepInfo.history_ids`` (a path predictor): the serving engine keeps
+        each sequence's tokens on the device only then. Default: False."""
+        return False
+
     @abstractmethod
     def forward(
         self, layer: int, x: torch.Tensor, probs: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor

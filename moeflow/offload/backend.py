@@ -174,6 +174,10 @@ class OffloadedExperts(ExpertBackend):
     def predict_paths(self, step: StepInfo, last_only: bool = False) -> torch.Tensor | None:
         return self.predictor.predict_paths(step, last_only) if self.predictor is not None else None
 
+    @property
+    def needs_history(self) -> bool:
+        return self.predictor is not None and self.predictor.needs_history
+
     # ------------------------------------------------------------------ one layer
     def _route_and_forward(self, layer, x, router_logits, route, kernel_routing, want_ids):
         """On the Triton path a plain softmax top-k is routed by the resident backend's fused plan kernel, so

@@ -198,6 +198,8 @@ class PLECEviction(EvictionPolicy):
 class PLECPredictor(Predictor):
     """The runtime side of PLEC: predicts each pass's path from the token ids and proposes prefetches."""
 
+    needs_history = True  # begin_step plans from each row's tokens so far
+
     def __init__(self, predictor: Any, state: PLECState) -> None:
         self.predictor = predictor  # ExpertFlowPredictor
         self.state = state

@@ -86,6 +86,7 @@ class ExpertFlowPredictor(ExpertPredictor):
 
     kind = "expertflow"
     needs_routing = False
+    needs_history = True  # predict_paths reads each row's tokens so far
 
     def __init__(self, shape: ModelShape, distance: int = 1, popularity: torch.Tensor | None = None,
                  vocab_size: int = 256, d_model: int = 64, n_heads: int = 4, n_blocks: int = 2, d_ff: int = 128,

@@ -35,6 +35,7 @@ class Predictor(ABC):
 
     proposes_late: ClassVar[bool] = False  # the backend calls collect_proposals after a layer's first group
     host_routing: ClassVar[bool] = False  # the backend reads probs/topk_ids back with the layer's one read
+    needs_history: ClassVar[bool] = False  # begin_step reads StepInfo.history_ids (every token so far)
 
     def bind(self, runtime: Any) -> None:  # noqa: B027 (optional hook)
         """The backend that runs this predictor (``prefetch(target, experts, layer_now)``, ``cache``)."""
