@@ -40,12 +40,16 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_mxfp4_splits_match_the_fp32_reference(bias):
+def test_mxfp4_splits_match_the_fp32_reference(bias, monkeypatch):
     pool, ids, w, x, slots = setup(bias)
     want = biased_expert_forward_reference(x, ids, w, pool, slots, torch.zeros(T * K, H))
+    launched, gemm = [], mxfp4.mxfp4_gemm
+    monkeypatch.setattr(mxfp4, "mxfp4_gemm",
+                        lambda *a, **kw: launched.append(kw["config"]["SPLIT_K"]) or gemm(*a, **kw))
     for split in SPLITS:
         got = kernels.expert_forward(x, ids, w, pool, slots, torch.full((T * K, H), float("nan")), backend="triton",
                                      config=cfg(split))
+        assert launched[-2:] == [split, split]  # the custom op carried SPLIT_K to both stages
         assert relative_error(got, want) < 1e-5, split  # as test_mxfp4: exact weights, fp32 sums in another order
         assert counters_zero(), split  # the reducing program reset its tile's counter: a replay needs no memset
 

@@ -59,6 +59,10 @@ def stage_defaults(block_m: int) -> dict:
     return {**DEFAULTS, "num_stages": 3 if block_m >= PREFILL_BLOCK_M else 1}
 
 
+# decode (w13, w2) splits benchmarks/run_gpu_mxfp4.py --splits times at the default tile (1 / 2 / 4 / 8 each)
+SPLIT_CANDIDATES = tuple((s13, s2) for s13 in (1, 2, 4, 8) for s2 in (1, 2, 4, 8))
+
+
 def stage_configs(tokens: int, num_experts: int, top_k: int, hidden: int, inter: int,
                   config: dict | None = None) -> dict:
     """``{"BLOCK_M", "w13", "w2"}`` of one layer: ``config`` over the defaults. At decode (T <= 16) each stage's
