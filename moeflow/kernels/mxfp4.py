@@ -22,6 +22,9 @@ W[n-tile, :] @ X^T``, the decoded weight tile is the MMA's register operand and 
 * ``MODE 0`` (w13): weight rows of a tile alternate gate row ``j`` / up row ``I + j`` (the pool keeps gate rows
   first), so one accumulator holds both; epilogue ``+ bias`` and silu or gpt-oss's clamped SwiGLU in fp32 ->
   ``h [P, I]`` by pair. ``MODE 1`` (w2): ``+ bias``, times the fp32 routing weight -> ``out [P, H]``.
+* ``SPLIT_K > 1`` (grid dim 1, whole ``BLOCK_K`` tiles per split): fp32 partials to a workspace, then the serial
+  fixup of :mod:`.triton_experts` (the tile's last program sums the splits in order, adds the bias once, runs
+  the epilogue, resets its counter): one launch per stage at every split. Decode defaults: :func:`stage_configs`.
 * ``BLOCK_K`` divides K (no masks in the loop); rows past N are clamped to N - 1 and never stored; token rows
   past the plan's count read row 0 and are never stored; int32 offsets inside an expert, int64 slot base.
 * bf16 activations: bf16 MMA, fp32 accumulation. fp16 / fp32 activations: the decoded weights and the
