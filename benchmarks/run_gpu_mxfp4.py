@@ -2,6 +2,7 @@
 
     python benchmarks/run_gpu_mxfp4.py --out $OUT/mxfp4.json            # gpt-oss-120b experts, T = 1..512
     python benchmarks/run_gpu_mxfp4.py --tiny --out /tmp/mxfp4.json     # tiny shape on the CPU (torch reference)
+    python benchmarks/run_gpu_mxfp4.py --splits --tokens 1,4,16 --out $OUT/mxfp4-splits.json  # + every decode split
 
 For every T: one MoE layer of gpt-oss-120b's experts (hidden 2880, intermediate 2880, 128 experts, top-4, MXFP4
 blocks + e8m0 scales, bf16 biases, clamped SwiGLU) through ``moeflow.kernels.moe_forward`` (plan + the w13 and w2
@@ -48,6 +49,7 @@ from sass_mxfp4 import MODELS  # noqa: E402
 
 from moeflow import kernels  # noqa: E402
 from moeflow.kernels import configs as kcfg  # noqa: E402
+from moeflow.kernels import mxfp4  # noqa: E402
 from moeflow.kernels.biased import BiasedExpertFormat  # noqa: E402
 from moeflow.kernels.pool import ExpertPool  # noqa: E402
 
@@ -104,6 +106,15 @@ def bench_point(name: str, T: int, args, cache: dict, copy_bw: float) -> dict:
             res["speedup_vs_loop"] = median(res["loop_bf16_times_s"]) / t_ours
         except Exception as exc:  # e.g. out of memory for the dense copy: the kernel's numbers stand
             res["loop_error"] = repr(exc)
+    if args.splits and T <= kcfg.DECODE_MAX_M:  # every decode split pair (CUDA-graph replay where it captures)
+        default = mxfp4.stage_configs(T, E, k, H, I)
+        res["default_splits"] = [default["w13"]["SPLIT_K"], default["w2"]["SPLIT_K"]]
+        res["split_times_s"] = {}
+        for s13, s2 in mxfp4.SPLIT_CANDIDATES:
+            cfg = {"w13": {"SPLIT_K": s13}, "w2": {"SPLIT_K": s2}}
+            timed = time_ours(lambda cfg=cfg: kernels.moe_forward(x, ids, w, pool, slot, backend, config=cfg,
+                                                                  validate=False), dev, reps)
+            res["split_times_s"][f"{s13}x{s2}"] = timed["ours_s"]
     if T <= 64:  # against the fp32 reference on the dequantized weights
         ref = kernels.moe_forward(x.float(), ids, w, pool, slot, "torch", validate=False)
         got = ours().float()
@@ -142,6 +153,8 @@ def markdown_table(results: list[dict], copy_bw: float) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = point_parser(__doc__.split("\n")[0], SHAPES, "gpt-oss-120b", TOKENS, 150.0)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "mxfp4_kernels.json")
+    p.add_argument("--splits", action="store_true", help="at T <= 16 also time every (w13, w2) split of "
+                   "moeflow.kernels.mxfp4.SPLIT_CANDIDATES (split_times_s; default_splits: the wave rule's)")
     p.add_argument("--tiny", action="store_true", help="tiny shape, T = 1, 4, 16, few repetitions (runs on a CPU)")
     a = p.parse_args(argv)
     if a.tiny:

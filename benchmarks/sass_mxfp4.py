@@ -48,8 +48,8 @@ def mxfp4_layer_launches(model: str, T: int, config: dict | None = None, dtype: 
     fmt = BiasedExpertFormat(H, I, "mxfp4", dtype, 32, activation="clamped_swiglu")
     pool = ExpertPool(fmt, torch.empty((1, fmt.nbytes), dtype=torch.uint8))
     t = pool.tensors
-    config = config or {}
-    block_m = int(config.get("BLOCK_M", mxfp4.default_block_m(T, T * k, E)))
+    stages = mxfp4.stage_configs(T, E, k, H, I, config)  # the launcher's defaults (decode splits included)
+    block_m = stages["BLOCK_M"]
     ids = (torch.arange(T * k, dtype=torch.int32) % E).reshape(T, k)
     sorted_ids, eob = routing_plan_reference(ids, E, block_m)[:2]
     slots = torch.zeros(E, dtype=torch.int32)
@@ -57,7 +57,6 @@ def mxfp4_layer_launches(model: str, T: int, config: dict | None = None, dtype: 
     h = torch.empty((T * k, I), dtype=dtype)
     out = torch.empty((T * k, H), dtype=dtype)
     act = dict(activation="clamped_swiglu")
-    stages = {name: {**mxfp4.stage_defaults(block_m), **config.get(name, {})} for name in ("w13", "w2")}
     with compile_only() as found:
         mxfp4.mxfp4_gemm(0, x, t["w13_blocks"], t["w13_scales"], t["w13_bias"], h, sorted_ids, eob, slots, None,
                          None, k, block_m, **act, config=stages["w13"])

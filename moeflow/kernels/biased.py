@@ -220,7 +220,8 @@ def biased_awq_forward(
 ) -> torch.Tensor:
     """Biased AWQ experts through the grouped AWQ Triton kernels: plan, w13 with ``+ bias`` and the format's
     activation in the epilogue, w2 with ``+ bias`` times the routing weight (``config``: ``{"BLOCK_M", "w13":
-    {...}, "w2": {...}}`` overriding the heuristic defaults; split-K is off, the bias is added exactly once)."""
+    {...}, "w2": {...}}`` overriding the heuristic defaults, ``SPLIT_K`` included: the in-kernel fixup sums the
+    splits and adds the bias once, after the sum)."""
     from moeflow.kernels import configs
     from moeflow.kernels.ops import routing_plan
     from moeflow.kernels.triton_experts import expert_gemm
@@ -232,7 +233,7 @@ def biased_awq_forward(
     cfg = configs.default_config("moe", T, num_experts, top_k, inter, fmt.hidden_size, g)
     config = config or {}
     block_m = int(config.get("BLOCK_M", cfg["BLOCK_M"]))
-    stage = {name: {**cfg[name], **config.get(name, {}), "BLOCK_M": block_m, "SPLIT_K": 1} for name in ("w13", "w2")}
+    stage = {name: {**cfg[name], **config.get(name, {}), "BLOCK_M": block_m} for name in ("w13", "w2")}
     sorted_ids, expert_of_block, _ = routing_plan(topk_ids, num_experts, block_m, "triton")
     act = dict(activation=fmt.activation, alpha=fmt.swiglu_alpha, limit=fmt.swiglu_limit)
     h = x.new_empty((num_pairs, inter))
@@ -283,7 +284,7 @@ def biased_expert_forward(
     return out
 
 
-_STAGE_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+_STAGE_KEYS = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")
 
 
 @functools.lru_cache(maxsize=64)

@@ -76,17 +76,18 @@ def wave_efficiency(programs: int, programs_per_sm: int = DECODE_PROGRAMS_PER_SM
     return waves / max(1, -(-programs // (programs_per_sm * sms)))
 
 
-def _wave_split(programs: int, k: int, block_k: int) -> int:
-    """w13's SPLIT_K at decode (one launch at every split: the in-kernel fixup reduces). Rule: the smallest split
-    of 1, 2, 4, 8 whose grid (``programs`` x split) fills its waves to >= ``WAVE_FILL`` (else the fullest), with
+def wave_split(programs: int, k: int, block_k: int, programs_per_sm: int = DECODE_PROGRAMS_PER_SM) -> int:
+    """A decode SPLIT_K of the expert GEMMs whose in-kernel fixup reduces (one launch at every split: AWQ w13,
+    the biased AWQ stages, both MXFP4 stages). Rule: the smallest split of 1, 2, 4, 8 whose grid (``programs`` x
+    split) fills its waves of ``programs_per_sm`` x ``SMS`` to >= ``WAVE_FILL`` (else the fullest), with
     >= 2 K tiles per split. Splitting keeps the warp-instructions per weight (the same loop), so only the waves
     change: Mixtral-8x7B T = 1 has 448 programs at 3 per SM, 1.13 waves (57 %): split 4 makes 4.53 (91 %);
     T = 2: split 2 (2.26 -> 4.53 waves); T >= 4: 1792 programs, 4.53 waves already: split 1."""
-    best, best_eff = 1, wave_efficiency(programs)
+    best, best_eff = 1, wave_efficiency(programs, programs_per_sm)
     for split in (1, 2, 4, 8):
         if split > 1 and k // split < 2 * block_k:
             break
-        eff = wave_efficiency(programs * split)
+        eff = wave_efficiency(programs * split, programs_per_sm)
         if eff >= WAVE_FILL:
             return split
         if eff > best_eff:
@@ -122,7 +123,7 @@ def default_config(
         bm = 128
         tile = {**GEMM_DEFAULTS, "BLOCK_K": min(64, bk_cap), "GROUP_M": 8, "num_warps": 8, "SCALE_IN_A": 1}
     active = min(num_experts, m * top_k)
-    w13 = {**tile, "SPLIT_K": _wave_split(active * -(-2 * n // tile["BLOCK_N"]), k, tile["BLOCK_K"]) if bm <= 16
+    w13 = {**tile, "SPLIT_K": wave_split(active * -(-2 * n // tile["BLOCK_N"]), k, tile["BLOCK_K"]) if bm <= 16
            else 1}
     w2 = {**tile, "SPLIT_K": _split_k(active, k, n, tile["BLOCK_N"], tile["BLOCK_K"]) if bm <= 16 else 1}
     return {"BLOCK_M": bm, "w13": w13, "w2": w2}

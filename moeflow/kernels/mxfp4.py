@@ -22,6 +22,9 @@ W[n-tile, :] @ X^T``, the decoded weight tile is the MMA's register operand and 
 * ``MODE 0`` (w13): weight rows of a tile alternate gate row ``j`` / up row ``I + j`` (the pool keeps gate rows
   first), so one accumulator holds both; epilogue ``+ bias`` and silu or gpt-oss's clamped SwiGLU in fp32 ->
   ``h [P, I]`` by pair. ``MODE 1`` (w2): ``+ bias``, times the fp32 routing weight -> ``out [P, H]``.
+* ``SPLIT_K > 1`` (grid dim 1, whole ``BLOCK_K`` tiles per split): fp32 partials to a workspace, then the serial
+  fixup of :mod:`.triton_experts` (the tile's last program sums the splits in order, adds the bias once, runs
+  the epilogue, resets its counter): one launch per stage at every split. Decode defaults: :func:`stage_configs`.
 * ``BLOCK_K`` divides K (no masks in the loop); rows past N are clamped to N - 1 and never stored; token rows
   past the plan's count read row 0 and are never stored; int32 offsets inside an expert, int64 slot base.
 * bf16 activations: bf16 MMA, fp32 accumulation. fp16 / fp32 activations: the decoded weights and the
@@ -37,9 +40,10 @@ import torch
 import triton
 import triton.language as tl
 
+from moeflow.kernels import configs, workspace
 from moeflow.kernels.mxfp4_reference import BLOCK
 from moeflow.kernels.pool import ExpertPool
-from moeflow.kernels.triton_common import INTERPRETED, block_expert, cdiv, next_pow2, plan_rows
+from moeflow.kernels.triton_common import INTERPRETED, block_expert, cdiv, gemm_epilogue, next_pow2, plan_rows
 
 ACTIVATION_CODES = {"silu": 0, "clamped_swiglu": 1}
 # per stage: weight rows per program, k per iteration (a multiple of 32 that divides K: reduced at launch)
@@ -47,10 +51,44 @@ DEFAULTS = {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1}
 PREFILL_BLOCK_M = 64  # from here on the loop is software-pipelined (cp.async, asynchronous wgmma)
 
 
+# programs of the decode tile (BLOCK_N 128, BLOCK_K 64, 4 warps, 1 stage; with the split-K fixup) one H100 SM
+# holds: benchmarks/results/sass/mxfp4-splitk.json's programs_per_sm (92-96 registers, 18 KB shared memory)
+DECODE_PROGRAMS_PER_SM = 5
+
+
 def stage_defaults(block_m: int) -> dict:
     """Default launch config of one stage: decode loads straight into registers (fewest instructions per weight,
     benchmarks/sass_mxfp4.py); prefill tiles pipeline the loads so the tensor cores run asynchronously."""
     return {**DEFAULTS, "num_stages": 3 if block_m >= PREFILL_BLOCK_M else 1}
+
+
+# decode (w13, w2) splits benchmarks/run_gpu_mxfp4.py --splits times at the default tile (1 / 2 / 4 / 8 each)
+SPLIT_CANDIDATES = tuple((s13, s2) for s13 in (1, 2, 4, 8) for s2 in (1, 2, 4, 8))
+
+
+def stage_configs(tokens: int, num_experts: int, top_k: int, hidden: int, inter: int,
+                  config: dict | None = None) -> dict:
+    """``{"BLOCK_M", "w13", "w2"}`` of one layer: ``config`` over the defaults. At decode (T <= 16) each stage's
+    default ``SPLIT_K`` is the wave rule :func:`moeflow.kernels.configs.wave_split` at ``DECODE_PROGRAMS_PER_SM``
+    over ``min(E, T k)`` plan blocks (one launch per stage at every split: the in-kernel fixup reduces).
+    gpt-oss-120b (H = I = 2880, 128 experts, top-4; 660 program slots): T = 1 w13 180 programs -> split 8
+    (1440 = 2.2 waves, 73 %), w2 92 -> 4 (368, 56 %); T = 2 w13 360 -> 4 (1440, 73 %), w2 184 -> 4 (736, 56 %);
+    T = 4 w13 720 -> 4 (2880, 87 %), w2 368 -> 4 (1472, 74 %); T = 8: w13 1440 -> 2 (2880, 87 %), w2 736 -> 8
+    (5888, 89 %); T = 16: w13 2880 -> 1, w2 1472 -> 4 (5888, 89 %). gpt-oss-20b (32 experts) is the same up to
+    T = 8 (T k <= 32 blocks); T = 16: 32 blocks, as T = 8."""
+    config = config or {}
+    block_m = int(config.get("BLOCK_M", default_block_m(tokens, tokens * top_k, num_experts)))
+    out: dict = {"BLOCK_M": block_m}
+    active = min(num_experts, tokens * top_k)
+    for name, n_out, K in (("w13", inter, hidden), ("w2", hidden, inter)):
+        cfg = {**stage_defaults(block_m), **config.get(name, {})}
+        if "SPLIT_K" not in cfg:
+            bn = int(cfg["BLOCK_N"])
+            tiles = cdiv(n_out, bn // 2 if name == "w13" else bn)
+            cfg["SPLIT_K"] = (configs.wave_split(active * tiles, K, block_k_for(K, int(cfg["BLOCK_K"])),
+                                                 DECODE_PROGRAMS_PER_SM) if tokens <= configs.DECODE_MAX_M else 1)
+        out[name] = cfg
+    return out
 _CODE = -0x7E3F7E40  # 0x81C081C0 as int32: bf16 bits s..e1 e0 m of both halves (15, 8..6 / 31, 24..22)
 
 
@@ -95,12 +133,14 @@ def _mxfp4_gemm_kernel(
     sc_ptr, stride_ss,  # scales uint8 [S, N_w, K/32], rows contiguous
     bias_ptr, stride_bs,  # [S, N_w] (HAS_BIAS)
     c_ptr, stride_cm,  # output by pair: MODE 0 h [P, I], MODE 1 [P, H]
+    ws_ptr, stride_wsp, stride_wsm,  # fp32 split-K partials [SPLIT_K, P, tiles * BLOCK_N] by pair (SPLIT_K > 1)
+    cnt_ptr,  # int32 [>= grid dim 0] arrival counters, zero between launches (SPLIT_K > 1)
     sorted_ptr, eob_ptr, slot_ptr, mask_ptr, weight_ptr,
     num_pairs, N, K, KB, N_UP, alpha, limit,
     TOPK: tl.constexpr, MODE: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, DOT_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
-    CODE: tl.constexpr, FP32_DECODE: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, EVEN_N: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+    DOT_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    DOT_PREC: tl.constexpr, CODE: tl.constexpr, FP32_DECODE: tl.constexpr,
 ):
     # N: weight rows of the stage (MODE 0: 2I, gate rows then up rows; N_UP = I); the tile interleaves them
     pid = tl.program_id(0)
@@ -132,8 +172,15 @@ def _mxfp4_gemm_kernel(
     rk = tl.arange(0, BLOCK_K)
     rj = tl.arange(0, BLOCK_K // 8)
     rb = tl.arange(0, BLOCK_K // 32)
+    if SPLIT_K == 1:
+        k_begin = 0
+        k_end = K
+    else:  # whole BLOCK_K tiles per split (BLOCK_K divides K)
+        k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+        k_begin = tl.program_id(1) * k_per_split
+        k_end = min(k_begin + k_per_split, K)
     acc = tl.zeros([BLOCK_N, DOT_M], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_begin, k_end, BLOCK_K):
         kw = tl.multiple_of(k0 // 8, BLOCK_K // 8)
         w = tl.load(w_rows + (kw + rj)[None, :])  # int32 [BN, BK/8]
         sc = tl.load(s_rows + (k0 // 32 + rb)[None, :]).to(tl.int32)  # e8m0 [BN, BK/32]
@@ -146,27 +193,27 @@ def _mxfp4_gemm_kernel(
         xt = tl.load(a_rows + (k0 + rk)[:, None])  # [BLOCK_K, DOT_M]
         acc = tl.dot(q.to(DOT_DTYPE), xt.to(DOT_DTYPE), acc=acc, input_precision=DOT_PREC)
 
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + slot * stride_bs + rn).to(tl.float32)[:, None]
-    acc = tl.trans(acc)  # [DOT_M, BLOCK_N]
-    if MODE == 0:
-        gate, up = tl.split(tl.reshape(acc, [DOT_M, BLOCK_N // 2, 2]))
-        if ACT == 0:
-            res = gate / (1.0 + tl.exp(-gate)) * up
-        else:  # gpt-oss: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = clamp(gate, max=limit)
-            g = tl.minimum(gate, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-            res = (up + 1.0) * (g / (1.0 + tl.exp(-(g * alpha))))
-        cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        n_out = N_UP
-    else:
-        res = acc
-        if HAS_WEIGHT:
-            res = res * tl.load(weight_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_out = N
-    ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + cols[None, :]
-    tl.store(ptrs, res.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols[None, :] < n_out))
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + slot * stride_bs + rn).to(tl.float32)[:, None]
+        gemm_epilogue(tl.trans(acc), c_ptr, stride_cm, pair, row_ok, pid_n * BLOCK_N, N, weight_ptr, MODE,
+                      HAS_WEIGHT, BLOCK_N, alpha, limit, ACT)
+    else:  # the serial fixup of triton_experts (module doc there): the tile's last program reduces
+        ws = ws_ptr + pair.to(tl.int64)[:, None] * stride_wsm + (pid_n * BLOCK_N + i)[None, :]  # split 0's tile
+        ok = row_ok[:, None]  # the workspace is padded to whole tiles: only rows need a mask
+        tl.store(ws + tl.program_id(1) * stride_wsp, tl.trans(acc), mask=ok)
+        tl.debug_barrier()  # every thread's partial stored before the release below
+        arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:  # the last of the tile's programs: the others' partials are visible
+            tl.debug_barrier()
+            total = tl.zeros([DOT_M, BLOCK_N], dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):  # fixed order: the same bits whoever arrives last
+                total += tl.load(ws + s * stride_wsp, mask=ok, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:  # after the sum: added once
+                total += tl.load(bias_ptr + slot * stride_bs + rn).to(tl.float32)[None, :]
+            gemm_epilogue(total, c_ptr, stride_cm, pair, row_ok, pid_n * BLOCK_N, N, weight_ptr, MODE,
+                          HAS_WEIGHT, BLOCK_N, alpha, limit, ACT)
+            tl.store(cnt_ptr + pid, 0)  # replay-safe: the next launch (stream-ordered) finds it zero
 
 
 def dot_m(block_m: int) -> int:
@@ -226,7 +273,14 @@ def mxfp4_gemm(
         raise ValueError(f"mxfp4_gemm: BLOCK_N must be a power of two >= 16, got {bn}")
     bk = block_k_for(K, int(cfg["BLOCK_K"]))
     tile_cols = bn // 2 if mode == 0 else bn  # output columns one program writes
-    grid = (expert_of_block.shape[0] * cdiv(n_out, tile_cols),)
+    tiles = cdiv(n_out, tile_cols)
+    split = max(1, int(cfg.get("SPLIT_K", 1)))
+    grid = (expert_of_block.shape[0] * tiles, split)
+    if split > 1:  # fp32 partials by pair, padded to whole tiles (no column masks); the counters stay zero
+        ws = torch.empty((split, out.shape[0], tiles * bn), dtype=torch.float32, device=a.device)
+        cnt = workspace.counters(grid[0], a.device)
+    else:
+        ws, cnt = scales, slot_of_expert  # placeholders, never read
     dot_dtype = tl.bfloat16 if a.dtype == torch.bfloat16 and not INTERPRETED else tl.float32
     _mxfp4_gemm_kernel[grid](
         a, a.stride(0),
@@ -234,13 +288,14 @@ def mxfp4_gemm(
         scales, scales.stride(0),
         bias if bias is not None else scales, bias.stride(0) if bias is not None else 0,
         out, out.stride(0),
+        ws, ws.stride(0) if split > 1 else 0, ws.stride(1) if split > 1 else 0, cnt,
         sorted_ids, expert_of_block, slot_of_expert,
         expert_mask if expert_mask is not None else slot_of_expert,
         topk_weights if topk_weights is not None else slot_of_expert,
         out.shape[0], n_w, K, kb, n_w // 2 if mode == 0 else n_w, float(alpha), float(limit),
         TOPK=top_k, MODE=mode, ACT=ACTIVATION_CODES[activation], HAS_BIAS=bias is not None,
         HAS_MASK=expert_mask is not None, HAS_WEIGHT=topk_weights is not None,
-        EVEN_N=n_out % tile_cols == 0, BLOCK_M=block_m, DOT_M=dot_m(block_m), BLOCK_N=bn, BLOCK_K=bk,
+        EVEN_N=n_out % tile_cols == 0, SPLIT_K=split, BLOCK_M=block_m, DOT_M=dot_m(block_m), BLOCK_N=bn, BLOCK_K=bk,
         DOT_DTYPE=dot_dtype, DOT_PREC="ieee" if dot_dtype == tl.float32 else None, CODE=_CODE,
         FP32_DECODE=dot_dtype == tl.float32,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
@@ -260,14 +315,15 @@ def mxfp4_expert_forward(
     config: dict | None = None,
 ) -> torch.Tensor:
     """Plan + w13 stage + w2 stage for the pairs of selected experts (``config``: ``{"BLOCK_M", "w13": {...},
-    "w2": {...}}`` with ``BLOCK_N``, ``BLOCK_K``, ``num_warps``, ``num_stages``; defaults otherwise)."""
+    "w2": {...}}`` with ``BLOCK_N``, ``BLOCK_K``, ``SPLIT_K``, ``num_warps``, ``num_stages``; else
+    :func:`stage_configs`' defaults)."""
     from moeflow.kernels.ops import routing_plan
 
     fmt, t = pool.fmt, pool.tensors
     T, top_k = topk_ids.shape
     num_pairs, num_experts = T * top_k, slot_of_expert.shape[0]
-    config = config or {}
-    block_m = int(config.get("BLOCK_M", default_block_m(T, num_pairs, num_experts)))
+    config = stage_configs(T, num_experts, top_k, fmt.hidden_size, fmt.intermediate_size, config)
+    block_m = config["BLOCK_M"]
     sorted_ids, expert_of_block, _ = routing_plan(topk_ids, num_experts, block_m, "triton")
     h = x.new_empty((num_pairs, fmt.intermediate_size))
     act = dict(activation=getattr(fmt, "activation", "silu"), alpha=getattr(fmt, "swiglu_alpha", 1.702),

@@ -88,3 +88,30 @@ def plan_rows(sorted_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr, DOT_M: tl.con
         row = pair
     row = tl.where(row_ok, row, 0).to(tl.int64)  # padding rows read row 0 and are never stored
     return pair, row_ok, row
+
+
+@triton.jit
+def gemm_epilogue(acc, c_ptr, stride_cm, pair, row_ok, n0, N, weight_ptr,
+                  MODE: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr, alpha, limit, ACT: tl.constexpr):
+    """acc fp32 [M, BLOCK_N] of weight columns n0.. -> MODE 0: silu(gate) * up (ACT 0) or gpt-oss's
+    ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, ``g = clamp(gate, max=limit)`` (ACT 1), columns
+    interleaved, into h[pair, n0/2 ..]; MODE 1: times the pair's routing weight into out[pair, n0 ..]. fp32 until
+    the store. Shared by the AWQ and MXFP4 expert kernels (both store w13's rows gate / up interleaved)."""
+    if MODE == 0:
+        gate, up = tl.split(tl.reshape(acc, [acc.shape[0], BLOCK_N // 2, 2]))
+        if ACT == 0:
+            res = gate / (1.0 + tl.exp(-gate)) * up
+        else:
+            g = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+            res = (up + 1.0) * (g / (1.0 + tl.exp(-(g * alpha))))
+        cols = n0 // 2 + tl.arange(0, BLOCK_N // 2)
+        n_out = N // 2
+    else:
+        res = acc
+        if HAS_WEIGHT:
+            res = res * tl.load(weight_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+        cols = n0 + tl.arange(0, BLOCK_N)
+        n_out = N
+    ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + cols[None, :]
+    tl.store(ptrs, res.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols[None, :] < n_out))

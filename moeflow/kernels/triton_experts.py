@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from moeflow.kernels import workspace
-from moeflow.kernels.triton_common import INTERPRETED, TL_DTYPES, block_expert, cdiv, plan_rows
+from moeflow.kernels.triton_common import INTERPRETED, TL_DTYPES, block_expert, cdiv, gemm_epilogue, plan_rows
 
 
 @triton.jit
@@ -88,7 +88,7 @@ def _expert_gemm_kernel(
     BLOCK_M: tl.constexpr, DOT_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
     bias_ptr=None, stride_bias=0, alpha=1.702, limit=7.0,  # bias [S, N] (kernel row order) or None; ACT 1's knobs
-    ACT: tl.constexpr = 0,  # MODE 0 activation: 0 silu(gate) * up, 1 gpt-oss's clamped SwiGLU (see _epilogue)
+    ACT: tl.constexpr = 0,  # MODE 0 activation: 0 silu(gate) * up, 1 gpt-oss's clamped SwiGLU (see gemm_epilogue)
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -153,8 +153,8 @@ def _expert_gemm_kernel(
     if SPLIT_K == 1:
         if bias_ptr is not None:  # one bias per weight row (w13: interleaved like the rows), added once in fp32
             acc += tl.load(bias_ptr + slot * stride_bias + rn_ld).to(tl.float32)[:, None]
-        _epilogue(tl.trans(acc), c_ptr, stride_cm, pair, row_ok, pid_n * BLOCK_N, N, weight_ptr, MODE, HAS_WEIGHT,
-                  BLOCK_N, alpha, limit, ACT)
+        gemm_epilogue(tl.trans(acc), c_ptr, stride_cm, pair, row_ok, pid_n * BLOCK_N, N, weight_ptr, MODE,
+                      HAS_WEIGHT, BLOCK_N, alpha, limit, ACT)
     else:
         ok = row_ok[:, None] & (rn < N)[None, :]
         ws = ws_ptr + pair.to(tl.int64)[:, None] * N + rn[None, :]  # [DOT_M, BLOCK_N] of split 0
@@ -169,36 +169,9 @@ def _expert_gemm_kernel(
                     total += tl.load(ws + s * stride_wsp, mask=ok, other=0.0, cache_modifier=".cg")
                 if bias_ptr is not None:  # after the sum: added once
                     total += tl.load(bias_ptr + slot * stride_bias + rn_ld).to(tl.float32)[None, :]
-                _epilogue(total, c_ptr, stride_cm, pair, row_ok, pid_n * BLOCK_N, N, weight_ptr, MODE, HAS_WEIGHT,
-                          BLOCK_N, alpha, limit, ACT)
+                gemm_epilogue(total, c_ptr, stride_cm, pair, row_ok, pid_n * BLOCK_N, N, weight_ptr, MODE,
+                              HAS_WEIGHT, BLOCK_N, alpha, limit, ACT)
                 tl.store(cnt_ptr + pid, 0)  # replay-safe: the next launch (stream-ordered) finds it zero
-
-
-@triton.jit
-def _epilogue(acc, c_ptr, stride_cm, pair, row_ok, n0, N, weight_ptr,
-              MODE: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr, alpha, limit, ACT: tl.constexpr):
-    """acc fp32 [M, BLOCK_N] of weight columns n0.. -> MODE 0: silu(gate) * up (ACT 0) or gpt-oss's
-    ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, ``g = clamp(gate, max=limit)`` (ACT 1), columns
-    interleaved, into h[pair, n0/2 ..]; MODE 1: times the pair's routing weight into out[pair, n0 ..]. fp32 until
-    the store."""
-    if MODE == 0:
-        gate, up = tl.split(tl.reshape(acc, [acc.shape[0], BLOCK_N // 2, 2]))
-        if ACT == 0:
-            res = gate / (1.0 + tl.exp(-gate)) * up
-        else:
-            g = tl.minimum(gate, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-            res = (up + 1.0) * (g / (1.0 + tl.exp(-(g * alpha))))
-        cols = n0 // 2 + tl.arange(0, BLOCK_N // 2)
-        n_out = N // 2
-    else:
-        res = acc
-        if HAS_WEIGHT:
-            res = res * tl.load(weight_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-        cols = n0 + tl.arange(0, BLOCK_N)
-        n_out = N
-    ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + cols[None, :]
-    tl.store(ptrs, res.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols[None, :] < n_out))
 
 
 def dot_m(block_m: int) -> int:
