@@ -19,7 +19,7 @@
 #                                                  #   shapes (bf16) vs the fp32 reference, the race harness (NaN-
 #                                                  #   poisoned evicted slots, delayed chunks; a deleted wait_event
 #                                                  #   must be caught), every policy's tokens on streams, CUDA graphs
-#   2. bash benchmarks/run_all_gpu.sh kernels      # ~8 min (limits 330 + 170 s): copy BW, cuBLAS peak, W4A16 MoE at
+#   2. bash benchmarks/run_all_gpu.sh kernels      # ~8 min (limits 330 + 200 s): copy BW, cuBLAS peak, W4A16 MoE at
 #                                                  #   Mixtral 8x7B/8x22B, T = 1..4096 under CUDA-graph replay vs bf16
 #                                                  #   loop and int4pack_mm; then MXFP4 gpt-oss-120b experts, T = 1..512,
 #                                                  #   % of HBM and x bf16 loop (run_gpu_mxfp4.py)
@@ -140,7 +140,8 @@ case "$stage" in
     if "$py" -c "import benchmarks.pytest_jsonl" 2>/dev/null; then plugin=(-p benchmarks.pytest_jsonl); fi
     MOEFLOW_TEST_JSONL="$out/pytest-cuda.jsonl" TRITON_INTERPRET=0 run 470 correctness.log "$py" -m pytest -v -m cuda \
       -p no:cacheprovider "${plugin[@]}" --durations=15 "${per_test[@]}" --junitxml "$out/pytest-cuda.xml" \
-      tests/test_cuda_lane.py tests/test_invariant.py tests/test_compile_cuda_graphs.py tests/test_serve_graphs.py ;;
+      tests/test_cuda_lane.py tests/test_invariant.py tests/test_compile_cuda_graphs.py tests/test_serve_graphs.py \
+      tests/test_cuda_mxfp4_splitk.py ;;
   kernels)
     if [ "${TINY:-0}" = 1 ]; then
       run 300 kernels.log "$py" benchmarks/run_gpu_kernels.py --dry-run --out "$out/kernels.json"
@@ -148,8 +149,10 @@ case "$stage" in
     else
       run 330 kernels.log "$py" benchmarks/run_gpu_kernels.py --shapes mixtral-8x7b,mixtral-8x22b \
         --out "$out/kernels.json" --budget-s 250
-      run 170 kernels.log "$py" benchmarks/run_gpu_mxfp4.py --shapes gpt-oss-120b --out "$out/mxfp4.json" \
-        --budget-s 110
+      # --splits: every (w13, w2) split at T <= 16 beside the wave rule's defaults (session 7; the T = 1 default
+      # went from 180 w13 programs to 1440); the budget stops new points, so T = 512 may be cut (measured before)
+      run 200 kernels.log "$py" benchmarks/run_gpu_mxfp4.py --shapes gpt-oss-120b --splits --out "$out/mxfp4.json" \
+        --budget-s 140
     fi ;;
   tune)
     run 560 tune.log "$py" benchmarks/run_gpu_kernels.py --shapes mixtral-8x7b --tokens 1,4,16 --skip-baselines \
