@@ -42,6 +42,8 @@ FENCES = ("tests/test_fences.py",)
 COUNTS = "tests/test_policy_counts.py"
 BUCKETS = ("tests/test_compile_cuda_graphs.py::"
            "test_lengths_in_one_bucket_replay_one_capture_and_another_bucket_recaptures_into_a_fresh_pool",)
+SPLITK = ("tests/test_splitk_fixup.py",)
+MXFP4_SPLITK = ("tests/test_mxfp4_splitk.py",)
 MUTATIONS = [
     # ---- ordering guards (scripted transport, tests/test_fences.py)
     Mutation("fence-engine-ignores-after", "the copy engine issues a batch without waiting for its tasks' after",
@@ -150,6 +152,14 @@ MUTATIONS = [
     Mutation("graphs-forward-evicts", "a forward() pass replaces the kept cache (the next generate captures again)",
              "self._runner.new_cache(b, t, reuse=False)", "self._runner.new_cache(b, t)",
              BUCKETS),
+    # ---- the split-K fixup (the last program of a tile reduces; session 7): under the interpreter
+    Mutation("splitk-no-reset", "the reducing program leaves its tile's counter set (a replay would reduce early)",
+             "\n                tl.store(cnt_ptr + pid, 0)", "\n                pass", SPLITK),
+    Mutation("mxfp4-splitk-no-reset", "MXFP4: the reducing program leaves its tile's counter set",
+             "\n            tl.store(cnt_ptr + pid, 0)", "\n            pass", MXFP4_SPLITK),
+    # (a first-arriver reducer is not listed: the interpreter runs programs one at a time, so the last one to
+    # reduce always sees every partial and the output is right; only the GPU test with real concurrency,
+    # tests/test_cuda_lane.py section 5, can show it)
 ]
 
 
