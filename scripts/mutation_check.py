@@ -154,9 +154,7 @@ MUTATIONS = [
              BUCKETS),
     # ---- the split-K fixup (the last program of a tile reduces; session 7): under the interpreter
     Mutation("splitk-no-reset", "the reducing program leaves its tile's counter set (a replay would reduce early)",
-             "\n                tl.store(cnt_ptr + pid, 0)", "\n                pass", SPLITK),
-    Mutation("mxfp4-splitk-no-reset", "MXFP4: the reducing program leaves its tile's counter set",
-             "\n            tl.store(cnt_ptr + pid, 0)", "\n            pass", MXFP4_SPLITK),
+             "tl.store(cnt_ptr + pid, 0)", "pass", SPLITK + MXFP4_SPLITK),
     # (a first-arriver reducer is not listed: the interpreter runs programs one at a time, so the last one to
     # reduce always sees every partial and the output is right; only the GPU test with real concurrency,
     # tests/test_cuda_lane.py section 5, can show it)

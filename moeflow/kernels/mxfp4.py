@@ -43,7 +43,15 @@ import triton.language as tl
 from moeflow.kernels import configs, workspace
 from moeflow.kernels.mxfp4_reference import BLOCK
 from moeflow.kernels.pool import ExpertPool
-from moeflow.kernels.triton_common import INTERPRETED, block_expert, cdiv, gemm_epilogue, next_pow2, plan_rows
+from moeflow.kernels.triton_common import (
+    INTERPRETED,
+    block_expert,
+    cdiv,
+    gemm_epilogue,
+    next_pow2,
+    plan_rows,
+    splitk_fixup,
+)
 
 ACTIVATION_CODES = {"silu": 0, "clamped_swiglu": 1}
 # per stage: weight rows per program, k per iteration (a multiple of 32 that divides K: reduced at launch)
@@ -201,19 +209,12 @@ def _mxfp4_gemm_kernel(
     else:  # the serial fixup of triton_experts (module doc there): the tile's last program reduces
         ws = ws_ptr + pair.to(tl.int64)[:, None] * stride_wsm + (pid_n * BLOCK_N + i)[None, :]  # split 0's tile
         ok = row_ok[:, None]  # the workspace is padded to whole tiles: only rows need a mask
-        tl.store(ws + tl.program_id(1) * stride_wsp, tl.trans(acc), mask=ok)
-        tl.debug_barrier()  # every thread's partial stored before the release below
-        arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:  # the last of the tile's programs: the others' partials are visible
-            tl.debug_barrier()
-            total = tl.zeros([DOT_M, BLOCK_N], dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):  # fixed order: the same bits whoever arrives last
-                total += tl.load(ws + s * stride_wsp, mask=ok, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:  # after the sum: added once
-                total += tl.load(bias_ptr + slot * stride_bs + rn).to(tl.float32)[None, :]
-            gemm_epilogue(total, c_ptr, stride_cm, pair, row_ok, pid_n * BLOCK_N, N, weight_ptr, MODE,
-                          HAS_WEIGHT, BLOCK_N, alpha, limit, ACT)
-            tl.store(cnt_ptr + pid, 0)  # replay-safe: the next launch (stream-ordered) finds it zero
+        bias_rows = None
+        if HAS_BIAS:
+            bias_rows = bias_ptr + slot * stride_bs + rn
+        splitk_fixup(tl.trans(acc), ws, stride_wsp, ok, tl.program_id(1), cnt_ptr, pid, bias_rows, c_ptr,
+                     stride_cm, pair, row_ok, pid_n * BLOCK_N, N, weight_ptr, MODE, HAS_WEIGHT, BLOCK_N, alpha, limit,
+                     ACT, SPLIT_K)
 
 
 def dot_m(block_m: int) -> int:

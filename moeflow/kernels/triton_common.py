@@ -115,3 +115,31 @@ def gemm_epilogue(acc, c_ptr, stride_cm, pair, row_ok, n0, N, weight_ptr,
         n_out = N
     ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + cols[None, :]
     tl.store(ptrs, res.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols[None, :] < n_out))
+
+
+@triton.jit
+def splitk_fixup(acc, ws, stride_wsp, ok, split, cnt_ptr, pid, bias_rows, c_ptr, stride_cm, pair, row_ok, n0, N,
+                 weight_ptr, MODE: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr, alpha, limit,
+                 ACT: tl.constexpr, SPLIT_K: tl.constexpr):
+    """The serial split-K fixup of the AWQ and MXFP4 expert kernels: store this program's fp32 partial acc
+    [M, BLOCK_N] at ``ws + split * stride_wsp`` (``ws``: split 0's tile, ``ok`` its store mask), then count the
+    tile's arrivals on ``cnt_ptr + pid``; the last of its ``SPLIT_K`` programs sums the partials in split order
+    (the same bits whoever arrives last), adds the bias (``bias_rows`` [BLOCK_N] pointers, or None) once, runs
+    :func:`gemm_epilogue` and sets the counter back to 0 (a CUDA-graph replay finds it zero).
+
+    Memory order as in CUTLASS's semaphore (``include/cutlass/barrier.h``): a CTA barrier so every thread's
+    partial is stored before one thread's acq_rel GPU-scope atomic (the release); the last arriver's barrier after
+    that atomic (the acquire) orders its threads' ``.cg`` loads (L2, not a stale L1) after the others' stores."""
+    tl.store(ws + split * stride_wsp, acc, mask=ok)
+    tl.debug_barrier()  # every thread's partial stored before the release below
+    arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+    if arrived == SPLIT_K - 1:  # the last of the tile's programs: the others' partials are visible
+        tl.debug_barrier()
+        total = tl.zeros(acc.shape, dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):  # fixed order: the same bits whoever arrives last
+            total += tl.load(ws + s * stride_wsp, mask=ok, other=0.0, cache_modifier=".cg")
+        if bias_rows is not None:  # after the sum: added once
+            total += tl.load(bias_rows).to(tl.float32)[None, :]
+        gemm_epilogue(total, c_ptr, stride_cm, pair, row_ok, n0, N, weight_ptr, MODE, HAS_WEIGHT, BLOCK_N,
+                      alpha, limit, ACT)
+        tl.store(cnt_ptr + pid, 0)  # replay-safe: the next launch (stream-ordered) finds it zero

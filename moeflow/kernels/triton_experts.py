@@ -39,7 +39,15 @@ import triton
 import triton.language as tl
 
 from moeflow.kernels import workspace
-from moeflow.kernels.triton_common import INTERPRETED, TL_DTYPES, block_expert, cdiv, gemm_epilogue, plan_rows
+from moeflow.kernels.triton_common import (
+    INTERPRETED,
+    TL_DTYPES,
+    block_expert,
+    cdiv,
+    gemm_epilogue,
+    plan_rows,
+    splitk_fixup,
+)
 
 
 @triton.jit
@@ -158,20 +166,15 @@ def _expert_gemm_kernel(
     else:
         ok = row_ok[:, None] & (rn < N)[None, :]
         ws = ws_ptr + pair.to(tl.int64)[:, None] * N + rn[None, :]  # [DOT_M, BLOCK_N] of split 0
-        tl.store(ws + pid_k * stride_wsp, tl.trans(acc), mask=ok)
         if FIXUP:
-            tl.debug_barrier()  # every thread's partial stored before the release below
-            arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLIT_K - 1:  # the last of the tile's programs: the others' partials are visible
-                tl.debug_barrier()
-                total = tl.zeros([DOT_M, BLOCK_N], dtype=tl.float32)
-                for s in tl.static_range(SPLIT_K):  # fixed order: the same bits whoever arrives last
-                    total += tl.load(ws + s * stride_wsp, mask=ok, other=0.0, cache_modifier=".cg")
-                if bias_ptr is not None:  # after the sum: added once
-                    total += tl.load(bias_ptr + slot * stride_bias + rn_ld).to(tl.float32)[None, :]
-                gemm_epilogue(total, c_ptr, stride_cm, pair, row_ok, pid_n * BLOCK_N, N, weight_ptr, MODE,
-                              HAS_WEIGHT, BLOCK_N, alpha, limit, ACT)
-                tl.store(cnt_ptr + pid, 0)  # replay-safe: the next launch (stream-ordered) finds it zero
+            bias_rows = None
+            if bias_ptr is not None:
+                bias_rows = bias_ptr + slot * stride_bias + rn_ld
+            splitk_fixup(tl.trans(acc), ws, stride_wsp, ok, pid_k, cnt_ptr, pid, bias_rows, c_ptr, stride_cm, pair,
+                         row_ok, pid_n * BLOCK_N, N, weight_ptr, MODE, HAS_WEIGHT, BLOCK_N, alpha, limit, ACT,
+                         SPLIT_K)
+        else:  # partials for the combine to sum (w2)
+            tl.store(ws + pid_k * stride_wsp, tl.trans(acc), mask=ok)
 
 
 def dot_m(block_m: int) -> int:
