@@ -239,12 +239,10 @@ def test_cuda_graphs_true_needs_a_captured_model():
         model.close()
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (real graph capture)")
-@pytest.mark.parametrize("policy", ["resident", "lru"])
-def test_captured_engine_gives_the_eager_engines_tokens_on_a_gpu(policy):
-    load = dict(device="cuda", dtype=torch.float16, kernels="auto",
-                offload=OffloadConfig(policy=policy, gpu_expert_slots=None if policy == "resident" else 8))
+def eager_and_captured_on_a_gpu(offload: OffloadConfig, warm_up: bool = False):
+    """PLAN through the engine of an eager model, then of one with CUDA graphs (fp16, compiled kernels):
+    (eager tokens, captured tokens, the captured run's decode views, its CudaGraphDecode)."""
+    load = dict(device="cuda", dtype=torch.float16, kernels="auto", offload=offload)
     ref = MoEOffloadedMixtral.from_pretrained(MODEL, **load, cuda_graphs=False)
     try:
         want, _ = run_engine(ref, cuda_graphs=None)
@@ -252,10 +250,18 @@ def test_captured_engine_gives_the_eager_engines_tokens_on_a_gpu(policy):
         ref.close()
     model = MoEOffloadedMixtral.from_pretrained(MODEL, **load, cuda_graphs=True)
     try:
-        got, views = run_engine(model, cuda_graphs=None)
-        graphs = model.runner.decode_fn
+        got, views = run_engine(model, cuda_graphs=None, warm_up=warm_up)
+        return want, got, views, model.runner.decode_fn
     finally:
         model.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (real graph capture)")
+@pytest.mark.parametrize("policy", ["resident", "lru"])
+def test_captured_engine_gives_the_eager_engines_tokens_on_a_gpu(policy):
+    want, got, views, graphs = eager_and_captured_on_a_gpu(
+        OffloadConfig(policy=policy, gpu_expert_slots=None if policy == "resident" else 8))
     assert graphs.refused is None, graphs.refused
     assert got == want
     assert {1, 4, 8} <= {b for b, _ in views} and graphs.captures == len(set(views)) < len(views)
@@ -265,18 +271,7 @@ def test_captured_engine_gives_the_eager_engines_tokens_on_a_gpu(policy):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (real graph capture)")
 def test_warmed_up_engine_captures_only_beyond_the_first_key_bucket_on_a_gpu():
     """After warm_up (batch sizes 1, 2, 4, 8 at 256 keys) only the 512-key passes of PLAN's long request capture."""
-    load = dict(device="cuda", dtype=torch.float16, kernels="auto", offload=LRU)
-    ref = MoEOffloadedMixtral.from_pretrained(MODEL, **load, cuda_graphs=False)
-    try:
-        want, _ = run_engine(ref, cuda_graphs=None)
-    finally:
-        ref.close()
-    model = MoEOffloadedMixtral.from_pretrained(MODEL, **load, cuda_graphs=True)
-    try:
-        got, views = run_engine(model, cuda_graphs=None, warm_up=True)
-        graphs = model.runner.decode_fn
-    finally:
-        model.close()
+    want, got, views, graphs = eager_and_captured_on_a_gpu(LRU, warm_up=True)
     assert graphs.refused is None, graphs.refused
     assert got == want
     assert graphs.captures == 4 + len({v for v in views if v[1] > 256})

@@ -23,6 +23,18 @@ def kv_bytes_per_row(num_layers: int, kv_heads: int, head_dim: int, max_len: int
     return 2 * num_layers * kv_heads * max_len * head_dim * torch.tensor([], dtype=dtype).element_size()
 
 
+def slot_attention_mask(cache_position: torch.Tensor, valid: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+    """Boolean mask [B, 1, T, key_len] from each token's position (cache_position int64 [B, T]) and its row's valid
+    keys (valid bool [B, 1, key_len]): causal, sliding-window when configured, and a query always sees its own key
+    (so a padding query's row is never empty)."""
+    keys = torch.arange(valid.shape[-1], device=cache_position.device)
+    q = cache_position[:, :, None]  # [B, T, 1]
+    allowed = (keys <= q) & valid
+    if sliding_window is not None:
+        allowed = allowed & (q - keys < sliding_window)
+    return (allowed | (keys == q))[:, None]
+
+
 class SlotKVCache:
     """Keys/values [L, rows, kv_heads, max_len, D] plus ``valid`` bool [rows, max_len] and a free-row list."""
 
@@ -123,13 +135,8 @@ class SlotBatch:
 
     def attention_mask(self, cache_position: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
         """Boolean mask [B, 1, T, key_len]: causal per row, padding-aware, sliding-window when configured."""
-        keys = torch.arange(self.key_len, device=self.rows.device)
-        q = self.cache_position[:, :, None]  # [B, T, 1]
         valid = self.parent.valid[self._read_rows][:, None, : self.key_len]  # [B, 1, key_len]
-        allowed = (keys <= q) & valid
-        if sliding_window is not None:
-            allowed = allowed & (q - keys < sliding_window)
-        return (allowed | (keys == q))[:, None]
+        return slot_attention_mask(self.cache_position, valid, sliding_window)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, cache_position: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,13 +182,8 @@ class SlotDecodeView:
 
     def attention_mask(self, cache_position: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
         """Boolean mask [batch, 1, 1, key_len] (cache_position int64 [batch, 1]): as :class:`SlotBatch`'s."""
-        keys = torch.arange(self.key_len, device=cache_position.device)
-        q = cache_position[:, :, None]  # [B, 1, 1]
         valid = self.parent.valid[:, : self.key_len].index_select(0, self.rows)[:, None]  # [B, 1, key_len]
-        allowed = (keys <= q) & valid
-        if sliding_window is not None:
-            allowed = allowed & (q - keys < sliding_window)
-        return (allowed | (keys == q))[:, None]
+        return slot_attention_mask(cache_position, valid, sliding_window)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, cache_position: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
