@@ -84,6 +84,8 @@ def test_mxfp4_stale_counters_would_show():
     """The counters decide who reduces: one left non-zero makes the first arriver reduce too early."""
     pool, ids, w, x, slots = setup(False, seed=3)
     good = mxfp4.mxfp4_expert_forward(x, ids, w, pool, slots, torch.zeros(T * K, H), config=cfg(2))
+    # other inputs through the same (reused) partials buffer: a too-early reducer must not find good's partials
+    mxfp4.mxfp4_expert_forward(x + 1.0, ids, w, pool, slots, torch.zeros(T * K, H), config=cfg(2))
     workspace.counters(1, CPU)[:16] = 1
     try:
         bad = mxfp4.mxfp4_expert_forward(x, ids, w, pool, slots, torch.zeros(T * K, H), config=cfg(2))

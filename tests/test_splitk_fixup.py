@@ -60,7 +60,7 @@ def w13_reference(pool, ids, x, bias: bool) -> torch.Tensor:
     return (up + 1) * gate * torch.sigmoid(gate * alpha)
 
 
-def launch(mode: int, pool, ids, a, split: int, bias: bool, w=None, block_n: int = 64) -> torch.Tensor:
+def launch(mode: int, pool, ids, a, split: int, bias: bool, w=None, block_n: int = 64, ws=None) -> torch.Tensor:
     """One expert_gemm launch (MODE 0 w13 or MODE 1 w2) over the plan of ``ids`` with ``SPLIT_K = split``."""
     name = "w13" if mode == 0 else "w2"
     t = pool.tensors
@@ -71,7 +71,8 @@ def launch(mode: int, pool, ids, a, split: int, bias: bool, w=None, block_n: int
     act = dict(activation=pool.fmt.activation, alpha=pool.fmt.swiglu_alpha, limit=pool.fmt.swiglu_limit)
     expert_gemm(mode, a, (t[f"{name}_qweight"], t[f"{name}_qzeros"], t[f"{name}_scales"]), out, sorted_ids, eob,
                 torch.arange(E, dtype=torch.int32), None, None if w is None else w.reshape(-1), P,
-                K if mode == 0 else 1, G, cfg, bias=t[f"{name}_bias"] if bias else None, **(act if mode == 0 else {}))
+                K if mode == 0 else 1, G, cfg, bias=t[f"{name}_bias"] if bias else None, ws=ws,
+                **(act if mode == 0 else {}))
     return out
 
 
@@ -121,8 +122,8 @@ def test_stale_counters_would_show():
     pool, ids, _, x = setup("silu", seed=3)
     good = launch(0, pool, ids, x, 2, False)
     workspace.counters(1, CPU)[:8] = 1
-    try:
-        bad = launch(0, pool, ids, x, 2, False)
+    try:  # partials poisoned with NaN: a too-early reducer must not find good's partials left in reused memory
+        bad = launch(0, pool, ids, x, 2, False, ws=torch.full((2, ids.numel(), 2 * I), float("nan")))
     finally:
         workspace.counters(1, CPU).zero_()
     assert not torch.equal(good.nan_to_num(), bad.nan_to_num())
