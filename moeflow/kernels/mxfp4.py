@@ -279,7 +279,7 @@ def mxfp4_gemm(
     grid = (expert_of_block.shape[0] * tiles, split)
     if split > 1:  # fp32 partials by pair, padded to whole tiles (no column masks); the counters stay zero
         # a reused buffer (no allocation per call); w13 and w2 share it: stream order keeps their launches apart
-        ws = workspace.scratch("mxfp4_partials", (split, out.shape[0], tiles * bn), torch.float32, a.device)
+        ws = workspace.scratch(workspace.SPLIT_K_PARTIALS, (split, out.shape[0], tiles * bn), torch.float32, a.device)
         cnt = workspace.counters(grid[0], a.device)
     else:
         ws, cnt = scales, slot_of_expert  # placeholders, never read

@@ -197,7 +197,7 @@ def expert_gemm(
     top_k: int,
     group_size: int,
     cfg: dict,
-    ws: torch.Tensor | None = None,  # fp32 [SPLIT_K, P, N] scratch for the partials (allocated when None)
+    ws: torch.Tensor | None = None,  # fp32 [SPLIT_K, P, N] for the partials (None: a workspace buffer)
     reduce: bool = True,  # SPLIT_K > 1: the in-kernel fixup sums the splits (False: the caller sums ``ws``, e.g.
     # the combine; MODE 1 without bias only)
     bias: torch.Tensor | None = None,  # [S, N] per weight row in kernel order (w13: interleaved), added once
@@ -219,8 +219,8 @@ def expert_gemm(
     act = {"silu": 0, "clamped_swiglu": 1}[activation]
     if split_k > 1 and not reduce and (mode == 0 or bias is not None):
         raise ValueError("expert_gemm: reduce=False (the caller sums the partials) is for MODE 1 without a bias")
-    if split_k > 1 and ws is None:
-        ws = torch.empty((split_k, num_pairs, N), dtype=torch.float32, device=a.device)
+    if split_k > 1 and ws is None:  # a reused buffer: no allocation per call (launches on a stream never overlap)
+        ws = workspace.scratch(workspace.SPLIT_K_PARTIALS, (split_k, num_pairs, N), torch.float32, a.device)
     elif split_k == 1:
         ws = out
     z, s = (qzeros, scales) if awq else (qweight, qweight)

@@ -61,6 +61,7 @@ def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch
     return view
 
 
+SPLIT_K_PARTIALS = "split_k_partials"  # scratch name of the expert kernels' fp32 split-K partials
 MIN_COUNTERS = 4096  # the first counter buffer's size: every decode grid fits, so none grows on the hot path
 
 
