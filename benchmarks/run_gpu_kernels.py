@@ -11,11 +11,18 @@ T = 4096 target), and the speed ratio to (a) a per-expert loop of bf16 torch mat
 and (c) at T = 1, torch's own ``_weight_int4pack_mm`` on the same expert. ``--tune`` times the candidates of
 ``moeflow.kernels.configs.tuning_candidates`` (no BLOCK_K above the group) under CUDA-graph replay. Raw times
 (seconds, every repetition) are kept in the JSON. Nothing here asserts on time.
+
+Layouts (T <= 64, unless ``--no-layouts``): the same forward with the experts' qweights in the pool's former
+row-major layout (``[N, K/8]``, one K iteration reading BLOCK_N runs of 64 bytes 2-7 KiB apart), read by the
+same kernel through strides (``pool.rows_as_panels``), against today's panel-major layout (one contiguous
+range per iteration): ``panel_speedup`` = row-major time / panel time, outputs bitwise equal
+(``layouts_equal``).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime as _dt
 import json
 import platform
@@ -46,7 +53,7 @@ from gpu_timing import (  # noqa: E402
 
 from moeflow import kernels  # noqa: E402
 from moeflow.kernels import configs as kcfg  # noqa: E402
-from moeflow.kernels.pool import ExpertFormat, ExpertPool  # noqa: E402
+from moeflow.kernels.pool import ExpertFormat, ExpertPool, awq_panel, qweight_rows, rows_as_panels  # noqa: E402
 from moeflow.kernels.reference import dequantize_kernel_layout  # noqa: E402
 
 SHAPES = {  # name: (hidden, intermediate, experts, top_k)
@@ -56,6 +63,7 @@ SHAPES = {  # name: (hidden, intermediate, experts, top_k)
 }
 TOKENS = (1, 2, 4, 8, 16, 64, 512, 4096)  # issue 12
 GROUP = 128
+LAYOUT_MAX_T = 64  # the memory-bound range where the weights' layout decides the speed
 
 # ---------------------------------------------------------------------------------------------------------
 # builders
@@ -137,6 +145,34 @@ def int4pack_expert(pool: ExpertPool, slot: int, inter: int):
     return fn
 
 
+def row_major_pool(pool: ExpertPool) -> ExpertPool:
+    """The same experts with both qweights in the former row-major layout ``[S, N, K/8]`` (a copy), viewed as
+    panels: the kernels read them by strides."""
+    alt = copy.copy(pool)
+    alt.tensors = dict(pool.tensors)
+    for name in ("w13_qweight", "w2_qweight"):
+        alt.tensors[name] = rows_as_panels(qweight_rows(pool.tensors[name]), awq_panel(pool.fmt.group_size))
+    alt.checked = True
+    return alt
+
+
+def layout_point(res: dict, ours, x, ids, w, pool: ExpertPool, slot, backend: str, dev: str, reps: int,
+                 cache: dict, key) -> None:
+    """Time the same forward on the row-major qweights (see the module doc); adds the keys to ``res``."""
+    if ("rows", key) not in cache:
+        cache[("rows", key)] = row_major_pool(pool)
+    rows = cache[("rows", key)]
+
+    def theirs():
+        return kernels.moe_forward(x, ids, w, rows, slot, backend, validate=False)
+
+    res["layouts_equal"] = bool(torch.equal(ours(), theirs()))
+    timed = time_ours(theirs, dev, reps)
+    res["row_major_times_s"] = timed.get("ours_graph_times_s") or timed["ours_times_s"]
+    res["row_major_s"] = timed["ours_s"]
+    res["panel_speedup"] = timed["ours_s"] / res["ours_s"]
+
+
 def bench_point(name: str, T: int, args, dense_cache: dict, copy_bw: float, cublas_cache: dict) -> dict:
     H, I, E, k = SHAPES[name]  # noqa: E741
     dev, dtype = args.device, args.dtype
@@ -161,6 +197,11 @@ def bench_point(name: str, T: int, args, dense_cache: dict, copy_bw: float, cubl
     res["bytes_per_s"] = res["total_bytes"] / t_ours
     res["frac_of_copy_bw"] = res["bytes_per_s"] / copy_bw
     res["tflops"] = flops / t_ours / 1e12
+    if args.layouts and T <= LAYOUT_MAX_T:
+        try:
+            layout_point(res, ours, x, ids, w, pool, slot, backend, dev, reps, dense_cache, name)
+        except Exception as exc:  # record, do not fail the run
+            res["layouts_error"] = repr(exc)
 
     # bf16 cuBLAS of the same work: the two dense GEMMs with all T*k rows
     key = (name, T)
@@ -269,6 +310,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true", help="tiny shape, T=1,4,16, few reps (runs on a CPU)")
     p.add_argument("--tune", action="store_true", help="sweep configs and write a config table (GPU only)")
     p.add_argument("--tune-out", default=None, help="table path (default moeflow/kernels/configs/<device>.json)")
+    p.add_argument("--no-layouts", dest="layouts", action="store_false",
+                   help="skip timing the former row-major qweight layout beside the panel layout (T <= 64)")
     a = p.parse_args(argv)
     if a.dry_run:
         a.shapes, a.tokens, a.quick = "tiny", "1,4,16", True
@@ -287,18 +330,18 @@ def markdown_table(results: list[dict], copy_bw: float, peak_tflops: float) -> s
         f"device-copy bandwidth: {copy_bw / 1e9:.0f} GB/s; bf16 cuBLAS 8192^3: {peak_tflops:.0f} TFLOP/s",
         "",
         "| shape | T | ours (us) | GB/s | % copy BW | TFLOP/s | % cuBLAS bf16 | x vs bf16 loop | x vs dequant+mm "
-        "| x vs int4pack_mm |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| x vs int4pack_mm | panel / row-major layout |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['shape']} | {r['T']} | error: {r['error'][:60]} ||||||||")
+            lines.append(f"| {r['shape']} | {r['T']} | error: {r['error'][:60]} |||||||||")
             continue
         lines.append(
             f"| {r['shape']} | {r['T']} | {r['ours_s'] * 1e6:.1f} | {r['bytes_per_s'] / 1e9:.0f} | "
             f"{100 * r['frac_of_copy_bw']:.0f} | {r['tflops']:.1f} | {100 * r['frac_of_cublas']:.0f} | "
             f"{r.get('speedup_vs_loop', float('nan')):.2f} | {r.get('speedup_vs_dequant_matmul', float('nan')):.2f} | "
-            f"{r.get('speedup_vs_int4pack_mm', float('nan')):.2f} |"
+            f"{r.get('speedup_vs_int4pack_mm', float('nan')):.2f} | {r.get('panel_speedup', float('nan')):.2f} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -207,6 +207,7 @@ def moe_layer_launches(model: str, T: int, cfg: dict | None = None, dtype: torch
 def awq_linear_launches(n: int, k: int, T: int, group: int = 128, dtype: torch.dtype = torch.bfloat16) -> list[dict]:
     """Compile ``awq_linear`` (published AWQ layout) for [T, k] @ [k, n]."""
     from moeflow.kernels import configs, ops
+    from moeflow.kernels.pool import awq_panel
 
     cfg = configs.default_config("linear", T, 1, 1, n, k, group)
     x = torch.empty((T, k), dtype=dtype)
@@ -219,7 +220,8 @@ def awq_linear_launches(n: int, k: int, T: int, group: int = 128, dtype: torch.d
     rows = [_row(c, f"linear-{k}x{n}", T, "awq_linear", cfg["BLOCK_M"], wcfg) for c in found]
     pcfg = configs.packed_linear_config(T, n, k, group)
     with compile_only() as found:  # the same matrix packed for the expert kernel (kernels.pack_awq_linear)
-        ops.linear_packed_eager(x, torch.empty((n, k // 8), dtype=torch.int32), z, s, group, pcfg, ops.fresh)
+        qw = torch.empty((k // awq_panel(group), n, awq_panel(group) // 8), dtype=torch.int32)
+        ops.linear_packed_eager(x, qw, z, s, group, pcfg, ops.fresh)
     return rows + [_row(c, f"linear-{k}x{n}", T, "awq_linear_packed" if "gemm" in c.name else c.name.strip("_"),
                         pcfg["BLOCK_M"], pcfg) for c in found]
 

@@ -12,7 +12,7 @@ from test_kernels import _check_plan_invariants, _pool, assert_close, make_pool,
 
 from moeflow import kernels
 from moeflow.kernels import ops, workspace
-from moeflow.kernels.pool import ExpertFormat
+from moeflow.kernels.pool import ExpertFormat, awq_panel, qweight_rows
 from moeflow.kernels.reference import (
     combine_partials_reference,
     combine_reference,
@@ -47,14 +47,23 @@ def test_layout_round_trip_is_bit_exact_and_keeps_the_bytes(H, I, g, dtype):  # 
         assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
     published = sum(t.numel() * t.element_size() for t in src.values())
     assert published <= fmt.nbytes <= published * 1.01 + 6 * 256  # same bytes, up to the 256-byte alignment
-    # the documented layout: nibble i of word (n, j) is q[8j + i, column], w13 columns interleaved gate / up
+    # the documented layout: nibble i of word (p, n, j) is q[pP + 8j + i, column] with P the group (<= 128),
+    # w13 columns interleaved gate / up
     q = unpack_int4(src["w13_qweight"])  # [H, 2I]
-    kq = fmt.views(region.view(1, -1))["w13_qweight"][0]  # [2I, H/8]
+    kq = fmt.views(region.view(1, -1))["w13_qweight"][0]  # [H/P, 2I, P/8]
+    P = awq_panel(g)
+    assert P == g and tuple(kq.shape) == (H // P, 2 * I, P // 8) and kq.is_contiguous()
     gen = torch.Generator().manual_seed(0)
-    for _ in range(20):
-        n, j, i = (int(torch.randint(0, m, (1,), generator=gen)) for m in (2 * I, H // 8, 8))
+    for _ in range(40):
+        p, n, j, i = (int(torch.randint(0, m, (1,), generator=gen)) for m in (H // P, 2 * I, P // 8, 8))
         col = n // 2 + (I if n % 2 else 0)
-        assert (int(kq[n, j]) >> (4 * i)) & 0xF == int(q[8 * j + i, col])
+        assert (int(kq[p, n, j]) >> (4 * i)) & 0xF == int(q[p * P + 8 * j + i, col])
+    # one kernel K iteration (BLOCK_N rows x one panel) is one contiguous byte range: rows P/2 bytes apart
+    assert kq.stride(1) == P // 8 and kq.stride(0) == 2 * I * P // 8
+    # qweight_rows: the [N, K/8] view of the same nibbles
+    rows = qweight_rows(kq)
+    assert tuple(rows.shape) == (2 * I, H // 8)
+    assert torch.equal(rows[:, P // 8:2 * P // 8] if H // P > 1 else rows, kq[1] if H // P > 1 else kq[0])
 
 
 def test_dense_layout_round_trip_and_write_errors():

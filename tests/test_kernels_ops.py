@@ -289,6 +289,8 @@ def test_run_gpu_kernels_dry_run(tmp_path):
     assert data["meta"]["dry_run"] and len(data["results"]) == 3 == len(report["results"])
     r = data["results"][0]
     assert {"ours_s", "bytes_per_s", "frac_of_copy_bw", "tflops", "frac_of_cublas", "config"} <= set(r)
+    # the former row-major qweight layout, timed beside the panel layout, gives the same output
+    assert all(r["layouts_equal"] and r["panel_speedup"] > 0 for r in data["results"])
     assert "| tiny | 1 |" in out.with_suffix(".md").read_text()
 
 

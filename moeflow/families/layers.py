@@ -81,7 +81,7 @@ class AWQLinear(nn.Module):
 
     def use_kernels(self, backend: str) -> None:
         """Pick the kernels once the weights are loaded. The Triton path repacks them here, once, into the expert
-        kernels' K-contiguous layout (``kernels.pack_awq_linear``: exact, the same bytes) instead of per call."""
+        kernels' panel-major layout (``kernels.pack_awq_linear``: exact, the same bytes) instead of per call."""
         self.kernels_backend = backend
         if not self.packed and kernels.resolve_backend(backend, self.qweight.device) == "triton":
             for name, tensor in kernels.pack_awq_linear(self.qweight, self.qzeros, self.scales).items():
@@ -113,8 +113,9 @@ def fuse_awq_linears(linears: list[nn.Module]) -> AWQLinear | None:
     Exact per output column: concatenating along N keeps each column's weights, zeros, scales and bias, so a
     column is computed as before whenever the launch config (BLOCK_K, SPLIT_K) is the one the unfused linear got
     (``benchmarks/count_eager_launches.py`` reports it for the families' shapes). Each linear's tensors become
-    views of the fused ones (the memory is held once): ``qweight [N, K/8]`` rows, ``qzeros [K/g, N/8]`` and
-    ``scales [K/g, N]`` columns (row-strided views the packed kernel reads by stride), bias entries."""
+    views of the fused ones (the memory is held once): ``qweight [K/P, N, P/8]`` rows of every panel,
+    ``qzeros [K/g, N/8]`` and ``scales [K/g, N]`` columns (strided views the packed kernel reads by stride),
+    bias entries."""
     if not linears or not all(type(p) is AWQLinear and p.packed for p in linears):
         return None
     first = linears[0]
@@ -124,7 +125,7 @@ def fuse_awq_linears(linears: list[nn.Module]) -> AWQLinear | None:
     with torch.device("meta"):  # every tensor is replaced below: allocate none here
         fused = AWQLinear(first.in_features, sum(p.out_features for p in linears), first.group_size,
                           first.scales.dtype, bias=first.bias is not None)
-    fused.qweight = torch.cat([p.qweight for p in linears])
+    fused.qweight = torch.cat([p.qweight for p in linears], dim=1)
     fused.qzeros = torch.cat([p.qzeros for p in linears], dim=1)
     fused.scales = torch.cat([p.scales for p in linears], dim=1)
     if first.bias is not None:
@@ -133,7 +134,7 @@ def fuse_awq_linears(linears: list[nn.Module]) -> AWQLinear | None:
     start = 0
     for p in linears:
         end = start + p.out_features
-        p.qweight, p.qzeros, p.scales = (fused.qweight[start:end], fused.qzeros[:, start // 8:end // 8],
+        p.qweight, p.qzeros, p.scales = (fused.qweight[:, start:end], fused.qzeros[:, start // 8:end // 8],
                                          fused.scales[:, start:end])
         if p.bias is not None:
             p.bias = nn.Parameter(fused.bias.detach()[start:end], requires_grad=False)

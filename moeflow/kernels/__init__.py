@@ -237,7 +237,7 @@ def _moe_forward_eager(x, topk_ids, topk_weights, pool, slot_of_expert, config, 
 
 def awq_linear(
     x: torch.Tensor,  # [M, K]
-    qweight: torch.Tensor,  # int32 [K, N/8] as published; packed: [N, K/8] (pack_awq_linear)
+    qweight: torch.Tensor,  # int32 [K, N/8] as published; packed: [K/P, N, P/8] (pack_awq_linear)
     qzeros: torch.Tensor,  # int32 [K/g, N/8]
     scales: torch.Tensor,  # [K/g, N]
     group_size: int,
@@ -257,7 +257,8 @@ def awq_linear(
     check_float(x, "x", 2)
     K = x.shape[1]
     if weights_checked:
-        if x.device != qweight.device or qweight.shape[-1 if packed else 0] * (8 if packed else 1) != K:
+        k_of_w = qweight.shape[0] * qweight.shape[-1] * 8 if packed else qweight.shape[0]
+        if x.device != qweight.device or k_of_w != K:
             raise ValueError(f"x {tuple(x.shape)} on {x.device} does not fit weights qweight "
                              f"{tuple(qweight.shape)} on {qweight.device}")
     else:
@@ -281,9 +282,10 @@ def awq_linear(
 
 def pack_awq_linear(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor) -> dict[str, torch.Tensor]:
     """AWQ as published (``qweight int32 [K, N/8]``, ``qzeros [K/g, N/8]``, ``scales [K/g, N]``) -> the kernel
-    layout of :mod:`.pool` (``qweight [N, K/8]`` K-contiguous, natural nibble order): done once at load, for
+    layout of :mod:`.pool` (``qweight [K/P, N, P/8]`` panel-major, natural nibble order): done once at load, for
     :func:`awq_linear` with ``packed=True``. Exact (a permutation of nibbles)."""
     from moeflow.kernels.pool import to_kernel_layout
 
-    return {"qweight": to_kernel_layout("w2_qweight", qweight, 0), "qzeros": to_kernel_layout("w2_qzeros", qzeros, 0),
-            "scales": scales.contiguous()}
+    group_size = qweight.shape[0] // qzeros.shape[0]
+    return {"qweight": to_kernel_layout("w2_qweight", qweight, 0, group_size),
+            "qzeros": to_kernel_layout("w2_qzeros", qzeros, 0), "scales": scales.contiguous()}

@@ -118,7 +118,7 @@ class BiasedExpertFormat(ExpertFormat):
         if self.kind == "awq" and name == "w13_bias":
             return torch.stack(t.chunk(2), dim=1).flatten()
         if self.kind == "awq" and name != "w2_bias":
-            return pool_to_kernel_layout(name, t, self.intermediate_size)
+            return pool_to_kernel_layout(name, t, self.intermediate_size, self.group_size)
         return t
 
     def _from_region(self, name: str, t: torch.Tensor) -> torch.Tensor:

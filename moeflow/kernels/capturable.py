@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moeflow.kernels.pool import ExpertPool
+from moeflow.kernels.pool import ExpertPool, qweight_rows
 from moeflow.kernels.reference import pool_weights
 
 
@@ -26,12 +26,13 @@ def nibble_shifts(device: torch.device) -> torch.Tensor:
 
 def _dequantize(weights: tuple, slot: torch.Tensor, group_size: int, shifts: torch.Tensor) -> torch.Tensor:
     """fp32 W^T [N, K] of the matrix in ``slot`` (int32 [1], on the device): AWQ kernel layout
-    (qweight [S, N, K/8], qzeros [S, K/g, N/8], scales [S, K/g, N]) or dense (w [S, N, K], None, None).
+    (qweight [S, K/P, N, P/8], qzeros [S, K/g, N/8], scales [S, K/g, N]) or dense (w [S, N, K], None, None).
     Bitwise :func:`moeflow.kernels.reference.dequantize_kernel_layout` with no host-side index."""
     qweight, qzeros, scales = weights
     if qzeros is None:
         return qweight.index_select(0, slot)[0].float()
     qw, qz, sc = (t.index_select(0, slot)[0] for t in (qweight, qzeros, scales))
+    qw = qweight_rows(qw)  # [N, K/8]
     n, groups = qw.shape[0], qz.shape[0]
     q = ((qw.unsqueeze(-1) >> shifts) & 0xF).reshape(n, -1)  # [N, K]
     z = ((qz.unsqueeze(-1) >> shifts) & 0xF).reshape(groups, -1)  # [K/g, N]

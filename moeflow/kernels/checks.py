@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from moeflow.kernels.pool import awq_panel
 from moeflow.quant.awq import SUPPORTED_GROUP_SIZES
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -89,10 +90,12 @@ def check_pool_weights(
     qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int, k: int, n: int, prefix: str,
     slots: int, strided_rows: bool = False,
 ) -> None:
-    """AWQ tensors of a [k, n] matrix in the pool's kernel layout (``qweight [S, n, k/8]``, see ``pool.py``);
-    ``strided_rows``: qzeros / scales may be column slices of a wider matrix (the kernel reads rows by stride)."""
+    """AWQ tensors of a [k, n] matrix in the pool's kernel layout (``qweight [S, k/P, n, P/8]``, P =
+    ``awq_panel(group_size)``, see ``pool.py``); ``strided_rows``: qweight / qzeros / scales may be column slices
+    of a wider matrix (the kernel reads panels and rows by stride)."""
     check_group_size(group_size, k, prefix)
-    check_packed(qweight, f"{prefix}qweight", (slots, n, k // 8), torch.int32)
+    p = awq_panel(group_size)
+    check_packed(qweight, f"{prefix}qweight", (slots, k // p, n, p // 8), torch.int32, strided_rows)
     check_packed(qzeros, f"{prefix}qzeros", (slots, k // group_size, n // 8), torch.int32, strided_rows)
     check_packed(scales, f"{prefix}scales", (slots, k // group_size, n), FLOAT_DTYPES, strided_rows)
 

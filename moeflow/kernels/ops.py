@@ -73,7 +73,7 @@ def check_triton_device(t: Tensor) -> None:
 
 def moe_dims(x: Tensor, w13_qweight: Tensor, w13_qzeros: Tensor | None) -> tuple[int, int]:
     """(hidden, intermediate) of the pool (kernel layout: w13 rows = 2I for both kinds)."""
-    return x.shape[1], w13_qweight.shape[1] // 2
+    return x.shape[1], w13_qweight.shape[-2] // 2
 
 
 def resolve_moe_config(x: Tensor, num_experts: int, top_k: int, w13_qzeros: Tensor | None, group_size: int,
@@ -126,7 +126,7 @@ def experts_eager(
     ids, _, sorted_ids, eob, _ = plan
     num_pairs = ids.numel()
     top_k = num_pairs // x.shape[0]
-    inter = w13[0].shape[1] // 2
+    inter = w13[0].shape[-2] // 2
     c13, c2 = {**cfg["w13"], "BLOCK_M": cfg["BLOCK_M"]}, {**cfg["w2"], "BLOCK_M": cfg["BLOCK_M"]}
     dev = x.device
     h = alloc("h", (num_pairs, inter), x.dtype, dev)
@@ -213,7 +213,7 @@ def expert_forward_op(
     check_triton_device(x)
     E, k = slot_of_expert.shape[0], topk_ids.shape[1]
     cfg = (decode_moe_config(config) if config
-           else resolve_moe_config(x, E, k, w13_qzeros, group_size, w13_qweight.shape[1] // 2))
+           else resolve_moe_config(x, E, k, w13_qzeros, group_size, w13_qweight.shape[-2] // 2))
     plan = plan_eager(topk_ids, E, cfg["BLOCK_M"], fresh)
     experts_eager(x, plan, topk_weights, w13, w2, slot_of_expert, expert_mask, group_size, cfg, out, fresh)
 
@@ -269,7 +269,7 @@ def linear_eager(x: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, gro
 
 def linear_packed_eager(x: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, group_size: int,
                         cfg: dict | None, alloc: Alloc) -> Tensor:
-    """x [M, K] @ W with W in the pool's kernel layout (``qweight [N, K/8]``): the expert GEMM, one expert.
+    """x [M, K] @ W with W in the pool's kernel layout (``qweight [K/P, N, P/8]``): the expert GEMM, one expert.
 
     Per call only the launch (a split K is reduced inside it: the fixup): the config comes from a
     cache per (M, N, K, group), the constant plan from a cache per (blocks, device)."""
@@ -307,7 +307,7 @@ def _dense_plan(rows: int, block_m: int, device: torch.device) -> tuple[Tensor, 
 def awq_linear_packed_op(
     x: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, group_size: int, config: list[int], backend: str
 ) -> Tensor:
-    """x [M, K] @ W, W packed by ``kernels.pack_awq_linear`` (``qweight [N, K/8]``) -> [M, N] in x's dtype."""
+    """x [M, K] @ W, W packed by ``kernels.pack_awq_linear`` (``qweight [K/P, N, P/8]``) -> [M, N] in x's dtype."""
     if backend != "triton" or x.shape[0] == 0:
         w_t = ref.dequantize_kernel_layout(qweight, qzeros, scales, group_size)
         return (x.float() @ w_t.T).to(x.dtype)

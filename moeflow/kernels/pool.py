@@ -18,8 +18,13 @@ Loader form (H = hidden, I = intermediate, g = AWQ group size):
 
 Kernel layout (what :meth:`ExpertFormat.views` returns), for a matrix ``y = x @ W`` with W ``[K, N]``:
 
-* ``*_qweight`` int32 ``[N, K/8]``: K-contiguous; nibble ``i`` (bits 4i..4i+3) of word ``(n, j)`` is
-  ``q[8j + i, n]``. A 16-byte load gives one output column 32 consecutive k.
+* ``*_qweight`` int32 ``[K/P, N, P/8]``, panel-major: K is cut into panels of ``P = awq_panel(g)`` (the group,
+  at most 128) and each panel holds every output column's P consecutive k, K-contiguous; nibble ``i`` (bits
+  4i..4i+3) of word ``(p, n, j)`` is ``q[pP + 8j + i, n]``. A 16-byte load gives one output column 32
+  consecutive k, and a kernel tile of BLOCK_N columns x P k (one K iteration) is one contiguous range of
+  ``BLOCK_N * P / 2`` bytes (8 KiB for 128 x 128), where a ``[N, K/8]`` layout would spread it over BLOCK_N
+  runs of P/2 bytes, K/2 bytes apart: whole DRAM pages per iteration instead of 64-byte pieces of each.
+  :func:`qweight_rows` gives the ``[N, K/8]`` view of the same nibbles (a copy) for the references.
 * ``*_qzeros`` int32 ``[K/g, N/8]``: nibble ``i`` of word ``(r, c)`` is the zero of column ``8c + i``.
 * ``*_scales`` ``[K/g, N]`` as published.
 * w13 (and dense ``w13``): gate and up columns interleaved, column ``2j`` is gate j, ``2j + 1`` up j, so one
@@ -34,6 +39,7 @@ from typing import Literal
 import torch
 
 ALIGN = 256  # byte alignment of every tensor inside an expert region (and of the region size)
+MAX_PANEL = 128  # k per qweight panel at most: the decode tile's BLOCK_K (every shipped BLOCK_K divides a panel)
 
 DENSE_NAMES = ("w13", "w2")
 AWQ_NAMES = ("w13_qweight", "w13_qzeros", "w13_scales", "w2_qweight", "w2_qzeros", "w2_scales")
@@ -41,6 +47,28 @@ AWQ_NAMES = ("w13_qweight", "w13_qzeros", "w13_scales", "w2_qweight", "w2_qzeros
 
 def _round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
+
+
+def awq_panel(group_size: int) -> int:
+    """k per panel of the kernel layout's ``qweight``: the largest power of two dividing the AWQ group, at most
+    ``MAX_PANEL`` (the group itself for the usual 32 / 64 / 128). The kernels cap BLOCK_K (a power of two) at
+    the panel, so every K tile lies in one panel."""
+    return min(group_size & -group_size, MAX_PANEL)
+
+
+def rows_as_panels(rows: torch.Tensor, panel: int) -> torch.Tensor:
+    """A row-major ``qweight [..., N, K/8]`` (K-contiguous rows) as a strided ``[..., K/P, N, P/8]`` view the
+    kernels read like the panel-major layout (no copy): the layout the pool had before, kept for the GPU
+    benchmark's side-by-side timing of the two."""
+    *lead, n, words = rows.shape
+    return rows.unflatten(-1, (words // (panel // 8), panel // 8)).transpose(-3, -2)
+
+
+def qweight_rows(qweight: torch.Tensor) -> torch.Tensor:
+    """Kernel-layout ``qweight [..., K/P, N, P/8]`` -> int32 ``[..., N, K/8]`` (word ``(n, j)`` holds
+    k = 8j..8j+7 of column n): a contiguous copy, for the plain-torch references."""
+    *lead, panels, n, words = qweight.shape
+    return qweight.transpose(-3, -2).reshape(*lead, n, panels * words)
 
 
 @dataclass(frozen=True)
@@ -81,11 +109,12 @@ class ExpertFormat:
                     f"AWQ expert format needs hidden ({H}) and intermediate ({I}) sizes divisible by "
                     f"the group size ({g}) and by 8"
                 )
+            p = awq_panel(g)
             shapes = [
-                ("w13_qweight", torch.int32, (2 * I, H // 8)),
+                ("w13_qweight", torch.int32, (H // p, 2 * I, p // 8)),
                 ("w13_qzeros", torch.int32, (H // g, 2 * I // 8)),
                 ("w13_scales", self.dtype, (H // g, 2 * I)),
-                ("w2_qweight", torch.int32, (H, I // 8)),
+                ("w2_qweight", torch.int32, (I // p, H, p // 8)),
                 ("w2_qzeros", torch.int32, (I // g, H // 8)),
                 ("w2_scales", self.dtype, (I // g, H)),
             ]
@@ -146,7 +175,8 @@ class ExpertFormat:
                 raise ValueError(f"expert tensor {name!r} must be int32 (packed AWQ), got {t.dtype}")
         for name, t in tensors.items():
             if name in want:
-                views[name][0].copy_(to_kernel_layout(name, t.to(self.spec(name).dtype), self.intermediate_size))
+                views[name][0].copy_(to_kernel_layout(name, t.to(self.spec(name).dtype), self.intermediate_size,
+                                                      self.group_size))
 
     def loader_tensors(self, region: torch.Tensor) -> dict[str, torch.Tensor]:
         """Exact inverse of :meth:`write`: the loader-form tensors (AWQ as published, or dense) of one region."""
@@ -201,8 +231,9 @@ def _split_halves(t: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat([pairs.select(dim + 1, 0), pairs.select(dim + 1, 1)], dim=dim)
 
 
-def to_kernel_layout(name: str, t: torch.Tensor, inter: int) -> torch.Tensor:
-    """One loader-form tensor -> its kernel layout (see the module docstring)."""
+def to_kernel_layout(name: str, t: torch.Tensor, inter: int, group_size: int | None = None) -> torch.Tensor:
+    """One loader-form tensor -> its kernel layout (see the module docstring); ``group_size`` (AWQ) sets the
+    qweight panel."""
     w13 = name.startswith("w13")
     if name == "w13":
         return _interleave_halves(t, 0)
@@ -217,7 +248,12 @@ def to_kernel_layout(name: str, t: torch.Tensor, inter: int) -> torch.Tensor:
         q = _interleave_halves(q, 1)
     if name.endswith("qzeros"):
         return _pack(q, _NATURAL)
-    return _pack(q.T.contiguous(), _NATURAL)  # qweight: [N, K/8], K-contiguous
+    rows = _pack(q.T.contiguous(), _NATURAL)  # [N, K/8], K-contiguous
+    if group_size is None:
+        raise ValueError(f"to_kernel_layout({name!r}): the AWQ group size sets the qweight panel; none given")
+    n, words = rows.shape
+    p8 = awq_panel(group_size) // 8
+    return rows.view(n, words // p8, p8).transpose(0, 1).contiguous()  # [K/P, N, P/8]
 
 
 def from_kernel_layout(name: str, t: torch.Tensor, inter: int) -> torch.Tensor:
@@ -231,6 +267,8 @@ def from_kernel_layout(name: str, t: torch.Tensor, inter: int) -> torch.Tensor:
         return (_split_halves(t, 1) if w13 else t).contiguous()
     from moeflow.quant.awq import AWQ_ORDER
 
+    if name.endswith("qweight"):
+        t = qweight_rows(t)  # [N, K/8]
     q = _unpack(t, _NATURAL)
     if name.endswith("qweight"):
         q = q.T

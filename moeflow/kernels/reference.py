@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moeflow.kernels.pool import ExpertPool
+from moeflow.kernels.pool import ExpertPool, qweight_rows
 from moeflow.quant.awq import dequantize
 
 
@@ -65,13 +65,14 @@ def route_reference(logits: torch.Tensor, top_k: int, renormalize: bool = True) 
 
 
 def dequantize_kernel_layout(
-    qweight: torch.Tensor,  # int32 [N, K/8] (pool kernel layout, one slot)
+    qweight: torch.Tensor,  # int32 [K/P, N, P/8] (pool kernel layout, one slot)
     qzeros: torch.Tensor,  # int32 [K/g, N/8]
     scales: torch.Tensor,  # [K/g, N]
     group_size: int,
 ) -> torch.Tensor:
     """fp32 W^T [N, K] (``nn.Linear`` orientation) of one matrix in the pool's kernel layout: (q - z) * s."""
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=qweight.device)
+    qweight = qweight_rows(qweight)  # [N, K/8]
     q = ((qweight.unsqueeze(-1) >> shifts) & 0xF).reshape(qweight.shape[0], -1)  # [N, K]
     z = ((qzeros.unsqueeze(-1) >> shifts) & 0xF).reshape(qzeros.shape[0], -1)  # [K/g, N]
     z = z.T.repeat_interleave(group_size, dim=1)

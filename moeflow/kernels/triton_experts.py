@@ -2,7 +2,9 @@
 
 One kernel for every T, operand-swapped: a program computes ``acc [BLOCK_N, DOT_M] = W^T[n-tile, :] @ X^T``,
 so the dequantized weight is the MMA's register operand (A) and the few token rows are its N side (>= 8).
-Weights come in the K-contiguous layout of :mod:`moeflow.kernels.pool` (``qweight [S, N, K/8]``): one 16-byte
+Weights come in the panel-major layout of :mod:`moeflow.kernels.pool` (``qweight [S, K/P, N, P/8]``, read
+by strides, so the former row-major ``[S, N, K/8]`` viewed as panels, ``pool.rows_as_panels``, works too):
+one K iteration of a program reads one contiguous range (BLOCK_N x P/2 bytes at BLOCK_K = P), one 16-byte
 load is one output column's 32 consecutive k, and the whole dequantization of a nibble is one ``LOP3`` (mask |
 ``0x4B000000``, the fp32 of ``2^23 + q * 16^i``) and one ``FFMA`` (times ``16^-i`` minus ``2^(23-4i) + z``),
 which gives ``q - z`` exactly. ``BLOCK_K`` never exceeds the group: one zero/scale row per tile.
@@ -82,14 +84,15 @@ def _dequant_tile(w, z, nib):
 @triton.jit
 def _expert_gemm_kernel(
     a_ptr, stride_am,  # MODE 0: x [T, K] (row = pair // TOPK); MODE 1: h [P, K] (row = pair); last dim contiguous
-    b_ptr, stride_bs, stride_bn,  # AWQ qweight [S, N, K/8] int32, or dense [S, N, K]
+    b_ptr, stride_bs, stride_bn,  # AWQ qweight [S, K/P, N, P/8] int32 (stride_bn: between rows), or dense [S, N, K]
     z_ptr, stride_zs, stride_zg,  # AWQ qzeros [S, K/g, N/8]
     s_ptr, stride_ss, stride_sg,  # AWQ scales [S, K/g, N]
     c_ptr, stride_cm,  # output by pair: MODE 0 h [P, N/2], MODE 1 [P, N]
     ws_ptr, stride_wsp,  # fp32 split-K partials [SPLIT_K, P, N] (rows by pair, row stride N)
     cnt_ptr,  # int32 [>= grid dim 0] arrival counters, zero between launches (FIXUP)
     sorted_ptr, eob_ptr, slot_ptr, mask_ptr, weight_ptr,
-    num_pairs, N, K, num_blocks, nib,
+    num_pairs, N, K, num_blocks, nib, stride_bp,  # stride_bp: between AWQ qweight panels of PANEL k
+    PANEL: tl.constexpr, ROW_WORDS: tl.constexpr,  # AWQ: k per qweight panel, qweight words between rows
     TOPK: tl.constexpr, GROUP: tl.constexpr, AWQ: tl.constexpr, MODE: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_WEIGHT: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_N: tl.constexpr,
     EVEN_K: tl.constexpr, SCALE_IN_A: tl.constexpr, FIXUP: tl.constexpr,
@@ -131,11 +134,17 @@ def _expert_gemm_kernel(
     rk0 = tl.arange(0, BLOCK_K)
     if AWQ:
         rj = tl.arange(0, BLOCK_K // 8)
-        b_rows = b_base + rn_ld[:, None] * stride_bn
+        # a compile-time row stride: P/8 words (4 or 8 for groups of 32 / 64) is not one of the multiples of 16
+        # Triton specializes on, and without it the 16-byte loads would split into single words
+        b_rows = b_base + rn_ld[:, None] * ROW_WORDS
         zc_shift = (rn_ld % 8) * 4
         for k0 in range(k_begin, k_end, BLOCK_K):
-            kw = tl.multiple_of(k0 // 8, BLOCK_K // 8)
-            w = tl.load(b_rows + (kw + rj)[None, :])
+            # BLOCK_K divides PANEL: a tile lies in one panel (at BLOCK_K = PANEL, at its start)
+            if BLOCK_K == PANEL:
+                w = tl.load(b_rows + (k0 // PANEL) * stride_bp + rj[None, :])
+            else:
+                kw = tl.multiple_of((k0 % PANEL) // 8, BLOCK_K // 8)
+                w = tl.load(b_rows + (k0 // PANEL) * stride_bp + (kw + rj)[None, :])
             g = k0 // GROUP
             zw = tl.load(z_base + g * stride_zg + rn_ld // 8)
             z = ((zw >> zc_shift) & 0xF).to(tl.float32)
@@ -185,7 +194,8 @@ def dot_m(block_m: int) -> int:
 def expert_gemm(
     mode: int,
     a: torch.Tensor,  # MODE 0: x [T, K]; MODE 1: h [P, K]
-    weights: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],  # (qweight, qzeros, scales) | (w,)
+    weights: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],  # (qweight [S, K/P, N, P/8], qzeros,
+    # scales) | (w [S, N, K], None, None)
     # of every slot [S, ...], or of one matrix without the slot dim (a dense linear: slot stride 0)
     out: torch.Tensor,  # MODE 0: h [P, N/2]; MODE 1: [P, N]
     sorted_ids: torch.Tensor,  # int32 [n_blocks * block_m]
@@ -212,8 +222,11 @@ def expert_gemm(
     K = a.shape[1]
     N = qweight.shape[-2]  # weight rows (MODE 0: 2I interleaved)
     block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    if awq:
-        block_k = min(block_k, group_size)  # one zero/scale row per tile (the kernel relies on it)
+    panel, stride_bp, row_words = 1, 0, 0
+    if awq:  # qweight [S, K/P, N, P/8] or one matrix [K/P, N, P/8]
+        panel, stride_bp, row_words = qweight.shape[-1] * 8, qweight.stride(-3), qweight.stride(-2)
+        # one zero/scale row and one panel per tile (the kernel relies on both; powers of two: min divides both)
+        block_k = min(block_k, group_size, panel)
     n_blocks = expert_of_block.shape[0]
     split_k = max(1, int(cfg.get("SPLIT_K", 1)))
     act = {"silu": 0, "clamped_swiglu": 1}[activation]
@@ -230,7 +243,7 @@ def expert_gemm(
     grid = (n_blocks * cdiv(N, block_n), split_k)
     fixup = split_k > 1 and reduce
     cnt = workspace.counters(grid[0], a.device) if fixup else sorted_ids  # placeholder when unused
-    one = qweight.dim() == 2  # one matrix: every block reads slot 0, the slot stride is never used
+    one = qweight.dim() == (3 if awq else 2)  # one matrix: every block reads slot 0, the slot stride is unused
     _expert_gemm_kernel[grid](
         a, a.stride(0),
         qweight, 0 if one else qweight.stride(0), qweight.stride(-2),
@@ -241,8 +254,8 @@ def expert_gemm(
         sorted_ids, expert_of_block, slot_of_expert,
         expert_mask if expert_mask is not None else slot_of_expert,
         topk_weights if topk_weights is not None else slot_of_expert,
-        num_pairs, N, K, n_blocks, 0xF,
-        TOPK=top_k, GROUP=group_size if awq else 1, AWQ=awq, MODE=mode,
+        num_pairs, N, K, n_blocks, 0xF, stride_bp,
+        TOPK=top_k, PANEL=panel, ROW_WORDS=row_words, GROUP=group_size if awq else 1, AWQ=awq, MODE=mode,
         HAS_MASK=expert_mask is not None, HAS_WEIGHT=topk_weights is not None, SPLIT_K=split_k,
         EVEN_N=N % block_n == 0, EVEN_K=K % (block_k * split_k) == 0, SCALE_IN_A=bool(cfg.get("SCALE_IN_A", 0)),
         FIXUP=fixup,
