@@ -3,6 +3,7 @@
     python benchmarks/run_gpu_mxfp4.py --out $OUT/mxfp4.json            # gpt-oss-120b experts, T = 1..512
     python benchmarks/run_gpu_mxfp4.py --tiny --out /tmp/mxfp4.json     # tiny shape on the CPU (torch reference)
     python benchmarks/run_gpu_mxfp4.py --splits --tokens 1,4,16 --out $OUT/mxfp4-splits.json  # + every decode split
+    python benchmarks/run_gpu_mxfp4.py --no-layouts ...                 # without the panel / row-major A/B
 
 For every T: one MoE layer of gpt-oss-120b's experts (hidden 2880, intermediate 2880, 128 experts, top-4, MXFP4
 blocks + e8m0 scales, bf16 biases, clamped SwiGLU) through ``moeflow.kernels.moe_forward`` (plan + the w13 and w2
@@ -12,6 +13,12 @@ bandwidth measured in the same run (% of HBM), and the speed ratio to a per-expe
 dense weights of the same shapes (``run_gpu_kernels.per_expert_loop``: SiLU, no biases; the elementwise epilogue
 is noise next to the weight traffic). At T <= 64 the output is checked against the fp32 plain-torch reference on
 the dequantized weights (max abs error and relative Frobenius error are recorded, never asserted).
+
+Layouts (on by default, ``--no-layouts`` skips them): the experts alone (``mxfp4_expert_forward``: plan, w13, w2; no
+combine) timed from the pool's K-panel layout and from a row-major copy of the same weights (the layout before
+panels, read by the same kernel through strides: ``mxfp4.row_major_copy``), both eager and under CUDA-graph replay,
+with the time ratio row-major / panel (> 1: panels are faster) and whether both outputs are bitwise equal. They
+need the Triton kernels: a GPU, or ``--interpret`` on a CPU; with the torch backend the point records why not.
 
 The timing harness (events, CUDA-graph replay, copy bandwidth) is run_gpu_kernels.py's (benchmarks/gpu_timing.py).
 The JSON is rewritten after every point and each point prints one summary line; a failing point is recorded and the
@@ -115,6 +122,8 @@ def bench_point(name: str, T: int, args, cache: dict, copy_bw: float) -> dict:
             timed = time_ours(lambda cfg=cfg: kernels.moe_forward(x, ids, w, pool, slot, backend, config=cfg,
                                                                   validate=False), dev, reps)
             res["split_times_s"][f"{s13}x{s2}"] = timed["ours_s"]
+    if args.layouts:
+        res["layouts"] = layout_ab(name, T, x, ids, w, pool, slot, backend, reps, cache, res["total_bytes"], copy_bw)
     if T <= 64:  # against the fp32 reference on the dequantized weights
         ref = kernels.moe_forward(x.float(), ids, w, pool, slot, "torch", validate=False)
         got = ours().float()
@@ -124,15 +133,47 @@ def bench_point(name: str, T: int, args, cache: dict, copy_bw: float) -> dict:
     return res
 
 
+def layout_ab(name: str, T: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, pool: ExpertPool,
+              slot: torch.Tensor, backend: str, reps: int, cache: dict, total_bytes: int, copy_bw: float) -> dict:
+    """The experts from the pool's K panels and from a row-major copy of them (module doc)."""
+    if backend != "triton":
+        return {"skipped": "the layouts are the Triton kernels' (a GPU, or --interpret on a CPU)"}
+    if ("row_major", name) not in cache:
+        cache[("row_major", name)] = mxfp4.row_major_copy(pool)
+    res: dict = {"timed": "mxfp4_expert_forward: plan + w13 + w2, no combine"}
+    outs = {}
+    for layout, weights in (("panel", None), ("row_major", cache[("row_major", name)])):
+        buf = x.new_empty((ids.numel(), x.shape[1]))
+
+        def experts(weights=weights, buf=buf):
+            return mxfp4.mxfp4_expert_forward(x, ids, w, pool, slot, buf, weights=weights)
+
+        timed = time_ours(experts, x.device.type, reps)
+        res[layout] = {key: timed.get(key) for key in ("ours_s", "ours_eager_s", "timed_as", "ours_graph_error")}
+        res[layout]["frac_of_copy_bw"] = total_bytes / timed["ours_s"] / copy_bw
+        outs[layout] = experts().clone()
+    res["row_major_over_panel"] = res["row_major"]["ours_s"] / res["panel"]["ours_s"]
+    res["row_major_over_panel_eager"] = res["row_major"]["ours_eager_s"] / res["panel"]["ours_eager_s"]
+    res["bitwise_equal"] = bool(torch.equal(outs["panel"], outs["row_major"]))
+    return res
+
+
 def summary(r: dict) -> str:
     """The one line printed per point."""
     if "error" in r:
         return f"mxfp4 {r['shape']} T={r['T']}: error {r['error']}"
     loop = f"{r['speedup_vs_loop']:.2f}x bf16 loop" if "speedup_vs_loop" in r else r.get("loop_error", "no loop")
     err = f", rel err {r['rel_err_vs_fp32']:.1e}" if "rel_err_vs_fp32" in r else ""
+    lay = r.get("layouts", {})
+    if "panel" in lay:
+        lay = (f"; experts: panels {lay['panel']['ours_s'] * 1e6:.1f} us, row-major "
+               f"{lay['row_major']['ours_s'] * 1e6:.1f} us ({lay['row_major_over_panel']:.2f}x"
+               f"{'' if lay['bitwise_equal'] else ', OUTPUTS DIFFER'})")
+    else:
+        lay = f"; layouts skipped: {lay['skipped']}" if "skipped" in lay else ""
     return (f"mxfp4 {r['shape']} T={r['T']}: {r['ours_s'] * 1e6:.1f} us ({r['timed_as']}; eager "
             f"{r['ours_eager_s'] * 1e6:.1f} us), {r['experts_used']} experts, {r['bytes_per_s'] / 1e9:.0f} GB/s = "
-            f"{100 * r['frac_of_copy_bw']:.0f}% of copy BW, {loop}{err}")
+            f"{100 * r['frac_of_copy_bw']:.0f}% of copy BW, {loop}{err}{lay}")
 
 
 def markdown_table(results: list[dict], copy_bw: float) -> str:
@@ -147,6 +188,16 @@ def markdown_table(results: list[dict], copy_bw: float) -> str:
                      f"{r['ours_eager_s'] * 1e6:.1f} | {r['bytes_per_s'] / 1e9:.0f} | "
                      f"{100 * r['frac_of_copy_bw']:.0f} | {r.get('speedup_vs_loop', float('nan')):.2f} | "
                      f"{r.get('rel_err_vs_fp32', float('nan')):.1e} |")
+    ab = [r for r in results if "panel" in r.get("layouts", {})]
+    if ab:  # the experts alone (no combine), K panels against the row-major copy
+        lines += ["", "| shape | T | panels us | row-major us | panels % copy BW | row-major % copy BW | "
+                  "row-major / panels | bitwise equal |", "|---|---|---|---|---|---|---|---|"]
+        for r in ab:
+            lay = r["layouts"]
+            lines.append(f"| {r['shape']} | {r['T']} | {lay['panel']['ours_s'] * 1e6:.1f} | "
+                         f"{lay['row_major']['ours_s'] * 1e6:.1f} | {100 * lay['panel']['frac_of_copy_bw']:.0f} | "
+                         f"{100 * lay['row_major']['frac_of_copy_bw']:.0f} | {lay['row_major_over_panel']:.2f} | "
+                         f"{lay['bitwise_equal']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -155,6 +206,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "mxfp4_kernels.json")
     p.add_argument("--splits", action="store_true", help="at T <= 16 also time every (w13, w2) split of "
                    "moeflow.kernels.mxfp4.SPLIT_CANDIDATES (split_times_s; default_splits: the wave rule's)")
+    p.add_argument("--layouts", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time the experts from the K-panel layout and from a row-major copy (module doc)")
     p.add_argument("--tiny", action="store_true", help="tiny shape, T = 1, 4, 16, few repetitions (runs on a CPU)")
     a = p.parse_args(argv)
     if a.tiny:

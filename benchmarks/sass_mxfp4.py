@@ -2,13 +2,16 @@
 
     python benchmarks/sass_mxfp4.py                       # gpt-oss-120b shapes, one JSON object per line
     python benchmarks/sass_mxfp4.py --out benchmarks/results/sass/mxfp4-after.json
+    python benchmarks/sass_mxfp4.py --layout row-major    # the same kernels reading row-major blocks (strides)
 
 Every launch of ``mxfp4_expert_forward``'s two stages (w13 with bias + clamped SwiGLU, w2 with bias and the
 routing weight) is compiled with the installed Triton and its ptxas through :func:`sass_report.compile_only`
 and reported with the same keys as ``benchmarks/sass_report.py``: registers, spills, shared memory, and
 ``warp_instructions_per_weight`` = hot-loop instructions x warps / weights one iteration consumes
 (``BLOCK_N x BLOCK_K``; a w13 tile's rows are gate and up rows). An H100 issues ~1e12 warp-instructions/s and
-streams ~3.35e12 B/s, so a 4.25-bit weight loop above ~0.15 cannot reach HBM speed. TRITON_INTERPRET must be unset.
+streams ~3.35e12 B/s, so a 4.25-bit weight loop above ~0.15 cannot reach HBM speed. ``--layout row-major`` compiles
+the launches for the layout before K panels (rows K/2 bytes apart, ``mxfp4_reference.row_major_as_panels``) instead
+of the pool's. TRITON_INTERPRET must be unset.
 """
 
 from __future__ import annotations
@@ -33,21 +36,28 @@ MODELS = {  # name: (hidden, intermediate, experts, top_k)
 TOKENS = (1, 4, 16, 512, 4096)
 
 
-def mxfp4_layer_launches(model: str, T: int, config: dict | None = None, dtype: torch.dtype = torch.bfloat16
-                         ) -> list[dict]:
+def mxfp4_layer_launches(model: str, T: int, config: dict | None = None, dtype: torch.dtype = torch.bfloat16,
+                         layout: str = "panel") -> list[dict]:
     """Compile the two MXFP4 expert stages of one MoE layer at T tokens; one row per kernel. ``config``: the
-    launcher's (``{"BLOCK_M", "w13": {...}, "w2": {...}}``), None for the shipped defaults."""
+    launcher's (``{"BLOCK_M", "w13": {...}, "w2": {...}}``), None for the shipped defaults; ``layout``: "panel"
+    (the pool's) or "row-major" (strided views of row-major blocks and scales)."""
     from sass_report import _row, compile_only
 
     from moeflow.kernels import mxfp4
     from moeflow.kernels.biased import BiasedExpertFormat
+    from moeflow.kernels.mxfp4_reference import row_major_as_panels
     from moeflow.kernels.pool import ExpertPool
     from moeflow.kernels.reference import routing_plan_reference
 
     H, I, E, k = MODELS[model]  # noqa: E741
     fmt = BiasedExpertFormat(H, I, "mxfp4", dtype, 32, activation="clamped_swiglu")
     pool = ExpertPool(fmt, torch.empty((1, fmt.nbytes), dtype=torch.uint8))
-    t = pool.tensors
+    t = dict(pool.tensors)
+    if layout == "row-major":  # [1, K/P, N, P/32, ...] views of [1, N, K/32, ...] tensors
+        for name in ("w13_blocks", "w13_scales", "w2_blocks", "w2_scales"):
+            n_panels, rows, per_panel = t[name].shape[1:4]
+            flat = torch.empty((1, rows, n_panels * per_panel, *t[name].shape[4:]), dtype=torch.uint8)
+            t[name] = row_major_as_panels(flat, per_panel * 32)
     stages = mxfp4.stage_configs(T, E, k, H, I, config)  # the launcher's defaults (decode splits included)
     block_m = stages["BLOCK_M"]
     ids = (torch.arange(T * k, dtype=torch.int32) % E).reshape(T, k)
@@ -65,7 +75,8 @@ def mxfp4_layer_launches(model: str, T: int, config: dict | None = None, dtype: 
     rows = []
     for c, (stage, K) in zip(found, (("w13", H), ("w2", I)), strict=True):
         wcfg = {**stages[stage], "BLOCK_K": mxfp4.block_k_for(K, stages[stage]["BLOCK_K"])}
-        rows.append({**_row(c, model, T, stage, block_m, wcfg), "dtype": str(dtype).replace("torch.", "")})
+        rows.append({**_row(c, model, T, stage, block_m, wcfg), "dtype": str(dtype).replace("torch.", ""),
+                     "layout": layout})
     return rows
 
 
@@ -77,10 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--config", type=json.loads, default=None, help='e.g. \'{"w13": {"BLOCK_N": 128}}\'')
+    p.add_argument("--layout", default="panel", choices=["panel", "row-major"])
     p.add_argument("--out", type=Path, help="also write the lines to this file")
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
-    rows = [r for model in args.models for T in args.tokens for r in mxfp4_layer_launches(model, T, args.config, dtype)]
+    rows = [r for model in args.models for T in args.tokens
+            for r in mxfp4_layer_launches(model, T, args.config, dtype, args.layout)]
     emit_json_lines(rows, args.out)
     return 0
 

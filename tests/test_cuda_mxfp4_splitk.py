@@ -5,7 +5,8 @@ cannot show a visibility race):
 
 Both stages at gpt-oss-120b shapes (H = I = 2880, bias, clamped SwiGLU) with the decode default splits and 2 / 4
 / 8: close to the unsplit launch, bitwise the same over many launches and CUDA-graph replays, counters back at
-zero. Skipped without CUDA, and under the interpreter.
+zero; the pool's K-panel layout and the row-major one read through strides give bitwise the same output. Skipped
+without CUDA, and under the interpreter.
 """
 
 from __future__ import annotations
@@ -58,3 +59,19 @@ def test_mxfp4_split_k_is_bitwise_stable_across_launches_and_replays(pool, T, sp
     # the fixup's sum = one program's sum up to fp32 order; h and the outputs rounded to bf16
     assert float((first.float() - unsplit.float()).abs().max() / unsplit.float().abs().max()) < 2e-2
     assert_bitwise_stable(launch, out, first)
+
+
+@pytest.mark.parametrize("T", [1, 16, 128])  # decode (split), T = 16, a pipelined prefill tile (BLOCK_M 64)
+def test_mxfp4_panel_and_row_major_layouts_are_bitwise_equal(pool, T):
+    from moeflow.kernels import mxfp4
+
+    gen = torch.Generator(device="cuda").manual_seed(100 + T)
+    x = torch.randn(T, H, device="cuda", generator=gen).bfloat16()
+    ids = torch.topk(torch.rand(T, E, device="cuda", generator=gen), K, dim=-1).indices.to(torch.int32)
+    w = torch.softmax(torch.randn(T, K, device="cuda", generator=gen), -1)
+    slots = torch.arange(E, dtype=torch.int32, device="cuda")
+    row_major = mxfp4.row_major_copy(pool)
+    panels = mxfp4.mxfp4_expert_forward(x, ids, w, pool, slots, torch.empty(T * K, H, dtype=torch.bfloat16,
+                                                                             device="cuda"))
+    rows = mxfp4.mxfp4_expert_forward(x, ids, w, pool, slots, torch.empty_like(panels), weights=row_major)
+    assert torch.isfinite(panels).all() and torch.equal(panels, rows)

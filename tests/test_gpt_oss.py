@@ -275,7 +275,9 @@ def test_biased_format_layout():
     assert biased.spec("w13_qweight").shape == plain.spec("w13_qweight").shape and biased.nbytes > plain.nbytes
     assert biased.spec("w2_scales").offset == plain.spec("w2_scales").offset
     mx = BiasedExpertFormat(2880, 2880, "mxfp4", torch.bfloat16, 32, activation="clamped_swiglu")
-    assert mx.spec("w13_blocks").shape == (5760, 90, 16) and mx.spec("w2_scales").shape == (2880, 90)
+    # MXFP4 regions in K panels of 64 (45 of them at K = 2880); the loader form stays as published
+    assert mx.spec("w13_blocks").shape == (45, 5760, 2, 16) and mx.spec("w2_scales").shape == (45, 2880, 2)
+    assert mx.loader_shapes()["w13_blocks"] == (5760, 90, 16) and mx.loader_shapes()["w2_scales"] == (2880, 90)
     with pytest.raises(ValueError, match="divisible by 32"):
         BiasedExpertFormat(64, 48, "mxfp4", torch.bfloat16, 32)
     with pytest.raises(ValueError, match="activation 'gelu'"):

@@ -39,6 +39,7 @@ def test_run_gpu_mxfp4_tiny(tmp_path):
         assert r["ours_s"] > 0 and r["frac_of_copy_bw"] > 0 and r["speedup_vs_loop"] > 0
         assert r["experts_used"] <= 8 and r["weight_bytes"] == r["experts_used"] * r["expert_bytes"]
         assert r["all_finite"] and r["rel_err_vs_fp32"] < 1e-2  # bf16 activations against the fp32 reference
+        assert "Triton kernels" in r["layouts"]["skipped"]  # the layout A/B needs them (the torch backend here)
     assert "| tiny | 16 |" in out.with_suffix(".md").read_text()
 
 
@@ -60,6 +61,10 @@ def test_run_gpu_mxfp4_times_the_triton_kernels_and_survives_a_failing_point(tmp
     assert "planted" in results[1]["error"] and "error" not in results[2]
     for r in (results[0], results[2]):  # the interpreted kernels (bf16 through fp32) against the fp32 reference
         assert r["backend"] == "triton" and r["rel_err_vs_fp32"] < 2e-2
+        lay = r["layouts"]  # the K-panel pool and its row-major copy through the same kernels: the same bits
+        assert lay["bitwise_equal"] and lay["panel"]["ours_s"] > 0 and lay["row_major"]["ours_s"] > 0
+        assert lay["row_major_over_panel"] == lay["row_major"]["ours_s"] / lay["panel"]["ours_s"]
+    assert "| row-major / panels |" in out.with_suffix(".md").read_text()
 
 
 def test_run_gpu_engine_tiny(tmp_path, keep_threads):

@@ -1,5 +1,6 @@
-"""MXFP4 experts: the exact dequantization reference, and the grouped Triton kernels (under TRITON_INTERPRET=1)
-against the plain-torch reference on odd shapes, with biases, both activations and staged expert masks."""
+"""MXFP4 experts: the exact dequantization reference, the pool's K-panel layout, and the grouped Triton kernels
+(under TRITON_INTERPRET=1) against the plain-torch reference on odd shapes, with biases, both activations and
+staged expert masks, and bitwise the same from the panel layout as from the row-major one read through strides."""
 
 from __future__ import annotations
 
@@ -63,6 +64,36 @@ def test_kernel_layout_is_an_exact_permutation_of_the_published_bytes():
     fmt.write(region, tensors)
     back = fmt.loader_tensors(region)
     assert all(torch.equal(back[name], t) for name, t in tensors.items())
+
+
+@pytest.mark.parametrize("H, I, panels", [(64, 32, (64, 32)), (2880, 96, (64, 32)), (96, 128, (32, 64))])
+def test_region_stores_k_panels_and_loader_tensors_invert_write(H, I, panels):  # noqa: E741
+    from moeflow.kernels.mxfp4_reference import from_panels, to_panels
+
+    fmt = BiasedExpertFormat(H, I, "mxfp4", torch.bfloat16, 32)
+    assert fmt.mxfp4_panels == panels
+    p13, p2 = panels
+    assert fmt.spec("w13_blocks").shape == (H // p13, 2 * I, p13 // 32, 16)
+    assert fmt.spec("w2_scales").shape == (I // p2, H, p2 // 32)
+    loader = fmt.loader_shapes()
+    assert loader["w13_blocks"] == (2 * I, H // 32, 16) and loader["w2_scales"] == (H, I // 32)
+    gen = torch.Generator().manual_seed(H + I)
+    (b13, s13), (b2, s2) = random_mxfp4((2 * I, H // 32), gen), random_mxfp4((H, I // 32), gen)
+    bias = torch.randn(2 * I + H, generator=gen).bfloat16()
+    tensors = {"w13_blocks": b13, "w13_scales": s13, "w2_blocks": b2, "w2_scales": s2,
+               "w13_bias": bias[: 2 * I], "w2_bias": bias[2 * I:]}
+    pool = ExpertPool.allocate(fmt, 2, "cpu")
+    fmt.write(pool.buffer[1], tensors)
+    back = fmt.loader_tensors(pool.buffer[1])
+    assert all(torch.equal(back[name], t) and back[name].is_contiguous() for name, t in tensors.items())
+    # row n's k block g sits in panel g // (P/32), at place g % (P/32) of that panel's row n
+    t = pool.tensors
+    n, g = 2 * I - 3, H // 32 - 1
+    assert torch.equal(t["w13_scales"][1, g // (p13 // 32), n, g % (p13 // 32)], s13[n, g])
+    assert torch.equal(from_kernel_layout(t["w13_blocks"][1, g // (p13 // 32), n, g % (p13 // 32)]), b13[n, g])
+    # a tile of rows in one panel is one contiguous byte range
+    assert t["w2_blocks"][1, 0, 8:24].is_contiguous() and t["w2_scales"][1, -1, 8:24].is_contiguous()
+    assert torch.equal(from_panels(to_panels(b2, p2)), b2) and torch.equal(from_panels(to_panels(s2, p2)), s2)
 
 
 def test_blocks_that_disagree_with_scales_are_refused():
@@ -151,3 +182,38 @@ def test_triton_bf16_and_all_tokens_on_one_expert(tokens, config):
     one_expert = kernels.expert_forward(x, ids, w, pool, slots, torch.zeros(T * k, H, dtype=torch.bfloat16),
                                         torch.arange(E) == 3, backend="triton", config=config)
     assert torch.equal(one_expert[0::2], got[0::2])  # staged: expert 3's rows alone, bitwise
+
+
+@pytest.mark.parametrize("config, view_panel", [
+    (None, None),  # default tiles: BLOCK_K = the panel (64 at K = 128 and 192)
+    ({"w13": {"BLOCK_K": 128, "SPLIT_K": 2}, "w2": {"BLOCK_K": 32, "SPLIT_K": 2}}, None),  # 2 panels / half a panel
+    ({"BLOCK_M": 16, "w13": {"BLOCK_N": 32, "BLOCK_K": 32}}, 128),  # the row-major view as whole-row panels (w13)
+])
+def test_panel_and_row_major_layouts_give_bitwise_the_same_output(config, view_panel):
+    from moeflow.kernels import mxfp4
+    from moeflow.kernels.mxfp4_reference import row_major_as_panels
+
+    gen = torch.Generator().manual_seed(11)
+    T, H, I, E, k = 6, 128, 192, 4, 2  # noqa: E741  (w13: K = 128, 2 panels; w2: K = 192, 3 panels)
+    pool = mxfp4_pool(H, I, E, gen)
+    row_major = mxfp4.row_major_copy(pool)
+    # the copy is the published order: rows K/2 bytes apart, a row's panels P/2 bytes apart
+    assert row_major["w2_blocks"].shape == pool.tensors["w2_blocks"].shape == (E, I // 64, H, 2, 16)
+    assert row_major["w2_blocks"].stride()[1:] == (32, I // 2, 16, 1)
+    assert row_major["w13_scales"].stride()[1:] == (2, H // 32, 1)
+    assert pool.tensors["w13_blocks"].stride()[1:] == (2 * I * 32, 32, 16, 1)
+    loader = pool.fmt.loader_tensors(pool.buffer[2])
+    assert torch.equal(row_major["w13_scales"][2].transpose(0, 1).reshape(2 * I, H // 32), loader["w13_scales"])
+    if view_panel:  # the same memory seen with one panel per row
+        for name in ("w13_blocks", "w13_scales"):
+            t = row_major[name]
+            row_major[name] = row_major_as_panels(t.transpose(1, 2).flatten(2, 3), view_panel)
+        assert row_major["w13_blocks"].shape[1] == 1
+    slots = torch.tensor([2, 0, 3, 1], dtype=torch.int32)
+    x = torch.randn(T, H, generator=gen)
+    ids, w = routing(T, E, k, gen)
+    panels = mxfp4.mxfp4_expert_forward(x, ids, w, pool, slots, torch.zeros(T * k, H), config=config)
+    rows = mxfp4.mxfp4_expert_forward(x, ids, w, pool, slots, torch.zeros(T * k, H), config=config, weights=row_major)
+    assert torch.equal(panels, rows)
+    want = biased_expert_forward_reference(x, ids, w, pool, slots, torch.zeros(T * k, H))
+    assert float((panels - want).abs().max() / want.abs().max()) < 1e-5

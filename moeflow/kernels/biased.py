@@ -6,11 +6,15 @@ one expert = one contiguous region, host region and device slot byte-identical) 
 * ``activation``: ``"silu"`` (``silu(gate) * up``) or ``"clamped_swiglu"`` (gpt-oss:
   ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, ``g = clamp(gate, max=limit)``);
 * ``bias``: ``w13_bias`` ``[2I]`` (gate biases first, then up) and ``w2_bias`` ``[H]`` after the weights;
-* the storage ``kind`` ``"mxfp4"`` besides ``"dense"`` / ``"awq"``: ``w13_blocks`` uint8 ``[2I, H/32, 16]``,
-  ``w13_scales`` uint8 ``[2I, H/32]``, ``w2_blocks`` ``[H, I/32, 16]``, ``w2_scales`` ``[H, I/32]``
-  (:mod:`moeflow.kernels.mxfp4_reference`); ``dtype`` is then the bias dtype. The region keeps the blocks in
-  the kernel layout (bits permuted within each 32-bit word, :func:`~moeflow.kernels.mxfp4_reference.to_kernel_layout`),
-  converted in :meth:`BiasedExpertFormat.write` and inverted by :meth:`BiasedExpertFormat.loader_tensors`.
+* the storage ``kind`` ``"mxfp4"`` besides ``"dense"`` / ``"awq"``; ``dtype`` is then the bias dtype. Loader form
+  as published (:mod:`moeflow.kernels.mxfp4_reference`): ``w13_blocks`` uint8 ``[2I, H/32, 16]``, ``w13_scales``
+  uint8 ``[2I, H/32]``, ``w2_blocks`` ``[H, I/32, 16]``, ``w2_scales`` ``[H, I/32]``. The region holds them in K
+  panels (:meth:`BiasedExpertFormat.mxfp4_panels`: ``P13``, ``P2`` = 64 at gpt-oss's sizes): ``w13_blocks``
+  ``[H/P13, 2I, P13/32, 16]``, ``w13_scales`` ``[H/P13, 2I, P13/32]``, ``w2_*`` likewise with ``I/P2`` panels of
+  ``H`` rows, so the rows of a kernel tile in one panel are one contiguous range (the same bytes per expert); the
+  blocks' bits are permuted within each 32-bit word
+  (:func:`~moeflow.kernels.mxfp4_reference.to_kernel_layout`). Converted in :meth:`BiasedExpertFormat.write`,
+  inverted exactly by :meth:`BiasedExpertFormat.loader_tensors`.
 
 w13 rows (dense, MXFP4) / columns (AWQ) hold the gate first, then up: gpt-oss's interleaved ``gate_up_proj``
 is de-interleaved once when the checkpoint is read. ``moeflow.kernels.expert_forward`` hands pools of this
@@ -33,7 +37,15 @@ import torch
 import torch.nn.functional as F
 
 from moeflow.kernels.checks import check_ids_and_slots, values_checked
-from moeflow.kernels.mxfp4_reference import BLOCK, dequantize_mxfp4, from_kernel_layout, to_kernel_layout
+from moeflow.kernels.mxfp4_reference import (
+    BLOCK,
+    dequantize_mxfp4,
+    from_kernel_layout,
+    from_panels,
+    panel_for,
+    to_kernel_layout,
+    to_panels,
+)
 from moeflow.kernels.pool import ALIGN, ExpertFormat, ExpertPool, TensorSpec
 from moeflow.kernels.pool import from_kernel_layout as pool_from_kernel_layout
 from moeflow.kernels.pool import to_kernel_layout as pool_to_kernel_layout
@@ -59,10 +71,11 @@ class BiasedExpertFormat(ExpertFormat):
         if self.kind == "mxfp4":
             if H % BLOCK or I % BLOCK:
                 raise ValueError(f"MXFP4 experts need hidden ({H}) and intermediate ({I}) sizes divisible by {BLOCK}")
-            shapes = [("w13_blocks", torch.uint8, (2 * I, H // BLOCK, BLOCK // 2)),
-                      ("w13_scales", torch.uint8, (2 * I, H // BLOCK)),
-                      ("w2_blocks", torch.uint8, (H, I // BLOCK, BLOCK // 2)),
-                      ("w2_scales", torch.uint8, (H, I // BLOCK))]
+            p13, p2 = self.mxfp4_panels
+            shapes = [("w13_blocks", torch.uint8, (H // p13, 2 * I, p13 // BLOCK, BLOCK // 2)),
+                      ("w13_scales", torch.uint8, (H // p13, 2 * I, p13 // BLOCK)),
+                      ("w2_blocks", torch.uint8, (I // p2, H, p2 // BLOCK, BLOCK // 2)),
+                      ("w2_scales", torch.uint8, (I // p2, H, p2 // BLOCK))]
             specs, offset = [], 0
         elif self.kind == "awq":  # the plain format's checks and kernel layout (the AWQ Triton kernels read it)
             super().__post_init__()
@@ -81,9 +94,17 @@ class BiasedExpertFormat(ExpertFormat):
         object.__setattr__(self, "specs", tuple(specs))
         object.__setattr__(self, "nbytes", offset)
 
+    @property
+    def mxfp4_panels(self) -> tuple[int, int]:
+        """K per panel of the MXFP4 region's (w13, w2) matrices (module doc; K = H for w13, I for w2)."""
+        return panel_for(self.hidden_size), panel_for(self.intermediate_size)
 
     def loader_shapes(self) -> dict[str, tuple[int, ...]]:
-        """The loader form: AWQ as published plus the biases for kind "awq", else exactly the region's tensors."""
+        """The loader form: AWQ as published plus the biases for kind "awq", MXFP4 as published (row-major
+        ``[N, K/32, 16]`` / ``[N, K/32]``) plus the biases, else exactly the region's tensors."""
+        if self.kind == "mxfp4":
+            return {spec.name: _row_major(spec.shape) if spec.name[-7:] in ("_blocks", "_scales") else spec.shape
+                    for spec in self.specs}
         if self.kind != "awq":
             return {spec.name: spec.shape for spec in self.specs}
         shapes = ExpertFormat.loader_shapes(self)
@@ -93,8 +114,8 @@ class BiasedExpertFormat(ExpertFormat):
 
     def write(self, region: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
         """Convert one expert's loader-form tensors into its region ``uint8 [nbytes]`` (checked): MXFP4 blocks
-        to their kernel layout, AWQ tensors to the plain format's kernel layout and the w13 bias interleaved
-        like its columns (gate j, up j); everything else copied."""
+        to their kernel layout and blocks and scales into K panels, AWQ tensors to the plain format's kernel
+        layout and the w13 bias interleaved like its columns (gate j, up j); everything else copied."""
         views = self.views(region.view(1, -1))
         for name, shape in self.loader_shapes().items():
             if name not in tensors:
@@ -113,8 +134,9 @@ class BiasedExpertFormat(ExpertFormat):
         return {spec.name: self._from_region(spec.name, views[spec.name][0]) for spec in self.specs}
 
     def _to_region(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        if name.endswith("_blocks"):
-            return to_kernel_layout(t)
+        if self.kind == "mxfp4" and name[-7:] in ("_blocks", "_scales"):
+            panel = self.mxfp4_panels[0 if name.startswith("w13") else 1]
+            return to_panels(to_kernel_layout(t) if name.endswith("_blocks") else t, panel)
         if self.kind == "awq" and name == "w13_bias":
             return torch.stack(t.chunk(2), dim=1).flatten()
         if self.kind == "awq" and name != "w2_bias":
@@ -122,13 +144,21 @@ class BiasedExpertFormat(ExpertFormat):
         return t
 
     def _from_region(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        if name.endswith("_blocks"):
-            return from_kernel_layout(t)
+        if self.kind == "mxfp4" and name.endswith("_blocks"):
+            return from_kernel_layout(from_panels(t))
+        if self.kind == "mxfp4" and name.endswith("_scales"):
+            return from_panels(t).clone(memory_format=torch.contiguous_format)
         if self.kind == "awq" and name == "w13_bias":
             return torch.cat([t[0::2], t[1::2]])
         if self.kind == "awq" and name != "w2_bias":
             return pool_from_kernel_layout(name, t, self.intermediate_size)
         return t.clone()
+
+
+def _row_major(panel_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Region shape ``(K/P, N, P/32, ...)`` -> the published ``(N, K/32, ...)``."""
+    n_panels, rows, per_panel, *rest = panel_shape
+    return (rows, n_panels * per_panel, *rest)
 
 
 def is_extended(fmt: ExpertFormat) -> bool:
@@ -161,9 +191,9 @@ def slot_weights(pool: ExpertPool, slot: int) -> Weights:
         w2 = dequantize(t["w2_qweight"], t["w2_qzeros"], t["w2_scales"].float(), g).T
         b13, b2 = (t["w13_bias"].float(), t["w2_bias"].float()) if fmt.bias else (None, None)
         return w13, b13, w2, b2
-    else:
-        w13 = dequantize_mxfp4(from_kernel_layout(t["w13_blocks"][slot]), t["w13_scales"][slot])
-        w2 = dequantize_mxfp4(from_kernel_layout(t["w2_blocks"][slot]), t["w2_scales"][slot])
+    else:  # MXFP4: the region's panels back to row-major blocks as published
+        w13, w2 = (dequantize_mxfp4(from_kernel_layout(from_panels(t[f"{m}_blocks"][slot])),
+                                    from_panels(t[f"{m}_scales"][slot])) for m in ("w13", "w2"))
     has_bias = getattr(fmt, "bias", False)
     b13 = t["w13_bias"][slot].float() if has_bias else None
     b2 = t["w2_bias"][slot].float() if has_bias else None

@@ -9,9 +9,16 @@ afterwards. The plain-torch reference is :func:`moeflow.kernels.biased.biased_ex
 One kernel for every T, operand-swapped like the AWQ kernel: a program computes ``acc [BLOCK_N, DOT_M] =
 W[n-tile, :] @ X^T``, the decoded weight tile is the MMA's register operand and the token rows its N side.
 
-* Weights: ``blocks`` in the slot pool's kernel layout (:func:`moeflow.kernels.mxfp4_reference.to_kernel_layout`:
-  MXFP4's bytes with the bits of each 32-bit word permuted at load), viewed as int32 ``[S, N, K/8]``; one
-  16-byte load = one row's 32-value block. Word ``j`` holds ``k = 8j .. 8j + 7``.
+* Weights: ``blocks`` uint8 ``[S, K/P, N, P/32, 16]`` and ``scales`` ``[S, K/P, N, P/32]``, indexed by K panel
+  ``P`` (:mod:`moeflow.kernels.mxfp4_reference`); MXFP4's bytes with the bits of each 32-bit word permuted at load
+  (:func:`~moeflow.kernels.mxfp4_reference.to_kernel_layout`), read as int32 words: word ``j`` of a row's panel
+  holds ``k = 8j .. 8j + 7`` of it, one 16-byte load = one 32-value block. The pointers take the slot, panel and
+  row strides of the tensors: the slot pool stores panel after panel (a decode iteration, ``BLOCK_K = P``, reads
+  one contiguous range of ``BLOCK_N P/2`` weight bytes and one of ``BLOCK_N P/32`` scale bytes), and the published
+  row-major order is the same tensor with other strides (``mxfp4_reference.row_major_as_panels``; the GPU
+  benchmark times both: ``layouts`` in ``benchmarks/run_gpu_mxfp4.py``'s JSON). A tile lies in one panel
+  (``BLOCK_K <= P``) or covers whole panels (``BLOCK_K`` a multiple of ``P``); the weight strides are passed in
+  units of a row's panel (``P/2`` bytes) so that the compiler knows the rows are aligned for 16-byte loads.
 * Decode without lookups or conversions: the bf16 bits ``s 00000 e1 e0 m 000000`` of ``e2m1 * 2**-126``
   (exact; e2m1's subnormal 0.5 lands on a bf16 subnormal) of the pair ``(k 2p, 2p + 1)``, both halves of one
   int32, are ``(w << 3p) & 0x81C081C0`` for p = 0, 1, 2 (p = 0: one AND) and three shifted fields for p = 3.
@@ -41,7 +48,7 @@ import triton
 import triton.language as tl
 
 from moeflow.kernels import configs, workspace
-from moeflow.kernels.mxfp4_reference import BLOCK
+from moeflow.kernels.mxfp4_reference import BLOCK, PANEL, from_panels, row_major_as_panels
 from moeflow.kernels.pool import ExpertPool
 from moeflow.kernels.triton_common import (
     INTERPRETED,
@@ -54,8 +61,9 @@ from moeflow.kernels.triton_common import (
 )
 
 ACTIVATION_CODES = {"silu": 0, "clamped_swiglu": 1}
-# per stage: weight rows per program, k per iteration (a multiple of 32 that divides K: reduced at launch)
-DEFAULTS = {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1}
+# per stage: weight rows per program, k per iteration (a multiple of 32 that divides K: reduced at launch; the
+# pool's K panel, so that an iteration reads one contiguous range)
+DEFAULTS = {"BLOCK_N": 128, "BLOCK_K": PANEL, "num_warps": 4, "num_stages": 1}
 PREFILL_BLOCK_M = 64  # from here on the loop is software-pipelined (cp.async, asynchronous wgmma)
 
 
@@ -137,18 +145,18 @@ def _decode_e2m1(w, CODE: tl.constexpr, FP32: tl.constexpr):
 @triton.jit
 def _mxfp4_gemm_kernel(
     a_ptr, stride_am,  # MODE 0: x [T, K] (row = pair // TOPK); MODE 1: h [P, K] (row = pair); last dim contiguous
-    w_ptr, stride_ws,  # blocks as int32 [S, N_w, K/8] (kernel layout), rows contiguous
-    sc_ptr, stride_ss,  # scales uint8 [S, N_w, K/32], rows contiguous
+    w_ptr, stride_ws, stride_wp, stride_wn,  # blocks as int32 [S, K/P, N_w, P/8]: strides in words, of P/8 words
+    sc_ptr, stride_ss, stride_sp, stride_sn,  # scales uint8 [S, K/P, N_w, P/32]: strides in bytes
     bias_ptr, stride_bs,  # [S, N_w] (HAS_BIAS)
     c_ptr, stride_cm,  # output by pair: MODE 0 h [P, I], MODE 1 [P, H]
     ws_ptr, stride_wsp, stride_wsm,  # fp32 split-K partials [SPLIT_K, P, tiles * BLOCK_N] by pair (SPLIT_K > 1)
     cnt_ptr,  # int32 [>= grid dim 0] arrival counters, zero between launches (SPLIT_K > 1)
     sorted_ptr, eob_ptr, slot_ptr, mask_ptr, weight_ptr,
-    num_pairs, N, K, KB, N_UP, alpha, limit,
+    num_pairs, N, K, N_UP, alpha, limit,
     TOPK: tl.constexpr, MODE: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, EVEN_N: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
     DOT_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    DOT_PREC: tl.constexpr, CODE: tl.constexpr, FP32_DECODE: tl.constexpr,
+    DOT_PREC: tl.constexpr, CODE: tl.constexpr, FP32_DECODE: tl.constexpr, PANEL: tl.constexpr,
 ):
     # N: weight rows of the stage (MODE 0: 2I, gate rows then up rows; N_UP = I); the tile interleaves them
     pid = tl.program_id(0)
@@ -174,24 +182,40 @@ def _mxfp4_gemm_kernel(
         rn = col
         if not EVEN_N:
             rn = tl.minimum(col, N - 1)  # clamped: loads stay in bounds without masks
-    w_rows = w_ptr + slot * stride_ws + rn[:, None] * (KB * 4)  # [BN, 1]: a row is KB 16-byte blocks
-    s_rows = sc_ptr + slot * stride_ss + rn[:, None] * KB  # [BN, 1]
+    PW: tl.constexpr = PANEL // 8  # words of a row in one panel
+    PB: tl.constexpr = PANEL // 32  # scales of a row in one panel
+    # weight strides in whole row panels: the compiler sees rows aligned for 16-byte loads. The scales' byte
+    # strides hide their alignment on purpose: a 2-byte load per row lands in a layout that costs a shared-memory
+    # exchange (2 barriers) per iteration, while single bytes load straight into the multiply's layout (SASS)
+    w_panel = stride_wp * PW  # words from one panel to the next
+    w_rows = w_ptr + slot * stride_ws + rn[:, None] * (stride_wn * PW)  # [BN, 1]
+    s_rows = sc_ptr + slot * stride_ss + rn[:, None] * stride_sn  # [BN, 1]
 
     rk = tl.arange(0, BLOCK_K)
     rj = tl.arange(0, BLOCK_K // 8)
     rb = tl.arange(0, BLOCK_K // 32)
+    # a tile's columns inside its first panel (BLOCK_K <= PANEL: all of them), and past it for whole panels
+    w_cols = (rj // PW) * w_panel + rj % PW
+    s_cols = (rb // PB) * stride_sp + rb % PB
+    n_tiles = K // BLOCK_K
     if SPLIT_K == 1:
-        k_begin = 0
-        k_end = K
+        t_begin = 0
+        t_end = n_tiles
     else:  # whole BLOCK_K tiles per split (BLOCK_K divides K)
-        k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
-        k_begin = tl.program_id(1) * k_per_split
-        k_end = min(k_begin + k_per_split, K)
+        t_per_split = tl.cdiv(n_tiles, SPLIT_K)
+        t_begin = tl.program_id(1) * t_per_split
+        t_end = min(t_begin + t_per_split, n_tiles)
     acc = tl.zeros([BLOCK_N, DOT_M], dtype=tl.float32)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        kw = tl.multiple_of(k0 // 8, BLOCK_K // 8)
-        w = tl.load(w_rows + (kw + rj)[None, :])  # int32 [BN, BK/8]
-        sc = tl.load(s_rows + (k0 // 32 + rb)[None, :]).to(tl.int32)  # e8m0 [BN, BK/32]
+    for t in range(t_begin, t_end):
+        k0 = t * BLOCK_K
+        if BLOCK_K >= PANEL:  # whole panels
+            w_at = t * (BLOCK_K // PANEL) * w_panel
+            s_at = t * (BLOCK_K // PANEL) * stride_sp
+        else:  # tile t % (PANEL / BLOCK_K) of panel t // (PANEL / BLOCK_K)
+            w_at = (t // (PANEL // BLOCK_K)) * w_panel + (t % (PANEL // BLOCK_K)) * (BLOCK_K // 8)
+            s_at = (t // (PANEL // BLOCK_K)) * stride_sp + (t % (PANEL // BLOCK_K)) * (BLOCK_K // 32)
+        w = tl.load(w_rows + (w_at + w_cols)[None, :])  # int32 [BN, BK/8]
+        sc = tl.load(s_rows + (s_at + s_cols)[None, :]).to(tl.int32)  # e8m0 [BN, BK/32]
         if FP32_DECODE:  # 2**(scale - 127) as fp32 bits (scale 0: the subnormal 2**-127)
             s = tl.where(sc == 0, 0x400000, sc << 23).to(tl.float32, bitcast=True)
         else:  # ... as bf16 bits
@@ -243,8 +267,8 @@ def block_k_for(K: int, block_k: int) -> int:
 def mxfp4_gemm(
     mode: int,
     a: torch.Tensor,  # MODE 0: x [T, K]; MODE 1: h [P, K]
-    blocks: torch.Tensor,  # uint8 [S, N_w, K/32, 16]
-    scales: torch.Tensor,  # uint8 [S, N_w, K/32]
+    blocks: torch.Tensor,  # uint8 [S, K/P, N_w, P/32, 16]: the pool's panels, or row_major_as_panels' view
+    scales: torch.Tensor,  # uint8 [S, K/P, N_w, P/32]
     bias: torch.Tensor | None,  # [S, N_w]
     out: torch.Tensor,  # MODE 0: h [P, N_w/2]; MODE 1: [P, N_w]
     sorted_ids: torch.Tensor,  # int32 [n_blocks * block_m]
@@ -261,13 +285,24 @@ def mxfp4_gemm(
 ) -> torch.Tensor:
     """Launch one grouped MXFP4 GEMM stage; writes the rows of selected experts of ``out`` in place."""
     cfg = {**stage_defaults(block_m), **(config or {})}
-    S, n_w, kb, half = blocks.shape
     K = a.shape[1]
-    if half != BLOCK // 2 or kb * BLOCK != K or tuple(scales.shape) != (S, n_w, kb):
+    if blocks.dim() != 5 or scales.dim() != 4:
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} / scales {tuple(scales.shape)}: expected panel-indexed "
+                         "[S, K/P, N, P/32, 16] / [S, K/P, N, P/32]")
+    S, n_panels, n_w, pb, half = blocks.shape
+    panel = pb * BLOCK
+    shape_ok = tuple(scales.shape) == (S, n_panels, n_w, pb) and half == BLOCK // 2
+    if not shape_ok or n_panels * panel != K or panel & (panel - 1):
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} / scales {tuple(scales.shape)} do not match K={K}")
-    if a.stride(1) != 1 or blocks[0].stride() != (kb * half, half, 1) or scales[0].stride() != (kb, 1):
-        raise ValueError("mxfp4_gemm: activations, each slot's blocks and scales must be contiguous")
-    words = blocks.view(torch.int32)  # [S, N_w, K/32, 4]: a row's K/8 words at stride 1
+    w_unit = panel // 2  # bytes of a row's panel of blocks
+    # strides of the slot, panel and row dims (0 where the dim has one entry: any stride is right there)
+    bst = [st if n > 1 else 0 for st, n in zip(blocks.stride()[:3], blocks.shape[:3], strict=True)]
+    sst = [st if n > 1 else 0 for st, n in zip(scales.stride()[:3], scales.shape[:3], strict=True)]
+    if (a.stride(1) != 1 or blocks.stride()[3:] != (half, 1) or scales.stride(3) != 1
+            or any(st % w_unit for st in bst[1:]) or bst[0] % 4):
+        raise ValueError("mxfp4_gemm: activations, each row's panel of blocks and of scales must be contiguous, "
+                         "the blocks' panel and row strides whole row panels")
+    words = blocks.view(torch.int32)  # [S, K/P, N_w, P/32, 4]: a row's panel is P/8 words at stride 1
     n_out = out.shape[1]
     bn = cfg["BLOCK_N"]
     if bn & (bn - 1) or bn < 16:
@@ -286,20 +321,20 @@ def mxfp4_gemm(
     dot_dtype = tl.bfloat16 if a.dtype == torch.bfloat16 and not INTERPRETED else tl.float32
     _mxfp4_gemm_kernel[grid](
         a, a.stride(0),
-        words, words.stride(0),
-        scales, scales.stride(0),
+        words, bst[0] // 4, bst[1] // w_unit, bst[2] // w_unit,
+        scales, sst[0], sst[1], sst[2],
         bias if bias is not None else scales, bias.stride(0) if bias is not None else 0,
         out, out.stride(0),
         ws, ws.stride(0) if split > 1 else 0, ws.stride(1) if split > 1 else 0, cnt,
         sorted_ids, expert_of_block, slot_of_expert,
         expert_mask if expert_mask is not None else slot_of_expert,
         topk_weights if topk_weights is not None else slot_of_expert,
-        out.shape[0], n_w, K, kb, n_w // 2 if mode == 0 else n_w, float(alpha), float(limit),
+        out.shape[0], n_w, K, n_w // 2 if mode == 0 else n_w, float(alpha), float(limit),
         TOPK=top_k, MODE=mode, ACT=ACTIVATION_CODES[activation], HAS_BIAS=bias is not None,
         HAS_MASK=expert_mask is not None, HAS_WEIGHT=topk_weights is not None,
         EVEN_N=n_out % tile_cols == 0, SPLIT_K=split, BLOCK_M=block_m, DOT_M=dot_m(block_m), BLOCK_N=bn, BLOCK_K=bk,
         DOT_DTYPE=dot_dtype, DOT_PREC="ieee" if dot_dtype == tl.float32 else None, CODE=_CODE,
-        FP32_DECODE=dot_dtype == tl.float32,
+        FP32_DECODE=dot_dtype == tl.float32, PANEL=panel,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
@@ -315,13 +350,15 @@ def mxfp4_expert_forward(
     expert_mask: torch.Tensor | None = None,  # bool [E]
     *,
     config: dict | None = None,
+    weights: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Plan + w13 stage + w2 stage for the pairs of selected experts (``config``: ``{"BLOCK_M", "w13": {...},
     "w2": {...}}`` with ``BLOCK_N``, ``BLOCK_K``, ``SPLIT_K``, ``num_warps``, ``num_stages``; else
-    :func:`stage_configs`' defaults)."""
+    :func:`stage_configs`' defaults). ``weights``: blocks and scales to read instead of the pool's (the same
+    experts in another layout, e.g. :func:`row_major_copy`'s; the biases stay the pool's)."""
     from moeflow.kernels.ops import routing_plan
 
-    fmt, t = pool.fmt, pool.tensors
+    fmt, t = pool.fmt, {**pool.tensors, **(weights or {})}
     T, top_k = topk_ids.shape
     num_pairs, num_experts = T * top_k, slot_of_expert.shape[0]
     config = stage_configs(T, num_experts, top_k, fmt.hidden_size, fmt.intermediate_size, config)
@@ -336,4 +373,16 @@ def mxfp4_expert_forward(
     mxfp4_gemm(1, h, t["w2_blocks"], t["w2_scales"], t["w2_bias"] if has_bias else None, out, sorted_ids,
                expert_of_block, slot_of_expert, expert_mask, topk_weights.reshape(-1).float().contiguous(), 1,
                block_m, **act, config=config.get("w2"))
+    return out
+
+
+def row_major_copy(pool: ExpertPool) -> dict[str, torch.Tensor]:
+    """The pool's MXFP4 blocks and scales copied into the published row-major order (``[S, N, K/32, 16]`` /
+    ``[S, N, K/32]``, kernel bit layout kept), returned as the kernels' panel-indexed strided views of that copy,
+    same names: the layout before K panels, for side-by-side timing (``mxfp4_expert_forward(weights=...)``)."""
+    out = {}
+    for name in ("w13_blocks", "w13_scales", "w2_blocks", "w2_scales"):
+        t = pool.tensors[name]  # [S, K/P, N, P/32, ...]
+        row_major = torch.stack([from_panels(slot) for slot in t])  # [S, N, K/32, ...]
+        out[name] = row_major_as_panels(row_major, t.shape[3] * BLOCK)
     return out

@@ -15,6 +15,13 @@ each 32-bit word (8 consecutive k) permuted so that the Triton kernel decodes a 
 with at most three shifts (see :mod:`moeflow.kernels.mxfp4`): code ``k`` of a word puts its bits
 ``(m, e0, e1, s)`` at ``KERNEL_BITS[k]``. A pure permutation: :func:`from_kernel_layout` inverts it exactly.
 
+Panel layout (how the slot pool orders those blocks, :func:`to_panels`): K is cut into panels of ``P`` values
+(:func:`panel_for`: ``PANEL`` = 64, the kernels' decode ``BLOCK_K``, or the largest power-of-two multiple of 32
+below it that divides K), stored panel by panel: ``blocks [K/P, N, P/32, 16]``, ``scales [K/P, N, P/32]``. A tile
+of rows ``n0 .. n0 + BN`` of one panel is then one contiguous byte range of weights (``BN P/2`` bytes) and one of
+scales (``BN P/32`` bytes): what a kernel iteration at ``BLOCK_K = P`` reads. The published row-major order is
+the same five-dimensional tensor with other strides (:func:`row_major_as_panels`), which the kernels read too.
+
 Numeric contract of the Triton kernels (:mod:`moeflow.kernels.mxfp4`) against the plain-torch reference
 (``moeflow.kernels.biased.biased_expert_forward_reference``, which dequantizes with :func:`dequantize_mxfp4`):
 the decoded weights are bitwise the reference's; products and sums in fp32 (bf16 tensor cores with fp32
@@ -30,6 +37,7 @@ import functools
 import torch
 
 BLOCK = 32  # values per scale
+PANEL = 64  # k per panel of the pool's layout (module doc): moeflow.kernels.mxfp4's decode BLOCK_K
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
@@ -73,6 +81,36 @@ def to_kernel_layout(blocks: torch.Tensor) -> torch.Tensor:
 def from_kernel_layout(blocks: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`to_kernel_layout`."""
     return _permute_word_bits(blocks, _FROM_KERNEL)
+
+
+def panel_for(K: int, panel: int = PANEL) -> int:
+    """The K panel of a matrix with ``K`` inputs (a multiple of 32): the largest power-of-two multiple of 32 that
+    is <= ``panel`` and divides K (gpt-oss's 2880 = 45 x 64: 64)."""
+    p = max(BLOCK, panel)
+    while K % p:
+        p //= 2
+    return p
+
+
+def to_panels(t: torch.Tensor, panel: int) -> torch.Tensor:
+    """Row-major blocks ``[N, K/32, 16]`` or scales ``[N, K/32]`` -> the panel layout ``[K/P, N, P/32, ...]``
+    (a contiguous copy)."""
+    N, G = t.shape[:2]
+    g = panel // BLOCK
+    return t.reshape(N, G // g, g, *t.shape[2:]).transpose(0, 1).contiguous()
+
+
+def from_panels(t: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`to_panels`: ``[K/P, N, P/32, ...]`` -> ``[N, K/32, ...]`` (a view of ``t`` when it is one
+    panel, else a copy)."""
+    n_panels, N, g = t.shape[:3]
+    return t.transpose(0, 1).reshape(N, n_panels * g, *t.shape[3:])
+
+
+def row_major_as_panels(t: torch.Tensor, panel: int) -> torch.Tensor:
+    """Row-major blocks ``[S, N, K/32, 16]`` / scales ``[S, N, K/32]`` of ``S`` experts as the kernels' panel-indexed
+    ``[S, K/P, N, P/32, ...]``: a strided view of the same memory (no copy)."""
+    return t.unflatten(2, (t.shape[2] * BLOCK // panel, panel // BLOCK)).transpose(1, 2)
 
 
 def check_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, name: str) -> None:
