@@ -156,6 +156,15 @@ def tuning_candidates(phase: str, group_size: int) -> list[dict]:
             for bm in (1, 2, 4, 8, 16) for bn, bk in ((128, 128), (64, 128), (32, 128), (128, 64), (256, 64), (128, 32))
             for nw in (4, 8) for s13, s2 in SPLIT_PAIRS
         ]
+        # software pipelining depth of the default tile (sm_90 machine code, benchmarks/results/sass/README.md):
+        # 1 stage loads straight to registers (0.12 warp-instructions per weight at 4 warps, 2 barriers per
+        # iteration instead of 12 at 8 warps) but keeps fewer bytes in flight; 2 / 4 stages trade shared memory
+        # for depth. Only a GPU can say which hides HBM latency best (first, so a cut-short sweep still times them)
+        cands = [
+            {"BLOCK_M": bm, "w13": {"BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": s13, "num_warps": nw, "num_stages": st},
+             "w2": {"BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": s2, "num_warps": nw, "num_stages": st}}
+            for bm in (1, 2, 4, 8, 16) for nw in (4, 8) for st in (1, 2, 4) for s13, s2 in ((1, 4), (4, 4), (1, 8))
+        ] + cands
     else:
         cands = [
             {"BLOCK_M": bm, **{w: {"BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": nw, "num_stages": st,
