@@ -44,6 +44,7 @@ BUCKETS = ("tests/test_compile_cuda_graphs.py::"
            "test_lengths_in_one_bucket_replay_one_capture_and_another_bucket_recaptures_into_a_fresh_pool",)
 SPLITK = ("tests/test_splitk_fixup.py",)
 MXFP4_SPLITK = ("tests/test_mxfp4_splitk.py",)
+PANEL = ("tests/test_panel_layout.py",)
 MUTATIONS = [
     # ---- ordering guards (scripted transport, tests/test_fences.py)
     Mutation("fence-engine-ignores-after", "the copy engine issues a batch without waiting for its tasks' after",
@@ -155,6 +156,10 @@ MUTATIONS = [
     # ---- the split-K fixup (the last program of a tile reduces; session 7): under the interpreter
     Mutation("splitk-no-reset", "the reducing program leaves its tile's counter set (a replay would reduce early)",
              "tl.store(cnt_ptr + pid, 0)", "pass", SPLITK + MXFP4_SPLITK),
+    # ---- the panel-major AWQ qweight (session 8): the kernel must step from panel to panel by its stride
+    Mutation("panel-stride-ignored", "the expert GEMM reads every K tile of a whole-panel config from the first panel",
+             "w = tl.load(b_rows + (k0 // PANEL) * stride_bp + rj[None, :])", "w = tl.load(b_rows + rj[None, :])",
+             PANEL),
     # (a first-arriver reducer is not listed: the interpreter runs programs one at a time, so the last one to
     # reduce always sees every partial and the output is right; only the GPU test with real concurrency,
     # tests/test_cuda_lane.py section 5, can show it)
