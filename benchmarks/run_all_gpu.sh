@@ -7,7 +7,9 @@
 # A lent GPU session (30 minutes of device time, the machine's start included) runs stages back to back (a machine
 # left idle 30 s is given back, and the ~25 GB synthetic checkpoint in /tmp goes with it). Stages 1-3 ran on
 # 2026-11-23 (H100: 2.3 + 0.75 + 4.8 min; benchmarks/results/h100-2026-11-23/). THE NEXT SESSION lent a GPU runs:
-# correctness (the fixes since, CUDA graphs by default), decode (3b), then peers-prep and peers (8, 9: first
+# correctness (the fixes since, CUDA graphs by default, the split-K fixup under real concurrency, the panel-major
+# pool layouts), kernels (2: session 7's w13 split at T = 1 and session 8's panel layouts, timed beside the
+# former row-major ones: panel_speedup in kernels.json, layouts in mxfp4.json), decode (3b), then peers-prep and peers (8, 9: first
 # `bash benchmarks/peers/gpu_peer_sources.sh` and `bash benchmarks/gpu_wheels.sh` here, carry=[".peers/llama.cpp",
 # ".whl"]), then serve (4, carry=[".whl"]: the server's decode passes as CUDA graphs, new in session 7); the one
 # after: tune, engine, models, the families. The list in the order the stages were written:
@@ -22,7 +24,9 @@
 #   2. bash benchmarks/run_all_gpu.sh kernels      # ~8 min (limits 330 + 200 s): copy BW, cuBLAS peak, W4A16 MoE at
 #                                                  #   Mixtral 8x7B/8x22B, T = 1..4096 under CUDA-graph replay vs bf16
 #                                                  #   loop and int4pack_mm; then MXFP4 gpt-oss-120b experts, T = 1..512,
-#                                                  #   % of HBM and x bf16 loop (run_gpu_mxfp4.py)
+#                                                  #   % of HBM and x bf16 loop (run_gpu_mxfp4.py); both time the
+#                                                  #   pool's panel-major weights beside the former row-major layout
+#                                                  #   at decode T (outputs bitwise equal; session 8)
 #   3. bash benchmarks/run_all_gpu.sh offload      # ~8 min (limit 510 s): writes the synthetic Mixtral-8x7B AWQ
 #                                                  #   checkpoint (~25 GB, ~1-2 min), H2D bandwidth, resident + 5
 #                                                  #   caching policies x 4 slot budgets, copy/compute trace
@@ -141,7 +145,7 @@ case "$stage" in
     MOEFLOW_TEST_JSONL="$out/pytest-cuda.jsonl" TRITON_INTERPRET=0 run 470 correctness.log "$py" -m pytest -v -m cuda \
       -p no:cacheprovider "${plugin[@]}" --durations=15 "${per_test[@]}" --junitxml "$out/pytest-cuda.xml" \
       tests/test_cuda_lane.py tests/test_invariant.py tests/test_compile_cuda_graphs.py tests/test_serve_graphs.py \
-      tests/test_cuda_mxfp4_splitk.py ;;
+      tests/test_cuda_mxfp4_splitk.py tests/test_cuda_panel_layout.py ;;
   kernels)
     if [ "${TINY:-0}" = 1 ]; then
       run 300 kernels.log "$py" benchmarks/run_gpu_kernels.py --dry-run --out "$out/kernels.json"
