@@ -91,3 +91,18 @@ def test_auto_kernels_offload_into_int4_slots():
         assert type(torch_ref.experts.fmt) is ExpertFormat and torch_ref.experts.int4_slots is None
     finally:
         torch_ref.close()
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 8])
+@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slot_combine_is_the_reference_sum_bitwise(k, tokens, dtype):
+    """The CPU slots' combine (a decode token's fp32 rows added in place, in k order) = kernels' torch combine."""
+    from moeflow.kernels.reference import combine_reference
+    from moeflow.offload.cpu_slots import SlotInt4Forms
+
+    out = (torch.randn(tokens * k, 96, generator=torch.Generator().manual_seed(k)) * 3).to(dtype)
+    got = SlotInt4Forms.combine(out, k)
+    want = combine_reference(out, k)
+    assert got.dtype == want.dtype and got.shape == (tokens, 96) and torch.equal(got, want)
+    assert got.data_ptr() != out.data_ptr()  # never aliases the rows (k = 1 included)
