@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny_families import DEEPSEEK_V3, GLM4_MOE, assert_matches_transformers, make_checkpoint
+from tiny_families import DEEPSEEK_V3, DOTS1, GLM4_MOE, assert_matches_transformers, make_checkpoint
 
 from moeflow import MoEModel, OffloadConfig
 from moeflow.kernels.cpu_int4 import int4_cpu_available
@@ -19,7 +19,8 @@ GROUP = 32
 # (config, checkpoint seed, prompt seed): chosen so that the greedy path's top-1/top-2 logit margins exceed twice
 # the CPU int4 kernels' deviation (bf16 activations), which the Fiddler test checks before comparing tokens
 CASES = {"deepseek_v3": (DEEPSEEK_V3["qlora-groups-dense"], 16, 5),
-         "glm4_moe": (GLM4_MOE["qk-norm-bias-groups"], 10, 0)}
+         "glm4_moe": (GLM4_MOE["qk-norm-bias-groups"], 10, 0),
+         "dots1": (DOTS1["groups-dense-shared"], 4, 1)}
 
 
 def dequantized_reference(ref, awq_dir):

@@ -1,4 +1,5 @@
-"""DeepSeek-V2 / V3 and GLM-4.5 through ``moeflow.MoEModel`` against transformers on tiny random checkpoints (fp32)."""
+"""DeepSeek-V2 / V3, GLM-4.5 and dots.llm1 through ``moeflow.MoEModel`` against transformers on tiny random
+checkpoints (fp32)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,14 @@ import json
 
 import pytest
 import torch
-from tiny_families import DEEPSEEK_V2, DEEPSEEK_V3, GLM4_MOE, assert_matches_transformers, make_checkpoint
+from tiny_families import DEEPSEEK_V2, DEEPSEEK_V3, DOTS1, GLM4_MOE, assert_matches_transformers, make_checkpoint
 
 from moeflow import MoEModel
 
 pytest.importorskip("transformers")
 CASES = [("deepseek_v3", n) for n in DEEPSEEK_V3] + [("deepseek_v2", n) for n in DEEPSEEK_V2] + \
-    [("glm4_moe", n) for n in GLM4_MOE]
-CONFIGS = {"deepseek_v3": DEEPSEEK_V3, "deepseek_v2": DEEPSEEK_V2, "glm4_moe": GLM4_MOE}
+    [("glm4_moe", n) for n in GLM4_MOE] + [("dots1", n) for n in DOTS1]
+CONFIGS = {"deepseek_v3": DEEPSEEK_V3, "deepseek_v2": DEEPSEEK_V2, "glm4_moe": GLM4_MOE, "dots1": DOTS1}
 
 
 @pytest.mark.parametrize("kind,name", CASES)
@@ -34,7 +35,7 @@ def test_kimi_k2_config_reads_as_deepseek_v3(tmp_path):
 
 
 @pytest.mark.parametrize("model_type,drop", [("deepseek_v3", "kv_lora_rank"), ("glm4_moe", "moe_intermediate_size"),
-                                             ("deepseek_v2", "n_routed_experts")])
+                                             ("deepseek_v2", "n_routed_experts"), ("dots1", "n_routed_experts")])
 def test_missing_config_fields_are_named(tmp_path, model_type, drop):
     from moeflow.errors import CheckpointError
 
@@ -56,3 +57,14 @@ def test_read_routers_reads_only_the_moe_layers(tmp_path):
     weights, top_k = read_routers(tmp_path)
     assert top_k == 2 and len(weights) == 2
     assert torch.equal(weights[0], ref.model.layers[1].mlp.gate.weight.detach().float())
+
+
+def test_dots1_sliding_window_layers_are_refused_by_name(tmp_path):
+    from moeflow.errors import CheckpointError
+
+    make_checkpoint(tmp_path, "dots1", **DOTS1["groups-dense-shared"])
+    config = json.loads((tmp_path / "config.json").read_text())
+    layer_types = ["full_attention", "sliding_attention", "full_attention"]
+    (tmp_path / "config.json").write_text(json.dumps({**config, "layer_types": layer_types, "sliding_window": 16}))
+    with pytest.raises(CheckpointError, match=r"dots1 layers \[1\] use sliding-window attention"):
+        MoEModel.from_pretrained(tmp_path)

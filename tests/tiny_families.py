@@ -1,4 +1,4 @@
-"""Tiny random DeepSeek-V2 / V3 and GLM-4.5 checkpoints written by transformers (shared by several tests)."""
+"""Tiny random DeepSeek-V2 / V3, GLM-4.5 and dots.llm1 checkpoints written by transformers (shared by several tests)."""
 
 from __future__ import annotations
 
@@ -38,15 +38,25 @@ GLM4_MOE = {
                                routed_scaling_factor=1.0, n_shared_experts=2, partial_rotary_factor=0.25),
 }
 
+DOTS1 = {
+    "groups-dense-shared": dict(num_key_value_heads=2, head_dim=32, n_group=2, topk_group=1, first_k_dense_replace=1,
+                                n_shared_experts=2, norm_topk_prob=True, routed_scaling_factor=2.5,
+                                rope_parameters={"rope_type": "default", "rope_theta": 50000.0}),
+    "mha-bias-unnormalised": dict(num_key_value_heads=4, attention_bias=True, n_group=1, topk_group=1,
+                                  first_k_dense_replace=0, n_shared_experts=1, norm_topk_prob=False,
+                                  routed_scaling_factor=1.0, num_experts_per_tok=3),
+}
+
 
 def make_model(kind: str, seed: int = 0, **overrides):
-    """A random transformers DeepseekV2/V3ForCausalLM or Glm4MoeForCausalLM (fp32, eval mode), its weights
-    scaled up so routing and logits are far from ties; the selection bias is random too."""
+    """A random transformers DeepseekV2/V3ForCausalLM, Glm4MoeForCausalLM or Dots1ForCausalLM (fp32, eval mode),
+    its weights scaled up so routing and logits are far from ties; the selection bias is random too."""
     import transformers
 
     classes = {"deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", MLA),
                "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", MLA),
-               "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", {})}
+               "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", {}),
+               "dots1": ("Dots1Config", "Dots1ForCausalLM", {})}
     config_name, model_name, attention = classes[kind]
     cfg = getattr(transformers, config_name)(**{**BASE, **attention, **overrides})
     model_cls = getattr(transformers, model_name)

@@ -29,7 +29,8 @@ class Glm4MoeConfig(SharedExpertMoEConfig):
     head_dim: int | None = None
     partial_rotary_factor: float = 0.5
     use_qk_norm: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # q/k/v biases
+    o_bias: bool = False  # an o_proj bias too (dots1: its attention_bias covers all four projections)
     n_shared_experts: int = 1
     first_k_dense_replace: int = 1
     n_group: int = 1
@@ -97,6 +98,11 @@ class PartialRotaryAttention(nn.Module):
                     raise CheckpointError("glm4_moe: quantized q/k/v projections with attention_bias=true are not "
                                           "supported (the AWQ linear carries no bias)")
                 proj.bias = nn.Parameter(torch.zeros(proj.out_features, dtype=dtype))
+        if cfg.o_bias:
+            if not isinstance(self.o_proj, nn.Linear):
+                raise CheckpointError("quantized o_proj with an attention bias is not supported (the AWQ linear "
+                                      "carries no bias)")
+            self.o_proj.bias = nn.Parameter(torch.zeros(self.o_proj.out_features, dtype=dtype))
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if cfg.use_qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if cfg.use_qk_norm else None
         # q/k/v as one packed AWQ matrix on the Triton path (set at load: layers.fuse_qkv_projections)
