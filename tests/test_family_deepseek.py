@@ -68,3 +68,30 @@ def test_dots1_sliding_window_layers_are_refused_by_name(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**config, "layer_types": layer_types, "sliding_window": 16}))
     with pytest.raises(CheckpointError, match=r"dots1 layers \[1\] use sliding-window attention"):
         MoEModel.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("dense_layers", [1, 0])
+def test_glm4_moe_lite_reads_as_deepseek_v3(tmp_path, dense_layers):
+    """GLM-4.7-Flash (``glm4_moe_lite``): DeepSeek-V3's layers, its dense layers given by ``mlp_layer_types``."""
+    kinds = ["dense"] * dense_layers + ["sparse"] * (3 - dense_layers)
+    _, ref = make_checkpoint(tmp_path, "glm4_moe_lite", seed=4, q_lora_rank=24, n_group=2, topk_group=1,
+                             n_shared_experts=1, norm_topk_prob=True, routed_scaling_factor=1.8,
+                             mlp_layer_types=kinds)
+    model = MoEModel.from_pretrained(tmp_path, dtype=torch.float32)
+    assert model.family.name == "deepseek_v3" and model.family.moe_layers == tuple(range(dense_layers, 3))
+    assert_matches_transformers(model, ref)
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    ({"mlp_layer_types": ["sparse", "dense", "sparse"]}, "not dense layers followed by sparse"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
+     "partial_rotary_factor=0.5"),
+])
+def test_glm4_moe_lite_unsupported_configs_are_named(tmp_path, change, match):
+    from moeflow.errors import CheckpointError
+
+    make_checkpoint(tmp_path, "glm4_moe_lite", mlp_layer_types=["dense", "sparse", "sparse"])
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(CheckpointError, match=match):
+        MoEModel.from_pretrained(tmp_path)

@@ -56,7 +56,8 @@ def make_model(kind: str, seed: int = 0, **overrides):
     classes = {"deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", MLA),
                "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", MLA),
                "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", {}),
-               "dots1": ("Dots1Config", "Dots1ForCausalLM", {})}
+               "dots1": ("Dots1Config", "Dots1ForCausalLM", {}),
+               "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", MLA)}
     config_name, model_name, attention = classes[kind]
     cfg = getattr(transformers, config_name)(**{**BASE, **attention, **overrides})
     model_cls = getattr(transformers, model_name)

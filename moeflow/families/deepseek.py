@@ -1,4 +1,5 @@
-"""DeepSeek-V2 / V2-Lite (``deepseek_v2``) and DeepSeek-V3 / R1 / V3.1, Kimi-K2 (``deepseek_v3``, ``kimi_k2``).
+"""DeepSeek-V2 / V2-Lite (``deepseek_v2``) and DeepSeek-V3 / R1 / V3.1, Kimi-K2, GLM-4.7-Flash (``deepseek_v3``,
+``kimi_k2``, ``glm4_moe_lite``).
 
 Decoder layers: multi-head latent attention (:mod:`moeflow.families.mla`), then a dense MLP in the first
 ``first_k_dense_replace`` layers and an MoE block with shared experts after (:mod:`.deepseek_moe`).
@@ -81,6 +82,16 @@ class DeepSeekConfig(SharedExpertMoEConfig):
         d["rope_scaling"] = rope
         if d.get("rope_theta") is None:
             d.pop("rope_theta", None)
+        if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise CheckpointError(f"{source}: partial_rotary_factor={rope['partial_rotary_factor']} is not supported "
+                                  f"with multi-head latent attention (the rotary turns all qk_rope_head_dim values)")
+        kinds = d.get("mlp_layer_types")  # GLM-4.7-Flash (glm4_moe_lite): "dense" / "sparse" per layer
+        if kinds is not None:
+            dense = next((i for i, kind in enumerate(kinds) if kind != "dense"), len(kinds))
+            if any(kind != "sparse" for kind in kinds[dense:]) or len(kinds) != d.get("num_hidden_layers"):
+                raise CheckpointError(f"{source}: mlp_layer_types={kinds} is not dense layers followed by sparse "
+                                      f"(MoE) ones for every one of num_hidden_layers={d.get('num_hidden_layers')}")
+            d["first_k_dense_replace"] = dense
         return cls(**cls.known_entries(d, source, MLA_FIELDS, derived=("num_key_value_heads", "head_dim")))
 
 
@@ -146,10 +157,11 @@ class DeepSeekFamily(SharedExpertMoEFamily):
 
 
 class DeepSeekV3Family(DeepSeekFamily):
-    """DeepSeek-V3 / R1 / V3.1 and Kimi-K2 (same architecture; Kimi-K2's config says ``kimi_k2``)."""
+    """DeepSeek-V3 / R1 / V3.1, Kimi-K2 and GLM-4.7-Flash (same architecture; Kimi-K2's config says ``kimi_k2``,
+    GLM-4.7-Flash's ``glm4_moe_lite`` with ``mlp_layer_types`` for ``first_k_dense_replace``)."""
 
     name = "deepseek_v3"
-    model_types = ("deepseek_v3", "kimi_k2")
+    model_types = ("deepseek_v3", "kimi_k2", "glm4_moe_lite")
 
     @classmethod
     def parse_config(cls, raw: dict[str, Any], source: str) -> DeepSeekConfig:
