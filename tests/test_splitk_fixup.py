@@ -168,6 +168,9 @@ def test_w13_decode_split_is_the_wave_rule():
     assert round(configs.wave_efficiency(448), 3) == 0.566 and round(configs.wave_efficiency(1792), 3) == 0.905
     splits = {T: configs.default_config("moe", T, 8, 2, 14336, 4096, 128)["w13"]["SPLIT_K"] for T in (1, 2, 4, 16)}
     assert splits == {1: 4, 2: 2, 4: 1, 16: 1}
+    # w2 by the same rule (its partials summed in the combine): T >= 4 has 256 programs, 0.65 of a wave, unsplit
+    w2 = {T: configs.default_config("moe", T, 8, 2, 14336, 4096, 128)["w2"]["SPLIT_K"] for T in (1, 2, 4, 16)}
+    assert w2 == {1: 4, 2: 8, 4: 4, 16: 4}
     assert configs.default_config("moe", 64, 8, 2, 14336, 4096, 128)["w13"]["SPLIT_K"] == 1  # prefill: whole K
     cands = configs.tuning_candidates("decode", 128)
     for bm in (1, 16):
