@@ -14,7 +14,7 @@ and (c) at T = 1, torch's own ``_weight_int4pack_mm`` on the same expert. ``--tu
 
 Layouts (T <= 64, unless ``--no-layouts``): the same forward with the experts' qweights in the pool's former
 row-major layout (``[N, K/8]``, one K iteration reading BLOCK_N runs of 64 bytes 2-7 KiB apart), read by the
-same kernel through strides (``pool.rows_as_panels``), against today's panel-major layout (one contiguous
+same kernel through strides (``pool.row_major_pool``), against today's panel-major layout (one contiguous
 range per iteration): ``panel_speedup`` = row-major time / panel time, outputs bitwise equal
 (``layouts_equal``).
 """
@@ -22,7 +22,6 @@ range per iteration): ``panel_speedup`` = row-major time / panel time, outputs b
 from __future__ import annotations
 
 import argparse
-import copy
 import datetime as _dt
 import json
 import platform
@@ -53,7 +52,7 @@ from gpu_timing import (  # noqa: E402
 
 from moeflow import kernels  # noqa: E402
 from moeflow.kernels import configs as kcfg  # noqa: E402
-from moeflow.kernels.pool import ExpertFormat, ExpertPool, awq_panel, qweight_rows, rows_as_panels  # noqa: E402
+from moeflow.kernels.pool import ExpertFormat, ExpertPool, row_major_pool  # noqa: E402
 from moeflow.kernels.reference import dequantize_kernel_layout  # noqa: E402
 
 SHAPES = {  # name: (hidden, intermediate, experts, top_k)
@@ -143,17 +142,6 @@ def int4pack_expert(pool: ExpertPool, slot: int, inter: int):
         return torch.ops.aten._weight_int4pack_mm(a.contiguous(), w2, GROUP, sz2)
 
     return fn
-
-
-def row_major_pool(pool: ExpertPool) -> ExpertPool:
-    """The same experts with both qweights in the former row-major layout ``[S, N, K/8]`` (a copy), viewed as
-    panels: the kernels read them by strides."""
-    alt = copy.copy(pool)
-    alt.tensors = dict(pool.tensors)
-    for name in ("w13_qweight", "w2_qweight"):
-        alt.tensors[name] = rows_as_panels(qweight_rows(pool.tensors[name]), awq_panel(pool.fmt.group_size))
-    alt.checked = True
-    return alt
 
 
 def layout_point(res: dict, ours, x, ids, w, pool: ExpertPool, slot, backend: str, dev: str, reps: int,

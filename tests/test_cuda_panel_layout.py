@@ -1,5 +1,5 @@
 """The panel-major AWQ qweight with the kernels compiled (a lent GPU): at Mixtral-8x7B shapes the MoE forward
-reads the pool's panels and the former row-major layout (``pool.rows_as_panels``, through strides) to bitwise
+reads the pool's panels and the former row-major layout (``pool.row_major_pool``, through strides) to bitwise
 the same output, from decode (split-K fixup) to prefill tiles (BLOCK_K half a panel):
 
     TRITON_INTERPRET=0 python -m pytest -m cuda tests/test_cuda_panel_layout.py
@@ -9,7 +9,6 @@ Skipped without CUDA, and under the interpreter (tests/test_panel_layout.py cove
 
 from __future__ import annotations
 
-import copy
 import os
 
 import pytest
@@ -27,7 +26,7 @@ H, I, E, K, G = 4096, 14336, 8, 2, 128  # noqa: E741  Mixtral-8x7B
 
 @pytest.fixture(scope="module")
 def pools():
-    from moeflow.kernels.pool import ExpertFormat, ExpertPool, awq_panel, qweight_rows, rows_as_panels
+    from moeflow.kernels.pool import ExpertFormat, ExpertPool, row_major_pool
 
     fmt = ExpertFormat(H, I, "awq", torch.bfloat16, G)
     pool = ExpertPool.allocate(fmt, E, "cuda")
@@ -39,12 +38,7 @@ def pools():
             t.fill_(0x88888888 - 2**32)
         else:
             t.copy_(torch.rand(t.shape, generator=gen, device="cuda") * 4e-3)
-    rows = copy.copy(pool)
-    rows.tensors = dict(pool.tensors)
-    for name in ("w13_qweight", "w2_qweight"):
-        rows.tensors[name] = rows_as_panels(qweight_rows(pool.tensors[name]), awq_panel(G))
-    rows.checked = True
-    return pool, rows
+    return pool, row_major_pool(pool)
 
 
 @pytest.mark.parametrize("T", [1, 2, 16, 64, 512])

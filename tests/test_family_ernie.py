@@ -9,19 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_families import assert_matches_transformers
+from tiny_families import assert_matches_transformers, offloaded_generate, train_predictors
 
 from moeflow import MoEModel, OffloadConfig
 from moeflow.errors import CheckpointError
 from moeflow.offload.policies import POLICY_NAMES
-from moeflow.offload.predictors import train_predictor
-from moeflow.trace.record import record_trace
 
 transformers = pytest.importorskip("transformers")
 BASE = dict(vocab_size=97, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
             num_attention_heads=4, max_position_embeddings=256, moe_num_experts=6, moe_k=2, use_bias=False)
-TRAINED = {"duoserve": {"epochs": 2, "widths": [32, 16, 16, 8, 8, 8]}, "promoe": {"epochs": 2},
-           "finemoe": {"capacity": 64}, "expertflow": {"epochs": 2, "vocab_size": 97}}
 CONFIGS = {
     "gqa-dense-first-shared": dict(num_key_value_heads=2, moe_layer_start_index=1, moe_layer_end_index=2,
                                    moe_num_shared_experts=2, tie_word_embeddings=True,
@@ -77,10 +73,7 @@ def tiny(tmp_path_factory):
     path, _ = make_checkpoint(tmp_path_factory.mktemp("ernie_invariant"), seed=4, **CONFIGS["gqa-dense-first-shared"])
     resident = MoEModel.from_pretrained(path, offload=OffloadConfig(policy="resident"))
     gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (5, 7, 4, 6, 8, 5)]
-    trace = record_trace(resident, prompts, max_new_tokens=6, hidden=True)
-    for kind, opts in TRAINED.items():  # where the policies look by default: <checkpoint>/predictors/<kind>.pt
-        train_predictor(kind, trace, eval_fraction=0.2, **opts).save(path / "predictors" / f"{kind}.pt")
+    train_predictors(resident, path, gen)
     ids = torch.randint(0, 97, (2, 9), generator=gen)
     mask = torch.ones_like(ids)
     mask[0, :3] = 0  # left padding
@@ -95,14 +88,9 @@ def test_greedy_tokens_equal_resident(tiny, policy, transport):
     model's trace, at the smallest, a middle and the largest-but-one slot count."""
     path, ids, mask, expected = tiny
     for n_slots in (2, 6, 11):
-        model = MoEModel.from_pretrained(path, offload=OffloadConfig(
-            policy=policy, gpu_expert_slots=n_slots, transport=transport, random_delay_ms=0.3, seed=n_slots))
-        try:
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
-        finally:
-            model.experts.close()
+        out, stats = offloaded_generate(path, ids, mask, policy, transport, n_slots, 8)
         assert torch.equal(out, expected), f"{policy}/{transport} with {n_slots} slots"
-        assert model.stats.decode.hits + model.stats.decode.misses > 0
+        assert stats.decode.hits + stats.decode.misses > 0
 
 
 def test_awq_checkpoint_matches_transformers_on_dequantized_weights(tmp_path):

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_families import make_checkpoint
+from tiny_families import make_checkpoint, offloaded_generate, train_predictors
 
 from moeflow import MoEModel, OffloadConfig
 from moeflow.offload.policies import POLICY_NAMES
-from moeflow.offload.predictors import train_predictor
-from moeflow.trace.record import record_trace
 
 MOE_LAYERS, EXPERTS, TOP_K = 2, 6, 2
 SHAPE = dict(num_hidden_layers=MOE_LAYERS + 1, first_k_dense_replace=1, n_routed_experts=EXPERTS, n_group=3,
@@ -20,8 +18,6 @@ SHAPE = dict(num_hidden_layers=MOE_LAYERS + 1, first_k_dense_replace=1, n_routed
 NEW_TOKENS = 8
 # fiddler computes every non-resident expert with the CPU int4 kernels: AWQ only (tests/test_hybrid.py)
 POLICIES = tuple(p for p in POLICY_NAMES if p not in ("resident", "fiddler"))
-TRAINED = {"duoserve": {"epochs": 2, "widths": [32, 16, 16, 8, 8, 8]}, "promoe": {"epochs": 2},
-           "finemoe": {"capacity": 64}, "expertflow": {"epochs": 2, "vocab_size": 97}}
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -32,10 +28,7 @@ def tiny(tmp_path_factory):
     path, _ = make_checkpoint(tmp_path_factory.mktemp("deepseek_invariant"), "deepseek_v3", seed=5, **SHAPE)
     resident = MoEModel.from_pretrained(path, offload=OffloadConfig(policy="resident"))
     gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (5, 7, 4, 6, 8, 5)]
-    trace = record_trace(resident, prompts, max_new_tokens=6, hidden=True)
-    for kind, opts in TRAINED.items():  # where the policies look by default: <checkpoint>/predictors/<kind>.pt
-        train_predictor(kind, trace, eval_fraction=0.2, **opts).save(path / "predictors" / f"{kind}.pt")
+    train_predictors(resident, path, gen)
     ids = torch.randint(0, 97, (2, 9), generator=gen)
     mask = torch.ones_like(ids)
     mask[1, :3] = 0  # left padding: the prefill needs every expert through the ring
@@ -48,14 +41,8 @@ def tiny(tmp_path_factory):
 def test_greedy_tokens_equal_resident(tiny, policy, transport):
     path, ids, mask, expected = tiny
     for n_slots in range(TOP_K, MOE_LAYERS * EXPERTS + 1):
-        model = MoEModel.from_pretrained(path, offload=OffloadConfig(
-            policy=policy, gpu_expert_slots=n_slots, transport=transport, random_delay_ms=0.3, seed=n_slots))
-        try:
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
-        finally:
-            model.experts.close()
+        out, s = offloaded_generate(path, ids, mask, policy, transport, n_slots, NEW_TOKENS)
         assert torch.equal(out, expected), f"{policy}/{transport} with {n_slots} slots: {out} != {expected}"
-        s = model.stats
         assert s.prefill.hits + s.prefill.misses > 0 and s.decode.hits + s.decode.misses > 0
         if n_slots < MOE_LAYERS * EXPERTS:
             assert s.prefill.bytes_h2d + s.decode.bytes_h2d > 0

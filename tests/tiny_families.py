@@ -1,4 +1,6 @@
-"""Tiny random DeepSeek-V2 / V3, GLM-4.5 and dots.llm1 checkpoints written by transformers (shared by several tests)."""
+"""Tiny random DeepSeek-V2 / V3, GLM-4.5 and dots.llm1 checkpoints written by transformers, and the exact-token
+invariant's steps on such models: predictors trained on a trace, one offloaded greedy run (shared by several
+tests)."""
 
 from __future__ import annotations
 
@@ -93,3 +95,36 @@ def assert_matches_transformers(model, ref, new_tokens: int = 32, seed: int = 3)
     assert got.shape == want.shape
     assert float((got - want).abs().max() / want.abs().max()) < 1e-4
     assert torch.equal(model.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=[]), want_tokens)
+
+
+# ---------------------------------------------------------------- the exact-token invariant on these families
+# predictor options of the predictive policies, small enough for the tiny models (6 experts, 97 tokens)
+PREDICTOR_OPTIONS = {"duoserve": {"epochs": 2, "widths": [32, 16, 16, 8, 8, 8]}, "promoe": {"epochs": 2},
+                     "finemoe": {"capacity": 64}, "expertflow": {"epochs": 2, "vocab_size": 97}}
+
+
+def train_predictors(resident, path: Path, gen: torch.Generator) -> None:
+    """Record the resident model's trace on six random prompts (drawn from ``gen``) and train every predictive
+    policy's predictor on it, saved where the policies look by default: ``<path>/predictors/<kind>.pt``."""
+    from moeflow.offload.predictors import train_predictor
+    from moeflow.trace.record import record_trace
+
+    prompts = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (5, 7, 4, 6, 8, 5)]
+    trace = record_trace(resident, prompts, max_new_tokens=6, hidden=True)
+    for kind, opts in PREDICTOR_OPTIONS.items():
+        train_predictor(kind, trace, eval_fraction=0.2, **opts).save(path / "predictors" / f"{kind}.pt")
+
+
+def offloaded_generate(path: Path, ids: torch.Tensor, mask: torch.Tensor, policy: str, transport: str,
+                       n_slots: int, new_tokens: int):
+    """(greedy tokens, stats) of the checkpoint at ``path`` offloaded with ``policy`` into ``n_slots`` slots over
+    ``transport`` (random delays of 0.3 ms, seeded by the slot count); the model is closed after."""
+    from moeflow import MoEModel, OffloadConfig
+
+    model = MoEModel.from_pretrained(path, offload=OffloadConfig(
+        policy=policy, gpu_expert_slots=n_slots, transport=transport, random_delay_ms=0.3, seed=n_slots))
+    try:
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
+    finally:
+        model.experts.close()
+    return out, model.stats

@@ -9,10 +9,9 @@ checkpoints have none (``use_sliding_window`` false), and a config that does is 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from moeflow.errors import CheckpointError
-from moeflow.families.deepseek_moe import sigmoid_router_spec
 from moeflow.families.glm4_moe import Glm4MoeConfig, Glm4MoeFamily
 
 
@@ -23,6 +22,7 @@ class Dots1Config(Glm4MoeConfig):
     first_k_dense_replace: int = 0
     norm_topk_prob: bool = False
     rms_norm_eps: float = 1e-6
+    model_type: ClassVar[str] = "dots1"
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str) -> Dots1Config:
@@ -43,9 +43,4 @@ class Dots1Family(Glm4MoeFamily):
     name = "dots1"
     model_types = ("dots1",)
     config: Dots1Config
-
-    @classmethod
-    def parse_config(cls, raw: dict[str, Any], source: str) -> Dots1Config:
-        cfg = Dots1Config.from_dict(raw, source)
-        sigmoid_router_spec(cfg, source)  # checks the groups
-        return cfg
+    config_class = Dots1Config

@@ -13,15 +13,15 @@ What the released text checkpoints do not use is refused by name: MoE layers wit
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from moeflow.errors import CheckpointError
 from moeflow.families.base import CausalDecoder, ExpertLayout
-from moeflow.families.deepseek_moe import MoEDecoderLayer, SharedExpertMoEConfig, SharedExpertMoEFamily
-from moeflow.families.glm4_moe import PartialRotaryAttention
+from moeflow.families.deepseek_moe import MoEDecoderLayer, SharedExpertMoEFamily
+from moeflow.families.glm4_moe import Glm4MoeConfig, PartialRotaryAttention
 from moeflow.families.layers import LinearFactory, project_qkv
 from moeflow.moe.block import MoEBlock
 from moeflow.moe.routing import RouterSpec
@@ -31,33 +31,14 @@ RENAMES = {"moe_num_experts": "n_routed_experts", "moe_k": "num_experts_per_tok"
 
 
 @dataclass
-class Ernie45MoeConfig(SharedExpertMoEConfig):
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
+class Ernie45MoeConfig(Glm4MoeConfig):
+    """GLM-4.5's config fields (its attention module and checks) with ERNIE's defaults; read from ERNIE's names."""
+
     n_shared_experts: int = 0
     first_k_dense_replace: int = 1
-    moe_norm_min: float = 1e-12
     rope_theta: float = 500000.0
-    rms_norm_eps: float = 1e-5
-    max_position_embeddings: int = 131072
-    hidden_act: str = "silu"
     tie_word_embeddings: bool = True
-    bos_token_id: int | None = None
-    eos_token_id: int | list[int] | None = None
-    pad_token_id: int | None = None
-    # GLM's attention module reads these: full rotary, no QK-norm, no biases
-    partial_rotary_factor: float = 1.0
-    use_qk_norm: bool = False
-    attention_bias: bool = False
-    o_bias: bool = False
-
-    def __post_init__(self) -> None:
-        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
-        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
-
-    @property
-    def rotary_dim(self) -> int:
-        return self.head_dim
+    model_type: ClassVar[str] = "ernie4_5_moe"
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str) -> Ernie45MoeConfig:
@@ -70,12 +51,6 @@ class Ernie45MoeConfig(SharedExpertMoEConfig):
         for old, new in RENAMES.items():
             if d.get(new) is None and d.get(old) is not None:
                 d[new] = d[old]
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        if d.get("rope_theta") is None and rope.get("rope_theta") is not None:
-            d["rope_theta"] = rope["rope_theta"]
-        kind = rope.get("rope_type", rope.get("type", "default")) or "default"
-        if kind != "default":
-            raise CheckpointError(f"{source}: rope type {kind!r} is not supported for ernie4_5_moe (only the default)")
         if d.get("use_bias"):
             raise CheckpointError(f"{source}: use_bias=true (biased projections and MLPs) is not supported for "
                                   f"ernie4_5_moe; the released checkpoints have none")
@@ -85,18 +60,16 @@ class Ernie45MoeConfig(SharedExpertMoEConfig):
             raise CheckpointError(f"{source}: MoE layers every {interval} from moe_layer_start_index to "
                                   f"moe_layer_end_index={end} leave dense layers between them; moeflow supports MoE "
                                   f"layers from moe_layer_start_index to the last layer (as the released checkpoints)")
-        cfg = cls(**cls.known_entries(d, source))
-        if cfg.num_attention_heads % cfg.num_key_value_heads:
-            raise CheckpointError(f"{source}: num_attention_heads={cfg.num_attention_heads} is not a multiple of "
-                                  f"num_key_value_heads={cfg.num_key_value_heads}")
-        if cfg.hidden_act != "silu":
-            raise CheckpointError(f"{source}: hidden_act={cfg.hidden_act!r} is not supported (silu)")
-        if not 0 <= cfg.first_k_dense_replace < cfg.num_hidden_layers:
-            raise CheckpointError(f"{source}: moe_layer_start_index={cfg.first_k_dense_replace} leaves no MoE layer")
+        start = d.get("first_k_dense_replace")
+        if start is not None and not 0 <= int(start) < layers:
+            raise CheckpointError(f"{source}: moe_layer_start_index={start} leaves no MoE layer")
+        # ERNIE's attention: whole-head rotary (on interleaved pairs), no QK-norm, no biases (use_bias refused)
+        d.update(partial_rotary_factor=1.0, use_qk_norm=False, attention_bias=False, o_bias=False)
+        cfg = super().from_dict(d, source)
         if not 1 <= cfg.num_experts_per_tok <= cfg.n_routed_experts:
             raise CheckpointError(f"{source}: moe_k={cfg.num_experts_per_tok} must lie in [1, moe_num_experts="
                                   f"{cfg.n_routed_experts}]")
-        return cfg
+        return cfg  # type: ignore[return-value]
 
 
 class InterleavedRotaryAttention(PartialRotaryAttention):

@@ -5,7 +5,7 @@ experts, dense first layers; :mod:`.deepseek_moe`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +45,7 @@ class Glm4MoeConfig(SharedExpertMoEConfig):
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
+    model_type: ClassVar[str] = "glm4_moe"  # named in errors (the configs built on this one set theirs)
 
     def __post_init__(self) -> None:
         self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
@@ -64,7 +65,8 @@ class Glm4MoeConfig(SharedExpertMoEConfig):
                 d[key] = rope[key]
         kind = rope.get("rope_type", rope.get("type", "default")) or "default"
         if kind != "default":
-            raise CheckpointError(f"{source}: rope type {kind!r} is not supported for glm4_moe (only the default)")
+            raise CheckpointError(f"{source}: rope type {kind!r} is not supported for {cls.model_type} (only the "
+                                  f"default)")
         cfg = cls(**cls.known_entries(d, source))
         if cfg.num_attention_heads % cfg.num_key_value_heads:
             raise CheckpointError(f"{source}: num_attention_heads={cfg.num_attention_heads} is not a multiple of "
@@ -137,10 +139,11 @@ class Glm4MoeFamily(SharedExpertMoEFamily):
     name = "glm4_moe"
     model_types = ("glm4_moe",)
     config: Glm4MoeConfig
+    config_class: ClassVar[type[Glm4MoeConfig]] = Glm4MoeConfig
 
     @classmethod
     def parse_config(cls, raw: dict[str, Any], source: str) -> Glm4MoeConfig:
-        cfg = Glm4MoeConfig.from_dict(raw, source)
+        cfg = cls.config_class.from_dict(raw, source)
         sigmoid_router_spec(cfg, source)  # checks the groups
         return cfg
 

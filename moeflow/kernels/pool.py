@@ -33,6 +33,7 @@ Kernel layout (what :meth:`ExpertFormat.views` returns), for a matrix ``y = x @ 
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -300,3 +301,16 @@ class ExpertPool:
     @property
     def device(self) -> torch.device:
         return self.buffer.device
+
+
+def row_major_pool(pool: ExpertPool) -> ExpertPool:
+    """The same AWQ experts with both qweights copied into the former row-major layout ``[S, N, K/8]`` and viewed
+    as panels (:func:`rows_as_panels`): what the kernels read through strides for the side-by-side timing of the
+    two layouts (the MXFP4 twin: :func:`moeflow.kernels.mxfp4.row_major_copy`). Marked checked: its row stride is
+    not the panel layout's, which the pool checks would refuse."""
+    alt = copy.copy(pool)
+    alt.tensors = dict(pool.tensors)
+    for name in ("w13_qweight", "w2_qweight"):
+        alt.tensors[name] = rows_as_panels(qweight_rows(pool.tensors[name]), awq_panel(pool.fmt.group_size))
+    alt.checked = True
+    return alt
