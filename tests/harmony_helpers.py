@@ -98,12 +98,8 @@ def make_harmony_checkpoint(directory: Path, steps: int = 400) -> Path:
     tok = Tokenizer(directory / "tokenizer.json")
     seqs = [torch.tensor([tok.encode(t, add_special_tokens=False)]) for t in texts]
     starts = [len(tok.encode(p, add_special_tokens=False)) for p in prompts]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices: more threads only wait on each other (10-50x slower on a busy machine)
-    try:
-        model = _train(seqs, starts, tok.vocab_size, steps)
-    finally:
-        torch.set_num_threads(threads)
+    model = make_gpt_oss_model(seed=0, vocab_size=tok.vocab_size, sliding_window=128, max_position_embeddings=512)
+    model = train_replies(model, seqs, starts, steps, "harmony")
     ids = {t: tok.token_id(t) for t in SPECIALS}
     model.generation_config.eos_token_id = [ids["<|return|>"], ids["<|endoftext|>"], ids["<|call|>"]]
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
@@ -114,19 +110,25 @@ def make_harmony_checkpoint(directory: Path, steps: int = 400) -> Path:
     return directory
 
 
-def _train(seqs: list[torch.Tensor], starts: list[int], vocab: int, steps: int):
-    model = make_gpt_oss_model(seed=0, vocab_size=vocab, sliding_window=128, max_position_embeddings=512)
-    model.train()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    labels = [s.masked_fill(torch.arange(s.shape[1]) < n, -100) for s, n in zip(seqs, starts, strict=True)]
-    for step in range(steps):  # the loss on the replies only
-        opt.zero_grad()
-        loss = sum(model(input_ids=s, labels=y).loss for s, y in zip(seqs, labels, strict=True))
-        loss.backward()
-        opt.step()
-        if step % 20 == 19 and _memorized(model, seqs, starts):
-            break
-    assert _memorized(model, seqs, starts), "the tiny model did not learn its harmony replies"
+def train_replies(model, seqs: list[torch.Tensor], starts: list[int], steps: int, what: str):
+    """``model`` (a transformers causal LM) trained on ``seqs`` [1, T] until greedy decoding of each prompt
+    (its first ``starts[i]`` tokens) writes the rest: the loss on the replies only."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: more threads only wait on each other (10-50x slower on a busy machine)
+    try:
+        model.train()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        labels = [s.masked_fill(torch.arange(s.shape[1]) < n, -100) for s, n in zip(seqs, starts, strict=True)]
+        for step in range(steps):
+            opt.zero_grad()
+            loss = sum(model(input_ids=s, labels=y).loss for s, y in zip(seqs, labels, strict=True))
+            loss.backward()
+            opt.step()
+            if step % 20 == 19 and _memorized(model, seqs, starts):
+                break
+        assert _memorized(model, seqs, starts), f"the tiny model did not learn its {what} replies"
+    finally:
+        torch.set_num_threads(threads)
     model.eval()
     return model
 

@@ -18,6 +18,7 @@ from moeflow.cli.commands import (
     _gb_or_auto,
     embedded_model_path,
 )
+from moeflow.io.reply_formats import REASONING_ALIASES, TOOL_FORMATS
 
 API_KEY_ENV = "MOEFLOW_API_KEY"
 
@@ -179,7 +180,8 @@ def cmd_serve(args) -> int:
     source = args.model or str(embedded_model_path())
     name = args.served_model_name or (Path(source).name if Path(source).exists() else source)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    app = create_app(model, engine, metrics, name, api_key=api_key, aliases=(source,))
+    app = create_app(model, engine, metrics, name, api_key=api_key, aliases=(source,),
+                     tool_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
 
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -228,6 +230,11 @@ def register(sub) -> None:
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.add_argument("--cuda-graphs", choices=list(CUDA_GRAPHS), default="auto",
                    help="replay the decode passes as CUDA graphs (auto: on when --device is CUDA)")
+    p.add_argument("--tool-call-parser", choices=["auto", "none", *TOOL_FORMATS], default="auto",
+                   help="the markup chat replies write tool calls in (auto: from the chat template)")
+    p.add_argument("--reasoning-parser", choices=["auto", "none", *REASONING_ALIASES], default="auto",
+                   help="split <think>...</think> into reasoning_content (auto: when the template or vocabulary "
+                        "has <think>)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("chat", help="chat with a model in the terminal (its chat template, streamed)")

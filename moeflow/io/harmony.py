@@ -17,6 +17,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from moeflow.io.reply_formats import Reply, ToolCall
+
 MARKUP = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>", "<|constrain|>")
 
 
@@ -101,28 +103,13 @@ def parse_reply(ids: list[int], tokens: HarmonyTokens,
     return messages, header
 
 
-@dataclass
-class ToolCall:
-    name: str
-    arguments: str
-
-
-@dataclass
-class HarmonyReply:
-    """A reply's text by destination: ``content`` (final channel, and commentary addressed to nobody),
-    ``reasoning`` (analysis channel), ``tool_calls`` (messages addressed to ``functions.NAME``)."""
-
-    content: str = ""
-    reasoning: str = ""
-    tool_calls: list[ToolCall] = field(default_factory=list)
-
-
-def split_reply(ids: list[int], tokens: HarmonyTokens, decode: Callable[..., str], final: bool = True) -> HarmonyReply:
-    """The reply in ``ids`` by destination (see :class:`HarmonyReply`). Unless ``final``, a tool call still being
-    written is left out. With ``final``, a header never closed (a malformed reply) is returned as content, so no
-    generated text is silently lost."""
+def split_reply(ids: list[int], tokens: HarmonyTokens, decode: Callable[..., str], final: bool = True) -> Reply:
+    """The reply in ``ids`` by destination: the final channel is the content, the analysis channel the reasoning,
+    messages to ``functions.NAME`` the tool calls. Unless ``final``, a tool call still being written is left out.
+    With ``final``, a header never closed (a malformed reply) is returned as content, so no generated text is
+    silently lost."""
     messages, pending = parse_reply(ids, tokens, decode)
-    reply = HarmonyReply()
+    reply = Reply()
     content, reasoning = [], []
     for m in messages:
         if m.recipient and m.recipient != "assistant":

@@ -29,6 +29,10 @@ class Tokenizer:
         """The id of ``token`` as one vocabulary entry (e.g. a special token), or None when it is not one."""
         return self._tok.token_to_id(token)
 
+    def special_token_ids(self) -> set[int]:
+        """The ids of the added tokens marked special (what ``decode`` drops by default)."""
+        return {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         if isinstance(ids, torch.Tensor):
             ids = ids.tolist()

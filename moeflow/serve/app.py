@@ -22,11 +22,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from moeflow.engine.continuous import ContinuousEngine, SamplingParams
 from moeflow.io.chat_template import ChatTemplate, stop_token_ids
-from moeflow.io.harmony import harmony_tokens
 from moeflow.serve import protocol as p
 from moeflow.serve.errors import APIError, error_body, install_handlers
 from moeflow.serve.metrics import ServeMetrics
-from moeflow.serve.text import HarmonyAssembler, TextAssembler
+from moeflow.serve.text import ChatReplies, TextAssembler
 
 DISCONNECT_POLL_S = 0.1  # how often a plain (non-streamed) request checks that its client is still there
 
@@ -35,7 +34,7 @@ class ServeState:
     """What the routes share: the model, its engine, tokenizer, chat template and the served name."""
 
     def __init__(self, model, engine: ContinuousEngine, metrics: ServeMetrics, model_name: str,
-                 aliases: tuple[str, ...] = ()) -> None:
+                 aliases: tuple[str, ...] = (), tool_parser: str = "auto", reasoning_parser: str = "auto") -> None:
         if model.tokenizer is None:
             raise ValueError(f"{model.name_or_path} has no tokenizer.json: the server needs one")
         self.model, self.engine, self.metrics = model, engine, metrics
@@ -43,8 +42,9 @@ class ServeState:
         self.names = {model_name, *aliases}
         self.template = ChatTemplate.from_directory(model.tokenizer.path.parent)
         self.stop_ids = stop_token_ids(self.template, model.generation_config.eos_ids(), self.tokenizer.encode)
-        # gpt-oss: chat replies are harmony messages, split into content / reasoning_content / tool_calls
-        self.harmony = harmony_tokens(self.tokenizer) if self.template is not None else None
+        # chat replies split into content / reasoning_content / tool_calls: harmony (gpt-oss) or text markup
+        template_text = "\n".join(self.template.templates.values()) if self.template is not None else None
+        self.replies = ChatReplies(self.tokenizer, template_text, tool_parser, reasoning_parser)
 
     def check_model(self, name: str) -> None:
         if name not in self.names:
@@ -72,12 +72,14 @@ class ServeState:
         return [(piece(seq.generated[i]), lp, [(piece(a), alp) for a, alp in top])
                 for i, (lp, top) in enumerate(seq.logprobs[start:end], start)]
 
-    async def complete(self, request: Request, kind: str, req: p.SamplingFields, ids: list[int]) -> Response:
-        """Run one request: a JSON body, or an SSE stream when ``req.stream``."""
+    async def complete(self, request: Request, kind: str, req: p.SamplingFields, ids: list[int],
+                       prompt: str = "") -> Response:
+        """Run one request (``prompt``: a chat request's rendered text): a JSON body, or an SSE stream when
+        ``req.stream``."""
         req.check_supported()
         params = self.sampling(req, req.token_limit(), len(ids))
-        if kind == "chat" and self.harmony is not None:
-            text = HarmonyAssembler(self.tokenizer.decode, req.stop_strings(), set(self.stop_ids), self.harmony)
+        if isinstance(req, p.ChatCompletionRequest):
+            text = self.replies.assembler(req.stop_strings(), set(self.stop_ids), prompt, req.tools, req.tool_choice)
         else:
             text = TextAssembler(self.tokenizer.decode, req.stop_strings(), set(self.stop_ids))
         loop = asyncio.get_running_loop()
@@ -218,9 +220,11 @@ class _KeyAndCount:
 
 
 def create_app(model, engine: ContinuousEngine, metrics: ServeMetrics, model_name: str,
-               api_key: str | None = None, aliases: tuple[str, ...] = ()) -> FastAPI:
-    """The server for ``model``; the engine thread starts with the app and stops with it."""
-    state = ServeState(model, engine, metrics, model_name, aliases)
+               api_key: str | None = None, aliases: tuple[str, ...] = (), tool_parser: str = "auto",
+               reasoning_parser: str = "auto") -> FastAPI:
+    """The server for ``model``; the engine thread starts with the app and stops with it. ``tool_parser`` /
+    ``reasoning_parser``: how chat replies are split (:class:`~moeflow.serve.text.ChatReplies`)."""
+    state = ServeState(model, engine, metrics, model_name, aliases, tool_parser, reasoning_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -242,7 +246,7 @@ def create_app(model, engine: ContinuousEngine, metrics: ServeMetrics, model_nam
         messages = [m.as_template_input() for m in req.messages]
         prompt = state.template.render(messages, add_generation_prompt=True, tools=req.tools, **req.template_kwargs())
         ids = state.tokenizer.encode(prompt, add_special_tokens=False)  # the template wrote the special tokens
-        return await state.complete(request, "chat", req, ids)
+        return await state.complete(request, "chat", req, ids, prompt)
 
     @app.post("/v1/completions")
     async def completions(req: p.CompletionRequest, request: Request) -> Response:

@@ -7,6 +7,7 @@ refused with a 400 naming the parameter, rather than silently ignored.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -79,6 +80,15 @@ class ChatMessage(BaseModel):
             data["content"] = "".join(texts)
         if "reasoning_content" in data:  # a reply sent back: transformers' templates (gpt-oss) read "thinking"
             data.setdefault("thinking", data["reasoning_content"])
+        for call in data.get("tool_calls") or []:  # templates iterate the arguments (GLM's .items()): a dict
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                try:
+                    args = json.loads(fn["arguments"])
+                except ValueError:
+                    continue
+                if isinstance(args, dict):
+                    fn["arguments"] = args
         return data
 
 
@@ -86,6 +96,7 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # "auto" / "none" (a forced call would need guided decoding)
     reasoning_effort: Literal["low", "medium", "high"] | None = None  # harmony (gpt-oss) templates read it
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template (as vLLM)
     logprobs: bool = False
@@ -93,6 +104,12 @@ class ChatCompletionRequest(SamplingFields):
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tool_choice not in (None, "auto", "none"):
+            raise Unsupported("tool_choice", f"tool_choice {self.tool_choice!r} is not supported: moeflow does not "
+                                             "force tool calls (use 'auto' or 'none')")
 
     def template_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for the chat template: ``chat_template_kwargs`` and ``reasoning_effort``."""

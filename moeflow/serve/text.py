@@ -1,5 +1,6 @@
-"""Generated ids -> the text a client sees: end-of-turn tokens dropped, cut at a stop string, streamed in order
-(for harmony models, gpt-oss, split by channel into content, reasoning and tool calls).
+"""Generated ids -> the text a client sees: end-of-turn tokens dropped, cut at a stop string, streamed in order;
+for chat, split into content, reasoning and tool calls (harmony models, gpt-oss, by channel; others by their
+``<think>`` and tool-call markup, :mod:`moeflow.io.reply_formats`).
 
 A streamed delta never has to be taken back: text that may still turn into a stop string, and a
 multi-byte character whose bytes have not all arrived, are held until they are settled.
@@ -10,7 +11,9 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 
-from moeflow.io.harmony import HarmonyReply, HarmonyTokens, ToolCall, split_reply
+from moeflow.io import reply_formats as rf
+from moeflow.io.harmony import HarmonyTokens, harmony_tokens, split_reply
+from moeflow.io.reply_formats import Reply, ToolCall, ToolFormat, Tools
 
 
 class TextAssembler:
@@ -69,20 +72,17 @@ class TextAssembler:
         return "length" if reason == "length" else "stop"
 
 
-class HarmonyAssembler(TextAssembler):
-    """:class:`TextAssembler` for harmony replies (gpt-oss): the final channel is the content, the analysis
-    channel ``reasoning_content``, messages to ``functions.NAME`` tool calls (:mod:`moeflow.io.harmony`).
-    Stop strings cut the content; reasoning streams as it settles, tool calls come whole at the end.
-    Each step splits the whole reply again (a decode per message): fine for replies of thousands of tokens."""
+class SplitAssembler(TextAssembler):
+    """:class:`TextAssembler` for replies split by destination (:meth:`_reply`, by the subclass): stop strings cut
+    the content; reasoning streams as it settles, tool calls come whole at the end. Each step splits the whole
+    reply again: fine for replies of thousands of tokens."""
 
-    def __init__(self, decode: Callable[..., str], stop_strings: list[str], stop_ids: set[int],
-                 tokens: HarmonyTokens) -> None:
+    def __init__(self, decode: Callable[..., str], stop_strings: list[str], stop_ids: set[int]) -> None:
         super().__init__(decode, stop_strings, stop_ids)
-        self.tokens = tokens
         self.sent_reasoning = ""
 
-    def _reply(self, ids: list[int], final: bool) -> HarmonyReply:
-        return split_reply(ids, self.tokens, self.decode, final=final)
+    def _reply(self, ids: list[int], final: bool) -> Reply:
+        raise NotImplementedError
 
     def text(self, ids: list[int]) -> str:
         return self._cut(self._reply(ids, final=True).content)
@@ -119,7 +119,72 @@ class HarmonyAssembler(TextAssembler):
         return "tool_calls" if self._reply(ids, final=True).tool_calls else "stop"
 
 
+class HarmonyAssembler(SplitAssembler):
+    """Harmony replies (gpt-oss): the final channel is the content, the analysis channel ``reasoning_content``,
+    messages to ``functions.NAME`` tool calls (:mod:`moeflow.io.harmony`, split on token ids)."""
+
+    def __init__(self, decode: Callable[..., str], stop_strings: list[str], stop_ids: set[int],
+                 tokens: HarmonyTokens) -> None:
+        super().__init__(decode, stop_strings, stop_ids)
+        self.tokens = tokens
+
+    def _reply(self, ids: list[int], final: bool) -> Reply:
+        return split_reply(ids, self.tokens, self.decode, final=final)
+
+
+class MarkupAssembler(SplitAssembler):
+    """Replies with ``<think>`` reasoning and/or a tool-call markup in their text (``reply_formats.split_text``).
+
+    ``decode`` must keep the markup tags even where the tokenizer marks them special; ``in_reasoning``: the
+    prompt ended inside ``<think>``; ``tool``: None when the request gave no tools (or ``tool_choice`` "none")."""
+
+    def __init__(self, decode: Callable[..., str], stop_strings: list[str], stop_ids: set[int],
+                 tool: ToolFormat | None, tools: Tools, reasoning: bool, in_reasoning: bool) -> None:
+        super().__init__(decode, stop_strings, stop_ids)
+        self.tool, self.tools, self.reasoning, self.in_reasoning = tool, tools, reasoning, in_reasoning
+
+    def _reply(self, ids: list[int], final: bool) -> Reply:
+        if ids and ids[-1] in self.stop_ids:
+            ids = ids[:-1]
+        text = self.decode(ids)
+        if not final:
+            text = text.rstrip("\ufffd")  # a character split across tokens: wait for its other bytes
+        return rf.split_text(text, self.tool, self.tools, self.reasoning, self.in_reasoning, final=final)
+
+
 def _tool_calls(calls: list[ToolCall], with_index: bool = False) -> list[dict]:
     """OpenAI's ``tool_calls`` entries (with ``index`` in stream deltas); ids are fresh per reply."""
     return [{**({"index": i} if with_index else {}), "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
              "function": {"name": c.name, "arguments": c.arguments}} for i, c in enumerate(calls)]
+
+
+class ChatReplies:
+    """How this model's chat replies are split (from ``--tool-call-parser`` / ``--reasoning-parser`` and what the
+    chat template and vocabulary show): :meth:`assembler` makes each request's assembler."""
+
+    def __init__(self, tokenizer, template_text: str | None, tool_parser: str = "auto",
+                 reasoning_parser: str = "auto") -> None:
+        self.decode = tokenizer.decode
+        self.harmony = harmony_tokens(tokenizer) if template_text is not None else None
+        text = template_text or ""
+        self.tool = None if self.harmony else rf.tool_format(tool_parser, text)
+        think = tokenizer.token_id(rf.THINK_OPEN) is not None and tokenizer.token_id(rf.THINK_CLOSE) is not None
+        self.reasoning = self.harmony is None and rf.reasoning_wanted(reasoning_parser, text, think)
+        tags = (rf.THINK_OPEN, rf.THINK_CLOSE, *(self.tool.tags() if self.tool else ()))
+        # special tokens are dropped from replies as usual, except the markup's own tags (some vocabularies
+        # mark them special): the split needs to see them
+        hidden = tokenizer.special_token_ids() - {tokenizer.token_id(t) for t in tags}
+        self.markup_decode = lambda ids: tokenizer.decode([i for i in ids if i not in hidden],
+                                                          skip_special_tokens=False)
+
+    def assembler(self, stop_strings: list[str], stop_ids: set[int], prompt: str, tools: list[dict] | None,
+                  tool_choice: str | dict | None) -> TextAssembler:
+        """The assembler of one chat request (``prompt``: its rendered text; tool calls split only when the
+        request gives ``tools`` and ``tool_choice`` is not "none")."""
+        if self.harmony is not None:
+            return HarmonyAssembler(self.decode, stop_strings, stop_ids, self.harmony)
+        tool = self.tool if tools and tool_choice != "none" else None
+        if tool is None and not self.reasoning:
+            return TextAssembler(self.decode, stop_strings, stop_ids)
+        return MarkupAssembler(self.markup_decode, stop_strings, stop_ids, tool, rf.tool_schemas(tools),
+                               self.reasoning, self.reasoning and rf.prompt_opens_reasoning(prompt))
