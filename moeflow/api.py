@@ -209,6 +209,8 @@ class MoEModel(nn.Module):
         micro_batch_size: int | None = None,
         path_predictor=None,
         dual_batch: bool | None = None,
+        repetition_penalty: float | None = None,
+        min_p: float | None = None,
     ) -> torch.Tensor:
         """Generate up to ``max_new_tokens`` tokens; returns ``[B, T + n]`` ids including the prompt.
 
@@ -216,6 +218,8 @@ class MoEModel(nn.Module):
         Prompts of a batch are left-padded, with ``attention_mask`` marking the real tokens. A sequence
         that produced an EOS is continued with ``pad_token_id`` until every sequence is done.
         ``streamer``: an object with ``put(ids)`` and ``end()`` (transformers' streamers work).
+        ``repetition_penalty`` and ``min_p`` as transformers (5.x) applies them (the penalty over the row's
+        tokens so far, its left padding excepted, greedy or sampled; min-p after top-p).
         ``micro_batch_size``: run the batch as micro-batches of at most this many sequences, regrouped
         before every step by routing-path similarity (ExpertFlow's token scheduler): by the paths the
         expert backend predicts (``experts.predict_paths``: the expertflow policy predicts them from the
@@ -229,7 +233,8 @@ class MoEModel(nn.Module):
         """
         gen = self.generation_config.override(
             max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
-            top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+            top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id, repetition_penalty=repetition_penalty,
+            min_p=min_p,
         )
         gen.validate()
         check_inputs(input_ids, attention_mask, self.config.vocab_size, self.config.max_position_embeddings)

@@ -35,13 +35,13 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import replace
 
 import torch
 
 from moeflow.engine.cuda_graphs import CudaGraphDecode
 from moeflow.engine.kv_slots import SlotKVCache
-from moeflow.engine.sampling import GenerationConfig, next_tokens
+from moeflow.engine.sampling import SamplingParams, adjust_logits, next_tokens
 from moeflow.engine.token_history import TokenHistory
 from moeflow.errors import InputError, MoeflowError
 
@@ -65,26 +65,6 @@ class EngineOverloaded(MoeflowError):
     """The request queue is full (or the engine is stopping): try again later (HTTP 503)."""
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request decoding settings (``do_sample=False``: greedy). stop_token_ids end the sequence."""
-
-    max_new_tokens: int
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    logprobs: int | None = None  # None: none; k >= 0: the chosen token's log-probability and the k most likely
-
-    def generation_config(self) -> GenerationConfig:
-        cfg = GenerationConfig(max_new_tokens=self.max_new_tokens, do_sample=self.do_sample,
-                               temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
-        cfg.validate()
-        return cfg
-
-
 class Sequence:
     """One request inside the engine. ``cancel()`` may be called from any thread.
 
@@ -102,6 +82,7 @@ class Sequence:
         self.id = next(Sequence._ids)
         self.prompt_ids, self.params, self.stop_check = list(prompt_ids), params, stop_check
         self.gen_config = params.generation_config()
+        self.sampler_config = replace(self.gen_config, repetition_penalty=1.0)  # _sample applies the penalties
         self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         self._events: queue.Queue | None = None
         if on_event is None:
@@ -362,7 +343,8 @@ class ContinuousEngine:
             logits = self._pass("decode", seqs, ids, pos, torch.ones_like(ids, dtype=torch.bool))
         greedy = logits[:, -1].argmax(dim=-1).tolist()
         for i, seq in enumerate(seqs):
-            token = self._sample(seq, logits[i, -1]) if seq.gen_config.do_sample else greedy[i]
+            plain = not seq.gen_config.do_sample and not seq.params.adjusts_logits
+            token = greedy[i] if plain else self._sample(seq, logits[i, -1])
             self._emit(seq, token, logits[i, -1])
 
     def _pass(self, phase: str, seqs: list[Sequence], ids: torch.Tensor, pos: torch.Tensor,
@@ -417,7 +399,11 @@ class ContinuousEngine:
     @staticmethod
     def _sample(seq: Sequence, logits: torch.Tensor) -> int:
         """logits fp32 [V] -> the next token, by the sequence's own settings and generator."""
-        return int(next_tokens(logits[None], seq.gen_config, seq.generator)[0])
+        params, logits = seq.params, logits[None].float()
+        if params.adjusts_logits:
+            logits = adjust_logits(logits, seq.prompt_ids, seq.generated, params.logit_bias,
+                                   params.repetition_penalty, params.presence_penalty, params.frequency_penalty)
+        return int(next_tokens(logits, seq.sampler_config, seq.generator)[0])
 
     def _emit(self, seq: Sequence, token: int, logits: torch.Tensor) -> None:
         """Record and report ``token``; logits fp32 [V] it was chosen from (for log-probabilities)."""

@@ -207,7 +207,10 @@ def generate(
 
     def pick(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """logits [b, V] of ``rows`` [b] -> their next tokens [b] (padding once a row finished)."""
-        tok = next_tokens(logits, gen, generator)
+        seen = None
+        if gen.repetition_penalty != 1.0:  # the row's real tokens so far (padding: its last token, always real)
+            seen = torch.where(hist_mask[rows, :n], hist[rows, :n], hist[rows, n - 1:n])
+        tok = next_tokens(logits, gen, generator, seen)
         return torch.where(finished[rows], torch.full_like(tok, pad), tok)
     if micro_batch_size is not None:
         paths = predict_paths(StepInfo(input_ids, positions, token_mask, "prefill", history_ids=input_ids,

@@ -57,11 +57,16 @@ class ServeState:
         if limit is None:  # as generate(): the checkpoint's max_new_tokens, within the context that is left
             limit = max(1, min(gen.max_new_tokens, self.engine.cache.max_len - prompt_tokens))
         do_sample = gen.do_sample if req.temperature is None else req.temperature > 0
+        pick = lambda value, default: default if value is None else value  # noqa: E731
         return SamplingParams(
             max_new_tokens=limit, do_sample=do_sample,
             temperature=gen.temperature if req.temperature in (None, 0) else req.temperature,
-            top_k=gen.top_k, top_p=gen.top_p if req.top_p is None else req.top_p, seed=req.seed,
+            top_k=gen.top_k if req.top_k is None else (None if req.top_k in (0, -1) else req.top_k),
+            top_p=pick(req.top_p, gen.top_p), min_p=pick(req.min_p, gen.min_p), seed=req.seed,
             stop_token_ids=self.stop_ids, logprobs=req.logprob_count(),
+            repetition_penalty=pick(req.repetition_penalty, gen.repetition_penalty),
+            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+            logit_bias=req.token_biases(self.model.config.vocab_size),
         )
 
     def logprobs(self, seq, start: int, end: int) -> list[p.TokenLogprob] | None:

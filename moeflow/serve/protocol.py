@@ -1,7 +1,7 @@
 """OpenAI request and response bodies (the fields moeflow reads and writes), as pydantic models.
 
 Unknown request fields are accepted and ignored, as OpenAI-compatible servers do, except those that would
-change the output in a way moeflow does not implement (``n`` > 1, penalties): those are
+change the output in a way moeflow does not implement (``n`` > 1, a forced ``tool_choice``): those are
 refused with a 400 naming the parameter, rather than silently ignored.
 """
 
@@ -41,8 +41,13 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
+    presence_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    # vLLM's extensions (a parameter left out takes the checkpoint's generation_config.json value)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -53,9 +58,20 @@ class SamplingFields(BaseModel):
     def check_supported(self) -> None:
         if self.n != 1:
             raise Unsupported("n", f"n={self.n}: moeflow returns one choice per request (n=1)")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise Unsupported(name, f"{name} is not supported (only 0)")
+
+    def token_biases(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as (token id, bias) pairs, each id checked against the vocabulary."""
+        out = []
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise Unsupported("logit_bias", f"logit_bias key {key!r} is not a token id") from None
+            if not 0 <= token < vocab_size or not -100 <= bias <= 100:
+                raise Unsupported("logit_bias", f"logit_bias {{{key!r}: {bias}}}: token ids lie in [0, "
+                                                f"{vocab_size}), biases in [-100, 100]")
+            out.append((token, float(bias)))
+        return tuple(out)
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -97,6 +113,7 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None  # "auto" / "none" (a forced call would need guided decoding)
+    response_format: dict[str, Any] | None = None  # {"type": "text"} only (JSON modes would need guided decoding)
     reasoning_effort: Literal["low", "medium", "high"] | None = None  # harmony (gpt-oss) templates read it
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template (as vLLM)
     logprobs: bool = False
@@ -110,6 +127,9 @@ class ChatCompletionRequest(SamplingFields):
         if self.tool_choice not in (None, "auto", "none"):
             raise Unsupported("tool_choice", f"tool_choice {self.tool_choice!r} is not supported: moeflow does not "
                                              "force tool calls (use 'auto' or 'none')")
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise Unsupported("response_format", f"response_format {self.response_format.get('type')!r} is not "
+                                                 "supported: moeflow does not constrain replies to JSON")
 
     def template_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for the chat template: ``chat_template_kwargs`` and ``reasoning_effort``."""
