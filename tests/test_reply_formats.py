@@ -138,10 +138,11 @@ def test_tool_choice_and_arguments_sent_back():
         req.check_supported()
     assert e.value.param == "tool_choice"
     ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tool_choice="auto").check_supported()
-    json_mode = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
-                                      response_format={"type": "json_object"})
-    with pytest.raises(Unsupported, match="json_object"):
-        json_mode.check_supported()
+    for bad in ({"type": "xml"}, {"type": "json_schema", "json_schema": {"schema": {"type": "no-such-type"}}}):
+        with pytest.raises(Unsupported) as e:
+            ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
+                                  response_format=bad).grammar()
+        assert e.value.param == "response_format"
     back = ChatMessage(role="assistant", content=None, tool_calls=[
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}},
         {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "not json"}}])

@@ -122,3 +122,17 @@ def test_the_call_sent_back_renders_and_the_parsers_can_be_turned_off(server, mo
     assert type(replies.assembler([], set(), "<think>\n", [WEATHER_TOOL], None)) is TextAssembler
     auto = ChatReplies(model.tokenizer, template_text).assembler([], set(), "<think>\n", [WEATHER_TOOL], "auto")
     assert isinstance(auto, MarkupAssembler) and auto.tool.name == "hermes" and auto.in_reasoning
+
+
+def test_json_mode_keeps_the_reasoning_and_answers_in_json(server):
+    """The prompt opens <think>: the reply reasons freely, then the grammar holds the answer to the schema (a
+    short string, which this tiny model, left alone in a string, would never close)."""
+    schema = {"type": "object", "properties": {"reply": {"type": "string", "maxLength": 8}}, "required": ["reply"],
+              "additionalProperties": False}
+    r = client(server).chat.completions.create(
+        model=NAME, messages=GREETING, temperature=0, max_tokens=80,
+        response_format={"type": "json_schema", "json_schema": {"name": "reply", "schema": schema}})
+    msg = r.choices[0].message
+    assert msg.reasoning_content == "User greets."  # as unguided: the learned reasoning, untouched
+    answer = json.loads(msg.content)
+    assert list(answer) == ["reply"] and len(answer["reply"]) <= 8 and r.choices[0].finish_reason == "stop"

@@ -40,6 +40,7 @@ from dataclasses import replace
 import torch
 
 from moeflow.engine.cuda_graphs import CudaGraphDecode
+from moeflow.engine.guided import Guide
 from moeflow.engine.kv_slots import SlotKVCache
 from moeflow.engine.sampling import SamplingParams, adjust_logits, next_tokens
 from moeflow.engine.token_history import TokenHistory
@@ -83,6 +84,7 @@ class Sequence:
         self.prompt_ids, self.params, self.stop_check = list(prompt_ids), params, stop_check
         self.gen_config = params.generation_config()
         self.sampler_config = replace(self.gen_config, repetition_penalty=1.0)  # _sample applies the penalties
+        self.guide: Guide | None = None
         self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         self._events: queue.Queue | None = None
         if on_event is None:
@@ -174,14 +176,16 @@ class ContinuousEngine:
     # ------------------------------------------------------------------ client side (any thread)
     def submit(self, prompt_ids: list[int], params: SamplingParams,
                on_event: Callable[[int | None, str | None], None] | None = None,
-               stop_check: Callable[[list[int]], bool] | None = None) -> Sequence:
-        """Queue a request. InputError when it can never run, EngineOverloaded when the queue is full."""
+               stop_check: Callable[[list[int]], bool] | None = None, guide: Guide | None = None) -> Sequence:
+        """Queue a request (``guide``: its reply held to a grammar). InputError when it can never run,
+        EngineOverloaded when the queue is full."""
         self.check_request(len(prompt_ids), params.max_new_tokens)
         vocab = self.model.config.vocab_size
         bad = [t for t in prompt_ids if not 0 <= int(t) < vocab]
         if bad:
             raise InputError(f"prompt holds token id {bad[0]}, outside the vocabulary [0, {vocab})")
         seq = Sequence(prompt_ids, params, on_event, stop_check)
+        seq.guide = guide
         with self._cond:
             if self._stopping:
                 raise EngineOverloaded("the engine is shutting down")
@@ -343,7 +347,7 @@ class ContinuousEngine:
             logits = self._pass("decode", seqs, ids, pos, torch.ones_like(ids, dtype=torch.bool))
         greedy = logits[:, -1].argmax(dim=-1).tolist()
         for i, seq in enumerate(seqs):
-            plain = not seq.gen_config.do_sample and not seq.params.adjusts_logits
+            plain = not seq.gen_config.do_sample and not seq.params.adjusts_logits and seq.guide is None
             token = greedy[i] if plain else self._sample(seq, logits[i, -1])
             self._emit(seq, token, logits[i, -1])
 
@@ -403,7 +407,13 @@ class ContinuousEngine:
         if params.adjusts_logits:
             logits = adjust_logits(logits, seq.prompt_ids, seq.generated, params.logit_bias,
                                    params.repetition_penalty, params.presence_penalty, params.frequency_penalty)
-        return int(next_tokens(logits, seq.sampler_config, seq.generator)[0])
+        allowed = seq.guide.allowed() if seq.guide is not None else None
+        if allowed is not None:
+            logits = logits.masked_fill(~allowed[None], float("-inf"))
+        token = int(next_tokens(logits, seq.sampler_config, seq.generator)[0])
+        if seq.guide is not None:
+            seq.guide.advance(token)
+        return token
 
     def _emit(self, seq: Sequence, token: int, logits: torch.Tensor) -> None:
         """Record and report ``token``; logits fp32 [V] it was chosen from (for log-probabilities)."""

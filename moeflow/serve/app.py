@@ -21,11 +21,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from moeflow.engine.continuous import ContinuousEngine, SamplingParams
+from moeflow.engine.guided import GuideFactory
 from moeflow.io.chat_template import ChatTemplate, stop_token_ids
+from moeflow.io.reply_formats import THINK_CLOSE
 from moeflow.serve import protocol as p
 from moeflow.serve.errors import APIError, error_body, install_handlers
 from moeflow.serve.metrics import ServeMetrics
-from moeflow.serve.text import ChatReplies, TextAssembler
+from moeflow.serve.text import ChatReplies, MarkupAssembler, TextAssembler
 
 DISCONNECT_POLL_S = 0.1  # how often a plain (non-streamed) request checks that its client is still there
 
@@ -45,6 +47,8 @@ class ServeState:
         # chat replies split into content / reasoning_content / tool_calls: harmony (gpt-oss) or text markup
         template_text = "\n".join(self.template.templates.values()) if self.template is not None else None
         self.replies = ChatReplies(self.tokenizer, template_text, tool_parser, reasoning_parser)
+        # guided decoding (response_format): the vocabulary's token set for the grammar engine, built once
+        self.guides = GuideFactory(self.tokenizer.path, model.config.vocab_size, list(self.stop_ids))
 
     def check_model(self, name: str) -> None:
         if name not in self.names:
@@ -83,8 +87,14 @@ class ServeState:
         ``req.stream``."""
         req.check_supported()
         params = self.sampling(req, req.token_limit(), len(ids))
+        guide = None
         if isinstance(req, p.ChatCompletionRequest):
             text = self.replies.assembler(req.stop_strings(), set(self.stop_ids), prompt, req.tools, req.tool_choice)
+            grammar = req.grammar()
+            if grammar is not None:  # a reply that starts in <think> reasons freely, then answers in the grammar
+                thinks = isinstance(text, MarkupAssembler) and text.in_reasoning
+                guide = self.guides.guide(grammar, self.stop_ids,
+                                          self.tokenizer.token_id(THINK_CLOSE) if thinks else None)
         else:
             text = TextAssembler(self.tokenizer.decode, req.stop_strings(), set(self.stop_ids))
         loop = asyncio.get_running_loop()
@@ -97,7 +107,7 @@ class ServeState:
                 pass
 
         stop_check = text.hits_stop_string if text.stop_strings else None
-        seq = self.engine.submit(ids, params, on_event, stop_check)
+        seq = self.engine.submit(ids, params, on_event, stop_check, guide)
         rid = p.new_id("chatcmpl" if kind == "chat" else "cmpl")
         if req.stream:
             return StreamingResponse(self._stream(kind, req, rid, seq, events, text),

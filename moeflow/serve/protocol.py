@@ -113,7 +113,7 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None  # "auto" / "none" (a forced call would need guided decoding)
-    response_format: dict[str, Any] | None = None  # {"type": "text"} only (JSON modes would need guided decoding)
+    response_format: dict[str, Any] | None = None  # "text", "json_object", "json_schema" (guided decoding)
     reasoning_effort: Literal["low", "medium", "high"] | None = None  # harmony (gpt-oss) templates read it
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template (as vLLM)
     logprobs: bool = False
@@ -127,9 +127,17 @@ class ChatCompletionRequest(SamplingFields):
         if self.tool_choice not in (None, "auto", "none"):
             raise Unsupported("tool_choice", f"tool_choice {self.tool_choice!r} is not supported: moeflow does not "
                                              "force tool calls (use 'auto' or 'none')")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise Unsupported("response_format", f"response_format {self.response_format.get('type')!r} is not "
-                                                 "supported: moeflow does not constrain replies to JSON")
+
+    def grammar(self) -> str | None:
+        """``response_format`` as a grammar for guided decoding (None: plain text)."""
+        from moeflow.engine.guided import GrammarError, response_format_grammar
+
+        if self.response_format is None:
+            return None
+        try:
+            return response_format_grammar(self.response_format)
+        except GrammarError as e:
+            raise Unsupported("response_format", str(e)) from e
 
     def template_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for the chat template: ``chat_template_kwargs`` and ``reasoning_effort``."""
