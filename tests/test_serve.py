@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+import torch
 from serve_helpers import MODEL_NAME, Reference, Server, metric
 
 KEY = "test-key"
@@ -152,7 +153,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
     check(post("/v1/completions", {"model": MODEL_NAME, "prompt": "x" * 300, "max_tokens": 100}), 400,
           code="context_length_exceeded")
     check(post("/v1/chat/completions", '{"model": "' + MODEL_NAME + '", "messages": [}'), 400)
-    check(post("/v1/chat/completions", {"model": MODEL_NAME, "messages": msg, "n": 2}), 400, "n")
+    check(post("/v1/chat/completions", {"model": MODEL_NAME, "messages": msg, "n": 17}), 400, "n")
     check(post("/v1/chat/completions", {"model": MODEL_NAME, "messages": [{"role": "narrator", "content": "x"}]}),
           400)
     check(post("/v1/completions", {"model": MODEL_NAME, "prompt": [1, 2, 999]}), 400)
@@ -237,3 +238,32 @@ def test_logprobs_are_the_models_distribution(server, ref):
     text = "".join(c.choices[0].text for c in chunks)
     tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
     assert "".join(tokens) == text and len(tokens) == 8
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_choices_are_seeded_samples_of_generate(server, ref, stream):
+    """``n`` choices: choice i is the single-request sample with seed ``seed + i``, streamed or not; the prompt
+    is counted once in the usage, the replies' tokens summed."""
+    c = client(server)
+    messages = [{"role": "user", "content": "Tell me about modules."}]
+    ids = ref.chat_ids(messages)
+    want = []
+    for i in range(3):
+        out = ref.model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=True, temperature=0.9, top_k=0,
+                                 top_p=1.0, seed=7 + i, eos_token_id=ref.stop_ids)[0, len(ids):].tolist()
+        want.append((ref.tokenizer.decode([t for t in out if t not in ref.stop_ids]), len(out)))
+    assert len({text for text, _ in want}) == 3  # three different samples: the seeds really differ
+    kwargs = dict(model=MODEL_NAME, messages=messages, n=3, max_tokens=12, temperature=0.9, top_p=1.0, seed=7,
+                  extra_body={"top_k": 0})
+    if not stream:
+        r = c.chat.completions.create(**kwargs)
+        assert [(ch.index, ch.message.content) for ch in r.choices] == [(i, t) for i, (t, _) in enumerate(want)]
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), sum(n for _, n in want))
+        return
+    texts = ["", "", ""]
+    finishes = [None, None, None]
+    for chunk in c.chat.completions.create(stream=True, **kwargs):
+        for ch in chunk.choices:
+            texts[ch.index] += ch.delta.content or ""
+            finishes[ch.index] = ch.finish_reason or finishes[ch.index]
+    assert texts == [t for t, _ in want] and None not in finishes

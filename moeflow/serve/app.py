@@ -14,6 +14,7 @@ import json
 import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -21,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from moeflow.engine.continuous import ContinuousEngine, SamplingParams
-from moeflow.engine.guided import GuideFactory
+from moeflow.engine.guided import Guide, GuideFactory
 from moeflow.io.chat_template import ChatTemplate, stop_token_ids
 from moeflow.io.reply_formats import THINK_CLOSE
 from moeflow.serve import protocol as p
@@ -83,108 +84,138 @@ class ServeState:
 
     async def complete(self, request: Request, kind: str, req: p.SamplingFields, ids: list[int],
                        prompt: str = "") -> Response:
-        """Run one request (``prompt``: a chat request's rendered text): a JSON body, or an SSE stream when
-        ``req.stream``."""
+        """Run one request (``prompt``: a chat request's rendered text; ``req.n`` choices, each its own engine
+        sequence, seeded ``seed + i``): a JSON body, or an SSE stream when ``req.stream``."""
         req.check_supported()
         params = self.sampling(req, req.token_limit(), len(ids))
-        guide = None
-        if isinstance(req, p.ChatCompletionRequest):
-            text = self.replies.assembler(req.stop_strings(), set(self.stop_ids), prompt, req.tools, req.tool_choice)
-            grammar = req.grammar()
-            if grammar is not None:  # a reply that starts in <think> reasons freely, then answers in the grammar
-                thinks = isinstance(text, MarkupAssembler) and text.in_reasoning
-                guide = self.guides.guide(grammar, self.stop_ids,
-                                          self.tokenizer.token_id(THINK_CLOSE) if thinks else None)
-        else:
-            text = TextAssembler(self.tokenizer.decode, req.stop_strings(), set(self.stop_ids))
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
+        events: asyncio.Queue = asyncio.Queue()  # (choice, token, reason) from the engine thread
+        choices: list[_Choice] = []
+        try:
+            for i in range(req.n):
+                text, guide = self._assembler(kind, req, prompt)
 
-        def on_event(token: int | None, reason: str | None) -> None:  # engine thread
-            try:
-                loop.call_soon_threadsafe(events.put_nowait, (token, reason))
-            except RuntimeError:  # the event loop is gone (server shutting down)
-                pass
+                def on_event(token: int | None, reason: str | None, i: int = i) -> None:  # engine thread
+                    try:
+                        loop.call_soon_threadsafe(events.put_nowait, (i, token, reason))
+                    except RuntimeError:  # the event loop is gone (server shutting down)
+                        pass
 
-        stop_check = text.hits_stop_string if text.stop_strings else None
-        seq = self.engine.submit(ids, params, on_event, stop_check, guide)
+                seeded = params if req.seed is None else replace(params, seed=req.seed + i)
+                stop_check = text.hits_stop_string if text.stop_strings else None
+                choices.append(_Choice(self.engine.submit(ids, seeded, on_event, stop_check, guide), text))
+        except BaseException:
+            for c in choices:
+                c.seq.cancel()
+            raise
         rid = p.new_id("chatcmpl" if kind == "chat" else "cmpl")
         if req.stream:
-            return StreamingResponse(self._stream(kind, req, rid, seq, events, text),
+            return StreamingResponse(self._stream(kind, req, rid, choices, events),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
-            reason = await _wait_for_end(request, events)
+            reasons = await _wait_for_ends(request, events, len(choices))
         finally:
-            seq.cancel()  # no-op when finished; frees the row when the client left
-        if reason is None:
+            for c in choices:
+                c.seq.cancel()  # no-op when finished; frees the row when the client left
+        if reasons is None:
             return Response(status_code=499)  # the client is gone: nobody reads this
-        if reason == "error":
-            raise APIError(500, f"generation failed: {seq.error}")
-        usage = _usage(len(ids), seq.generated)
-        logprobs = self.logprobs(seq, 0, len(seq.generated))
-        if kind == "chat":
-            body = p.chat_response(rid, self.model_name, text.message(seq.generated),
-                                   text.finish(seq.generated, reason), usage, logprobs)
-        else:
-            body = p.completion_response(rid, self.model_name, text.text(seq.generated), _finish(reason), usage,
-                                         logprobs)
+        failed = [c.seq.error for c in choices if c.seq.finish_reason == "error"]
+        if failed:
+            raise APIError(500, f"generation failed: {failed[0]}")
+        usage = _usage(len(ids), [t for c in choices for t in c.seq.generated])
+        out = []
+        for i, c in enumerate(choices):
+            gen, reason, logprobs = c.seq.generated, reasons[i], self.logprobs(c.seq, 0, len(c.seq.generated))
+            out.append(p.chat_choice(i, c.text.message(gen), c.text.finish(gen, reason), logprobs) if kind == "chat"
+                       else p.completion_choice(i, c.text.text(gen), _finish(reason), logprobs))
+        body = (p.chat_response if kind == "chat" else p.completion_response)(rid, self.model_name, out, usage)
         return JSONResponse(body)
 
-    async def _stream(self, kind: str, req: p.SamplingFields, rid: str, seq, events: asyncio.Queue,
-                      text: TextAssembler) -> AsyncIterator[str]:
-        name = self.model_name
-        ids: list[int] = []  # the tokens reported so far (the engine may already be further on)
-        lp_sent, offset = 0, 0  # tokens whose log-probabilities went out; text offset for completions
+    def _assembler(self, kind: str, req: p.SamplingFields, prompt: str) -> tuple[TextAssembler, Guide | None]:
+        """One choice's reply assembler, and its grammar state when ``response_format`` asks for one."""
+        if not isinstance(req, p.ChatCompletionRequest):
+            return TextAssembler(self.tokenizer.decode, req.stop_strings(), set(self.stop_ids)), None
+        text = self.replies.assembler(req.stop_strings(), set(self.stop_ids), prompt, req.tools, req.tool_choice)
+        grammar = req.grammar()
+        if grammar is None:
+            return text, None
+        # a reply that starts in <think> reasons freely, then answers in the grammar
+        thinks = isinstance(text, MarkupAssembler) and text.in_reasoning
+        return text, self.guides.guide(grammar, self.stop_ids, self.tokenizer.token_id(THINK_CLOSE) if thinks else None)
 
-        def chunk(delta: str | dict, finish: str | None = None) -> str:
-            nonlocal lp_sent, offset
-            logprobs = self.logprobs(seq, lp_sent, len(ids))
-            lp_sent = len(ids)
+    async def _stream(self, kind: str, req: p.SamplingFields, rid: str, choices: list[_Choice],
+                      events: asyncio.Queue) -> AsyncIterator[str]:
+        name = self.model_name
+
+        def chunk(i: int, delta: str | dict, finish: str | None = None) -> str:
+            c = choices[i]
+            logprobs = self.logprobs(c.seq, c.lp_sent, len(c.ids))
+            c.lp_sent = len(c.ids)
             if kind == "chat":  # delta: the chat delta's fields
-                return _sse(p.chat_chunk(rid, name, delta, finish, logprobs))
-            out = _sse(p.completion_chunk(rid, name, delta, finish, logprobs, offset))
-            offset += sum(len(t) for t, _, _ in logprobs or [])
+                return _sse(p.chat_chunk(rid, name, delta, finish, logprobs, index=i))
+            out = _sse(p.completion_chunk(rid, name, delta, finish, logprobs, c.offset, index=i))
+            c.offset += sum(len(t) for t, _, _ in logprobs or [])
             return out
 
         try:
             if kind == "chat":
-                yield _sse(p.chat_chunk(rid, name, {"role": "assistant", "content": ""}, None))
-            while True:
-                token, reason = await events.get()
+                for i in range(len(choices)):
+                    yield _sse(p.chat_chunk(rid, name, {"role": "assistant", "content": ""}, None, index=i))
+            running = len(choices)
+            while running:
+                i, token, reason = await events.get()
+                c = choices[i]
                 if reason is None:
-                    ids.append(token)
-                    delta = text.delta_fields(ids, final=False) if kind == "chat" else text.delta(ids, final=False)
+                    c.ids.append(token)
+                    delta = c.text.delta_fields(c.ids, False) if kind == "chat" else c.text.delta(c.ids, False)
                     if delta:
-                        yield chunk(delta)
+                        yield chunk(i, delta)
                     continue
+                running -= 1
                 if reason == "error":
-                    yield _sse(error_body(500, f"generation failed: {seq.error}"))
+                    yield _sse(error_body(500, f"generation failed: {c.seq.error}"))
                     break
-                delta = text.delta_fields(ids, final=True) if kind == "chat" else text.delta(ids, final=True)
+                delta = c.text.delta_fields(c.ids, True) if kind == "chat" else c.text.delta(c.ids, True)
                 if delta:
-                    yield chunk(delta)
-                finish = text.finish(ids, reason) if kind == "chat" else _finish(reason)
-                yield chunk({} if kind == "chat" else "", finish)
-                if req.include_usage():
-                    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-                    yield _sse(p.usage_chunk(rid, name, obj, _usage(len(seq.prompt_ids), ids)))
-                break
+                    yield chunk(i, delta)
+                yield chunk(i, {} if kind == "chat" else "", c.text.finish(c.ids, reason) if kind == "chat"
+                            else _finish(reason))
+            if req.include_usage() and not running:
+                obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+                yield _sse(p.usage_chunk(rid, name, obj, _usage(len(choices[0].seq.prompt_ids),
+                                                                [t for c in choices for t in c.ids])))
             yield "data: [DONE]\n\n"
         finally:
-            seq.cancel()  # the client closed the stream (or it ended): free the row if still running
+            for c in choices:
+                c.seq.cancel()  # the client closed the stream (or it ended): free the row if still running
 
 
-async def _wait_for_end(request: Request, events: asyncio.Queue) -> str | None:
-    """The finish reason, or None when the client disconnected first (checked every DISCONNECT_POLL_S)."""
+@dataclass
+class _Choice:
+    """One choice of a request: its engine sequence, reply assembler, and what a stream has sent of it."""
+
+    seq: Any
+    text: TextAssembler
+    ids: list[int] = field(default_factory=list)  # the tokens reported so far (the engine may be further on)
+    lp_sent: int = 0  # tokens whose log-probabilities went out
+    offset: int = 0  # text offset (completions' logprobs)
+
+
+async def _wait_for_ends(request: Request, events: asyncio.Queue, n: int) -> list[str] | None:
+    """Each of ``n`` choices' finish reason, or None when the client disconnected first (checked every
+    DISCONNECT_POLL_S)."""
     loop = asyncio.get_running_loop()
+    reasons: list[str | None] = [None] * n
     getter = asyncio.ensure_future(events.get())  # one getter across polls: no event is dropped by a timeout
     next_check = loop.time() + DISCONNECT_POLL_S
     while True:
         done, _ = await asyncio.wait({getter}, timeout=max(0.0, next_check - loop.time()))
         if done:
-            token, reason = getter.result()
+            i, token, reason = getter.result()
             if reason is not None:
-                return reason
+                reasons[i] = reason
+                if all(r is not None for r in reasons):
+                    return reasons  # type: ignore[return-value]
             getter = asyncio.ensure_future(events.get())
         if loop.time() >= next_check:
             if await request.is_disconnected():

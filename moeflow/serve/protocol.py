@@ -1,7 +1,7 @@
 """OpenAI request and response bodies (the fields moeflow reads and writes), as pydantic models.
 
 Unknown request fields are accepted and ignored, as OpenAI-compatible servers do, except those that would
-change the output in a way moeflow does not implement (``n`` > 1, a forced ``tool_choice``): those are
+change the output in a way moeflow does not implement (``echo``, a forced ``tool_choice``): those are
 refused with a 400 naming the parameter, rather than silently ignored.
 """
 
@@ -13,6 +13,8 @@ import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+MAX_CHOICES = 16  # ``n``: each choice is one engine sequence (a KV row while it runs)
 
 
 class Unsupported(ValueError):
@@ -40,7 +42,7 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     presence_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
@@ -56,8 +58,7 @@ class SamplingFields(BaseModel):
         return [s for s in stops if s]
 
     def check_supported(self) -> None:
-        if self.n != 1:
-            raise Unsupported("n", f"n={self.n}: moeflow returns one choice per request (n=1)")
+        """Unsupported for a parameter moeflow does not implement (the subclasses' own checks)."""
 
     def token_biases(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
         """``logit_bias`` as (token id, bias) pairs, each id checked against the vocabulary."""
@@ -211,33 +212,38 @@ def completion_logprobs(entries: list[TokenLogprob] | None, offset: int = 0) -> 
             "top_logprobs": [dict(top) for _, _, top in entries], "text_offset": offsets}
 
 
-def chat_response(rid: str, model: str, message: dict[str, Any], finish: str, usage: Usage,
-                  logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
-    """message: the assistant message ({"role", "content"}, and "reasoning_content" / "tool_calls" for harmony)."""
-    return {"id": rid, "object": "chat.completion", "created": now(), "model": model,
-            "choices": [{"index": 0, "message": message,
-                         "logprobs": chat_logprobs(logprobs), "finish_reason": finish}],
+def chat_choice(index: int, message: dict[str, Any], finish: str,
+                logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
+    """message: the assistant message ({"role", "content"}, and "reasoning_content" / "tool_calls")."""
+    return {"index": index, "message": message, "logprobs": chat_logprobs(logprobs), "finish_reason": finish}
+
+
+def chat_response(rid: str, model: str, choices: list[dict[str, Any]], usage: Usage) -> dict[str, Any]:
+    return {"id": rid, "object": "chat.completion", "created": now(), "model": model, "choices": choices,
             "usage": usage.model_dump()}
 
 
 def chat_chunk(rid: str, model: str, delta: dict[str, Any], finish: str | None,
-               logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
+               logprobs: list[TokenLogprob] | None = None, index: int = 0) -> dict[str, Any]:
     return {"id": rid, "object": "chat.completion.chunk", "created": now(), "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": chat_logprobs(logprobs), "finish_reason": finish}]}
+            "choices": [{"index": index, "delta": delta, "logprobs": chat_logprobs(logprobs),
+                         "finish_reason": finish}]}
 
 
-def completion_response(rid: str, model: str, text: str, finish: str, usage: Usage,
-                        logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
-    return {"id": rid, "object": "text_completion", "created": now(), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": completion_logprobs(logprobs),
-                         "finish_reason": finish}],
+def completion_choice(index: int, text: str, finish: str,
+                      logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": completion_logprobs(logprobs), "finish_reason": finish}
+
+
+def completion_response(rid: str, model: str, choices: list[dict[str, Any]], usage: Usage) -> dict[str, Any]:
+    return {"id": rid, "object": "text_completion", "created": now(), "model": model, "choices": choices,
             "usage": usage.model_dump()}
 
 
 def completion_chunk(rid: str, model: str, text: str, finish: str | None,
-                     logprobs: list[TokenLogprob] | None = None, offset: int = 0) -> dict[str, Any]:
+                     logprobs: list[TokenLogprob] | None = None, offset: int = 0, index: int = 0) -> dict[str, Any]:
     return {"id": rid, "object": "text_completion", "created": now(), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": completion_logprobs(logprobs, offset),
+            "choices": [{"index": index, "text": text, "logprobs": completion_logprobs(logprobs, offset),
                          "finish_reason": finish}]}
 
 
