@@ -130,6 +130,7 @@ def test_published_config_fields(tmp_path):
      r"layer_types \['full_attention'\] are not supported for deepseek_v32"),
     ("deepseek_v32", {"index_head_dim": 4}, "index_head_dim=4 is smaller than the rotary part"),
     ("deepseek_v32", {"index_topk": 0}, "index_topk=0"),
+    ("glm_moe_dsa", {"kv_lora_rank": None}, "missing required field.*kv_lora_rank"),
 ])
 def test_unsupported_configs_are_named(tmp_path, kind, change, match):
     make_dsa_checkpoint(tmp_path, kind, **next(iter(CONFIGS[kind].values())))

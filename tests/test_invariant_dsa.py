@@ -1,7 +1,8 @@
 """The exact-token invariant on a GLM-5-shaped tiny model (DeepSeek Sparse Attention: index_topk 4 on a 14-token
 prompt, a shared-indexer layer, a dense first layer, a shared expert, grouped sigmoid routing). Every offload
 policy, three slot counts from the minimum to all experts, the synchronous and the random-delay transport: the
-greedy tokens of "resident"; the decode step replayed as captured pieces (CUDA-graph semantics on the CPU) too."""
+greedy tokens of "resident"; the decode step replayed as captured pieces (CUDA-graph semantics on the CPU) and
+compiled (torch.compile) too."""
 
 from __future__ import annotations
 
@@ -81,3 +82,24 @@ def test_captured_decode_step_gives_the_resident_tokens(tiny, offload):
     assert graphs.refused is None and graphs.captures == 1
     assert torch.equal(got, eager) and torch.equal(again, eager)
     assert len(graphs.step.replays) == MOE_LAYERS + 1
+
+
+def test_compiled_decode_step_gives_the_resident_tokens(tiny):
+    """torch.compile traces the sparse selection without a graph break: all resident, the step is one graph."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    path, ids, mask, _ = tiny
+    model = MoEModel.from_pretrained(path, kernels="torch")
+    try:
+        eager = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=[])
+        model.compile_decode(backend="eager")
+        torch._dynamo.reset()
+        counters.clear()
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=[])
+        breaks, graphs = dict(counters["graph_break"]), counters["stats"]["unique_graphs"]
+    finally:
+        model.close()
+        torch._dynamo.reset()
+    assert not breaks and graphs == 1
+    assert torch.equal(got, eager)

@@ -58,7 +58,9 @@ class DsaConfig(DeepSeekConfig):
 def indexer_types(raw: dict[str, Any], shared_allowed: bool, source: str) -> list[str]:
     """Per-layer indexer kinds as transformers derives them: ``indexer_types``, else ``index_topk_pattern``
     ("F"/"S" per layer), else ``index_topk_freq`` / ``index_skip_topk_offset`` (GLM-5); all "full" for V3.2."""
-    n = int(raw["num_hidden_layers"])
+    n = raw.get("num_hidden_layers")
+    if n is None:
+        return []  # (the config's own check names the missing field)
     if not shared_allowed:
         return ["full"] * n
     kinds = raw.get("indexer_types")
@@ -66,7 +68,8 @@ def indexer_types(raw: dict[str, Any], shared_allowed: bool, source: str) -> lis
     if kinds is None and pattern is not None:
         kinds = [{"F": "full", "S": "shared"}.get(c, c) for c in pattern] if isinstance(pattern, str) else pattern
     if kinds is None:
-        freq, offset = max(int(raw.get("index_topk_freq") or 1), 1), int(raw.get("index_skip_topk_offset", 2))
+        freq, offset = max(int(raw.get("index_topk_freq") or 1), 1), raw.get("index_skip_topk_offset")
+        offset = 2 if offset is None else int(offset)
         kinds = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
     kinds = list(kinds)
     if len(kinds) != n or any(k not in ("full", "shared") for k in kinds) or (kinds and kinds[0] != "full"):
