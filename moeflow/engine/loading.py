@@ -73,7 +73,8 @@ def load_non_expert_weights(
             if full == "lm_head.weight" and ckpt not in reader and tie:
                 ckpt = family.checkpoint_name("embed_tokens.weight", layout)
             src = reader.get(ckpt, tuple(tensor.shape))
-            keep = isinstance(module, AWQLinear) or pname in FP32_BUFFERS
+            # (a module marked ``keep_dtype`` keeps the dtype it was built in: DSA's fp32 weights_proj)
+            keep = isinstance(module, AWQLinear) or pname in FP32_BUFFERS or getattr(module, "keep_dtype", False)
             target_dtype = tensor.dtype if keep else dtype
             with torch.no_grad():
                 tensor.data = src.to(device=device, dtype=target_dtype)

@@ -8,6 +8,7 @@ from moeflow.errors import CheckpointError
 from moeflow.families.base import CausalDecoder, ExpertLayout, ExpertSpec, Family, RouterSpec
 from moeflow.families.deepseek import DeepSeekV2Family, DeepSeekV3Family
 from moeflow.families.dots1 import Dots1Family
+from moeflow.families.dsa import DeepSeekV32Family, GlmMoeDsaFamily
 from moeflow.families.ernie4_5_moe import Ernie45MoeFamily
 from moeflow.families.glm4_moe import Glm4MoeFamily
 from moeflow.families.gpt_oss import GptOssFamily
@@ -17,8 +18,8 @@ from moeflow.families.qwen2_moe import Qwen2MoeFamily
 from moeflow.families.qwen3_moe import Qwen3MoeFamily
 
 FAMILIES: tuple[type[Family], ...] = (MixtralFamily, Qwen3MoeFamily, Qwen2MoeFamily, OlmoeFamily, DeepSeekV2Family,
-                                      DeepSeekV3Family, Glm4MoeFamily, Dots1Family, Ernie45MoeFamily,
-                                      GptOssFamily)
+                                      DeepSeekV3Family, DeepSeekV32Family, GlmMoeDsaFamily, Glm4MoeFamily,
+                                      Dots1Family, Ernie45MoeFamily, GptOssFamily)
 
 __all__ = ["FAMILIES", "Family", "ExpertSpec", "ExpertLayout", "RouterSpec", "CausalDecoder", "MixtralFamily",
            "MixtralConfig", "Qwen3MoeFamily", "Qwen2MoeFamily", "OlmoeFamily", "Dots1Family", "GptOssFamily",

@@ -112,6 +112,7 @@ class DeepSeekFamily(SharedExpertMoEFamily):
     """The parts DeepSeek-V2 and V3 share (MLA decoder, latent cache); subclasses pick the router."""
 
     config: DeepSeekConfig
+    config_class: ClassVar[type[DeepSeekConfig]] = DeepSeekConfig  # (DeepSeek-V3.2's adds its indexer's fields)
     interleaved_rope_always: ClassVar[bool] = False  # V2's rotary is always on interleaved pairs
 
     def __init__(self, config: DeepSeekConfig) -> None:
@@ -120,7 +121,7 @@ class DeepSeekFamily(SharedExpertMoEFamily):
 
     @classmethod
     def parse_config(cls, raw: dict[str, Any], source: str) -> DeepSeekConfig:
-        cfg = DeepSeekConfig.from_dict(raw, source)
+        cfg = cls.config_class.from_dict(raw, source)
         check_common(cfg, source)
         return cfg
 

@@ -178,27 +178,49 @@ class LatentAttention(nn.Module):
                 cache_position: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """x [B, T, H]; cos/sin [B, T, qk_rope_head_dim]; mask bool [B, 1, T, max_len] -> [B, T, H]."""
         s = self.shape
+        q_nope, q_rope, latent = self.project(x, self.q_input(x), cos, sin)
+        if hasattr(cache, "update_latent"):
+            out = self.attend_latents(q_nope, q_rope, cache.update_latent(self.layer_idx, latent, cache_position),
+                                      mask)
+        else:
+            k, v = self.expand(*latent.split([s.kv_lora_rank, s.qk_rope_head_dim], dim=-1))
+            k_all, v_all = cache.update(self.layer_idx, pad_last(k, s.padded_head_dim),
+                                        pad_last(v, s.padded_head_dim), cache_position)
+            out = self.attend(q_nope, q_rope, k_all[..., :s.qk_head_dim], v_all[..., :s.v_head_dim], mask)
+        return self.output(out)
+
+    def q_input(self, x: torch.Tensor) -> torch.Tensor:
+        """What the query up-projection reads: the normed q-LoRA latent [B, T, q_lora_rank] (x itself without one)."""
+        return x if self.shape.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(x))
+
+    def project(self, x: torch.Tensor, q_in: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, H], q_in (:meth:`q_input`) -> q_nope, rotated q_rope [B, heads, T, *] and the tokens' cache
+        entries [B, T, latent_dim]: ``c`` after ``kv_a_layernorm``, then the rotated ``k_rope``."""
+        s = self.shape
         b, t, _ = x.shape
-        q = self.q_proj(x) if s.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = (self.q_proj if s.q_lora_rank is None else self.q_b_proj)(q_in)
         q = q.view(b, t, s.num_heads, s.qk_head_dim).transpose(1, 2)
         q_nope, q_rope = q.split([s.qk_nope_head_dim, s.qk_rope_head_dim], dim=-1)
         q_rope = self.rotate(q_rope, cos, sin)
         c, k_rope = self.kv_a_proj_with_mqa(x).split([s.kv_lora_rank, s.qk_rope_head_dim], dim=-1)
-        c = self.kv_a_layernorm(c)
         k_rope = self.rotate(k_rope[:, None], cos, sin)[:, 0]  # [B, T, rope]: one rotary key for all heads
-        if hasattr(cache, "update_latent"):
-            latents = cache.update_latent(self.layer_idx, torch.cat((c, k_rope), dim=-1), cache_position)
-            if t == 1:
-                out = self.absorbed(q_nope, q_rope, latents, mask)
-            else:
-                k_all, v_all = self.expand(latents[..., :s.kv_lora_rank], latents[..., s.kv_lora_rank:])
-                out = self.attend(q_nope, q_rope, k_all, v_all, mask)
-        else:
-            k, v = self.expand(c, k_rope)
-            k_all, v_all = cache.update(self.layer_idx, pad_last(k, s.padded_head_dim),
-                                        pad_last(v, s.padded_head_dim), cache_position)
-            out = self.attend(q_nope, q_rope, k_all[..., :s.qk_head_dim], v_all[..., :s.v_head_dim], mask)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, s.num_heads * s.v_head_dim))
+        return q_nope, q_rope, torch.cat((self.kv_a_layernorm(c), k_rope), dim=-1)
+
+    def attend_latents(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latents: torch.Tensor,
+                       mask: torch.Tensor) -> torch.Tensor:
+        """Attention over cached latents [B, S, >= latent_dim] (columns past ``latent_dim`` ignored): absorbed
+        for one query, expanded for more. q_* [B, heads, T, *]; mask bool [B, 1, T, S] -> [B, heads, T, v]."""
+        s = self.shape
+        if q_nope.shape[2] == 1:
+            return self.absorbed(q_nope, q_rope, latents[..., :s.latent_dim], mask)
+        k_all, v_all = self.expand(latents[..., :s.kv_lora_rank], latents[..., s.kv_lora_rank:s.latent_dim])
+        return self.attend(q_nope, q_rope, k_all, v_all, mask)
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """The heads' outputs [B, heads, T, v_head_dim] -> o_proj's [B, T, H]."""
+        b, _, t, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.shape.num_heads * self.shape.v_head_dim))
 
     def expand(self, c: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """c [B, S, kv_lora_rank], k_rope [B, S, rope] -> keys [B, heads, S, qk_head_dim], values
