@@ -136,17 +136,18 @@ def test_prior_reasoning_sent_back_is_dropped_and_effort_reaches_the_prompt(serv
 
 
 def test_chat_cli_streams_thinking_then_the_answer(reference):
-    """`moeflow chat` / `generate --chat` print through HarmonyStreamer: the analysis marked, then the answer."""
+    """`moeflow chat` / `generate --chat` print through ReplyStreamer: the analysis marked, then the answer."""
     import io
 
-    from moeflow.cli.serve import HarmonyStreamer
+    from moeflow.cli.serve import ReplyStreamer, reply_assembler
 
     model, stops = reference
     tok = model.tokenizer
     ids = tok.apply_chat_template(GREETING, add_generation_prompt=True, current_date=DATE)
     out = io.StringIO()
+    split = reply_assembler(tok, tuple(stops), tok.decode(ids, skip_special_tokens=False))
     model.generate(torch.tensor([ids]), max_new_tokens=80, do_sample=False, eos_token_id=stops,
-                   streamer=HarmonyStreamer(tok, harmony_tokens(tok), stream=out))
+                   streamer=ReplyStreamer(split.reply, stream=out))
     assert out.getvalue() == "(thinking) User greets. Greet back.\nHello, friend!\n"
 
 

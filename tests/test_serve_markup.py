@@ -136,3 +136,20 @@ def test_json_mode_keeps_the_reasoning_and_answers_in_json(server):
     assert msg.reasoning_content == "User greets."  # as unguided: the learned reasoning, untouched
     answer = json.loads(msg.content)
     assert list(answer) == ["reply"] and len(answer["reply"]) <= 8 and r.choices[0].finish_reason == "stop"
+
+
+def test_chat_cli_streams_thinking_then_the_answer(model):
+    """`moeflow chat` / `generate --chat` split the reply as the server does: the reasoning marked, then the answer."""
+    import io
+
+    from moeflow.cli.serve import ReplyStreamer, reply_assembler
+
+    tok = model.tokenizer
+    stops = tuple(stop_token_ids(ChatTemplate.from_directory(tok.path.parent), model.generation_config.eos_ids(),
+                                 tok.encode))
+    prompt = tok.apply_chat_template(GREETING, add_generation_prompt=True, tokenize=False)
+    ids = tok.encode(prompt, add_special_tokens=False)
+    split, out = reply_assembler(tok, stops, prompt), io.StringIO()
+    model.generate(torch.tensor([ids]), max_new_tokens=80, do_sample=False, eos_token_id=list(stops),
+                   streamer=ReplyStreamer(split.reply, stream=out))
+    assert out.getvalue() == "(thinking) User greets.\nHello, friend!\n"

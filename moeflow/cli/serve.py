@@ -35,12 +35,13 @@ def _load_model(args, cuda_graphs: bool | None):
                                     cuda_graphs=cuda_graphs)
 
 
-class HarmonyStreamer:
-    """Streams a harmony reply (gpt-oss) to ``stream``: the analysis channel after "(thinking) ", then the final
-    answer on its own line; tool calls are printed whole when they end."""
+class ReplyStreamer:
+    """Streams a chat reply split by destination (``split(ids, final)``: a serve ``SplitAssembler``'s ``reply``;
+    harmony for gpt-oss, ``<think>`` / tool-call markup for others) to ``stream``: the reasoning after
+    "(thinking) ", then the answer on its own line; tool calls are printed whole when they end."""
 
-    def __init__(self, tokenizer, tokens, stream=None) -> None:
-        self.tokenizer, self.tokens, self.stream = tokenizer, tokens, stream or sys.stdout
+    def __init__(self, split, stream=None) -> None:
+        self.split, self.stream = split, stream or sys.stdout
         self.ids: list[int] = []
         self.printed = {"reasoning": "", "content": ""}
         self._prompt_seen = False
@@ -53,9 +54,7 @@ class HarmonyStreamer:
         self._emit(final=False)
 
     def _emit(self, final: bool) -> None:
-        from moeflow.io.harmony import split_reply
-
-        reply = split_reply(self.ids, self.tokens, self.tokenizer.decode, final=final)
+        reply = self.split(self.ids, final)
         for field, label in (("reasoning", "(thinking) "), ("content", "")):
             text = getattr(reply, field) if final else getattr(reply, field).rstrip("\ufffd")
             done = self.printed[field]
@@ -75,25 +74,36 @@ class HarmonyStreamer:
         self.stream.flush()
 
 
+def reply_assembler(tokenizer, stops: tuple[int, ...], prompt: str):
+    """How the server would split this model's chat reply to ``prompt`` (a ``SplitAssembler``), or None: plain."""
+    from moeflow.io.chat_template import ChatTemplate
+    from moeflow.serve.text import ChatReplies, SplitAssembler
+
+    template = ChatTemplate.from_directory(tokenizer.path.parent)
+    text = "\n".join(template.templates.values()) if template is not None else None
+    assembler = ChatReplies(tokenizer, text).assembler([], set(stops), prompt, None, None)
+    return assembler if isinstance(assembler, SplitAssembler) else None
+
+
 def _chat_reply(model, messages: list[dict], args) -> str:
-    """Generate one assistant turn for ``messages``, streamed to stdout; returns its text (for a harmony model,
-    gpt-oss, the final channel's: the analysis is shown but not kept, as harmony drops it from finished turns)."""
+    """Generate one assistant turn for ``messages``, streamed to stdout; returns its answer (the reasoning is shown
+    but not kept: harmony and the thinking models' templates drop it from finished turns)."""
     from moeflow.io.chat_template import ChatTemplate, stop_token_ids
-    from moeflow.io.harmony import harmony_tokens, split_reply
     from moeflow.streaming import TextStreamer
 
     tok = model.tokenizer
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True)
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tok.encode(prompt, add_special_tokens=False)
     stops = stop_token_ids(ChatTemplate.from_directory(tok.path.parent), model.generation_config.eos_ids(), tok.encode)
     do_sample = True if args.sample else (False if args.greedy else None)
-    harmony = harmony_tokens(tok)
-    streamer = HarmonyStreamer(tok, harmony) if harmony is not None else TextStreamer(tok)
+    split = reply_assembler(tok, tuple(stops), prompt)
+    streamer = ReplyStreamer(split.reply) if split is not None else TextStreamer(tok)
     out = model.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, do_sample=do_sample,
                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                          eos_token_id=list(stops), streamer=streamer, seed=args.seed)
     reply = out[0, len(ids):].tolist()
-    if harmony is not None:
-        return split_reply(reply, harmony, tok.decode).content
+    if split is not None:
+        return split.reply(reply, final=True).content
     if reply and reply[-1] in stops:
         reply = reply[:-1]
     return tok.decode(reply)

@@ -81,17 +81,18 @@ class SplitAssembler(TextAssembler):
         super().__init__(decode, stop_strings, stop_ids)
         self.sent_reasoning = ""
 
-    def _reply(self, ids: list[int], final: bool) -> Reply:
+    def reply(self, ids: list[int], final: bool) -> Reply:
+        """The reply in ``ids`` by destination (unless ``final``: tool calls left out, unsettled text held)."""
         raise NotImplementedError
 
     def text(self, ids: list[int]) -> str:
-        return self._cut(self._reply(ids, final=True).content)
+        return self._cut(self.reply(ids, final=True).content)
 
     def hits_stop_string(self, ids: list[int]) -> bool:
-        return bool(self.stop_strings) and any(s in self._reply(ids, final=False).content for s in self.stop_strings)
+        return bool(self.stop_strings) and any(s in self.reply(ids, final=False).content for s in self.stop_strings)
 
     def delta_fields(self, ids: list[int], final: bool) -> dict:
-        reply = self._reply(ids, final)
+        reply = self.reply(ids, final)
         out = {}
         reasoning = reply.reasoning if final else reply.reasoning.rstrip("\ufffd")
         if reasoning.startswith(self.sent_reasoning) and len(reasoning) > len(self.sent_reasoning):
@@ -104,7 +105,7 @@ class SplitAssembler(TextAssembler):
         return out
 
     def message(self, ids: list[int]) -> dict:
-        reply = self._reply(ids, final=True)
+        reply = self.reply(ids, final=True)
         out = {"role": "assistant", "content": self._cut(reply.content)}
         if reply.reasoning:
             out["reasoning_content"] = reply.reasoning
@@ -116,7 +117,7 @@ class SplitAssembler(TextAssembler):
     def finish(self, ids: list[int], reason: str) -> str:
         if reason == "length":
             return "length"
-        return "tool_calls" if self._reply(ids, final=True).tool_calls else "stop"
+        return "tool_calls" if self.reply(ids, final=True).tool_calls else "stop"
 
 
 class HarmonyAssembler(SplitAssembler):
@@ -128,7 +129,7 @@ class HarmonyAssembler(SplitAssembler):
         super().__init__(decode, stop_strings, stop_ids)
         self.tokens = tokens
 
-    def _reply(self, ids: list[int], final: bool) -> Reply:
+    def reply(self, ids: list[int], final: bool) -> Reply:
         return split_reply(ids, self.tokens, self.decode, final=final)
 
 
@@ -143,7 +144,7 @@ class MarkupAssembler(SplitAssembler):
         super().__init__(decode, stop_strings, stop_ids)
         self.tool, self.tools, self.reasoning, self.in_reasoning = tool, tools, reasoning, in_reasoning
 
-    def _reply(self, ids: list[int], final: bool) -> Reply:
+    def reply(self, ids: list[int], final: bool) -> Reply:
         if ids and ids[-1] in self.stop_ids:
             ids = ids[:-1]
         text = self.decode(ids)
