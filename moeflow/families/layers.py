@@ -59,8 +59,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, heads, T, D]; cos/sin [B, T, D]."""
-    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+    """Rotary (halves layout): x [B, heads, T, D]; cos/sin [B, T, r] with r <= D. Partial rotary (r < D, GLM-4.5,
+    MiniMax-M2) turns the first r values of each head and keeps the rest."""
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return x * cos[:, None] + rotate_half(x) * sin[:, None]
+    turned = x[..., :r]
+    return torch.cat((turned * cos[:, None] + rotate_half(turned) * sin[:, None], x[..., r:]), dim=-1)
 
 
 class AWQLinear(nn.Module):
@@ -215,16 +220,18 @@ class Attention(nn.Module):
     Options some families need (defaults: Mixtral's plain attention): ``qkv_bias`` / ``o_bias`` (biased
     projections: Qwen2, OLMoE's ``attention_bias``), ``qk_norm`` (RMSNorm of queries and keys before the
     rotary: ``"head"`` over each head's ``head_dim`` as Qwen3, ``"projection"`` over the whole projection
-    as OLMoE), ``clip_qkv`` (clamp q, k and v to +-clip_qkv, OLMoE).
+    as OLMoE), ``clip_qkv`` (clamp q, k and v to +-clip_qkv, OLMoE), ``rotary_dim`` (partial rotary: the
+    decoder's cos/sin turn only the first ``rotary_dim`` values of each head, MiniMax-M2; None: all of them).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, layer_idx: int,
                  linear_factory: LinearFactory, sliding_window: int | None = None, *, qkv_bias: bool = False,
                  o_bias: bool = False, qk_norm: str | None = None, norm_eps: float = 1e-6,
-                 clip_qkv: float | None = None, dtype: torch.dtype = torch.float32):
+                 clip_qkv: float | None = None, rotary_dim: int | None = None, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.rotary_dim = rotary_dim or head_dim  # the CPU library's fused step turns whole heads only (cpu_step)
         h = hidden_size
         self.q_proj = make_linear(linear_factory, "q_proj", h, self.n_heads * self.head_dim, qkv_bias)
         self.k_proj = make_linear(linear_factory, "k_proj", h, self.n_kv * self.head_dim, qkv_bias)
