@@ -1,6 +1,6 @@
-"""DeepSeek-V3, GLM-4.5, dots.llm1 and MiniMax-M2 in AWQ 4-bit (``moeflow quantize`` of a tiny random checkpoint):
-logits and tokens against transformers on the dequantized weights; Fiddler (experts not on the device computed on
-the CPU with the int4 kernels) keeps the all-resident tokens."""
+"""DeepSeek-V3, GLM-4.5, dots.llm1, MiniMax-M2 and Hunyuan-A13B in AWQ 4-bit (``moeflow quantize`` of a tiny random
+checkpoint): logits and tokens against transformers on the dequantized weights; Fiddler (experts not on the device
+computed on the CPU with the int4 kernels) keeps the all-resident tokens."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from tiny_families import (
     DEEPSEEK_V3,
     DOTS1,
     GLM4_MOE,
+    HUNYUAN,
     MINIMAX_M2,
     assert_matches_transformers,
     dequantized_reference,
@@ -28,7 +29,8 @@ GROUP = 32
 CASES = {"deepseek_v3": (DEEPSEEK_V3["qlora-groups-dense"], 16, 5),
          "glm4_moe": (GLM4_MOE["qk-norm-bias-groups"], 10, 0),
          "dots1": (DOTS1["groups-dense-shared"], 4, 1),
-         "minimax_m2": (MINIMAX_M2["qk-norm-partial-rotary"], 3, 0)}
+         "minimax_m2": (MINIMAX_M2["qk-norm-partial-rotary"], 3, 0),
+         "hunyuan_v1_moe": (HUNYUAN["alpha-rope-lists-tied"], 3, 0)}
 
 
 @pytest.fixture(scope="module", params=list(CASES))

@@ -1,6 +1,6 @@
-"""Tiny random DeepSeek-V2 / V3, GLM-4.5, dots.llm1 and MiniMax-M2 checkpoints written by transformers, and the
-exact-token invariant's steps on such models: predictors trained on a trace, one offloaded greedy run (shared by
-several tests)."""
+"""Tiny random DeepSeek-V2 / V3, GLM-4.5, dots.llm1, MiniMax-M2 and Hunyuan-A13B checkpoints written by
+transformers, and the exact-token invariant's steps on such models: predictors trained on a trace, one offloaded
+greedy run (shared by several tests)."""
 
 from __future__ import annotations
 
@@ -60,11 +60,24 @@ MINIMAX_M2 = {
                                            use_routing_bias=False, num_experts_per_tok=3, rope_theta=10000.0),
 }
 
+# Hunyuan-A13B: every layer MoE with one shared MLP, experts and shared MLP of intermediate_size; the release's
+# rotary (NTK scaling with a fixed alpha) and per-layer lists, as its config.json gives them
+HUNYUAN_BASE = dict(MINIMAX_BASE, num_experts=8)
+del HUNYUAN_BASE["num_local_experts"]
+HUNYUAN = {
+    "alpha-rope-lists-tied": dict(num_key_value_heads=2, head_dim=32, moe_topk=[2] * 3, moe_intermediate_size=[32] * 3,
+                                  num_shared_expert=[1] * 3, tie_word_embeddings=True, rope_theta=10000.0,
+                                  rope_scaling={"alpha": 1000.0, "beta_fast": 32, "beta_slow": 1, "factor": 1.0,
+                                                "mscale": 1.0, "mscale_all_dim": 1.0, "type": "dynamic"}),
+    "bias-no-qk-norm-plain-rope": dict(num_key_value_heads=4, head_dim=16, moe_topk=3, attention_bias=True,
+                                       use_qk_norm=False, rope_theta=50000.0),
+}
+
 
 def make_model(kind: str, seed: int = 0, **overrides):
-    """A random transformers DeepseekV2/V3ForCausalLM, Glm4MoeForCausalLM, Dots1ForCausalLM or MiniMaxM2ForCausalLM
-    (fp32, eval mode), its weights scaled up so routing and logits are far from ties; the selection bias is random
-    too (zero where the config says ``use_routing_bias`` false)."""
+    """A random transformers DeepseekV2/V3ForCausalLM, Glm4MoeForCausalLM, Dots1ForCausalLM, MiniMaxM2ForCausalLM or
+    HunYuanMoEV1ForCausalLM (fp32, eval mode), its weights scaled up so routing and logits are far from ties; the
+    selection bias is random too (zero where the config says ``use_routing_bias`` false)."""
     import transformers
 
     classes = {"deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", MLA),
@@ -72,9 +85,10 @@ def make_model(kind: str, seed: int = 0, **overrides):
                "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", {}),
                "dots1": ("Dots1Config", "Dots1ForCausalLM", {}),
                "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", MLA),
-               "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", {})}
+               "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", {}),
+               "hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", {})}
     config_name, model_name, attention = classes[kind]
-    base = MINIMAX_BASE if kind == "minimax_m2" else BASE
+    base = {"minimax_m2": MINIMAX_BASE, "hunyuan_v1_moe": HUNYUAN_BASE}.get(kind, BASE)
     cfg = getattr(transformers, config_name)(**{**base, **attention, **overrides})
     model_cls = getattr(transformers, model_name)
     torch.manual_seed(seed)
@@ -84,13 +98,15 @@ def make_model(kind: str, seed: int = 0, **overrides):
             if "norm" in name:
                 p.uniform_(0.8, 1.2)
             else:
-                p.normal_(0.0, 0.5 if name.endswith("mlp.gate.weight") else 0.1)
+                p.normal_(0.0, 0.5 if name.endswith(("mlp.gate.weight", "mlp.gate.wg.weight")) else 0.1)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.05 if getattr(cfg, "use_routing_bias", True) else 0.0)
-    if not getattr(cfg, "use_qk_norm", True):  # MiniMax-M2's config says "no QK-norm"; transformers always builds one
+    if not getattr(cfg, "use_qk_norm", True):  # MiniMax-M2's, Hunyuan's "no QK-norm": transformers always builds one
         for layer in model.model.layers:
-            layer.self_attn.q_norm = layer.self_attn.k_norm = torch.nn.Identity()
+            for norm in ("q_norm", "k_norm", "query_layernorm", "key_layernorm"):
+                if hasattr(layer.self_attn, norm):
+                    setattr(layer.self_attn, norm, torch.nn.Identity())
     return model
 
 
@@ -121,13 +137,14 @@ def with_experts(ref, state: dict[str, torch.Tensor], experts: dict[str, tuple[t
     for layer, (w13, w2) in experts.items():
         state[f"{layer}.mlp.experts.gate_up_proj"], state[f"{layer}.mlp.experts.down_proj"] = w13, w2
     missing, unexpected = ref.load_state_dict(state, strict=False)
-    assert not unexpected and not missing, (missing, unexpected)
+    tied = ["lm_head.weight"] if ref.config.tie_word_embeddings else []
+    assert not unexpected and missing == tied, (missing, unexpected)
     return ref.eval()
 
 
 def dequantized_reference(ref, awq_dir: Path, group: int):
     """``ref`` carrying exactly the weights of its AWQ checkpoint in ``awq_dir`` (``moeflow quantize``'s output:
-    experts dequantized, everything else as saved)."""
+    experts and any quantized attention dequantized, everything else as saved)."""
     from safetensors.torch import load_file
 
     from moeflow.quant.awq import dequantize
@@ -143,7 +160,11 @@ def dequantized_reference(ref, awq_dir: Path, group: int):
              for e in range(getattr(cfg, "n_routed_experts", None) or cfg.num_local_experts)]
         experts[f"model.layers.{layer}"] = (torch.stack([torch.cat([g, u]) for g, u, _ in w]),
                                             torch.stack([d for *_, d in w]))
-    return with_experts(ref, {k: v for k, v in sd.items() if ".experts." not in k}, experts)
+    state = {k: v for k, v in sd.items() if ".experts." not in k and not k.endswith((".qweight", ".qzeros", ".scales"))}
+    for name in [k.removesuffix(".qweight") for k in sd if k.endswith(".qweight") and ".experts." not in k]:
+        state[f"{name}.weight"] = dequantize(sd[f"{name}.qweight"], sd[f"{name}.qzeros"], sd[f"{name}.scales"].float(),
+                                             group).T  # quantized attention (``moeflow quantize --attention``)
+    return with_experts(ref, state, experts)
 
 
 def write_fp8_checkpoint(src: Path, dst: Path, config: dict, block: tuple[int, int],

@@ -11,6 +11,7 @@ from moeflow.families.dots1 import Dots1Family
 from moeflow.families.ernie4_5_moe import Ernie45MoeFamily
 from moeflow.families.glm4_moe import Glm4MoeFamily
 from moeflow.families.gpt_oss import GptOssFamily
+from moeflow.families.hunyuan_v1_moe import HunyuanV1MoeFamily
 from moeflow.families.minimax_m2 import MiniMaxM2Family
 from moeflow.families.mixtral import MixtralConfig, MixtralFamily
 from moeflow.families.olmoe import OlmoeFamily
@@ -19,11 +20,11 @@ from moeflow.families.qwen3_moe import Qwen3MoeFamily
 
 FAMILIES: tuple[type[Family], ...] = (MixtralFamily, Qwen3MoeFamily, Qwen2MoeFamily, OlmoeFamily, DeepSeekV2Family,
                                       DeepSeekV3Family, Glm4MoeFamily, Dots1Family, Ernie45MoeFamily,
-                                      MiniMaxM2Family, GptOssFamily)
+                                      MiniMaxM2Family, HunyuanV1MoeFamily, GptOssFamily)
 
 __all__ = ["FAMILIES", "Family", "ExpertSpec", "ExpertLayout", "RouterSpec", "CausalDecoder", "MixtralFamily",
            "MixtralConfig", "Qwen3MoeFamily", "Qwen2MoeFamily", "OlmoeFamily", "Dots1Family", "MiniMaxM2Family",
-           "GptOssFamily", "family_class", "supported_model_types", "family_for_config"]
+           "HunyuanV1MoeFamily", "GptOssFamily", "family_class", "supported_model_types", "family_for_config"]
 
 
 def supported_model_types() -> list[str]:

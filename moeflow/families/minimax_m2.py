@@ -10,8 +10,8 @@ Mixtral's checkpoint layout (``block_sparse_moe.experts.E.{w1,w2,w3}``, router `
 * router: sigmoid scores, the top-k chosen on the scores plus ``block_sparse_moe.e_score_correction_bias`` and
   weighted by the unbiased scores, always renormalised, never scaled; no groups, no shared expert.
 
-``use_qk_norm`` / ``use_routing_bias`` false (no released checkpoint) drop the norm / the bias, as the reference
-implementations that read them do (transformers 5.x always builds both). The multi-token-prediction modules
+``use_qk_norm`` / ``use_routing_bias`` false (no released checkpoint) drop the norm / the bias, as the flags say
+(transformers 5.x ignores both and always builds them). The multi-token-prediction modules
 (``use_mtp``, ``num_mtp_modules``) are never read. Published FP8 (``quant_method`` "fp8", 128 x 128 block scales)
 is dequantized at load, experts requantized to int4 (:mod:`moeflow.quant.fp8`). Refused by name: other scoring
 functions, ``qk_norm_type`` other than "per_layer", shared experts (``shared_intermediate_size``), lightning
