@@ -113,7 +113,8 @@ def test_moe_model_picks_the_family_and_names_the_supported_ones(ckpt, tmp_path)
     with pytest.raises(CheckpointError, match=r"qwen9_moe.*supported model types: .*gpt_oss.*mixtral"):
         MoEModel.from_pretrained(bad)
     assert {"mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe",
-            "glm4_moe_lite", "dots1", "ernie4_5_moe", "gpt_oss"} <= set(supported_model_types())
+            "glm4_moe_lite", "dots1", "ernie4_5_moe", "minimax_m2", "hunyuan_v1_moe",
+            "gpt_oss"} <= set(supported_model_types())
 
 
 def test_routing_functions():

@@ -1,17 +1,25 @@
-"""DeepSeek-V3 and GLM-4.5 in AWQ 4-bit (``moeflow quantize`` of a tiny random checkpoint): logits and tokens
-against transformers on the dequantized weights; Fiddler (experts not on the device computed on the CPU with the
-int4 kernels) keeps the all-resident tokens."""
+"""DeepSeek-V3, GLM-4.5, dots.llm1, MiniMax-M2 and Hunyuan-A13B in AWQ 4-bit (``moeflow quantize`` of a tiny random
+checkpoint): logits and tokens against transformers on the dequantized weights; Fiddler (experts not on the device
+computed on the CPU with the int4 kernels) keeps the all-resident tokens."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny_families import DEEPSEEK_V3, DOTS1, GLM4_MOE, assert_matches_transformers, make_checkpoint
+from tiny_families import (
+    DEEPSEEK_V3,
+    DOTS1,
+    GLM4_MOE,
+    HUNYUAN,
+    MINIMAX_M2,
+    assert_matches_transformers,
+    dequantized_reference,
+    make_checkpoint,
+)
 
 from moeflow import MoEModel, OffloadConfig
 from moeflow.kernels.cpu_int4 import int4_cpu_available
-from moeflow.quant.awq import dequantize
 from moeflow.quant.convert import quantize_checkpoint
 
 pytest.importorskip("transformers")
@@ -20,28 +28,9 @@ GROUP = 32
 # the CPU int4 kernels' deviation (bf16 activations), which the Fiddler test checks before comparing tokens
 CASES = {"deepseek_v3": (DEEPSEEK_V3["qlora-groups-dense"], 16, 5),
          "glm4_moe": (GLM4_MOE["qk-norm-bias-groups"], 10, 0),
-         "dots1": (DOTS1["groups-dense-shared"], 4, 1)}
-
-
-def dequantized_reference(ref, awq_dir):
-    """The transformers model carrying exactly the AWQ checkpoint's weights (experts dequantized, fused)."""
-    cfg = ref.config
-    sd = load_file(awq_dir / "model.safetensors")
-    state = {k: v.float() for k, v in sd.items() if ".mlp.experts." not in k}
-    for layer in range(cfg.first_k_dense_replace, cfg.num_hidden_layers):
-        gate_up, down = [], []
-        for e in range(cfg.n_routed_experts):
-            w = {p: dequantize(sd[f"model.layers.{layer}.mlp.experts.{e}.{p}.qweight"],
-                               sd[f"model.layers.{layer}.mlp.experts.{e}.{p}.qzeros"],
-                               sd[f"model.layers.{layer}.mlp.experts.{e}.{p}.scales"].float(), GROUP).T
-                 for p in ("gate_proj", "up_proj", "down_proj")}
-            gate_up.append(torch.cat([w["gate_proj"], w["up_proj"]]))
-            down.append(w["down_proj"])
-        state[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = torch.stack(gate_up)
-        state[f"model.layers.{layer}.mlp.experts.down_proj"] = torch.stack(down)
-    missing, unexpected = ref.load_state_dict(state, strict=False)
-    assert not unexpected and not missing, (missing, unexpected)
-    return ref.eval()
+         "dots1": (DOTS1["groups-dense-shared"], 4, 1),
+         "minimax_m2": (MINIMAX_M2["qk-norm-partial-rotary"], 3, 0),
+         "hunyuan_v1_moe": (HUNYUAN["alpha-rope-lists-tied"], 3, 0)}
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -50,7 +39,7 @@ def awq(request, tmp_path_factory):
     config, seed, prompt_seed = CASES[request.param]
     src, ref = make_checkpoint(root / "src", request.param, seed=seed, **config)
     dst = quantize_checkpoint(src, root / "awq", group_size=GROUP, progress=False)
-    return dst, dequantized_reference(ref, dst), prompt_seed
+    return dst, dequantized_reference(ref, dst, GROUP), prompt_seed
 
 
 def test_awq_checkpoint_matches_transformers_on_dequantized_weights(awq):

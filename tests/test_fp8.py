@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_families import DEEPSEEK_V3, assert_matches_transformers, make_model
+from tiny_families import DEEPSEEK_V3, assert_matches_transformers, make_model, write_fp8_checkpoint
 
 from moeflow import MoEModel
 from moeflow.errors import CheckpointError
@@ -45,21 +45,11 @@ def fp8_checkpoint(tmp_path_factory):
     root = tmp_path_factory.mktemp("fp8")
     ref = make_model("deepseek_v3", seed=4, **CONFIG)
     ref.save_pretrained(root / "src")
-    out, effective = {}, {}
-    for name, t in load_file(root / "src" / "model.safetensors").items():
-        if fp8_target(name, t):
-            q, scale_inv = quantize_fp8_block(t, BLOCK)
-            out[name], out[name + "_scale_inv"] = q, scale_inv
-            effective[name] = dequantize_fp8_block(q, scale_inv, BLOCK)
-        else:
-            out[name] = effective[name] = t
-    dst = root / "fp8"
-    dst.mkdir()
-    save_file(out, dst / "model.safetensors")
     config = json.loads((root / "src" / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(BLOCK),
                                      "activation_scheme": "dynamic"}
-    (dst / "config.json").write_text(json.dumps(config))
+    dst = root / "fp8"
+    effective = write_fp8_checkpoint(root / "src", dst, config, BLOCK, fp8_target)
     return dst, ref, effective
 
 

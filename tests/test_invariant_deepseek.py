@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_families import make_checkpoint, offloaded_generate, train_predictors
+from tiny_families import offloaded_generate, resident_reference
 
 from moeflow import MoEModel, OffloadConfig
 from moeflow.offload.policies import POLICY_NAMES
@@ -25,15 +25,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path, _ = make_checkpoint(tmp_path_factory.mktemp("deepseek_invariant"), "deepseek_v3", seed=5, **SHAPE)
-    resident = MoEModel.from_pretrained(path, offload=OffloadConfig(policy="resident"))
-    gen = torch.Generator().manual_seed(1)
-    train_predictors(resident, path, gen)
-    ids = torch.randint(0, 97, (2, 9), generator=gen)
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0  # left padding: the prefill needs every expert through the ring
-    expected = resident.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
-    return path, ids, mask, expected
+    # left padding: the prefill needs every expert through the ring
+    return resident_reference(tmp_path_factory.mktemp("deepseek_invariant"), "deepseek_v3", seed=5, gen_seed=1,
+                              padded_row=1, pad=3, new_tokens=NEW_TOKENS, **SHAPE)
 
 
 @pytest.mark.parametrize("transport", ["sync", "random-delay"])

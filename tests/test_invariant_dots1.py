@@ -6,10 +6,8 @@ largest-but-one slot count, the synchronous and the random-delay transport: the 
 from __future__ import annotations
 
 import pytest
-import torch
-from tiny_families import make_checkpoint, offloaded_generate, train_predictors
+from tiny_families import assert_keeps_resident_tokens, resident_reference
 
-from moeflow import MoEModel, OffloadConfig
 from moeflow.offload.policies import POLICY_NAMES
 
 MOE_LAYERS, EXPERTS, TOP_K = 2, 6, 2
@@ -24,23 +22,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path, _ = make_checkpoint(tmp_path_factory.mktemp("dots1_invariant"), "dots1", seed=7, **SHAPE)
-    resident = MoEModel.from_pretrained(path, offload=OffloadConfig(policy="resident"))
-    assert resident.family.name == "dots1"
-    gen = torch.Generator().manual_seed(2)
-    train_predictors(resident, path, gen)
-    ids = torch.randint(0, 97, (2, 9), generator=gen)
-    mask = torch.ones_like(ids)
-    mask[1, :2] = 0  # left padding
-    expected = resident.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
-    return path, ids, mask, expected
+    return resident_reference(tmp_path_factory.mktemp("dots1_invariant"), "dots1", seed=7, gen_seed=2,
+                              padded_row=1, pad=2, new_tokens=NEW_TOKENS, **SHAPE)
 
 
 @pytest.mark.parametrize("transport", ["sync", "random-delay"])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_greedy_tokens_equal_resident(tiny, policy, transport):
-    path, ids, mask, expected = tiny
-    for n_slots in (TOP_K, MOE_LAYERS * EXPERTS // 2, MOE_LAYERS * EXPERTS - 1):
-        out, s = offloaded_generate(path, ids, mask, policy, transport, n_slots, NEW_TOKENS)
-        assert torch.equal(out, expected), f"{policy}/{transport} with {n_slots} slots: {out} != {expected}"
-        assert s.prefill.hits + s.prefill.misses > 0 and s.decode.hits + s.decode.misses > 0
+    assert_keeps_resident_tokens(tiny, policy, transport, (TOP_K, MOE_LAYERS * EXPERTS // 2, MOE_LAYERS * EXPERTS - 1),
+                                 NEW_TOKENS)

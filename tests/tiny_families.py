@@ -1,9 +1,10 @@
-"""Tiny random DeepSeek-V2 / V3, GLM-4.5 and dots.llm1 checkpoints written by transformers, and the exact-token
-invariant's steps on such models: predictors trained on a trace, one offloaded greedy run (shared by several
-tests)."""
+"""Tiny random DeepSeek-V2 / V3, GLM-4.5, dots.llm1, MiniMax-M2 and Hunyuan-A13B checkpoints written by
+transformers, and the exact-token invariant's steps on such models: predictors trained on a trace, one offloaded
+greedy run (shared by several tests)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -49,19 +50,46 @@ DOTS1 = {
                                   routed_scaling_factor=1.0, num_experts_per_tok=3),
 }
 
+# MiniMax-M2: every layer MoE, experts of intermediate_size, no shared expert or groups
+MINIMAX_BASE = dict({k: v for k, v in BASE.items() if k not in ("n_routed_experts", "moe_intermediate_size")},
+                    intermediate_size=32, num_local_experts=8, bos_token_id=None, eos_token_id=None)
+MINIMAX_M2 = {
+    "qk-norm-partial-rotary": dict(num_key_value_heads=2, head_dim=32, rotary_dim=16, use_qk_norm=True,
+                                   use_routing_bias=True),
+    "no-qk-norm-no-bias-full-rotary": dict(num_key_value_heads=4, head_dim=16, rotary_dim=16, use_qk_norm=False,
+                                           use_routing_bias=False, num_experts_per_tok=3, rope_theta=10000.0),
+}
+
+# Hunyuan-A13B: every layer MoE with one shared MLP, experts and shared MLP of intermediate_size; the release's
+# rotary (NTK scaling with a fixed alpha) and per-layer lists, as its config.json gives them
+HUNYUAN_BASE = dict(MINIMAX_BASE, num_experts=8)
+del HUNYUAN_BASE["num_local_experts"]
+HUNYUAN = {
+    "alpha-rope-lists-tied": dict(num_key_value_heads=2, head_dim=32, moe_topk=[2] * 3, moe_intermediate_size=[32] * 3,
+                                  num_shared_expert=[1] * 3, tie_word_embeddings=True, rope_theta=10000.0,
+                                  rope_scaling={"alpha": 1000.0, "beta_fast": 32, "beta_slow": 1, "factor": 1.0,
+                                                "mscale": 1.0, "mscale_all_dim": 1.0, "type": "dynamic"}),
+    "bias-no-qk-norm-plain-rope": dict(num_key_value_heads=4, head_dim=16, moe_topk=3, attention_bias=True,
+                                       use_qk_norm=False, rope_theta=50000.0),
+}
+
 
 def make_model(kind: str, seed: int = 0, **overrides):
-    """A random transformers DeepseekV2/V3ForCausalLM, Glm4MoeForCausalLM or Dots1ForCausalLM (fp32, eval mode),
-    its weights scaled up so routing and logits are far from ties; the selection bias is random too."""
+    """A random transformers DeepseekV2/V3ForCausalLM, Glm4MoeForCausalLM, Dots1ForCausalLM, MiniMaxM2ForCausalLM or
+    HunYuanMoEV1ForCausalLM (fp32, eval mode), its weights scaled up so routing and logits are far from ties; the
+    selection bias is random too (zero where the config says ``use_routing_bias`` false)."""
     import transformers
 
     classes = {"deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", MLA),
                "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", MLA),
                "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", {}),
                "dots1": ("Dots1Config", "Dots1ForCausalLM", {}),
-               "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", MLA)}
+               "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", MLA),
+               "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", {}),
+               "hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", {})}
     config_name, model_name, attention = classes[kind]
-    cfg = getattr(transformers, config_name)(**{**BASE, **attention, **overrides})
+    base = {"minimax_m2": MINIMAX_BASE, "hunyuan_v1_moe": HUNYUAN_BASE}.get(kind, BASE)
+    cfg = getattr(transformers, config_name)(**{**base, **attention, **overrides})
     model_cls = getattr(transformers, model_name)
     torch.manual_seed(seed)
     model = model_cls(cfg).eval()
@@ -70,10 +98,15 @@ def make_model(kind: str, seed: int = 0, **overrides):
             if "norm" in name:
                 p.uniform_(0.8, 1.2)
             else:
-                p.normal_(0.0, 0.5 if name.endswith("mlp.gate.weight") else 0.1)
+                p.normal_(0.0, 0.5 if name.endswith(("mlp.gate.weight", "mlp.gate.wg.weight")) else 0.1)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
-                b.normal_(0.0, 0.05)
+                b.normal_(0.0, 0.05 if getattr(cfg, "use_routing_bias", True) else 0.0)
+    if not getattr(cfg, "use_qk_norm", True):  # MiniMax-M2's, Hunyuan's "no QK-norm": transformers always builds one
+        for layer in model.model.layers:
+            for norm in ("q_norm", "k_norm", "query_layernorm", "key_layernorm"):
+                if hasattr(layer.self_attn, norm):
+                    setattr(layer.self_attn, norm, torch.nn.Identity())
     return model
 
 
@@ -95,6 +128,67 @@ def assert_matches_transformers(model, ref, new_tokens: int = 32, seed: int = 3)
     assert got.shape == want.shape
     assert float((got - want).abs().max() / want.abs().max()) < 1e-4
     assert torch.equal(model.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=[]), want_tokens)
+
+
+def with_experts(ref, state: dict[str, torch.Tensor], experts: dict[str, tuple[torch.Tensor, torch.Tensor]]):
+    """``ref`` (a transformers model of these families) carrying ``state`` (checkpoint names) and, per MoE layer,
+    ``experts["model.layers.L"] = (w13 [E, 2I, H] gate rows first, w2 [E, H, I])`` in its fused in-memory names."""
+    state = {k.replace(".block_sparse_moe.", ".mlp."): v.float() for k, v in state.items()}  # MiniMax-M2's
+    for layer, (w13, w2) in experts.items():
+        state[f"{layer}.mlp.experts.gate_up_proj"], state[f"{layer}.mlp.experts.down_proj"] = w13, w2
+    missing, unexpected = ref.load_state_dict(state, strict=False)
+    tied = ["lm_head.weight"] if ref.config.tie_word_embeddings else []
+    assert not unexpected and missing == tied, (missing, unexpected)
+    return ref.eval()
+
+
+def dequantized_reference(ref, awq_dir: Path, group: int):
+    """``ref`` carrying exactly the weights of its AWQ checkpoint in ``awq_dir`` (``moeflow quantize``'s output:
+    experts and any quantized attention dequantized, everything else as saved)."""
+    from safetensors.torch import load_file
+
+    from moeflow.quant.awq import dequantize
+
+    cfg, sd = ref.config, load_file(awq_dir / "model.safetensors")
+    prefix, names = (("block_sparse_moe", ("w1", "w3", "w2")) if cfg.model_type == "minimax_m2"
+                     else ("mlp", ("gate_proj", "up_proj", "down_proj")))
+    experts = {}
+    for layer in range(getattr(cfg, "first_k_dense_replace", 0), cfg.num_hidden_layers):
+        base = f"model.layers.{layer}.{prefix}.experts"
+        w = [[dequantize(*(sd[f"{base}.{e}.{p}.{kind}"] for kind in ("qweight", "qzeros")),
+                         sd[f"{base}.{e}.{p}.scales"].float(), group).T for p in names]
+             for e in range(getattr(cfg, "n_routed_experts", None) or cfg.num_local_experts)]
+        experts[f"model.layers.{layer}"] = (torch.stack([torch.cat([g, u]) for g, u, _ in w]),
+                                            torch.stack([d for *_, d in w]))
+    state = {k: v for k, v in sd.items() if ".experts." not in k and not k.endswith((".qweight", ".qzeros", ".scales"))}
+    for name in [k.removesuffix(".qweight") for k in sd if k.endswith(".qweight") and ".experts." not in k]:
+        state[f"{name}.weight"] = dequantize(sd[f"{name}.qweight"], sd[f"{name}.qzeros"], sd[f"{name}.scales"].float(),
+                                             group).T  # quantized attention (``moeflow quantize --attention``)
+    return with_experts(ref, state, experts)
+
+
+def write_fp8_checkpoint(src: Path, dst: Path, config: dict, block: tuple[int, int],
+                         is_fp8: Callable[[str, torch.Tensor], bool]) -> dict[str, torch.Tensor]:
+    """``src``'s checkpoint written to ``dst`` with the tensors ``is_fp8`` picks in FP8 with ``block`` scales
+    (``<name>_scale_inv``), and ``config`` as its config.json; returns the weights it stands for (FP8 dequantized)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from moeflow.quant.fp8 import dequantize_fp8_block, quantize_fp8_block
+
+    out, effective = {}, {}
+    for name, t in load_file(src / "model.safetensors").items():
+        if is_fp8(name, t):
+            q, scale_inv = quantize_fp8_block(t, block)
+            out[name], out[f"{name}_scale_inv"] = q, scale_inv
+            effective[name] = dequantize_fp8_block(q, scale_inv, block)
+        else:
+            out[name] = effective[name] = t
+    dst.mkdir(parents=True)
+    save_file(out, dst / "model.safetensors")
+    (dst / "config.json").write_text(json.dumps(config))
+    return effective
 
 
 # ---------------------------------------------------------------- the exact-token invariant on these families
@@ -128,3 +222,32 @@ def offloaded_generate(path: Path, ids: torch.Tensor, mask: torch.Tensor, policy
     finally:
         model.experts.close()
     return out, model.stats
+
+
+def resident_reference(directory: Path, kind: str, seed: int, gen_seed: int, padded_row: int, pad: int,
+                       new_tokens: int, **shape) -> tuple[Path, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A tiny ``kind`` checkpoint in ``directory`` with every predictive policy's predictor trained on its trace, and
+    (its path, prompt ids [2, 9], their mask (row ``padded_row`` left-padded by ``pad``), the all-resident greedy
+    tokens): what every offload policy must reproduce."""
+    from moeflow import MoEModel, OffloadConfig
+
+    path, _ = make_checkpoint(directory, kind, seed=seed, **shape)
+    resident = MoEModel.from_pretrained(path, offload=OffloadConfig(policy="resident"))
+    assert resident.family.name == kind
+    gen = torch.Generator().manual_seed(gen_seed)
+    train_predictors(resident, path, gen)
+    ids = torch.randint(0, 97, (2, 9), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[padded_row, :pad] = 0
+    return path, ids, mask, resident.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
+
+
+def assert_keeps_resident_tokens(reference: tuple, policy: str, transport: str, slot_counts: tuple[int, ...],
+                                 new_tokens: int) -> None:
+    """``policy`` over ``transport`` at each of ``slot_counts`` gives the all-resident greedy tokens of
+    ``reference`` (:func:`resident_reference`'s), with experts looked up in the prefill and in the decode."""
+    path, ids, mask, expected = reference
+    for n_slots in slot_counts:
+        out, s = offloaded_generate(path, ids, mask, policy, transport, n_slots, new_tokens)
+        assert torch.equal(out, expected), f"{policy}/{transport} with {n_slots} slots: {out} != {expected}"
+        assert s.prefill.hits + s.prefill.misses > 0 and s.decode.hits + s.decode.misses > 0

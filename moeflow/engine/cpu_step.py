@@ -53,7 +53,8 @@ def fuse_cpu_step(decoder: nn.Module, dtype: torch.dtype) -> dict[str, int]:
         if type(module) is RMSNorm and module.weight.dtype == torch.float32:
             module.native = True
             counts["norm"] += 1
-        elif type(module) is Attention and module.qk_norm is None and module.clip_qkv is None:
+        elif type(module) is Attention and module.qk_norm is None and module.clip_qkv is None \
+                and module.rotary_dim == module.head_dim:
             fused = fuse_qkv([getattr(module, name) for name in QKV])
             if fused is not None:
                 module.qkv_proj, module.fused_qkv, module.fused_step = fused, True, True

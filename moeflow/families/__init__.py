@@ -12,6 +12,8 @@ from moeflow.families.dsa import DeepSeekV32Family, GlmMoeDsaFamily
 from moeflow.families.ernie4_5_moe import Ernie45MoeFamily
 from moeflow.families.glm4_moe import Glm4MoeFamily
 from moeflow.families.gpt_oss import GptOssFamily
+from moeflow.families.hunyuan_v1_moe import HunyuanV1MoeFamily
+from moeflow.families.minimax_m2 import MiniMaxM2Family
 from moeflow.families.mixtral import MixtralConfig, MixtralFamily
 from moeflow.families.olmoe import OlmoeFamily
 from moeflow.families.qwen2_moe import Qwen2MoeFamily
@@ -19,11 +21,12 @@ from moeflow.families.qwen3_moe import Qwen3MoeFamily
 
 FAMILIES: tuple[type[Family], ...] = (MixtralFamily, Qwen3MoeFamily, Qwen2MoeFamily, OlmoeFamily, DeepSeekV2Family,
                                       DeepSeekV3Family, DeepSeekV32Family, GlmMoeDsaFamily, Glm4MoeFamily,
-                                      Dots1Family, Ernie45MoeFamily, GptOssFamily)
+                                      Dots1Family, Ernie45MoeFamily, MiniMaxM2Family, HunyuanV1MoeFamily,
+                                      GptOssFamily)
 
 __all__ = ["FAMILIES", "Family", "ExpertSpec", "ExpertLayout", "RouterSpec", "CausalDecoder", "MixtralFamily",
-           "MixtralConfig", "Qwen3MoeFamily", "Qwen2MoeFamily", "OlmoeFamily", "Dots1Family", "GptOssFamily",
-           "family_class", "supported_model_types", "family_for_config"]
+           "MixtralConfig", "Qwen3MoeFamily", "Qwen2MoeFamily", "OlmoeFamily", "Dots1Family", "MiniMaxM2Family",
+           "HunyuanV1MoeFamily", "GptOssFamily", "family_class", "supported_model_types", "family_for_config"]
 
 
 def supported_model_types() -> list[str]:

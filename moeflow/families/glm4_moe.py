@@ -19,7 +19,7 @@ from moeflow.families.deepseek_moe import (
     SharedExpertMoEFamily,
     sigmoid_router_spec,
 )
-from moeflow.families.layers import LinearFactory, RMSNorm, project_qkv, rotate_half
+from moeflow.families.layers import LinearFactory, RMSNorm, apply_rotary, project_qkv
 from moeflow.moe.routing import RouterSpec
 
 
@@ -122,17 +122,10 @@ class PartialRotaryAttention(nn.Module):
         v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotate_partial(q.transpose(1, 2), cos, sin), rotate_partial(k.transpose(1, 2), cos, sin)
+        q, k = apply_rotary(q.transpose(1, 2), cos, sin), apply_rotary(k.transpose(1, 2), cos, sin)
         k_all, v_all = cache.update(self.layer_idx, k, v, cache_position)
         out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
-
-
-def rotate_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary (halves layout) on the first cos.shape[-1] values of each head: x [B, heads, T, D]; cos/sin [B, T, r]."""
-    r = cos.shape[-1]
-    turned, kept = x[..., :r], x[..., r:]
-    return torch.cat((turned * cos[:, None] + rotate_half(turned) * sin[:, None], kept), dim=-1)
 
 
 class Glm4MoeFamily(SharedExpertMoEFamily):

@@ -59,8 +59,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, heads, T, D]; cos/sin [B, T, D]."""
-    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+    """Rotary (halves layout): x [B, heads, T, D]; cos/sin [B, T, r] with r <= D. Partial rotary (r < D, GLM-4.5,
+    MiniMax-M2) turns the first r values of each head and keeps the rest."""
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return x * cos[:, None] + rotate_half(x) * sin[:, None]
+    turned = x[..., :r]
+    return torch.cat((turned * cos[:, None] + rotate_half(turned) * sin[:, None], x[..., r:]), dim=-1)
 
 
 class AWQLinear(nn.Module):
@@ -215,24 +220,27 @@ class Attention(nn.Module):
     Options some families need (defaults: Mixtral's plain attention): ``qkv_bias`` / ``o_bias`` (biased
     projections: Qwen2, OLMoE's ``attention_bias``), ``qk_norm`` (RMSNorm of queries and keys before the
     rotary: ``"head"`` over each head's ``head_dim`` as Qwen3, ``"projection"`` over the whole projection
-    as OLMoE), ``clip_qkv`` (clamp q, k and v to +-clip_qkv, OLMoE).
+    as OLMoE; ``"head_after_rotary"``: per head, after the rotary, as Hunyuan-A13B), ``clip_qkv`` (clamp q, k and
+    v to +-clip_qkv, OLMoE), ``rotary_dim`` (partial rotary: the decoder's cos/sin turn only the first
+    ``rotary_dim`` values of each head, MiniMax-M2; None: all of them).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, layer_idx: int,
                  linear_factory: LinearFactory, sliding_window: int | None = None, *, qkv_bias: bool = False,
                  o_bias: bool = False, qk_norm: str | None = None, norm_eps: float = 1e-6,
-                 clip_qkv: float | None = None, dtype: torch.dtype = torch.float32):
+                 clip_qkv: float | None = None, rotary_dim: int | None = None, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.rotary_dim = rotary_dim or head_dim  # the CPU library's fused step turns whole heads only (cpu_step)
         h = hidden_size
         self.q_proj = make_linear(linear_factory, "q_proj", h, self.n_heads * self.head_dim, qkv_bias)
         self.k_proj = make_linear(linear_factory, "k_proj", h, self.n_kv * self.head_dim, qkv_bias)
         self.v_proj = make_linear(linear_factory, "v_proj", h, self.n_kv * self.head_dim, qkv_bias)
         self.o_proj = make_linear(linear_factory, "o_proj", self.n_heads * self.head_dim, h, o_bias)
         self.sliding_window = sliding_window
-        if qk_norm not in (None, "head", "projection"):
-            raise ValueError(f"qk_norm={qk_norm!r}: expected None, 'head' or 'projection'")
+        if qk_norm not in (None, "head", "projection", "head_after_rotary"):
+            raise ValueError(f"qk_norm={qk_norm!r}: expected None, 'head', 'projection' or 'head_after_rotary'")
         self.qk_norm, self.clip_qkv = qk_norm, clip_qkv
         # q/k/v as one matrix (its rows are q_proj's, k_proj's, v_proj's) with ``fused_qkv``: set at load on the
         # CPU int4 path (engine.cpu_step) and the Triton path (fuse_qkv_projections). ``fused_step`` (CPU only):
@@ -242,7 +250,7 @@ class Attention(nn.Module):
         self.fused_qkv = False
         self.fused_step = False
         if qk_norm is not None:
-            per_head = qk_norm == "head"
+            per_head = qk_norm != "projection"
             self.q_norm = RMSNorm(head_dim if per_head else self.n_heads * head_dim, norm_eps, dtype)
             self.k_norm = RMSNorm(head_dim if per_head else self.n_kv * head_dim, norm_eps, dtype)
 
@@ -278,9 +286,12 @@ class Attention(nn.Module):
         q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = k.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        if self.qk_norm is not None or self.clip_qkv is not None:
+        late_norm = self.qk_norm == "head_after_rotary"
+        if (self.qk_norm is not None and not late_norm) or self.clip_qkv is not None:
             q, k, v = self._normalize_qkv(q, k, v)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if late_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         k_all, v_all = cache.update(self.layer_idx, k, v, cache_position)
         groups = self.n_heads // self.n_kv
         if groups > 1 and _SDPA_GQA:  # each kv head serves its query heads inside the kernel: no copy of the cache

@@ -54,7 +54,7 @@ class LlamaMoEConfig:
     shared_expert_gate: bool = False  # the shared expert's output is scaled by sigmoid(gate(x))
     qkv_bias: bool = False
     o_bias: bool = False
-    qk_norm: str | None = None  # "head" (Qwen3) or "projection" (OLMoE)
+    qk_norm: str | None = None  # "head" (Qwen3), "projection" (OLMoE) or "head_after_rotary" (Hunyuan-A13B)
     clip_qkv: float | None = None
     layer_windows: tuple[int | None, ...] | None = None  # sliding window per layer (None: full attention)
     rms_norm_eps: float = 1e-6

@@ -88,12 +88,15 @@ class MixtralConfig:
 
 
 class DecoderLayer(nn.Module):
+    """Attention + sparse MoE block (``block_sparse_moe``), pre-norm residual. ``attention_options``: keyword
+    options of :class:`~moeflow.families.layers.Attention` (MiniMax-M2's QK-norm and partial rotary)."""
+
     def __init__(self, cfg: MixtralConfig, layer_idx: int, dtype: torch.dtype, linear_factory: LinearFactory,
-                 router: RouterSpec):
+                 router: RouterSpec, **attention_options: Any):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                                   layer_idx, linear_factory, cfg.sliding_window)
+                                   layer_idx, linear_factory, cfg.sliding_window, dtype=dtype, **attention_options)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.attention_half = None  # the engine's one-call attention half on the CPU (layers.attention_half)
         # every Mixtral layer is an MoE layer: its MoE index is its layer index

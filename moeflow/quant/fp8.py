@@ -1,8 +1,10 @@
-"""FP8 checkpoints with block scales, as DeepSeek-V3 / R1 / Kimi-K2 publish them, read as dense weights.
+"""FP8 checkpoints with block scales, as DeepSeek-V3 / R1 / Kimi-K2 and MiniMax-M2 publish them, read as dense
+weights.
 
 config.json says ``"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
-"activation_scheme": "dynamic"}``. Each quantized linear weight ``W`` ``[N, K]`` is stored as ``float8_e4m3fn``
-with ``<name>_scale_inv`` fp32 ``[ceil(N / bn), ceil(K / bk)]``: ``W[n, k] = q[n, k] * scale_inv[n // bn, k // bk]``.
+"activation_scheme": "dynamic"}`` (MiniMax-M2: ``"fmt": "float8_e4m3fn"``, and ``modules_to_not_convert`` naming
+what is stored in 16 bits anyway). Each quantized linear weight ``W`` ``[N, K]`` is stored as ``float8_e4m3fn`` with
+``<name>_scale_inv`` fp32 ``[ceil(N / bn), ceil(K / bk)]``: ``W[n, k] = q[n, k] * scale_inv[n // bn, k // bk]``.
 Embeddings, norms, the router and the LM head stay in 16/32 bits.
 
 moeflow never computes in FP8: :class:`Fp8BlockReader` hands every FP8 weight out dequantized (fp32), so the
@@ -25,6 +27,7 @@ from moeflow.quant.awq import SUPPORTED_GROUP_SIZES, quantize_rtn
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 FP8_E4M3_MAX = 448.0
+FP8_FORMATS = ("e4m3", "float8_e4m3fn")  # config.json's "fmt": DeepSeek-V3 / Kimi-K2 write e4m3, MiniMax-M2 the other
 SCALE_SUFFIX = "_scale_inv"
 
 
@@ -41,8 +44,9 @@ def fp8_block_spec(config: dict[str, Any], source: str | Path = "config.json") -
     if str(qc.get("quant_method", "")).lower() != "fp8":
         return None
     fmt = str(qc.get("fmt", "e4m3")).lower()
-    if fmt != "e4m3":
-        raise UnsupportedQuantizationError(f"{source}: FP8 format {qc.get('fmt')!r} is not supported (e4m3)")
+    if fmt not in FP8_FORMATS:
+        raise UnsupportedQuantizationError(f"{source}: FP8 format {qc.get('fmt')!r} is not supported "
+                                           f"({' or '.join(FP8_FORMATS)})")
     block = qc.get("weight_block_size")
     if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
         raise UnsupportedQuantizationError(f"{source}: FP8 quantization_config needs weight_block_size [rows, cols] "
