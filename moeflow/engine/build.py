@@ -207,12 +207,14 @@ def plan_memory(offload: OffloadConfig, family: Family, fmt: ExpertFormat, devic
                 non_expert: int) -> tuple[memory.MemoryPlan, OffloadConfig]:
     """The device side of the memory plan, and the config the backend sizes its slots with ("auto" resolved)."""
     top_k = family.router_spec().top_k
+    spec = family.kv_cache_spec()
     plan = memory.plan_device(
         offload, cfg=family.config, device=device, dtype=dtype, non_expert=non_expert, expert_bytes=fmt.nbytes,
         total_experts=len(family.moe_layers) * family.num_experts, top_k=top_k,
         intermediate=family.expert_spec().intermediate_size, min_slots=min_slots(offload, top_k),
         offloads=get_policy(offload.policy).offload,
-        kv_bytes_per_token=family.kv_cache_spec().bytes_per_token(dtype.itemsize))
+        kv_bytes_per_token=spec.bytes_per_token(dtype.itemsize),
+        kv_bytes_per_sequence=spec.bytes_per_sequence(dtype.itemsize))
     sized = offload
     if offload.gpu_memory_gb == "auto":
         sized = dataclasses.replace(offload, gpu_memory_gb=plan.gpu_budget / memory.GiB)

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from moeflow.engine.cuda_graphs import CudaGraphDecode
-from moeflow.engine.kv_slots import SlotKVCache
+from moeflow.engine.kv_slots import SlotKVCache, check_slotted
 from moeflow.engine.sampling import GenerationConfig, next_tokens
 from moeflow.engine.token_history import TokenHistory
 from moeflow.errors import InputError, MoeflowError
@@ -173,6 +173,7 @@ class ContinuousEngine:
                  listener: EngineListener | None = None, cuda_graphs: bool | None = None) -> None:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        check_slotted(model)
         decode = model.runner.decode_fn
         if cuda_graphs and not isinstance(decode, CudaGraphDecode):
             raise ValueError("cuda_graphs=True needs a model that decodes through CUDA graphs "

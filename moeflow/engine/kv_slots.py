@@ -35,6 +35,18 @@ def slot_attention_mask(cache_position: torch.Tensor, valid: torch.Tensor, slidi
     return (allowed | (keys == q))[:, None]
 
 
+def check_slotted(model) -> None:
+    """ValueError, naming the family, for a model whose layers need more per row than keys and values: the
+    linear-attention states of Qwen3-Next / Qwen3.5 (a row would have to keep them and a prefill chunk carry them
+    over; not done yet), so continuous batching never runs them wrong."""
+    family = getattr(model, "family", None)
+    spec = family.kv_cache_spec() if family is not None else None
+    if spec is not None and spec.linear is not None:
+        raise ValueError(f"{family.name}: continuous batching (moeflow serve) does not support models with "
+                         "linear-attention layers yet (their per-sequence states are not kept per cache row); "
+                         "use generate()")
+
+
 class SlotKVCache:
     """Keys/values [L, rows, kv_heads, max_len, D] plus ``valid`` bool [rows, max_len] and a free-row list."""
 
@@ -54,6 +66,7 @@ class SlotKVCache:
     @classmethod
     def for_model(cls, model, max_len: int, budget_bytes: int | None = None, max_rows: int = 16) -> SlotKVCache:
         """As many rows of ``max_len`` as ``budget_bytes`` holds (at most ``max_rows``; all of them when None)."""
+        check_slotted(model)
         cfg = model.config
         if max_len > cfg.max_position_embeddings:
             raise InputError(f"max_len={max_len} exceeds the model's max_position_embeddings="
