@@ -15,6 +15,8 @@ valid position, zero states); :meth:`HybridKVCache.rows` gives micro-batches (Ex
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from moeflow.engine.kv_cache import CacheRows, StaticKVCache
@@ -62,6 +64,18 @@ class HybridKVCache(StaticKVCache):
     def clear(self) -> None:
         super().clear()
         self.linear.clear()
+
+    def snapshot(self) -> Callable[[], None]:
+        """A copy of the linear states and the call that puts it back: a decode step run to warm up and capture
+        CUDA graphs must not advance them (moeflow.engine.cuda_graphs.capture_step); keys and values need none
+        (rewriting a position writes the same values)."""
+        conv, recurrent = self.linear.conv.clone(), self.linear.recurrent.clone()
+
+        def restore() -> None:
+            self.linear.conv.copy_(conv)
+            self.linear.recurrent.copy_(recurrent)
+
+        return restore
 
     def mark_valid(self, cache_position: torch.Tensor, token_mask: torch.Tensor) -> None:
         super().mark_valid(cache_position, token_mask)
