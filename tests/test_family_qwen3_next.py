@@ -1,8 +1,8 @@
 """Qwen3-Next and Qwen3.5-MoE (hybrid Gated DeltaNet / gated-attention MoE) through ``moeflow.MoEModel`` against
 transformers' own models on tiny random checkpoints: fp32 logits within 1e-4 and 32 greedy tokens, for one prompt
 and a left-padded batch; Qwen3.5 as published (the conditional-generation checkpoint, a vision tower beside the text
-model) and as a text-only checkpoint; AWQ experts; micro-batches over cache rows; the config.json variants and the
-engine paths that are refused by name."""
+model) and as a text-only checkpoint; AWQ experts; micro-batches over cache rows; the config.json variants refused by
+name."""
 
 from __future__ import annotations
 
@@ -153,17 +153,3 @@ def test_conditional_config_without_text_config_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="text_config, which is missing"):
         MoEModel.from_pretrained(tmp_path)
-
-
-def test_the_servers_slotted_cache_is_refused_by_name(tmp_path):
-    """Continuous batching keeps no linear-attention state per row yet: refused, never silently wrong."""
-    from moeflow.engine.continuous import ContinuousEngine
-    from moeflow.engine.kv_slots import SlotKVCache
-
-    path, _ = make_checkpoint(tmp_path, "qwen3_next", **QWEN3_NEXT["interval2-gqa-dense-first"])
-    model = MoEModel.from_pretrained(path)
-    with pytest.raises(ValueError, match="qwen3_next.*linear-attention"):
-        SlotKVCache.for_model(model, 64)
-    cache = SlotKVCache(2, 2, 64, 2, 16, torch.float32, "cpu")
-    with pytest.raises(ValueError, match="qwen3_next.*linear-attention"):
-        ContinuousEngine(model, cache)

@@ -173,12 +173,12 @@ class ContinuousEngine:
                  listener: EngineListener | None = None, cuda_graphs: bool | None = None) -> None:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-        check_slotted(model)
         decode = model.runner.decode_fn
         if cuda_graphs and not isinstance(decode, CudaGraphDecode):
             raise ValueError("cuda_graphs=True needs a model that decodes through CUDA graphs "
                              "(from_pretrained(cuda_graphs=True) or capture_decode())")
         self.graphs = decode if cuda_graphs is not False and isinstance(decode, CudaGraphDecode) else None
+        check_slotted(model, cache)
         self.model, self.cache = model, cache
         self.max_queue, self.prefill_chunk = max_queue, prefill_chunk
         self.listener = listener or EngineListener()
