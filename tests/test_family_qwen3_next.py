@@ -153,3 +153,33 @@ def test_conditional_config_without_text_config_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="text_config, which is missing"):
         MoEModel.from_pretrained(tmp_path)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_awq_experts_on_the_cpu_int4_path_keep_the_invariant(tmp_path):
+    """A Qwen3-Next AWQ checkpoint (per-expert names under ``model.layers``) on the CPU int4 kernels: the torch
+    reference's tokens, and fiddler (AWQ only) and lru offloading give the resident tokens."""
+    from moeflow import OffloadConfig
+    from moeflow.quant.convert import quantize_checkpoint
+
+    src, _ = make_checkpoint(tmp_path / "src", "qwen3_next", seed=2, **QWEN3_NEXT["interval2-gqa-dense-first"])
+    dst = quantize_checkpoint(src, tmp_path / "awq", group_size=32, progress=False)
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+
+    def tokens(**kw):
+        model = MoEModel.from_pretrained(dst, **kw)
+        try:
+            return model.kernels, model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                                                 eos_token_id=[])
+        finally:
+            model.close()
+
+    _, want = tokens(kernels="torch")
+    kernels, resident = tokens()
+    assert kernels == "cpu-int4" and torch.equal(resident, want)
+    for policy in ("fiddler", "lru"):
+        assert torch.equal(tokens(offload=OffloadConfig(policy=policy, gpu_expert_slots=5))[1], resident), policy
+    with pytest.raises(ValueError, match="attention_bits=8: qwen3_next's gated attention"):
+        MoEModel.from_pretrained(dst, attention_bits=8)

@@ -2,7 +2,8 @@
 CUDA graphs, on the CPU through test_compile_cuda_graphs' :class:`TraceCapture` (CUDA-graph semantics: the pieces'
 ops replayed on the tensors they were captured on; a host read or data-dependent shape while capturing is refused):
 the replayed steps give the eager tokens, and a second call on the kept cache (its states cleared) captures nothing
-more and gives them again. The conv and recurrent states are written in place, so the replays carry them."""
+more and gives them again. The conv and recurrent states are written in place, so the replays carry them. And the
+decode step compiled (torch.compile) gives the eager tokens."""
 
 from __future__ import annotations
 
@@ -65,3 +66,29 @@ def test_a_refused_capture_decodes_eagerly_from_the_states_before_it(tmp_path):
         model.close()
     assert graphs.refused and "aten.item" in graphs.refused
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("offload", [None, OffloadConfig(policy="lru", gpu_expert_slots=9)], ids=["resident", "lru"])
+def test_compiled_decode_gives_the_eager_tokens(tmp_path, offload):
+    """compile_decode on a hybrid model: dynamo traces the linear-attention step (its in-place state writes
+    included), breaks only at the offload backend, and a second generate compiles nothing new."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    path, _ = make_checkpoint(tmp_path, "qwen3_next", seed=15, **CASES["qwen3_next"])
+    ids = torch.tensor([[1, 5, 7, 9], [3, 2, 8, 4]])
+    model = MoEModel.from_pretrained(path, kernels="torch", offload=offload)
+    try:
+        want = model.generate(ids, max_new_tokens=7, do_sample=False, eos_token_id=[])
+        model.compile_decode(backend="eager")
+        torch._dynamo.reset()
+        counters.clear()
+        got = model.generate(ids, max_new_tokens=7, do_sample=False, eos_token_id=[])
+        breaks = list(counters["graph_break"])
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            again = model.generate(ids, max_new_tokens=7, do_sample=False, eos_token_id=[])
+    finally:
+        model.close()
+        torch._dynamo.reset()
+    assert torch.equal(got, want) and torch.equal(again, want)
+    assert all("OffloadedExperts.forward" in b for b in breaks) and (offload is None) == (not breaks)

@@ -152,6 +152,9 @@ def build_model(
         resolved = resolve_kernels(kernels, device,
                                    fmt.kind == "awq" and not is_extended(fmt))  # cpu-int4: no biases
         check_attention_bits(attention_bits, resolved.linear, lm_head_bits)
+        if attention_bits is not None and family.kv_cache_spec().linear is not None:
+            raise ValueError(f"attention_bits={attention_bits}: {family.name}'s gated attention and linear-attention "
+                             "projections are not quantized at load; leave attention_bits unset")
         awq_attention = loading.detect_awq_attention(reader, family, layout, quant)
         decoder = family.build_decoder(dtype, _linear_factory(dtype, awq_attention))
         loading.load_non_expert_weights(decoder, reader, family, layout, device, dtype)
