@@ -18,6 +18,8 @@ from moeflow.errors import CheckpointError
 transformers = pytest.importorskip("transformers")
 CASES = [("qwen3_next", name) for name in QWEN3_NEXT] + [("qwen3_5_moe", name) for name in QWEN3_5_MOE] + \
     [("qwen3_5_moe_text", "full-first-mrope")]
+CASES_BY_KIND = {"qwen3_next": QWEN3_NEXT["interval2-gqa-dense-first"],
+                 "qwen3_5_moe_text": QWEN3_5_MOE["full-first-mrope"]}
 FAMILY = {"qwen3_next": "qwen3_next", "qwen3_5_moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe"}
 
 
@@ -183,3 +185,20 @@ def test_awq_experts_on_the_cpu_int4_path_keep_the_invariant(tmp_path):
         assert torch.equal(tokens(offload=OffloadConfig(policy=policy, gpu_expert_slots=5))[1], resident), policy
     with pytest.raises(ValueError, match="attention_bits=8: qwen3_next's gated attention"):
         MoEModel.from_pretrained(dst, attention_bits=8)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5_moe_text"])
+def test_bf16_matches_transformers_in_bf16(tmp_path, kind):
+    """In bf16 (fp32 delta rule, decays and norms; projections, conv and attention in bf16, as transformers computes
+    them) against transformers' model loaded in bf16: the same logits (1e-3) and 24 greedy tokens."""
+    cls = transformers.Qwen3NextForCausalLM if kind == "qwen3_next" else transformers.Qwen3_5MoeForCausalLM
+    path, _ = make_checkpoint(tmp_path, kind, seed=4, **CASES_BY_KIND[kind])
+    ref = cls.from_pretrained(path, dtype=torch.bfloat16).eval()
+    model = MoEModel.from_pretrained(path, dtype=torch.bfloat16)
+    ids = torch.randint(0, 97, (1, 10), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        want = ref(ids).logits.float()
+        want_tokens = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                                   eos_token_id=None, pad_token_id=0)
+    assert float((model(ids).logits - want).abs().max() / want.abs().max()) < 1e-3
+    assert torch.equal(model.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=[]), want_tokens)

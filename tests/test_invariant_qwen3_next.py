@@ -47,3 +47,17 @@ def test_greedy_tokens_equal_resident(tiny, policy, transport):
         out, s = offloaded_generate(path, ids, mask, policy, transport, n_slots, NEW_TOKENS)
         assert torch.equal(out, expected), f"{policy}/{transport} with {n_slots} slots: {out} != {expected}"
         assert s.prefill.hits + s.prefill.misses > 0 and s.decode.hits + s.decode.misses > 0
+
+
+def test_expertflow_micro_batches_in_the_dual_batch_pipeline(tiny):
+    """ExpertFlow's micro-batches (regrouped each step, the next one's prediction beside the current pass) read and
+    write their rows' linear-attention states: the resident tokens."""
+    path, ids, mask, expected = tiny
+    model = MoEModel.from_pretrained(path, offload=OffloadConfig(policy="expertflow", gpu_expert_slots=9))
+    try:
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, micro_batch_size=1)
+        stats = model.runner.pipeline_stats
+    finally:
+        model.close()
+    assert torch.equal(out, expected)
+    assert stats is not None and stats.passes > 0

@@ -200,7 +200,7 @@ class GatedAttention(nn.Module):
         v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
         k_all, v_all = cache.update(self.kv_idx, k, v, cache_position)
-        out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask,
+        out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=self.head_dim ** -0.5,
                                              enable_gqa=self.n_heads != self.n_kv)
         out = out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)
         return self.o_proj(out * torch.sigmoid(gate.reshape(b, t, -1)))
