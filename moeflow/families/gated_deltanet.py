@@ -211,6 +211,9 @@ class GatedDeltaNet(nn.Module):
         ``cache.write_linear_state``."""
         s = self.shape
         bsz, t, _ = x.shape
+        if not hasattr(cache, "linear_state"):
+            raise TypeError(f"{type(cache).__name__} keeps no linear-attention state: a Gated DeltaNet layer needs the "
+                            "cache its family's kv_cache_spec() asks for (moeflow.engine.linear_state)")
         conv_state, recurrent, mask = cache.linear_state(self.state_idx)
         x = x * mask[..., None].to(x.dtype)  # padding tokens feed zeros into the conv, as transformers does
         qkv, z, b, a = self.project(x)
