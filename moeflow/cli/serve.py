@@ -155,7 +155,7 @@ def cmd_serve(args) -> int:
     import uvicorn
 
     from moeflow.engine.continuous import ContinuousEngine, key_bucket, padded_batch
-    from moeflow.engine.kv_slots import SlotKVCache, kv_bytes_per_row
+    from moeflow.engine.kv_slots import SlotKVCache, row_bytes
     from moeflow.engine.memory import DEFAULT_CONTEXT as KV_BUDGET_TOKENS
     from moeflow.serve.app import create_app
     from moeflow.serve.metrics import ServeMetrics
@@ -172,8 +172,7 @@ def cmd_serve(args) -> int:
     if args.kv_cache_gb is not None:
         budget = int(args.kv_cache_gb * 2**30)
     elif model.device.type == "cuda":  # what from_pretrained reserved for the KV cache when it sized the expert slots
-        budget = kv_bytes_per_row(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
-                                  max(KV_BUDGET_TOKENS, max_len), model.dtype)
+        budget = row_bytes(model, max(KV_BUDGET_TOKENS, max_len))
     else:  # host memory: --max-batch rows
         budget = None
     cache = SlotKVCache.for_model(model, max_len, budget, max_rows=args.max_batch)

@@ -152,6 +152,9 @@ def build_model(
         resolved = resolve_kernels(kernels, device,
                                    fmt.kind == "awq" and not is_extended(fmt))  # cpu-int4: no biases
         check_attention_bits(attention_bits, resolved.linear, lm_head_bits)
+        if attention_bits is not None and family.kv_cache_spec().linear is not None:
+            raise ValueError(f"attention_bits={attention_bits}: {family.name}'s gated attention and linear-attention "
+                             "projections are not quantized at load; leave attention_bits unset")
         awq_attention = loading.detect_awq_attention(reader, family, layout, quant)
         decoder = family.build_decoder(dtype, _linear_factory(dtype, awq_attention))
         loading.load_non_expert_weights(decoder, reader, family, layout, device, dtype)
@@ -207,12 +210,14 @@ def plan_memory(offload: OffloadConfig, family: Family, fmt: ExpertFormat, devic
                 non_expert: int) -> tuple[memory.MemoryPlan, OffloadConfig]:
     """The device side of the memory plan, and the config the backend sizes its slots with ("auto" resolved)."""
     top_k = family.router_spec().top_k
+    spec = family.kv_cache_spec()
     plan = memory.plan_device(
         offload, cfg=family.config, device=device, dtype=dtype, non_expert=non_expert, expert_bytes=fmt.nbytes,
         total_experts=len(family.moe_layers) * family.num_experts, top_k=top_k,
         intermediate=family.expert_spec().intermediate_size, min_slots=min_slots(offload, top_k),
         offloads=get_policy(offload.policy).offload,
-        kv_bytes_per_token=family.kv_cache_spec().bytes_per_token(dtype.itemsize))
+        kv_bytes_per_token=spec.bytes_per_token(dtype.itemsize),
+        kv_bytes_per_sequence=spec.bytes_per_sequence(dtype.itemsize))
     sized = offload
     if offload.gpu_memory_gb == "auto":
         sized = dataclasses.replace(offload, gpu_memory_gb=plan.gpu_budget / memory.GiB)

@@ -41,7 +41,7 @@ import torch
 
 from moeflow.engine.cuda_graphs import CudaGraphDecode
 from moeflow.engine.guided import Guide
-from moeflow.engine.kv_slots import SlotKVCache
+from moeflow.engine.kv_slots import SlotKVCache, check_slotted
 from moeflow.engine.sampling import SamplingParams, adjust_logits, next_tokens
 from moeflow.engine.token_history import TokenHistory
 from moeflow.errors import InputError, MoeflowError
@@ -164,6 +164,7 @@ class ContinuousEngine:
             raise ValueError("cuda_graphs=True needs a model that decodes through CUDA graphs "
                              "(from_pretrained(cuda_graphs=True) or capture_decode())")
         self.graphs = decode if cuda_graphs is not False and isinstance(decode, CudaGraphDecode) else None
+        check_slotted(model, cache)
         self.model, self.cache = model, cache
         self.max_queue, self.prefill_chunk = max_queue, prefill_chunk
         self.listener = listener or EngineListener()

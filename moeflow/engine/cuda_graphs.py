@@ -178,19 +178,30 @@ class CapturedStep:
 
 def capture_step(fn: DecodeFn, capture: GraphCapture, inputs: tuple[torch.Tensor, ...], cache: Any,
                  experts: ExpertBackend) -> CapturedStep:
-    """Warm ``fn`` up once, then capture it piecewise around ``experts`` (whole when dynamo traces it)."""
+    """Warm ``fn`` up once, then capture it piecewise around ``experts`` (whole when dynamo traces it).
+
+    A cache whose step is not idempotent (linear-attention states advance on every run: ``cache.snapshot()``)
+    is put back as it was after the warm-up and the capture, so the first replay (or the eager step, when the
+    capture is refused) advances it once."""
     embeds, positions, cache_position, token_mask = inputs
     whole = traces_through(experts)
+    snapshot = getattr(cache, "snapshot", None)
+    restore = snapshot() if snapshot is not None else None
     with capture.side_stream():
-        fn(embeds, positions, cache, cache_position, token_mask, experts if whole else _Boundary(None), None)
-        boundary = None if whole else _Boundary(capture)
-        capture.begin()
         try:
-            logits = fn(embeds, positions, cache, cache_position, token_mask, experts if whole else boundary, None)
-            last = capture.end()
-        except BaseException:
-            capture.abort()
-            raise
+            fn(embeds, positions, cache, cache_position, token_mask, experts if whole else _Boundary(None), None)
+            boundary = None if whole else _Boundary(capture)
+            capture.begin()
+            try:
+                logits = fn(embeds, positions, cache, cache_position, token_mask, experts if whole else boundary,
+                            None)
+                last = capture.end()
+            except BaseException:
+                capture.abort()
+                raise
+        finally:
+            if restore is not None:
+                restore()
     replays = [*boundary.replays, last] if boundary is not None else [last]
     return CapturedStep(cache, inputs, replays, boundary.calls if boundary is not None else [], logits, capture)
 

@@ -69,8 +69,9 @@ class Runner:
     def new_cache(self, batch: int, max_len: int, reuse: bool = True) -> StaticKVCache:
         """An empty KV cache for ``batch`` sequences of at least ``max_len`` tokens. With ``reuse_cache`` (and
         ``reuse``) its length is :func:`cache_length`'s bucket and it is the last one of that (batch, length),
-        emptied (its tokens marked invalid), so the decode step captured on it replays; ``reuse=False``: a
-        cache of exactly ``max_len`` that leaves the kept one alone (a prefill-only pass)."""
+        emptied (``clear()``: no valid position, linear-attention states zeroed), so the decode step captured on
+        it replays; ``reuse=False``: a cache of exactly ``max_len`` that leaves the kept one alone (a prefill-only
+        pass)."""
         reuse = reuse and self.reuse_cache
         if reuse:
             max_len = cache_length(max_len, self.config.max_position_embeddings)
@@ -79,7 +80,7 @@ class Runner:
         if reuse:
             if self._last_cache is not None and self._last_cache[0] == key:
                 cache = self._last_cache[1]
-                cache.valid.zero_()
+                cache.clear()
                 return cache
             self._last_cache = None  # (its graphs may still hold it until they are captured again)
         if spec is not None:

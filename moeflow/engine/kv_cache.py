@@ -32,6 +32,10 @@ class StaticKVCache:
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 
+    def clear(self) -> None:
+        """Empty the cache for a new generation: no position is valid (what is stored stays, masked)."""
+        self.valid.zero_()
+
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, cache_position: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

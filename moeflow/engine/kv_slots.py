@@ -13,9 +13,13 @@ read and no shape that depends on values, over persistent row tensors the graphs
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from moeflow.engine.linear_state import LinearState
 from moeflow.errors import InputError
+from moeflow.families.base import LinearStateSpec
 
 
 def kv_bytes_per_row(num_layers: int, kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype) -> int:
@@ -35,11 +39,39 @@ def slot_attention_mask(cache_position: torch.Tensor, valid: torch.Tensor, slidi
     return (allowed | (keys == q))[:, None]
 
 
+def linear_spec(model) -> LinearStateSpec | None:
+    """The linear-attention state ``model``'s family keeps per sequence (Qwen3-Next, Qwen3.5), else None."""
+    family = getattr(model, "family", None)
+    return family.kv_cache_spec().linear if family is not None else None
+
+
+def check_slotted(model, cache: SlotKVCache) -> None:
+    """ValueError, naming the family, when ``model`` has linear-attention layers and ``cache`` keeps no state for
+    them (build it with :meth:`SlotKVCache.for_model`)."""
+    spec = linear_spec(model)
+    if spec is not None and (cache.linear is None or cache.linear.spec != spec):
+        raise ValueError(f"{model.family.name}: this model's linear-attention layers keep a state per sequence; "
+                         "the slotted cache holds none of their shape (build it with SlotKVCache.for_model)")
+
+
+def row_bytes(model, max_len: int) -> int:
+    """Bytes one row of :meth:`SlotKVCache.for_model`'s cache takes for ``model``: keys and values of its
+    attention layers for ``max_len`` positions, plus its linear-attention states when it has some."""
+    cfg, spec = model.config, linear_spec(model)
+    if spec is None:
+        return kv_bytes_per_row(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, max_len, model.dtype)
+    kv = model.family.kv_cache_spec()
+    element = torch.tensor([], dtype=model.dtype).element_size()
+    return kv_bytes_per_row(kv.num_layers, kv.kv_heads, kv.head_dim, max_len, model.dtype) + \
+        spec.bytes_per_sequence(element)
+
+
 class SlotKVCache:
     """Keys/values [L, rows, kv_heads, max_len, D] plus ``valid`` bool [rows, max_len] and a free-row list."""
 
     def __init__(self, num_layers: int, rows: int, max_len: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+                 dtype: torch.dtype, device: torch.device | str, linear: LinearStateSpec | None = None) -> None:
+        """``linear``: also keep each row's linear-attention state (``num_layers`` counts the attention layers)."""
         if rows < 1 or max_len < 2:
             raise InputError(f"a slotted KV cache needs rows >= 1 and max_len >= 2, got rows={rows}, "
                              f"max_len={max_len}")
@@ -48,6 +80,7 @@ class SlotKVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.valid = torch.zeros((rows, max_len), dtype=torch.bool, device=device)
         self.rows, self.max_len = rows, max_len
+        self.linear = LinearState(linear, rows, dtype, device) if linear is not None else None
         self._free = list(range(rows - 1, -1, -1))  # pop() hands out the lowest row first
         self._views: dict[tuple[int, int], SlotDecodeView] = {}
 
@@ -58,18 +91,21 @@ class SlotKVCache:
         if max_len > cfg.max_position_embeddings:
             raise InputError(f"max_len={max_len} exceeds the model's max_position_embeddings="
                              f"{cfg.max_position_embeddings}")
-        per_row = kv_bytes_per_row(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, max_len,
-                                   model.dtype)
+        per_row = row_bytes(model, max_len)
         rows = max_rows if budget_bytes is None else min(max_rows, budget_bytes // per_row)
         if rows < 1:
             raise InputError(f"a KV budget of {budget_bytes / 2**20:.1f} MiB holds no sequence of {max_len} "
                              f"positions ({per_row / 2**20:.1f} MiB each): raise the budget or lower max_len")
+        linear = linear_spec(model)
+        if linear is not None:  # keys and values of the full-attention layers only, and the linear states
+            kv = model.family.kv_cache_spec()
+            return cls(kv.num_layers, rows, max_len, kv.kv_heads, kv.head_dim, model.dtype, model.device, linear)
         return cls(cfg.num_hidden_layers, rows, max_len, cfg.num_key_value_heads, cfg.head_dim, model.dtype,
                    model.device)
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        return 2 * self.k.numel() * self.k.element_size() + (self.linear.nbytes if self.linear is not None else 0)
 
     @property
     def free_rows(self) -> int:
@@ -81,6 +117,8 @@ class SlotKVCache:
             return None
         row = self._free.pop()
         self.valid[row] = False
+        if self.linear is not None:  # a new sequence's linear-attention state starts at zero
+            self.linear.clear(torch.tensor([row], device=self.valid.device))
         return row
 
     def release(self, row: int) -> None:
@@ -133,6 +171,17 @@ class SlotBatch:
     def mark_valid(self, cache_position: torch.Tensor, token_mask: torch.Tensor) -> None:
         self.parent.valid[self._write_rows, self._write_pos] = True
 
+    def linear_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(conv [B, K-1, C], recurrent fp32 [B, Hv, dk, dv], token mask [B, T]) of these rows: a prefill chunk
+        goes on from the state the row's previous chunk left (its right padding leaves the state as it is)."""
+        state = self.parent.linear
+        return state.conv[layer][self._read_rows], state.recurrent[layer][self._read_rows], self.token_mask
+
+    def write_linear_state(self, layer: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        state = self.parent.linear
+        state.conv[layer].index_copy_(0, self.rows, conv.to(state.conv.dtype))
+        state.recurrent[layer].index_copy_(0, self.rows, recurrent)
+
     def attention_mask(self, cache_position: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
         """Boolean mask [B, 1, T, key_len]: causal per row, padding-aware, sliding-window when configured."""
         valid = self.parent.valid[self._read_rows][:, None, : self.key_len]  # [B, 1, key_len]
@@ -179,6 +228,33 @@ class SlotDecodeView:
     def mark_valid(self, cache_position: torch.Tensor, token_mask: torch.Tensor) -> None:
         """cache_position int64 [batch, 1]; token_mask is all True (see the class docstring)."""
         self.parent.valid.index_put_((self.rows, cache_position[:, 0]), token_mask[:, 0])
+        self.token_mask = token_mask
+
+    def linear_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(conv, recurrent, token mask) of the pass's rows (a padding copy reads its source's row)."""
+        state = self.parent.linear
+        return (state.conv[layer].index_select(0, self.rows), state.recurrent[layer].index_select(0, self.rows),
+                self.token_mask)
+
+    def write_linear_state(self, layer: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """Each row gets its source token's new state: the padding copies write the same values as the token."""
+        state = self.parent.linear
+        state.conv[layer].index_copy_(0, self.rows, conv.index_select(0, self.source).to(state.conv.dtype))
+        state.recurrent[layer].index_copy_(0, self.rows, recurrent.index_select(0, self.source))
+
+    def snapshot(self) -> Callable[[], None]:
+        """The parent's linear states copied, and the call that puts them back (see
+        :meth:`moeflow.engine.linear_state.HybridKVCache.snapshot`); nothing to keep without them."""
+        state = self.parent.linear
+        if state is None:
+            return lambda: None
+        conv, recurrent = state.conv.clone(), state.recurrent.clone()
+
+        def restore() -> None:
+            state.conv.copy_(conv)
+            state.recurrent.copy_(recurrent)
+
+        return restore
 
     def attention_mask(self, cache_position: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
         """Boolean mask [batch, 1, 1, key_len] (cache_position int64 [batch, 1]): as :class:`SlotBatch`'s."""

@@ -51,7 +51,12 @@ class LatentCacheRows(CacheRows):
 
 def new_kv_cache(spec: KVCacheSpec, batch: int, max_len: int, dtype: torch.dtype,
                  device: torch.device | str) -> StaticKVCache:
-    """The cache a family's spec asks for: latent vectors when ``spec.latent_dim``, else full k/v heads."""
+    """The cache a family's spec asks for: latent vectors when ``spec.latent_dim``, full k/v heads plus the
+    linear-attention layers' states when ``spec.linear``, else full k/v heads."""
+    if spec.linear is not None:
+        from moeflow.engine.linear_state import HybridKVCache
+
+        return HybridKVCache(spec.num_layers, batch, max_len, spec.kv_heads, spec.head_dim, spec.linear, dtype, device)
     if spec.latent_dim:
         return LatentKVCache(spec.num_layers, batch, max_len, spec.latent_dim, dtype, device)
     return StaticKVCache(spec.num_layers, batch, max_len, spec.kv_heads, spec.head_dim, dtype, device)

@@ -129,14 +129,14 @@ def resolve_gpu_budget(config: OffloadConfig, device: torch.device) -> float | N
 
 def plan_device(config: OffloadConfig, *, cfg, device: torch.device, dtype: torch.dtype, non_expert: int,
                 expert_bytes: int, total_experts: int, top_k: int, intermediate: int, min_slots: int,
-                offloads: bool, kv_bytes_per_token: int | None = None) -> MemoryPlan:
+                offloads: bool, kv_bytes_per_token: int | None = None, kv_bytes_per_sequence: int = 0) -> MemoryPlan:
     """The device side of the plan (slots filled in once the backend exists). Refuses, naming every part,
     when a budget leaves fewer than ``min_slots`` expert slots (all experts for a policy that does not offload)."""
     tokens = min(cfg.max_position_embeddings, config.context_length or DEFAULT_CONTEXT)
     batch = config.max_batch_size
     plan = MemoryPlan(
         device=str(device), context_length=tokens, batch=batch, gpu_budget=None, non_expert=non_expert,
-        kv_cache=kv_cache_bytes(cfg, dtype, tokens, batch, kv_bytes_per_token),
+        kv_cache=kv_cache_bytes(cfg, dtype, tokens, batch, kv_bytes_per_token) + batch * kv_bytes_per_sequence,
         activations=activation_bytes(cfg, dtype, tokens, batch, top_k, intermediate),
         workspace=workspace_bytes(cfg, dtype, tokens, batch, top_k, intermediate),
         expert_slots=0, expert_bytes=expert_bytes, total_experts=total_experts)

@@ -18,15 +18,17 @@ from moeflow.families.mixtral import MixtralConfig, MixtralFamily
 from moeflow.families.olmoe import OlmoeFamily
 from moeflow.families.qwen2_moe import Qwen2MoeFamily
 from moeflow.families.qwen3_moe import Qwen3MoeFamily
+from moeflow.families.qwen3_next import Qwen3NextFamily, Qwen35MoeFamily
 
 FAMILIES: tuple[type[Family], ...] = (MixtralFamily, Qwen3MoeFamily, Qwen2MoeFamily, OlmoeFamily, DeepSeekV2Family,
                                       DeepSeekV3Family, DeepSeekV32Family, GlmMoeDsaFamily, Glm4MoeFamily,
                                       Dots1Family, Ernie45MoeFamily, MiniMaxM2Family, HunyuanV1MoeFamily,
-                                      GptOssFamily)
+                                      GptOssFamily, Qwen3NextFamily, Qwen35MoeFamily)
 
 __all__ = ["FAMILIES", "Family", "ExpertSpec", "ExpertLayout", "RouterSpec", "CausalDecoder", "MixtralFamily",
-           "MixtralConfig", "Qwen3MoeFamily", "Qwen2MoeFamily", "OlmoeFamily", "Dots1Family", "MiniMaxM2Family",
-           "HunyuanV1MoeFamily", "GptOssFamily", "family_class", "supported_model_types", "family_for_config"]
+           "MixtralConfig", "Qwen3MoeFamily", "Qwen2MoeFamily", "Qwen3NextFamily", "Qwen35MoeFamily", "OlmoeFamily",
+           "Dots1Family", "MiniMaxM2Family", "HunyuanV1MoeFamily", "GptOssFamily", "family_class",
+           "supported_model_types", "family_for_config"]
 
 
 def supported_model_types() -> list[str]:

@@ -30,7 +30,8 @@ from moeflow.moe.backend import ExpertBackend
 from moeflow.moe.block import MoEBlock, RoutingRecorder
 from moeflow.moe.routing import RouterSpec
 
-__all__ = ["Family", "ExpertSpec", "ExpertLayout", "RouterSpec", "CausalDecoder", "ModelConfig", "KVCacheSpec"]
+__all__ = ["Family", "ExpertSpec", "ExpertLayout", "RouterSpec", "CausalDecoder", "ModelConfig", "KVCacheSpec",
+           "LinearStateSpec"]
 
 
 @dataclass(frozen=True)
@@ -57,22 +58,45 @@ class ExpertLayout:
 
 
 @dataclass(frozen=True)
+class LinearStateSpec:
+    """What the linear-attention layers keep per sequence (``KVCacheSpec.linear``)."""
+
+    num_layers: int
+    conv_dim: int
+    conv_kernel: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+
+    def bytes_per_sequence(self, element_size: int) -> int:
+        """State bytes one sequence costs over all linear layers (conv in the model dtype, recurrent in fp32)."""
+        conv = (self.conv_kernel - 1) * self.conv_dim * element_size
+        return self.num_layers * (conv + self.v_heads * self.k_dim * self.v_dim * 4)
+
+
+@dataclass(frozen=True)
 class KVCacheSpec:
     """What the engine's KV cache keeps per layer and token (:meth:`Family.kv_cache_spec`).
 
     Full key/value heads (``kv_heads`` x ``head_dim`` each: the engine's ``StaticKVCache``), or, when
     ``latent_dim`` is set, one compressed vector of that many values (multi-head latent attention, whose
-    layers read it with ``cache.update_latent``)."""
+    layers read it with ``cache.update_latent``). ``linear``: the model also has linear-attention layers, whose
+    fixed-size per-sequence state the cache keeps beside ``num_layers`` full-attention layers (Qwen3-Next)."""
 
     num_layers: int
     kv_heads: int = 0
     head_dim: int = 0
     latent_dim: int = 0
+    linear: LinearStateSpec | None = None
 
     def bytes_per_token(self, element_size: int) -> int:
         """Cache bytes one token costs over all layers."""
         per_layer = self.latent_dim if self.latent_dim else 2 * self.kv_heads * self.head_dim
         return self.num_layers * per_layer * element_size
+
+    def bytes_per_sequence(self, element_size: int) -> int:
+        """Cache bytes one sequence costs whatever its length (the linear layers' states)."""
+        return self.linear.bytes_per_sequence(element_size) if self.linear is not None else 0
 
 
 class ModelConfig:

@@ -1,0 +1,80 @@
+"""Continuous batching (moeflow serve's engine) on hybrid models (Qwen3-Next / Qwen3.5: linear-attention states kept
+per cache row beside the attention layers' keys and values): chunked prefills (a chunk goes on from the state the
+row's last chunk left, its right padding leaves the state alone), rows reused by waiting requests (their states start
+at zero), decode passes of several rows at their own positions, eager and through captured decode steps
+(test_compile_cuda_graphs' TraceCapture: padded batches whose copies write their source's state), all give each
+request's tokens from generate() alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_compile_cuda_graphs import HostArgs, TraceCapture, on_device
+from tiny_hybrid import QWEN3_5_MOE, QWEN3_NEXT, make_checkpoint
+
+from moeflow import MoEModel, OffloadConfig
+from moeflow.engine.continuous import ContinuousEngine, SamplingParams
+from moeflow.engine.kv_slots import SlotKVCache
+
+TIMEOUT_S = 120
+CASES = {"qwen3_next": QWEN3_NEXT["interval2-gqa-dense-first"], "qwen3_5_moe": QWEN3_5_MOE["full-first-mrope"]}
+BUDGETS = (9, 4, 12, 6, 7)
+
+
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(8)
+    return [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (3, 11, 17, 6, 9)]
+
+
+def serve(model, rows: int = 3, chunk: int = 5) -> list[list[int]]:
+    """Every prompt submitted at once to an engine of ``rows`` rows (the others wait for a free row)."""
+    cache = SlotKVCache.for_model(model, 64, max_rows=rows)
+    engine = ContinuousEngine(model, cache, prefill_chunk=chunk).start()
+    try:
+        seqs = [engine.submit(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts(), BUDGETS, strict=True)]
+        got = [s.result(TIMEOUT_S) for s in seqs]
+    finally:
+        engine.stop()
+    assert cache.free_rows == rows
+    return got
+
+
+@pytest.mark.parametrize("offload", [None, OffloadConfig(policy="lru", gpu_expert_slots=9)], ids=["resident", "lru"])
+@pytest.mark.parametrize("kind", list(CASES))
+def test_engine_tokens_equal_generate_alone(tmp_path, kind, offload):
+    path, _ = make_checkpoint(tmp_path, kind, seed=13, **CASES[kind])
+    model = MoEModel.from_pretrained(path, kernels="torch", offload=offload)
+    try:
+        want = [model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=[])[0, len(p):]
+                .tolist() for p, n in zip(prompts(), BUDGETS, strict=True)]
+        assert serve(model) == want
+        assert serve(model, rows=5, chunk=64) == want  # whole prompts in one right-padded prefill pass
+    finally:
+        model.close()
+
+
+@pytest.mark.parametrize("kind", list(CASES))
+def test_captured_engine_decode_gives_the_same_tokens(tmp_path, kind):
+    path, _ = make_checkpoint(tmp_path, kind, seed=14, **CASES[kind])
+    eager = MoEModel.from_pretrained(path, kernels="torch")
+    want = serve(eager)
+    eager.close()
+    model = MoEModel.from_pretrained(path, kernels="torch")
+    graphs = model.capture_decode(capture_factory=TraceCapture)
+    inner = on_device(model.model)
+    graphs.inner = lambda *args: inner(*args).as_subclass(torch.Tensor)
+    model.use_backend(HostArgs(model.experts))
+    try:
+        got = serve(model)
+    finally:
+        model.close()
+    assert graphs.refused is None and graphs.captures > 0
+    assert got == want
+
+
+def test_a_cache_without_linear_states_is_refused_by_name(tmp_path):
+    path, _ = make_checkpoint(tmp_path, "qwen3_next", **CASES["qwen3_next"])
+    model = MoEModel.from_pretrained(path)
+    cache = SlotKVCache(2, 2, 64, 2, 16, torch.float32, "cpu")  # keys and values only
+    with pytest.raises(ValueError, match="qwen3_next: .*linear-attention layers keep a state"):
+        ContinuousEngine(model, cache)
