@@ -140,10 +140,8 @@ def test_unsupported_configs_are_named(tmp_path, kind, change, match):
         MoEModel.from_pretrained(tmp_path)
 
 
-def test_full_head_cache_and_continuous_batching_are_refused_by_name(tmp_path):
-    from moeflow.engine.continuous import ContinuousEngine
+def test_a_full_head_cache_is_refused_by_name(tmp_path):
     from moeflow.engine.kv_cache import StaticKVCache
-    from moeflow.engine.kv_slots import SlotKVCache
 
     make_dsa_checkpoint(tmp_path, "deepseek_v32", **DEEPSEEK_V32["groups-dense"])
     model = MoEModel.from_pretrained(tmp_path)
@@ -155,5 +153,3 @@ def test_full_head_cache_and_continuous_batching_are_refused_by_name(tmp_path):
     with pytest.raises(InputError, match="StaticKVCache \\(a full-head cache.*\\) has none"):  # the layer's own check
         model.model(model.model.embed_tokens(ids), torch.arange(20)[None], cache, torch.arange(20),
                     torch.ones_like(ids, dtype=torch.bool), model.experts)
-    with pytest.raises(InputError, match=r"deepseek_v32: DeepSeek Sparse Attention .* \(continuous batching\)"):
-        ContinuousEngine(model, SlotKVCache.for_model(model, 64, max_rows=2))

@@ -156,9 +156,6 @@ class ContinuousEngine:
                  listener: EngineListener | None = None, cuda_graphs: bool | None = None) -> None:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-        refusal = getattr(getattr(model, "family", None), "continuous_batching_refusal", None)
-        if refusal:  # a family whose layers need what the slotted cache does not hold (DSA's indexer keys)
-            raise InputError(refusal)
         decode = model.runner.decode_fn
         if cuda_graphs and not isinstance(decode, CudaGraphDecode):
             raise ValueError("cuda_graphs=True needs a model that decodes through CUDA graphs "

@@ -14,12 +14,13 @@ read and no shape that depends on values, over persistent row tensors the graphs
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 
 from moeflow.engine.linear_state import LinearState
 from moeflow.errors import InputError
-from moeflow.families.base import LinearStateSpec
+from moeflow.families.base import KVCacheSpec, LinearStateSpec
 
 
 def kv_bytes_per_row(num_layers: int, kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype) -> int:
@@ -39,10 +40,19 @@ def slot_attention_mask(cache_position: torch.Tensor, valid: torch.Tensor, slidi
     return (allowed | (keys == q))[:, None]
 
 
+def cache_spec(model) -> KVCacheSpec:
+    """The cache ``model``'s family asks for (full heads, latent vectors, linear states), or full heads of the
+    config's sizes for a model without a family."""
+    family = getattr(model, "family", None)
+    if family is not None:
+        return family.kv_cache_spec()
+    cfg = model.config
+    return KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+
+
 def linear_spec(model) -> LinearStateSpec | None:
     """The linear-attention state ``model``'s family keeps per sequence (Qwen3-Next, Qwen3.5), else None."""
-    family = getattr(model, "family", None)
-    return family.kv_cache_spec().linear if family is not None else None
+    return cache_spec(model).linear
 
 
 def check_slotted(model, cache: SlotKVCache) -> None:
@@ -55,29 +65,35 @@ def check_slotted(model, cache: SlotKVCache) -> None:
 
 
 def row_bytes(model, max_len: int) -> int:
-    """Bytes one row of :meth:`SlotKVCache.for_model`'s cache takes for ``model``: keys and values of its
-    attention layers for ``max_len`` positions, plus its linear-attention states when it has some."""
-    cfg, spec = model.config, linear_spec(model)
-    if spec is None:
-        return kv_bytes_per_row(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, max_len, model.dtype)
-    kv = model.family.kv_cache_spec()
+    """Bytes one row of :meth:`SlotKVCache.for_model`'s cache takes for ``model``: keys and values (or latent
+    vectors) of its attention layers for ``max_len`` positions, plus its linear-attention states when it has
+    some."""
+    spec = cache_spec(model)
     element = torch.tensor([], dtype=model.dtype).element_size()
-    return kv_bytes_per_row(kv.num_layers, kv.kv_heads, kv.head_dim, max_len, model.dtype) + \
-        spec.bytes_per_sequence(element)
+    states = spec.linear.bytes_per_sequence(element) if spec.linear is not None else 0
+    return spec.bytes_per_token(element) * max_len + states
 
 
 class SlotKVCache:
     """Keys/values [L, rows, kv_heads, max_len, D] plus ``valid`` bool [rows, max_len] and a free-row list."""
 
+    batch_type: ClassVar[type[SlotBatch]]  # the views its passes get (set below the classes)
+    view_type: ClassVar[type[SlotDecodeView]]
+
     def __init__(self, num_layers: int, rows: int, max_len: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str, linear: LinearStateSpec | None = None) -> None:
         """``linear``: also keep each row's linear-attention state (``num_layers`` counts the attention layers)."""
-        if rows < 1 or max_len < 2:
-            raise InputError(f"a slotted KV cache needs rows >= 1 and max_len >= 2, got rows={rows}, "
-                             f"max_len={max_len}")
         shape = (num_layers, rows, kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self._init_rows(rows, max_len, dtype, device, linear)
+
+    def _init_rows(self, rows: int, max_len: int, dtype: torch.dtype, device: torch.device | str,
+                   linear: LinearStateSpec | None) -> None:
+        """What every slotted cache keeps besides its keys: validity, linear states, free rows, decode views."""
+        if rows < 1 or max_len < 2:
+            raise InputError(f"a slotted KV cache needs rows >= 1 and max_len >= 2, got rows={rows}, "
+                             f"max_len={max_len}")
         self.valid = torch.zeros((rows, max_len), dtype=torch.bool, device=device)
         self.rows, self.max_len = rows, max_len
         self.linear = LinearState(linear, rows, dtype, device) if linear is not None else None
@@ -96,12 +112,14 @@ class SlotKVCache:
         if rows < 1:
             raise InputError(f"a KV budget of {budget_bytes / 2**20:.1f} MiB holds no sequence of {max_len} "
                              f"positions ({per_row / 2**20:.1f} MiB each): raise the budget or lower max_len")
-        linear = linear_spec(model)
-        if linear is not None:  # keys and values of the full-attention layers only, and the linear states
-            kv = model.family.kv_cache_spec()
-            return cls(kv.num_layers, rows, max_len, kv.kv_heads, kv.head_dim, model.dtype, model.device, linear)
-        return cls(cfg.num_hidden_layers, rows, max_len, cfg.num_key_value_heads, cfg.head_dim, model.dtype,
-                   model.device)
+        spec = cache_spec(model)
+        if spec.latent_dim:  # multi-head latent attention: one compressed vector per token and layer
+            from moeflow.engine.latent_slots import LatentSlotKVCache
+
+            return LatentSlotKVCache(spec.num_layers, rows, max_len, spec.latent_dim, model.dtype, model.device)
+        # (hybrid models: keys and values of the full-attention layers only, and the linear states)
+        return cls(spec.num_layers, rows, max_len, spec.kv_heads, spec.head_dim, model.dtype, model.device,
+                   spec.linear)
 
     @property
     def nbytes(self) -> int:
@@ -129,14 +147,14 @@ class SlotKVCache:
 
     def batch(self, rows: torch.Tensor, cache_position: torch.Tensor, token_mask: torch.Tensor) -> SlotBatch:
         """The view one forward pass over ``rows`` [B] writes and reads (see :class:`SlotBatch`)."""
-        return SlotBatch(self, rows, cache_position, token_mask)
+        return self.batch_type(self, rows, cache_position, token_mask)
 
     def decode_view(self, batch: int, key_len: int) -> SlotDecodeView:
         """The persistent :class:`SlotDecodeView` of one-token passes over ``batch`` rows reading ``key_len`` keys
         (made once: a graph captured on it stays valid for every later pass of that shape)."""
         view = self._views.get((batch, key_len))
         if view is None:
-            view = self._views[(batch, key_len)] = SlotDecodeView(self, batch, key_len)
+            view = self._views[(batch, key_len)] = self.view_type(self, batch, key_len)
         return view
 
 
@@ -271,3 +289,6 @@ class SlotDecodeView:
         vl[r, :, p] = v.index_select(0, self.source).transpose(1, 2)
         return (kl[:, :, : self.key_len].index_select(0, self.rows),
                 vl[:, :, : self.key_len].index_select(0, self.rows))
+
+
+SlotKVCache.batch_type, SlotKVCache.view_type = SlotBatch, SlotDecodeView  # a latent cache has its own

@@ -22,7 +22,8 @@ before them (the decoder hands it along).
 Cache: the indexer key rides in the latent cache, after MLA's ``kv_lora_rank + qk_rope_head_dim`` values
 (``latent_dim`` grows by ``index_head_dim``; shared layers leave theirs zero), so generate's cache, its
 micro-batch row views and the captured decode step hold it with no new cache type. The full-head cache
-(``latent_kv_cache = False``) and the serving engine's slotted cache have no room for it: refused by name.
+(``latent_kv_cache = False``) has no room for it: refused by name. The serving engine's slotted cache keeps
+latents too (:mod:`moeflow.engine.latent_slots`).
 """
 
 from __future__ import annotations
@@ -212,12 +213,6 @@ class DeepSeekV32Family(DeepSeekV3Family):
             raise CheckpointError(f"{source}: index_head_dim={cfg.index_head_dim} is smaller than the rotary part "
                                   f"qk_rope_head_dim={cfg.qk_rope_head_dim}")
         return cfg
-
-    @property
-    def continuous_batching_refusal(self) -> str:
-        """Why the serving engine (:class:`~moeflow.engine.continuous.ContinuousEngine`) refuses this family."""
-        return (f"{self.name}: DeepSeek Sparse Attention keeps its indexer keys in the latent KV cache, which the "
-                "serving engine's slotted cache (continuous batching) does not hold: not supported")
 
     @property
     def indexer_interleaved(self) -> bool:
