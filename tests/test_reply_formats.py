@@ -133,10 +133,11 @@ def test_the_template_names_the_markup():
 
 
 def test_tool_choice_and_arguments_sent_back():
-    req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tool_choice="required")
-    with pytest.raises(Unsupported) as e:
-        req.check_supported()
-    assert e.value.param == "tool_choice"
+    for choice in ("always", "required"):  # unknown; forced with no tools to call
+        req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tool_choice=choice)
+        with pytest.raises(Unsupported) as e:
+            req.check_supported()
+        assert e.value.param == "tool_choice"
     ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tool_choice="auto").check_supported()
     for bad in ({"type": "xml"}, {"type": "json_schema", "json_schema": {"schema": {"type": "no-such-type"}}}):
         with pytest.raises(Unsupported) as e:

@@ -94,7 +94,7 @@ def test_streamed_tool_call_adds_up_to_the_same_reply(server):
         (0, "get_weather", {"city": "Paris"})]
 
 
-def test_tool_choice_none_leaves_the_call_as_text_and_required_is_refused(server):
+def test_tool_choice_none_leaves_the_call_as_text_and_an_unknown_one_is_refused(server):
     c = client(server)
     r = c.chat.completions.create(model=NAME, messages=WEATHER, tools=[WEATHER_TOOL], tool_choice="none",
                                   temperature=0, max_tokens=80)
@@ -102,7 +102,7 @@ def test_tool_choice_none_leaves_the_call_as_text_and_required_is_refused(server
     assert not msg.tool_calls and r.choices[0].finish_reason == "stop"
     assert msg.content == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     with pytest.raises(openai.BadRequestError) as e:
-        c.chat.completions.create(model=NAME, messages=WEATHER, tools=[WEATHER_TOOL], tool_choice="required")
+        c.chat.completions.create(model=NAME, messages=WEATHER, tools=[WEATHER_TOOL], tool_choice="always")
     assert e.value.body["param"] == "tool_choice"
 
 
@@ -153,3 +153,26 @@ def test_chat_cli_streams_thinking_then_the_answer(model):
     model.generate(torch.tensor([ids]), max_new_tokens=80, do_sample=False, eos_token_id=list(stops),
                    streamer=ReplyStreamer(split.reply, stream=out))
     assert out.getvalue() == "(thinking) User greets.\nHello, friend!\n"
+
+
+def test_forced_tool_calls_in_the_models_markup(server):
+    """tool_choice named: the call the model writes anyway (the grammar's layout is its own); "required" where the
+    model, left alone, writes no valid call (the tag is a special token in this vocabulary): a valid call after
+    the same free reasoning."""
+    c = client(server)
+    named = c.chat.completions.create(model=NAME, messages=WEATHER, tools=[WEATHER_TOOL], temperature=0,
+                                      max_tokens=80, tool_choice={"type": "function",
+                                                                  "function": {"name": "get_weather"}})
+    [call] = named.choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+    closed = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+        "required": ["city"], "additionalProperties": False}}}
+    ask = dict(model=NAME, messages=GREETING, tools=[closed], temperature=0, max_tokens=80)
+    free = c.chat.completions.create(**ask).choices[0]
+    assert not free.message.tool_calls  # the premise: unforced, no call parses
+    r = c.chat.completions.create(**ask, tool_choice="required").choices[0]
+    assert r.finish_reason == "tool_calls" and r.message.content is None
+    assert getattr(r.message, "reasoning_content", None) == getattr(free.message, "reasoning_content", None)
+    assert [(t.function.name, json.loads(t.function.arguments)["city"] in ("Paris", "Rome"))
+            for t in r.message.tool_calls] == [("get_weather", True)] * len(r.message.tool_calls)

@@ -53,6 +53,20 @@ def response_format_grammar(response_format: dict[str, Any]) -> str | None:
     return grammar
 
 
+def lark_grammar(lark: str, what: str) -> str:
+    """A grammar in llguidance's lark (``%json {...}`` inline), checked; GrammarError naming ``what``."""
+    import llguidance
+
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+    except (ValueError, RuntimeError) as e:
+        raise GrammarError(f"{what}: {e}") from e
+    problem = llguidance.LLMatcher.validate_grammar(grammar)
+    if problem and not problem.startswith("WARNING"):
+        raise GrammarError(f"{what}: {problem}")
+    return grammar
+
+
 class Guide:
     """One sequence's grammar state: :meth:`allowed` before a token is chosen, :meth:`advance` after.
 

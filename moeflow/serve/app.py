@@ -136,7 +136,8 @@ class ServeState:
         if not isinstance(req, p.ChatCompletionRequest):
             return TextAssembler(self.tokenizer.decode, req.stop_strings(), set(self.stop_ids)), None
         text = self.replies.assembler(req.stop_strings(), set(self.stop_ids), prompt, req.tools, req.tool_choice)
-        grammar = req.grammar()
+        grammar = self.replies.forced_call_grammar(req.tools, req.tool_choice, prompt) if req.forces_tool_call() \
+            else req.grammar()
         if grammar is None:
             return text, None
         # a reply that starts in <think> reasons freely, then answers in the grammar

@@ -125,9 +125,19 @@ class ChatCompletionRequest(SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tool_choice not in (None, "auto", "none"):
-            raise Unsupported("tool_choice", f"tool_choice {self.tool_choice!r} is not supported: moeflow does not "
-                                             "force tool calls (use 'auto' or 'none')")
+        named = isinstance(self.tool_choice, dict) and self.tool_choice.get("type") == "function"
+        if self.tool_choice not in (None, "auto", "none", "required") and not named:
+            raise Unsupported("tool_choice", f"tool_choice {self.tool_choice!r}: use 'auto', 'none', 'required' or "
+                                             "{'type': 'function', 'function': {'name': ...}}")
+        if self.forces_tool_call() and not self.tools:
+            raise Unsupported("tool_choice", "tool_choice forces a tool call but the request gives no tools")
+        if self.forces_tool_call() and self.response_format and self.response_format.get("type", "text") != "text":
+            raise Unsupported("response_format", "response_format and a forced tool_choice both constrain the "
+                                                 "reply: give one")
+
+    def forces_tool_call(self) -> bool:
+        """``tool_choice`` "required" or a named function: the reply is held to tool calls (guided decoding)."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, dict)
 
     def grammar(self) -> str | None:
         """``response_format`` as a grammar for guided decoding (None: plain text)."""

@@ -165,7 +165,7 @@ class ChatReplies:
 
     def __init__(self, tokenizer, template_text: str | None, tool_parser: str = "auto",
                  reasoning_parser: str = "auto") -> None:
-        self.decode = tokenizer.decode
+        self.decode, self.tokenizer, self.template_text = tokenizer.decode, tokenizer, template_text or ""
         self.harmony = harmony_tokens(tokenizer) if template_text is not None else None
         text = template_text or ""
         self.tool = None if self.harmony else rf.tool_format(tool_parser, text)
@@ -177,6 +177,23 @@ class ChatReplies:
         hidden = tokenizer.special_token_ids() - {tokenizer.token_id(t) for t in tags}
         self.markup_decode = lambda ids: tokenizer.decode([i for i in ids if i not in hidden],
                                                           skip_special_tokens=False)
+
+    def forced_call_grammar(self, tools: list[dict], tool_choice: str | dict, prompt: str) -> str:
+        """The grammar holding a reply to tool calls in this model's markup (``tool_choice`` "required" or named);
+        Unsupported naming ``tool_choice`` when the model's markup cannot be forced."""
+        from moeflow.engine.guided import GrammarError, lark_grammar
+        from moeflow.engine.tool_grammar import tag_writer, tool_call_grammar
+        from moeflow.serve.protocol import Unsupported
+
+        if self.harmony is not None or self.tool is None:
+            raise Unsupported("tool_choice", f"tool_choice {tool_choice!r} needs a known tool-call markup for this "
+                                             "model (--tool-call-parser): none is set")
+        try:
+            lark = tool_call_grammar(self.tool, tools, tool_choice, tag_writer(self.tokenizer),
+                                     fenced="```json" in self.template_text)
+            return lark_grammar(lark, "tool_choice")
+        except GrammarError as e:
+            raise Unsupported("tool_choice", str(e)) from e
 
     def assembler(self, stop_strings: list[str], stop_ids: set[int], prompt: str, tools: list[dict] | None,
                   tool_choice: str | dict | None) -> TextAssembler:
