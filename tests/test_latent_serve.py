@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_compile_cuda_graphs import HostArgs, TraceCapture, on_device
+from engine_helpers import captured_model, generate_each, serve_all
 from tiny_dsa import GLM_MOE_DSA, make_dsa_checkpoint
 from tiny_families import DEEPSEEK_V3, make_checkpoint
 
 from moeflow import MoEModel, OffloadConfig
-from moeflow.engine.continuous import ContinuousEngine, SamplingParams
 from moeflow.engine.kv_slots import SlotKVCache, row_bytes
 from moeflow.engine.latent_slots import LatentSlotKVCache
 
-TIMEOUT_S = 120
 BUDGETS = (9, 4, 12, 6, 7)
 
 
@@ -33,17 +31,7 @@ def checkpoint(tmp_path, kind: str, seed: int):
 
 
 def serve(model, rows: int = 3, chunk: int = 5) -> list[list[int]]:
-    """Every prompt submitted at once to an engine of ``rows`` rows (the others wait for a free row)."""
-    cache = SlotKVCache.for_model(model, 64, max_rows=rows)
-    assert isinstance(cache, LatentSlotKVCache)
-    engine = ContinuousEngine(model, cache, prefill_chunk=chunk).start()
-    try:
-        seqs = [engine.submit(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts(), BUDGETS, strict=True)]
-        got = [s.result(TIMEOUT_S) for s in seqs]
-    finally:
-        engine.stop()
-    assert cache.free_rows == rows
-    return got
+    return serve_all(model, prompts(), BUDGETS, rows, chunk, cache_type=LatentSlotKVCache)
 
 
 @pytest.mark.parametrize("offload", [None, OffloadConfig(policy="lru", gpu_expert_slots=9)], ids=["resident", "lru"])
@@ -51,8 +39,7 @@ def serve(model, rows: int = 3, chunk: int = 5) -> list[list[int]]:
 def test_engine_tokens_equal_generate_alone(tmp_path, kind, offload):
     model = MoEModel.from_pretrained(checkpoint(tmp_path, kind, seed=13), kernels="torch", offload=offload)
     try:
-        want = [model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=[])[0, len(p):]
-                .tolist() for p, n in zip(prompts(), BUDGETS, strict=True)]
+        want = generate_each(model, prompts(), BUDGETS)
         assert serve(model) == want
         assert serve(model, rows=5, chunk=64) == want  # whole prompts in one right-padded prefill pass
     finally:
@@ -65,11 +52,7 @@ def test_captured_engine_decode_gives_the_same_tokens(tmp_path, kind):
     eager = MoEModel.from_pretrained(path, kernels="torch")
     want = serve(eager)
     eager.close()
-    model = MoEModel.from_pretrained(path, kernels="torch")
-    graphs = model.capture_decode(capture_factory=TraceCapture)
-    inner = on_device(model.model)
-    graphs.inner = lambda *args: inner(*args).as_subclass(torch.Tensor)
-    model.use_backend(HostArgs(model.experts))
+    model, graphs = captured_model(path)
     try:
         got = serve(model)
     finally:
