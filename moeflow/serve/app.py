@@ -25,6 +25,7 @@ from moeflow.engine.continuous import ContinuousEngine, SamplingParams
 from moeflow.engine.guided import Guide, GuideFactory
 from moeflow.io.chat_template import ChatTemplate, stop_token_ids
 from moeflow.io.reply_formats import THINK_CLOSE
+from moeflow.serve import anthropic
 from moeflow.serve import protocol as p
 from moeflow.serve.errors import APIError, error_body, install_handlers
 from moeflow.serve.metrics import ServeMetrics
@@ -87,33 +88,13 @@ class ServeState:
         """Run one request (``prompt``: a chat request's rendered text; ``req.n`` choices, each its own engine
         sequence, seeded ``seed + i``): a JSON body, or an SSE stream when ``req.stream``."""
         req.check_supported()
-        params = self.sampling(req, req.token_limit(), len(ids))
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()  # (choice, token, reason) from the engine thread
-        choices: list[_Choice] = []
-        try:
-            for i in range(req.n):
-                text, guide = self._assembler(kind, req, prompt)
-
-                def on_event(token: int | None, reason: str | None, i: int = i) -> None:  # engine thread
-                    try:
-                        loop.call_soon_threadsafe(events.put_nowait, (i, token, reason))
-                    except RuntimeError:  # the event loop is gone (server shutting down)
-                        pass
-
-                seeded = params if req.seed is None else replace(params, seed=req.seed + i)
-                stop_check = text.hits_stop_string if text.stop_strings else None
-                choices.append(_Choice(self.engine.submit(ids, seeded, on_event, stop_check, guide), text))
-        except BaseException:
-            for c in choices:
-                c.seq.cancel()
-            raise
+        choices, events = self.submit(kind, req, ids, prompt)
         rid = p.new_id("chatcmpl" if kind == "chat" else "cmpl")
         if req.stream:
             return StreamingResponse(self._stream(kind, req, rid, choices, events),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
-            reasons = await _wait_for_ends(request, events, len(choices))
+            reasons = await wait_for_ends(request, events, len(choices))
         finally:
             for c in choices:
                 c.seq.cancel()  # no-op when finished; frees the row when the client left
@@ -131,6 +112,33 @@ class ServeState:
         body = (p.chat_response if kind == "chat" else p.completion_response)(rid, self.model_name, out, usage)
         return JSONResponse(body)
 
+    def submit(self, kind: str, req: p.SamplingFields, ids: list[int], prompt: str
+               ) -> tuple[list[Choice], asyncio.Queue]:
+        """Queue ``req.n`` engine sequences for ``ids`` (seeded ``seed + i``): their choices, and the queue the
+        engine thread reports (choice, token, reason) into."""
+        params = self.sampling(req, req.token_limit(), len(ids))
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        choices: list[Choice] = []
+        try:
+            for i in range(req.n):
+                text, guide = self._assembler(kind, req, prompt)
+
+                def on_event(token: int | None, reason: str | None, i: int = i) -> None:  # engine thread
+                    try:
+                        loop.call_soon_threadsafe(events.put_nowait, (i, token, reason))
+                    except RuntimeError:  # the event loop is gone (server shutting down)
+                        pass
+
+                seeded = params if req.seed is None else replace(params, seed=req.seed + i)
+                stop_check = text.hits_stop_string if text.stop_strings else None
+                choices.append(Choice(self.engine.submit(ids, seeded, on_event, stop_check, guide), text))
+        except BaseException:
+            for c in choices:
+                c.seq.cancel()
+            raise
+        return choices, events
+
     def _assembler(self, kind: str, req: p.SamplingFields, prompt: str) -> tuple[TextAssembler, Guide | None]:
         """One choice's reply assembler, and its grammar state when ``response_format`` asks for one."""
         if not isinstance(req, p.ChatCompletionRequest):
@@ -144,7 +152,7 @@ class ServeState:
         thinks = isinstance(text, MarkupAssembler) and text.in_reasoning
         return text, self.guides.guide(grammar, self.stop_ids, self.tokenizer.token_id(THINK_CLOSE) if thinks else None)
 
-    async def _stream(self, kind: str, req: p.SamplingFields, rid: str, choices: list[_Choice],
+    async def _stream(self, kind: str, req: p.SamplingFields, rid: str, choices: list[Choice],
                       events: asyncio.Queue) -> AsyncIterator[str]:
         name = self.model_name
 
@@ -192,7 +200,7 @@ class ServeState:
 
 
 @dataclass
-class _Choice:
+class Choice:
     """One choice of a request: its engine sequence, reply assembler, and what a stream has sent of it."""
 
     seq: Any
@@ -202,7 +210,7 @@ class _Choice:
     offset: int = 0  # text offset (completions' logprobs)
 
 
-async def _wait_for_ends(request: Request, events: asyncio.Queue, n: int) -> list[str] | None:
+async def wait_for_ends(request: Request, events: asyncio.Queue, n: int) -> list[str] | None:
     """Each of ``n`` choices' finish reason, or None when the client disconnected first (checked every
     DISCONNECT_POLL_S)."""
     loop = asyncio.get_running_loop()
@@ -257,11 +265,14 @@ class _KeyAndCount:
             await send(message)
 
         if self.expected is not None and path != "/health":
-            given = dict(scope["headers"]).get(b"authorization", b"")
+            headers = dict(scope["headers"])
+            given = headers.get(b"authorization", b"")
+            if b"x-api-key" in headers:  # Anthropic's clients send the key this way
+                given = b"Bearer " + headers[b"x-api-key"]
             if not secrets.compare_digest(given, self.expected):
                 response = JSONResponse(error_body(401, "Incorrect API key provided: pass it as "
-                                                   "'Authorization: Bearer KEY' (--api-key)", None,
-                                                   "invalid_api_key"), status_code=401)
+                                                   "'Authorization: Bearer KEY' or 'x-api-key: KEY' (--api-key)",
+                                                   None, "invalid_api_key"), status_code=401)
                 return await response(scope, receive, counting_send)
         await self.app(scope, receive, counting_send)
 
@@ -320,5 +331,6 @@ def create_app(model, engine: ContinuousEngine, metrics: ServeMetrics, model_nam
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    anthropic.install(app, state)  # Anthropic's Messages API over the same engine
     app.add_middleware(_KeyAndCount, api_key=api_key, metrics=metrics)
     return app
