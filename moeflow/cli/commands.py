@@ -54,6 +54,7 @@ def _run_prompt(model, prompt: str, args) -> int:
     do_sample = True if args.sample else (False if args.greedy else None)  # None: the checkpoint's default
     model.generate(enc["input_ids"], attention_mask=enc["attention_mask"], max_new_tokens=args.max_new_tokens,
                    do_sample=do_sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                   min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                    streamer=streamer, seed=args.seed)
     print(model.stats.summary())
     print(model.memory_plan().summary())
@@ -122,6 +123,8 @@ def _add_generation_args(p: argparse.ArgumentParser, default_policy: str) -> Non
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=None, help="transformers' (1: none)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--device", default=_default_device())
     p.add_argument("--dtype", choices=list(DTYPES), default=None)

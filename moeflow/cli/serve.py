@@ -99,7 +99,8 @@ def _chat_reply(model, messages: list[dict], args) -> str:
     split = reply_assembler(tok, tuple(stops), prompt)
     streamer = ReplyStreamer(split.reply) if split is not None else TextStreamer(tok)
     out = model.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, do_sample=do_sample,
-                         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                         repetition_penalty=args.repetition_penalty,
                          eos_token_id=list(stops), streamer=streamer, seed=args.seed)
     reply = out[0, len(ids):].tolist()
     if split is not None:
