@@ -52,6 +52,9 @@ QWEN3_235B_A22B = {"num_layers": 94, "num_experts": 128, "top_k": 8, "hidden": 4
 DEEPSEEK_V3 = {"num_layers": 58, "num_experts": 256, "top_k": 8, "hidden": 7168, "intermediate": 2048}
 # GLM-4.5-Air: 46 decoder layers, the first dense, so 45 MoE layers
 GLM45_AIR = {"num_layers": 45, "num_experts": 128, "top_k": 8, "hidden": 4096, "intermediate": 1408}
+# MiniMax-M2: 62 layers, every one MoE; Qwen3-Next-80B-A3B: 48 layers (36 linear-attention, 12 full), every one MoE
+MINIMAX_M2 = {"num_layers": 62, "num_experts": 256, "top_k": 8, "hidden": 3072, "intermediate": 1536}
+QWEN3_NEXT_80B = {"num_layers": 48, "num_experts": 512, "top_k": 10, "hidden": 2048, "intermediate": 512}
 GPT_OSS_20B = {"num_layers": 24, "num_experts": 32, "top_k": 4, "hidden": 2880, "intermediate": 2880}
 GPT_OSS_120B = {"num_layers": 36, "num_experts": 128, "top_k": 4, "hidden": 2880, "intermediate": 2880}
 
@@ -220,9 +223,10 @@ def _shaped_preset(model: dict[str, int], name: str, description: str, expert_by
 
 
 def _family_presets() -> dict[str, HardwareProfile]:
-    """DeepSeek-V3- and GLM-4.5-Air-shaped models in AWQ 4-bit on a 24 GB PCIe 4.0 GPU (estimates, derivation in
-    docs/simulator.md): decode times from the bytes read at ~0.8 TB/s effective plus ~0.01 ms per launch, prefill
-    per-token times from the FLOPs at ~80 TFLOP/s. The dense first layers and the LM head are in ``head_ms``."""
+    """DeepSeek-V3-, GLM-4.5-Air-, MiniMax-M2- and Qwen3-Next-shaped models, AWQ 4-bit experts, on 16-24 GB
+    PCIe 4.0 GPUs (estimates, derivation in docs/simulator.md): decode times from the bytes read at ~0.6-0.8 TB/s
+    effective plus ~0.01 ms per launch, prefill per-token times from the FLOPs at ~80 TFLOP/s. The dense first
+    layers and the LM head are in ``head_ms``."""
     return {
         # expert 3 x 7168 x 2048 int4 (~21.4 MiB); per MoE layer MLA (~187 M params) + the shared expert (~44 M)
         # in int4 ~116 MB; head: the 129,280 x 7168 fp16 LM head (1.85 GB) + 3 dense layers in int4 (~0.9 GB)
@@ -242,6 +246,27 @@ def _family_presets() -> dict[str, HardwareProfile]:
             "PCIe 4.0 x16: 25 GB/s pinned copies; ~6.5 GB non-expert. Estimates, not measurements.",
             h2d_gbps=25.0, h2d_latency_us=10.0, attn_ms=0.09, attn_ms_per_token=0.0032, expert_ms=0.021,
             expert_ms_per_token=0.00043, head_ms=1.7, sched_ms=0.15, gpu_memory_gb=24.0, non_expert_gb=6.5,
+        ),
+        # expert 3 x 3072 x 1536 int4 (~7.3 MiB); per layer GQA attention (48 x 128 q, 8 x 128 k/v: ~44 M params)
+        # in int4 ~23 MB read at ~0.8 TB/s plus launches; head: the 200,064 x 3072 fp16 LM head (1.23 GB).
+        # Non-expert: attention 1.4 GB + embeddings and head 2.46 GB + a 4k-token KV cache 1.04 GB + workspace.
+        "minimax-m2-pcie4-24gb": _shaped_preset(
+            MINIMAX_M2, "minimax-m2-pcie4-24gb",
+            "MiniMax-M2-shaped (62 MoE layers x 256 experts, top-8, 3072 x 1536) AWQ on a 24 GB GPU over PCIe 4.0 "
+            "x16: 25 GB/s pinned copies; ~5.5 GB non-expert. Estimates, not measurements.",
+            h2d_gbps=25.0, h2d_latency_us=10.0, attn_ms=0.05, attn_ms_per_token=0.0012, expert_ms=0.012,
+            expert_ms_per_token=0.00035, head_ms=1.6, sched_ms=0.15, gpu_memory_gb=24.0, non_expert_gb=5.5,
+        ),
+        # expert 3 x 2048 x 512 int4 (~1.6 MiB); per layer ~35 M params of 16-bit projections (the DeltaNet's or
+        # the gated attention's, and the shared expert: moeflow keeps them 16-bit) read at ~0.6 TB/s plus the
+        # DeltaNet's small kernels; head: the 151,936 x 2048 fp16 LM head (0.62 GB). Non-expert: 3.4 GB of
+        # layers + 1.24 GB embeddings and head + KV of the 12 full-attention layers and the linear states.
+        "qwen3-next-pcie4-16gb": _shaped_preset(
+            QWEN3_NEXT_80B, "qwen3-next-pcie4-16gb",
+            "Qwen3-Next-80B-A3B-shaped (48 MoE layers x 512 experts, top-10, 2048 x 512) AWQ experts on a 16 GB GPU "
+            "over PCIe 4.0 x16: 25 GB/s pinned copies; ~5.2 GB non-expert. Estimates, not measurements.",
+            h2d_gbps=25.0, h2d_latency_us=10.0, attn_ms=0.17, attn_ms_per_token=0.0015, expert_ms=0.004,
+            expert_ms_per_token=0.00008, head_ms=1.0, sched_ms=0.15, gpu_memory_gb=16.0, non_expert_gb=5.2,
         ),
     }
 
@@ -331,7 +356,8 @@ def _mixtral_and_qwen3_presets() -> dict[str, HardwareProfile]:
 
 
 PRESET_NAMES = ("pcie4-24gb", "h100-pcie5", "qwen3-30b-pcie4-12gb", "qwen3-235b-h100-pcie5", "deepseek-v3-pcie4-24gb",
-                "glm45-air-pcie4-24gb", "gpt-oss-20b-12gb", "gpt-oss-120b-24gb", "gpt-oss-120b-32gb")
+                "glm45-air-pcie4-24gb", "minimax-m2-pcie4-24gb", "qwen3-next-pcie4-16gb", "gpt-oss-20b-12gb",
+                "gpt-oss-120b-24gb", "gpt-oss-120b-32gb")
 
 
 def get_profile(name_or_path: str) -> HardwareProfile:
