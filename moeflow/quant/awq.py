@@ -13,6 +13,7 @@ Note that W is the transpose of ``nn.Linear.weight`` (``[N, K]``).
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -54,13 +55,21 @@ def pack_int4(values: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"pack_int4 expects [R, C] with C % 8 == 0, got shape {tuple(values.shape)}")
     if values.numel() and (int(values.min()) < 0 or int(values.max()) > 15):
         raise ValueError("pack_int4: values must lie in [0, 15]")
-    v = values.to(torch.int64).reshape(values.shape[0], -1, PACK)
-    packed = torch.zeros(v.shape[:2], dtype=torch.int64)
-    for nibble, column in enumerate(AWQ_ORDER):
-        packed |= v[:, :, column] << (4 * nibble)
-    # reinterpret the unsigned 32-bit pattern as int32 (two's complement)
-    packed = torch.where(packed >= 2**31, packed - 2**32, packed)
-    return packed.to(torch.int32)
+    return _pack_nibbles(values.to(torch.uint8))
+
+
+def _pack_nibbles(values: torch.Tensor) -> torch.Tensor:
+    """uint8 [R, C] in [0, 15] -> int32 [R, C/8] in AWQ order, built as bytes (a quarter of the memory traffic of
+    shifting int64 words): byte ``2l + i`` of a little-endian int32 holds columns ``4i + l`` (low nibble) and
+    ``4i + 2 + l`` (high), which is AWQ_ORDER read two nibbles at a time."""
+    rows, cols = values.shape
+    v = values.reshape(rows, cols // PACK, 2, 2, 2)  # column 4i + 2j + l of each block: [.., i, j, l]
+    out = torch.empty(rows, cols // PACK, 2, 2, dtype=torch.uint8)  # [.., l, i]
+    torch.bitwise_or(v[:, :, :, 0, :].transpose(-1, -2), v[:, :, :, 1, :].transpose(-1, -2) << 4, out=out)
+    out = out.view(rows, cols // PACK, 4)
+    if sys.byteorder != "little":
+        out = out.flip(-1).contiguous()
+    return out.view(torch.int32).reshape(rows, cols // PACK)
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
@@ -90,18 +99,18 @@ def quantize_rtn(weight: torch.Tensor, group_size: int = 128) -> AWQTensors:
     check_group_size(group_size, in_features)
     if out_features % PACK:
         raise ValueError(f"out_features={out_features} is not a multiple of 8, which AWQ packing needs")
-    w = weight.detach().to(torch.float32).T.contiguous()  # [K, N]
-    g = w.reshape(in_features // group_size, group_size, out_features)
-    w_max = g.amax(dim=1)  # [K/g, N]
-    w_min = g.amin(dim=1)
+    # groups run along K, which is contiguous in [N, K]: reduce there and transpose only the 1-byte codes
+    g = weight.detach().to(torch.float32).reshape(out_features, in_features // group_size, group_size)
+    w_max = g.amax(dim=2)  # [N, K/g]
+    w_min = g.amin(dim=2)
     scales = ((w_max - w_min).clamp(min=1e-5) / 15.0).to(torch.float16)
     s = scales.to(torch.float32)
     zeros = (-torch.round(w_min / s)).clamp(0, 15)
-    q = (torch.round(g / s.unsqueeze(1)) + zeros.unsqueeze(1)).clamp(0, 15)
-    q = q.reshape(in_features, out_features).to(torch.int32)
+    q = g.div(s.unsqueeze(2)).round_().add_(zeros.unsqueeze(2)).clamp_(0, 15).to(torch.uint8)
+    q = q.reshape(out_features, in_features).T.contiguous()  # [K, N]
     return AWQTensors(
-        qweight=pack_int4(q),
-        qzeros=pack_int4(zeros.to(torch.int32)),
-        scales=scales,
+        qweight=_pack_nibbles(q),
+        qzeros=_pack_nibbles(zeros.to(torch.uint8).T.contiguous()),
+        scales=scales.T.contiguous(),
         group_size=group_size,
     )

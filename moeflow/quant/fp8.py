@@ -62,6 +62,9 @@ def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: t
     if tuple(scale_inv.shape) != want:
         raise ValueError(f"scale_inv has shape {tuple(scale_inv.shape)}; a [{n}, {k}] weight in {bn}x{bk} blocks "
                          f"needs {want}")
+    if n % bn == 0 and k % bk == 0:  # whole blocks: the scale broadcast over each, no full-size scale tensor
+        blocks = weight.float().view(n // bn, bn, k // bk, bk)
+        return (blocks * scale_inv.float()[:, None, :, None]).view(n, k)
     scale = scale_inv.float().repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk, dim=1)[:, :k]
     return weight.float() * scale
 
