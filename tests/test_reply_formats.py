@@ -32,6 +32,13 @@ REPLIES = {  # format -> a reply calling get_weather(WANT) after some content
                    "</invoke>\n</minimax:tool_call>"),
     "deepseek_v3": ("Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
                     + json.dumps(WANT) + "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
+    "deepseek_v32": ("Checking.\n\n<｜DSML｜function_calls>\n<｜DSML｜invoke name=\"get_weather\">\n"
+                     '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
+                     '<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n'
+                     '<｜DSML｜parameter name="metric" string="false">true</｜DSML｜parameter>\n'
+                     '<｜DSML｜parameter name="hours" string="false">[9, 12]</｜DSML｜parameter>\n'
+                     '<｜DSML｜parameter name="zip" string="true">75001</｜DSML｜parameter>\n'
+                     "</｜DSML｜invoke>\n</｜DSML｜function_calls>"),
     "kimi_k2": ("Checking.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
                 "<|tool_call_argument_begin|>" + json.dumps(WANT) + "<|tool_call_end|><|tool_calls_section_end|>"),
     "mistral": 'Checking.[TOOL_CALLS] [{"name": "get_weather", "arguments": ' + json.dumps(WANT) + "}]",
@@ -123,6 +130,7 @@ def test_the_template_names_the_markup():
     assert rf.detect_tool_format('<tool_call>\\n{"name": ...}').name == "hermes"
     assert rf.detect_tool_format("<minimax:tool_call><tool_call>").name == "minimax_m2"
     assert rf.detect_tool_format("<｜tool▁calls▁begin｜>").name == "deepseek_v3"
+    assert rf.detect_tool_format("{{ '<｜DSML｜function_calls>' }}").name == "deepseek_v32"
     assert rf.detect_tool_format("[TOOL_CALLS]").name == "mistral"
     assert rf.detect_tool_format("{{ messages }}") is None
     assert rf.tool_format("none", "<tool_call>") is None

@@ -10,6 +10,7 @@ Most open MoE models think between ``<think>`` and ``</think>`` and write tool c
 ``minimax_m2``    ``<minimax:tool_call><invoke name="NAME"><parameter name="KEY">VALUE</parameter></invoke>...``
 ``deepseek_v3``   ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>...<｜tool▁call▁end｜><｜tool▁calls▁end｜>``, both V3's
                   ``function<｜tool▁sep｜>NAME`` + a fenced JSON and V3.1's ``NAME<｜tool▁sep｜>{json}``
+``deepseek_v32``  ``<｜DSML｜function_calls><｜DSML｜invoke name="NAME">`` + ``parameter name=KEY string=true|false``
 ``kimi_k2``       ``<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>{...}``
 ``mistral``       ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}]`` or ``[TOOL_CALLS]NAME[ARGS]{...}``
 ================  ==========================================================================================
@@ -191,6 +192,28 @@ def _deepseek_v3(body: str, tools: Tools) -> list[ToolCall] | None:
     return calls if calls and all(calls) else None  # type: ignore[return-value]
 
 
+_DSML_INVOKE = re.compile(r"<｜DSML｜invoke name=\"([^\"]+)\">(.*?)</｜DSML｜invoke>", re.S)
+_DSML_PARAM = re.compile(r"<｜DSML｜parameter name=\"([^\"]+)\"(?: string=\"(true|false)\")?>(.*?)</｜DSML｜parameter>",
+                         re.S)
+
+
+def _deepseek_v32(body: str, tools: Tools) -> list[ToolCall] | None:
+    """DeepSeek-V3.2's DSML: ``string="true"`` values are text, ``"false"`` ones JSON (else typed by the schema)."""
+    calls = []
+    for name, inner in _DSML_INVOKE.findall(body):
+        schema, args = tools.get(name.strip(), {}), {}
+        for key, is_string, value in _DSML_PARAM.findall(inner):
+            if is_string == "true":
+                args[key] = value
+            elif is_string == "false":
+                parsed = _loads(value.strip())
+                args[key] = value if parsed is None and value.strip() != "null" else parsed
+            else:
+                args[key] = _typed(value, schema.get(key))
+        calls.append(_call(name, args))
+    return calls if calls and all(calls) else None  # type: ignore[return-value]
+
+
 _KIMI_CALL = re.compile(r"<\|tool_call_begin\|>\s*([^<]+?)\s*<\|tool_call_argument_begin\|>(.*?)<\|tool_call_end\|>",
                         re.S)
 
@@ -222,6 +245,8 @@ TOOL_FORMATS: dict[str, ToolFormat] = {f.name: f for f in (
     ToolFormat("kimi_k2", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", _kimi_k2,
                "<|tool_calls_section_begin|>",
                ("<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>")),
+    ToolFormat("deepseek_v32", "<｜DSML｜function_calls>", "</｜DSML｜function_calls>", _deepseek_v32, "｜DSML｜",
+               ("<｜DSML｜invoke", "</｜DSML｜invoke>", "<｜DSML｜parameter", "</｜DSML｜parameter>")),
     ToolFormat("deepseek_v3", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", _deepseek_v3, "tool▁calls▁begin",
                ("<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>")),
     ToolFormat("glm45", "<tool_call>", "</tool_call>", _glm45, "<arg_key>",
