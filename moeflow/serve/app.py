@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -22,7 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from moeflow.engine.continuous import ContinuousEngine, SamplingParams
-from moeflow.engine.guided import Guide, GuideFactory
+from moeflow.engine.guided import GrammarError, Guide, GuideFactory
 from moeflow.io.chat_template import ChatTemplate, stop_token_ids
 from moeflow.io.reply_formats import THINK_CLOSE
 from moeflow.serve import anthropic
@@ -31,6 +32,7 @@ from moeflow.serve.errors import APIError, error_body, install_handlers
 from moeflow.serve.metrics import ServeMetrics
 from moeflow.serve.text import ChatReplies, MarkupAssembler, TextAssembler
 
+log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.1  # how often a plain (non-streamed) request checks that its client is still there
 
 
@@ -50,7 +52,12 @@ class ServeState:
         template_text = "\n".join(self.template.templates.values()) if self.template is not None else None
         self.replies = ChatReplies(self.tokenizer, template_text, tool_parser, reasoning_parser)
         # guided decoding (response_format): the vocabulary's token set for the grammar engine, built once
-        self.guides = GuideFactory(self.tokenizer.path, model.config.vocab_size, list(self.stop_ids))
+        self.guides: GuideFactory | None = None
+        try:
+            self.guides = GuideFactory(self.tokenizer.path, model.config.vocab_size, list(self.stop_ids))
+        except Exception as e:  # a tokenizer the grammar engine cannot read: serve, refuse guided requests by name
+            self.guides_error = f"guided decoding is not available for {self.tokenizer.path}: {e}"
+            log.warning(self.guides_error)
 
     def check_model(self, name: str) -> None:
         if name not in self.names:
@@ -150,7 +157,13 @@ class ServeState:
             return text, None
         # a reply that starts in <think> reasons freely, then answers in the grammar
         thinks = isinstance(text, MarkupAssembler) and text.in_reasoning
-        return text, self.guides.guide(grammar, self.stop_ids, self.tokenizer.token_id(THINK_CLOSE) if thinks else None)
+        if self.guides is None:
+            raise p.Unsupported("tool_choice" if req.forces_tool_call() else "response_format", self.guides_error)
+        try:
+            return text, self.guides.guide(grammar, self.stop_ids,
+                                           self.tokenizer.token_id(THINK_CLOSE) if thinks else None)
+        except GrammarError as e:
+            raise p.Unsupported("tool_choice" if req.forces_tool_call() else "response_format", str(e)) from e
 
     async def _stream(self, kind: str, req: p.SamplingFields, rid: str, choices: list[Choice],
                       events: asyncio.Queue) -> AsyncIterator[str]:
