@@ -121,11 +121,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--requests", type=int, default=16, help="requests per level (at least 2 x clients)")
     p.add_argument("--prefill-chunk", type=int, default=64, help="the server's --prefill-chunk")
+    p.add_argument("--prefix-cache", choices=["on", "off"], default="off",
+                   help="the server's --prefix-cache (off: the cycled prompts are prefilled every time, as before "
+                        "the cache existed, so levels compare with earlier results)")
     p.add_argument("--out", type=Path, default=None, help="write bench_serve.json and README.md here")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     server_args = ["--max-model-len", "512", "--max-batch", "16", "--max-queue", "64", "--threads", str(args.threads),
-                   "--prefill-chunk", str(args.prefill_chunk)]
+                   "--prefill-chunk", str(args.prefill_chunk), "--prefix-cache", args.prefix_cache]
     if args.model:
         server_args += ["--model", args.model]
     rate = single_stream_rate(args.model, args.max_tokens) if args.device == "cpu" else None
@@ -137,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         srv.stop()
     result = {"model": args.model or MODEL_NAME, "device": args.device, "max_tokens": args.max_tokens,
-              "prefill_chunk": args.prefill_chunk, "load_average": list(os.getloadavg()),
+              "prefill_chunk": args.prefill_chunk, "prefix_cache": args.prefix_cache,
+              "load_average": list(os.getloadavg()),
               "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
               "torch_threads": torch.get_num_threads(), "single_stream_tokens_per_s": rate, "levels": levels}
     print(json.dumps(result, indent=2))

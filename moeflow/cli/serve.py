@@ -179,7 +179,7 @@ def cmd_serve(args) -> int:
     cache = SlotKVCache.for_model(model, max_len, budget, max_rows=args.max_batch)
     metrics = ServeMetrics(model.stats, cache)
     engine = ContinuousEngine(model, cache, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
-                              listener=metrics)
+                              listener=metrics, prefix_cache=args.prefix_cache == "on")
     # the decode steps of every padded batch size at the smallest key bucket, captured before the first client
     steps, seconds = engine.warm_up()
     if engine.graphs is not None:
@@ -187,6 +187,7 @@ def cmd_serve(args) -> int:
               f"{key_bucket(1, max_len)} keys) in {seconds:.2f} s", flush=True)
     model.stats.reset()
     metrics.watch_graphs(engine.graphs)
+    metrics.watch_prefix(engine.prefix)
     source = args.model or str(embedded_model_path())
     name = args.served_model_name or (Path(source).name if Path(source).exists() else source)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
@@ -200,7 +201,7 @@ def cmd_serve(args) -> int:
     port = sock.getsockname()[1]
     print(f"moeflow serve: model '{name}' on http://{args.host}:{port}/v1 | {model.device}, policy "
           f"{args.policy!r} | KV cache {cache.rows} rows x {max_len} tokens ({cache.nbytes / 2**20:.1f} MiB) | "
-          f"CUDA graphs {'on' if engine.graphs is not None else 'off'} | "
+          f"CUDA graphs {'on' if engine.graphs is not None else 'off'} | prefix cache {args.prefix_cache} | "
           f"API key {'required' if api_key else 'off'}", flush=True)
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
     uvicorn.Server(config).run(sockets=[sock])
@@ -234,6 +235,8 @@ def register(sub) -> None:
                         "on the CPU: --max-batch rows)")
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 503")
     p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens read per scheduler iteration")
+    p.add_argument("--prefix-cache", choices=["on", "off"], default="on",
+                   help="a finished request's KV row is kept for the next prompt that starts the same way")
     p.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (or set {API_KEY_ENV})")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: directory name)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")

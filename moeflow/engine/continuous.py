@@ -12,6 +12,10 @@ A sequence whose prefill finishes samples its first token and joins the next dec
 (end-of-turn token, ``max_new_tokens``, a stop check, cancellation) leaves and its row goes to the queue.
 The offload backend sees one batch per pass, as in ``generate``.
 
+Prefix cache (``prefix_cache``, on by default): a finished sequence's row keeps its keys, and a new prompt that
+starts with tokens a row holds gets them (the row itself, or a copy of the shared prefix) and prefills only the
+rest (:mod:`moeflow.engine.prefix_cache`).
+
 Captured decode passes (``cuda_graphs``, on when the model decodes through CUDA graphs): a decode pass of B
 sequences is padded to Bp, the next power of two, with copies of its first sequence (same row, position and
 token: identical writes, the same experts, so an offload backend loads nothing more for them; their logits are
@@ -29,20 +33,19 @@ pass writes its own tokens into; other backends get none (no per-pass host work 
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
-import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import replace
+from collections.abc import Callable
 
 import torch
 
 from moeflow.engine.cuda_graphs import CudaGraphDecode
 from moeflow.engine.guided import Guide
 from moeflow.engine.kv_slots import SlotKVCache, check_slotted
+from moeflow.engine.prefix_cache import MIN_PREFIX_TOKENS, PrefixCache
 from moeflow.engine.sampling import SamplingParams, adjust_logits, next_tokens
+from moeflow.engine.sequence import EngineListener, Sequence
 from moeflow.engine.token_history import TokenHistory
 from moeflow.errors import InputError, MoeflowError
 
@@ -66,81 +69,6 @@ class EngineOverloaded(MoeflowError):
     """The request queue is full (or the engine is stopping): try again later (HTTP 503)."""
 
 
-class Sequence:
-    """One request inside the engine. ``cancel()`` may be called from any thread.
-
-    Tokens and the end are reported through ``on_event(token_id, finish_reason)``, called on the engine
-    thread: ``(id, None)`` per new token, then once ``(None, reason)`` with reason "stop" (an end-of-turn
-    token or the stop check), "length", "cancelled" or "error". Without ``on_event`` the events queue up
-    for :meth:`events` / :meth:`result`.
-    """
-
-    _ids = itertools.count()
-
-    def __init__(self, prompt_ids: list[int], params: SamplingParams,
-                 on_event: Callable[[int | None, str | None], None] | None = None,
-                 stop_check: Callable[[list[int]], bool] | None = None) -> None:
-        self.id = next(Sequence._ids)
-        self.prompt_ids, self.params, self.stop_check = list(prompt_ids), params, stop_check
-        self.gen_config = params.generation_config()
-        self.sampler_config = replace(self.gen_config, repetition_penalty=1.0)  # _sample applies the penalties
-        self.guide: Guide | None = None
-        self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        self._events: queue.Queue | None = None
-        if on_event is None:
-            self._events = queue.Queue()
-            on_event = lambda token, reason: self._events.put((token, reason))  # noqa: E731
-        self.on_event = on_event
-        self.generated: list[int] = []
-        # per generated token when params.logprobs is set: (its log-probability, [(id, logprob)] top k)
-        self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []
-        self.row: int | None = None
-        self.prefilled = 0  # prompt tokens already in the cache
-        self.finish_reason: str | None = None
-        self.error: str | None = None
-        self.cancelled = False
-        self.t_submit = time.perf_counter()
-        self.t_first: float | None = None
-        self.t_last: float | None = None
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
-
-    def events(self, timeout: float | None = None) -> Iterator[tuple[int | None, str | None]]:
-        """(token, None) per token, then (None, finish_reason); only when no ``on_event`` was given."""
-        if self._events is None:
-            raise RuntimeError("this sequence reports through its on_event callback")
-        while True:
-            token, reason = self._events.get(timeout=timeout)
-            yield token, reason
-            if reason is not None:
-                return
-
-    def result(self, timeout: float | None = None) -> list[int]:
-        """Wait for the end; the generated token ids (end-of-turn token included when one ended it)."""
-        for _ in self.events(timeout):
-            pass
-        return list(self.generated)
-
-
-class EngineListener:
-    """What the engine reports as it runs (the server's metrics implement it). Every hook runs on the engine
-    thread and must return quickly."""
-
-    def on_pass(self, phase: str, batch: int, tokens: int, seconds: float) -> None:
-        """One forward pass: phase "prefill"/"decode", sequences in it, real tokens in it."""
-
-    def on_queue(self, waiting: int, running: int) -> None:
-        """Queue depth and running sequences after an iteration's admissions and departures."""
-
-    def on_finish(self, seq: Sequence) -> None:
-        """A sequence left (its timings and counts are final)."""
-
-
 class ContinuousEngine:
     """Continuous batching over a loaded model (``MoEOffloadedMixtral``) and a :class:`SlotKVCache`.
 
@@ -150,10 +78,14 @@ class ContinuousEngine:
     CUDA graphs (``from_pretrained``'s ``cuda_graphs``, on by default on CUDA); True needs such a model.
     ``graphs`` is that model's :class:`CudaGraphDecode` when on, else None. ``history``: the device token history
     when the model's backend (the one at construction) ``needs_history``, else None.
+    ``prefix_cache``: a finished sequence's row keeps its keys for the next prompt that starts the same way
+    (:class:`~moeflow.engine.prefix_cache.PrefixCache`, ``self.prefix``; None when off), from
+    ``prefix_min_tokens`` shared tokens.
     """
 
     def __init__(self, model, cache: SlotKVCache, max_queue: int = 64, prefill_chunk: int = 64,
-                 listener: EngineListener | None = None, cuda_graphs: bool | None = None) -> None:
+                 listener: EngineListener | None = None, cuda_graphs: bool | None = None,
+                 prefix_cache: bool = True, prefix_min_tokens: int = MIN_PREFIX_TOKENS) -> None:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         decode = model.runner.decode_fn
@@ -168,6 +100,7 @@ class ContinuousEngine:
         self.device = model.device
         needs = getattr(model.runner.backend, "needs_history", False)
         self.history = TokenHistory(cache.rows, cache.max_len, self.device) if needs else None
+        self.prefix = PrefixCache(cache, prefix_min_tokens) if prefix_cache else None
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._running: list[Sequence] = []
         self._cond = threading.Condition()
@@ -254,7 +187,7 @@ class ContinuousEngine:
                     log.exception("engine pass failed")
                     for seq in list(self._running):
                         seq.error = f"{type(e).__name__}: {e}"
-                        self._finish(seq, "error")
+                        self._finish(seq, "error")  # (their rows' keys may be half written: not kept)
                 self.listener.on_queue(len(self._waiting), len(self._running))
 
     def _admit(self) -> None:
@@ -267,14 +200,23 @@ class ContinuousEngine:
             if seq.params.max_new_tokens == 0:
                 self._finish(seq, "length")
                 continue
-            seq.row = self._allocate()
+            seq.row = self._allocate(seq)
             self._running.append(seq)
+            self.listener.on_admit(seq)
 
-    def _allocate(self) -> int | None:
-        """A free cache row with no valid position and (when kept) no token history."""
-        row = self.cache.allocate()
-        if row is not None and self.history is not None:
-            self.history.clear(row)
+    def _allocate(self, seq: Sequence) -> int:
+        """A free cache row for ``seq`` (there is one): valid positions and token history only where the prefix
+        cache gave it its prompt's first ``seq.cached_tokens`` tokens, which it then does not prefill."""
+        if self.prefix is None:
+            row, reused = self.cache.allocate(), 0
+        else:
+            place = self.prefix.place(seq.prompt_ids, ((s.row, s.fed_tokens()) for s in self._running))
+            row, reused = self.cache.allocate(place.row, keep=place.reused if place.source is None else 0), place.reused
+            if place.source is not None:
+                self.cache.copy_prefix(place.source, row, reused)
+        seq.prefilled = seq.cached_tokens = reused
+        if self.history is not None:
+            self.history.clear(row, seq.prompt_ids[:reused])
         return row
 
     def warm_up(self) -> tuple[int, float]:
@@ -288,7 +230,11 @@ class ContinuousEngine:
             raise RuntimeError("warm_up() runs before start(): it uses the engine's model and cache")
         sizes = [1 << i for i in range(padded_batch(self.cache.rows).bit_length())][: self.graphs.max_steps]
         seq = Sequence([0], SamplingParams(max_new_tokens=1))
-        seq.row = self._allocate()  # (every row is free before start)
+        seq.row = self.cache.allocate()  # (every row is free before start)
+        if self.prefix is not None:
+            self.prefix.forget(seq.row)
+        if self.history is not None:
+            self.history.clear(seq.row)
         before, start = self.graphs.captures, time.perf_counter()
         try:
             with torch.inference_mode():
@@ -299,7 +245,7 @@ class ContinuousEngine:
                     self._captured_pass([seq] * b, zeros, zeros, count=False)
         finally:
             self.cache.valid[seq.row] = False
-            self.cache.release(seq.row)
+            self.cache.release(seq.row)  # (not kept by the prefix cache: it holds no valid key)
         return self.graphs.captures - before, time.perf_counter() - start
 
     def _iterate(self) -> None:
@@ -440,6 +386,8 @@ class ContinuousEngine:
         seq.finish_reason = reason
         if seq.row is not None:
             self.cache.release(seq.row)
+            if self.prefix is not None:  # its keys stay for a later prompt that starts the same way
+                self.prefix.store(seq.row, seq.fed_tokens() if reason != "error" else [])
             seq.row = None
         if seq in self._running:
             self._running.remove(seq)

@@ -129,15 +129,39 @@ class SlotKVCache:
     def free_rows(self) -> int:
         return len(self._free)
 
-    def allocate(self) -> int | None:
-        """A free row, cleared (no valid position), or None when every row is taken."""
+    @property
+    def free_row_ids(self) -> list[int]:
+        """The free rows, lowest first."""
+        return self._free[::-1]
+
+    def allocate(self, row: int | None = None, keep: int = 0) -> int | None:
+        """A free row (``row``, else the lowest), or None when every row is taken. Its positions from ``keep`` on
+        are cleared (no valid key there); ``keep`` > 0 keeps the keys of positions [0, keep) and the row's linear
+        states, which the caller (the prefix cache) knows hold exactly those tokens; keep = 0 zeroes the states."""
         if not self._free:
             return None
-        row = self._free.pop()
-        self.valid[row] = False
-        if self.linear is not None:  # a new sequence's linear-attention state starts at zero
+        if row is None:
+            row = self._free[-1]
+        elif row not in self._free:
+            raise ValueError(f"row {row} is not a free row of this cache")
+        self._free.remove(row)
+        self.valid[row, keep:] = False
+        if self.linear is not None and keep == 0:  # a new sequence's linear-attention state starts at zero
             self.linear.clear(torch.tensor([row], device=self.valid.device))
         return row
+
+    def copy_prefix(self, source: int, row: int, length: int) -> None:
+        """Row ``row`` gets the keys/values and validity of ``source``'s positions [0, length) (the prefix cache:
+        a shared prefix copied instead of recomputed). Refused with linear-attention states, which hold all the
+        tokens a row has seen and cannot be cut back to a prefix."""
+        if self.linear is not None:
+            raise ValueError("a row with linear-attention states cannot take a prefix of another row")
+        self._copy_keys(source, row, length)
+        self.valid[row, :length] = self.valid[source, :length]
+
+    def _copy_keys(self, source: int, row: int, length: int) -> None:
+        self.k[:, row, :, :length] = self.k[:, source, :, :length]
+        self.v[:, row, :, :length] = self.v[:, source, :, :length]
 
     def release(self, row: int) -> None:
         if row in self._free or not 0 <= row < self.rows:

@@ -28,6 +28,9 @@ class LatentSlotKVCache(SlotKVCache):
     def nbytes(self) -> int:
         return self.latent.numel() * self.latent.element_size()
 
+    def _copy_keys(self, source: int, row: int, length: int) -> None:
+        self.latent[:, row, :length] = self.latent[:, source, :length]
+
 
 class LatentSlotBatch(SlotBatch):
     """One pass over some rows of a :class:`LatentSlotKVCache` (see :class:`SlotBatch`)."""

@@ -23,9 +23,12 @@ class TokenHistory:
         self.ids = torch.zeros((rows, max_len), dtype=torch.long, device=device)
         self.max_len = max_len
 
-    def clear(self, row: int) -> None:
-        """A row handed to a new sequence: nothing fed yet."""
+    def clear(self, row: int, prefix: list[int] | None = None) -> None:
+        """A row handed to a new sequence: nothing fed yet, or only ``prefix`` (positions [0, len(prefix)): the
+        tokens whose keys the prefix cache gave it)."""
         self.ids[row] = 0
+        if prefix:
+            self.ids[row, : len(prefix)] = torch.tensor(prefix, dtype=torch.long).to(self.ids.device)
 
     def feed(self, rows: list[int], ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor]:

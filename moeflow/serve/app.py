@@ -110,7 +110,7 @@ class ServeState:
         failed = [c.seq.error for c in choices if c.seq.finish_reason == "error"]
         if failed:
             raise APIError(500, f"generation failed: {failed[0]}")
-        usage = _usage(len(ids), [t for c in choices for t in c.seq.generated])
+        usage = _usage(len(ids), [t for c in choices for t in c.seq.generated], choices[0].seq.cached_tokens)
         out = []
         for i, c in enumerate(choices):
             gen, reason, logprobs = c.seq.generated, reasons[i], self.logprobs(c.seq, 0, len(c.seq.generated))
@@ -205,7 +205,8 @@ class ServeState:
             if req.include_usage() and not running:
                 obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
                 yield _sse(p.usage_chunk(rid, name, obj, _usage(len(choices[0].seq.prompt_ids),
-                                                                [t for c in choices for t in c.ids])))
+                                                                [t for c in choices for t in c.ids],
+                                                                choices[0].seq.cached_tokens)))
             yield "data: [DONE]\n\n"
         finally:
             for c in choices:
@@ -250,9 +251,11 @@ def _finish(reason: str) -> str:
     return "length" if reason == "length" else "stop"
 
 
-def _usage(prompt_tokens: int, generated: list[int]) -> p.Usage:
+def _usage(prompt_tokens: int, generated: list[int], cached: int = 0) -> p.Usage:
+    """The prompt counted once (``cached``: its tokens the prefix cache held, by the first choice's sequence)."""
     return p.Usage(prompt_tokens=prompt_tokens, completion_tokens=len(generated),
-                   total_tokens=prompt_tokens + len(generated))
+                   total_tokens=prompt_tokens + len(generated),
+                   prompt_tokens_details=p.PromptTokensDetails(cached_tokens=cached))
 
 
 def _sse(data: dict[str, Any]) -> str:

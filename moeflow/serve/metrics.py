@@ -61,14 +61,38 @@ class _GraphsCollector:
         yield s
 
 
+class _PrefixCollector:
+    """Whether the prefix cache is on, and the idle rows whose keys it keeps, read at scrape time."""
+
+    def __init__(self, prefix) -> None:
+        self.prefix = prefix
+
+    def collect(self):
+        g = GaugeMetricFamily("moeflow_prefix_cache_rows", "Free KV rows whose keys the prefix cache keeps")
+        g.add_metric([], self.prefix.rows if self.prefix is not None else 0)
+        yield g
+        g = GaugeMetricFamily("moeflow_prefix_cache_enabled", "1 when the prefix cache is on (--prefix-cache)")
+        g.add_metric([], float(self.prefix is not None))
+        yield g
+
+
 class ServeMetrics(EngineListener):
     def __init__(self, stats, cache) -> None:
         self.registry = CollectorRegistry()
+        self._prefix_on = False
         r = self.registry
         self.requests = Counter("moeflow_requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
         self.finished = Counter("moeflow_sequences_finished", "Sequences that left the engine", ["reason"],
                                 registry=r)
-        self.prompt_tokens = Counter("moeflow_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.prompt_tokens = Counter("moeflow_prompt_tokens", "Prompt tokens of the requests admitted", registry=r)
+        self.prefill_tokens = Counter("moeflow_prefill_tokens", "Prompt tokens computed by prefill passes",
+                                      registry=r)
+        self.prefix_lookups = Counter("moeflow_prefix_cache_lookups", "Requests admitted with the prefix cache on",
+                                      registry=r)
+        self.prefix_hits = Counter("moeflow_prefix_cache_hits", "Requests that reused cached prompt tokens",
+                                   registry=r)
+        self.prefix_tokens = Counter("moeflow_prefix_cache_reused_tokens",
+                                     "Prompt tokens taken from the prefix cache instead of prefilled", registry=r)
         self.generation_tokens = Counter("moeflow_generation_tokens", "Tokens generated", registry=r)
         self.ttft = Histogram("moeflow_time_to_first_token_seconds", "Submission to first token", registry=r,
                               buckets=LATENCY_BUCKETS)
@@ -85,6 +109,11 @@ class ServeMetrics(EngineListener):
         self.running = Gauge("moeflow_running_sequences", "Sequences holding a KV row", registry=r)
         r.register(_StatsCollector(stats, cache))
 
+    def watch_prefix(self, prefix) -> None:
+        """Report the engine's prefix cache (``ContinuousEngine.prefix``: a PrefixCache, or None: off)."""
+        self._prefix_on = prefix is not None
+        self.registry.register(_PrefixCollector(prefix))
+
     def watch_graphs(self, graphs) -> None:
         """Report the engine's captured decode (``ContinuousEngine.graphs``: a CudaGraphDecode, or None: off)."""
         self.registry.register(_GraphsCollector(graphs))
@@ -94,7 +123,15 @@ class ServeMetrics(EngineListener):
         self.batch.labels(phase).observe(batch)
         self.pass_seconds.labels(phase).observe(seconds)
         if phase == "prefill":
-            self.prompt_tokens.inc(tokens)
+            self.prefill_tokens.inc(tokens)
+
+    def on_admit(self, seq: Sequence) -> None:
+        self.prompt_tokens.inc(len(seq.prompt_ids))
+        if self._prefix_on:
+            self.prefix_lookups.inc()
+        if seq.cached_tokens:
+            self.prefix_hits.inc()
+            self.prefix_tokens.inc(seq.cached_tokens)
 
     def on_queue(self, waiting: int, running: int) -> None:
         self.queue.set(waiting)

@@ -185,10 +185,15 @@ class CompletionRequest(SamplingFields):
             raise Unsupported("suffix", "suffix (insertion) is not supported")
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose keys the prefix cache held (not prefilled again)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
 
 
 def new_id(prefix: str) -> str:
