@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_family_awq import dequantized_reference
 from test_family_dsa import assert_matches, prompt
 from test_fp8 import BLOCK, reference_on
 from tiny_dsa import DEEPSEEK_V32, GLM_MOE_DSA, make_dsa_checkpoint
+from tiny_families import dequantized_reference
 
 from moeflow import MoEModel
 from moeflow.quant.convert import quantize_checkpoint
@@ -65,7 +65,7 @@ def test_awq_checkpoint_matches_transformers_on_dequantized_weights(tmp_path, ki
     assert model.experts.fmt.kind == "awq"
     assert model.model.layers[0].self_attn.indexer.weights_proj.weight.dtype == torch.float32
     ids = prompt(ref.config.vocab_size)
-    assert_matches(model, dequantized_reference(ref, dst), ids, torch.ones_like(ids))
+    assert_matches(model, dequantized_reference(ref, dst, GROUP), ids, torch.ones_like(ids))
 
 
 def test_weights_proj_stays_fp32_in_a_bf16_model(tmp_path):

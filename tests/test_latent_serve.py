@@ -1,6 +1,6 @@
 """Continuous batching (moeflow serve's engine) on multi-head latent attention: DeepSeek-V3 and GLM-5 (DeepSeek
 Sparse Attention, its indexer keys in the same latent vector) keep one latent vector per token in the slotted
-cache (moeflow/engine/latent_slots.py). Chunked prefills, reused rows, decode passes of several rows at their own
+cache (moeflow/engine/kv_slots.py). Chunked prefills, reused rows, decode passes of several rows at their own
 positions, eager and through captured decode steps (test_compile_cuda_graphs' TraceCapture), all give each
 request's tokens from generate() alone; a row costs the latent bytes, not full heads."""
 
@@ -13,8 +13,7 @@ from tiny_dsa import GLM_MOE_DSA, make_dsa_checkpoint
 from tiny_families import DEEPSEEK_V3, make_checkpoint
 
 from moeflow import MoEModel, OffloadConfig
-from moeflow.engine.kv_slots import SlotKVCache, row_bytes
-from moeflow.engine.latent_slots import LatentSlotKVCache
+from moeflow.engine.kv_slots import LatentSlotKVCache, SlotKVCache, row_bytes
 
 BUDGETS = (9, 4, 12, 6, 7)
 

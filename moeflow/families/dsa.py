@@ -23,7 +23,7 @@ Cache: the indexer key rides in the latent cache, after MLA's ``kv_lora_rank + q
 (``latent_dim`` grows by ``index_head_dim``; shared layers leave theirs zero), so generate's cache, its
 micro-batch row views and the captured decode step hold it with no new cache type. The full-head cache
 (``latent_kv_cache = False``) has no room for it: refused by name. The serving engine's slotted cache keeps
-latents too (:mod:`moeflow.engine.latent_slots`).
+latents too (:class:`moeflow.engine.kv_slots.LatentSlotKVCache`).
 """
 
 from __future__ import annotations

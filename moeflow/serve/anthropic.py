@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from moeflow.serve import protocol as p
+from moeflow.serve.choices import wait_for_ends
 from moeflow.serve.errors import APIError
 
 
@@ -142,8 +143,6 @@ def _sse(event: str, data: dict[str, Any]) -> str:
 
 def install(app, state) -> None:
     """Mount ``/v1/messages`` and ``/v1/messages/count_tokens`` on ``app`` (``state``: the server's ServeState)."""
-    from moeflow.serve.app import wait_for_ends
-
     def prompt_of(req: MessagesRequest) -> tuple[p.ChatCompletionRequest, str, list[int]]:
         if state.template is None:
             raise APIError(400, f"{state.model_name} ships no chat template: /v1/messages needs one", "messages")

@@ -15,7 +15,7 @@ import logging
 import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -28,12 +28,12 @@ from moeflow.io.chat_template import ChatTemplate, stop_token_ids
 from moeflow.io.reply_formats import THINK_CLOSE
 from moeflow.serve import anthropic
 from moeflow.serve import protocol as p
+from moeflow.serve.choices import Choice, wait_for_ends
 from moeflow.serve.errors import APIError, error_body, install_handlers
 from moeflow.serve.metrics import ServeMetrics
 from moeflow.serve.text import ChatReplies, MarkupAssembler, TextAssembler
 
 log = logging.getLogger(__name__)
-DISCONNECT_POLL_S = 0.1  # how often a plain (non-streamed) request checks that its client is still there
 
 
 class ServeState:
@@ -211,40 +211,6 @@ class ServeState:
         finally:
             for c in choices:
                 c.seq.cancel()  # the client closed the stream (or it ended): free the row if still running
-
-
-@dataclass
-class Choice:
-    """One choice of a request: its engine sequence, reply assembler, and what a stream has sent of it."""
-
-    seq: Any
-    text: TextAssembler
-    ids: list[int] = field(default_factory=list)  # the tokens reported so far (the engine may be further on)
-    lp_sent: int = 0  # tokens whose log-probabilities went out
-    offset: int = 0  # text offset (completions' logprobs)
-
-
-async def wait_for_ends(request: Request, events: asyncio.Queue, n: int) -> list[str] | None:
-    """Each of ``n`` choices' finish reason, or None when the client disconnected first (checked every
-    DISCONNECT_POLL_S)."""
-    loop = asyncio.get_running_loop()
-    reasons: list[str | None] = [None] * n
-    getter = asyncio.ensure_future(events.get())  # one getter across polls: no event is dropped by a timeout
-    next_check = loop.time() + DISCONNECT_POLL_S
-    while True:
-        done, _ = await asyncio.wait({getter}, timeout=max(0.0, next_check - loop.time()))
-        if done:
-            i, token, reason = getter.result()
-            if reason is not None:
-                reasons[i] = reason
-                if all(r is not None for r in reasons):
-                    return reasons  # type: ignore[return-value]
-            getter = asyncio.ensure_future(events.get())
-        if loop.time() >= next_check:
-            if await request.is_disconnected():
-                getter.cancel()
-                return None
-            next_check = loop.time() + DISCONNECT_POLL_S
 
 
 def _finish(reason: str) -> str:
