@@ -65,3 +65,32 @@ def make_tiny_awq_checkpoint(root: str | Path, seed: int = 0, **overrides) -> Pa
     root = Path(root)
     src = make_tiny_checkpoint(root / "fp32", seed=seed, hidden_size=128, intermediate_size=128, **overrides)
     return quantize_checkpoint(src, root / "awq", group_size=32, progress=False)
+
+
+def host_budget_rows_gb(path: str | Path, rows: int, readers: int, dtype: torch.dtype = torch.float32) -> float:
+    """``OffloadConfig.host_memory_gb`` that holds exactly ``rows`` experts of the checkpoint at ``path`` (any
+    family, any quantized format) next to its non-expert weights, a 4096-token KV cache and ``readers`` disk
+    staging buffers: the disk tier serves the rest."""
+    from moeflow import MoEModel
+    from moeflow.engine.build import open_expert_index
+    from moeflow.engine.loading import non_expert_bytes
+    from moeflow.engine.memory import kv_cache_bytes
+    from moeflow.families import family_for_config
+    from moeflow.io.checkpoint import open_checkpoint, read_json, read_quantization
+    from moeflow.offload.cpu_slots import CpuInt4Format
+
+    path = Path(path)
+    raw = read_json(path / "config.json")
+    family, quant = family_for_config(raw, "config.json"), read_quantization(path, raw)
+    reader = open_checkpoint(path, quant)
+    try:
+        index = open_expert_index(reader, family, family.detect_expert_layout(reader), quant)
+        index.close()
+    finally:
+        reader.close()
+    resident = MoEModel.from_pretrained(path)
+    row = resident.experts.fmt.nbytes
+    if resident.kernels == "cpu-int4":  # offloading on the CPU stores torch's int4 form (moeflow.offload.cpu_slots)
+        row = CpuInt4Format.of(resident.experts.fmt).nbytes
+    reserved = non_expert_bytes(resident.model) + kv_cache_bytes(family.config, dtype, 4096)
+    return (reserved + readers * index.staging_nbytes + rows * row + row // 2) / 2**30

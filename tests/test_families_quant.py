@@ -11,7 +11,7 @@ import torch
 from family_models import make_family_checkpoint, make_family_model
 from safetensors.torch import load_file, save_file
 
-from moeflow import MoEModel, UnsupportedQuantizationError
+from moeflow import MoEModel, OffloadConfig, UnsupportedQuantizationError
 from moeflow.quant.awq import dequantize
 from moeflow.quant.convert import quantize_checkpoint
 
@@ -165,6 +165,26 @@ def test_gptq_act_order_is_refused_naming_the_setting(tmp_path):
     save_file(sd, tmp_path / "gptq" / "model.safetensors")
     with pytest.raises(UnsupportedQuantizationError, match=r"experts\.2\.up_proj\.g_idx: .*desc_act=true"):
         MoEModel.from_pretrained(tmp_path / "gptq")
+
+
+def test_gptq_through_the_disk_tier(tmp_path, calibration_cache):
+    """The disk tier's expert index records and reads the stored GPTQ tensors and repacks them as it reads them:
+    the tokens of every expert in host memory."""
+    from helpers import host_budget_rows_gb
+
+    src = make_family_checkpoint(tmp_path / "fp32", "qwen3_moe", seed=0)
+    gptq_checkpoint(src, tmp_path / "gptq", LINEARS)
+    ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(3))
+    expected = MoEModel.from_pretrained(tmp_path / "gptq").generate(ids, max_new_tokens=6, do_sample=False,
+                                                                    eos_token_id=[])
+    model = MoEModel.from_pretrained(tmp_path / "gptq", offload=OffloadConfig(
+        policy="lru", gpu_expert_slots=3, host_memory_gb=host_budget_rows_gb(tmp_path / "gptq", 4, 2),
+        disk_readers=2))
+    try:
+        assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=[]), expected)
+        assert model.experts.host.on_disk and model.experts.host.stats.misses > 0
+    finally:
+        model.close()
 
 
 @pytest.mark.parametrize("model_type,dtype", [("qwen3_moe", torch.bfloat16), ("qwen2_moe", torch.float16)])

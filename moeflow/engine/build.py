@@ -157,6 +157,8 @@ def build_model(
                              "projections are not quantized at load; leave attention_bits unset")
         awq_attention = loading.detect_awq_attention(reader, family, layout, quant)
         decoder = family.build_decoder(dtype, _linear_factory(dtype, awq_attention))
+        if awq_attention is not None:
+            loading.keep_dense_linears(decoder, reader, family, layout, dtype)
         loading.load_non_expert_weights(decoder, reader, family, layout, device, dtype)
         if resolved.linear == "cpu-int4":
             quantize_decoder_linears(decoder, attention_bits, lm_head_bits)
@@ -226,7 +228,9 @@ def plan_memory(offload: OffloadConfig, family: Family, fmt: ExpertFormat, devic
 
 def open_expert_index(reader: CheckpointReader, family: Family, layout, quant) -> ExpertIndex:
     """The byte ranges of every expert in the checkpoint (the disk tier reads experts through it)."""
-    return ExpertIndex(reader, lambda r, layer, expert: family.read_expert(r, layout, quant, layer, expert),
+    # a converting reader (GPTQ, compressed-tensors) converts the raw tensors the index reads, as at load
+    over = getattr(reader, "over", lambda r: r)
+    return ExpertIndex(reader, lambda r, layer, expert: family.read_expert(over(r), layout, quant, layer, expert),
                        len(family.moe_layers), family.num_experts)
 
 

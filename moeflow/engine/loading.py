@@ -48,7 +48,7 @@ def biased_expert_format(spec: ExpertSpec, layout: ExpertLayout, quant: Quantiza
     H, I = spec.hidden_size, spec.intermediate_size  # noqa: E741
     if layout.mxfp4 or layout.awq:
         want = "mxfp4" if layout.mxfp4 else "awq"
-        if quant is None or quant.method != want:
+        if quant is None or ("awq" if quant.awq_layout else quant.method) != want:
             found = "no quantization_config" if quant is None else f"quant_method {quant.method!r}"
             raise CheckpointError(f"expert tensors are {want.upper()}-quantized but config.json has {found} "
                                   f"(expected quantization_config.quant_method {want!r})")
@@ -91,6 +91,19 @@ def detect_awq_attention(reader: CheckpointReader, family: Family, layout: Exper
                               "quantization_config")
     scales = reader.get(family.checkpoint_name("layers.0.self_attn.q_proj.scales", layout))
     return {"group_size": quant.group_size, "scales_dtype": scales.dtype}
+
+
+def keep_dense_linears(decoder: nn.Module, reader: CheckpointReader, family: Family, layout: ExpertLayout,
+                       dtype: torch.dtype) -> None:
+    """Make every AWQ linear of ``decoder`` whose module the checkpoint stores 16-bit (a compressed-tensors
+    ``ignore`` entry: shared experts or linear attention left unquantized) a dense ``nn.Linear`` of ``dtype``,
+    before the weights are loaded."""
+    for name, module in list(decoder.named_modules()):
+        if isinstance(module, AWQLinear) and family.checkpoint_name(f"{name}.qweight", layout) not in reader \
+                and family.checkpoint_name(f"{name}.weight", layout) in reader:
+            parent, _, leaf = name.rpartition(".")
+            dense = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, dtype=dtype)
+            setattr(decoder.get_submodule(parent), leaf, dense)
 
 
 def iter_experts(

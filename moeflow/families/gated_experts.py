@@ -3,7 +3,7 @@
 Layouts (detected from the names; ``base`` is e.g. ``model.layers.3.mlp.experts``):
 
 * per expert: ``{base}.{e}.{gate,up,down}.weight`` (dense) or ``.qweight/.qzeros/.scales`` (AWQ GEMM, or
-  GPTQ already repacked into AWQ's layout by the reader);
+  GPTQ or compressed-tensors W4A16 already repacked into AWQ's layout by the reader);
 * fused (transformers 5.x in memory): ``{base}.gate_up_proj`` ``[E, 2I, H]`` (gate rows first) and
   ``{base}.down_proj`` ``[E, H, I]``.
 

@@ -15,6 +15,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from moeflow.errors import CheckpointError, UnsupportedQuantizationError
+from moeflow.quant import ctensors
 from moeflow.quant.awq import SUPPORTED_GROUP_SIZES
 from moeflow.quant.gptq import check_sequential_groups, gptq_qweight_to_awq, gptq_qzeros_to_awq, gptq_settings
 
@@ -24,14 +25,22 @@ SINGLE_NAME = "model.safetensors"
 
 @dataclass(frozen=True)
 class QuantizationSpec:
-    """What the checkpoint's quantization config says (AWQ 4-bit GEMM, GPTQ 4-bit read as AWQ, or MXFP4 with
-    group 32)."""
+    """What the checkpoint's quantization config says (AWQ 4-bit GEMM; GPTQ and compressed-tensors 4-bit read as
+    AWQ; MXFP4 with group 32)."""
 
-    method: str  # "awq", "gptq" (converted into AWQ's layout as read: :class:`GPTQCheckpointReader`) or "mxfp4"
+    # "awq", "gptq" / "compressed-tensors" (converted into AWQ's layout as read: :class:`GPTQCheckpointReader`,
+    # :class:`CompressedTensorsReader`) or "mxfp4"
+    method: str
     bits: int
     group_size: int
-    modules_to_not_convert: tuple[str, ...] = ()
+    modules_to_not_convert: tuple[str, ...] = ()  # compressed-tensors: its ``ignore`` list
     zero_offset: int = 0  # GPTQ: added to every stored zero point (1 in the v1 "gptq" checkpoint format)
+    symmetric: bool = True  # compressed-tensors: False when each group stores its zero point
+
+    @property
+    def awq_layout(self) -> bool:
+        """The experts reach the kernels as AWQ tensors (stored so, or repacked as read)."""
+        return self.method in ("awq", "gptq", ctensors.METHOD)
 
 
 def resolve_checkpoint(path_or_id: str | os.PathLike, revision: str | None = None) -> Path:
@@ -90,12 +99,15 @@ def read_quantization(directory: Path, config: dict) -> QuantizationSpec | None:
     if method == "gptq":
         group, offset = gptq_settings(qc, str(source))
         return QuantizationSpec("gptq", 4, group, tuple(qc.get("modules_to_not_convert") or ()), offset)
+    if method == ctensors.METHOD:  # llm-compressor's W4A16 (pack-quantized)
+        group, symmetric = ctensors.ct_settings(qc, str(source))
+        return QuantizationSpec(method, 4, group, tuple(qc.get("ignore") or ()), symmetric=symmetric)
     if method == "mxfp4":  # gpt-oss as published: e2m1 values, one e8m0 scale per 32
         return QuantizationSpec("mxfp4", 4, 32, tuple(qc.get("modules_to_not_convert") or ()))
     if method != "awq":
         raise UnsupportedQuantizationError(
             f"{source}: quantization_config.quant_method {qc.get('quant_method')!r} is not supported "
-            "(moeflow reads AWQ, GPTQ and MXFP4)"
+            "(moeflow reads AWQ, GPTQ, compressed-tensors W4A16 and MXFP4)"
         )
     bits = qc.get("bits", qc.get("w_bit"))
     if bits != 4:
@@ -206,23 +218,48 @@ def get_slice(reader: CheckpointReader, name: str, index: int, full_shape: tuple
         raise CheckpointError(f"cannot read tensor {name!r} from {path} (truncated or corrupt?): {e}") from e
 
 
-class GPTQCheckpointReader(CheckpointReader):
+class ConvertingReader(CheckpointReader):
+    """A reader that converts some tensors of another reader as they are read (GPTQ, compressed-tensors). It works
+    over any reader of the checkpoint's tensors: the checkpoint's own, or the disk tier's expert index, which
+    records and reads the stored tensors and converts them through :meth:`over`."""
+
+    def __init__(self, inner: CheckpointReader, quant: QuantizationSpec):
+        self.inner, self.quant = inner, quant
+        self.directory, self.weight_map = inner.directory, inner.weight_map
+
+    def over(self, inner: CheckpointReader) -> ConvertingReader:
+        """The same conversion over another reader of the same checkpoint's tensors."""
+        return type(self)(inner, self.quant)
+
+    def _open(self, path: Path):
+        return self.inner._open(path)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.inner
+
+    def names(self) -> list[str]:
+        return self.inner.names()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.inner.shape(name)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class GPTQCheckpointReader(ConvertingReader):
     """A GPTQ checkpoint read as if it were AWQ: every ``qweight`` / ``qzeros`` is repacked into AWQ's layout
     as it is read (``scales``, biases and unquantized tensors pass through), after checking the layer's
     ``g_idx`` (no act-order). The loaders above it see one quantized format."""
 
-    def __init__(self, directory: Path, quant: QuantizationSpec):
-        super().__init__(directory)
-        self.quant = quant
-
     def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         if not name.endswith((".qweight", ".qzeros")):
-            return super().get(name, shape)
+            return self.inner.get(name, shape)
         module = name.rsplit(".", 1)[0]
-        raw = super().get(name)
+        raw = self.inner.get(name)
         if name.endswith(".qweight"):
             if f"{module}.g_idx" in self:
-                check_sequential_groups(super().get(f"{module}.g_idx"), self.quant.group_size, f"{module}.g_idx")
+                check_sequential_groups(self.inner.get(f"{module}.g_idx"), self.quant.group_size, f"{module}.g_idx")
             t = gptq_qweight_to_awq(raw)
         else:
             t = gptq_qzeros_to_awq(raw, self.quant.zero_offset, name)
@@ -232,8 +269,80 @@ class GPTQCheckpointReader(CheckpointReader):
         return t
 
 
+class CompressedTensorsReader(ConvertingReader):
+    """A compressed-tensors W4A16 checkpoint read as if it were AWQ. For a module ``X`` stored packed
+    (``X.weight_packed``):
+
+    * ``X.qweight`` / ``X.qzeros`` / ``X.scales`` are the AWQ tensors of the same weights
+      (:mod:`moeflow.quant.ctensors`), what the experts and the AWQ attention linears load;
+    * ``X.weight`` is the weight dequantized as compressed-tensors does it (in the scale dtype), for the modules
+      moeflow keeps 16-bit (the embedding or lm_head when quantized, MLA projections, ...).
+
+    Everything else (the ``ignore`` list's 16-bit weights, norms, biases) passes through."""
+
+    def _packed(self, name: str) -> tuple[str, str] | None:
+        """(module, part) when ``name`` is a tensor this reader makes from ``module.weight_packed``."""
+        module, _, part = name.rpartition(".")
+        if part in ("qweight", "qzeros", "scales", "weight") and f"{module}.weight_packed" in self.inner:
+            return module, part
+        return None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.inner or self._packed(name) is not None
+
+    def names(self) -> list[str]:
+        out = []
+        for name in self.inner.names():
+            module, _, part = name.rpartition(".")
+            if part == "weight_packed":
+                out += [f"{module}.qweight", f"{module}.qzeros", f"{module}.scales"]
+            elif part not in ("weight_scale", "weight_zero_point", "weight_shape"):
+                out.append(name)
+        return out
+
+    def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        found = None if name in self.inner else self._packed(name)
+        if found is None:
+            return self.inner.get(name, shape)
+        module, part = found
+        t = self._convert(module, part)
+        if shape is not None and tuple(t.shape) != tuple(shape):
+            raise CheckpointError(f"tensor {name!r} (compressed-tensors, from {module}.weight_packed of shape "
+                                  f"{self.inner.shape(module + '.weight_packed')}) has shape {tuple(t.shape)}, "
+                                  f"but config.json implies {tuple(shape)}")
+        return t
+
+    def _convert(self, module: str, part: str) -> torch.Tensor:
+        n, words = self.inner.shape(f"{module}.weight_packed")
+        groups = self.inner.shape(f"{module}.weight_scale")[-1]
+        if groups * self.quant.group_size != words * 8:
+            raise CheckpointError(
+                f"{module}: weight_packed holds {words * 8} input features and weight_scale {groups} groups, which "
+                f"is not config.json's group_size={self.quant.group_size}")
+        if part == "scales":
+            return ctensors.ct_scales_to_awq(self.inner.get(f"{module}.weight_scale"), f"{module}.weight_scale")
+        if part == "qweight":
+            return ctensors.ct_qweight_to_awq(self.inner.get(f"{module}.weight_packed"), f"{module}.weight_packed")
+        zp_name = f"{module}.weight_zero_point"
+        if not self.quant.symmetric and zp_name not in self.inner:
+            raise CheckpointError(f"tensor {zp_name!r} is missing: config.json's quantization is asymmetric")
+        zero_point = None if self.quant.symmetric else self.inner.get(zp_name)
+        if part == "qzeros":
+            return ctensors.ct_qzeros_to_awq(zero_point, n, groups, zp_name)
+        packed, scale = self.inner.get(f"{module}.weight_packed"), self.inner.get(f"{module}.weight_scale")
+        return ctensors.ct_dequantize(packed, scale, zero_point, f"{module}.weight")
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name in self.inner:
+            return self.inner.shape(name)
+        return tuple(self.get(name).shape)
+
+
 def open_checkpoint(directory: Path, quant: QuantizationSpec | None) -> CheckpointReader:
-    """The reader for ``directory``: GPTQ checkpoints through :class:`GPTQCheckpointReader`."""
+    """The reader for ``directory``: GPTQ checkpoints through :class:`GPTQCheckpointReader`, compressed-tensors
+    ones through :class:`CompressedTensorsReader`."""
     if quant is not None and quant.method == "gptq":
-        return GPTQCheckpointReader(directory, quant)
+        return GPTQCheckpointReader(CheckpointReader(directory), quant)
+    if quant is not None and quant.method == ctensors.METHOD:
+        return CompressedTensorsReader(CheckpointReader(directory), quant)
     return CheckpointReader(directory)
