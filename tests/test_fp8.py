@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny_families import DEEPSEEK_V3, assert_matches_transformers, make_model, write_fp8_checkpoint
 
-from moeflow import MoEModel
+from moeflow import MoEModel, OffloadConfig
 from moeflow.errors import CheckpointError
 from moeflow.quant.awq import dequantize
 from moeflow.quant.convert import quantize_checkpoint
@@ -149,3 +149,17 @@ def test_mtp_layer_is_never_read_and_an_mtp_only_shard_is_named(tmp_path):
     save_file(mtp, tmp_path / "mtp_only" / "model.safetensors")
     with pytest.raises(CheckpointError, match=f"multi-token-prediction.*model.layers.{n}"):
         MoEModel.from_pretrained(tmp_path / "mtp_only")
+
+
+def test_the_disk_tier_reads_fp8_experts_as_int4(fp8_checkpoint, caplog):
+    """Experts left on disk in FP8 are requantized on every read, as at load: the resident model's tokens, reads
+    from disk, and a warning that names `moeflow quantize`."""
+    dst, _, _ = fp8_checkpoint
+    ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(1))
+    want = MoEModel.from_pretrained(dst).generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=[])
+    model = MoEModel.from_pretrained(dst, offload=OffloadConfig(policy="lru", gpu_expert_slots=4,
+                                                                host_memory_gb=0.0005))
+    assert model.experts.host.on_disk
+    assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=[]), want)
+    assert model.experts.host.stats.demand_reads > 0
+    assert "moeflow quantize" in caplog.text

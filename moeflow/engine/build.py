@@ -9,6 +9,7 @@ expert into it; ``finish_loading``. The result is a :class:`BuiltModel` the API 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,10 +34,12 @@ from moeflow.moe.backend import ExpertBackend
 from moeflow.moe.resident import CpuInt4Experts
 from moeflow.offload import Stats, create_expert_backend, get_policy, min_slots
 from moeflow.offload.cpu_slots import CpuInt4Format
-from moeflow.quant.fp8 import Fp8BlockReader, fp8_block_spec
+from moeflow.quant.fp8 import Fp8BlockReader, awq_expert_tensors, fp8_block_spec
 
 KERNEL_CHOICES = ("auto", "torch", "triton", "cpu-int4")
 PROGRESS_MIN_BYTES = 256 * 2**20  # show a loading progress bar above this much expert data
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -173,7 +176,9 @@ def build_model(
         cfg = family.config
         stored = expert_storage_format(fmt, resolved, offload)
         plan, sized = plan_memory(offload, family, stored, device, dtype, loading.non_expert_bytes(decoder))
-        source = open_expert_index(reader, family, layout, quant) if offload.host_memory_gb is not None else None
+        source = None
+        if offload.host_memory_gb is not None:
+            source = open_expert_index(reader, family, layout, quant, fmt if fp8 is not None else None)
         host_reserved = plan.non_expert + plan.kv_cache if device.type == "cpu" else 0  # weights in host memory
         try:
             backend = make_expert_backend(
@@ -187,6 +192,10 @@ def build_model(
             raise
         host = getattr(backend, "host", None)
         on_disk = host is not None and host.on_disk
+        if on_disk and fp8 is not None:  # correct, but every read from disk requantizes an expert on the CPU
+            log.warning("%s: experts stay on disk in FP8, so every read from disk requantizes one to int4 on the "
+                        "CPU (about a second per expert at DeepSeek-V3 sizes): run `moeflow quantize %s DST` once "
+                        "and load DST to read int4 experts as stored", config_path, directory)
         if source is not None and not on_disk:
             source.close()  # every expert fits in host memory: loaded below as without a budget
         if progress is None:
@@ -226,12 +235,20 @@ def plan_memory(offload: OffloadConfig, family: Family, fmt: ExpertFormat, devic
     return plan, sized
 
 
-def open_expert_index(reader: CheckpointReader, family: Family, layout, quant) -> ExpertIndex:
-    """The byte ranges of every expert in the checkpoint (the disk tier reads experts through it)."""
-    # a converting reader (GPTQ, compressed-tensors) converts the raw tensors the index reads, as at load
+def open_expert_index(reader: CheckpointReader, family: Family, layout, quant,
+                      requantize: ExpertFormat | None = None) -> ExpertIndex:
+    """The byte ranges of every expert in the checkpoint (the disk tier reads experts through it). ``requantize``:
+    the AWQ format an FP8 checkpoint's dense experts become on every read, as at load."""
+    # a converting reader (GPTQ, compressed-tensors, FP8) converts the raw tensors the index reads, as at load
     over = getattr(reader, "over", lambda r: r)
-    return ExpertIndex(reader, lambda r, layer, expert: family.read_expert(over(r), layout, quant, layer, expert),
-                       len(family.moe_layers), family.num_experts)
+
+    def read(r, layer: int, expert: int) -> dict[str, torch.Tensor]:
+        tensors = family.read_expert(over(r), layout, quant, layer, expert)
+        if requantize is None:
+            return tensors
+        return awq_expert_tensors(tensors["w13"], tensors["w2"], requantize.group_size, requantize.dtype)
+
+    return ExpertIndex(reader, read, len(family.moe_layers), family.num_experts)
 
 
 def _linear_factory(dtype: torch.dtype, awq_attention: dict | None):

@@ -93,6 +93,10 @@ class Fp8BlockReader:
         self.directory = reader.directory
         self.weight_map = reader.weight_map
 
+    def over(self, reader: CheckpointReader) -> Fp8BlockReader:
+        """The same dequantization over another reader of the checkpoint's tensors (the disk tier's views)."""
+        return Fp8BlockReader(reader, self.spec)
+
     def __contains__(self, name: str) -> bool:
         return name in self.reader
 
