@@ -72,7 +72,7 @@ def _recurrent(qkv: Tensor, a: Tensor, b: Tensor, a_log: Tensor, dt_bias: Tensor
     if a.stride() != b.stride() or a.stride(-1) != 1:
         a, b = a.contiguous(), b.contiguous()
     work, copy_back = _in_place(state)
-    out = _kernels().recurrent(qkv if qkv.stride(-1) == 1 else qkv.contiguous(), a, b, a_log, dt_bias, mask, work,
+    out = _kernels().recurrent(qkv, a, b, a_log, dt_bias, mask, work,
                                num_k_heads, k_dim, k_dim ** -0.5, out_dtype)
     if copy_back:
         state.copy_(work)

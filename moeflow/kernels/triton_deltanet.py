@@ -82,7 +82,7 @@ def _softplus(x):
 
 @triton.jit
 def _recurrent_kernel(
-    qkv_ptr, s_qb, s_qt,  # [B, T, 2 * KEY_DIM + HV * DV]: q, k (KEY_DIM each, by key head), v (by value head)
+    qkv_ptr, s_qb, s_qt, s_qc,  # [B, T, 2 KEY_DIM + HV DV]: q, k (KEY_DIM each, by key head), v (by value head)
     a_ptr, b_ptr, s_ab, s_at, s_ah,  # [B, T, HV] pre-activation gates (a and b share strides)
     alog_ptr, dtb_ptr,  # [HV] A_log, dt_bias
     mask_ptr, s_mb, s_mt,  # uint8 [B, T]
@@ -106,9 +106,9 @@ def _recurrent_kernel(
     dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
     for t in range(T):
         base = qkv_ptr + row * s_qb + t * s_qt
-        q = tl.load(base + hk * DK + ks, mask=k_ok, other=0.0).to(tl.float32)
-        k = tl.load(base + KEY_DIM + hk * DK + ks, mask=k_ok, other=0.0).to(tl.float32)
-        v = tl.load(base + 2 * KEY_DIM + h * DV + vs, mask=v_ok, other=0.0).to(tl.float32)
+        q = tl.load(base + (hk * DK + ks) * s_qc, mask=k_ok, other=0.0).to(tl.float32)
+        k = tl.load(base + (KEY_DIM + hk * DK + ks) * s_qc, mask=k_ok, other=0.0).to(tl.float32)
+        v = tl.load(base + (2 * KEY_DIM + h * DV + vs) * s_qc, mask=v_ok, other=0.0).to(tl.float32)
         q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
         k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
         gate = row * s_ab + t * s_at + h * s_ah
@@ -150,19 +150,21 @@ def conv_decode(qkv: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tenso
 def recurrent(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
               mask: torch.Tensor, state: torch.Tensor, num_k_heads: int, k_dim: int, scale: float,
               out_dtype: torch.dtype) -> torch.Tensor:
-    """The gated delta rule token by token from the conv output ``qkv`` [B, T, 2 Hk dk + Hv dv], the gates'
-    inputs a/b [B, T, Hv], A_log/dt_bias [Hv] and the token mask [B, T]; ``state`` fp32 [B, Hv, dk, dv] advanced in
-    place -> o [B, T, Hv, dv] in ``out_dtype``."""
+    """The gated delta rule token by token from the conv output ``qkv`` [B, T, 2 Hk dk + Hv dv] (any strides: the
+    prefill conv's output is channel-strided), the gates' inputs a/b [B, T, Hv], A_log/dt_bias [Hv] and the token
+    mask [B, T]; ``state`` fp32 [B, Hv, dk, dv] advanced in place -> o [B, T, Hv, dv] in ``out_dtype``."""
     bsz, t, _ = qkv.shape
     hv, _, dv = state.shape[1:]
-    assert a.stride() == b.stride() and qkv.stride(-1) == 1 and state.stride(-1) == 1 and state.dtype == torch.float32
+    assert a.stride() == b.stride() and state.stride(-1) == 1 and state.dtype == torch.float32
     out = torch.empty((bsz, t, hv, dv), dtype=out_dtype, device=qkv.device)
     if bsz == 0 or t == 0:
         return out
+    if qkv.stride(-1) != 1 and qkv.numel() >= 2**31:  # channel offsets times a stride stay int32
+        qkv = qkv.contiguous()
     m = _mask_bytes(mask)
     bv = min(BLOCK_V, next_pow2(dv))
     _recurrent_kernel[(bsz * hv, cdiv(dv, bv))](
-        qkv, qkv.stride(0), qkv.stride(1), a, b, a.stride(0), a.stride(1), a.stride(2), a_log, dt_bias,
+        qkv, qkv.stride(0), qkv.stride(1), qkv.stride(2), a, b, a.stride(0), a.stride(1), a.stride(2), a_log, dt_bias,
         m, m.stride(0), m.stride(1), state, state.stride(0), state.stride(1), state.stride(2),
         out, out.stride(0), out.stride(1), out.stride(2), t, scale,
         HV=hv, R=hv // num_k_heads, DK=k_dim, DV=dv, KEY_DIM=num_k_heads * k_dim, BK=max(16, next_pow2(k_dim)),
