@@ -24,6 +24,7 @@ from moeflow.engine.cpu_step import fuse_cpu_step
 from moeflow.engine.sampling import GenerationConfig
 from moeflow.families import Family, family_for_config
 from moeflow.families.base import CausalDecoder
+from moeflow.families.gated_deltanet import GatedDeltaNet
 from moeflow.families.layers import AWQLinear, fuse_qkv_projections
 from moeflow.io.checkpoint import CheckpointReader, open_checkpoint, read_json, read_quantization, resolve_checkpoint
 from moeflow.io.expert_index import ExpertIndex
@@ -169,6 +170,8 @@ def build_model(
         for module in decoder.modules():
             if isinstance(module, AWQLinear):  # what the CPU kernels cannot tile stays on the torch reference
                 module.use_kernels("torch" if resolved.linear == "cpu-int4" else resolved.linear)
+            elif isinstance(module, GatedDeltaNet):  # the linear-attention layers follow the kernel choice
+                module.use_kernels("triton" if resolved.choice == "triton" else "torch")
         fuse_qkv_projections(decoder)  # packed (Triton) AWQ q/k/v: one launch per layer instead of three
         decoder.rotary.to(device)
 

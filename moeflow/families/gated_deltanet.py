@@ -174,6 +174,15 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(s.num_v_heads, dtype=dtype))
         self.norm = GatedRMSNorm(s.v_head_dim, s.rms_norm_eps, dtype)
         self.out_proj = linear_factory("out_proj", s.value_dim, h)
+        self.kernels_backend = "auto"
+
+    def use_kernels(self, backend: str) -> None:
+        """"torch": the fp32 reference above; "triton": :mod:`moeflow.kernels.triton_deltanet` (the decode conv,
+        and for any T the fused recurrence; on a CPU under ``TRITON_INTERPRET=1``); "auto" (the default): Triton
+        when the input is on CUDA."""
+        if backend not in ("torch", "triton", "auto"):
+            raise ValueError(f"GatedDeltaNet kernels {backend!r}: expected 'torch', 'triton' or 'auto'")
+        self.kernels_backend = backend
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [B, T, H] -> (qkv [B, T, conv_dim] (q, k, v heads in order), z [B, T, Hv, dv], b, a [B, T, Hv])."""
@@ -217,7 +226,32 @@ class GatedDeltaNet(nn.Module):
         conv_state, recurrent, mask = cache.linear_state(self.state_idx)
         x = x * mask[..., None].to(x.dtype)  # padding tokens feed zeros into the conv, as transformers does
         qkv, z, b, a = self.project(x)
-        qkv, conv_state = self.conv(qkv, conv_state, mask)
+        if self.kernels_backend == "triton" or (self.kernels_backend == "auto" and x.is_cuda):
+            from moeflow.kernels import deltanet
+
+            if t == 1:  # the conv kernel shifts the conv state in place
+                qkv = deltanet.conv_decode(qkv, conv_state, self.conv1d.weight, mask)
+            else:
+                qkv, conv_state = self.conv(qkv, conv_state, mask)
+            # one launch for any T: gates, L2 norms and the recurrence fused, the state advanced in place
+            out = deltanet.recurrent(qkv, a, b, self.A_log, self.dt_bias, mask, recurrent, s.num_k_heads,
+                                     s.k_head_dim, x.dtype)
+        else:
+            qkv, conv_state = self.conv(qkv, conv_state, mask)
+            rule = recurrent_gated_delta_rule if t == 1 else chunk_gated_delta_rule
+            out, recurrent = rule(*self.rule_inputs(qkv, a, b, mask), recurrent)
+            out = out.transpose(1, 2).to(x.dtype)
+        cache.write_linear_state(self.state_idx, conv_state, recurrent)  # in place already: copy_ returns at once
+        out = self.norm(out, z)  # [B, T, Hv, dv]
+        return self.out_proj(out.reshape(bsz, t, s.value_dim))
+
+    def rule_inputs(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor
+                    ) -> tuple[torch.Tensor, ...]:
+        """The delta rule's fp32 inputs from the conv output qkv [B, T, conv_dim], a/b [B, T, Hv] and the mask
+        [B, T]: q/k [B, Hv, T, dk] (L2-normalised, q scaled; key heads repeated), v [B, Hv, T, dv], g/beta
+        [B, Hv, T] (0 on padding)."""
+        s = self.shape
+        bsz, t, _ = qkv.shape
         q, k, v = qkv.split((s.key_dim, s.key_dim, s.value_dim), dim=-1)
         r = s.num_v_heads // s.num_k_heads
         q, k = (y.reshape(bsz, t, s.num_k_heads, s.k_head_dim).float() for y in (q, k))
@@ -230,8 +264,4 @@ class GatedDeltaNet(nn.Module):
         real = mask.float()
         beta = (b.sigmoid().float() * real[..., None]).transpose(1, 2)  # [B, Hv, T]
         g = (-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float()) * real[..., None]).transpose(1, 2)
-        rule = recurrent_gated_delta_rule if t == 1 else chunk_gated_delta_rule
-        out, recurrent = rule(q, k, v, g, beta, recurrent)
-        cache.write_linear_state(self.state_idx, conv_state, recurrent)
-        out = self.norm(out.transpose(1, 2).to(x.dtype), z)  # [B, T, Hv, dv]
-        return self.out_proj(out.reshape(bsz, t, s.value_dim))
+        return q, k, v, g, beta
