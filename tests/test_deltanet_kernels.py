@@ -112,10 +112,10 @@ def test_masked_tokens_leave_the_recurrent_state_bitwise_unchanged():
 
 # ------------------------------------------------------------------ prefill: the same kernel over a prompt
 def test_recurrent_kernel_over_a_prompt_equals_the_chunked_reference():
-    """150 tokens (3 chunks of the reference's prefill form, a ragged tail), left padding on row 1."""
+    """90 tokens (a whole chunk of the reference's prefill form and a ragged tail), left padding on row 1."""
     layer = layer_of(2, 4, 16, 12, torch.float32, seed=9)
-    qkv, a, b, state = decode_inputs(layer, 2, 150, torch.float32, seed=10)
-    mask = torch.ones(2, 150, dtype=torch.bool)
+    qkv, a, b, state = decode_inputs(layer, 2, 90, torch.float32, seed=10)
+    mask = torch.ones(2, 90, dtype=torch.bool)
     mask[1, :13] = False
     q, k, v, g, beta = layer.rule_inputs(qkv, a, b, mask)
     want, want_state = chunk_gated_delta_rule(q, k, v, g, beta, state)
