@@ -180,11 +180,10 @@ class DecoderLayer(nn.Module):
         return x + (self.mlp(h, experts, routing) if isinstance(self.mlp, MoEBlock) else self.mlp(h))
 
 
-class LlamaMoEFamily(Family):
-    """A family whose checkpoints use the ``model.layers.L.{self_attn,mlp}`` names; subclasses parse config.json."""
-
-    config: LlamaMoEConfig
-    moe_prefix: ClassVar[str] = "mlp"
+class SoftmaxRoutedFamily(Family):
+    """A family with a softmax top-k router and SiLU-gated experts, read from config fields every Qwen-style
+    config has (``moe_layer_ids``, ``num_experts``, ``num_experts_per_tok``, ``norm_topk_prob``, ``hidden_size``,
+    ``moe_intermediate_size``): the Llama-MoE families and Qwen3-Next / Qwen3.5."""
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -200,6 +199,13 @@ class LlamaMoEFamily(Family):
 
     def expert_spec(self) -> ExpertSpec:
         return ExpertSpec(self.config.hidden_size, self.config.moe_intermediate_size, activation="silu")
+
+
+class LlamaMoEFamily(SoftmaxRoutedFamily):
+    """A family whose checkpoints use the ``model.layers.L.{self_attn,mlp}`` names; subclasses parse config.json."""
+
+    config: LlamaMoEConfig
+    moe_prefix: ClassVar[str] = "mlp"
 
     def build_decoder(self, dtype: torch.dtype, linear_factory: LinearFactory) -> CausalDecoder:
         cfg, router = self.config, self.router_spec()

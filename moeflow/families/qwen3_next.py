@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeflow.errors import CheckpointError
-from moeflow.families.base import CausalDecoder, ExpertLayout, ExpertSpec, Family, KVCacheSpec, LinearStateSpec
+from moeflow.families.base import CausalDecoder, ExpertLayout, KVCacheSpec, LinearStateSpec
 from moeflow.families.gated_deltanet import DeltaNetShape, GatedDeltaNet, ZeroCenteredRMSNorm
 from moeflow.families.gated_experts import (
     ProjectionNames,
@@ -39,7 +39,7 @@ from moeflow.families.gated_experts import (
     read_gated_expert,
 )
 from moeflow.families.layers import GatedMLP, LinearFactory, RotaryEmbedding, make_linear, rotate_half
-from moeflow.families.llama_moe import expert_count, require, rope_theta, sparse_layers
+from moeflow.families.llama_moe import SoftmaxRoutedFamily, expert_count, require, rope_theta, sparse_layers
 from moeflow.io.checkpoint import CheckpointReader, QuantizationSpec
 from moeflow.moe.block import MoEBlock
 from moeflow.moe.routing import RouterSpec
@@ -249,7 +249,7 @@ class TextLayout(ExpertLayout):
     text_prefix: str = "model"
 
 
-class Qwen3NextFamily(Family):
+class Qwen3NextFamily(SoftmaxRoutedFamily):
     """Qwen3-Next; :class:`Qwen35MoeFamily` reads Qwen3.5-MoE's config and projection names over it."""
 
     name = "qwen3_next"
@@ -260,21 +260,6 @@ class Qwen3NextFamily(Family):
     @classmethod
     def parse_config(cls, raw: dict[str, Any], source: str) -> HybridMoEConfig:
         return parse_hybrid(raw, source, "qwen3_next", dense_layers=True)
-
-    @property
-    def moe_layers(self) -> tuple[int, ...]:
-        return self.config.moe_layer_ids
-
-    @property
-    def num_experts(self) -> int:
-        return self.config.num_experts
-
-    def router_spec(self) -> RouterSpec:
-        return RouterSpec(top_k=self.config.num_experts_per_tok, scoring="softmax",
-                          renormalize=self.config.norm_topk_prob)
-
-    def expert_spec(self) -> ExpertSpec:
-        return ExpertSpec(self.config.hidden_size, self.config.moe_intermediate_size, activation="silu")
 
     def build_decoder(self, dtype: torch.dtype, linear_factory: LinearFactory) -> CausalDecoder:
         cfg, router = self.config, self.router_spec()

@@ -137,14 +137,28 @@ _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
 
 
-def _qwen3_coder(body: str, tools: Tools) -> list[ToolCall] | None:
-    calls = []
-    for name, inner in _FUNCTION.findall(body):
-        schema = tools.get(name.strip(), {})
-        args = {k.strip(): _typed(_strip_one_newline(v), schema.get(k.strip()))
-                for k, v in _PARAMETER.findall(inner)}
-        calls.append(_call(name, args))
+def _all_or_none(calls: list[ToolCall | None]) -> list[ToolCall] | None:
+    """The calls of a block, or None (the block stays content) when it has none or one did not parse."""
     return calls if calls and all(calls) else None  # type: ignore[return-value]
+
+
+def _xml_calls(body: str, tools: Tools, invoke: re.Pattern, parameter: re.Pattern,
+               strip_keys: bool) -> list[ToolCall] | None:
+    """Calls written as (name, inner) ``invoke`` matches whose ``parameter`` matches are (key, text value); a value
+    loses one leading and trailing newline and is typed by the tool's schema."""
+    calls = []
+    for name, inner in invoke.findall(body):
+        schema = tools.get(name.strip(), {})
+        args = {}
+        for key, value in parameter.findall(inner):
+            key = key.strip() if strip_keys else key
+            args[key] = _typed(_strip_one_newline(value), schema.get(key))
+        calls.append(_call(name, args))
+    return _all_or_none(calls)
+
+
+def _qwen3_coder(body: str, tools: Tools) -> list[ToolCall] | None:
+    return _xml_calls(body, tools, _FUNCTION, _PARAMETER, strip_keys=True)
 
 
 _GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
@@ -165,12 +179,7 @@ _MINIMAX_PARAM = re.compile(r"<parameter name=\"([^\"]+)\">(.*?)</parameter>", r
 
 
 def _minimax_m2(body: str, tools: Tools) -> list[ToolCall] | None:
-    calls = []
-    for name, inner in _INVOKE.findall(body):
-        schema = tools.get(name.strip(), {})
-        args = {k: _typed(_strip_one_newline(v), schema.get(k)) for k, v in _MINIMAX_PARAM.findall(inner)}
-        calls.append(_call(name, args))
-    return calls if calls and all(calls) else None  # type: ignore[return-value]
+    return _xml_calls(body, tools, _INVOKE, _MINIMAX_PARAM, strip_keys=False)
 
 
 _DS_CALL = re.compile(r"<｜tool▁call▁begin｜>(.*?)<｜tool▁call▁end｜>", re.S)
@@ -189,7 +198,7 @@ def _deepseek_v3(body: str, tools: Tools) -> list[ToolCall] | None:
             name, args = left, right
         fenced = _FENCE.match(args.strip())
         calls.append(_call(name, _loads(fenced.group(1) if fenced else args.strip())))
-    return calls if calls and all(calls) else None  # type: ignore[return-value]
+    return _all_or_none(calls)
 
 
 _DSML_INVOKE = re.compile(r"<｜DSML｜invoke name=\"([^\"]+)\">(.*?)</｜DSML｜invoke>", re.S)
@@ -211,7 +220,7 @@ def _deepseek_v32(body: str, tools: Tools) -> list[ToolCall] | None:
             else:
                 args[key] = _typed(value, schema.get(key))
         calls.append(_call(name, args))
-    return calls if calls and all(calls) else None  # type: ignore[return-value]
+    return _all_or_none(calls)
 
 
 _KIMI_CALL = re.compile(r"<\|tool_call_begin\|>\s*([^<]+?)\s*<\|tool_call_argument_begin\|>(.*?)<\|tool_call_end\|>",
@@ -223,7 +232,7 @@ def _kimi_k2(body: str, tools: Tools) -> list[ToolCall] | None:
     for ident, args in _KIMI_CALL.findall(body):  # ident: functions.NAME:INDEX
         name = ident.removeprefix("functions.").rsplit(":", 1)[0]
         calls.append(_call(name, _loads(args.strip())))
-    return calls if calls and all(calls) else None  # type: ignore[return-value]
+    return _all_or_none(calls)
 
 
 def _mistral(body: str, tools: Tools) -> list[ToolCall] | None:
@@ -236,7 +245,7 @@ def _mistral(body: str, tools: Tools) -> list[ToolCall] | None:
         for piece in text.split("[TOOL_CALLS]"):
             name, sep, args = piece.partition("[ARGS]")
             calls.append(_call(name, _loads(args.strip())) if sep else None)
-    return calls if calls and all(calls) else None  # type: ignore[return-value]
+    return _all_or_none(calls)
 
 
 TOOL_FORMATS: dict[str, ToolFormat] = {f.name: f for f in (
