@@ -12,6 +12,13 @@ from moeflow.engine.continuous import ContinuousEngine, SamplingParams
 from moeflow.engine.kv_slots import SlotKVCache
 
 TIMEOUT_S = 120
+BUDGETS = (9, 4, 12, 6, 7)  # new tokens of each of prompts()'s requests
+
+
+def prompts() -> list[list[int]]:
+    """Five prompts of 3 to 17 tokens (the longer ones span several prefill chunks of 5)."""
+    gen = torch.Generator().manual_seed(8)
+    return [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (3, 11, 17, 6, 9)]
 
 
 def serve_all(model, prompts: list[list[int]], budgets: tuple[int, ...], rows: int = 3, chunk: int = 5,
@@ -44,3 +51,18 @@ def captured_model(path):
     graphs.inner = lambda *args: inner(*args).as_subclass(torch.Tensor)
     model.use_backend(HostArgs(model.experts))
     return model, graphs
+
+
+def assert_captured_serving_is_eager(path, serve) -> None:
+    """``serve(model)`` on the checkpoint at ``path`` gives the same tokens with the decode steps captured (and
+    something really captured) as eagerly."""
+    eager = MoEModel.from_pretrained(path, kernels="torch")
+    want = serve(eager)
+    eager.close()
+    model, graphs = captured_model(path)
+    try:
+        got = serve(model)
+    finally:
+        model.close()
+    assert graphs.refused is None and graphs.captures > 0
+    assert got == want

@@ -7,20 +7,12 @@ request's tokens from generate() alone; a row costs the latent bytes, not full h
 from __future__ import annotations
 
 import pytest
-import torch
-from engine_helpers import captured_model, generate_each, serve_all
+from engine_helpers import BUDGETS, assert_captured_serving_is_eager, generate_each, prompts, serve_all
 from tiny_dsa import GLM_MOE_DSA, make_dsa_checkpoint
 from tiny_families import DEEPSEEK_V3, make_checkpoint
 
 from moeflow import MoEModel, OffloadConfig
 from moeflow.engine.kv_slots import LatentSlotKVCache, SlotKVCache, row_bytes
-
-BUDGETS = (9, 4, 12, 6, 7)
-
-
-def prompts() -> list[list[int]]:
-    gen = torch.Generator().manual_seed(8)  # the longer prompts pass GLM-5's index_topk: the selection matters
-    return [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (3, 11, 17, 6, 9)]
 
 
 def checkpoint(tmp_path, kind: str, seed: int):
@@ -30,6 +22,7 @@ def checkpoint(tmp_path, kind: str, seed: int):
 
 
 def serve(model, rows: int = 3, chunk: int = 5) -> list[list[int]]:
+    # prompts() of up to 17 tokens pass GLM-5's index_topk (6 here): the sparse selection matters
     return serve_all(model, prompts(), BUDGETS, rows, chunk, cache_type=LatentSlotKVCache)
 
 
@@ -48,16 +41,7 @@ def test_engine_tokens_equal_generate_alone(tmp_path, kind, offload):
 @pytest.mark.parametrize("kind", ["deepseek_v3", "glm_moe_dsa"])
 def test_captured_engine_decode_gives_the_same_tokens(tmp_path, kind):
     path = checkpoint(tmp_path, kind, seed=14)
-    eager = MoEModel.from_pretrained(path, kernels="torch")
-    want = serve(eager)
-    eager.close()
-    model, graphs = captured_model(path)
-    try:
-        got = serve(model)
-    finally:
-        model.close()
-    assert graphs.refused is None and graphs.captures > 0
-    assert got == want
+    assert_captured_serving_is_eager(path, serve)
 
 
 def test_a_row_costs_the_latent_bytes(tmp_path):

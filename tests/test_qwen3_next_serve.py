@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import captured_model, generate_each, serve_all
+from engine_helpers import BUDGETS, assert_captured_serving_is_eager, generate_each, prompts, serve_all
 from tiny_hybrid import QWEN3_5_MOE, QWEN3_NEXT, make_checkpoint
 
 from moeflow import MoEModel, OffloadConfig
@@ -17,14 +17,6 @@ from moeflow.engine.continuous import ContinuousEngine
 from moeflow.engine.kv_slots import SlotKVCache
 
 CASES = {"qwen3_next": QWEN3_NEXT["interval2-gqa-dense-first"], "qwen3_5_moe": QWEN3_5_MOE["full-first-mrope"]}
-BUDGETS = (9, 4, 12, 6, 7)
-
-
-def prompts() -> list[list[int]]:
-    gen = torch.Generator().manual_seed(8)
-    return [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (3, 11, 17, 6, 9)]
-
-
 def serve(model, rows: int = 3, chunk: int = 5) -> list[list[int]]:
     return serve_all(model, prompts(), BUDGETS, rows, chunk)
 
@@ -45,16 +37,7 @@ def test_engine_tokens_equal_generate_alone(tmp_path, kind, offload):
 @pytest.mark.parametrize("kind", list(CASES))
 def test_captured_engine_decode_gives_the_same_tokens(tmp_path, kind):
     path, _ = make_checkpoint(tmp_path, kind, seed=14, **CASES[kind])
-    eager = MoEModel.from_pretrained(path, kernels="torch")
-    want = serve(eager)
-    eager.close()
-    model, graphs = captured_model(path)
-    try:
-        got = serve(model)
-    finally:
-        model.close()
-    assert graphs.refused is None and graphs.captures > 0
-    assert got == want
+    assert_captured_serving_is_eager(path, serve)
 
 
 def test_a_cache_without_linear_states_is_refused_by_name(tmp_path):
