@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_families import offloaded_generate, resident_reference
+from tiny_families import assert_keeps_resident_tokens, resident_reference
 
 from moeflow import MoEModel, OffloadConfig
 from moeflow.offload.policies import POLICY_NAMES
@@ -33,13 +33,8 @@ def tiny(tmp_path_factory):
 @pytest.mark.parametrize("transport", ["sync", "random-delay"])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_greedy_tokens_equal_resident(tiny, policy, transport):
-    path, ids, mask, expected = tiny
-    for n_slots in range(TOP_K, MOE_LAYERS * EXPERTS + 1):
-        out, s = offloaded_generate(path, ids, mask, policy, transport, n_slots, NEW_TOKENS)
-        assert torch.equal(out, expected), f"{policy}/{transport} with {n_slots} slots: {out} != {expected}"
-        assert s.prefill.hits + s.prefill.misses > 0 and s.decode.hits + s.decode.misses > 0
-        if n_slots < MOE_LAYERS * EXPERTS:
-            assert s.prefill.bytes_h2d + s.decode.bytes_h2d > 0
+    assert_keeps_resident_tokens(tiny, policy, transport, range(TOP_K, MOE_LAYERS * EXPERTS + 1), NEW_TOKENS,
+                                 total_experts=MOE_LAYERS * EXPERTS)
 
 
 def test_micro_batches_regrouped_by_expertflow(tiny):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from tiny_dsa import make_dsa_checkpoint
-from tiny_families import offloaded_generate, train_predictors
+from tiny_families import assert_keeps_resident_tokens, train_predictors
 
 from moeflow import MoEModel, OffloadConfig
 from moeflow.offload.policies import POLICY_NAMES
@@ -42,13 +42,7 @@ def tiny(tmp_path_factory):
 @pytest.mark.parametrize("transport", ["sync", "random-delay"])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_greedy_tokens_equal_resident(tiny, policy, transport):
-    path, ids, mask, expected = tiny
-    for n_slots in SLOTS:
-        out, s = offloaded_generate(path, ids, mask, policy, transport, n_slots, NEW_TOKENS)
-        assert torch.equal(out, expected), f"{policy}/{transport} with {n_slots} slots: {out} != {expected}"
-        assert s.prefill.hits + s.prefill.misses > 0 and s.decode.hits + s.decode.misses > 0
-        if n_slots < MOE_LAYERS * EXPERTS:
-            assert s.prefill.bytes_h2d + s.decode.bytes_h2d > 0
+    assert_keeps_resident_tokens(tiny, policy, transport, SLOTS, NEW_TOKENS, total_experts=MOE_LAYERS * EXPERTS)
 
 
 def test_micro_batches_regrouped_by_expertflow(tiny):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_families import offloaded_generate, train_predictors
+from tiny_families import assert_keeps_resident_tokens, train_predictors
 from tiny_hybrid import QWEN3_5_MOE, QWEN3_NEXT, make_checkpoint
 
 from moeflow import MoEModel, OffloadConfig
@@ -42,11 +42,8 @@ def tiny(tmp_path_factory, request):
 @pytest.mark.parametrize("transport", ["sync", "random-delay"])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_greedy_tokens_equal_resident(tiny, policy, transport):
-    path, ids, mask, expected = tiny
-    for n_slots in (TOP_K, MOE_LAYERS * EXPERTS // 2, MOE_LAYERS * EXPERTS - 1):
-        out, s = offloaded_generate(path, ids, mask, policy, transport, n_slots, NEW_TOKENS)
-        assert torch.equal(out, expected), f"{policy}/{transport} with {n_slots} slots: {out} != {expected}"
-        assert s.prefill.hits + s.prefill.misses > 0 and s.decode.hits + s.decode.misses > 0
+    assert_keeps_resident_tokens(tiny, policy, transport, (TOP_K, MOE_LAYERS * EXPERTS // 2, MOE_LAYERS * EXPERTS - 1),
+                                 NEW_TOKENS)
 
 
 def test_expertflow_micro_batches_in_the_dual_batch_pipeline(tiny):

@@ -242,12 +242,15 @@ def resident_reference(directory: Path, kind: str, seed: int, gen_seed: int, pad
     return path, ids, mask, resident.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
 
 
-def assert_keeps_resident_tokens(reference: tuple, policy: str, transport: str, slot_counts: tuple[int, ...],
-                                 new_tokens: int) -> None:
+def assert_keeps_resident_tokens(reference: tuple, policy: str, transport: str, slot_counts,
+                                 new_tokens: int, total_experts: int | None = None) -> None:
     """``policy`` over ``transport`` at each of ``slot_counts`` gives the all-resident greedy tokens of
-    ``reference`` (:func:`resident_reference`'s), with experts looked up in the prefill and in the decode."""
+    ``reference`` ((path, ids, mask, tokens): :func:`resident_reference`'s), with experts looked up in the prefill
+    and in the decode, and (given ``total_experts``) copied to the slots whenever fewer slots than experts."""
     path, ids, mask, expected = reference
     for n_slots in slot_counts:
         out, s = offloaded_generate(path, ids, mask, policy, transport, n_slots, new_tokens)
         assert torch.equal(out, expected), f"{policy}/{transport} with {n_slots} slots: {out} != {expected}"
         assert s.prefill.hits + s.prefill.misses > 0 and s.decode.hits + s.decode.misses > 0
+        if total_experts is not None and n_slots < total_experts:
+            assert s.prefill.bytes_h2d + s.decode.bytes_h2d > 0
