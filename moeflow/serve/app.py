@@ -115,7 +115,7 @@ class ServeState:
         for i, c in enumerate(choices):
             gen, reason, logprobs = c.seq.generated, reasons[i], self.logprobs(c.seq, 0, len(c.seq.generated))
             out.append(p.chat_choice(i, c.text.message(gen), c.text.finish(gen, reason), logprobs) if kind == "chat"
-                       else p.completion_choice(i, c.text.text(gen), _finish(reason), logprobs))
+                       else p.completion_choice(i, c.text.text(gen), c.text.finish(gen, reason), logprobs))
         body = (p.chat_response if kind == "chat" else p.completion_response)(rid, self.model_name, out, usage)
         return JSONResponse(body)
 
@@ -200,8 +200,7 @@ class ServeState:
                 delta = c.text.delta_fields(c.ids, True) if kind == "chat" else c.text.delta(c.ids, True)
                 if delta:
                     yield chunk(i, delta)
-                yield chunk(i, {} if kind == "chat" else "", c.text.finish(c.ids, reason) if kind == "chat"
-                            else _finish(reason))
+                yield chunk(i, {} if kind == "chat" else "", c.text.finish(c.ids, reason))
             if req.include_usage() and not running:
                 obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
                 yield _sse(p.usage_chunk(rid, name, obj, _usage(len(choices[0].seq.prompt_ids),
@@ -211,10 +210,6 @@ class ServeState:
         finally:
             for c in choices:
                 c.seq.cancel()  # the client closed the stream (or it ended): free the row if still running
-
-
-def _finish(reason: str) -> str:
-    return "length" if reason == "length" else "stop"
 
 
 def _usage(prompt_tokens: int, generated: list[int], cached: int = 0) -> p.Usage:
