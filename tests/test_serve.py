@@ -267,3 +267,18 @@ def test_n_choices_are_seeded_samples_of_generate(server, ref, stream):
             texts[ch.index] += ch.delta.content or ""
             finishes[ch.index] = ch.finish_reason or finishes[ch.index]
     assert texts == [t for t, _ in want] and None not in finishes
+
+
+def test_the_printed_address_accepts_connections_before_uvicorn_starts():
+    """The server prints its address once the socket listens, so a client that connects at once is queued, not
+    refused (CI saw 'connection refused' when uvicorn's start was slow on a loaded machine)."""
+    import socket
+
+    from moeflow.cli.serve import listening_socket
+
+    sock = listening_socket("127.0.0.1", 0)
+    try:
+        client = socket.create_connection(sock.getsockname(), timeout=5)  # nothing has called accept()
+        client.close()
+    finally:
+        sock.close()

@@ -152,6 +152,17 @@ def cmd_chat(args) -> int:
         messages.append({"role": "assistant", "content": _chat_reply(model, messages, args)})
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port) and already listening. Listening before the address is printed lets a
+    client that reads it connect into the backlog while uvicorn starts (seconds on a loaded machine) instead of
+    being refused."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    return sock
+
+
 def cmd_serve(args) -> int:
     import uvicorn
 
@@ -194,10 +205,7 @@ def cmd_serve(args) -> int:
     app = create_app(model, engine, metrics, name, api_key=api_key, aliases=(source,),
                      tool_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
 
-    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((args.host, args.port))
+    sock = listening_socket(args.host, args.port)
     port = sock.getsockname()[1]
     print(f"moeflow serve: model '{name}' on http://{args.host}:{port}/v1 | {model.device}, policy "
           f"{args.policy!r} | KV cache {cache.rows} rows x {max_len} tokens ({cache.nbytes / 2**20:.1f} MiB) | "
