@@ -219,3 +219,34 @@ def test_gpu_decode_profile_tiny(tmp_path):
     assert all(r["captures"] == 1 and r["refused"] is None for r in rows
                if r["mode"] == "cuda_graphs" and r["policy"] == "lru"), rows
     assert all(r["ms_per_step"] > 0 for r in rows)
+
+
+def test_run_gpu_deltanet_tiny_lines_agree_and_survive_a_failing_point(tmp_path, monkeypatch):
+    """The DeltaNet stage at the CPU sizes (Triton interpreted): one JSON line per (point, implementation) as it is
+    taken, the Triton outputs and states equal to the torch reference's (fp32), a failing point recorded."""
+    import run_gpu_deltanet
+
+    real = run_gpu_deltanet.triton_core
+
+    def failing_at_3_rows(layer, x):
+        if x["qkv"].shape[0] == 3:
+            raise RuntimeError("out of memory (planted)")
+        return real(layer, x)
+
+    monkeypatch.setattr(run_gpu_deltanet, "triton_core", failing_at_3_rows)
+    out = tmp_path / "deltanet.jsonl"
+    lines = run_gpu_deltanet.main(["--tiny", "--out", str(out)])
+    assert [json.loads(line) for line in out.read_text().splitlines()] == lines
+    env, rows = lines[0], lines[1:]
+    assert env["kind"] == "env" and env["sizes"]["linear_num_value_heads"] == 4
+    assert [(r["mode"], r["rows"], r["tokens"], r["impl"]) for r in rows] == [
+        (m, n, t, impl) for m, n, t in (("decode", 1, 1), ("decode", 3, 1), ("prefill", 1, 8), ("prefill", 1, 70))
+        for impl in ("torch", "triton")]
+    failed = rows[3]
+    assert "planted" in failed["error"] and "us" not in failed
+    for r in rows[:3] + rows[4:]:
+        assert "error" not in r, r
+        assert r["us"] > 0 and r["timed_as"] == "wall_clock" and r["bytes"] > r["state_bytes"] > 0
+    for r in (rows[1], rows[5], rows[7]):  # decode, a short prompt, a prompt past one 64-token chunk
+        assert r["all_finite"] and r["ref_max_abs"] > 1e-3
+        assert r["max_abs_diff"] < 1e-5 and r["max_abs_diff_state"] < 1e-5, r
