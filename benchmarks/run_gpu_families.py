@@ -1,4 +1,5 @@
-"""GPU benchmark of the other families: Qwen3-30B-A3B-shaped AWQ and gpt-oss-120b-shaped MXFP4 checkpoints.
+"""GPU benchmark of the other families: Qwen3-30B-A3B-shaped AWQ and gpt-oss-120b-shaped MXFP4 checkpoints, and
+slices of Qwen3-Next-80B-A3B, MiniMax-M2 and DeepSeek-V3.2 with AWQ experts (``family_writers.py``).
 
 Issues 16 and 18: decode tok/s per GB budget, policy and ``cpu_compute`` mode on synthetic checkpoints with the
 published layouts (a lent machine starts bare and has no network, so the run writes them itself):
@@ -15,6 +16,9 @@ published layouts (a lent machine starts bare and has no network, so the run wri
   still leaves a third of the experts off the device; with 12 it would hold them all). Loading repacks every
   MXFP4 expert's bits for the kernels (``mxfp4_reference.to_kernel_layout``, ~0.3 s per expert on 2 shared CPU
   cores here): ``load_s`` in the JSON says what it cost on the GPU host.
+* ``qwen3_next`` (24 of 48 layers, ~23 GB), ``minimax_m2`` (10 of 62, ~22 GB), ``deepseek_v32`` (6 of 61: 3 dense +
+  3 MoE, ~26 GB): the layout ``moeflow quantize`` writes from the published checkpoints (AWQ experts, the rest bf16
+  under the names the family's loader reads); see ``family_writers.py``.
 
 Weights are random bytes (no quantization of real floats), a few expert templates reused, so writing is fast;
 the checkpoint goes under /tmp once and later runs reuse it. The model is loaded once (experts into the pinned
@@ -29,12 +33,14 @@ instead of GB budgets).
 
     python benchmarks/run_gpu_families.py --family qwen3_moe --out benchmarks/results/gpu_families    # on a GPU
     python benchmarks/run_gpu_families.py --family gpt_oss --layers 18 --out benchmarks/results/gpu_families
+    python benchmarks/run_gpu_families.py --family qwen3_next --out benchmarks/results/gpu_families  # 24 layers
     python benchmarks/run_gpu_families.py --tiny --family gpt_oss --out /tmp/families_tiny                # anywhere
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -49,6 +55,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import family_writers  # noqa: E402
 from gpu_checkpoint import random_awq_linear  # noqa: E402
 from run_gpu_offload import _free, _sync, run_config  # noqa: E402
 
@@ -91,9 +98,11 @@ TINY = {
                 "experts_per_token": 2, "num_hidden_layers": 2, "sliding_window": 4, "max_position_embeddings": 512,
                 "eos_token_id": 2, "pad_token_id": 1},
 }
-FULL = {"qwen3_moe": QWEN3_30B_A3B, "gpt_oss": GPT_OSS_120B}
-DEFAULT_LAYERS = {"qwen3_moe": None, "gpt_oss": 18}
-BUDGETS_GB = {"qwen3_moe": "4,8,12", "gpt_oss": "16,24"}
+TINY.update(family_writers.TINY)
+FULL = {"qwen3_moe": QWEN3_30B_A3B, "gpt_oss": GPT_OSS_120B, **family_writers.FULL}
+DEFAULT_LAYERS = {"qwen3_moe": None, "gpt_oss": 18, **family_writers.DEFAULT_LAYERS}
+BUDGETS_GB = {"qwen3_moe": "4,8,12", "gpt_oss": "16,24", **family_writers.BUDGETS_GB}
+DTYPES = {"qwen3_moe": "float16", "gpt_oss": "bfloat16"}  # the published dtypes (the others': bfloat16)
 POLICIES = ("lru", "mixtral-offloading", "static", "promoe", "duoserve")
 MODES = ("never", "auto")
 CONTEXT = 1024  # tokens the memory plan sizes the KV cache and prefill activations for
@@ -166,13 +175,19 @@ def write_family_checkpoint(directory: Path, family: str, cfg: dict, group_size:
         return directory
     gen = torch.Generator().manual_seed(seed)
     L, H, V = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]
-    dtype = torch.bfloat16 if family == "gpt_oss" else torch.float16
-    layers = _gpt_oss_layers(cfg, gen) if family == "gpt_oss" else _qwen3_layers(cfg, group_size, gen)
+    dtype = getattr(torch, DTYPES.get(family, "bfloat16"))
+    if family in family_writers.FULL:  # their last shard comes from the family's own decoder too
+        layers = family_writers.shards(cfg, group_size, dtype, seed)
+    elif family == "gpt_oss":
+        layers = _gpt_oss_layers(cfg, gen)
+    else:
+        layers = _qwen3_layers(cfg, group_size, gen)
     weight_map: dict[str, str] = {}
     total = 0
-    for i, tensors in enumerate([*layers, None]):
+    last = [] if family in family_writers.FULL else [None]  # lazily: one layer's tensors in memory at a time
+    for i, tensors in enumerate(itertools.chain(layers, last)):
         fname = f"model-{i + 1:05d}-of-{L + 1:05d}.safetensors"
-        if tensors is None:  # the last shard
+        if tensors is None:  # the last shard (the new families' writer yields its own)
             tensors = {"model.embed_tokens.weight": _normal((V, H), 0.5, gen, dtype),
                        "lm_head.weight": _normal((V, H), 0.02, gen, dtype),
                        "model.norm.weight": torch.ones(H, dtype=dtype)}
@@ -186,6 +201,8 @@ def write_family_checkpoint(directory: Path, family: str, cfg: dict, group_size:
         config["layer_types"] = [("sliding_attention", "full_attention")[i % 2] for i in range(L)]
         config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
             "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    elif family in family_writers.FULL:
+        config["quantization_config"] = family_writers.quantization_config(group_size)
     else:  # AutoAWQ's GEMM format, experts only
         config["quantization_config"] = {"bits": 4, "group_size": group_size, "quant_method": "awq",
                                          "version": "gemm", "zero_point": True,
@@ -197,6 +214,8 @@ def write_family_checkpoint(directory: Path, family: str, cfg: dict, group_size:
 
 def estimated_bytes(family: str, cfg: dict, group: int = 128) -> int:
     """Size of the checkpoint :func:`write_family_checkpoint` writes (to refuse early when the disk is short)."""
+    if family in family_writers.FULL:
+        return family_writers.estimated_bytes(cfg, group)
     H, L, V = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
     if family == "gpt_oss":
         I, E = cfg["intermediate_size"], cfg["num_local_experts"]  # noqa: E741
@@ -276,15 +295,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--family", choices=sorted(FULL), required=True)
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (budgets are slot counts)")
     ap.add_argument("--checkpoint", type=Path, default=None, help="where the synthetic checkpoint is (or goes)")
-    ap.add_argument("--layers", type=int, default=None, help="write fewer layers (gpt_oss default 18 of 36)")
-    ap.add_argument("--budgets", default=None, help="GB of device memory (qwen3_moe 4,8,12; gpt_oss 16,24)")
+    sliced = ", ".join(f"{k} {v}" for k, v in DEFAULT_LAYERS.items() if v)
+    ap.add_argument("--layers", type=int, default=None, help=f"write fewer layers (defaults: {sliced})")
+    ap.add_argument("--budgets", default=None, help=f"GB of device memory (defaults {BUDGETS_GB})")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--modes", default=",".join(MODES), help="cpu_compute values")
     ap.add_argument("--prompt-len", type=int, default=None)
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--transport", default="auto")
     ap.add_argument("--dtype", choices=("float16", "bfloat16"), default=None,
-                    help="activations on the GPU (default: the published dtype, qwen3_moe AWQ fp16, gpt_oss bf16)")
+                    help="activations on the GPU (default: the published dtype, qwen3_moe AWQ fp16, others bf16)")
     ap.add_argument("--time-budget-s", type=float, default=480.0, help="stop starting configurations after this")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu_families"))
     args = ap.parse_args(argv)
@@ -301,14 +321,14 @@ def main(argv: list[str] | None = None) -> dict:
         if not torch.cuda.is_available():
             raise SystemExit("no CUDA device: run with --tiny on the CPU")
         device, kernels, group = torch.device("cuda"), "auto", 128
-        dtype = getattr(torch, args.dtype or ("bfloat16" if family == "gpt_oss" else "float16"))
+        dtype = getattr(torch, args.dtype or DTYPES.get(family, "bfloat16"))
         cfg = dict(FULL[family])
         budgets = [float(b) for b in (args.budgets or BUDGETS_GB[family]).split(",")]
         prompt_len, new_tokens = args.prompt_len or 64, args.new_tokens or 32
     published_layers = cfg["num_hidden_layers"]
     layers = args.layers or (None if args.tiny else DEFAULT_LAYERS[family])
     if layers:
-        cfg["num_hidden_layers"] = layers
+        cfg = family_writers.slice_config(cfg, layers)
         if "max_window_layers" in cfg:
             cfg["max_window_layers"] = layers
     L = cfg["num_hidden_layers"]
@@ -364,7 +384,7 @@ def main(argv: list[str] | None = None) -> dict:
                     continue
                 try:
                     backend = install(model, host, policy, budget, mode, args.tiny, reserved, args.transport)
-                    row, out = run_config(model, prompt, new_tokens, expected)
+                    row, out = run_config(model, prompt, new_tokens, expected, eos_token_id=[])
                 except SchedulingError as exc:  # a predictor file missing, a budget too small: the reason
                     reason = str(exc).splitlines()[0]
                     if "predictor" in reason:  # the policy cannot run here at all: say so once

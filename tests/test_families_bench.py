@@ -1,5 +1,6 @@
-"""The GPU families benchmark (Qwen3-30B-A3B AWQ, gpt-oss-120b MXFP4) runs end to end in its --tiny CPU mode, on
-checkpoints written in the published layouts."""
+"""The GPU families benchmark (Qwen3-30B-A3B AWQ, gpt-oss-120b MXFP4; Qwen3-Next, MiniMax-M2 and DeepSeek-V3.2
+with AWQ experts as `moeflow quantize` writes them) runs end to end in its --tiny CPU mode, on checkpoints written
+in the published layouts, and the new families' slices at real shapes are the published models' layers."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 # a tensor of each checkpoint's published layout, and what the loaded model must make of it
 PUBLISHED = {"qwen3_moe": ("model.layers.1.mlp.experts.7.down_proj.qweight", "awq"),
-             "gpt_oss": ("model.layers.1.mlp.experts.gate_up_proj_blocks", "mxfp4")}
+             "gpt_oss": ("model.layers.1.mlp.experts.gate_up_proj_blocks", "mxfp4"),
+             "qwen3_next": ("model.layers.1.mlp.experts.7.down_proj.qweight", "awq"),
+             "minimax_m2": ("model.layers.1.block_sparse_moe.experts.7.w2.qweight", "awq"),
+             "deepseek_v32": ("model.layers.1.mlp.experts.7.down_proj.qweight", "awq")}
 
 
 @pytest.mark.parametrize("family", sorted(PUBLISHED))
@@ -59,3 +63,25 @@ def test_run_gpu_families_tiny(tmp_path, family):
     mtime = (ckpt / "config.json").stat().st_mtime_ns
     run_gpu_families.write_family_checkpoint(ckpt, family, run_gpu_families.TINY[family])
     assert (ckpt / "config.json").stat().st_mtime_ns == mtime  # written once, reused
+
+
+def test_the_new_families_slices_are_the_published_layers_and_fit_the_disk():
+    """Qwen3-Next-80B, MiniMax-M2 and DeepSeek-V3.2 at their published shapes, cut to the lane's default slices:
+    the configs parse as the families read them, the slices keep the published layer pattern, and each checkpoint
+    fits beside stage 3's 25 GB one on the lent machine's 64 GiB disk (the stage removes others when short)."""
+    import family_writers as fw
+    import run_gpu_deltanet
+
+    from moeflow.families import family_for_config
+
+    fams = {f: family_for_config(fw.slice_config(cfg, fw.DEFAULT_LAYERS[f])) for f, cfg in fw.FULL.items()}
+    nxt = fams["qwen3_next"].config
+    assert nxt.linear_layers == tuple(i for i in range(24) if i % 4 != 3) and nxt.full_layers == (3, 7, 11, 15, 19, 23)
+    shape = nxt.deltanet_shape(True)  # the DeltaNet benchmark times these sizes
+    assert (shape.num_k_heads, shape.num_v_heads, shape.k_head_dim, shape.v_head_dim, shape.conv_kernel) == \
+        run_gpu_deltanet.SHAPES["qwen3-next-80b"]
+    assert fams["minimax_m2"].moe_layers == tuple(range(10)) and fams["minimax_m2"].num_experts == 256
+    assert fams["deepseek_v32"].moe_layers == (3, 4, 5) and fams["deepseek_v32"].num_experts == 256
+    for f, cfg in fw.FULL.items():
+        size = fw.estimated_bytes(fw.slice_config(cfg, fw.DEFAULT_LAYERS[f]))
+        assert 15e9 < size < 30e9 < fw.estimated_bytes(cfg), (f, size)
