@@ -119,13 +119,13 @@ def _value(module: torch.nn.Module, pname: str, shape: tuple[int, ...], dtype: t
     from moeflow.families.gated_deltanet import ZeroCenteredRMSNorm
 
     if isinstance(module, torch.nn.Embedding):  # as gpu_checkpoint's: token vectors far apart
-        return (torch.randn(shape, generator=gen) * 0.5).to(dtype)
+        return torch.empty(shape, dtype=dtype).normal_(0.0, 0.5, generator=gen)
     if pname == "A_log":  # decays exp(-exp(A_log) softplus(.)) spread as trained layers spread them
         return torch.empty(shape).uniform_(math.log(0.2), math.log(2.0), generator=gen).to(dtype)
     if len(shape) == 1:
         fill = 0.0 if "bias" in pname or isinstance(module, ZeroCenteredRMSNorm) else 1.0
         return torch.full(shape, fill, dtype=dtype)
-    return (torch.randn(shape, generator=gen) * 0.02).to(dtype)
+    return torch.empty(shape, dtype=dtype).normal_(0.0, 0.02, generator=gen)  # in place: one pass over the bytes
 
 
 def non_expert_shards(cfg: dict, dtype: torch.dtype, seed: int = 0) -> Iterator[tuple[int | None, dict]]:
