@@ -74,6 +74,16 @@
 #                                                  #   moeflow/peer ratios in $OUT/peers/peers_gpu.{json,md}
 #   optional: bash benchmarks/run_all_gpu.sh tune  # ~9 min: config sweep for T = 1, 4, 16 (writes $OUT/<gpu>.json;
 #                                                  #   commit it as moeflow/kernels/configs/<gpu>.json)
+#   10. bash benchmarks/run_all_gpu.sh deltanet     # ~1-3 min (limit 260 s): one Qwen3-Next-80B Gated DeltaNet layer's
+#                                                  #   core, torch vs Triton, CUDA-graph replay: decode 1/8/64 rows (% of
+#                                                  #   copy BW), prefill 512/4k/32k (chunked torch vs the recurrence
+#                                                  #   kernel), max abs diff per point ($OUT/deltanet.jsonl)
+#   11. bash benchmarks/run_all_gpu.sh families-qwen3-next    # ~8-9.5 min: 24 of 48 layers (~23 GB AWQ experts), 8/12/16 GB
+#   12. bash benchmarks/run_all_gpu.sh families-minimax-m2    # ~8-9.5 min: 10 of 62 layers (~22 GB), 8/12/16 GB
+#   13. bash benchmarks/run_all_gpu.sh families-deepseek-v32  # ~8-9.5 min: 6 of 61 layers (3 dense + 3 MoE, ~26 GB), 12/16/20 GB
+#                                                  #   (10-13: session 10's writers and script, CPU-tested in TINY mode
+#                                                  #   only; the slices' config values are from the family code, not
+#                                                  #   checked against the published config.json files)
 #
 # Device tool call: run(command="bash benchmarks/run_all_gpu.sh correctness", timeout_s=600). Stages 8-9, after
 # `bash benchmarks/peers/gpu_peer_sources.sh` here, back to back: run(command="bash benchmarks/run_all_gpu.sh
@@ -186,9 +196,19 @@ case "$stage" in
       --time-budget-s 80
     [ "$plan" = 1 ] || (cd "$out" && tar czf models-tables-logs.tgz policies/*.md hybrid/*.md sim/*.md models.log \
       2>/dev/null && rm -f policies/*.md hybrid/*.md sim/*.md models.log) ;;
-  families-qwen3|families-gpt-oss)  # one family per stage: each writes a ~17-33 GB checkpoint (write + load ~2 min)
-    family=qwen3_moe need_gb=19
-    if [ "$stage" = families-gpt-oss ]; then family=gpt_oss need_gb=36; fi
+  deltanet)  # one Qwen3-Next-80B Gated DeltaNet layer's core, torch vs Triton (no checkpoint; JSON lines as taken)
+    dn=(--out "$out/deltanet.jsonl" --budget-s 200)
+    if [ "${TINY:-0}" = 1 ]; then dn=(--tiny --out "$out/deltanet.jsonl"); fi
+    run 260 deltanet.log "$py" benchmarks/run_gpu_deltanet.py "${dn[@]}" ;;
+  families-qwen3|families-gpt-oss|families-qwen3-next|families-minimax-m2|families-deepseek-v32)
+    # one family per stage: each writes a ~17-33 GB checkpoint (write + load ~2-5 min)
+    case "$stage" in
+      families-qwen3) family=qwen3_moe need_gb=19 ;;
+      families-gpt-oss) family=gpt_oss need_gb=36 ;;
+      families-qwen3-next) family=qwen3_next need_gb=25 ;;
+      families-minimax-m2) family=minimax_m2 need_gb=24 ;;
+      families-deepseek-v32) family=deepseek_v32 need_gb=28 ;;
+    esac
     own="/tmp/moeflow-synthetic-$family-"
     avail_gb=$(df --output=avail -BG /tmp | tail -1 | tr -dc 0-9)
     if [ "${TINY:-0}" != 1 ] && [ "$plan" != 1 ] && [ "$avail_gb" -lt "$need_gb" ]; then
@@ -224,7 +244,7 @@ case "$stage" in
       run 560 peers.log "$py" benchmarks/peers/run_gpu_peers.py --phase all "${peers[@]}" --time-budget-s 400
     fi ;;
   *) echo "usage: $0 correctness|kernels|offload|decode|serve|engine|models|families-qwen3|families-gpt-oss|peers-prep|" \
-       "peers|tune (TINY=1: CPU sizes)" >&2
+       "peers|tune|deltanet|families-qwen3-next|families-minimax-m2|families-deepseek-v32 (TINY=1: CPU sizes)" >&2
      exit 2 ;;
 esac
 [ "$plan" = 1 ] || echo "stage $stage done: $(ls -R "$out" | tr '\n' ' ')"
