@@ -28,26 +28,39 @@ import torch
 import triton
 import triton.language as tl
 
+from moeflow.kernels.configs import SMS, WAVE_FILL, wave_efficiency
 from moeflow.kernels.triton_common import INTERPRETED, cdiv, next_pow2
 from moeflow.kernels.triton_deltanet import _rounded
 
 LOG2E = 1.4426950408889634
-TARGET_PROGRAMS = 132 * 4  # an H100's SMs x the programs each holds (benchmarks/sass_slot_attention.py)
 MIN_SPLIT_KEYS = 256  # below this a split's fixed cost (q load, partial store) outweighs its keys
+# keys per loop iteration: [64, D] tiles of K and V. 128 at D 64 held 105 registers (138 with Triton 3.6: 3
+# programs an SM instead of 6) for 0.062 warp-instructions per K/V byte instead of 0.080; fp32 spilled there
+BLOCK_N = 64
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def block_n(head_dim: int) -> int:
-    """Keys per loop iteration: a [BLOCK_N, D] K and V tile of 16 KB each in bf16."""
-    return 64 if head_dim > 64 else 128
+def programs_per_sm(head_dim: int) -> int:
+    """Partial programs an sm_90 SM holds (bf16; benchmarks/results/sass/slot-attention*.json, Triton 3.9 and 3.6:
+    80-82 registers and 38 KB of shared memory at D 128, 76-77 registers and 20 KB at D 64)."""
+    return 5 if head_dim > 64 else 6
 
 
-def default_splits(batch: int, kv_heads: int, key_len: int, block: int) -> int:
-    """Programs per (sequence, kv head) along the key axis: enough to fill ~TARGET_PROGRAMS, at least
-    MIN_SPLIT_KEYS keys (and one block) each. A function of shapes only (the same grid on every replay)."""
-    want = cdiv(TARGET_PROGRAMS, batch * kv_heads)
-    most = max(1, min(cdiv(key_len, MIN_SPLIT_KEYS), cdiv(key_len, block)))
-    return max(1, min(want, most))
+def default_splits(batch: int, kv_heads: int, key_len: int, head_dim: int) -> int:
+    """Programs per (sequence, kv head) along the key axis: the fewest whose grid fills at least one H100 wave
+    (``configs.WAVE_FILL`` of its program slots, the waves as full), else the fullest; each split keeps
+    ``MIN_SPLIT_KEYS`` keys at least. Shapes only: the same grid on every replay. Mixtral-8x7B
+    (8 kv heads), 16 rows: 5 (640 programs, 0.97 of a wave); 1 row: 16 (256 keys each)."""
+    pairs, per_sm = batch * kv_heads, programs_per_sm(head_dim)
+    most = max(1, cdiv(key_len, MIN_SPLIT_KEYS))
+    best, best_eff = 1, 0.0
+    for split in range(1, most + 1):
+        eff = wave_efficiency(pairs * split, per_sm)
+        if eff >= WAVE_FILL and pairs * split >= WAVE_FILL * per_sm * SMS:
+            return split
+        if eff > best_eff:
+            best, best_eff = split, eff
+    return best
 
 
 @triton.jit
@@ -174,8 +187,8 @@ def slot_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor
     kvh = k_layer.shape[1]
     assert covers(q, k_layer) and k_layer.stride() == v_layer.stride() and 1 <= key_len <= k_layer.shape[2]
     g = heads // kvh
-    bh, bd, bn = max(16, next_pow2(g)), max(16, next_pow2(d)), block_n(d)
-    s = splits or default_splits(bsz, kvh, key_len, bn)
+    bh, bd, bn = max(16, next_pow2(g)), max(16, next_pow2(d)), BLOCK_N
+    s = splits or default_splits(bsz, kvh, key_len, d)
     chunk = cdiv(cdiv(key_len, s), bn) * bn  # whole blocks per split; the last split may be short or empty
     out = torch.empty((bsz, heads, 1, d), dtype=q.dtype, device=q.device)
     m = torch.empty((bsz * kvh, s, bh), dtype=torch.float32, device=q.device)
@@ -224,6 +237,5 @@ def slot_attention_reference(q: torch.Tensor, k_layer: torch.Tensor, v_layer: to
 
 def kernel_config(head_dim: int, heads: int, kv_heads: int) -> dict[str, int]:
     """The shipped build's constexprs and warps at these shapes (what benchmarks/sass_slot_attention.py compiles)."""
-    g = heads // kv_heads
-    return {"BLOCK_H": max(16, next_pow2(g)), "BLOCK_D": max(16, next_pow2(head_dim)), "BLOCK_N": block_n(head_dim),
-            "num_warps": 4, "num_stages": 2}
+    return {"BLOCK_H": max(16, next_pow2(heads // kv_heads)), "BLOCK_D": max(16, next_pow2(head_dim)),
+            "BLOCK_N": BLOCK_N, "num_warps": 4, "num_stages": 2}
