@@ -137,40 +137,63 @@ def test_default_splits_fill_an_h100_wave_from_shapes_only():
     assert default_splits(4, 8, 256, 128) == 1 and default_splits(16, 8, 100, 64) == 1
 
 
-def serve(model, cache_rows: int, views: bool) -> list[list[int]]:
+TEXT = b"The import statement combines two operations; it searches for the named module"
+PROMPTS = [list(TEXT[:n]) for n in (7, 30, 61)]
+
+
+def serve(model, views: bool, prompts: list[list[int]] = PROMPTS, max_len: int = 128) -> list[list[int]]:
     """Three requests at once (the decode batch 3 padded to 4: a padding copy) through the engine, its decode
     passes over SlotDecodeView run eagerly when ``views`` (what a captured step runs; no graph on the CPU)."""
-    text = b"The import statement combines two operations; it searches for the named module"
-    cache = SlotKVCache.for_model(model, 128, max_rows=cache_rows)
+    cache = SlotKVCache.for_model(model, max_len, max_rows=3)
     engine = ContinuousEngine(model, cache, prefill_chunk=64)
     if views:
         engine.graphs = types.SimpleNamespace(refused=None)  # the decode step takes _captured_pass's views
     engine.start()
     try:
-        seqs = [engine.submit(list(text[:n]), SamplingParams(max_new_tokens=5)) for n in (7, 30, 61)]
+        seqs = [engine.submit(p, SamplingParams(max_new_tokens=5)) for p in prompts]
         return [s.result(TIMEOUT_S) for s in seqs]
     finally:
         engine.stop()
 
 
-def test_engine_decode_with_the_kernel_gives_the_same_tokens(monkeypatch):
-    model = MoEOffloadedMixtral.from_pretrained(embedded_model_path())
+def served_with_the_kernel(model, monkeypatch, **kwargs) -> tuple[list[list[int]], list[list[int]], list[bool]]:
+    """(tokens eagerly, tokens over the views with the kernel forced, whether each attend call took the kernel)."""
     calls = []
     kernel_attend = SlotDecodeView.attend
 
-    def counted(self, *args, **kwargs):
-        out = kernel_attend(self, *args, **kwargs)
+    def counted(self, *args, **kw):
+        out = kernel_attend(self, *args, **kw)
         calls.append(out is not None)
         return out
 
     try:
-        eager = serve(model, 3, views=False)
-        plain = serve(model, 3, views=True)
-        monkeypatch.setattr(SlotDecodeView, "attention_kernel", "triton")
-        monkeypatch.setattr(SlotDecodeView, "attend", counted)
-        forced = serve(model, 3, views=True)
+        eager = serve(model, views=False, **kwargs)
+        assert serve(model, views=True, **kwargs) == eager  # the views' own path (the kernel off on the CPU)
+        with monkeypatch.context() as m:
+            m.setattr(SlotDecodeView, "attention_kernel", "triton")
+            m.setattr(SlotDecodeView, "attend", counted)
+            forced = serve(model, views=True, **kwargs)
     finally:
         model.close()
-    assert plain == eager and forced == eager
-    n_layers = model.config.num_hidden_layers
-    assert calls and all(calls) and len(calls) % n_layers == 0 and len(calls) >= 4 * n_layers  # every decode layer
+    return eager, forced, calls
+
+
+def test_engine_decode_with_the_kernel_gives_the_same_tokens(monkeypatch):
+    model = MoEOffloadedMixtral.from_pretrained(embedded_model_path())
+    layers = model.config.num_hidden_layers
+    eager, forced, calls = served_with_the_kernel(model, monkeypatch)
+    assert forced == eager
+    assert calls and all(calls) and len(calls) % layers == 0 and len(calls) >= 4 * layers  # every decode layer
+
+
+def test_gpt_oss_decode_with_the_kernel_gives_the_same_tokens(monkeypatch, tmp_path):
+    """Sinks and gpt-oss's sliding-window layers (window 4) through SinkAttention's attend."""
+    from gpt_oss_helpers import make_gpt_oss_model, save_gpt_oss_checkpoint
+
+    from moeflow import MoEModel
+
+    model = MoEModel.from_pretrained(save_gpt_oss_checkpoint(make_gpt_oss_model(seed=4), tmp_path), kernels="torch")
+    prompts = [torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 9, 14)]
+    eager, forced, calls = served_with_the_kernel(model, monkeypatch, prompts=prompts, max_len=64)
+    assert forced == eager
+    assert calls and all(calls)
