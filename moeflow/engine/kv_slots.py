@@ -13,6 +13,7 @@ read and no shape that depends on values, over persistent row tensors the graphs
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -246,6 +247,10 @@ class SlotDecodeView:
     pads with copies, never with masked tokens). No op reads a value back or sizes a tensor from one.
     """
 
+    # "auto": the in-place kernel on CUDA only; "triton": wherever it covers the call (the CPU under
+    # TRITON_INTERPRET=1: tests); "torch": never. MOEFLOW_SLOT_ATTENTION, read once.
+    attention_kernel: ClassVar[str] = os.environ.get("MOEFLOW_SLOT_ATTENTION", "auto")
+
     def __init__(self, parent: SlotKVCache, batch: int, key_len: int) -> None:
         if not 1 <= key_len <= parent.max_len:
             raise ValueError(f"key_len={key_len} outside [1, {parent.max_len}]")
@@ -304,13 +309,41 @@ class SlotDecodeView:
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, cache_position: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k/v [batch, kv_heads, 1, D] at cache_position [batch, 1]; return the rows' keys/values
-        [batch, kv_heads, key_len, D]."""
+        [batch, kv_heads, key_len, D] (a gather: :meth:`attend` reads them in place instead)."""
+        kl, vl = self._write(layer, k, v, cache_position)
+        return (kl[:, :, : self.key_len].index_select(0, self.rows),
+                vl[:, :, : self.key_len].index_select(0, self.rows))
+
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, cache_position: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row gets its source token's k/v [batch, kv_heads, 1, D]; returns the layer's K/V
+        [rows, kv_heads, max_len, D]."""
         kl, vl = self.parent.k[layer], self.parent.v[layer]
         r, p = self.rows[:, None], cache_position  # [B, 1] each: advanced indices first -> [B, 1, kv_heads, D]
         kl[r, :, p] = k.index_select(0, self.source).transpose(1, 2)
         vl[r, :, p] = v.index_select(0, self.source).transpose(1, 2)
-        return (kl[:, :, : self.key_len].index_select(0, self.rows),
-                vl[:, :, : self.key_len].index_select(0, self.rows))
+        return kl, vl
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_position: torch.Tensor,
+               sliding_window: int | None, sinks: torch.Tensor | None = None, scale: float | None = None
+               ) -> torch.Tensor | None:
+        """Decode attention reading the rows' keys in place: q [batch, heads, 1, D], k/v [batch, kv_heads, 1, D]
+        written as :meth:`update` writes them, cache_position int64 [batch, 1], sinks [heads] (gpt-oss), scale
+        (default D^-0.5) -> out [batch, heads, 1, D] in q's dtype (moeflow.kernels.triton_slot_attention).
+
+        None, with nothing written, where the kernel does not take the call (the CPU by default, a case it does
+        not cover, torch.compile tracing): the layer then runs ``update`` + its mask + its attention, today's
+        path, bit for bit."""
+        mode = self.attention_kernel
+        if mode == "torch" or (mode == "auto" and q.device.type != "cuda") or torch.compiler.is_compiling():
+            return None
+        from moeflow.kernels import triton_slot_attention as kernel  # imports triton: only where it runs
+
+        if not kernel.covers(q, self.parent.k[layer]):
+            return None
+        kl, vl = self._write(layer, k, v, cache_position)
+        return kernel.slot_attention(q, kl, vl, self.rows, self.parent.valid, cache_position, self.key_len,
+                                     sliding_window, sinks, scale)
 
 
 SlotKVCache.batch_type, SlotKVCache.view_type = SlotBatch, SlotDecodeView  # a latent cache has its own
@@ -355,6 +388,10 @@ class LatentSlotBatch(SlotBatch):
 
 class LatentSlotDecodeView(SlotDecodeView):
     """Capturable one-token passes over a :class:`LatentSlotKVCache` (see :class:`SlotDecodeView`)."""
+
+    def attend(self, layer, q, k, v, cache_position, sliding_window, sinks=None, scale=None) -> None:
+        """None: a latent row holds no heads to attend to in place (layers call ``update_latent``)."""
+        return None
 
     def update(self, layer, k, v, cache_position):
         raise TypeError("a latent slotted cache holds one latent vector per token: layers call update_latent")

@@ -22,7 +22,7 @@ from moeflow.errors import CheckpointError
 from moeflow.families.base import CausalDecoder, ExpertLayout
 from moeflow.families.deepseek_moe import MoEDecoderLayer, SharedExpertMoEFamily
 from moeflow.families.glm4_moe import Glm4MoeConfig, PartialRotaryAttention
-from moeflow.families.layers import LinearFactory, project_qkv
+from moeflow.families.layers import LinearFactory, attend_in_place, project_qkv
 from moeflow.moe.block import MoEBlock
 from moeflow.moe.routing import RouterSpec
 
@@ -84,8 +84,11 @@ class InterleavedRotaryAttention(PartialRotaryAttention):
         k = k.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)
-        k_all, v_all = cache.update(self.layer_idx, k, v, cache_position)
-        out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
+        out = attend_in_place(cache, self.layer_idx, q, k, v, cache_position, None)
+        if out is None:
+            k_all, v_all = cache.update(self.layer_idx, k, v, cache_position)
+            out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask,
+                                                 enable_gqa=self.n_heads != self.n_kv)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
 

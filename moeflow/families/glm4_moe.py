@@ -19,7 +19,7 @@ from moeflow.families.deepseek_moe import (
     SharedExpertMoEFamily,
     sigmoid_router_spec,
 )
-from moeflow.families.layers import LinearFactory, RMSNorm, apply_rotary, project_qkv
+from moeflow.families.layers import LinearFactory, RMSNorm, apply_rotary, attend_in_place, project_qkv
 from moeflow.moe.routing import RouterSpec
 
 
@@ -123,8 +123,11 @@ class PartialRotaryAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q.transpose(1, 2), cos, sin), apply_rotary(k.transpose(1, 2), cos, sin)
-        k_all, v_all = cache.update(self.layer_idx, k, v, cache_position)
-        out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
+        out = attend_in_place(cache, self.layer_idx, q, k, v, cache_position, None)
+        if out is None:
+            k_all, v_all = cache.update(self.layer_idx, k, v, cache_position)
+            out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask,
+                                                 enable_gqa=self.n_heads != self.n_kv)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeflow.errors import CheckpointError
-from moeflow.families.layers import LinearFactory, RMSNorm, apply_rotary
+from moeflow.families.layers import LinearFactory, RMSNorm, apply_rotary, attend_in_place
 
 
 def yarn_inv_freq(head_dim: int, theta: float, rope: dict[str, Any], max_position_embeddings: int,
@@ -116,8 +116,11 @@ class SinkAttention(nn.Module):
         k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        k_all, v_all = cache.update(self.layer_idx, k, v, cache_position)
-        out = sink_attention(q, k_all, v_all, mask, self.sinks, self.scaling)
+        out = attend_in_place(cache, self.layer_idx, q, k, v, cache_position, self.sliding_window, self.sinks,
+                              self.scaling)
+        if out is None:
+            k_all, v_all = cache.update(self.layer_idx, k, v, cache_position)
+            out = sink_attention(q, k_all, v_all, mask, self.sinks, self.scaling)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
 

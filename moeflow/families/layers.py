@@ -182,6 +182,16 @@ def _sdpa_has_gqa() -> bool:
 
 _SDPA_GQA = _sdpa_has_gqa()
 
+
+def attend_in_place(cache: Any, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    cache_position: torch.Tensor, sliding_window: int | None, sinks: torch.Tensor | None = None,
+                    scale: float | None = None) -> torch.Tensor | None:
+    """The cache's own decode attention (``attend``: the server's decode view, a kernel reading the cache rows in
+    place instead of gathering them) -> out [B, heads, 1, D]; None when the cache has none or does not take
+    this call: the caller then writes with ``cache.update`` and attends itself, under its mask."""
+    attend = getattr(cache, "attend", None)
+    return attend(layer, q, k, v, cache_position, sliding_window, sinks, scale) if attend is not None else None
+
 # (name, fan_in, fan_out) -> a linear module; called with ``bias=True`` as a keyword for a biased projection
 LinearFactory = Callable[..., nn.Module]
 
@@ -292,6 +302,9 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if late_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        out = attend_in_place(cache, self.layer_idx, q, k, v, cache_position, self.sliding_window)
+        if out is not None:
+            return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
         k_all, v_all = cache.update(self.layer_idx, k, v, cache_position)
         groups = self.n_heads // self.n_kv
         if groups > 1 and _SDPA_GQA:  # each kv head serves its query heads inside the kernel: no copy of the cache

@@ -38,7 +38,14 @@ from moeflow.families.gated_experts import (
     expert_linear_weights,
     read_gated_expert,
 )
-from moeflow.families.layers import GatedMLP, LinearFactory, RotaryEmbedding, make_linear, rotate_half
+from moeflow.families.layers import (
+    GatedMLP,
+    LinearFactory,
+    RotaryEmbedding,
+    attend_in_place,
+    make_linear,
+    rotate_half,
+)
 from moeflow.families.llama_moe import SoftmaxRoutedFamily, expert_count, require, rope_theta, sparse_layers
 from moeflow.io.checkpoint import CheckpointReader, QuantizationSpec
 from moeflow.moe.block import MoEBlock
@@ -199,9 +206,11 @@ class GatedAttention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(b, t, self.n_kv, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
-        k_all, v_all = cache.update(self.kv_idx, k, v, cache_position)
-        out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=self.head_dim ** -0.5,
-                                             enable_gqa=self.n_heads != self.n_kv)
+        out = attend_in_place(cache, self.kv_idx, q, k, v, cache_position, None, scale=self.head_dim ** -0.5)
+        if out is None:
+            k_all, v_all = cache.update(self.kv_idx, k, v, cache_position)
+            out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=self.head_dim ** -0.5,
+                                                 enable_gqa=self.n_heads != self.n_kv)
         out = out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)
         return self.o_proj(out * torch.sigmoid(gate.reshape(b, t, -1)))
 
