@@ -22,6 +22,7 @@ from moeflow.engine.generate import (
     generate,
     positions_from_mask,
 )
+from moeflow.engine.lookup import DEFAULT_MAX_NGRAM, check_lookup, generate_with_lookup
 from moeflow.engine.sampling import GenerationConfig
 from moeflow.errors import InputError
 from moeflow.families import Family, MixtralFamily
@@ -211,6 +212,8 @@ class MoEModel(nn.Module):
         dual_batch: bool | None = None,
         repetition_penalty: float | None = None,
         min_p: float | None = None,
+        prompt_lookup_num_tokens: int | None = None,
+        max_matching_ngram_size: int | None = None,
     ) -> torch.Tensor:
         """Generate up to ``max_new_tokens`` tokens; returns ``[B, T + n]`` ids including the prompt.
 
@@ -230,6 +233,10 @@ class MoEModel(nn.Module):
         prediction and token scheduling of the next micro-batch beside the current one's pass; docs/expertflow.md);
         default (None): on with micro-batches under a policy with a routing-path predictor (expertflow);
         True with another policy raises SchedulingError. Its counters: ``pipeline_stats``.
+        ``prompt_lookup_num_tokens`` (transformers' name): greedy decoding that drafts up to this many tokens per
+        pass by matching the last ``max_matching_ngram_size`` (default 2) tokens earlier in the sequence and
+        verifies the draft in one pass (``moeflow.engine.lookup``: the same tokens as plain greedy decoding; one
+        sequence; counters ``stats.draft_tokens`` / ``stats.accepted_tokens``).
         """
         gen = self.generation_config.override(
             max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
@@ -251,6 +258,11 @@ class MoEModel(nn.Module):
         input_ids = input_ids.to(self.device, torch.long)
         token_mask = (attention_mask.to(self.device) != 0) if attention_mask is not None else \
             torch.ones((b, t), dtype=torch.bool, device=self.device)
+        if prompt_lookup_num_tokens is not None or max_matching_ngram_size is not None:
+            ngram = max_matching_ngram_size if max_matching_ngram_size is not None else DEFAULT_MAX_NGRAM
+            check_lookup(gen, b, prompt_lookup_num_tokens, ngram, micro_batch_size, dual_batch)
+            return generate_with_lookup(self._runner, gen, input_ids, token_mask, prompt_lookup_num_tokens, ngram,
+                                        streamer=streamer)
         predict = deprecated_path_predictor(path_predictor) if path_predictor is not None else None
         return generate(self._runner, gen, input_ids, token_mask, streamer=streamer, seed=seed,
                         micro_batch_size=micro_batch_size, predict_paths=predict, dual_batch=dual_batch)

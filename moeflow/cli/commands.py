@@ -55,7 +55,7 @@ def _run_prompt(model, prompt: str, args) -> int:
     model.generate(enc["input_ids"], attention_mask=enc["attention_mask"], max_new_tokens=args.max_new_tokens,
                    do_sample=do_sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                    min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                   streamer=streamer, seed=args.seed)
+                   prompt_lookup_num_tokens=args.prompt_lookup, streamer=streamer, seed=args.seed)
     print(model.stats.summary())
     print(model.memory_plan().summary())
     host = getattr(model.experts, "host", None)
@@ -126,6 +126,8 @@ def _add_generation_args(p: argparse.ArgumentParser, default_policy: str) -> Non
     p.add_argument("--min-p", type=float, default=None)
     p.add_argument("--repetition-penalty", type=float, default=None, help="transformers' (1: none)")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--prompt-lookup", type=int, default=None, metavar="N",
+                   help="prompt lookup decoding: draft up to N tokens per pass from earlier n-grams (greedy)")
     p.add_argument("--device", default=_default_device())
     p.add_argument("--dtype", choices=list(DTYPES), default=None)
     p.add_argument("--kernels", choices=["auto", "torch", "triton"], default="auto")

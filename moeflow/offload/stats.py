@@ -47,6 +47,9 @@ class Stats:
     expert_pool_bytes: int = 0  # device expert slot pool (set by the offloading backend)
     host_store_bytes: int = 0  # host copy of every expert
     host_pinned: bool = False  # whether the host store is page-locked (else copies are synchronous, slower)
+    # prompt lookup decoding (generate(prompt_lookup_num_tokens=...)): draft tokens verified / kept
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
     def current(self) -> PhaseStats:
         return getattr(self, self.phase)
@@ -60,6 +63,7 @@ class Stats:
         """Clear the counters and timings (the memory layout fields describe the backend and stay)."""
         self.prefill, self.decode = PhaseStats(), PhaseStats()
         self.phase, self.ttft_s, self.tpot_s, self.peak_gpu_bytes = "prefill", None, None, 0
+        self.draft_tokens = self.accepted_tokens = 0
 
     @property
     def hit_rate(self) -> float:
@@ -87,4 +91,5 @@ class Stats:
             + (f" | {self.prefill.cpu_experts + self.decode.cpu_experts} experts on the CPU "
                f"({(self.prefill.cpu_s + self.decode.cpu_s) * 1e3:.1f} ms)"
                if self.prefill.cpu_experts + self.decode.cpu_experts else "")
+            + (f" | drafts {self.accepted_tokens}/{self.draft_tokens} accepted" if self.draft_tokens else "")
         )

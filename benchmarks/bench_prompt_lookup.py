@@ -1,0 +1,78 @@
+"""Prompt lookup decoding against plain greedy decoding on the embedded model (CPU): decode tok/s, drafts kept, and
+that the tokens are equal. Models and settings take turns inside every repeat (a noisy machine shifts them alike).
+
+    python benchmarks/bench_prompt_lookup.py [--repeats 5] [--out results/prompt_lookup/<date>.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from moeflow import MoEOffloadedMixtral, OffloadConfig
+from moeflow.cli import embedded_model_path
+
+PROMPTS = {  # what prompt lookup is for (a reply that quotes its prompt) and plain continuation
+    "code-edit": "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef add(a, b):\n    return",
+    "prose": "The import statement",
+}
+SETTINGS = {"resident": dict(policy="resident"), "lru-16-slots": dict(policy="lru", gpu_expert_slots=16)}
+
+
+def run_once(model, ids: torch.Tensor, new_tokens: int, lookup: int | None) -> tuple[float, torch.Tensor, int, int]:
+    model.stats.reset()
+    start = time.perf_counter()
+    out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, prompt_lookup_num_tokens=lookup)
+    elapsed = time.perf_counter() - start
+    return elapsed, out, model.stats.draft_tokens, model.stats.accepted_tokens
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--new-tokens", type=int, default=96)
+    p.add_argument("--lookups", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    models = {name: MoEOffloadedMixtral.from_pretrained(embedded_model_path(), offload=OffloadConfig(**cfg))
+              for name, cfg in SETTINGS.items()}
+    tok = next(iter(models.values())).tokenizer
+    rows = []
+    for prompt_name, prompt in PROMPTS.items():
+        ids = torch.tensor([tok.encode(prompt)])
+        times: dict[tuple, list[float]] = {}
+        facts: dict[tuple, tuple] = {}
+        for model in models.values():  # warm-up: one-time costs out of the timings
+            run_once(model, ids, 8, None)
+        for _ in range(args.repeats):
+            for name, model in models.items():
+                want = None
+                for lookup in [None, *args.lookups]:
+                    elapsed, out, drafted, kept = run_once(model, ids, args.new_tokens, lookup)
+                    if lookup is None:
+                        want = out
+                    times.setdefault((name, lookup), []).append(elapsed)
+                    facts[(name, lookup)] = (drafted, kept, bool(torch.equal(out, want)), out.shape[1] - ids.shape[1])
+        for (name, lookup), elapsed in times.items():
+            drafted, kept, equal, produced = facts[(name, lookup)]
+            base = statistics.median(times[(name, None)])
+            row = {"prompt": prompt_name, "setting": name, "prompt_lookup_num_tokens": lookup,
+                   "tokens": produced, "median_s": round(statistics.median(elapsed), 4),
+                   "tok_per_s": round(produced / statistics.median(elapsed), 1),
+                   "speedup_vs_plain": round(base / statistics.median(elapsed), 3),
+                   "draft_tokens": drafted, "accepted_tokens": kept, "tokens_equal_plain": equal}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"rows": rows, "repeats": args.repeats, "threads": 1}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""Prompt lookup decoding (transformers' ``prompt_lookup_num_tokens``): greedy generation that drafts tokens by
+matching the last n-gram earlier in the sequence and verifies the whole draft in one forward pass.
+
+Why it suits offloading: a pass over 1 + c tokens moves and computes each needed expert once for all of them, so
+every accepted draft token saves a whole decode step's expert traffic (on repetitive text: code edits, quoting,
+summaries). The output is greedy decoding's: a draft token is kept only where it equals the model's argmax at its
+position, and the first position that disagrees contributes the model's own token. Drafts never change which
+keys a later query attends to: a rejected draft's keys sit beyond the accepted length and are overwritten before
+any query position reaches them (the static cache's mask is causal by position).
+
+Limits (refused by the caller): batch size 1 and greedy decoding (as transformers' assisted generation), no
+micro-batches, and no linear-attention states (Qwen3-Next's recurrent state would have to be rolled back).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from moeflow.engine.generate import positions_from_mask
+from moeflow.engine.sampling import GenerationConfig, next_tokens
+
+DEFAULT_MAX_NGRAM = 2  # transformers' ``max_matching_ngram_size`` default
+
+
+def find_draft(seq: torch.Tensor, num_tokens: int, max_ngram: int = DEFAULT_MAX_NGRAM) -> list[int]:
+    """seq int64 [n] (host) -> up to ``num_tokens`` ids that followed the earliest earlier occurrence of the
+    sequence's last n-gram, trying n = max_ngram down to 1 (transformers' PromptLookupCandidateGenerator)."""
+    n = seq.numel()
+    for size in range(min(max_ngram, n - 1), 0, -1):
+        windows = seq.unfold(0, size, 1)  # [n - size + 1, size]
+        hits = (windows == seq[n - size:]).all(dim=1).nonzero().flatten().tolist()
+        for start in hits:
+            begin = start + size
+            end = min(begin + num_tokens, n)
+            if begin < end:
+                return seq[begin:end].tolist()
+    return []
+
+
+def check_lookup(gen: GenerationConfig, batch: int, num_tokens: Any, max_ngram: Any, micro_batch_size: Any,
+                 dual_batch: Any) -> None:
+    """Refuse, naming the argument, what prompt lookup decoding does not cover."""
+    for name, value in (("prompt_lookup_num_tokens", num_tokens), ("max_matching_ngram_size", max_ngram)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if batch != 1:
+        raise ValueError(f"prompt_lookup_num_tokens needs a batch of one sequence (got {batch}), as transformers' "
+                         "assisted generation")
+    if gen.do_sample:
+        raise ValueError("prompt_lookup_num_tokens decodes greedily: pass do_sample=False")
+    if micro_batch_size is not None or dual_batch:
+        raise ValueError("prompt_lookup_num_tokens does not combine with micro_batch_size / dual_batch")
+
+
+def generate_with_lookup(runner: Any, gen: GenerationConfig, input_ids: torch.Tensor, token_mask: torch.Tensor,
+                         num_tokens: int, max_ngram: int = DEFAULT_MAX_NGRAM, streamer: Any = None) -> torch.Tensor:
+    """input_ids / token_mask [1, T] on the device -> [1, T + n] ids, greedy, drafting up to ``num_tokens``
+    tokens per pass. ``runner.stats`` counts ``draft_tokens`` / ``accepted_tokens`` (as its other counters, until
+    ``reset()``); decode passes without a draft
+    run as plain decode steps (compiled or captured where the runner has them)."""
+    stats, device = runner.stats, runner.device
+    t = input_ids.shape[1]
+    eos = set(gen.eos_ids())
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+    stats.ttft_s = stats.tpot_s = None
+    if gen.max_new_tokens == 0:
+        return input_ids
+    total = t + gen.max_new_tokens
+    cache = runner.new_cache(1, total)
+    if getattr(cache, "linear", None) is not None:
+        raise ValueError("prompt_lookup_num_tokens: this model has linear-attention layers, whose recurrent state "
+                         "a rejected draft would advance; use plain decoding")
+    seq = torch.zeros(total, dtype=torch.long)  # host copy of every token so far (drafts are looked up here)
+    seq[:t] = input_ids[0].cpu()
+    pad = t - int(token_mask.sum())  # left padding: positions count real tokens only
+    start = time.perf_counter()
+    stats.set_phase("prefill")
+    logits = runner.forward_pass(input_ids, positions_from_mask(token_mask), cache,
+                                 torch.arange(t, device=device), token_mask, "prefill",
+                                 history=(input_ids, token_mask), last_only=True)[:, -1]
+    count_pass(stats, int(token_mask.sum()), start)
+    first = pick(logits, gen, seq[:t], device)
+    stats.ttft_s = time.perf_counter() - start
+    new = [first]
+    n = t
+    decode_start = time.perf_counter()
+    stats.set_phase("decode")
+    while True:
+        room = total - n - len(new)  # tokens still allowed after the ones just produced
+        seq[n:n + len(new)] = torch.tensor(new)
+        n += len(new)
+        if streamer is not None:
+            streamer.put(torch.tensor([new]))  # [1, k]: one row, as transformers' streamers take it
+        if room == 0 or eos.intersection(new):
+            break
+        start = time.perf_counter()
+        draft = find_draft(seq[:n], min(num_tokens, room - 1), max_ngram) if room > 1 else []
+        seq[n:n + len(draft)] = torch.tensor(draft, dtype=torch.long)  # (the penalty's history of each position)
+        ids = seq[n - 1:n + len(draft)].to(device)[None]  # [1, 1 + c]: the last token, then the draft
+        cache_position = torch.arange(n - 1, n + len(draft), device=device)
+        mask = torch.ones_like(ids, dtype=torch.bool)
+        history = (torch.cat([input_ids, seq[t:n].to(device)[None]], 1), torch.cat(
+            [token_mask, torch.ones((1, n - t), dtype=torch.bool, device=device)], 1))
+        phase = "decode" if not draft else "prefill"  # a multi-token pass runs as a prefill chunk does
+        logits = runner.forward_pass(ids, cache_position[None] - pad, cache, cache_position, mask, phase,
+                                     history=history, all_real=True)[0]  # [1 + c, V]
+        new = []
+        for j in range(len(draft) + 1):
+            tok = pick(logits[j:j + 1], gen, seq[:n + j], device)
+            new.append(tok)
+            if j == len(draft) or tok != draft[j] or tok in eos:
+                break
+        stats.draft_tokens += len(draft)
+        stats.accepted_tokens += len(new) - 1
+        count_pass(stats, ids.shape[1], start)
+    produced = n - t
+    if produced > 1:
+        stats.tpot_s = (time.perf_counter() - decode_start) / (produced - 1)
+    if device.type == "cuda":
+        stats.peak_gpu_bytes = max(stats.peak_gpu_bytes, torch.cuda.max_memory_allocated(device))
+    if streamer is not None:
+        streamer.end()
+    return seq[:n].to(device)[None]
+
+
+def pick(logits: torch.Tensor, gen: GenerationConfig, seen: torch.Tensor, device: torch.device) -> int:
+    """logits [1, V] -> the greedy token, after the repetition penalty over ``seen`` int64 [N] (host) if any."""
+    prior = seen.to(device)[None] if gen.repetition_penalty != 1.0 else None
+    return int(next_tokens(logits, gen, None, prior)[0])
+
+
+def count_pass(stats: Any, tokens: int, start: float) -> None:
+    """One forward pass of ``tokens`` tokens in the current phase."""
+    phase = stats.current()
+    phase.steps += 1
+    phase.tokens += tokens
+    phase.time_s += time.perf_counter() - start
