@@ -6,7 +6,13 @@ every accepted draft token saves a whole decode step's expert traffic (on repeti
 summaries). The output is greedy decoding's: a draft token is kept only where it equals the model's argmax at its
 position, and the first position that disagrees contributes the model's own token. Drafts never change which
 keys a later query attends to: a rejected draft's keys sit beyond the accepted length and are overwritten before
-any query position reaches them (the static cache's mask is causal by position).
+any query position reaches them (the static cache's mask is causal by position). Equal tokens need each position's
+logits in a multi-token pass to equal a one-token pass's: so on the CPU path in every test; on a GPU in 16-bit, the
+multi-token kernels may round differently from the decode ones, so a near-tie can resolve the other way (as in
+transformers). Offload policies never change the tokens: with lookup as without, they compute what resident does.
+
+Cost: a pass over 1 + c tokens needs the union of their experts, so on an MoE a rejected draft is not free; it
+pays where replies quote their prompt (code edits, extraction). ``benchmarks/bench_prompt_lookup.py`` measures it.
 
 Limits (refused by the caller): batch size 1 and greedy decoding (as transformers' assisted generation), no
 micro-batches, and no linear-attention states (Qwen3-Next's recurrent state would have to be rolled back).
