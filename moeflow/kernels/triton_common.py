@@ -143,3 +143,18 @@ def splitk_fixup(acc, ws, stride_wsp, ok, split, cnt_ptr, pid, bias_rows, c_ptr,
         gemm_epilogue(total, c_ptr, stride_cm, pair, row_ok, n0, N, weight_ptr, MODE, HAS_WEIGHT, BLOCK_N,
                       alpha, limit, ACT)
         tl.store(cnt_ptr + pid, 0)  # replay-safe: the next launch (stream-ordered) finds it zero
+
+
+@triton.jit
+def rounded(x, DTYPE: tl.constexpr):
+    """fp32 x rounded to DTYPE's precision (to nearest, ties to even), still fp32: what torch's op in DTYPE gives.
+    bf16 by bit arithmetic because the interpreter truncates a cast to bf16 (the GPU rounds); a value so rounded
+    casts to bf16 exactly either way."""
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    elif DTYPE == tl.float32:
+        return x
+    else:
+        return x.to(DTYPE).to(tl.float32)

@@ -22,26 +22,11 @@ import torch
 import triton
 import triton.language as tl
 
-from moeflow.kernels.triton_common import cdiv, next_pow2
+from moeflow.kernels.triton_common import cdiv, next_pow2, rounded
 
 BLOCK_V = 8  # values per program: [128, 8] fp32 = 32 registers a thread in one warp (no cross-warp sums)
 WARPS = 1
 CONV_BLOCK = 256
-
-
-@triton.jit
-def _rounded(x, DTYPE: tl.constexpr):
-    """fp32 x rounded to DTYPE's precision (to nearest, ties to even), still fp32: what torch's op in DTYPE gives.
-    bf16 by bit arithmetic because the interpreter truncates a cast to bf16 (the GPU rounds); a value so rounded
-    casts to bf16 exactly either way."""
-    if DTYPE == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
-    elif DTYPE == tl.float32:
-        return x
-    else:
-        return x.to(DTYPE).to(tl.float32)
 
 
 @triton.jit
@@ -63,8 +48,8 @@ def _conv_decode_kernel(
     win = tl.where((js == KW - 1)[:, None], x.to(win.dtype)[None, :], win)  # the window: state then the token
     w = tl.load(w_ptr + cs[None, :] * KW + js[:, None], mask=(js < KW)[:, None] & c_ok[None, :], other=0.0)
     y = tl.sum(win.to(tl.float32) * w.to(tl.float32), axis=0)
-    y = _rounded(y, w_ptr.dtype.element_ty)  # the conv's output dtype, then SiLU on it (as F.silu)
-    y = _rounded(y / (1.0 + tl.exp(-y)), o_ptr.dtype.element_ty)
+    y = rounded(y, w_ptr.dtype.element_ty)  # the conv's output dtype, then SiLU on it (as F.silu)
+    y = rounded(y / (1.0 + tl.exp(-y)), o_ptr.dtype.element_ty)
     tl.store(o_ptr + row * s_ob + cs, y.to(o_ptr.dtype.element_ty), mask=c_ok)
     if tl.load(mask_ptr + row * s_mb) != 0:  # a real token: window rows 1.. become the state
         keep = (js >= 1)[:, None] & (js < KW)[:, None] & c_ok[None, :]
@@ -114,13 +99,13 @@ def _recurrent_kernel(
         gate = row * s_ab + t * s_at + h * s_ah
         g = neg_a * _softplus(tl.load(a_ptr + gate).to(tl.float32) + dt_bias)
         b = tl.load(b_ptr + gate).to(tl.float32)
-        beta = _rounded(1.0 / (1.0 + tl.exp(-b)), b_ptr.dtype.element_ty)  # sigmoid in b's dtype
+        beta = rounded(1.0 / (1.0 + tl.exp(-b)), b_ptr.dtype.element_ty)  # sigmoid in b's dtype
         decayed = state * tl.exp(g)
         delta = (v - tl.sum(decayed * k[:, None], axis=0)) * beta
         real = tl.load(mask_ptr + row * s_mb + t * s_mt) != 0
         state = tl.where(real, decayed + k[:, None] * delta[None, :], state)  # padding: the same bits
         o = tl.sum(state * q[:, None], axis=0)
-        o = _rounded(o, o_ptr.dtype.element_ty).to(o_ptr.dtype.element_ty)
+        o = rounded(o, o_ptr.dtype.element_ty).to(o_ptr.dtype.element_ty)
         tl.store(o_ptr + row * s_ob + t * s_ot + h * s_oh + vs, o, mask=v_ok)
     tl.store(s_ptrs, state, mask=s_ok)
 

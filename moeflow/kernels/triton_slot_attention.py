@@ -29,8 +29,7 @@ import triton
 import triton.language as tl
 
 from moeflow.kernels.configs import SMS, WAVE_FILL, wave_efficiency
-from moeflow.kernels.triton_common import INTERPRETED, cdiv, next_pow2
-from moeflow.kernels.triton_deltanet import _rounded
+from moeflow.kernels.triton_common import INTERPRETED, cdiv, next_pow2, rounded
 
 LOG2E = 1.4426950408889634
 MIN_SPLIT_KEYS = 256  # below this a split's fixed cost (q load, partial store) outweighs its keys
@@ -162,7 +161,7 @@ def _combine_kernel(
     if HAS_SINKS:
         l_sum += tl.exp2(sink - m)
     out = acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
-    out = _rounded(out, o_ptr.dtype.element_ty).to(o_ptr.dtype.element_ty)
+    out = rounded(out, o_ptr.dtype.element_ty).to(o_ptr.dtype.element_ty)
     tl.store(o_ptr + b * s_ob + (kvh * G + hs)[:, None] * s_oh + ds[None, :], out,
              mask=h_ok[:, None] & (ds < D)[None, :])
 
