@@ -58,11 +58,23 @@ def test_lookup_gives_the_greedy_tokens_and_accepts_drafts(reference, num_tokens
 
 
 def test_a_left_padded_prompt_and_the_repetition_penalty(reference):
+    """Left padding is neither matched for drafts nor penalised: the padding is a token that, were it real, would
+    change the penalised greedy reply (found below, so the comparison can fail)."""
     model, out = reference
-    ids, _ = out[PROMPTS[0]]
-    padded = torch.cat([torch.zeros((1, 3), dtype=torch.long), ids], 1)
+    ids, _ = out[PROMPTS[1]]
     mask = torch.cat([torch.zeros((1, 3), dtype=torch.long), torch.ones_like(ids)], 1)
-    for penalty in (1.0, 1.3):
+    penalised = model.generate(ids, max_new_tokens=24, do_sample=False, repetition_penalty=3.0)
+    def reply_if_real(f: int) -> torch.Tensor:  # the penalised reply with one token f as the prompt's first
+        return model.generate(torch.cat([torch.tensor([[f]]), ids], 1), max_new_tokens=24, do_sample=False,
+                              repetition_penalty=3.0)[:, 1:]
+
+    t = ids.shape[1]  # fillers that would change the first token (the prefill's) and a later one (a draft pass's)
+    candidates = sorted(set(penalised[0, t:].tolist()) - set(ids[0].tolist()))
+    replies = {f: reply_if_real(f) for f in candidates}
+    first = next(f for f, r in replies.items() if r[0, t] != penalised[0, t])
+    later = next(f for f, r in replies.items() if r[0, t] == penalised[0, t] and not torch.equal(r, penalised))
+    for filler, penalty in ((first, 1.0), (first, 3.0), (later, 3.0)):
+        padded = torch.cat([torch.full((1, 3), filler, dtype=torch.long), ids], 1)
         model.stats.reset()
         want = model.generate(padded, attention_mask=mask, max_new_tokens=24, do_sample=False,
                               repetition_penalty=penalty)

@@ -81,7 +81,7 @@ def generate_with_lookup(runner: Any, gen: GenerationConfig, input_ids: torch.Te
         raise ValueError("prompt_lookup_num_tokens: this model has linear-attention layers, whose recurrent state "
                          "a rejected draft would advance; use plain decoding")
     seq = torch.zeros(total, dtype=torch.long)  # host copy of every token so far (drafts are looked up here)
-    seq[:t] = input_ids[0].cpu()
+    seq[:t] = input_ids[0].cpu()  # (left padding, seq[:pad], is never matched nor penalised)
     pad = t - int(token_mask.sum())  # left padding: positions count real tokens only
     start = time.perf_counter()
     stats.set_phase("prefill")
@@ -89,7 +89,7 @@ def generate_with_lookup(runner: Any, gen: GenerationConfig, input_ids: torch.Te
                                  torch.arange(t, device=device), token_mask, "prefill",
                                  history=(input_ids, token_mask), last_only=True)[:, -1]
     count_pass(stats, int(token_mask.sum()), start)
-    first = pick(logits, gen, seq[:t], device)
+    first = pick(logits, gen, seq[pad:t], device)
     stats.ttft_s = time.perf_counter() - start
     new = [first]
     n = t
@@ -104,7 +104,7 @@ def generate_with_lookup(runner: Any, gen: GenerationConfig, input_ids: torch.Te
         if room == 0 or eos.intersection(new):
             break
         start = time.perf_counter()
-        draft = find_draft(seq[:n], min(num_tokens, room - 1), max_ngram) if room > 1 else []
+        draft = find_draft(seq[pad:n], min(num_tokens, room - 1), max_ngram) if room > 1 else []
         seq[n:n + len(draft)] = torch.tensor(draft, dtype=torch.long)  # (the penalty's history of each position)
         ids = seq[n - 1:n + len(draft)].to(device)[None]  # [1, 1 + c]: the last token, then the draft
         cache_position = torch.arange(n - 1, n + len(draft), device=device)
@@ -116,7 +116,7 @@ def generate_with_lookup(runner: Any, gen: GenerationConfig, input_ids: torch.Te
                                      history=history, all_real=True)[0]  # [1 + c, V]
         new = []
         for j in range(len(draft) + 1):
-            tok = pick(logits[j:j + 1], gen, seq[:n + j], device)
+            tok = pick(logits[j:j + 1], gen, seq[pad:n + j], device)
             new.append(tok)
             if j == len(draft) or tok != draft[j] or tok in eos:
                 break
