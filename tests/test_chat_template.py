@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from moeflow.cli import embedded_model_path, main
 from moeflow.errors import CheckpointError
@@ -62,14 +63,18 @@ def test_template_sources_and_selection(tmp_path):
     assert rendered == '  [system]\n!{"role": "system", "content": "Answer briefly."}'
 
 
-def test_generate_chat_prints_the_greedy_reply(capsys):
+@pytest.mark.parametrize("lookup", [[], ["--prompt-lookup", "4"]])
+def test_generate_chat_prints_the_greedy_reply(capsys, lookup):
+    """Also with prompt lookup decoding, whose passes stream several tokens at once (drafts kept, counted)."""
     from serve_helpers import Reference
 
     ref = Reference()
-    want, _ = ref.greedy(ref.chat_ids([{"role": "user", "content": "What is a module?"}]), 12)
+    want, _ = ref.greedy(ref.chat_ids([{"role": "user", "content": "What is a module?"}]), 40)
     assert main(["generate", "--model", str(embedded_model_path()), "--chat", "--prompt", "What is a module?",
-                 "--greedy", "--max-new-tokens", "12", "--device", "cpu"]) == 0
-    assert capsys.readouterr().out.startswith(want + "\n")
+                 "--greedy", "--max-new-tokens", "40", "--device", "cpu", *lookup]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(want + "\n")
+    assert ("drafts" in out and "accepted" in out) == bool(lookup)
 
 
 def test_chat_command_keeps_the_conversation(monkeypatch, capsys):
@@ -78,3 +83,22 @@ def test_chat_command_keeps_the_conversation(monkeypatch, capsys):
     assert main(["chat", "--greedy", "--max-new-tokens", "6", "--device", "cpu", "--system", "Be brief."]) == 0
     out = capsys.readouterr().out
     assert out.count("assistant> ") == 2
+
+
+def test_the_chat_streamer_takes_several_tokens_per_put():
+    """Prompt lookup decoding hands ``[1, k]`` tokens per pass; one-token steps hand ``[batch]``."""
+    import io
+    from types import SimpleNamespace
+
+    from moeflow.cli.serve import ReplyStreamer
+
+    def split(ids, final):
+        return SimpleNamespace(reasoning="", content="".join(chr(i) for i in ids), tool_calls=[])
+
+    out = io.StringIO()
+    streamer = ReplyStreamer(split, stream=out)
+    streamer.put(torch.tensor([[1, 2, 3]]))  # the prompt
+    streamer.put(torch.tensor([ord("a")]))
+    streamer.put(torch.tensor([[ord("b"), ord("c"), ord("d")]]))
+    streamer.end()
+    assert out.getvalue() == "abcd\n"

@@ -50,7 +50,8 @@ class ReplyStreamer:
         if not self._prompt_seen:  # generate() hands the prompt first
             self._prompt_seen = True
             return
-        self.ids.extend(int(i) for i in ids.reshape(-1)[:1])
+        row = ids.reshape(ids.shape[0], -1)[0] if ids.dim() > 1 else ids[:1]  # [1, k]: prompt lookup's tokens
+        self.ids.extend(int(i) for i in row)
         self._emit(final=False)
 
     def _emit(self, final: bool) -> None:
@@ -100,7 +101,7 @@ def _chat_reply(model, messages: list[dict], args) -> str:
     streamer = ReplyStreamer(split.reply) if split is not None else TextStreamer(tok)
     out = model.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, do_sample=do_sample,
                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                         repetition_penalty=args.repetition_penalty,
+                         repetition_penalty=args.repetition_penalty, prompt_lookup_num_tokens=args.prompt_lookup,
                          eos_token_id=list(stops), streamer=streamer, seed=args.seed)
     reply = out[0, len(ids):].tolist()
     if split is not None:
