@@ -5,25 +5,14 @@ per weight at T = 1, 4, 16, and the prefill loop's MMA is asynchronous. Determin
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from sass_helpers import run_sass_report
 
-ROOT = Path(__file__).resolve().parents[1]
 DECODE_LIMIT = 0.15  # warp-instructions per weight an H100 can issue while streaming HBM (see sass_report.py)
 
 
 def run_report(*args: str) -> list[dict]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the interpreter compiles nothing
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sass_mxfp4.py"), *args],
-                         capture_output=True, text=True, env=env, timeout=1200)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    return run_sass_report("sass_mxfp4.py", *args)
 
 
 @pytest.fixture(scope="module")

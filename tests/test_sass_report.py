@@ -6,30 +6,17 @@ takes seconds)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from sass_helpers import run_sass_report
 
-ROOT = Path(__file__).resolve().parents[1]
 DECODE_LIMIT = 0.15  # warp-instructions per weight an H100 can issue while streaming HBM (see sass_report.py)
 
 
 @pytest.fixture(scope="module")
 def report() -> list[dict]:
     pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the interpreter compiles nothing
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "sass_report.py"), "--models", "mixtral-8x7b",
-         "--tokens", "1", "4", "16", "4096", "--no-linear"],
-        capture_output=True, text=True, env=env, timeout=1200,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    return run_sass_report("sass_report.py", "--models", "mixtral-8x7b", "--tokens", "1", "4", "16", "4096",
+                           "--no-linear")
 
 
 def test_every_shipped_config_compiles_without_spills(report):

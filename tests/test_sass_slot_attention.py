@@ -6,27 +6,16 @@ which an H100 could no longer issue as fast as HBM streams. Deterministic compil
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from sass_helpers import run_sass_report
 
 from moeflow.kernels.triton_slot_attention import programs_per_sm
 
-ROOT = Path(__file__).resolve().parents[1]
 LOOP_LIMIT = 0.15  # warp-instructions per K/V byte: half of what would cap HBM speed (seen: 0.055-0.086)
 
 
 def run_report(*args: str) -> list[dict]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the interpreter compiles nothing
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sass_slot_attention.py"), *args],
-                         capture_output=True, text=True, env=env, timeout=1200)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    return run_sass_report("sass_slot_attention.py", *args)
 
 
 @pytest.fixture(scope="module")
