@@ -13,6 +13,8 @@ transformers). Offload policies never change the tokens: with lookup as without,
 
 Cost: a pass over 1 + c tokens needs the union of their experts, so on an MoE a rejected draft is not free; it
 pays where replies quote their prompt (code edits, extraction). ``benchmarks/bench_prompt_lookup.py`` measures it.
+A pass with a draft runs as an eager multi-token pass (only draft-free steps replay the compiled or captured decode
+step): on a GPU whose eager decode is host-bound this may cost more than it saves (unmeasured).
 
 Limits (refused by the caller): batch size 1 and greedy decoding (as transformers' assisted generation), no
 micro-batches, and no linear-attention states (Qwen3-Next's recurrent state would have to be rolled back).
