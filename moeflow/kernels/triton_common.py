@@ -78,16 +78,17 @@ def block_expert(eob_ptr, pid_m, mask_ptr, HAS_MASK: tl.constexpr):
 def plan_rows(sorted_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr, DOT_M: tl.constexpr, TOPK: tl.constexpr,
               MODE: tl.constexpr):
     """Plan block ``pid_m``'s pairs [DOT_M] (``num_pairs`` past its BLOCK_M), which are real, and the activation
-    row each reads (int64; MODE 0: the token, pair // TOPK; MODE 1: the pair; padding rows read row 0)."""
+    row each reads (int64; MODE 0: the token, pair // TOPK; MODE 1: the pair). Padding rows are never stored;
+    they read token 0 (MODE 0) or the block's first pair (MODE 1: that row was computed for this block's expert,
+    where pair 0's row may belong to an expert a staged run has not computed yet: memory nothing wrote)."""
     r = tl.arange(0, DOT_M)
     pair = tl.load(sorted_ptr + pid_m * BLOCK_M + r, mask=r < BLOCK_M, other=num_pairs)
     row_ok = pair < num_pairs
     if MODE == 0:
-        row = pair // TOPK
+        row = tl.where(row_ok, pair // TOPK, 0)
     else:
-        row = pair
-    row = tl.where(row_ok, row, 0).to(tl.int64)  # padding rows read row 0 and are never stored
-    return pair, row_ok, row
+        row = tl.where(row_ok, pair, tl.load(sorted_ptr + pid_m * BLOCK_M))  # a live block's first pair is real
+    return pair, row_ok, row.to(tl.int64)
 
 
 @triton.jit
