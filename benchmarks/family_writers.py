@@ -66,6 +66,21 @@ DEEPSEEK_V32 = {
     "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "use_cache": True, "v_head_dim": 128,
     "vocab_size": 129280,
 }
+# config.json of zai-org/GLM-5 as transformers' GlmMoeDsaConfig defaults describe it (likewise; the published file
+# was not at hand): MLA with the DSA indexer on every layer, 3 dense layers, 256 experts top-8
+GLM_5 = {
+    "architectures": ["GlmMoeDsaForCausalLM"], "attention_bias": False, "bos_token_id": 0, "eos_token_id": 1,
+    "first_k_dense_replace": 3, "head_dim": 64, "hidden_act": "silu", "hidden_size": 6144, "index_head_dim": 128,
+    "index_n_heads": 32, "index_topk": 2048, "indexer_types": ["full"] * 78, "intermediate_size": 12288,
+    "kv_lora_rank": 512, "layer_types": ["indexed_attention"] * 78, "max_position_embeddings": 202752,
+    "mlp_layer_types": ["dense"] * 3 + ["sparse"] * 75, "model_type": "glm_moe_dsa", "moe_intermediate_size": 2048,
+    "n_group": 1, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 64,
+    "num_experts_per_tok": 8, "num_hidden_layers": 78, "num_key_value_heads": 64, "q_lora_rank": 2048,
+    "qk_head_dim": 256, "qk_nope_head_dim": 192, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-5,
+    "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}, "routed_scaling_factor": 2.5,
+    "tie_word_embeddings": False, "topk_group": 1, "torch_dtype": "bfloat16", "use_cache": True,
+    "v_head_dim": 256, "vocab_size": 154880,
+}
 _SMALL = {"vocab_size": 97, "max_position_embeddings": 512, "bos_token_id": 1, "eos_token_id": 2}
 TINY = {
     "qwen3_next": {**QWEN3_NEXT_80B, **_SMALL, "hidden_size": 64, "head_dim": 16, "num_attention_heads": 4,
@@ -82,24 +97,31 @@ TINY = {
                      "index_n_heads": 4, "index_topk": 4, "n_routed_experts": 8, "n_group": 2, "topk_group": 1,
                      "num_experts_per_tok": 2, "first_k_dense_replace": 1, "num_hidden_layers": 3},
 }
-FULL = {"qwen3_next": QWEN3_NEXT_80B, "minimax_m2": MINIMAX_M2, "deepseek_v32": DEEPSEEK_V32}
-DEFAULT_LAYERS = {"qwen3_next": 24, "minimax_m2": 10, "deepseek_v32": 6}
+TINY["glm_moe_dsa"] = {**GLM_5, **_SMALL, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 64,
+                       "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 8, "q_lora_rank": 32,
+                       "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "qk_head_dim": 24,
+                       "v_head_dim": 16, "index_head_dim": 16, "index_n_heads": 4, "index_topk": 4,
+                       "n_routed_experts": 8, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+                       "num_hidden_layers": 3, "mlp_layer_types": ["dense", "sparse", "sparse"],
+                       "layer_types": ["indexed_attention"] * 3, "indexer_types": ["full"] * 3}
+FULL = {"qwen3_next": QWEN3_NEXT_80B, "minimax_m2": MINIMAX_M2, "deepseek_v32": DEEPSEEK_V32, "glm_moe_dsa": GLM_5}
+DEFAULT_LAYERS = {"qwen3_next": 24, "minimax_m2": 10, "deepseek_v32": 6, "glm_moe_dsa": 6}
 # GB of device memory: the slices' non-expert weights take ~4.5 / ~3.5 / ~9 GB of them (DeepSeek: 3.7 GB of
 # embedding + LM head, its dense layers and MLA projections)
-BUDGETS_GB = {"qwen3_next": "8,12,16", "minimax_m2": "8,12,16", "deepseek_v32": "12,16,20"}
+BUDGETS_GB = {"qwen3_next": "8,12,16", "minimax_m2": "8,12,16", "deepseek_v32": "12,16,20", "glm_moe_dsa": "12,16,20"}
 # (MoE block's name, (gate, up, down) projection names, expert intermediate size field)
 EXPERTS = {"qwen3_next": ("mlp", ("gate_proj", "up_proj", "down_proj"), "moe_intermediate_size"),
            "minimax_m2": ("block_sparse_moe", ("w1", "w3", "w2"), "intermediate_size"),
-           "deepseek_v32": ("mlp", ("gate_proj", "up_proj", "down_proj"), "moe_intermediate_size")}
+           "deepseek_v32": ("mlp", ("gate_proj", "up_proj", "down_proj"), "moe_intermediate_size"),
+           "glm_moe_dsa": ("mlp", ("gate_proj", "up_proj", "down_proj"), "moe_intermediate_size")}
 TEMPLATES = 4
 
 
 def slice_config(cfg: dict, layers: int) -> dict:
     """``cfg`` cut to its first ``layers`` decoder layers (the per-layer lists with it)."""
-    cfg = {**cfg, "num_hidden_layers": layers}
-    if "attn_type_list" in cfg:
-        cfg["attn_type_list"] = cfg["attn_type_list"][:layers]
-    return cfg
+    n = cfg["num_hidden_layers"]
+    cut = {k: v[:layers] for k, v in cfg.items() if isinstance(v, list) and len(v) == n and k != "architectures"}
+    return {**cfg, **cut, "num_hidden_layers": layers}
 
 
 def _family(cfg: dict):

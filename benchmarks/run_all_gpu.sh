@@ -81,7 +81,8 @@
 #   11. bash benchmarks/run_all_gpu.sh families-qwen3-next    # ~8-9.5 min: 24 of 48 layers (~23 GB AWQ experts), 8/12/16 GB
 #   12. bash benchmarks/run_all_gpu.sh families-minimax-m2    # ~8-9.5 min: 10 of 62 layers (~22 GB), 8/12/16 GB
 #   13. bash benchmarks/run_all_gpu.sh families-deepseek-v32  # ~8-9.5 min: 6 of 61 layers (3 dense + 3 MoE, ~26 GB), 12/16/20 GB
-#                                                  #   (10-13: session 10's writers and script, CPU-tested in TINY mode
+#   14. bash benchmarks/run_all_gpu.sh families-glm-5         # ~8-9.5 min: 6 of 78 layers (3 dense + 3 MoE, ~23 GB), 12/16/20 GB
+#                                                  #   (10-14: session 10's writers and script, CPU-tested in TINY mode
 #                                                  #   only; the slices' config values are from the family code, not
 #                                                  #   checked against the published config.json files)
 #
@@ -201,7 +202,7 @@ case "$stage" in
     dn=(--out "$out/deltanet.jsonl" --budget-s 200)
     if [ "${TINY:-0}" = 1 ]; then dn=(--tiny --out "$out/deltanet.jsonl"); fi
     run 260 deltanet.log "$py" benchmarks/run_gpu_deltanet.py "${dn[@]}" ;;
-  families-qwen3|families-gpt-oss|families-qwen3-next|families-minimax-m2|families-deepseek-v32)
+  families-qwen3|families-gpt-oss|families-qwen3-next|families-minimax-m2|families-deepseek-v32|families-glm-5)
     # one family per stage: each writes a ~17-33 GB checkpoint (write + load ~2-5 min)
     case "$stage" in
       families-qwen3) family=qwen3_moe need_gb=19 ;;
@@ -209,6 +210,7 @@ case "$stage" in
       families-qwen3-next) family=qwen3_next need_gb=25 ;;
       families-minimax-m2) family=minimax_m2 need_gb=24 ;;
       families-deepseek-v32) family=deepseek_v32 need_gb=28 ;;
+      families-glm-5) family=glm_moe_dsa need_gb=25 ;;
     esac
     own="/tmp/moeflow-synthetic-$family-"
     avail_gb=$(df --output=avail -BG /tmp | tail -1 | tr -dc 0-9)
@@ -245,7 +247,7 @@ case "$stage" in
       run 560 peers.log "$py" benchmarks/peers/run_gpu_peers.py --phase all "${peers[@]}" --time-budget-s 400
     fi ;;
   *) echo "usage: $0 correctness|kernels|offload|decode|serve|engine|models|families-qwen3|families-gpt-oss|peers-prep|" \
-       "peers|tune|deltanet|families-qwen3-next|families-minimax-m2|families-deepseek-v32 (TINY=1: CPU sizes)" >&2
+       "peers|tune|deltanet|families-qwen3-next|families-minimax-m2|families-deepseek-v32|families-glm-5 (TINY=1: CPU sizes)" >&2
      exit 2 ;;
 esac
 [ "$plan" = 1 ] || echo "stage $stage done: $(ls -R "$out" | tr '\n' ' ')"

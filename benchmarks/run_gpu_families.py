@@ -1,5 +1,5 @@
 """GPU benchmark of the other families: Qwen3-30B-A3B-shaped AWQ and gpt-oss-120b-shaped MXFP4 checkpoints, and
-slices of Qwen3-Next-80B-A3B, MiniMax-M2 and DeepSeek-V3.2 with AWQ experts (``family_writers.py``).
+slices of Qwen3-Next-80B-A3B, MiniMax-M2, DeepSeek-V3.2 and GLM-5 with AWQ experts (``family_writers.py``).
 
 Issues 16 and 18: decode tok/s per GB budget, policy and ``cpu_compute`` mode on synthetic checkpoints with the
 published layouts (a lent machine starts bare and has no network, so the run writes them itself):
@@ -17,8 +17,9 @@ published layouts (a lent machine starts bare and has no network, so the run wri
   MXFP4 expert's bits for the kernels (``mxfp4_reference.to_kernel_layout``, ~0.3 s per expert on 2 shared CPU
   cores here): ``load_s`` in the JSON says what it cost on the GPU host.
 * ``qwen3_next`` (24 of 48 layers, ~23 GB), ``minimax_m2`` (10 of 62, ~22 GB), ``deepseek_v32`` (6 of 61: 3 dense +
-  3 MoE, ~26 GB): the layout ``moeflow quantize`` writes from the published checkpoints (AWQ experts, the rest bf16
-  under the names the family's loader reads); see ``family_writers.py``.
+  3 MoE, ~26 GB), ``glm_moe_dsa`` (GLM-5 as transformers' defaults describe it; 6 of 78: 3 dense + 3 MoE, ~23 GB):
+  the layout ``moeflow quantize`` writes from the published checkpoints (AWQ experts, the rest bf16 under the names
+  the family's loader reads); see ``family_writers.py``.
 
 Weights are random bytes (no quantization of real floats), a few expert templates reused, so writing is fast;
 the checkpoint goes under /tmp once and later runs reuse it. The model is loaded once (experts into the pinned

@@ -1,4 +1,4 @@
-"""The GPU families benchmark (Qwen3-30B-A3B AWQ, gpt-oss-120b MXFP4; Qwen3-Next, MiniMax-M2 and DeepSeek-V3.2
+"""The GPU families benchmark (Qwen3-30B-A3B AWQ, gpt-oss-120b MXFP4; Qwen3-Next, MiniMax-M2, DeepSeek-V3.2 and GLM-5
 with AWQ experts as `moeflow quantize` writes them) runs end to end in its --tiny CPU mode, on checkpoints written
 in the published layouts, and the new families' slices at real shapes are the published models' layers."""
 
@@ -18,7 +18,8 @@ PUBLISHED = {"qwen3_moe": ("model.layers.1.mlp.experts.7.down_proj.qweight", "aw
              "gpt_oss": ("model.layers.1.mlp.experts.gate_up_proj_blocks", "mxfp4"),
              "qwen3_next": ("model.layers.1.mlp.experts.7.down_proj.qweight", "awq"),
              "minimax_m2": ("model.layers.1.block_sparse_moe.experts.7.w2.qweight", "awq"),
-             "deepseek_v32": ("model.layers.1.mlp.experts.7.down_proj.qweight", "awq")}
+             "deepseek_v32": ("model.layers.1.mlp.experts.7.down_proj.qweight", "awq"),
+             "glm_moe_dsa": ("model.layers.1.mlp.experts.7.down_proj.qweight", "awq")}
 
 
 @pytest.mark.parametrize("family", sorted(PUBLISHED))
@@ -82,6 +83,8 @@ def test_the_new_families_slices_are_the_published_layers_and_fit_the_disk():
         run_gpu_deltanet.SHAPES["qwen3-next-80b"]
     assert fams["minimax_m2"].moe_layers == tuple(range(10)) and fams["minimax_m2"].num_experts == 256
     assert fams["deepseek_v32"].moe_layers == (3, 4, 5) and fams["deepseek_v32"].num_experts == 256
+    glm = fw.slice_config(fw.FULL["glm_moe_dsa"], fw.DEFAULT_LAYERS["glm_moe_dsa"])  # per-layer lists cut with it
+    assert fams["glm_moe_dsa"].moe_layers == (3, 4, 5) and len(glm["mlp_layer_types"]) == len(glm["indexer_types"]) == 6
     for f, cfg in fw.FULL.items():
         size = fw.estimated_bytes(fw.slice_config(cfg, fw.DEFAULT_LAYERS[f]))
         assert 15e9 < size < 30e9 < fw.estimated_bytes(cfg), (f, size)
