@@ -8,6 +8,12 @@ from typing import TextIO
 import torch
 
 
+def first_sequence(ids: torch.Tensor) -> torch.Tensor:
+    """What ``generate`` hands a streamer -> sequence 0's new ids [k]: the prompt [B, T], a step's tokens [B], or
+    several tokens of one pass [1, k] (prompt lookup decoding)."""
+    return ids.reshape(ids.shape[0], -1)[0] if ids.dim() > 1 else ids[:1]
+
+
 class TextStreamer:
     """Prints the text of sequence 0 as it is generated (skipping the prompt by default).
 
@@ -25,7 +31,7 @@ class TextStreamer:
         self.text = ""
 
     def put(self, ids: torch.Tensor) -> None:
-        ids = ids.reshape(ids.shape[0], -1)[0] if ids.dim() > 1 else ids[:1]
+        ids = first_sequence(ids)
         if not self._seen_prompt:
             self._seen_prompt = True
             if self.skip_prompt:

@@ -19,6 +19,7 @@ from moeflow.cli.commands import (
     embedded_model_path,
 )
 from moeflow.io.reply_formats import REASONING_ALIASES, TOOL_FORMATS
+from moeflow.streaming import first_sequence
 
 API_KEY_ENV = "MOEFLOW_API_KEY"
 
@@ -50,8 +51,7 @@ class ReplyStreamer:
         if not self._prompt_seen:  # generate() hands the prompt first
             self._prompt_seen = True
             return
-        row = ids.reshape(ids.shape[0], -1)[0] if ids.dim() > 1 else ids[:1]  # [1, k]: prompt lookup's tokens
-        self.ids.extend(int(i) for i in row)
+        self.ids.extend(int(i) for i in first_sequence(ids))
         self._emit(final=False)
 
     def _emit(self, final: bool) -> None:
