@@ -67,8 +67,8 @@ def generate_with_lookup(runner: Any, gen: GenerationConfig, input_ids: torch.Te
                          num_tokens: int, max_ngram: int = DEFAULT_MAX_NGRAM, streamer: Any = None) -> torch.Tensor:
     """input_ids / token_mask [1, T] on the device -> [1, T + n] ids, greedy, drafting up to ``num_tokens``
     tokens per pass. ``runner.stats`` counts ``draft_tokens`` / ``accepted_tokens`` (as its other counters, until
-    ``reset()``); decode passes without a draft
-    run as plain decode steps (compiled or captured where the runner has them)."""
+    ``reset()``); decode passes without a draft run as plain decode steps (compiled or captured where the runner
+    has them)."""
     stats, device = runner.stats, runner.device
     t = input_ids.shape[1]
     eos = set(gen.eos_ids())
@@ -85,6 +85,10 @@ def generate_with_lookup(runner: Any, gen: GenerationConfig, input_ids: torch.Te
     seq = torch.zeros(total, dtype=torch.long)  # host copy of every token so far (drafts are looked up here)
     seq[:t] = input_ids[0].cpu()  # (left padding, seq[:pad], is never matched nor penalised)
     pad = t - int(token_mask.sum())  # left padding: positions count real tokens only
+    # every kept token on the device, cache-aligned (what path predictors read), written once as tokens are kept
+    hist = torch.zeros((1, total), dtype=torch.long, device=device)
+    hist_mask = torch.ones((1, total), dtype=torch.bool, device=device)
+    hist[:, :t], hist_mask[:, :t] = input_ids, token_mask
     start = time.perf_counter()
     stats.set_phase("prefill")
     logits = runner.forward_pass(input_ids, positions_from_mask(token_mask), cache,
@@ -100,6 +104,7 @@ def generate_with_lookup(runner: Any, gen: GenerationConfig, input_ids: torch.Te
     while True:
         room = total - n - len(new)  # tokens still allowed after the ones just produced
         seq[n:n + len(new)] = torch.tensor(new)
+        hist[0, n:n + len(new)] = seq[n:n + len(new)].to(device)
         n += len(new)
         if streamer is not None:
             streamer.put(torch.tensor([new]))  # [1, k]: one row, as transformers' streamers take it
@@ -111,8 +116,7 @@ def generate_with_lookup(runner: Any, gen: GenerationConfig, input_ids: torch.Te
         ids = seq[n - 1:n + len(draft)].to(device)[None]  # [1, 1 + c]: the last token, then the draft
         cache_position = torch.arange(n - 1, n + len(draft), device=device)
         mask = torch.ones_like(ids, dtype=torch.bool)
-        history = (torch.cat([input_ids, seq[t:n].to(device)[None]], 1), torch.cat(
-            [token_mask, torch.ones((1, n - t), dtype=torch.bool, device=device)], 1))
+        history = (hist[:, :n], hist_mask[:, :n])
         phase = "decode" if not draft else "prefill"  # a multi-token pass runs as a prefill chunk does
         logits = runner.forward_pass(ids, cache_position[None] - pad, cache, cache_position, mask, phase,
                                      history=history, all_real=True)[0]  # [1 + c, V]
@@ -132,7 +136,7 @@ def generate_with_lookup(runner: Any, gen: GenerationConfig, input_ids: torch.Te
         stats.peak_gpu_bytes = max(stats.peak_gpu_bytes, torch.cuda.max_memory_allocated(device))
     if streamer is not None:
         streamer.end()
-    return seq[:n].to(device)[None]
+    return hist[:, :n]
 
 
 def pick(logits: torch.Tensor, gen: GenerationConfig, seen: torch.Tensor, device: torch.device) -> int:
