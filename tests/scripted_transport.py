@@ -228,9 +228,9 @@ class ScriptedTransport:
             args_now = (forms, layer, x, topk_ids, topk_weights, out, list(experts), list(slots))
             self.queue.append(("call", lambda: real_int4_compute(*args_now), spans))
 
-        def queued_int4_combine(out, top_k):
+        def queued_int4_combine(forms, out, top_k):
             result = out.new_empty((out.shape[0] // top_k, out.shape[1]))
-            self.queue.append(("call", lambda: result.copy_(real_int4_combine(out, top_k)), []))
+            self.queue.append(("call", lambda: result.copy_(real_int4_combine(forms, out, top_k)), []))
             return result
 
         def queued_forward(x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask=None, *args, **kw):
@@ -253,13 +253,13 @@ class ScriptedTransport:
             return result
 
         kernels_module.expert_forward, kernels_module.combine = queued_forward, queued_combine
-        SlotInt4Forms.compute, SlotInt4Forms.combine = queued_int4_compute, staticmethod(queued_int4_combine)
+        SlotInt4Forms.compute, SlotInt4Forms.combine = queued_int4_compute, queued_int4_combine
         compute_module.combine_in_order = queued_in_order
         DeviceGraphs._launch, DeviceGraphs.combine = queued_launch, queued_graph_combine
         try:
             yield
         finally:
             kernels_module.expert_forward, kernels_module.combine = real_forward, real_combine
-            SlotInt4Forms.compute, SlotInt4Forms.combine = real_int4_compute, staticmethod(real_int4_combine)
+            SlotInt4Forms.compute, SlotInt4Forms.combine = real_int4_compute, real_int4_combine
             compute_module.combine_in_order = real_in_order
             DeviceGraphs._launch, DeviceGraphs.combine = real_launch, real_graph_combine

@@ -102,7 +102,36 @@ def test_slot_combine_is_the_reference_sum_bitwise(k, tokens, dtype):
     from moeflow.offload.cpu_slots import SlotInt4Forms
 
     out = (torch.randn(tokens * k, 96, generator=torch.Generator().manual_seed(k)) * 3).to(dtype)
-    got = SlotInt4Forms.combine(out, k)
+    got = SlotInt4Forms.sum_rows(out, k)
     want = combine_reference(out, k)
     assert got.dtype == want.dtype and got.shape == (tokens, 96) and torch.equal(got, want)
     assert got.data_ptr() != out.data_ptr()  # never aliases the rows (k = 1 included)
+
+
+def test_all_experts_in_one_call_sum_as_the_rows_do():
+    """A decode token whose k experts are all in one compute call is summed inside the kernel (the resident
+    path's experts_step); bitwise the rows one call per expert leave plus the combine, whatever the order the
+    experts arrive in. A stale summed row is never handed to another layer's combine."""
+    from moeflow.offload.cpu_slots import SlotInt4Forms
+
+    m = MoEOffloadedMixtral.from_pretrained(MODEL, kernels="cpu-int4", offload=OffloadConfig(policy="lru"))
+    try:
+        forms = m.experts.compute.int4_slots
+        if not forms.forms[0].native:
+            pytest.skip("moeflow's native CPU kernels were not built here (no C compiler): torch's int4 rows run")
+        hidden = m.config.hidden_size
+        x = torch.randn(1, hidden, generator=torch.Generator().manual_seed(0))
+        ids, w = torch.tensor([[5, 2]], dtype=torch.int32), torch.tensor([[0.7, 0.3]])
+        fused_out, rows_out = torch.empty(2, hidden), torch.empty(2, hidden)
+        forms.compute(0, x, ids, w, fused_out, [2, 5], [9, 3])  # plan order, not the token's k order
+        assert forms._summed is not None and forms._summed[0] is fused_out
+        for e, slot in ((2, 9), (5, 3)):
+            forms.compute(0, x, ids, w, rows_out, [e], [slot])
+        assert forms._summed[0] is fused_out  # one-expert calls leave rows, not a summed row
+        stale = forms.combine(rows_out, 2)  # another layer's rows: summed from them, not the kept row
+        assert torch.equal(stale, SlotInt4Forms.sum_rows(rows_out, 2)) and forms._summed is None
+        forms.compute(0, x, ids, w, fused_out, [5, 2], [3, 9])
+        fused = forms.combine(fused_out, 2)
+        assert fused.shape == (1, hidden) and torch.equal(fused, stale)
+    finally:
+        m.close()

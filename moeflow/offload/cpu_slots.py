@@ -32,7 +32,7 @@ import torch
 
 from moeflow.kernels import reference
 from moeflow.kernels.cpu_int4 import Int4Expert
-from moeflow.kernels.cpu_step_ops import expert_row
+from moeflow.kernels.cpu_step_ops import expert_row, experts_step
 from moeflow.kernels.pool import ALIGN, ExpertFormat, ExpertPool, TensorSpec
 
 
@@ -126,6 +126,7 @@ class SlotInt4Forms:
                              f"form (CpuInt4Format), got {type(pool.fmt).__name__} slots on {pool.device}")
         self.pool = pool
         self.forms = [pool.fmt.int4_expert(pool.buffer[s]) for s in range(pool.n_slots)]
+        self._summed: tuple[torch.Tensor, torch.Tensor] | None = None  # (the layer's out, its token's summed row)
 
     def compute(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 out: torch.Tensor, experts: list[int], slots: list[int]) -> None:
@@ -134,10 +135,17 @@ class SlotInt4Forms:
         k = topk_ids.shape[1]
         flat_w = topk_weights.reshape(-1).float()
         if topk_ids.shape[0] == 1:  # decode: an expert's one pair is its position among the token's k
-            position = {e: j for j, e in enumerate(topk_ids[0].tolist())}
-            # fp32 rows on moeflow's kernels: each weighted row written straight into out (the same numbers)
+            ids = topk_ids[0].tolist()
             direct = x.dtype == torch.float32 and out.dtype == torch.float32 and x.is_contiguous() \
                 and out.is_contiguous() and flat_w.is_contiguous()
+            if direct and len(experts) == k:  # every expert at once (all hits): summed as the resident path sums
+                slot_of = dict(zip(experts, slots, strict=True))
+                forms = [self.forms[slot_of[e]] for e in ids]
+                if all(f.native for f in forms):
+                    self._summed = (out, experts_step(x, [(f.w13, f.w2) for f in forms], flat_w.view(1, k)))
+                    return
+            position = {e: j for j, e in enumerate(ids)}
+            # fp32 rows on moeflow's kernels: each weighted row written straight into out (the same numbers)
             for e, slot in zip(experts, slots, strict=True):
                 j, form = position[e], self.forms[slot]
                 if direct and form.native:
@@ -150,11 +158,20 @@ class SlotInt4Forms:
             pairs = torch.nonzero(flat_ids == e).squeeze(1)
             out[pairs] = self.forms[slot].forward(x[pairs // k], flat_w[pairs])
 
-    @staticmethod
-    def combine(out: torch.Tensor, top_k: int) -> torch.Tensor:
+    def combine(self, out: torch.Tensor, top_k: int) -> torch.Tensor:
         """``out [T*k, H]`` -> ``[T, H]``: the fp32 sum in k order of ``kernels.combine``'s torch path, called
         directly (its custom-op dispatch costs more than the sum at decode sizes on the CPU). One fp32 token (the
-        decode step): the same adds in the same order, in place on one fresh row (25 -> 6 us at k = 2)."""
+        decode step): the same adds in the same order, in place on one fresh row (25 -> 6 us at k = 2), or the row
+        :meth:`compute` already summed when it ran all k experts in one call (the kernel adds each weighted row
+        into the last, as the resident :func:`experts_step` does)."""
+        summed, self._summed = self._summed, None
+        if summed is not None and summed[0] is out:
+            return summed[1]
+        return self.sum_rows(out, top_k)
+
+    @staticmethod
+    def sum_rows(out: torch.Tensor, top_k: int) -> torch.Tensor:
+        """``out [T*k, H]`` -> ``[T, H]``, the sum :meth:`combine` returns when ``compute`` left rows."""
         if out.dtype != torch.float32 or out.shape[0] != top_k or top_k == 1:
             return reference.combine_reference(out, top_k)
         acc = torch.add(out[0:1], out[1:2])
