@@ -1,12 +1,13 @@
 """Synthetic checkpoints of session 9's families for the GPU lane (``run_gpu_families.py``): Qwen3-Next-80B-A3B
-(``qwen3_next``), MiniMax-M2 (``minimax_m2``) and DeepSeek-V3.2 (``deepseek_v32``), in the layout ``moeflow
-quantize`` writes from the published checkpoints: routed experts AWQ 4-bit (GEMM, group 128, zero point, fp16
-scales; per expert ``...experts.E.<proj>.{qweight,qzeros,scales}``), everything else bf16 under the published names,
-config.json as published (fields the loader reads; ``num_hidden_layers`` cut to the slice) plus the AWQ
-``quantization_config``. MiniMax-M2 and DeepSeek-V3.2 are published FP8 (e4m3, 128 x 128 block scales), which
+(``qwen3_next``), MiniMax-M2 (``minimax_m2``), DeepSeek-V3.2 (``deepseek_v32``) and GLM-5 (``glm_moe_dsa``), in the
+layout ``moeflow quantize`` writes from the published checkpoints: routed experts AWQ 4-bit (GEMM, group 128, zero
+point, fp16 scales; per expert ``...experts.E.<proj>.{qweight,qzeros,scales}``), everything else bf16 under the
+published names, config.json as published (fields the loader reads; ``num_hidden_layers`` cut to the slice) plus the
+AWQ ``quantization_config``. MiniMax-M2 and DeepSeek-V3.2 are published FP8 (e4m3, 128 x 128 block scales), which
 moeflow requantizes to int4 at every load (minutes at these sizes): the lane times what a user serves after one
 ``moeflow quantize``, so these are written in its output format. Qwen3-Next is published bf16 (community AWQ
-conversions exist; ``moeflow quantize`` keeps its DeltaNet and attention projections 16-bit as here).
+conversions exist; ``moeflow quantize`` keeps its DeltaNet and attention projections 16-bit as here); GLM-5 is
+published bf16 and as GLM-5-FP8.
 
 The non-expert tensors' names and shapes come from the family itself: its decoder is built on the meta device and
 each parameter / buffer is named by ``family.checkpoint_name``, exactly as the loader reads them, so a writer cannot
@@ -18,7 +19,9 @@ disk, not by the random numbers.
 
 Slices (``DEFAULT_LAYERS``; the full models are 45-120 GB in AWQ, the lent machine has a 64 GiB disk):
 Qwen3-Next 24 of 48 layers (18 linear-attention + 6 full-attention, the published 3:1 pattern; ~23 GB),
-MiniMax-M2 10 of 62 (~22 GB), DeepSeek-V3.2 6 of 61 (its 3 dense layers + 3 MoE layers; ~26 GB).
+MiniMax-M2 10 of 62 (~22 GB), DeepSeek-V3.2 6 of 61 (its 3 dense layers + 3 MoE layers; ~26 GB), GLM-5 6 of 78
+(3 dense + 3 MoE; ~23 GB). The configs' shapes were checked against the published files in session 11
+(``benchmarks/results/family_shapes.md``).
 """
 
 from __future__ import annotations
@@ -66,20 +69,25 @@ DEEPSEEK_V32 = {
     "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "use_cache": True, "v_head_dim": 128,
     "vocab_size": 129280,
 }
-# config.json of zai-org/GLM-5 as transformers' GlmMoeDsaConfig defaults describe it (likewise; the published file
-# was not at hand): MLA with the DSA indexer on every layer, 3 dense layers, 256 experts top-8
+# config.json of zai-org/GLM-5 (likewise): MLA with the DSA indexer on every layer, 3 dense layers, 256 experts
+# top-8. Shapes checked against copies of the published file (sources: benchmarks/results/family_shapes.md);
+# rope_theta 1e6, the eos list and the routing fields are the file's (transformers' GlmMoeDsaConfig defaults:
+# 10000 and 1). layer_types / indexer_types are not in the file: they are what transformers derives from it (every
+# layer indexed, every indexer full), written out so that slice_config cuts them with the layers.
 GLM_5 = {
-    "architectures": ["GlmMoeDsaForCausalLM"], "attention_bias": False, "bos_token_id": 0, "eos_token_id": 1,
-    "first_k_dense_replace": 3, "head_dim": 64, "hidden_act": "silu", "hidden_size": 6144, "index_head_dim": 128,
-    "index_n_heads": 32, "index_topk": 2048, "indexer_types": ["full"] * 78, "intermediate_size": 12288,
+    "architectures": ["GlmMoeDsaForCausalLM"], "attention_bias": False, "bos_token_id": 0,
+    "eos_token_id": [154820, 154827, 154829], "first_k_dense_replace": 3, "head_dim": 64, "hidden_act": "silu",
+    "hidden_size": 6144, "index_head_dim": 128, "index_n_heads": 32, "index_topk": 2048,
+    "indexer_rope_interleave": True, "indexer_types": ["full"] * 78, "intermediate_size": 12288,
     "kv_lora_rank": 512, "layer_types": ["indexed_attention"] * 78, "max_position_embeddings": 202752,
     "mlp_layer_types": ["dense"] * 3 + ["sparse"] * 75, "model_type": "glm_moe_dsa", "moe_intermediate_size": 2048,
-    "n_group": 1, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 64,
-    "num_experts_per_tok": 8, "num_hidden_layers": 78, "num_key_value_heads": 64, "q_lora_rank": 2048,
-    "qk_head_dim": 256, "qk_nope_head_dim": 192, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-5,
-    "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}, "routed_scaling_factor": 2.5,
-    "tie_word_embeddings": False, "topk_group": 1, "torch_dtype": "bfloat16", "use_cache": True,
-    "v_head_dim": 256, "vocab_size": 154880,
+    "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True,
+    "num_attention_heads": 64, "num_experts_per_tok": 8, "num_hidden_layers": 78, "num_key_value_heads": 64,
+    "num_nextn_predict_layers": 1, "q_lora_rank": 2048, "qk_head_dim": 256, "qk_nope_head_dim": 192,
+    "qk_rope_head_dim": 64, "rms_norm_eps": 1e-5, "rope_interleave": True,
+    "rope_parameters": {"rope_theta": 1000000, "rope_type": "default"}, "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid", "tie_word_embeddings": False, "topk_group": 1, "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16", "use_cache": True, "v_head_dim": 256, "vocab_size": 154880,
 }
 _SMALL = {"vocab_size": 97, "max_position_embeddings": 512, "bos_token_id": 1, "eos_token_id": 2}
 TINY = {

@@ -17,7 +17,7 @@ published layouts (a lent machine starts bare and has no network, so the run wri
   MXFP4 expert's bits for the kernels (``mxfp4_reference.to_kernel_layout``, ~0.3 s per expert on 2 shared CPU
   cores here): ``load_s`` in the JSON says what it cost on the GPU host.
 * ``qwen3_next`` (24 of 48 layers, ~23 GB), ``minimax_m2`` (10 of 62, ~22 GB), ``deepseek_v32`` (6 of 61: 3 dense +
-  3 MoE, ~26 GB), ``glm_moe_dsa`` (GLM-5 as transformers' defaults describe it; 6 of 78: 3 dense + 3 MoE, ~23 GB):
+  3 MoE, ~26 GB), ``glm_moe_dsa`` (GLM-5; 6 of 78: 3 dense + 3 MoE, ~23 GB):
   the layout ``moeflow quantize`` writes from the published checkpoints (AWQ experts, the rest bf16 under the names
   the family's loader reads); see ``family_writers.py``.
 
@@ -66,7 +66,8 @@ from moeflow.errors import SchedulingError  # noqa: E402
 from moeflow.offload import create_expert_backend, min_slots  # noqa: E402
 
 GiB = 2**30
-QWEN3_30B_A3B = {  # Qwen/Qwen3-30B-A3B config.json
+QWEN3_30B_A3B = {  # Qwen/Qwen3-30B-A3B config.json, but torch_dtype float16 as AWQ conversions say (the release
+    # says bfloat16; shapes checked in benchmarks/results/family_shapes.md)
     "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
     "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
     "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144, "max_position_embeddings": 40960,
@@ -103,7 +104,9 @@ TINY.update(family_writers.TINY)
 FULL = {"qwen3_moe": QWEN3_30B_A3B, "gpt_oss": GPT_OSS_120B, **family_writers.FULL}
 DEFAULT_LAYERS = {"qwen3_moe": None, "gpt_oss": 18, **family_writers.DEFAULT_LAYERS}
 BUDGETS_GB = {"qwen3_moe": "4,8,12", "gpt_oss": "16,24", **family_writers.BUDGETS_GB}
-DTYPES = {"qwen3_moe": "float16", "gpt_oss": "bfloat16"}  # the published dtypes (the others': bfloat16)
+# the checkpoints' dtypes: Qwen3's AWQ conversions are float16 (its release bf16), gpt-oss as published; the
+# others': bfloat16
+DTYPES = {"qwen3_moe": "float16", "gpt_oss": "bfloat16"}
 POLICIES = ("lru", "mixtral-offloading", "static", "promoe", "duoserve")
 MODES = ("never", "auto")
 CONTEXT = 1024  # tokens the memory plan sizes the KV cache and prefill activations for

@@ -48,7 +48,8 @@ MIXTRAL_8X7B = {"num_layers": 32, "num_experts": 8, "top_k": 2, "hidden": 4096, 
 # many small experts: ~2.5 MB (30B-A3B) and ~9.7 MB (235B-A22B) per AWQ expert, 6,144 and 12,032 experts
 QWEN3_30B_A3B = {"num_layers": 48, "num_experts": 128, "top_k": 8, "hidden": 2048, "intermediate": 768}
 QWEN3_235B_A22B = {"num_layers": 94, "num_experts": 128, "top_k": 8, "hidden": 4096, "intermediate": 1536}
-# DeepSeek-V3 / R1 / Kimi-K2-like: 61 decoder layers, the first 3 dense, so 58 MoE layers (what a trace counts)
+# DeepSeek-V3 / R1 / V3.1 / V3.2: 61 decoder layers, the first 3 dense, so 58 MoE layers (what a trace counts).
+# Kimi-K2 is another shape (first_k_dense_replace 1: 60 MoE layers x 384 experts, top-8, 7168 x 2048).
 DEEPSEEK_V3 = {"num_layers": 58, "num_experts": 256, "top_k": 8, "hidden": 7168, "intermediate": 2048}
 # GLM-4.5-Air: 46 decoder layers, the first dense, so 45 MoE layers
 GLM45_AIR = {"num_layers": 45, "num_experts": 128, "top_k": 8, "hidden": 4096, "intermediate": 1408}
