@@ -49,6 +49,10 @@ class OffloadConfig:
     disk_readers: threads reading experts from disk (the disk tier's reads overlap compute and each other).
     context_length, max_batch_size: what the memory plan sizes the KV cache, activations and workspaces for
         (``None``: 4096 tokens, capped at the model's context).
+    early_hits: launch each layer's expert group over the experts already in slots before its routing is read
+        back, so the device computes the hits while the host waits and schedules the misses (docs/design.md,
+        "Hits launched before the read-back"); the same tokens either way. ``None``: on where that read is a
+        real wait (a CUDA device) and the slots run on the device's kernels.
     """
 
     gpu_expert_slots: int | None = None
@@ -74,6 +78,7 @@ class OffloadConfig:
     disk_readers: int = 2
     context_length: int | None = None
     max_batch_size: int = 1
+    early_hits: bool | None = None
 
     def __post_init__(self) -> None:
         if self.gpu_expert_slots is not None and self.gpu_expert_slots < 1:

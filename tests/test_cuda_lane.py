@@ -237,11 +237,12 @@ def _race_run(synth, drop, policy, slots, graphs=False, **config):
     return got, transport, device
 
 
+@pytest.mark.parametrize("early_hits", [True, False])  # on CUDA on by default (docs/design.md)
 @pytest.mark.parametrize("policy", CACHING_POLICIES)
-def test_race_harness_outputs_are_bitwise_resident(race_synth, policy):
+def test_race_harness_outputs_are_bitwise_resident(race_synth, policy, early_hits):
     synth, expected = race_synth
     for slots in (synth.k, synth.E, synth.L * synth.E - 1):
-        got, transport, _ = _race_run(synth, None, policy, slots)
+        got, transport, _ = _race_run(synth, None, policy, slots, early_hits=early_hits)
         assert transport.copies > 0
         for i, (a, b) in enumerate(zip(expected, got, strict=True)):
             assert torch.equal(a, b), f"{policy} with {slots} slots: layer call {i} differs from resident"
@@ -311,11 +312,12 @@ def test_every_policy_keeps_the_tokens_on_real_streams(tmp_path):
 # 4. the offload backend's device part captured as CUDA graphs (issue 14 item 6; moeflow/offload/device_step.py)
 
 
+@pytest.mark.parametrize("early_hits", [True, False])
 @pytest.mark.parametrize("policy", CACHING_POLICIES)
-def test_race_harness_with_the_captured_device_part_is_bitwise_resident(race_synth, policy):
+def test_race_harness_with_the_captured_device_part_is_bitwise_resident(race_synth, policy, early_hits):
     synth, expected = race_synth
     for slots in (synth.k, synth.E, synth.L * synth.E - 1):
-        got, _, graphs = _race_run(synth, None, policy, slots, graphs=True)
+        got, _, graphs = _race_run(synth, None, policy, slots, graphs=True, early_hits=early_hits)
         assert graphs.refused == {} and graphs.disabled is None, (graphs.refused, graphs.disabled)
         assert graphs.captures == 2 and graphs.replays > len(expected)  # prefill and decode batch sizes
         for i, (a, b) in enumerate(zip(expected, got, strict=True)):

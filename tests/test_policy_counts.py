@@ -128,10 +128,10 @@ def test_duoserve_ring_holds_at_most_k_loads_per_layer():
         peak = max(peak, outstanding)
         return submit(layer, expert, slot, **kw)
 
-    def counting_compute(layer, x, ids, w, out, experts):
+    def counting_compute(layer, x, ids, w, out, experts, **kw):
         nonlocal outstanding
         outstanding -= sum(e not in (0, 1, 2) for e in experts)  # the loaded ones (0, 1, 2 were warm)
-        return compute(layer, x, ids, w, out, experts)
+        return compute(layer, x, ids, w, out, experts, **kw)
 
     backend.engine.submit, backend._compute = counting_submit, counting_compute
     stats.set_phase("prefill")

@@ -207,9 +207,9 @@ def test_reordered_inference_computes_resident_experts_first(dense, monkeypatch)
         calls.append({"needed": needed, "ready": ready, "groups": []})
         return forward(self, layer, x, probs, ids, w)
 
-    def spy_compute(self, layer, x, ids, w, out, experts):
+    def spy_compute(self, layer, x, ids, w, out, experts, **kw):
         calls[-1]["groups"].append(sorted(experts))
-        return compute(self, layer, x, ids, w, out, experts)
+        return compute(self, layer, x, ids, w, out, experts, **kw)
 
     monkeypatch.setattr(OffloadedExperts, "forward", spy_forward)
     monkeypatch.setattr(OffloadedExperts, "_compute", spy_compute)

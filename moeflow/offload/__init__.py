@@ -182,4 +182,5 @@ def create_expert_backend(
         warm_start=spec.warm_start, per_layer=spec.per_layer, prefill_ring=top_k if spec.prefill_ring else None,
         copy_chunks=config.copy_chunks, max_inflight_chunks=config.max_inflight_chunks,
         kernels_backend=kernels_backend, policy_name=spec.name, owns_host=owns_host, platform=platform,
+        early_hits=config.early_hits,
     )

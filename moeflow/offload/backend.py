@@ -22,7 +22,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 
@@ -76,6 +76,7 @@ class OffloadedExperts(ExpertBackend):
         policy_name: str = "",
         owns_host: bool = True,
         platform: Platform = REAL,
+        early_hits: bool | None = None,
     ) -> None:
         self.fmt = fmt
         self.num_layers, self.num_experts, self.top_k = host.num_layers, host.num_experts, top_k
@@ -102,6 +103,7 @@ class OffloadedExperts(ExpertBackend):
         # the device part: expert groups and the combine, eager or captured (platform.compute: the simulator's)
         self.compute = LayerCompute(fmt, self.pool, self.num_experts, top_k, kernels_backend, platform.compute)
         self.cpu = cpu  # hybrid execution: misses computed on the CPU (docs/hybrid.md)
+        self.early_hits = self._early_hits(early_hits)
         self.prefill_ring = prefill_ring
         if predictor is not None:
             predictor.bind(self)  # predictors that prefetch outside forward (FineMoE, ExpertFlow)
@@ -117,6 +119,15 @@ class OffloadedExperts(ExpertBackend):
         self._finalizer = weakref.finalize(
             self, _shutdown, self.engine, self.transport, self.host if owns_host else None
         )
+
+    def _early_hits(self, wanted: bool | None) -> bool:
+        """``OffloadConfig.early_hits`` resolved: None is on where the read-back is a real wait (a CUDA device)."""
+        why_not = ("the simulator's compute executor" if self.compute.executor is not None else
+                   "kernels='cpu-int4' slots" if self.compute.int4_slots is not None else None)
+        if wanted and why_not:
+            raise ValueError(f"OffloadConfig.early_hits=True: {why_not} computes a group only once its routing "
+                             "is on the host")
+        return self.readback.cuda and why_not is None if wanted is None else bool(wanted)
 
     @property
     def n_slots(self) -> int:
@@ -219,17 +230,19 @@ class OffloadedExperts(ExpertBackend):
         proposals = pred.propose(layer, x) if pred is not None else []
         on_device = [ids for _, ids in proposals if isinstance(ids, torch.Tensor)]
         host_routing = pred is not None and pred.host_routing
-        if host_routing:  # the predictor searches on the host: the routing rides in the same read
-            needed, fetched, floats = self.readback.read(topk_ids, [*on_device, topk_ids], [probs])
+        # the predictor searching on the host gets the routing in the same read
+        self.readback.post(topk_ids, [*on_device, topk_ids] if host_routing else on_device,
+                           [probs] if host_routing else [])
+        out, early = self._launch_early(layer, x, topk_ids, topk_weights) if self.early_hits else (None, ())
+        needed, fetched, floats = self.readback.collect()
+        if host_routing:
             top_host = torch.tensor(fetched.pop(), dtype=torch.int64).view(topk_ids.shape)
-        else:
-            needed, fetched, _ = self.readback.read(topk_ids, on_device)
         guesses = host_proposals(proposals, fetched)
         if host_routing:
             pred.observe_host(layer, floats[0], top_host)
 
         try:
-            out = self._schedule_and_compute(layer, x, topk_ids, topk_weights, needed, guesses, st)
+            out = self._schedule_and_compute(layer, x, topk_ids, topk_weights, needed, guesses, st, out, early)
         except BaseException:
             self.compute.abort()
             # an interrupted layer (kernel error, Ctrl-C) must not leave slots pinned for good
@@ -254,8 +267,11 @@ class OffloadedExperts(ExpertBackend):
         needed: list[int],
         guesses: list[tuple[int, list[int]]],
         st: PhaseStats,
+        out: torch.Tensor | None = None,
+        early: Collection[int] = (),
     ) -> torch.Tensor:
-        """Steps 2-5 of the module docstring; returns the uncombined ``out [T*k, H]``."""
+        """Steps 2-5 of the module docstring; returns the uncombined ``out [T*k, H]`` (given when the early group
+        already filled the rows of ``early``: the hits are pinned and released as ever, computed once)."""
         # 2. early preemption
         self.cache.poll()
         _, dropped = self.engine.preempt(layer, set(needed))
@@ -292,10 +308,11 @@ class OffloadedExperts(ExpertBackend):
         self._pump(st)
 
         # 5. reordered inference
-        out = self.compute.begin_layer(x, topk_ids, topk_weights)  # static when the device part is captured
+        if out is None:
+            out = self.compute.begin_layer(x, topk_ids, topk_weights)  # static when the device part is captured
         late = self.predictor is not None and self.predictor.proposes_late
         if ready:
-            self._compute(layer, x, topk_ids, topk_weights, out, ready)
+            self._compute(layer, x, topk_ids, topk_weights, out, ready, done=early)
             if late:
                 late = self._late_prefetch(layer, deferred, st)
             if deferred:  # the slots just released go to the ring
@@ -411,11 +428,30 @@ class OffloadedExperts(ExpertBackend):
         st.stall_s += self.clock() - t0
         self.cache.mark_ready(self.cache.lookup(task.key))
 
+    def _launch_early(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+                      ) -> tuple[torch.Tensor, frozenset[int]]:
+        """Before the routing reaches the host: the layer's ``out`` and one group over every expert of the layer
+        in a READY slot (the kernels compute the pairs the device's routing sends there), fenced; returns
+        (out, those experts). The schedule then pins and releases the hits as ever and computes only the rest.
+        No slot of this group can be evicted before the schedule pins its hits (nothing allocates in between)."""
+        out = self.compute.begin_layer(x, topk_ids, topk_weights)
+        experts, slots = self.cache.ready_in(layer)
+        if not experts:
+            return out, frozenset()
+        self.compute.compute(layer, x, topk_ids, topk_weights, out, experts, slots)
+        fence = self.transport.compute_fence()
+        for index in slots:  # unrouted experts' slots too: the group's table names them
+            self.cache.fence(self.cache.slots[index], fence)
+        return out, frozenset(experts)
+
     def _compute(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                 out: torch.Tensor, experts: list[int]) -> None:
-        """Fill ``out`` rows of ``experts`` from their slots, then release the slots behind a compute fence."""
+                 out: torch.Tensor, experts: list[int], done: Collection[int] = ()) -> None:
+        """Fill ``out`` rows of ``experts`` (but ``done``: the early group's) from their slots, then release the
+        slots behind a compute fence."""
         slots = [self.cache.lookup((layer, e)) for e in experts]
-        self.compute.compute(layer, x, topk_ids, topk_weights, out, experts, [slot.index for slot in slots])
+        todo = [(e, slot.index) for e, slot in zip(experts, slots, strict=True) if e not in done]
+        if todo:
+            self.compute.compute(layer, x, topk_ids, topk_weights, out, [e for e, _ in todo], [i for _, i in todo])
         self._release_after_compute(slots)
 
     def _release_after_compute(self, slots: list[Slot]) -> None:

@@ -82,6 +82,7 @@ class ExpertCache:
         self._stats = stats
         self.evictions = 0
         self._loading: dict[int, Slot] = {}  # LOADING slots by index: poll() is per layer, the pool can be large
+        self._ready: dict[int, dict[int, int]] = {}  # layer -> {expert: slot index} of its READY slots
 
     @property
     def n_slots(self) -> int:
@@ -100,6 +101,11 @@ class ExpertCache:
 
     def is_evictable(self, key: Key) -> bool:
         return key in self._evictable
+
+    def ready_in(self, layer: int) -> tuple[list[int], list[int]]:
+        """The experts of ``layer`` in READY slots and those slots (what a layer's early group may read)."""
+        ready = self._ready.get(layer)
+        return (list(ready), list(ready.values())) if ready else ([], [])
 
     def resident(self) -> dict[Key, SlotState]:
         return {k: s.state for k, s in self.where.items()}
@@ -175,6 +181,7 @@ class ExpertCache:
                 if self._flags is not None:
                     self._flags[slot.key] = False
             self.policy.evicted(slot.key)
+            self._ready.get(slot.key[0], {}).pop(slot.key[1], None)
             del self.where[slot.key]
             self._per_layer[slot.key[0]] -= 1
             self.evictions += 1
@@ -201,7 +208,13 @@ class ExpertCache:
     def mark_ready(self, slot: Slot) -> None:
         slot.state, slot.task = SlotState.READY, None
         self._loading.pop(slot.index, None)
+        self._ready.setdefault(slot.key[0], {})[slot.key[1]] = slot.index
         self._refresh(slot)
+
+    def fence(self, slot: Slot, fence: Handle) -> None:
+        """A compute that may read ``slot`` was enqueued (a layer's early group): the next write into it waits
+        for ``fence`` (earlier fences precede it on the compute stream), pins unchanged."""
+        slot.fences = [fence]
 
     def poll(self) -> None:
         """Loads that completed behind our back (prefetches) become READY."""
@@ -247,3 +260,5 @@ class ExpertCache:
         if self._flags is not None:
             flagged = {(int(a), int(b)) for a, b in zip(*np.nonzero(self._flags), strict=True)}
             assert flagged == evictable, "evictable flags out of step"
+        ready = {(layer, e): i for layer, m in self._ready.items() for e, i in m.items()}
+        assert ready == {k: s.index for k, s in self.where.items() if s.state is SlotState.READY}, "ready map"

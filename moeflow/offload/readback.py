@@ -40,6 +40,7 @@ class ReadBack:
         self._flt_dev, self._flt_host = self._alloc(0, torch.float32)
         self.event = torch.cuda.Event(blocking=True) if self.cuda else None
         self.blocking_reads = 0
+        self._pending: tuple | None = None  # the posted read collect() waits for
 
     def _alloc(self, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         host = _pinned(n, dtype, self.cuda)
@@ -50,13 +51,17 @@ class ReadBack:
     ) -> tuple[list[int], list[list[int]], list[torch.Tensor]]:
         """topk_ids int [T, k]; ids: int tensors (proposals); floats: fp32 tensors (e.g. probs [T, E]) ->
         (needed experts ascending, each ``ids`` tensor as a host list, each ``floats`` tensor as a host copy
-        of its shape). One blocking wait."""
+        of its shape). One blocking wait: :meth:`post` then :meth:`collect`."""
+        self.post(topk_ids, ids, floats)
+        return self.collect()
+
+    def post(self, topk_ids: torch.Tensor, ids: list[torch.Tensor], floats: list[torch.Tensor] = ()) -> None:
+        """Enqueue the read (staging and the asynchronous copies, on a GPU); :meth:`collect` waits for it. Work
+        enqueued in between (a layer's early expert groups) runs on the device while the host waits."""
+        if not self.cuda:  # host memory already: read in place at collect
+            self._pending = (topk_ids, ids, floats)
+            return
         E = self.num_experts
-        if not self.cuda:  # host memory already: read it in place (the subclass guard: tests' device stand-in)
-            with torch._C.DisableTorchFunctionSubclass():
-                self.blocking_reads += 1
-                return (sorted(set(topk_ids.reshape(-1).tolist())), [t.reshape(-1).tolist() for t in ids],
-                        [t.float().clone() for t in floats])
         flat = topk_ids.reshape(-1)
         self.mask.zero_()
         self.mask.index_fill_(0, flat.long(), 1)  # not bincount: that reads min/max back on CUDA
@@ -69,23 +74,37 @@ class ReadBack:
             self._flt_dev, self._flt_host = self._alloc(2 * m, torch.float32)
         if m:
             torch.cat([t.reshape(-1).float() for t in floats], out=self._flt_dev[:m])
-        if self.cuda:
-            self._int_host[:n].copy_(self._int_dev[:n], non_blocking=True)
-            if m:
-                self._flt_host[:m].copy_(self._flt_dev[:m], non_blocking=True)
-            self.event.record()
-            self.event.synchronize()
+        self._int_host[:n].copy_(self._int_dev[:n], non_blocking=True)
+        if m:
+            self._flt_host[:m].copy_(self._flt_dev[:m], non_blocking=True)
+        self.event.record()
+        self._pending = (n, [t.numel() for t in ids], [t.shape for t in floats])
+
+    def collect(self) -> tuple[list[int], list[list[int]], list[torch.Tensor]]:
+        """The posted read's (needed experts, ``ids`` as host lists, ``floats`` as host copies): one wait."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            raise RuntimeError("ReadBack.collect without a posted read")
         self.blocking_reads += 1
+        if not self.cuda:
+            topk_ids, ids, floats = pending
+            with torch._C.DisableTorchFunctionSubclass():  # the subclass guard: tests' device stand-in
+                return (sorted(set(topk_ids.reshape(-1).tolist())), [t.reshape(-1).tolist() for t in ids],
+                        [t.float().clone() for t in floats])
+        n, id_sizes, float_shapes = pending
+        self.event.synchronize()
         values = self._int_host[:n].tolist()
+        E = self.num_experts
         needed = [e for e in range(E) if values[e]]
         lists, at = [], E
-        for t in ids:
-            lists.append(values[at : at + t.numel()])
-            at += t.numel()
+        for size in id_sizes:
+            lists.append(values[at : at + size])
+            at += size
         host_floats, at = [], 0
-        for t in floats:
-            host_floats.append(self._flt_host[at : at + t.numel()].view(t.shape).clone())
-            at += t.numel()
+        for shape in float_shapes:
+            size = shape.numel()
+            host_floats.append(self._flt_host[at : at + size].view(shape).clone())
+            at += size
         return needed, lists, host_floats
 
 
