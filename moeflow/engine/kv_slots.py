@@ -247,8 +247,8 @@ class SlotDecodeView:
     pads with copies, never with masked tokens). No op reads a value back or sizes a tensor from one.
     """
 
-    # "auto": the in-place kernel on CUDA only; "triton": wherever it covers the call (the CPU under
-    # TRITON_INTERPRET=1: tests); "torch": never. MOEFLOW_SLOT_ATTENTION, read once.
+    # "auto": the in-place kernels (attend, attend_latent) on CUDA only; "triton": wherever they cover the call
+    # (the CPU under TRITON_INTERPRET=1: tests); "torch": never. MOEFLOW_SLOT_ATTENTION, read once.
     attention_kernel: ClassVar[str] = os.environ.get("MOEFLOW_SLOT_ATTENTION", "auto")
 
     def __init__(self, parent: SlotKVCache, batch: int, key_len: int) -> None:
@@ -324,6 +324,11 @@ class SlotDecodeView:
         vl[r, :, p] = v.index_select(0, self.source).transpose(1, 2)
         return kl, vl
 
+    def kernel_on(self, device: torch.device) -> bool:
+        """Whether ``attention_kernel`` puts the in-place kernels on ``device`` (never while torch.compile traces)."""
+        mode = self.attention_kernel
+        return (mode == "triton" or (mode == "auto" and device.type == "cuda")) and not torch.compiler.is_compiling()
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_position: torch.Tensor,
                sliding_window: int | None, sinks: torch.Tensor | None = None, scale: float | None = None
                ) -> torch.Tensor | None:
@@ -334,8 +339,7 @@ class SlotDecodeView:
         None, with nothing written, where the kernel does not take the call (the CPU by default, a case it does
         not cover, torch.compile tracing): the layer then runs ``update`` + its mask + its attention, today's
         path, bit for bit."""
-        mode = self.attention_kernel
-        if mode == "torch" or (mode == "auto" and q.device.type != "cuda") or torch.compiler.is_compiling():
+        if not self.kernel_on(q.device):
             return None
         from moeflow.kernels import triton_slot_attention as kernel  # imports triton: only where it runs
 
@@ -398,10 +402,35 @@ class LatentSlotDecodeView(SlotDecodeView):
 
     def update_latent(self, layer: int, latent: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
         """Write latent [batch, 1, D] at cache_position [batch, 1] (each row its source token's); return the rows'
-        latents [batch, key_len, D]."""
-        cache = self.parent.latent[layer]
-        cache[self.rows[:, None], cache_position] = latent.index_select(0, self.source)
-        return cache[:, : self.key_len].index_select(0, self.rows)
+        latents [batch, key_len, D] (a gather: :meth:`attend_latent` reads them in place instead)."""
+        self.write_latent(layer, latent, cache_position)
+        return self.parent.latent[layer][:, : self.key_len].index_select(0, self.rows)
+
+    def write_latent(self, layer: int, latent: torch.Tensor, cache_position: torch.Tensor) -> None:
+        """Write latent [batch, 1, D] at cache_position [batch, 1], each row its source token's."""
+        self.parent.latent[layer][self.rows[:, None], cache_position] = latent.index_select(0, self.source)
+
+    def latent_in_place(self, q: torch.Tensor) -> bool:
+        """Whether :meth:`attend_latent` takes queries like q [batch, heads, 1, *] (their dtype and device; the
+        CPU by default, torch.compile tracing and other dtypes than the cache's keep the gather)."""
+        latent = self.parent.latent
+        return (self.kernel_on(q.device) and q.shape[2] == 1 and q.dtype == latent.dtype
+                and q.dtype in (torch.float16, torch.bfloat16, torch.float32) and q.device == latent.device)
+
+    def latent_columns(self, layer: int, lo: int) -> torch.Tensor:
+        """The rows' latent columns [lo, latent_dim) [batch, key_len, latent_dim - lo] (DSA's indexer keys)."""
+        return self.parent.latent[layer][:, : self.key_len, lo:].index_select(0, self.rows)
+
+    def attend_latent(self, layer: int, query: torch.Tensor, cache_position: torch.Tensor, kv_rank: int,
+                      scale: float, select: torch.Tensor | None = None) -> torch.Tensor:
+        """MLA's absorbed decode attention reading the rows' latents in place (written first, with
+        :meth:`write_latent`): query [batch, heads, 1, kv_rank + rope], cache_position int64 [batch, 1], select
+        bool [batch, key_len] (DSA) -> context [batch, heads, 1, kv_rank] in the query's dtype
+        (moeflow.kernels.triton_latent_attention). Only where :meth:`latent_in_place` said so."""
+        from moeflow.kernels.triton_latent_attention import latent_attention  # imports triton: only where it runs
+
+        return latent_attention(query, self.parent.latent[layer], self.rows, self.parent.valid, cache_position,
+                                self.key_len, kv_rank, scale, select)
 
 
 LatentSlotKVCache.batch_type, LatentSlotKVCache.view_type = LatentSlotBatch, LatentSlotDecodeView

@@ -148,10 +148,17 @@ class SparseLatentAttention(LatentAttention):
         if self.indexer is None:
             if selected is None:
                 raise ValueError(f"layer {self.layer_idx} shares the indexer selection of a previous layer: none given")
-            latents = cache.update_latent(self.layer_idx, F.pad(latent, (0, self.index_dim)), cache_position)
+            entry = F.pad(latent, (0, self.index_dim))
         else:
             entry = torch.cat((latent, self.indexer.key(x, cos, sin)), dim=-1)
-            latents = cache.update_latent(self.layer_idx, entry, cache_position)
+        if self.in_place(cache, q_nope):  # the server's decode view: only the indexer keys are gathered
+            cache.write_latent(self.layer_idx, entry, cache_position)
+            if self.indexer is not None:
+                keys = cache.latent_columns(self.layer_idx, s.latent_dim)
+                selected = self.indexer.select(x, q_in, cos, sin, keys, mask)
+            return self.output(self.absorbed_in_place(cache, q_nope, q_rope, cache_position, selected)), selected
+        latents = cache.update_latent(self.layer_idx, entry, cache_position)
+        if self.indexer is not None:
             selected = self.indexer.select(x, q_in, cos, sin, latents[..., s.latent_dim:], mask)
         out = self.attend_latents(q_nope, q_rope, latents, mask & selected)
         return self.output(out), selected

@@ -179,7 +179,10 @@ class LatentAttention(nn.Module):
         """x [B, T, H]; cos/sin [B, T, qk_rope_head_dim]; mask bool [B, 1, T, max_len] -> [B, T, H]."""
         s = self.shape
         q_nope, q_rope, latent = self.project(x, self.q_input(x), cos, sin)
-        if hasattr(cache, "update_latent"):
+        if self.in_place(cache, q_nope):
+            cache.write_latent(self.layer_idx, latent, cache_position)
+            out = self.absorbed_in_place(cache, q_nope, q_rope, cache_position)
+        elif hasattr(cache, "update_latent"):
             out = self.attend_latents(q_nope, q_rope, cache.update_latent(self.layer_idx, latent, cache_position),
                                       mask)
         else:
@@ -241,16 +244,45 @@ class LatentAttention(nn.Module):
     def absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latents: torch.Tensor,
                  mask: torch.Tensor) -> torch.Tensor:
         """Attention read straight from the latents [B, S, kv_lora_rank + rope] with ``kv_b_proj`` folded into
-        the query and the output: q_* [B, heads, T, *] -> [B, heads, T, v_head_dim]."""
+        the query and the output: q_* [B, heads, T, *] -> [B, heads, T, v_head_dim]. The fp32-softmax torch
+        reference of the server's in-place kernel (:meth:`absorbed_in_place`)."""
         s = self.shape
-        w = self.kv_b_proj.weight.view(s.num_heads, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
-        w_uk, w_uv = w[:, :s.qk_nope_head_dim], w[:, s.qk_nope_head_dim:]  # [heads, nope, R], [heads, v, R]
-        q_latent = torch.einsum("bhtd,hdr->bhtr", q_nope, w_uk)
-        query = torch.cat((q_latent, q_rope), dim=-1)  # [B, heads, T, R + rope]
+        query = self.absorb_query(q_nope, q_rope)  # [B, heads, T, R + rope]
         scores = torch.matmul(query, latents[:, None].transpose(-1, -2)).float() * s.scale  # [B, heads, T, S]
         probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1).to(latents.dtype)
         context = torch.matmul(probs, latents[:, None, :, :s.kv_lora_rank])  # [B, heads, T, R]
-        return torch.einsum("bhtr,hvr->bhtv", context, w_uv)
+        return self.absorb_output(context)
+
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``kv_b_proj``'s W_uk [heads, nope, R] and W_uv [heads, v, R]."""
+        s = self.shape
+        w = self.kv_b_proj.weight.view(s.num_heads, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
+        return w[:, :s.qk_nope_head_dim], w[:, s.qk_nope_head_dim:]
+
+    def absorb_query(self, q_nope: torch.Tensor, q_rope: torch.Tensor) -> torch.Tensor:
+        """q_nope, q_rope [B, heads, T, *] -> the absorbed query [B, heads, T, R + rope]: ``[q_nope W_uk | q_rope]``."""
+        return torch.cat((torch.einsum("bhtd,hdr->bhtr", q_nope, self.absorbed_weights()[0]), q_rope), dim=-1)
+
+    def absorb_output(self, context: torch.Tensor) -> torch.Tensor:
+        """The heads' latent contexts [B, heads, T, R] -> their outputs [B, heads, T, v_head_dim] (W_uv)."""
+        return torch.einsum("bhtr,hvr->bhtv", context, self.absorbed_weights()[1])
+
+    @staticmethod
+    def in_place(cache: Any, q_nope: torch.Tensor) -> bool:
+        """Whether ``cache`` reads its latents in place for this query (the server's decode view where
+        ``MOEFLOW_SLOT_ATTENTION`` puts the kernel: CUDA by default); else the layer gathers them."""
+        takes = getattr(cache, "latent_in_place", None)
+        return takes is not None and takes(q_nope)
+
+    def absorbed_in_place(self, cache: Any, q_nope: torch.Tensor, q_rope: torch.Tensor, cache_position: torch.Tensor,
+                          select: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`absorbed` for one query token over ``cache``'s rows read in place (the tokens' latents already
+        written; its mask the cache's own, ANDed with select bool [B, 1, 1, S] (DSA) when given): q_*
+        [B, heads, 1, *] -> [B, heads, 1, v_head_dim]."""
+        s = self.shape
+        context = cache.attend_latent(self.layer_idx, self.absorb_query(q_nope, q_rope), cache_position,
+                                      s.kv_lora_rank, s.scale, None if select is None else select[:, 0, 0])
+        return self.absorb_output(context)
 
 
 def pad_last(x: torch.Tensor, size: int) -> torch.Tensor:
