@@ -101,10 +101,12 @@ def main(argv: list[str] | None = None) -> None:
     expected = None
     modes = ([] if args.graphs_only else ["eager"]) + (["cuda_graphs"] if args.graphs or args.graphs_only else [])
     lru = [int(n) for n in args.slots.split(",")] if args.slots else [L * E, L * E // 2]
-    for policy, slots in [("resident", L * E)] + [("lru", n) for n in lru]:
-        install_backend(model, host, policy, slots, "auto")
+    # lru twice: hits launched before the read-back (the default on CUDA) and the serial schedule (early_hits off)
+    for policy, slots, early in [("resident", L * E, None)] + [("lru", n, e) for n in lru for e in (None, False)]:
+        backend = install_backend(model, host, policy, slots, "auto", early_hits=early)
         for mode in modes:
-            row: dict = {"policy": policy, "slots": slots, "mode": mode}
+            row: dict = {"policy": policy, "slots": slots, "mode": mode,
+                         "early_hits": getattr(backend, "early_hits", None)}
             try:
                 if mode == "cuda_graphs":
                     graphs = model.capture_decode(None if device.type == "cuda" else cpu_capture_factory())

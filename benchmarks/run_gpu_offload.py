@@ -128,8 +128,10 @@ def _free(model: MoEOffloadedMixtral) -> None:
         torch.cuda.empty_cache()
 
 
-def install_backend(model: MoEOffloadedMixtral, host, policy: str, slots: int | None, transport: str) -> object:
-    """Swap the model's expert backend for ``policy`` at ``slots``, sharing the already filled host store."""
+def install_backend(model: MoEOffloadedMixtral, host, policy: str, slots: int | None, transport: str,
+                    early_hits: bool | None = None) -> object:
+    """Swap the model's expert backend for ``policy`` at ``slots``, sharing the already filled host store
+    (``early_hits``: OffloadConfig's; None is on on CUDA)."""
     _free(model)
     cfg, device = model.config, model.device
     if policy == "resident":
@@ -137,7 +139,8 @@ def install_backend(model: MoEOffloadedMixtral, host, policy: str, slots: int | 
         backend.pool.buffer.copy_(host.buffer)  # the store's rows are in the resident slot order
     else:
         backend = create_expert_backend(
-            OffloadConfig(policy=policy, gpu_expert_slots=slots, transport=transport), fmt=host.fmt,
+            OffloadConfig(policy=policy, gpu_expert_slots=slots, transport=transport, early_hits=early_hits),
+            fmt=host.fmt,
             num_layers=cfg.num_hidden_layers, num_experts=cfg.num_local_experts, top_k=cfg.num_experts_per_tok,
             device=device, kernels_backend=model.kernels, gates=[b.gate for b in model.model.moe_blocks],
             reserved_bytes=0, stats=model.stats, host_store=host,
