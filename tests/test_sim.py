@@ -24,7 +24,7 @@ from moeflow.sim import (
     step_compute_s,
 )
 from moeflow.sim.cli import register
-from moeflow.sim.simulator import _steps
+from moeflow.sim.simulator import _steps, step_bound_s
 from moeflow.trace import DECODE
 from moeflow.trace.synthetic import gate_modules, save_gates, synthesize_trace
 
@@ -82,18 +82,39 @@ def test_resident_equals_compute_alone(small, profile):
     assert r.bytes_h2d == 0 and r.hit_rate == 1.0
 
 
-def test_oracle_with_enough_slots_reaches_the_compute_bound(small):
+@pytest.mark.parametrize("early_hits", [False, True], ids=["serial", "early-hits"])
+def test_oracle_with_enough_slots_reaches_the_compute_bound(small, early_hits):
     trace, _ = small
     # copies of a layer's 2 experts (~0.2 ms) hide behind one layer of compute (~1.1 ms)
-    r = simulate(trace, "oracle", 16, FAST_COPY)
+    r = simulate(trace, "oracle", 16, FAST_COPY, early_hits=early_hits)
     assert r.decode_hit_rate == 1.0
     assert r.tpot_s == pytest.approx(r.decode_bound_s, rel=0.01)
-    bound = r.decode_compute_s + trace.num_layers * FAST_COPY.sched_s
+    steps = _decode_steps(trace)
+    if early_hits:  # the experts in slots run while the host schedules: per layer max(experts, scheduling)
+        bound = sum(step_bound_s(trace, FAST_COPY, s.rows, FAST_COPY.sched_s, True) for s in steps) / len(steps)
+        assert bound < r.decode_compute_s + trace.num_layers * FAST_COPY.sched_s
+    else:
+        bound = r.decode_compute_s + trace.num_layers * FAST_COPY.sched_s
     assert r.decode_bound_s == pytest.approx(bound, rel=1e-9)
     # ... and it is a bound: no policy beats it, and on-demand is far from it
     for policy in ("lru", "ondemand", "static"):
-        assert simulate(trace, policy, 16, FAST_COPY, timeline=False).tpot_s >= r.decode_bound_s * 0.999
-    assert simulate(trace, "ondemand", 16, FAST_COPY).tpot_s > 1.05 * r.decode_bound_s  # copies ~0.1 ms each
+        got = simulate(trace, policy, 16, FAST_COPY, timeline=False, early_hits=early_hits).tpot_s
+        assert got >= r.decode_bound_s * 0.999
+    assert simulate(trace, "ondemand", 16, FAST_COPY, early_hits=early_hits).tpot_s > 1.05 * r.decode_bound_s
+
+
+def test_early_hits_hide_the_scheduling_behind_the_hits(small):
+    """Every expert in a slot (lru at the whole model): with early hits a decode step costs per layer
+    max(experts, scheduling) instead of their sum; the hit rate and bytes are the serial schedule's."""
+    trace, _ = small
+    total = trace.num_layers * trace.num_experts
+    slow_host = FAST_COPY.with_overrides(sched_ms=0.5)
+    serial = simulate(trace, "lru", total, slow_host, early_hits=False, timeline=False)
+    early = simulate(trace, "lru", total, slow_host, early_hits=True, timeline=False)
+    assert early.decode_hit_rate == serial.decode_hit_rate == 1.0 and early.bytes_h2d == serial.bytes_h2d
+    assert early.tpot_s == pytest.approx(early.decode_bound_s, rel=0.01)
+    assert serial.tpot_s == pytest.approx(serial.decode_bound_s, rel=0.01)
+    assert early.tpot_s < serial.tpot_s - 0.5 * trace.num_layers * min(0.5e-3, 2 * slow_host.expert_s(1))
 
 
 def test_oracle_is_copy_bound_on_slow_links(small):

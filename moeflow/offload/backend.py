@@ -2,7 +2,9 @@
 
 One MoE layer (``forward``), in order:
 
-1. one device->host transfer: the experts this layer needs (plus the predictor's proposals);
+1. one device->host transfer: the experts this layer needs (plus the predictor's proposals), posted first;
+   with ``early_hits`` one group over the layer's READY slots is launched before the host waits for it, so
+   the device computes the hits while the host schedules (docs/design.md, "Hits launched before the read-back");
 2. early preemption: this layer's stale predicted loads are dropped, the needed ones promoted;
 3. acquire: resident experts are pinned (hits); missing ones get a slot and a high-priority load,
    as many as the pool allows at once, the rest wait for a slot of the ring (prefill);
@@ -99,7 +101,7 @@ class OffloadedExperts(ExpertBackend):
         self.engine = platform.make_engine(transport, host, self.pool, chunks=copy_chunks,
                                            max_inflight=max_inflight_chunks)
         self._phase = stats.phase
-        self.readback = ReadBack(self.device, self.num_experts)
+        self.readback = ReadBack(self.device, self.num_experts, on_wait=platform.read_wait)
         # the device part: expert groups and the combine, eager or captured (platform.compute: the simulator's)
         self.compute = LayerCompute(fmt, self.pool, self.num_experts, top_k, kernels_backend, platform.compute)
         self.cpu = cpu  # hybrid execution: misses computed on the CPU (docs/hybrid.md)
@@ -122,8 +124,7 @@ class OffloadedExperts(ExpertBackend):
 
     def _early_hits(self, wanted: bool | None) -> bool:
         """``OffloadConfig.early_hits`` resolved: None is on where the read-back is a real wait (a CUDA device)."""
-        why_not = ("the simulator's compute executor" if self.compute.executor is not None else
-                   "kernels='cpu-int4' slots" if self.compute.int4_slots is not None else None)
+        why_not = "kernels='cpu-int4' slots" if self.compute.int4_slots is not None else None
         if wanted and why_not:
             raise ValueError(f"OffloadConfig.early_hits=True: {why_not} computes a group only once its routing "
                              "is on the host")

@@ -38,13 +38,16 @@ def real_host_store(fmt: ExpertFormat, num_layers: int, num_experts: int, *, pin
 class Platform:
     """clock() -> seconds; transport(config, device); copy_engine(transport, host, pool, chunks=, max_inflight=);
     host_store(fmt, num_layers, num_experts, pin=, device=); compute: None runs the kernels, else an executor
-    that accounts each expert group (the simulator's)."""
+    that accounts each expert group (the simulator's; an early group names every expert in a ready slot, the
+    executor charges the routed ones); read_wait: called where the host waits for a layer's read-back (the
+    simulator's clock advances to the routing and through the scheduling there)."""
 
     clock: Callable[[], float] = time.perf_counter
     transport: Callable[..., Transport] = config_transport
     copy_engine: Callable[..., CopyEngine] = CopyEngine
     host_store: Callable[..., HostStore] = real_host_store
     compute: ComputeExecutor | None = None
+    read_wait: Callable[[], None] | None = None
 
     def make_engine(self, transport: Transport, host: HostStore, pool: ExpertPool, *, chunks: int,
                     max_inflight: int) -> CopyEngine:

@@ -14,6 +14,8 @@ completion is polled (``ready``) and never waited for on the scheduling path (Du
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -31,7 +33,7 @@ class ReadBack:
     """
 
     def __init__(self, device: torch.device | str, num_experts: int, capacity: int = 256,
-                 staged: bool | None = None) -> None:
+                 staged: bool | None = None, on_wait: Callable[[], None] | None = None) -> None:
         self.device = torch.device(device)
         self.num_experts = num_experts
         self.cuda = self.device.type == "cuda" if staged is None else staged
@@ -41,6 +43,7 @@ class ReadBack:
         self.event = torch.cuda.Event(blocking=True) if self.cuda else None
         self.blocking_reads = 0
         self._pending: tuple | None = None  # the posted read collect() waits for
+        self.on_wait = on_wait  # the simulator's host clock: the wait for the routing and the scheduling
 
     def _alloc(self, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         host = _pinned(n, dtype, self.cuda)
@@ -86,6 +89,8 @@ class ReadBack:
         if pending is None:
             raise RuntimeError("ReadBack.collect without a posted read")
         self.blocking_reads += 1
+        if self.on_wait is not None:
+            self.on_wait()
         if not self.cuda:
             topk_ids, ids, floats = pending
             with torch._C.DisableTorchFunctionSubclass():  # the subclass guard: tests' device stand-in

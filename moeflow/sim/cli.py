@@ -114,7 +114,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                 r = simulate(trace, policy, slots, profile, copy_chunks=args.copy_chunks,
                              max_inflight_chunks=args.max_inflight, prefetch_distance=args.prefetch_distance,
                              gates=gates, max_sequences=args.max_sequences, timeline=bool(args.plot),
-                             host_experts=host_experts)
+                             host_experts=host_experts, early_hits=not args.serial_schedule)
             except (SimulationError, SchedulingError) as e:  # e.g. a predictor policy without its trained file
                 if args.policy != "all":
                     raise
@@ -181,6 +181,9 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--gates", default=None, help="the routers (checkpoint dir or *.gates.safetensors), for "
                    "mixtral-offloading's speculation")
     p.add_argument("--max-sequences", type=int, default=None)
+    p.add_argument("--serial-schedule", action="store_true",
+                   help="a layer's experts run after the host's scheduling (OffloadConfig.early_hits=False); "
+                        "default: the experts in slots run while the host schedules, as on a GPU")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--plot", default=None, help="draw the prefill / decode timeline to this PNG")
     p.set_defaults(func=cmd_simulate)

@@ -252,6 +252,18 @@ def step_compute_s(trace: Trace, profile: HardwareProfile, rows: slice) -> float
     return total
 
 
+def step_bound_s(trace: Trace, profile: HardwareProfile, rows: slice, sched_s: float, overlap: bool) -> float:
+    """:func:`step_compute_s` plus the host's scheduling of each layer: after its experts (``overlap`` False: the
+    serial schedule) or beside them (early hits: the experts in slots run while the host schedules)."""
+    T = rows.stop - rows.start
+    total = profile.head_s
+    for l in range(trace.num_layers):
+        counts = torch.bincount(trace.topk_ids[rows, l].reshape(-1).long(), minlength=trace.num_experts)
+        experts = sum(profile.expert_s(int(c)) for c in counts.tolist() if c)
+        total += profile.attn_s(T) + (max(experts, sched_s) if overlap else experts + sched_s)
+    return total
+
+
 def simulate(
     trace: Trace,
     policy: str,
@@ -267,12 +279,15 @@ def simulate(
     timeline: bool = True,
     timeline_decode_step: int | None = None,
     host_experts: int | None = None,
+    early_hits: bool = True,
 ) -> SimResult:
     """Run ``policy`` with ``slots`` device expert slots over ``trace`` on ``profile``'s hardware.
 
     gates: the model's routers, for policies that apply them to hidden states (mixtral-offloading).
     timeline_decode_step: which decode pass of the first sequence to draw (default: the middle one).
     host_experts: experts the host cache holds (None: all); the rest are read from the profile's disk.
+    early_hits: the GPU's default (``OffloadConfig.early_hits``): a layer's experts in slots are computed while
+        the host waits for its routing and schedules; False: the serial schedule (experts after the scheduling).
     """
     profile.check_trace(trace.num_layers, trace.num_experts, trace.top_k, f"trace {trace.source}")
     check_policy(policy)
@@ -291,8 +306,16 @@ def simulate(
     counts_now: list[int] = []
 
     def compute_hook(layer: int, topk_ids: torch.Tensor, experts: list[int]) -> None:
-        seconds = sum(profile.expert_s(counts_now[e]) for e in experts)
-        transport.compute(seconds, "expert", f"L{layer} E{','.join(map(str, experts))}")
+        experts = [e for e in experts if counts_now[e]]  # an early group names unrouted experts too
+        if experts:
+            seconds = sum(profile.expert_s(counts_now[e]) for e in experts)
+            transport.compute(seconds, "expert", f"L{layer} E{','.join(map(str, experts))}")
+
+    router_done = [0.0]  # when the current layer's routing is on the device (its read-back follows at once)
+
+    def read_wait() -> None:  # the backend's one blocking read: the routing reaches the host, which schedules
+        clock.advance_to(router_done[0])
+        clock.advance_to(clock.now + profile.sched_s)
 
     oracle: OraclePredictor | None = None
     needs_hidden = False
@@ -305,9 +328,10 @@ def simulate(
             policies["oracle"] = oracle_policy(oracle)
         config = OffloadConfig(gpu_expert_slots=slots, policy=policy, prefetch_distance=prefetch_distance,
                                copy_chunks=copy_chunks, max_inflight_chunks=max_inflight_chunks,
-                               prefill_ring_slots=prefill_ring_slots, transport="sync", pin_memory=False)
+                               prefill_ring_slots=prefill_ring_slots, transport="sync", pin_memory=False,
+                               early_hits=early_hits)
         platform = Platform(clock=clock, transport=lambda config, device: transport, copy_engine=SimCopyEngine,
-                            host_store=SimHostStore, compute=compute_hook)
+                            host_store=SimHostStore, compute=compute_hook, read_wait=read_wait)
         backend = create_expert_backend(
             config, fmt=SIM_FORMAT, num_layers=L, num_experts=E, top_k=k, device="cpu", kernels_backend="torch",
             gates=list(gates) if gates is not None else [], reserved_bytes=0, stats=stats, platform=platform,
@@ -350,6 +374,7 @@ def simulate(
     step_times: list[float] = []
     stall = {"prefill": 0.0, "decode": 0.0}
     compute_alone: list[float] = []
+    bounds: list[float] = []  # per decode step: compute alone with the host's scheduling (step_bound_s)
     prefill_tokens = 0
     for steps in sequences:
         for i, step in enumerate(steps):
@@ -371,8 +396,7 @@ def simulate(
                 if backend is None:  # resident: no scheduler, the host never waits per layer
                     compute_hook(l, topk, [e for e in range(E) if counts_now[e]])
                     continue
-                clock.advance_to(transport.compute_free)  # the routing sync
-                clock.advance_to(clock.now + profile.sched_s)  # the host schedules the layer
+                router_done[0] = transport.compute_free  # the backend's read_wait: the sync, then the schedule
                 probs = trace.probs[step.rows, l].float()
                 weights = probs.gather(1, topk.long())
                 weights = weights / weights.sum(-1, keepdim=True).clamp(min=1e-9)
@@ -394,6 +418,8 @@ def simulate(
             else:
                 decode_times.append(elapsed)
                 compute_alone.append(step_compute_s(trace, profile, step.rows))
+                if backend is not None:
+                    bounds.append(step_bound_s(trace, profile, step.rows, profile.sched_s, backend.early_hits))
             if record:
                 timelines[phase] = [Interval(iv.lane, iv.kind, iv.start - start, iv.end - start, iv.label)
                                     for iv in transport.intervals]
@@ -404,9 +430,7 @@ def simulate(
     scale = profile.expert_bytes / SIM_FORMAT.nbytes
     mean = (lambda xs: sum(xs) / len(xs) if xs else None)  # noqa: E731
     compute_mean = mean(compute_alone)
-    bound = None
-    if compute_mean is not None:
-        bound = compute_mean + (L * profile.sched_s if backend is not None else 0.0)
+    bound = mean(bounds) if backend is not None else compute_mean
     pre, dec = stats.prefill, stats.decode
     return SimResult(
         policy=policy, slots=n_slots, total_experts=total, profile=profile.name, sequences=len(sequences),
