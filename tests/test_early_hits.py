@@ -68,20 +68,23 @@ def test_off_on_the_cpu_by_default_and_refused_where_a_group_needs_the_host_rout
 
 def _schedule(stats) -> dict:
     keep = ("hits", "misses", "inflight_hits", "bytes_h2d", "prefetches", "useful_prefetches", "wasted_prefetches",
-            "copies")
+            "copies", "cpu_experts")
     return {(phase, name): getattr(getattr(stats, phase), name) for phase in ("prefill", "decode") for name in keep
             if hasattr(getattr(stats, phase), name)}
 
 
-@pytest.mark.parametrize("policy", POLICIES)
-def test_the_same_tokens_and_the_same_schedule_for_every_policy(policy, monkeypatch):
-    """The embedded model, greedy: tokens, stats and evictions with early hits = without, at two budgets."""
+@pytest.mark.parametrize(("policy", "cpu_compute"), [*((p, None) for p in POLICIES), ("lru", "always"),
+                                                     ("fiddler", None)])
+def test_the_same_tokens_and_the_same_schedule_for_every_policy(policy, cpu_compute, monkeypatch):
+    """The embedded model, greedy: tokens, stats and evictions with early hits = without, at two budgets (misses
+    computed on the CPU by hybrid execution too: they are the schedule's, the early group only takes hits)."""
     sizes = _count_early(monkeypatch)
     for slots in (8, 20):
         runs = {}
         for early in (False, True):
             m = MoEOffloadedMixtral.from_pretrained(
-                MODEL, kernels="torch", offload=OffloadConfig(policy=policy, gpu_expert_slots=slots, early_hits=early))
+                MODEL, kernels="torch", offload=OffloadConfig(policy=policy, gpu_expert_slots=slots, early_hits=early,
+                                                              cpu_compute=cpu_compute))
             try:
                 ids = torch.tensor([m.tokenizer.encode(PROMPT)])
                 tokens = m.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=[])
