@@ -215,8 +215,9 @@ class CudaGraphDecode:
     ``refused`` / ``disabled`` say where it stays eager).
     ``max_steps``: captured steps kept at once (one per capturable cache, batch shape and dtype).
     The logits returned are the step's static buffer, overwritten by the next replay of that step (callers read
-    them before). ``captures`` counts captures; ``refused`` holds the reason capture was given up, if it was;
-    ``step`` is the step replayed last.
+    them before). ``captures`` counts captures, ``replays`` the calls that ran a captured step, ``eager_calls``
+    those that ran ``inner`` instead (refused, a recorded routing, a cache view without owner); ``refused`` holds
+    the reason capture was given up, if it was; ``step`` is the step replayed last.
     """
 
     def __init__(self, inner: DecodeFn, capture_factory: Callable[[torch.device], GraphCapture] | None = None,
@@ -227,7 +228,7 @@ class CudaGraphDecode:
         self.max_steps = max_steps
         self.steps: collections.OrderedDict[tuple, CapturedStep] = collections.OrderedDict()  # least recent first
         self.step: CapturedStep | None = None
-        self.captures = 0
+        self.captures = self.replays = self.eager_calls = 0
         self.refused: str | None = None
         self._capture: GraphCapture | None = None
 
@@ -235,6 +236,7 @@ class CudaGraphDecode:
                  token_mask: torch.Tensor, experts: ExpertBackend, routing: Any = None) -> torch.Tensor:
         owner = graph_owner(cache)
         if self.refused is not None or routing is not None or owner is None:
+            self.eager_calls += 1
             return self.inner(embeds, positions, cache, cache_position, token_mask, experts, routing)
         given = (embeds, positions, cache_position, token_mask)
         key = (id(cache), tuple(embeds.shape), embeds.dtype, traces_through(experts))
@@ -242,12 +244,14 @@ class CudaGraphDecode:
         if step is None or step.cache is not cache:
             step = self._capture_new(key, owner, given, cache, experts)
             if step is None:
+                self.eager_calls += 1
                 return self.inner(embeds, positions, cache, cache_position, token_mask, experts, routing)
         else:
             for static, value in zip(step.inputs, given, strict=True):
                 static.copy_(value)
         self.steps.move_to_end(key)
         self.step = step
+        self.replays += 1
         return step.run(experts, self._device_part(experts))
 
     def _capture_new(self, key: tuple, owner: Any, given: tuple[torch.Tensor, ...], cache: Any,
