@@ -11,6 +11,8 @@ under torch.compile the drafted width compiles a bounded number of graphs once. 
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch._dynamo
@@ -23,8 +25,9 @@ from moeflow.engine import lookup
 from moeflow.engine.lookup import pass_inputs
 
 NEW_TOKENS = 40
-PROMPTS = ("def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a",
-           "The sequence of the string is the")
+# the second prompt's reply has drafts shorter than DRAFT, all kept, before its end: a pass after a padded one
+# then reads the keys written beside the fillers
+PROMPTS = ("def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a", "1 2 3 4 5 6 7 8 9")
 DRAFT = 4  # prompt_lookup_num_tokens: drafted passes are 5 tokens wide
 
 
@@ -156,17 +159,24 @@ def test_an_eager_decode_step_verifies_each_draft_at_its_own_width(greedy):
 
 
 @pytest.mark.parametrize("offload", [None, OffloadConfig(policy="lru", gpu_expert_slots=6)], ids=["resident", "lru"])
-def test_compiled_decode_compiles_the_verify_width_once(greedy, offload):
-    """compile=True without graphs: drafted passes are one more shape for dynamo (resident: one whole graph more;
-    offloaded: the layer frames once more, the masked backend call included), then nothing recompiles, whatever
-    the drafts' lengths; the tokens stay greedy."""
+def test_compiled_decode_compiles_the_verify_width_once(greedy, offload, caplog):
+    """compile=True without graphs: drafted passes are one more shape for dynamo per cache length (resident: one
+    whole graph more; offloaded: the layer frames once more, the masked backend call's sizes symbolic), not one
+    per draft length; then nothing recompiles and no frame is left eager by dynamo's recompile limit; the tokens
+    stay greedy."""
+    def run(num_tokens: int | None) -> tuple[dict[str, torch.Tensor], int]:
+        torch._dynamo.reset()
+        counters.clear()
+        out = {p: model.generate(torch.tensor([model.tokenizer.encode(p)]), max_new_tokens=NEW_TOKENS,
+                                 do_sample=False, prompt_lookup_num_tokens=num_tokens) for p in PROMPTS}
+        return out, counters["stats"]["unique_graphs"]
+
     model = load(offload)
     model.compile_decode(backend="eager")
-    torch._dynamo.reset()
-    counters.clear()
     try:
-        first = {p: model.generate(torch.tensor([model.tokenizer.encode(p)]), max_new_tokens=NEW_TOKENS,
-                                   do_sample=False, prompt_lookup_num_tokens=DRAFT) for p in PROMPTS}
+        _, plain = run(None)  # (no bucketed cache without graphs: each prompt's cache length compiles anew)
+        with caplog.at_level(logging.WARNING):
+            first, graphs = run(DRAFT)
         with torch._dynamo.config.patch(error_on_recompile=True):
             again = model.generate(torch.tensor([model.tokenizer.encode(PROMPTS[0])]), max_new_tokens=NEW_TOKENS,
                                    do_sample=False, prompt_lookup_num_tokens=DRAFT)
@@ -175,6 +185,9 @@ def test_compiled_decode_compiles_the_verify_width_once(greedy, offload):
         torch._dynamo.reset()
     assert all(torch.equal(first[p], greedy[p]) for p in PROMPTS) and torch.equal(again, greedy[PROMPTS[0]])
     assert model.stats.accepted_tokens > 0
+    assert "recompile_limit" not in caplog.text and "cache_size_limit" not in caplog.text
+    # resident 2 / 4 graphs; lru 15 / 32 here (a graph per draft length would be far more)
+    assert graphs == 2 * plain if offload is None else plain < graphs < 3 * plain, (plain, graphs)
 
 
 def test_pass_inputs_put_fillers_past_the_draft_and_inside_the_cache():

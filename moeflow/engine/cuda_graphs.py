@@ -25,14 +25,15 @@ Graphs bake in the addresses of the KV cache they were captured with and of the 
 captured only on a *capturable* cache: one with a ``graph_owner`` (the object whose memory the graphs read and
 write), kept across passes. ``generate``'s :class:`~moeflow.engine.kv_cache.StaticKVCache` is its own owner: the
 runner keeps it across calls, its length rounded up to a bucket of 256 positions
-(:func:`moeflow.engine.generate.cache_length`), so only a call in another bucket or with another batch size
-captures again. The serving engine's :class:`~moeflow.engine.kv_slots.SlotDecodeView` (one per padded batch size
-and key-length bucket, owned by its slotted cache) gets one captured step each, several kept at once (at most
-``max_steps``, the least recently used dropped first); a capture on another owner drops the steps of the old one
-(its cache is gone: generate's old cache, or a generate call between serving passes). Views made anew every pass
-(micro-batches' row views, the engine's eager :class:`~moeflow.engine.kv_slots.SlotBatch`) run eagerly. A capture
-the device refuses (an op that syncs, a host tensor copied in, ...) is logged once and the step runs eagerly from
-then on (``CudaGraphDecode.refused`` says why).
+(:func:`moeflow.engine.generate.cache_length`), so only a call in another bucket or with another batch size captures
+again; prompt lookup's drafted passes (:mod:`moeflow.engine.lookup`) are a second step on the same cache, 1 +
+prompt_lookup_num_tokens tokens wide. The serving engine's :class:`~moeflow.engine.kv_slots.SlotDecodeView` (one per
+padded batch size and key-length bucket, owned by its slotted cache) gets one captured step each, several kept at
+once (at most ``max_steps``, the least recently used dropped first); a capture on another owner drops the steps of
+the old one (its cache is gone: generate's old cache, or a generate call between serving passes). Views made anew
+every pass (micro-batches' row views, the engine's eager :class:`~moeflow.engine.kv_slots.SlotBatch`) run eagerly. A
+capture the device refuses (an op that syncs, a host tensor copied in, ...) is logged once and the step runs eagerly
+from then on (``CudaGraphDecode.refused`` says why).
 How a piece is captured is a :class:`GraphCapture`: :class:`CudaCapture` on a GPU; the tests give one that
 records and replays the pieces' ops on the CPU.
 """

@@ -16,16 +16,19 @@ pays where replies quote their prompt (code edits, extraction). ``benchmarks/ben
 
 Compiled and captured decode steps (``cuda_graphs`` / ``compile``; :func:`verify_width`). A pass without a draft
 is the plain decode step. A pass with a draft has one static shape: ``1 + prompt_lookup_num_tokens`` tokens, a
-shorter draft followed by *fillers* (the last token repeated) whose logits are never read; their keys land beyond
-the accepted length (clamped into the cache), so the rejected-draft argument above covers them too. So the runner
-replays one more captured step (or runs one more compiled shape) for every drafted pass instead of running it
-eagerly: two steps per cache, captured once each. Fillers reach no expert where the expert backend runs outside the
-captured code (the offload scheduler between graph pieces, or behind its graph break): they are masked
-(``StepInfo.real_tokens``), so they move no weight and count nowhere. A backend the capture traces through
-(every expert resident: one whole graph) computes them as real tokens instead, since the graph bakes in which
-tokens it computes; resident experts move nothing. Under ``compile=True`` alone the drafted width is one more shape
-for dynamo (plus its variants of the masked backend call, bounded); with an eager decode step every pass stays
-eager at its own width (no filler is computed).
+shorter draft followed by *fillers* (the last token again) whose logits are never read; their keys land beyond
+the accepted length (clamped into the cache), so the rejected-draft argument above covers them too. The runner
+then replays a second captured step (same cache: both kept, each captured once) for every drafted pass instead of
+running it eagerly. Fillers reach no expert where the expert backend runs outside the captured code (the offload
+scheduler between graph pieces, or behind its graph break under torch.compile): they are masked out of the pass's
+real tokens (``StepInfo.real_tokens``), so they move, count and predict nothing. The offload backend's captured
+device part is bucketed by real-token count, so it holds up to 1 + N buckets (``DeviceGraphs.max_buckets``, 8:
+larger counts run that part eagerly, logged). A backend the capture traces through (every expert resident: one
+whole graph, which would bake in which tokens it computes) computes the fillers as real tokens; they move nothing.
+Under ``compile=True`` alone the drafted width is one more shape for dynamo: one more whole graph (resident), or
+the layer frames compiled again for the wide pass and its masked backend call, with symbolic sizes, whatever the
+drafts' lengths (offloaded: 25 graphs against plain decode's 12 on the embedded model), then no recompile. With
+an eager decode step every pass runs eagerly at its own width (no filler).
 
 Limits (refused by the caller): batch size 1 and greedy decoding (as transformers' assisted generation), no
 micro-batches, and no linear-attention states (Qwen3-Next's recurrent state would have to be rolled back).
@@ -94,7 +97,7 @@ def generate_with_lookup(runner: Any, gen: GenerationConfig, input_ids: torch.Te
     if getattr(cache, "linear", None) is not None:
         raise ValueError("prompt_lookup_num_tokens: this model has linear-attention layers, whose recurrent state "
                          "a rejected draft would advance; use plain decoding")
-    width = verify_width(runner, num_tokens, gen.max_new_tokens)
+    width = verify_width(runner, num_tokens)
     fillers_real = traces_through(runner.backend)  # (a whole captured graph bakes in the tokens it computes)
     seq = torch.zeros(total, dtype=torch.long)  # host copy of every token so far (drafts are looked up here)
     seq[:t] = input_ids[0].cpu()  # (left padding, seq[:pad], is never matched nor penalised)
@@ -152,13 +155,11 @@ def generate_with_lookup(runner: Any, gen: GenerationConfig, input_ids: torch.Te
     return hist[:, :n]
 
 
-def verify_width(runner: Any, num_tokens: int, max_new_tokens: int) -> int | None:
+def verify_width(runner: Any, num_tokens: int) -> int | None:
     """The one width of a drafted pass when the decode step is compiled or captured (``runner.decode_fn`` is not
-    the eager decoder): 1 + the longest draft this call can verify (``max_new_tokens - 2``: one token comes from
-    the prefill and one from the pass itself); None with an eager decode step (each pass its own width)."""
-    if runner.decode_fn is runner.decoder:
-        return None
-    return 1 + max(1, min(num_tokens, max_new_tokens - 2))
+    the eager decoder): 1 + ``num_tokens`` whatever the call's length (one shape per prompt_lookup_num_tokens, so
+    one captured verify step per cache); None with an eager decode step (each pass its own width)."""
+    return None if runner.decode_fn is runner.decoder else 1 + num_tokens
 
 
 def pass_inputs(tokens: torch.Tensor, start: int, width: int, pad: int, max_len: int, fillers_real: bool,
