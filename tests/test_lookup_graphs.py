@@ -139,6 +139,29 @@ def test_every_kind_of_policy_keeps_the_greedy_tokens_through_the_captured_verif
     assert graphs.captures == 2 and graphs.eager_calls == 0 and graphs.refused is None
 
 
+def test_at_the_end_of_the_cache_fillers_are_clamped_into_it():
+    """A call filling the model's whole context (the kept cache is max_position_embeddings long, no bucket room):
+    the 11-wide passes near its end put their fillers on the cache's last position; short calls verify drafts
+    longer than they may keep. Every call gives the greedy tokens."""
+    ref = load()
+    model, graphs, spy = captured()
+    words = model.tokenizer.encode(PROMPTS[0])
+    limit = model.config.max_position_embeddings
+    calls = [(torch.tensor([(words * 100)[:limit - 12]]), 12), *[(torch.tensor([words]), n) for n in (2, 3, 7)]]
+    try:
+        for ids, new_tokens in calls:
+            want = ref.generate(ids, max_new_tokens=new_tokens, do_sample=False)
+            model.stats.reset()
+            got = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, prompt_lookup_num_tokens=10)
+            assert torch.equal(got, want), (ids.shape, new_tokens)
+            if new_tokens == 12:
+                assert graphs.step.cache.max_len == limit and 11 in spy.widths and model.stats.draft_tokens > 0
+    finally:
+        ref.close()
+        model.close()
+    assert graphs.eager_calls == 0 and graphs.refused is None
+
+
 def test_an_eager_decode_step_verifies_each_draft_at_its_own_width(greedy):
     model = load()
     widths: list[int] = []
