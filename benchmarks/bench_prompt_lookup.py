@@ -1,7 +1,12 @@
-"""Prompt lookup decoding against plain greedy decoding on the embedded model (CPU): decode tok/s, drafts kept, and
+"""Prompt lookup decoding against plain greedy decoding on the embedded model: decode tok/s, drafts kept, and
 that the tokens are equal. Models and settings take turns inside every repeat (a noisy machine shifts them alike).
 
     python benchmarks/bench_prompt_lookup.py [--repeats 5] [--out results/prompt_lookup/<date>.json]
+    python benchmarks/bench_prompt_lookup.py --device cuda [--no-cuda-graphs]   # fp16; CUDA graphs by default
+
+On CUDA the decode step is captured (both the one-token step and prompt lookup's verify step of
+1 + prompt_lookup_num_tokens tokens); ``--no-cuda-graphs`` runs every pass eagerly, for the comparison. Rows say
+how many captured steps the run replayed and how many passes ran eagerly.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ def run_once(model, ids: torch.Tensor, new_tokens: int, lookup: int | None) -> t
     model.stats.reset()
     start = time.perf_counter()
     out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, prompt_lookup_num_tokens=lookup)
+    if out.is_cuda:
+        torch.cuda.synchronize(out.device)
     elapsed = time.perf_counter() - start
     return elapsed, out, model.stats.draft_tokens, model.stats.accepted_tokens
 
@@ -38,23 +45,35 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--lookups", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--device", default="cpu", help="cpu (fp32, one thread) or cuda (fp16)")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="on CUDA: every pass eager (the comparison)")
     args = p.parse_args()
-    torch.set_num_threads(1)
-    models = {name: MoEOffloadedMixtral.from_pretrained(embedded_model_path(), offload=OffloadConfig(**cfg))
+    cuda = args.device.startswith("cuda")
+    load = dict(device=args.device, dtype=torch.float16 if cuda else torch.float32,
+                cuda_graphs=cuda and not args.no_cuda_graphs)
+    if not cuda:
+        torch.set_num_threads(1)
+    models = {name: MoEOffloadedMixtral.from_pretrained(embedded_model_path(), offload=OffloadConfig(**cfg), **load)
               for name, cfg in SETTINGS.items()}
     tok = next(iter(models.values())).tokenizer
     rows = []
     for prompt_name, prompt in PROMPTS.items():
-        ids = torch.tensor([tok.encode(prompt)])
+        ids = torch.tensor([tok.encode(prompt)], device=args.device)
         times: dict[tuple, list[float]] = {}
         facts: dict[tuple, tuple] = {}
-        for model in models.values():  # warm-up: one-time costs out of the timings
-            run_once(model, ids, 8, None)
+        passes: dict[tuple, tuple[int, int]] = {}  # (captured steps replayed, passes run eagerly) of the last run
+        for model in models.values():  # warm-up: one-time costs (captures, compiles) out of the timings
+            for lookup in [None, *args.lookups]:  # (a whole run: its drafted passes capture the verify step)
+                run_once(model, ids, 8 if lookup is None else args.new_tokens, lookup)
         for _ in range(args.repeats):
             for name, model in models.items():
                 want = None
                 for lookup in [None, *args.lookups]:
+                    graphs = model.runner.decode_fn
+                    before = (getattr(graphs, "replays", 0), getattr(graphs, "eager_calls", 0))
                     elapsed, out, drafted, kept = run_once(model, ids, args.new_tokens, lookup)
+                    passes[(name, lookup)] = (getattr(graphs, "replays", 0) - before[0],
+                                              getattr(graphs, "eager_calls", 0) - before[1])
                     if lookup is None:
                         want = out
                     times.setdefault((name, lookup), []).append(elapsed)
@@ -66,12 +85,16 @@ def main() -> None:
                    "tokens": produced, "median_s": round(statistics.median(elapsed), 4),
                    "tok_per_s": round(produced / statistics.median(elapsed), 1),
                    "speedup_vs_plain": round(base / statistics.median(elapsed), 3),
-                   "draft_tokens": drafted, "accepted_tokens": kept, "tokens_equal_plain": equal}
+                   "draft_tokens": drafted, "accepted_tokens": kept, "tokens_equal_plain": equal,
+                   "graph_replays": passes[(name, lookup)][0], "eager_graph_calls": passes[(name, lookup)][1]}
             rows.append(row)
             print(json.dumps(row), flush=True)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"rows": rows, "repeats": args.repeats, "threads": 1}, indent=1) + "\n")
+        meta = {"repeats": args.repeats, "device": args.device, "cuda_graphs": load["cuda_graphs"]}
+        if not cuda:
+            meta["threads"] = 1
+        args.out.write_text(json.dumps({"rows": rows, **meta}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -25,14 +25,15 @@ Graphs bake in the addresses of the KV cache they were captured with and of the 
 captured only on a *capturable* cache: one with a ``graph_owner`` (the object whose memory the graphs read and
 write), kept across passes. ``generate``'s :class:`~moeflow.engine.kv_cache.StaticKVCache` is its own owner: the
 runner keeps it across calls, its length rounded up to a bucket of 256 positions
-(:func:`moeflow.engine.generate.cache_length`), so only a call in another bucket or with another batch size
-captures again. The serving engine's :class:`~moeflow.engine.kv_slots.SlotDecodeView` (one per padded batch size
-and key-length bucket, owned by its slotted cache) gets one captured step each, several kept at once (at most
-``max_steps``, the least recently used dropped first); a capture on another owner drops the steps of the old one
-(its cache is gone: generate's old cache, or a generate call between serving passes). Views made anew every pass
-(micro-batches' row views, the engine's eager :class:`~moeflow.engine.kv_slots.SlotBatch`) run eagerly. A capture
-the device refuses (an op that syncs, a host tensor copied in, ...) is logged once and the step runs eagerly from
-then on (``CudaGraphDecode.refused`` says why).
+(:func:`moeflow.engine.generate.cache_length`), so only a call in another bucket or with another batch size captures
+again; prompt lookup's drafted passes (:mod:`moeflow.engine.lookup`) are a second step on the same cache, 1 +
+prompt_lookup_num_tokens tokens wide. The serving engine's :class:`~moeflow.engine.kv_slots.SlotDecodeView` (one per
+padded batch size and key-length bucket, owned by its slotted cache) gets one captured step each, several kept at
+once (at most ``max_steps``, the least recently used dropped first); a capture on another owner drops the steps of
+the old one (its cache is gone: generate's old cache, or a generate call between serving passes). Views made anew
+every pass (micro-batches' row views, the engine's eager :class:`~moeflow.engine.kv_slots.SlotBatch`) run eagerly. A
+capture the device refuses (an op that syncs, a host tensor copied in, ...) is logged once and the step runs eagerly
+from then on (``CudaGraphDecode.refused`` says why).
 How a piece is captured is a :class:`GraphCapture`: :class:`CudaCapture` on a GPU; the tests give one that
 records and replays the pieces' ops on the CPU.
 """
@@ -215,8 +216,9 @@ class CudaGraphDecode:
     ``refused`` / ``disabled`` say where it stays eager).
     ``max_steps``: captured steps kept at once (one per capturable cache, batch shape and dtype).
     The logits returned are the step's static buffer, overwritten by the next replay of that step (callers read
-    them before). ``captures`` counts captures; ``refused`` holds the reason capture was given up, if it was;
-    ``step`` is the step replayed last.
+    them before). ``captures`` counts captures, ``replays`` the calls that ran a captured step, ``eager_calls``
+    those that ran ``inner`` instead (refused, a recorded routing, a cache view without owner); ``refused`` holds
+    the reason capture was given up, if it was; ``step`` is the step replayed last.
     """
 
     def __init__(self, inner: DecodeFn, capture_factory: Callable[[torch.device], GraphCapture] | None = None,
@@ -227,7 +229,7 @@ class CudaGraphDecode:
         self.max_steps = max_steps
         self.steps: collections.OrderedDict[tuple, CapturedStep] = collections.OrderedDict()  # least recent first
         self.step: CapturedStep | None = None
-        self.captures = 0
+        self.captures = self.replays = self.eager_calls = 0
         self.refused: str | None = None
         self._capture: GraphCapture | None = None
 
@@ -235,6 +237,7 @@ class CudaGraphDecode:
                  token_mask: torch.Tensor, experts: ExpertBackend, routing: Any = None) -> torch.Tensor:
         owner = graph_owner(cache)
         if self.refused is not None or routing is not None or owner is None:
+            self.eager_calls += 1
             return self.inner(embeds, positions, cache, cache_position, token_mask, experts, routing)
         given = (embeds, positions, cache_position, token_mask)
         key = (id(cache), tuple(embeds.shape), embeds.dtype, traces_through(experts))
@@ -242,12 +245,14 @@ class CudaGraphDecode:
         if step is None or step.cache is not cache:
             step = self._capture_new(key, owner, given, cache, experts)
             if step is None:
+                self.eager_calls += 1
                 return self.inner(embeds, positions, cache, cache_position, token_mask, experts, routing)
         else:
             for static, value in zip(step.inputs, given, strict=True):
                 static.copy_(value)
         self.steps.move_to_end(key)
         self.step = step
+        self.replays += 1
         return step.run(experts, self._device_part(experts))
 
     def _capture_new(self, key: tuple, owner: Any, given: tuple[torch.Tensor, ...], cache: Any,

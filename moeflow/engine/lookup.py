@@ -13,8 +13,22 @@ transformers). Offload policies never change the tokens: with lookup as without,
 
 Cost: a pass over 1 + c tokens needs the union of their experts, so on an MoE a rejected draft is not free; it
 pays where replies quote their prompt (code edits, extraction). ``benchmarks/bench_prompt_lookup.py`` measures it.
-A pass with a draft runs as an eager multi-token pass (only draft-free steps replay the compiled or captured decode
-step): on a GPU whose eager decode is host-bound this may cost more than it saves (unmeasured).
+
+Compiled and captured decode steps (``cuda_graphs`` / ``compile``; :func:`verify_width`). A pass without a draft
+is the plain decode step. A pass with a draft has one static shape: ``1 + prompt_lookup_num_tokens`` tokens, a
+shorter draft followed by *fillers* (the last token again) whose logits are never read; their keys land beyond
+the accepted length (clamped into the cache), so the rejected-draft argument above covers them too. The runner
+then replays a second captured step (same cache: both kept, each captured once) for every drafted pass instead of
+running it eagerly. Fillers reach no expert where the expert backend runs outside the captured code (the offload
+scheduler between graph pieces, or behind its graph break under torch.compile): they are masked out of the pass's
+real tokens (``StepInfo.real_tokens``), so they move, count and predict nothing. The offload backend's captured
+device part is bucketed by real-token count, so it holds up to 1 + N buckets (``DeviceGraphs.max_buckets``, 8:
+larger counts run that part eagerly, logged). A backend the capture traces through (every expert resident: one
+whole graph, which would bake in which tokens it computes) computes the fillers as real tokens; they move nothing.
+Under ``compile=True`` alone the drafted width is one more shape for dynamo: one more whole graph (resident), or
+the layer frames compiled again for the wide pass and its masked backend call, with symbolic sizes, whatever the
+drafts' lengths (offloaded: 25 graphs against plain decode's 12 on the embedded model), then no recompile. With
+an eager decode step every pass runs eagerly at its own width (no filler).
 
 Limits (refused by the caller): batch size 1 and greedy decoding (as transformers' assisted generation), no
 micro-batches, and no linear-attention states (Qwen3-Next's recurrent state would have to be rolled back).
@@ -27,6 +41,7 @@ from typing import Any
 
 import torch
 
+from moeflow.engine.compiled import traces_through
 from moeflow.engine.generate import positions_from_mask
 from moeflow.engine.sampling import GenerationConfig, next_tokens
 
@@ -67,8 +82,8 @@ def generate_with_lookup(runner: Any, gen: GenerationConfig, input_ids: torch.Te
                          num_tokens: int, max_ngram: int = DEFAULT_MAX_NGRAM, streamer: Any = None) -> torch.Tensor:
     """input_ids / token_mask [1, T] on the device -> [1, T + n] ids, greedy, drafting up to ``num_tokens``
     tokens per pass. ``runner.stats`` counts ``draft_tokens`` / ``accepted_tokens`` (as its other counters, until
-    ``reset()``); decode passes without a draft run as plain decode steps (compiled or captured where the runner
-    has them)."""
+    ``reset()``); every pass goes through the runner's decode step (compiled or captured where the runner has
+    one: a drafted pass at :func:`verify_width`)."""
     stats, device = runner.stats, runner.device
     t = input_ids.shape[1]
     eos = set(gen.eos_ids())
@@ -82,6 +97,8 @@ def generate_with_lookup(runner: Any, gen: GenerationConfig, input_ids: torch.Te
     if getattr(cache, "linear", None) is not None:
         raise ValueError("prompt_lookup_num_tokens: this model has linear-attention layers, whose recurrent state "
                          "a rejected draft would advance; use plain decoding")
+    width = verify_width(runner, num_tokens)
+    fillers_real = traces_through(runner.backend)  # (a whole captured graph bakes in the tokens it computes)
     seq = torch.zeros(total, dtype=torch.long)  # host copy of every token so far (drafts are looked up here)
     seq[:t] = input_ids[0].cpu()  # (left padding, seq[:pad], is never matched nor penalised)
     pad = t - int(token_mask.sum())  # left padding: positions count real tokens only
@@ -113,13 +130,12 @@ def generate_with_lookup(runner: Any, gen: GenerationConfig, input_ids: torch.Te
         start = time.perf_counter()
         draft = find_draft(seq[pad:n], min(num_tokens, room - 1), max_ngram) if room > 1 else []
         seq[n:n + len(draft)] = torch.tensor(draft, dtype=torch.long)  # (the penalty's history of each position)
-        ids = seq[n - 1:n + len(draft)].to(device)[None]  # [1, 1 + c]: the last token, then the draft
-        cache_position = torch.arange(n - 1, n + len(draft), device=device)
-        mask = torch.ones_like(ids, dtype=torch.bool)
+        w = width if draft and width is not None else 1 + len(draft)
+        ids, positions, cache_position, mask = pass_inputs(seq[n - 1:n + len(draft)], n - 1, w, pad, cache.max_len,
+                                                           fillers_real, device)
         history = (hist[:, :n], hist_mask[:, :n])
-        phase = "decode" if not draft else "prefill"  # a multi-token pass runs as a prefill chunk does
-        logits = runner.forward_pass(ids, cache_position[None] - pad, cache, cache_position, mask, phase,
-                                     history=history, all_real=True)[0]  # [1 + c, V]
+        logits = runner.forward_pass(ids, positions, cache, cache_position, mask, "decode", history=history,
+                                     all_real=fillers_real or w == 1 + len(draft))[0]  # [w, V]: rows > c unread
         new = []
         for j in range(len(draft) + 1):
             tok = pick(logits[j:j + 1], gen, seq[pad:n + j], device)
@@ -128,7 +144,7 @@ def generate_with_lookup(runner: Any, gen: GenerationConfig, input_ids: torch.Te
                 break
         stats.draft_tokens += len(draft)
         stats.accepted_tokens += len(new) - 1
-        count_pass(stats, ids.shape[1], start)
+        count_pass(stats, 1 + len(draft), start)
     produced = n - t
     if produced > 1:
         stats.tpot_s = (time.perf_counter() - decode_start) / (produced - 1)
@@ -137,6 +153,32 @@ def generate_with_lookup(runner: Any, gen: GenerationConfig, input_ids: torch.Te
     if streamer is not None:
         streamer.end()
     return hist[:, :n]
+
+
+def verify_width(runner: Any, num_tokens: int) -> int | None:
+    """The one width of a drafted pass when the decode step is compiled or captured (``runner.decode_fn`` is not
+    the eager decoder): 1 + ``num_tokens`` whatever the call's length (one shape per prompt_lookup_num_tokens, so
+    one captured verify step per cache); None with an eager decode step (each pass its own width)."""
+    return None if runner.decode_fn is runner.decoder else 1 + num_tokens
+
+
+def pass_inputs(tokens: torch.Tensor, start: int, width: int, pad: int, max_len: int, fillers_real: bool,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """tokens int64 [r] (host: the last kept token, then the draft) at cache positions ``start`` on -> ids
+    [1, width], position ids [1, width] (``pad``: left padding, which positions do not count), cache_position
+    [width] and token_mask bool [1, width] on ``device``, in one copy. Positions from r on are fillers: the last
+    token again, at the next cache positions clamped to ``max_len - 1`` (never a real position of a pass: a
+    pass's last real token sits at most at total - 2); real tokens for the backend only if ``fillers_real``."""
+    r = tokens.numel()
+    host = torch.empty((4, width), dtype=torch.long)
+    host[0, :r], host[0, r:] = tokens, tokens[-1]
+    host[1] = torch.arange(start, start + width).clamp_(max=max_len - 1)
+    host[2] = host[1] - pad
+    host[3] = 1
+    if not fillers_real:
+        host[3, r:] = 0
+    dev = host.to(device)
+    return dev[0:1], dev[2:3], dev[1], dev[3:4].bool()
 
 
 def pick(logits: torch.Tensor, gen: GenerationConfig, seen: torch.Tensor, device: torch.device) -> int:
