@@ -22,7 +22,7 @@ then replays a second captured step (same cache: both kept, each captured once) 
 running it eagerly. Fillers reach no expert where the expert backend runs outside the captured code (the offload
 scheduler between graph pieces, or behind its graph break under torch.compile): they are masked out of the pass's
 real tokens (``StepInfo.real_tokens``), so they move, count and predict nothing. The offload backend's captured
-device part is bucketed by real-token count, so it holds up to 1 + N buckets (``DeviceGraphs.max_buckets``, 8:
+device part is bucketed by real-token count, so it holds up to 1 + N buckets (``DeviceGraphs.max_buckets``, 16:
 larger counts run that part eagerly, logged). A backend the capture traces through (every expert resident: one
 whole graph, which would bake in which tokens it computes) computes the fillers as real tokens; they move nothing.
 Under ``compile=True`` alone the drafted width is one more shape for dynamo: one more whole graph (resident), or

@@ -116,7 +116,7 @@ class DeviceGraphs:
 
     def __init__(self, pool: ExpertPool, num_experts: int, top_k: int, kernels_backend: str,
                  capture_factory: Callable[[torch.device], object], *, disabled: str | None = None,
-                 max_buckets: int = 8) -> None:
+                 max_buckets: int = 16) -> None:
         self.pool, self.num_experts, self.top_k = pool, num_experts, top_k
         self.device = pool.device
         # the Triton launchers, or the static torch form (also for a backend that stays eager: never run)
