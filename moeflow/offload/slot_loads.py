@@ -1,0 +1,99 @@
+"""The load side of :class:`moeflow.offload.backend.OffloadedExperts`: slots for a layer's misses, predicted
+loads for later layers, a prefetch's slot taken back for a needed load, the synchronous transport's pump, and the
+wait that makes a load's bytes visible to compute. A mixin: it reads the backend's ``cache``, ``engine``,
+``host``, ``transport``, ``stats``, ``predictor``, ``clock``, ``prefill_ring``, ``num_layers`` and ``_phase``."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from moeflow.offload.cache import Slot
+from moeflow.offload.copy_engine import LoadTask
+from moeflow.offload.stats import PhaseStats
+
+
+class SlotLoads:
+    """Loads into the slot pool, high priority (a layer's misses) and low (predictions); see the module docstring."""
+
+    def _late_prefetch(self, layer: int, deferred: deque[int], st: PhaseStats) -> bool:
+        """DuoServe's second synchronisation point: after an expert group, poll the prediction made beside it
+        (never wait); once it landed, queue its prefetches. Returns whether to poll again."""
+        proposals = self.predictor.collect_proposals(layer)  # host lists whose copy completed
+        if not proposals:
+            return True
+        if not deferred:
+            for target, ids in proposals:
+                self._prefetch(target, [e for e in ids if e >= 0], layer, st)
+        self._pump(st)
+        return False
+
+    def prefetch(self, target: int, experts: list[int], layer_now: int = 0) -> None:
+        """Queue low-priority loads of ``target``'s ``experts`` outside ``forward`` (e.g. FineMoE's guesses for
+        the first layers, made from the token embeddings before layer 0 runs); best effort, as in step 4."""
+        st = self.stats.current()
+        self.cache.poll()
+        self._prefetch(target, list(experts), layer_now, st)
+        self._pump(st)
+
+    def _load_deferred(self, layer: int, deferred: deque[int], waiting: list[LoadTask], st: PhaseStats) -> None:
+        """Give the deferred experts of ``layer`` slots, while slots can be had, and queue their loads (high)."""
+        while deferred:
+            if self.prefill_ring and self._phase == "prefill" and len(waiting) >= self.prefill_ring:
+                return  # the ring is full: the next load waits for a computed expert's slot
+            key = (layer, deferred[0])
+            slot = self.cache.allocate(key, layer)
+            if slot is None:
+                slot = self._reclaim_prefetch_slot(layer, key)
+            if slot is None:
+                return
+            deferred.popleft()
+            task = self.engine.submit(
+                layer, key[1], slot.index, high=True, after=self.cache.take_fences(slot), stats=st
+            )
+            self.cache.start_load(slot, task, prefetched=False)
+            self.cache.use(slot)
+            waiting.append(task)
+
+    def _reclaim_prefetch_slot(self, layer: int, key: tuple[int, int]) -> Slot | None:
+        """No free slot: cancel the prefetch for the farthest layer ahead and take its slot."""
+        loading = self.cache.loading_unused()
+        if not loading:
+            return None
+        victim = max(loading, key=lambda s: ((s.key[0] - layer) % self.num_layers, s.index))
+        if victim.task.complete():
+            self.cache.mark_ready(victim)
+        else:
+            self.cache.drop(victim, self.engine.cancel(victim.task))
+        return self.cache.allocate(key, layer)
+
+    def _prefetch(self, target: int, experts: list[int], layer: int, st: PhaseStats) -> None:
+        for e in experts:
+            key = (target, e)
+            if self.cache.lookup(key) is not None:
+                continue
+            if not self.host.stage(target, e):
+                continue  # disk tier: a guess not in host memory is read from disk now, copied when needed
+            slot = self.cache.allocate(key, layer)
+            if slot is None:
+                return  # best effort: never cancel other loads for a guess
+            task = self.engine.submit(
+                target, e, slot.index, high=False, after=self.cache.take_fences(slot), stats=st
+            )
+            self.cache.start_load(slot, task, prefetched=True)
+            st.prefetches += 1
+
+    def _pump(self, st: PhaseStats) -> None:
+        """Synchronous transport: the copies happen here, on the critical path (counted as stall)."""
+        if self.engine.threaded:
+            return
+        t0 = self.clock()
+        self.engine.pump()
+        st.stall_s += self.clock() - t0
+
+    def _wait(self, task: LoadTask, st: PhaseStats) -> None:
+        """Compute from now on sees ``task``'s bytes (host wait for issue, device-side wait for the copy)."""
+        t0 = self.clock()
+        self.engine.wait_issued(task)
+        self.transport.wait_compute(task.handles)
+        st.stall_s += self.clock() - t0
+        self.cache.mark_ready(self.cache.lookup(task.key))
