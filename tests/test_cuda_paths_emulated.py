@@ -117,6 +117,20 @@ def test_staged_read_back_equals_the_in_place_read(fake_cuda):
     assert staged._int_host.data_ptr() == int_buffer  # persistent: no buffer per call once grown
 
 
+def test_a_posted_read_back_is_waited_for_only_at_collect(fake_cuda):
+    """Early hits enqueue the layer's first expert group between ``post`` (staging, copies, the event recorded)
+    and ``collect`` (the one host wait): the event is recorded at post and synchronized at collect only."""
+    rb = ReadBack("cpu", num_experts=8, staged=True)
+    topk = torch.tensor([[3, 5]])
+    rb.post(topk, [torch.tensor([1, -1])])
+    assert len(rb.event.records) == 1 and rb.event.synchronized == 0 and rb.blocking_reads == 0
+    needed, lists, _ = rb.collect()
+    assert needed == [3, 5] and lists == [[1, -1]]
+    assert rb.event.synchronized == 1 and rb.blocking_reads == 1
+    with pytest.raises(RuntimeError, match="without a posted read"):
+        rb.collect()
+
+
 def test_async_host_copy_reads_only_once_its_event_completed(fake_cuda):
     copy = AsyncHostCopy("cpu", capacity=2, staged=True)
     copy.post(torch.tensor([[3, 1], [-1, 7]]))  # past its capacity: grown
