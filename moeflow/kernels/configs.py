@@ -76,6 +76,20 @@ def wave_efficiency(programs: int, programs_per_sm: int = DECODE_PROGRAMS_PER_SM
     return waves / max(1, -(-programs // (programs_per_sm * sms)))
 
 
+def key_splits(pairs: int, programs_per_sm: int, most: int) -> int:
+    """Programs per (sequence, head group) along a decode attention kernel's key axis, 1..``most``: the fewest
+    whose grid (``pairs`` x split) fills at least one wave to ``WAVE_FILL`` (its waves as full), else the fullest.
+    Shapes only: the same grid on every replay."""
+    best, best_eff = 1, 0.0
+    for split in range(1, max(1, most) + 1):
+        eff = wave_efficiency(pairs * split, programs_per_sm)
+        if eff >= WAVE_FILL and pairs * split >= WAVE_FILL * programs_per_sm * SMS:
+            return split
+        if eff > best_eff:
+            best, best_eff = split, eff
+    return best
+
+
 def wave_split(programs: int, k: int, block_k: int, programs_per_sm: int = DECODE_PROGRAMS_PER_SM) -> int:
     """A decode SPLIT_K of the expert GEMMs whose in-kernel fixup reduces (one launch at every split: AWQ w13,
     the biased AWQ stages, both MXFP4 stages). Rule: the smallest split of 1, 2, 4, 8 whose grid (``programs`` x

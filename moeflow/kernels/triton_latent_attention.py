@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeflow.kernels.configs import SMS, WAVE_FILL, wave_efficiency
+from moeflow.kernels.configs import key_splits
 from moeflow.kernels.triton_common import INTERPRETED, cdiv, next_pow2, rounded
 
 LOG2E = 1.4426950408889634
@@ -60,16 +60,7 @@ def default_splits(batch: int, head_tiles: int, key_len: int, block_h: int = 64)
     """Programs per (sequence, head tile) along the key axis: the fewest whose grid fills at least one H100 wave
     to ``configs.WAVE_FILL``, else the fullest; each split keeps ``MIN_SPLIT_KEYS`` keys at least. Shapes only.
     DeepSeek-V3 (128 heads: 2 tiles), 16 rows x 4096 keys: 4 (128 programs); 1 row: 32."""
-    pairs, per_sm = batch * head_tiles, programs_per_sm(block_h)
-    most = max(1, cdiv(key_len, MIN_SPLIT_KEYS))
-    best, best_eff = 1, 0.0
-    for split in range(1, most + 1):
-        eff = wave_efficiency(pairs * split, per_sm)
-        if eff >= WAVE_FILL and pairs * split >= WAVE_FILL * per_sm * SMS:
-            return split
-        if eff > best_eff:
-            best, best_eff = split, eff
-    return best
+    return key_splits(batch * head_tiles, programs_per_sm(block_h), cdiv(key_len, MIN_SPLIT_KEYS))
 
 
 @triton.jit

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeflow.kernels.configs import SMS, WAVE_FILL, wave_efficiency
+from moeflow.kernels.configs import key_splits
 from moeflow.kernels.triton_common import INTERPRETED, cdiv, next_pow2, rounded
 
 LOG2E = 1.4426950408889634
@@ -50,16 +50,7 @@ def default_splits(batch: int, kv_heads: int, key_len: int, head_dim: int) -> in
     (``configs.WAVE_FILL`` of its program slots, the waves as full), else the fullest; each split keeps
     ``MIN_SPLIT_KEYS`` keys at least. Shapes only: the same grid on every replay. Mixtral-8x7B
     (8 kv heads), 16 rows: 5 (640 programs, 0.97 of a wave); 1 row: 16 (256 keys each)."""
-    pairs, per_sm = batch * kv_heads, programs_per_sm(head_dim)
-    most = max(1, cdiv(key_len, MIN_SPLIT_KEYS))
-    best, best_eff = 1, 0.0
-    for split in range(1, most + 1):
-        eff = wave_efficiency(pairs * split, per_sm)
-        if eff >= WAVE_FILL and pairs * split >= WAVE_FILL * per_sm * SMS:
-            return split
-        if eff > best_eff:
-            best, best_eff = split, eff
-    return best
+    return key_splits(batch * kv_heads, programs_per_sm(head_dim), cdiv(key_len, MIN_SPLIT_KEYS))
 
 
 @triton.jit
