@@ -52,7 +52,7 @@ class OffloadConfig:
     early_hits: launch each layer's expert group over the experts already in slots before its routing is read
         back, so the device computes the hits while the host waits and schedules the misses (docs/design.md,
         "Hits launched before the read-back"); the same tokens either way. ``None``: on where that read is a
-        real wait (a CUDA device) and the slots run on the device's kernels.
+        real wait (a CUDA device) and the experts run on the Triton kernels.
     """
 
     gpu_expert_slots: int | None = None

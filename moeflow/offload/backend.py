@@ -123,12 +123,17 @@ class OffloadedExperts(SlotLoads, ExpertBackend):
         )
 
     def _early_hits(self, wanted: bool | None) -> bool:
-        """``OffloadConfig.early_hits`` resolved: None is on where the read-back is a real wait (a CUDA device)."""
+        """``OffloadConfig.early_hits`` resolved: None is on where the read-back is a real wait (a CUDA device) and
+        the groups run on the Triton kernels, which compute only the pairs routed to a group's experts (the torch
+        backend's captured form computes every expert the group names: the early group's unrouted ones too)."""
         why_not = "kernels='cpu-int4' slots" if self.compute.int4_slots is not None else None
         if wanted and why_not:
             raise ValueError(f"OffloadConfig.early_hits=True: {why_not} computes a group only once its routing "
                              "is on the host")
-        return self.readback.cuda and why_not is None if wanted is None else bool(wanted)
+        if wanted is None:
+            return self.readback.cuda and why_not is None and kernels.resolve_backend(
+                self.kernels_backend, self.device) == "triton"
+        return bool(wanted)
 
     @property
     def n_slots(self) -> int:
