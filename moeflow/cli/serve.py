@@ -191,7 +191,8 @@ def cmd_serve(args) -> int:
     cache = SlotKVCache.for_model(model, max_len, budget, max_rows=args.max_batch)
     metrics = ServeMetrics(model.stats, cache)
     engine = ContinuousEngine(model, cache, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
-                              listener=metrics, prefix_cache=args.prefix_cache == "on")
+                              listener=metrics, prefix_cache=args.prefix_cache == "on",
+                              prompt_lookup=args.prompt_lookup, max_matching_ngram_size=args.max_matching_ngram_size)
     # the decode steps of every padded batch size at the smallest key bucket, captured before the first client
     steps, seconds = engine.warm_up()
     if engine.graphs is not None:
@@ -211,6 +212,7 @@ def cmd_serve(args) -> int:
     print(f"moeflow serve: model '{name}' on http://{args.host}:{port}/v1 | {model.device}, policy "
           f"{args.policy!r} | KV cache {cache.rows} rows x {max_len} tokens ({cache.nbytes / 2**20:.1f} MiB) | "
           f"CUDA graphs {'on' if engine.graphs is not None else 'off'} | prefix cache {args.prefix_cache} | "
+          f"prompt lookup {args.prompt_lookup or 'off'} | "
           f"API key {'required' if api_key else 'off'}", flush=True)
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
     uvicorn.Server(config).run(sockets=[sock])
@@ -246,6 +248,11 @@ def register(sub) -> None:
     p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens read per scheduler iteration")
     p.add_argument("--prefix-cache", choices=["on", "off"], default="on",
                    help="a finished request's KV row is kept for the next prompt that starts the same way")
+    p.add_argument("--prompt-lookup", type=int, default=0, metavar="N",
+                   help="draft up to N tokens per decode pass from the request's own context while one greedy "
+                        "request decodes alone (0: off; docs/serving.md)")
+    p.add_argument("--max-matching-ngram-size", type=int, default=2,
+                   help="longest n-gram --prompt-lookup matches (as generate's max_matching_ngram_size)")
     p.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (or set {API_KEY_ENV})")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: directory name)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")

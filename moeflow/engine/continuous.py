@@ -25,6 +25,9 @@ dropped) and reads a key-length bucket (:func:`key_bucket`), so it runs on the s
 are of real tokens only. :meth:`ContinuousEngine.warm_up` captures the steps of every padded batch size at the
 smallest bucket before the first request (``moeflow serve`` calls it before it reports ready).
 
+Prompt lookup (``prompt_lookup``, off by default): while one greedy sequence decodes alone, its decode pass also
+verifies tokens drafted from its own context, several tokens per pass (:mod:`moeflow.engine.continuous_lookup`).
+
 Token history: a backend whose predictor reads every token so far (``ExpertBackend.needs_history``: the
 expertflow policy) gets them from a :class:`~moeflow.engine.token_history.TokenHistory` on the device, which each
 pass writes its own tokens into; other backends get none (no per-pass host work over the whole context).
@@ -40,9 +43,11 @@ from collections.abc import Callable
 
 import torch
 
+from moeflow.engine.continuous_lookup import LookupDrafter
 from moeflow.engine.cuda_graphs import CudaGraphDecode
 from moeflow.engine.guided import Guide
 from moeflow.engine.kv_slots import SlotKVCache, check_slotted
+from moeflow.engine.lookup import DEFAULT_MAX_NGRAM
 from moeflow.engine.prefix_cache import MIN_PREFIX_TOKENS, PrefixCache
 from moeflow.engine.sampling import SamplingParams, adjust_logits, next_tokens
 from moeflow.engine.sequence import EngineListener, Sequence
@@ -81,11 +86,15 @@ class ContinuousEngine:
     ``prefix_cache``: a finished sequence's row keeps its keys for the next prompt that starts the same way
     (:class:`~moeflow.engine.prefix_cache.PrefixCache`, ``self.prefix``; None when off), from
     ``prefix_min_tokens`` shared tokens.
+    ``prompt_lookup``: draft up to that many tokens per decode pass by prompt lookup (``max_matching_ngram_size``
+    as in ``generate``) while one greedy sequence decodes alone (:class:`~moeflow.engine.continuous_lookup.
+    LookupDrafter`, ``self.lookup``; None when off, the default).
     """
 
     def __init__(self, model, cache: SlotKVCache, max_queue: int = 64, prefill_chunk: int = 64,
                  listener: EngineListener | None = None, cuda_graphs: bool | None = None,
-                 prefix_cache: bool = True, prefix_min_tokens: int = MIN_PREFIX_TOKENS) -> None:
+                 prefix_cache: bool = True, prefix_min_tokens: int = MIN_PREFIX_TOKENS,
+                 prompt_lookup: int | None = None, max_matching_ngram_size: int = DEFAULT_MAX_NGRAM) -> None:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         decode = model.runner.decode_fn
@@ -101,6 +110,7 @@ class ContinuousEngine:
         needs = getattr(model.runner.backend, "needs_history", False)
         self.history = TokenHistory(cache.rows, cache.max_len, self.device) if needs else None
         self.prefix = PrefixCache(cache, prefix_min_tokens) if prefix_cache else None
+        self.lookup = LookupDrafter(self, prompt_lookup, max_matching_ngram_size) if prompt_lookup else None
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._running: list[Sequence] = []
         self._cond = threading.Condition()
@@ -255,7 +265,8 @@ class ContinuousEngine:
         if prefilling:
             self._prefill(prefilling)
         decoding = [s for s in self._running if s.prefilled == len(s.prompt_ids) and not s.done]
-        if decoding:
+        if decoding and not (self.lookup is not None and not prefilling and len(decoding) == 1
+                             and self.lookup.step(decoding[0])):  # (a drafted pass, else the plain one)
             self._decode(decoding)
 
     def _prefill(self, seqs: list[Sequence]) -> None:
@@ -363,7 +374,14 @@ class ContinuousEngine:
         return token
 
     def _emit(self, seq: Sequence, token: int, logits: torch.Tensor) -> None:
-        """Record and report ``token``; logits fp32 [V] it was chosen from (for log-probabilities)."""
+        """Record and report ``token`` (logits fp32 [V] it was chosen from); finish ``seq`` when it ends there."""
+        reason = self._record(seq, token, logits)
+        if reason is not None:
+            self._finish(seq, reason)
+
+    def _record(self, seq: Sequence, token: int, logits: torch.Tensor) -> str | None:
+        """Record and report ``token``; logits fp32 [V] it was chosen from (for log-probabilities). Returns the
+        finish reason it ends ``seq`` with ("stop", "length"), or None; the caller finishes it."""
         if seq.params.logprobs is not None:
             logp = torch.log_softmax(logits.float(), dim=-1)  # of the model's distribution, before sampling
             top = torch.topk(logp, min(seq.params.logprobs, logp.shape[-1]))
@@ -376,9 +394,8 @@ class ContinuousEngine:
         seq.generated.append(token)
         seq.on_event(token, None)
         if token in seq.params.stop_token_ids or (seq.stop_check is not None and seq.stop_check(seq.generated)):
-            self._finish(seq, "stop")
-        elif len(seq.generated) >= seq.params.max_new_tokens:
-            self._finish(seq, "length")
+            return "stop"
+        return "length" if len(seq.generated) >= seq.params.max_new_tokens else None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.done:

@@ -46,6 +46,7 @@ class Sequence:
         self.row: int | None = None
         self.prefilled = 0  # prompt tokens already in the cache
         self.cached_tokens = 0  # of them, those the prefix cache held when it got its row (not prefilled)
+        self.draft_tokens = self.accepted_tokens = 0  # prompt lookup (moeflow.engine.continuous_lookup)
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.cancelled = False

@@ -94,6 +94,10 @@ class ServeMetrics(EngineListener):
         self.prefix_tokens = Counter("moeflow_prefix_cache_reused_tokens",
                                      "Prompt tokens taken from the prefix cache instead of prefilled", registry=r)
         self.generation_tokens = Counter("moeflow_generation_tokens", "Tokens generated", registry=r)
+        self.draft_tokens = Counter("moeflow_prompt_lookup_draft_tokens",
+                                    "Tokens drafted by prompt lookup (--prompt-lookup)", registry=r)
+        self.accepted_tokens = Counter("moeflow_prompt_lookup_accepted_tokens",
+                                       "Drafted tokens kept (each saved a decode pass)", registry=r)
         self.ttft = Histogram("moeflow_time_to_first_token_seconds", "Submission to first token", registry=r,
                               buckets=LATENCY_BUCKETS)
         self.tpot = Histogram("moeflow_time_per_output_token_seconds",
@@ -140,6 +144,8 @@ class ServeMetrics(EngineListener):
     def on_finish(self, seq: Sequence) -> None:
         self.finished.labels(seq.finish_reason).inc()
         self.generation_tokens.inc(len(seq.generated))
+        self.draft_tokens.inc(seq.draft_tokens)
+        self.accepted_tokens.inc(seq.accepted_tokens)
         if seq.t_first is not None:
             self.ttft.observe(seq.t_first - seq.t_submit)
             self.e2e.observe(seq.t_last - seq.t_submit)
