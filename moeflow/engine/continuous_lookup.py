@@ -23,7 +23,7 @@ Models with linear-attention layers are refused: their recurrent state cannot be
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
@@ -31,15 +31,14 @@ from moeflow.engine.cuda_graphs import CudaGraphDecode
 from moeflow.engine.lookup import find_draft
 from moeflow.engine.sequence import Sequence
 
-if TYPE_CHECKING:
-    from moeflow.engine.continuous import ContinuousEngine
-
 
 class LookupDrafter:
     """Drafted decode passes of ``engine`` (its model, cache, pass and recording): up to ``num_tokens`` drafted
     tokens from n-grams of up to ``max_ngram`` tokens. Each sequence counts ``draft_tokens`` / ``accepted_tokens``."""
 
-    def __init__(self, engine: ContinuousEngine, num_tokens: int, max_ngram: int) -> None:
+    def __init__(self, engine: Any, num_tokens: int, max_ngram: int) -> None:
+        """``engine``: the :class:`~moeflow.engine.continuous.ContinuousEngine` that owns this drafter (not imported
+        here: that module imports this one)."""
         for name, value in (("prompt_lookup", num_tokens), ("max_matching_ngram_size", max_ngram)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
