@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from moeflow.errors import SchedulingError  # noqa: E402
 from moeflow.sim import get_profile, simulate  # noqa: E402
 from moeflow.sim.cli import format_table  # noqa: E402
 from moeflow.sim.plot import plot_sweep, plot_timeline  # noqa: E402
@@ -66,7 +67,7 @@ def sweep(trace, gates, profile, slots_list: list[int], policies: list[str]) -> 
         for n in ([total] if policy == "resident" else slots_list):
             try:
                 r = simulate(trace, policy, n, profile, gates=gates, timeline=True)
-            except SimulationError as e:
+            except (SimulationError, SchedulingError) as e:  # e.g. a predictor policy without its trained file
                 print(f"  skip {policy}: {e}", file=sys.stderr)
                 break
             rows.append(r)
