@@ -24,7 +24,7 @@ from moeflow.sim import (
     step_compute_s,
 )
 from moeflow.sim.cli import register
-from moeflow.sim.simulator import _steps, step_bound_s
+from moeflow.sim.passes import sequence_passes, step_bound_s
 from moeflow.trace import DECODE
 from moeflow.trace.synthetic import gate_modules, save_gates, synthesize_trace
 
@@ -44,7 +44,7 @@ FAST_COPY = custom_profile(h2d_gbps=400.0, expert_mb=40.0, layer_ms=0.5, expert_
 
 
 def _decode_steps(trace):
-    return [s for seq in _steps(trace, None) for s in seq if s.phase == DECODE]
+    return [s for seq in sequence_passes(trace, None) for s in seq if s.phase == DECODE]
 
 
 @pytest.mark.parametrize("profile", [SLOW_COPY, FAST_COPY], ids=["copy-bound", "compute-bound"])
@@ -56,7 +56,7 @@ def test_ondemand_equals_the_analytic_sum(small, profile):
     assert r.decode_steps == len(steps)
     assert r.tpot_s == pytest.approx(want, rel=0.01)
     # nothing is kept or predicted: every needed expert of every pass moved once, whole
-    needed = sum(int(trace.topk_mask()[s.rows].any(0).sum()) for seq in _steps(trace, None) for s in seq)
+    needed = sum(int(trace.topk_mask()[s.rows].any(0).sum()) for seq in sequence_passes(trace, None) for s in seq)
     assert r.hit_rate == 0.0 and r.prefetches == 0
     assert r.bytes_h2d == pytest.approx(needed * profile.expert_bytes, rel=1e-6)
 

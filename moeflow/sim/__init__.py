@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 from moeflow.sim.engine import Interval, SimClock, SimCopyEngine, SimHandle, SimTransport
+from moeflow.sim.passes import analytic_ondemand_step_s, step_compute_s
 from moeflow.sim.profile import (
     PRESET_NAMES,
     HardwareProfile,
@@ -23,12 +24,10 @@ from moeflow.sim.simulator import (
     OraclePredictor,
     SimResult,
     SimulationError,
-    analytic_ondemand_step_s,
     check_policy,
     known_policies,
     load_gates,
     simulate,
-    step_compute_s,
 )
 
 __all__ = [

@@ -94,6 +94,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     profile.check_trace(trace.num_layers, trace.num_experts, trace.top_k, f"trace {args.trace}")
     slot_list = _slots(args.slots)
     gates = load_gates(args.gates, trace.num_layers) if args.gates else None
+    predictor_dir = args.predictors or (args.gates if args.gates and Path(args.gates).is_dir() else None)
     if args.policy == "all":
         policies = known_policies()
     else:
@@ -114,7 +115,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                 r = simulate(trace, policy, slots, profile, copy_chunks=args.copy_chunks,
                              max_inflight_chunks=args.max_inflight, prefetch_distance=args.prefetch_distance,
                              gates=gates, max_sequences=args.max_sequences, timeline=bool(args.plot),
-                             host_experts=host_experts, early_hits=not args.serial_schedule)
+                             host_experts=host_experts, early_hits=not args.serial_schedule,
+                             predictor_dir=predictor_dir)
             except (SimulationError, SchedulingError) as e:  # e.g. a predictor policy without its trained file
                 if args.policy != "all":
                     raise
@@ -180,6 +182,9 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--prefetch-distance", type=int, default=1)
     p.add_argument("--gates", default=None, help="the routers (checkpoint dir or *.gates.safetensors), for "
                    "mixtral-offloading's speculation")
+    p.add_argument("--predictors", default=None, metavar="CHECKPOINT_DIR",
+                   help="the checkpoint whose predictors/<kind>.pt the learned policies load (duoserve, promoe, "
+                        "expertflow: `moeflow train-predictor`); default: the --gates directory")
     p.add_argument("--max-sequences", type=int, default=None)
     p.add_argument("--serial-schedule", action="store_true",
                    help="a layer's experts run after the host's scheduling (OffloadConfig.early_hits=False); "

@@ -41,6 +41,7 @@ from moeflow.offload.predictors.interface import Predictor
 from moeflow.offload.stats import Stats
 from moeflow.sim.disk import sim_disk_for
 from moeflow.sim.engine import Interval, SimClock, SimCopyEngine, SimHostStore, SimTransport
+from moeflow.sim.passes import sequence_passes, step_bound_s, step_compute_s, step_info
 from moeflow.sim.profile import HardwareProfile
 from moeflow.trace import DECODE, PREFILL, Trace
 
@@ -212,58 +213,6 @@ class SimResult:
 
 
 # ----------------------------------------------------------------------------------------- the driver
-@dataclass
-class _Step:
-    seq: int
-    phase: int
-    rows: slice
-
-
-def _steps(trace: Trace, max_sequences: int | None) -> list[list[_Step]]:
-    """Per sequence: the prefill pass (its prompt rows) then one pass per decode row."""
-    seq = trace.seq_id.tolist()
-    phase = trace.phase.tolist()
-    out: list[list[_Step]] = []
-    i, n = 0, len(seq)
-    while i < n:
-        j = i
-        while j < n and seq[j] == seq[i]:
-            j += 1
-        steps, r = [], i
-        while r < j and phase[r] == PREFILL:
-            r += 1
-        if r > i:
-            steps.append(_Step(seq[i], PREFILL, slice(i, r)))
-        steps += [_Step(seq[i], DECODE if phase[q] == DECODE else PREFILL, slice(q, q + 1)) for q in range(r, j)]
-        out.append(steps)
-        i = j
-        if max_sequences is not None and len(out) >= max_sequences:
-            break
-    return out
-
-
-def step_compute_s(trace: Trace, profile: HardwareProfile, rows: slice) -> float:
-    """One forward pass with compute alone: per layer attention plus each used expert for its tokens, plus the head."""
-    T = rows.stop - rows.start
-    total = profile.head_s
-    for l in range(trace.num_layers):
-        counts = torch.bincount(trace.topk_ids[rows, l].reshape(-1).long(), minlength=trace.num_experts)
-        total += profile.attn_s(T) + sum(profile.expert_s(int(c)) for c in counts.tolist() if c)
-    return total
-
-
-def step_bound_s(trace: Trace, profile: HardwareProfile, rows: slice, sched_s: float, overlap: bool) -> float:
-    """:func:`step_compute_s` plus the host's scheduling of each layer: after its experts (``overlap`` False: the
-    serial schedule) or beside them (early hits: the experts in slots run while the host schedules)."""
-    T = rows.stop - rows.start
-    total = profile.head_s
-    for l in range(trace.num_layers):
-        counts = torch.bincount(trace.topk_ids[rows, l].reshape(-1).long(), minlength=trace.num_experts)
-        experts = sum(profile.expert_s(int(c)) for c in counts.tolist() if c)
-        total += profile.attn_s(T) + (max(experts, sched_s) if overlap else experts + sched_s)
-    return total
-
-
 def simulate(
     trace: Trace,
     policy: str,
@@ -280,6 +229,7 @@ def simulate(
     timeline_decode_step: int | None = None,
     host_experts: int | None = None,
     early_hits: bool = True,
+    predictor_dir: str | Path | None = None,
 ) -> SimResult:
     """Run ``policy`` with ``slots`` device expert slots over ``trace`` on ``profile``'s hardware.
 
@@ -288,6 +238,8 @@ def simulate(
     host_experts: experts the host cache holds (None: all); the rest are read from the profile's disk.
     early_hits: the GPU's default (``OffloadConfig.early_hits``): a layer's experts in slots are computed while
         the host waits for its routing and schedules; False: the serial schedule (experts after the scheduling).
+    predictor_dir: the checkpoint directory whose ``predictors/<kind>.pt`` the learned policies load (duoserve,
+        promoe, expertflow; ``moeflow train-predictor``), as ``from_pretrained`` finds them.
     """
     profile.check_trace(trace.num_layers, trace.num_experts, trace.top_k, f"trace {trace.source}")
     check_policy(policy)
@@ -335,7 +287,7 @@ def simulate(
         backend = create_expert_backend(
             config, fmt=SIM_FORMAT, num_layers=L, num_experts=E, top_k=k, device="cpu", kernels_backend="torch",
             gates=list(gates) if gates is not None else [], reserved_bytes=0, stats=stats, platform=platform,
-            policies=policies,
+            policies=policies, checkpoint_dir=predictor_dir,
         )
         assert isinstance(backend, OffloadedExperts)
         n_slots = backend.n_slots
@@ -360,7 +312,7 @@ def simulate(
     if slots > n_slots and policy != "resident":
         notes.append(f"{slots} slots capped at the model's {n_slots} experts")
 
-    sequences = _steps(trace, max_sequences)
+    sequences = sequence_passes(trace, max_sequences)
     first_decodes = [s for s in sequences[0] if s.phase == DECODE]
     tl_decode = None
     if first_decodes:
@@ -389,6 +341,8 @@ def simulate(
             transport.intervals = []
             start, stall0 = clock.now, transport.stall_s
             T = step.rows.stop - step.rows.start
+            if backend is not None:  # the pass's tokens, embeddings and history, as the engine hands them over
+                backend.begin_step(step_info(trace, step.rows, steps[0].rows.start, phase))
             for l in range(L):
                 topk = trace.topk_ids[step.rows, l]
                 counts_now = torch.bincount(topk.reshape(-1).long(), minlength=E).tolist()
@@ -449,23 +403,6 @@ def simulate(
         disk_bytes=transport.disk.bytes_read if transport.disk is not None else 0,
         disk_busy_s=transport.disk.busy_s if transport.disk is not None else 0.0,
     )
-
-
-# ----------------------------------------------------------------------------------------- analytic checks
-def analytic_ondemand_step_s(trace: Trace, profile: HardwareProfile, rows: slice, chunks: int = 3) -> float:
-    """``ondemand`` with enough slots for a layer's experts: every expert is loaded after its gate, one after
-    another on the copy stream (c each), none before; expert j is computed once it landed and expert j-1
-    is done: done_j = max(done_{j-1}, j*c) + e_j. Per layer: attention + host scheduling + that pipeline."""
-    T = rows.stop - rows.start
-    c = profile.copy_s(chunks)
-    total = profile.head_s
-    for l in range(trace.num_layers):
-        counts = torch.bincount(trace.topk_ids[rows, l].reshape(-1).long(), minlength=trace.num_experts).tolist()
-        done = 0.0
-        for j, n in enumerate([n for n in counts if n], start=1):
-            done = max(done, j * c) + profile.expert_s(n)
-        total += profile.attn_s(T) + profile.sched_s + done
-    return total
 
 
 def relative_error(a: float, b: float) -> float:
