@@ -37,7 +37,8 @@ BEGIN, END = "<!-- sim-report:begin -->", "<!-- sim-report:end -->"
 
 
 def small_model_trace(workdir: Path):
-    """(trace, routers, description) from the embedded model, else from a tiny random AWQ checkpoint."""
+    """(trace, routers, description, predictor checkpoint or None) from the embedded model (its trained
+    predictors included), else from a tiny random AWQ checkpoint."""
     from moeflow import MoEOffloadedMixtral
     from moeflow.trace.record import record_trace
 
@@ -54,19 +55,24 @@ def small_model_trace(workdir: Path):
     model = MoEOffloadedMixtral.from_pretrained(path, device="cpu", progress=False)
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
-    prompts = [torch.randint(3, vocab, (24,), generator=g).tolist() for _ in range(4)]
+    if path == embedded:  # text its trained predictors know (ExpertFlow's vocabulary is the training text's)
+        texts = ("The \"with\" statement is used to wrap the execution of a block", "def add(a, b):\n    return a + b",
+                 "Python lists are mutable sequences, typically used to store collections", "import os\nimport sys")
+        prompts = [model.tokenizer.encode(t) for t in texts]
+    else:
+        prompts = [torch.randint(3, vocab, (24,), generator=g).tolist() for _ in range(4)]
     trace = record_trace(model, prompts, max_new_tokens=24, hidden=True)
     gates = gate_modules([l.block_sparse_moe.gate.weight.detach().float() for l in model.model.layers])
-    return trace, gates, what
+    return trace, gates, what, (path if path == embedded else None)
 
 
-def sweep(trace, gates, profile, slots_list: list[int], policies: list[str]) -> tuple[list, dict]:
+def sweep(trace, gates, profile, slots_list: list[int], policies: list[str], predictor_dir=None) -> tuple[list, dict]:
     rows, by_key = [], {}
     total = trace.num_layers * trace.num_experts
     for policy in policies:
         for n in ([total] if policy == "resident" else slots_list):
             try:
-                r = simulate(trace, policy, n, profile, gates=gates, timeline=True)
+                r = simulate(trace, policy, n, profile, gates=gates, timeline=True, predictor_dir=predictor_dir)
             except (SimulationError, SchedulingError) as e:  # e.g. a predictor policy without its trained file
                 print(f"  skip {policy}: {e}", file=sys.stderr)
                 break
@@ -87,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     pcie4 = get_profile("pcie4-24gb")
 
     with tempfile.TemporaryDirectory() as tmp:
-        trace, gates, what = small_model_trace(Path(tmp))
+        trace, gates, what, predictors = small_model_trace(Path(tmp))
     if args.quick:
         trace = trace.select(trace.sequence_ids()[:1])
     small_prof = pcie4.with_overrides(name="pcie4-24gb (Mixtral expert costs)")
@@ -96,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     small_prof = replace(small_prof, num_layers=None, num_experts=None, top_k=None)
     total = trace.num_layers * trace.num_experts
     slots = [s for s in (2, 4, 8, 16, 24, 32, 48, 64) if s <= total]
-    rows, _ = sweep(trace, gates, small_prof, slots[:3] if args.quick else slots, policies)
+    rows, _ = sweep(trace, gates, small_prof, slots[:3] if args.quick else slots, policies, predictors)
     png = plot_sweep([r.as_dict() for r in rows], args.docs / "sim_small_model_pcie4.png",
                      f"{trace.num_layers}x{trace.num_experts} model's recorded routing, Mixtral expert costs, PCIe 4",
                      bound_s=next(r.decode_bound_s for r in rows if r.policy != "resident"))
