@@ -83,8 +83,11 @@
 #   13. bash benchmarks/run_all_gpu.sh families-deepseek-v32  # ~8-9.5 min: 6 of 61 layers (3 dense + 3 MoE, ~26 GB), 12/16/20 GB
 #   14. bash benchmarks/run_all_gpu.sh families-glm-5         # ~8-9.5 min: 6 of 78 layers (3 dense + 3 MoE, ~23 GB), 12/16/20 GB
 #                                                  #   (10-14: session 10's writers and script, CPU-tested in TINY mode
-#                                                  #   only; the slices' config values are from the family code, not
-#                                                  #   checked against the published config.json files)
+#                                                  #   only; the slices' shapes checked against the published config
+#                                                  #   files in session 11: benchmarks/results/family_shapes.md)
+#   15. bash benchmarks/run_all_gpu.sh lookup       # ~1-3 min (limits 2 x 150 s): prompt lookup decoding against plain
+#                                                  #   greedy on the embedded model in fp16, the verify passes replayed
+#                                                  #   from CUDA graphs and then every pass eager ($OUT/lookup*.json)
 #
 # Device tool call: run(command="bash benchmarks/run_all_gpu.sh correctness", timeout_s=600). Stages 8-9, after
 # `bash benchmarks/peers/gpu_peer_sources.sh` here, back to back: run(command="bash benchmarks/run_all_gpu.sh
@@ -198,6 +201,15 @@ case "$stage" in
       --time-budget-s 80
     [ "$plan" = 1 ] || (cd "$out" && tar czf models-tables-logs.tgz policies/*.md hybrid/*.md sim/*.md models.log \
       2>/dev/null && rm -f policies/*.md hybrid/*.md sim/*.md models.log) ;;
+  lookup)  # prompt lookup: captured verify step vs eager passes vs plain greedy (embedded model, no checkpoint)
+    if [ "${TINY:-0}" = 1 ]; then
+      run 150 lookup.log "$py" benchmarks/bench_prompt_lookup.py --repeats 1 --new-tokens 8 --lookups 2 \
+        --out "$out/lookup.json"
+    else
+      run 150 lookup.log "$py" benchmarks/bench_prompt_lookup.py --device cuda --out "$out/lookup_graphs.json"
+      run 150 lookup.log "$py" benchmarks/bench_prompt_lookup.py --device cuda --no-cuda-graphs \
+        --out "$out/lookup_eager.json"
+    fi ;;
   deltanet)  # one Qwen3-Next-80B Gated DeltaNet layer's core, torch vs Triton (no checkpoint; JSON lines as taken)
     dn=(--out "$out/deltanet.jsonl" --budget-s 200)
     if [ "${TINY:-0}" = 1 ]; then dn=(--tiny --out "$out/deltanet.jsonl"); fi
@@ -247,7 +259,8 @@ case "$stage" in
       run 560 peers.log "$py" benchmarks/peers/run_gpu_peers.py --phase all "${peers[@]}" --time-budget-s 400
     fi ;;
   *) echo "usage: $0 correctness|kernels|offload|decode|serve|engine|models|families-qwen3|families-gpt-oss|peers-prep|" \
-       "peers|tune|deltanet|families-qwen3-next|families-minimax-m2|families-deepseek-v32|families-glm-5 (TINY=1: CPU sizes)" >&2
+       "peers|tune|deltanet|lookup|families-qwen3-next|families-minimax-m2|families-deepseek-v32|families-glm-5" \
+       "(TINY=1: CPU sizes)" >&2
      exit 2 ;;
 esac
 [ "$plan" = 1 ] || echo "stage $stage done: $(ls -R "$out" | tr '\n' ' ')"

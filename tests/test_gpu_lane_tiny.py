@@ -131,7 +131,7 @@ def stage_plan(stage: str, tmp_path: Path) -> list[int]:
 
 def test_every_stage_fits_one_command_and_the_first_three_one_session(tmp_path):
     stages = ("correctness", "kernels", "offload", "decode", "serve", "engine", "models", "families-qwen3",
-              "families-gpt-oss", "peers-prep", "peers", "tune", "deltanet", "families-qwen3-next",
+              "families-gpt-oss", "peers-prep", "peers", "tune", "deltanet", "lookup", "families-qwen3-next",
               "families-minimax-m2", "families-deepseek-v32", "families-glm-5")
     limits = {stage: stage_plan(stage, tmp_path) for stage in stages}
     assert all(limits.values()), limits
