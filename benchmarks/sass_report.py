@@ -291,6 +291,23 @@ def emit_json_lines(rows: list[dict], out: Path | None) -> None:
         out.write_text("\n".join(lines) + "\n")
 
 
+def attention_main(argv: list[str] | None, description: str, models: dict, launches) -> int:
+    """The command line of the decode attention kernels' reports (sass_slot_attention.py, sass_latent_attention.py):
+    ``launches(model, rows, keys, dtype)`` -> rows, one JSON line each."""
+    import torch
+
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--models", nargs="+", default=sorted(models), choices=sorted(models))
+    p.add_argument("--rows", type=int, default=16, help="decode batch rows (the grid; the binary is the same)")
+    p.add_argument("--keys", type=int, default=4096, help="keys read (the view's key_len)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--out", type=Path, help="also write the lines to this file")
+    args = p.parse_args(argv)
+    emit_json_lines([r for model in args.models for r in launches(model, args.rows, args.keys,
+                                                                   getattr(torch, args.dtype))], args.out)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=["mixtral-8x7b"], choices=sorted(MODELS))

@@ -14,7 +14,6 @@ cannot keep up with HBM). TRITON_INTERPRET must be unset.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -67,19 +66,9 @@ def slot_attention_launches(model: str, rows: int, keys: int, dtype: torch.dtype
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sass_report import emit_json_lines
+    from sass_report import attention_main
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", nargs="+", default=sorted(MODELS), choices=sorted(MODELS))
-    p.add_argument("--rows", type=int, default=16, help="decode batch rows (the grid; the binary is the same)")
-    p.add_argument("--keys", type=int, default=4096, help="keys read (the view's key_len)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--out", type=Path, help="also write the lines to this file")
-    args = p.parse_args(argv)
-    rows = [r for model in args.models
-            for r in slot_attention_launches(model, args.rows, args.keys, getattr(torch, args.dtype))]
-    emit_json_lines(rows, args.out)
-    return 0
+    return attention_main(argv, __doc__.splitlines()[0], MODELS, slot_attention_launches)
 
 
 if __name__ == "__main__":
