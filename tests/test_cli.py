@@ -49,3 +49,22 @@ def test_cuda_graphs_flag_reaches_from_pretrained(command, capsys):
     assert args.cuda_graphs == "auto"
     assert main([*command, "--device", "cpu", "--cuda-graphs", "on"]) == 2
     assert "cuda_graphs=True needs device='cuda'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["generate", "--model", "unused"], ["demo"], ["chat"], ["serve"]])
+def test_early_hits_flag_reaches_the_offload_config(command, monkeypatch):
+    """--early-hits auto (default) / on / off is OffloadConfig(early_hits=None / True / False)."""
+    import moeflow
+
+    seen = []
+
+    def fake_from_pretrained(*args, offload=None, **kwargs):
+        seen.append(offload.early_hits)
+        raise SystemExit(0)  # stop before any loading
+
+    monkeypatch.setattr(moeflow.MoEModel, "from_pretrained", fake_from_pretrained)
+    monkeypatch.setattr(moeflow.MoEOffloadedMixtral, "from_pretrained", fake_from_pretrained)
+    for flag, want in (([], None), (["--early-hits", "on"], True), (["--early-hits", "off"], False)):
+        with pytest.raises(SystemExit):
+            main([*command, "--device", "cpu", *flag])
+        assert seen[-1] is want, (command, flag)

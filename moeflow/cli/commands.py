@@ -16,6 +16,8 @@ COMMAND_MODULES = ("moeflow.cli.predictors", "moeflow.sim.cli", "moeflow.cli.ser
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 EMBEDDED_MODEL = "tiny-mixtral-awq"
 CUDA_GRAPHS = {"auto": None, "on": True, "off": False}  # --cuda-graphs -> from_pretrained(cuda_graphs=...)
+EARLY_HITS_HELP = ("compute each offloaded layer's experts already in slots while its routing is read back "
+                   "(OffloadConfig.early_hits; auto: on for CUDA with the Triton kernels)")
 
 
 def embedded_model_path() -> Path:
@@ -31,7 +33,8 @@ def _load(args, slots: int | None, policy: str):
     from moeflow import MoEModel, OffloadConfig
 
     offload = OffloadConfig(gpu_expert_slots=slots, policy=policy, gpu_memory_gb=getattr(args, "gpu_memory_gb", None),
-                            host_memory_gb=getattr(args, "host_memory_gb", None))
+                            host_memory_gb=getattr(args, "host_memory_gb", None),
+                            early_hits=CUDA_GRAPHS[getattr(args, "early_hits", "auto")])
     dtype = DTYPES[args.dtype] if args.dtype else None
     return MoEModel.from_pretrained(args.model, device=args.device, dtype=dtype, offload=offload,
                                     kernels=args.kernels, cuda_graphs=CUDA_GRAPHS[args.cuda_graphs])
@@ -139,6 +142,7 @@ def _add_generation_args(p: argparse.ArgumentParser, default_policy: str) -> Non
     p.add_argument("--policy", default=default_policy)
     p.add_argument("--cuda-graphs", choices=list(CUDA_GRAPHS), default="auto",
                    help="replay the decode step as CUDA graphs (auto: on when --device is CUDA)")
+    p.add_argument("--early-hits", choices=list(CUDA_GRAPHS), default="auto", help=EARLY_HITS_HELP)
     p.add_argument("--json", action="store_true", help="also print the stats as JSON")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="time the very first call too (by default a one-token warm-up runs first)")

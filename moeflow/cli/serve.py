@@ -13,6 +13,7 @@ import torch
 from moeflow.cli.commands import (
     CUDA_GRAPHS,
     DTYPES,
+    EARLY_HITS_HELP,
     _add_generation_args,
     _default_device,
     _gb_or_auto,
@@ -29,7 +30,8 @@ def _load_model(args, cuda_graphs: bool | None):
     from moeflow import MoEModel, OffloadConfig
 
     offload = OffloadConfig(gpu_expert_slots=args.slots, gpu_memory_gb=getattr(args, "gpu_memory_gb", None),
-                            host_memory_gb=getattr(args, "host_memory_gb", None), policy=args.policy)
+                            host_memory_gb=getattr(args, "host_memory_gb", None), policy=args.policy,
+                            early_hits=CUDA_GRAPHS[getattr(args, "early_hits", "auto")])
     dtype = DTYPES[args.dtype] if args.dtype else None
     return MoEModel.from_pretrained(args.model or str(embedded_model_path()), device=args.device,
                                     dtype=dtype, offload=offload, kernels=args.kernels,
@@ -259,6 +261,7 @@ def register(sub) -> None:
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.add_argument("--cuda-graphs", choices=list(CUDA_GRAPHS), default="auto",
                    help="replay the decode passes as CUDA graphs (auto: on when --device is CUDA)")
+    p.add_argument("--early-hits", choices=list(CUDA_GRAPHS), default="auto", help=EARLY_HITS_HELP)
     p.add_argument("--tool-call-parser", choices=["auto", "none", *TOOL_FORMATS], default="auto",
                    help="the markup chat replies write tool calls in (auto: from the chat template)")
     p.add_argument("--reasoning-parser", choices=["auto", "none", *REASONING_ALIASES], default="auto",
