@@ -84,7 +84,10 @@ class MoEModel(nn.Module):
         """Load an HF-layout checkpoint (fp32/fp16/bf16 or AWQ 4-bit) from a directory or the hub.
 
         dtype: activation/weight dtype; default float16 on CUDA and float32 on the CPU.
-        offload: where experts live (default: all resident).
+        offload: where experts live. None (default): every expert on the device when they all fit next to the
+            rest (on the CPU, always), else offloaded with ``OffloadConfig(policy="auto", gpu_memory_gb="auto")``
+            (the slots sized from the device's free memory), said in a logged warning; ``model.offload`` holds
+            the choice.
         kernels: "auto" (Triton on CUDA; on the CPU torch's int4 kernels for AWQ experts, else the torch
             reference), "torch" (the reference), "triton", or "cpu-int4".
         compile: torch.compile the decode step.
@@ -106,14 +109,13 @@ class MoEModel(nn.Module):
         dtype = dtype or (torch.float16 if device.type == "cuda" else torch.float32)
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise ValueError(f"dtype={dtype}: expected torch.float16, torch.bfloat16 or torch.float32")
-        offload = offload or OffloadConfig()
         cuda_graphs = graphs_wanted(cuda_graphs, device)  # (before loading: True on a CPU model is refused at once)
         built = build_model(path_or_id, device=device, dtype=dtype, offload=offload, kernels=kernels,
                             revision=revision, progress=progress, families=cls._families,
                             attention_bits=attention_bits, lm_head_bits=lm_head_bits)
         runner = Runner(built.decoder, built.backend, built.stats, built.family.config, device, dtype,
                         kv_cache_spec=built.family.kv_cache_spec)
-        self = cls(built.family, built.decoder, built.backend, runner, offload, built.generation_config,
+        self = cls(built.family, built.decoder, built.backend, runner, built.offload, built.generation_config,
                    built.tokenizer, built.kernels.choice, str(path_or_id))
         self._memory_plan = built.memory_plan
         self.eval()

@@ -35,6 +35,7 @@ from moeflow.moe.backend import ExpertBackend
 from moeflow.moe.resident import CpuInt4Experts
 from moeflow.offload import Stats, create_expert_backend, get_policy, min_slots
 from moeflow.offload.cpu_slots import CpuInt4Format
+from moeflow.offload.units import format_bytes
 from moeflow.quant.fp8 import Fp8BlockReader, awq_expert_tensors, fp8_block_spec
 
 KERNEL_CHOICES = ("auto", "torch", "triton", "cpu-int4")
@@ -125,10 +126,11 @@ class BuiltModel:
     device: torch.device
     dtype: torch.dtype
     memory_plan: memory.MemoryPlan
+    offload: OffloadConfig  # the caller's, or the one chosen for it (default_offload)
 
 
 def build_model(
-    path_or_id: str | os.PathLike, *, device: torch.device, dtype: torch.dtype, offload: OffloadConfig,
+    path_or_id: str | os.PathLike, *, device: torch.device, dtype: torch.dtype, offload: OffloadConfig | None,
     kernels: str, revision: str | None, progress: bool | None, families: tuple[type[Family], ...] | None = None,
     attention_bits: int | None = None, lm_head_bits: int = 8,
 ) -> BuiltModel:
@@ -177,6 +179,8 @@ def build_model(
 
         stats = Stats()
         cfg = family.config
+        if offload is None:  # from_pretrained without an OffloadConfig: resident if it fits, else offload
+            offload = default_offload(family, fmt, device, dtype, loading.non_expert_bytes(decoder), str(directory))
         stored = expert_storage_format(fmt, resolved, offload)
         plan, sized = plan_memory(offload, family, stored, device, dtype, loading.non_expert_bytes(decoder))
         source = None
@@ -217,7 +221,28 @@ def build_model(
         reader.close()
     gen = GenerationConfig.from_file(directory / "generation_config.json", cfg.eos_token_id, cfg.pad_token_id)
     tokenizer = Tokenizer(directory / "tokenizer.json") if (directory / "tokenizer.json").is_file() else None
-    return BuiltModel(family, decoder, backend, stats, gen, tokenizer, resolved, device, dtype, plan)
+    return BuiltModel(family, decoder, backend, stats, gen, tokenizer, resolved, device, dtype, plan, offload)
+
+
+def default_offload(family: Family, fmt: ExpertFormat, device: torch.device, dtype: torch.dtype, non_expert: int,
+                    what: str) -> OffloadConfig:
+    """The placement when the caller gave none: every expert on the device when they fit next to the non-expert
+    weights, KV cache, activations and workspaces in its free memory (always on the CPU); else
+    ``OffloadConfig(policy="auto", gpu_memory_gb="auto")``, with a warning saying why and how to choose."""
+    resident = OffloadConfig()
+    if device.type != "cuda":
+        return resident
+    auto = OffloadConfig(policy="auto", gpu_memory_gb="auto")
+    plan, _ = plan_memory(auto, family, fmt, device, dtype, non_expert)  # refuses, naming every part, if even
+    room = plan.gpu_budget - memory.reserved_device_bytes(plan)  # the offloading minimum does not fit
+    need = len(family.moe_layers) * family.num_experts * fmt.nbytes
+    if room >= need:
+        return resident
+    log.warning("moeflow: %s: its experts (%s) do not fit in the %s of free device memory left after the rest of "
+                "the model, KV cache and workspaces; offloading them (policy 'auto', slots from the free memory). "
+                "Pass offload=OffloadConfig(...) to choose the policy and budget.", what, format_bytes(need),
+                format_bytes(max(room, 0)))
+    return auto
 
 
 def plan_memory(offload: OffloadConfig, family: Family, fmt: ExpertFormat, device: torch.device, dtype: torch.dtype,
