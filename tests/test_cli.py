@@ -59,7 +59,7 @@ def test_early_hits_flag_reaches_the_offload_config(command, monkeypatch):
     seen = []
 
     def fake_from_pretrained(*args, offload=None, **kwargs):
-        seen.append(offload.early_hits)
+        seen.append(None if offload is None else offload.early_hits)  # None: from_pretrained's own placement
         raise SystemExit(0)  # stop before any loading
 
     monkeypatch.setattr(moeflow.MoEModel, "from_pretrained", fake_from_pretrained)
@@ -68,3 +68,22 @@ def test_early_hits_flag_reaches_the_offload_config(command, monkeypatch):
         with pytest.raises(SystemExit):
             main([*command, "--device", "cpu", *flag])
         assert seen[-1] is want, (command, flag)
+
+
+def test_offload_flags_or_from_pretrained_s_own_placement():
+    """No --policy, budget or offload flag: None (from_pretrained keeps every expert on the device when they fit,
+    else offloads with "auto"); a budget without --policy means "auto"; --policy is taken as given."""
+    from moeflow import OffloadConfig
+    from moeflow.cli.commands import offload_from_args
+
+    def parsed(*flags):
+        return build_parser().parse_args(["generate", "--model", "m", *flags])
+
+    assert offload_from_args(parsed(), None, None) is None
+    args = parsed("--gpu-memory-gb", "12")
+    assert offload_from_args(args, None, args.policy) == OffloadConfig(policy="auto", gpu_memory_gb=12.0)
+    assert offload_from_args(parsed("--slots", "8"), 8, None) == OffloadConfig(policy="auto", gpu_expert_slots=8)
+    args = parsed("--early-hits", "off")
+    assert offload_from_args(args, None, args.policy) == OffloadConfig(early_hits=False)
+    args = parsed("--policy", "lru", "--slots", "8")
+    assert offload_from_args(args, 8, args.policy) == OffloadConfig(policy="lru", gpu_expert_slots=8)

@@ -29,12 +29,25 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _load(args, slots: int | None, policy: str):
-    from moeflow import MoEModel, OffloadConfig
+def offload_from_args(args, slots: int | None, policy: str | None):
+    """The OffloadConfig the flags ask for; None (``from_pretrained``'s own placement: every expert on the device
+    when they fit, else offloaded with "auto") when no --policy, budget or offload flag was given."""
+    from moeflow import OffloadConfig
 
-    offload = OffloadConfig(gpu_expert_slots=slots, policy=policy, gpu_memory_gb=getattr(args, "gpu_memory_gb", None),
-                            host_memory_gb=getattr(args, "host_memory_gb", None),
-                            early_hits=CUDA_GRAPHS[getattr(args, "early_hits", "auto")])
+    given = dict(gpu_expert_slots=slots, gpu_memory_gb=getattr(args, "gpu_memory_gb", None),
+                 host_memory_gb=getattr(args, "host_memory_gb", None),
+                 early_hits=CUDA_GRAPHS[getattr(args, "early_hits", "auto")])
+    if policy is None:
+        if all(v is None for v in given.values()):
+            return None
+        policy = "auto" if slots is not None or given["gpu_memory_gb"] is not None else "resident"
+    return OffloadConfig(policy=policy, **given)
+
+
+def _load(args, slots: int | None, policy: str | None):
+    from moeflow import MoEModel
+
+    offload = offload_from_args(args, slots, policy)
     dtype = DTYPES[args.dtype] if args.dtype else None
     return MoEModel.from_pretrained(args.model, device=args.device, dtype=dtype, offload=offload,
                                     kernels=args.kernels, cuda_graphs=CUDA_GRAPHS[args.cuda_graphs])
@@ -85,7 +98,7 @@ def cmd_demo(args) -> int:
     model = _load(args, slots, args.policy)
     slots = getattr(model.experts, "n_slots", slots)
     print(f"moeflow demo: {cfg['num_hidden_layers']} layers x {experts} experts, {slots} expert slots "
-          f"(policy {args.policy!r}) on {model.device}\n")
+          f"(policy {model.offload.policy!r}) on {model.device}\n")
     if args.seed is None:
         args.seed = 0  # the embedded model samples by default (its generation_config.json): keep the demo repeatable
     return _run_prompt(model, args.prompt, args)
@@ -117,7 +130,7 @@ def _gb_or_auto(text: str) -> float | str:
     return value
 
 
-def _add_generation_args(p: argparse.ArgumentParser, default_policy: str) -> None:
+def _add_generation_args(p: argparse.ArgumentParser, default_policy: str | None) -> None:
     p.add_argument("--prompt", default="The import statement")
     p.add_argument("--max-new-tokens", type=int, default=None)
     mode = p.add_mutually_exclusive_group()
@@ -139,7 +152,9 @@ def _add_generation_args(p: argparse.ArgumentParser, default_policy: str) -> Non
                    help="device memory budget in GB, or 'auto' (free memory minus a margin); sizes the slots")
     p.add_argument("--host-memory-gb", type=_gb_or_auto, default=None,
                    help="host memory budget in GB, or 'auto'; experts that do not fit are read from disk")
-    p.add_argument("--policy", default=default_policy)
+    p.add_argument("--policy", default=default_policy,
+                   help="an offload policy (default: every expert on the device when they fit, else 'auto'; "
+                        "'auto' when --slots or --gpu-memory-gb is given)" if default_policy is None else None)
     p.add_argument("--cuda-graphs", choices=list(CUDA_GRAPHS), default="auto",
                    help="replay the decode step as CUDA graphs (auto: on when --device is CUDA)")
     p.add_argument("--early-hits", choices=list(CUDA_GRAPHS), default="auto", help=EARLY_HITS_HELP)
@@ -156,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo, max_new_tokens=120)
     p = sub.add_parser("generate", help="generate text with any supported MoE checkpoint")
     p.add_argument("--model", required=True, help="checkpoint directory or hub id")
-    _add_generation_args(p, "resident")
+    _add_generation_args(p, None)
     p.set_defaults(func=cmd_generate)
     p = sub.add_parser("quantize", help="convert an fp16/bf16/fp32 MoE checkpoint to AWQ 4-bit")
     p.add_argument("src")

@@ -18,6 +18,7 @@ from moeflow.cli.commands import (
     _default_device,
     _gb_or_auto,
     embedded_model_path,
+    offload_from_args,
 )
 from moeflow.io.reply_formats import REASONING_ALIASES, TOOL_FORMATS
 from moeflow.streaming import first_sequence
@@ -27,11 +28,9 @@ API_KEY_ENV = "MOEFLOW_API_KEY"
 
 def _load_model(args, cuda_graphs: bool | None):
     """The model of ``chat``, ``generate --chat`` and ``serve`` (``cuda_graphs``: from_pretrained's)."""
-    from moeflow import MoEModel, OffloadConfig
+    from moeflow import MoEModel
 
-    offload = OffloadConfig(gpu_expert_slots=args.slots, gpu_memory_gb=getattr(args, "gpu_memory_gb", None),
-                            host_memory_gb=getattr(args, "host_memory_gb", None), policy=args.policy,
-                            early_hits=CUDA_GRAPHS[getattr(args, "early_hits", "auto")])
+    offload = offload_from_args(args, args.slots, args.policy)
     dtype = DTYPES[args.dtype] if args.dtype else None
     return MoEModel.from_pretrained(args.model or str(embedded_model_path()), device=args.device,
                                     dtype=dtype, offload=offload, kernels=args.kernels,
@@ -212,7 +211,8 @@ def cmd_serve(args) -> int:
     sock = listening_socket(args.host, args.port)
     port = sock.getsockname()[1]
     print(f"moeflow serve: model '{name}' on http://{args.host}:{port}/v1 | {model.device}, policy "
-          f"{args.policy!r} | KV cache {cache.rows} rows x {max_len} tokens ({cache.nbytes / 2**20:.1f} MiB) | "
+          f"{model.offload.policy!r} | KV cache {cache.rows} rows x {max_len} tokens "
+          f"({cache.nbytes / 2**20:.1f} MiB) | "
           f"CUDA graphs {'on' if engine.graphs is not None else 'off'} | prefix cache {args.prefix_cache} | "
           f"prompt lookup {args.prompt_lookup or 'off'} | "
           f"API key {'required' if api_key else 'off'}", flush=True)
@@ -232,7 +232,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         help="device memory budget in GB, or 'auto'; sizes the expert slots")
     p.add_argument("--host-memory-gb", type=_gb_or_auto, default=None,
                    help="host memory budget in GB, or 'auto'; experts that do not fit are read from disk")
-    p.add_argument("--policy", default="resident")
+    p.add_argument("--policy", default=None,
+                   help="an offload policy (default: every expert on the device when they fit, else 'auto'; "
+                        "'auto' when --slots or --gpu-memory-gb is given)")
 
 
 def register(sub) -> None:
@@ -271,7 +273,7 @@ def register(sub) -> None:
 
     p = sub.add_parser("chat", help="chat with a model in the terminal (its chat template, streamed)")
     p.add_argument("--model", default=None, help="checkpoint directory or hub id (default: the embedded model)")
-    _add_generation_args(p, "resident")
+    _add_generation_args(p, None)
     p.add_argument("--system", default=None, help="a system message")
     p.set_defaults(func=cmd_chat)
 
