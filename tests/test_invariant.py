@@ -45,13 +45,15 @@ def _generate(path, ids, mask, **config):
             model.experts.close()
 
 
+@pytest.mark.parametrize("early_hits", [False, True])  # True: each layer's hits launched before its read-back
 @pytest.mark.parametrize("transport", ["sync", "random-delay"])
 @pytest.mark.parametrize("policy", OFFLOAD_POLICIES)
-def test_greedy_tokens_equal_resident(tiny, policy, transport):
+def test_greedy_tokens_equal_resident(tiny, policy, transport, early_hits):
     path, ids, mask, expected = tiny
     for n_slots in range(max(TOP_K, 2), LAYERS * EXPERTS + 1):
         out, model = _generate(path, ids, mask, policy=policy, gpu_expert_slots=n_slots, transport=transport,
-                               random_delay_ms=0.3, seed=n_slots)
+                               random_delay_ms=0.3, seed=n_slots, early_hits=early_hits)
+        assert model.experts.early_hits is early_hits
         assert torch.equal(out, expected), f"{policy}/{transport} with {n_slots} slots: {out} != {expected}"
         s = model.stats
         assert s.prefill.hits + s.prefill.misses > 0 and s.decode.hits + s.decode.misses > 0
