@@ -15,7 +15,7 @@ import torch
 COMMAND_MODULES = ("moeflow.cli.predictors", "moeflow.sim.cli", "moeflow.cli.serve")
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 EMBEDDED_MODEL = "tiny-mixtral-awq"
-CUDA_GRAPHS = {"auto": None, "on": True, "off": False}  # --cuda-graphs -> from_pretrained(cuda_graphs=...)
+AUTO_ON_OFF = {"auto": None, "on": True, "off": False}  # --cuda-graphs / --early-hits -> None / True / False
 EARLY_HITS_HELP = ("compute each offloaded layer's experts already in slots while its routing is read back "
                    "(OffloadConfig.early_hits; auto: on for CUDA with the Triton kernels)")
 
@@ -36,7 +36,7 @@ def offload_from_args(args, slots: int | None, policy: str | None):
 
     given = dict(gpu_expert_slots=slots, gpu_memory_gb=getattr(args, "gpu_memory_gb", None),
                  host_memory_gb=getattr(args, "host_memory_gb", None),
-                 early_hits=CUDA_GRAPHS[getattr(args, "early_hits", "auto")])
+                 early_hits=AUTO_ON_OFF[getattr(args, "early_hits", "auto")])
     if policy is None:
         if all(v is None for v in given.values()):
             return None
@@ -50,7 +50,7 @@ def _load(args, slots: int | None, policy: str | None):
     offload = offload_from_args(args, slots, policy)
     dtype = DTYPES[args.dtype] if args.dtype else None
     return MoEModel.from_pretrained(args.model, device=args.device, dtype=dtype, offload=offload,
-                                    kernels=args.kernels, cuda_graphs=CUDA_GRAPHS[args.cuda_graphs])
+                                    kernels=args.kernels, cuda_graphs=AUTO_ON_OFF[args.cuda_graphs])
 
 
 def _run_prompt(model, prompt: str, args) -> int:
@@ -155,9 +155,9 @@ def _add_generation_args(p: argparse.ArgumentParser, default_policy: str | None)
     p.add_argument("--policy", default=default_policy,
                    help="an offload policy (default: every expert on the device when they fit, else 'auto'; "
                         "'auto' when --slots or --gpu-memory-gb is given)" if default_policy is None else None)
-    p.add_argument("--cuda-graphs", choices=list(CUDA_GRAPHS), default="auto",
+    p.add_argument("--cuda-graphs", choices=list(AUTO_ON_OFF), default="auto",
                    help="replay the decode step as CUDA graphs (auto: on when --device is CUDA)")
-    p.add_argument("--early-hits", choices=list(CUDA_GRAPHS), default="auto", help=EARLY_HITS_HELP)
+    p.add_argument("--early-hits", choices=list(AUTO_ON_OFF), default="auto", help=EARLY_HITS_HELP)
     p.add_argument("--json", action="store_true", help="also print the stats as JSON")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="time the very first call too (by default a one-token warm-up runs first)")

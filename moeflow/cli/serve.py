@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from moeflow.cli.commands import (
-    CUDA_GRAPHS,
+    AUTO_ON_OFF,
     DTYPES,
     EARLY_HITS_HELP,
     _add_generation_args,
@@ -123,7 +123,7 @@ def cmd_generate_chat(args, plain) -> int:
     """``generate --chat``: the prompt as one user message of the checkpoint's chat template."""
     if not args.chat:
         return plain(args)
-    model = _load_model(args, CUDA_GRAPHS[args.cuda_graphs])
+    model = _load_model(args, AUTO_ON_OFF[args.cuda_graphs])
     if not _check_tokenizer(model):
         return 2
     _chat_reply(model, [{"role": "user", "content": args.prompt}], args)
@@ -133,7 +133,7 @@ def cmd_generate_chat(args, plain) -> int:
 
 def cmd_chat(args) -> int:
     """An interactive conversation; empty line or EOF ends it, ``/reset`` forgets the history."""
-    model = _load_model(args, CUDA_GRAPHS[args.cuda_graphs])
+    model = _load_model(args, AUTO_ON_OFF[args.cuda_graphs])
     if not _check_tokenizer(model):
         return 2
     messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
@@ -177,7 +177,7 @@ def cmd_serve(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     # CUDA graphs (auto: on CUDA): the engine captures its decode passes per padded batch size and key bucket
-    model = _load_model(args, CUDA_GRAPHS[args.cuda_graphs])
+    model = _load_model(args, AUTO_ON_OFF[args.cuda_graphs])
     # the first pass pays one-time costs (op registration, lazy imports: seconds on a CPU): not the first client
     # (a prefill only: generate keeps no decode graphs for the engine's first capture to drop)
     model.generate(torch.zeros((1, 1), dtype=torch.long), max_new_tokens=1, do_sample=False)
@@ -261,9 +261,9 @@ def register(sub) -> None:
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: directory name)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--cuda-graphs", choices=list(CUDA_GRAPHS), default="auto",
+    p.add_argument("--cuda-graphs", choices=list(AUTO_ON_OFF), default="auto",
                    help="replay the decode passes as CUDA graphs (auto: on when --device is CUDA)")
-    p.add_argument("--early-hits", choices=list(CUDA_GRAPHS), default="auto", help=EARLY_HITS_HELP)
+    p.add_argument("--early-hits", choices=list(AUTO_ON_OFF), default="auto", help=EARLY_HITS_HELP)
     p.add_argument("--tool-call-parser", choices=["auto", "none", *TOOL_FORMATS], default="auto",
                    help="the markup chat replies write tool calls in (auto: from the chat template)")
     p.add_argument("--reasoning-parser", choices=["auto", "none", *REASONING_ALIASES], default="auto",

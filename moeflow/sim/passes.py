@@ -58,17 +58,13 @@ def step_info(trace: Trace, rows: slice, sequence_start: int, phase: str) -> Ste
 
 def step_compute_s(trace: Trace, profile: HardwareProfile, rows: slice) -> float:
     """One forward pass with compute alone: per layer attention plus each used expert for its tokens, plus the head."""
-    T = rows.stop - rows.start
-    total = profile.head_s
-    for l in range(trace.num_layers):
-        counts = torch.bincount(trace.topk_ids[rows, l].reshape(-1).long(), minlength=trace.num_experts)
-        total += profile.attn_s(T) + sum(profile.expert_s(int(c)) for c in counts.tolist() if c)
-    return total
+    return step_bound_s(trace, profile, rows, 0.0, overlap=False)
 
 
 def step_bound_s(trace: Trace, profile: HardwareProfile, rows: slice, sched_s: float, overlap: bool) -> float:
-    """:func:`step_compute_s` plus the host's scheduling of each layer: after its experts (``overlap`` False: the
-    serial schedule) or beside them (early hits: the experts in slots run while the host schedules)."""
+    """One forward pass's compute (per layer attention plus each used expert for its tokens, plus the head) with
+    the host's scheduling of each layer: after its experts (``overlap`` False: the serial schedule) or beside them
+    (early hits: the experts in slots run while the host schedules)."""
     T = rows.stop - rows.start
     total = profile.head_s
     for l in range(trace.num_layers):
