@@ -88,7 +88,9 @@ def graphs_rows(model, host, policy: str, slots: int | None, prompt, new_tokens:
     for mode, capture_experts in (("cuda_graphs", True), ("cuda_graphs_experts_eager", False)):
         try:
             graphs = model.capture_decode(capture_factory, capture_experts=capture_experts)
+            reserved = _reserved(model.device)
             model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, eos_token_id=[])  # captures
+            pools = pool_memory(model, graphs, reserved, prompt, new_tokens)
             before = graphs.captures
             row, out = run_config(model, prompt, new_tokens, eager_out, eos_token_id=[])
             row.update(captures=graphs.captures, captures_during_timed_run=graphs.captures - before,
@@ -96,7 +98,7 @@ def graphs_rows(model, host, policy: str, slots: int | None, prompt, new_tokens:
                        tokens_equal_resident=None if expected is None
                        else bool(torch.equal(out.cpu(), expected.cpu())),
                        speedup_vs_eager=(row["tok_per_s"] / rows[0]["tok_per_s"])
-                       if row["tok_per_s"] and rows[0]["tok_per_s"] else None)
+                       if row["tok_per_s"] and rows[0]["tok_per_s"] else None, **pools)
             row["tokens_equal_eager"] = row.pop("tokens_equal_reference")
             rows.append({"section": "cuda_graphs", "policy": policy, "slots": slots, "mode": mode, **row})
         except Exception as exc:  # the eager row stands; the graphs' failure is the result
@@ -105,6 +107,32 @@ def graphs_rows(model, host, policy: str, slots: int | None, prompt, new_tokens:
         finally:
             runner.decode_fn = eager_fn
     return rows, eager_out
+
+
+def _reserved(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    return torch.cuda.memory_reserved(device)
+
+
+def pool_memory(model, graphs, reserved_before: int | None, prompt, new_tokens: int) -> dict:
+    """What the captured steps took from the device (reserved memory's growth over the capturing generate: the
+    pools plus the kept KV cache) against the memory plan's estimate for that many steps
+    (``memory.graph_pool_bytes``): the estimate ``from_pretrained(cuda_graphs=True)`` reserves, checked."""
+    from moeflow.engine import generate, memory
+
+    cfg = model.config
+    context = generate.cache_length(prompt.shape[1] + new_tokens, cfg.max_position_embeddings)
+    steps = len(graphs.steps)
+    estimate = memory.graph_pool_bytes(cfg, model.dtype, context, prompt.shape[0], cfg.num_experts_per_tok,
+                                       cfg.intermediate_size, steps=steps)
+    kv = memory.kv_cache_bytes(cfg, model.dtype, context, prompt.shape[0])
+    after = _reserved(model.device)
+    growth = None if reserved_before is None else after - reserved_before
+    return {"graph_steps": steps, "graph_pool_estimate_bytes": estimate, "kv_cache_bytes": kv,
+            "reserved_growth_bytes": growth,
+            "pool_estimate_covers": None if growth is None else estimate >= growth - kv}
 
 
 def disk_row(ckpt: Path, device, dtype, kernels: str, slots: int, host_gb: float, prompt, new_tokens: int,

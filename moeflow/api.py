@@ -112,7 +112,7 @@ class MoEModel(nn.Module):
         cuda_graphs = graphs_wanted(cuda_graphs, device)  # (before loading: True on a CPU model is refused at once)
         built = build_model(path_or_id, device=device, dtype=dtype, offload=offload, kernels=kernels,
                             revision=revision, progress=progress, families=cls._families,
-                            attention_bits=attention_bits, lm_head_bits=lm_head_bits)
+                            attention_bits=attention_bits, lm_head_bits=lm_head_bits, cuda_graphs=cuda_graphs)
         runner = Runner(built.decoder, built.backend, built.stats, built.family.config, device, dtype,
                         kv_cache_spec=built.family.kv_cache_spec)
         self = cls(built.family, built.decoder, built.backend, runner, built.offload, built.generation_config,

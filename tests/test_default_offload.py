@@ -25,11 +25,18 @@ def test_the_cpu_keeps_every_expert_resident(model):
     assert getattr(model.experts, "n_slots", None) is None  # the resident backend, no slot pool
 
 
-def _choice(model, free_bytes: int, monkeypatch, caplog) -> OffloadConfig:
+def _choice(model, free_bytes: int, monkeypatch, caplog, cuda_graphs: bool = False) -> OffloadConfig:
     monkeypatch.setattr(memory, "device_free_bytes", lambda device: free_bytes)
     with caplog.at_level(logging.WARNING, logger="moeflow.engine.build"):
-        return build.default_offload(model.family, model.experts.fmt, torch.device("cuda"), torch.float16,
-                                     loading.non_expert_bytes(model.model), "tiny")
+        choice, planned = build.default_offload(model.family, model.experts.fmt, torch.device("cuda"),
+                                                torch.float16, loading.non_expert_bytes(model.model), "tiny",
+                                                cuda_graphs)
+    # the offloading choice comes with its plan (the budget read once), the resident one without
+    assert (planned is None) == (choice.policy == "resident")
+    if planned is not None:
+        assert planned[0].gpu_budget > 0 and planned[1].gpu_memory_gb == planned[0].gpu_budget / memory.GiB
+        assert (planned[0].graph_pools > 0) == cuda_graphs
+    return choice
 
 
 def test_a_device_that_holds_everything_keeps_it_resident(model, monkeypatch, caplog):
@@ -55,3 +62,20 @@ def test_a_device_too_small_even_to_offload_is_refused_naming_the_parts(model, m
 
     with pytest.raises(SchedulingError, match="KV cache"):
         _choice(model, memory.GPU_AUTO_MIN_MARGIN + 1024, monkeypatch, caplog)
+
+
+def test_graph_pools_count_against_keeping_every_expert_resident(model, monkeypatch, caplog):
+    """Free memory that holds every expert beside the rest, but not beside the captured decode steps' pools too:
+    resident without CUDA graphs, offloaded with them."""
+    fmt = model.experts.fmt
+    total = len(model.family.moe_layers) * model.family.num_experts * fmt.nbytes
+    plan, _ = build.plan_memory(OffloadConfig(policy="auto", gpu_memory_gb=1.0), model.family, fmt,
+                                torch.device("cuda"), torch.float16, loading.non_expert_bytes(model.model))
+    pools = build.plan_memory(OffloadConfig(policy="auto", gpu_memory_gb=1.0), model.family, fmt,
+                              torch.device("cuda"), torch.float16, loading.non_expert_bytes(model.model),
+                              cuda_graphs=True)[0].graph_pools
+    assert pools > total  # (the tiny model's experts take 1.6 MiB, the pools 16 x 2 MiB)
+    free = memory.reserved_device_bytes(plan) + pools + total // 2 + memory.GPU_AUTO_MIN_MARGIN
+    assert _choice(model, free, monkeypatch, caplog) == OffloadConfig()
+    assert _choice(model, free, monkeypatch, caplog, cuda_graphs=True) == OffloadConfig(policy="auto",
+                                                                                       gpu_memory_gb="auto")

@@ -84,6 +84,10 @@ def test_run_gpu_engine_tiny(tmp_path, keep_threads):
     lru = graphs[2]  # the offloading backend is captured piecewise (the CPU stand-in for CUDA graphs)
     assert lru["refused"] is None and lru["captures"] == 1 and lru["captures_during_timed_run"] == 0
     assert lru["pieces"] == result["config"]["num_hidden_layers"] + 1
+    # the memory plan's pool estimate for the steps captured (the device's growth is measured on a GPU only)
+    captured = [r for r in graphs if r["refused"] is None]
+    assert captured and all(r["graph_steps"] == 1 and r["graph_pool_estimate_bytes"] >= 2**21 for r in captured)
+    assert all(r["reserved_growth_bytes"] is None and r["pool_estimate_covers"] is None for r in graphs)
     disk = [r for r in runs if r["section"] == "disk"]
     assert all(r["on_disk"] and r["tokens_equal_in_ram_lru"] and r["tokens_equal_resident"] for r in disk)
     assert disk[0]["host_experts"] < disk[1]["host_experts"] < 16 and disk[0]["disk_bytes"] > 0

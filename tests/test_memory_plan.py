@@ -53,6 +53,38 @@ def test_budget_that_cannot_fit_names_every_part():
         _load(policy="resident", gpu_memory_gb=0.011)
 
 
+def test_graph_pools_are_reserved_when_the_decode_step_is_captured():
+    """CUDA graphs' private pools (one per captured decode step, up to GRAPH_STEPS) come out of the device budget:
+    fewer bytes for slots, a refusal that names them and the way out."""
+    import torch
+
+    from moeflow.engine import build, memory
+
+    model = _load(policy="lru", gpu_expert_slots=4)
+    family, fmt, cfg = model.family, model.experts.host.fmt, model.config
+    non_expert = model.memory_plan().non_expert
+    cuda = torch.device("cuda")
+    offload = OffloadConfig(policy="lru", gpu_memory_gb=1.0)
+    plain, _ = build.plan_memory(offload, family, fmt, cuda, torch.float16, non_expert)
+    graphs, _ = build.plan_memory(offload, family, fmt, cuda, torch.float16, non_expert, cuda_graphs=True)
+    assert plain.graph_pools == 0 and graphs.graph_pools >= memory.GRAPH_STEPS * memory.POOL_GRANULE
+    assert reserved_device_bytes(graphs) == reserved_device_bytes(plain) + graphs.graph_pools
+    assert "CUDA graph pools" in graphs.summary()
+    # the estimate: steps x one step's pool rounded up to 2 MiB; more rows or a longer context never need less
+    one = memory.graph_pool_bytes(cfg, torch.float16, 512, 1, 2, cfg.intermediate_size, steps=1)
+    assert one % memory.POOL_GRANULE == 0 and memory.graph_pool_bytes(
+        cfg, torch.float16, 512, 1, 2, cfg.intermediate_size) == memory.GRAPH_STEPS * one
+    big = memory.graph_pool_bytes(cfg, torch.float16, 10**6, 64, 2, cfg.intermediate_size, steps=1)
+    assert big > one and memory.graph_pool_bytes(cfg, torch.float16, 512, 1, 2, 64, steps=0) == 0
+    # a budget with room for the minimum slots beside everything but the pools is refused, naming them
+    tight = (reserved_device_bytes(plain) + 2 * plain.expert_bytes + 1024) / GiB
+    build.plan_memory(OffloadConfig(policy="lru", gpu_memory_gb=tight), family, fmt, cuda, torch.float16,
+                      non_expert)
+    with pytest.raises(SchedulingError, match=r"CUDA graph pools .* \(or cuda_graphs=False\)"):
+        build.plan_memory(OffloadConfig(policy="lru", gpu_memory_gb=tight), family, fmt, cuda, torch.float16,
+                          non_expert, cuda_graphs=True)
+
+
 def test_auto_budgets_take_free_memory():
     model = _load(policy="lru", gpu_memory_gb="auto", host_memory_gb="auto")
     plan = model.memory_plan()

@@ -132,9 +132,10 @@ class BuiltModel:
 def build_model(
     path_or_id: str | os.PathLike, *, device: torch.device, dtype: torch.dtype, offload: OffloadConfig | None,
     kernels: str, revision: str | None, progress: bool | None, families: tuple[type[Family], ...] | None = None,
-    attention_bits: int | None = None, lm_head_bits: int = 8,
+    attention_bits: int | None = None, lm_head_bits: int = 8, cuda_graphs: bool = False,
 ) -> BuiltModel:
     """Load the checkpoint ``path_or_id`` (directory or hub id). ``families``: accept only these (else ValueError).
+    ``cuda_graphs``: the decode step will be captured, so the memory plan reserves its graphs' pools.
     ``attention_bits``: quantize 16-bit attention projections at load (CPU int4 path only, see cpu_linears);
     ``lm_head_bits``: 8 (default) or 4 (CPU int4 path only, see cpu_linears)."""
     directory = resolve_checkpoint(path_or_id, revision)
@@ -179,10 +180,14 @@ def build_model(
 
         stats = Stats()
         cfg = family.config
+        non_expert = loading.non_expert_bytes(decoder)
+        planned = None
         if offload is None:  # from_pretrained without an OffloadConfig: resident if it fits, else offload
-            offload = default_offload(family, fmt, device, dtype, loading.non_expert_bytes(decoder), str(directory))
+            offload, planned = default_offload(family, fmt, device, dtype, non_expert, str(directory), cuda_graphs)
         stored = expert_storage_format(fmt, resolved, offload)
-        plan, sized = plan_memory(offload, family, stored, device, dtype, loading.non_expert_bytes(decoder))
+        if planned is None or stored is not fmt:  # (default_offload's plan is reused when the format is the same)
+            planned = plan_memory(offload, family, stored, device, dtype, non_expert, cuda_graphs)
+        plan, sized = planned
         source = None
         if offload.host_memory_gb is not None:
             source = open_expert_index(reader, family, layout, quant, fmt if fp8 is not None else None)
@@ -225,29 +230,34 @@ def build_model(
 
 
 def default_offload(family: Family, fmt: ExpertFormat, device: torch.device, dtype: torch.dtype, non_expert: int,
-                    what: str) -> OffloadConfig:
+                    what: str, cuda_graphs: bool = False,
+                    ) -> tuple[OffloadConfig, tuple[memory.MemoryPlan, OffloadConfig] | None]:
     """The placement when the caller gave none: every expert on the device when they fit next to the non-expert
-    weights, KV cache, activations and workspaces in its free memory (always on the CPU); else
-    ``OffloadConfig(policy="auto", gpu_memory_gb="auto")``, with a warning saying why and how to choose."""
+    weights, KV cache, activations, workspaces and graph pools in its free memory (always on the CPU); else
+    ``OffloadConfig(policy="auto", gpu_memory_gb="auto")``, with a warning saying why and how to choose.
+    Also the memory plan of the offloading choice (:func:`plan_memory`'s pair, its budget read from the device
+    once), None for the resident one."""
     resident = OffloadConfig()
     if device.type != "cuda":
-        return resident
+        return resident, None
     auto = OffloadConfig(policy="auto", gpu_memory_gb="auto")
-    plan, _ = plan_memory(auto, family, fmt, device, dtype, non_expert)  # refuses, naming every part, if even
-    room = plan.gpu_budget - memory.reserved_device_bytes(plan)  # the offloading minimum does not fit
+    planned = plan_memory(auto, family, fmt, device, dtype, non_expert, cuda_graphs)  # refuses, naming every
+    plan = planned[0]  # part, if even the offloading minimum does not fit
+    room = plan.gpu_budget - memory.reserved_device_bytes(plan)
     need = len(family.moe_layers) * family.num_experts * fmt.nbytes
     if room >= need:
-        return resident
+        return resident, None
     log.warning("moeflow: %s: its experts (%s) do not fit in the %s of free device memory left after the rest of "
                 "the model, KV cache and workspaces; offloading them (policy 'auto', slots from the free memory). "
                 "Pass offload=OffloadConfig(...) to choose the policy and budget.", what, format_bytes(need),
                 format_bytes(max(room, 0)))
-    return auto
+    return auto, planned
 
 
 def plan_memory(offload: OffloadConfig, family: Family, fmt: ExpertFormat, device: torch.device, dtype: torch.dtype,
-                non_expert: int) -> tuple[memory.MemoryPlan, OffloadConfig]:
-    """The device side of the memory plan, and the config the backend sizes its slots with ("auto" resolved)."""
+                non_expert: int, cuda_graphs: bool = False) -> tuple[memory.MemoryPlan, OffloadConfig]:
+    """The device side of the memory plan, and the config the backend sizes its slots with ("auto" resolved).
+    ``cuda_graphs``: reserve the captured decode steps' pools (:func:`memory.graph_pool_bytes`)."""
     top_k = family.router_spec().top_k
     spec = family.kv_cache_spec()
     plan = memory.plan_device(
@@ -256,7 +266,8 @@ def plan_memory(offload: OffloadConfig, family: Family, fmt: ExpertFormat, devic
         intermediate=family.expert_spec().intermediate_size, min_slots=min_slots(offload, top_k),
         offloads=get_policy(offload.policy).offload,
         kv_bytes_per_token=spec.bytes_per_token(dtype.itemsize),
-        kv_bytes_per_sequence=spec.bytes_per_sequence(dtype.itemsize))
+        kv_bytes_per_sequence=spec.bytes_per_sequence(dtype.itemsize),
+        graph_steps=memory.GRAPH_STEPS if cuda_graphs else 0)
     sized = offload
     if offload.gpu_memory_gb == "auto":
         sized = dataclasses.replace(offload, gpu_memory_gb=plan.gpu_budget / memory.GiB)

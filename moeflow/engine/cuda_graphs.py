@@ -50,6 +50,7 @@ from typing import Any, Protocol
 import torch
 
 from moeflow.engine.compiled import traces_through
+from moeflow.engine.memory import GRAPH_STEPS
 from moeflow.moe.backend import ExpertBackend
 
 log = logging.getLogger(__name__)
@@ -222,7 +223,7 @@ class CudaGraphDecode:
     """
 
     def __init__(self, inner: DecodeFn, capture_factory: Callable[[torch.device], GraphCapture] | None = None,
-                 capture_experts: bool = True, max_steps: int = 16):
+                 capture_experts: bool = True, max_steps: int = GRAPH_STEPS):
         self.inner = inner
         self.capture_factory = capture_factory or CudaCapture
         self.capture_experts = capture_experts

@@ -2,13 +2,15 @@
 
 ``OffloadConfig(gpu_memory_gb=G, host_memory_gb=H)``: the device holds the non-expert weights, the KV cache for
 ``context_length`` tokens of ``max_batch_size`` sequences, the activations and kernel workspaces of a prefill of
-that size, and as many expert slots as are left; the host holds the experts that fit in H (the rest stay on
+that size, the private memory pools of the decode step's CUDA graphs (when captured), and as many expert slots as
+are left; the host holds the experts that fit in H (the rest stay on
 disk, :mod:`moeflow.offload.disk_tier`), plus the non-expert weights and KV cache when the device is the CPU.
 "auto" takes what the device (``torch.cuda.mem_get_info``) or the machine (MemAvailable) has free, minus a
 margin. :class:`MemoryPlan` is the split (``model.memory_plan()``, printed by the CLI).
 
-Activations and workspaces are estimates (stated in :func:`activation_bytes`): the largest tensors of one
-prefill step, not a measurement.
+Activations, workspaces and graph pools are estimates (stated in :func:`activation_bytes` and
+:func:`graph_pool_bytes`): the largest tensors of one prefill step, and of the captured decode steps, not a
+measurement.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ from moeflow.offload.units import format_bytes
 
 GiB = 2**30
 DEFAULT_CONTEXT = 4096  # tokens the KV cache is sized for when OffloadConfig.context_length is None
-GPU_AUTO_MARGIN = 0.10  # "auto" leaves this share of the device's free memory (allocator fragmentation, CUDA graphs)
+GPU_AUTO_MARGIN = 0.10  # "auto" leaves this share of the device's free memory (allocator fragmentation, CUDA context)
 GPU_AUTO_MIN_MARGIN = 512 * 2**20
+GRAPH_STEPS = 16  # captured decode steps kept at once (CudaGraphDecode's max_steps), each with its own pool
+POOL_GRANULE = 2 * 2**20  # the caching allocator's smallest segment: a pool holds at least one
 
 
 @dataclass
@@ -46,11 +50,11 @@ class MemoryPlan:
     host_reserved: int = 0  # non-expert weights and KV cache when they live in host memory (CPU device)
     staging: int = 0  # the disk readers' buffers
     host_experts: int = 0  # experts kept in host memory (the rest are read from disk)
+    graph_pools: int = 0  # the captured decode steps' private memory pools (0: no CUDA graphs)
 
     @property
     def gpu_used(self) -> int:
-        return self.non_expert + self.kv_cache + self.activations + self.workspace + \
-            self.expert_slots * self.expert_bytes
+        return reserved_device_bytes(self) + self.expert_slots * self.expert_bytes
 
     @property
     def host_used(self) -> int:
@@ -70,6 +74,7 @@ class MemoryPlan:
             f"    KV cache           {g(self.kv_cache)}",
             f"    activations        {g(self.activations)}",
             f"    workspaces         {g(self.workspace)}",
+            f"    CUDA graph pools   {g(self.graph_pools)}",
             f"    expert slots       {g(self.expert_slots * self.expert_bytes)}  ({self.expert_slots} of "
             f"{self.total_experts} experts)",
             f"  host budget     {g(self.host_budget)}   used {g(self.host_used)}",
@@ -109,6 +114,23 @@ def workspace_bytes(cfg, dtype: torch.dtype, tokens: int, batch: int, top_k: int
     return n * cfg.hidden_size * dtype.itemsize + n * 2 * intermediate * 4
 
 
+def graph_pool_bytes(cfg, dtype: torch.dtype, context: int, batch: int, top_k: int, intermediate: int,
+                     steps: int = GRAPH_STEPS) -> int:
+    """Private memory pools of ``steps`` captured decode steps of ``batch`` rows over ``context`` keys (an upper
+    bound: steps of smaller batches or key buckets hold less). One step's pool holds what its pieces allocate: the
+    residual stream and one layer's attention tensors (~6 [B, H]), each piece's static output (one [B, H] per
+    layer), the attention scores of one layer (fp32 [B, heads, context]), the fp32 logits [B, vocab] and the expert
+    kernels' buffers (:func:`workspace_bytes` for one token per row), rounded up to the allocator's 2 MiB segment."""
+    if steps <= 0:
+        return 0
+    layers = cfg.num_hidden_layers
+    stream = (6 + layers) * batch * cfg.hidden_size * dtype.itemsize
+    scores = batch * cfg.num_attention_heads * context * 4
+    logits = batch * cfg.vocab_size * 4
+    step = stream + scores + logits + workspace_bytes(cfg, dtype, 1, batch, top_k, intermediate)
+    return steps * -(-step // POOL_GRANULE) * POOL_GRANULE
+
+
 def device_free_bytes(device: torch.device) -> int:
     """What the device has free now: CUDA's free memory, or the host's available memory for the CPU."""
     if device.type == "cuda":
@@ -129,9 +151,11 @@ def resolve_gpu_budget(config: OffloadConfig, device: torch.device) -> float | N
 
 def plan_device(config: OffloadConfig, *, cfg, device: torch.device, dtype: torch.dtype, non_expert: int,
                 expert_bytes: int, total_experts: int, top_k: int, intermediate: int, min_slots: int,
-                offloads: bool, kv_bytes_per_token: int | None = None, kv_bytes_per_sequence: int = 0) -> MemoryPlan:
+                offloads: bool, kv_bytes_per_token: int | None = None, kv_bytes_per_sequence: int = 0,
+                graph_steps: int = 0) -> MemoryPlan:
     """The device side of the plan (slots filled in once the backend exists). Refuses, naming every part,
-    when a budget leaves fewer than ``min_slots`` expert slots (all experts for a policy that does not offload)."""
+    when a budget leaves fewer than ``min_slots`` expert slots (all experts for a policy that does not offload).
+    ``graph_steps``: decode steps captured as CUDA graphs (0: none), whose pools the plan reserves."""
     tokens = min(cfg.max_position_embeddings, config.context_length or DEFAULT_CONTEXT)
     batch = config.max_batch_size
     plan = MemoryPlan(
@@ -139,7 +163,8 @@ def plan_device(config: OffloadConfig, *, cfg, device: torch.device, dtype: torc
         kv_cache=kv_cache_bytes(cfg, dtype, tokens, batch, kv_bytes_per_token) + batch * kv_bytes_per_sequence,
         activations=activation_bytes(cfg, dtype, tokens, batch, top_k, intermediate),
         workspace=workspace_bytes(cfg, dtype, tokens, batch, top_k, intermediate),
-        expert_slots=0, expert_bytes=expert_bytes, total_experts=total_experts)
+        expert_slots=0, expert_bytes=expert_bytes, total_experts=total_experts,
+        graph_pools=graph_pool_bytes(cfg, dtype, tokens, batch, top_k, intermediate, graph_steps))
     budget_gb = resolve_gpu_budget(config, device)
     if budget_gb is None:
         return plan
@@ -152,15 +177,17 @@ def plan_device(config: OffloadConfig, *, cfg, device: torch.device, dtype: torc
         raise SchedulingError(
             f"{source} does not fit: non-expert weights {_gb(plan.non_expert)}, KV cache {_gb(plan.kv_cache)} "
             f"({tokens} tokens x {batch} sequences), activations {_gb(plan.activations)}, workspaces "
-            f"{_gb(plan.workspace)} leave {_gb(max(left, 0))} for experts, but at least {need} expert slots of "
+            f"{_gb(plan.workspace)}" + (f", CUDA graph pools {_gb(plan.graph_pools)}" if plan.graph_pools else "")
+            + f" leave {_gb(max(left, 0))} for experts, but at least {need} expert slots of "
             f"{_gb(expert_bytes)} are needed ({_gb(need * expert_bytes)}); give more memory, a shorter "
-            "context_length or a smaller max_batch_size" + ("" if offloads else ", or an offloading policy"))
+            "context_length or a smaller max_batch_size" + ("" if offloads else ", or an offloading policy")
+            + (" (or cuda_graphs=False)" if plan.graph_pools else ""))
     return plan
 
 
 def reserved_device_bytes(plan: MemoryPlan) -> int:
     """Everything on the device but the expert slots (what ``resolve_slots`` subtracts from the budget)."""
-    return plan.non_expert + plan.kv_cache + plan.activations + plan.workspace
+    return plan.non_expert + plan.kv_cache + plan.activations + plan.workspace + plan.graph_pools
 
 
 def _gb(n: int) -> str:
