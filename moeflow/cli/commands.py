@@ -16,8 +16,6 @@ COMMAND_MODULES = ("moeflow.cli.predictors", "moeflow.sim.cli", "moeflow.cli.ser
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 EMBEDDED_MODEL = "tiny-mixtral-awq"
 AUTO_ON_OFF = {"auto": None, "on": True, "off": False}  # --cuda-graphs / --early-hits -> None / True / False
-EARLY_HITS_HELP = ("compute each offloaded layer's experts already in slots while its routing is read back "
-                   "(OffloadConfig.early_hits; auto: on for CUDA with the Triton kernels)")
 
 
 def embedded_model_path() -> Path:
@@ -155,12 +153,20 @@ def _add_generation_args(p: argparse.ArgumentParser, default_policy: str | None)
     p.add_argument("--policy", default=default_policy,
                    help="an offload policy (default: every expert on the device when they fit, else 'auto'; "
                         "'auto' when --slots or --gpu-memory-gb is given)" if default_policy is None else None)
-    p.add_argument("--cuda-graphs", choices=list(AUTO_ON_OFF), default="auto",
-                   help="replay the decode step as CUDA graphs (auto: on when --device is CUDA)")
-    p.add_argument("--early-hits", choices=list(AUTO_ON_OFF), default="auto", help=EARLY_HITS_HELP)
+    add_device_switches(p, "step")
     p.add_argument("--json", action="store_true", help="also print the stats as JSON")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="time the very first call too (by default a one-token warm-up runs first)")
+
+
+def add_device_switches(p: argparse.ArgumentParser, what: str) -> None:
+    """``--cuda-graphs`` and ``--early-hits`` (auto / on / off, read through :data:`AUTO_ON_OFF`); ``what`` the
+    decode work the graphs replay ("step", or the server's "passes")."""
+    p.add_argument("--cuda-graphs", choices=list(AUTO_ON_OFF), default="auto",
+                   help=f"replay the decode {what} as CUDA graphs (auto: on when --device is CUDA)")
+    p.add_argument("--early-hits", choices=list(AUTO_ON_OFF), default="auto",
+                   help="compute each offloaded layer's experts already in slots while its routing is read back "
+                        "(OffloadConfig.early_hits; auto: on for CUDA with the Triton kernels)")
 
 
 def build_parser() -> argparse.ArgumentParser:

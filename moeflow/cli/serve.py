@@ -13,10 +13,10 @@ import torch
 from moeflow.cli.commands import (
     AUTO_ON_OFF,
     DTYPES,
-    EARLY_HITS_HELP,
     _add_generation_args,
     _default_device,
     _gb_or_auto,
+    add_device_switches,
     embedded_model_path,
     offload_from_args,
 )
@@ -261,9 +261,7 @@ def register(sub) -> None:
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: directory name)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--cuda-graphs", choices=list(AUTO_ON_OFF), default="auto",
-                   help="replay the decode passes as CUDA graphs (auto: on when --device is CUDA)")
-    p.add_argument("--early-hits", choices=list(AUTO_ON_OFF), default="auto", help=EARLY_HITS_HELP)
+    add_device_switches(p, "passes")
     p.add_argument("--tool-call-parser", choices=["auto", "none", *TOOL_FORMATS], default="auto",
                    help="the markup chat replies write tool calls in (auto: from the chat template)")
     p.add_argument("--reasoning-parser", choices=["auto", "none", *REASONING_ALIASES], default="auto",
