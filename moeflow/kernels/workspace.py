@@ -30,7 +30,12 @@ def _stream_key(device: torch.device) -> int:
     launches every kernel on the raw one, so this key is the stream the scratch's kernels run on."""
     if device.type != "cuda":
         return 0
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    return current_stream_handle(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def current_stream_handle(index: int) -> int:
+    """The raw ``cudaStream_t`` of CUDA device ``index``'s current stream (see :func:`_stream_key`: no ``Stream``
+    object built)."""
     if _raw_current_stream is None:
         return torch.cuda.current_stream(index).cuda_stream
     return _raw_current_stream(index)
