@@ -293,3 +293,30 @@ def test_the_verify_view_marks_only_real_tokens_valid():
     k = torch.arange(8, dtype=torch.float32).view(1, 1, 4, 2)
     keys, _ = view.update(0, k, k, pos)
     assert keys.shape == (1, 1, 8, 2) and cache.k[0, 1, 0, 5:7].tolist() == [[0, 1], [2, 3]]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (real graph capture)")
+@pytest.mark.parametrize("policy", ["resident", "lru"])
+def test_served_drafts_replay_the_verify_graph_on_a_gpu(policy):
+    """cuda_graphs on (fp16): the drafting engine's replies are the undrafted engine's (should a 5-wide pass round
+    a near-tie the other way, lookup's docstring allows it; these prompts are expected to have none), and after
+    the warm-up no pass runs eagerly and nothing more is captured (resident: one whole graph, fillers computed;
+    lru: pieces around the scheduler, fillers masked)."""
+    offload = OffloadConfig(policy=policy, gpu_expert_slots=None if policy == "resident" else 24)
+    model = MoEOffloadedMixtral.from_pretrained(embedded_model_path(), device="cuda", dtype=torch.float16,
+                                                offload=offload, cuda_graphs=True)
+    graphs = model.runner.decode_fn
+    try:
+        prompts = [model.tokenizer.encode(p) for p in PROMPTS]
+        plain, _, _ = engine_for(model, None)
+        want = [s.generated for s in serve_one_by_one(plain, prompts)]
+        engine, log, bad = engine_for(model)
+        captures = graphs.captures
+        seqs = serve_one_by_one(engine, prompts)
+    finally:
+        model.close()
+    assert graphs.refused is None, graphs.refused
+    assert [s.generated for s in seqs] == want and bad == []
+    assert sum(s.accepted_tokens for s in seqs) > 0 and any(t > 1 for _, _, t in log.passes)
+    assert graphs.captures == captures and graphs.eager_calls == 0
