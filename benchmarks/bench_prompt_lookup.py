@@ -7,6 +7,10 @@ that the tokens are equal. Models and settings take turns inside every repeat (a
 On CUDA the decode step is captured (both the one-token step and prompt lookup's verify step of
 1 + prompt_lookup_num_tokens tokens); ``--no-cuda-graphs`` runs every pass eagerly, for the comparison. Rows say
 how many captured steps the run replayed and how many passes ran eagerly.
+
+Then the serving engine (``moeflow serve --prompt-lookup N``'s, in process; rows with ``"section": "serve"``): each
+prompt alone through an engine that does not draft and one drafting N tokens, both warmed up (on CUDA: their decode
+passes, drafted ones included, replay captured steps), decode tok/s from each reply's first token to its last.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import torch
 
 from moeflow import MoEOffloadedMixtral, OffloadConfig
 from moeflow.cli import embedded_model_path
+from moeflow.engine.continuous import ContinuousEngine, SamplingParams
+from moeflow.engine.kv_slots import SlotKVCache
 
 PROMPTS = {  # what prompt lookup is for (a reply that quotes its prompt) and plain continuation
     "code-edit": "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef add(a, b):\n    return",
@@ -89,12 +95,60 @@ def main() -> None:
                    "graph_replays": passes[(name, lookup)][0], "eager_graph_calls": passes[(name, lookup)][1]}
             rows.append(row)
             print(json.dumps(row), flush=True)
+    for row in serve_rows(models, tok, args):
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         meta = {"repeats": args.repeats, "device": args.device, "cuda_graphs": load["cuda_graphs"]}
         if not cuda:
             meta["threads"] = 1
         args.out.write_text(json.dumps({"rows": rows, **meta}, indent=1) + "\n")
+
+
+def serve_rows(models: dict, tok, args) -> list[dict]:
+    """Per setting, prompt and N (None: no drafting): decode tok/s of one request alone through the serving engine.
+    The engines of a model share one KV cache row (one owner for the captured steps; no prefix cache, so every
+    request reads its prompt) and take turns: never two requests at once."""
+    rows = []
+    for name, model in models.items():
+        cache = SlotKVCache.for_model(model, 512, max_rows=1)
+        engines = {n: ContinuousEngine(model, cache, prefix_cache=False, prompt_lookup=n)
+                   for n in [None, *args.lookups]}
+        graphs = model.runner.decode_fn
+        for engine in engines.values():  # (all before any starts: a warm-up borrows the free row)
+            engine.warm_up()
+        for engine in engines.values():
+            engine.start()
+        captures = getattr(graphs, "captures", 0)
+        try:
+            for prompt_name, prompt in PROMPTS.items():
+                ids, times, facts = tok.encode(prompt), {}, {}
+                for repeat in range(args.repeats + 1):  # (the first round untimed: a larger key bucket's capture)
+                    for n, engine in engines.items():
+                        before = (getattr(graphs, "replays", 0), getattr(graphs, "eager_calls", 0))
+                        seq = engine.submit(ids, SamplingParams(max_new_tokens=args.new_tokens))
+                        seq.result(600)
+                        if repeat == 0:
+                            continue
+                        times.setdefault(n, []).append((len(seq.generated) - 1) / max(seq.t_last - seq.t_first, 1e-9))
+                        facts[n] = (seq.generated, seq.draft_tokens, seq.accepted_tokens,
+                                    getattr(graphs, "replays", 0) - before[0],
+                                    getattr(graphs, "eager_calls", 0) - before[1])
+                plain = statistics.median(times[None])
+                for n, rates in times.items():
+                    generated, drafted, kept, replays, eager = facts[n]
+                    rows.append({"section": "serve", "prompt": prompt_name, "setting": name, "prompt_lookup": n,
+                                 "tokens": len(generated), "decode_tok_per_s": round(statistics.median(rates), 1),
+                                 "speedup_vs_plain": round(statistics.median(rates) / plain, 3),
+                                 "draft_tokens": drafted, "accepted_tokens": kept,
+                                 "tokens_equal_plain": generated == facts[None][0], "graph_replays": replays,
+                                 "eager_graph_calls": eager,
+                                 "captures_after_warm_up": getattr(graphs, "captures", 0) - captures})
+        finally:
+            for engine in engines.values():
+                engine.stop()
+    return rows
 
 
 if __name__ == "__main__":

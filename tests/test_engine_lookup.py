@@ -1,9 +1,10 @@
 """Prompt lookup in the serving engine (``ContinuousEngine(prompt_lookup=N)``, moeflow.engine.continuous_lookup), in
 process: a greedy request decoding alone gets generate's greedy tokens (and the undrafted engine's) with drafts
-really accepted, resident, offloaded and with captured decode steps; stop tokens, stop checks and max_tokens cut
-inside an accepted draft where plain decoding cuts; rejected drafts' keys never stay valid (checked before every
-iteration and in the rows the prefix cache keeps); two decoding requests, a prefill beside a decoding one, sampling
-and penalties are not drafted; latent (MLA) rows draft too; hybrid models are refused."""
+really accepted, resident, offloaded and with captured decode steps (drafted passes replaying their own: more in
+test_engine_lookup_graphs); stop tokens, stop checks and max_tokens cut inside an accepted draft where plain
+decoding cuts; rejected drafts' keys never stay valid (checked before every iteration and in the rows the prefix
+cache keeps); two decoding requests, a prefill beside a decoding one, sampling and penalties are not drafted;
+latent (MLA) rows draft too; hybrid models are refused."""
 
 from __future__ import annotations
 
@@ -268,8 +269,9 @@ def test_sampling_penalties_and_bias_are_not_drafted(model, params):
 
 
 def test_captured_decode_steps_with_drafted_passes_between_them():
-    """Decode steps captured (the CPU stand-in of CUDA graphs): passes without a draft replay them, drafted ones
-    run eagerly on a SlotBatch; the tokens are generate's."""
+    """Decode steps captured (the CPU stand-in of CUDA graphs): passes without a draft replay the one-token step,
+    drafted ones a second step, 5 tokens wide (without a warm-up: both captured on their first pass); none runs
+    eagerly; the tokens are generate's (more in test_engine_lookup_graphs)."""
     plain = MoEOffloadedMixtral.from_pretrained(embedded_model_path(), kernels="torch")
     ids = ids_of(plain, PROMPTS[0])
     want = greedy(plain, ids)
@@ -280,7 +282,9 @@ def test_captured_decode_steps_with_drafted_passes_between_them():
     finally:
         model.close()
     assert seq.generated == want and seq.accepted_tokens > 0
-    assert graphs.refused is None and graphs.replays + graphs.captures > 0 and graphs.eager_calls > 0
+    assert graphs.refused is None and graphs.captures == 2 and graphs.eager_calls == 0
+    assert graphs.replays == len([p for p in log.passes if p[0] == "decode"])
+    assert sorted(k[1][1] for k in graphs.steps) == [1, 5]  # the steps' embeds [1, T, H]
 
 
 def test_arguments_and_linear_attention_models_are_refused(model, tmp_path):

@@ -197,7 +197,8 @@ def cmd_serve(args) -> int:
     # the decode steps of every padded batch size at the smallest key bucket, captured before the first client
     steps, seconds = engine.warm_up()
     if engine.graphs is not None:
-        print(f"moeflow serve: captured {steps} decode steps (batch sizes up to {padded_batch(cache.rows)}, "
+        verify = f", prompt lookup's {1 + args.prompt_lookup}-token verify step" if engine.lookup is not None else ""
+        print(f"moeflow serve: captured {steps} decode steps (batch sizes up to {padded_batch(cache.rows)}{verify}, "
               f"{key_bucket(1, max_len)} keys) in {seconds:.2f} s", flush=True)
     model.stats.reset()
     metrics.watch_graphs(engine.graphs)

@@ -26,7 +26,8 @@ are of real tokens only. :meth:`ContinuousEngine.warm_up` captures the steps of 
 smallest bucket before the first request (``moeflow serve`` calls it before it reports ready).
 
 Prompt lookup (``prompt_lookup``, off by default): while one greedy sequence decodes alone, its decode pass also
-verifies tokens drafted from its own context, several tokens per pass (:mod:`moeflow.engine.continuous_lookup`).
+verifies tokens drafted from its own context, several tokens per pass (:mod:`moeflow.engine.continuous_lookup`:
+captured too, one more step per key bucket).
 
 Token history: a backend whose predictor reads every token so far (``ExpertBackend.needs_history``: the
 expertflow policy) gets them from a :class:`~moeflow.engine.token_history.TokenHistory` on the device, which each
@@ -51,23 +52,16 @@ from moeflow.engine.lookup import DEFAULT_MAX_NGRAM
 from moeflow.engine.prefix_cache import MIN_PREFIX_TOKENS, PrefixCache
 from moeflow.engine.sampling import SamplingParams, adjust_logits, next_tokens
 from moeflow.engine.sequence import EngineListener, Sequence
+from moeflow.engine.slot_verify import key_bucket
 from moeflow.engine.token_history import TokenHistory
 from moeflow.errors import InputError, MoeflowError
 
 log = logging.getLogger(__name__)
-MIN_KEY_BUCKET = 256  # keys a captured decode pass reads at least (see key_bucket)
 
 
 def padded_batch(batch: int) -> int:
     """A captured decode pass's batch size: the next power of two >= ``batch`` (1, 2, 4, 8, ...)."""
     return 1 << max(0, batch - 1).bit_length()
-
-
-def key_bucket(needed: int, max_len: int) -> int:
-    """Keys a captured decode pass reads for ``needed`` (its furthest position + 1): the next power of two, at
-    least MIN_KEY_BUCKET, at most ``max_len``; few buckets, so few captures, and a short context does not attend
-    over the whole row."""
-    return min(max_len, max(MIN_KEY_BUCKET, 1 << max(0, needed - 1).bit_length()))
 
 
 class EngineOverloaded(MoeflowError):
@@ -231,9 +225,10 @@ class ContinuousEngine:
 
     def warm_up(self) -> tuple[int, float]:
         """Capture the decode steps of every padded batch size (1, 2, 4, ... up to the cache's rows, at most
-        ``graphs.max_steps``) at the smallest key bucket, before the engine starts, so a user's first requests
-        capture nothing there. Each is a pass of token 0 at position 0 of a free row, padded with copies; the row
-        is left free with no valid position. Returns (steps captured, seconds); (0, 0.0) when graphs are off."""
+        ``graphs.max_steps``) at the smallest key bucket, and prompt lookup's verify step when drafting, before the
+        engine starts, so a user's first requests capture nothing there. Each is a pass of token 0 at position 0 of
+        a free row, padded with copies (fillers); the row is left free with no valid position. Returns (steps
+        captured, seconds); (0, 0.0) when graphs are off."""
         if self.graphs is None or self.graphs.refused is not None:
             return 0, 0.0
         if self._thread is not None:
@@ -253,6 +248,8 @@ class ContinuousEngine:
                         break
                     zeros = torch.zeros((b, 1), dtype=torch.long)
                     self._captured_pass([seq] * b, zeros, zeros, count=False)
+                if self.lookup is not None and self.graphs.refused is None:  # and the drafted passes' verify step
+                    self.lookup.warm_up(seq)
         finally:
             self.cache.valid[seq.row] = False
             self.cache.release(seq.row)  # (not kept by the prefix cache: it holds no valid key)

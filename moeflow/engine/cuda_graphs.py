@@ -28,7 +28,8 @@ runner keeps it across calls, its length rounded up to a bucket of 256 positions
 (:func:`moeflow.engine.generate.cache_length`), so only a call in another bucket or with another batch size captures
 again; prompt lookup's drafted passes (:mod:`moeflow.engine.lookup`) are a second step on the same cache, 1 +
 prompt_lookup_num_tokens tokens wide. The serving engine's :class:`~moeflow.engine.kv_slots.SlotDecodeView` (one per
-padded batch size and key-length bucket, owned by its slotted cache) gets one captured step each, several kept at
+padded batch size and key-length bucket, owned by its slotted cache) gets one captured step each, and so does prompt
+lookup's :class:`~moeflow.engine.slot_verify.SlotVerifyView` (one per key-length bucket, same owner), several kept at
 once (at most ``max_steps``, the least recently used dropped first); a capture on another owner drops the steps of
 the old one (its cache is gone: generate's old cache, or a generate call between serving passes). Views made anew
 every pass (micro-batches' row views, the engine's eager :class:`~moeflow.engine.kv_slots.SlotBatch`) run eagerly. A
