@@ -127,6 +127,7 @@ class _Call:
     route: Callable  # the block's router (logits -> probs, ids, weights)
     kernel_routing: Any  # moeflow.moe.backend.KernelRouting | None
     out: torch.Tensor  # [T, H]: the real call's output, copied in before the next piece
+    prelude: Any = None  # the backend's captured prelude of the layer (capture_prelude), in the piece before
 
 
 class _Boundary:
@@ -134,8 +135,9 @@ class _Boundary:
     a capture (the warm-up) it returns zeros: the warm-up only runs every kernel once, with the same types
     (a compiled decode function then needs nothing new while the capture runs)."""
 
-    def __init__(self, capture: GraphCapture | None) -> None:
+    def __init__(self, capture: GraphCapture | None, experts: ExpertBackend | None = None) -> None:
         self.capture = capture
+        self.experts = experts  # the real backend, whose prelude ends each piece
         self.replays: list[Callable[[], None]] = []
         self.calls: list[_Call] = []
 
@@ -144,11 +146,13 @@ class _Boundary:
                        kernel_routing: Any, want_ids: bool) -> tuple[torch.Tensor, None]:
         if want_ids:  # a recorded routing would be a host value of the captured step
             raise RuntimeError("the decode step records its routing (tracing): CUDA-graph pieces do not return it")
+        hook = getattr(self.experts, "capture_prelude", None)
+        prelude = hook(layer, x, router_logits, kernel_routing) if hook is not None else None  # in the piece
         if self.capture is None:
             return torch.zeros_like(x), None
         self.replays.append(self.capture.end())
         out = torch.empty_like(x)  # allocated between captures: the graphs only read it
-        self.calls.append(_Call(layer, x, router_logits, route, kernel_routing, out))
+        self.calls.append(_Call(layer, x, router_logits, route, kernel_routing, out, prelude))
         self.capture.begin()
         return out, None
 
@@ -173,7 +177,12 @@ class CapturedStep:
                 replay()
                 if i < len(self.calls):
                     c = self.calls[i]
-                    out = experts.forward_logits(c.layer, c.x, c.router_logits, c.route, c.kernel_routing, False)[0]
+                    if c.prelude is not None:  # the layer's routing and read-back staging ran in the replay
+                        out = experts.forward_prelude(c.prelude, c.layer, c.x, c.router_logits, c.route,
+                                                      c.kernel_routing)
+                    else:
+                        out = experts.forward_logits(c.layer, c.x, c.router_logits, c.route, c.kernel_routing,
+                                                     False)[0]
                     c.out.copy_(out)  # at once: a captured device part's output is overwritten by the next layer
         return self.logits
 
@@ -191,8 +200,9 @@ def capture_step(fn: DecodeFn, capture: GraphCapture, inputs: tuple[torch.Tensor
     restore = snapshot() if snapshot is not None else None
     with capture.side_stream():
         try:
-            fn(embeds, positions, cache, cache_position, token_mask, experts if whole else _Boundary(None), None)
-            boundary = None if whole else _Boundary(capture)
+            fn(embeds, positions, cache, cache_position, token_mask, experts if whole else _Boundary(None, experts),
+               None)
+            boundary = None if whole else _Boundary(capture, experts)
             capture.begin()
             try:
                 logits = fn(embeds, positions, cache, cache_position, token_mask, experts if whole else boundary,

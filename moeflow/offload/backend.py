@@ -41,13 +41,14 @@ from moeflow.offload.hybrid import HybridCompute
 from moeflow.offload.plan import arrival_order, plan_layer
 from moeflow.offload.platform import REAL, Platform
 from moeflow.offload.predictors.interface import Predictor
+from moeflow.offload.prelude import CapturedPrelude
 from moeflow.offload.readback import ReadBack, host_proposals
 from moeflow.offload.slot_loads import SlotLoads
 from moeflow.offload.stats import PhaseStats, Stats
 from moeflow.offload.transport import CudaTransport, Transport
 
 
-class OffloadedExperts(SlotLoads, ExpertBackend):
+class OffloadedExperts(CapturedPrelude, SlotLoads, ExpertBackend):
     """``ExpertBackend`` whose experts live in a :class:`HostStore` and stream into ``n_slots`` device slots.
 
     Built by :func:`moeflow.offload.create_expert_backend` from a policy; ``platform`` supplies the clock,
@@ -200,9 +201,9 @@ class OffloadedExperts(SlotLoads, ExpertBackend):
         """On the Triton path a plain softmax top-k is routed by the resident backend's fused plan kernel, so
         it is routed here by the same kernel (one launch; bitwise the resident routing); probs only for a predictor.
         Only real tokens get here (``ExpertBackend.forward_logits``): the needed-expert read-back, the predictor's
-        observations, the cache's counts and the CPU-vs-copy choice never see padding."""
-        if kernel_routing is None or self.kernels_backend not in ("triton", "auto") \
-                or kernels.resolve_backend(self.kernels_backend, x.device) != "triton":
+        observations, the cache's counts and the CPU-vs-copy choice never see padding. With the decode step
+        captured the routing may run in the captured piece instead (:mod:`moeflow.offload.prelude`)."""
+        if not self.routes_on_triton(x, kernel_routing):
             return super()._route_and_forward(layer, x, router_logits, route, kernel_routing, want_ids)
         ids, weights = kernels.route(router_logits, kernel_routing.top_k, "triton",
                                      renormalize=kernel_routing.renormalize)
@@ -236,9 +237,12 @@ class OffloadedExperts(SlotLoads, ExpertBackend):
         proposals = pred.propose(layer, x) if pred is not None else []
         on_device = [ids for _, ids in proposals if isinstance(ids, torch.Tensor)]
         host_routing = pred is not None and pred.host_routing
-        # the predictor searching on the host gets the routing in the same read
-        self.readback.post(topk_ids, [*on_device, topk_ids] if host_routing else on_device,
-                           [probs] if host_routing else [])
+        captured, self._captured_read = self._captured_read, None
+        if captured is not None:  # staged in the captured piece just replayed (prelude.py): its event only
+            self.readback.post_captured(captured)
+        else:  # the predictor searching on the host gets the routing in the same read
+            self.readback.post(topk_ids, [*on_device, topk_ids] if host_routing else on_device,
+                               [probs] if host_routing else [])
         out, early = self._launch_early(layer, x, topk_ids, topk_weights) if self.early_hits else (None, ())
         needed, fetched, floats = self.readback.collect()
         if host_routing:
