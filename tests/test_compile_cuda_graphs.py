@@ -41,14 +41,18 @@ class _Recorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.ops: list[tuple] = []
-        self.paused = 0  # inside a Triton launch: the interpreter's own ops stand for the kernel (recorded whole)
+        self.paused = 0  # inside a recorded op or Triton launch: what it runs is not recorded again
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.paused:
             return func(*args, **(kwargs or {}))
         if func in REFUSED:
             raise HostSyncError(f"{func} while capturing: a CUDA graph cannot hold it")
-        out = func(*args, **(kwargs or {}))
+        self.paused += 1  # a launch inside an op (a custom op's kernel) is the op's: replayed with it
+        try:
+            out = func(*args, **(kwargs or {}))
+        finally:
+            self.paused -= 1
         self.ops.append((func, args, kwargs or {}, out))
         return out
 
@@ -76,6 +80,8 @@ def _recording_launches(mode: _Recorder):
     run = InterpretedFunction.run
 
     def launch(fn, *args, **kwargs):
+        if mode.paused:
+            return run(fn, *args, **kwargs)
         mode.paused += 1
         try:
             out = run(fn, *args, **kwargs)

@@ -5,15 +5,21 @@ Between two calls into a host-side expert backend (the offload scheduler: its on
 copies) a decode step's device work has static shapes and never waits for the host, so it is captured once
 and replayed every step:
 
-    piece 0:  rotary, masks, layer 0 up to its gate         | backend.forward_logits(0, x, router_logits, ...)
-    piece 1:  layer 0 after its experts, layer 1 to its gate | backend.forward_logits(1, ...)
+    piece 0:  rotary, masks, layer 0 up to its gate [+ prelude 0] | backend.forward_logits(0, x, router_logits, ...)
+    piece 1:  layer 0 after its experts, layer 1 to its gate [+ prelude 1] | backend.forward_logits(1, ...)
     ...
     piece L:  the last layer after its experts, final norm, LM head  -> logits
 
+A piece may end with the backend's *prelude* of the layer (``ExpertBackend.capture_prelude``: device work that
+needs no host value; the offload backend's routing launch and read-back staging on the Triton path,
+:mod:`moeflow.offload.prelude`); the call between the pieces is then ``backend.forward_prelude(prelude, ...)``,
+which consumes its static outputs (records the read-back's event, waits, schedules, runs the device part).
+
 The pieces are found by running the decode function once with a stand-in backend (:class:`_Boundary`) that,
-at each MoE call, ends the capture in progress, keeps the call's tensors (the static arguments of the real
-call at replay; the routing runs in the backend, which may fuse it into its kernels), and starts the next
-piece on a static buffer that the real call's output is copied into.
+at each MoE call, enqueues the real backend's prelude (if it has one), ends the capture in progress, keeps the
+call's tensors (the static arguments of the real call at replay; without a prelude the routing runs in the
+backend's call, which may fuse it into its kernels), and starts the next piece on a static buffer that the real
+call's output is copied into.
 A backend dynamo traces through (every expert resident: pure device work) needs no boundary: one graph.
 
 Inside a backend call, the offload backend's own device part (the expert groups over the slot pool and the
@@ -151,7 +157,9 @@ class _Boundary:
         if self.capture is None:
             return torch.zeros_like(x), None
         self.replays.append(self.capture.end())
-        out = torch.empty_like(x)  # allocated between captures: the graphs only read it
+        # allocated between captures: the graphs only read it; zeros, not garbage: a capture that runs its work
+        # (the tests' stand-in) computes on finite values, so a prelude's routing stays in range
+        out = torch.zeros_like(x)
         self.calls.append(_Call(layer, x, router_logits, route, kernel_routing, out, prelude))
         self.capture.begin()
         return out, None

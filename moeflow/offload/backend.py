@@ -16,7 +16,9 @@ One MoE layer (``forward``), in order:
    so the result is bitwise the one of a single resident pass.
 
 The expert groups and the combine are the device part (:mod:`moeflow.offload.compute`), eager or replayed
-from graphs captured per batch size (:mod:`moeflow.offload.device_step`, which argues the ordering).
+from graphs captured per batch size (:mod:`moeflow.offload.device_step`, which argues the ordering). With the
+decode step captured, the routing and the read-back's staging of step 1 may run in the step's captured piece
+before the layer instead (:mod:`moeflow.offload.prelude`).
 """
 
 from __future__ import annotations
@@ -231,15 +233,15 @@ class OffloadedExperts(CapturedPrelude, SlotLoads, ExpertBackend):
         k = topk_ids.shape[1]
 
         # 1. the layer's only blocking device->host read: its routing, and the predictor's proposals with it
-        pred = self.predictor
-        if pred is not None:  # routing first: predictors that learn from it (DuoServe) need it
+        pred, captured, self._captured_read = self.predictor, self._captured_read, None
+        if pred is not None and captured is None:  # routing first: predictors that learn from it (DuoServe) need it
             pred.observe(layer, x, probs, topk_ids)
-        proposals = pred.propose(layer, x) if pred is not None else []
+        # proposed and staged in the captured piece just replayed (prelude.py): its event only
+        proposals = captured.proposals if captured is not None else pred.propose(layer, x) if pred is not None else []
         on_device = [ids for _, ids in proposals if isinstance(ids, torch.Tensor)]
         host_routing = pred is not None and pred.host_routing
-        captured, self._captured_read = self._captured_read, None
-        if captured is not None:  # staged in the captured piece just replayed (prelude.py): its event only
-            self.readback.post_captured(captured)
+        if captured is not None:
+            self.readback.post_captured(topk_ids, on_device)
         else:  # the predictor searching on the host gets the routing in the same read
             self.readback.post(topk_ids, [*on_device, topk_ids] if host_routing else on_device,
                                [probs] if host_routing else [])
