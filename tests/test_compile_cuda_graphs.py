@@ -2,7 +2,8 @@
 
 On the CPU the pieces are captured by :class:`TraceCapture`, which gives them CUDA-graph semantics: a piece is
 the list of aten ops run while it was captured, replayed on the same tensors (inputs copied into static
-buffers, outputs written into the tensors the capture produced). Whatever a piece decided in Python from
+buffers, outputs written into the tensors the capture produced; a Triton launch, interpreted, is one op launched
+again). Whatever a piece decided in Python from
 values at capture time is frozen, exactly as in a CUDA graph, so replays that give the eager tokens step after
 step show the pieces are value-independent; a host read (``.item()``, ``bool``, ``.tolist()`` via the
 :class:`DeviceTensor` of test_host_loop), a data-dependent shape (``nonzero``, ``unique``, ``bincount``) or
@@ -40,17 +41,67 @@ class _Recorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.ops: list[tuple] = []
+        self.paused = 0  # inside a recorded op or Triton launch: what it runs is not recorded again
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.paused:
+            return func(*args, **(kwargs or {}))
         if func in REFUSED:
             raise HostSyncError(f"{func} while capturing: a CUDA graph cannot hold it")
-        out = func(*args, **(kwargs or {}))
+        self.paused += 1  # a launch inside an op (a custom op's kernel) is the op's: replayed with it
+        try:
+            out = func(*args, **(kwargs or {}))
+        finally:
+            self.paused -= 1
         self.ops.append((func, args, kwargs or {}, out))
         return out
 
 
+class _Launch:
+    """A Triton launch held by a piece (under TRITON_INTERPRET, the interpreter's entry point
+    ``InterpretedFunction.run``): replayed by launching the kernel again on the same arguments, as a graph's kernel
+    node does."""
+
+    def __init__(self, run, fn) -> None:
+        self.run, self.fn = run, fn
+
+    def __call__(self, *args, **kwargs) -> None:
+        self.run(self.fn, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def _recording_launches(mode: _Recorder):
+    """Record each Triton launch in ``mode`` as one op (its interpreted body not recorded)."""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # no Triton: nothing to record
+        yield
+        return
+    run = InterpretedFunction.run
+
+    def launch(fn, *args, **kwargs):
+        if mode.paused:
+            return run(fn, *args, **kwargs)
+        mode.paused += 1
+        try:
+            out = run(fn, *args, **kwargs)
+        finally:
+            mode.paused -= 1
+        mode.ops.append((_Launch(run, fn), args, dict(kwargs), None))
+        return out
+
+    InterpretedFunction.run = launch
+    try:
+        yield
+    finally:
+        InterpretedFunction.run = run
+
+
 def _replay(ops: list[tuple]) -> None:
     for func, args, kwargs, captured in ops:
+        if isinstance(func, _Launch):
+            func(*args, **kwargs)
+            continue
         fresh = func(*args, **kwargs)
         for old, new in zip(tree_flatten(captured)[0], tree_flatten(fresh)[0], strict=True):
             if not isinstance(old, torch.Tensor):
@@ -67,14 +118,18 @@ class TraceCapture:
     def __init__(self, device: torch.device | None = None) -> None:
         self.pieces: list[list[tuple]] = []
         self._mode: _Recorder | None = None
+        self._launches: contextlib.ExitStack | None = None
 
     def begin(self) -> None:
         self._mode = _Recorder()
+        self._launches = contextlib.ExitStack()
+        self._launches.enter_context(_recording_launches(self._mode))
         self._mode.__enter__()
 
     def end(self):
         mode, self._mode = self._mode, None
         mode.__exit__(None, None, None)
+        self._launches.close()
         self.pieces.append(mode.ops)
         return lambda: _replay(mode.ops)
 
@@ -82,6 +137,7 @@ class TraceCapture:
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
             self._mode = None
+            self._launches.close()
 
     def side_stream(self):
         return contextlib.nullcontext()

@@ -364,6 +364,9 @@ def test_cuda_graphs_capture_the_device_part_and_keep_the_tokens(policy, kernels
     assert step.refused is None, step.refused
     assert device is not None and device.refused == {} and device.disabled is None, (device.refused, device.disabled)
     assert device.captures == 1 and device.replays > 2 * 15 * model.config.num_hidden_layers
+    # the routing and the read-back staging in the pieces (moeflow/offload/prelude.py): plain policies on Triton
+    preludes = [c.prelude is not None for c in step.step.calls]
+    assert preludes == [policy in ("lru", "ondemand") and kernels == "auto"] * len(preludes), preludes
     assert torch.equal(got, expected) and torch.equal(again, expected)
 
 

@@ -125,6 +125,28 @@ def test_staged_read_back_equals_the_in_place_read(fake_cuda):
     assert staged._int_host.data_ptr() == int_buffer  # persistent: no buffer per call once grown
 
 
+def test_a_captured_staging_reads_back_what_a_post_does(fake_cuda):
+    """The read-back's staging as a CUDA-graph piece holds it (``capture_stage``: mask and ids copied into its own
+    persistent buffers, no event) and the eager rest (``post_captured``: the event, then one wait at collect)
+    give what a plain read gives; the buffers are made once per read size."""
+    staged, plain = ReadBack("cpu", num_experts=8, staged=True), ReadBack("cpu", num_experts=8)
+    with pytest.raises(RuntimeError, match="without a captured staging"):
+        staged.post_captured(torch.tensor([[1, 2]]))
+    buffers = {}
+    reads = [(torch.tensor([[3, 5], [5, 0]], dtype=torch.int32), [torch.tensor([4, -1]), torch.tensor([6])]),
+             (torch.tensor([[7, 1]]), []), (torch.tensor([[2, 2]], dtype=torch.int32), [torch.tensor([0, 7, 1])])]
+    for i, (topk, ids) in enumerate(reads * 2):
+        staged.capture_stage(topk, ids)
+        assert len(staged.event.records) == i  # the piece records no event: post_captured does, eagerly
+        staged.post_captured(topk, ids)
+        got, want = staged.collect(), plain.read(topk, ids)
+        assert got[0] == want[0] == sorted(set(topk.reshape(-1).tolist())) and got[1] == want[1] and got[2] == []
+        n = 8 + sum(t.numel() for t in ids)
+        now = tuple(t.data_ptr() for t in staged._captured[n])
+        assert buffers.setdefault(n, now) == now
+    assert staged.blocking_reads == 6 and staged.event.synchronized == 6 and len(staged._captured) == 2
+
+
 def test_a_posted_read_back_is_waited_for_only_at_collect(fake_cuda):
     """Early hits enqueue the layer's first expert group between ``post`` (staging, copies, the event recorded)
     and ``collect`` (the one host wait): the event is recorded at post and synchronized at collect only."""

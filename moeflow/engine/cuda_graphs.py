@@ -5,15 +5,21 @@ Between two calls into a host-side expert backend (the offload scheduler: its on
 copies) a decode step's device work has static shapes and never waits for the host, so it is captured once
 and replayed every step:
 
-    piece 0:  rotary, masks, layer 0 up to its gate         | backend.forward_logits(0, x, router_logits, ...)
-    piece 1:  layer 0 after its experts, layer 1 to its gate | backend.forward_logits(1, ...)
+    piece 0:  rotary, masks, layer 0 up to its gate [+ prelude 0] | backend.forward_logits(0, x, router_logits, ...)
+    piece 1:  layer 0 after its experts, layer 1 to its gate [+ prelude 1] | backend.forward_logits(1, ...)
     ...
     piece L:  the last layer after its experts, final norm, LM head  -> logits
 
+A piece may end with the backend's *prelude* of the layer (``ExpertBackend.capture_prelude``: device work that
+needs no host value; the offload backend's routing launch and read-back staging on the Triton path,
+:mod:`moeflow.offload.prelude`); the call between the pieces is then ``backend.forward_prelude(prelude, ...)``,
+which consumes its static outputs (records the read-back's event, waits, schedules, runs the device part).
+
 The pieces are found by running the decode function once with a stand-in backend (:class:`_Boundary`) that,
-at each MoE call, ends the capture in progress, keeps the call's tensors (the static arguments of the real
-call at replay; the routing runs in the backend, which may fuse it into its kernels), and starts the next
-piece on a static buffer that the real call's output is copied into.
+at each MoE call, enqueues the real backend's prelude (if it has one), ends the capture in progress, keeps the
+call's tensors (the static arguments of the real call at replay; without a prelude the routing runs in the
+backend's call, which may fuse it into its kernels), and starts the next piece on a static buffer that the real
+call's output is copied into.
 A backend dynamo traces through (every expert resident: pure device work) needs no boundary: one graph.
 
 Inside a backend call, the offload backend's own device part (the expert groups over the slot pool and the
@@ -128,6 +134,7 @@ class _Call:
     route: Callable  # the block's router (logits -> probs, ids, weights)
     kernel_routing: Any  # moeflow.moe.backend.KernelRouting | None
     out: torch.Tensor  # [T, H]: the real call's output, copied in before the next piece
+    prelude: Any = None  # the backend's captured prelude of the layer (capture_prelude), in the piece before
 
 
 class _Boundary:
@@ -135,8 +142,9 @@ class _Boundary:
     a capture (the warm-up) it returns zeros: the warm-up only runs every kernel once, with the same types
     (a compiled decode function then needs nothing new while the capture runs)."""
 
-    def __init__(self, capture: GraphCapture | None) -> None:
+    def __init__(self, capture: GraphCapture | None, experts: ExpertBackend | None = None) -> None:
         self.capture = capture
+        self.experts = experts  # the real backend, whose prelude ends each piece
         self.replays: list[Callable[[], None]] = []
         self.calls: list[_Call] = []
 
@@ -145,11 +153,15 @@ class _Boundary:
                        kernel_routing: Any, want_ids: bool) -> tuple[torch.Tensor, None]:
         if want_ids:  # a recorded routing would be a host value of the captured step
             raise RuntimeError("the decode step records its routing (tracing): CUDA-graph pieces do not return it")
+        hook = getattr(self.experts, "capture_prelude", None)
+        prelude = hook(layer, x, router_logits, kernel_routing) if hook is not None else None  # in the piece
         if self.capture is None:
             return torch.zeros_like(x), None
         self.replays.append(self.capture.end())
-        out = torch.empty_like(x)  # allocated between captures: the graphs only read it
-        self.calls.append(_Call(layer, x, router_logits, route, kernel_routing, out))
+        # allocated between captures: the graphs only read it; zeros, not garbage: a capture that runs its work
+        # (the tests' stand-in) computes on finite values, so a prelude's routing stays in range
+        out = torch.zeros_like(x)
+        self.calls.append(_Call(layer, x, router_logits, route, kernel_routing, out, prelude))
         self.capture.begin()
         return out, None
 
@@ -174,7 +186,12 @@ class CapturedStep:
                 replay()
                 if i < len(self.calls):
                     c = self.calls[i]
-                    out = experts.forward_logits(c.layer, c.x, c.router_logits, c.route, c.kernel_routing, False)[0]
+                    if c.prelude is not None:  # the layer's routing and read-back staging ran in the replay
+                        out = experts.forward_prelude(c.prelude, c.layer, c.x, c.router_logits, c.route,
+                                                      c.kernel_routing)
+                    else:
+                        out = experts.forward_logits(c.layer, c.x, c.router_logits, c.route, c.kernel_routing,
+                                                     False)[0]
                     c.out.copy_(out)  # at once: a captured device part's output is overwritten by the next layer
         return self.logits
 
@@ -192,8 +209,9 @@ def capture_step(fn: DecodeFn, capture: GraphCapture, inputs: tuple[torch.Tensor
     restore = snapshot() if snapshot is not None else None
     with capture.side_stream():
         try:
-            fn(embeds, positions, cache, cache_position, token_mask, experts if whole else _Boundary(None), None)
-            boundary = None if whole else _Boundary(capture)
+            fn(embeds, positions, cache, cache_position, token_mask, experts if whole else _Boundary(None, experts),
+               None)
+            boundary = None if whole else _Boundary(capture, experts)
             capture.begin()
             try:
                 logits = fn(embeds, positions, cache, cache_position, token_mask, experts if whole else boundary,

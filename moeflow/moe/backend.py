@@ -145,6 +145,24 @@ class ExpertBackend(ABC):
         probs, ids, weights = route(router_logits)
         return self._forward_to_call()(layer, x, probs, ids, weights), ids if want_ids else None
 
+    def capture_prelude(self, layer: int, x: torch.Tensor, router_logits: torch.Tensor,
+                        kernel_routing: KernelRouting | None) -> object | None:
+        """Called by the CUDA-graph decode step (:mod:`moeflow.engine.cuda_graphs`) at the end of the piece that
+        computes ``router_logits`` [T, E], while it is captured (and once before, at its warm-up): the backend may
+        enqueue here the device work of the layer that needs no host value (its routing, a read-back's staging),
+        so the piece's replay runs it, and return what :meth:`forward_prelude` consumes at replay. Default:
+        None, nothing captured (the call at replay is :meth:`forward_logits`)."""
+        return None
+
+    def forward_prelude(
+        self, prelude: object, layer: int, x: torch.Tensor, router_logits: torch.Tensor,
+        route: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        kernel_routing: KernelRouting | None,
+    ) -> torch.Tensor:
+        """The layer's output [T, H] after the replay of a piece that holds ``prelude`` (:meth:`capture_prelude`'s
+        result, its static outputs rewritten by that replay). Default: :meth:`forward_logits`."""
+        return self.forward_logits(layer, x, router_logits, route, kernel_routing, False)[0]
+
     def _forward_to_call(self) -> Callable[..., torch.Tensor]:
         """:meth:`forward`; in eager mode its body ``_forward`` where a backend keeps one behind a
         ``torch.compiler.disable``d ``forward`` (host logic: the graph break under torch.compile), which skips

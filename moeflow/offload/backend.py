@@ -16,7 +16,9 @@ One MoE layer (``forward``), in order:
    so the result is bitwise the one of a single resident pass.
 
 The expert groups and the combine are the device part (:mod:`moeflow.offload.compute`), eager or replayed
-from graphs captured per batch size (:mod:`moeflow.offload.device_step`, which argues the ordering).
+from graphs captured per batch size (:mod:`moeflow.offload.device_step`, which argues the ordering). With the
+decode step captured, the routing and the read-back's staging of step 1 may run in the step's captured piece
+before the layer instead (:mod:`moeflow.offload.prelude`).
 """
 
 from __future__ import annotations
@@ -41,13 +43,14 @@ from moeflow.offload.hybrid import HybridCompute
 from moeflow.offload.plan import arrival_order, plan_layer
 from moeflow.offload.platform import REAL, Platform
 from moeflow.offload.predictors.interface import Predictor
+from moeflow.offload.prelude import CapturedPrelude
 from moeflow.offload.readback import ReadBack, host_proposals
 from moeflow.offload.slot_loads import SlotLoads
 from moeflow.offload.stats import PhaseStats, Stats
 from moeflow.offload.transport import CudaTransport, Transport
 
 
-class OffloadedExperts(SlotLoads, ExpertBackend):
+class OffloadedExperts(CapturedPrelude, SlotLoads, ExpertBackend):
     """``ExpertBackend`` whose experts live in a :class:`HostStore` and stream into ``n_slots`` device slots.
 
     Built by :func:`moeflow.offload.create_expert_backend` from a policy; ``platform`` supplies the clock,
@@ -200,9 +203,9 @@ class OffloadedExperts(SlotLoads, ExpertBackend):
         """On the Triton path a plain softmax top-k is routed by the resident backend's fused plan kernel, so
         it is routed here by the same kernel (one launch; bitwise the resident routing); probs only for a predictor.
         Only real tokens get here (``ExpertBackend.forward_logits``): the needed-expert read-back, the predictor's
-        observations, the cache's counts and the CPU-vs-copy choice never see padding."""
-        if kernel_routing is None or self.kernels_backend not in ("triton", "auto") \
-                or kernels.resolve_backend(self.kernels_backend, x.device) != "triton":
+        observations, the cache's counts and the CPU-vs-copy choice never see padding. With the decode step
+        captured the routing may run in the captured piece instead (:mod:`moeflow.offload.prelude`)."""
+        if not self.routes_on_triton(x, kernel_routing):
             return super()._route_and_forward(layer, x, router_logits, route, kernel_routing, want_ids)
         ids, weights = kernels.route(router_logits, kernel_routing.top_k, "triton",
                                      renormalize=kernel_routing.renormalize)
@@ -230,15 +233,18 @@ class OffloadedExperts(SlotLoads, ExpertBackend):
         k = topk_ids.shape[1]
 
         # 1. the layer's only blocking device->host read: its routing, and the predictor's proposals with it
-        pred = self.predictor
-        if pred is not None:  # routing first: predictors that learn from it (DuoServe) need it
+        pred, captured, self._captured_read = self.predictor, self._captured_read, None
+        if pred is not None and captured is None:  # routing first: predictors that learn from it (DuoServe) need it
             pred.observe(layer, x, probs, topk_ids)
-        proposals = pred.propose(layer, x) if pred is not None else []
+        # proposed and staged in the captured piece just replayed (prelude.py): its event only
+        proposals = captured.proposals if captured is not None else pred.propose(layer, x) if pred is not None else []
         on_device = [ids for _, ids in proposals if isinstance(ids, torch.Tensor)]
         host_routing = pred is not None and pred.host_routing
-        # the predictor searching on the host gets the routing in the same read
-        self.readback.post(topk_ids, [*on_device, topk_ids] if host_routing else on_device,
-                           [probs] if host_routing else [])
+        if captured is not None:
+            self.readback.post_captured(topk_ids, on_device)
+        else:  # the predictor searching on the host gets the routing in the same read
+            self.readback.post(topk_ids, [*on_device, topk_ids] if host_routing else on_device,
+                               [probs] if host_routing else [])
         out, early = self._launch_early(layer, x, topk_ids, topk_weights) if self.early_hits else (None, ())
         needed, fetched, floats = self.readback.collect()
         if host_routing:

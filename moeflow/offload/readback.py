@@ -43,6 +43,9 @@ class ReadBack:
         self.event = torch.cuda.Event(blocking=True) if self.cuda else None
         self.blocking_reads = 0
         self._pending: tuple | None = None  # the posted read collect() waits for
+        # the captured stagings' own buffers (capture_stage), one pair per read size, never grown: a graph's
+        # addresses stay valid
+        self._captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.on_wait = on_wait  # the simulator's host clock: the wait for the routing and the scheduling
 
     def _alloc(self, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,7 +84,41 @@ class ReadBack:
         if m:
             self._flt_host[:m].copy_(self._flt_dev[:m], non_blocking=True)
         self.event.record()
-        self._pending = (n, [t.numel() for t in ids], [t.shape for t in floats])
+        self._pending = (n, [t.numel() for t in ids], [t.shape for t in floats], self._int_host)
+
+    def capture_stage(self, topk_ids: torch.Tensor, ids: list[torch.Tensor] = ()) -> None:
+        """The device part of a :meth:`post` of ``topk_ids`` [T, k] and ``ids`` (no floats), for a CUDA-graph piece to
+        hold: the needed-expert mask and the ids into a persistent device buffer and its asynchronous copy into a
+        persistent pinned one (a pair per read size, made at the first call: the capture's warm-up, outside any
+        capture; shared by every layer and captured step: the host reads a layer's copy before the next piece
+        runs). :meth:`post_captured` then records the event, eagerly after the piece's replay. Nothing on the CPU
+        (read in place)."""
+        if not self.cuda:
+            return
+        E = self.num_experts
+        n = E + sum(t.numel() for t in ids)
+        if n not in self._captured:
+            self._captured[n] = (torch.zeros(n, dtype=torch.int64, device=self.device), _pinned(n, torch.int64, True))
+        dev, host = self._captured[n]
+        dev[:E].zero_()
+        dev[:E].index_fill_(0, topk_ids.reshape(-1).long(), 1)
+        at = E
+        for t in ids:
+            dev[at : at + t.numel()].copy_(t.reshape(-1))
+            at += t.numel()
+        host.copy_(dev, non_blocking=True)
+
+    def post_captured(self, topk_ids: torch.Tensor, ids: list[torch.Tensor] = ()) -> None:
+        """:meth:`post` of ``topk_ids`` and ``ids`` whose :meth:`capture_stage` ran in the piece just replayed (the
+        same static tensors): only the event is recorded, after it on the stream; :meth:`collect` waits as ever."""
+        if not self.cuda:
+            self._pending = (topk_ids, ids, [])
+            return
+        n = self.num_experts + sum(t.numel() for t in ids)
+        if n not in self._captured:
+            raise RuntimeError("ReadBack.post_captured without a captured staging")
+        self.event.record()
+        self._pending = (n, [t.numel() for t in ids], [], self._captured[n][1])
 
     def collect(self) -> tuple[list[int], list[list[int]], list[torch.Tensor]]:
         """The posted read's (needed experts, ``ids`` as host lists, ``floats`` as host copies): one wait."""
@@ -96,9 +133,9 @@ class ReadBack:
             with torch._C.DisableTorchFunctionSubclass():  # the subclass guard: tests' device stand-in
                 return (sorted(set(topk_ids.reshape(-1).tolist())), [t.reshape(-1).tolist() for t in ids],
                         [t.float().clone() for t in floats])
-        n, id_sizes, float_shapes = pending
+        n, id_sizes, float_shapes, ints = pending
         self.event.synchronize()
-        values = self._int_host[:n].tolist()
+        values = ints[:n].tolist()
         E = self.num_experts
         needed = [e for e in range(E) if values[e]]
         lists, at = [], E

@@ -24,6 +24,8 @@ class GateSpeculator(Predictor):
     """gates: one router per MoE layer (x [T, H] -> logits [T, E]); route: logits [T, E] -> (probs fp32 [T, E],
     ids int32 [T, k], weights fp32 [T, k]) (default: softmax, top-k, renormalise)."""
 
+    captured_proposals = True  # a router and a top-k on the device, no observation
+
     def __init__(self, gates: Sequence[nn.Module], top_k: int, distance: int = 1, max_experts: int | None = None,
                  route: Route | None = None):
         self.gates = list(gates)

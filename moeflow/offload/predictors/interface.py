@@ -36,6 +36,9 @@ class Predictor(ABC):
     proposes_late: ClassVar[bool] = False  # the backend calls collect_proposals after a layer's first group
     host_routing: ClassVar[bool] = False  # the backend reads probs/topk_ids back with the layer's one read
     needs_history: ClassVar[bool] = False  # begin_step reads StepInfo.history_ids (every token so far)
+    # propose is device work of static shapes that reads no host value and observe does nothing: both may run in
+    # a captured CUDA-graph piece (the offload backend's prelude, moeflow/offload/prelude.py)
+    captured_proposals: ClassVar[bool] = False
 
     def bind(self, runtime: Any) -> None:  # noqa: B027 (optional hook)
         """The backend that runs this predictor (``prefetch(target, experts, layer_now)``, ``cache``)."""

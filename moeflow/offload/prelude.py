@@ -1,0 +1,92 @@
+"""An offloaded layer's device prelude, captured in the CUDA-graph decode step's piece before the layer.
+
+Between the router's logits and the host's schedule, :class:`moeflow.offload.backend.OffloadedExperts` runs device
+work of static shapes that needs no host value: on the Triton path the routing (one launch of the resident backend's
+route kernel), a predictor's proposals where they are device work of static shapes
+(``Predictor.captured_proposals``: mixtral-offloading's next-layer router) and the read-back's staging (the
+needed-expert mask and the proposals, their asynchronous copy into pinned memory). Run eagerly per layer per step it is
+host time (~80 us of launcher Python for the routing on the lent H100's host, ~5 torch ops for the staging). With
+the decode step captured (:mod:`moeflow.engine.cuda_graphs`) it is enqueued at the end of the piece that computes
+the logits (:meth:`CapturedPrelude.capture_prelude`), so the piece's replay runs it; the backend's call for the
+layer (:meth:`CapturedPrelude.forward_prelude`) then records the read-back's event, waits, schedules and runs the
+device part from the prelude's static routing, exactly as the eager path does from its own (same kernel, same
+arguments: bitwise the same ids and weights; the same mask read back).
+
+Where the prelude is not captured (:meth:`CapturedPrelude.prelude_refusal`), the call at replay is the eager
+``forward_logits``, as before: a router the kernels cannot compute (``kernel_routing`` None), the torch kernels (and
+the CPU's ``cpu-int4``), a predictor other than those (it observes the routing probabilities or the hidden state,
+proposes on the host or on DuoServe's side stream, or reads the routing back with the read-back's own read: finemoe,
+expertflow, promoe, duoserve, ...), hybrid CPU compute (its workers take the routing on the host). At replay it also
+falls back when the pass's tokens are not all real (the prelude routed every row of the captured shape) or the
+prelude is another backend's. The read-back's captured staging has buffers of its own, never grown
+(:meth:`moeflow.offload.readback.ReadBack.capture_stage`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from moeflow import kernels
+from moeflow.moe.backend import KernelRouting
+
+
+@dataclass
+class Prelude:
+    """One layer's captured prelude: its static routing, rewritten by every replay of the piece that holds it."""
+
+    owner: object  # the backend that captured it
+    layer: int
+    topk_ids: torch.Tensor  # int32 [T, k]
+    topk_weights: torch.Tensor  # fp32 [T, k]
+    proposals: list  # the predictor's [(target layer, device ids int [n])]
+
+
+class CapturedPrelude:
+    """The prelude hooks of :class:`moeflow.offload.backend.OffloadedExperts` (see the module docstring)."""
+
+    capture_preludes = True  # False: never captured (the eager call at replay; tests compare both)
+    _captured_read: Prelude | None = None  # the prelude _forward reads back instead of posting a read
+
+    def routes_on_triton(self, x: torch.Tensor, kernel_routing: KernelRouting | None) -> bool:
+        """Whether the layer is routed by the Triton route kernel (a plain softmax top-k on the Triton path)."""
+        return kernel_routing is not None and self.kernels_backend in ("triton", "auto") \
+            and kernels.resolve_backend(self.kernels_backend, x.device) == "triton"
+
+    def prelude_refusal(self, x: torch.Tensor, kernel_routing: KernelRouting | None) -> str | None:
+        """Why the layer's prelude is not captured, or None."""
+        if not self.capture_preludes:
+            return "switched off (capture_preludes)"
+        if not self.routes_on_triton(x, kernel_routing):
+            return "the layer is not routed by the Triton route kernel"
+        pred = self.predictor
+        if pred is not None and not (pred.captured_proposals and not pred.host_routing and not pred.proposes_late):
+            return "the predictor observes the routing or proposes on the host"
+        if self.cpu is not None:
+            return "hybrid CPU compute takes the routing on the host"
+        return None
+
+    def capture_prelude(self, layer: int, x: torch.Tensor, router_logits: torch.Tensor,
+                        kernel_routing: KernelRouting | None) -> Prelude | None:
+        """x [T, H], router_logits [T, E]: enqueue the routing and the read-back's staging (in the piece being
+        captured; eagerly at the warm-up, which makes the staging's buffers); None where refused."""
+        if self.prelude_refusal(x, kernel_routing) is not None:
+            return None
+        ids, weights = kernels.route(router_logits, kernel_routing.top_k, "triton",
+                                     renormalize=kernel_routing.renormalize)
+        proposals = self.predictor.propose(layer, x) if self.predictor is not None else []
+        self.readback.capture_stage(ids, [p for _, p in proposals])
+        return Prelude(self, layer, ids, weights, proposals)
+
+    def forward_prelude(self, prelude: Prelude, layer: int, x: torch.Tensor, router_logits: torch.Tensor,
+                        route: Callable, kernel_routing: KernelRouting | None) -> torch.Tensor:
+        """The layer [T, H] from the prelude the piece just replayed (the eager ``forward_logits`` where it does
+        not apply: padding in the pass, another backend's prelude)."""
+        real = self._real_tokens
+        padded = real is not None and real[0] is not None and real[1] == x.shape[0]
+        if padded or prelude.owner is not self or prelude.layer != layer:
+            return self.forward_logits(layer, x, router_logits, route, kernel_routing, False)[0]
+        self._captured_read = prelude  # taken by _forward's step 1 instead of posting a read
+        return self._forward_to_call()(layer, x, None, prelude.topk_ids, prelude.topk_weights)
