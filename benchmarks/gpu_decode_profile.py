@@ -6,7 +6,8 @@ token count: every Triton specialization and cuDNN plan built), then timed (``--
 profiled for a few steps with ``torch.profiler``. Reported per policy: ms per decode step, and per MoE layer the
 host time (wall time of a step / layers: the host issues a layer's work no faster than this) against the GPU time
 (sum of the step's kernel and copy durations in the trace / layers). ``host_bound`` is wall > 1.5x GPU busy.
-Optionally (``--graphs``) the same with the decode step captured as CUDA graphs (``model.capture_decode()``).
+Optionally (``--graphs``) the same with the decode step captured as CUDA graphs (``model.capture_decode()``). lru
+runs with early hits on and off, and (every expert fitting) with the captured prelude off (``captured_preludes``).
 
     python benchmarks/gpu_decode_profile.py --layers 8 --out $OUT/decode_profile.json
     python benchmarks/gpu_decode_profile.py --tiny --out /tmp/decode_profile.json   # the CPU sizes (no GPU times)
@@ -101,12 +102,19 @@ def main(argv: list[str] | None = None) -> None:
     expected = None
     modes = ([] if args.graphs_only else ["eager"]) + (["cuda_graphs"] if args.graphs or args.graphs_only else [])
     lru = [int(n) for n in args.slots.split(",")] if args.slots else [L * E, L * E // 2]
-    # lru twice: hits launched before the read-back (the default on CUDA) and the serial schedule (early_hits off)
-    for policy, slots, early in [("resident", L * E, None)] + [("lru", n, e) for n in lru for e in (None, False)]:
+    # lru twice: hits launched before the read-back (the default on CUDA) and the serial schedule (early_hits off);
+    # at every expert fitting also with the routing and read-back staging left eager between the captured pieces
+    # (capture_preludes off: moeflow/offload/prelude.py), which only the cuda_graphs rows can tell apart
+    runs = [("resident", L * E, None, True)] + [("lru", n, e, True) for n in lru for e in (None, False)]
+    runs.insert(2, ("lru", lru[0], None, False))
+    for policy, slots, early, preludes in runs:
         backend = install_backend(model, host, policy, slots, "auto", early_hits=early)
+        if hasattr(backend, "capture_preludes"):
+            backend.capture_preludes = preludes
         for mode in modes:
             row: dict = {"policy": policy, "slots": slots, "mode": mode,
-                         "early_hits": getattr(backend, "early_hits", None)}
+                         "early_hits": getattr(backend, "early_hits", None),
+                         "captured_preludes": getattr(backend, "capture_preludes", None)}
             try:
                 if mode == "cuda_graphs":
                     graphs = model.capture_decode(None if device.type == "cuda" else cpu_capture_factory())
@@ -115,7 +123,9 @@ def main(argv: list[str] | None = None) -> None:
                 step_s, out = _decode(model, prompt, args.new_tokens)
                 expected = out if expected is None else expected
                 if mode == "cuda_graphs":
-                    row.update(captures=graphs.captures, refused=graphs.refused)
+                    calls = graphs.step.calls if graphs.step is not None else []
+                    row.update(captures=graphs.captures, refused=graphs.refused,
+                               layers_with_prelude=sum(getattr(c, "prelude", None) is not None for c in calls))
                 row.update(ms_per_step=step_s * 1e3, tok_s=1 / step_s, tokens_equal_resident=bool(
                     torch.equal(out, expected)), **_profile(model, prompt, args.profile_steps))
                 row["host_ms_per_layer"] = row["ms_per_step"] / L

@@ -217,10 +217,14 @@ def test_gpu_decode_profile_tiny(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    # lru twice: early_hits at its default (on CUDA: on; here off, nothing to overlap) and forced off
+    # lru three times: early_hits at its default (on CUDA: on; here off, nothing to overlap), the same with the
+    # captured prelude off, and early hits forced off
     assert [(r["policy"], r["mode"]) for r in rows] == [
-        (p, m) for p in ("resident", "lru", "lru") for m in ("eager", "cuda_graphs")]
-    assert [r["early_hits"] for r in rows] == [None, None, False, False, False, False]
+        (p, m) for p in ("resident", "lru", "lru", "lru") for m in ("eager", "cuda_graphs")]
+    assert [r["early_hits"] for r in rows] == [None, None] + [False] * 6
+    assert [r["captured_preludes"] for r in rows] == [None, None, True, True, False, False, True, True]
+    # (the CPU sizes run the torch kernels, whose routing stays eager: the GPU's Triton path captures it)
+    assert [r["layers_with_prelude"] for r in rows if r["mode"] == "cuda_graphs"] == [0, 0, 0, 0]
     assert all("error" not in r and r["tokens_equal_resident"] for r in rows), rows
     # (resident's torch reference kernels read values on the host: the CPU stand-in refuses them, the GPU does not)
     assert all(r["captures"] == 1 and r["refused"] is None for r in rows
