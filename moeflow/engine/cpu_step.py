@@ -193,7 +193,10 @@ def _share_rows(projections: list[nn.Module], fused: nn.Module, names: list[str]
 
 def set_cpu_step_fused(decoder: nn.Module, fused: bool) -> None:
     """Switch a decoder :func:`fuse_cpu_step` changed between its fused and its unfused step (the same weights:
-    q/k/v then run as their three views of the fused matrix) - for A/B benchmarks and tests."""
+    q/k/v then run as their three views of the fused matrix) - for A/B benchmarks and tests. The decoder's
+    one-call layers (engine.cpu_layers), when it has them, are switched with the rest."""
+    if getattr(decoder, "native_layers", None) is not None:
+        decoder.native_layers.enabled = fused
     for module in decoder.modules():
         if type(module) is RMSNorm and module.weight.dtype == torch.float32:
             module.native = fused and native_available()

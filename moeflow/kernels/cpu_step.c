@@ -12,6 +12,9 @@
 int mf_q4_linear(const float* x, int T, int K, int N, int group, const uint8_t* qw, const float* s, const float* m,
                  float* y, int nthreads);
 int mf_q8_linear(const float* x, int T, int K, int N, const int8_t* w, const float* s, float* y, int nthreads);
+int mf_q4_expert(const float* x, int T, int H, int I, int group, const uint8_t* w13, const float* s13,
+                 const float* m13, const uint8_t* w2, const float* s2, const float* m2, const float* weight,
+                 float* out, int accumulate, int nthreads);
 
 /* out[t] = w * (x[t] / sqrt(mean(x[t]^2) + eps)) for x fp32 [T, H]. With ``res`` (may be NULL): x[t] + res[t]
    is normalised instead and written to ``sum`` (the residual stream the layer continues with). */
@@ -191,4 +194,76 @@ void mf_softmax_topk(const float* logits, int T, int E, int k, int renorm, float
         if (renorm)
             for (int j = 0; j < k; j++) wt[j] /= total;
     }
+}
+
+/* ---- a whole one-token step through the decoder layers ---- */
+
+/* One expert's q4 matrices: w13 [2I, H] (gate then up), w2 [H, I] (cpu_q4.c's layout). */
+typedef struct {
+    const uint8_t* w13;
+    const float* s13;
+    const float* m13;
+    const uint8_t* w2;
+    const float* s2;
+    const float* m2;
+} mf_expert_desc;
+
+/* A Mixtral-layout decoder layer: the attention half of mf_attn_block, a plain softmax-top-k router (fp32 gate
+   [E, H]) and E SwiGLU q4 experts of intermediate size I. */
+typedef struct {
+    const float* w_in;
+    const float* w_post;
+    float eps;
+    int qkv_bits, qkv_group;
+    const void* qkv_w;
+    const float* qkv_s;
+    const float* qkv_m;
+    int o_bits, o_group;
+    const void* o_w;
+    const float* o_s;
+    const float* o_m;
+    int nh, nkv, D;
+    const float* gate;
+    int E, k, renorm, I, group;
+    const mf_expert_desc* experts;
+} mf_layer_desc;
+
+/* One token x fp32 [H] through n layers, in place: per layer, (x, h) = mf_attn_block(x); logits = h @ gate.T;
+   (ids, weights) = mf_softmax_topk(logits); moe = the k experts' mf_q4_expert calls accumulated in k order;
+   x = x + moe. Exactly the calls (and the one fp32 add) of the per-layer path, so the same numbers.
+   kv [n, 3]: each layer's k cache, v cache (fp32 [1, nkv, L, D]) and mask (bool [L]); ids int32 [n, k] and
+   weights fp32 [n, k] receive each layer's routing. Returns 0, or -1 when out of memory (x then undefined). */
+int mf_layers_step(const mf_layer_desc* layers, int n, float* x, int H, const float* cos, const float* sin,
+                   void* const* kv, int L, const int64_t* pos, float scale, int32_t* ids, float* weights,
+                   int nthreads) {
+    int emax = 1;
+    for (int l = 0; l < n; l++) emax = layers[l].E > emax ? layers[l].E : emax;
+    float* buf = malloc(sizeof(float) * (4 * (size_t)H + 2 * (size_t)emax));
+    if (!buf) return -1;
+    float* xa = buf;           /* [H] x + attention */
+    float* h = xa + H;         /* [H] the MoE block's input */
+    float* moe = h + H;        /* [H] */
+    float* logits = moe + H;   /* [E] */
+    float* probs = logits + emax;
+    int rc = 0;
+    for (int l = 0; l < n && !rc; l++) {
+        const mf_layer_desc* d = &layers[l];
+        rc = mf_attn_block(x, 1, 1, H, d->w_in, d->w_post, d->eps, d->qkv_bits, d->qkv_group, d->qkv_w, d->qkv_s,
+                           d->qkv_m, d->o_bits, d->o_group, d->o_w, d->o_s, d->o_m, d->nh, d->nkv, d->D, cos, sin,
+                           (float*)kv[3 * l], (float*)kv[3 * l + 1], L, pos, (const uint8_t*)kv[3 * l + 2], scale,
+                           xa, h, nthreads);
+        if (rc) break;
+        int32_t* il = ids + (size_t)l * d->k;
+        float* wl = weights + (size_t)l * d->k;
+        mf_dense_f32(h, 1, H, d->E, d->gate, logits);
+        mf_softmax_topk(logits, 1, d->E, d->k, d->renorm, probs, il, wl);
+        for (int j = 0; j < d->k && !rc; j++) {
+            const mf_expert_desc* e = &d->experts[il[j]];
+            rc = mf_q4_expert(h, 1, H, d->I, d->group, e->w13, e->s13, e->m13, e->w2, e->s2, e->m2, wl + j, moe,
+                              j > 0, nthreads);
+        }
+        for (int i = 0; i < H; i++) x[i] = xa[i] + moe[i];
+    }
+    free(buf);
+    return rc;
 }
