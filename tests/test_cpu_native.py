@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -175,6 +176,33 @@ def test_expert_matches_its_reference_and_accumulates(tokens):
     out = base.clone()
     assert q4_expert(x, w13, w2, w, out) is out
     assert torch.equal(out, base + y)  # out += w * y, the same numbers as adding the result
+
+
+def test_vectorized_silu_is_the_scalar_loop_bit_for_bit():
+    """The expert's silu(gate) * up: 8 lanes at a time (AVX2, its own expf) against the scalar loop with libm's
+    expf, bit for bit, on random bit patterns (every exponent, inf, nan, denormals), log-uniform magnitudes up to
+    88 (expf's main path), activation-like values and the path's edges, with a tail shorter than 8. (Every float:
+    benchmarks/peers/cpu_expf_check.c.)"""
+    lib = cpu_native.library()
+    for f in (lib.mf_silu_mul, lib.mf_silu_mul_scalar):
+        f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+        f.restype = None
+    g = torch.Generator().manual_seed(12)
+    edges = torch.tensor([0.0, -0.0, 88.0, -88.0, 87.99, -87.99, 88.73, -103.9, -104.0, 1e-40, -1e-40,
+                          float("inf"), float("-inf"), float("nan"), 1.0, -1.0, 0.5, 1e-8])
+    bits = torch.randint(-2**31, 2**31 - 1, (1 << 16,), generator=g, dtype=torch.int32).view(torch.float32)
+    sign = torch.randint(0, 2, (1 << 20,), generator=g) * 2 - 1.0
+    log_uniform = sign * torch.exp(torch.rand(1 << 20, generator=g, dtype=torch.float64) * 74 - 69).float()  # to 88
+    gate = torch.cat([bits, log_uniform, torch.randn(1 << 16, generator=g) * 6, torch.linspace(-110, 110, 40003),
+                      edges])
+    up = torch.randn(gate.numel(), generator=g)
+    fast, slow = torch.empty_like(gate), torch.empty_like(gate)
+    lib.mf_silu_mul(gate.data_ptr(), up.data_ptr(), gate.numel(), fast.data_ptr())
+    lib.mf_silu_mul_scalar(gate.data_ptr(), up.data_ptr(), gate.numel(), slow.data_ptr())
+    nan = slow.isnan()
+    assert torch.equal(fast.isnan(), nan)
+    assert torch.equal(fast[~nan].view(torch.int32), slow[~nan].view(torch.int32))
+    assert gate.numel() % 8 and int(nan.sum()) < gate.numel() // 100
 
 
 def test_a_tokens_result_does_not_depend_on_the_batch():

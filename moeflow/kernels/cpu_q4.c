@@ -23,6 +23,11 @@
 #include "cpu_native.h"
 
 #define TT 4  /* tokens per register tile (3..8 measured alike; 4 keeps every accumulator in a register) */
+#ifndef PREFETCH
+/* bytes ahead of the block being read (24 blocks; the next row group's when near the end of this one): one token
+   read an expert at 17.9 GB/s with 1024, 19.2-19.3 with 2048-4096 on the 2-core EPYC (bench of issue 21, s12) */
+#define PREFETCH 3072
+#endif
 
 #if MF_AVX2
 /* 8 grouped rows (w, s, m: this row group's bytes) against ``tt`` tokens from t0: y[t, n .. n + 8). */
@@ -40,8 +45,8 @@ static inline __attribute__((always_inline)) void q4_group_tile(
             acc[i] = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(gsum + (size_t)(t0 + i) * ng + g), acc[i]);
         for (int b = g * bpg; b < (g + 1) * bpg; b++) {
             const uint8_t* wb = w + (size_t)b * 128;
-            _mm_prefetch((const char*)(wb + 1024), _MM_HINT_T0);
-            _mm_prefetch((const char*)(wb + 1088), _MM_HINT_T0);
+            _mm_prefetch((const char*)(wb + PREFETCH), _MM_HINT_T0);
+            _mm_prefetch((const char*)(wb + PREFETCH + 64), _MM_HINT_T0);
             __m256i dot[TT];
             for (int i = 0; i < tt; i++) dot[i] = _mm256_setzero_si256();
             for (int c = 0; c < 4; c++) {
