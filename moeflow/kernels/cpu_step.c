@@ -9,6 +9,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_native.h"
+
 int mf_q4_linear(const float* x, int T, int K, int N, int group, const uint8_t* qw, const float* s, const float* m,
                  float* y, int nthreads);
 int mf_q8_linear(const float* x, int T, int K, int N, const int8_t* w, const float* s, float* y, int nthreads);
@@ -96,15 +98,25 @@ int mf_attn_step(const float* qkv, int B, int T, int nh, int nkv, int D, const f
             const float* vh = vc + ((size_t)b * nkv + kvh) * L * D;
             float mx = -INFINITY;
             for (int l = 0; l < L; l++) {
-                if (!mrow[l]) continue;
-                p[l] = dot(q, kh + (size_t)l * D, D) * scale;
-                mx = fmaxf(mx, p[l]);
+                if (!mrow[l]) {
+                    p[l] = 0.0f;  /* never read below; a plain value keeps mf_exp8 on its fast path */
+                    continue;
+                }
+                const float sc = dot(q, kh + (size_t)l * D, D) * scale;
+                p[l] = sc;
+                mx = mx > sc ? mx : sc;  /* fmaxf(mx, sc) (x86 glibc: maxss) for scores that are not NaN */
             }
+            int l0 = 0;  /* p[l] = expf(p[l] - mx) */
+#if MF_AVX2
+            for (const __m256 m8 = _mm256_set1_ps(mx); l0 + 8 <= L; l0 += 8)
+                _mm256_storeu_ps(p + l0, mf_exp8(_mm256_sub_ps(_mm256_loadu_ps(p + l0), m8)));
+#endif
+            for (; l0 < L; l0++) p[l0] = expf(p[l0] - mx);
             float den = 0.0f;
             for (int j = 0; j < D; j++) acc[j] = 0.0f;
             for (int l = 0; l < L; l++) {
                 if (!mrow[l]) continue;
-                float e = expf(p[l] - mx);
+                const float e = p[l];
                 den += e;
                 const float* vl = vh + (size_t)l * D;
                 for (int j = 0; j < D; j++) acc[j] += e * vl[j];
