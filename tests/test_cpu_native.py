@@ -48,6 +48,48 @@ def q4_any_rows(n: int, k: int, group: int, seed: int) -> tuple[Q4Matrix, torch.
     return Q4Matrix(cpu_native._pack_q4(q), cpu_native._group_rows(s), cpu_native._group_rows(m), group), w
 
 
+def q4_both_forms(n: int, k: int, group: int, seed: int) -> tuple[Q4Matrix, Q4Matrix]:
+    """One random q4 matrix (fp16 scales, any row count) in both forms: (Q4_F32, Q4_F16Z)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    s = (torch.rand(n, k // group, generator=g) * 0.01 + 1e-4).half()
+    z = torch.randint(0, 16, (n, k // group), generator=g, dtype=torch.uint8)
+    packed, rows = cpu_native._pack_q4(q), cpu_native._group_rows
+    return (Q4Matrix(packed, rows(s.float()), rows(-z.float() * s.float()), group),
+            Q4Matrix(packed, rows(s), rows(z), group))
+
+
+def test_compact_form_gives_the_fp32_forms_results_bit_for_bit():
+    """fp16 scales with uint8 zeros (Q4_F16Z) against fp32 scales and mins (Q4_F32) of the same weights: every
+    token tile, the plain tail rows, the expert, fused rows of both forms; 3 instead of 8 bytes per group."""
+    f32, f16 = q4_both_forms(8 * 5 + 5, 256, 64, seed=40)
+    assert (f32.fmt, f16.fmt) == (cpu_native.Q4_F32, cpu_native.Q4_F16Z)
+    assert torch.equal(f16.dequantized(), f32.dequantized()) and f16.fp32_form().scales.dtype == torch.float32
+    assert f32.nbytes - f16.nbytes == 5 * f32.scales.numel()
+    for tokens in (1, 2, 3, 4, 5, 9, 17):
+        x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(tokens))
+        assert torch.equal(f16.matmul(x), f32.matmul(x))
+    g32, g16 = q4_both_forms(40, 256, 64, seed=45)  # whole row groups: the fused rows computed as before
+    fused = Q4Matrix.concat_rows([g16, g32])  # mixed forms: the fp32 one
+    assert fused.fmt == cpu_native.Q4_F32 and torch.equal(fused.matmul(x), torch.cat([g32.matmul(x)] * 2, 1))
+    assert Q4Matrix.concat_rows([g16, g16]).fmt == cpu_native.Q4_F16Z
+    H, I, G = 128, 96, 32  # noqa: E741
+    a32, a16 = q4_both_forms(2 * I, H, G, seed=41)
+    b32, b16 = q4_both_forms(H, I, G, seed=42)
+    x, w = torch.randn(5, H, generator=torch.Generator().manual_seed(43)), torch.rand(5)
+    assert torch.equal(q4_expert(x, a16, b16, w), q4_expert(x, a32, b32, w))
+    assert torch.equal(q4_expert(x, a16, b32, w), q4_expert(x, a32, b32, w))  # mixed: both taken as fp32
+    # from AWQ tensors: fp16 scales take the compact form (or not, when asked); the same results
+    t = quantize_rtn(torch.randn(64, 128, generator=torch.Generator().manual_seed(44)) * 0.05, 32)
+    c, p = Q4Matrix.from_awq(t.qweight, t.qzeros, t.scales, 32), Q4Matrix.from_awq(t.qweight, t.qzeros,
+                                                                                    t.scales.float(), 32)
+    assert (c.fmt, p.fmt) == (cpu_native.Q4_F16Z, cpu_native.Q4_F32)
+    assert torch.equal(c.matmul(x[:, :128]), p.matmul(x[:, :128]))
+    assert Q4Matrix.from_awq(t.qweight, t.qzeros, t.scales, 32, compact=False).fmt == cpu_native.Q4_F32
+    with pytest.raises(ValueError, match="not all fp16"):
+        Q4Matrix.from_awq(t.qweight, t.qzeros, t.scales.float() * (1 + 1e-6), 32, compact=True)
+
+
 @pytest.mark.parametrize("n,k,group,tokens", [(64, 128, 32, 1), (96, 256, 64, 3), (80, 256, 128, 9),
                                               (1032, 512, 128, 5)])
 def test_q4_matmul_matches_its_reference(n, k, group, tokens):
@@ -233,6 +275,8 @@ def test_portable_build_gives_the_same_results(tmp_path, monkeypatch):
     assert rel(m8.matmul(x[:, :128]), q4_reference(x[:, :128], q.float() * s[:, None])) < NATIVE_RTOL
     ids = torch.tensor([50, 3, 9])
     assert torch.equal(Q8Matrix.from_rows(m8.rows(ids), s[ids]).matmul(x[:, :128]), m8.matmul(x[:, :128])[:, ids])
+    f32, f16 = q4_both_forms(67, 256, 64, seed=10)  # the compact form's scalar loads
+    assert torch.equal(f16.matmul(x), f32.matmul(x))
     assert torch.equal(m8.matmul_rows(x[:, :128], ids), m8.matmul(x[:, :128])[:, ids])
 
 

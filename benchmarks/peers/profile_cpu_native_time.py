@@ -25,29 +25,35 @@ from pathlib import Path
 import torch
 
 
-def _q4_bytes(n: int, k: int, group: int) -> int:
-    return n * k // 2 + 8 * n * (k // group)
+def _q4_bytes(n: int, k: int, group: int, fmt: int = 0) -> int:
+    """fmt 0: fp32 scales and mins (8 bytes per row and group); 1: fp16 scales and uint8 zeros (3 bytes)."""
+    return n * k // 2 + (3 if fmt else 8) * n * (k // group)
 
 
-def _linear_bytes(bits: int, n: int, k: int, group: int) -> int:
-    return _q4_bytes(n, k, group) if bits == 4 else n * k + 4 * n
+def _linear_bytes(bits: int, n: int, k: int, group: int, fmt: int = 0) -> int:
+    return _q4_bytes(n, k, group, fmt) if bits == 4 else n * k + 4 * n
 
 
 def weight_bytes(name: str, a: tuple) -> int:
-    """Weight bytes one call reads, from its ctypes arguments (0 for the small ops)."""
+    """Weight bytes one call reads, from its ctypes arguments (0 for the small ops). The q4 kernels took a ``fmt``
+    argument after the group size from session 12 on: both signatures are read."""
     if name == "mf_q4_expert":
         h, inter, group = a[2], a[3], a[4]
-        return _q4_bytes(2 * inter, h, group) + _q4_bytes(h, inter, group)
+        fmt = a[5] if len(a) == 16 else 0
+        return _q4_bytes(2 * inter, h, group, fmt) + _q4_bytes(h, inter, group, fmt)
     if name == "mf_q4_linear":
-        return _q4_bytes(a[3], a[2], a[4])
+        return _q4_bytes(a[3], a[2], a[4], a[5] if len(a) == 11 else 0)
     if name == "mf_q8_linear":
         return a[2] * a[3] + 4 * a[3]
     if name == "mf_q8_linear_rows":
         return a[2] * a[7]
     if name == "mf_attn_block":
-        h, nh, nkv, d = a[3], a[17], a[18], a[19]
-        f = (nh + 2 * nkv) * d
-        return _linear_bytes(a[7], f, h, a[8]) + _linear_bytes(a[12], h, nh * d, a[13])
+        if len(a) == 33:  # (.., qkv bits, group, fmt, w, s, m, o bits, group, fmt, w, s, m, nh, nkv, D, ..)
+            qkv, o, (nh, nkv, d) = (a[7], a[8], a[9]), (a[13], a[14], a[15]), a[19:22]
+        else:
+            qkv, o, (nh, nkv, d) = (a[7], a[8], 0), (a[12], a[13], 0), a[17:20]
+        h, f = a[3], (nh + 2 * nkv) * d
+        return _linear_bytes(qkv[0], f, h, qkv[1], qkv[2]) + _linear_bytes(o[0], h, nh * d, o[1], o[2])
     if name == "mf_dense_f32":
         return 4 * a[2] * a[3]
     return 0

@@ -58,7 +58,7 @@ class NativeLayers:
         descs, tables = [], []
         for layer, block in zip(self.layers, self.blocks, strict=True):
             forms = experts.experts[block.layer_idx]
-            if any(f is None or not f.native for f in forms):
+            if any(f is None or not f.native or f.w13.fmt != f.w2.fmt for f in forms):
                 return None
             half = layer.attention_half
             attn = half.attn

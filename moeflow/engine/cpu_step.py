@@ -164,8 +164,9 @@ def fuse_qkv(projections: list[nn.Module]) -> nn.Module | None:
         return fused
     if not all(isinstance(p, CpuQuantLinear) and p.native for p in projections):
         return None
-    if len({(p.bits, p.in_features, p.group_size) for p in projections}) != 1:
-        return None
+    if len({(p.bits, p.in_features, p.group_size, p.scales.dtype if p.bits == 4 else None)
+            for p in projections}) != 1:
+        return None  # (int4: one form of scales, Q4Matrix.fmt)
     if any(p.out_features % ROW_GROUP for p in projections):
         return None  # int4/int8 rows are interleaved in groups of ROW_GROUP: row views are valid only at group bounds
     names = ["int8_weight", "int8_scales"] if first.bits == 8 else ["packed", "scales", "mins"]

@@ -27,16 +27,16 @@ _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 class ExpertDesc(ctypes.Structure):
     """cpu_step.c's ``mf_expert_desc``: one expert's q4 matrices (w13 [2I, H], w2 [H, I])."""
 
-    _fields_ = [(n, _p) for n in ("w13", "s13", "m13", "w2", "s2", "m2")]
+    _fields_ = [*((n, _p) for n in ("w13", "s13", "m13", "w2", "s2", "m2")), ("fmt", _i)]
 
 
 class LayerDesc(ctypes.Structure):
     """cpu_step.c's ``mf_layer_desc``: one Mixtral-layout layer (attention half, softmax-top-k router, experts)."""
 
-    _fields_ = [("w_in", _p), ("w_post", _p), ("eps", _f), ("qkv_bits", _i), ("qkv_group", _i), ("qkv_w", _p),
-                ("qkv_s", _p), ("qkv_m", _p), ("o_bits", _i), ("o_group", _i), ("o_w", _p), ("o_s", _p),
-                ("o_m", _p), ("nh", _i), ("nkv", _i), ("D", _i), ("gate", _p), ("E", _i), ("k", _i),
-                ("renorm", _i), ("I", _i), ("group", _i), ("experts", ctypes.POINTER(ExpertDesc))]
+    _fields_ = [("w_in", _p), ("w_post", _p), ("eps", _f), ("qkv_bits", _i), ("qkv_group", _i), ("qkv_fmt", _i),
+                ("qkv_w", _p), ("qkv_s", _p), ("qkv_m", _p), ("o_bits", _i), ("o_group", _i), ("o_fmt", _i),
+                ("o_w", _p), ("o_s", _p), ("o_m", _p), ("nh", _i), ("nkv", _i), ("D", _i), ("gate", _p), ("E", _i),
+                ("k", _i), ("renorm", _i), ("I", _i), ("group", _i), ("experts", ctypes.POINTER(ExpertDesc))]
 
 
 _DECLARED: set[int] = set()
@@ -70,9 +70,11 @@ def layer_desc(norm_in: torch.Tensor, norm_post: torch.Tensor, eps: float, qkv: 
     inter = w2.shape[1]
     if w13.shape != (2 * inter, h) or w2.shape != (h, inter) or w13.group_size != w2.group_size:
         raise ValueError(f"layer_desc: experts w13 {w13.shape}, w2 {w2.shape} for hidden size {h}")
+    if any(a.fmt != b.fmt for a, b in experts):
+        raise ValueError("layer_desc: an expert's w13 and w2 must share one form of scales (Q4Matrix.fmt)")
     table = (ExpertDesc * len(experts))(*[
         ExpertDesc(a.packed.data_ptr(), a.scales.data_ptr(), a.mins.data_ptr(), b.packed.data_ptr(),
-                   b.scales.data_ptr(), b.mins.data_ptr()) for a, b in experts])
+                   b.scales.data_ptr(), b.mins.data_ptr(), a.fmt) for a, b in experts])
     desc = LayerDesc(norm_in.data_ptr(), norm_post.data_ptr(), eps, *_linear_args(qkv), *_linear_args(o), n_heads,
                      n_kv, head_dim, gate.data_ptr(), gate.shape[0], top_k, int(renormalize), inter, w13.group_size,
                      table)

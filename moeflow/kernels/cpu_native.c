@@ -6,8 +6,9 @@
    Activations x fp32 [T, K] are quantized per token and per block of 32 features: xs = max|x| / 127,
    xq = round-half-even(x * (127 / max|x|)), int8 in [-127, 127].
    q4 weights: W[n, k] = q[n, k] * s[n, g] + m[n, g] with q in [0, 15] and g = k / group (AWQ's asymmetric
-   format with the zero folded into m = -zero * s). Packed uint8 [N, K/2], s, m fp32 [N, K/group], rows
-   interleaved in groups of 8 (layout and kernel in cpu_q4.c).
+   format with the zero folded into m = -zero * s). Packed uint8 [N, K/2], s, m fp32 [N, K/group] (MF_Q4_F32),
+   or s fp16 and the uint8 zeros in m's place (MF_Q4_F16Z: the same numbers), rows interleaved in groups of 8
+   (layout and kernel in cpu_q4.c).
    q8 weights: W[n, k] = q[n, k] * s[n], int8 [N, K] in [-127, 127], s fp32 [N], rows interleaved in groups of
    8 (layout and kernel in cpu_q8.c).
    y[t, n] = sum_k xs[t, k/32] * xq[t, k] * W[n, k], accumulated in int32 per block and in fp32 across blocks.
@@ -112,8 +113,8 @@ static void quantize_rows(const float* x, int T, int K, int group, int8_t* xq, f
 static int nchunks(int N) { return (N + ROWS - 1) / ROWS; }
 
 /* y fp32 [T, N] = x fp32 [T, K] @ W.T for a q4 matrix (see the file comment). Returns 0, or -1 when out of memory. */
-int mf_q4_linear(const float* x, int T, int K, int N, int group, const uint8_t* qw, const float* s, const float* m,
-                 float* y, int nthreads) {
+int mf_q4_linear(const float* x, int T, int K, int N, int group, int fmt, const uint8_t* qw, const void* s,
+                 const void* m, float* y, int nthreads) {
     int8_t* xq = malloc((size_t)T * K);
     float* xs = malloc(sizeof(float) * ((size_t)T * (K / QB) + (size_t)T * (K / group)));
     if (!xq || !xs) { free(xq); free(xs); return -1; }
@@ -122,7 +123,7 @@ int mf_q4_linear(const float* x, int T, int K, int N, int group, const uint8_t* 
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int c = 0; c < nchunks(N); c++) {
         int n1 = (c + 1) * ROWS < N ? (c + 1) * ROWS : N;
-        mf_q4_rows(c * ROWS, n1, T, K, group, qw, s, m, xq, xs, gsum, y, N);
+        mf_q4_rows(c * ROWS, n1, T, K, group, fmt, qw, s, m, xq, xs, gsum, y, N);
     }
     free(xq); free(xs);
     return 0;
@@ -158,10 +159,10 @@ int mf_q8_linear_rows(const float* x, int T, int K, int N, const int8_t* w, cons
 
 /* One SwiGLU expert on T tokens: h = x @ W13.T ([T, 2I], gate then up), a = silu(h[:, :I]) * h[:, I:],
    out[t] (+)= weight[t] * (a @ W2.T)[t]; ``accumulate`` adds into out instead of overwriting it.
-   x fp32 [T, H]; W13 q4 [2I, H]; W2 q4 [H, I]; weight fp32 [T]; out fp32 [T, H]. */
-int mf_q4_expert(const float* x, int T, int H, int I, int group,
-                 const uint8_t* w13, const float* s13, const float* m13,
-                 const uint8_t* w2, const float* s2, const float* m2,
+   x fp32 [T, H]; W13 q4 [2I, H]; W2 q4 [H, I] (both in the form ``fmt``); weight fp32 [T]; out fp32 [T, H]. */
+int mf_q4_expert(const float* x, int T, int H, int I, int group, int fmt,
+                 const uint8_t* w13, const void* s13, const void* m13,
+                 const uint8_t* w2, const void* s2, const void* m2,
                  const float* weight, float* out, int accumulate, int nthreads) {
     size_t kmax = (size_t)(H > I ? H : I);
     int8_t* xq = malloc((size_t)T * kmax);
@@ -178,7 +179,7 @@ int mf_q4_expert(const float* x, int T, int H, int I, int group,
 #pragma omp for schedule(static)
         for (int c = 0; c < nchunks(2 * I); c++) {
             int n1 = (c + 1) * ROWS < 2 * I ? (c + 1) * ROWS : 2 * I;
-            mf_q4_rows(c * ROWS, n1, T, H, group, w13, s13, m13, xq, xs, gsum, h, 2 * I);
+            mf_q4_rows(c * ROWS, n1, T, H, group, fmt, w13, s13, m13, xq, xs, gsum, h, 2 * I);
         }
 #pragma omp for schedule(static)
         for (int t = 0; t < T; t++) mf_silu_mul(h + (size_t)t * 2 * I, h + (size_t)t * 2 * I + I, I, a + (size_t)t * I);
@@ -187,7 +188,7 @@ int mf_q4_expert(const float* x, int T, int H, int I, int group,
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int c = 0; c < nchunks(H); c++) {
         int n1 = (c + 1) * ROWS < H ? (c + 1) * ROWS : H;
-        mf_q4_rows(c * ROWS, n1, T, I, group, w2, s2, m2, xq, xs, gsum, y, H);
+        mf_q4_rows(c * ROWS, n1, T, I, group, fmt, w2, s2, m2, xq, xs, gsum, y, H);
         for (int t = 0; t < T; t++)
             for (int n = c * ROWS; n < n1; n++) {
                 float v = weight[t] * y[(size_t)t * H + n];

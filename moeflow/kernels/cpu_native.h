@@ -2,8 +2,9 @@
 #ifndef MOEFLOW_CPU_NATIVE_H
 #define MOEFLOW_CPU_NATIVE_H
 #include <stdint.h>
+#include <string.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #include <math.h>
 #include <string.h>
@@ -48,12 +49,33 @@ static inline __m256 mf_exp8(__m256 x) {
 #endif
 
 #define QB 32       /* features per activation block */
+#define MF_Q4_F32 0   /* q4 scales and mins fp32 (cpu_q4.c) */
+#define MF_Q4_F16Z 1  /* q4 scales fp16, zero points uint8 in place of the mins (cpu_q4.c) */
+
+/* An IEEE half (bits) as a float, exactly (the portable form of F16C's conversion). */
+static inline float mf_half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0x1F) {
+        bits = sign | 0x7F800000 | (man << 13);  /* inf, nan */
+    } else if (exp) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man) {  /* subnormal half: a normal float */
+        int e = -1;
+        do { man <<= 1; e++; } while (!(man & 0x400));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3FF) << 13);
+    } else {
+        bits = sign;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
 #define Q4_GROUP 8  /* q4 weight rows interleaved together (cpu_q4.c's layout) */
 #define Q8_GROUP 8  /* q8 weight rows interleaved together (cpu_q8.c's layout) */
 
 /* Rows [n0, n1) of a q4 matrix [N, K] against T quantized tokens: y[t, n] for n in [n0, n1) (cpu_q4.c). */
 __attribute__((visibility("hidden"))) void mf_q4_rows(
-    int n0, int n1, int T, int K, int group, const uint8_t* qw, const float* s, const float* m,
+    int n0, int n1, int T, int K, int group, int fmt, const uint8_t* qw, const void* s, const void* m,
     const int8_t* xq, const float* xs, const float* gsum, float* y, int ldy);
 
 /* Rows [n0, n1) of a q8 matrix [N, K] against T quantized tokens: y[t, n] for n in [n0, n1) (cpu_q8.c). */

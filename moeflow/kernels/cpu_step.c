@@ -11,11 +11,11 @@
 
 #include "cpu_native.h"
 
-int mf_q4_linear(const float* x, int T, int K, int N, int group, const uint8_t* qw, const float* s, const float* m,
-                 float* y, int nthreads);
+int mf_q4_linear(const float* x, int T, int K, int N, int group, int fmt, const uint8_t* qw, const void* s,
+                 const void* m, float* y, int nthreads);
 int mf_q8_linear(const float* x, int T, int K, int N, const int8_t* w, const float* s, float* y, int nthreads);
-int mf_q4_expert(const float* x, int T, int H, int I, int group, const uint8_t* w13, const float* s13,
-                 const float* m13, const uint8_t* w2, const float* s2, const float* m2, const float* weight,
+int mf_q4_expert(const float* x, int T, int H, int I, int group, int fmt, const uint8_t* w13, const void* s13,
+                 const void* m13, const uint8_t* w2, const void* s2, const void* m2, const float* weight,
                  float* out, int accumulate, int nthreads);
 
 /* out[t] = w * (x[t] / sqrt(mean(x[t]^2) + eps)) for x fp32 [T, H]. With ``res`` (may be NULL): x[t] + res[t]
@@ -129,18 +129,19 @@ int mf_attn_step(const float* qkv, int B, int T, int nh, int nkv, int D, const f
     return fail ? -1 : 0;
 }
 
-/* A quantized linear layer of the attention block: int4 (bits 4: packed, s, m, group) or int8 (bits 8: packed
-   holds the int8 weight, s its row scales). */
+/* A quantized linear layer of the attention block: int4 (bits 4: packed, s, m, group, fmt: MF_Q4_F32 or
+   MF_Q4_F16Z) or int8 (bits 8: packed holds the int8 weight, s its row scales). */
 typedef struct {
-    int bits, group, n;
+    int bits, group, fmt, n;
     const void* w;
-    const float* s;
-    const float* m;
+    const void* s;
+    const void* m;
 } mf_linear;
 
 static int run_linear(const mf_linear* l, const float* x, int T, int K, float* y, int nthreads) {
-    if (l->bits == 4) return mf_q4_linear(x, T, K, l->n, l->group, (const uint8_t*)l->w, l->s, l->m, y, nthreads);
-    return mf_q8_linear(x, T, K, l->n, (const int8_t*)l->w, l->s, y, nthreads);
+    if (l->bits == 4)
+        return mf_q4_linear(x, T, K, l->n, l->group, l->fmt, (const uint8_t*)l->w, l->s, l->m, y, nthreads);
+    return mf_q8_linear(x, T, K, l->n, (const int8_t*)l->w, (const float*)l->s, y, nthreads);
 }
 
 /* A decoder layer's attention half in one call, for x fp32 [B, T, H] (the layer's input):
@@ -148,14 +149,14 @@ static int run_linear(const mf_linear* l, const float* x, int T, int K, float* y
    x_out = x + o; h_out = rmsnorm(x_out, w_post) (the MoE block's input). Exactly the sequence of the
    separate calls, so the same numbers. Returns 0, or -1 when out of memory. */
 int mf_attn_block(const float* x, int B, int T, int H, const float* w_in, const float* w_post, float eps,
-                  int qkv_bits, int qkv_group, const void* qkv_w, const float* qkv_s, const float* qkv_m,
-                  int o_bits, int o_group, const void* o_w, const float* o_s, const float* o_m,
+                  int qkv_bits, int qkv_group, int qkv_fmt, const void* qkv_w, const void* qkv_s, const void* qkv_m,
+                  int o_bits, int o_group, int o_fmt, const void* o_w, const void* o_s, const void* o_m,
                   int nh, int nkv, int D, const float* cos, const float* sin, float* kc, float* vc, int L,
                   const int64_t* pos, const uint8_t* mask, float scale, float* x_out, float* h_out,
                   int nthreads) {
     int BT = B * T, F = (nh + 2 * nkv) * D;
-    mf_linear qkv = {qkv_bits, qkv_group, F, qkv_w, qkv_s, qkv_m};
-    mf_linear o = {o_bits, o_group, H, o_w, o_s, o_m};
+    mf_linear qkv = {qkv_bits, qkv_group, qkv_fmt, F, qkv_w, qkv_s, qkv_m};
+    mf_linear o = {o_bits, o_group, o_fmt, H, o_w, o_s, o_m};
     float* buf = malloc(sizeof(float) * ((size_t)BT * H * 2 + (size_t)BT * F + (size_t)BT * nh * D));
     if (!buf) return -1;
     float* h = buf;                            /* [BT, H] */
@@ -213,11 +214,12 @@ void mf_softmax_topk(const float* logits, int T, int E, int k, int renorm, float
 /* One expert's q4 matrices: w13 [2I, H] (gate then up), w2 [H, I] (cpu_q4.c's layout). */
 typedef struct {
     const uint8_t* w13;
-    const float* s13;
-    const float* m13;
+    const void* s13;
+    const void* m13;
     const uint8_t* w2;
-    const float* s2;
-    const float* m2;
+    const void* s2;
+    const void* m2;
+    int fmt;  /* MF_Q4_F32 or MF_Q4_F16Z, both matrices */
 } mf_expert_desc;
 
 /* A Mixtral-layout decoder layer: the attention half of mf_attn_block, a plain softmax-top-k router (fp32 gate
@@ -226,14 +228,14 @@ typedef struct {
     const float* w_in;
     const float* w_post;
     float eps;
-    int qkv_bits, qkv_group;
+    int qkv_bits, qkv_group, qkv_fmt;
     const void* qkv_w;
-    const float* qkv_s;
-    const float* qkv_m;
-    int o_bits, o_group;
+    const void* qkv_s;
+    const void* qkv_m;
+    int o_bits, o_group, o_fmt;
     const void* o_w;
-    const float* o_s;
-    const float* o_m;
+    const void* o_s;
+    const void* o_m;
     int nh, nkv, D;
     const float* gate;
     int E, k, renorm, I, group;
@@ -260,8 +262,9 @@ int mf_layers_step(const mf_layer_desc* layers, int n, float* x, int H, const fl
     int rc = 0;
     for (int l = 0; l < n && !rc; l++) {
         const mf_layer_desc* d = &layers[l];
-        rc = mf_attn_block(x, 1, 1, H, d->w_in, d->w_post, d->eps, d->qkv_bits, d->qkv_group, d->qkv_w, d->qkv_s,
-                           d->qkv_m, d->o_bits, d->o_group, d->o_w, d->o_s, d->o_m, d->nh, d->nkv, d->D, cos, sin,
+        rc = mf_attn_block(x, 1, 1, H, d->w_in, d->w_post, d->eps, d->qkv_bits, d->qkv_group, d->qkv_fmt, d->qkv_w,
+                           d->qkv_s, d->qkv_m, d->o_bits, d->o_group, d->o_fmt, d->o_w, d->o_s, d->o_m, d->nh, d->nkv,
+                           d->D, cos, sin,
                            (float*)kv[3 * l], (float*)kv[3 * l + 1], L, pos, (const uint8_t*)kv[3 * l + 2], scale,
                            xa, h, nthreads);
         if (rc) break;
@@ -271,8 +274,8 @@ int mf_layers_step(const mf_layer_desc* layers, int n, float* x, int H, const fl
         mf_softmax_topk(logits, 1, d->E, d->k, d->renorm, probs, il, wl);
         for (int j = 0; j < d->k && !rc; j++) {
             const mf_expert_desc* e = &d->experts[il[j]];
-            rc = mf_q4_expert(h, 1, H, d->I, d->group, e->w13, e->s13, e->m13, e->w2, e->s2, e->m2, wl + j, moe,
-                              j > 0, nthreads);
+            rc = mf_q4_expert(h, 1, H, d->I, d->group, e->fmt, e->w13, e->s13, e->m13, e->w2, e->s2, e->m2, wl + j,
+                              moe, j > 0, nthreads);
         }
         for (int i = 0; i < H; i++) x[i] = xa[i] + moe[i];
     }
