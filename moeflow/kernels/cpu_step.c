@@ -77,7 +77,8 @@ int mf_attn_step(const float* qkv, int B, int T, int nh, int nkv, int D, const f
             }
         }
     int fail = 0;
-#pragma omp parallel num_threads(nthreads) if (B * T * nh > 1 && (size_t)B * T * nh * L * D >= 262144)
+    /* heads in parallel from ~16K score terms (32 heads of 32 features: 16 positions); below, the fork costs more */
+#pragma omp parallel num_threads(nthreads) if (B * T * nh > 1 && (size_t)B * T * nh * L * D >= 16384)
     {
         float* buf = malloc(sizeof(float) * ((size_t)L + 2 * (size_t)D));
         if (!buf) {
