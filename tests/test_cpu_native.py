@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -45,6 +46,48 @@ def q4_any_rows(n: int, k: int, group: int, seed: int) -> tuple[Q4Matrix, torch.
     s, m = torch.rand(n, k // group, generator=g) * 0.01, -torch.rand(n, k // group, generator=g) * 0.08
     w = q.float() * s.repeat_interleave(group, 1) + m.repeat_interleave(group, 1)
     return Q4Matrix(cpu_native._pack_q4(q), cpu_native._group_rows(s), cpu_native._group_rows(m), group), w
+
+
+def q4_both_forms(n: int, k: int, group: int, seed: int) -> tuple[Q4Matrix, Q4Matrix]:
+    """One random q4 matrix (fp16 scales, any row count) in both forms: (Q4_F32, Q4_F16Z)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    s = (torch.rand(n, k // group, generator=g) * 0.01 + 1e-4).half()
+    z = torch.randint(0, 16, (n, k // group), generator=g, dtype=torch.uint8)
+    packed, rows = cpu_native._pack_q4(q), cpu_native._group_rows
+    return (Q4Matrix(packed, rows(s.float()), rows(-z.float() * s.float()), group),
+            Q4Matrix(packed, rows(s), rows(z), group))
+
+
+def test_compact_form_gives_the_fp32_forms_results_bit_for_bit():
+    """fp16 scales with uint8 zeros (Q4_F16Z) against fp32 scales and mins (Q4_F32) of the same weights: every
+    token tile, the plain tail rows, the expert, fused rows of both forms; 3 instead of 8 bytes per group."""
+    f32, f16 = q4_both_forms(8 * 5 + 5, 256, 64, seed=40)
+    assert (f32.fmt, f16.fmt) == (cpu_native.Q4_F32, cpu_native.Q4_F16Z)
+    assert torch.equal(f16.dequantized(), f32.dequantized()) and f16.fp32_form().scales.dtype == torch.float32
+    assert f32.nbytes - f16.nbytes == 5 * f32.scales.numel()
+    for tokens in (1, 2, 3, 4, 5, 9, 17):
+        x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(tokens))
+        assert torch.equal(f16.matmul(x), f32.matmul(x))
+    g32, g16 = q4_both_forms(40, 256, 64, seed=45)  # whole row groups: the fused rows computed as before
+    fused = Q4Matrix.concat_rows([g16, g32])  # mixed forms: the fp32 one
+    assert fused.fmt == cpu_native.Q4_F32 and torch.equal(fused.matmul(x), torch.cat([g32.matmul(x)] * 2, 1))
+    assert Q4Matrix.concat_rows([g16, g16]).fmt == cpu_native.Q4_F16Z
+    H, I, G = 128, 96, 32  # noqa: E741
+    a32, a16 = q4_both_forms(2 * I, H, G, seed=41)
+    b32, b16 = q4_both_forms(H, I, G, seed=42)
+    x, w = torch.randn(5, H, generator=torch.Generator().manual_seed(43)), torch.rand(5)
+    assert torch.equal(q4_expert(x, a16, b16, w), q4_expert(x, a32, b32, w))
+    assert torch.equal(q4_expert(x, a16, b32, w), q4_expert(x, a32, b32, w))  # mixed: both taken as fp32
+    # from AWQ tensors: fp16 scales take the compact form (or not, when asked); the same results
+    t = quantize_rtn(torch.randn(64, 128, generator=torch.Generator().manual_seed(44)) * 0.05, 32)
+    c, p = Q4Matrix.from_awq(t.qweight, t.qzeros, t.scales, 32), Q4Matrix.from_awq(t.qweight, t.qzeros,
+                                                                                    t.scales.float(), 32)
+    assert (c.fmt, p.fmt) == (cpu_native.Q4_F16Z, cpu_native.Q4_F32)
+    assert torch.equal(c.matmul(x[:, :128]), p.matmul(x[:, :128]))
+    assert Q4Matrix.from_awq(t.qweight, t.qzeros, t.scales, 32, compact=False).fmt == cpu_native.Q4_F32
+    with pytest.raises(ValueError, match="not all fp16"):
+        Q4Matrix.from_awq(t.qweight, t.qzeros, t.scales.float() * (1 + 1e-6), 32, compact=True)
 
 
 @pytest.mark.parametrize("n,k,group,tokens", [(64, 128, 32, 1), (96, 256, 64, 3), (80, 256, 128, 9),
@@ -177,6 +220,33 @@ def test_expert_matches_its_reference_and_accumulates(tokens):
     assert torch.equal(out, base + y)  # out += w * y, the same numbers as adding the result
 
 
+def test_vectorized_silu_is_the_scalar_loop_bit_for_bit():
+    """The expert's silu(gate) * up: 8 lanes at a time (AVX2, its own expf) against the scalar loop with libm's
+    expf, bit for bit, on random bit patterns (every exponent, inf, nan, denormals), log-uniform magnitudes up to
+    88 (expf's main path), activation-like values and the path's edges, with a tail shorter than 8. (Every float:
+    benchmarks/peers/cpu_expf_check.c.)"""
+    lib = cpu_native.library()
+    for f in (lib.mf_silu_mul, lib.mf_silu_mul_scalar):
+        f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+        f.restype = None
+    g = torch.Generator().manual_seed(12)
+    edges = torch.tensor([0.0, -0.0, 88.0, -88.0, 87.99, -87.99, 88.73, -103.9, -104.0, 1e-40, -1e-40,
+                          float("inf"), float("-inf"), float("nan"), 1.0, -1.0, 0.5, 1e-8])
+    bits = torch.randint(-2**31, 2**31 - 1, (1 << 16,), generator=g, dtype=torch.int32).view(torch.float32)
+    sign = torch.randint(0, 2, (1 << 20,), generator=g) * 2 - 1.0
+    log_uniform = sign * torch.exp(torch.rand(1 << 20, generator=g, dtype=torch.float64) * 74 - 69).float()  # to 88
+    gate = torch.cat([bits, log_uniform, torch.randn(1 << 16, generator=g) * 6, torch.linspace(-110, 110, 40003),
+                      edges])
+    up = torch.randn(gate.numel(), generator=g)
+    fast, slow = torch.empty_like(gate), torch.empty_like(gate)
+    lib.mf_silu_mul(gate.data_ptr(), up.data_ptr(), gate.numel(), fast.data_ptr())
+    lib.mf_silu_mul_scalar(gate.data_ptr(), up.data_ptr(), gate.numel(), slow.data_ptr())
+    nan = slow.isnan()
+    assert torch.equal(fast.isnan(), nan)
+    assert torch.equal(fast[~nan].view(torch.int32), slow[~nan].view(torch.int32))
+    assert gate.numel() % 8 and int(nan.sum()) < gate.numel() // 100
+
+
 def test_a_tokens_result_does_not_depend_on_the_batch():
     """Every output row depends only on its own token: batched prefill and one-token decode agree bit for bit."""
     H, I, G = 256, 128, 64  # noqa: E741
@@ -205,6 +275,8 @@ def test_portable_build_gives_the_same_results(tmp_path, monkeypatch):
     assert rel(m8.matmul(x[:, :128]), q4_reference(x[:, :128], q.float() * s[:, None])) < NATIVE_RTOL
     ids = torch.tensor([50, 3, 9])
     assert torch.equal(Q8Matrix.from_rows(m8.rows(ids), s[ids]).matmul(x[:, :128]), m8.matmul(x[:, :128])[:, ids])
+    f32, f16 = q4_both_forms(67, 256, 64, seed=10)  # the compact form's scalar loads
+    assert torch.equal(f16.matmul(x), f32.matmul(x))
     assert torch.equal(m8.matmul_rows(x[:, :128], ids), m8.matmul(x[:, :128])[:, ids])
 
 

@@ -10,8 +10,8 @@
 #include <string.h>
 #include <time.h>
 
-int mf_q4_linear(const float* x, int T, int K, int N, int group, const uint8_t* qw, const float* s, const float* m,
-                 float* y, int nthreads);
+int mf_q4_linear(const float* x, int T, int K, int N, int group, int fmt, const uint8_t* qw, const void* s,
+                 const void* m, float* y, int nthreads);
 int mf_q8_linear(const float* x, int T, int K, int N, const int8_t* w, const float* s, float* y, int nthreads);
 int base_q8_linear(const float* x, int T, int K, int N, const int8_t* w, const float* s, float* y, int nthreads);
 
@@ -63,7 +63,7 @@ int main(int argc, char** argv) {
                 double t[5];
                 t[0] = now(); base_q8_linear(x, T, K, N, w8, s, y, th);
                 t[1] = now(); mf_q8_linear(x, T, K, N, w8, s, y, th);
-                t[2] = now(); mf_q4_linear(x, T, K, N, 128, w4, s, m, y, th);
+                t[2] = now(); mf_q4_linear(x, T, K, N, 128, 0, w4, s, m, y, th);  /* fmt 0: fp32 scales */
                 t[3] = now(); sink += stream(sb, n8, th);
                 t[4] = now();
                 for (int v = 0; v < 4; v++) if (t[v + 1] - t[v] < best[v]) best[v] = t[v + 1] - t[v];

@@ -19,6 +19,7 @@ from torch import nn
 
 from moeflow.config import OffloadConfig
 from moeflow.engine import loading, memory
+from moeflow.engine.cpu_layers import native_layers
 from moeflow.engine.cpu_linears import check_attention_bits, quantize_decoder_linears
 from moeflow.engine.cpu_step import fuse_cpu_step
 from moeflow.engine.sampling import GenerationConfig
@@ -170,6 +171,7 @@ def build_model(
         if resolved.linear == "cpu-int4":
             quantize_decoder_linears(decoder, attention_bits, lm_head_bits)
             fuse_cpu_step(decoder, dtype)
+            decoder.native_layers = native_layers(decoder)  # one-token steps: every layer in one native call
         for module in decoder.modules():
             if isinstance(module, AWQLinear):  # what the CPU kernels cannot tile stays on the torch reference
                 module.use_kernels("torch" if resolved.linear == "cpu-int4" else resolved.linear)

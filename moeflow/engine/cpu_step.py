@@ -164,8 +164,9 @@ def fuse_qkv(projections: list[nn.Module]) -> nn.Module | None:
         return fused
     if not all(isinstance(p, CpuQuantLinear) and p.native for p in projections):
         return None
-    if len({(p.bits, p.in_features, p.group_size) for p in projections}) != 1:
-        return None
+    if len({(p.bits, p.in_features, p.group_size, p.scales.dtype if p.bits == 4 else None)
+            for p in projections}) != 1:
+        return None  # (int4: one form of scales, Q4Matrix.fmt)
     if any(p.out_features % ROW_GROUP for p in projections):
         return None  # int4/int8 rows are interleaved in groups of ROW_GROUP: row views are valid only at group bounds
     names = ["int8_weight", "int8_scales"] if first.bits == 8 else ["packed", "scales", "mins"]
@@ -193,7 +194,10 @@ def _share_rows(projections: list[nn.Module], fused: nn.Module, names: list[str]
 
 def set_cpu_step_fused(decoder: nn.Module, fused: bool) -> None:
     """Switch a decoder :func:`fuse_cpu_step` changed between its fused and its unfused step (the same weights:
-    q/k/v then run as their three views of the fused matrix) - for A/B benchmarks and tests."""
+    q/k/v then run as their three views of the fused matrix) - for A/B benchmarks and tests. The decoder's
+    one-call layers (engine.cpu_layers), when it has them, are switched with the rest."""
+    if getattr(decoder, "native_layers", None) is not None:
+        decoder.native_layers.enabled = fused
     for module in decoder.modules():
         if type(module) is RMSNorm and module.weight.dtype == torch.float32:
             module.native = fused and native_available()

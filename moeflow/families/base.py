@@ -140,6 +140,9 @@ class CausalDecoder(nn.Module):
         if layer_windows is not None and len(layer_windows) != len(layers):
             raise ValueError(f"layer_windows has {len(layer_windows)} entries for {len(layers)} layers")
         self.layer_windows = layer_windows
+        # the engine's one native call through every layer of a one-token CPU step (engine.cpu_layers), or None:
+        # called with the layers' arguments, it returns x after the last layer, or None when it cannot take the pass
+        self.native_layers: Any = None
 
     @property
     def moe_blocks(self) -> list[MoEBlock]:
@@ -159,8 +162,13 @@ class CausalDecoder(nn.Module):
         cache.mark_valid(cache_position, token_mask)
         windows = self.layer_windows or [self.sliding_window] * len(self.layers)
         masks = {w: cache.attention_mask(cache_position, w) for w in dict.fromkeys(windows)}
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, cache_position, masks[windows[i]], experts, routing)
+        done = None if self.native_layers is None else self.native_layers(
+            x, cos, sin, cache, cache_position, [masks[w] for w in windows], experts, routing)
+        if done is not None:
+            x = done
+        else:
+            for i, layer in enumerate(self.layers):
+                x = layer(x, cos, sin, cache, cache_position, masks[windows[i]], experts, routing)
         if last_only:
             x = x[:, -1:]
         return self.lm_head(self.norm(x)).float()

@@ -6,8 +6,9 @@
    Activations x fp32 [T, K] are quantized per token and per block of 32 features: xs = max|x| / 127,
    xq = round-half-even(x * (127 / max|x|)), int8 in [-127, 127].
    q4 weights: W[n, k] = q[n, k] * s[n, g] + m[n, g] with q in [0, 15] and g = k / group (AWQ's asymmetric
-   format with the zero folded into m = -zero * s). Packed uint8 [N, K/2], s, m fp32 [N, K/group], rows
-   interleaved in groups of 8 (layout and kernel in cpu_q4.c).
+   format with the zero folded into m = -zero * s). Packed uint8 [N, K/2], s, m fp32 [N, K/group] (MF_Q4_F32),
+   or s fp16 and the uint8 zeros in m's place (MF_Q4_F16Z: the same numbers), rows interleaved in groups of 8
+   (layout and kernel in cpu_q4.c).
    q8 weights: W[n, k] = q[n, k] * s[n], int8 [N, K] in [-127, 127], s fp32 [N], rows interleaved in groups of
    8 (layout and kernel in cpu_q8.c).
    y[t, n] = sum_k xs[t, k/32] * xq[t, k] * W[n, k], accumulated in int32 per block and in fp32 across blocks.
@@ -23,6 +24,38 @@
 #define ROWS 16   /* weight rows per parallel work item (a multiple of Q4_GROUP and Q8_GROUP) */
 
 int mf_simd(void) { return MF_AVX2; }
+
+#if MF_AVX2
+/* glibc's __exp2f_data.tab: 2^(i/32) as double bits, minus i << 47 (mf_exp8) */
+const uint64_t mf_exp2f_tab[32] = {
+    0x3ff0000000000000, 0x3fefd9b0d3158574, 0x3fefb5586cf9890f, 0x3fef9301d0125b51, 0x3fef72b83c7d517b,
+    0x3fef54873168b9aa, 0x3fef387a6e756238, 0x3fef1e9df51fdee1, 0x3fef06fe0a31b715, 0x3feef1a7373aa9cb,
+    0x3feedea64c123422, 0x3feece086061892d, 0x3feebfdad5362a27, 0x3feeb42b569d4f82, 0x3feeab07dd485429,
+    0x3feea47eb03a5585, 0x3feea09e667f3bcd, 0x3fee9f75e8ec5f74, 0x3feea11473eb0187, 0x3feea589994cce13,
+    0x3feeace5422aa0db, 0x3feeb737b0cdc5e5, 0x3feec49182a3f090, 0x3feed503b23e255d, 0x3feee89f995ad3ad,
+    0x3feeff76f2fb5e47, 0x3fef199bdd85529c, 0x3fef3720dcef9069, 0x3fef5818dcfba487, 0x3fef7c97337b9b5f,
+    0x3fefa4afa2a490da, 0x3fefd0765b6e4540};
+#endif
+
+/* out[i] = silu(g[i]) * u[i] = g / (1 + expf(-g)) * u for n features: the same float operations in both paths
+   (mf_exp8 is libm's expf bit for bit), 8 at a time with AVX2. */
+void mf_silu_mul(const float* g, const float* u, int n, float* out) {
+    int i = 0;
+#if MF_AVX2
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 e = mf_exp8(_mm256_xor_ps(gv, sign));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < n; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
+/* The scalar loop of mf_silu_mul with libm's expf (tests compare the two bit for bit). */
+void mf_silu_mul_scalar(const float* g, const float* u, int n, float* out) {
+    for (int i = 0; i < n; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
 
 /* x fp32 [K] -> xq int8 [K], xs fp32 [K/32]; gsum fp32 [K/group] = sum over the group of xq * xs. */
 static void quantize_row(const float* x, int K, int group, int8_t* xq, float* xs, float* gsum) {
@@ -80,8 +113,8 @@ static void quantize_rows(const float* x, int T, int K, int group, int8_t* xq, f
 static int nchunks(int N) { return (N + ROWS - 1) / ROWS; }
 
 /* y fp32 [T, N] = x fp32 [T, K] @ W.T for a q4 matrix (see the file comment). Returns 0, or -1 when out of memory. */
-int mf_q4_linear(const float* x, int T, int K, int N, int group, const uint8_t* qw, const float* s, const float* m,
-                 float* y, int nthreads) {
+int mf_q4_linear(const float* x, int T, int K, int N, int group, int fmt, const uint8_t* qw, const void* s,
+                 const void* m, float* y, int nthreads) {
     int8_t* xq = malloc((size_t)T * K);
     float* xs = malloc(sizeof(float) * ((size_t)T * (K / QB) + (size_t)T * (K / group)));
     if (!xq || !xs) { free(xq); free(xs); return -1; }
@@ -90,7 +123,7 @@ int mf_q4_linear(const float* x, int T, int K, int N, int group, const uint8_t* 
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int c = 0; c < nchunks(N); c++) {
         int n1 = (c + 1) * ROWS < N ? (c + 1) * ROWS : N;
-        mf_q4_rows(c * ROWS, n1, T, K, group, qw, s, m, xq, xs, gsum, y, N);
+        mf_q4_rows(c * ROWS, n1, T, K, group, fmt, qw, s, m, xq, xs, gsum, y, N);
     }
     free(xq); free(xs);
     return 0;
@@ -126,10 +159,10 @@ int mf_q8_linear_rows(const float* x, int T, int K, int N, const int8_t* w, cons
 
 /* One SwiGLU expert on T tokens: h = x @ W13.T ([T, 2I], gate then up), a = silu(h[:, :I]) * h[:, I:],
    out[t] (+)= weight[t] * (a @ W2.T)[t]; ``accumulate`` adds into out instead of overwriting it.
-   x fp32 [T, H]; W13 q4 [2I, H]; W2 q4 [H, I]; weight fp32 [T]; out fp32 [T, H]. */
-int mf_q4_expert(const float* x, int T, int H, int I, int group,
-                 const uint8_t* w13, const float* s13, const float* m13,
-                 const uint8_t* w2, const float* s2, const float* m2,
+   x fp32 [T, H]; W13 q4 [2I, H]; W2 q4 [H, I] (both in the form ``fmt``); weight fp32 [T]; out fp32 [T, H]. */
+int mf_q4_expert(const float* x, int T, int H, int I, int group, int fmt,
+                 const uint8_t* w13, const void* s13, const void* m13,
+                 const uint8_t* w2, const void* s2, const void* m2,
                  const float* weight, float* out, int accumulate, int nthreads) {
     size_t kmax = (size_t)(H > I ? H : I);
     int8_t* xq = malloc((size_t)T * kmax);
@@ -146,23 +179,16 @@ int mf_q4_expert(const float* x, int T, int H, int I, int group,
 #pragma omp for schedule(static)
         for (int c = 0; c < nchunks(2 * I); c++) {
             int n1 = (c + 1) * ROWS < 2 * I ? (c + 1) * ROWS : 2 * I;
-            mf_q4_rows(c * ROWS, n1, T, H, group, w13, s13, m13, xq, xs, gsum, h, 2 * I);
+            mf_q4_rows(c * ROWS, n1, T, H, group, fmt, w13, s13, m13, xq, xs, gsum, h, 2 * I);
         }
 #pragma omp for schedule(static)
-        for (int t = 0; t < T; t++) {
-            const float* ht = h + (size_t)t * 2 * I;
-            float* at = a + (size_t)t * I;
-            for (int i = 0; i < I; i++) {
-                float g = ht[i];
-                at[i] = g / (1.0f + expf(-g)) * ht[I + i];
-            }
-        }
+        for (int t = 0; t < T; t++) mf_silu_mul(h + (size_t)t * 2 * I, h + (size_t)t * 2 * I + I, I, a + (size_t)t * I);
     }
     quantize_rows(a, T, I, group, xq, xs, gsum, nthreads);
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int c = 0; c < nchunks(H); c++) {
         int n1 = (c + 1) * ROWS < H ? (c + 1) * ROWS : H;
-        mf_q4_rows(c * ROWS, n1, T, I, group, w2, s2, m2, xq, xs, gsum, y, H);
+        mf_q4_rows(c * ROWS, n1, T, I, group, fmt, w2, s2, m2, xq, xs, gsum, y, H);
         for (int t = 0; t < T; t++)
             for (int n = c * ROWS; n < n1; n++) {
                 float v = weight[t] * y[(size_t)t * H + n];

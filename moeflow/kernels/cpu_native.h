@@ -2,9 +2,11 @@
 #ifndef MOEFLOW_CPU_NATIVE_H
 #define MOEFLOW_CPU_NATIVE_H
 #include <stdint.h>
+#include <string.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
+#include <math.h>
 #include <string.h>
 #define MF_AVX2 1
 static inline __m256i bcast4(const int8_t* p) {  /* 4 int8 activations (one int32) to every lane */
@@ -12,17 +14,68 @@ static inline __m256i bcast4(const int8_t* p) {  /* 4 int8 activations (one int3
     memcpy(&v, p, 4);
     return _mm256_set1_epi32(v);
 }
+
+/* expf of 8 floats, bit for bit glibc's expf (>= 2.27, its FMA variant: the same double-precision steps, table and
+   fused multiply-adds, checked on every float): x*32/ln2 = k + r, 2^(k/32) from the table, a cubic in r. Lanes
+   off its main path (|x| >= 88, inf, nan) take libm's expf itself. */
+extern const uint64_t mf_exp2f_tab[32];
+static inline __m128 mf_exp4d(__m256d xd) {
+    const __m256d inv = _mm256_set1_pd(0x1.71547652b82fep+5), shift = _mm256_set1_pd(0x1.8p+52);
+    __m256d kd = _mm256_fmadd_pd(inv, xd, shift);
+    const __m256i ki = _mm256_castpd_si256(kd);
+    kd = _mm256_sub_pd(kd, shift);
+    const __m256d r = _mm256_fmsub_pd(inv, xd, kd);
+    const __m256i t = _mm256_i64gather_epi64((const long long*)mf_exp2f_tab,
+                                             _mm256_and_si256(ki, _mm256_set1_epi64x(31)), 8);
+    const __m256d s = _mm256_castsi256_pd(_mm256_add_epi64(t, _mm256_slli_epi64(ki, 47)));
+    const __m256d z = _mm256_fmadd_pd(_mm256_set1_pd(0x1.c6af84b912394p-20), r, _mm256_set1_pd(0x1.ebfce50fac4f3p-13));
+    __m256d y = _mm256_fmadd_pd(_mm256_set1_pd(0x1.62e42ff0c52d6p-6), r, _mm256_set1_pd(1.0));
+    y = _mm256_fmadd_pd(z, _mm256_mul_pd(r, r), y);
+    return _mm256_cvtpd_ps(_mm256_mul_pd(y, s));
+}
+static inline __m256 mf_exp8(__m256 x) {
+    const __m256i top = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(x), 20), _mm256_set1_epi32(0x7ff));
+    if (!_mm256_testz_si256(_mm256_cmpgt_epi32(top, _mm256_set1_epi32(0x42a)), _mm256_set1_epi32(-1))) {
+        float v[8];
+        _mm256_storeu_ps(v, x);
+        for (int i = 0; i < 8; i++) v[i] = expf(v[i]);
+        return _mm256_loadu_ps(v);
+    }
+    return _mm256_set_m128(mf_exp4d(_mm256_cvtps_pd(_mm256_extractf128_ps(x, 1))),
+                           mf_exp4d(_mm256_cvtps_pd(_mm256_castps256_ps128(x))));
+}
 #else
 #define MF_AVX2 0
 #endif
 
 #define QB 32       /* features per activation block */
+#define MF_Q4_F32 0   /* q4 scales and mins fp32 (cpu_q4.c) */
+#define MF_Q4_F16Z 1  /* q4 scales fp16, zero points uint8 in place of the mins (cpu_q4.c) */
+
+/* An IEEE half (bits) as a float, exactly (the portable form of F16C's conversion). */
+static inline float mf_half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0x1F) {
+        bits = sign | 0x7F800000 | (man << 13);  /* inf, nan */
+    } else if (exp) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man) {  /* subnormal half: a normal float */
+        int e = -1;
+        do { man <<= 1; e++; } while (!(man & 0x400));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3FF) << 13);
+    } else {
+        bits = sign;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
 #define Q4_GROUP 8  /* q4 weight rows interleaved together (cpu_q4.c's layout) */
 #define Q8_GROUP 8  /* q8 weight rows interleaved together (cpu_q8.c's layout) */
 
 /* Rows [n0, n1) of a q4 matrix [N, K] against T quantized tokens: y[t, n] for n in [n0, n1) (cpu_q4.c). */
 __attribute__((visibility("hidden"))) void mf_q4_rows(
-    int n0, int n1, int T, int K, int group, const uint8_t* qw, const float* s, const float* m,
+    int n0, int n1, int T, int K, int group, int fmt, const uint8_t* qw, const void* s, const void* m,
     const int8_t* xq, const float* xs, const float* gsum, float* y, int ldy);
 
 /* Rows [n0, n1) of a q8 matrix [N, K] against T quantized tokens: y[t, n] for n in [n0, n1) (cpu_q8.c). */

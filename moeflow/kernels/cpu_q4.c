@@ -7,6 +7,10 @@
    feature 32b + 8c + 4 + j in its high one (r < 8, j < 4). Its scales and mins likewise: s[8R * ng + 8g + r].
    The last N % 8 rows keep a plain row layout: row n at n * K/2, block b's byte j = q[32b + j] | q[32b+16+j] << 4,
    s[n * ng + g].
+   Two forms of s and m (``fmt``): MF_Q4_F32: s and m fp32 (m = -zero * s); MF_Q4_F16Z: s fp16 and m the uint8
+   zero points themselves, the kernel forming m = -(float)zero * (float)s, exactly the fp32 form's value when the
+   scales are fp16 numbers (AWQ checkpoints' are): the same results bit for bit from 3 instead of 8 bytes per row
+   and group (-7% of an int4 matrix's bytes at group 128).
 
    Why this layout: one maddubs (unsigned x signed bytes, adjacent pairs summed into int16) then multiplies 8
    rows x 4 features by one token's 4 activations broadcast to every row, so its 16 int16 sums stay 2 per row.
@@ -23,25 +27,51 @@
 #include "cpu_native.h"
 
 #define TT 4  /* tokens per register tile (3..8 measured alike; 4 keeps every accumulator in a register) */
+#ifndef PREFETCH
+/* bytes ahead of the block being read (24 blocks; the next row group's when near the end of this one): one token
+   read an expert at 17.9 GB/s with 1024, 19.2-19.3 with 2048-4096 on the 2-core EPYC (bench of issue 21, s12) */
+#define PREFETCH 3072
+#endif
+
+/* Scale and min of element i of a row group's (or a tail row's) s and m arrays, in either form. */
+static inline float q4_scale(const void* s, int fmt, size_t i) {
+    return fmt == MF_Q4_F16Z ? mf_half_to_float(((const uint16_t*)s)[i]) : ((const float*)s)[i];
+}
+static inline float q4_min(const void* s, const void* m, int fmt, size_t i) {
+    return fmt == MF_Q4_F16Z ? -((float)((const uint8_t*)m)[i] * q4_scale(s, fmt, i)) : ((const float*)m)[i];
+}
 
 #if MF_AVX2
+/* The 8 rows' scales and mins of group g (8 consecutive values each). */
+static inline __attribute__((always_inline)) void q4_scales8(const void* s, const void* m, int fmt, int g,
+                                                              __m256* sv, __m256* mv) {
+    if (fmt == MF_Q4_F16Z) {
+        *sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)s + 8 * g)));
+        const __m256 z = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)((const uint8_t*)m + 8 * g))));
+        *mv = _mm256_xor_ps(_mm256_mul_ps(z, *sv), _mm256_set1_ps(-0.0f));
+    } else {
+        *sv = _mm256_loadu_ps((const float*)s + 8 * g);
+        *mv = _mm256_loadu_ps((const float*)m + 8 * g);
+    }
+}
+
 /* 8 grouped rows (w, s, m: this row group's bytes) against ``tt`` tokens from t0: y[t, n .. n + 8). */
 static inline __attribute__((always_inline)) void q4_group_tile(
-    const uint8_t* w, const float* s, const float* m, int K, int group, const int8_t* xq, const float* xs,
+    const uint8_t* w, const void* s, const void* m, int fmt, int K, int group, const int8_t* xq, const float* xs,
     const float* gsum, int t0, int tt, float* y, int ldy, int n) {
     const int nb = K / QB, ng = K / group, bpg = group / QB;
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     __m256 acc[TT];
     for (int i = 0; i < tt; i++) acc[i] = _mm256_setzero_ps();
     for (int g = 0; g < ng; g++) {
-        const __m256 sv = _mm256_loadu_ps(s + 8 * g);
-        const __m256 mv = _mm256_loadu_ps(m + 8 * g);
+        __m256 sv, mv;
+        q4_scales8(s, m, fmt, g, &sv, &mv);
         for (int i = 0; i < tt; i++)  /* the mins: m[n, g] * sum over the group of the token's activations */
             acc[i] = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(gsum + (size_t)(t0 + i) * ng + g), acc[i]);
         for (int b = g * bpg; b < (g + 1) * bpg; b++) {
             const uint8_t* wb = w + (size_t)b * 128;
-            _mm_prefetch((const char*)(wb + 1024), _MM_HINT_T0);
-            _mm_prefetch((const char*)(wb + 1088), _MM_HINT_T0);
+            _mm_prefetch((const char*)(wb + PREFETCH), _MM_HINT_T0);
+            _mm_prefetch((const char*)(wb + PREFETCH + 64), _MM_HINT_T0);
             __m256i dot[TT];
             for (int i = 0; i < tt; i++) dot[i] = _mm256_setzero_si256();
             for (int c = 0; c < 4; c++) {
@@ -69,21 +99,30 @@ static inline __attribute__((always_inline)) void q4_group_tile(
 
 /* One row group against all T tokens: tiles of TT tokens, then one tile of the remaining 1..TT-1 (constant
    tile sizes, so each is compiled with its accumulators in registers). */
-static void q4_group(const uint8_t* w, const float* s, const float* m, int T, int K, int group, const int8_t* xq,
-                     const float* xs, const float* gsum, float* y, int ldy, int n) {
+static inline __attribute__((always_inline)) void q4_group_fmt(
+    const uint8_t* w, const void* s, const void* m, int fmt, int T, int K, int group, const int8_t* xq,
+    const float* xs, const float* gsum, float* y, int ldy, int n) {
     int t0 = 0;
-    for (; t0 + TT <= T; t0 += TT) q4_group_tile(w, s, m, K, group, xq, xs, gsum, t0, TT, y, ldy, n);
+    for (; t0 + TT <= T; t0 += TT) q4_group_tile(w, s, m, fmt, K, group, xq, xs, gsum, t0, TT, y, ldy, n);
     switch (T - t0) {
-        case 1: q4_group_tile(w, s, m, K, group, xq, xs, gsum, t0, 1, y, ldy, n); break;
-        case 2: q4_group_tile(w, s, m, K, group, xq, xs, gsum, t0, 2, y, ldy, n); break;
-        case 3: q4_group_tile(w, s, m, K, group, xq, xs, gsum, t0, 3, y, ldy, n); break;
+        case 1: q4_group_tile(w, s, m, fmt, K, group, xq, xs, gsum, t0, 1, y, ldy, n); break;
+        case 2: q4_group_tile(w, s, m, fmt, K, group, xq, xs, gsum, t0, 2, y, ldy, n); break;
+        case 3: q4_group_tile(w, s, m, fmt, K, group, xq, xs, gsum, t0, 3, y, ldy, n); break;
         default: break;
     }
 }
+
+static void q4_group(const uint8_t* w, const void* s, const void* m, int fmt, int T, int K, int group,
+                     const int8_t* xq, const float* xs, const float* gsum, float* y, int ldy, int n) {
+    if (fmt == MF_Q4_F16Z)  /* each form compiled on its own: the scales' loads are in the inner loop */
+        q4_group_fmt(w, s, m, MF_Q4_F16Z, T, K, group, xq, xs, gsum, y, ldy, n);
+    else
+        q4_group_fmt(w, s, m, MF_Q4_F32, T, K, group, xq, xs, gsum, y, ldy, n);
+}
 #else
 /* The portable loops over the same layout (machines without AVX2). */
-static void q4_group(const uint8_t* w, const float* s, const float* m, int T, int K, int group, const int8_t* xq,
-                     const float* xs, const float* gsum, float* y, int ldy, int n) {
+static void q4_group(const uint8_t* w, const void* s, const void* m, int fmt, int T, int K, int group,
+                     const int8_t* xq, const float* xs, const float* gsum, float* y, int ldy, int n) {
     const int nb = K / QB, ng = K / group, bpg = group / QB;
     for (int t = 0; t < T; t++) {
         const int8_t* xt = xq + (size_t)t * K;
@@ -100,7 +139,8 @@ static void q4_group(const uint8_t* w, const float* s, const float* m, int T, in
                         }
                 for (int r = 0; r < Q4_GROUP; r++) ag[r] += (float)dot[r] * xs[(size_t)t * nb + b];
             }
-            for (int r = 0; r < Q4_GROUP; r++) acc[r] += ag[r] * s[8 * g + r] + m[8 * g + r] * gsum[(size_t)t * ng + g];
+            for (int r = 0; r < Q4_GROUP; r++)
+                acc[r] += ag[r] * q4_scale(s, fmt, 8 * g + r) + q4_min(s, m, fmt, 8 * g + r) * gsum[(size_t)t * ng + g];
         }
         for (int r = 0; r < Q4_GROUP; r++) y[(size_t)t * ldy + n + r] = acc[r];
     }
@@ -108,7 +148,7 @@ static void q4_group(const uint8_t* w, const float* s, const float* m, int T, in
 #endif
 
 /* A tail row (plain row layout) against all T tokens. */
-static void q4_tail_row(const uint8_t* row, const float* s, const float* m, int T, int K, int group,
+static void q4_tail_row(const uint8_t* row, const void* s, const void* m, int fmt, int T, int K, int group,
                         const int8_t* xq, const float* xs, const float* gsum, float* y, int ldy, int n) {
     const int nb = K / QB, ng = K / group, bpg = group / QB;
     for (int t = 0; t < T; t++) {
@@ -122,18 +162,20 @@ static void q4_tail_row(const uint8_t* row, const float* s, const float* m, int 
                     dot += (row[b * 16 + j] & 0xF) * xt[b * QB + j] + (row[b * 16 + j] >> 4) * xt[b * QB + 16 + j];
                 ag += (float)dot * xs[(size_t)t * nb + b];
             }
-            a += ag * s[g] + m[g] * gsum[(size_t)t * ng + g];
+            a += ag * q4_scale(s, fmt, g) + q4_min(s, m, fmt, g) * gsum[(size_t)t * ng + g];
         }
         y[(size_t)t * ldy + n] = a;
     }
 }
 
-void mf_q4_rows(int n0, int n1, int T, int K, int group, const uint8_t* qw, const float* s, const float* m,
+void mf_q4_rows(int n0, int n1, int T, int K, int group, int fmt, const uint8_t* qw, const void* s, const void* m,
                 const int8_t* xq, const float* xs, const float* gsum, float* y, int ldy) {
     const size_t ng = (size_t)(K / group), half = (size_t)(K / 2);
+    const size_t ss = fmt == MF_Q4_F16Z ? 2 : 4, ms = fmt == MF_Q4_F16Z ? 1 : 4;  /* bytes per scale, per min */
+    const char *sb = (const char*)s, *mb = (const char*)m;
     int n = n0;  /* n0 is a multiple of 8; rows past the last whole group only in the last call (n1 = N) */
     for (; n + Q4_GROUP <= n1; n += Q4_GROUP)
-        q4_group(qw + n * half, s + n * ng, m + n * ng, T, K, group, xq, xs, gsum, y, ldy, n);
+        q4_group(qw + n * half, sb + n * ng * ss, mb + n * ng * ms, fmt, T, K, group, xq, xs, gsum, y, ldy, n);
     for (; n < n1; n++)
-        q4_tail_row(qw + n * half, s + n * ng, m + n * ng, T, K, group, xq, xs, gsum, y, ldy, n);
+        q4_tail_row(qw + n * half, sb + n * ng * ss, mb + n * ng * ms, fmt, T, K, group, xq, xs, gsum, y, ldy, n);
 }

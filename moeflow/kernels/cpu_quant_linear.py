@@ -29,7 +29,16 @@ import torch
 from torch import nn
 
 from moeflow.kernels.cpu_int4 import COMPUTE_DTYPE, Int4Matrix, native_format_fits
-from moeflow.kernels.cpu_native import BLOCK, Q4Matrix, Q8Matrix, native_available, q4_matmul, q4_reference, q8_matmul
+from moeflow.kernels.cpu_native import (
+    BLOCK,
+    Q4Matrix,
+    Q8Matrix,
+    native_available,
+    q4_matmul,
+    q4_nbytes,
+    q4_reference,
+    q8_matmul,
+)
 from moeflow.quant.awq import check_group_size, dequantize, quantize_rtn
 
 INT8_MAX = 127
@@ -127,7 +136,7 @@ class CpuQuantLinear(nn.Module):
         if self.bits == 8:
             return self.int8_weight.numel() + self.int8_scales.numel() * self.int8_scales.element_size()
         if self.native:
-            return self.packed.numel() + 4 * (self.scales.numel() + self.mins.numel())
+            return q4_nbytes(self.packed, self.scales, self.mins)
         return self.packed.numel() + self.scales_zeros.numel() * self.scales_zeros.element_size()
 
 

@@ -9,9 +9,14 @@
 #include <stdlib.h>
 #include <string.h>
 
-int mf_q4_linear(const float* x, int T, int K, int N, int group, const uint8_t* qw, const float* s, const float* m,
-                 float* y, int nthreads);
+#include "cpu_native.h"
+
+int mf_q4_linear(const float* x, int T, int K, int N, int group, int fmt, const uint8_t* qw, const void* s,
+                 const void* m, float* y, int nthreads);
 int mf_q8_linear(const float* x, int T, int K, int N, const int8_t* w, const float* s, float* y, int nthreads);
+int mf_q4_expert(const float* x, int T, int H, int I, int group, int fmt, const uint8_t* w13, const void* s13,
+                 const void* m13, const uint8_t* w2, const void* s2, const void* m2, const float* weight,
+                 float* out, int accumulate, int nthreads);
 
 /* out[t] = w * (x[t] / sqrt(mean(x[t]^2) + eps)) for x fp32 [T, H]. With ``res`` (may be NULL): x[t] + res[t]
    is normalised instead and written to ``sum`` (the residual stream the layer continues with). */
@@ -72,7 +77,8 @@ int mf_attn_step(const float* qkv, int B, int T, int nh, int nkv, int D, const f
             }
         }
     int fail = 0;
-#pragma omp parallel num_threads(nthreads) if (B * T * nh > 1 && (size_t)B * T * nh * L * D >= 262144)
+    /* heads in parallel from ~16K score terms (32 heads of 32 features: 16 positions); below, the fork costs more */
+#pragma omp parallel num_threads(nthreads) if (B * T * nh > 1 && (size_t)B * T * nh * L * D >= 16384)
     {
         float* buf = malloc(sizeof(float) * ((size_t)L + 2 * (size_t)D));
         if (!buf) {
@@ -93,15 +99,25 @@ int mf_attn_step(const float* qkv, int B, int T, int nh, int nkv, int D, const f
             const float* vh = vc + ((size_t)b * nkv + kvh) * L * D;
             float mx = -INFINITY;
             for (int l = 0; l < L; l++) {
-                if (!mrow[l]) continue;
-                p[l] = dot(q, kh + (size_t)l * D, D) * scale;
-                mx = fmaxf(mx, p[l]);
+                if (!mrow[l]) {
+                    p[l] = 0.0f;  /* never read below; a plain value keeps mf_exp8 on its fast path */
+                    continue;
+                }
+                const float sc = dot(q, kh + (size_t)l * D, D) * scale;
+                p[l] = sc;
+                mx = mx > sc ? mx : sc;  /* fmaxf(mx, sc) (x86 glibc: maxss) for scores that are not NaN */
             }
+            int l0 = 0;  /* p[l] = expf(p[l] - mx) */
+#if MF_AVX2
+            for (const __m256 m8 = _mm256_set1_ps(mx); l0 + 8 <= L; l0 += 8)
+                _mm256_storeu_ps(p + l0, mf_exp8(_mm256_sub_ps(_mm256_loadu_ps(p + l0), m8)));
+#endif
+            for (; l0 < L; l0++) p[l0] = expf(p[l0] - mx);
             float den = 0.0f;
             for (int j = 0; j < D; j++) acc[j] = 0.0f;
             for (int l = 0; l < L; l++) {
                 if (!mrow[l]) continue;
-                float e = expf(p[l] - mx);
+                const float e = p[l];
                 den += e;
                 const float* vl = vh + (size_t)l * D;
                 for (int j = 0; j < D; j++) acc[j] += e * vl[j];
@@ -114,18 +130,19 @@ int mf_attn_step(const float* qkv, int B, int T, int nh, int nkv, int D, const f
     return fail ? -1 : 0;
 }
 
-/* A quantized linear layer of the attention block: int4 (bits 4: packed, s, m, group) or int8 (bits 8: packed
-   holds the int8 weight, s its row scales). */
+/* A quantized linear layer of the attention block: int4 (bits 4: packed, s, m, group, fmt: MF_Q4_F32 or
+   MF_Q4_F16Z) or int8 (bits 8: packed holds the int8 weight, s its row scales). */
 typedef struct {
-    int bits, group, n;
+    int bits, group, fmt, n;
     const void* w;
-    const float* s;
-    const float* m;
+    const void* s;
+    const void* m;
 } mf_linear;
 
 static int run_linear(const mf_linear* l, const float* x, int T, int K, float* y, int nthreads) {
-    if (l->bits == 4) return mf_q4_linear(x, T, K, l->n, l->group, (const uint8_t*)l->w, l->s, l->m, y, nthreads);
-    return mf_q8_linear(x, T, K, l->n, (const int8_t*)l->w, l->s, y, nthreads);
+    if (l->bits == 4)
+        return mf_q4_linear(x, T, K, l->n, l->group, l->fmt, (const uint8_t*)l->w, l->s, l->m, y, nthreads);
+    return mf_q8_linear(x, T, K, l->n, (const int8_t*)l->w, (const float*)l->s, y, nthreads);
 }
 
 /* A decoder layer's attention half in one call, for x fp32 [B, T, H] (the layer's input):
@@ -133,14 +150,14 @@ static int run_linear(const mf_linear* l, const float* x, int T, int K, float* y
    x_out = x + o; h_out = rmsnorm(x_out, w_post) (the MoE block's input). Exactly the sequence of the
    separate calls, so the same numbers. Returns 0, or -1 when out of memory. */
 int mf_attn_block(const float* x, int B, int T, int H, const float* w_in, const float* w_post, float eps,
-                  int qkv_bits, int qkv_group, const void* qkv_w, const float* qkv_s, const float* qkv_m,
-                  int o_bits, int o_group, const void* o_w, const float* o_s, const float* o_m,
+                  int qkv_bits, int qkv_group, int qkv_fmt, const void* qkv_w, const void* qkv_s, const void* qkv_m,
+                  int o_bits, int o_group, int o_fmt, const void* o_w, const void* o_s, const void* o_m,
                   int nh, int nkv, int D, const float* cos, const float* sin, float* kc, float* vc, int L,
                   const int64_t* pos, const uint8_t* mask, float scale, float* x_out, float* h_out,
                   int nthreads) {
     int BT = B * T, F = (nh + 2 * nkv) * D;
-    mf_linear qkv = {qkv_bits, qkv_group, F, qkv_w, qkv_s, qkv_m};
-    mf_linear o = {o_bits, o_group, H, o_w, o_s, o_m};
+    mf_linear qkv = {qkv_bits, qkv_group, qkv_fmt, F, qkv_w, qkv_s, qkv_m};
+    mf_linear o = {o_bits, o_group, o_fmt, H, o_w, o_s, o_m};
     float* buf = malloc(sizeof(float) * ((size_t)BT * H * 2 + (size_t)BT * F + (size_t)BT * nh * D));
     if (!buf) return -1;
     float* h = buf;                            /* [BT, H] */
@@ -191,4 +208,78 @@ void mf_softmax_topk(const float* logits, int T, int E, int k, int renorm, float
         if (renorm)
             for (int j = 0; j < k; j++) wt[j] /= total;
     }
+}
+
+/* ---- a whole one-token step through the decoder layers ---- */
+
+/* One expert's q4 matrices: w13 [2I, H] (gate then up), w2 [H, I] (cpu_q4.c's layout). */
+typedef struct {
+    const uint8_t* w13;
+    const void* s13;
+    const void* m13;
+    const uint8_t* w2;
+    const void* s2;
+    const void* m2;
+    int fmt;  /* MF_Q4_F32 or MF_Q4_F16Z, both matrices */
+} mf_expert_desc;
+
+/* A Mixtral-layout decoder layer: the attention half of mf_attn_block, a plain softmax-top-k router (fp32 gate
+   [E, H]) and E SwiGLU q4 experts of intermediate size I. */
+typedef struct {
+    const float* w_in;
+    const float* w_post;
+    float eps;
+    int qkv_bits, qkv_group, qkv_fmt;
+    const void* qkv_w;
+    const void* qkv_s;
+    const void* qkv_m;
+    int o_bits, o_group, o_fmt;
+    const void* o_w;
+    const void* o_s;
+    const void* o_m;
+    int nh, nkv, D;
+    const float* gate;
+    int E, k, renorm, I, group;
+    const mf_expert_desc* experts;
+} mf_layer_desc;
+
+/* One token x fp32 [H] through n layers, in place: per layer, (x, h) = mf_attn_block(x); logits = h @ gate.T;
+   (ids, weights) = mf_softmax_topk(logits); moe = the k experts' mf_q4_expert calls accumulated in k order;
+   x = x + moe. Exactly the calls (and the one fp32 add) of the per-layer path, so the same numbers.
+   kv [n, 3]: each layer's k cache, v cache (fp32 [1, nkv, L, D]) and mask (bool [L]); ids int32 [n, k] and
+   weights fp32 [n, k] receive each layer's routing. Returns 0, or -1 when out of memory (x then undefined). */
+int mf_layers_step(const mf_layer_desc* layers, int n, float* x, int H, const float* cos, const float* sin,
+                   void* const* kv, int L, const int64_t* pos, float scale, int32_t* ids, float* weights,
+                   int nthreads) {
+    int emax = 1;
+    for (int l = 0; l < n; l++) emax = layers[l].E > emax ? layers[l].E : emax;
+    float* buf = malloc(sizeof(float) * (4 * (size_t)H + 2 * (size_t)emax));
+    if (!buf) return -1;
+    float* xa = buf;           /* [H] x + attention */
+    float* h = xa + H;         /* [H] the MoE block's input */
+    float* moe = h + H;        /* [H] */
+    float* logits = moe + H;   /* [E] */
+    float* probs = logits + emax;
+    int rc = 0;
+    for (int l = 0; l < n && !rc; l++) {
+        const mf_layer_desc* d = &layers[l];
+        rc = mf_attn_block(x, 1, 1, H, d->w_in, d->w_post, d->eps, d->qkv_bits, d->qkv_group, d->qkv_fmt, d->qkv_w,
+                           d->qkv_s, d->qkv_m, d->o_bits, d->o_group, d->o_fmt, d->o_w, d->o_s, d->o_m, d->nh, d->nkv,
+                           d->D, cos, sin,
+                           (float*)kv[3 * l], (float*)kv[3 * l + 1], L, pos, (const uint8_t*)kv[3 * l + 2], scale,
+                           xa, h, nthreads);
+        if (rc) break;
+        int32_t* il = ids + (size_t)l * d->k;
+        float* wl = weights + (size_t)l * d->k;
+        mf_dense_f32(h, 1, H, d->E, d->gate, logits);
+        mf_softmax_topk(logits, 1, d->E, d->k, d->renorm, probs, il, wl);
+        for (int j = 0; j < d->k && !rc; j++) {
+            const mf_expert_desc* e = &d->experts[il[j]];
+            rc = mf_q4_expert(h, 1, H, d->I, d->group, e->fmt, e->w13, e->s13, e->m13, e->w2, e->s2, e->m2, wl + j,
+                              moe, j > 0, nthreads);
+        }
+        for (int i = 0; i < H; i++) x[i] = xa[i] + moe[i];
+    }
+    free(buf);
+    return rc;
 }

@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from moeflow.kernels.cpu_native import Q4Matrix, library
+from moeflow.kernels.cpu_native import Q4_F16Z, Q4_F32, Q4Matrix, library
 from moeflow.kernels.cpu_quant_linear import CpuQuantLinear
 
 _DECLARED: set[int] = set()
@@ -42,8 +42,8 @@ def _lib() -> ctypes.CDLL:
         lib.mf_rmsnorm.restype = None
         lib.mf_attn_step.argtypes = [p, i, i, i, i, i, p, p, p, p, i, p, p, f, p, i]
         lib.mf_attn_step.restype = i
-        lib.mf_attn_block.argtypes = [p, i, i, i, p, p, f, i, i, p, p, p, i, i, p, p, p, i, i, i, p, p, p, p, i, p,
-                                      p, f, p, p, i]
+        lib.mf_attn_block.argtypes = [p, i, i, i, p, p, f, i, i, i, p, p, p, i, i, i, p, p, p, i, i, i, p, p, p, p,
+                                      i, p, p, f, p, p, i]
         lib.mf_attn_block.restype = i
         lib.mf_dense_f32.argtypes = [p, i, i, i, p, p]
         lib.mf_dense_f32.restype = None
@@ -163,8 +163,10 @@ def _q4_expert_row(x: torch.Tensor, w13: Q4Matrix, w2: Q4Matrix, weight_ptr: int
                    what: str) -> None:
     """One token x fp32 [1, H] through one expert, weighted by the fp32 at ``weight_ptr``, written to (or added
     into) the fp32 row [H] at ``out_ptr``: ``mf_q4_expert`` called directly (no tensor set-up)."""
+    if w13.fmt != w2.fmt:
+        w13, w2 = w13.fp32_form(), w2.fp32_form()
     rc = library().mf_q4_expert(x.data_ptr(), 1, w2.packed.shape[0], w2.packed.shape[1] * 2, w13.group_size,
-                                w13.packed.data_ptr(), w13.scales.data_ptr(), w13.mins.data_ptr(),
+                                w13.fmt, w13.packed.data_ptr(), w13.scales.data_ptr(), w13.mins.data_ptr(),
                                 w2.packed.data_ptr(), w2.scales.data_ptr(), w2.mins.data_ptr(), weight_ptr, out_ptr,
                                 int(accumulate), torch.get_num_threads())
     if rc:
@@ -217,9 +219,11 @@ def block_linear_ok(layer: torch.nn.Module) -> bool:
 
 
 def _linear_args(layer: CpuQuantLinear) -> tuple:
+    """(bits, group, fmt, weight, scales, mins) of a native layer: mf_attn_block's arguments for one linear."""
     if layer.bits == 4:
-        return 4, layer.group_size, layer.packed.data_ptr(), layer.scales.data_ptr(), layer.mins.data_ptr()
-    return 8, 0, layer.int8_weight.data_ptr(), layer.int8_scales.data_ptr(), None
+        fmt = Q4_F16Z if layer.scales.dtype == torch.float16 else Q4_F32
+        return 4, layer.group_size, fmt, layer.packed.data_ptr(), layer.scales.data_ptr(), layer.mins.data_ptr()
+    return 8, 0, Q4_F32, layer.int8_weight.data_ptr(), layer.int8_scales.data_ptr(), None
 
 
 # ---- plain-torch fp32 models of the ops above ----

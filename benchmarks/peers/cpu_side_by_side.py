@@ -1,0 +1,156 @@
+"""moeflow ``device="cpu"`` (two source trees: before / after) beside llama.cpp Q4_0, alternating rep by rep in
+one run (issue 21): decode tok/s, pp32 tok/s and CPU ms per decoded token, at one thread count.
+
+Each moeflow tree runs in its own worker process (``PYTHONPATH=<tree>``, the model loaded once: the peer
+benchmark's AWQ synthetic Mixtral, ``attention_bits=4``, ``lm_head_bits`` as asked); each rep asks every worker
+for one measurement, then runs ``llama-bench`` (Q4_0 GGUF, the same thread count), so the shared machine's load
+hits all alike. Per rep and engine:
+
+* decode: moeflow 1 / TPOT of ``generate(prompt 16, tg + 1 tokens)``; llama.cpp ``llama-bench -p 0 -n tg`` t/s;
+* pp32: moeflow 32 / TTFT of ``generate(prompt 32, 1 token)``; llama.cpp ``-p 32 -n 0`` t/s;
+* CPU ms per decoded token: CPU time of tg + 1 tokens minus that of 1 token, per token (moeflow: the worker's
+  process time; llama.cpp: ``-n tg+1`` minus ``-n 1``, child rusage) - the figure the machine's load moves least
+  at one thread.
+
+Medians over reps, ``uptime`` before, between and after. ``--trees label=path`` (repeatable).
+
+    python benchmarks/peers/cpu_side_by_side.py --work /tmp/peers --threads 1 --reps 7 \\
+        --trees before=/work/main --trees after=. --out benchmarks/results/peers/s12/side_t1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+
+
+def uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+def worker(model: Path, threads: int, lm_head_bits: int, tg: int) -> None:
+    """Load the model, then answer every line on stdin with one measurement (a JSON line)."""
+    import torch
+
+    from moeflow import MoEOffloadedMixtral
+
+    torch.set_num_threads(threads)
+    m = MoEOffloadedMixtral.from_pretrained(model, device="cpu", attention_bits=4, lm_head_bits=lm_head_bits,
+                                            progress=False)
+    gen = torch.Generator().manual_seed(0)
+    decode_ids = torch.randint(3, m.config.vocab_size, (1, 16), generator=gen)
+    prompt_ids = torch.randint(3, m.config.vocab_size, (1, 32), generator=gen)
+    kw = dict(do_sample=False, eos_token_id=[])
+    with torch.inference_mode():
+        tokens = m.generate(decode_ids, max_new_tokens=tg + 1, **kw)[0, 16:].tolist()  # warm-up
+        m.generate(prompt_ids, max_new_tokens=1, **kw)
+        print(json.dumps({"ready": True, "native_layers": getattr(m.model, "native_layers", None) is not None,
+                          "greedy_tokens": tokens}), flush=True)
+        for _ in sys.stdin:
+            c0 = time.process_time()
+            m.generate(decode_ids, max_new_tokens=1, **kw)
+            c1 = time.process_time()
+            m.generate(decode_ids, max_new_tokens=tg + 1, **kw)
+            c2 = time.process_time()
+            tpot = m.stats.tpot_s
+            m.generate(prompt_ids, max_new_tokens=1, **kw)
+            print(json.dumps({"decode_tok_s": 1 / tpot, "pp32_tok_s": 32 / m.stats.ttft_s,
+                              "cpu_ms": ((c2 - c1) - (c1 - c0)) / tg * 1e3}), flush=True)
+
+
+def _child_cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def llama_rep(bench: Path, gguf: Path, threads: int, tg: int) -> dict:
+    """One rep of llama-bench: tg and pp32 t/s, and CPU ms per decoded token."""
+    def run(*args) -> tuple[list, float]:
+        c0 = _child_cpu_s()
+        out = subprocess.run([str(bench), "-m", str(gguf), "-t", str(threads), "-r", "1", "-o", "json", *args],
+                             capture_output=True, text=True, check=True).stdout
+        return json.loads(out), _child_cpu_s() - c0
+    rows, _ = run("-p", "32", "-n", str(tg))
+    rate = {("pp32" if r["n_gen"] == 0 else "decode") + "_tok_s": r["avg_ts"] for r in rows}
+    _, one = run("-p", "0", "-n", "1")
+    _, full = run("-p", "0", "-n", str(tg + 1))
+    return {**rate, "cpu_ms": (full - one) / tg * 1e3, "build": rows[0].get("build_commit")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", type=Path, default=Path("/tmp/peers"), help="run_peers.py's directory (awq/, GGUFs)")
+    ap.add_argument("--out", type=Path, help="output prefix (.json and .md are added)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--lm-head-bits", type=int, default=8)
+    ap.add_argument("--tg", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--trees", action="append", default=[], help="label=path of a moeflow source tree")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args.work / "awq", args.threads, args.lm_head_bits, args.tg)
+    trees = dict(t.split("=", 1) for t in args.trees) or {"this tree": str(HERE.parents[2])}
+    bench, gguf = args.work / "llama.cpp/build/bin/llama-bench", args.work / "mixtral-synth-Q4_0.gguf"
+    loads = [uptime()]
+    workers, info = {}, {}
+    for label, tree in trees.items():
+        env = {**os.environ, "PYTHONPATH": str(Path(tree).resolve()), "OMP_NUM_THREADS": str(args.threads)}
+        p = subprocess.Popen([sys.executable, str(HERE), "--worker", "--work", str(args.work), "--threads",
+                              str(args.threads), "--lm-head-bits", str(args.lm_head_bits), "--tg", str(args.tg)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        workers[label] = p
+        info[label] = {"tree": str(Path(tree).resolve()), **json.loads(p.stdout.readline())}
+    engines = [*workers, "llama.cpp Q4_0"]
+    samples: dict[str, list[dict]] = {e: [] for e in engines}
+    try:
+        for _ in range(args.reps):
+            for label, p in workers.items():
+                p.stdin.write("go\n")
+                p.stdin.flush()
+                samples[label].append(json.loads(p.stdout.readline()))
+            samples["llama.cpp Q4_0"].append(llama_rep(bench, gguf, args.threads, args.tg))
+            loads.append(uptime())
+    finally:
+        for p in workers.values():
+            p.stdin.close()
+            p.wait()
+    same = len({tuple(i["greedy_tokens"]) for i in info.values()}) == 1
+    keys = ("decode_tok_s", "pp32_tok_s", "cpu_ms")
+    med = {e: {k: statistics.median(s[k] for s in samples[e]) for k in keys} for e in engines}
+    ref = med["llama.cpp Q4_0"]
+    ratios = {e: {"decode": med[e]["decode_tok_s"] / ref["decode_tok_s"], "pp32": med[e]["pp32_tok_s"] /
+                  ref["pp32_tok_s"], "decode_by_cpu_ms": ref["cpu_ms"] / med[e]["cpu_ms"]} for e in workers}
+    res = {"threads": args.threads, "lm_head_bits": args.lm_head_bits, "attention_bits": 4, "tg": args.tg,
+           "reps": args.reps, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "uptime": loads,
+           "trees": info, "same_greedy_tokens": same, "llama_cpp_build": samples["llama.cpp Q4_0"][0]["build"],
+           "samples": samples, "median": med, "ratios_vs_llama_cpp": ratios}
+    lines = [f"moeflow `device=\"cpu\"` (AWQ experts, attention_bits=4, lm_head_bits={args.lm_head_bits}) beside "
+             f"llama.cpp Q4_0, {args.threads} thread(s), alternating, median of {args.reps} reps, {res['date']}.",
+             "", *[f"uptime: `{u}`  " for u in (loads[0], loads[len(loads) // 2], loads[-1])],
+             f"greedy tokens (prompt 16, {args.tg + 1} new) identical across the trees: {same}", "",
+             "| engine | decode tok/s | pp32 tok/s | CPU ms / decoded token | decode vs llama.cpp (tok/s; by CPU ms) "
+             "| pp32 vs llama.cpp |", "|---|---|---|---|---|---|"]
+    for e in engines:
+        m, r = med[e], ratios.get(e)
+        vs = f"{r['decode']:.2f}x; {r['decode_by_cpu_ms']:.2f}x | {r['pp32']:.2f}x" if r else "1.00x | 1.00x"
+        lines.append(f"| {e} | {m['decode_tok_s']:.1f} | {m['pp32_tok_s']:.1f} | {m['cpu_ms']:.2f} | {vs} |")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.with_suffix(".json").write_text(json.dumps(res, indent=1))
+        args.out.with_suffix(".md").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

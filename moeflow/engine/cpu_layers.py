@@ -1,0 +1,116 @@
+"""A one-token CPU decode step through every decoder layer as one native call (issue 21).
+
+:func:`native_layers` (called by :func:`~moeflow.engine.cpu_step.fuse_cpu_step`) gives a decoder whose layers all
+have the one-call attention half (:class:`~moeflow.engine.cpu_step.NativeAttentionHalf`) and an MoE block with the
+native router a :class:`NativeLayers`, which the decoder offers each pass (``CausalDecoder.native_layers``). It
+takes a pass only when the per-layer path would run exactly the native calls it makes itself
+(:func:`~moeflow.kernels.cpu_layers_ops.layers_step`): one token, fp32, the engine's static cache, the experts in
+a :class:`~moeflow.moe.resident.CpuInt4Experts` backend on moeflow's kernels, every fused path switched on, no
+routing to record, no module hooks (a profiler's labels still see every module). Otherwise it returns None and
+the layers run one by one. Same calls in the same order: the same logits, bit for bit.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules import module as nn_module
+
+from moeflow.engine.cpu_step import NativeAttentionHalf, NativeRoute, NativeRouterGate
+from moeflow.families import llama_moe, mixtral
+from moeflow.kernels.cpu_layers_ops import LayerDesc, layer_desc, layers_step
+from moeflow.moe.block import MoEBlock
+from moeflow.moe.resident import CpuInt4Experts
+
+# the layer types whose forward is ``x, h = attention_half(...); x + moe_block(h)``, and their MoE block's name
+LAYER_BLOCKS = {mixtral.DecoderLayer: "block_sparse_moe", llama_moe.DecoderLayer: "mlp"}
+
+
+class NativeLayers:
+    """The decoder's layers as one native call for one-token steps (module docstring). ``enabled``: switched by
+    :func:`~moeflow.engine.cpu_step.set_cpu_step_fused`."""
+
+    def __init__(self, layers: list[nn.Module], blocks: list[MoEBlock]) -> None:
+        self.layers, self.blocks, self.enabled = layers, blocks, True
+        halves = [layer.attention_half for layer in layers]
+        self.modules = [m for layer, half, block in zip(layers, halves, blocks, strict=True) for m in
+                        (layer, half.norm_in, half.attn, half.norm_post, block, block.gate)]
+        self._descs: tuple[Any, ctypes.Array, list] | None = None  # (backend, descriptors, their expert tables)
+
+    def _fused(self) -> bool:
+        """Whether every layer would take its fused calls (the switches set_cpu_step_fused flips)."""
+        for layer, block in zip(self.layers, self.blocks, strict=True):
+            half = layer.attention_half
+            if not (isinstance(half, NativeAttentionHalf) and half.attn.fused_step and half.norm_in.native
+                    and half.norm_post.native and isinstance(block.gate, NativeRouterGate) and block.gate.native
+                    and isinstance(block.route, NativeRoute) and block.route.native):
+                return False
+        return not (nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks or any(
+            m._forward_hooks or m._forward_pre_hooks for m in self.modules))
+
+    def _descriptors(self, experts: CpuInt4Experts) -> ctypes.Array | None:
+        """The layers' descriptors for this backend (built once; None when an expert is not on the native kernels)."""
+        if self._descs is not None and self._descs[0] is experts:
+            return self._descs[1]
+        descs, tables = [], []
+        for layer, block in zip(self.layers, self.blocks, strict=True):
+            forms = experts.experts[block.layer_idx]
+            if any(f is None or not f.native or f.w13.fmt != f.w2.fmt for f in forms):
+                return None
+            half = layer.attention_half
+            attn = half.attn
+            desc, table = layer_desc(half.norm_in.weight, half.norm_post.weight, half.norm_in.eps, attn.qkv_proj,
+                                     attn.o_proj, attn.n_heads, attn.n_kv, attn.head_dim, block.gate.weight,
+                                     block.route.top_k, block.route.renormalize, [(f.w13, f.w2) for f in forms])
+            descs.append(desc)
+            tables.append(table)
+        array = (LayerDesc * len(descs))(*descs)
+        self._descs = (experts, array, tables)
+        return array
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any,
+                 cache_position: torch.Tensor, masks: list[torch.Tensor], experts: Any,
+                 routing: Any) -> torch.Tensor | None:
+        """x fp32 [1, 1, H] after every layer, or None when this pass is not one it takes (module docstring).
+        ``masks``: each layer's attention mask bool [1, 1, 1, L]."""
+        layer_kv = getattr(cache, "layer_kv", None)
+        if not self.enabled or routing is not None or x.shape[:2] != (1, 1) or x.dtype != torch.float32 \
+                or layer_kv is None or type(experts) is not CpuInt4Experts or not self._fused():
+            return None
+        real = experts._real_tokens
+        if real is not None and real[0] is not None:
+            return None
+        caches = []
+        for layer, mask in zip(self.layers, masks, strict=True):
+            k, v = layer_kv[layer.attention_half.attn.layer_idx]
+            if k.dtype != torch.float32 or not (k.is_contiguous() and v.is_contiguous() and mask.is_contiguous()) \
+                    or mask.dtype != torch.bool or mask.numel() != k.shape[2] or k.shape[0] != 1:
+                return None
+            caches.append((k, v, mask))
+        if len({c[0].shape for c in caches}) != 1 or cache_position.dtype != torch.int64 \
+                or cache_position.numel() != 1 or not (cos.is_contiguous() and sin.is_contiguous()) \
+                or cos.dtype != torch.float32 or cos.numel() != caches[0][0].shape[3]:
+            return None
+        descs = self._descriptors(experts)
+        if descs is None:
+            return None
+        return layers_step(descs, x.contiguous(), cos, sin, caches, cache_position)
+
+
+def native_layers(decoder: nn.Module) -> NativeLayers | None:
+    """The decoder's :class:`NativeLayers` when every layer is of a known layout with a one-call attention half
+    and an MoE block (no shared expert) with the native router; else None."""
+    layers = list(getattr(decoder, "layers", []))
+    blocks = []
+    for layer in layers:
+        name = LAYER_BLOCKS.get(type(layer))
+        block = getattr(layer, name, None) if name else None
+        if not isinstance(layer.attention_half if name else None, NativeAttentionHalf) \
+                or not isinstance(block, MoEBlock) or block.shared_expert is not None \
+                or not isinstance(block.gate, NativeRouterGate) or not isinstance(block.route, NativeRoute):
+            return None
+        blocks.append(block)
+    return NativeLayers(layers, blocks) if layers else None

@@ -1,0 +1,103 @@
+"""Every decoder layer of a one-token CPU step as one native call (engine/cpu_layers.py, kernels/cpu_layers_ops.py):
+the same calls as the per-layer path, so the same numbers bit for bit (the lm_head's input of every decode step
+equal, the same greedy tokens); taken only where the per-layer path would make exactly those calls."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import make_tiny_checkpoint
+
+import moeflow.engine.cpu_layers as cpu_layers
+from moeflow import MoEOffloadedMixtral
+from moeflow.cli import embedded_model_path
+from moeflow.engine.cpu_step import set_cpu_step_fused
+from moeflow.kernels.cpu_native import native_available
+from moeflow.quant.convert import quantize_checkpoint
+
+pytestmark = pytest.mark.skipif(not native_available(), reason="moeflow's CPU kernels cannot be built here")
+PROMPT = "The \"with\" statement is used to wrap the execution"
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """How many passes the one native call took."""
+    calls = [0]
+    inner = cpu_layers.layers_step
+
+    def layers_step(*a, **kw):
+        calls[0] += 1
+        return inner(*a, **kw)
+    monkeypatch.setattr(cpu_layers, "layers_step", layers_step)
+    return calls
+
+
+def _decode(model: MoEOffloadedMixtral, ids: torch.Tensor, native: bool, n: int = 12, **kw):
+    """Greedy tokens and the lm_head's input at every pass (bit for bit what the layers produced)."""
+    model.model.native_layers.enabled = native
+    seen = []
+    hook = model.model.lm_head.register_forward_hook(lambda m, args, out: seen.append(args[0].clone()))
+    try:
+        with torch.inference_mode():
+            out = model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=[], **kw)
+    finally:
+        hook.remove()
+        model.model.native_layers.enabled = True
+    return out, seen
+
+
+def _check_same_step(model, ids, counted, **kw):
+    counted[0] = 0
+    ref, ref_x = _decode(model, ids, native=False, **kw)
+    assert counted[0] == 0
+    out, x = _decode(model, ids, native=True, **kw)
+    assert counted[0] == len(x) - 1  # every decode step (the prefill runs its layers one by one)
+    assert torch.equal(out, ref)
+    assert len(x) == len(ref_x) and all(torch.equal(a, b) for a, b in zip(x, ref_x, strict=True))
+
+
+@pytest.mark.parametrize("attention_bits,lm_head_bits", [(4, 8), (8, 8), (4, 4)])
+def test_native_layers_are_the_per_layer_step_on_the_embedded_model(attention_bits, lm_head_bits, counted):
+    path = embedded_model_path()
+    model = MoEOffloadedMixtral.from_pretrained(path, attention_bits=attention_bits, lm_head_bits=lm_head_bits)
+    assert model.model.native_layers is not None
+    ids = torch.tensor([model.tokenizer.encode(PROMPT)])
+    _check_same_step(model, ids, counted)
+
+
+def test_native_layers_on_an_awq_attention_checkpoint_and_where_they_step_aside(tmp_path, counted):
+    src = make_tiny_checkpoint(tmp_path / "fp32", seed=3, hidden_size=128, intermediate_size=128,
+                               num_hidden_layers=3, num_local_experts=4, num_experts_per_tok=2)
+    awq = quantize_checkpoint(src, tmp_path / "awq", group_size=32, quantize_attention=True, progress=False)
+    model = MoEOffloadedMixtral.from_pretrained(awq)
+    ids = torch.randint(3, 97, (1, 5), generator=torch.Generator().manual_seed(2))
+    _check_same_step(model, ids, counted)
+    # a batch of two rows (one token per row, but two tokens per pass): the layers run one by one
+    counted[0] = 0
+    two = torch.randint(3, 97, (2, 5), generator=torch.Generator().manual_seed(3))
+    _decode(model, two, native=True, n=4)
+    assert counted[0] == 0
+    # a hook on any layer module: the layers run one by one, so it sees its module run
+    layer = model.model.layers[1]
+    hits = []
+    handle = layer.block_sparse_moe.gate.register_forward_hook(lambda m, a, o: hits.append(o.shape))
+    try:
+        _, with_hook = _decode(model, ids, native=True, n=4)
+    finally:
+        handle.remove()
+    assert counted[0] == 0 and len(hits) == 4
+    # switched off with the rest of the fused step: the unfused path, the same tokens
+    set_cpu_step_fused(model.model, False)
+    assert not model.model.native_layers.enabled
+    with torch.inference_mode():
+        off = model.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=[])
+    set_cpu_step_fused(model.model, True)
+    assert counted[0] == 0
+    on, _ = _decode(model, ids, native=True, n=4)
+    assert counted[0] == 3 and torch.equal(on, off)
+
+
+def test_no_native_layers_without_the_one_call_attention_half():
+    # 16-bit attention kept (no attention_bits): the layers' attention is not one native call
+    model = MoEOffloadedMixtral.from_pretrained(embedded_model_path())
+    assert model.model.layers[0].attention_half is None and model.model.native_layers is None
