@@ -67,21 +67,15 @@ class ReadBack:
         if not self.cuda:  # host memory already: read in place at collect
             self._pending = (topk_ids, ids, floats)
             return
-        E = self.num_experts
-        flat = topk_ids.reshape(-1)
-        self.mask.zero_()
-        self.mask.index_fill_(0, flat.long(), 1)  # not bincount: that reads min/max back on CUDA
-        n = E + sum(t.numel() for t in ids)
+        n = self.num_experts + sum(t.numel() for t in ids)
         if n > self._int_host.numel():
             self._int_dev, self._int_host = self._alloc(2 * n, torch.int64)
-        torch.cat([self.mask, *(t.reshape(-1).to(torch.int64) for t in ids)], out=self._int_dev[:n])
+        self._stage_ints(topk_ids, ids, self._int_dev[:n], self._int_host[:n])
         m = sum(t.numel() for t in floats)
         if m > self._flt_host.numel():
             self._flt_dev, self._flt_host = self._alloc(2 * m, torch.float32)
         if m:
             torch.cat([t.reshape(-1).float() for t in floats], out=self._flt_dev[:m])
-        self._int_host[:n].copy_(self._int_dev[:n], non_blocking=True)
-        if m:
             self._flt_host[:m].copy_(self._flt_dev[:m], non_blocking=True)
         self.event.record()
         self._pending = (n, [t.numel() for t in ids], [t.shape for t in floats], self._int_host)
@@ -95,17 +89,18 @@ class ReadBack:
         (read in place)."""
         if not self.cuda:
             return
-        E = self.num_experts
-        n = E + sum(t.numel() for t in ids)
+        n = self.num_experts + sum(t.numel() for t in ids)
         if n not in self._captured:
             self._captured[n] = (torch.zeros(n, dtype=torch.int64, device=self.device), _pinned(n, torch.int64, True))
-        dev, host = self._captured[n]
-        dev[:E].zero_()
-        dev[:E].index_fill_(0, topk_ids.reshape(-1).long(), 1)
-        at = E
-        for t in ids:
-            dev[at : at + t.numel()].copy_(t.reshape(-1))
-            at += t.numel()
+        self._stage_ints(topk_ids, ids, *self._captured[n])
+
+    def _stage_ints(self, topk_ids: torch.Tensor, ids: list[torch.Tensor], dev: torch.Tensor,
+                    host: torch.Tensor) -> None:
+        """The needed-expert mask of ``topk_ids`` [T, k] and ``ids`` into ``dev`` int64 [n] (E + the ids' sizes),
+        then its asynchronous copy into ``host`` [n] (pinned): the device part of every read."""
+        self.mask.zero_()
+        self.mask.index_fill_(0, topk_ids.reshape(-1).long(), 1)  # not bincount: that reads min/max back on CUDA
+        torch.cat([self.mask, *(t.reshape(-1).to(torch.int64) for t in ids)], out=dev)
         host.copy_(dev, non_blocking=True)
 
     def post_captured(self, topk_ids: torch.Tensor, ids: list[torch.Tensor] = ()) -> None:
