@@ -29,14 +29,13 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # peer_report, run as a script or imported by path
+from peer_report import uptime, write_report  # noqa: E402
+
 SHAPES = {"lm_head_32000": (32000, 4096), "lm_head_151936": (151936, 4096), "attn_4096": (4096, 4096),
           "attn_kv_1024": (1024, 4096)}
 GROUP = 128
 MIN_BYTES = 200_000_000
-
-
-def uptime() -> str:
-    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
 def worker(shapes: list[str], tokens: list[int], threads: list[int], bits: list[int], reps: int) -> dict:
@@ -170,11 +169,8 @@ def main() -> None:
              *summary(list(trees), rounds)]
     print("\n".join(lines))
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
         meta = vars(args) | {"out": str(args.out)}
-        args.out.with_suffix(".json").write_text(json.dumps({"trees": trees, "args": meta, "uptime": marks,
-                                                             "rounds": rounds}, indent=1))
-        args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+        write_report(args.out, {"trees": trees, "args": meta, "uptime": marks, "rounds": rounds}, lines)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -27,6 +27,9 @@ import torch
 from moeflow.kernels.cpu_int4 import COMPUTE_DTYPE, Int4Matrix
 from moeflow.kernels.cpu_native import Q4Matrix, library, q4_expert
 from moeflow.quant.awq import quantize_rtn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # peer_report, run as a script or imported by path
+from peer_report import uptime  # noqa: E402
 
 SHAPES = {"synthetic": (1024, 3584), "mixtral-8x7b": (4096, 14336)}
 GROUP = 128
@@ -71,10 +74,6 @@ def time_calls(fn, experts: list, reps: int) -> tuple[float, float]:
         cpu.append((time.process_time() - c0) / len(experts))
         wall.append((time.perf_counter() - w0) / len(experts))
     return statistics.median(cpu), statistics.median(wall)
-
-
-def uptime() -> str:
-    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
 def main() -> None:

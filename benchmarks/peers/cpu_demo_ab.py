@@ -23,6 +23,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # peer_report, run as a script or imported by path
+from peer_report import uptime, write_report  # noqa: E402
+
 DEMO = "import sys; from moeflow.cli import main; sys.exit(main(['demo', '--device', 'cpu']))"
 RESIDENT = """
 import json, sys, time, torch
@@ -93,19 +96,18 @@ def main() -> None:
     ap.add_argument("--attention-bits", type=int, default=8)
     ap.add_argument("--tg", type=int, default=32, help="decoded tokens per peers repetition")
     args = ap.parse_args()
-    up = lambda: subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()  # noqa: E731
-    result = {"uptime_before": up(), "a": str(args.a), "b": str(args.b), "runs": {"a": [], "b": []}}
+    result = {"uptime_before": uptime(), "a": str(args.a), "b": str(args.b), "runs": {"a": [], "b": []}}
     for rep in range(args.reps):
         for side in ("a", "b"):
             tree = args.a if side == "a" else args.b
             modes = ["eager", "compile"] if args.compile and side == "b" and rep == 0 else ["eager"]
-            row = {"demo": demo(tree), "resident": resident(tree, modes), "uptime": up()}
+            row = {"demo": demo(tree), "resident": resident(tree, modes), "uptime": uptime()}
             if args.peers_work:
                 row["peers"] = peers(tree, args.peers_work, args.attention_bits, args.tg)
-                row["uptime_after_peers"] = up()
+                row["uptime_after_peers"] = uptime()
             result["runs"][side].append(row)
             print(side, rep, json.dumps(row), flush=True)
-    result["uptime_after"] = up()
+    result["uptime_after"] = uptime()
     lines = [f"uptime before: `{result['uptime_before']}`  ", f"uptime after: `{result['uptime_after']}`", "",
              f"Medians of {args.reps} alternating runs. A = `{args.a}`, B = `{args.b}`.", "",
              "| run | A | B | B / A |", "|---|---|---|---|"]
@@ -124,9 +126,7 @@ def main() -> None:
         speedup = a / b if better == "lower" else b / a
         result.setdefault("medians", {})[label] = {"a": a, "b": b, "speedup": speedup}
         lines.append(f"| {label} | {a:.1f} | {b:.1f} | {speedup:.2f}x faster |")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    write_report(args.out, result, lines)
     print("\n".join(lines))
 
 

@@ -30,11 +30,10 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # peer_report, run as a script or imported by path
+from peer_report import uptime, write_report  # noqa: E402
+
 HERE = Path(__file__).resolve()
-
-
-def uptime() -> str:
-    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
 def worker(model: Path, threads: int, lm_head_bits: int, tg: int) -> None:
@@ -144,12 +143,9 @@ def main() -> None:
         m, r = med[e], ratios.get(e)
         vs = f"{r['decode']:.2f}x; {r['decode_by_cpu_ms']:.2f}x | {r['pp32']:.2f}x" if r else "1.00x | 1.00x"
         lines.append(f"| {e} | {m['decode_tok_s']:.1f} | {m['pp32_tok_s']:.1f} | {m['cpu_ms']:.2f} | {vs} |")
-    text = "\n".join(lines)
-    print(text)
+    print("\n".join(lines))
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.with_suffix(".json").write_text(json.dumps(res, indent=1))
-        args.out.with_suffix(".md").write_text(text + "\n")
+        write_report(args.out, res, lines)
 
 
 if __name__ == "__main__":

@@ -15,9 +15,7 @@ median wall ms per decoded token (generate's TPOT) and the median CPU ms per dec
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,11 +24,8 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from peer_report import uptime, write_report  # noqa: E402
 from run_peers import llama_cpp_decode_cpu_ms  # noqa: E402
-
-
-def uptime() -> str:
-    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
 def main() -> None:
@@ -96,9 +91,7 @@ def main() -> None:
         wall = f"{m['wall_ms']:.2f}" if "wall_ms" in m else ""
         ratio = f"{ref / m['cpu_ms']:.2f}x" if ref else ""
         lines.append(f"| {name} | {wall} | {m['cpu_ms']:.2f} | {1e3 / m['cpu_ms']:.1f} | {ratio} |")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(res, indent=1))
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    write_report(args.out, res, lines)
     print("\n".join(lines))
 
 

@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import statistics
-import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # peer_report, run as a script or imported by path
+from peer_report import uptime, write_report  # noqa: E402
 
 
 def _q4_bytes(n: int, k: int, group: int, fmt: int = 0) -> int:
@@ -84,10 +86,6 @@ class Timed:
 
     def snapshot(self) -> tuple[dict, dict, dict]:
         return dict(self.cpu), dict(self.bytes), dict(self.calls)
-
-
-def uptime() -> str:
-    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
 def profile_model(path: Path, lm_head_bits: int, prompt: int, tg: int, reps: int, wall: bool = False) -> dict:
@@ -188,9 +186,7 @@ def main() -> None:
         lines += [f"| glue (Python, aten), layers in one call | | {m['glue_one_call_ms']:.3f} | | |",
                   f"| total, layers in one call | | {m['total_one_call_ms']:.3f} | | |"]
     lines.append(f"| (total with the timing wrapper) | | {m['total_timed_ms']:.3f} | | |")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(res, indent=1))
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    write_report(args.out, res, lines)
     print("\n".join(lines))
 
 
