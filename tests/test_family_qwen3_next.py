@@ -190,15 +190,44 @@ def test_awq_experts_on_the_cpu_int4_path_keep_the_invariant(tmp_path):
 @pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5_moe_text"])
 def test_bf16_matches_transformers_in_bf16(tmp_path, kind):
     """In bf16 (fp32 delta rule, decays and norms; projections, conv and attention in bf16, as transformers computes
-    them) against transformers' model loaded in bf16: the same logits (1e-3) and 24 greedy tokens."""
+    them) against transformers' model loaded in bf16: the same logits (1e-3) over one pass, and 24 greedy tokens
+    each of which is transformers' top choice within the bf16 rounding noise.
+
+    Two bf16 implementations cannot be asked for identical greedy tokens: where the reference's top-1/top-2 margin is
+    below the rounding noise, the CPU's bf16 matmul kernels (AVX2 vs AVX-512-BF16 round differently) pick the token.
+    Measured on Zen 4 (AVX-512-BF16), transformers 5.24: transformers' own decode-step logits differ from its
+    one-pass logits of the same sequence by up to 0.03 (qwen3_next) and 0.40 (qwen3_5: a router near-tie flips an
+    expert at one step), and its decode margins fall to 0.00-0.02 at steps 14 and 19, where moeflow on that CPU took
+    the other token of the tie. So the tokens are compared only up to the reference's first near-tie, and every token
+    moeflow chooses must be within that noise of the best logit transformers gives over moeflow's own sequence."""
     cls = transformers.Qwen3NextForCausalLM if kind == "qwen3_next" else transformers.Qwen3_5MoeForCausalLM
     path, _ = make_checkpoint(tmp_path, kind, seed=4, **CASES_BY_KIND[kind])
     ref = cls.from_pretrained(path, dtype=torch.bfloat16).eval()
     model = MoEModel.from_pretrained(path, dtype=torch.bfloat16)
     ids = torch.randint(0, 97, (1, 10), generator=torch.Generator().manual_seed(8))
+    t, new = ids.shape[1], 24
     with torch.no_grad():
-        want = ref(ids).logits.float()
-        want_tokens = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
-                                   eos_token_id=None, pad_token_id=0)
-    assert float((model(ids).logits - want).abs().max() / want.abs().max()) < 1e-3
-    assert torch.equal(model.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=[]), want_tokens)
+        out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                           eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        want_tokens = out.sequences
+        ref_steps = torch.stack(out.logits, 1).float()[0]  # [new, vocab]: transformers' decode-step logits
+        ref_pass = ref(want_tokens).logits.float()[0, t - 1:-1]  # [new, vocab]: the same logits in one pass
+    # one pass over the prompt and transformers' continuation: the two bf16 implementations agree
+    got_pass = model(want_tokens).logits[0, t - 1:-1]
+    assert float((got_pass - ref_pass).abs().max() / ref_pass.abs().max()) < 1e-3
+    # the same logits computed two ways (decode steps, one pass), both by transformers in bf16: the rounding noise
+    noise = (ref_steps - ref_pass).abs().max(dim=1).values  # [new]
+    assert float(noise.median()) < 0.03 * float(ref_pass.abs().max())  # bf16 rounding, not a broken reference
+    step_tol = 2 * noise.clamp(min=float(noise.median()))  # a router near-tie makes single steps much noisier
+
+    tokens = model.generate(ids, max_new_tokens=new, do_sample=False, eos_token_id=[])
+    top2 = ref_steps.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1] > step_tol).long()  # the reference's steps without a near-tie
+    up_to_tie = int(clear.cumprod(0).sum())
+    assert torch.equal(tokens[0, t:t + up_to_tie], want_tokens[0, t:t + up_to_tie])
+    # moeflow's decode path (its KV cache and recurrent states), judged by transformers over moeflow's own tokens
+    with torch.no_grad():
+        judged = ref(tokens).logits.float()[0, t - 1:-1]
+    chosen = judged.gather(1, tokens[0, t:, None])[:, 0]
+    assert float((judged.max(dim=1).values - chosen).max()) <= 2 * float(noise.max())
+    assert len(set(tokens[0, t:].tolist())) > 3  # not one token repeated: the check can fail
