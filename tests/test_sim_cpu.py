@@ -155,3 +155,22 @@ def test_simulate_command_takes_the_cpu_policies(small, tmp_path, capsys):
     assert "| lru+cpu-auto | 8/32 |" in capsys.readouterr().out
     with pytest.raises(ProfileError, match="no CPU compute cost"):
         _run([*base[:-4], "--policy", "fiddler"])
+
+
+def _overlap(a, b) -> bool:
+    return any(x.start < y.end - 1e-12 and y.start < x.end - 1e-12 for x in a for y in b)
+
+
+def test_gpu_and_cpu_in_parallel_where_the_runtime_does(small):
+    """fiddler: the device computes a layer's placed experts while the CPU computes the rest (overlapping bars);
+    llama.cpp: a CPU layer waits for the GPU and the GPU for it (never overlapping). One CPU worker: its bars never
+    overlap each other."""
+    trace = _prefill_routes_experts_0_and_1(small)
+    for policy, parallel in (("fiddler", True), ("llamacpp-n-cpu-moe", False)):
+        r = simulate(trace, policy, 2 * L, CPU_SLOW)
+        cpu = [iv for iv in r.timeline_decode if iv.lane == "cpu"]
+        gpu = [iv for iv in r.timeline_decode if iv.lane == "compute" and iv.kind == "expert"]
+        assert cpu and gpu
+        for i, a in enumerate(cpu):
+            assert not _overlap([a], cpu[i + 1:])
+        assert _overlap(cpu, gpu) == parallel, policy
