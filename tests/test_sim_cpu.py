@@ -174,3 +174,15 @@ def test_gpu_and_cpu_in_parallel_where_the_runtime_does(small):
         for i, a in enumerate(cpu):
             assert not _overlap([a], cpu[i + 1:])
         assert _overlap(cpu, gpu) == parallel, policy
+
+
+@pytest.mark.parametrize("cpu_gbps", [18.0, 22.0])
+def test_races_when_copy_and_cpu_cost_about_the_same(small, cpu_gbps):
+    """A copy (2 ms) and a CPU call (~2 ms) within the race margin: the cost model starts both, the first to finish
+    is used (the CPU wins some), and on this trace auto beats both copy-only and always-CPU."""
+    prof = CPU_FAST.with_overrides(cpu_gbps=cpu_gbps)
+    auto = simulate(small, "lru", 2 * L, prof, cpu_compute="auto")
+    assert auto.cpu_races > 0 and 0 < auto.cpu_race_wins <= auto.cpu_races and auto.bytes_h2d > 0
+    copy = simulate(small, "lru", 2 * L, prof)
+    always = simulate(small, "lru", 2 * L, prof, cpu_compute="always")
+    assert auto.tpot_s < min(copy.tpot_s, always.tpot_s)

@@ -144,6 +144,8 @@ class SimResult:
     cpu_experts: int = 0  # experts computed on the CPU (hybrid execution, fiddler; llama.cpp: expert-layer calls)
     decode_cpu_experts: int = 0
     cpu_busy_s: float = 0.0  # CPU time charged (lanes busy)
+    cpu_races: int = 0  # misses both copied and computed on the CPU (the cost model's BOTH); won by the CPU:
+    cpu_race_wins: int = 0
     host_experts: int | None = None  # experts in the host cache (the rest read from disk)
     disk_bytes: int = 0  # read from disk after load (bytes of the profile)
     disk_busy_s: float = 0.0
@@ -389,6 +391,7 @@ def simulate(
         step_times_s=step_times, timeline_prefill=timelines["prefill"], timeline_decode=timelines["decode"],
         notes=notes, cpu_experts=pre.cpu_experts + dec.cpu_experts + llama_cpu["prefill"][0] + llama_cpu["decode"][0],
         decode_cpu_experts=dec.cpu_experts + llama_cpu["decode"][0],
+        cpu_races=pre.cpu_races + dec.cpu_races, cpu_race_wins=pre.cpu_race_wins + dec.cpu_race_wins,
         cpu_busy_s=sum(h.busy_s for h in hybrids) + llama_cpu["prefill"][1] + llama_cpu["decode"][1],
         host_experts=host_experts if transport.disk is not None else total,
         disk_bytes=transport.disk.bytes_read if transport.disk is not None else 0,
