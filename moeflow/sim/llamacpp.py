@@ -16,8 +16,11 @@ llama.cpp's); one call per layer pays ``cpu_call_us`` once.
 
 from __future__ import annotations
 
+import torch
+
 from moeflow.sim.engine import SimClock, SimTransport
 from moeflow.sim.profile import HardwareProfile
+from moeflow.trace import Trace
 
 LLAMACPP_POLICY = "llamacpp-n-cpu-moe"
 OP_OFFLOAD_MIN_BATCH = 32  # llama.cpp offloads an op on host weights to the GPU from this batch size
@@ -62,11 +65,9 @@ def llamacpp_moe_layer(transport: SimTransport, clock: SimClock, profile: Hardwa
     return seconds, 0
 
 
-def analytic_llamacpp_step_s(trace, profile: HardwareProfile, rows: slice, n_cpu: int) -> float:
+def analytic_llamacpp_step_s(trace: Trace, profile: HardwareProfile, rows: slice, n_cpu: int) -> float:
     """Closed form of one pass over ``rows`` (fewer than 32 tokens) with ``--n-cpu-moe n_cpu``: per layer attention,
     then its experts on the GPU, or (first ``n_cpu`` layers) one CPU call; plus the head."""
-    import torch
-
     T = rows.stop - rows.start
     total = profile.head_s
     for l in range(trace.num_layers):
