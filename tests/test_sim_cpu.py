@@ -186,3 +186,37 @@ def test_races_when_copy_and_cpu_cost_about_the_same(small, cpu_gbps):
     copy = simulate(small, "lru", 2 * L, prof)
     always = simulate(small, "lru", 2 * L, prof, cpu_compute="always")
     assert auto.tpot_s < min(copy.tpot_s, always.tpot_s)
+
+
+def test_a_cancelled_queued_cpu_job_frees_its_place_on_the_lane():
+    """Future.cancel semantics: a race lost before its CPU job started drops the job (the ones behind it move up);
+    one that started keeps the lane to its end."""
+    import torch
+
+    from moeflow.config import OffloadConfig
+    from moeflow.offload.stats import PhaseStats
+    from moeflow.sim import SIM_FORMAT
+    from moeflow.sim.engine import SimClock, SimHostStore, SimTransport
+    from moeflow.sim.hybrid import SimHybridCompute
+
+    clock = SimClock()
+    transport = SimTransport(clock, bandwidth_bps=1e9, latency_s=0.0, scale=1.0, region_bytes=SIM_FORMAT.nbytes,
+                             num_experts=E)
+    host = SimHostStore(SIM_FORMAT, L, E)
+    cpu = SimHybridCompute("always", OffloadConfig(policy="lru"), host, lambda key: False, profile=CPU_FAST,
+                           transport=transport, copy_chunks=3)
+    cpu.prepare(torch.device("cpu"), "sim")
+    st = PhaseStats()
+    ids = torch.tensor([[1, 2], [3, 2]], dtype=torch.int32)  # expert 2: two tokens (first on the lane), then 1, 3
+    assert cpu.start_layer(0, torch.zeros(2, 1), ids, torch.ones(2, 2), [1, 2, 3], [], [], st) == [2, 1, 3]
+    d1 = CPU_FAST.cpu_expert_s(1)
+    d2 = CPU_FAST.cpu_expert_s(2)
+    assert cpu._ends == pytest.approx({2: d2, 1: d2 + d1, 3: d2 + 2 * d1})
+    clock.now = 0.5 * d2  # expert 2's job is running, 1 and 3 are queued
+    cpu._cancel(1)  # queued: dropped, 3 moves up
+    cpu._cancel(2)  # running: keeps the lane to its end
+    assert cpu._ends == pytest.approx({3: d2 + d1}) and cpu.lanes[0] == pytest.approx(d2 + d1)
+    assert cpu.busy_s == pytest.approx(d2 + d1) and st.cpu_s == pytest.approx(d2 + d1)
+    cpu.finish(torch.zeros(4, 1), st)
+    assert clock.now == pytest.approx(d2 + d1) and st.cpu_experts == 1
+    cpu.close()

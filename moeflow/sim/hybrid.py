@@ -13,7 +13,8 @@
   device after that, so the next work the host enqueues starts no earlier;
 * a race (the cost model's BOTH: copy and CPU both started) is settled at the earlier of the two completions,
   exactly where the runtime's poll loop would see it. A CPU job that lost its race keeps its lane busy to its end
-  (the runtime cannot stop a running job; one still queued would be cancelled: not modelled, conservative).
+  when it had started (the runtime cannot stop a running job); one still queued is cancelled (``Future.cancel``)
+  and the jobs queued behind it on its lane move up.
 """
 
 from __future__ import annotations
@@ -43,8 +44,11 @@ class SimHybridCompute(HybridCompute):
         self.clock: SimClock = transport.clock
         self.copy_chunks = copy_chunks
         self.lanes = [0.0] * self.workers  # when each CPU worker is free
-        self._ends: dict[int, float] = {}  # expert -> when its CPU job ends (this layer)
-        self.busy_s = 0.0  # CPU lanes' busy time (all jobs, including lost races)
+        self._ends: dict[int, float] = {}  # expert -> when its CPU job ends (this layer's jobs not yet resolved)
+        self._jobs: dict[int, list] = {}  # expert -> [lane, start, end] (this layer)
+        self._order: list[list[int]] = [[] for _ in range(self.workers)]  # this layer's jobs per lane, in order
+        self._st: PhaseStats | None = None
+        self.busy_s = 0.0  # CPU lanes' busy time (all jobs that ran, including lost races)
 
     def prepare(self, device: torch.device, transport_name: str) -> None:
         """The rates the runtime would measure, from the profile (in the simulator's region bytes)."""
@@ -57,7 +61,8 @@ class SimHybridCompute(HybridCompute):
                     misses: list[int], waiting: list[LoadTask], backlog: list[tuple[LoadTask, int]],
                     st: PhaseStats) -> list[int]:
         """The runtime's plan; each CPU job placed on a lane of virtual time. Returns the CPU-only misses."""
-        self._layer, self._ends, self._race = layer, {}, set()
+        self._layer, self._ends, self._race, self._jobs, self._st = layer, {}, set(), {}, st
+        self._order = [[] for _ in range(self.workers)]
         if not misses and not waiting:
             return []
         counts = torch.bincount(topk_ids.reshape(-1).long(), minlength=self.host.num_experts).tolist()
@@ -68,9 +73,10 @@ class SimHybridCompute(HybridCompute):
             start = max(now, self.lanes[w])
             seconds = self.profile.cpu_expert_s(counts[e])
             self.lanes[w] = self._ends[e] = start + seconds
+            self._jobs[e] = [w, start, start + seconds]
+            self._order[w].append(e)
             self.busy_s += seconds
             st.cpu_s += seconds
-            self.transport.log("cpu", "expert", start, start + seconds, f"L{layer} E{e}")
             if choices[e] is Choice.BOTH:
                 self._race.add(e)
                 st.cpu_races += 1
@@ -110,7 +116,7 @@ class SimHybridCompute(HybridCompute):
                 release(task)
             elif task.complete():
                 self._race.discard(e)
-                self._ends.pop(e)  # the device computes it; the CPU job's lane stays busy to its end
+                self._cancel(e)  # the device computes it
                 keep.append(task)
             else:
                 keep.append(task)
@@ -120,7 +126,33 @@ class SimHybridCompute(HybridCompute):
         for e in experts:
             if e in self._race:
                 self._race.discard(e)
-                self._ends.pop(e)
+                self._cancel(e)
+
+    def _cancel(self, e: int) -> None:
+        """``Future.cancel`` of expert e's job: a queued job is dropped (the ones behind it on its lane move up), a
+        running one runs to its end."""
+        self._ends.pop(e)
+        w, start, end = self._jobs[e]
+        if start <= self.clock.now:  # running (or done): it keeps its lane to its end
+            self._log(e)
+            return
+        d = end - start
+        order = self._order[w]
+        for f in order[order.index(e) + 1:]:
+            job = self._jobs[f]
+            job[1] -= d
+            job[2] -= d
+            if f in self._ends:
+                self._ends[f] = job[2]
+        order.remove(e)
+        self.lanes[w] -= d
+        self.busy_s -= d
+        if self._st is not None:
+            self._st.cpu_s -= d
+
+    def _log(self, e: int) -> None:
+        _, start, end = self._jobs[e]
+        self.transport.log("cpu", "expert", start, end, f"L{self._layer} E{e}")
 
     def finish(self, out: torch.Tensor, st: PhaseStats) -> None:
         """The host blocks for the layer's remaining CPU jobs (their rows then go to the device)."""
@@ -130,10 +162,11 @@ class SimHybridCompute(HybridCompute):
 
     def _write(self, e: int, out: torch.Tensor, st: PhaseStats) -> None:
         self.clock.advance_to(self._ends.pop(e))
+        self._log(e)
         st.cpu_experts += 1
 
     def abort(self) -> None:
-        self._ends, self._race = {}, set()
+        self._ends, self._race, self._jobs = {}, set(), {}
 
 
 def sim_hybrid_factory(profile: HardwareProfile, transport: SimTransport, copy_chunks: int,
