@@ -228,6 +228,9 @@ def test_bench_profile_on_cpu_says_so(tmp_path):
     assert prof.measured and "NO GPU" in prof.description
     assert prof.h2d_gbps > 0 and prof.expert_ms > 0 and prof.sched_ms > 0
     assert prof.num_layers == 4
+    # the CPU expert cost (hybrid execution, fiddler, llama.cpp's placement) is measured too, and priced
+    assert prof.cpu_gbps > 0 and prof.cpu_free_tokens >= 1 and "CPU experts" in prof.description
+    assert prof.cpu_expert_s(1) >= prof.expert_bytes / (prof.cpu_gbps * 1e9)
 
 
 # ------------------------------------------------------------------------------------------ command line

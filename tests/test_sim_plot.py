@@ -36,3 +36,12 @@ def test_simulate_command_plot(tmp_path):
     assert args.func(args) == 0
     assert (tmp_path / "tl-lru-6.png").read_bytes()[:8] == PNG
     assert (tmp_path / "tl-ondemand-6.png").is_file()
+
+
+def test_timeline_with_a_cpu_lane(tmp_path):
+    trace, _ = synthesize_trace(num_layers=3, num_experts=8, top_k=2, hidden_size=16, sequences=1, prompt_len=5,
+                                new_tokens=4)
+    prof = custom_profile(h2d_gbps=20, expert_mb=40, layer_ms=0.3, expert_ms=0.2, cpu_gbps=200.0)
+    r = simulate(trace, "fiddler", 6, prof)
+    assert any(iv.lane == "cpu" for iv in r.timeline_decode)
+    assert plot_timeline(r, tmp_path / "cpu.png").read_bytes()[:8] == PNG

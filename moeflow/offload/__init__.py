@@ -22,7 +22,7 @@ from moeflow.offload.disk_store import DiskHostStore, DiskStats
 from moeflow.offload.disk_tier import maybe_disk_store, staged_engine_factory
 from moeflow.offload.eviction import LFU, LRU, EvictionPolicy, PriorityEviction, Static, make_eviction
 from moeflow.offload.host_store import HostStore
-from moeflow.offload.hybrid import HybridCompute, fixed_set, resolve_cpu_compute
+from moeflow.offload.hybrid import HybridCompute, fixed_set
 from moeflow.offload.platform import REAL, Platform
 from moeflow.offload.policies import (
     POLICY_NAMES,
@@ -174,8 +174,7 @@ def create_expert_backend(
     if (host.num_layers, host.num_experts) != (num_layers, num_experts):
         raise ValueError("the given host store holds another model's experts")
     # hybrid execution (docs/hybrid.md): misses computed on the CPU where the cost model says so
-    cpu_mode = resolve_cpu_compute(config, spec, fmt)
-    cpu = HybridCompute(cpu_mode, config, host, fixed_set(eviction)) if cpu_mode != "never" else None
+    cpu = platform.hybrid(config, spec, fmt, host, fixed_set(eviction))
     return OffloadedExperts(
         fmt, top_k=top_k, n_slots=n_slots, device=device, host=host, transport=platform.transport(config, device),
         eviction=eviction, stats=stats, predictor=predictor, cpu=cpu, retain=spec.retain,

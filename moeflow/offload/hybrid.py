@@ -47,13 +47,8 @@ def resolve_cpu_compute(config: Any, spec: Any, fmt: Any) -> str:
     from moeflow.kernels.cpu_mxfp4 import cpu_form_supported
 
     policy_mode = getattr(spec, "cpu_compute", None)
-    if policy_mode is not None and config.cpu_compute == "never":
-        raise SchedulingError(
-            f"policy {spec.name!r} computes the experts it does not place on the device on the CPU; it cannot run "
-            "with cpu_compute='never' (use a caching policy such as 'static' for that)"
-        )
-    mode = config.cpu_compute or policy_mode or "never"
-    if mode == "never" or not spec.offload:
+    mode = requested_cpu_compute(config, spec)
+    if mode == "never":
         return "never"
     problem = cpu_form_supported(fmt)  # AWQ (moeflow.kernels.cpu_int4) or MXFP4 (moeflow.kernels.cpu_mxfp4)
     if problem is None and not int4_cpu_available():
@@ -67,6 +62,29 @@ def resolve_cpu_compute(config: Any, spec: Any, fmt: Any) -> str:
         "every expert is computed on the device (cpu_compute='never')", RuntimeWarning, stacklevel=3,
     )
     return "never"
+
+
+def requested_cpu_compute(config: Any, spec: Any) -> str:
+    """The mode ("never" / "auto" / "always") ``config`` and policy ``spec`` ask for, before the checks of the
+    experts' format and the CPU kernels (:func:`resolve_cpu_compute`; the simulator models the kernels by a
+    profile and takes this one). Raises SchedulingError when the policy needs CPU compute and the config
+    forbids it."""
+    policy_mode = getattr(spec, "cpu_compute", None)
+    if policy_mode is not None and config.cpu_compute == "never":
+        raise SchedulingError(
+            f"policy {spec.name!r} computes the experts it does not place on the device on the CPU; it cannot run "
+            "with cpu_compute='never' (use a caching policy such as 'static' for that)"
+        )
+    mode = config.cpu_compute or policy_mode or "never"
+    return "never" if mode == "never" or not spec.offload else mode
+
+
+def real_hybrid(config: Any, spec: Any, fmt: Any, host: HostStore,
+                keep_on_device: Callable[[tuple[int, int]], bool]) -> HybridCompute | None:
+    """``Platform.hybrid`` of the real runtime: a :class:`HybridCompute` where :func:`resolve_cpu_compute` allows
+    CPU compute, else None."""
+    mode = resolve_cpu_compute(config, spec, fmt)
+    return HybridCompute(mode, config, host, keep_on_device) if mode != "never" else None
 
 
 def fixed_set(eviction: Any) -> Callable[[tuple[int, int]], bool]:
@@ -151,15 +169,7 @@ class HybridCompute:
         # the routing on the host (right after the layer's routing sync, so this waits for little)
         flat_ids = topk_ids.reshape(-1).to("cpu", torch.int64)
         counts = torch.bincount(flat_ids, minlength=self.host.num_experts).tolist()
-        ahead, landed_after = 0, {}
-        for t, nbytes in backlog:  # the high queue drains in order: a queued load lands after everything before it
-            ahead += nbytes
-            landed_after[t] = ahead
-        cands = [Candidate(e, counts[e], self.host.fmt.nbytes, keep_on_device=self.keep_on_device((layer, e)))
-                 for e in misses]
-        cands += [Candidate(t.expert, counts[t.expert], landed_after.get(t, 0), loading=True) for t in waiting]
-        choices = plan(cands, self.rates, mode=self.mode, backlog_bytes=ahead, cpu_workers=self.workers,
-                       race_margin=self.race_margin)
+        choices = self.decide(layer, counts, misses, waiting, backlog)
         on_cpu = [e for e, c in choices.items() if c is not Choice.COPY]
         if not on_cpu:
             return []
@@ -174,6 +184,20 @@ class HybridCompute:
                 self._race.add(e)
                 st.cpu_races += 1
         return [e for e, c in choices.items() if c is Choice.CPU]
+
+    def decide(self, layer: int, counts: list[int], misses: list[int], waiting: list[LoadTask],
+               backlog: list[tuple[LoadTask, int]]) -> dict[int, Choice]:
+        """The cost model's choice (:func:`~moeflow.offload.cost_model.plan`) for each of the layer's ``misses`` and
+        loads under way, ``counts[e]`` tokens routed to expert e (the simulator makes the same decision)."""
+        ahead, landed_after = 0, {}
+        for t, nbytes in backlog:  # the high queue drains in order: a queued load lands after everything before it
+            ahead += nbytes
+            landed_after[t] = ahead
+        cands = [Candidate(e, counts[e], self.host.fmt.nbytes, keep_on_device=self.keep_on_device((layer, e)))
+                 for e in misses]
+        cands += [Candidate(t.expert, counts[t.expert], landed_after.get(t, 0), loading=True) for t in waiting]
+        return plan(cands, self.rates, mode=self.mode, backlog_bytes=ahead, cpu_workers=self.workers,
+                    race_margin=self.race_margin)
 
     def _job(self, layer: int, e: int, x_h: torch.Tensor, pairs: torch.Tensor, k: int, flat_w: torch.Tensor,
              st: PhaseStats) -> torch.Tensor:

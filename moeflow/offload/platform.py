@@ -18,10 +18,13 @@ import torch
 from moeflow.kernels.pool import ExpertFormat, ExpertPool
 from moeflow.offload.copy_engine import CopyEngine
 from moeflow.offload.host_store import HostStore
+from moeflow.offload.hybrid import HybridCompute, real_hybrid
 from moeflow.offload.transport import Transport, make_transport
 
 # compute(layer, topk_ids int32 [T, k], experts): account the compute of ``experts`` instead of running kernels
 ComputeExecutor = Callable[[int, torch.Tensor, list[int]], None]
+# hybrid(config, spec, fmt, host, keep_on_device) -> the executor of misses computed on the CPU, or None
+HybridFactory = Callable[..., HybridCompute | None]
 
 
 def config_transport(config, device: torch.device) -> Transport:
@@ -40,7 +43,9 @@ class Platform:
     host_store(fmt, num_layers, num_experts, pin=, device=); compute: None runs the kernels, else an executor
     that accounts each expert group (the simulator's; an early group names every expert in a ready slot, the
     executor charges the routed ones); read_wait: called where the host waits for a layer's read-back (the
-    simulator's clock advances to the routing and through the scheduling there)."""
+    simulator's clock advances to the routing and through the scheduling there); hybrid: the executor of
+    misses computed on the CPU for the policy (``real_hybrid``: the worker pool, or None where the config,
+    the experts' format or the kernels do not allow it; the simulator's charges a profile's CPU time)."""
 
     clock: Callable[[], float] = time.perf_counter
     transport: Callable[..., Transport] = config_transport
@@ -48,6 +53,7 @@ class Platform:
     host_store: Callable[..., HostStore] = real_host_store
     compute: ComputeExecutor | None = None
     read_wait: Callable[[], None] | None = None
+    hybrid: HybridFactory = real_hybrid
 
     def make_engine(self, transport: Transport, host: HostStore, pool: ExpertPool, *, chunks: int,
                     max_inflight: int) -> CopyEngine:

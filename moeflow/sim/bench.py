@@ -6,6 +6,13 @@ a 256-token context) and the LM head, all timed with CUDA events. On the CPU it 
 honestly and says so: the "copy" is a host memcpy into the CPU slot pool (what the runtime does without a
 GPU), compute runs through the CPU kernels. The host scheduling time is the real ``OffloadedExperts.forward``
 with every expert a hit (the simulator's stubbed compute), so it is this host's Python cost per layer.
+
+The CPU expert cost (hybrid execution, fiddler, llama.cpp's placement) is measured on every machine the way the
+runtime's calibration does it (:func:`moeflow.offload.calibration.measure_cpu` on the expert's CPU int4 form, on
+this process's torch threads): one token on the profile's expert and on one with a quarter of its intermediate
+size give the weight rate (``cpu_gbps``: bytes / seconds between the two) and the fixed cost of a call
+(``cpu_call_us``, plus on a GPU the round trip of the activations: two small copies); 8 and 16 tokens give the
+cost per further token and the tokens free under the weight read.
 """
 
 from __future__ import annotations
@@ -59,6 +66,34 @@ def _awq_pool(hidden: int, intermediate: int, group: int, device: torch.device):
         else:
             t.copy_(torch.rand(t.shape, generator=g) * 4e-3)
     return fmt, pool
+
+
+def measure_cpu_expert(hidden: int, intermediate: int, group: int, min_bytes: float = 8e6) -> dict[str, float]:
+    """The CPU cost of one AWQ expert of ``hidden`` x ``intermediate`` in its CPU int4 form (see the module
+    docstring): ``cpu_gbps``, ``cpu_call_us`` (the call alone, no transfers), ``cpu_token_ms``,
+    ``cpu_free_tokens``. The weight rate is the slope between an expert of one group of intermediate rows and one of
+    at least ``min_bytes`` (tiny shapes are all call cost; their rate would be noise)."""
+    from moeflow.kernels.cpu_mxfp4 import cpu_expert_form, region_tensors
+    from moeflow.kernels.pool import ExpertFormat
+    from moeflow.offload.calibration import measure_cpu
+
+    def timed(inter: int) -> tuple[int, float, float, float]:
+        """(bytes, seconds for one token, seconds per further token, free tokens) of a hidden x inter expert."""
+        fmt, pool = _awq_pool(hidden, inter, group, torch.device("cpu"))
+        form = cpu_expert_form(fmt, region_tensors(fmt, pool.buffer[0]))
+        return (fmt.nbytes, *measure_cpu(form, hidden, lambda fn: fn()))
+
+    nbytes = ExpertFormat(hidden, intermediate, "awq", torch.float16, group).nbytes
+    big_inter = intermediate if nbytes >= min_bytes else -(-int(intermediate * min_bytes / nbytes) // group) * group
+    big_bytes, big_one, _, _ = big = timed(big_inter)
+    small_bytes, small_one, _, _ = timed(group)
+    _, _, per_token, free = big if big_inter == intermediate else timed(intermediate)
+    slope = (big_one - small_one) / max(big_bytes - small_bytes, 1)  # seconds per weight byte
+    if slope <= 0:  # timing noise swamped the difference: the whole call at the weight rate, no fixed cost
+        slope = big_one / big_bytes
+    call = max(0.0, small_one - slope * small_bytes)
+    return {"cpu_gbps": round(1 / slope / 1e9, 3), "cpu_call_us": round(call * 1e6, 2),
+            "cpu_token_ms": round(per_token * 1e3, 5), "cpu_free_tokens": round(max(1.0, free), 2)}
 
 
 def measure_sched_ms(num_layers: int = 4, num_experts: int = 8, top_k: int = 2, steps: int = 40) -> float:
@@ -139,6 +174,9 @@ def measure_profile(device: str | torch.device | None = None, shape: str | dict 
     xh = torch.randn(1, H, device=device, dtype=dt)
     head = timed(lambda: xh @ head_w.T, repeats)
     sched = measure_sched_ms()
+    cpu = measure_cpu_expert(H, I, group)
+    if cuda:  # a CPU expert's activations go to the host and its rows come back
+        cpu["cpu_call_us"] = round(cpu["cpu_call_us"] + 2 * lat_s * 1e6, 2)
     from moeflow.sim.disk import measure_disk
 
     disk_gbps, disk_lat_us, _ = measure_disk(fmt.nbytes)
@@ -150,6 +188,8 @@ def measure_profile(device: str | torch.device | None = None, shape: str | dict 
         desc += ("; NO GPU: 'h2d' is a host memcpy into the CPU slot pool and compute is the CPU kernels "
                  "(this describes the CPU path, not any GPU)")
     desc += "; attention is a proxy (projections + SDPA over 256 tokens), not the model's layer"
+    desc += (f"; CPU experts: moeflow's int4 CPU form on {torch.get_num_threads()} torch threads "
+             f"({platform.processor() or platform.machine()})")
     desc += "; disk: cold preads of a scratch file in the temp directory (page cache dropped with posix_fadvise)"
     return HardwareProfile(
         name=name or f"measured-{device.type}-{shape_name}", h2d_gbps=round(gbps, 3), expert_bytes=fmt.nbytes,
@@ -157,6 +197,6 @@ def measure_profile(device: str | torch.device | None = None, shape: str | dict 
         attn_ms_per_token=round(max(0.0, (a64 - a1) / 63) * 1e3, 6), expert_ms=round(e1 * 1e3, 5),
         expert_ms_per_token=round(per_tok_e * 1e3, 6), head_ms=round(head * 1e3, 5), sched_ms=round(sched, 5),
         num_layers=m["num_layers"], num_experts=m["num_experts"], top_k=m["top_k"], description=desc, measured=True,
-        disk_gbps=round(disk_gbps, 3), disk_latency_us=round(disk_lat_us, 2),
+        disk_gbps=round(disk_gbps, 3), disk_latency_us=round(disk_lat_us, 2), **cpu,
         gpu_memory_gb=round(torch.cuda.get_device_properties(device).total_memory / 2**30, 2) if cuda else None,
     )

@@ -10,14 +10,18 @@ from pathlib import Path
 from typing import Any
 
 from moeflow.errors import SchedulingError
+from moeflow.offload import get_policy
+from moeflow.sim.llamacpp import LLAMACPP_POLICY
 from moeflow.sim.profile import PRESET_NAMES, HardwareProfile, ProfileError, custom_profile, get_profile
-from moeflow.sim.simulator import SimResult, SimulationError, check_policy, known_policies
+from moeflow.sim.simulator import CPU_COMPUTE_MODES, SimResult, SimulationError, check_policy, known_policies
 
 # profile fields the command line can override: flag -> field
 OVERRIDES = {
     "h2d_gbps": "h2d_gbps", "latency_us": "h2d_latency_us", "layer_ms": "attn_ms",
     "layer_ms_per_token": "attn_ms_per_token", "expert_ms": "expert_ms", "expert_ms_per_token": "expert_ms_per_token",
     "head_ms": "head_ms", "sched_ms": "sched_ms", "disk_gbps": "disk_gbps", "disk_latency_us": "disk_latency_us",
+    "cpu_gbps": "cpu_gbps", "cpu_call_us": "cpu_call_us", "cpu_token_ms": "cpu_token_ms",
+    "cpu_free_tokens": "cpu_free_tokens",
 }
 
 
@@ -64,13 +68,37 @@ def _host_gb(text: str | None) -> list[float | None]:
     return out
 
 
+def _cpu_modes(text: str | None) -> list[str | None]:
+    """--cpu-compute: None (the policy's own), or modes; "never" runs copy-only (no cpu_compute)."""
+    if not text:
+        return [None]
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in CPU_COMPUTE_MODES]
+    if bad or not modes:
+        raise SimulationError(f"--cpu-compute {text!r}: expected {', '.join(CPU_COMPUTE_MODES)} or a comma-separated "
+                              "list of them")
+    return [None if m == "never" else m for m in modes]
+
+
+def _takes_cpu_compute(policy: str) -> bool:
+    """--cpu-compute applies to the caching policies: not to resident, llama.cpp's placement, or policies that fix
+    their own CPU compute (fiddler)."""
+    if policy == "oracle":
+        return True
+    if policy in ("resident", LLAMACPP_POLICY):
+        return False
+    return get_policy(policy).cpu_compute is None
+
+
 def format_table(results: list[SimResult]) -> str:
     """The per-policy table (see docs/simulator.md: how to read it; docs/disk.md for the host column)."""
     disk = any(r.host_experts is not None and r.host_experts < r.total_experts for r in results)
+    cpu = any(r.cpu_experts for r in results)
     head = ("| policy | slots | TTFT ms | TPOT ms | tok/s | x bound | hit rate (prefill / decode) | GiB moved | "
             "decode stall ms/token | prefetches (useful / wasted) |")
+    head += " CPU experts/token (decode) |" if cpu else ""
     head += " host experts | disk GiB read |" if disk else ""
-    lines = [head, "|" + "---|" * (12 if disk else 10)]
+    lines = [head, "|" + "---|" * (10 + cpu + 2 * disk)]
     for r in results:
         ttft = f"{r.ttft_s * 1e3:.1f}" if r.ttft_s is not None else "n/a"
         tpot = f"{r.tpot_s * 1e3:.2f}" if r.tpot_s is not None else "n/a"
@@ -81,6 +109,7 @@ def format_table(results: list[SimResult]) -> str:
             f"| {r.policy} | {r.slots}/{r.total_experts} | {ttft} | {tpot} | {tps} | {bound} | "
             f"{r.hit_rate:.1%} ({r.prefill_hit_rate:.1%} / {r.decode_hit_rate:.1%}) | {r.bytes_h2d / 2**30:.2f} | "
             f"{stall} | {r.prefetches} ({r.useful_prefetches} / {r.wasted_prefetches}) |"
+            + (f" {r.decode_cpu_experts / max(r.decode_steps, 1):.1f} |" if cpu else "")
             + (f" {r.host_experts}/{r.total_experts} | {r.disk_bytes / 2**30:.2f} |" if disk else ""))
     return "\n".join(lines)
 
@@ -107,7 +136,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if host_list != [None] and profile.disk_gbps is None:
         raise ProfileError(f"--host-memory-gb: profile {profile.name!r} has no disk; give --disk-gbps (or a profile "
                            "measured by `moeflow bench profile`)")
-    for policy in policies:
+    modes = _cpu_modes(args.cpu_compute)
+    runs = [(p, m) for p in policies for m in (modes if _takes_cpu_compute(p) else [None])]
+    runs = list(dict.fromkeys(runs))
+    for policy, cpu_mode in runs:
         for slots, host_gb in [(s, h) for s in ([max(slot_list)] if policy == "resident" else slot_list)
                                for h in host_list]:
             host_experts = None if host_gb is None else int(host_gb * 2**30 // profile.expert_bytes)
@@ -116,11 +148,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                              max_inflight_chunks=args.max_inflight, prefetch_distance=args.prefetch_distance,
                              gates=gates, max_sequences=args.max_sequences, timeline=bool(args.plot),
                              host_experts=host_experts, early_hits=not args.serial_schedule,
-                             predictor_dir=predictor_dir)
-            except (SimulationError, SchedulingError) as e:  # e.g. a predictor policy without its trained file
+                             predictor_dir=predictor_dir, cpu_compute=cpu_mode, cpu_workers=args.cpu_workers)
+            except (SimulationError, SchedulingError, ProfileError) as e:  # e.g. a predictor without its file
                 if args.policy != "all":
                     raise
-                skipped.append(f"{policy}: {e}")
+                skipped.append(f"{policy}{'' if cpu_mode is None else '+cpu-' + cpu_mode}: {e}")
                 break
             results.append(r)
     if args.json:
@@ -177,6 +209,15 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
                    "experts beyond it are read from the profile's disk (docs/disk.md)")
     p.add_argument("--disk-gbps", type=float, default=None, help="disk read GB/s (cold, expert-sized reads)")
     p.add_argument("--disk-latency-us", type=float, default=None, help="latency of one disk read (us)")
+    p.add_argument("--cpu-compute", default=None, help="hybrid execution for the caching policies: auto, always or "
+                   "never (copy-only), or a comma-separated list of them to run each (fiddler always computes on the "
+                   "CPU; llamacpp-n-cpu-moe is llama.cpp's placement)")
+    p.add_argument("--cpu-workers", type=int, default=1, help="CPU expert workers (OffloadConfig.cpu_workers)")
+    p.add_argument("--cpu-gbps", type=float, default=None, help="GB/s of expert weights one CPU call streams")
+    p.add_argument("--cpu-call-us", type=float, default=None, help="fixed cost of one CPU expert call (us)")
+    p.add_argument("--cpu-token-ms", type=float, default=None, help="CPU ms per token past the free ones")
+    p.add_argument("--cpu-free-tokens", type=float, default=None, help="tokens whose CPU arithmetic hides under "
+                   "the weight read")
     p.add_argument("--copy-chunks", type=int, default=3)
     p.add_argument("--max-inflight", type=int, default=2)
     p.add_argument("--prefetch-distance", type=int, default=1)

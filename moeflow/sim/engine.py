@@ -110,7 +110,8 @@ class SimTransport:
         self.last: SimHandle | None = None
         self.disk = None  # a SimDiskTier: copies of experts not in host memory first wait for their disk read
 
-    def _log(self, lane: str, kind: str, start: float, end: float, label: str) -> None:
+    def log(self, lane: str, kind: str, start: float, end: float, label: str) -> None:
+        """Record a timeline bar (when recording): lanes compute, copy, disk, cpu."""
         if self.record and end > start:
             self.intervals.append(Interval(lane, kind, start, end, label))
 
@@ -122,12 +123,12 @@ class SimTransport:
         if self.disk is not None:
             ready, read_start = self.disk.ready_at((layer, expert), self.clock.now)
             if read_start is not None:
-                self._log("disk", self.next_copy_kind, read_start, ready, f"L{layer} E{expert}")
+                self.log("disk", self.next_copy_kind, read_start, ready, f"L{layer} E{expert}")
             start = max(start, ready)
         end = start + src.numel() * self.scale / self.bandwidth_bps + self.latency_s
         self.copy_free = end
         self.copy_busy_s += end - start
-        self._log("copy", self.next_copy_kind, start, end, f"L{layer} E{expert}")
+        self.log("copy", self.next_copy_kind, start, end, f"L{layer} E{expert}")
         self.last = SimHandle(self.clock, end)
         return self.last
 
@@ -139,7 +140,7 @@ class SimTransport:
         base = max(self.compute_free, self.clock.now)
         if target > base:
             self.stall_s += target - base
-            self._log("compute", "wait", base, target, "wait for copy")
+            self.log("compute", "wait", base, target, "wait for copy")
             self.compute_free = target
         return 0.0
 
@@ -155,7 +156,7 @@ class SimTransport:
         start = max(self.compute_free, self.clock.now)
         self.compute_free = start + seconds
         self.compute_busy_s += seconds
-        self._log("compute", kind, start, self.compute_free, label)
+        self.log("compute", kind, start, self.compute_free, label)
         return self.compute_free
 
 
@@ -202,7 +203,7 @@ class SimCopyEngine(CopyEngine):
             n += 1
         return n
 
-    def _next_event(self) -> float | None:
+    def next_event(self) -> float | None:
         """When the worker can issue again: the oldest chunk's completion (None: nothing to issue)."""
         if not self._queued() or not self._window:
             return None
@@ -211,7 +212,7 @@ class SimCopyEngine(CopyEngine):
     def run_until(self, t: float) -> None:
         """The worker's activity while the host clock moves to ``t``."""
         self.pump()
-        while (event := self._next_event()) is not None and event <= t:
+        while (event := self.next_event()) is not None and event <= t:
             self.clock.now = max(self.clock.now, event)
             self.pump()
 
@@ -221,7 +222,7 @@ class SimCopyEngine(CopyEngine):
             raise RuntimeError(f"waiting on cancelled load of expert {task.key}")
         self.pump()
         while not task.issued:
-            event = self._next_event()
+            event = self.next_event()
             if event is None:
                 raise RuntimeError(f"load of expert {task.key} is not queued")
             self.clock.advance_to(event)

@@ -88,3 +88,21 @@ def analytic_ondemand_step_s(trace: Trace, profile: HardwareProfile, rows: slice
             done = max(done, j * c) + profile.expert_s(n)
         total += profile.attn_s(T) + profile.sched_s + done
     return total
+
+
+def analytic_placed_step_s(trace: Trace, profile: HardwareProfile, rows: slice, on_device: set[tuple[int, int]],
+                           early_hits: bool = True) -> float:
+    """A pass whose placement never changes: the experts in ``on_device`` computed on the device, every other routed
+    expert on one CPU worker (fiddler once its placement is resident; ``cpu_compute`` when the cost model sends
+    every miss to the CPU). Per layer: attention, then the device's experts (hits, h) beside the host's scheduling
+    (s) and the CPU's experts one after another (c, starting after the scheduling): max(h, s + c) with early hits,
+    s + max(h, c) with the serial schedule."""
+    T = rows.stop - rows.start
+    total = profile.head_s
+    for l in range(trace.num_layers):
+        counts = torch.bincount(trace.topk_ids[rows, l].reshape(-1).long(), minlength=trace.num_experts).tolist()
+        hits = sum(profile.expert_s(n) for e, n in enumerate(counts) if n and (l, e) in on_device)
+        cpu = sum(profile.cpu_expert_s(n) for e, n in enumerate(counts) if n and (l, e) not in on_device)
+        s = profile.sched_s
+        total += profile.attn_s(T) + (max(hits, s + cpu) if early_hits else s + max(hits, cpu))
+    return total

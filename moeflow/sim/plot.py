@@ -17,6 +17,7 @@ COLORS = {
     ("compute", "wait"): "#d62728",
     ("copy", "needed"): "#ff7f0e",
     ("copy", "prefetch"): "#2ca02c",
+    ("cpu", "expert"): "#9467bd",
 }
 LABELS = {
     ("compute", "attention"): "attention / router (non-MoE layer)",
@@ -25,6 +26,7 @@ LABELS = {
     ("compute", "wait"): "compute stream waits for a copy",
     ("copy", "needed"): "copy: needed now (high priority)",
     ("copy", "prefetch"): "copy: predicted (low priority)",
+    ("cpu", "expert"): "expert computed on the CPU",
 }
 
 
@@ -40,7 +42,7 @@ def _pyplot() -> Any:
 
 
 def _lanes(ax: Any, intervals: Sequence[Interval], title: str) -> None:
-    lanes = {"compute": 1, "copy": 0, "disk": -1}
+    lanes = {"cpu": 2, "compute": 1, "copy": 0, "disk": -1}
     seen = set()
     for iv in intervals:
         key = (iv.lane, iv.kind)
@@ -50,11 +52,12 @@ def _lanes(ax: Any, intervals: Sequence[Interval], title: str) -> None:
                        label=LABELS.get(key) if key not in seen else None)
         seen.add(key)
     disk = any(iv.lane == "disk" for iv in intervals)
-    ax.set_yticks([-1, 0, 1] if disk else [0, 1],
-                  (["disk reads"] if disk else []) + ["copy stream", "compute stream"])
+    cpu = any(iv.lane == "cpu" for iv in intervals)
+    ax.set_yticks(([-1] if disk else []) + [0, 1] + ([2] if cpu else []),
+                  (["disk reads"] if disk else []) + ["copy stream", "compute stream"] + (["CPU"] if cpu else []))
     ax.set_xlabel("ms from the start of the forward pass")
     ax.set_title(title, fontsize=10)
-    ax.set_ylim(-1.6 if disk else -0.6, 1.6)
+    ax.set_ylim(-1.6 if disk else -0.6, 2.6 if cpu else 1.6)
     end = max((iv.end for iv in intervals), default=0.0) * 1e3
     ax.set_xlim(0, end * 1.01 if end else 1)
 

@@ -78,6 +78,11 @@ class HardwareProfile:
       trace of another shape is refused.
     * ``disk_gbps`` / ``disk_latency_us``: the disk the experts that do not fit in host memory are read from
       (cold reads of expert-sized ranges; ``bench profile`` measures them); needed to simulate a host budget.
+    * ``cpu_gbps`` / ``cpu_call_us`` / ``cpu_token_ms`` / ``cpu_free_tokens``: one expert computed on the CPU
+      (hybrid execution, ``fiddler``, llama.cpp's ``--n-cpu-moe``): the expert's bytes streamed at ``cpu_gbps``,
+      plus ``cpu_call_us`` per call (dispatch, the activations to the host and the rows back), plus
+      ``cpu_token_ms`` for each token past the first ``cpu_free_tokens`` (whose arithmetic hides under the
+      weight read); ``cpu_gbps`` None: no CPU cost known, and policies that compute on the CPU are refused.
     """
 
     name: str
@@ -97,6 +102,10 @@ class HardwareProfile:
     top_k: int | None = None
     disk_gbps: float | None = None
     disk_latency_us: float = 100.0
+    cpu_gbps: float | None = None
+    cpu_call_us: float = 0.0
+    cpu_token_ms: float = 0.0
+    cpu_free_tokens: float = 1.0
     description: str = ""
     measured: bool = False  # True: written by `moeflow bench profile` (then ``description`` says on what)
 
@@ -120,6 +129,15 @@ class HardwareProfile:
             raise ProfileError(f"{where}: disk_gbps={self.disk_gbps!r} must be a positive number of GB/s or null")
         if not (isinstance(self.disk_latency_us, int | float) and self.disk_latency_us >= 0):
             raise ProfileError(f"{where}: disk_latency_us={self.disk_latency_us!r} must be a number >= 0")
+        if self.cpu_gbps is not None and not (isinstance(self.cpu_gbps, int | float) and math.isfinite(self.cpu_gbps)
+                                              and self.cpu_gbps > 0):
+            raise ProfileError(f"{where}: cpu_gbps={self.cpu_gbps!r} must be a positive number of GB/s or null")
+        for name in ("cpu_call_us", "cpu_token_ms"):
+            v = getattr(self, name)
+            if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0):
+                raise ProfileError(f"{where}: {name}={v!r} must be a finite number >= 0")
+        if not (isinstance(self.cpu_free_tokens, int | float) and self.cpu_free_tokens >= 1):
+            raise ProfileError(f"{where}: cpu_free_tokens={self.cpu_free_tokens!r} must be >= 1")
         for name in ("gpu_memory_gb", "non_expert_gb"):
             v = getattr(self, name)
             if v is not None and not (isinstance(v, int | float) and v >= 0):
@@ -143,6 +161,26 @@ class HardwareProfile:
 
     def expert_s(self, tokens: int) -> float:
         return (self.expert_ms + self.expert_ms_per_token * tokens) * 1e-3
+
+    def require_cpu(self, why: str) -> None:
+        """ProfileError when the profile has no CPU cost (``cpu_gbps``), saying what needs it."""
+        if self.cpu_gbps is None:
+            raise ProfileError(f"hardware profile {self.name!r} has no CPU compute cost (cpu_gbps), which {why} needs: "
+                               "give --cpu-gbps (and --cpu-call-us, --cpu-token-ms), or a profile measured by "
+                               "`moeflow bench profile`")
+
+    def cpu_weights_s(self) -> float:
+        """Streaming one expert's bytes through the CPU kernel (the memory-bound part of a call)."""
+        self.require_cpu("CPU expert compute")
+        return self.expert_bytes / (self.cpu_gbps * 1e9)
+
+    def cpu_extra_tokens_s(self, tokens: int) -> float:
+        """The arithmetic of ``tokens`` tokens past the ones hidden under the weight read."""
+        return max(0.0, tokens - self.cpu_free_tokens) * self.cpu_token_ms * 1e-3
+
+    def cpu_expert_s(self, tokens: int) -> float:
+        """One expert computed on the CPU for ``tokens`` tokens: call + weight read + the extra tokens."""
+        return self.cpu_call_us * 1e-6 + self.cpu_weights_s() + self.cpu_extra_tokens_s(tokens)
 
     @property
     def head_s(self) -> float:
@@ -207,6 +245,17 @@ class HardwareProfile:
         """A copy with the non-None ``overrides`` applied (validated)."""
         changes = {k: v for k, v in overrides.items() if v is not None}
         return replace(self, **changes) if changes else self
+
+
+# The host CPU of the Mixtral presets (estimates, scaled from measurements on one core, not measured on such hosts):
+# moeflow's int4 CPU kernel streams a Mixtral expert at 14.3 GB/s on one Zen 3 core and needs ~2.3 ms per further
+# token per core past ~3 tokens (benchmarks/results/cpu_native/README.md). A desktop (8 cores, dual-channel DDR5,
+# ~60 GB/s bus): 50 GB/s, 2.3 / 8 ms per token. A server beside an H100 (32 cores for the workers, 8+ channels of
+# DDR5): 100 GB/s, 2.3 / 32 ms per token. Free tokens: where the per-token arithmetic meets the weight read. The
+# 30 us per call (pool dispatch, activations to the host, rows back over PCIe) is an estimate.
+DESKTOP_CPU = {"cpu_gbps": 50.0, "cpu_call_us": 30.0, "cpu_token_ms": 0.29, "cpu_free_tokens": 6.3}
+SERVER_CPU = {"cpu_gbps": 100.0, "cpu_call_us": 30.0, "cpu_token_ms": 0.072, "cpu_free_tokens": 12.7}
+CPU_NOTE = " CPU: {cpu_gbps:g} GB/s per expert call, {cpu_call_us:g} us per call (scaled from cpu_native, estimates)."
 
 
 def _mixtral_preset(name: str, description: str, **costs: Any) -> HardwareProfile:
@@ -319,17 +368,21 @@ def _mixtral_and_qwen3_presets() -> dict[str, HardwareProfile]:
         "pcie4-24gb": _mixtral_preset(
             "pcie4-24gb",
             "Mixtral-8x7B AWQ on a 24 GB GPU over PCIe 4.0 x16: 25 GB/s pinned copies; compute from ~0.8 TB/s "
-            "effective memory bandwidth (decode) and ~80 TFLOP/s (prefill). Estimates, not measurements.",
+            "effective memory bandwidth (decode) and ~80 TFLOP/s (prefill). Estimates, not measurements."
+            + CPU_NOTE.format(**DESKTOP_CPU),
             h2d_gbps=25.0, h2d_latency_us=10.0, attn_ms=0.12, attn_ms_per_token=0.002, expert_ms=0.13,
             expert_ms_per_token=0.0045, head_ms=0.35, sched_ms=0.15, gpu_memory_gb=24.0, non_expert_gb=4.3,
+            **DESKTOP_CPU,
         ),
         # H100 PCIe: PCIe 5.0 x16 (~50 GB/s pinned), 80 GB HBM2e at 2 TB/s
         "h100-pcie5": _mixtral_preset(
             "h100-pcie5",
             "Mixtral-8x7B AWQ on an H100 PCIe (80 GB) over PCIe 5.0 x16: 50 GB/s pinned copies; compute from "
-            "~1.6 TB/s effective HBM bandwidth (decode) and ~250 TFLOP/s (prefill). Estimates, not measurements.",
+            "~1.6 TB/s effective HBM bandwidth (decode) and ~250 TFLOP/s (prefill). Estimates, not measurements."
+            + CPU_NOTE.format(**SERVER_CPU),
             h2d_gbps=50.0, h2d_latency_us=8.0, attn_ms=0.065, attn_ms_per_token=0.0008, expert_ms=0.065,
             expert_ms_per_token=0.0015, head_ms=0.18, sched_ms=0.1, gpu_memory_gb=80.0, non_expert_gb=6.0,
+            **SERVER_CPU,
         ),
         # Qwen3-30B-A3B (AWQ experts and attention) on a 12 GB PCIe 4.0 card (~0.45 TB/s effective, RTX 4070
         # class): an expert reads 2.5 MB (5.5 us) plus its share of the layer's one grouped launch; attention

@@ -33,21 +33,25 @@ from moeflow.errors import MoeflowError, SchedulingError
 from moeflow.kernels.pool import ExpertFormat
 from moeflow.offload import create_expert_backend, get_policy
 from moeflow.offload.backend import OffloadedExperts
-from moeflow.offload.eviction import LRU, PriorityEviction
 from moeflow.offload.platform import Platform
-from moeflow.offload.policies import PolicySpec, registered_policies
+from moeflow.offload.policies import registered_policies
 from moeflow.offload.predictors.gate_speculator import GateSpeculator
-from moeflow.offload.predictors.interface import Predictor
 from moeflow.offload.stats import Stats
 from moeflow.sim.disk import sim_disk_for
 from moeflow.sim.engine import Interval, SimClock, SimCopyEngine, SimHostStore, SimTransport
+from moeflow.sim.hybrid import SimHybridCompute, sim_hybrid_factory
+from moeflow.sim.llamacpp import LLAMACPP_POLICY, llamacpp_moe_layer, n_cpu_moe
+from moeflow.sim.oracle import OraclePredictor, oracle_policy
 from moeflow.sim.passes import sequence_passes, step_bound_s, step_compute_s, step_info
 from moeflow.sim.profile import HardwareProfile
 from moeflow.trace import DECODE, PREFILL, Trace
 
 # 16 x 16 fp32 dense expert: 3 KiB, splits evenly into 1, 2, 3, 4, 6 or 12 aligned chunks
 SIM_FORMAT = ExpertFormat(16, 16, "dense", torch.float32)
-SIM_ONLY_POLICIES = ("oracle",)  # perfect prediction + Belady eviction from the trace (an upper bound)
+# oracle: perfect prediction + Belady eviction from the trace (an upper bound); llamacpp-n-cpu-moe: llama.cpp's
+# own placement and execution (--n-cpu-moe, moeflow/sim/llamacpp.py)
+SIM_ONLY_POLICIES = ("oracle", LLAMACPP_POLICY)
+CPU_COMPUTE_MODES = ("auto", "always", "never")
 
 
 class SimulationError(MoeflowError, ValueError):
@@ -55,83 +59,25 @@ class SimulationError(MoeflowError, ValueError):
 
 
 def known_policies() -> list[str]:
-    """Every policy the simulator can run: the registered presets plus the simulator's own ('oracle')."""
+    """Every policy the simulator can run: the registered presets plus the simulator's own (oracle,
+    llamacpp-n-cpu-moe)."""
     return [*registered_policies(), *SIM_ONLY_POLICIES]
 
 
 def check_policy(name: str) -> None:
-    """SimulationError naming the known policies when ``name`` is none of them, or when the simulator cannot
-    model it (policies that compute experts on the CPU: hybrid execution has no cost in the profiles yet)."""
+    """SimulationError naming the known policies when ``name`` is none of them. (Policies that compute on the CPU
+    need a profile with a CPU cost: :meth:`HardwareProfile.require_cpu` says so when they run.)"""
     if name in SIM_ONLY_POLICIES:
         return
     try:
-        spec = get_policy(name)
+        get_policy(name)
     except SchedulingError as e:
         raise SimulationError(f"{e}; the simulator also knows {', '.join(map(repr, SIM_ONLY_POLICIES))}") from None
-    if getattr(spec, "cpu_compute", None) not in (None, "never"):
-        raise SimulationError(f"policy {name!r} computes experts on the CPU (hybrid execution), which the simulator "
-                              "does not model yet: its profiles have no CPU compute cost")
 
 
-# ----------------------------------------------------------------------------------------- predictors
-class OraclePredictor(Predictor):
-    """Perfect foresight, the upper bound of prediction (not a real predictor).
-
-    * ``propose``: at layer l, the experts the trace routes at layer l + distance of this forward pass (past
-      the last layer: of the sequence's next pass), most used first;
-    * ``score``: Belady's eviction for ``PriorityEviction``: the expert whose next use is farthest goes first.
-    """
-
-    def __init__(self, trace: Trace, distance: int = 1) -> None:
-        self.trace = trace
-        self.L = trace.num_layers
-        self.distance = distance
-        self.steps: list[slice] = []
-        self.i = 0
-        self._next_use: list[list[list[float]]] = []  # [step][layer][expert]: next step index using it
-
-    def set_sequence(self, steps: list[slice]) -> None:
-        mask = self.trace.topk_mask()
-        inf = float("inf")
-        nxt = [[inf] * self.trace.num_experts for _ in range(self.L)]
-        table = [nxt]
-        for s in range(len(steps) - 1, -1, -1):
-            used = mask[steps[s]].any(0).tolist()
-            nxt = [[s if used[l][e] else nxt[l][e] for e in range(len(used[l]))] for l in range(self.L)]
-            table.append(nxt)
-        self._next_use = table[::-1]  # index s: from step s on; index len(steps): never
-        self.steps, self.i = steps, 0
-
-    def set_step(self, i: int) -> None:
-        self.i = i
-
-    def _ids(self, rows: slice, layer: int) -> torch.Tensor:
-        ids = self.trace.topk_ids[rows, layer].reshape(-1).long()
-        counts = torch.bincount(ids)
-        order = torch.argsort(counts, descending=True, stable=True)
-        return order[counts[order] > 0]
-
-    def propose(self, layer: int, x: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
-        out = []
-        for d in range(1, self.distance + 1):
-            target = layer + d
-            if target < self.L:
-                out.append((target, self._ids(self.steps[self.i], target)))
-            elif self.i + 1 < len(self.steps) and target - self.L < layer:
-                out.append((target - self.L, self._ids(self.steps[self.i + 1], target - self.L)))
-        return out
-
-    def score(self, key: tuple[int, int], layer_now: int) -> float:
-        """Minus the layers until ``key`` is used next (lowest, i.e. farthest, is evicted first)."""
-        l, e = key
-        s = self._next_use[self.i + (0 if l > layer_now else 1)][l][e]
-        return -((s - self.i) * self.L + l - layer_now)
-
-
-def oracle_policy(oracle: OraclePredictor) -> PolicySpec:
-    """The simulator-only "oracle" policy: ``oracle``'s proposals, Belady eviction over LRU."""
-    return PolicySpec("oracle", "perfect prediction and Belady eviction from the trace (an upper bound)",
-                      predictor=lambda ctx: oracle, eviction=lambda ctx: PriorityEviction(LRU(), oracle.score))
+def policy_label(policy: str, cpu_compute: str | None) -> str:
+    """How a result names its run: the policy, with ``+cpu-MODE`` when ``cpu_compute`` is set."""
+    return policy if cpu_compute is None else f"{policy}+cpu-{cpu_compute}"
 
 
 def load_gates(path: str | Path, num_layers: int) -> list[nn.Linear]:
@@ -195,6 +141,11 @@ class SimResult:
     timeline_prefill: list[Interval] = field(default_factory=list, repr=False)
     timeline_decode: list[Interval] = field(default_factory=list, repr=False)
     notes: list[str] = field(default_factory=list)
+    cpu_experts: int = 0  # experts computed on the CPU (hybrid execution, fiddler; llama.cpp: expert-layer calls)
+    decode_cpu_experts: int = 0
+    cpu_busy_s: float = 0.0  # CPU time charged (lanes busy)
+    cpu_races: int = 0  # misses both copied and computed on the CPU (the cost model's BOTH); won by the CPU:
+    cpu_race_wins: int = 0
     host_experts: int | None = None  # experts in the host cache (the rest read from disk)
     disk_bytes: int = 0  # read from disk after load (bytes of the profile)
     disk_busy_s: float = 0.0
@@ -230,6 +181,9 @@ def simulate(
     host_experts: int | None = None,
     early_hits: bool = True,
     predictor_dir: str | Path | None = None,
+    cpu_compute: str | None = None,
+    cpu_workers: int = 1,
+    race_margin: float = 0.25,
 ) -> SimResult:
     """Run ``policy`` with ``slots`` device expert slots over ``trace`` on ``profile``'s hardware.
 
@@ -240,9 +194,19 @@ def simulate(
         the host waits for its routing and schedules; False: the serial schedule (experts after the scheduling).
     predictor_dir: the checkpoint directory whose ``predictors/<kind>.pt`` the learned policies load (duoserve,
         promoe, expertflow; ``moeflow train-predictor``), as ``from_pretrained`` finds them.
+    cpu_compute / cpu_workers / race_margin: ``OffloadConfig``'s hybrid execution (misses computed on the CPU at
+        the profile's CPU cost, decided by the runtime's cost model: :mod:`moeflow.sim.hybrid`); fiddler computes
+        on the CPU whatever this says but "never". ``llamacpp-n-cpu-moe`` runs llama.cpp's placement for the budget
+        (:mod:`moeflow.sim.llamacpp`).
     """
     profile.check_trace(trace.num_layers, trace.num_experts, trace.top_k, f"trace {trace.source}")
     check_policy(policy)
+    if cpu_compute is not None and cpu_compute not in CPU_COMPUTE_MODES:
+        raise SimulationError(f"cpu_compute={cpu_compute!r}: expected one of {CPU_COMPUTE_MODES} or None")
+    if policy in ("resident", LLAMACPP_POLICY) and cpu_compute not in (None, "never"):
+        raise SimulationError(f"policy {policy!r} does not take cpu_compute={cpu_compute!r}")
+    if policy == LLAMACPP_POLICY:
+        profile.require_cpu(f"policy {policy!r}")
     if len(trace) == 0:
         raise SimulationError(f"{trace.source}: the trace holds no tokens")
     L, E, k = trace.num_layers, trace.num_experts, trace.top_k
@@ -271,8 +235,15 @@ def simulate(
 
     oracle: OraclePredictor | None = None
     needs_hidden = False
+    hybrids: list[SimHybridCompute] = []
+    n_cpu_layers = 0
     if policy == "resident":
         n_slots = total
+    elif policy == LLAMACPP_POLICY:
+        n_cpu_layers = n_cpu_moe(slots, L, E)
+        n_slots = (L - n_cpu_layers) * E
+        notes.append(f"--n-cpu-moe {n_cpu_layers}: the experts of layers 0-{n_cpu_layers - 1} on the CPU"
+                     if n_cpu_layers else "--n-cpu-moe 0: every expert on the GPU")
     else:
         policies = registered_policies()
         if policy == "oracle":
@@ -281,9 +252,11 @@ def simulate(
         config = OffloadConfig(gpu_expert_slots=slots, policy=policy, prefetch_distance=prefetch_distance,
                                copy_chunks=copy_chunks, max_inflight_chunks=max_inflight_chunks,
                                prefill_ring_slots=prefill_ring_slots, transport="sync", pin_memory=False,
-                               early_hits=early_hits)
+                               early_hits=early_hits, cpu_compute=cpu_compute, cpu_workers=cpu_workers,
+                               race_margin=race_margin)
         platform = Platform(clock=clock, transport=lambda config, device: transport, copy_engine=SimCopyEngine,
-                            host_store=SimHostStore, compute=compute_hook, read_wait=read_wait)
+                            host_store=SimHostStore, compute=compute_hook, read_wait=read_wait,
+                            hybrid=sim_hybrid_factory(profile, transport, copy_chunks, hybrids))
         backend = create_expert_backend(
             config, fmt=SIM_FORMAT, num_layers=L, num_experts=E, top_k=k, device="cpu", kernels_backend="torch",
             gates=list(gates) if gates is not None else [], reserved_bytes=0, stats=stats, platform=platform,
@@ -309,7 +282,7 @@ def simulate(
     transport.copy_busy_s = transport.compute_busy_s = transport.stall_s = 0.0
     if transport.disk is not None:
         transport.disk.reset_counters()  # the warm start's reads happen at load time
-    if slots > n_slots and policy != "resident":
+    if slots > n_slots and policy not in ("resident", LLAMACPP_POLICY):
         notes.append(f"{slots} slots capped at the model's {n_slots} experts")
 
     sequences = sequence_passes(trace, max_sequences)
@@ -325,6 +298,9 @@ def simulate(
     decode_times: list[float] = []
     step_times: list[float] = []
     stall = {"prefill": 0.0, "decode": 0.0}
+    llama_cpu = {"prefill": [0, 0.0], "decode": [0, 0.0]}  # llama.cpp: experts computed on the CPU, CPU seconds
+    llama_gpu = {"prefill": [0, 0], "decode": [0, 0]}  # llama.cpp: experts on the GPU, experts needed
+    llama_bytes = {"prefill": 0, "decode": 0}  # llama.cpp: weights its op offload copies (prefill)
     compute_alone: list[float] = []
     bounds: list[float] = []  # per decode step: compute alone with the host's scheduling (step_bound_s)
     prefill_tokens = 0
@@ -347,6 +323,15 @@ def simulate(
                 topk = trace.topk_ids[step.rows, l]
                 counts_now = torch.bincount(topk.reshape(-1).long(), minlength=E).tolist()
                 transport.compute(profile.attn_s(T), "attention", f"L{l}")
+                if policy == LLAMACPP_POLICY:  # llama.cpp: no scheduler; CPU layers wait for the GPU and back
+                    cpu_s, moved = llamacpp_moe_layer(transport, clock, profile, l, counts_now, T, l < n_cpu_layers)
+                    llama_bytes[phase] += moved
+                    used = sum(1 for n in counts_now if n)
+                    llama_cpu[phase][0] += used if cpu_s > 0 else 0
+                    llama_cpu[phase][1] += cpu_s
+                    llama_gpu[phase][0] += used if l >= n_cpu_layers else 0
+                    llama_gpu[phase][1] += used
+                    continue
                 if backend is None:  # resident: no scheduler, the host never waits per layer
                     compute_hook(l, topk, [e for e in range(E) if counts_now[e]])
                     continue
@@ -372,7 +357,7 @@ def simulate(
             else:
                 decode_times.append(elapsed)
                 compute_alone.append(step_compute_s(trace, profile, step.rows))
-                if backend is not None:
+                if backend is not None:  # (llama.cpp and resident: the bound is compute alone)
                     bounds.append(step_bound_s(trace, profile, step.rows, profile.sched_s, backend.early_hits))
             if record:
                 timelines[phase] = [Interval(iv.lane, iv.kind, iv.start - start, iv.end - start, iv.label)
@@ -386,20 +371,29 @@ def simulate(
     compute_mean = mean(compute_alone)
     bound = mean(bounds) if backend is not None else compute_mean
     pre, dec = stats.prefill, stats.decode
+    hits = (stats.hit_rate, pre.hit_rate, dec.hit_rate) if backend is not None else (1.0, 1.0, 1.0)
+    if policy == LLAMACPP_POLICY:  # the share of needed experts whose weights are on the GPU
+        share = (lambda g, n: g / n if n else 1.0)  # noqa: E731
+        both = [a + b for a, b in zip(llama_gpu["prefill"], llama_gpu["decode"], strict=True)]
+        hits = (share(*both), share(*llama_gpu["prefill"]), share(*llama_gpu["decode"]))
     return SimResult(
-        policy=policy, slots=n_slots, total_experts=total, profile=profile.name, sequences=len(sequences),
+        policy=policy_label(policy, cpu_compute), slots=n_slots, total_experts=total, profile=profile.name,
+        sequences=len(sequences),
         prefill_tokens=prefill_tokens, decode_steps=len(decode_times), ttft_s=mean(ttfts), tpot_s=mean(decode_times),
         decode_compute_s=compute_mean, decode_bound_s=bound,
-        hit_rate=stats.hit_rate if backend is not None else 1.0,
-        prefill_hit_rate=pre.hit_rate if backend is not None else 1.0,
-        decode_hit_rate=dec.hit_rate if backend is not None else 1.0,
-        bytes_h2d=int(round((pre.bytes_h2d + dec.bytes_h2d) * scale)),
-        prefill_bytes_h2d=int(round(pre.bytes_h2d * scale)), decode_bytes_h2d=int(round(dec.bytes_h2d * scale)),
+        hit_rate=hits[0], prefill_hit_rate=hits[1], decode_hit_rate=hits[2],
+        bytes_h2d=int(round((pre.bytes_h2d + dec.bytes_h2d) * scale)) + sum(llama_bytes.values()),
+        prefill_bytes_h2d=int(round(pre.bytes_h2d * scale)) + llama_bytes["prefill"],
+        decode_bytes_h2d=int(round(dec.bytes_h2d * scale)) + llama_bytes["decode"],
         prefill_stall_s=stall["prefill"], decode_stall_s=stall["decode"],
         prefetches=pre.prefetches + dec.prefetches, useful_prefetches=pre.useful_prefetches + dec.useful_prefetches,
         wasted_prefetches=pre.wasted_prefetches + dec.wasted_prefetches, copy_busy_s=transport.copy_busy_s,
         step_times_s=step_times, timeline_prefill=timelines["prefill"], timeline_decode=timelines["decode"],
-        notes=notes, host_experts=host_experts if transport.disk is not None else total,
+        notes=notes, cpu_experts=pre.cpu_experts + dec.cpu_experts + llama_cpu["prefill"][0] + llama_cpu["decode"][0],
+        decode_cpu_experts=dec.cpu_experts + llama_cpu["decode"][0],
+        cpu_races=pre.cpu_races + dec.cpu_races, cpu_race_wins=pre.cpu_race_wins + dec.cpu_race_wins,
+        cpu_busy_s=sum(h.busy_s for h in hybrids) + llama_cpu["prefill"][1] + llama_cpu["decode"][1],
+        host_experts=host_experts if transport.disk is not None else total,
         disk_bytes=transport.disk.bytes_read if transport.disk is not None else 0,
         disk_busy_s=transport.disk.busy_s if transport.disk is not None else 0.0,
     )
