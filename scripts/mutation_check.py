@@ -160,6 +160,33 @@ MUTATIONS = [
     Mutation("panel-stride-ignored", "the expert GEMM reads every K tile of a whole-panel config from the first panel",
              "w = tl.load(b_rows + (k0 // PANEL) * stride_bp + rj[None, :])", "w = tl.load(b_rows + rj[None, :])",
              PANEL),
+    # ---- the survivors of issue 35's bug audit (tests/test_audit_*.py)
+    Mutation("audit-prelude-renormalizes", "the captured routing launch renormalizes every router's top-k weights "
+             "(renormalize= dropped: its default is True)",
+             "renormalize=kernel_routing.renormalize)\n        proposals = self.predictor.propose(layer, x)",
+             ")\n        proposals = self.predictor.propose(layer, x)",
+             ("tests/test_audit_prelude.py",)),
+    Mutation("audit-key-bucket-short", "a captured decode pass reads keys [0, max position) (the query's own key "
+             "missing at a bucket's edge)", "key_bucket(int(pos.max()) + 1, self.cache.max_len)",
+             "key_bucket(int(pos.max()), self.cache.max_len)", ("tests/test_audit_engine.py",)),
+    Mutation("audit-stop-first-listed", "the reply is cut at the first listed stop string found, not the earliest "
+             "in the text", "cut = min((i for i in (text.find(s) for s in self.stop_strings) if i >= 0), default=-1)",
+             "cut = next((i for i in (text.find(s) for s in self.stop_strings) if i >= 0), -1)",
+             ("tests/test_audit_units.py",)),
+    Mutation("audit-lru-layer-access-not-recent", "a gate access does not refresh LRU's per-layer order (per-layer "
+             "quotas)", "        if order is not None and key in order:\n            order.move_to_end(key)",
+             "        pass", ("tests/test_audit_units.py",)),
+    Mutation("audit-penalty-reply-only", "the repetition penalty covers the generated tokens only, not the prompt",
+             "seen = torch.tensor([prompt_ids + generated], dtype=torch.long)",
+             "seen = torch.tensor([generated], dtype=torch.long)",
+             ("tests/test_audit_units.py", "tests/test_audit_engine.py")),
+    Mutation("audit-plan-no-linear-state", "the memory plan leaves out the linear-attention states (batch x "
+             "kv_bytes_per_sequence)",
+             "kv_cache=kv_cache_bytes(cfg, dtype, tokens, batch, kv_bytes_per_token) + batch * kv_bytes_per_sequence,",
+             "kv_cache=kv_cache_bytes(cfg, dtype, tokens, batch, kv_bytes_per_token),", ("tests/test_audit_units.py",)),
+    Mutation("audit-splitk-reverse-sum", "the split-K fixup sums the partials S-1..0 (tokens stay exact; the "
+             "documented order breaks)", "for s in tl.static_range(SPLIT_K):  # fixed order",
+             "for s in tl.static_range(SPLIT_K - 1, -1, -1):  # fixed order", ("tests/test_audit_kernels.py",)),
     # (a first-arriver reducer is not listed: the interpreter runs programs one at a time, so the last one to
     # reduce always sees every partial and the output is right; only the GPU test with real concurrency,
     # tests/test_cuda_lane.py section 5, can show it)
