@@ -45,6 +45,7 @@ BUCKETS = ("tests/test_compile_cuda_graphs.py::"
 SPLITK = ("tests/test_splitk_fixup.py",)
 MXFP4_SPLITK = ("tests/test_mxfp4_splitk.py",)
 PANEL = ("tests/test_panel_layout.py",)
+AUDIT_UNITS = "tests/test_audit_units.py::"
 MUTATIONS = [
     # ---- ordering guards (scripted transport, tests/test_fences.py)
     Mutation("fence-engine-ignores-after", "the copy engine issues a batch without waiting for its tasks' after",
@@ -168,22 +169,27 @@ MUTATIONS = [
              ("tests/test_audit_prelude.py",)),
     Mutation("audit-key-bucket-short", "a captured decode pass reads keys [0, max position) (the query's own key "
              "missing at a bucket's edge)", "key_bucket(int(pos.max()) + 1, self.cache.max_len)",
-             "key_bucket(int(pos.max()), self.cache.max_len)", ("tests/test_audit_engine.py",)),
+             "key_bucket(int(pos.max()), self.cache.max_len)",
+             ("tests/test_audit_engine.py::test_captured_passes_across_the_256_key_bucket_give_the_eager_log_"
+              "probabilities",)),
     Mutation("audit-stop-first-listed", "the reply is cut at the first listed stop string found, not the earliest "
              "in the text", "cut = min((i for i in (text.find(s) for s in self.stop_strings) if i >= 0), default=-1)",
              "cut = next((i for i in (text.find(s) for s in self.stop_strings) if i >= 0), -1)",
-             ("tests/test_audit_units.py",)),
+             (AUDIT_UNITS + "test_the_text_is_cut_at_the_earliest_stop_string_not_the_first_listed",)),
     Mutation("audit-lru-layer-access-not-recent", "a gate access does not refresh LRU's per-layer order (per-layer "
              "quotas)", "        if order is not None and key in order:\n            order.move_to_end(key)",
-             "        pass", ("tests/test_audit_units.py",)),
+             "        pass", (AUDIT_UNITS + "test_a_gate_access_makes_an_expert_recent_in_its_layers_order",
+                         AUDIT_UNITS + "test_lru_picks_agree_with_the_last_use_order_over_random_traffic")),
     Mutation("audit-penalty-reply-only", "the repetition penalty covers the generated tokens only, not the prompt",
              "seen = torch.tensor([prompt_ids + generated], dtype=torch.long)",
              "seen = torch.tensor([generated], dtype=torch.long)",
-             ("tests/test_audit_units.py", "tests/test_audit_engine.py")),
+             (AUDIT_UNITS + "test_the_repetition_penalty_covers_the_prompts_tokens",
+              "tests/test_audit_engine.py::test_the_engines_repetition_penalty_covers_the_prompt_as_generate_does")),
     Mutation("audit-plan-no-linear-state", "the memory plan leaves out the linear-attention states (batch x "
              "kv_bytes_per_sequence)",
              "kv_cache=kv_cache_bytes(cfg, dtype, tokens, batch, kv_bytes_per_token) + batch * kv_bytes_per_sequence,",
-             "kv_cache=kv_cache_bytes(cfg, dtype, tokens, batch, kv_bytes_per_token),", ("tests/test_audit_units.py",)),
+             "kv_cache=kv_cache_bytes(cfg, dtype, tokens, batch, kv_bytes_per_token),",
+             (AUDIT_UNITS + "test_a_hybrid_models_plan_holds_its_linear_attention_states",)),
     Mutation("audit-splitk-reverse-sum", "the split-K fixup sums the partials S-1..0 (tokens stay exact; the "
              "documented order breaks)", "for s in tl.static_range(SPLIT_K):  # fixed order",
              "for s in tl.static_range(SPLIT_K - 1, -1, -1):  # fixed order", ("tests/test_audit_kernels.py",)),
