@@ -41,7 +41,7 @@ def _generate(model, ids: torch.Tensor) -> torch.Tensor:
 
 def _flat_router_checkpoint(path, seed: int):
     """Qwen3-MoE, ``norm_topk_prob=False``, its routers scaled down: family_models' routers are so peaked (top-1
-    ~0.999) that renormalising changes nothing; these spread the top-2 weights (sums ~0.3-0.6), and renormalised
+    ~0.999) that renormalising changes nothing; these spread the top-2 weights (sums 0.29-0.47 here), and renormalised
     weights change the greedy tokens of this seed and prompt (transformers' own model with ``norm_topk_prob=True``
     gives other tokens from the first one)."""
     ref = make_family_model("qwen3_moe", seed=seed, norm_topk_prob=False)
