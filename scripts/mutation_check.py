@@ -55,7 +55,8 @@ MUTATIONS = [
     Mutation("fence-prefetch-unfenced", "a prefetch does not wait for its slot's fences",
              "high=False, after=self.cache.take_fences(slot)", "high=False, after=()", FENCES),
     Mutation("fence-no-compute-fence", "a released slot forgets the compute that read it (next copy may overwrite "
-             "it under the kernel)", "slot.fences = [fence]", "slot.fences = []", FENCES),
+             "it under the kernel)", "slot.fences = [fence]  # earlier fences precede this compute",
+             "slot.fences = []  # earlier fences precede this compute", FENCES),
     Mutation("fence-drop-forgets-copies", "a cancelled load's in-flight copies are not kept as the slot's fences",
              "slot.fences = [*slot.fences, *fences]", "slot.fences = list(slot.fences)", FENCES),
     Mutation("fence-task-fences-omit-copies", "a task's fences omit its own issued copies",
