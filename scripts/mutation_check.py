@@ -57,6 +57,10 @@ MUTATIONS = [
     Mutation("fence-no-compute-fence", "a released slot forgets the compute that read it (next copy may overwrite "
              "it under the kernel)", "slot.fences = [fence]  # earlier fences precede this compute",
              "slot.fences = []  # earlier fences precede this compute", FENCES),
+    Mutation("fence-early-group-unfenced", "an early group (hits launched before the read-back) leaves no fence on "
+             "its slots", "pins unchanged.\"\"\"\n        slot.fences = [fence]",
+             "pins unchanged.\"\"\"\n        slot.fences = []",
+             ("tests/test_early_hits.py::test_the_fences_hold_with_the_early_group",)),
     Mutation("fence-drop-forgets-copies", "a cancelled load's in-flight copies are not kept as the slot's fences",
              "slot.fences = [*slot.fences, *fences]", "slot.fences = list(slot.fences)", FENCES),
     Mutation("fence-task-fences-omit-copies", "a task's fences omit its own issued copies",
