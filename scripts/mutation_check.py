@@ -45,6 +45,7 @@ BUCKETS = ("tests/test_compile_cuda_graphs.py::"
 SPLITK = ("tests/test_splitk_fixup.py",)
 MXFP4_SPLITK = ("tests/test_mxfp4_splitk.py",)
 PANEL = ("tests/test_panel_layout.py",)
+AUDIT_UNITS = "tests/test_audit_units.py::"
 MUTATIONS = [
     # ---- ordering guards (scripted transport, tests/test_fences.py)
     Mutation("fence-engine-ignores-after", "the copy engine issues a batch without waiting for its tasks' after",
@@ -54,7 +55,12 @@ MUTATIONS = [
     Mutation("fence-prefetch-unfenced", "a prefetch does not wait for its slot's fences",
              "high=False, after=self.cache.take_fences(slot)", "high=False, after=()", FENCES),
     Mutation("fence-no-compute-fence", "a released slot forgets the compute that read it (next copy may overwrite "
-             "it under the kernel)", "slot.fences = [fence]", "slot.fences = []", FENCES),
+             "it under the kernel)", "slot.fences = [fence]  # earlier fences precede this compute",
+             "slot.fences = []  # earlier fences precede this compute", FENCES),
+    Mutation("fence-early-group-unfenced", "an early group (hits launched before the read-back) leaves no fence on "
+             "its slots", "pins unchanged.\"\"\"\n        slot.fences = [fence]",
+             "pins unchanged.\"\"\"\n        slot.fences = []",
+             ("tests/test_early_hits.py::test_the_fences_hold_with_the_early_group",)),
     Mutation("fence-drop-forgets-copies", "a cancelled load's in-flight copies are not kept as the slot's fences",
              "slot.fences = [*slot.fences, *fences]", "slot.fences = list(slot.fences)", FENCES),
     Mutation("fence-task-fences-omit-copies", "a task's fences omit its own issued copies",
@@ -160,6 +166,38 @@ MUTATIONS = [
     Mutation("panel-stride-ignored", "the expert GEMM reads every K tile of a whole-panel config from the first panel",
              "w = tl.load(b_rows + (k0 // PANEL) * stride_bp + rj[None, :])", "w = tl.load(b_rows + rj[None, :])",
              PANEL),
+    # ---- the survivors of issue 35's bug audit (tests/test_audit_*.py)
+    Mutation("audit-prelude-renormalizes", "the captured routing launch renormalizes every router's top-k weights "
+             "(renormalize= dropped: its default is True)",
+             "renormalize=kernel_routing.renormalize)\n        proposals = self.predictor.propose(layer, x)",
+             ")\n        proposals = self.predictor.propose(layer, x)",
+             ("tests/test_audit_prelude.py",)),
+    Mutation("audit-key-bucket-short", "a captured decode pass reads keys [0, max position) (the query's own key "
+             "missing at a bucket's edge)", "key_bucket(int(pos.max()) + 1, self.cache.max_len)",
+             "key_bucket(int(pos.max()), self.cache.max_len)",
+             ("tests/test_audit_engine.py::test_captured_passes_across_the_256_key_bucket_give_the_eager_log_"
+              "probabilities",)),
+    Mutation("audit-stop-first-listed", "the reply is cut at the first listed stop string found, not the earliest "
+             "in the text", "cut = min((i for i in (text.find(s) for s in self.stop_strings) if i >= 0), default=-1)",
+             "cut = next((i for i in (text.find(s) for s in self.stop_strings) if i >= 0), -1)",
+             (AUDIT_UNITS + "test_the_text_is_cut_at_the_earliest_stop_string_not_the_first_listed",)),
+    Mutation("audit-lru-layer-access-not-recent", "a gate access does not refresh LRU's per-layer order (per-layer "
+             "quotas)", "        if order is not None and key in order:\n            order.move_to_end(key)",
+             "        pass", (AUDIT_UNITS + "test_a_gate_access_makes_an_expert_recent_in_its_layers_order",
+                         AUDIT_UNITS + "test_lru_picks_agree_with_the_last_use_order_over_random_traffic")),
+    Mutation("audit-penalty-reply-only", "the repetition penalty covers the generated tokens only, not the prompt",
+             "seen = torch.tensor([prompt_ids + generated], dtype=torch.long)",
+             "seen = torch.tensor([generated], dtype=torch.long)",
+             (AUDIT_UNITS + "test_the_repetition_penalty_covers_the_prompts_tokens",
+              "tests/test_audit_engine.py::test_the_engines_repetition_penalty_covers_the_prompt_as_generate_does")),
+    Mutation("audit-plan-no-linear-state", "the memory plan leaves out the linear-attention states (batch x "
+             "kv_bytes_per_sequence)",
+             "kv_cache=kv_cache_bytes(cfg, dtype, tokens, batch, kv_bytes_per_token) + batch * kv_bytes_per_sequence,",
+             "kv_cache=kv_cache_bytes(cfg, dtype, tokens, batch, kv_bytes_per_token),",
+             (AUDIT_UNITS + "test_a_hybrid_models_plan_holds_its_linear_attention_states",)),
+    Mutation("audit-splitk-reverse-sum", "the split-K fixup sums the partials S-1..0 (tokens stay exact; the "
+             "documented order breaks)", "for s in tl.static_range(SPLIT_K):  # fixed order",
+             "for s in tl.static_range(SPLIT_K - 1, -1, -1):  # fixed order", ("tests/test_audit_kernels.py",)),
     # (a first-arriver reducer is not listed: the interpreter runs programs one at a time, so the last one to
     # reduce always sees every partial and the output is right; only the GPU test with real concurrency,
     # tests/test_cuda_lane.py section 5, can show it)
