@@ -31,7 +31,7 @@ class MessagesRequest(BaseModel):
 
     model: str
     messages: list[dict[str, Any]] = Field(min_length=1)
-    max_tokens: int = Field(default=4096, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1)  # required by /v1/messages, unused by count_tokens
     system: str | list[dict[str, Any]] | None = None
     stop_sequences: list[str] | None = None
     stream: bool = False
@@ -157,6 +157,9 @@ def install(app, state) -> None:
 
     @app.post("/v1/messages")
     async def messages(req: MessagesRequest, request: Request) -> Response:
+        if req.max_tokens is None:  # no default: Anthropic's API refuses such a request too
+            raise APIError(400, "max_tokens: Field required (Anthropic's Messages API requires max_tokens, the most "
+                                "tokens the reply may have)", "max_tokens")
         chat, prompt, ids = prompt_of(req)
         chat.check_supported()
         [choice], events = state.submit("chat", chat, ids, prompt)
