@@ -10,9 +10,20 @@ from moeflow.cli import build_parser, main
 
 
 def test_every_documented_command_is_there():
-    names = set(build_parser()._subparsers._group_actions[0].choices)
+    parser = build_parser()
+    names = set(parser._subparsers._group_actions[0].choices)
     assert {"demo", "generate", "quantize", "trace", "train-predictor", "eval-predictor",
-                                                              "simulate", "bench"} <= names
+            "simulate", "bench", "serve", "chat"} <= names
+    # --help's description names every subcommand (read from the parser, so a new one cannot be left out)
+    listed = parser.description.split("Commands: ")[1].rstrip(".").split(", ")
+    assert sorted(listed) == sorted(names)
+
+
+def test_demo_refuses_zero_slots_as_it_refuses_negative_ones(capsys):
+    """--slots 0 is a bad value, not "the default" (``args.slots or ...`` took it for one and ran 16 slots)."""
+    for slots in ("0", "-3"):
+        assert main(["demo", "--device", "cpu", "--slots", slots, "--max-new-tokens", "1"]) == 2
+        assert f"gpu_expert_slots must be >= 1, got {slots}" in capsys.readouterr().err
 
 
 def test_quantize_command(tmp_path, capsys):
@@ -23,6 +34,26 @@ def test_quantize_command(tmp_path, capsys):
     # a second run refuses to overwrite, with a clear message and a non-zero exit
     assert main(["quantize", str(src), str(tmp_path / "awq"), "--group-size", "32"]) == 2
     assert "already exists" in capsys.readouterr().err
+
+
+def test_quantize_writes_every_file_with_the_umask_s_mode(tmp_path):
+    """safetensors' save_file makes private files (0600) and copy2 copies a source's mode: a model directory
+    shared with a server user must be readable, every file 0666 less the umask (0644 under umask 022)."""
+    import os
+    import stat
+
+    src = make_tiny_checkpoint(tmp_path / "fp32")
+    (src / "tokenizer_config.json").write_text("{}")
+    os.chmod(src / "tokenizer_config.json", 0o600)  # a copied file takes the umask's mode, not the source's
+    old = os.umask(0o022)
+    try:
+        assert main(["quantize", str(src), str(tmp_path / "awq"), "--group-size", "32"]) == 0
+    finally:
+        os.umask(old)
+    modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in (tmp_path / "awq").iterdir()}
+    assert {"model.safetensors", "config.json", "tokenizer_config.json"} <= modes.keys()
+    assert set(modes.values()) == {0o644}, modes
+    assert stat.S_IMODE((tmp_path / "awq").stat().st_mode) == 0o755
 
 
 def test_generate_without_tokenizer_says_so(tmp_path, capsys):

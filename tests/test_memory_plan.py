@@ -112,3 +112,25 @@ def test_cli_takes_the_budgets_and_prints_the_plan(capsys):
     assert "memory plan" in out and "read from disk" in out and "disk tier:" in out
     with pytest.raises(SystemExit):
         main(["demo", "--host-memory-gb", "lots"])
+
+
+def test_disk_traffic_is_in_the_model_stats():
+    """model.stats.summary() (what the README prints) reports the disk tier's reads and host-tier hits; reset()
+    zeroes them with the rest (model.stats.disk is the store's own counters)."""
+    base = _load(policy="lru", gpu_expert_slots=4).memory_plan()
+    budget = base.non_expert + base.kv_cache + 2 * 51136 + 8 * base.expert_bytes + base.expert_bytes // 2
+    model = _load(policy="lru", gpu_expert_slots=4, host_memory_gb=budget / GiB)
+    try:
+        disk = model.stats.disk
+        assert disk is model.experts.host.stats
+        model.stats.reset()
+        assert disk.bytes_read == disk.reads == disk.hits == 0
+        ids = model.tokenizer("The import statement")["input_ids"]
+        model.generate(ids, max_new_tokens=4, do_sample=False)
+        assert disk.reads > 0 and disk.bytes_read > 0 and disk.hits + disk.misses > 0
+        assert (f"disk tier: {disk.bytes_read / 2**20:.1f} MiB read ({disk.reads} experts" in model.stats.summary()
+                and f"host tier hits {disk.hits} / misses {disk.misses}" in model.stats.summary())
+        assert model.stats.as_dict()["disk"]["reads"] == disk.reads
+    finally:
+        model.close()
+    assert "disk tier" not in _load(policy="lru", gpu_expert_slots=4).stats.summary()

@@ -78,3 +78,45 @@ def test_refusals_name_the_problem():
     with pytest.raises(GrammarError, match="'get_news', which is not among the request's tools"):
         tool_call_grammar(rf.TOOL_FORMATS["hermes"], [WEATHER], {"type": "function", "function": {"name": "get_news"}},
                           json.dumps)
+
+
+@pytest.mark.parametrize("fmt", FORCEABLE)
+def test_one_call_unless_parallel_calls_are_allowed(tokenizer, fmt):
+    """A named function, or "required" with parallel_tool_calls false: exactly one call (then only the end of the
+    turn); "required" with parallel calls: several."""
+    two = {  # two get_weather calls in each markup
+        "hermes": CALLS["hermes"] + "\n" + CALLS["hermes"],
+        "mistral": CALLS["mistral"].replace("}]", "}, " + CALLS["mistral"].removeprefix("[TOOL_CALLS] [")),
+        "kimi_k2": CALLS["kimi_k2"].replace("<|tool_calls_section_end|>", "") + CALLS["kimi_k2"].replace(
+            "<|tool_calls_section_begin|>", "").replace(":0", ":1"),
+        "deepseek_v3": CALLS["deepseek_v3"].replace("<｜tool▁calls▁end｜>", "")
+        + CALLS["deepseek_v3"].replace("<｜tool▁calls▁begin｜>", ""),
+    }[fmt]
+    assert len(rf.split_text(two, rf.TOOL_FORMATS[fmt], rf.tool_schemas([WEATHER]), False, False).tool_calls) == 2
+
+    def lark(choice, parallel):
+        return lark_grammar(tool_call_grammar(rf.TOOL_FORMATS[fmt], [WEATHER, TIME], choice, json.dumps,
+                                              parallel=parallel), fmt)
+
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert accepts(tokenizer, lark("required", True), two)
+    for choice, parallel in (("required", False), (named, True), (named, False)):
+        assert accepts(tokenizer, lark(choice, parallel), CALLS[fmt])
+        assert not accepts(tokenizer, lark(choice, parallel), two), (choice, parallel)
+
+
+def test_arguments_hold_to_the_declared_properties_unless_the_schema_allows_more(tokenizer):
+    """JSON Schema admits undeclared keys by default: held to that, a small model writes made-up keys until its
+    token limit. A forced call's arguments are the declared ones, unless the schema says additionalProperties."""
+    open_tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    extra = CALLS["hermes"].replace(ARGS, '{"city": "Paris", "x": 1}')
+    plain = CALLS["hermes"].replace(ARGS, '{"city": "Paris"}')
+
+    def lark(tool):
+        return lark_grammar(tool_call_grammar(rf.TOOL_FORMATS["hermes"], [tool], "required", json.dumps), "hermes")
+
+    assert accepts(tokenizer, lark(open_tool), plain) and not accepts(tokenizer, lark(open_tool), extra)
+    allowed = json.loads(json.dumps(open_tool))
+    allowed["function"]["parameters"]["additionalProperties"] = True
+    assert accepts(tokenizer, lark(allowed), extra)

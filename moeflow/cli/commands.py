@@ -1,11 +1,14 @@
-"""The ``moeflow`` command: demo, generate, quantize, trace, train-predictor, eval-predictor, simulate, bench."""
+"""The ``moeflow`` command: demo, generate and quantize here, the other subcommands from :data:`COMMAND_MODULES`
+(the ``--help`` description lists them all, read from the parser)."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import json
+import signal
 import sys
+import threading
 from importlib import resources
 from pathlib import Path
 
@@ -70,13 +73,8 @@ def _run_prompt(model, prompt: str, args) -> int:
                    do_sample=do_sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                    min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                    prompt_lookup_num_tokens=args.prompt_lookup, streamer=streamer, seed=args.seed)
-    print(model.stats.summary())
+    print(model.stats.summary())  # with the disk tier's traffic when experts are read from disk
     print(model.memory_plan().summary())
-    host = getattr(model.experts, "host", None)
-    if host is not None and host.on_disk:
-        d = host.stats
-        print(f"disk tier: {d.bytes_read / 2**20:.1f} MiB read ({d.reads} experts, {d.prefetch_reads} ahead of need), "
-              f"host cache hits {d.hits} / misses {d.misses}, disk stall {d.stall_s * 1e3:.1f} ms")
     if args.json:
         print(json.dumps(model.stats.as_dict()))
     return 0
@@ -92,7 +90,10 @@ def cmd_demo(args) -> int:
     cfg = read_json(Path(args.model) / "config.json")
     experts = cfg["num_local_experts"]
     # half of all experts fit on the device: enough for a cache to matter, too few to hold the model
-    slots = args.slots or (None if args.gpu_memory_gb else cfg["num_hidden_layers"] * experts // 2)
+    if args.slots is not None:
+        slots = args.slots  # OffloadConfig refuses < 1 with a clear error
+    else:
+        slots = None if args.gpu_memory_gb else cfg["num_hidden_layers"] * experts // 2
     model = _load(args, slots, args.policy)
     slots = getattr(model.experts, "n_slots", slots)
     print(f"moeflow demo: {cfg['num_hidden_layers']} layers x {experts} experts, {slots} expert slots "
@@ -170,7 +171,7 @@ def add_device_switches(p: argparse.ArgumentParser, what: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moeflow", description=__doc__)
+    parser = argparse.ArgumentParser(prog="moeflow")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="run the embedded tiny Mixtral with fewer expert slots than experts")
     _add_generation_args(p, "auto")
@@ -191,18 +192,43 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_quantize)
     for module in COMMAND_MODULES:
         importlib.import_module(module).register(sub)
+    # from the registered subcommands, so that the description cannot miss one
+    parser.description = (f"moeflow runs Mixture-of-Experts LLMs on one GPU holding part of the model. Commands: "
+                          f"{', '.join(sub.choices)}.")
     return parser
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread as Ctrl-C raises KeyboardInterrupt, so that ``finally`` and ``except
+    BaseException`` blocks clean up (``quantize``'s temporary directory) before the process exits 143."""
+
+
+def _raise_terminated(signum: int, frame) -> None:
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one ``moeflow`` command; its exit status: 2 for an error it names, 130 after Ctrl-C, 143 after SIGTERM
+    (128 + the signal, as a shell reports a process the signal ended), without a traceback."""
     from moeflow.errors import MoeflowError
 
-    args = build_parser().parse_args(argv)
+    main_thread = threading.current_thread() is threading.main_thread()  # signal.signal refuses other threads
+    # servers install their own handlers while they run (uvicorn's) and restore this one after
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
     try:
+        args = build_parser().parse_args(argv)
         return args.func(args)
     except (MoeflowError, ValueError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)  # end the line the terminal echoed ^C on
+        return 128 + signal.SIGINT
+    except Terminated:
+        return 128 + signal.SIGTERM
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -176,6 +177,9 @@ def cmd_serve(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    # SIGTERM ends the server at once, as before main's handler: uvicorn shuts down gracefully, then raises the
+    # signal again; there is nothing on disk to clean up, and tearing the model down at exit takes seconds
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     # CUDA graphs (auto: on CUDA): the engine captures its decode passes per padded batch size and key bucket
     model = _load_model(args, AUTO_ON_OFF[args.cuda_graphs])
     # the first pass pays one-time costs (op registration, lazy imports: seconds on a CPU): not the first client

@@ -223,6 +223,7 @@ def build_model(
         backend.finish_loading()
         if on_disk:
             host.finish_warm_fill()
+            stats.disk = host.stats  # model.stats.summary() reports the disk traffic
         memory.fill_from_backend(plan, backend, offload, source.staging_nbytes if on_disk else 0)
     finally:
         reader.close()

@@ -20,7 +20,7 @@ import heapq
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import torch
 
@@ -50,6 +50,11 @@ class DiskStats:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    def reset(self) -> None:
+        """Zero every counter in place (``model.stats.reset()``; the store and ``model.stats.disk`` share it)."""
+        for f in fields(self):
+            setattr(self, f.name, f.default)
 
 
 class DiskHostStore(HostStore):

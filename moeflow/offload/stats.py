@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from moeflow.offload.disk_store import DiskStats
 
 PHASES = ("prefill", "decode")
 
@@ -50,6 +54,8 @@ class Stats:
     # prompt lookup decoding (generate(prompt_lookup_num_tokens=...)): draft tokens verified / kept
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    # the disk tier's counters (the DiskHostStore's own object) when experts are read from disk, else None
+    disk: DiskStats | None = None
 
     def current(self) -> PhaseStats:
         return getattr(self, self.phase)
@@ -64,6 +70,8 @@ class Stats:
         self.prefill, self.decode = PhaseStats(), PhaseStats()
         self.phase, self.ttft_s, self.tpot_s, self.peak_gpu_bytes = "prefill", None, None, 0
         self.draft_tokens = self.accepted_tokens = 0
+        if self.disk is not None:
+            self.disk.reset()
 
     @property
     def hit_rate(self) -> float:
@@ -92,4 +100,10 @@ class Stats:
                f"({(self.prefill.cpu_s + self.decode.cpu_s) * 1e3:.1f} ms)"
                if self.prefill.cpu_experts + self.decode.cpu_experts else "")
             + (f" | drafts {self.accepted_tokens}/{self.draft_tokens} accepted" if self.draft_tokens else "")
+            + (self._disk_summary() if self.disk is not None else "")
         )
+
+    def _disk_summary(self) -> str:
+        d = self.disk
+        return (f" | disk tier: {d.bytes_read / 2**20:.1f} MiB read ({d.reads} experts, {d.prefetch_reads} ahead "
+                f"of need), host tier hits {d.hits} / misses {d.misses}, disk stall {d.stall_s * 1e3:.1f} ms")

@@ -96,10 +96,10 @@ def quantize_checkpoint(
 
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the result should be an ordinary directory
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the result should be an ordinary directory
         shards: list[dict[str, torch.Tensor]] = [{}]
         size = 0
         names = reader.names()
@@ -112,7 +112,7 @@ def quantize_checkpoint(
                     size = 0
                 shards[-1][name] = t.contiguous()
                 size += nbytes
-        _write_shards(tmp, shards)
+        _write_shards(tmp, shards, 0o666 & ~umask)
         config["quantization_config"] = {
             "bits": 4,
             "group_size": group_size,
@@ -125,7 +125,7 @@ def quantize_checkpoint(
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for f in COPY_FILES:
             if (src_dir / f).is_file():
-                shutil.copy2(src_dir / f, tmp / f)
+                shutil.copyfile(src_dir / f, tmp / f)  # the umask's mode, as every file written here
         if dst.exists():
             shutil.rmtree(dst)
         tmp.rename(dst)
@@ -137,15 +137,20 @@ def quantize_checkpoint(
     return dst
 
 
-def _write_shards(directory: Path, shards: list[dict[str, torch.Tensor]]) -> None:
-    metadata = {"format": "pt"}
+def _save(tensors: dict[str, torch.Tensor], path: Path, mode: int) -> None:
+    """safetensors' ``save_file``, whose files are private (0600), with ``mode``: the umask's, as other files."""
+    save_file(tensors, path, metadata={"format": "pt"})
+    os.chmod(path, mode)
+
+
+def _write_shards(directory: Path, shards: list[dict[str, torch.Tensor]], mode: int) -> None:
     if len(shards) == 1:
-        save_file(shards[0], directory / "model.safetensors", metadata=metadata)
+        _save(shards[0], directory / "model.safetensors", mode)
         return
     weight_map, total = {}, 0
     for i, shard in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, directory / fname, metadata=metadata)
+        _save(shard, directory / fname, mode)
         for name, t in shard.items():
             weight_map[name] = fname
             total += t.numel() * t.element_size()

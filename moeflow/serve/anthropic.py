@@ -4,10 +4,11 @@ written for it (Claude Code with ``ANTHROPIC_BASE_URL``, the ``anthropic`` SDK) 
 A request becomes the OpenAI-shaped chat request the rest of the server runs (:func:`chat_request`): ``system``
 a system message, ``tool_use`` blocks assistant ``tool_calls``, ``tool_result`` blocks ``tool`` messages,
 ``tools``' ``input_schema`` function parameters, ``tool_choice`` auto / any / tool / none as auto / required /
-named / none (forced calls by guided decoding). The reply, split as for OpenAI clients (reasoning, text, tool
-calls: :mod:`moeflow.serve.text`), becomes ``thinking``, ``text`` and ``tool_use`` content blocks; streamed, as
-Anthropic's events (``message_start``, ``content_block_start`` / ``_delta`` / ``_stop``, ``message_delta``,
-``message_stop``). The ``model`` a client names is echoed, not checked: Anthropic clients send their own names.
+named / none (forced calls by guided decoding; ``disable_parallel_tool_use`` as ``parallel_tool_calls=False``).
+The reply, split as for OpenAI clients (reasoning, text, tool calls: :mod:`moeflow.serve.text`), becomes
+``thinking``, ``text`` and ``tool_use`` content blocks; streamed, as Anthropic's events (``message_start``,
+``content_block_start`` / ``_delta`` / ``_stop``, ``message_delta``, ``message_stop``). The ``model`` a client
+names is echoed, not checked: Anthropic clients send their own names.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class MessagesRequest(BaseModel):
 
     model: str
     messages: list[dict[str, Any]] = Field(min_length=1)
-    max_tokens: int = Field(default=4096, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1)  # required by /v1/messages, unused by count_tokens
     system: str | list[dict[str, Any]] | None = None
     stop_sequences: list[str] | None = None
     stream: bool = False
@@ -107,10 +108,14 @@ def chat_request(req: MessagesRequest) -> p.ChatCompletionRequest:
         choice = {"type": "function", "function": {"name": req.tool_choice.get("name")}}
     elif kind is not None:
         raise p.Unsupported("tool_choice", f"tool_choice type {kind!r}: use auto, any, tool or none")
-    return p.ChatCompletionRequest(
+    chat = p.ChatCompletionRequest(
         model=req.model, messages=chat_messages(req), max_tokens=req.max_tokens, temperature=req.temperature,
         top_p=req.top_p, top_k=req.top_k, stop=req.stop_sequences or None, stream=req.stream,
-        tools=tools or None, tool_choice=choice)
+        tools=tools or None, tool_choice=choice,
+        parallel_tool_calls=not (req.tool_choice or {}).get("disable_parallel_tool_use", False))
+    if req.tool_choice is not None:
+        chat._tool_choice_sent = f"tool_choice {json.dumps(req.tool_choice)}"  # errors quote Anthropic's form
+    return chat
 
 
 def _blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
@@ -157,6 +162,9 @@ def install(app, state) -> None:
 
     @app.post("/v1/messages")
     async def messages(req: MessagesRequest, request: Request) -> Response:
+        if req.max_tokens is None:  # no default: Anthropic's API refuses such a request too
+            raise APIError(400, "max_tokens: Field required (Anthropic's Messages API requires max_tokens, the most "
+                                "tokens the reply may have)", "max_tokens")
         chat, prompt, ids = prompt_of(req)
         chat.check_supported()
         [choice], events = state.submit("chat", chat, ids, prompt)

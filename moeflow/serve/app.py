@@ -150,9 +150,11 @@ class ServeState:
         """One choice's reply assembler, and its grammar state when ``response_format`` asks for one."""
         if not isinstance(req, p.ChatCompletionRequest):
             return TextAssembler(self.tokenizer.decode, req.stop_strings(), set(self.stop_ids)), None
-        text = self.replies.assembler(req.stop_strings(), set(self.stop_ids), prompt, req.tools, req.tool_choice)
-        grammar = self.replies.forced_call_grammar(req.tools, req.tool_choice, prompt) if req.forces_tool_call() \
-            else req.grammar()
+        text = self.replies.assembler(req.stop_strings(), set(self.stop_ids), prompt, req.tools, req.tool_choice,
+                                      req.forces_tool_call())
+        grammar = (self.replies.forced_call_grammar(req.tools, req.tool_choice, prompt, req.parallel_tool_calls,
+                                                    req.tool_choice_as_sent())
+                   if req.forces_tool_call() else req.grammar())
         if grammar is None:
             return text, None
         # a reply that starts in <think> reasons freely, then answers in the grammar

@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 MAX_CHOICES = 16  # ``n``: each choice is one engine sequence (a KV row while it runs)
 
@@ -113,7 +113,8 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None  # "auto" / "none" (a forced call would need guided decoding)
+    tool_choice: str | dict[str, Any] | None = None  # "auto" / "none" / "required" / a named function
+    parallel_tool_calls: bool = True  # False: a forced "required" reply is one call
     response_format: dict[str, Any] | None = None  # "text", "json_object", "json_schema" (guided decoding)
     reasoning_effort: Literal["low", "medium", "high"] | None = None  # harmony (gpt-oss) templates read it
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template (as vLLM)
@@ -134,6 +135,15 @@ class ChatCompletionRequest(SamplingFields):
         if self.forces_tool_call() and self.response_format and self.response_format.get("type", "text") != "text":
             raise Unsupported("response_format", "response_format and a forced tool_choice both constrain the "
                                                  "reply: give one")
+
+    # the tool_choice as the client's API wrote it, for errors (Anthropic's /v1/messages sets it; else OpenAI's)
+    _tool_choice_sent: str | None = PrivateAttr(default=None)
+
+    def tool_choice_as_sent(self) -> str:
+        """``tool_choice`` as the client wrote it, for error messages."""
+        if self._tool_choice_sent is not None:
+            return self._tool_choice_sent
+        return f"tool_choice {json.dumps(self.tool_choice)}"
 
     def forces_tool_call(self) -> bool:
         """``tool_choice`` "required" or a named function: the reply is held to tool calls (guided decoding)."""

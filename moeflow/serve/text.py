@@ -137,12 +137,16 @@ class MarkupAssembler(SplitAssembler):
     """Replies with ``<think>`` reasoning and/or a tool-call markup in their text (``reply_formats.split_text``).
 
     ``decode`` must keep the markup tags even where the tokenizer marks them special; ``in_reasoning``: the
-    prompt ended inside ``<think>``; ``tool``: None when the request gave no tools (or ``tool_choice`` "none")."""
+    prompt ended inside ``<think>``; ``tool``: None when the request gave no tools (or ``tool_choice`` "none");
+    ``forced``: the reply is held to tool calls (a forced ``tool_choice``), so it has no content: text outside
+    the finished calls is markup (a call the token limit cut, the separator before it) and is dropped."""
 
     def __init__(self, decode: Callable[..., str], stop_strings: list[str], stop_ids: set[int],
-                 tool: ToolFormat | None, tools: Tools, reasoning: bool, in_reasoning: bool) -> None:
+                 tool: ToolFormat | None, tools: Tools, reasoning: bool, in_reasoning: bool,
+                 forced: bool = False) -> None:
         super().__init__(decode, stop_strings, stop_ids)
         self.tool, self.tools, self.reasoning, self.in_reasoning = tool, tools, reasoning, in_reasoning
+        self.forced = forced
 
     def reply(self, ids: list[int], final: bool) -> Reply:
         if ids and ids[-1] in self.stop_ids:
@@ -150,7 +154,10 @@ class MarkupAssembler(SplitAssembler):
         text = self.decode(ids)
         if not final:
             text = text.rstrip("\ufffd")  # a character split across tokens: wait for its other bytes
-        return rf.split_text(text, self.tool, self.tools, self.reasoning, self.in_reasoning, final=final)
+        reply = rf.split_text(text, self.tool, self.tools, self.reasoning, self.in_reasoning, final=final)
+        if self.forced:
+            reply.content = ""
+        return reply
 
 
 def _tool_calls(calls: list[ToolCall], with_index: bool = False) -> list[dict]:
@@ -166,6 +173,7 @@ class ChatReplies:
     def __init__(self, tokenizer, template_text: str | None, tool_parser: str = "auto",
                  reasoning_parser: str = "auto") -> None:
         self.decode, self.tokenizer, self.template_text = tokenizer.decode, tokenizer, template_text or ""
+        self.tool_parser = tool_parser
         self.harmony = harmony_tokens(tokenizer) if template_text is not None else None
         text = template_text or ""
         self.tool = None if self.harmony else rf.tool_format(tool_parser, text)
@@ -178,31 +186,42 @@ class ChatReplies:
         self.markup_decode = lambda ids: tokenizer.decode([i for i in ids if i not in hidden],
                                                           skip_special_tokens=False)
 
-    def forced_call_grammar(self, tools: list[dict], tool_choice: str | dict, prompt: str) -> str:
-        """The grammar holding a reply to tool calls in this model's markup (``tool_choice`` "required" or named);
-        Unsupported naming ``tool_choice`` when the model's markup cannot be forced."""
+    def forced_call_grammar(self, tools: list[dict], tool_choice: str | dict, prompt: str, parallel: bool = True,
+                            asked: str | None = None) -> str:
+        """The grammar holding a reply to tool calls in this model's markup (``tool_choice`` "required" or named;
+        ``parallel``: "required" may write several); Unsupported naming ``tool_choice`` when the model's markup
+        cannot be forced, its message quoting ``asked`` (the tool_choice as the client's API wrote it)."""
         from moeflow.engine.guided import GrammarError, lark_grammar
-        from moeflow.engine.tool_grammar import tag_writer, tool_call_grammar
+        from moeflow.engine.tool_grammar import FORCEABLE, tag_writer, tool_call_grammar
         from moeflow.serve.protocol import Unsupported
 
-        if self.harmony is not None or self.tool is None:
-            raise Unsupported("tool_choice", f"tool_choice {tool_choice!r} needs a known tool-call markup for this "
-                                             "model (--tool-call-parser): none is set")
+        asked = asked or f"tool_choice {tool_choice!r}"
+        if self.harmony is not None:
+            raise Unsupported("tool_choice", f"{asked} forces a tool call, which is not supported for harmony "
+                                             "(gpt-oss) replies: let the model choose")
+        if self.tool is None:
+            why = ("the server runs with --tool-call-parser none" if self.tool_parser == "none" else
+                   "the model's chat template shows no tool-call markup moeflow knows")
+            raise Unsupported("tool_choice", f"{asked} forces a tool call, written in the model's tool-call markup, "
+                                             f"but {why}: let the model choose, or start the server with "
+                                             f"--tool-call-parser {'|'.join(FORCEABLE)} if the model writes one")
         try:
             lark = tool_call_grammar(self.tool, tools, tool_choice, tag_writer(self.tokenizer),
-                                     fenced="```json" in self.template_text)
+                                     fenced="```json" in self.template_text, parallel=parallel)
             return lark_grammar(lark, "tool_choice")
         except GrammarError as e:
             raise Unsupported("tool_choice", str(e)) from e
 
     def assembler(self, stop_strings: list[str], stop_ids: set[int], prompt: str, tools: list[dict] | None,
-                  tool_choice: str | dict | None) -> TextAssembler:
+                  tool_choice: str | dict | None, forced: bool = False) -> TextAssembler:
         """The assembler of one chat request (``prompt``: its rendered text; tool calls split only when the
-        request gives ``tools`` and ``tool_choice`` is not "none")."""
+        request gives ``tools`` and ``tool_choice`` is not "none"; ``forced``: :meth:`forced_call_grammar` holds
+        the reply to calls)."""
         if self.harmony is not None:
             return HarmonyAssembler(self.decode, stop_strings, stop_ids, self.harmony)
         tool = self.tool if tools and tool_choice != "none" else None
         if tool is None and not self.reasoning:
             return TextAssembler(self.decode, stop_strings, stop_ids)
         return MarkupAssembler(self.markup_decode, stop_strings, stop_ids, tool, rf.tool_schemas(tools),
-                               self.reasoning, self.reasoning and rf.prompt_opens_reasoning(prompt))
+                               self.reasoning, self.reasoning and rf.prompt_opens_reasoning(prompt),
+                               forced=forced and tool is not None)
