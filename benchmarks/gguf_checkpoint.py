@@ -117,7 +117,7 @@ def stacked_experts(templates: list[dict], names: tuple[str, str, str], num_expe
     template e % TEMPLATES (the AWQ writers use (layer * E + e) % TEMPLATES, the same for E % TEMPLATES == 0)."""
     q4 = [{w: awq_to_q4_0(**parts, group=group) for w, parts in t.items()} for t in templates]
     return {gguf: np.stack([q4[e % len(q4)][w] for e in range(num_experts)])
-            for gguf, w in zip(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), names)}
+            for gguf, w in zip(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), names, strict=True)}
 
 
 # ------------------------------------------------------------------------------------------ the file
@@ -242,7 +242,8 @@ def write_synthetic_gguf(path: Path, family: str, config: dict, group: int = 128
     w.add_add_bos_token(True)
     plan = list(tensors)
     for name, _, like, q4 in plan:
-        w.add_tensor_info(name, like.shape, like.dtype, like.nbytes, raw_dtype=GGMLQuantizationType.Q4_0 if q4 else None)
+        w.add_tensor_info(name, like.shape, like.dtype, like.nbytes,
+                          raw_dtype=GGMLQuantizationType.Q4_0 if q4 else None)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()

@@ -43,9 +43,9 @@ for p in (ROOT, ROOT / "benchmarks", ROOT / "benchmarks" / "peers"):
         sys.path.insert(0, str(p))
 
 import headline_report  # noqa: E402
+from gguf_checkpoint import write_synthetic_gguf  # noqa: E402
 from gpu_checkpoint import MIXTRAL_8X7B, write_synthetic_awq_checkpoint  # noqa: E402
 from gpu_checkpoint import TINY as MIXTRAL_TINY  # noqa: E402
-from gguf_checkpoint import write_synthetic_gguf  # noqa: E402
 
 FAMILIES = ("mixtral", "qwen3")
 PHASES = ("checkpoints", "llama", "moeflow", "report")
@@ -250,9 +250,11 @@ def phase_moeflow(args, res: Results, deadline: float) -> None:
     print(f"moeflow: loaded in {res.data['moeflow_load_s']} s ({model.kernels} kernels)", flush=True)
     prompt = torch.randint(3, args.config["vocab_size"], (1, args.prompt_len),
                            generator=torch.Generator().manual_seed(0))
-    plan = [("resident", None, b) for b in budgets(args.config, [])]
-    for b in budgets(args.config, args.shares)[1:]:
-        plan += [("lru", None, b), ("lru", "auto", b)]
+    # lru at every share before cpu_compute="auto" (its first backend builds the CPU int4 forms of every expert:
+    # the slowest install), so a deadline cuts the auto rows first
+    shares = budgets(args.config, args.shares)[1:]
+    plan = [("resident", None, budgets(args.config, [])[0])] + [("lru", None, b) for b in shares] + \
+        [("lru", "auto", b) for b in shares]
     expected = None
     for policy, cpu_compute, b in plan:
         row = {"engine": "moeflow AWQ " + policy + (" cpu_compute=auto" if cpu_compute else ""), "policy": policy,
