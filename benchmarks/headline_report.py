@@ -54,7 +54,7 @@ def family_table(data: dict) -> list[str]:
                   f"GGUF Q4_0 {ck['gguf_bytes'] / GiB:.1f} GiB in {ck['gguf_write_s']} s (same 4-bit weights).", ""]
     if data.get("moeflow_load_s") is not None:
         lines += [f"moeflow load: {data['moeflow_load_s']} s ({data.get('moeflow_kernels')} kernels)", ""]
-    for key in ("llama_error",):
+    for key in ("llama_error", "moeflow_error"):
         if data.get(key):
             lines += [f"{key}: {data[key]}", ""]
     lines += ["| engine | experts on GPU | share | decode tok/s | TTFT s | decode hit | GiB moved | peak GiB | "

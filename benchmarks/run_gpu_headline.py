@@ -140,10 +140,16 @@ def phase_llama(args, res: Results, deadline: float) -> None:
     devices = list_devices(bin_dir)
     res.data["llama_devices"] = devices
     res.save()
-    if args.device == "cuda" and not devices["cuda"]:
+    _, gguf = paths(args)
+    if args.device == "cuda" and not devices["cuda"]:  # its CPU backends would take minutes per row: none run
         res.data["llama_error"] = ("the prebuilt llama.cpp lists no CUDA device (cuBLAS not found? see llama_devices;"
                                    " fallback: benchmarks/run_all_gpu.sh peers-prep builds it on the device)")
-    _, gguf = paths(args)
+    elif not gguf.is_file():
+        res.data["llama_error"] = f"{gguf} was not written (the checkpoints step's log says why)"
+    if res.data.get("llama_error"):
+        res.save()
+        print(res.data["llama_error"], flush=True)
+        return
     ngl = 99 if args.device == "cuda" else 0
     order = budgets(args.config, args.shares)
     for b in order[1:] + order[:1]:  # the shares first (the headline), all experts on the GPU last
@@ -240,9 +246,14 @@ def phase_moeflow(args, res: Results, deadline: float) -> None:
         capture_factory = cpu_capture_factory()
     t0 = time.perf_counter()
     top_k = args.config["num_experts_per_tok"]
-    model = MoEModel.from_pretrained(
-        awq, device=device, kernels="torch" if args.tiny else "auto", progress=False, cuda_graphs=False,
-        offload=OffloadConfig(policy="lru", gpu_expert_slots=min_slots(OffloadConfig(), top_k)))
+    try:  # every expert into the pinned host store (the backends below share it); graphs captured per row
+        model = MoEModel.from_pretrained(
+            awq, device=device, kernels="torch" if args.tiny else "auto", progress=False, cuda_graphs=False,
+            offload=OffloadConfig(policy="lru", gpu_expert_slots=min_slots(OffloadConfig(), top_k)))
+    except Exception as exc:  # noqa: BLE001 - recorded for the table
+        res.data["moeflow_error"] = f"loading {awq}: {type(exc).__name__}: {str(exc)[-1500:]}"
+        res.save()
+        raise
     host = model.experts.host
     res.data["moeflow_load_s"] = round(time.perf_counter() - t0, 1)
     res.data["moeflow_kernels"] = model.kernels

@@ -117,3 +117,28 @@ def test_call1_runs_end_to_end_on_the_cpu(tmp_path):
     assert sorted(llama) == [0, 2, 3] and all(r["decode_tok_s"] > 0 for r in llama.values()), llama
     assert {q["share"] for q in data["ratios"]} == {1.0, 0.5, 0.25} and len(data["ratios"]) == 5
     assert "decode moeflow / llama.cpp" in md and "n_cpu_moe 3" in md
+
+
+def test_a_llama_cpp_without_cuda_on_a_gpu_records_why_and_runs_no_row(tmp_path, monkeypatch):
+    """On the GPU, a prebuilt llama.cpp that lists no CUDA device would run every row on its CPU backends (minutes
+    each at full size): the phase records why (the fallback named) and leaves the time to moeflow."""
+    import argparse
+
+    import llama_cpp_prebuilt
+    import run_gpu_headline
+
+    monkeypatch.setattr(llama_cpp_prebuilt, "find_archive", lambda: tmp_path / "llama.tar.xz")
+    monkeypatch.setattr(llama_cpp_prebuilt, "unpack", lambda archive: tmp_path)
+    monkeypatch.setattr(llama_cpp_prebuilt, "list_devices", lambda bin_dir: {"cuda": False, "output": "(none)",
+                                                                             "compat_libstdcxx": False})
+    ran = []
+    monkeypatch.setattr(llama_cpp_prebuilt, "llama_bench", lambda *a, **k: ran.append(k))
+    cfg, group = run_gpu_headline.family_config("mixtral", tiny=True, layers=4)
+    args = argparse.Namespace(family="mixtral", tiny=True, config=cfg, group=group, checkpoint=None,
+                              gguf=tmp_path / "m.gguf", device="cuda", shares=[0.5], prompt_len=16, new_tokens=8,
+                              reps=1, threads=2)
+    res = run_gpu_headline.Results(tmp_path / "out", "mixtral", {"family": "mixtral"})
+    run_gpu_headline.phase_llama(args, res, deadline=float("inf"))
+    saved = json.loads((tmp_path / "out" / "headline_mixtral.json").read_text())
+    assert ran == [] and saved["llama"] == [] and "no CUDA device" in saved["llama_error"]
+    assert "peers-prep" in saved["llama_error"] and saved["llama_devices"]["output"] == "(none)"
