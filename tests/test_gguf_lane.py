@@ -128,3 +128,22 @@ def test_the_prebuilt_llama_cpp_decodes_a_full_width_mixtral_gguf(tmp_path):
 
 def _data_offset(path: Path) -> int:
     return int(gguf.GGUFReader(path).data_offset)
+
+
+def test_the_prebuilt_llama_cpp_decodes_a_qwen3moe_gguf_whose_heads_are_wider_than_hidden(tmp_path):
+    """Qwen3-30B-A3B's attention is wider than its hidden size (32 heads x 128 = 4096 > 2048): key_length, not
+    hidden / heads. A narrow copy of that trait (8 x 128 > 512, 16 experts top 4) through llama-bench."""
+    import llama_cpp_prebuilt as prebuilt
+    from run_gpu_families import QWEN3_30B_A3B
+
+    archive = prebuilt.find_archive()
+    if archive is None:
+        pytest.skip("no prebuilt llama.cpp: ../shared/peers/llama-cpp-cuda-sm90.tar.xz is absent (or set "
+                    "LLAMA_CPP_TARBALL)")
+    cfg = {**QWEN3_30B_A3B, "num_hidden_layers": 2, "hidden_size": 512, "num_attention_heads": 8,
+           "num_key_value_heads": 2, "moe_intermediate_size": 256, "num_experts": 16, "num_experts_per_tok": 4,
+           "vocab_size": 512}
+    path = gguf_checkpoint.write_synthetic_gguf(tmp_path / "qwen3.gguf", "qwen3", cfg)
+    row = prebuilt.llama_bench(prebuilt.unpack(archive), path, ngl=0, n_cpu_moe=0, prompt=8, gen=8, reps=1,
+                               threads=2, timeout=300)
+    assert row["pp8"] > 0 and row["tg8"] > 0 and row["model_bytes"] == path.stat().st_size - _data_offset(path)

@@ -80,8 +80,9 @@ def run_env(bin_dir: Path, compat: bool = False) -> dict[str, str]:
 
 
 def list_devices(bin_dir: Path, timeout: float = 60) -> dict:
-    """``llama-bench --list-devices``: the output, whether a CUDA device is listed, and whether the compat
-    libstdc++ was needed (tried only when the plain run fails)."""
+    """``llama-bench --list-devices``: the output, whether a CUDA device is listed, the LD_LIBRARY_PATH folder that
+    holds libcublas (None: the CUDA backend cannot load), and whether the compat libstdc++ was needed (tried only when
+    the plain run fails)."""
     out: dict = {}
     for compat in (False, True):
         done = subprocess.run([str(bin_dir / "llama-bench"), "--list-devices"], capture_output=True, text=True,
@@ -91,6 +92,10 @@ def list_devices(bin_dir: Path, timeout: float = 60) -> dict:
         if done.returncode == 0:
             break
     out["cuda"] = "CUDA0" in out["output"]
+    out["cuda_backend_loaded"] = "loaded CUDA backend" in out["output"]  # libggml-cuda.so resolved (cuBLAS found)
+    # the CUDA backend loads silently or not at all: say whether cuBLAS was there to load
+    out["cublas_dir"] = next((d for d in out["ld_library_path"].split(os.pathsep)
+                              if d and any(Path(d).glob("libcublas.so*"))), None)
     return out
 
 
