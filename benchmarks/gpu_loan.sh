@@ -105,7 +105,7 @@ case "$call" in
     if [ "${TINY:-0}" = 1 ]; then  # the scripts' own CPU sizes
       background 120 "$py" benchmarks/run_gpu_headline.py --family mixtral --phase checkpoints "${tiny[@]}" --out "$out"
     else
-      background 240 "$py" benchmarks/run_gpu_headline.py --family mixtral --phase checkpoints --out "$out"
+      background 200 "$py" benchmarks/run_gpu_headline.py --family mixtral --phase checkpoints --out "$out"
     fi
     per_test=() collect=()
     # the minimum set (22 tests; ~100 s of the 32 the H100 ran in 107 s on 2026-11-23): compiled AWQ kernels vs the
@@ -117,18 +117,18 @@ case "$call" in
     # TINY: the selection only collected (its tests are cuda-marked: they skip on a CPU; the CPU suite runs their
     # CPU twins), so a renamed or deleted test shows here
     if [ "${TINY:-0}" = 1 ]; then collect=(--collect-only -q); fi
-    MOEFLOW_TEST_JSONL="$out/pytest-cuda.jsonl" TRITON_INTERPRET=0 run 100 "$py" -m pytest -v -m cuda \
+    MOEFLOW_TEST_JSONL="$out/pytest-cuda.jsonl" TRITON_INTERPRET=0 run 90 "$py" -m pytest -v -m cuda \
       -p no:cacheprovider -p benchmarks.pytest_jsonl "${per_test[@]}" "${collect[@]}" -k "$min_set" \
       tests/test_cuda_lane.py tests/test_cuda_panel_layout.py tests/test_compile_cuda_graphs.py
     if [ "${TINY:-0}" = 1 ]; then  # (tests/test_kernels_ops.py runs its --dry-run)
       [ "$plan" = 1 ] || echo "kernels: not run with TINY=1" | tee -a "$log"
     else
-      run 60 "$py" benchmarks/run_gpu_kernels.py --shapes mixtral-8x7b --tokens 1,4,16 --skip-baselines --quick \
-        --out "$out/kernels.json" --budget-s 40
+      run 50 "$py" benchmarks/run_gpu_kernels.py --shapes mixtral-8x7b --tokens 1,4,16 --skip-baselines --quick \
+        --out "$out/kernels.json" --budget-s 35
     fi
     wait_background
-    headline mixtral llama 110 85
-    headline mixtral moeflow 180 155
+    headline mixtral llama 100 75
+    headline mixtral moeflow 220 195
     run 10 "$py" benchmarks/headline_report.py "$out" ;;
   call2)
     [ "$plan" = 1 ] || [ "${TINY:-0}" = 1 ] || rm -rf /tmp/moeflow-headline-mixtral-*  # the disk: 64 GiB
