@@ -46,6 +46,7 @@ def family_table(data: dict) -> list[str]:
     E = cfg.get("num_local_experts") or cfg.get("num_experts")
     lines = [f"## {data['family']} ({L} layers x {E} experts, top {cfg['num_experts_per_tok']}; "
              f"{data.get('device_name', '?')}, {data.get('date', '?')})", "",
+             f"CPU: {data.get('cpu', '?')}, {data.get('cpu_count', '?')} cores ({data.get('uptime', '')}).", "",
              f"{data['new_tokens']} decoded tokens after a {data['prompt_len']}-token prompt. "
              f"{data.get('routing_note', '')}.", ""]
     ck = data.get("checkpoints")

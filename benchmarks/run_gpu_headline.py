@@ -46,6 +46,7 @@ import headline_report  # noqa: E402
 from gguf_checkpoint import write_synthetic_gguf  # noqa: E402
 from gpu_checkpoint import MIXTRAL_8X7B, write_synthetic_awq_checkpoint  # noqa: E402
 from gpu_checkpoint import TINY as MIXTRAL_TINY  # noqa: E402
+from peer_report import uptime  # noqa: E402
 
 FAMILIES = ("mixtral", "qwen3")
 PHASES = ("checkpoints", "llama", "moeflow", "report")
@@ -290,6 +291,14 @@ def phase_moeflow(args, res: Results, deadline: float) -> None:
     model.close()
 
 
+def _cpu_name() -> str:
+    try:
+        return next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--phase", choices=(*PHASES, "all"), default="all")
@@ -318,6 +327,7 @@ def main(argv: list[str] | None = None) -> dict:
     head = {"family": args.family, "tiny": args.tiny, "config": args.config, "prompt_len": args.prompt_len,
             "new_tokens": args.new_tokens, "shares": args.shares, "date": time.strftime("%Y-%m-%d", time.gmtime()),
             "torch": torch.__version__, "python": platform.python_version(), "cpu_count": os.cpu_count(),
+            "cpu": _cpu_name(), "uptime": uptime(),
             "device_name": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
             "routing_note": "random weights: routing is near uniform, a pessimistic case for caching "
                             "(llama.cpp's static placement does not depend on it)"}
