@@ -150,3 +150,26 @@ def test_a_llama_cpp_without_cuda_on_a_gpu_records_why_and_runs_no_row(tmp_path,
     saved = json.loads((tmp_path / "out" / "headline_mixtral.json").read_text())
     assert ran == [] and saved["llama"] == [] and "no CUDA device" in saved["llama_error"]
     assert "peers-prep" in saved["llama_error"] and saved["llama_devices"]["output"] == "(none)"
+
+
+def test_the_qwen3_rows_swap_backends_on_one_loaded_model(tmp_path, monkeypatch):
+    """Call 2's family through the same runner (in-process, one share): the Qwen3-MoE family's backends (its own
+    routing and MoE layer list) swapped on one load, every row decoding the resident tokens."""
+    import torch
+
+    import run_gpu_headline
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    threads = torch.get_num_threads()
+    try:
+        data = run_gpu_headline.main(["--phase", "all", "--family", "qwen3", "--tiny", "--layers", "4", "--shares",
+                                      "0.5", "--prompt-len", "8", "--new-tokens", "4", "--out", str(tmp_path / "o")])
+    finally:
+        torch.set_num_threads(threads)
+    rows = data["moeflow"]
+    assert [(r["engine"], r["gpu_experts"]) for r in rows] == [
+        ("moeflow AWQ resident", 32), ("moeflow AWQ lru", 16), ("moeflow AWQ lru cpu_compute=auto", 16)]
+    assert all("error" not in r and r["tokens_equal_resident"] for r in rows), rows
+    assert data["checkpoints"]["gguf"].startswith(str(tmp_path))
+    assert (tmp_path / "o" / "headline.md").read_text().count("| moeflow AWQ") >= 3
