@@ -155,9 +155,8 @@ def test_a_llama_cpp_without_cuda_on_a_gpu_records_why_and_runs_no_row(tmp_path,
 def test_the_qwen3_rows_swap_backends_on_one_loaded_model(tmp_path, monkeypatch):
     """Call 2's family through the same runner (in-process, one share): the Qwen3-MoE family's backends (its own
     routing and MoE layer list) swapped on one load, every row decoding the resident tokens."""
-    import torch
-
     import run_gpu_headline
+    import torch
 
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr("tempfile.tempdir", None)
