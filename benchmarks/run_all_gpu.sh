@@ -1,4 +1,7 @@
 #!/usr/bin/env bash
+# A 15-minute loan (issue 36) runs benchmarks/gpu_loan.sh first (call1, call2: the headline, moeflow vs llama.cpp on
+# a full-size model); the stages below come after it, in the order that script's header states.
+#
 # The GPU lane (issue 12): everything that needs a GPU, in stages that each end inside one 10-minute device command
 # (every Python step runs under `timeout`, and writes its JSON under $OUT after every point it measures, so a run
 # cut short still leaves numbers). Nothing here needs the network; the serve and peers stages need packages the lent

@@ -1,0 +1,141 @@
+#!/usr/bin/env bash
+# One 15-minute GPU loan, one headline (issue 36): moeflow against llama.cpp `--n-cpu-moe` decode tok/s on a full-size
+# Mixtral-8x7B-shaped model, in at most TWO device commands (machine start ~1.5 min; at most 10 min per command).
+#
+# Before the loan, here (PyPI reachable): `bash benchmarks/gpu_wheels.sh` (.whl/: gguf for the GGUF writer, and the
+# serve stage's packages) and `mkdir -p .peers && cp ../shared/peers/llama-cpp-cuda-sm90.tar.xz .peers/` (the
+# prebuilt llama.cpp, CUDA sm_90 + CPU backends; ../shared/peers/README.md). Then:
+#   run(command="bash benchmarks/gpu_loan.sh call1", carry=[".whl", ".peers/llama-cpp-cuda-sm90.tar.xz"], timeout_s=600)
+#   run(command="bash benchmarks/gpu_loan.sh call2", carry=[".whl", ".peers/llama-cpp-cuda-sm90.tar.xz"], timeout_s=360)
+#   give_back()
+#
+#   call1 (limits sum to <= 9 min): stack check (versions; the prebuilt llama.cpp's --list-devices must show CUDA0
+#         with cuBLAS from torch's nvidia wheel on LD_LIBRARY_PATH; the compat libstdc++ is tried when it fails to
+#         start, and a CUDA-less listing is recorded: the llama rows then say so and the fallback is
+#         `run_all_gpu.sh peers-prep`, a later loan); the Mixtral AWQ checkpoint and its Q4_0 GGUF written in the
+#         background meanwhile; the minimum correctness set (compiled kernels vs the fp32 reference at Mixtral
+#         shapes incl. the split-K fixup, the panel layouts, the race harness with a deleted wait caught, CUDA-graph
+#         decode tokens = eager); the kernels at T = 1, 4, 16 (% of the copy bandwidth measured in the same run,
+#         panel vs row-major); llama-bench -ngl 99 --n-cpu-moe k -p 512 -n 64 at 50 % / 25 % / 100 % of the experts
+#         on the GPU (moeflow's process does not exist yet); moeflow on the same weights loaded once: resident, lru
+#         and lru + cpu_compute="auto" at 50 % and 25 %, CUDA graphs, 64 tokens after a 512-token prompt; the table.
+#   call2 (limits sum to <= 5 min): the same llama.cpp and moeflow rows for the Qwen3-30B-A3B shape (48 layers,
+#         128 experts, top 8; the Mixtral files deleted first: the 64 GiB disk).
+#
+# Every step runs under `timeout` and checks its own deadline before each row; every point is written to JSON at
+# once, so a command killed at its limit still returns what it measured. PLAN=1 prints each step's limit and command
+# and runs nothing; TINY=1 runs it all on the CPU with tiny shapes, the CPU backends of the same prebuilt llama.cpp
+# and the same GGUF writer (tests/test_gpu_loan.py runs both).
+#
+# Results: $OUT (the device's folder that comes back), else benchmarks/results/<gpu>-<date>/ (e.g. h200-2026-12-01:
+# headline_report.results_dir). Copy the returned files there and commit: headline_mixtral.json, headline_qwen3.json,
+# kernels.json, pytest-cuda.jsonl, stack.txt, call1.log / call2.log, and headline.md, the short table
+# (`python benchmarks/headline_report.py <folder>` rewrites it from the JSON).
+#
+# Later loans, in this order (benchmarks/run_all_gpu.sh stages; the owed list in docs/status.md is the record):
+#   serve, engine, models, families, tune, deltanet, lookup.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+py="${PYTHON:-$(command -v python3 || command -v python)}"
+call="${1:-}"
+plan="${PLAN:-0}"
+tiny=()
+if [ "${TINY:-0}" = 1 ]; then tiny=(--tiny --layers 4); fi
+if [ -z "${OUT:-}" ] && [ "$plan" != 1 ]; then
+  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+  OUT=$("$py" -c "import sys; sys.path.insert(0, 'benchmarks'); import headline_report, time; \
+print(headline_report.results_dir(sys.argv[1] or 'cpu', time.strftime('%Y-%m-%d', time.gmtime())))" "$gpu")
+fi
+out="${OUT:-benchmarks/results/plan}"
+[ "$plan" = 1 ] || mkdir -p "$out"
+log="$out/$call.log"
+t0=$(date +%s)
+
+run() {  # run <seconds> <command...>: bounded, logged, never aborting the call
+  local limit=$1
+  shift
+  if [ "$plan" = 1 ]; then echo "plan $limit $*"; return 0; fi
+  echo "== $(date -u +%T) +$(( $(date +%s) - t0 ))s $* (limit ${limit}s)" | tee -a "$log"
+  timeout --signal=INT --kill-after=15 "$limit" "$@" 2>&1 | tee -a "$log"
+  echo "== rc=${PIPESTATUS[0]}" | tee -a "$log"
+}
+
+background() {  # background <seconds> <command...>: started now, waited for by `wait_background`
+  local limit=$1
+  shift
+  if [ "$plan" = 1 ]; then echo "plan-background $limit $*"; return 0; fi
+  echo "== $(date -u +%T) +$(( $(date +%s) - t0 ))s background: $* (limit ${limit}s)" | tee -a "$log"
+  (timeout --signal=INT --kill-after=15 "$limit" "$@" > "$out/$call-background.log" 2>&1;
+   echo "== background rc=$?" >> "$out/$call-background.log") &
+  bg_pid=$!
+}
+
+wait_background() {
+  [ "$plan" = 1 ] && return 0
+  wait "$bg_pid"
+  cat "$out/$call-background.log" >> "$log" && rm -f "$out/$call-background.log"
+  echo "== $(date -u +%T) +$(( $(date +%s) - t0 ))s background done" | tee -a "$log"
+}
+
+stack() {  # versions, the device, the stack check, the prebuilt llama.cpp's devices: $out/stack.txt
+  if [ "$plan" = 1 ]; then echo "plan 30 $py benchmarks/gpu_stack.py --cuda --pytest; llama_cpp_prebuilt.py"; return 0; fi
+  if [ "${TINY:-0}" != 1 ] && ls .whl/*.whl >/dev/null 2>&1; then  # gguf (and the serve stage's packages)
+    "$py" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
+    export PYTHONPATH="$PYTHONPATH:/tmp/site"
+  fi
+  local cuda=(--cuda --pytest)
+  if [ "${TINY:-0}" = 1 ]; then cuda=(); fi
+  { date -u +%FT%TZ; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null \
+      || echo "no nvidia-smi"; grep -m1 "model name" /proc/cpuinfo; nproc; free -g | sed -n 2p; df -h /tmp | tail -1
+    timeout 25 "$py" benchmarks/gpu_stack.py "${cuda[@]}" 2>&1 | tail -8
+    timeout 25 "$py" benchmarks/peers/llama_cpp_prebuilt.py 2>&1 | tail -25; } > "$out/stack.txt" 2>&1
+  tee -a "$log" < "$out/stack.txt"
+}
+
+headline() {  # headline <family> <phase> <limit> [deadline]: one phase of run_gpu_headline.py in its own process
+  local family=$1 phase=$2 limit=$3 deadline=${4:-$3}
+  run "$limit" "$py" benchmarks/run_gpu_headline.py --family "$family" --phase "$phase" "${tiny[@]}" \
+    --out "$out" --deadline-s "$deadline"
+}
+
+case "$call" in
+  call1)
+    stack
+    if [ "${TINY:-0}" = 1 ]; then  # the scripts' own CPU sizes
+      background 120 "$py" benchmarks/run_gpu_headline.py --family mixtral --phase checkpoints "${tiny[@]}" --out "$out"
+    else
+      background 200 "$py" benchmarks/run_gpu_headline.py --family mixtral --phase checkpoints --out "$out"
+    fi
+    per_test=() collect=()
+    # the minimum set (22 tests; ~100 s of the 32 the H100 ran in 107 s on 2026-11-23): compiled AWQ kernels vs the
+    # fp32 reference at Mixtral shapes T = 1..16 and the attention shape, the split-K fixup, the panel layouts, the race
+    # harness (lru, eager and captured device part; a deleted wait caught), CUDA-graph decode tokens = eager
+    min_set="not gpt_oss and not mxfp4 and not every_policy and not 512 and not 64 and not ondemand and not offloading"
+    min_set+=" and not finemoe and not expertflow"
+    if "$py" -c "import pytest_timeout" 2>/dev/null; then per_test=(--timeout 60); fi
+    # TINY: the selection only collected (its tests are cuda-marked: they skip on a CPU; the CPU suite runs their
+    # CPU twins), so a renamed or deleted test shows here
+    if [ "${TINY:-0}" = 1 ]; then collect=(--collect-only -q); fi
+    MOEFLOW_TEST_JSONL="$out/pytest-cuda.jsonl" TRITON_INTERPRET=0 run 90 "$py" -m pytest -v -m cuda \
+      -p no:cacheprovider -p benchmarks.pytest_jsonl "${per_test[@]}" "${collect[@]}" -k "$min_set" \
+      tests/test_cuda_lane.py tests/test_cuda_panel_layout.py tests/test_compile_cuda_graphs.py
+    if [ "${TINY:-0}" = 1 ]; then  # (tests/test_kernels_ops.py runs its --dry-run)
+      [ "$plan" = 1 ] || echo "kernels: not run with TINY=1" | tee -a "$log"
+    else
+      run 50 "$py" benchmarks/run_gpu_kernels.py --shapes mixtral-8x7b --tokens 1,4,16 --skip-baselines --quick \
+        --out "$out/kernels.json" --budget-s 35
+    fi
+    wait_background
+    headline mixtral llama 100 75
+    headline mixtral moeflow 220 195
+    run 10 "$py" benchmarks/headline_report.py "$out" ;;
+  call2)
+    [ "$plan" = 1 ] || [ "${TINY:-0}" = 1 ] || rm -rf /tmp/moeflow-headline-mixtral-*  # the disk: 64 GiB
+    headline qwen3 checkpoints 75
+    headline qwen3 llama 80 60
+    headline qwen3 moeflow 125 105
+    run 10 "$py" benchmarks/headline_report.py "$out" ;;
+  *) echo "usage: $0 call1|call2 (PLAN=1: the plan; TINY=1: CPU sizes)" >&2; exit 2 ;;
+esac
+[ "$plan" = 1 ] || echo "$call done in $(( $(date +%s) - t0 )) s: $(ls "$out" | tr '\n' ' ')" | tee -a "$log"
