@@ -47,7 +47,7 @@ def tiny_model(directory: Path, slots: int) -> MoEOffloadedMixtral:
     from helpers import make_tiny_checkpoint
 
     from moeflow.offload.predictors import train_predictor
-    from moeflow.trace.record import record_trace
+    from moeflow.tools.record import record_trace
 
     ckpt = make_tiny_checkpoint(directory / "ckpt", seed=5, num_local_experts=8, num_hidden_layers=3)
     g = torch.Generator().manual_seed(0)

@@ -71,7 +71,7 @@ def train_predictors(model, ckpt: Path, prompts: list[list[int]], new_tokens: in
                      epochs: int) -> dict:
     """Trace ``prompts`` on ``model`` (whatever backend it has), train duoserve and promoe, save them."""
     from moeflow.offload.predictors import evaluate_held_out, train_predictor
-    from moeflow.trace.record import record_trace
+    from moeflow.tools.record import record_trace
 
     t0 = time.perf_counter()
     trace = record_trace(model, prompts, new_tokens, hidden=True)

@@ -47,7 +47,7 @@ from moeflow import MoEOffloadedMixtral, OffloadConfig  # noqa: E402
 from moeflow.offload import min_slots  # noqa: E402
 from moeflow.sim import HardwareProfile, simulate  # noqa: E402
 from moeflow.sim.bench import _timer  # noqa: E402
-from moeflow.trace.record import record_trace  # noqa: E402
+from moeflow.tools.record import record_trace  # noqa: E402
 from moeflow.trace.synthetic import gate_modules  # noqa: E402
 
 POLICIES = ("ondemand", "lru", "static", "mixtral-offloading")

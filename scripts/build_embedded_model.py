@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from train_tiny_model import collect_corpus, split_corpus  # noqa: E402
 
 from moeflow import MoEOffloadedMixtral  # noqa: E402
-from moeflow.quant.convert import quantize_checkpoint  # noqa: E402
+from moeflow.tools.quantize import quantize_checkpoint  # noqa: E402
 
 DEST = ROOT / "moeflow" / "data" / "tiny-mixtral-awq"
 
@@ -59,7 +59,7 @@ TOKENIZER_CONFIG = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_len
 @torch.inference_mode()
 def heldout_stats(model: MoEOffloadedMixtral, heldout: torch.Tensor, seq_len: int, windows: int) -> dict:
     """Bits per byte over `windows` held-out windows, and each layer's expert usage shares."""
-    from moeflow.trace.record import TraceRecorder
+    from moeflow.tools.record import TraceRecorder
 
     n_layers = len(model.model.moe_blocks)
     counts = torch.zeros(n_layers, model.config.num_local_experts)

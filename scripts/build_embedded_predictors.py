@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from moeflow import MoEOffloadedMixtral
     from moeflow.offload.predictors import evaluate_held_out, train_predictor
-    from moeflow.trace.record import record_trace
+    from moeflow.tools.record import record_trace
 
     out_dir = args.out_dir or args.model / "predictors"
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -59,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     from moeflow import MoEOffloadedMixtral
     from moeflow.offload.predictors import evaluate_held_out, held_out_rows, train_predictor
     from moeflow.offload.predictors.expertflow import batch_level_report
+    from moeflow.tools.record import record_trace
     from moeflow.trace import Trace
-    from moeflow.trace.record import record_trace
 
     out = args.out or args.model / "predictors" / "expertflow.pt"
     args.work_dir.mkdir(parents=True, exist_ok=True)

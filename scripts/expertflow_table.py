@@ -134,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     from moeflow import MoEOffloadedMixtral
     from moeflow.offload.predictors import load_predictor
     from moeflow.offload.predictors.expertflow import batch_level_report
+    from moeflow.tools.record import read_prompts, record_trace
     from moeflow.trace import Trace
-    from moeflow.trace.record import read_prompts, record_trace
 
     predictor_path = args.predictor or args.model / "predictors" / "expertflow.pt"
     pred = load_predictor(predictor_path)

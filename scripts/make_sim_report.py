@@ -40,7 +40,7 @@ def small_model_trace(workdir: Path):
     """(trace, routers, description, predictor checkpoint or None) from the embedded model (its trained
     predictors included), else from a tiny random AWQ checkpoint."""
     from moeflow import MoEOffloadedMixtral
-    from moeflow.trace.record import record_trace
+    from moeflow.tools.record import record_trace
 
     embedded = ROOT / "moeflow" / "data" / "tiny-mixtral-awq"
     if (embedded / "config.json").is_file():

@@ -43,7 +43,7 @@ POLICIES = ["ondemand", "lru", "lfu", "mixtral-offloading", "duoserve", "promoe"
 
 
 def load_prompts(model, stride: int) -> list[list[int]]:
-    from moeflow.trace.record import read_prompts
+    from moeflow.tools.record import read_prompts
 
     return read_prompts(PROMPTS, model.tokenizer)[::stride]
 

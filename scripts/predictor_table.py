@@ -102,8 +102,8 @@ def main() -> int:
 
     from moeflow import MoEOffloadedMixtral
     from moeflow.offload.predictors import evaluate_held_out, train_predictor
+    from moeflow.tools.record import read_prompts, record_trace
     from moeflow.trace import Trace
-    from moeflow.trace.record import read_prompts, record_trace
 
     model_path = Path(args.model) if args.model else next((m for m in MODELS if (m / "config.json").is_file()), None)
     if model_path is None:

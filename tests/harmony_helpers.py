@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from gpt_oss_helpers import make_gpt_oss_model
 
-from moeflow.io.chat_template import harmony_template
+from moeflow.chat.template import harmony_template
 
 O200K_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"  # openai-harmony checks it
 SPECIALS = ["<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>",

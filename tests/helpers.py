@@ -58,7 +58,7 @@ def make_tiny_awq_checkpoint(root: str | Path, seed: int = 0, **overrides) -> Pa
     import pytest
 
     from moeflow.kernels.cpu_int4 import int4_cpu_available
-    from moeflow.quant.convert import quantize_checkpoint
+    from moeflow.tools.quantize import quantize_checkpoint
 
     if not int4_cpu_available():
         pytest.skip("this torch build has no int4 CPU kernels")

@@ -15,8 +15,8 @@ import torch
 
 import moeflow
 from moeflow import MoEOffloadedMixtral
+from moeflow.chat.template import ChatTemplate, stop_token_ids
 from moeflow.cli import embedded_model_path
-from moeflow.io.chat_template import ChatTemplate, stop_token_ids
 
 ROOT = Path(moeflow.__file__).resolve().parent.parent
 MODEL_NAME = "tiny-mixtral-awq"

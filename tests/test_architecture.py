@@ -1,4 +1,4 @@
-"""Imports point one way: api -> engine -> {families, offload} -> moe -> kernels -> io/quant, with no cycles.
+"""Imports point one way: api -> engine -> {families, offload} -> moe -> kernels -> io/quant -> chat, with no cycles.
 
 Every import statement of every module under moeflow/ is read with ``ast`` (function-level imports
 included: a lazy import is still a dependency). Each module has a rank; a module may import only
@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1] / "moeflow"
 # (module prefix, group, rank): the longest matching prefix decides; groups may import within themselves
 LAYERS = [
     ("moeflow.errors", "base", 0), ("moeflow.config", "base", 0), ("moeflow.streaming", "base", 0),
+    ("moeflow.chat", "chat", 0.5),  # templates, reply markup, guided decoding: read by io's tokenizer and the engine
     ("moeflow.quant", "io", 1), ("moeflow.io", "io", 1), ("moeflow.trace", "io", 1),  # trace: the file format
     ("moeflow.kernels", "kernels", 2),
     ("moeflow.moe", "moe", 3),
@@ -27,7 +28,7 @@ LAYERS = [
     ("moeflow.engine", "engine", 5),
     ("moeflow.api", "api", 6), ("moeflow", "package", 7),  # moeflow/__init__.py re-exports the API
     # tools built on the whole library
-    ("moeflow.trace.record", "tools", 8), ("moeflow.quant.convert", "tools", 8), ("moeflow.cli", "tools", 8),
+    ("moeflow.tools.record", "tools", 8), ("moeflow.tools.quantize", "tools", 8), ("moeflow.cli", "tools", 8),
     ("moeflow.sim", "tools", 8), ("moeflow.serve", "tools", 8), ("moeflow.__main__", "tools", 8),
 ]
 

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from moeflow import MoEOffloadedMixtral
 from moeflow.quant.awq import dequantize, pack_int4, quantize_rtn, unpack_int4
-from moeflow.quant.convert import quantize_checkpoint
+from moeflow.tools.quantize import quantize_checkpoint
 
 
 def spec_unpack(packed: torch.Tensor) -> torch.Tensor:
@@ -159,7 +159,7 @@ def test_awq_attention_and_old_quant_config(tmp_path):
 
 def test_quantize_leaves_nothing_behind_on_failure(tmp_path, monkeypatch):
     src = make_tiny_checkpoint(tmp_path / "fp32", seed=5)
-    import moeflow.quant.convert as convert
+    import moeflow.tools.quantize as convert
 
     def boom(*a, **k):
         raise RuntimeError("interrupted")

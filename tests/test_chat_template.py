@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
+from moeflow.chat.template import ChatTemplate, ChatTemplateError, chat_template_for
 from moeflow.cli import embedded_model_path, main
 from moeflow.errors import CheckpointError
-from moeflow.io.chat_template import ChatTemplate, ChatTemplateError, chat_template_for
 from moeflow.io.tokenizer import Tokenizer
 
 MESSAGES = [{"role": "system", "content": "Answer briefly."},

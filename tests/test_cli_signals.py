@@ -29,7 +29,7 @@ import signal, sys, time
 signal.signal(signal.SIGINT, signal.default_int_handler)
 """
 SLOW_QUANTIZE = PRELUDE + """
-import moeflow.quant.convert as convert
+import moeflow.tools.quantize as convert
 real = convert.converted_tensors
 def converted_tensors(*args, **kwargs):
     for i, chunk in enumerate(real(*args, **kwargs)):

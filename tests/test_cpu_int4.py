@@ -15,7 +15,7 @@ from moeflow.kernels.cpu_int4 import (
     int4_expert_reference,
 )
 from moeflow.quant.awq import quantize_rtn, unpack_int4
-from moeflow.quant.convert import quantize_checkpoint
+from moeflow.tools.quantize import quantize_checkpoint
 
 pytestmark = pytest.mark.skipif(not int4_cpu_available(), reason="this torch build has no int4 CPU kernels")
 

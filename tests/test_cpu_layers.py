@@ -13,7 +13,7 @@ from moeflow import MoEOffloadedMixtral
 from moeflow.cli import embedded_model_path
 from moeflow.engine.cpu_step import set_cpu_step_fused
 from moeflow.kernels.cpu_native import native_available
-from moeflow.quant.convert import quantize_checkpoint
+from moeflow.tools.quantize import quantize_checkpoint
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="moeflow's CPU kernels cannot be built here")
 PROMPT = "The \"with\" statement is used to wrap the execution"

@@ -24,7 +24,7 @@ from moeflow.kernels.cpu_quant_linear import CpuQuantLinear, quantize_linear_cpu
 from moeflow.kernels.pool import ExpertFormat
 from moeflow.moe.resident import CpuInt4Experts
 from moeflow.quant.awq import quantize_rtn
-from moeflow.quant.convert import quantize_checkpoint
+from moeflow.tools.quantize import quantize_checkpoint
 
 pytestmark = pytest.mark.skipif(not int4_cpu_available(), reason="this torch build has no int4 CPU kernels")
 

@@ -36,7 +36,7 @@ from moeflow.kernels.cpu_step_ops import (
     softmax_topk,
     softmax_topk_reference,
 )
-from moeflow.quant.convert import quantize_checkpoint
+from moeflow.tools.quantize import quantize_checkpoint
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="moeflow's CPU kernels cannot be built here")
 

@@ -23,7 +23,7 @@ from moeflow.families.layers import AWQLinear
 from moeflow.io.checkpoint import open_checkpoint, read_json, read_quantization
 from moeflow.offload import DiskHostStore
 from moeflow.offload.predictors import train_predictor
-from moeflow.trace.record import record_trace
+from moeflow.tools.record import record_trace
 
 pytest.importorskip("compressed_tensors")
 pytest.importorskip("transformers")

@@ -275,7 +275,7 @@ def test_every_policy_keeps_the_tokens_on_real_streams(tmp_path):
 
     from moeflow import POLICIES, MoEOffloadedMixtral, OffloadConfig
     from moeflow.offload.predictors import train_predictor
-    from moeflow.trace.record import record_trace
+    from moeflow.tools.record import record_trace
 
     L, E, k = 3, 4, 2
     path = make_tiny_checkpoint(tmp_path / "m", seed=5, num_hidden_layers=L, num_local_experts=E,

@@ -14,7 +14,7 @@ from moeflow.engine.side_lane import InlineLane, VirtualLane
 from moeflow.errors import InputError, SchedulingError
 from moeflow.offload.predictors import train_predictor
 from moeflow.sim.engine import SimClock
-from moeflow.trace.record import record_trace
+from moeflow.tools.record import record_trace
 
 LAYERS, EXPERTS = 3, 8
 

@@ -10,7 +10,7 @@ from helpers import make_tiny_checkpoint
 from safetensors.torch import load_file, save_file
 
 from moeflow import CheckpointError, InputError, MoEOffloadedMixtral, UnsupportedQuantizationError
-from moeflow.quant.convert import quantize_checkpoint
+from moeflow.tools.quantize import quantize_checkpoint
 
 
 @pytest.fixture(scope="module")

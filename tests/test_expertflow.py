@@ -20,7 +20,7 @@ from moeflow.offload.predictors import (
     train_predictor,
 )
 from moeflow.offload.predictors.expertflow import batch_level_accuracy, batch_level_report
-from moeflow.trace.record import record_trace
+from moeflow.tools.record import record_trace
 
 LAYERS, EXPERTS = 3, 8
 

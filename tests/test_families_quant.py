@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from moeflow import MoEModel, OffloadConfig, UnsupportedQuantizationError
 from moeflow.quant.awq import dequantize
-from moeflow.quant.convert import quantize_checkpoint
+from moeflow.tools.quantize import quantize_checkpoint
 
 GROUP = 32
 CONFIGS = {  # (model type, config overrides, quantize attention / dense MLPs / shared experts too)

@@ -14,8 +14,8 @@ from tiny_dsa import DEEPSEEK_V32, GLM_MOE_DSA, make_dsa_checkpoint
 from tiny_families import dequantized_reference
 
 from moeflow import MoEModel
-from moeflow.quant.convert import quantize_checkpoint
 from moeflow.quant.fp8 import dequantize_fp8_block, quantize_fp8_block
+from moeflow.tools.quantize import quantize_checkpoint
 
 pytest.importorskip("transformers")
 GROUP = 32

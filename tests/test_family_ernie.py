@@ -99,7 +99,7 @@ def test_awq_checkpoint_matches_transformers_on_dequantized_weights(tmp_path):
     from safetensors.torch import load_file
 
     from moeflow.quant.awq import dequantize
-    from moeflow.quant.convert import quantize_checkpoint
+    from moeflow.tools.quantize import quantize_checkpoint
 
     src, ref = make_checkpoint(tmp_path / "src", seed=2, **CONFIGS["gqa-dense-first-shared"])
     dst = quantize_checkpoint(src, tmp_path / "awq", group_size=32, progress=False)

@@ -22,7 +22,7 @@ from tiny_families import (
 from moeflow import MoEModel
 from moeflow.errors import CheckpointError
 from moeflow.offload.policies import POLICY_NAMES
-from moeflow.quant.convert import quantize_checkpoint
+from moeflow.tools.quantize import quantize_checkpoint
 
 pytest.importorskip("transformers")
 CONFIG = HUNYUAN["alpha-rope-lists-tied"]

@@ -15,8 +15,8 @@ from moeflow import MoEModel
 from moeflow.errors import CheckpointError
 from moeflow.kernels.cpu_native import native_available
 from moeflow.quant.awq import dequantize
-from moeflow.quant.convert import quantize_checkpoint
 from moeflow.quant.fp8 import awq_expert_tensors
+from moeflow.tools.quantize import quantize_checkpoint
 
 pytest.importorskip("transformers")
 CONFIG = MINIMAX_M2["qk-norm-partial-rotary"]

@@ -106,7 +106,7 @@ def test_awq_checkpoint_matches_transformers_on_dequantized_weights(tmp_path):
     from safetensors.torch import load_file
 
     from moeflow.quant.awq import dequantize
-    from moeflow.quant.convert import quantize_checkpoint
+    from moeflow.tools.quantize import quantize_checkpoint
 
     src, ref = make_checkpoint(tmp_path / "src", "qwen3_5_moe", seed=2, **QWEN3_5_MOE["full-first-mrope"])
     dst = quantize_checkpoint(src, tmp_path / "awq", group_size=32, progress=False)
@@ -162,7 +162,7 @@ def test_awq_experts_on_the_cpu_int4_path_keep_the_invariant(tmp_path):
     """A Qwen3-Next AWQ checkpoint (per-expert names under ``model.layers``) on the CPU int4 kernels: the torch
     reference's tokens, and fiddler (AWQ only) and lru offloading give the resident tokens."""
     from moeflow import OffloadConfig
-    from moeflow.quant.convert import quantize_checkpoint
+    from moeflow.tools.quantize import quantize_checkpoint
 
     src, _ = make_checkpoint(tmp_path / "src", "qwen3_next", seed=2, **QWEN3_NEXT["interval2-gqa-dense-first"])
     dst = quantize_checkpoint(src, tmp_path / "awq", group_size=32, progress=False)

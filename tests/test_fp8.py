@@ -13,8 +13,8 @@ from tiny_families import DEEPSEEK_V3, assert_matches_transformers, make_model, 
 from moeflow import MoEModel, OffloadConfig
 from moeflow.errors import CheckpointError
 from moeflow.quant.awq import dequantize
-from moeflow.quant.convert import quantize_checkpoint
 from moeflow.quant.fp8 import awq_expert_tensors, dequantize_fp8_block, quantize_fp8_block
+from moeflow.tools.quantize import quantize_checkpoint
 
 pytest.importorskip("transformers")
 BLOCK = (16, 16)  # DeepSeek-V3 uses 128 x 128; 16 x 16 gives these tiny weights several blocks and ragged edges

@@ -24,7 +24,7 @@ from moeflow.families.layers import QKV, AWQLinear, fuse_awq_linears
 from moeflow.kernels.configs import packed_linear_config
 from moeflow.kernels.reference import dequantize_kernel_layout
 from moeflow.quant.awq import quantize_rtn
-from moeflow.quant.convert import quantize_checkpoint
+from moeflow.tools.quantize import quantize_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import count_eager_launches  # noqa: E402

@@ -11,7 +11,7 @@ from family_models import make_family_checkpoint
 from tiny_families import GLM4_MOE, make_checkpoint
 
 from moeflow import MoEModel
-from moeflow.quant.convert import quantize_checkpoint
+from moeflow.tools.quantize import quantize_checkpoint
 
 GROUP = 32
 

@@ -206,7 +206,7 @@ def test_quantized_bf16_gpt_oss_loads_with_awq_experts(tmp_path):
     from safetensors.torch import load_file
 
     from moeflow.quant.awq import dequantize
-    from moeflow.quant.convert import quantize_checkpoint
+    from moeflow.tools.quantize import quantize_checkpoint
 
     ref = make_gpt_oss_model(seed=9, num_local_experts=5, num_experts_per_tok=2)
     save_gpt_oss_checkpoint(ref, tmp_path / "src")

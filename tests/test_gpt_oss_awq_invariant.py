@@ -13,8 +13,8 @@ from gpt_oss_helpers import make_gpt_oss_model, save_gpt_oss_checkpoint
 
 from moeflow import MoEModel, OffloadConfig
 from moeflow.offload.predictors import train_predictor
-from moeflow.quant.convert import quantize_checkpoint
-from moeflow.trace.record import record_trace
+from moeflow.tools.quantize import quantize_checkpoint
+from moeflow.tools.record import record_trace
 
 LAYERS, EXPERTS, TOP_K = 2, 4, 2
 NEW_TOKENS = 5

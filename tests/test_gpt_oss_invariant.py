@@ -15,7 +15,7 @@ from moeflow import MoEModel, OffloadConfig
 from moeflow.errors import SchedulingError
 from moeflow.offload.policies import POLICY_NAMES
 from moeflow.offload.predictors import train_predictor
-from moeflow.trace.record import record_trace
+from moeflow.tools.record import record_trace
 
 LAYERS, EXPERTS, TOP_K = 2, 4, 2
 NEW_TOKENS = 8

@@ -1,4 +1,4 @@
-"""Guided decoding (moeflow/engine/guided.py): replies held to OpenAI's response_format JSON modes, in the engine
+"""Guided decoding (moeflow/chat/guided.py): replies held to OpenAI's response_format JSON modes, in the engine
 and behind the server, greedy and sampled, on the embedded byte-level model (which never learned JSON)."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 from serve_helpers import MODEL_NAME, Server
 
 from moeflow import MoEOffloadedMixtral
+from moeflow.chat.guided import GuideFactory, response_format_grammar
 from moeflow.cli import embedded_model_path
 from moeflow.engine.continuous import ContinuousEngine
-from moeflow.engine.guided import GuideFactory, response_format_grammar
 from moeflow.engine.kv_slots import SlotKVCache
 from moeflow.engine.sampling import SamplingParams
 

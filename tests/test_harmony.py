@@ -10,8 +10,8 @@ import openai_harmony as oh  # the test extra: OpenAI's own harmony renderer and
 import pytest
 from harmony_helpers import DATE, WEATHER_TOOL, harmony_encoding, render
 
-from moeflow.io.chat_template import ChatTemplate, harmony_template, stop_token_ids
-from moeflow.io.harmony import HarmonyTokens, split_reply
+from moeflow.chat.harmony import HarmonyTokens, split_reply
+from moeflow.chat.template import ChatTemplate, harmony_template, stop_token_ids
 
 TOOLS = [
     WEATHER_TOOL,

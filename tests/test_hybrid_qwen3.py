@@ -14,7 +14,7 @@ from family_models import make_family_checkpoint
 from hybrid_helpers import AUTO_RATES, resident_reference, run_and_compare
 
 from moeflow.kernels.cpu_int4 import int4_cpu_available
-from moeflow.quant.convert import quantize_checkpoint
+from moeflow.tools.quantize import quantize_checkpoint
 
 pytestmark = [pytest.mark.skipif(not int4_cpu_available(), reason="this torch build has no int4 CPU kernels"),
               pytest.mark.usefixtures("calibration_cache")]

@@ -10,7 +10,7 @@ from family_models import make_family_checkpoint
 
 from moeflow import MoEModel, OffloadConfig
 from moeflow.offload.predictors import train_predictor
-from moeflow.trace.record import record_trace
+from moeflow.tools.record import record_trace
 
 EXPERTS, TOP_K = 64, 8
 MOE_LAYERS = 2  # decoder layers 0 and 2; layer 1 is a dense MLP

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from moeflow import MoEOffloadedMixtral, OffloadConfig, kernels
 from moeflow.families.layers import AWQLinear
 from moeflow.moe import MoEBlock, ResidentExperts, RouterSpec
-from moeflow.quant.convert import quantize_checkpoint
+from moeflow.tools.quantize import quantize_checkpoint
 
 MAX_DECODE_LAUNCHES = 4  # issue 15 item 4: Triton launches per MoE layer at decode
 # aten ops that launch no device kernel (metadata, allocation); any other op outside a Triton launch is a kernel

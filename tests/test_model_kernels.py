@@ -7,7 +7,7 @@ import torch
 from helpers import make_tiny_checkpoint
 
 from moeflow import MoEOffloadedMixtral
-from moeflow.quant.convert import quantize_checkpoint
+from moeflow.tools.quantize import quantize_checkpoint
 
 
 @pytest.fixture(scope="module")

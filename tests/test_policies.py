@@ -14,7 +14,7 @@ from moeflow import MoEOffloadedMixtral, OffloadConfig
 from moeflow.errors import SchedulingError
 from moeflow.offload.policies import choose_policy
 from moeflow.offload.predictors import train_predictor
-from moeflow.trace.record import record_trace
+from moeflow.tools.record import record_trace
 
 LAYERS, EXPERTS, TOP_K = 3, 4, 2
 NEW_TOKENS = 8

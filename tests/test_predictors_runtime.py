@@ -11,7 +11,7 @@ from helpers import make_tiny_checkpoint
 from moeflow import MoEOffloadedMixtral, OffloadConfig
 from moeflow.offload.predictors import PredictorError, PredictorMismatchError, train_predictor
 from moeflow.offload.predictors.runtime import build_predictor, finemoe_eviction_score, predictor_factory
-from moeflow.trace.record import record_trace
+from moeflow.tools.record import record_trace
 
 PROMPT = torch.tensor([[5, 17, 33, 2, 9, 41]])
 

@@ -1,4 +1,4 @@
-"""Chat replies' text markup split into content, reasoning and tool calls (moeflow/io/reply_formats.py), and the
+"""Chat replies' text markup split into content, reasoning and tool calls (moeflow/chat/reply_formats.py), and the
 streaming contract: a delta is never taken back, and the deltas add up to the whole reply's split."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from moeflow.io import reply_formats as rf
+from moeflow.chat import reply_formats as rf
 from moeflow.serve.protocol import ChatCompletionRequest, ChatMessage, Unsupported
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {

@@ -18,8 +18,8 @@ from harmony_helpers import DATE, GREETING, WEATHER, WEATHER_TOOL, make_harmony_
 from serve_helpers import Server
 
 from moeflow import MoEModel
-from moeflow.io.chat_template import ChatTemplate, stop_token_ids
-from moeflow.io.harmony import harmony_tokens, split_reply
+from moeflow.chat.harmony import harmony_tokens, split_reply
+from moeflow.chat.template import ChatTemplate, stop_token_ids
 
 NAME = "tiny-gpt-oss"
 KWARGS = {"chat_template_kwargs": {"current_date": DATE}}

@@ -13,7 +13,7 @@ from markup_helpers import GREETING, GREETING_REPLY, WEATHER, WEATHER_REPLY, WEA
 from serve_helpers import Server
 
 from moeflow import MoEModel
-from moeflow.io.chat_template import ChatTemplate, stop_token_ids
+from moeflow.chat.template import ChatTemplate, stop_token_ids
 from moeflow.serve.text import ChatReplies, MarkupAssembler, TextAssembler
 
 NAME = "tiny-qwen3-tools"

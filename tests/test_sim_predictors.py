@@ -15,7 +15,7 @@ from moeflow.errors import SchedulingError
 from moeflow.moe.backend import StepInfo
 from moeflow.offload.backend import OffloadedExperts
 from moeflow.sim import custom_profile, simulate
-from moeflow.trace.record import record_trace
+from moeflow.tools.record import record_trace
 
 PROFILE = custom_profile(h2d_gbps=20.0, expert_mb=40.0, layer_ms=0.3, expert_ms=0.25, expert_ms_per_token=0.02,
                          head_ms=0.4, sched_ms=0.05, latency_us=12.0)

@@ -8,10 +8,10 @@ import json
 
 import pytest
 
+from moeflow.chat import reply_formats as rf
+from moeflow.chat.guided import GrammarError, lark_grammar
+from moeflow.chat.tool_grammar import FORCEABLE, tool_call_grammar
 from moeflow.cli import embedded_model_path
-from moeflow.engine.guided import GrammarError, lark_grammar
-from moeflow.engine.tool_grammar import FORCEABLE, tool_call_grammar
-from moeflow.io import reply_formats as rf
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},

@@ -11,8 +11,8 @@ from helpers import make_tiny_checkpoint
 
 from moeflow import MoEOffloadedMixtral
 from moeflow.errors import MoeflowError
+from moeflow.tools.record import TraceRecorder, read_prompts, record_trace
 from moeflow.trace import Trace, TraceError, split_sequence_ids
-from moeflow.trace.record import TraceRecorder, read_prompts, record_trace
 
 PROMPTS = [[1, 5, 9, 13, 2, 7], [3, 4, 40]]
 NEW = 4

@@ -202,7 +202,7 @@ def train_predictors(resident, path: Path, gen: torch.Generator) -> None:
     """Record the resident model's trace on six random prompts (drawn from ``gen``) and train every predictive
     policy's predictor on it, saved where the policies look by default: ``<path>/predictors/<kind>.pt``."""
     from moeflow.offload.predictors import train_predictor
-    from moeflow.trace.record import record_trace
+    from moeflow.tools.record import record_trace
 
     prompts = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (5, 7, 4, 6, 8, 5)]
     trace = record_trace(resident, prompts, max_new_tokens=6, hidden=True)

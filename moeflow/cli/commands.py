@@ -109,7 +109,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_quantize(args) -> int:
-    from moeflow.quant.convert import quantize_checkpoint
+    from moeflow.tools.quantize import quantize_checkpoint
 
     dst = quantize_checkpoint(args.src, args.dst, group_size=args.group_size, dtype=DTYPES[args.dtype],
                               quantize_attention=args.quantize_attention, overwrite=args.overwrite)

@@ -27,7 +27,7 @@ def _threads(args) -> None:
 def cmd_trace(args: argparse.Namespace) -> int:
     """Record a routing trace of the prompts in a JSONL file."""
     from moeflow import MoEModel
-    from moeflow.trace.record import read_prompts, record_trace
+    from moeflow.tools.record import read_prompts, record_trace
 
     _threads(args)
     dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}.get(args.dtype)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from moeflow.chat.reply_formats import REASONING_ALIASES, TOOL_FORMATS
 from moeflow.cli.commands import (
     AUTO_ON_OFF,
     DTYPES,
@@ -21,7 +22,6 @@ from moeflow.cli.commands import (
     embedded_model_path,
     offload_from_args,
 )
-from moeflow.io.reply_formats import REASONING_ALIASES, TOOL_FORMATS
 from moeflow.streaming import first_sequence
 
 API_KEY_ENV = "MOEFLOW_API_KEY"
@@ -79,7 +79,7 @@ class ReplyStreamer:
 
 def reply_assembler(tokenizer, stops: tuple[int, ...], prompt: str):
     """How the server would split this model's chat reply to ``prompt`` (a ``SplitAssembler``), or None: plain."""
-    from moeflow.io.chat_template import ChatTemplate
+    from moeflow.chat.template import ChatTemplate
     from moeflow.serve.text import ChatReplies, SplitAssembler
 
     template = ChatTemplate.from_directory(tokenizer.path.parent)
@@ -91,7 +91,7 @@ def reply_assembler(tokenizer, stops: tuple[int, ...], prompt: str):
 def _chat_reply(model, messages: list[dict], args) -> str:
     """Generate one assistant turn for ``messages``, streamed to stdout; returns its answer (the reasoning is shown
     but not kept: harmony and the thinking models' templates drop it from finished turns)."""
-    from moeflow.io.chat_template import ChatTemplate, stop_token_ids
+    from moeflow.chat.template import ChatTemplate, stop_token_ids
     from moeflow.streaming import TextStreamer
 
     tok = model.tokenizer

@@ -44,9 +44,9 @@ from collections.abc import Callable
 
 import torch
 
+from moeflow.chat.guided import Guide
 from moeflow.engine.continuous_lookup import LookupDrafter
 from moeflow.engine.cuda_graphs import CudaGraphDecode
-from moeflow.engine.guided import Guide
 from moeflow.engine.kv_slots import SlotKVCache, check_slotted
 from moeflow.engine.lookup import DEFAULT_MAX_NGRAM
 from moeflow.engine.prefix_cache import MIN_PREFIX_TOKENS, PrefixCache

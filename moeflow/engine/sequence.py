@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import torch
 
-from moeflow.engine.guided import Guide
+from moeflow.chat.guided import Guide
 from moeflow.engine.sampling import SamplingParams
 
 

@@ -41,7 +41,7 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False, tokenize: bool = True,
                             tools: list[dict] | None = None, **kwargs) -> list[int] | str:
         """The checkpoint's chat template applied to ``messages`` (transformers' semantics): ids, or the text."""
-        from moeflow.io.chat_template import chat_template_for
+        from moeflow.chat.template import chat_template_for
 
         text = chat_template_for(self.path.parent).render(messages, add_generation_prompt, tools=tools, **kwargs)
         return self.encode(text, add_special_tokens=False) if tokenize else text

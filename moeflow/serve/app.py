@@ -22,10 +22,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from moeflow.chat.guided import GrammarError, Guide, GuideFactory
+from moeflow.chat.reply_formats import THINK_CLOSE
+from moeflow.chat.template import ChatTemplate, stop_token_ids
 from moeflow.engine.continuous import ContinuousEngine, SamplingParams
-from moeflow.engine.guided import GrammarError, Guide, GuideFactory
-from moeflow.io.chat_template import ChatTemplate, stop_token_ids
-from moeflow.io.reply_formats import THINK_CLOSE
 from moeflow.serve import anthropic
 from moeflow.serve import protocol as p
 from moeflow.serve.choices import Choice, wait_for_ends

@@ -151,7 +151,7 @@ class ChatCompletionRequest(SamplingFields):
 
     def grammar(self) -> str | None:
         """``response_format`` as a grammar for guided decoding (None: plain text)."""
-        from moeflow.engine.guided import GrammarError, response_format_grammar
+        from moeflow.chat.guided import GrammarError, response_format_grammar
 
         if self.response_format is None:
             return None

@@ -1,6 +1,6 @@
 """Generated ids -> the text a client sees: end-of-turn tokens dropped, cut at a stop string, streamed in order;
 for chat, split into content, reasoning and tool calls (harmony models, gpt-oss, by channel; others by their
-``<think>`` and tool-call markup, :mod:`moeflow.io.reply_formats`).
+``<think>`` and tool-call markup, :mod:`moeflow.chat.reply_formats`).
 
 A streamed delta never has to be taken back: text that may still turn into a stop string, and a
 multi-byte character whose bytes have not all arrived, are held until they are settled.
@@ -11,9 +11,9 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 
-from moeflow.io import reply_formats as rf
-from moeflow.io.harmony import HarmonyTokens, harmony_tokens, split_reply
-from moeflow.io.reply_formats import Reply, ToolCall, ToolFormat, Tools
+from moeflow.chat import reply_formats as rf
+from moeflow.chat.harmony import HarmonyTokens, harmony_tokens, split_reply
+from moeflow.chat.reply_formats import Reply, ToolCall, ToolFormat, Tools
 
 
 class TextAssembler:
@@ -122,7 +122,7 @@ class SplitAssembler(TextAssembler):
 
 class HarmonyAssembler(SplitAssembler):
     """Harmony replies (gpt-oss): the final channel is the content, the analysis channel ``reasoning_content``,
-    messages to ``functions.NAME`` tool calls (:mod:`moeflow.io.harmony`, split on token ids)."""
+    messages to ``functions.NAME`` tool calls (:mod:`moeflow.chat.harmony`, split on token ids)."""
 
     def __init__(self, decode: Callable[..., str], stop_strings: list[str], stop_ids: set[int],
                  tokens: HarmonyTokens) -> None:
@@ -191,8 +191,8 @@ class ChatReplies:
         """The grammar holding a reply to tool calls in this model's markup (``tool_choice`` "required" or named;
         ``parallel``: "required" may write several); Unsupported naming ``tool_choice`` when the model's markup
         cannot be forced, its message quoting ``asked`` (the tool_choice as the client's API wrote it)."""
-        from moeflow.engine.guided import GrammarError, lark_grammar
-        from moeflow.engine.tool_grammar import FORCEABLE, tag_writer, tool_call_grammar
+        from moeflow.chat.guided import GrammarError, lark_grammar
+        from moeflow.chat.tool_grammar import FORCEABLE, tag_writer, tool_call_grammar
         from moeflow.serve.protocol import Unsupported
 
         asked = asked or f"tool_choice {tool_choice!r}"

@@ -23,7 +23,7 @@ Rows of one sequence are contiguous and ordered by position: the prompt (prefill
 then one row per decode step. Greedy generation of ``n`` new tokens runs ``n - 1`` decode passes
 (the last token is produced but never fed back), so a sequence has ``prompt + n - 1`` rows.
 
-Recording from a model is :mod:`moeflow.trace.record`.
+Recording from a model is :mod:`moeflow.tools.record`.
 """
 
 from __future__ import annotations

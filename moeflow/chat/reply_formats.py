@@ -15,7 +15,7 @@ Most open MoE models think between ``<think>`` and ``</think>`` and write tool c
 ``mistral``       ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}]`` or ``[TOOL_CALLS]NAME[ARGS]{...}``
 ================  ==========================================================================================
 
-(gpt-oss speaks harmony, split on token ids by :mod:`moeflow.io.harmony`.) :func:`detect_tool_format` picks the
+(gpt-oss speaks harmony, split on token ids by :mod:`moeflow.chat.harmony`.) :func:`detect_tool_format` picks the
 markup from the chat template's text, the way the template itself asks the model to write calls; a server flag
 overrides it (vLLM's parser names). Values written as text (the XML-like markups) are typed by the tool's JSON
 schema. A block that does not parse (malformed, or cut by the token limit) stays in the content: no generated

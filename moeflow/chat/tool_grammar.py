@@ -1,7 +1,7 @@
 """Forced tool calls (OpenAI's ``tool_choice`` "required" or a named function) as a grammar in the model's own
-tool-call markup, for guided decoding (:mod:`moeflow.engine.guided`).
+tool-call markup, for guided decoding (:mod:`moeflow.chat.guided`).
 
-The reply is held to calls written exactly as :mod:`moeflow.io.reply_formats` parses them, each call's
+The reply is held to calls written exactly as :mod:`moeflow.chat.reply_formats` parses them, each call's
 name one of the allowed tools and its arguments JSON that follows the tool's parameter schema (laid out as
 ``json.dumps`` writes it; no keys beyond the declared properties unless the schema allows them explicitly).
 Markups whose arguments are JSON are supported: ``hermes``, ``mistral``, ``kimi_k2`` and ``deepseek_v3``
@@ -12,7 +12,7 @@ A tag the vocabulary holds as a special token is written as that token (``<[id]>
 
 How many calls: one for a named function, or for "required" when the client turned ``parallel_tool_calls`` off
 (Anthropic: ``disable_parallel_tool_use``); one or more for "required" otherwise. A grammar that is complete
-allows nothing but the end-of-turn tokens (:class:`~moeflow.engine.guided.Guide`), so a single call ends the reply.
+allows nothing but the end-of-turn tokens (:class:`~moeflow.chat.guided.Guide`), so a single call ends the reply.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from moeflow.engine.guided import JSON_LAYOUT, GrammarError
-from moeflow.io.reply_formats import ToolFormat
+from moeflow.chat.guided import JSON_LAYOUT, GrammarError
+from moeflow.chat.reply_formats import ToolFormat
 
 FORCEABLE = ("hermes", "mistral", "kimi_k2", "deepseek_v3")
 

@@ -17,7 +17,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from moeflow.io.reply_formats import Reply, ToolCall
+from moeflow.chat.reply_formats import Reply, ToolCall
 
 MARKUP = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>", "<|constrain|>")
 

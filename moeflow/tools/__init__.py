@@ -1,0 +1,2 @@
+"""Tools built on the whole library: ``moeflow quantize`` (:mod:`.quantize`) and routing-trace recording
+(:mod:`.record`)."""
