@@ -26,6 +26,7 @@ from moeflow.engine.sampling import GenerationConfig
 from moeflow.families import Family, family_for_config
 from moeflow.families.base import CausalDecoder
 from moeflow.families.gated_deltanet import GatedDeltaNet
+from moeflow.families.mtp import MultiTokenPredictor
 from moeflow.families.layers import AWQLinear, fuse_qkv_projections
 from moeflow.io.checkpoint import CheckpointReader, open_checkpoint, read_json, read_quantization, resolve_checkpoint
 from moeflow.io.expert_index import ExpertIndex
@@ -96,14 +97,15 @@ def expert_storage_format(fmt: ExpertFormat, kernels: Kernels, offload: OffloadC
 def make_expert_backend(
     offload: OffloadConfig, kernels: Kernels, *, fmt: ExpertFormat, family: Family, decoder: CausalDecoder,
     device: torch.device, reserved_bytes: int, stats: Stats, checkpoint_dir: Path, expert_source=None,
-    host_reserved_bytes: int = 0,
+    host_reserved_bytes: int = 0, mtp: MultiTokenPredictor | None = None,
 ) -> ExpertBackend:
     """``CpuInt4Experts`` for resident experts computed with the CPU int4 kernels; otherwise the offload
-    package's backend for ``offload.policy`` (``ResidentExperts`` for "resident")."""
-    num_moe = len(family.moe_layers)
+    package's backend for ``offload.policy`` (``ResidentExperts`` for "resident"). ``mtp``: the MTP layers,
+    whose MoE blocks are the backend's last layers."""
+    blocks = decoder.moe_blocks + (mtp.moe_blocks if mtp is not None else [])
+    num_moe = len(blocks)
     if kernels.experts == "cpu-int4" and offload.policy == "resident":
         return CpuInt4Experts(fmt, num_moe, family.num_experts)
-    blocks = decoder.moe_blocks
     return create_expert_backend(
         offload, fmt=fmt, num_layers=num_moe, num_experts=family.num_experts,
         top_k=family.router_spec().top_k, device=device, kernels_backend=kernels.experts,
@@ -128,17 +130,20 @@ class BuiltModel:
     dtype: torch.dtype
     memory_plan: memory.MemoryPlan
     offload: OffloadConfig  # the caller's, or the one chosen for it (default_offload)
+    mtp: MultiTokenPredictor | None = None  # the multi-token-prediction layers, when asked for (mtp=True)
 
 
 def build_model(
     path_or_id: str | os.PathLike, *, device: torch.device, dtype: torch.dtype, offload: OffloadConfig | None,
     kernels: str, revision: str | None, progress: bool | None, families: tuple[type[Family], ...] | None = None,
-    attention_bits: int | None = None, lm_head_bits: int = 8, cuda_graphs: bool = False,
+    attention_bits: int | None = None, lm_head_bits: int = 8, cuda_graphs: bool = False, mtp: bool = False,
 ) -> BuiltModel:
     """Load the checkpoint ``path_or_id`` (directory or hub id). ``families``: accept only these (else ValueError).
     ``cuda_graphs``: the decode step will be captured, so the memory plan reserves its graphs' pools.
     ``attention_bits``: quantize 16-bit attention projections at load (CPU int4 path only, see cpu_linears);
-    ``lm_head_bits``: 8 (default) or 4 (CPU int4 path only, see cpu_linears)."""
+    ``lm_head_bits``: 8 (default) or 4 (CPU int4 path only, see cpu_linears). ``mtp``: also read the
+    multi-token-prediction layers (:mod:`moeflow.families.mtp`; CheckpointError naming the config field or the
+    missing tensor when the checkpoint has none); their experts join the backend after the decoder's."""
     directory = resolve_checkpoint(path_or_id, revision)
     config_path = directory / "config.json"
     raw_config = read_json(config_path)
@@ -168,6 +173,7 @@ def build_model(
         if awq_attention is not None:
             loading.keep_dense_linears(decoder, reader, family, layout, dtype)
         loading.load_non_expert_weights(decoder, reader, family, layout, device, dtype)
+        mtp_module = loading.load_mtp(reader, family, layout, device, dtype, str(config_path)) if mtp else None
         if resolved.linear == "cpu-int4":
             quantize_decoder_linears(decoder, attention_bits, lm_head_bits)
             fuse_cpu_step(decoder, dtype)
@@ -192,13 +198,14 @@ def build_model(
         plan, sized = planned
         source = None
         if offload.host_memory_gb is not None:
-            source = open_expert_index(reader, family, layout, quant, fmt if fp8 is not None else None)
+            source = open_expert_index(reader, family, layout, quant, fmt if fp8 is not None else None,
+                                       len(family.moe_layers) + loading.mtp_moe_layers(mtp_module))
         host_reserved = plan.non_expert + plan.kv_cache if device.type == "cpu" else 0  # weights in host memory
         try:
             backend = make_expert_backend(
                 sized, resolved, fmt=stored, family=family, decoder=decoder, device=device,
                 reserved_bytes=memory.reserved_device_bytes(plan), stats=stats, checkpoint_dir=directory,
-                expert_source=source, host_reserved_bytes=host_reserved,
+                expert_source=source, host_reserved_bytes=host_reserved, mtp=mtp_module,
             )
         except BaseException:
             if source is not None:
@@ -215,7 +222,8 @@ def build_model(
         if progress is None:
             progress = fmt.nbytes * len(family.moe_layers) * family.num_experts >= PROGRESS_MIN_BYTES
         if not on_disk:  # the disk tier reads its experts itself, when needed
-            experts = loading.iter_experts(reader, family, layout, quant, progress)
+            experts = loading.iter_experts(reader, family, layout, quant, progress,
+                                           loading.mtp_moe_layers(mtp_module))
             if fp8 is not None:
                 experts = loading.requantize_experts(experts, fmt)
             for moe_layer, expert, tensors in experts:
@@ -228,7 +236,8 @@ def build_model(
         reader.close()
     gen = GenerationConfig.from_file(directory / "generation_config.json", cfg.eos_token_id, cfg.pad_token_id)
     tokenizer = Tokenizer(directory / "tokenizer.json") if (directory / "tokenizer.json").is_file() else None
-    return BuiltModel(family, decoder, backend, stats, gen, tokenizer, resolved, device, dtype, plan, offload)
+    return BuiltModel(family, decoder, backend, stats, gen, tokenizer, resolved, device, dtype, plan, offload,
+                      mtp_module)
 
 
 def default_offload(family: Family, fmt: ExpertFormat, device: torch.device, dtype: torch.dtype, non_expert: int,
@@ -277,7 +286,7 @@ def plan_memory(offload: OffloadConfig, family: Family, fmt: ExpertFormat, devic
 
 
 def open_expert_index(reader: CheckpointReader, family: Family, layout, quant,
-                      requantize: ExpertFormat | None = None) -> ExpertIndex:
+                      requantize: ExpertFormat | None = None, num_layers: int | None = None) -> ExpertIndex:
     """The byte ranges of every expert in the checkpoint (the disk tier reads experts through it). ``requantize``:
     the AWQ format an FP8 checkpoint's dense experts become on every read, as at load."""
     # a converting reader (GPTQ, compressed-tensors, FP8) converts the raw tensors the index reads, as at load
@@ -289,7 +298,7 @@ def open_expert_index(reader: CheckpointReader, family: Family, layout, quant,
             return tensors
         return awq_expert_tensors(tensors["w13"], tensors["w2"], requantize.group_size, requantize.dtype)
 
-    return ExpertIndex(reader, read, len(family.moe_layers), family.num_experts)
+    return ExpertIndex(reader, read, num_layers or len(family.moe_layers), family.num_experts)
 
 
 def _linear_factory(dtype: torch.dtype, awq_attention: dict | None):
