@@ -33,7 +33,8 @@ def make_mtp_checkpoint(directory: str | Path, seed: int = 0, with_mtp: bool = T
     prefix = f"model.layers.{n}."
     g = torch.Generator().manual_seed(seed + 100)
     h = model.config.hidden_size
-    own = {"enorm.weight": 0.8 + 0.4 * torch.rand(h, generator=g), "hnorm.weight": 0.8 + 0.4 * torch.rand(h, generator=g),
+    own = {"enorm.weight": 0.8 + 0.4 * torch.rand(h, generator=g),
+           "hnorm.weight": 0.8 + 0.4 * torch.rand(h, generator=g),
            "eh_proj.weight": 0.1 * torch.randn(h, 2 * h, generator=g),
            "shared_head.norm.weight": 0.8 + 0.4 * torch.rand(h, generator=g)}
     if with_mtp:

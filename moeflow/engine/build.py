@@ -26,8 +26,8 @@ from moeflow.engine.sampling import GenerationConfig
 from moeflow.families import Family, family_for_config
 from moeflow.families.base import CausalDecoder
 from moeflow.families.gated_deltanet import GatedDeltaNet
-from moeflow.families.mtp import MultiTokenPredictor
 from moeflow.families.layers import AWQLinear, fuse_qkv_projections
+from moeflow.families.mtp import MultiTokenPredictor
 from moeflow.io.checkpoint import CheckpointReader, open_checkpoint, read_json, read_quantization, resolve_checkpoint
 from moeflow.io.expert_index import ExpertIndex
 from moeflow.io.tokenizer import Tokenizer

@@ -49,10 +49,11 @@ def check_mtp(family: Family, mtp: MultiTokenPredictor | None, gen: GenerationCo
         if field is None or family.num_mtp_layers() == 0:
             what = f"config.json has {field}={family.num_mtp_layers()}" if field else \
                 f"the {family.name} family has no multi-token-prediction layers moeflow reads"
-            raise ValueError(f"num_speculative_tokens drafts with the model's multi-token-prediction layers, but {what}; "
-                             "prompt_lookup_num_tokens drafts without them")
+            raise ValueError(f"num_speculative_tokens drafts with the model's multi-token-prediction layers, but "
+                             f"{what}; prompt_lookup_num_tokens drafts without them")
         raise ValueError(f"num_speculative_tokens: the model was loaded without its multi-token-prediction layers "
-                         f"(config.json {field}={family.num_mtp_layers()}); load it with from_pretrained(..., mtp=True)")
+                         f"(config.json {field}={family.num_mtp_layers()}); load it with "
+                         "from_pretrained(..., mtp=True)")
     if prompt_lookup is not None:
         raise ValueError("num_speculative_tokens and prompt_lookup_num_tokens are two ways to draft: pass one")
     if batch != 1:
@@ -76,7 +77,8 @@ class MTPDrafter:
         self.cache = new_kv_cache(spec, 1, max_len, runner.dtype, runner.device)
 
     def run(self, depth: int, hidden: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
-            cache_position: torch.Tensor, token_mask: torch.Tensor, history: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+            cache_position: torch.Tensor, token_mask: torch.Tensor, history: tuple
+            ) -> tuple[torch.Tensor, torch.Tensor]:
         """MTP layer ``depth % layers`` over hidden [1, T, H] (the depth before's, normed) and the next tokens
         next_ids [1, T] at positions [1, T] / cache_position [T] -> (logits fp32 [1, V] of the last position, its
         normed output [1, 1, H] for the next depth)."""
@@ -194,8 +196,8 @@ def propose(drafter: MTPDrafter, mtp_in: tuple, k: int, n: int, pad: int, histor
     for depth in range(1, k):
         cp = n - 2 + depth  # the chained input: the last draft (position cp + 1), at the position after the last run
         ids = torch.tensor([[draft[-1]]], device=device)
+        one = torch.ones((1, 1), dtype=torch.bool, device=device)
         logits, out = drafter.run(depth, out, ids, torch.tensor([[cp - pad]], device=device),
-                                  torch.tensor([cp], device=device), torch.ones((1, 1), dtype=torch.bool, device=device),
-                                  history)
+                                  torch.tensor([cp], device=device), one, history)
         draft.append(int(logits.argmax(-1)[0]))
     return draft
