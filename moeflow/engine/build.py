@@ -23,6 +23,7 @@ from moeflow.engine.cpu_layers import native_layers
 from moeflow.engine.cpu_linears import check_attention_bits, quantize_decoder_linears
 from moeflow.engine.cpu_step import fuse_cpu_step
 from moeflow.engine.sampling import GenerationConfig
+from moeflow.errors import SchedulingError
 from moeflow.families import Family, family_for_config
 from moeflow.families.base import CausalDecoder
 from moeflow.families.gated_deltanet import GatedDeltaNet
@@ -37,6 +38,7 @@ from moeflow.moe.backend import ExpertBackend
 from moeflow.moe.resident import CpuInt4Experts
 from moeflow.offload import Stats, create_expert_backend, get_policy, min_slots
 from moeflow.offload.cpu_slots import CpuInt4Format
+from moeflow.offload.predictors.base import PredictorMismatchError
 from moeflow.offload.units import format_bytes
 from moeflow.quant.fp8 import Fp8BlockReader, awq_expert_tensors, fp8_block_spec
 
@@ -207,6 +209,17 @@ def build_model(
                 reserved_bytes=memory.reserved_device_bytes(plan), stats=stats, checkpoint_dir=directory,
                 expert_source=source, host_reserved_bytes=host_reserved, mtp=mtp_module,
             )
+        except SchedulingError as e:
+            if source is not None:
+                source.close()
+            if mtp_module is not None and isinstance(e.__cause__, PredictorMismatchError):
+                raise SchedulingError(
+                    f"{e}. from_pretrained(mtp=True) adds the multi-token-prediction layers' experts to the expert "
+                    f"backend as MoE layer(s) {len(family.moe_layers)}..: the trained predictor knows the decoder's "
+                    f"{len(family.moe_layers)} MoE layers only. Load with mtp=False, or choose a policy without a "
+                    "trained predictor file (ondemand, lru, lfu, static, mixtral-offloading; finemoe, auto without "
+                    "files)") from e
+            raise
         except BaseException:
             if source is not None:
                 source.close()
