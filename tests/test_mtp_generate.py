@@ -1,0 +1,159 @@
+"""``generate(num_speculative_tokens=k)`` with DeepSeek-V3's MTP layer: greedy tokens = plain greedy, resident and
+under every offload policy that runs with the MTP layer x slot counts x sync / random-delay transport; the draft /
+accept counters pinned on a deterministic case and on oracle drafts (the verify loop's accept and reject paths); the
+MTP layer's experts go through the offload backend. ~40 s on 2 cores."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from mtp_helpers import make_mtp_checkpoint
+from test_mtp import SHAPE
+from tiny_families import train_predictors
+
+import moeflow.engine.mtp as mtp_engine
+from moeflow import MoEModel, OffloadConfig
+from moeflow.errors import SchedulingError
+from moeflow.offload.policies import POLICY_NAMES
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NEW = 10
+EXPERTS, MOE_LAYERS = 6, 3  # 2 decoder MoE layers + the MTP layer's
+# policies whose trained predictor files know the decoder's layers only: refused with mtp=True (below);
+# fiddler needs AWQ experts (tests/test_hybrid.py)
+TRAINED = ("duoserve", "promoe", "expertflow")
+POLICIES = tuple(p for p in POLICY_NAMES if p not in ("resident", "fiddler", *TRAINED))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path, _, _ = make_mtp_checkpoint(tmp_path_factory.mktemp("mtp_gen"), seed=5, **dict(SHAPE))
+    model = MoEModel.from_pretrained(path, mtp=True)
+    ids = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(1))
+    plain = model.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=[])
+    return path, model, ids, plain
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+def test_resident_tokens_equal_plain_greedy(tiny, k):
+    _, model, ids, plain = tiny
+    model.stats.reset()
+    out = model.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=[], num_speculative_tokens=k)
+    assert torch.equal(out, plain)
+    s = model.stats
+    assert s.generated_tokens == NEW and s.draft_tokens >= s.decode.steps - 1 and s.accepted_tokens <= s.draft_tokens
+
+
+def test_left_padding_eos_and_token_limit(tiny):
+    _, model, ids, plain = tiny
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=[])
+    got = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=[],
+                         num_speculative_tokens=3)
+    assert torch.equal(got, want)
+    eos = int(plain[0, 9 + 4])  # stops at the fifth new token (or earlier, where it appears before)
+    want = model.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=eos)
+    for k in (1, 4):
+        assert torch.equal(model.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=eos,
+                                          num_speculative_tokens=k), want)
+    for limit in (1, 2, 3):
+        assert torch.equal(model.generate(ids, max_new_tokens=limit, do_sample=False, eos_token_id=[],
+                                          num_speculative_tokens=3), plain[:, :9 + limit])
+
+
+def test_draft_and_accept_counts_pinned(tiny):
+    """Checkpoint seed 5, prompt seed 5, 24 new tokens: the random MTP layer's drafts (a deterministic fp32 CPU run)."""
+    _, model, _, _ = tiny
+    ids = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(5))
+    counts = []
+    for k in (1, 2, 3):
+        model.stats.reset()
+        model.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=[], num_speculative_tokens=k)
+        counts.append((model.stats.draft_tokens, model.stats.accepted_tokens, model.stats.decode.steps))
+    assert counts == [(21, 1, 22), (41, 1, 22), (60, 1, 22)]
+
+
+@pytest.mark.parametrize("wrong_every", [None, 3])
+def test_oracle_drafts_accepted_and_rejected(tiny, monkeypatch, wrong_every):
+    """Drafts from the plain greedy tokens (every ``wrong_every``-th position wrong): all accepted, a bonus token
+    per pass; or cut at each wrong one, the model's own token kept."""
+    _, model, ids, plain = tiny
+    seq = plain[0].tolist()
+    t = ids.shape[1]
+
+    def oracle(drafter, mtp_in, k, n, pad, history, device):
+        draft = seq[n:n + k]
+        return [(tok + 1) % 97 if wrong_every and (n + j) % wrong_every == 0 else tok for j, tok in enumerate(draft)]
+
+    monkeypatch.setattr(mtp_engine, "propose", oracle)
+    k = 3
+    model.stats.reset()
+    out = model.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=[], num_speculative_tokens=k)
+    assert torch.equal(out, plain)
+    s = model.stats
+    # replay the rounds: n tokens kept; a pass drafts min(k, room - 1) and keeps the accepted prefix + one token
+    n, drafted, accepted, passes = t + 1, 0, 0, 0
+    while n < t + NEW:
+        draft = oracle(None, None, min(k, t + NEW - n - 1), n, 0, None, None)
+        ok = 0
+        while ok < len(draft) and draft[ok] == seq[n + ok]:
+            ok += 1
+        drafted, accepted, passes, n = drafted + len(draft), accepted + ok, passes + 1, n + ok + 1
+    assert (s.draft_tokens, s.accepted_tokens, s.decode.steps) == (drafted, accepted, passes)
+    if wrong_every is None:
+        assert accepted == drafted and passes == -(-(NEW - 1) // (k + 1))
+    else:
+        assert 0 < accepted < drafted
+
+
+@pytest.mark.parametrize("transport", ["sync", "random-delay"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_offloaded_tokens_equal_plain_greedy(tiny, policy, transport):
+    path, _, ids, plain = tiny
+    for n_slots in (2, 3, 7, EXPERTS * MOE_LAYERS):
+        early = transport == "random-delay" and n_slots % 2 == 1  # each layer's hits launched before its read-back
+        model = MoEModel.from_pretrained(path, mtp=True, offload=OffloadConfig(
+            policy=policy, gpu_expert_slots=n_slots, transport=transport, random_delay_ms=0.3, seed=n_slots,
+            early_hits=early))
+        try:
+            out = model.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=[], num_speculative_tokens=2)
+        finally:
+            model.experts.close()
+        assert torch.equal(out, plain), f"{policy}/{transport}/{n_slots} slots"
+        s = model.stats
+        assert s.decode.hits + s.decode.misses > 0
+        if n_slots < EXPERTS * MOE_LAYERS:
+            assert s.bytes_per_generated_token is not None and s.bytes_per_generated_token > 0
+
+
+def test_mtp_layer_experts_go_through_the_offload_backend(tiny):
+    """With lru over 2 slots the MTP passes route through MoE layer 2 (the MTP layer's): its experts are looked up."""
+    path, _, ids, plain = tiny
+    model = MoEModel.from_pretrained(path, mtp=True, offload=OffloadConfig(policy="lru", gpu_expert_slots=2))
+    seen = []
+    forward = model.experts.forward_logits
+
+    def spy(layer, *args, **kwargs):
+        seen.append(layer)
+        return forward(layer, *args, **kwargs)
+
+    model.experts.forward_logits = spy
+    try:
+        out = model.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=[], num_speculative_tokens=2)
+    finally:
+        model.experts.close()
+    assert torch.equal(out, plain)
+    assert seen.count(2) > 0 and {0, 1, 2} == set(seen)
+
+
+def test_trained_predictor_policies_refused_naming_mtp(tiny, tmp_path):
+    path, _, _, _ = tiny
+    import shutil
+
+    copy = shutil.copytree(path, tmp_path / "ckpt")
+    train_predictors(MoEModel.from_pretrained(copy), copy, torch.Generator().manual_seed(2))
+    for policy in TRAINED:
+        with pytest.raises(SchedulingError, match=r"num_layers=2 but the model has num_layers=3.*mtp=True"):
+            MoEModel.from_pretrained(copy, mtp=True, offload=OffloadConfig(policy=policy, gpu_expert_slots=3))
