@@ -1,5 +1,5 @@
-"""Tiny DeepSeek-V3 checkpoints with a multi-token-prediction layer (random init), and an fp32 reference of the MTP
-module built from transformers' own decoder layer.
+"""Tiny DeepSeek-V3 and GLM-4.5 checkpoints with a multi-token-prediction layer (random init), and an fp32
+reference of the MTP module built from transformers' own decoder layer.
 
 The writer asks transformers for a model of ``num_hidden_layers + 1`` layers and saves it (so layer N, the MTP
 layer's block, is a DeepSeek-V3 decoder layer in the published names), then adds the MTP layer's own tensors under
@@ -17,12 +17,14 @@ from safetensors.torch import load_file, save_file
 from tiny_families import make_model
 
 
-def make_mtp_checkpoint(directory: str | Path, seed: int = 0, with_mtp: bool = True, **shape):
+def make_mtp_checkpoint(directory: str | Path, seed: int = 0, with_mtp: bool = True, kind: str = "deepseek_v3",
+                        **shape):
     """(directory, the transformers model of N + 1 layers whose layer N is the MTP block, the MTP layer's own
-    tensors {name: fp32}) for a tiny DeepSeek-V3 of ``shape`` (``num_hidden_layers`` = N, the main model's)."""
+    tensors {name: fp32}) for a tiny ``kind`` (DeepSeek-V3 or GLM-4.5) of ``shape`` (``num_hidden_layers`` = N,
+    the main model's)."""
     directory = Path(directory)
     n = shape.pop("num_hidden_layers", 3)
-    model = make_model("deepseek_v3", seed, num_hidden_layers=n + 1, **shape)
+    model = make_model(kind, seed, num_hidden_layers=n + 1, **shape)
     model.save_pretrained(directory)
     files = sorted(directory.glob("*.safetensors"))
     tensors = {}

@@ -39,6 +39,20 @@ DEEPSEEK_V3 = {
 }
 
 
+# the fields of zai-org/GLM-4.5's published config.json that shape the model
+GLM_45 = {
+    "model_type": "glm4_moe", "vocab_size": 151552, "hidden_size": 5120, "intermediate_size": 12288,
+    "moe_intermediate_size": 1536, "num_hidden_layers": 92, "num_attention_heads": 96, "num_key_value_heads": 8,
+    "head_dim": 128, "partial_rotary_factor": 0.5, "use_qk_norm": True, "attention_bias": True,
+    "n_routed_experts": 160, "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1,
+    "first_k_dense_replace": 3, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "num_nextn_predict_layers": 1,
+    "rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "rope_theta": 1000000, "tie_word_embeddings": False,
+}
+GLM_SHAPE = dict(num_hidden_layers=3, n_routed_experts=6, num_key_value_heads=2, head_dim=32, use_qk_norm=True,
+                 attention_bias=True, n_group=2, topk_group=1, first_k_dense_replace=1, norm_topk_prob=True,
+                 routed_scaling_factor=2.5, partial_rotary_factor=0.5)
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return make_mtp_checkpoint(tmp_path_factory.mktemp("mtp"), seed=5, **dict(SHAPE))
@@ -74,6 +88,22 @@ def test_published_deepseek_v3_mtp_shapes_and_names():
     assert isinstance(layer.enorm, RMSNorm)
 
 
+def test_published_glm_45_mtp_shapes_and_names():
+    family = family_for_config(GLM_45)
+    assert family.num_mtp_layers() == 1
+    with torch.device("meta"):
+        mtp = family.build_mtp(torch.bfloat16, lambda _n, fan_in, fan_out, bias=False: nn.Linear(fan_in, fan_out, bias))
+    names = {family.mtp_checkpoint_name(p, None): tuple(t.shape) for p, t in mtp.named_parameters()}
+    assert names["model.layers.92.eh_proj.weight"] == (5120, 2 * 5120)
+    assert names["model.layers.92.shared_head.norm.weight"] == (5120,)
+    assert names["model.layers.92.self_attn.q_proj.weight"] == (96 * 128, 5120)
+    assert names["model.layers.92.self_attn.k_proj.bias"] == (8 * 128,)
+    assert names["model.layers.92.self_attn.q_norm.weight"] == (128,)
+    assert names["model.layers.92.mlp.gate.weight"] == (160, 5120)
+    assert names["model.layers.92.mlp.shared_experts.up_proj.weight"] == (1536, 5120)
+    assert mtp.moe_blocks[0].layer_idx == 89 and family.expert_base(89) == "model.layers.92.mlp.experts"
+
+
 def test_families_without_mtp_name_the_field():
     family = family_for_config({**DEEPSEEK_V3, "num_nextn_predict_layers": 0})
     assert family.num_mtp_layers() == 0
@@ -104,6 +134,21 @@ def test_mtp_layer_matches_the_fp32_reference(tiny):
     assert got.shape == want.shape == (t - 1, 97)
     assert float((got - want).abs().max() / want.abs().max()) < 1e-5
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_glm_mtp_layer_matches_the_fp32_reference(tmp_path):
+    path, ref, own = make_mtp_checkpoint(tmp_path, seed=3, kind="glm4_moe", **dict(GLM_SHAPE))
+    model = MoEModel.from_pretrained(path, mtp=True)
+    ids = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(1))
+    want = reference_mtp_logits(ref, own, ids)[-1]
+    runner, mask = model.runner, torch.ones_like(ids, dtype=torch.bool)
+    pos = positions_from_mask(mask)
+    with torch.inference_mode():
+        _, hidden = eager_pass(runner, ids, pos, runner.new_cache(1, 16, reuse=False), torch.arange(9), mask,
+                               "prefill", (ids, mask), True)
+        got, _ = MTPDrafter(runner, model.mtp, 16).run(0, hidden[:, :-1], ids[:, 1:], pos[:, :-1], torch.arange(8),
+                                                       mask[:, :-1], (ids, mask))
+    assert float((got[0] - want).abs().max() / want.abs().max()) < 1e-5
 
 
 def test_loads_with_and_without_mtp(tiny, tmp_path):

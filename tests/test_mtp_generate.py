@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from mtp_helpers import make_mtp_checkpoint
-from test_mtp import SHAPE
+from test_mtp import GLM_SHAPE, SHAPE
 from tiny_families import train_predictors
 
 import moeflow.engine.mtp as mtp_engine
@@ -157,3 +157,20 @@ def test_trained_predictor_policies_refused_naming_mtp(tiny, tmp_path):
     for policy in TRAINED:
         with pytest.raises(SchedulingError, match=r"num_layers=2 but the model has num_layers=3.*mtp=True"):
             MoEModel.from_pretrained(copy, mtp=True, offload=OffloadConfig(policy=policy, gpu_expert_slots=3))
+
+
+def test_glm_tokens_equal_plain_greedy(tmp_path):
+    path, _, _ = make_mtp_checkpoint(tmp_path, seed=3, kind="glm4_moe", **dict(GLM_SHAPE))
+    ids = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(2))
+    resident = MoEModel.from_pretrained(path, mtp=True)
+    plain = resident.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=[])
+    for k in (1, 3):
+        assert torch.equal(resident.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=[],
+                                             num_speculative_tokens=k), plain)
+    model = MoEModel.from_pretrained(path, mtp=True, offload=OffloadConfig(
+        policy="lru", gpu_expert_slots=3, transport="random-delay", random_delay_ms=0.3, seed=3))
+    try:
+        out = model.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=[], num_speculative_tokens=2)
+    finally:
+        model.experts.close()
+    assert torch.equal(out, plain) and model.stats.bytes_per_generated_token > 0
