@@ -249,9 +249,10 @@ class MoEModel(nn.Module):
         pass by matching the last ``max_matching_ngram_size`` (default 2) tokens earlier in the sequence and
         verifies the draft in one pass (``moeflow.engine.lookup``: the same tokens as plain greedy decoding; one
         sequence; counters ``stats.draft_tokens`` / ``stats.accepted_tokens``).
-        ``num_speculative_tokens`` (vLLM's name): greedy decoding that drafts up to this many tokens per pass with
-        the model's own multi-token-prediction layers (load with ``mtp=True``) and verifies them in one pass
-        (``moeflow.engine.mtp``: the tokens of plain greedy decoding; one sequence; ``stats.draft_tokens``,
+        ``num_speculative_tokens`` (vLLM's name): decoding that drafts up to this many tokens per pass with the
+        model's own multi-token-prediction layers (load with ``mtp=True``) and verifies them in one pass
+        (``moeflow.engine.mtp``: greedy, the tokens of plain greedy decoding; sampled, standard speculative
+        sampling, distributed as plain sampling; one sequence; ``stats.draft_tokens``,
         ``stats.accepted_tokens``, ``stats.generated_tokens``, ``stats.bytes_per_generated_token``).
         """
         gen = self.generation_config.override(
@@ -278,7 +279,7 @@ class MoEModel(nn.Module):
             check_mtp(self.family, self.mtp, gen, b, num_speculative_tokens, micro_batch_size, dual_batch,
                       prompt_lookup_num_tokens)
             return generate_with_mtp(self._runner, self.mtp, gen, input_ids, token_mask, num_speculative_tokens,
-                                     streamer=streamer)
+                                     streamer=streamer, seed=seed)
         if prompt_lookup_num_tokens is not None or max_matching_ngram_size is not None:
             ngram = max_matching_ngram_size if max_matching_ngram_size is not None else DEFAULT_MAX_NGRAM
             check_lookup(gen, b, prompt_lookup_num_tokens, ngram, micro_batch_size, dual_batch)

@@ -182,7 +182,7 @@ def test_loads_with_and_without_mtp(tiny, tmp_path):
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(num_speculative_tokens=0), "positive integer"),
-    (dict(num_speculative_tokens=2, do_sample=True), "greedily"),
+    (dict(num_speculative_tokens=2, micro_batch_size=1), "micro_batch_size"),
     (dict(num_speculative_tokens=2, prompt_lookup_num_tokens=2), "pass one"),
 ])
 def test_refusals_name_the_argument(tiny, kwargs, match):

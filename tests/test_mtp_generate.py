@@ -83,9 +83,10 @@ def test_oracle_drafts_accepted_and_rejected(tiny, monkeypatch, wrong_every):
     seq = plain[0].tolist()
     t = ids.shape[1]
 
-    def oracle(drafter, mtp_in, k, n, pad, history, device):
-        draft = seq[n:n + k]
-        return [(tok + 1) % 97 if wrong_every and (n + j) % wrong_every == 0 else tok for j, tok in enumerate(draft)]
+    def oracle(drafter, mtp_in, k, n, pad, history, device, choose=None):
+        draft = [(tok + 1) % 97 if wrong_every and (n + j) % wrong_every == 0 else tok
+                 for j, tok in enumerate(seq[n:n + k])]
+        return draft, [None] * len(draft)
 
     monkeypatch.setattr(mtp_engine, "propose", oracle)
     k = 3
@@ -96,7 +97,7 @@ def test_oracle_drafts_accepted_and_rejected(tiny, monkeypatch, wrong_every):
     # replay the rounds: n tokens kept; a pass drafts min(k, room - 1) and keeps the accepted prefix + one token
     n, drafted, accepted, passes = t + 1, 0, 0, 0
     while n < t + NEW:
-        draft = oracle(None, None, min(k, t + NEW - n - 1), n, 0, None, None)
+        draft, _ = oracle(None, None, min(k, t + NEW - n - 1), n, 0, None, None)
         ok = 0
         while ok < len(draft) and draft[ok] == seq[n + ok]:
             ok += 1
@@ -174,3 +175,30 @@ def test_glm_tokens_equal_plain_greedy(tmp_path):
     finally:
         model.experts.close()
     assert torch.equal(out, plain) and model.stats.bytes_per_generated_token > 0
+
+
+# ------------------------------------------------------------------ speculative sampling
+def test_sampling_with_top_k_1_is_greedy(tiny):
+    """top_k=1 makes p and q one-hot: a draft is kept exactly when it is the main model's argmax, the residual is
+    the argmax: plain greedy's tokens, through every branch of the sampling rule (accepts are rare here)."""
+    _, model, ids, plain = tiny
+    for k in (1, 3):
+        model.stats.reset()
+        out = model.generate(ids, max_new_tokens=NEW, do_sample=True, top_k=1, eos_token_id=[], seed=7,
+                             num_speculative_tokens=k)
+        assert torch.equal(out, plain)
+        assert model.stats.draft_tokens > 0
+
+
+def test_sampled_tokens_stay_in_the_target_support_and_repeat_per_seed(tiny):
+    """top_k=3 at temperature 2: every sampled token lies in the main model's top 3 at its position (the
+    target's support, whatever the drafts), and one seed gives one output."""
+    _, model, ids, _ = tiny
+    kwargs = dict(max_new_tokens=12, do_sample=True, top_k=3, temperature=2.0, eos_token_id=[],
+                  num_speculative_tokens=2)
+    outs = [model.generate(ids, seed=s, **kwargs) for s in (1, 2, 1)]
+    assert torch.equal(outs[0], outs[2]) and not torch.equal(outs[0], outs[1])
+    for out in outs[:2]:
+        logits = model(out).logits[0]  # [T, V]: position j's logits predict token j + 1
+        top3 = logits[ids.shape[1] - 1:-1].topk(3, dim=-1).indices
+        assert bool((top3 == out[0, ids.shape[1]:, None]).any(dim=-1).all())

@@ -19,13 +19,18 @@ is a forward pass announced by ``begin_step``; the experts a verify pass needs f
 ``model.stats`` counts ``draft_tokens`` (proposed), ``accepted_tokens`` and ``generated_tokens``;
 ``stats.bytes_per_generated_token`` divides the bytes moved while decoding by the tokens decoded.
 
-Limits (refused by :func:`check_mtp`): one sequence, greedy decoding, no micro-batches, eager passes (the captured
-and compiled decode steps are not used for these passes: every pass runs the decoder eagerly).
+Sampling (``do_sample=True``): standard speculative sampling (:mod:`moeflow.engine.spec_sampling`): drafts drawn from
+the MTP layer's distribution under the same sampler, each kept with probability min(1, p/q), the residual drawn at
+the first rejection, so the output is distributed as plain sampling's (not the same draws for a seed).
+
+Limits (refused by :func:`check_mtp`): one sequence, no micro-batches, eager passes (the captured and compiled
+decode steps are not used for these passes: every pass runs the decoder eagerly).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,6 +39,7 @@ from moeflow.engine.generate import Runner, positions_from_mask
 from moeflow.engine.latent_cache import new_kv_cache
 from moeflow.engine.lookup import count_pass, pass_inputs, pick
 from moeflow.engine.sampling import GenerationConfig
+from moeflow.engine.spec_sampling import accept_or_resample, draw, sampler_probs
 from moeflow.families.base import Family
 from moeflow.families.mtp import MultiTokenPredictor
 from moeflow.moe.backend import StepInfo
@@ -58,9 +64,6 @@ def check_mtp(family: Family, mtp: MultiTokenPredictor | None, gen: GenerationCo
         raise ValueError("num_speculative_tokens and prompt_lookup_num_tokens are two ways to draft: pass one")
     if batch != 1:
         raise ValueError(f"num_speculative_tokens needs a batch of one sequence (got {batch})")
-    if gen.do_sample:
-        raise ValueError("num_speculative_tokens decodes greedily (speculative sampling is not implemented): pass "
-                         "do_sample=False")
     if micro_batch_size is not None or dual_batch:
         raise ValueError("num_speculative_tokens does not combine with micro_batch_size / dual_batch")
 
@@ -106,9 +109,11 @@ def eager_pass(runner: Runner, ids: torch.Tensor, positions: torch.Tensor, cache
 
 
 def generate_with_mtp(runner: Runner, mtp: MultiTokenPredictor, gen: GenerationConfig, input_ids: torch.Tensor,
-                      token_mask: torch.Tensor, num_tokens: int, streamer: Any = None) -> torch.Tensor:
-    """input_ids / token_mask [1, T] on the device -> [1, T + n] ids, greedy, drafting up to ``num_tokens`` tokens
-    per round with the MTP layers and verifying them in one pass."""
+                      token_mask: torch.Tensor, num_tokens: int, streamer: Any = None, seed: int | None = None
+                      ) -> torch.Tensor:
+    """input_ids / token_mask [1, T] on the device -> [1, T + n] ids, drafting up to ``num_tokens`` tokens per
+    round with the MTP layers and verifying them in one pass: greedy, or with ``gen.do_sample`` standard
+    speculative sampling (:mod:`moeflow.engine.spec_sampling`; ``seed``: its generator's)."""
     stats, device = runner.stats, runner.device
     t = input_ids.shape[1]
     eos = set(gen.eos_ids())
@@ -129,13 +134,24 @@ def generate_with_mtp(runner: Runner, mtp: MultiTokenPredictor, gen: GenerationC
     hist = torch.zeros((1, total), dtype=torch.long, device=device)
     hist_mask = torch.ones((1, total), dtype=torch.bool, device=device)
     hist[:, :t], hist_mask[:, :t] = input_ids, token_mask
+    generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    sample = gen.do_sample
+
+    def choose(logits: torch.Tensor, seen: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        """A draft token from logits [1, V] after the sequence ``seen`` (host): (token, q [V] when sampling)."""
+        if not sample:
+            return pick(logits, gen, seen, device), None
+        q = sampler_probs(logits, gen, seen)
+        return draw(q, generator), q
+
     start = time.perf_counter()
     stats.set_phase("prefill")
     positions = positions_from_mask(token_mask)
     logits, hidden = eager_pass(runner, input_ids, positions, cache, torch.arange(t, device=device), token_mask,
                                 "prefill", (input_ids, token_mask), all_real=pad == 0)
     count_pass(stats, int(token_mask.sum()), start)
-    first = pick(logits[:, -1], gen, seq[pad:t], device)
+    first = draw(sampler_probs(logits[:, -1], gen, seq[pad:t]), generator) if sample else \
+        pick(logits[:, -1], gen, seq[pad:t], device)
     stats.ttft_s = time.perf_counter() - start
     stats.generated_tokens += 1
     # the MTP layer over the prompt: hidden at position i with the token at i + 1 (the last one: ``first``)
@@ -155,16 +171,25 @@ def generate_with_mtp(runner: Runner, mtp: MultiTokenPredictor, gen: GenerationC
             break
         start = time.perf_counter()
         history = (hist[:, :n], hist_mask[:, :n])
-        draft = propose(drafter, mtp_in, min(num_tokens, room - 1), n, pad, history, device)
+        draft, qs = propose(drafter, mtp_in, min(num_tokens, room - 1), n, pad, history, device,
+                            lambda logits, drafted, kept=seq[pad:n]: choose(logits, torch.cat((kept, torch.tensor(
+                                drafted, dtype=torch.long)))))
         seq[n:n + len(draft)] = torch.tensor(draft, dtype=torch.long)
         ids, pos, cache_position, mask = pass_inputs(seq[n - 1:n + len(draft)], n - 1, 1 + len(draft), pad,
                                                      cache.max_len, True, device)
         logits, hidden = eager_pass(runner, ids, pos, cache, cache_position, mask, "decode", history, True)
         new = []
         for j in range(len(draft) + 1):
-            tok = pick(logits[0, j:j + 1], gen, seq[pad:n + j], device)
+            if not sample:
+                tok = pick(logits[0, j:j + 1], gen, seq[pad:n + j], device)
+                kept = j < len(draft) and tok == draft[j]
+            elif j < len(draft):
+                kept, tok = accept_or_resample(sampler_probs(logits[0, j:j + 1], gen, seq[pad:n + j]), qs[j],
+                                               draft[j], generator)
+            else:
+                kept, tok = False, draw(sampler_probs(logits[0, j:j + 1], gen, seq[pad:n + j]), generator)
             new.append(tok)
-            if j == len(draft) or tok != draft[j] or tok in eos:
+            if not kept or tok in eos:
                 break
         stats.draft_tokens += len(draft)
         stats.accepted_tokens += len(new) - 1
@@ -183,21 +208,26 @@ def generate_with_mtp(runner: Runner, mtp: MultiTokenPredictor, gen: GenerationC
     return hist[:, :n]
 
 
-def propose(drafter: MTPDrafter, mtp_in: tuple, k: int, n: int, pad: int, history: tuple,
-            device: torch.device) -> list[int]:
-    """Up to ``k`` draft tokens: the first MTP layer over ``mtp_in`` (hidden, next ids, positions, cache positions,
-    mask of the positions whose next token became known), then chained one token at a time. ``n``: tokens kept so
-    far (the first draft is the token at position n)."""
+def propose(drafter: MTPDrafter, mtp_in: tuple, k: int, n: int, pad: int, history: tuple, device: torch.device,
+            choose: Callable[[torch.Tensor, list[int]], tuple[int, torch.Tensor | None]]
+            ) -> tuple[list[int], list[torch.Tensor | None]]:
+    """Up to ``k`` draft tokens and their draft distributions (None when greedy): the first MTP layer over
+    ``mtp_in`` (hidden, next ids, positions, cache positions, mask of the positions whose next token became
+    known), then chained one token at a time. ``n``: tokens kept so far (the first draft is the token at position
+    n); ``choose(logits [1, V], drafts so far)``: the token and its q."""
     if k == 0:
-        return []
+        return [], []
     hidden, ids, positions, cache_position, mask = mtp_in
     logits, out = drafter.run(0, hidden, ids, positions, cache_position, mask, history)
-    draft = [int(logits.argmax(-1)[0])]
+    tok, q = choose(logits, [])
+    draft, qs = [tok], [q]
     for depth in range(1, k):
         cp = n - 2 + depth  # the chained input: the last draft (position cp + 1), at the position after the last run
         ids = torch.tensor([[draft[-1]]], device=device)
         one = torch.ones((1, 1), dtype=torch.bool, device=device)
         logits, out = drafter.run(depth, out, ids, torch.tensor([[cp - pad]], device=device),
                                   torch.tensor([cp], device=device), one, history)
-        draft.append(int(logits.argmax(-1)[0]))
-    return draft
+        tok, q = choose(logits, draft)
+        draft.append(tok)
+        qs.append(q)
+    return draft, qs
