@@ -202,3 +202,27 @@ def test_sampled_tokens_stay_in_the_target_support_and_repeat_per_seed(tiny):
         logits = model(out).logits[0]  # [T, V]: position j's logits predict token j + 1
         top3 = logits[ids.shape[1] - 1:-1].topk(3, dim=-1).indices
         assert bool((top3 == out[0, ids.shape[1]:, None]).any(dim=-1).all())
+
+
+def test_awq_checkpoint_keeps_the_mtp_layer_on_cpu_int4(tiny, tmp_path):
+    """`moeflow quantize` keeps the MTP layer (its experts in AWQ, its copies of the embedding and head dropped); the
+    CPU int4 kernels then draft and verify with the plain greedy tokens of the same quantized model."""
+    from safetensors import safe_open
+
+    from moeflow.quant.convert import quantize_checkpoint
+
+    path, _, ids, _ = tiny
+    dst = quantize_checkpoint(path, tmp_path / "awq", group_size=32, progress=False)
+    with safe_open(dst / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    assert "model.layers.3.mlp.experts.0.gate_proj.qweight" in names and "model.layers.3.eh_proj.weight" in names
+    assert "model.layers.3.embed_tokens.weight" not in names and "model.layers.3.shared_head.head.weight" not in names
+    for offload in (OffloadConfig(), OffloadConfig(policy="lru", gpu_expert_slots=3)):
+        model = MoEModel.from_pretrained(dst, mtp=True, offload=offload)
+        assert model.kernels == "cpu-int4"
+        try:
+            plain = model.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=[])
+            out = model.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=[], num_speculative_tokens=3)
+        finally:
+            model.experts.close()
+        assert torch.equal(out, plain)

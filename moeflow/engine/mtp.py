@@ -17,7 +17,8 @@ positions only.
 Offloading. The MTP layers' experts are the expert backend's last MoE layers: every MTP pass and every verify pass
 is a forward pass announced by ``begin_step``; the experts a verify pass needs for its 1 + k tokens are moved once.
 ``model.stats`` counts ``draft_tokens`` (proposed), ``accepted_tokens`` and ``generated_tokens``;
-``stats.bytes_per_generated_token`` divides the bytes moved while decoding by the tokens decoded.
+``stats.bytes_per_generated_token`` divides the bytes moved while decoding by the tokens decoded (the first round's
+drafting, the MTP layer over the prompt, counts with the prefill, as the prefill of the MTP layer).
 
 Sampling (``do_sample=True``): standard speculative sampling (:mod:`moeflow.engine.spec_sampling`): drafts drawn from
 the MTP layer's distribution under the same sampler, each kept with probability min(1, p/q), the residual drawn at
@@ -171,9 +172,12 @@ def generate_with_mtp(runner: Runner, mtp: MultiTokenPredictor, gen: GenerationC
             break
         start = time.perf_counter()
         history = (hist[:, :n], hist_mask[:, :n])
+        if n == t + 1:  # the first round's drafts: the MTP layer over the prompt, counted with the prefill
+            stats.set_phase("prefill")
         draft, qs = propose(drafter, mtp_in, min(num_tokens, room - 1), n, pad, history, device,
                             lambda logits, drafted, kept=seq[pad:n]: choose(logits, torch.cat((kept, torch.tensor(
                                 drafted, dtype=torch.long)))))
+        stats.set_phase("decode")
         seq[n:n + len(draft)] = torch.tensor(draft, dtype=torch.long)
         ids, pos, cache_position, mask = pass_inputs(seq[n - 1:n + len(draft)], n - 1, 1 + len(draft), pad,
                                                      cache.max_len, True, device)

@@ -186,7 +186,7 @@ class SharedExpertMoEFamily(Family):
         if layers and min(layers) >= self.config.num_hidden_layers:
             raise CheckpointError(
                 f"{reader.directory} holds only multi-token-prediction layer tensors (model.layers.{min(layers)}.*, "
-                f"past num_hidden_layers={self.config.num_hidden_layers}), which moeflow never reads: the decoder "
+                f"past num_hidden_layers={self.config.num_hidden_layers}, read only with mtp=True): the decoder "
                 "layers' shards are missing")
         raise CheckpointError(f"no expert tensors for the first MoE layer in {reader.directory}: expected "
                               f"'{base}.0.gate_proj.weight' (or .qweight for AWQ) or '{base}.gate_up_proj'")
@@ -226,11 +226,12 @@ class SharedExpertMoEFamily(Family):
 
     # ------------------------------------------------------------------ quantization (moeflow quantize)
     def expert_linears(self, name: str, reader: CheckpointReader) -> Iterator[tuple[str, torch.Tensor]] | None:
+        last = self.config.num_hidden_layers + self.num_mtp_layers()  # (the MTP layers' experts too)
         m = PER_EXPERT.match(name)
-        if m and int(m.group(2)) < self.config.num_hidden_layers:
+        if m and int(m.group(2)) < last:
             return iter([(name.removesuffix(".weight"), self.read_linear(reader, name.removesuffix(".weight"),
                                                                          None))])
         m = FUSED.match(name)
-        if m and int(m.group(2)) < self.config.num_hidden_layers:
+        if m and int(m.group(2)) < last:
             return split_fused_experts(reader.get(name), m.group(1), m.group(3), "mlp", ProjectionNames())
         return None
