@@ -56,8 +56,10 @@ def check_mtp(family: Family, mtp: MultiTokenPredictor | None, gen: GenerationCo
         if field is None or family.num_mtp_layers() == 0:
             what = f"config.json has {field}={family.num_mtp_layers()}" if field else \
                 f"the {family.name} family has no multi-token-prediction layers moeflow reads"
+            hint = "" if family.kv_cache_spec().linear is not None else \
+                "; prompt_lookup_num_tokens drafts without them"
             raise ValueError(f"num_speculative_tokens drafts with the model's multi-token-prediction layers, but "
-                             f"{what}; prompt_lookup_num_tokens drafts without them")
+                             f"{what}{hint}")
         raise ValueError(f"num_speculative_tokens: the model was loaded without its multi-token-prediction layers "
                          f"(config.json {field}={family.num_mtp_layers()}); load it with "
                          "from_pretrained(..., mtp=True)")
@@ -85,11 +87,12 @@ class MTPDrafter:
             ) -> tuple[torch.Tensor, torch.Tensor]:
         """MTP layer ``depth % layers`` over hidden [1, T, H] (the depth before's, normed) and the next tokens
         next_ids [1, T] at positions [1, T] / cache_position [T] -> (logits fp32 [1, V] of the last position, its
-        normed output [1, 1, H] for the next depth)."""
+        normed output [1, 1, H] for the next depth). The backend sees a pass of the stats' current phase (the
+        pass over the prompt is the MTP layer's prefill)."""
         runner, layer = self.runner, self.mtp.layers[depth % len(self.mtp.layers)]
         embeds = runner.decoder.embed_tokens(next_ids)
-        runner.backend.begin_step(StepInfo(next_ids, positions, token_mask, "decode", None, embeds, history[0],
-                                           history[1], all_real=bool(token_mask.all())))
+        runner.backend.begin_step(StepInfo(next_ids, positions, token_mask, runner.stats.phase, None, embeds,
+                                           history[0], history[1], all_real=bool(token_mask.all())))
         cos, sin = runner.decoder.rotary(positions, embeds.dtype)
         self.cache.mark_valid(cache_position, token_mask)
         mask = self.cache.attention_mask(cache_position, None)
