@@ -8,6 +8,8 @@ is far from ties); only its MTP layer is trained: its block (transformers' decod
 MLA + MoE) and ``enorm`` / ``hnorm`` / ``eh_proj`` / ``shared_head.norm``, to predict token i + 2 from the final-normed
 hidden state at i and token i + 1 on greedy continuations of random prompts (the main model's embedding and head
 frozen, shared). So acceptance is real for this model, but it is not the issue's corpus-trained model (owed).
+``--forced``: rows where each draft token is replaced by the plain greedy one with a given probability after the
+real MTP passes ran (their expert traffic counted): bytes per generated token against acceptance on this model.
 
     python benchmarks/bench_mtp.py [--steps 300] [--new-tokens 48] [--out benchmarks/results/mtp/<name>.json]
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import random
 import subprocess
 import tempfile
 import time
@@ -25,6 +28,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+import moeflow.engine.mtp as mtp_engine
 from moeflow import MoEModel, OffloadConfig
 
 N_LAYERS, EXPERTS, TOP_K, VOCAB = 5, 16, 2, 97  # decoder layers (the first dense), routed experts
@@ -126,12 +130,34 @@ def train(model, own: dict, seqs: torch.Tensor, steps: int, seed: int) -> list[f
     return losses
 
 
-def measure(path: Path, prompts: torch.Tensor, new: int, setting: dict, k: int | None) -> dict:
+def forced_drafts(correct: float, truths: list, seed: int):
+    """A stand-in for :func:`moeflow.engine.mtp.propose` that runs the real MTP passes (their expert traffic
+    included) and then makes each draft token the plain greedy one with probability ``correct``: bytes per generated
+    token as a function of acceptance, on this model. ``truths[0]``: the current prompt's plain greedy output."""
+    real = mtp_engine.propose
+    rng = random.Random(seed)
+
+    def propose(drafter, mtp_in, k, n, pad, history, device, choose):
+        draft, qs = real(drafter, mtp_in, k, n, pad, history, device, choose)
+        truth = truths[0]
+        return [int(truth[n + j]) if rng.random() < correct else tok for j, tok in enumerate(draft)], qs
+
+    return propose
+
+
+def measure(path: Path, prompts: torch.Tensor, new: int, setting: dict, k: int | None,
+            correct: float | None = None, truths: list | None = None) -> dict:
     model = MoEModel.from_pretrained(path, mtp=k is not None, offload=OffloadConfig(**setting))
     totals = dict(drafted=0, accepted=0, bytes=0, decoded=0, seconds=0.0, passes=0)
     outs = []
+    holder: list = [None]
+    real = mtp_engine.propose
+    if correct is not None:
+        mtp_engine.propose = forced_drafts(correct, holder, 0)
     try:
-        for ids in prompts:
+        for i, ids in enumerate(prompts):
+            if truths is not None:
+                holder[0] = truths[i][0]
             model.stats.reset()
             start = time.perf_counter()
             out = model.generate(ids[None], max_new_tokens=new, do_sample=False, eos_token_id=[],
@@ -145,6 +171,7 @@ def measure(path: Path, prompts: torch.Tensor, new: int, setting: dict, k: int |
             totals["passes"] += s.decode.steps
             totals["decoded"] += new - 1  # tokens after the first (the decode phase)
     finally:
+        mtp_engine.propose = real
         model.experts.close()
     return dict(totals, outs=outs)
 
@@ -156,6 +183,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--forced", type=float, nargs="*", default=[0.6, 0.8, 1.0],
+                    help="also measure bytes with drafts made right with these probabilities (acceptance sweep)")
     ap.add_argument("--std", type=float, default=0.1, help="the main model's weight scale (0.1: the tests')")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -196,6 +225,18 @@ def main() -> None:
                 row["speed_ratio"] = row["spec_tok_s"] / row["plain_tok_s"]
                 rows.append(row)
                 print(json.dumps({k2: (round(v, 4) if isinstance(v, float) else v) for k2, v in row.items()}))
+            if setting["policy"] == "resident":
+                continue
+            for correct in args.forced:  # drafts made right with this probability (the MTP passes still run)
+                for k in (1, 2):
+                    spec = measure(path, prompts, args.new_tokens, setting, k, correct, plain["outs"])
+                    same = all(torch.equal(a, b) for a, b in zip(plain["outs"], spec["outs"], strict=True))
+                    row = dict(setting=name, k=k, forced_correct=correct, tokens_equal=same,
+                               acceptance=spec["accepted"] / max(spec["drafted"], 1),
+                               tokens_per_verify_pass=spec["decoded"] / spec["passes"],
+                               bytes_ratio=spec["bytes"] / plain["bytes"])
+                    rows.append(row)
+                    print(json.dumps({k2: (round(v, 4) if isinstance(v, float) else v) for k2, v in row.items()}))
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
     report = dict(model=dict(CONFIG, num_hidden_layers=N_LAYERS, num_nextn_predict_layers=1), init_std=args.std,
