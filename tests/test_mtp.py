@@ -160,6 +160,9 @@ def test_loads_with_and_without_mtp(tiny, tmp_path):
     assert isinstance(with_mtp.mtp.moe_blocks[0], MoEBlock)
     # the MTP layer's experts are loaded into the backend as its last MoE layer
     assert len(with_mtp.experts.slot_tables) == 3 == len(plain.experts.slot_tables) + 1
+    # the memory plan counts the MTP layer's experts and its other weights
+    mine, theirs = with_mtp.memory_plan(), plain.memory_plan()
+    assert mine.total_experts == theirs.total_experts + 6 and mine.non_expert > theirs.non_expert
     out = plain.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=[])
     assert torch.equal(with_mtp.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=[]), out)
     with pytest.raises(ValueError, match=r"num_nextn_predict_layers=1.*mtp=True"):

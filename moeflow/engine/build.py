@@ -191,12 +191,16 @@ def build_model(
         stats = Stats()
         cfg = family.config
         non_expert = loading.non_expert_bytes(decoder)
+        extra = loading.mtp_moe_layers(mtp_module)  # the MTP layers' MoE layers (and their other weights)
+        if mtp_module is not None:
+            non_expert += loading.non_expert_bytes(mtp_module)
         planned = None
         if offload is None:  # from_pretrained without an OffloadConfig: resident if it fits, else offload
-            offload, planned = default_offload(family, fmt, device, dtype, non_expert, str(directory), cuda_graphs)
+            offload, planned = default_offload(family, fmt, device, dtype, non_expert, str(directory), cuda_graphs,
+                                               extra)
         stored = expert_storage_format(fmt, resolved, offload)
         if planned is None or stored is not fmt:  # (default_offload's plan is reused when the format is the same)
-            planned = plan_memory(offload, family, stored, device, dtype, non_expert, cuda_graphs)
+            planned = plan_memory(offload, family, stored, device, dtype, non_expert, cuda_graphs, extra)
         plan, sized = planned
         source = None
         if offload.host_memory_gb is not None:
@@ -254,21 +258,22 @@ def build_model(
 
 
 def default_offload(family: Family, fmt: ExpertFormat, device: torch.device, dtype: torch.dtype, non_expert: int,
-                    what: str, cuda_graphs: bool = False,
+                    what: str, cuda_graphs: bool = False, extra_moe_layers: int = 0,
                     ) -> tuple[OffloadConfig, tuple[memory.MemoryPlan, OffloadConfig] | None]:
     """The placement when the caller gave none: every expert on the device when they fit next to the non-expert
     weights, KV cache, activations, workspaces and graph pools in its free memory (always on the CPU); else
     ``OffloadConfig(policy="auto", gpu_memory_gb="auto")``, with a warning saying why and how to choose.
     Also the memory plan of the offloading choice (:func:`plan_memory`'s pair, its budget read from the device
-    once), None for the resident one."""
+    once), None for the resident one. ``extra_moe_layers``: MoE layers past the decoder's (the MTP layers')."""
     resident = OffloadConfig()
     if device.type != "cuda":
         return resident, None
     auto = OffloadConfig(policy="auto", gpu_memory_gb="auto")
-    planned = plan_memory(auto, family, fmt, device, dtype, non_expert, cuda_graphs)  # refuses, naming every
+    planned = plan_memory(auto, family, fmt, device, dtype, non_expert, cuda_graphs,  # refuses, naming every
+                          extra_moe_layers)
     plan = planned[0]  # part, if even the offloading minimum does not fit
     room = plan.gpu_budget - memory.reserved_device_bytes(plan)
-    need = len(family.moe_layers) * family.num_experts * fmt.nbytes
+    need = (len(family.moe_layers) + extra_moe_layers) * family.num_experts * fmt.nbytes
     if room >= need:
         return resident, None
     log.warning("moeflow: %s: its experts (%s) do not fit in the %s of free device memory left after the rest of "
@@ -279,14 +284,16 @@ def default_offload(family: Family, fmt: ExpertFormat, device: torch.device, dty
 
 
 def plan_memory(offload: OffloadConfig, family: Family, fmt: ExpertFormat, device: torch.device, dtype: torch.dtype,
-                non_expert: int, cuda_graphs: bool = False) -> tuple[memory.MemoryPlan, OffloadConfig]:
+                non_expert: int, cuda_graphs: bool = False, extra_moe_layers: int = 0,
+                ) -> tuple[memory.MemoryPlan, OffloadConfig]:
     """The device side of the memory plan, and the config the backend sizes its slots with ("auto" resolved).
-    ``cuda_graphs``: reserve the captured decode steps' pools (:func:`memory.graph_pool_bytes`)."""
+    ``cuda_graphs``: reserve the captured decode steps' pools (:func:`memory.graph_pool_bytes`);
+    ``extra_moe_layers``: MoE layers past the decoder's (the MTP layers', whose experts share the slots)."""
     top_k = family.router_spec().top_k
     spec = family.kv_cache_spec()
     plan = memory.plan_device(
         offload, cfg=family.config, device=device, dtype=dtype, non_expert=non_expert, expert_bytes=fmt.nbytes,
-        total_experts=len(family.moe_layers) * family.num_experts, top_k=top_k,
+        total_experts=(len(family.moe_layers) + extra_moe_layers) * family.num_experts, top_k=top_k,
         intermediate=family.expert_spec().intermediate_size, min_slots=min_slots(offload, top_k),
         offloads=get_policy(offload.policy).offload,
         kv_bytes_per_token=spec.bytes_per_token(dtype.itemsize),
