@@ -226,3 +226,23 @@ def test_awq_checkpoint_keeps_the_mtp_layer_on_cpu_int4(tiny, tmp_path):
         finally:
             model.experts.close()
         assert torch.equal(out, plain)
+
+
+def test_disk_tier_reads_the_mtp_layer_experts(tiny):
+    """A host budget below the 18 experts (the smallest this machine's plan accepts): some experts, the MTP layer's
+    among the candidates, are read from disk through the checkpoint's index; tokens = plain greedy."""
+    path, _, ids, plain = tiny
+    for budget in (x / 1e6 for x in range(500, 1200, 40)):
+        try:
+            model = MoEModel.from_pretrained(path, mtp=True, offload=OffloadConfig(
+                policy="lru", gpu_expert_slots=3, host_memory_gb=budget))
+        except SchedulingError:  # below the plan's minimum (non-expert weights, KV cache, staging): a larger budget
+            continue
+        try:
+            assert model.experts.host.on_disk and model.memory_plan().host_experts < EXPERTS * MOE_LAYERS
+            out = model.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=[], num_speculative_tokens=2)
+        finally:
+            model.close()
+        assert torch.equal(out, plain)
+        return
+    pytest.fail("no host budget in 0.5-1.2 MB loaded with experts on disk")
