@@ -246,3 +246,20 @@ def test_disk_tier_reads_the_mtp_layer_experts(tiny):
         assert torch.equal(out, plain)
         return
     pytest.fail("no host budget in 0.5-1.2 MB loaded with experts on disk")
+
+
+def test_streamer_gets_every_token_once(tiny):
+    _, model, ids, plain = tiny
+    got = []
+
+    class Collect:
+        def put(self, value):
+            got.append(value.reshape(-1).tolist())
+
+        def end(self):
+            got.append("end")
+
+    model.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=[], num_speculative_tokens=3,
+                   streamer=Collect())
+    assert got[0] == ids[0].tolist() and got[-1] == "end"
+    assert sum(got[1:-1], []) == plain[0, ids.shape[1]:].tolist()
