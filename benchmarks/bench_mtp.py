@@ -237,8 +237,10 @@ def main() -> None:
                                bytes_ratio=spec["bytes"] / plain["bytes"])
                     rows.append(row)
                     print(json.dumps({k2: (round(v, 4) if isinstance(v, float) else v) for k2, v in row.items()}))
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
+    info = Path("/proc/cpuinfo").read_text().splitlines()
+    cpu = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), platform.processor())
+    flags = next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), [])
+    cpu += " (" + " ".join(f for f in flags if f.startswith("avx512")) + ")"
     report = dict(model=dict(CONFIG, num_hidden_layers=N_LAYERS, num_nextn_predict_layers=1), init_std=args.std,
                   train_steps=args.steps,
                   train_sequences=args.sequences, train_losses=losses, train_and_generate_s=round(train_s, 1),
