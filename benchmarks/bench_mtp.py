@@ -176,7 +176,7 @@ def measure(path: Path, prompts: torch.Tensor, new: int, setting: dict, k: int |
     return dict(totals, outs=outs)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--sequences", type=int, default=96)
@@ -187,7 +187,7 @@ def main() -> None:
                     help="also measure bytes with drafts made right with these probabilities (acceptance sweep)")
     ap.add_argument("--std", type=float, default=0.1, help="the main model's weight scale (0.1: the tests')")
     ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(1)
     model = random_model(args.seed, args.std)
     g = torch.Generator().manual_seed(args.seed + 1)
@@ -249,6 +249,7 @@ def main() -> None:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1))
+    return report
 
 
 if __name__ == "__main__":
