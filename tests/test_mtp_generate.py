@@ -190,6 +190,18 @@ def test_sampling_with_top_k_1_is_greedy(tiny):
         assert model.stats.draft_tokens > 0
 
 
+def test_sampling_with_top_k_1_is_greedy_offloaded(tiny):
+    path, _, ids, plain = tiny
+    model = MoEModel.from_pretrained(path, mtp=True, offload=OffloadConfig(
+        policy="lru", gpu_expert_slots=3, transport="random-delay", random_delay_ms=0.3, seed=3))
+    try:
+        out = model.generate(ids, max_new_tokens=NEW, do_sample=True, top_k=1, eos_token_id=[], seed=7,
+                             num_speculative_tokens=2)
+    finally:
+        model.experts.close()
+    assert torch.equal(out, plain)
+
+
 def test_sampled_tokens_stay_in_the_target_support_and_repeat_per_seed(tiny):
     """top_k=3 at temperature 2: every sampled token lies in the main model's top 3 at its position (the
     target's support, whatever the drafts), and one seed gives one output."""
