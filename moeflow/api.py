@@ -23,6 +23,7 @@ from moeflow.engine.generate import (
     positions_from_mask,
 )
 from moeflow.engine.lookup import DEFAULT_MAX_NGRAM, check_lookup, generate_with_lookup
+from moeflow.engine.mtp import check_mtp, generate_with_mtp
 from moeflow.engine.sampling import GenerationConfig
 from moeflow.errors import InputError
 from moeflow.families import Family, MixtralFamily
@@ -63,6 +64,7 @@ class MoEModel(nn.Module):
         self.kernels = kernels
         self.name_or_path = name
         self._compiled = False
+        self.mtp = None  # the multi-token-prediction layers (from_pretrained(mtp=True))
         # close the backend once: on close(), or when the model is garbage-collected
         self._closer = weakref.finalize(self, runner.close_backend)
 
@@ -80,6 +82,7 @@ class MoEModel(nn.Module):
         attention_bits: int | None = None,
         cuda_graphs: bool | None = None,
         lm_head_bits: int = 8,
+        mtp: bool = False,
     ):
         """Load an HF-layout checkpoint (fp32/fp16/bf16 or AWQ 4-bit) from a directory or the hub.
 
@@ -102,6 +105,10 @@ class MoEModel(nn.Module):
         lm_head_bits: on the CPU int4 path, the lm_head in int8 (8, default) or int4 (4: ~half the bytes per
             decoded token; the top 16 logits, so the greedy tokens, recomputed in int8, the others with int4's
             error; see :mod:`moeflow.kernels.cpu_lm_head`).
+        mtp: also read the checkpoint's multi-token-prediction layers (DeepSeek-V3 / GLM-4.5's
+            ``num_nextn_predict_layers``) for ``generate(num_speculative_tokens=k)``; their experts join the
+            expert backend (offloaded like the others) as its last MoE layers. CheckpointError when the
+            checkpoint has none.
         """
         device = torch.device(device)
         if device.type == "cuda" and not torch.cuda.is_available():
@@ -112,12 +119,14 @@ class MoEModel(nn.Module):
         cuda_graphs = graphs_wanted(cuda_graphs, device)  # (before loading: True on a CPU model is refused at once)
         built = build_model(path_or_id, device=device, dtype=dtype, offload=offload, kernels=kernels,
                             revision=revision, progress=progress, families=cls._families,
-                            attention_bits=attention_bits, lm_head_bits=lm_head_bits, cuda_graphs=cuda_graphs)
+                            attention_bits=attention_bits, lm_head_bits=lm_head_bits, cuda_graphs=cuda_graphs,
+                            mtp=mtp)
         runner = Runner(built.decoder, built.backend, built.stats, built.family.config, device, dtype,
                         kv_cache_spec=built.family.kv_cache_spec)
         self = cls(built.family, built.decoder, built.backend, runner, built.offload, built.generation_config,
                    built.tokenizer, built.kernels.choice, str(path_or_id))
         self._memory_plan = built.memory_plan
+        self.mtp = built.mtp  # the multi-token-prediction layers (from_pretrained(mtp=True)), or None
         self.eval()
         if compile:
             self.compile_decode()
@@ -216,6 +225,7 @@ class MoEModel(nn.Module):
         min_p: float | None = None,
         prompt_lookup_num_tokens: int | None = None,
         max_matching_ngram_size: int | None = None,
+        num_speculative_tokens: int | None = None,
     ) -> torch.Tensor:
         """Generate up to ``max_new_tokens`` tokens; returns ``[B, T + n]`` ids including the prompt.
 
@@ -239,6 +249,11 @@ class MoEModel(nn.Module):
         pass by matching the last ``max_matching_ngram_size`` (default 2) tokens earlier in the sequence and
         verifies the draft in one pass (``moeflow.engine.lookup``: the same tokens as plain greedy decoding; one
         sequence; counters ``stats.draft_tokens`` / ``stats.accepted_tokens``).
+        ``num_speculative_tokens`` (vLLM's name): decoding that drafts up to this many tokens per pass with the
+        model's own multi-token-prediction layers (load with ``mtp=True``) and verifies them in one pass
+        (``moeflow.engine.mtp``: greedy, the tokens of plain greedy decoding; sampled, standard speculative
+        sampling, distributed as plain sampling; one sequence; ``stats.draft_tokens``,
+        ``stats.accepted_tokens``, ``stats.generated_tokens``, ``stats.bytes_per_generated_token``).
         """
         gen = self.generation_config.override(
             max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
@@ -260,6 +275,11 @@ class MoEModel(nn.Module):
         input_ids = input_ids.to(self.device, torch.long)
         token_mask = (attention_mask.to(self.device) != 0) if attention_mask is not None else \
             torch.ones((b, t), dtype=torch.bool, device=self.device)
+        if num_speculative_tokens is not None:
+            check_mtp(self.family, self.mtp, gen, b, num_speculative_tokens, micro_batch_size, dual_batch,
+                      prompt_lookup_num_tokens)
+            return generate_with_mtp(self._runner, self.mtp, gen, input_ids, token_mask, num_speculative_tokens,
+                                     streamer=streamer, seed=seed)
         if prompt_lookup_num_tokens is not None or max_matching_ngram_size is not None:
             ngram = max_matching_ngram_size if max_matching_ngram_size is not None else DEFAULT_MAX_NGRAM
             check_lookup(gen, b, prompt_lookup_num_tokens, ngram, micro_batch_size, dual_batch)

@@ -23,10 +23,12 @@ from moeflow.engine.cpu_layers import native_layers
 from moeflow.engine.cpu_linears import check_attention_bits, quantize_decoder_linears
 from moeflow.engine.cpu_step import fuse_cpu_step
 from moeflow.engine.sampling import GenerationConfig
+from moeflow.errors import SchedulingError
 from moeflow.families import Family, family_for_config
 from moeflow.families.base import CausalDecoder
 from moeflow.families.gated_deltanet import GatedDeltaNet
 from moeflow.families.layers import AWQLinear, fuse_qkv_projections
+from moeflow.families.mtp import MultiTokenPredictor
 from moeflow.io.checkpoint import CheckpointReader, open_checkpoint, read_json, read_quantization, resolve_checkpoint
 from moeflow.io.expert_index import ExpertIndex
 from moeflow.io.tokenizer import Tokenizer
@@ -36,6 +38,7 @@ from moeflow.moe.backend import ExpertBackend
 from moeflow.moe.resident import CpuInt4Experts
 from moeflow.offload import Stats, create_expert_backend, get_policy, min_slots
 from moeflow.offload.cpu_slots import CpuInt4Format
+from moeflow.offload.predictors.base import PredictorMismatchError
 from moeflow.offload.units import format_bytes
 from moeflow.quant.fp8 import Fp8BlockReader, awq_expert_tensors, fp8_block_spec
 
@@ -96,14 +99,15 @@ def expert_storage_format(fmt: ExpertFormat, kernels: Kernels, offload: OffloadC
 def make_expert_backend(
     offload: OffloadConfig, kernels: Kernels, *, fmt: ExpertFormat, family: Family, decoder: CausalDecoder,
     device: torch.device, reserved_bytes: int, stats: Stats, checkpoint_dir: Path, expert_source=None,
-    host_reserved_bytes: int = 0,
+    host_reserved_bytes: int = 0, mtp: MultiTokenPredictor | None = None,
 ) -> ExpertBackend:
     """``CpuInt4Experts`` for resident experts computed with the CPU int4 kernels; otherwise the offload
-    package's backend for ``offload.policy`` (``ResidentExperts`` for "resident")."""
-    num_moe = len(family.moe_layers)
+    package's backend for ``offload.policy`` (``ResidentExperts`` for "resident"). ``mtp``: the MTP layers,
+    whose MoE blocks are the backend's last layers."""
+    blocks = decoder.moe_blocks + (mtp.moe_blocks if mtp is not None else [])
+    num_moe = len(blocks)
     if kernels.experts == "cpu-int4" and offload.policy == "resident":
         return CpuInt4Experts(fmt, num_moe, family.num_experts)
-    blocks = decoder.moe_blocks
     return create_expert_backend(
         offload, fmt=fmt, num_layers=num_moe, num_experts=family.num_experts,
         top_k=family.router_spec().top_k, device=device, kernels_backend=kernels.experts,
@@ -128,17 +132,20 @@ class BuiltModel:
     dtype: torch.dtype
     memory_plan: memory.MemoryPlan
     offload: OffloadConfig  # the caller's, or the one chosen for it (default_offload)
+    mtp: MultiTokenPredictor | None = None  # the multi-token-prediction layers, when asked for (mtp=True)
 
 
 def build_model(
     path_or_id: str | os.PathLike, *, device: torch.device, dtype: torch.dtype, offload: OffloadConfig | None,
     kernels: str, revision: str | None, progress: bool | None, families: tuple[type[Family], ...] | None = None,
-    attention_bits: int | None = None, lm_head_bits: int = 8, cuda_graphs: bool = False,
+    attention_bits: int | None = None, lm_head_bits: int = 8, cuda_graphs: bool = False, mtp: bool = False,
 ) -> BuiltModel:
     """Load the checkpoint ``path_or_id`` (directory or hub id). ``families``: accept only these (else ValueError).
     ``cuda_graphs``: the decode step will be captured, so the memory plan reserves its graphs' pools.
     ``attention_bits``: quantize 16-bit attention projections at load (CPU int4 path only, see cpu_linears);
-    ``lm_head_bits``: 8 (default) or 4 (CPU int4 path only, see cpu_linears)."""
+    ``lm_head_bits``: 8 (default) or 4 (CPU int4 path only, see cpu_linears). ``mtp``: also read the
+    multi-token-prediction layers (:mod:`moeflow.families.mtp`; CheckpointError naming the config field or the
+    missing tensor when the checkpoint has none); their experts join the backend after the decoder's."""
     directory = resolve_checkpoint(path_or_id, revision)
     config_path = directory / "config.json"
     raw_config = read_json(config_path)
@@ -168,6 +175,7 @@ def build_model(
         if awq_attention is not None:
             loading.keep_dense_linears(decoder, reader, family, layout, dtype)
         loading.load_non_expert_weights(decoder, reader, family, layout, device, dtype)
+        mtp_module = loading.load_mtp(reader, family, layout, device, dtype, str(config_path)) if mtp else None
         if resolved.linear == "cpu-int4":
             quantize_decoder_linears(decoder, attention_bits, lm_head_bits)
             fuse_cpu_step(decoder, dtype)
@@ -183,23 +191,39 @@ def build_model(
         stats = Stats()
         cfg = family.config
         non_expert = loading.non_expert_bytes(decoder)
+        extra = loading.mtp_moe_layers(mtp_module)  # the MTP layers' MoE layers (and their other weights)
+        if mtp_module is not None:
+            non_expert += loading.non_expert_bytes(mtp_module)
         planned = None
         if offload is None:  # from_pretrained without an OffloadConfig: resident if it fits, else offload
-            offload, planned = default_offload(family, fmt, device, dtype, non_expert, str(directory), cuda_graphs)
+            offload, planned = default_offload(family, fmt, device, dtype, non_expert, str(directory), cuda_graphs,
+                                               extra)
         stored = expert_storage_format(fmt, resolved, offload)
         if planned is None or stored is not fmt:  # (default_offload's plan is reused when the format is the same)
-            planned = plan_memory(offload, family, stored, device, dtype, non_expert, cuda_graphs)
+            planned = plan_memory(offload, family, stored, device, dtype, non_expert, cuda_graphs, extra)
         plan, sized = planned
         source = None
         if offload.host_memory_gb is not None:
-            source = open_expert_index(reader, family, layout, quant, fmt if fp8 is not None else None)
+            source = open_expert_index(reader, family, layout, quant, fmt if fp8 is not None else None,
+                                       len(family.moe_layers) + loading.mtp_moe_layers(mtp_module))
         host_reserved = plan.non_expert + plan.kv_cache if device.type == "cpu" else 0  # weights in host memory
         try:
             backend = make_expert_backend(
                 sized, resolved, fmt=stored, family=family, decoder=decoder, device=device,
                 reserved_bytes=memory.reserved_device_bytes(plan), stats=stats, checkpoint_dir=directory,
-                expert_source=source, host_reserved_bytes=host_reserved,
+                expert_source=source, host_reserved_bytes=host_reserved, mtp=mtp_module,
             )
+        except SchedulingError as e:
+            if source is not None:
+                source.close()
+            if mtp_module is not None and isinstance(e.__cause__, PredictorMismatchError):
+                raise SchedulingError(
+                    f"{e}. from_pretrained(mtp=True) adds the multi-token-prediction layers' experts to the expert "
+                    f"backend as MoE layer(s) {len(family.moe_layers)}..: the trained predictor knows the decoder's "
+                    f"{len(family.moe_layers)} MoE layers only. Load with mtp=False, or choose a policy without a "
+                    "trained predictor file (ondemand, lru, lfu, static, mixtral-offloading; finemoe, auto without "
+                    "files)") from e
+            raise
         except BaseException:
             if source is not None:
                 source.close()
@@ -215,7 +239,8 @@ def build_model(
         if progress is None:
             progress = fmt.nbytes * len(family.moe_layers) * family.num_experts >= PROGRESS_MIN_BYTES
         if not on_disk:  # the disk tier reads its experts itself, when needed
-            experts = loading.iter_experts(reader, family, layout, quant, progress)
+            experts = loading.iter_experts(reader, family, layout, quant, progress,
+                                           loading.mtp_moe_layers(mtp_module))
             if fp8 is not None:
                 experts = loading.requantize_experts(experts, fmt)
             for moe_layer, expert, tensors in experts:
@@ -229,25 +254,27 @@ def build_model(
         reader.close()
     gen = GenerationConfig.from_file(directory / "generation_config.json", cfg.eos_token_id, cfg.pad_token_id)
     tokenizer = Tokenizer(directory / "tokenizer.json") if (directory / "tokenizer.json").is_file() else None
-    return BuiltModel(family, decoder, backend, stats, gen, tokenizer, resolved, device, dtype, plan, offload)
+    return BuiltModel(family, decoder, backend, stats, gen, tokenizer, resolved, device, dtype, plan, offload,
+                      mtp_module)
 
 
 def default_offload(family: Family, fmt: ExpertFormat, device: torch.device, dtype: torch.dtype, non_expert: int,
-                    what: str, cuda_graphs: bool = False,
+                    what: str, cuda_graphs: bool = False, extra_moe_layers: int = 0,
                     ) -> tuple[OffloadConfig, tuple[memory.MemoryPlan, OffloadConfig] | None]:
     """The placement when the caller gave none: every expert on the device when they fit next to the non-expert
     weights, KV cache, activations, workspaces and graph pools in its free memory (always on the CPU); else
     ``OffloadConfig(policy="auto", gpu_memory_gb="auto")``, with a warning saying why and how to choose.
     Also the memory plan of the offloading choice (:func:`plan_memory`'s pair, its budget read from the device
-    once), None for the resident one."""
+    once), None for the resident one. ``extra_moe_layers``: MoE layers past the decoder's (the MTP layers')."""
     resident = OffloadConfig()
     if device.type != "cuda":
         return resident, None
     auto = OffloadConfig(policy="auto", gpu_memory_gb="auto")
-    planned = plan_memory(auto, family, fmt, device, dtype, non_expert, cuda_graphs)  # refuses, naming every
+    planned = plan_memory(auto, family, fmt, device, dtype, non_expert, cuda_graphs,  # refuses, naming every
+                          extra_moe_layers)
     plan = planned[0]  # part, if even the offloading minimum does not fit
     room = plan.gpu_budget - memory.reserved_device_bytes(plan)
-    need = len(family.moe_layers) * family.num_experts * fmt.nbytes
+    need = (len(family.moe_layers) + extra_moe_layers) * family.num_experts * fmt.nbytes
     if room >= need:
         return resident, None
     log.warning("moeflow: %s: its experts (%s) do not fit in the %s of free device memory left after the rest of "
@@ -258,14 +285,16 @@ def default_offload(family: Family, fmt: ExpertFormat, device: torch.device, dty
 
 
 def plan_memory(offload: OffloadConfig, family: Family, fmt: ExpertFormat, device: torch.device, dtype: torch.dtype,
-                non_expert: int, cuda_graphs: bool = False) -> tuple[memory.MemoryPlan, OffloadConfig]:
+                non_expert: int, cuda_graphs: bool = False, extra_moe_layers: int = 0,
+                ) -> tuple[memory.MemoryPlan, OffloadConfig]:
     """The device side of the memory plan, and the config the backend sizes its slots with ("auto" resolved).
-    ``cuda_graphs``: reserve the captured decode steps' pools (:func:`memory.graph_pool_bytes`)."""
+    ``cuda_graphs``: reserve the captured decode steps' pools (:func:`memory.graph_pool_bytes`);
+    ``extra_moe_layers``: MoE layers past the decoder's (the MTP layers', whose experts share the slots)."""
     top_k = family.router_spec().top_k
     spec = family.kv_cache_spec()
     plan = memory.plan_device(
         offload, cfg=family.config, device=device, dtype=dtype, non_expert=non_expert, expert_bytes=fmt.nbytes,
-        total_experts=len(family.moe_layers) * family.num_experts, top_k=top_k,
+        total_experts=(len(family.moe_layers) + extra_moe_layers) * family.num_experts, top_k=top_k,
         intermediate=family.expert_spec().intermediate_size, min_slots=min_slots(offload, top_k),
         offloads=get_policy(offload.policy).offload,
         kv_bytes_per_token=spec.bytes_per_token(dtype.itemsize),
@@ -278,7 +307,7 @@ def plan_memory(offload: OffloadConfig, family: Family, fmt: ExpertFormat, devic
 
 
 def open_expert_index(reader: CheckpointReader, family: Family, layout, quant,
-                      requantize: ExpertFormat | None = None) -> ExpertIndex:
+                      requantize: ExpertFormat | None = None, num_layers: int | None = None) -> ExpertIndex:
     """The byte ranges of every expert in the checkpoint (the disk tier reads experts through it). ``requantize``:
     the AWQ format an FP8 checkpoint's dense experts become on every read, as at load."""
     # a converting reader (GPTQ, compressed-tensors, FP8) converts the raw tensors the index reads, as at load
@@ -290,7 +319,7 @@ def open_expert_index(reader: CheckpointReader, family: Family, layout, quant,
             return tensors
         return awq_expert_tensors(tensors["w13"], tensors["w2"], requantize.group_size, requantize.dtype)
 
-    return ExpertIndex(reader, read, len(family.moe_layers), family.num_experts)
+    return ExpertIndex(reader, read, num_layers or len(family.moe_layers), family.num_experts)
 
 
 def _linear_factory(dtype: torch.dtype, awq_attention: dict | None):

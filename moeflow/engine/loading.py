@@ -16,6 +16,7 @@ from moeflow.errors import CheckpointError
 from moeflow.families import Family, family_for_config
 from moeflow.families.base import ExpertLayout, ExpertSpec
 from moeflow.families.layers import AWQLinear
+from moeflow.families.mtp import MultiTokenPredictor
 from moeflow.io.checkpoint import CheckpointReader, QuantizationSpec, read_json
 from moeflow.kernels.biased import BiasedExpertFormat
 from moeflow.kernels.pool import ExpertFormat
@@ -80,6 +81,37 @@ def load_non_expert_weights(
                 tensor.data = src.to(device=device, dtype=target_dtype)
 
 
+def load_mtp(reader: CheckpointReader, family: Family, layout: ExpertLayout, device: torch.device,
+             dtype: torch.dtype, source: str) -> MultiTokenPredictor:
+    """The family's multi-token-prediction layers with their non-expert weights loaded (dense linears: the MTP
+    layer is one layer, its attention is not quantized at load). CheckpointError naming the config field when
+    config.json declares none, or the first missing tensor when the checkpoint lacks them (a checkpoint saved by
+    transformers drops them)."""
+    field = family.mtp_config_field
+    if field is None or family.num_mtp_layers() == 0:
+        what = f"{field}={family.num_mtp_layers()}" if field else f"the {family.name} family has no such layers"
+        raise CheckpointError(f"{source}: mtp=True but the model has no multi-token-prediction layers ({what})")
+    try:
+        mtp = family.build_mtp(dtype, lambda _n, fan_in, fan_out, bias=False: nn.Linear(fan_in, fan_out, bias=bias,
+                                                                                       dtype=dtype))
+    except NotImplementedError as e:
+        raise CheckpointError(f"{source}: mtp=True: {e}") from None
+    for name, tensor in list(mtp.named_parameters()) + list(mtp.named_buffers()):
+        ckpt = family.mtp_checkpoint_name(name, layout)
+        if ckpt not in reader:
+            raise CheckpointError(f"{reader.directory}: mtp=True but the multi-token-prediction tensor {ckpt!r} is "
+                                  f"missing ({field}={family.num_mtp_layers()} in {source}); load with mtp=False")
+        src = reader.get(ckpt, tuple(tensor.shape))
+        with torch.no_grad():
+            tensor.data = src.to(device=device, dtype=tensor.dtype if name.endswith(FP32_BUFFERS) else dtype)
+    return mtp
+
+
+def mtp_moe_layers(mtp: MultiTokenPredictor | None) -> int:
+    """MoE layers the MTP module adds to the expert backend (0 without one)."""
+    return 0 if mtp is None else len(mtp.moe_blocks)
+
+
 def detect_awq_attention(reader: CheckpointReader, family: Family, layout: ExpertLayout,
                          quant: QuantizationSpec | None) -> dict | None:
     """{group_size, scales_dtype} when the attention projections are AWQ 4-bit, else None."""
@@ -108,9 +140,11 @@ def keep_dense_linears(decoder: nn.Module, reader: CheckpointReader, family: Fam
 
 def iter_experts(
     reader: CheckpointReader, family: Family, layout: ExpertLayout, quant: QuantizationSpec | None, progress: bool,
+    extra_layers: int = 0,
 ) -> Iterator[tuple[int, int, dict[str, torch.Tensor]]]:
-    """Yield (MoE layer index, expert, tensors) one expert at a time, with a progress bar on large checkpoints."""
-    n_moe, n_exp = len(family.moe_layers), family.num_experts
+    """Yield (MoE layer index, expert, tensors) one expert at a time, with a progress bar on large checkpoints.
+    ``extra_layers``: MoE layers past the decoder's (the MTP layers', :func:`mtp_moe_layers`)."""
+    n_moe, n_exp = len(family.moe_layers) + extra_layers, family.num_experts
     bar = tqdm(total=n_moe * n_exp, desc="loading experts", unit="expert", disable=not progress)
     try:
         for moe_layer in range(n_moe):

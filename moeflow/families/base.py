@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from moeflow.families.layers import LinearFactory, RMSNorm, RotaryEmbedding
+from moeflow.families.mtp import MultiTokenPredictor
 from moeflow.io.checkpoint import CheckpointReader, QuantizationSpec
 from moeflow.moe.backend import ExpertBackend
 from moeflow.moe.block import MoEBlock, RoutingRecorder
@@ -152,11 +153,12 @@ class CausalDecoder(nn.Module):
     def forward(
         self, embeds: torch.Tensor, position_ids: torch.Tensor, cache: Any, cache_position: torch.Tensor,
         token_mask: torch.Tensor, experts: ExpertBackend, routing: RoutingRecorder | None = None,
-        last_only: bool = False,
-    ) -> torch.Tensor:
+        last_only: bool = False, return_hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """embeds [B, T, H] (``embed_tokens``'s output), position_ids [B, T], cache_position [T], token_mask
         bool [B, T] -> logits fp32 [B, T, V] (``last_only``: [B, 1, V], the last position's: what generation
-        reads after a prefill, without T - 1 lm_head rows it would drop)."""
+        reads after a prefill, without T - 1 lm_head rows it would drop). ``return_hidden``: (logits, the final
+        norm's output [B, T, H] (every position), what multi-token-prediction layers read)."""
         x = embeds
         cos, sin = self.rotary(position_ids, x.dtype)
         cache.mark_valid(cache_position, token_mask)
@@ -169,6 +171,9 @@ class CausalDecoder(nn.Module):
         else:
             for i, layer in enumerate(self.layers):
                 x = layer(x, cos, sin, cache, cache_position, masks[windows[i]], experts, routing)
+        if return_hidden:
+            hidden = self.norm(x)
+            return self.lm_head(hidden[:, -1:] if last_only else hidden).float(), hidden
         if last_only:
             x = x[:, -1:]
         return self.lm_head(self.norm(x)).float()
@@ -234,6 +239,21 @@ class Family(ABC):
     def expert_linears(self, name: str, reader: CheckpointReader) -> Iterator[tuple[str, torch.Tensor]] | None:
         """For ``moeflow quantize``: when checkpoint tensor ``name`` holds expert weights, the per-expert linear
         weights ``[out, in]`` it holds, each with the module name an AWQ checkpoint stores it under; else None."""
+
+    # ------------------------------------------------------------------ multi-token prediction (families/mtp.py)
+    mtp_config_field: ClassVar[str | None] = None  # the config.json field counting the MTP layers, if any
+
+    def num_mtp_layers(self) -> int:
+        """MTP layers config.json declares (0: none, or the family does not read them)."""
+        return 0
+
+    def build_mtp(self, dtype: torch.dtype, linear_factory: LinearFactory) -> MultiTokenPredictor:
+        """The MTP layers with empty weights (their MoE blocks' indices follow the decoder's MoE layers)."""
+        raise NotImplementedError(f"{self.name}: moeflow does not read this family's multi-token-prediction layers")
+
+    def mtp_checkpoint_name(self, param_path: str, layout: ExpertLayout) -> str:
+        """The checkpoint name of the MTP module's parameter ``param_path`` (``layers.{j}.<rest>``)."""
+        raise NotImplementedError(f"{self.name}: moeflow does not read this family's multi-token-prediction layers")
 
     def kv_cache_spec(self) -> KVCacheSpec:
         """The KV cache the family's attention layers read (default: full heads of the config's sizes)."""

@@ -145,6 +145,12 @@ class DeepSeekFamily(SharedExpertMoEFamily):
         decoder.rotary = rotary
         return decoder
 
+    def mtp_attention(self, cache_layer: int, dtype: torch.dtype, linear_factory: LinearFactory) -> LatentAttention:
+        cfg = self.config
+        _, softmax_mult = rotary_from_config(cfg.rope_scaling or {}, cfg.qk_rope_head_dim, cfg.rope_theta,
+                                             cfg.max_position_embeddings, "config.json")
+        return LatentAttention(self.mla_shape(softmax_mult), cache_layer, linear_factory, dtype)
+
     def attention_linear(self, name: str) -> str | None:
         """None: ``moeflow quantize --attention`` keeps MLA's projections in 16 bits (``kv_b_proj`` is read
         dense to be absorbed, and the engine detects AWQ attention by ``q_proj`` alone)."""

@@ -9,8 +9,9 @@
 * Routed experts as published: ``model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight`` (``.qweight``,
   ``.qzeros``, ``.scales`` for AWQ); as transformers 5.x holds them in memory: ``mlp.experts.gate_up_proj``
   ``[E, 2I, H]`` (gate rows first) and ``mlp.experts.down_proj`` ``[E, H, I]``.
-* Layers past ``num_hidden_layers`` (DeepSeek-V3's and GLM-4.5's multi-token-prediction layers) are never
-  named, so never read.
+* Layers past ``num_hidden_layers`` are the multi-token-prediction layers (``num_nextn_predict_layers``,
+  :mod:`moeflow.families.mtp`): read only when the engine is asked to (``from_pretrained(mtp=True)``); their
+  routed experts are MoE layers ``len(moe_layers) + j`` of the expert backend.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from torch import nn
 from moeflow.errors import CheckpointError
 from moeflow.families.base import ExpertLayout, ExpertSpec, Family
 from moeflow.families.gated_experts import ProjectionNames, split_fused_experts
-from moeflow.families.layers import RMSNorm
+from moeflow.families.layers import LinearFactory, RMSNorm
+from moeflow.families.mtp import MTPLayer, MultiTokenPredictor, mtp_checkpoint_name
 from moeflow.io.checkpoint import CheckpointReader, QuantizationSpec, get_slice
 from moeflow.moe.block import MoEBlock
 from moeflow.moe.routing import RouterSpec
@@ -143,6 +145,28 @@ class SharedExpertMoEFamily(Family):
         return MoEBlock(cfg.hidden_size, cfg.n_routed_experts, self.router_spec(), layer - cfg.first_k_dense_replace,
                         dtype, shared_expert=shared)
 
+    # ------------------------------------------------------------------ multi-token prediction
+    mtp_config_field = "num_nextn_predict_layers"
+
+    def num_mtp_layers(self) -> int:
+        return int(getattr(self.config, "num_nextn_predict_layers", 0) or 0)
+
+    def mtp_attention(self, cache_layer: int, dtype: torch.dtype, linear_factory: LinearFactory) -> nn.Module:
+        """An MTP layer's attention, reading layer ``cache_layer`` of the MTP layers' own cache."""
+        raise NotImplementedError(f"{self.name}: moeflow does not read this family's multi-token-prediction layers")
+
+    def build_mtp(self, dtype: torch.dtype, linear_factory: LinearFactory) -> MultiTokenPredictor:
+        """Each MTP layer's block is a decoder layer of the family (MoE block: MoE index ``len(moe_layers) + j``)."""
+        cfg = self.config
+        h, eps, n = cfg.hidden_size, cfg.rms_norm_eps, cfg.num_hidden_layers
+        layers = [MTPLayer(MoEDecoderLayer(self.mtp_attention(j, dtype, linear_factory), self.build_mlp(n + j, dtype),
+                                           h, eps, dtype), h, eps, dtype) for j in range(self.num_mtp_layers())]
+        return MultiTokenPredictor(layers, n, self.mtp_config_field)
+
+    def mtp_checkpoint_name(self, param_path: str, layout: ExpertLayout) -> str:
+        return mtp_checkpoint_name(param_path, self.config.num_hidden_layers,
+                                   lambda path: self.checkpoint_name(path, layout))
+
     # ------------------------------------------------------------------ checkpoint names
     def checkpoint_name(self, param_path: str, layout: ExpertLayout) -> str:
         if param_path.startswith("lm_head."):
@@ -162,13 +186,16 @@ class SharedExpertMoEFamily(Family):
         if layers and min(layers) >= self.config.num_hidden_layers:
             raise CheckpointError(
                 f"{reader.directory} holds only multi-token-prediction layer tensors (model.layers.{min(layers)}.*, "
-                f"past num_hidden_layers={self.config.num_hidden_layers}), which moeflow never reads: the decoder "
+                f"past num_hidden_layers={self.config.num_hidden_layers}, read only with mtp=True): the decoder "
                 "layers' shards are missing")
         raise CheckpointError(f"no expert tensors for the first MoE layer in {reader.directory}: expected "
                               f"'{base}.0.gate_proj.weight' (or .qweight for AWQ) or '{base}.gate_up_proj'")
 
     def expert_base(self, moe_layer: int) -> str:
-        return f"model.layers.{self.moe_layers[moe_layer]}.mlp.experts"
+        """MoE layers past the decoder's are the MTP layers' (checkpoint layers ``num_hidden_layers + j``)."""
+        n = len(self.moe_layers)
+        layer = self.moe_layers[moe_layer] if moe_layer < n else self.config.num_hidden_layers + moe_layer - n
+        return f"model.layers.{layer}.mlp.experts"
 
     def read_expert(self, reader: CheckpointReader, layout: ExpertLayout, quant: QuantizationSpec | None,
                     moe_layer: int, expert: int) -> dict[str, torch.Tensor]:
@@ -199,11 +226,12 @@ class SharedExpertMoEFamily(Family):
 
     # ------------------------------------------------------------------ quantization (moeflow quantize)
     def expert_linears(self, name: str, reader: CheckpointReader) -> Iterator[tuple[str, torch.Tensor]] | None:
+        last = self.config.num_hidden_layers + self.num_mtp_layers()  # (the MTP layers' experts too)
         m = PER_EXPERT.match(name)
-        if m and int(m.group(2)) < self.config.num_hidden_layers:
+        if m and int(m.group(2)) < last:
             return iter([(name.removesuffix(".weight"), self.read_linear(reader, name.removesuffix(".weight"),
                                                                          None))])
         m = FUSED.match(name)
-        if m and int(m.group(2)) < self.config.num_hidden_layers:
+        if m and int(m.group(2)) < last:
             return split_fused_experts(reader.get(name), m.group(1), m.group(3), "mlp", ProjectionNames())
         return None

@@ -226,6 +226,10 @@ class DeepSeekV32Family(DeepSeekV3Family):
         given = self.config.indexer_rope_interleave
         return self.interleaved_indexer if given is None else bool(given)
 
+    def mtp_attention(self, cache_layer: int, dtype: torch.dtype, linear_factory: LinearFactory) -> nn.Module:
+        raise NotImplementedError(f"{self.name}: the multi-token-prediction layer's sparse attention (its lightning "
+                                  "indexer) is not read yet")
+
     def build_decoder(self, dtype: torch.dtype, linear_factory: LinearFactory) -> CausalDecoder:
         cfg = self.config
         rotary, softmax_mult = rotary_from_config(cfg.rope_scaling or {}, cfg.qk_rope_head_dim, cfg.rope_theta,

@@ -45,6 +45,7 @@ class Glm4MoeConfig(SharedExpertMoEConfig):
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
+    num_nextn_predict_layers: int = 0  # multi-token-prediction layers past num_hidden_layers (families/mtp.py)
     model_type: ClassVar[str] = "glm4_moe"  # named in errors (the configs built on this one set theirs)
 
     def __post_init__(self) -> None:
@@ -145,6 +146,9 @@ class Glm4MoeFamily(SharedExpertMoEFamily):
 
     def router_spec(self) -> RouterSpec:
         return sigmoid_router_spec(self.config, "config.json")
+
+    def mtp_attention(self, cache_layer: int, dtype: torch.dtype, linear_factory: LinearFactory) -> nn.Module:
+        return PartialRotaryAttention(self.config, cache_layer, linear_factory, dtype)
 
     def build_decoder(self, dtype: torch.dtype, linear_factory: LinearFactory) -> CausalDecoder:
         cfg = self.config

@@ -56,6 +56,8 @@ class Stats:
     accepted_tokens: int = 0
     # the disk tier's counters (the DiskHostStore's own object) when experts are read from disk, else None
     disk: DiskStats | None = None
+    # MTP speculation (generate(num_speculative_tokens=...)): tokens generated, the first one included
+    generated_tokens: int = 0
 
     def current(self) -> PhaseStats:
         return getattr(self, self.phase)
@@ -69,9 +71,15 @@ class Stats:
         """Clear the counters and timings (the memory layout fields describe the backend and stay)."""
         self.prefill, self.decode = PhaseStats(), PhaseStats()
         self.phase, self.ttft_s, self.tpot_s, self.peak_gpu_bytes = "prefill", None, None, 0
-        self.draft_tokens = self.accepted_tokens = 0
+        self.draft_tokens = self.accepted_tokens = self.generated_tokens = 0
         if self.disk is not None:
             self.disk.reset()
+
+    @property
+    def bytes_per_generated_token(self) -> float | None:
+        """Host -> device bytes moved while decoding per token decoded after the first (``generated_tokens``
+        counted by the MTP speculation loop; None before it counted two)."""
+        return self.decode.bytes_h2d / (self.generated_tokens - 1) if self.generated_tokens > 1 else None
 
     @property
     def hit_rate(self) -> float:

@@ -41,9 +41,10 @@ def converted_tensors(
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Yield the output tensors, a few at a time (one source tensor's worth)."""
     num_layers = family.config.num_hidden_layers
+    last = num_layers + family.num_mtp_layers()  # the MTP layers are kept, their experts quantized too
     for name in sorted(reader.names()):
-        if past_last_layer(name, num_layers):  # multi-token-prediction layers: not part of the decoder
-            continue
+        if past_last_layer(name, last) or (past_last_layer(name, num_layers) and name.endswith(MTP_COPIES)):
+            continue  # (layers past those config.json declares; the MTP layers' copies of the embedding and head)
         experts = family.expert_linears(name, reader)
         if experts is not None:
             out: dict[str, torch.Tensor] = {}
@@ -57,6 +58,9 @@ def converted_tensors(
             continue
         tensor = reader.get(name)
         yield {family.quantized_name(name): tensor.to(dtype) if tensor.is_floating_point() else tensor}
+
+
+MTP_COPIES = (".embed_tokens.weight", ".shared_head.head.weight")  # never read: the main model's are shared
 
 
 def past_last_layer(name: str, num_layers: int) -> bool:
