@@ -221,7 +221,7 @@ def test_awq_checkpoint_keeps_the_mtp_layer_on_cpu_int4(tiny, tmp_path):
     CPU int4 kernels then draft and verify with the plain greedy tokens of the same quantized model."""
     from safetensors import safe_open
 
-    from moeflow.quant.convert import quantize_checkpoint
+    from moeflow.tools.quantize import quantize_checkpoint
 
     path, _, ids, _ = tiny
     dst = quantize_checkpoint(path, tmp_path / "awq", group_size=32, progress=False)
