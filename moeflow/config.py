@@ -47,6 +47,11 @@ class OffloadConfig:
         checkpoint's files when needed or predicted (docs/disk.md). "auto": the machine's available memory
         minus a margin. ``None``: every expert in host memory.
     disk_readers: threads reading experts from disk (the disk tier's reads overlap compute and each other).
+    background_load: return from ``from_pretrained`` once the non-expert weights are loaded (and the first
+        slots' experts read): the experts fill host memory in the background (``max(disk_readers, cores)``
+        threads), and an expert needed before its turn is read at once through the disk tier's path
+        (docs/disk.md); the same tokens. A shard truncated or deleted meanwhile fails only the requests that
+        need its experts, with an error naming the file. Offloading policies only.
     context_length, max_batch_size: what the memory plan sizes the KV cache, activations and workspaces for
         (``None``: 4096 tokens, capped at the model's context).
     early_hits: launch each layer's expert group over the experts already in slots before its routing is read
@@ -76,6 +81,7 @@ class OffloadConfig:
     predictor_path: str | None = None
     host_memory_gb: float | str | None = None
     disk_readers: int = 2
+    background_load: bool = False
     context_length: int | None = None
     max_batch_size: int = 1
     early_hits: bool | None = None
@@ -118,6 +124,10 @@ class OffloadConfig:
                 raise ValueError(f"OffloadConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.cpu_token_ms is not None and self.cpu_token_ms < 0:
             raise ValueError(f"OffloadConfig.cpu_token_ms must be >= 0, got {self.cpu_token_ms}")
+        if self.background_load and self.policy == "resident":
+            raise ValueError("OffloadConfig.background_load=True needs an offloading policy (the experts are read "
+                             "into host memory in the background and copied to the slots from there); got "
+                             "policy='resident'")
         if self.disk_readers < 1:
             raise ValueError(f"OffloadConfig.disk_readers must be >= 1, got {self.disk_readers}")
         if self.race_margin < 0:
