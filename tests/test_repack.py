@@ -92,3 +92,16 @@ def test_bad_shapes_are_named():
         repack.awq_to_panels(torch.zeros(64, 4, dtype=torch.int64), 32, False)
     with pytest.raises(ValueError, match="out must be"):
         repack.awq_to_q4_packed(torch.zeros(64, 4, dtype=torch.int32), out=torch.empty(32, 16, dtype=torch.uint8))
+
+
+def test_mxfp4_bit_permutation_native_equals_torch(monkeypatch):
+    """MXFP4 blocks into the kernel layout: the C pass (8-bit tables) against torch's 16-bit table lookups."""
+    if not cpu_native.native_available():
+        pytest.skip("moeflow's CPU library does not build here")
+    from moeflow.kernels.mxfp4_reference import from_kernel_layout, to_kernel_layout
+
+    blocks = torch.randint(0, 256, (40, 6, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
+    fast = to_kernel_layout(blocks)
+    monkeypatch.setattr(repack, "_use_native", lambda t: False)
+    assert torch.equal(fast, to_kernel_layout(blocks))
+    assert torch.equal(from_kernel_layout(fast), blocks)

@@ -152,3 +152,20 @@ void mf_nibble_transpose_grouped(const uint32_t *in, int64_t rows, int64_t cols,
         }
     }
 }
+
+/* A fixed permutation of the 32 bits of every word (MXFP4 blocks into the kernel layout,
+   moeflow/kernels/mxfp4_reference.py), given as two 16-bit tables: out = lo[w & 0xFFFF] | hi[w >> 16]. Done as
+   four 8-bit lookups into 4 KiB of tables derived from them (L1-resident, where the 16-bit ones take 512 KiB). */
+void mf_permute_word_bits(const uint32_t *in, int64_t n, const uint32_t *lo, const uint32_t *hi, uint32_t *out) {
+    uint32_t t[4][256];
+    for (int v = 0; v < 256; v++) {
+        t[0][v] = lo[v];
+        t[1][v] = lo[v << 8];
+        t[2][v] = hi[v];
+        t[3][v] = hi[v << 8];
+    }
+    for (int64_t i = 0; i < n; i++) {
+        const uint32_t w = in[i];
+        out[i] = t[0][w & 0xFF] | t[1][(w >> 8) & 0xFF] | t[2][(w >> 16) & 0xFF] | t[3][w >> 24];
+    }
+}

@@ -151,3 +151,16 @@ def awq_to_q4_packed(qweight: torch.Tensor, out: torch.Tensor | None = None) -> 
     x = nibble_transpose_torch(qweight, Q4_ROWS)[:, list(AWQ_REVERSE_ORDER)]  # [K/8, 8 (n % 8), N/8]
     out.view(torch.int32).view(n // 8, k // 8, 8).copy_(x.permute(2, 0, 1))
     return out
+
+
+def permute_word_bits_native(words: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor | None:
+    """``lo[w & 0xFFFF] | hi[w >> 16]`` of every word of ``words`` (contiguous int32 [n]; lo, hi int32 [65536])
+    in one pass of ``mf_permute_word_bits``; None off the CPU or without moeflow's CPU library (the caller then
+    does the same lookups with torch). The MXFP4 blocks' conversion into the kernel layout at load."""
+    if not _use_native(words) or not words.is_contiguous():
+        return None
+    out = torch.empty_like(words)
+    p = ctypes.c_void_p
+    _native().mf_permute_word_bits(p(words.data_ptr()), ctypes.c_int64(words.numel()), p(lo.data_ptr()),
+                                   p(hi.data_ptr()), p(out.data_ptr()))
+    return out
