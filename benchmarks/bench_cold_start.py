@@ -37,24 +37,25 @@ from gpu_checkpoint import MIXTRAL_8X7B, TINY, checkpoint_bytes, write_synthetic
 from peer_report import uptime, write_report  # noqa: E402
 
 CHILD = r"""
-import json, os, sys, time
+import json, os, resource, sys, time
 t_spawn = float(os.environ["COLD_T0"])
-t_imp = time.time()
+cpu = lambda: sum(resource.getrusage(resource.RUSAGE_SELF)[:2])  # user + system seconds, every thread
 import torch
 from moeflow import MoEModel, OffloadConfig
-t_imported = time.time()
+t_imported, c_imported = time.time(), cpu()
 model = MoEModel.from_pretrained(sys.argv[1], device="cpu", progress=False, background_load=sys.argv[2] == "1",
                                  offload=OffloadConfig(policy="lru", gpu_expert_slots=4))
-t_ready = time.time()
+t_ready, c_ready = time.time(), cpu()
 ids = torch.tensor([[1, 15, 27, 3]])
 model.generate(ids, max_new_tokens=1, do_sample=False)
 t_first = time.time()
 host = model.experts.host
 filled = host.wait_filled(timeout=600) if hasattr(host, "wait_filled") else True
-t_filled = time.time()
+t_filled, c_filled = time.time(), cpu()
 print(json.dumps({"import_s": t_imported - t_spawn, "from_pretrained_s": t_ready - t_imported,
-                  "ready_s": t_ready - t_spawn, "first_token_s": t_first - t_spawn,
-                  "all_experts_in_ram_s": t_filled - t_spawn, "filled": filled}))
+                  "from_pretrained_cpu_s": c_ready - c_imported, "ready_s": t_ready - t_spawn,
+                  "first_token_s": t_first - t_spawn, "all_experts_in_ram_s": t_filled - t_spawn,
+                  "cpu_s_to_all_experts_in_ram": c_filled - c_imported, "filled": filled}))
 model.close()
 """
 
@@ -71,15 +72,15 @@ def shard_files(ckpt: Path) -> list[Path]:
     return sorted(ckpt.glob("*.safetensors"))
 
 
-def read_single(files: list[Path]) -> float:
-    """GB/s of one thread reading every file with 16 MiB reads (page cache warm)."""
+def read_single(files: list[Path]) -> tuple[float, float]:
+    """(GB/s, GB per CPU-second) of one thread reading every file with 16 MiB reads (page cache warm)."""
     buf, n = bytearray(16 * 2**20), 0
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.thread_time()
     for f in files:
         with open(f, "rb", buffering=0) as fh:
             while (got := fh.readinto(buf)):
                 n += got
-    return n / (time.perf_counter() - t) / 1e9
+    return n / (time.perf_counter() - t) / 1e9, n / max(time.thread_time() - c, 1e-9) / 1e9
 
 
 def read_threads(files: list[Path], workers: int, chunk: int = 64 * 2**20) -> float:
@@ -154,6 +155,23 @@ def cold_process(ckpt: Path, background: bool) -> dict:
     return out
 
 
+def llama_cpp_cold(bin_dir: Path, gguf: Path, mmap: bool) -> dict:
+    """One cold ``llama-completion`` process (CPU, one new token): wall time from spawn to exit, and its load time
+    from its own log's timestamps (from "load the model" to the next line)."""
+    cmd = [str(bin_dir / "llama-completion"), "-m", str(gguf), "-p", "hi", "-n", "1", "-ngl", "0", "--no-warmup",
+           "--temp", "0"] + ([] if mmap else ["--no-mmap"])
+    t = time.time()
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.time() - t
+    if res.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{(res.stderr or res.stdout)[-2000:]}")
+    stamps = [ln for ln in (res.stderr + res.stdout).splitlines() if ln[:2] == "0." and " I " in ln]
+    at = lambda ln: sum(float(x) * m for x, m in zip(ln.split()[0].split(".")[:3], (60, 1, 1e-3), strict=True))  # noqa: E731
+    start = next((i for i, ln in enumerate(stamps) if "load the model" in ln), None)
+    load = at(stamps[start + 1]) - at(stamps[start]) if start is not None and start + 1 < len(stamps) else None
+    return {"mmap": mmap, "load_s": load, "first_token_s": wall}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="the tiny model (seconds; exercises the code)")
@@ -161,6 +179,8 @@ def main() -> None:
     ap.add_argument("--checkpoint", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=HERE / "results" / "cold_start")
     ap.add_argument("--repeats", type=int, default=1, help="cold processes per mode")
+    ap.add_argument("--llama-cpp", type=Path, default=None,
+                    help="a llama.cpp bin/ with llama-completion: its load of a same-shape Q4_0 GGUF, side by side")
     args = ap.parse_args()
     config, group = (dict(TINY), 32) if args.tiny else (dict(MIXTRAL_8X7B), 128)
     config["num_hidden_layers"] = args.layers if not args.tiny else config["num_hidden_layers"]
@@ -173,10 +193,18 @@ def main() -> None:
     workers = load_workers()
     load_before = uptime()
     read_single(files)  # warm the page cache
-    read1, readn = read_single(files), read_threads(files, workers)
+    (read1, read_cpu), readn = read_single(files), read_threads(files, workers)
     conv = conversions(config, group)
     runs = {mode: [cold_process(ckpt, mode == "background_load") for _ in range(args.repeats)]
             for mode in ("full_load", "background_load")}
+    peer = None
+    if args.llama_cpp is not None:
+        from cold_start_gguf import write_q4_0_gguf
+
+        gguf = write_q4_0_gguf(ckpt.with_name(ckpt.name + "-q4_0.gguf"), config)
+        read_single([gguf])  # page cache warm, as for the safetensors files
+        peer = {"gguf": str(gguf), "bytes": gguf.stat().st_size,
+                "runs": [llama_cpp_cold(args.llama_cpp, gguf, mmap) for mmap in (True, False)]}
     best = {mode: min(r, key=lambda x: x["first_token_s"]) for mode, r in runs.items()}
     full = best["full_load"]
     load_gbps = size / full["from_pretrained_s"] / 1e9
@@ -185,8 +213,10 @@ def main() -> None:
         "uptime_before": load_before, "uptime_after": uptime(), "load_workers": workers,
         "torch_threads": torch.get_num_threads(), "read_gbps_1_thread": round(read1, 3),
         f"read_gbps_{workers}_threads": round(readn, 3), "conversion_gbps_per_core": conv,
+        "read_gb_per_cpu_s": round(read_cpu, 3),
         "from_pretrained_gbps": round(load_gbps, 3), "load_vs_read": round(load_gbps / max(read1, readn), 3),
-        "runs": runs,
+        "from_pretrained_gb_per_cpu_s": round(size / full["from_pretrained_cpu_s"] / 1e9, 3),
+        "runs": runs, "llama_cpp": peer,
     }
     name = "tiny" if args.tiny else f"mixtral-8x7b-L{config['num_hidden_layers']}"
     lines = [
@@ -201,11 +231,17 @@ def main() -> None:
         f"| file read, {workers} threads of preadv | {readn:.2f} GB/s |",
         f"| `from_pretrained` (full load, in the cold process) | {full['from_pretrained_s']:.2f} s = "
         f"{load_gbps:.2f} GB/s = **{result['load_vs_read']:.2f}x** the faster read |",
+        f"| CPU work: read / `from_pretrained` (user + system seconds, all threads) | {read_cpu:.2f} / "
+        f"{result['from_pretrained_gb_per_cpu_s']:.2f} GB per CPU-second |",
         f"| full load: ready / first token (from process start) | {full['ready_s']:.2f} s / "
         f"{full['first_token_s']:.2f} s (imports {full['import_s']:.2f} s) |",
         f"| background_load: ready / first token / every expert in RAM | {best['background_load']['ready_s']:.2f} s"
         f" / {best['background_load']['first_token_s']:.2f} s / {best['background_load']['all_experts_in_ram_s']:.2f}"
         " s |",
+        *([f"| llama.cpp ({'mmap' if r['mmap'] else '--no-mmap'}), same-shape Q4_0 GGUF "
+           f"({peer['bytes'] / 1e9:.2f} GB): load / first token from process start | "
+           f"{r['load_s'] if r['load_s'] is None else round(r['load_s'], 2)} s / {r['first_token_s']:.2f} s |"
+           for r in peer["runs"]] if peer else []),
         "",
         "Layout conversion of one expert's w13 qweight, GB/s per core (thread CPU time):",
         "",

@@ -105,3 +105,20 @@ def test_mxfp4_bit_permutation_native_equals_torch(monkeypatch):
     monkeypatch.setattr(repack, "_use_native", lambda t: False)
     assert torch.equal(fast, to_kernel_layout(blocks))
     assert torch.equal(from_kernel_layout(fast), blocks)
+
+
+def test_int8_row_quantization_native_equals_torch():
+    """The lm_head's int8 quantization in C against the torch expression it replaces (rows of mixed scales, an
+    all-zero row, exact halves)."""
+    if not cpu_native.native_available():
+        pytest.skip("moeflow's CPU library does not build here")
+    from moeflow.kernels.cpu_quant_linear import COMPUTE_DTYPE, INT8_MAX
+
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(37, 96, generator=g) * torch.logspace(-6, 2, 37)[:, None]
+    w[3] = 0.0
+    w[5, :8] = torch.arange(8) + 0.5
+    q, s = repack.quantize_rows_int8_native(w)
+    want_s = (w.abs().amax(dim=1) / INT8_MAX).clamp(min=1e-8).to(COMPUTE_DTYPE)
+    want_q = torch.round(w / want_s.float()[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    assert torch.equal(s, want_s) and torch.equal(q, want_q)

@@ -170,6 +170,11 @@ def quantize_linear_cpu(weight: torch.Tensor, bits: int = 8, group_size: int = 1
     out_features, in_features = weight.shape
     if bits == 8:  # per row, in blocks of rows: the fp32 temporaries stay in cache (a vocabulary-sized lm_head)
         src = weight.detach().cpu()
+        from moeflow.kernels.repack import quantize_rows_int8_native
+
+        fast = quantize_rows_int8_native(src) if src.dtype == torch.float32 else None  # the same bits, one C pass
+        if fast is not None:
+            return CpuQuantLinear(8, in_features, out_features, int8_weight=fast[0], int8_scales=fast[1])
         scales = torch.empty(out_features, dtype=COMPUTE_DTYPE)
         q = torch.empty((out_features, in_features), dtype=torch.int8)
         step = max(1, 2**20 // max(in_features, 1))

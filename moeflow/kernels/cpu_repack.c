@@ -9,6 +9,7 @@
    whole tensors) and the tests comparing both to the unpacking reference are in moeflow/kernels/repack.py. */
 
 #include <stdint.h>
+#include <string.h>
 
 static inline void mf_transpose8(uint32_t x[8]) {
     for (int r = 0; r < 4; r++) {  /* 4x4 blocks of nibbles: upper-right <-> lower-left */
@@ -167,5 +168,37 @@ void mf_permute_word_bits(const uint32_t *in, int64_t n, const uint32_t *lo, con
     for (int64_t i = 0; i < n; i++) {
         const uint32_t w = in[i];
         out[i] = t[0][w & 0xFF] | t[1][(w >> 8) & 0xFF] | t[2][(w >> 16) & 0xFF] | t[3][w >> 24];
+    }
+}
+
+/* Per-row int8 quantization of an fp32 matrix [rows, cols] (the CPU path's lm_head at load), bit for bit the
+   torch expression it replaces (moeflow/kernels/cpu_quant_linear.py): s = bf16(max(max|w| / 127, 1e-8)) (round
+   to nearest even), q = clamp(nearbyint(w / s), -127, 127). scales_bf16: uint16 [rows], q: int8 [rows, cols]. */
+#include <math.h>
+
+void mf_quantize_rows_int8(const float *w, int64_t rows, int64_t cols, uint16_t *scales_bf16, int8_t *q) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = w + r * cols;
+        float amax = 0.0f;
+        for (int64_t c = 0; c < cols; c++) {
+            const float a = fabsf(row[c]);
+            amax = a > amax ? a : amax;
+        }
+        float s = amax / 127.0f;
+        s = s < 1e-8f ? 1e-8f : s;
+        uint32_t bits;
+        memcpy(&bits, &s, 4);
+        bits += 0x7FFFu + ((bits >> 16) & 1u);  /* round to nearest even (s is finite and positive) */
+        const uint16_t b = (uint16_t)(bits >> 16);
+        scales_bf16[r] = b;
+        uint32_t sb = (uint32_t)b << 16;
+        float sf;
+        memcpy(&sf, &sb, 4);
+        int8_t *out = q + r * cols;
+        for (int64_t c = 0; c < cols; c++) {
+            float v = nearbyintf(row[c] / sf);
+            v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+            out[c] = (int8_t)v;
+        }
     }
 }

@@ -252,7 +252,7 @@ def write_kernel_layout(dst: torch.Tensor, name: str, t: torch.Tensor, inter: in
     if name.endswith("qweight") and group_size is not None and dst.is_contiguous():
         from moeflow.kernels.repack import awq_to_panels
 
-        awq_to_panels(t.to(dst.device, non_blocking=True), group_size, interleave=name.startswith("w13"), out=dst)
+        awq_to_panels(t.to(dst.device), group_size, interleave=name.startswith("w13"), out=dst)
         return
     dst.copy_(to_kernel_layout(name, t, inter, group_size))
 

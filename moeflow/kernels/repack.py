@@ -164,3 +164,19 @@ def permute_word_bits_native(words: torch.Tensor, lo: torch.Tensor, hi: torch.Te
     _native().mf_permute_word_bits(p(words.data_ptr()), ctypes.c_int64(words.numel()), p(lo.data_ptr()),
                                    p(hi.data_ptr()), p(out.data_ptr()))
     return out
+
+
+def quantize_rows_int8_native(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``w`` fp32 ``[rows, cols]`` -> (int8 ``[rows, cols]``, bf16 scales ``[rows]``): per row s = bf16(max(max|w| /
+    127, 1e-8)), q = clamp(round(w / s), -127, 127), in one pass of ``mf_quantize_rows_int8`` (bit for bit the
+    torch expression in :func:`moeflow.kernels.cpu_quant_linear.quantize_linear_cpu`); None off the CPU or
+    without moeflow's CPU library."""
+    if not _use_native(w) or w.dtype != torch.float32 or w.dim() != 2:
+        return None
+    w = w.contiguous()
+    q = torch.empty(w.shape, dtype=torch.int8)
+    scales = torch.empty(w.shape[0], dtype=torch.bfloat16)
+    p = ctypes.c_void_p
+    _native().mf_quantize_rows_int8(p(w.data_ptr()), ctypes.c_int64(w.shape[0]), ctypes.c_int64(w.shape[1]),
+                                    p(scales.data_ptr()), p(q.data_ptr()))
+    return q, scales
