@@ -159,7 +159,7 @@ def llama_cpp_cold(bin_dir: Path, gguf: Path, mmap: bool) -> dict:
     """One cold ``llama-completion`` process (CPU, one new token): wall time from spawn to exit, and its load time
     from its own log's timestamps (from "load the model" to the next line)."""
     cmd = [str(bin_dir / "llama-completion"), "-m", str(gguf), "-p", "hi", "-n", "1", "-ngl", "0", "--no-warmup",
-           "--temp", "0"] + ([] if mmap else ["--no-mmap"])
+           "--temp", "0", "-c", "4096", "--load-mode", "mmap" if mmap else "none"]
     t = time.time()
     res = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.time() - t
@@ -238,7 +238,7 @@ def main() -> None:
         f"| background_load: ready / first token / every expert in RAM | {best['background_load']['ready_s']:.2f} s"
         f" / {best['background_load']['first_token_s']:.2f} s / {best['background_load']['all_experts_in_ram_s']:.2f}"
         " s |",
-        *([f"| llama.cpp ({'mmap' if r['mmap'] else '--no-mmap'}), same-shape Q4_0 GGUF "
+        *([f"| llama.cpp (--load-mode {'mmap' if r['mmap'] else 'none'}), same-shape Q4_0 GGUF "
            f"({peer['bytes'] / 1e9:.2f} GB): load / first token from process start | "
            f"{r['load_s'] if r['load_s'] is None else round(r['load_s'], 2)} s / {r['first_token_s']:.2f} s |"
            for r in peer["runs"]] if peer else []),

@@ -119,3 +119,14 @@ def test_background_load_needs_an_offloading_placement():
         MoEOffloadedMixtral.from_pretrained(MODEL, background_load=True)
     with pytest.raises(ValueError, match="resident"):
         OffloadConfig(background_load=True)
+
+
+def test_serve_flag_asks_for_it():
+    from moeflow.cli.commands import build_parser, offload_from_args
+
+    args = build_parser().parse_args(["serve", "--background-load", "--slots", "2", "--device", "cpu"])
+    config = offload_from_args(args, args.slots, args.policy)
+    assert config.background_load and config.gpu_expert_slots == 2 and config.policy == "auto"
+    args = build_parser().parse_args(["serve", "--background-load", "--device", "cpu"])
+    with pytest.raises(SystemExit, match="offloading placement"):
+        offload_from_args(args, args.slots, args.policy)
