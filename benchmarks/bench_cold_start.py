@@ -115,8 +115,8 @@ def read_threads(files: list[Path], workers: int, chunk: int = 64 * 2**20) -> fl
 def conversions(config: dict, group: int) -> dict:
     """Per-core GB/s (thread CPU time, best of 2) of one expert's w13 qweight conversions, old and new."""
     from moeflow.kernels import repack
-    from moeflow.kernels.cpu_native import _pack_q4, native_available
-    from moeflow.kernels.pool import to_kernel_layout_reference
+    from moeflow.kernels.cpu_native import _pack_q4, library, native_available
+    from moeflow.kernels.pool import awq_panel, to_kernel_layout_reference
     from moeflow.quant.awq import unpack_int4
 
     H, I = config["hidden_size"], config["intermediate_size"]  # noqa: E741
@@ -125,9 +125,9 @@ def conversions(config: dict, group: int) -> dict:
     torch.set_num_threads(1)
     cases = {
         "pool panels, unpacking reference": lambda: to_kernel_layout_reference("w13_qweight", q, I, group),
-        "pool panels, packed words": lambda: repack.awq_to_panels(q, group, True),
+        "pool panels, packed words": lambda: repack.awq_to_panels(q, awq_panel(group), True, lib=library()),
         "cpu q4 rows, unpacking reference": lambda: _pack_q4(unpack_int4(q).T.to(torch.uint8)),
-        "cpu q4 rows, packed words": lambda: repack.awq_to_q4_packed(q),
+        "cpu q4 rows, packed words": lambda: repack.awq_to_q4_packed(q, lib=library()),
     }
     out = {}
     for name, f in cases.items():
@@ -188,7 +188,7 @@ def main() -> None:
         f"moeflow-synthetic-{'tiny' if args.tiny else 'mixtral-8x7b'}-awq-L{config['num_hidden_layers']}")
     write_synthetic_awq_checkpoint(ckpt, config, group_size=group)
     files, size = shard_files(ckpt), checkpoint_bytes(ckpt)
-    from moeflow.engine.parallel_load import load_workers
+    from moeflow.config import load_workers
 
     workers = load_workers()
     load_before = uptime()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 
 CPU_COMPUTE = ("auto", "never", "always")
@@ -136,3 +137,12 @@ class OffloadConfig:
     def as_dict(self) -> dict:
         return asdict(self)
 
+
+def load_workers(requested: int | None = None) -> int:
+    """Threads for loading: ``requested``, else ``$MOEFLOW_LOAD_WORKERS``, else the usable cores (at most 16)."""
+    if requested is None:
+        env = os.environ.get("MOEFLOW_LOAD_WORKERS")
+        requested = int(env) if env else min(len(os.sched_getaffinity(0)), 16)
+    if requested < 1:
+        raise ValueError(f"load workers must be >= 1, got {requested}")
+    return requested

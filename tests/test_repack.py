@@ -10,7 +10,7 @@ import torch
 from moeflow.kernels import cpu_native, repack
 from moeflow.kernels.cpu_int4 import Int4Expert
 from moeflow.kernels.cpu_native import Q4Matrix, _pack_q4
-from moeflow.kernels.pool import ExpertFormat, to_kernel_layout, to_kernel_layout_reference
+from moeflow.kernels.pool import ExpertFormat, awq_panel, to_kernel_layout, to_kernel_layout_reference
 from moeflow.quant.awq import unpack_int4
 
 # (K, N, group): C = N/8 words per row not a multiple of 16 (the vector loop's tail), several panels, group 32
@@ -23,41 +23,41 @@ def words(k: int, n: int, seed: int) -> torch.Tensor:
 
 
 @pytest.fixture(params=["native", "torch"])
-def impl(request, monkeypatch):
-    if request.param == "native":
-        if not cpu_native.native_available():
-            pytest.skip("moeflow's CPU library does not build here")
-    else:
-        monkeypatch.setattr(repack, "_use_native", lambda t: False)
-    return request.param
+def lib(request):
+    """moeflow's CPU library (the C converters), or None (the plain-torch twin)."""
+    if request.param == "torch":
+        return None
+    if not cpu_native.native_available():
+        pytest.skip("moeflow's CPU library does not build here")
+    return cpu_native.library()
 
 
 @pytest.mark.parametrize("k,n,group", SHAPES)
-def test_panels_equal_the_unpacking_reference(impl, k, n, group):
+def test_panels_equal_the_unpacking_reference(lib, k, n, group):
     q = words(k, n, k + n)
     for name in ("w13_qweight", "w2_qweight"):
         ref = to_kernel_layout_reference(name, q, n // 2, group)
-        assert torch.equal(repack.awq_to_panels(q, group, interleave=name.startswith("w13")), ref), name
+        got = repack.awq_to_panels(q, awq_panel(group), interleave=name.startswith("w13"), lib=lib)
+        assert torch.equal(got, ref), name
         assert torch.equal(to_kernel_layout(name, q, n // 2, group), ref)
 
 
 @pytest.mark.parametrize("k,n,group", SHAPES)
-def test_q4_rows_equal_the_unpacking_reference(impl, k, n, group):
+def test_q4_rows_equal_the_unpacking_reference(lib, k, n, group):
     q = words(k, n, 7 * k + n)
     ref = _pack_q4(unpack_int4(q).T.to(torch.uint8))
     out = torch.full_like(ref, 0xAB)
-    assert torch.equal(repack.awq_to_q4_packed(q, out=out), ref)
+    assert torch.equal(repack.awq_to_q4_packed(q, out=out, lib=lib), ref)
 
 
-def test_portable_c_build_gives_the_same_bytes(tmp_path, monkeypatch):
+def test_portable_c_build_gives_the_same_bytes(tmp_path):
     """The scalar C loops (no AVX-512 at the baseline ISA) against the references."""
     lib = cpu_native.load(cpu_native.build(tmp_path, native_arch=False))
-    monkeypatch.setattr(cpu_native, "_LIB", lib)
     for k, n, group in SHAPES[:3]:
         q = words(k, n, 3 * k + n)
-        assert torch.equal(repack.awq_to_panels(q, group, True), to_kernel_layout_reference("w13_qweight", q, n // 2,
-                                                                                            group))
-        assert torch.equal(repack.awq_to_q4_packed(q), _pack_q4(unpack_int4(q).T.to(torch.uint8)))
+        assert torch.equal(repack.awq_to_panels(q, awq_panel(group), True, lib=lib),
+                           to_kernel_layout_reference("w13_qweight", q, n // 2, group))
+        assert torch.equal(repack.awq_to_q4_packed(q, lib=lib), _pack_q4(unpack_int4(q).T.to(torch.uint8)))
 
 
 def test_expert_region_round_trips_and_cpu_form_converts_in_place():
@@ -89,7 +89,7 @@ def test_expert_region_round_trips_and_cpu_form_converts_in_place():
 
 def test_bad_shapes_are_named():
     with pytest.raises(ValueError, match="int32"):
-        repack.awq_to_panels(torch.zeros(64, 4, dtype=torch.int64), 32, False)
+        repack.awq_to_panels(torch.zeros(64, 4, dtype=torch.int64), 32, False)  # (int64 words)
     with pytest.raises(ValueError, match="out must be"):
         repack.awq_to_q4_packed(torch.zeros(64, 4, dtype=torch.int32), out=torch.empty(32, 16, dtype=torch.uint8))
 
@@ -102,7 +102,7 @@ def test_mxfp4_bit_permutation_native_equals_torch(monkeypatch):
 
     blocks = torch.randint(0, 256, (40, 6, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
     fast = to_kernel_layout(blocks)
-    monkeypatch.setattr(repack, "_use_native", lambda t: False)
+    monkeypatch.setattr(repack, "permute_word_bits_native", lambda *a: None)  # torch's lookups
     assert torch.equal(fast, to_kernel_layout(blocks))
     assert torch.equal(from_kernel_layout(fast), blocks)
 
@@ -118,7 +118,7 @@ def test_int8_row_quantization_native_equals_torch():
     w = torch.randn(37, 96, generator=g) * torch.logspace(-6, 2, 37)[:, None]
     w[3] = 0.0
     w[5, :8] = torch.arange(8) + 0.5
-    q, s = repack.quantize_rows_int8_native(w)
+    q, s = repack.quantize_rows_int8_native(cpu_native.library(), w)
     want_s = (w.abs().amax(dim=1) / INT8_MAX).clamp(min=1e-8).to(COMPUTE_DTYPE)
     want_q = torch.round(w / want_s.float()[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     assert torch.equal(s, want_s) and torch.equal(q, want_q)

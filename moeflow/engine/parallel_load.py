@@ -10,7 +10,6 @@ experts from several threads at once (its contract). The progress bar counts byt
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -18,19 +17,10 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from tqdm.auto import tqdm
 
+from moeflow.config import load_workers
 from moeflow.io.expert_index import ExpertIndex
 
 Sink = Callable[[int, int, dict[str, torch.Tensor]], None]  # (moe layer, expert, tensors) -> None
-
-
-def load_workers(requested: int | None = None) -> int:
-    """Threads for loading: ``requested``, else ``$MOEFLOW_LOAD_WORKERS``, else the usable cores (at most 16)."""
-    if requested is None:
-        env = os.environ.get("MOEFLOW_LOAD_WORKERS")
-        requested = int(env) if env else min(len(os.sched_getaffinity(0)), 16)
-    if requested < 1:
-        raise ValueError(f"load workers must be >= 1, got {requested}")
-    return requested
 
 
 def load_experts(index: ExpertIndex, sink: Sink, *, workers: int | None = None, progress: bool = False,

@@ -176,7 +176,7 @@ class Q4Matrix:
         from moeflow.kernels.repack import awq_to_q4_packed
 
         # moves packed words: bit for bit _pack_q4 of the unpacked q^T
-        packed = awq_to_q4_packed(qweight.cpu(), out=None if out is None else out.packed)
+        packed = awq_to_q4_packed(qweight.cpu(), out=None if out is None else out.packed, lib=library())
         zeros = unpack_int4(qzeros.cpu())
         compact = scales.dtype == torch.float16 if compact is None else compact
         if compact:

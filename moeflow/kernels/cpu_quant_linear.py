@@ -170,9 +170,10 @@ def quantize_linear_cpu(weight: torch.Tensor, bits: int = 8, group_size: int = 1
     out_features, in_features = weight.shape
     if bits == 8:  # per row, in blocks of rows: the fp32 temporaries stay in cache (a vocabulary-sized lm_head)
         src = weight.detach().cpu()
+        from moeflow.kernels.cpu_native import library
         from moeflow.kernels.repack import quantize_rows_int8_native
 
-        fast = quantize_rows_int8_native(src) if src.dtype == torch.float32 else None  # the same bits, one C pass
+        fast = quantize_rows_int8_native(library(), src) if src.dtype == torch.float32 else None  # same bits, in C
         if fast is not None:
             return CpuQuantLinear(8, in_features, out_features, int8_weight=fast[0], int8_scales=fast[1])
         scales = torch.empty(out_features, dtype=COMPUTE_DTYPE)

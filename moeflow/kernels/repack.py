@@ -50,14 +50,11 @@ def nibble_transpose_torch(qweight: torch.Tensor, row_order: tuple[int, ...] = N
     return x
 
 
-def _native():
-    from moeflow.kernels.cpu_native import library
-
-    return library()
+Library = ctypes.CDLL  # moeflow's CPU library (``moeflow.kernels.cpu_native.library()``), or None: plain torch
 
 
-def _use_native(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and _native() is not None
+def _on_cpu(lib: Library | None, *tensors: torch.Tensor) -> bool:
+    return lib is not None and all(t.device.type == "cpu" for t in tensors)
 
 
 def _check(qweight: torch.Tensor, what: str) -> None:
@@ -66,8 +63,8 @@ def _check(qweight: torch.Tensor, what: str) -> None:
                          f"{tuple(qweight.shape)}")
 
 
-def _run_native(qweight: torch.Tensor, row_order: tuple[int, ...], col_off: torch.Tensor, k_off: torch.Tensor,
-                out: torch.Tensor) -> None:
+def _run_native(lib: Library, qweight: torch.Tensor, row_order: tuple[int, ...], col_off: torch.Tensor,
+                k_off: torch.Tensor, out: torch.Tensor) -> None:
     """``mf_nibble_transpose`` (cpu_repack.c): col_off int64 [N] (input word c, nibble i at 8c + i), k_off int64
     [K/8], word offsets in ``out``."""
     q = qweight.contiguous()
@@ -77,7 +74,7 @@ def _run_native(qweight: torch.Tensor, row_order: tuple[int, ...], col_off: torc
     col_t = _column_table(col_off)
     order = (ctypes.c_int32 * 8)(*row_order)
     p = ctypes.c_void_p
-    _native().mf_nibble_transpose(p(q.data_ptr()), ctypes.c_int64(q.shape[0]), ctypes.c_int64(q.shape[1]),
+    lib.mf_nibble_transpose(p(q.data_ptr()), ctypes.c_int64(q.shape[0]), ctypes.c_int64(q.shape[1]),
                                   ctypes.cast(order, p),
                                   p(col_t.data_ptr()), p(k_off.data_ptr()), p(out.data_ptr()))
 
@@ -100,16 +97,14 @@ def _panel_offsets(k: int, n: int, panel: int, interleave: bool) -> tuple[torch.
     return (col * p8).contiguous(), ((kb // p8) * n * p8 + kb % p8).contiguous()
 
 
-def awq_to_panels(qweight: torch.Tensor, group_size: int, interleave: bool, out: torch.Tensor | None = None
-                  ) -> torch.Tensor:
-    """AWQ qweight int32 ``[K, N/8]`` -> the pool's int32 ``[K/P, N, P/8]`` (P = ``awq_panel(group_size)``; nibble
-    ``i`` of word ``(p, n, j)`` is ``q[pP + 8j + i, n]``), w13's gate and up halves interleaved when
-    ``interleave``. Written into ``out`` (that shape, contiguous) when given."""
-    from moeflow.kernels.pool import awq_panel
-
+def awq_to_panels(qweight: torch.Tensor, panel: int, interleave: bool, out: torch.Tensor | None = None,
+                  lib: Library | None = None) -> torch.Tensor:
+    """AWQ qweight int32 ``[K, N/8]`` -> the pool's int32 ``[K/P, N, P/8]`` (P = ``panel``,
+    :func:`moeflow.kernels.pool.awq_panel` of the group size; nibble ``i`` of word ``(p, n, j)`` is
+    ``q[pP + 8j + i, n]``), w13's gate and up halves interleaved when ``interleave``. Written into ``out`` (that
+    shape, contiguous) when given. ``lib``: moeflow's CPU library (CPU tensors converted in C), else torch."""
     _check(qweight, "awq_to_panels")
     k, n = qweight.shape[0], qweight.shape[1] * 8
-    panel = awq_panel(group_size)
     if k % panel:
         raise ValueError(f"awq_to_panels: K={k} is not a multiple of the panel {panel}")
     shape = (k // panel, n, panel // 8)
@@ -117,8 +112,8 @@ def awq_to_panels(qweight: torch.Tensor, group_size: int, interleave: bool, out:
         out = torch.empty(shape, dtype=torch.int32, device=qweight.device)
     elif tuple(out.shape) != shape or out.dtype != torch.int32 or not out.is_contiguous():
         raise ValueError(f"awq_to_panels: out must be contiguous int32 {shape}, got {out.dtype} {tuple(out.shape)}")
-    if _use_native(qweight) and out.device.type == "cpu":
-        _run_native(qweight, NATURAL_ROWS, *_panel_offsets(k, n, panel, interleave), out)
+    if _on_cpu(lib, qweight, out):
+        _run_native(lib, qweight, NATURAL_ROWS, *_panel_offsets(k, n, panel, interleave), out)
         return out
     x = nibble_transpose_torch(qweight.to(out.device))[:, list(AWQ_REVERSE_ORDER)]  # [K/8, 8, C] natural columns
     cols = x.permute(0, 2, 1).reshape(k // 8, n)  # [K/8, N]
@@ -128,9 +123,11 @@ def awq_to_panels(qweight: torch.Tensor, group_size: int, interleave: bool, out:
     return out
 
 
-def awq_to_q4_packed(qweight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def awq_to_q4_packed(qweight: torch.Tensor, out: torch.Tensor | None = None, lib: Library | None = None
+                     ) -> torch.Tensor:
     """AWQ qweight int32 ``[K, N/8]`` -> ``Q4Matrix.packed`` uint8 ``[N, K/2]`` (rows in groups of 8, cpu_q4.c's
-    layout; N is a multiple of 8, so there is no plain tail). Written into ``out`` when given."""
+    layout; N is a multiple of 8, so there is no plain tail). Written into ``out`` when given. ``lib``: moeflow's
+    CPU library (CPU tensors converted in C), else torch."""
     _check(qweight, "awq_to_q4_packed")
     k, n = qweight.shape[0], qweight.shape[1] * 8
     if k % 32:
@@ -140,11 +137,11 @@ def awq_to_q4_packed(qweight: torch.Tensor, out: torch.Tensor | None = None) -> 
     elif tuple(out.shape) != (n, k // 2) or out.dtype != torch.uint8 or not out.is_contiguous():
         raise ValueError(f"awq_to_q4_packed: out must be contiguous uint8 {(n, k // 2)}, got {out.dtype} "
                          f"{tuple(out.shape)}")
-    if _use_native(qweight) and out.device.type == "cpu":
+    if _on_cpu(lib, qweight, out):
         q = qweight.contiguous()
         p = ctypes.c_void_p
         rows, pos = (ctypes.c_int32 * 8)(*Q4_ROWS), (ctypes.c_int32 * 8)(*AWQ_ORDER)
-        _native().mf_nibble_transpose_grouped(p(q.data_ptr()), ctypes.c_int64(k), ctypes.c_int64(n // 8),
+        lib.mf_nibble_transpose_grouped(p(q.data_ptr()), ctypes.c_int64(k), ctypes.c_int64(n // 8),
                                               ctypes.cast(rows, p), ctypes.cast(pos, p), ctypes.c_int64(k),
                                               p(out.data_ptr()))
         return out
@@ -153,30 +150,31 @@ def awq_to_q4_packed(qweight: torch.Tensor, out: torch.Tensor | None = None) -> 
     return out
 
 
-def permute_word_bits_native(words: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor | None:
+def permute_word_bits_native(lib: Library | None, words: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor
+                             ) -> torch.Tensor | None:
     """``lo[w & 0xFFFF] | hi[w >> 16]`` of every word of ``words`` (contiguous int32 [n]; lo, hi int32 [65536])
-    in one pass of ``mf_permute_word_bits``; None off the CPU or without moeflow's CPU library (the caller then
-    does the same lookups with torch). The MXFP4 blocks' conversion into the kernel layout at load."""
-    if not _use_native(words) or not words.is_contiguous():
+    in one pass of ``mf_permute_word_bits``; None off the CPU or without moeflow's CPU library (``lib`` None: the
+    caller then does the same lookups with torch). The MXFP4 blocks' conversion into the kernel layout at load."""
+    if not _on_cpu(lib, words) or not words.is_contiguous():
         return None
     out = torch.empty_like(words)
     p = ctypes.c_void_p
-    _native().mf_permute_word_bits(p(words.data_ptr()), ctypes.c_int64(words.numel()), p(lo.data_ptr()),
+    lib.mf_permute_word_bits(p(words.data_ptr()), ctypes.c_int64(words.numel()), p(lo.data_ptr()),
                                    p(hi.data_ptr()), p(out.data_ptr()))
     return out
 
 
-def quantize_rows_int8_native(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+def quantize_rows_int8_native(lib: Library | None, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``w`` fp32 ``[rows, cols]`` -> (int8 ``[rows, cols]``, bf16 scales ``[rows]``): per row s = bf16(max(max|w| /
     127, 1e-8)), q = clamp(round(w / s), -127, 127), in one pass of ``mf_quantize_rows_int8`` (bit for bit the
     torch expression in :func:`moeflow.kernels.cpu_quant_linear.quantize_linear_cpu`); None off the CPU or
     without moeflow's CPU library."""
-    if not _use_native(w) or w.dtype != torch.float32 or w.dim() != 2:
+    if not _on_cpu(lib, w) or w.dtype != torch.float32 or w.dim() != 2:
         return None
     w = w.contiguous()
     q = torch.empty(w.shape, dtype=torch.int8)
     scales = torch.empty(w.shape[0], dtype=torch.bfloat16)
     p = ctypes.c_void_p
-    _native().mf_quantize_rows_int8(p(w.data_ptr()), ctypes.c_int64(w.shape[0]), ctypes.c_int64(w.shape[1]),
+    lib.mf_quantize_rows_int8(p(w.data_ptr()), ctypes.c_int64(w.shape[0]), ctypes.c_int64(w.shape[1]),
                                     p(scales.data_ptr()), p(q.data_ptr()))
     return q, scales

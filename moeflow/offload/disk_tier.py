@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from moeflow.config import OffloadConfig
+from moeflow.config import OffloadConfig, load_workers
 from moeflow.errors import SchedulingError
 from moeflow.kernels.pool import ExpertFormat
 from moeflow.offload.disk_store import DiskHostStore
@@ -134,8 +134,6 @@ def maybe_disk_store(config: OffloadConfig, *, expert_source, fmt: ExpertFormat,
                          "(ExpertIndex), which from_pretrained builds; this backend was created without one")
     readers = max(1, config.disk_readers)
     if config.background_load:
-        from moeflow.engine.parallel_load import load_workers
-
         readers = max(readers, load_workers())
     rows = None
     if config.host_memory_gb is not None:
