@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import weakref
 from collections.abc import Callable
@@ -83,6 +84,7 @@ class MoEModel(nn.Module):
         cuda_graphs: bool | None = None,
         lm_head_bits: int = 8,
         mtp: bool = False,
+        background_load: bool = False,
     ):
         """Load an HF-layout checkpoint (fp32/fp16/bf16 or AWQ 4-bit) from a directory or the hub.
 
@@ -109,6 +111,8 @@ class MoEModel(nn.Module):
             ``num_nextn_predict_layers``) for ``generate(num_speculative_tokens=k)``; their experts join the
             expert backend (offloaded like the others) as its last MoE layers. CheckpointError when the
             checkpoint has none.
+        background_load: return once the non-expert weights are loaded, the experts filling host memory in the
+            background (``OffloadConfig.background_load``; an offloading ``offload`` is required).
         """
         device = torch.device(device)
         if device.type == "cuda" and not torch.cuda.is_available():
@@ -117,6 +121,12 @@ class MoEModel(nn.Module):
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise ValueError(f"dtype={dtype}: expected torch.float16, torch.bfloat16 or torch.float32")
         cuda_graphs = graphs_wanted(cuda_graphs, device)  # (before loading: True on a CPU model is refused at once)
+        if background_load:
+            if offload is None:
+                raise ValueError("from_pretrained(background_load=True) needs an offloading OffloadConfig (e.g. "
+                                 "OffloadConfig(policy='lru', gpu_expert_slots=...)): the experts fill host memory "
+                                 "in the background and reach the slots from there")
+            offload = dataclasses.replace(offload, background_load=True)
         built = build_model(path_or_id, device=device, dtype=dtype, offload=offload, kernels=kernels,
                             revision=revision, progress=progress, families=cls._families,
                             attention_bits=attention_bits, lm_head_bits=lm_head_bits, cuda_graphs=cuda_graphs,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 
 CPU_COMPUTE = ("auto", "never", "always")
@@ -47,6 +48,11 @@ class OffloadConfig:
         checkpoint's files when needed or predicted (docs/disk.md). "auto": the machine's available memory
         minus a margin. ``None``: every expert in host memory.
     disk_readers: threads reading experts from disk (the disk tier's reads overlap compute and each other).
+    background_load: return from ``from_pretrained`` once the non-expert weights are loaded (and the first
+        slots' experts read): the experts fill host memory in the background (``max(disk_readers, cores)``
+        threads), and an expert needed before its turn is read at once through the disk tier's path
+        (docs/disk.md); the same tokens. A shard truncated or deleted meanwhile fails only the requests that
+        need its experts, with an error naming the file. Offloading policies only.
     context_length, max_batch_size: what the memory plan sizes the KV cache, activations and workspaces for
         (``None``: 4096 tokens, capped at the model's context).
     early_hits: launch each layer's expert group over the experts already in slots before its routing is read
@@ -76,6 +82,7 @@ class OffloadConfig:
     predictor_path: str | None = None
     host_memory_gb: float | str | None = None
     disk_readers: int = 2
+    background_load: bool = False
     context_length: int | None = None
     max_batch_size: int = 1
     early_hits: bool | None = None
@@ -118,6 +125,10 @@ class OffloadConfig:
                 raise ValueError(f"OffloadConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.cpu_token_ms is not None and self.cpu_token_ms < 0:
             raise ValueError(f"OffloadConfig.cpu_token_ms must be >= 0, got {self.cpu_token_ms}")
+        if self.background_load and self.policy == "resident":
+            raise ValueError("OffloadConfig.background_load=True needs an offloading policy (the experts are read "
+                             "into host memory in the background and copied to the slots from there); got "
+                             "policy='resident'")
         if self.disk_readers < 1:
             raise ValueError(f"OffloadConfig.disk_readers must be >= 1, got {self.disk_readers}")
         if self.race_margin < 0:
@@ -126,3 +137,12 @@ class OffloadConfig:
     def as_dict(self) -> dict:
         return asdict(self)
 
+
+def load_workers(requested: int | None = None) -> int:
+    """Threads for loading: ``requested``, else ``$MOEFLOW_LOAD_WORKERS``, else the usable cores (at most 16)."""
+    if requested is None:
+        env = os.environ.get("MOEFLOW_LOAD_WORKERS")
+        requested = int(env) if env else min(len(os.sched_getaffinity(0)), 16)
+    if requested < 1:
+        raise ValueError(f"load workers must be >= 1, got {requested}")
+    return requested

@@ -38,11 +38,18 @@ def offload_from_args(args, slots: int | None, policy: str | None):
     given = dict(gpu_expert_slots=slots, gpu_memory_gb=getattr(args, "gpu_memory_gb", None),
                  host_memory_gb=getattr(args, "host_memory_gb", None),
                  early_hits=AUTO_ON_OFF[getattr(args, "early_hits", "auto")])
+    background = bool(getattr(args, "background_load", False))
     if policy is None:
         if all(v is None for v in given.values()):
+            if background:
+                raise SystemExit("--background-load needs an offloading placement: give --slots, --gpu-memory-gb "
+                                 "or --policy")
             return None
         policy = "auto" if slots is not None or given["gpu_memory_gb"] is not None else "resident"
-    return OffloadConfig(policy=policy, **given)
+    if background and policy == "resident":
+        raise SystemExit("--background-load needs an offloading policy (not 'resident'): give --slots, "
+                         "--gpu-memory-gb or --policy")
+    return OffloadConfig(policy=policy, background_load=background, **given)
 
 
 def _load(args, slots: int | None, policy: str | None):

@@ -237,6 +237,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         help="device memory budget in GB, or 'auto'; sizes the expert slots")
     p.add_argument("--host-memory-gb", type=_gb_or_auto, default=None,
                    help="host memory budget in GB, or 'auto'; experts that do not fit are read from disk")
+    p.add_argument("--background-load", action="store_true",
+                   help="ready once the non-expert weights are loaded; experts fill host memory in the background "
+                        "(read on demand until then; needs an offloading placement)")
     p.add_argument("--policy", default=None,
                    help="an offload policy (default: every expert on the device when they fit, else 'auto'; "
                         "'auto' when --slots or --gpu-memory-gb is given)")

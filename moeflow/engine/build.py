@@ -22,6 +22,7 @@ from moeflow.engine import loading, memory
 from moeflow.engine.cpu_layers import native_layers
 from moeflow.engine.cpu_linears import check_attention_bits, quantize_decoder_linears
 from moeflow.engine.cpu_step import fuse_cpu_step
+from moeflow.engine.parallel_load import load_experts
 from moeflow.engine.sampling import GenerationConfig
 from moeflow.errors import SchedulingError
 from moeflow.families import Family, family_for_config
@@ -171,7 +172,8 @@ def build_model(
             raise ValueError(f"attention_bits={attention_bits}: {family.name}'s gated attention and linear-attention "
                              "projections are not quantized at load; leave attention_bits unset")
         awq_attention = loading.detect_awq_attention(reader, family, layout, quant)
-        decoder = family.build_decoder(dtype, _linear_factory(dtype, awq_attention))
+        with loading.skipped_weight_init():  # every parameter is read from the checkpoint below
+            decoder = family.build_decoder(dtype, _linear_factory(dtype, awq_attention))
         if awq_attention is not None:
             loading.keep_dense_linears(decoder, reader, family, layout, dtype)
         loading.load_non_expert_weights(decoder, reader, family, layout, device, dtype)
@@ -203,7 +205,7 @@ def build_model(
             planned = plan_memory(offload, family, stored, device, dtype, non_expert, cuda_graphs, extra)
         plan, sized = planned
         source = None
-        if offload.host_memory_gb is not None:
+        if offload.host_memory_gb is not None or offload.background_load or fp8 is None:  # (FP8: one by one below)
             source = open_expert_index(reader, family, layout, quant, fmt if fp8 is not None else None,
                                        len(family.moe_layers) + loading.mtp_moe_layers(mtp_module))
         host_reserved = plan.non_expert + plan.kv_cache if device.type == "cpu" else 0  # weights in host memory
@@ -234,15 +236,18 @@ def build_model(
             log.warning("%s: experts stay on disk in FP8, so every read from disk requantizes one to int4 on the "
                         "CPU (about a second per expert at DeepSeek-V3 sizes): run `moeflow quantize %s DST` once "
                         "and load DST to read int4 experts as stored", config_path, directory)
-        if source is not None and not on_disk:
-            source.close()  # every expert fits in host memory: loaded below as without a budget
         if progress is None:
             progress = fmt.nbytes * len(family.moe_layers) * family.num_experts >= PROGRESS_MIN_BYTES
-        if not on_disk:  # the disk tier reads its experts itself, when needed
-            experts = loading.iter_experts(reader, family, layout, quant, progress,
-                                           loading.mtp_moe_layers(mtp_module))
-            if fp8 is not None:
-                experts = loading.requantize_experts(experts, fmt)
+        if not on_disk and fp8 is None:  # parallel preads straight into the backend's storage
+            try:
+                load_experts(source, backend.load_expert, progress=progress)
+            finally:
+                source.close()
+        elif not on_disk:  # the disk tier reads its experts itself, when needed
+            if source is not None:
+                source.close()
+            experts = loading.requantize_experts(loading.iter_experts(reader, family, layout, quant, progress,
+                                                                     loading.mtp_moe_layers(mtp_module)), fmt)
             for moe_layer, expert, tensors in experts:
                 backend.load_expert(moe_layer, expert, tensors)
         backend.finish_loading()

@@ -5,6 +5,7 @@ Everything family-specific (tensor names, expert layouts) is asked of the :class
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -57,6 +58,31 @@ def biased_expert_format(spec: ExpertSpec, layout: ExpertLayout, quant: Quantiza
             return BiasedExpertFormat(H, I, "mxfp4", dtype, 32, **kw)
         return BiasedExpertFormat(H, I, "awq", layout.scales_dtype, quant.group_size, **kw)
     return BiasedExpertFormat(H, I, "dense", dtype, **kw)
+
+
+_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+                   "xavier_normal_", "constant_", "zeros_", "ones_", "orthogonal_")
+
+
+@contextlib.contextmanager
+def skipped_weight_init() -> Iterator[None]:
+    """Modules built inside keep their parameters uninitialized (``torch.empty``'s bytes): the random
+    initialization of ``nn.Linear`` / ``nn.Embedding`` (seconds for a vocabulary-sized matrix) is skipped, as
+    every parameter is then overwritten from the checkpoint by :func:`load_non_expert_weights`, which refuses a
+    checkpoint that lacks one. (``transformers``' ``no_init_weights`` does the same.) Not for concurrent use
+    with code that relies on ``torch.nn.init`` in other threads."""
+    saved = {name: getattr(torch.nn.init, name) for name in _INIT_FUNCTIONS if hasattr(torch.nn.init, name)}
+
+    def skip(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return tensor
+
+    try:
+        for name in saved:
+            setattr(torch.nn.init, name, skip)
+        yield
+    finally:
+        for name, f in saved.items():
+            setattr(torch.nn.init, name, f)
 
 
 def load_non_expert_weights(

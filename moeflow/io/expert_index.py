@@ -102,6 +102,24 @@ def read_header(path: Path) -> dict[str, TensorLocation]:
     return out
 
 
+class _Locations(dict):
+    """tensor name -> :class:`TensorLocation`, filled one shard header at a time when a name of that shard is first
+    looked up: shards without expert tensors (an MTP-only shard, the embeddings) are never opened."""
+
+    def __init__(self, weight_map: dict) -> None:
+        super().__init__()
+        self.weight_map = weight_map
+        self.read: set[str] = set()
+
+    def __missing__(self, name: str) -> TensorLocation:
+        path = self.weight_map.get(name)
+        if path is None or str(path) in self.read:
+            raise KeyError(name)
+        self.read.add(str(path))
+        self.update(read_header(Path(path)))
+        return self[name]
+
+
 class _Handle:
     """What ``CheckpointReader._open`` returns (``get_tensor``, ``get_slice``), served from the index."""
 
@@ -175,10 +193,7 @@ class ExpertIndex:
         self.num_layers, self.num_experts = num_layers, num_experts
         self.read_expert = read_expert
         self.range_reader = range_reader or _preadv
-        locations: dict[str, TensorLocation] = {}
-        for path in sorted(set(reader.weight_map.values())):
-            locations.update(read_header(Path(path)))
-        self.locations = locations
+        self.locations = _Locations(reader.weight_map)  # headers read as the experts' shards are first named
         self._weight_map = dict(reader.weight_map)
         self.experts: dict[tuple[int, int], ExpertRead] = {}
         self.shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None

@@ -136,8 +136,16 @@ class Int4Expert:
     intermediate_size: int
 
     @classmethod
-    def from_awq_tensors(cls, t: dict[str, torch.Tensor], group_size: int) -> Int4Expert:
-        """t: one expert's tensors named as :class:`~moeflow.kernels.pool.ExpertFormat` ("awq") names them."""
+    def from_awq_tensors(cls, t: dict[str, torch.Tensor], group_size: int, out: Int4Expert | None = None
+                         ) -> Int4Expert:
+        """t: one expert's tensors named as :class:`~moeflow.kernels.pool.ExpertFormat` ("awq") names them.
+        ``out``: an expert in moeflow's q4 form (views of a host-store region) to convert into, in place."""
+        if out is not None:
+            if not (out.native and native_format_fits(group_size)):
+                raise ValueError("Int4Expert.from_awq_tensors(out=...): converting in place needs moeflow's q4 form")
+            Q4Matrix.from_awq(t["w13_qweight"], t["w13_qzeros"], t["w13_scales"], group_size, out=out.w13)
+            Q4Matrix.from_awq(t["w2_qweight"], t["w2_qzeros"], t["w2_scales"], group_size, out=out.w2)
+            return out
         make = Q4Matrix.from_awq if native_format_fits(group_size) else Int4Matrix.from_awq
         w13 = make(t["w13_qweight"], t["w13_qzeros"], t["w13_scales"], group_size)
         w2 = make(t["w2_qweight"], t["w2_qzeros"], t["w2_scales"], group_size)

@@ -44,7 +44,8 @@ from moeflow.quant.awq import unpack_int4
 log = logging.getLogger(__name__)
 
 # one library: the matrix kernels, the int4 and int8 row-group kernels, the decode-step ops
-SOURCES = tuple(Path(__file__).with_name(f) for f in ("cpu_native.c", "cpu_q4.c", "cpu_q8.c", "cpu_step.c"))
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("cpu_native.c", "cpu_q4.c", "cpu_q8.c", "cpu_step.c",
+                                                                 "cpu_repack.c"))
 HEADER = Path(__file__).with_name("cpu_native.h")
 BLOCK = 32  # activation features per int8 scale (and the weights' packing block)
 ROW_GROUP = 8  # q4 and q8 rows interleaved together (cpu_q4.c's and cpu_q8.c's layouts)
@@ -118,6 +119,14 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.mf_q8_linear.argtypes = [p, i, i, i, p, p, p, i]
     lib.mf_q8_linear_rows.argtypes = [p, i, i, i, p, p, p, i, p]
     lib.mf_q4_expert.argtypes = [p, i, i, i, i, i, p, p, p, p, p, p, p, p, i, i]
+    lib.mf_nibble_transpose.argtypes = [p, ctypes.c_int64, ctypes.c_int64, p, p, p, p]
+    lib.mf_nibble_transpose.restype = None
+    lib.mf_nibble_transpose_grouped.argtypes = [p, ctypes.c_int64, ctypes.c_int64, p, p, ctypes.c_int64, p]
+    lib.mf_nibble_transpose_grouped.restype = None
+    lib.mf_permute_word_bits.argtypes = [p, ctypes.c_int64, p, p, p]
+    lib.mf_permute_word_bits.restype = None
+    lib.mf_quantize_rows_int8.argtypes = [p, ctypes.c_int64, ctypes.c_int64, p, p]
+    lib.mf_quantize_rows_int8.restype = None
     for f in (lib.mf_q4_linear, lib.mf_q8_linear, lib.mf_q8_linear_rows, lib.mf_q4_expert):
         f.restype = i
     return lib
@@ -156,25 +165,38 @@ class Q4Matrix:
 
     @classmethod
     def from_awq(cls, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,
-                 compact: bool | None = None) -> Q4Matrix:
+                 compact: bool | None = None, out: Q4Matrix | None = None) -> Q4Matrix:
         """AWQ GEMM layout: qweight int32 [K, N/8], qzeros int32 [K/g, N/8], scales [K/g, N] (y = x @ W_awq).
         ``compact`` (default: scales are fp16): the ``Q4_F16Z`` form; fp32 scales that are not fp16 numbers
-        cannot take it."""
+        cannot take it. ``out``: a matrix of this shape and form (views of a host-store region) whose tensors are
+        written in place, the packed weights converted straight into them; returned."""
         if group_size % BLOCK or qweight.shape[0] % group_size:
             raise ValueError(f"qweight {tuple(qweight.shape)}, group_size {group_size}: the CPU kernel needs "
                              f"group_size % {BLOCK} == 0 and in_features % group_size == 0")
-        q = unpack_int4(qweight.cpu()).T.to(torch.uint8)  # [N, K]
+        from moeflow.kernels.repack import awq_to_q4_packed
+
+        # moves packed words: bit for bit _pack_q4 of the unpacked q^T
+        packed = awq_to_q4_packed(qweight.cpu(), out=None if out is None else out.packed, lib=library())
         zeros = unpack_int4(qzeros.cpu())
         compact = scales.dtype == torch.float16 if compact is None else compact
         if compact:
             half = scales.cpu().half()
             if not torch.equal(half.float(), scales.cpu().float()):
                 raise ValueError("Q4Matrix.from_awq(compact=True): the scales are not all fp16 numbers")
-            return cls(_pack_q4(q), _group_rows(half.T.contiguous()), _group_rows(zeros.to(torch.uint8).T.contiguous()),
+            made = cls(packed, _group_rows(half.T.contiguous()), _group_rows(zeros.to(torch.uint8).T.contiguous()),
                        group_size)
-        s = scales.cpu().float()
-        mins = -zeros.float() * s
-        return cls(_pack_q4(q), _group_rows(s.T.contiguous()), _group_rows(mins.T.contiguous()), group_size)
+        else:
+            s = scales.cpu().float()
+            mins = -zeros.float() * s
+            made = cls(packed, _group_rows(s.T.contiguous()), _group_rows(mins.T.contiguous()), group_size)
+        if out is None:
+            return made
+        if made.fmt != out.fmt or made.group_size != out.group_size:
+            raise ValueError(f"Q4Matrix.from_awq(out=...): out is form {out.fmt} group {out.group_size}, the "
+                             f"tensors give form {made.fmt} group {made.group_size}")
+        out.scales.copy_(made.scales)
+        out.mins.copy_(made.mins)
+        return out
 
     @property
     def fmt(self) -> int:

@@ -168,11 +168,24 @@ def quantize_linear_cpu(weight: torch.Tensor, bits: int = 8, group_size: int = 1
     if weight.dim() != 2 or not weight.is_floating_point():
         raise ValueError(f"weight must be a float [out, in] matrix, got {weight.dtype} {tuple(weight.shape)}")
     out_features, in_features = weight.shape
-    w = weight.detach().cpu().float()
-    if bits == 8:
-        scales = (w.abs().amax(dim=1) / INT8_MAX).clamp(min=1e-8).to(COMPUTE_DTYPE)
-        q = torch.round(w / scales.float()[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8).contiguous()
+    if bits == 8:  # per row, in blocks of rows: the fp32 temporaries stay in cache (a vocabulary-sized lm_head)
+        src = weight.detach().cpu()
+        from moeflow.kernels.cpu_native import library
+        from moeflow.kernels.repack import quantize_rows_int8_native
+
+        fast = quantize_rows_int8_native(library(), src) if src.dtype == torch.float32 else None  # same bits, in C
+        if fast is not None:
+            return CpuQuantLinear(8, in_features, out_features, int8_weight=fast[0], int8_scales=fast[1])
+        scales = torch.empty(out_features, dtype=COMPUTE_DTYPE)
+        q = torch.empty((out_features, in_features), dtype=torch.int8)
+        step = max(1, 2**20 // max(in_features, 1))
+        for a in range(0, out_features, step):
+            w = src[a:a + step].float()
+            s = (w.abs().amax(dim=1) / INT8_MAX).clamp(min=1e-8).to(COMPUTE_DTYPE)
+            scales[a:a + step] = s
+            q[a:a + step] = torch.round(w / s.float()[:, None]).clamp(-INT8_MAX, INT8_MAX)
         return CpuQuantLinear(8, in_features, out_features, int8_weight=q, int8_scales=scales)
+    w = weight.detach().cpu().float()
     if bits == 4:
         check_group_size(group_size, in_features)
         t = quantize_rtn(w, group_size)

@@ -176,8 +176,8 @@ class ExpertFormat:
                 raise ValueError(f"expert tensor {name!r} must be int32 (packed AWQ), got {t.dtype}")
         for name, t in tensors.items():
             if name in want:
-                views[name][0].copy_(to_kernel_layout(name, t.to(self.spec(name).dtype), self.intermediate_size,
-                                                      self.group_size))
+                write_kernel_layout(views[name][0], name, t.to(self.spec(name).dtype), self.intermediate_size,
+                                    self.group_size)
 
     def loader_tensors(self, region: torch.Tensor) -> dict[str, torch.Tensor]:
         """Exact inverse of :meth:`write`: the loader-form tensors (AWQ as published, or dense) of one region."""
@@ -234,7 +234,37 @@ def _split_halves(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 def to_kernel_layout(name: str, t: torch.Tensor, inter: int, group_size: int | None = None) -> torch.Tensor:
     """One loader-form tensor -> its kernel layout (see the module docstring); ``group_size`` (AWQ) sets the
-    qweight panel."""
+    qweight panel. The qweights move packed words (:func:`moeflow.kernels.repack.awq_to_panels`); bit for bit
+    :func:`to_kernel_layout_reference`."""
+    if name.endswith("qweight"):
+        if group_size is None:
+            raise ValueError(f"to_kernel_layout({name!r}): the AWQ group size sets the qweight panel; none given")
+        from moeflow.kernels.cpu_native import library
+        from moeflow.kernels.repack import awq_to_panels
+
+        return awq_to_panels(t, awq_panel(group_size), interleave=name.startswith("w13"),
+                             lib=library() if t.device.type == "cpu" else None)
+    return to_kernel_layout_reference(name, t, inter, group_size)
+
+
+def write_kernel_layout(dst: torch.Tensor, name: str, t: torch.Tensor, inter: int, group_size: int | None) -> None:
+    """:func:`to_kernel_layout` of ``t`` into ``dst`` (its kernel-layout shape, e.g. a region's view): a qweight
+    is converted straight into ``dst`` (on ``dst``'s device: a CUDA region converts on the GPU after one copy of the
+    packed words), the small tensors through :func:`to_kernel_layout_reference`."""
+    if name.endswith("qweight") and group_size is not None and dst.is_contiguous():
+        from moeflow.kernels.cpu_native import library
+        from moeflow.kernels.repack import awq_to_panels
+
+        awq_to_panels(t.to(dst.device), awq_panel(group_size), interleave=name.startswith("w13"), out=dst,
+                      lib=library() if dst.device.type == "cpu" else None)
+        return
+    dst.copy_(to_kernel_layout(name, t, inter, group_size))
+
+
+def to_kernel_layout_reference(name: str, t: torch.Tensor, inter: int, group_size: int | None = None
+                               ) -> torch.Tensor:
+    """:func:`to_kernel_layout` by unpacking every nibble (the reference the fast qweight path is tested against,
+    and the path of the small tensors: scales, zeros, dense weights)."""
     w13 = name.startswith("w13")
     if name == "w13":
         return _interleave_halves(t, 0)

@@ -76,7 +76,8 @@ class ExpertBackend(ABC):
 
     @abstractmethod
     def load_expert(self, layer: int, expert: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Store one expert's tensors (names of ``fmt``) at load time."""
+        """Store one expert's tensors (names of ``fmt``) at load time. Called from several loader threads at once
+        for distinct experts (:mod:`moeflow.engine.parallel_load`): an implementation must be safe for that."""
 
     def finish_loading(self) -> None:  # noqa: B027 (optional hook)
         """Called once after every expert was loaded (checks, warm start). Default: nothing to do."""

@@ -81,6 +81,9 @@ class CpuInt4Format(ExpertFormat):
                 raise ValueError(f"expert tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
             if not name.endswith("scales") and t.dtype != torch.int32:
                 raise ValueError(f"expert tensor {name!r} must be int32 (packed AWQ), got {t.dtype}")
+        if self._template.native:  # moeflow's q4 matrices: converted straight into the region's views
+            Int4Expert.from_awq_tensors(tensors, self.group_size, out=self.int4_expert(region))
+            return
         form = Int4Expert.from_awq_tensors(tensors, self.group_size)
         views = self.views(region.view(1, -1))
         for prefix, matrix in (("w13", form.w13), ("w2", form.w2)):

@@ -17,6 +17,7 @@ is only marked ready after the whole expert was converted into it, so nothing ha
 from __future__ import annotations
 
 import heapq
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -28,8 +29,10 @@ from moeflow.kernels.pool import ExpertFormat
 from moeflow.offload.eviction import EvictionPolicy, Key
 from moeflow.offload.host_store import HostStore
 
+log = logging.getLogger(__name__)
+
 FREE, READING, READY = "free", "reading", "ready"
-HIGH, LOW = 0, 1
+HIGH, LOW, FILL = 0, 1, 2  # demand reads, then prefetches, then the background fill (OffloadConfig.background_load)
 
 
 @dataclass
@@ -41,6 +44,7 @@ class DiskStats:
     reads: int = 0
     demand_reads: int = 0  # experts read after their layer's gate asked for them (after load)
     prefetch_reads: int = 0  # experts read ahead of their gate (a predictor's guesses)
+    fill_reads: int = 0  # experts queued by the background fill (OffloadConfig.background_load)
     hits: int = 0  # acquires that found the expert in host memory
     misses: int = 0  # acquires that had to wait for a read
     stall_s: float = 0.0  # time the compute thread waited on disk reads (and on rows to free)
@@ -90,7 +94,10 @@ class DiskHostStore(HostStore):
         self._free = list(range(capacity - 1, -1, -1))  # free rows, row 0 on top
         self._pins = [0] * capacity
         self._holds: list[list] = [[] for _ in range(capacity)]  # copy tasks reading the row
-        self._errors: dict[Key, BaseException] = {}
+        # failed reads: (failure number, error), delivered to the acquires that began before it (a later one
+        # reads the expert afresh: an error never outlives the requests it failed)
+        self._errors: dict[Key, tuple[int, BaseException]] = {}
+        self._failures = 0
         self._cpu_forms: dict[Key, object] = {}
         self._queue: list[tuple[int, int, Key, int]] = []  # (priority, order, key, row)
         self._order = 0
@@ -152,6 +159,8 @@ class DiskHostStore(HostStore):
                 if (layer, e) not in self._row_of:
                     if self._start_read((layer, e), HIGH) is None:
                         return
+                elif self._state[self._row_of[(layer, e)]] == READING:
+                    self._bump((layer, e))  # queued by the background fill: needed now
 
     def acquire(self, layer: int, expert: int) -> int:
         """Block until the expert is in host memory and pin its row (released by :meth:`hold` or :meth:`release`)."""
@@ -160,9 +169,13 @@ class DiskHostStore(HostStore):
         waited = False
         with self._cond:
             self.policy.access(key)
+            began = self._failures
             while True:
                 if key in self._errors:
-                    raise self._errors.pop(key)
+                    failure, exc = self._errors.pop(key)
+                    if failure > began:
+                        raise exc
+                    continue  # an earlier request's failure: read it again
                 row = self._row_of.get(key)
                 if row is not None and self._state[row] == READY:
                     self._pins[row] += 1
@@ -253,7 +266,32 @@ class DiskHostStore(HostStore):
                 self._cond.wait(timeout=0.5)
             for key in keys:
                 if key in self._errors:
-                    raise self._errors.pop(key)
+                    raise self._errors.pop(key)[1]
+
+    def background_fill(self, keys: list[Key]) -> None:
+        """Queue ``keys`` (at most ``capacity``) for reading behind every demand and prefetch read, and return at
+        once: the background fill of ``OffloadConfig.background_load``. A key acquired before its turn is read
+        at demand priority; a failed read fails only the acquires of its expert (and is read again on the next)."""
+        with self._cond:
+            for key in keys[: self.capacity]:
+                if key not in self._row_of and self._start_read(key, FILL) is None:
+                    break
+
+    def filled(self) -> bool:
+        """Whether no read is queued or running (the background fill, if any, is done)."""
+        with self._cond:
+            return not self._queue and READING not in self._state
+
+    def wait_filled(self, timeout: float | None = None) -> bool:
+        """Block until :meth:`filled` (or ``timeout`` seconds); returns whether it is."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._queue or READING in self._state:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(timeout=0.5 if left is None else min(left, 0.5))
+        return True
 
     def finish_warm_fill(self) -> None:
         self.loading = False
@@ -269,15 +307,17 @@ class DiskHostStore(HostStore):
         heapq.heappush(self._queue, (priority, self._order, key, row))
         if priority == LOW:
             self.stats.prefetch_reads += 1
+        elif priority == FILL:
+            self.stats.fill_reads += 1
         elif not self.loading:
             self.stats.demand_reads += 1
         self._cond.notify_all()
         return row
 
     def _bump(self, key: Key) -> None:
-        """A queued prefetch read is needed now: move it to the demand priority."""
+        """A queued prefetch or fill read is needed now: move it to the demand priority."""
         for i, (prio, order, k, row) in enumerate(self._queue):
-            if k == key and prio == LOW:
+            if k == key and prio != HIGH:
                 self._queue[i] = (HIGH, order, k, row)
                 heapq.heapify(self._queue)
                 return
@@ -329,7 +369,7 @@ class DiskHostStore(HostStore):
                     self._cond.wait()
                 if self._closed:
                     return
-                _, _, key, row = heapq.heappop(self._queue)
+                priority, _, key, row = heapq.heappop(self._queue)
             t0 = time.perf_counter()
             try:
                 tensors = self.source.read(key[0], key[1], staging)
@@ -341,7 +381,11 @@ class DiskHostStore(HostStore):
                     self._row_of.pop(key, None)
                     self._key_of[row], self._state[row] = None, FREE
                     self._free.append(row)
-                    self._errors[key] = exc
+                    if priority == FILL:  # nobody waits for it: the next acquire reads the expert afresh
+                        log.warning("moeflow: background fill: %s (read again when a request needs it)", exc)
+                    else:
+                        self._failures += 1
+                        self._errors[key] = (self._failures, exc)
                     self.stats.failed_reads += 1
                     self._cond.notify_all()
                 continue

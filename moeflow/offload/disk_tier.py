@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from moeflow.config import OffloadConfig
+from moeflow.config import OffloadConfig, load_workers
 from moeflow.errors import SchedulingError
 from moeflow.kernels.pool import ExpertFormat
 from moeflow.offload.disk_store import DiskHostStore
@@ -89,8 +89,7 @@ def make_disk_store(config: OffloadConfig, source, fmt: ExpertFormat, rows: int,
     store = DiskHostStore(fmt, source, rows, eviction, pin=config.pin_memory, device=device,
                           readers=config.disk_readers)
     if warm:
-        order = [(i % source.num_layers, i // source.num_layers)
-                 for i in range(source.num_layers * source.num_experts)]
+        order = fill_order(source.num_layers, source.num_experts)
         try:
             store.warm_fill(order[:rows])
         except BaseException:
@@ -128,15 +127,31 @@ def host_memory_bytes(config: OffloadConfig) -> float:
 def maybe_disk_store(config: OffloadConfig, *, expert_source, fmt: ExpertFormat, total: int, min_rows: int,
                      device_eviction: EvictionPolicy, host_reserved_bytes: int, device) -> DiskHostStore | None:
     """The disk-backed host store ``config.host_memory_gb`` asks for, or None when every expert fits."""
-    if config.host_memory_gb is None:
+    if config.host_memory_gb is None and not config.background_load:
         return None
     if expert_source is None:
-        raise ValueError("OffloadConfig.host_memory_gb needs the checkpoint's expert index (ExpertIndex), which "
-                         "from_pretrained builds; this backend was created without one")
-    staging = max(1, config.disk_readers) * expert_source.staging_nbytes
-    rows = host_rows(config, fmt=fmt, total=total, min_rows=min_rows, host_reserved_bytes=host_reserved_bytes,
-                     staging_bytes=staging, host_memory_bytes=host_memory_bytes(config))
-    if rows is None:
+        raise ValueError("OffloadConfig.host_memory_gb / background_load need the checkpoint's expert index "
+                         "(ExpertIndex), which from_pretrained builds; this backend was created without one")
+    readers = max(1, config.disk_readers)
+    if config.background_load:
+        readers = max(readers, load_workers())
+    rows = None
+    if config.host_memory_gb is not None:
+        rows = host_rows(config, fmt=fmt, total=total, min_rows=min_rows, host_reserved_bytes=host_reserved_bytes,
+                         staging_bytes=readers * expert_source.staging_nbytes,
+                         host_memory_bytes=host_memory_bytes(config))
+    if rows is None and not config.background_load:
         return None
-    return make_disk_store(config, expert_source, fmt, rows, host_eviction(device_eviction, rows, min_rows),
-                           device=device)
+    rows = total if rows is None else rows
+    eviction = host_eviction(device_eviction, rows, min_rows)
+    if not config.background_load:
+        return make_disk_store(config, expert_source, fmt, rows, eviction, device=device)
+    store = DiskHostStore(fmt, expert_source, rows, eviction, pin=config.pin_memory, device=device, readers=readers)
+    store.background_fill(fill_order(expert_source.num_layers, expert_source.num_experts)[:rows])
+    return store
+
+
+def fill_order(num_layers: int, num_experts: int) -> list[tuple[int, int]]:
+    """The order experts are read into host memory at load: the order the device pool fills (expert 0 of every
+    layer, then expert 1, ...), so the first slots' experts come first."""
+    return [(i % num_layers, i // num_layers) for i in range(num_layers * num_experts)]

@@ -47,12 +47,21 @@ class SlotLoads:
             if slot is None:
                 return
             deferred.popleft()
-            task = self.engine.submit(
-                layer, key[1], slot.index, high=True, after=self.cache.take_fences(slot), stats=st
-            )
+            task = self._submit(slot, layer, key[1], high=True, stats=st)
             self.cache.start_load(slot, task, prefetched=False)
             self.cache.use(slot)
             waiting.append(task)
+
+    def _submit(self, slot: Slot, layer: int, expert: int, *, high: bool, stats: PhaseStats) -> LoadTask:
+        """The copy into ``slot`` (just allocated); when it cannot start (the disk tier's read of the expert
+        failed: a CheckpointError naming the file) the slot is empty again and the error propagates, so the
+        next request that needs the expert tries again."""
+        fences = self.cache.take_fences(slot)
+        try:
+            return self.engine.submit(layer, expert, slot.index, high=high, after=fences, stats=stats)
+        except BaseException:
+            self.cache.drop(slot, fences)
+            raise
 
     def _reclaim_prefetch_slot(self, layer: int, key: tuple[int, int]) -> Slot | None:
         """No free slot: cancel the prefetch for the farthest layer ahead and take its slot."""
@@ -76,9 +85,7 @@ class SlotLoads:
             slot = self.cache.allocate(key, layer)
             if slot is None:
                 return  # best effort: never cancel other loads for a guess
-            task = self.engine.submit(
-                target, e, slot.index, high=False, after=self.cache.take_fences(slot), stats=st
-            )
+            task = self._submit(slot, target, e, high=False, stats=st)
             self.cache.start_load(slot, task, prefetched=True)
             st.prefetches += 1
 

@@ -1,0 +1,204 @@
+/* Load-time layout conversion of packed 4-bit weights without unpacking a nibble (issue 37).
+
+   Every conversion moeflow does at load from AWQ's qweight (int32 [K, N/8], 8 columns per word) to a
+   K-contiguous layout (the GPU pool's panels, the CPU q4 rows) is an 8 x 8 transpose of nibbles: 8 rows of one
+   word give the 8 words of 8 columns, each holding those 8 rows. It is done in registers with three rounds of
+   swaps (16-bit, 8-bit, then 4-bit blocks: shift, xor, and), the output words then stored where the layout
+   wants them: out[col_off[8c + i] + k_off[kb]] is word i of block (kb, c) (col_off folds in the input's nibble
+   order and any column permutation, k_off the panel/row-group layout). The plain-torch twin (the same rounds on
+   whole tensors) and the tests comparing both to the unpacking reference are in moeflow/kernels/repack.py. */
+
+#include <stdint.h>
+#include <string.h>
+
+static inline void mf_transpose8(uint32_t x[8]) {
+    for (int r = 0; r < 4; r++) {  /* 4x4 blocks of nibbles: upper-right <-> lower-left */
+        const uint32_t t = ((x[r] >> 16) ^ x[r + 4]) & 0x0000FFFFu;
+        x[r] ^= t << 16;
+        x[r + 4] ^= t;
+    }
+    for (int r = 0; r < 8; r += (r & 1) ? 3 : 1) {  /* r = 0, 1, 4, 5: 2x2 blocks */
+        const uint32_t t = ((x[r] >> 8) ^ x[r + 2]) & 0x00FF00FFu;
+        x[r] ^= t << 8;
+        x[r + 2] ^= t;
+    }
+    for (int r = 0; r < 8; r += 2) {  /* single nibbles */
+        const uint32_t t = ((x[r] >> 4) ^ x[r + 1]) & 0x0F0F0F0Fu;
+        x[r] ^= t << 4;
+        x[r + 1] ^= t;
+    }
+}
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+static inline void mf_swap16(__m512i *a, __m512i *b, int shift, int mask) {
+    const __m512i t = _mm512_and_si512(_mm512_xor_si512(_mm512_srli_epi32(*a, shift), *b), _mm512_set1_epi32(mask));
+    *a = _mm512_xor_si512(*a, _mm512_slli_epi32(t, shift));
+    *b = _mm512_xor_si512(*b, t);
+}
+#endif
+
+/* in: uint32 [rows, cols] (rows % 8 == 0); row_order[8]: nibble i of an output word holds input row
+   8kb + row_order[i]; col_t int32 [8, cols]: where word i of column block c goes (col_t[i * cols + c]: from
+   nibble i of input word c); k_off int64 [rows / 8]: added for block row kb; out: uint32, every word written
+   once (the offsets fit in int32: checked by the caller). */
+void mf_nibble_transpose(const uint32_t *in, int64_t rows, int64_t cols, const int32_t *row_order,
+                         const int32_t *col_t, const int64_t *k_off, uint32_t *out) {
+    /* tiles of 16 block rows (whole 64-byte output lines) x 64 words: the 128 input rows of a tile, K-strided
+       (often by a multiple of 4 KiB, which maps them onto a few L1 sets), stay in L2 and each row is read
+       sequentially */
+    const int64_t nkb = rows / 8, block = 32, tile = 16;
+    for (int64_t kb0 = 0; kb0 < nkb; kb0 += block) {
+        const int64_t kb1 = kb0 + block < nkb ? kb0 + block : nkb;
+        for (int64_t c0 = 0; c0 < cols; c0 += tile) {
+            const int64_t c1 = c0 + tile < cols ? c0 + tile : cols;
+            for (int64_t kb = kb0; kb < kb1; kb++) {
+                const uint32_t *src[8];
+                for (int r = 0; r < 8; r++)
+                    src[r] = in + (8 * kb + row_order[r]) * cols;
+                uint32_t *dst = out + k_off[kb];
+                int64_t c = c0;
+#ifdef __AVX512F__
+                for (; c + 16 <= c1; c += 16) {  /* 16 column words at once: the same swaps, one lane each */
+                    __m512i x[8];
+                    for (int r = 0; r < 8; r++)
+                        x[r] = _mm512_loadu_si512((const void *)(src[r] + c));
+                    for (int r = 0; r < 4; r++)
+                        mf_swap16(&x[r], &x[r + 4], 16, 0x0000FFFF);
+                    mf_swap16(&x[0], &x[2], 8, 0x00FF00FF);
+                    mf_swap16(&x[1], &x[3], 8, 0x00FF00FF);
+                    mf_swap16(&x[4], &x[6], 8, 0x00FF00FF);
+                    mf_swap16(&x[5], &x[7], 8, 0x00FF00FF);
+                    for (int r = 0; r < 8; r += 2)
+                        mf_swap16(&x[r], &x[r + 1], 4, 0x0F0F0F0F);
+                    for (int i = 0; i < 8; i++)
+                        _mm512_i32scatter_epi32((void *)dst, _mm512_loadu_si512((const void *)(col_t + i * cols + c)),
+                                                x[i], 4);
+                }
+#endif
+                for (; c < c1; c++) {
+                    uint32_t x[8];
+                    for (int r = 0; r < 8; r++)
+                        x[r] = src[r][c];
+                    mf_transpose8(x);
+                    for (int i = 0; i < 8; i++)
+                        dst[col_t[i * cols + c]] = x[i];
+                }
+            }
+        }
+    }
+}
+
+/* The same transpose for layouts that keep a column's words together (cpu_q4.c's row groups):
+   out[c * c_stride + 8 * kb + col_pos[i]] = word i of block (kb, c). Walks 16 columns at a time down all of K,
+   so each input line is read once and every column's output is one sequential stream; with AVX-512 the 8 x 16
+   words of a step are transposed in registers into 16 runs of 8 words (no scatter). */
+void mf_nibble_transpose_grouped(const uint32_t *in, int64_t rows, int64_t cols, const int32_t *row_order,
+                                 const int32_t *col_pos, int64_t c_stride, uint32_t *out) {
+    const int64_t nkb = rows / 8;
+    int64_t c0 = 0;
+#ifdef __AVX512F__
+    int32_t inv[8];  /* output position p holds word inv[p] */
+    for (int i = 0; i < 8; i++)
+        inv[col_pos[i]] = i;
+    for (; c0 + 16 <= cols; c0 += 16) {
+        for (int64_t kb = 0; kb < nkb; kb++) {
+            __m512i x[8], t[8], u[8];
+            for (int r = 0; r < 8; r++)
+                x[r] = _mm512_loadu_si512((const void *)(in + (8 * kb + row_order[r]) * cols + c0));
+            for (int r = 0; r < 4; r++)
+                mf_swap16(&x[r], &x[r + 4], 16, 0x0000FFFF);
+            mf_swap16(&x[0], &x[2], 8, 0x00FF00FF);
+            mf_swap16(&x[1], &x[3], 8, 0x00FF00FF);
+            mf_swap16(&x[4], &x[6], 8, 0x00FF00FF);
+            mf_swap16(&x[5], &x[7], 8, 0x00FF00FF);
+            for (int r = 0; r < 8; r += 2)
+                mf_swap16(&x[r], &x[r + 1], 4, 0x0F0F0F0F);
+            /* rows in output order, then an 8 x 16 -> 16 x 8 transpose within 128-bit lanes */
+            for (int h = 0; h < 2; h++) {
+                const __m512i a = x[inv[4 * h]], b = x[inv[4 * h + 1]], c = x[inv[4 * h + 2]], d = x[inv[4 * h + 3]];
+                t[4 * h] = _mm512_unpacklo_epi32(a, b);
+                t[4 * h + 1] = _mm512_unpackhi_epi32(a, b);
+                t[4 * h + 2] = _mm512_unpacklo_epi32(c, d);
+                t[4 * h + 3] = _mm512_unpackhi_epi32(c, d);
+                u[4 * h] = _mm512_unpacklo_epi64(t[4 * h], t[4 * h + 2]);      /* lanes 4q:   positions 4h..4h+3 */
+                u[4 * h + 1] = _mm512_unpackhi_epi64(t[4 * h], t[4 * h + 2]);  /* lanes 4q+1 */
+                u[4 * h + 2] = _mm512_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]);
+                u[4 * h + 3] = _mm512_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);
+            }
+            uint32_t *dst = out + c0 * c_stride + 8 * kb;
+            for (int m = 0; m < 4; m++) {
+                __m128i lo[4], hi[4];
+                _mm512_storeu_si512((void *)lo, u[m]);
+                _mm512_storeu_si512((void *)hi, u[4 + m]);
+                for (int q = 0; q < 4; q++) {
+                    uint32_t *o = dst + (4 * q + m) * c_stride;
+                    _mm_storeu_si128((__m128i *)o, lo[q]);
+                    _mm_storeu_si128((__m128i *)(o + 4), hi[q]);
+                }
+            }
+        }
+    }
+#endif
+    for (; c0 < cols; c0++) {
+        for (int64_t kb = 0; kb < nkb; kb++) {
+            uint32_t x[8];
+            for (int r = 0; r < 8; r++)
+                x[r] = in[(8 * kb + row_order[r]) * cols + c0];
+            mf_transpose8(x);
+            uint32_t *dst = out + c0 * c_stride + 8 * kb;
+            for (int i = 0; i < 8; i++)
+                dst[col_pos[i]] = x[i];
+        }
+    }
+}
+
+/* A fixed permutation of the 32 bits of every word (MXFP4 blocks into the kernel layout,
+   moeflow/kernels/mxfp4_reference.py), given as two 16-bit tables: out = lo[w & 0xFFFF] | hi[w >> 16]. Done as
+   four 8-bit lookups into 4 KiB of tables derived from them (L1-resident, where the 16-bit ones take 512 KiB). */
+void mf_permute_word_bits(const uint32_t *in, int64_t n, const uint32_t *lo, const uint32_t *hi, uint32_t *out) {
+    uint32_t t[4][256];
+    for (int v = 0; v < 256; v++) {
+        t[0][v] = lo[v];
+        t[1][v] = lo[v << 8];
+        t[2][v] = hi[v];
+        t[3][v] = hi[v << 8];
+    }
+    for (int64_t i = 0; i < n; i++) {
+        const uint32_t w = in[i];
+        out[i] = t[0][w & 0xFF] | t[1][(w >> 8) & 0xFF] | t[2][(w >> 16) & 0xFF] | t[3][w >> 24];
+    }
+}
+
+/* Per-row int8 quantization of an fp32 matrix [rows, cols] (the CPU path's lm_head at load), bit for bit the
+   torch expression it replaces (moeflow/kernels/cpu_quant_linear.py): s = bf16(max(max|w| / 127, 1e-8)) (round
+   to nearest even), q = clamp(nearbyint(w / s), -127, 127). scales_bf16: uint16 [rows], q: int8 [rows, cols]. */
+#include <math.h>
+
+void mf_quantize_rows_int8(const float *w, int64_t rows, int64_t cols, uint16_t *scales_bf16, int8_t *q) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = w + r * cols;
+        float amax = 0.0f;
+        for (int64_t c = 0; c < cols; c++) {
+            const float a = fabsf(row[c]);
+            amax = a > amax ? a : amax;
+        }
+        float s = amax / 127.0f;
+        s = s < 1e-8f ? 1e-8f : s;
+        uint32_t bits;
+        memcpy(&bits, &s, 4);
+        bits += 0x7FFFu + ((bits >> 16) & 1u);  /* round to nearest even (s is finite and positive) */
+        const uint16_t b = (uint16_t)(bits >> 16);
+        scales_bf16[r] = b;
+        uint32_t sb = (uint32_t)b << 16;
+        float sf;
+        memcpy(&sf, &sb, 4);
+        int8_t *out = q + r * cols;
+        for (int64_t c = 0; c < cols; c++) {
+            float v = nearbyintf(row[c] / sf);
+            v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+            out[c] = (int8_t)v;
+        }
+    }
+}

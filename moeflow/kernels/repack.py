@@ -1,0 +1,180 @@
+"""AWQ ``qweight`` -> the K-contiguous layouts moeflow computes with, moving packed words instead of nibbles.
+
+Both load-time conversions of a 4-bit matrix are an 8 x 8 transpose of nibbles followed by a placement of words:
+8 rows of one AWQ word (8 columns, :data:`~moeflow.quant.awq.AWQ_ORDER`) become 8 words of one column each,
+holding those 8 rows. The transpose is three rounds of block swaps on 32-bit words (16-bit, 8-bit, 4-bit blocks:
+shift, xor, and), so no nibble is ever unpacked into its own integer:
+
+* :func:`awq_to_panels`: the GPU pool's panel-major ``qweight [K/P, N, P/8]``
+  (:mod:`moeflow.kernels.pool`), gate/up columns interleaved for w13;
+* :func:`awq_to_q4_packed`: the CPU kernels' row-grouped ``uint8 [N, K/2]`` (:class:`~moeflow.kernels.cpu_native.
+  Q4Matrix`).
+
+Two implementations, bit-identical (tests/test_repack.py checks both against the unpacking references
+:func:`moeflow.kernels.pool.to_kernel_layout_reference` and ``Q4Matrix``'s ``_pack_q4``): ``mf_nibble_transpose``
+(``cpu_repack.c``, one pass over the bytes, no temporaries; CPU tensors where moeflow's CPU library builds, and
+it releases the GIL so loader threads convert experts in parallel) and :func:`nibble_transpose_torch` (the same
+rounds on whole tensors; any device: a CUDA tensor is converted on the GPU).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+
+import torch
+
+from moeflow.quant.awq import AWQ_ORDER, AWQ_REVERSE_ORDER
+
+NATURAL_ROWS = (0, 1, 2, 3, 4, 5, 6, 7)  # nibble i of an output word holds row 8kb + i (the pool's panels)
+Q4_ROWS = (0, 4, 1, 5, 2, 6, 3, 7)  # cpu_q4.c's words: byte j holds rows 8kb + j (low) and 8kb + 4 + j (high)
+
+
+def _swap(a: torch.Tensor, b: torch.Tensor, shift: int, mask: int) -> None:
+    """Exchange the bits of ``a`` selected by ``mask << shift`` with those of ``b`` selected by ``mask``."""
+    t = torch.bitwise_and(torch.bitwise_xor(a >> shift, b), mask)
+    a ^= t << shift  # int32 wraps: the bit pattern is what counts
+    b ^= t
+
+
+def nibble_transpose_torch(qweight: torch.Tensor, row_order: tuple[int, ...] = NATURAL_ROWS) -> torch.Tensor:
+    """qweight int32 ``[R, C]`` (R % 8 == 0) -> int32 ``[R/8, 8, C]``: word ``(kb, i, c)`` holds, in nibble ``r``,
+    nibble ``i`` of input word ``(8kb + row_order[r], c)``. Plain torch, on ``qweight``'s device."""
+    rows, cols = qweight.shape
+    x = qweight.reshape(rows // 8, 8, cols)
+    x = x[:, list(row_order)] if tuple(row_order) != NATURAL_ROWS else x.clone()
+    v = x.view(rows // 8, 2, 2, 2, cols)  # row r = 4h + 2m + l
+    _swap(v[:, 0], v[:, 1], 16, 0x0000FFFF)
+    _swap(v[:, :, 0], v[:, :, 1], 8, 0x00FF00FF)
+    _swap(v[:, :, :, 0], v[:, :, :, 1], 4, 0x0F0F0F0F)
+    return x
+
+
+Library = ctypes.CDLL  # moeflow's CPU library (``moeflow.kernels.cpu_native.library()``), or None: plain torch
+
+
+def _on_cpu(lib: Library | None, *tensors: torch.Tensor) -> bool:
+    return lib is not None and all(t.device.type == "cpu" for t in tensors)
+
+
+def _check(qweight: torch.Tensor, what: str) -> None:
+    if qweight.dtype != torch.int32 or qweight.dim() != 2 or qweight.shape[0] % 8:
+        raise ValueError(f"{what}: qweight must be int32 [K, N/8] with K % 8 == 0, got {qweight.dtype} "
+                         f"{tuple(qweight.shape)}")
+
+
+def _run_native(lib: Library, qweight: torch.Tensor, row_order: tuple[int, ...], col_off: torch.Tensor,
+                k_off: torch.Tensor, out: torch.Tensor) -> None:
+    """``mf_nibble_transpose`` (cpu_repack.c): col_off int64 [N] (input word c, nibble i at 8c + i), k_off int64
+    [K/8], word offsets in ``out``."""
+    q = qweight.contiguous()
+    if out.numel() * out.element_size() // 4 >= 2**31:
+        raise ValueError(f"awq repack: one matrix of {out.numel() * out.element_size()} bytes is beyond the "
+                         "CPU converter's int32 offsets (8 GiB)")
+    col_t = _column_table(col_off)
+    order = (ctypes.c_int32 * 8)(*row_order)
+    p = ctypes.c_void_p
+    lib.mf_nibble_transpose(p(q.data_ptr()), ctypes.c_int64(q.shape[0]), ctypes.c_int64(q.shape[1]),
+                                  ctypes.cast(order, p),
+                                  p(col_t.data_ptr()), p(k_off.data_ptr()), p(out.data_ptr()))
+
+
+@lru_cache(maxsize=32)
+def _column_table(col_off: torch.Tensor) -> torch.Tensor:
+    """int64 [C*8] (c-major) -> int32 [8, C]: the C loop's vector of 16 columns' offsets is one load."""
+    return col_off.view(-1, 8).t().to(torch.int32).contiguous()
+
+
+@lru_cache(maxsize=32)
+def _panel_offsets(k: int, n: int, panel: int, interleave: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(col_off int64 [N], k_off int64 [K/8]) of the panel layout ``[K/P, N, P/8]`` (in words)."""
+    p8 = panel // 8
+    col = torch.arange(n).view(-1, 8)[:, list(AWQ_ORDER)].reshape(-1)  # input word c, nibble i -> its column
+    if interleave:  # gate j -> column 2j, up j -> 2j + 1
+        half = n // 2
+        col = torch.where(col < half, 2 * col, 2 * (col - half) + 1)
+    kb = torch.arange(k // 8)
+    return (col * p8).contiguous(), ((kb // p8) * n * p8 + kb % p8).contiguous()
+
+
+def awq_to_panels(qweight: torch.Tensor, panel: int, interleave: bool, out: torch.Tensor | None = None,
+                  lib: Library | None = None) -> torch.Tensor:
+    """AWQ qweight int32 ``[K, N/8]`` -> the pool's int32 ``[K/P, N, P/8]`` (P = ``panel``,
+    :func:`moeflow.kernels.pool.awq_panel` of the group size; nibble ``i`` of word ``(p, n, j)`` is
+    ``q[pP + 8j + i, n]``), w13's gate and up halves interleaved when ``interleave``. Written into ``out`` (that
+    shape, contiguous) when given. ``lib``: moeflow's CPU library (CPU tensors converted in C), else torch."""
+    _check(qweight, "awq_to_panels")
+    k, n = qweight.shape[0], qweight.shape[1] * 8
+    if k % panel:
+        raise ValueError(f"awq_to_panels: K={k} is not a multiple of the panel {panel}")
+    shape = (k // panel, n, panel // 8)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.int32, device=qweight.device)
+    elif tuple(out.shape) != shape or out.dtype != torch.int32 or not out.is_contiguous():
+        raise ValueError(f"awq_to_panels: out must be contiguous int32 {shape}, got {out.dtype} {tuple(out.shape)}")
+    if _on_cpu(lib, qweight, out):
+        _run_native(lib, qweight, NATURAL_ROWS, *_panel_offsets(k, n, panel, interleave), out)
+        return out
+    x = nibble_transpose_torch(qweight.to(out.device))[:, list(AWQ_REVERSE_ORDER)]  # [K/8, 8, C] natural columns
+    cols = x.permute(0, 2, 1).reshape(k // 8, n)  # [K/8, N]
+    if interleave:
+        cols = cols.view(k // 8, 2, n // 2).transpose(1, 2).reshape(k // 8, n)
+    out.copy_(cols.view(k // panel, panel // 8, n).transpose(1, 2))
+    return out
+
+
+def awq_to_q4_packed(qweight: torch.Tensor, out: torch.Tensor | None = None, lib: Library | None = None
+                     ) -> torch.Tensor:
+    """AWQ qweight int32 ``[K, N/8]`` -> ``Q4Matrix.packed`` uint8 ``[N, K/2]`` (rows in groups of 8, cpu_q4.c's
+    layout; N is a multiple of 8, so there is no plain tail). Written into ``out`` when given. ``lib``: moeflow's
+    CPU library (CPU tensors converted in C), else torch."""
+    _check(qweight, "awq_to_q4_packed")
+    k, n = qweight.shape[0], qweight.shape[1] * 8
+    if k % 32:
+        raise ValueError(f"awq_to_q4_packed: K={k} is not a multiple of 32 (the CPU kernels' block)")
+    if out is None:
+        out = torch.empty((n, k // 2), dtype=torch.uint8, device=qweight.device)
+    elif tuple(out.shape) != (n, k // 2) or out.dtype != torch.uint8 or not out.is_contiguous():
+        raise ValueError(f"awq_to_q4_packed: out must be contiguous uint8 {(n, k // 2)}, got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    if _on_cpu(lib, qweight, out):
+        q = qweight.contiguous()
+        p = ctypes.c_void_p
+        rows, pos = (ctypes.c_int32 * 8)(*Q4_ROWS), (ctypes.c_int32 * 8)(*AWQ_ORDER)
+        lib.mf_nibble_transpose_grouped(p(q.data_ptr()), ctypes.c_int64(k), ctypes.c_int64(n // 8),
+                                              ctypes.cast(rows, p), ctypes.cast(pos, p), ctypes.c_int64(k),
+                                              p(out.data_ptr()))
+        return out
+    x = nibble_transpose_torch(qweight, Q4_ROWS)[:, list(AWQ_REVERSE_ORDER)]  # [K/8, 8 (n % 8), N/8]
+    out.view(torch.int32).view(n // 8, k // 8, 8).copy_(x.permute(2, 0, 1))
+    return out
+
+
+def permute_word_bits_native(lib: Library | None, words: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor
+                             ) -> torch.Tensor | None:
+    """``lo[w & 0xFFFF] | hi[w >> 16]`` of every word of ``words`` (contiguous int32 [n]; lo, hi int32 [65536])
+    in one pass of ``mf_permute_word_bits``; None off the CPU or without moeflow's CPU library (``lib`` None: the
+    caller then does the same lookups with torch). The MXFP4 blocks' conversion into the kernel layout at load."""
+    if not _on_cpu(lib, words) or not words.is_contiguous():
+        return None
+    out = torch.empty_like(words)
+    p = ctypes.c_void_p
+    lib.mf_permute_word_bits(p(words.data_ptr()), ctypes.c_int64(words.numel()), p(lo.data_ptr()),
+                                   p(hi.data_ptr()), p(out.data_ptr()))
+    return out
+
+
+def quantize_rows_int8_native(lib: Library | None, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``w`` fp32 ``[rows, cols]`` -> (int8 ``[rows, cols]``, bf16 scales ``[rows]``): per row s = bf16(max(max|w| /
+    127, 1e-8)), q = clamp(round(w / s), -127, 127), in one pass of ``mf_quantize_rows_int8`` (bit for bit the
+    torch expression in :func:`moeflow.kernels.cpu_quant_linear.quantize_linear_cpu`); None off the CPU or
+    without moeflow's CPU library."""
+    if not _on_cpu(lib, w) or w.dtype != torch.float32 or w.dim() != 2:
+        return None
+    w = w.contiguous()
+    q = torch.empty(w.shape, dtype=torch.int8)
+    scales = torch.empty(w.shape[0], dtype=torch.bfloat16)
+    p = ctypes.c_void_p
+    lib.mf_quantize_rows_int8(p(w.data_ptr()), ctypes.c_int64(w.shape[0]), ctypes.c_int64(w.shape[1]),
+                                    p(scales.data_ptr()), p(q.data_ptr()))
+    return q, scales
