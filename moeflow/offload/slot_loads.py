@@ -1,7 +1,8 @@
 """The load side of :class:`moeflow.offload.backend.OffloadedExperts`: slots for a layer's misses, predicted
 loads for later layers, a prefetch's slot taken back for a needed load, the synchronous transport's pump, and the
 wait that makes a load's bytes visible to compute. A mixin: it reads the backend's ``cache``, ``engine``,
-``host``, ``transport``, ``stats``, ``predictor``, ``clock``, ``prefill_ring``, ``num_layers`` and ``_phase``."""
+``host``, ``transport``, ``stats``, ``predictor``, ``clock``, ``prefill_ring``, ``num_layers``, ``mechanisms`` and
+``_phase``."""
 
 from __future__ import annotations
 
@@ -67,17 +68,22 @@ class SlotLoads:
         return self.cache.allocate(key, layer)
 
     def _prefetch(self, target: int, experts: list[int], layer: int, st: PhaseStats) -> None:
+        refresh = self.mechanisms.refresh_on_prefetch
+        ranked = self.mechanisms.queue_priority and self.predictor is not None
         for e in experts:
             key = (target, e)
             if self.cache.lookup(key) is not None:
+                if refresh:  # ProMoE's per-layer LRU: the prediction touches the cached expert
+                    self.cache.policy.refreshed(key)
                 continue
             if not self.host.stage(target, e):
                 continue  # disk tier: a guess not in host memory is read from disk now, copied when needed
             slot = self.cache.allocate(key, layer)
             if slot is None:
                 return  # best effort: never cancel other loads for a guess
+            priority = self.predictor.prefetch_priority(target, e, layer) if ranked else 0.0
             task = self.engine.submit(
-                target, e, slot.index, high=False, after=self.cache.take_fences(slot), stats=st
+                target, e, slot.index, high=False, after=self.cache.take_fences(slot), stats=st, priority=priority
             )
             self.cache.start_load(slot, task, prefetched=True)
             st.prefetches += 1
