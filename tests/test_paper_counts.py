@@ -115,9 +115,9 @@ def test_finemoe_priority_is_p_over_distance():
     pred = FineMoEPredictor(ModelShape(num_layers=4, num_experts=4, top_k=1, hidden_size=8), distance=2)
     pred.guidance[3] = torch.tensor([0.1, 0.2, 0.3, 0.4])
     rt = FineMoERuntime(pred)
-    assert rt.prefetch_priority(3, 2, 1) == pytest.approx(0.3 / 2)
-    assert rt.prefetch_priority(3, 3, 0) == pytest.approx(0.4 / 3)
-    assert rt.prefetch_priority(3, 1, 5) == pytest.approx(0.2)  # a layer not ahead counts as the next
+    assert rt.queue_priority(3, 2, 1) == pytest.approx(0.3 / 2)
+    assert rt.queue_priority(3, 3, 0) == pytest.approx(0.4 / 3)
+    assert rt.queue_priority(3, 1, 5) == pytest.approx(0.2)  # a layer not ahead counts as the next
 
 
 @pytest.mark.parametrize("in_prefill", [True, False])

@@ -81,7 +81,7 @@ class SlotLoads:
             slot = self.cache.allocate(key, layer)
             if slot is None:
                 return  # best effort: never cancel other loads for a guess
-            priority = self.predictor.prefetch_priority(target, e, layer) if ranked else 0.0
+            priority = self.predictor.queue_priority(target, e, layer) if ranked else 0.0
             task = self.engine.submit(
                 target, e, slot.index, high=False, after=self.cache.take_fences(slot), stats=st, priority=priority
             )

@@ -65,7 +65,7 @@ class FineMoERuntime(LearnedPredictorRuntime):
         """Host lists from the previous layer's search (never waits for this layer's)."""
         return self.predictor.runtime_proposals(layer)
 
-    def prefetch_priority(self, target: int, expert: int, layer_now: int) -> float:
+    def queue_priority(self, target: int, expert: int, layer_now: int) -> float:
         """FineMoE §4.5: p / (l - l_now), p the expert's probability in the map last searched for ``target``."""
         return float(prefetch_priority(float(self.predictor.guidance[target, expert]), target,
                                        min(layer_now, target - 1)))
