@@ -176,3 +176,48 @@ def test_presets_carry_the_papers_choices():
     assert POLICY_TABLE["finemoe"].mechanisms.prefill_iteration == "pass"
     assert POLICY_TABLE["finemoe"].mechanisms.queue_priority is True
     assert POLICY_TABLE["promoe"].mechanisms.refresh_on_prefetch is True
+
+
+def test_token_scheduler_regroups_two_batches():
+    """ExpertFlow §3.3.2 as written: the tokens of two batches into two balanced batches by routing-path
+    similarity. Two kinds of token, X (expert 0 in both layers) and Y (expert 1), alternate in both batches: each
+    batch activates 4 (layer, expert) pairs (8 together); X's with X's and Y's with Y's activate 2 each (4)."""
+    from moeflow.offload.rebatch import activated_pairs, group_by_routing, regroup_two_batches
+
+    def paths(experts: list[int]) -> torch.Tensor:
+        p = torch.zeros(len(experts), 2, 4, dtype=torch.bool)
+        for i, e in enumerate(experts):
+            p[i, :, e] = True
+        return p
+
+    a, b = paths([0, 1, 0, 1]), paths([0, 1, 0, 1])
+    both = torch.cat([a, b])
+    assert activated_pairs(both, [[0, 1, 2, 3], [4, 5, 6, 7]]) == 8
+    for seed in range(3):
+        first, second = regroup_two_batches(a, b, seed=seed)
+        assert (first, second) == ([0, 2, 4, 6], [1, 3, 5, 7])
+        assert activated_pairs(both, [first, second]) == 4
+    # a batch whose contiguous split is already the best: the paper's clustering returns its own assignment,
+    # moeflow's variant keeps the contiguous one (never more pairs than contiguous)
+    c = paths([0, 0, 1, 1])
+    assert group_by_routing(c, 2, keep_contiguous=True) == [[0, 1], [2, 3]]
+    paper = group_by_routing(c, 2, keep_contiguous=False)
+    assert sorted(len(g) for g in paper) == [2, 2] and activated_pairs(c, paper) >= 4
+    with pytest.raises(ValueError, match="differ in shape"):
+        regroup_two_batches(a, paths([0, 1]))
+
+
+def test_goodpred_timing_model():
+    """ProMoE §4.1 offline: Accuracy x FetchRate, FetchRate = min(1, window / predicted, link / predicted)."""
+    from moeflow.offload.predictors.evaluate import goodpred
+
+    figs = {"precision": 0.8, "mean_predicted": 2.0}
+    # layer-wise (d = 1), prediction 0.5 ms of a 2 ms layer, 1 ms per expert: window 1.5 experts of 2 -> 0.75
+    assert goodpred(figs, 1, layer_ms=2, expert_ms=1, predict_ms=0.5)["fetch_rate"] == pytest.approx(0.75)
+    # stride (d = 2): window 3.5, the link moves 2 per layer: both predicted experts in time
+    g = goodpred(figs, 2, layer_ms=2, expert_ms=1, predict_ms=0.5)
+    assert (g["fetch_rate"], g["goodpred"]) == (1.0, pytest.approx(0.8))
+    # copy-bound decode (a Mixtral expert over PCIe 4 against a short layer): the link bound, 0.5 / 3.5 per 2
+    assert goodpred(figs, 2, layer_ms=0.5, expert_ms=3.5)["fetch_rate"] == pytest.approx(0.5 / 3.5 / 2)
+    with pytest.raises(ValueError, match="must be > 0"):
+        goodpred(figs, 2, layer_ms=0, expert_ms=1)
