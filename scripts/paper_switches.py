@@ -9,7 +9,9 @@ in docs/papers.md. One command:
    held-out prompts (every ``--stride``-th line of scripts/predictor_prompts.jsonl, prefill then
    ``--max-new-tokens`` greedy tokens each, one model serving them in turn), at three slot budgets, with the
    synchronous transport (deterministic counts). Every run's tokens are checked against ``resident``.
-2. **Timings** (switches that change *when* bytes move: the copy queue's order and chunking): the simulator
+2. **Token scheduler** (ExpertFlow §3.3): on the recorded routing of the same prompts, pairs of batches of decode
+   tokens, the (layer, expert) pairs they activate as they came and regrouped both ways.
+3. **Timings** (switches that change *when* bytes move: the copy queue's order and chunking): the simulator
    (moeflow.sim) replays a trace of the same prompts through the real policy code on the ``pcie4-24gb`` profile
    (Mixtral-8x7B expert sizes; the routing is the tiny model's), each variant registered as a user policy.
 
@@ -87,15 +89,45 @@ def counts_table(budgets: list[int], stride: int, new_tokens: int) -> tuple[list
     return rows, "\n".join(lines)
 
 
-def timings_table(budgets: list[int], stride: int, new_tokens: int, profile_name: str) -> tuple[list[dict], str]:
+def record(stride: int, new_tokens: int):
+    """The routing trace of the held-out prompts (prefill + greedy decode, with hidden states and embeddings)."""
     from moeflow import MoEOffloadedMixtral
-    from moeflow.offload.policies import POLICY_TABLE, register_policy, unregister_policy
-    from moeflow.sim import get_profile, simulate
-    from moeflow.sim.simulator import load_gates
     from moeflow.trace.record import record_trace
 
     model = MoEOffloadedMixtral.from_pretrained(MODEL, device="cpu")
-    trace = record_trace(model, load_prompts(model, stride), new_tokens, hidden=True, embed=True, progress=False)
+    return record_trace(model, load_prompts(model, stride), new_tokens, hidden=True, embed=True, progress=False)
+
+
+def scheduler_table(trace, sizes: tuple[int, ...] = (4, 8, 16), draws: int = 50) -> tuple[list[dict], str]:
+    """ExpertFlow §3.3 on recorded routing: two batches of N decode tokens (drawn at random from the trace's
+    decode rows), the (layer, expert) pairs they activate as they came, regrouped by moeflow's variant (the
+    clustering only where it activates fewer) and by the paper's clustering as written."""
+    from moeflow.offload.rebatch import activated_pairs, group_by_routing
+
+    paths_all = trace.topk_mask()[trace.phase == 1]  # [N, L, E] bool, decode tokens
+    gen = torch.Generator().manual_seed(0)
+    rows, lines = [], ["| tokens per batch | as they came | moeflow (clustering if fewer) | paper (clustering) | "
+                       "paper vs as they came |", "|---|---|---|---|---|"]
+    for n in sizes:
+        sums = {"orig": 0, "variant": 0, "paper": 0}
+        for _ in range(draws):
+            idx = torch.randperm(paths_all.shape[0], generator=gen)[: 2 * n]
+            paths = paths_all[idx]
+            sums["orig"] += activated_pairs(paths, [list(range(n)), list(range(n, 2 * n))])
+            sums["variant"] += activated_pairs(paths, group_by_routing(paths, n, keep_contiguous=True))
+            sums["paper"] += activated_pairs(paths, group_by_routing(paths, n, keep_contiguous=False))
+        mean = {k: v / draws for k, v in sums.items()}
+        rows.append({"tokens_per_batch": n, "draws": draws, **mean})
+        lines.append(f"| {n} | {mean['orig']:.1f} | {mean['variant']:.1f} | {mean['paper']:.1f} | "
+                     f"{100 * (mean['paper'] / mean['orig'] - 1):+.1f} % |")
+    return rows, "\n".join(lines)
+
+
+def timings_table(trace, budgets: list[int], profile_name: str) -> tuple[list[dict], str]:
+    from moeflow.offload.policies import POLICY_TABLE, register_policy, unregister_policy
+    from moeflow.sim import get_profile, simulate
+    from moeflow.sim.simulator import load_gates
+
     gates = load_gates(MODEL, trace.num_layers)
     # the routing is the tiny model's, the costs the profile's model's (as scripts/make_sim_report.py does)
     profile = dataclasses.replace(get_profile(profile_name), num_layers=None, num_experts=None, top_k=None)
@@ -151,7 +183,10 @@ def main(argv: list[str] | None = None) -> int:
         out["counts"], md = counts_table(budgets, args.stride, args.max_new_tokens)
         print(md)
     if args.skip != "timings":
-        out["timings"], md = timings_table(budgets, args.stride, args.max_new_tokens, args.profile)
+        trace = record(args.stride, args.max_new_tokens)
+        out["scheduler"], md = scheduler_table(trace)
+        print(md)
+        out["timings"], md = timings_table(trace, budgets, args.profile)
         print(md)
     out["seconds"] = round(time.perf_counter() - start, 1)
     out["machine_after"] = machine()

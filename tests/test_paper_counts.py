@@ -221,3 +221,25 @@ def test_goodpred_timing_model():
     assert goodpred(figs, 2, layer_ms=0.5, expert_ms=3.5)["fetch_rate"] == pytest.approx(0.5 / 3.5 / 2)
     with pytest.raises(ValueError, match="must be > 0"):
         goodpred(figs, 2, layer_ms=0, expert_ms=1)
+
+
+def test_routing_stats_of_a_hand_made_trace():
+    """Skew, temporal locality and inter-layer affinity on 2 sequences of 3 tokens, 2 layers, 4 experts, top-1.
+    Layer 0 routes 0, 0, 1 | 2, 2, 3; layer 1 always routes layer 0's expert + 1 (mod 4): a perfect affinity."""
+    from moeflow.trace import Trace
+    from moeflow.trace.stats import routing_stats
+
+    l0 = torch.tensor([0, 0, 1, 2, 2, 3])
+    ids = torch.stack([l0, (l0 + 1) % 4], dim=1).unsqueeze(-1).int()  # [6, 2, 1]
+    trace = Trace(topk_ids=ids, probs=torch.full((6, 2, 4), 0.25, dtype=torch.float16),
+                  token_ids=torch.arange(6, dtype=torch.int32), seq_id=torch.tensor([0, 0, 0, 1, 1, 1]).int(),
+                  pos=torch.tensor([0, 1, 2, 0, 1, 2]).int(), phase=torch.zeros(6, dtype=torch.int8), num_layers=2,
+                  num_experts=4, top_k=1)
+    s = routing_stats(trace)
+    # layer 0 usage 2, 1, 2, 1 of 6: the busiest share 1/3 over the mean 1/4; the top 10 % (one expert): 1/3
+    assert s["max_over_mean_share"][0] == pytest.approx(4 / 3, abs=1e-3)
+    assert s["top10pct_share"][0] == pytest.approx(1 / 3, abs=1e-4)
+    # consecutive pairs in one sequence: (0,0) (0,1) | (2,2) (2,3): 2 of 4 share their expert, in both layers
+    assert s["consecutive_reuse"] == [0.5, 0.5] and s["consecutive_reuse_uniform"] == 0.25
+    # layer 1 from layer 0's expert by the co-occurrence table: always right; its most popular expert: 2 of 6
+    assert s["affinity_recall"] == [1.0] and s["popularity_recall"] == [pytest.approx(1 / 3, abs=1e-4)]
