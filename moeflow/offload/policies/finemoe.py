@@ -1,6 +1,7 @@
 """``finemoe`` (FineMoE §4): Expert Map Store search (semantic search from the token embeddings for the first
-d layers, trajectory search after), δ-threshold prefetch ranked by p / (l − l_now), eviction by 1 / (p · freq)
-(``PriorityEviction(LFU(), p · freq)``). Needs no file: the store fills as it serves."""
+d layers, trajectory search after), δ-threshold prefetch queued at priority p / (l − l_now), eviction by
+1 / (p · freq) (``PriorityEviction(LFU(), p · freq)``), a whole prefill one iteration of the map. Needs no file: the
+store fills as it serves."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from moeflow.errors import SchedulingError
 from moeflow.moe.backend import StepInfo
 from moeflow.offload.eviction import LFU, EvictionPolicy, PriorityEviction
 from moeflow.offload.policies.files import load_policy_predictor
-from moeflow.offload.policies.spec import PolicyContext, PolicySpec
+from moeflow.offload.policies.spec import Mechanisms, PolicyContext, PolicySpec
 from moeflow.offload.predictors.finemoe import ExpertMapStore, FineMoEPredictor, prefetch_priority
 from moeflow.offload.predictors.interface import LearnedPredictorRuntime, Proposals
 
@@ -100,4 +101,6 @@ FINEMOE = PolicySpec(
     "finemoe", "FineMoE: expert-map search (semantic, then trajectory), delta-threshold prefetch by p/(l - l_now), "
                "eviction by 1/(p*freq)",
     eviction=_finemoe_eviction, predictor=_finemoe_predictor,
+    # the paper's: a prefill is one iteration of the expert map, p / (l - l_now) orders the copy queue (docs/papers.md)
+    mechanisms=Mechanisms(queue_priority=True, prefill_iteration="pass"),
 )
