@@ -13,6 +13,7 @@ from scripted_transport import ScriptedTransport
 from test_policy_counts import backend_for, resident, speculation_trace, step
 from test_scheduling_helpers import AWQ, DENSE, Synthetic
 
+from moeflow.config import OffloadConfig
 from moeflow.errors import SchedulingError
 from moeflow.offload import CopyEngine, SyncTransport
 from moeflow.offload.chunks import chunk_ranges, linear_chunks
@@ -168,6 +169,10 @@ def test_unknown_policy_option_is_refused():
         backend_for(synth, policy="lru", gpu_expert_slots=2, policy_options={"refresh": True})
     with pytest.raises(SchedulingError, match="prefetch_chunks='matrix'"):
         Mechanisms().with_options({"prefetch_chunks": "matrix"})
+    with pytest.raises(SchedulingError, match="predict_in_prefill=1: expected True or False"):
+        Mechanisms().with_options({"predict_in_prefill": 1})
+    with pytest.raises(ValueError, match="policy_options must be a dict"):
+        OffloadConfig(policy_options=[("refresh_on_prefetch", True)])
 
 
 def test_presets_carry_the_papers_choices():
