@@ -3,6 +3,7 @@
 in docs/papers.md. One command:
 
     python scripts/paper_switches.py            # counts (CPU, synchronous copies) + simulator timings
+    python scripts/paper_switches.py --skip counts --skip timings --routing-model build/routing-qwen3moe
 
 1. **Counts** (switches that change what moves): every switch that decides *which* experts move (ProMoE's
    refresh on prefetch, FineMoE's prefill iteration, DuoServe's predictor in prefill) on the embedded model's
@@ -50,11 +51,11 @@ TIME_SWITCHES = [
 ]
 
 
-def serve(policy: str, slots: int | None, options: dict, stride: int, new_tokens: int) -> dict:
-    from moeflow import MoEOffloadedMixtral, OffloadConfig
+def serve(policy: str, slots: int | None, options: dict, stride: int, new_tokens: int, model_path=MODEL) -> dict:
+    from moeflow import MoEModel, OffloadConfig
 
     cfg = OffloadConfig(policy=policy, gpu_expert_slots=slots, transport="sync", policy_options=options or None)
-    model = MoEOffloadedMixtral.from_pretrained(MODEL, device="cpu", offload=cfg, kernels="torch")
+    model = MoEModel.from_pretrained(model_path, device="cpu", offload=cfg, kernels="torch")
     outs = []
     prompts = load_prompts(model, stride)
     for ids in prompts:
@@ -155,6 +156,26 @@ def timings_table(trace, budgets: list[int], profile_name: str) -> tuple[list[di
     return rows, "\n".join(lines)
 
 
+def model_table(model_path: Path, policies: list[str], budgets: list[int], stride: int,
+                new_tokens: int) -> tuple[list[dict], str]:
+    """Every policy in ``policies`` at each budget on another checkpoint (the routing model): hit rates and bytes."""
+    ref = serve("resident", None, {}, stride, new_tokens, model_path)
+    generated = sum(len(o) for o in ref["outputs"])
+    rows, lines = [], ["| slots | policy | hit decode | hit prefill | moved experts / token | decode experts / step | "
+                       "useful prefetches | = resident |", "|---|---|---|---|---|---|---|---|"]
+    for slots in budgets:
+        for policy in policies:
+            row = serve(policy, slots, {}, stride, new_tokens, model_path)
+            f = figures(row, generated)
+            same = row["outputs"] == ref["outputs"]
+            rows.append({"policy": policy, "slots": slots, **f, "same_tokens": same})
+            lines.append(f"| {slots} | {policy} | {pct(f['hit_decode'])} | {pct(f['hit_prefill'])} | "
+                         f"{f['experts_per_token']:.2f} | {f['decode_experts_per_token']:.2f} | "
+                         f"{pct(f['prefetch_useful'])} | {'yes' if same else 'NO'} |")
+            print(lines[-1], flush=True)
+    return rows, "\n".join(lines)
+
+
 def _ms(seconds: float | None) -> str:
     return "–" if seconds is None else f"{seconds * 1e3:.2f}"
 
@@ -172,21 +193,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stride", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--profile", default="pcie4-24gb")
-    p.add_argument("--skip", choices=["counts", "timings"], default=None)
+    p.add_argument("--skip", choices=["counts", "timings"], action="append", default=[], help="repeatable")
+    p.add_argument("--routing-model", type=Path, default=None,
+                   help="also serve --model-policies on this checkpoint (scripts/train_routing_model.py's)")
+    p.add_argument("--model-policies", default="lru,lfu,mixtral-offloading,finemoe")
+    p.add_argument("--model-budgets", default="64,128,256")
     p.add_argument("--out", type=Path, default=ROOT / "build" / "paper-switches" / "results.json")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     budgets = [int(b) for b in args.budgets.split(",")]
     start = time.perf_counter()
     out: dict = {"machine": machine(), "args": vars(args) | {"out": str(args.out)}}
-    if args.skip != "counts":
+    if "counts" not in args.skip:
         out["counts"], md = counts_table(budgets, args.stride, args.max_new_tokens)
         print(md)
-    if args.skip != "timings":
+    if "timings" not in args.skip:
         trace = record(args.stride, args.max_new_tokens)
         out["scheduler"], md = scheduler_table(trace)
         print(md)
         out["timings"], md = timings_table(trace, budgets, args.profile)
+        print(md)
+    if args.routing_model is not None:
+        out["routing_model"], md = model_table(args.routing_model, args.model_policies.split(","),
+                                               [int(b) for b in args.model_budgets.split(",")], args.stride,
+                                               args.max_new_tokens)
         print(md)
     out["seconds"] = round(time.perf_counter() - start, 1)
     out["machine_after"] = machine()
