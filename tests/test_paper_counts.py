@@ -248,3 +248,32 @@ def test_routing_stats_of_a_hand_made_trace():
     assert s["consecutive_reuse"] == [0.5, 0.5] and s["consecutive_reuse_uniform"] == 0.25
     # layer 1 from layer 0's expert by the co-occurrence table: always right; its most popular expert: 2 of 6
     assert s["affinity_recall"] == [1.0] and s["popularity_recall"] == [pytest.approx(1 / 3, abs=1e-4)]
+
+
+@pytest.mark.parametrize("iteration", ["token", "pass"])
+def test_finemoe_prefill_iteration(iteration):
+    """FineMoE §4.1: an iteration of the expert map is a forward pass. A 4-token prefill publishes one map (the
+    paper's, "pass") or four (one per prompt token); a decode step of one sequence publishes one either way."""
+    from moeflow.moe.backend import StepInfo
+    from moeflow.offload.policies import FineMoERuntime
+    from moeflow.offload.predictors.base import ModelShape
+    from moeflow.offload.predictors.finemoe import FineMoEPredictor
+
+    L, E, H, k = 3, 4, 8, 1
+    rt = FineMoERuntime(FineMoEPredictor(ModelShape(num_layers=L, num_experts=E, top_k=k, hidden_size=H), distance=1),
+                        iteration)
+    gen = torch.Generator().manual_seed(0)
+
+    def run_pass(tokens: int, phase: str) -> None:
+        ids = torch.zeros(1, tokens, dtype=torch.long)
+        rt.begin_step(StepInfo(ids, ids, torch.ones_like(ids, dtype=torch.bool), phase,
+                               embeds=torch.randn(1, tokens, H, generator=gen), all_real=True))
+        for layer in range(L):
+            probs = torch.softmax(torch.randn(tokens, E, generator=gen), -1)
+            rt.observe_host(layer, probs, probs.topk(k, -1).indices)
+
+    run_pass(4, "prefill")
+    run_pass(1, "decode")  # publishes the prefill's map(s)
+    assert len(rt.store) == (1 if iteration == "pass" else 4)
+    run_pass(1, "decode")  # publishes the first decode step's
+    assert len(rt.store) == (2 if iteration == "pass" else 5)
