@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass
+from typing import Any
 
 CPU_COMPUTE = ("auto", "never", "always")
 
@@ -59,6 +60,9 @@ class OffloadConfig:
         back, so the device computes the hits while the host waits and schedules the misses (docs/design.md,
         "Hits launched before the read-back"); the same tokens either way. ``None``: on where that read is a
         real wait (a CUDA device) and the experts run on the Triton kernels.
+    policy_options: switches between a paper's mechanism as written and moeflow's variant, by name, over the
+        policy's own (``moeflow.offload.policies.spec.Mechanisms``; docs/papers.md), e.g.
+        ``{"refresh_on_prefetch": True, "prefetch_chunks": "per-linear"}``. ``None``: the policy's.
     """
 
     gpu_expert_slots: int | None = None
@@ -86,6 +90,7 @@ class OffloadConfig:
     context_length: int | None = None
     max_batch_size: int = 1
     early_hits: bool | None = None
+    policy_options: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.gpu_expert_slots is not None and self.gpu_expert_slots < 1:
@@ -133,6 +138,9 @@ class OffloadConfig:
             raise ValueError(f"OffloadConfig.disk_readers must be >= 1, got {self.disk_readers}")
         if self.race_margin < 0:
             raise ValueError(f"OffloadConfig.race_margin must be >= 0, got {self.race_margin}")
+        if self.policy_options is not None and not isinstance(self.policy_options, dict):
+            raise ValueError(f"OffloadConfig.policy_options must be a dict of option -> value, got "
+                             f"{type(self.policy_options).__name__}")
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -370,3 +370,12 @@ def test_train_and_eval_commands(synth, tmp_path, capsys):
         for key in ("exact_topk", "at_least_one", "recall", "precision"):
             assert 0.0 <= result[key] <= 1.0 and 0.0 <= result["popularity"][key] <= 1.0
         assert result["held_out_sequences"] == 4 and result["recall"] > result["popularity"]["recall"]
+        assert "goodpred" not in result
+    # ProMoE's GoodPred: Accuracy (precision) x FetchRate (the timing model: link-bound here, 1 ms / 2 ms per k)
+    args = parser.parse_args(["eval-predictor", "--predictor", str(tmp_path / "promoe.pt"), "--trace", str(trace_path),
+                              "--layer-ms", "1", "--expert-ms", "2"])
+    assert args.func(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    gp = result["goodpred"]
+    assert gp["fetch_rate"] == pytest.approx(0.5 / result["mean_predicted"])
+    assert gp["goodpred"] == pytest.approx(result["precision"] * gp["fetch_rate"])

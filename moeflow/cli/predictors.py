@@ -92,6 +92,13 @@ def cmd_eval_predictor(args: argparse.Namespace) -> int:
     predictor = load_predictor(args.predictor)
     trace = Trace.load(args.trace)
     result = evaluate_held_out(predictor, trace, args.phase)
+    if (args.layer_ms is None) != (args.expert_ms is None):
+        raise ValueError("--layer-ms and --expert-ms go together (ProMoE's GoodPred needs both)")
+    if args.layer_ms is not None:  # ProMoE §4.1: Accuracy x FetchRate, FetchRate from the timing model
+        from moeflow.offload.predictors.evaluate import goodpred
+
+        result["goodpred"] = goodpred(result, predictor.distance, layer_ms=args.layer_ms, expert_ms=args.expert_ms,
+                                      predict_ms=args.predict_ms)
     if predictor.kind == "expertflow":  # ExpertFlow eq. 7: batch-level accuracy at batch sizes 1/4/16/32
         from moeflow.offload.predictors import held_out_rows
         from moeflow.offload.predictors.expertflow import batch_level_report
@@ -141,6 +148,10 @@ def register(subparsers) -> None:
     p.add_argument("--phase", choices=["all", "prefill", "decode"], default="all")
     p.add_argument("--per-layer", action="store_true", help="include recall per target layer")
     p.add_argument("--compact", action="store_true", help="one-line JSON")
+    p.add_argument("--layer-ms", type=float, default=None,
+                   help="with --expert-ms: ProMoE's GoodPred = Accuracy x FetchRate, a layer taking this long")
+    p.add_argument("--expert-ms", type=float, default=None, help="time to copy one expert host->device")
+    p.add_argument("--predict-ms", type=float, default=0.0, help="time one prediction takes (default 0)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     p.set_defaults(func=cmd_eval_predictor)
 

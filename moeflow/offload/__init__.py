@@ -160,6 +160,8 @@ def create_expert_backend(
                         checkpoint_dir=checkpoint_dir, route=route)
     if spec.select is not None:  # "auto": run the policy it picks for this budget
         spec = get_policy(spec.select(ctx), policies)
+    mechanisms = spec.mechanisms.with_options(config.policy_options)
+    ctx = dataclasses.replace(ctx, mechanisms=mechanisms)
     predictor = spec.predictor(ctx) if spec.predictor is not None else None
     ctx = dataclasses.replace(ctx, predictor=predictor)  # an eviction policy may rank by the predictor (FineMoE)
     eviction = spec.eviction(ctx)
@@ -181,5 +183,5 @@ def create_expert_backend(
         warm_start=spec.warm_start, per_layer=spec.per_layer, prefill_ring=top_k if spec.prefill_ring else None,
         copy_chunks=config.copy_chunks, max_inflight_chunks=config.max_inflight_chunks,
         kernels_backend=kernels_backend, policy_name=spec.name, owns_host=owns_host, platform=platform,
-        early_hits=config.early_hits,
+        early_hits=config.early_hits, mechanisms=mechanisms,
     )

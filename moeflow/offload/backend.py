@@ -34,7 +34,7 @@ from moeflow.kernels.pool import ExpertFormat, ExpertPool
 from moeflow.moe.backend import ExpertBackend, StepInfo
 from moeflow.offload.cache import ExpertCache, Slot
 from moeflow.offload.compute import LayerCompute
-from moeflow.offload.copy_engine import CopyEngine, LoadTask
+from moeflow.offload.copy_engine import CopyEngine, LoadTask, linear_chunks
 from moeflow.offload.cpu_slots import SlotInt4Forms
 from moeflow.offload.device_step import DeviceGraphs
 from moeflow.offload.eviction import EvictionPolicy
@@ -42,6 +42,7 @@ from moeflow.offload.host_store import HostStore
 from moeflow.offload.hybrid import HybridCompute
 from moeflow.offload.plan import arrival_order, plan_layer
 from moeflow.offload.platform import REAL, Platform
+from moeflow.offload.policies.spec import Mechanisms
 from moeflow.offload.predictors.interface import Predictor
 from moeflow.offload.prelude import CapturedPrelude
 from moeflow.offload.readback import ReadBack, host_proposals
@@ -82,8 +83,10 @@ class OffloadedExperts(CapturedPrelude, SlotLoads, ExpertBackend):
         owns_host: bool = True,
         platform: Platform = REAL,
         early_hits: bool | None = None,
+        mechanisms: Mechanisms | None = None,
     ) -> None:
         self.fmt = fmt
+        self.mechanisms = mechanisms if mechanisms is not None else Mechanisms()
         self.num_layers, self.num_experts, self.top_k = host.num_layers, host.num_experts, top_k
         self.device = torch.device(device)
         self.kernels_backend = kernels_backend
@@ -103,6 +106,8 @@ class OffloadedExperts(CapturedPrelude, SlotLoads, ExpertBackend):
                                  key_space=(self.num_layers, self.num_experts))
         self.engine = platform.make_engine(transport, host, self.pool, chunks=copy_chunks,
                                            max_inflight=max_inflight_chunks)
+        if self.mechanisms.prefetch_chunks == "per-linear":  # ProMoE §5.1: a prediction moves one linear at a time
+            self.engine.set_low_chunks(linear_chunks(fmt))
         self._phase = stats.phase
         self.readback = ReadBack(self.device, self.num_experts, on_wait=platform.read_wait)
         # the device part: expert groups and the combine, eager or captured (platform.compute: the simulator's)
@@ -188,7 +193,7 @@ class OffloadedExperts(CapturedPrelude, SlotLoads, ExpertBackend):
         """Keep the pass's real tokens (the base's); hand the pass to the predictor (FineMoE's semantic search,
         ExpertFlow's path plan)."""
         super().begin_step(step)
-        if self.predictor is not None:
+        if self.predictor is not None and (step.phase != "prefill" or self.mechanisms.predict_in_prefill):
             self.predictor.begin_step(step)
 
     def predict_paths(self, step: StepInfo, last_only: bool = False) -> torch.Tensor | None:
@@ -233,7 +238,7 @@ class OffloadedExperts(CapturedPrelude, SlotLoads, ExpertBackend):
         k = topk_ids.shape[1]
 
         # 1. the layer's only blocking device->host read: its routing, and the predictor's proposals with it
-        pred, captured, self._captured_read = self.predictor, self._captured_read, None
+        pred, captured, self._captured_read = self._active_predictor(), self._captured_read, None
         if pred is not None and captured is None:  # routing first: predictors that learn from it (DuoServe) need it
             pred.observe(layer, x, probs, topk_ids)
         # proposed and staged in the captured piece just replayed (prelude.py): its event only
@@ -322,7 +327,7 @@ class OffloadedExperts(CapturedPrelude, SlotLoads, ExpertBackend):
         # 5. reordered inference
         if out is None:
             out = self.compute.begin_layer(x, topk_ids, topk_weights)  # static when the device part is captured
-        late = self.predictor is not None and self.predictor.proposes_late
+        late = self._active_predictor() is not None and self.predictor.proposes_late
         if ready:
             self._compute(layer, x, topk_ids, topk_weights, out, ready, done=early)
             if late:
@@ -355,6 +360,12 @@ class OffloadedExperts(CapturedPrelude, SlotLoads, ExpertBackend):
         if self.cpu is not None:
             self.cpu.finish(out, st)
         return out
+
+    def _active_predictor(self) -> Predictor | None:
+        """The predictor, unless the phase runs without one (``Mechanisms.predict_in_prefill``: DuoServe's prefill)."""
+        if self._phase == "prefill" and not self.mechanisms.predict_in_prefill:
+            return None
+        return self.predictor
 
     # ------------------------------------------------------------------ compute helpers
     def _launch_early(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor

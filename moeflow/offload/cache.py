@@ -234,7 +234,9 @@ class ExpertCache:
         if slot.prefetched:
             slot.prefetched = False
             if self._stats is not None:
-                self._stats().useful_prefetches += 1
+                st = self._stats()
+                st.useful_prefetches += 1
+                st.timely_prefetches += slot.state is SlotState.READY  # landed before the gate (FetchRate)
 
     def release(self, slot: Slot, fence: Handle) -> None:
         """The reader is done issuing its compute; ``fence`` completes when that compute has run."""

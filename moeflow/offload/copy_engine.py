@@ -38,19 +38,15 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from moeflow.kernels.pool import ALIGN, ExpertPool
+from moeflow.kernels.pool import ExpertPool
+from moeflow.offload.chunks import chunk_ranges, linear_chunks
 from moeflow.offload.host_store import HostStore
 from moeflow.offload.stats import PhaseStats
 from moeflow.offload.transport import Handle, Transport
 
 PREFETCH_CHUNK_BYTES = 8 * 2**20  # a needed load waits behind at most ~one such piece of a prefetch
+__all__ = ["BATCH_BYTES", "PREFETCH_CHUNK_BYTES", "CopyEngine", "LoadTask", "chunk_ranges", "linear_chunks"]
 BATCH_BYTES = PREFETCH_CHUNK_BYTES  # one issue of needed loads gathers up to this many bytes (copy_batch transports)
-
-
-def chunk_ranges(nbytes: int, chunks: int, align: int = ALIGN) -> list[tuple[int, int]]:
-    """Split ``[0, nbytes)`` into at most ``chunks`` aligned, contiguous, non-empty byte ranges."""
-    step = max(align, -(-nbytes // chunks // align) * align)
-    return [(a, min(a + step, nbytes)) for a in range(0, nbytes, step)]
 
 
 @dataclass(eq=False, slots=True)
@@ -162,6 +158,17 @@ class CopyEngine:
             self.tasks += 1
             self._cond.notify_all()
         return task
+
+    def set_low_chunks(self, chunks: Sequence[tuple[int, int]]) -> None:
+        """Cut predicted (low) loads submitted from now on into ``chunks`` (adjacent byte ranges covering an expert
+        region, e.g. :func:`linear_chunks`) instead of the equal pieces of at most ``PREFETCH_CHUNK_BYTES``."""
+        chunks = tuple((int(a), int(b)) for a, b in chunks)
+        edges = [c for ab in chunks for c in ab]
+        nbytes = self.pool.fmt.nbytes
+        if not chunks or edges[0] != 0 or edges[-1] != nbytes or any(
+                b <= a for a, b in chunks) or any(chunks[i][1] != chunks[i + 1][0] for i in range(len(chunks) - 1)):
+            raise ValueError(f"low chunks {chunks} are not adjacent non-empty ranges covering [0, {nbytes})")
+        self.low_chunks = chunks
 
     def _enqueue(self, task: LoadTask) -> None:
         self._order += 1

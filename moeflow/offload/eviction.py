@@ -55,6 +55,13 @@ class EvictionPolicy:
         """``key`` lost its slot."""
         self.recency.pop(key, None)
 
+    def refreshed(self, key: Key) -> None:
+        """A resident ``key`` was predicted again (ProMoE: a prefetch of a cached expert touches it): as recent as a
+        use, without counting as one (no gate access, frequencies unchanged)."""
+        if key in self.recency:
+            self.last_use[key] = self._now()
+            self.recency.move_to_end(key)
+
     def pick(self, evictable: Collection[Key], layer_now: int, allowed: Callable[[Key], bool] | None = None,
              flags: np.ndarray | None = None) -> Key | None:
         """The victim among ``evictable`` (resident, ready, not in use) keys passing ``allowed``; None if none.
@@ -107,6 +114,12 @@ class LRU(EvictionPolicy):
         order = self._layer_recency.get(key[0])
         if order is not None:
             order.pop(key, None)
+
+    def refreshed(self, key: Key) -> None:
+        super().refreshed(key)
+        order = self._layer_recency.get(key[0])
+        if order is not None and key in order:
+            order.move_to_end(key)
 
     def pick(self, evictable, layer_now, allowed=None, flags=None):  # noqa: D102 (the base's)
         for key in self.recency:  # oldest first; skips the few keys in use or loading

@@ -9,7 +9,9 @@ The heuristic is the paper's balanced k-means on Hamming similarity
 similar centroid that still has room (clusters balanced to at most ``micro_batch_size``), centroids
 re-chosen as the member with the highest mean similarity to the others (a medoid), until the
 assignment stops changing. A contiguous split (balanced, or in chunks of ``micro_batch_size``, what
-running without the scheduler does) is kept when k-means does not beat it.
+running without the scheduler does) is kept when k-means does not beat it (moeflow's variant;
+``keep_contiguous=False`` returns the clustering as the paper does). :func:`regroup_two_batches` is the paper's
+problem statement (§3.3.2): the tokens of two batches into two balanced batches.
 """
 
 from __future__ import annotations
@@ -62,11 +64,13 @@ def _assign(sim_to_centroids: torch.Tensor, sizes: list[int]) -> list[list[int]]
 
 
 def group_by_routing(
-    paths: torch.Tensor, micro_batch_size: int, max_iters: int = 20, seed: int = 0
+    paths: torch.Tensor, micro_batch_size: int, max_iters: int = 20, seed: int = 0, keep_contiguous: bool = True
 ) -> list[list[int]]:
     """Partition ``range(B)`` into groups of at most ``micro_batch_size`` that activate few experts.
 
     paths: bool [B, L, E] routing paths (observed, or predicted for a first step).
+    keep_contiguous: moeflow's variant, the contiguous split when k-means does not activate fewer pairs; False:
+    the k-means assignment as the paper takes it (§3.3.3), whatever it activates.
     Returns the groups as sorted index lists, in order of their smallest member.
     """
     batch = paths.shape[0]
@@ -91,5 +95,22 @@ def group_by_routing(
             break
         groups = new_groups
         centroids = [g[int(sim[g][:, g].mean(dim=1).argmax())] for g in groups]
+    if not keep_contiguous:
+        return sorted(groups, key=lambda g: g[0])
     best = min((chunked, balanced, groups), key=lambda g: activated_pairs(paths, g))  # ties: contiguous first
     return sorted(best, key=lambda g: g[0])
+
+
+def regroup_two_batches(paths_a: torch.Tensor, paths_b: torch.Tensor, *, keep_contiguous: bool = False,
+                        seed: int = 0) -> tuple[list[int], list[int]]:
+    """ExpertFlow's token scheduler as written (§3.3.2): the tokens of two batches of N, with global indices
+    0..N-1 (batch A) and N..2N-1 (batch B), into two new balanced batches of N that activate few experts.
+
+    paths_a, paths_b: bool [N, L, E] token routing paths. keep_contiguous=True keeps A and B when the clustering
+    does not activate fewer (layer, expert) pairs (moeflow's variant). Returns the two index lists, sorted."""
+    if paths_a.shape != paths_b.shape:
+        raise ValueError(f"the two batches' paths differ in shape: {tuple(paths_a.shape)} vs {tuple(paths_b.shape)}")
+    paths = torch.cat([paths_a, paths_b])
+    n = paths_a.shape[0]
+    first, second = group_by_routing(paths, n, seed=seed, keep_contiguous=keep_contiguous)
+    return first, second

@@ -1,7 +1,8 @@
 """The load side of :class:`moeflow.offload.backend.OffloadedExperts`: slots for a layer's misses, predicted
 loads for later layers, a prefetch's slot taken back for a needed load, the synchronous transport's pump, and the
 wait that makes a load's bytes visible to compute. A mixin: it reads the backend's ``cache``, ``engine``,
-``host``, ``transport``, ``stats``, ``predictor``, ``clock``, ``prefill_ring``, ``num_layers`` and ``_phase``."""
+``host``, ``transport``, ``stats``, ``predictor``, ``clock``, ``prefill_ring``, ``num_layers``, ``mechanisms`` and
+``_phase``."""
 
 from __future__ import annotations
 
@@ -52,13 +53,15 @@ class SlotLoads:
             self.cache.use(slot)
             waiting.append(task)
 
-    def _submit(self, slot: Slot, layer: int, expert: int, *, high: bool, stats: PhaseStats) -> LoadTask:
+    def _submit(self, slot: Slot, layer: int, expert: int, *, high: bool, stats: PhaseStats,
+                priority: float = 0.0) -> LoadTask:
         """The copy into ``slot`` (just allocated); when it cannot start (the disk tier's read of the expert
         failed: a CheckpointError naming the file) the slot is empty again and the error propagates, so the
         next request that needs the expert tries again."""
         fences = self.cache.take_fences(slot)
         try:
-            return self.engine.submit(layer, expert, slot.index, high=high, after=fences, stats=stats)
+            return self.engine.submit(layer, expert, slot.index, high=high, after=fences, stats=stats,
+                                      priority=priority)
         except BaseException:
             self.cache.drop(slot, fences)
             raise
@@ -76,16 +79,21 @@ class SlotLoads:
         return self.cache.allocate(key, layer)
 
     def _prefetch(self, target: int, experts: list[int], layer: int, st: PhaseStats) -> None:
+        refresh = self.mechanisms.refresh_on_prefetch
+        ranked = self.mechanisms.queue_priority and self.predictor is not None
         for e in experts:
             key = (target, e)
             if self.cache.lookup(key) is not None:
+                if refresh:  # ProMoE's per-layer LRU: the prediction touches the cached expert
+                    self.cache.policy.refreshed(key)
                 continue
             if not self.host.stage(target, e):
                 continue  # disk tier: a guess not in host memory is read from disk now, copied when needed
             slot = self.cache.allocate(key, layer)
             if slot is None:
                 return  # best effort: never cancel other loads for a guess
-            task = self._submit(slot, target, e, high=False, stats=st)
+            priority = self.predictor.queue_priority(target, e, layer) if ranked else 0.0
+            task = self._submit(slot, target, e, high=False, stats=st, priority=priority)
             self.cache.start_load(slot, task, prefetched=True)
             st.prefetches += 1
 

@@ -18,6 +18,7 @@ class PhaseStats:
     misses: int = 0  # needed experts that had to be loaded after the gate
     prefetches: int = 0  # experts copied ahead of their gate
     useful_prefetches: int = 0  # prefetched experts that were used before being evicted
+    timely_prefetches: int = 0  # of those, the ones whose bytes had landed at their gate (ProMoE's FetchRate)
     wasted_prefetches: int = 0  # prefetched experts evicted (or dropped) unused
     bytes_h2d: int = 0  # host -> device bytes moved
     copies: int = 0  # copy operations handed to the transport (one cudaMemcpyAsync each)
@@ -36,6 +37,27 @@ class PhaseStats:
     def hit_rate(self) -> float:
         total = self.hits + self.misses
         return self.hits / total if total else 0.0
+
+    @property
+    def ready_hit_rate(self) -> float:
+        """Hits whose bytes were in place at the gate (in-flight loads not counted) over needed experts."""
+        total = self.hits + self.misses
+        return (self.hits - self.inflight_hits) / total if total else 0.0
+
+    @property
+    def prefetch_accuracy(self) -> float:
+        """ProMoE's Accuracy (§4.1): prefetched experts that were needed at their gate / experts prefetched."""
+        return self.useful_prefetches / self.prefetches if self.prefetches else 0.0
+
+    @property
+    def fetch_rate(self) -> float:
+        """ProMoE's FetchRate (§4.1): correct prefetches that landed before their gate / correct prefetches."""
+        return self.timely_prefetches / self.useful_prefetches if self.useful_prefetches else 0.0
+
+    @property
+    def goodpred(self) -> float:
+        """ProMoE's GoodPred = Accuracy x FetchRate (§4.1): prefetches both correct and in time / prefetches."""
+        return self.timely_prefetches / self.prefetches if self.prefetches else 0.0
 
 
 @dataclass
@@ -90,7 +112,9 @@ class Stats:
     def as_dict(self) -> dict:
         d = asdict(self)
         for phase in PHASES:
-            d[phase]["hit_rate"] = getattr(self, phase).hit_rate
+            st = getattr(self, phase)
+            for name in ("hit_rate", "ready_hit_rate", "prefetch_accuracy", "fetch_rate", "goodpred"):
+                d[phase][name] = getattr(st, name)
         d["hit_rate"] = self.hit_rate
         return d
 

@@ -1,6 +1,7 @@
 """``finemoe`` (FineMoE §4): Expert Map Store search (semantic search from the token embeddings for the first
-d layers, trajectory search after), δ-threshold prefetch ranked by p / (l − l_now), eviction by 1 / (p · freq)
-(``PriorityEviction(LFU(), p · freq)``). Needs no file: the store fills as it serves."""
+d layers, trajectory search after), δ-threshold prefetch queued at priority p / (l − l_now), eviction by
+1 / (p · freq) (``PriorityEviction(LFU(), p · freq)``), a whole prefill one iteration of the map. Needs no file: the
+store fills as it serves."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from moeflow.errors import SchedulingError
 from moeflow.moe.backend import StepInfo
 from moeflow.offload.eviction import LFU, EvictionPolicy, PriorityEviction
 from moeflow.offload.policies.files import load_policy_predictor
-from moeflow.offload.policies.spec import PolicyContext, PolicySpec
-from moeflow.offload.predictors.finemoe import ExpertMapStore, FineMoEPredictor
+from moeflow.offload.policies.spec import Mechanisms, PolicyContext, PolicySpec
+from moeflow.offload.predictors.finemoe import ExpertMapStore, FineMoEPredictor, prefetch_priority
 from moeflow.offload.predictors.interface import LearnedPredictorRuntime, Proposals
 
 
@@ -29,9 +30,12 @@ class FineMoERuntime(LearnedPredictorRuntime):
 
     host_routing = True  # the map search runs on the host: probs and top-k come with the layer's one read-back
 
-    def __init__(self, predictor: FineMoEPredictor) -> None:
+    def __init__(self, predictor: FineMoEPredictor, prefill_iteration: str = "token") -> None:
+        """prefill_iteration: "pass" makes a whole prefill one iteration of the expert map (the paper's), "token"
+        one iteration per prompt token (``Mechanisms.prefill_iteration``)."""
         super().__init__(predictor)
         predictor.runtime_mode = True
+        self.prefill_pass = prefill_iteration == "pass"
         self._runtime: Any = None
 
     @property
@@ -46,6 +50,7 @@ class FineMoERuntime(LearnedPredictorRuntime):
             return
         pred = self.predictor
         pred.end_iteration()
+        pred.aggregate = self.prefill_pass and step.phase == "prefill"  # one map (mean rows) for the whole prefill
         embeds, real = step.embeds.detach().reshape(-1, step.embeds.shape[-1]), step.real_tokens
         pred.begin_iteration(embeds if real is None else embeds.index_select(0, real))  # padding searches nothing
         if self._runtime is None:
@@ -60,6 +65,11 @@ class FineMoERuntime(LearnedPredictorRuntime):
     def propose(self, layer: int, x: torch.Tensor) -> Proposals:
         """Host lists from the previous layer's search (never waits for this layer's)."""
         return self.predictor.runtime_proposals(layer)
+
+    def queue_priority(self, target: int, expert: int, layer_now: int) -> float:
+        """FineMoE §4.5: p / (l - l_now), p the expert's probability in the map last searched for ``target``."""
+        return float(prefetch_priority(float(self.predictor.guidance[target, expert]), target,
+                                       min(layer_now, target - 1)))
 
     def eviction_score(self, key: tuple[int, int], layer_now: int = 0) -> float:
         return self.predictor.eviction_score(key, layer_now)
@@ -78,7 +88,7 @@ def _finemoe_predictor(ctx: PolicyContext) -> FineMoERuntime:
     pred = load_policy_predictor(ctx, "finemoe")
     if torch.device(ctx.device).type == "cuda":
         pred.start_async()  # searches on a worker thread, off the critical path (FineMoE §4.3)
-    return FineMoERuntime(pred)
+    return FineMoERuntime(pred, ctx.mechanisms.prefill_iteration)
 
 
 def _finemoe_eviction(ctx: PolicyContext) -> EvictionPolicy:
@@ -91,4 +101,6 @@ FINEMOE = PolicySpec(
     "finemoe", "FineMoE: expert-map search (semantic, then trajectory), delta-threshold prefetch by p/(l - l_now), "
                "eviction by 1/(p*freq)",
     eviction=_finemoe_eviction, predictor=_finemoe_predictor,
+    # the paper's: a prefill is one iteration of the expert map, p / (l - l_now) orders the copy queue (docs/papers.md)
+    mechanisms=Mechanisms(queue_priority=True, prefill_iteration="pass"),
 )

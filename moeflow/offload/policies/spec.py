@@ -7,18 +7,67 @@ built first, so an eviction policy may rank by it); there is no field that overr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING, Any, Literal
 
 from torch import nn
 
+from moeflow.errors import SchedulingError
 from moeflow.offload.eviction import EvictionPolicy, make_eviction
 
 if TYPE_CHECKING:
     from moeflow.config import OffloadConfig
     from moeflow.offload.predictors.interface import Predictor
 
+
+@dataclass(frozen=True)
+class Mechanisms:
+    """Where a paper's mechanism as written and moeflow's variant of it differ, which one runs (docs/papers.md).
+
+    Each field names the paper it comes from; a policy's spec sets its defaults and
+    ``OffloadConfig.policy_options`` overrides them by name, so both can be compared on the same model.
+
+    refresh_on_prefetch: a predicted expert that is already cached has its recency refreshed (ProMoE's per-layer
+        LRU: the prefetch touches the cache); False: only gate accesses and loads count as uses.
+    prefetch_chunks: how a predicted (low-priority) load is cut for the copy queue: "pieces", equal pieces of
+        at most ``PREFETCH_CHUNK_BYTES`` (at least ``copy_chunks``); "per-linear", one chunk per linear layer of
+        the expert (ProMoE §5.1: gate, up, down; an AWQ expert's fused gate/up panels are one chunk).
+    queue_priority: the predictor's prefetch priority (FineMoE §4.5: p / (l - l_now)) orders the copy engine's
+        low queue; False: predicted loads queue in arrival order (already ranked by the predictor per layer).
+    prefill_iteration: FineMoE's expert-map iteration in a prefill: "pass", the whole prefill is one iteration
+        (one map of the mean probabilities and embedding, the paper's); "token", one map per prompt token.
+    predict_in_prefill: run the predictor (observe, propose, prefetch) in prefill passes; False: prefill streams
+        the gate's experts only (DuoServe §5.2: its predictor serves decode).
+    """
+
+    refresh_on_prefetch: bool = False
+    prefetch_chunks: Literal["pieces", "per-linear"] = "pieces"
+    queue_priority: bool = False
+    prefill_iteration: Literal["token", "pass"] = "token"
+    predict_in_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.prefetch_chunks not in ("pieces", "per-linear"):
+            raise SchedulingError(f"policy option prefetch_chunks={self.prefetch_chunks!r}: expected 'pieces' or "
+                                  "'per-linear'")
+        if self.prefill_iteration not in ("token", "pass"):
+            raise SchedulingError(f"policy option prefill_iteration={self.prefill_iteration!r}: expected 'token' "
+                                  "or 'pass'")
+        for name in ("refresh_on_prefetch", "queue_priority", "predict_in_prefill"):
+            if not isinstance(getattr(self, name), bool):
+                raise SchedulingError(f"policy option {name}={getattr(self, name)!r}: expected True or False")
+
+    def with_options(self, options: Mapping[str, Any] | None) -> Mechanisms:
+        """These mechanisms with ``options`` (``OffloadConfig.policy_options``) applied; SchedulingError naming an
+        unknown option and the known ones."""
+        if not options:
+            return self
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise SchedulingError(f"OffloadConfig.policy_options: unknown option(s) {unknown}; known: {sorted(known)}")
+        return replace(self, **options)
 
 
 @dataclass(frozen=True)
@@ -36,6 +85,7 @@ class PolicyContext:
     checkpoint_dir: Any = None  # the model's directory (predictor policies look for predictors/<kind>.pt there)
     route: Callable | None = None  # the family's routing (logits -> probs, ids, weights); None: softmax-top-k
     predictor: Any = None  # the policy's predictor, set before ``eviction`` is called (FineMoE's eviction uses it)
+    mechanisms: Mechanisms = Mechanisms()  # the spec's, with OffloadConfig.policy_options applied
 
 
 def evict(name: str) -> Callable[[PolicyContext], EvictionPolicy]:
@@ -59,6 +109,7 @@ class PolicySpec:
     cpu_compute: the policy's own hybrid mode (used when ``OffloadConfig.cpu_compute`` is None); a policy
         that sets it cannot run with ``cpu_compute="never"``.
     select: for "auto" only: the name of the policy to run, chosen from the context.
+    mechanisms: the paper-or-variant switches (:class:`Mechanisms`), overridden by ``OffloadConfig.policy_options``.
     """
 
     name: str
@@ -72,3 +123,4 @@ class PolicySpec:
     prefill_ring: bool = False
     cpu_compute: str | None = None
     select: Callable[[PolicyContext], str] | None = None
+    mechanisms: Mechanisms = Mechanisms()

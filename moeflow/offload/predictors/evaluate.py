@@ -130,3 +130,27 @@ def evaluate(predictor: ExpertPredictor, trace: Trace, phase: str = "all") -> Ev
     predictor.reset()
     res.seconds = time.perf_counter() - start
     return res
+
+
+def goodpred(figures: dict, distance: int, *, layer_ms: float, expert_ms: float,
+             predict_ms: float = 0.0) -> dict[str, float]:
+    """ProMoE's GoodPred = Accuracy x FetchRate (§4.1) of an evaluated predictor, FetchRate from a timing model.
+
+    ``figures``: :meth:`EvalResult.as_dict`'s (precision and mean_predicted of the layers ``distance`` ahead).
+    Accuracy: the share of predicted experts that were needed (precision). FetchRate: the share of one layer's
+    predicted experts whose copy can finish before the layer's gate. A prediction for layer l is ready
+    ``predict_ms`` after layer l - d starts; one expert copies in ``expert_ms``; a layer runs ``layer_ms``. Two
+    bounds, no cache: the window (d * layer_ms - predict_ms of copy time) and the link (each layer brings one more
+    target layer's predictions, so in steady state only layer_ms / expert_ms experts move per layer). With d = 1
+    the prediction eats the window; ProMoE's stride (d = 2) leaves the link as the bound (its §4.3 argument)."""
+    if layer_ms <= 0 or expert_ms <= 0 or predict_ms < 0:
+        raise ValueError(f"goodpred: layer_ms ({layer_ms}) and expert_ms ({expert_ms}) must be > 0, predict_ms "
+                         f"({predict_ms}) >= 0")
+    accuracy, predicted = figures.get("precision"), figures.get("mean_predicted")
+    if accuracy is None or not predicted:
+        return {"accuracy": float("nan"), "fetch_rate": float("nan"), "goodpred": float("nan")}
+    window = max(0.0, distance * layer_ms - predict_ms) / expert_ms
+    link = layer_ms / expert_ms
+    fetch_rate = min(1.0, window / predicted, link / predicted)
+    return {"accuracy": accuracy, "fetch_rate": fetch_rate, "goodpred": accuracy * fetch_rate,
+            "layer_ms": layer_ms, "expert_ms": expert_ms, "predict_ms": predict_ms}

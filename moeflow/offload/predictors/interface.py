@@ -14,6 +14,7 @@ data-dependent shape) or host lists (a plan already on the host: nothing to read
 * ``observe_host(layer, probs, topk_ids)``: with ``host_routing`` True, the layer's routing as host tensors,
   fetched in the layer's one read-back (FineMoE's map search runs on the host);
 * ``predict_paths(step, last_only)``: routing paths bool [B, L, E] for micro-batch grouping (ExpertFlow);
+* ``queue_priority(target, expert, layer_now)``: the copy-queue priority of a predicted load (FineMoE §4.5);
 * ``close()``: release hooks, threads, side streams.
 """
 
@@ -68,6 +69,12 @@ class Predictor(ABC):
     def predict_paths(self, step: StepInfo, last_only: bool = False) -> torch.Tensor | None:
         """Predicted routing paths bool [B, L, E] of ``step``'s sequences (None: no path prediction)."""
         return None
+
+    def queue_priority(self, target: int, expert: int, layer_now: int) -> float:
+        """Copy-queue priority of a predicted load of (``target``, ``expert``) queued at layer ``layer_now``, larger
+        first (used with ``Mechanisms.queue_priority``). Default: FineMoE's p / (l - l_now) with p = 1, the nearer
+        layer's guesses first; FineMoE's runtime gives its searched p."""
+        return 1.0 / max(target - layer_now, 1)
 
     def close(self) -> None:  # noqa: B027 (optional hook)
         """Release what the predictor holds (threads, streams)."""
