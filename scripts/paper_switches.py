@@ -92,9 +92,8 @@ def counts_table(budgets: list[int], stride: int, new_tokens: int) -> tuple[list
 
 def record(stride: int, new_tokens: int):
     """The routing trace of the held-out prompts (prefill + greedy decode, with hidden states and embeddings)."""
-    from moeflow.trace.record import record_trace
-
     from moeflow import MoEOffloadedMixtral
+    from moeflow.tools.record import record_trace
 
     model = MoEOffloadedMixtral.from_pretrained(MODEL, device="cpu")
     return record_trace(model, load_prompts(model, stride), new_tokens, hidden=True, embed=True, progress=False)

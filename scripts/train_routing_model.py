@@ -120,9 +120,9 @@ def parse_args(argv=None):
 def held_out_stats(out_dir: Path, heldout: bytes, n: int, seq_len: int = 96, new_tokens: int = 16) -> dict:
     """Routing statistics of the saved checkpoint on ``n`` held-out windows, recorded through moeflow."""
     import torch
-    from moeflow.trace.record import record_trace
 
     from moeflow import MoEModel
+    from moeflow.tools.record import record_trace
     from moeflow.trace.stats import routing_stats
 
     model = MoEModel.from_pretrained(out_dir, device="cpu", dtype=torch.float32)
