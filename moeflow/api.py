@@ -98,8 +98,8 @@ class MoEModel(nn.Module):
             of 256 positions, so calls within one such bucket replay the same graphs.
         attention_bits: on the CPU int4 path (device="cpu", AWQ experts), quantize 16-bit attention
             projections at load to int8 (8) or int4 (4, group 128); None keeps them as stored; "auto"
-            (default): int8 on that path (2.4x the decode speed of 16-bit attention, logits within ~1%:
-            docs/hybrid.md), kept as stored elsewhere. That path always runs AWQ attention through the int4
+            (default): int8 on that path (held-out bits/byte of the embedded model +0.01%, docs/cpu.md),
+            kept as stored elsewhere. That path always runs AWQ attention through the int4
             CPU kernel.
         lm_head_bits: on the CPU int4 path, the lm_head in int8 (8, default) or int4 (4: ~half the bytes per
             decoded token; the top 16 logits, so the greedy tokens, recomputed in int8, the others with int4's

@@ -16,10 +16,9 @@ replaces, in the built decoder, each module by a :class:`~moeflow.kernels.cpu_qu
 * AWQ attention projections (checkpoints that publish them in 4-bit) -> torch's int4 CPU kernel with the
   same weights (:func:`~moeflow.kernels.cpu_quant_linear.awq_linear_cpu`), instead of dequantizing per call.
 * 16-bit attention projections -> int8 by default (``attention_bits="auto"``: 8 on this path, as llama.cpp
-  users run Q8_0; measured in docs/hybrid.md, "16-bit attention on the CPU": 2.4x the decode speed of fp32
-  attention on the peer benchmark's model, the embedded model's greedy tokens unchanged), int4 (group 128) when
-  asked (``attention_bits=4``), kept as stored with ``attention_bits=None``. Quantized, the model runs weights
-  it was not evaluated with (logits within ~1% of the fp32 reference on the embedded model).
+  users run Q8_0; docs/cpu.md: held-out bits/byte of the embedded model 1.8845 against 1.8843 with fp32
+  attention, and the decode speed beside llama.cpp), int4 (group 128) when asked (``attention_bits=4``), kept
+  as stored with ``attention_bits=None``. Quantized, the model runs weights it was not evaluated with.
 
 The embeddings stay as loaded: a lookup reads only the prompt's rows, so quantizing them saves RAM, not time.
 Where moeflow's own CPU kernels build (:mod:`moeflow.kernels.cpu_native`), every module here runs them instead of
