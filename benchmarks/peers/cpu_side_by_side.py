@@ -53,7 +53,7 @@ def worker(model: Path, threads: int, lm_head_bits: int, tg: int, attention_bits
     torch.set_num_threads(threads)
     m = MoEOffloadedMixtral.from_pretrained(model, device="cpu", attention_bits=attention_bits,
                                             lm_head_bits=lm_head_bits, progress=False)
-    from moeflow.kernels.cpu_native import SIMD_NAMES, library
+    from moeflow.kernels.cpu_native import library
     gen = torch.Generator().manual_seed(0)
     decode_ids = torch.randint(3, m.config.vocab_size, (1, 16), generator=gen)
     prompt_ids = torch.randint(3, m.config.vocab_size, (1, 32), generator=gen)
@@ -63,7 +63,7 @@ def worker(model: Path, threads: int, lm_head_bits: int, tg: int, attention_bits
         m.generate(prompt_ids, max_new_tokens=1, **kw)
         lib = library()
         print(json.dumps({"ready": True, "native_layers": getattr(m.model, "native_layers", None) is not None,
-                          "simd": SIMD_NAMES[lib.mf_simd()] if lib is not None else None,
+                          "simd": {0: "scalar", 1: "avx2", 2: "avx512-vnni"}[lib.mf_simd()] if lib else None,
                           "greedy_tokens": tokens}), flush=True)
         for _ in sys.stdin:
             c0 = time.process_time()
@@ -114,7 +114,8 @@ def main() -> None:
     if args.worker:
         return worker(args.work / args.checkpoint, args.threads, args.lm_head_bits, args.tg,
                       _bits(args.attention_bits))
-    specs = dict(t.split("=", 1) for t in args.trees) or {"this tree": str(HERE.parents[2])}
+    # label=spec split at the last "=": a label may hold one, a path does not
+    specs = dict(t.rsplit("=", 1) for t in args.trees) or {"this tree": str(HERE.parents[2])}
     engines_spec = {}
     for label, spec in specs.items():
         tree, ckpt, bits = (spec.split(":") + ["awq", args.attention_bits])[:3]
