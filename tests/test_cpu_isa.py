@@ -63,8 +63,8 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
 
 
 def _all_kernels() -> list[torch.Tensor]:
-    """Every kernel on shapes that take each path: 16-row pairs, a lone 8-row group, plain tail rows, both q4
-    forms, every token tile, the q8 rows picked by index, the expert."""
+    """Every kernel on shapes that take each path: 16-row pairs (q8 always, q4 from 8 tokens), a lone 8-row
+    group, plain tail rows, both q4 forms, every token tile, the q8 rows picked by index, the expert."""
     res = []
     for n, half in ((8 * 7 + 5, True), (8 * 6, False), (8, True), (24 + 3, False)):  # odd/even groups, tails
         m = _q4(n, 256, 64, seed=n, half=half)
@@ -78,7 +78,7 @@ def _all_kernels() -> list[torch.Tensor]:
         res += _cases(128, lambda x, m8=m8, n=n: m8.matmul_rows(x, torch.tensor([n - 1, 0, n // 2])), (1, 3))
     H, I, G = 128, 96, 32  # noqa: E741
     w13, w2 = _q4(2 * I, H, G, seed=1, half=True), _q4(H, I, G, seed=2, half=True)
-    res += _cases(H, lambda x: q4_expert(x, w13, w2, torch.rand(x.shape[0], generator=g)), (1, 5))
+    res += _cases(H, lambda x: q4_expert(x, w13, w2, torch.rand(x.shape[0], generator=g)), (1, 5, 9))
     return res
 
 
