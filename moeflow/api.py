@@ -80,7 +80,7 @@ class MoEModel(nn.Module):
         compile: bool = False,
         revision: str | None = None,
         progress: bool | None = None,
-        attention_bits: int | None = None,
+        attention_bits: int | str | None = "auto",
         cuda_graphs: bool | None = None,
         lm_head_bits: int = 8,
         mtp: bool = False,
@@ -102,8 +102,10 @@ class MoEModel(nn.Module):
             With graphs the KV cache is kept between generate() calls, its length rounded up to a multiple
             of 256 positions, so calls within one such bucket replay the same graphs.
         attention_bits: on the CPU int4 path (device="cpu", AWQ experts), quantize 16-bit attention
-            projections at load to int8 (8) or int4 (4, group 128); None (default) keeps them as stored.
-            That path always runs AWQ attention through the int4 CPU kernel.
+            projections at load to int8 (8) or int4 (4, group 128); None keeps them as stored; "auto"
+            (default): int8 on that path (held-out bits/byte of the embedded model +0.01%, docs/cpu.md),
+            kept as stored elsewhere. That path always runs AWQ attention through the int4
+            CPU kernel.
         lm_head_bits: on the CPU int4 path, the lm_head in int8 (8, default) or int4 (4: ~half the bytes per
             decoded token; the top 16 logits, so the greedy tokens, recomputed in int8, the others with int4's
             error; see :mod:`moeflow.kernels.cpu_lm_head`).

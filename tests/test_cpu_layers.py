@@ -98,6 +98,6 @@ def test_native_layers_on_an_awq_attention_checkpoint_and_where_they_step_aside(
 
 
 def test_no_native_layers_without_the_one_call_attention_half():
-    # 16-bit attention kept (no attention_bits): the layers' attention is not one native call
-    model = MoEOffloadedMixtral.from_pretrained(embedded_model_path())
+    # 16-bit attention kept (attention_bits=None): the layers' attention is not one native call
+    model = MoEOffloadedMixtral.from_pretrained(embedded_model_path(), attention_bits=None)
     assert model.model.layers[0].attention_half is None and model.model.native_layers is None

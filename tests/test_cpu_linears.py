@@ -1,5 +1,6 @@
 """The CPU int4 path's decoder (issue 21): int8 lm_head, AWQ attention through the int4 CPU kernel, 16-bit
-attention quantized on request, and the lean ``CpuInt4Experts`` dispatch.
+attention in int8 by default (issue 42; kept with attention_bits=None, int4 on request), and the lean
+``CpuInt4Experts`` dispatch.
 
 Tolerances (stated in moeflow/engine/cpu_linears.py): against the exact fp32 reference (``kernels="torch"``)
 the embedded model's logits stay within LOGITS_RTOL (relative norm; measured 0.4% with torch's kernels, 0.8% with
@@ -59,15 +60,18 @@ def test_cpu_int4_decoder_holds_quantized_layers_only(embedded):
                    for name, m in model.model.named_modules() if not name.endswith("qkv_proj")), \
         "the 16-bit lm_head is still held"  # (the embedded model's fused q/k/v also has 256 outputs)
     assert head.nbytes < ref.model.lm_head.weight.numel() * 4 / 3.8  # int8 + fp32 scales: ~a quarter of fp32
-    # the embedded checkpoint stores its attention in 16 bits: kept unless asked
-    assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+    # the embedded checkpoint stores its attention in 16 bits: int8 by default on this path, kept when asked
+    q = model.model.layers[0].self_attn.q_proj
+    assert isinstance(q, CpuQuantLinear) and q.bits == 8
+    kept = MoEOffloadedMixtral.from_pretrained(path, attention_bits=None)
+    assert type(kept.model.layers[0].self_attn.q_proj) is torch.nn.Linear
     # the reference is untouched
     assert type(ref.model.lm_head) is torch.nn.Linear
 
 
 def test_logits_close_and_greedy_equal_on_the_embedded_model(embedded):
     path, _, ids, expected, logits = embedded
-    for attention_bits in (None, 8):
+    for attention_bits in (None, "auto"):
         model = MoEOffloadedMixtral.from_pretrained(path, attention_bits=attention_bits)
         got = model(expected).logits
         err = rel(got, logits)
@@ -100,6 +104,9 @@ def test_attention_bits_is_validated(embedded):
         MoEOffloadedMixtral.from_pretrained(path, attention_bits=5)
     with pytest.raises(ValueError, match="CPU int4 path"):
         MoEOffloadedMixtral.from_pretrained(path, kernels="torch", attention_bits=8)
+    # "auto" (the default) off the CPU int4 path keeps the projections as stored: the exact fp32 reference
+    ref = MoEOffloadedMixtral.from_pretrained(path, kernels="torch")
+    assert type(ref.model.layers[0].self_attn.q_proj) is torch.nn.Linear
 
 
 def test_awq_attention_runs_the_int4_cpu_kernel(tmp_path):

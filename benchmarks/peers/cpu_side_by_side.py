@@ -1,8 +1,9 @@
 """moeflow ``device="cpu"`` (two source trees: before / after) beside llama.cpp Q4_0, alternating rep by rep in
 one run (issue 21): decode tok/s, pp32 tok/s and CPU ms per decoded token, at one thread count.
 
-Each moeflow tree runs in its own worker process (``PYTHONPATH=<tree>``, the model loaded once: the peer
-benchmark's AWQ synthetic Mixtral, ``attention_bits=4``, ``lm_head_bits`` as asked); each rep asks every worker
+Each moeflow engine runs in its own worker process (``PYTHONPATH=<tree>``, the model loaded once: the peer
+benchmark's AWQ synthetic Mixtral from ``<work>/<checkpoint>``, ``attention_bits`` and ``lm_head_bits`` as
+asked); each rep asks every worker
 for one measurement, then runs ``llama-bench`` (Q4_0 GGUF, the same thread count), so the shared machine's load
 hits all alike. Per rep and engine:
 
@@ -12,7 +13,10 @@ hits all alike. Per rep and engine:
   process time; llama.cpp: ``-n tg+1`` minus ``-n 1``, child rusage) - the figure the machine's load moves least
   at one thread.
 
-Medians over reps, ``uptime`` before, between and after. ``--trees label=path`` (repeatable).
+Medians over reps, ``uptime`` before, between and after. ``--trees label=path[:checkpoint[:attention_bits]]``
+(repeatable; checkpoint: a folder under ``--work``, default ``awq``; attention_bits: ``auto``, ``none``, 8 or 4,
+default ``--attention-bits``): e.g. one engine on a ``--quantize-attention`` checkpoint and one on the default
+(16-bit attention) checkpoint with the library's default, in the same alternation.
 
     python benchmarks/peers/cpu_side_by_side.py --work /tmp/peers --threads 1 --reps 7 \\
         --trees before=/work/main --trees after=. --out benchmarks/results/peers/s12/side_t1
@@ -36,15 +40,20 @@ from peer_report import uptime, write_report  # noqa: E402
 HERE = Path(__file__).resolve()
 
 
-def worker(model: Path, threads: int, lm_head_bits: int, tg: int) -> None:
+def _bits(text: str) -> int | str | None:
+    return None if text == "none" else text if text == "auto" else int(text)
+
+
+def worker(model: Path, threads: int, lm_head_bits: int, tg: int, attention_bits: int | str | None) -> None:
     """Load the model, then answer every line on stdin with one measurement (a JSON line)."""
     import torch
 
     from moeflow import MoEOffloadedMixtral
 
     torch.set_num_threads(threads)
-    m = MoEOffloadedMixtral.from_pretrained(model, device="cpu", attention_bits=4, lm_head_bits=lm_head_bits,
-                                            progress=False)
+    m = MoEOffloadedMixtral.from_pretrained(model, device="cpu", attention_bits=attention_bits,
+                                            lm_head_bits=lm_head_bits, progress=False)
+    from moeflow.kernels.cpu_native import library
     gen = torch.Generator().manual_seed(0)
     decode_ids = torch.randint(3, m.config.vocab_size, (1, 16), generator=gen)
     prompt_ids = torch.randint(3, m.config.vocab_size, (1, 32), generator=gen)
@@ -52,7 +61,9 @@ def worker(model: Path, threads: int, lm_head_bits: int, tg: int) -> None:
     with torch.inference_mode():
         tokens = m.generate(decode_ids, max_new_tokens=tg + 1, **kw)[0, 16:].tolist()  # warm-up
         m.generate(prompt_ids, max_new_tokens=1, **kw)
+        lib = library()
         print(json.dumps({"ready": True, "native_layers": getattr(m.model, "native_layers", None) is not None,
+                          "simd": {0: "scalar", 1: "avx2", 2: "avx512-vnni"}[lib.mf_simd()] if lib else None,
                           "greedy_tokens": tokens}), flush=True)
         for _ in sys.stdin:
             c0 = time.process_time()
@@ -93,22 +104,35 @@ def main() -> None:
     ap.add_argument("--lm-head-bits", type=int, default=8)
     ap.add_argument("--tg", type=int, default=32)
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--trees", action="append", default=[], help="label=path of a moeflow source tree")
+    ap.add_argument("--trees", action="append", default=[],
+                    help="label=path[:checkpoint[:attention_bits]] of a moeflow source tree")
+    ap.add_argument("--checkpoint", default="awq", help="(worker) the checkpoint folder under --work")
+    ap.add_argument("--attention-bits", default="4", help="auto, none, 8 or 4 (the default of --trees)")
+    ap.add_argument("--llama-bin", type=Path, help="llama-bench's folder (default <work>/llama.cpp/build/bin)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        return worker(args.work / "awq", args.threads, args.lm_head_bits, args.tg)
-    trees = dict(t.split("=", 1) for t in args.trees) or {"this tree": str(HERE.parents[2])}
-    bench, gguf = args.work / "llama.cpp/build/bin/llama-bench", args.work / "mixtral-synth-Q4_0.gguf"
+        return worker(args.work / args.checkpoint, args.threads, args.lm_head_bits, args.tg,
+                      _bits(args.attention_bits))
+    # label=spec split at the last "=": a label may hold one, a path does not
+    specs = dict(t.rsplit("=", 1) for t in args.trees) or {"this tree": str(HERE.parents[2])}
+    engines_spec = {}
+    for label, spec in specs.items():
+        tree, ckpt, bits = (spec.split(":") + ["awq", args.attention_bits])[:3]
+        engines_spec[label] = (tree, ckpt or "awq", bits or args.attention_bits)
+    bench = (args.llama_bin or args.work / "llama.cpp/build/bin") / "llama-bench"
+    gguf = args.work / "mixtral-synth-Q4_0.gguf"
     loads = [uptime()]
     workers, info = {}, {}
-    for label, tree in trees.items():
+    for label, (tree, ckpt, bits) in engines_spec.items():
         env = {**os.environ, "PYTHONPATH": str(Path(tree).resolve()), "OMP_NUM_THREADS": str(args.threads)}
         p = subprocess.Popen([sys.executable, str(HERE), "--worker", "--work", str(args.work), "--threads",
-                              str(args.threads), "--lm-head-bits", str(args.lm_head_bits), "--tg", str(args.tg)],
+                              str(args.threads), "--lm-head-bits", str(args.lm_head_bits), "--tg", str(args.tg),
+                              "--checkpoint", ckpt, "--attention-bits", bits],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         workers[label] = p
-        info[label] = {"tree": str(Path(tree).resolve()), **json.loads(p.stdout.readline())}
+        info[label] = {"tree": str(Path(tree).resolve()), "checkpoint": ckpt, "attention_bits": bits,
+                       **json.loads(p.stdout.readline())}
     engines = [*workers, "llama.cpp Q4_0"]
     samples: dict[str, list[dict]] = {e: [] for e in engines}
     try:
@@ -124,18 +148,26 @@ def main() -> None:
             p.stdin.close()
             p.wait()
     same = len({tuple(i["greedy_tokens"]) for i in info.values()}) == 1
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), "?")
+    flags = sorted({f for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")
+                    for f in ln.split(":", 1)[1].split() if f.startswith(("avx", "fma", "f16c", "amx"))})
     keys = ("decode_tok_s", "pp32_tok_s", "cpu_ms")
     med = {e: {k: statistics.median(s[k] for s in samples[e]) for k in keys} for e in engines}
     ref = med["llama.cpp Q4_0"]
     ratios = {e: {"decode": med[e]["decode_tok_s"] / ref["decode_tok_s"], "pp32": med[e]["pp32_tok_s"] /
                   ref["pp32_tok_s"], "decode_by_cpu_ms": ref["cpu_ms"] / med[e]["cpu_ms"]} for e in workers}
-    res = {"threads": args.threads, "lm_head_bits": args.lm_head_bits, "attention_bits": 4, "tg": args.tg,
+    res = {"threads": args.threads, "lm_head_bits": args.lm_head_bits, "cpu": cpu, "cpu_flags": flags,
+           "nproc": os.cpu_count(), "tg": args.tg,
            "reps": args.reps, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "uptime": loads,
            "trees": info, "same_greedy_tokens": same, "llama_cpp_build": samples["llama.cpp Q4_0"][0]["build"],
            "samples": samples, "median": med, "ratios_vs_llama_cpp": ratios}
-    lines = [f"moeflow `device=\"cpu\"` (AWQ experts, attention_bits=4, lm_head_bits={args.lm_head_bits}) beside "
+    lines = [f"moeflow `device=\"cpu\"` (AWQ experts, lm_head_bits={args.lm_head_bits}) beside "
              f"llama.cpp Q4_0, {args.threads} thread(s), alternating, median of {args.reps} reps, {res['date']}.",
-             "", *[f"uptime: `{u}`  " for u in (loads[0], loads[len(loads) // 2], loads[-1])],
+             "", f"CPU: {cpu} ({os.cpu_count()} cores seen), flags: {' '.join(flags)}  ",
+             *[f"engine `{e}`: checkpoint `{i['checkpoint']}`, attention_bits={i['attention_bits']}, kernels "
+               f"{i.get('simd')}  " for e, i in info.items()],
+             *[f"uptime: `{u}`  " for u in (loads[0], loads[len(loads) // 2], loads[-1])],
              f"greedy tokens (prompt 16, {args.tg + 1} new) identical across the trees: {same}", "",
              "| engine | decode tok/s | pp32 tok/s | CPU ms / decoded token | decode vs llama.cpp (tok/s; by CPU ms) "
              "| pp32 vs llama.cpp |", "|---|---|---|---|---|---|"]

@@ -20,7 +20,7 @@ from torch import nn
 from moeflow.config import OffloadConfig
 from moeflow.engine import loading, memory
 from moeflow.engine.cpu_layers import native_layers
-from moeflow.engine.cpu_linears import check_attention_bits, quantize_decoder_linears
+from moeflow.engine.cpu_linears import check_attention_bits, quantize_decoder_linears, resolve_attention_bits
 from moeflow.engine.cpu_step import fuse_cpu_step
 from moeflow.engine.parallel_load import load_experts
 from moeflow.engine.sampling import GenerationConfig
@@ -139,14 +139,16 @@ class BuiltModel:
 def build_model(
     path_or_id: str | os.PathLike, *, device: torch.device, dtype: torch.dtype, offload: OffloadConfig | None,
     kernels: str, revision: str | None, progress: bool | None, families: tuple[type[Family], ...] | None = None,
-    attention_bits: int | None = None, lm_head_bits: int = 8, cuda_graphs: bool = False, mtp: bool = False,
+    attention_bits: int | str | None = "auto", lm_head_bits: int = 8, cuda_graphs: bool = False,
+    mtp: bool = False,
 ) -> BuiltModel:
     """Load the checkpoint ``path_or_id`` (directory or hub id). ``families``: accept only these (else ValueError).
     ``cuda_graphs``: the decode step will be captured, so the memory plan reserves its graphs' pools.
-    ``attention_bits``: quantize 16-bit attention projections at load (CPU int4 path only, see cpu_linears);
-    ``lm_head_bits``: 8 (default) or 4 (CPU int4 path only, see cpu_linears). ``mtp``: also read the
-    multi-token-prediction layers (:mod:`moeflow.families.mtp`; CheckpointError naming the config field or the
-    missing tensor when the checkpoint has none); their experts join the backend after the decoder's."""
+    ``attention_bits``: quantize 16-bit attention projections at load (CPU int4 path only; "auto": int8 there,
+    kept elsewhere; see cpu_linears); ``lm_head_bits``: 8 (default) or 4 (CPU int4 path only, see cpu_linears).
+    ``mtp``: also read the multi-token-prediction layers (:mod:`moeflow.families.mtp`; CheckpointError naming the
+    config field or the missing tensor when the checkpoint has none); their experts join the backend after the
+    decoder's."""
     directory = resolve_checkpoint(path_or_id, revision)
     config_path = directory / "config.json"
     raw_config = read_json(config_path)
@@ -168,6 +170,8 @@ def build_model(
         resolved = resolve_kernels(kernels, device,
                                    fmt.kind == "awq" and not is_extended(fmt))  # cpu-int4: no biases
         check_attention_bits(attention_bits, resolved.linear, lm_head_bits)
+        attention_bits = resolve_attention_bits(attention_bits, resolved.linear,
+                                                family.kv_cache_spec().linear is not None)
         if attention_bits is not None and family.kv_cache_spec().linear is not None:
             raise ValueError(f"attention_bits={attention_bits}: {family.name}'s gated attention and linear-attention "
                              "projections are not quantized at load; leave attention_bits unset")

@@ -118,12 +118,12 @@ def native_format_fits(group_size: int) -> bool:
 def cpu_expert_kernel() -> str:
     """Which kernels :class:`Int4Expert` runs here, with the C sources' revision (cost-model calibrations are
     keyed by it, so a changed kernel is timed again instead of planned with the old one's rates)."""
-    from moeflow.kernels.cpu_native import library, source_digest
+    from moeflow.kernels.cpu_native import SIMD_NAMES, library, source_digest
 
     lib = library()
     if lib is None:
         return "torch int4"
-    return f"moeflow cpu_native {'avx2' if lib.mf_simd() else 'scalar'} {source_digest()}"
+    return f"moeflow cpu_native {SIMD_NAMES[lib.mf_simd()]} {source_digest()}"
 
 
 @dataclass

@@ -23,7 +23,9 @@
 
 #define ROWS 16   /* weight rows per parallel work item (a multiple of Q4_GROUP and Q8_GROUP) */
 
-int mf_simd(void) { return MF_AVX2; }
+/* The vector path built: 2 AVX-512 VNNI (cpu_q4.c's and cpu_q8.c's q4_group_pair, q8_group_pair), 1 AVX2,
+   0 the portable loops. */
+int mf_simd(void) { return MF_AVX512 ? 2 : MF_AVX2; }
 
 #if MF_AVX2
 /* glibc's __exp2f_data.tab: 2^(i/32) as double bits, minus i << 47 (mf_exp8) */

@@ -48,6 +48,26 @@ static inline __m256 mf_exp8(__m256 x) {
 #define MF_AVX2 0
 #endif
 
+/* AVX-512 with VNNI (Zen 4, Ice Lake and later; -march=native on such a CPU, unless the build asks for the AVX2
+   path with -mno-avx512f: cpu_native.py's MOEFLOW_CPU_ISA=avx2). The integer dot products then run on
+   vpdpbusd over 512-bit registers (cpu_q4.c: a row group's block in two registers, one weight stream as AVX2,
+   or from 8 tokens two row groups per register; cpu_q8.c: two row groups, 16 rows, per register): the same integer block sums (exact in int32) and the same
+   fp32 operations per row as the AVX2 path, so the same bits (tests/test_cpu_isa.py). */
+#if MF_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define MF_AVX512 1
+/* Two 32-byte vectors (row groups A and B) as one 512-bit register: A's bytes in the low half. */
+static inline __m512i mf_load2x256(const void* a, const void* b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)a)),
+                              _mm256_loadu_si256((const __m256i*)b), 1);
+}
+static inline __m512 mf_load2x8ps(const float* a, const float* b) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(a))),
+                                               _mm256_castps_pd(_mm256_loadu_ps(b)), 1));
+}
+#else
+#define MF_AVX512 0
+#endif
+
 #define QB 32       /* features per activation block */
 #define MF_Q4_F32 0   /* q4 scales and mins fp32 (cpu_q4.c) */
 #define MF_Q4_F16Z 1  /* q4 scales fp16, zero points uint8 in place of the mins (cpu_q4.c) */

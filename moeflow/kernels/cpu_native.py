@@ -13,8 +13,12 @@ matrix with fp16 scales (AWQ's) keeps them in fp16 with its uint8 zero points (`
 call at group 128), the kernel forming the fp32 mins exactly: the same results as fp32 scales and mins.
 
 Build: compiled on first use with the system C compiler (``$CC``, else ``gcc``/``cc``; ``-O3 -march=native
--fopenmp``) into ``$MOEFLOW_CACHE`` (default ``~/.cache/moeflow``)/cpu_native, keyed by the sources, the compiler
-and the CPU's flags; about a second. Without a compiler (or with ``MOEFLOW_CPU_NATIVE=0``)
+-fopenmp``) into ``$MOEFLOW_CACHE`` (default ``~/.cache/moeflow``)/cpu_native, keyed by the sources, the compiler,
+its flags and the CPU's flags (a cached build is never reused on another CPU); about a second. The kernels are
+chosen at compile time from the CPU's own flags: AVX-512 VNNI (``vpdpbusd``, 16 rows per register) where
+``-march=native`` enables it, else AVX2 (``maddubs``), else portable C; ``MOEFLOW_CPU_ISA=avx2`` builds the AVX2
+path on an AVX-512 machine. The AVX-512 and AVX2 kernels give the same bits (the same integer block sums, the
+same fp32 operations per row; tests/test_cpu_isa.py). Without a compiler (or with ``MOEFLOW_CPU_NATIVE=0``)
 :func:`native_available` is False and the callers keep torch's kernels. OpenMP threads: torch's count
 (``torch.get_num_threads()``), in the libgomp torch already loaded (same soname), so both share one pool.
 
@@ -64,14 +68,25 @@ def source_digest() -> str:
     return hashlib.sha256("\0".join(f.read_text() for f in (*SOURCES, HEADER)).encode()).hexdigest()[:12]
 
 
-def build(cache: Path, native_arch: bool = True) -> Path:
+ISAS = ("native", "avx2", "baseline")  # build(isa=...), MOEFLOW_CPU_ISA
+ISA_FLAGS = {"native": ["-march=native"], "avx2": ["-march=native", "-mno-avx512f"], "baseline": []}
+SIMD_NAMES = {0: "scalar", 1: "avx2", 2: "avx512-vnni"}  # mf_simd()'s answers
+
+
+def build(cache: Path, native_arch: bool = True, isa: str | None = None) -> Path:
     """Compile ``SOURCES`` (``cpu_native.c``, ``cpu_q4.c``, ``cpu_q8.c``, ``cpu_step.c``) into one library in
-    ``cache`` (once per source, compiler and CPU); returns the library's path.
-    ``native_arch=False`` builds for the baseline ISA (the portable C loops instead of AVX2; tests use it)."""
+    ``cache`` (once per source, compiler, flags and CPU); returns the library's path.
+    ``isa`` (default ``$MOEFLOW_CPU_ISA``, else "native"): "native" (``-march=native``: the AVX-512 VNNI
+    kernels where the CPU has them, else AVX2), "avx2" (the same without AVX-512: the path of an AVX2-only
+    machine, testable on an AVX-512 one) or "baseline" (the portable C loops; tests use it).
+    ``native_arch=False`` is ``isa="baseline"``."""
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         raise RuntimeError("no C compiler (set CC, or install gcc)")
-    arch = ["-march=native"] if native_arch else []
+    isa = isa or ("baseline" if not native_arch else os.environ.get("MOEFLOW_CPU_ISA", "native"))
+    if isa not in ISAS:
+        raise ValueError(f"MOEFLOW_CPU_ISA / isa={isa!r}: expected one of {', '.join(ISAS)}")
+    arch = ISA_FLAGS[isa]
     flags = ["-O3", *arch, "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]  # no implicit FMA: as the reference
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join([source_digest(), cc, version, *flags, _cpu_flags(), platform.machine()])

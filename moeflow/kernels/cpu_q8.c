@@ -92,11 +92,72 @@ static void q8_group(const int8_t* w, const float* s, int T, int K, const int8_t
     }
 }
 
-/* Two row groups against one token. */
-static void q8_group_pair(const int8_t* w, const float* s, int K, const int8_t* xq, const float* xs, float* y,
-                          int n) {
-    q8_tile(w, s, K, xq, xs, 0, 2, 1, y, 0, n);
+#if MF_AVX512
+/* AVX-512 VNNI: two row groups at once, 16 rows = the 16 lanes of a register (group A's 8 rows low, B's high,
+   B's bytes 8 * K after A's; the scales are in row order). vpdpbusd wants one unsigned operand, as maddubs:
+   |w| (vpabsb, once per weight vector) times x with w's sign (x negated where w < 0: a masked subtract per
+   token; AVX-512 has no vpsignb), exact. The block sums are the AVX2 path's integers, then the same convert,
+   fma and final scale product per row: the same bits. */
+static inline __attribute__((always_inline)) void q8_pair_tile(
+    const int8_t* w, const float* s, int K, const int8_t* xq, const float* xs, int t0, int tt, float* y, int ldy,
+    int n) {
+    const int nb = K / QB;
+    const size_t gs = (size_t)Q8_GROUP * K;
+    const __m512i zero = _mm512_setzero_si512();
+    __m512 acc[TT];
+    for (int i = 0; i < tt; i++) acc[i] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const int8_t* wb = w + (size_t)b * 256;
+        size_t pf = (size_t)b * 256 + PREFETCH;  /* as cpu_q4.c's pairs: into the next pair's same group */
+        pf += pf >= gs ? gs : 0;
+        for (int l = 0; l < 256; l += 64) {
+            _mm_prefetch((const char*)(w + pf + l), _MM_HINT_T0);
+            _mm_prefetch((const char*)(w + gs + pf + l), _MM_HINT_T0);
+        }
+        __m512i dot[TT][4];  /* four independent sums per token (c mod 4), added at the end: exact, off one chain */
+        for (int i = 0; i < tt; i++)
+            for (int a = 0; a < 4; a++) dot[i][a] = _mm512_setzero_si512();
+        for (int c = 0; c < 8; c++) {
+            const __m512i v = mf_load2x256(wb + 32 * c, wb + gs + 32 * c);
+            const __m512i a = _mm512_abs_epi8(v);
+            const __mmask64 neg = _mm512_movepi8_mask(v);
+            for (int i = 0; i < tt; i++) {
+                int32_t x4;
+                memcpy(&x4, xq + (size_t)(t0 + i) * K + b * QB + 4 * c, 4);
+                const __m512i xb = _mm512_set1_epi32(x4);
+                dot[i][c & 3] = _mm512_dpbusd_epi32(dot[i][c & 3], a, _mm512_mask_sub_epi8(xb, neg, zero, xb));
+            }
+        }
+        for (int i = 0; i < tt; i++) {
+            const __m512i d = _mm512_add_epi32(_mm512_add_epi32(dot[i][0], dot[i][1]),
+                                               _mm512_add_epi32(dot[i][2], dot[i][3]));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(xs[(size_t)(t0 + i) * nb + b]), acc[i]);
+        }
+    }
+    const __m512 sv = _mm512_loadu_ps(s);
+    for (int i = 0; i < tt; i++) _mm512_storeu_ps(y + (size_t)(t0 + i) * ldy + n, _mm512_mul_ps(sv, acc[i]));
 }
+
+/* Two row groups (rows n .. n + 16) against all T tokens (w, s: their bytes and scales). */
+static void q8_group_pair(const int8_t* w, const float* s, int T, int K, const int8_t* xq, const float* xs,
+                          float* y, int ldy, int n) {
+    int t0 = 0;
+    for (; t0 + TT <= T; t0 += TT) q8_pair_tile(w, s, K, xq, xs, t0, TT, y, ldy, n);
+    switch (T - t0) {
+        case 1: q8_pair_tile(w, s, K, xq, xs, t0, 1, y, ldy, n); break;
+        case 2: q8_pair_tile(w, s, K, xq, xs, t0, 2, y, ldy, n); break;
+        case 3: q8_pair_tile(w, s, K, xq, xs, t0, 3, y, ldy, n); break;
+        default: break;
+    }
+}
+#else
+/* Two row groups against one token. */
+static void q8_group_pair(const int8_t* w, const float* s, int T, int K, const int8_t* xq, const float* xs,
+                          float* y, int ldy, int n) {
+    (void)T;
+    q8_tile(w, s, K, xq, xs, 0, 2, 1, y, ldy, n);
+}
+#endif
 #else
 /* The portable loops over the same layout (machines without AVX2). */
 static void q8_group(const int8_t* w, const float* s, int T, int K, const int8_t* xq, const float* xs, float* y,
@@ -116,9 +177,9 @@ static void q8_group(const int8_t* w, const float* s, int T, int K, const int8_t
     }
 }
 
-static void q8_group_pair(const int8_t* w, const float* s, int K, const int8_t* xq, const float* xs, float* y,
-                          int n) {
-    for (int g = 0; g < 2; g++) q8_group(w + (size_t)g * Q8_GROUP * K, s + 8 * g, 1, K, xq, xs, y, 0, n + 8 * g);
+static void q8_group_pair(const int8_t* w, const float* s, int T, int K, const int8_t* xq, const float* xs,
+                          float* y, int ldy, int n) {
+    for (int g = 0; g < 2; g++) q8_group(w + (size_t)g * Q8_GROUP * K, s + 8 * g, T, K, xq, xs, y, ldy, n + 8 * g);
 }
 #endif
 
@@ -146,8 +207,9 @@ void mf_q8_row(int n, int N, int T, int K, const int8_t* w, const float* s, cons
 void mf_q8_rows(int n0, int n1, int T, int K, const int8_t* w, const float* s, const int8_t* xq, const float* xs,
                 float* y, int ldy) {
     int n = n0;  /* n0 is a multiple of 8; rows past the last whole group only in the last call (n1 = N) */
-    if (T == 1)
-        for (; n + 2 * Q8_GROUP <= n1; n += 2 * Q8_GROUP) q8_group_pair(w + (size_t)n * K, s + n, K, xq, xs, y, n);
+    if (T == 1 || MF_AVX512)  /* two groups per call: AVX2 for one token, AVX-512 for any */
+        for (; n + 2 * Q8_GROUP <= n1; n += 2 * Q8_GROUP)
+            q8_group_pair(w + (size_t)n * K, s + n, T, K, xq, xs, y, ldy, n);
     for (; n + Q8_GROUP <= n1; n += Q8_GROUP) q8_group(w + (size_t)n * K, s + n, T, K, xq, xs, y, ldy, n);
     for (; n < n1; n++) mf_q8_row(n, n1, T, K, w, s, xq, xs, y + n, ldy);  /* here n1 = N */
 }
