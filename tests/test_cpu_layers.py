@@ -34,7 +34,7 @@ def counted(monkeypatch):
 
 def _decode(model: MoEOffloadedMixtral, ids: torch.Tensor, native: bool, n: int = 12, **kw):
     """Greedy tokens and the lm_head's input at every pass (bit for bit what the layers produced)."""
-    model.model.native_layers.enabled = native
+    model.model.layers_step.enabled = native
     seen = []
     hook = model.model.lm_head.register_forward_hook(lambda m, args, out: seen.append(args[0].clone()))
     try:
@@ -42,7 +42,7 @@ def _decode(model: MoEOffloadedMixtral, ids: torch.Tensor, native: bool, n: int 
             out = model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=[], **kw)
     finally:
         hook.remove()
-        model.model.native_layers.enabled = True
+        model.model.layers_step.enabled = True
     return out, seen
 
 
@@ -60,7 +60,7 @@ def _check_same_step(model, ids, counted, **kw):
 def test_native_layers_are_the_per_layer_step_on_the_embedded_model(attention_bits, lm_head_bits, counted):
     path = embedded_model_path()
     model = MoEOffloadedMixtral.from_pretrained(path, attention_bits=attention_bits, lm_head_bits=lm_head_bits)
-    assert model.model.native_layers is not None
+    assert model.model.layers_step is not None
     ids = torch.tensor([model.tokenizer.encode(PROMPT)])
     _check_same_step(model, ids, counted)
 
@@ -88,7 +88,7 @@ def test_native_layers_on_an_awq_attention_checkpoint_and_where_they_step_aside(
     assert counted[0] == 0 and len(hits) == 4
     # switched off with the rest of the fused step: the unfused path, the same tokens
     set_cpu_step_fused(model.model, False)
-    assert not model.model.native_layers.enabled
+    assert not model.model.layers_step.enabled
     with torch.inference_mode():
         off = model.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=[])
     set_cpu_step_fused(model.model, True)
@@ -100,4 +100,4 @@ def test_native_layers_on_an_awq_attention_checkpoint_and_where_they_step_aside(
 def test_no_native_layers_without_the_one_call_attention_half():
     # 16-bit attention kept (attention_bits=None): the layers' attention is not one native call
     model = MoEOffloadedMixtral.from_pretrained(embedded_model_path(), attention_bits=None)
-    assert model.model.layers[0].attention_half is None and model.model.native_layers is None
+    assert model.model.layers[0].attention_step is None and model.model.layers_step is None

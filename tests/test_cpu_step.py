@@ -244,7 +244,7 @@ def _check_same_model(path, ids, new_tokens=24, **kw):
     assert fused.model.layers[0].input_layernorm.native and not plain.model.layers[0].input_layernorm.native
     assert plain.model.layers[0].self_attn.qkv_proj is None
     quantized = isinstance(attn.q_proj, CpuQuantLinear)  # then the whole attention half is one call
-    assert (fused.model.layers[0].attention_half is not None) == quantized
+    assert (fused.model.layers[0].attention_step is not None) == quantized
     with torch.inference_mode():
         out = fused.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=[])
         assert torch.equal(out, plain.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=[]))

@@ -185,7 +185,7 @@ def build_model(
         if resolved.linear == "cpu-int4":
             quantize_decoder_linears(decoder, attention_bits, lm_head_bits)
             fuse_cpu_step(decoder, dtype)
-            decoder.native_layers = native_layers(decoder)  # one-token steps: every layer in one native call
+            decoder.set_layers_step(native_layers(decoder))  # one-token steps: every layer in one native call
         for module in decoder.modules():
             if isinstance(module, AWQLinear):  # what the CPU kernels cannot tile stays on the torch reference
                 module.use_kernels("torch" if resolved.linear == "cpu-int4" else resolved.linear)

@@ -2,7 +2,7 @@
 
 :func:`native_layers` (called by :func:`~moeflow.engine.cpu_step.fuse_cpu_step`) gives a decoder whose layers all
 have the one-call attention half (:class:`~moeflow.engine.cpu_step.NativeAttentionHalf`) and an MoE block with the
-native router a :class:`NativeLayers`, which the decoder offers each pass (``CausalDecoder.native_layers``). It
+native router a :class:`NativeLayers`, which the decoder runs each pass (``CausalDecoder.set_layers_step``). It
 takes a pass only when the per-layer path would run exactly the native calls it makes itself
 (:func:`~moeflow.kernels.cpu_layers_ops.layers_step`): one token, fp32, the engine's static cache, the experts in
 a :class:`~moeflow.moe.resident.CpuInt4Experts` backend on moeflow's kernels, every fused path switched on, no
@@ -25,7 +25,7 @@ from moeflow.kernels.cpu_layers_ops import LayerDesc, layer_desc, layers_step
 from moeflow.moe.block import MoEBlock
 from moeflow.moe.resident import CpuInt4Experts
 
-# the layer types whose forward is ``x, h = attention_half(...); x + moe_block(h)``, and their MoE block's name
+# the layer types whose forward is ``x, h = self.attention_half(...); x + moe_block(h)``, and their MoE block's name
 LAYER_BLOCKS = {mixtral.DecoderLayer: "block_sparse_moe", llama_moe.DecoderLayer: "mlp"}
 
 
@@ -35,7 +35,7 @@ class NativeLayers:
 
     def __init__(self, layers: list[nn.Module], blocks: list[MoEBlock]) -> None:
         self.layers, self.blocks, self.enabled = layers, blocks, True
-        halves = [layer.attention_half for layer in layers]
+        halves = [layer.attention_step for layer in layers]
         self.modules = [m for layer, half, block in zip(layers, halves, blocks, strict=True) for m in
                         (layer, half.norm_in, half.attn, half.norm_post, block, block.gate)]
         self._descs: tuple[Any, ctypes.Array, list] | None = None  # (backend, descriptors, their expert tables)
@@ -43,7 +43,7 @@ class NativeLayers:
     def _fused(self) -> bool:
         """Whether every layer would take its fused calls (the switches set_cpu_step_fused flips)."""
         for layer, block in zip(self.layers, self.blocks, strict=True):
-            half = layer.attention_half
+            half = layer.attention_step
             if not (isinstance(half, NativeAttentionHalf) and half.attn.fused_step and half.norm_in.native
                     and half.norm_post.native and isinstance(block.gate, NativeRouterGate) and block.gate.native
                     and isinstance(block.route, NativeRoute) and block.route.native):
@@ -60,7 +60,7 @@ class NativeLayers:
             forms = experts.experts[block.layer_idx]
             if any(f is None or not f.native or f.w13.fmt != f.w2.fmt for f in forms):
                 return None
-            half = layer.attention_half
+            half = layer.attention_step
             attn = half.attn
             desc, table = layer_desc(half.norm_in.weight, half.norm_post.weight, half.norm_in.eps, attn.qkv_proj,
                                      attn.o_proj, attn.n_heads, attn.n_kv, attn.head_dim, block.gate.weight,
@@ -85,7 +85,7 @@ class NativeLayers:
             return None
         caches = []
         for layer, mask in zip(self.layers, masks, strict=True):
-            k, v = layer_kv[layer.attention_half.attn.layer_idx]
+            k, v = layer_kv[layer.attention_step.attn.layer_idx]
             if k.dtype != torch.float32 or not (k.is_contiguous() and v.is_contiguous() and mask.is_contiguous()) \
                     or mask.dtype != torch.bool or mask.numel() != k.shape[2] or k.shape[0] != 1:
                 return None
@@ -108,7 +108,7 @@ def native_layers(decoder: nn.Module) -> NativeLayers | None:
     for layer in layers:
         name = LAYER_BLOCKS.get(type(layer))
         block = getattr(layer, name, None) if name else None
-        if not isinstance(layer.attention_half if name else None, NativeAttentionHalf) \
+        if not isinstance(layer.attention_step if name else None, NativeAttentionHalf) \
                 or not isinstance(block, MoEBlock) or block.shared_expert is not None \
                 or not isinstance(block.gate, NativeRouterGate) or not isinstance(block.route, NativeRoute):
             return None

@@ -9,7 +9,7 @@ model runs in fp32, :func:`fuse_cpu_step` changes, in the built decoder:
   the cache is the engine's static one;
 * each ``RMSNorm``: one call (:func:`~moeflow.kernels.cpu_step_ops.rmsnorm`), which also does the residual
   add before the post-attention norm;
-* each decoder layer with an ``attention_half`` slot (Mixtral, the Llama-MoE layouts) whose q/k/v and o
+* each pre-norm decoder layer (``families.layers.PreNormLayer``: Mixtral, the Llama-MoE layouts) whose q/k/v and o
   projections are int4/int8 (``attention_bits``, AWQ attention): its whole attention half - input norm,
   q/k/v, attention, o_proj, residual add, post-attention norm - as one call (:class:`NativeAttentionHalf`);
 * each MoE block with a plain softmax-top-k router: its logits and its routing as one call each
@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeflow.families.layers import Attention, RMSNorm
+from moeflow.families.base import CausalDecoder
+from moeflow.families.layers import Attention, PreNormLayer, RMSNorm
 from moeflow.kernels.cpu_native import ROW_GROUP, Q4Matrix, Q8Matrix, native_available
 from moeflow.kernels.cpu_quant_linear import CpuQuantLinear
 from moeflow.kernels.cpu_step_ops import (
@@ -64,7 +65,7 @@ def fuse_cpu_step(decoder: nn.Module, dtype: torch.dtype) -> dict[str, int]:
     for layer in getattr(decoder, "layers", []):
         half = _attention_half(layer)
         if half is not None:
-            layer.attention_half = half
+            layer.set_attention_step(half)
             counts["attention_half"] += 1
     return counts
 
@@ -139,7 +140,7 @@ def _attention_half(layer: nn.Module) -> NativeAttentionHalf | None:
     quantized bias-free projections, both norms alike), else None."""
     parts = [getattr(layer, n, None) for n in ("input_layernorm", "self_attn", "post_attention_layernorm")]
     norm_in, attn, norm_post = parts
-    if not hasattr(layer, "attention_half") or type(attn) is not Attention or not attn.fused_step or \
+    if not isinstance(layer, PreNormLayer) or type(attn) is not Attention or not attn.fused_step or \
             any(type(n) is not RMSNorm or not n.native for n in (norm_in, norm_post)) or norm_in.eps != norm_post.eps:
         return None
     if not (block_linear_ok(attn.qkv_proj) and block_linear_ok(attn.o_proj)):
@@ -196,8 +197,8 @@ def set_cpu_step_fused(decoder: nn.Module, fused: bool) -> None:
     """Switch a decoder :func:`fuse_cpu_step` changed between its fused and its unfused step (the same weights:
     q/k/v then run as their three views of the fused matrix) - for A/B benchmarks and tests. The decoder's
     one-call layers (engine.cpu_layers), when it has them, are switched with the rest."""
-    if getattr(decoder, "native_layers", None) is not None:
-        decoder.native_layers.enabled = fused
+    if isinstance(decoder, CausalDecoder) and decoder.layers_step is not None:
+        decoder.layers_step.enabled = fused
     for module in decoder.modules():
         if type(module) is RMSNorm and module.weight.dtype == torch.float32:
             module.native = fused and native_available()

@@ -36,7 +36,7 @@ import torch
 
 from moeflow.engine.side_lane import Lane
 from moeflow.errors import SchedulingError
-from moeflow.moe.backend import StepInfo
+from moeflow.moe.backend import ExpertBackend, RoutingPathPlanner, StepInfo
 from moeflow.offload.rebatch import group_by_routing
 
 
@@ -60,14 +60,13 @@ class PipelineStats:
         return asdict(self)
 
 
-def plec_of(backend: Any) -> Any:
-    """The backend's routing-path predictor (ExpertFlow's PLECPredictor), or a SchedulingError naming the policy."""
-    pred = getattr(backend, "predictor", None)
-    if pred is None or not all(hasattr(pred, a) for a in ("step_scores", "plan_from_scores", "paths_from_scores")):
-        policy = getattr(backend, "policy_name", type(backend).__name__)
+def plec_of(backend: ExpertBackend) -> RoutingPathPlanner:
+    """The backend's routing-path planner (ExpertFlow's PLEC), or a SchedulingError naming the policy."""
+    planner = backend.path_planner
+    if planner is None:
         raise SchedulingError(f"generate(dual_batch=True) needs a policy with a routing-path predictor (expertflow); "
-                              f"policy {policy!r} has none")
-    return pred
+                              f"{backend!r} has none")
+    return planner
 
 
 class DualBatchPipeline:

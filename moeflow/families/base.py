@@ -19,7 +19,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import nn
@@ -119,6 +119,17 @@ class ModelConfig:
     pad_token_id: int | None
 
 
+class LayersStep(Protocol):
+    """Every decoder layer of a pass in one call: the layers' arguments (``masks``: each layer's) -> x [B, T, H] after
+    the last layer, or None when it cannot take this pass. ``enabled`` switches it off for A/B comparisons."""
+
+    enabled: bool
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any,
+                 cache_position: torch.Tensor, masks: list[torch.Tensor], experts: ExpertBackend,
+                 routing: RoutingRecorder | None) -> torch.Tensor | None: ...
+
+
 class CausalDecoder(nn.Module):
     """Embeddings -> decoder layers -> final norm -> LM head; the families' layers plug in.
 
@@ -141,9 +152,12 @@ class CausalDecoder(nn.Module):
         if layer_windows is not None and len(layer_windows) != len(layers):
             raise ValueError(f"layer_windows has {len(layer_windows)} entries for {len(layers)} layers")
         self.layer_windows = layer_windows
-        # the engine's one native call through every layer of a one-token CPU step (engine.cpu_layers), or None:
-        # called with the layers' arguments, it returns x after the last layer, or None when it cannot take the pass
-        self.native_layers: Any = None
+        self.layers_step: LayersStep | None = None  # set_layers_step
+
+    def set_layers_step(self, step: LayersStep | None) -> None:
+        """Run every layer of a pass through ``step`` where it takes the pass (the CPU engine's one native call for
+        one-token steps, engine.cpu_layers); None: the layers one by one."""
+        self.layers_step = step
 
     @property
     def moe_blocks(self) -> list[MoEBlock]:
@@ -164,7 +178,7 @@ class CausalDecoder(nn.Module):
         cache.mark_valid(cache_position, token_mask)
         windows = self.layer_windows or [self.sliding_window] * len(self.layers)
         masks = {w: cache.attention_mask(cache_position, w) for w in dict.fromkeys(windows)}
-        done = None if self.native_layers is None else self.native_layers(
+        done = None if self.layers_step is None else self.layers_step(
             x, cos, sin, cache, cache_position, [masks[w] for w in windows], experts, routing)
         if done is not None:
             x = done

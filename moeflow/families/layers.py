@@ -4,7 +4,7 @@ and the dense gated MLP (dense layers between MoE layers, shared experts)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -317,18 +317,40 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
 
-def attention_half(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any,
-                   cache_position: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A pre-norm decoder layer's attention half: x [B, T, H] -> (x + attn, post_attention_layernorm(x + attn)).
+class AttentionHalfStep(Protocol):
+    """A pre-norm layer's attention half as one call (the engine's native CPU step, engine.cpu_step): the
+    arguments of :meth:`PreNormLayer.attention_half` -> ``(x + attn, its norm)``, or None when it cannot take this
+    step (the layer then runs its modules)."""
 
-    ``layer`` holds ``input_layernorm``, ``self_attn``, ``post_attention_layernorm`` and an ``attention_half``
-    slot: None, or a callable the engine set (one native call on the CPU, engine.cpu_step) that returns the
-    same pair, or None when it cannot take this step."""
-    fused = layer.attention_half(x, cos, sin, cache, cache_position, mask) if layer.attention_half else None
-    if fused is not None:
-        return fused
-    attn = layer.self_attn(layer.input_layernorm(x), cos, sin, cache, cache_position, mask)
-    return layer.post_attention_layernorm(x, residual=attn)  # x + attn, and its norm (one call on the CPU)
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any,
+                 cache_position: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+
+
+class PreNormLayer(nn.Module):
+    """A decoder layer of the pre-norm layout: ``input_layernorm``, ``self_attn``, ``post_attention_layernorm``,
+    then a feed-forward half the subclass owns. Its attention half can be replaced by a faster step of the same
+    result (:meth:`set_attention_step`): the declared seam the CPU engine uses."""
+
+    input_layernorm: RMSNorm
+    self_attn: Attention
+    post_attention_layernorm: RMSNorm
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention_step: AttentionHalfStep | None = None
+
+    def set_attention_step(self, step: AttentionHalfStep | None) -> None:
+        """Use ``step`` for the attention half (None: the modules, one by one)."""
+        self.attention_step = step
+
+    def attention_half(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any,
+                       cache_position: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, H] -> (x + attn, post_attention_layernorm(x + attn))."""
+        fused = self.attention_step(x, cos, sin, cache, cache_position, mask) if self.attention_step else None
+        if fused is not None:
+            return fused
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, cache, cache_position, mask)
+        return self.post_attention_layernorm(x, residual=attn)  # x + attn, and its norm (one call on the CPU)
 
 
 def _per_token(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from moeflow.families.gated_experts import (
     expert_linear_weights,
     read_gated_expert,
 )
-from moeflow.families.layers import Attention, GatedMLP, LinearFactory, RMSNorm, attention_half
+from moeflow.families.layers import Attention, GatedMLP, LinearFactory, PreNormLayer, RMSNorm
 from moeflow.io.checkpoint import CheckpointReader, QuantizationSpec
 from moeflow.moe.block import MoEBlock
 from moeflow.moe.routing import RouterSpec
@@ -150,7 +150,7 @@ def qwen_moe_fields(raw: dict[str, Any], source: str) -> dict[str, Any]:
                                             raw.get("mlp_only_layers")))
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PreNormLayer):
     """Attention + (MoE block | dense gated MLP), pre-norm residual."""
 
     def __init__(self, cfg: LlamaMoEConfig, layer_idx: int, dtype: torch.dtype, linear_factory: LinearFactory,
@@ -163,7 +163,6 @@ class DecoderLayer(nn.Module):
             linear_factory, window, qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias, qk_norm=cfg.qk_norm,
             norm_eps=cfg.rms_norm_eps, clip_qkv=cfg.clip_qkv, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.attention_half = None  # the engine's one-call attention half on the CPU (layers.attention_half)
         self.mlp: nn.Module
         if layer_idx in cfg.moe_layer_ids:
             shared = None
@@ -176,7 +175,7 @@ class DecoderLayer(nn.Module):
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, linear_factory, dtype)
 
     def forward(self, x, cos, sin, cache, cache_position, mask, experts, routing=None):
-        x, h = attention_half(self, x, cos, sin, cache, cache_position, mask)
+        x, h = self.attention_half(x, cos, sin, cache, cache_position, mask)
         return x + (self.mlp(h, experts, routing) if isinstance(self.mlp, MoEBlock) else self.mlp(h))
 
 

@@ -17,12 +17,11 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
-from torch import nn
 
 from moeflow.errors import CheckpointError
 from moeflow.families.base import CausalDecoder, ExpertLayout, ExpertSpec, Family
 from moeflow.families.gated_experts import ProjectionNames, read_gated_expert, split_fused_experts
-from moeflow.families.layers import Attention, LinearFactory, RMSNorm, attention_half
+from moeflow.families.layers import Attention, LinearFactory, PreNormLayer, RMSNorm
 from moeflow.io.checkpoint import CheckpointReader, QuantizationSpec
 from moeflow.moe.block import MoEBlock
 from moeflow.moe.routing import RouterSpec
@@ -87,7 +86,7 @@ class MixtralConfig:
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PreNormLayer):
     """Attention + sparse MoE block (``block_sparse_moe``), pre-norm residual. ``attention_options``: keyword
     options of :class:`~moeflow.families.layers.Attention` (MiniMax-M2's QK-norm and partial rotary)."""
 
@@ -98,12 +97,11 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                                    layer_idx, linear_factory, cfg.sliding_window, dtype=dtype, **attention_options)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.attention_half = None  # the engine's one-call attention half on the CPU (layers.attention_half)
         # every Mixtral layer is an MoE layer: its MoE index is its layer index
         self.block_sparse_moe = MoEBlock(cfg.hidden_size, cfg.num_local_experts, router, layer_idx, dtype)
 
     def forward(self, x, cos, sin, cache, cache_position, mask, experts, routing=None):
-        x, h = attention_half(self, x, cos, sin, cache, cache_position, mask)
+        x, h = self.attention_half(x, cos, sin, cache, cache_position, mask)
         return x + self.block_sparse_moe(h, experts, routing)
 
 

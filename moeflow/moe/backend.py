@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -65,6 +65,26 @@ class StepInfo:
         return flat.nonzero().flatten().to(self.token_mask.device)
 
 
+class RoutingPathPlanner(Protocol):
+    """A predictor of each pass's routing paths from the tokens so far (ExpertFlow's PLEC), as the dual-batch
+    decode pipeline (engine.pipeline) drives it: scores computed beside the previous pass, then grouped and
+    planned. ``state`` holds the policy's counters across calls."""
+
+    state: Any
+
+    def step_scores(self, step: StepInfo) -> torch.Tensor:
+        """Scores fp32 [B, L, E] of each row's last token from its tokens so far (reads, changes no state)."""
+        ...
+
+    def paths_from_scores(self, scores: torch.Tensor) -> torch.Tensor:
+        """Scores [B, L, E] -> bool paths [B, L, E] (each row's top-k per layer)."""
+        ...
+
+    def plan_from_scores(self, scores: torch.Tensor) -> dict[int, list[int]]:
+        """Scores [N, L, E] of a pass's tokens -> per layer the experts to have ready."""
+        ...
+
+
 class ExpertBackend(ABC):
     """Where expert weights live and how a layer's experts get computed.
 
@@ -91,6 +111,11 @@ class ExpertBackend(ABC):
 
     def predict_paths(self, step: StepInfo, last_only: bool = False) -> torch.Tensor | None:
         """Predicted routing paths bool [B, L, E] for micro-batch grouping, or None (no path predictor)."""
+        return None
+
+    @property
+    def path_planner(self) -> RoutingPathPlanner | None:
+        """The policy's routing-path planner (what ``generate(dual_batch=True)`` runs), or None. Default: None."""
         return None
 
     @property

@@ -31,7 +31,7 @@ import torch
 
 from moeflow import kernels
 from moeflow.kernels.pool import ExpertFormat, ExpertPool
-from moeflow.moe.backend import ExpertBackend, StepInfo
+from moeflow.moe.backend import ExpertBackend, RoutingPathPlanner, StepInfo
 from moeflow.offload.cache import ExpertCache, Slot
 from moeflow.offload.compute import LayerCompute
 from moeflow.offload.copy_engine import CopyEngine, LoadTask, linear_chunks
@@ -202,6 +202,11 @@ class OffloadedExperts(CapturedPrelude, SlotLoads, ExpertBackend):
     @property
     def needs_history(self) -> bool:
         return self.predictor is not None and self.predictor.needs_history
+
+    @property
+    def path_planner(self) -> RoutingPathPlanner | None:
+        """The predictor when it plans routing paths (expertflow's PLEC), else None."""
+        return self.predictor.as_path_planner() if self.predictor is not None else None
 
     # ------------------------------------------------------------------ one layer
     def _route_and_forward(self, layer, x, router_logits, route, kernel_routing, want_ids):

@@ -207,6 +207,9 @@ class PLECPredictor(Predictor):
         self._planned = False  # begin_step planned the pass that is starting
 
     # ------------------------------------------------------------------ wiring
+    def as_path_planner(self) -> PLECPredictor:
+        return self  # step_scores / paths_from_scores / plan_from_scores: the dual-batch pipeline's planner
+
     def bind(self, runtime: Any) -> None:
         """The runtime's backend (its cache and ``prefetch``)."""
         self.backend = runtime

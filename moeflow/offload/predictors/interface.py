@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from moeflow.moe.backend import StepInfo
+from moeflow.moe.backend import RoutingPathPlanner, StepInfo
 
 # [(target layer, expert ids: int tensor [n] on the device (entries < 0: padding) or a host list, most wanted first)]
 Proposals = list[tuple[int, "torch.Tensor | list[int]"]]
@@ -40,6 +40,10 @@ class Predictor(ABC):
     # propose is device work of static shapes that reads no host value and observe does nothing: both may run in
     # a captured CUDA-graph piece (the offload backend's prelude, moeflow/offload/prelude.py)
     captured_proposals: ClassVar[bool] = False
+
+    def as_path_planner(self) -> RoutingPathPlanner | None:
+        """This predictor as a routing-path planner (ExpertFlow's PLEC answers itself), or None. Default: None."""
+        return None
 
     def bind(self, runtime: Any) -> None:  # noqa: B027 (optional hook)
         """The backend that runs this predictor (``prefetch(target, experts, layer_now)``, ``cache``)."""
