@@ -62,7 +62,8 @@ def worker(model: Path, threads: int, lm_head_bits: int, tg: int, attention_bits
         tokens = m.generate(decode_ids, max_new_tokens=tg + 1, **kw)[0, 16:].tolist()  # warm-up
         m.generate(prompt_ids, max_new_tokens=1, **kw)
         lib = library()
-        print(json.dumps({"ready": True, "native_layers": getattr(m.model, "layers_step", getattr(m.model, "native_layers", None)) is not None,
+        one_call = getattr(m.model, "layers_step", getattr(m.model, "native_layers", None))  # (older trees' name)
+        print(json.dumps({"ready": True, "native_layers": one_call is not None,
                           "simd": {0: "scalar", 1: "avx2", 2: "avx512-vnni"}[lib.mf_simd()] if lib else None,
                           "greedy_tokens": tokens}), flush=True)
         for _ in sys.stdin:

@@ -107,7 +107,8 @@ def profile_model(path: Path, lm_head_bits: int, prompt: int, tg: int, reps: int
     cpu_step_ops._DECLARED.add(id(timed))
     ids = torch.randint(3, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
 
-    native = getattr(model.model, "layers_step", getattr(model.model, "native_layers", None))  # one-call layers (older trees: native_layers)
+    # this tree's one-call layers (engine.cpu_layers; older trees name them native_layers)
+    native = getattr(model.model, "layers_step", getattr(model.model, "native_layers", None))
 
     def run(n: int, wrapped: bool = True, one_call: bool = False) -> tuple[float, tuple]:
         cpu_native._LIB = timed if wrapped else timed.lib
