@@ -404,8 +404,15 @@ class OffloadedExperts(CapturedPrelude, SlotLoads, ExpertBackend):
             self.cache.release(slot, fence)
 
     def _release_unread(self, task: LoadTask) -> None:
-        """Hybrid race won by the CPU: unpin the slot unread; its load carries on and the expert stays cached."""
-        self.cache.release(self.cache.lookup(task.key), self.transport.compute_fence())
+        """Hybrid race won by the CPU: unpin the slot unread and cancel the load's chunks not yet issued (left queued
+        they would hold the link at high priority, ahead of the next layers' loads and prefetches); the slot is
+        empty again once the chunks already issued have landed (``cache.drop`` behind the load's fences). A load
+        fully issued already carries on and caches the expert."""
+        slot = self.cache.lookup(task.key)
+        self.cache.release(slot, self.transport.compute_fence())
+        if not task.issued:
+            self.cache.drop(slot, self.engine.cancel(task))
+            self.stats.current().cpu_race_cancels += 1
 
     # ------------------------------------------------------------------ lifetime
     def synchronize(self) -> None:
