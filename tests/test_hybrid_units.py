@@ -73,6 +73,17 @@ def test_auto_busy_worker_and_more_workers():
     assert list(two.values()).count(Choice.CPU) == 2
 
 
+def test_auto_counts_cpu_jobs_still_running_from_earlier_layers():
+    # a lone one-token miss: CPU 0.9 ms beats a copy behind 1 MB of backlog (2 ms) on a free worker ...
+    assert plan([miss(0, 1)], RATES, mode="auto", race_margin=0.0, backlog_bytes=MB) == {0: Choice.CPU}
+    # ... but not behind a lost race's job with 1.5 ms left (2.4 ms); with two workers the other one is free
+    busy = plan([miss(0, 1)], RATES, mode="auto", race_margin=0.0, backlog_bytes=MB, cpu_busy_s=[1.5e-3])
+    assert busy == {0: Choice.COPY}
+    two = plan([miss(0, 1)], RATES, mode="auto", race_margin=0.0, backlog_bytes=MB, cpu_busy_s=[1.5e-3],
+               cpu_workers=2)
+    assert two == {0: Choice.CPU}
+
+
 def test_auto_loading_expert_is_raced_never_cancelled():
     # a prefetch with 5 MB to move before it lands: the CPU is faster, start both (the copy still caches)
     assert plan([Candidate(0, 1, 5 * MB, loading=True)], RATES, mode="auto") == {0: Choice.BOTH}

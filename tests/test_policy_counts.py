@@ -82,6 +82,30 @@ def test_static_never_evicts_the_fixed_expert():
     backend.close()
 
 
+def test_static_places_the_experts_with_the_most_tokens():
+    """The placement ranks experts by the tokens the first prefill routed to them (Fiddler's gate counts), not by
+    the passes that needed them: in one prompt every used expert is needed by one pass, and ranking by that ties
+    them all and falls back to key order (layer 0's experts)."""
+    synth = Synthetic(DENSE, layers=2, experts=4, top_k=1, seed=2)
+    backend, stats = backend_for(synth, policy="static", gpu_expert_slots=4)  # 4 - ring of 2 = 2 fixed experts
+    stats.set_phase("prefill")
+    x = torch.zeros(6, synth.fmt.hidden_size)
+    ones = torch.ones(6, 1)
+    routes = {0: [0, 1, 2, 3, 0, 1], 1: [3, 3, 3, 3, 2, 2]}  # tokens: (0,0) 2, (0,1) 2, (1,3) 4, (1,2) 2, ...
+    with torch.no_grad():
+        for layer, ids in routes.items():
+            probs = torch.zeros(6, 4)
+            probs[range(6), ids] = 1.0
+            backend.forward(layer, x, probs, torch.tensor(ids, dtype=torch.int32).view(6, 1), ones)
+    stats.set_phase("decode")
+    step(backend, stats, 1, [0])  # the switch to decode freezes the placement
+    # (1, 3) has the most tokens; the three with 2 tie and go by key: (0, 0) first
+    assert backend.cache.policy.fixed == {(1, 3), (0, 0)}
+    for e in (1, 2, 0, 1, 2):  # layer 1's other experts stream through the ring; (1, 3) keeps its slot
+        assert 3 in step(backend, stats, 1, [e])
+    backend.close()
+
+
 def speculation_trace() -> Synthetic:
     """2 layers, 6 experts, k = 2. Layer 0's input alternates e_0 / e_1; layer 0 always routes to {4, 5}; layer 1
     routes to the top 2 of *its own* router on layer 0's input: {0, 1} after e_0, {2, 3} after e_1. Layer 0's
@@ -171,3 +195,32 @@ def test_low_queue_takes_the_highest_priority_first():
     assert issued == [5, 1, 3, 2, 0, 4]
     engine.close()
     backend.close()
+
+
+@pytest.mark.parametrize("issued", [0, 1, 3], ids=["queued", "half-issued", "issued"])
+def test_a_load_the_cpu_beat_is_cancelled_and_frees_its_slot(one_layer, issued):
+    """A hybrid race the CPU won (``_release_unread``): the load's chunks not yet issued are cancelled (they would
+    hold the link at high priority ahead of the next layers' loads) and its slot is empty again; a load fully
+    issued already lands and stays cached."""
+    backend, stats = backend_for(one_layer, policy="lru", gpu_expert_slots=2, copy_chunks=3)
+    step(backend, stats, 0, [2])  # evicts 0: expert 2 is resident, 1 too; 0 and 3 are not
+    slot = backend.cache.allocate((0, 3), 0)
+    task = backend.engine.submit(0, 3, slot.index, high=True, after=backend.cache.take_fences(slot))
+    backend.cache.start_load(slot, task, prefetched=False)
+    backend.cache.use(slot)  # the layer waits for it ...
+    backend.engine.batch_bytes = task.chunks[0][1]  # one chunk per issue (else the sync transport takes all 3)
+    backend.engine.pump(issued)
+    backend._release_unread(task)  # ... and the CPU finished first
+    backend.cache.check()
+    assert task not in backend.engine.pending()
+    if issued == 3:
+        assert not task.cancelled and backend.cache.lookup((0, 3)) is slot and stats.decode.cpu_race_cancels == 0
+        backend.cache.poll()
+        assert resident(backend, 0) == {2, 3}
+    else:
+        assert task.cancelled and backend.engine.cancelled_chunks == 3 - issued
+        assert backend.cache.lookup((0, 3)) is None and resident(backend, 0) == {2}
+        assert stats.decode.cpu_race_cancels == 1
+        assert step(backend, stats, 0, [0]) == {0, 2}  # the slot is free and reused consistently
+    backend.close()
+

@@ -183,6 +183,7 @@ def test_races_when_copy_and_cpu_cost_about_the_same(small, cpu_gbps):
     prof = CPU_FAST.with_overrides(cpu_gbps=cpu_gbps)
     auto = simulate(small, "lru", 2 * L, prof, cpu_compute="auto")
     assert auto.cpu_races > 0 and 0 < auto.cpu_race_wins <= auto.cpu_races and auto.bytes_h2d > 0
+    assert 0 < auto.cpu_race_cancels <= auto.cpu_race_wins  # a load the CPU beat stops holding the link
     copy = simulate(small, "lru", 2 * L, prof)
     always = simulate(small, "lru", 2 * L, prof, cpu_compute="always")
     assert auto.tpot_s < min(copy.tpot_s, always.tpot_s)

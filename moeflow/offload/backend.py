@@ -303,7 +303,11 @@ class OffloadedExperts(CapturedPrelude, SlotLoads, ExpertBackend):
         # 3. acquire: the plan from the cache's state, then the hits pinned and the loads under way promoted
         lookup = self.cache.lookup
         plan = plan_layer(layer, needed, lookup)
-        access, use = self.cache.policy.access, self.cache.use
+        policy = self.cache.policy
+        if policy.wants_routing:  # a static placement in the making (first prefill): per-token counts, read once
+            flat = topk_ids.reshape(-1).to("cpu", torch.int64)
+            policy.routed(layer, torch.bincount(flat, minlength=self.num_experts).tolist())
+        access, use = policy.access, self.cache.use
         for e in needed:
             key = (layer, e)
             access(key)
@@ -405,8 +409,15 @@ class OffloadedExperts(CapturedPrelude, SlotLoads, ExpertBackend):
             self.cache.release(slot, fence)
 
     def _release_unread(self, task: LoadTask) -> None:
-        """Hybrid race won by the CPU: unpin the slot unread; its load carries on and the expert stays cached."""
-        self.cache.release(self.cache.lookup(task.key), self.transport.compute_fence())
+        """Hybrid race won by the CPU: unpin the slot unread and cancel the load's chunks not yet issued (left queued
+        they would hold the link at high priority, ahead of the next layers' loads and prefetches); the slot is
+        empty again once the chunks already issued have landed (``cache.drop`` behind the load's fences). A load
+        fully issued already carries on and caches the expert."""
+        slot = self.cache.lookup(task.key)
+        self.cache.release(slot, self.transport.compute_fence())
+        if not task.issued:
+            self.cache.drop(slot, self.engine.cancel(task))
+            self.stats.current().cpu_race_cancels += 1
 
     # ------------------------------------------------------------------ lifetime
     def synchronize(self) -> None:

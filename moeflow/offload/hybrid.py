@@ -121,6 +121,9 @@ class HybridCompute:
         self._layer = -1
         self._jobs: dict[int, tuple[Future, torch.Tensor]] = {}  # expert -> (CPU result, its pair indices)
         self._race: set[int] = set()  # experts of the current layer also being copied
+        self._counts: list[int] = []  # the current layer's tokens per expert
+        self._starts: dict[tuple[int, int], float] = {}  # (layer, expert) -> when its CPU job started (workers)
+        self._orphans: list[tuple[Future, float]] = []  # lost races still running: (job, estimated end)
 
     # ------------------------------------------------------------------ set-up
     def prepare(self, device: torch.device, transport_name: str) -> None:
@@ -169,6 +172,7 @@ class HybridCompute:
         # the routing on the host (right after the layer's routing sync, so this waits for little)
         flat_ids = topk_ids.reshape(-1).to("cpu", torch.int64)
         counts = torch.bincount(flat_ids, minlength=self.host.num_experts).tolist()
+        self._counts, self._starts = counts, {}
         choices = self.decide(layer, counts, misses, waiting, backlog)
         on_cpu = [e for e, c in choices.items() if c is not Choice.COPY]
         if not on_cpu:
@@ -197,11 +201,30 @@ class HybridCompute:
                  for e in misses]
         cands += [Candidate(t.expert, counts[t.expert], landed_after.get(t, 0), loading=True) for t in waiting]
         return plan(cands, self.rates, mode=self.mode, backlog_bytes=ahead, cpu_workers=self.workers,
-                    race_margin=self.race_margin)
+                    race_margin=self.race_margin, cpu_busy_s=self.cpu_busy())
+
+    def cpu_busy(self) -> list[float]:
+        """Seconds each CPU job still running from an earlier layer (a race the copy won after the job started)
+        has left, by the cost model's estimate from its start."""
+        now = time.perf_counter()
+        self._orphans = [(f, end) for f, end in self._orphans if not f.done()]
+        return [max(0.0, end - now) for _, end in self._orphans]
+
+    def _drop_job(self, e: int) -> None:
+        """The device computes expert e: cancel its CPU job; one already running is remembered (it holds a worker
+        until its end, which the next layers' plans count)."""
+        fut = self._jobs.pop(e)[0]
+        if fut.cancel() or fut.done():
+            return
+        with self._lock:
+            start = self._starts.get((self._layer, e), time.perf_counter())
+        self._orphans.append((fut, start + self.rates.cpu_time(self._counts[e])))
 
     def _job(self, layer: int, e: int, x_h: torch.Tensor, pairs: torch.Tensor, k: int, flat_w: torch.Tensor,
              st: PhaseStats) -> torch.Tensor:
         t0 = time.perf_counter()
+        with self._lock:
+            self._starts[(layer, e)] = t0
         y = self.host.cpu_expert(layer, e).forward(x_h[pairs // k], flat_w[pairs])
         with self._lock:
             st.cpu_s += time.perf_counter() - t0
@@ -216,9 +239,10 @@ class HybridCompute:
     ) -> list[LoadTask]:
         """Resolve races among ``waiting`` (loads of the current layer, in the order they will be computed).
 
-        A load whose CPU twin finished first is dropped from the list (``release`` unpins its slot; the copy
-        carries on and stays cached) and its CPU rows are written; a load that landed first cancels its CPU
-        twin. When the head of the list is racing, blocks until one of the two finishes.
+        A load whose CPU twin finished first is dropped from the list (``release`` unpins its slot and cancels
+        the copy's chunks still queued; one fully issued lands and stays cached) and its CPU rows are written; a
+        load that landed first cancels its CPU twin. When the head of the list is racing, blocks until one of
+        the two finishes.
         """
         keep: list[LoadTask] = []
         for task in waiting:
@@ -236,7 +260,7 @@ class HybridCompute:
                 release(task)
             elif task.complete():
                 self._race.discard(e)
-                self._jobs.pop(e)[0].cancel()  # the device computes it; a running CPU job's result is dropped
+                self._drop_job(e)  # the device computes it; a running CPU job's result is dropped
                 keep.append(task)
             else:
                 keep.append(task)
@@ -247,7 +271,7 @@ class HybridCompute:
         for e in experts:
             if e in self._race:
                 self._race.discard(e)
-                self._jobs.pop(e)[0].cancel()
+                self._drop_job(e)
 
     def finish(self, out: torch.Tensor, st: PhaseStats) -> None:
         """Write every remaining CPU result into ``out`` (blocks for the ones still running)."""

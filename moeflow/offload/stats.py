@@ -32,6 +32,7 @@ class PhaseStats:
     cpu_s: float = 0.0  # CPU worker seconds spent on expert compute (results used or not)
     cpu_races: int = 0  # experts started both ways (copy and CPU), first finisher used
     cpu_race_wins: int = 0  # of those, how many the CPU won
+    cpu_race_cancels: int = 0  # of those, the loads cancelled with chunks still queued (their slot freed)
 
     @property
     def hit_rate(self) -> float:

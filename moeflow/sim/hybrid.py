@@ -82,6 +82,11 @@ class SimHybridCompute(HybridCompute):
                 st.cpu_races += 1
         return [e for e, c in choices.items() if c is Choice.CPU]
 
+    def cpu_busy(self) -> list[float]:
+        """What each lane still has to run (lost races that had started; the layer's own jobs are not placed yet)."""
+        now = self.clock.now
+        return [lane - now for lane in self.lanes if lane > now]
+
     def _done(self, e: int) -> bool:
         return self._ends[e] <= self.clock.now
 

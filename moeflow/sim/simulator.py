@@ -146,6 +146,7 @@ class SimResult:
     cpu_busy_s: float = 0.0  # CPU time charged (lanes busy)
     cpu_races: int = 0  # misses both copied and computed on the CPU (the cost model's BOTH); won by the CPU:
     cpu_race_wins: int = 0
+    cpu_race_cancels: int = 0  # of the wins, loads cancelled with chunks still queued (the runtime's same count)
     host_experts: int | None = None  # experts in the host cache (the rest read from disk)
     disk_bytes: int = 0  # read from disk after load (bytes of the profile)
     disk_busy_s: float = 0.0
@@ -392,6 +393,7 @@ def simulate(
         notes=notes, cpu_experts=pre.cpu_experts + dec.cpu_experts + llama_cpu["prefill"][0] + llama_cpu["decode"][0],
         decode_cpu_experts=dec.cpu_experts + llama_cpu["decode"][0],
         cpu_races=pre.cpu_races + dec.cpu_races, cpu_race_wins=pre.cpu_race_wins + dec.cpu_race_wins,
+        cpu_race_cancels=pre.cpu_race_cancels + dec.cpu_race_cancels,
         cpu_busy_s=sum(h.busy_s for h in hybrids) + llama_cpu["prefill"][1] + llama_cpu["decode"][1],
         host_experts=host_experts if transport.disk is not None else total,
         disk_bytes=transport.disk.bytes_read if transport.disk is not None else 0,
