@@ -19,8 +19,10 @@ from moeflow.cli.commands import (
     _default_device,
     _gb_or_auto,
     add_device_switches,
+    add_speculative_args,
     embedded_model_path,
     offload_from_args,
+    speculative_from_args,
 )
 from moeflow.streaming import first_sequence
 
@@ -31,11 +33,12 @@ def _load_model(args, cuda_graphs: bool | None):
     """The model of ``chat``, ``generate --chat`` and ``serve`` (``cuda_graphs``: from_pretrained's)."""
     from moeflow import MoEModel
 
+    mtp = speculative_from_args(args) is not None
     offload = offload_from_args(args, args.slots, args.policy)
     dtype = DTYPES[args.dtype] if args.dtype else None
     return MoEModel.from_pretrained(args.model or str(embedded_model_path()), device=args.device,
                                     dtype=dtype, offload=offload, kernels=args.kernels,
-                                    cuda_graphs=cuda_graphs)
+                                    cuda_graphs=cuda_graphs, mtp=mtp)
 
 
 class ReplyStreamer:
@@ -104,7 +107,8 @@ def _chat_reply(model, messages: list[dict], args) -> str:
     out = model.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, do_sample=do_sample,
                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                          repetition_penalty=args.repetition_penalty, prompt_lookup_num_tokens=args.prompt_lookup,
-                         eos_token_id=list(stops), streamer=streamer, seed=args.seed)
+                         num_speculative_tokens=speculative_from_args(args), eos_token_id=list(stops),
+                         streamer=streamer, seed=args.seed)
     reply = out[0, len(ids):].tolist()
     if split is not None:
         return split.reply(reply, final=True).content
@@ -175,6 +179,10 @@ def cmd_serve(args) -> int:
     from moeflow.serve.app import create_app
     from moeflow.serve.metrics import ServeMetrics
 
+    if speculative_from_args(args) is not None:  # (before loading: the flags' own errors first)
+        raise ValueError("--speculative mtp is not in the server yet: the continuous-batching engine drafts by "
+                         "prompt lookup only (--prompt-lookup N); `moeflow generate --speculative mtp` and "
+                         "generate(num_speculative_tokens=K) draft with MTP layers")
     if args.threads:
         torch.set_num_threads(args.threads)
     # SIGTERM ends the server at once, as before main's handler: uvicorn shuts down gracefully, then raises the
@@ -265,6 +273,7 @@ def register(sub) -> None:
                         "request decodes alone (0: off; docs/serving.md)")
     p.add_argument("--max-matching-ngram-size", type=int, default=2,
                    help="longest n-gram --prompt-lookup matches (as generate's max_matching_ngram_size)")
+    add_speculative_args(p)
     p.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (or set {API_KEY_ENV})")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: directory name)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
