@@ -6,14 +6,13 @@ text of plain greedy decoding with drafts counted, K defaulting to 1, and the re
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
-from mtp_helpers import make_mtp_checkpoint
+from mtp_helpers import make_mtp_checkpoint, make_mtp_checkpoint_with_tokenizer
 from test_mtp import SHAPE
 
 from moeflow.cli import build_parser, main
-from moeflow.cli.commands import embedded_model_path, speculative_from_args
+from moeflow.cli.commands import speculative_from_args
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPT = "The import statement"
@@ -22,13 +21,7 @@ GEN = ["--device", "cpu", "--greedy", "--max-new-tokens", "12", "--no-warmup", "
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """A tiny DeepSeek-V3 with one MTP layer over the embedded model's 256-token vocabulary and its tokenizer (and
-    chat template); generation_config without an EOS, so every run writes all its tokens."""
-    path, _, _ = make_mtp_checkpoint(tmp_path_factory.mktemp("cli_mtp"), seed=5, vocab_size=256, **dict(SHAPE))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(embedded_model_path() / name, path / name)
-    (path / "generation_config.json").write_text(json.dumps({"do_sample": False}))
-    return path
+    return make_mtp_checkpoint_with_tokenizer(tmp_path_factory.mktemp("cli_mtp"), **dict(SHAPE))
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -106,9 +99,9 @@ def test_refusals_exit_2_naming_the_flag_or_the_model(tiny, tmp_path, capsys):
     assert rc == 2 and "--num-speculative-tokens needs --speculative mtp" in err
     rc, _, err = run(capsys, "serve", "--model", str(tiny), "--device", "cpu", "--num-speculative-tokens", "2")
     assert rc == 2 and "--num-speculative-tokens needs --speculative mtp" in err
-    # the server does not draft with MTP layers yet: refused before loading, not ignored
-    rc, _, err = run(capsys, "serve", "--model", str(tiny), "--device", "cpu", "--speculative", "mtp")
-    assert rc == 2 and "--speculative mtp is not in the server yet" in err
+    rc, _, err = run(capsys, "serve", "--model", str(tiny), "--device", "cpu", "--speculative", "mtp",
+                     "--cuda-graphs", "on")
+    assert rc == 2 and "--speculative mtp runs the server's passes eagerly" in err
     # a checkpoint without the MTP tensors, and a family without MTP layers: from_pretrained(mtp=True)'s refusal
     bare, _, _ = make_mtp_checkpoint(tmp_path / "bare", seed=5, with_mtp=False, vocab_size=256, **dict(SHAPE))
     rc, _, err = run(capsys, "generate", "--model", str(bare), *GEN, "--speculative", "mtp")

@@ -179,10 +179,10 @@ def cmd_serve(args) -> int:
     from moeflow.serve.app import create_app
     from moeflow.serve.metrics import ServeMetrics
 
-    if speculative_from_args(args) is not None:  # (before loading: the flags' own errors first)
-        raise ValueError("--speculative mtp is not in the server yet: the continuous-batching engine drafts by "
-                         "prompt lookup only (--prompt-lookup N); `moeflow generate --speculative mtp` and "
-                         "generate(num_speculative_tokens=K) draft with MTP layers")
+    speculative = speculative_from_args(args)  # (before loading: the flags' own errors first)
+    if speculative is not None and args.cuda_graphs == "on":
+        raise ValueError("--speculative mtp runs the server's passes eagerly (the MTP layers read every pass's "
+                         "hidden states): leave --cuda-graphs auto or off")
     if args.threads:
         torch.set_num_threads(args.threads)
     # SIGTERM ends the server at once, as before main's handler: uvicorn shuts down gracefully, then raises the
@@ -205,7 +205,8 @@ def cmd_serve(args) -> int:
     metrics = ServeMetrics(model.stats, cache)
     engine = ContinuousEngine(model, cache, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
                               listener=metrics, prefix_cache=args.prefix_cache == "on",
-                              prompt_lookup=args.prompt_lookup, max_matching_ngram_size=args.max_matching_ngram_size)
+                              prompt_lookup=args.prompt_lookup, max_matching_ngram_size=args.max_matching_ngram_size,
+                              num_speculative_tokens=speculative)
     # the decode steps of every padded batch size at the smallest key bucket, captured before the first client
     steps, seconds = engine.warm_up()
     if engine.graphs is not None:
@@ -215,6 +216,7 @@ def cmd_serve(args) -> int:
     model.stats.reset()
     metrics.watch_graphs(engine.graphs)
     metrics.watch_prefix(engine.prefix)
+    metrics.count_drafts_as("mtp" if engine.mtp is not None else "prompt_lookup")
     source = args.model or str(embedded_model_path())
     name = args.served_model_name or (Path(source).name if Path(source).exists() else source)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
@@ -228,6 +230,7 @@ def cmd_serve(args) -> int:
           f"({cache.nbytes / 2**20:.1f} MiB) | "
           f"CUDA graphs {'on' if engine.graphs is not None else 'off'} | prefix cache {args.prefix_cache} | "
           f"prompt lookup {args.prompt_lookup or 'off'} | "
+          f"MTP speculation {f'{speculative} tokens' if speculative else 'off'} | "
           f"API key {'required' if api_key else 'off'}", flush=True)
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
     uvicorn.Server(config).run(sockets=[sock])
