@@ -12,7 +12,7 @@ import pytest
 import torch
 from mtp_helpers import make_mtp_checkpoint, reference_mtp_logits
 from test_engine_lookup import keys_match_fed_tokens, run
-from test_mtp import SHAPE
+from test_mtp import GLM_SHAPE, SHAPE
 
 from moeflow import MoEModel, OffloadConfig
 from moeflow.engine import continuous_mtp
@@ -87,6 +87,27 @@ def test_alone_greedy_tokens_and_drafts_are_the_mtp_layers(tiny, model, offload,
             for tokens, draft in proposed:
                 ref = reference_mtp_logits(hf, own, torch.tensor([tokens]))
                 assert int(ref[-1].argmax()) == draft[0] and len(draft) == min(k, len(ids) + NEW - len(tokens) - 1)
+
+
+def test_full_head_rows_glm(tmp_path, monkeypatch):
+    """GLM-4.5's MTP layer (grouped-query attention: a full-head slotted cache of its own): generate's tokens, and
+    each first draft the fp32 reference MTP module's argmax."""
+    path, hf, own = make_mtp_checkpoint(tmp_path, seed=3, kind="glm4_moe", **dict(GLM_SHAPE))
+    model = MoEModel.from_pretrained(path, mtp=True)
+    proposed: list[tuple[list[int], int]] = []
+    real = continuous_mtp.propose
+
+    def recorded(drafter, row, tokens, k):
+        draft = real(drafter, row, tokens, k)
+        proposed.append((list(tokens), draft[0]))
+        return draft
+
+    monkeypatch.setattr(continuous_mtp, "propose", recorded)
+    ids = prompt(2)
+    (seq,), _, _ = mtp_run(model, [(ids, SamplingParams(max_new_tokens=16))], k=2)
+    assert seq.generated == greedy(model, ids, 16) and seq.draft_tokens > 0 and proposed
+    for tokens, first in proposed:
+        assert int(reference_mtp_logits(hf, own, torch.tensor([tokens]))[-1].argmax()) == first
 
 
 @pytest.fixture

@@ -27,7 +27,8 @@ smallest bucket before the first request (``moeflow serve`` calls it before it r
 
 Prompt lookup (``prompt_lookup``, off by default): while one greedy sequence decodes alone, its decode pass also
 verifies tokens drafted from its own context, several tokens per pass (:mod:`moeflow.engine.continuous_lookup`:
-captured too, one more step per key bucket).
+captured too, one more step per key bucket). MTP speculation (``num_speculative_tokens``, off by default): the
+same, drafted by the model's multi-token-prediction layers (:mod:`moeflow.engine.continuous_mtp`: eager passes).
 
 Token history: a backend whose predictor reads every token so far (``ExpertBackend.needs_history``: the
 expertflow policy) gets them from a :class:`~moeflow.engine.token_history.TokenHistory` on the device, which each
@@ -84,6 +85,10 @@ class ContinuousEngine:
     ``prompt_lookup``: draft up to that many tokens per decode pass by prompt lookup (``max_matching_ngram_size``
     as in ``generate``) while one greedy sequence decodes alone (:class:`~moeflow.engine.continuous_lookup.
     LookupDrafter`, ``self.lookup``; None when off, the default).
+    ``num_speculative_tokens``: draft up to that many tokens per decode pass with the model's MTP layers
+    (``from_pretrained(mtp=True)``) while one greedy sequence decodes alone (:class:`~moeflow.engine.
+    continuous_mtp.MTPEngineDrafter`, ``self.mtp``; None when off, the default). Every pass then runs eagerly
+    (``cuda_graphs`` None means off with it; True is refused) and keeps its hidden states for the MTP layers.
     """
 
     def __init__(self, model, cache: SlotKVCache, max_queue: int = 64, prefill_chunk: int = 64,

@@ -142,6 +142,7 @@ class MTPEngineDrafter:
         history = (engine.history.ids[row:row + 1, : n - 1], torch.ones((1, n - 1), dtype=torch.bool, device=dev)) \
             if engine.history is not None else (None, None)
         embeds = runner.decoder.embed_tokens(ids)
+        engine.model.stats.set_phase("decode")
         runner.backend.begin_step(StepInfo(ids, pos, mask, "decode", rows, embeds, history[0], history[1],
                                            all_real=True))
         cos, sin = runner.decoder.rotary(pos, embeds.dtype)
