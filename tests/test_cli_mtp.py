@@ -106,6 +106,8 @@ def test_refusals_exit_2_naming_the_flag_or_the_model(tiny, tmp_path, capsys):
     bare, _, _ = make_mtp_checkpoint(tmp_path / "bare", seed=5, with_mtp=False, vocab_size=256, **dict(SHAPE))
     rc, _, err = run(capsys, "generate", "--model", str(bare), *GEN, "--speculative", "mtp")
     assert rc == 2 and "multi-token-prediction tensor 'model.layers.3." in err and "num_nextn_predict_layers=1" in err
+    rc, _, err = run(capsys, "serve", "--model", str(bare), "--device", "cpu", "--speculative", "mtp")
+    assert rc == 2 and "multi-token-prediction tensor 'model.layers.3." in err
     rc, _, err = run(capsys, "demo", *GEN, "--speculative", "mtp")
     assert rc == 2 and "mtp=True but the model has no multi-token-prediction layers" in err
     assert "mixtral family" in err

@@ -157,13 +157,29 @@ def test_oracle_drafts_accepted_and_cut_by_stops_and_max_tokens(model, oracle):
     assert events == [(t, None) for t in want[: j + 1]] + [(None, "stop")]
 
 
-def test_concurrent_sampled_and_penalised_requests_are_not_drafted(model):
+def test_concurrent_sampled_and_penalised_requests_are_not_drafted(tiny, model, monkeypatch):
+    """Two requests decode together undrafted; once the short one is done the long one drafts, its MTP layer
+    having caught up over the batched passes' positions (its first drafts: the reference module's argmax)."""
+    _, hf, own = tiny
+    proposed: list[tuple[list[int], int]] = []
+    real = continuous_mtp.propose
+
+    def recorded(drafter, row, tokens, k):
+        draft = real(drafter, row, tokens, k)
+        proposed.append((list(tokens), draft[0]))
+        return draft
+
+    monkeypatch.setattr(continuous_mtp, "propose", recorded)
     a, b = prompt(1), prompt(2, 12)
     (x, y), log, _ = mtp_run(model, [(a, SamplingParams(max_new_tokens=6)), (b, SamplingParams(max_new_tokens=NEW))],
                              prefill_chunk=64)
     assert x.generated == greedy(model, a, 6) and y.generated == greedy(model, b)
     assert x.draft_tokens == 0 and y.draft_tokens > 0  # (b drafts once it decodes alone)
     assert log.passes[1:6] == [("decode", 2, 2)] * 5
+    assert proposed[0][0] == b + y.generated[:6]  # (its first draft after 5 batched passes and its own)
+    for tokens, first in proposed:
+        assert int(reference_mtp_logits(hf, own, torch.tensor([tokens]))[-1].argmax()) == first
+    monkeypatch.setattr(continuous_mtp, "propose", real)
     for params in (dict(do_sample=True, temperature=0.8, seed=3), dict(repetition_penalty=1.3)):
         want = run(model, [(a, SamplingParams(max_new_tokens=12, **params))], lookup=None)[0][0].generated
         (seq,), _, _ = mtp_run(model, [(a, SamplingParams(max_new_tokens=12, **params))])
