@@ -206,12 +206,15 @@ def test_a_prompt_from_the_prefix_cache_gets_its_greedy_tokens(model):
     assert first.generated == greedy(model, a, 8) and second.generated == greedy(model, b)
 
 
-def test_refusals(path, model):
-    cache = SlotKVCache.for_model(model, 64, max_rows=1)
+def test_refusals_and_the_bytes_a_row_costs(path, model):
+    cache = SlotKVCache.for_model(model, 64, max_rows=3)
+    drafter = ContinuousEngine(model, cache, num_speculative_tokens=1).mtp
+    assert drafter.nbytes == 3 * continuous_mtp.mtp_row_bytes(model, 64) > 0  # (what moeflow serve sizes rows by)
     with pytest.raises(ValueError, match="two ways to draft"):
         ContinuousEngine(model, cache, prompt_lookup=2, num_speculative_tokens=1)
     with pytest.raises(ValueError, match="positive integer, got 0"):
         ContinuousEngine(model, cache, num_speculative_tokens=0)
     plain = MoEModel.from_pretrained(path)
+    assert continuous_mtp.mtp_row_bytes(plain, 64) == 0
     with pytest.raises(ValueError, match=r"without multi-token-prediction layers.*num_nextn_predict_layers=1"):
         ContinuousEngine(plain, SlotKVCache.for_model(plain, 64, max_rows=1), num_speculative_tokens=1)

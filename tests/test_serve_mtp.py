@@ -17,6 +17,7 @@ from moeflow import MoEModel
 
 PROMPTS = ("The import statement", "def add(a, b):")
 MAX_TOKENS = 16
+KV_GB = "0.0000931"  # 99,965 bytes
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def path(tmp_path_factory):
 def servers(path):
     """(the drafting server, a server without drafting), otherwise alike."""
     args = ("--model", str(path), "--served-model-name", "tiny", "--max-model-len", "128", "--max-batch", "2")
-    drafting = Server(*args, "--speculative", "mtp", "--num-speculative-tokens", "2")
+    drafting = Server(*args, "--speculative", "mtp", "--num-speculative-tokens", "2", "--kv-cache-gb", KV_GB)
     try:
         plain = Server(*args)
     except BaseException:
@@ -56,7 +57,8 @@ def counters(srv: Server) -> tuple[float, ...]:
 
 def test_greedy_replies_and_deltas_equal_the_undrafted_servers_and_generates(servers, path):
     drafting, plain = servers
-    assert any("MTP speculation 2 tokens" in line for line in drafting.output)
+    # the budget holds two rows of 128 positions (36 KiB each), but one with the drafter's buffers (44 KiB a row)
+    assert any("MTP speculation 2 tokens" in line and "KV cache 1 rows" in line for line in drafting.output)
     model = MoEModel.from_pretrained(path)
     for prompt in PROMPTS:
         ids = model.tokenizer.encode(prompt)

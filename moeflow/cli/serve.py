@@ -201,6 +201,11 @@ def cmd_serve(args) -> int:
         budget = row_bytes(model, max(KV_BUDGET_TOKENS, max_len))
     else:  # host memory: --max-batch rows
         budget = None
+    if speculative is not None and budget is not None:  # the MTP drafter's per-row buffers share the budget
+        from moeflow.engine.continuous_mtp import mtp_row_bytes
+
+        per_row = row_bytes(model, max_len)
+        budget = budget * per_row // (per_row + mtp_row_bytes(model, max_len))
     cache = SlotKVCache.for_model(model, max_len, budget, max_rows=args.max_batch)
     metrics = ServeMetrics(model.stats, cache)
     engine = ContinuousEngine(model, cache, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
@@ -230,7 +235,7 @@ def cmd_serve(args) -> int:
           f"({cache.nbytes / 2**20:.1f} MiB) | "
           f"CUDA graphs {'on' if engine.graphs is not None else 'off'} | prefix cache {args.prefix_cache} | "
           f"prompt lookup {args.prompt_lookup or 'off'} | "
-          f"MTP speculation {f'{speculative} tokens' if speculative else 'off'} | "
+          f"MTP speculation {f'{speculative} tokens, {engine.mtp.nbytes / 2**20:.1f} MiB' if speculative else 'off'} | "
           f"API key {'required' if api_key else 'off'}", flush=True)
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
     uvicorn.Server(config).run(sockets=[sock])

@@ -47,6 +47,18 @@ def mtp_slot_cache(model: Any, mtp: MultiTokenPredictor, rows: int, max_len: int
     return SlotKVCache(n, rows, max_len, spec.kv_heads, spec.head_dim, model.dtype, model.device)
 
 
+def mtp_row_bytes(model: Any, max_len: int) -> int:
+    """Bytes one engine row of ``max_len`` positions costs the drafter besides the main KV cache: its hidden states
+    (hidden size per position) and the MTP layers' own keys (or latent vectors); ``moeflow serve`` sizes its rows
+    with it. 0 for a model loaded without MTP layers."""
+    if model.mtp is None:
+        return 0
+    spec, element = cache_spec(model), torch.tensor([], dtype=model.dtype).element_size()
+    per_layer = spec.latent_dim if spec.latent_dim else 2 * spec.kv_heads * spec.head_dim
+    hidden = model.runner.decoder.norm.weight.shape[-1]
+    return (len(model.mtp.layers) * per_layer + hidden) * element * max_len
+
+
 class MTPEngineDrafter:
     """Drafted decode passes of ``engine`` with the model's MTP layers: up to ``num_tokens`` tokens per pass. Each
     sequence counts ``draft_tokens`` / ``accepted_tokens`` (and the model's stats), as prompt lookup's."""
@@ -72,6 +84,7 @@ class MTPEngineDrafter:
         self.cache = mtp_slot_cache(model, self.mtp, rows, max_len)
         hidden_size = model.runner.decoder.norm.weight.shape[-1]
         self.hidden = torch.zeros((rows, max_len, hidden_size), dtype=model.dtype, device=model.device)
+        self.nbytes = self.cache.nbytes + self.hidden.numel() * self.hidden.element_size()
         self.owner = [-1] * rows  # the sequence id whose hidden states and MTP keys a row holds
         self.start = [0] * rows  # the first position with a hidden state (after a prefix-cache reuse)
         self.done = [0] * rows  # positions [start, done) are in the MTP cache
