@@ -275,7 +275,7 @@ class ContinuousEngine:
         if prefilling:
             self._prefill(prefilling)
         decoding = [s for s in self._running if s.prefilled == len(s.prompt_ids) and not s.done]
-        drafter = self.lookup or self.mtp
+        drafter = self.lookup if self.lookup is not None else self.mtp
         if decoding and not (drafter is not None and not prefilling and len(decoding) == 1
                              and drafter.step(decoding[0])):  # (a drafted pass, else the plain one)
             self._decode(decoding)
