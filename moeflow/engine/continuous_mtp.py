@@ -86,8 +86,8 @@ class MTPEngineDrafter:
         self.hidden = torch.zeros((rows, max_len, hidden_size), dtype=model.dtype, device=model.device)
         self.nbytes = self.cache.nbytes + self.hidden.numel() * self.hidden.element_size()
         self.owner = [-1] * rows  # the sequence id whose hidden states and MTP keys a row holds
-        self.start = [0] * rows  # the first position with a hidden state (after a prefix-cache reuse)
-        self.done = [0] * rows  # positions [start, done) are in the MTP cache
+        # positions [cached_tokens, done) of a row are in the MTP cache (the prefix cache's have no hidden states)
+        self.done = [0] * rows
 
     eligible = staticmethod(LookupDrafter.eligible)
 
@@ -98,7 +98,7 @@ class MTPEngineDrafter:
             row = seq.row
             if self.owner[row] != seq.id:  # a new sequence in this row
                 self.owner[row] = seq.id
-                self.start[row] = self.done[row] = seq.cached_tokens
+                self.done[row] = seq.cached_tokens
                 self.cache.valid[row] = False
             real = mask[b].nonzero().flatten()
             if len(real):
