@@ -52,6 +52,20 @@ def make_mtp_checkpoint(directory: str | Path, seed: int = 0, with_mtp: bool = T
     return directory, model, own
 
 
+def make_mtp_checkpoint_with_tokenizer(directory: str | Path, seed: int = 5, **shape) -> Path:
+    """A tiny DeepSeek-V3 with one MTP layer over the embedded model's 256-token vocabulary, with its tokenizer and
+    chat template (what the command line and the server need), and a generation_config without an EOS (greedy)."""
+    import shutil
+
+    from moeflow.cli import embedded_model_path
+
+    path, _, _ = make_mtp_checkpoint(directory, seed=seed, vocab_size=256, **shape)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(embedded_model_path() / name, Path(path) / name)
+    (Path(path) / "generation_config.json").write_text(json.dumps({"do_sample": False}))
+    return Path(path)
+
+
 def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.float()
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w

@@ -52,13 +52,42 @@ def offload_from_args(args, slots: int | None, policy: str | None):
     return OffloadConfig(policy=policy, background_load=background, **given)
 
 
+def speculative_from_args(args) -> int | None:
+    """``--num-speculative-tokens`` as ``generate``'s / the engine's ``num_speculative_tokens``: None without
+    ``--speculative``, K (default 1) with ``--speculative mtp`` (vLLM's flags). ValueError for K without
+    ``--speculative``, or with ``--prompt-lookup`` (two ways to draft)."""
+    method, k = getattr(args, "speculative", None), getattr(args, "num_speculative_tokens", None)
+    if method is None:
+        if k is not None:
+            raise ValueError("--num-speculative-tokens needs --speculative mtp (the drafts come from the model's "
+                             "multi-token-prediction layers)")
+        return None
+    if getattr(args, "prompt_lookup", None):
+        raise ValueError("--speculative and --prompt-lookup are two ways to draft: pass one")
+    k = 1 if k is None else k
+    if k < 1:
+        raise ValueError(f"--num-speculative-tokens must be a positive integer, got {k}")
+    return k
+
+
+def add_speculative_args(p: argparse.ArgumentParser) -> None:
+    """``--speculative mtp`` and ``--num-speculative-tokens K`` (vLLM's names), read by
+    :func:`speculative_from_args`."""
+    p.add_argument("--speculative", choices=["mtp"], default=None,
+                   help="draft with the model's own multi-token-prediction layers (loads them: mtp=True) and "
+                        "verify the drafts in one pass")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help="tokens drafted per pass with --speculative (default 1, the published use)")
+
+
 def _load(args, slots: int | None, policy: str | None):
     from moeflow import MoEModel
 
+    mtp = speculative_from_args(args) is not None
     offload = offload_from_args(args, slots, policy)
     dtype = DTYPES[args.dtype] if args.dtype else None
     return MoEModel.from_pretrained(args.model, device=args.device, dtype=dtype, offload=offload,
-                                    kernels=args.kernels, cuda_graphs=AUTO_ON_OFF[args.cuda_graphs])
+                                    kernels=args.kernels, cuda_graphs=AUTO_ON_OFF[args.cuda_graphs], mtp=mtp)
 
 
 def _run_prompt(model, prompt: str, args) -> int:
@@ -70,7 +99,7 @@ def _run_prompt(model, prompt: str, args) -> int:
     enc = model.tokenizer(prompt)
     if args.warmup:
         # the first call pays one-time costs (op registration, lazy imports: ~2 s on a CPU); keep them out of TTFT
-        model.generate(enc["input_ids"][:, :1], max_new_tokens=1, do_sample=False)
+        model.generate(enc["input_ids"][:, :1], max_new_tokens=1, do_sample=False)  # (no drafts: one token)
     streamer = TextStreamer(model.tokenizer)
     sys.stdout.write(prompt)
     sys.stdout.flush()
@@ -79,7 +108,8 @@ def _run_prompt(model, prompt: str, args) -> int:
     model.generate(enc["input_ids"], attention_mask=enc["attention_mask"], max_new_tokens=args.max_new_tokens,
                    do_sample=do_sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                    min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                   prompt_lookup_num_tokens=args.prompt_lookup, streamer=streamer, seed=args.seed)
+                   prompt_lookup_num_tokens=args.prompt_lookup, num_speculative_tokens=speculative_from_args(args),
+                   streamer=streamer, seed=args.seed)
     print(model.stats.summary())  # with the disk tier's traffic when experts are read from disk
     print(model.memory_plan().summary())
     if args.json:
@@ -150,6 +180,7 @@ def _add_generation_args(p: argparse.ArgumentParser, default_policy: str | None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--prompt-lookup", type=int, default=None, metavar="N",
                    help="prompt lookup decoding: draft up to N tokens per pass from earlier n-grams (greedy)")
+    add_speculative_args(p)
     p.add_argument("--device", default=_default_device())
     p.add_argument("--dtype", choices=list(DTYPES), default=None)
     p.add_argument("--kernels", choices=["auto", "torch", "triton"], default="auto")

@@ -19,8 +19,10 @@ from moeflow.cli.commands import (
     _default_device,
     _gb_or_auto,
     add_device_switches,
+    add_speculative_args,
     embedded_model_path,
     offload_from_args,
+    speculative_from_args,
 )
 from moeflow.streaming import first_sequence
 
@@ -31,11 +33,12 @@ def _load_model(args, cuda_graphs: bool | None):
     """The model of ``chat``, ``generate --chat`` and ``serve`` (``cuda_graphs``: from_pretrained's)."""
     from moeflow import MoEModel
 
+    mtp = speculative_from_args(args) is not None
     offload = offload_from_args(args, args.slots, args.policy)
     dtype = DTYPES[args.dtype] if args.dtype else None
     return MoEModel.from_pretrained(args.model or str(embedded_model_path()), device=args.device,
                                     dtype=dtype, offload=offload, kernels=args.kernels,
-                                    cuda_graphs=cuda_graphs)
+                                    cuda_graphs=cuda_graphs, mtp=mtp)
 
 
 class ReplyStreamer:
@@ -104,7 +107,8 @@ def _chat_reply(model, messages: list[dict], args) -> str:
     out = model.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, do_sample=do_sample,
                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                          repetition_penalty=args.repetition_penalty, prompt_lookup_num_tokens=args.prompt_lookup,
-                         eos_token_id=list(stops), streamer=streamer, seed=args.seed)
+                         num_speculative_tokens=speculative_from_args(args), eos_token_id=list(stops),
+                         streamer=streamer, seed=args.seed)
     reply = out[0, len(ids):].tolist()
     if split is not None:
         return split.reply(reply, final=True).content
@@ -175,6 +179,10 @@ def cmd_serve(args) -> int:
     from moeflow.serve.app import create_app
     from moeflow.serve.metrics import ServeMetrics
 
+    speculative = speculative_from_args(args)  # (before loading: the flags' own errors first)
+    if speculative is not None and args.cuda_graphs == "on":
+        raise ValueError("--speculative mtp runs the server's passes eagerly (the MTP layers read every pass's "
+                         "hidden states): leave --cuda-graphs auto or off")
     if args.threads:
         torch.set_num_threads(args.threads)
     # SIGTERM ends the server at once, as before main's handler: uvicorn shuts down gracefully, then raises the
@@ -193,11 +201,17 @@ def cmd_serve(args) -> int:
         budget = row_bytes(model, max(KV_BUDGET_TOKENS, max_len))
     else:  # host memory: --max-batch rows
         budget = None
+    if speculative is not None and budget is not None:  # the MTP drafter's per-row buffers share the budget
+        from moeflow.engine.continuous_mtp import mtp_row_bytes
+
+        per_row = row_bytes(model, max_len)
+        budget = budget * per_row // (per_row + mtp_row_bytes(model, max_len))
     cache = SlotKVCache.for_model(model, max_len, budget, max_rows=args.max_batch)
     metrics = ServeMetrics(model.stats, cache)
     engine = ContinuousEngine(model, cache, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
                               listener=metrics, prefix_cache=args.prefix_cache == "on",
-                              prompt_lookup=args.prompt_lookup, max_matching_ngram_size=args.max_matching_ngram_size)
+                              prompt_lookup=args.prompt_lookup, max_matching_ngram_size=args.max_matching_ngram_size,
+                              num_speculative_tokens=speculative)
     # the decode steps of every padded batch size at the smallest key bucket, captured before the first client
     steps, seconds = engine.warm_up()
     if engine.graphs is not None:
@@ -207,6 +221,7 @@ def cmd_serve(args) -> int:
     model.stats.reset()
     metrics.watch_graphs(engine.graphs)
     metrics.watch_prefix(engine.prefix)
+    metrics.count_drafts_as("mtp" if engine.mtp is not None else "prompt_lookup")
     source = args.model or str(embedded_model_path())
     name = args.served_model_name or (Path(source).name if Path(source).exists() else source)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
@@ -220,6 +235,7 @@ def cmd_serve(args) -> int:
           f"({cache.nbytes / 2**20:.1f} MiB) | "
           f"CUDA graphs {'on' if engine.graphs is not None else 'off'} | prefix cache {args.prefix_cache} | "
           f"prompt lookup {args.prompt_lookup or 'off'} | "
+          f"MTP speculation {f'{speculative} tokens, {engine.mtp.nbytes / 2**20:.1f} MiB' if speculative else 'off'} | "
           f"API key {'required' if api_key else 'off'}", flush=True)
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
     uvicorn.Server(config).run(sockets=[sock])
@@ -265,6 +281,7 @@ def register(sub) -> None:
                         "request decodes alone (0: off; docs/serving.md)")
     p.add_argument("--max-matching-ngram-size", type=int, default=2,
                    help="longest n-gram --prompt-lookup matches (as generate's max_matching_ngram_size)")
+    add_speculative_args(p)
     p.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (or set {API_KEY_ENV})")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: directory name)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")

@@ -27,7 +27,8 @@ smallest bucket before the first request (``moeflow serve`` calls it before it r
 
 Prompt lookup (``prompt_lookup``, off by default): while one greedy sequence decodes alone, its decode pass also
 verifies tokens drafted from its own context, several tokens per pass (:mod:`moeflow.engine.continuous_lookup`:
-captured too, one more step per key bucket).
+captured too, one more step per key bucket). MTP speculation (``num_speculative_tokens``, off by default): the
+same, drafted by the model's multi-token-prediction layers (:mod:`moeflow.engine.continuous_mtp`: eager passes).
 
 Token history: a backend whose predictor reads every token so far (``ExpertBackend.needs_history``: the
 expertflow policy) gets them from a :class:`~moeflow.engine.token_history.TokenHistory` on the device, which each
@@ -46,6 +47,7 @@ import torch
 
 from moeflow.chat.guided import Guide
 from moeflow.engine.continuous_lookup import LookupDrafter
+from moeflow.engine.continuous_mtp import MTPEngineDrafter
 from moeflow.engine.cuda_graphs import CudaGraphDecode
 from moeflow.engine.kv_slots import SlotKVCache, check_slotted
 from moeflow.engine.lookup import DEFAULT_MAX_NGRAM
@@ -83,14 +85,24 @@ class ContinuousEngine:
     ``prompt_lookup``: draft up to that many tokens per decode pass by prompt lookup (``max_matching_ngram_size``
     as in ``generate``) while one greedy sequence decodes alone (:class:`~moeflow.engine.continuous_lookup.
     LookupDrafter`, ``self.lookup``; None when off, the default).
+    ``num_speculative_tokens``: draft up to that many tokens per decode pass with the model's MTP layers
+    (``from_pretrained(mtp=True)``) while one greedy sequence decodes alone (:class:`~moeflow.engine.
+    continuous_mtp.MTPEngineDrafter`, ``self.mtp``; None when off, the default). Every pass then runs eagerly
+    (``cuda_graphs`` None means off with it; True is refused) and keeps its hidden states for the MTP layers.
     """
 
     def __init__(self, model, cache: SlotKVCache, max_queue: int = 64, prefill_chunk: int = 64,
                  listener: EngineListener | None = None, cuda_graphs: bool | None = None,
                  prefix_cache: bool = True, prefix_min_tokens: int = MIN_PREFIX_TOKENS,
-                 prompt_lookup: int | None = None, max_matching_ngram_size: int = DEFAULT_MAX_NGRAM) -> None:
+                 prompt_lookup: int | None = None, max_matching_ngram_size: int = DEFAULT_MAX_NGRAM,
+                 num_speculative_tokens: int | None = None) -> None:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if num_speculative_tokens is not None:
+            if prompt_lookup:
+                raise ValueError("num_speculative_tokens and prompt_lookup are two ways to draft: pass one")
+            if cuda_graphs is None:  # (auto: MTP drafting runs the passes eagerly)
+                cuda_graphs = False
         decode = model.runner.decode_fn
         if cuda_graphs and not isinstance(decode, CudaGraphDecode):
             raise ValueError("cuda_graphs=True needs a model that decodes through CUDA graphs "
@@ -105,6 +117,7 @@ class ContinuousEngine:
         self.history = TokenHistory(cache.rows, cache.max_len, self.device) if needs else None
         self.prefix = PrefixCache(cache, prefix_min_tokens) if prefix_cache else None
         self.lookup = LookupDrafter(self, prompt_lookup, max_matching_ngram_size) if prompt_lookup else None
+        self.mtp = MTPEngineDrafter(self, num_speculative_tokens) if num_speculative_tokens is not None else None
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._running: list[Sequence] = []
         self._cond = threading.Condition()
@@ -262,8 +275,9 @@ class ContinuousEngine:
         if prefilling:
             self._prefill(prefilling)
         decoding = [s for s in self._running if s.prefilled == len(s.prompt_ids) and not s.done]
-        if decoding and not (self.lookup is not None and not prefilling and len(decoding) == 1
-                             and self.lookup.step(decoding[0])):  # (a drafted pass, else the plain one)
+        drafter = self.lookup if self.lookup is not None else self.mtp
+        if decoding and not (drafter is not None and not prefilling and len(decoding) == 1
+                             and drafter.step(decoding[0])):  # (a drafted pass, else the plain one)
             self._decode(decoding)
 
     def _prefill(self, seqs: list[Sequence]) -> None:
@@ -309,7 +323,7 @@ class ContinuousEngine:
     def _pass(self, phase: str, seqs: list[Sequence], ids: torch.Tensor, pos: torch.Tensor,
               mask: torch.Tensor) -> torch.Tensor:
         """One forward pass over ``seqs``' rows: ids/pos int64 [B, T], mask bool [B, T] -> logits fp32 [B, T, V]."""
-        dev = self.device
+        dev, host_pos, host_mask = self.device, pos, mask
         all_real = bool(mask.all())  # on the host still: a decode pass's backend reads no mask back
         history = self.history.feed([s.row for s in seqs], ids, pos, mask) if self.history is not None else None
         ids, pos, mask = ids.to(dev), pos.to(dev), mask.to(dev)
@@ -318,9 +332,13 @@ class ContinuousEngine:
         stats = self.model.stats
         stats.set_phase(phase)
         start = time.perf_counter()
-        logits = self.model.runner.forward_pass(ids, view.cache_position, view, view.cache_position, mask, phase,
-                                                rows=rows, history=history, all_real=all_real)
-        logits = logits.cpu()
+        out = self.model.runner.forward_pass(ids, view.cache_position, view, view.cache_position, mask, phase,
+                                             rows=rows, history=history, all_real=all_real,
+                                             return_hidden=self.mtp is not None)
+        if self.mtp is not None:  # (every pass's hidden states: what the MTP layers read)
+            out, hidden = out
+            self.mtp.store(seqs, host_pos, host_mask, hidden)
+        logits = out.cpu()
         self._count(phase, len(seqs), int(mask.sum()), time.perf_counter() - start)
         return logits
 

@@ -147,13 +147,17 @@ class LookupDrafter:
         return logits
 
     def _forget(self, row: int, start: int, end: int) -> None:
-        """Positions [start, end) of ``row`` hold keys of drafts that were not kept: no longer valid, and their
-        token-history entries back to 0 (a row holds exactly its fed tokens)."""
-        if start >= end:
-            return
-        self.engine.cache.valid[row, start:end] = False
-        if self.engine.history is not None:
-            self.engine.history.ids[row, start:end] = 0
+        forget_drafts(self.engine, row, start, end)
+
+
+def forget_drafts(engine: Any, row: int, start: int, end: int) -> None:
+    """Positions [start, end) of ``engine``'s ``row`` hold keys of drafts that were not kept: no longer valid, and
+    their token-history entries back to 0 (a row holds exactly its fed tokens)."""
+    if start >= end:
+        return
+    engine.cache.valid[row, start:end] = False
+    if engine.history is not None:
+        engine.history.ids[row, start:end] = 0
 
 
 def verify_inputs(last: int, draft: list[int], start: int, width: int, max_len: int

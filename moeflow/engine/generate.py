@@ -98,15 +98,21 @@ class Runner:
         token_mask: torch.Tensor, phase: str, rows: torch.Tensor | None = None,
         history: tuple[torch.Tensor, torch.Tensor] | None = None, routing: RoutingRecorder | None = None,
         path_scores: torch.Tensor | None = None, last_only: bool = False, all_real: bool = False,
-    ) -> torch.Tensor:
+        return_hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """ids/positions/token_mask [B, T] (the rows ``rows`` of the batch, when a micro-batch), cache_position [T]
         -> logits fp32 [B, T, V] ([B, 1, V] with ``last_only``). ``history``: (ids, mask) [B, S] of every token
         so far, for the backend; ``path_scores`` [B, L, E]: routing-path scores predicted ahead (the dual-batch
-        pipeline's); ``all_real``: the caller knows token_mask is all True (``StepInfo.all_real``)."""
+        pipeline's); ``all_real``: the caller knows token_mask is all True (``StepInfo.all_real``).
+        ``return_hidden``: (logits [B, T, V], the final norm's output [B, T, H]), from the eager decoder (what
+        multi-token-prediction layers read)."""
         embeds = self.decoder.embed_tokens(ids)
         hist_ids, hist_mask = history if history is not None else (None, None)
         self.backend.begin_step(StepInfo(ids, positions, token_mask, phase, rows, embeds, hist_ids, hist_mask,
                                          path_scores, all_real))
+        if return_hidden:
+            return self.decoder(embeds, positions, cache, cache_position, token_mask, self.backend, routing,
+                                return_hidden=True)
         # the compiled step takes no recorder (micro-batched steps run eagerly: they leave the graph anyway)
         fn = self.decode_fn if phase == "decode" and routing is None else self.decoder
         if last_only and fn is self.decoder:  # (the compiled one-token step has one position anyway)

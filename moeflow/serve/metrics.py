@@ -98,6 +98,11 @@ class ServeMetrics(EngineListener):
                                     "Tokens drafted by prompt lookup (--prompt-lookup)", registry=r)
         self.accepted_tokens = Counter("moeflow_prompt_lookup_accepted_tokens",
                                        "Drafted tokens kept (each saved a decode pass)", registry=r)
+        self.mtp_draft_tokens = Counter("moeflow_mtp_draft_tokens", "Tokens drafted by the model's MTP layers "
+                                        "(--speculative mtp)", registry=r)
+        self.mtp_accepted_tokens = Counter("moeflow_mtp_accepted_tokens",
+                                           "MTP-drafted tokens kept (each saved a decode pass)", registry=r)
+        self._drafts = (self.draft_tokens, self.accepted_tokens)  # where a sequence's drafts count
         self.ttft = Histogram("moeflow_time_to_first_token_seconds", "Submission to first token", registry=r,
                               buckets=LATENCY_BUCKETS)
         self.tpot = Histogram("moeflow_time_per_output_token_seconds",
@@ -117,6 +122,13 @@ class ServeMetrics(EngineListener):
         """Report the engine's prefix cache (``ContinuousEngine.prefix``: a PrefixCache, or None: off)."""
         self._prefix_on = prefix is not None
         self.registry.register(_PrefixCollector(prefix))
+
+    def count_drafts_as(self, kind: str) -> None:
+        """Count the sequences' drafted / kept tokens as ``kind``'s: "prompt_lookup" (the default) or "mtp"."""
+        if kind not in ("prompt_lookup", "mtp"):
+            raise ValueError(f"drafts are counted as 'prompt_lookup' or 'mtp', got {kind!r}")
+        self._drafts = (self.mtp_draft_tokens, self.mtp_accepted_tokens) if kind == "mtp" else \
+            (self.draft_tokens, self.accepted_tokens)
 
     def watch_graphs(self, graphs) -> None:
         """Report the engine's captured decode (``ContinuousEngine.graphs``: a CudaGraphDecode, or None: off)."""
@@ -144,8 +156,8 @@ class ServeMetrics(EngineListener):
     def on_finish(self, seq: Sequence) -> None:
         self.finished.labels(seq.finish_reason).inc()
         self.generation_tokens.inc(len(seq.generated))
-        self.draft_tokens.inc(seq.draft_tokens)
-        self.accepted_tokens.inc(seq.accepted_tokens)
+        self._drafts[0].inc(seq.draft_tokens)
+        self._drafts[1].inc(seq.accepted_tokens)
         if seq.t_first is not None:
             self.ttft.observe(seq.t_first - seq.t_submit)
             self.e2e.observe(seq.t_last - seq.t_submit)
