@@ -71,8 +71,8 @@ def run(path: Path, policy: str, slots: int, host_gb: float | None, new_tokens: 
         model.generate(ids[:, :4], max_new_tokens=2, do_sample=False)  # one-time costs out of the timing
         dropped = drop_page_cache(path)
         host = model.experts.host
+        model.stats.reset()  # (zeroes the disk tier's counters too: model.stats.disk)
         before = host.stats.as_dict() if host.on_disk else None
-        model.stats.reset()
         t0 = time.perf_counter()
         out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=[])
         wall = time.perf_counter() - t0

@@ -145,8 +145,8 @@ def disk_row(ckpt: Path, device, dtype, kernels: str, slots: int, host_gb: float
         backend, host = model.experts, model.experts.host
         model.generate(prompt[:, :8], max_new_tokens=2, do_sample=False, eos_token_id=[])  # warm-up
         dropped = drop_page_cache(ckpt)
-        before = host.stats.as_dict() if host.on_disk else None
-        row, out = run_config(model, prompt, new_tokens, in_ram, eos_token_id=[])
+        row, out = run_config(model, prompt, new_tokens, in_ram, eos_token_id=[])  # (its stats.reset() zeroes the
+        # disk tier's counters too, model.stats.disk: what they hold after it is the timed run's)
         row["tokens_equal_in_ram_lru"] = row.pop("tokens_equal_reference")
         row["tokens_equal_resident"] = None if resident is None else bool(torch.equal(out.cpu(), resident.cpu()))
         steps = new_tokens
@@ -154,12 +154,11 @@ def disk_row(ckpt: Path, device, dtype, kernels: str, slots: int, host_gb: float
                    host_pinned=host.pinned, page_cache_dropped=dropped,
                    transport=getattr(getattr(backend, "transport", None), "name", "none"),
                    host_experts=getattr(host, "capacity", None), expert_bytes=host.fmt.nbytes)
-        if before is not None:
+        if host.on_disk:
             after = host.stats.as_dict()
-            disk = after["bytes_read"] - before["bytes_read"]
+            disk = after["bytes_read"]
             row.update(disk_bytes=disk, disk_bytes_per_token=disk / steps,
-                       disk_stall_ms_per_token=(after["stall_s"] - before["stall_s"]) * 1e3 / steps,
-                       disk_stats=after)
+                       disk_stall_ms_per_token=after["stall_s"] * 1e3 / steps, disk_stats=after)
         return row
     finally:
         model.close()
