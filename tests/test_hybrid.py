@@ -58,10 +58,7 @@ def test_greedy_tokens_equal_resident(tiny, policy, mode, transport):
         assert model.experts.cpu.mode == mode and model.experts.cpu.rates is not None
     if mode == "always":
         assert cpu > 0 and s.prefill.cpu_s + s.decode.cpu_s > 0
-        if policy == "static":  # decode copies only placed experts (kept on the device), each once: then held
-            assert s.decode.bytes_h2d <= len(model.experts.cache.policy.fixed) * model.experts.fmt.nbytes
-        else:
-            assert s.decode.bytes_h2d == 0 or policy == "mixtral-offloading"  # only its prefetches still copy
+        assert s.decode.bytes_h2d == 0 or policy == "mixtral-offloading"  # only its prefetches still copy
     if mode == "auto":
         assert cpu + s.prefill.cpu_races + s.decode.cpu_races > 0 and s.prefill.bytes_h2d > 0
 

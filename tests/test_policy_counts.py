@@ -82,30 +82,6 @@ def test_static_never_evicts_the_fixed_expert():
     backend.close()
 
 
-def test_static_places_the_experts_with_the_most_tokens():
-    """The placement ranks experts by the tokens the first prefill routed to them (Fiddler's gate counts), not by
-    the passes that needed them: in one prompt every used expert is needed by one pass, and ranking by that ties
-    them all and falls back to key order (layer 0's experts)."""
-    synth = Synthetic(DENSE, layers=2, experts=4, top_k=1, seed=2)
-    backend, stats = backend_for(synth, policy="static", gpu_expert_slots=4)  # 4 - ring of 2 = 2 fixed experts
-    stats.set_phase("prefill")
-    x = torch.zeros(6, synth.fmt.hidden_size)
-    ones = torch.ones(6, 1)
-    routes = {0: [0, 1, 2, 3, 0, 1], 1: [3, 3, 3, 3, 2, 2]}  # tokens: (0,0) 2, (0,1) 2, (1,3) 4, (1,2) 2, ...
-    with torch.no_grad():
-        for layer, ids in routes.items():
-            probs = torch.zeros(6, 4)
-            probs[range(6), ids] = 1.0
-            backend.forward(layer, x, probs, torch.tensor(ids, dtype=torch.int32).view(6, 1), ones)
-    stats.set_phase("decode")
-    step(backend, stats, 1, [0])  # the switch to decode freezes the placement
-    # (1, 3) has the most tokens; the three with 2 tie and go by key: (0, 0) first
-    assert backend.cache.policy.fixed == {(1, 3), (0, 0)}
-    for e in (1, 2, 0, 1, 2):  # layer 1's other experts stream through the ring; (1, 3) keeps its slot
-        assert 3 in step(backend, stats, 1, [e])
-    backend.close()
-
-
 def speculation_trace() -> Synthetic:
     """2 layers, 6 experts, k = 2. Layer 0's input alternates e_0 / e_1; layer 0 always routes to {4, 5}; layer 1
     routes to the top 2 of *its own* router on layer 0's input: {0, 1} after e_0, {2, 3} after e_1. Layer 0's

@@ -114,27 +114,6 @@ def test_lru_lfu_static_victims():
     assert cache.lookup((0, 3)) is not None
 
 
-def test_static_ranks_by_routed_tokens_and_a_profile_freezes_it():
-    """Token counts (``routed``) rank the placement, not the pass counts of ``access``; ties go by key. A profile
-    (``set_popularity``) freezes the placement at once: no counts are asked for and decode does not replace it."""
-    static = Static(n_fixed=2)
-    wrapped = PriorityEviction(static, lambda key, layer_now: 0.0)
-    assert wrapped.wants_routing
-    for _ in range(3):  # (0, 0) needed by three passes of one token each ...
-        static.access((0, 0))
-        wrapped.routed(0, [1, 0, 0, 0])
-    static.access((1, 2))  # ... (1, 2) and (1, 1) by one pass of four tokens each
-    static.access((1, 1))
-    wrapped.routed(1, [0, 4, 4, 0])
-    wrapped.on_phase("decode")
-    assert static.fixed == {(1, 1), (1, 2)} and not wrapped.wants_routing
-    profiled = Static(n_fixed=1)
-    profiled.set_popularity({(0, 1): 2.0, (1, 3): 7.0})
-    assert not profiled.wants_routing and profiled.fixed == {(1, 3)}
-    profiled.on_phase("decode")
-    assert profiled.fixed == {(1, 3)}
-
-
 def test_priority_hook_overrides_base_order():
     scores = {(0, 0): 0.9, (0, 1): 0.1}
     policy = PriorityEviction(LRU(), lambda key, layer_now: scores.get(key, 0.5))

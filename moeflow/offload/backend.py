@@ -303,11 +303,7 @@ class OffloadedExperts(CapturedPrelude, SlotLoads, ExpertBackend):
         # 3. acquire: the plan from the cache's state, then the hits pinned and the loads under way promoted
         lookup = self.cache.lookup
         plan = plan_layer(layer, needed, lookup)
-        policy = self.cache.policy
-        if policy.wants_routing:  # a static placement in the making (first prefill): per-token counts, read once
-            flat = topk_ids.reshape(-1).to("cpu", torch.int64)
-            policy.routed(layer, torch.bincount(flat, minlength=self.num_experts).tolist())
-        access, use = policy.access, self.cache.use
+        access, use = self.cache.policy.access, self.cache.use
         for e in needed:
             key = (layer, e)
             access(key)

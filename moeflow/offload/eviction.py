@@ -77,15 +77,6 @@ class EvictionPolicy:
     def on_phase(self, phase: str) -> None:
         """The model switched phase ("prefill" / "decode")."""
 
-    @property
-    def wants_routing(self) -> bool:
-        """Whether :meth:`routed` wants the layers' per-token counts now (the backend reads them to the host only
-        then: :class:`Static` before its placement is frozen)."""
-        return False
-
-    def routed(self, layer: int, counts: Sequence[int]) -> None:
-        """``counts[e]``: tokens of the pass routed to expert e of ``layer`` (only while :attr:`wants_routing`)."""
-
     def order(self, key: Key) -> tuple:
         """Sort key: the candidate with the smallest value is evicted first."""
         return (self.last_use.get(key, 0),)
@@ -202,10 +193,8 @@ class Static(LFU):
     """The most popular experts hold their slots for good; the rest of the pool is an LRU ring.
 
     Popularity comes from :meth:`set_popularity` (an offline profile) or, failing that, from the gate
-    counts of the first prefill: the tokens routed to each expert (:meth:`routed`; Fiddler's per-token
-    gate counts, not ``freq``, which counts passes: after one prompt every used expert would tie at 1),
-    ties broken by key. The fixed set is frozen at the first switch to decode. Until then it evicts
-    like LFU. ``n_fixed`` leaves the streaming ring free.
+    counts of the first prefill: the fixed set is frozen at the first switch to decode. Until then it
+    behaves like LFU. ``n_fixed`` leaves the streaming ring free.
     """
 
     name = "static"
@@ -215,7 +204,6 @@ class Static(LFU):
         self.n_fixed = max(0, n_fixed)
         self.fixed: frozenset[Key] | None = None
         self._ring: OrderedDict[Key, None] = OrderedDict()  # resident keys outside the placement, LRU first
-        self.token_counts: Counter[Key] = Counter()  # tokens routed to each expert until the placement is frozen
 
     def set_popularity(self, counts: dict[Key, float]) -> None:
         ranked = sorted(counts, key=lambda k: (-counts[k], k))
@@ -237,19 +225,9 @@ class Static(LFU):
         super().evicted(key)
         self._ring.pop(key, None)
 
-    @property
-    def wants_routing(self) -> bool:
-        return self.fixed is None
-
-    def routed(self, layer: int, counts: Sequence[int]) -> None:
-        for e, n in enumerate(counts):
-            if n:
-                self.token_counts[(layer, e)] += int(n)
-
     def on_phase(self, phase: str) -> None:
         if phase == "decode" and self.fixed is None:
-            # token counts; a backend that never reported them (none seen): the pass counts
-            self.set_popularity(dict(self.token_counts or self.freq))
+            self.set_popularity(dict(self.freq))
 
     def order(self, key: Key) -> tuple:
         if self.fixed is None:
@@ -309,13 +287,6 @@ class PriorityEviction(EvictionPolicy):
 
     def on_phase(self, phase: str) -> None:
         self.base.on_phase(phase)
-
-    @property
-    def wants_routing(self) -> bool:
-        return self.base.wants_routing
-
-    def routed(self, layer: int, counts: Sequence[int]) -> None:
-        self.base.routed(layer, counts)
 
     def victim(self, candidates: Sequence[Key], layer_now: int) -> Key:
         return min(candidates, key=lambda k: (self.score(k, layer_now), *self.base.order(k)))
