@@ -94,24 +94,7 @@ class LookupDrafter:
             logits = self._captured(seq, ids, pos, real)
         else:  # (the padding to a compiled width: masked, never written)
             logits = engine._pass("decode", [seq], ids, pos, real)[0]  # [width, V]
-        greedy = logits[: 1 + c].argmax(dim=-1).tolist()
-        kept = 0  # drafts equal to the model's own choice at their position
-        while kept < c and greedy[kept] == draft[kept]:
-            kept += 1
-        reason, emitted = None, 0
-        for j in range(kept + 1):
-            reason = engine._record(seq, greedy[j], logits[j])
-            emitted += 1
-            if reason is not None:  # a stop token, stop string or max_tokens inside the draft: cut there
-                break
-        seq.draft_tokens += c
-        seq.accepted_tokens += min(kept, emitted)
-        stats = engine.model.stats
-        stats.draft_tokens += c
-        stats.accepted_tokens += min(kept, emitted)
-        self._forget(seq.row, n - 1 + emitted, n + c)
-        if reason is not None:
-            engine._finish(seq, reason)
+        settle_verified(engine, seq, draft, logits, n)
         return True
 
     def warm_up(self, seq: Sequence) -> None:
@@ -146,8 +129,30 @@ class LookupDrafter:
             engine._count("decode", 1, int(real.sum()), time.perf_counter() - start)
         return logits
 
-    def _forget(self, row: int, start: int, end: int) -> None:
-        forget_drafts(self.engine, row, start, end)
+def settle_verified(engine: Any, seq: Sequence, draft: list[int], logits: torch.Tensor, n: int) -> None:
+    """After a verify pass of ``seq`` (its last token at position ``n - 1``, then ``draft``; ``logits`` [>= 1 + c,
+    V]): record the drafts equal to the model's own choice and the model's token after them (cut at a stop token,
+    stop string or max_tokens inside the draft), count drafts and accepts, forget the keys of the rest, and finish
+    the sequence when a stop was reached."""
+    c = len(draft)
+    greedy = logits[: 1 + c].argmax(dim=-1).tolist()
+    kept = 0  # drafts equal to the model's own choice at their position
+    while kept < c and greedy[kept] == draft[kept]:
+        kept += 1
+    reason, emitted = None, 0
+    for j in range(kept + 1):
+        reason = engine._record(seq, greedy[j], logits[j])
+        emitted += 1
+        if reason is not None:  # a stop token, stop string or max_tokens inside the draft: cut there
+            break
+    seq.draft_tokens += c
+    seq.accepted_tokens += min(kept, emitted)
+    stats = engine.model.stats
+    stats.draft_tokens += c
+    stats.accepted_tokens += min(kept, emitted)
+    forget_drafts(engine, seq.row, n - 1 + emitted, n + c)
+    if reason is not None:
+        engine._finish(seq, reason)
 
 
 def forget_drafts(engine: Any, row: int, start: int, end: int) -> None:

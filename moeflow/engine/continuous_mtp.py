@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from moeflow.engine.continuous_lookup import LookupDrafter, forget_drafts, verify_inputs
+from moeflow.engine.continuous_lookup import LookupDrafter, settle_verified, verify_inputs
 from moeflow.engine.kv_slots import LatentSlotKVCache, SlotKVCache, cache_spec
 from moeflow.engine.sequence import Sequence
 from moeflow.families.mtp import MultiTokenPredictor
@@ -116,27 +116,9 @@ class MTPEngineDrafter:
         if n - 1 <= self.done[row]:  # (never after a pass of this row: it feeds at least one kept token)
             return False
         draft = propose(self, row, tokens, min(self.num_tokens, room - 1))
-        c = len(draft)
-        ids, pos, real = verify_inputs(tokens[-1], draft, n - 1, 1 + c, engine.cache.max_len)
+        ids, pos, real = verify_inputs(tokens[-1], draft, n - 1, 1 + len(draft), engine.cache.max_len)
         logits = engine._pass("decode", [seq], ids, pos, real)[0]  # [1 + c, V] (hidden states stored)
-        greedy = logits.argmax(dim=-1).tolist()
-        kept = 0
-        while kept < c and greedy[kept] == draft[kept]:
-            kept += 1
-        reason, emitted = None, 0
-        for j in range(kept + 1):
-            reason = engine._record(seq, greedy[j], logits[j])
-            emitted += 1
-            if reason is not None:  # a stop token, stop string or max_tokens inside the draft: cut there
-                break
-        seq.draft_tokens += c
-        seq.accepted_tokens += min(kept, emitted)
-        stats = engine.model.stats
-        stats.draft_tokens += c
-        stats.accepted_tokens += min(kept, emitted)
-        forget_drafts(engine, row, n - 1 + emitted, n + c)
-        if reason is not None:
-            engine._finish(seq, reason)
+        settle_verified(engine, seq, draft, logits, n)
         return True
 
     def run(self, depth: int, row: int, hidden: torch.Tensor, next_ids: list[int], first: int, n: int

@@ -78,6 +78,34 @@ def check_lookup(gen: GenerationConfig, batch: int, num_tokens: Any, max_ngram: 
         raise ValueError("prompt_lookup_num_tokens does not combine with micro_batch_size / dual_batch")
 
 
+def begin_speculation(runner: Any, gen: GenerationConfig, input_ids: torch.Tensor, token_mask: torch.Tensor,
+                      option: str, streamer: Any = None, reuse: bool = True) -> tuple | None:
+    """The set-up drafting decoders share (prompt lookup, MTP): the prompt to the streamer, the timings cleared,
+    then None when no token is asked for, else ``(t, total, eos, cache, seq, pad, hist, hist_mask)``: the prompt
+    length, the cache length, the eos ids, a one-row cache (``reuse``: the runner's kept one), the host copy of
+    every token so far ``seq`` int64 [total] (left padding ``seq[:pad]`` never matched nor penalised), and every
+    kept token on the device, cache-aligned (what path predictors read) ``hist`` / ``hist_mask`` [1, total].
+    ``option`` names the caller's argument in the refusal of linear-attention models."""
+    t = input_ids.shape[1]
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+    runner.stats.ttft_s = runner.stats.tpot_s = None
+    if gen.max_new_tokens == 0:
+        return None
+    total = t + gen.max_new_tokens
+    cache = runner.new_cache(1, total) if reuse else runner.new_cache(1, total, reuse=False)
+    if getattr(cache, "linear", None) is not None:
+        raise ValueError(f"{option}: this model has linear-attention layers, whose recurrent state a rejected draft "
+                         "would advance; use plain decoding")
+    seq = torch.zeros(total, dtype=torch.long)
+    seq[:t] = input_ids[0].cpu()
+    pad = t - int(token_mask.sum())  # left padding: positions count real tokens only
+    hist = torch.zeros((1, total), dtype=torch.long, device=runner.device)
+    hist_mask = torch.ones((1, total), dtype=torch.bool, device=runner.device)
+    hist[:, :t], hist_mask[:, :t] = input_ids, token_mask
+    return t, total, set(gen.eos_ids()), cache, seq, pad, hist, hist_mask
+
+
 def generate_with_lookup(runner: Any, gen: GenerationConfig, input_ids: torch.Tensor, token_mask: torch.Tensor,
                          num_tokens: int, max_ngram: int = DEFAULT_MAX_NGRAM, streamer: Any = None) -> torch.Tensor:
     """input_ids / token_mask [1, T] on the device -> [1, T + n] ids, greedy, drafting up to ``num_tokens``
@@ -85,27 +113,12 @@ def generate_with_lookup(runner: Any, gen: GenerationConfig, input_ids: torch.Te
     ``reset()``); every pass goes through the runner's decode step (compiled or captured where the runner has
     one: a drafted pass at :func:`verify_width`)."""
     stats, device = runner.stats, runner.device
-    t = input_ids.shape[1]
-    eos = set(gen.eos_ids())
-    if streamer is not None:
-        streamer.put(input_ids.cpu())
-    stats.ttft_s = stats.tpot_s = None
-    if gen.max_new_tokens == 0:
+    start_state = begin_speculation(runner, gen, input_ids, token_mask, "prompt_lookup_num_tokens", streamer)
+    if start_state is None:
         return input_ids
-    total = t + gen.max_new_tokens
-    cache = runner.new_cache(1, total)
-    if getattr(cache, "linear", None) is not None:
-        raise ValueError("prompt_lookup_num_tokens: this model has linear-attention layers, whose recurrent state "
-                         "a rejected draft would advance; use plain decoding")
+    t, total, eos, cache, seq, pad, hist, hist_mask = start_state
     width = verify_width(runner, num_tokens)
     fillers_real = traces_through(runner.backend)  # (a whole captured graph bakes in the tokens it computes)
-    seq = torch.zeros(total, dtype=torch.long)  # host copy of every token so far (drafts are looked up here)
-    seq[:t] = input_ids[0].cpu()  # (left padding, seq[:pad], is never matched nor penalised)
-    pad = t - int(token_mask.sum())  # left padding: positions count real tokens only
-    # every kept token on the device, cache-aligned (what path predictors read), written once as tokens are kept
-    hist = torch.zeros((1, total), dtype=torch.long, device=device)
-    hist_mask = torch.ones((1, total), dtype=torch.bool, device=device)
-    hist[:, :t], hist_mask[:, :t] = input_ids, token_mask
     start = time.perf_counter()
     stats.set_phase("prefill")
     logits = runner.forward_pass(input_ids, positions_from_mask(token_mask), cache,

@@ -38,7 +38,7 @@ import torch
 
 from moeflow.engine.generate import Runner, positions_from_mask
 from moeflow.engine.latent_cache import new_kv_cache
-from moeflow.engine.lookup import count_pass, pass_inputs, pick
+from moeflow.engine.lookup import begin_speculation, count_pass, pass_inputs, pick
 from moeflow.engine.sampling import GenerationConfig
 from moeflow.engine.spec_sampling import accept_or_resample, draw, sampler_probs
 from moeflow.families.base import Family
@@ -119,25 +119,12 @@ def generate_with_mtp(runner: Runner, mtp: MultiTokenPredictor, gen: GenerationC
     round with the MTP layers and verifying them in one pass: greedy, or with ``gen.do_sample`` standard
     speculative sampling (:mod:`moeflow.engine.spec_sampling`; ``seed``: its generator's)."""
     stats, device = runner.stats, runner.device
-    t = input_ids.shape[1]
-    eos = set(gen.eos_ids())
-    if streamer is not None:
-        streamer.put(input_ids.cpu())
-    stats.ttft_s = stats.tpot_s = None
-    if gen.max_new_tokens == 0:
+    start_state = begin_speculation(runner, gen, input_ids, token_mask, "num_speculative_tokens", streamer,
+                                    reuse=False)
+    if start_state is None:
         return input_ids
-    total = t + gen.max_new_tokens
-    cache = runner.new_cache(1, total, reuse=False)
-    if getattr(cache, "linear", None) is not None:
-        raise ValueError("num_speculative_tokens: this model has linear-attention layers, whose recurrent state a "
-                         "rejected draft would advance")
+    t, total, eos, cache, seq, pad, hist, hist_mask = start_state
     drafter = MTPDrafter(runner, mtp, total)
-    seq = torch.zeros(total, dtype=torch.long)  # host copy of every token so far
-    seq[:t] = input_ids[0].cpu()
-    pad = t - int(token_mask.sum())
-    hist = torch.zeros((1, total), dtype=torch.long, device=device)
-    hist_mask = torch.ones((1, total), dtype=torch.bool, device=device)
-    hist[:, :t], hist_mask[:, :t] = input_ids, token_mask
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     sample = gen.do_sample
 
