@@ -214,8 +214,8 @@ def test_a_cancelled_queued_cpu_job_frees_its_place_on_the_lane():
     d2 = CPU_FAST.cpu_expert_s(2)
     assert cpu._ends == pytest.approx({2: d2, 1: d2 + d1, 3: d2 + 2 * d1})
     clock.now = 0.5 * d2  # expert 2's job is running, 1 and 3 are queued
-    cpu._cancel(1)  # queued: dropped, 3 moves up
-    cpu._cancel(2)  # running: keeps the lane to its end
+    cpu._drop_job(1)  # queued: dropped, 3 moves up
+    cpu._drop_job(2)  # running: keeps the lane to its end
     assert cpu._ends == pytest.approx({3: d2 + d1}) and cpu.lanes[0] == pytest.approx(d2 + d1)
     assert cpu.busy_s == pytest.approx(d2 + d1) and st.cpu_s == pytest.approx(d2 + d1)
     cpu.finish(torch.zeros(4, 1), st)

@@ -220,6 +220,16 @@ class HybridCompute:
             start = self._starts.get((self._layer, e), time.perf_counter())
         self._orphans.append((fut, start + self.rates.cpu_time(self._counts[e])))
 
+    def _job_done(self, e: int) -> bool:
+        """Whether expert e's CPU job has finished (the simulator: on its virtual clock)."""
+        return self._jobs[e][0].done()
+
+    def _wait_race(self, task: LoadTask, e: int) -> None:
+        """Block until expert e's CPU job finishes or ``task`` (its copy) lands, whichever is first."""
+        fut = self._jobs[e][0]
+        while not (fut.done() or task.complete()):
+            wait_futures([fut], timeout=RACE_POLL_S)
+
     def _job(self, layer: int, e: int, x_h: torch.Tensor, pairs: torch.Tensor, k: int, flat_w: torch.Tensor,
              st: PhaseStats) -> torch.Tensor:
         t0 = time.perf_counter()
@@ -250,10 +260,9 @@ class HybridCompute:
             if task.layer != self._layer or e not in self._race:
                 keep.append(task)
                 continue
-            fut = self._jobs[e][0]
-            while not keep and not (fut.done() or task.complete()):
-                wait_futures([fut], timeout=RACE_POLL_S)  # head of the queue: nothing else to do meanwhile
-            if fut.done() and not task.complete():
+            if not keep:  # head of the queue: nothing else to do meanwhile
+                self._wait_race(task, e)
+            if self._job_done(e) and not task.complete():
                 self._race.discard(e)
                 self._write(e, out, st)
                 st.cpu_race_wins += 1

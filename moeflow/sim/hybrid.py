@@ -87,12 +87,12 @@ class SimHybridCompute(HybridCompute):
         now = self.clock.now
         return [lane - now for lane in self.lanes if lane > now]
 
-    def _done(self, e: int) -> bool:
+    def _job_done(self, e: int) -> bool:
         return self._ends[e] <= self.clock.now
 
-    def _wait_race(self, task: LoadTask, end: float) -> None:
+    def _wait_race(self, task: LoadTask, e: int) -> None:
         """Advance the host to whichever comes first: the CPU job's end or the load's landing."""
-        engine = self.clock.engine
+        engine, end = self.clock.engine, self._ends[e]
         while not (end <= self.clock.now or task.complete()):
             t = end
             if task.issued:
@@ -104,38 +104,10 @@ class SimHybridCompute(HybridCompute):
             else:
                 self.clock.advance_to(t)
 
-    def settle(self, waiting: list[LoadTask], out: torch.Tensor, st: PhaseStats,
-               release: Callable[[LoadTask], None]) -> list[LoadTask]:
-        keep: list[LoadTask] = []
-        for task in waiting:
-            e = task.expert
-            if task.layer != self._layer or e not in self._race:
-                keep.append(task)
-                continue
-            if not keep:  # head of the queue: the runtime polls until one side finishes
-                self._wait_race(task, self._ends[e])
-            if self._done(e) and not task.complete():
-                self._race.discard(e)
-                self._write(e, out, st)
-                st.cpu_race_wins += 1
-                release(task)
-            elif task.complete():
-                self._race.discard(e)
-                self._cancel(e)  # the device computes it
-                keep.append(task)
-            else:
-                keep.append(task)
-        return keep
-
-    def discard_races(self, experts: list[int]) -> None:
-        for e in experts:
-            if e in self._race:
-                self._race.discard(e)
-                self._cancel(e)
-
-    def _cancel(self, e: int) -> None:
-        """``Future.cancel`` of expert e's job: a queued job is dropped (the ones behind it on its lane move up), a
-        running one runs to its end."""
+    def _drop_job(self, e: int) -> None:
+        """``Future.cancel`` of expert e's job (the device computes it; ``settle`` and ``discard_races`` are the
+        runtime's): a queued job is dropped (the ones behind it on its lane move up), a running one runs to its
+        end."""
         self._ends.pop(e)
         w, start, end = self._jobs[e]
         if start <= self.clock.now:  # running (or done): it keeps its lane to its end
