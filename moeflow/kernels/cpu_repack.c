@@ -37,6 +37,18 @@ static inline void mf_swap16(__m512i *a, __m512i *b, int shift, int mask) {
     *a = _mm512_xor_si512(*a, _mm512_slli_epi32(t, shift));
     *b = _mm512_xor_si512(*b, t);
 }
+
+/* mf_transpose8 in each of 16 lanes: word r of lane l is x[r]'s lane l */
+static inline void mf_transpose8x16(__m512i x[8]) {
+    for (int r = 0; r < 4; r++)
+        mf_swap16(&x[r], &x[r + 4], 16, 0x0000FFFF);
+    mf_swap16(&x[0], &x[2], 8, 0x00FF00FF);
+    mf_swap16(&x[1], &x[3], 8, 0x00FF00FF);
+    mf_swap16(&x[4], &x[6], 8, 0x00FF00FF);
+    mf_swap16(&x[5], &x[7], 8, 0x00FF00FF);
+    for (int r = 0; r < 8; r += 2)
+        mf_swap16(&x[r], &x[r + 1], 4, 0x0F0F0F0F);
+}
 #endif
 
 /* in: uint32 [rows, cols] (rows % 8 == 0); row_order[8]: nibble i of an output word holds input row
@@ -64,14 +76,7 @@ void mf_nibble_transpose(const uint32_t *in, int64_t rows, int64_t cols, const i
                     __m512i x[8];
                     for (int r = 0; r < 8; r++)
                         x[r] = _mm512_loadu_si512((const void *)(src[r] + c));
-                    for (int r = 0; r < 4; r++)
-                        mf_swap16(&x[r], &x[r + 4], 16, 0x0000FFFF);
-                    mf_swap16(&x[0], &x[2], 8, 0x00FF00FF);
-                    mf_swap16(&x[1], &x[3], 8, 0x00FF00FF);
-                    mf_swap16(&x[4], &x[6], 8, 0x00FF00FF);
-                    mf_swap16(&x[5], &x[7], 8, 0x00FF00FF);
-                    for (int r = 0; r < 8; r += 2)
-                        mf_swap16(&x[r], &x[r + 1], 4, 0x0F0F0F0F);
+                    mf_transpose8x16(x);
                     for (int i = 0; i < 8; i++)
                         _mm512_i32scatter_epi32((void *)dst, _mm512_loadu_si512((const void *)(col_t + i * cols + c)),
                                                 x[i], 4);
@@ -107,14 +112,7 @@ void mf_nibble_transpose_grouped(const uint32_t *in, int64_t rows, int64_t cols,
             __m512i x[8], t[8], u[8];
             for (int r = 0; r < 8; r++)
                 x[r] = _mm512_loadu_si512((const void *)(in + (8 * kb + row_order[r]) * cols + c0));
-            for (int r = 0; r < 4; r++)
-                mf_swap16(&x[r], &x[r + 4], 16, 0x0000FFFF);
-            mf_swap16(&x[0], &x[2], 8, 0x00FF00FF);
-            mf_swap16(&x[1], &x[3], 8, 0x00FF00FF);
-            mf_swap16(&x[4], &x[6], 8, 0x00FF00FF);
-            mf_swap16(&x[5], &x[7], 8, 0x00FF00FF);
-            for (int r = 0; r < 8; r += 2)
-                mf_swap16(&x[r], &x[r + 1], 4, 0x0F0F0F0F);
+            mf_transpose8x16(x);
             /* rows in output order, then an 8 x 16 -> 16 x 8 transpose within 128-bit lanes */
             for (int h = 0; h < 2; h++) {
                 const __m512i a = x[inv[4 * h]], b = x[inv[4 * h + 1]], c = x[inv[4 * h + 2]], d = x[inv[4 * h + 3]];
