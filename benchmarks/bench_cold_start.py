@@ -115,7 +115,7 @@ def read_threads(files: list[Path], workers: int, chunk: int = 64 * 2**20) -> fl
 def conversions(config: dict, group: int) -> dict:
     """Per-core GB/s (thread CPU time, best of 2) of one expert's w13 qweight conversions, old and new."""
     from moeflow.kernels import repack
-    from moeflow.kernels.cpu_native import _pack_q4, library, native_available
+    from moeflow.kernels.cpu.native import _pack_q4, library, native_available
     from moeflow.kernels.pool import awq_panel, to_kernel_layout_reference
     from moeflow.quant.awq import unpack_int4
 

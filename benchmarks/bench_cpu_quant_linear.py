@@ -1,4 +1,4 @@
-"""Quantized CPU linear layers (moeflow.kernels.cpu_quant_linear) vs the fp32 / bf16 ``F.linear`` they replace.
+"""Quantized CPU linear layers (moeflow.kernels.cpu.quant_linear) vs the fp32 / bf16 ``F.linear`` they replace.
 
 Shapes: the peer benchmark's synthetic Mixtral (lm_head 32000 x 1024, q/o 1024 x 1024, k/v 256 x 1024) and
 Mixtral-8x7B's lm_head (32000 x 4096), at T = 1 (decode) and 32 (a short prefill). Median of ``--reps``
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from moeflow.kernels.cpu_quant_linear import quantize_linear_cpu
+from moeflow.kernels.cpu.quant_linear import quantize_linear_cpu
 
 SHAPES = {"synthetic lm_head": (32000, 1024), "synthetic q/o_proj": (1024, 1024),
           "synthetic k/v_proj": (256, 1024), "mixtral-8x7b lm_head": (32000, 4096)}

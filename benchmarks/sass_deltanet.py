@@ -1,4 +1,4 @@
-"""Machine-code report of the Gated DeltaNet kernels (moeflow.kernels.triton_deltanet) at Qwen3-Next / Qwen3.5-MoE
+"""Machine-code report of the Gated DeltaNet kernels (moeflow.kernels.deltanet.kernels) at Qwen3-Next / Qwen3.5-MoE
 shapes, compiled for sm_90 on any machine (no GPU).
 
     python benchmarks/sass_deltanet.py                    # Qwen3-Next-80B shapes, one JSON object per line
@@ -34,7 +34,7 @@ def deltanet_launches(model: str, rows: int, dtype: torch.dtype = torch.bfloat16
     """Compile the decode launches of one layer (``rows`` sequences, one token each); one record per kernel."""
     from sass_report import _row, compile_only
 
-    from moeflow.kernels import triton_deltanet as k
+    from moeflow.kernels.deltanet import kernels as k
     from moeflow.kernels.triton_common import next_pow2
 
     hk, hv, dk, dv, kw = MODELS[model]

@@ -1,4 +1,4 @@
-"""Machine-code report of MLA's in-place decode attention kernels (moeflow.kernels.triton_latent_attention),
+"""Machine-code report of MLA's in-place decode attention kernels (moeflow.kernels.attention.latent),
 compiled for sm_90 on any machine (no GPU).
 
     python benchmarks/sass_latent_attention.py              # the shipped shapes, one JSON object per line
@@ -39,7 +39,7 @@ def latent_attention_launches(model: str, rows: int, keys: int, dtype: torch.dty
     """Compile one decode layer's launches (``rows`` sequences, ``keys`` keys read); one record per kernel."""
     from sass_report import _row, compile_only
 
-    from moeflow.kernels import triton_latent_attention as k
+    from moeflow.kernels.attention import latent as k
     from moeflow.kernels.triton_common import cdiv
 
     heads, rank, rope, extra, sparse = MODELS[model]

@@ -1,4 +1,4 @@
-"""Machine-code report of the slot decode attention kernels (moeflow.kernels.triton_slot_attention), compiled for
+"""Machine-code report of the slot decode attention kernels (moeflow.kernels.attention.slot), compiled for
 sm_90 on any machine (no GPU).
 
     python benchmarks/sass_slot_attention.py              # the shipped shapes, one JSON object per line
@@ -37,7 +37,7 @@ def slot_attention_launches(model: str, rows: int, keys: int, dtype: torch.dtype
     """Compile one decode layer's launches (``rows`` sequences, ``keys`` keys read); one record per kernel."""
     from sass_report import _row, compile_only
 
-    from moeflow.kernels import triton_slot_attention as k
+    from moeflow.kernels.attention import slot as k
 
     heads, kv_heads, d, window, sinks = MODELS[model]
     q = torch.empty((rows, heads, 1, d), dtype=dtype)

@@ -108,7 +108,7 @@ class MoEModel(nn.Module):
             CPU kernel.
         lm_head_bits: on the CPU int4 path, the lm_head in int8 (8, default) or int4 (4: ~half the bytes per
             decoded token; the top 16 logits, so the greedy tokens, recomputed in int8, the others with int4's
-            error; see :mod:`moeflow.kernels.cpu_lm_head`).
+            error; see :mod:`moeflow.kernels.cpu.lm_head`).
         mtp: also read the checkpoint's multi-token-prediction layers (DeepSeek-V3 / GLM-4.5's
             ``num_nextn_predict_layers``) for ``generate(num_speculative_tokens=k)``; their experts join the
             expert backend (offloaded like the others) as its last MoE layers. CheckpointError when the

@@ -136,3 +136,41 @@ def test_no_import_cycles(graph):
         if v not in index:
             visit(v)
     assert not cycles, f"import cycles: {cycles}"
+
+
+def test_no_submodule_shadows_a_name_of_its_package():
+    """Loading ``pkg.sub`` binds ``sub`` on ``pkg``: a submodule named like a function, class or variable that
+    ``pkg/__init__.py`` defines replaces it when something imports the submodule later (``moeflow.kernels.route``,
+    the function, against a ``route/`` package). Safe only where ``__init__`` loads the submodule itself before
+    its last binding of the name (``from pkg.evaluate import evaluate``)."""
+    modules = module_names()
+    bad = []
+    for name, path in modules.items():
+        if path.name != "__init__.py":
+            continue
+        children = {m.rpartition(".")[2] for m in modules if m.rpartition(".")[0] == name}
+        loaded: set[str] = set()
+        shadowed: dict[str, bool] = {}  # name -> bound while its submodule was not loaded yet
+        for node in ast.parse(path.read_text(), str(path)).body:
+            bound: set[str] = set()
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                bound = {node.name}
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                bound = {n.id for tgt in targets for n in ast.walk(tgt) if isinstance(n, ast.Name)}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                parts = node.module.split(".")
+                if node.module.startswith(name + ".") and len(parts) > len(name.split(".")):
+                    loaded.add(parts[len(name.split("."))])
+                for a in node.names:
+                    if node.module == name and a.name in children:
+                        loaded.add(a.name)  # ``from pkg import sub``: binds the submodule itself
+                    else:
+                        bound.add(a.asname or a.name)
+            elif isinstance(node, ast.Import):
+                loaded.update(a.name.split(".")[len(name.split("."))] for a in node.names
+                              if a.name.startswith(name + ".") and a.asname is None)
+            for b in bound & children:
+                shadowed[b] = b not in loaded
+        bad += [f"{name}.{c}" for c, unsafe in sorted(shadowed.items()) if unsafe]
+    assert not bad, "submodules that would replace a name their package defines: " + ", ".join(bad)

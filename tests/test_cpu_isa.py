@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeflow.kernels import cpu_native
-from moeflow.kernels.cpu_native import SIMD_NAMES, Q4Matrix, Q8Matrix, native_available, q4_expert
+from moeflow.kernels.cpu import native as cpu_native
+from moeflow.kernels.cpu.native import SIMD_NAMES, Q4Matrix, Q8Matrix, native_available, q4_expert
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="moeflow's CPU kernels do not build here (no compiler)")
 

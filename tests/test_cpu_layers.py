@@ -1,4 +1,4 @@
-"""Every decoder layer of a one-token CPU step as one native call (engine/cpu_layers.py, kernels/cpu_layers_ops.py):
+"""Every decoder layer of a one-token CPU step as one native call (engine/cpu_layers.py, kernels/cpu/layers.py):
 the same calls as the per-layer path, so the same numbers bit for bit (the lm_head's input of every decode step
 equal, the same greedy tokens); taken only where the per-layer path would make exactly those calls."""
 
@@ -12,7 +12,7 @@ import moeflow.engine.cpu_layers as cpu_layers
 from moeflow import MoEOffloadedMixtral
 from moeflow.cli import embedded_model_path
 from moeflow.engine.cpu_step import set_cpu_step_fused
-from moeflow.kernels.cpu_native import native_available
+from moeflow.kernels.cpu.native import native_available
 from moeflow.tools.quantize import quantize_checkpoint
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="moeflow's CPU kernels cannot be built here")

@@ -4,7 +4,7 @@ attention in int8 by default (issue 42; kept with attention_bits=None, int4 on r
 
 Tolerances (stated in moeflow/engine/cpu_linears.py): against the exact fp32 reference (``kernels="torch"``)
 the embedded model's logits stay within LOGITS_RTOL (relative norm; measured 0.4% with torch's kernels, 0.8% with
-moeflow's own (int8 activations per 32 features, moeflow/kernels/cpu_native.py), largest single logit
+moeflow's own (int8 activations per 32 features, moeflow/kernels/cpu/native.py), largest single logit
 deviation ~0.2), the argmax agrees at every generated position of the reference's greedy path and the greedy tokens are
 equal (the path's smallest top-1 / top-2 margin is ~0.04: the tokens agree because the deviations at the
 competing logits are far smaller than their maximum, which a checkpoint change could undo - then this fails).
@@ -20,8 +20,8 @@ from moeflow import MoEOffloadedMixtral
 from moeflow.cli import embedded_model_path
 from moeflow.families.layers import AWQLinear
 from moeflow.kernels import combine
+from moeflow.kernels.cpu.quant_linear import CpuQuantLinear, quantize_linear_cpu
 from moeflow.kernels.cpu_int4 import Int4Expert, int4_cpu_available
-from moeflow.kernels.cpu_quant_linear import CpuQuantLinear, quantize_linear_cpu
 from moeflow.kernels.pool import ExpertFormat
 from moeflow.moe.resident import CpuInt4Experts
 from moeflow.quant.awq import quantize_rtn

@@ -1,4 +1,4 @@
-"""``lm_head_bits=4`` (kernels/cpu_lm_head.py): int4 logits with the top candidates recomputed in int8.
+"""``lm_head_bits=4`` (kernels/cpu/lm_head.py): int4 logits with the top candidates recomputed in int8.
 
 Stated numerics: the candidates' logits are exactly the int8 head's (the same kernel on the same rows); the
 other logits carry int4's error, within INT4_RTOL (relative norm; measured ~3-4% on the embedded model;
@@ -13,8 +13,8 @@ import torch
 
 from moeflow import MoEOffloadedMixtral
 from moeflow.cli import embedded_model_path
-from moeflow.kernels.cpu_lm_head import EXACT_ROWS, RefinedInt4LmHead, refined_reference
-from moeflow.kernels.cpu_native import Q4Matrix, native_available
+from moeflow.kernels.cpu.lm_head import EXACT_ROWS, RefinedInt4LmHead, refined_reference
+from moeflow.kernels.cpu.native import Q4Matrix, native_available
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="moeflow's CPU kernels cannot be built here")
 

@@ -1,4 +1,4 @@
-"""moeflow's own CPU kernels (moeflow/kernels/cpu_native.c) against their plain-torch fp32 models."""
+"""moeflow's own CPU kernels (moeflow/kernels/cpu/native.c) against their plain-torch fp32 models."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from moeflow.kernels import cpu_native
-from moeflow.kernels.cpu_native import (
+from moeflow.kernels.cpu import native as cpu_native
+from moeflow.kernels.cpu.native import (
     Q4Matrix,
     Q8Matrix,
     native_available,
@@ -164,7 +164,7 @@ def test_q8_matmul_matches_its_reference(n, k, tokens):
 
 def test_q8_rows_are_bit_identical_however_computed():
     """A row's logit is the same bits in a row group, in the plain tail, in a matrix of a few gathered rows and
-    in any batch: the int4 lm_head's recomputed candidates rely on it (kernels/cpu_lm_head.py)."""
+    in any batch: the int4 lm_head's recomputed candidates rely on it (kernels/cpu/lm_head.py)."""
     q, s = q8_codes(45, 256, seed=3)  # 5 groups of 8 and 5 tail rows
     m = Q8Matrix.from_rows(q, s)
     x = torch.randn(7, 256, generator=torch.Generator().manual_seed(4))
@@ -281,7 +281,7 @@ def test_portable_build_gives_the_same_results(tmp_path, monkeypatch):
 
 
 def test_switched_off_falls_back_to_torchs_kernels():
-    code = ("from moeflow.kernels.cpu_native import native_available; from moeflow.kernels.cpu_int4 import "
+    code = ("from moeflow.kernels.cpu.native import native_available; from moeflow.kernels.cpu_int4 import "
             "cpu_expert_kernel; print(native_available(), cpu_expert_kernel())")
     env = {**os.environ, "MOEFLOW_CPU_NATIVE": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from moeflow.engine.kv_slots import LatentSlotKVCache
-from moeflow.kernels.triton_latent_attention import latent_attention, latent_attention_reference
+from moeflow.kernels.attention.latent import latent_attention, latent_attention_reference
 
 pytestmark = [
     pytest.mark.cuda,

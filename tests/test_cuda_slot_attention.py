@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from moeflow.engine.kv_slots import SlotKVCache
-from moeflow.kernels.triton_slot_attention import slot_attention, slot_attention_reference
+from moeflow.kernels.attention.slot import slot_attention, slot_attention_reference
 
 pytestmark = [
     pytest.mark.cuda,

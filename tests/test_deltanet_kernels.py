@@ -1,4 +1,4 @@
-"""The Gated DeltaNet's Triton kernels (moeflow.kernels.triton_deltanet, interpreter: TRITON_INTERPRET=1) against
+"""The Gated DeltaNet's Triton kernels (moeflow.kernels.deltanet.kernels, interpreter: TRITON_INTERPRET=1) against
 their torch references (moeflow.families.gated_deltanet): the decode conv and the fused recurrence (gates, L2 norm
 and query scale inside; over a prompt too, against the chunked form) give the reference's outputs and states (fp32:
 2e-6; bf16: one bf16 ulp of the outputs, see BF16), a masked token or row leaves its states bitwise as they were,

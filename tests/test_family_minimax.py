@@ -13,7 +13,7 @@ from tiny_families import MINIMAX_M2, assert_matches_transformers, make_checkpoi
 
 from moeflow import MoEModel
 from moeflow.errors import CheckpointError
-from moeflow.kernels.cpu_native import native_available
+from moeflow.kernels.cpu.native import native_available
 from moeflow.quant.awq import dequantize
 from moeflow.quant.fp8 import awq_expert_tensors
 from moeflow.tools.quantize import quantize_checkpoint

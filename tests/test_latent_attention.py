@@ -1,4 +1,4 @@
-"""MLA's absorbed decode attention read in place (moeflow.kernels.triton_latent_attention, interpreter:
+"""MLA's absorbed decode attention read in place (moeflow.kernels.attention.latent, interpreter:
 TRITON_INTERPRET=1): the kernel that reads the server's latent rows gives its fp32 reference's contexts across 1 to
 128 heads (one, two and three head tiles; heads not a multiple of the tile), latent widths off a power of two, a
 cache wider than the attention's columns (DSA's indexer keys after them), rows out of order with padding copies,
@@ -22,7 +22,7 @@ from torch import nn
 
 from moeflow.engine.kv_slots import LatentSlotDecodeView, LatentSlotKVCache, SlotDecodeView
 from moeflow.families.mla import LatentAttention, MLAShape
-from moeflow.kernels.triton_latent_attention import default_splits, latent_attention, latent_attention_reference
+from moeflow.kernels.attention.latent import default_splits, latent_attention, latent_attention_reference
 
 FP32 = dict(rtol=0, atol=5e-6)
 BF16 = dict(rtol=0, atol=2e-2)

@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeflow.kernels import cpu_native, repack
+from moeflow.kernels import repack
+from moeflow.kernels.cpu import native as cpu_native
+from moeflow.kernels.cpu.native import Q4Matrix, _pack_q4
 from moeflow.kernels.cpu_int4 import Int4Expert
-from moeflow.kernels.cpu_native import Q4Matrix, _pack_q4
 from moeflow.kernels.pool import ExpertFormat, awq_panel, to_kernel_layout, to_kernel_layout_reference
 from moeflow.quant.awq import unpack_int4
 
@@ -112,7 +113,7 @@ def test_int8_row_quantization_native_equals_torch():
     all-zero row, exact halves)."""
     if not cpu_native.native_available():
         pytest.skip("moeflow's CPU library does not build here")
-    from moeflow.kernels.cpu_quant_linear import COMPUTE_DTYPE, INT8_MAX
+    from moeflow.kernels.cpu.quant_linear import COMPUTE_DTYPE, INT8_MAX
 
     g = torch.Generator().manual_seed(2)
     w = torch.randn(37, 96, generator=g) * torch.logspace(-6, 2, 37)[:, None]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from sass_helpers import run_sass_report
 
-from moeflow.kernels.triton_latent_attention import programs_per_sm
+from moeflow.kernels.attention.latent import programs_per_sm
 
 # warp-instructions per byte of a cache row (every head tile counted). ~0.3 would issue as fast as HBM streams;
 # 128 heads are bounded by their tensor work too (~240 FLOP a latent byte): seen 0.06-0.22, 0.39-0.43 at 128 heads

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from sass_helpers import run_sass_report
 
-from moeflow.kernels.triton_slot_attention import programs_per_sm
+from moeflow.kernels.attention.slot import programs_per_sm
 
 LOOP_LIMIT = 0.15  # warp-instructions per K/V byte: half of what would cap HBM speed (seen: 0.055-0.086)
 

@@ -1,4 +1,4 @@
-"""Slot decode attention (moeflow.kernels.triton_slot_attention, interpreter: TRITON_INTERPRET=1): the kernel that
+"""Slot decode attention (moeflow.kernels.attention.slot, interpreter: TRITON_INTERPRET=1): the kernel that
 reads the server's KV rows in place gives its fp32 reference's outputs across GQA ratios 1/4/8, D 32/64/128,
 repeated rows (padding copies), holes in ``valid``, sliding windows, gpt-oss sinks, key lengths off the block and
 several (also empty) splits; the reference is the view's gather + mask + SDPA path; ``SlotDecodeView.attend``
@@ -24,7 +24,7 @@ from moeflow.cli import embedded_model_path
 from moeflow.engine.continuous import ContinuousEngine, SamplingParams
 from moeflow.engine.kv_slots import SlotDecodeView, SlotKVCache
 from moeflow.families.gpt_oss_layers import sink_attention
-from moeflow.kernels.triton_slot_attention import default_splits, slot_attention, slot_attention_reference
+from moeflow.kernels.attention.slot import default_splits, slot_attention, slot_attention_reference
 
 FP32 = dict(rtol=0, atol=5e-6)
 BF16 = dict(rtol=0, atol=2e-2)

@@ -2,7 +2,7 @@
 streaming-read bandwidth, for one or more source trees measured alternately in one run (issue 21).
 
 Shapes (N x K): lm_head 32000 x 4096 and 151936 x 4096, attention 4096 x 4096 and 1024 x 4096 (k/v of a GQA
-model). Each layer is a :class:`~moeflow.kernels.cpu_quant_linear.CpuQuantLinear` built from random codes (int8
+model). Each layer is a :class:`~moeflow.kernels.cpu.quant_linear.CpuQuantLinear` built from random codes (int8
 per row; int4 g128), called on T tokens; small matrices are cycled through enough copies (>= 200 MB) that
 the weights stream from memory as in a decode step. Figures: weight bytes read per second (wall, and per CPU
 second: all threads' CPU time, what a shared machine's load moves least; and per the fastest of ``--reps``
@@ -42,8 +42,8 @@ def worker(shapes: list[str], tokens: list[int], threads: list[int], bits: list[
     """Runs inside the tree under test (imports its moeflow)."""
     import torch
 
-    from moeflow.kernels.cpu_native import Q4Matrix, native_available
-    from moeflow.kernels.cpu_quant_linear import CpuQuantLinear
+    from moeflow.kernels.cpu.native import Q4Matrix, native_available
+    from moeflow.kernels.cpu.quant_linear import CpuQuantLinear
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from cpu_roofline import measure

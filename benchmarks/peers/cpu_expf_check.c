@@ -1,9 +1,9 @@
-/* Every float through mf_exp8 (moeflow/kernels/cpu_native.h, the AVX2 expf of the experts' silu) against libm's
+/* Every float through mf_exp8 (moeflow/kernels/cpu/native.h, the AVX2 expf of the experts' silu) against libm's
    expf, bit for bit (NaN against NaN). glibc >= 2.27 on an FMA machine: 0 mismatches expected (2026-11-24, glibc
    2.36, AMD EPYC: 4294967296 checked, 0 mismatches, ~1 min on one core). Usage, from the repository root:
 
-     gcc -O2 -march=native -ffp-contract=off -fopenmp -Imoeflow/kernels benchmarks/peers/cpu_expf_check.c \
-         moeflow/kernels/cpu_native.c moeflow/kernels/cpu_q4.c moeflow/kernels/cpu_q8.c moeflow/kernels/cpu_step.c \
+     gcc -O2 -march=native -ffp-contract=off -fopenmp -Imoeflow/kernels/cpu benchmarks/peers/cpu_expf_check.c \
+         moeflow/kernels/cpu/native.c moeflow/kernels/cpu/q4.c moeflow/kernels/cpu/q8.c moeflow/kernels/cpu/step.c \
          -lm -o /tmp/cpu_expf_check && /tmp/cpu_expf_check [STRIDE]
 
    STRIDE > 1 checks every STRIDE-th vector of 8 floats only. */
@@ -11,7 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cpu_native.h"
+#include "native.h"
 
 int main(int argc, char** argv) {
 #if MF_AVX2

@@ -1,5 +1,5 @@
 """The int8 CPU kernel against a base commit's, in one process, beside the int4 kernel and a streaming read of
-the same bytes (issue 21): ``cpu_q8_ab.c`` links this tree's kernels with the base commit's ``cpu_native.c``
+the same bytes (issue 21): ``cpu_q8_ab.c`` links this tree's kernels with the base commit's ``native.c``
 (its ``mf_q8_linear`` renamed), calls the four in turn rep after rep (the shared machine's load hits all alike)
 and reports GB/s of weight bytes of each one's fastest rep, so ratios come from one run.
 
@@ -20,25 +20,33 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-KERNELS = HERE.parent.parent / "moeflow" / "kernels"
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]  # as moeflow/kernels/cpu_native.py builds
+KERNELS = HERE.parent.parent / "moeflow" / "kernels" / "cpu"
+# the base commit's C library: moeflow/kernels/cpu/ since the kernels were laid out by operation, flat before
+BASE_LAYOUTS = (("cpu/native.c", "cpu/native.h"), ("cpu_native.c", "cpu_native.h"))
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]  # as moeflow/kernels/cpu/native.py builds
 
 
 def build(base: str, tmp: Path) -> Path:
-    """The harness against this tree's kernels and ``base``'s cpu_native.c (its q8 entry renamed)."""
+    """The harness against this tree's kernels and ``base``'s native.c (its q8 entry renamed)."""
     cc = shutil.which("gcc") or shutil.which("cc")
     old = tmp / "base"
     old.mkdir()
-    for name in ("cpu_native.c", "cpu_native.h"):
-        text = subprocess.run(["git", "-C", str(KERNELS), "show", f"{base}:moeflow/kernels/{name}"],
-                              capture_output=True, text=True, check=True).stdout
-        (old / name).write_text(text)
+    for layout in BASE_LAYOUTS:
+        shown = [subprocess.run(["git", "-C", str(KERNELS), "show", f"{base}:moeflow/kernels/{name}"],
+                                capture_output=True, text=True) for name in layout]
+        if all(s.returncode == 0 for s in shown):
+            break
+    else:
+        raise SystemExit(f"{base}: no moeflow/kernels/{BASE_LAYOUTS[0][0]} nor moeflow/kernels/{BASE_LAYOUTS[1][0]}")
+    for name, s in zip(layout, shown, strict=True):
+        (old / Path(name).name).write_text(s.stdout)
+    base_c = old / Path(layout[0]).name
     renames = [f"-D{a}=base_{a.removeprefix('mf_')}" for a in ("mf_q8_linear", "mf_q4_linear", "mf_q4_expert",
                                                                "mf_simd")]
-    subprocess.run([cc, *FLAGS, "-c", str(old / "cpu_native.c"), f"-I{old}", *renames, "-o", str(tmp / "base.o")],
+    subprocess.run([cc, *FLAGS, "-c", str(base_c), f"-I{old}", *renames, "-o", str(tmp / "base.o")],
                    check=True)
     exe = tmp / "ab"
-    sources = [str(KERNELS / f) for f in ("cpu_native.c", "cpu_q4.c", "cpu_q8.c")]
+    sources = [str(KERNELS / f) for f in ("native.c", "q4.c", "q8.c")]
     subprocess.run([cc, *FLAGS, *sources, str(tmp / "base.o"), str(HERE / "cpu_q8_ab.c"), "-o", str(exe), "-lm"],
                    check=True)
     return exe

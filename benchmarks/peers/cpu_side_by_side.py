@@ -53,7 +53,7 @@ def worker(model: Path, threads: int, lm_head_bits: int, tg: int, attention_bits
     torch.set_num_threads(threads)
     m = MoEOffloadedMixtral.from_pretrained(model, device="cpu", attention_bits=attention_bits,
                                             lm_head_bits=lm_head_bits, progress=False)
-    from moeflow.kernels.cpu_native import library
+    from moeflow.kernels.cpu.native import library
     gen = torch.Generator().manual_seed(0)
     decode_ids = torch.randint(3, m.config.vocab_size, (1, 16), generator=gen)
     prompt_ids = torch.randint(3, m.config.vocab_size, (1, 32), generator=gen)

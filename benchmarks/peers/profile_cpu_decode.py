@@ -62,7 +62,7 @@ def label_regions(model) -> list:
 def count_native_calls() -> collections.Counter | None:
     """Count the calls into moeflow's own CPU kernels from now on (None where this moeflow has none)."""
     try:
-        from moeflow.kernels import cpu_native
+        from moeflow.kernels.cpu import native as cpu_native
     except ImportError:
         return None
     lib = cpu_native.library()

@@ -90,9 +90,10 @@ class Timed:
 
 def profile_model(path: Path, lm_head_bits: int, prompt: int, tg: int, reps: int, wall: bool = False) -> dict:
     from moeflow import MoEOffloadedMixtral
-    from moeflow.kernels import cpu_native, cpu_step_ops
+    from moeflow.kernels.cpu import native as cpu_native
+    from moeflow.kernels.cpu import step as cpu_step_ops
     try:
-        from moeflow.kernels import cpu_layers_ops
+        from moeflow.kernels.cpu import layers as cpu_layers_ops
     except ImportError:  # a tree before the one-call layers
         cpu_layers_ops = None
 

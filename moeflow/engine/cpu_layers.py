@@ -4,7 +4,7 @@
 have the one-call attention half (:class:`~moeflow.engine.cpu_step.NativeAttentionHalf`) and an MoE block with the
 native router a :class:`NativeLayers`, which the decoder runs each pass (``CausalDecoder.set_layers_step``). It
 takes a pass only when the per-layer path would run exactly the native calls it makes itself
-(:func:`~moeflow.kernels.cpu_layers_ops.layers_step`): one token, fp32, the engine's static cache, the experts in
+(:func:`~moeflow.kernels.cpu.layers.layers_step`): one token, fp32, the engine's static cache, the experts in
 a :class:`~moeflow.moe.resident.CpuInt4Experts` backend on moeflow's kernels, every fused path switched on, no
 routing to record, no module hooks (a profiler's labels still see every module). Otherwise it returns None and
 the layers run one by one. Same calls in the same order: the same logits, bit for bit.
@@ -21,7 +21,7 @@ from torch.nn.modules import module as nn_module
 
 from moeflow.engine.cpu_step import NativeAttentionHalf, NativeRoute, NativeRouterGate
 from moeflow.families import llama_moe, mixtral
-from moeflow.kernels.cpu_layers_ops import LayerDesc, layer_desc, layers_step
+from moeflow.kernels.cpu.layers import LayerDesc, layer_desc, layers_step
 from moeflow.moe.block import MoEBlock
 from moeflow.moe.resident import CpuInt4Experts
 

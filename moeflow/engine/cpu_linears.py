@@ -1,7 +1,7 @@
 """The CPU int4 path's non-expert linear layers, quantized once at load (issue 21).
 
 When the kernels resolve to ``cpu-int4`` (``device="cpu"``, an AWQ checkpoint), :func:`quantize_decoder_linears`
-replaces, in the built decoder, each module by a :class:`~moeflow.kernels.cpu_quant_linear.CpuQuantLinear`
+replaces, in the built decoder, each module by a :class:`~moeflow.kernels.cpu.quant_linear.CpuQuantLinear`
 (the 16-bit module is dropped, never held beside it):
 
 * ``lm_head`` -> int8 per output channel (torch's ``_weight_int8pack_mm``): a quarter of its fp32 bytes, the
@@ -10,18 +10,18 @@ replaces, in the built decoder, each module by a :class:`~moeflow.kernels.cpu_qu
   embedded model: logits within 2% (relative norm) of the fp32 reference, greedy tokens equal
   (tests/test_cpu_linears.py).
 * ``lm_head_bits=4`` (asked for): int4 (group 128) with the top 16 logits recomputed from the int8 rows
-  (:class:`~moeflow.kernels.cpu_lm_head.RefinedInt4LmHead`): ~18 MB read per token instead of 33 MB on the
+  (:class:`~moeflow.kernels.cpu.lm_head.RefinedInt4LmHead`): ~18 MB read per token instead of 33 MB on the
   peer benchmark's model; the top logits and greedy tokens are the int8 head's, the other logits int4's
   (3-4% relative error on the embedded model).
 * AWQ attention projections (checkpoints that publish them in 4-bit) -> torch's int4 CPU kernel with the
-  same weights (:func:`~moeflow.kernels.cpu_quant_linear.awq_linear_cpu`), instead of dequantizing per call.
+  same weights (:func:`~moeflow.kernels.cpu.quant_linear.awq_linear_cpu`), instead of dequantizing per call.
 * 16-bit attention projections -> int8 by default (``attention_bits="auto"``: 8 on this path, as llama.cpp
   users run Q8_0; docs/cpu.md: held-out bits/byte of the embedded model 1.8845 against 1.8843 with fp32
   attention, and the decode speed beside llama.cpp), int4 (group 128) when asked (``attention_bits=4``), kept
   as stored with ``attention_bits=None``. Quantized, the model runs weights it was not evaluated with.
 
 The embeddings stay as loaded: a lookup reads only the prompt's rows, so quantizing them saves RAM, not time.
-Where moeflow's own CPU kernels build (:mod:`moeflow.kernels.cpu_native`), every module here runs them instead of
+Where moeflow's own CPU kernels build (:mod:`moeflow.kernels.cpu.native`), every module here runs them instead of
 torch's (fp32 in and out, activations rounded to int8 per 32 features; embedded model: logits within 0.8% of
 the fp32 reference, greedy tokens equal). ``kernels="torch"`` never comes here: it stays the exact fp32 reference.
 """
@@ -32,13 +32,13 @@ import torch
 from torch import nn
 
 from moeflow.families.layers import Attention, AWQLinear
-from moeflow.kernels.cpu_lm_head import RefinedInt4LmHead
-from moeflow.kernels.cpu_native import native_available
-from moeflow.kernels.cpu_quant_linear import CpuQuantLinear, awq_linear_cpu, quantize_linear_cpu
+from moeflow.kernels.cpu.lm_head import RefinedInt4LmHead
+from moeflow.kernels.cpu.native import native_available
+from moeflow.kernels.cpu.quant_linear import CpuQuantLinear, awq_linear_cpu, quantize_linear_cpu
 
 ATTENTION_BITS = (None, 8, 4, "auto")
 AUTO_ATTENTION_BITS = 8  # "auto" (the default) on the CPU int4 path: int8 16-bit attention projections
-LM_HEAD_BITS = (8, 4)  # 8: the default; 4: int4 with the top candidates recomputed in int8 (kernels/cpu_lm_head.py)
+LM_HEAD_BITS = (8, 4)  # 8: the default; 4: int4 with the top candidates recomputed in int8 (kernels/cpu/lm_head.py)
 ATTENTION_GROUP = 128  # int4 group size for projections quantized at load (the AWQ default)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 

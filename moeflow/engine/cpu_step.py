@@ -5,9 +5,9 @@ model runs in fp32, :func:`fuse_cpu_step` changes, in the built decoder:
 
 * each plain attention layer (no QK-norm, no clamp, no biases): q/k/v become one matrix ``qkv_proj`` (one
   kernel call instead of three; q_proj/k_proj/v_proj stay as views of its rows, no second copy), and rotary +
-  KV-cache write + attention run as one call (:func:`~moeflow.kernels.cpu_step_ops.attention_step`) whenever
+  KV-cache write + attention run as one call (:func:`~moeflow.kernels.cpu.step.attention_step`) whenever
   the cache is the engine's static one;
-* each ``RMSNorm``: one call (:func:`~moeflow.kernels.cpu_step_ops.rmsnorm`), which also does the residual
+* each ``RMSNorm``: one call (:func:`~moeflow.kernels.cpu.step.rmsnorm`), which also does the residual
   add before the post-attention norm;
 * each pre-norm decoder layer (``families.layers.PreNormLayer``: Mixtral, the Llama-MoE layouts) whose q/k/v and o
   projections are int4/int8 (``attention_bits``, AWQ attention): its whole attention half - input norm,
@@ -29,9 +29,9 @@ from torch import nn
 
 from moeflow.families.base import CausalDecoder
 from moeflow.families.layers import Attention, PreNormLayer, RMSNorm
-from moeflow.kernels.cpu_native import ROW_GROUP, Q4Matrix, Q8Matrix, native_available
-from moeflow.kernels.cpu_quant_linear import CpuQuantLinear
-from moeflow.kernels.cpu_step_ops import (
+from moeflow.kernels.cpu.native import ROW_GROUP, Q4Matrix, Q8Matrix, native_available
+from moeflow.kernels.cpu.quant_linear import CpuQuantLinear
+from moeflow.kernels.cpu.step import (
     NATIVE_ATTENTION_TOKENS,
     attention_block,
     block_linear_ok,
@@ -72,7 +72,7 @@ def fuse_cpu_step(decoder: nn.Module, dtype: torch.dtype) -> dict[str, int]:
 
 class NativeAttentionHalf:
     """A decoder layer's attention half (input norm, q/k/v, attention, o_proj, residual add, post-attention
-    norm) as one call (:func:`~moeflow.kernels.cpu_step_ops.attention_block`): the layer calls it with its
+    norm) as one call (:func:`~moeflow.kernels.cpu.step.attention_block`): the layer calls it with its
     attention's arguments and gets ``(x + attn, normed)``, or None when this step cannot take it (the modules'
     fused path switched off, a cache other than the static one, a non-fp32 input), and then runs its modules.
     Not a module: it holds the layer's own modules, no weights of its own."""
@@ -97,7 +97,7 @@ class NativeAttentionHalf:
 
 class NativeRouterGate(nn.Module):
     """A plain router's linear layer (the MoE block's ``gate``, its weight kept as ``weight``) computed by
-    :func:`~moeflow.kernels.cpu_step_ops.router_logits` (``native``) or ``F.linear``."""
+    :func:`~moeflow.kernels.cpu.step.router_logits` (``native``) or ``F.linear``."""
 
     def __init__(self, weight: nn.Parameter) -> None:
         super().__init__()

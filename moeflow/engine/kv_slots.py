@@ -334,14 +334,14 @@ class SlotDecodeView:
                ) -> torch.Tensor | None:
         """Decode attention reading the rows' keys in place: q [batch, heads, 1, D], k/v [batch, kv_heads, 1, D]
         written as :meth:`update` writes them, cache_position int64 [batch, 1], sinks [heads] (gpt-oss), scale
-        (default D^-0.5) -> out [batch, heads, 1, D] in q's dtype (moeflow.kernels.triton_slot_attention).
+        (default D^-0.5) -> out [batch, heads, 1, D] in q's dtype (moeflow.kernels.attention.slot).
 
         None, with nothing written, where the kernel does not take the call (the CPU by default, a case it does
         not cover, torch.compile tracing): the layer then runs ``update`` + its mask + its attention, today's
         path, bit for bit."""
         if not self.kernel_on(q.device):
             return None
-        from moeflow.kernels import triton_slot_attention as kernel  # imports triton: only where it runs
+        from moeflow.kernels.attention import slot as kernel  # imports triton: only where it runs
 
         if not kernel.covers(q, self.parent.k[layer]):
             return None
@@ -426,8 +426,8 @@ class LatentSlotDecodeView(SlotDecodeView):
         """MLA's absorbed decode attention reading the rows' latents in place (written first, with
         :meth:`write_latent`): query [batch, heads, 1, kv_rank + rope], cache_position int64 [batch, 1], select
         bool [batch, key_len] (DSA) -> context [batch, heads, 1, kv_rank] in the query's dtype
-        (moeflow.kernels.triton_latent_attention). Only where :meth:`latent_in_place` said so."""
-        from moeflow.kernels.triton_latent_attention import latent_attention  # imports triton: only where it runs
+        (moeflow.kernels.attention.latent). Only where :meth:`latent_in_place` said so."""
+        from moeflow.kernels.attention.latent import latent_attention  # imports triton: only where it runs
 
         return latent_attention(query, self.parent.latent[layer], self.rows, self.parent.valid, cache_position,
                                 self.key_len, kv_rank, scale, select)

@@ -177,7 +177,7 @@ class GatedDeltaNet(nn.Module):
         self.kernels_backend = "auto"
 
     def use_kernels(self, backend: str) -> None:
-        """"torch": the fp32 reference above; "triton": :mod:`moeflow.kernels.triton_deltanet` (the decode conv,
+        """"torch": the fp32 reference above; "triton": :mod:`moeflow.kernels.deltanet.kernels` (the decode conv,
         and for any T the fused recurrence; on a CPU under ``TRITON_INTERPRET=1``); "auto" (the default): Triton
         when the input is on CUDA."""
         if backend not in ("torch", "triton", "auto"):

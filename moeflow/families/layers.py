@@ -12,7 +12,7 @@ from torch import nn
 
 from moeflow import kernels
 from moeflow.kernels.checks import check_pool_weights
-from moeflow.kernels.cpu_step_ops import NATIVE_ATTENTION_TOKENS, attention_step, rmsnorm
+from moeflow.kernels.cpu.step import NATIVE_ATTENTION_TOKENS, attention_step, rmsnorm
 
 
 class RMSNorm(nn.Module):

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moeflow.kernels.cpu_native import Q4Matrix, native_available, q4_expert, q4_expert_reference
+from moeflow.kernels.cpu.native import Q4Matrix, native_available, q4_expert, q4_expert_reference
 from moeflow.quant.awq import unpack_int4
 
 COMPUTE_DTYPE = torch.bfloat16
@@ -118,7 +118,7 @@ def native_format_fits(group_size: int) -> bool:
 def cpu_expert_kernel() -> str:
     """Which kernels :class:`Int4Expert` runs here, with the C sources' revision (cost-model calibrations are
     keyed by it, so a changed kernel is timed again instead of planned with the old one's rates)."""
-    from moeflow.kernels.cpu_native import SIMD_NAMES, library, source_digest
+    from moeflow.kernels.cpu.native import SIMD_NAMES, library, source_digest
 
     lib = library()
     if lib is None:

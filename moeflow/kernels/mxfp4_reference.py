@@ -65,7 +65,7 @@ def _permute_word_bits(blocks: torch.Tensor, dest: list[int]) -> torch.Tensor:
     if not blocks.is_contiguous() or blocks.storage_offset() % 4:
         blocks = blocks.clone(memory_format=torch.contiguous_format)  # an int32 view needs 4-byte alignment
     word = blocks.view(torch.int32).reshape(-1)
-    from moeflow.kernels.cpu_native import library
+    from moeflow.kernels.cpu.native import library
     from moeflow.kernels.repack import permute_word_bits_native
 
     # the same lookups in one C pass (CPU, where moeflow's library builds)

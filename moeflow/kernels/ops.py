@@ -95,7 +95,7 @@ def plan_eager(topk_ids: Tensor, num_experts: int, block_m: int, alloc: Alloc,
     ``topk_ids`` int [T, k] is read, or, with ``logits`` [T, E] (or x [T, H] and ``gate`` [E, H]), an
     int [T, k] placeholder whose shape gives T and k; ids and weights are then computed by the same launch.
     """
-    from moeflow.kernels.triton_route import plan_blocks, route_plan
+    from moeflow.kernels.routing.plan import plan_blocks, route_plan
 
     T, k = topk_ids.shape
     num_pairs, dev = T * k, topk_ids.device

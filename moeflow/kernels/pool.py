@@ -239,7 +239,7 @@ def to_kernel_layout(name: str, t: torch.Tensor, inter: int, group_size: int | N
     if name.endswith("qweight"):
         if group_size is None:
             raise ValueError(f"to_kernel_layout({name!r}): the AWQ group size sets the qweight panel; none given")
-        from moeflow.kernels.cpu_native import library
+        from moeflow.kernels.cpu.native import library
         from moeflow.kernels.repack import awq_to_panels
 
         return awq_to_panels(t, awq_panel(group_size), interleave=name.startswith("w13"),
@@ -252,7 +252,7 @@ def write_kernel_layout(dst: torch.Tensor, name: str, t: torch.Tensor, inter: in
     is converted straight into ``dst`` (on ``dst``'s device: a CUDA region converts on the GPU after one copy of the
     packed words), the small tensors through :func:`to_kernel_layout_reference`."""
     if name.endswith("qweight") and group_size is not None and dst.is_contiguous():
-        from moeflow.kernels.cpu_native import library
+        from moeflow.kernels.cpu.native import library
         from moeflow.kernels.repack import awq_to_panels
 
         awq_to_panels(t.to(dst.device), awq_panel(group_size), interleave=name.startswith("w13"), out=dst,

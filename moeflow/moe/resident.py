@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from moeflow import kernels
+from moeflow.kernels.cpu.step import experts_step
 from moeflow.kernels.cpu_int4 import COMPUTE_DTYPE, Int4Expert
-from moeflow.kernels.cpu_step_ops import experts_step
 from moeflow.kernels.pool import ExpertFormat, ExpertPool
 from moeflow.moe.backend import ExpertBackend, KernelRouting
 

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 import torch
 
 from moeflow.kernels import reference
+from moeflow.kernels.cpu.step import expert_row, experts_step
 from moeflow.kernels.cpu_int4 import Int4Expert
-from moeflow.kernels.cpu_step_ops import expert_row, experts_step
 from moeflow.kernels.pool import ALIGN, ExpertFormat, ExpertPool, TensorSpec
 
 

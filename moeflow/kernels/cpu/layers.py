@@ -1,9 +1,9 @@
-"""A one-token CPU decode step through all decoder layers as one native call (``mf_layers_step``, cpu_step.c).
+"""A one-token CPU decode step through all decoder layers as one native call (``mf_layers_step``, step.c).
 
 Per layer it runs, in C, exactly the calls the per-layer path makes from Python: the attention half
-(``mf_attn_block``, :func:`~moeflow.kernels.cpu_step_ops.attention_block`), the router logits and the softmax
+(``mf_attn_block``, :func:`~moeflow.kernels.cpu.step.attention_block`), the router logits and the softmax
 top-k (``mf_dense_f32``, ``mf_softmax_topk``), the k experts accumulated in k order (``mf_q4_expert``,
-:func:`~moeflow.kernels.cpu_step_ops.experts_step`) and the residual add (one fp32 add, as ``x + moe``): the same
+:func:`~moeflow.kernels.cpu.step.experts_step`) and the residual add (one fp32 add, as ``x + moe``): the same
 numbers, bit for bit, without ~150 Python calls and ~15 tensor allocations per layer (~1 ms per token on the
 peer benchmark's 8-layer model, issue 21). The layers are described once (:class:`LayerDesc`, pointers into the
 model's own weight tensors, which must stay where they are); each step passes the caches, the masks and the
@@ -18,20 +18,20 @@ from collections.abc import Sequence
 
 import torch
 
-from moeflow.kernels.cpu_native import Q4Matrix
-from moeflow.kernels.cpu_step_ops import _check_fp32, _lib, _linear_args, block_linear_ok
+from moeflow.kernels.cpu.native import Q4Matrix
+from moeflow.kernels.cpu.step import _check_fp32, _lib, _linear_args, block_linear_ok
 
 _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 
 class ExpertDesc(ctypes.Structure):
-    """cpu_step.c's ``mf_expert_desc``: one expert's q4 matrices (w13 [2I, H], w2 [H, I])."""
+    """step.c's ``mf_expert_desc``: one expert's q4 matrices (w13 [2I, H], w2 [H, I])."""
 
     _fields_ = [*((n, _p) for n in ("w13", "s13", "m13", "w2", "s2", "m2")), ("fmt", _i)]
 
 
 class LayerDesc(ctypes.Structure):
-    """cpu_step.c's ``mf_layer_desc``: one Mixtral-layout layer (attention half, softmax-top-k router, experts)."""
+    """step.c's ``mf_layer_desc``: one Mixtral-layout layer (attention half, softmax-top-k router, experts)."""
 
     _fields_ = [("w_in", _p), ("w_post", _p), ("eps", _f), ("qkv_bits", _i), ("qkv_group", _i), ("qkv_fmt", _i),
                 ("qkv_w", _p), ("qkv_s", _p), ("qkv_m", _p), ("o_bits", _i), ("o_group", _i), ("o_fmt", _i),

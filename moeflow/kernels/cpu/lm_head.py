@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moeflow.kernels.cpu_native import q4_reference
-from moeflow.kernels.cpu_quant_linear import CpuQuantLinear, quantize_linear_cpu
+from moeflow.kernels.cpu.native import q4_reference
+from moeflow.kernels.cpu.quant_linear import CpuQuantLinear, quantize_linear_cpu
 
 CANDIDATES = 16
 EXACT_ROWS = 8  # tokens from which the int8 head runs alone

@@ -1,16 +1,16 @@
 /* moeflow's CPU matrix kernels: 4-bit and 8-bit weights times int8-quantized activations (issue 21).
 
-   Built on first use by moeflow/kernels/cpu_native.py (gcc/cc, -O3 -march=native -fopenmp) and called through
-   ctypes; cpu_native.py holds the plain-torch fp32 model of every function here.
+   Built on first use by moeflow/kernels/cpu/native.py (gcc/cc, -O3 -march=native -fopenmp) and called through
+   ctypes; native.py holds the plain-torch fp32 model of every function here.
 
    Activations x fp32 [T, K] are quantized per token and per block of 32 features: xs = max|x| / 127,
    xq = round-half-even(x * (127 / max|x|)), int8 in [-127, 127].
    q4 weights: W[n, k] = q[n, k] * s[n, g] + m[n, g] with q in [0, 15] and g = k / group (AWQ's asymmetric
    format with the zero folded into m = -zero * s). Packed uint8 [N, K/2], s, m fp32 [N, K/group] (MF_Q4_F32),
    or s fp16 and the uint8 zeros in m's place (MF_Q4_F16Z: the same numbers), rows interleaved in groups of 8
-   (layout and kernel in cpu_q4.c).
+   (layout and kernel in q4.c).
    q8 weights: W[n, k] = q[n, k] * s[n], int8 [N, K] in [-127, 127], s fp32 [N], rows interleaved in groups of
-   8 (layout and kernel in cpu_q8.c).
+   8 (layout and kernel in q8.c).
    y[t, n] = sum_k xs[t, k/32] * xq[t, k] * W[n, k], accumulated in int32 per block and in fp32 across blocks.
    Every output element depends only on its own token's row: results do not change with the batch. */
 
@@ -19,11 +19,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cpu_native.h"
+#include "native.h"
 
 #define ROWS 16   /* weight rows per parallel work item (a multiple of Q4_GROUP and Q8_GROUP) */
 
-/* The vector path built: 2 AVX-512 VNNI (cpu_q4.c's and cpu_q8.c's q4_group_pair, q8_group_pair), 1 AVX2,
+/* The vector path built: 2 AVX-512 VNNI (q4.c's and q8.c's q4_group_pair, q8_group_pair), 1 AVX2,
    0 the portable loops. */
 int mf_simd(void) { return MF_AVX512 ? 2 : MF_AVX2; }
 

@@ -1,4 +1,5 @@
-/* Shared between moeflow's CPU kernel sources (cpu_native.c, cpu_q4.c, cpu_q8.c); see cpu_native.c's comment. */
+/* The one header of moeflow's CPU kernel sources (native.c, q4.c, q8.c, step.c, repack.c: one library, built by
+   native.py); see native.c's comment. */
 #ifndef MOEFLOW_CPU_NATIVE_H
 #define MOEFLOW_CPU_NATIVE_H
 #include <stdint.h>
@@ -49,9 +50,9 @@ static inline __m256 mf_exp8(__m256 x) {
 #endif
 
 /* AVX-512 with VNNI (Zen 4, Ice Lake and later; -march=native on such a CPU, unless the build asks for the AVX2
-   path with -mno-avx512f: cpu_native.py's MOEFLOW_CPU_ISA=avx2). The integer dot products then run on
-   vpdpbusd over 512-bit registers (cpu_q4.c: a row group's block in two registers, one weight stream as AVX2,
-   or from 8 tokens two row groups per register; cpu_q8.c: two row groups, 16 rows, per register): the same integer block sums (exact in int32) and the same
+   path with -mno-avx512f: native.py's MOEFLOW_CPU_ISA=avx2). The integer dot products then run on
+   vpdpbusd over 512-bit registers (q4.c: a row group's block in two registers, one weight stream as AVX2,
+   or from 8 tokens two row groups per register; q8.c: two row groups, 16 rows, per register): the same integer block sums (exact in int32) and the same
    fp32 operations per row as the AVX2 path, so the same bits (tests/test_cpu_isa.py). */
 #if MF_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define MF_AVX512 1
@@ -69,8 +70,8 @@ static inline __m512 mf_load2x8ps(const float* a, const float* b) {
 #endif
 
 #define QB 32       /* features per activation block */
-#define MF_Q4_F32 0   /* q4 scales and mins fp32 (cpu_q4.c) */
-#define MF_Q4_F16Z 1  /* q4 scales fp16, zero points uint8 in place of the mins (cpu_q4.c) */
+#define MF_Q4_F32 0   /* q4 scales and mins fp32 (q4.c) */
+#define MF_Q4_F16Z 1  /* q4 scales fp16, zero points uint8 in place of the mins (q4.c) */
 
 /* An IEEE half (bits) as a float, exactly (the portable form of F16C's conversion). */
 static inline float mf_half_to_float(uint16_t h) {
@@ -90,19 +91,34 @@ static inline float mf_half_to_float(uint16_t h) {
     memcpy(&f, &bits, 4);
     return f;
 }
-#define Q4_GROUP 8  /* q4 weight rows interleaved together (cpu_q4.c's layout) */
-#define Q8_GROUP 8  /* q8 weight rows interleaved together (cpu_q8.c's layout) */
+#define Q4_GROUP 8  /* q4 weight rows interleaved together (q4.c's layout) */
+#define Q8_GROUP 8  /* q8 weight rows interleaved together (q8.c's layout) */
 
-/* Rows [n0, n1) of a q4 matrix [N, K] against T quantized tokens: y[t, n] for n in [n0, n1) (cpu_q4.c). */
+/* Rows [n0, n1) of a q4 matrix [N, K] against T quantized tokens: y[t, n] for n in [n0, n1) (q4.c). */
 __attribute__((visibility("hidden"))) void mf_q4_rows(
     int n0, int n1, int T, int K, int group, int fmt, const uint8_t* qw, const void* s, const void* m,
     const int8_t* xq, const float* xs, const float* gsum, float* y, int ldy);
 
-/* Rows [n0, n1) of a q8 matrix [N, K] against T quantized tokens: y[t, n] for n in [n0, n1) (cpu_q8.c). */
+/* Rows [n0, n1) of a q8 matrix [N, K] against T quantized tokens: y[t, n] for n in [n0, n1) (q8.c). */
 __attribute__((visibility("hidden"))) void mf_q8_rows(
     int n0, int n1, int T, int K, const int8_t* w, const float* s, const int8_t* xq, const float* xs, float* y,
     int ldy);
-/* Row n of a q8 matrix [N, K] against T quantized tokens: y[t * ldy] (cpu_q8.c). */
+/* Row n of a q8 matrix [N, K] against T quantized tokens: y[t * ldy] (q8.c). */
 __attribute__((visibility("hidden"))) void mf_q8_row(
     int n, int N, int T, int K, const int8_t* w, const float* s, const int8_t* xq, const float* xs, float* y, int ldy);
+
+/* Entry points called across sources (step.c calls native.c's linear kernels) and defined in repack.c: declared
+   here so that every definition is checked against one declaration. */
+int mf_q4_linear(const float* x, int T, int K, int N, int group, int fmt, const uint8_t* qw, const void* s,
+                 const void* m, float* y, int nthreads);
+int mf_q8_linear(const float* x, int T, int K, int N, const int8_t* w, const float* s, float* y, int nthreads);
+int mf_q4_expert(const float* x, int T, int H, int I, int group, int fmt, const uint8_t* w13, const void* s13,
+                 const void* m13, const uint8_t* w2, const void* s2, const void* m2, const float* weight,
+                 float* out, int accumulate, int nthreads);
+void mf_nibble_transpose(const uint32_t* in, int64_t rows, int64_t cols, const int32_t* row_order,
+                         const int32_t* col_t, const int64_t* k_off, uint32_t* out);
+void mf_nibble_transpose_grouped(const uint32_t* in, int64_t rows, int64_t cols, const int32_t* row_order,
+                                 const int32_t* col_pos, int64_t c_stride, uint32_t* out);
+void mf_permute_word_bits(const uint32_t* in, int64_t n, const uint32_t* lo, const uint32_t* hi, uint32_t* out);
+void mf_quantize_rows_int8(const float* w, int64_t rows, int64_t cols, uint16_t* scales_bf16, int8_t* q);
 #endif

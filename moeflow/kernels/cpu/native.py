@@ -1,5 +1,5 @@
-"""moeflow's own CPU kernels for quantized weights (``cpu_native.c``, the int4 kernel in ``cpu_q4.c``, the int8
-one in ``cpu_q8.c``): int4 and int8 weights times int8 activations.
+"""moeflow's own CPU kernels for quantized weights (``native.c``, the int4 kernel in ``q4.c``, the int8
+one in ``q8.c``): int4 and int8 weights times int8 activations.
 
 Why: torch's CPU kernels for quantized weights are compute-bound on AVX2 machines (``_weight_int4pack_mm_for_cpu``
 reads 2.4 GB/s on one core of the 2-core AMD EPYC we benchmark on, ``_weight_int8pack_mm`` 3.4 GB/s, where a core
@@ -48,11 +48,10 @@ from moeflow.quant.awq import unpack_int4
 log = logging.getLogger(__name__)
 
 # one library: the matrix kernels, the int4 and int8 row-group kernels, the decode-step ops
-SOURCES = tuple(Path(__file__).with_name(f) for f in ("cpu_native.c", "cpu_q4.c", "cpu_q8.c", "cpu_step.c",
-                                                                 "cpu_repack.c"))
-HEADER = Path(__file__).with_name("cpu_native.h")
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("native.c", "q4.c", "q8.c", "step.c", "repack.c"))
+HEADER = Path(__file__).with_name("native.h")
 BLOCK = 32  # activation features per int8 scale (and the weights' packing block)
-ROW_GROUP = 8  # q4 and q8 rows interleaved together (cpu_q4.c's and cpu_q8.c's layouts)
+ROW_GROUP = 8  # q4 and q8 rows interleaved together (q4.c's and q8.c's layouts)
 _LIB: ctypes.CDLL | None | bool = False  # False: not tried yet; None: unavailable
 
 
@@ -74,7 +73,7 @@ SIMD_NAMES = {0: "scalar", 1: "avx2", 2: "avx512-vnni"}  # mf_simd()'s answers
 
 
 def build(cache: Path, native_arch: bool = True, isa: str | None = None) -> Path:
-    """Compile ``SOURCES`` (``cpu_native.c``, ``cpu_q4.c``, ``cpu_q8.c``, ``cpu_step.c``) into one library in
+    """Compile ``SOURCES`` (``native.c``, ``q4.c``, ``q8.c``, ``step.c``, ``repack.c``) into one library in
     ``cache`` (once per source, compiler, flags and CPU); returns the library's path.
     ``isa`` (default ``$MOEFLOW_CPU_ISA``, else "native"): "native" (``-march=native``: the AVX-512 VNNI
     kernels where the CPU has them, else AVX2), "avx2" (the same without AVX-512: the path of an AVX2-only
@@ -157,14 +156,14 @@ def _fp32_rows(x: torch.Tensor, k: int) -> torch.Tensor:
     return rows if rows.dtype == torch.float32 and rows.is_contiguous() else rows.float().contiguous()
 
 
-Q4_F32, Q4_F16Z = 0, 1  # cpu_q4.c's forms of a q4 matrix's scales and mins (Q4Matrix.fmt)
+Q4_F32, Q4_F16Z = 0, 1  # q4.c's forms of a q4 matrix's scales and mins (Q4Matrix.fmt)
 
 
 @dataclass
 class Q4Matrix:
     """A 4-bit matrix ``W [N, K]`` in this module's format: ``W = q * s + m`` per group of ``group_size`` inputs.
 
-    Rows are interleaved in groups of 8 (``cpu_q4.c``'s layout: one integer multiply covers 8 rows x 4 features),
+    Rows are interleaved in groups of 8 (``q4.c``'s layout: one integer multiply covers 8 rows x 4 features),
     the last ``N % 8`` rows stored plainly; each group's bytes are its rows' bytes of a ``[N, K/2]`` tensor, so a
     range of rows starting and ending at multiples of 8 (or at N) is still a slice of every tensor.
 
@@ -270,7 +269,7 @@ def _group_rows(t: torch.Tensor, inverse: bool = False) -> torch.Tensor:
 
 
 def _pack_q4(q: torch.Tensor) -> torch.Tensor:
-    """q uint8 [N, K] in [0, 15] -> packed uint8 [N, K/2] in cpu_q4.c's layout."""
+    """q uint8 [N, K] in [0, 15] -> packed uint8 [N, K/2] in q4.c's layout."""
     n, k = q.shape
     whole = n - n % ROW_GROUP
     # grouped rows: [group, row r, block b, c, nibble h, j] (feature 32b + 8c + 4h + j) -> bytes [group, b, c, r, j]
@@ -293,7 +292,7 @@ def _unpack_q4(packed: torch.Tensor) -> torch.Tensor:
 @dataclass
 class Q8Matrix:
     """An 8-bit matrix ``W [N, K] = q * s[:, None]`` (q int8 in [-127, 127], one fp32 scale per row) in
-    ``cpu_q8.c``'s layout: rows interleaved in groups of 8 (one integer multiply covers 8 rows x 4 features), the
+    ``q8.c``'s layout: rows interleaved in groups of 8 (one integer multiply covers 8 rows x 4 features), the
     last ``N % 8`` rows stored plainly. Each group's bytes are its rows' bytes of a ``[N, K]`` tensor and the
     scales stay in row order, so a range of rows starting and ending at multiples of 8 (or at N) is a slice."""
 
@@ -369,7 +368,7 @@ class Q8Matrix:
 
 
 def _group_q8(q: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """int8 rows [N, K] <-> cpu_q8.c's layout: within each group of 8 rows, per 32-feature block b, bytes
+    """int8 rows [N, K] <-> q8.c's layout: within each group of 8 rows, per 32-feature block b, bytes
     [c, r, j] = row r's feature 32b + 4c + j."""
     n, k = q.shape
     whole = n - n % ROW_GROUP

@@ -1,5 +1,5 @@
 /* moeflow's int4-weight x int8-activation kernel (issue 21): the q4 layout and the row kernel behind
-   mf_q4_linear and mf_q4_expert (cpu_native.c, whose comment states the numerics).
+   mf_q4_linear and mf_q4_expert (native.c, whose comment states the numerics).
 
    Layout of a q4 matrix [N, K] (packed uint8 [N, K/2], s and m fp32 [N, K/group]): rows come in groups of 8.
    Group R (rows 8R .. 8R+7) is 8 * K/2 contiguous bytes; for each 32-feature block b, 128 bytes at b * 128 =
@@ -24,7 +24,7 @@
 #include <stddef.h>
 #include <string.h>
 
-#include "cpu_native.h"
+#include "native.h"
 
 #define TT 4  /* tokens per register tile (3..8 measured alike; 4 keeps every accumulator in a register) */
 #ifndef PREFETCH

@@ -1,11 +1,11 @@
 /* moeflow's int8-weight x int8-activation kernel (issue 21): the q8 layout and the row kernel behind
-   mf_q8_linear (cpu_native.c, whose comment states the numerics).
+   mf_q8_linear (native.c, whose comment states the numerics).
 
    Layout of a q8 matrix [N, K] (int8 [N, K] in [-127, 127], scales fp32 [N] in row order): rows come in groups
    of 8. Group R (rows 8R .. 8R+7) is 8 * K contiguous bytes; for each 32-feature block b, 256 bytes at b * 256 =
    eight 32-byte vectors V0..V7, byte 4r + j of Vc holding row 8R+r's feature 32b + 4c + j (r < 8, j < 4).
    The last N % 8 rows keep the plain row layout (row n at n * K). A checkpoint's rows are converted at load
-   (cpu_native.py's Q8Matrix); a range of rows starting and ending at multiples of 8 (or at N) is a slice.
+   (native.py's Q8Matrix); a range of rows starting and ending at multiples of 8 (or at N) is a slice.
 
    Why this layout: maddubs (unsigned x signed bytes, adjacent pairs summed into int16) then multiplies 8 rows x
    4 features by one token's 4 activations broadcast to every row. It wants one unsigned operand: |w| times
@@ -26,7 +26,7 @@
 #include <stddef.h>
 #include <string.h>
 
-#include "cpu_native.h"
+#include "native.h"
 
 #define TT 4           /* tokens per register tile: 4 dot + 4 fp32 accumulators, with |w|, w and the ones */
 #ifndef PREFETCH
@@ -108,7 +108,7 @@ static inline __attribute__((always_inline)) void q8_pair_tile(
     for (int i = 0; i < tt; i++) acc[i] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const int8_t* wb = w + (size_t)b * 256;
-        size_t pf = (size_t)b * 256 + PREFETCH;  /* as cpu_q4.c's pairs: into the next pair's same group */
+        size_t pf = (size_t)b * 256 + PREFETCH;  /* as q4.c's pairs: into the next pair's same group */
         pf += pf >= gs ? gs : 0;
         for (int l = 0; l < 256; l += 64) {
             _mm_prefetch((const char*)(w + pf + l), _MM_HINT_T0);

@@ -9,7 +9,7 @@ Two formats, both through torch's own CPU kernels (no extension to build):
   zero point, exactly AWQ's format, so published AWQ projections load the same way: :func:`awq_linear_cpu`),
   through ``_weight_int4pack_mm_for_cpu`` (see :mod:`moeflow.kernels.cpu_int4`); ~0.53 bytes per weight.
 
-Where moeflow's own CPU kernels build (:mod:`moeflow.kernels.cpu_native`), both formats run those instead
+Where moeflow's own CPU kernels build (:mod:`moeflow.kernels.cpu.native`), both formats run those instead
 (``native``): fp32 in and out, activations rounded to int8 per 32 features, int4 scales kept in fp32; 2-4x
 faster than torch's kernels on AVX2. :func:`reference_linear` models whichever runs.
 
@@ -28,8 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moeflow.kernels.cpu_int4 import COMPUTE_DTYPE, Int4Matrix, native_format_fits
-from moeflow.kernels.cpu_native import (
+from moeflow.kernels.cpu.native import (
     BLOCK,
     Q4Matrix,
     Q8Matrix,
@@ -39,6 +38,7 @@ from moeflow.kernels.cpu_native import (
     q4_reference,
     q8_matmul,
 )
+from moeflow.kernels.cpu_int4 import COMPUTE_DTYPE, Int4Matrix, native_format_fits
 from moeflow.quant.awq import check_group_size, dequantize, quantize_rtn
 
 INT8_MAX = 127
@@ -170,7 +170,7 @@ def quantize_linear_cpu(weight: torch.Tensor, bits: int = 8, group_size: int = 1
     out_features, in_features = weight.shape
     if bits == 8:  # per row, in blocks of rows: the fp32 temporaries stay in cache (a vocabulary-sized lm_head)
         src = weight.detach().cpu()
-        from moeflow.kernels.cpu_native import library
+        from moeflow.kernels.cpu.native import library
         from moeflow.kernels.repack import quantize_rows_int8_native
 
         fast = quantize_rows_int8_native(library(), src) if src.dtype == torch.float32 else None  # same bits, in C

@@ -11,6 +11,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "native.h"
+
 static inline void mf_transpose8(uint32_t x[8]) {
     for (int r = 0; r < 4; r++) {  /* 4x4 blocks of nibbles: upper-right <-> lower-left */
         const uint32_t t = ((x[r] >> 16) ^ x[r + 4]) & 0x0000FFFFu;
@@ -95,7 +97,7 @@ void mf_nibble_transpose(const uint32_t *in, int64_t rows, int64_t cols, const i
     }
 }
 
-/* The same transpose for layouts that keep a column's words together (cpu_q4.c's row groups):
+/* The same transpose for layouts that keep a column's words together (q4.c's row groups):
    out[c * c_stride + 8 * kb + col_pos[i]] = word i of block (kb, c). Walks 16 columns at a time down all of K,
    so each input line is read once and every column's output is one sequential stream; with AVX-512 the 8 x 16
    words of a step are transposed in registers into 16 runs of 8 words (no scatter). */
@@ -170,7 +172,7 @@ void mf_permute_word_bits(const uint32_t *in, int64_t n, const uint32_t *lo, con
 }
 
 /* Per-row int8 quantization of an fp32 matrix [rows, cols] (the CPU path's lm_head at load), bit for bit the
-   torch expression it replaces (moeflow/kernels/cpu_quant_linear.py): s = bf16(max(max|w| / 127, 1e-8)) (round
+   torch expression it replaces (moeflow/kernels/cpu/quant_linear.py): s = bf16(max(max|w| / 127, 1e-8)) (round
    to nearest even), q = clamp(nearbyint(w / s), -127, 127). scales_bf16: uint16 [rows], q: int8 [rows, cols]. */
 #include <math.h>
 

@@ -1,22 +1,15 @@
 /* ---- decode-step ops ---- */
-/* The per-layer glue of a CPU decode step in one call each (issue 21; cpu_step_ops.py holds their fp32 torch
+/* The per-layer glue of a CPU decode step in one call each (issue 21; step.py holds their fp32 torch
    models): RMSNorm (with the residual add before it), rotary + KV-cache write + attention over the static
    cache, a layer's whole attention half, and a plain softmax-top-k router. Built into the same library as
-   cpu_native.c (cpu_native.py's build), whose linear kernels the attention half calls. */
+   native.c (native.py's build), whose linear kernels the attention half calls. */
 
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "cpu_native.h"
-
-int mf_q4_linear(const float* x, int T, int K, int N, int group, int fmt, const uint8_t* qw, const void* s,
-                 const void* m, float* y, int nthreads);
-int mf_q8_linear(const float* x, int T, int K, int N, const int8_t* w, const float* s, float* y, int nthreads);
-int mf_q4_expert(const float* x, int T, int H, int I, int group, int fmt, const uint8_t* w13, const void* s13,
-                 const void* m13, const uint8_t* w2, const void* s2, const void* m2, const float* weight,
-                 float* out, int accumulate, int nthreads);
+#include "native.h"
 
 /* out[t] = w * (x[t] / sqrt(mean(x[t]^2) + eps)) for x fp32 [T, H]. With ``res`` (may be NULL): x[t] + res[t]
    is normalised instead and written to ``sum`` (the residual stream the layer continues with). */
@@ -212,7 +205,7 @@ void mf_softmax_topk(const float* logits, int T, int E, int k, int renorm, float
 
 /* ---- a whole one-token step through the decoder layers ---- */
 
-/* One expert's q4 matrices: w13 [2I, H] (gate then up), w2 [H, I] (cpu_q4.c's layout). */
+/* One expert's q4 matrices: w13 [2I, H] (gate then up), w2 [H, I] (q4.c's layout). */
 typedef struct {
     const uint8_t* w13;
     const void* s13;

@@ -1,4 +1,4 @@
-"""The glue of a CPU decode step as single calls into moeflow's CPU library (``cpu_step.c``, built with cpu_native.c).
+"""The glue of a CPU decode step as single calls into moeflow's CPU library (``step.c``, built with native.c).
 
 A decode step on the CPU reads ~140 MB of 4-bit weights in ~15 ms; what it used to spend beside that was ~190
 small torch ops per layer (RMSNorm's pow/mean/rsqrt/mul chain, rotary's slices and cats, the KV-cache
@@ -22,8 +22,8 @@ import math
 
 import torch
 
-from moeflow.kernels.cpu_native import Q4_F16Z, Q4_F32, Q4Matrix, library
-from moeflow.kernels.cpu_quant_linear import CpuQuantLinear
+from moeflow.kernels.cpu.native import Q4_F16Z, Q4_F32, Q4Matrix, library
+from moeflow.kernels.cpu.quant_linear import CpuQuantLinear
 
 _DECLARED: set[int] = set()
 # tokens per sequence up to which the attention op runs (decode, short prompts); beyond, SDPA's blocked GEMMs
@@ -35,7 +35,7 @@ def _lib() -> ctypes.CDLL:
     """The library with this section's functions declared (once per loaded library)."""
     lib = library()
     if lib is None:
-        raise RuntimeError("moeflow's CPU kernels are unavailable here (see moeflow.kernels.cpu_native)")
+        raise RuntimeError("moeflow's CPU kernels are unavailable here (see moeflow.kernels.cpu.native)")
     if id(lib) not in _DECLARED:
         p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
         lib.mf_rmsnorm.argtypes = [p, p, p, p, f, i, i, p]

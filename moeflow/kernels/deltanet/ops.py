@@ -1,4 +1,4 @@
-"""The Gated DeltaNet kernels' launch paths (:mod:`moeflow.kernels.triton_deltanet`): launched directly in eager
+"""The Gated DeltaNet kernels' launch paths (:mod:`moeflow.kernels.deltanet.kernels`): launched directly in eager
 mode, through ``torch.ops.moeflow.gdn_*`` custom ops (in-place state writes declared) while ``torch.compile``
 traces, as :mod:`moeflow.kernels.ops` does for the expert kernels.
 
@@ -16,9 +16,9 @@ from moeflow.kernels.ops import check_triton_device
 
 
 def _kernels():
-    from moeflow.kernels import triton_deltanet
+    from moeflow.kernels.deltanet import kernels
 
-    return triton_deltanet
+    return kernels
 
 
 def _in_place(state: Tensor) -> tuple[Tensor, bool]:
