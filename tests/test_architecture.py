@@ -136,3 +136,40 @@ def test_no_import_cycles(graph):
         if v not in index:
             visit(v)
     assert not cycles, f"import cycles: {cycles}"
+
+
+FORMAT_REGISTRY = ("moeflow/kernels/formats/",)  # the only files that may read a format's storage name
+
+
+def _is_format_kind(node: ast.AST) -> bool:
+    """``<...>fmt.kind`` (fmt, self.fmt, pool.fmt, ...): a format's storage name."""
+    return (isinstance(node, ast.Attribute) and node.attr == "kind"
+            and ast.unparse(node.value).rsplit(".", 1)[-1].endswith("fmt"))
+
+
+def test_formats_are_asked_not_compared():
+    """Callers ask the format object (its capabilities and methods); no ``fmt.kind == "awq"`` and no
+    ``getattr(fmt, "<flag>")`` discovery outside the format registry (``moeflow/kernels/formats/``)."""
+    offenders = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT.parent).as_posix()
+        if rel.startswith(FORMAT_REGISTRY):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Compare) and any(_is_format_kind(n) for n in (node.left, *node.comparators)):
+                offenders.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                  and node.func.id in ("getattr", "hasattr") and node.args
+                  and ast.unparse(node.args[0]).rsplit(".", 1)[-1].endswith("fmt")):
+                offenders.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    assert not offenders, "compare/discover a format outside moeflow/kernels/formats/:\n" + "\n".join(offenders)
+
+
+def test_the_format_check_catches_a_comparison(tmp_path, monkeypatch):
+    """The check above reads what it should (a planted comparison is found)."""
+    planted = tmp_path / "moeflow" / "planted.py"
+    planted.parent.mkdir()
+    planted.write_text('def f(pool):\n    return pool.fmt.kind == "awq" or getattr(pool.fmt, "extended", 0)\n')
+    monkeypatch.setattr(__import__(__name__), "ROOT", planted.parent)
+    with pytest.raises(AssertionError, match="planted.py:2"):
+        test_formats_are_asked_not_compared()

@@ -33,8 +33,7 @@ from moeflow.families.mtp import MultiTokenPredictor
 from moeflow.io.checkpoint import CheckpointReader, open_checkpoint, read_json, read_quantization, resolve_checkpoint
 from moeflow.io.expert_index import ExpertIndex
 from moeflow.io.tokenizer import Tokenizer
-from moeflow.kernels.biased import is_extended
-from moeflow.kernels.pool import ExpertFormat
+from moeflow.kernels.formats import ExpertFormat
 from moeflow.moe.backend import ExpertBackend
 from moeflow.moe.resident import CpuInt4Experts
 from moeflow.offload import Stats, create_expert_backend, get_policy, min_slots
@@ -168,7 +167,7 @@ def build_model(
         if fp8 is not None:  # FP8 experts become int4 (AWQ) experts
             fmt = loading.requantized_expert_format(family)
         resolved = resolve_kernels(kernels, device,
-                                   fmt.kind == "awq" and not is_extended(fmt))  # cpu-int4: no biases
+                                   fmt.cpu_int4)  # cpu-int4: plain AWQ experts only
         check_attention_bits(attention_bits, resolved.linear, lm_head_bits)
         attention_bits = resolve_attention_bits(attention_bits, resolved.linear,
                                                 family.kv_cache_spec().linear is not None)

@@ -7,7 +7,8 @@ import torch
 from moeflow import kernels
 from moeflow.kernels.cpu_int4 import COMPUTE_DTYPE, Int4Expert
 from moeflow.kernels.cpu_step_ops import experts_step
-from moeflow.kernels.pool import ExpertFormat, ExpertPool
+from moeflow.kernels.formats import ExpertFormat
+from moeflow.kernels.pool import ExpertPool
 from moeflow.moe.backend import ExpertBackend, KernelRouting
 
 
@@ -56,8 +57,8 @@ class CpuInt4Experts(ExpertBackend):
     """
 
     def __init__(self, fmt: ExpertFormat, num_layers: int, num_experts: int) -> None:
-        if fmt.kind != "awq":
-            raise ValueError(f"CpuInt4Experts needs AWQ experts, got expert format {fmt.kind!r}")
+        if not fmt.cpu_int4:
+            raise ValueError(f"CpuInt4Experts needs plain AWQ experts, got expert format {fmt!r}")
         self.fmt = fmt
         self._make = Int4Expert.from_awq_tensors
         self.experts: list[list] = [[None] * num_experts for _ in range(num_layers)]

@@ -30,7 +30,8 @@ from collections.abc import Callable, Collection
 import torch
 
 from moeflow import kernels
-from moeflow.kernels.pool import ExpertFormat, ExpertPool
+from moeflow.kernels.formats import ExpertFormat
+from moeflow.kernels.pool import ExpertPool
 from moeflow.moe.backend import ExpertBackend, RoutingPathPlanner, StepInfo
 from moeflow.offload.cache import ExpertCache, Slot
 from moeflow.offload.compute import LayerCompute

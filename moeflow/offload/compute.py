@@ -10,7 +10,8 @@ from collections.abc import Callable
 import torch
 
 from moeflow import kernels
-from moeflow.kernels.pool import ExpertFormat, ExpertPool
+from moeflow.kernels.formats import ExpertFormat
+from moeflow.kernels.pool import ExpertPool
 from moeflow.offload.combine import combine_in_order
 from moeflow.offload.cpu_slots import SlotInt4Forms
 from moeflow.offload.device_step import Bucket, DeviceGraphs
@@ -87,6 +88,6 @@ class LayerCompute:
             return "the simulator's compute executor accounts the compute instead of running it"
         if self.int4_slots is not None:
             return "kernels='cpu-int4' computes the slots with torch's CPU int4 kernels"
-        if getattr(self.fmt, "extended", False):
-            return f"the {self.fmt.kind!r} expert format (biases, clamped SwiGLU or MXFP4) has no captured form"
+        if not self.fmt.capturable:
+            return f"the {type(self.fmt).__name__} expert format (biases, clamped SwiGLU or MXFP4) has no captured form"
         return None
