@@ -12,8 +12,7 @@ from moeflow.kernels.formats.plain import KernelWeights, PlainFormat
 from moeflow.kernels.formats.plain_layout import awq_panel
 
 if TYPE_CHECKING:
-    from moeflow.kernels.formats.layout import ReferenceWeights
-    from moeflow.kernels.pool import ExpertPool
+    from moeflow.kernels.formats.layout import ExpertPool, ReferenceWeights
 
 
 @dataclass(frozen=True)

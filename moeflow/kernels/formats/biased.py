@@ -24,12 +24,11 @@ import torch
 
 from moeflow.kernels.formats.awq import AWQFormat
 from moeflow.kernels.formats.dense import DenseFormat
-from moeflow.kernels.formats.layout import ExpertFormat
+from moeflow.kernels.formats.layout import ExpertFormat, ExpertPool
 from moeflow.kernels.formats.plain_layout import from_kernel_layout, to_kernel_layout
 
 if TYPE_CHECKING:
     from moeflow.kernels.formats.layout import ReferenceWeights
-    from moeflow.kernels.pool import ExpertPool
 
 ACTIVATIONS = ("silu", "clamped_swiglu")
 
@@ -95,13 +94,6 @@ class BiasedExpertFormat(ExpertFormat):
     def from_region(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """Inverse of :meth:`to_region` (a copy)."""
         return t.clone()
-
-    def biases(self, pool: ExpertPool, slot: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """fp32 (b13 [2I] gate first, b2 [H]) of the expert in ``slot``, or (None, None) without biases."""
-        if not self.bias:
-            return None, None
-        src = self.loader_tensors(pool.buffer[slot])
-        return src["w13_bias"].float(), src["w2_bias"].float()
 
     def forward(self, x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask, backend, *,
                 config=None, validate=None):  # noqa: D102 (see ExpertFormat.forward)

@@ -10,8 +10,7 @@ import torch
 from moeflow.kernels.formats.plain import KernelWeights, PlainFormat
 
 if TYPE_CHECKING:
-    from moeflow.kernels.formats.layout import ReferenceWeights
-    from moeflow.kernels.pool import ExpertPool
+    from moeflow.kernels.formats.layout import ExpertPool, ReferenceWeights
 
 
 @dataclass(frozen=True)

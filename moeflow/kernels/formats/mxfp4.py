@@ -29,8 +29,7 @@ from moeflow.kernels.mxfp4_reference import (
 )
 
 if TYPE_CHECKING:
-    from moeflow.kernels.formats.layout import ReferenceWeights
-    from moeflow.kernels.pool import ExpertPool
+    from moeflow.kernels.formats.layout import ExpertPool, ReferenceWeights
 
 
 @dataclass(frozen=True)
