@@ -8,6 +8,7 @@ kernels. See ``docs/kernels.md``.
 
 from moeflow.kernels.dispatch import (
     BACKENDS,
+    CPU_INT4,
     awq_linear,
     combine,
     expert_forward,
@@ -15,9 +16,11 @@ from moeflow.kernels.dispatch import (
     pack_awq_linear,
     resolve_backend,
     route,
+    uses_cpu_int4,
+    uses_triton,
 )
 from moeflow.kernels.formats import ExpertFormat
 from moeflow.kernels.pool import ExpertPool
 
-__all__ = ["BACKENDS", "ExpertFormat", "ExpertPool", "expert_forward", "combine", "moe_forward", "route",
-           "awq_linear", "pack_awq_linear", "resolve_backend"]
+__all__ = ["BACKENDS", "CPU_INT4", "ExpertFormat", "ExpertPool", "awq_linear", "combine", "expert_forward",
+           "moe_forward", "pack_awq_linear", "resolve_backend", "route", "uses_cpu_int4", "uses_triton"]

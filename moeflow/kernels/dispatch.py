@@ -26,6 +26,18 @@ from moeflow.kernels.pool import ExpertPool
 from moeflow.kernels.reference import pool_weights
 
 BACKENDS = ("torch", "triton", "auto")
+CPU_INT4 = "cpu-int4"  # the model-level choice of the CPU int4 kernels (engine/build.resolve_kernels)
+
+
+def uses_triton(backend: str, device: torch.device) -> bool:
+    """Whether the kernel choice ``backend`` (any of :data:`BACKENDS` or :data:`CPU_INT4`) runs the Triton kernels
+    on ``device``: the one place callers learn it (instead of comparing names)."""
+    return backend == "triton" or (backend == "auto" and device.type == "cuda")
+
+
+def uses_cpu_int4(backend: str) -> bool:
+    """Whether the kernel choice ``backend`` is the CPU int4 kernels (torch's / moeflow's native q4 form)."""
+    return backend == CPU_INT4
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:

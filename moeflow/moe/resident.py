@@ -39,7 +39,7 @@ class ResidentExperts(ExpertBackend):
     def _route_and_forward(self, layer, x, router_logits, route, kernel_routing: KernelRouting | None, want_ids):
         """On the Triton path a plain softmax top-k is computed by the plan launch itself: with the two expert
         GEMMs and the combine, 4 launches per layer at decode (``kernels.moe_forward(router_logits=...)``)."""
-        if kernel_routing is None or kernels.resolve_backend(self.kernels_backend, x.device) != "triton":
+        if kernel_routing is None or not kernels.uses_triton(self.kernels_backend, x.device):
             return super()._route_and_forward(layer, x, router_logits, route, kernel_routing, want_ids)
         result = kernels.moe_forward(
             x, None, None, self.pool, self.slot_tables[layer], "triton", validate=False if x.is_cuda else None,

@@ -140,8 +140,7 @@ class OffloadedExperts(CapturedPrelude, SlotLoads, ExpertBackend):
             raise ValueError(f"OffloadConfig.early_hits=True: {why_not} computes a group only once its routing "
                              "is on the host")
         if wanted is None:
-            return self.readback.cuda and why_not is None and kernels.resolve_backend(
-                self.kernels_backend, self.device) == "triton"
+            return self.readback.cuda and why_not is None and kernels.uses_triton(self.kernels_backend, self.device)
         return bool(wanted)
 
     @property
