@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from moeflow import kernels
+from moeflow.compile_boundary import host_logic
 from moeflow.kernels.cpu_int4 import COMPUTE_DTYPE, Int4Expert
 from moeflow.kernels.cpu_step_ops import experts_step
 from moeflow.kernels.formats import ExpertFormat
@@ -66,7 +67,7 @@ class CpuInt4Experts(ExpertBackend):
     def load_expert(self, layer: int, expert: int, tensors: dict[str, torch.Tensor]) -> None:
         self.experts[layer][expert] = self._make(tensors, self.fmt.group_size)
 
-    @torch.compiler.disable  # host logic (reads the routing back): under torch.compile, the layer's one graph break
+    @host_logic  # host logic (reads the routing back): under torch.compile, the layer's one graph break
     def forward(self, layer, x, probs, topk_ids, topk_weights):  # noqa: D102 (see ExpertBackend)
         return self._forward(layer, x, probs, topk_ids, topk_weights)
 

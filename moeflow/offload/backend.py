@@ -30,6 +30,7 @@ from collections.abc import Callable, Collection
 import torch
 
 from moeflow import kernels
+from moeflow.compile_boundary import host_logic
 from moeflow.kernels.formats import ExpertFormat
 from moeflow.kernels.pool import ExpertPool
 from moeflow.moe.backend import ExpertBackend, RoutingPathPlanner, StepInfo
@@ -222,7 +223,7 @@ class OffloadedExperts(CapturedPrelude, SlotLoads, ExpertBackend):
         probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32) if self.predictor is not None else None
         return self._forward_to_call()(layer, x, probs, ids, weights), ids if want_ids else None
 
-    @torch.compiler.disable  # the host-side scheduler: the one graph break per MoE layer under torch.compile
+    @host_logic  # the host-side scheduler: the one graph break per MoE layer under torch.compile
     def forward(
         self,
         layer: int,
