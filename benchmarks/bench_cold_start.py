@@ -116,7 +116,7 @@ def conversions(config: dict, group: int) -> dict:
     """Per-core GB/s (thread CPU time, best of 2) of one expert's w13 qweight conversions, old and new."""
     from moeflow.kernels import repack
     from moeflow.kernels.cpu.native import _pack_q4, library, native_available
-    from moeflow.kernels.pool import awq_panel, to_kernel_layout_reference
+    from moeflow.kernels.formats.plain_layout import awq_panel, to_kernel_layout_reference
     from moeflow.quant.awq import unpack_int4
 
     H, I = config["hidden_size"], config["intermediate_size"]  # noqa: E741

@@ -24,9 +24,10 @@ import time
 import torch
 from bench_cpu_quant_linear import median_s  # benchmarks/ is on sys.path when this file runs
 
-from moeflow.kernels.biased import BiasedExpertFormat, gate_activation
+from moeflow.kernels.biased import gate_activation
 from moeflow.kernels.cpu_int4 import Int4Expert
 from moeflow.kernels.cpu_mxfp4 import Mxfp4CpuExpert
+from moeflow.kernels.formats import biased_expert_format
 from moeflow.kernels.mxfp4_reference import E2M1_VALUES, dequantize_mxfp4, quantize_mxfp4
 from moeflow.quant.awq import quantize_rtn
 
@@ -49,7 +50,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=7)
     args = parser.parse_args()
     g = torch.Generator().manual_seed(0)
-    fmt = BiasedExpertFormat(kind="mxfp4", hidden_size=H, intermediate_size=I, dtype=torch.bfloat16,
+    fmt = biased_expert_format(kind="mxfp4", hidden_size=H, intermediate_size=I, dtype=torch.bfloat16,
                              activation="clamped_swiglu")
     w13, w2 = torch.randn(2 * I, H, generator=g) * 0.02, torch.randn(H, I, generator=g) * 0.02
     (b13, s13), (b2, s2) = quantize_mxfp4(w13), quantize_mxfp4(w2)

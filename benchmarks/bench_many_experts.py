@@ -51,7 +51,7 @@ PROFILE = "qwen3-30b-pcie4-12gb"
 def run_one(policy: str, slots: int, *, tokens: int, prompt: int, seed: int) -> dict:
     """One backend of ``policy`` with ``slots`` slots over a synthetic Qwen3-30B-shaped trace; its counters."""
     from moeflow.config import OffloadConfig
-    from moeflow.kernels.pool import ExpertFormat
+    from moeflow.kernels.formats import expert_format
     from moeflow.offload import create_expert_backend
     from moeflow.offload.platform import Platform
     from moeflow.offload.stats import Stats
@@ -61,7 +61,7 @@ def run_one(policy: str, slots: int, *, tokens: int, prompt: int, seed: int) -> 
 
     shape = QWEN3_30B_A3B
     L, E, k = shape["num_layers"], shape["num_experts"], shape["top_k"]
-    fmt = ExpertFormat(shape["hidden"], shape["intermediate"], "awq", torch.float16, group_size=128)
+    fmt = expert_format(shape["hidden"], shape["intermediate"], "awq", torch.float16, group_size=128)
     prof = get_profile(PROFILE)
     trace, gates = synthesize_trace(num_layers=L, num_experts=E, top_k=k, hidden_size=64, sequences=1,
                                     prompt_len=prompt, new_tokens=tokens + 1, seed=seed, model="qwen3-30b-shaped")

@@ -52,7 +52,8 @@ from gpu_timing import (  # noqa: E402
 
 from moeflow import kernels  # noqa: E402
 from moeflow.kernels import configs as kcfg  # noqa: E402
-from moeflow.kernels.pool import ExpertFormat, ExpertPool, row_major_pool  # noqa: E402
+from moeflow.kernels.formats import expert_format  # noqa: E402
+from moeflow.kernels.pool import ExpertPool, row_major_pool  # noqa: E402
 from moeflow.kernels.reference import dequantize_kernel_layout  # noqa: E402
 
 SHAPES = {  # name: (hidden, intermediate, experts, top_k)
@@ -71,7 +72,7 @@ LAYOUT_MAX_T = 64  # the memory-bound range where the weights' layout decides th
 def random_awq_pool(hidden: int, inter: int, n_experts: int, dtype: torch.dtype, device: str, seed: int = 0):
     """A pool of random AWQ experts (random nibbles and zero points, small positive scales)."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    fmt = ExpertFormat(hidden, inter, "awq", dtype, GROUP)
+    fmt = expert_format(hidden, inter, "awq", dtype, GROUP)
     pool = ExpertPool.allocate(fmt, n_experts, device)
     pool.buffer.copy_(torch.randint(0, 256, pool.buffer.shape, dtype=torch.uint8, device=device, generator=gen))
     for name in ("w13_scales", "w2_scales"):

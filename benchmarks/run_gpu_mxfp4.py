@@ -57,7 +57,7 @@ from sass_mxfp4 import MODELS  # noqa: E402
 from moeflow import kernels  # noqa: E402
 from moeflow.kernels import configs as kcfg  # noqa: E402
 from moeflow.kernels import mxfp4  # noqa: E402
-from moeflow.kernels.biased import BiasedExpertFormat  # noqa: E402
+from moeflow.kernels.formats import biased_expert_format  # noqa: E402
 from moeflow.kernels.pool import ExpertPool  # noqa: E402
 
 SHAPES = {"gpt-oss-120b": MODELS["gpt-oss-120b"], "gpt-oss-20b": MODELS["gpt-oss-20b"],  # (H, I, E, top_k)
@@ -70,7 +70,7 @@ def random_mxfp4_pool(hidden: int, inter: int, n_experts: int, dtype: torch.dtyp
     """A pool of random gpt-oss experts: random e2m1 nibbles (every code is a finite value), e8m0 scales
     2**-9 .. 2**-4 (so weights stay <= 0.375 and bf16 activations finite), small biases."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    fmt = BiasedExpertFormat(hidden, inter, "mxfp4", dtype, 32, activation="clamped_swiglu")
+    fmt = biased_expert_format(hidden, inter, "mxfp4", dtype, 32, activation="clamped_swiglu")
     pool = ExpertPool.allocate(fmt, n_experts, device)
     pool.buffer.copy_(torch.randint(0, 256, pool.buffer.shape, dtype=torch.uint8, device=device, generator=gen))
     for name in ("w13_scales", "w2_scales"):

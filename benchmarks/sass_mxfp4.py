@@ -44,13 +44,13 @@ def mxfp4_layer_launches(model: str, T: int, config: dict | None = None, dtype: 
     from sass_report import _row, compile_only
 
     from moeflow.kernels import mxfp4
-    from moeflow.kernels.biased import BiasedExpertFormat
+    from moeflow.kernels.formats import biased_expert_format
     from moeflow.kernels.mxfp4_reference import row_major_as_panels
     from moeflow.kernels.pool import ExpertPool
     from moeflow.kernels.reference import routing_plan_reference
 
     H, I, E, k = MODELS[model]  # noqa: E741
-    fmt = BiasedExpertFormat(H, I, "mxfp4", dtype, 32, activation="clamped_swiglu")
+    fmt = biased_expert_format(H, I, "mxfp4", dtype, 32, activation="clamped_swiglu")
     pool = ExpertPool(fmt, torch.empty((1, fmt.nbytes), dtype=torch.uint8))
     t = dict(pool.tensors)
     if layout == "row-major":  # [1, K/P, N, P/32, ...] views of [1, N, K/32, ...] tensors

@@ -165,9 +165,10 @@ def compile_only(sm: int = 90):
 
 
 def _pool(hidden: int, inter: int, group: int, dtype: torch.dtype):
-    from moeflow.kernels.pool import ExpertFormat, ExpertPool
+    from moeflow.kernels.formats import expert_format
+    from moeflow.kernels.pool import ExpertPool
 
-    fmt = ExpertFormat(hidden, inter, "awq", dtype, group)
+    fmt = expert_format(hidden, inter, "awq", dtype, group)
     return ExpertPool(fmt, torch.empty((1, fmt.nbytes), dtype=torch.uint8))
 
 
@@ -207,7 +208,7 @@ def moe_layer_launches(model: str, T: int, cfg: dict | None = None, dtype: torch
 def awq_linear_launches(n: int, k: int, T: int, group: int = 128, dtype: torch.dtype = torch.bfloat16) -> list[dict]:
     """Compile ``awq_linear`` (published AWQ layout) for [T, k] @ [k, n]."""
     from moeflow.kernels import configs, ops
-    from moeflow.kernels.pool import awq_panel
+    from moeflow.kernels.formats.plain_layout import awq_panel
 
     cfg = configs.default_config("linear", T, 1, 1, n, k, group)
     x = torch.empty((T, k), dtype=dtype)

@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1] / "moeflow"
 # (module prefix, group, rank): the longest matching prefix decides; groups may import within themselves
 LAYERS = [
     ("moeflow.errors", "base", 0), ("moeflow.config", "base", 0), ("moeflow.streaming", "base", 0),
+    ("moeflow.compile_boundary", "base", 0),
     ("moeflow.chat", "chat", 0.5),  # templates, reply markup, guided decoding: read by io's tokenizer and the engine
     ("moeflow.quant", "io", 1), ("moeflow.io", "io", 1), ("moeflow.trace", "io", 1),  # trace: the file format
     ("moeflow.kernels", "kernels", 2),
@@ -174,3 +175,80 @@ def test_no_submodule_shadows_a_name_of_its_package():
                 shadowed[b] = b not in loaded
         bad += [f"{name}.{c}" for c, unsafe in sorted(shadowed.items()) if unsafe]
     assert not bad, "submodules that would replace a name their package defines: " + ", ".join(bad)
+
+
+FORMAT_REGISTRY = ("moeflow/kernels/formats/",)  # the only files that may read a format's storage name
+
+
+def _is_format_kind(node: ast.AST) -> bool:
+    """``<...>fmt.kind`` (fmt, self.fmt, pool.fmt, ...): a format's storage name."""
+    return (isinstance(node, ast.Attribute) and node.attr == "kind"
+            and ast.unparse(node.value).rsplit(".", 1)[-1].endswith("fmt"))
+
+
+def test_formats_are_asked_not_compared():
+    """Callers ask the format object (its capabilities and methods); no ``fmt.kind == "awq"`` and no
+    ``getattr(fmt, "<flag>")`` discovery outside the format registry (``moeflow/kernels/formats/``)."""
+    offenders = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT.parent).as_posix()
+        if rel.startswith(FORMAT_REGISTRY):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Compare) and any(_is_format_kind(n) for n in (node.left, *node.comparators)):
+                offenders.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                  and node.func.id in ("getattr", "hasattr") and node.args
+                  and ast.unparse(node.args[0]).rsplit(".", 1)[-1].endswith("fmt")):
+                offenders.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    assert not offenders, "compare/discover a format outside moeflow/kernels/formats/:\n" + "\n".join(offenders)
+
+
+BACKEND_NAMES = {"torch", "triton", "cpu-int4"}
+# where a kernel choice's name may be read: the kernels' dispatch and custom ops, the format registry, and the one
+# function that resolves the model's choice
+BACKEND_RESOLVERS = {"moeflow/kernels/dispatch.py": None, "moeflow/kernels/ops.py": None,
+                     "moeflow/engine/build.py": "resolve_kernels"}
+
+
+def _names_a_backend(node: ast.AST) -> bool:
+    if isinstance(node, ast.Tuple | ast.Set):
+        return any(_names_a_backend(e) for e in node.elts)
+    return isinstance(node, ast.Constant) and node.value in BACKEND_NAMES
+
+
+def _compares_backend(node: ast.Compare) -> bool:
+    """A comparison with a backend name (``'torch' in sys.modules`` names a module, not a backend)."""
+    sides = (node.left, *node.comparators)
+    return any(_names_a_backend(n) for n in sides) and "sys.modules" not in map(ast.unparse, sides)
+
+
+def test_kernel_backends_are_asked_not_compared():
+    """``kernels.uses_triton(choice, device)`` / ``kernels.uses_cpu_int4(choice)`` instead of ``backend == "triton"``
+    outside the kernels' dispatch, the format registry and ``engine.build.resolve_kernels``."""
+    offenders = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT.parent).as_posix()
+        if rel.startswith(FORMAT_REGISTRY) or (rel in BACKEND_RESOLVERS and BACKEND_RESOLVERS[rel] is None):
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        allowed = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
+                   and f.name == BACKEND_RESOLVERS.get(rel) for n in ast.walk(f)}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Compare) and id(node) not in allowed
+                    and _compares_backend(node)):
+                offenders.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    assert not offenders, "kernel backend names compared:\n" + "\n".join(offenders)
+
+
+def test_the_checks_catch_a_comparison(tmp_path, monkeypatch):
+    """The two checks above read what they should (planted comparisons are found)."""
+    planted = tmp_path / "moeflow" / "planted.py"
+    planted.parent.mkdir()
+    planted.write_text('def f(pool, backend):\n    return pool.fmt.kind == "awq" or getattr(pool.fmt, "extended", 0)\n'
+                       'def g(backend):\n    return backend in ("triton", "auto")\n')
+    monkeypatch.setattr(__import__(__name__), "ROOT", planted.parent)
+    with pytest.raises(AssertionError, match="planted.py:2"):
+        test_formats_are_asked_not_compared()
+    with pytest.raises(AssertionError, match="planted.py:4"):
+        test_kernel_backends_are_asked_not_compared()

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from moeflow import kernels
-from moeflow.kernels.biased import BiasedExpertFormat, biased_expert_forward_reference
+from moeflow.kernels.biased import biased_expert_forward_reference
+from moeflow.kernels.formats import biased_expert_format
 from moeflow.kernels.pool import ExpertPool
 from moeflow.quant.awq import quantize_rtn
 
@@ -27,7 +28,7 @@ def awq_expert(H, I, g, gen, dtype):  # noqa: E741
 
 
 def biased_awq_pool(H, I, g, n_slots, gen, activation="clamped_swiglu", dtype=torch.float32):  # noqa: E741
-    fmt = BiasedExpertFormat(H, I, "awq", dtype, g, activation=activation, swiglu_limit=3.0)
+    fmt = biased_expert_format(H, I, "awq", dtype, g, activation=activation, swiglu_limit=3.0)
     pool = ExpertPool.allocate(fmt, n_slots, "cpu")
     experts = [awq_expert(H, I, g, gen, dtype) for _ in range(n_slots)]
     for s, tensors in enumerate(experts):

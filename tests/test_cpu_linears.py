@@ -22,7 +22,7 @@ from moeflow.families.layers import AWQLinear
 from moeflow.kernels import combine
 from moeflow.kernels.cpu.quant_linear import CpuQuantLinear, quantize_linear_cpu
 from moeflow.kernels.cpu_int4 import Int4Expert, int4_cpu_available
-from moeflow.kernels.pool import ExpertFormat
+from moeflow.kernels.formats import expert_format
 from moeflow.moe.resident import CpuInt4Experts
 from moeflow.quant.awq import quantize_rtn
 from moeflow.tools.quantize import quantize_checkpoint
@@ -154,7 +154,7 @@ def _old_dispatch(experts: list[Int4Expert], x, topk_ids, topk_weights):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_lean_dispatch_gives_the_same_numbers(tokens, dtype):
     H, I, E, k, g = 64, 96, 4, 2, 32  # noqa: E741
-    fmt = ExpertFormat(H, I, "awq", torch.float16, g)
+    fmt = expert_format(H, I, "awq", torch.float16, g)
     backend = CpuInt4Experts(fmt, 1, E)
     gen = torch.Generator().manual_seed(tokens)
     for e in range(E):

@@ -10,15 +10,14 @@ from test_cpu_int4 import awq_expert
 
 import moeflow
 from moeflow import MoEOffloadedMixtral, OffloadConfig
-from moeflow.kernels.biased import BiasedExpertFormat
 from moeflow.kernels.cpu_int4 import Int4Expert, Int4Matrix, int4_cpu_available
-from moeflow.kernels.pool import ALIGN, ExpertFormat
+from moeflow.kernels.formats import ALIGN, AWQFormat, biased_expert_format, expert_format
 from moeflow.offload.cpu_slots import CpuInt4Format, _tensor_fields, int4_expert_of
 from moeflow.offload.host_store import HostStore
 
 pytestmark = pytest.mark.skipif(not int4_cpu_available(), reason="this torch build has no int4 CPU kernels")
 MODEL = Path(moeflow.__file__).parent / "data" / "tiny-mixtral-awq"
-AWQ = ExpertFormat(128, 256, "awq", torch.float16, 64)
+AWQ = expert_format(128, 256, "awq", torch.float16, 64)
 
 
 def test_region_holds_the_resident_int4_form_byte_for_byte():
@@ -38,8 +37,8 @@ def test_region_holds_the_resident_int4_form_byte_for_byte():
 def test_bytes_moved_per_expert():
     """The stated figures for torch's int4 form: +1.5 bytes per group and column, +2.3 % at group 128
     (Mixtral-8x7B's shapes); in every case the region is the form's tensors, aligned, and nothing else."""
-    for fmt, torch_form in ((ExpertFormat(4096, 14336, "awq", torch.float16, 128), (91_521_024, 93_585_408)),
-                            (ExpertFormat(128, 256, "awq", torch.float16, 128), (51_200, 52_224))):
+    for fmt, torch_form in ((expert_format(4096, 14336, "awq", torch.float16, 128), (91_521_024, 93_585_408)),
+                            (expert_format(128, 256, "awq", torch.float16, 128), (51_200, 52_224))):
         slots = CpuInt4Format.of(fmt)
         form = slots.int4_expert(torch.zeros(slots.nbytes, dtype=torch.uint8))
         assert slots.awq_nbytes == fmt.nbytes
@@ -50,9 +49,9 @@ def test_bytes_moved_per_expert():
 
 def test_only_plain_awq_and_clear_errors():
     with pytest.raises(ValueError, match="plain AWQ"):
-        CpuInt4Format.of(ExpertFormat(64, 64, "dense", torch.float32))
+        CpuInt4Format.of(expert_format(64, 64, "dense", torch.float32))
     with pytest.raises(ValueError, match="plain AWQ"):
-        CpuInt4Format.of(BiasedExpertFormat(64, 64, "awq", torch.float16, 32))
+        CpuInt4Format.of(biased_expert_format(64, 64, "awq", torch.float16, 32))
     fmt = CpuInt4Format.of(AWQ)
     assert fmt != AWQ  # a host store of one layout is never taken for the other's
     region = torch.zeros(fmt.nbytes, dtype=torch.uint8)
@@ -62,7 +61,7 @@ def test_only_plain_awq_and_clear_errors():
     with pytest.raises(KeyError, match="w13_qzeros"):
         fmt.write(region, {k: v for k, v in t.items() if k != "w13_qzeros"})
     with pytest.raises(ValueError, match="int4_expert"):
-        fmt.awq_tensors(region)
+        fmt.loader_tensors(region)
 
 
 def test_host_store_hands_out_its_regions_for_cpu_compute():
@@ -88,7 +87,7 @@ def test_auto_kernels_offload_into_int4_slots():
     torch_ref = MoEOffloadedMixtral.from_pretrained(MODEL, kernels="torch",
                                                     offload=OffloadConfig(policy="lru", gpu_expert_slots=8))
     try:  # the torch reference keeps the GPU kernels' AWQ layout
-        assert type(torch_ref.experts.fmt) is ExpertFormat and torch_ref.experts.int4_slots is None
+        assert type(torch_ref.experts.fmt) is AWQFormat and torch_ref.experts.int4_slots is None
     finally:
         torch_ref.close()
 

@@ -53,9 +53,10 @@ def _pool_on_cuda(H, I, E, g):  # noqa: E741
     """E random AWQ experts (random nibbles and zero points, scales ~0.01) in a bf16 pool on the GPU."""
     from test_scheduling_helpers import random_expert
 
-    from moeflow.kernels.pool import ExpertFormat, ExpertPool
+    from moeflow.kernels.formats import expert_format
+    from moeflow.kernels.pool import ExpertPool
 
-    fmt = ExpertFormat(H, I, "awq", torch.bfloat16, g)
+    fmt = expert_format(H, I, "awq", torch.bfloat16, g)
     pool = ExpertPool.allocate(fmt, E, "cuda")
     gen = torch.Generator().manual_seed(0)
     for e in range(E):
@@ -157,9 +158,9 @@ class CudaSynthetic:
     def __init__(self, L=3, E=8, k=2, H=1024, I=2048, g=128, steps=8, prefill_tokens=64, seed=0):  # noqa: E741
         from test_scheduling_helpers import random_expert
 
-        from moeflow.kernels.pool import ExpertFormat
+        from moeflow.kernels.formats import expert_format
 
-        self.fmt = ExpertFormat(H, I, "awq", torch.float16, g)
+        self.fmt = expert_format(H, I, "awq", torch.float16, g)
         self.L, self.E, self.k = L, E, k
         gen = torch.Generator().manual_seed(seed)
         self.weights = {(la, e): random_expert(self.fmt, gen) for la in range(L) for e in range(E)}

@@ -26,9 +26,10 @@ H, I, E, K, G = 4096, 14336, 8, 2, 128  # noqa: E741  Mixtral-8x7B
 
 @pytest.fixture(scope="module")
 def pools():
-    from moeflow.kernels.pool import ExpertFormat, ExpertPool, row_major_pool
+    from moeflow.kernels.formats import expert_format
+    from moeflow.kernels.pool import ExpertPool, row_major_pool
 
-    fmt = ExpertFormat(H, I, "awq", torch.bfloat16, G)
+    fmt = expert_format(H, I, "awq", torch.bfloat16, G)
     pool = ExpertPool.allocate(fmt, E, "cuda")
     gen = torch.Generator(device="cuda").manual_seed(0)
     for name, t in pool.tensors.items():  # random nibbles, mid zeros, small scales: any bytes are a valid expert

@@ -254,31 +254,31 @@ def test_clamped_swiglu_matches_transformers_past_the_limit():
     from transformers import GptOssConfig
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
-    from moeflow.kernels.biased import BiasedExpertFormat, gate_activation
+    from moeflow.kernels.biased import gate_activation
+    from moeflow.kernels.formats import biased_expert_format
 
     experts = GptOssExperts(GptOssConfig(hidden_size=32, intermediate_size=32, num_local_experts=2))
     gate_up = torch.linspace(-20, 20, 2 * 64).reshape(2, 64)[:, torch.randperm(64)]  # interleaved gate/up
-    fmt = BiasedExpertFormat(32, 32, "dense", torch.float32, activation="clamped_swiglu")
+    fmt = biased_expert_format(32, 32, "dense", torch.float32, activation="clamped_swiglu")
     ours = gate_activation(torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=-1), fmt)
     assert torch.equal(ours, experts._apply_gate(gate_up))
     assert (gate_up.abs() > 7).any()
 
 
 def test_biased_format_layout():
-    from moeflow.kernels.biased import BiasedExpertFormat
-    from moeflow.kernels.pool import ExpertFormat
+    from moeflow.kernels.formats import biased_expert_format, expert_format
 
-    plain = ExpertFormat(64, 96, "awq", torch.float16, 32)
-    biased = BiasedExpertFormat(64, 96, "awq", torch.float16, 32, activation="clamped_swiglu")
+    plain = expert_format(64, 96, "awq", torch.float16, 32)
+    biased = biased_expert_format(64, 96, "awq", torch.float16, 32, activation="clamped_swiglu")
     assert biased.names == plain.names + ("w13_bias", "w2_bias")
     # biased AWQ experts keep the plain kernels' layout (the AWQ Triton kernels read them), biases after it
     assert biased.spec("w13_qweight").shape == plain.spec("w13_qweight").shape and biased.nbytes > plain.nbytes
     assert biased.spec("w2_scales").offset == plain.spec("w2_scales").offset
-    mx = BiasedExpertFormat(2880, 2880, "mxfp4", torch.bfloat16, 32, activation="clamped_swiglu")
+    mx = biased_expert_format(2880, 2880, "mxfp4", torch.bfloat16, 32, activation="clamped_swiglu")
     # MXFP4 regions in K panels of 64 (45 of them at K = 2880); the loader form stays as published
     assert mx.spec("w13_blocks").shape == (45, 5760, 2, 16) and mx.spec("w2_scales").shape == (45, 2880, 2)
     assert mx.loader_shapes()["w13_blocks"] == (5760, 90, 16) and mx.loader_shapes()["w2_scales"] == (2880, 90)
     with pytest.raises(ValueError, match="divisible by 32"):
-        BiasedExpertFormat(64, 48, "mxfp4", torch.bfloat16, 32)
+        biased_expert_format(64, 48, "mxfp4", torch.bfloat16, 32)
     with pytest.raises(ValueError, match="activation 'gelu'"):
-        BiasedExpertFormat(64, 64, "dense", torch.float32, activation="gelu")
+        biased_expert_format(64, 64, "dense", torch.float32, activation="gelu")

@@ -17,9 +17,9 @@ from gpt_oss_helpers import make_gpt_oss_model, save_gpt_oss_checkpoint
 from hybrid_helpers import AUTO_RATES, INT4_RTOL, resident_reference, run_and_compare
 
 from moeflow import MoEModel, OffloadConfig
-from moeflow.kernels.biased import BiasedExpertFormat
 from moeflow.kernels.cpu_int4 import int4_cpu_available
-from moeflow.kernels.cpu_mxfp4 import Mxfp4CpuExpert, Mxfp4Int4Matrix, cpu_expert_form, mxfp4_cpu_expert_reference
+from moeflow.kernels.cpu_mxfp4 import Mxfp4CpuExpert, Mxfp4Int4Matrix, mxfp4_cpu_expert_reference
+from moeflow.kernels.formats import biased_expert_format
 from moeflow.kernels.mxfp4_reference import dequantize_mxfp4, quantize_mxfp4
 from moeflow.offload.hybrid import resolve_cpu_compute
 from moeflow.offload.policies import POLICY_TABLE
@@ -62,7 +62,7 @@ def test_scale_beyond_bf16_is_refused():
 
 @pytest.mark.parametrize("bias", [True, False])
 def test_expert_matches_its_reference_and_the_fp32_expert(bias):
-    fmt = BiasedExpertFormat(kind="mxfp4", hidden_size=64, intermediate_size=96, dtype=torch.float32,
+    fmt = biased_expert_format(kind="mxfp4", hidden_size=64, intermediate_size=96, dtype=torch.float32,
                              activation="clamped_swiglu", bias=bias)
     w13_b, w13_s = _mxfp4(192, 64, seed=3)
     w2_b, w2_s = _mxfp4(64, 96, seed=4)
@@ -70,7 +70,7 @@ def test_expert_matches_its_reference_and_the_fp32_expert(bias):
     t = {"w13_blocks": w13_b, "w13_scales": w13_s, "w2_blocks": w2_b, "w2_scales": w2_s}
     if bias:
         t |= {"w13_bias": torch.randn(192, generator=g), "w2_bias": torch.randn(64, generator=g)}
-    expert = cpu_expert_form(fmt, t)
+    expert = fmt.cpu_expert(t)
     assert isinstance(expert, Mxfp4CpuExpert)
     rows = torch.randn(7, 64, generator=g) * 4
     weights = torch.rand(7, generator=g)
@@ -87,7 +87,7 @@ def test_expert_matches_its_reference_and_the_fp32_expert(bias):
 
 
 def test_mxfp4_experts_may_run_on_the_cpu():
-    fmt = BiasedExpertFormat(kind="mxfp4", hidden_size=64, intermediate_size=64, dtype=torch.float32,
+    fmt = biased_expert_format(kind="mxfp4", hidden_size=64, intermediate_size=64, dtype=torch.float32,
                              activation="clamped_swiglu")
     spec = POLICY_TABLE["fiddler"]
     with warnings.catch_warnings():

@@ -15,7 +15,7 @@ from helpers import make_tiny_checkpoint
 from moeflow import MoEOffloadedMixtral, OffloadConfig
 from moeflow.errors import SchedulingError
 from moeflow.kernels.cpu_int4 import INNER_K_TILES, awq_to_int4pack_cpu, int4_cpu_available
-from moeflow.kernels.pool import ExpertFormat
+from moeflow.kernels.formats import expert_format
 from moeflow.offload import HostStore, Stats, calibration, get_policy
 from moeflow.offload.calibration import cache_path, calibration_key, measure_cpu, resolve_rates
 from moeflow.offload.cost_model import Candidate, Choice, Rates, plan
@@ -109,8 +109,8 @@ def test_bad_rate_overrides(field, value):
         OffloadConfig(policy="lru", **{field: value})
 
 
-AWQ_FMT = ExpertFormat(128, 128, "awq", torch.float16, group_size=32)
-DENSE_FMT = ExpertFormat(128, 128, "dense", torch.float32)
+AWQ_FMT = expert_format(128, 128, "awq", torch.float16, group_size=32)
+DENSE_FMT = expert_format(128, 128, "dense", torch.float32)
 
 
 def test_fiddler_cannot_run_without_cpu_compute():

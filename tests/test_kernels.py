@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from moeflow import kernels
-from moeflow.kernels.pool import ExpertFormat, ExpertPool
+from moeflow.kernels.formats import expert_format
+from moeflow.kernels.pool import ExpertPool
 from moeflow.kernels.reference import (
     awq_linear_reference,
     combine_reference,
@@ -33,7 +34,7 @@ def make_pool(
 ) -> ExpertPool:
     """A CPU pool of ``n_slots`` random experts (AWQ round-to-nearest of Gaussian weights, or dense)."""
     gen = torch.Generator().manual_seed(seed)
-    fmt = ExpertFormat(hidden, inter, kind, dtype, group)
+    fmt = expert_format(hidden, inter, kind, dtype, group)
     pool = ExpertPool.allocate(fmt, n_slots, "cpu")
     for s in range(n_slots):
         w13 = torch.randn(2 * inter, hidden, generator=gen) / hidden**0.5

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from moeflow import kernels
-from moeflow.kernels.biased import BiasedExpertFormat, biased_expert_forward_reference
+from moeflow.kernels.biased import biased_expert_forward_reference
+from moeflow.kernels.formats import biased_expert_format
 from moeflow.kernels.mxfp4_reference import (
     check_mxfp4,
     dequantize_mxfp4,
@@ -55,7 +56,7 @@ def test_kernel_layout_is_an_exact_permutation_of_the_published_bytes():
     # per word, the bits move but their count does not (a permutation, not a re-encoding)
     ones = lambda t: sum(((t.long() >> b) & 1).sum() for b in range(8))  # noqa: E731
     assert ones(kernel) == ones(blocks)
-    fmt = BiasedExpertFormat(64, 32, "mxfp4", torch.bfloat16, 32)
+    fmt = biased_expert_format(64, 32, "mxfp4", torch.bfloat16, 32)
     region = torch.zeros(fmt.nbytes, dtype=torch.uint8)
     (b13, s13), (b2, s2) = random_mxfp4((64, 2), gen), random_mxfp4((64, 1), gen)
     bias = torch.randn(128, generator=gen).bfloat16()
@@ -70,8 +71,8 @@ def test_kernel_layout_is_an_exact_permutation_of_the_published_bytes():
 def test_region_stores_k_panels_and_loader_tensors_invert_write(H, I, panels):  # noqa: E741
     from moeflow.kernels.mxfp4_reference import from_panels, to_panels
 
-    fmt = BiasedExpertFormat(H, I, "mxfp4", torch.bfloat16, 32)
-    assert fmt.mxfp4_panels == panels
+    fmt = biased_expert_format(H, I, "mxfp4", torch.bfloat16, 32)
+    assert fmt.panels == panels
     p13, p2 = panels
     assert fmt.spec("w13_blocks").shape == (H // p13, 2 * I, p13 // 32, 16)
     assert fmt.spec("w2_scales").shape == (I // p2, H, p2 // 32)
@@ -102,7 +103,7 @@ def test_blocks_that_disagree_with_scales_are_refused():
 
 
 def mxfp4_pool(H, I, n_slots, gen, activation="clamped_swiglu", bias=True, dtype=torch.float32):  # noqa: E741
-    fmt = BiasedExpertFormat(H, I, "mxfp4", dtype, 32, activation=activation, bias=bias)
+    fmt = biased_expert_format(H, I, "mxfp4", dtype, 32, activation=activation, bias=bias)
     pool = ExpertPool.allocate(fmt, n_slots, "cpu")
     for s in range(n_slots):
         w13 = random_mxfp4((2 * I, H // 32), gen, 120, 126)

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from moeflow import kernels
-from moeflow.kernels.pool import ExpertFormat, ExpertPool, awq_panel, qweight_rows, rows_as_panels
+from moeflow.kernels.formats import expert_format
+from moeflow.kernels.formats.plain_layout import awq_panel, qweight_rows, rows_as_panels
+from moeflow.kernels.pool import ExpertPool
 from moeflow.kernels.reference import dequantize_kernel_layout, routing_plan_reference
 from moeflow.kernels.triton_experts import expert_gemm
 from moeflow.quant.awq import dequantize, quantize_rtn
@@ -20,7 +22,7 @@ E, K_TOP = 3, 2
 
 
 def _pool(H: int, I: int, g: int, seed: int = 0) -> ExpertPool:  # noqa: E741
-    fmt = ExpertFormat(H, I, "awq", torch.float32, g)
+    fmt = expert_format(H, I, "awq", torch.float32, g)
     pool = ExpertPool.allocate(fmt, E, "cpu")
     for e in range(E):
         fmt.write(pool.buffer[e], _awq_expert(H, I, g, torch.float32, seed=seed + e))

@@ -11,7 +11,8 @@ from moeflow.kernels import repack
 from moeflow.kernels.cpu import native as cpu_native
 from moeflow.kernels.cpu.native import Q4Matrix, _pack_q4
 from moeflow.kernels.cpu_int4 import Int4Expert
-from moeflow.kernels.pool import ExpertFormat, awq_panel, to_kernel_layout, to_kernel_layout_reference
+from moeflow.kernels.formats import expert_format
+from moeflow.kernels.formats.plain_layout import awq_panel, to_kernel_layout, to_kernel_layout_reference
 from moeflow.quant.awq import unpack_int4
 
 # (K, N, group): C = N/8 words per row not a multiple of 16 (the vector loop's tail), several panels, group 32
@@ -65,7 +66,7 @@ def test_expert_region_round_trips_and_cpu_form_converts_in_place():
     """ExpertFormat.write (fast qweights) is still exactly inverted by loader_tensors; Int4Expert converted into a
     region's views equals the one converted on its own."""
     H, I, g = 128, 64, 32  # noqa: E741
-    fmt = ExpertFormat(H, I, "awq", torch.float16, g)
+    fmt = expert_format(H, I, "awq", torch.float16, g)
     gen = torch.Generator().manual_seed(1)
     t = {name: (torch.rand(shape, generator=gen).half() if name.endswith("scales")
                 else torch.randint(-(2**31), 2**31 - 1, shape, generator=gen, dtype=torch.int64).to(torch.int32))

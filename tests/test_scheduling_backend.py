@@ -7,7 +7,7 @@ import torch
 from test_scheduling_helpers import AWQ, DENSE, Synthetic
 
 from moeflow.errors import SchedulingError
-from moeflow.kernels.pool import ALIGN
+from moeflow.kernels.formats import ALIGN
 from moeflow.moe import ResidentExperts
 from moeflow.offload import OffloadedExperts, Stats
 

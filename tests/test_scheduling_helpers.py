@@ -8,14 +8,14 @@ import torch
 from torch import nn
 
 from moeflow.config import OffloadConfig
-from moeflow.kernels.pool import ExpertFormat
+from moeflow.kernels.formats import ExpertFormat, expert_format
 from moeflow.moe import ResidentExperts, route
 from moeflow.moe.resident import CpuInt4Experts
 from moeflow.offload import POLICY_TABLE, REAL, Stats, create_expert_backend
 from moeflow.offload.cpu_slots import CpuInt4Format
 
-DENSE = ExpertFormat(hidden_size=32, intermediate_size=48, kind="dense", dtype=torch.float32)
-AWQ = ExpertFormat(hidden_size=64, intermediate_size=64, kind="awq", dtype=torch.float16, group_size=32)
+DENSE = expert_format(hidden_size=32, intermediate_size=48, kind="dense", dtype=torch.float32)
+AWQ = expert_format(hidden_size=64, intermediate_size=64, kind="awq", dtype=torch.float16, group_size=32)
 
 
 def random_expert(fmt: ExpertFormat, gen: torch.Generator) -> dict[str, torch.Tensor]:

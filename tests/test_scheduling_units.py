@@ -10,7 +10,8 @@ import pytest
 import torch
 from test_scheduling_helpers import AWQ, DENSE, random_expert
 
-from moeflow.kernels.pool import ALIGN, ExpertPool
+from moeflow.kernels.formats import ALIGN
+from moeflow.kernels.pool import ExpertPool
 from moeflow.offload import (
     CopyEngine,
     HostStore,

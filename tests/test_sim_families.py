@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeflow.kernels.pool import ExpertFormat
+from moeflow.kernels.formats import expert_format
 from moeflow.sim import get_profile, simulate
 from moeflow.sim.profile import PRESET_NAMES, ProfileError
 from moeflow.trace.synthetic import synthesize_trace
@@ -21,7 +21,7 @@ def test_family_presets_describe_their_models(name, shape, fit):
     prof = get_profile(name)
     assert name in PRESET_NAMES
     assert (prof.num_layers, prof.num_experts, prof.top_k) == (layers, experts, top_k)
-    assert prof.expert_bytes == ExpertFormat(hidden, inter, "awq", torch.float16, 128).nbytes
+    assert prof.expert_bytes == expert_format(hidden, inter, "awq", torch.float16, 128).nbytes
     assert prof.max_slots() == fit < layers * experts  # host-memory-bound: most experts stay in host memory
     with pytest.raises(ProfileError, match="num_experts"):
         prof.check_trace(32, 8, 2)

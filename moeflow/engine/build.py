@@ -33,8 +33,8 @@ from moeflow.families.mtp import MultiTokenPredictor
 from moeflow.io.checkpoint import CheckpointReader, open_checkpoint, read_json, read_quantization, resolve_checkpoint
 from moeflow.io.expert_index import ExpertIndex
 from moeflow.io.tokenizer import Tokenizer
-from moeflow.kernels.biased import is_extended
-from moeflow.kernels.pool import ExpertFormat
+from moeflow.kernels.dispatch import uses_cpu_int4, uses_triton
+from moeflow.kernels.formats import ExpertFormat
 from moeflow.moe.backend import ExpertBackend
 from moeflow.moe.resident import CpuInt4Experts
 from moeflow.offload import Stats, create_expert_backend, get_policy, min_slots
@@ -92,7 +92,7 @@ def expert_storage_format(fmt: ExpertFormat, kernels: Kernels, offload: OffloadC
     """The layout the expert backend stores and moves experts in: with the CPU int4 kernels and an offloading
     policy, torch's int4 form (``CpuInt4Format``: converted once at load, a miss copies the bytes the slot
     computes with); otherwise ``fmt`` itself (the GPU kernels' layout)."""
-    if kernels.experts == "cpu-int4" and offload.policy != "resident":
+    if uses_cpu_int4(kernels.experts) and offload.policy != "resident":
         return CpuInt4Format.of(fmt)
     return fmt
 
@@ -107,7 +107,7 @@ def make_expert_backend(
     whose MoE blocks are the backend's last layers."""
     blocks = decoder.moe_blocks + (mtp.moe_blocks if mtp is not None else [])
     num_moe = len(blocks)
-    if kernels.experts == "cpu-int4" and offload.policy == "resident":
+    if uses_cpu_int4(kernels.experts) and offload.policy == "resident":
         return CpuInt4Experts(fmt, num_moe, family.num_experts)
     return create_expert_backend(
         offload, fmt=fmt, num_layers=num_moe, num_experts=family.num_experts,
@@ -168,7 +168,7 @@ def build_model(
         if fp8 is not None:  # FP8 experts become int4 (AWQ) experts
             fmt = loading.requantized_expert_format(family)
         resolved = resolve_kernels(kernels, device,
-                                   fmt.kind == "awq" and not is_extended(fmt))  # cpu-int4: no biases
+                                   fmt.cpu_int4)  # cpu-int4: plain AWQ experts only
         check_attention_bits(attention_bits, resolved.linear, lm_head_bits)
         attention_bits = resolve_attention_bits(attention_bits, resolved.linear,
                                                 family.kv_cache_spec().linear is not None)
@@ -182,15 +182,15 @@ def build_model(
             loading.keep_dense_linears(decoder, reader, family, layout, dtype)
         loading.load_non_expert_weights(decoder, reader, family, layout, device, dtype)
         mtp_module = loading.load_mtp(reader, family, layout, device, dtype, str(config_path)) if mtp else None
-        if resolved.linear == "cpu-int4":
+        if uses_cpu_int4(resolved.linear):
             quantize_decoder_linears(decoder, attention_bits, lm_head_bits)
             fuse_cpu_step(decoder, dtype)
             decoder.set_layers_step(native_layers(decoder))  # one-token steps: every layer in one native call
         for module in decoder.modules():
             if isinstance(module, AWQLinear):  # what the CPU kernels cannot tile stays on the torch reference
-                module.use_kernels("torch" if resolved.linear == "cpu-int4" else resolved.linear)
+                module.use_kernels("torch" if uses_cpu_int4(resolved.linear) else resolved.linear)
             elif isinstance(module, GatedDeltaNet):  # the linear-attention layers follow the kernel choice
-                module.use_kernels("triton" if resolved.choice == "triton" else "torch")
+                module.use_kernels("triton" if uses_triton(resolved.choice, device) else "torch")
         fuse_qkv_projections(decoder)  # packed (Triton) AWQ q/k/v: one launch per layer instead of three
         decoder.rotary.to(device)
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from moeflow import compile_boundary
 from moeflow.families.base import CausalDecoder
 from moeflow.moe.backend import ExpertBackend
 from moeflow.moe.resident import ResidentExperts
@@ -54,6 +55,7 @@ class CompiledDecode:
         self._compiled: dict[bool, Callable[..., torch.Tensor]] = {}
 
     def _compile(self, whole: bool) -> Callable[..., torch.Tensor]:
+        compile_boundary.arm()  # the host-logic methods become graph breaks (moeflow.compile_boundary)
         if whole:  # one graph, nothing symbolic: every layer index is a constant of the one trace
             return torch.compile(self.decoder, fullgraph=True, dynamic=False, backend=self.compiler)
         # dynamic=None: automatic dynamic, which is what turns the layer index symbolic on its second value

@@ -35,6 +35,7 @@ from moeflow.families.layers import Attention, AWQLinear
 from moeflow.kernels.cpu.lm_head import RefinedInt4LmHead
 from moeflow.kernels.cpu.native import native_available
 from moeflow.kernels.cpu.quant_linear import CpuQuantLinear, awq_linear_cpu, quantize_linear_cpu
+from moeflow.kernels.dispatch import uses_cpu_int4
 
 ATTENTION_BITS = (None, 8, 4, "auto")
 AUTO_ATTENTION_BITS = 8  # "auto" (the default) on the CPU int4 path: int8 16-bit attention projections
@@ -48,7 +49,7 @@ def check_attention_bits(attention_bits: int | str | None, kernels_linear: str, 
     a non-default head given only on the CPU int4 path (``lm_head_bits=4`` also needs moeflow's native CPU kernels)."""
     if lm_head_bits not in LM_HEAD_BITS:
         raise ValueError(f"lm_head_bits={lm_head_bits!r}: expected 8 or 4")
-    if lm_head_bits != 8 and (kernels_linear != "cpu-int4" or not native_available()):
+    if lm_head_bits != 8 and (not uses_cpu_int4(kernels_linear) or not native_available()):
         raise ValueError(f"lm_head_bits={lm_head_bits} runs the lm_head through moeflow's native CPU kernels on "
                          "the CPU int4 path (device='cpu', an AWQ checkpoint, a C compiler); here the linear "
                          f"layers run the {kernels_linear!r} kernels")
@@ -56,7 +57,7 @@ def check_attention_bits(attention_bits: int | str | None, kernels_linear: str, 
         raise ValueError(f"attention_bits={attention_bits!r}: expected 'auto', None, 8 or 4")
     if attention_bits == "auto":
         return
-    if attention_bits is not None and kernels_linear != "cpu-int4":
+    if attention_bits is not None and not uses_cpu_int4(kernels_linear):
         raise ValueError(f"attention_bits={attention_bits} quantizes 16-bit attention projections for the CPU "
                          "int4 path (device='cpu', an AWQ checkpoint, kernels 'auto' or 'cpu-int4'); here the "
                          f"linear layers run the {kernels_linear!r} kernels")
@@ -69,7 +70,7 @@ def resolve_attention_bits(attention_bits: int | str | None, kernels_linear: str
     the torch reference, gated / linear-attention families keep their projections)."""
     if attention_bits != "auto":
         return attention_bits
-    return AUTO_ATTENTION_BITS if kernels_linear == "cpu-int4" and not linear_attention else None
+    return AUTO_ATTENTION_BITS if uses_cpu_int4(kernels_linear) and not linear_attention else None
 
 
 def quantize_decoder_linears(decoder: nn.Module, attention_bits: int | None, lm_head_bits: int = 8

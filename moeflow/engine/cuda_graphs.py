@@ -56,6 +56,7 @@ from typing import Any, Protocol
 
 import torch
 
+from moeflow.compile_boundary import host_logic
 from moeflow.engine.compiled import traces_through
 from moeflow.engine.memory import GRAPH_STEPS
 from moeflow.moe.backend import ExpertBackend
@@ -148,7 +149,7 @@ class _Boundary:
         self.replays: list[Callable[[], None]] = []
         self.calls: list[_Call] = []
 
-    @torch.compiler.disable  # host logic (a compiled decode function breaks here, as at the real backend)
+    @host_logic  # host logic (a compiled decode function breaks here, as at the real backend)
     def forward_logits(self, layer: int, x: torch.Tensor, router_logits: torch.Tensor, route: Callable,
                        kernel_routing: Any, want_ids: bool) -> tuple[torch.Tensor, None]:
         if want_ids:  # a recorded routing would be a host value of the captured step

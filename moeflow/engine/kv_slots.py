@@ -22,6 +22,7 @@ import torch
 from moeflow.engine.linear_state import LinearState
 from moeflow.errors import InputError
 from moeflow.families.base import KVCacheSpec, LinearStateSpec
+from moeflow.kernels.dispatch import uses_triton
 
 
 def kv_bytes_per_row(num_layers: int, kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype) -> int:
@@ -326,8 +327,7 @@ class SlotDecodeView:
 
     def kernel_on(self, device: torch.device) -> bool:
         """Whether ``attention_kernel`` puts the in-place kernels on ``device`` (never while torch.compile traces)."""
-        mode = self.attention_kernel
-        return (mode == "triton" or (mode == "auto" and device.type == "cuda")) and not torch.compiler.is_compiling()
+        return uses_triton(self.attention_kernel, device) and not torch.compiler.is_compiling()
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_position: torch.Tensor,
                sliding_window: int | None, sinks: torch.Tensor | None = None, scale: float | None = None

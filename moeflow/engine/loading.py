@@ -19,8 +19,15 @@ from moeflow.families.base import ExpertLayout, ExpertSpec
 from moeflow.families.layers import AWQLinear
 from moeflow.families.mtp import MultiTokenPredictor
 from moeflow.io.checkpoint import CheckpointReader, QuantizationSpec, read_json
-from moeflow.kernels.biased import BiasedExpertFormat
-from moeflow.kernels.pool import ExpertFormat
+from moeflow.kernels.formats import (
+    AWQFormat,
+    BiasedAWQFormat,
+    BiasedDenseFormat,
+    BiasedExpertFormat,
+    DenseFormat,
+    ExpertFormat,
+    MXFP4Format,
+)
 from moeflow.quant.fp8 import awq_expert_tensors, int4_group_size
 
 # buffers that stay fp32 whatever the model's dtype: DeepSeek-V3's selection bias decides near-ties among
@@ -38,13 +45,13 @@ def expert_format(family: Family, layout: ExpertLayout, quant: QuantizationSpec 
         if quant is None:
             raise CheckpointError("expert tensors are AWQ-quantized (qweight) but the checkpoint has no "
                                   "quantization_config in config.json nor a quant_config.json")
-        return ExpertFormat(spec.hidden_size, spec.intermediate_size, "awq", layout.scales_dtype, quant.group_size)
-    return ExpertFormat(spec.hidden_size, spec.intermediate_size, "dense", dtype)
+        return AWQFormat(spec.hidden_size, spec.intermediate_size, layout.scales_dtype, quant.group_size)
+    return DenseFormat(spec.hidden_size, spec.intermediate_size, dtype)
 
 
 def biased_expert_format(spec: ExpertSpec, layout: ExpertLayout, quant: QuantizationSpec | None,
                          dtype: torch.dtype) -> BiasedExpertFormat:
-    """Experts with biases / another activation / MXFP4 storage (gpt-oss): :mod:`moeflow.kernels.biased`."""
+    """Experts with biases / another activation / MXFP4 storage (gpt-oss): :mod:`moeflow.kernels.formats.biased`."""
     kw = dict(activation=spec.activation, bias=spec.bias, swiglu_alpha=spec.swiglu_alpha,
               swiglu_limit=spec.swiglu_limit)
     H, I = spec.hidden_size, spec.intermediate_size  # noqa: E741
@@ -55,9 +62,9 @@ def biased_expert_format(spec: ExpertSpec, layout: ExpertLayout, quant: Quantiza
             raise CheckpointError(f"expert tensors are {want.upper()}-quantized but config.json has {found} "
                                   f"(expected quantization_config.quant_method {want!r})")
         if layout.mxfp4:  # biases in the model dtype (exact for the published bf16 biases)
-            return BiasedExpertFormat(H, I, "mxfp4", dtype, 32, **kw)
-        return BiasedExpertFormat(H, I, "awq", layout.scales_dtype, quant.group_size, **kw)
-    return BiasedExpertFormat(H, I, "dense", dtype, **kw)
+            return MXFP4Format(H, I, dtype, 32, **kw)
+        return BiasedAWQFormat(H, I, layout.scales_dtype, quant.group_size, **kw)
+    return BiasedDenseFormat(H, I, dtype, **kw)
 
 
 _INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
@@ -185,7 +192,7 @@ def requantized_expert_format(family: Family) -> ExpertFormat:
     """The int4 (AWQ, fp16 scales) format dense-read experts are requantized into (FP8 checkpoints)."""
     spec = family.expert_spec()
     group = int4_group_size(spec.hidden_size, spec.intermediate_size)
-    return ExpertFormat(spec.hidden_size, spec.intermediate_size, "awq", torch.float16, group)
+    return AWQFormat(spec.hidden_size, spec.intermediate_size, torch.float16, group)
 
 
 def requantize_experts(experts: Iterator[tuple[int, int, dict[str, torch.Tensor]]], fmt: ExpertFormat

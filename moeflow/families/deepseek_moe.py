@@ -26,7 +26,7 @@ from torch import nn
 
 from moeflow.errors import CheckpointError
 from moeflow.families.base import ExpertLayout, ExpertSpec, Family
-from moeflow.families.gated_experts import ProjectionNames, split_fused_experts
+from moeflow.families.gated_experts import ProjectionNames, concat, split_fused_experts
 from moeflow.families.layers import LinearFactory, RMSNorm
 from moeflow.families.mtp import MTPLayer, MultiTokenPredictor, mtp_checkpoint_name
 from moeflow.io.checkpoint import CheckpointReader, QuantizationSpec, get_slice
@@ -208,14 +208,14 @@ class SharedExpertMoEFamily(Family):
         if not layout.awq:
             w1 = self.read_linear(reader, f"{name}.gate_proj", (I, H))
             w3 = self.read_linear(reader, f"{name}.up_proj", (I, H))
-            return {"w13": torch.cat([w1, w3], dim=0), "w2": self.read_linear(reader, f"{name}.down_proj", (H, I))}
+            return {"w13": concat([w1, w3], dim=0), "w2": self.read_linear(reader, f"{name}.down_proj", (H, I))}
         g = quant.group_size
         parts = {}
         for part, (fan_in, fan_out) in (("gate_proj", (H, I)), ("up_proj", (H, I)), ("down_proj", (I, H))):
             for kind, shape in (("qweight", (fan_in, fan_out // 8)), ("qzeros", (fan_in // g, fan_out // 8)),
                                 ("scales", (fan_in // g, fan_out))):
                 parts[f"{part}.{kind}"] = reader.get(f"{name}.{part}.{kind}", shape)
-        out = {f"w13_{kind}": torch.cat([parts[f"gate_proj.{kind}"], parts[f"up_proj.{kind}"]], dim=1)
+        out = {f"w13_{kind}": concat([parts[f"gate_proj.{kind}"], parts[f"up_proj.{kind}"]], dim=1)
                for kind in ("qweight", "qzeros", "scales")}
         out.update({f"w2_{kind}": parts[f"down_proj.{kind}"] for kind in ("qweight", "qzeros", "scales")})
         return out

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeflow.families.layers import LinearFactory
+from moeflow.kernels.dispatch import BACKENDS, uses_triton
 
 CHUNK = 64  # tokens per chunk of the prefill form (as transformers' and FLA's)
 
@@ -180,7 +181,7 @@ class GatedDeltaNet(nn.Module):
         """"torch": the fp32 reference above; "triton": :mod:`moeflow.kernels.deltanet.kernels` (the decode conv,
         and for any T the fused recurrence; on a CPU under ``TRITON_INTERPRET=1``); "auto" (the default): Triton
         when the input is on CUDA."""
-        if backend not in ("torch", "triton", "auto"):
+        if backend not in BACKENDS:
             raise ValueError(f"GatedDeltaNet kernels {backend!r}: expected 'torch', 'triton' or 'auto'")
         self.kernels_backend = backend
 
@@ -226,7 +227,7 @@ class GatedDeltaNet(nn.Module):
         conv_state, recurrent, mask = cache.linear_state(self.state_idx)
         x = x * mask[..., None].to(x.dtype)  # padding tokens feed zeros into the conv, as transformers does
         qkv, z, b, a = self.project(x)
-        if self.kernels_backend == "triton" or (self.kernels_backend == "auto" and x.is_cuda):
+        if uses_triton(self.kernels_backend, x.device):
             from moeflow.kernels import deltanet
 
             if t == 1:  # the conv kernel shifts the conv state in place

@@ -35,6 +35,20 @@ class ProjectionNames:
     down: str = "down_proj"
 
 
+
+def concat(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """``torch.cat`` for the expert read paths: one buffer and a copy per part. The expert index plans reads on
+    meta tensors, and ``torch.cat``'s meta kernel is a Python decomposition whose first call imports
+    ``torch._dynamo`` (~1.8 s of a cold start, docs/disk.md); the copies' meta kernels are not."""
+    shape = list(tensors[0].shape)
+    shape[dim] = sum(t.shape[dim] for t in tensors)
+    out = tensors[0].new_empty(shape)
+    start = 0
+    for t in tensors:
+        out.narrow(dim, start, t.shape[dim]).copy_(t)
+        start += t.shape[dim]
+    return out
+
 def detect_gated_layout(reader: CheckpointReader, layer_prefix: str, moe_prefix: str, names: ProjectionNames,
                         num_experts: int, experts_key: str) -> ExpertLayout:
     """The layout of the experts under ``{layer_prefix}.{moe_prefix}.experts`` (one MoE layer), checking that
@@ -76,7 +90,7 @@ def read_gated_expert(reader: CheckpointReader, layout: ExpertLayout, quant: Qua
     if not layout.awq:
         gate = reader.get(f"{name}.{names.gate}.weight", (I, H))
         up = reader.get(f"{name}.{names.up}.weight", (I, H))
-        return {"w13": torch.cat([gate, up], dim=0), "w2": reader.get(f"{name}.{names.down}.weight", (H, I))}
+        return {"w13": concat([gate, up], dim=0), "w2": reader.get(f"{name}.{names.down}.weight", (H, I))}
     if quant is None:
         raise CheckpointError(f"expert tensors under {base} are quantized (qweight) but the checkpoint has no "
                               "quantization_config in config.json")
@@ -87,7 +101,7 @@ def read_gated_expert(reader: CheckpointReader, layout: ExpertLayout, quant: Qua
     for part in AWQ_PARTS:
         gate = reader.get(f"{name}.{names.gate}.{part}", shapes[part](H, I))
         up = reader.get(f"{name}.{names.up}.{part}", shapes[part](H, I))
-        out[f"w13_{part}"] = torch.cat([gate, up], dim=1)
+        out[f"w13_{part}"] = concat([gate, up], dim=1)
         out[f"w2_{part}"] = reader.get(f"{name}.{names.down}.{part}", shapes[part](I, H))
     return out
 

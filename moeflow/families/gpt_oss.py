@@ -28,6 +28,7 @@ from torch import nn
 
 from moeflow.errors import CheckpointError
 from moeflow.families.base import CausalDecoder, ExpertLayout, ExpertSpec, Family
+from moeflow.families.gated_experts import concat
 from moeflow.families.gpt_oss_layers import GptOssRMSNorm, ScaledRotaryEmbedding, SinkAttention, yarn_inv_freq
 from moeflow.families.layers import LinearFactory
 from moeflow.io.checkpoint import CheckpointReader, QuantizationSpec, get_slice
@@ -217,7 +218,7 @@ class GptOssFamily(Family):
                                     ("scales", (fan_in // g, fan_out))):
                     parts[f"{part}.{kind}"] = reader.get(f"{base}.{expert}.{part}.{kind}", shape)
             for kind in ("qweight", "qzeros", "scales"):
-                out[f"w13_{kind}"] = torch.cat([parts[f"gate_proj.{kind}"], parts[f"up_proj.{kind}"]], dim=1)
+                out[f"w13_{kind}"] = concat([parts[f"gate_proj.{kind}"], parts[f"up_proj.{kind}"]], dim=1)
                 out[f"w2_{kind}"] = parts[f"down_proj.{kind}"]
             return out
         gate_up = get_slice(reader, f"{base}.gate_up_proj", expert, (E, H, 2 * I))

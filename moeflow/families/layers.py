@@ -88,7 +88,7 @@ class AWQLinear(nn.Module):
         """Pick the kernels once the weights are loaded. The Triton path repacks them here, once, into the expert
         kernels' panel-major layout (``kernels.pack_awq_linear``: exact, the same bytes) instead of per call."""
         self.kernels_backend = backend
-        if not self.packed and kernels.resolve_backend(backend, self.qweight.device) == "triton":
+        if not self.packed and kernels.uses_triton(backend, self.qweight.device):
             for name, tensor in kernels.pack_awq_linear(self.qweight, self.qzeros, self.scales).items():
                 setattr(self, name, tensor)  # registered buffers: assignment keeps them buffers
             # checked here, once: forward skips the weight checks on every call (weights_checked)

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moeflow.kernels.pool import ExpertPool, qweight_rows
+from moeflow.kernels.formats.plain_layout import qweight_rows
+from moeflow.kernels.pool import ExpertPool
 from moeflow.kernels.reference import pool_weights
 
 

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from moeflow.kernels.pool import awq_panel
+from moeflow.kernels.formats.plain_layout import awq_panel
 from moeflow.quant.awq import SUPPORTED_GROUP_SIZES
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

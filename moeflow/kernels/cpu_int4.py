@@ -6,7 +6,7 @@ bf16 activations (fp16/fp32 take a slow path, 20-30x slower on the machines we m
 expert runs in bf16 whatever the model dtype: results differ from the fp32 reference by bf16 rounding
 of the activations (relative error ~3e-3 per matmul).
 
-Where moeflow's own CPU kernels build (:mod:`moeflow.kernels.cpu_native`: int8 activations, integer dot products,
+Where moeflow's own CPU kernels build (:mod:`moeflow.kernels.cpu.native`: int8 activations, integer dot products,
 2x to 4x faster than torch's int4 kernel on AVX2), :class:`Int4Expert` holds its experts in that format instead
 and runs each expert in one call (fp32 in and out, no bf16 rounding; its numerics are stated there).
 
@@ -129,7 +129,7 @@ def cpu_expert_kernel() -> str:
 @dataclass
 class Int4Expert:
     """One expert (fused gate/up ``w13`` and down ``w2``) in a CPU int4 format: moeflow's own
-    (:class:`~moeflow.kernels.cpu_native.Q4Matrix`) where it builds, else torch's (:class:`Int4Matrix`)."""
+    (:class:`~moeflow.kernels.cpu.native.Q4Matrix`) where it builds, else torch's (:class:`Int4Matrix`)."""
 
     w13: Int4Matrix | Q4Matrix
     w2: Int4Matrix | Q4Matrix

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from moeflow.kernels.biased import gate_activation
-from moeflow.kernels.cpu_int4 import COMPUTE_DTYPE, INNER_K_TILES, Int4Expert, _repack_block
+from moeflow.kernels.cpu_int4 import COMPUTE_DTYPE, INNER_K_TILES, _repack_block
+from moeflow.kernels.formats.layout import ExpertFormat
 from moeflow.kernels.mxfp4_reference import BLOCK, check_mxfp4, dequantize_mxfp4
 
 
@@ -109,12 +110,12 @@ class Mxfp4CpuExpert:
     w2: Mxfp4Int4Matrix
     b13: torch.Tensor | None  # fp32 [2I]
     b2: torch.Tensor | None  # fp32 [H]
-    fmt: object  # the BiasedExpertFormat: activation, swiglu_alpha, swiglu_limit
+    fmt: ExpertFormat  # the MXFP4Format: activation, swiglu_alpha, swiglu_limit
 
     @classmethod
-    def from_tensors(cls, t: dict[str, torch.Tensor], fmt) -> Mxfp4CpuExpert:
-        """t: one expert's tensors as a :class:`~moeflow.kernels.biased.BiasedExpertFormat` ("mxfp4") names them."""
-        bias = getattr(fmt, "bias", False)
+    def from_tensors(cls, t: dict[str, torch.Tensor], fmt: ExpertFormat) -> Mxfp4CpuExpert:
+        """t: one expert's loader-form tensors as :class:`~moeflow.kernels.formats.MXFP4Format` names them."""
+        bias = fmt.bias
         return cls(Mxfp4Int4Matrix.from_mxfp4(t["w13_blocks"], t["w13_scales"], "w13"),
                    Mxfp4Int4Matrix.from_mxfp4(t["w2_blocks"], t["w2_scales"], "w2"),
                    t["w13_bias"].float().cpu() if bias else None, t["w2_bias"].float().cpu() if bias else None, fmt)
@@ -140,7 +141,7 @@ def mxfp4_cpu_expert_reference(t: dict[str, torch.Tensor], fmt, rows: torch.Tens
     """Plain-torch model of :meth:`Mxfp4CpuExpert.forward` (exact weights, the same bf16 rounding points)."""
     w13 = dequantize_mxfp4(t["w13_blocks"], t["w13_scales"])
     w2 = dequantize_mxfp4(t["w2_blocks"], t["w2_scales"])
-    bias = getattr(fmt, "bias", False)
+    bias = fmt.bias
     h = (rows.to(COMPUTE_DTYPE).float() @ w13.T).to(COMPUTE_DTYPE).float()
     if bias:
         h = h + t["w13_bias"].float()
@@ -149,30 +150,3 @@ def mxfp4_cpu_expert_reference(t: dict[str, torch.Tensor], fmt, rows: torch.Tens
     if bias:
         y = y + t["w2_bias"].float()
     return (y * weights[:, None]).to(rows.dtype)
-
-
-def cpu_expert_form(fmt, tensors: dict[str, torch.Tensor]):
-    """The CPU form hybrid execution computes an expert with: :class:`Int4Expert` for plain AWQ experts,
-    :class:`Mxfp4CpuExpert` for MXFP4 ones. ``tensors``: :func:`region_tensors` of the expert's host region."""
-    if fmt.kind == "mxfp4":
-        return Mxfp4CpuExpert.from_tensors(tensors, fmt)
-    if fmt.kind == "awq" and not getattr(fmt, "extended", False):
-        return Int4Expert.from_awq_tensors(tensors, fmt.group_size)
-    raise ValueError(f"no CPU form for {fmt.kind!r} experts{' with biases' if getattr(fmt, 'extended', False) else ''}"
-                     " (hybrid execution computes AWQ and MXFP4 experts)")
-
-
-def region_tensors(fmt, region: torch.Tensor) -> dict[str, torch.Tensor]:
-    """One expert's tensors from its host region ``uint8 [nbytes]``, in the form :func:`cpu_expert_form` takes."""
-    return fmt.loader_tensors(region) if fmt.kind == "mxfp4" else fmt.awq_tensors(region)
-
-
-def cpu_form_supported(fmt) -> str | None:
-    """None when hybrid execution can compute ``fmt``'s experts on the CPU, else why not."""
-    if fmt.kind == "mxfp4":
-        return None
-    if fmt.kind != "awq":
-        return f"the experts are {fmt.kind!r}, not AWQ 4-bit or MXFP4"
-    if getattr(fmt, "extended", False):
-        return f"the AWQ experts carry biases or the {getattr(fmt, 'activation', '?')!r} activation (gpt-oss)"
-    return None

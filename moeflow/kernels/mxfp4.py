@@ -344,7 +344,7 @@ def mxfp4_expert_forward(
     x: torch.Tensor,  # [T, H]
     topk_ids: torch.Tensor,  # int [T, k]
     topk_weights: torch.Tensor,  # fp32 [T, k]
-    pool: ExpertPool,  # a BiasedExpertFormat pool of kind "mxfp4"
+    pool: ExpertPool,  # an MXFP4Format pool
     slot_of_expert: torch.Tensor,  # int32 [E]
     out: torch.Tensor,  # [T*k, H]
     expert_mask: torch.Tensor | None = None,  # bool [E]
@@ -365,9 +365,8 @@ def mxfp4_expert_forward(
     block_m = config["BLOCK_M"]
     sorted_ids, expert_of_block, _ = routing_plan(topk_ids, num_experts, block_m, "triton")
     h = x.new_empty((num_pairs, fmt.intermediate_size))
-    act = dict(activation=getattr(fmt, "activation", "silu"), alpha=getattr(fmt, "swiglu_alpha", 1.702),
-               limit=getattr(fmt, "swiglu_limit", 7.0))
-    has_bias = getattr(fmt, "bias", False)
+    act = dict(activation=fmt.activation, alpha=fmt.swiglu_alpha, limit=fmt.swiglu_limit)
+    has_bias = fmt.bias
     mxfp4_gemm(0, x, t["w13_blocks"], t["w13_scales"], t["w13_bias"] if has_bias else None, h, sorted_ids,
                expert_of_block, slot_of_expert, expert_mask, None, top_k, block_m, **act, config=config.get("w13"))
     mxfp4_gemm(1, h, t["w2_blocks"], t["w2_scales"], t["w2_bias"] if has_bias else None, out, sorted_ids,

@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moeflow.kernels.pool import ExpertPool, qweight_rows
+from moeflow.kernels.formats.plain_layout import qweight_rows
+from moeflow.kernels.pool import ExpertPool
 from moeflow.quant.awq import dequantize
 
 
@@ -132,24 +133,15 @@ def expert_forward_pool_reference(
 
 
 def pool_weights(pool: ExpertPool) -> tuple[tuple, tuple, int]:
-    """(w13, w2, group_size) views of a pool as the kernels take them."""
-    t, fmt = pool.tensors, pool.fmt
-    if fmt.kind == "dense":
-        return (t["w13"], None, None), (t["w2"], None, None), 0
-    return ((t["w13_qweight"], t["w13_qzeros"], t["w13_scales"]),
-            (t["w2_qweight"], t["w2_qzeros"], t["w2_scales"]), fmt.group_size)
+    """(w13, w2, group_size) views of a plain-format (dense or AWQ) pool as the plain kernels take them."""
+    return pool.fmt.kernel_weights(pool)
 
 
 def expert_weights_reference(pool: ExpertPool, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense fp32 (w13 [H, 2I] gate columns first, w2 [I, H]) of the expert in ``slot`` (``y = x @ W``),
     from the loader form (AWQ as published): independent of the kernel layout."""
-    src = pool.fmt.loader_tensors(pool.buffer[slot])
-    if pool.fmt.kind == "dense":
-        return src["w13"].float().T, src["w2"].float().T
-    g = pool.fmt.group_size
-    w13 = dequantize(src["w13_qweight"], src["w13_qzeros"], src["w13_scales"].float(), g)
-    w2 = dequantize(src["w2_qweight"], src["w2_qzeros"], src["w2_scales"].float(), g)
-    return w13, w2
+    w13, _, w2, _ = pool.fmt.reference_weights(pool, slot)
+    return w13.T, w2.T
 
 
 def expert_forward_reference(
@@ -173,7 +165,7 @@ def expert_forward_reference(
     for e, pairs in _selected_experts(topk_ids, expert_mask):
         rows = x[pairs // k]
         s = int(slot_of_expert[e])
-        if pool.fmt.kind == "dense" and x.dtype == pool.fmt.dtype:
+        if pool.fmt.dense_in(x.dtype):
             src = pool.fmt.loader_tensors(pool.buffer[s])
             h = F.linear(rows, src["w13"])
             y = F.linear(F.silu(h[:, :inter]) * h[:, inter:], src["w2"]) * flat_w[pairs, None].to(x.dtype)

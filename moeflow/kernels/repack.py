@@ -7,7 +7,7 @@ shift, xor, and), so no nibble is ever unpacked into its own integer:
 
 * :func:`awq_to_panels`: the GPU pool's panel-major ``qweight [K/P, N, P/8]``
   (:mod:`moeflow.kernels.pool`), gate/up columns interleaved for w13;
-* :func:`awq_to_q4_packed`: the CPU kernels' row-grouped ``uint8 [N, K/2]`` (:class:`~moeflow.kernels.cpu_native.
+* :func:`awq_to_q4_packed`: the CPU kernels' row-grouped ``uint8 [N, K/2]`` (:class:`~moeflow.kernels.cpu.native.
   Q4Matrix`).
 
 Two implementations, bit-identical (tests/test_repack.py checks both against the unpacking references
@@ -50,7 +50,7 @@ def nibble_transpose_torch(qweight: torch.Tensor, row_order: tuple[int, ...] = N
     return x
 
 
-Library = ctypes.CDLL  # moeflow's CPU library (``moeflow.kernels.cpu_native.library()``), or None: plain torch
+Library = ctypes.CDLL  # moeflow's CPU library (``moeflow.kernels.cpu.native.library()``), or None: plain torch
 
 
 def _on_cpu(lib: Library | None, *tensors: torch.Tensor) -> bool:
@@ -167,7 +167,7 @@ def permute_word_bits_native(lib: Library | None, words: torch.Tensor, lo: torch
 def quantize_rows_int8_native(lib: Library | None, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``w`` fp32 ``[rows, cols]`` -> (int8 ``[rows, cols]``, bf16 scales ``[rows]``): per row s = bf16(max(max|w| /
     127, 1e-8)), q = clamp(round(w / s), -127, 127), in one pass of ``mf_quantize_rows_int8`` (bit for bit the
-    torch expression in :func:`moeflow.kernels.cpu_quant_linear.quantize_linear_cpu`); None off the CPU or
+    torch expression in :func:`moeflow.kernels.cpu.quant_linear.quantize_linear_cpu`); None off the CPU or
     without moeflow's CPU library."""
     if not _on_cpu(lib, w) or w.dtype != torch.float32 or w.dim() != 2:
         return None

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from moeflow.kernels.pool import ExpertFormat
+from moeflow.kernels.formats import ExpertFormat
 
 
 class KernelRouting(NamedTuple):

@@ -5,9 +5,11 @@ from __future__ import annotations
 import torch
 
 from moeflow import kernels
+from moeflow.compile_boundary import host_logic
 from moeflow.kernels.cpu.step import experts_step
 from moeflow.kernels.cpu_int4 import COMPUTE_DTYPE, Int4Expert
-from moeflow.kernels.pool import ExpertFormat, ExpertPool
+from moeflow.kernels.formats import ExpertFormat
+from moeflow.kernels.pool import ExpertPool
 from moeflow.moe.backend import ExpertBackend, KernelRouting
 
 
@@ -38,7 +40,7 @@ class ResidentExperts(ExpertBackend):
     def _route_and_forward(self, layer, x, router_logits, route, kernel_routing: KernelRouting | None, want_ids):
         """On the Triton path a plain softmax top-k is computed by the plan launch itself: with the two expert
         GEMMs and the combine, 4 launches per layer at decode (``kernels.moe_forward(router_logits=...)``)."""
-        if kernel_routing is None or kernels.resolve_backend(self.kernels_backend, x.device) != "triton":
+        if kernel_routing is None or not kernels.uses_triton(self.kernels_backend, x.device):
             return super()._route_and_forward(layer, x, router_logits, route, kernel_routing, want_ids)
         result = kernels.moe_forward(
             x, None, None, self.pool, self.slot_tables[layer], "triton", validate=False if x.is_cuda else None,
@@ -56,8 +58,8 @@ class CpuInt4Experts(ExpertBackend):
     """
 
     def __init__(self, fmt: ExpertFormat, num_layers: int, num_experts: int) -> None:
-        if fmt.kind != "awq":
-            raise ValueError(f"CpuInt4Experts needs AWQ experts, got expert format {fmt.kind!r}")
+        if not fmt.cpu_int4:
+            raise ValueError(f"CpuInt4Experts needs plain AWQ experts, got expert format {fmt!r}")
         self.fmt = fmt
         self._make = Int4Expert.from_awq_tensors
         self.experts: list[list] = [[None] * num_experts for _ in range(num_layers)]
@@ -65,7 +67,7 @@ class CpuInt4Experts(ExpertBackend):
     def load_expert(self, layer: int, expert: int, tensors: dict[str, torch.Tensor]) -> None:
         self.experts[layer][expert] = self._make(tensors, self.fmt.group_size)
 
-    @torch.compiler.disable  # host logic (reads the routing back): under torch.compile, the layer's one graph break
+    @host_logic  # host logic (reads the routing back): under torch.compile, the layer's one graph break
     def forward(self, layer, x, probs, topk_ids, topk_weights):  # noqa: D102 (see ExpertBackend)
         return self._forward(layer, x, probs, topk_ids, topk_weights)
 

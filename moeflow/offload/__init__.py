@@ -13,7 +13,7 @@ from torch import nn
 
 from moeflow.config import OffloadConfig
 from moeflow.errors import SchedulingError
-from moeflow.kernels.pool import ExpertFormat
+from moeflow.kernels.formats import ExpertFormat
 from moeflow.moe import ExpertBackend, ResidentExperts
 from moeflow.offload.backend import OffloadedExperts
 from moeflow.offload.cache import ExpertCache, Slot, SlotState

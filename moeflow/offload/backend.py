@@ -30,7 +30,9 @@ from collections.abc import Callable, Collection
 import torch
 
 from moeflow import kernels
-from moeflow.kernels.pool import ExpertFormat, ExpertPool
+from moeflow.compile_boundary import host_logic
+from moeflow.kernels.formats import ExpertFormat
+from moeflow.kernels.pool import ExpertPool
 from moeflow.moe.backend import ExpertBackend, RoutingPathPlanner, StepInfo
 from moeflow.offload.cache import ExpertCache, Slot
 from moeflow.offload.compute import LayerCompute
@@ -139,8 +141,7 @@ class OffloadedExperts(CapturedPrelude, SlotLoads, ExpertBackend):
             raise ValueError(f"OffloadConfig.early_hits=True: {why_not} computes a group only once its routing "
                              "is on the host")
         if wanted is None:
-            return self.readback.cuda and why_not is None and kernels.resolve_backend(
-                self.kernels_backend, self.device) == "triton"
+            return self.readback.cuda and why_not is None and kernels.uses_triton(self.kernels_backend, self.device)
         return bool(wanted)
 
     @property
@@ -222,7 +223,7 @@ class OffloadedExperts(CapturedPrelude, SlotLoads, ExpertBackend):
         probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32) if self.predictor is not None else None
         return self._forward_to_call()(layer, x, probs, ids, weights), ids if want_ids else None
 
-    @torch.compiler.disable  # the host-side scheduler: the one graph break per MoE layer under torch.compile
+    @host_logic  # the host-side scheduler: the one graph break per MoE layer under torch.compile
     def forward(
         self,
         layer: int,

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from moeflow.kernels.cpu_int4 import cpu_expert_kernel
-from moeflow.kernels.pool import ExpertFormat
+from moeflow.kernels.formats import ExpertFormat
 from moeflow.offload.cost_model import Rates
 
 FORMAT_VERSION = 2  # 2: rates hold cpu_free_tokens

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from moeflow.kernels.pool import ALIGN, ExpertFormat
+from moeflow.kernels.formats import ALIGN, ExpertFormat
 
 
 def chunk_ranges(nbytes: int, chunks: int, align: int = ALIGN) -> list[tuple[int, int]]:
@@ -21,7 +21,7 @@ def linear_chunks(fmt: ExpertFormat) -> list[tuple[int, int]]:
     for spec in fmt.specs:
         starts.setdefault(spec.name.split("_")[0], spec.offset)
     bounds = sorted(starts.values())
-    if fmt.kind == "dense":
+    if fmt.w13_halves:
         w13 = fmt.spec("w13")
         if (w13.nbytes // 2) % ALIGN == 0:
             bounds.append(w13.offset + w13.nbytes // 2)

@@ -10,7 +10,8 @@ from collections.abc import Callable
 import torch
 
 from moeflow import kernels
-from moeflow.kernels.pool import ExpertFormat, ExpertPool
+from moeflow.kernels.formats import ExpertFormat
+from moeflow.kernels.pool import ExpertPool
 from moeflow.offload.combine import combine_in_order
 from moeflow.offload.cpu_slots import SlotInt4Forms
 from moeflow.offload.device_step import Bucket, DeviceGraphs
@@ -31,7 +32,7 @@ class LayerCompute:
         self.kernels_backend = kernels_backend
         self.executor = executor
         self.slot_tables = SlotTables(self.device, num_experts)
-        self.int4_slots = SlotInt4Forms(pool) if kernels_backend == "cpu-int4" else None
+        self.int4_slots = SlotInt4Forms(pool) if kernels.uses_cpu_int4(kernels_backend) else None
         # resolved once: the torch combine is called directly (no custom-op dispatch in eager mode)
         self.combine_backend = kernels.resolve_backend("torch" if self.int4_slots else kernels_backend, self.device)
         self.graphs: DeviceGraphs | None = None
@@ -67,7 +68,7 @@ class LayerCompute:
             return self.graphs.combine(bucket)
         if self.int4_slots is not None:
             return self.int4_slots.combine(out, top_k)
-        if self.combine_backend == "torch":
+        if not kernels.uses_triton(self.combine_backend, self.device):
             return combine_in_order(out, top_k)
         return kernels.combine(out, top_k, self.combine_backend)  # triton: its eager launcher, no custom op
 
@@ -87,6 +88,6 @@ class LayerCompute:
             return "the simulator's compute executor accounts the compute instead of running it"
         if self.int4_slots is not None:
             return "kernels='cpu-int4' computes the slots with torch's CPU int4 kernels"
-        if getattr(self.fmt, "extended", False):
-            return f"the {self.fmt.kind!r} expert format (biases, clamped SwiGLU or MXFP4) has no captured form"
+        if not self.fmt.capturable:
+            return f"the {type(self.fmt).__name__} expert format (biases, clamped SwiGLU or MXFP4) has no captured form"
         return None

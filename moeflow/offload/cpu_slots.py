@@ -27,17 +27,19 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
 from moeflow.kernels import reference
 from moeflow.kernels.cpu.step import expert_row, experts_step
 from moeflow.kernels.cpu_int4 import Int4Expert
-from moeflow.kernels.pool import ALIGN, ExpertFormat, ExpertPool, TensorSpec
+from moeflow.kernels.formats import ALIGN, AWQFormat, ExpertFormat, TensorSpec
+from moeflow.kernels.pool import ExpertPool
 
 
 @dataclass(frozen=True)
-class CpuInt4Format(ExpertFormat):
+class CpuInt4Format(AWQFormat):
     """An AWQ expert format (same shapes, group size and loader tensors) whose region holds the CPU int4 form
     :meth:`Int4Expert.from_awq_tensors` builds (module docstring). Built with :meth:`of`; never equal to the AWQ
     format it came from.
@@ -48,12 +50,14 @@ class CpuInt4Format(ExpertFormat):
 
     awq_nbytes: int = field(init=False, repr=False, compare=False)  # the AWQ region's size, for the record
     _template: Int4Expert = field(init=False, repr=False, compare=False)  # a blank expert: the fields' layout
+    fused_moe: ClassVar[bool] = False  # computed by SlotInt4Forms (torch's CPU int4 kernels), never the GPU kernels
+    capturable: ClassVar[bool] = False
 
     @classmethod
     def of(cls, fmt: ExpertFormat) -> CpuInt4Format:
-        if fmt.kind != "awq" or type(fmt) is not ExpertFormat:
+        if type(fmt) is not AWQFormat:
             raise ValueError(f"CpuInt4Format: the int4 CPU layout holds plain AWQ experts, got {fmt!r}")
-        return cls(fmt.hidden_size, fmt.intermediate_size, "awq", fmt.dtype, fmt.group_size)
+        return cls(fmt.hidden_size, fmt.intermediate_size, fmt.dtype, fmt.group_size)
 
     def __post_init__(self) -> None:
         super().__post_init__()  # checks the sizes against the group size, lays out the AWQ region
@@ -90,6 +94,9 @@ class CpuInt4Format(ExpertFormat):
             for name, t in _tensor_fields(matrix):
                 views[f"{prefix}_{name}"][0].copy_(t)
 
+    def forward(self, *args, **kwargs):  # noqa: D102
+        raise TypeError("CpuInt4Format slots are computed by SlotInt4Forms (kernels='cpu-int4'), not expert_forward")
+
     def int4_expert(self, region: torch.Tensor) -> Int4Expert:
         """The :class:`Int4Expert` of a region ``uint8 [nbytes]``: views of its bytes, no copy (it reads whatever
         the region holds when it is called)."""
@@ -101,8 +108,6 @@ class CpuInt4Format(ExpertFormat):
     def loader_tensors(self, region: torch.Tensor) -> dict[str, torch.Tensor]:
         raise ValueError("CpuInt4Format regions hold the CPU int4 form, not AWQ tensors: read them with "
                          "int4_expert(region)")
-
-    awq_tensors = loader_tensors
 
 
 def _tensor_fields(matrix) -> list[tuple[str, torch.Tensor]]:
@@ -117,7 +122,7 @@ def int4_expert_of(fmt: ExpertFormat, region: torch.Tensor, *, own: bool = False
     kept), converted from the AWQ bytes otherwise."""
     if isinstance(fmt, CpuInt4Format):
         return fmt.int4_expert(region.clone() if own else region)
-    return Int4Expert.from_awq_tensors(fmt.awq_tensors(region), fmt.group_size)
+    return Int4Expert.from_awq_tensors(fmt.loader_tensors(region), fmt.group_size)
 
 
 class SlotInt4Forms:

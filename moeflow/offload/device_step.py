@@ -120,8 +120,8 @@ class DeviceGraphs:
         self.pool, self.num_experts, self.top_k = pool, num_experts, top_k
         self.device = pool.device
         # the Triton launchers, or the static torch form (also for a backend that stays eager: never run)
-        self.backend = "triton" if kernels_backend in ("triton", "auto") and \
-            kernels.resolve_backend(kernels_backend, self.device) == "triton" else "torch"
+        self.triton = kernels.uses_triton(kernels_backend, self.device)
+        self.backend = "triton" if self.triton else "torch"
         self.capture_factory = capture_factory
         self.max_buckets = max_buckets
         self.disabled = disabled
@@ -209,7 +209,7 @@ class DeviceGraphs:
     # ------------------------------------------------------------------ the two pieces
     def _compute_fn(self, bucket: Bucket) -> Callable[[], None]:
         table, pool = self.table, self.pool
-        if self.backend == "triton":
+        if self.triton:
             w13, w2, group = pool_weights(pool)
             cfg, E = bucket.config, self.num_experts
 
@@ -228,7 +228,7 @@ class DeviceGraphs:
 
     def _combine_fn(self, bucket: Bucket) -> Callable[[], None]:
         k = self.top_k
-        if self.backend == "triton":
+        if self.triton:
             return lambda: ops.combine_eager(bucket.out, k, bucket.y)
         return lambda: bucket.y.copy_(combine_in_order(bucket.out, k))
 
@@ -268,7 +268,7 @@ class DeviceGraphs:
                         torch.zeros((T * k, H), dtype=x.dtype, device=dev), torch.zeros_like(x))
         check_expert_args(bucket.x, bucket.ids, bucket.weights, self.table.slot_of_expert, bucket.out,
                           self.table.expert_mask, self.pool.fmt.hidden_size)
-        if self.backend == "triton":
+        if self.triton:
             ops.check_triton_device(x)
             w13, _, group = pool_weights(self.pool)
             bucket.config = ops.resolve_moe_config(bucket.x, self.num_experts, k, w13[1], group,

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
-from moeflow.kernels.pool import ExpertFormat
+from moeflow.kernels.formats import ExpertFormat
 from moeflow.offload.eviction import EvictionPolicy, Key
 from moeflow.offload.host_store import HostStore
 
@@ -214,10 +214,9 @@ class DiskHostStore(HostStore):
             self._cond.notify_all()
 
     def cpu_expert(self, layer: int, expert: int):
-        """The expert's CPU form (hybrid execution, :func:`moeflow.kernels.cpu_mxfp4.cpu_expert_form`). A
+        """The expert's CPU form (hybrid execution, its format's ``cpu_expert``). A
         resident expert's form is kept while its row is;
         one not in host memory is read into a private buffer (no row: a CPU worker never waits for rows)."""
-        from moeflow.kernels.cpu_mxfp4 import cpu_expert_form, region_tensors
         from moeflow.offload.cpu_slots import CpuInt4Format, int4_expert_of
 
         key = (layer, expert)
@@ -236,13 +235,13 @@ class DiskHostStore(HostStore):
                 self.stats.bytes_read += self.source.nbytes(layer, expert)
                 self.stats.reads += 1
                 self.stats.demand_reads += 1
-            return cpu_expert_form(self.fmt, tensors)
+            return self.fmt.cpu_expert(tensors)
         form = None
         try:
             if isinstance(self.fmt, CpuInt4Format):
                 form = int4_expert_of(self.fmt, self.buffer[row], own=True)  # kept after the row is reused
             else:
-                form = cpu_expert_form(self.fmt, region_tensors(self.fmt, self.buffer[row]))
+                form = self.fmt.cpu_expert(self.fmt.loader_tensors(self.buffer[row]))
         finally:
             with self._cond:
                 self._pins[row] -= 1

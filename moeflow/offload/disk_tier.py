@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from moeflow.config import OffloadConfig, load_workers
 from moeflow.errors import SchedulingError
-from moeflow.kernels.pool import ExpertFormat
+from moeflow.kernels.formats import ExpertFormat
 from moeflow.offload.disk_store import DiskHostStore
 from moeflow.offload.eviction import LFU, LRU, EvictionPolicy, PriorityEviction, Static
 from moeflow.offload.units import format_bytes as _size

@@ -15,7 +15,7 @@ import warnings
 
 import torch
 
-from moeflow.kernels.pool import ExpertFormat
+from moeflow.kernels.formats import ExpertFormat
 
 _CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context, not only the current one
 
@@ -115,7 +115,7 @@ class HostStore:
         self._cpu_forms.pop(i, None)
 
     def cpu_expert(self, layer: int, expert: int):
-        """The expert's CPU form (:func:`moeflow.kernels.cpu_mxfp4.cpu_expert_form`: torch int4 for AWQ, two
+        """The expert's CPU form (its format's ``cpu_expert``: torch int4 for AWQ, two
         exact int4 digits for MXFP4).
 
         A store in :class:`~moeflow.offload.cpu_slots.CpuInt4Format` (the CPU device's offloading) holds that
@@ -130,9 +130,7 @@ class HostStore:
             return self.fmt.int4_expert(self.buffer[i])
         form = self._cpu_forms.get(i)
         if form is None:
-            from moeflow.kernels.cpu_mxfp4 import cpu_expert_form, region_tensors
-
-            form = self._cpu_forms.setdefault(i, cpu_expert_form(self.fmt, region_tensors(self.fmt, self.buffer[i])))
+            form = self._cpu_forms.setdefault(i, self.fmt.cpu_expert(self.fmt.loader_tensors(self.buffer[i])))
         return form
 
     @property

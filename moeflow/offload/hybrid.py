@@ -44,13 +44,12 @@ def resolve_cpu_compute(config: Any, spec: Any, fmt: Any) -> str:
     CPU kernels.
     """
     from moeflow.kernels.cpu_int4 import int4_cpu_available
-    from moeflow.kernels.cpu_mxfp4 import cpu_form_supported
 
     policy_mode = getattr(spec, "cpu_compute", None)
     mode = requested_cpu_compute(config, spec)
     if mode == "never":
         return "never"
-    problem = cpu_form_supported(fmt)  # AWQ (moeflow.kernels.cpu_int4) or MXFP4 (moeflow.kernels.cpu_mxfp4)
+    problem = fmt.cpu_unsupported()  # AWQ (moeflow.kernels.cpu_int4) or MXFP4 (moeflow.kernels.cpu_mxfp4)
     if problem is None and not int4_cpu_available():
         problem = f"torch {torch.__version__} lacks the int4 CPU kernels (_weight_int4pack_mm_for_cpu)"
     if problem is None:

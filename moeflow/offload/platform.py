@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moeflow.kernels.pool import ExpertFormat, ExpertPool
+from moeflow.kernels.formats import ExpertFormat
+from moeflow.kernels.pool import ExpertPool
 from moeflow.offload.copy_engine import CopyEngine
 from moeflow.offload.host_store import HostStore
 from moeflow.offload.hybrid import HybridCompute, real_hybrid

@@ -52,8 +52,7 @@ class CapturedPrelude:
 
     def routes_on_triton(self, x: torch.Tensor, kernel_routing: KernelRouting | None) -> bool:
         """Whether the layer is routed by the Triton route kernel (a plain softmax top-k on the Triton path)."""
-        return kernel_routing is not None and self.kernels_backend in ("triton", "auto") \
-            and kernels.resolve_backend(self.kernels_backend, x.device) == "triton"
+        return kernel_routing is not None and kernels.uses_triton(self.kernels_backend, x.device)
 
     def prelude_refusal(self, x: torch.Tensor, kernel_routing: KernelRouting | None) -> str | None:
         """Why the layer's prelude is not captured, or None."""

@@ -53,9 +53,10 @@ def _timer(device: torch.device) -> Callable[[Callable[[], Any], int], float]:
 
 
 def _awq_pool(hidden: int, intermediate: int, group: int, device: torch.device):
-    from moeflow.kernels.pool import ExpertFormat, ExpertPool
+    from moeflow.kernels.formats import expert_format
+    from moeflow.kernels.pool import ExpertPool
 
-    fmt = ExpertFormat(hidden, intermediate, "awq", torch.float16, group)
+    fmt = expert_format(hidden, intermediate, "awq", torch.float16, group)
     pool = ExpertPool.allocate(fmt, 1, device)
     g = torch.Generator().manual_seed(0)
     for name, t in pool.tensors.items():
@@ -73,17 +74,16 @@ def measure_cpu_expert(hidden: int, intermediate: int, group: int, min_bytes: fl
     docstring): ``cpu_gbps``, ``cpu_call_us`` (the call alone, no transfers), ``cpu_token_ms``,
     ``cpu_free_tokens``. The weight rate is the slope between an expert of one group of intermediate rows and one of
     at least ``min_bytes`` (tiny shapes are all call cost; their rate would be noise)."""
-    from moeflow.kernels.cpu_mxfp4 import cpu_expert_form, region_tensors
-    from moeflow.kernels.pool import ExpertFormat
+    from moeflow.kernels.formats import expert_format
     from moeflow.offload.calibration import measure_cpu
 
     def timed(inter: int) -> tuple[int, float, float, float]:
         """(bytes, seconds for one token, seconds per further token, free tokens) of a hidden x inter expert."""
         fmt, pool = _awq_pool(hidden, inter, group, torch.device("cpu"))
-        form = cpu_expert_form(fmt, region_tensors(fmt, pool.buffer[0]))
+        form = fmt.cpu_expert(fmt.loader_tensors(pool.buffer[0]))
         return (fmt.nbytes, *measure_cpu(form, hidden, lambda fn: fn()))
 
-    nbytes = ExpertFormat(hidden, intermediate, "awq", torch.float16, group).nbytes
+    nbytes = expert_format(hidden, intermediate, "awq", torch.float16, group).nbytes
     big_inter = intermediate if nbytes >= min_bytes else -(-int(intermediate * min_bytes / nbytes) // group) * group
     big_bytes, big_one, _, _ = big = timed(big_inter)
     small_bytes, small_one, _, _ = timed(group)

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moeflow.kernels.pool import ExpertFormat, ExpertPool
+from moeflow.kernels.formats import ExpertFormat
+from moeflow.kernels.pool import ExpertPool
 from moeflow.offload.copy_engine import CopyEngine, LoadTask
 from moeflow.offload.host_store import HostStore
 

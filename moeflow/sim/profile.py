@@ -30,18 +30,18 @@ def awq_expert_bytes(hidden: int, intermediate: int, group_size: int = 128) -> i
     stores it."""
     import torch
 
-    from moeflow.kernels.pool import ExpertFormat
+    from moeflow.kernels.formats import expert_format
 
-    return ExpertFormat(hidden, intermediate, "awq", torch.float16, group_size).nbytes
+    return expert_format(hidden, intermediate, "awq", torch.float16, group_size).nbytes
 
 
 def mxfp4_expert_bytes(hidden: int, intermediate: int) -> int:
     """Bytes of one gpt-oss MXFP4 expert region (e2m1 blocks, e8m0 scales, bf16 biases, 256-byte aligned)."""
     import torch
 
-    from moeflow.kernels.biased import BiasedExpertFormat
+    from moeflow.kernels.formats import biased_expert_format
 
-    return BiasedExpertFormat(hidden, intermediate, "mxfp4", torch.bfloat16, 32, activation="clamped_swiglu").nbytes
+    return biased_expert_format(hidden, intermediate, "mxfp4", torch.bfloat16, 32, activation="clamped_swiglu").nbytes
 
 
 MIXTRAL_8X7B = {"num_layers": 32, "num_experts": 8, "top_k": 2, "hidden": 4096, "intermediate": 14336}

@@ -30,7 +30,7 @@ from torch import nn
 
 from moeflow.config import OffloadConfig
 from moeflow.errors import MoeflowError, SchedulingError
-from moeflow.kernels.pool import ExpertFormat
+from moeflow.kernels.formats import expert_format
 from moeflow.offload import create_expert_backend, get_policy
 from moeflow.offload.backend import OffloadedExperts
 from moeflow.offload.platform import Platform
@@ -47,7 +47,7 @@ from moeflow.sim.profile import HardwareProfile
 from moeflow.trace import DECODE, PREFILL, Trace
 
 # 16 x 16 fp32 dense expert: 3 KiB, splits evenly into 1, 2, 3, 4, 6 or 12 aligned chunks
-SIM_FORMAT = ExpertFormat(16, 16, "dense", torch.float32)
+SIM_FORMAT = expert_format(16, 16, "dense", torch.float32)
 # oracle: perfect prediction + Belady eviction from the trace (an upper bound); llamacpp-n-cpu-moe: llama.cpp's
 # own placement and execution (--n-cpu-moe, moeflow/sim/llamacpp.py)
 SIM_ONLY_POLICIES = ("oracle", LLAMACPP_POLICY)

@@ -1,0 +1,97 @@
+"""MXFP4 experts (gpt-oss's published storage) with biases and a gate activation.
+
+Loader form as published (:mod:`moeflow.kernels.mxfp4_reference`): ``w13_blocks`` uint8 ``[2I, H/32, 16]``,
+``w13_scales`` uint8 ``[2I, H/32]``, ``w2_blocks`` ``[H, I/32, 16]``, ``w2_scales`` ``[H, I/32]`` (w13 rows gate
+first, then up); ``dtype`` is the bias dtype. The region holds them in K panels (:meth:`MXFP4Format.panels`:
+``P13``, ``P2`` = 64 at gpt-oss's sizes): ``w13_blocks`` ``[H/P13, 2I, P13/32, 16]``, ``w13_scales``
+``[H/P13, 2I, P13/32]``, ``w2_*`` likewise with ``I/P2`` panels of ``H`` rows, so the rows of a kernel tile in one
+panel are one contiguous range (the same bytes per expert); the blocks' bits are permuted within each 32-bit word
+(:func:`~moeflow.kernels.mxfp4_reference.to_kernel_layout`). Kernels: :mod:`moeflow.kernels.mxfp4` (Triton),
+:mod:`moeflow.kernels.cpu_mxfp4` (CPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from moeflow.kernels.formats.biased import BiasedExpertFormat
+from moeflow.kernels.mxfp4_reference import (
+    BLOCK,
+    dequantize_mxfp4,
+    from_kernel_layout,
+    from_panels,
+    panel_for,
+    to_kernel_layout,
+    to_panels,
+)
+
+if TYPE_CHECKING:
+    from moeflow.kernels.formats.layout import ExpertPool, ReferenceWeights
+
+
+@dataclass(frozen=True)
+class MXFP4Format(BiasedExpertFormat):
+    kind: ClassVar[str] = "mxfp4"
+    has_triton: ClassVar[bool] = True
+
+    @property
+    def panels(self) -> tuple[int, int]:
+        """K per panel of the region's (w13, w2) matrices (module doc; K = H for w13, I for w2)."""
+        return panel_for(self.hidden_size), panel_for(self.intermediate_size)
+
+    def weight_shapes(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        H, I = self.hidden_size, self.intermediate_size  # noqa: E741
+        if H % BLOCK or I % BLOCK:
+            raise ValueError(f"MXFP4 experts need hidden ({H}) and intermediate ({I}) sizes divisible by {BLOCK}")
+        p13, p2 = self.panels
+        return [("w13_blocks", torch.uint8, (H // p13, 2 * I, p13 // BLOCK, BLOCK // 2)),
+                ("w13_scales", torch.uint8, (H // p13, 2 * I, p13 // BLOCK)),
+                ("w2_blocks", torch.uint8, (I // p2, H, p2 // BLOCK, BLOCK // 2)),
+                ("w2_scales", torch.uint8, (I // p2, H, p2 // BLOCK))]
+
+    def loader_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Blocks and scales as published (row-major ``[N, K/32, 16]`` / ``[N, K/32]``), the biases as stored."""
+        return {spec.name: _row_major(spec.shape) if spec.name[-7:] in ("_blocks", "_scales") else spec.shape
+                for spec in self.specs}
+
+    def to_region(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        if name[-7:] in ("_blocks", "_scales"):
+            panel = self.panels[0 if name.startswith("w13") else 1]
+            return to_panels(to_kernel_layout(t) if name.endswith("_blocks") else t, panel)
+        return t
+
+    def from_region(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        if name.endswith("_blocks"):
+            return from_kernel_layout(from_panels(t))
+        if name.endswith("_scales"):
+            return from_panels(t).clone(memory_format=torch.contiguous_format)
+        return t.clone()
+
+    def reference_weights(self, pool: ExpertPool, slot: int) -> ReferenceWeights:
+        t = pool.tensors
+        w13, w2 = (dequantize_mxfp4(from_kernel_layout(from_panels(t[f"{m}_blocks"][slot])),
+                                    from_panels(t[f"{m}_scales"][slot])) for m in ("w13", "w2"))
+        b13, b2 = (t["w13_bias"][slot].float(), t["w2_bias"][slot].float()) if self.bias else (None, None)
+        return w13, b13, w2, b2
+
+    def triton_forward(self, x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask, config):
+        from moeflow.kernels.mxfp4 import mxfp4_expert_forward
+
+        return mxfp4_expert_forward(x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask, config=config)
+
+    def cpu_unsupported(self) -> str | None:
+        return None
+
+    def cpu_expert(self, tensors: dict[str, torch.Tensor]):  # -> Mxfp4CpuExpert
+        from moeflow.kernels.cpu_mxfp4 import Mxfp4CpuExpert
+
+        return Mxfp4CpuExpert.from_tensors(tensors, self)
+
+
+def _row_major(panel_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Region shape ``(K/P, N, P/32, ...)`` -> the published ``(N, K/32, ...)``."""
+    n_panels, rows, per_panel, *rest = panel_shape
+    return (rows, n_panels * per_panel, *rest)
