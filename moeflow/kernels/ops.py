@@ -20,6 +20,7 @@ from torch import Tensor
 
 from moeflow.kernels import reference as ref
 from moeflow.kernels.configs import GEMM_DEFAULTS, GEMM_KEYS, lookup_config
+from moeflow.kernels.custom_op import custom_op
 
 Alloc = Callable[[str, tuple, torch.dtype, torch.device], Tensor]
 
@@ -156,7 +157,7 @@ def combine_eager(y: Tensor | None, top_k: int, out: Tensor, partials: Tensor | 
 # custom ops (torch.compile); the triton branches call the eager launchers with fresh allocations
 
 
-@torch.library.custom_op("moeflow::routing_plan", mutates_args=())
+@custom_op("moeflow::routing_plan", mutates_args=())
 def routing_plan(topk_ids: Tensor, num_experts: int, block_m: int, backend: str) -> tuple[Tensor, Tensor, Tensor]:
     """topk_ids int [T, k] -> (sorted_ids int32 [nb*block_m], expert_of_block int32 [nb], num_padded int32 [1])."""
     if backend == "triton":
@@ -172,7 +173,7 @@ def _(topk_ids, num_experts, block_m, backend):
             topk_ids.new_empty((1,), dtype=torch.int32))
 
 
-@torch.library.custom_op("moeflow::route", mutates_args=())
+@custom_op("moeflow::route", mutates_args=())
 def route_op(logits: Tensor, top_k: int, renormalize: bool, gate: Tensor | None, backend: str) -> tuple[Tensor, Tensor]:
     """Router logits [T, E] (or x [T, H] with ``gate`` [E, H]) -> (topk_ids int32 [T, k], topk_weights fp32 [T, k]):
     softmax in fp32, top-k, optional renormalisation (Mixtral's router)."""
@@ -194,7 +195,7 @@ def _(logits, top_k, renormalize, gate, backend):
     return (logits.new_empty((T, top_k), dtype=torch.int32), logits.new_empty((T, top_k), dtype=torch.float32))
 
 
-@torch.library.custom_op("moeflow::expert_forward", mutates_args=("out",))
+@custom_op("moeflow::expert_forward", mutates_args=("out",))
 def expert_forward_op(
     x: Tensor, topk_ids: Tensor, topk_weights: Tensor,
     w13_qweight: Tensor, w13_qzeros: Tensor | None, w13_scales: Tensor | None,
@@ -224,7 +225,7 @@ def _(x, topk_ids, topk_weights, w13_qweight, w13_qzeros, w13_scales, w2_qweight
     return None
 
 
-@torch.library.custom_op("moeflow::combine", mutates_args=())
+@custom_op("moeflow::combine", mutates_args=())
 def combine_op(y: Tensor, top_k: int, backend: str) -> Tensor:
     """y [T*k, H] -> [T, H]: fp32 sum of each token's k rows in k order."""
     if backend == "triton" and y.numel():
@@ -238,7 +239,7 @@ def _(y, top_k, backend):
     return y.new_empty((y.shape[0] // top_k, y.shape[1]))
 
 
-@torch.library.custom_op("moeflow::awq_linear", mutates_args=())
+@custom_op("moeflow::awq_linear", mutates_args=())
 def awq_linear_op(
     x: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, group_size: int, config: list[int], backend: str
 ) -> Tensor:
@@ -303,7 +304,7 @@ def _dense_plan(rows: int, block_m: int, device: torch.device) -> tuple[Tensor, 
     return plan
 
 
-@torch.library.custom_op("moeflow::awq_linear_packed", mutates_args=())
+@custom_op("moeflow::awq_linear_packed", mutates_args=())
 def awq_linear_packed_op(
     x: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, group_size: int, config: list[int], backend: str
 ) -> Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from moeflow.kernels.custom_op import custom_op
 from moeflow.kernels.ops import check_triton_device
 
 
@@ -44,7 +45,7 @@ def _conv_decode(qkv: Tensor, conv_state: Tensor, weight: Tensor, mask: Tensor) 
     return out
 
 
-@torch.library.custom_op("moeflow::gdn_conv_decode", mutates_args=("conv_state",))
+@custom_op("moeflow::gdn_conv_decode", mutates_args=("conv_state",))
 def conv_decode_op(qkv: Tensor, conv_state: Tensor, weight: Tensor, mask: Tensor) -> Tensor:
     return _conv_decode(qkv, conv_state, weight, mask)
 
@@ -79,7 +80,7 @@ def _recurrent(qkv: Tensor, a: Tensor, b: Tensor, a_log: Tensor, dt_bias: Tensor
     return out
 
 
-@torch.library.custom_op("moeflow::gdn_recurrent", mutates_args=("state",))
+@custom_op("moeflow::gdn_recurrent", mutates_args=("state",))
 def recurrent_op(qkv: Tensor, a: Tensor, b: Tensor, a_log: Tensor, dt_bias: Tensor, mask: Tensor, state: Tensor,
                  num_k_heads: int, k_dim: int, out_dtype: torch.dtype) -> Tensor:
     return _recurrent(qkv, a, b, a_log, dt_bias, mask, state, num_k_heads, k_dim, out_dtype)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from moeflow.kernels.custom_op import custom_op
 from moeflow.kernels.formats.awq import AWQFormat
 from moeflow.kernels.formats.dense import DenseFormat
 from moeflow.kernels.formats.layout import ExpertFormat, ExpertPool
@@ -231,7 +232,7 @@ def biased_expert_forward(
 _STAGE_KEYS = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")
 
 
-@torch.library.custom_op("moeflow::biased_expert_forward", mutates_args=("out",))
+@custom_op("moeflow::biased_expert_forward", mutates_args=("out",))
 def _biased_expert_forward_op(
     x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, buffer: torch.Tensor,
     slot_of_expert: torch.Tensor, expert_mask: torch.Tensor | None, hidden: int, inter: int, kind: str,
