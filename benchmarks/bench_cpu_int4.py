@@ -1,7 +1,7 @@
 """pytest-benchmark: one Mixtral-8x7B expert (H 4096, I 14336, AWQ group 128) on the CPU, and one expert of
 the peer benchmark's synthetic Mixtral (H 1024, I 3584; benchmarks/peers/).
 
-* ``int4``: torch's int4 CPU kernel (:class:`moeflow.kernels.cpu_int4.Int4Expert`, bf16 activations), the path
+* ``int4``: torch's int4 CPU kernel (:class:`moeflow.kernels.cpu.int4.Int4Expert`, bf16 activations), the path
   hybrid execution and ``device="cpu"`` use;
 * ``dequant``: dequantize the AWQ weights to fp32, then matmul (what the torch reference does per call);
 * ``memcpy``: a 256 MiB memory copy on the same machine in the same run, the bandwidth yardstick.
@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moeflow.kernels.cpu_int4 import Int4Expert, int4_cpu_available
+from moeflow.kernels.cpu.int4 import Int4Expert, int4_cpu_available
 from moeflow.quant.awq import dequantize
 
 H, I, GROUP = 4096, 14336, 128  # noqa: E741

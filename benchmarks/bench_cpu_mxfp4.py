@@ -1,7 +1,7 @@
 """One gpt-oss-120b expert (H 2880, I 2880: w13 [5760, 2880], w2 [2880, 2880], MXFP4) on the CPU: the ways to
 compute it with torch, against the time its MXFP4 bytes take over PCIe 4 (what hybrid compute competes with).
 
-* ``digits``: :class:`moeflow.kernels.cpu_mxfp4.Mxfp4CpuExpert` (chosen): two exact int4 digits per weight in
+* ``digits``: :class:`moeflow.kernels.cpu.mxfp4.Mxfp4CpuExpert` (chosen): two exact int4 digits per weight in
   torch's int4 CPU kernel, 2.4x the MXFP4 bytes of extra RAM;
 * ``dequant``: dequantize the MXFP4 bytes to bf16 per call (a byte -> two-values table gather, exact), then a
   bf16 matmul: no extra RAM;
@@ -24,11 +24,11 @@ import time
 import torch
 from bench_cpu_quant_linear import median_s  # benchmarks/ is on sys.path when this file runs
 
-from moeflow.kernels.biased import gate_activation
-from moeflow.kernels.cpu_int4 import Int4Expert
-from moeflow.kernels.cpu_mxfp4 import Mxfp4CpuExpert
+from moeflow.kernels.cpu.int4 import Int4Expert
+from moeflow.kernels.cpu.mxfp4 import Mxfp4CpuExpert
+from moeflow.kernels.experts.biased import gate_activation
+from moeflow.kernels.experts.mxfp4_reference import E2M1_VALUES, dequantize_mxfp4, quantize_mxfp4
 from moeflow.kernels.formats import biased_expert_format
-from moeflow.kernels.mxfp4_reference import E2M1_VALUES, dequantize_mxfp4, quantize_mxfp4
 from moeflow.quant.awq import quantize_rtn
 
 H, I = 2880, 2880  # noqa: E741

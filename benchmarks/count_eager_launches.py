@@ -236,7 +236,7 @@ def measure(workdir: Path, models: list[str], new_tokens: int) -> dict:
 
 def config_table() -> list[dict]:
     """Packed GEMM configs of q, k, v and the fused q/k/v for the families' shapes, per token count."""
-    from moeflow.kernels.configs import packed_linear_config
+    from moeflow.kernels.experts.configs import packed_linear_config
 
     rows = []
     for name, h, heads, kv, d in FAMILY_SHAPES:

@@ -33,7 +33,7 @@ OPTIONAL = {
     "openai": "serve client (optional)", "hypothesis": "CPU property tests",
 }
 # attributes the GPU-only paths call (moeflow/offload/host_store.py, readback.py, transport.py,
-# moeflow/engine/cuda_graphs.py, moeflow/kernels/ops.py, tests/race_transport.py): present in torch >= 2.4
+# moeflow/engine/cuda_graphs.py, moeflow/kernels/experts/ops.py, tests/race_transport.py): present in torch >= 2.4
 TORCH_APIS = (
     "cuda.Event", "cuda.Stream", "cuda.stream", "cuda.current_stream", "cuda.CUDAGraph", "cuda.graph",
     "cuda.graph_pool_handle", "cuda.is_current_stream_capturing", "cuda.cudart", "cuda._sleep", "cuda.mem_get_info",

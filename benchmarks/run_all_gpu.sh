@@ -76,7 +76,7 @@
 #                                                  #   transformers+accelerate fp16 (device_map="auto", max_memory);
 #                                                  #   moeflow/peer ratios in $OUT/peers/peers_gpu.{json,md}
 #   optional: bash benchmarks/run_all_gpu.sh tune  # ~9 min: config sweep for T = 1, 4, 16 (writes $OUT/<gpu>.json;
-#                                                  #   commit it as moeflow/kernels/configs/<gpu>.json)
+#                                                  #   commit it as moeflow/kernels/experts/configs/<gpu>.json)
 #   10. bash benchmarks/run_all_gpu.sh deltanet     # ~1-3 min (limit 260 s): one Qwen3-Next-80B Gated DeltaNet layer's
 #                                                  #   core, torch vs Triton, CUDA-graph replay: decode 1/8/64 rows (% of
 #                                                  #   copy BW), prefill 512/4k/32k (chunked torch vs the recurrence

@@ -9,7 +9,7 @@ CUDA-graph replay (the figure reported: the launch overhead a decode step really
 the measured device-copy bandwidth (% of HBM), TFLOP/s against a bf16 cuBLAS matmul of the same FLOPs (the
 T = 4096 target), and the speed ratio to (a) a per-expert loop of bf16 torch matmuls, (b) dequantize-then-matmul
 and (c) at T = 1, torch's own ``_weight_int4pack_mm`` on the same expert. ``--tune`` times the candidates of
-``moeflow.kernels.configs.tuning_candidates`` (no BLOCK_K above the group) under CUDA-graph replay. Raw times
+``moeflow.kernels.experts.configs.tuning_candidates`` (no BLOCK_K above the group) under CUDA-graph replay. Raw times
 (seconds, every repetition) are kept in the JSON. Nothing here asserts on time.
 
 Layouts (T <= 64, unless ``--no-layouts``): the same forward with the experts' qweights in the pool's former
@@ -51,10 +51,10 @@ from gpu_timing import (  # noqa: E402
 )
 
 from moeflow import kernels  # noqa: E402
-from moeflow.kernels import configs as kcfg  # noqa: E402
+from moeflow.kernels.experts import configs as kcfg  # noqa: E402
+from moeflow.kernels.experts.reference import dequantize_kernel_layout  # noqa: E402
 from moeflow.kernels.formats import expert_format  # noqa: E402
 from moeflow.kernels.pool import ExpertPool, row_major_pool  # noqa: E402
-from moeflow.kernels.reference import dequantize_kernel_layout  # noqa: E402
 
 SHAPES = {  # name: (hidden, intermediate, experts, top_k)
     "mixtral-8x7b": (4096, 14336, 8, 2),
@@ -298,7 +298,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels-<device>-<time>.json)")
     p.add_argument("--dry-run", action="store_true", help="tiny shape, T=1,4,16, few reps (runs on a CPU)")
     p.add_argument("--tune", action="store_true", help="sweep configs and write a config table (GPU only)")
-    p.add_argument("--tune-out", default=None, help="table path (default moeflow/kernels/configs/<device>.json)")
+    p.add_argument("--tune-out", default=None, help="table path (default moeflow/kernels/experts/configs/<device>.json)")
     p.add_argument("--no-layouts", dest="layouts", action="store_false",
                    help="skip timing the former row-major qweight layout beside the panel layout (T <= 64)")
     a = p.parse_args(argv)

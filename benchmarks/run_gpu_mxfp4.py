@@ -7,7 +7,7 @@
 
 For every T: one MoE layer of gpt-oss-120b's experts (hidden 2880, intermediate 2880, 128 experts, top-4, MXFP4
 blocks + e8m0 scales, bf16 biases, clamped SwiGLU) through ``moeflow.kernels.moe_forward`` (plan + the w13 and w2
-stages of :mod:`moeflow.kernels.mxfp4` + combine), timed eagerly and under CUDA-graph replay (reported: what a
+stages of :mod:`moeflow.kernels.experts.mxfp4` + combine), timed eagerly and under CUDA-graph replay (reported: what a
 captured decode step pays). Achieved bytes/s on the active experts' bytes (+ activations) against the device-copy
 bandwidth measured in the same run (% of HBM), and the speed ratio to a per-expert loop of bf16 torch matmuls on
 dense weights of the same shapes (``run_gpu_kernels.per_expert_loop``: SiLU, no biases; the elementwise epilogue
@@ -55,8 +55,8 @@ from run_gpu_kernels import per_expert_loop  # noqa: E402
 from sass_mxfp4 import MODELS  # noqa: E402
 
 from moeflow import kernels  # noqa: E402
-from moeflow.kernels import configs as kcfg  # noqa: E402
-from moeflow.kernels import mxfp4  # noqa: E402
+from moeflow.kernels.experts import configs as kcfg  # noqa: E402
+from moeflow.kernels.experts import mxfp4  # noqa: E402
 from moeflow.kernels.formats import biased_expert_format  # noqa: E402
 from moeflow.kernels.pool import ExpertPool  # noqa: E402
 
@@ -205,7 +205,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = point_parser(__doc__.split("\n")[0], SHAPES, "gpt-oss-120b", TOKENS, 150.0)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "mxfp4_kernels.json")
     p.add_argument("--splits", action="store_true", help="at T <= 16 also time every (w13, w2) split of "
-                   "moeflow.kernels.mxfp4.SPLIT_CANDIDATES (split_times_s; default_splits: the wave rule's)")
+                   "moeflow.kernels.experts.mxfp4.SPLIT_CANDIDATES (split_times_s; default_splits: the wave rule's)")
     p.add_argument("--layouts", action=argparse.BooleanOptionalAction, default=True,
                    help="also time the experts from the K-panel layout and from a row-major copy (module doc)")
     p.add_argument("--tiny", action="store_true", help="tiny shape, T = 1, 4, 16, few repetitions (runs on a CPU)")

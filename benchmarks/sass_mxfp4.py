@@ -43,11 +43,11 @@ def mxfp4_layer_launches(model: str, T: int, config: dict | None = None, dtype: 
     (the pool's) or "row-major" (strided views of row-major blocks and scales)."""
     from sass_report import _row, compile_only
 
-    from moeflow.kernels import mxfp4
+    from moeflow.kernels.experts import mxfp4
+    from moeflow.kernels.experts.mxfp4_reference import row_major_as_panels
+    from moeflow.kernels.experts.reference import routing_plan_reference
     from moeflow.kernels.formats import biased_expert_format
-    from moeflow.kernels.mxfp4_reference import row_major_as_panels
     from moeflow.kernels.pool import ExpertPool
-    from moeflow.kernels.reference import routing_plan_reference
 
     H, I, E, k = MODELS[model]  # noqa: E741
     fmt = biased_expert_format(H, I, "mxfp4", dtype, 32, activation="clamped_swiglu")

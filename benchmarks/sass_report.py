@@ -175,7 +175,7 @@ def _pool(hidden: int, inter: int, group: int, dtype: torch.dtype):
 def moe_layer_launches(model: str, T: int, cfg: dict | None = None, dtype: torch.dtype = torch.bfloat16) -> list[dict]:
     """Compile the launches of one MoE layer (routing from logits) at T tokens; one record per kernel.
     ``cfg`` None: the heuristic default (what every GPU without a tuned table gets)."""
-    from moeflow.kernels import configs, ops
+    from moeflow.kernels.experts import configs, ops
 
     H, I, E, k, g = MODELS[model]  # noqa: E741
     pool = _pool(H, I, g, dtype)
@@ -207,7 +207,7 @@ def moe_layer_launches(model: str, T: int, cfg: dict | None = None, dtype: torch
 
 def awq_linear_launches(n: int, k: int, T: int, group: int = 128, dtype: torch.dtype = torch.bfloat16) -> list[dict]:
     """Compile ``awq_linear`` (published AWQ layout) for [T, k] @ [k, n]."""
-    from moeflow.kernels import configs, ops
+    from moeflow.kernels.experts import configs, ops
     from moeflow.kernels.formats.plain_layout import awq_panel
 
     cfg = configs.default_config("linear", T, 1, 1, n, k, group)
@@ -260,8 +260,8 @@ def _row(c: Compiled, model: str, T: int, kernel: str, block_m: int, wcfg: dict)
 
 
 def shipped_table_configs() -> list[tuple[str, int, dict, torch.dtype]]:
-    """(model, T, config, dtype) of every table entry shipped in moeflow/kernels/configs/ for a known model."""
-    from moeflow.kernels import configs
+    """(model, T, config, dtype) of every table entry shipped in moeflow/kernels/experts/configs/ for a known model."""
+    from moeflow.kernels.experts import configs
 
     dtypes = {name: dt for dt, name in configs.DTYPE_NAMES.items()}
     out, seen = [], set()

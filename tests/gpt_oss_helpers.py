@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from moeflow.kernels.mxfp4_reference import dequantize_mxfp4, quantize_mxfp4
+from moeflow.kernels.experts.mxfp4_reference import dequantize_mxfp4, quantize_mxfp4
 
 GPT_OSS_DEFAULTS = dict(
     vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

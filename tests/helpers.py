@@ -57,7 +57,7 @@ def make_tiny_awq_checkpoint(root: str | Path, seed: int = 0, **overrides) -> Pa
     torch build has no int4 CPU kernels."""
     import pytest
 
-    from moeflow.kernels.cpu_int4 import int4_cpu_available
+    from moeflow.kernels.cpu.int4 import int4_cpu_available
     from moeflow.tools.quantize import quantize_checkpoint
 
     if not int4_cpu_available():

@@ -207,7 +207,7 @@ def test_formats_are_asked_not_compared():
 BACKEND_NAMES = {"torch", "triton", "cpu-int4"}
 # where a kernel choice's name may be read: the kernels' dispatch and custom ops, the format registry, and the one
 # function that resolves the model's choice
-BACKEND_RESOLVERS = {"moeflow/kernels/dispatch.py": None, "moeflow/kernels/ops.py": None,
+BACKEND_RESOLVERS = {"moeflow/kernels/dispatch.py": None, "moeflow/kernels/experts/ops.py": None,
                      "moeflow/engine/build.py": "resolve_kernels"}
 
 

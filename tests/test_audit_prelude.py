@@ -15,7 +15,7 @@ from family_models import make_family_model
 from test_captured_prelude import _captured
 
 from moeflow import MoEModel, OffloadConfig
-from moeflow.kernels.reference import route_reference
+from moeflow.kernels.experts.reference import route_reference
 from moeflow.offload import create_expert_backend
 
 NEW_TOKENS = 5

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from moeflow import MoEOffloadedMixtral, OffloadConfig  # noqa: E402
 from moeflow.cli import embedded_model_path  # noqa: E402
-from moeflow.kernels.cpu_int4 import int4_cpu_available  # noqa: E402
+from moeflow.kernels.cpu.int4 import int4_cpu_available  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not int4_cpu_available(), reason="this torch build has no int4 CPU kernels")
 

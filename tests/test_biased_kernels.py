@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moeflow import kernels
-from moeflow.kernels.biased import biased_expert_forward_reference
+from moeflow.kernels.experts.biased import biased_expert_forward_reference
 from moeflow.kernels.formats import biased_expert_format
 from moeflow.kernels.pool import ExpertPool
 from moeflow.quant.awq import quantize_rtn
@@ -91,7 +91,7 @@ def test_triton_matches_reference(case):
 def test_unreduced_split_k_refuses_an_epilogue_it_cannot_run():
     """Partials the caller sums (reduce=False) cannot carry a bias: it would be added once per split. (The
     in-kernel fixup adds it once, after the sum: tests/test_splitk_fixup.py.)"""
-    from moeflow.kernels.triton_experts import expert_gemm
+    from moeflow.kernels.experts.gemm import expert_gemm
 
     gen = torch.Generator().manual_seed(3)
     pool, _ = biased_awq_pool(64, 32, 32, 1, gen)

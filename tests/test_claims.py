@@ -14,7 +14,7 @@ import torch
 
 from moeflow import MoEOffloadedMixtral, OffloadConfig
 from moeflow.cli import embedded_model_path
-from moeflow.kernels import cpu_int4
+from moeflow.kernels.cpu import int4 as cpu_int4
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["def main():\n   ", "A list is a", "This module provides", "for i in range("]

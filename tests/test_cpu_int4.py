@@ -7,7 +7,7 @@ import torch
 from helpers import make_tiny_checkpoint
 
 from moeflow import MoEOffloadedMixtral
-from moeflow.kernels.cpu_int4 import (
+from moeflow.kernels.cpu.int4 import (
     INNER_K_TILES,
     Int4Expert,
     awq_to_int4pack_cpu,

@@ -102,7 +102,7 @@ def test_avx2_and_portable_q8_give_the_same_bits(monkeypatch):
 
 def test_isa_is_chosen_by_the_environment_and_named():
     """MOEFLOW_CPU_ISA picks the build (a cache key of its own); a wrong value is named."""
-    code = "from moeflow.kernels.cpu_int4 import cpu_expert_kernel; print(cpu_expert_kernel())"
+    code = "from moeflow.kernels.cpu.int4 import cpu_expert_kernel; print(cpu_expert_kernel())"
     env = {**os.environ, "MOEFLOW_CPU_ISA": "avx2"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split()[2] in ("avx2", "scalar")

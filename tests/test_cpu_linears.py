@@ -20,8 +20,8 @@ from moeflow import MoEOffloadedMixtral
 from moeflow.cli import embedded_model_path
 from moeflow.families.layers import AWQLinear
 from moeflow.kernels import combine
+from moeflow.kernels.cpu.int4 import Int4Expert, int4_cpu_available
 from moeflow.kernels.cpu.quant_linear import CpuQuantLinear, quantize_linear_cpu
-from moeflow.kernels.cpu_int4 import Int4Expert, int4_cpu_available
 from moeflow.kernels.formats import expert_format
 from moeflow.moe.resident import CpuInt4Experts
 from moeflow.quant.awq import quantize_rtn

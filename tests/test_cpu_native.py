@@ -281,7 +281,7 @@ def test_portable_build_gives_the_same_results(tmp_path, monkeypatch):
 
 
 def test_switched_off_falls_back_to_torchs_kernels():
-    code = ("from moeflow.kernels.cpu.native import native_available; from moeflow.kernels.cpu_int4 import "
+    code = ("from moeflow.kernels.cpu.native import native_available; from moeflow.kernels.cpu.int4 import "
             "cpu_expert_kernel; print(native_available(), cpu_expert_kernel())")
     env = {**os.environ, "MOEFLOW_CPU_NATIVE": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout

@@ -7,13 +7,13 @@ import torch
 
 from moeflow import MoEOffloadedMixtral
 from moeflow.cli import embedded_model_path
+from moeflow.kernels.cpu.int4 import int4_cpu_available
 from moeflow.kernels.cpu.quant_linear import (
     awq_linear_cpu,
     int4_dequantized,
     quantize_linear_cpu,
     reference_linear,
 )
-from moeflow.kernels.cpu_int4 import int4_cpu_available
 from moeflow.quant.awq import quantize_rtn
 
 pytestmark = pytest.mark.skipif(not int4_cpu_available(), reason="this torch build has no int4 CPU kernels")

@@ -10,7 +10,7 @@ from test_cpu_int4 import awq_expert
 
 import moeflow
 from moeflow import MoEOffloadedMixtral, OffloadConfig
-from moeflow.kernels.cpu_int4 import Int4Expert, Int4Matrix, int4_cpu_available
+from moeflow.kernels.cpu.int4 import Int4Expert, Int4Matrix, int4_cpu_available
 from moeflow.kernels.formats import ALIGN, AWQFormat, biased_expert_format, expert_format
 from moeflow.offload.cpu_slots import CpuInt4Format, _tensor_fields, int4_expert_of
 from moeflow.offload.host_store import HostStore
@@ -97,7 +97,7 @@ def test_auto_kernels_offload_into_int4_slots():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_slot_combine_is_the_reference_sum_bitwise(k, tokens, dtype):
     """The CPU slots' combine (a decode token's fp32 rows added in place, in k order) = kernels' torch combine."""
-    from moeflow.kernels.reference import combine_reference
+    from moeflow.kernels.experts.reference import combine_reference
     from moeflow.offload.cpu_slots import SlotInt4Forms
 
     out = (torch.randn(tokens * k, 96, generator=torch.Generator().manual_seed(k)) * 3).to(dtype)

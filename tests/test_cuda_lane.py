@@ -69,7 +69,7 @@ def test_compiled_moe_forward_at_mixtral_shapes(mixtral_pool, T):
     from test_kernels import assert_close
 
     from moeflow import kernels
-    from moeflow.kernels.reference import combine_reference, expert_forward_reference, route_reference
+    from moeflow.kernels.experts.reference import combine_reference, expert_forward_reference, route_reference
 
     H, I, E, k, _ = MIXTRAL  # noqa: E741
     pool = mixtral_pool
@@ -123,7 +123,7 @@ def test_compiled_mxfp4_experts_at_gpt_oss_shapes(gpt_oss_pool, T):
     """The bf16 MMA path of the MXFP4 kernels (the interpreter runs bf16 through fp32) against the fp32 reference
     on the dequantized weights, and staged masks bitwise one pass, with the kernels compiled."""
     from moeflow import kernels
-    from moeflow.kernels.biased import biased_expert_forward_reference
+    from moeflow.kernels.experts.biased import biased_expert_forward_reference
 
     H, _, _, k = GPT_OSS_120B
     E = gpt_oss_pool.n_slots
@@ -380,8 +380,8 @@ def test_split_k_fixup_is_bitwise_stable_across_launches_and_replays(mixtral_poo
     from cuda_helpers import assert_bitwise_stable
     from test_kernels import assert_close
 
-    from moeflow.kernels.reference import routing_plan_reference
-    from moeflow.kernels.triton_experts import expert_gemm
+    from moeflow.kernels.experts.gemm import expert_gemm
+    from moeflow.kernels.experts.reference import routing_plan_reference
 
     H, I, E, k, g = MIXTRAL  # noqa: E741
     t = mixtral_pool.tensors

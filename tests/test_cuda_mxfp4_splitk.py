@@ -40,7 +40,7 @@ def pool():
 def test_mxfp4_split_k_is_bitwise_stable_across_launches_and_replays(pool, T, split):
     from cuda_helpers import assert_bitwise_stable
 
-    from moeflow.kernels import mxfp4
+    from moeflow.kernels.experts import mxfp4
 
     gen = torch.Generator(device="cuda").manual_seed(T)
     x = torch.randn(T, H, device="cuda", generator=gen).bfloat16()
@@ -63,7 +63,7 @@ def test_mxfp4_split_k_is_bitwise_stable_across_launches_and_replays(pool, T, sp
 
 @pytest.mark.parametrize("T", [1, 16, 128])  # decode (split), T = 16, a pipelined prefill tile (BLOCK_M 64)
 def test_mxfp4_panel_and_row_major_layouts_are_bitwise_equal(pool, T):
-    from moeflow.kernels import mxfp4
+    from moeflow.kernels.experts import mxfp4
 
     gen = torch.Generator(device="cuda").manual_seed(100 + T)
     x = torch.randn(T, H, device="cuda", generator=gen).bfloat16()

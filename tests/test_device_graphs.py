@@ -25,9 +25,9 @@ from test_scheduling_helpers import DENSE, Synthetic
 from torch.overrides import TorchFunctionMode
 
 from moeflow import MoEOffloadedMixtral, OffloadConfig, kernels
-from moeflow.kernels.capturable import nibble_shifts, static_expert_forward
-from moeflow.kernels.cpu_int4 import int4_cpu_available
-from moeflow.kernels.reference import expert_forward_pool_reference, pool_weights
+from moeflow.kernels.cpu.int4 import int4_cpu_available
+from moeflow.kernels.experts.capturable import nibble_shifts, static_expert_forward
+from moeflow.kernels.experts.reference import expert_forward_pool_reference, pool_weights
 from moeflow.offload.device_step import DeviceGraphs
 
 _T = torch.Tensor
@@ -83,7 +83,8 @@ def guarded(monkeypatch) -> list[DevicePartGuard]:
 @pytest.mark.parametrize(("kind", "dtype"), [("awq", torch.float32), ("awq", torch.bfloat16),
                                            ("dense", torch.float32), ("dense", torch.float16)])
 def test_the_static_torch_form_matches_the_reference(kind, dtype):
-    """kernels/capturable.py against the torch reference: the selected experts' rows close, the others untouched."""
+    """kernels/experts/capturable.py against the torch reference: the selected experts' rows close, the others
+    untouched."""
     H, I, E, S, T, k = 64, 96, 6, 5, 7, 2  # noqa: E741
     pool = make_pool(H, I, S, 32 if kind == "awq" else None, dtype, kind=kind)
     ids, weights = make_routing(T, k, E, seed=3)

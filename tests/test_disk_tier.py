@@ -22,7 +22,7 @@ from moeflow.engine.memory import kv_cache_bytes
 from moeflow.errors import CheckpointError, SchedulingError
 from moeflow.families import family_for_config
 from moeflow.io.checkpoint import CheckpointReader, read_json, read_quantization
-from moeflow.kernels.cpu_int4 import int4_cpu_available
+from moeflow.kernels.cpu.int4 import int4_cpu_available
 from moeflow.offload import DiskHostStore
 from moeflow.offload.cpu_slots import CpuInt4Format
 

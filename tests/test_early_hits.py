@@ -23,7 +23,7 @@ from test_scheduling_helpers import AWQ, DENSE, Synthetic
 
 import moeflow
 from moeflow import MoEOffloadedMixtral, OffloadConfig
-from moeflow.kernels.cpu_int4 import int4_cpu_available
+from moeflow.kernels.cpu.int4 import int4_cpu_available
 from moeflow.offload import POLICY_NAMES
 from moeflow.offload.backend import OffloadedExperts
 from moeflow.offload.cache import ExpertCache

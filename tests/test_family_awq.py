@@ -19,7 +19,7 @@ from tiny_families import (
 )
 
 from moeflow import MoEModel, OffloadConfig
-from moeflow.kernels.cpu_int4 import int4_cpu_available
+from moeflow.kernels.cpu.int4 import int4_cpu_available
 from moeflow.tools.quantize import quantize_checkpoint
 
 pytest.importorskip("transformers")

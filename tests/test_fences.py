@@ -15,7 +15,7 @@ from scripted_transport import ScriptedTransport
 from test_scheduling_helpers import AWQ, DENSE, Synthetic
 
 from moeflow import kernels
-from moeflow.kernels.cpu_int4 import int4_cpu_available
+from moeflow.kernels.cpu.int4 import int4_cpu_available
 from moeflow.offload import CopyEngine
 
 

@@ -21,8 +21,8 @@ from helpers import make_tiny_checkpoint
 
 from moeflow import MoEOffloadedMixtral, OffloadConfig
 from moeflow.families.layers import QKV, AWQLinear, fuse_awq_linears
-from moeflow.kernels.configs import packed_linear_config
-from moeflow.kernels.reference import dequantize_kernel_layout
+from moeflow.kernels.experts.configs import packed_linear_config
+from moeflow.kernels.experts.reference import dequantize_kernel_layout
 from moeflow.quant.awq import quantize_rtn
 from moeflow.tools.quantize import quantize_checkpoint
 

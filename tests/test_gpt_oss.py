@@ -254,7 +254,7 @@ def test_clamped_swiglu_matches_transformers_past_the_limit():
     from transformers import GptOssConfig
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
-    from moeflow.kernels.biased import gate_activation
+    from moeflow.kernels.experts.biased import gate_activation
     from moeflow.kernels.formats import biased_expert_format
 
     experts = GptOssExperts(GptOssConfig(hidden_size=32, intermediate_size=32, num_local_experts=2))

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from moeflow.kernels.reference import combine_reference
+from moeflow.kernels.experts.reference import combine_reference
 from moeflow.offload.combine import combine_in_order
 from moeflow.offload.copy_engine import CopyEngine, LoadTask, chunk_ranges
 from moeflow.offload.eviction import LRU, Static

@@ -1,4 +1,4 @@
-"""MXFP4 experts computed on the CPU (moeflow.kernels.cpu_mxfp4) and hybrid execution on a tiny gpt-oss.
+"""MXFP4 experts computed on the CPU (moeflow.kernels.cpu.mxfp4) and hybrid execution on a tiny gpt-oss.
 
 The CPU form holds every MXFP4 weight exactly (two int4 digits); activations go through the int4 kernel in bf16
 and each matmul's output is rounded to bf16, so results are within bf16 rounding of the fp32 reference. Hybrid
@@ -17,10 +17,10 @@ from gpt_oss_helpers import make_gpt_oss_model, save_gpt_oss_checkpoint
 from hybrid_helpers import AUTO_RATES, INT4_RTOL, resident_reference, run_and_compare
 
 from moeflow import MoEModel, OffloadConfig
-from moeflow.kernels.cpu_int4 import int4_cpu_available
-from moeflow.kernels.cpu_mxfp4 import Mxfp4CpuExpert, Mxfp4Int4Matrix, mxfp4_cpu_expert_reference
+from moeflow.kernels.cpu.int4 import int4_cpu_available
+from moeflow.kernels.cpu.mxfp4 import Mxfp4CpuExpert, Mxfp4Int4Matrix, mxfp4_cpu_expert_reference
+from moeflow.kernels.experts.mxfp4_reference import dequantize_mxfp4, quantize_mxfp4
 from moeflow.kernels.formats import biased_expert_format
-from moeflow.kernels.mxfp4_reference import dequantize_mxfp4, quantize_mxfp4
 from moeflow.offload.hybrid import resolve_cpu_compute
 from moeflow.offload.policies import POLICY_TABLE
 
@@ -79,7 +79,7 @@ def test_expert_matches_its_reference_and_the_fp32_expert(bias):
     model = mxfp4_cpu_expert_reference(t, fmt, rows, weights)
     assert float((got - model).abs().max() / model.abs().max()) < BF16_MATMUL_RTOL
     # against the fp32 expert (biased_expert_forward_reference's numbers): bf16 rounding of two matmuls
-    from moeflow.kernels.biased import gate_activation
+    from moeflow.kernels.experts.biased import gate_activation
     h = rows @ dequantize_mxfp4(w13_b, w13_s).T + (t["w13_bias"] if bias else 0)
     y = gate_activation(h, fmt) @ dequantize_mxfp4(w2_b, w2_s).T + (t["w2_bias"] if bias else 0)
     fp32 = y * weights[:, None]

@@ -13,7 +13,7 @@ import torch
 from family_models import make_family_checkpoint
 from hybrid_helpers import AUTO_RATES, resident_reference, run_and_compare
 
-from moeflow.kernels.cpu_int4 import int4_cpu_available
+from moeflow.kernels.cpu.int4 import int4_cpu_available
 from moeflow.tools.quantize import quantize_checkpoint
 
 pytestmark = [pytest.mark.skipif(not int4_cpu_available(), reason="this torch build has no int4 CPU kernels"),

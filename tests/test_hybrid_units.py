@@ -14,7 +14,7 @@ from helpers import make_tiny_checkpoint
 
 from moeflow import MoEOffloadedMixtral, OffloadConfig
 from moeflow.errors import SchedulingError
-from moeflow.kernels.cpu_int4 import INNER_K_TILES, awq_to_int4pack_cpu, int4_cpu_available
+from moeflow.kernels.cpu.int4 import INNER_K_TILES, awq_to_int4pack_cpu, int4_cpu_available
 from moeflow.kernels.formats import expert_format
 from moeflow.offload import HostStore, Stats, calibration, get_policy
 from moeflow.offload.calibration import cache_path, calibration_key, measure_cpu, resolve_rates
@@ -131,7 +131,7 @@ def test_policy_defaults_and_dense_fallback():
 
 
 def test_no_int4_kernels_is_a_clear_fallback(monkeypatch):
-    import moeflow.kernels.cpu_int4 as cpu_int4
+    import moeflow.kernels.cpu.int4 as cpu_int4
 
     monkeypatch.setattr(cpu_int4, "int4_cpu_available", lambda: False)
     with pytest.warns(RuntimeWarning, match="lacks the int4 CPU kernels"):
@@ -278,7 +278,7 @@ def test_host_store_cpu_form_is_cached_and_invalidated():
     first = store.cpu_expert(0, 1)
     assert store.cpu_expert(0, 1) is first and store.cpu_nbytes == first.nbytes
     rows, w = torch.randn(3, 128), torch.rand(3)
-    from moeflow.kernels.cpu_int4 import int4_expert_reference
+    from moeflow.kernels.cpu.int4 import int4_expert_reference
 
     ref = int4_expert_reference(t, 32, rows, w)
     assert float((first.forward(rows, w) - ref).norm() / ref.norm()) < 2e-2

@@ -12,14 +12,14 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from moeflow import kernels
-from moeflow.kernels.formats import expert_format
-from moeflow.kernels.pool import ExpertPool
-from moeflow.kernels.reference import (
+from moeflow.kernels.experts.reference import (
     awq_linear_reference,
     combine_reference,
     expert_forward_reference,
     routing_plan_reference,
 )
+from moeflow.kernels.formats import expert_format
+from moeflow.kernels.pool import ExpertPool
 from moeflow.quant.awq import dequantize, quantize_rtn
 
 TOL = {  # (rtol, atol relative to max |ref|): fp32 accumulation everywhere; bf16 allows the interpreter's truncation

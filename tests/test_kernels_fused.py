@@ -11,16 +11,17 @@ import torch.nn.functional as F
 from test_kernels import _check_plan_invariants, _pool, assert_close, make_pool, make_routing
 
 from moeflow import kernels
-from moeflow.kernels import ops, workspace
-from moeflow.kernels.formats import expert_format
-from moeflow.kernels.formats.plain_layout import awq_panel, qweight_rows
-from moeflow.kernels.reference import (
+from moeflow.kernels import workspace
+from moeflow.kernels.experts import ops
+from moeflow.kernels.experts.reference import (
     combine_partials_reference,
     combine_reference,
     expert_forward_reference,
     route_reference,
     routing_plan_reference,
 )
+from moeflow.kernels.formats import expert_format
+from moeflow.kernels.formats.plain_layout import awq_panel, qweight_rows
 from moeflow.quant.awq import quantize_rtn, unpack_int4
 
 # ---------------------------------------------------------------------------------------------------------

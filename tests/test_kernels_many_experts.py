@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from test_kernels import _check_plan_invariants, make_pool, make_routing
 
 from moeflow import kernels
-from moeflow.kernels.reference import expert_weights_reference, routing_plan_reference
+from moeflow.kernels.experts.reference import expert_weights_reference, routing_plan_reference
 
 
 @pytest.mark.parametrize("E,k", [(64, 8), (128, 8), (256, 10)])

@@ -9,9 +9,9 @@ import torch
 from test_kernels import _pool, assert_close, make_routing
 
 from moeflow import kernels
-from moeflow.kernels import configs
-from moeflow.kernels.ops import encode_linear_config, encode_moe_config
-from moeflow.kernels.reference import combine_reference, expert_forward_reference
+from moeflow.kernels.experts import configs
+from moeflow.kernels.experts.ops import encode_linear_config, encode_moe_config
+from moeflow.kernels.experts.reference import combine_reference, expert_forward_reference
 from moeflow.quant.awq import quantize_rtn
 
 H, I, E, G, K_TOP = 64, 96, 5, 32, 2  # noqa: E741

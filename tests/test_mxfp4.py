@@ -8,15 +8,15 @@ import pytest
 import torch
 
 from moeflow import kernels
-from moeflow.kernels.biased import biased_expert_forward_reference
-from moeflow.kernels.formats import biased_expert_format
-from moeflow.kernels.mxfp4_reference import (
+from moeflow.kernels.experts.biased import biased_expert_forward_reference
+from moeflow.kernels.experts.mxfp4_reference import (
     check_mxfp4,
     dequantize_mxfp4,
     from_kernel_layout,
     quantize_mxfp4,
     to_kernel_layout,
 )
+from moeflow.kernels.formats import biased_expert_format
 from moeflow.kernels.pool import ExpertPool
 
 
@@ -69,7 +69,7 @@ def test_kernel_layout_is_an_exact_permutation_of_the_published_bytes():
 
 @pytest.mark.parametrize("H, I, panels", [(64, 32, (64, 32)), (2880, 96, (64, 32)), (96, 128, (32, 64))])
 def test_region_stores_k_panels_and_loader_tensors_invert_write(H, I, panels):  # noqa: E741
-    from moeflow.kernels.mxfp4_reference import from_panels, to_panels
+    from moeflow.kernels.experts.mxfp4_reference import from_panels, to_panels
 
     fmt = biased_expert_format(H, I, "mxfp4", torch.bfloat16, 32)
     assert fmt.panels == panels
@@ -191,8 +191,8 @@ def test_triton_bf16_and_all_tokens_on_one_expert(tokens, config):
     ({"BLOCK_M": 16, "w13": {"BLOCK_N": 32, "BLOCK_K": 32}}, 128),  # the row-major view as whole-row panels (w13)
 ])
 def test_panel_and_row_major_layouts_give_bitwise_the_same_output(config, view_panel):
-    from moeflow.kernels import mxfp4
-    from moeflow.kernels.mxfp4_reference import row_major_as_panels
+    from moeflow.kernels.experts import mxfp4
+    from moeflow.kernels.experts.mxfp4_reference import row_major_as_panels
 
     gen = torch.Generator().manual_seed(11)
     T, H, I, E, k = 6, 128, 192, 4, 2  # noqa: E741  (w13: K = 128, 2 panels; w2: K = 192, 3 panels)

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from moeflow import kernels
-from moeflow.kernels import configs, mxfp4, workspace
-from moeflow.kernels.biased import biased_expert_forward_reference
+from moeflow.kernels import workspace
+from moeflow.kernels.experts import configs, mxfp4
+from moeflow.kernels.experts.biased import biased_expert_forward_reference
 from tests.test_biased_kernels import biased_awq_pool
 from tests.test_mxfp4 import mxfp4_pool, routing
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from moeflow import kernels
+from moeflow.kernels.experts.gemm import expert_gemm
+from moeflow.kernels.experts.reference import dequantize_kernel_layout, routing_plan_reference
 from moeflow.kernels.formats import expert_format
 from moeflow.kernels.formats.plain_layout import awq_panel, qweight_rows, rows_as_panels
 from moeflow.kernels.pool import ExpertPool
-from moeflow.kernels.reference import dequantize_kernel_layout, routing_plan_reference
-from moeflow.kernels.triton_experts import expert_gemm
 from moeflow.quant.awq import dequantize, quantize_rtn
 from tests.test_kernels_fused import _awq_expert
 

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeflow.kernels.ops import routing_plan
+from moeflow.kernels.experts.ops import routing_plan
 from moeflow.kernels.triton_common import plan_rows
 
 BLOCK_M, DOT_M, TOPK = 4, 16, 2

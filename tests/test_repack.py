@@ -9,8 +9,8 @@ import torch
 
 from moeflow.kernels import repack
 from moeflow.kernels.cpu import native as cpu_native
+from moeflow.kernels.cpu.int4 import Int4Expert
 from moeflow.kernels.cpu.native import Q4Matrix, _pack_q4
-from moeflow.kernels.cpu_int4 import Int4Expert
 from moeflow.kernels.formats import expert_format
 from moeflow.kernels.formats.plain_layout import awq_panel, to_kernel_layout, to_kernel_layout_reference
 from moeflow.quant.awq import unpack_int4
@@ -100,7 +100,7 @@ def test_mxfp4_bit_permutation_native_equals_torch(monkeypatch):
     """MXFP4 blocks into the kernel layout: the C pass (8-bit tables) against torch's 16-bit table lookups."""
     if not cpu_native.native_available():
         pytest.skip("moeflow's CPU library does not build here")
-    from moeflow.kernels.mxfp4_reference import from_kernel_layout, to_kernel_layout
+    from moeflow.kernels.experts.mxfp4_reference import from_kernel_layout, to_kernel_layout
 
     blocks = torch.randint(0, 256, (40, 6, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
     fast = to_kernel_layout(blocks)

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from moeflow import kernels
 from moeflow.kernels import workspace
-from moeflow.kernels.reference import dequantize_kernel_layout, routing_plan_reference
-from moeflow.kernels.triton_experts import expert_gemm
+from moeflow.kernels.experts.gemm import expert_gemm
+from moeflow.kernels.experts.reference import dequantize_kernel_layout, routing_plan_reference
 from moeflow.quant.awq import dequantize, quantize_rtn
 from tests.test_biased_kernels import biased_awq_pool
 from tests.test_kernels import TOL, make_pool, make_routing
@@ -163,7 +163,7 @@ def test_w13_decode_split_is_the_wave_rule():
     """Mixtral-8x7B at decode (132 SMs, 3 programs per SM): T = 1's 448 programs fill 1.13 waves (57 %), split 4
     fills 4.53 (91 %); T = 2 needs split 2; from T = 4 the 1792 programs are 4.53 waves already. ``--tune`` times
     w13 splits 1 / 2 / 4 / 8 at every decode tile."""
-    from moeflow.kernels import configs
+    from moeflow.kernels.experts import configs
 
     assert round(configs.wave_efficiency(448), 3) == 0.566 and round(configs.wave_efficiency(1792), 3) == 0.905
     splits = {T: configs.default_config("moe", T, 8, 2, 14336, 4096, 128)["w13"]["SPLIT_K"] for T in (1, 2, 4, 16)}

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
+from moeflow.kernels.cpu.int4 import COMPUTE_DTYPE, Int4Matrix
 from moeflow.kernels.cpu.native import Q4Matrix, library, q4_expert
-from moeflow.kernels.cpu_int4 import COMPUTE_DTYPE, Int4Matrix
 from moeflow.quant.awq import quantize_rtn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # peer_report, run as a script or imported by path

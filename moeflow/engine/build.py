@@ -69,7 +69,7 @@ def resolve_kernels(kernels: str, device: torch.device, awq: bool) -> Kernels:
     """
     if kernels not in KERNEL_CHOICES:
         raise ValueError(f"kernels={kernels!r}: expected one of {KERNEL_CHOICES}")
-    from moeflow.kernels.cpu_int4 import int4_cpu_available
+    from moeflow.kernels.cpu.int4 import int4_cpu_available
 
     if kernels == "auto":
         if device.type == "cuda":

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeflow import kernels
-from moeflow.kernels.checks import check_pool_weights
 from moeflow.kernels.cpu.step import NATIVE_ATTENTION_TOKENS, attention_step, rmsnorm
+from moeflow.kernels.experts.checks import check_pool_weights
 
 
 class RMSNorm(nn.Module):

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from moeflow.kernels import ops, workspace
-from moeflow.kernels.checks import (
+from moeflow.kernels import workspace
+from moeflow.kernels.experts import ops
+from moeflow.kernels.experts.checks import (
     check_awq_weights,
     check_expert_args,
     check_float,
@@ -22,8 +23,8 @@ from moeflow.kernels.checks import (
     check_same_device,
     values_checked,
 )
+from moeflow.kernels.experts.reference import pool_weights
 from moeflow.kernels.pool import ExpertPool
-from moeflow.kernels.reference import pool_weights
 
 BACKENDS = ("torch", "triton", "auto")
 CPU_INT4 = "cpu-int4"  # the model-level choice of the CPU int4 kernels (engine/build.resolve_kernels)

@@ -14,8 +14,8 @@ __all__ = ["ExpertPool", "row_major_pool"]
 def row_major_pool(pool: ExpertPool) -> ExpertPool:
     """The same AWQ experts with both qweights copied into the former row-major layout ``[S, N, K/8]`` and viewed
     as panels (:func:`rows_as_panels`): what the kernels read through strides for the side-by-side timing of the
-    two layouts (the MXFP4 twin: :func:`moeflow.kernels.mxfp4.row_major_copy`). Marked checked: its row stride is
-    not the panel layout's, which the pool checks would refuse."""
+    two layouts (the MXFP4 twin: :func:`moeflow.kernels.experts.mxfp4.row_major_copy`). Marked checked: its row
+    stride is not the panel layout's, which the pool checks would refuse."""
     alt = copy.copy(pool)
     alt.tensors = dict(pool.tensors)
     for name in ("w13_qweight", "w2_qweight"):

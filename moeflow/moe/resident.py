@@ -6,8 +6,8 @@ import torch
 
 from moeflow import kernels
 from moeflow.compile_boundary import host_logic
+from moeflow.kernels.cpu.int4 import COMPUTE_DTYPE, Int4Expert
 from moeflow.kernels.cpu.step import experts_step
-from moeflow.kernels.cpu_int4 import COMPUTE_DTYPE, Int4Expert
 from moeflow.kernels.formats import ExpertFormat
 from moeflow.kernels.pool import ExpertPool
 from moeflow.moe.backend import ExpertBackend, KernelRouting
@@ -54,7 +54,7 @@ class CpuInt4Experts(ExpertBackend):
     """Every expert in host RAM in torch's CPU int4 format, computed with its int4 kernels (bf16 activations).
 
     The CPU inference path for AWQ checkpoints: far faster than dequantizing per call (see
-    :mod:`moeflow.kernels.cpu_int4` for the numerics and the memory it costs).
+    :mod:`moeflow.kernels.cpu.int4` for the numerics and the memory it costs).
     """
 
     def __init__(self, fmt: ExpertFormat, num_layers: int, num_experts: int) -> None:

@@ -5,7 +5,7 @@ Measured once (well under a second at tiny shapes, a few seconds at Mixtral's):
 * host->device: copies of one expert region from the host store into a device slot (the path the copy
   engine takes; on a CPU "device" this is a memory copy);
 * CPU: one expert in its CPU form (for AWQ the int4 format ``Int4Expert`` picks: moeflow's own kernels where
-  they build, else torch's; for MXFP4 the two-digit int4 form of :mod:`moeflow.kernels.cpu_mxfp4`, about twice
+  they build, else torch's; for MXFP4 the two-digit int4 form of :mod:`moeflow.kernels.cpu.mxfp4`, about twice
   the AWQ work per weight) at 1, 8 and 16 tokens, on a worker of the CPU pool: the cost per further token is
   the slope from 8 to 16, and the tokens that cost nothing extra (``Rates.cpu_free_tokens``) are where that
   line meets the one-token cost - moeflow's int4 kernel is memory-bound up to ~3 tokens and compute-bound
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from moeflow.kernels.cpu_int4 import cpu_expert_kernel
+from moeflow.kernels.cpu.int4 import cpu_expert_kernel
 from moeflow.kernels.formats import ExpertFormat
 from moeflow.offload.cost_model import Rates
 

@@ -7,7 +7,7 @@ import torch
 
 def combine_in_order(y: torch.Tensor, top_k: int) -> torch.Tensor:
     """y [T*k, H] -> [T, H]: each token's k rows summed in fp32 in k order, cast back to y's dtype; bitwise
-    :func:`moeflow.kernels.reference.combine_reference` (the resident path's torch combine) in fewer ops,
+    :func:`moeflow.kernels.experts.reference.combine_reference` (the resident path's torch combine) in fewer ops,
     called directly in eager mode instead of through its ``torch.library`` custom op (~50 us a call)."""
     if top_k == 1:
         return y.clone()  # a copy: never alias the slot output buffer

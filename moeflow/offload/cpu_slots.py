@@ -2,7 +2,7 @@
 
 On ``device="cpu"`` with AWQ experts and the int4 CPU kernels (``kernels="auto"`` or ``"cpu-int4"``), an
 offloading policy's host store and slot pool hold every expert in :class:`CpuInt4Format`: the tensors of the
-form :class:`~moeflow.kernels.cpu_int4.Int4Expert` computes with (what the resident CPU int4 path holds),
+form :class:`~moeflow.kernels.cpu.int4.Int4Expert` computes with (what the resident CPU int4 path holds),
 converted once per expert when the checkpoint is loaded. A slot's ``Int4Expert`` is a set of views of the slot's
 bytes, so an expert landing in a slot is one copy of the same bytes through the copy engine (every policy, fence
 and transport, and the simulator, work as on a GPU) and a miss converts nothing.
@@ -31,9 +31,9 @@ from typing import ClassVar
 
 import torch
 
-from moeflow.kernels import reference
+from moeflow.kernels.cpu.int4 import Int4Expert
 from moeflow.kernels.cpu.step import expert_row, experts_step
-from moeflow.kernels.cpu_int4 import Int4Expert
+from moeflow.kernels.experts import reference
 from moeflow.kernels.formats import ALIGN, AWQFormat, ExpertFormat, TensorSpec
 from moeflow.kernels.pool import ExpertPool
 

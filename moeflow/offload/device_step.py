@@ -40,11 +40,11 @@ from dataclasses import dataclass, field
 import torch
 
 from moeflow import kernels
-from moeflow.kernels import ops
-from moeflow.kernels.capturable import nibble_shifts, static_expert_forward
-from moeflow.kernels.checks import check_expert_args
+from moeflow.kernels.experts import ops
+from moeflow.kernels.experts.capturable import nibble_shifts, static_expert_forward
+from moeflow.kernels.experts.checks import check_expert_args
+from moeflow.kernels.experts.reference import pool_weights
 from moeflow.kernels.pool import ExpertPool
-from moeflow.kernels.reference import pool_weights
 from moeflow.offload.combine import combine_in_order
 from moeflow.offload.readback import PinnedRing, pack_slot_table
 

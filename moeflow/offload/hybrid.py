@@ -1,5 +1,5 @@
 """Hybrid execution: missed experts computed on the CPU (torch's int4 kernels; AWQ, or MXFP4 as two exact int4
-digits, :mod:`moeflow.kernels.cpu_mxfp4`) while the device computes the rest.
+digits, :mod:`moeflow.kernels.cpu.mxfp4`) while the device computes the rest.
 
 :class:`HybridCompute` is an executor the backend hands each layer's misses and loads under way: it decides
 which missing experts are copied, computed on the CPU, or both (:mod:`.cost_model`), runs the CPU ones on a
@@ -43,13 +43,13 @@ def resolve_cpu_compute(config: Any, spec: Any, fmt: Any) -> str:
     back to "never" with one warning when the experts are neither plain AWQ nor MXFP4, or torch lacks the int4
     CPU kernels.
     """
-    from moeflow.kernels.cpu_int4 import int4_cpu_available
+    from moeflow.kernels.cpu.int4 import int4_cpu_available
 
     policy_mode = getattr(spec, "cpu_compute", None)
     mode = requested_cpu_compute(config, spec)
     if mode == "never":
         return "never"
-    problem = fmt.cpu_unsupported()  # AWQ (moeflow.kernels.cpu_int4) or MXFP4 (moeflow.kernels.cpu_mxfp4)
+    problem = fmt.cpu_unsupported()  # AWQ (moeflow.kernels.cpu.int4) or MXFP4 (moeflow.kernels.cpu.mxfp4)
     if problem is None and not int4_cpu_available():
         problem = f"torch {torch.__version__} lacks the int4 CPU kernels (_weight_int4pack_mm_for_cpu)"
     if problem is None:

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeflow.kernels.configs import key_splits
+from moeflow.kernels.experts.configs import key_splits
 from moeflow.kernels.triton_common import INTERPRETED, cdiv, next_pow2, rounded
 
 LOG2E = 1.4426950408889634

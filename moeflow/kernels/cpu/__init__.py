@@ -12,7 +12,7 @@ torch model of every function.
 * :mod:`moeflow.kernels.cpu.layers`: a one-token step through all decoder layers as one call.
 
 Only :mod:`~moeflow.kernels.cpu.native` is re-exported: the other modules build on the CPU int4 expert format
-(``kernels/cpu_int4.py``), which itself imports ``native``; import them by their module path.
+(``kernels/cpu/int4.py``), which itself imports ``native``; import them by their module path.
 """
 
 from moeflow.kernels.cpu.native import (

@@ -7,7 +7,7 @@ Two formats, both through torch's own CPU kernels (no extension to build):
   ~0.2% of the channel's largest weight. The int8 rows double as an embedding table (:meth:`embedding`).
 * ``bits=4``: asymmetric int4 per group of ``group_size`` input features (round-to-nearest with an integer
   zero point, exactly AWQ's format, so published AWQ projections load the same way: :func:`awq_linear_cpu`),
-  through ``_weight_int4pack_mm_for_cpu`` (see :mod:`moeflow.kernels.cpu_int4`); ~0.53 bytes per weight.
+  through ``_weight_int4pack_mm_for_cpu`` (see :mod:`moeflow.kernels.cpu.int4`); ~0.53 bytes per weight.
 
 Where moeflow's own CPU kernels build (:mod:`moeflow.kernels.cpu.native`), both formats run those instead
 (``native``): fp32 in and out, activations rounded to int8 per 32 features, int4 scales kept in fp32; 2-4x
@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moeflow.kernels.cpu.int4 import COMPUTE_DTYPE, Int4Matrix, native_format_fits
 from moeflow.kernels.cpu.native import (
     BLOCK,
     Q4Matrix,
@@ -38,7 +39,6 @@ from moeflow.kernels.cpu.native import (
     q4_reference,
     q8_matmul,
 )
-from moeflow.kernels.cpu_int4 import COMPUTE_DTYPE, Int4Matrix, native_format_fits
 from moeflow.quant.awq import check_group_size, dequantize, quantize_rtn
 
 INT8_MAX = 127

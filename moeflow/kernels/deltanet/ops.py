@@ -1,6 +1,6 @@
 """The Gated DeltaNet kernels' launch paths (:mod:`moeflow.kernels.deltanet.kernels`): launched directly in eager
 mode, through ``torch.ops.moeflow.gdn_*`` custom ops (in-place state writes declared) while ``torch.compile``
-traces, as :mod:`moeflow.kernels.ops` does for the expert kernels.
+traces, as :mod:`moeflow.kernels.experts.ops` does for the expert kernels.
 
 The torch references are :mod:`moeflow.families.gated_deltanet`'s (``GatedDeltaNet.conv``,
 ``GatedDeltaNet.rule_inputs`` + ``recurrent_gated_delta_rule``); :class:`~moeflow.families.gated_deltanet.GatedDeltaNet`
@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from moeflow.kernels.custom_op import custom_op
-from moeflow.kernels.ops import check_triton_device
+from moeflow.kernels.experts.ops import check_triton_device
 
 
 def _kernels():

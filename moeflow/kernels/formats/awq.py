@@ -50,7 +50,7 @@ class AWQFormat(PlainFormat):
                 (t["w2_qweight"], t["w2_qzeros"], t["w2_scales"]), self.group_size)
 
     def check_pool(self, pool: ExpertPool) -> None:
-        from moeflow.kernels.checks import check_pool_weights
+        from moeflow.kernels.experts.checks import check_pool_weights
 
         t, S, g = pool.tensors, pool.n_slots, self.group_size
         H, I = self.hidden_size, self.intermediate_size  # noqa: E741
@@ -70,6 +70,6 @@ class AWQFormat(PlainFormat):
         return None
 
     def cpu_expert(self, tensors: dict[str, torch.Tensor]):  # -> Int4Expert
-        from moeflow.kernels.cpu_int4 import Int4Expert
+        from moeflow.kernels.cpu.int4 import Int4Expert
 
         return Int4Expert.from_awq_tensors(tensors, self.group_size)

@@ -1,6 +1,7 @@
 """Experts with projection biases and a chosen gate activation (gpt-oss), stored dense or AWQ; MXFP4 in
-:mod:`.mxfp4`. Computed by :mod:`moeflow.kernels.biased` (see its docstring for the numerics) through the custom op
-``torch.ops.moeflow.biased_expert_forward`` (so ``torch.compile(fullgraph=True)`` traces through it), which takes the
+:mod:`.mxfp4`. Computed by :mod:`moeflow.kernels.experts.biased` (see its docstring for the numerics) through the
+custom op ``torch.ops.moeflow.biased_expert_forward`` (so ``torch.compile(fullgraph=True)`` traces through it),
+which takes the
 format as primitive arguments and rebuilds it from :attr:`BiasedExpertFormat.kinds`.
 
 * ``activation``: ``"silu"`` (``silu(gate) * up``) or ``"clamped_swiglu"`` (gpt-oss:
@@ -170,7 +171,7 @@ class BiasedAWQFormat(BiasedExpertFormat):
         return w13, b13, w2, b2
 
     def triton_forward(self, x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask, config):
-        from moeflow.kernels.biased import biased_awq_forward
+        from moeflow.kernels.experts.biased import biased_awq_forward
 
         return biased_awq_forward(x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask, config=config)
 
@@ -205,11 +206,11 @@ def biased_expert_forward(
     validate: bool | None = None,
 ) -> torch.Tensor:
     """``expert_forward`` for the biased formats: on backend "triton" their :meth:`~BiasedExpertFormat.triton_forward`
-    (MXFP4: :mod:`moeflow.kernels.mxfp4`, AWQ: :func:`moeflow.kernels.biased.biased_awq_forward`); dense experts (and
-    backend "torch") through
+    (MXFP4: :mod:`moeflow.kernels.experts.mxfp4`, AWQ: :func:`moeflow.kernels.experts.biased.biased_awq_forward`);
+    dense experts (and backend "torch") through
     the plain-torch reference. Runs as the custom op ``torch.ops.moeflow.biased_expert_forward`` so
     ``torch.compile(fullgraph=True)`` traces through."""
-    from moeflow.kernels.checks import check_ids_and_slots, values_checked
+    from moeflow.kernels.experts.checks import check_ids_and_slots, values_checked
 
     global _warned_reference
     if values_checked(validate, topk_ids):
@@ -251,7 +252,7 @@ def _biased_expert_forward_op(
             cfg = {**({"BLOCK_M": config[0]} if config[0] > 0 else {}), **stages}
         fmt.triton_forward(x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask, cfg)
         return
-    from moeflow.kernels.biased import biased_expert_forward_reference
+    from moeflow.kernels.experts.biased import biased_expert_forward_reference
 
     biased_expert_forward_reference(x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask)
 

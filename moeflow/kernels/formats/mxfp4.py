@@ -1,13 +1,13 @@
 """MXFP4 experts (gpt-oss's published storage) with biases and a gate activation.
 
-Loader form as published (:mod:`moeflow.kernels.mxfp4_reference`): ``w13_blocks`` uint8 ``[2I, H/32, 16]``,
+Loader form as published (:mod:`moeflow.kernels.experts.mxfp4_reference`): ``w13_blocks`` uint8 ``[2I, H/32, 16]``,
 ``w13_scales`` uint8 ``[2I, H/32]``, ``w2_blocks`` ``[H, I/32, 16]``, ``w2_scales`` ``[H, I/32]`` (w13 rows gate
 first, then up); ``dtype`` is the bias dtype. The region holds them in K panels (:meth:`MXFP4Format.panels`:
 ``P13``, ``P2`` = 64 at gpt-oss's sizes): ``w13_blocks`` ``[H/P13, 2I, P13/32, 16]``, ``w13_scales``
 ``[H/P13, 2I, P13/32]``, ``w2_*`` likewise with ``I/P2`` panels of ``H`` rows, so the rows of a kernel tile in one
 panel are one contiguous range (the same bytes per expert); the blocks' bits are permuted within each 32-bit word
-(:func:`~moeflow.kernels.mxfp4_reference.to_kernel_layout`). Kernels: :mod:`moeflow.kernels.mxfp4` (Triton),
-:mod:`moeflow.kernels.cpu_mxfp4` (CPU).
+(:func:`~moeflow.kernels.experts.mxfp4_reference.to_kernel_layout`). Kernels: :mod:`moeflow.kernels.experts.mxfp4`
+(Triton), :mod:`moeflow.kernels.cpu.mxfp4` (CPU).
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from moeflow.kernels.formats.biased import BiasedExpertFormat
-from moeflow.kernels.mxfp4_reference import (
+from moeflow.kernels.experts.mxfp4_reference import (
     BLOCK,
     dequantize_mxfp4,
     from_kernel_layout,
@@ -27,6 +26,7 @@ from moeflow.kernels.mxfp4_reference import (
     to_kernel_layout,
     to_panels,
 )
+from moeflow.kernels.formats.biased import BiasedExpertFormat
 
 if TYPE_CHECKING:
     from moeflow.kernels.formats.layout import ExpertPool, ReferenceWeights
@@ -78,7 +78,7 @@ class MXFP4Format(BiasedExpertFormat):
         return w13, b13, w2, b2
 
     def triton_forward(self, x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask, config):
-        from moeflow.kernels.mxfp4 import mxfp4_expert_forward
+        from moeflow.kernels.experts.mxfp4 import mxfp4_expert_forward
 
         return mxfp4_expert_forward(x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask, config=config)
 
@@ -86,7 +86,7 @@ class MXFP4Format(BiasedExpertFormat):
         return None
 
     def cpu_expert(self, tensors: dict[str, torch.Tensor]):  # -> Mxfp4CpuExpert
-        from moeflow.kernels.cpu_mxfp4 import Mxfp4CpuExpert
+        from moeflow.kernels.cpu.mxfp4 import Mxfp4CpuExpert
 
         return Mxfp4CpuExpert.from_tensors(tensors, self)
 

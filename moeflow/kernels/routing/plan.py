@@ -1,7 +1,7 @@
 """Routing in one launch: softmax / top-k / renormalise of the router logits, the sentinel fill and the
 align-block-size plan (counts, padded offsets, stable ranks, block table), all in one program.
 
-References: :func:`moeflow.kernels.reference.route_reference` and ``routing_plan_reference``. One program is
+References: :func:`moeflow.kernels.experts.reference.route_reference` and ``routing_plan_reference``. One program is
 enough at decode (a few tokens); at prefill the plan is still one pass over the T*k pairs, a few microseconds.
 """
 

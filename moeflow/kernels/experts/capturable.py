@@ -1,6 +1,6 @@
 """The torch expert compute with static shapes: capturable as a CUDA graph (and by the tests' CPU recorder).
 
-:func:`moeflow.kernels.reference.expert_forward_pool_reference` gathers each selected expert's pairs
+:func:`moeflow.kernels.experts.reference.expert_forward_pool_reference` gathers each selected expert's pairs
 (``unique``, ``nonzero``, a host read of the slot): data-dependent shapes a graph cannot hold. Here every
 expert of the table is computed for every token, its slot gathered on the device (``index_select``), and
 its pairs selected with ``where``: the same numeric contract (fp32 accumulation, ``silu(gate) * up`` stored
@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moeflow.kernels.experts.reference import pool_weights
 from moeflow.kernels.formats.plain_layout import qweight_rows
 from moeflow.kernels.pool import ExpertPool
-from moeflow.kernels.reference import pool_weights
 
 
 def nibble_shifts(device: torch.device) -> torch.Tensor:
@@ -28,7 +28,7 @@ def nibble_shifts(device: torch.device) -> torch.Tensor:
 def _dequantize(weights: tuple, slot: torch.Tensor, group_size: int, shifts: torch.Tensor) -> torch.Tensor:
     """fp32 W^T [N, K] of the matrix in ``slot`` (int32 [1], on the device): AWQ kernel layout
     (qweight [S, K/P, N, P/8], qzeros [S, K/g, N/8], scales [S, K/g, N]) or dense (w [S, N, K], None, None).
-    Bitwise :func:`moeflow.kernels.reference.dequantize_kernel_layout` with no host-side index."""
+    Bitwise :func:`moeflow.kernels.experts.reference.dequantize_kernel_layout` with no host-side index."""
     qweight, qzeros, scales = weights
     if qzeros is None:
         return qweight.index_select(0, slot)[0].float()

@@ -1,6 +1,6 @@
 """Block configurations of the Triton kernels: a JSON table in the repo, nearest-M lookup, heuristic defaults.
 
-No autotuning happens at start-up. Tables live in ``moeflow/kernels/configs/*.json`` (format in
+No autotuning happens at start-up. Tables live in ``moeflow/kernels/experts/configs/*.json`` (format in
 ``docs/kernels.md``); ``benchmarks/run_gpu_kernels.py --tune`` writes one for the GPU it runs on.
 Lookup order: (1) a table for this device name and this Triton ``major.minor``; (2) a table for this device
 and another Triton version; (3) the heuristic :func:`default_config`. Inside a table the entry must match

@@ -2,7 +2,7 @@
 fused with the w2 split-K reduction (the partials of each pair summed in split order, times the routing weight,
 rounded to the activation dtype as the unfused w2 would store them, then combined): one launch instead of two.
 
-Reference: :func:`moeflow.kernels.reference.combine_reference` (and ``combine_partials_reference``).
+Reference: :func:`moeflow.kernels.experts.reference.combine_reference` (and ``combine_partials_reference``).
 """
 
 from __future__ import annotations

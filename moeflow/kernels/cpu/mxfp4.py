@@ -10,7 +10,7 @@ duplicated (``x' = [x | x]``), so ``x' @ W'.T = x @ W.T`` with every weight exac
 ``_weight_int4pack_mm_for_cpu`` (group size 32 = the MXFP4 block, so no group straddles the two halves).
 
 Error against the fp32 reference (:func:`mxfp4_cpu_expert_reference` models it): the weights are exact; the
-activations are rounded to bf16 (the kernel's fast path, as :mod:`moeflow.kernels.cpu_int4`), products are
+activations are rounded to bf16 (the kernel's fast path, as :mod:`moeflow.kernels.cpu.int4`), products are
 accumulated in fp32 and each matmul's output is rounded to bf16: the relative error of one matmul is that of
 one bf16 rounding (~2**-9, measured ~3e-3 max-relative at gpt-oss shapes), the same class as the AWQ CPU path.
 
@@ -19,7 +19,7 @@ scale/zero pairs, 1.25 B/weight against MXFP4's 0.53: the CPU form takes ~2.4x t
 extra RAM (converted once, when loading finishes, as the AWQ form). The alternative that keeps no extra RAM,
 dequantizing to bf16 per call, was 12-19x slower on the machine we measured (a byte-to-value table gather per
 weight and call; docs/hybrid.md has the numbers). Biased experts only: ``w13`` rows are gate then up
-(:mod:`moeflow.kernels.biased`).
+(:mod:`moeflow.kernels.experts.biased`).
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
-from moeflow.kernels.biased import gate_activation
-from moeflow.kernels.cpu_int4 import COMPUTE_DTYPE, INNER_K_TILES, _repack_block
+from moeflow.kernels.cpu.int4 import COMPUTE_DTYPE, INNER_K_TILES, _repack_block
+from moeflow.kernels.experts.biased import gate_activation
+from moeflow.kernels.experts.mxfp4_reference import BLOCK, check_mxfp4, dequantize_mxfp4
 from moeflow.kernels.formats.layout import ExpertFormat
-from moeflow.kernels.mxfp4_reference import BLOCK, check_mxfp4, dequantize_mxfp4
 
 
 def _code_table() -> torch.Tensor:
@@ -60,7 +60,7 @@ def _digit_codes(blocks: torch.Tensor) -> torch.Tensor:
 def _int4pack(q: torch.Tensor) -> torch.Tensor:
     """uint8 codes [N, K] (0..15) -> torch's CPU int4pack uint8 [N, K/2], with byte ops where the layout is known.
 
-    The layout probed by :mod:`moeflow.kernels.cpu_int4`: per block of ``b`` rows (64 with AVX-512, 32 with
+    The layout probed by :mod:`moeflow.kernels.cpu.int4`: per block of ``b`` rows (64 with AVX-512, 32 with
     AVX2), a ``[K, b/2]`` byte array whose byte (k, j) holds row j in its low nibble and row b/2 + j in its high.
     """
     N, K = q.shape

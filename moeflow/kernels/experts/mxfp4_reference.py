@@ -12,7 +12,7 @@ so dequantizing is exact and the only error of an MXFP4 model is the published r
 
 Kernel layout (what the slot pool holds, :func:`to_kernel_layout`): the same bytes per block with the bits of
 each 32-bit word (8 consecutive k) permuted so that the Triton kernel decodes a bf16 pair ``(k 2p, k 2p + 1)``
-with at most three shifts (see :mod:`moeflow.kernels.mxfp4`): code ``k`` of a word puts its bits
+with at most three shifts (see :mod:`moeflow.kernels.experts.mxfp4`): code ``k`` of a word puts its bits
 ``(m, e0, e1, s)`` at ``KERNEL_BITS[k]``. A pure permutation: :func:`from_kernel_layout` inverts it exactly.
 
 Panel layout (how the slot pool orders those blocks, :func:`to_panels`): K is cut into panels of ``P`` values
@@ -22,8 +22,8 @@ of rows ``n0 .. n0 + BN`` of one panel is then one contiguous byte range of weig
 scales (``BN P/32`` bytes): what a kernel iteration at ``BLOCK_K = P`` reads. The published row-major order is
 the same five-dimensional tensor with other strides (:func:`row_major_as_panels`), which the kernels read too.
 
-Numeric contract of the Triton kernels (:mod:`moeflow.kernels.mxfp4`) against the plain-torch reference
-(``moeflow.kernels.biased.biased_expert_forward_reference``, which dequantizes with :func:`dequantize_mxfp4`):
+Numeric contract of the Triton kernels (:mod:`moeflow.kernels.experts.mxfp4`) against the plain-torch reference
+(``moeflow.kernels.experts.biased.biased_expert_forward_reference``, which dequantizes with :func:`dequantize_mxfp4`):
 the decoded weights are bitwise the reference's; products and sums in fp32 (bf16 tensor cores with fp32
 accumulation for bf16 activations), in another order; bias and activation in fp32; h and the outputs stored
 in the activation dtype. Tested (tests/test_mxfp4.py, max error / max |reference|): fp32 activations < 1e-5;
@@ -37,7 +37,7 @@ import functools
 import torch
 
 BLOCK = 32  # values per scale
-PANEL = 64  # k per panel of the pool's layout (module doc): moeflow.kernels.mxfp4's decode BLOCK_K
+PANEL = 64  # k per panel of the pool's layout (module doc): moeflow.kernels.experts.mxfp4's decode BLOCK_K
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 

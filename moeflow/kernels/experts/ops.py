@@ -2,7 +2,7 @@
 around the same launchers (``torch.ops.moeflow.*``) for ``torch.compile``.
 
 Each op takes a ``backend`` string, already resolved to ``"torch"`` (the reference of
-:mod:`moeflow.kernels.reference`) or ``"triton"`` (the Triton kernels, which run under the interpreter on a
+:mod:`moeflow.kernels.experts.reference`) or ``"triton"`` (the Triton kernels, which run under the interpreter on a
 CPU). Every op has a fake implementation so ``torch.compile`` traces through it without a graph break; shapes
 only depend on host-known sizes (no ``.item()``). The eager launchers take an ``alloc`` for their intermediates:
 :func:`moeflow.kernels.workspace.scratch` on the hot path (no allocation per call), fresh tensors inside ops.
@@ -18,9 +18,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from moeflow.kernels import reference as ref
-from moeflow.kernels.configs import GEMM_DEFAULTS, GEMM_KEYS, lookup_config
 from moeflow.kernels.custom_op import custom_op
+from moeflow.kernels.experts import reference as ref
+from moeflow.kernels.experts.configs import GEMM_DEFAULTS, GEMM_KEYS, lookup_config
 
 Alloc = Callable[[str, tuple, torch.dtype, torch.device], Tensor]
 
@@ -122,7 +122,7 @@ def experts_eager(
 ) -> Tensor | None:
     """w13 + w2 over a plan; fills ``out`` [P, H] (selected pairs). With ``defer_w2_reduce`` and a split w2,
     returns its fp32 partials [SPLIT_K, P, H] instead (for the combine to sum) and leaves ``out`` alone."""
-    from moeflow.kernels.triton_experts import expert_gemm
+    from moeflow.kernels.experts.gemm import expert_gemm
 
     ids, _, sorted_ids, eob, _ = plan
     num_pairs = ids.numel()
@@ -146,7 +146,7 @@ def experts_eager(
 
 def combine_eager(y: Tensor | None, top_k: int, out: Tensor, partials: Tensor | None = None,
                   topk_weights: Tensor | None = None) -> Tensor:
-    from moeflow.kernels.triton_combine import combine
+    from moeflow.kernels.experts.combine import combine
 
     if y is not None and y.stride(-1) != 1:
         y = y.contiguous()
@@ -263,7 +263,7 @@ def _(x, qweight, qzeros, scales, group_size, config, backend):
 
 def linear_eager(x: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, group_size: int, cfg: dict) -> Tensor:
     """Launch the published-AWQ GEMM: x [M, K] -> [M, N] (a fresh tensor)."""
-    from moeflow.kernels.triton_linear import awq_linear_triton
+    from moeflow.kernels.experts.linear import awq_linear_triton
 
     return awq_linear_triton(x, qweight, qzeros, scales, group_size, cfg)
 
@@ -274,8 +274,8 @@ def linear_packed_eager(x: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tens
 
     Per call only the launch (a split K is reduced inside it: the fixup): the config comes from a
     cache per (M, N, K, group), the constant plan from a cache per (blocks, device)."""
-    from moeflow.kernels.configs import packed_linear_config
-    from moeflow.kernels.triton_experts import expert_gemm
+    from moeflow.kernels.experts.configs import packed_linear_config
+    from moeflow.kernels.experts.gemm import expert_gemm
 
     M, N = x.shape[0], scales.shape[1]
     cfg = cfg or packed_linear_config(M, N, x.shape[1], group_size)

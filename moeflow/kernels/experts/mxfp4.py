@@ -1,17 +1,18 @@
 """Grouped Triton kernels for MXFP4 experts (gpt-oss as published), decoding e2m1 in the K loop.
 
-Same contract as the AWQ kernels (:mod:`moeflow.kernels.triton_experts`): an align-block-size routing plan
+Same contract as the AWQ kernels (:mod:`moeflow.kernels.experts.gemm`): an align-block-size routing plan
 (``torch.ops.moeflow.routing_plan``), weights read from the slot pool through ``slot_of_expert``, blocks of
 experts outside ``expert_mask`` return at once (a staged computation writes each selected row exactly as a
 single pass), ``out`` ``[T*k, H]`` written in place for the selected pairs, :func:`moeflow.kernels.combine`
-afterwards. The plain-torch reference is :func:`moeflow.kernels.biased.biased_expert_forward_reference`.
+afterwards. The plain-torch reference is :func:`moeflow.kernels.experts.biased.biased_expert_forward_reference`.
 
 One kernel for every T, operand-swapped like the AWQ kernel: a program computes ``acc [BLOCK_N, DOT_M] =
 W[n-tile, :] @ X^T``, the decoded weight tile is the MMA's register operand and the token rows its N side.
 
 * Weights: ``blocks`` uint8 ``[S, K/P, N, P/32, 16]`` and ``scales`` ``[S, K/P, N, P/32]``, indexed by K panel
-  ``P`` (:mod:`moeflow.kernels.mxfp4_reference`); MXFP4's bytes with the bits of each 32-bit word permuted at load
-  (:func:`~moeflow.kernels.mxfp4_reference.to_kernel_layout`), read as int32 words: word ``j`` of a row's panel
+  ``P`` (:mod:`moeflow.kernels.experts.mxfp4_reference`); MXFP4's bytes with the bits of each 32-bit word permuted
+  at load
+  (:func:`~moeflow.kernels.experts.mxfp4_reference.to_kernel_layout`), read as int32 words: word ``j`` of a row's panel
   holds ``k = 8j .. 8j + 7`` of it, one 16-byte load = one 32-value block. The pointers take the slot, panel and
   row strides of the tensors: the slot pool stores panel after panel (a decode iteration, ``BLOCK_K = P``, reads
   one contiguous range of ``BLOCK_N P/2`` weight bytes and one of ``BLOCK_N P/32`` scale bytes), and the published
@@ -47,8 +48,9 @@ import torch
 import triton
 import triton.language as tl
 
-from moeflow.kernels import configs, workspace
-from moeflow.kernels.mxfp4_reference import BLOCK, PANEL, from_panels, row_major_as_panels
+from moeflow.kernels import workspace
+from moeflow.kernels.experts import configs
+from moeflow.kernels.experts.mxfp4_reference import BLOCK, PANEL, from_panels, row_major_as_panels
 from moeflow.kernels.pool import ExpertPool
 from moeflow.kernels.triton_common import (
     INTERPRETED,
@@ -85,7 +87,8 @@ SPLIT_CANDIDATES = tuple((s13, s2) for s13 in (1, 2, 4, 8) for s2 in (1, 2, 4, 8
 def stage_configs(tokens: int, num_experts: int, top_k: int, hidden: int, inter: int,
                   config: dict | None = None) -> dict:
     """``{"BLOCK_M", "w13", "w2"}`` of one layer: ``config`` over the defaults. At decode (T <= 16) each stage's
-    default ``SPLIT_K`` is the wave rule :func:`moeflow.kernels.configs.wave_split` at ``DECODE_PROGRAMS_PER_SM``
+    default ``SPLIT_K`` is the wave rule :func:`moeflow.kernels.experts.configs.wave_split` at
+    ``DECODE_PROGRAMS_PER_SM``
     over ``min(E, T k)`` plan blocks (one launch per stage at every split: the in-kernel fixup reduces).
     gpt-oss-120b (H = I = 2880, 128 experts, top-4; 660 program slots): T = 1 w13 180 programs -> split 8
     (1440 = 2.2 waves, 73 %), w2 92 -> 4 (368, 56 %); T = 2 w13 360 -> 4 (1440, 73 %), w2 184 -> 4 (736, 56 %);
@@ -356,7 +359,7 @@ def mxfp4_expert_forward(
     "w2": {...}}`` with ``BLOCK_N``, ``BLOCK_K``, ``SPLIT_K``, ``num_warps``, ``num_stages``; else
     :func:`stage_configs`' defaults). ``weights``: blocks and scales to read instead of the pool's (the same
     experts in another layout, e.g. :func:`row_major_copy`'s; the biases stay the pool's)."""
-    from moeflow.kernels.ops import routing_plan
+    from moeflow.kernels.experts.ops import routing_plan
 
     fmt, t = pool.fmt, {**pool.tensors, **(weights or {})}
     T, top_k = topk_ids.shape

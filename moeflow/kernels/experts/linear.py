@@ -1,6 +1,6 @@
 """The W4A16 GEMM on AWQ tensors *as published* (``qweight [K, N/8]`` in AWQ's nibble order): what
 :func:`moeflow.kernels.awq_linear` runs for the dense (attention) layers of an AWQ checkpoint. The experts, and
-linears packed once by ``kernels.pack_awq_linear``, use :mod:`moeflow.kernels.triton_experts` instead (about
+linears packed once by ``kernels.pack_awq_linear``, use :mod:`moeflow.kernels.experts.gemm` instead (about
 a third of the instructions per weight: see ``benchmarks/results/sass/``).
 
 ``BLOCK_M >= 16`` uses ``tl.dot`` tiles; ``BLOCK_M < 16`` a GEMV-shaped broadcast-multiply and reduce in fp32.

@@ -82,9 +82,9 @@ def biased_awq_forward(
     activation in the epilogue, w2 with ``+ bias`` times the routing weight (``config``: ``{"BLOCK_M", "w13":
     {...}, "w2": {...}}`` overriding the heuristic defaults, ``SPLIT_K`` included: the in-kernel fixup sums the
     splits and adds the bias once, after the sum)."""
-    from moeflow.kernels import configs
-    from moeflow.kernels.ops import routing_plan
-    from moeflow.kernels.triton_experts import expert_gemm
+    from moeflow.kernels.experts import configs
+    from moeflow.kernels.experts.gemm import expert_gemm
+    from moeflow.kernels.experts.ops import routing_plan
 
     fmt, t = pool.fmt, pool.tensors
     T, top_k = topk_ids.shape
