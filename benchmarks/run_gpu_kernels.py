@@ -298,7 +298,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels-<device>-<time>.json)")
     p.add_argument("--dry-run", action="store_true", help="tiny shape, T=1,4,16, few reps (runs on a CPU)")
     p.add_argument("--tune", action="store_true", help="sweep configs and write a config table (GPU only)")
-    p.add_argument("--tune-out", default=None, help="table path (default moeflow/kernels/experts/configs/<device>.json)")
+    p.add_argument("--tune-out", default=None,
+                   help="table path (default moeflow/kernels/experts/configs/<device>.json)")
     p.add_argument("--no-layouts", dest="layouts", action="store_false",
                    help="skip timing the former row-major qweight layout beside the panel layout (T <= 64)")
     a = p.parse_args(argv)
