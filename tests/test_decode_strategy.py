@@ -84,3 +84,14 @@ def test_a_policy_without_a_strategy_runs_the_plain_loop(ckpt):
     assert torch.equal(lru.generate(ids, max_new_tokens=3, eos_token_id=[], micro_batch_size=2), ref)
     with pytest.raises(SchedulingError, match="decode strategy.*'lru'"):
         lru.generate(ids, max_new_tokens=3, eos_token_id=[], micro_batch_size=2, dual_batch=True)
+
+
+def test_the_generate_loop_names_no_policy():
+    """generate() asks the policy (engine/decode.py); the loop itself imports nothing of a policy's folder."""
+    from test_architecture import imports_of, module_names
+
+    modules = module_names()
+    name = "moeflow.engine.generate"
+    found = imports_of(name, modules[name], modules)
+    assert "moeflow.engine.decode" in found
+    assert not [m for m in found if m.startswith("moeflow.offload.policies")], found

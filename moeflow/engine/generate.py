@@ -25,7 +25,6 @@ from moeflow.families.base import CausalDecoder, KVCacheSpec
 from moeflow.moe.backend import ExpertBackend, StepInfo
 from moeflow.moe.block import RoutingRecorder
 from moeflow.offload import Stats
-from moeflow.offload.policies.expertflow.pipeline import PipelineStats
 
 PathPredictor = Callable[[StepInfo, bool], "torch.Tensor | None"]  # (engine.decode's)
 CACHE_BUCKET = 256  # positions: a kept cache's length is a multiple of this (see cache_length)
@@ -56,7 +55,8 @@ class Runner:
         self.num_moe_layers = len(decoder.moe_blocks)
         self.num_experts = decoder.moe_blocks[0].gate.out_features
         self.decode_fn: Callable[..., torch.Tensor] = decoder
-        self.pipeline_stats: PipelineStats | None = None  # the dual-batch pipeline's, of the last generate
+        # the counters of the last generate's decode strategy (DecodeStrategy.stats: expertflow's PipelineStats)
+        self.pipeline_stats: Any = None
         # with CUDA graphs (``capture_decode``), keep the last cache for the next generate: the graphs baked its
         # addresses in; its length is rounded up to a bucket so calls of other lengths reuse it (:func:`cache_length`)
         self.reuse_cache = False

@@ -129,7 +129,7 @@ class ExpertBackend(ABC):
 
     @property
     def path_planner(self) -> RoutingPathPlanner | None:
-        """The policy's routing-path planner (what ``generate(dual_batch=True)`` runs), or None. Default: None."""
+        """The policy's routing-path planner (what expertflow's dual-batch pipeline drives), or None. Default: None."""
         return None
 
     @property
