@@ -33,9 +33,9 @@ import torch
 
 from moeflow import MoEOffloadedMixtral, OffloadConfig
 from moeflow.engine import generate as gen_mod
-from moeflow.engine.pipeline import DualBatchPipeline
 from moeflow.engine.side_lane import InlineLane, ThreadLane, VirtualLane
 from moeflow.offload.policies.expertflow import PLECPredictor
+from moeflow.offload.policies.expertflow.pipeline import DualBatchPipeline
 from moeflow.sim.engine import SimClock
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -30,8 +30,8 @@ from moeflow.offload.cache import ExpertCache
 from moeflow.offload.eviction import LFU, PriorityEviction, make_eviction
 from moeflow.offload.policies.expertflow import PLECEviction, PLECState
 from moeflow.offload.policies.finemoe import FineMoERuntime
+from moeflow.offload.policies.finemoe.predictor import FineMoEPredictor
 from moeflow.offload.predictors.base import ModelShape
-from moeflow.offload.predictors.finemoe import FineMoEPredictor
 
 SHAPES = {"mixtral": (32, 8, 2, 230), "qwen3-30b": (48, 128, 8, 3000)}  # layers, experts, top-k, slots
 

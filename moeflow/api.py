@@ -253,10 +253,11 @@ class MoEModel(nn.Module):
         token ids; the prefill by the prompt's paths, each decode step by its own token's path, known
         before the step runs), else contiguous groups first and then the paths each sequence's last token
         took. ``path_predictor`` (deprecated): an object with ``predict_paths(ids, mask, last_only=...)``
-        used instead of the backend's. ``dual_batch``: decode through ExpertFlow's dual-batch pipeline (path
-        prediction and token scheduling of the next micro-batch beside the current one's pass; docs/expertflow.md);
-        default (None): on with micro-batches under a policy with a routing-path predictor (expertflow);
-        True with another policy raises SchedulingError. Its counters: ``pipeline_stats``.
+        used instead of the backend's. ``dual_batch``: decode through the policy's decode strategy
+        (``PolicySpec.decode``: expertflow's dual-batch pipeline, path prediction and token scheduling of the next
+        micro-batch beside the current one's pass; docs/expertflow.md); default (None): on with micro-batches
+        under a policy that declares one; True with another policy raises SchedulingError. Its counters:
+        ``pipeline_stats``.
         ``prompt_lookup_num_tokens`` (transformers' name): greedy decoding that drafts up to this many tokens per
         pass by matching the last ``max_matching_ngram_size`` (default 2) tokens earlier in the sequence and
         verifies the draft in one pass (``moeflow.engine.lookup``: the same tokens as plain greedy decoding; one

@@ -57,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
 
     from moeflow import MoEOffloadedMixtral
+    from moeflow.offload.policies.expertflow.predictor import batch_level_report
     from moeflow.offload.predictors import evaluate_held_out, held_out_rows, train_predictor
-    from moeflow.offload.predictors.expertflow import batch_level_report
     from moeflow.tools.record import record_trace
     from moeflow.trace import Trace
 

@@ -49,8 +49,8 @@ def pct(x) -> str:
 
 def rebatch_pairs(trace, scores: torch.Tensor, top_k: int, batch: int, max_new: int) -> dict:
     """Mean activated (layer, expert) pairs per micro-batch over every decode step, four ways of grouping."""
+    from moeflow.offload.policies.expertflow.scheduler import activated_pairs, group_by_routing
     from moeflow.offload.predictors.base import topk_mask
-    from moeflow.offload.rebatch import activated_pairs, group_by_routing
 
     m = max(1, batch // 2)
     seqs = trace.sequence_ids()
@@ -132,8 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
 
     from moeflow import MoEOffloadedMixtral
+    from moeflow.offload.policies.expertflow.predictor import batch_level_report
     from moeflow.offload.predictors import load_predictor
-    from moeflow.offload.predictors.expertflow import batch_level_report
     from moeflow.tools.record import read_prompts, record_trace
     from moeflow.trace import Trace
 

@@ -103,7 +103,7 @@ def scheduler_table(trace, sizes: tuple[int, ...] = (4, 8, 16), draws: int = 50)
     """ExpertFlow §3.3 on recorded routing: two batches of N decode tokens (drawn at random from the trace's
     decode rows), the (layer, expert) pairs they activate as they came, regrouped by moeflow's variant (the
     clustering only where it activates fewer) and by the paper's clustering as written."""
-    from moeflow.offload.rebatch import activated_pairs, group_by_routing
+    from moeflow.offload.policies.expertflow.scheduler import activated_pairs, group_by_routing
 
     paths_all = trace.topk_mask()[trace.phase == 1]  # [N, L, E] bool, decode tokens
     gen = torch.Generator().manual_seed(0)

@@ -1,5 +1,5 @@
-"""ExpertFlow's dual-batch inference pipeline (engine/pipeline.py): exact tokens, the overlap on a virtual clock,
-bad input."""
+"""ExpertFlow's dual-batch inference pipeline (offload/policies/expertflow/pipeline.py, the policy's decode
+strategy): exact tokens, the overlap on a virtual clock, bad input."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from helpers import make_tiny_checkpoint
 from test_expertflow import padded_batch  # n left-padded prompts of random lengths
 
 from moeflow import MoEOffloadedMixtral, OffloadConfig
-from moeflow.engine.pipeline import DualBatchPipeline
 from moeflow.engine.side_lane import InlineLane, VirtualLane
 from moeflow.errors import InputError, SchedulingError
+from moeflow.offload.policies.expertflow.pipeline import DualBatchPipeline
 from moeflow.offload.predictors import train_predictor
 from moeflow.sim.engine import SimClock
 from moeflow.tools.record import record_trace
@@ -172,6 +172,45 @@ def test_next_pass_experts_prefetched_during_the_pass(ckpt, predictor_file):
     st = model.pipeline_stats
     assert st.next_pass_prefetches > 0
     assert 0 < st.resident_at_start <= st.planned_at_start
+
+
+# ---------------------------------------------------------------------------------------------- token scheduler
+def test_token_scheduler_runs_as_the_policy_asks(ckpt, predictor_file, monkeypatch):
+    """ExpertFlow's token scheduler (§3.3) forms the micro-batches of generate's prefill and of every pipeline round
+    the way the policy asks (``Mechanisms.keep_contiguous``): moeflow's variant by default, the paper's clustering
+    with ``policy_options={"keep_contiguous": False}``; the tokens are the resident model's either way, and the
+    plain loop (``dual_batch=False``) keeps moeflow's variant."""
+    import moeflow.offload.policies.expertflow.runtime as plec
+
+    ids, mask = padded_batch(6, seed=11)
+    ref = MoEOffloadedMixtral.from_pretrained(ckpt).generate(ids, attention_mask=mask, max_new_tokens=4,
+                                                             eos_token_id=[])
+    calls: list[tuple[bool, list[list[int]]]] = []
+    real = plec.group_by_routing
+
+    def spy(paths, size, **kw):
+        groups = real(paths, size, **kw)
+        calls.append((kw["keep_contiguous"], groups))
+        return groups
+
+    monkeypatch.setattr(plec, "group_by_routing", spy)
+    differ = 0
+    for options, want in ((None, True), ({"keep_contiguous": False}, False)):
+        model = MoEOffloadedMixtral.from_pretrained(ckpt, offload=OffloadConfig(
+            policy="expertflow", gpu_expert_slots=6, predictor_path=str(predictor_file), policy_options=options))
+        calls.clear()
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=4, eos_token_id=[], micro_batch_size=2)
+        assert torch.equal(out, ref), options
+        # the prefill's grouping, its regrouping by observed paths, then one schedule per round after the first 3
+        assert len(calls) == 2 + 3 and {k for k, _ in calls} == {want}, (options, calls)
+        assert model.pipeline_stats.rounds == 3
+        differ += sum(g != [list(range(i, i + 2)) for i in range(0, 6, 2)] for _, g in calls)
+        calls.clear()
+        off = model.generate(ids, attention_mask=mask, max_new_tokens=4, eos_token_id=[], micro_batch_size=2,
+                             dual_batch=False)
+        assert torch.equal(off, ref) and not calls, options  # the plain loop: the engine's own grouping
+        model.close()
+    assert differ > 0  # the scheduler did regroup (some grouping is not the contiguous split)
 
 
 # ---------------------------------------------------------------------------------------------- bad input

@@ -11,6 +11,7 @@ from helpers import make_tiny_checkpoint
 from moeflow import MoEOffloadedMixtral, OffloadConfig
 from moeflow.errors import InputError, SchedulingError
 from moeflow.offload.policies.expertflow import PLECEviction, PLECPredictor, PLECState
+from moeflow.offload.policies.expertflow.predictor import batch_level_accuracy, batch_level_report
 from moeflow.offload.predictors import (
     ExpertFlowPredictor,
     PredictorError,
@@ -19,7 +20,6 @@ from moeflow.offload.predictors import (
     load_predictor,
     train_predictor,
 )
-from moeflow.offload.predictors.expertflow import batch_level_accuracy, batch_level_report
 from moeflow.tools.record import record_trace
 
 LAYERS, EXPERTS = 3, 8

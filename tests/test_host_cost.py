@@ -18,13 +18,13 @@ from moeflow.kernels.experts.reference import combine_reference
 from moeflow.offload.combine import combine_in_order
 from moeflow.offload.copy_engine import CopyEngine, LoadTask, chunk_ranges
 from moeflow.offload.eviction import LRU, Static
+from moeflow.offload.policies.duoserve.predictor import expert_mlp
 from moeflow.offload.policies.expertflow import PLECEviction, PLECPredictor, PLECState
+from moeflow.offload.policies.expertflow.predictor import ExpertFlowPredictor, PathEncoder
+from moeflow.offload.policies.finemoe.predictor import FineMoEPredictor, select_experts, similarity_threshold
+from moeflow.offload.policies.finemoe.store import ExpertMapStore, TrajectorySearch, _cosine, ranked_selection
 from moeflow.offload.predictors.base import ModelShape
-from moeflow.offload.predictors.duoserve import expert_mlp
 from moeflow.offload.predictors.eval_mlp import EvalEncoder, EvalSequential
-from moeflow.offload.predictors.expertflow import ExpertFlowPredictor, PathEncoder
-from moeflow.offload.predictors.finemoe import FineMoEPredictor, select_experts, similarity_threshold
-from moeflow.offload.predictors.finemoe_store import ExpertMapStore, TrajectorySearch, _cosine, ranked_selection
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -131,7 +131,7 @@ def test_ranked_selection_is_select_experts_then_the_priority_order():
 
 def test_ranked_selection_in_python_is_the_numpy_one(monkeypatch):
     """A small row selected in plain Python (float32 rounding emulated) gives numpy's selection and order."""
-    from moeflow.offload.predictors import finemoe_store
+    from moeflow.offload.policies.finemoe import store as finemoe_store
 
     rng = np.random.default_rng(5)
     cases = []

@@ -110,8 +110,8 @@ def test_queue_priority_orders_the_predicted_loads(ranked):
 def test_finemoe_priority_is_p_over_distance():
     """FineMoE's runtime gives the searched p: guidance[l, e] / (l - l_now), l_now clipped below l."""
     from moeflow.offload.policies import FineMoERuntime
+    from moeflow.offload.policies.finemoe.predictor import FineMoEPredictor
     from moeflow.offload.predictors.base import ModelShape
-    from moeflow.offload.predictors.finemoe import FineMoEPredictor
 
     pred = FineMoEPredictor(ModelShape(num_layers=4, num_experts=4, top_k=1, hidden_size=8), distance=2)
     pred.guidance[3] = torch.tensor([0.1, 0.2, 0.3, 0.4])
@@ -187,7 +187,7 @@ def test_token_scheduler_regroups_two_batches():
     """ExpertFlow §3.3.2 as written: the tokens of two batches into two balanced batches by routing-path
     similarity. Two kinds of token, X (expert 0 in both layers) and Y (expert 1), alternate in both batches: each
     batch activates 4 (layer, expert) pairs (8 together); X's with X's and Y's with Y's activate 2 each (4)."""
-    from moeflow.offload.rebatch import activated_pairs, group_by_routing, regroup_two_batches
+    from moeflow.offload.policies.expertflow.scheduler import activated_pairs, group_by_routing, regroup_two_batches
 
     def paths(experts: list[int]) -> torch.Tensor:
         p = torch.zeros(len(experts), 2, 4, dtype=torch.bool)
@@ -256,8 +256,8 @@ def test_finemoe_prefill_iteration(iteration):
     paper's, "pass") or four (one per prompt token); a decode step of one sequence publishes one either way."""
     from moeflow.moe.backend import StepInfo
     from moeflow.offload.policies import FineMoERuntime
+    from moeflow.offload.policies.finemoe.predictor import FineMoEPredictor
     from moeflow.offload.predictors.base import ModelShape
-    from moeflow.offload.predictors.finemoe import FineMoEPredictor
 
     L, E, H, k = 3, 4, 8, 1
     rt = FineMoERuntime(FineMoEPredictor(ModelShape(num_layers=L, num_experts=E, top_k=k, hidden_size=H), distance=1),

@@ -10,6 +10,13 @@ import pytest
 import torch
 
 from moeflow.errors import MoeflowError
+from moeflow.offload.policies.duoserve.predictor import PAPER_WIDTHS, affinity_matrices, scaled_widths
+from moeflow.offload.policies.finemoe.predictor import (
+    eviction_priority,
+    prefetch_priority,
+    select_experts,
+    similarity_threshold,
+)
 from moeflow.offload.predictors import (
     DuoServePredictor,
     ExpertMapStore,
@@ -25,13 +32,6 @@ from moeflow.offload.predictors import (
     held_out_rows,
     load_predictor,
     train_predictor,
-)
-from moeflow.offload.predictors.duoserve import PAPER_WIDTHS, affinity_matrices, scaled_widths
-from moeflow.offload.predictors.finemoe import (
-    eviction_priority,
-    prefetch_priority,
-    select_experts,
-    similarity_threshold,
 )
 from moeflow.trace.synthetic import synthetic_trace
 

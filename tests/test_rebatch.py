@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moeflow import MoEOffloadedMixtral, OffloadConfig
-from moeflow.offload.rebatch import activated_pairs, group_by_routing, routing_similarity
+from moeflow.offload.policies.expertflow.scheduler import activated_pairs, group_by_routing, routing_similarity
 
 
 def contiguous(batch: int, m: int) -> list[list[int]]:

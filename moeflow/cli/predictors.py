@@ -100,8 +100,8 @@ def cmd_eval_predictor(args: argparse.Namespace) -> int:
         result["goodpred"] = goodpred(result, predictor.distance, layer_ms=args.layer_ms, expert_ms=args.expert_ms,
                                       predict_ms=args.predict_ms)
     if predictor.kind == "expertflow":  # ExpertFlow eq. 7: batch-level accuracy at batch sizes 1/4/16/32
+        from moeflow.offload.policies.expertflow.predictor import batch_level_report
         from moeflow.offload.predictors import held_out_rows
-        from moeflow.offload.predictors.expertflow import batch_level_report
 
         result["batch_level"] = batch_level_report(predictor, held_out_rows(predictor, trace), phase=args.phase)
     if not args.per_layer:

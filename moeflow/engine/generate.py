@@ -15,19 +15,18 @@ from typing import Any
 
 import torch
 
+from moeflow.engine.decode import DecodeStrategyFactory, GenerateLoop, MicroBatcher, choose_decode, policy_decode
 from moeflow.engine.kv_cache import StaticKVCache
 from moeflow.engine.latent_cache import new_kv_cache
-from moeflow.engine.pipeline import DualBatchPipeline, PipelineStats, plec_of
 from moeflow.engine.sampling import GenerationConfig, next_tokens
 from moeflow.engine.side_lane import Lane, ThreadLane
-from moeflow.errors import InputError, SchedulingError
+from moeflow.errors import InputError
 from moeflow.families.base import CausalDecoder, KVCacheSpec
 from moeflow.moe.backend import ExpertBackend, StepInfo
 from moeflow.moe.block import RoutingRecorder
 from moeflow.offload import Stats
-from moeflow.offload.rebatch import group_by_routing
 
-PathPredictor = Callable[[StepInfo, bool], "torch.Tensor | None"]
+PathPredictor = Callable[[StepInfo, bool], "torch.Tensor | None"]  # (engine.decode's)
 CACHE_BUCKET = 256  # positions: a kept cache's length is a multiple of this (see cache_length)
 
 
@@ -56,11 +55,18 @@ class Runner:
         self.num_moe_layers = len(decoder.moe_blocks)
         self.num_experts = decoder.moe_blocks[0].gate.out_features
         self.decode_fn: Callable[..., torch.Tensor] = decoder
-        self.pipeline_stats: PipelineStats | None = None  # the dual-batch pipeline's, of the last generate
+        # the counters of the last generate's decode strategy (DecodeStrategy.stats: expertflow's PipelineStats)
+        self.pipeline_stats: Any = None
         # with CUDA graphs (``capture_decode``), keep the last cache for the next generate: the graphs baked its
         # addresses in; its length is rounded up to a bucket so calls of other lengths reuse it (:func:`cache_length`)
         self.reuse_cache = False
         self._last_cache: tuple[tuple, Any] | None = None  # ((batch, max_len, KVCacheSpec | None), cache)
+
+    @property
+    def decode_strategy(self) -> DecodeStrategyFactory | None:
+        """The backend's policy's decode strategy (``PolicySpec.decode``: expertflow's dual-batch pipeline), or None:
+        the plain loop. Asked each time: ``MoEModel.use_backend`` may swap the backend."""
+        return policy_decode(self.backend)
 
     def close_backend(self) -> None:
         if self.backend is not None:
@@ -120,45 +126,6 @@ class Runner:
         return fn(embeds, positions, cache, cache_position, token_mask, self.backend, routing)
 
 
-class MicroBatcher:
-    """Runs a pass for the whole batch, or micro-batch by micro-batch regrouped by routing paths (ExpertFlow)."""
-
-    def __init__(self, runner: Runner, batch: int, micro_batch_size: int | None):
-        self.runner, self.batch, self.size = runner, batch, micro_batch_size
-        self.paths = torch.zeros((batch, runner.num_moe_layers, runner.num_experts), dtype=torch.bool)
-        self.groups = [list(range(batch))]
-        self.routing = RoutingRecorder(runner.num_moe_layers) if micro_batch_size is not None else None
-        if micro_batch_size is not None:
-            self.groups = [list(range(i, min(i + micro_batch_size, batch))) for i in range(0, batch, micro_batch_size)]
-
-    def regroup(self, paths: torch.Tensor) -> None:
-        """paths bool [B, L, E] (predicted or observed) -> new micro-batches."""
-        self.groups = group_by_routing(paths.cpu(), self.size)
-
-    def run(self, ids, positions, cache, cache_position, token_mask, phase: str, history,
-            all_real: bool = False) -> torch.Tensor:
-        """Logits of the last position [B, V] for inputs [B, T]; ``history``: (ids, mask) [B, S]; ``all_real``:
-        token_mask is all True."""
-        if self.size is None:
-            return self.runner.forward_pass(ids, positions, cache, cache_position, token_mask, phase,
-                                            history=history, last_only=True, all_real=all_real)[:, -1]
-        logits = None
-        for group in self.groups:
-            rows = torch.tensor(group, dtype=torch.long, device=ids.device)
-            out = self.runner.forward_pass(
-                ids[rows], positions[rows], cache.rows(rows), cache_position, token_mask[rows], phase, rows,
-                (history[0][rows], history[1][rows]), self.routing, last_only=True, all_real=all_real)[:, -1]
-            if logits is None:
-                logits = out.new_empty((self.batch, out.shape[-1]))
-            logits[rows] = out
-            for layer, last in enumerate(self.routing.last_token_experts()):  # [b, k] per MoE layer
-                self.paths[group, layer] = False
-                routed = last >= 0  # a finished row's token is not routed (-1)
-                self.paths[torch.tensor(group)[:, None].expand_as(last)[routed], layer, last[routed]] = True
-        self.regroup(self.paths)
-        return logits
-
-
 def deprecated_path_predictor(path_predictor: Any) -> PathPredictor:
     """``generate(path_predictor=obj)``: obj.predict_paths(ids, mask, last_only=...) (before the backend asked)."""
     warnings.warn("generate(path_predictor=...) is deprecated: micro-batches are grouped by the expert backend's "
@@ -182,8 +149,9 @@ def generate(
 ) -> torch.Tensor:
     """The generate loop (arguments checked by the caller): input_ids/token_mask [B, T] on the device ->
     [B, T + n] ids. ``predict_paths`` (default: the backend's) groups micro-batches before each step.
-    ``dual_batch`` (see :func:`use_dual_batch`): decode through :class:`DualBatchPipeline`, its side work on
-    ``lane`` (default: a :class:`ThreadLane`; an :class:`InlineLane` runs the same work without the overlap)."""
+    The decode steps run through a strategy (:func:`~moeflow.engine.decode.choose_decode`): the policy's where
+    ``dual_batch`` asks for it (expertflow's dual-batch pipeline, its side work on ``lane``, default a
+    :class:`ThreadLane`; an :class:`InlineLane` runs the same work without the overlap), else the plain loop."""
     stats, device = runner.stats, runner.device
     b, t = input_ids.shape
     custom_paths = predict_paths is not None
@@ -209,9 +177,6 @@ def generate(
     if gen.max_new_tokens == 0:
         return input_ids
 
-    batcher = MicroBatcher(runner, b, micro_batch_size)
-    pipeline_on = use_dual_batch(runner, micro_batch_size, dual_batch, custom_paths)
-
     def pick(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """logits [b, V] of ``rows`` [b] -> their next tokens [b] (padding once a row finished)."""
         seen = None
@@ -219,6 +184,17 @@ def generate(
             seen = torch.where(hist_mask[rows, :n], hist[rows, :n], hist[rows, n - 1:n])
         tok = next_tokens(logits, gen, generator, seen)
         return torch.where(finished[rows], torch.full_like(tok, pad), tok)
+
+    lanes: list[Lane] = []
+
+    def side_lane() -> Lane:
+        if not lanes:
+            lanes.append(lane or ThreadLane(device))
+        return lanes[0]
+
+    loop = GenerateLoop(runner, cache, hist, hist_mask, finished, micro_batch_size, pick, side_lane)
+    strategy = choose_decode(loop, dual_batch, predict_paths, custom_paths)
+    batcher = loop.batcher = MicroBatcher(runner, b, micro_batch_size, strategy.regroup)
     if micro_batch_size is not None:
         paths = predict_paths(StepInfo(input_ids, positions, token_mask, "prefill", history_ids=input_ids,
                                        history_mask=token_mask), False)
@@ -229,15 +205,9 @@ def generate(
                          (hist[:, :t], hist_mask[:, :t]))
     pass_tokens = int(token_mask.sum())  # real tokens of the pass just run (the stats count no padding)
     next_pos = positions[:, -1] + 1
-    ones = torch.ones((b, 1), dtype=torch.bool, device=device)
-    # finished rows still run (their tokens are padding, discarded) but are not real: their tokens route to no
-    # expert. Eager decode only: a compiled or captured step keeps one token mask (all real).
-    mask_finished = runner.decode_fn is runner.decoder
     n = t
-    pipeline: DualBatchPipeline | None = None
-    sampled: torch.Tensor | None = None  # a pipeline round's tokens, sampled micro-batch by micro-batch
+    tok = pick(logits, torch.arange(b, device=device))
     for step in range(gen.max_new_tokens):
-        tok = sampled if sampled is not None else pick(logits, torch.arange(b, device=device))
         hist[:, n], hist_mask[:, n] = tok, True
         n += 1
         if eos.numel():
@@ -260,34 +230,11 @@ def generate(
             break
         start = time.perf_counter()
         stats.set_phase("decode")
-        if pipeline_on:
-            if pipeline is None:
-                lane = lane or ThreadLane(device)
-                pipeline = DualBatchPipeline(runner, b, micro_batch_size, lane, batcher.groups)
-                pipeline.start(hist[:, :n], hist_mask[:, :n])
-            try:
-                sampled = pipeline.round(tok, next_pos, cache, n, hist, hist_mask, pick)
-            except BaseException:
-                pipeline.lane.close()
-                raise
-            next_pos = next_pos + 1
-            continue
-        history = (hist[:, :n], hist_mask[:, :n])
-        running = ~finished[:, None] if mask_finished and bool(done.any()) else ones
-        pass_tokens = b - int(done.sum()) if running is not ones else b
-        step_info = StepInfo(tok[:, None], next_pos[:, None], running, "decode", history_ids=history[0],
-                             history_mask=history[1], all_real=running is ones)
-        if micro_batch_size is not None:
-            paths = predict_paths(step_info, True)
-            if paths is not None:
-                batcher.regroup(paths)
-        logits = batcher.run(tok[:, None], next_pos[:, None], cache, torch.tensor([n - 1], device=device), running,
-                             "decode", history, all_real=running is ones)
+        tok, pass_tokens = strategy.step(tok, next_pos, n, done)
         next_pos = next_pos + 1
-    if pipeline is not None:
-        pipeline.close()
-        runner.pipeline_stats = pipeline.stats
-    elif lane is not None:
+    strategy.close()
+    runner.pipeline_stats = strategy.stats
+    if lane is not None and not lanes:  # a lane the strategy never took
         lane.close()
     if decode_times:
         stats.tpot_s = sum(decode_times) / len(decode_times)
@@ -296,26 +243,6 @@ def generate(
     if streamer is not None:
         streamer.end()
     return hist[:, :n]
-
-
-def use_dual_batch(runner: Runner, micro_batch_size: int | None, dual_batch: bool | None, custom: bool) -> bool:
-    """Whether decode steps run through the dual-batch pipeline: ``dual_batch`` True/False, or None (default):
-    on when micro-batches are asked and the backend has a routing-path predictor (policy expertflow) and no
-    ``path_predictor`` replaces it. Asked of a backend without one: SchedulingError."""
-    if dual_batch is None:
-        if micro_batch_size is None or custom:
-            return False
-        try:
-            plec_of(runner.backend)
-        except SchedulingError:
-            return False
-        return True
-    if not dual_batch:
-        return False
-    if micro_batch_size is None:
-        raise InputError("generate(dual_batch=True) runs micro-batches: give micro_batch_size as well")
-    plec_of(runner.backend)
-    return True
 
 
 def positions_from_mask(token_mask: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -65,12 +65,22 @@ class StepInfo:
         return flat.nonzero().flatten().to(self.token_mask.device)
 
 
+class PathPlanState(Protocol):
+    """The plan's side a routing-path planner shares with the dual-batch pipeline: ``upcoming`` (set by the pipeline
+    for one pass: the next pass's plan when known, polled without blocking) and the counters it reads."""
+
+    upcoming: Callable[[], dict[int, list[int]] | None] | None
+    next_pass_prefetches: int
+    planned_at_start: int
+    resident_at_start: int
+
+
 class RoutingPathPlanner(Protocol):
     """A predictor of each pass's routing paths from the tokens so far (ExpertFlow's PLEC), as the dual-batch
-    decode pipeline (engine.pipeline) drives it: scores computed beside the previous pass, then grouped and
-    planned. ``state`` holds the policy's counters across calls."""
+    decode pipeline (``offload/policies/expertflow/pipeline.py``) drives it: scores computed beside the previous
+    pass, then grouped and planned. ``state`` holds the policy's counters across calls."""
 
-    state: Any
+    state: PathPlanState
 
     def step_scores(self, step: StepInfo) -> torch.Tensor:
         """Scores fp32 [B, L, E] of each row's last token from its tokens so far (reads, changes no state)."""
@@ -82,6 +92,10 @@ class RoutingPathPlanner(Protocol):
 
     def plan_from_scores(self, scores: torch.Tensor) -> dict[int, list[int]]:
         """Scores [N, L, E] of a pass's tokens -> per layer the experts to have ready."""
+        ...
+
+    def group(self, paths: torch.Tensor, micro_batch_size: int) -> list[list[int]]:
+        """paths bool [B, L, E] -> micro-batches by the policy's token scheduler (``Mechanisms.keep_contiguous``)."""
         ...
 
 
@@ -115,7 +129,7 @@ class ExpertBackend(ABC):
 
     @property
     def path_planner(self) -> RoutingPathPlanner | None:
-        """The policy's routing-path planner (what ``generate(dual_batch=True)`` runs), or None. Default: None."""
+        """The policy's routing-path planner (what expertflow's dual-batch pipeline drives), or None. Default: None."""
         return None
 
     @property

@@ -34,9 +34,9 @@ from moeflow.offload.policies import (
     registered_policies,
     unregister_policy,
 )
-from moeflow.offload.predictors.gate_speculator import GateSpeculator
+from moeflow.offload.policies.expertflow.scheduler import group_by_routing
+from moeflow.offload.policies.mixtral_offloading.runtime import GateSpeculator
 from moeflow.offload.predictors.interface import Predictor
-from moeflow.offload.rebatch import group_by_routing
 from moeflow.offload.stats import PhaseStats, Stats
 from moeflow.offload.transport import (
     CudaTransport,

@@ -35,7 +35,7 @@ from moeflow.offload import create_expert_backend, get_policy
 from moeflow.offload.backend import OffloadedExperts
 from moeflow.offload.platform import Platform
 from moeflow.offload.policies import registered_policies
-from moeflow.offload.predictors.gate_speculator import GateSpeculator
+from moeflow.offload.policies.mixtral_offloading.runtime import GateSpeculator
 from moeflow.offload.stats import Stats
 from moeflow.sim.disk import sim_disk_for
 from moeflow.sim.engine import Interval, SimClock, SimCopyEngine, SimHostStore, SimTransport

@@ -1,4 +1,9 @@
-"""The named offload policies: one module per paper plus the baselines, and the table that names them.
+"""The named offload policies: one folder per paper plus the baselines, and the table that names them.
+
+A paper's folder (``duoserve/``, ``promoe/``, ``finemoe/``, ``expertflow/``,
+``mixtral_offloading/``) holds everything of it: its learned
+predictor (``predictor.py``), what runs it in the backend (``runtime.py``), its :class:`PolicySpec` (``spec.py``)
+and whatever else the paper defines (FineMoE's map store, ExpertFlow's token scheduler and dual-batch pipeline).
 
 ``POLICY_TABLE`` is the whole list of built-in policies, written out here (no module registers itself on
 import); ``POLICY_NAMES`` is its keys. ``register_policy`` adds a policy of the user's (a custom
@@ -9,13 +14,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+# the predictor package first: its table of kinds imports the papers' predictors from the folders below, which
+# import its ``base``; loaded in this order, each module is complete when the next one reads it
+import moeflow.offload.predictors  # noqa: F401, I001
 from moeflow.errors import SchedulingError
 from moeflow.offload.policies.auto import AUTO, choose_policy
 from moeflow.offload.policies.baselines import (
     FIDDLER,
     LFU,
     LRU,
-    MIXTRAL_OFFLOADING,
     ONDEMAND,
     RESIDENT,
     STATIC,
@@ -23,13 +30,14 @@ from moeflow.offload.policies.baselines import (
 from moeflow.offload.policies.duoserve import DUOSERVE, OverlappedPredictor
 from moeflow.offload.policies.expertflow import EXPERTFLOW, PLECEviction, PLECPredictor, PLECState
 from moeflow.offload.policies.finemoe import FINEMOE, FineMoERuntime
+from moeflow.offload.policies.mixtral_offloading import MIXTRAL_OFFLOADING
 from moeflow.offload.policies.promoe import PROMOE
 from moeflow.offload.policies.spec import PolicyContext, PolicySpec, evict
 
 POLICY_TABLE: Mapping[str, PolicySpec] = {
     spec.name: spec
-    for spec in (RESIDENT, ONDEMAND, LRU, LFU, STATIC, MIXTRAL_OFFLOADING, FIDDLER,  # baselines.py
-                 DUOSERVE, PROMOE, FINEMOE, AUTO, EXPERTFLOW)  # one module per paper; auto.py picks among them
+    for spec in (RESIDENT, ONDEMAND, LRU, LFU, STATIC, MIXTRAL_OFFLOADING, FIDDLER,  # baselines.py, mixtral_offloading/
+                 DUOSERVE, PROMOE, FINEMOE, AUTO, EXPERTFLOW)  # one folder per paper; auto.py picks among them
 }
 POLICY_NAMES: tuple[str, ...] = tuple(POLICY_TABLE)
 

@@ -1,16 +1,11 @@
-"""The baseline policies: every expert resident, accelerate's on-demand loading, LRU / LFU / static caches,
-mixtral-offloading (per-layer LRU + next-router speculation) and Fiddler (a static placement, the rest on the
-CPU)."""
+"""The baseline policies: every expert resident, accelerate's on-demand loading, LRU / LFU / static caches and
+Fiddler (a static placement, the rest on the CPU: its runtime is the backend's hybrid compute, so it has no
+folder of its own). mixtral-offloading, which has a predictor, is in ``mixtral_offloading/``."""
 
 from __future__ import annotations
 
 from moeflow.offload.eviction import EvictionPolicy, Static
 from moeflow.offload.policies.spec import PolicyContext, PolicySpec, evict
-from moeflow.offload.predictors.gate_speculator import GateSpeculator
-
-
-def _gate_speculator(ctx: PolicyContext) -> GateSpeculator:
-    return GateSpeculator(ctx.gates, ctx.top_k, ctx.config.prefetch_distance, route=ctx.route)
 
 
 def _fiddler_eviction(ctx: PolicyContext) -> EvictionPolicy:
@@ -28,14 +23,10 @@ STATIC = PolicySpec(
     "static", "most popular experts (first prefill, or a profile) fixed; the rest stream through a ring",
     eviction=evict("static"),
 )
-MIXTRAL_OFFLOADING = PolicySpec(
-    "mixtral-offloading", "per-layer LRU cache plus next-layer speculation: layer l+1's router on layer l's input",
-    eviction=evict("lru"), predictor=_gate_speculator, per_layer=True,
-)
 FIDDLER = PolicySpec(
     "fiddler", "most popular experts placed on the device (profile or first prefill), every other expert computed "
                "on the CPU with int4 kernels (Fiddler)",
     eviction=_fiddler_eviction, cpu_compute="always",
 )
 
-BASELINES = (RESIDENT, ONDEMAND, LRU, LFU, STATIC, MIXTRAL_OFFLOADING, FIDDLER)
+BASELINES = (RESIDENT, ONDEMAND, LRU, LFU, STATIC, FIDDLER)

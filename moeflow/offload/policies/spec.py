@@ -18,6 +18,7 @@ from moeflow.offload.eviction import EvictionPolicy, make_eviction
 
 if TYPE_CHECKING:
     from moeflow.config import OffloadConfig
+    from moeflow.moe.decode import DecodeStrategyFactory
     from moeflow.offload.predictors.interface import Predictor
 
 
@@ -39,6 +40,10 @@ class Mechanisms:
         (one map of the mean probabilities and embedding, the paper's); "token", one map per prompt token.
     predict_in_prefill: run the predictor (observe, propose, prefetch) in prefill passes; False: prefill streams
         the gate's experts only (DuoServe §5.2: its predictor serves decode).
+    keep_contiguous: ExpertFlow's token scheduler (§3.3) keeps the contiguous split of the rows where its
+        clustering does not activate fewer (layer, expert) pairs (moeflow's variant); False: the balanced k-means
+        clustering as the paper takes it (§3.3.3). Applies where the policy's decode strategy forms micro-batches
+        (``generate(micro_batch_size=...)`` under expertflow: the prefill's and every decode round's).
     """
 
     refresh_on_prefetch: bool = False
@@ -46,6 +51,7 @@ class Mechanisms:
     queue_priority: bool = False
     prefill_iteration: Literal["token", "pass"] = "token"
     predict_in_prefill: bool = True
+    keep_contiguous: bool = True
 
     def __post_init__(self) -> None:
         if self.prefetch_chunks not in ("pieces", "per-linear"):
@@ -54,7 +60,7 @@ class Mechanisms:
         if self.prefill_iteration not in ("token", "pass"):
             raise SchedulingError(f"policy option prefill_iteration={self.prefill_iteration!r}: expected 'token' "
                                   "or 'pass'")
-        for name in ("refresh_on_prefetch", "queue_priority", "predict_in_prefill"):
+        for name in ("refresh_on_prefetch", "queue_priority", "predict_in_prefill", "keep_contiguous"):
             if not isinstance(getattr(self, name), bool):
                 raise SchedulingError(f"policy option {name}={getattr(self, name)!r}: expected True or False")
 
@@ -110,6 +116,8 @@ class PolicySpec:
         that sets it cannot run with ``cpu_compute="never"``.
     select: for "auto" only: the name of the policy to run, chosen from the context.
     mechanisms: the paper-or-variant switches (:class:`Mechanisms`), overridden by ``OffloadConfig.policy_options``.
+    decode: the policy's decode strategy for ``generate(micro_batch_size=...)`` (``generate(dual_batch=...)``
+        chooses; :mod:`moeflow.moe.decode`), made per call from the loop; None: the engine's plain loop.
     """
 
     name: str
@@ -124,3 +132,4 @@ class PolicySpec:
     cpu_compute: str | None = None
     select: Callable[[PolicyContext], str] | None = None
     mechanisms: Mechanisms = Mechanisms()
+    decode: DecodeStrategyFactory | None = None

@@ -11,10 +11,11 @@ finemoe        FineMoE Expert Map Store: semantic / trajectory search, delta thr
 expertflow     ExpertFlow routing-path predictor: transformer encoder over token ids        token ids
 =============  ===========================================================================  ===========
 
-All share :class:`~moeflow.offload.predictors.base.ExpertPredictor` (``observe`` / ``predict`` /
-``predicted_mask`` / ``propose``), are built from a :class:`~moeflow.trace.Trace` with
-:func:`train_predictor` and saved to one file that :func:`load_predictor` reads back, refusing a model
-of another shape.
+The papers' predictors live in their policy's folder (``moeflow/offload/policies/<paper>/predictor.py``); this
+package holds what they share and the table of kinds. All share
+:class:`~moeflow.offload.predictors.base.ExpertPredictor` (``observe`` / ``predict`` / ``predicted_mask`` /
+``propose``), are built from a :class:`~moeflow.trace.Trace` with :func:`train_predictor` and saved to one file
+that :func:`load_predictor` reads back, refusing a model of another shape.
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from moeflow.offload.policies.duoserve.predictor import DuoServePredictor
+from moeflow.offload.policies.expertflow.predictor import ExpertFlowPredictor
+from moeflow.offload.policies.finemoe.predictor import ExpertMapStore, FineMoEPredictor
+from moeflow.offload.policies.mixtral_offloading.predictor import SkipGatePredictor
+from moeflow.offload.policies.promoe.predictor import ProMoEPredictor
 from moeflow.offload.predictors.base import (
     ExpertPredictor,
     ModelShape,
@@ -31,13 +37,8 @@ from moeflow.offload.predictors.base import (
     TrainInfo,
     read_predictor_blob,
 )
-from moeflow.offload.predictors.duoserve import DuoServePredictor
 from moeflow.offload.predictors.evaluate import EvalResult, check_compatible, evaluate
-from moeflow.offload.predictors.expertflow import ExpertFlowPredictor
-from moeflow.offload.predictors.finemoe import ExpertMapStore, FineMoEPredictor
 from moeflow.offload.predictors.popularity import PopularityPredictor
-from moeflow.offload.predictors.promoe import ProMoEPredictor
-from moeflow.offload.predictors.skip_gate import SkipGatePredictor
 from moeflow.trace import Trace, split_sequence_ids
 
 PREDICTORS: dict[str, type[ExpertPredictor]] = {

@@ -23,6 +23,11 @@ scores (exposed time, counted, when the predictor is slower than a pass).
 
 Sampling happens per micro-batch (greedy: the same tokens; with ``do_sample`` the random draws are taken in
 micro-batch order, so a seed gives other samples than the whole-batch loop).
+
+The pipeline is the expertflow policy's decode strategy (``PolicySpec.decode``, :mod:`moeflow.moe.decode`):
+``generate(micro_batch_size=m)`` asks the policy for it and hands it each decode step; micro-batches, the
+prefill's included, are formed by the policy's token scheduler (``RoutingPathPlanner.group``:
+``Mechanisms.keep_contiguous`` says whether the paper's clustering is taken as it is).
 """
 
 from __future__ import annotations
@@ -34,10 +39,9 @@ from typing import Any
 
 import torch
 
-from moeflow.engine.side_lane import Lane
-from moeflow.errors import SchedulingError
+from moeflow.errors import InputError, SchedulingError
 from moeflow.moe.backend import ExpertBackend, RoutingPathPlanner, StepInfo
-from moeflow.offload.rebatch import group_by_routing
+from moeflow.moe.decode import DecodeLoop, RowCache, SideLane
 
 
 @dataclass
@@ -64,27 +68,53 @@ def plec_of(backend: ExpertBackend) -> RoutingPathPlanner:
     """The backend's routing-path planner (ExpertFlow's PLEC), or a SchedulingError naming the policy."""
     planner = backend.path_planner
     if planner is None:
-        raise SchedulingError(f"generate(dual_batch=True) needs a policy with a routing-path predictor (expertflow); "
+        raise SchedulingError(f"the dual-batch pipeline needs a policy with a routing-path predictor (expertflow); "
                               f"{backend!r} has none")
     return planner
 
 
 class DualBatchPipeline:
-    """Decode rounds of ``batch`` sequences in micro-batches of ``micro_batch_size``, side work on ``lane``."""
+    """Decode rounds of the loop's ``batch`` sequences in micro-batches of its ``micro_batch_size``, side work on its
+    lane (a :class:`~moeflow.moe.decode.DecodeStrategy`). ``stats``: None until the first decode round."""
 
-    def __init__(self, runner: Any, batch: int, micro_batch_size: int, lane: Lane,
-                 groups: list[list[int]]) -> None:
-        self.runner, self.batch, self.size, self.lane = runner, batch, micro_batch_size, lane
-        self.pred = plec_of(runner.backend)
-        self.groups = [list(g) for g in groups]
-        L, E = runner.num_moe_layers, runner.num_experts
-        self.scores = torch.zeros((batch, L, E))  # each row's newest scores in hand
+    def __init__(self, loop: DecodeLoop) -> None:
+        if loop.micro_batch_size is None:
+            raise InputError("the dual-batch pipeline runs micro-batches: give micro_batch_size as well")
+        self.loop = loop
+        self.runner, self.batch, self.size = loop.runner, loop.batch, loop.micro_batch_size
+        self.pred = plec_of(loop.runner.backend)
+        self.stats: PipelineStats | None = None
+
+    def regroup(self, paths: torch.Tensor, micro_batch_size: int) -> list[list[int]]:
+        """The policy's token scheduler (the prefill's micro-batches)."""
+        return self.pred.group(paths, micro_batch_size)
+
+    def _begin(self, n: int) -> None:
+        """The first decode round: the lane, the prefill's micro-batches, every row's first prediction."""
+        loop = self.loop
+        self.lane: SideLane = loop.lane()
+        self.groups = [list(g) for g in loop.groups]
+        L, E = self.runner.num_moe_layers, self.runner.num_experts
+        self.scores = torch.zeros((self.batch, L, E))  # each row's newest scores in hand
         self.jobs: dict[int, tuple[Future, int]] = {}  # row -> (its pending prediction, its index in the job)
         self.schedule: Future | None = None
         self.just_ran: set[int] = set()  # rows of the pass that ended last (their prediction has just started)
         self.stats = PipelineStats()
         state = self.pred.state  # the policy's counters run across calls: keep where they stood
         self._counters0 = (state.next_pass_prefetches, state.planned_at_start, state.resident_at_start)
+        self.start(loop.hist[:, :n], loop.hist_mask[:, :n])
+
+    def step(self, tok: torch.Tensor, next_pos: torch.Tensor, n: int, done: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """One decode round (:meth:`round`): every row advances one token, finished ones too (their tokens are
+        padding and ``pick`` pads them), so every row's token is computed."""
+        if self.stats is None:
+            self._begin(n)
+        loop = self.loop
+        try:
+            return self.round(tok, next_pos, loop.cache, n, loop.hist, loop.hist_mask, loop.pick), self.batch
+        except BaseException:
+            self.lane.close()
+            raise
 
     # ------------------------------------------------------------------ side work
     def _predict(self, hist: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -112,7 +142,7 @@ class DualBatchPipeline:
         rows of ``last`` first."""
         t0 = self.lane.clock()
         scores = torch.stack([self._newest(r, scores, jobs) for r in range(self.batch)])
-        groups = group_by_routing(self.pred.paths_from_scores(scores), self.size)
+        groups = self.pred.group(self.pred.paths_from_scores(scores), self.size)
         late = set(last)
         groups.sort(key=lambda g: (sum(r in late for r in g), g[0]))
         self.stats.schedule_s += self.lane.clock() - t0
@@ -164,7 +194,7 @@ class DualBatchPipeline:
         for g in self.groups:
             self._submit_prediction(g, hist, mask)
 
-    def round(self, tok: torch.Tensor, next_pos: torch.Tensor, cache: Any, n: int, hist: torch.Tensor,
+    def round(self, tok: torch.Tensor, next_pos: torch.Tensor, cache: RowCache, n: int, hist: torch.Tensor,
               hist_mask: torch.Tensor, pick: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """One decode round: tok [B] (in ``hist`` column n-1), next_pos [B] -> the next tokens [B], written into
         hist/hist_mask column n. ``pick(logits [b, V], rows [b]) -> ids [b]``."""
@@ -202,6 +232,8 @@ class DualBatchPipeline:
 
     def close(self) -> None:
         """Let the lane finish (a failed side job re-raises here) and fold the lane's and the policy's counters in."""
+        if self.stats is None:  # no decode round ran
+            return
         for future, _ in list(self.jobs.values()):
             future.result()
         self.lane.close()

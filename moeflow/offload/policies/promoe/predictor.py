@@ -31,8 +31,8 @@ from moeflow.offload.predictors.base import (
     ids_to_mask,
     popularity_matrix,
 )
-from moeflow.offload.predictors.duoserve import _train_bce
 from moeflow.offload.predictors.eval_mlp import EvalSequential
+from moeflow.offload.predictors.train_mlp import train_bce
 
 
 def promoe_width(hidden_size: int) -> int:
@@ -95,7 +95,7 @@ class ProMoEPredictor(ExpertPredictor):
             s = t - distance
             x = (hidden[:, s] - self.mean[s]) / self.std[s]
             y = ids_to_mask(trace.topk_ids[:, t].long(), shape.num_experts).float()
-            losses = _train_bce(mlp, x, y, epochs, batch_size, lr, seed + t, per_layer)
+            losses = train_bce(mlp, x, y, epochs, batch_size, lr, seed + t, per_layer)
             notes["final_loss"].append(losses[-1] if losses else None)
         self.mlps.eval()
         self.train_info.train_tokens = len(trace)

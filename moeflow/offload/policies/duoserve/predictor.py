@@ -42,6 +42,7 @@ from moeflow.offload.predictors.base import (
     popularity_matrix,
 )
 from moeflow.offload.predictors.eval_mlp import EvalSequential
+from moeflow.offload.predictors.train_mlp import train_bce
 
 PAPER_WIDTHS = (2048, 1024, 512, 256, 128, 64)
 MIXTRAL_INPUT = 32 * 8 + 8 + 2 * 8  # state size for Mixtral-8x7B (L=32, E=8, k=2): the paper's scale
@@ -183,7 +184,7 @@ class DuoServePredictor(ExpertPredictor):
         self = cls(shape, distance, popularity_matrix(trace.topk_ids, shape.num_experts), widths, dropout)
         self.affinity = affinity_matrices(trace.topk_ids, shape.num_experts, distance)
         x, y = self.dataset(trace)
-        losses = _train_bce(self.mlp, x, y, epochs, batch_size, lr, seed, max_seconds)
+        losses = train_bce(self.mlp, x, y, epochs, batch_size, lr, seed, max_seconds)
         self.train_info.train_tokens = len(trace)
         self.train_info.train_seconds = time.perf_counter() - start
         self.train_info.notes = {"samples": int(x.shape[0]), "epochs_run": len(losses),
@@ -257,35 +258,3 @@ class DecodeState:
         self._popularity.copy_(popularity_rows[target])
         torch.index_select(affinity_rows[source], 0, topk[source].view(-1), out=self._affinity)
         return self.buffer
-
-
-def _train_bce(model: nn.Module, x: torch.Tensor, y: torch.Tensor, epochs: int, batch_size: int, lr: float,
-               seed: int, max_seconds: float | None) -> list[float]:
-    """Minibatch Adam on BCE-with-logits (x [M, in], y [M, E] in {0, 1}); returns the mean loss per epoch."""
-    if x.shape[0] == 0:
-        raise PredictorError("no training samples: the trace is empty or has too few layers for this distance")
-    gen = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
-    loss_fn = nn.BCEWithLogitsLoss()
-    start = time.perf_counter()
-    losses = []
-    model.train()
-    for _ in range(epochs):
-        perm = torch.randperm(x.shape[0], generator=gen)
-        total, count = 0.0, 0
-        for i in range(0, x.shape[0], batch_size):
-            idx = perm[i : i + batch_size]
-            if idx.numel() < 2 and any(isinstance(m, nn.BatchNorm1d) for m in model.modules()):
-                continue  # BatchNorm cannot normalise one sample
-            opt.zero_grad(set_to_none=True)
-            loss = loss_fn(model(x[idx]), y[idx])
-            loss.backward()
-            opt.step()
-            total += float(loss.detach()) * idx.numel()
-            count += idx.numel()
-        losses.append(total / max(count, 1))
-        if max_seconds is not None and time.perf_counter() - start > max_seconds:
-            break
-    model.eval()
-    return losses

@@ -5,7 +5,7 @@
 * **Prediction before the pass.** ``begin_step`` (the engine calls it before layer 0) reads each sequence's
   tokens so far from the :class:`~moeflow.moe.backend.StepInfo` (``history_ids``: the engine keeps them by
   KV-cache row, so regrouped micro-batches keep their history) and runs the routing-path predictor
-  (:mod:`moeflow.offload.predictors.expertflow`) once: the step's plan
+  (:mod:`moeflow.offload.policies.expertflow.predictor`) once: the step's plan
   is the OR over its tokens of each token's predicted path (top-k per layer), experts of a layer ranked by
   summed score.
 * **Prefetch across the whole slot budget** (§3.2.1). Right after the prediction, and again at every layer's
@@ -26,7 +26,7 @@
   mis-prefetched nor done, and by the prediction its next use is further away than a done expert's.
 
 Run alone, the prediction runs before layer 0 and layer 0's prefetches are issued just before its gate. Under
-the dual-batch pipeline (:mod:`moeflow.engine.pipeline`, §4.1-4.2) the scores arrive precomputed
+the dual-batch pipeline (:mod:`moeflow.offload.policies.expertflow.pipeline`, §4.1-4.2) the scores arrive precomputed
 (``StepInfo.path_scores``) and the plan of the *next* micro-batch is known while this one runs
 (``PLECState.upcoming``): once a layer's compute for this pass is done, the next pass's planned experts of that
 layer are prefetched into slots nothing of this pass still needs, so the copies of pass t+1 overlap the compute
@@ -43,8 +43,7 @@ import torch
 
 from moeflow.moe.backend import StepInfo
 from moeflow.offload.eviction import EvictionPolicy, Key
-from moeflow.offload.policies.files import load_policy_predictor
-from moeflow.offload.policies.spec import PolicyContext, PolicySpec
+from moeflow.offload.policies.expertflow.scheduler import group_by_routing
 from moeflow.offload.predictors.interface import Predictor
 
 
@@ -200,9 +199,11 @@ class PLECPredictor(Predictor):
 
     needs_history = True  # begin_step plans from each row's tokens so far
 
-    def __init__(self, predictor: Any, state: PLECState) -> None:
+    def __init__(self, predictor: Any, state: PLECState, keep_contiguous: bool = True) -> None:
+        """keep_contiguous: the token scheduler's variant (``Mechanisms.keep_contiguous``, :meth:`group`)."""
         self.predictor = predictor  # ExpertFlowPredictor
         self.state = state
+        self.keep_contiguous = keep_contiguous
         self.backend: Any = None
         self._planned = False  # begin_step planned the pass that is starting
 
@@ -229,6 +230,10 @@ class PLECPredictor(Predictor):
         hist, valid = step.history_ids.cpu(), step.history_mask.cpu()
         return torch.stack([self.predictor.token_scores(hist[i][valid[i]], 1)[0].cpu()
                             for i in range(hist.shape[0])])
+
+    def group(self, paths: torch.Tensor, micro_batch_size: int) -> list[list[int]]:
+        """paths bool [B, L, E] -> micro-batches by the token scheduler (§3.3), the policy's variant of it."""
+        return group_by_routing(paths.cpu(), micro_batch_size, keep_contiguous=self.keep_contiguous)
 
     def paths_from_scores(self, scores: torch.Tensor) -> torch.Tensor:
         """Scores [B, L, E] -> bool paths [B, L, E] (each row's top-k per layer), for micro-batch grouping."""
@@ -351,24 +356,3 @@ class PLECPredictor(Predictor):
             self.backend.cache.poll()
             targets = self._budget_targets(layer)
         return [(t, list(es)) for t, es in targets if es]
-
-
-# ---------------------------------------------------------------------- the policy
-def make_plec_predictor(ctx: PolicyContext) -> PLECPredictor:
-    """The expertflow predictor from ``OffloadConfig.predictor_path`` or ``<checkpoint>/predictors/expertflow.pt``."""
-    pred = load_policy_predictor(ctx, "expertflow")
-    return PLECPredictor(pred, PLECState(ctx.num_layers, ctx.num_experts))
-
-
-def make_plec_eviction(ctx: PolicyContext) -> PLECEviction:
-    """PLEC's correction order over the predictor's plan (``ctx.predictor``, made first)."""
-    pred = ctx.predictor
-    state = pred.state if isinstance(pred, PLECPredictor) else PLECState(ctx.num_layers, ctx.num_experts)
-    return PLECEviction(state)
-
-
-EXPERTFLOW = PolicySpec(
-    "expertflow", "ExpertFlow PLEC: routing paths predicted from the token ids before each pass, prefetched across "
-                  "the whole slot budget; misses replace mis-prefetched experts first, then idle and finished ones",
-    eviction=make_plec_eviction, predictor=make_plec_predictor,
-)

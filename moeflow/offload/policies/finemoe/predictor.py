@@ -35,14 +35,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from moeflow.offload.predictors.base import ExpertPredictor, ModelShape, PredictorError, popularity_matrix
-from moeflow.offload.predictors.finemoe_store import (
+from moeflow.offload.policies.finemoe.store import (
     DEFAULT_CAPACITY,
     PAPER_DISTANCE,
     ExpertMapStore,
     TrajectorySearch,
     ranked_selection,
 )
+from moeflow.offload.predictors.base import ExpertPredictor, ModelShape, PredictorError, popularity_matrix
 
 __all__ = ["DEFAULT_CAPACITY", "PAPER_DISTANCE", "ExpertMapStore", "FineMoEPredictor", "eviction_priority",
            "prefetch_priority", "select_experts", "similarity_threshold"]
