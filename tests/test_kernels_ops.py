@@ -274,7 +274,7 @@ def test_run_gpu_kernels_dry_run(tmp_path):
     import importlib.util
     import sys
 
-    path = configs.CONFIG_DIR.parents[2] / "benchmarks" / "run_gpu_kernels.py"
+    path = configs.CONFIG_DIR.parents[3] / "benchmarks" / "run_gpu_kernels.py"
     spec = importlib.util.spec_from_file_location("run_gpu_kernels", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules["run_gpu_kernels"] = mod
@@ -308,7 +308,7 @@ def test_tune_checks_every_candidate_before_timing_it(monkeypatch):
     import sys
     import types
 
-    path = configs.CONFIG_DIR.parents[2] / "benchmarks" / "run_gpu_kernels.py"
+    path = configs.CONFIG_DIR.parents[3] / "benchmarks" / "run_gpu_kernels.py"
     spec = importlib.util.spec_from_file_location("run_gpu_kernels", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules["run_gpu_kernels"] = mod
