@@ -5,7 +5,9 @@ eager call through the op costs the dispatcher's round trip per call and, on the
 the process, the import of ``torch._dynamo`` and sympy (the op's backend implementation runs inside
 ``torch._disable_dynamo``): ~1.8 s of a cold start on a quiet machine, paid by runs that never compile. Here the
 op is registered as before (``torch.ops.moeflow.<name>`` exists, ``register_fake`` works), and a call outside
-tracing runs the same function body itself; under ``torch.compile`` the call goes through the op.
+tracing runs the same function body itself; under ``torch.compile``, or while a ``TorchDispatchMode`` watches
+(fake tensors, the CUDA-graph capture checks of ``tests/test_host_loop.py``: they see the op as one node, as a
+compiled graph does), the call goes through the op.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 
 class EagerFirstOp:
@@ -24,7 +27,7 @@ class EagerFirstOp:
         self.__doc__, self.__name__ = fn.__doc__, fn.__name__
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
             return self.op(*args, **kwargs)
         return self.fn(*args, **kwargs)
 
