@@ -1,4 +1,4 @@
-"""Synthetic checkpoints of session 9's families for the GPU lane (``run_gpu_families.py``): Qwen3-Next-80B-A3B
+"""Synthetic checkpoints of session 9's families for the GPU lane (``gpu/families.py``): Qwen3-Next-80B-A3B
 (``qwen3_next``), MiniMax-M2 (``minimax_m2``), DeepSeek-V3.2 (``deepseek_v32``) and GLM-5 (``glm_moe_dsa``), in the
 layout ``moeflow quantize`` writes from the published checkpoints: routed experts AWQ 4-bit (GEMM, group 128, zero
 point, fp16 scales; per expert ``...experts.E.<proj>.{qweight,qzeros,scales}``), everything else bf16 under the
@@ -30,7 +30,8 @@ import math
 from collections.abc import Iterator
 
 import torch
-from gpu_checkpoint import random_awq_linear
+
+from benchmarks.common.checkpoint import random_awq_linear
 
 # config.json of Qwen/Qwen3-Next-80B-A3B-Instruct (the fields moeflow and transformers read)
 QWEN3_NEXT_80B = {

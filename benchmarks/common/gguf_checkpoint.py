@@ -20,7 +20,7 @@ tensors ``[E, out, in]``. Streaming: the tensor infos first, then each tensor's 
 four random expert templates round-robin (with 8 or 128 experts per layer every layer's stacked tensor is the same
 bytes), so writing is bound by the disk. Written to ``<name>.part`` and renamed when complete.
 
-    python benchmarks/gguf_checkpoint.py --family mixtral --out /tmp/moeflow-mixtral-8x7b-Q4_0.gguf
+    python -m benchmarks.common.gguf_checkpoint --family mixtral --out /tmp/moeflow-mixtral-8x7b-Q4_0.gguf
 """
 
 from __future__ import annotations
@@ -34,10 +34,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_checkpoint import MIXTRAL_8X7B, TEMPLATES, random_awq_linear  # noqa: E402
-
-from moeflow.quant.awq import unpack_int4  # noqa: E402
+from benchmarks.common.checkpoint import MIXTRAL_8X7B, TEMPLATES, random_awq_linear
+from moeflow.quant.awq import unpack_int4
 
 Q4_0_BLOCK = 32
 Q4_0_BYTES = 18  # fp16 d + 16 bytes of nibbles
@@ -266,9 +264,9 @@ def write_synthetic_gguf(path: Path, family: str, config: dict, group: int = 128
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from gpu_checkpoint import TINY as MIXTRAL_TINY
-    from run_gpu_families import QWEN3_30B_A3B
-    from run_gpu_families import TINY as FAMILY_TINY
+    from benchmarks.common.checkpoint import TINY as MIXTRAL_TINY
+    from benchmarks.gpu.families import QWEN3_30B_A3B
+    from benchmarks.gpu.families import TINY as FAMILY_TINY
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--family", choices=("mixtral", "qwen3"), default="mixtral")

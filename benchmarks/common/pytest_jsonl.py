@@ -2,7 +2,7 @@
 run cut short (the stage's `timeout`, the device command's limit) still leaves machine-readable results beside the
 log; the junit XML pytest writes is only complete at the end.
 
-    MOEFLOW_TEST_JSONL=$OUT/pytest-cuda.jsonl python -m pytest -p benchmarks.pytest_jsonl -m cuda tests/...
+    MOEFLOW_TEST_JSONL=$OUT/pytest-cuda.jsonl python -m pytest -p benchmarks.common.pytest_jsonl -m cuda tests/...
 
 Each line: ``test`` (node id), ``outcome`` (passed / failed / skipped), ``when`` (setup / call / teardown: a failing
 fixture reports at setup), ``duration_s``, and ``error`` (the end of the traceback) or ``reason`` (why skipped).

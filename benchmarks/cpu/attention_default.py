@@ -7,29 +7,23 @@ fp32 reference (``kernels="torch"``, the same AWQ experts):
 * greedy tokens: how many of ``--prompts`` held-out prompts give exactly the reference's ``--new`` tokens, and the
   share of positions equal.
 
-    PYTHONPATH=. python benchmarks/cpu_attention_default.py --out benchmarks/results/cpu_attention_default
+    PYTHONPATH=. python -m benchmarks.cpu.attention_default --out benchmarks/results/cpu_attention_default
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
-
-from build_embedded_model import heldout_stats  # noqa: E402
-from peer_report import uptime, write_report  # noqa: E402
-from train_tiny_model import collect_corpus, split_corpus  # noqa: E402
-
-from moeflow import MoEOffloadedMixtral  # noqa: E402
-from moeflow.cli import embedded_model_path  # noqa: E402
+from benchmarks.peers.peer_report import uptime, write_report
+from moeflow import MoEOffloadedMixtral
+from moeflow.cli import embedded_model_path
+from scripts.build_embedded_model import heldout_stats
+from scripts.train_tiny_model import collect_corpus, split_corpus
 
 CHOICES = (None, 8, 4)
 

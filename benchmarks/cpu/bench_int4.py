@@ -11,8 +11,8 @@ GB/s (median time), and the int4 ones their fraction of the memcpy rate (bytes c
 reads and writes each byte, the kernel mostly reads). Targets: int4 >= 10x dequant at T = 1 (issue 8);
 int4 bytes/s at T = 4 and 16 within 1.5x of T = 1 (issue 21; the "per byte vs T=1" column).
 
-    python -m pytest benchmarks/bench_cpu_int4.py --benchmark-json=benchmarks/results/cpu_int4/bench.json
-    python benchmarks/bench_cpu_int4.py --table benchmarks/results/cpu_int4/bench.json   # Markdown table
+    python -m pytest benchmarks/cpu/bench_int4.py --benchmark-json=benchmarks/results/cpu_int4/bench.json
+    python -m benchmarks.cpu.bench_int4 --table benchmarks/results/cpu_int4/bench.json   # Markdown table
 """
 
 from __future__ import annotations

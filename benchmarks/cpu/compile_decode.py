@@ -9,7 +9,7 @@ layer, the layers sharing their compiled code). Per case: greedy decode of ``--t
 with an empty inductor cache unless ``--warm-cache``);
 ``same_tokens``: the compiled tokens equal the eager ones. The machine is shared: the load average is recorded.
 
-    PYTHONPATH=$PWD python benchmarks/bench_compile.py --out benchmarks/results/compile/cpu.json
+    PYTHONPATH=$PWD python -m benchmarks.cpu.compile_decode --out benchmarks/results/compile/cpu.json
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,7 +28,6 @@ import torch
 from moeflow import MoEOffloadedMixtral, OffloadConfig
 from moeflow.cli import embedded_model_path
 
-ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "The \"with\" statement is used to wrap the execution of a block"
 
 
@@ -71,8 +69,7 @@ def measure(path, kernels: str, policy: str, tokens: int, repeats: int, ids: tor
 
 
 def tiny32(directory: Path) -> Path:
-    sys.path.insert(0, str(ROOT / "tests"))  # the tests' tiny random checkpoint
-    from helpers import make_tiny_checkpoint
+    from tests.helpers import make_tiny_checkpoint
 
     return make_tiny_checkpoint(directory, seed=0, num_hidden_layers=32)
 

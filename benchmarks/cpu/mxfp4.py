@@ -12,7 +12,7 @@ compute it with torch, against the time its MXFP4 bytes take over PCIe 4 (what h
 
 Also the error of ``digits`` against the fp32 expert and the one-time conversion per expert.
 
-    python benchmarks/bench_cpu_mxfp4.py [--reps 7] > benchmarks/results/cpu_mxfp4/table.md
+    python -m benchmarks.cpu.mxfp4 [--reps 7] > benchmarks/results/cpu_mxfp4/table.md
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import os
 import time
 
 import torch
-from bench_cpu_quant_linear import median_s  # benchmarks/ is on sys.path when this file runs
 
+from benchmarks.cpu.quant_linear import median_s
 from moeflow.kernels.biased import BiasedExpertFormat, gate_activation
 from moeflow.kernels.cpu_int4 import Int4Expert
 from moeflow.kernels.cpu_mxfp4 import Mxfp4CpuExpert

@@ -5,7 +5,7 @@ Mixtral-8x7B's lm_head (32000 x 4096), at T = 1 (decode) and 32 (a short prefill
 calls after a warm-up, 2 threads, with ``uptime`` before and after (the machine is shared), GB/s of the
 weight bytes each kernel reads, and the max relative error of the output vs fp32 on random inputs.
 
-    python benchmarks/bench_cpu_quant_linear.py --out benchmarks/results/cpu_quant_linear
+    python -m benchmarks.cpu.quant_linear --out benchmarks/results/cpu_quant_linear
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Cold start (issue 37): how fast a checkpoint becomes a model that answers, against how fast its files read.
 
 Writes the Mixtral-8x7B-shaped AWQ checkpoint (``--layers`` of its 32 layers; ``--tiny``: the GPU lane's tiny
-model) with the GPU lane's writer (benchmarks/gpu_checkpoint.py), then in one run:
+model) with the GPU lane's writer (benchmarks/common/checkpoint.py), then in one run:
 
 * the files' read bandwidth with the page cache warm (one thread, 16 MiB reads; and ``workers`` threads of
   ``preadv``, the loader's way), the number every load figure is compared with;
@@ -11,8 +11,8 @@ model) with the GPU lane's writer (benchmarks/gpu_checkpoint.py), then in one ru
   ``OffloadConfig(policy="lru", gpu_expert_slots=4)``: the ``from_pretrained`` time and GB/s, time to ready and
   to the first token, with and without ``background_load``.
 
-    python benchmarks/bench_cold_start.py --layers 2          # ~2 GB slice, results/cold_start/
-    python benchmarks/bench_cold_start.py --tiny --out /tmp/x  # seconds: exercises the code (tests)
+    python -m benchmarks.disk.cold_start --layers 2          # ~2 GB slice, results/cold_start/
+    python -m benchmarks.disk.cold_start --tiny --out /tmp/x  # seconds: exercises the code (tests)
 """
 
 from __future__ import annotations
@@ -29,12 +29,10 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE / "peers"))
+from benchmarks.common.checkpoint import MIXTRAL_8X7B, TINY, checkpoint_bytes, write_synthetic_awq_checkpoint
+from benchmarks.peers.peer_report import uptime, write_report
 
-from gpu_checkpoint import MIXTRAL_8X7B, TINY, checkpoint_bytes, write_synthetic_awq_checkpoint  # noqa: E402
-from peer_report import uptime, write_report  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 CHILD = r"""
 import json, os, resource, sys, time
@@ -144,7 +142,7 @@ def conversions(config: dict, group: int) -> dict:
 
 def cold_process(ckpt: Path, background: bool) -> dict:
     env = dict(os.environ, COLD_T0=repr(time.time()))
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     t0 = float(env["COLD_T0"])
     res = subprocess.run([sys.executable, "-c", CHILD, str(ckpt), "1" if background else "0"], env=env,
                          capture_output=True, text=True)
@@ -177,7 +175,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="the tiny model (seconds; exercises the code)")
     ap.add_argument("--layers", type=int, default=2, help="layers of Mixtral-8x7B to write (default 2: ~2 GB)")
     ap.add_argument("--checkpoint", type=Path, default=None)
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "cold_start")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cold_start")
     ap.add_argument("--repeats", type=int, default=1, help="cold processes per mode")
     ap.add_argument("--llama-cpp", type=Path, default=None,
                     help="a llama.cpp bin/ with llama-completion: its load of a same-shape Q4_0 GGUF, side by side")
@@ -199,7 +197,7 @@ def main() -> None:
             for mode in ("full_load", "background_load")}
     peer = None
     if args.llama_cpp is not None:
-        from cold_start_gguf import write_q4_0_gguf
+        from benchmarks.disk.cold_start_gguf import write_q4_0_gguf
 
         gguf = write_q4_0_gguf(ckpt.with_name(ckpt.name + "-q4_0.gguf"), config)
         read_single([gguf])  # page cache warm, as for the safetensors files

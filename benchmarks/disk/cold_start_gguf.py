@@ -1,4 +1,4 @@
-"""A Q4_0 GGUF of the same shapes as bench_cold_start.py's AWQ slice, for llama.cpp's load time beside moeflow's.
+"""A Q4_0 GGUF of the same shapes as disk/cold_start.py's AWQ slice, for llama.cpp's load time beside moeflow's.
 
 llama.cpp's "llama" architecture with 8 experts (its Mixtral form: stacked ``ffn_*_exps``), Q4_0 weights (4.5 bits
 per weight where the AWQ slice has ~4.16), fp16 embeddings and output as in the slice, a placeholder vocabulary of

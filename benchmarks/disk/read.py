@@ -6,7 +6,7 @@ cache first with ``posix_fadvise(DONTNEED)`` (works without root; dropping the w
 /proc/sys/vm/drop_caches needs privileges a container usually lacks), "warm" reads it after a full read.
 The result (JSON) is what docs/disk.md quotes for the choice moeflow makes.
 
-    python benchmarks/bench_disk_read.py --out benchmarks/results/disk/read_methods.json
+    python -m benchmarks.disk.read --out benchmarks/results/disk/read_methods.json
 """
 
 from __future__ import annotations

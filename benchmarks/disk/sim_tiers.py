@@ -7,7 +7,7 @@ measurement: PCIe 5 host->device at 50 GB/s, an NVMe disk at 7 GB/s with 80 us l
 below. Device slots: what 16 GiB of expert memory holds. Policies: ``lru`` (demand loads only) and ``oracle``
 (perfect prefetch one layer ahead: the bound a predictor can reach).
 
-    python benchmarks/sim_disk_tiers.py --out benchmarks/results/disk/sim_disk_tiers.json
+    python -m benchmarks.disk.sim_tiers --out benchmarks/results/disk/sim_disk_tiers.json
 """
 
 from __future__ import annotations

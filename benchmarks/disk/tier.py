@@ -9,7 +9,7 @@ root; the global /proc/sys/vm/drop_caches needs privileges this container lacks,
 disk stall per token, and two yardsticks from the same run: the same policy with every expert in host memory
 (the in-RAM peer), and the disk-bound limit ``disk GB/s / disk bytes per token`` from a cold read measured here.
 
-    python benchmarks/bench_disk_tier.py --out benchmarks/results/disk/bench_disk_tier.json
+    python -m benchmarks.disk.tier --out benchmarks/results/disk/bench_disk_tier.json
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ is slowed by ``delay``; the token scheduler is the real one. Rows:
 Expected: with the pipeline a round takes about max(n * decode, n * (predict + delay) + schedule), without it
 their sum.
 
-    PYTHONPATH=$PWD python benchmarks/bench_dual_batch.py [--batch 8] [--micro 4] [--tokens 8] [--json out.json]
+    PYTHONPATH=$PWD python -m benchmarks.engine.dual_batch [--batch 8] [--micro 4] [--tokens 8] [--json out.json]
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import argparse
 import json
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -38,16 +37,12 @@ from moeflow.engine.side_lane import InlineLane, ThreadLane, VirtualLane
 from moeflow.offload.policies.expertflow import PLECPredictor
 from moeflow.sim.engine import SimClock
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the tests' tiny checkpoint
-
 
 def tiny_model(directory: Path, slots: int) -> MoEOffloadedMixtral:
     """The tests' tiny random Mixtral with an expertflow predictor trained on 12 prompts (3 epochs)."""
-    from helpers import make_tiny_checkpoint
-
     from moeflow.offload.predictors import train_predictor
     from moeflow.tools.record import record_trace
+    from tests.helpers import make_tiny_checkpoint
 
     ckpt = make_tiny_checkpoint(directory / "ckpt", seed=5, num_local_experts=8, num_hidden_layers=3)
     g = torch.Generator().manual_seed(0)

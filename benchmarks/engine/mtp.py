@@ -11,7 +11,7 @@ frozen, shared). So acceptance is real for this model, but it is not the issue's
 ``--forced``: rows where each draft token is replaced by the plain greedy one with a given probability after the
 real MTP passes ran (their expert traffic counted): bytes per generated token against acceptance on this model.
 
-    python benchmarks/bench_mtp.py [--steps 300] [--new-tokens 48] [--out benchmarks/results/mtp/<name>.json]
+    python -m benchmarks.engine.mtp [--steps 300] [--new-tokens 48] [--out benchmarks/results/mtp/<name>.json]
 """
 
 from __future__ import annotations

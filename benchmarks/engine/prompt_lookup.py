@@ -1,8 +1,8 @@
 """Prompt lookup decoding against plain greedy decoding on the embedded model: decode tok/s, drafts kept, and
 that the tokens are equal. Models and settings take turns inside every repeat (a noisy machine shifts them alike).
 
-    python benchmarks/bench_prompt_lookup.py [--repeats 5] [--out results/prompt_lookup/<date>.json]
-    python benchmarks/bench_prompt_lookup.py --device cuda [--no-cuda-graphs]   # fp16; CUDA graphs by default
+    python -m benchmarks.engine.prompt_lookup [--repeats 5] [--out results/prompt_lookup/<date>.json]
+    python -m benchmarks.engine.prompt_lookup --device cuda [--no-cuda-graphs]   # fp16; CUDA graphs by default
 
 On CUDA the decode step is captured (both the one-token step and prompt lookup's verify step of
 1 + prompt_lookup_num_tokens tokens); ``--no-cuda-graphs`` runs every pass eagerly, for the comparison. Rows say

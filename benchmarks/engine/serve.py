@@ -10,7 +10,7 @@ Yardsticks measured in the same run: in-process ``generate`` on one prompt (no H
 the single-stream decode rate r1; ``ideal C x r1`` is what perfect batching would reach, and each level
 reports its throughput as a fraction of it (batching efficiency) and as a multiple of r1.
 
-    python benchmarks/bench_serve.py --out benchmarks/results/serve
+    python -m benchmarks.engine.serve --out benchmarks/results/serve
 """
 
 from __future__ import annotations
@@ -27,10 +27,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the server launcher the tests use
-
-from serve_helpers import MODEL_NAME, Server  # noqa: E402
+from tests.serve_helpers import MODEL_NAME, Server
 
 LEVELS = (1, 4, 16)
 PROMPTS = ["What does the import statement do?",

@@ -1,15 +1,15 @@
 """pytest-benchmark suite of the expert kernels (Mixtral shapes on CUDA; the tiny shape anywhere).
 
 On CUDA it times the Triton path; on a CPU the torch reference (the interpreter is not worth timing).
-The full GPU report with bandwidth / cuBLAS / baseline ratios is ``benchmarks/run_gpu_kernels.py``.
+The full GPU report with bandwidth / cuBLAS / baseline ratios is ``benchmarks/gpu/kernels.py``.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from run_gpu_kernels import GROUP, SHAPES, TOKENS, per_expert_loop, random_awq_pool, random_routing
 
+from benchmarks.gpu.kernels import GROUP, SHAPES, TOKENS, per_expert_loop, random_awq_pool, random_routing
 from moeflow import kernels
 from moeflow.quant.awq import quantize_rtn
 

@@ -9,28 +9,22 @@ host time (wall time of a step / layers: the host issues a layer's work no faste
 Optionally (``--graphs``) the same with the decode step captured as CUDA graphs (``model.capture_decode()``). lru
 runs with early hits on and off, and (every expert fitting) with the captured prelude off (``captured_preludes``).
 
-    python benchmarks/gpu_decode_profile.py --layers 8 --out $OUT/decode_profile.json
-    python benchmarks/gpu_decode_profile.py --tiny --out /tmp/decode_profile.json   # the CPU sizes (no GPU times)
+    python -m benchmarks.gpu.decode_profile --layers 8 --out $OUT/decode_profile.json
+    python -m benchmarks.gpu.decode_profile --tiny --out /tmp/decode_profile.json   # the CPU sizes (no GPU times)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-for p in (ROOT, ROOT / "benchmarks"):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
-
-from gpu_checkpoint import add_checkpoint_args, mixtral_setup, write_synthetic_awq_checkpoint  # noqa: E402
-from run_gpu_engine import cpu_capture_factory, load_in_ram  # noqa: E402
-from run_gpu_offload import _sync, install_backend  # noqa: E402
+from benchmarks.common.checkpoint import add_checkpoint_args, mixtral_setup, write_synthetic_awq_checkpoint
+from benchmarks.gpu.engine import cpu_capture_factory, load_in_ram
+from benchmarks.gpu.offload import _sync, install_backend
 
 
 class _StepClock:

@@ -1,7 +1,7 @@
 """One Qwen3-Next-80B-A3B Gated DeltaNet layer's core on a GPU: the torch reference against the Triton kernels.
 
-    python benchmarks/run_gpu_deltanet.py --out $OUT/deltanet.jsonl          # Qwen3-Next-80B shapes, on a GPU
-    python benchmarks/run_gpu_deltanet.py --tiny --out /tmp/deltanet.jsonl   # tiny shapes, CPU (interpreter)
+    python -m benchmarks.gpu.deltanet --out $OUT/deltanet.jsonl          # Qwen3-Next-80B shapes, on a GPU
+    python -m benchmarks.gpu.deltanet --tiny --out /tmp/deltanet.jsonl   # tiny shapes, CPU (interpreter)
 
 The core is what :class:`~moeflow.families.gated_deltanet.GatedDeltaNet` runs between its input projections and
 its output norm: the causal conv + SiLU and the gated delta rule (gates, L2 norms, query scale), both states
@@ -43,16 +43,10 @@ from pathlib import Path
 if "--tiny" in sys.argv[1:]:  # torch imports triton: the interpreter must be chosen before (a CLI run; tests set it)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import torch  # noqa: E402
+import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-for p in (ROOT, ROOT / "benchmarks"):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
-
-from gpu_timing import copy_bandwidth, median, time_fn, time_ours  # noqa: E402
-
-from moeflow.families.gated_deltanet import (  # noqa: E402
+from benchmarks.gpu.timing import copy_bandwidth, median, time_fn, time_ours
+from moeflow.families.gated_deltanet import (
     DeltaNetShape,
     GatedDeltaNet,
     chunk_gated_delta_rule,

@@ -1,7 +1,7 @@
 """CUDA-graph decode and the disk tier on a GPU, on the synthetic Mixtral-8x7B AWQ checkpoint of run_gpu_offload.
 
-    python benchmarks/run_gpu_engine.py --checkpoint /tmp/moeflow-mixtral-8x7b-awq --out $OUT/engine   # a GPU
-    python benchmarks/run_gpu_engine.py --tiny --out /tmp/engine_tiny                                  # anywhere
+    python -m benchmarks.gpu.engine --checkpoint /tmp/moeflow-mixtral-8x7b-awq --out $OUT/engine   # a GPU
+    python -m benchmarks.gpu.engine --tiny --out /tmp/engine_tiny                                  # anywhere
 
 1. ``cuda_graphs``: the model is loaded once (experts in the pinned host store); for ``resident`` and ``lru`` at
    ``--slots`` (the backends share that store, as in run_gpu_offload), a greedy decode is timed eagerly, then with
@@ -19,7 +19,7 @@
 Results are rewritten to ``--out/engine_results.json`` (+ a Markdown table) after every measurement, each
 measurement prints one summary line, and a failing one is recorded and the run goes on. ``--tiny`` runs the same
 code on the CPU with a tiny checkpoint; the graphs are then captured by the tests' CPU stand-in for CUDA graphs
-(tests/test_compile_cuda_graphs.py ``TraceCapture``).
+(tests/graph_capture.py ``TraceCapture``).
 """
 
 from __future__ import annotations
@@ -27,33 +27,25 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-for p in (ROOT, ROOT / "benchmarks"):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
-
-from bench_disk_tier import drop_page_cache  # noqa: E402
-from gpu_checkpoint import (  # noqa: E402
+from benchmarks.common.checkpoint import (
     add_checkpoint_args,
     checkpoint_bytes,
     mixtral_setup,
     write_synthetic_awq_checkpoint,
 )
-from run_gpu_offload import install_backend, run_config, run_env  # noqa: E402
-
-from moeflow import MoEOffloadedMixtral, OffloadConfig  # noqa: E402
+from benchmarks.disk.tier import drop_page_cache
+from benchmarks.gpu.offload import install_backend, run_config, run_env
+from moeflow import MoEOffloadedMixtral, OffloadConfig
 
 
 def cpu_capture_factory():
     """The tests' CPU stand-in for CUDA graphs (records a piece's aten ops, replays them on the same tensors)."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from test_compile_cuda_graphs import TraceCapture
+    from tests.graph_capture import TraceCapture
 
     return TraceCapture
 

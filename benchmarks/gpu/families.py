@@ -1,5 +1,5 @@
 """GPU benchmark of the other families: Qwen3-30B-A3B-shaped AWQ and gpt-oss-120b-shaped MXFP4 checkpoints, and
-slices of Qwen3-Next-80B-A3B, MiniMax-M2, DeepSeek-V3.2 and GLM-5 with AWQ experts (``family_writers.py``).
+slices of Qwen3-Next-80B-A3B, MiniMax-M2, DeepSeek-V3.2 and GLM-5 with AWQ experts (``common/family_writers.py``).
 
 Issues 16 and 18: decode tok/s per GB budget, policy and ``cpu_compute`` mode on synthetic checkpoints with the
 published layouts (a lent machine starts bare and has no network, so the run writes them itself):
@@ -19,7 +19,7 @@ published layouts (a lent machine starts bare and has no network, so the run wri
 * ``qwen3_next`` (24 of 48 layers, ~23 GB), ``minimax_m2`` (10 of 62, ~22 GB), ``deepseek_v32`` (6 of 61: 3 dense +
   3 MoE, ~26 GB), ``glm_moe_dsa`` (GLM-5; 6 of 78: 3 dense + 3 MoE, ~23 GB):
   the layout ``moeflow quantize`` writes from the published checkpoints (AWQ experts, the rest bf16 under the names
-  the family's loader reads); see ``family_writers.py``.
+  the family's loader reads); see ``common/family_writers.py``.
 
 Weights are random bytes (no quantization of real floats), a few expert templates reused, so writing is fast;
 the checkpoint goes under /tmp once and later runs reuse it. The model is loaded once (experts into the pinned
@@ -32,10 +32,10 @@ activations to bf16, so there equality is expected, not guaranteed). Policies th
 configuration; ``--time-budget-s`` stops starting new ones. ``--tiny`` runs tiny shapes on the CPU (slot counts
 instead of GB budgets).
 
-    python benchmarks/run_gpu_families.py --family qwen3_moe --out benchmarks/results/gpu_families    # on a GPU
-    python benchmarks/run_gpu_families.py --family gpt_oss --layers 18 --out benchmarks/results/gpu_families
-    python benchmarks/run_gpu_families.py --family qwen3_next --out benchmarks/results/gpu_families  # 24 layers
-    python benchmarks/run_gpu_families.py --tiny --family gpt_oss --out /tmp/families_tiny                # anywhere
+    python -m benchmarks.gpu.families --family qwen3_moe --out benchmarks/results/gpu_families    # on a GPU
+    python -m benchmarks.gpu.families --family gpt_oss --layers 18 --out benchmarks/results/gpu_families
+    python -m benchmarks.gpu.families --family qwen3_next --out benchmarks/results/gpu_families  # 24 layers
+    python -m benchmarks.gpu.families --tiny --family gpt_oss --out /tmp/families_tiny                # anywhere
 """
 
 from __future__ import annotations
@@ -53,17 +53,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import family_writers  # noqa: E402
-from gpu_checkpoint import random_awq_linear  # noqa: E402
-from run_gpu_offload import _free, _sync, run_config  # noqa: E402
-
-from moeflow import MoEModel, OffloadConfig  # noqa: E402
-from moeflow.engine.memory import reserved_device_bytes  # noqa: E402
-from moeflow.errors import SchedulingError  # noqa: E402
-from moeflow.offload import create_expert_backend, min_slots  # noqa: E402
+from benchmarks.common import family_writers
+from benchmarks.common.checkpoint import random_awq_linear
+from benchmarks.gpu.offload import _free, _sync, run_config
+from moeflow import MoEModel, OffloadConfig
+from moeflow.engine.memory import reserved_device_bytes
+from moeflow.errors import SchedulingError
+from moeflow.offload import create_expert_backend, min_slots
 
 GiB = 2**30
 QWEN3_30B_A3B = {  # Qwen/Qwen3-30B-A3B config.json, but torch_dtype float16 as AWQ conversions say (the release

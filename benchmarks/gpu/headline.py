@@ -14,14 +14,14 @@ Phases (``--phase``; benchmarks/gpu_loan.sh runs them in order, each in its own 
   step captured as CUDA graphs (on the CPU: the tests' stand-in), a warm-up generate at the timed shape, then one
   greedy generate of ``--new-tokens`` after a ``--prompt-len`` prompt: decode tok/s, TTFT, hit rate, bytes moved,
   peak device memory, tokens = resident's.
-* ``report``: ratios (moeflow / llama.cpp decode per share) and the Markdown table (headline_report.py).
+* ``report``: ratios (moeflow / llama.cpp decode per share) and the Markdown table (gpu/headline_report.py).
 
 Every phase reads and rewrites ``--out/headline_<family>.json`` after each point and checks its own deadline
 (``--deadline-s`` seconds from its start) before each row, so a command killed at its limit keeps what it measured.
 ``--tiny``: the tiny shapes on the CPU (the CPU llama.cpp of the same prebuilt archive).
 
-    python benchmarks/run_gpu_headline.py --phase moeflow --family mixtral --out $OUT --deadline-s 200
-    python benchmarks/run_gpu_headline.py --phase all --family mixtral --tiny --out /tmp/headline   # anywhere
+    python -m benchmarks.gpu.headline --phase moeflow --family mixtral --out $OUT --deadline-s 200
+    python -m benchmarks.gpu.headline --phase all --family mixtral --tiny --out /tmp/headline   # anywhere
 """
 
 from __future__ import annotations
@@ -30,23 +30,17 @@ import argparse
 import json
 import os
 import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-for p in (ROOT, ROOT / "benchmarks", ROOT / "benchmarks" / "peers"):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
-
-import headline_report  # noqa: E402
-from gguf_checkpoint import write_synthetic_gguf  # noqa: E402
-from gpu_checkpoint import MIXTRAL_8X7B, write_synthetic_awq_checkpoint  # noqa: E402
-from gpu_checkpoint import TINY as MIXTRAL_TINY  # noqa: E402
-from peer_report import uptime  # noqa: E402
+from benchmarks.common.checkpoint import MIXTRAL_8X7B, write_synthetic_awq_checkpoint
+from benchmarks.common.checkpoint import TINY as MIXTRAL_TINY
+from benchmarks.common.gguf_checkpoint import write_synthetic_gguf
+from benchmarks.gpu import headline_report
+from benchmarks.peers.peer_report import uptime
 
 FAMILIES = ("mixtral", "qwen3")
 PHASES = ("checkpoints", "llama", "moeflow", "report")
@@ -58,8 +52,8 @@ def family_config(family: str, tiny: bool, layers: int | None) -> tuple[dict, in
     if family == "mixtral":
         cfg = dict(MIXTRAL_TINY if tiny else MIXTRAL_8X7B)
     else:
-        from run_gpu_families import QWEN3_30B_A3B
-        from run_gpu_families import TINY as FAMILY_TINY
+        from benchmarks.gpu.families import QWEN3_30B_A3B
+        from benchmarks.gpu.families import TINY as FAMILY_TINY
 
         cfg = dict(FAMILY_TINY["qwen3_moe"] if tiny else QWEN3_30B_A3B)
     if layers:
@@ -114,7 +108,7 @@ def phase_checkpoints(args, res: Results) -> None:
     if args.family == "mixtral":
         write_synthetic_awq_checkpoint(awq, args.config, group_size=args.group)
     else:
-        from run_gpu_families import write_family_checkpoint
+        from benchmarks.gpu.families import write_family_checkpoint
 
         write_family_checkpoint(awq, "qwen3_moe", args.config, group_size=args.group)
     t1 = time.perf_counter()
@@ -129,7 +123,7 @@ def phase_checkpoints(args, res: Results) -> None:
 
 
 def phase_llama(args, res: Results, deadline: float) -> None:
-    from llama_cpp_prebuilt import find_archive, list_devices, llama_bench, unpack
+    from benchmarks.peers.llama_cpp_prebuilt import find_archive, list_devices, llama_bench, unpack
 
     archive = find_archive()
     if archive is None:
@@ -176,8 +170,7 @@ def swap_backend(model, host, policy: str, slots: int | None, cpu_compute: str |
     """Install a fresh expert backend for ``policy`` at ``slots`` (``cpu_compute``: OffloadConfig's) on the loaded
     ``model``, sharing its filled host store: one load, many rows. The decode step is captured again by the
     caller (pieces recorded around the former backend's calls would be stale)."""
-    from run_gpu_offload import _free, _sync
-
+    from benchmarks.gpu.offload import _free, _sync
     from moeflow import OffloadConfig
     from moeflow.moe import ResidentExperts
     from moeflow.offload import create_expert_backend
@@ -204,7 +197,7 @@ def swap_backend(model, host, policy: str, slots: int | None, cpu_compute: str |
 def moeflow_row(model, prompt: torch.Tensor, new_tokens: int, capture_factory) -> tuple[dict, torch.Tensor]:
     """Capture the decode step, warm up at the timed shape (captures, Triton specializations), then one timed
     greedy generate without EOS: decode tok/s, TTFT, hit rate, bytes moved, peak device memory."""
-    from run_gpu_offload import _sync
+    from benchmarks.gpu.offload import _sync
 
     runner = model.runner
     runner.decode_fn = getattr(runner.decode_fn, "inner", runner.decode_fn)  # the former backend's capture: gone
@@ -242,7 +235,7 @@ def phase_moeflow(args, res: Results, deadline: float) -> None:
     capture_factory = None
     if device.type == "cpu":
         torch.set_num_threads(1)  # tiny tensors
-        from run_gpu_engine import cpu_capture_factory
+        from benchmarks.gpu.engine import cpu_capture_factory
 
         capture_factory = cpu_capture_factory()
     t0 = time.perf_counter()

@@ -1,9 +1,9 @@
 """The GPU loan's short table (benchmarks/gpu_loan.sh): the ratios moeflow / llama.cpp per share (written back into
 each ``headline_<family>.json``) and Markdown from the JSON a loan leaves in its results folder
-``benchmarks/results/<gpu>-<date>/`` (``headline_<family>.json`` of run_gpu_headline.py, ``kernels.json`` of
-run_gpu_kernels.py, ``pytest-cuda.jsonl`` of the correctness set, ``stack.txt``), written to ``headline.md``.
+``benchmarks/results/<gpu>-<date>/`` (``headline_<family>.json`` of gpu/headline.py, ``kernels.json`` of
+gpu/kernels.py, ``pytest-cuda.jsonl`` of the correctness set, ``stack.txt``), written to ``headline.md``.
 
-    python benchmarks/headline_report.py benchmarks/results/h200-2026-12-01
+    python -m benchmarks.gpu.headline_report benchmarks/results/h200-2026-12-01
 """
 
 from __future__ import annotations

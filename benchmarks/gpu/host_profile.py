@@ -2,7 +2,7 @@
 (``--policy``, default resident, on the synthetic Mixtral checkpoint of ``--layers`` layers). Prints the top
 functions by own time and by cumulative time, and the top aten ops by self CPU time; writes them to ``--out``.
 
-    python benchmarks/gpu_host_profile.py --layers 8 --out $OUT/host_profile.txt
+    python -m benchmarks.gpu.host_profile --layers 8 --out $OUT/host_profile.txt
 """
 
 from __future__ import annotations
@@ -11,19 +11,13 @@ import argparse
 import cProfile
 import io
 import pstats
-import sys
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-for p in (ROOT, ROOT / "benchmarks"):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
-
-from gpu_checkpoint import add_checkpoint_args, mixtral_setup, write_synthetic_awq_checkpoint  # noqa: E402
-from run_gpu_engine import load_in_ram  # noqa: E402
-from run_gpu_offload import _sync, install_backend  # noqa: E402
+from benchmarks.common.checkpoint import add_checkpoint_args, mixtral_setup, write_synthetic_awq_checkpoint
+from benchmarks.gpu.engine import load_in_ram
+from benchmarks.gpu.offload import _sync, install_backend
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,8 +15,8 @@ On a GPU host with the synthetic Mixtral-8x7B AWQ checkpoint (exact shapes, rand
 
 ``--tiny`` runs the same code on the CPU with a tiny AWQ checkpoint (slot counts instead of GB budgets).
 
-    python benchmarks/run_gpu_hybrid.py --out benchmarks/results/gpu_hybrid          # on a GPU
-    python benchmarks/run_gpu_hybrid.py --tiny --out /tmp/hybrid_tiny                  # anywhere
+    python -m benchmarks.gpu.hybrid --out benchmarks/results/gpu_hybrid          # on a GPU
+    python -m benchmarks.gpu.hybrid --tiny --out /tmp/hybrid_tiny                  # anywhere
 """
 
 from __future__ import annotations
@@ -32,15 +32,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from gpu_checkpoint import MIXTRAL_8X7B, TINY, write_synthetic_awq_checkpoint  # noqa: E402
-from run_gpu_offload import _free, _sync, run_config  # noqa: E402
-
-from moeflow import MoEOffloadedMixtral, OffloadConfig  # noqa: E402
-from moeflow.engine.loading import non_expert_bytes  # noqa: E402
-from moeflow.offload import OffloadedExperts, create_expert_backend, min_slots  # noqa: E402
+from benchmarks.common.checkpoint import MIXTRAL_8X7B, TINY, write_synthetic_awq_checkpoint
+from benchmarks.gpu.offload import _free, _sync, run_config
+from moeflow import MoEOffloadedMixtral, OffloadConfig
+from moeflow.engine.loading import non_expert_bytes
+from moeflow.offload import OffloadedExperts, create_expert_backend, min_slots
 
 GiB = 2**30
 POLICIES = ("lru", "mixtral-offloading", "fiddler")

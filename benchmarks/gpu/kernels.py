@@ -1,8 +1,8 @@
 """One script for all kernel benchmarks on a GPU (< 8 minutes on an H100/H200); writes JSON + a Markdown table.
 
-    python benchmarks/run_gpu_kernels.py                       # Mixtral-8x7B and 8x22B, T = 1..4096
-    python benchmarks/run_gpu_kernels.py --tune                # also sweep block configs, write a config table
-    python benchmarks/run_gpu_kernels.py --dry-run             # tiny shapes on whatever device (CPU: torch only)
+    python -m benchmarks.gpu.kernels                       # Mixtral-8x7B and 8x22B, T = 1..4096
+    python -m benchmarks.gpu.kernels --tune                # also sweep block configs, write a config table
+    python -m benchmarks.gpu.kernels --dry-run             # tiny shapes on whatever device (CPU: torch only)
 
 For every (model shape, T): the Triton MoE forward (route/plan + w13 + w2 + combine), timed eagerly and under
 CUDA-graph replay (the figure reported: the launch overhead a decode step really pays); achieved bytes/s against
@@ -25,19 +25,13 @@ import argparse
 import datetime as _dt
 import json
 import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-for _p in (ROOT, ROOT / "benchmarks"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
-
-from gpu_timing import (  # noqa: E402
+from benchmarks.gpu.timing import (
     copy_bandwidth,
     cublas_peak,
     cuda_graph_fn,
@@ -49,11 +43,12 @@ from gpu_timing import (  # noqa: E402
     time_fn,
     time_ours,
 )
+from moeflow import kernels
+from moeflow.kernels import configs as kcfg
+from moeflow.kernels.pool import ExpertFormat, ExpertPool, row_major_pool
+from moeflow.kernels.reference import dequantize_kernel_layout
 
-from moeflow import kernels  # noqa: E402
-from moeflow.kernels import configs as kcfg  # noqa: E402
-from moeflow.kernels.pool import ExpertFormat, ExpertPool, row_major_pool  # noqa: E402
-from moeflow.kernels.reference import dequantize_kernel_layout  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 SHAPES = {  # name: (hidden, intermediate, experts, top_k)
     "mixtral-8x7b": (4096, 14336, 8, 2),
@@ -401,7 +396,7 @@ def write_tune_table(args, tuned: dict, dev_name: str) -> Path:
             entries.append({"op": "moe", "kind": "awq", "dtype": str(args.dtype).replace("torch.", ""),
                             "group_size": GROUP, "num_experts": E, "top_k": k, "n": I, "k": H, "configs": cfgs})
     table = {"format": 1, "device": dev_name, "triton": kcfg.triton_version(),
-             "note": "written by benchmarks/run_gpu_kernels.py --tune", "entries": entries}
+             "note": "written by benchmarks/gpu/kernels.py --tune", "entries": entries}
     path = Path(args.tune_out) if args.tune_out else kcfg.CONFIG_DIR / f"{slug(dev_name)}.json"
     if path.exists():  # keep entries of other shapes / dtypes tuned before
         old = json.loads(path.read_text())

@@ -1,9 +1,9 @@
 """MXFP4 expert kernels (gpt-oss) on a GPU: % of measured HBM bandwidth and speed against a bf16 per-expert loop.
 
-    python benchmarks/run_gpu_mxfp4.py --out $OUT/mxfp4.json            # gpt-oss-120b experts, T = 1..512
-    python benchmarks/run_gpu_mxfp4.py --tiny --out /tmp/mxfp4.json     # tiny shape on the CPU (torch reference)
-    python benchmarks/run_gpu_mxfp4.py --splits --tokens 1,4,16 --out $OUT/mxfp4-splits.json  # + every decode split
-    python benchmarks/run_gpu_mxfp4.py --no-layouts ...                 # without the panel / row-major A/B
+    python -m benchmarks.gpu.mxfp4 --out $OUT/mxfp4.json            # gpt-oss-120b experts, T = 1..512
+    python -m benchmarks.gpu.mxfp4 --tiny --out /tmp/mxfp4.json     # tiny shape on the CPU (torch reference)
+    python -m benchmarks.gpu.mxfp4 --splits --tokens 1,4,16 --out $OUT/mxfp4-splits.json  # + every decode split
+    python -m benchmarks.gpu.mxfp4 --no-layouts ...                 # without the panel / row-major A/B
 
 For every T: one MoE layer of gpt-oss-120b's experts (hidden 2880, intermediate 2880, 128 experts, top-4, MXFP4
 blocks + e8m0 scales, bf16 biases, clamped SwiGLU) through ``moeflow.kernels.moe_forward`` (plan + the w13 and w2
@@ -20,7 +20,7 @@ panels, read by the same kernel through strides: ``mxfp4.row_major_copy``), both
 with the time ratio row-major / panel (> 1: panels are faster) and whether both outputs are bitwise equal. They
 need the Triton kernels: a GPU, or ``--interpret`` on a CPU; with the torch backend the point records why not.
 
-The timing harness (events, CUDA-graph replay, copy bandwidth) is run_gpu_kernels.py's (benchmarks/gpu_timing.py).
+The timing harness (events, CUDA-graph replay, copy bandwidth) is gpu/kernels.py's (benchmarks/gpu/timing.py).
 The JSON is rewritten after every point and each point prints one summary line; a failing point is recorded and the
 run goes on.
 """
@@ -31,18 +31,13 @@ import argparse
 import datetime as _dt
 import json
 import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-for p in (ROOT, ROOT / "benchmarks"):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
-
-from gpu_timing import (  # noqa: E402
+from benchmarks.gpu.kernels import per_expert_loop
+from benchmarks.gpu.timing import (
     copy_bandwidth,
     finish_point_args,
     median,
@@ -51,14 +46,14 @@ from gpu_timing import (  # noqa: E402
     time_fn,
     time_ours,
 )
-from run_gpu_kernels import per_expert_loop  # noqa: E402
-from sass_mxfp4 import MODELS  # noqa: E402
+from benchmarks.sass.mxfp4 import MODELS
+from moeflow import kernels
+from moeflow.kernels import configs as kcfg
+from moeflow.kernels import mxfp4
+from moeflow.kernels.biased import BiasedExpertFormat
+from moeflow.kernels.pool import ExpertPool
 
-from moeflow import kernels  # noqa: E402
-from moeflow.kernels import configs as kcfg  # noqa: E402
-from moeflow.kernels import mxfp4  # noqa: E402
-from moeflow.kernels.biased import BiasedExpertFormat  # noqa: E402
-from moeflow.kernels.pool import ExpertPool  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 SHAPES = {"gpt-oss-120b": MODELS["gpt-oss-120b"], "gpt-oss-20b": MODELS["gpt-oss-20b"],  # (H, I, E, top_k)
           "tiny": (64, 96, 8, 2)}

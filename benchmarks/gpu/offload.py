@@ -15,8 +15,8 @@ One run does everything (a lent GPU machine starts bare, so the checkpoint is wr
 Results go to ``--out`` (JSON + a Markdown table) after every configuration, so a run cut short still
 leaves numbers. ``--tiny`` runs the same code on the CPU with a tiny checkpoint (for CI and development).
 
-    python benchmarks/run_gpu_offload.py --out benchmarks/results/gpu_offload         # on a GPU
-    python benchmarks/run_gpu_offload.py --tiny --out /tmp/offload_tiny                  # anywhere
+    python -m benchmarks.gpu.offload --out benchmarks/results/gpu_offload         # on a GPU
+    python -m benchmarks.gpu.offload --tiny --out /tmp/offload_tiny                  # anywhere
 """
 
 from __future__ import annotations
@@ -34,18 +34,15 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from gpu_checkpoint import (  # noqa: E402
+from benchmarks.common.checkpoint import (
     add_checkpoint_args,
     checkpoint_bytes,
     mixtral_setup,
     write_synthetic_awq_checkpoint,
 )
-
-from moeflow import MoEOffloadedMixtral, OffloadConfig  # noqa: E402
-from moeflow.moe import ResidentExperts  # noqa: E402
-from moeflow.offload import OffloadedExperts, chunk_ranges, create_expert_backend, min_slots  # noqa: E402
+from moeflow import MoEOffloadedMixtral, OffloadConfig
+from moeflow.moe import ResidentExperts
+from moeflow.offload import OffloadedExperts, chunk_ranges, create_expert_backend, min_slots
 
 POLICIES = ("ondemand", "lru", "lfu", "static", "mixtral-offloading")
 

@@ -3,7 +3,7 @@ synthetic Mixtral-8x7B AWQ checkpoint, with predictors trained in the same run o
 
 One run (a lent GPU machine starts bare):
 
-1. writes (or reuses) the synthetic checkpoint of ``run_gpu_offload.py`` (exact Mixtral-8x7B shapes, ~24.6 GB);
+1. writes (or reuses) the synthetic checkpoint of ``gpu/offload.py`` (exact Mixtral-8x7B shapes, ~24.6 GB);
 2. loads it once; records a routing trace (MoE inputs, embeddings) of ``--trace-prompts`` random prompts with
    every expert resident when that fits (else the largest budget), and trains the ``duoserve`` and ``promoe``
    predictors on it (time-capped), writing them to ``<checkpoint>/predictors/`` where the presets look;
@@ -16,9 +16,9 @@ One run (a lent GPU machine starts bare):
 Results go to ``--out`` (``policies_results.json`` + ``policies_results.md``) after every configuration.
 ``--tiny`` runs the same code on the CPU with a tiny 4-layer checkpoint (tests/test_policies_bench.py).
 
-    python benchmarks/run_gpu_policies.py --checkpoint /tmp/moeflow-mixtral-8x7b-awq \
+    python -m benchmarks.gpu.policies --checkpoint /tmp/moeflow-mixtral-8x7b-awq \
         --out benchmarks/results/gpu_policies
-    python benchmarks/run_gpu_policies.py --tiny --out /tmp/policies_tiny
+    python -m benchmarks.gpu.policies --tiny --out /tmp/policies_tiny
 """
 
 from __future__ import annotations
@@ -33,15 +33,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from gpu_checkpoint import MIXTRAL_8X7B, TINY, checkpoint_bytes, write_synthetic_awq_checkpoint  # noqa: E402
-from run_gpu_offload import _free, _sync, run_config  # noqa: E402
-
-from moeflow import MoEOffloadedMixtral, OffloadConfig  # noqa: E402
-from moeflow.moe import ResidentExperts  # noqa: E402
-from moeflow.offload import POLICY_TABLE, create_expert_backend, min_slots  # noqa: E402
+from benchmarks.common.checkpoint import MIXTRAL_8X7B, TINY, checkpoint_bytes, write_synthetic_awq_checkpoint
+from benchmarks.gpu.offload import _free, _sync, run_config
+from moeflow import MoEOffloadedMixtral, OffloadConfig
+from moeflow.moe import ResidentExperts
+from moeflow.offload import POLICY_TABLE, create_expert_backend, min_slots
 
 POLICIES = ("ondemand", "lru", "lfu", "static", "mixtral-offloading", "duoserve", "promoe", "finemoe", "expertflow",
             "auto")

@@ -6,7 +6,7 @@ a static cache of ``max_len`` with a bool mask, as ``families.layers.Attention``
 host microseconds per call (the CPU side of an eager call, synchronised once per 50 calls) and GPU microseconds
 per call (CUDA events over 50 calls), or the error a backend raised. No model needed.
 
-    python benchmarks/sdpa_backends.py [--out sdpa.json]
+    python -m benchmarks.gpu.sdpa_backends [--out sdpa.json]
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """`moeflow serve` on a GPU: concurrent OpenAI chat requests, exact greedy text against `generate`, tokens/s.
 
-    python benchmarks/run_gpu_serve.py --out $OUT/serve              # a GPU: the embedded model, resident and lru
-    python benchmarks/run_gpu_serve.py --tiny --out /tmp/serve       # the same on the CPU, fewer requests (CI)
+    python -m benchmarks.gpu.serve --out $OUT/serve              # a GPU: the embedded model, resident and lru
+    python -m benchmarks.gpu.serve --tiny --out /tmp/serve       # the same on the CPU, fewer requests (CI)
 
 For each server configuration (``--configs``: ``resident`` and ``lru:S``, S GPU expert slots) and each decode mode
 (``--graphs``: ``off`` eager, ``on`` the decode passes as CUDA graphs; both on a GPU, ``off`` in ``--tiny``) the server
 is started as a user starts it (``moeflow serve --device D --port 0 --cuda-graphs MODE``, a subprocess;
 tests/serve_helpers.Server) on the embedded tiny Mixtral, and for each concurrency level C (``--levels``) C client
 threads send non-streamed greedy
-chat completions (temperature 0, ``--max-tokens``) over the prompts of benchmarks/bench_serve.py, ``--requests``
+chat completions (temperature 0, ``--max-tokens``) over the prompts of benchmarks/engine/serve.py, ``--requests``
 per level. Every reply's text is compared with single-request in-process greedy ``generate`` of the resident model
 on the same device and dtype (tests/serve_helpers.Reference): continuous batching, chunked prefill and offloading
 must not change a token. Reported per level: requests, completion tokens per second over the level's wall time,
@@ -29,7 +29,6 @@ import argparse
 import json
 import platform
 import re
-import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -37,13 +36,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-for p in (ROOT, ROOT / "benchmarks", ROOT / "tests"):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
+from benchmarks.engine.serve import PROMPTS
+from tests.serve_helpers import MODEL_NAME, Reference, Server
 
-from bench_serve import PROMPTS  # noqa: E402
-from serve_helpers import MODEL_NAME, Reference, Server  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def chat_client(url: str):

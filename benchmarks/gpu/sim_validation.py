@@ -2,7 +2,7 @@
 
 One run (a lent GPU machine starts bare, so everything happens in it):
 
-1. writes the synthetic Mixtral-8x7B AWQ checkpoint of ``run_gpu_offload.py`` (``--layers`` for fewer layers)
+1. writes the synthetic Mixtral-8x7B AWQ checkpoint of ``gpu/offload.py`` (``--layers`` for fewer layers)
    and loads it once;
 2. records the routing trace (with hidden states) of one prompt: prefill plus greedy decoding. Greedy tokens
    are the same for every policy (the runtime's invariant), so every real run below follows this trace;
@@ -20,8 +20,8 @@ Results go to ``--out`` (JSON + Markdown) after every configuration. ``--tiny`` 
 CPU with a tiny checkpoint: it exercises the script, but the CPU's synchronous copies are not what the
 simulator models, so its ratios mean nothing.
 
-    python benchmarks/run_gpu_sim_validation.py --out benchmarks/results/gpu_sim_validation     # on a GPU
-    python benchmarks/run_gpu_sim_validation.py --tiny --out /tmp/sim_validation_tiny             # anywhere
+    python -m benchmarks.gpu.sim_validation --out benchmarks/results/gpu_sim_validation     # on a GPU
+    python -m benchmarks.gpu.sim_validation --tiny --out /tmp/sim_validation_tiny             # anywhere
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -37,18 +36,14 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from gpu_checkpoint import MIXTRAL_8X7B, TINY, write_synthetic_awq_checkpoint  # noqa: E402
-from run_gpu_offload import _sync, install_backend, run_config  # noqa: E402
-
-from moeflow import MoEOffloadedMixtral, OffloadConfig  # noqa: E402
-from moeflow.offload import min_slots  # noqa: E402
-from moeflow.sim import HardwareProfile, simulate  # noqa: E402
-from moeflow.sim.bench import _timer  # noqa: E402
-from moeflow.tools.record import record_trace  # noqa: E402
-from moeflow.trace.synthetic import gate_modules  # noqa: E402
+from benchmarks.common.checkpoint import MIXTRAL_8X7B, TINY, write_synthetic_awq_checkpoint
+from benchmarks.gpu.offload import _sync, install_backend, run_config
+from moeflow import MoEOffloadedMixtral, OffloadConfig
+from moeflow.offload import min_slots
+from moeflow.sim import HardwareProfile, simulate
+from moeflow.sim.bench import _timer
+from moeflow.tools.record import record_trace
+from moeflow.trace.synthetic import gate_modules
 
 POLICIES = ("ondemand", "lru", "static", "mixtral-offloading")
 
@@ -121,7 +116,7 @@ def calibrate(model, host, device, trace, resident: dict, all_hits: dict, prompt
         name=f"calibrated-{device.type}", h2d_gbps=gbps, expert_bytes=host.fmt.nbytes, h2d_latency_us=lat * 1e6,
         attn_ms=attn * 1e3, attn_ms_per_token=attn_pt * 1e3, expert_ms=e1 * 1e3, expert_ms_per_token=ept * 1e3,
         head_ms=head * 1e3, sched_ms=sched * 1e3, num_layers=L, num_experts=cfg.num_local_experts, top_k=k,
-        description="calibrated by benchmarks/run_gpu_sim_validation.py from the resident and all-hit lru runs",
+        description="calibrated by benchmarks/gpu/sim_validation.py from the resident and all-hit lru runs",
         measured=True,
     )
 

@@ -4,9 +4,9 @@ a torch API the lane needs is absent (issue 12: a lent GPU's 30 minutes must not
 The lent machine's stack differs from CI's (benchmarks/results/gpu_stack/README.md: Python 3.12, torch 2.11 CUDA
 13, Triton 3.6, transformers 5.17; no fastapi/uvicorn/pydantic/openai, carried as wheels by gpu_wheels.sh).
 
-    python benchmarks/gpu_stack.py            # versions; exit 1 when a needed package or torch API is missing
-    python benchmarks/gpu_stack.py --cuda     # also exit 1 without a usable CUDA device (the real lane)
-    python benchmarks/gpu_stack.py --pytest   # also need pytest (the correctness stage)
+    python -m benchmarks.gpu.stack            # versions; exit 1 when a needed package or torch API is missing
+    python -m benchmarks.gpu.stack --cuda     # also exit 1 without a usable CUDA device (the real lane)
+    python -m benchmarks.gpu.stack --pytest   # also need pytest (the correctness stage)
 """
 
 from __future__ import annotations
@@ -16,9 +16,6 @@ import importlib
 import importlib.metadata
 import platform
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # moeflow from this checkout
 
 # import name -> what needs it; every one must import
 NEEDED = {

@@ -1,4 +1,4 @@
-"""The GPU lane's kernel-timing harness (run_gpu_kernels.py: W4A16 at Mixtral shapes; run_gpu_mxfp4.py: MXFP4 at
+"""The GPU lane's kernel-timing harness (gpu/kernels.py: W4A16 at Mixtral shapes; gpu/mxfp4.py: MXFP4 at
 gpt-oss shapes): CUDA-event timing, CUDA-graph replay, the measured ceilings (device-copy bandwidth, bf16 cuBLAS)
 and one (shape, T) point's random inputs. On a CPU the same functions time with ``perf_counter`` and skip graphs.
 """

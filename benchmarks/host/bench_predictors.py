@@ -5,7 +5,7 @@ One round = what the runtime does at one layer: ``observe`` the layer's routing,
 on training); FineMoE's store is full (1000 maps, the paper's capacity). On a CUDA machine the learned
 predictors run on the GPU (FineMoE's store stays in host memory, as in the paper).
 
-    python -m pytest benchmarks/bench_predictors.py --benchmark-json=predictors.json
+    python -m pytest benchmarks/host/bench_predictors.py --benchmark-json=predictors.json
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """Every scheduling decision of the no-op-kernel driver, to show a host-cost change leaves the policies' choices alone.
 
-For each policy and slot count (every expert, half, a quarter) the driver of ``bench_host_overhead.py`` (seeded
+For each policy and slot count (every expert, half, a quarter) the driver of ``host/overhead.py`` (seeded
 routing, one decode token per step, expert kernels a no-op) runs 48 steps and logs every copy submitted (layer,
 expert, slot, priority), every prefetch list handed to the backend, the (key, state) of every slot after every
 layer, and the decode stats. Run it on two trees and compare:
 
-    OMP_NUM_THREADS=1 PYTHONPATH=$PWD python benchmarks/decision_log.py --out after.json
-    python benchmarks/decision_log.py --compare before.json after.json
+    OMP_NUM_THREADS=1 PYTHONPATH=$PWD python -m benchmarks.host.decision_log --out after.json
+    python -m benchmarks.host.decision_log --compare before.json after.json
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_host_overhead import POLICIES, _backend, noop_steps  # noqa: E402
+from benchmarks.host.overhead import POLICIES, _backend, noop_steps
 
 
 @torch.inference_mode()

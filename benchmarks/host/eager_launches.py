@@ -13,7 +13,7 @@ counts per decoder layer and decode step are deterministic build facts:
   (~18 us each on that host) and raw current-stream queries;
 * ``python_calls``: Python and builtin calls outside the launches (``sys.setprofile``, a second pass).
 
-Two synthetic AWQ checkpoints (attention quantized too; ``benchmarks/gpu_checkpoint.py``): the GPU lane's tiny
+Two synthetic AWQ checkpoints (attention quantized too; ``benchmarks/common/checkpoint.py``): the GPU lane's tiny
 Mixtral and one layer of Mixtral-8x7B's exact shapes (vocabulary cut to 256). At Mixtral's shapes the
 interpreter would take minutes per layer, so there the launches are counted but not interpreted: all the host
 Python up to each launch (configs, checks, scratch, arguments) runs as it does on a GPU, on unwritten outputs
@@ -25,7 +25,7 @@ config of q, k, v and of the fused q/k/v: where all are equal and every projecti
 column keeps its tile, place and K split, so the fused projection computes it as the three did (bitwise under
 the interpreter, tests/test_fused_qkv.py; on a GPU not measured).
 
-    PYTHONPATH=$PWD python benchmarks/count_eager_launches.py --before-rev dd3a7ec \\
+    PYTHONPATH=$PWD python -m benchmarks.host.eager_launches --before-rev dd3a7ec \\
         --out benchmarks/results/host_overhead/eager_launches.json
 """
 
@@ -44,10 +44,10 @@ from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel module is imported
 
-import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # aten ops that launch no device kernel (metadata, allocation)
 META_OPS = {"view", "_unsafe_view", "reshape", "t", "slice", "select", "unsqueeze", "squeeze", "expand", "detach",
             "alias", "as_strided", "new_empty", "empty", "empty_strided", "set_", "lift_fresh", "split",
@@ -202,9 +202,7 @@ def summarize(layers: list[dict]) -> dict:
 def synthetic_model(name: str, dtype: torch.dtype, workdir: Path):
     """"tiny": the GPU lane's tiny AWQ Mixtral (2 layers, hidden 128, group 32, attention quantized);
     "mixtral-8x7b-layer": one layer of Mixtral-8x7B's shapes (group 128), vocabulary 256."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from gpu_checkpoint import MIXTRAL_8X7B, TINY, write_synthetic_awq_checkpoint
-
+    from benchmarks.common.checkpoint import MIXTRAL_8X7B, TINY, write_synthetic_awq_checkpoint
     from moeflow import MoEOffloadedMixtral
 
     config, group = (TINY, 32) if name == "tiny" else ({**MIXTRAL_8X7B, "num_hidden_layers": 1, "vocab_size": 256},
@@ -261,7 +259,9 @@ def run_revision(rev: str, workdir: Path, models: list[str], new_tokens: int) ->
         tree.mkdir(parents=True)
         archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], check=True, capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
-    env = {**os.environ, "PYTHONPATH": str(tree), "TRITON_INTERPRET": "1", "MOEFLOW_KERNEL_CHECKS": "0"}
+    # moeflow from ``tree``; ``benchmarks`` from this checkout unless ``tree`` has it as a package
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(ROOT)]), "TRITON_INTERPRET": "1",
+           "MOEFLOW_KERNEL_CHECKS": "0"}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--single", "--workdir", str(workdir),
            "--models", ",".join(models), "--new-tokens", str(new_tokens)]
     done = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)

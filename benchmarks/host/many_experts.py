@@ -22,7 +22,7 @@ eviction) and predictor us per layer (observe
 source tree given (``--tree before=DIR``: e.g. ``git archive 17ac1bd moeflow | tar -x -C DIR``), alternating
 trees within each repeat, each run in its own process; the load average is recorded beside the numbers.
 
-    PYTHONPATH=$PWD python benchmarks/bench_many_experts.py --tree before=/tmp/main --tree after=. \\
+    PYTHONPATH=$PWD python -m benchmarks.host.many_experts --tree before=/tmp/main --tree after=. \\
         --out benchmarks/results/many_experts/many_experts.json
 """
 

@@ -17,7 +17,7 @@ Three measurements, each the median of ``--repeats`` runs in one process:
   which kept the torch reference on the slot pool until the slots learnt to hold torch's int4 form
   (moeflow/offload/cpu_slots.py): since then they run the same path as ``lru-all`` / ``lru-half``.
 
-    PYTHONPATH=$PWD python benchmarks/bench_host_overhead.py --out benchmarks/results/host_overhead/after.json
+    PYTHONPATH=$PWD python -m benchmarks.host.overhead --out benchmarks/results/host_overhead/after.json
 
 The machine is shared: the load average is recorded with the numbers. Every decode call is timed on its own
 (``time.perf_counter``); ``us`` is the median call (forward + begin_step / layers): what the host loop costs,

@@ -9,7 +9,7 @@ experts, 230 slots) and at Qwen3-30B's (48 x 128 = 6,144 experts, ~3,000 slots).
   routing: the trajectory search over a full Expert Map Store of ``capacity`` maps; ``runtime_proposals``: the
   delta selection and ranking), per layer.
 
-    PYTHONPATH=$PWD python benchmarks/bench_scheduler_scaling.py --out benchmarks/results/host_overhead/scaling.json
+    PYTHONPATH=$PWD python -m benchmarks.host.scheduler_scaling --out benchmarks/results/host_overhead/scaling.json
 
 Medians and 10th percentiles of per-call times (the machine is shared; p10 is the intrinsic cost).
 """

@@ -7,7 +7,7 @@ it from :class:`~moeflow.engine.token_history.TokenHistory`, which a decode pass
 gathers its rows from. One decode pass of B sequences at a context of ``--contexts`` tokens each; medians of
 ``--repeats`` calls. No GPU: on one, the "after" gather is device work plus one small host->device copy.
 
-    PYTHONPATH=$PWD python benchmarks/bench_serve_history.py --out benchmarks/results/serve/history_host
+    PYTHONPATH=$PWD python -m benchmarks.host.serve_history --out benchmarks/results/serve/history_host
 """
 
 from __future__ import annotations

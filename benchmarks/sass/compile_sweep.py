@@ -1,5 +1,5 @@
 """pytest plugin: every Triton launch the selected tests make is compiled for a GPU target instead of run, with the
-installed Triton and its ptxas (no GPU needed; benchmarks/sass_report.py's ``compile_only``). The tests' own
+installed Triton and its ptxas (no GPU needed; benchmarks/sass/report.py's ``compile_only``). The tests' own
 outcomes are meaningless here (nothing runs); what counts is that every kernel variant they reach (constexpr
 combinations: routing with the gate fused, masks, split-K, biased epilogues, MXFP4, fp16/bf16/fp32) compiles.
 A Triton upgrade or downgrade (the lent GPU machines run 3.6, CI 3.9) is checked this way before a GPU session:
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "0"  # before tests/conftest.py (which only sets it when unset)
@@ -23,10 +22,8 @@ _state: dict = {}
 
 
 def pytest_configure(config) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from sass_report import compile_only
-
     import moeflow.kernels.ops as ops
+    from benchmarks.sass.report import compile_only
 
     ops.check_triton_device = lambda t: None  # CPU tensors stand in for device ones: they are only compiled
     context = compile_only(int(os.environ.get("SWEEP_SM", "90")))

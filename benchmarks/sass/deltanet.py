@@ -1,8 +1,8 @@
 """Machine-code report of the Gated DeltaNet kernels (moeflow.kernels.triton_deltanet) at Qwen3-Next / Qwen3.5-MoE
 shapes, compiled for sm_90 on any machine (no GPU).
 
-    python benchmarks/sass_deltanet.py                    # Qwen3-Next-80B shapes, one JSON object per line
-    python benchmarks/sass_deltanet.py --out benchmarks/results/sass/deltanet.json
+    python -m benchmarks.sass.deltanet                    # Qwen3-Next-80B shapes, one JSON object per line
+    python -m benchmarks.sass.deltanet --out benchmarks/results/sass/deltanet.json
 
 Each launch of one linear-attention layer (decode: the conv and the fused recurrence; prefill runs the same
 recurrence binary, the token count is a runtime argument) is compiled with the installed Triton and its ptxas
@@ -13,15 +13,9 @@ SM and the grid. TRITON_INTERPRET must be unset.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-for p in (ROOT, ROOT / "benchmarks"):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
 
 MODELS = {  # name: (key heads, value heads, k_dim, v_dim, conv kernel)
     "qwen3-next-80b": (16, 32, 128, 128, 4),
@@ -32,8 +26,7 @@ MODELS = {  # name: (key heads, value heads, k_dim, v_dim, conv kernel)
 
 def deltanet_launches(model: str, rows: int, dtype: torch.dtype = torch.bfloat16) -> list[dict]:
     """Compile the decode launches of one layer (``rows`` sequences, one token each); one record per kernel."""
-    from sass_report import _row, compile_only
-
+    from benchmarks.sass.report import _row, compile_only
     from moeflow.kernels import triton_deltanet as k
     from moeflow.kernels.triton_common import next_pow2
 
@@ -63,7 +56,7 @@ def deltanet_launches(model: str, rows: int, dtype: torch.dtype = torch.bfloat16
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sass_report import emit_json_lines
+    from benchmarks.sass.report import emit_json_lines
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=["qwen3-next-80b"], choices=sorted(MODELS))

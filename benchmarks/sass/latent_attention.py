@@ -1,8 +1,8 @@
 """Machine-code report of MLA's in-place decode attention kernels (moeflow.kernels.triton_latent_attention),
 compiled for sm_90 on any machine (no GPU).
 
-    python benchmarks/sass_latent_attention.py              # the shipped shapes, one JSON object per line
-    python benchmarks/sass_latent_attention.py --out benchmarks/results/sass/latent-attention.json
+    python -m benchmarks.sass.latent_attention              # the shipped shapes, one JSON object per line
+    python -m benchmarks.sass.latent_attention --out benchmarks/results/sass/latent-attention.json
 
 One decode layer's two launches (the split partials and the combine) per model shape, at ``--rows`` sequences over
 ``--keys`` keys (the grid; the binary depends only on the constexprs: heads, kv_lora_rank, rope, DSA's selection,
@@ -15,15 +15,7 @@ and streams ~3.35e12 B/s: above ~0.3 a row byte the loop cannot keep up with HBM
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-for p in (ROOT, ROOT / "benchmarks"):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
 
 MODELS = {  # name: (heads, kv_lora_rank, qk_rope_head_dim, columns after them (DSA's indexer key), DSA selection)
     "deepseek-v3": (128, 512, 64, 0, False),
@@ -37,8 +29,7 @@ MODELS = {  # name: (heads, kv_lora_rank, qk_rope_head_dim, columns after them (
 
 def latent_attention_launches(model: str, rows: int, keys: int, dtype: torch.dtype = torch.bfloat16) -> list[dict]:
     """Compile one decode layer's launches (``rows`` sequences, ``keys`` keys read); one record per kernel."""
-    from sass_report import _row, compile_only
-
+    from benchmarks.sass.report import _row, compile_only
     from moeflow.kernels import triton_latent_attention as k
     from moeflow.kernels.triton_common import cdiv
 
@@ -73,7 +64,7 @@ def latent_attention_launches(model: str, rows: int, keys: int, dtype: torch.dty
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sass_report import attention_main
+    from benchmarks.sass.report import attention_main
 
     return attention_main(argv, __doc__.splitlines()[0], MODELS, latent_attention_launches)
 

@@ -1,12 +1,12 @@
 """Machine-code report of the MXFP4 expert kernels at gpt-oss shapes, compiled for sm_90 on any machine (no GPU).
 
-    python benchmarks/sass_mxfp4.py                       # gpt-oss-120b shapes, one JSON object per line
-    python benchmarks/sass_mxfp4.py --out benchmarks/results/sass/mxfp4-after.json
-    python benchmarks/sass_mxfp4.py --layout row-major    # the same kernels reading row-major blocks (strides)
+    python -m benchmarks.sass.mxfp4                       # gpt-oss-120b shapes, one JSON object per line
+    python -m benchmarks.sass.mxfp4 --out benchmarks/results/sass/mxfp4-after.json
+    python -m benchmarks.sass.mxfp4 --layout row-major    # the same kernels reading row-major blocks (strides)
 
 Every launch of ``mxfp4_expert_forward``'s two stages (w13 with bias + clamped SwiGLU, w2 with bias and the
 routing weight) is compiled with the installed Triton and its ptxas through :func:`sass_report.compile_only`
-and reported with the same keys as ``benchmarks/sass_report.py``: registers, spills, shared memory, and
+and reported with the same keys as ``benchmarks/sass/report.py``: registers, spills, shared memory, and
 ``warp_instructions_per_weight`` = hot-loop instructions x warps / weights one iteration consumes
 (``BLOCK_N x BLOCK_K``; a w13 tile's rows are gate and up rows). An H100 issues ~1e12 warp-instructions/s and
 streams ~3.35e12 B/s, so a 4.25-bit weight loop above ~0.15 cannot reach HBM speed. ``--layout row-major`` compiles
@@ -18,15 +18,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-for p in (ROOT, ROOT / "benchmarks"):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
 
 MODELS = {  # name: (hidden, intermediate, experts, top_k)
     "gpt-oss-120b": (2880, 2880, 128, 4),
@@ -41,8 +35,7 @@ def mxfp4_layer_launches(model: str, T: int, config: dict | None = None, dtype: 
     """Compile the two MXFP4 expert stages of one MoE layer at T tokens; one row per kernel. ``config``: the
     launcher's (``{"BLOCK_M", "w13": {...}, "w2": {...}}``), None for the shipped defaults; ``layout``: "panel"
     (the pool's) or "row-major" (strided views of row-major blocks and scales)."""
-    from sass_report import _row, compile_only
-
+    from benchmarks.sass.report import _row, compile_only
     from moeflow.kernels import mxfp4
     from moeflow.kernels.biased import BiasedExpertFormat
     from moeflow.kernels.mxfp4_reference import row_major_as_panels
@@ -81,7 +74,7 @@ def mxfp4_layer_launches(model: str, T: int, config: dict | None = None, dtype: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sass_report import emit_json_lines
+    from benchmarks.sass.report import emit_json_lines
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=["gpt-oss-120b"], choices=sorted(MODELS))

@@ -1,7 +1,7 @@
 """Machine-code report of the shipped kernel configs, compiled for a GPU target on any machine (no GPU needed).
 
-    python benchmarks/sass_report.py                      # Mixtral-8x7B shapes, sm_90, one JSON object per line
-    python benchmarks/sass_report.py --out benchmarks/results/sass/after.json --models mixtral-8x7b tiny
+    python -m benchmarks.sass.report                      # Mixtral-8x7B shapes, sm_90, one JSON object per line
+    python -m benchmarks.sass.report --out benchmarks/results/sass/after.json --models mixtral-8x7b tiny
 
 Every launch of the MoE layer (route + plan, w13, w2, combine) and of ``awq_linear`` is
 compiled with the installed Triton and its ptxas for ``sm_<N>`` instead of being run; for each kernel and T
@@ -22,16 +22,11 @@ import json
 import os
 import re
 import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 MODELS = {  # name: (hidden, intermediate, experts, top_k, group)
     "mixtral-8x7b": (4096, 14336, 8, 2, 128),
@@ -292,7 +287,7 @@ def emit_json_lines(rows: list[dict], out: Path | None) -> None:
 
 
 def attention_main(argv: list[str] | None, description: str, models: dict, launches) -> int:
-    """The command line of the decode attention kernels' reports (sass_slot_attention.py, sass_latent_attention.py):
+    """The command line of the decode attention kernels' reports (sass/slot_attention.py, sass/latent_attention.py):
     ``launches(model, rows, keys, dtype)`` -> rows, one JSON line each."""
     import torch
 

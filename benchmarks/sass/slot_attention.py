@@ -1,8 +1,8 @@
 """Machine-code report of the slot decode attention kernels (moeflow.kernels.triton_slot_attention), compiled for
 sm_90 on any machine (no GPU).
 
-    python benchmarks/sass_slot_attention.py              # the shipped shapes, one JSON object per line
-    python benchmarks/sass_slot_attention.py --out benchmarks/results/sass/slot-attention.json
+    python -m benchmarks.sass.slot_attention              # the shipped shapes, one JSON object per line
+    python -m benchmarks.sass.slot_attention --out benchmarks/results/sass/slot-attention.json
 
 One decode layer's two launches (the split partials and the combine) per model shape, at ``--rows`` sequences over
 ``--keys`` keys (the grid; the binary depends only on the constexprs: GQA group, head dim, window, sinks, dtype),
@@ -14,15 +14,7 @@ cannot keep up with HBM). TRITON_INTERPRET must be unset.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-for p in (ROOT, ROOT / "benchmarks"):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
 
 MODELS = {  # name: (query heads, kv heads, head dim, sliding window, sinks)
     "mixtral-8x7b": (32, 8, 128, None, False),
@@ -35,8 +27,7 @@ MODELS = {  # name: (query heads, kv heads, head dim, sliding window, sinks)
 
 def slot_attention_launches(model: str, rows: int, keys: int, dtype: torch.dtype = torch.bfloat16) -> list[dict]:
     """Compile one decode layer's launches (``rows`` sequences, ``keys`` keys read); one record per kernel."""
-    from sass_report import _row, compile_only
-
+    from benchmarks.sass.report import _row, compile_only
     from moeflow.kernels import triton_slot_attention as k
 
     heads, kv_heads, d, window, sinks = MODELS[model]
@@ -66,7 +57,7 @@ def slot_attention_launches(model: str, rows: int, keys: int, dtype: torch.dtype
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sass_report import attention_main
+    from benchmarks.sass.report import attention_main
 
     return attention_main(argv, __doc__.splitlines()[0], MODELS, slot_attention_launches)
 
