@@ -19,10 +19,12 @@ SKIP = {"__init__", "__main__", "conftest"}
 
 
 def _summary(path: Path) -> tuple[str, bool]:
-    """The first line of ``path``'s docstring, and whether the file runs as a script (has a ``__main__`` guard)."""
+    """The first sentence of ``path``'s docstring, and whether the file runs as a script (has a ``__main__``
+    guard)."""
     source = path.read_text()
-    doc = ast.get_docstring(ast.parse(source)) or ""
-    return doc.strip().split("\n")[0], '__name__ == "__main__"' in source
+    doc = " ".join((ast.get_docstring(ast.parse(source)) or "").split("\n\n")[0].split())
+    end = doc.find(". ")
+    return (doc if end < 0 else doc[: end + 1]), '__name__ == "__main__"' in source
 
 
 def available() -> dict[str, tuple[Path, str, str]]:

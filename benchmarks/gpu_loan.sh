@@ -28,7 +28,7 @@
 # and the same GGUF writer (tests/test_gpu_loan.py runs both).
 #
 # Results: $OUT (the device's folder that comes back), else benchmarks/results/<gpu>-<date>/ (e.g. h200-2026-12-01:
-# headline_report.results_dir). Copy the returned files there and commit: headline_mixtral.json, headline_qwen3.json,
+# benchmarks.gpu.headline_report.results_dir). Copy the returned files there and commit: headline_mixtral.json, headline_qwen3.json,
 # kernels.json, pytest-cuda.jsonl, stack.txt, call1.log / call2.log, and headline.md, the short table
 # (`python -m benchmarks.gpu.headline_report <folder>` rewrites it from the JSON).
 #

@@ -104,8 +104,8 @@ def test_a_zero_point_other_than_8_is_refused():
 def test_the_prebuilt_llama_cpp_decodes_a_full_width_mixtral_gguf(tmp_path):
     """2 layers of Mixtral-8x7B's full width (hidden 4096, 32 heads / 8 KV heads, 8 experts top 2) with the expert
     FFN narrowed to 1024 (from 14336) and a 4096-token vocabulary (from 32000) to keep it ~0.3 GB and this test short;
-    benchmarks/common/gguf_checkpoint.py --layers 2 writes the 2.2 GB full-size pair (llama-bench ran it: tg8 1.5 tok/s
-    on 2 busy cores). On the CPU backends of the CUDA build (no GPU here)."""
+    `python -m benchmarks.common.gguf_checkpoint --layers 2` writes the 2.2 GB full-size pair (llama-bench ran it:
+    tg8 1.5 tok/s on 2 busy cores). On the CPU backends of the CUDA build (no GPU here)."""
     from benchmarks.common.checkpoint import MIXTRAL_8X7B
     from benchmarks.peers import llama_cpp_prebuilt as prebuilt
 

@@ -49,8 +49,9 @@ def test_the_two_calls_fit_one_loan(tmp_path):
     serial = [limit for _, limit, _ in call2]
     assert sum(serial) <= 5 * 60 and sum(serial) + KILL_AFTER_S * len(serial) <= COMMAND_LIMIT_S, call2
     commands = " ".join(c for _, _, c in call1)
-    for needed in ("gpu/stack.py --cuda", "tests/test_cuda_lane.py", "gpu/kernels.py --shapes mixtral-8x7b "
-                   "--tokens 1,4,16", "--phase llama", "--phase moeflow", "gpu/headline_report.py"):
+    for needed in ("benchmarks.gpu.stack --cuda", "tests/test_cuda_lane.py",
+                   "benchmarks.gpu.kernels --shapes mixtral-8x7b --tokens 1,4,16", "--phase llama", "--phase moeflow",
+                   "benchmarks.gpu.headline_report"):
         assert needed in commands, needed
     assert "--family qwen3 --phase moeflow" in " ".join(c for _, _, c in call2)
     # llama.cpp runs before moeflow's process exists (the two never share the GPU)

@@ -149,7 +149,7 @@ def _value(module: torch.nn.Module, pname: str, shape: tuple[int, ...], dtype: t
            gen: torch.Generator) -> torch.Tensor:
     from moeflow.families.gated_deltanet import ZeroCenteredRMSNorm
 
-    if isinstance(module, torch.nn.Embedding):  # as gpu_checkpoint's: token vectors far apart
+    if isinstance(module, torch.nn.Embedding):  # as common/checkpoint.py's: token vectors far apart
         return torch.empty(shape, dtype=dtype).normal_(0.0, 0.5, generator=gen)
     if pname == "A_log":  # decays exp(-exp(A_log) softplus(.)) spread as trained layers spread them
         return torch.empty(shape).uniform_(math.log(0.2), math.log(2.0), generator=gen).to(dtype)

@@ -1,7 +1,7 @@
 """GGUF Q4_0 files of the GPU lane's synthetic checkpoints, for llama.cpp (``llama-bench --n-cpu-moe``) beside
 moeflow on the same weights: no bf16 model, no ``convert_hf_to_gguf.py``, no ``llama-quantize``.
 
-The AWQ writers (``gpu_checkpoint.write_synthetic_awq_checkpoint`` for Mixtral-8x7B, ``run_gpu_families.
+The AWQ writers (``common.checkpoint.write_synthetic_awq_checkpoint`` for Mixtral-8x7B, ``gpu.families.
 write_family_checkpoint`` for Qwen3-30B-A3B) draw their random tensors from one seeded ``torch.Generator`` in a fixed
 order; :func:`mixtral_parts` / :func:`qwen3_parts` draw the same tensors in the same order (tests/test_gguf_lane.py
 checks them against the files those writers produce). Every AWQ linear they write has zero point 8 in every group,
@@ -101,7 +101,7 @@ def mixtral_parts(config: dict, group: int = 128, seed: int = 0) -> dict:
 
 
 def qwen3_parts(cfg: dict, group: int = 128, seed: int = 0) -> dict:
-    """The tensors of ``run_gpu_families.write_family_checkpoint(.., "qwen3_moe", cfg, group, seed)``, in its order:
+    """The tensors of ``gpu.families.write_family_checkpoint(.., "qwen3_moe", cfg, group, seed)``, in its order:
     expert ``templates`` (gate_proj/up_proj/down_proj -> AWQ parts), fp16 ``attention`` (nn.Linear weights),
     ``gates`` per layer, ``embed``, ``lm_head``."""
     gen = torch.Generator().manual_seed(seed)

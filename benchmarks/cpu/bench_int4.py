@@ -157,6 +157,6 @@ def per_token_table(data: dict) -> str:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description="print the Markdown table of a bench_cpu_int4 JSON file")
+    ap = argparse.ArgumentParser(description="print the Markdown table of a cpu/bench_int4.py JSON file")
     ap.add_argument("--table", required=True)
     print(table(ap.parse_args().table))

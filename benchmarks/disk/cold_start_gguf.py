@@ -23,7 +23,7 @@ def _q4_0(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
 
 
 def write_q4_0_gguf(path: Path, config: dict, seed: int = 0) -> Path:
-    """The GGUF at ``path`` (reused when it exists); config: bench_cold_start's Mixtral config dict."""
+    """The GGUF at ``path`` (reused when it exists); config: disk/cold_start.py's Mixtral config dict."""
     import gguf
 
     if path.is_file():

@@ -14,7 +14,7 @@ advanced. Qwen3-Next-80B-A3B's linear-attention sizes (config.json: ``linear_num
 * prefill of one prompt of 512 / 4096 / 32768 tokens: torch ``conv`` + ``chunk_gated_delta_rule`` (64-token
   chunks) against torch ``conv`` + the Triton recurrence (one launch for the whole prompt), as the layer runs them.
 
-Each implementation is timed eagerly and under CUDA-graph replay (``gpu_timing.time_ours``; ``us`` is the replay's
+Each implementation is timed eagerly and under CUDA-graph replay (``gpu.timing.time_ours``; ``us`` is the replay's
 median, the eager one where capture failed, the error recorded). ``bytes`` counts the least a launch must move:
 the recurrent state read and written once (fp32), the conv state read and written, the conv input, the gates and
 the output; ``frac_of_copy_bw`` divides bytes/s by the device-copy bandwidth measured at the start (decode only:

@@ -1,10 +1,10 @@
-"""CUDA-graph decode and the disk tier on a GPU, on the synthetic Mixtral-8x7B AWQ checkpoint of run_gpu_offload.
+"""CUDA-graph decode and the disk tier on a GPU, on the synthetic Mixtral-8x7B AWQ checkpoint of gpu/offload.py.
 
     python -m benchmarks.gpu.engine --checkpoint /tmp/moeflow-mixtral-8x7b-awq --out $OUT/engine   # a GPU
     python -m benchmarks.gpu.engine --tiny --out /tmp/engine_tiny                                  # anywhere
 
 1. ``cuda_graphs``: the model is loaded once (experts in the pinned host store); for ``resident`` and ``lru`` at
-   ``--slots`` (the backends share that store, as in run_gpu_offload), a greedy decode is timed eagerly, then with
+   ``--slots`` (the backends share that store, as in gpu/offload.py), a greedy decode is timed eagerly, then with
    the decode step captured as CUDA graphs (``model.capture_decode()``, what ``cuda_graphs=True`` does; a first
    ``generate`` of the same shape captures, the timed one replays). Reported: decode tok/s both ways, the ratio,
    whether the captured tokens equal the eager ones, the capture count and the refusal reason if the device

@@ -3,8 +3,8 @@ the same share of the experts on the GPU, decode tok/s side by side with the rat
 
 Phases (``--phase``; benchmarks/gpu_loan.sh runs them in order, each in its own process under ``timeout``):
 
-* ``checkpoints``: the synthetic AWQ checkpoint (``gpu_checkpoint`` for Mixtral-8x7B, ``run_gpu_families`` for
-  Qwen3-30B-A3B) and the Q4_0 GGUF of the same 4-bit weights (``gguf_checkpoint``); each reused when present.
+* ``checkpoints``: the synthetic AWQ checkpoint (``common.checkpoint`` for Mixtral-8x7B, ``gpu.families`` for
+  Qwen3-30B-A3B) and the Q4_0 GGUF of the same 4-bit weights (``common.gguf_checkpoint``); each reused when present.
 * ``llama``: the prebuilt llama.cpp (benchmarks/peers/llama_cpp_prebuilt.py), ``llama-bench -ngl 99 --n-cpu-moe k
   -p <prompt> -n <new tokens>`` for k = 0 and for each share s of the experts on the GPU (k = layers * (1 - s)).
   It runs before moeflow's process exists, so the two never share the GPU.

@@ -1,7 +1,7 @@
 """GPU hybrid benchmark: decode tok/s with cpu_compute "never" vs "auto" at a 12 GB and a 16 GB budget.
 
 On a GPU host with the synthetic Mixtral-8x7B AWQ checkpoint (exact shapes, random weights; written by
-``run_gpu_offload.write_synthetic_awq_checkpoint`` in the same run because a lent machine starts bare):
+``common.checkpoint.write_synthetic_awq_checkpoint`` in the same run because a lent machine starts bare):
 
 1. loads it once (experts into the pinned host store); the CPU int4 forms are built on the first hybrid
    configuration and shared by the later ones (they live in the host store), and the cost model's rates

@@ -10,7 +10,7 @@ blocks + e8m0 scales, bf16 biases, clamped SwiGLU) through ``moeflow.kernels.moe
 stages of :mod:`moeflow.kernels.mxfp4` + combine), timed eagerly and under CUDA-graph replay (reported: what a
 captured decode step pays). Achieved bytes/s on the active experts' bytes (+ activations) against the device-copy
 bandwidth measured in the same run (% of HBM), and the speed ratio to a per-expert loop of bf16 torch matmuls on
-dense weights of the same shapes (``run_gpu_kernels.per_expert_loop``: SiLU, no biases; the elementwise epilogue
+dense weights of the same shapes (``gpu.kernels.per_expert_loop``: SiLU, no biases; the elementwise epilogue
 is noise next to the weight traffic). At T <= 64 the output is checked against the fp32 plain-torch reference on
 the dequantized weights (max abs error and relative Frobenius error are recorded, never asserted).
 

@@ -4,7 +4,7 @@ outcomes are meaningless here (nothing runs); what counts is that every kernel v
 combinations: routing with the gate fused, masks, split-K, biased epilogues, MXFP4, fp16/bf16/fp32) compiles.
 A Triton upgrade or downgrade (the lent GPU machines run 3.6, CI 3.9) is checked this way before a GPU session:
 
-    TRITON_INTERPRET=0 PYTHONPATH=$PWD:benchmarks python -m pytest -q -p no:cacheprovider -p triton_compile_sweep \
+    TRITON_INTERPRET=0 python -m pytest -q -p no:cacheprovider -p benchmarks.sass.compile_sweep \
         tests/test_kernels.py tests/test_kernels_fused.py tests/test_biased_kernels.py tests/test_mxfp4.py
 
 SWEEP_OUT (default triton_compile_sweep.json in the working directory): one row per launch compiled; SWEEP_SM (90).

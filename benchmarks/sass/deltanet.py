@@ -6,7 +6,7 @@ shapes, compiled for sm_90 on any machine (no GPU).
 
 Each launch of one linear-attention layer (decode: the conv and the fused recurrence; prefill runs the same
 recurrence binary, the token count is a runtime argument) is compiled with the installed Triton and its ptxas
-through :func:`sass_report.compile_only` and reported with registers, spilled bytes, shared memory, programs per
+through :func:`sass.report.compile_only` and reported with registers, spilled bytes, shared memory, programs per
 SM and the grid. TRITON_INTERPRET must be unset.
 """
 

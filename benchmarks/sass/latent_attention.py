@@ -6,7 +6,7 @@ compiled for sm_90 on any machine (no GPU).
 
 One decode layer's two launches (the split partials and the combine) per model shape, at ``--rows`` sequences over
 ``--keys`` keys (the grid; the binary depends only on the constexprs: heads, kv_lora_rank, rope, DSA's selection,
-dtype), compiled with the installed Triton and its ptxas through :func:`sass_report.compile_only`: registers,
+dtype), compiled with the installed Triton and its ptxas through :func:`sass.report.compile_only`: registers,
 spilled bytes, shared memory, programs per SM, the grid, and the partial kernel's hot loop in warp-instructions per
 latent byte: ``warp_instructions_per_latent_byte`` per byte a program streams, ``..._per_row_byte`` per byte of the
 cache row (every head tile of the row counted: what HBM delivers once). An H100 issues ~1e12 warp-instructions/s

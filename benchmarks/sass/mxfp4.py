@@ -5,7 +5,7 @@
     python -m benchmarks.sass.mxfp4 --layout row-major    # the same kernels reading row-major blocks (strides)
 
 Every launch of ``mxfp4_expert_forward``'s two stages (w13 with bias + clamped SwiGLU, w2 with bias and the
-routing weight) is compiled with the installed Triton and its ptxas through :func:`sass_report.compile_only`
+routing weight) is compiled with the installed Triton and its ptxas through :func:`sass.report.compile_only`
 and reported with the same keys as ``benchmarks/sass/report.py``: registers, spills, shared memory, and
 ``warp_instructions_per_weight`` = hot-loop instructions x warps / weights one iteration consumes
 (``BLOCK_N x BLOCK_K``; a w13 tile's rows are gate and up rows). An H100 issues ~1e12 warp-instructions/s and

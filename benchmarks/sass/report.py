@@ -96,7 +96,7 @@ def _read_cubin(cubin: bytes) -> tuple[int | None, int | None, int | None, colle
 def compile_only(sm: int = 90):
     """Inside the block every Triton launch is compiled for ``sm_<sm>`` and recorded (a list of Compiled)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
-        raise RuntimeError("sass_report: unset TRITON_INTERPRET (the interpreter compiles nothing)")
+        raise RuntimeError("benchmarks.sass.report: unset TRITON_INTERPRET (the interpreter compiles nothing)")
     from triton.backends.compiler import GPUTarget
     from triton.backends.driver import DriverBase
     from triton.runtime import driver

@@ -6,7 +6,7 @@ sm_90 on any machine (no GPU).
 
 One decode layer's two launches (the split partials and the combine) per model shape, at ``--rows`` sequences over
 ``--keys`` keys (the grid; the binary depends only on the constexprs: GQA group, head dim, window, sinks, dtype),
-compiled with the installed Triton and its ptxas through :func:`sass_report.compile_only`: registers, spilled
+compiled with the installed Triton and its ptxas through :func:`sass.report.compile_only`: registers, spilled
 bytes, shared memory, programs per SM, the grid, and the partial kernel's hot loop in warp-instructions per byte
 of K and V it streams (an H100 issues ~1e12 warp-instructions/s and streams ~3.35e12 B/s: above ~0.3 the loop
 cannot keep up with HBM). TRITON_INTERPRET must be unset.
