@@ -2,8 +2,9 @@
 runs one (run from the repository root).
 
 NAME is a module under ``benchmarks/`` written with dots or slashes (``gpu.headline``, ``gpu/headline.py``). A
-script runs as ``python -m benchmarks.NAME ARGS`` would run it; a pytest-benchmark suite (``bench_*.py``) runs
-under pytest with ARGS passed on (e.g. ``--benchmark-json=out.json``).
+script runs as ``python -m benchmarks.NAME ARGS`` would run it; a pytest-benchmark suite (``bench_*.py`` without a
+``__main__`` guard) runs under pytest with ARGS passed on (e.g. ``--benchmark-json=out.json``). A suite that is also
+a script (``cpu/bench_int4.py`` prints its table) runs as a script here; ``python -m pytest FILE`` runs its suite.
 """
 
 from __future__ import annotations
