@@ -1,6 +1,6 @@
 """Benchmarks are collected from ``bench_*.py`` (pytest-benchmark); none asserts on time.
 
-    python -m pytest benchmarks/bench_kernels.py --benchmark-json=out.json
+    python -m pytest benchmarks/gpu/bench_kernels.py --benchmark-json=out.json
 """
 
 from __future__ import annotations

@@ -28,9 +28,9 @@
 # and the same GGUF writer (tests/test_gpu_loan.py runs both).
 #
 # Results: $OUT (the device's folder that comes back), else benchmarks/results/<gpu>-<date>/ (e.g. h200-2026-12-01:
-# headline_report.results_dir). Copy the returned files there and commit: headline_mixtral.json, headline_qwen3.json,
+# benchmarks.gpu.headline_report.results_dir). Copy the returned files there and commit: headline_mixtral.json, headline_qwen3.json,
 # kernels.json, pytest-cuda.jsonl, stack.txt, call1.log / call2.log, and headline.md, the short table
-# (`python benchmarks/headline_report.py <folder>` rewrites it from the JSON).
+# (`python -m benchmarks.gpu.headline_report <folder>` rewrites it from the JSON).
 #
 # Later loans, in this order (benchmarks/run_all_gpu.sh stages; the owed list in docs/status.md is the record):
 #   serve, engine, models, families, tune, deltanet, lookup.
@@ -44,7 +44,7 @@ tiny=()
 if [ "${TINY:-0}" = 1 ]; then tiny=(--tiny --layers 4); fi
 if [ -z "${OUT:-}" ] && [ "$plan" != 1 ]; then
   gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
-  OUT=$("$py" -c "import sys; sys.path.insert(0, 'benchmarks'); import headline_report, time; \
+  OUT=$("$py" -c "import sys, time; from benchmarks.gpu import headline_report; \
 print(headline_report.results_dir(sys.argv[1] or 'cpu', time.strftime('%Y-%m-%d', time.gmtime())))" "$gpu")
 fi
 out="${OUT:-benchmarks/results/plan}"
@@ -79,7 +79,7 @@ wait_background() {
 }
 
 stack() {  # versions, the device, the stack check, the prebuilt llama.cpp's devices: $out/stack.txt
-  if [ "$plan" = 1 ]; then echo "plan 30 $py benchmarks/gpu_stack.py --cuda --pytest; llama_cpp_prebuilt.py"; return 0; fi
+  if [ "$plan" = 1 ]; then echo "plan 30 $py -m benchmarks.gpu.stack --cuda --pytest; llama_cpp_prebuilt.py"; return 0; fi
   if [ "${TINY:-0}" != 1 ] && ls .whl/*.whl >/dev/null 2>&1; then  # gguf (and the serve stage's packages)
     "$py" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
     export PYTHONPATH="$PYTHONPATH:/tmp/site"
@@ -88,14 +88,14 @@ stack() {  # versions, the device, the stack check, the prebuilt llama.cpp's dev
   if [ "${TINY:-0}" = 1 ]; then cuda=(); fi
   { date -u +%FT%TZ; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null \
       || echo "no nvidia-smi"; grep -m1 "model name" /proc/cpuinfo; nproc; free -g | sed -n 2p; df -h /tmp | tail -1
-    timeout 25 "$py" benchmarks/gpu_stack.py "${cuda[@]}" 2>&1 | tail -8
-    timeout 25 "$py" benchmarks/peers/llama_cpp_prebuilt.py 2>&1 | tail -25; } > "$out/stack.txt" 2>&1
+    timeout 25 "$py" -m benchmarks.gpu.stack "${cuda[@]}" 2>&1 | tail -8
+    timeout 25 "$py" -m benchmarks.peers.llama_cpp_prebuilt 2>&1 | tail -25; } > "$out/stack.txt" 2>&1
   tee -a "$log" < "$out/stack.txt"
 }
 
-headline() {  # headline <family> <phase> <limit> [deadline]: one phase of run_gpu_headline.py in its own process
+headline() {  # headline <family> <phase> <limit> [deadline]: one phase of gpu/headline.py in its own process
   local family=$1 phase=$2 limit=$3 deadline=${4:-$3}
-  run "$limit" "$py" benchmarks/run_gpu_headline.py --family "$family" --phase "$phase" "${tiny[@]}" \
+  run "$limit" "$py" -m benchmarks.gpu.headline --family "$family" --phase "$phase" "${tiny[@]}" \
     --out "$out" --deadline-s "$deadline"
 }
 
@@ -103,9 +103,9 @@ case "$call" in
   call1)
     stack
     if [ "${TINY:-0}" = 1 ]; then  # the scripts' own CPU sizes
-      background 120 "$py" benchmarks/run_gpu_headline.py --family mixtral --phase checkpoints "${tiny[@]}" --out "$out"
+      background 120 "$py" -m benchmarks.gpu.headline --family mixtral --phase checkpoints "${tiny[@]}" --out "$out"
     else
-      background 200 "$py" benchmarks/run_gpu_headline.py --family mixtral --phase checkpoints --out "$out"
+      background 200 "$py" -m benchmarks.gpu.headline --family mixtral --phase checkpoints --out "$out"
     fi
     per_test=() collect=()
     # the minimum set (22 tests; ~100 s of the 32 the H100 ran in 107 s on 2026-11-23): compiled AWQ kernels vs the
@@ -118,24 +118,24 @@ case "$call" in
     # CPU twins), so a renamed or deleted test shows here
     if [ "${TINY:-0}" = 1 ]; then collect=(--collect-only -q); fi
     MOEFLOW_TEST_JSONL="$out/pytest-cuda.jsonl" TRITON_INTERPRET=0 run 90 "$py" -m pytest -v -m cuda \
-      -p no:cacheprovider -p benchmarks.pytest_jsonl "${per_test[@]}" "${collect[@]}" -k "$min_set" \
+      -p no:cacheprovider -p benchmarks.common.pytest_jsonl "${per_test[@]}" "${collect[@]}" -k "$min_set" \
       tests/test_cuda_lane.py tests/test_cuda_panel_layout.py tests/test_compile_cuda_graphs.py
     if [ "${TINY:-0}" = 1 ]; then  # (tests/test_kernels_ops.py runs its --dry-run)
       [ "$plan" = 1 ] || echo "kernels: not run with TINY=1" | tee -a "$log"
     else
-      run 50 "$py" benchmarks/run_gpu_kernels.py --shapes mixtral-8x7b --tokens 1,4,16 --skip-baselines --quick \
+      run 50 "$py" -m benchmarks.gpu.kernels --shapes mixtral-8x7b --tokens 1,4,16 --skip-baselines --quick \
         --out "$out/kernels.json" --budget-s 35
     fi
     wait_background
     headline mixtral llama 100 75
     headline mixtral moeflow 220 195
-    run 10 "$py" benchmarks/headline_report.py "$out" ;;
+    run 10 "$py" -m benchmarks.gpu.headline_report "$out" ;;
   call2)
     [ "$plan" = 1 ] || [ "${TINY:-0}" = 1 ] || rm -rf /tmp/moeflow-headline-mixtral-*  # the disk: 64 GiB
     headline qwen3 checkpoints 75
     headline qwen3 llama 80 60
     headline qwen3 moeflow 125 105
-    run 10 "$py" benchmarks/headline_report.py "$out" ;;
+    run 10 "$py" -m benchmarks.gpu.headline_report "$out" ;;
   *) echo "usage: $0 call1|call2 (PLAN=1: the plan; TINY=1: CPU sizes)" >&2; exit 2 ;;
 esac
 [ "$plan" = 1 ] || echo "$call done in $(( $(date +%s) - t0 )) s: $(ls "$out" | tr '\n' ' ')" | tee -a "$log"

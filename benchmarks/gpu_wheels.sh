@@ -14,7 +14,7 @@ WANT=(fastapi==0.165.0 starlette==1.10.0 pydantic==2.13.4 pydantic-core==2.46.4 
       openai==3.54.0 distro==1.9.0 jiter==0.19.0 sniffio==1.3.1 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5
       idna==3.20 anyio==4.16.0 opentelemetry-api==1.45.2
       sentencepiece==0.2.3  # the peers stages: the synthetic model's tokenizer (llama.cpp's converter reads it)
-      gguf==0.19.0)  # gpu_loan.sh: the Q4_0 GGUF writer (benchmarks/gguf_checkpoint.py; pure Python)
+      gguf==0.19.0)  # gpu_loan.sh: the Q4_0 GGUF writer (benchmarks/common/gguf_checkpoint.py; pure Python)
 mkdir -p .whl
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \

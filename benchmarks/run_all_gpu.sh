@@ -19,7 +19,7 @@
 #
 #   1. bash benchmarks/run_all_gpu.sh correctness  # ~5-7 min (limits 45 + 470 s): the stack check (versions; stops
 #                                                  #   at once naming a missing package or torch API:
-#                                                  #   benchmarks/gpu_stack.py), then pytest -v -m cuda with the kernels
+#                                                  #   benchmarks/gpu/stack.py), then pytest -v -m cuda with the kernels
 #                                                  #   compiled: AWQ kernels at Mixtral shapes and MXFP4 at gpt-oss-120b
 #                                                  #   shapes (bf16) vs the fp32 reference, the race harness (NaN-
 #                                                  #   poisoned evicted slots, delayed chunks; a deleted wait_event
@@ -27,7 +27,7 @@
 #   2. bash benchmarks/run_all_gpu.sh kernels      # ~8 min (limits 330 + 200 s): copy BW, cuBLAS peak, W4A16 MoE at
 #                                                  #   Mixtral 8x7B/8x22B, T = 1..4096 under CUDA-graph replay vs bf16
 #                                                  #   loop and int4pack_mm; then MXFP4 gpt-oss-120b experts, T = 1..512,
-#                                                  #   % of HBM and x bf16 loop (run_gpu_mxfp4.py); both time the
+#                                                  #   % of HBM and x bf16 loop (gpu/mxfp4.py); both time the
 #                                                  #   pool's panel-major weights beside the former row-major layout
 #                                                  #   at decode T (outputs bitwise equal; session 8)
 #   3. bash benchmarks/run_all_gpu.sh offload      # ~8 min (limit 510 s): writes the synthetic Mixtral-8x7B AWQ
@@ -38,7 +38,7 @@
 #                                                  #   checkpoint (rewritten first on a fresh machine: ~1-2 min),
 #                                                  #   resident and lru at 128 / 64 slots, eager and as CUDA graphs:
 #                                                  #   ms per step, host vs GPU ms per layer (issue 14); then
-#                                                  #   cProfile of eager lru decode (benchmarks/gpu_host_profile.py)
+#                                                  #   cProfile of eager lru decode (benchmarks/gpu/host_profile.py)
 #   4. bash benchmarks/run_all_gpu.sh serve        # ~4-6 min (limit 400 s); carry=[".whl"] after
 #                                                  #   `bash benchmarks/gpu_wheels.sh` (fastapi, pydantic, uvicorn,
 #                                                  #   openai: the machine lacks them). moeflow serve on the GPU
@@ -141,11 +141,11 @@ install_wheels() {  # install_wheels <log>: the wheels of benchmarks/gpu_wheels.
 }
 
 stack_check() {  # the stage's first step: the stack's versions, and a stop (exit 3) naming what a step would lack
-  if [ "$plan" = 1 ]; then echo "plan 45 $py benchmarks/gpu_stack.py $*"; return 0; fi
+  if [ "$plan" = 1 ]; then echo "plan 45 $py -m benchmarks.gpu.stack $*"; return 0; fi
   local cuda=(--cuda)
   if [ "${TINY:-0}" = 1 ]; then cuda=(); fi  # the CPU sizes: no device needed
   echo "== $(date -u +%T) stack check" | tee -a "$out/$stage.log"
-  timeout --kill-after=5 45 "$py" benchmarks/gpu_stack.py "${cuda[@]}" "$@" 2>&1 | tee -a "$out/$stage.log"
+  timeout --kill-after=5 45 "$py" -m benchmarks.gpu.stack "${cuda[@]}" "$@" 2>&1 | tee -a "$out/$stage.log"
   local rc=${PIPESTATUS[0]}
   [ "$rc" = 0 ] || { echo "stage $stage stopped: stack check rc=$rc (above)" | tee -a "$out/$stage.log"; exit 3; }
 }
@@ -155,10 +155,10 @@ case "$stage" in
     stack_check --pytest
     # the kernels compiled, not interpreted (tests/conftest.py sets TRITON_INTERPRET=1 only when it is unset);
     # -v: one line per test as it ends; a test stuck past 200 s fails alone where pytest-timeout is installed
-    # and benchmarks/pytest_jsonl.py appends one JSON line per test as it ends to $out/pytest-cuda.jsonl
+    # and benchmarks/common/pytest_jsonl.py appends one JSON line per test as it ends to $out/pytest-cuda.jsonl
     per_test=() plugin=()
     if "$py" -c "import pytest_timeout" 2>/dev/null; then per_test=(--timeout 200); fi
-    if "$py" -c "import benchmarks.pytest_jsonl" 2>/dev/null; then plugin=(-p benchmarks.pytest_jsonl); fi
+    if "$py" -c "import benchmarks.common.pytest_jsonl" 2>/dev/null; then plugin=(-p benchmarks.common.pytest_jsonl); fi
     MOEFLOW_TEST_JSONL="$out/pytest-cuda.jsonl" TRITON_INTERPRET=0 run 470 correctness.log "$py" -m pytest -v -m cuda \
       -p no:cacheprovider "${plugin[@]}" --durations=15 "${per_test[@]}" --junitxml "$out/pytest-cuda.xml" \
       tests/test_cuda_lane.py tests/test_invariant.py tests/test_compile_cuda_graphs.py tests/test_serve_graphs.py \
@@ -166,57 +166,57 @@ case "$stage" in
       tests/test_cuda_slot_attention.py tests/test_cuda_latent_attention.py tests/test_lookup_graphs.py tests/test_engine_lookup_graphs.py ;;
   kernels)
     if [ "${TINY:-0}" = 1 ]; then
-      run 300 kernels.log "$py" benchmarks/run_gpu_kernels.py --dry-run --out "$out/kernels.json"
-      run 120 kernels.log "$py" benchmarks/run_gpu_mxfp4.py --tiny --out "$out/mxfp4.json"
+      run 300 kernels.log "$py" -m benchmarks.gpu.kernels --dry-run --out "$out/kernels.json"
+      run 120 kernels.log "$py" -m benchmarks.gpu.mxfp4 --tiny --out "$out/mxfp4.json"
     else
-      run 330 kernels.log "$py" benchmarks/run_gpu_kernels.py --shapes mixtral-8x7b,mixtral-8x22b \
+      run 330 kernels.log "$py" -m benchmarks.gpu.kernels --shapes mixtral-8x7b,mixtral-8x22b \
         --out "$out/kernels.json" --budget-s 250
       # --splits: every (w13, w2) split at T <= 16 beside the wave rule's defaults (session 7; the T = 1 default
       # went from 180 w13 programs to 1440); the budget stops new points, so T = 512 may be cut (measured before)
-      run 200 kernels.log "$py" benchmarks/run_gpu_mxfp4.py --shapes gpt-oss-120b --splits --out "$out/mxfp4.json" \
+      run 200 kernels.log "$py" -m benchmarks.gpu.mxfp4 --shapes gpt-oss-120b --splits --out "$out/mxfp4.json" \
         --budget-s 140
     fi ;;
   tune)
-    run 560 tune.log "$py" benchmarks/run_gpu_kernels.py --shapes mixtral-8x7b --tokens 1,4,16 --skip-baselines \
+    run 560 tune.log "$py" -m benchmarks.gpu.kernels --shapes mixtral-8x7b --tokens 1,4,16 --skip-baselines \
       --quick --tune --tune-out "$out/tuned-configs.json" --out "$out/tune.json" --budget-s 480 ;;
   offload)
-    run 510 offload.log "$py" benchmarks/run_gpu_offload.py "${tiny[@]}" "${ckpt[@]}" --out "$out/offload" \
+    run 510 offload.log "$py" -m benchmarks.gpu.offload "${tiny[@]}" "${ckpt[@]}" --out "$out/offload" \
       --time-budget-s 370 ;;
   decode)  # steady-state decode, eager and as CUDA graphs: host vs GPU ms per layer (issue 14), on stage 3's checkpoint
-    run 390 decode.log "$py" benchmarks/gpu_decode_profile.py "${tiny[@]}" "${ckpt[@]}" --graphs --slots 128,64 \
+    run 390 decode.log "$py" -m benchmarks.gpu.decode_profile "${tiny[@]}" "${ckpt[@]}" --graphs --slots 128,64 \
       --out "$out/decode_profile.json"
-    run 150 decode.log "$py" benchmarks/gpu_host_profile.py "${tiny[@]}" "${ckpt[@]}" --policy lru --slots 128 \
+    run 150 decode.log "$py" -m benchmarks.gpu.host_profile "${tiny[@]}" "${ckpt[@]}" --policy lru --slots 128 \
       --out "$out/host_profile_lru.txt" ;;
   serve)  # moeflow serve on the embedded model (no checkpoint needed): decode passes eager vs as CUDA graphs
     install_wheels serve.log  # the server's packages (else serve records the error)
     serve=(--out "$out/serve")
     if [ "${TINY:-0}" = 1 ]; then serve=(--tiny --out "$out/serve"); fi
-    run 400 serve.log "$py" benchmarks/run_gpu_serve.py "${serve[@]}" ;;
+    run 400 serve.log "$py" -m benchmarks.gpu.serve "${serve[@]}" ;;
   engine)  # CUDA graphs and the disk tier on the Mixtral checkpoint
-    run 370 engine.log "$py" benchmarks/run_gpu_engine.py "${tiny[@]}" "${ckpt[@]}" --out "$out/engine" \
+    run 370 engine.log "$py" -m benchmarks.gpu.engine "${tiny[@]}" "${ckpt[@]}" --out "$out/engine" \
       --time-budget-s 290 ;;
   models)  # three scripts share the checkpoint (written by the first that finds none: ~1-2 min); each loads it
-    run 265 models.log "$py" benchmarks/run_gpu_policies.py "${tiny[@]}" "${ckpt[@]}" \
+    run 265 models.log "$py" -m benchmarks.gpu.policies "${tiny[@]}" "${ckpt[@]}" \
       --out "$out/policies" --time-budget-s 200 --train-seconds 15 --trace-prompts 12
-    run 125 models.log "$py" benchmarks/run_gpu_hybrid.py "${tiny[@]}" "${ckpt[@]}" --out "$out/hybrid" \
+    run 125 models.log "$py" -m benchmarks.gpu.hybrid "${tiny[@]}" "${ckpt[@]}" --out "$out/hybrid" \
       --time-budget-s 80
-    run 140 models.log "$py" benchmarks/run_gpu_sim_validation.py "${tiny[@]}" "${ckpt[@]}" --out "$out/sim" \
+    run 140 models.log "$py" -m benchmarks.gpu.sim_validation "${tiny[@]}" "${ckpt[@]}" --out "$out/sim" \
       --time-budget-s 80
     [ "$plan" = 1 ] || (cd "$out" && tar czf models-tables-logs.tgz policies/*.md hybrid/*.md sim/*.md models.log \
       2>/dev/null && rm -f policies/*.md hybrid/*.md sim/*.md models.log) ;;
   lookup)  # prompt lookup: captured verify step vs eager passes vs plain greedy (embedded model, no checkpoint)
     if [ "${TINY:-0}" = 1 ]; then
-      run 150 lookup.log "$py" benchmarks/bench_prompt_lookup.py --repeats 1 --new-tokens 8 --lookups 2 \
+      run 150 lookup.log "$py" -m benchmarks.engine.prompt_lookup --repeats 1 --new-tokens 8 --lookups 2 \
         --out "$out/lookup.json"
     else
-      run 150 lookup.log "$py" benchmarks/bench_prompt_lookup.py --device cuda --out "$out/lookup_graphs.json"
-      run 150 lookup.log "$py" benchmarks/bench_prompt_lookup.py --device cuda --no-cuda-graphs \
+      run 150 lookup.log "$py" -m benchmarks.engine.prompt_lookup --device cuda --out "$out/lookup_graphs.json"
+      run 150 lookup.log "$py" -m benchmarks.engine.prompt_lookup --device cuda --no-cuda-graphs \
         --out "$out/lookup_eager.json"
     fi ;;
   deltanet)  # one Qwen3-Next-80B Gated DeltaNet layer's core, torch vs Triton (no checkpoint; JSON lines as taken)
     dn=(--out "$out/deltanet.jsonl" --budget-s 200)
     if [ "${TINY:-0}" = 1 ]; then dn=(--tiny --out "$out/deltanet.jsonl"); fi
-    run 260 deltanet.log "$py" benchmarks/run_gpu_deltanet.py "${dn[@]}" ;;
+    run 260 deltanet.log "$py" -m benchmarks.gpu.deltanet "${dn[@]}" ;;
   families-qwen3|families-gpt-oss|families-qwen3-next|families-minimax-m2|families-deepseek-v32|families-glm-5)
     # one family per stage: each writes a ~17-33 GB checkpoint (write + load ~2-5 min)
     case "$stage" in
@@ -236,7 +236,7 @@ case "$stage" in
     fi
     layers=()  # LAYERS=12: a smaller gpt-oss checkpoint (its MXFP4 load repacks ~0.03-0.3 s per expert on the CPU)
     if [ -n "${LAYERS:-}" ]; then layers=(--layers "$LAYERS"); fi
-    run 570 "$stage.log" "$py" benchmarks/run_gpu_families.py --family "$family" "${tiny[@]}" "${layers[@]}" \
+    run 570 "$stage.log" "$py" -m benchmarks.gpu.families --family "$family" "${tiny[@]}" "${layers[@]}" \
       --out "$out/families" --time-budget-s 450 ;;
   peers-prep|peers)  # issue 12 item 5: llama.cpp (CUDA) and transformers+accelerate vs moeflow on one model
     # (benchmarks/peers/README.md). TINY=1: a tiny model on the CPU with the CPU llama.cpp of build_llama_cpp.sh
@@ -257,9 +257,9 @@ case "$stage" in
     install_wheels peers.log  # sentencepiece: the tokenizer llama.cpp's converter reads
     if [ "${PEERS_FA:-0}" = 1 ]; then peers+=(--flash-attn); fi  # llama.cpp's FA kernels too: ~+2 min of build
     if [ "$stage" = peers-prep ]; then
-      run 570 peers.log "$py" benchmarks/peers/run_gpu_peers.py --phase prep "${peers[@]}"
+      run 570 peers.log "$py" -m benchmarks.peers.run_gpu_peers --phase prep "${peers[@]}"
     else  # prep again first: it skips what exists (a fresh machine redoes it all, in the same limit)
-      run 560 peers.log "$py" benchmarks/peers/run_gpu_peers.py --phase all "${peers[@]}" --time-budget-s 400
+      run 560 peers.log "$py" -m benchmarks.peers.run_gpu_peers --phase all "${peers[@]}" --time-budget-s 400
     fi ;;
   *) echo "usage: $0 correctness|kernels|offload|decode|serve|engine|models|families-qwen3|families-gpt-oss|peers-prep|" \
        "peers|tune|deltanet|lookup|families-qwen3-next|families-minimax-m2|families-deepseek-v32|families-glm-5" \

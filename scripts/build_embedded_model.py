@@ -1,7 +1,7 @@
 """Quantize the trained tiny Mixtral into the package (moeflow/data/tiny-mixtral-awq) and measure what 4 bits cost.
 
-    python scripts/train_tiny_model.py --out build/tiny-mixtral-fp32      # ~10 minutes on 2 cores
-    python scripts/build_embedded_model.py --src build/tiny-mixtral-fp32 --group-size 32
+    python -m scripts.train_tiny_model --out build/tiny-mixtral-fp32      # ~10 minutes on 2 cores
+    python -m scripts.build_embedded_model --src build/tiny-mixtral-fp32 --group-size 32
 
 Replaces the whole directory, so rebuild what derives from the model afterwards:
 `scripts/build_embedded_predictors.py` and `scripts/build_expertflow_predictor.py` (predictors/), then the
@@ -23,14 +23,11 @@ from pathlib import Path
 
 import torch
 
+from moeflow import MoEOffloadedMixtral
+from moeflow.tools.quantize import quantize_checkpoint
+from scripts.train_tiny_model import collect_corpus, split_corpus
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT))
-
-from train_tiny_model import collect_corpus, split_corpus  # noqa: E402
-
-from moeflow import MoEOffloadedMixtral  # noqa: E402
-from moeflow.tools.quantize import quantize_checkpoint  # noqa: E402
 
 DEST = ROOT / "moeflow" / "data" / "tiny-mixtral-awq"
 

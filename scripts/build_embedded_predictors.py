@@ -14,22 +14,19 @@ One command:
 4. each written to ``<model>/predictors/<kind>.pt`` where the policies find them
    (``OffloadConfig(policy="duoserve")`` etc.); a summary (held-out figures, sizes) to ``predictors/README.json``.
 
-    python scripts/build_embedded_predictors.py                 # the embedded model, ~3 min on 2 CPU cores
+    python -m scripts.build_embedded_predictors                 # the embedded model, ~3 min on 2 CPU cores
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 MODEL = ROOT / "moeflow" / "data" / "tiny-mixtral-awq"
 BLOCK = 4096
@@ -39,11 +36,10 @@ DUOSERVE_WIDTHS = [256, 128, 64, 32, 16, 8]
 
 def training_text() -> bytes:
     """The tiny model's training bytes, from its training script's own split."""
-    spec = importlib.util.spec_from_file_location("train_tiny_model", ROOT / "scripts" / "train_tiny_model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    data, _ = module.collect_corpus()
-    train, _ = module.split_corpus(data)
+    from scripts.train_tiny_model import collect_corpus, split_corpus
+
+    data, _ = collect_corpus()
+    train, _ = split_corpus(data)
     return train
 
 

@@ -13,7 +13,7 @@ One command:
    finds it; the summary (held-out figures, batch-level accuracy, size, model digest) is printed as JSON and
    written next to the trace.
 
-    python scripts/build_expertflow_predictor.py          # ~2-3 min on 2 shared CPU cores
+    python -m scripts.build_expertflow_predictor          # ~2-3 min on 2 shared CPU cores
 """
 
 from __future__ import annotations
@@ -27,11 +27,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+from scripts.build_embedded_predictors import training_prompts  # the same prompts as the other predictors
 
-from build_embedded_predictors import training_prompts  # noqa: E402  (same prompts as the other predictors)
+ROOT = Path(__file__).resolve().parents[1]
 
 MODEL = ROOT / "moeflow" / "data" / "tiny-mixtral-awq"
 def file_digest(path: Path) -> str:

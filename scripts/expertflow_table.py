@@ -18,7 +18,7 @@ One command:
 5. the markdown replaces the block between the ``expertflow-table`` markers of docs/expertflow.md; raw figures
    go to ``build/expertflow-table/results.json``.
 
-    python scripts/expertflow_table.py          # ~5 min on 2 shared CPU cores
+    python -m scripts.expertflow_table          # ~5 min on 2 shared CPU cores
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 MODEL = ROOT / "moeflow" / "data" / "tiny-mixtral-awq"
 PROMPTS = ROOT / "scripts" / "predictor_prompts.jsonl"
@@ -195,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         f"parameters, window {pred.window}, trained on {pred.train_info.train_tokens} tokens of training text). "
         f"Held-out prompts: {n_seq} (scripts/predictor_prompts.jsonl), prefill + {args.max_new_tokens} greedy "
         f"tokens each, {len(trace)} tokens. CPU, torch {torch.__version__}, Python {platform.python_version()}. "
-        f"Made by `python scripts/expertflow_table.py`.",
+        f"Made by `python -m scripts.expertflow_table`.",
         "",
         "**Predictor** (every held-out token; all layers predicted before the pass):",
         "",

@@ -7,9 +7,9 @@ mutation must be updated with it). Every mutation runs ``--runs`` times (default
 (``PYTHONPATH=<copy>``), reverted in between. Not part of the suite (slow); run it before closing an issue that
 touches the guarded code, and record the table in docs/testing.md.
 
-    python scripts/mutation_check.py                  # every mutation, twice
-    python scripts/mutation_check.py --only fence-     # ids starting with "fence-"
-    python scripts/mutation_check.py --list           # ids, what they model, where the snippet is now
+    python -m scripts.mutation_check                  # every mutation, twice
+    python -m scripts.mutation_check --only fence-     # ids starting with "fence-"
+    python -m scripts.mutation_check --list           # ids, what they model, where the snippet is now
 """
 
 from __future__ import annotations

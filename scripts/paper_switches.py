@@ -2,8 +2,8 @@
 """Each paper-or-variant switch (``Mechanisms``, ``OffloadConfig.policy_options``) measured both ways, as the tables
 in docs/papers.md. One command:
 
-    python scripts/paper_switches.py            # counts (CPU, synchronous copies) + simulator timings
-    python scripts/paper_switches.py --skip counts --skip timings --routing-model build/routing-qwen3moe
+    python -m scripts.paper_switches            # counts (CPU, synchronous copies) + simulator timings
+    python -m scripts.paper_switches --skip counts --skip timings --routing-model build/routing-qwen3moe
 
 1. **Counts** (switches that change what moves): every switch that decides *which* experts move (ProMoE's
    refresh on prefetch, FineMoE's prefill iteration, DuoServe's predictor in prefill) on the embedded model's
@@ -33,11 +33,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+from scripts.policy_table import MODEL, figures, load_prompts, pct
 
-from policy_table import MODEL, figures, load_prompts, pct  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 # (switch, policy, the paper's value, moeflow's variant)
 COUNT_SWITCHES = [

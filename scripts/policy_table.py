@@ -16,8 +16,8 @@ One command:
 The predictor policies use the predictors shipped with the model (``<model>/predictors/``, built by
 ``scripts/build_embedded_predictors.py`` from the training text).
 
-    python scripts/policy_table.py                      # ~5 min on 2 CPU cores
-    python scripts/policy_table.py --budgets 4,8,16 --stride 6 --max-new-tokens 24 --no-doc
+    python -m scripts.policy_table                      # ~5 min on 2 CPU cores
+    python -m scripts.policy_table --budgets 4,8,16 --stride 6 --max-new-tokens 24 --no-doc
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 MODEL = ROOT / "moeflow" / "data" / "tiny-mixtral-awq"
 PROMPTS = ROOT / "scripts" / "predictor_prompts.jsonl"
@@ -158,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         f"host->device bytes of prefill and decode together per generated token, also in experts (bytes / expert "
         f"size); decode: decode-step bytes per decode step. Useful: decode prefetches used at their gate. Every run "
         f"gave exactly `resident`'s tokens: {all(r['tokens_equal'] for r in results)}. torch {torch.__version__}, "
-        f"Python {platform.python_version()}. Made by `python scripts/policy_table.py` in {wall:.0f} s."
+        f"Python {platform.python_version()}. Made by `python -m scripts.policy_table` in {wall:.0f} s."
     )
     lines = [head, "", "| slots | policy | hit rate decode | hit rate prefill | moved KiB / token | experts / token "
              "| decode experts / step | useful prefetches | = resident |", "|---|---|---|---|---|---|---|---|---|"]

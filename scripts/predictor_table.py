@@ -13,14 +13,13 @@ One command does everything:
 4. the markdown table replaces the block between the ``predictor-table`` markers of docs/predictors.md;
    the raw figures go to ``build/predictor-table/results.json``.
 
-    python scripts/predictor_table.py                       # build/tiny-mixtral-fp32, else the embedded AWQ model
-    python scripts/predictor_table.py --model PATH --prompts-per-block 12 --max-new-tokens 48
+    python -m scripts.predictor_table                       # build/tiny-mixtral-fp32, else the embedded AWQ model
+    python -m scripts.predictor_table --model PATH --prompts-per-block 12 --max-new-tokens 48
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import platform
 import sys
@@ -30,7 +29,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 PROMPTS = ROOT / "scripts" / "predictor_prompts.jsonl"
 DOC = ROOT / "docs" / "predictors.md"
@@ -53,11 +51,10 @@ CONFIGS = [
 
 def heldout_text() -> bytes:
     """The tiny model's held-out bytes, from its training script's own split."""
-    spec = importlib.util.spec_from_file_location("train_tiny_model", ROOT / "scripts" / "train_tiny_model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    data, _ = module.collect_corpus()
-    _, heldout = module.split_corpus(data)
+    from scripts.train_tiny_model import collect_corpus, split_corpus
+
+    data, _ = collect_corpus()
+    _, heldout = split_corpus(data)
     return heldout
 
 
@@ -162,7 +159,7 @@ def main() -> int:
         f"({raw[0]['all']['tokens'] if raw else 0} tokens). Figures in %, over every (token, layer >= distance) "
         f"pair; popularity is evaluated on the same pairs; \"layers < d\": the first layers, guessed before the "
         f"forward pass routes anything (popularity, FineMoE's semantic search). CPU, torch {torch.__version__}, Python "
-        f"{platform.python_version()}. Made by `python scripts/predictor_table.py`."
+        f"{platform.python_version()}. Made by `python -m scripts.predictor_table`."
     )
     table = "\n".join([
         header, "",

@@ -17,7 +17,7 @@ Training as scripts/train_tiny_model.py: AdamW, warm-up then cosine, the per-lay
 it. The report adds the routing statistics (moeflow.trace.stats: load skew, temporal locality, inter-layer
 affinity) of the trained model on held-out text, recorded through moeflow itself.
 
-    python scripts/train_routing_model.py --minutes 15 --out build/routing-qwen3moe
+    python -m scripts.train_routing_model --minutes 15 --out build/routing-qwen3moe
 """
 
 from __future__ import annotations
@@ -35,11 +35,10 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see train_tiny_model.py: busy 2-core machines
 
+from scripts.tiny_corpus import build_byte_tokenizer, collect_corpus, split_corpus
+from scripts.train_tiny_model import lr_at, per_layer_balance_loss
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-from tiny_corpus import build_byte_tokenizer, collect_corpus, split_corpus  # noqa: E402
-from train_tiny_model import lr_at, per_layer_balance_loss  # noqa: E402
 
 _ROFF_REQUEST = re.compile(rb"^\.[A-Za-z]{1,3}\b ?", re.M)
 _ROFF_ESCAPE = re.compile(rb"\\f[BIRP]|\\f\(..|\\\(..|\\[&e-]|\\s[+-]?\d")
@@ -202,7 +201,7 @@ def main(argv=None) -> int:
     report = {"steps": total, "tokens": total * B * T, "train_s": round(train_s, 1), "parameters": n_params,
               "corpus": info, "log": log, "routing_stats_heldout": stats,
               "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
-              "reproduce": " ".join(["python scripts/train_routing_model.py", f"--steps {total}", *changed,
+              "reproduce": " ".join(["python -m scripts.train_routing_model", f"--steps {total}", *changed,
                                      f"--out {args.out}"])}
     (args.out / "training_report.json").write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps(stats), flush=True)

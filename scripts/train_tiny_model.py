@@ -30,7 +30,7 @@ reproduces the same weights.
 Output (written to a temporary directory, then renamed to --out): config.json, model.safetensors and
 generation_config.json from ``save_pretrained``, tokenizer.json (byte-level, id == byte), training_report.json.
 
-    python scripts/train_tiny_model.py --minutes 9 --out build/tiny-mixtral-fp32
+    python -m scripts.train_tiny_model --minutes 9 --out build/tiny-mixtral-fp32
 """
 
 from __future__ import annotations
@@ -49,8 +49,7 @@ from pathlib import Path
 # measured); waiting passively costs nothing when the machine is idle. Must be set before torch is imported.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tiny_corpus, also when loaded by path
-from tiny_corpus import build_byte_tokenizer, collect_corpus, split_corpus  # noqa: E402  (re-exported)
+from scripts.tiny_corpus import build_byte_tokenizer, collect_corpus, split_corpus  # re-exported
 
 SAMPLE_PROMPT = "The import statement"
 
@@ -216,7 +215,7 @@ def parse_args(argv=None):
 def reproduce_command(args, steps: int) -> str:
     """The command line that repeats this run exactly: --steps, --seed, --threads, --out and changed options."""
     defaults = vars(parse_args([]))
-    parts = ["python scripts/train_tiny_model.py", f"--steps {steps}"]
+    parts = ["python -m scripts.train_tiny_model", f"--steps {steps}"]
     parts += [f"--seed {args.seed}", f"--threads {args.threads}"]
     for key, value in vars(args).items():
         if key not in ("steps", "minutes", "seed", "threads", "out") and value != defaults[key]:

@@ -1,15 +1,10 @@
-"""benchmarks/bench_cold_start.py's in-process parts on the tiny checkpoint (the cold processes are left to the
+"""benchmarks/disk/cold_start.py's in-process parts on the tiny checkpoint (the cold processes are left to the
 benchmark itself: two fresh interpreters cost more than this test should). ~3 s."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import bench_cold_start as bench  # noqa: E402
-from gpu_checkpoint import TINY, checkpoint_bytes, write_synthetic_awq_checkpoint  # noqa: E402
+from benchmarks.common.checkpoint import TINY, checkpoint_bytes, write_synthetic_awq_checkpoint
+from benchmarks.disk import cold_start as bench
 
 
 def test_reads_and_conversions_on_the_tiny_checkpoint(tmp_path):

@@ -1,26 +1,21 @@
-"""benchmarks/bench_host_overhead.py times what it says (issue 14's CPU numbers come from it): every measurement
+"""benchmarks/host/overhead.py times what it says (issue 14's CPU numbers come from it): every measurement
 times real calls of the backend. Once, after the model's entry moved to ``forward_logits``, its ``real`` rows timed
 nothing and printed 0 us."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-from moeflow import MoEOffloadedMixtral, OffloadConfig  # noqa: E402
-from moeflow.cli import embedded_model_path  # noqa: E402
-from moeflow.kernels.cpu.int4 import int4_cpu_available  # noqa: E402
+from moeflow import MoEOffloadedMixtral, OffloadConfig
+from moeflow.cli import embedded_model_path
+from moeflow.kernels.cpu.int4 import int4_cpu_available
 
 pytestmark = pytest.mark.skipif(not int4_cpu_available(), reason="this torch build has no int4 CPU kernels")
 
 
 def test_every_measurement_times_calls_of_the_backend():
-    import bench_host_overhead as bench
+    from benchmarks.host import overhead as bench
 
     path = embedded_model_path()
     model = MoEOffloadedMixtral.from_pretrained(path, kernels="cpu-int4",
@@ -39,7 +34,7 @@ def test_every_measurement_times_calls_of_the_backend():
 
 
 def test_an_empty_timing_is_an_error():
-    import bench_host_overhead as bench
+    from benchmarks.host import overhead as bench
 
     class Stats:
         phase = "decode"

@@ -1,21 +1,16 @@
-"""benchmarks/bench_mtp.py end to end in a tiny run (a few training steps, one short prompt): every row's tokens equal
+"""benchmarks/engine/mtp.py end to end in a tiny run (a few training steps, one short prompt): every row's tokens equal
 plain greedy's, drafts forced right are all kept, and the offloaded rows report bytes. ~40 s on 2 cores."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_bench_mtp_tiny(tmp_path):
-    import bench_mtp
+    from benchmarks.engine import mtp as bench_mtp
 
     threads = torch.get_num_threads()
     try:

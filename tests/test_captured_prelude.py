@@ -148,7 +148,7 @@ def test_the_prelude_stays_eager_where_it_cannot_be_captured(prompt):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# the eager work between the pieces, counted (as benchmarks/count_eager_launches.py counts a layer's)
+# the eager work between the pieces, counted (as benchmarks/host/eager_launches.py counts a layer's)
 
 
 class _Counter(TorchDispatchMode):

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +14,6 @@ from moeflow import MoEOffloadedMixtral, OffloadConfig
 from moeflow.cli import embedded_model_path
 from moeflow.kernels.cpu import int4 as cpu_int4
 
-ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["def main():\n   ", "A list is a", "This module provides", "for i in range("]
 NEW_TOKENS = 8
 INT4_RTOL = 2e-2  # docs/hybrid.md: CPU experts run torch's int4 kernel on bf16 activations
@@ -88,8 +85,7 @@ def test_fiddler_greedy_equal_and_logits_close_on_every_slot_count(embedded):
 def test_embedded_model_bits_per_byte_recomputed_from_its_weights():
     """report.json's held-out bits/byte (awq_torch) recomputed: the same 48 windows of 256 bytes of the training
     script's held-out split (scripts/build_embedded_model.py), the shipped AWQ weights, fp32 torch kernels."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from train_tiny_model import collect_corpus, split_corpus
+    from scripts.train_tiny_model import collect_corpus, split_corpus
 
     path = embedded_model_path()
     report = json.loads((path / "report.json").read_text())

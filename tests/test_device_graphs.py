@@ -16,8 +16,9 @@ import logging
 
 import pytest
 import torch
+from graph_capture import TraceCapture, _Recorder
 from scripted_transport import ScriptedTransport
-from test_compile_cuda_graphs import MODEL, PROMPT, TraceCapture, _Recorder, captured_model
+from test_compile_cuda_graphs import MODEL, PROMPT, captured_model
 from test_host_loop import FORBIDDEN as HOST_READS
 from test_host_loop import HostSyncError
 from test_kernels import make_pool, make_routing

@@ -5,13 +5,9 @@ in the published layouts, and the new families' slices at real shapes are the pu
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 # a tensor of each checkpoint's published layout, and what the loaded model must make of it
 PUBLISHED = {"qwen3_moe": ("model.layers.1.mlp.experts.7.down_proj.qweight", "awq"),
@@ -24,7 +20,7 @@ PUBLISHED = {"qwen3_moe": ("model.layers.1.mlp.experts.7.down_proj.qweight", "aw
 
 @pytest.mark.parametrize("family", sorted(PUBLISHED))
 def test_run_gpu_families_tiny(tmp_path, family):
-    import run_gpu_families
+    from benchmarks.gpu import families as run_gpu_families
 
     threads = torch.get_num_threads()
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
@@ -70,9 +66,8 @@ def test_the_new_families_slices_are_the_published_layers_and_fit_the_disk():
     """Qwen3-Next-80B, MiniMax-M2 and DeepSeek-V3.2 at their published shapes, cut to the lane's default slices:
     the configs parse as the families read them, the slices keep the published layer pattern, and each checkpoint
     fits beside stage 3's 25 GB one on the lent machine's 64 GiB disk (the stage removes others when short)."""
-    import family_writers as fw
-    import run_gpu_deltanet
-
+    from benchmarks.common import family_writers as fw
+    from benchmarks.gpu import deltanet as run_gpu_deltanet
     from moeflow.families import family_for_config
 
     fams = {f: family_for_config(fw.slice_config(cfg, fw.DEFAULT_LAYERS[f])) for f, cfg in fw.FULL.items()}

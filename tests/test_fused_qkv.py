@@ -2,7 +2,7 @@
 
 * the fused linear against the three it replaces (bitwise where the launch config is the same, as at these
   shapes) and against the fp32 reference of the dequantized weights; the three keep working as views of it;
-* a decode layer's launches and ops, counted with ``benchmarks/count_eager_launches.py``'s counter: one GEMM for
+* a decode layer's launches and ops, counted with ``benchmarks/host/eager_launches.py``'s counter: one GEMM for
   q/k/v (a build fact: fails if the projection silently splits again), no ``torch.cuda.current_stream`` per
   scratch request, no dense linear outside the router;
 * the exact-token invariant: offloaded (lru, two slot counts) == resident, both with the fused projections;
@@ -12,22 +12,17 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from helpers import make_tiny_checkpoint
 
+from benchmarks.host import eager_launches as count_eager_launches
 from moeflow import MoEOffloadedMixtral, OffloadConfig
 from moeflow.families.layers import QKV, AWQLinear, fuse_awq_linears
 from moeflow.kernels.experts.configs import packed_linear_config
 from moeflow.kernels.experts.reference import dequantize_kernel_layout
 from moeflow.quant.awq import quantize_rtn
 from moeflow.tools.quantize import quantize_checkpoint
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import count_eager_launches  # noqa: E402
 
 GROUP = 32
 

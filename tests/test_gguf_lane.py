@@ -1,11 +1,10 @@
-"""The GPU loan's Q4_0 GGUF writer (benchmarks/gguf_checkpoint.py): the GGUF holds exactly the synthetic AWQ
+"""The GPU loan's Q4_0 GGUF writer (benchmarks/common/gguf_checkpoint.py): the GGUF holds exactly the synthetic AWQ
 checkpoint's weights (Mixtral as ``llama`` with experts, Qwen3-30B-A3B as ``qwen3moe``), and the prebuilt llama.cpp
 (../shared/peers, CPU backends) loads a 2-layer file of Mixtral's full hidden width and decodes with it.
 ~15 s on 2 cores (the llama-bench test ~5 s of it)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,14 +12,11 @@ import pytest
 import torch
 
 gguf = pytest.importorskip("gguf")
-ROOT = Path(__file__).resolve().parents[1]
-for p in (ROOT / "benchmarks", ROOT / "benchmarks" / "peers"):
-    sys.path.insert(0, str(p))
 
-import gguf_checkpoint  # noqa: E402
 from gguf.quants import dequantize  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
+from benchmarks.common import gguf_checkpoint  # noqa: E402
 from moeflow.quant.awq import dequantize as awq_dequantize  # noqa: E402
 from moeflow.quant.awq import pack_int4  # noqa: E402
 
@@ -45,7 +41,7 @@ def _linear(sd: dict, prefix: str, group: int) -> np.ndarray:
 
 
 def test_the_mixtral_gguf_holds_the_awq_checkpoints_weights(tmp_path):
-    from gpu_checkpoint import TINY, write_synthetic_awq_checkpoint
+    from benchmarks.common.checkpoint import TINY, write_synthetic_awq_checkpoint
 
     cfg = {**TINY, "num_hidden_layers": 3}
     write_synthetic_awq_checkpoint(tmp_path / "awq", cfg, group_size=32)
@@ -74,7 +70,7 @@ def test_the_mixtral_gguf_holds_the_awq_checkpoints_weights(tmp_path):
 
 
 def test_the_qwen3_gguf_holds_the_awq_checkpoints_weights(tmp_path):
-    from run_gpu_families import TINY, write_family_checkpoint
+    from benchmarks.gpu.families import TINY, write_family_checkpoint
 
     cfg = TINY["qwen3_moe"]
     write_family_checkpoint(tmp_path / "awq", "qwen3_moe", cfg, group_size=32)
@@ -108,10 +104,10 @@ def test_a_zero_point_other_than_8_is_refused():
 def test_the_prebuilt_llama_cpp_decodes_a_full_width_mixtral_gguf(tmp_path):
     """2 layers of Mixtral-8x7B's full width (hidden 4096, 32 heads / 8 KV heads, 8 experts top 2) with the expert
     FFN narrowed to 1024 (from 14336) and a 4096-token vocabulary (from 32000) to keep it ~0.3 GB and this test short;
-    benchmarks/gguf_checkpoint.py --layers 2 writes the 2.2 GB full-size pair (llama-bench ran it: tg8 1.5 tok/s
-    on 2 busy cores). On the CPU backends of the CUDA build (no GPU here)."""
-    import llama_cpp_prebuilt as prebuilt
-    from gpu_checkpoint import MIXTRAL_8X7B
+    `python -m benchmarks.common.gguf_checkpoint --layers 2` writes the 2.2 GB full-size pair (llama-bench ran it:
+    tg8 1.5 tok/s on 2 busy cores). On the CPU backends of the CUDA build (no GPU here)."""
+    from benchmarks.common.checkpoint import MIXTRAL_8X7B
+    from benchmarks.peers import llama_cpp_prebuilt as prebuilt
 
     archive = prebuilt.find_archive()
     if archive is None:
@@ -133,8 +129,8 @@ def _data_offset(path: Path) -> int:
 def test_the_prebuilt_llama_cpp_decodes_a_qwen3moe_gguf_whose_heads_are_wider_than_hidden(tmp_path):
     """Qwen3-30B-A3B's attention is wider than its hidden size (32 heads x 128 = 4096 > 2048): key_length, not
     hidden / heads. A narrow copy of that trait (8 x 128 > 512, 16 experts top 4) through llama-bench."""
-    import llama_cpp_prebuilt as prebuilt
-    from run_gpu_families import QWEN3_30B_A3B
+    from benchmarks.gpu.families import QWEN3_30B_A3B
+    from benchmarks.peers import llama_cpp_prebuilt as prebuilt
 
     archive = prebuilt.find_archive()
     if archive is None:

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 COMMAND_LIMIT_S = 600  # one device command
 SESSION_S = 30 * 60  # device time of one session, the machine's start included
@@ -28,7 +27,7 @@ def keep_threads():
 
 
 def test_run_gpu_mxfp4_tiny(tmp_path):
-    import run_gpu_mxfp4
+    from benchmarks.gpu import mxfp4 as run_gpu_mxfp4
 
     out = tmp_path / "mxfp4.json"
     report = run_gpu_mxfp4.main(["--tiny", "--out", str(out)])
@@ -44,7 +43,7 @@ def test_run_gpu_mxfp4_tiny(tmp_path):
 
 
 def test_run_gpu_mxfp4_times_the_triton_kernels_and_survives_a_failing_point(tmp_path, monkeypatch):
-    import run_gpu_mxfp4
+    from benchmarks.gpu import mxfp4 as run_gpu_mxfp4
 
     real = run_gpu_mxfp4.bench_point
 
@@ -68,7 +67,7 @@ def test_run_gpu_mxfp4_times_the_triton_kernels_and_survives_a_failing_point(tmp
 
 
 def test_run_gpu_engine_tiny(tmp_path, keep_threads):
-    import run_gpu_engine
+    from benchmarks.gpu import engine as run_gpu_engine
 
     result = run_gpu_engine.main(["--tiny", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"),
                                   "--new-tokens", "4", "--prompt-len", "6"])
@@ -96,7 +95,7 @@ def test_run_gpu_engine_tiny(tmp_path, keep_threads):
 
 
 def test_run_gpu_serve_tiny(tmp_path):
-    import run_gpu_serve
+    from benchmarks.gpu import serve as run_gpu_serve
 
     result = run_gpu_serve.main(["--tiny", "--out", str(tmp_path)])
     rows = result["rows"]
@@ -112,7 +111,7 @@ def test_run_gpu_serve_tiny(tmp_path):
 
 
 def test_run_gpu_serve_pairs_each_graphs_level_with_its_eager_level():
-    import run_gpu_serve
+    from benchmarks.gpu import serve as run_gpu_serve
 
     def row(graphs, clients, tok_s, texts, **extra):
         return {"config": "lru:8", "cuda_graphs": graphs, "clients": clients, "tokens_per_s": tok_s,
@@ -155,7 +154,7 @@ def test_freeing_the_loaders_backend_keeps_the_shared_host_store_pinned():
     memory on a GPU)."""
     from types import SimpleNamespace
 
-    import run_gpu_offload
+    from benchmarks.gpu import offload as run_gpu_offload
 
     host = SimpleNamespace(pinned=True, pins=0)
 
@@ -183,8 +182,9 @@ def test_the_correctness_stage_writes_one_json_line_per_test_as_it_ends(tmp_path
         "def test_setup_fails(broken):\n    pass\n")
     jsonl = tmp_path / "out.jsonl"
     env = {**os.environ, "MOEFLOW_TEST_JSONL": str(jsonl), "PYTHONPATH": str(ROOT)}
-    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "benchmarks.pytest_jsonl",
-                    "--rootdir", str(tmp_path), "-c", os.devnull, str(tmp_path / "test_sample.py")], env=env,
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                    "-p", "benchmarks.common.pytest_jsonl", "--rootdir", str(tmp_path), "-c", os.devnull,
+                    str(tmp_path / "test_sample.py")], env=env,
                    cwd=tmp_path, capture_output=True, text=True)
     rows = {r["test"].split("::")[1]: r for r in map(json.loads, jsonl.read_text().splitlines())}
     assert {k: (r["outcome"], r["when"]) for k, r in rows.items()} == {
@@ -195,9 +195,9 @@ def test_the_correctness_stage_writes_one_json_line_per_test_as_it_ends(tmp_path
 
 
 def test_the_stack_check_names_what_is_missing_and_fails(monkeypatch, capsys):
-    """The correctness stage's first step (benchmarks/gpu_stack.py): this stack passes; a needed package that does
+    """The correctness stage's first step (benchmarks/gpu/stack.py): this stack passes; a needed package that does
     not import, or a torch API the GPU paths call that is absent, fails it with the name in the message."""
-    import gpu_stack
+    from benchmarks.gpu import stack as gpu_stack
 
     assert gpu_stack.main([]) == 0
     assert f"torch {torch.__version__}" in capsys.readouterr().out
@@ -212,7 +212,7 @@ def test_gpu_decode_profile_tiny(tmp_path):
     """The decode stage's profile at the CPU sizes: every row decodes the resident tokens; lru's graph row captures
     once, at the warmed-up shape (the timed generate replays), and is not refused."""
     out = tmp_path / "decode.json"
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_decode_profile.py"), "--tiny", "--graphs",
+    done = subprocess.run([sys.executable, "-m", "benchmarks.gpu.decode_profile", "--tiny", "--graphs",
                            "--slots", "8", "--new-tokens", "4", "--profile-steps", "1", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -235,7 +235,7 @@ def test_gpu_decode_profile_tiny(tmp_path):
 def test_run_gpu_deltanet_tiny_lines_agree_and_survive_a_failing_point(tmp_path, monkeypatch):
     """The DeltaNet stage at the CPU sizes (Triton interpreted): one JSON line per (point, implementation) as it is
     taken, the Triton outputs and states equal to the torch reference's (fp32), a failing point recorded."""
-    import run_gpu_deltanet
+    from benchmarks.gpu import deltanet as run_gpu_deltanet
 
     real = run_gpu_deltanet.triton_core
 

@@ -10,14 +10,11 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
 
 SCRIPT = ROOT / "benchmarks" / "gpu_loan.sh"
 COMMAND_LIMIT_S = 600  # one device command
@@ -52,8 +49,9 @@ def test_the_two_calls_fit_one_loan(tmp_path):
     serial = [limit for _, limit, _ in call2]
     assert sum(serial) <= 5 * 60 and sum(serial) + KILL_AFTER_S * len(serial) <= COMMAND_LIMIT_S, call2
     commands = " ".join(c for _, _, c in call1)
-    for needed in ("gpu_stack.py --cuda", "tests/test_cuda_lane.py", "run_gpu_kernels.py --shapes mixtral-8x7b "
-                   "--tokens 1,4,16", "--phase llama", "--phase moeflow", "headline_report.py"):
+    for needed in ("benchmarks.gpu.stack --cuda", "tests/test_cuda_lane.py",
+                   "benchmarks.gpu.kernels --shapes mixtral-8x7b --tokens 1,4,16", "--phase llama", "--phase moeflow",
+                   "benchmarks.gpu.headline_report"):
         assert needed in commands, needed
     assert "--family qwen3 --phase moeflow" in " ".join(c for _, _, c in call2)
     # llama.cpp runs before moeflow's process exists (the two never share the GPU)
@@ -69,7 +67,7 @@ def test_the_header_states_the_later_loans_order():
 
 
 def test_results_dir_and_ratios():
-    import headline_report
+    from benchmarks.gpu import headline_report
 
     assert headline_report.results_dir("NVIDIA H200", "2026-12-01") == Path("benchmarks/results/h200-2026-12-01")
     assert headline_report.results_dir("NVIDIA H100 80GB HBM3", "2026-12-01").name == "h100-80gb-2026-12-01"
@@ -84,7 +82,7 @@ def test_results_dir_and_ratios():
 
 
 def test_budgets_match_llama_cpps_n_cpu_moe():
-    import run_gpu_headline
+    from benchmarks.gpu import headline as run_gpu_headline
 
     cfg, _ = run_gpu_headline.family_config("mixtral", tiny=False, layers=None)
     assert run_gpu_headline.budgets(cfg, [0.5, 0.25]) == [
@@ -97,7 +95,7 @@ def test_budgets_match_llama_cpps_n_cpu_moe():
 
 def test_call1_runs_end_to_end_on_the_cpu(tmp_path):
     pytest.importorskip("gguf")
-    import llama_cpp_prebuilt
+    from benchmarks.peers import llama_cpp_prebuilt
 
     out = tmp_path / "out"
     env = {**os.environ, "TINY": "1", "OUT": str(out), "TMPDIR": str(tmp_path)}
@@ -132,8 +130,8 @@ def test_a_llama_cpp_without_cuda_on_a_gpu_records_why_and_runs_no_row(tmp_path,
     each at full size): the phase records why (the fallback named) and leaves the time to moeflow."""
     import argparse
 
-    import llama_cpp_prebuilt
-    import run_gpu_headline
+    from benchmarks.gpu import headline as run_gpu_headline
+    from benchmarks.peers import llama_cpp_prebuilt
 
     monkeypatch.setattr(llama_cpp_prebuilt, "find_archive", lambda: tmp_path / "llama.tar.xz")
     monkeypatch.setattr(llama_cpp_prebuilt, "unpack", lambda archive: tmp_path)
@@ -155,8 +153,9 @@ def test_a_llama_cpp_without_cuda_on_a_gpu_records_why_and_runs_no_row(tmp_path,
 def test_the_qwen3_rows_swap_backends_on_one_loaded_model(tmp_path, monkeypatch):
     """Call 2's family through the same runner (in-process, one share): the Qwen3-MoE family's backends (its own
     routing and MoE layer list) swapped on one load, every row decoding the resident tokens."""
-    import run_gpu_headline
     import torch
+
+    from benchmarks.gpu import headline as run_gpu_headline
 
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr("tempfile.tempdir", None)

@@ -9,13 +9,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
 LLAMA_BUILD = Path(os.environ.get("LLAMA_CPP_BUILD", "/tmp/peers/llama.cpp/build"))
 HAS_LLAMA = (LLAMA_BUILD / "bin" / "llama-bench").is_file() and (LLAMA_BUILD.parent / "convert_hf_to_gguf.py").is_file()
 
@@ -30,7 +27,7 @@ def keep_threads():
 
 
 def test_peers_stage_tiny(tmp_path, keep_threads):
-    import run_gpu_peers
+    from benchmarks.peers import run_gpu_peers
 
     engines = ["llama.cpp", "moeflow"] + (["transformers"] if importlib.util.find_spec("accelerate") else [])
     argv = ["--tiny", "--phase", "all", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"),

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from graph_capture import HostSyncError
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import moeflow
@@ -28,10 +29,6 @@ from moeflow.offload.readback import ReadBack
 MODEL = Path(moeflow.__file__).parent / "data" / "tiny-mixtral-awq"
 # resident has no scheduler; fiddler computes on the CPU by design (hybrid execution reads x back)
 POLICIES = [p for p in POLICY_NAMES if p not in ("resident", "fiddler")]
-
-
-class HostSyncError(AssertionError):
-    pass
 
 
 _T = torch.Tensor

@@ -4,9 +4,7 @@ the AWQ -> int4pack repack, the host store's CPU forms, stats, and the GPU bench
 from __future__ import annotations
 
 import json
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -299,8 +297,7 @@ def test_stats_have_cpu_fields():
 @needs_int4
 def test_run_gpu_hybrid_tiny(tmp_path, monkeypatch):
     monkeypatch.setenv("MOEFLOW_CACHE_DIR", str(tmp_path / "cache"))
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import run_gpu_hybrid
+    from benchmarks.gpu import hybrid as run_gpu_hybrid
 
     threads = torch.get_num_threads()
     try:

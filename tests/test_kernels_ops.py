@@ -271,14 +271,8 @@ def test_shipped_tables_and_defaults():
 
 
 def test_run_gpu_kernels_dry_run(tmp_path):
-    import importlib.util
-    import sys
+    from benchmarks.gpu import kernels as mod
 
-    path = configs.CONFIG_DIR.parents[3] / "benchmarks" / "run_gpu_kernels.py"
-    spec = importlib.util.spec_from_file_location("run_gpu_kernels", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["run_gpu_kernels"] = mod
-    spec.loader.exec_module(mod)
     with pytest.raises(SystemExit):
         mod.parse_args(["--shapes", "nope"])
     with pytest.raises(SystemExit):
@@ -304,15 +298,10 @@ def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
 def test_tune_checks_every_candidate_before_timing_it(monkeypatch):
     """--tune runs each candidate once against the fp32 reference: a wrong output is recorded, never timed, and
     cannot be picked (a broken split-K fixup or tile would otherwise win by doing less)."""
-    import importlib.util
-    import sys
     import types
 
-    path = configs.CONFIG_DIR.parents[3] / "benchmarks" / "run_gpu_kernels.py"
-    spec = importlib.util.spec_from_file_location("run_gpu_kernels", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["run_gpu_kernels"] = mod
-    spec.loader.exec_module(mod)
+    from benchmarks.gpu import kernels as mod
+
     good = {"BLOCK_M": 1, "w13": {"BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 2}, "w2": {"BLOCK_N": 128, "SPLIT_K": 1}}
     bad = {**good, "w13": {**good["w13"], "SPLIT_K": 4}}
     monkeypatch.setattr(mod.kcfg, "tuning_candidates", lambda phase, group: [bad, good])

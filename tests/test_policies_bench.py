@@ -3,18 +3,12 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT / "scripts"))
-
 
 def test_run_gpu_policies_tiny(tmp_path):
-    import run_gpu_policies
+    from benchmarks.gpu import policies as run_gpu_policies
 
     threads = torch.get_num_threads()
     try:
@@ -37,7 +31,7 @@ def test_run_gpu_policies_tiny(tmp_path):
 
 
 def test_policy_table_script_small(tmp_path):
-    import policy_table
+    from scripts import policy_table
 
     code = policy_table.main(["--budgets", "4", "--policies", "lru,promoe", "--stride", "48",
                               "--max-new-tokens", "3", "--workers", "1", "--out-dir", str(tmp_path), "--no-doc"])

@@ -1,4 +1,4 @@
-"""Build facts of MLA's in-place decode attention kernels from their machine code (benchmarks/sass_latent_attention.py,
+"""Build facts of MLA's in-place decode attention kernels from their machine code (benchmarks/sass/latent_attention.py,
 no GPU needed): the partial and combine launches compile for sm_90 with the installed Triton at every shipped shape
 (16 / 20 / 64 / 128 heads, kv_lora_rank 512 + rope 64, DSA's selection and a wider cache row; bf16 and fp32),
 nothing spills, each bf16 build fits an SM as often as ``default_splits`` assumes, and the key loop stays within
@@ -18,7 +18,7 @@ PROGRAM_BYTE_LIMIT = 0.25  # per byte a program streams (seen: 0.06-0.22)
 
 
 def run_report(*args: str) -> list[dict]:
-    return run_sass_report("sass_latent_attention.py", *args)
+    return run_sass_report("latent_attention", *args)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Build facts of the shipped MXFP4 expert kernels from their machine code (benchmarks/sass_mxfp4.py, no GPU
+"""Build facts of the shipped MXFP4 expert kernels from their machine code (benchmarks/sass/mxfp4.py, no GPU
 needed): both stages compile for sm_90 with the installed Triton at gpt-oss-120b shapes for decode and prefill
 (bf16, and the fp16 activations' fp32 path), nothing spills, the decode loop stays under 0.15 warp-instructions
 per weight at T = 1, 4, 16, and the prefill loop's MMA is asynchronous. Deterministic compiler facts."""
@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 from sass_helpers import run_sass_report
 
-DECODE_LIMIT = 0.15  # warp-instructions per weight an H100 can issue while streaming HBM (see sass_report.py)
+DECODE_LIMIT = 0.15  # warp-instructions per weight an H100 can issue while streaming HBM (see sass/report.py)
 
 
 def run_report(*args: str) -> list[dict]:
-    return run_sass_report("sass_mxfp4.py", *args)
+    return run_sass_report("mxfp4", *args)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Build facts of the shipped kernel configs, from the machine code (benchmarks/sass_report.py, no GPU needed):
+"""Build facts of the shipped kernel configs, from the machine code (benchmarks/sass/report.py, no GPU needed):
 every shipped config compiles for sm_90 with the installed Triton, nothing spills, the decode loop at Mixtral
 shapes stays under 0.15 warp-instructions per 4-bit weight, the prefill loop's MMA is asynchronous, and a decode
 step is at most 4 launches. Deterministic: a compiler fact, not a timing (Triton caches the builds, so a rerun
@@ -9,13 +9,13 @@ from __future__ import annotations
 import pytest
 from sass_helpers import run_sass_report
 
-DECODE_LIMIT = 0.15  # warp-instructions per weight an H100 can issue while streaming HBM (see sass_report.py)
+DECODE_LIMIT = 0.15  # warp-instructions per weight an H100 can issue while streaming HBM (see sass/report.py)
 
 
 @pytest.fixture(scope="module")
 def report() -> list[dict]:
     pytest.importorskip("triton.backends.nvidia")
-    return run_sass_report("sass_report.py", "--models", "mixtral-8x7b", "--tokens", "1", "4", "16", "4096",
+    return run_sass_report("report", "--models", "mixtral-8x7b", "--tokens", "1", "4", "16", "4096",
                            "--no-linear")
 
 

@@ -1,4 +1,4 @@
-"""Build facts of the slot decode attention kernels from their machine code (benchmarks/sass_slot_attention.py, no
+"""Build facts of the slot decode attention kernels from their machine code (benchmarks/sass/slot_attention.py, no
 GPU needed): the partial and combine launches compile for sm_90 with the installed Triton at every shipped shape
 (D 64 and 128, GQA 1/4/8, sliding window, sinks; bf16 and fp32), nothing spills, each build fits an SM as often
 as ``default_splits`` assumes, and the key loop stays far under the ~0.3 warp-instructions per byte of K/V at
@@ -15,7 +15,7 @@ LOOP_LIMIT = 0.15  # warp-instructions per K/V byte: half of what would cap HBM 
 
 
 def run_report(*args: str) -> list[dict]:
-    return run_sass_report("sass_slot_attention.py", *args)
+    return run_sass_report("slot_attention", *args)
 
 
 @pytest.fixture(scope="module")

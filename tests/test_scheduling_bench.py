@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
 
 def test_run_gpu_offload_tiny(tmp_path):
-    import run_gpu_offload
+    from benchmarks.gpu import offload as run_gpu_offload
 
     threads = torch.get_num_threads()
     try:

@@ -1,21 +1,16 @@
-"""benchmarks/run_gpu_sim_validation.py: its CPU --tiny mode runs end to end (the GPU mode needs a GPU)."""
+"""benchmarks/gpu/sim_validation.py: its CPU --tiny mode runs end to end (the GPU mode needs a GPU)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_validation_script_tiny(tmp_path):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    path = ROOT / "benchmarks" / "run_gpu_sim_validation.py"
-    spec = importlib.util.spec_from_file_location("run_gpu_sim_validation", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    from benchmarks.gpu import sim_validation as mod
+
     result = mod.main(["--tiny", "--out", str(tmp_path / "out"), "--checkpoint", str(tmp_path / "ckpt"),
                        "--policies", "ondemand,lru,mixtral-offloading", "--budgets", "4"])
     saved = json.loads((tmp_path / "out" / "sim_validation.json").read_text())

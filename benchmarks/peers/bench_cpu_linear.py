@@ -14,7 +14,7 @@ Each ``--tree`` (``label=path``) runs in its own worker process (``PYTHONPATH=pa
 trees so the machine's load hits them alike; the summary gives medians per tree and each tree's ratio to the
 first one, round by round.
 
-    python benchmarks/peers/bench_cpu_linear.py --tree base=/tmp/q8_base --tree new=. --rounds 3 \\
+    python -m benchmarks.peers.bench_cpu_linear --tree base=/tmp/q8_base --tree new=. --rounds 3 \\
         --out benchmarks/results/cpu_native/s5_q8_kernel
 """
 
@@ -29,8 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # peer_report, run as a script or imported by path
-from peer_report import uptime, write_report  # noqa: E402
+from benchmarks.peers.peer_report import uptime, write_report
 
 SHAPES = {"lm_head_32000": (32000, 4096), "lm_head_151936": (151936, 4096), "attn_4096": (4096, 4096),
           "attn_kv_1024": (1024, 4096)}
@@ -42,11 +41,9 @@ def worker(shapes: list[str], tokens: list[int], threads: list[int], bits: list[
     """Runs inside the tree under test (imports its moeflow)."""
     import torch
 
+    from benchmarks.peers.cpu_roofline import measure
     from moeflow.kernels.cpu.native import Q4Matrix, native_available
     from moeflow.kernels.cpu.quant_linear import CpuQuantLinear
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from cpu_roofline import measure
 
     assert native_available(), "moeflow's CPU kernels did not build"
     gen = torch.Generator().manual_seed(0)
@@ -105,7 +102,8 @@ def worker(shapes: list[str], tokens: list[int], threads: list[int], bits: list[
 
 
 def run_tree(path: Path, args: argparse.Namespace) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(path.resolve()))
+    # moeflow from ``path``; ``benchmarks`` (peer_report) from this checkout unless ``path`` has it as a package
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(path.resolve()), str(Path(__file__).resolve().parents[2])]))
     cmd = [sys.executable, __file__, "--worker", "--shapes", args.shapes, "--tokens", args.tokens,
            "--threads", args.threads, "--bits", args.bits, "--reps", str(args.reps)]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True)

@@ -9,7 +9,7 @@ second and per CPU second, with the ratio of bytes/s at T = 1 to bytes/s at T, b
 memory-bound at every T).
 Run it once per tree to compare a change (``PYTHONPATH=<tree>``; ``--label`` names the tree in the JSON).
 
-    python benchmarks/peers/bench_cpu_native.py --shape mixtral-8x7b --threads 1,2 --kernels native \\
+    python -m benchmarks.peers.bench_cpu_native --shape mixtral-8x7b --threads 1,2 --kernels native \\
         --out benchmarks/results/cpu_native/after.json --label after
 """
 
@@ -18,18 +18,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from benchmarks.peers.peer_report import uptime
 from moeflow.kernels.cpu.int4 import COMPUTE_DTYPE, Int4Matrix
 from moeflow.kernels.cpu.native import Q4Matrix, library, q4_expert
 from moeflow.quant.awq import quantize_rtn
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # peer_report, run as a script or imported by path
-from peer_report import uptime  # noqa: E402
 
 SHAPES = {"synthetic": (1024, 3584), "mixtral-8x7b": (4096, 14336)}
 GROUP = 128

@@ -7,8 +7,8 @@ With ``--peers-work`` (``run_peers.py``'s scratch directory) each run also decod
 synthetic Mixtral (``run_peers.moeflow_cpu``: tg tok/s by wall time and CPU ms per token on one thread) with
 ``--attention-bits`` (default 8: every attention projection and the lm_head through the int8 kernel).
 
-    python benchmarks/peers/cpu_demo_ab.py --a /tmp/before --b . --reps 5 --out benchmarks/results/peers/demo_ab
-    python benchmarks/peers/cpu_demo_ab.py --a /tmp/q8_base --b . --reps 3 --peers-work /tmp/peers \
+    python -m benchmarks.peers.cpu_demo_ab --a /tmp/before --b . --reps 5 --out benchmarks/results/peers/demo_ab
+    python -m benchmarks.peers.cpu_demo_ab --a /tmp/q8_base --b . --reps 3 --peers-work /tmp/peers \
         --out benchmarks/results/cpu_native/s5_q8_e2e
 """
 
@@ -23,8 +23,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # peer_report, run as a script or imported by path
-from peer_report import uptime, write_report  # noqa: E402
+from benchmarks.peers.peer_report import uptime, write_report
+
+REPO = Path(__file__).resolve().parents[2]
 
 DEMO = "import sys; from moeflow.cli import main; sys.exit(main(['demo', '--device', 'cpu']))"
 RESIDENT = """
@@ -47,7 +48,8 @@ print("RESULT " + json.dumps(out))
 
 
 def run(tree: Path, code: str, *args: str) -> str:
-    env = dict(os.environ, PYTHONPATH=str(tree.resolve()))
+    # moeflow from ``tree``; ``benchmarks`` from ``tree`` when it is a package there, else from this checkout
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree.resolve()), str(REPO)]))
     res = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=900)
     if res.returncode:
         raise RuntimeError(f"{tree}: exit {res.returncode}\n{res.stderr[-2000:]}")
@@ -67,8 +69,8 @@ def resident(tree: Path, modes: list[str]) -> dict:
 
 def peers(tree: Path, work: Path, attention_bits: int, tg: int) -> dict:
     """run_peers.moeflow_cpu on the synthetic Mixtral with ``tree``'s moeflow (prompt 32, 3 reps, CPU time)."""
-    code = (f"import json, sys, torch; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); "
-            "from pathlib import Path; from run_peers import moeflow_cpu; "
+    code = ("import json, torch; "
+            "from pathlib import Path; from benchmarks.peers.run_peers import moeflow_cpu; "
             f"print('RESULT ' + json.dumps(moeflow_cpu(Path({str(work / 'awq')!r}), [32], {tg}, 3, 120.0, "
             f"{attention_bits}, True)))")
     line = next(ln for ln in run(tree, code).splitlines() if ln.startswith("RESULT "))

@@ -3,7 +3,7 @@ the same bytes (issue 21): ``cpu_q8_ab.c`` links this tree's kernels with the ba
 (its ``mf_q8_linear`` renamed), calls the four in turn rep after rep (the shared machine's load hits all alike)
 and reports GB/s of weight bytes of each one's fastest rep, so ratios come from one run.
 
-    python benchmarks/peers/cpu_q8_ab.py --base 5533550 --out benchmarks/results/cpu_native/s5_q8_ab.json
+    python -m benchmarks.peers.cpu_q8_ab --base 5533550 --out benchmarks/results/cpu_native/s5_q8_ab.json
 
 Shapes: N rows x K = 4096: lm_head 32000 / 151936 rows (131 / 622 MB: read from memory); attention 4096 / 1024
 rows (16.8 / 4.2 MB: mostly from this CPU's 32 MB L3 when called back to back, as here - the streaming read of

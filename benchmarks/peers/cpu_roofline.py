@@ -1,7 +1,7 @@
 """This machine's roofline for the q4 CPU kernel (issue 21): read bandwidth and the maddubs peak, and what they
 allow at T tokens for an expert of Mixtral-8x7B's shapes. Builds cpu_roofline.c with the system compiler.
 
-    python benchmarks/peers/cpu_roofline.py --out benchmarks/results/cpu_native/roofline.json
+    python -m benchmarks.peers.cpu_roofline --out benchmarks/results/cpu_native/roofline.json
 
 Per 32 weights of one row (one maddubs per token) the kernel reads 16 bytes of int4 plus 8 bytes of fp32 scale
 and min per 128 weights: 18 bytes. Each figure is the best of ``--repeats`` runs (the machine is shared). At T

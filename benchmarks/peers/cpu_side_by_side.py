@@ -18,7 +18,7 @@ Medians over reps, ``uptime`` before, between and after. ``--trees label=path[:c
 default ``--attention-bits``): e.g. one engine on a ``--quantize-attention`` checkpoint and one on the default
 (16-bit attention) checkpoint with the library's default, in the same alternation.
 
-    python benchmarks/peers/cpu_side_by_side.py --work /tmp/peers --threads 1 --reps 7 \\
+    python -m benchmarks.peers.cpu_side_by_side --work /tmp/peers --threads 1 --reps 7 \\
         --trees before=/work/main --trees after=. --out benchmarks/results/peers/s12/side_t1
 """
 
@@ -34,8 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # peer_report, run as a script or imported by path
-from peer_report import uptime, write_report  # noqa: E402
+from benchmarks.peers.peer_report import uptime, write_report
 
 HERE = Path(__file__).resolve()
 
@@ -126,7 +125,9 @@ def main() -> None:
     loads = [uptime()]
     workers, info = {}, {}
     for label, (tree, ckpt, bits) in engines_spec.items():
-        env = {**os.environ, "PYTHONPATH": str(Path(tree).resolve()), "OMP_NUM_THREADS": str(args.threads)}
+        # moeflow from ``tree``; ``benchmarks`` (peer_report) from this checkout unless ``tree`` has it as a package
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(tree).resolve()), str(HERE.parents[2])]),
+               "OMP_NUM_THREADS": str(args.threads)}
         p = subprocess.Popen([sys.executable, str(HERE), "--worker", "--work", str(args.work), "--threads",
                               str(args.threads), "--lm-head-bits", str(args.lm_head_bits), "--tg", str(args.tg),
                               "--checkpoint", ckpt, "--attention-bits", bits],

@@ -8,7 +8,7 @@ shared machine's load hits all alike; llama.cpp Q4_0's ``llama-bench`` runs betw
 median wall ms per decoded token (generate's TPOT) and the median CPU ms per decoded token (CPU time of generate(tg
 + 1) minus generate(1), per token: what one thread's contention moves least), with ``uptime`` before and after.
 
-    python benchmarks/peers/cpu_step_ab.py --work /tmp/peers --threads 1 --attention-bits 4 --lm-head-4 \\
+    python -m benchmarks.peers.cpu_step_ab --work /tmp/peers --threads 1 --attention-bits 4 --lm-head-4 \\
         --out benchmarks/results/peers/s4/ab_t1
 """
 
@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from benchmarks.peers.peer_report import uptime, write_report
+from benchmarks.peers.run_peers import llama_cpp_decode_cpu_ms
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from peer_report import uptime, write_report  # noqa: E402
-from run_peers import llama_cpp_decode_cpu_ms  # noqa: E402
 
 
 def main() -> None:

@@ -62,8 +62,7 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp" ${extracted:+"$extracted"}' EXIT
 python3 - "$dest" "$tmp" <<'EOF'
 import json, shlex, subprocess, sys
-sys.path.insert(0, "benchmarks/peers")
-from llama_cpp_build import cmake_configure_command
+from benchmarks.peers.llama_cpp_build import cmake_configure_command  # `python3 -` puts the cwd, the repo, first
 
 src, tmp = sys.argv[1], sys.argv[2]
 for cuda in (True, False):

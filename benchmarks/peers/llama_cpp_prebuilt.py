@@ -3,7 +3,7 @@ how it was built) for the GPU lane and the tests: where the archive is, unpackin
 the environment its binaries run in (cuBLAS from torch's nvidia pip wheel on LD_LIBRARY_PATH, GCC 12's libstdc++
 from ``compat/`` as a fallback), ``--list-devices`` and one ``llama-bench`` run parsed from its JSON.
 
-    python benchmarks/peers/llama_cpp_prebuilt.py      # unpack, print the bin dir and --list-devices
+    python -m benchmarks.peers.llama_cpp_prebuilt      # unpack, print the bin dir and --list-devices
 """
 
 from __future__ import annotations
@@ -13,15 +13,14 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tarfile
 import tempfile
 from pathlib import Path
 
+from benchmarks.peers.llama_cpp_build import runtime_env
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-sys.path.insert(0, str(HERE))
-from llama_cpp_build import runtime_env  # noqa: E402
 
 ARCHIVE = "llama-cpp-cuda-sm90.tar.xz"
 TOP = "llama-cpp-cuda-sm90"

@@ -6,7 +6,7 @@ and writes, per decode step: the count and self time of every aten op, the same 
 (attention, router, experts, norms, lm_head, embedding, outside any region), and the wall time per
 decode step measured without the profiler.
 
-    python benchmarks/peers/profile_cpu_decode.py --model /tmp/peers/awq --out benchmarks/results/peers/profile_before
+    python -m benchmarks.peers.profile_cpu_decode --model /tmp/peers/awq --out benchmarks/results/peers/profile_before
 """
 
 from __future__ import annotations

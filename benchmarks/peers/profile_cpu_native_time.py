@@ -8,7 +8,7 @@ the lm_head; ``mf_dense_f32`` + ``mf_softmax_topk``: the router), the GB/s each 
 step's CPU time (Python, aten ops: "glue"). Per token = (generate(tg + 1) - generate(1)) / tg, median of reps.
 Compare GB/s with ``cpu_roofline.py``'s stream bandwidth.
 
-    python benchmarks/peers/profile_cpu_native_time.py --model /tmp/peers/awq --threads 1 --lm-head-bits 4 \\
+    python -m benchmarks.peers.profile_cpu_native_time --model /tmp/peers/awq --threads 1 --lm-head-bits 4 \\
         --out benchmarks/results/peers/s12/native_time_after
 """
 
@@ -17,14 +17,12 @@ from __future__ import annotations
 import argparse
 import collections
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # peer_report, run as a script or imported by path
-from peer_report import uptime, write_report  # noqa: E402
+from benchmarks.peers.peer_report import uptime, write_report
 
 
 def _q4_bytes(n: int, k: int, group: int, fmt: int = 0) -> int:

@@ -23,8 +23,8 @@ Two phases (``--phase prep`` and ``--phase bench``; ``all`` = both), each skippi
 Results: --out/peers_gpu.json after every measurement, and peers_gpu.md. ``--tiny``: a tiny model on the CPU with
 a CPU llama.cpp build (--llama-build, e.g. /tmp/peers/llama.cpp/build of build_llama_cpp.sh): the plumbing.
 
-    python benchmarks/peers/run_gpu_peers.py --phase all --work /tmp/moeflow-peers --out $OUT/peers
-    python benchmarks/peers/run_gpu_peers.py --tiny --phase all --llama-build /tmp/peers/llama.cpp/build \
+    python -m benchmarks.peers.run_gpu_peers --phase all --work /tmp/moeflow-peers --out $OUT/peers
+    python -m benchmarks.peers.run_gpu_peers --tiny --phase all --llama-build /tmp/peers/llama.cpp/build \
         --work /tmp/peers-tiny --out /tmp/peers-tiny/out
 """
 
@@ -41,11 +41,11 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.peers.llama_cpp_build import runtime_env, start_build
+from benchmarks.peers.synthetic_mixtral import train_tokenizer
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-sys.path[:0] = [str(HERE), str(REPO)]
-from llama_cpp_build import runtime_env, start_build  # noqa: E402
-from synthetic_mixtral import train_tokenizer  # noqa: E402
 
 SOURCES = REPO / ".peers" / "llama.cpp"  # benchmarks/peers/gpu_peer_sources.sh
 MIXTRAL_8X7B = dict(

@@ -2,7 +2,7 @@
 ``device="cpu"`` (AWQ from ``moeflow quantize``) on one synthetic Mixtral-architecture model, in one run,
 2 threads each. Decode (tg) and prefill (pp32, pp512) tokens per second. Not part of CI.
 
-    python benchmarks/peers/run_peers.py --work /tmp/peers --out benchmarks/results/peers
+    python -m benchmarks.peers.run_peers --work /tmp/peers --out benchmarks/results/peers
 
 Set-up (skipped when its output exists in --work): build llama.cpp from the llama-cpp-python sdist
 (build_llama_cpp.sh), write the checkpoint (synthetic_mixtral.py), convert it with the vendored
@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.peers.synthetic_mixtral import CONFIG, parameter_count, write_checkpoint
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from synthetic_mixtral import CONFIG, parameter_count, write_checkpoint  # noqa: E402
 
 THREADS = 2  # default; --threads
 GGUF_TYPES = ("Q4_0", "Q4_K_M")
@@ -196,11 +196,12 @@ def moeflow_cpu(awq: Path, prompts: list[int], tg: int, reps: int, budget_s: flo
 
 def moeflow_in_tree(tree: Path, args: argparse.Namespace, attention_bits: int | None) -> dict:
     """:func:`moeflow_cpu` with the moeflow of another source tree (the branch point), in a child process."""
-    code = (f"import json, sys, torch; sys.path.insert(0, {str(HERE)!r}); torch.set_num_threads({THREADS}); "
-            f"from run_peers import moeflow_cpu; from pathlib import Path; "
+    code = (f"import json, torch; torch.set_num_threads({THREADS}); "
+            f"from benchmarks.peers.run_peers import moeflow_cpu; from pathlib import Path; "
             f"print('RESULT', json.dumps(moeflow_cpu(Path({str(args.work / 'awq')!r}), {args.prompts_list!r}, "
             f"{args.tg}, {args.reps}, {args.budget}, {attention_bits!r}, {args.cpu_time!r})))")
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    # moeflow from ``tree``; ``benchmarks`` from ``tree`` when it is a package there, else from this checkout
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(HERE.parents[1])])}
     out = sh(sys.executable, "-c", code, env=env, cwd=tree)
     res = json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[len("RESULT "):])
     res["tree"] = str(tree)

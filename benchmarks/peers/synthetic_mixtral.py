@@ -6,7 +6,7 @@ a tokenizer, so a small sentencepiece model is trained here on the repository's 
 pads its vocabulary with ``[PAD{i}]`` entries up to 32000. Nobody reads the tokens: every peer is timed on
 the same random token ids.
 
-    python benchmarks/peers/synthetic_mixtral.py OUT_DIR
+    python -m benchmarks.peers.synthetic_mixtral OUT_DIR
 """
 
 from __future__ import annotations

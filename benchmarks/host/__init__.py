@@ -1,0 +1,1 @@
+"""Host cost of the scheduler and engine on the CPU: microseconds per layer and step, counted launches."""

@@ -1,0 +1,1 @@
+"""Machine-code reports of the Triton kernels, compiled for a GPU target on any machine (no GPU needed)."""
