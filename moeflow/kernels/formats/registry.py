@@ -1,4 +1,5 @@
-"""Storage name -> format class: the one place that reads a format's name (``"dense"``, ``"awq"``, ``"mxfp4"``).
+"""Storage name -> format class: the one place that reads a format's name (``"dense"``, ``"awq"``, ``"mxfp4"``,
+``"gguf"``).
 
 Plain formats (SiLU, no biases) and biased ones (a bias and/or another gate activation: gpt-oss) are separate
 classes; :func:`expert_format` and :func:`biased_expert_format` pick the class of a storage name, the way the
@@ -14,13 +15,16 @@ import torch
 from moeflow.kernels.formats.awq import AWQFormat
 from moeflow.kernels.formats.biased import BiasedAWQFormat, BiasedDenseFormat, BiasedExpertFormat
 from moeflow.kernels.formats.dense import DenseFormat
+from moeflow.kernels.formats.gguf import GGUFFormat
 from moeflow.kernels.formats.layout import ExpertFormat
 from moeflow.kernels.formats.mxfp4 import MXFP4Format
+from moeflow.kernels.gguf_reference import ggml_type
 
 # (storage name, biased) -> class
 FORMATS: dict[tuple[str, bool], type[ExpertFormat]] = {
     ("dense", False): DenseFormat, ("awq", False): AWQFormat,
     ("dense", True): BiasedDenseFormat, ("awq", True): BiasedAWQFormat, ("mxfp4", True): MXFP4Format,
+    ("gguf", False): GGUFFormat,  # built by gguf_expert_format (its block types are fields)
 }
 
 
@@ -47,3 +51,14 @@ def biased_expert_format(hidden_size: int, intermediate_size: int, kind: str, dt
     cls = _class(kind, True)
     return cls(hidden_size, intermediate_size, dtype, group_size, activation=activation, bias=bias,
                swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
+
+
+@functools.lru_cache(maxsize=64)
+def gguf_expert_format(gate_up_type: str | int, down_type: str | int, hidden_size: int, intermediate_size: int,
+                       dtype: torch.dtype) -> GGUFFormat:
+    """The GGUF format whose ``ffn_gate_exps`` / ``ffn_up_exps`` hold ggml type ``gate_up_type`` and
+    ``ffn_down_exps`` ``down_type`` (a name such as ``"Q4_K"`` or a ggml type id, e.g. a
+    ``gguf.GGMLQuantizationType``); ``dtype`` is the model's activation dtype. A ValueError names the supported
+    types (:data:`moeflow.kernels.gguf_reference.GGML_TYPES`)."""
+    gu, dn = ggml_type(gate_up_type), ggml_type(down_type)
+    return GGUFFormat(hidden_size, intermediate_size, dtype, gate_up_type=gu.name, down_type=dn.name)

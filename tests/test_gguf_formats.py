@@ -1,0 +1,156 @@
+"""GGUF expert formats: the ggml block table and exact dequantization (against gguf-py's own ``dequantize`` and
+hand-made blocks), the region layout round trip, errors, and the torch path against an outside oracle."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf_block_helpers import random_blocks, random_gguf_expert
+
+from moeflow import kernels
+from moeflow.kernels.formats import ALIGN, FORMATS, GGUFFormat, expert_format, gguf_expert_format
+from moeflow.kernels.gguf_reference import GGML_TYPES, dequantize
+from moeflow.kernels.pool import ExpertPool
+
+TYPES = tuple(GGML_TYPES)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_block_table_is_ggmls(name):
+    t = GGML_TYPES[name]
+    qtype = gguf.GGMLQuantizationType[name]
+    assert t.type_id == int(qtype)
+    assert gguf.GGML_QUANT_SIZES[qtype] == (t.block_size, t.type_size)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5])
+@pytest.mark.parametrize("name", TYPES)
+def test_dequantize_is_gguf_pys_bit_for_bit(name, rows):
+    gen = torch.Generator().manual_seed(rows)
+    k = 3 * GGML_TYPES[name].block_size
+    data = random_blocks(name, rows, k, gen)
+    expected = gguf.quants.dequantize(data.numpy(), gguf.GGMLQuantizationType[name])
+    got = dequantize(data, name).numpy()
+    assert got.shape == (rows, k) == expected.shape
+    assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))
+
+
+def _f16_bytes(v: float) -> list[int]:
+    return list(torch.tensor([v], dtype=torch.float16).view(torch.uint8).tolist())
+
+
+def test_hand_made_q8_0_and_q4_0_blocks():
+    q8 = torch.tensor(_f16_bytes(0.5) + [b & 0xFF for b in range(-16, 16)], dtype=torch.uint8).view(1, -1)
+    assert dequantize(q8, "Q8_0").tolist() == [[0.5 * v for v in range(-16, 16)]]
+    # qs[j] = j | (15 - j) << 4: element j is j - 8, element j + 16 is 7 - j
+    q4 = torch.tensor(_f16_bytes(2.0) + [j | (15 - j) << 4 for j in range(16)], dtype=torch.uint8).view(1, -1)
+    assert dequantize(q4, "Q4_0").tolist() == [[2.0 * (j - 8) for j in range(16)] + [2.0 * (7 - j) for j in range(16)]]
+
+
+def test_hand_made_q4_k_block():
+    """Scales / mins with high bits (j >= 4 use the packed 12-byte form) and element p = 64 c + 32 h + l holding
+    nibble (l + h) % 16: checks llama.cpp's bit layout independently of the dequantizer's code."""
+    sc = [1, 20, 33, 63, 40, 17, 62, 5]
+    mn = [7, 63, 0, 31, 50, 2, 33, 60]
+    s = [0] * 12
+    for j in range(4):
+        s[j] = sc[j] | (sc[j + 4] >> 4) << 6
+        s[j + 4] = mn[j] | (mn[j + 4] >> 4) << 6
+        s[j + 8] = (sc[j + 4] & 15) | (mn[j + 4] & 15) << 4
+    qs = [(l % 16) | ((l + 1) % 16) << 4 for _ in range(4) for l in range(32)]  # noqa: E741
+    block = torch.tensor(_f16_bytes(0.25) + _f16_bytes(0.125) + s + qs, dtype=torch.uint8).view(1, -1)
+    got = dequantize(block, "Q4_K")[0].tolist()
+    for p in range(256):
+        j, l = p // 32, p % 32  # noqa: E741
+        q = (l + j % 2) % 16
+        assert got[p] == 0.25 * sc[j] * q - 0.125 * mn[j], p
+
+
+def test_hand_made_q6_k_block():
+    """Element p = 128 n + 32 g + l: 6-bit q from ql / qh as ggml lays them out, scale p // 16 (signed)."""
+    want_q = [(p * 7 + 3) % 64 for p in range(256)]
+    ql, qh = [0] * 128, [0] * 64
+    for p, q in enumerate(want_q):
+        n, g, l = p // 128, (p % 128) // 32, p % 32  # noqa: E741
+        ql[64 * n + 32 * (g % 2) + l] |= (q & 15) << (4 * (g // 2))
+        qh[32 * n + l] |= (q >> 4) << (2 * g)
+    scales = [(-1) ** i * (i * 9 % 128) for i in range(16)]
+    block = torch.tensor(ql + qh + [v & 0xFF for v in scales] + _f16_bytes(0.5), dtype=torch.uint8).view(1, -1)
+    got = dequantize(block, "Q6_K")[0].tolist()
+    assert got == [0.5 * scales[p // 16] * (want_q[p] - 32) for p in range(256)]
+
+
+def test_types_by_name_id_and_enum():
+    fmt = gguf_expert_format("q4_k", gguf.GGMLQuantizationType.Q6_K, 256, 512, torch.bfloat16)
+    assert isinstance(fmt, GGUFFormat) and (fmt.gate_up_type, fmt.down_type) == ("Q4_K", "Q6_K")
+    assert gguf_expert_format(12, "Q6_K", 256, 512, torch.bfloat16) == fmt
+    assert FORMATS[("gguf", False)] is GGUFFormat
+    with pytest.raises(ValueError, match=r"unsupported GGUF expert weight type 'IQ2_XS'.*Q4_0 \(id 2\).*Q6_K"):
+        gguf_expert_format("IQ2_XS", "Q6_K", 256, 256, torch.float32)
+    with pytest.raises(ValueError, match=r"unsupported GGUF expert weight type 3\b"):  # Q4_1
+        gguf_expert_format(3, "Q6_K", 256, 256, torch.float32)
+    with pytest.raises(ValueError, match="down experts in Q6_K need their input size \\(96\\) to be a multiple of 256"):
+        gguf_expert_format("Q8_0", "Q6_K", 256, 96, torch.float32)
+    with pytest.raises(ValueError, match="needs gate_up_type.*gguf_expert_format"):
+        expert_format(256, 256, "gguf", torch.float32)
+
+
+def test_layout_round_trip_and_errors():
+    fmt = gguf_expert_format("Q4_K", "Q6_K", 256, 512, torch.float32)
+    assert fmt.loader_shapes() == {"gate": (512, 144), "up": (512, 144), "down": (256, 420)}
+    assert [s.offset % ALIGN for s in fmt.specs] == [0, 0, 0] and fmt.nbytes % ALIGN == 0
+    assert not fmt.fused_moe and not fmt.capturable and not fmt.cpu_int4 and not fmt.w13_halves
+    assert "no CPU kernels" in fmt.cpu_unsupported()
+    gen = torch.Generator().manual_seed(0)
+    experts = [random_gguf_expert(fmt, gen) for _ in range(2)]
+    pool = ExpertPool.allocate(fmt, 2, "cpu")
+    for slot, t in enumerate(experts):
+        fmt.write(pool.buffer[slot], t)
+    for slot, t in enumerate(experts):
+        back = fmt.loader_tensors(pool.buffer[slot])
+        assert back.keys() == t.keys() and all(torch.equal(back[n], t[n]) for n in t)
+        w13, b13, w2, b2 = fmt.reference_weights(pool, slot)
+        assert b13 is None and b2 is None
+        assert torch.equal(w13, torch.cat([dequantize(t["gate"], "Q4_K"), dequantize(t["up"], "Q4_K")]))
+        assert torch.equal(w2, dequantize(t["down"], "Q6_K"))
+    good = experts[0]
+    with pytest.raises(KeyError, match="missing GGUF expert tensor 'down'"):
+        fmt.write(pool.buffer[0], {k: v for k, v in good.items() if k != "down"})
+    with pytest.raises(ValueError, match="'up' must be the file's bytes \\(uint8\\)"):
+        fmt.write(pool.buffer[0], {**good, "up": good["up"].to(torch.int16)})
+    with pytest.raises(ValueError, match=r"'down' \(Q6_K\) has shape \(256, 210\), expected \(256, 420\)"):
+        fmt.write(pool.buffer[0], {**good, "down": good["down"][:, :210]})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_path_matches_gguf_py_oracle(dtype):
+    """``kernels.expert_forward(backend="torch")`` against a computation from gguf-py's dequantized weights,
+    following the reference contract (fp32 GEMMs, silu(gate) * up stored in the activation dtype, w2 times the
+    routing weight stored in it)."""
+    fmt = gguf_expert_format("Q4_0", "Q8_0", 64, 96, dtype)
+    gen = torch.Generator().manual_seed(1)
+    E, T, k = 3, 4, 2
+    experts = [random_gguf_expert(fmt, gen) for _ in range(E)]
+    pool = ExpertPool.allocate(fmt, E, "cpu")
+    slot_of_expert = torch.tensor([2, 0, 1], dtype=torch.int32)
+    for e, t in enumerate(experts):
+        fmt.write(pool.buffer[int(slot_of_expert[e])], t)
+    x = torch.randn(T, 64, generator=gen).to(dtype)
+    ids = torch.tensor([[0, 1], [2, 0], [1, 2], [0, 2]], dtype=torch.int32)
+    w = torch.rand(T, k, generator=gen)
+    out = kernels.expert_forward(x, ids, w, pool, slot_of_expert, torch.zeros(T * k, 64, dtype=dtype), None, "torch")
+
+    def deq(t, name):
+        return torch.from_numpy(gguf.quants.dequantize(t.numpy(), gguf.GGMLQuantizationType[name]).copy())
+
+    for pair in range(T * k):
+        tok, e = pair // k, int(ids.view(-1)[pair])
+        gate, up, down = deq(experts[e]["gate"], "Q4_0"), deq(experts[e]["up"], "Q4_0"), deq(experts[e]["down"], "Q8_0")
+        row = x[tok : tok + 1].float()
+        a = (F.silu(row @ gate.T) * (row @ up.T)).to(dtype)
+        want = ((a.float() @ down.T) * w.view(-1)[pair]).to(dtype)
+        torch.testing.assert_close(out[pair : pair + 1], want, rtol=1e-5 if dtype == torch.float32 else 1e-2,
+                                   atol=1e-6 if dtype == torch.float32 else 1e-3)
