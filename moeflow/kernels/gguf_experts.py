@@ -13,11 +13,16 @@ accumulation, :func:`moeflow.kernels.combine` afterwards. Operand-swapped like t
   up row ``n0/2 + j`` (``up`` sits ``up_off`` bytes after ``gate`` in every region), so the accumulator holds
   gate and up interleaved for :func:`~moeflow.kernels.triton_common.gemm_epilogue`'s ``silu(gate) * up`` (fp32,
   stored in the activation dtype) -> ``h [P, I]``. ``MODE 1`` (w2): times the fp32 routing weight -> ``out``.
-* Decode: per element ``k`` of the tile, the byte offsets of its block's fields are computed and the bytes
-  gathered (``uint8`` loads; fp16 scales assembled from two bytes and bitcast), the value formed in fp32 in the
-  reference's order (:func:`_decode`). Any ``BLOCK_K`` (a power of two >= 16 dividing K) works for every type.
-  This first version favours simplicity over speed: the scale bytes are re-read per element (cache hits), and
-  its GPU speed is unmeasured.
+* Decode (:func:`_decode`): per 32-element group of the tile (a Q4_0 / Q8_0 block, a K-quant sub-block), its
+  scale fields are loaded once per row ([BN, BK/32]: fp16 scales assembled from two bytes and bitcast, Q4_K /
+  Q5_K's 6-bit scales and mins unpacked), its 32 quants as bytes [BN, BK/32, 32], and the value formed in fp32 in
+  the reference's order. ``BLOCK_K`` is a power of two >= 32 dividing K (any such works for every type; a K-quant
+  tile may span super-blocks). The blocks are read as stored: Q4_K / Q5_K blocks (144 / 176 bytes) stay 16-byte
+  aligned and their quants load as vectors; Q4_0 / Q8_0 / Q6_K blocks (18 / 34 / 210 bytes) are only 2-byte
+  aligned, so their quants load two bytes at a time (:func:`_bytes`). ``benchmarks/sass_gguf.py`` (sm_90,
+  Qwen3-30B-A3B shapes, default tiles) counts warp-instructions per weight of 0.26-0.31 (Q4_K), 0.43 (Q5_K), 0.71-0.79
+  (Q6_K), 0.24-0.25 (Q4_0), 0.33 (Q8_0), against ~0.15 for HBM speed (the AWQ kernels: 0.133):
+  ``benchmarks/results/sass/README.md``. GPU speed is unmeasured.
 * ``SPLIT_K > 1`` (grid dim 1, whole ``BLOCK_K`` tiles per split): fp32 partials to a workspace and the serial
   fixup :func:`~moeflow.kernels.triton_common.splitk_fixup` (the tile's last program sums the splits in order):
   one launch per stage at every split. Decode default: the wave rule over the active plan blocks.
@@ -61,47 +66,70 @@ def _u8(p):
 
 
 @triton.jit
-def _decode(rows, k, TYPE: tl.constexpr):
-    """Weights of elements ``k`` (int32 [1, BK]) of rows starting at uint8 pointers ``rows`` [BN, 1] -> fp32
-    [BN, BK], the reference's values (``moeflow.kernels.gguf_reference``'s layouts; TYPE = ``GGMLType.code``)."""
+def _bytes(p, N: tl.constexpr):
+    """The ``N`` bytes at 2-byte aligned uint8 pointers ``p`` [BN, NB, 1] -> int32 [BN, NB, N], two bytes per
+    16-bit load (the blocks of 18, 34 and 210 bytes are only 2-byte aligned: no wider loads)."""
+    v = tl.load(p.to(tl.pointer_type(tl.int16)) + tl.arange(0, N // 2)[None, None, :]).to(tl.int32) & 0xFFFF
+    return tl.reshape(tl.join(v & 255, v >> 8), [p.shape[0], p.shape[1], N])
+
+
+@triton.jit
+def _signed(v):
+    """uint8 values (int32) -> int8 values (int32)."""
+    return v - ((v & 128) << 1)
+
+
+@triton.jit
+def _decode(rows, k0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TYPE: tl.constexpr):
+    """Weights of elements ``k0 .. k0 + BLOCK_K`` of the rows starting at uint8 pointers ``rows`` [BN, 1] -> fp32
+    [BN, BK], the reference's values (``moeflow.kernels.gguf_reference``'s layouts; TYPE = ``GGMLType.code``).
+    Decoded per 32-element group ``J`` (a Q4_0 / Q8_0 block, a K-quant sub-block): its scale fields are loaded
+    once per (row, group) [BN, NB], its 32 quants as [BN, NB, 32]."""
+    NB: tl.constexpr = BLOCK_K // 32
+    J = k0 // 32 + tl.arange(0, NB)  # groups of the tile [NB]
+    lane = tl.arange(0, 32)[None, None, :]  # element in its group
     if TYPE == 0:  # Q4_0: 18-byte blocks of 32
-        b = rows + (k // 32) * 18
-        p = k % 32
-        q = ((_u8(b + 2 + p % 16) >> ((p // 16) * 4)) & 15) - 8
-        w = _f16_at(b) * q.to(tl.float32)
+        b = rows + (J * 18)[None, :]  # [BN, NB]
+        qs = _bytes(b[:, :, None] + 2, 16)  # [BN, NB, 16]: element l < 16 low nibbles, then the high ones
+        q = tl.reshape(tl.permute(tl.join(qs & 15, qs >> 4), (0, 1, 3, 2)), [BLOCK_N, NB, 32]) - 8
+        w = _f16_at(b)[:, :, None] * q.to(tl.float32)
     elif TYPE == 1:  # Q8_0: 34-byte blocks of 32
-        b = rows + (k // 32) * 34
-        v = _u8(b + 2 + k % 32)
-        w = (v - ((v & 128) << 1)).to(tl.float32) * _f16_at(b)
-    elif TYPE == 2 or TYPE == 3:  # Q4_K (144 bytes) / Q5_K (176 bytes): blocks of 256
+        b = rows + (J * 34)[None, :]
+        w = _signed(_bytes(b[:, :, None] + 2, 32)).to(tl.float32) * _f16_at(b)[:, :, None]
+    elif TYPE == 2 or TYPE == 3:  # Q4_K (144 bytes) / Q5_K (176 bytes): blocks of 256, sub-block j
+        j = (J % 8)[None, :]
         if TYPE == 2:
-            b = rows + (k // 256) * 144
+            b = rows + ((J // 8) * 144)[None, :]
         else:
-            b = rows + (k // 256) * 176
-        p = k % 256
-        j = p // 32  # sub-block: scale and min
+            b = rows + ((J // 8) * 176)[None, :]
         s_lo = _u8(b + 4 + j % 4)  # s[j] (j < 4), s[j - 4]
         s_hi = _u8(b + 8 + j % 4)  # s[j + 4] (j < 4), s[j]
         s_md = _u8(b + 12 + j % 4)  # s[j + 4] (j >= 4)
         sc = tl.where(j < 4, s_lo & 63, (s_md & 15) | ((s_lo >> 6) << 4))
         m = tl.where(j < 4, s_hi & 63, (s_md >> 4) | ((s_hi >> 6) << 4))
+        b3 = b[:, :, None]
+        j3 = j[:, :, None]
         if TYPE == 2:
-            q = (_u8(b + 16 + (p // 64) * 32 + p % 32) >> ((j % 2) * 4)) & 15
+            q = (_u8(b3 + 16 + (j3 // 2) * 32 + lane) >> ((j3 % 2) * 4)) & 15
         else:
-            q = (_u8(b + 48 + (p // 64) * 32 + p % 32) >> ((j % 2) * 4)) & 15
-            q = q | (((_u8(b + 16 + p % 32) >> j) & 1) << 4)
-        w = (_f16_at(b) * sc.to(tl.float32)) * q.to(tl.float32) - _f16_at(b + 2) * m.to(tl.float32)
-    else:  # Q6_K: 210-byte blocks of 256
-        b = rows + (k // 256) * 210
-        p = k % 256
-        n = p // 128
-        g = (p % 128) // 32
-        lo = (_u8(b + 64 * n + 32 * (g % 2) + p % 32) >> (4 * (g // 2))) & 15
-        hi = (_u8(b + 128 + 32 * n + p % 32) >> (2 * g)) & 3
-        v = _u8(b + 192 + p // 16)
-        sc = (v - ((v & 128) << 1)).to(tl.float32)
-        w = (_f16_at(b + 208) * sc) * ((lo | (hi << 4)) - 32).to(tl.float32)
-    return w
+            q = (_u8(b3 + 48 + (j3 // 2) * 32 + lane) >> ((j3 % 2) * 4)) & 15
+            q = q | (((_u8(b3 + 16 + lane) >> j3) & 1) << 4)
+        d = _f16_at(b) * sc.to(tl.float32)
+        dm = _f16_at(b + 2) * m.to(tl.float32)
+        w = d[:, :, None] * q.to(tl.float32) - dm[:, :, None]
+    else:  # Q6_K: 210-byte blocks of 256; group jj = 4 n + g (half n, quarter g)
+        jj = (J % 8)[None, :, None]
+        n = jj // 4
+        g = jj % 4
+        b = rows + ((J // 8) * 210)[None, :]
+        b3 = b[:, :, None]
+        lo = (_bytes(b3 + 64 * n + 32 * (g % 2), 32) >> (4 * (g // 2))) & 15
+        hi = (_bytes(b3 + 128 + 32 * n, 32) >> (2 * g)) & 3
+        sc = _signed(_u8(b3 + 192 + 8 * n + 2 * g + tl.arange(0, 2)[None, None, :])).to(tl.float32)  # [BN, NB, 2]
+        d = _f16_at(b + 208)[:, :, None] * sc  # scales of elements 0..15 and 16..31 of the group
+        d = tl.reshape(tl.broadcast_to(d[:, :, :, None], [BLOCK_N, NB, 2, 16]), [BLOCK_N, NB, 32])
+        w = d * ((lo | (hi << 4)) - 32).to(tl.float32)
+    return tl.reshape(w, [BLOCK_N, BLOCK_K])
 
 
 @triton.jit
@@ -153,9 +181,8 @@ def _gguf_gemm_kernel(
         t_end = min(t_begin + t_per_split, n_tiles)
     acc = tl.zeros([BLOCK_N, DOT_M], dtype=tl.float32)
     for t in range(t_begin, t_end):
-        k = t * BLOCK_K + rk
-        w = _decode(w_rows, k[None, :], TYPE)  # fp32 [BN, BK]
-        xt = tl.load(a_rows + k[:, None])  # [BK, DOT_M]
+        w = _decode(w_rows, t * BLOCK_K, BLOCK_N, BLOCK_K, TYPE)  # fp32 [BN, BK]
+        xt = tl.load(a_rows + (t * BLOCK_K + rk)[:, None])  # [BK, DOT_M]
         acc = tl.dot(w.to(DOT_DTYPE), xt.to(DOT_DTYPE), acc=acc, input_precision=DOT_PREC)
 
     if SPLIT_K == 1:
@@ -169,8 +196,8 @@ def _gguf_gemm_kernel(
 
 
 def block_k_for(K: int, block_k: int) -> int:
-    """The largest power of two in [16, ``block_k``] dividing K (K is a multiple of 32)."""
-    bk = max(16, block_k)
+    """The largest power of two in [32, ``block_k``] dividing K (K is a multiple of 32)."""
+    bk = max(32, block_k)
     while K % bk:
         bk //= 2
     return bk
