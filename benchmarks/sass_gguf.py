@@ -43,7 +43,7 @@ def gguf_layer_launches(model: str, T: int, gate_up: str, down: str, config: dic
     from moeflow.kernels.reference import routing_plan_reference
 
     H, I, E, k = MODELS[model]  # noqa: E741
-    fmt = gguf_expert_format(gate_up, down, H, I, dtype)
+    fmt = gguf_expert_format(gate_up.split("+"), down.split("+"), H, I, dtype)
     pool = ExpertPool(fmt, torch.empty((2, fmt.nbytes), dtype=torch.uint8))
     stages = gguf_experts.stage_configs(T, E, k, H, I, config)
     block_m = stages["BLOCK_M"]
@@ -55,10 +55,10 @@ def gguf_layer_launches(model: str, T: int, gate_up: str, down: str, config: dic
     out = torch.empty((T * k, H), dtype=dtype)
     up_off = fmt.spec("up").offset - fmt.spec("gate").offset
     with compile_only() as found:
-        gguf_experts.gguf_gemm(0, x, pool.tensors["gate"], up_off, fmt.gate_up, h, sorted_ids, eob, slots, None,
-                               None, k, block_m, stages["w13"])
-        gguf_experts.gguf_gemm(1, h, pool.tensors["down"], 0, fmt.down, out, sorted_ids, eob, slots, None,
-                               torch.empty(T * k), 1, block_m, stages["w2"])
+        gguf_experts.gguf_gemm(0, x, pool.tensors["gate"], up_off, fmt.types_of("gate"), pool.tensors["types"], h,
+                               sorted_ids, eob, slots, None, None, k, block_m, stages["w13"])
+        gguf_experts.gguf_gemm(1, h, pool.tensors["down"], 0, fmt.types_of("down"), pool.tensors["types"], out,
+                               sorted_ids, eob, slots, None, torch.empty(T * k), 1, block_m, stages["w2"])
     rows = []
     for c, (stage, K, t) in zip(found, (("w13", H, gate_up), ("w2", I, down)), strict=True):
         wcfg = {**stages[stage], "BLOCK_K": gguf_experts.block_k_for(K, stages[stage]["BLOCK_K"])}
@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=["qwen3-30b-a3b"], choices=sorted(MODELS))
-    p.add_argument("--types", nargs=2, default=["Q4_K", "Q6_K"], metavar=("GATE_UP", "DOWN"))
+    p.add_argument("--types", nargs=2, default=["Q4_K", "Q6_K"], metavar=("GATE_UP", "DOWN"),
+                   help="a type each, or two joined by '+' (e.g. Q4_K Q4_K+Q6_K: both down types in one kernel)")
     p.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--config", type=json.loads, default=None, help='e.g. \'{"w13": {"BLOCK_N": 128}}\'')

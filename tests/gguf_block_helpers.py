@@ -24,8 +24,11 @@ def random_blocks(type_name: str, rows: int, k: int, gen: torch.Generator) -> to
     return blocks.reshape(rows, -1)
 
 
-def random_gguf_expert(fmt: GGUFFormat, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    """One expert's loader form: gate, up [I, row bytes] and down [H, row bytes] of random blocks."""
+def random_gguf_expert(fmt: GGUFFormat, gen: torch.Generator, gate_up: str | None = None,
+                       down: str | None = None) -> dict[str, torch.Tensor]:
+    """One expert's loader form: gate, up [I, row bytes] and down [H, row bytes] of random blocks, in the given
+    block types (default: the format's first of each)."""
     H, I = fmt.hidden_size, fmt.intermediate_size  # noqa: E741
-    return {"gate": random_blocks(fmt.gate_up_type, I, H, gen), "up": random_blocks(fmt.gate_up_type, I, H, gen),
-            "down": random_blocks(fmt.down_type, H, I, gen)}
+    gate_up, down = gate_up or fmt.gate_up_types[0], down or fmt.down_types[0]
+    return {"gate": random_blocks(gate_up, I, H, gen), "up": random_blocks(gate_up, I, H, gen),
+            "down": random_blocks(down, H, I, gen)}

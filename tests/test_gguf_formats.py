@@ -85,8 +85,10 @@ def test_hand_made_q6_k_block():
 
 def test_types_by_name_id_and_enum():
     fmt = gguf_expert_format("q4_k", gguf.GGMLQuantizationType.Q6_K, 256, 512, torch.bfloat16)
-    assert isinstance(fmt, GGUFFormat) and (fmt.gate_up_type, fmt.down_type) == ("Q4_K", "Q6_K")
-    assert gguf_expert_format(12, "Q6_K", 256, 512, torch.bfloat16) == fmt
+    assert isinstance(fmt, GGUFFormat) and (fmt.gate_up_types, fmt.down_types) == (("Q4_K",), ("Q6_K",))
+    assert gguf_expert_format(12, ["Q6_K"], 256, 512, torch.bfloat16) is fmt
+    mixed = gguf_expert_format("Q4_K", ("Q6_K", "q4_k", 12), 256, 512, torch.bfloat16)
+    assert mixed.down_types == ("Q4_K", "Q6_K") and mixed != fmt
     assert FORMATS[("gguf", False)] is GGUFFormat
     with pytest.raises(ValueError, match=r"unsupported GGUF expert weight type 'IQ2_XS'.*Q4_0 \(id 2\).*Q6_K"):
         gguf_expert_format("IQ2_XS", "Q6_K", 256, 256, torch.float32)
@@ -94,14 +96,19 @@ def test_types_by_name_id_and_enum():
         gguf_expert_format(3, "Q6_K", 256, 256, torch.float32)
     with pytest.raises(ValueError, match="down experts in Q6_K need their input size \\(96\\) to be a multiple of 256"):
         gguf_expert_format("Q8_0", "Q6_K", 256, 96, torch.float32)
-    with pytest.raises(ValueError, match="needs gate_up_type.*gguf_expert_format"):
+    with pytest.raises(ValueError, match="needs 1 or 2 gate/up block types.*gguf_expert_format"):
         expert_format(256, 256, "gguf", torch.float32)
+    with pytest.raises(ValueError, match="needs 1 or 2 down block types"):
+        gguf_expert_format("Q4_K", ["Q4_K", "Q5_K", "Q6_K"], 256, 256, torch.float32)
+    with pytest.raises(ValueError, match=r"block types \('Q4_0', 'Q4_K'\) have rows of the same size"):
+        gguf_expert_format("Q8_0", ["Q4_0", "Q4_K"], 256, 256, torch.float32)
 
 
 def test_layout_round_trip_and_errors():
     fmt = gguf_expert_format("Q4_K", "Q6_K", 256, 512, torch.float32)
     assert fmt.loader_shapes() == {"gate": (512, 144), "up": (512, 144), "down": (256, 420)}
-    assert [s.offset % ALIGN for s in fmt.specs] == [0, 0, 0] and fmt.nbytes % ALIGN == 0
+    assert [s.offset % ALIGN for s in fmt.specs] == [0, 0, 0, 0] and fmt.nbytes % ALIGN == 0
+    assert fmt.nbytes == 2 * 512 * 144 + 256 * 420 + ALIGN  # the file's bytes (whole ALIGN units) + the types
     assert not fmt.fused_moe and not fmt.capturable and not fmt.cpu_int4 and not fmt.w13_halves
     assert "no CPU kernels" in fmt.cpu_unsupported()
     gen = torch.Generator().manual_seed(0)
@@ -121,8 +128,32 @@ def test_layout_round_trip_and_errors():
         fmt.write(pool.buffer[0], {k: v for k, v in good.items() if k != "down"})
     with pytest.raises(ValueError, match="'up' must be the file's bytes \\(uint8\\)"):
         fmt.write(pool.buffer[0], {**good, "up": good["up"].to(torch.int16)})
-    with pytest.raises(ValueError, match=r"'down' \(Q6_K\) has shape \(256, 210\), expected \(256, 420\)"):
+    with pytest.raises(ValueError, match=r"'down' has shape \(256, 210\), expected \(256, 420\) \(Q6_K\)"):
         fmt.write(pool.buffer[0], {**good, "down": good["down"][:, :210]})
+
+
+def test_two_down_types_in_one_format():
+    """Q4_K_M's layers: down in Q6_K or Q4_K. Rows sized for Q6_K, Q4_K rows padded; each region records its
+    types; write / loader_tensors invert each other for both; gate and up must agree."""
+    fmt = gguf_expert_format("Q4_K", ("Q4_K", "Q6_K"), 256, 512, torch.float32)
+    assert fmt.loader_shapes()["down"] == (256, 420)
+    gen = torch.Generator().manual_seed(3)
+    experts = [random_gguf_expert(fmt, gen, down=d) for d in ("Q6_K", "Q4_K", "Q4_K")]
+    assert experts[1]["down"].shape == (256, 288)
+    pool = ExpertPool.allocate(fmt, 3, "cpu")
+    pool.buffer.fill_(0xAB)
+    for slot, t in enumerate(experts):
+        fmt.write(pool.buffer[slot], t)
+    for slot, (t, down) in enumerate(zip(experts, ("Q6_K", "Q4_K", "Q4_K"), strict=True)):
+        assert [g.name for g in fmt.region_types(pool.buffer[slot])] == ["Q4_K", down]
+        back = fmt.loader_tensors(pool.buffer[slot])
+        assert all(torch.equal(back[n], t[n]) for n in t)
+        assert torch.equal(fmt.reference_weights(pool, slot)[2], dequantize(t["down"], down))
+    assert not pool.tensors["down"][1][:, 288:].any()  # padding zeroed
+    both = gguf_expert_format(("Q4_K", "Q6_K"), "Q4_K", 256, 512, torch.float32)
+    q6_gate = random_gguf_expert(both, gen, gate_up="Q6_K")["gate"]
+    with pytest.raises(ValueError, match=r"gate \(Q6_K\) and up \(Q4_K\) must share a block type"):
+        both.write(torch.empty(both.nbytes, dtype=torch.uint8), {**random_gguf_expert(both, gen), "gate": q6_gate})
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -104,3 +104,22 @@ def test_triton_prefill_shares_experts():
     assert rel_err(got, want) < 1e-5
     y = kernels.moe_forward(x, ids, w, pool, slots, "triton")
     torch.testing.assert_close(y, kernels.combine(want, k), rtol=1e-5, atol=1e-5)
+
+
+def test_triton_two_types_per_matrix():
+    """One format for layers of different block types (Q4_K_M: down in Q6_K or Q4_K by layer; here gate/up in
+    Q4_K or Q5_K too): each program decodes its region's types."""
+    gen = torch.Generator().manual_seed(13)
+    T, H, I, E, k = 3, 256, 256, 4, 2  # noqa: E741
+    fmt = gguf_expert_format(("Q4_K", "Q5_K"), ("Q6_K", "Q4_K"), H, I, torch.float32)
+    pool = ExpertPool.allocate(fmt, E, "cpu")
+    for s, (gate_up, down) in enumerate([("Q4_K", "Q6_K"), ("Q5_K", "Q4_K"), ("Q4_K", "Q4_K"), ("Q5_K", "Q6_K")]):
+        fmt.write(pool.buffer[s], random_gguf_expert(fmt, gen, gate_up, down))
+    slots = torch.tensor([2, 0, 3, 1], dtype=torch.int32)
+    x = torch.randn(T, H, generator=gen)
+    ids, w = routing(T, E, k, gen)
+    want = biased_expert_forward_reference(x, ids, w, pool, slots, torch.zeros(T * k, H))
+    for split in (1, 2):
+        cfg = _with_split({"w13": {"BLOCK_N": 128, "BLOCK_K": 128}, "w2": {"BLOCK_K": 128}}, split)
+        got = kernels.expert_forward(x, ids, w, pool, slots, torch.zeros(T * k, H), backend="triton", config=cfg)
+        assert rel_err(got, want) < 1e-5, split

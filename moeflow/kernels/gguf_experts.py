@@ -23,6 +23,9 @@ accumulation, :func:`moeflow.kernels.combine` afterwards. Operand-swapped like t
   Qwen3-30B-A3B shapes, default tiles) counts warp-instructions per weight of 0.26-0.31 (Q4_K), 0.43 (Q5_K), 0.71-0.79
   (Q6_K), 0.24-0.25 (Q4_0), 0.33 (Q8_0), against ~0.15 for HBM speed (the AWQ kernels: 0.133):
   ``benchmarks/results/sass/README.md``. GPU speed is unmeasured.
+* A format may allow two block types per matrix (a model whose layers differ): the kernel is built with a K loop
+  for each (``TYPE_A``, ``TYPE_B``); a program reads its region's ``types`` byte once and runs that type's loop
+  (Q4_K_M's down in Q4_K / Q6_K: the same machine code per loop as a single-type build, more registers).
 * ``SPLIT_K > 1`` (grid dim 1, whole ``BLOCK_K`` tiles per split): fp32 partials to a workspace and the serial
   fixup :func:`~moeflow.kernels.triton_common.splitk_fixup` (the tile's last program sums the splits in order):
   one launch per stage at every split. Decode default: the wave rule over the active plan blocks.
@@ -133,15 +136,29 @@ def _decode(rows, k0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TYPE: tl.con
 
 
 @triton.jit
+def _k_loop(acc, w_rows, a_rows, t_begin, t_end, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TYPE: tl.constexpr,
+            DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """acc fp32 [BN, DOT_M] += the decoded weight tiles ``t_begin .. t_end`` (of BLOCK_K) @ the activations'."""
+    rk = tl.arange(0, BLOCK_K)
+    for t in range(t_begin, t_end):
+        w = _decode(w_rows, t * BLOCK_K, BLOCK_N, BLOCK_K, TYPE)  # fp32 [BN, BK]
+        xt = tl.load(a_rows + (t * BLOCK_K + rk)[:, None])  # [BK, DOT_M]
+        acc = tl.dot(w.to(DOT_DTYPE), xt.to(DOT_DTYPE), acc=acc, input_precision=DOT_PREC)
+    return acc
+
+
+@triton.jit
 def _gguf_gemm_kernel(
     a_ptr, stride_am,  # MODE 0: x [T, K] (row = pair // TOPK); MODE 1: h [P, K] (row = pair); last dim contiguous
     w_ptr, stride_ws, stride_wn, up_off,  # uint8 rows of blocks: slot and row strides in bytes; up - gate (MODE 0)
+    types_ptr, stride_ts,  # uint8 [S, 2]: each region's type codes (gate/up, down); read when TYPE_B >= 0
     c_ptr, stride_cm,  # output by pair: MODE 0 h [P, I], MODE 1 [P, H]
     ws_ptr, stride_wsp, stride_wsm,  # fp32 split-K partials [SPLIT_K, P, tiles * BLOCK_N] by pair (SPLIT_K > 1)
     cnt_ptr,  # int32 arrival counters, zero between launches (SPLIT_K > 1)
     sorted_ptr, eob_ptr, slot_ptr, mask_ptr, weight_ptr,
     num_pairs, N, K, N_UP,
-    TYPE: tl.constexpr, TOPK: tl.constexpr, MODE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    TYPE_A: tl.constexpr, TYPE_B: tl.constexpr, TOPK: tl.constexpr, MODE: tl.constexpr, HAS_MASK: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
     EVEN_N: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, DOT_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
@@ -154,6 +171,9 @@ def _gguf_gemm_kernel(
     if expert < 0:  # past the padded count, or not selected: nothing to do (staged runs rely on it)
         return
     slot = tl.load(slot_ptr + expert).to(tl.int64)
+    code = TYPE_A
+    if TYPE_B >= 0:  # the format allows two types for this matrix: this region's (uniform over the program)
+        code = tl.load(types_ptr + slot * stride_ts + MODE).to(tl.int32)
 
     pair, row_ok, row = plan_rows(sorted_ptr, pid_m, num_pairs, BLOCK_M, DOT_M, TOPK, MODE)
     a_rows = a_ptr + row[None, :] * stride_am  # [1, DOT_M]
@@ -170,7 +190,6 @@ def _gguf_gemm_kernel(
             col = tl.minimum(col, N - 1)
         w_rows = w_ptr + slot * stride_ws + (col * stride_wn)[:, None]
 
-    rk = tl.arange(0, BLOCK_K)
     n_tiles = K // BLOCK_K
     if SPLIT_K == 1:
         t_begin = 0
@@ -180,10 +199,12 @@ def _gguf_gemm_kernel(
         t_begin = tl.program_id(1) * t_per_split
         t_end = min(t_begin + t_per_split, n_tiles)
     acc = tl.zeros([BLOCK_N, DOT_M], dtype=tl.float32)
-    for t in range(t_begin, t_end):
-        w = _decode(w_rows, t * BLOCK_K, BLOCK_N, BLOCK_K, TYPE)  # fp32 [BN, BK]
-        xt = tl.load(a_rows + (t * BLOCK_K + rk)[:, None])  # [BK, DOT_M]
-        acc = tl.dot(w.to(DOT_DTYPE), xt.to(DOT_DTYPE), acc=acc, input_precision=DOT_PREC)
+    if TYPE_B < 0:
+        acc = _k_loop(acc, w_rows, a_rows, t_begin, t_end, BLOCK_N, BLOCK_K, TYPE_A, DOT_DTYPE, DOT_PREC)
+    elif code == TYPE_A:  # one loop per type: the branch is taken once per program
+        acc = _k_loop(acc, w_rows, a_rows, t_begin, t_end, BLOCK_N, BLOCK_K, TYPE_A, DOT_DTYPE, DOT_PREC)
+    else:
+        acc = _k_loop(acc, w_rows, a_rows, t_begin, t_end, BLOCK_N, BLOCK_K, TYPE_B, DOT_DTYPE, DOT_PREC)
 
     if SPLIT_K == 1:
         gemm_epilogue(tl.trans(acc), c_ptr, stride_cm, pair, row_ok, pid_n * BLOCK_N, N, weight_ptr, MODE,
@@ -227,7 +248,8 @@ def gguf_gemm(
     a: torch.Tensor,  # MODE 0: x [T, K]; MODE 1: h [P, K]
     blocks: torch.Tensor,  # uint8 [S, N_rows, row_bytes]: gate (MODE 0; up follows at up_off) or down (MODE 1)
     up_off: int,  # bytes from each region's gate to its up (MODE 0)
-    gtype: GGMLType,
+    gtypes: tuple[GGMLType, ...],  # the one or two block types the matrix may hold
+    type_codes: torch.Tensor,  # uint8 [S, 2]: each region's (gate/up, down) GGMLType.code
     out: torch.Tensor,  # MODE 0: h [P, I]; MODE 1: [P, H]
     sorted_ids: torch.Tensor,  # int32 [n_blocks * block_m]
     expert_of_block: torch.Tensor,  # int32 [n_blocks]
@@ -241,8 +263,10 @@ def gguf_gemm(
     """Launch one grouped GGUF GEMM stage; writes the rows of selected experts of ``out`` in place."""
     K = a.shape[1]
     S, n_rows, row_bytes = blocks.shape
-    if row_bytes != gtype.row_bytes(K) or blocks.stride(2) != 1 or a.stride(1) != 1:
-        raise ValueError(f"gguf_gemm: {gtype.name} blocks {tuple(blocks.shape)} do not hold K={K} contiguous rows")
+    names = "/".join(g.name for g in gtypes)
+    if (not 1 <= len(gtypes) <= 2 or row_bytes != max(g.row_bytes(K) for g in gtypes) or blocks.stride(2) != 1
+            or a.stride(1) != 1):
+        raise ValueError(f"gguf_gemm: {names} blocks {tuple(blocks.shape)} do not hold K={K} contiguous rows")
     bn = int(config["BLOCK_N"])
     if bn & (bn - 1) or bn < 16:
         raise ValueError(f"gguf_gemm: BLOCK_N must be a power of two >= 16, got {bn}")
@@ -263,13 +287,15 @@ def gguf_gemm(
     _gguf_gemm_kernel[grid](
         a, a.stride(0),
         blocks, blocks.stride(0) if S > 1 else 0, blocks.stride(1), up_off,
+        type_codes, type_codes.stride(0) if S > 1 else 0,
         out, out.stride(0),
         ws, ws.stride(0) if split > 1 else 0, ws.stride(1) if split > 1 else 0, cnt,
         sorted_ids, expert_of_block, slot_of_expert,
         expert_mask if expert_mask is not None else slot_of_expert,
         topk_weights if topk_weights is not None else slot_of_expert,
         out.shape[0], n, K, n_rows,
-        TYPE=gtype.code, TOPK=top_k, MODE=mode, HAS_MASK=expert_mask is not None,
+        TYPE_A=gtypes[0].code, TYPE_B=gtypes[1].code if len(gtypes) > 1 else -1, TOPK=top_k, MODE=mode,
+        HAS_MASK=expert_mask is not None,
         HAS_WEIGHT=topk_weights is not None, EVEN_N=n_out % tile_cols == 0, SPLIT_K=split, BLOCK_M=block_m,
         DOT_M=dot_m(block_m), BLOCK_N=bn, BLOCK_K=bk, DOT_DTYPE=dot_dtype,
         DOT_PREC="ieee" if dot_dtype == tl.float32 else None,
@@ -302,8 +328,8 @@ def gguf_expert_forward(
     sorted_ids, expert_of_block, _ = routing_plan(topk_ids, num_experts, block_m, "triton")
     h = x.new_empty((T * top_k, fmt.intermediate_size))
     up_off = fmt.spec("up").offset - fmt.spec("gate").offset
-    gguf_gemm(0, x, t["gate"], up_off, fmt.gate_up, h, sorted_ids, expert_of_block, slot_of_expert, expert_mask,
-              None, top_k, block_m, config["w13"])
-    gguf_gemm(1, h, t["down"], 0, fmt.down, out, sorted_ids, expert_of_block, slot_of_expert, expert_mask,
-              topk_weights.reshape(-1).float().contiguous(), 1, block_m, config["w2"])
+    gguf_gemm(0, x, t["gate"], up_off, fmt.types_of("gate"), t["types"], h, sorted_ids, expert_of_block,
+              slot_of_expert, expert_mask, None, top_k, block_m, config["w13"])
+    gguf_gemm(1, h, t["down"], 0, fmt.types_of("down"), t["types"], out, sorted_ids, expert_of_block,
+              slot_of_expert, expert_mask, topk_weights.reshape(-1).float().contiguous(), 1, block_m, config["w2"])
     return out

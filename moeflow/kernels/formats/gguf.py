@@ -3,17 +3,22 @@
 GGUF stacks a layer's experts in ``ffn_gate_exps`` / ``ffn_up_exps`` ``[E, I, H]`` and ``ffn_down_exps`` ``[E, H,
 I]`` (numpy order; llama.cpp's ``ne`` reversed): expert ``e``'s rows of each are one contiguous byte range, a row
 being one output feature with its K inputs in ggml blocks (:mod:`moeflow.kernels.gguf_reference`). The region holds
-those bytes unchanged, each matrix ``ALIGN``-aligned: ``gate`` uint8 ``[I, H / QK * type_size]``, ``up`` the same,
-``down`` uint8 ``[H, I / QK' * type_size']``. gate and up share one block type, down may have another (Q4_K_M files
-store gate/up in Q4_K and down in Q6_K or Q4_K by layer): a format is the pair :attr:`GGUFFormat.gate_up_type`,
-:attr:`GGUFFormat.down_type`. The loader form is the same three tensors (the file's bytes), so :meth:`write` and
-:meth:`loader_tensors` copy.
+those bytes unchanged, each matrix ``ALIGN``-aligned: ``gate`` uint8 ``[I, row_bytes]``, ``up`` the same, ``down``
+uint8 ``[H, row_bytes']``, then ``types`` uint8 ``[2]``: the block types (``GGMLType.code``) of gate/up and of
+down in this region. gate and up share one block type, down may have another; a format lists the one or two types
+each may hold (:attr:`GGUFFormat.gate_up_types`, :attr:`GGUFFormat.down_types`), because one format serves every
+layer of a model and llama.cpp's mixes vary by layer (Q4_K_M: gate/up Q4_K, down Q6_K in some layers and Q4_K in
+the others). With two types a matrix's rows are sized for the wider and a narrower type's rows are padded (the
+kernels read a region's ``types`` and branch); with one type the region is the file's bytes plus ``types``. The
+loader form is the three matrices as the file stores them (their row size tells the type): :meth:`write` copies
+and :meth:`loader_tensors` copies back.
 
-How a GGUF reader builds and fills it: ``gguf_expert_format(gate_type, down_type, hidden, inter, dtype)`` with the
-``tensor_type`` of ``blk.N.ffn_gate_exps`` (must equal ``ffn_up_exps``') and ``ffn_down_exps``, and per expert
-``fmt.write(region, {"gate": g[e], "up": u[e], "down": d[e]})`` where ``g`` is ``ffn_gate_exps``' data as uint8
-``[E, I, row_bytes]`` (gguf-py's ``ReaderTensor.data`` is already that shape for quantized types), likewise ``u``,
-``d`` (``[E, H, row_bytes]``); a disk tier reads the same three byte ranges.
+How a GGUF reader builds and fills it: ``gguf_expert_format(gate_types, down_types, hidden, inter, dtype)`` with
+the set of ``tensor_type`` s of ``blk.N.ffn_gate_exps`` (which must equal ``ffn_up_exps``' in each layer) and of
+``ffn_down_exps`` over all layers N (a name, id or ``gguf.GGMLQuantizationType``, or a sequence of them), and per
+expert ``fmt.write(region, {"gate": g[e], "up": u[e], "down": d[e]})`` where ``g`` is ``ffn_gate_exps``' data
+as uint8 ``[E, I, row_bytes]`` (gguf-py's ``ReaderTensor.data`` has that shape for quantized types), likewise
+``u``, and ``d`` ``[E, H, row_bytes]``; a disk tier reads the same three byte ranges.
 
 Compute: SiLU gating, no biases. Backend ``"triton"``: :mod:`moeflow.kernels.gguf_experts` (grouped kernels
 decoding the blocks in the K loop, one w13 kernel reading gate and up); ``"torch"``: the plain-torch reference
@@ -34,76 +39,111 @@ if TYPE_CHECKING:
     from moeflow.kernels.formats.layout import ExpertPool, ReferenceWeights
 
 MATRICES = ("gate", "up", "down")
+MAX_TYPES_PER_MATRIX = 2  # the kernels branch between at most two block types per matrix
 
 
 @dataclass(frozen=True)
 class GGUFFormat(ExpertFormat):
-    """Experts as GGUF blocks (module doc). ``gate_up_type`` / ``down_type``: ggml type names (``"Q4_K"``);
+    """Experts as GGUF blocks (module doc). ``gate_up_types`` / ``down_types``: the ggml type names (``"Q4_K"``)
+    the matrices may hold, one or two each (two: a model whose layers differ, as Q4_K_M's down projections do);
     ``dtype``: the model's activation dtype (the blocks carry their own fp16 scales)."""
 
-    gate_up_type: str = ""
-    down_type: str = ""
+    gate_up_types: tuple[str, ...] = ()
+    down_types: tuple[str, ...] = ()
     kind: ClassVar[str] = "gguf"
     # the fused eager MoE and CUDA-graph capture read the plain layout only; no CPU kernels yet (cpu_unsupported)
 
     def __post_init__(self) -> None:
-        for name, t in (("gate_up_type", self.gate_up_type), ("down_type", self.down_type)):
-            if not t:
-                raise ValueError(f"a GGUF expert format needs {name} (one of {sorted(GGML_TYPES)}): build it with "
+        for role, names, k in (("gate/up", self.gate_up_types, self.hidden_size),
+                               ("down", self.down_types, self.intermediate_size)):
+            if not names or len(names) > MAX_TYPES_PER_MATRIX:
+                raise ValueError(f"a GGUF expert format needs 1 or {MAX_TYPES_PER_MATRIX} {role} block types (of "
+                                 f"{sorted(GGML_TYPES)}), got {names!r}: build it with "
                                  "moeflow.kernels.formats.gguf_expert_format")
-            ggml_type(t)  # a ValueError naming the supported types
-        for role, g, k in (("gate/up", self.gate_up, self.hidden_size), ("down", self.down, self.intermediate_size)):
-            if k % g.block_size:
-                raise ValueError(f"GGUF {role} experts in {g.name} need their input size ({k}) to be a multiple of "
-                                 f"{g.block_size}")
+            types = [ggml_type(t) for t in names]  # a ValueError naming the supported types
+            for g in types:
+                if k % g.block_size:
+                    raise ValueError(f"GGUF {role} experts in {g.name} need their input size ({k}) to be a multiple "
+                                     f"of {g.block_size}")
+            if len({g.row_bytes(k) for g in types}) < len(types):
+                raise ValueError(f"GGUF {role} block types {names} have rows of the same size: one format cannot "
+                                 "tell them apart (the types of a region are inferred from its rows' sizes)")
         super().__post_init__()
 
-    @property
-    def gate_up(self) -> GGMLType:
-        return ggml_type(self.gate_up_type)
+    def types_of(self, name: str) -> tuple[GGMLType, ...]:
+        """The block types region tensor ``name`` ("gate", "up" or "down") may hold."""
+        return tuple(ggml_type(t) for t in (self.down_types if name == "down" else self.gate_up_types))
 
-    @property
-    def down(self) -> GGMLType:
-        return ggml_type(self.down_type)
+    def row_bytes(self, name: str) -> int:
+        """Bytes per row of region tensor ``name``: its widest type's (narrower rows are padded)."""
+        return max(g.row_bytes(self.input_size(name)) for g in self.types_of(name))
 
-    def block_type(self, name: str) -> GGMLType:
-        """The ggml type of region tensor ``name`` ("gate", "up" or "down")."""
-        return self.down if name == "down" else self.gate_up
+    def input_size(self, name: str) -> int:
+        return self.intermediate_size if name == "down" else self.hidden_size
 
     # ---- layout -------------------------------------------------------------------------------------------
     def region_shapes(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-        return [(name, torch.uint8, shape) for name, shape in self.loader_shapes().items()]
+        H, I = self.hidden_size, self.intermediate_size  # noqa: E741
+        rows = {"gate": I, "up": I, "down": H}
+        # "types": the ggml type codes (GGMLType.code) of gate/up and of down in this region
+        return [(n, torch.uint8, (rows[n], self.row_bytes(n))) for n in MATRICES] + [("types", torch.uint8, (2,))]
 
     def loader_shapes(self) -> dict[str, tuple[int, ...]]:
-        H, I = self.hidden_size, self.intermediate_size  # noqa: E741
-        row13, row2 = self.gate_up.row_bytes(H), self.down.row_bytes(I)
-        return {"gate": (I, row13), "up": (I, row13), "down": (H, row2)}
+        """Shapes of the loader form at the widest types (a narrower type's rows have fewer bytes)."""
+        return {spec.name: spec.shape for spec in self.specs if spec.name in MATRICES}
+
+    def _type_of_rows(self, name: str, t: torch.Tensor) -> GGMLType:
+        rows = self.spec(name).shape[0]
+        k = self.input_size(name)
+        for g in self.types_of(name):
+            if tuple(t.shape) == (rows, g.row_bytes(k)):
+                return g
+        want = " or ".join(f"{(rows, g.row_bytes(k))} ({g.name})" for g in self.types_of(name))
+        raise ValueError(f"GGUF expert tensor {name!r} has shape {tuple(t.shape)}, expected {want}: rows of "
+                         f"{k} inputs in blocks")
 
     def write(self, region: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy one expert's blocks (``gate``, ``up``: uint8 ``[I, row_bytes]``; ``down``: ``[H, row_bytes]``) into
-        its region ``uint8 [nbytes]`` (names, shapes and dtypes checked)."""
+        """Copy one expert's blocks (``gate``, ``up``: uint8 ``[I, row_bytes]``; ``down``: ``[H, row_bytes]``, the
+        row bytes telling the block type) into its region ``uint8 [nbytes]`` (names, shapes, dtypes checked)."""
         views = self.views(region.view(1, -1))
-        for name, shape in self.loader_shapes().items():
+        found = {}
+        for name in MATRICES:
             if name not in tensors:
                 raise KeyError(f"missing GGUF expert tensor {name!r} (expected {MATRICES})")
             t = tensors[name]
             if t.dtype != torch.uint8:
                 raise ValueError(f"GGUF expert tensor {name!r} must be the file's bytes (uint8), got {t.dtype}")
-            if tuple(t.shape) != shape:
-                g = self.block_type(name)
-                raise ValueError(f"GGUF expert tensor {name!r} ({g.name}) has shape {tuple(t.shape)}, expected "
-                                 f"{shape} (rows, {shape[1] // g.type_size} blocks of {g.type_size} bytes)")
-            views[name][0].copy_(t)
+            found[name] = self._type_of_rows(name, t)
+        if found["gate"] != found["up"]:
+            raise ValueError(f"GGUF expert gate ({found['gate'].name}) and up ({found['up'].name}) must share a "
+                             "block type")
+        for name in MATRICES:
+            rb = tensors[name].shape[1]
+            views[name][0][:, :rb].copy_(tensors[name])
+            views[name][0][:, rb:].zero_()  # padding of a narrower type: never read
+        views["types"][0].copy_(torch.tensor([found["gate"].code, found["down"].code], dtype=torch.uint8))
+
+    def region_types(self, region: torch.Tensor) -> tuple[GGMLType, GGMLType]:
+        """(gate/up type, down type) of the expert in ``region`` ``uint8 [nbytes]``."""
+        codes = self.views(region.view(1, -1))["types"][0].tolist()
+        by_code = {g.code: g for g in GGML_TYPES.values()}
+        return by_code[codes[0]], by_code[codes[1]]
 
     def loader_tensors(self, region: torch.Tensor) -> dict[str, torch.Tensor]:
         views = self.views(region.view(1, -1))
-        return {name: views[name][0].clone() for name in MATRICES}
+        gate_up, down = self.region_types(region)
+        out = {}
+        for name in MATRICES:
+            g = down if name == "down" else gate_up
+            out[name] = views[name][0][:, : g.row_bytes(self.input_size(name))].clone()
+        return out
 
     # ---- compute ------------------------------------------------------------------------------------------
     def reference_weights(self, pool: ExpertPool, slot: int) -> ReferenceWeights:
+        gate_up, down = self.region_types(pool.buffer[slot])
         t = self.loader_tensors(pool.buffer[slot])
-        w13 = torch.cat([dequantize(t["gate"], self.gate_up_type), dequantize(t["up"], self.gate_up_type)])
-        return w13, None, dequantize(t["down"], self.down_type), None
+        w13 = torch.cat([dequantize(t["gate"], gate_up.name), dequantize(t["up"], gate_up.name)])
+        return w13, None, dequantize(t["down"], down.name), None
 
     def check_pool(self, pool: ExpertPool) -> None:
         for name in MATRICES:
@@ -135,5 +175,6 @@ class GGUFFormat(ExpertFormat):
         return biased_expert_forward_reference(x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask)
 
     def cpu_unsupported(self) -> str | None:
-        return (f"the experts are GGUF {self.gate_up_type}/{self.down_type} blocks, which have no CPU kernels yet "
+        types = "/".join("+".join(t) for t in (self.gate_up_types, self.down_types))
+        return (f"the experts are GGUF {types} blocks, which have no CPU kernels yet "
                 "(hybrid compute runs AWQ 4-bit or MXFP4 experts)")
