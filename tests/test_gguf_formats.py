@@ -185,3 +185,35 @@ def test_torch_path_matches_gguf_py_oracle(dtype):
         want = ((a.float() @ down.T) * w.view(-1)[pair]).to(dtype)
         torch.testing.assert_close(out[pair : pair + 1], want, rtol=1e-5 if dtype == torch.float32 else 1e-2,
                                    atol=1e-6 if dtype == torch.float32 else 1e-3)
+
+
+def test_custom_op_and_compile_fullgraph():
+    """``GGUFFormat.forward`` runs as ``torch.ops.moeflow.gguf_expert_forward``: opcheck, and a resident MoE forward
+    traced whole by ``torch.compile(fullgraph=True)`` giving the eager bits."""
+    fmt = gguf_expert_format("Q4_0", ("Q8_0", "Q4_0"), 64, 96, torch.float32)
+    gen = torch.Generator().manual_seed(2)
+    pool = ExpertPool.allocate(fmt, 3, "cpu")
+    for s, down in enumerate(("Q8_0", "Q4_0", "Q8_0")):
+        fmt.write(pool.buffer[s], random_gguf_expert(fmt, gen, down=down))
+    slots = torch.tensor([1, 2, 0], dtype=torch.int32)
+    x = torch.randn(4, 64, generator=gen)
+    ids = torch.tensor([[0, 1], [2, 0], [1, 2], [0, 2]], dtype=torch.int32)
+    w = torch.rand(4, 2, generator=gen)
+    out = torch.zeros(8, 64)
+    torch.library.opcheck(torch.ops.moeflow.gguf_expert_forward.default,
+                          (x, ids, w, pool.buffer, slots, None, 64, 96, "Q4_0", "Q4_0+Q8_0", torch.float32, [],
+                           "torch", out))
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def f(x, ids, w):
+        return kernels.moe_forward(x, ids, w, pool, slots, "torch")
+
+    compiled = torch.compile(f, fullgraph=True, backend=backend)
+    assert torch.equal(compiled(x, ids, w), f(x, ids, w))
+    ops = {str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"}
+    assert any("moeflow.gguf_expert_forward" in o for o in ops), ops

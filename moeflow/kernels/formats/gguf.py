@@ -27,16 +27,18 @@ decoding the blocks in the K loop, one w13 kernel reading gate and up); ``"torch
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from moeflow.kernels.formats.layout import ExpertFormat
+from moeflow.kernels.formats.layout import ExpertFormat, ExpertPool
 from moeflow.kernels.gguf_reference import GGML_TYPES, GGMLType, dequantize, ggml_type
 
 if TYPE_CHECKING:
-    from moeflow.kernels.formats.layout import ExpertPool, ReferenceWeights
+    from moeflow.kernels.formats.layout import ReferenceWeights
 
 MATRICES = ("gate", "up", "down")
 MAX_TYPES_PER_MATRIX = 2  # the kernels branch between at most two block types per matrix
@@ -153,6 +155,9 @@ class GGUFFormat(ExpertFormat):
 
     def forward(self, x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask, backend, *,
                 config=None, validate=None):  # noqa: D102 (see ExpertFormat.forward)
+        """Checks, then the custom op ``torch.ops.moeflow.gguf_expert_forward`` (so ``torch.compile(fullgraph=True)``
+        traces through): backend "triton" the kernels of :mod:`moeflow.kernels.gguf_experts`, "torch" the
+        plain-torch reference."""
         from moeflow.kernels.checks import check_expert_args, check_ids_and_slots, values_checked
 
         check_expert_args(x, topk_ids, topk_weights, slot_of_expert, out, expert_mask, self.hidden_size)
@@ -165,16 +170,68 @@ class GGUFFormat(ExpertFormat):
             check_ids_and_slots(topk_ids, slot_of_expert, expert_mask, pool.n_slots)
         if topk_ids.numel() == 0:
             return out
-        if backend == "triton":
-            from moeflow.kernels.gguf_experts import gguf_expert_forward
-
-            return gguf_expert_forward(x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask,
-                                       config=config)
-        from moeflow.kernels.biased import biased_expert_forward_reference
-
-        return biased_expert_forward_reference(x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask)
+        flat_cfg = [] if config is None else [int(config.get("BLOCK_M", 0))] + [
+            int(config.get(stage, {}).get(key, -1)) for stage in ("w13", "w2") for key in _STAGE_KEYS]
+        _gguf_expert_forward_op(x, topk_ids, topk_weights, pool.buffer, slot_of_expert, expert_mask,
+                                self.hidden_size, self.intermediate_size, "+".join(self.gate_up_types),
+                                "+".join(self.down_types), self.dtype, flat_cfg, backend, out)
+        return out
 
     def cpu_unsupported(self) -> str | None:
         types = "/".join("+".join(t) for t in (self.gate_up_types, self.down_types))
         return (f"the experts are GGUF {types} blocks, which have no CPU kernels yet "
                 "(hybrid compute runs AWQ 4-bit or MXFP4 experts)")
+
+
+def gguf_expert_format(gate_up_types: str | int | Sequence[str | int], down_types: str | int | Sequence[str | int],
+                       hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> GGUFFormat:
+    """The GGUF format whose ``ffn_gate_exps`` / ``ffn_up_exps`` hold ggml type(s) ``gate_up_types`` and
+    ``ffn_down_exps`` ``down_types``: each a type (a name such as ``"Q4_K"``, a ggml type id, a
+    ``gguf.GGMLQuantizationType``) or the sequence of the (at most two) types a model's layers use, e.g.
+    ``("Q4_K", "Q6_K")`` for Q4_K_M's down projections. ``dtype`` is the model's activation dtype. A ValueError
+    names the supported types (:data:`moeflow.kernels.gguf_reference.GGML_TYPES`)."""
+    def names(types) -> tuple[str, ...]:
+        seq = [types] if isinstance(types, str | int) else list(types)
+        return tuple(sorted({ggml_type(t).name for t in seq}, key=lambda n: ggml_type(n).code))
+
+    return _gguf_format(names(gate_up_types), names(down_types), hidden_size, intermediate_size, dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _gguf_format(gate_up: tuple[str, ...], down: tuple[str, ...], hidden: int, inter: int,
+                 dtype: torch.dtype) -> GGUFFormat:
+    return GGUFFormat(hidden, inter, dtype, gate_up_types=gate_up, down_types=down)
+
+_STAGE_KEYS = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")
+
+
+@torch.library.custom_op("moeflow::gguf_expert_forward", mutates_args=("out",))
+def _gguf_expert_forward_op(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, buffer: torch.Tensor,
+    slot_of_expert: torch.Tensor, expert_mask: torch.Tensor | None, hidden: int, inter: int, gate_up_types: str,
+    down_types: str, dtype: torch.dtype, config: list[int], backend: str, out: torch.Tensor,
+) -> None:
+    """out[pairs of selected experts] = weighted expert outputs; the pool is ``buffer`` uint8 [S, nbytes] of the
+    GGUF format with these types ("Q4_K" or "Q4_K+Q6_K")."""
+    fmt = gguf_expert_format(gate_up_types.split("+"), down_types.split("+"), hidden, inter, dtype)
+    pool = ExpertPool(fmt, buffer)
+    if backend == "triton":
+        from moeflow.kernels.gguf_experts import gguf_expert_forward
+
+        cfg = None
+        if config:
+            n = len(_STAGE_KEYS)
+            stages = {name: {k: v for k, v in zip(_STAGE_KEYS, config[1 + i * n: 1 + (i + 1) * n], strict=True)
+                             if v >= 0} for i, name in enumerate(("w13", "w2"))}
+            cfg = {**({"BLOCK_M": config[0]} if config[0] > 0 else {}), **stages}
+        gguf_expert_forward(x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask, config=cfg)
+        return
+    from moeflow.kernels.biased import biased_expert_forward_reference
+
+    biased_expert_forward_reference(x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask)
+
+
+@_gguf_expert_forward_op.register_fake
+def _(x, topk_ids, topk_weights, buffer, slot_of_expert, expert_mask, hidden, inter, gate_up_types, down_types,
+      dtype, config, backend, out):
+    return None
