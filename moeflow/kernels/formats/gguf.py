@@ -20,9 +20,11 @@ expert ``fmt.write(region, {"gate": g[e], "up": u[e], "down": d[e]})`` where ``g
 as uint8 ``[E, I, row_bytes]`` (gguf-py's ``ReaderTensor.data`` has that shape for quantized types), likewise
 ``u``, and ``d`` ``[E, H, row_bytes]``; a disk tier reads the same three byte ranges.
 
-Compute: SiLU gating, no biases. Backend ``"triton"``: :mod:`moeflow.kernels.gguf_experts` (grouped kernels
-decoding the blocks in the K loop, one w13 kernel reading gate and up); ``"torch"``: the plain-torch reference
-(:func:`moeflow.kernels.biased.biased_expert_forward_reference` over :meth:`GGUFFormat.reference_weights`).
+Compute: SiLU gating, no biases, through the custom op ``torch.ops.moeflow.gguf_expert_forward`` (so
+``torch.compile(fullgraph=True)`` traces through; it rebuilds the format from its types). Backend ``"triton"``:
+:mod:`moeflow.kernels.gguf_experts` (grouped kernels decoding the blocks in the K loop, one w13 kernel reading gate
+and up); ``"torch"``: the plain-torch reference (:func:`moeflow.kernels.biased.biased_expert_forward_reference`
+over :meth:`GGUFFormat.reference_weights`). Not in the fused eager MoE, not CUDA-graph captured, no CPU form.
 """
 
 from __future__ import annotations
