@@ -9,9 +9,11 @@ from moeflow.kernels.formats import GGUFFormat
 from moeflow.kernels.gguf_reference import ggml_type
 
 # byte offsets of each block type's fp16 fields (d, and dmin for the K-quants with mins)
-FP16_FIELDS = {"Q4_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+FP16_FIELDS = {"Q4_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q4_1": (0, 2),
+               "Q5_0": (0,), "Q5_1": (0, 2)}
 # a scale that keeps each type's dequantized weights around 0.05 (K-quants multiply d by 6-bit / int8 scales)
-D_SCALE = {"Q4_0": 0.01, "Q8_0": 0.001, "Q4_K": 0.0002, "Q5_K": 0.0001, "Q6_K": 0.0002}
+D_SCALE = {"Q4_0": 0.01, "Q8_0": 0.001, "Q4_K": 0.0002, "Q5_K": 0.0001, "Q6_K": 0.0002, "Q4_1": 0.01,
+           "Q5_0": 0.005, "Q5_1": 0.005}
 
 
 def random_blocks(type_name: str, rows: int, k: int, gen: torch.Generator) -> torch.Tensor:

@@ -92,8 +92,8 @@ def test_types_by_name_id_and_enum():
     assert FORMATS[("gguf", False)] is GGUFFormat
     with pytest.raises(ValueError, match=r"unsupported GGUF expert weight type 'IQ2_XS'.*Q4_0 \(id 2\).*Q6_K"):
         gguf_expert_format("IQ2_XS", "Q6_K", 256, 256, torch.float32)
-    with pytest.raises(ValueError, match=r"unsupported GGUF expert weight type 3\b"):  # Q4_1
-        gguf_expert_format(3, "Q6_K", 256, 256, torch.float32)
+    with pytest.raises(ValueError, match=r"unsupported GGUF expert weight type 10\b"):  # Q2_K
+        gguf_expert_format(10, "Q6_K", 256, 256, torch.float32)
     with pytest.raises(ValueError, match="down experts in Q6_K need their input size \\(96\\) to be a multiple of 256"):
         gguf_expert_format("Q8_0", "Q6_K", 256, 96, torch.float32)
     with pytest.raises(ValueError, match="needs 1 or 2 gate/up block types.*gguf_expert_format"):

@@ -38,6 +38,8 @@ CASES = [  # (gate/up type, down type, T, H, I, E, k, config)
     ("Q4_K", "Q6_K", 3, 256, 256, 4, 2, {"w13": {"BLOCK_K": 128}, "w2": {"BLOCK_N": 128, "BLOCK_K": 128}}),
     ("Q4_K", "Q4_K", 1, 256, 256, 3, 2, {"w13": {"BLOCK_N": 128, "BLOCK_K": 128}, "w2": {"BLOCK_K": 256}}),
     ("Q6_K", "Q5_K", 2, 256, 256, 3, 2, {"w13": {"BLOCK_N": 128, "BLOCK_K": 128}, "w2": {"BLOCK_K": 128}}),
+    ("Q4_1", "Q5_0", 3, 96, 160, 5, 2, None),  # llama-quantize's fallbacks for rows not a multiple of 256
+    ("Q5_1", "Q5_1", 2, 64, 96, 3, 2, {"w13": {"BLOCK_N": 128}}),
 ]
 
 

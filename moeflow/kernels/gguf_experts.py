@@ -1,6 +1,6 @@
 """Grouped Triton kernels for GGUF experts (:class:`~moeflow.kernels.formats.gguf.GGUFFormat`), decoding the ggml
-blocks of the slot pool in the K loop: Q4_0, Q8_0, Q4_K, Q5_K, Q6_K (:mod:`moeflow.kernels.gguf_reference` has the
-layouts and the fp32 reference dequantizers).
+blocks of the slot pool in the K loop: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K
+(:mod:`moeflow.kernels.gguf_reference` has the layouts and the fp32 reference dequantizers).
 
 Same contract as the AWQ and MXFP4 kernels (:mod:`moeflow.kernels.triton_experts`, :mod:`moeflow.kernels.mxfp4`):
 an align-block-size routing plan (``moeflow.kernels.ops.routing_plan``), weights read from the slot pool through
@@ -13,15 +13,15 @@ accumulation, :func:`moeflow.kernels.combine` afterwards. Operand-swapped like t
   up row ``n0/2 + j`` (``up`` sits ``up_off`` bytes after ``gate`` in every region), so the accumulator holds
   gate and up interleaved for :func:`~moeflow.kernels.triton_common.gemm_epilogue`'s ``silu(gate) * up`` (fp32,
   stored in the activation dtype) -> ``h [P, I]``. ``MODE 1`` (w2): times the fp32 routing weight -> ``out``.
-* Decode (:func:`_decode`): per 32-element group of the tile (a Q4_0 / Q8_0 block, a K-quant sub-block), its
+* Decode (:func:`_decode`): per 32-element group of the tile (a 32-element block, a K-quant sub-block), its
   scale fields are loaded once per row ([BN, BK/32]: fp16 scales assembled from two bytes and bitcast, Q4_K /
   Q5_K's 6-bit scales and mins unpacked), its 32 quants as bytes [BN, BK/32, 32], and the value formed in fp32 in
   the reference's order. ``BLOCK_K`` is a power of two >= 32 dividing K (any such works for every type; a K-quant
   tile may span super-blocks). The blocks are read as stored: Q4_K / Q5_K blocks (144 / 176 bytes) stay 16-byte
-  aligned and their quants load as vectors; Q4_0 / Q8_0 / Q6_K blocks (18 / 34 / 210 bytes) are only 2-byte
+  aligned and their quants load as vectors; Q4_0 / Q5_0 / Q8_0 / Q6_K blocks (18 / 22 / 34 / 210 bytes) are only 2-byte
   aligned, so their quants load two bytes at a time (:func:`_bytes`). ``benchmarks/sass_gguf.py`` (sm_90,
   Qwen3-30B-A3B shapes, default tiles) counts warp-instructions per weight of 0.26-0.31 (Q4_K), 0.43 (Q5_K), 0.71-0.79
-  (Q6_K), 0.24-0.25 (Q4_0), 0.33 (Q8_0), against ~0.15 for HBM speed (the AWQ kernels: 0.133):
+  (Q6_K), 0.24-0.25 (Q4_0), 0.33 (Q8_0), 0.26 (Q5_1), 0.40 (Q5_0), against ~0.15 for HBM speed (the AWQ kernels: 0.133):
   ``benchmarks/results/sass/README.md``. GPU speed is unmeasured.
 * A format may allow two block types per matrix (a model whose layers differ): the kernel is built with a K loop
   for each (``TYPE_A``, ``TYPE_B``); a program reads its region's ``types`` byte once and runs that type's loop
@@ -86,7 +86,7 @@ def _signed(v):
 def _decode(rows, k0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TYPE: tl.constexpr):
     """Weights of elements ``k0 .. k0 + BLOCK_K`` of the rows starting at uint8 pointers ``rows`` [BN, 1] -> fp32
     [BN, BK], the reference's values (``moeflow.kernels.gguf_reference``'s layouts; TYPE = ``GGMLType.code``).
-    Decoded per 32-element group ``J`` (a Q4_0 / Q8_0 block, a K-quant sub-block): its scale fields are loaded
+    Decoded per 32-element group ``J`` (a 32-element block, a K-quant sub-block): its scale fields are loaded
     once per (row, group) [BN, NB], its 32 quants as [BN, NB, 32]."""
     NB: tl.constexpr = BLOCK_K // 32
     J = k0 // 32 + tl.arange(0, NB)  # groups of the tile [NB]
@@ -99,6 +99,28 @@ def _decode(rows, k0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TYPE: tl.con
     elif TYPE == 1:  # Q8_0: 34-byte blocks of 32
         b = rows + (J * 34)[None, :]
         w = _signed(_bytes(b[:, :, None] + 2, 32)).to(tl.float32) * _f16_at(b)[:, :, None]
+    elif TYPE >= 5:  # Q4_1 (20 bytes: d, m, qs), Q5_0 (22: d, qh, qs), Q5_1 (24: d, m, qh, qs): blocks of 32
+        if TYPE == 5:
+            b = rows + (J * 20)[None, :]
+            qs = _bytes(b[:, :, None] + 4, 16)
+        elif TYPE == 6:
+            b = rows + (J * 22)[None, :]
+            qs = _bytes(b[:, :, None] + 6, 16)
+        else:
+            b = rows + (J * 24)[None, :]
+            qs = _bytes(b[:, :, None] + 8, 16)
+        q = tl.reshape(tl.permute(tl.join(qs & 15, qs >> 4), (0, 1, 3, 2)), [BLOCK_N, NB, 32])
+        if TYPE != 5:  # the little-endian uint32 qh: bit l is bit 4 of element l
+            if TYPE == 6:
+                qh = _bytes(b[:, :, None] + 2, 4)
+            else:
+                qh = _bytes(b[:, :, None] + 4, 4)
+            qh = tl.sum(qh << (8 * tl.arange(0, 4))[None, None, :], axis=2)  # int32 [BN, NB] (disjoint bytes)
+            q = q | (((qh[:, :, None] >> lane) & 1) << 4)
+        if TYPE == 6:
+            w = _f16_at(b)[:, :, None] * (q - 16).to(tl.float32)
+        else:
+            w = (_f16_at(b)[:, :, None] * q.to(tl.float32)) + _f16_at(b + 2)[:, :, None]
     elif TYPE == 2 or TYPE == 3:  # Q4_K (144 bytes) / Q5_K (176 bytes): blocks of 256, sub-block j
         j = (J % 8)[None, :]
         if TYPE == 2:

@@ -9,6 +9,10 @@ layouts (ggml-common.h; all fp16 fields little-endian):
 * ``Q8_0`` (QK 32, 34 bytes): ``d`` fp16, ``qs`` int8[32]; ``w = qs * d``.
 * ``Q4_0`` (QK 32, 18 bytes): ``d`` fp16, ``qs`` uint8[16]; element ``j < 16`` is ``qs[j] & 15``, element
   ``j + 16`` is ``qs[j] >> 4``; ``w = d * (q - 8)``.
+* ``Q4_1`` (QK 32, 20 bytes): ``d``, ``m`` fp16, ``qs`` [16] as Q4_0; ``w = d * q + m``.
+* ``Q5_0`` (QK 32, 22 bytes): ``d`` fp16, ``qh`` uint32 (bit ``j``: bit 4 of element ``j``), ``qs`` [16] as Q4_0;
+  ``w = d * (q - 16)``. ``Q5_1`` (24 bytes): ``d``, ``m``, ``qh``, ``qs``; ``w = d * q + m``. (llama-quantize falls
+  back to these for K-quant tensors whose rows are not a multiple of 256.)
 * ``Q4_K`` (QK 256, 144 bytes): ``d``, ``dmin`` fp16, ``scales`` [12] (eight 6-bit scales ``sc`` and mins ``m``,
   :func:`scale_min_k4`), ``qs`` [128]: 64-element chunk ``c`` is bytes ``32c .. 32c + 31``, low nibbles its first
   32 elements (sub-block ``2c``), high nibbles the next 32; ``w = (d sc) q - dmin m``.
@@ -47,8 +51,11 @@ QK_K = 256
 # the types GGUF experts can be stored in here; ids and sizes as ggml.h / gguf-py's GGML_QUANT_SIZES
 GGML_TYPES: dict[str, GGMLType] = {t.name: t for t in (
     GGMLType("Q4_0", 2, 32, 18, 0), GGMLType("Q8_0", 8, 32, 34, 1), GGMLType("Q4_K", 12, QK_K, 144, 2),
-    GGMLType("Q5_K", 13, QK_K, 176, 3), GGMLType("Q6_K", 14, QK_K, 210, 4),
+    GGMLType("Q5_K", 13, QK_K, 176, 3), GGMLType("Q6_K", 14, QK_K, 210, 4), GGMLType("Q4_1", 3, 32, 20, 5),
+    GGMLType("Q5_0", 6, 32, 22, 6), GGMLType("Q5_1", 7, 32, 24, 7),
 )}
+# the 32-element types with a min (Q4_1, Q5_1) and / or a 5th bit (Q5_0, Q5_1): (qh offset or None, qs offset)
+LEGACY_FIELDS = {"Q4_1": (None, 4), "Q5_0": (2, 6), "Q5_1": (4, 8)}
 
 
 def ggml_type(t: str | int) -> GGMLType:
@@ -100,6 +107,17 @@ def dequantize(data: torch.Tensor, t: str | int) -> torch.Tensor:
         qs = b[..., 2:].to(torch.int32)
         q = torch.cat([qs & 15, qs >> 4], dim=-1) - 8
         w = _f16(b, 0) * q.float()
+    elif g.name in LEGACY_FIELDS:
+        qh_at, qs_at = LEGACY_FIELDS[g.name]
+        qs = b[..., qs_at : qs_at + 16].to(torch.int32)
+        q = torch.cat([qs & 15, qs >> 4], dim=-1)  # [N, nb, 32]
+        if qh_at is not None:  # bit j of the little-endian uint32 qh: bit 4 of element j
+            qh = b[..., qh_at : qh_at + 4].to(torch.int32)
+            q = q | (((qh.repeat_interleave(8, dim=-1) >> torch.arange(32) % 8) & 1) << 4)
+        if g.name == "Q5_0":
+            w = _f16(b, 0) * (q - 16).float()
+        else:
+            w = (_f16(b, 0) * q.float()) + _f16(b, 2)
     elif g.name in ("Q4_K", "Q5_K"):
         sc, m = scale_min_k4(b[..., 4:16])
         d = (_f16(b, 0) * sc.float())[..., None]  # [N, nb, 8, 1]

@@ -1,4 +1,5 @@
-"""GGUF experts: one expert's ggml blocks as stored in the file (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K), run natively.
+"""GGUF experts: one expert's ggml blocks as stored in the file (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K),
+run natively.
 
 GGUF stacks a layer's experts in ``ffn_gate_exps`` / ``ffn_up_exps`` ``[E, I, H]`` and ``ffn_down_exps`` ``[E, H,
 I]`` (numpy order; llama.cpp's ``ne`` reversed): expert ``e``'s rows of each are one contiguous byte range, a row
