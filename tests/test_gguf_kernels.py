@@ -76,19 +76,22 @@ def test_triton_matches_reference(case):
     assert torch.equal(staged, one_pass)
 
 
-@pytest.mark.parametrize("gate_up, down, H, I", [("Q8_0", "Q4_0", 96, 64), ("Q4_K", "Q6_K", 256, 256)])
-def test_triton_bf16(gate_up, down, H, I):  # noqa: E741
+@pytest.mark.parametrize("gate_up, down, H, I, dtype", [("Q8_0", "Q4_0", 96, 64, torch.bfloat16),
+                                                        ("Q4_K", "Q6_K", 256, 256, torch.bfloat16),
+                                                        ("Q5_0", "Q8_0", 64, 96, torch.float16)])
+def test_triton_16_bit_activations(gate_up, down, H, I, dtype):  # noqa: E741
     gen = torch.Generator().manual_seed(5)
     T, E, k = 3, 4, 2
-    pool = gguf_pool(gate_up, down, H, I, E, gen, torch.bfloat16)
+    pool = gguf_pool(gate_up, down, H, I, E, gen, dtype)
     slots = torch.arange(E, dtype=torch.int32)
-    x = torch.randn(T, H, generator=gen).to(torch.bfloat16)
+    x = torch.randn(T, H, generator=gen).to(dtype)
     ids, w = routing(T, E, k, gen)
     cfg = {"w13": {"BLOCK_N": 128, "BLOCK_K": 128}, "w2": {"BLOCK_K": 128}}
-    want = biased_expert_forward_reference(x, ids, w, pool, slots, torch.zeros(T * k, H, dtype=torch.bfloat16))
-    got = kernels.expert_forward(x, ids, w, pool, slots, torch.zeros(T * k, H, dtype=torch.bfloat16),
-                                 backend="triton", config=cfg)
-    # h and the outputs stored in bf16 (the interpreter truncates fp32 -> bf16 instead of rounding): bf16 ulps
+    want = biased_expert_forward_reference(x, ids, w, pool, slots, torch.zeros(T * k, H, dtype=dtype))
+    got = kernels.expert_forward(x, ids, w, pool, slots, torch.zeros(T * k, H, dtype=dtype), backend="triton",
+                                 config=cfg)
+    # h and the outputs stored in 16 bits (the interpreter truncates fp32 -> bf16 instead of rounding; fp16 weights
+    # are rounded for the MMA): a few ulps
     assert rel_err(got, want) < 2e-2
 
 
