@@ -217,3 +217,20 @@ def test_custom_op_and_compile_fullgraph():
     assert torch.equal(compiled(x, ids, w), f(x, ids, w))
     ops = {str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"}
     assert any("moeflow.gguf_expert_forward" in o for o in ops), ops
+
+
+def test_ggml_mxfp4_rows_convert_to_the_mxfp4_format():
+    """gpt-oss GGUF's MXFP4 blocks (ggml type 39) -> the published blocks / scales the MXFP4 format runs: the same
+    values as gguf-py's dequantize (odd row count, every code, exponents around 127)."""
+    from moeflow.kernels.mxfp4_reference import dequantize_mxfp4, from_ggml_mxfp4
+
+    gen = torch.Generator().manual_seed(7)
+    raw = torch.randint(0, 256, (3, 4, 17), generator=gen, dtype=torch.uint8)
+    raw[..., 0] = torch.randint(110, 140, (3, 4), generator=gen, dtype=torch.uint8)
+    raw = raw.reshape(3, -1)
+    blocks, scales = from_ggml_mxfp4(raw)
+    assert blocks.shape == (3, 4, 16) and scales.shape == (3, 4)
+    expected = gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType.MXFP4)
+    assert np.array_equal(dequantize_mxfp4(blocks, scales).numpy(), expected)  # values (ggml's +0 is e2m1's -0)
+    with pytest.raises(ValueError, match="GGUF MXFP4 rows must be uint8"):
+        from_ggml_mxfp4(raw[:, :20])
