@@ -143,6 +143,24 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     return w.flatten(-2).to(dtype)
 
 
+GGML_MXFP4_BYTES = 17  # GGUF's MXFP4 block (ggml type 39): an e8m0 byte, then 16 bytes of codes
+
+
+def from_ggml_mxfp4(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF's MXFP4 rows (ggml type 39, gpt-oss GGUF files) uint8 ``[N, K/32 * 17]`` -> the published
+    ``(blocks uint8 [N, K/32, 16], scales uint8 [N, K/32])`` that the MXFP4 format writes: a byte shuffle. A ggml
+    block is the exponent byte then 16 bytes holding elements 0..15 in their low nibbles and 16..31 in their high
+    ones; ggml's value ``2 e2m1 * 2**(e - 128)`` equals ``e2m1 * 2**(e - 127)`` (same scale byte), except that
+    ggml's code 8 is +0 where e2m1's is -0 (equal values; e = 255, OCP's NaN, differs)."""
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % GGML_MXFP4_BYTES:
+        raise ValueError(f"GGUF MXFP4 rows must be uint8 [N, blocks * {GGML_MXFP4_BYTES}], got {raw.dtype} "
+                         f"{tuple(raw.shape)}")
+    b = raw.reshape(raw.shape[0], -1, GGML_MXFP4_BYTES)
+    qs = b[..., 1:]
+    codes = torch.cat([qs & 15, qs >> 4], dim=-1)  # [N, K/32, 32] in element order
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous(), b[..., 0].contiguous()
+
+
 def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """W [..., N, K] (K a multiple of 32) -> (blocks uint8 [..., N, K/32, 16], scales uint8 [..., N, K/32]).
 

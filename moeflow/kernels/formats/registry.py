@@ -1,4 +1,5 @@
-"""Storage name -> format class: the one place that reads a format's name (``"dense"``, ``"awq"``, ``"mxfp4"``).
+"""Storage name -> format class: the one place that reads a format's name (``"dense"``, ``"awq"``, ``"mxfp4"``,
+``"gguf"``).
 
 Plain formats (SiLU, no biases) and biased ones (a bias and/or another gate activation: gpt-oss) are separate
 classes; :func:`expert_format` and :func:`biased_expert_format` pick the class of a storage name, the way the
@@ -14,6 +15,7 @@ import torch
 from moeflow.kernels.formats.awq import AWQFormat
 from moeflow.kernels.formats.biased import BiasedAWQFormat, BiasedDenseFormat, BiasedExpertFormat
 from moeflow.kernels.formats.dense import DenseFormat
+from moeflow.kernels.formats.gguf import GGUFFormat, gguf_expert_format
 from moeflow.kernels.formats.layout import ExpertFormat
 from moeflow.kernels.formats.mxfp4 import MXFP4Format
 
@@ -21,6 +23,7 @@ from moeflow.kernels.formats.mxfp4 import MXFP4Format
 FORMATS: dict[tuple[str, bool], type[ExpertFormat]] = {
     ("dense", False): DenseFormat, ("awq", False): AWQFormat,
     ("dense", True): BiasedDenseFormat, ("awq", True): BiasedAWQFormat, ("mxfp4", True): MXFP4Format,
+    ("gguf", False): GGUFFormat,  # built by gguf_expert_format (formats/gguf.py; its block types are fields)
 }
 
 
@@ -47,3 +50,6 @@ def biased_expert_format(hidden_size: int, intermediate_size: int, kind: str, dt
     cls = _class(kind, True)
     return cls(hidden_size, intermediate_size, dtype, group_size, activation=activation, bias=bias,
                swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
+
+
+__all__ = ["FORMATS", "biased_expert_format", "expert_format", "gguf_expert_format"]
