@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from moeflow.kernels.experts.gguf_reference import ggml_type
 from moeflow.kernels.formats import GGUFFormat
-from moeflow.kernels.gguf_reference import ggml_type
 
 # byte offsets of each block type's fp16 fields (d, and dmin for the K-quants with mins)
 FP16_FIELDS = {"Q4_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q4_1": (0, 2),

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from gguf_block_helpers import random_blocks, random_gguf_expert
 
 from moeflow import kernels
+from moeflow.kernels.experts.gguf_reference import GGML_TYPES, dequantize
 from moeflow.kernels.formats import ALIGN, FORMATS, GGUFFormat, expert_format, gguf_expert_format
-from moeflow.kernels.gguf_reference import GGML_TYPES, dequantize
 from moeflow.kernels.pool import ExpertPool
 
 TYPES = tuple(GGML_TYPES)
@@ -222,7 +222,7 @@ def test_custom_op_and_compile_fullgraph():
 def test_ggml_mxfp4_rows_convert_to_the_mxfp4_format():
     """gpt-oss GGUF's MXFP4 blocks (ggml type 39) -> the published blocks / scales the MXFP4 format runs: the same
     values as gguf-py's dequantize (odd row count, every code, exponents around 127)."""
-    from moeflow.kernels.mxfp4_reference import dequantize_mxfp4, from_ggml_mxfp4
+    from moeflow.kernels.experts.mxfp4_reference import dequantize_mxfp4, from_ggml_mxfp4
 
     gen = torch.Generator().manual_seed(7)
     raw = torch.randint(0, 256, (3, 4, 17), generator=gen, dtype=torch.uint8)

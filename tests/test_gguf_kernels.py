@@ -9,7 +9,7 @@ import torch
 from gguf_block_helpers import random_gguf_expert
 
 from moeflow import kernels
-from moeflow.kernels.biased import biased_expert_forward_reference
+from moeflow.kernels.experts.biased import biased_expert_forward_reference
 from moeflow.kernels.formats import gguf_expert_format
 from moeflow.kernels.pool import ExpertPool
 

@@ -3,8 +3,8 @@ run natively.
 
 GGUF stacks a layer's experts in ``ffn_gate_exps`` / ``ffn_up_exps`` ``[E, I, H]`` and ``ffn_down_exps`` ``[E, H,
 I]`` (numpy order; llama.cpp's ``ne`` reversed): expert ``e``'s rows of each are one contiguous byte range, a row
-being one output feature with its K inputs in ggml blocks (:mod:`moeflow.kernels.gguf_reference`). The region holds
-those bytes unchanged, each matrix ``ALIGN``-aligned: ``gate`` uint8 ``[I, row_bytes]``, ``up`` the same, ``down``
+being one output feature with its K inputs in ggml blocks (:mod:`moeflow.kernels.experts.gguf_reference`). The region
+holds those bytes unchanged, each matrix ``ALIGN``-aligned: ``gate`` uint8 ``[I, row_bytes]``, ``up`` the same, ``down``
 uint8 ``[H, row_bytes']``, then ``types`` uint8 ``[2]``: the block types (``GGMLType.code``) of gate/up and of
 down in this region. gate and up share one block type, down may have another; a format lists the one or two types
 each may hold (:attr:`GGUFFormat.gate_up_types`, :attr:`GGUFFormat.down_types`), because one format serves every
@@ -23,8 +23,8 @@ as uint8 ``[E, I, row_bytes]`` (gguf-py's ``ReaderTensor.data`` has that shape f
 
 Compute: SiLU gating, no biases, through the custom op ``torch.ops.moeflow.gguf_expert_forward`` (so
 ``torch.compile(fullgraph=True)`` traces through; it rebuilds the format from its types). Backend ``"triton"``:
-:mod:`moeflow.kernels.gguf_experts` (grouped kernels decoding the blocks in the K loop, one w13 kernel reading gate
-and up); ``"torch"``: the plain-torch reference (:func:`moeflow.kernels.biased.biased_expert_forward_reference`
+:mod:`moeflow.kernels.experts.gguf` (grouped kernels decoding the blocks in the K loop, one w13 kernel reading gate
+and up); ``"torch"``: the plain-torch reference (:func:`moeflow.kernels.experts.biased.biased_expert_forward_reference`
 over :meth:`GGUFFormat.reference_weights`). Not in the fused eager MoE, not CUDA-graph captured, no CPU form.
 """
 
@@ -37,8 +37,9 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from moeflow.kernels.custom_op import custom_op
+from moeflow.kernels.experts.gguf_reference import GGML_TYPES, GGMLType, dequantize, ggml_type
 from moeflow.kernels.formats.layout import ExpertFormat, ExpertPool
-from moeflow.kernels.gguf_reference import GGML_TYPES, GGMLType, dequantize, ggml_type
 
 if TYPE_CHECKING:
     from moeflow.kernels.formats.layout import ReferenceWeights
@@ -159,9 +160,9 @@ class GGUFFormat(ExpertFormat):
     def forward(self, x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask, backend, *,
                 config=None, validate=None):  # noqa: D102 (see ExpertFormat.forward)
         """Checks, then the custom op ``torch.ops.moeflow.gguf_expert_forward`` (so ``torch.compile(fullgraph=True)``
-        traces through): backend "triton" the kernels of :mod:`moeflow.kernels.gguf_experts`, "torch" the
+        traces through): backend "triton" the kernels of :mod:`moeflow.kernels.experts.gguf`, "torch" the
         plain-torch reference."""
-        from moeflow.kernels.checks import check_expert_args, check_ids_and_slots, values_checked
+        from moeflow.kernels.experts.checks import check_expert_args, check_ids_and_slots, values_checked
 
         check_expert_args(x, topk_ids, topk_weights, slot_of_expert, out, expert_mask, self.hidden_size)
         if pool.device != x.device:
@@ -192,7 +193,7 @@ def gguf_expert_format(gate_up_types: str | int | Sequence[str | int], down_type
     ``ffn_down_exps`` ``down_types``: each a type (a name such as ``"Q4_K"``, a ggml type id, a
     ``gguf.GGMLQuantizationType``) or the sequence of the (at most two) types a model's layers use, e.g.
     ``("Q4_K", "Q6_K")`` for Q4_K_M's down projections. ``dtype`` is the model's activation dtype. A ValueError
-    names the supported types (:data:`moeflow.kernels.gguf_reference.GGML_TYPES`)."""
+    names the supported types (:data:`moeflow.kernels.experts.gguf_reference.GGML_TYPES`)."""
     def names(types) -> tuple[str, ...]:
         seq = [types] if isinstance(types, str | int) else list(types)
         return tuple(sorted({ggml_type(t).name for t in seq}, key=lambda n: ggml_type(n).code))
@@ -208,7 +209,7 @@ def _gguf_format(gate_up: tuple[str, ...], down: tuple[str, ...], hidden: int, i
 _STAGE_KEYS = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")
 
 
-@torch.library.custom_op("moeflow::gguf_expert_forward", mutates_args=("out",))
+@custom_op("moeflow::gguf_expert_forward", mutates_args=("out",))
 def _gguf_expert_forward_op(
     x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, buffer: torch.Tensor,
     slot_of_expert: torch.Tensor, expert_mask: torch.Tensor | None, hidden: int, inter: int, gate_up_types: str,
@@ -219,7 +220,7 @@ def _gguf_expert_forward_op(
     fmt = gguf_expert_format(gate_up_types.split("+"), down_types.split("+"), hidden, inter, dtype)
     pool = ExpertPool(fmt, buffer)
     if backend == "triton":
-        from moeflow.kernels.gguf_experts import gguf_expert_forward
+        from moeflow.kernels.experts.gguf import gguf_expert_forward
 
         cfg = None
         if config:
@@ -229,7 +230,7 @@ def _gguf_expert_forward_op(
             cfg = {**({"BLOCK_M": config[0]} if config[0] > 0 else {}), **stages}
         gguf_expert_forward(x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask, config=cfg)
         return
-    from moeflow.kernels.biased import biased_expert_forward_reference
+    from moeflow.kernels.experts.biased import biased_expert_forward_reference
 
     biased_expert_forward_reference(x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask)
 

@@ -1,8 +1,8 @@
 """Machine-code report of the GGUF expert kernels at Qwen3-30B-A3B shapes, compiled for sm_90 on any machine (no
 GPU).
 
-    python benchmarks/sass_gguf.py                           # Q4_K_M (Q4_K gate/up, Q6_K down), one JSON line each
-    python benchmarks/sass_gguf.py --types Q4_0 Q4_0 --tokens 1 --out benchmarks/results/sass/gguf-q4_0.json
+    python benchmarks/sass/gguf.py                           # Q4_K_M (Q4_K gate/up, Q6_K down), one JSON line each
+    python benchmarks/sass/gguf.py --types Q4_0 Q4_0 --tokens 1 --out benchmarks/results/sass/gguf-q4_0.json
 
 Both stages of ``gguf_expert_forward`` (w13 reading gate and up, w2 with the routing weight) are compiled with the
 installed Triton and its ptxas through :func:`sass_report.compile_only` and reported with ``sass_report``'s keys:
@@ -15,15 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-for p in (ROOT, ROOT / "benchmarks"):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
 
 MODELS = {  # name: (hidden, intermediate, experts, top_k)
     "qwen3-30b-a3b": (2048, 768, 128, 8),
@@ -35,12 +29,11 @@ TOKENS = (1, 16, 512)
 def gguf_layer_launches(model: str, T: int, gate_up: str, down: str, config: dict | None = None,
                         dtype: torch.dtype = torch.bfloat16) -> list[dict]:
     """Compile the two GGUF expert stages of one MoE layer at T tokens; one row per kernel."""
-    from sass_report import _row, compile_only
-
-    from moeflow.kernels import gguf_experts
+    from benchmarks.sass.report import _row, compile_only
+    from moeflow.kernels.experts import gguf as gguf_experts
+    from moeflow.kernels.experts.reference import routing_plan_reference
     from moeflow.kernels.formats import gguf_expert_format
     from moeflow.kernels.pool import ExpertPool
-    from moeflow.kernels.reference import routing_plan_reference
 
     H, I, E, k = MODELS[model]  # noqa: E741
     fmt = gguf_expert_format(gate_up.split("+"), down.split("+"), H, I, dtype)

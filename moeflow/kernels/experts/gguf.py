@@ -1,9 +1,9 @@
 """Grouped Triton kernels for GGUF experts (:class:`~moeflow.kernels.formats.gguf.GGUFFormat`), decoding the ggml
 blocks of the slot pool in the K loop: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K
-(:mod:`moeflow.kernels.gguf_reference` has the layouts and the fp32 reference dequantizers).
+(:mod:`moeflow.kernels.experts.gguf_reference` has the layouts and the fp32 reference dequantizers).
 
-Same contract as the AWQ and MXFP4 kernels (:mod:`moeflow.kernels.triton_experts`, :mod:`moeflow.kernels.mxfp4`):
-an align-block-size routing plan (``moeflow.kernels.ops.routing_plan``), weights read from the slot pool through
+Same contract as the AWQ and MXFP4 kernels (:mod:`moeflow.kernels.experts.gemm`, :mod:`moeflow.kernels.experts.mxfp4`):
+an align-block-size routing plan (``moeflow.kernels.experts.ops.routing_plan``), weights read from the slot pool through
 ``slot_of_expert``, blocks of experts outside ``expert_mask`` return at once (a staged computation writes each
 selected row exactly as a single pass), ``out`` ``[T*k, H]`` written in place for the selected pairs, fp32
 accumulation, :func:`moeflow.kernels.combine` afterwards. Operand-swapped like those: a program computes ``acc
@@ -19,7 +19,7 @@ accumulation, :func:`moeflow.kernels.combine` afterwards. Operand-swapped like t
   the reference's order. ``BLOCK_K`` is a power of two >= 32 dividing K (any such works for every type; a K-quant
   tile may span super-blocks). The blocks are read as stored: Q4_K / Q5_K blocks (144 / 176 bytes) stay 16-byte
   aligned and their quants load as vectors; Q4_0 / Q5_0 / Q8_0 / Q6_K blocks (18 / 22 / 34 / 210 bytes) are only 2-byte
-  aligned, so their quants load two bytes at a time (:func:`_bytes`). ``benchmarks/sass_gguf.py`` (sm_90,
+  aligned, so their quants load two bytes at a time (:func:`_bytes`). ``benchmarks/sass/gguf.py`` (sm_90,
   Qwen3-30B-A3B shapes, default tiles) counts warp-instructions per weight of 0.26-0.31 (Q4_K), 0.43 (Q5_K), 0.71-0.79
   (Q6_K), 0.24-0.25 (Q4_0), 0.33 (Q8_0), 0.26 (Q5_1), 0.40 (Q5_0), against ~0.15 for HBM speed (the AWQ kernels: 0.133):
   ``benchmarks/results/sass/README.md``. GPU speed is unmeasured.
@@ -42,10 +42,11 @@ import torch
 import triton
 import triton.language as tl
 
-from moeflow.kernels import configs, workspace
+from moeflow.kernels import workspace
+from moeflow.kernels.experts import configs
+from moeflow.kernels.experts.gguf_reference import GGMLType
+from moeflow.kernels.experts.mxfp4 import default_block_m, dot_m
 from moeflow.kernels.formats.layout import ExpertPool
-from moeflow.kernels.gguf_reference import GGMLType
-from moeflow.kernels.mxfp4 import default_block_m, dot_m
 from moeflow.kernels.triton_common import INTERPRETED, block_expert, cdiv, gemm_epilogue, plan_rows, splitk_fixup
 
 # per stage: weight rows per program and k per iteration (reduced at launch to a power of two dividing K)
@@ -85,7 +86,7 @@ def _signed(v):
 @triton.jit
 def _decode(rows, k0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TYPE: tl.constexpr):
     """Weights of elements ``k0 .. k0 + BLOCK_K`` of the rows starting at uint8 pointers ``rows`` [BN, 1] -> fp32
-    [BN, BK], the reference's values (``moeflow.kernels.gguf_reference``'s layouts; TYPE = ``GGMLType.code``).
+    [BN, BK], the reference's values (``moeflow.kernels.experts.gguf_reference``'s layouts; TYPE = ``GGMLType.code``).
     Decoded per 32-element group ``J`` (a 32-element block, a K-quant sub-block): its scale fields are loaded
     once per (row, group) [BN, NB], its 32 quants as [BN, NB, 32]."""
     NB: tl.constexpr = BLOCK_K // 32
@@ -249,7 +250,8 @@ def block_k_for(K: int, block_k: int) -> int:
 def stage_configs(tokens: int, num_experts: int, top_k: int, hidden: int, inter: int,
                   config: dict | None = None) -> dict:
     """``{"BLOCK_M", "w13", "w2"}`` of one layer: ``config`` over :data:`DEFAULTS`; at decode (T <= 16) each
-    stage's default ``SPLIT_K`` is :func:`moeflow.kernels.configs.wave_split` over ``min(E, T k)`` plan blocks."""
+    stage's default ``SPLIT_K`` is :func:`moeflow.kernels.experts.configs.wave_split` over ``min(E, T k)`` plan
+    blocks."""
     config = config or {}
     block_m = int(config.get("BLOCK_M", default_block_m(tokens, tokens * top_k, num_experts)))
     out: dict = {"BLOCK_M": block_m}
@@ -340,7 +342,7 @@ def gguf_expert_forward(
     """Plan + w13 stage + w2 stage for the pairs of selected experts (``config``: ``{"BLOCK_M", "w13": {...},
     "w2": {...}}`` with ``BLOCK_N``, ``BLOCK_K``, ``SPLIT_K``, ``num_warps``, ``num_stages``; else
     :func:`stage_configs`' defaults)."""
-    from moeflow.kernels.ops import routing_plan
+    from moeflow.kernels.experts.ops import routing_plan
 
     fmt, t = pool.fmt, pool.tensors
     T, top_k = topk_ids.shape
