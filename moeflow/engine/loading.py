@@ -19,6 +19,7 @@ from moeflow.families.base import ExpertLayout, ExpertSpec
 from moeflow.families.layers import AWQLinear
 from moeflow.families.mtp import MultiTokenPredictor
 from moeflow.io.checkpoint import CheckpointReader, QuantizationSpec, read_json
+from moeflow.io.gguf import ExpertConvert, GGUFExpertSource, GGUFModel, dense_expert_tensors
 from moeflow.kernels.biased import BiasedExpertFormat
 from moeflow.kernels.pool import ExpertFormat
 from moeflow.quant.fp8 import awq_expert_tensors, int4_group_size
@@ -40,6 +41,33 @@ def expert_format(family: Family, layout: ExpertLayout, quant: QuantizationSpec 
                                   "quantization_config in config.json nor a quant_config.json")
         return ExpertFormat(spec.hidden_size, spec.intermediate_size, "awq", layout.scales_dtype, quant.group_size)
     return ExpertFormat(spec.hidden_size, spec.intermediate_size, "dense", dtype)
+
+
+def gguf_expert_format(family: Family, model: GGUFModel, dtype: torch.dtype) -> tuple[ExpertFormat, ExpertConvert]:
+    """The slot format of a GGUF model's experts, and the ``convert`` that turns an expert's bytes as stored
+    (:class:`~moeflow.io.gguf.ExpertBytes`, read by :func:`gguf_expert_source`) into that format's tensors.
+
+    INTERIM (issue 39's reading half): the experts are dequantized exactly (fp32, :mod:`moeflow.quant.ggml`) at
+    load into the dense format of ``dtype``, so a GGUF model runs on every existing backend and policy but takes
+    the dense format's memory. The native GGUF formats replace this one function: return the format that stores
+    each expert's blocks as the file does (``GGUFExpertSource.types()`` says which ggml types) with a ``convert``
+    that hands the raw bytes through; the disk tier and the parallel loader already move the stored bytes."""
+    spec = family.expert_spec()
+    if spec.activation != "silu" or spec.bias:
+        raise CheckpointError(f"{model.path}: {family.name}'s experts ({spec.activation}, bias={spec.bias}) are not "
+                              "read from GGUF files yet (gated SiLU experts without biases only)")
+    return ExpertFormat(spec.hidden_size, spec.intermediate_size, "dense", dtype), dense_expert_tensors
+
+
+def gguf_expert_source(model: GGUFModel, family: Family, convert: ExpertConvert,
+                       extra_layers: int = 0) -> GGUFExpertSource:
+    """Every expert of the GGUF model by MoE layer (the family's MoE layers are GGUF blocks ``blk.N``)."""
+    if extra_layers:
+        raise CheckpointError(f"{model.path}: multi-token-prediction layers are not read from GGUF files; load "
+                              "with mtp=False")
+    spec = family.expert_spec()
+    return model.expert_source(tuple(family.moe_layers), family.num_experts, spec.hidden_size,
+                               spec.intermediate_size, convert)
 
 
 def biased_expert_format(spec: ExpertSpec, layout: ExpertLayout, quant: QuantizationSpec | None,

@@ -65,10 +65,20 @@ def ggml_type(type_id: int, what: str = "tensor", type_name: str | None = None) 
     supported ones otherwise (``type_name``: how the file names the type, for the message)."""
     t = TYPES.get(int(type_id))
     if t is None:
-        name = type_name or f"type id {int(type_id)}"
+        name = type_name or _type_name(int(type_id))
         raise UnsupportedQuantizationError(f"{what}: GGML type {name} is not supported; moeflow reads "
                                            f"{', '.join(SUPPORTED)}")
     return t
+
+
+def _type_name(type_id: int) -> str:
+    """gguf-py's name of a ggml type id (``Q4_1``, ``IQ2_XS``, ...), or ``type id N``."""
+    try:
+        from gguf import GGMLQuantizationType
+
+        return GGMLQuantizationType(type_id).name
+    except (ImportError, ValueError):
+        return f"type id {type_id}"
 
 
 def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:

@@ -1,0 +1,176 @@
+"""Tiny GGUF files written with gguf-py's GGUFWriter from the tests' tiny transformers models, as llama.cpp's
+converter lays them out: llama.cpp tensor names (written out here, not taken from moeflow), experts stacked
+``[E, out, in]``, the ``llama`` architecture's q/k rows permuted for GGML's rotary (``convert_hf_to_gguf.py``'s
+``LlamaModel.permute``), a byte-level BPE vocabulary of the model's size and a chat template in the metadata.
+
+``reference_model`` returns the same transformers model with every weight replaced by gguf-py's own dequantization
+of the bytes written: the oracle moeflow's tokens on the GGUF are compared with."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+gguf = __import__("pytest").importorskip("gguf")
+from gguf.quants import dequantize, quantize  # noqa: E402
+
+T = gguf.GGMLQuantizationType
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+ARCH = {"qwen3_moe": "qwen3moe", "mixtral": "llama", "qwen2_moe": "qwen2moe", "olmoe": "olmoe"}
+
+
+def permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute (q with the attention heads, k with the kv heads)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_names(model) -> dict[str, str]:
+    """HF state-dict name -> llama.cpp tensor name, for the non-expert tensors of ``model``."""
+    out = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    per_layer = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                 "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+                 "self_attn.k_norm": "attn_k_norm", "input_layernorm": "attn_norm",
+                 "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp",
+                 "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+                 "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+    for name in model.state_dict():
+        parts = name.split(".")
+        if parts[:2] != ["model", "layers"] or ".experts." in name:
+            continue
+        module, suffix = ".".join(parts[3:-1]), parts[-1]
+        out[name] = f"blk.{parts[2]}.{per_layer[module]}.{suffix}"
+    return out
+
+
+def _vocab(size: int) -> tuple[list[str], list[int]]:
+    """Byte-level BPE: the bytes from the space on, one merge ("a b" -> "ab"), three special tokens."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    chars = [c for _, c in sorted(bytes_to_unicode().items())]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokens = chars[32:32 + size - len(specials) - 1] + ["ab"] + specials
+    return tokens, [1] * (size - len(specials)) + [3] * len(specials)
+
+
+def _stored(w: np.ndarray, qtype) -> tuple[np.ndarray, np.ndarray]:
+    """(the bytes or values to write, what gguf-py dequantizes them to in fp32)."""
+    if qtype == T.F32:
+        return w.astype(np.float32), w.astype(np.float32)
+    if qtype == T.F16:
+        return w.astype(np.float16), w.astype(np.float16).astype(np.float32)
+    data = quantize(w.astype(np.float32), qtype)
+    return data, dequantize(data, qtype)
+
+
+def write_gguf(model, path: Path, expert_types=T.Q8_0, other_type=T.F32, split: int = 1,
+               raw_experts: dict | None = None) -> dict[str, np.ndarray]:
+    """Write ``model`` (a tiny transformers MoE) as a GGUF file (``split`` > 1: a split set, ``path`` its first
+    part). ``expert_types``: one ggml type, or one per layer; ``other_type``: the 2-D non-expert weights' (norms and
+    the router stay F32, as llama.cpp writes them). ``raw_experts``: {(layer, "gate"|"up"|"down"): uint8 bytes
+    [E, out, row_bytes], type} written instead (hand-made K-quant blocks). Returns every tensor as gguf-py
+    dequantizes it, by HF name (experts: ``layers.L.{gate,up,down}`` [E, out, in])."""
+    cfg = model.config
+    kind = cfg.model_type
+    arch = ARCH[kind]
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    names = gguf_names(model)
+    writers = [gguf.GGUFWriter(_part(path, i, split), arch) for i in range(split)]
+    w = writers[0]
+    L, H = cfg.num_hidden_layers, cfg.hidden_size
+    E = getattr(cfg, "num_local_experts", None) or cfg.num_experts
+    inter = cfg.moe_intermediate_size if kind in ("qwen3_moe", "qwen2_moe") else cfg.intermediate_size
+    w.add_block_count(L)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(H)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    if getattr(cfg, "head_dim", None):
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"] if getattr(cfg, "rope_parameters", None)
+                         else cfg.rope_theta)
+    w.add_expert_count(E)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    if kind != "mixtral":
+        w.add_expert_feed_forward_length(inter)
+    if kind == "qwen2_moe":
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    tokens, types = _vocab(cfg.vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(["a b"])
+    w.add_eos_token_id(cfg.vocab_size - 1)
+    w.add_bos_token_id(cfg.vocab_size - 3)
+    w.add_chat_template(CHAT_TEMPLATE)
+    for i, part in enumerate(writers):
+        if split > 1:
+            part.add_uint16(gguf.Keys.Split.LLM_KV_SPLIT_NO, i)
+            part.add_uint16(gguf.Keys.Split.LLM_KV_SPLIT_COUNT, split)
+    written: dict[str, np.ndarray] = {}
+    tensors: list[tuple[str, np.ndarray, object]] = []
+    for hf, name in names.items():
+        t = sd[hf]
+        if kind == "mixtral" and name.endswith(("attn_q.weight", "attn_k.weight")):
+            t = permute(t, cfg.num_attention_heads if "attn_q" in name else cfg.num_key_value_heads)
+        qtype = other_type if t.ndim == 2 and "gate_inp" not in name else T.F32
+        data, deq = _stored(t, qtype)
+        if kind == "mixtral" and name.endswith(("attn_q.weight", "attn_k.weight")):  # back to HF's row order
+            n = cfg.num_attention_heads if "attn_q" in name else cfg.num_key_value_heads
+            deq = deq.reshape(n, deq.shape[0] // n // 2, 2, -1).swapaxes(1, 2).reshape(deq.shape)
+        written[hf] = deq
+        tensors.append((name, data, qtype))
+    for layer in range(L):
+        fused, down = sd.get(f"model.layers.{layer}.mlp.experts.gate_up_proj"), None
+        if fused is None:
+            continue
+        down = sd[f"model.layers.{layer}.mlp.experts.down_proj"]
+        qtype = expert_types[layer] if isinstance(expert_types, (list, tuple)) else expert_types
+        for proj, t in (("gate", fused[:, :inter]), ("up", fused[:, inter:]), ("down", down)):
+            if raw_experts and (layer, proj) in raw_experts:
+                data, rtype = raw_experts[(layer, proj)]
+                deq = dequantize(data, rtype)
+                tensors.append((f"blk.{layer}.ffn_{proj}_exps.weight", data, rtype))
+            else:
+                data, deq = _stored(np.ascontiguousarray(t), qtype)
+                tensors.append((f"blk.{layer}.ffn_{proj}_exps.weight", data, qtype))
+            written[f"layers.{layer}.{proj}"] = deq
+    for i, (name, data, qtype) in enumerate(tensors):
+        writers[i * split // len(tensors)].add_tensor(name, data, raw_dtype=qtype)
+    for part in writers:
+        part.write_header_to_file()
+        part.write_kv_data_to_file()
+        part.write_tensors_to_file()
+        part.close()
+    return written
+
+
+def _part(path: Path, i: int, split: int) -> Path:
+    if split == 1:
+        return path
+    stem = path.name.split("-00001-of-")[0]
+    return path.with_name(f"{stem}-{i + 1:05d}-of-{split:05d}.gguf")
+
+
+def reference_model(model, written: dict[str, np.ndarray]):
+    """``model`` with every weight replaced by the GGUF's values (gguf-py's dequantization), in place."""
+    inter = written["layers.0.gate"].shape[1] if "layers.0.gate" in written else None
+    with torch.no_grad():
+        for name, p in model.state_dict().items():
+            if name in written:
+                p.copy_(torch.from_numpy(written[name]).reshape(p.shape))
+            elif name.endswith("experts.gate_up_proj"):
+                layer = name.split(".")[2]
+                p[:, :inter].copy_(torch.from_numpy(written[f"layers.{layer}.gate"]))
+                p[:, inter:].copy_(torch.from_numpy(written[f"layers.{layer}.up"]))
+            elif name.endswith("experts.down_proj"):
+                p.copy_(torch.from_numpy(written[f"layers.{name.split('.')[2]}.down"]))
+    return model
