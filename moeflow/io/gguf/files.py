@@ -21,7 +21,7 @@ from moeflow.errors import CheckpointError
 from moeflow.quant.ggml import GGMLType, ggml_type
 
 SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
-INSTALL_HINT = "reading GGUF files needs gguf-py: pip install 'moeflow[gguf]' (or gguf>=0.17,<0.20)"
+INSTALL_HINT = "reading GGUF files needs gguf-py: pip install 'moeflow[gguf]' (or gguf>=0.18,<0.20)"
 
 
 def _gguf():
