@@ -121,7 +121,9 @@ def write_gguf(model, path: Path, expert_types=T.Q8_0, other_type=T.F32, split: 
         t = sd[hf]
         if kind == "mixtral" and name.endswith(("attn_q.weight", "attn_k.weight")):
             t = permute(t, cfg.num_attention_heads if "attn_q" in name else cfg.num_key_value_heads)
-        qtype = other_type if t.ndim == 2 and "gate_inp" not in name else T.F32
+        if name.endswith("ffn_gate_inp_shexp.weight"):  # llama.cpp stores Qwen2-MoE's [1, H] shared gate as [H]
+            t = t.reshape(-1)
+        qtype = other_type if t.ndim == 2 and "gate_inp" not in name and t.shape[-1] % 32 == 0 else T.F32
         data, deq = _stored(t, qtype)
         if kind == "mixtral" and name.endswith(("attn_q.weight", "attn_k.weight")):  # back to HF's row order
             n = cfg.num_attention_heads if "attn_q" in name else cfg.num_key_value_heads

@@ -70,6 +70,17 @@ def test_mixtral_split_gguf_unpermutes_q_and_k(tmp_path):
     model.close()
 
 
+@pytest.mark.parametrize("model_type,overrides", [("qwen2_moe", {}), ("olmoe", {})])
+def test_qwen2_moe_and_olmoe_ggufs(tmp_path, model_type, overrides):
+    ref = make_family_model(model_type, seed=4, **overrides)
+    written = write_gguf(ref, tmp_path / "m.gguf", expert_types=T.Q4_0, other_type=T.Q8_0)
+    reference_model(ref, written)
+    model = MoEModel.from_pretrained(tmp_path / "m.gguf", dtype=torch.float32)
+    assert model.family.name == model_type
+    same_tokens(ref, model, 97)
+    model.close()
+
+
 def test_k_quant_and_mxfp4_experts(tmp_path):
     ref = make_family_model("qwen3_moe", seed=3, norm_topk_prob=True, hidden_size=256, moe_intermediate_size=256,
                             num_hidden_layers=3, head_dim=32)

@@ -22,6 +22,8 @@ from moeflow.errors import CheckpointError
 from moeflow.io.gguf.files import GGUFFiles
 
 log = logging.getLogger(__name__)
+SPECIAL_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
+               "pad_token": "padding_token_id"}
 
 
 def cache_root() -> Path:
@@ -42,25 +44,27 @@ def tokenizer_directory(files: GGUFFiles, model_type: str) -> Path | None:
     if (out / "tokenizer.json").is_file() and (out / "tokenizer_config.json").is_file():
         return out
     try:
-        from transformers import AutoTokenizer
+        backend = _rebuild(files)
     except ImportError:
         log.warning("%s: the tokenizer in the GGUF metadata needs transformers to be rebuilt (pip install "
                     "'moeflow[gguf]'); loading without a tokenizer", files.path)
         return None
-    try:
-        tok = AutoTokenizer.from_pretrained(str(files.path.parent), gguf_file=files.path.name)
     except Exception as e:  # transformers raises many types on a vocabulary it cannot rebuild
         raise CheckpointError(f"{files.path}: transformers could not rebuild the tokenizer from the GGUF metadata "
                               f"(tokenizer.ggml.model {files.get('tokenizer.ggml.model')!r}): "
                               f"{type(e).__name__}: {e}") from e
-    config = {name: getattr(tok, name, None) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
-    config = {k: v for k, v in config.items() if isinstance(v, str)}
+    tokens = files.metadata["tokenizer.ggml.tokens"]
+    config = {}
+    for name, key in SPECIAL_IDS.items():
+        i = files.get(f"tokenizer.ggml.{key}")
+        if isinstance(i, int) and 0 <= i < len(tokens):
+            config[name] = tokens[i]
     template = files.get("tokenizer.chat_template")
     if isinstance(template, str):
         config["chat_template"] = template
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=out.parent))
-    tok.backend_tokenizer.save(str(tmp / "tokenizer.json"))
+    backend.save(str(tmp / "tokenizer.json"))
     (tmp / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=1), encoding="utf-8")
     (tmp / "config.json").write_text(json.dumps({"model_type": model_type}), encoding="utf-8")  # harmony fallback
     try:
@@ -70,3 +74,17 @@ def tokenizer_directory(files: GGUFFiles, model_type: str) -> Path | None:
         if not (out / "tokenizer.json").is_file():
             raise
     return out
+
+
+def _rebuild(files: GGUFFiles):
+    """The ``tokenizers.Tokenizer`` transformers builds from the metadata: its GGUF tokenizer builders
+    (``transformers.integrations.gguf``, 5.24+: keyed by the tokenizer type, any architecture), else
+    ``AutoTokenizer.from_pretrained(gguf_file=...)`` (older transformers: only the architectures it loads)."""
+    try:
+        from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+    except ImportError:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(files.path.parent), gguf_file=files.path.name).backend_tokenizer
+    architecture, tokenizer_dict, _ = get_gguf_tokenizer(str(files.path))
+    return convert_gguf_tokenizer(architecture, tokenizer_dict)[0]
