@@ -18,7 +18,7 @@ from moeflow.errors import UnsupportedQuantizationError  # noqa: E402
 from moeflow.quant.ggml import SUPPORTED, TYPES, dequantize, ggml_type  # noqa: E402
 
 BLOCK_TYPES = [t for t in TYPES.values() if t.block_size > 1]
-FP16_AT = {"Q4_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+FP16_AT = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
 def random_blocks(name: str, rows: int, blocks_per_row: int, seed: int = 0) -> np.ndarray:
@@ -102,6 +102,25 @@ def c_q4_0(b: bytes) -> list[float]:
     return y
 
 
+def c_q4_1(b: bytes) -> list[float]:
+    d, m, qs, y = h(b, 0), h(b, 2), b[4:], [0.0] * 32
+    for j in range(16):
+        y[j], y[j + 16] = (qs[j] & 0xF) * d + m, (qs[j] >> 4) * d + m
+    return y
+
+
+def c_q5(b: bytes, with_min: bool) -> list[float]:
+    d = h(b, 0)
+    m = h(b, 2) if with_min else 0.0
+    (qh,) = struct.unpack_from("<I", b, 4 if with_min else 2)
+    qs, y = b[8 if with_min else 6:], [0.0] * 32
+    for j in range(16):
+        xh0, xh1 = ((qh >> j) << 4) & 0x10, (qh >> (j + 12)) & 0x10
+        x0, x1 = (qs[j] & 0x0F) | xh0, (qs[j] >> 4) | xh1
+        y[j], y[j + 16] = ((x0 * d + m, x1 * d + m) if with_min else ((x0 - 16) * d, (x1 - 16) * d))
+    return y
+
+
 def c_q8_0(b: bytes) -> list[float]:
     d = h(b, 0)
     return [v * d for v in struct.unpack_from("<32b", b, 2)]
@@ -157,6 +176,12 @@ def hand_block(name: str) -> bytes:
     sc, mn = [1, 2, 3, 4, 17, 33, 50, 63], [0, 5, 10, 20, 40, 18, 33, 63]
     if name == "Q4_0":
         return f16(0.5) + nib[:16]
+    if name == "Q4_1":
+        return f16(0.5) + f16(-2.0) + nib[:16]
+    if name == "Q5_0":
+        return f16(0.5) + struct.pack("<I", 0xA5C3_0F96) + nib[:16]
+    if name == "Q5_1":
+        return f16(0.25) + f16(1.5) + struct.pack("<I", 0x1234_ABCD) + nib[:16]
     if name == "Q8_0":
         return f16(0.25) + struct.pack("<32b", *range(-16, 16))
     if name == "Q4_K":
@@ -170,7 +195,8 @@ def hand_block(name: str) -> bytes:
     raise KeyError(name)
 
 
-C_LOOPS = {"Q4_0": c_q4_0, "Q8_0": c_q8_0, "Q4_K": c_q4_k, "Q5_K": lambda b: c_q4_k(b, q5=True), "Q6_K": c_q6_k,
+C_LOOPS = {"Q4_0": c_q4_0, "Q4_1": c_q4_1, "Q5_0": lambda b: c_q5(b, False), "Q5_1": lambda b: c_q5(b, True),
+           "Q8_0": c_q8_0, "Q4_K": c_q4_k, "Q5_K": lambda b: c_q4_k(b, q5=True), "Q6_K": c_q6_k,
            "MXFP4": c_mxfp4}
 
 
@@ -191,7 +217,7 @@ def test_hand_built_values_spelled_out():
     assert mx[7] == 12 * 4.0 and mx[9] == -1 * 4.0 and mx[16] == -12 * 4.0  # e = 130: 2^(130 - 128)
 
 
-@pytest.mark.parametrize("type_id,name", [(3, "Q4_1"), (10, "Q2_K"), (16, "IQ2_XXS")])
+@pytest.mark.parametrize("type_id,name", [(9, "Q8_1"), (10, "Q2_K"), (20, "IQ4_NL")])
 def test_unsupported_type_names_itself_and_the_supported_ones(type_id, name):
     with pytest.raises(UnsupportedQuantizationError) as e:
         dequantize(torch.zeros(1, 20, dtype=torch.uint8), type_id, "blk.0.ffn_up_exps.weight")

@@ -78,13 +78,16 @@ def test_dense_llama_is_refused(tmp_path):
 
 
 def test_unsupported_expert_type_names_it_and_the_supported_types(tmp_path, model):
-    path = tmp_path / "q41.gguf"
-    write_gguf(model, path, expert_types=T.Q4_1)
+    path = tmp_path / "iq4.gguf"
+    rng = np.random.default_rng(0)
+    raw = {(0, p): (rng.integers(0, 256, (8, out, inp // 32 * 18), dtype=np.uint8), T.IQ4_NL)
+           for p, out, inp in (("gate", 32, 64), ("up", 32, 64), ("down", 64, 32))}
+    write_gguf(model, path, raw_experts=raw)
     with pytest.raises(UnsupportedQuantizationError) as e:
         MoEModel.from_pretrained(path)
     msg = str(e.value)
-    assert str(path) in msg and "blk.0.ffn_gate_exps.weight" in msg and "GGML type Q4_1 is not supported" in msg
-    assert "Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4" in msg
+    assert str(path) in msg and "blk.0.ffn_gate_exps.weight" in msg and "GGML type IQ4_NL is not supported" in msg
+    assert "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4" in msg
 
 
 def test_split_set_with_a_part_missing_names_it(tmp_path, model):

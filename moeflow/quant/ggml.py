@@ -9,6 +9,9 @@ A row of ``n`` values of a block type is ``n / block`` blocks of ``type_size`` b
 
 * ``Q4_0`` (32 values, 18 bytes): fp16 ``d``, 16 bytes of nibbles; value ``j`` is ``(low(q[j]) - 8) * d`` and value
   ``j + 16`` is ``(high(q[j]) - 8) * d``.
+* ``Q4_1`` (32, 20): fp16 ``d``, fp16 ``m``, nibbles as Q4_0; ``q * d + m``.
+* ``Q5_0`` (32, 22) / ``Q5_1`` (32, 24): fp16 ``d`` (and ``m``), 4 bytes ``qh`` (bit ``j`` of the little-endian word
+  is the fifth bit of value ``j``), nibbles as Q4_0; ``(q - 16) * d`` / ``q * d + m``.
 * ``Q8_0`` (32, 34): fp16 ``d``, 32 int8 ``q``; ``q * d``.
 * ``Q4_K`` (256, 144): fp16 ``d``, fp16 ``dmin``, 12 bytes packing eight 6-bit scales and mins, 128 bytes of
   nibbles; sub-block ``s`` of 32 is ``d * sc[s] * q - dmin * m[s]``; bytes ``32c..32c+31`` hold sub-block ``2c``
@@ -54,7 +57,8 @@ class GGMLType:
 # ids as in ggml.h / gguf-py's GGMLQuantizationType (fixed by the file format)
 TYPES: dict[int, GGMLType] = {t.id: t for t in (
     GGMLType(0, "F32", 1, 4), GGMLType(1, "F16", 1, 2), GGMLType(30, "BF16", 1, 2),
-    GGMLType(2, "Q4_0", 32, 18), GGMLType(8, "Q8_0", 32, 34), GGMLType(12, "Q4_K", QK_K, 144),
+    GGMLType(2, "Q4_0", 32, 18), GGMLType(3, "Q4_1", 32, 20), GGMLType(6, "Q5_0", 32, 22),
+    GGMLType(7, "Q5_1", 32, 24), GGMLType(8, "Q8_0", 32, 34), GGMLType(12, "Q4_K", QK_K, 144),
     GGMLType(13, "Q5_K", QK_K, 176), GGMLType(14, "Q6_K", QK_K, 210), GGMLType(39, "MXFP4", 32, 17),
 )}
 SUPPORTED = tuple(t.name for t in TYPES.values())
@@ -96,6 +100,26 @@ def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
     d = _half(blocks, 0)
     q = _nibbles(blocks[:, 2:], 16).reshape(blocks.shape[0], 32).to(torch.int8) - 8
     return d * q.float()
+
+
+def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    q = _nibbles(blocks[:, 4:], 16).reshape(blocks.shape[0], 32)
+    return _half(blocks, 0) * q.float() + _half(blocks, 2)
+
+
+def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
+    """Q5_0 / Q5_1's 4 bytes -> uint8 [n, 32]: bit j of the little-endian word, for value j."""
+    return ((qh.reshape(-1, 4, 1) >> _BITS8.reshape(1, 1, 8)) & 1).reshape(-1, 32)
+
+
+def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
+    q = _nibbles(blocks[:, 6:], 16).reshape(blocks.shape[0], 32) | (_fifth_bits(blocks[:, 2:6]) << 4)
+    return _half(blocks, 0) * (q.to(torch.int8) - 16).float()
+
+
+def _q5_1(blocks: torch.Tensor) -> torch.Tensor:
+    q = _nibbles(blocks[:, 8:], 16).reshape(blocks.shape[0], 32) | (_fifth_bits(blocks[:, 4:8]) << 4)
+    return _half(blocks, 0) * q.float() + _half(blocks, 2)
 
 
 def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
@@ -165,7 +189,7 @@ def _mxfp4(blocks: torch.Tensor) -> torch.Tensor:
 
 
 _BLOCK_DEQUANT: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "Q4_0": _q4_0, "Q8_0": _q8_0, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "MXFP4": _mxfp4,
+    "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "MXFP4": _mxfp4,
 }
 
 
