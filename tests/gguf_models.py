@@ -190,7 +190,7 @@ def reference_model(model, written: dict[str, np.ndarray]):
     with torch.no_grad():
         for name, p in model.state_dict().items():
             if name in written:
-                p.copy_(torch.from_numpy(written[name]).reshape(p.shape))
+                p.copy_(torch.tensor(written[name]).reshape(p.shape))
             elif name.endswith("experts.gate_up_proj"):
                 layer = name.split(".")[2]
                 p[:, :inter].copy_(torch.from_numpy(written[f"layers.{layer}.gate"]))
@@ -198,3 +198,27 @@ def reference_model(model, written: dict[str, np.ndarray]):
             elif name.endswith("experts.down_proj"):
                 p.copy_(torch.from_numpy(written[f"layers.{name.split('.')[2]}.down"]))
     return model
+
+
+def reference_from_file(model, path: Path):
+    """``model`` (a tiny transformers MoE) with every weight replaced, in place, by gguf-py's dequantization of the
+    GGUF file at ``path`` (any writer: llama.cpp's converter and llama-quantize too), names mapped by
+    :func:`gguf_names`, the ``llama`` architecture's q/k rows permuted back."""
+    reader = gguf.GGUFReader(path)
+    stored = {t.name: dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape.tolist())])
+              for t in reader.tensors}
+    cfg, written = model.config, {}
+    for hf, name in gguf_names(model).items():
+        if name not in stored:  # tied embeddings: no output.weight
+            continue
+        t = stored[name]
+        if cfg.model_type == "mixtral" and name.endswith(("attn_q.weight", "attn_k.weight")):
+            n = cfg.num_attention_heads if "attn_q" in name else cfg.num_key_value_heads
+            t = t.reshape(n, t.shape[0] // n // 2, 2, -1).swapaxes(1, 2).reshape(t.shape)
+        written[hf] = t
+    for layer in range(cfg.num_hidden_layers):
+        for proj in ("gate", "up", "down"):
+            name = f"blk.{layer}.ffn_{proj}_exps.weight"
+            if name in stored:
+                written[f"layers.{layer}.{proj}"] = stored[name]
+    return reference_model(model, written)
