@@ -18,7 +18,8 @@ from moeflow.errors import UnsupportedQuantizationError  # noqa: E402
 from moeflow.quant.ggml import SUPPORTED, TYPES, dequantize, ggml_type  # noqa: E402
 
 BLOCK_TYPES = [t for t in TYPES.values() if t.block_size > 1]
-FP16_AT = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+FP16_AT = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2),
+           "Q6_K": (208,)}
 
 
 def random_blocks(name: str, rows: int, blocks_per_row: int, seed: int = 0) -> np.ndarray:

@@ -5,8 +5,8 @@ gguf-py's dequantization of the file.
 
 Needs a llama.cpp source tree with ``llama-quantize`` built (llama-cpp-python's sdist vendors one; see
 benchmarks/peers/build_llama_cpp.sh): ``MOEFLOW_LLAMA_CPP_DIR=<tree> pytest tests/test_gguf_llama_cpp.py``; skipped
-without it. ~3.5 min on 2 cores (11 conversions). The tiny vocabulary's BPE pre-tokenizer is unknown to the converter's hash table: it is
-told "qwen2" (the vocabulary is the test's, the weights are what is checked)."""
+without it. ~3.5 min on 2 cores (11 conversions). The tiny vocabulary's BPE pre-tokenizer is unknown to the
+converter's hash table: it is told "qwen2" (the vocabulary is the test's, the weights are what is checked)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ import torch
 pytest.importorskip("gguf")
 LLAMA_CPP = Path(os.environ.get("MOEFLOW_LLAMA_CPP_DIR", "/nonexistent"))
 QUANTIZE = LLAMA_CPP / "build" / "bin" / "llama-quantize"
-pytestmark = pytest.mark.skipif(not (LLAMA_CPP / "convert_hf_to_gguf.py").is_file() or not QUANTIZE.is_file(),
-                                reason="MOEFLOW_LLAMA_CPP_DIR (llama.cpp sources with build/bin/llama-quantize) not set")
+pytestmark = pytest.mark.skipif(
+    not (LLAMA_CPP / "convert_hf_to_gguf.py").is_file() or not QUANTIZE.is_file(),
+    reason="MOEFLOW_LLAMA_CPP_DIR (llama.cpp sources with build/bin/llama-quantize) not set")
 
 from family_models import make_family_model  # noqa: E402
 from gguf_models import reference_from_file  # noqa: E402

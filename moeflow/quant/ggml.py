@@ -189,7 +189,8 @@ def _mxfp4(blocks: torch.Tensor) -> torch.Tensor:
 
 
 _BLOCK_DEQUANT: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "MXFP4": _mxfp4,
+    "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0, "Q4_K": _q4_k, "Q5_K": _q5_k,
+    "Q6_K": _q6_k, "MXFP4": _mxfp4,
 }
 
 
