@@ -19,7 +19,7 @@ from gguf.quants import dequantize, quantize  # noqa: E402
 T = gguf.GGMLQuantizationType
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-ARCH = {"qwen3_moe": "qwen3moe", "mixtral": "llama", "qwen2_moe": "qwen2moe", "olmoe": "olmoe"}
+ARCH = {"qwen3_moe": "qwen3moe", "mixtral": "llama", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "glm4_moe": "glm4moe"}
 
 
 def permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -36,13 +36,22 @@ def gguf_names(model) -> dict[str, str]:
                  "self_attn.k_norm": "attn_k_norm", "input_layernorm": "attn_norm",
                  "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp",
                  "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
-                 "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+                 "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+                 "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
+                 "mlp.shared_experts.down_proj": "ffn_down_shexp", "mlp.gate_proj": "ffn_gate",
+                 "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
     for name in model.state_dict():
         parts = name.split(".")
         if parts[:2] != ["model", "layers"] or ".experts." in name:
             continue
+        if name.endswith("mlp.gate.e_score_correction_bias"):  # the converter's exp_probs_b
+            out[name] = f"blk.{parts[2]}.exp_probs_b.bias"
+            continue
         module, suffix = ".".join(parts[3:-1]), parts[-1]
-        out[name] = f"blk.{parts[2]}.{per_layer[module]}.{suffix}"
+        gguf_module = per_layer[module]
+        if model.config.model_type == "glm4_moe" and module == "post_attention_layernorm":
+            gguf_module = "post_attention_norm"  # llama.cpp's glm4moe has no ffn_norm
+        out[name] = f"blk.{parts[2]}.{gguf_module}.{suffix}"
     return out
 
 
@@ -81,8 +90,8 @@ def write_gguf(model, path: Path, expert_types=T.Q8_0, other_type=T.F32, split: 
     writers = [gguf.GGUFWriter(_part(path, i, split), arch) for i in range(split)]
     w = writers[0]
     L, H = cfg.num_hidden_layers, cfg.hidden_size
-    E = getattr(cfg, "num_local_experts", None) or cfg.num_experts
-    inter = cfg.moe_intermediate_size if kind in ("qwen3_moe", "qwen2_moe") else cfg.intermediate_size
+    E = getattr(cfg, "num_local_experts", None) or getattr(cfg, "n_routed_experts", None) or cfg.num_experts
+    inter = cfg.moe_intermediate_size if kind in ("qwen3_moe", "qwen2_moe", "glm4_moe") else cfg.intermediate_size
     w.add_block_count(L)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(H)
@@ -101,6 +110,14 @@ def write_gguf(model, path: Path, expert_types=T.Q8_0, other_type=T.F32, split: 
         w.add_expert_feed_forward_length(inter)
     if kind == "qwen2_moe":
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if kind == "glm4_moe":  # as llama.cpp's Glm4MoeModel.set_gguf_parameters writes them
+        head_dim = getattr(cfg, "head_dim", None) or H // cfg.num_attention_heads
+        w.add_rope_dimension_count(int(head_dim * cfg.rope_parameters["partial_rotary_factor"]))
+        w.add_expert_shared_count(cfg.n_shared_experts)
+        w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_weights_scale(cfg.routed_scaling_factor)
+        w.add_expert_weights_norm(cfg.norm_topk_prob)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
     tokens, types = _vocab(cfg.vocab_size)
     w.add_tokenizer_model("gpt2")
@@ -186,13 +203,13 @@ def _part(path: Path, i: int, split: int) -> Path:
 
 def reference_model(model, written: dict[str, np.ndarray]):
     """``model`` with every weight replaced by the GGUF's values (gguf-py's dequantization), in place."""
-    inter = written["layers.0.gate"].shape[1] if "layers.0.gate" in written else None
     with torch.no_grad():
         for name, p in model.state_dict().items():
             if name in written:
                 p.copy_(torch.tensor(written[name]).reshape(p.shape))
             elif name.endswith("experts.gate_up_proj"):
                 layer = name.split(".")[2]
+                inter = written[f"layers.{layer}.gate"].shape[1]
                 p[:, :inter].copy_(torch.from_numpy(written[f"layers.{layer}.gate"]))
                 p[:, inter:].copy_(torch.from_numpy(written[f"layers.{layer}.up"]))
             elif name.endswith("experts.down_proj"):

@@ -5,7 +5,7 @@ gguf-py's dequantization of the file.
 
 Needs a llama.cpp source tree with ``llama-quantize`` built (llama-cpp-python's sdist vendors one; see
 benchmarks/peers/build_llama_cpp.sh): ``MOEFLOW_LLAMA_CPP_DIR=<tree> pytest tests/test_gguf_llama_cpp.py``; skipped
-without it. ~3.5 min on 2 cores (11 conversions). The tiny vocabulary's BPE pre-tokenizer is unknown to the
+without it. ~4 min on 2 cores (13 conversions). The tiny vocabulary's BPE pre-tokenizer is unknown to the
 converter's hash table: it is told "qwen2" (the vocabulary is the test's, the weights are what is checked)."""
 
 from __future__ import annotations
@@ -28,20 +28,26 @@ pytestmark = pytest.mark.skipif(
 from family_models import make_family_model  # noqa: E402
 from gguf_models import reference_from_file  # noqa: E402
 from helpers import make_tiny_model  # noqa: E402
+from tiny_families import make_model  # noqa: E402
 
 from moeflow import MoEModel  # noqa: E402
 
 CONVERT = """import runpy, sys
 sys.path.insert(0, {src!r}); sys.path.insert(1, {src!r} + "/gguf-py")
 import conversion.base as base
+import conversion.glm as glm
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
+glm.Glm4MoeModel.set_vocab = lambda self: self._set_vocab_gpt2()  # (GLM's own wants its [gMASK] tokens)
 sys.argv = ["convert_hf_to_gguf.py"] + sys.argv[1:]
 runpy.run_path({src!r} + "/convert_hf_to_gguf.py", run_name="__main__")
 """
 SIZES = {"mixtral": dict(hidden_size=256, intermediate_size=256),
          "qwen3_moe": dict(hidden_size=256, moe_intermediate_size=256, head_dim=32, norm_topk_prob=True),
          "qwen2_moe": dict(hidden_size=256, moe_intermediate_size=256, shared_expert_intermediate_size=256),
-         "olmoe": dict(hidden_size=256, intermediate_size=256)}
+         "olmoe": dict(hidden_size=256, intermediate_size=256),
+         "glm4_moe": dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256, num_key_value_heads=2,
+                          head_dim=64, use_qk_norm=True, attention_bias=True, first_k_dense_replace=1,
+                          norm_topk_prob=True, routed_scaling_factor=2.5, partial_rotary_factor=0.5)}
 
 
 def save_tokenizer(directory: Path, size: int) -> None:
@@ -62,8 +68,12 @@ def save_tokenizer(directory: Path, size: int) -> None:
 
 
 def converted(tmp_path: Path, model_type: str, qtype: str):
-    src = (make_tiny_model(seed=5, **SIZES[model_type]) if model_type == "mixtral"
-           else make_family_model(model_type, seed=5, **SIZES[model_type]))
+    if model_type == "mixtral":
+        src = make_tiny_model(seed=5, **SIZES[model_type])
+    elif model_type == "glm4_moe":
+        src = make_model(model_type, seed=5, **SIZES[model_type])
+    else:
+        src = make_family_model(model_type, seed=5, **SIZES[model_type])
     hf = tmp_path / "hf"
     src.save_pretrained(hf)
     save_tokenizer(hf, src.config.vocab_size)
@@ -105,7 +115,7 @@ def test_qwen3_moe_against_transformers_gguf_loader(tmp_path, qtype):
     model.close()
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "olmoe"])
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "olmoe", "glm4_moe"])
 @pytest.mark.parametrize("qtype", ["Q4_K_M", "Q4_0"])
 def test_families_against_the_dequantized_file(tmp_path, model_type, qtype):
     src, _, path = converted(tmp_path, model_type, qtype)

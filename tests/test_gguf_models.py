@@ -81,6 +81,22 @@ def test_qwen2_moe_and_olmoe_ggufs(tmp_path, model_type, overrides):
     model.close()
 
 
+@pytest.mark.parametrize("name", ["qk-norm-bias-groups", "plain-unnormalised"])
+def test_glm4_moe_gguf(tmp_path, name):
+    from tiny_families import GLM4_MOE, make_model
+
+    # llama.cpp's glm4moe routes without groups (sigmoid, selection bias, shared experts, leading dense layers)
+    ref = make_model("glm4_moe", seed=5, **{**GLM4_MOE[name], "n_group": 1, "topk_group": 1})
+    written = write_gguf(ref, tmp_path / "m.gguf", expert_types=T.Q8_0, other_type=T.Q8_0)
+    reference_model(ref, written)
+    model = MoEModel.from_pretrained(tmp_path / "m.gguf", dtype=torch.float32)
+    assert model.family.name == "glm4_moe"
+    head_dim = getattr(ref.config, "head_dim", None) or 64 // ref.config.num_attention_heads
+    assert model.config.rotary_dim == head_dim * ref.config.rope_parameters["partial_rotary_factor"]
+    same_tokens(ref, model, 97)
+    model.close()
+
+
 def test_k_quant_and_mxfp4_experts(tmp_path):
     ref = make_family_model("qwen3_moe", seed=3, norm_topk_prob=True, hidden_size=256, moe_intermediate_size=256,
                             num_hidden_layers=3, head_dim=32)

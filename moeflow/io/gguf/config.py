@@ -10,6 +10,7 @@ its top-k weights, Qwen2-MoE and OLMoE do not) is written beside it. The tokeniz
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,24 @@ class Architecture:
     fixed: dict[str, Any] = field(default_factory=dict)
     rope_permuted: bool = False
     requires_experts: bool = True
+    # derive(raw, metadata, shapes, source): fields computed from several keys or from which tensors exist
+    derive: Callable[[dict, dict, dict, str], None] | None = None
+
+
+def _glm4moe(raw: dict, metadata: dict, shapes: dict, source: str) -> None:
+    """GLM-4.5: block_count counts the MTP (nextn) layers, the rotary turns ``rope.dimension_count`` of each head,
+    QK-norm and q/k/v biases are there when their tensors are, the router is sigmoid without groups (llama.cpp's
+    glm4moe graph has none)."""
+    raw["num_hidden_layers"] -= int(raw.get("num_nextn_predict_layers") or 0)
+    head_dim = int(raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"])
+    rope_dim = metadata.get("glm4moe.rope.dimension_count")
+    if rope_dim is not None:
+        raw["partial_rotary_factor"] = int(rope_dim) / head_dim
+    raw["use_qk_norm"] = "blk.0.attn_q_norm.weight" in shapes
+    raw["attention_bias"] = "blk.0.attn_q.bias" in shapes
+    gating = metadata.get("glm4moe.expert_gating_func", 2)
+    if gating != 2:  # gguf.ExpertGatingFuncType.SIGMOID
+        raise CheckpointError(f"{source}: glm4moe.expert_gating_func={gating}: only the sigmoid router (2) is read")
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -50,6 +69,14 @@ ARCHITECTURES: dict[str, Architecture] = {
                                            "expert_shared_feed_forward_length": "shared_expert_intermediate_size"},
                              {"norm_topk_prob": False}),
     # OLMoE's experts are of intermediate_size (llama.cpp writes expert_feed_forward_length)
+    "glm4moe": Architecture("glm4_moe", {"expert_count": "n_routed_experts",
+                                         "expert_feed_forward_length": "moe_intermediate_size",
+                                         "expert_shared_count": "n_shared_experts",
+                                         "leading_dense_block_count": "first_k_dense_replace",
+                                         "expert_weights_scale": "routed_scaling_factor",
+                                         "expert_weights_norm": "norm_topk_prob",
+                                         "nextn_predict_layers": "num_nextn_predict_layers"},
+                            {"n_group": 1, "topk_group": 1}, derive=_glm4moe),
     "olmoe": Architecture("olmoe", {"expert_count": "num_experts", "expert_feed_forward_length": "intermediate_size",
                                     "attention.clamp_kqv": "clip_qkv"}, {"norm_topk_prob": False}),
 }
@@ -93,5 +120,8 @@ def gguf_config(metadata: dict[str, Any], shapes: dict[str, tuple[int, ...]], so
         raise CheckpointError(f"{source}: GGUF architecture {arch!r} without {arch}.expert_count is a dense model; "
                               "moeflow runs Mixture-of-Experts models")
     raw.update(spec.fixed)
+    raw.setdefault("norm_topk_prob", False)  # llama.cpp's default when the file says nothing
     raw["tie_word_embeddings"] = "output.weight" not in shapes
+    if spec.derive is not None:
+        spec.derive(raw, metadata, shapes, source)
     return raw

@@ -65,6 +65,8 @@ class GGUFCheckpointReader(CheckpointReader):
     def resolve(self, name: str) -> tuple[TensorInfo, int | None] | None:
         """(the GGUF tensor holding HF tensor ``name``, the expert row or None), or None when the file has none."""
         expert = None
+        if name.endswith("e_score_correction_bias"):  # a buffer, spelled as the converter renames it
+            name = name[: -len("_bias")] + ".bias"
         m = PER_EXPERT.match(name)
         if m is not None:
             expert = int(m["expert"])
@@ -98,7 +100,7 @@ class GGUFCheckpointReader(CheckpointReader):
                 for hf in by_gguf.get(base, []):
                     head, _, proj = hf.rpartition(".")
                     if len(info.shape) != 3:
-                        out.append(f"{hf}{dot}{suffix}")
+                        out.append(f"{hf}_bias" if hf.endswith("e_score_correction") else f"{hf}{dot}{suffix}")
                     elif head.endswith(".experts"):  # a stacked [E, out, in] tensor: one name per expert
                         out += [f"{head}.{e}.{proj}{dot}{suffix}" for e in range(info.shape[0])]
             self._names = out
