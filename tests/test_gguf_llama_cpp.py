@@ -109,7 +109,7 @@ def test_qwen3_moe_against_transformers_gguf_loader(tmp_path, qtype):
     src, _, path = converted(tmp_path, "qwen3_moe", qtype)
     ref = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=src.config,
                                                dtype=torch.float32).eval()
-    model = MoEModel.from_pretrained(path, dtype=torch.float32)
+    model = MoEModel.from_pretrained(path, dtype=torch.float32, kernels="torch")
     assert model.tokenizer is not None and model.tokenizer.decode(model.tokenizer.encode("ab c")) == "ab c"
     check(ref, model)
     model.close()
@@ -120,7 +120,7 @@ def test_qwen3_moe_against_transformers_gguf_loader(tmp_path, qtype):
 def test_families_against_the_dequantized_file(tmp_path, model_type, qtype):
     src, _, path = converted(tmp_path, model_type, qtype)
     ref = reference_from_file(src, path)
-    model = MoEModel.from_pretrained(path, dtype=torch.float32)
+    model = MoEModel.from_pretrained(path, dtype=torch.float32, kernels="torch")
     assert model.family.name == model_type
     check(ref, model)
     model.close()

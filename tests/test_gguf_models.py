@@ -16,7 +16,7 @@ from gguf_models import T, random_k_experts, reference_model, write_gguf  # noqa
 from helpers import make_tiny_model  # noqa: E402
 
 from moeflow import MoEModel, OffloadConfig  # noqa: E402
-from moeflow.io.gguf import open_gguf  # noqa: E402
+from moeflow.io.gguf import open_gguf, q4_0_awq_expert_tensors  # noqa: E402
 
 NEW_TOKENS = 20
 
@@ -52,7 +52,7 @@ def test_qwen3_moe_gguf_matches_transformers_own_gguf_loader(tmp_path):
     # the config is given, the tensors are transformers' own reading and dequantization of the file
     ref = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", config=src.config,
                                                dtype=torch.float32).eval()
-    model = MoEModel.from_pretrained(tmp_path / "m.gguf", dtype=torch.float32)
+    model = MoEModel.from_pretrained(tmp_path / "m.gguf", dtype=torch.float32, kernels="torch")
     assert model.family.name == "qwen3_moe" and model.kernels == "torch"
     assert model.config.moe_intermediate_size == 32 and model.config.norm_topk_prob
     same_tokens(ref, model, 97)
@@ -64,7 +64,7 @@ def test_mixtral_split_gguf_unpermutes_q_and_k(tmp_path):
     written = write_gguf(ref, tmp_path / "mx-00001-of-00003.gguf", expert_types=[T.Q4_0, T.Q8_0],
                          other_type=T.Q8_0, split=3)
     reference_model(ref, written)
-    model = MoEModel.from_pretrained(tmp_path, dtype=torch.float32)  # the directory: its one (split) model
+    model = MoEModel.from_pretrained(tmp_path, dtype=torch.float32, kernels="torch")  # the directory's split set
     assert model.family.name == "mixtral" and model.config.num_local_experts == 6
     same_tokens(ref, model, 97)
     model.close()
@@ -75,7 +75,7 @@ def test_qwen2_moe_and_olmoe_ggufs(tmp_path, model_type, overrides):
     ref = make_family_model(model_type, seed=4, **overrides)
     written = write_gguf(ref, tmp_path / "m.gguf", expert_types=T.Q4_0, other_type=T.Q8_0)
     reference_model(ref, written)
-    model = MoEModel.from_pretrained(tmp_path / "m.gguf", dtype=torch.float32)
+    model = MoEModel.from_pretrained(tmp_path / "m.gguf", dtype=torch.float32, kernels="torch")
     assert model.family.name == model_type
     same_tokens(ref, model, 97)
     model.close()
@@ -89,7 +89,7 @@ def test_glm4_moe_gguf(tmp_path, name):
     ref = make_model("glm4_moe", seed=5, **{**GLM4_MOE[name], "n_group": 1, "topk_group": 1})
     written = write_gguf(ref, tmp_path / "m.gguf", expert_types=T.Q8_0, other_type=T.Q8_0)
     reference_model(ref, written)
-    model = MoEModel.from_pretrained(tmp_path / "m.gguf", dtype=torch.float32)
+    model = MoEModel.from_pretrained(tmp_path / "m.gguf", dtype=torch.float32, kernels="torch")
     assert model.family.name == "glm4_moe"
     head_dim = getattr(ref.config, "head_dim", None) or 64 // ref.config.num_attention_heads
     assert model.config.rotary_dim == head_dim * ref.config.rope_parameters["partial_rotary_factor"]
@@ -108,7 +108,37 @@ def test_k_quant_and_mxfp4_experts(tmp_path):
                                   getattr(T, kind))
     written = write_gguf(ref, tmp_path / "k.gguf", other_type=T.Q8_0, raw_experts=raw)
     reference_model(ref, written)
-    model = MoEModel.from_pretrained(tmp_path / "k.gguf", dtype=torch.float32)
+    model = MoEModel.from_pretrained(tmp_path / "k.gguf", dtype=torch.float32, kernels="torch")
+    same_tokens(ref, model, 97)
+    model.close()
+
+
+def test_q4_0_experts_become_awq_bit_for_bit(tmp_path):
+    from gguf.quants import dequantize as gguf_dequantize
+
+    from moeflow.quant.awq import unpack_int4
+
+    def awq_fp32(qweight, qzeros, scales):  # W [N, K] = (q - z) * s in fp32, as the reference kernels compute it
+        z = unpack_int4(qzeros).repeat_interleave(32, dim=0)
+        return ((unpack_int4(qweight) - z).float() * scales.float().repeat_interleave(32, dim=0)).T
+
+    ref = make_family_model("qwen3_moe", seed=6, norm_topk_prob=True)
+    written = write_gguf(ref, tmp_path / "m.gguf", expert_types=T.Q4_0, other_type=T.F16)
+    reference_model(ref, written)
+    model = MoEModel.from_pretrained(tmp_path / "m.gguf", dtype=torch.float32, kernels="torch")
+    fmt = model.experts.fmt
+    assert (fmt.kind, fmt.group_size, fmt.dtype) == ("awq", 32, torch.float16)
+    source = open_gguf(tmp_path / "m.gguf").expert_source((0, 1), 8, 64, 32, convert=q4_0_awq_expert_tensors)
+    staging = source.new_staging()
+    for layer, e in ((0, 0), (1, 7)):
+        t, raw = source.read(layer, e, staging), {}
+        for p in ("gate", "up", "down"):
+            raw[p] = gguf_dequantize(source.read_raw(layer, e, staging)[p].numpy(), T.Q4_0)
+        w13 = awq_fp32(t["w13_qweight"], t["w13_qzeros"], t["w13_scales"])
+        w2 = awq_fp32(t["w2_qweight"], t["w2_qzeros"], t["w2_scales"])
+        assert t["w13_scales"].dtype == torch.float16 and bool((unpack_int4(t["w2_qzeros"]) == 8).all())
+        assert torch.equal(w2, torch.from_numpy(raw["down"]))  # fp32 (q - 8) * d, as ggml computes it
+        assert torch.equal(w13, torch.from_numpy(np.concatenate([raw["gate"], raw["up"]])))
     same_tokens(ref, model, 97)
     model.close()
 
@@ -162,7 +192,7 @@ def test_disk_tier_reads_experts_from_the_gguf(tmp_path):
 
     src = make_family_model("qwen3_moe", seed=1, norm_topk_prob=True)
     write_gguf(src, tmp_path / "m.gguf", expert_types=T.Q4_0, other_type=T.F16)
-    resident = MoEModel.from_pretrained(tmp_path / "m.gguf", dtype=torch.float32)
+    resident = MoEModel.from_pretrained(tmp_path / "m.gguf", dtype=torch.float32, kernels="torch")
     x = ids(97)
     want = resident.generate(x, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=[])
     row = resident.experts.fmt.nbytes
@@ -171,7 +201,7 @@ def test_disk_tier_reads_experts_from_the_gguf(tmp_path):
     reserved = non_expert_bytes(resident.model) + kv_cache_bytes(resident.family.config, torch.float32, 4096)
     resident.close()
     budget = (reserved + 2 * staging + 5 * row + row // 2) / 2**30  # 5 of the 16 experts in host memory
-    model = MoEModel.from_pretrained(tmp_path / "m.gguf", dtype=torch.float32, offload=OffloadConfig(
+    model = MoEModel.from_pretrained(tmp_path / "m.gguf", dtype=torch.float32, kernels="torch", offload=OffloadConfig(
         policy="lru", gpu_expert_slots=4, host_memory_gb=budget, disk_readers=2))
     try:
         assert model.experts.host.on_disk

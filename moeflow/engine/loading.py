@@ -19,7 +19,13 @@ from moeflow.families.base import ExpertLayout, ExpertSpec
 from moeflow.families.layers import AWQLinear
 from moeflow.families.mtp import MultiTokenPredictor
 from moeflow.io.checkpoint import CheckpointReader, QuantizationSpec, read_json
-from moeflow.io.gguf import ExpertConvert, GGUFExpertSource, GGUFModel, dense_expert_tensors
+from moeflow.io.gguf import (
+    ExpertConvert,
+    GGUFExpertSource,
+    GGUFModel,
+    dense_expert_tensors,
+    q4_0_awq_expert_tensors,
+)
 from moeflow.kernels.biased import BiasedExpertFormat
 from moeflow.kernels.pool import ExpertFormat
 from moeflow.quant.fp8 import awq_expert_tensors, int4_group_size
@@ -47,16 +53,22 @@ def gguf_expert_format(family: Family, model: GGUFModel, dtype: torch.dtype) -> 
     """The slot format of a GGUF model's experts, and the ``convert`` that turns an expert's bytes as stored
     (:class:`~moeflow.io.gguf.ExpertBytes`, read by :func:`gguf_expert_source`) into that format's tensors.
 
-    INTERIM (issue 39's reading half): the experts are dequantized exactly (fp32, :mod:`moeflow.quant.ggml`) at
-    load into the dense format of ``dtype``, so a GGUF model runs on every existing backend and policy but takes
-    the dense format's memory. The native GGUF formats replace this one function: return the format that stores
-    each expert's blocks as the file does (``GGUFExpertSource.types()`` says which ggml types) with a ``convert``
-    that hands the raw bytes through; the disk tier and the parallel loader already move the stored bytes."""
+    * every expert Q4_0: the AWQ format (group 32, zero point 8, scale ``d``: the same 4-bit codes and fp16 scales,
+      bit for bit the same weights), so the AWQ kernels (Triton, CPU int4) run them as stored;
+    * otherwise, INTERIM (issue 39's reading half): dequantized exactly (fp32, :mod:`moeflow.quant.ggml`) at load
+      into the dense format of ``dtype``: every backend and policy runs them, at the dense format's memory.
+
+    The native GGUF formats replace this one function: return the format that stores each expert's blocks as the
+    file does (``model.expert_types(...)`` says which ggml types) with a ``convert`` that hands the raw bytes
+    through; the disk tier and the parallel loader already move the stored bytes."""
     spec = family.expert_spec()
     if spec.activation != "silu" or spec.bias:
         raise CheckpointError(f"{model.path}: {family.name}'s experts ({spec.activation}, bias={spec.bias}) are not "
                               "read from GGUF files yet (gated SiLU experts without biases only)")
-    return ExpertFormat(spec.hidden_size, spec.intermediate_size, "dense", dtype), dense_expert_tensors
+    H, I = spec.hidden_size, spec.intermediate_size  # noqa: E741
+    if model.expert_types(tuple(family.moe_layers)) == {"Q4_0"} and H % 32 == 0 and I % 32 == 0:
+        return ExpertFormat(H, I, "awq", torch.float16, 32), q4_0_awq_expert_tensors
+    return ExpertFormat(H, I, "dense", dtype), dense_expert_tensors
 
 
 def gguf_expert_source(model: GGUFModel, family: Family, convert: ExpertConvert,

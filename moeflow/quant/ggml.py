@@ -194,6 +194,16 @@ _BLOCK_DEQUANT: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+def q4_0_codes(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_0 rows as 4-bit codes and scales: raw uint8 [N, K/32 * 18] -> (codes uint8 [N, K] in [0, 15], d fp16
+    [N, K/32]); value ``(codes - 8) * d`` (each ``d`` repeated over its 32 codes) is :func:`dequantize`'s, exactly.
+    That is AWQ with group 32, zero point 8 and scale ``d``: how a Q4_0 matrix becomes an AWQ one as it is."""
+    n = raw.shape[0]
+    blocks = raw.reshape(-1, 18)
+    codes = _nibbles(blocks[:, 2:], 16).reshape(n, -1)
+    return codes, blocks[:, :2].contiguous().view(torch.float16).reshape(n, -1)
+
+
 def dequantize(raw: torch.Tensor, type_id: int, what: str = "tensor") -> torch.Tensor:
     """Bytes of a GGML tensor -> its values in fp32, exactly as ggml (and gguf-py) dequantize them.
 

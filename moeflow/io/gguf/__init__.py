@@ -13,12 +13,20 @@ from pathlib import Path
 
 from moeflow.errors import CheckpointError
 from moeflow.io.gguf.config import supported_architectures
-from moeflow.io.gguf.experts import ExpertBytes, ExpertConvert, ExpertSlice, GGUFExpertSource, dense_expert_tensors
+from moeflow.io.gguf.experts import (
+    ExpertBytes,
+    ExpertConvert,
+    ExpertSlice,
+    GGUFExpertSource,
+    dense_expert_tensors,
+    q4_0_awq_expert_tensors,
+)
 from moeflow.io.gguf.files import SPLIT, GGUFFiles, find_gguf, is_gguf_path
 from moeflow.io.gguf.reader import GGUFCheckpointReader, open_gguf_reader
 
 __all__ = ["GGUFModel", "open_gguf", "resolve_gguf", "ExpertSlice", "ExpertBytes", "ExpertConvert",
-           "GGUFExpertSource", "GGUFCheckpointReader", "dense_expert_tensors", "supported_architectures"]
+           "GGUFExpertSource", "GGUFCheckpointReader", "dense_expert_tensors", "q4_0_awq_expert_tensors",
+           "supported_architectures"]
 
 
 @dataclass
@@ -42,6 +50,11 @@ class GGUFModel:
         from moeflow.io.gguf.tokenizer import tokenizer_directory
 
         return tokenizer_directory(self.files, self.config["model_type"])
+
+    def expert_types(self, blocks: tuple[int, ...]) -> set[str]:
+        """The ggml types of the stacked expert tensors of decoder layers ``blocks`` (``ffn_{gate,up,down}_exps``)."""
+        return {info.type.name for b in blocks for p in ("gate", "up", "down")
+                if (info := self.files.tensors.get(f"blk.{b}.ffn_{p}_exps.weight")) is not None}
 
     def expert_source(self, blocks: tuple[int, ...], num_experts: int, hidden: int, intermediate: int,
                       convert: ExpertConvert = dense_expert_tensors) -> GGUFExpertSource:

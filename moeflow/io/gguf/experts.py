@@ -24,7 +24,8 @@ import torch
 
 from moeflow.errors import CheckpointError
 from moeflow.io.gguf.files import GGUFFiles
-from moeflow.quant.ggml import GGMLType, dequantize
+from moeflow.quant.awq import pack_int4
+from moeflow.quant.ggml import GGMLType, dequantize, q4_0_codes
 
 PROJECTIONS = ("gate", "up", "down")
 STAGING_ALIGN = 64
@@ -69,6 +70,23 @@ def dense_expert_tensors(expert: ExpertBytes, raw: dict[str, torch.Tensor]) -> d
     """The dense format's tensors, fp32 and exact: ``w13`` [2I, H] (gate rows, then up) and ``w2`` [H, I]."""
     deq = {p: dequantize(raw[p], s.type.id, f"{s.path}: {s.tensor}") for p, s in expert.slices.items()}
     return {"w13": torch.cat([deq["gate"], deq["up"]], dim=0), "w2": deq["down"]}
+
+
+def q4_0_awq_expert_tensors(expert: ExpertBytes, raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Q4_0 experts as the AWQ format's tensors (group 32, zero point 8, scale ``d``), bit for bit the same weights:
+    ``w13_qweight`` int32 [H, 2I/8] (gate columns, then up), ``w13_qzeros`` [H/32, 2I/8], ``w13_scales`` fp16
+    [H/32, 2I]; ``w2_*`` likewise for down ([I, H/8], [I/32, H/8], [I/32, H])."""
+    out = {}
+    for name, parts in (("w13", ("gate", "up")), ("w2", ("down",))):
+        for p in parts:
+            if expert.slices[p].type.name != "Q4_0":
+                raise ValueError(f"{expert.slices[p].tensor}: {expert.slices[p].type.name}, not Q4_0")
+        codes, d = zip(*(q4_0_codes(raw[p]) for p in parts), strict=True)
+        codes, d = torch.cat(codes, dim=0), torch.cat(d, dim=0)  # [N, K], [N, K/32]
+        out[f"{name}_qweight"] = pack_int4(codes.T.contiguous())
+        out[f"{name}_qzeros"] = pack_int4(torch.full((d.shape[1], d.shape[0]), 8, dtype=torch.uint8))
+        out[f"{name}_scales"] = d.T.contiguous()
+    return out
 
 
 def expert_slices(files: GGUFFiles, block: int, expert: int, hidden: int, intermediate: int) -> ExpertBytes:
