@@ -58,7 +58,7 @@ class GGUFCheckpointReader(CheckpointReader):
                                   f"architecture {files.architecture!r}")
         self.name_map = gguf.get_tensor_name_map(arch_id, int(config["num_hidden_layers"]))
         self.num_experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
-        self.weight_map = {name: files.path for name in files.tensors}  # GGUF names (what the expert index reads)
+        self.weight_map = {name: info.path for name, info in files.tensors.items()}  # by GGUF name: which part
         self._names: list[str] | None = None
 
     # ------------------------------------------------------------------ names
