@@ -209,3 +209,31 @@ def test_disk_tier_reads_experts_from_the_gguf(tmp_path):
         assert model.experts.host.stats.bytes_read > 0
     finally:
         model.close()
+
+
+def test_the_peer_benchmarks_q4_0_gguf_runs_as_its_awq_checkpoint(tmp_path):
+    """benchmarks/gguf_checkpoint.py writes the synthetic AWQ checkpoint's weights as a Q4_0 GGUF (what llama.cpp
+    runs beside moeflow): loaded here, the experts are AWQ again (the same codes and scales) and the attention is the
+    AWQ linears' values, so both forms give the same logits, bit for bit, and the same tokens."""
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    for p in (root / "benchmarks", root / "benchmarks" / "peers"):
+        if str(p) not in sys.path:
+            sys.path.insert(0, str(p))
+    import gguf_checkpoint
+    from gpu_checkpoint import TINY, write_synthetic_awq_checkpoint
+
+    cfg = {**TINY, "num_hidden_layers": 3}
+    write_synthetic_awq_checkpoint(tmp_path / "awq", cfg, group_size=32)
+    path = gguf_checkpoint.write_synthetic_gguf(tmp_path / "m.gguf", "mixtral", cfg, group=32)
+    awq = MoEModel.from_pretrained(tmp_path / "awq", kernels="torch")
+    model = MoEModel.from_pretrained(path, kernels="torch")
+    assert model.experts.fmt == awq.experts.fmt
+    x = torch.randint(0, cfg["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(model(x).logits, awq(x).logits)
+    want = awq.generate(x, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=[])
+    assert torch.equal(model.generate(x, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=[]), want)
+    awq.close()
+    model.close()
