@@ -19,7 +19,8 @@ from gguf.quants import dequantize, quantize  # noqa: E402
 T = gguf.GGMLQuantizationType
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-ARCH = {"qwen3_moe": "qwen3moe", "mixtral": "llama", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "glm4_moe": "glm4moe"}
+ARCH = {"qwen3_moe": "qwen3moe", "mixtral": "llama", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "glm4_moe": "glm4moe",
+        "minimax_m2": "minimax-m2"}
 
 
 def permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -44,7 +45,7 @@ def gguf_names(model) -> dict[str, str]:
         parts = name.split(".")
         if parts[:2] != ["model", "layers"] or ".experts." in name:
             continue
-        if name.endswith("mlp.gate.e_score_correction_bias"):  # the converter's exp_probs_b
+        if name.endswith(("mlp.gate.e_score_correction_bias", "mlp.e_score_correction_bias")):  # exp_probs_b
             out[name] = f"blk.{parts[2]}.exp_probs_b.bias"
             continue
         module, suffix = ".".join(parts[3:-1]), parts[-1]
@@ -106,10 +107,13 @@ def write_gguf(model, path: Path, expert_types=T.Q8_0, other_type=T.F32, split: 
                          else cfg.rope_theta)
     w.add_expert_count(E)
     w.add_expert_used_count(cfg.num_experts_per_tok)
-    if kind != "mixtral":
+    if kind not in ("mixtral", "minimax_m2"):
         w.add_expert_feed_forward_length(inter)
     if kind == "qwen2_moe":
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if kind == "minimax_m2":  # as llama.cpp's MiniMaxM2Model.set_gguf_parameters writes them
+        w.add_expert_feed_forward_length(cfg.intermediate_size)
+        w.add_rope_dimension_count(int(cfg.head_dim * cfg.rope_parameters["partial_rotary_factor"]))
     if kind == "glm4_moe":  # as llama.cpp's Glm4MoeModel.set_gguf_parameters writes them
         head_dim = getattr(cfg, "head_dim", None) or H // cfg.num_attention_heads
         w.add_rope_dimension_count(int(head_dim * cfg.rope_parameters["partial_rotary_factor"]))

@@ -5,7 +5,7 @@ gguf-py's dequantization of the file.
 
 Needs a llama.cpp source tree with ``llama-quantize`` built (llama-cpp-python's sdist vendors one; see
 benchmarks/peers/build_llama_cpp.sh): ``MOEFLOW_LLAMA_CPP_DIR=<tree> pytest tests/test_gguf_llama_cpp.py``; skipped
-without it. ~4 min on 2 cores (13 conversions). The tiny vocabulary's BPE pre-tokenizer is unknown to the
+without it. ~4.5 min on 2 cores (15 conversions). The tiny vocabulary's BPE pre-tokenizer is unknown to the
 converter's hash table: it is told "qwen2" (the vocabulary is the test's, the weights are what is checked)."""
 
 from __future__ import annotations
@@ -47,7 +47,9 @@ SIZES = {"mixtral": dict(hidden_size=256, intermediate_size=256),
          "olmoe": dict(hidden_size=256, intermediate_size=256),
          "glm4_moe": dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256, num_key_value_heads=2,
                           head_dim=64, use_qk_norm=True, attention_bias=True, first_k_dense_replace=1,
-                          norm_topk_prob=True, routed_scaling_factor=2.5, partial_rotary_factor=0.5)}
+                          norm_topk_prob=True, routed_scaling_factor=2.5, partial_rotary_factor=0.5),
+         "minimax_m2": dict(hidden_size=256, intermediate_size=256, num_key_value_heads=2, head_dim=64, rotary_dim=32,
+                            use_qk_norm=True, use_routing_bias=True)}
 
 
 def save_tokenizer(directory: Path, size: int) -> None:
@@ -70,7 +72,7 @@ def save_tokenizer(directory: Path, size: int) -> None:
 def converted(tmp_path: Path, model_type: str, qtype: str):
     if model_type == "mixtral":
         src = make_tiny_model(seed=5, **SIZES[model_type])
-    elif model_type == "glm4_moe":
+    elif model_type in ("glm4_moe", "minimax_m2"):
         src = make_model(model_type, seed=5, **SIZES[model_type])
     else:
         src = make_family_model(model_type, seed=5, **SIZES[model_type])
@@ -115,7 +117,7 @@ def test_qwen3_moe_against_transformers_gguf_loader(tmp_path, qtype):
     model.close()
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "olmoe", "glm4_moe"])
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "olmoe", "glm4_moe", "minimax_m2"])
 @pytest.mark.parametrize("qtype", ["Q4_K_M", "Q4_0"])
 def test_families_against_the_dequantized_file(tmp_path, model_type, qtype):
     src, _, path = converted(tmp_path, model_type, qtype)

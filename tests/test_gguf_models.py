@@ -97,6 +97,19 @@ def test_glm4_moe_gguf(tmp_path, name):
     model.close()
 
 
+@pytest.mark.parametrize("name", ["qk-norm-partial-rotary", "no-qk-norm-no-bias-full-rotary"])
+def test_minimax_m2_gguf(tmp_path, name):
+    from tiny_families import MINIMAX_M2, make_model
+
+    ref = make_model("minimax_m2", seed=5, **MINIMAX_M2[name])
+    written = write_gguf(ref, tmp_path / "m.gguf", expert_types=T.Q8_0, other_type=T.Q8_0)
+    reference_model(ref, written)
+    model = MoEModel.from_pretrained(tmp_path / "m.gguf", dtype=torch.float32, kernels="torch")
+    assert model.family.name == "minimax_m2"
+    same_tokens(ref, model, 97)
+    model.close()
+
+
 def test_k_quant_and_mxfp4_experts(tmp_path):
     ref = make_family_model("qwen3_moe", seed=3, norm_topk_prob=True, hidden_size=256, moe_intermediate_size=256,
                             num_hidden_layers=3, head_dim=32)

@@ -58,6 +58,19 @@ def _glm4moe(raw: dict, metadata: dict, shapes: dict, source: str) -> None:
         raise CheckpointError(f"{source}: glm4moe.expert_gating_func={gating}: only the sigmoid router (2) is read")
 
 
+def _minimax_m2(raw: dict, metadata: dict, shapes: dict, source: str) -> None:
+    """MiniMax-M2: rotary on ``rope.dimension_count`` values of each head, QK-norm and the selection bias when their
+    tensors are there, sigmoid scores (llama.cpp's minimax-m2 graph)."""
+    rope_dim = metadata.get("minimax-m2.rope.dimension_count")
+    if rope_dim is not None:
+        raw["rotary_dim"] = int(rope_dim)
+    raw["use_qk_norm"] = "blk.0.attn_q_norm.weight" in shapes
+    raw["use_routing_bias"] = "blk.0.exp_probs_b.bias" in shapes
+    gating = metadata.get("minimax-m2.expert_gating_func", 2)
+    if gating != 2:  # gguf.ExpertGatingFuncType.SIGMOID
+        raise CheckpointError(f"{source}: minimax-m2.expert_gating_func={gating}: only the sigmoid router (2) is read")
+
+
 ARCHITECTURES: dict[str, Architecture] = {
     # Mixtral is llama.cpp's ``llama`` with experts (a llama file without them is a dense model moeflow does not run)
     "llama": Architecture("mixtral", {"expert_count": "num_local_experts"}, rope_permuted=True),
@@ -68,6 +81,10 @@ ARCHITECTURES: dict[str, Architecture] = {
                                            "expert_feed_forward_length": "moe_intermediate_size",
                                            "expert_shared_feed_forward_length": "shared_expert_intermediate_size"},
                              {"norm_topk_prob": False}),
+    # MiniMax-M2's experts are of intermediate_size; llama.cpp always renormalises its top-k
+    "minimax-m2": Architecture("minimax_m2", {"expert_count": "num_local_experts",
+                                              "expert_feed_forward_length": "intermediate_size"},
+                               derive=_minimax_m2),
     # OLMoE's experts are of intermediate_size (llama.cpp writes expert_feed_forward_length)
     "glm4moe": Architecture("glm4_moe", {"expert_count": "n_routed_experts",
                                          "expert_feed_forward_length": "moe_intermediate_size",
