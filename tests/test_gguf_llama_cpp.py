@@ -5,8 +5,9 @@ gguf-py's dequantization of the file.
 
 Needs a llama.cpp source tree with ``llama-quantize`` built (llama-cpp-python's sdist vendors one; see
 benchmarks/peers/build_llama_cpp.sh): ``MOEFLOW_LLAMA_CPP_DIR=<tree> pytest tests/test_gguf_llama_cpp.py``; skipped
-without it. ~4.5 min on 2 cores (15 conversions). The tiny vocabulary's BPE pre-tokenizer is unknown to the
-converter's hash table: it is told "qwen2" (the vocabulary is the test's, the weights are what is checked)."""
+without it. 2 to 4 min on 2 cores (15 conversions; 127 s at load 4.6). The tiny vocabulary's BPE pre-tokenizer is
+unknown to the converter's hash table: it is told "qwen2" (the vocabulary is the test's, the weights are what is
+checked)."""
 
 from __future__ import annotations
 
