@@ -85,8 +85,11 @@ class MoEModel(nn.Module):
         lm_head_bits: int = 8,
         mtp: bool = False,
         background_load: bool = False,
+        gguf_file: str | None = None,
     ):
-        """Load an HF-layout checkpoint (fp32/fp16/bf16 or AWQ 4-bit) from a directory or the hub.
+        """Load an HF-layout checkpoint (fp32/fp16/bf16 or AWQ 4-bit) from a directory or the hub, or a GGUF model
+        (llama.cpp's files: a ``.gguf`` path, a directory holding one, the first part of a split set, or a
+        directory / hub id with ``gguf_file``; :mod:`moeflow.io.gguf`).
 
         dtype: activation/weight dtype; default float16 on CUDA and float32 on the CPU.
         offload: where experts live. None (default): every expert on the device when they all fit next to the
@@ -115,6 +118,8 @@ class MoEModel(nn.Module):
             checkpoint has none.
         background_load: return once the non-expert weights are loaded, the experts filling host memory in the
             background (``OffloadConfig.background_load``; an offloading ``offload`` is required).
+        gguf_file: the GGUF file to load from the directory or hub repository ``path_or_id`` (as transformers'
+            ``gguf_file=``).
         """
         device = torch.device(device)
         if device.type == "cuda" and not torch.cuda.is_available():
@@ -132,7 +137,7 @@ class MoEModel(nn.Module):
         built = build_model(path_or_id, device=device, dtype=dtype, offload=offload, kernels=kernels,
                             revision=revision, progress=progress, families=cls._families,
                             attention_bits=attention_bits, lm_head_bits=lm_head_bits, cuda_graphs=cuda_graphs,
-                            mtp=mtp)
+                            mtp=mtp, gguf_file=gguf_file)
         runner = Runner(built.decoder, built.backend, built.stats, built.family.config, device, dtype,
                         kv_cache_spec=built.family.kv_cache_spec)
         self = cls(built.family, built.decoder, built.backend, runner, built.offload, built.generation_config,

@@ -215,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generation_args(p, "auto")
     p.set_defaults(func=cmd_demo, max_new_tokens=120)
     p = sub.add_parser("generate", help="generate text with any supported MoE checkpoint")
-    p.add_argument("--model", required=True, help="checkpoint directory or hub id")
+    p.add_argument("--model", required=True, help="checkpoint directory, hub id, or GGUF file (.gguf)")
     _add_generation_args(p, None)
     p.set_defaults(func=cmd_generate)
     p = sub.add_parser("quantize", help="convert an fp16/bf16/fp32 MoE checkpoint to AWQ 4-bit")

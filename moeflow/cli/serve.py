@@ -243,7 +243,7 @@ def cmd_serve(args) -> int:
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint directory or hub id (default: the embedded model)")
+    p.add_argument("--model", default=None, help="checkpoint directory, hub id or .gguf (default: the embedded model)")
     p.add_argument("--device", default=_default_device())
     p.add_argument("--dtype", choices=list(DTYPES), default=None)
     p.add_argument("--kernels", choices=["auto", "torch", "triton"], default="auto")
@@ -295,7 +295,7 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("chat", help="chat with a model in the terminal (its chat template, streamed)")
-    p.add_argument("--model", default=None, help="checkpoint directory or hub id (default: the embedded model)")
+    p.add_argument("--model", default=None, help="checkpoint directory, hub id or .gguf (default: the embedded model)")
     _add_generation_args(p, None)
     p.add_argument("--system", default=None, help="a system message")
     p.set_defaults(func=cmd_chat)

@@ -32,6 +32,7 @@ from moeflow.families.layers import AWQLinear, fuse_qkv_projections
 from moeflow.families.mtp import MultiTokenPredictor
 from moeflow.io.checkpoint import CheckpointReader, open_checkpoint, read_json, read_quantization, resolve_checkpoint
 from moeflow.io.expert_index import ExpertIndex
+from moeflow.io.gguf import open_gguf, resolve_gguf
 from moeflow.io.tokenizer import Tokenizer
 from moeflow.kernels.dispatch import uses_cpu_int4, uses_triton
 from moeflow.kernels.formats import ExpertFormat
@@ -140,31 +141,42 @@ def build_model(
     path_or_id: str | os.PathLike, *, device: torch.device, dtype: torch.dtype, offload: OffloadConfig | None,
     kernels: str, revision: str | None, progress: bool | None, families: tuple[type[Family], ...] | None = None,
     attention_bits: int | str | None = "auto", lm_head_bits: int = 8, cuda_graphs: bool = False,
-    mtp: bool = False,
+    mtp: bool = False, gguf_file: str | None = None,
 ) -> BuiltModel:
-    """Load the checkpoint ``path_or_id`` (directory or hub id). ``families``: accept only these (else ValueError).
+    """Load the checkpoint ``path_or_id`` (directory or hub id; or a GGUF model: a ``.gguf`` file, a directory
+    holding one, a split set's first part, or ``gguf_file`` in a directory / hub repository).
+    ``families``: accept only these (else ValueError).
     ``cuda_graphs``: the decode step will be captured, so the memory plan reserves its graphs' pools.
     ``attention_bits``: quantize 16-bit attention projections at load (CPU int4 path only; "auto": int8 there,
     kept elsewhere; see cpu_linears); ``lm_head_bits``: 8 (default) or 4 (CPU int4 path only, see cpu_linears).
     ``mtp``: also read the multi-token-prediction layers (:mod:`moeflow.families.mtp`; CheckpointError naming the
     config field or the missing tensor when the checkpoint has none); their experts join the backend after the
     decoder's."""
-    directory = resolve_checkpoint(path_or_id, revision)
-    config_path = directory / "config.json"
-    raw_config = read_json(config_path)
+    gguf_path = resolve_gguf(path_or_id, gguf_file, revision)
+    gguf = open_gguf(gguf_path) if gguf_path is not None else None
+    if gguf is None:
+        directory = resolve_checkpoint(path_or_id, revision)
+        config_path = directory / "config.json"
+        raw_config = read_json(config_path)
+    else:  # the GGUF metadata as the family's config.json
+        directory, config_path, raw_config = gguf.directory, gguf.path, gguf.config
     model_type = raw_config.get("model_type")
     if families is not None and (model_type or "mixtral") not in {t for f in families for t in f.model_types}:
         raise ValueError(f"{config_path}: model_type {model_type!r} is not a "
                          f"{' or '.join(f.name.capitalize() for f in families)}")
     family = family_for_config(raw_config, str(config_path))
-    fp8 = fp8_block_spec(raw_config, config_path)  # FP8 block-scaled (DeepSeek-V3): dequantized as read
-    quant = None if fp8 else read_quantization(directory, raw_config)
-    reader = open_checkpoint(directory, quant)
+    fp8 = None if gguf else fp8_block_spec(raw_config, config_path)  # FP8 block-scaled (DeepSeek-V3): dequantized
+    quant = None if fp8 or gguf else read_quantization(directory, raw_config)
+    reader = gguf.reader if gguf else open_checkpoint(directory, quant)
     if fp8 is not None:
         reader = Fp8BlockReader(reader, fp8)
     try:
         layout = family.detect_expert_layout(reader)
-        fmt = loading.expert_format(family, layout, quant, dtype)
+        convert = None
+        if gguf is not None:  # the GGUF experts' format, and how a read turns their bytes into its tensors
+            fmt, convert = loading.gguf_expert_format(family, gguf, dtype)
+        else:
+            fmt = loading.expert_format(family, layout, quant, dtype)
         if fp8 is not None:  # FP8 experts become int4 (AWQ) experts
             fmt = loading.requantized_expert_format(family)
         resolved = resolve_kernels(kernels, device,
@@ -210,8 +222,11 @@ def build_model(
         plan, sized = planned
         source = None
         if offload.host_memory_gb is not None or offload.background_load or fp8 is None:  # (FP8: one by one below)
-            source = open_expert_index(reader, family, layout, quant, fmt if fp8 is not None else None,
-                                       len(family.moe_layers) + loading.mtp_moe_layers(mtp_module))
+            if gguf is not None:
+                source = loading.gguf_expert_source(gguf, family, convert, loading.mtp_moe_layers(mtp_module))
+            else:
+                source = open_expert_index(reader, family, layout, quant, fmt if fp8 is not None else None,
+                                           len(family.moe_layers) + loading.mtp_moe_layers(mtp_module))
         host_reserved = plan.non_expert + plan.kv_cache if device.type == "cpu" else 0  # weights in host memory
         try:
             backend = make_expert_backend(
@@ -262,7 +277,10 @@ def build_model(
     finally:
         reader.close()
     gen = GenerationConfig.from_file(directory / "generation_config.json", cfg.eos_token_id, cfg.pad_token_id)
-    tokenizer = Tokenizer(directory / "tokenizer.json") if (directory / "tokenizer.json").is_file() else None
+    tokenizer_dir = gguf.tokenizer_directory() if gguf is not None else directory  # (GGUF: rebuilt, cached)
+    tokenizer = None
+    if tokenizer_dir is not None and (tokenizer_dir / "tokenizer.json").is_file():
+        tokenizer = Tokenizer(tokenizer_dir / "tokenizer.json")
     return BuiltModel(family, decoder, backend, stats, gen, tokenizer, resolved, device, dtype, plan, offload,
                       mtp_module)
 

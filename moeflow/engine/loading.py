@@ -6,6 +6,7 @@ Everything family-specific (tensor names, expert layouts) is asked of the :class
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +20,14 @@ from moeflow.families.base import ExpertLayout, ExpertSpec
 from moeflow.families.layers import AWQLinear
 from moeflow.families.mtp import MultiTokenPredictor
 from moeflow.io.checkpoint import CheckpointReader, QuantizationSpec, read_json
+from moeflow.io.gguf import (
+    ExpertBytes,
+    ExpertConvert,
+    GGUFExpertSource,
+    GGUFModel,
+    dense_expert_tensors,
+    q4_0_awq_expert_tensors,
+)
 from moeflow.kernels.formats import (
     AWQFormat,
     BiasedAWQFormat,
@@ -28,6 +37,7 @@ from moeflow.kernels.formats import (
     ExpertFormat,
     MXFP4Format,
 )
+from moeflow.kernels.formats import gguf_expert_format as gguf_format_of_types
 from moeflow.quant.fp8 import awq_expert_tensors, int4_group_size
 
 # buffers that stay fp32 whatever the model's dtype: DeepSeek-V3's selection bias decides near-ties among
@@ -47,6 +57,51 @@ def expert_format(family: Family, layout: ExpertLayout, quant: QuantizationSpec 
                                   "quantization_config in config.json nor a quant_config.json")
         return AWQFormat(spec.hidden_size, spec.intermediate_size, layout.scales_dtype, quant.group_size)
     return DenseFormat(spec.hidden_size, spec.intermediate_size, dtype)
+
+
+def gguf_expert_format(family: Family, model: GGUFModel, dtype: torch.dtype) -> tuple[ExpertFormat, ExpertConvert]:
+    """The slot format of a GGUF model's experts, and the ``convert`` that turns an expert's bytes as stored
+    (:class:`~moeflow.io.gguf.ExpertBytes`, read by :func:`gguf_expert_source`) into that format's tensors.
+
+    * every expert Q4_0: the AWQ format (group 32, zero point 8, scale ``d``: the same 4-bit codes and fp16 scales,
+      bit for bit the same weights), so the AWQ kernels (Triton, CPU int4, the fused MoE, CUDA graphs) run them;
+    * otherwise the GGUF format (:class:`~moeflow.kernels.formats.gguf.GGUFFormat`): each expert's blocks as the
+      file stores them, run by the GGUF Triton kernels (the torch reference off CUDA), ``convert`` handing the
+      stored bytes through;
+    * a mix the GGUF format cannot hold (more than two types in one projection, two types of the same row size):
+      dequantized exactly (fp32, :mod:`moeflow.quant.ggml`) at load into the dense format of ``dtype``, with a
+      warning naming the types."""
+    spec = family.expert_spec()
+    if spec.activation != "silu" or spec.bias:
+        raise CheckpointError(f"{model.path}: {family.name}'s experts ({spec.activation}, bias={spec.bias}) are not "
+                              "read from GGUF files yet (gated SiLU experts without biases only)")
+    H, I = spec.hidden_size, spec.intermediate_size  # noqa: E741
+    blocks = tuple(family.moe_layers)
+    if model.expert_types(blocks) == {"Q4_0"} and H % 32 == 0 and I % 32 == 0:
+        return AWQFormat(H, I, torch.float16, 32), q4_0_awq_expert_tensors
+    types = model.projection_types(blocks)
+    try:
+        return gguf_format_of_types(types["gate"] | types["up"], types["down"], H, I, dtype), stored_expert_tensors
+    except ValueError as e:
+        warnings.warn(f"{model.path}: experts {types} dequantized into {dtype} at load ({e})", stacklevel=2)
+        return DenseFormat(H, I, dtype), dense_expert_tensors
+
+
+def stored_expert_tensors(expert: ExpertBytes, raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The GGUF format's loader form is the expert's bytes as stored ("gate" / "up" / "down" -> uint8 [out,
+    row_bytes], views of the reader's staging buffer, written into a region before the next read)."""
+    return raw
+
+
+def gguf_expert_source(model: GGUFModel, family: Family, convert: ExpertConvert,
+                       extra_layers: int = 0) -> GGUFExpertSource:
+    """Every expert of the GGUF model by MoE layer (the family's MoE layers are GGUF blocks ``blk.N``)."""
+    if extra_layers:
+        raise CheckpointError(f"{model.path}: multi-token-prediction layers are not read from GGUF files; load "
+                              "with mtp=False")
+    spec = family.expert_spec()
+    return model.expert_source(tuple(family.moe_layers), family.num_experts, spec.hidden_size,
+                               spec.intermediate_size, convert)
 
 
 def biased_expert_format(spec: ExpertSpec, layout: ExpertLayout, quant: QuantizationSpec | None,

@@ -1,0 +1,144 @@
+"""A GGUF file's metadata as the config.json of the moeflow family that runs it.
+
+llama.cpp names an architecture (``general.architecture``) and writes its hyperparameters under
+``{arch}.<key>`` (gguf-py's ``gguf.Keys``: ``block_count``, ``attention.head_count``, ``expert_count``, ...).
+:data:`ARCHITECTURES` says, per architecture moeflow runs, which transformers ``model_type`` it becomes and which
+config.json field each key fills; what llama.cpp fixes in its C++ rather than the file (Qwen3-MoE renormalises
+its top-k weights, Qwen2-MoE and OLMoE do not) is written beside it. The tokenizer's special token ids come from
+``tokenizer.ggml.*``; ``tie_word_embeddings`` from whether the file has an ``output.weight``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from moeflow.errors import CheckpointError
+
+# {arch}.<key> -> config.json field, for every architecture below
+COMMON = {
+    "context_length": "max_position_embeddings", "block_count": "num_hidden_layers",
+    "embedding_length": "hidden_size", "feed_forward_length": "intermediate_size",
+    "attention.head_count": "num_attention_heads", "attention.head_count_kv": "num_key_value_heads",
+    "attention.key_length": "head_dim", "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "rope.freq_base": "rope_theta", "vocab_size": "vocab_size", "expert_used_count": "num_experts_per_tok",
+}
+TOKENIZER = {"tokenizer.ggml.bos_token_id": "bos_token_id", "tokenizer.ggml.eos_token_id": "eos_token_id",
+             "tokenizer.ggml.padding_token_id": "pad_token_id"}
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """How one llama.cpp architecture becomes a config.json: its ``model_type``, keys beyond :data:`COMMON`, fixed
+    fields, and whether llama.cpp's converter permuted the q/k rows for its interleaved rotary (``llama``)."""
+
+    model_type: str
+    keys: dict[str, str] = field(default_factory=dict)
+    fixed: dict[str, Any] = field(default_factory=dict)
+    rope_permuted: bool = False
+    requires_experts: bool = True
+    # derive(raw, metadata, shapes, source): fields computed from several keys or from which tensors exist
+    derive: Callable[[dict, dict, dict, str], None] | None = None
+
+
+def _glm4moe(raw: dict, metadata: dict, shapes: dict, source: str) -> None:
+    """GLM-4.5: block_count counts the MTP (nextn) layers, the rotary turns ``rope.dimension_count`` of each head,
+    QK-norm and q/k/v biases are there when their tensors are, the router is sigmoid without groups (llama.cpp's
+    glm4moe graph has none)."""
+    raw["num_hidden_layers"] -= int(raw.get("num_nextn_predict_layers") or 0)
+    head_dim = int(raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"])
+    rope_dim = metadata.get("glm4moe.rope.dimension_count")
+    if rope_dim is not None:
+        raw["partial_rotary_factor"] = int(rope_dim) / head_dim
+    raw["use_qk_norm"] = "blk.0.attn_q_norm.weight" in shapes
+    raw["attention_bias"] = "blk.0.attn_q.bias" in shapes
+    gating = metadata.get("glm4moe.expert_gating_func", 2)
+    if gating != 2:  # gguf.ExpertGatingFuncType.SIGMOID
+        raise CheckpointError(f"{source}: glm4moe.expert_gating_func={gating}: only the sigmoid router (2) is read")
+
+
+def _minimax_m2(raw: dict, metadata: dict, shapes: dict, source: str) -> None:
+    """MiniMax-M2: rotary on ``rope.dimension_count`` values of each head, QK-norm and the selection bias when their
+    tensors are there, sigmoid scores (llama.cpp's minimax-m2 graph)."""
+    rope_dim = metadata.get("minimax-m2.rope.dimension_count")
+    if rope_dim is not None:
+        raw["rotary_dim"] = int(rope_dim)
+    raw["use_qk_norm"] = "blk.0.attn_q_norm.weight" in shapes
+    raw["use_routing_bias"] = "blk.0.exp_probs_b.bias" in shapes
+    gating = metadata.get("minimax-m2.expert_gating_func", 2)
+    if gating != 2:  # gguf.ExpertGatingFuncType.SIGMOID
+        raise CheckpointError(f"{source}: minimax-m2.expert_gating_func={gating}: only the sigmoid router (2) is read")
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    # Mixtral is llama.cpp's ``llama`` with experts (a llama file without them is a dense model moeflow does not run)
+    "llama": Architecture("mixtral", {"expert_count": "num_local_experts"}, rope_permuted=True),
+    "qwen3moe": Architecture("qwen3_moe", {"expert_count": "num_experts",
+                                           "expert_feed_forward_length": "moe_intermediate_size"},
+                             {"norm_topk_prob": True}),  # llama.cpp's qwen3moe graph renormalises the top-k weights
+    "qwen2moe": Architecture("qwen2_moe", {"expert_count": "num_experts",
+                                           "expert_feed_forward_length": "moe_intermediate_size",
+                                           "expert_shared_feed_forward_length": "shared_expert_intermediate_size"},
+                             {"norm_topk_prob": False}),
+    # MiniMax-M2's experts are of intermediate_size; llama.cpp always renormalises its top-k
+    "minimax-m2": Architecture("minimax_m2", {"expert_count": "num_local_experts",
+                                              "expert_feed_forward_length": "intermediate_size"},
+                               derive=_minimax_m2),
+    # OLMoE's experts are of intermediate_size (llama.cpp writes expert_feed_forward_length)
+    "glm4moe": Architecture("glm4_moe", {"expert_count": "n_routed_experts",
+                                         "expert_feed_forward_length": "moe_intermediate_size",
+                                         "expert_shared_count": "n_shared_experts",
+                                         "leading_dense_block_count": "first_k_dense_replace",
+                                         "expert_weights_scale": "routed_scaling_factor",
+                                         "expert_weights_norm": "norm_topk_prob",
+                                         "nextn_predict_layers": "num_nextn_predict_layers"},
+                            {"n_group": 1, "topk_group": 1}, derive=_glm4moe),
+    "olmoe": Architecture("olmoe", {"expert_count": "num_experts", "expert_feed_forward_length": "intermediate_size",
+                                    "attention.clamp_kqv": "clip_qkv"}, {"norm_topk_prob": False}),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(ARCHITECTURES)
+
+
+def architecture(arch: str, source: str) -> Architecture:
+    """The :class:`Architecture` of ``arch``; a CheckpointError listing the supported ones otherwise."""
+    spec = ARCHITECTURES.get(arch)
+    if spec is None:
+        raise CheckpointError(f"{source}: GGUF architecture {arch!r} is not supported; moeflow reads GGUF files of "
+                              f"architecture {', '.join(supported_architectures())}")
+    return spec
+
+
+def gguf_config(metadata: dict[str, Any], shapes: dict[str, tuple[int, ...]], source: str) -> dict[str, Any]:
+    """config.json (as a dict) for a GGUF file with this metadata and these tensors (name -> shape, outermost
+    first)."""
+    arch = str(metadata["general.architecture"])
+    spec = architecture(arch, source)
+    raw: dict[str, Any] = {"model_type": spec.model_type}
+    for key, name in {**COMMON, **spec.keys}.items():
+        value = metadata.get(f"{arch}.{key}")
+        if value is not None and not isinstance(value, list):
+            raw[name] = value
+    for key, name in TOKENIZER.items():
+        if key in metadata:
+            raw[name] = int(metadata[key])
+    if "vocab_size" not in raw and isinstance(metadata.get("tokenizer.ggml.tokens"), list):
+        raw["vocab_size"] = len(metadata["tokenizer.ggml.tokens"])
+    if "vocab_size" not in raw and "token_embd.weight" in shapes:
+        raw["vocab_size"] = shapes["token_embd.weight"][0]
+    rope = metadata.get(f"{arch}.rope.scaling.type")
+    if rope not in (None, "none"):
+        raise CheckpointError(f"{source}: rope scaling {rope!r} ({arch}.rope.scaling.type) is not supported for GGUF "
+                              "files yet (only the default rotary)")
+    if spec.requires_experts and not raw.get(spec.keys["expert_count"]):
+        raise CheckpointError(f"{source}: GGUF architecture {arch!r} without {arch}.expert_count is a dense model; "
+                              "moeflow runs Mixture-of-Experts models")
+    raw.update(spec.fixed)
+    raw.setdefault("norm_topk_prob", False)  # llama.cpp's default when the file says nothing
+    raw["tie_word_embeddings"] = "output.weight" not in shapes
+    if spec.derive is not None:
+        spec.derive(raw, metadata, shapes, source)
+    return raw

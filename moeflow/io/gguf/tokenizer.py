@@ -1,0 +1,90 @@
+"""The tokenizer and chat template a GGUF file carries in its metadata, as the tokenizer files moeflow reads.
+
+A GGUF has no ``tokenizer.json``: llama.cpp stores the vocabulary, merges and special token ids under
+``tokenizer.ggml.*`` and the chat template under ``tokenizer.chat_template``. transformers rebuilds the fast
+tokenizer from them (``AutoTokenizer.from_pretrained(directory, gguf_file=...)``, its own GGUF integration); this
+module writes that tokenizer once as ``tokenizer.json`` plus a ``tokenizer_config.json`` (special tokens, chat
+template) into a cache directory keyed by the file's path, size and modification time, which the rest of moeflow
+(``Tokenizer``, chat templates, the server, guided decoding) reads like any checkpoint's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from moeflow.errors import CheckpointError
+from moeflow.io.gguf.files import GGUFFiles
+
+log = logging.getLogger(__name__)
+SPECIAL_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
+               "pad_token": "padding_token_id"}
+
+
+def cache_root() -> Path:
+    """``$MOEFLOW_CACHE_DIR/gguf-tokenizers`` (default ``~/.cache/moeflow``)."""
+    base = os.environ.get("MOEFLOW_CACHE_DIR") or Path.home() / ".cache" / "moeflow"
+    return Path(base) / "gguf-tokenizers"
+
+
+def tokenizer_directory(files: GGUFFiles, model_type: str) -> Path | None:
+    """A directory holding ``tokenizer.json`` and ``tokenizer_config.json`` made from ``files``' metadata (made once
+    per file and cached), or None when the file has no tokenizer. CheckpointError naming the file when
+    transformers cannot rebuild it; a warning and None when transformers is not installed."""
+    if "tokenizer.ggml.tokens" not in files.metadata:
+        return None
+    stat = files.path.stat()
+    key = hashlib.sha256(f"{files.path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:24]
+    out = cache_root() / key
+    if (out / "tokenizer.json").is_file() and (out / "tokenizer_config.json").is_file():
+        return out
+    try:
+        backend = _rebuild(files)
+    except ImportError:
+        log.warning("%s: the tokenizer in the GGUF metadata needs transformers to be rebuilt (pip install "
+                    "'moeflow[gguf]'); loading without a tokenizer", files.path)
+        return None
+    except Exception as e:  # transformers raises many types on a vocabulary it cannot rebuild
+        raise CheckpointError(f"{files.path}: transformers could not rebuild the tokenizer from the GGUF metadata "
+                              f"(tokenizer.ggml.model {files.get('tokenizer.ggml.model')!r}): "
+                              f"{type(e).__name__}: {e}") from e
+    tokens = files.metadata["tokenizer.ggml.tokens"]
+    config = {}
+    for name, key in SPECIAL_IDS.items():
+        i = files.get(f"tokenizer.ggml.{key}")
+        if isinstance(i, int) and 0 <= i < len(tokens):
+            config[name] = tokens[i]
+    template = files.get("tokenizer.chat_template")
+    if isinstance(template, str):
+        config["chat_template"] = template
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=out.parent))
+    backend.save(str(tmp / "tokenizer.json"))
+    (tmp / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=1), encoding="utf-8")
+    (tmp / "config.json").write_text(json.dumps({"model_type": model_type}), encoding="utf-8")  # harmony fallback
+    try:
+        tmp.rename(out)
+    except OSError:  # another process made it first
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / "tokenizer.json").is_file():
+            raise
+    return out
+
+
+def _rebuild(files: GGUFFiles):
+    """The ``tokenizers.Tokenizer`` transformers builds from the metadata: its GGUF tokenizer builders
+    (``transformers.integrations.gguf``, 5.24+: keyed by the tokenizer type, any architecture), else
+    ``AutoTokenizer.from_pretrained(gguf_file=...)`` (older transformers: only the architectures it loads)."""
+    try:
+        from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+    except ImportError:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(files.path.parent), gguf_file=files.path.name).backend_tokenizer
+    architecture, tokenizer_dict, _ = get_gguf_tokenizer(str(files.path))
+    return convert_gguf_tokenizer(architecture, tokenizer_dict)[0]

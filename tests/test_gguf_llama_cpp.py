@@ -1,0 +1,129 @@
+"""GGUF files made by llama.cpp's own tools from the tests' tiny transformers checkpoints: ``convert_hf_to_gguf.py``
+(f32) then ``llama-quantize`` (Q4_K_M, Q5_K_M, Q6_K, Q4_0, Q8_0). moeflow's greedy tokens (32) and logits on the
+file equal transformers' on the same weights: transformers' own GGUF loader for Qwen3-MoE, else the HF model holding
+gguf-py's dequantization of the file.
+
+Needs a llama.cpp source tree with ``llama-quantize`` built (llama-cpp-python's sdist vendors one; see
+benchmarks/peers/build_llama_cpp.sh): ``MOEFLOW_LLAMA_CPP_DIR=<tree> pytest tests/test_gguf_llama_cpp.py``; skipped
+without it. 2 to 4 min on 2 cores (15 conversions; 127 s at load 4.6). The tiny vocabulary's BPE pre-tokenizer is
+unknown to the converter's hash table: it is told "qwen2" (the vocabulary is the test's, the weights are what is
+checked)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("gguf")
+LLAMA_CPP = Path(os.environ.get("MOEFLOW_LLAMA_CPP_DIR", "/nonexistent"))
+QUANTIZE = LLAMA_CPP / "build" / "bin" / "llama-quantize"
+pytestmark = pytest.mark.skipif(
+    not (LLAMA_CPP / "convert_hf_to_gguf.py").is_file() or not QUANTIZE.is_file(),
+    reason="MOEFLOW_LLAMA_CPP_DIR (llama.cpp sources with build/bin/llama-quantize) not set")
+
+from family_models import make_family_model  # noqa: E402
+from gguf_models import reference_from_file  # noqa: E402
+from helpers import make_tiny_model  # noqa: E402
+from tiny_families import make_model  # noqa: E402
+
+from moeflow import MoEModel  # noqa: E402
+
+CONVERT = """import runpy, sys
+sys.path.insert(0, {src!r}); sys.path.insert(1, {src!r} + "/gguf-py")
+import conversion.base as base
+import conversion.glm as glm
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
+glm.Glm4MoeModel.set_vocab = lambda self: self._set_vocab_gpt2()  # (GLM's own wants its [gMASK] tokens)
+sys.argv = ["convert_hf_to_gguf.py"] + sys.argv[1:]
+runpy.run_path({src!r} + "/convert_hf_to_gguf.py", run_name="__main__")
+"""
+SIZES = {"mixtral": dict(hidden_size=256, intermediate_size=256),
+         "qwen3_moe": dict(hidden_size=256, moe_intermediate_size=256, head_dim=32, norm_topk_prob=True),
+         "qwen2_moe": dict(hidden_size=256, moe_intermediate_size=256, shared_expert_intermediate_size=256),
+         "olmoe": dict(hidden_size=256, intermediate_size=256),
+         "glm4_moe": dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256, num_key_value_heads=2,
+                          head_dim=64, use_qk_norm=True, attention_bias=True, first_k_dense_replace=1,
+                          norm_topk_prob=True, routed_scaling_factor=2.5, partial_rotary_factor=0.5),
+         "minimax_m2": dict(hidden_size=256, intermediate_size=256, num_key_value_heads=2, head_dim=64, rotary_dim=32,
+                            use_qk_norm=True, use_routing_bias=True)}
+
+
+def save_tokenizer(directory: Path, size: int) -> None:
+    """A byte-level BPE of ``size`` tokens (the bytes from the space on, one merge, three special tokens)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    chars = [c for _, c in sorted(bytes_to_unicode().items())][32:32 + size - 4]
+    vocab = {t: i for i, t in enumerate([*chars, "ab"])}
+    tok = Tokenizer(models.BPE(vocab, [("a", "b")]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|endoftext|>")
+    fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    assert len(fast) == size
+    fast.save_pretrained(directory)
+
+
+def converted(tmp_path: Path, model_type: str, qtype: str):
+    if model_type == "mixtral":
+        src = make_tiny_model(seed=5, **SIZES[model_type])
+    elif model_type in ("glm4_moe", "minimax_m2"):
+        src = make_model(model_type, seed=5, **SIZES[model_type])
+    else:
+        src = make_family_model(model_type, seed=5, **SIZES[model_type])
+    hf = tmp_path / "hf"
+    src.save_pretrained(hf)
+    save_tokenizer(hf, src.config.vocab_size)
+    script = tmp_path / "convert.py"
+    script.write_text(CONVERT.format(src=str(LLAMA_CPP)))
+    f32, out = tmp_path / "m-f32.gguf", tmp_path / f"m-{qtype}.gguf"
+    subprocess.run([sys.executable, str(script), str(hf), "--outtype", "f32", "--outfile", str(f32)], check=True,
+                   capture_output=True)
+    env = dict(os.environ, LD_LIBRARY_PATH=str(QUANTIZE.parent))
+    subprocess.run([str(QUANTIZE), str(f32), str(out), qtype], check=True, capture_output=True, env=env)
+    return src, hf, out
+
+
+def check(ref, model) -> None:
+    x = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=32, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)
+        assert (model(x).logits - ref(x).logits).abs().max() < 1e-4
+    assert torch.equal(model.generate(x, max_new_tokens=32, do_sample=False, eos_token_id=[]), want)
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOEFLOW_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K_M", "Q5_K_M", "Q6_K", "Q4_0", "Q8_0"])
+def test_qwen3_moe_against_transformers_gguf_loader(tmp_path, qtype):
+    pytest.importorskip("accelerate")
+    from transformers import AutoModelForCausalLM
+
+    src, _, path = converted(tmp_path, "qwen3_moe", qtype)
+    ref = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=src.config,
+                                               dtype=torch.float32).eval()
+    model = MoEModel.from_pretrained(path, dtype=torch.float32, kernels="torch")
+    assert model.tokenizer is not None and model.tokenizer.decode(model.tokenizer.encode("ab c")) == "ab c"
+    check(ref, model)
+    model.close()
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "olmoe", "glm4_moe", "minimax_m2"])
+@pytest.mark.parametrize("qtype", ["Q4_K_M", "Q4_0"])
+def test_families_against_the_dequantized_file(tmp_path, model_type, qtype):
+    src, _, path = converted(tmp_path, model_type, qtype)
+    ref = reference_from_file(src, path)
+    model = MoEModel.from_pretrained(path, dtype=torch.float32, kernels="torch")
+    assert model.family.name == model_type
+    check(ref, model)
+    model.close()
