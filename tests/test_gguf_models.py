@@ -225,18 +225,11 @@ def test_disk_tier_reads_experts_from_the_gguf(tmp_path):
 
 
 def test_the_peer_benchmarks_q4_0_gguf_runs_as_its_awq_checkpoint(tmp_path):
-    """benchmarks/gguf_checkpoint.py writes the synthetic AWQ checkpoint's weights as a Q4_0 GGUF (what llama.cpp
+    """benchmarks/common/gguf_checkpoint.py writes the synthetic AWQ checkpoint's weights as a Q4_0 GGUF (what llama.cpp
     runs beside moeflow): loaded here, the experts are AWQ again (the same codes and scales) and the attention is the
     AWQ linears' values, so both forms give the same logits, bit for bit, and the same tokens."""
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    for p in (root / "benchmarks", root / "benchmarks" / "peers"):
-        if str(p) not in sys.path:
-            sys.path.insert(0, str(p))
-    import gguf_checkpoint
-    from gpu_checkpoint import TINY, write_synthetic_awq_checkpoint
+    from benchmarks.common import gguf_checkpoint
+    from benchmarks.common.checkpoint import TINY, write_synthetic_awq_checkpoint
 
     cfg = {**TINY, "num_hidden_layers": 3}
     write_synthetic_awq_checkpoint(tmp_path / "awq", cfg, group_size=32)

@@ -1,7 +1,8 @@
 """The exact-token invariant on GGUF models: every caching policy (and finemoe / auto, which need no trained file),
 at slot counts from the minimum to all experts, with the synchronous and the random-delay transport, generates
 exactly the greedy tokens of "resident" on the same file. Two files of one tiny Qwen3-MoE: Q4_0 experts (the AWQ
-format, read as stored) and Q4_0 / Q8_0 layers (dequantized into the dense format). ~40 s on 2 cores."""
+format, the same codes and scales) and Q4_0 / Q8_0 layers (the GGUF format: each expert's blocks as stored, run by
+the GGUF kernels' torch reference here). ~40 s on 2 cores."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ SHAPE = dict(hidden_size=64, moe_intermediate_size=32, num_hidden_layers=LAYERS,
              num_key_value_heads=1, num_experts=EXPERTS, num_experts_per_tok=TOP_K, norm_topk_prob=True)
 
 
-@pytest.fixture(scope="module", params=["q4_0-awq", "mixed-dense"])
+@pytest.fixture(scope="module", params=["q4_0-awq", "mixed-gguf"])
 def tiny(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf_invariant")
     types = T.Q4_0 if request.param == "q4_0-awq" else [T.Q4_0, T.Q8_0]
@@ -32,7 +33,7 @@ def tiny(request, tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("MOEFLOW_CACHE_DIR", str(root / "cache"))
     resident = MoEModel.from_pretrained(path, kernels="torch", offload=OffloadConfig(policy="resident"))
-    assert resident.experts.fmt.kind == ("awq" if request.param == "q4_0-awq" else "dense")
+    assert resident.experts.fmt.kind == ("awq" if request.param == "q4_0-awq" else "gguf")
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 97, (2, 7), generator=gen)
     mask = torch.ones_like(ids)
