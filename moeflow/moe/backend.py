@@ -16,6 +16,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from moeflow.kernels.pool import ExpertFormat
+from moeflow.moe.routing import Router
 
 
 class KernelRouting(NamedTuple):
@@ -132,7 +133,7 @@ class ExpertBackend(ABC):
 
     def forward_logits(
         self, layer: int, x: torch.Tensor, router_logits: torch.Tensor,
-        route: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        route: Router,
         kernel_routing: KernelRouting | None, want_ids: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layer from its router logits: x [T, H], router_logits [T, E] -> (out [T, H], topk_ids int32 [T, k]
@@ -162,7 +163,7 @@ class ExpertBackend(ABC):
 
     def _route_and_forward(
         self, layer: int, x: torch.Tensor, router_logits: torch.Tensor,
-        route: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        route: Router,
         kernel_routing: KernelRouting | None, want_ids: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:meth:`forward_logits` of tokens that are all real. Default: ``route`` then :meth:`forward`. A backend
@@ -182,7 +183,7 @@ class ExpertBackend(ABC):
 
     def forward_prelude(
         self, prelude: object, layer: int, x: torch.Tensor, router_logits: torch.Tensor,
-        route: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        route: Router,
         kernel_routing: KernelRouting | None,
     ) -> torch.Tensor:
         """The layer's output [T, H] after the replay of a piece that holds ``prelude`` (:meth:`capture_prelude`'s

@@ -5,8 +5,6 @@ store fills as it serves."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import torch
 
@@ -16,7 +14,7 @@ from moeflow.offload.eviction import LFU, EvictionPolicy, PriorityEviction
 from moeflow.offload.policies.files import load_policy_predictor
 from moeflow.offload.policies.spec import Mechanisms, PolicyContext, PolicySpec
 from moeflow.offload.predictors.finemoe import ExpertMapStore, FineMoEPredictor, prefetch_priority
-from moeflow.offload.predictors.interface import LearnedPredictorRuntime, Proposals
+from moeflow.offload.predictors.interface import LearnedPredictorRuntime, PrefetchTarget, Proposals
 
 
 class FineMoERuntime(LearnedPredictorRuntime):
@@ -36,13 +34,13 @@ class FineMoERuntime(LearnedPredictorRuntime):
         super().__init__(predictor)
         predictor.runtime_mode = True
         self.prefill_pass = prefill_iteration == "pass"
-        self._runtime: Any = None
+        self._runtime: PrefetchTarget | None = None
 
     @property
     def store(self) -> ExpertMapStore:
         return self.predictor.store
 
-    def bind(self, runtime: Any) -> None:
+    def bind(self, runtime: PrefetchTarget) -> None:
         self._runtime = runtime
 
     def begin_step(self, step: StepInfo) -> None:
