@@ -38,6 +38,7 @@ from moeflow.kernels.pool import ExpertFormat
 from moeflow.moe.backend import ExpertBackend
 from moeflow.moe.resident import CpuInt4Experts
 from moeflow.offload import Stats, create_expert_backend, get_policy, min_slots
+from moeflow.offload.backend import OffloadedExperts
 from moeflow.offload.cpu_slots import CpuInt4Format
 from moeflow.offload.predictors.base import PredictorMismatchError
 from moeflow.offload.units import format_bytes
@@ -234,7 +235,7 @@ def build_model(
             if source is not None:
                 source.close()
             raise
-        host = getattr(backend, "host", None)
+        host = backend.host if isinstance(backend, OffloadedExperts) else None
         on_disk = host is not None and host.on_disk
         if on_disk and fp8 is not None:  # correct, but every read from disk requantizes an expert on the CPU
             log.warning("%s: experts stay on disk in FP8, so every read from disk requantizes one to int4 on the "

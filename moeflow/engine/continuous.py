@@ -113,7 +113,8 @@ class ContinuousEngine:
         self.max_queue, self.prefill_chunk = max_queue, prefill_chunk
         self.listener = listener or EngineListener()
         self.device = model.device
-        needs = getattr(model.runner.backend, "needs_history", False)
+        backend = model.runner.backend
+        needs = backend is not None and backend.needs_history
         self.history = TokenHistory(cache.rows, cache.max_len, self.device) if needs else None
         self.prefix = PrefixCache(cache, prefix_min_tokens) if prefix_cache else None
         self.lookup = LookupDrafter(self, prompt_lookup, max_matching_ngram_size) if prompt_lookup else None

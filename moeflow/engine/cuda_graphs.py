@@ -58,7 +58,7 @@ import torch
 
 from moeflow.engine.compiled import traces_through
 from moeflow.engine.memory import GRAPH_STEPS
-from moeflow.moe.backend import ExpertBackend
+from moeflow.moe.backend import DevicePart, ExpertBackend, KernelRouting
 
 log = logging.getLogger(__name__)
 
@@ -132,9 +132,9 @@ class _Call:
     x: torch.Tensor  # [T, H]
     router_logits: torch.Tensor  # [T, E]: the block's gate output (in the graph); routing runs in the backend
     route: Callable  # the block's router (logits -> probs, ids, weights)
-    kernel_routing: Any  # moeflow.moe.backend.KernelRouting | None
+    kernel_routing: KernelRouting | None
     out: torch.Tensor  # [T, H]: the real call's output, copied in before the next piece
-    prelude: Any = None  # the backend's captured prelude of the layer (capture_prelude), in the piece before
+    prelude: object | None = None  # the backend's captured prelude of the layer (capture_prelude), in the piece before
 
 
 class _Boundary:
@@ -150,11 +150,11 @@ class _Boundary:
 
     @torch.compiler.disable  # host logic (a compiled decode function breaks here, as at the real backend)
     def forward_logits(self, layer: int, x: torch.Tensor, router_logits: torch.Tensor, route: Callable,
-                       kernel_routing: Any, want_ids: bool) -> tuple[torch.Tensor, None]:
+                       kernel_routing: KernelRouting | None, want_ids: bool) -> tuple[torch.Tensor, None]:
         if want_ids:  # a recorded routing would be a host value of the captured step
             raise RuntimeError("the decode step records its routing (tracing): CUDA-graph pieces do not return it")
-        hook = getattr(self.experts, "capture_prelude", None)
-        prelude = hook(layer, x, router_logits, kernel_routing) if hook is not None else None  # in the piece
+        experts = self.experts
+        prelude = experts.capture_prelude(layer, x, router_logits, kernel_routing) if experts is not None else None
         if self.capture is None:
             return torch.zeros_like(x), None
         self.replays.append(self.capture.end())
@@ -176,9 +176,9 @@ class CapturedStep:
     replays: list[Callable[[], None]]
     calls: list[_Call]
     logits: torch.Tensor
-    capture: Any = None  # the GraphCapture (its memory pool) the pieces were captured with
+    capture: GraphCapture | None = None  # the GraphCapture (its memory pool) the pieces were captured with
 
-    def run(self, experts: ExpertBackend, device_part: Any = None) -> torch.Tensor:
+    def run(self, experts: ExpertBackend, device_part: DevicePart | None = None) -> torch.Tensor:
         """Replay every piece, the backend's real calls in between (inside ``device_part.region()``, the
         backend's captured device part, when given); returns the static logits [B, T, V]."""
         with device_part.region() if device_part is not None else contextlib.nullcontext():
@@ -306,7 +306,8 @@ class CudaGraphDecode:
         self.steps[key] = step
         return step
 
-    def _device_part(self, experts: ExpertBackend) -> Any:
+    def _device_part(self, experts: ExpertBackend | None) -> DevicePart | None:
         """The backend's captured device part (``moeflow.offload.device_step.DeviceGraphs``), or None."""
-        enable = getattr(experts, "enable_device_graphs", None) if self.capture_experts else None
-        return enable(self.capture_factory) if enable is not None else None
+        if not self.capture_experts or experts is None:
+            return None
+        return experts.enable_device_graphs(self.capture_factory)

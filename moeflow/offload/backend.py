@@ -35,8 +35,8 @@ from moeflow.moe.backend import ExpertBackend, KernelRouting, RoutingPathPlanner
 from moeflow.moe.routing import Router
 from moeflow.offload.cache import ExpertCache, Slot
 from moeflow.offload.compute import LayerCompute
-from moeflow.offload.contracts import LoadQueue, PreludeStage, SlotLoads
-from moeflow.offload.copy_engine import LoadTask, linear_chunks
+from moeflow.offload.contracts import PreludeStage, SlotLoads
+from moeflow.offload.copy_engine import LoadQueue, LoadTask, linear_chunks
 from moeflow.offload.cpu_slots import SlotInt4Forms
 from moeflow.offload.device_step import DeviceGraphs
 from moeflow.offload.eviction import EvictionPolicy

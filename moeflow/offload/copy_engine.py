@@ -37,15 +37,18 @@ import threading
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from moeflow.kernels.pool import ExpertPool
 from moeflow.offload.chunks import chunk_ranges, linear_chunks
 from moeflow.offload.host_store import HostStore
 from moeflow.offload.stats import PhaseStats
-from moeflow.offload.transport import Handle, Transport
+from moeflow.offload.transport import BatchCopies, Handle, Transport
 
 PREFETCH_CHUNK_BYTES = 8 * 2**20  # a needed load waits behind at most ~one such piece of a prefetch
-__all__ = ["BATCH_BYTES", "PREFETCH_CHUNK_BYTES", "CopyEngine", "LoadTask", "chunk_ranges", "linear_chunks"]
+__all__ = [
+    "BATCH_BYTES", "PREFETCH_CHUNK_BYTES", "CopyEngine", "LoadQueue", "LoadTask", "chunk_ranges", "linear_chunks",
+]
 BATCH_BYTES = PREFETCH_CHUNK_BYTES  # one issue of needed loads gathers up to this many bytes (copy_batch transports)
 
 
@@ -90,6 +93,34 @@ class LoadTask:
         return [h for h in (*self.after, *self.handles) if not h.query()]
 
 
+class LoadQueue(Protocol):
+    """The two-priority queue of chunked expert loads (see :mod:`moeflow.offload.copy_engine`). ``threaded``: a
+    worker thread issues the copies (else :meth:`pump` does, on the caller's thread)."""
+
+    threaded: bool
+
+    def submit(self, layer: int, expert: int, slot: int, *, high: bool, after: Sequence[Handle] = (),
+               stats: PhaseStats | None = None, priority: float = 0.0) -> LoadTask: ...
+
+    def set_low_chunks(self, chunks: Sequence[tuple[int, int]]) -> None: ...
+
+    def promote(self, task: LoadTask) -> None: ...
+
+    def cancel(self, task: LoadTask) -> list[Handle]: ...
+
+    def preempt(self, layer: int, needed: set[int]) -> tuple[list[LoadTask], list[LoadTask]]: ...
+
+    def pending(self) -> list[LoadTask]: ...
+
+    def high_backlog(self) -> list[tuple[LoadTask, int]]: ...
+
+    def wait_issued(self, task: LoadTask) -> None: ...
+
+    def pump(self, max_chunks: int | None = None) -> int: ...
+
+    def close(self) -> None: ...
+
+
 class CopyEngine:
     """Two-priority chunk queue in front of a transport; see the module docstring.
 
@@ -118,8 +149,8 @@ class CopyEngine:
         self.low_chunks = tuple(chunk_ranges(pool.fmt.nbytes, max(chunks, -(-pool.fmt.nbytes // PREFETCH_CHUNK_BYTES))))
         self.max_inflight = max_inflight
         self.threaded = transport.asynchronous if threaded is None else threaded
-        # batch_bytes=0 or a transport without copy_batch: one chunk per issue through transport.copy
-        self._copy_batch = getattr(transport, "copy_batch", None) if batch_bytes > 0 else None
+        # batch_bytes=0 or a transport without copy_batch (not BatchCopies): one chunk per issue through transport.copy
+        self._copy_batch = transport.copy_batch if batch_bytes > 0 and isinstance(transport, BatchCopies) else None
         self.batch_bytes = batch_bytes if self._copy_batch is not None else 0
         self._flat: tuple | None = None  # flat views of the host buffer and the pool (first batched copy)
         self._rows: tuple[list, list] = ([], [])  # row views of both, the host's made on first use

@@ -9,8 +9,7 @@ from collections import deque
 from collections.abc import Callable
 
 from moeflow.offload.cache import ExpertCache, Slot
-from moeflow.offload.contracts import LoadQueue
-from moeflow.offload.copy_engine import LoadTask
+from moeflow.offload.copy_engine import LoadQueue, LoadTask
 from moeflow.offload.host_store import HostStore
 from moeflow.offload.policies.spec import Mechanisms
 from moeflow.offload.predictors.interface import Predictor

@@ -35,6 +35,7 @@ class FineMoERuntime(LearnedPredictorRuntime):
         predictor.runtime_mode = True
         self.prefill_pass = prefill_iteration == "pass"
         self._runtime: PrefetchTarget | None = None
+        self._views: tuple | None = None  # eviction_table's numpy views of the predictor's guidance and counts
 
     @property
     def store(self) -> ExpertMapStore:
@@ -75,7 +76,7 @@ class FineMoERuntime(LearnedPredictorRuntime):
     def eviction_table(self, layer_now: int = 0) -> np.ndarray:
         """Every key's ``eviction_score`` at once, float32 [L, E] (the vectorised victim choice)."""
         pred = self.predictor
-        views = getattr(self, "_views", None)
+        views = self._views
         if views is None or views[0] is not pred.guidance or views[1] is not pred.freq:  # numpy views, made once
             views = self._views = (pred.guidance, pred.freq, pred.guidance.numpy(), pred.freq.numpy(),
                                    np.empty(tuple(pred.freq.shape), dtype=np.float32))
