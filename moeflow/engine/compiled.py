@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from moeflow.engine.kv_cache import PassCache
 from moeflow.families.base import CausalDecoder
 from moeflow.moe.backend import ExpertBackend
 from moeflow.moe.resident import ResidentExperts
@@ -60,7 +61,7 @@ class CompiledDecode:
         # (decode shapes never change within a generate; a new cache length later compiles once more)
         return torch.compile(self.decoder, fullgraph=False, dynamic=None, backend=self.compiler)
 
-    def __call__(self, embeds: torch.Tensor, positions: torch.Tensor, cache: Any, cache_position: torch.Tensor,
+    def __call__(self, embeds: torch.Tensor, positions: torch.Tensor, cache: PassCache, cache_position: torch.Tensor,
                  token_mask: torch.Tensor, experts: ExpertBackend, routing: Any = None) -> torch.Tensor:
         whole = traces_through(experts)
         fn = self._compiled.get(whole)

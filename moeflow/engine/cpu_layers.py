@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn.modules import module as nn_module
 
 from moeflow.engine.cpu_step import NativeAttentionHalf, NativeRoute, NativeRouterGate
+from moeflow.engine.kv_cache import PassCache
 from moeflow.families import llama_moe, mixtral
 from moeflow.kernels.cpu_layers_ops import LayerDesc, layer_desc, layers_step
 from moeflow.moe.block import MoEBlock
@@ -71,12 +72,12 @@ class NativeLayers:
         self._descs = (experts, array, tables)
         return array
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any,
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PassCache,
                  cache_position: torch.Tensor, masks: list[torch.Tensor], experts: Any,
                  routing: Any) -> torch.Tensor | None:
         """x fp32 [1, 1, H] after every layer, or None when this pass is not one it takes (module docstring).
         ``masks``: each layer's attention mask bool [1, 1, 1, L]."""
-        layer_kv = getattr(cache, "layer_kv", None)
+        layer_kv = cache.layer_kv
         if not self.enabled or routing is not None or x.shape[:2] != (1, 1) or x.dtype != torch.float32 \
                 or layer_kv is None or type(experts) is not CpuInt4Experts or not self._fused():
             return None

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeflow.engine.kv_cache import PassCache
 from moeflow.families.base import CausalDecoder
 from moeflow.families.layers import Attention, PreNormLayer, RMSNorm
 from moeflow.kernels.cpu_native import ROW_GROUP, Q4Matrix, Q8Matrix, native_available
@@ -80,10 +81,10 @@ class NativeAttentionHalf:
     def __init__(self, norm_in: RMSNorm, attn: Attention, norm_post: RMSNorm) -> None:
         self.norm_in, self.attn, self.norm_post = norm_in, attn, norm_post
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any,
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PassCache,
                  cache_position: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         attn = self.attn
-        layer_kv = getattr(cache, "layer_kv", None)
+        layer_kv = cache.layer_kv
         if not (attn.fused_step and self.norm_in.native and self.norm_post.native) or layer_kv is None \
                 or x.shape[1] > NATIVE_ATTENTION_TOKENS or x.dtype != torch.float32 or not x.is_contiguous() \
                 or not mask.is_contiguous():

@@ -57,6 +57,7 @@ from typing import Any, Protocol
 import torch
 
 from moeflow.engine.compiled import traces_through
+from moeflow.engine.kv_cache import PassCache
 from moeflow.engine.memory import GRAPH_STEPS
 from moeflow.moe.backend import DevicePart, ExpertBackend, KernelRouting
 
@@ -73,12 +74,6 @@ def graphs_wanted(cuda_graphs: bool | None, device: torch.device) -> bool:
     if cuda_graphs and device.type != "cuda":
         raise ValueError(f"cuda_graphs=True needs device='cuda'; this model is on {device}")
     return bool(cuda_graphs)
-
-
-def graph_owner(cache: Any) -> Any:
-    """What a step captured on ``cache`` bakes in (its ``graph_owner``), or None: not capturable (a view made anew
-    every pass)."""
-    return getattr(cache, "graph_owner", None)
 
 
 class GraphCapture(Protocol):
@@ -171,7 +166,7 @@ class CapturedStep:
     """One captured decode step: ``inputs`` (static copies of embeds, positions, cache_position, token_mask),
     the pieces' replays, the backend calls between them, and the static logits the last piece writes."""
 
-    cache: Any  # the KV cache the graphs write (held so its tensors, and its identity, stay)
+    cache: PassCache  # the KV cache the graphs write (held so its tensors, and its identity, stay)
     inputs: tuple[torch.Tensor, ...]
     replays: list[Callable[[], None]]
     calls: list[_Call]
@@ -196,7 +191,7 @@ class CapturedStep:
         return self.logits
 
 
-def capture_step(fn: DecodeFn, capture: GraphCapture, inputs: tuple[torch.Tensor, ...], cache: Any,
+def capture_step(fn: DecodeFn, capture: GraphCapture, inputs: tuple[torch.Tensor, ...], cache: PassCache,
                  experts: ExpertBackend) -> CapturedStep:
     """Warm ``fn`` up once, then capture it piecewise around ``experts`` (whole when dynamo traces it).
 
@@ -205,8 +200,7 @@ def capture_step(fn: DecodeFn, capture: GraphCapture, inputs: tuple[torch.Tensor
     capture is refused) advances it once."""
     embeds, positions, cache_position, token_mask = inputs
     whole = traces_through(experts)
-    snapshot = getattr(cache, "snapshot", None)
-    restore = snapshot() if snapshot is not None else None
+    restore = cache.snapshot()
     with capture.side_stream():
         try:
             fn(embeds, positions, cache, cache_position, token_mask, experts if whole else _Boundary(None, experts),
@@ -221,8 +215,7 @@ def capture_step(fn: DecodeFn, capture: GraphCapture, inputs: tuple[torch.Tensor
                 capture.abort()
                 raise
         finally:
-            if restore is not None:
-                restore()
+            restore()
     replays = [*boundary.replays, last] if boundary is not None else [last]
     return CapturedStep(cache, inputs, replays, boundary.calls if boundary is not None else [], logits, capture)
 
@@ -253,9 +246,9 @@ class CudaGraphDecode:
         self.refused: str | None = None
         self._capture: GraphCapture | None = None
 
-    def __call__(self, embeds: torch.Tensor, positions: torch.Tensor, cache: Any, cache_position: torch.Tensor,
+    def __call__(self, embeds: torch.Tensor, positions: torch.Tensor, cache: PassCache, cache_position: torch.Tensor,
                  token_mask: torch.Tensor, experts: ExpertBackend, routing: Any = None) -> torch.Tensor:
-        owner = graph_owner(cache)
+        owner = cache.graph_owner  # None: not capturable (a view made anew every pass)
         if self.refused is not None or routing is not None or owner is None:
             self.eager_calls += 1
             return self.inner(embeds, positions, cache, cache_position, token_mask, experts, routing)
@@ -275,12 +268,12 @@ class CudaGraphDecode:
         self.replays += 1
         return step.run(experts, self._device_part(experts))
 
-    def _capture_new(self, key: tuple, owner: Any, given: tuple[torch.Tensor, ...], cache: Any,
+    def _capture_new(self, key: tuple, owner: object, given: tuple[torch.Tensor, ...], cache: PassCache,
                      experts: ExpertBackend) -> CapturedStep | None:
         """Capture a step for ``key`` (dropping other owners' steps and the least recent beyond ``max_steps``);
         None when the device refuses (then ``refused`` is set and every later step runs eagerly)."""
         embeds = given[0]
-        drop = [k for k, s in self.steps.items() if graph_owner(s.cache) is not owner or k == key]
+        drop = [k for k, s in self.steps.items() if s.cache.graph_owner is not owner or k == key]
         keep = len(self.steps) - len(drop)
         drop += [k for k in self.steps if k not in drop][: max(0, keep - self.max_steps + 1)]
         if drop:

@@ -43,6 +43,7 @@ import torch
 
 from moeflow.engine.compiled import traces_through
 from moeflow.engine.generate import positions_from_mask
+from moeflow.engine.linear_state import HybridKVCache
 from moeflow.engine.sampling import GenerationConfig, next_tokens
 
 DEFAULT_MAX_NGRAM = 2  # transformers' ``max_matching_ngram_size`` default
@@ -94,7 +95,7 @@ def begin_speculation(runner: Any, gen: GenerationConfig, input_ids: torch.Tenso
         return None
     total = t + gen.max_new_tokens
     cache = runner.new_cache(1, total) if reuse else runner.new_cache(1, total, reuse=False)
-    if getattr(cache, "linear", None) is not None:
+    if isinstance(cache, HybridKVCache):
         raise ValueError(f"{option}: this model has linear-attention layers, whose recurrent state a rejected draft "
                          "would advance; use plain decoding")
     seq = torch.zeros(total, dtype=torch.long)

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from moeflow.engine.generate import Runner, positions_from_mask
+from moeflow.engine.kv_cache import PassCache
 from moeflow.engine.latent_cache import new_kv_cache
 from moeflow.engine.lookup import begin_speculation, count_pass, pass_inputs, pick
 from moeflow.engine.sampling import GenerationConfig
@@ -101,8 +102,8 @@ class MTPDrafter:
         return runner.decoder.lm_head(out).float()[:, -1], out
 
 
-def eager_pass(runner: Runner, ids: torch.Tensor, positions: torch.Tensor, cache: Any, cache_position: torch.Tensor,
-               token_mask: torch.Tensor, phase: str, history: tuple, all_real: bool
+def eager_pass(runner: Runner, ids: torch.Tensor, positions: torch.Tensor, cache: PassCache,
+               cache_position: torch.Tensor, token_mask: torch.Tensor, phase: str, history: tuple, all_real: bool
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """One forward pass of the main decoder (eager) -> (logits fp32 [1, T, V], final-normed hidden [1, T, H])."""
     embeds = runner.decoder.embed_tokens(ids)
