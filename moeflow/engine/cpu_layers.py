@@ -13,6 +13,7 @@ the layers run one by one. Same calls in the same order: the same logits, bit fo
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,12 +23,15 @@ from torch.nn.modules import module as nn_module
 from moeflow.engine.cpu_step import NativeAttentionHalf, NativeRoute, NativeRouterGate
 from moeflow.engine.kv_cache import PassCache
 from moeflow.families import llama_moe, mixtral
+from moeflow.families.base import CausalDecoder
 from moeflow.kernels.cpu_layers_ops import LayerDesc, layer_desc, layers_step
 from moeflow.moe.block import MoEBlock
 from moeflow.moe.resident import CpuInt4Experts
 
-# the layer types whose forward is ``x, h = self.attention_half(...); x + moe_block(h)``, and their MoE block's name
-LAYER_BLOCKS = {mixtral.DecoderLayer: "block_sparse_moe", llama_moe.DecoderLayer: "mlp"}
+# the layer types whose forward is ``x, h = self.attention_half(...); x + moe_block(h)``, and their MoE block
+LAYER_BLOCKS: dict[type[nn.Module], Callable[[Any], nn.Module]] = {
+    mixtral.DecoderLayer: lambda layer: layer.block_sparse_moe, llama_moe.DecoderLayer: lambda layer: layer.mlp,
+}
 
 
 class NativeLayers:
@@ -101,15 +105,15 @@ class NativeLayers:
         return layers_step(descs, x.contiguous(), cos, sin, caches, cache_position)
 
 
-def native_layers(decoder: nn.Module) -> NativeLayers | None:
+def native_layers(decoder: CausalDecoder) -> NativeLayers | None:
     """The decoder's :class:`NativeLayers` when every layer is of a known layout with a one-call attention half
     and an MoE block (no shared expert) with the native router; else None."""
-    layers = list(getattr(decoder, "layers", []))
+    layers = list(decoder.layers)
     blocks = []
     for layer in layers:
-        name = LAYER_BLOCKS.get(type(layer))
-        block = getattr(layer, name, None) if name else None
-        if not isinstance(layer.attention_step if name else None, NativeAttentionHalf) \
+        block_of = LAYER_BLOCKS.get(type(layer))
+        block = block_of(layer) if block_of is not None else None
+        if not isinstance(layer.attention_step if block_of is not None else None, NativeAttentionHalf) \
                 or not isinstance(block, MoEBlock) or block.shared_expert is not None \
                 or not isinstance(block.gate, NativeRouterGate) or not isinstance(block.route, NativeRoute):
             return None

@@ -41,10 +41,8 @@ from moeflow.kernels.cpu_step_ops import (
 )
 from moeflow.moe.block import MoEBlock
 
-QKV = ("q_proj", "k_proj", "v_proj")
 
-
-def fuse_cpu_step(decoder: nn.Module, dtype: torch.dtype) -> dict[str, int]:
+def fuse_cpu_step(decoder: CausalDecoder, dtype: torch.dtype) -> dict[str, int]:
     """Fuse ``decoder``'s attention layers and norms in place (see the module docstring); returns how many
     modules were changed ({"attention", "norm", "attention_half", "router"}). Nothing changes without the native library
     or in 16-bit."""
@@ -57,13 +55,13 @@ def fuse_cpu_step(decoder: nn.Module, dtype: torch.dtype) -> dict[str, int]:
             counts["norm"] += 1
         elif type(module) is Attention and module.qk_norm is None and module.clip_qkv is None \
                 and module.rotary_dim == module.head_dim:
-            fused = fuse_qkv([getattr(module, name) for name in QKV])
+            fused = fuse_qkv([module.q_proj, module.k_proj, module.v_proj])
             if fused is not None:
                 module.qkv_proj, module.fused_qkv, module.fused_step = fused, True, True
                 counts["attention"] += 1
     for block in [m for m in decoder.modules() if isinstance(m, MoEBlock)]:
         counts["router"] += _native_router(block)
-    for layer in getattr(decoder, "layers", []):
+    for layer in decoder.layers:
         half = _attention_half(layer)
         if half is not None:
             layer.set_attention_step(half)
@@ -139,9 +137,10 @@ def _native_router(block: MoEBlock) -> bool:
 def _attention_half(layer: nn.Module) -> NativeAttentionHalf | None:
     """The layer's :class:`NativeAttentionHalf` when it has one to take (the Mixtral / Llama-MoE layer layout,
     quantized bias-free projections, both norms alike), else None."""
-    parts = [getattr(layer, n, None) for n in ("input_layernorm", "self_attn", "post_attention_layernorm")]
-    norm_in, attn, norm_post = parts
-    if not isinstance(layer, PreNormLayer) or type(attn) is not Attention or not attn.fused_step or \
+    if not isinstance(layer, PreNormLayer):
+        return None
+    norm_in, attn, norm_post = layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm
+    if type(attn) is not Attention or not attn.fused_step or \
             any(type(n) is not RMSNorm or not n.native for n in (norm_in, norm_post)) or norm_in.eps != norm_post.eps:
         return None
     if not (block_linear_ok(attn.qkv_proj) and block_linear_ok(attn.o_proj)):
