@@ -25,7 +25,8 @@ from moeflow.engine.kv_cache import PassCache
 from moeflow.families import llama_moe, mixtral
 from moeflow.families.base import CausalDecoder
 from moeflow.kernels.cpu_layers_ops import LayerDesc, layer_desc, layers_step
-from moeflow.moe.block import MoEBlock
+from moeflow.moe.backend import ExpertBackend
+from moeflow.moe.block import MoEBlock, RoutingRecorder
 from moeflow.moe.resident import CpuInt4Experts
 
 # the layer types whose forward is ``x, h = self.attention_half(...); x + moe_block(h)``, and their MoE block
@@ -77,8 +78,8 @@ class NativeLayers:
         return array
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PassCache,
-                 cache_position: torch.Tensor, masks: list[torch.Tensor], experts: Any,
-                 routing: Any) -> torch.Tensor | None:
+                 cache_position: torch.Tensor, masks: list[torch.Tensor], experts: ExpertBackend,
+                 routing: RoutingRecorder | None) -> torch.Tensor | None:
         """x fp32 [1, 1, H] after every layer, or None when this pass is not one it takes (module docstring).
         ``masks``: each layer's attention mask bool [1, 1, 1, L]."""
         layer_kv = cache.layer_kv

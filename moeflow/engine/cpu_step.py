@@ -21,8 +21,6 @@ The weights and the formulas stay; the numerics differ from the unfused step onl
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -40,6 +38,7 @@ from moeflow.kernels.cpu_step_ops import (
     softmax_topk,
 )
 from moeflow.moe.block import MoEBlock
+from moeflow.moe.routing import Router
 
 
 def fuse_cpu_step(decoder: CausalDecoder, dtype: torch.dtype) -> dict[str, int]:
@@ -114,7 +113,7 @@ class NativeRoute:
     """A plain softmax-top-k router (the MoE block's ``route``) as one native call (``native``), else the
     block's own router function it replaced."""
 
-    def __init__(self, route: Any, top_k: int, renormalize: bool) -> None:
+    def __init__(self, route: Router, top_k: int, renormalize: bool) -> None:
         self.fallback, self.top_k, self.renormalize, self.native = route, top_k, renormalize, True
 
     def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -52,7 +52,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -60,6 +60,7 @@ from moeflow.engine.compiled import traces_through
 from moeflow.engine.kv_cache import PassCache
 from moeflow.engine.memory import GRAPH_STEPS
 from moeflow.moe.backend import DevicePart, ExpertBackend, KernelRouting
+from moeflow.moe.block import RoutingRecorder
 
 log = logging.getLogger(__name__)
 
@@ -247,7 +248,8 @@ class CudaGraphDecode:
         self._capture: GraphCapture | None = None
 
     def __call__(self, embeds: torch.Tensor, positions: torch.Tensor, cache: PassCache, cache_position: torch.Tensor,
-                 token_mask: torch.Tensor, experts: ExpertBackend, routing: Any = None) -> torch.Tensor:
+                 token_mask: torch.Tensor, experts: ExpertBackend, routing: RoutingRecorder | None = None
+                 ) -> torch.Tensor:
         owner = cache.graph_owner  # None: not capturable (a view made anew every pass)
         if self.refused is not None or routing is not None or owner is None:
             self.eager_calls += 1

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+import torch
 from torch import nn
 
 from moeflow.errors import SchedulingError
@@ -81,10 +83,12 @@ class PolicyContext:
     n_slots: int
     ring_slots: int
     gates: Sequence[nn.Module]  # one router per MoE layer: x [T, H] -> logits [T, E]
-    device: Any
-    checkpoint_dir: Any = None  # the model's directory (predictor policies look for predictors/<kind>.pt there)
+    device: torch.device | str
+    # the model's directory (predictor policies look for predictors/<kind>.pt there)
+    checkpoint_dir: str | Path | None = None
     route: Callable | None = None  # the family's routing (logits -> probs, ids, weights); None: softmax-top-k
-    predictor: Any = None  # the policy's predictor, set before ``eviction`` is called (FineMoE's eviction uses it)
+    # the policy's predictor, set before ``eviction`` is called (FineMoE's eviction uses it)
+    predictor: Predictor | None = None
     mechanisms: Mechanisms = Mechanisms()  # the spec's, with OffloadConfig.policy_options applied
 
 
