@@ -56,9 +56,10 @@ class Mechanisms:
         if self.prefill_iteration not in ("token", "pass"):
             raise SchedulingError(f"policy option prefill_iteration={self.prefill_iteration!r}: expected 'token' "
                                   "or 'pass'")
-        for name in ("refresh_on_prefetch", "queue_priority", "predict_in_prefill"):
-            if not isinstance(getattr(self, name), bool):
-                raise SchedulingError(f"policy option {name}={getattr(self, name)!r}: expected True or False")
+        for name, value in (("refresh_on_prefetch", self.refresh_on_prefetch), ("queue_priority", self.queue_priority),
+                            ("predict_in_prefill", self.predict_in_prefill)):
+            if not isinstance(value, bool):
+                raise SchedulingError(f"policy option {name}={value!r}: expected True or False")
 
     def with_options(self, options: Mapping[str, Any] | None) -> Mechanisms:
         """These mechanisms with ``options`` (``OffloadConfig.policy_options``) applied; SchedulingError naming an
