@@ -1,7 +1,8 @@
-"""The offloading backend is composed of collaborators declared by Protocols (moeflow/offload/contracts.py,
-``LoadQueue`` in copy_engine.py, ``PrefetchTarget`` in predictors/interface.py, ``DevicePart`` in moe/backend.py):
-every member a Protocol declares exists on each implementation, methods with the same parameters, so a
-Protocol and its classes cannot drift apart unnoticed (no static type checker runs in this project)."""
+"""Declared contracts hold: the offloading backend's collaborators (moeflow/offload/contracts.py, ``LoadQueue`` in
+copy_engine.py, ``PrefetchTarget`` in predictors/interface.py, ``DevicePart`` in moe/backend.py) and the serving
+engine's (engine/served.py): every member a Protocol declares exists on each implementation, methods with the
+same parameters, so a Protocol and its classes cannot drift apart unnoticed (no static type checker runs in this
+project)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import inspect
 
 import pytest
 
+from moeflow.api import MoEModel
+from moeflow.engine.continuous import ContinuousEngine
+from moeflow.engine.served import DraftHost, ServedModel
 from moeflow.moe.backend import DevicePart, ExpertBackend
 from moeflow.offload.backend import OffloadedExperts
 from moeflow.offload.contracts import PreludeStage, SlotLoads
@@ -25,7 +29,7 @@ def protocol_members(proto: type) -> dict[str, object]:
     """The members ``proto`` declares itself: methods (name -> function) and attributes (name -> None)."""
     out: dict[str, object] = {name: None for name in getattr(proto, "__annotations__", {})}
     for name, value in vars(proto).items():
-        if not name.startswith("_") and (inspect.isfunction(value) or isinstance(value, property)):
+        if not name.startswith("__") and (inspect.isfunction(value) or isinstance(value, property)):
             out[name] = value
     return out
 
@@ -49,6 +53,7 @@ def instance_attributes(cls: type) -> set[str]:
 CASES = [
     (SlotLoads, SlotLoader), (PrefetchTarget, SlotLoader), (PreludeStage, PreludeCapture),
     (LoadQueue, CopyEngine), (LoadQueue, StagedCopyEngine), (LoadQueue, SimCopyEngine), (DevicePart, DeviceGraphs),
+    (DraftHost, ContinuousEngine), (ServedModel, MoEModel),
 ]
 
 
