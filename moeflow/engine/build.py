@@ -316,15 +316,13 @@ def plan_memory(offload: OffloadConfig, family: Family, fmt: ExpertFormat, devic
     return plan, sized
 
 
-def open_expert_index(reader: CheckpointReader, family: Family, layout, quant,
+def open_expert_index(reader: CheckpointReader | Fp8BlockReader, family: Family, layout, quant,
                       requantize: ExpertFormat | None = None, num_layers: int | None = None) -> ExpertIndex:
     """The byte ranges of every expert in the checkpoint (the disk tier reads experts through it). ``requantize``:
     the AWQ format an FP8 checkpoint's dense experts become on every read, as at load."""
     # a converting reader (GPTQ, compressed-tensors, FP8) converts the raw tensors the index reads, as at load
-    over = getattr(reader, "over", lambda r: r)
-
-    def read(r, layer: int, expert: int) -> dict[str, torch.Tensor]:
-        tensors = family.read_expert(over(r), layout, quant, layer, expert)
+    def read(r: CheckpointReader, layer: int, expert: int) -> dict[str, torch.Tensor]:
+        tensors = family.read_expert(reader.over(r), layout, quant, layer, expert)
         if requantize is None:
             return tensors
         return awq_expert_tensors(tensors["w13"], tensors["w2"], requantize.group_size, requantize.dtype)
