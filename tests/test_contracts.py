@@ -15,8 +15,8 @@ from moeflow.engine.continuous import ContinuousEngine
 from moeflow.engine.served import DraftHost, ServedModel
 from moeflow.moe.backend import DevicePart, ExpertBackend
 from moeflow.offload.backend import OffloadedExperts
-from moeflow.offload.contracts import PreludeStage, SlotLoads
-from moeflow.offload.copy_engine import CopyEngine, LoadQueue
+from moeflow.offload.contracts import LoadQueue, PreludeStage, SlotLoads
+from moeflow.offload.copy_engine import CopyEngine
 from moeflow.offload.device_step import DeviceGraphs
 from moeflow.offload.disk_tier import StagedCopyEngine
 from moeflow.offload.predictors.interface import PrefetchTarget

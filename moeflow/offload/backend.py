@@ -35,8 +35,8 @@ from moeflow.moe.backend import ExpertBackend, KernelRouting, RoutingPathPlanner
 from moeflow.moe.routing import Router
 from moeflow.offload.cache import ExpertCache, Slot
 from moeflow.offload.compute import LayerCompute
-from moeflow.offload.contracts import PreludeStage, SlotLoads
-from moeflow.offload.copy_engine import LoadQueue, LoadTask, linear_chunks
+from moeflow.offload.contracts import LoadQueue, PreludeStage, SlotLoads
+from moeflow.offload.copy_engine import linear_chunks
 from moeflow.offload.cpu_slots import SlotInt4Forms
 from moeflow.offload.device_step import DeviceGraphs
 from moeflow.offload.eviction import EvictionPolicy
@@ -183,20 +183,8 @@ class OffloadedExperts(ExpertBackend):
             raise RuntimeError(f"expert host store incomplete: {len(missing)} experts never loaded, e.g. {missing[:4]}")
         if self.cpu is not None:  # CPU int4 forms + cost-model rates
             self.cpu.prepare(self.device, self.transport.name)
-        if not self.warm_start:
-            return
-        for i in range(min(self.n_slots, self.num_layers * self.num_experts)):
-            key = (i % self.num_layers, i // self.num_layers)  # expert-major: every layer gets a share
-            slot = self.cache.allocate(key, layer_now=0)
-            task = self.engine.submit(key[0], key[1], slot.index, high=True)
-            self.cache.start_load(slot, task, prefetched=False)
-        self.engine.pump()
-        for slot in self.cache.slots:
-            if slot.task is not None:
-                self.engine.wait_issued(slot.task)
-                for h in slot.task.handles:
-                    h.synchronize()
-                self.cache.mark_ready(slot)
+        if self.warm_start:
+            self.loads.warm_fill(min(self.n_slots, self.num_layers * self.num_experts), self.num_layers)
 
     def prefetch(self, target: int, experts: list[int], layer_now: int = 0) -> None:
         """Queue low-priority loads of ``target``'s ``experts`` outside ``forward`` (:meth:`SlotLoader.prefetch`)."""
@@ -375,7 +363,7 @@ class OffloadedExperts(ExpertBackend):
                 self.loads.pump(st)
         while waiting:
             if self.cpu is not None and self.cpu.racing:  # a load whose CPU twin finished first is not computed
-                waiting = self.cpu.settle(waiting, out, st, self._release_unread)
+                waiting = self.cpu.settle(waiting, out, st, self.loads.release_unread)
                 self.loads.load_deferred(layer, deferred, waiting, st)
                 if not waiting:
                     continue
@@ -437,23 +425,10 @@ class OffloadedExperts(ExpertBackend):
         for slot in slots:
             self.cache.release(slot, fence)
 
-    def _release_unread(self, task: LoadTask) -> None:
-        """Hybrid race won by the CPU: unpin the slot unread and cancel the load's chunks not yet issued (left queued
-        they would hold the link at high priority, ahead of the next layers' loads and prefetches); the slot is
-        empty again once the chunks already issued have landed (``cache.drop`` behind the load's fences). A load
-        fully issued already carries on and caches the expert."""
-        slot = self.cache.lookup(task.key)
-        self.cache.release(slot, self.transport.compute_fence())
-        if not task.issued:
-            self.cache.drop(slot, self.engine.cancel(task))
-            self.stats.current().cpu_race_cancels += 1
-
     # ------------------------------------------------------------------ lifetime
     def synchronize(self) -> None:
         """Wait for every queued and in-flight copy (tests, benchmarks)."""
-        for task in self.engine.pending():
-            self.engine.wait_issued(task)
-        self.transport.synchronize()
+        self.loads.synchronize()
 
     def close(self) -> None:
         if self.cpu is not None:

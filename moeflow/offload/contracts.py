@@ -1,7 +1,6 @@
 """What the offloading backend (:class:`moeflow.offload.backend.OffloadedExperts`) asks of its collaborators, as
-Protocols: the copy queue (:class:`~moeflow.offload.copy_engine.LoadQueue`, declared beside the
-:class:`~moeflow.offload.copy_engine.CopyEngine`; also the disk tier's
-:class:`~moeflow.offload.disk_tier.StagedCopyEngine` and the simulator's engine), the load side
+Protocols: the copy queue (:class:`LoadQueue`: :class:`~moeflow.offload.copy_engine.CopyEngine`, the disk tier's
+:class:`~moeflow.offload.disk_tier.StagedCopyEngine`, the simulator's engine), the load side
 (:class:`SlotLoads`: :class:`~moeflow.offload.slot_loads.SlotLoader`) and the captured prelude
 (:class:`PreludeStage`: :class:`~moeflow.offload.prelude.PreludeCapture`). Each implementation is a class with its
 own state, built by the backend with an explicit constructor; none reads attributes off the backend."""
@@ -9,6 +8,7 @@ own state, built by the backend with an explicit constructor; none reads attribu
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -18,6 +18,35 @@ from moeflow.offload.cache import ExpertCache, Slot
 from moeflow.offload.copy_engine import LoadTask
 from moeflow.offload.prelude import Prelude
 from moeflow.offload.stats import PhaseStats
+from moeflow.offload.transport import Handle
+
+
+class LoadQueue(Protocol):
+    """The two-priority queue of chunked expert loads (see :mod:`moeflow.offload.copy_engine`). ``threaded``: a
+    worker thread issues the copies (else :meth:`pump` does, on the caller's thread)."""
+
+    threaded: bool
+
+    def submit(self, layer: int, expert: int, slot: int, *, high: bool, after: Sequence[Handle] = (),
+               stats: PhaseStats | None = None, priority: float = 0.0) -> LoadTask: ...
+
+    def set_low_chunks(self, chunks: Sequence[tuple[int, int]]) -> None: ...
+
+    def promote(self, task: LoadTask) -> None: ...
+
+    def cancel(self, task: LoadTask) -> list[Handle]: ...
+
+    def preempt(self, layer: int, needed: set[int]) -> tuple[list[LoadTask], list[LoadTask]]: ...
+
+    def pending(self) -> list[LoadTask]: ...
+
+    def high_backlog(self) -> list[tuple[LoadTask, int]]: ...
+
+    def wait_issued(self, task: LoadTask) -> None: ...
+
+    def pump(self, max_chunks: int | None = None) -> int: ...
+
+    def close(self) -> None: ...
 
 
 class SlotLoads(Protocol):
@@ -39,6 +68,12 @@ class SlotLoads(Protocol):
     def pump(self, st: PhaseStats) -> None: ...
 
     def wait(self, task: LoadTask, st: PhaseStats) -> None: ...
+
+    def warm_fill(self, count: int, num_layers: int) -> None: ...
+
+    def release_unread(self, task: LoadTask) -> None: ...
+
+    def synchronize(self) -> None: ...
 
 
 class PreludeStage(Protocol):

@@ -37,7 +37,6 @@ import threading
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from moeflow.kernels.pool import ExpertPool
 from moeflow.offload.chunks import chunk_ranges, linear_chunks
@@ -46,9 +45,7 @@ from moeflow.offload.stats import PhaseStats
 from moeflow.offload.transport import BatchCopies, Handle, Transport
 
 PREFETCH_CHUNK_BYTES = 8 * 2**20  # a needed load waits behind at most ~one such piece of a prefetch
-__all__ = [
-    "BATCH_BYTES", "PREFETCH_CHUNK_BYTES", "CopyEngine", "LoadQueue", "LoadTask", "chunk_ranges", "linear_chunks",
-]
+__all__ = ["BATCH_BYTES", "PREFETCH_CHUNK_BYTES", "CopyEngine", "LoadTask", "chunk_ranges", "linear_chunks"]
 BATCH_BYTES = PREFETCH_CHUNK_BYTES  # one issue of needed loads gathers up to this many bytes (copy_batch transports)
 
 
@@ -91,34 +88,6 @@ class LoadTask:
     def fences(self) -> list[Handle]:
         """What a later write into the same slot must wait for (this task's copies, and what they waited for)."""
         return [h for h in (*self.after, *self.handles) if not h.query()]
-
-
-class LoadQueue(Protocol):
-    """The two-priority queue of chunked expert loads (see :mod:`moeflow.offload.copy_engine`). ``threaded``: a
-    worker thread issues the copies (else :meth:`pump` does, on the caller's thread)."""
-
-    threaded: bool
-
-    def submit(self, layer: int, expert: int, slot: int, *, high: bool, after: Sequence[Handle] = (),
-               stats: PhaseStats | None = None, priority: float = 0.0) -> LoadTask: ...
-
-    def set_low_chunks(self, chunks: Sequence[tuple[int, int]]) -> None: ...
-
-    def promote(self, task: LoadTask) -> None: ...
-
-    def cancel(self, task: LoadTask) -> list[Handle]: ...
-
-    def preempt(self, layer: int, needed: set[int]) -> tuple[list[LoadTask], list[LoadTask]]: ...
-
-    def pending(self) -> list[LoadTask]: ...
-
-    def high_backlog(self) -> list[tuple[LoadTask, int]]: ...
-
-    def wait_issued(self, task: LoadTask) -> None: ...
-
-    def pump(self, max_chunks: int | None = None) -> int: ...
-
-    def close(self) -> None: ...
 
 
 class CopyEngine:

@@ -38,14 +38,14 @@ HIGH, LOW, FILL = 0, 1, 2  # demand reads, then prefetches, then the background 
 
 class RowEngine(Protocol):
     """The copy engine as the store sees it, to free a row held by its copies (the part of
-    :class:`moeflow.offload.copy_engine.LoadQueue` it uses; that module's stats import this one's).
+    :class:`moeflow.offload.contracts.LoadQueue` it uses; the copy engine's stats import this module).
     ``wait_issued(task)``: block until every chunk of the copy task was handed to the transport."""
 
     threaded: bool
 
     def pump(self, max_chunks: int | None = None) -> int: ...
 
-    def wait_issued(self, task) -> None: ...  # task: a LoadTask (copy_engine imports this module)
+    def wait_issued(self, task) -> None: ...  # task: a LoadTask (copy_engine.py imports this module, via stats)
 
 
 

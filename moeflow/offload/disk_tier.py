@@ -15,7 +15,8 @@ from collections.abc import Callable, Sequence
 from moeflow.config import OffloadConfig, load_workers
 from moeflow.errors import SchedulingError
 from moeflow.kernels.pool import ExpertFormat, ExpertPool
-from moeflow.offload.copy_engine import LoadQueue, LoadTask
+from moeflow.offload.contracts import LoadQueue
+from moeflow.offload.copy_engine import LoadTask
 from moeflow.offload.disk_store import DiskHostStore
 from moeflow.offload.eviction import LFU, LRU, EvictionPolicy, PriorityEviction, Static
 from moeflow.offload.host_store import HostStore

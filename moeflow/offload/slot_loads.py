@@ -9,7 +9,8 @@ from collections import deque
 from collections.abc import Callable
 
 from moeflow.offload.cache import ExpertCache, Slot
-from moeflow.offload.copy_engine import LoadQueue, LoadTask
+from moeflow.offload.contracts import LoadQueue
+from moeflow.offload.copy_engine import LoadTask
 from moeflow.offload.host_store import HostStore
 from moeflow.offload.policies.spec import Mechanisms
 from moeflow.offload.predictors.interface import Predictor
@@ -41,6 +42,22 @@ class SlotLoader:
         self.prefill_ring = prefill_ring
         self.num_layers = num_layers
         self.mechanisms = mechanisms
+
+    def warm_fill(self, count: int, num_layers: int) -> None:
+        """At load: fill ``count`` slots (expert 0 of every layer, then 1, ...: every layer gets a share) and wait
+        until they landed."""
+        for i in range(count):
+            key = (i % num_layers, i // num_layers)
+            slot = self.cache.allocate(key, layer_now=0)
+            task = self.engine.submit(key[0], key[1], slot.index, high=True)
+            self.cache.start_load(slot, task, prefetched=False)
+        self.engine.pump()
+        for slot in self.cache.slots:
+            if slot.task is not None:
+                self.engine.wait_issued(slot.task)
+                for h in slot.task.handles:
+                    h.synchronize()
+                self.cache.mark_ready(slot)
 
     def late_prefetch(self, layer: int, deferred: deque[int], st: PhaseStats) -> bool:
         """DuoServe's second synchronisation point: after an expert group, poll the prediction made beside it
@@ -133,6 +150,23 @@ class SlotLoader:
         t0 = self.clock()
         self.engine.pump()
         st.stall_s += self.clock() - t0
+
+    def release_unread(self, task: LoadTask) -> None:
+        """Hybrid race won by the CPU: unpin the slot unread and cancel the load's chunks not yet issued (left queued
+        they would hold the link at high priority, ahead of the next layers' loads and prefetches); the slot is
+        empty again once the chunks already issued have landed (``cache.drop`` behind the load's fences). A load
+        fully issued already carries on and caches the expert."""
+        slot = self.cache.lookup(task.key)
+        self.cache.release(slot, self.transport.compute_fence())
+        if not task.issued:
+            self.cache.drop(slot, self.engine.cancel(task))
+            self.stats.current().cpu_race_cancels += 1
+
+    def synchronize(self) -> None:
+        """Wait for every queued and in-flight copy."""
+        for task in self.engine.pending():
+            self.engine.wait_issued(task)
+        self.transport.synchronize()
 
     def wait(self, task: LoadTask, st: PhaseStats) -> None:
         """Compute from now on sees ``task``'s bytes (host wait for issue, device-side wait for the copy)."""
