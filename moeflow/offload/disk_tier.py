@@ -59,7 +59,7 @@ def host_eviction(device_policy: EvictionPolicy, rows: int, ring: int) -> Evicti
 
 
 class StagedCopyEngine:
-    """A :class:`~moeflow.offload.copy_engine.LoadQueue` whose ``submit`` first has the expert read into host
+    """A :class:`~moeflow.offload.contracts.LoadQueue` whose ``submit`` first has the expert read into host
     memory; every other call goes to ``inner`` (the platform's copy engine)."""
 
     def __init__(self, inner: LoadQueue, host: DiskHostStore) -> None:
