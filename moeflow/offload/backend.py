@@ -111,7 +111,7 @@ class OffloadedExperts(ExpertBackend):
         self.cache = ExpertCache(n_slots, eviction, retain=retain, stats=stats.current, layer_quota=quota,
                                  key_space=(self.num_layers, self.num_experts))
         self.engine: LoadQueue = platform.make_engine(transport, host, self.pool, chunks=copy_chunks,
-                                           max_inflight=max_inflight_chunks)
+                                                      max_inflight=max_inflight_chunks)
         if self.mechanisms.prefetch_chunks == "per-linear":  # ProMoE §5.1: a prediction moves one linear at a time
             self.engine.set_low_chunks(linear_chunks(fmt))
         self._phase = stats.phase
