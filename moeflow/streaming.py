@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import TextIO
+from typing import Protocol, TextIO
 
 import torch
 
@@ -12,6 +12,15 @@ def first_sequence(ids: torch.Tensor) -> torch.Tensor:
     """What ``generate`` hands a streamer -> sequence 0's new ids [k]: the prompt [B, T], a step's tokens [B], or
     several tokens of one pass [1, k] (prompt lookup decoding)."""
     return ids.reshape(ids.shape[0], -1)[0] if ids.dim() > 1 else ids[:1]
+
+
+class Streamer(Protocol):
+    """What ``generate(streamer=...)`` calls: ``put`` with the prompt first, then each step's new ids (see
+    :func:`first_sequence` for their shapes), ``end`` once generation stops (a ``transformers`` streamer fits)."""
+
+    def put(self, ids: torch.Tensor) -> None: ...
+
+    def end(self) -> None: ...
 
 
 class TextStreamer:

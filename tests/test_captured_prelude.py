@@ -41,8 +41,8 @@ def _model(policy: str, slots: int, early: bool = False, staged: bool = False, p
         stats=model.stats, checkpoint_dir=MODEL, host_store=old.host)
     backend.finish_loading()
     if staged:  # the GPU branch: device staging, a copy into "pinned" memory, one event wait
-        backend.readback = ReadBack("cpu", backend.num_experts, staged=True)
-    backend.capture_preludes = preludes
+        backend.readback = backend.prelude.readback = ReadBack("cpu", backend.num_experts, staged=True)
+    backend.prelude.enabled = preludes
     model.use_backend(backend)
     return model
 
@@ -133,7 +133,7 @@ def test_the_prelude_stays_eager_where_it_cannot_be_captured(prompt):
     graphs = _captured(model)
     try:
         got = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=[])
-        assert "predictor" in model.experts.prelude_refusal(ids, model.model.moe_blocks[0].kernel_routing)
+        assert "predictor" in model.experts.prelude.refusal(ids, model.model.moe_blocks[0].kernel_routing)
     finally:
         model.close()
     assert graphs.captures == 1 and all(c.prelude is None for c in graphs.step.calls)

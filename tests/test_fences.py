@@ -107,14 +107,14 @@ def test_reclaimed_prefetch_slot_waits_for_the_cancelled_copy(synth, mode):
     transport = ScriptedTransport(mode)
     backend, stats = scripted_backend(s, transport, policy="lru", gpu_expert_slots=4)
     reclaimed = 0
-    real_reclaim = backend._reclaim_prefetch_slot
+    real_reclaim = backend.loads.reclaim_prefetch_slot
 
     def counting_reclaim(layer, key):
         nonlocal reclaimed
         reclaimed += bool(backend.cache.loading_unused())
         return real_reclaim(layer, key)
 
-    backend._reclaim_prefetch_slot = counting_reclaim
+    backend.loads.reclaim_prefetch_slot = counting_reclaim
     got = []
     try:
         with transport.deferring_compute(kernels):

@@ -98,9 +98,9 @@ def test_queue_priority_orders_the_predicted_loads(ranked):
     backend, stats = backend_for(synth, policy="mixtral-offloading", gpu_expert_slots=8,
                                  policy_options={"queue_priority": ranked})
     st = stats.current()
-    backend._prefetch(3, [3], 0, st)  # 3 layers ahead: priority 1/3
-    backend._prefetch(1, [3], 0, st)  # 1 layer ahead: 1
-    backend._prefetch(2, [3], 0, st)  # 2 layers ahead: 1/2
+    backend.loads.prefetch_guesses(3, [3], 0, st)  # 3 layers ahead: priority 1/3
+    backend.loads.prefetch_guesses(1, [3], 0, st)  # 1 layer ahead: 1
+    backend.loads.prefetch_guesses(2, [3], 0, st)  # 2 layers ahead: 1/2
     pending = backend.engine.pending()
     assert [t.layer for t in pending] == ([1, 2, 3] if ranked else [3, 1, 2])
     assert [t.priority for t in pending] == ([1.0, 0.5, pytest.approx(1 / 3)] if ranked else [0.0] * 3)

@@ -175,9 +175,9 @@ def test_low_queue_takes_the_highest_priority_first():
 
 @pytest.mark.parametrize("issued", [0, 1, 3], ids=["queued", "half-issued", "issued"])
 def test_a_load_the_cpu_beat_is_cancelled_and_frees_its_slot(one_layer, issued):
-    """A hybrid race the CPU won (``_release_unread``): the load's chunks not yet issued are cancelled (they would
-    hold the link at high priority ahead of the next layers' loads) and its slot is empty again; a load fully
-    issued already lands and stays cached."""
+    """A hybrid race the CPU won (``SlotLoader.release_unread``): the load's chunks not yet issued are cancelled
+    (they would hold the link at high priority ahead of the next layers' loads) and its slot is empty again; a load
+    fully issued already lands and stays cached."""
     backend, stats = backend_for(one_layer, policy="lru", gpu_expert_slots=2, copy_chunks=3)
     step(backend, stats, 0, [2])  # evicts 0: expert 2 is resident, 1 too; 0 and 3 are not
     slot = backend.cache.allocate((0, 3), 0)
@@ -186,7 +186,7 @@ def test_a_load_the_cpu_beat_is_cancelled_and_frees_its_slot(one_layer, issued):
     backend.cache.use(slot)  # the layer waits for it ...
     backend.engine.batch_bytes = task.chunks[0][1]  # one chunk per issue (else the sync transport takes all 3)
     backend.engine.pump(issued)
-    backend._release_unread(task)  # ... and the CPU finished first
+    backend.loads.release_unread(task)  # ... and the CPU finished first
     backend.cache.check()
     assert task not in backend.engine.pending()
     if issued == 3:

@@ -98,17 +98,18 @@ def main(argv: list[str] | None = None) -> None:
     lru = [int(n) for n in args.slots.split(",")] if args.slots else [L * E, L * E // 2]
     # lru twice: hits launched before the read-back (the default on CUDA) and the serial schedule (early_hits off);
     # at every expert fitting also with the routing and read-back staging left eager between the captured pieces
-    # (capture_preludes off: moeflow/offload/prelude.py), which only the cuda_graphs rows can tell apart
+    # (PreludeCapture.enabled off: moeflow/offload/prelude.py), which only the cuda_graphs rows can tell apart
     runs = [("resident", L * E, None, True)] + [("lru", n, e, True) for n in lru for e in (None, False)]
     runs.insert(2, ("lru", lru[0], None, False))
     for policy, slots, early, preludes in runs:
         backend = install_backend(model, host, policy, slots, "auto", early_hits=early)
-        if hasattr(backend, "capture_preludes"):
-            backend.capture_preludes = preludes
+        prelude = getattr(backend, "prelude", None)  # the offloading backend's (the resident one has none)
+        if prelude is not None:
+            prelude.enabled = preludes
         for mode in modes:
             row: dict = {"policy": policy, "slots": slots, "mode": mode,
                          "early_hits": getattr(backend, "early_hits", None),
-                         "captured_preludes": getattr(backend, "capture_preludes", None)}
+                         "captured_preludes": prelude.enabled if prelude is not None else None}
             try:
                 if mode == "cuda_graphs":
                     graphs = model.capture_decode(None if device.type == "cuda" else cpu_capture_factory())

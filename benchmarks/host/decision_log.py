@@ -25,7 +25,7 @@ from benchmarks.host.overhead import POLICIES, _backend, noop_steps
 def decision_log(model, policy: str, slots: int, steps: int) -> list:
     log: list = []
     backend = _backend(model, policy, slots, noop=True)
-    submit, prefetch = backend.engine.submit, backend._prefetch
+    submit, prefetch = backend.engine.submit, backend.loads.prefetch_guesses
 
     def logged_submit(layer, expert, slot, high=False, **kw):
         log.append(("submit", layer, expert, slot, high))
@@ -35,7 +35,7 @@ def decision_log(model, policy: str, slots: int, steps: int) -> list:
         log.append(("prefetch", target, list(ids), layer))
         return prefetch(target, ids, layer, st)
 
-    backend.engine.submit, backend._prefetch = logged_submit, logged_prefetch
+    backend.engine.submit, backend.loads.prefetch_guesses = logged_submit, logged_prefetch
     model.stats.reset()
     model.stats.set_phase("decode")
     for info, layers in noop_steps(model, steps, seed=slots):

@@ -39,6 +39,7 @@ from moeflow.kernels.formats import ExpertFormat
 from moeflow.moe.backend import ExpertBackend
 from moeflow.moe.resident import CpuInt4Experts
 from moeflow.offload import Stats, create_expert_backend, get_policy, min_slots
+from moeflow.offload.backend import OffloadedExperts
 from moeflow.offload.cpu_slots import CpuInt4Format
 from moeflow.offload.predictors.base import PredictorMismatchError
 from moeflow.offload.units import format_bytes
@@ -249,7 +250,7 @@ def build_model(
             if source is not None:
                 source.close()
             raise
-        host = getattr(backend, "host", None)
+        host = backend.host if isinstance(backend, OffloadedExperts) else None
         on_disk = host is not None and host.on_disk
         if on_disk and fp8 is not None:  # correct, but every read from disk requantizes an expert on the CPU
             log.warning("%s: experts stay on disk in FP8, so every read from disk requantizes one to int4 on the "
@@ -333,15 +334,13 @@ def plan_memory(offload: OffloadConfig, family: Family, fmt: ExpertFormat, devic
     return plan, sized
 
 
-def open_expert_index(reader: CheckpointReader, family: Family, layout, quant,
+def open_expert_index(reader: CheckpointReader | Fp8BlockReader, family: Family, layout, quant,
                       requantize: ExpertFormat | None = None, num_layers: int | None = None) -> ExpertIndex:
     """The byte ranges of every expert in the checkpoint (the disk tier reads experts through it). ``requantize``:
     the AWQ format an FP8 checkpoint's dense experts become on every read, as at load."""
     # a converting reader (GPTQ, compressed-tensors, FP8) converts the raw tensors the index reads, as at load
-    over = getattr(reader, "over", lambda r: r)
-
-    def read(r, layer: int, expert: int) -> dict[str, torch.Tensor]:
-        tensors = family.read_expert(over(r), layout, quant, layer, expert)
+    def read(r: CheckpointReader, layer: int, expert: int) -> dict[str, torch.Tensor]:
+        tensors = family.read_expert(reader.over(r), layout, quant, layer, expert)
         if requantize is None:
             return tensors
         return awq_expert_tensors(tensors["w13"], tensors["w2"], requantize.group_size, requantize.dtype)

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
 from moeflow import compile_boundary
+from moeflow.engine.kv_cache import PassCache
 from moeflow.families.base import CausalDecoder
 from moeflow.moe.backend import ExpertBackend
+from moeflow.moe.block import RoutingRecorder
 from moeflow.moe.resident import ResidentExperts
 
 # torch >= 2.3 has the flag (2.11 on the GPU machine and 2.13 here); without it layers compile per index
@@ -62,8 +63,9 @@ class CompiledDecode:
         # (decode shapes never change within a generate; a new cache length later compiles once more)
         return torch.compile(self.decoder, fullgraph=False, dynamic=None, backend=self.compiler)
 
-    def __call__(self, embeds: torch.Tensor, positions: torch.Tensor, cache: Any, cache_position: torch.Tensor,
-                 token_mask: torch.Tensor, experts: ExpertBackend, routing: Any = None) -> torch.Tensor:
+    def __call__(self, embeds: torch.Tensor, positions: torch.Tensor, cache: PassCache, cache_position: torch.Tensor,
+                 token_mask: torch.Tensor, experts: ExpertBackend, routing: RoutingRecorder | None = None
+                 ) -> torch.Tensor:
         whole = traces_through(experts)
         fn = self._compiled.get(whole)
         if fn is None:

@@ -54,6 +54,7 @@ from moeflow.engine.lookup import DEFAULT_MAX_NGRAM
 from moeflow.engine.prefix_cache import MIN_PREFIX_TOKENS, PrefixCache
 from moeflow.engine.sampling import SamplingParams, adjust_logits, next_tokens
 from moeflow.engine.sequence import EngineListener, Sequence
+from moeflow.engine.served import ServedModel
 from moeflow.engine.slot_verify import key_bucket
 from moeflow.engine.token_history import TokenHistory
 from moeflow.errors import InputError, MoeflowError
@@ -91,7 +92,7 @@ class ContinuousEngine:
     (``cuda_graphs`` None means off with it; True is refused) and keeps its hidden states for the MTP layers.
     """
 
-    def __init__(self, model, cache: SlotKVCache, max_queue: int = 64, prefill_chunk: int = 64,
+    def __init__(self, model: ServedModel, cache: SlotKVCache, max_queue: int = 64, prefill_chunk: int = 64,
                  listener: EngineListener | None = None, cuda_graphs: bool | None = None,
                  prefix_cache: bool = True, prefix_min_tokens: int = MIN_PREFIX_TOKENS,
                  prompt_lookup: int | None = None, max_matching_ngram_size: int = DEFAULT_MAX_NGRAM,
@@ -113,7 +114,8 @@ class ContinuousEngine:
         self.max_queue, self.prefill_chunk = max_queue, prefill_chunk
         self.listener = listener or EngineListener()
         self.device = model.device
-        needs = model.runner.backend.needs_history  # (ExpertBackend declares it)
+        backend = model.runner.backend
+        needs = backend is not None and backend.needs_history
         self.history = TokenHistory(cache.rows, cache.max_len, self.device) if needs else None
         self.prefix = PrefixCache(cache, prefix_min_tokens) if prefix_cache else None
         self.lookup = LookupDrafter(self, prompt_lookup, max_matching_ngram_size) if prompt_lookup else None

@@ -35,7 +35,6 @@ Models with linear-attention layers are refused: their recurrent state cannot be
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import torch
 
@@ -43,6 +42,7 @@ from moeflow.engine.compiled import traces_through
 from moeflow.engine.cuda_graphs import CudaGraphDecode
 from moeflow.engine.lookup import find_draft
 from moeflow.engine.sequence import Sequence
+from moeflow.engine.served import DraftHost
 from moeflow.engine.slot_verify import SlotVerifyView, key_bucket, verify_view
 
 
@@ -50,9 +50,9 @@ class LookupDrafter:
     """Drafted decode passes of ``engine`` (its model, cache, pass and recording): up to ``num_tokens`` drafted
     tokens from n-grams of up to ``max_ngram`` tokens. Each sequence counts ``draft_tokens`` / ``accepted_tokens``."""
 
-    def __init__(self, engine: Any, num_tokens: int, max_ngram: int) -> None:
-        """``engine``: the :class:`~moeflow.engine.continuous.ContinuousEngine` that owns this drafter (not imported
-        here: that module imports this one)."""
+    def __init__(self, engine: DraftHost, num_tokens: int, max_ngram: int) -> None:
+        """``engine``: the :class:`~moeflow.engine.continuous.ContinuousEngine` that owns this drafter (as a
+        :class:`~moeflow.engine.served.DraftHost`: that module imports this one)."""
         for name, value in (("prompt_lookup", num_tokens), ("max_matching_ngram_size", max_ngram)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -129,7 +129,7 @@ class LookupDrafter:
             engine._count("decode", 1, int(real.sum()), time.perf_counter() - start)
         return logits
 
-def settle_verified(engine: Any, seq: Sequence, draft: list[int], logits: torch.Tensor, n: int) -> None:
+def settle_verified(engine: DraftHost, seq: Sequence, draft: list[int], logits: torch.Tensor, n: int) -> None:
     """After a verify pass of ``seq`` (its last token at position ``n - 1``, then ``draft``; ``logits`` [>= 1 + c,
     V]): record the drafts equal to the model's own choice and the model's token after them (cut at a stop token,
     stop string or max_tokens inside the draft), count drafts and accepts, forget the keys of the rest, and finish
@@ -155,7 +155,7 @@ def settle_verified(engine: Any, seq: Sequence, draft: list[int], logits: torch.
         engine._finish(seq, reason)
 
 
-def forget_drafts(engine: Any, row: int, start: int, end: int) -> None:
+def forget_drafts(engine: DraftHost, row: int, start: int, end: int) -> None:
     """Positions [start, end) of ``engine``'s ``row`` hold keys of drafts that were not kept: no longer valid, and
     their token-history entries back to 0 (a row holds exactly its fed tokens)."""
     if start >= end:

@@ -27,18 +27,17 @@ Limits: eager passes (the engine's CUDA graphs are off with the drafter: ``Conti
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from moeflow.engine.continuous_lookup import LookupDrafter, settle_verified, verify_inputs
 from moeflow.engine.kv_slots import LatentSlotKVCache, SlotKVCache, cache_spec
 from moeflow.engine.sequence import Sequence
+from moeflow.engine.served import DraftHost, ServedModel
 from moeflow.families.mtp import MultiTokenPredictor
 from moeflow.moe.backend import StepInfo
 
 
-def mtp_slot_cache(model: Any, mtp: MultiTokenPredictor, rows: int, max_len: int) -> SlotKVCache:
+def mtp_slot_cache(model: ServedModel, mtp: MultiTokenPredictor, rows: int, max_len: int) -> SlotKVCache:
     """A slotted cache for the MTP layers' attention: ``rows`` rows of ``max_len`` positions, one layer per MTP
     layer, latent (MLA) or full-head as the model's own."""
     spec, n = cache_spec(model), len(mtp.layers)
@@ -47,7 +46,7 @@ def mtp_slot_cache(model: Any, mtp: MultiTokenPredictor, rows: int, max_len: int
     return SlotKVCache(n, rows, max_len, spec.kv_heads, spec.head_dim, model.dtype, model.device)
 
 
-def mtp_row_bytes(model: Any, max_len: int) -> int:
+def mtp_row_bytes(model: ServedModel, max_len: int) -> int:
     """Bytes one engine row of ``max_len`` positions costs the drafter besides the main KV cache: its hidden states
     (hidden size per position) and the MTP layers' own keys (or latent vectors); ``moeflow serve`` sizes its rows
     with it. 0 for a model loaded without MTP layers."""
@@ -63,7 +62,7 @@ class MTPEngineDrafter:
     """Drafted decode passes of ``engine`` with the model's MTP layers: up to ``num_tokens`` tokens per pass. Each
     sequence counts ``draft_tokens`` / ``accepted_tokens`` (and the model's stats), as prompt lookup's."""
 
-    def __init__(self, engine: Any, num_tokens: int) -> None:
+    def __init__(self, engine: DraftHost, num_tokens: int) -> None:
         """``engine``: the :class:`~moeflow.engine.continuous.ContinuousEngine` that owns this drafter."""
         model = engine.model
         if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 1:

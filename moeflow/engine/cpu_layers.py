@@ -13,6 +13,7 @@ the layers run one by one. Same calls in the same order: the same logits, bit fo
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,13 +21,18 @@ from torch import nn
 from torch.nn.modules import module as nn_module
 
 from moeflow.engine.cpu_step import NativeAttentionHalf, NativeRoute, NativeRouterGate
+from moeflow.engine.kv_cache import PassCache
 from moeflow.families import llama_moe, mixtral
+from moeflow.families.base import CausalDecoder
 from moeflow.kernels.cpu.layers import LayerDesc, layer_desc, layers_step
-from moeflow.moe.block import MoEBlock
+from moeflow.moe.backend import ExpertBackend
+from moeflow.moe.block import MoEBlock, RoutingRecorder
 from moeflow.moe.resident import CpuInt4Experts
 
-# the layer types whose forward is ``x, h = self.attention_half(...); x + moe_block(h)``, and their MoE block's name
-LAYER_BLOCKS = {mixtral.DecoderLayer: "block_sparse_moe", llama_moe.DecoderLayer: "mlp"}
+# the layer types whose forward is ``x, h = self.attention_half(...); x + moe_block(h)``, and their MoE block
+LAYER_BLOCKS: dict[type[nn.Module], Callable[[Any], nn.Module]] = {
+    mixtral.DecoderLayer: lambda layer: layer.block_sparse_moe, llama_moe.DecoderLayer: lambda layer: layer.mlp,
+}
 
 
 class NativeLayers:
@@ -71,12 +77,12 @@ class NativeLayers:
         self._descs = (experts, array, tables)
         return array
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any,
-                 cache_position: torch.Tensor, masks: list[torch.Tensor], experts: Any,
-                 routing: Any) -> torch.Tensor | None:
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PassCache,
+                 cache_position: torch.Tensor, masks: list[torch.Tensor], experts: ExpertBackend,
+                 routing: RoutingRecorder | None) -> torch.Tensor | None:
         """x fp32 [1, 1, H] after every layer, or None when this pass is not one it takes (module docstring).
         ``masks``: each layer's attention mask bool [1, 1, 1, L]."""
-        layer_kv = getattr(cache, "layer_kv", None)
+        layer_kv = cache.layer_kv
         if not self.enabled or routing is not None or x.shape[:2] != (1, 1) or x.dtype != torch.float32 \
                 or layer_kv is None or type(experts) is not CpuInt4Experts or not self._fused():
             return None
@@ -100,15 +106,15 @@ class NativeLayers:
         return layers_step(descs, x.contiguous(), cos, sin, caches, cache_position)
 
 
-def native_layers(decoder: nn.Module) -> NativeLayers | None:
+def native_layers(decoder: CausalDecoder) -> NativeLayers | None:
     """The decoder's :class:`NativeLayers` when every layer is of a known layout with a one-call attention half
     and an MoE block (no shared expert) with the native router; else None."""
-    layers = list(getattr(decoder, "layers", []))
+    layers = list(decoder.layers)
     blocks = []
     for layer in layers:
-        name = LAYER_BLOCKS.get(type(layer))
-        block = getattr(layer, name, None) if name else None
-        if not isinstance(layer.attention_step if name else None, NativeAttentionHalf) \
+        block_of = LAYER_BLOCKS.get(type(layer))
+        block = block_of(layer) if block_of is not None else None
+        if not isinstance(layer.attention_step if block_of is not None else None, NativeAttentionHalf) \
                 or not isinstance(block, MoEBlock) or block.shared_expert is not None \
                 or not isinstance(block.gate, NativeRouterGate) or not isinstance(block.route, NativeRoute):
             return None

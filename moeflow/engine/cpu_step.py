@@ -21,12 +21,11 @@ The weights and the formulas stay; the numerics differ from the unfused step onl
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeflow.engine.kv_cache import PassCache
 from moeflow.families.base import CausalDecoder
 from moeflow.families.layers import Attention, PreNormLayer, RMSNorm
 from moeflow.kernels.cpu.native import ROW_GROUP, Q4Matrix, Q8Matrix, native_available
@@ -39,11 +38,10 @@ from moeflow.kernels.cpu.step import (
     softmax_topk,
 )
 from moeflow.moe.block import MoEBlock
+from moeflow.moe.routing import Router
 
-QKV = ("q_proj", "k_proj", "v_proj")
 
-
-def fuse_cpu_step(decoder: nn.Module, dtype: torch.dtype) -> dict[str, int]:
+def fuse_cpu_step(decoder: CausalDecoder, dtype: torch.dtype) -> dict[str, int]:
     """Fuse ``decoder``'s attention layers and norms in place (see the module docstring); returns how many
     modules were changed ({"attention", "norm", "attention_half", "router"}). Nothing changes without the native library
     or in 16-bit."""
@@ -56,13 +54,13 @@ def fuse_cpu_step(decoder: nn.Module, dtype: torch.dtype) -> dict[str, int]:
             counts["norm"] += 1
         elif type(module) is Attention and module.qk_norm is None and module.clip_qkv is None \
                 and module.rotary_dim == module.head_dim:
-            fused = fuse_qkv([getattr(module, name) for name in QKV])
+            fused = fuse_qkv([module.q_proj, module.k_proj, module.v_proj])
             if fused is not None:
                 module.qkv_proj, module.fused_qkv, module.fused_step = fused, True, True
                 counts["attention"] += 1
     for block in [m for m in decoder.modules() if isinstance(m, MoEBlock)]:
         counts["router"] += _native_router(block)
-    for layer in getattr(decoder, "layers", []):
+    for layer in decoder.layers:
         half = _attention_half(layer)
         if half is not None:
             layer.set_attention_step(half)
@@ -80,10 +78,10 @@ class NativeAttentionHalf:
     def __init__(self, norm_in: RMSNorm, attn: Attention, norm_post: RMSNorm) -> None:
         self.norm_in, self.attn, self.norm_post = norm_in, attn, norm_post
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any,
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PassCache,
                  cache_position: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         attn = self.attn
-        layer_kv = getattr(cache, "layer_kv", None)
+        layer_kv = cache.layer_kv
         if not (attn.fused_step and self.norm_in.native and self.norm_post.native) or layer_kv is None \
                 or x.shape[1] > NATIVE_ATTENTION_TOKENS or x.dtype != torch.float32 or not x.is_contiguous() \
                 or not mask.is_contiguous():
@@ -115,7 +113,7 @@ class NativeRoute:
     """A plain softmax-top-k router (the MoE block's ``route``) as one native call (``native``), else the
     block's own router function it replaced."""
 
-    def __init__(self, route: Any, top_k: int, renormalize: bool) -> None:
+    def __init__(self, route: Router, top_k: int, renormalize: bool) -> None:
         self.fallback, self.top_k, self.renormalize, self.native = route, top_k, renormalize, True
 
     def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -138,9 +136,10 @@ def _native_router(block: MoEBlock) -> bool:
 def _attention_half(layer: nn.Module) -> NativeAttentionHalf | None:
     """The layer's :class:`NativeAttentionHalf` when it has one to take (the Mixtral / Llama-MoE layer layout,
     quantized bias-free projections, both norms alike), else None."""
-    parts = [getattr(layer, n, None) for n in ("input_layernorm", "self_attn", "post_attention_layernorm")]
-    norm_in, attn, norm_post = parts
-    if not isinstance(layer, PreNormLayer) or type(attn) is not Attention or not attn.fused_step or \
+    if not isinstance(layer, PreNormLayer):
+        return None
+    norm_in, attn, norm_post = layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm
+    if type(attn) is not Attention or not attn.fused_step or \
             any(type(n) is not RMSNorm or not n.native for n in (norm_in, norm_post)) or norm_in.eps != norm_post.eps:
         return None
     if not (block_linear_ok(attn.qkv_proj) and block_linear_ok(attn.o_proj)):

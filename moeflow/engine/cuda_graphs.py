@@ -52,14 +52,16 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
 from moeflow.compile_boundary import host_logic
 from moeflow.engine.compiled import traces_through
+from moeflow.engine.kv_cache import PassCache
 from moeflow.engine.memory import GRAPH_STEPS
-from moeflow.moe.backend import ExpertBackend
+from moeflow.moe.backend import DevicePart, ExpertBackend, KernelRouting
+from moeflow.moe.block import RoutingRecorder
 
 log = logging.getLogger(__name__)
 
@@ -74,12 +76,6 @@ def graphs_wanted(cuda_graphs: bool | None, device: torch.device) -> bool:
     if cuda_graphs and device.type != "cuda":
         raise ValueError(f"cuda_graphs=True needs device='cuda'; this model is on {device}")
     return bool(cuda_graphs)
-
-
-def graph_owner(cache: Any) -> Any:
-    """What a step captured on ``cache`` bakes in (its ``graph_owner``), or None: not capturable (a view made anew
-    every pass)."""
-    return getattr(cache, "graph_owner", None)
 
 
 class GraphCapture(Protocol):
@@ -133,9 +129,9 @@ class _Call:
     x: torch.Tensor  # [T, H]
     router_logits: torch.Tensor  # [T, E]: the block's gate output (in the graph); routing runs in the backend
     route: Callable  # the block's router (logits -> probs, ids, weights)
-    kernel_routing: Any  # moeflow.moe.backend.KernelRouting | None
+    kernel_routing: KernelRouting | None
     out: torch.Tensor  # [T, H]: the real call's output, copied in before the next piece
-    prelude: Any = None  # the backend's captured prelude of the layer (capture_prelude), in the piece before
+    prelude: object | None = None  # the backend's captured prelude of the layer (capture_prelude), in the piece before
 
 
 class _Boundary:
@@ -151,11 +147,11 @@ class _Boundary:
 
     @host_logic  # host logic (a compiled decode function breaks here, as at the real backend)
     def forward_logits(self, layer: int, x: torch.Tensor, router_logits: torch.Tensor, route: Callable,
-                       kernel_routing: Any, want_ids: bool) -> tuple[torch.Tensor, None]:
+                       kernel_routing: KernelRouting | None, want_ids: bool) -> tuple[torch.Tensor, None]:
         if want_ids:  # a recorded routing would be a host value of the captured step
             raise RuntimeError("the decode step records its routing (tracing): CUDA-graph pieces do not return it")
-        hook = getattr(self.experts, "capture_prelude", None)
-        prelude = hook(layer, x, router_logits, kernel_routing) if hook is not None else None  # in the piece
+        experts = self.experts
+        prelude = experts.capture_prelude(layer, x, router_logits, kernel_routing) if experts is not None else None
         if self.capture is None:
             return torch.zeros_like(x), None
         self.replays.append(self.capture.end())
@@ -172,14 +168,14 @@ class CapturedStep:
     """One captured decode step: ``inputs`` (static copies of embeds, positions, cache_position, token_mask),
     the pieces' replays, the backend calls between them, and the static logits the last piece writes."""
 
-    cache: Any  # the KV cache the graphs write (held so its tensors, and its identity, stay)
+    cache: PassCache  # the KV cache the graphs write (held so its tensors, and its identity, stay)
     inputs: tuple[torch.Tensor, ...]
     replays: list[Callable[[], None]]
     calls: list[_Call]
     logits: torch.Tensor
-    capture: Any = None  # the GraphCapture (its memory pool) the pieces were captured with
+    capture: GraphCapture | None = None  # the GraphCapture (its memory pool) the pieces were captured with
 
-    def run(self, experts: ExpertBackend, device_part: Any = None) -> torch.Tensor:
+    def run(self, experts: ExpertBackend, device_part: DevicePart | None = None) -> torch.Tensor:
         """Replay every piece, the backend's real calls in between (inside ``device_part.region()``, the
         backend's captured device part, when given); returns the static logits [B, T, V]."""
         with device_part.region() if device_part is not None else contextlib.nullcontext():
@@ -197,7 +193,7 @@ class CapturedStep:
         return self.logits
 
 
-def capture_step(fn: DecodeFn, capture: GraphCapture, inputs: tuple[torch.Tensor, ...], cache: Any,
+def capture_step(fn: DecodeFn, capture: GraphCapture, inputs: tuple[torch.Tensor, ...], cache: PassCache,
                  experts: ExpertBackend) -> CapturedStep:
     """Warm ``fn`` up once, then capture it piecewise around ``experts`` (whole when dynamo traces it).
 
@@ -206,8 +202,7 @@ def capture_step(fn: DecodeFn, capture: GraphCapture, inputs: tuple[torch.Tensor
     capture is refused) advances it once."""
     embeds, positions, cache_position, token_mask = inputs
     whole = traces_through(experts)
-    snapshot = getattr(cache, "snapshot", None)
-    restore = snapshot() if snapshot is not None else None
+    restore = cache.snapshot()
     with capture.side_stream():
         try:
             fn(embeds, positions, cache, cache_position, token_mask, experts if whole else _Boundary(None, experts),
@@ -222,8 +217,7 @@ def capture_step(fn: DecodeFn, capture: GraphCapture, inputs: tuple[torch.Tensor
                 capture.abort()
                 raise
         finally:
-            if restore is not None:
-                restore()
+            restore()
     replays = [*boundary.replays, last] if boundary is not None else [last]
     return CapturedStep(cache, inputs, replays, boundary.calls if boundary is not None else [], logits, capture)
 
@@ -254,9 +248,10 @@ class CudaGraphDecode:
         self.refused: str | None = None
         self._capture: GraphCapture | None = None
 
-    def __call__(self, embeds: torch.Tensor, positions: torch.Tensor, cache: Any, cache_position: torch.Tensor,
-                 token_mask: torch.Tensor, experts: ExpertBackend, routing: Any = None) -> torch.Tensor:
-        owner = graph_owner(cache)
+    def __call__(self, embeds: torch.Tensor, positions: torch.Tensor, cache: PassCache, cache_position: torch.Tensor,
+                 token_mask: torch.Tensor, experts: ExpertBackend, routing: RoutingRecorder | None = None
+                 ) -> torch.Tensor:
+        owner = cache.graph_owner  # None: not capturable (a view made anew every pass)
         if self.refused is not None or routing is not None or owner is None:
             self.eager_calls += 1
             return self.inner(embeds, positions, cache, cache_position, token_mask, experts, routing)
@@ -276,12 +271,12 @@ class CudaGraphDecode:
         self.replays += 1
         return step.run(experts, self._device_part(experts))
 
-    def _capture_new(self, key: tuple, owner: Any, given: tuple[torch.Tensor, ...], cache: Any,
+    def _capture_new(self, key: tuple, owner: object, given: tuple[torch.Tensor, ...], cache: PassCache,
                      experts: ExpertBackend) -> CapturedStep | None:
         """Capture a step for ``key`` (dropping other owners' steps and the least recent beyond ``max_steps``);
         None when the device refuses (then ``refused`` is set and every later step runs eagerly)."""
         embeds = given[0]
-        drop = [k for k, s in self.steps.items() if graph_owner(s.cache) is not owner or k == key]
+        drop = [k for k, s in self.steps.items() if s.cache.graph_owner is not owner or k == key]
         keep = len(self.steps) - len(drop)
         drop += [k for k in self.steps if k not in drop][: max(0, keep - self.max_steps + 1)]
         if drop:
@@ -307,7 +302,8 @@ class CudaGraphDecode:
         self.steps[key] = step
         return step
 
-    def _device_part(self, experts: ExpertBackend) -> Any:
+    def _device_part(self, experts: ExpertBackend | None) -> DevicePart | None:
         """The backend's captured device part (``moeflow.offload.device_step.DeviceGraphs``), or None."""
-        enable = getattr(experts, "enable_device_graphs", None) if self.capture_experts else None
-        return enable(self.capture_factory) if enable is not None else None
+        if not self.capture_experts or experts is None:
+            return None
+        return experts.enable_device_graphs(self.capture_factory)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from moeflow.engine.decode import DecodeStrategyFactory, GenerateLoop, MicroBatcher, choose_decode, policy_decode
-from moeflow.engine.kv_cache import StaticKVCache
+from moeflow.engine.kv_cache import PassCache, StaticKVCache
 from moeflow.engine.latent_cache import new_kv_cache
 from moeflow.engine.sampling import GenerationConfig, next_tokens
 from moeflow.engine.side_lane import Lane, ThreadLane
@@ -100,7 +100,7 @@ class Runner:
         return cache
 
     def forward_pass(
-        self, ids: torch.Tensor, positions: torch.Tensor, cache: Any, cache_position: torch.Tensor,
+        self, ids: torch.Tensor, positions: torch.Tensor, cache: PassCache, cache_position: torch.Tensor,
         token_mask: torch.Tensor, phase: str, rows: torch.Tensor | None = None,
         history: tuple[torch.Tensor, torch.Tensor] | None = None, routing: RoutingRecorder | None = None,
         path_scores: torch.Tensor | None = None, last_only: bool = False, all_real: bool = False,

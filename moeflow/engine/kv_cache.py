@@ -6,10 +6,36 @@ once and replay it for every token, as gpt-fast does.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
-class StaticKVCache:
+def _nothing_to_restore() -> None:
+    return None
+
+
+class PassCache:
+    """The base of every cache a forward pass runs on (:class:`StaticKVCache` and its kinds, :class:`CacheRows`, the
+    slotted cache's passes in :mod:`moeflow.engine.kv_slots`): what the engine's step machinery asks of it besides
+    the attention layers' calls (``update`` or ``update_latent``, ``mark_valid``, ``attention_mask``), with the
+    answers of a cache that offers none of it.
+
+    graph_owner: what a decode step captured on this cache bakes in (:mod:`moeflow.engine.cuda_graphs`); None: not
+    capturable (a view made anew every pass). layer_kv: each layer's k/v [B, kv_heads, max_len, D] as views made
+    once, which the CPU step's one-call attention writes in place (:mod:`moeflow.engine.cpu_step`); None: none.
+    """
+
+    graph_owner: object | None = None
+    layer_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def snapshot(self) -> Callable[[], None]:
+        """A copy of the state a run of the decode step advances for good (linear-attention states), and the call
+        that puts it back (the CUDA-graph capture's warm-up); nothing to keep by default."""
+        return _nothing_to_restore
+
+
+class StaticKVCache(PassCache):
     def __init__(
         self, num_layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int,
         dtype: torch.dtype, device: torch.device | str,
@@ -71,7 +97,7 @@ def attention_mask(valid: torch.Tensor, cache_position: torch.Tensor, sliding_wi
     return allowed[:, None]
 
 
-class CacheRows:
+class CacheRows(PassCache):
     """Some sequences of a :class:`StaticKVCache`, for regrouped micro-batches (ExpertFlow's merge/reindex).
 
     Writes go straight into the parent's rows; reads gather them, so a sequence can move between

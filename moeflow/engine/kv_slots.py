@@ -19,6 +19,7 @@ from typing import ClassVar
 
 import torch
 
+from moeflow.engine.kv_cache import PassCache
 from moeflow.engine.linear_state import LinearState
 from moeflow.errors import InputError
 from moeflow.families.base import KVCacheSpec, LinearStateSpec
@@ -182,7 +183,7 @@ class SlotKVCache:
         return view
 
 
-class SlotBatch:
+class SlotBatch(PassCache):
     """One pass over some rows of a :class:`SlotKVCache`.
 
     rows int64 [B]; cache_position int64 [B, T]: where each token of each row goes; token_mask bool [B, T]:
@@ -238,7 +239,7 @@ class SlotBatch:
         return kl[self._read_rows, :, : self.key_len], vl[self._read_rows, :, : self.key_len]
 
 
-class SlotDecodeView:
+class SlotDecodeView(PassCache):
     """One-token passes over ``batch`` rows of a :class:`SlotKVCache`, reading keys [0, key_len): capturable.
 
     ``rows`` int64 [batch] and ``source`` int64 [batch] are persistent tensors (a captured step bakes their

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from moeflow.errors import CheckpointError
 from moeflow.families import Family, family_for_config
 from moeflow.families.base import ExpertLayout, ExpertSpec
-from moeflow.families.layers import AWQLinear
+from moeflow.families.layers import AWQLinear, Fp32Linear
 from moeflow.families.mtp import MultiTokenPredictor
 from moeflow.io.checkpoint import CheckpointReader, QuantizationSpec, read_json
 from moeflow.io.gguf import (
@@ -162,8 +162,8 @@ def load_non_expert_weights(
             if full == "lm_head.weight" and ckpt not in reader and tie:
                 ckpt = family.checkpoint_name("embed_tokens.weight", layout)
             src = reader.get(ckpt, tuple(tensor.shape))
-            # (a module marked ``keep_dtype`` keeps the dtype it was built in: DSA's fp32 weights_proj)
-            keep = isinstance(module, AWQLinear) or pname in FP32_BUFFERS or getattr(module, "keep_dtype", False)
+            # (an Fp32Linear keeps the dtype it was built in: DSA's fp32 weights_proj)
+            keep = isinstance(module, (AWQLinear, Fp32Linear)) or pname in FP32_BUFFERS
             target_dtype = tensor.dtype if keep else dtype
             with torch.no_grad():
                 tensor.data = src.to(device=device, dtype=target_dtype)

@@ -37,13 +37,15 @@ micro-batches, and no linear-attention states (Qwen3-Next's recurrent state woul
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import torch
 
 from moeflow.engine.compiled import traces_through
-from moeflow.engine.generate import positions_from_mask
+from moeflow.engine.generate import Runner, positions_from_mask
+from moeflow.engine.linear_state import HybridKVCache
 from moeflow.engine.sampling import GenerationConfig, next_tokens
+from moeflow.offload.stats import Stats
+from moeflow.streaming import Streamer
 
 DEFAULT_MAX_NGRAM = 2  # transformers' ``max_matching_ngram_size`` default
 
@@ -63,8 +65,8 @@ def find_draft(seq: torch.Tensor, num_tokens: int, max_ngram: int = DEFAULT_MAX_
     return []
 
 
-def check_lookup(gen: GenerationConfig, batch: int, num_tokens: Any, max_ngram: Any, micro_batch_size: Any,
-                 dual_batch: Any) -> None:
+def check_lookup(gen: GenerationConfig, batch: int, num_tokens: object, max_ngram: object, micro_batch_size: object,
+                 dual_batch: object) -> None:
     """Refuse, naming the argument, what prompt lookup decoding does not cover."""
     for name, value in (("prompt_lookup_num_tokens", num_tokens), ("max_matching_ngram_size", max_ngram)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -78,8 +80,8 @@ def check_lookup(gen: GenerationConfig, batch: int, num_tokens: Any, max_ngram: 
         raise ValueError("prompt_lookup_num_tokens does not combine with micro_batch_size / dual_batch")
 
 
-def begin_speculation(runner: Any, gen: GenerationConfig, input_ids: torch.Tensor, token_mask: torch.Tensor,
-                      option: str, streamer: Any = None, reuse: bool = True) -> tuple | None:
+def begin_speculation(runner: Runner, gen: GenerationConfig, input_ids: torch.Tensor, token_mask: torch.Tensor,
+                      option: str, streamer: Streamer | None = None, reuse: bool = True) -> tuple | None:
     """The set-up drafting decoders share (prompt lookup, MTP): the prompt to the streamer, the timings cleared,
     then None when no token is asked for, else ``(t, total, eos, cache, seq, pad, hist, hist_mask)``: the prompt
     length, the cache length, the eos ids, a one-row cache (``reuse``: the runner's kept one), the host copy of
@@ -94,7 +96,7 @@ def begin_speculation(runner: Any, gen: GenerationConfig, input_ids: torch.Tenso
         return None
     total = t + gen.max_new_tokens
     cache = runner.new_cache(1, total) if reuse else runner.new_cache(1, total, reuse=False)
-    if getattr(cache, "linear", None) is not None:
+    if isinstance(cache, HybridKVCache):
         raise ValueError(f"{option}: this model has linear-attention layers, whose recurrent state a rejected draft "
                          "would advance; use plain decoding")
     seq = torch.zeros(total, dtype=torch.long)
@@ -106,8 +108,9 @@ def begin_speculation(runner: Any, gen: GenerationConfig, input_ids: torch.Tenso
     return t, total, set(gen.eos_ids()), cache, seq, pad, hist, hist_mask
 
 
-def generate_with_lookup(runner: Any, gen: GenerationConfig, input_ids: torch.Tensor, token_mask: torch.Tensor,
-                         num_tokens: int, max_ngram: int = DEFAULT_MAX_NGRAM, streamer: Any = None) -> torch.Tensor:
+def generate_with_lookup(runner: Runner, gen: GenerationConfig, input_ids: torch.Tensor, token_mask: torch.Tensor,
+                         num_tokens: int, max_ngram: int = DEFAULT_MAX_NGRAM, streamer: Streamer | None = None
+                         ) -> torch.Tensor:
     """input_ids / token_mask [1, T] on the device -> [1, T + n] ids, greedy, drafting up to ``num_tokens``
     tokens per pass. ``runner.stats`` counts ``draft_tokens`` / ``accepted_tokens`` (as its other counters, until
     ``reset()``); every pass goes through the runner's decode step (compiled or captured where the runner has
@@ -168,7 +171,7 @@ def generate_with_lookup(runner: Any, gen: GenerationConfig, input_ids: torch.Te
     return hist[:, :n]
 
 
-def verify_width(runner: Any, num_tokens: int) -> int | None:
+def verify_width(runner: Runner, num_tokens: int) -> int | None:
     """The one width of a drafted pass when the decode step is compiled or captured (``runner.decode_fn`` is not
     the eager decoder): 1 + ``num_tokens`` whatever the call's length (one shape per prompt_lookup_num_tokens, so
     one captured verify step per cache); None with an eager decode step (each pass its own width)."""
@@ -200,7 +203,7 @@ def pick(logits: torch.Tensor, gen: GenerationConfig, seen: torch.Tensor, device
     return int(next_tokens(logits, gen, None, prior)[0])
 
 
-def count_pass(stats: Any, tokens: int, start: float) -> None:
+def count_pass(stats: Stats, tokens: int, start: float) -> None:
     """One forward pass of ``tokens`` tokens in the current phase."""
     phase = stats.current()
     phase.steps += 1

@@ -21,6 +21,8 @@ import torch
 
 from moeflow.config import OffloadConfig
 from moeflow.errors import SchedulingError
+from moeflow.moe.backend import ExpertBackend
+from moeflow.offload.backend import OffloadedExperts
 from moeflow.offload.units import format_bytes
 
 GiB = 2**30
@@ -194,13 +196,16 @@ def _gb(n: int) -> str:
     return format_bytes(n)
 
 
-def fill_from_backend(plan: MemoryPlan, backend, config: OffloadConfig, staging_per_reader: int) -> None:
-    """Complete ``plan`` with what the backend allocated: device slots, host rows, disk staging."""
+def fill_from_backend(plan: MemoryPlan, backend: ExpertBackend, config: OffloadConfig,
+                      staging_per_reader: int) -> None:
+    """Complete ``plan`` with what the backend allocated: device slots, host rows, disk staging (every expert on
+    the device and none on the host for a backend that does not offload)."""
     from moeflow.offload.disk_tier import host_memory_bytes
 
     total = plan.total_experts
-    plan.expert_slots = getattr(backend, "n_slots", total)
-    host = getattr(backend, "host", None)
+    offloaded = isinstance(backend, OffloadedExperts)
+    plan.expert_slots = backend.n_slots if offloaded else total
+    host = backend.host if offloaded else None
     on_cpu = plan.device.startswith("cpu")
     if config.host_memory_gb is not None:
         plan.host_budget = int(host_memory_bytes(config))

@@ -32,11 +32,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
 from moeflow.engine.generate import Runner, positions_from_mask
+from moeflow.engine.kv_cache import PassCache
 from moeflow.engine.latent_cache import new_kv_cache
 from moeflow.engine.lookup import begin_speculation, count_pass, pass_inputs, pick
 from moeflow.engine.sampling import GenerationConfig
@@ -44,10 +44,11 @@ from moeflow.engine.spec_sampling import accept_or_resample, draw, sampler_probs
 from moeflow.families.base import Family
 from moeflow.families.mtp import MultiTokenPredictor
 from moeflow.moe.backend import StepInfo
+from moeflow.streaming import Streamer
 
 
-def check_mtp(family: Family, mtp: MultiTokenPredictor | None, gen: GenerationConfig, batch: int, num_tokens: Any,
-              micro_batch_size: Any, dual_batch: Any, prompt_lookup: Any) -> None:
+def check_mtp(family: Family, mtp: MultiTokenPredictor | None, gen: GenerationConfig, batch: int, num_tokens: object,
+              micro_batch_size: object, dual_batch: object, prompt_lookup: object) -> None:
     """Refuse, naming the argument or config field, what MTP speculation does not cover."""
     if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 1:
         raise ValueError(f"num_speculative_tokens must be a positive integer, got {num_tokens!r}")
@@ -101,8 +102,8 @@ class MTPDrafter:
         return runner.decoder.lm_head(out).float()[:, -1], out
 
 
-def eager_pass(runner: Runner, ids: torch.Tensor, positions: torch.Tensor, cache: Any, cache_position: torch.Tensor,
-               token_mask: torch.Tensor, phase: str, history: tuple, all_real: bool
+def eager_pass(runner: Runner, ids: torch.Tensor, positions: torch.Tensor, cache: PassCache,
+               cache_position: torch.Tensor, token_mask: torch.Tensor, phase: str, history: tuple, all_real: bool
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """One forward pass of the main decoder (eager) -> (logits fp32 [1, T, V], final-normed hidden [1, T, H])."""
     embeds = runner.decoder.embed_tokens(ids)
@@ -113,8 +114,8 @@ def eager_pass(runner: Runner, ids: torch.Tensor, positions: torch.Tensor, cache
 
 
 def generate_with_mtp(runner: Runner, mtp: MultiTokenPredictor, gen: GenerationConfig, input_ids: torch.Tensor,
-                      token_mask: torch.Tensor, num_tokens: int, streamer: Any = None, seed: int | None = None
-                      ) -> torch.Tensor:
+                      token_mask: torch.Tensor, num_tokens: int, streamer: Streamer | None = None,
+                      seed: int | None = None) -> torch.Tensor:
     """input_ids / token_mask [1, T] on the device -> [1, T + n] ids, drafting up to ``num_tokens`` tokens per
     round with the MTP layers and verifying them in one pass: greedy, or with ``gen.do_sample`` standard
     speculative sampling (:mod:`moeflow.engine.spec_sampling`; ``seed``: its generator's)."""

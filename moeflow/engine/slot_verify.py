@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from moeflow.engine.kv_cache import PassCache
 from moeflow.engine.kv_slots import LatentSlotKVCache, SlotKVCache, slot_attention_mask
 
 MIN_KEY_BUCKET = 256  # keys a captured decode pass reads at least (see key_bucket)
@@ -26,7 +27,7 @@ def key_bucket(needed: int, max_len: int) -> int:
     return min(max_len, max(MIN_KEY_BUCKET, 1 << max(0, needed - 1).bit_length()))
 
 
-class SlotVerifyView:
+class SlotVerifyView(PassCache):
     """Passes of ``width`` tokens over one row of a :class:`~moeflow.engine.kv_slots.SlotKVCache`, reading keys
     [0, key_len): capturable.
 

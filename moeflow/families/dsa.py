@@ -39,7 +39,7 @@ from moeflow.errors import CheckpointError, InputError
 from moeflow.families.base import CausalDecoder, KVCacheSpec
 from moeflow.families.deepseek import DeepSeekConfig, DeepSeekV3Family
 from moeflow.families.deepseek_moe import MoEDecoderLayer
-from moeflow.families.layers import LinearFactory
+from moeflow.families.layers import Fp32Linear, LinearFactory
 from moeflow.families.mla import LatentAttention, MLAShape, apply_rotary_halves, apply_rotary_pairs, rotary_from_config
 from moeflow.moe.block import MoEBlock
 
@@ -90,8 +90,7 @@ class LightningIndexer(nn.Module):
         self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False, dtype=dtype)
         self.wk = nn.Linear(cfg.hidden_size, self.head_dim, bias=False, dtype=dtype)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6, dtype=dtype)
-        self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False, dtype=torch.float32)
-        self.weights_proj.keep_dtype = True  # loaded in fp32 whatever the model's dtype (engine.loading)
+        self.weights_proj = Fp32Linear(cfg.hidden_size, self.n_heads)  # fp32 whatever the model's dtype
         self.rotate = apply_rotary_pairs if interleaved else apply_rotary_halves
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

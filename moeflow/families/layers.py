@@ -68,6 +68,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((turned * cos[:, None] + rotate_half(turned) * sin[:, None], x[..., r:]), dim=-1)
 
 
+class Fp32Linear(nn.Linear):
+    """A bias-free linear layer kept in fp32 whatever the model's dtype (the loader keeps its dtype: DSA's
+    indexer weights)."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features, bias=False, dtype=torch.float32)
+
+
 class AWQLinear(nn.Module):
     """A linear layer holding AWQ GEMM-layout 4-bit weights (and an optional bias); computes ``x @ W (+ b)``."""
 

@@ -172,6 +172,11 @@ class CheckpointReader:
     def __contains__(self, name: str) -> bool:
         return name in self.weight_map
 
+    def over(self, inner: CheckpointReader) -> CheckpointReader:
+        """This reader's conversion over another reader of the same checkpoint's tensors (the disk tier's expert
+        index); a plain reader converts nothing: ``inner`` itself. Converting readers override it."""
+        return inner
+
     def names(self) -> list[str]:
         return list(self.weight_map)
 

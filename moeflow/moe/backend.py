@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple, Protocol
@@ -16,6 +17,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from moeflow.kernels.formats import ExpertFormat
+from moeflow.moe.routing import Router
 
 
 class KernelRouting(NamedTuple):
@@ -99,6 +101,13 @@ class RoutingPathPlanner(Protocol):
         ...
 
 
+class DevicePart(Protocol):
+    """A backend's device part captured per batch size (:meth:`ExpertBackend.enable_device_graphs`): inside
+    ``region()`` the backend's ``forward`` replays it instead of launching its kernels one by one."""
+
+    def region(self) -> AbstractContextManager[None]: ...
+
+
 class ExpertBackend(ABC):
     """Where expert weights live and how a layer's experts get computed.
 
@@ -107,6 +116,9 @@ class ExpertBackend(ABC):
     """
 
     fmt: ExpertFormat
+    # the body of a ``torch.compiler.disable``d ``forward`` (host logic), called directly in eager mode
+    # (:meth:`_forward_to_call`); a backend that keeps one defines the method, None: ``forward`` is called
+    _forward: Callable[..., torch.Tensor] | None = None
 
     @abstractmethod
     def load_expert(self, layer: int, expert: int, tensors: dict[str, torch.Tensor]) -> None:
@@ -146,7 +158,7 @@ class ExpertBackend(ABC):
 
     def forward_logits(
         self, layer: int, x: torch.Tensor, router_logits: torch.Tensor,
-        route: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        route: Router,
         kernel_routing: KernelRouting | None, want_ids: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layer from its router logits: x [T, H], router_logits [T, E] -> (out [T, H], topk_ids int32 [T, k]
@@ -176,7 +188,7 @@ class ExpertBackend(ABC):
 
     def _route_and_forward(
         self, layer: int, x: torch.Tensor, router_logits: torch.Tensor,
-        route: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        route: Router,
         kernel_routing: KernelRouting | None, want_ids: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:meth:`forward_logits` of tokens that are all real. Default: ``route`` then :meth:`forward`. A backend
@@ -196,7 +208,7 @@ class ExpertBackend(ABC):
 
     def forward_prelude(
         self, prelude: object, layer: int, x: torch.Tensor, router_logits: torch.Tensor,
-        route: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        route: Router,
         kernel_routing: KernelRouting | None,
     ) -> torch.Tensor:
         """The layer's output [T, H] after the replay of a piece that holds ``prelude`` (:meth:`capture_prelude`'s
@@ -207,9 +219,15 @@ class ExpertBackend(ABC):
         """:meth:`forward`; in eager mode its body ``_forward`` where a backend keeps one behind a
         ``torch.compiler.disable``d ``forward`` (host logic: the graph break under torch.compile), which skips
         the wrapper's cost on every call."""
-        if torch.compiler.is_compiling() or getattr(type(self), "_forward", None) is None:
+        if torch.compiler.is_compiling() or type(self)._forward is None:
             return self.forward
         return self._forward
+
+    def enable_device_graphs(self, capture_factory: Callable[[torch.device], object]) -> DevicePart | None:
+        """Called by the CUDA-graph decode step (:mod:`moeflow.engine.cuda_graphs`) before each replay: the
+        backend's device part captured per batch size with ``capture_factory(device)`` (made once), replayed inside
+        its ``region()``; None: nothing to capture, ``forward`` runs as ever. Default: None."""
+        return None
 
     def close(self) -> None:  # noqa: B027 (optional hook)
         """Release threads, streams and host registrations. Default: nothing to release."""

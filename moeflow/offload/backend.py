@@ -33,10 +33,12 @@ from moeflow import kernels
 from moeflow.compile_boundary import host_logic
 from moeflow.kernels.formats import ExpertFormat
 from moeflow.kernels.pool import ExpertPool
-from moeflow.moe.backend import ExpertBackend, RoutingPathPlanner, StepInfo
+from moeflow.moe.backend import ExpertBackend, KernelRouting, RoutingPathPlanner, StepInfo
+from moeflow.moe.routing import Router
 from moeflow.offload.cache import ExpertCache, Slot
 from moeflow.offload.compute import LayerCompute
-from moeflow.offload.copy_engine import CopyEngine, LoadTask, linear_chunks
+from moeflow.offload.contracts import LoadQueue, PreludeStage, SlotLoads
+from moeflow.offload.copy_engine import linear_chunks
 from moeflow.offload.cpu_slots import SlotInt4Forms
 from moeflow.offload.device_step import DeviceGraphs
 from moeflow.offload.eviction import EvictionPolicy
@@ -46,19 +48,23 @@ from moeflow.offload.plan import arrival_order, plan_layer
 from moeflow.offload.platform import REAL, Platform
 from moeflow.offload.policies.spec import Mechanisms
 from moeflow.offload.predictors.interface import Predictor
-from moeflow.offload.prelude import CapturedPrelude
+from moeflow.offload.prelude import PreludeCapture
 from moeflow.offload.readback import ReadBack, host_proposals
-from moeflow.offload.slot_loads import SlotLoads
+from moeflow.offload.slot_loads import SlotLoader
 from moeflow.offload.stats import PhaseStats, Stats
 from moeflow.offload.transport import CudaTransport, Transport
 
 
-class OffloadedExperts(CapturedPrelude, SlotLoads, ExpertBackend):
+class OffloadedExperts(ExpertBackend):
     """``ExpertBackend`` whose experts live in a :class:`HostStore` and stream into ``n_slots`` device slots.
 
     Built by :func:`moeflow.offload.create_expert_backend` from a policy; ``platform`` supplies the clock,
     the copy engine and (optionally) the compute executor (see :mod:`moeflow.offload.platform`).
     prefill_ring: in prefill at most this many of a layer's loads hold slots at once (DuoServe), None: no limit.
+
+    Collaborators, each built here: ``loads`` (:class:`~moeflow.offload.slot_loads.SlotLoader`: the load side),
+    ``prelude`` (:class:`~moeflow.offload.prelude.PreludeCapture`: the captured prelude), ``compute``
+    (:class:`~moeflow.offload.compute.LayerCompute`: the device part), ``readback``, ``cache`` and ``engine``.
     """
 
     def __init__(
@@ -106,8 +112,8 @@ class OffloadedExperts(CapturedPrelude, SlotLoads, ExpertBackend):
         quota = n_slots // self.num_layers if per_layer else 0
         self.cache = ExpertCache(n_slots, eviction, retain=retain, stats=stats.current, layer_quota=quota,
                                  key_space=(self.num_layers, self.num_experts))
-        self.engine = platform.make_engine(transport, host, self.pool, chunks=copy_chunks,
-                                           max_inflight=max_inflight_chunks)
+        self.engine: LoadQueue = platform.make_engine(transport, host, self.pool, chunks=copy_chunks,
+                                                      max_inflight=max_inflight_chunks)
         if self.mechanisms.prefetch_chunks == "per-linear":  # ProMoE §5.1: a prediction moves one linear at a time
             self.engine.set_low_chunks(linear_chunks(fmt))
         self._phase = stats.phase
@@ -117,8 +123,12 @@ class OffloadedExperts(CapturedPrelude, SlotLoads, ExpertBackend):
         self.cpu = cpu  # hybrid execution: misses computed on the CPU (docs/hybrid.md)
         self.early_hits = self._early_hits(early_hits)
         self.prefill_ring = prefill_ring
+        self.loads: SlotLoads = SlotLoader(self.cache, self.engine, host, transport, stats, predictor=predictor,
+                                           clock=self.clock, prefill_ring=prefill_ring, num_layers=self.num_layers,
+                                           mechanisms=self.mechanisms)
+        self.prelude: PreludeStage = PreludeCapture(kernels_backend, predictor, self.readback, hybrid=cpu is not None)
         if predictor is not None:
-            predictor.bind(self)  # predictors that prefetch outside forward (FineMoE, ExpertFlow)
+            predictor.bind(self.loads)  # predictors that prefetch outside forward (FineMoE, ExpertFlow)
         stats.expert_pool_bytes = self.pool.buffer.numel()
         stats.host_store_bytes = self.host.nbytes
         stats.host_pinned = self.host.pinned
@@ -174,20 +184,12 @@ class OffloadedExperts(CapturedPrelude, SlotLoads, ExpertBackend):
             raise RuntimeError(f"expert host store incomplete: {len(missing)} experts never loaded, e.g. {missing[:4]}")
         if self.cpu is not None:  # CPU int4 forms + cost-model rates
             self.cpu.prepare(self.device, self.transport.name)
-        if not self.warm_start:
-            return
-        for i in range(min(self.n_slots, self.num_layers * self.num_experts)):
-            key = (i % self.num_layers, i // self.num_layers)  # expert-major: every layer gets a share
-            slot = self.cache.allocate(key, layer_now=0)
-            task = self.engine.submit(key[0], key[1], slot.index, high=True)
-            self.cache.start_load(slot, task, prefetched=False)
-        self.engine.pump()
-        for slot in self.cache.slots:
-            if slot.task is not None:
-                self.engine.wait_issued(slot.task)
-                for h in slot.task.handles:
-                    h.synchronize()
-                self.cache.mark_ready(slot)
+        if self.warm_start:
+            self.loads.warm_fill(min(self.n_slots, self.num_layers * self.num_experts), self.num_layers)
+
+    def prefetch(self, target: int, experts: list[int], layer_now: int = 0) -> None:
+        """Queue low-priority loads of ``target``'s ``experts`` outside ``forward`` (:meth:`SlotLoader.prefetch`)."""
+        self.loads.prefetch(target, experts, layer_now)
 
     # ------------------------------------------------------------------ one pass
     def begin_step(self, step: StepInfo) -> None:
@@ -210,18 +212,37 @@ class OffloadedExperts(CapturedPrelude, SlotLoads, ExpertBackend):
         return self.predictor.as_path_planner() if self.predictor is not None else None
 
     # ------------------------------------------------------------------ one layer
-    def _route_and_forward(self, layer, x, router_logits, route, kernel_routing, want_ids):
+    def _route_and_forward(self, layer: int, x: torch.Tensor, router_logits: torch.Tensor, route: Router,
+                           kernel_routing: KernelRouting | None, want_ids: bool
+                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """On the Triton path a plain softmax top-k is routed by the resident backend's fused plan kernel, so
         it is routed here by the same kernel (one launch; bitwise the resident routing); probs only for a predictor.
         Only real tokens get here (``ExpertBackend.forward_logits``): the needed-expert read-back, the predictor's
         observations, the cache's counts and the CPU-vs-copy choice never see padding. With the decode step
         captured the routing may run in the captured piece instead (:mod:`moeflow.offload.prelude`)."""
-        if not self.routes_on_triton(x, kernel_routing):
+        if not self.prelude.routes_on_triton(x, kernel_routing):
             return super()._route_and_forward(layer, x, router_logits, route, kernel_routing, want_ids)
         ids, weights = kernels.route(router_logits, kernel_routing.top_k, "triton",
                                      renormalize=kernel_routing.renormalize)
         probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32) if self.predictor is not None else None
         return self._forward_to_call()(layer, x, probs, ids, weights), ids if want_ids else None
+
+    def capture_prelude(self, layer: int, x: torch.Tensor, router_logits: torch.Tensor,
+                        kernel_routing: KernelRouting | None) -> object | None:
+        """The layer's routing and read-back staging enqueued in the captured piece (:mod:`moeflow.offload.prelude`),
+        or None where the prelude is refused (:meth:`PreludeCapture.refusal`)."""
+        return self.prelude.capture(layer, x, router_logits, kernel_routing)
+
+    def forward_prelude(self, prelude: object, layer: int, x: torch.Tensor, router_logits: torch.Tensor,
+                        route: Router, kernel_routing: KernelRouting | None) -> torch.Tensor:
+        """The layer [T, H] from the prelude the piece just replayed (the eager ``forward_logits`` where it does
+        not apply: padding in the pass, another backend's prelude)."""
+        real = self._real_tokens
+        padded = real is not None and real[0] is not None and real[1] == x.shape[0]
+        handed = None if padded else self.prelude.hand_over(prelude, layer)
+        if handed is None:
+            return self.forward_logits(layer, x, router_logits, route, kernel_routing, False)[0]
+        return self._forward_to_call()(layer, x, None, handed.topk_ids, handed.topk_weights)
 
     @host_logic  # the host-side scheduler: the one graph break per MoE layer under torch.compile
     def forward(
@@ -244,7 +265,7 @@ class OffloadedExperts(CapturedPrelude, SlotLoads, ExpertBackend):
         k = topk_ids.shape[1]
 
         # 1. the layer's only blocking device->host read: its routing, and the predictor's proposals with it
-        pred, captured, self._captured_read = self._active_predictor(), self._captured_read, None
+        pred, captured = self._active_predictor(), self.prelude.take()
         if pred is not None and captured is None:  # routing first: predictors that learn from it (DuoServe) need it
             pred.observe(layer, x, probs, topk_ids)
         # proposed and staged in the captured piece just replayed (prelude.py): its event only
@@ -322,13 +343,13 @@ class OffloadedExperts(CapturedPrelude, SlotLoads, ExpertBackend):
         ready, deferred = plan.ready, plan.deferred
         self.host.stage_all(layer, deferred)  # disk tier: read every miss at once, not one per copy
         waiting = arrival_order(plan.waiting)
-        self._load_deferred(layer, deferred, waiting, st)
+        self.loads.load_deferred(layer, deferred, waiting, st)
 
         # 4. prefetch for later layers
         if not deferred:
             for target, ids in guesses:
-                self._prefetch(target, ids, layer, st)
-        self._pump(st)
+                self.loads.prefetch_guesses(target, ids, layer, st)
+        self.loads.pump(st)
 
         # 5. reordered inference
         if out is None:
@@ -337,14 +358,14 @@ class OffloadedExperts(CapturedPrelude, SlotLoads, ExpertBackend):
         if ready:
             self._compute(layer, x, topk_ids, topk_weights, out, ready, done=early)
             if late:
-                late = self._late_prefetch(layer, deferred, st)
+                late = self.loads.late_prefetch(layer, deferred, st)
             if deferred:  # the slots just released go to the ring
-                self._load_deferred(layer, deferred, waiting, st)
-                self._pump(st)
+                self.loads.load_deferred(layer, deferred, waiting, st)
+                self.loads.pump(st)
         while waiting:
             if self.cpu is not None and self.cpu.racing:  # a load whose CPU twin finished first is not computed
-                waiting = self.cpu.settle(waiting, out, st, self._release_unread)
-                self._load_deferred(layer, deferred, waiting, st)
+                waiting = self.cpu.settle(waiting, out, st, self.loads.release_unread)
+                self.loads.load_deferred(layer, deferred, waiting, st)
                 if not waiting:
                     continue
             group = [waiting.pop(0)]
@@ -353,14 +374,14 @@ class OffloadedExperts(CapturedPrelude, SlotLoads, ExpertBackend):
             if self.cpu is not None:
                 self.cpu.discard_races([t.expert for t in group])
             for task in group:
-                self._wait(task, st)
+                self.loads.wait(task, st)
             self._compute(layer, x, topk_ids, topk_weights, out, [t.expert for t in group])
-            self._load_deferred(layer, deferred, waiting, st)
+            self.loads.load_deferred(layer, deferred, waiting, st)
             if late:
-                late = self._late_prefetch(layer, deferred, st)
-            self._pump(st)
+                late = self.loads.late_prefetch(layer, deferred, st)
+            self.loads.pump(st)
         if late:
-            self._late_prefetch(layer, deferred, st)
+            self.loads.late_prefetch(layer, deferred, st)
         if deferred:  # cannot happen with n_slots >= 1: every computed group frees its slots
             raise RuntimeError(f"layer {layer}: experts {list(deferred)} never got a slot")
         if self.cpu is not None:
@@ -405,23 +426,10 @@ class OffloadedExperts(CapturedPrelude, SlotLoads, ExpertBackend):
         for slot in slots:
             self.cache.release(slot, fence)
 
-    def _release_unread(self, task: LoadTask) -> None:
-        """Hybrid race won by the CPU: unpin the slot unread and cancel the load's chunks not yet issued (left queued
-        they would hold the link at high priority, ahead of the next layers' loads and prefetches); the slot is
-        empty again once the chunks already issued have landed (``cache.drop`` behind the load's fences). A load
-        fully issued already carries on and caches the expert."""
-        slot = self.cache.lookup(task.key)
-        self.cache.release(slot, self.transport.compute_fence())
-        if not task.issued:
-            self.cache.drop(slot, self.engine.cancel(task))
-            self.stats.current().cpu_race_cancels += 1
-
     # ------------------------------------------------------------------ lifetime
     def synchronize(self) -> None:
         """Wait for every queued and in-flight copy (tests, benchmarks)."""
-        for task in self.engine.pending():
-            self.engine.wait_issued(task)
-        self.transport.synchronize()
+        self.loads.synchronize()
 
     def close(self) -> None:
         if self.cpu is not None:
@@ -436,7 +444,7 @@ class OffloadedExperts(CapturedPrelude, SlotLoads, ExpertBackend):
                 f"eviction={self.cache.policy.name!r}, pinned={self.host.pinned})")
 
 
-def _shutdown(engine: CopyEngine, transport: Transport, host: HostStore | None) -> None:
+def _shutdown(engine: LoadQueue, transport: Transport, host: HostStore | None) -> None:
     engine.close()
     transport.synchronize()
     transport.close()

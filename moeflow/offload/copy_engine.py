@@ -42,7 +42,7 @@ from moeflow.kernels.pool import ExpertPool
 from moeflow.offload.chunks import chunk_ranges, linear_chunks
 from moeflow.offload.host_store import HostStore
 from moeflow.offload.stats import PhaseStats
-from moeflow.offload.transport import Handle, Transport
+from moeflow.offload.transport import BatchCopies, Handle, Transport
 
 PREFETCH_CHUNK_BYTES = 8 * 2**20  # a needed load waits behind at most ~one such piece of a prefetch
 __all__ = ["BATCH_BYTES", "PREFETCH_CHUNK_BYTES", "CopyEngine", "LoadTask", "chunk_ranges", "linear_chunks"]
@@ -118,8 +118,8 @@ class CopyEngine:
         self.low_chunks = tuple(chunk_ranges(pool.fmt.nbytes, max(chunks, -(-pool.fmt.nbytes // PREFETCH_CHUNK_BYTES))))
         self.max_inflight = max_inflight
         self.threaded = transport.asynchronous if threaded is None else threaded
-        # batch_bytes=0 or a transport without copy_batch: one chunk per issue through transport.copy
-        self._copy_batch = getattr(transport, "copy_batch", None) if batch_bytes > 0 else None
+        # batch_bytes=0 or a transport without copy_batch (not BatchCopies): one chunk per issue through transport.copy
+        self._copy_batch = transport.copy_batch if batch_bytes > 0 and isinstance(transport, BatchCopies) else None
         self.batch_bytes = batch_bytes if self._copy_batch is not None else 0
         self._flat: tuple | None = None  # flat views of the host buffer and the pool (first batched copy)
         self._rows: tuple[list, list] = ([], [])  # row views of both, the host's made on first use

@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
+from typing import Protocol
 
 import torch
 
@@ -33,6 +34,19 @@ log = logging.getLogger(__name__)
 
 FREE, READING, READY = "free", "reading", "ready"
 HIGH, LOW, FILL = 0, 1, 2  # demand reads, then prefetches, then the background fill (OffloadConfig.background_load)
+
+
+class RowEngine(Protocol):
+    """The copy engine as the store sees it, to free a row held by its copies (the part of
+    :class:`moeflow.offload.contracts.LoadQueue` it uses; the copy engine's stats import this module).
+    ``wait_issued(task)``: block until every chunk of the copy task was handed to the transport."""
+
+    threaded: bool
+
+    def pump(self, max_chunks: int | None = None) -> int: ...
+
+    def wait_issued(self, task) -> None: ...  # task: a LoadTask (copy_engine.py imports this module, via stats)
+
 
 
 @dataclass
@@ -102,7 +116,7 @@ class DiskHostStore(HostStore):
         self._queue: list[tuple[int, int, Key, int]] = []  # (priority, order, key, row)
         self._order = 0
         self._closed = False
-        self.engine = None  # the copy engine whose tasks hold rows (``bind_engine``)
+        self.engine: RowEngine | None = None  # the copy engine whose tasks hold rows (``bind_engine``)
         self._threads = [threading.Thread(target=self._reader, args=(source.new_staging(),), daemon=True,
                                           name=f"moeflow-disk-reader-{i}") for i in range(max(1, readers))]
         for t in self._threads:
@@ -116,7 +130,7 @@ class DiskHostStore(HostStore):
     def staging_nbytes(self) -> int:
         return len(self._threads) * self.source.staging_nbytes
 
-    def bind_engine(self, engine) -> None:
+    def bind_engine(self, engine: RowEngine) -> None:
         """The copy engine whose queued tasks may have to be issued before a held row frees up."""
         self.engine = engine
 
@@ -348,7 +362,7 @@ class DiskHostStore(HostStore):
             tasks = [t for r in range(self.capacity) for t in self._holds[r] if not _task_done(t)]
             reading = any(s == READING for s in self._state)
         engine = self.engine
-        if engine is not None and not getattr(engine, "threaded", True):
+        if engine is not None and not engine.threaded:
             engine.pump()  # synchronous copies: issuing them is what frees their rows
             return
         for task in tasks:

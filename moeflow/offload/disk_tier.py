@@ -10,11 +10,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 from moeflow.config import OffloadConfig, load_workers
 from moeflow.errors import SchedulingError
 from moeflow.kernels.formats import ExpertFormat
+from moeflow.kernels.pool import ExpertPool
+from moeflow.offload.contracts import LoadQueue
+from moeflow.offload.copy_engine import LoadTask
 from moeflow.offload.disk_store import DiskHostStore
 from moeflow.offload.eviction import LFU, LRU, EvictionPolicy, PriorityEviction, Static
+from moeflow.offload.host_store import HostStore
+from moeflow.offload.stats import PhaseStats
+from moeflow.offload.transport import Handle, Transport
 from moeflow.offload.units import format_bytes as _size
 
 GiB = 2**30
@@ -52,31 +60,58 @@ def host_eviction(device_policy: EvictionPolicy, rows: int, ring: int) -> Evicti
 
 
 class StagedCopyEngine:
-    """A copy engine whose ``submit`` first has the expert read into host memory; everything else delegates."""
+    """A :class:`~moeflow.offload.contracts.LoadQueue` whose ``submit`` first has the expert read into host
+    memory; every other call goes to ``inner`` (the platform's copy engine)."""
 
-    def __init__(self, inner, host: DiskHostStore) -> None:
+    def __init__(self, inner: LoadQueue, host: DiskHostStore) -> None:
         self.inner = inner
         self.host = host
+        self.threaded = inner.threaded
         host.bind_engine(inner)
 
-    def submit(self, layer: int, expert: int, slot: int, **kwargs):
+    def submit(self, layer: int, expert: int, slot: int, *, high: bool, after: Sequence[Handle] = (),
+               stats: PhaseStats | None = None, priority: float = 0.0) -> LoadTask:
         self.host.acquire(layer, expert)
         try:
-            task = self.inner.submit(layer, expert, slot, **kwargs)
+            task = self.inner.submit(layer, expert, slot, high=high, after=after, stats=stats, priority=priority)
         except BaseException:
             self.host.release(layer, expert)
             raise
         self.host.hold(task)
         return task
 
-    def __getattr__(self, name: str):
-        return getattr(self.inner, name)
+    def set_low_chunks(self, chunks: Sequence[tuple[int, int]]) -> None:
+        self.inner.set_low_chunks(chunks)
+
+    def promote(self, task: LoadTask) -> None:
+        self.inner.promote(task)
+
+    def cancel(self, task: LoadTask) -> list[Handle]:
+        return self.inner.cancel(task)
+
+    def preempt(self, layer: int, needed: set[int]) -> tuple[list[LoadTask], list[LoadTask]]:
+        return self.inner.preempt(layer, needed)
+
+    def pending(self) -> list[LoadTask]:
+        return self.inner.pending()
+
+    def high_backlog(self) -> list[tuple[LoadTask, int]]:
+        return self.inner.high_backlog()
+
+    def wait_issued(self, task: LoadTask) -> None:
+        self.inner.wait_issued(task)
+
+    def pump(self, max_chunks: int | None = None) -> int:
+        return self.inner.pump(max_chunks)
+
+    def close(self) -> None:
+        self.inner.close()
 
 
-def staged_engine_factory(make_engine, host: DiskHostStore):
+def staged_engine_factory(make_engine: Callable[..., LoadQueue], host: DiskHostStore) -> Callable[..., LoadQueue]:
     """Platform.copy_engine for the disk tier: ``make_engine``'s engine behind :class:`StagedCopyEngine`."""
 
-    def make(transport, host_store, pool, **kwargs):
+    def make(transport: Transport, host_store: HostStore, pool: ExpertPool, **kwargs: int) -> LoadQueue:
         return StagedCopyEngine(make_engine(transport, host_store, pool, **kwargs), host)
 
     return make

@@ -22,21 +22,24 @@ import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from typing import Any
 
 import torch
 
+from moeflow.config import OffloadConfig
 from moeflow.errors import SchedulingError
+from moeflow.kernels.formats import ExpertFormat
 from moeflow.offload.calibration import calibration_key, measure_cpu, measure_h2d, resolve_rates
 from moeflow.offload.copy_engine import LoadTask
 from moeflow.offload.cost_model import Candidate, Choice, Rates, plan
+from moeflow.offload.eviction import EvictionPolicy, PriorityEviction, Static
 from moeflow.offload.host_store import HostStore
+from moeflow.offload.policies.spec import PolicySpec
 from moeflow.offload.stats import PhaseStats
 
 RACE_POLL_S = 1e-4  # how often a race is checked while neither side has finished
 
 
-def resolve_cpu_compute(config: Any, spec: Any, fmt: Any) -> str:
+def resolve_cpu_compute(config: OffloadConfig, spec: PolicySpec, fmt: ExpertFormat) -> str:
     """The effective mode ("never" / "auto" / "always") for ``config`` under policy ``spec``.
 
     Raises SchedulingError when the policy needs CPU compute (fiddler) and cannot have it; otherwise falls
@@ -45,7 +48,7 @@ def resolve_cpu_compute(config: Any, spec: Any, fmt: Any) -> str:
     """
     from moeflow.kernels.cpu.int4 import int4_cpu_available
 
-    policy_mode = getattr(spec, "cpu_compute", None)
+    policy_mode = spec.cpu_compute
     mode = requested_cpu_compute(config, spec)
     if mode == "never":
         return "never"
@@ -63,12 +66,12 @@ def resolve_cpu_compute(config: Any, spec: Any, fmt: Any) -> str:
     return "never"
 
 
-def requested_cpu_compute(config: Any, spec: Any) -> str:
+def requested_cpu_compute(config: OffloadConfig, spec: PolicySpec) -> str:
     """The mode ("never" / "auto" / "always") ``config`` and policy ``spec`` ask for, before the checks of the
     experts' format and the CPU kernels (:func:`resolve_cpu_compute`; the simulator models the kernels by a
     profile and takes this one). Raises SchedulingError when the policy needs CPU compute and the config
     forbids it."""
-    policy_mode = getattr(spec, "cpu_compute", None)
+    policy_mode = spec.cpu_compute
     if policy_mode is not None and config.cpu_compute == "never":
         raise SchedulingError(
             f"policy {spec.name!r} computes the experts it does not place on the device on the CPU; it cannot run "
@@ -78,7 +81,7 @@ def requested_cpu_compute(config: Any, spec: Any) -> str:
     return "never" if mode == "never" or not spec.offload else mode
 
 
-def real_hybrid(config: Any, spec: Any, fmt: Any, host: HostStore,
+def real_hybrid(config: OffloadConfig, spec: PolicySpec, fmt: ExpertFormat, host: HostStore,
                 keep_on_device: Callable[[tuple[int, int]], bool]) -> HybridCompute | None:
     """``Platform.hybrid`` of the real runtime: a :class:`HybridCompute` where :func:`resolve_cpu_compute` allows
     CPU compute, else None."""
@@ -86,23 +89,21 @@ def real_hybrid(config: Any, spec: Any, fmt: Any, host: HostStore,
     return HybridCompute(mode, config, host, keep_on_device) if mode != "never" else None
 
 
-def fixed_set(eviction: Any) -> Callable[[tuple[int, int]], bool]:
-    """Whether a static placement (``Static.fixed``, possibly wrapped) wants ``key`` on the device."""
+def fixed_set(eviction: EvictionPolicy) -> Callable[[tuple[int, int]], bool]:
+    """Whether a static placement (``Static.fixed``, possibly wrapped in a ``PriorityEviction``) wants ``key``
+    on the device (never, for other policies or before the placement is fixed)."""
     def keep(key: tuple[int, int]) -> bool:
         policy = eviction
-        while policy is not None:
-            fixed = getattr(policy, "fixed", None)
-            if fixed is not None:
-                return key in fixed
-            policy = getattr(policy, "base", None)
-        return False
+        while isinstance(policy, PriorityEviction):
+            policy = policy.base
+        return isinstance(policy, Static) and policy.fixed is not None and key in policy.fixed
     return keep
 
 
 class HybridCompute:
     """Cost model + CPU worker pool over one host store (see the module docstring)."""
 
-    def __init__(self, mode: str, config: Any, host: HostStore,
+    def __init__(self, mode: str, config: OffloadConfig, host: HostStore,
                  keep_on_device: Callable[[tuple[int, int]], bool] | None = None):
         if mode not in ("auto", "always"):
             raise ValueError(f"HybridCompute mode {mode!r}: expected 'auto' or 'always'")

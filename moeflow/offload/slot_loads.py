@@ -1,22 +1,65 @@
-"""The load side of :class:`moeflow.offload.backend.OffloadedExperts`: slots for a layer's misses, predicted
-loads for later layers, a prefetch's slot taken back for a needed load, the synchronous transport's pump, and the
-wait that makes a load's bytes visible to compute. A mixin: it reads the backend's ``cache``, ``engine``,
-``host``, ``transport``, ``stats``, ``predictor``, ``clock``, ``prefill_ring``, ``num_layers``, ``mechanisms`` and
-``_phase``."""
+"""The load side of :class:`moeflow.offload.backend.OffloadedExperts`: :class:`SlotLoader` gives slots to a layer's
+misses, queues predicted loads for later layers, takes a prefetch's slot back for a needed load, pumps the
+synchronous transport and waits until a load's bytes are visible to compute. The backend holds one (its
+``loads``); a predictor that prefetches outside ``forward`` is bound to it (:class:`PrefetchTarget`)."""
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
-from moeflow.offload.cache import Slot
+from moeflow.offload.cache import ExpertCache, Slot
+from moeflow.offload.contracts import LoadQueue
 from moeflow.offload.copy_engine import LoadTask
-from moeflow.offload.stats import PhaseStats
+from moeflow.offload.host_store import HostStore
+from moeflow.offload.policies.spec import Mechanisms
+from moeflow.offload.predictors.interface import Predictor
+from moeflow.offload.stats import PhaseStats, Stats
+from moeflow.offload.transport import Transport
 
 
-class SlotLoads:
-    """Loads into the slot pool, high priority (a layer's misses) and low (predictions); see the module docstring."""
+class SlotLoader:
+    """Loads into the slot pool, high priority (a layer's misses) and low (predictions).
 
-    def _late_prefetch(self, layer: int, deferred: deque[int], st: PhaseStats) -> bool:
+    cache: the slot cache the loads go into; engine: the copy queue that moves them; host: the experts' host
+    store (the disk tier stages a guess there first); transport: the copies' completions (the compute stream's
+    wait); stats: the counters (its ``phase`` decides whether ``prefill_ring`` applies); predictor: the policy's,
+    asked for late proposals and queue priorities; clock: seconds, for the stall counter; prefill_ring: in prefill
+    at most this many of a layer's loads hold slots at once (DuoServe), None: no limit; num_layers: the layers
+    a prefetch's distance wraps around; mechanisms: the policy's switches (refresh on prefetch, ranked queue).
+    """
+
+    def __init__(self, cache: ExpertCache, engine: LoadQueue, host: HostStore, transport: Transport, stats: Stats,
+                 *, predictor: Predictor | None, clock: Callable[[], float], prefill_ring: int | None,
+                 num_layers: int, mechanisms: Mechanisms) -> None:
+        self.cache = cache
+        self.engine = engine
+        self.host = host
+        self.transport = transport
+        self.stats = stats
+        self.predictor = predictor
+        self.clock = clock
+        self.prefill_ring = prefill_ring
+        self.num_layers = num_layers
+        self.mechanisms = mechanisms
+
+    def warm_fill(self, count: int, num_layers: int) -> None:
+        """At load: fill ``count`` slots (expert 0 of every layer, then 1, ...: every layer gets a share) and wait
+        until they landed."""
+        for i in range(count):
+            key = (i % num_layers, i // num_layers)
+            slot = self.cache.allocate(key, layer_now=0)
+            task = self.engine.submit(key[0], key[1], slot.index, high=True)
+            self.cache.start_load(slot, task, prefetched=False)
+        self.engine.pump()
+        for slot in self.cache.slots:
+            if slot.task is not None:
+                self.engine.wait_issued(slot.task)
+                for h in slot.task.handles:
+                    h.synchronize()
+                self.cache.mark_ready(slot)
+
+    def late_prefetch(self, layer: int, deferred: deque[int], st: PhaseStats) -> bool:
         """DuoServe's second synchronisation point: after an expert group, poll the prediction made beside it
         (never wait); once it landed, queue its prefetches. Returns whether to poll again."""
         proposals = self.predictor.collect_proposals(layer)  # host lists whose copy completed
@@ -24,8 +67,8 @@ class SlotLoads:
             return True
         if not deferred:
             for target, ids in proposals:
-                self._prefetch(target, [e for e in ids if e >= 0], layer, st)
-        self._pump(st)
+                self.prefetch_guesses(target, [e for e in ids if e >= 0], layer, st)
+        self.pump(st)
         return False
 
     def prefetch(self, target: int, experts: list[int], layer_now: int = 0) -> None:
@@ -33,18 +76,19 @@ class SlotLoads:
         the first layers, made from the token embeddings before layer 0 runs); best effort, as in step 4."""
         st = self.stats.current()
         self.cache.poll()
-        self._prefetch(target, list(experts), layer_now, st)
-        self._pump(st)
+        self.prefetch_guesses(target, list(experts), layer_now, st)
+        self.pump(st)
 
-    def _load_deferred(self, layer: int, deferred: deque[int], waiting: list[LoadTask], st: PhaseStats) -> None:
+    def load_deferred(self, layer: int, deferred: deque[int], waiting: list[LoadTask], st: PhaseStats) -> None:
         """Give the deferred experts of ``layer`` slots, while slots can be had, and queue their loads (high)."""
+        ring = self.prefill_ring if self.stats.phase == "prefill" else None
         while deferred:
-            if self.prefill_ring and self._phase == "prefill" and len(waiting) >= self.prefill_ring:
+            if ring and len(waiting) >= ring:
                 return  # the ring is full: the next load waits for a computed expert's slot
             key = (layer, deferred[0])
             slot = self.cache.allocate(key, layer)
             if slot is None:
-                slot = self._reclaim_prefetch_slot(layer, key)
+                slot = self.reclaim_prefetch_slot(layer, key)
             if slot is None:
                 return
             deferred.popleft()
@@ -66,7 +110,7 @@ class SlotLoads:
             self.cache.drop(slot, fences)
             raise
 
-    def _reclaim_prefetch_slot(self, layer: int, key: tuple[int, int]) -> Slot | None:
+    def reclaim_prefetch_slot(self, layer: int, key: tuple[int, int]) -> Slot | None:
         """No free slot: cancel the prefetch for the farthest layer ahead and take its slot."""
         loading = self.cache.loading_unused()
         if not loading:
@@ -78,7 +122,9 @@ class SlotLoads:
             self.cache.drop(victim, self.engine.cancel(victim.task))
         return self.cache.allocate(key, layer)
 
-    def _prefetch(self, target: int, experts: list[int], layer: int, st: PhaseStats) -> None:
+    def prefetch_guesses(self, target: int, experts: list[int], layer: int, st: PhaseStats) -> None:
+        """Queue low-priority loads of ``target``'s ``experts`` not cached yet, while a slot is free (never
+        cancelling another load for a guess)."""
         refresh = self.mechanisms.refresh_on_prefetch
         ranked = self.mechanisms.queue_priority and self.predictor is not None
         for e in experts:
@@ -97,7 +143,7 @@ class SlotLoads:
             self.cache.start_load(slot, task, prefetched=True)
             st.prefetches += 1
 
-    def _pump(self, st: PhaseStats) -> None:
+    def pump(self, st: PhaseStats) -> None:
         """Synchronous transport: the copies happen here, on the critical path (counted as stall)."""
         if self.engine.threaded:
             return
@@ -105,7 +151,24 @@ class SlotLoads:
         self.engine.pump()
         st.stall_s += self.clock() - t0
 
-    def _wait(self, task: LoadTask, st: PhaseStats) -> None:
+    def release_unread(self, task: LoadTask) -> None:
+        """Hybrid race won by the CPU: unpin the slot unread and cancel the load's chunks not yet issued (left queued
+        they would hold the link at high priority, ahead of the next layers' loads and prefetches); the slot is
+        empty again once the chunks already issued have landed (``cache.drop`` behind the load's fences). A load
+        fully issued already carries on and caches the expert."""
+        slot = self.cache.lookup(task.key)
+        self.cache.release(slot, self.transport.compute_fence())
+        if not task.issued:
+            self.cache.drop(slot, self.engine.cancel(task))
+            self.stats.current().cpu_race_cancels += 1
+
+    def synchronize(self) -> None:
+        """Wait for every queued and in-flight copy."""
+        for task in self.engine.pending():
+            self.engine.wait_issued(task)
+        self.transport.synchronize()
+
+    def wait(self, task: LoadTask, st: PhaseStats) -> None:
         """Compute from now on sees ``task``'s bytes (host wait for issue, device-side wait for the copy)."""
         t0 = self.clock()
         self.engine.wait_issued(task)

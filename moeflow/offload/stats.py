@@ -83,7 +83,8 @@ class Stats:
     generated_tokens: int = 0
 
     def current(self) -> PhaseStats:
-        return getattr(self, self.phase)
+        """The counters of the current phase."""
+        return self.prefill if self.phase == "prefill" else self.decode
 
     def set_phase(self, phase: str) -> None:
         if phase not in PHASES:
@@ -112,10 +113,9 @@ class Stats:
 
     def as_dict(self) -> dict:
         d = asdict(self)
-        for phase in PHASES:
-            st = getattr(self, phase)
-            for name in ("hit_rate", "ready_hit_rate", "prefetch_accuracy", "fetch_rate", "goodpred"):
-                d[phase][name] = getattr(st, name)
+        for phase, st in (("prefill", self.prefill), ("decode", self.decode)):
+            d[phase].update(hit_rate=st.hit_rate, ready_hit_rate=st.ready_hit_rate,
+                            prefetch_accuracy=st.prefetch_accuracy, fetch_rate=st.fetch_rate, goodpred=st.goodpred)
         d["hit_rate"] = self.hit_rate
         return d
 

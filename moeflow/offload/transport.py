@@ -16,8 +16,8 @@ Two kinds of ordering matter and every transport honours both:
   copy into the same slot, or the compute that last read the slot: see :meth:`Transport.compute_fence`).
 * :meth:`Transport.wait_compute`: compute issued after this call sees the copy's bytes.
 
-``copy_batch`` (optional; the copy engine batches chunks only where a transport has it): several copies that
-start after the union of their fences and complete on one handle: one CUDA event for several
+``copy_batch`` (optional, :class:`BatchCopies`; the copy engine batches chunks only where a transport has it):
+several copies that start after the union of their fences and complete on one handle: one CUDA event for several
 ``cudaMemcpyAsync`` (many small experts, issue 16).
 """
 
@@ -29,7 +29,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -159,9 +159,6 @@ class Transport(Protocol):
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[Handle] = ()) -> Handle:
         """Enqueue ``dst.copy_(src)`` to start once every handle of ``after`` completed."""
 
-    # optional: copy_batch(pairs: Sequence[tuple[dst, src]], after) -> Handle, every copy starting once
-    # ``after`` completed, one handle completing when all did (see the module docstring)
-
     def compute_fence(self) -> Handle:
         """A handle that completes when the compute issued so far is done (reads of slots included)."""
 
@@ -173,6 +170,17 @@ class Transport(Protocol):
 
     def close(self) -> None:
         """Release threads or streams."""
+
+
+@runtime_checkable
+class BatchCopies(Protocol):
+    """A transport that also takes several copies in one call (see the module docstring); the copy engine batches
+    chunks only for those."""
+
+    def copy_batch(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], after: Sequence[Handle] = ()) -> Handle:
+        """Enqueue ``dst.copy_(src)`` of every pair, each starting once ``after`` completed; one handle
+        completing when all did."""
+        ...
 
 
 class SyncTransport:

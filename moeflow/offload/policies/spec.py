@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+import torch
 from torch import nn
 
 from moeflow.errors import SchedulingError
@@ -60,9 +62,10 @@ class Mechanisms:
         if self.prefill_iteration not in ("token", "pass"):
             raise SchedulingError(f"policy option prefill_iteration={self.prefill_iteration!r}: expected 'token' "
                                   "or 'pass'")
-        for name in ("refresh_on_prefetch", "queue_priority", "predict_in_prefill", "keep_contiguous"):
-            if not isinstance(getattr(self, name), bool):
-                raise SchedulingError(f"policy option {name}={getattr(self, name)!r}: expected True or False")
+        for name, value in (("refresh_on_prefetch", self.refresh_on_prefetch), ("queue_priority", self.queue_priority),
+                            ("predict_in_prefill", self.predict_in_prefill), ("keep_contiguous", self.keep_contiguous)):
+            if not isinstance(value, bool):
+                raise SchedulingError(f"policy option {name}={value!r}: expected True or False")
 
     def with_options(self, options: Mapping[str, Any] | None) -> Mechanisms:
         """These mechanisms with ``options`` (``OffloadConfig.policy_options``) applied; SchedulingError naming an
@@ -87,10 +90,12 @@ class PolicyContext:
     n_slots: int
     ring_slots: int
     gates: Sequence[nn.Module]  # one router per MoE layer: x [T, H] -> logits [T, E]
-    device: Any
-    checkpoint_dir: Any = None  # the model's directory (predictor policies look for predictors/<kind>.pt there)
+    device: torch.device | str
+    # the model's directory (predictor policies look for predictors/<kind>.pt there)
+    checkpoint_dir: str | Path | None = None
     route: Callable | None = None  # the family's routing (logits -> probs, ids, weights); None: softmax-top-k
-    predictor: Any = None  # the policy's predictor, set before ``eviction`` is called (FineMoE's eviction uses it)
+    # the policy's predictor, set before ``eviction`` is called (FineMoE's eviction uses it)
+    predictor: Predictor | None = None
     mechanisms: Mechanisms = Mechanisms()  # the spec's, with OffloadConfig.policy_options applied
 
 

@@ -239,7 +239,8 @@ class ExpertPredictor(Predictor):
 
     def _check_rows(self, name: str, t: torch.Tensor, dims: int, width: int | None) -> torch.Tensor:
         if not isinstance(t, torch.Tensor) or t.dim() != dims:
-            raise PredictorError(f"{name} must be a {dims}-d tensor [T, ...], got {getattr(t, 'shape', type(t))}")
+            got = t.shape if isinstance(t, torch.Tensor) else type(t)
+            raise PredictorError(f"{name} must be a {dims}-d tensor [T, ...], got {got}")
         if width is not None and t.shape[-1] != width:
             raise PredictorError(f"{name} has last dimension {t.shape[-1]}, but the {self.kind} predictor was "
                                  f"built for {width} ({self.shape})")

@@ -7,8 +7,9 @@ device tensors (they ride in the layer's one read-back; entries < 0 are padding,
 data-dependent shape) or host lists (a plan already on the host: nothing to read back). Every method but
 ``propose`` has a no-op default, so a predictor implements only what it uses:
 
-* ``bind(runtime)``: the backend, for predictors that prefetch outside ``forward`` (FineMoE before layer 0,
-  ExpertFlow's whole-budget plan) through ``runtime.prefetch`` / ``runtime.cache``;
+* ``bind(runtime)``: the backend's loads (:class:`PrefetchTarget`), for predictors that prefetch outside
+  ``forward`` (FineMoE before layer 0, ExpertFlow's whole-budget plan) through ``runtime.prefetch`` /
+  ``runtime.cache``;
 * ``collect_proposals(layer)``: proposals made beside the layer's expert compute (DuoServe's prediction
   stream), asked for after the layer's first expert group when ``proposes_late`` is True;
 * ``observe_host(layer, probs, topk_ids)``: with ``host_routing`` True, the layer's routing as host tensors,
@@ -21,14 +22,26 @@ data-dependent shape) or host lists (a plan already on the host: nothing to read
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 
 from moeflow.moe.backend import RoutingPathPlanner, StepInfo
+from moeflow.offload.cache import ExpertCache
 
 # [(target layer, expert ids: int tensor [n] on the device (entries < 0: padding) or a host list, most wanted first)]
 Proposals = list[tuple[int, "torch.Tensor | list[int]"]]
+
+
+class PrefetchTarget(Protocol):
+    """What :meth:`Predictor.bind` hands a predictor that prefetches outside ``forward``: the backend's slot cache
+    and its low-priority loads (:class:`moeflow.offload.slot_loads.SlotLoader`)."""
+
+    cache: ExpertCache
+
+    def prefetch(self, target: int, experts: list[int], layer_now: int = 0) -> None:
+        """Queue low-priority loads of layer ``target``'s ``experts`` (best effort: never evicts a load)."""
+        ...
 
 
 class Predictor(ABC):
@@ -45,8 +58,9 @@ class Predictor(ABC):
         """This predictor as a routing-path planner (ExpertFlow's PLEC answers itself), or None. Default: None."""
         return None
 
-    def bind(self, runtime: Any) -> None:  # noqa: B027 (optional hook)
-        """The backend that runs this predictor (``prefetch(target, experts, layer_now)``, ``cache``)."""
+    def bind(self, runtime: PrefetchTarget) -> None:  # noqa: B027 (optional hook)
+        """Where this predictor's prefetches outside ``forward`` go (``prefetch(target, experts, layer_now)``,
+        ``cache``)."""
 
     def begin_step(self, step: StepInfo) -> None:  # noqa: B027 (optional hook)
         """A forward pass starts (called before layer 0)."""

@@ -36,15 +36,16 @@ of pass t.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import numpy as np
 import torch
 
 from moeflow.moe.backend import StepInfo
+from moeflow.offload.cache import ExpertCache
 from moeflow.offload.eviction import EvictionPolicy, Key
+from moeflow.offload.policies.expertflow.predictor import ExpertFlowPredictor
 from moeflow.offload.policies.expertflow.scheduler import group_by_routing
-from moeflow.offload.predictors.interface import Predictor
+from moeflow.offload.predictors.interface import Predictor, PrefetchTarget
 
 
 class PLECState:
@@ -92,7 +93,7 @@ class PLECState:
             self.prefetched.discard(key)
         self.prefetched_mask[key] = prefetched
 
-    def count_resident_at_start(self, cache: Any) -> None:
+    def count_resident_at_start(self, cache: ExpertCache | None) -> None:
         """How much of the new plan is resident or loading as the pass starts (§4.1's overlap, measured)."""
         if cache is None:
             return
@@ -199,20 +200,20 @@ class PLECPredictor(Predictor):
 
     needs_history = True  # begin_step plans from each row's tokens so far
 
-    def __init__(self, predictor: Any, state: PLECState, keep_contiguous: bool = True) -> None:
+    def __init__(self, predictor: ExpertFlowPredictor, state: PLECState, keep_contiguous: bool = True) -> None:
         """keep_contiguous: the token scheduler's variant (``Mechanisms.keep_contiguous``, :meth:`group`)."""
-        self.predictor = predictor  # ExpertFlowPredictor
+        self.predictor = predictor
         self.state = state
         self.keep_contiguous = keep_contiguous
-        self.backend: Any = None
+        self.backend: PrefetchTarget | None = None
         self._planned = False  # begin_step planned the pass that is starting
 
     # ------------------------------------------------------------------ wiring
     def as_path_planner(self) -> PLECPredictor:
         return self  # step_scores / paths_from_scores / plan_from_scores: the dual-batch pipeline's planner
 
-    def bind(self, runtime: Any) -> None:
-        """The runtime's backend (its cache and ``prefetch``)."""
+    def bind(self, runtime: PrefetchTarget) -> None:
+        """The backend's loads (their cache and ``prefetch``)."""
         self.backend = runtime
 
     def predict_paths(self, step: StepInfo, last_only: bool = False) -> torch.Tensor:
@@ -303,7 +304,7 @@ class PLECPredictor(Predictor):
             out += self._next_pass_targets(layer_now, cache)
         return out
 
-    def _free_slots(self, cache: Any, layer_now: int) -> int:
+    def _free_slots(self, cache: ExpertCache, layer_now: int) -> int:
         """Empty slots + READY unused ones, less those holding a planned expert of a layer ahead (class 3):
         O(plan ahead), not a walk over the slots."""
         free = cache.empty_slots() + cache.evictable_count()
@@ -312,7 +313,7 @@ class PLECPredictor(Predictor):
             free -= sum(1 for e in plan.get(layer, ()) if cache.is_evictable((layer, e)))
         return free
 
-    def _next_pass_targets(self, layer_now: int, cache: Any) -> list[tuple[int, list[int]]]:
+    def _next_pass_targets(self, layer_now: int, cache: ExpertCache) -> list[tuple[int, list[int]]]:
         """§4.1: the next pass's planned experts of layers this pass is done with (0..layer_now), into slots
         holding nothing this pass or the next still plans (classes 0-2): [(layer, experts)] in layer order."""
         upcoming = self.state.poll_upcoming()

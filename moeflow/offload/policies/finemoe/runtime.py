@@ -3,14 +3,12 @@ semantic search), drives the trajectory search layer by layer and gives the copy
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import torch
 
 from moeflow.moe.backend import StepInfo
 from moeflow.offload.policies.finemoe.predictor import ExpertMapStore, FineMoEPredictor, prefetch_priority
-from moeflow.offload.predictors.interface import LearnedPredictorRuntime, Proposals
+from moeflow.offload.predictors.interface import LearnedPredictorRuntime, PrefetchTarget, Proposals
 
 
 class FineMoERuntime(LearnedPredictorRuntime):
@@ -30,13 +28,14 @@ class FineMoERuntime(LearnedPredictorRuntime):
         super().__init__(predictor)
         predictor.runtime_mode = True
         self.prefill_pass = prefill_iteration == "pass"
-        self._runtime: Any = None
+        self._runtime: PrefetchTarget | None = None
+        self._views: tuple | None = None  # eviction_table's numpy views of the predictor's guidance and counts
 
     @property
     def store(self) -> ExpertMapStore:
         return self.predictor.store
 
-    def bind(self, runtime: Any) -> None:
+    def bind(self, runtime: PrefetchTarget) -> None:
         self._runtime = runtime
 
     def begin_step(self, step: StepInfo) -> None:
@@ -71,7 +70,7 @@ class FineMoERuntime(LearnedPredictorRuntime):
     def eviction_table(self, layer_now: int = 0) -> np.ndarray:
         """Every key's ``eviction_score`` at once, float32 [L, E] (the vectorised victim choice)."""
         pred = self.predictor
-        views = getattr(self, "_views", None)
+        views = self._views
         if views is None or views[0] is not pred.guidance or views[1] is not pred.freq:  # numpy views, made once
             views = self._views = (pred.guidance, pred.freq, pred.guidance.numpy(), pred.freq.numpy(),
                                    np.empty(tuple(pred.freq.shape), dtype=np.float32))
