@@ -5,8 +5,8 @@ and YaRN keys, ``post_attention_norm``, ``attn_sinks.weight``, q/k/v/o and route
 ``ffn_down_exps`` ``[E, H, I]``, experts in MXFP4 by gguf-py's own quantizer (tensor names written out here, not
 taken from moeflow).
 
-:func:`write_gpt_oss_gguf` replaces the model's weights, in place, with gguf-py's dequantization of the bytes
-written: the oracle moeflow's tokens on the GGUF are compared with."""
+:func:`write_gpt_oss_gguf` (and :func:`reference_from_file`, for files llama.cpp's own tools made) replaces the
+model's weights, in place, with gguf-py's dequantization of the file: the oracle moeflow's tokens are compared with."""
 
 from __future__ import annotations
 
@@ -23,18 +23,17 @@ T = gguf.GGMLQuantizationType
 ATTENTION = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}
 
 
-def _stored(w: np.ndarray, qtype) -> tuple[np.ndarray, np.ndarray]:
-    """(what to write, what gguf-py dequantizes it to in fp32)."""
-    if qtype == T.F32:
-        return w.astype(np.float32), w.astype(np.float32)
-    data = quantize(w.astype(np.float32), qtype)
-    return data, dequantize(data, qtype)
+def _stored(w: np.ndarray, qtype) -> np.ndarray:
+    """What to write: ``w`` in ggml type ``qtype`` (gguf-py's quantizer)."""
+    return w.astype(np.float32) if qtype == T.F32 else quantize(w.astype(np.float32), qtype)
 
 
-def write_gpt_oss_gguf(model, path: Path, expert_type=T.MXFP4, other_type=T.Q8_0) -> None:
+def write_gpt_oss_gguf(model, path: Path, expert_type=T.MXFP4, other_type=T.Q8_0, leave_out: str | None = None
+                       ) -> None:
     """Write ``model`` (a tiny transformers GptOssForCausalLM) to ``path`` as llama.cpp's converter would, then set
     every weight of ``model`` to gguf-py's dequantization of what was written. ``other_type``: the 2-D attention,
-    embedding and output weights' ggml type (norms, biases, sinks and the router stay F32)."""
+    embedding and output weights' ggml type (norms, biases, sinks and the router stay F32). ``leave_out``: tensors
+    whose name contains it are not written (a broken file; ``model`` is then left as it was)."""
     cfg = model.config
     rope = dict(getattr(cfg, "rope_parameters", None) or cfg.rope_scaling)
     w = gguf.GGUFWriter(path, "gpt-oss")
@@ -69,6 +68,33 @@ def write_gpt_oss_gguf(model, path: Path, expert_type=T.MXFP4, other_type=T.Q8_0
     w.add_chat_template(CHAT_TEMPLATE)
 
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    add = w.add_tensor
+    w.add_tensor = lambda name, *a, **k: None if leave_out and leave_out in name else add(name, *a, **k)
+    for hf, name in gguf_names(cfg).items():
+        t = sd[hf]
+        qtype = other_type if t.ndim == 2 and "gate_inp" not in name else T.F32
+        w.add_tensor(name, _stored(t, qtype), raw_dtype=qtype)
+    for i in range(cfg.num_hidden_layers):
+        p, b = f"model.layers.{i}.mlp.experts.", f"blk.{i}."
+        gate_up, gate_up_bias = sd[p + "gate_up_proj"], sd[p + "gate_up_proj_bias"]  # [E, H, 2I] interleaved
+        parts = {"gate": (gate_up[:, :, 0::2].transpose(0, 2, 1), gate_up_bias[:, 0::2]),
+                 "up": (gate_up[:, :, 1::2].transpose(0, 2, 1), gate_up_bias[:, 1::2]),
+                 "down": (sd[p + "down_proj"].transpose(0, 2, 1), sd[p + "down_proj_bias"])}
+        for proj, (weight, bias) in parts.items():
+            w.add_tensor(f"{b}ffn_{proj}_exps.weight", _stored(np.ascontiguousarray(weight), expert_type),
+                         raw_dtype=expert_type)
+            w.add_tensor(f"{b}ffn_{proj}_exps.bias", np.ascontiguousarray(bias, dtype=np.float32), raw_dtype=T.F32)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    if leave_out is None:
+        reference_from_file(model, path)
+
+
+def gguf_names(cfg) -> dict[str, str]:
+    """HF state-dict name -> llama.cpp tensor name of gpt-oss's non-expert tensors."""
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
     for i in range(cfg.num_hidden_layers):
@@ -81,33 +107,25 @@ def write_gpt_oss_gguf(model, path: Path, expert_type=T.MXFP4, other_type=T.Q8_0
         for hf, g in ATTENTION.items():
             for s in ("weight", "bias"):
                 names[f"{p}self_attn.{hf}.{s}"] = f"{b}{g}.{s}"
-    written: dict[str, np.ndarray] = {}
-    for hf, name in names.items():
-        t = sd[hf]
-        qtype = other_type if t.ndim == 2 and "gate_inp" not in name else T.F32
-        data, written[hf] = _stored(t, qtype)
-        w.add_tensor(name, data, raw_dtype=qtype)
-    for i in range(cfg.num_hidden_layers):
-        p, b = f"model.layers.{i}.mlp.experts.", f"blk.{i}."
-        gate_up, gate_up_bias = sd[p + "gate_up_proj"], sd[p + "gate_up_proj_bias"]  # [E, H, 2I] interleaved
-        parts = {"gate": (gate_up[:, :, 0::2].transpose(0, 2, 1), gate_up_bias[:, 0::2]),
-                 "up": (gate_up[:, :, 1::2].transpose(0, 2, 1), gate_up_bias[:, 1::2]),
-                 "down": (sd[p + "down_proj"].transpose(0, 2, 1), sd[p + "down_proj_bias"])}
-        for proj, (weight, bias) in parts.items():
-            data, written[f"{i}.{proj}"] = _stored(np.ascontiguousarray(weight), expert_type)
-            w.add_tensor(f"{b}ffn_{proj}_exps.weight", data, raw_dtype=expert_type)
-            w.add_tensor(f"{b}ffn_{proj}_exps.bias", np.ascontiguousarray(bias, dtype=np.float32), raw_dtype=T.F32)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    return names
 
+
+def reference_from_file(model, path: Path):
+    """``model`` (a tiny transformers GptOssForCausalLM) with every weight replaced, in place, by gguf-py's
+    dequantization of the gpt-oss GGUF file at ``path`` (written here, or by llama.cpp's converter and
+    llama-quantize); gate and up re-interleaved into ``gate_up_proj``."""
+    stored = {t.name: torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)).reshape(
+        [int(d) for d in reversed(t.shape.tolist())]) for t in gguf.GGUFReader(path).tensors}
     with torch.no_grad():
-        for name, param in model.state_dict().items():
-            if name in written:
-                param.copy_(torch.from_numpy(written[name]).reshape(param.shape))
+        for hf, name in gguf_names(model.config).items():
+            param = model.get_parameter(hf)
+            param.copy_(stored[name].reshape(param.shape))
         for i, layer in enumerate(model.model.layers):
-            ex = layer.mlp.experts
-            ex.gate_up_proj[:, :, 0::2] = torch.from_numpy(written[f"{i}.gate"]).transpose(1, 2)
-            ex.gate_up_proj[:, :, 1::2] = torch.from_numpy(written[f"{i}.up"]).transpose(1, 2)
-            ex.down_proj.copy_(torch.from_numpy(written[f"{i}.down"]).transpose(1, 2))
+            ex, b = layer.mlp.experts, f"blk.{i}."
+            ex.gate_up_proj[:, :, 0::2] = stored[b + "ffn_gate_exps.weight"].transpose(1, 2)
+            ex.gate_up_proj[:, :, 1::2] = stored[b + "ffn_up_exps.weight"].transpose(1, 2)
+            ex.gate_up_proj_bias[:, 0::2] = stored[b + "ffn_gate_exps.bias"]
+            ex.gate_up_proj_bias[:, 1::2] = stored[b + "ffn_up_exps.bias"]
+            ex.down_proj.copy_(stored[b + "ffn_down_exps.weight"].transpose(1, 2))
+            ex.down_proj_bias.copy_(stored[b + "ffn_down_exps.bias"])
+    return model
