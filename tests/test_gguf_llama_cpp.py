@@ -6,9 +6,9 @@ llama-quantize's MXFP4_MOE, Q8_0 and Q4_K_M (Q5_0 at these sizes) of its f32 fil
 
 Needs a llama.cpp source tree with ``llama-quantize`` built (llama-cpp-python's sdist vendors one; see
 benchmarks/peers/build_llama_cpp.sh): ``MOEFLOW_LLAMA_CPP_DIR=<tree> pytest tests/test_gguf_llama_cpp.py``; skipped
-without it. 2 to 4 min on 2 cores (20 conversions; 127 s at load 4.6 for the first 15, gpt-oss's 5 about 30 s). The tiny vocabulary's BPE pre-tokenizer is
-unknown to the converter's hash table: it is told "qwen2" (the vocabulary is the test's, the weights are what is
-checked)."""
+without it. 2.5 to 4.5 min on 2 cores (20 conversions; 127 s at load 4.6 for the first 15, gpt-oss's 5 about
+30 s). The tiny vocabulary's BPE pre-tokenizer is unknown to the converter's hash table: it is told "qwen2" (the
+vocabulary is the test's, the weights are what is checked)."""
 
 from __future__ import annotations
 
