@@ -71,7 +71,8 @@ def gguf_expert_format(family: Family, model: GGUFModel, dtype: torch.dtype) -> 
       stored bytes through;
     * a mix the GGUF format cannot hold (more than two types in one projection, two types of the same row size):
       dequantized exactly (fp32, :mod:`moeflow.quant.ggml`) at load into the dense format of ``dtype``, with a
-      warning naming the types."""
+      warning naming the types;
+    * biased experts (gpt-oss): :func:`gguf_biased_expert_format`."""
     spec = family.expert_spec()
     if spec.activation != "silu" or spec.bias:
         return gguf_biased_expert_format(family, model, dtype)
