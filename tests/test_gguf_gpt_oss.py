@@ -119,3 +119,14 @@ def test_gpt_oss_gguf_without_sinks_is_refused(tmp_path):
     write_gpt_oss_gguf(make_gpt_oss_model(seed=6, **SHAPE), tmp_path / "m.gguf", leave_out="attn_sinks")
     with pytest.raises(CheckpointError, match=r"m\.gguf.*blk\.0\.attn_sinks\.weight"):
         MoEModel.from_pretrained(tmp_path / "m.gguf", dtype=torch.float32, kernels="torch")
+
+
+def test_gpt_oss_gguf_with_linear_rope_scaling_is_refused(tmp_path, monkeypatch):
+    import gguf
+
+    add = gguf.GGUFWriter.add_rope_scaling_type
+    monkeypatch.setattr(gguf.GGUFWriter, "add_rope_scaling_type",
+                        lambda self, _kind: add(self, gguf.RopeScalingType.LINEAR))
+    write_gpt_oss_gguf(make_gpt_oss_model(seed=6, **SHAPE), tmp_path / "m.gguf")
+    with pytest.raises(CheckpointError, match=r"m\.gguf: rope scaling 'linear' \(gpt-oss\.rope\.scaling\.type\)"):
+        MoEModel.from_pretrained(tmp_path / "m.gguf", dtype=torch.float32, kernels="torch")
