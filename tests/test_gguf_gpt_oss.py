@@ -17,9 +17,10 @@ from gguf_gpt_oss import T, write_gpt_oss_gguf  # noqa: E402
 from gpt_oss_helpers import make_gpt_oss_model  # noqa: E402
 
 from moeflow import MoEModel, OffloadConfig  # noqa: E402
+from moeflow.engine.loading import mxfp4_expert_tensors  # noqa: E402
 from moeflow.errors import CheckpointError  # noqa: E402
 from moeflow.io.gguf import open_gguf  # noqa: E402
-from moeflow.io.gguf.biased import BiasedConvert, ExpertBiases, mxfp4_expert_tensors  # noqa: E402
+from moeflow.io.gguf.biased import BiasedConvert, ExpertBiases  # noqa: E402
 from moeflow.kernels.experts.mxfp4_reference import dequantize_mxfp4  # noqa: E402
 
 NEW_TOKENS = 16

@@ -28,7 +28,8 @@ from moeflow.io.gguf import (
     dense_expert_tensors,
     q4_0_awq_expert_tensors,
 )
-from moeflow.io.gguf.biased import BiasedConvert, ExpertBiases, mxfp4_expert_tensors
+from moeflow.io.gguf.biased import BiasedConvert, ExpertBiases
+from moeflow.kernels.experts.mxfp4_reference import from_ggml_mxfp4
 from moeflow.kernels.formats import (
     AWQFormat,
     BiasedAWQFormat,
@@ -108,6 +109,21 @@ def gguf_biased_expert_format(family: Family, model: GGUFModel, dtype: torch.dty
         warnings.warn(f"{model.path}: {family.name} experts of types {sorted(types)} dequantized into {dtype} at "
                       "load (only MXFP4 is kept as stored for biased experts)", stacklevel=3)
     return BiasedDenseFormat(H, I, dtype, **kw), BiasedConvert(dense_expert_tensors, biases)
+
+
+def mxfp4_expert_tensors(expert: ExpertBytes, raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """GGUF MXFP4 experts as the MXFP4 format's tensors (published layout, gate rows then up; a byte shuffle by
+    :func:`~moeflow.kernels.experts.mxfp4_reference.from_ggml_mxfp4`, bit for bit the same weights): ``w13_blocks``
+    uint8 [2I, H/32, 16], ``w13_scales`` uint8 [2I, H/32], ``w2_blocks`` [H, I/32, 16], ``w2_scales`` [H, I/32].
+    raw: "gate" / "up" / "down" -> uint8 [out, in/32 * 17] as stored."""
+    parts = {}
+    for p, s in expert.slices.items():
+        if s.type.name != "MXFP4":
+            raise CheckpointError(f"{s.path}: {s.tensor} is {s.type.name}, not MXFP4")
+        parts[p] = from_ggml_mxfp4(raw[p])
+    return {"w13_blocks": torch.cat([parts["gate"][0], parts["up"][0]], dim=0),
+            "w13_scales": torch.cat([parts["gate"][1], parts["up"][1]], dim=0),
+            "w2_blocks": parts["down"][0], "w2_scales": parts["down"][1]}
 
 
 def stored_expert_tensors(expert: ExpertBytes, raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -5,11 +5,9 @@ llama.cpp's converter (``GptOssModel``) writes each layer's experts as ``blk.L.f
 blocks: the e8m0 exponent byte, then 16 bytes of nibbles) or, from a bf16 checkpoint, a float type, and the biases
 as ``blk.L.ffn_{gate,up,down}_exps.bias`` ``[E, out]`` (fp32).
 
-* :func:`mxfp4_expert_tensors`: MXFP4 experts as the MXFP4 format's loader tensors, the blocks reshuffled into the
-  published layout by :func:`~moeflow.kernels.experts.mxfp4_reference.from_ggml_mxfp4` (a byte shuffle: the same
-  weights bit for bit);
 * :class:`ExpertBiases`: the stacked biases, read once per layer (fp32, exact) and handed out per expert;
-* :class:`BiasedConvert`: an expert convert (``ExpertConvert``) adding the biases to another's tensors.
+* :class:`BiasedConvert`: an expert convert (``ExpertConvert``) adding the biases to another's tensors (the MXFP4
+  weights' convert, ``moeflow.engine.loading.mxfp4_expert_tensors``, lives above the kernels it uses).
 """
 
 from __future__ import annotations
@@ -22,22 +20,7 @@ import torch
 from moeflow.errors import CheckpointError
 from moeflow.io.gguf.experts import ExpertBytes, ExpertConvert
 from moeflow.io.gguf.files import GGUFFiles
-from moeflow.kernels.experts.mxfp4_reference import from_ggml_mxfp4
 from moeflow.quant.ggml import dequantize
-
-
-def mxfp4_expert_tensors(expert: ExpertBytes, raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """MXFP4 experts as the MXFP4 format's tensors (published layout, gate rows then up):
-    ``w13_blocks`` uint8 [2I, H/32, 16], ``w13_scales`` uint8 [2I, H/32], ``w2_blocks`` [H, I/32, 16],
-    ``w2_scales`` [H, I/32]. raw: "gate" / "up" / "down" -> uint8 [out, in/32 * 17] as stored."""
-    parts = {}
-    for p, s in expert.slices.items():
-        if s.type.name != "MXFP4":
-            raise CheckpointError(f"{s.path}: {s.tensor} is {s.type.name}, not MXFP4")
-        parts[p] = from_ggml_mxfp4(raw[p])
-    return {"w13_blocks": torch.cat([parts["gate"][0], parts["up"][0]], dim=0),
-            "w13_scales": torch.cat([parts["gate"][1], parts["up"][1]], dim=0),
-            "w2_blocks": parts["down"][0], "w2_scales": parts["down"][1]}
 
 
 class ExpertBiases:
