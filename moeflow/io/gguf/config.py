@@ -104,6 +104,8 @@ def _gpt_oss(raw: dict, metadata: dict, shapes: dict, source: str) -> None:
         raise CheckpointError(f"{source}: rope scaling {kind!r} (gpt-oss.rope.scaling.type) is not supported for "
                               "gpt-oss GGUF files (yarn or none)")
     raw.update(swiglu_alpha=1.702, swiglu_limit=7.0, attention_bias=True)
+    # without attention.key_length llama.cpp's head size is embedding_length / head_count (GptOssConfig's is 64)
+    raw.setdefault("head_dim", int(raw["hidden_size"]) // int(raw["num_attention_heads"]))
     missing = [t for t in ("blk.0.attn_sinks.weight", "blk.0.ffn_gate_inp.bias", "blk.0.ffn_gate_exps.bias")
                if t not in shapes]
     if missing:
