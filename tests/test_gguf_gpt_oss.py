@@ -2,7 +2,8 @@
 out: tests/gguf_gpt_oss.py) loaded by ``from_pretrained``: the config from the metadata (sliding window and pattern,
 YaRN, experts), the attention sinks and biases, MXFP4 experts into the MXFP4 format as stored (float experts into
 the biased dense format); greedy tokens equal transformers' on the same dequantized weights (fp32, kernels="torch"),
-offloaded (lru, two slot counts; the disk tier reading the GGUF) equal to resident. ~7 s on 2 cores (load 3), ~15 s with start-up."""
+offloaded (lru, two slot counts; the disk tier reading the GGUF) equal to resident. ~7 s on 2 cores (load 3),
+~15 s with start-up."""
 
 from __future__ import annotations
 
