@@ -1,13 +1,14 @@
 """GGUF files made by llama.cpp's own tools from the tests' tiny transformers checkpoints: ``convert_hf_to_gguf.py``
 (f32) then ``llama-quantize`` (Q4_K_M, Q5_K_M, Q6_K, Q4_0, Q8_0). moeflow's greedy tokens (32) and logits on the
 file equal transformers' on the same weights: transformers' own GGUF loader for Qwen3-MoE, else the HF model holding
-gguf-py's dequantization of the file.
+gguf-py's dequantization of the file. gpt-oss: the converter's MXFP4 repack of a published-layout checkpoint, and
+llama-quantize's MXFP4_MOE, Q8_0 and Q4_K_M (Q5_0 at these sizes) of its f32 file.
 
 Needs a llama.cpp source tree with ``llama-quantize`` built (llama-cpp-python's sdist vendors one; see
 benchmarks/peers/build_llama_cpp.sh): ``MOEFLOW_LLAMA_CPP_DIR=<tree> pytest tests/test_gguf_llama_cpp.py``; skipped
-without it. 2 to 4 min on 2 cores (15 conversions; 127 s at load 4.6). The tiny vocabulary's BPE pre-tokenizer is
-unknown to the converter's hash table: it is told "qwen2" (the vocabulary is the test's, the weights are what is
-checked)."""
+without it. 2.5 to 4.5 min on 2 cores (20 conversions; 127 s at load 4.6 for the first 15, gpt-oss's 5 about
+30 s). The tiny vocabulary's BPE pre-tokenizer is unknown to the converter's hash table: it is told "qwen2" (the
+vocabulary is the test's, the weights are what is checked)."""
 
 from __future__ import annotations
 
@@ -125,5 +126,35 @@ def test_families_against_the_dequantized_file(tmp_path, model_type, qtype):
     ref = reference_from_file(src, path)
     model = MoEModel.from_pretrained(path, dtype=torch.float32, kernels="torch")
     assert model.family.name == model_type
+    check(ref, model)
+    model.close()
+
+
+@pytest.mark.parametrize("checkpoint, qtype, kind", [("mxfp4", None, "mxfp4"), ("f32", "MXFP4_MOE", "mxfp4"),
+                                                     ("f32", "Q8_0", "dense"), ("f32", "Q4_K_M", "dense"),
+                                                     ("f32", None, "dense")])
+def test_gpt_oss_against_the_dequantized_file(tmp_path, checkpoint, qtype, kind):
+    """gpt-oss: the converter repacks a published-layout MXFP4 checkpoint's blocks (``GptOssModel.repack_mxfp4``) or
+    writes f32 experts, which llama-quantize makes MXFP4 (``MXFP4_MOE``) or Q8_0."""
+    from gguf_gpt_oss import reference_from_file as gpt_oss_reference
+    from gpt_oss_helpers import make_gpt_oss_model, save_gpt_oss_checkpoint
+
+    src = make_gpt_oss_model(seed=5, intermediate_size=96, num_hidden_layers=3)
+    hf = save_gpt_oss_checkpoint(src, tmp_path / "hf", mxfp4=checkpoint == "mxfp4")
+    save_tokenizer(hf, src.config.vocab_size)
+    script = tmp_path / "convert.py"
+    script.write_text(CONVERT.format(src=str(LLAMA_CPP)))
+    path = tmp_path / "m-f32.gguf"
+    subprocess.run([sys.executable, str(script), str(hf), "--outtype", "f32", "--outfile", str(path)], check=True,
+                   capture_output=True)
+    if qtype is not None:
+        out = tmp_path / f"m-{qtype}.gguf"
+        env = dict(os.environ, LD_LIBRARY_PATH=str(QUANTIZE.parent))
+        subprocess.run([str(QUANTIZE), str(path), str(out), qtype], check=True, capture_output=True, env=env)
+        path = out
+    ref = gpt_oss_reference(src, path)
+    model = MoEModel.from_pretrained(path, dtype=torch.float32, kernels="torch")
+    assert model.family.name == "gpt_oss" and model.experts.fmt.kind == kind
+    assert model.family.config.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
     check(ref, model)
     model.close()

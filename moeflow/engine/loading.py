@@ -28,6 +28,8 @@ from moeflow.io.gguf import (
     dense_expert_tensors,
     q4_0_awq_expert_tensors,
 )
+from moeflow.io.gguf.biased import BiasedConvert, ExpertBiases
+from moeflow.kernels.experts.mxfp4_reference import from_ggml_mxfp4
 from moeflow.kernels.formats import (
     AWQFormat,
     BiasedAWQFormat,
@@ -70,11 +72,11 @@ def gguf_expert_format(family: Family, model: GGUFModel, dtype: torch.dtype) -> 
       stored bytes through;
     * a mix the GGUF format cannot hold (more than two types in one projection, two types of the same row size):
       dequantized exactly (fp32, :mod:`moeflow.quant.ggml`) at load into the dense format of ``dtype``, with a
-      warning naming the types."""
+      warning naming the types;
+    * biased experts (gpt-oss): :func:`gguf_biased_expert_format`."""
     spec = family.expert_spec()
     if spec.activation != "silu" or spec.bias:
-        raise CheckpointError(f"{model.path}: {family.name}'s experts ({spec.activation}, bias={spec.bias}) are not "
-                              "read from GGUF files yet (gated SiLU experts without biases only)")
+        return gguf_biased_expert_format(family, model, dtype)
     H, I = spec.hidden_size, spec.intermediate_size  # noqa: E741
     blocks = tuple(family.moe_layers)
     if model.expert_types(blocks) == {"Q4_0"} and H % 32 == 0 and I % 32 == 0:
@@ -85,6 +87,43 @@ def gguf_expert_format(family: Family, model: GGUFModel, dtype: torch.dtype) -> 
     except ValueError as e:
         warnings.warn(f"{model.path}: experts {types} dequantized into {dtype} at load ({e})", stacklevel=2)
         return DenseFormat(H, I, dtype), dense_expert_tensors
+
+
+def gguf_biased_expert_format(family: Family, model: GGUFModel, dtype: torch.dtype
+                              ) -> tuple[BiasedExpertFormat, ExpertConvert]:
+    """gpt-oss's GGUF experts (biases, clamped SwiGLU; :mod:`moeflow.io.gguf.biased`): every expert MXFP4 -> the MXFP4
+    format, the blocks reshuffled into the published layout (bit for bit the same weights); float or other ggml
+    types -> dequantized exactly (fp32) into the biased dense format of ``dtype`` (a warning names quantized types).
+    The biases (``ffn_{gate,up,down}_exps.bias``) are read from the file beside each expert."""
+    spec = family.expert_spec()
+    H, I = spec.hidden_size, spec.intermediate_size  # noqa: E741
+    if not spec.bias:
+        raise CheckpointError(f"{model.path}: {family.name}'s experts ({spec.activation} without biases) are not read "
+                              "from GGUF files (gated SiLU experts, or gpt-oss's biased clamped SwiGLU)")
+    kw = dict(activation=spec.activation, bias=True, swiglu_alpha=spec.swiglu_alpha, swiglu_limit=spec.swiglu_limit)
+    biases = ExpertBiases(model.files, I, H)
+    types = model.expert_types(tuple(family.moe_layers))
+    if types == {"MXFP4"}:
+        return MXFP4Format(H, I, dtype, 32, **kw), BiasedConvert(mxfp4_expert_tensors, biases)
+    if types - {"F32", "F16", "BF16"}:
+        warnings.warn(f"{model.path}: {family.name} experts of types {sorted(types)} dequantized into {dtype} at "
+                      "load (only MXFP4 is kept as stored for biased experts)", stacklevel=3)
+    return BiasedDenseFormat(H, I, dtype, **kw), BiasedConvert(dense_expert_tensors, biases)
+
+
+def mxfp4_expert_tensors(expert: ExpertBytes, raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """GGUF MXFP4 experts as the MXFP4 format's tensors (published layout, gate rows then up; a byte shuffle by
+    :func:`~moeflow.kernels.experts.mxfp4_reference.from_ggml_mxfp4`, bit for bit the same weights): ``w13_blocks``
+    uint8 [2I, H/32, 16], ``w13_scales`` uint8 [2I, H/32], ``w2_blocks`` [H, I/32, 16], ``w2_scales`` [H, I/32].
+    raw: "gate" / "up" / "down" -> uint8 [out, in/32 * 17] as stored."""
+    parts = {}
+    for p, s in expert.slices.items():
+        if s.type.name != "MXFP4":
+            raise CheckpointError(f"{s.path}: {s.tensor} is {s.type.name}, not MXFP4")
+        parts[p] = from_ggml_mxfp4(raw[p])
+    return {"w13_blocks": torch.cat([parts["gate"][0], parts["up"][0]], dim=0),
+            "w13_scales": torch.cat([parts["gate"][1], parts["up"][1]], dim=0),
+            "w2_blocks": parts["down"][0], "w2_scales": parts["down"][1]}
 
 
 def stored_expert_tensors(expert: ExpertBytes, raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

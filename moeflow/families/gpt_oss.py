@@ -11,7 +11,9 @@ those k. Experts carry biases on both projections and the clamped SwiGLU. Expert
   ``gate_up_proj_scales`` uint8 ``[E, 2I, H/32]`` (rows interleaved gate/up), ``down_proj_blocks``
   ``[E, H, I/32, 16]``, ``down_proj_scales`` ``[E, H, I/32]``, the biases as above;
 * AWQ (``moeflow quantize``): ``mlp.experts.E.{gate_proj,up_proj,down_proj}.{qweight,qzeros,scales}``, the
-  fused biases kept.
+  fused biases kept;
+* per expert, gate and up apart (``mlp.experts.E.{gate_proj,up_proj,down_proj}.{weight,bias}``): how the GGUF
+  reader (:mod:`moeflow.io.gguf.reader`) answers llama.cpp's stacked ``ffn_{gate,up,down}_exps``.
 
 Gate and up are de-interleaved when read (gate rows/columns first, then up: the expert format's w13 order).
 """
@@ -180,6 +182,8 @@ class GptOssFamily(Family):
             return ExpertLayout("mlp", fused=True, awq=False)
         if f"{base}.gate_up_proj_blocks" in reader:
             return ExpertLayout("mlp", fused=True, awq=False, mxfp4=True)
+        if f"{base}.0.gate_proj.weight" in reader:  # one matrix per expert and projection: a GGUF file's reader
+            return ExpertLayout("mlp", fused=False, awq=False)
         if f"{base}.0.gate_proj.qweight" in reader:
             scales = reader.get(f"{base}.0.gate_proj.scales")
             return ExpertLayout("mlp", fused=False, awq=True, scales_dtype=scales.dtype)
@@ -193,6 +197,12 @@ class GptOssFamily(Family):
         cfg = self.config
         H, I, E = cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts  # noqa: E741
         base = f"model.layers.{moe_layer}.mlp.experts"
+        if not layout.fused and not layout.awq:  # per expert, gate and up apart (GGUF: moeflow.io.gguf.reader)
+            g, u, d = (f"{base}.{expert}.{p}_proj" for p in ("gate", "up", "down"))
+            return {"w13": concat([reader.get(f"{g}.weight", (I, H)), reader.get(f"{u}.weight", (I, H))], dim=0),
+                    "w2": reader.get(f"{d}.weight", (H, I)),
+                    "w13_bias": concat([reader.get(f"{g}.bias", (I,)), reader.get(f"{u}.bias", (I,))], dim=0),
+                    "w2_bias": reader.get(f"{d}.bias", (H,))}
         out = {"w13_bias": deinterleave(get_slice(reader, f"{base}.gate_up_proj_bias", expert, (E, 2 * I))),
                "w2_bias": get_slice(reader, f"{base}.down_proj_bias", expert, (E, H))}
         if layout.mxfp4:

@@ -38,6 +38,7 @@ class Architecture:
     fixed: dict[str, Any] = field(default_factory=dict)
     rope_permuted: bool = False
     requires_experts: bool = True
+    rope_scaling: bool = False  # ``derive`` reads ``{arch}.rope.scaling.*`` (else any scaling is refused)
     # derive(raw, metadata, shapes, source): fields computed from several keys or from which tensors exist
     derive: Callable[[dict, dict, dict, str], None] | None = None
 
@@ -71,6 +72,47 @@ def _minimax_m2(raw: dict, metadata: dict, shapes: dict, source: str) -> None:
         raise CheckpointError(f"{source}: minimax-m2.expert_gating_func={gating}: only the sigmoid router (2) is read")
 
 
+def _gpt_oss(raw: dict, metadata: dict, shapes: dict, source: str) -> None:
+    """gpt-oss: sliding-window layers by llama.cpp's pattern (``attention.sliding_window_pattern``, default 2: even
+    layers slide, as transformers' ``layer_types``), YaRN from ``rope.scaling.*`` (``truncate: false``, the published
+    config's and transformers' GptOssConfig's; llama.cpp's ggml rounds the correction range), the SwiGLU's alpha 1.702
+    and limit 7.0 (llama.cpp fixes them in its graph; the file has no key), attention biases and sinks."""
+    layers = int(raw["num_hidden_layers"])
+    pattern = metadata.get("gpt-oss.attention.sliding_window_pattern", 2)
+    if isinstance(pattern, list):  # one bool per layer
+        if len(pattern) != layers:
+            raise CheckpointError(f"{source}: gpt-oss.attention.sliding_window_pattern has {len(pattern)} entries "
+                                  f"for {layers} layers")
+        sliding = [bool(p) for p in pattern]
+    else:  # llama.cpp's set_swa_pattern(n): layer i slides when i % n < n - 1
+        sliding = [i % int(pattern) < int(pattern) - 1 for i in range(layers)]
+    raw["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    kind = metadata.get("gpt-oss.rope.scaling.type")
+    if kind == "yarn":
+        rope = {"rope_type": "yarn", "truncate": False}
+        for key, name in (("factor", "factor"), ("original_context_length", "original_max_position_embeddings"),
+                          ("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                          ("yarn_attn_factor", "attention_factor")):
+            value = metadata.get(f"gpt-oss.rope.scaling.{key}")
+            if value is not None:
+                rope[name] = value
+        if metadata.get("gpt-oss.rope.scaling.yarn_ext_factor") not in (None, 1.0):
+            raise CheckpointError(f"{source}: gpt-oss.rope.scaling.yarn_ext_factor="
+                                  f"{metadata['gpt-oss.rope.scaling.yarn_ext_factor']} is not read (only 1.0)")
+        raw["rope_scaling"] = rope
+    elif kind not in (None, "none"):
+        raise CheckpointError(f"{source}: rope scaling {kind!r} (gpt-oss.rope.scaling.type) is not supported for "
+                              "gpt-oss GGUF files (yarn or none)")
+    raw.update(swiglu_alpha=1.702, swiglu_limit=7.0, attention_bias=True)
+    # without attention.key_length llama.cpp's head size is embedding_length / head_count (GptOssConfig's is 64)
+    raw.setdefault("head_dim", int(raw["hidden_size"]) // int(raw["num_attention_heads"]))
+    missing = [t for t in ("blk.0.attn_sinks.weight", "blk.0.ffn_gate_inp.bias", "blk.0.ffn_gate_exps.bias")
+               if t not in shapes]
+    if missing:
+        raise CheckpointError(f"{source}: a gpt-oss GGUF file without {', '.join(missing)} (the attention sinks, "
+                              "router and expert biases gpt-oss has)")
+
+
 ARCHITECTURES: dict[str, Architecture] = {
     # Mixtral is llama.cpp's ``llama`` with experts (a llama file without them is a dense model moeflow does not run)
     "llama": Architecture("mixtral", {"expert_count": "num_local_experts"}, rope_permuted=True),
@@ -94,6 +136,11 @@ ARCHITECTURES: dict[str, Architecture] = {
                                          "expert_weights_norm": "norm_topk_prob",
                                          "nextn_predict_layers": "num_nextn_predict_layers"},
                             {"n_group": 1, "topk_group": 1}, derive=_glm4moe),
+    # gpt-oss: experts of intermediate_size (the converter writes it as expert_feed_forward_length too)
+    "gpt-oss": Architecture("gpt_oss", {"expert_count": "num_local_experts",
+                                        "expert_feed_forward_length": "intermediate_size",
+                                        "attention.sliding_window": "sliding_window"},
+                            rope_scaling=True, derive=_gpt_oss),
     "olmoe": Architecture("olmoe", {"expert_count": "num_experts", "expert_feed_forward_length": "intermediate_size",
                                     "attention.clamp_kqv": "clip_qkv"}, {"norm_topk_prob": False}),
 }
@@ -130,7 +177,7 @@ def gguf_config(metadata: dict[str, Any], shapes: dict[str, tuple[int, ...]], so
     if "vocab_size" not in raw and "token_embd.weight" in shapes:
         raw["vocab_size"] = shapes["token_embd.weight"][0]
     rope = metadata.get(f"{arch}.rope.scaling.type")
-    if rope not in (None, "none"):
+    if rope not in (None, "none") and not spec.rope_scaling:
         raise CheckpointError(f"{source}: rope scaling {rope!r} ({arch}.rope.scaling.type) is not supported for GGUF "
                               "files yet (only the default rotary)")
     if spec.requires_experts and not raw.get(spec.keys["expert_count"]):

@@ -47,11 +47,14 @@ class ExpertSlice:
 
 @dataclass(frozen=True)
 class ExpertBytes:
-    """An expert's three matrices as stored (gate and up ``[I, H]``, down ``[H, I]``)."""
+    """An expert's three matrices as stored (gate and up ``[I, H]``, down ``[H, I]``); ``block``, ``expert``: its
+    decoder layer (``blk.N``) and index there (-1: not said)."""
 
     gate: ExpertSlice
     up: ExpertSlice
     down: ExpertSlice
+    block: int = -1
+    expert: int = -1
 
     @property
     def slices(self) -> dict[str, ExpertSlice]:
@@ -104,7 +107,7 @@ def expert_slices(files: GGUFFiles, block: int, expert: int, hidden: int, interm
                                   f"[experts, {shape[0]}, {shape[1]}] (expert {expert} asked)")
         per = info.nbytes // info.shape[0]
         out[proj] = ExpertSlice(info.path, info.offset + expert * per, per, info.type, shape, name)
-    return ExpertBytes(**out)
+    return ExpertBytes(**out, block=block, expert=expert)
 
 
 class GGUFExpertSource:

@@ -11,7 +11,9 @@ and ``read_expert`` work unchanged:
   for (one expert is a contiguous byte range of its stacked tensor);
 * the ``llama`` architecture's q/k rows: llama.cpp's converter permutes them for GGML's interleaved rotary
   (``LlamaModel.permute``); they are permuted back (:func:`unpermute_rope_rows`) to HF's two-halves rotary;
-* a GGUF ``[n]`` vector asked for as ``[1, n]`` (Qwen2-MoE's shared-expert gate) is reshaped.
+* a GGUF ``[n]`` vector asked for as ``[1, n]`` (Qwen2-MoE's shared-expert gate) is reshaped;
+* gpt-oss's stacked expert biases (``ffn_{gate,up,down}_exps.bias`` ``[E, out]``) answer per-expert names
+  (``...experts.5.gate_proj.bias``), its ``self_attn.sinks`` the converter's ``attn_sinks.weight``.
 
 The non-expert tensors are dequantized once, at load, into the model dtype: they are read once and are small
 next to the experts (the embedding and lm_head are the largest), so keeping them quantized would save little and
@@ -74,11 +76,12 @@ class GGUFCheckpointReader(CheckpointReader):
         found = self.name_map.get_type_and_name(name, try_suffixes=SUFFIXES)
         if found is None:
             return None
-        info = self.files.tensors.get(found[1])
+        # (gpt-oss's ``self_attn.sinks`` has no suffix in HF; the converter writes ``attn_sinks.weight``)
+        info = self.files.tensors.get(found[1]) or self.files.tensors.get(f"{found[1]}.weight")
         if info is None:
             return None
-        if expert is not None:
-            if len(info.shape) != 3 or expert >= info.shape[0]:
+        if expert is not None:  # a row of a stacked [E, out, in] weight or [E, out] bias (gpt-oss)
+            if len(info.shape) != (2 if found[1].endswith(".bias") else 3) or expert >= info.shape[0]:
                 return None
         elif len(info.shape) == 3 and ".experts." in name:  # a stacked tensor asked for whole: not an HF name
             return None
