@@ -1,6 +1,7 @@
-"""GGUF (ggml) weight blocks: the block types moeflow's GGUF experts run, and their exact fp32 dequantization in
-plain torch (the reference every GGUF kernel is checked against; itself checked bit for bit against gguf-py's
-``gguf.quants.dequantize`` in the tests).
+"""GGUF (ggml) weight blocks: the block types moeflow's GGUF experts run (with the kernels' selector codes), and
+their exact fp32 dequantization in plain torch (the reference every GGUF kernel is checked against:
+:func:`moeflow.quant.ggml.dequantize`, the GGUF reader's, checked bit for bit against gguf-py's
+``gguf.quants.dequantize`` and ggml's C loops in the tests).
 
 A quantized ggml matrix ``[N, K]`` (llama.cpp's ``ne = (K, N)``: a row is one output feature, its K inputs
 contiguous) stores each row as ``K / QK`` blocks of ``type_size`` bytes, rows one after the other. The block
@@ -14,15 +15,16 @@ layouts (ggml-common.h; all fp16 fields little-endian):
   ``w = d * (q - 16)``. ``Q5_1`` (24 bytes): ``d``, ``m``, ``qh``, ``qs``; ``w = d * q + m``. (llama-quantize falls
   back to these for K-quant tensors whose rows are not a multiple of 256.)
 * ``Q4_K`` (QK 256, 144 bytes): ``d``, ``dmin`` fp16, ``scales`` [12] (eight 6-bit scales ``sc`` and mins ``m``,
-  :func:`scale_min_k4`), ``qs`` [128]: 64-element chunk ``c`` is bytes ``32c .. 32c + 31``, low nibbles its first
-  32 elements (sub-block ``2c``), high nibbles the next 32; ``w = (d sc) q - dmin m``.
+  llama.cpp's ``get_scale_min_k4``), ``qs`` [128]: 64-element chunk ``c`` is bytes ``32c .. 32c + 31``, low nibbles
+  its first 32 elements (sub-block ``2c``), high nibbles the next 32; ``w = (d sc) q - dmin m``.
 * ``Q5_K`` (QK 256, 176 bytes): ``d``, ``dmin``, ``scales`` [12] as Q4_K, ``qh`` [32], ``qs`` [128] as Q4_K; bit
   ``j`` of ``qh[l]`` is bit 4 of element ``32 j + l``; ``w = (d sc) q - dmin m``.
 * ``Q6_K`` (QK 256, 210 bytes): ``ql`` [128], ``qh`` [64], ``scales`` int8[16], ``d`` fp16. Element ``p = 128 n +
   32 g + l`` (half n, quarter g, l < 32): low 4 bits ``ql[64 n + 32 (g % 2) + l] >> 4 (g // 2)``, high 2 bits
   ``qh[32 n + l] >> 2 g``, ``q - 32`` times ``d * scales[p // 16]``.
 
-The arithmetic order is gguf-py's (and llama.cpp's ``dequantize_row_*``), so the fp32 values are the same bits.
+(The layouts above are what the kernels decode; the arithmetic order of the reference is gguf-py's and llama.cpp's
+``dequantize_row_*``, so the fp32 values are the same bits.)
 """
 
 from __future__ import annotations
@@ -54,8 +56,6 @@ GGML_TYPES: dict[str, GGMLType] = {t.name: t for t in (
     GGMLType("Q5_K", 13, QK_K, 176, 3), GGMLType("Q6_K", 14, QK_K, 210, 4), GGMLType("Q4_1", 3, 32, 20, 5),
     GGMLType("Q5_0", 6, 32, 22, 6), GGMLType("Q5_1", 7, 32, 24, 7),
 )}
-# the 32-element types with a min (Q4_1, Q5_1) and / or a 5th bit (Q5_0, Q5_1): (qh offset or None, qs offset)
-LEGACY_FIELDS = {"Q4_1": (None, 4), "Q5_0": (2, 6), "Q5_1": (4, 8)}
 
 
 def ggml_type(t: str | int) -> GGMLType:
@@ -71,69 +71,12 @@ def ggml_type(t: str | int) -> GGMLType:
     raise ValueError(f"unsupported GGUF expert weight type {t!r}: supported are {supported}")
 
 
-def _f16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
-    """The fp16 field at byte ``offset`` of each block ``uint8 [..., bytes]`` -> fp32 ``[..., 1]``."""
-    return blocks[..., offset : offset + 2].contiguous().view(torch.float16).float()
-
-
-def scale_min_k4(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K / Q5_K 12-byte scale fields ``[..., 12]`` -> (sc, m) int32 ``[..., 8]`` (llama.cpp's
-    ``get_scale_min_k4``): j < 4: ``s[j] & 63``, ``s[j + 4] & 63``; j >= 4: ``(s[j + 4] & 15) | (s[j - 4] >> 6) << 4``,
-    ``(s[j + 4] >> 4) | (s[j] >> 6) << 4``."""
-    s = scales.to(torch.int32)
-    d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
-    sc = torch.cat([d & 63, (md & 15) | ((d >> 6) << 4)], dim=-1)
-    mn = torch.cat([m & 63, (md >> 4) | ((m >> 6) << 4)], dim=-1)
-    return sc, mn
-
-
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """K-quant ``qs`` ``[..., 128]`` -> int32 ``[..., 8, 32]``: sub-block 2c low nibbles of bytes 32c.., 2c + 1 high."""
-    q = qs.to(torch.int32).reshape(*qs.shape[:-1], 4, 1, 32) >> torch.tensor([0, 4]).view(2, 1)
-    return (q & 15).reshape(*qs.shape[:-1], 8, 32)
-
-
 def dequantize(data: torch.Tensor, t: str | int) -> torch.Tensor:
     """Exact fp32 values of ggml blocks: ``data`` uint8 ``[N, K / QK * type_size]`` (N rows) -> ``[N, K]``."""
     g = ggml_type(t)
     if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] % g.type_size:
         raise ValueError(f"{g.name} data must be uint8 [rows, blocks * {g.type_size}], got {data.dtype} "
                          f"{tuple(data.shape)}")
-    n = data.shape[0]
-    b = data.reshape(n, -1, g.type_size)  # [N, nb, bytes]
-    if g.name == "Q8_0":
-        w = b[..., 2:].contiguous().view(torch.int8).float() * _f16(b, 0)
-    elif g.name == "Q4_0":
-        qs = b[..., 2:].to(torch.int32)
-        q = torch.cat([qs & 15, qs >> 4], dim=-1) - 8
-        w = _f16(b, 0) * q.float()
-    elif g.name in LEGACY_FIELDS:
-        qh_at, qs_at = LEGACY_FIELDS[g.name]
-        qs = b[..., qs_at : qs_at + 16].to(torch.int32)
-        q = torch.cat([qs & 15, qs >> 4], dim=-1)  # [N, nb, 32]
-        if qh_at is not None:  # bit j of the little-endian uint32 qh: bit 4 of element j
-            qh = b[..., qh_at : qh_at + 4].to(torch.int32)
-            q = q | (((qh.repeat_interleave(8, dim=-1) >> torch.arange(32) % 8) & 1) << 4)
-        if g.name == "Q5_0":
-            w = _f16(b, 0) * (q - 16).float()
-        else:
-            w = (_f16(b, 0) * q.float()) + _f16(b, 2)
-    elif g.name in ("Q4_K", "Q5_K"):
-        sc, m = scale_min_k4(b[..., 4:16])
-        d = (_f16(b, 0) * sc.float())[..., None]  # [N, nb, 8, 1]
-        dm = (_f16(b, 2) * m.float())[..., None]
-        if g.name == "Q4_K":
-            q = _nibbles(b[..., 16:144])
-        else:
-            qh = b[..., 16:48].to(torch.int32)[..., None, :] >> torch.arange(8).view(8, 1)  # [N, nb, 8, 32]
-            q = _nibbles(b[..., 48:176]) | ((qh & 1) << 4)
-        w = d * q.float() - dm
-    else:  # Q6_K
-        ql = b[..., :128].to(torch.int32).reshape(n, -1, 2, 1, 64) >> torch.tensor([0, 4]).view(2, 1)
-        ql = (ql & 15).reshape(n, -1, 8, 32)
-        qh = b[..., 128:192].to(torch.int32).reshape(n, -1, 2, 1, 32) >> torch.tensor([0, 2, 4, 6]).view(4, 1)
-        qh = (qh & 3).reshape(n, -1, 8, 32)
-        q = ((ql | (qh << 4)) - 32).reshape(n, -1, 16, 16).float()
-        scales = b[..., 192:208].contiguous().view(torch.int8).float()  # [N, nb, 16]
-        w = (_f16(b, 208) * scales)[..., None] * q
-    return w.reshape(n, -1)
+    from moeflow.quant.ggml import dequantize as ggml_dequantize
+
+    return ggml_dequantize(data, g.type_id, f"{g.name} blocks")
