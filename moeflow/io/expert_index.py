@@ -255,18 +255,7 @@ class ExpertIndex:
         view = memoryview(staging.numpy())
         total = 0
         for path, offset, length, at in plan.reads:
-            fd = self._fd(path)
-            got = 0
-            while got < length:
-                try:
-                    n = self.range_reader(fd, view[at + got : at + length], offset + got)
-                except OSError as e:
-                    raise CheckpointError(f"reading expert ({layer}, {expert}) from {path}: {e}") from e
-                if n <= 0:
-                    raise CheckpointError(
-                        f"{path} is shorter than when it was loaded: expert ({layer}, {expert}) needs bytes "
-                        f"[{offset}, {offset + length}) but the file has {_size_of(fd)} (truncated after load?)")
-                got += n
+            read_range(self._fd(path), view[at : at + length], offset, path, (layer, expert), self.range_reader)
             total += length
         with self._count_lock:
             self.bytes_read += total
@@ -299,6 +288,25 @@ class ExpertIndex:
 
 def _preadv(fd: int, buffer: memoryview, offset: int) -> int:
     return os.preadv(fd, [buffer], offset)
+
+
+def read_range(fd: int, dest: memoryview, offset: int, path: Path, expert: tuple[int, int],
+               read: RangeReader = _preadv) -> None:
+    """Fill ``dest`` with the file's bytes from ``offset`` (a read may return fewer bytes than asked: loop), for
+    ``expert`` (layer, expert); CheckpointError naming the file when it fails or ends early."""
+    got, length = 0, len(dest)
+    while got < length:
+        try:
+            n = read(fd, dest[got:], offset + got)
+        except OSError as e:
+            raise CheckpointError(f"reading expert {expert} from {path}: {e}") from e
+        if n <= 0:
+            raise CheckpointError(
+                f"{path} is shorter than when it was loaded: expert {expert} needs bytes "
+                f"[{offset}, {offset + length}) but the file has {_size_of(fd)} (truncated after load?)")
+        got += n
+
+
 
 
 def _align(n: int) -> int:

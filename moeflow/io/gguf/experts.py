@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from moeflow.errors import CheckpointError
+from moeflow.io.expert_index import read_range
 from moeflow.io.gguf.files import GGUFFiles
 from moeflow.quant.awq import pack_int4
 from moeflow.quant.ggml import GGMLType, dequantize, q4_0_codes
@@ -162,16 +163,7 @@ class GGUFExpertSource:
         view = memoryview(staging.numpy())
         out = {}
         for p, s in x.slices.items():
-            got, fd = 0, self._fd(s.path)
-            while got < s.nbytes:
-                try:
-                    n = os.preadv(fd, [view[at[p] + got: at[p] + s.nbytes]], s.offset + got)
-                except OSError as e:
-                    raise CheckpointError(f"reading expert ({layer}, {expert}) from {s.path}: {e}") from e
-                if n <= 0:
-                    raise CheckpointError(f"{s.path} is shorter than when it was loaded: expert ({layer}, {expert}) "
-                                          f"needs bytes [{s.offset}, {s.offset + s.nbytes}) (truncated after load?)")
-                got += n
+            read_range(self._fd(s.path), view[at[p]: at[p] + s.nbytes], s.offset, s.path, (layer, expert))
             out[p] = staging[at[p]: at[p] + s.nbytes].view(s.shape[0], -1)
         with self._lock:
             self.bytes_read += x.nbytes

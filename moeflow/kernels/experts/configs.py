@@ -109,6 +109,34 @@ def wave_split(programs: int, k: int, block_k: int, programs_per_sm: int = DECOD
     return best
 
 
+def block_k_for(K: int, block_k: int, smallest: int = 32) -> int:
+    """The largest power of two in [``smallest``, ``block_k``] dividing K (K is a multiple of ``smallest``): the k per
+    iteration of the block-quantized kernels (MXFP4, GGUF), whose blocks are 32 values."""
+    bk = max(smallest, block_k)
+    while K % bk:
+        bk //= 2
+    return bk
+
+
+def layer_stage_configs(tokens: int, num_experts: int, top_k: int, hidden: int, inter: int, block_m: int,
+                        defaults: dict, programs_per_sm: int, config: dict) -> dict:
+    """``{"BLOCK_M", "w13", "w2"}`` of one MoE layer of the block-quantized kernels (MXFP4, GGUF), whose w13 tile
+    of ``BLOCK_N`` weight rows holds ``BLOCK_N / 2`` gate/up outputs: each stage's ``config`` over ``defaults``; at
+    decode (T <= ``DECODE_MAX_M``) a stage without ``SPLIT_K`` gets :func:`wave_split`'s over ``min(E, T k)`` plan
+    blocks at ``programs_per_sm``."""
+    out: dict = {"BLOCK_M": block_m}
+    active = min(num_experts, tokens * top_k)
+    for name, n_out, K in (("w13", inter, hidden), ("w2", hidden, inter)):
+        cfg = {**defaults, **config.get(name, {})}
+        if "SPLIT_K" not in cfg:
+            bn = int(cfg["BLOCK_N"])
+            tiles = -(-n_out // (bn // 2 if name == "w13" else bn))
+            cfg["SPLIT_K"] = (wave_split(active * tiles, K, block_k_for(K, int(cfg["BLOCK_K"])), programs_per_sm)
+                              if tokens <= DECODE_MAX_M else 1)
+        out[name] = cfg
+    return out
+
+
 def default_config(
     op: str, m: int, num_experts: int, top_k: int, n: int, k: int, group_size: int = 128
 ) -> dict[str, Any]:

@@ -44,6 +44,7 @@ import triton.language as tl
 
 from moeflow.kernels import workspace
 from moeflow.kernels.experts import configs
+from moeflow.kernels.experts.configs import block_k_for
 from moeflow.kernels.experts.gguf_reference import GGMLType
 from moeflow.kernels.experts.mxfp4 import default_block_m, dot_m
 from moeflow.kernels.formats.layout import ExpertPool
@@ -239,14 +240,6 @@ def _gguf_gemm_kernel(
                      0, SPLIT_K)
 
 
-def block_k_for(K: int, block_k: int) -> int:
-    """The largest power of two in [32, ``block_k``] dividing K (K is a multiple of 32)."""
-    bk = max(32, block_k)
-    while K % bk:
-        bk //= 2
-    return bk
-
-
 def stage_configs(tokens: int, num_experts: int, top_k: int, hidden: int, inter: int,
                   config: dict | None = None) -> dict:
     """``{"BLOCK_M", "w13", "w2"}`` of one layer: ``config`` over :data:`DEFAULTS`; at decode (T <= 16) each
@@ -254,17 +247,9 @@ def stage_configs(tokens: int, num_experts: int, top_k: int, hidden: int, inter:
     blocks."""
     config = config or {}
     block_m = int(config.get("BLOCK_M", default_block_m(tokens, tokens * top_k, num_experts)))
-    out: dict = {"BLOCK_M": block_m}
-    active = min(num_experts, tokens * top_k)
-    for name, n_out, K in (("w13", inter, hidden), ("w2", hidden, inter)):
-        cfg = {**DEFAULTS, "num_stages": 2 if block_m >= PREFILL_BLOCK_M else 1, **config.get(name, {})}
-        if "SPLIT_K" not in cfg:
-            bn = int(cfg["BLOCK_N"])
-            tiles = cdiv(n_out, bn // 2 if name == "w13" else bn)
-            cfg["SPLIT_K"] = (configs.wave_split(active * tiles, K, block_k_for(K, int(cfg["BLOCK_K"])),
-                                                 DECODE_PROGRAMS_PER_SM) if tokens <= configs.DECODE_MAX_M else 1)
-        out[name] = cfg
-    return out
+    defaults = {**DEFAULTS, "num_stages": 2 if block_m >= PREFILL_BLOCK_M else 1}
+    return configs.layer_stage_configs(tokens, num_experts, top_k, hidden, inter, block_m, defaults,
+                                       DECODE_PROGRAMS_PER_SM, config)
 
 
 def gguf_gemm(

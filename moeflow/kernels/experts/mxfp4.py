@@ -50,6 +50,7 @@ import triton.language as tl
 
 from moeflow.kernels import workspace
 from moeflow.kernels.experts import configs
+from moeflow.kernels.experts.configs import block_k_for
 from moeflow.kernels.experts.mxfp4_reference import BLOCK, PANEL, from_panels, row_major_as_panels
 from moeflow.kernels.pool import ExpertPool
 from moeflow.kernels.triton_common import (
@@ -97,17 +98,8 @@ def stage_configs(tokens: int, num_experts: int, top_k: int, hidden: int, inter:
     T = 8 (T k <= 32 blocks); T = 16: 32 blocks, as T = 8."""
     config = config or {}
     block_m = int(config.get("BLOCK_M", default_block_m(tokens, tokens * top_k, num_experts)))
-    out: dict = {"BLOCK_M": block_m}
-    active = min(num_experts, tokens * top_k)
-    for name, n_out, K in (("w13", inter, hidden), ("w2", hidden, inter)):
-        cfg = {**stage_defaults(block_m), **config.get(name, {})}
-        if "SPLIT_K" not in cfg:
-            bn = int(cfg["BLOCK_N"])
-            tiles = cdiv(n_out, bn // 2 if name == "w13" else bn)
-            cfg["SPLIT_K"] = (configs.wave_split(active * tiles, K, block_k_for(K, int(cfg["BLOCK_K"])),
-                                                 DECODE_PROGRAMS_PER_SM) if tokens <= configs.DECODE_MAX_M else 1)
-        out[name] = cfg
-    return out
+    return configs.layer_stage_configs(tokens, num_experts, top_k, hidden, inter, block_m, stage_defaults(block_m),
+                                       DECODE_PROGRAMS_PER_SM, config)
 _CODE = -0x7E3F7E40  # 0x81C081C0 as int32: bf16 bits s..e1 e0 m of both halves (15, 8..6 / 31, 24..22)
 
 
@@ -257,14 +249,6 @@ def default_block_m(tokens: int, num_pairs: int, num_experts: int) -> int:
         return next_pow2(tokens)
     per_expert = max(1, num_pairs // max(1, min(num_experts, num_pairs)))
     return min(PREFILL_BLOCK_M, max(16, next_pow2(per_expert)))
-
-
-def block_k_for(K: int, block_k: int) -> int:
-    """The largest power-of-two multiple of 32 that is <= ``block_k`` and divides K (K is a multiple of 32)."""
-    bk = max(BLOCK, block_k)
-    while K % bk:
-        bk //= 2
-    return bk
 
 
 def mxfp4_gemm(
