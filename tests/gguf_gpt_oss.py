@@ -17,7 +17,7 @@ import torch
 
 gguf = __import__("pytest").importorskip("gguf")
 from gguf.quants import dequantize, quantize  # noqa: E402
-from gguf_models import CHAT_TEMPLATE, _vocab  # noqa: E402
+from gguf_models import add_test_vocab  # noqa: E402
 
 T = gguf.GGMLQuantizationType
 ATTENTION = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}
@@ -57,15 +57,7 @@ def write_gpt_oss_gguf(model, path: Path, expert_type=T.MXFP4, other_type=T.Q8_0
     w.add_sliding_window(cfg.sliding_window)
     w.add_expert_feed_forward_length(cfg.intermediate_size)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_MXFP4_MOE)
-    tokens, types = _vocab(cfg.vocab_size)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-4o")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(["a b"])
-    w.add_eos_token_id(cfg.vocab_size - 1)
-    w.add_bos_token_id(cfg.vocab_size - 3)
-    w.add_chat_template(CHAT_TEMPLATE)
+    add_test_vocab(w, cfg.vocab_size, "gpt-4o")
 
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     add = w.add_tensor

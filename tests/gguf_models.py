@@ -66,6 +66,19 @@ def _vocab(size: int) -> tuple[list[str], list[int]]:
     return tokens, [1] * (size - len(specials)) + [3] * len(specials)
 
 
+def add_test_vocab(w: gguf.GGUFWriter, vocab_size: int, pre: str) -> None:
+    """The tests' byte-level BPE vocabulary (``pre``: llama.cpp's pre-tokenizer name), special ids and chat template."""
+    tokens, types = _vocab(vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(["a b"])
+    w.add_eos_token_id(vocab_size - 1)
+    w.add_bos_token_id(vocab_size - 3)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+
 def _stored(w: np.ndarray, qtype) -> tuple[np.ndarray, np.ndarray]:
     """(the bytes or values to write, what gguf-py dequantizes them to in fp32)."""
     if qtype == T.F32:
@@ -123,15 +136,7 @@ def write_gguf(model, path: Path, expert_types=T.Q8_0, other_type=T.F32, split: 
         w.add_expert_weights_scale(cfg.routed_scaling_factor)
         w.add_expert_weights_norm(cfg.norm_topk_prob)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
-    tokens, types = _vocab(cfg.vocab_size)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(["a b"])
-    w.add_eos_token_id(cfg.vocab_size - 1)
-    w.add_bos_token_id(cfg.vocab_size - 3)
-    w.add_chat_template(CHAT_TEMPLATE)
+    add_test_vocab(w, cfg.vocab_size, "qwen2")
     for i, part in enumerate(writers):
         if split > 1:
             part.add_uint16(gguf.Keys.Split.LLM_KV_SPLIT_NO, i)

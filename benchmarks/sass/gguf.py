@@ -61,7 +61,7 @@ def gguf_layer_launches(model: str, T: int, gate_up: str, down: str, config: dic
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sass_report import emit_json_lines
+    from benchmarks.sass.report import emit_json_lines
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=["qwen3-30b-a3b"], choices=sorted(MODELS))
