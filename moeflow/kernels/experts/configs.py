@@ -118,6 +118,29 @@ def block_k_for(K: int, block_k: int, smallest: int = 32) -> int:
     return bk
 
 
+STAGE_KEYS = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")  # a block-quantized stage's keys
+
+
+def encode_stage_configs(config: dict | None) -> list[int]:
+    """``{"BLOCK_M"?, "w13"?: {...}, "w2"?: {...}}`` of the block-quantized kernels -> the flat int list their custom
+    ops take (``[]`` for None; a missing key is -1 / 0, left to the defaults): inverse of
+    :func:`decode_stage_configs`."""
+    if config is None:
+        return []
+    return [int(config.get("BLOCK_M", 0))] + [int(config.get(stage, {}).get(key, -1))
+                                                for stage in ("w13", "w2") for key in STAGE_KEYS]
+
+
+def decode_stage_configs(flat: list[int]) -> dict | None:
+    """Inverse of :func:`encode_stage_configs` (None for ``[]``), the missing keys left out."""
+    if not flat:
+        return None
+    n = len(STAGE_KEYS)
+    stages = {name: {k: v for k, v in zip(STAGE_KEYS, flat[1 + i * n: 1 + (i + 1) * n], strict=True) if v >= 0}
+              for i, name in enumerate(("w13", "w2"))}
+    return {**({"BLOCK_M": flat[0]} if flat[0] > 0 else {}), **stages}
+
+
 def layer_stage_configs(tokens: int, num_experts: int, top_k: int, hidden: int, inter: int, block_m: int,
                         defaults: dict, programs_per_sm: int, config: dict) -> dict:
     """``{"BLOCK_M", "w13", "w2"}`` of one MoE layer of the block-quantized kernels (MXFP4, GGUF), whose w13 tile

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from moeflow.kernels.custom_op import custom_op
+from moeflow.kernels.experts.configs import decode_stage_configs, encode_stage_configs
 from moeflow.kernels.formats.awq import AWQFormat
 from moeflow.kernels.formats.dense import DenseFormat
 from moeflow.kernels.formats.layout import ExpertFormat, ExpertPool
@@ -222,15 +223,13 @@ def biased_expert_forward(
         _warned_reference = True
         warnings.warn(f"no Triton kernel for {fmt.kind} experts with biases/{fmt.activation}: "
                       "computing them with the plain-torch reference", stacklevel=2)
-    flat_cfg = [] if config is None else [int(config.get("BLOCK_M", 0))] + [
-        int(config.get(stage, {}).get(key, -1)) for stage in ("w13", "w2") for key in _STAGE_KEYS]
+    flat_cfg = encode_stage_configs(config)
     _biased_expert_forward_op(x, topk_ids, topk_weights, pool.buffer, slot_of_expert, expert_mask,
                               fmt.hidden_size, fmt.intermediate_size, fmt.kind, fmt.dtype, fmt.group_size or 0,
                               fmt.activation, fmt.bias, fmt.swiglu_alpha, fmt.swiglu_limit, flat_cfg, backend, out)
     return out
 
 
-_STAGE_KEYS = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")
 
 
 @custom_op("moeflow::biased_expert_forward", mutates_args=("out",))
@@ -244,12 +243,7 @@ def _biased_expert_forward_op(
     fmt = _biased_format(hidden, inter, kind, dtype, group or None, activation, bias, alpha, limit)
     pool = ExpertPool(fmt, buffer)
     if backend == "triton" and fmt.has_triton:
-        cfg = None
-        if config:
-            n = len(_STAGE_KEYS)
-            stages = {name: {k: v for k, v in zip(_STAGE_KEYS, config[1 + i * n: 1 + (i + 1) * n], strict=True)
-                             if v >= 0} for i, name in enumerate(("w13", "w2"))}
-            cfg = {**({"BLOCK_M": config[0]} if config[0] > 0 else {}), **stages}
+        cfg = decode_stage_configs(config)
         fmt.triton_forward(x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask, cfg)
         return
     from moeflow.kernels.experts.biased import biased_expert_forward_reference

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from moeflow.kernels.custom_op import custom_op
+from moeflow.kernels.experts.configs import decode_stage_configs, encode_stage_configs
 from moeflow.kernels.experts.gguf_reference import GGML_TYPES, GGMLType, dequantize, ggml_type
 from moeflow.kernels.formats.layout import ExpertFormat, ExpertPool
 
@@ -174,8 +175,7 @@ class GGUFFormat(ExpertFormat):
             check_ids_and_slots(topk_ids, slot_of_expert, expert_mask, pool.n_slots)
         if topk_ids.numel() == 0:
             return out
-        flat_cfg = [] if config is None else [int(config.get("BLOCK_M", 0))] + [
-            int(config.get(stage, {}).get(key, -1)) for stage in ("w13", "w2") for key in _STAGE_KEYS]
+        flat_cfg = encode_stage_configs(config)
         _gguf_expert_forward_op(x, topk_ids, topk_weights, pool.buffer, slot_of_expert, expert_mask,
                                 self.hidden_size, self.intermediate_size, "+".join(self.gate_up_types),
                                 "+".join(self.down_types), self.dtype, flat_cfg, backend, out)
@@ -206,7 +206,6 @@ def _gguf_format(gate_up: tuple[str, ...], down: tuple[str, ...], hidden: int, i
                  dtype: torch.dtype) -> GGUFFormat:
     return GGUFFormat(hidden, inter, dtype, gate_up_types=gate_up, down_types=down)
 
-_STAGE_KEYS = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")
 
 
 @custom_op("moeflow::gguf_expert_forward", mutates_args=("out",))
@@ -222,12 +221,7 @@ def _gguf_expert_forward_op(
     if backend == "triton":
         from moeflow.kernels.experts.gguf import gguf_expert_forward
 
-        cfg = None
-        if config:
-            n = len(_STAGE_KEYS)
-            stages = {name: {k: v for k, v in zip(_STAGE_KEYS, config[1 + i * n: 1 + (i + 1) * n], strict=True)
-                             if v >= 0} for i, name in enumerate(("w13", "w2"))}
-            cfg = {**({"BLOCK_M": config[0]} if config[0] > 0 else {}), **stages}
+        cfg = decode_stage_configs(config)
         gguf_expert_forward(x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask, config=cfg)
         return
     from moeflow.kernels.experts.biased import biased_expert_forward_reference
