@@ -50,10 +50,8 @@ MUTATIONS = [
     # ---- ordering guards (scripted transport, tests/test_fences.py)
     Mutation("fence-engine-ignores-after", "the copy engine issues a batch without waiting for its tasks' after",
              "after.setdefault(id(h), h)", "pass", FENCES + ("tests/test_copy_batching.py",)),
-    Mutation("fence-deferred-load-unfenced", "a deferred (ring) load does not wait for its slot's fences",
-             "high=True, after=self.cache.take_fences(slot)", "high=True, after=()", FENCES),
-    Mutation("fence-prefetch-unfenced", "a prefetch does not wait for its slot's fences",
-             "high=False, after=self.cache.take_fences(slot)", "high=False, after=()", FENCES),
+    Mutation("fence-load-unfenced", "a load (needed, deferred ring load or prefetch) does not wait for its slot's "
+             "fences", "after=fences, stats=stats,", "after=(), stats=stats,", FENCES),
     Mutation("fence-no-compute-fence", "a released slot forgets the compute that read it (next copy may overwrite "
              "it under the kernel)", "slot.fences = [fence]  # earlier fences precede this compute",
              "slot.fences = []  # earlier fences precede this compute", FENCES),
@@ -102,8 +100,7 @@ MUTATIONS = [
              "ids = top[0]  # int32", "ids = torch.topk(probs[0], top.shape[-1], largest=False).indices  #",
              (COUNTS,)),
     Mutation("duoserve-ring-removed", "DuoServe's k-slot prefill ring removed (every miss loads at once)",
-             "if self.prefill_ring and self._phase == \"prefill\" and len(waiting) >= self.prefill_ring:",
-             "if False:", (COUNTS,)),
+             "if ring and len(waiting) >= ring:", "if False:", (COUNTS,)),
     Mutation("finemoe-low-queue-fifo", "the low queue ignores the prefetch priority (FineMoE's p / (l - l_now))",
              "while i > 0 and self._low[i - 1].priority < task.priority:", "while False:", (COUNTS,)),
     Mutation("plec-misprefetched-not-first", "PLEC's correction replaces mis-prefetched experts after finished ones",
@@ -183,8 +180,9 @@ MUTATIONS = [
              "cut = next((i for i in (text.find(s) for s in self.stop_strings) if i >= 0), -1)",
              (AUDIT_UNITS + "test_the_text_is_cut_at_the_earliest_stop_string_not_the_first_listed",)),
     Mutation("audit-lru-layer-access-not-recent", "a gate access does not refresh LRU's per-layer order (per-layer "
-             "quotas)", "        if order is not None and key in order:\n            order.move_to_end(key)",
-             "        pass", (AUDIT_UNITS + "test_a_gate_access_makes_an_expert_recent_in_its_layers_order",
+             "quotas)", "super().access(key)\n        order = self._layer_recency.get(key[0])\n"
+             "        if order is not None and key in order:\n            order.move_to_end(key)",
+             "super().access(key)", (AUDIT_UNITS + "test_a_gate_access_makes_an_expert_recent_in_its_layers_order",
                          AUDIT_UNITS + "test_lru_picks_agree_with_the_last_use_order_over_random_traffic")),
     Mutation("audit-penalty-reply-only", "the repetition penalty covers the generated tokens only, not the prompt",
              "seen = torch.tensor([prompt_ids + generated], dtype=torch.long)",

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1] / "moeflow"
 # (module prefix, group, rank): the longest matching prefix decides; groups may import within themselves
 LAYERS = [
     ("moeflow.errors", "base", 0), ("moeflow.config", "base", 0), ("moeflow.streaming", "base", 0),
-    ("moeflow.compile_boundary", "base", 0),
+    ("moeflow.compile_boundary", "base", 0), ("moeflow.user_cache", "base", 0),
     ("moeflow.chat", "chat", 0.5),  # templates, reply markup, guided decoding: read by io's tokenizer and the engine
     ("moeflow.quant", "io", 1), ("moeflow.io", "io", 1), ("moeflow.trace", "io", 1),  # trace: the file format
     ("moeflow.kernels", "kernels", 2),

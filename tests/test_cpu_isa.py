@@ -9,17 +9,17 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from moeflow.kernels.cpu import native as cpu_native
 from moeflow.kernels.cpu.native import SIMD_NAMES, Q4Matrix, Q8Matrix, native_available, q4_expert
+from moeflow.user_cache import cache_dir
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="moeflow's CPU kernels do not build here (no compiler)")
 
-CACHE = Path(os.environ.get("MOEFLOW_CACHE", Path.home() / ".cache" / "moeflow")) / "cpu_native"
+CACHE = cache_dir() / "cpu_native"
 WANT = {"native": 2, "avx2": 1}  # the mf_simd() each build must reach to be the path under test
 
 

@@ -35,6 +35,7 @@ import torch
 from moeflow.kernels.cpu.int4 import cpu_expert_kernel
 from moeflow.kernels.formats import ExpertFormat
 from moeflow.offload.cost_model import Rates
+from moeflow.user_cache import cache_dir
 
 FORMAT_VERSION = 2  # 2: rates hold cpu_free_tokens
 CPU_TOKENS = (8, 16)  # where the CPU cost per further token is measured (besides one token)
@@ -78,7 +79,7 @@ def cache_path(key: dict, configured: str | os.PathLike | None = None) -> Path:
     """``configured``, else ``$MOEFLOW_CACHE_DIR`` (or ``~/.cache/moeflow``) / calibration-<hash of key>.json."""
     if configured is not None:
         return Path(configured)
-    root = Path(os.environ.get("MOEFLOW_CACHE_DIR") or Path.home() / ".cache" / "moeflow")
+    root = cache_dir()
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return root / f"calibration-{digest}.json"
 

@@ -13,13 +13,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
 from moeflow.errors import CheckpointError
 from moeflow.io.gguf.files import GGUFFiles
+from moeflow.user_cache import cache_dir
 
 log = logging.getLogger(__name__)
 SPECIAL_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
@@ -28,7 +28,7 @@ SPECIAL_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_to
 
 def cache_root() -> Path:
     """``$MOEFLOW_CACHE_DIR/gguf-tokenizers`` (default ``~/.cache/moeflow``)."""
-    base = os.environ.get("MOEFLOW_CACHE_DIR") or Path.home() / ".cache" / "moeflow"
+    base = cache_dir()
     return Path(base) / "gguf-tokenizers"
 
 

@@ -4,7 +4,7 @@ torch model of every function.
 * ``native.h``: the one header of the C sources; ``native.c`` (activation quantization, the linear and expert
   entry points), ``q4.c`` / ``q8.c`` (int4 / int8 row-group kernels), ``step.c`` (a decode step's glue),
   ``repack.c`` (load-time nibble transposes).
-* :mod:`moeflow.kernels.cpu.native`: the build (cached in ``$MOEFLOW_CACHE/cpu_native``), the bindings,
+* :mod:`moeflow.kernels.cpu.native`: the build (cached in ``$MOEFLOW_CACHE_DIR/cpu_native``), the bindings,
   :class:`Q4Matrix` / :class:`Q8Matrix` and the fp32 models; re-exported here.
 * :mod:`moeflow.kernels.cpu.quant_linear`: int8 / int4 linear layers (``CpuQuantLinear``).
 * :mod:`moeflow.kernels.cpu.lm_head`: the int4 lm_head with its top candidates recomputed in int8.

@@ -13,14 +13,15 @@ matrix with fp16 scales (AWQ's) keeps them in fp16 with its uint8 zero points (`
 call at group 128), the kernel forming the fp32 mins exactly: the same results as fp32 scales and mins.
 
 Build: compiled on first use with the system C compiler (``$CC``, else ``gcc``/``cc``; ``-O3 -march=native
--fopenmp``) into ``$MOEFLOW_CACHE`` (default ``~/.cache/moeflow``)/cpu_native, keyed by the sources, the compiler,
-its flags and the CPU's flags (a cached build is never reused on another CPU); about a second. The kernels are
-chosen at compile time from the CPU's own flags: AVX-512 VNNI (``vpdpbusd``, 16 rows per register) where
-``-march=native`` enables it, else AVX2 (``maddubs``), else portable C; ``MOEFLOW_CPU_ISA=avx2`` builds the AVX2
-path on an AVX-512 machine. The AVX-512 and AVX2 kernels give the same bits (the same integer block sums, the
-same fp32 operations per row; tests/test_cpu_isa.py). Without a compiler (or with ``MOEFLOW_CPU_NATIVE=0``)
-:func:`native_available` is False and the callers keep torch's kernels. OpenMP threads: torch's count
-(``torch.get_num_threads()``), in the libgomp torch already loaded (same soname), so both share one pool.
+-fopenmp``) into ``cpu_native`` under :func:`moeflow.user_cache.cache_dir` (``$MOEFLOW_CACHE_DIR``), keyed by the
+sources, the compiler, its flags and the CPU's flags (a cached build is never reused on another CPU); about a
+second. The kernels are chosen at compile time from the CPU's own flags: AVX-512 VNNI (``vpdpbusd``, 16 rows per
+register) where ``-march=native`` enables it, else AVX2 (``maddubs``), else portable C; ``MOEFLOW_CPU_ISA=avx2``
+builds the AVX2 path on an AVX-512 machine. The AVX-512 and AVX2 kernels give the same bits (the same integer block
+sums, the same fp32 operations per row; tests/test_cpu_isa.py). Without a compiler (or with
+``MOEFLOW_CPU_NATIVE=0``) :func:`native_available` is False and the callers keep torch's kernels. OpenMP threads:
+torch's count (``torch.get_num_threads()``), in the libgomp torch already loaded (same soname), so both share one
+pool.
 
 Numerics (the fp32 models below: :func:`quantize_activations`, :func:`q4_reference`): activations rounded to
 int8 with one scale per token and 32 features (max|x| / 127: relative error ~0.5% per element, averaging out in
@@ -44,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from moeflow.quant.awq import unpack_int4
+from moeflow.user_cache import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +111,7 @@ def library() -> ctypes.CDLL | None:
     if _LIB is False:
         _LIB = None
         if os.environ.get("MOEFLOW_CPU_NATIVE", "1") != "0":
-            cache = Path(os.environ.get("MOEFLOW_CACHE", Path.home() / ".cache" / "moeflow")) / "cpu_native"
+            cache = cache_dir() / "cpu_native"
             try:
                 _LIB = load(build(cache))
             except (OSError, RuntimeError) as e:
