@@ -106,6 +106,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--trees", action="append", default=[],
                     help="label=path[:checkpoint[:attention_bits]] of a moeflow source tree")
+    ap.add_argument("--tree-env", action="append", default=[],
+                    help="label:VAR=VALUE, an environment variable for that tree's worker only (e.g. GOMP_SPINCOUNT)")
     ap.add_argument("--checkpoint", default="awq", help="(worker) the checkpoint folder under --work")
     ap.add_argument("--attention-bits", default="4", help="auto, none, 8 or 4 (the default of --trees)")
     ap.add_argument("--llama-bin", type=Path, help="llama-bench's folder (default <work>/llama.cpp/build/bin)")
@@ -120,6 +122,11 @@ def main() -> None:
     for label, spec in specs.items():
         tree, ckpt, bits = (spec.split(":") + ["awq", args.attention_bits])[:3]
         engines_spec[label] = (tree, ckpt or "awq", bits or args.attention_bits)
+    tree_env: dict[str, dict[str, str]] = {}
+    for item in args.tree_env:
+        label, assignment = item.split(":", 1)
+        var, value = assignment.split("=", 1)
+        tree_env.setdefault(label, {})[var] = value
     bench = (args.llama_bin or args.work / "llama.cpp/build/bin") / "llama-bench"
     gguf = args.work / "mixtral-synth-Q4_0.gguf"
     loads = [uptime()]
@@ -127,13 +134,14 @@ def main() -> None:
     for label, (tree, ckpt, bits) in engines_spec.items():
         # moeflow from ``tree``; ``benchmarks`` (peer_report) from this checkout unless ``tree`` has it as a package
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(tree).resolve()), str(HERE.parents[2])]),
-               "OMP_NUM_THREADS": str(args.threads)}
+               "OMP_NUM_THREADS": str(args.threads), **tree_env.get(label, {})}
         p = subprocess.Popen([sys.executable, str(HERE), "--worker", "--work", str(args.work), "--threads",
                               str(args.threads), "--lm-head-bits", str(args.lm_head_bits), "--tg", str(args.tg),
                               "--checkpoint", ckpt, "--attention-bits", bits],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         workers[label] = p
         info[label] = {"tree": str(Path(tree).resolve()), "checkpoint": ckpt, "attention_bits": bits,
+                       "env": tree_env.get(label, {}),
                        **json.loads(p.stdout.readline())}
     engines = [*workers, "llama.cpp Q4_0"]
     samples: dict[str, list[dict]] = {e: [] for e in engines}
@@ -168,7 +176,8 @@ def main() -> None:
              f"llama.cpp Q4_0, {args.threads} thread(s), alternating, median of {args.reps} reps, {res['date']}.",
              "", f"CPU: {cpu} ({os.cpu_count()} cores seen), flags: {' '.join(flags)}  ",
              *[f"engine `{e}`: checkpoint `{i['checkpoint']}`, attention_bits={i['attention_bits']}, kernels "
-               f"{i.get('simd')}  " for e, i in info.items()],
+               f"{i.get('simd')}" + "".join(f", {k}={v}" for k, v in i["env"].items()) + "  "
+               for e, i in info.items()],
              *[f"uptime: `{u}`  " for u in (loads[0], loads[len(loads) // 2], loads[-1])],
              f"greedy tokens (prompt 16, {args.tg + 1} new) identical across the trees: {same}", "",
              "| engine | decode tok/s | pp32 tok/s | CPU ms / decoded token | decode vs llama.cpp (tok/s; by CPU ms) "
