@@ -93,10 +93,11 @@ stack() {  # versions, the device, the stack check, the prebuilt llama.cpp's dev
   tee -a "$log" < "$out/stack.txt"
 }
 
-headline() {  # headline <family> <phase> <limit> [deadline]: one phase of gpu/headline.py in its own process
+headline() {  # headline <family> <phase> <limit> [deadline [args...]]: one phase of gpu/headline.py in its own process
   local family=$1 phase=$2 limit=$3 deadline=${4:-$3}
+  shift $(( $# < 4 ? $# : 4 ))
   run "$limit" "$py" -m benchmarks.gpu.headline --family "$family" --phase "$phase" "${tiny[@]}" \
-    --out "$out" --deadline-s "$deadline"
+    --out "$out" --deadline-s "$deadline" "$@"
 }
 
 case "$call" in
@@ -131,11 +132,25 @@ case "$call" in
     headline mixtral moeflow 220 195
     run 10 "$py" -m benchmarks.gpu.headline_report "$out" ;;
   call2)
+    # moeflow on the very Q4_0 GGUF call 1's llama.cpp rows ran (call 1 left it in /tmp on this warm machine)
+    headline mixtral moeflow 100 80 --source gguf
     [ "$plan" = 1 ] || [ "${TINY:-0}" = 1 ] || rm -rf /tmp/moeflow-headline-mixtral-*  # the disk: 64 GiB
     headline qwen3 checkpoints 75
-    headline qwen3 llama 80 60
-    headline qwen3 moeflow 125 105
+    headline qwen3 llama 55 40
+    headline qwen3 moeflow 60 45
     run 10 "$py" -m benchmarks.gpu.headline_report "$out" ;;
-  *) echo "usage: $0 call1|call2 (PLAN=1: the plan; TINY=1: CPU sizes)" >&2; exit 2 ;;
+  gguf)  # a later loan's command (<= 9 min): the GGUF kernels compiled, then the same file's Q4_K_M rows
+    stack
+    background 150 "$py" -m benchmarks.gpu.headline --family mixtral --phase checkpoints --experts Q4_K_M \
+      "${tiny[@]}" --out "$out"
+    collect=()
+    if [ "${TINY:-0}" = 1 ]; then collect=(--collect-only -q); fi
+    MOEFLOW_TEST_JSONL="$out/pytest-cuda-gguf.jsonl" TRITON_INTERPRET=0 run 120 "$py" -m pytest -v -m cuda \
+      -p no:cacheprovider -p benchmarks.common.pytest_jsonl "${collect[@]}" tests/test_cuda_gguf_kernels.py
+    wait_background
+    headline mixtral llama 100 75 --experts Q4_K_M
+    headline mixtral moeflow 200 175 --source gguf --experts Q4_K_M
+    run 10 "$py" -m benchmarks.gpu.headline_report "$out" ;;
+  *) echo "usage: $0 call1|call2|gguf (PLAN=1: the plan; TINY=1: CPU sizes)" >&2; exit 2 ;;
 esac
 [ "$plan" = 1 ] || echo "$call done in $(( $(date +%s) - t0 )) s: $(ls "$out" | tr '\n' ' ')" | tee -a "$log"
