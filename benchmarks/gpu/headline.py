@@ -8,17 +8,20 @@ Phases (``--phase``; benchmarks/gpu_loan.sh runs them in order, each in its own 
 * ``llama``: the prebuilt llama.cpp (benchmarks/peers/llama_cpp_prebuilt.py), ``llama-bench -ngl 99 --n-cpu-moe k
   -p <prompt> -n <new tokens>`` for k = 0 and for each share s of the experts on the GPU (k = layers * (1 - s)).
   It runs before moeflow's process exists, so the two never share the GPU.
-* ``moeflow``: the AWQ checkpoint loaded ONCE (``MoEModel.from_pretrained``, every expert in the pinned host
-  store); then, swapping the expert backend on that model (:func:`swap_backend`, sharing the host store):
-  resident, and lru / lru + ``cpu_compute="auto"`` at each share (slots = experts of the llama.cpp row), the decode
-  step captured as CUDA graphs (on the CPU: the tests' stand-in), a warm-up generate at the timed shape, then one
-  greedy generate of ``--new-tokens`` after a ``--prompt-len`` prompt: decode tok/s, TTFT, hit rate, bytes moved,
-  peak device memory, tokens = resident's.
+* ``moeflow``: the checkpoint (``--source awq``: the AWQ one; ``gguf``: the very GGUF file llama.cpp ran, whose Q4_0
+  experts load as AWQ with group 32, exactly its weights) loaded ONCE (``MoEModel.from_pretrained``, every expert
+  in the pinned host store); then, swapping the expert backend on that model (:func:`swap_backend`, sharing the
+  host store): resident, and lru / lru + ``cpu_compute="auto"`` at each share (slots = experts of the llama.cpp
+  row), the decode step captured as CUDA graphs (on the CPU: the tests' stand-in), a warm-up generate at the timed
+  shape, then one greedy generate of ``--new-tokens`` after a ``--prompt-len`` prompt: decode tok/s, TTFT, hit
+  rate, bytes moved, peak device memory, tokens = resident's.
 * ``report``: ratios (moeflow / llama.cpp decode per share) and the Markdown table (gpu/headline_report.py).
 
 Every phase reads and rewrites ``--out/headline_<family>.json`` after each point and checks its own deadline
 (``--deadline-s`` seconds from its start) before each row, so a command killed at its limit keeps what it measured.
-``--tiny``: the tiny shapes on the CPU (the CPU llama.cpp of the same prebuilt archive).
+``--tiny``: the tiny shapes on the CPU (the CPU llama.cpp of the same prebuilt archive). ``--experts Q4_K_M``: the
+GGUF's experts in llama-quantize's Q4_K_M mixture (random blocks, no AWQ twin: the checkpoints phase writes the GGUF
+alone, moeflow reads it with ``--source gguf``), results in ``headline_<family>_Q4_K_M.json``.
 
     python -m benchmarks.gpu.headline --phase moeflow --family mixtral --out $OUT --deadline-s 200
     python -m benchmarks.gpu.headline --phase all --family mixtral --tiny --out /tmp/headline   # anywhere
