@@ -123,6 +123,11 @@ headline() {  # headline <family> <phase> <limit> [deadline [args...]]: one phas
     --out "$out" --deadline-s "$deadline" "$@"
 }
 
+keep_json() {  # call 1's Mixtral JSON for call 2, after each of its steps (a command cut short keeps what it has)
+  [ "$plan" = 1 ] || { mkdir -p "$keep" && cp "$out/headline_mixtral.json" "$keep/" 2>/dev/null; }
+  return 0
+}
+
 case "$call" in
   call1)
     stack
@@ -152,9 +157,10 @@ case "$call" in
     fi
     wait_background
     headline mixtral llama 100 75
+    keep_json
     headline mixtral moeflow 220 195
-    run 10 "$py" -m benchmarks.gpu.headline_report "$out"
-    [ "$plan" = 1 ] || { mkdir -p "$keep" && cp "$out"/headline_mixtral.json "$keep/" 2>/dev/null; } ;;
+    keep_json
+    run 10 "$py" -m benchmarks.gpu.headline_report "$out" ;;
   call2)
     # moeflow on the very Q4_0 GGUF call 1's llama.cpp rows ran (call 1 left it, and its JSON, in /tmp on this warm
     # machine; the device empties $OUT between commands)

@@ -1,7 +1,8 @@
 """The GPU loan's Q4_0 GGUF writer (benchmarks/common/gguf_checkpoint.py): the GGUF holds exactly the synthetic AWQ
 checkpoint's weights (Mixtral as ``llama`` with experts, Qwen3-30B-A3B as ``qwen3moe``), and the prebuilt llama.cpp
-(../shared/peers, CPU backends) loads a 2-layer file of Mixtral's full hidden width and decodes with it.
-~15 s on 2 cores (the llama-bench test ~5 s of it)."""
+(../shared/peers, CPU backends) loads a 2-layer file of Mixtral's full hidden width and decodes with it; the
+Q4_K_M variant has llama-quantize's expert mixture and both engines read it. ~25 s on 2 cores (the llama.cpp tests
+~15 s of it; 35 s at load average 9)."""
 
 from __future__ import annotations
 

@@ -137,6 +137,8 @@ def test_call1_runs_end_to_end_on_the_cpu(tmp_path):
     assert [r["decode_hit_rate"] < 1 for r in rows[1:]] == [True] * 4 and rows[2]["bytes_h2d"] > 0
     md = (out / "headline.md").read_text()
     assert "| moeflow AWQ lru | 8 | 25% |" in md
+    # kept outside $OUT for call 2 (the device empties $OUT between commands)
+    assert json.loads((tmp_path / "moeflow-loan" / "headline_mixtral.json").read_text())["moeflow"] == rows
     # call 2's first step: moeflow on the very GGUF llama.cpp read (its Q4_0 experts load as AWQ, exactly)
     step = ["-m", "benchmarks.gpu.headline", "--family", "mixtral", "--phase", "moeflow", "--tiny", "--layers", "4",
             "--out", str(out), "--source", "gguf"]
