@@ -49,7 +49,7 @@ def check_gguf_experts(gate_up: str, down: str | tuple[str, ...], down_by_slot: 
     """One MoE layer through the GGUF kernels (``config``: the stage configs, default the wave rule's) against the
     fp32 reference: ``T`` tokens x ``shape`` = (H, I, E, k) on ``device``, the pool's regions random blocks of the
     given types (region s's down in ``down_by_slot[s % len]``). Asserts the relative error ``|out - ref| / |ref|``
-    (Frobenius) < 1e-2 with 16-bit activations (the decoded weights are rounded for the MMA), 1e-5 in fp32; with
+    (Frobenius) < 2e-2 with 16-bit activations (the decoded weights are rounded for the MMA), 1e-5 in fp32; with
     ``expect_split`` that the default decode config splits K; with ``stable_runs`` (CUDA) that the output keeps its
     bits over that many launches and CUDA-graph replays. Returns the relative error."""
     from moeflow import kernels
@@ -84,7 +84,8 @@ def check_gguf_experts(gate_up: str, down: str | tuple[str, ...], down_by_slot: 
     got = launch().clone()
     assert bool(torch.isfinite(got).all())
     err = float((got.float() - want).norm() / want.norm())
-    assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
+    # 16 bits: x, h, out and the MMA's weights in bf16 (~0.4 % each; the interpreter truncates: 0.7 % at tiny shapes)
+    assert err < (1e-5 if dtype == torch.float32 else 2e-2), err
     if stable_runs:
         from cuda_helpers import assert_bitwise_stable
 
@@ -117,3 +118,14 @@ def test_the_gpu_checks_run_interpreted(T, config):
     shape = (256, 256, 8, 2)
     for dtype in (torch.float32, torch.bfloat16):
         check_gguf_experts("Q4_K", ("Q4_K", "Q6_K"), ("Q6_K", "Q4_K"), T, shape, "cpu", dtype, config=config)
+
+
+def test_the_reference_dequantizes_on_the_pools_device():
+    """The GPU tests' reference dequantizes the CUDA pool's blocks where they are: no CPU-only constant in any block
+    type's decode (the meta device stands in for CUDA here: a CPU tensor beside it fails the same way)."""
+    from moeflow.kernels.experts.gguf_reference import GGML_TYPES, dequantize
+
+    for t in GGML_TYPES.values():
+        raw = torch.empty(3, 2 * t.type_size, dtype=torch.uint8, device="meta")
+        out = dequantize(raw, t.name)
+        assert out.device.type == "meta" and out.shape == (3, 2 * t.block_size), t.name
