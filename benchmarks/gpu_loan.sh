@@ -19,8 +19,14 @@
 #         panel vs row-major); llama-bench -ngl 99 --n-cpu-moe k -p 512 -n 64 at 50 % / 25 % / 100 % of the experts
 #         on the GPU (moeflow's process does not exist yet); moeflow on the same weights loaded once: resident, lru
 #         and lru + cpu_compute="auto" at 50 % and 25 %, CUDA graphs, 64 tokens after a 512-token prompt; the table.
-#   call2 (limits sum to <= 5 min): the same llama.cpp and moeflow rows for the Qwen3-30B-A3B shape (48 layers,
-#         128 experts, top 8; the Mixtral files deleted first: the 64 GiB disk).
+#   call2 (limits sum to <= 5 min; right after call 1 on the same warm machine): first moeflow on the very Q4_0 GGUF
+#         file call 1's llama.cpp rows ran (`from_pretrained(<file>.gguf)`: its Q4_0 experts load as AWQ with group
+#         32, exactly the file's weights; same file, same bytes; rows "moeflow GGUF-Q4_0 ..." at the same shares,
+#         each also marked whether its tokens equal the AWQ checkpoint's resident tokens; 100 s: the load, ~10x
+#         slower per expert than the AWQ checkpoint's on the CPU, then the rows until its deadline), with call 1's
+#         JSON carried over in /tmp (the device empties $OUT between commands), so call 2's headline_mixtral.json
+#         holds every Mixtral row and ratio; then the Mixtral files are deleted (the 64 GiB disk) and the same
+#         llama.cpp and moeflow rows run for the Qwen3-30B-A3B shape (48 layers, 128 experts, top 8) in what is left.
 #
 # Every step runs under `timeout` and checks its own deadline before each row; every point is written to JSON at
 # once, so a command killed at its limit still returns what it measured. PLAN=1 prints each step's limit and command
@@ -28,12 +34,28 @@
 # and the same GGUF writer (tests/test_gpu_loan.py runs both).
 #
 # Results: $OUT (the device's folder that comes back), else benchmarks/results/<gpu>-<date>/ (e.g. h200-2026-12-01:
-# benchmarks.gpu.headline_report.results_dir). Copy the returned files there and commit: headline_mixtral.json, headline_qwen3.json,
-# kernels.json, pytest-cuda.jsonl, stack.txt, call1.log / call2.log, and headline.md, the short table
-# (`python -m benchmarks.gpu.headline_report <folder>` rewrites it from the JSON).
+# benchmarks.gpu.headline_report.results_dir). Copy the returned files there and commit: headline_mixtral.json (call
+# 2's: a superset of call 1's), headline_qwen3.json, kernels.json, pytest-cuda.jsonl, stack.txt, call1.log /
+# call2.log, and headline.md, the short table (`python -m benchmarks.gpu.headline_report <folder>` rewrites it from
+# the JSON).
 #
-# Later loans, in this order (benchmarks/run_all_gpu.sh stages; the owed list in docs/status.md is the record):
-#   serve, engine, models, families, tune, deltanet, lookup.
+# Not in this loan (measured here on the CPU; they would not fit its 15 minutes beside the headline):
+#   * the GGUF expert kernels compiled (tests/test_cuda_gguf_kernels.py: Q4_0, Q8_0, Q4_K + Q4_K_M's two-type down,
+#     Q6_K + Q5_K at Qwen3-30B-A3B shapes, decode split-K and prefill vs the fp32 reference; 24 kernel compiles,
+#     ~40-60 s from the AWQ kernels' 1-2 s per compile on the 2026-11-23 H100; call 1 has ~10 s spare and call 2
+#     none) and llama.cpp vs moeflow on one Q4_K_M file: the `gguf` command below, the first later loan, run as
+#     run(command="bash benchmarks/gpu_loan.sh gguf", carry=[".whl", ".peers/llama-cpp-cuda-sm90.tar.xz"],
+#     timeout_s=600). Its file is written without a bf16 model and without llama-quantize (gguf_checkpoint's
+#     experts="Q4_K_M": llama-quantize's Q4_K_M expert mixture, gate / up Q4_K, down Q6_K in its use_more_bits
+#     layers else Q4_K, as random blocks; bound by the disk like the Q4_0 file). `llama-quantize --allow-requantize
+#     <Q4_0> <out> Q4_K_M` from the prebuilt makes the same mixture but took 190 CPU-s for the 2-layer full-width
+#     slice here (2 threads, load average ~9): ~3000 CPU-s for 32 layers, 3-4 min of the device's 16 cores.
+#     moeflow's GGUF experts have no CUDA-graph captured form with offload yet, and no CPU kernels (its
+#     cpu_compute="auto" rows fall back to "never" and say so).
+#
+# Later loans, in this order (benchmarks/run_all_gpu.sh stages, after this script's `gguf`; the owed list in
+# docs/status.md is the record):
+#   gguf, serve, engine, models, families, tune, deltanet, lookup.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -50,6 +72,7 @@ fi
 out="${OUT:-benchmarks/results/plan}"
 [ "$plan" = 1 ] || mkdir -p "$out"
 log="$out/$call.log"
+keep="${TMPDIR:-/tmp}/moeflow-loan"  # call 1's JSON for call 2 (outside $OUT, which the device empties)
 t0=$(date +%s)
 
 run() {  # run <seconds> <command...>: bounded, logged, never aborting the call
@@ -93,10 +116,16 @@ stack() {  # versions, the device, the stack check, the prebuilt llama.cpp's dev
   tee -a "$log" < "$out/stack.txt"
 }
 
-headline() {  # headline <family> <phase> <limit> [deadline]: one phase of gpu/headline.py in its own process
+headline() {  # headline <family> <phase> <limit> [deadline [args...]]: one phase of gpu/headline.py in its own process
   local family=$1 phase=$2 limit=$3 deadline=${4:-$3}
+  shift $(( $# < 4 ? $# : 4 ))
   run "$limit" "$py" -m benchmarks.gpu.headline --family "$family" --phase "$phase" "${tiny[@]}" \
-    --out "$out" --deadline-s "$deadline"
+    --out "$out" --deadline-s "$deadline" "$@"
+}
+
+keep_json() {  # call 1's Mixtral JSON for call 2, after each of its steps (a command cut short keeps what it has)
+  [ "$plan" = 1 ] || { mkdir -p "$keep" && cp "$out/headline_mixtral.json" "$keep/" 2>/dev/null; }
+  return 0
 }
 
 case "$call" in
@@ -128,14 +157,34 @@ case "$call" in
     fi
     wait_background
     headline mixtral llama 100 75
+    keep_json
     headline mixtral moeflow 220 195
+    keep_json
     run 10 "$py" -m benchmarks.gpu.headline_report "$out" ;;
   call2)
+    # moeflow on the very Q4_0 GGUF call 1's llama.cpp rows ran (call 1 left it, and its JSON, in /tmp on this warm
+    # machine; the device empties $OUT between commands)
+    if [ "$plan" != 1 ] && [ -f "$keep/headline_mixtral.json" ] && [ ! -f "$out/headline_mixtral.json" ]; then
+      cp "$keep/headline_mixtral.json" "$out/"
+    fi
+    headline mixtral moeflow 100 80 --source gguf
     [ "$plan" = 1 ] || [ "${TINY:-0}" = 1 ] || rm -rf /tmp/moeflow-headline-mixtral-*  # the disk: 64 GiB
     headline qwen3 checkpoints 75
-    headline qwen3 llama 80 60
-    headline qwen3 moeflow 125 105
+    headline qwen3 llama 55 40
+    headline qwen3 moeflow 60 45
     run 10 "$py" -m benchmarks.gpu.headline_report "$out" ;;
-  *) echo "usage: $0 call1|call2 (PLAN=1: the plan; TINY=1: CPU sizes)" >&2; exit 2 ;;
+  gguf)  # a later loan's command (<= 9 min): the GGUF kernels compiled, then the same file's Q4_K_M rows
+    stack
+    background 150 "$py" -m benchmarks.gpu.headline --family mixtral --phase checkpoints --experts Q4_K_M \
+      "${tiny[@]}" --out "$out"
+    collect=()
+    if [ "${TINY:-0}" = 1 ]; then collect=(--collect-only -q); fi
+    MOEFLOW_TEST_JSONL="$out/pytest-cuda-gguf.jsonl" TRITON_INTERPRET=0 run 120 "$py" -m pytest -v -m cuda \
+      -p no:cacheprovider -p benchmarks.common.pytest_jsonl "${collect[@]}" tests/test_cuda_gguf_kernels.py
+    wait_background
+    headline mixtral llama 100 75 --experts Q4_K_M
+    headline mixtral moeflow 200 175 --source gguf --experts Q4_K_M
+    run 10 "$py" -m benchmarks.gpu.headline_report "$out" ;;
+  *) echo "usage: $0 call1|call2|gguf (PLAN=1: the plan; TINY=1: CPU sizes)" >&2; exit 2 ;;
 esac
 [ "$plan" = 1 ] || echo "$call done in $(( $(date +%s) - t0 )) s: $(ls "$out" | tr '\n' ' ')" | tee -a "$log"

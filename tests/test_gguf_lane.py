@@ -1,10 +1,12 @@
 """The GPU loan's Q4_0 GGUF writer (benchmarks/common/gguf_checkpoint.py): the GGUF holds exactly the synthetic AWQ
 checkpoint's weights (Mixtral as ``llama`` with experts, Qwen3-30B-A3B as ``qwen3moe``), and the prebuilt llama.cpp
-(../shared/peers, CPU backends) loads a 2-layer file of Mixtral's full hidden width and decodes with it.
-~15 s on 2 cores (the llama-bench test ~5 s of it)."""
+(../shared/peers, CPU backends) loads a 2-layer file of Mixtral's full hidden width and decodes with it; the
+Q4_K_M variant has llama-quantize's expert mixture and both engines read it. ~25 s on 2 cores (the llama.cpp tests
+~15 s of it; 35 s at load average 9)."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -143,3 +145,50 @@ def test_the_prebuilt_llama_cpp_decodes_a_qwen3moe_gguf_whose_heads_are_wider_th
     row = prebuilt.llama_bench(prebuilt.unpack(archive), path, ngl=0, n_cpu_moe=0, prompt=8, gen=8, reps=1,
                                threads=2, timeout=300)
     assert row["pp8"] > 0 and row["tg8"] > 0 and row["model_bytes"] == path.stat().st_size - _data_offset(path)
+
+
+def test_the_q4_k_m_file_holds_llama_quantizes_expert_mixture_and_both_engines_read_it(tmp_path):
+    """The Q4_K_M variant (random K-quant experts, written without llama-quantize): its expert tensors have the
+    block types llama-quantize's Q4_K_M gives the Q4_0 file (`--allow-requantize`, 8 narrow layers: down in Q6_K in
+    layers 0, 3, 6, 7), llama-bench decodes it, and moeflow loads it as the GGUF format with both down types, the
+    pool's bytes the file's."""
+    from benchmarks.common.checkpoint import MIXTRAL_8X7B
+    from benchmarks.peers import llama_cpp_prebuilt as prebuilt
+
+    cfg = {**MIXTRAL_8X7B, "num_hidden_layers": 8, "hidden_size": 512, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "intermediate_size": 512, "vocab_size": 512}
+    path = gguf_checkpoint.write_synthetic_gguf(tmp_path / "m-Q4_K_M.gguf", "mixtral", cfg, experts="Q4_K_M")
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors if "_exps" in t.name}
+    more = [layer for layer in range(8) if gguf_checkpoint.use_more_bits(layer, 8)]
+    assert more == [0, 3, 6, 7]
+    for layer in range(8):
+        assert types[f"blk.{layer}.ffn_gate_exps.weight"] == types[f"blk.{layer}.ffn_up_exps.weight"] == "Q4_K"
+        assert types[f"blk.{layer}.ffn_down_exps.weight"] == ("Q6_K" if layer in more else "Q4_K")
+    g, _ = _read(path)
+    w = g["blk.0.ffn_gate_exps.weight"]
+    assert np.isfinite(w).all() and 0.003 < float(w.std()) < 0.03 and abs(float(w.mean())) < 0.003, w.std()
+    archive = prebuilt.find_archive()
+    if archive is not None:
+        bin_dir = prebuilt.unpack(archive)
+        q4_0 = gguf_checkpoint.write_synthetic_gguf(tmp_path / "m-Q4_0.gguf", "mixtral", cfg)
+        requant = tmp_path / "requant.gguf"
+        done = subprocess.run([str(bin_dir / "llama-quantize"), "--allow-requantize", str(q4_0), str(requant),
+                               "Q4_K_M", "2"], capture_output=True, text=True, timeout=300,
+                              env=prebuilt.run_env(bin_dir))
+        assert done.returncode == 0, done.stderr[-2000:]
+        theirs = {t.name: t.tensor_type.name for t in gguf.GGUFReader(requant).tensors if "_exps" in t.name}
+        assert theirs == types
+        row = prebuilt.llama_bench(bin_dir, path, ngl=0, n_cpu_moe=0, prompt=8, gen=8, reps=1, threads=2,
+                                   timeout=300)
+        assert row["pp8"] > 0 and row["tg8"] > 0
+    from moeflow import MoEModel, OffloadConfig
+
+    model = MoEModel.from_pretrained(path, device="cpu", kernels="torch", progress=False, cuda_graphs=False,
+                                     offload=OffloadConfig(policy="lru", gpu_expert_slots=4))
+    try:
+        host = model.experts.host
+        assert (host.fmt.gate_up_types, host.fmt.down_types) == (("Q4_K",), ("Q4_K", "Q6_K"))
+        out = model.generate(torch.tensor([[1, 5, 9, 300]]), max_new_tokens=2, do_sample=False, eos_token_id=[])
+        assert out.shape == (1, 6)
+    finally:
+        model.close()

@@ -1,5 +1,7 @@
 """GGUF Q4_0 files of the GPU lane's synthetic checkpoints, for llama.cpp (``llama-bench --n-cpu-moe``) beside
-moeflow on the same weights: no bf16 model, no ``convert_hf_to_gguf.py``, no ``llama-quantize``.
+moeflow on the same weights: no bf16 model, no ``convert_hf_to_gguf.py``, no ``llama-quantize``. And a Q4_K_M
+variant (``experts="Q4_K_M"``): the experts in llama-quantize's Q4_K_M mixture, random blocks, for llama.cpp and
+moeflow on the same K-quant file (:func:`q4_k_m_experts`).
 
 The AWQ writers (``common.checkpoint.write_synthetic_awq_checkpoint`` for Mixtral-8x7B, ``gpu.families.
 write_family_checkpoint`` for Qwen3-30B-A3B) draw their random tensors from one seeded ``torch.Generator`` in a fixed
@@ -130,6 +132,51 @@ def stacked_experts(templates: list[dict], names: tuple[str, str, str], num_expe
             for gguf, w in zip(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), names, strict=True)}
 
 
+# ------------------------------------------------------------------------------------------ Q4_K_M experts
+QK_K = 256
+K_BYTES = {"Q4_K": 144, "Q6_K": 210}
+EXPERT_TYPES = ("Q4_0", "Q4_K_M")
+
+
+def use_more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's ``use_more_bits`` (llama-quant.cpp): the layers whose ``ffn_down`` Q4_K_M stores in Q6_K."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def random_k_blocks(type_name: str, rows: int, k: int, gen: torch.Generator) -> np.ndarray:
+    """uint8 [rows, k / 256 * type size] of random ``Q4_K`` or ``Q6_K`` blocks (ggml-common.h's layouts) whose
+    weights are about the AWQ writers' ((q - 8) * U(1e-3, 3e-3): std ~0.01, mean ~0): Q4_K random quants and
+    6-bit scales / mins, ``d`` = U(1, 3)e-3 / 32 and ``dmin`` = 7.5 d (so ``d sc q - dmin m`` is centred on
+    average); Q6_K random quants, int8 scales in [1, 16], ``d`` = U(0.5, 1.5)e-4."""
+    if k % QK_K:
+        raise ValueError(f"{type_name} rows need a multiple of {QK_K} inputs, got {k}")
+    size = K_BYTES[type_name]
+    blocks = torch.randint(0, 256, (rows, k // QK_K, size), generator=gen, dtype=torch.uint8)
+    if type_name == "Q4_K":
+        d = torch.rand((rows, k // QK_K), generator=gen) * 2e-3 / 32 + 1e-3 / 32
+        blocks[..., 0:2] = d.half().view(torch.uint8).view(rows, -1, 2)
+        blocks[..., 2:4] = (d * 7.5).half().view(torch.uint8).view(rows, -1, 2)
+    else:
+        blocks[..., 192:208] = torch.randint(1, 17, (rows, k // QK_K, 16), generator=gen, dtype=torch.uint8)
+        d = torch.rand((rows, k // QK_K), generator=gen) * 1e-4 + 0.5e-4
+        blocks[..., 208:210] = d.half().view(torch.uint8).view(rows, -1, 2)
+    return blocks.reshape(rows, -1).numpy()
+
+
+def q4_k_m_experts(num_experts: int, hidden: int, inter: int, seed: int) -> dict[str, np.ndarray]:
+    """The stacked expert tensors of a Q4_K_M file, random blocks ([E, out, in/256 * size], expert e the template
+    e % TEMPLATES): ``ffn_gate_exps`` / ``ffn_up_exps`` Q4_K, ``ffn_down_exps`` both forms, ``Q4_K`` and ``Q6_K``
+    (llama-quantize's Q4_K_M puts the down projections of :func:`use_more_bits` layers in Q6_K)."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    shapes = {"ffn_gate_exps": ("Q4_K", inter, hidden), "ffn_up_exps": ("Q4_K", inter, hidden),
+              "Q4_K": ("Q4_K", hidden, inter), "Q6_K": ("Q6_K", hidden, inter)}
+    out = {}
+    for name, (t, rows, k) in shapes.items():
+        templates = [random_k_blocks(t, rows, k, gen) for _ in range(TEMPLATES)]
+        out[name] = np.stack([templates[e % TEMPLATES] for e in range(num_experts)])
+    return out
+
+
 # ------------------------------------------------------------------------------------------ the file
 def synthetic_vocab(size: int) -> tuple[list[str], list[float], list[int]]:
     """A SentencePiece-style vocabulary llama.cpp accepts: <unk> <s> </s>, the 256 byte tokens (only <0x0A>, which
@@ -147,10 +194,12 @@ def synthetic_vocab(size: int) -> tuple[list[str], list[float], list[int]]:
     return tokens, [0.0] * fixed + [-float(i) for i in range(size - fixed)], [int(t) for t in types]
 
 
-def _plan(family: str, config: dict, group: int, seed: int
-          ) -> tuple[str, dict, Iterator[tuple[str, Callable[[], np.ndarray], np.ndarray, bool]]]:
+def _plan(family: str, config: dict, group: int, seed: int, experts_type: str = "Q4_0"
+          ) -> tuple[str, dict, Iterator[tuple[str, Callable[[], np.ndarray], np.ndarray, str | None]]]:
     """(architecture, hyperparameters, tensors): each tensor as (name, producer of its bytes, an array of its
-    shape and dtype, Q4_0?)."""
+    shape and dtype, its ggml block type: None for F16 / F32)."""
+    if experts_type not in EXPERT_TYPES:
+        raise ValueError(f"experts={experts_type!r}: expected one of {EXPERT_TYPES}")
     if family == "mixtral":
         parts = mixtral_parts(config, group, seed)
         H, I, E = config["hidden_size"], config["intermediate_size"], config["num_local_experts"]  # noqa: E741
@@ -180,13 +229,25 @@ def _plan(family: str, config: dict, group: int, seed: int
         qk_norm = True
     else:
         raise ValueError(f"family={family!r}: expected 'mixtral' or 'qwen3'")
-    experts = stacked_experts(parts["templates"], names, E, group)
+    if experts_type == "Q4_0":
+        experts = stacked_experts(parts["templates"], names, E, group)
+
+        def layer_experts(layer: int) -> list[tuple[str, np.ndarray, str]]:
+            return [(n, a, "Q4_0") for n, a in experts.items()]
+    else:
+        kq = q4_k_m_experts(E, H, hp["expert_ff"] or hp["ff"], seed)
+        L = config["num_hidden_layers"]
+
+        def layer_experts(layer: int) -> list[tuple[str, np.ndarray, str]]:
+            down = "Q6_K" if use_more_bits(layer, L) else "Q4_K"
+            return [("ffn_gate_exps", kq["ffn_gate_exps"], "Q4_K"), ("ffn_up_exps", kq["ffn_up_exps"], "Q4_K"),
+                    ("ffn_down_exps", kq[down], down)]
     ones_h = np.ones(H, dtype=np.float32)
     ones_hd = np.ones(hd, dtype=np.float32)
 
     def tensors():
-        def item(name: str, arr: np.ndarray, q4: bool = False, make: Callable[[], np.ndarray] | None = None):
-            return name, (make or (lambda: arr)), arr, q4
+        def item(name: str, arr: np.ndarray, qtype: str | None = None, make: Callable[[], np.ndarray] | None = None):
+            return name, (make or (lambda: arr)), arr, qtype
 
         embed = _np(parts["embed"], torch.float16)
         yield item("token_embd.weight", embed)
@@ -194,7 +255,7 @@ def _plan(family: str, config: dict, group: int, seed: int
             b = f"blk.{layer}"
             yield item(f"{b}.attn_norm.weight", ones_h)
             for gname, arr in attention.items():
-                yield item(f"{b}.{gname}.weight", arr, q4=arr.dtype == np.uint8)
+                yield item(f"{b}.{gname}.weight", arr, "Q4_0" if arr.dtype == np.uint8 else None)
             if qk_norm:
                 yield item(f"{b}.attn_q_norm.weight", ones_hd)
                 yield item(f"{b}.attn_k_norm.weight", ones_hd)
@@ -202,23 +263,27 @@ def _plan(family: str, config: dict, group: int, seed: int
             gate = parts["gates"][layer]
             yield item(f"{b}.ffn_gate_inp.weight", np.empty(gate.shape, np.float32),
                        make=lambda g=gate: _np(g, torch.float32))
-            for gname, arr in experts.items():
-                yield item(f"{b}.{gname}.weight", arr, q4=True)
+            for gname, arr, qtype in layer_experts(layer):
+                yield item(f"{b}.{gname}.weight", arr, qtype)
         yield item("output_norm.weight", ones_h)
         yield item("output.weight", _np(parts["lm_head"], torch.float16))
 
     return hp["arch"], hp, tensors()
 
 
-def write_synthetic_gguf(path: Path, family: str, config: dict, group: int = 128, seed: int = 0) -> Path:
-    """Write the Q4_0 GGUF of the synthetic ``family`` ("mixtral" or "qwen3") checkpoint of ``config`` (a file
-    already there is reused)."""
+def write_synthetic_gguf(path: Path, family: str, config: dict, group: int = 128, seed: int = 0,
+                         experts: str = "Q4_0") -> Path:
+    """Write the GGUF of the synthetic ``family`` ("mixtral" or "qwen3") checkpoint of ``config`` (a file already
+    there is reused). ``experts`` "Q4_0": the AWQ checkpoint's weights exactly; "Q4_K_M": the experts as
+    llama-quantize's Q4_K_M stores them (gate / up Q4_K, down Q6_K in :func:`use_more_bits` layers else Q4_K), of
+    random blocks (:func:`q4_k_m_experts`: not the AWQ weights; written without a bf16 model or llama-quantize,
+    bound by the disk like the Q4_0 file), the other tensors as in the Q4_0 file."""
     from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType
 
     path = Path(path)
     if path.is_file():
         return path
-    arch, hp, tensors = _plan(family, config, group, seed)
+    arch, hp, tensors = _plan(family, config, group, seed, experts)
     part = path.with_name(path.name + ".part")
     path.parent.mkdir(parents=True, exist_ok=True)
     w = GGUFWriter(part, arch)
@@ -239,7 +304,7 @@ def write_synthetic_gguf(path: Path, family: str, config: dict, group: int = 128
     w.add_expert_count(hp["experts"])
     w.add_expert_used_count(hp["top_k"])
     w.add_vocab_size(config["vocab_size"])
-    w.add_file_type(LlamaFileType.MOSTLY_Q4_0)
+    w.add_file_type(LlamaFileType.MOSTLY_Q4_0 if experts == "Q4_0" else LlamaFileType.MOSTLY_Q4_K_M)
     w.add_quantization_version(2)
     tokens, scores, types = synthetic_vocab(config["vocab_size"])
     w.add_tokenizer_model("llama")
@@ -251,9 +316,9 @@ def write_synthetic_gguf(path: Path, family: str, config: dict, group: int = 128
     w.add_unk_token_id(0)
     w.add_add_bos_token(True)
     plan = list(tensors)
-    for name, _, like, q4 in plan:
+    for name, _, like, qtype in plan:
         w.add_tensor_info(name, like.shape, like.dtype, like.nbytes,
-                          raw_dtype=GGMLQuantizationType.Q4_0 if q4 else None)
+                          raw_dtype=GGMLQuantizationType[qtype] if qtype else None)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
@@ -272,6 +337,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--family", choices=("mixtral", "qwen3"), default="mixtral")
     ap.add_argument("--tiny", action="store_true", help="the tiny CPU shapes (AWQ group 32)")
     ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--experts", choices=EXPERT_TYPES, default="Q4_0")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     if args.family == "mixtral":
@@ -281,7 +347,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.layers:
         config["num_hidden_layers"] = args.layers
     t0 = time.perf_counter()
-    path = write_synthetic_gguf(args.out, args.family, config, group=32 if args.tiny else 128)
+    path = write_synthetic_gguf(args.out, args.family, config, group=32 if args.tiny else 128, experts=args.experts)
     done = {"path": str(path), "bytes": path.stat().st_size, "write_s": round(time.perf_counter() - t0, 1)}
     print(done, flush=True)
     return done

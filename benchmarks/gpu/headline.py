@@ -8,17 +8,20 @@ Phases (``--phase``; benchmarks/gpu_loan.sh runs them in order, each in its own 
 * ``llama``: the prebuilt llama.cpp (benchmarks/peers/llama_cpp_prebuilt.py), ``llama-bench -ngl 99 --n-cpu-moe k
   -p <prompt> -n <new tokens>`` for k = 0 and for each share s of the experts on the GPU (k = layers * (1 - s)).
   It runs before moeflow's process exists, so the two never share the GPU.
-* ``moeflow``: the AWQ checkpoint loaded ONCE (``MoEModel.from_pretrained``, every expert in the pinned host
-  store); then, swapping the expert backend on that model (:func:`swap_backend`, sharing the host store):
-  resident, and lru / lru + ``cpu_compute="auto"`` at each share (slots = experts of the llama.cpp row), the decode
-  step captured as CUDA graphs (on the CPU: the tests' stand-in), a warm-up generate at the timed shape, then one
-  greedy generate of ``--new-tokens`` after a ``--prompt-len`` prompt: decode tok/s, TTFT, hit rate, bytes moved,
-  peak device memory, tokens = resident's.
+* ``moeflow``: the checkpoint (``--source awq``: the AWQ one; ``gguf``: the very GGUF file llama.cpp ran, whose Q4_0
+  experts load as AWQ with group 32, exactly its weights) loaded ONCE (``MoEModel.from_pretrained``, every expert
+  in the pinned host store); then, swapping the expert backend on that model (:func:`swap_backend`, sharing the
+  host store): resident, and lru / lru + ``cpu_compute="auto"`` at each share (slots = experts of the llama.cpp
+  row), the decode step captured as CUDA graphs (on the CPU: the tests' stand-in), a warm-up generate at the timed
+  shape, then one greedy generate of ``--new-tokens`` after a ``--prompt-len`` prompt: decode tok/s, TTFT, hit
+  rate, bytes moved, peak device memory, tokens = resident's.
 * ``report``: ratios (moeflow / llama.cpp decode per share) and the Markdown table (gpu/headline_report.py).
 
 Every phase reads and rewrites ``--out/headline_<family>.json`` after each point and checks its own deadline
 (``--deadline-s`` seconds from its start) before each row, so a command killed at its limit keeps what it measured.
-``--tiny``: the tiny shapes on the CPU (the CPU llama.cpp of the same prebuilt archive).
+``--tiny``: the tiny shapes on the CPU (the CPU llama.cpp of the same prebuilt archive). ``--experts Q4_K_M``: the
+GGUF's experts in llama-quantize's Q4_K_M mixture (random blocks, no AWQ twin: the checkpoints phase writes the GGUF
+alone, moeflow reads it with ``--source gguf``), results in ``headline_<family>_Q4_K_M.json``.
 
     python -m benchmarks.gpu.headline --phase moeflow --family mixtral --out $OUT --deadline-s 200
     python -m benchmarks.gpu.headline --phase all --family mixtral --tiny --out /tmp/headline   # anywhere
@@ -38,7 +41,7 @@ import torch
 
 from benchmarks.common.checkpoint import MIXTRAL_8X7B, write_synthetic_awq_checkpoint
 from benchmarks.common.checkpoint import TINY as MIXTRAL_TINY
-from benchmarks.common.gguf_checkpoint import write_synthetic_gguf
+from benchmarks.common.gguf_checkpoint import EXPERT_TYPES, write_synthetic_gguf
 from benchmarks.gpu import headline_report
 from benchmarks.peers.peer_report import uptime
 
@@ -47,8 +50,9 @@ PHASES = ("checkpoints", "llama", "moeflow", "report")
 
 
 # ------------------------------------------------------------------------------------------ setup
-def family_config(family: str, tiny: bool, layers: int | None) -> tuple[dict, int]:
-    """(config.json of the synthetic checkpoint, AWQ group size)."""
+def family_config(family: str, tiny: bool, layers: int | None, experts: str = "Q4_0") -> tuple[dict, int]:
+    """(config.json of the synthetic checkpoint, AWQ group size). Tiny with K-quant experts (``experts``
+    "Q4_K_M"): hidden and expert intermediate sizes at least 256, a K-quant super-block."""
     if family == "mixtral":
         cfg = dict(MIXTRAL_TINY if tiny else MIXTRAL_8X7B)
     else:
@@ -56,6 +60,9 @@ def family_config(family: str, tiny: bool, layers: int | None) -> tuple[dict, in
         from benchmarks.gpu.families import TINY as FAMILY_TINY
 
         cfg = dict(FAMILY_TINY["qwen3_moe"] if tiny else QWEN3_30B_A3B)
+    if tiny and experts != "Q4_0":
+        inter = "intermediate_size" if family == "mixtral" else "moe_intermediate_size"
+        cfg["hidden_size"], cfg[inter] = max(256, cfg["hidden_size"]), max(256, cfg[inter])
     if layers:
         cfg["num_hidden_layers"] = layers
         if "max_window_layers" in cfg:
@@ -82,15 +89,15 @@ def paths(args: argparse.Namespace) -> tuple[Path, Path]:
     tag = f"{'tiny-' if args.tiny else ''}{args.family}-L{args.config['num_hidden_layers']}"
     base = Path(tempfile.gettempdir())
     awq = args.checkpoint or base / f"moeflow-headline-{tag}-awq"
-    gguf = args.gguf or base / f"moeflow-headline-{tag}-Q4_0.gguf"
+    gguf = args.gguf or base / f"moeflow-headline-{tag}-{args.experts}.gguf"
     return awq, gguf
 
 
 class Results:
     """``--out/headline_<family>.json``, read at start and rewritten after every point."""
 
-    def __init__(self, out: Path, family: str, head: dict):
-        self.path = out / f"headline_{family}.json"
+    def __init__(self, out: Path, family: str, head: dict, experts: str = "Q4_0"):
+        self.path = out / f"headline_{family}{'' if experts == 'Q4_0' else '_' + experts}.json"
         out.mkdir(parents=True, exist_ok=True)
         self.data = json.loads(self.path.read_text()) if self.path.is_file() else {}
         self.data.update({k: v for k, v in head.items() if k not in self.data})
@@ -104,6 +111,14 @@ class Results:
 # ------------------------------------------------------------------------------------------ phases
 def phase_checkpoints(args, res: Results) -> None:
     awq, gguf = paths(args)
+    if args.experts != "Q4_0":  # the K-quant file alone (random blocks: no AWQ twin)
+        t0 = time.perf_counter()
+        write_synthetic_gguf(gguf, args.family, args.config, group=args.group, experts=args.experts)
+        res.data["checkpoints"] = {"gguf": str(gguf), "gguf_bytes": gguf.stat().st_size,
+                                   "gguf_write_s": round(time.perf_counter() - t0, 1), "experts": args.experts}
+        res.save()
+        print(f"checkpoints: {res.data['checkpoints']}", flush=True)
+        return
     t0 = time.perf_counter()
     if args.family == "mixtral":
         write_synthetic_awq_checkpoint(awq, args.config, group_size=args.group)
@@ -148,7 +163,7 @@ def phase_llama(args, res: Results, deadline: float) -> None:
     ngl = 99 if args.device == "cuda" else 0
     order = budgets(args.config, args.shares)
     for b in order[1:] + order[:1]:  # the shares first (the headline), all experts on the GPU last
-        row = {"engine": "llama.cpp Q4_0", **b}
+        row = {"engine": f"llama.cpp {args.experts}", **b}
         if time.perf_counter() > deadline:
             row["error"] = "skipped: phase deadline"
         else:
@@ -227,10 +242,16 @@ def moeflow_row(model, prompt: torch.Tensor, new_tokens: int, capture_factory) -
 
 
 def phase_moeflow(args, res: Results, deadline: float) -> None:
+    """The moeflow rows on ``--source``: ``awq`` the AWQ checkpoint (group 128), ``gguf`` the very Q4_0 GGUF file
+    llama.cpp runs (its Q4_0 experts load as the AWQ format with group 32, exactly its weights: the same file, the
+    same bytes). The GGUF rows record whether their tokens equal the AWQ resident row's too (saved as
+    ``resident_tokens``), beside the exact-token check against their own resident row."""
     from moeflow import MoEModel, OffloadConfig
     from moeflow.offload import min_slots
 
-    awq, _ = paths(args)
+    awq, gguf = paths(args)
+    source = gguf if args.source == "gguf" else awq
+    label = f"moeflow GGUF-{args.experts} " if args.source == "gguf" else "moeflow AWQ "
     device = torch.device(args.device)
     capture_factory = None
     if device.type == "cpu":
@@ -240,19 +261,22 @@ def phase_moeflow(args, res: Results, deadline: float) -> None:
         capture_factory = cpu_capture_factory()
     t0 = time.perf_counter()
     top_k = args.config["num_experts_per_tok"]
+    suffix = "_gguf" if args.source == "gguf" else ""
     try:  # every expert into the pinned host store (the backends below share it); graphs captured per row
         model = MoEModel.from_pretrained(
-            awq, device=device, kernels="torch" if args.tiny else "auto", progress=False, cuda_graphs=False,
+            source, device=device, kernels="torch" if args.tiny else "auto", progress=False, cuda_graphs=False,
             offload=OffloadConfig(policy="lru", gpu_expert_slots=min_slots(OffloadConfig(), top_k)))
     except Exception as exc:  # noqa: BLE001 - recorded for the table
-        res.data["moeflow_error"] = f"loading {awq}: {type(exc).__name__}: {str(exc)[-1500:]}"
+        res.data["moeflow_error" + suffix] = f"loading {source}: {type(exc).__name__}: {str(exc)[-1500:]}"
         res.save()
         raise
     host = model.experts.host
-    res.data["moeflow_load_s"] = round(time.perf_counter() - t0, 1)
-    res.data["moeflow_kernels"] = model.kernels
+    res.data["moeflow_load_s" + suffix] = round(time.perf_counter() - t0, 1)
+    res.data["moeflow_kernels" + suffix] = model.kernels
+    res.data["moeflow_format" + suffix] = repr(host.fmt)  # (a dataclass: the kind, the group size, the dtype)
     res.save()
-    print(f"moeflow: loaded in {res.data['moeflow_load_s']} s ({model.kernels} kernels)", flush=True)
+    print(f"moeflow ({args.source}): loaded in {res.data['moeflow_load_s' + suffix]} s ({model.kernels} kernels)",
+          flush=True)
     prompt = torch.randint(3, args.config["vocab_size"], (1, args.prompt_len),
                            generator=torch.Generator().manual_seed(0))
     # lru at every share before cpu_compute="auto" (its first backend builds the CPU int4 forms of every expert:
@@ -261,9 +285,10 @@ def phase_moeflow(args, res: Results, deadline: float) -> None:
     plan = [("resident", None, budgets(args.config, [])[0])] + [("lru", None, b) for b in shares] + \
         [("lru", "auto", b) for b in shares]
     expected = None
+    awq_tokens = res.data.get("resident_tokens") if args.source == "gguf" else None
     for policy, cpu_compute, b in plan:
-        row = {"engine": "moeflow AWQ " + policy + (" cpu_compute=auto" if cpu_compute else ""), "policy": policy,
-               "cpu_compute": cpu_compute, **b}
+        row = {"engine": label + policy + (" cpu_compute=auto" if cpu_compute else ""), "policy": policy,
+               "cpu_compute": cpu_compute, "source": args.source, **b}
         if time.perf_counter() > deadline:
             row["error"] = "skipped: phase deadline"
         else:
@@ -274,7 +299,11 @@ def phase_moeflow(args, res: Results, deadline: float) -> None:
                 row.update(measured)
                 if policy == "resident":
                     expected = out
+                    if args.source == "awq":
+                        res.data["resident_tokens"] = out[0, args.prompt_len:].tolist()
                 row["tokens_equal_resident"] = None if expected is None else bool(torch.equal(out, expected))
+                if awq_tokens is not None:
+                    row["tokens_equal_awq_resident"] = out[0, args.prompt_len:].tolist() == awq_tokens
             except Exception as exc:  # noqa: BLE001 - one failing row must not lose the others
                 row["error"] = f"{type(exc).__name__}: {str(exc)[-1500:]}"
         res.data["moeflow"] = [r for r in res.data["moeflow"] if r["engine"] != row["engine"]
@@ -300,6 +329,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--checkpoint", type=Path, default=None, help="the AWQ checkpoint (default in the temp dir)")
     ap.add_argument("--gguf", type=Path, default=None, help="the Q4_0 GGUF (default in the temp dir)")
+    ap.add_argument("--source", choices=("awq", "gguf"), default="awq",
+                    help="the moeflow phase's checkpoint: the AWQ one, or the GGUF llama.cpp runs")
+    ap.add_argument("--experts", choices=EXPERT_TYPES, default="Q4_0",
+                    help="the GGUF's experts: Q4_0 (the AWQ weights), Q4_K_M (llama-quantize's mixture, random "
+                         "blocks; results in headline_<family>_Q4_K_M.json; moeflow needs --source gguf)")
     ap.add_argument("--shares", default="0.5,0.25", help="shares of the experts on the GPU")
     ap.add_argument("--prompt-len", type=int, default=None, help="default 512 (tiny: 16)")
     ap.add_argument("--new-tokens", type=int, default=None, help="default 64 (tiny: 8)")
@@ -310,7 +344,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     deadline = t_start + args.deadline_s
-    args.config, args.group = family_config(args.family, args.tiny, args.layers)
+    if args.experts != "Q4_0" and args.source != "gguf" and args.phase in ("moeflow", "all"):
+        ap.error(f"--experts {args.experts} has no AWQ checkpoint: the moeflow phase needs --source gguf")
+    args.config, args.group = family_config(args.family, args.tiny, args.layers, args.experts)
     args.shares = [float(s) for s in args.shares.split(",")]
     args.prompt_len = args.prompt_len or (16 if args.tiny else 512)
     args.new_tokens = args.new_tokens or (8 if args.tiny else 64)
@@ -324,7 +360,8 @@ def main(argv: list[str] | None = None) -> dict:
             "device_name": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
             "routing_note": "random weights: routing is near uniform, a pessimistic case for caching "
                             "(llama.cpp's static placement does not depend on it)"}
-    res = Results(args.out, args.family, head)
+    head["experts"] = args.experts
+    res = Results(args.out, args.family, head, args.experts)
     phases = PHASES if args.phase == "all" else (args.phase,)
     for phase in phases:
         if phase == "checkpoints":

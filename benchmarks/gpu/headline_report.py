@@ -1,4 +1,5 @@
-"""The GPU loan's short table (benchmarks/gpu_loan.sh): the ratios moeflow / llama.cpp per share (written back into
+"""The GPU loan's short table (benchmarks/gpu_loan.sh): the ratios moeflow / llama.cpp per share, for every moeflow
+row (on the AWQ checkpoint, and on the very GGUF file llama.cpp ran: ``moeflow GGUF-Q4_0 ...``; written back into
 each ``headline_<family>.json``) and Markdown from the JSON a loan leaves in its results folder
 ``benchmarks/results/<gpu>-<date>/`` (``headline_<family>.json`` of gpu/headline.py, ``kernels.json`` of
 gpu/kernels.py, ``pytest-cuda.jsonl`` of the correctness set, ``stack.txt``), written to ``headline.md``.
@@ -44,18 +45,25 @@ def family_table(data: dict) -> list[str]:
     cfg = data["config"]
     L = cfg["num_hidden_layers"]
     E = cfg.get("num_local_experts") or cfg.get("num_experts")
-    lines = [f"## {data['family']} ({L} layers x {E} experts, top {cfg['num_experts_per_tok']}; "
+    experts = data.get("experts", "Q4_0")
+    lines = [f"## {data['family']}{'' if experts == 'Q4_0' else ' ' + experts} ({L} layers x {E} experts, top "
+             f"{cfg['num_experts_per_tok']}; "
              f"{data.get('device_name', '?')}, {data.get('date', '?')})", "",
              f"CPU: {data.get('cpu', '?')}, {data.get('cpu_count', '?')} cores ({data.get('uptime', '')}).", "",
              f"{data['new_tokens']} decoded tokens after a {data['prompt_len']}-token prompt. "
              f"{data.get('routing_note', '')}.", ""]
     ck = data.get("checkpoints")
-    if ck:
+    if ck and "awq_bytes" not in ck:  # a K-quant file alone (gguf_checkpoint's random-block Q4_K_M experts)
+        lines += [f"Checkpoint: GGUF with {ck.get('experts')} experts (random blocks), {ck['gguf_bytes'] / GiB:.1f} "
+                  f"GiB written in {ck['gguf_write_s']} s; llama.cpp and moeflow read this one file.", ""]
+    elif ck:
         lines += [f"Checkpoints: AWQ {ck['awq_bytes'] / GiB:.1f} GiB written in {ck['awq_write_s']} s, "
                   f"GGUF Q4_0 {ck['gguf_bytes'] / GiB:.1f} GiB in {ck['gguf_write_s']} s (same 4-bit weights).", ""]
-    if data.get("moeflow_load_s") is not None:
-        lines += [f"moeflow load: {data['moeflow_load_s']} s ({data.get('moeflow_kernels')} kernels)", ""]
-    for key in ("llama_error", "moeflow_error"):
+    for suffix, what in (("", "the AWQ checkpoint"), ("_gguf", f"the {experts} GGUF llama.cpp ran")):
+        if data.get("moeflow_load_s" + suffix) is not None:
+            lines += [f"moeflow load of {what}: {data['moeflow_load_s' + suffix]} s "
+                      f"({data.get('moeflow_kernels' + suffix)} kernels; {data.get('moeflow_format' + suffix)})", ""]
+    for key in ("llama_error", "moeflow_error", "moeflow_error_gguf"):
         if data.get(key):
             lines += [f"{key}: {data[key]}", ""]
     lines += ["| engine | experts on GPU | share | decode tok/s | TTFT s | decode hit | GiB moved | peak GiB | "
@@ -67,8 +75,12 @@ def family_table(data: dict) -> list[str]:
             lines.append(head + f" error | | | | | | {r['error'][:100]!r} |")
             continue
         moved = r.get("bytes_h2d")
-        note = f"n_cpu_moe {r['n_cpu_moe']}, {r.get('backends')}, {r.get('gpu') or 'no GPU'}" \
-            if r["engine"].startswith("llama") else f"CPU experts {r.get('cpu_experts', 0)}"
+        if r["engine"].startswith("llama"):
+            note = f"n_cpu_moe {r['n_cpu_moe']}, {r.get('backends')}, {r.get('gpu') or 'no GPU'}"
+        else:
+            note = f"CPU experts {r.get('cpu_experts', 0)}"
+            if "tokens_equal_awq_resident" in r:  # the GGUF rows: the same tokens as the AWQ checkpoint's?
+                note += f", tokens = AWQ resident: {_f(r['tokens_equal_awq_resident'], '')}"
         lines.append(head + f" {_f(r.get('decode_tok_s'))} | {_f(r.get('ttft_s'), '.3f')} | "
                      f"{_f(r.get('decode_hit_rate'), '.0%')} | {_f(None if moved is None else moved / GiB)} | "
                      f"{_f(None if r.get('peak_gpu_bytes') is None else r['peak_gpu_bytes'] / GiB)} | "

@@ -109,7 +109,7 @@ def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
 
 def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
     """Q5_0 / Q5_1's 4 bytes -> uint8 [n, 32]: bit j of the little-endian word, for value j."""
-    return ((qh.reshape(-1, 4, 1) >> _BITS8.reshape(1, 1, 8)) & 1).reshape(-1, 32)
+    return ((qh.reshape(-1, 4, 1) >> _BITS8.to(qh.device).reshape(1, 1, 8)) & 1).reshape(-1, 32)
 
 
 def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
@@ -155,7 +155,8 @@ _BITS8 = torch.arange(8, dtype=torch.uint8)
 def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
     ql = _nibbles(blocks[:, 48:], 32).reshape(n, 8, 32)
-    qh = (blocks[:, 16:48].reshape(n, 1, 32) >> _BITS8.reshape(1, 8, 1)) & 1  # bit s of qh[j]: sub-block s
+    # bit s of qh[j]: sub-block s
+    qh = (blocks[:, 16:48].reshape(n, 1, 32) >> _BITS8.to(blocks.device).reshape(1, 8, 1)) & 1
     return _k_scaled(blocks, ql | (qh << 4))
 
 
@@ -167,7 +168,7 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     scales = blocks[:, 192:208].contiguous().view(torch.int8).float()
     d = (_half(blocks, 208) * scales).reshape(n, 16, 1)
     ql = _nibbles(blocks[:, :128], 64).reshape(n, 8, 32)  # per half of 128: ql[0:32] low, [32:64] low, then high
-    qh = (blocks[:, 128:192].reshape(n, 2, 1, 32) >> _SHIFTS4.reshape(1, 1, 4, 1)) & 3
+    qh = (blocks[:, 128:192].reshape(n, 2, 1, 32) >> _SHIFTS4.to(blocks.device).reshape(1, 1, 4, 1)) & 3
     q = (ql | (qh.reshape(n, 8, 32) << 4)).to(torch.int8) - 32
     return (d * q.reshape(n, 16, 16).float()).reshape(n, QK_K)
 
@@ -185,7 +186,7 @@ def e8m0_to_fp32_half(e: torch.Tensor) -> torch.Tensor:
 def _mxfp4(blocks: torch.Tensor) -> torch.Tensor:
     d = e8m0_to_fp32_half(blocks[:, :1])
     q = _nibbles(blocks[:, 1:], 16).reshape(blocks.shape[0], 32)
-    return d * MXFP4_VALUES[q.long()]
+    return d * MXFP4_VALUES.to(q.device)[q.long()]
 
 
 _BLOCK_DEQUANT: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -207,7 +208,8 @@ def q4_0_codes(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize(raw: torch.Tensor, type_id: int, what: str = "tensor") -> torch.Tensor:
     """Bytes of a GGML tensor -> its values in fp32, exactly as ggml (and gguf-py) dequantize them.
 
-    raw: uint8 [..., row_bytes] (rows of whole blocks, as GGUF stores a tensor, CPU); returns fp32 [..., values]
+    raw: uint8 [..., row_bytes] (rows of whole blocks, as GGUF stores a tensor; on any device: a CUDA pool's
+    regions for the kernels' reference); returns fp32 [..., values]
     with ``values = row_bytes / type_size * block_size``. ``what`` names the tensor in errors (an unsupported
     type names the supported ones)."""
     t = ggml_type(type_id, what)
