@@ -1,0 +1,415 @@
+/* GGUF experts on the CPU (issue 39): an expert's gate, up and down matrices read as the file stores them (ggml
+   blocks, rows one after the other: the bytes the host store, the disk tier and the slots hold) times int8
+   activations. Types: Q8_0, Q4_K, Q5_K, Q6_K (block layouts: moeflow/kernels/experts/gguf_reference.py).
+   Binding and fp32 model: moeflow/kernels/cpu/gguf.py.
+
+   Activations (as llama.cpp pairs them): for Q8_0 weights, blocks of 32 (its Q8_0 activations), for the K-quants
+   blocks of 256 (its Q8_K) with the sums of each 16 codes; one fp32 scale per block, xs = max|x| / 127,
+   xq = round-half-even(x * (127 / max|x|)) in [-127, 127] (the rounding of native.c's activations).
+
+   Numerics, per output row and token: each weight block's integer sum is exact in int32, then the same scalar
+   fp32 operations in block order whatever the ISA (AVX-512 VNNI, AVX2, portable C) and the batch:
+     Q8_0: isum = sum q * xq;                                  y += (d * xs) * isum
+     Q4_K, Q5_K (q in [0, 31], 6-bit sc and m per 32): isum = sum_s sc[s] sum_{i in s} q xq,
+           imin = sum_s m[s] * (codes' sum over s);            y += (d * xs) * isum - (dmin * xs) * imin
+     Q6_K (q in [0, 63] stored, value q - 32, int8 sc per 16): isum = sum_g sc[g] (sum q xq - 32 * codes' sum);
+                                                               y += (d * xs) * isum
+   so the AVX-512 and AVX2 builds give the same bits, and a token's outputs never depend on the other tokens.
+
+   How: a K-quant block is decoded once per row, block and tile of tokens into its 256 unsigned codes and its
+   scales widened to int16 (8 lanes per 16 codes), then each token's integer sum is maddubs (unsigned codes x
+   signed activations, pairs summed into int16: at most 2 * 63 * 127, no saturation) and a multiply-add with the
+   scales (vpdpwssd on AVX-512 VNNI, pmaddwd + add on AVX2). Q8_0 uses the sign trick of q8.c (|w| x sign(x, w)). */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "native.h"
+
+void mf_silu_mul(const float* g, const float* u, int n, float* out); /* native.c */
+
+#define GG_Q8_0 8  /* ggml type ids (ggml.h) */
+#define GG_Q4_K 12
+#define GG_Q5_K 13
+#define GG_Q6_K 14
+#define QKK 256    /* elements of a K-quant block */
+#define GROWS 16   /* weight rows per parallel work item */
+#define GTT 8      /* tokens per tile: a block is decoded once per tile */
+
+static int type_block(int type) { return type == GG_Q8_0 ? 32 : QKK; }
+static int type_bytes(int type) {
+    switch (type) {
+        case GG_Q8_0: return 34;
+        case GG_Q4_K: return 144;
+        case GG_Q5_K: return 176;
+        case GG_Q6_K: return 210;
+        default: return 0;
+    }
+}
+
+static inline float h2f(const uint8_t* p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return mf_half_to_float(h);
+}
+
+/* ---- activations -------------------------------------------------------------------------------------------- */
+
+/* x fp32 [K] -> xq int8 [K], xs fp32 [K / bs], bsum int16 [K / 16] (sums of 16 codes; NULL: not wanted). Scalar:
+   a few microseconds per expert, the same numbers on every build. */
+static void quantize_row(const float* x, int K, int bs, int8_t* xq, float* xs, int16_t* bsum) {
+    for (int b = 0; b < K / bs; b++) {
+        const float* xb = x + (size_t)b * bs;
+        float amax = 0.0f;
+        for (int i = 0; i < bs; i++) amax = fmaxf(amax, fabsf(xb[i]));
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        for (int i = 0; i < bs; i++) xq[(size_t)b * bs + i] = (int8_t)(int)nearbyintf(xb[i] * inv);
+        xs[b] = amax / 127.0f;
+    }
+    if (bsum)
+        for (int g = 0; g < K / 16; g++) {
+            int s = 0;
+            for (int i = 0; i < 16; i++) s += xq[(size_t)g * 16 + i];
+            bsum[g] = (int16_t)s;
+        }
+}
+
+typedef struct {  /* T rows quantized for one weight type */
+    int8_t* q;     /* [T, K] */
+    float* s;      /* [T, K / bs] */
+    int16_t* sum;  /* [T, K / 16] (K-quants) */
+    int K, bs;
+} acts;
+
+static int acts_alloc(acts* a, int T, int K, int type) {
+    a->K = K;
+    a->bs = type_block(type);
+    a->q = malloc((size_t)T * K);
+    a->s = malloc(sizeof(float) * (size_t)T * (K / a->bs));
+    a->sum = malloc(sizeof(int16_t) * (size_t)T * (K / 16));
+    return a->q && a->s && a->sum ? 0 : -1;
+}
+static void acts_free(acts* a) { free(a->q); free(a->s); free(a->sum); }
+static void acts_row(acts* a, const float* x, int t) {
+    quantize_row(x, a->K, a->bs, a->q + (size_t)t * a->K, a->s + (size_t)t * (a->K / a->bs),
+                 a->bs == QKK ? a->sum + (size_t)t * (a->K / 16) : NULL);
+}
+
+/* ---- K-quant blocks ------------------------------------------------------------------------------------------- */
+
+typedef struct {
+    uint8_t q[QKK] __attribute__((aligned(64)));    /* unsigned codes (Q6_K: value + 32) */
+    int16_t sc[8 * 16] __attribute__((aligned(64))); /* scale of 16-group g in lanes 8g .. 8g + 7 */
+    int16_t mn[16] __attribute__((aligned(32)));     /* per 16-group: Q4/5_K the min m, Q6_K 32 * sc */
+    float d, dmin;
+} kblock;
+
+/* Q4_K / Q5_K's twelve scale bytes -> the 6-bit scales sc[8] and mins m[8] (llama.cpp's get_scale_min_k4 as
+   one 64-bit word each, byte j = sub-block j): scales 0-3 and mins 0-3 are the low 6 bits of bytes 0-3 and 4-7;
+   4-7 take their low 4 bits from bytes 8-11 (scales the low nibbles, mins the high) and their top 2 from the top
+   bits of bytes 0-3 (scales) and 4-7 (mins). */
+static inline void k4_scales(const uint8_t* s, uint64_t* sc, uint64_t* mn) {
+    uint32_t w0, w1, w2;
+    memcpy(&w0, s, 4);
+    memcpy(&w1, s + 4, 4);
+    memcpy(&w2, s + 8, 4);
+    const uint32_t lo6 = 0x3F3F3F3Fu, lo4 = 0x0F0F0F0Fu, lo2 = 0x03030303u;
+    *sc = (uint64_t)(w0 & lo6) | (uint64_t)((w2 & lo4) | (((w0 >> 6) & lo2) << 4)) << 32;
+    *mn = (uint64_t)(w1 & lo6) | (uint64_t)(((w2 >> 4) & lo4) | (((w1 >> 6) & lo2) << 4)) << 32;
+}
+
+/* the per-16 lanes of kblock.sc and .mn from 8 scales and 8 mins, one per 32 codes (bytes of sc8 and mn8) */
+static inline void k4_expand(kblock* kb, uint64_t sc8, uint64_t mn8) {
+    for (int s = 0; s < 8; s++) {
+        const int16_t v = (int16_t)((sc8 >> (8 * s)) & 0xFF), m = (int16_t)((mn8 >> (8 * s)) & 0xFF);
+#if MF_AVX2
+        _mm256_store_si256((__m256i*)(kb->sc + 16 * s), _mm256_set1_epi16(v));
+#else
+        for (int i = 0; i < 16; i++) kb->sc[16 * s + i] = v;
+#endif
+        kb->mn[2 * s] = kb->mn[2 * s + 1] = m;
+    }
+}
+
+static void decode_q4k(const uint8_t* w, kblock* kb) {
+    uint64_t sc8, mn8;
+    kb->d = h2f(w);
+    kb->dmin = h2f(w + 2);
+    k4_scales(w + 4, &sc8, &mn8);
+    k4_expand(kb, sc8, mn8);
+    const uint8_t* qs = w + 16;
+#if MF_AVX2
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int c = 0; c < 4; c++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * c));
+        _mm256_store_si256((__m256i*)(kb->q + 64 * c), _mm256_and_si256(v, m4));
+        _mm256_store_si256((__m256i*)(kb->q + 64 * c + 32), _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+    }
+#else
+    for (int c = 0; c < 4; c++)
+        for (int l = 0; l < 32; l++) {
+            kb->q[64 * c + l] = qs[32 * c + l] & 15;
+            kb->q[64 * c + 32 + l] = qs[32 * c + l] >> 4;
+        }
+#endif
+}
+
+static void decode_q5k(const uint8_t* w, kblock* kb) {
+    uint64_t sc8, mn8;
+    kb->d = h2f(w);
+    kb->dmin = h2f(w + 2);
+    k4_scales(w + 4, &sc8, &mn8);
+    k4_expand(kb, sc8, mn8);
+    const uint8_t *qh = w + 16, *qs = w + 48;
+#if MF_AVX2
+    const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    const __m256i h = _mm256_loadu_si256((const __m256i*)qh);
+    for (int c = 0; c < 4; c++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * c));
+        /* bit 2c of qh[l] is bit 4 of code 64c + l, bit 2c + 1 of code 64c + 32 + l */
+        const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * c)), one), 4);
+        const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * c + 1)), one), 4);
+        _mm256_store_si256((__m256i*)(kb->q + 64 * c), _mm256_or_si256(_mm256_and_si256(v, m4), h0));
+        _mm256_store_si256((__m256i*)(kb->q + 64 * c + 32),
+                           _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), h1));
+    }
+#else
+    for (int c = 0; c < 4; c++)
+        for (int l = 0; l < 32; l++) {
+            kb->q[64 * c + l] = (qs[32 * c + l] & 15) | (((qh[l] >> (2 * c)) & 1) << 4);
+            kb->q[64 * c + 32 + l] = (qs[32 * c + l] >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4);
+        }
+#endif
+}
+
+static void decode_q6k(const uint8_t* w, kblock* kb) {
+    const uint8_t *ql = w, *qh = w + 128;
+    const int8_t* sc = (const int8_t*)(w + 192);
+    kb->d = h2f(w + 208);
+    kb->dmin = 0.0f;
+    for (int g = 0; g < 16; g++) {
+        kb->mn[g] = (int16_t)(32 * sc[g]);
+#if MF_AVX2
+        _mm_store_si128((__m128i*)(kb->sc + 8 * g), _mm_set1_epi16(sc[g]));
+#else
+        for (int i = 0; i < 8; i++) kb->sc[8 * g + i] = sc[g];
+#endif
+    }
+    /* code 128n + 32j + l: low 4 bits ql[64n + 32(j % 2) + l] >> 4(j / 2), high 2 bits qh[32n + l] >> 2j */
+#if MF_AVX2
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
+    for (int n = 0; n < 2; n++) {
+        const __m256i l0 = _mm256_loadu_si256((const __m256i*)(ql + 64 * n));
+        const __m256i l1 = _mm256_loadu_si256((const __m256i*)(ql + 64 * n + 32));
+        const __m256i h = _mm256_loadu_si256((const __m256i*)(qh + 32 * n));
+        const __m256i lo[4] = {_mm256_and_si256(l0, m4), _mm256_and_si256(l1, m4),
+                               _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                               _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4)};
+        const __m256i hi[4] = {_mm256_and_si256(h, m2), _mm256_and_si256(_mm256_srli_epi16(h, 2), m2),
+                               _mm256_and_si256(_mm256_srli_epi16(h, 4), m2),
+                               _mm256_and_si256(_mm256_srli_epi16(h, 6), m2)};
+        for (int j = 0; j < 4; j++)
+            _mm256_store_si256((__m256i*)(kb->q + 128 * n + 32 * j),
+                               _mm256_or_si256(lo[j], _mm256_slli_epi16(hi[j], 4)));
+    }
+#else
+    for (int n = 0; n < 2; n++)
+        for (int j = 0; j < 4; j++)
+            for (int l = 0; l < 32; l++)
+                kb->q[128 * n + 32 * j + l] = ((ql[64 * n + 32 * (j % 2) + l] >> (4 * (j / 2))) & 15)
+                                              | (((qh[32 * n + l] >> (2 * j)) & 3) << 4);
+#endif
+}
+
+#if MF_AVX2
+static inline int hsum8(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+#endif
+
+/* One token against a decoded block: isum = sum_g sc[g] * (codes . xq over g), imin = sum_g mn[g] * bsum[g]. */
+static inline void kdot(const kblock* kb, const int8_t* x, const int16_t* bsum, int* isum, int* imin) {
+#if MF_AVX512
+    __m512i acc = _mm512_setzero_si512();
+    for (int i = 0; i < 4; i++) {
+        const __m512i p = _mm512_maddubs_epi16(_mm512_load_si512((const void*)(kb->q + 64 * i)),
+                                               _mm512_loadu_si512((const void*)(x + 64 * i)));
+        acc = _mm512_dpwssd_epi32(acc, p, _mm512_load_si512((const void*)(kb->sc + 32 * i)));
+    }
+    *isum = _mm512_reduce_add_epi32(acc);
+    *imin = hsum8(_mm256_madd_epi16(_mm256_load_si256((const __m256i*)kb->mn),
+                                    _mm256_loadu_si256((const __m256i*)bsum)));
+#elif MF_AVX2
+    __m256i acc = _mm256_setzero_si256();
+    for (int i = 0; i < 8; i++) {
+        const __m256i p = _mm256_maddubs_epi16(_mm256_load_si256((const __m256i*)(kb->q + 32 * i)),
+                                               _mm256_loadu_si256((const __m256i*)(x + 32 * i)));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_load_si256((const __m256i*)(kb->sc + 16 * i))));
+    }
+    *isum = hsum8(acc);
+    *imin = hsum8(_mm256_madd_epi16(_mm256_load_si256((const __m256i*)kb->mn),
+                                    _mm256_loadu_si256((const __m256i*)bsum)));
+#else
+    int s = 0, m = 0;
+    for (int g = 0; g < 16; g++) {
+        int d = 0;
+        for (int i = 0; i < 16; i++) d += kb->q[16 * g + i] * x[16 * g + i];
+        s += kb->sc[8 * g] * d;
+        m += kb->mn[g] * bsum[g];
+    }
+    *isum = s;
+    *imin = m;
+#endif
+}
+
+/* Row `row` (nb blocks of a K-quant type) against T tokens: y[t * ldy]. */
+static void krow(int type, const uint8_t* row, int nb, int T, const acts* a, float* y, int ldy) {
+    kblock kb;
+    const int K = a->K, tb = type_bytes(type);
+    for (int t0 = 0; t0 < T; t0 += GTT) {
+        const int tt = T - t0 < GTT ? T - t0 : GTT;
+        float acc[GTT] = {0};
+        for (int b = 0; b < nb; b++) {
+            const uint8_t* w = row + (size_t)b * tb;
+            if (type == GG_Q4_K) decode_q4k(w, &kb);
+            else if (type == GG_Q5_K) decode_q5k(w, &kb);
+            else decode_q6k(w, &kb);
+            for (int i = 0; i < tt; i++) {
+                const int t = t0 + i;
+                int isum, imin;
+                kdot(&kb, a->q + (size_t)t * K + (size_t)b * QKK, a->sum + (size_t)t * (K / 16) + 16 * b, &isum,
+                     &imin);
+                const float xs = a->s[(size_t)t * (K / QKK) + b];
+                if (type == GG_Q6_K) acc[i] += (kb.d * xs) * (float)(isum - imin);
+                else acc[i] += (kb.d * xs) * (float)isum - (kb.dmin * xs) * (float)imin;
+            }
+        }
+        for (int i = 0; i < tt; i++) y[(size_t)(t0 + i) * ldy] = acc[i];
+    }
+}
+
+/* ---- Q8_0 ------------------------------------------------------------------------------------------------------ */
+
+/* The integer sums of 4 consecutive Q8_0 blocks (34 bytes each) with 4 activation blocks of 32 codes. */
+static inline void q8_0_isum4(const uint8_t* w, const int8_t* x, int out[4]) {
+#if MF_AVX2
+    __m256i v[4];
+    for (int j = 0; j < 4; j++) {
+        const __m256i wq = _mm256_loadu_si256((const __m256i*)(w + 34 * j + 2));
+        const __m256i xq = _mm256_loadu_si256((const __m256i*)(x + 32 * j));
+#if MF_AVX512
+        v[j] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xq, wq));
+#else
+        v[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xq, wq)),
+                                 _mm256_set1_epi16(1));
+#endif
+    }
+    /* four horizontal sums at once: exact integer adds in another order */
+    const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    _mm_storeu_si128((__m128i*)out, _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+#else
+    for (int j = 0; j < 4; j++) {
+        int s = 0;
+        for (int i = 0; i < 32; i++) s += (int8_t)w[34 * j + 2 + i] * x[32 * j + i];
+        out[j] = s;
+    }
+#endif
+}
+
+static inline int q8_0_isum1(const uint8_t* w, const int8_t* x) {
+    int s = 0;
+    for (int i = 0; i < 32; i++) s += (int8_t)w[2 + i] * x[i];
+    return s;
+}
+
+static void q8_0_row(const uint8_t* row, int nb, int T, const acts* a, float* y, int ldy) {
+    const int K = a->K;
+    for (int t = 0; t < T; t++) {
+        const int8_t* x = a->q + (size_t)t * K;
+        const float* xs = a->s + (size_t)t * (K / 32);
+        float acc = 0.0f;
+        int b = 0;
+        for (; b + 4 <= nb; b += 4) {
+            int is[4];
+            q8_0_isum4(row + (size_t)b * 34, x + (size_t)b * 32, is);
+            for (int j = 0; j < 4; j++) acc += (h2f(row + (size_t)(b + j) * 34) * xs[b + j]) * (float)is[j];
+        }
+        for (; b < nb; b++) acc += (h2f(row + (size_t)b * 34) * xs[b]) * (float)q8_0_isum1(row + (size_t)b * 34,
+                                                                                          x + (size_t)b * 32);
+        y[(size_t)t * ldy] = acc;
+    }
+}
+
+/* ---- rows, linear, expert ---------------------------------------------------------------------------------- */
+
+static void rows(int type, const uint8_t* w, int64_t stride, int n0, int n1, int T, const acts* a, float* y,
+                 int ldy) {
+    const int nb = a->K / type_block(type);
+    for (int n = n0; n < n1; n++) {
+        if (type == GG_Q8_0) q8_0_row(w + (size_t)n * stride, nb, T, a, y + n, ldy);
+        else krow(type, w + (size_t)n * stride, nb, T, a, y + n, ldy);
+    }
+}
+
+static int check(int type, int K) { return type_bytes(type) && K % type_block(type) == 0 ? 0 : -2; }
+
+/* y fp32 [T, N] = x fp32 [T, K] @ W.T for W [N, K] of ggml type `type` (rows `stride` bytes apart).
+   Returns 0, -1 out of memory, -2 an unsupported type or K not a multiple of its block. */
+int mf_gguf_linear(const float* x, int T, int K, int N, int type, const uint8_t* w, int64_t stride, float* y,
+                   int nthreads) {
+    if (check(type, K)) return -2;
+    acts a;
+    if (acts_alloc(&a, T, K, type)) { acts_free(&a); return -1; }
+    for (int t = 0; t < T; t++) acts_row(&a, x + (size_t)t * K, t);
+    const int nc = (N + GROWS - 1) / GROWS;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int c = 0; c < nc; c++) rows(type, w, stride, c * GROWS, (c + 1) * GROWS < N ? (c + 1) * GROWS : N, T, &a, y, N);
+    acts_free(&a);
+    return 0;
+}
+
+/* One SwiGLU expert on T tokens, its matrices as the GGUF file stores them: gate and up [I, H] of type t13 (rows
+   s13 bytes apart), down [H, I] of type t2 (rows s2 bytes apart); x fp32 [T, H], weight fp32 [T], out fp32 [T, H]:
+   out[t] (+)= weight[t] * (silu(x gate.T) * (x up.T)) down.T. Returns as mf_gguf_linear. */
+int mf_gguf_expert(const float* x, int T, int H, int I, int t13, const uint8_t* gate, const uint8_t* up,
+                   int64_t s13, int t2, const uint8_t* down, int64_t s2, const float* weight, float* out,
+                   int accumulate, int nthreads) {
+    if (check(t13, H) || check(t2, I)) return -2;
+    acts ax, aa;
+    float* f = malloc(sizeof(float) * ((size_t)T * 3 * I + (size_t)T * H));
+    int bad = acts_alloc(&ax, T, H, t13) | acts_alloc(&aa, T, I, t2);
+    if (bad || !f) { acts_free(&ax); acts_free(&aa); free(f); return -1; }
+    float *hg = f, *hu = hg + (size_t)T * I, *act = hu + (size_t)T * I, *y = act + (size_t)T * I;
+    for (int t = 0; t < T; t++) acts_row(&ax, x + (size_t)t * H, t);
+    const int nc13 = (I + GROWS - 1) / GROWS, nc2 = (H + GROWS - 1) / GROWS;
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(static)
+        for (int c = 0; c < nc13; c++) {
+            const int n0 = c * GROWS, n1 = n0 + GROWS < I ? n0 + GROWS : I;
+            rows(t13, gate, s13, n0, n1, T, &ax, hg, I);
+            rows(t13, up, s13, n0, n1, T, &ax, hu, I);
+        }
+#pragma omp for schedule(static)
+        for (int t = 0; t < T; t++) {
+            mf_silu_mul(hg + (size_t)t * I, hu + (size_t)t * I, I, act + (size_t)t * I);
+            acts_row(&aa, act + (size_t)t * I, t);
+        }
+#pragma omp for schedule(static)
+        for (int c = 0; c < nc2; c++) {
+            const int n0 = c * GROWS, n1 = n0 + GROWS < H ? n0 + GROWS : H;
+            rows(t2, down, s2, n0, n1, T, &aa, y, H);
+            for (int t = 0; t < T; t++)
+                for (int n = n0; n < n1; n++) {
+                    const float v = weight[t] * y[(size_t)t * H + n];
+                    out[(size_t)t * H + n] = accumulate ? out[(size_t)t * H + n] + v : v;
+                }
+        }
+    }
+    acts_free(&ax); acts_free(&aa); free(f);
+    return 0;
+}
