@@ -35,7 +35,7 @@ from moeflow.io.expert_index import ExpertIndex
 from moeflow.io.gguf import open_gguf, resolve_gguf
 from moeflow.io.tokenizer import Tokenizer
 from moeflow.kernels.dispatch import uses_cpu_int4, uses_triton
-from moeflow.kernels.formats import ExpertFormat
+from moeflow.kernels.formats import ExpertFormat, GGUFFormat
 from moeflow.moe.backend import ExpertBackend
 from moeflow.moe.resident import CpuInt4Experts
 from moeflow.offload import Stats, create_expert_backend, get_policy, min_slots
@@ -182,6 +182,8 @@ def build_model(
             fmt = loading.requantized_expert_format(family)
         resolved = resolve_kernels(kernels, device,
                                    fmt.cpu_int4)  # cpu-int4: plain AWQ experts only
+        if isinstance(fmt, GGUFFormat) and kernels == "auto" and device.type == "cpu" and fmt.cpu_unsupported() is None:
+            fmt = fmt.with_cpu_kernels()  # GGUF Q8_0/Q4_K/Q5_K/Q6_K experts: moeflow.kernels.cpu.gguf
         check_attention_bits(attention_bits, resolved.linear, lm_head_bits)
         attention_bits = resolve_attention_bits(attention_bits, resolved.linear,
                                                 family.kv_cache_spec().linear is not None)

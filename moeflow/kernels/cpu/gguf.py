@@ -154,7 +154,8 @@ def quantize_activations(x: torch.Tensor, t: str | int | GGMLType) -> torch.Tens
     block = 32 if cpu_type(t).name == "Q8_0" else K_BLOCK
     b = x.float().reshape(*x.shape[:-1], x.shape[-1] // block, block)
     amax = b.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # a true fp32 division, as the kernel's (torch's ``127.0 / amax`` multiplies by a rounded reciprocal)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     return (torch.round(b * inv) * (amax / 127.0)).reshape(x.shape)
 
 
