@@ -1,6 +1,7 @@
 """The exact-token invariant with GGUF K-quant and Q8_0 experts on the CPU: a tiny Qwen3-MoE file whose layer 0
 holds Q4_K gate/up and Q6_K down experts (Q4_K_M's mix) and layer 1 Q8_0 experts, loaded on ``device="cpu"`` with
-``kernels="auto"``: every expert runs moeflow's native GGUF CPU kernels (``kernels/cpu/gguf.c``), from a slot or,
+``kernels="auto"``: every expert runs moeflow's native GGUF CPU kernels (``kernels/cpu/gguf.c``; the linears the CPU
+int8 kernels, as for AWQ), from a slot or,
 with hybrid compute (fiddler, ``cpu_compute="always"``), from the host store's CPU form. Every policy, at slot
 counts from the minimum to all experts, with the synchronous and the random-delay transport, generates exactly the
 resident model's greedy tokens. ~40 s on 2 cores."""
@@ -40,7 +41,7 @@ def tiny(tmp_path_factory):
     mp.setenv("MOEFLOW_CACHE_DIR", str(root / "cache"))
     resident = MoEModel.from_pretrained(path, dtype=torch.float32, offload=OffloadConfig(policy="resident"))
     fmt = resident.experts.fmt
-    assert fmt.kind == "gguf" and fmt.cpu_kernels
+    assert fmt.kind == "gguf" and fmt.cpu_kernels and resident.kernels == "cpu-int4"  # and the int8 linears
     assert (fmt.gate_up_types, fmt.down_types) == (("Q8_0", "Q4_K"), ("Q8_0", "Q6_K"))
     gen = torch.Generator().manual_seed(2)
     ids = torch.randint(0, 97, (2, 7), generator=gen)
