@@ -132,6 +132,8 @@ class GGUFCpuExpert:
         y = out if acc else torch.empty((x.shape[0], h), dtype=torch.float32)
         if acc and (y.dtype != torch.float32 or not y.is_contiguous() or tuple(y.shape) != (x.shape[0], h)):
             raise ValueError(f"GGUFCpuExpert.forward(out=...): expected contiguous fp32 {(x.shape[0], h)}")
+        if x.shape[0] == 0:
+            return y if acc else y.to(rows.dtype)
         _check_rc(_lib().mf_gguf_expert(
             x.data_ptr(), x.shape[0], h, self.intermediate_size, self.gate_up_type.type_id, self.gate.data_ptr(),
             self.up.data_ptr(), self._s13, self.down_type.type_id, self.down.data_ptr(), self._s2, w.data_ptr(),
