@@ -7,19 +7,21 @@
    blocks of 256 (its Q8_K) with the sums of each 16 codes; one fp32 scale per block, xs = max|x| / 127,
    xq = round-half-even(x * (127 / max|x|)) in [-127, 127] (the rounding of native.c's activations).
 
-   Numerics, per output row and token: each weight block's integer sum is exact in int32, then the same scalar
-   fp32 operations in block order whatever the ISA (AVX-512 VNNI, AVX2, portable C) and the batch:
-     Q8_0: isum = sum q * xq;                                  y += (d * xs) * isum
-     Q4_K, Q5_K (q in [0, 31], 6-bit sc and m per 32): isum = sum_s sc[s] sum_{i in s} q xq,
-           imin = sum_s m[s] * (codes' sum over s);            y += (d * xs) * isum - (dmin * xs) * imin
-     Q6_K (q in [0, 63] stored, value q - 32, int8 sc per 16): isum = sum_g sc[g] (sum q xq - 32 * codes' sum);
-                                                               y += (d * xs) * isum
-   so the AVX-512 and AVX2 builds give the same bits, and a token's outputs never depend on the other tokens.
+   Numerics, per output row and token, the same operations whatever the ISA (AVX-512 VNNI, AVX2, portable C) and
+   the batch, so the builds give the same bits and a token's outputs never depend on the other tokens:
+     Q8_0: per block isum = sum q * xq (exact), then in block order y += (d * xs) * isum (scalar fp32);
+     K-quants: per block 8 exact int32 lanes (gguf_k.c's kdot: lane l holds the codes 32 i + 4 l + c, c < 4, each
+       times its scale, and the mins' or offsets' share of two 16-groups), then 8 fp32 lanes accumulated across
+       blocks by fused multiply-adds, summed once per row in a fixed order:
+       Q4_K, Q5_K (q in [0, 31], 6-bit sc and m per 32 codes): lane += isum_l (d xs), lane += imin_l (-dmin xs),
+         isum = sum sc[s] q xq, imin = sum m[s] * (sum of 16 codes);
+       Q6_K (q in [0, 63] stored, value q - 32, int8 sc per 16): lane += (isum_l - imin_l) (d xs),
+         imin = sum 32 sc[g] * (sum of 16 codes).
 
    How: a K-quant block is decoded once per row, block and tile of tokens into its 256 unsigned codes and its
-   scales widened to int16 (8 lanes per 16 codes), then each token's integer sum is maddubs (unsigned codes x
+   scales widened to int16 lanes, held in registers, then each token's sums are maddubs (unsigned codes x
    signed activations, pairs summed into int16: at most 2 * 63 * 127, no saturation) and a multiply-add with the
-   scales (vpdpwssd on AVX-512 VNNI, pmaddwd + add on AVX2). Q8_0 uses the sign trick of q8.c (|w| x sign(x, w)). */
+   scales (vpdpwssd on AVX-512 VNNI, pmaddwd on AVX2). Q8_0 uses the sign trick of q8.c (|w| x sign(x, w)). */
 
 #include <math.h>
 #include <stdint.h>

@@ -1,6 +1,7 @@
 /* GGUF experts on the CPU: the K-quant blocks (Q4_K, Q5_K, Q6_K) decoded and multiplied by int8 activations in
    blocks of 256 (llama.cpp's Q8_K). Numerics and layout: gguf.c's comment. */
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -189,68 +190,116 @@ INLINE void decode_q6k(const uint8_t* w, kblock* kb) {
 #endif
 }
 
+/* One token against a decoded block, as 8 int32 lanes (exact): lane l of isum sums sc * q * x over the codes
+   p = 32 i + 4 l + c (i < 8, c < 4), lane l of imin is mn[2l] bsum[2l] + mn[2l + 1] bsum[2l + 1]. (AVX2's pmaddwd
+   lanes; AVX-512's 16 lanes of 64 codes fold into them, lane l + 8 onto lane l.) */
 #if MF_AVX2
-static inline int hsum8(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
-}
-#endif
-
-/* One token against a decoded block: isum = sum_g sc[g] * (codes . xq over g), imin = sum_g mn[g] * bsum[g]. */
-INLINE void kdot(const kblock* kb, const int8_t* x, const int16_t* bsum, int* isum, int* imin) {
+typedef __m256i lanes;
+INLINE void kdot(const kblock* kb, const int8_t* x, const int16_t* bsum, lanes* isum, lanes* imin) {
 #if MF_AVX512
-    __m512i acc = _mm512_setzero_si512();
-    for (int i = 0; i < KV; i++)
-        acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(kb->q[i], _mm512_loadu_si512((const void*)(x + 64 * i))),
-                                  kb->sc[i]);
-    *isum = _mm512_reduce_add_epi32(acc);
-#elif MF_AVX2
-    __m256i acc = _mm256_setzero_si256();
-    for (int i = 0; i < KV; i++)
-        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(
-            _mm256_maddubs_epi16(kb->q[i], _mm256_loadu_si256((const __m256i*)(x + 32 * i))), kb->sc[i]));
-    *isum = hsum8(acc);
-#endif
-#if MF_AVX2
-    *imin = hsum8(_mm256_madd_epi16(kb->mn, _mm256_loadu_si256((const __m256i*)bsum)));
-#else
-    int s = 0, m = 0;
-    for (int g = 0; g < 16; g++) {
-        int d = 0;
-        for (int i = 0; i < 16; i++) d += kb->q[16 * g + i] * x[16 * g + i];
-        s += kb->sc[g] * d;
-        m += kb->mn[g] * bsum[g];
+    __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();  /* two chains: exact integer adds */
+    for (int i = 0; i < KV; i += 2) {
+        a0 = _mm512_dpwssd_epi32(a0, _mm512_maddubs_epi16(kb->q[i], _mm512_loadu_si512((const void*)(x + 64 * i))),
+                                 kb->sc[i]);
+        a1 = _mm512_dpwssd_epi32(a1, _mm512_maddubs_epi16(kb->q[i + 1],
+                                 _mm512_loadu_si512((const void*)(x + 64 * i + 64))), kb->sc[i + 1]);
     }
-    *isum = s;
-    *imin = m;
+    const __m512i a = _mm512_add_epi32(a0, a1);
+    *isum = _mm256_add_epi32(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
+#else
+    __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
+    for (int i = 0; i < KV; i += 2) {
+        a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(
+            _mm256_maddubs_epi16(kb->q[i], _mm256_loadu_si256((const __m256i*)(x + 32 * i))), kb->sc[i]));
+        a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(
+            _mm256_maddubs_epi16(kb->q[i + 1], _mm256_loadu_si256((const __m256i*)(x + 32 * i + 32))), kb->sc[i + 1]));
+    }
+    *isum = _mm256_add_epi32(a0, a1);
 #endif
+    *imin = _mm256_madd_epi16(kb->mn, _mm256_loadu_si256((const __m256i*)bsum));
+}
+#else
+typedef struct { int32_t v[8]; } lanes;
+INLINE void kdot(const kblock* kb, const int8_t* x, const int16_t* bsum, lanes* isum, lanes* imin) {
+    for (int l = 0; l < 8; l++) {
+        int s = 0;
+        for (int i = 0; i < 8; i++)
+            for (int c = 0; c < 4; c++) {
+                const int p = 32 * i + 4 * l + c;
+                s += kb->sc[p / 16] * kb->q[p] * x[p];
+            }
+        isum->v[l] = s;
+        imin->v[l] = kb->mn[2 * l] * bsum[2 * l] + kb->mn[2 * l + 1] * bsum[2 * l + 1];
+    }
+}
+#endif
+
+/* 8 fp32 lanes per token: acc[l] = fma(isum_l, d xs, acc[l]) then fma(imin_l, -(dmin xs), acc[l]) (Q6_K: one fma of
+   isum_l - imin_l); the row's value is ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)). */
+#if MF_AVX2
+typedef __m256 facc;
+INLINE facc facc_zero(void) { return _mm256_setzero_ps(); }
+INLINE facc facc_add(int type, facc acc, lanes is, lanes im, float dx, float mx) {
+    if (type == GG_Q6_K) return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(is, im)), _mm256_set1_ps(dx), acc);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_set1_ps(dx), acc);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(im), _mm256_set1_ps(mx), acc);
+}
+INLINE float facc_sum(facc a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#else
+typedef struct { float v[8]; } facc;
+INLINE facc facc_zero(void) { facc a = {{0}}; return a; }
+INLINE facc facc_add(int type, facc acc, lanes is, lanes im, float dx, float mx) {
+    for (int l = 0; l < 8; l++) {
+        if (type == GG_Q6_K) {
+            acc.v[l] = fmaf((float)(is.v[l] - im.v[l]), dx, acc.v[l]);
+        } else {
+            acc.v[l] = fmaf((float)is.v[l], dx, acc.v[l]);
+            acc.v[l] = fmaf((float)im.v[l], mx, acc.v[l]);
+        }
+    }
+    return acc;
+}
+INLINE float facc_sum(facc a) {
+    float b[4];
+    for (int l = 0; l < 4; l++) b[l] = a.v[l] + a.v[l + 4];
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+#endif
+
+/* Row `row` (nb blocks of K-quant `type`) against the tokens t0 .. t0 + tt: y[t * ldy]. `type` and `tt` are
+   constants after inlining, so the tile's accumulators stay in registers. */
+INLINE void ktile(int type, const uint8_t* row, int nb, int t0, int tt, const acts* a, float* y, int ldy) {
+    const int K = a->K, tb = type_bytes(type);
+    facc acc[GTT];
+    for (int i = 0; i < tt; i++) acc[i] = facc_zero();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t* w = row + (size_t)b * tb;
+        kblock kb;
+        if (type == GG_Q4_K) decode_q4k(w, &kb);
+        else if (type == GG_Q5_K) decode_q5k(w, &kb);
+        else decode_q6k(w, &kb);
+        for (int i = 0; i < tt; i++) {
+            const int t = t0 + i;
+            lanes is, im;
+            kdot(&kb, a->q + (size_t)t * K + (size_t)b * QKK, a->sum + (size_t)t * (K / 16) + 16 * b, &is, &im);
+            const float xs = a->s[(size_t)t * (K / QKK) + b];
+            acc[i] = facc_add(type, acc[i], is, im, kb.d * xs, -(kb.dmin * xs));
+        }
+    }
+    for (int i = 0; i < tt; i++) y[(size_t)(t0 + i) * ldy] = facc_sum(acc[i]);
 }
 
-/* Row `row` (nb blocks of K-quant `type`, a constant after inlining) against T tokens: y[t * ldy]. */
+/* All T tokens in tiles of 8, then one of 4, 2 and 1 as needed (a block is decoded once per tile). */
 INLINE void krow(int type, const uint8_t* row, int nb, int T, const acts* a, float* y, int ldy) {
-    const int K = a->K, tb = type_bytes(type);
-    for (int t0 = 0; t0 < T; t0 += GTT) {
-        const int tt = T - t0 < GTT ? T - t0 : GTT;
-        float acc[GTT] = {0};
-        for (int b = 0; b < nb; b++) {
-            const uint8_t* w = row + (size_t)b * tb;
-            kblock kb;
-            if (type == GG_Q4_K) decode_q4k(w, &kb);
-            else if (type == GG_Q5_K) decode_q5k(w, &kb);
-            else decode_q6k(w, &kb);
-            for (int i = 0; i < tt; i++) {
-                const int t = t0 + i;
-                int isum, imin;
-                kdot(&kb, a->q + (size_t)t * K + (size_t)b * QKK, a->sum + (size_t)t * (K / 16) + 16 * b, &isum,
-                     &imin);
-                const float xs = a->s[(size_t)t * (K / QKK) + b];
-                if (type == GG_Q6_K) acc[i] += (kb.d * xs) * (float)(isum - imin);
-                else acc[i] += (kb.d * xs) * (float)isum - (kb.dmin * xs) * (float)imin;
-            }
-        }
-        for (int i = 0; i < tt; i++) y[(size_t)(t0 + i) * ldy] = acc[i];
-    }
+    int t0 = 0;
+    for (; t0 + GTT <= T; t0 += GTT) ktile(type, row, nb, t0, GTT, a, y, ldy);
+    if (T - t0 >= 4) { ktile(type, row, nb, t0, 4, a, y, ldy); t0 += 4; }
+    if (T - t0 >= 2) { ktile(type, row, nb, t0, 2, a, y, ldy); t0 += 2; }
+    if (T - t0 >= 1) ktile(type, row, nb, t0, 1, a, y, ldy);
 }
 
 void mf_gguf_krow(int type, const uint8_t* row, int nb, int T, const acts* a, float* y, int ldy) {
