@@ -9,7 +9,8 @@
 
    Numerics, per output row and token, the same operations whatever the ISA (AVX-512 VNNI, AVX2, portable C) and
    the batch, so the builds give the same bits and a token's outputs never depend on the other tokens:
-     Q8_0: per block isum = sum q * xq (exact), then in block order y += (d * xs) * isum (scalar fp32);
+     Q8_0: per block 8 exact int32 lanes (lane l: codes 4l .. 4l + 3), each added to its fp32 lane by a fused
+       multiply-add with d * xs, the 8 lanes summed once per row in a fixed order (gguf.h's facc);
      K-quants: per block 8 exact int32 lanes (gguf_k.c's kdot: lane l holds the codes 32 i + 4 l + c, c < 4, each
        times its scale, and the mins' or offsets' share of two 16-groups), then 8 fp32 lanes accumulated across
        blocks by fused multiply-adds, summed once per row in a fixed order:
@@ -69,64 +70,50 @@ static void acts_row(acts* a, const float* x, int t) {
 
 /* ---- Q8_0 ------------------------------------------------------------------------------------------------------ */
 
-/* The integer sums of 4 consecutive Q8_0 blocks (34 bytes each) with 4 activation blocks of 32 codes. */
-static inline void q8_0_isum4(const uint8_t* w, const int8_t* x, int out[4]) {
+/* A Q8_0 block (34 bytes) against 32 activation codes into a token's lanes: lane l += (sum over codes 4l .. 4l + 3
+   of q xq) * dx, one fused multiply-add (dpbusd's and pmaddwd's lanes; |w| x sign(x, w), exact). */
+INLINE facc q8_0_add(facc acc, const uint8_t* w, const int8_t* x, float dx) {
 #if MF_AVX2
-    __m256i v[4];
-    for (int j = 0; j < 4; j++) {
-        const __m256i wq = _mm256_loadu_si256((const __m256i*)(w + 34 * j + 2));
-        const __m256i xq = _mm256_loadu_si256((const __m256i*)(x + 32 * j));
+    const __m256i wq = _mm256_loadu_si256((const __m256i*)(w + 2)), xq = _mm256_loadu_si256((const __m256i*)x);
 #if MF_AVX512
-        v[j] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xq, wq));
+    const __m256i v = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xq, wq));
 #else
-        v[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xq, wq)),
-                                 _mm256_set1_epi16(1));
+    const __m256i v = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xq, wq)),
+                                        _mm256_set1_epi16(1));
 #endif
-    }
-    /* four horizontal sums at once: exact integer adds in another order */
-    const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-    _mm_storeu_si128((__m128i*)out, _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(dx), acc);
 #else
-    for (int j = 0; j < 4; j++) {
+    for (int l = 0; l < 8; l++) {
         int s = 0;
-        for (int i = 0; i < 32; i++) s += (int8_t)w[34 * j + 2 + i] * x[32 * j + i];
-        out[j] = s;
+        for (int c = 0; c < 4; c++) s += (int8_t)w[2 + 4 * l + c] * x[4 * l + c];
+        acc.v[l] = fmaf((float)s, dx, acc.v[l]);
     }
+    return acc;
 #endif
 }
 
-static inline int q8_0_isum1(const uint8_t* w, const int8_t* x) {
-    int s = 0;
-    for (int i = 0; i < 32; i++) s += (int8_t)w[2 + i] * x[i];
-    return s;
+/* Row `row` (nb Q8_0 blocks) against the tokens t0 .. t0 + tt (a constant after inlining): y[t * ldy]. */
+INLINE void q8_0_tile(const uint8_t* row, int nb, int t0, int tt, const acts* a, float* y, int ldy) {
+    const int K = a->K;
+    facc acc[GTT];
+    for (int i = 0; i < tt; i++) acc[i] = facc_zero();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t* w = row + (size_t)b * 34;
+        const float d = h2f(w);
+        for (int i = 0; i < tt; i++) {
+            const int t = t0 + i;
+            acc[i] = q8_0_add(acc[i], w, a->q + (size_t)t * K + (size_t)b * 32, d * a->s[(size_t)t * (K / 32) + b]);
+        }
+    }
+    for (int i = 0; i < tt; i++) y[(size_t)(t0 + i) * ldy] = facc_sum(acc[i]);
 }
 
 static void q8_0_row(const uint8_t* row, int nb, int T, const acts* a, float* y, int ldy) {
-    const int K = a->K;
-    for (int t0 = 0; t0 < T; t0 += GTT) {
-        const int tt = T - t0 < GTT ? T - t0 : GTT;
-        float acc[GTT] = {0};
-        int b = 0;
-        for (; b + 4 <= nb; b += 4) {
-            const uint8_t* w = row + (size_t)b * 34;
-            const float d[4] = {h2f(w), h2f(w + 34), h2f(w + 68), h2f(w + 102)};
-            for (int i = 0; i < tt; i++) {
-                const int t = t0 + i;
-                const float* xs = a->s + (size_t)t * (K / 32) + b;
-                int is[4];
-                q8_0_isum4(w, a->q + (size_t)t * K + (size_t)b * 32, is);
-                for (int j = 0; j < 4; j++) acc[i] += (d[j] * xs[j]) * (float)is[j];
-            }
-        }
-        for (; b < nb; b++) {
-            const uint8_t* w = row + (size_t)b * 34;
-            for (int i = 0; i < tt; i++) {
-                const int t = t0 + i;
-                acc[i] += (h2f(w) * a->s[(size_t)t * (K / 32) + b]) * (float)q8_0_isum1(w, a->q + (size_t)t * K + (size_t)b * 32);
-            }
-        }
-        for (int i = 0; i < tt; i++) y[(size_t)(t0 + i) * ldy] = acc[i];
-    }
+    int t0 = 0;
+    for (; t0 + GTT <= T; t0 += GTT) q8_0_tile(row, nb, t0, GTT, a, y, ldy);
+    if (T - t0 >= 4) { q8_0_tile(row, nb, t0, 4, a, y, ldy); t0 += 4; }
+    if (T - t0 >= 2) { q8_0_tile(row, nb, t0, 2, a, y, ldy); t0 += 2; }
+    if (T - t0 >= 1) q8_0_tile(row, nb, t0, 1, a, y, ldy);
 }
 
 /* ---- rows, linear, expert ---------------------------------------------------------------------------------- */

@@ -44,6 +44,28 @@ typedef struct {  /* T rows quantized for one weight type */
 } acts;
 
 
+#define INLINE static inline __attribute__((always_inline))
+
+/* A token's 8 fp32 lanes, accumulated across a row's blocks by fused multiply-adds and summed once per row as
+   ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)): the same operations on every build. */
+#if MF_AVX2
+typedef __m256 facc;
+INLINE facc facc_zero(void) { return _mm256_setzero_ps(); }
+INLINE float facc_sum(facc a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#else
+typedef struct { float v[8]; } facc;
+INLINE facc facc_zero(void) { facc a = {{0}}; return a; }
+INLINE float facc_sum(facc a) {
+    float b[4];
+    for (int l = 0; l < 4; l++) b[l] = a.v[l] + a.v[l + 4];
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+#endif
+
 /* Row `row` (nb blocks of K-quant `type`: Q4_K, Q5_K, Q6_K) against the T quantized tokens of `a`: y[t * ldy]
    (gguf_k.c). */
 __attribute__((visibility("hidden"))) void mf_gguf_krow(int type, const uint8_t* row, int nb, int T, const acts* a,

@@ -29,8 +29,6 @@ typedef struct {
     float d, dmin;
 } kblock;
 
-#define INLINE static inline __attribute__((always_inline))
-
 /* Q4_K / Q5_K's twelve scale bytes -> the 6-bit scales sc[8] and mins m[8] (llama.cpp's get_scale_min_k4 as one
    64-bit word each, byte j = sub-block j): scales 0-3 and mins 0-3 are the low 6 bits of bytes 0-3 and 4-7;
    4-7 take their low 4 bits from bytes 8-11 (scales the low nibbles, mins the high) and their top 2 from the top
@@ -234,24 +232,15 @@ INLINE void kdot(const kblock* kb, const int8_t* x, const int16_t* bsum, lanes* 
 }
 #endif
 
-/* 8 fp32 lanes per token: acc[l] = fma(isum_l, d xs, acc[l]) then fma(imin_l, -(dmin xs), acc[l]) (Q6_K: one fma of
-   isum_l - imin_l); the row's value is ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)). */
+/* A K-quant block's share of a token's 8 fp32 lanes (gguf.h's facc): acc[l] = fma(isum_l, d xs, acc[l]) then
+   fma(imin_l, -(dmin xs), acc[l]) (Q6_K: one fma of isum_l - imin_l). */
 #if MF_AVX2
-typedef __m256 facc;
-INLINE facc facc_zero(void) { return _mm256_setzero_ps(); }
 INLINE facc facc_add(int type, facc acc, lanes is, lanes im, float dx, float mx) {
     if (type == GG_Q6_K) return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(is, im)), _mm256_set1_ps(dx), acc);
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_set1_ps(dx), acc);
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(im), _mm256_set1_ps(mx), acc);
 }
-INLINE float facc_sum(facc a) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
 #else
-typedef struct { float v[8]; } facc;
-INLINE facc facc_zero(void) { facc a = {{0}}; return a; }
 INLINE facc facc_add(int type, facc acc, lanes is, lanes im, float dx, float mx) {
     for (int l = 0; l < 8; l++) {
         if (type == GG_Q6_K) {
@@ -262,11 +251,6 @@ INLINE facc facc_add(int type, facc acc, lanes is, lanes im, float dx, float mx)
         }
     }
     return acc;
-}
-INLINE float facc_sum(facc a) {
-    float b[4];
-    for (int l = 0; l < 4; l++) b[l] = a.v[l] + a.v[l + 4];
-    return (b[0] + b[2]) + (b[1] + b[3]);
 }
 #endif
 
