@@ -249,21 +249,31 @@ def _gguf_format(gate_up: tuple[str, ...], down: tuple[str, ...], hidden: int, i
 def _cpu_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, pool: ExpertPool,
                  slot_of_expert: torch.Tensor, out: torch.Tensor, expert_mask: torch.Tensor | None) -> None:
     """out[pairs of each selected expert] = its CPU form over the slot's bytes (views, no copy): each expert
-    once on all its rows, the numbers hybrid compute's CPU form gives (x [T, H], topk int [T, k], out [T*k, H])."""
+    once on all its rows, the numbers hybrid compute's CPU form gives (x [T, H], topk int [T, k], out [T*k, H]).
+    Host-side bookkeeping in plain Python lists (a decode step's layer is a few experts on one row)."""
     from moeflow.kernels.cpu.gguf import GGUFCpuExpert
 
     fmt, t, k = pool.fmt, pool.tensors, topk_ids.shape[1]
-    flat_ids = topk_ids.reshape(-1)
+    by_code = {g.code: g for g in GGML_TYPES.values()}
+    types_at = fmt.spec("types").offset
+    mask = None if expert_mask is None else expert_mask.tolist()
+    slots = slot_of_expert.tolist()
+    groups: dict[int, list[int]] = {}
+    for pair, e in enumerate(topk_ids.reshape(-1).tolist()):
+        groups.setdefault(e, []).append(pair)
     flat_w = topk_weights.reshape(-1).float()
-    for e in torch.unique(flat_ids).tolist():
-        if expert_mask is not None and not bool(expert_mask[e]):
+    for e, pairs in groups.items():
+        if mask is not None and not mask[e]:
             continue
-        pairs = torch.nonzero(flat_ids == e).squeeze(1)
-        s = int(slot_of_expert[e])
-        gate_up, down = fmt.region_types(pool.buffer[s])
+        s = slots[e]
+        gate_up, down = (by_code[c] for c in pool.buffer[s, types_at : types_at + 2].tolist())
         expert = GGUFCpuExpert(t["gate"][s], t["up"][s], t["down"][s], gate_up, down)
-        out[pairs] = expert.forward(x[pairs // k], flat_w[pairs]).to(out.dtype)
-
+        if len(pairs) == 1:
+            p = pairs[0]
+            out[p : p + 1] = expert.forward(x[p // k : p // k + 1], flat_w[p : p + 1]).to(out.dtype)
+        else:
+            idx = torch.tensor(pairs)
+            out[idx] = expert.forward(x[idx // k], flat_w[idx]).to(out.dtype)
 
 
 @custom_op("moeflow::gguf_expert_forward", mutates_args=("out",))
