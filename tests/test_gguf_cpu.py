@@ -2,8 +2,8 @@
 activations): each type against its fp32 plain-torch model (the activation rounding emulated, the weights
 dequantized by the reference every GGUF kernel is checked against), odd row counts and token counts; a token's
 result independent of the batch; the AVX-512 VNNI, AVX2 and portable builds bit for bit (an ISA this CPU lacks is
-skipped with the reason); the format's CPU form (hybrid compute) and its CPU pools (``device="cpu"``). ~10 s on
-2 cores (three ~2 s builds, cached)."""
+skipped with the reason); the format's CPU form (hybrid compute) and its CPU pools (``device="cpu"``). 25-45 s on
+the 2 cores at load ~9 (three library builds the first time, cached after)."""
 
 from __future__ import annotations
 

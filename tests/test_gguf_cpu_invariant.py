@@ -4,7 +4,7 @@ holds Q4_K gate/up and Q6_K down experts (Q4_K_M's mix) and layer 1 Q8_0 experts
 int8 kernels, as for AWQ), from a slot or,
 with hybrid compute (fiddler, ``cpu_compute="always"``), from the host store's CPU form. Every policy, at slot
 counts from the minimum to all experts, with the synchronous and the random-delay transport, generates exactly the
-resident model's greedy tokens. ~40 s on 2 cores."""
+resident model's greedy tokens. ~20 s on the 2 cores at load ~9."""
 
 from __future__ import annotations
 
