@@ -1,8 +1,8 @@
 """moeflow's own CPU kernels: C sources built into one library on first use, their ctypes bindings and the fp32
 torch model of every function.
 
-* ``native.h``: the header of the C sources (``gguf.h`` beside it for the GGUF ones); ``native.c`` (activation quantization, the linear and expert
-  entry points), ``q4.c`` / ``q8.c`` (int4 / int8 row-group kernels), ``step.c`` (a decode step's glue),
+* ``native.h``: the header of the C sources (``gguf.h`` beside it for the GGUF ones); ``native.c`` (activation
+  quantization, the linear and expert entry points), ``q4.c`` / ``q8.c`` (int4 / int8 row-group kernels), ``step.c`` (a decode step's glue),
   ``repack.c`` (load-time nibble transposes), ``gguf.c`` / ``gguf_k.c`` / ``gguf.h`` (GGUF Q8_0 and K-quant
   experts as stored).
 * :mod:`moeflow.kernels.cpu.gguf`: the GGUF experts' CPU form (``GGUFCpuExpert``) and its fp32 model.
