@@ -1,10 +1,10 @@
 """The exact-token invariant with GGUF K-quant and Q8_0 experts on the CPU: a tiny Qwen3-MoE file whose layer 0
 holds Q4_K gate/up and Q6_K down experts (Q4_K_M's mix) and layer 1 Q8_0 experts, loaded on ``device="cpu"`` with
 ``kernels="auto"``: every expert runs moeflow's native GGUF CPU kernels (``kernels/cpu/gguf.c``; the linears the CPU
-int8 kernels, as for AWQ), from a slot or,
-with hybrid compute (fiddler, ``cpu_compute="always"``), from the host store's CPU form. Every policy, at slot
-counts from the minimum to all experts, with the synchronous and the random-delay transport, generates exactly the
-resident model's greedy tokens. ~20 s on the 2 cores at load ~9."""
+int8 kernels, as for AWQ), from a slot or, with hybrid compute (fiddler, ``cpu_compute="always"``; fiddler over the
+disk tier too), from the host store's CPU form. Every policy, at slot counts from the minimum to all experts, with
+the synchronous and the random-delay transport, generates exactly the resident model's greedy tokens. ~30 s on the
+2 cores at load ~9."""
 
 from __future__ import annotations
 
@@ -75,3 +75,30 @@ def test_cpu_kernels_give_the_resident_tokens(tiny, policy, cpu_compute, transpo
             assert n_slots == ALL_SLOTS or s.prefill.cpu_experts + s.decode.cpu_experts > 0
         elif n_slots < ALL_SLOTS:
             assert s.prefill.bytes_h2d + s.decode.bytes_h2d > 0
+
+
+def test_fiddler_over_the_disk_tier(tiny):
+    """6 of the 16 experts in host memory, the rest read from the GGUF when needed: the CPU forms of disk experts
+    are the bytes read (``DiskHostStore.cpu_expert``), the tokens those of the resident model."""
+    from moeflow.engine.loading import non_expert_bytes
+    from moeflow.engine.memory import kv_cache_bytes
+    from moeflow.io.gguf import open_gguf
+    from moeflow.offload import DiskHostStore
+
+    path, ids, mask, expected = tiny
+    resident = MoEModel.from_pretrained(path, dtype=torch.float32)
+    row = resident.experts.fmt.nbytes
+    reserved = non_expert_bytes(resident.model) + kv_cache_bytes(resident.family.config, torch.float32, 4096)
+    resident.close()
+    staging = open_gguf(path).expert_source((0, 1), EXPERTS, H, I).staging_nbytes
+    budget = (reserved + 2 * staging + 6 * row + row // 2) / 2**30
+    model = MoEModel.from_pretrained(path, dtype=torch.float32, offload=OffloadConfig(
+        policy="fiddler", gpu_expert_slots=3, host_memory_gb=budget, disk_readers=2))
+    try:
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=[])
+        assert isinstance(model.experts.host, DiskHostStore) and model.experts.host.on_disk
+        assert torch.equal(out, expected)
+        assert model.stats.prefill.cpu_experts + model.stats.decode.cpu_experts > 0
+        assert model.experts.host.stats.bytes_read > 0
+    finally:
+        model.close()
