@@ -110,7 +110,9 @@ def test_layout_round_trip_and_errors():
     assert [s.offset % ALIGN for s in fmt.specs] == [0, 0, 0, 0] and fmt.nbytes % ALIGN == 0
     assert fmt.nbytes == 2 * 512 * 144 + 256 * 420 + ALIGN  # the file's bytes (whole ALIGN units) + the types
     assert not fmt.fused_moe and not fmt.capturable and not fmt.cpu_int4 and not fmt.w13_halves
-    assert "no CPU kernels" in fmt.cpu_unsupported()
+    assert fmt.cpu_unsupported() is None or "do not build" in fmt.cpu_unsupported()  # Q4_K, Q6_K: CPU kernels
+    assert "Q4_1 blocks, which have no CPU kernels" in gguf_expert_format("Q4_1", "Q6_K", 256, 512,
+                                                                          torch.float32).cpu_unsupported()
     gen = torch.Generator().manual_seed(0)
     experts = [random_gguf_expert(fmt, gen) for _ in range(2)]
     pool = ExpertPool.allocate(fmt, 2, "cpu")

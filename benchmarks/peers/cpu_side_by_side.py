@@ -1,10 +1,11 @@
-"""moeflow ``device="cpu"`` (two source trees: before / after) beside llama.cpp Q4_0, alternating rep by rep in
+"""moeflow ``device="cpu"`` (two source trees: before / after) beside llama.cpp on a GGUF, alternating rep by rep in
 one run (issue 21): decode tok/s, pp32 tok/s and CPU ms per decoded token, at one thread count.
 
 Each moeflow engine runs in its own worker process (``PYTHONPATH=<tree>``, the model loaded once: the peer
 benchmark's AWQ synthetic Mixtral from ``<work>/<checkpoint>``, ``attention_bits`` and ``lm_head_bits`` as
 asked); each rep asks every worker
-for one measurement, then runs ``llama-bench`` (Q4_0 GGUF, the same thread count), so the shared machine's load
+for one measurement, then runs ``llama-bench`` (``--llama-gguf``, default the Q4_0 GGUF; the same thread count), so
+the shared machine's load
 hits all alike. Per rep and engine:
 
 * decode: moeflow 1 / TPOT of ``generate(prompt 16, tg + 1 tokens)``; llama.cpp ``llama-bench -p 0 -n tg`` t/s;
@@ -20,6 +21,13 @@ default ``--attention-bits``): e.g. one engine on a ``--quantize-attention`` che
 
     python -m benchmarks.peers.cpu_side_by_side --work /tmp/peers --threads 1 --reps 7 \\
         --trees before=/work/main --trees after=. --out benchmarks/results/peers/s12/side_t1
+
+The same Q4_K_M file on both sides (moeflow's GGUF K-quant CPU kernels; the file made by ``llama-quantize
+mixtral-synth-bf16.gguf <work>/mixtral-synth-Q4_K_M.gguf Q4_K_M``):
+
+    python -m benchmarks.peers.cpu_side_by_side --work /tmp/kquant_peers --llama-bin /tmp/peers/llama.cpp/build/bin \
+        --llama-gguf mixtral-synth-Q4_K_M.gguf --trees q4_k_m=.:mixtral-synth-Q4_K_M.gguf:auto --threads 1 \
+        --out benchmarks/results/peers/s15/kquant_same_file_t1
 """
 
 from __future__ import annotations
@@ -111,6 +119,7 @@ def main() -> None:
     ap.add_argument("--checkpoint", default="awq", help="(worker) the checkpoint folder under --work")
     ap.add_argument("--attention-bits", default="4", help="auto, none, 8 or 4 (the default of --trees)")
     ap.add_argument("--llama-bin", type=Path, help="llama-bench's folder (default <work>/llama.cpp/build/bin)")
+    ap.add_argument("--llama-gguf", default="mixtral-synth-Q4_0.gguf", help="the GGUF under --work llama.cpp runs")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -128,7 +137,8 @@ def main() -> None:
         var, value = assignment.split("=", 1)
         tree_env.setdefault(label, {})[var] = value
     bench = (args.llama_bin or args.work / "llama.cpp/build/bin") / "llama-bench"
-    gguf = args.work / "mixtral-synth-Q4_0.gguf"
+    gguf = args.work / args.llama_gguf
+    peer = "llama.cpp " + gguf.stem.rsplit("-", 1)[-1]  # "llama.cpp Q4_0"
     loads = [uptime()]
     workers, info = {}, {}
     for label, (tree, ckpt, bits) in engines_spec.items():
@@ -143,7 +153,7 @@ def main() -> None:
         info[label] = {"tree": str(Path(tree).resolve()), "checkpoint": ckpt, "attention_bits": bits,
                        "env": tree_env.get(label, {}),
                        **json.loads(p.stdout.readline())}
-    engines = [*workers, "llama.cpp Q4_0"]
+    engines = [*workers, peer]
     samples: dict[str, list[dict]] = {e: [] for e in engines}
     try:
         for _ in range(args.reps):
@@ -151,7 +161,7 @@ def main() -> None:
                 p.stdin.write("go\n")
                 p.stdin.flush()
                 samples[label].append(json.loads(p.stdout.readline()))
-            samples["llama.cpp Q4_0"].append(llama_rep(bench, gguf, args.threads, args.tg))
+            samples[peer].append(llama_rep(bench, gguf, args.threads, args.tg))
             loads.append(uptime())
     finally:
         for p in workers.values():
@@ -164,16 +174,16 @@ def main() -> None:
                     for f in ln.split(":", 1)[1].split() if f.startswith(("avx", "fma", "f16c", "amx"))})
     keys = ("decode_tok_s", "pp32_tok_s", "cpu_ms")
     med = {e: {k: statistics.median(s[k] for s in samples[e]) for k in keys} for e in engines}
-    ref = med["llama.cpp Q4_0"]
+    ref = med[peer]
     ratios = {e: {"decode": med[e]["decode_tok_s"] / ref["decode_tok_s"], "pp32": med[e]["pp32_tok_s"] /
                   ref["pp32_tok_s"], "decode_by_cpu_ms": ref["cpu_ms"] / med[e]["cpu_ms"]} for e in workers}
     res = {"threads": args.threads, "lm_head_bits": args.lm_head_bits, "cpu": cpu, "cpu_flags": flags,
            "nproc": os.cpu_count(), "tg": args.tg,
            "reps": args.reps, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "uptime": loads,
-           "trees": info, "same_greedy_tokens": same, "llama_cpp_build": samples["llama.cpp Q4_0"][0]["build"],
-           "samples": samples, "median": med, "ratios_vs_llama_cpp": ratios}
-    lines = [f"moeflow `device=\"cpu\"` (AWQ experts, lm_head_bits={args.lm_head_bits}) beside "
-             f"llama.cpp Q4_0, {args.threads} thread(s), alternating, median of {args.reps} reps, {res['date']}.",
+           "trees": info, "same_greedy_tokens": same, "llama_cpp_build": samples[peer][0]["build"],
+           "llama_cpp_gguf": str(gguf), "samples": samples, "median": med, "ratios_vs_llama_cpp": ratios}
+    lines = [f"moeflow `device=\"cpu\"` (lm_head_bits={args.lm_head_bits}) beside {peer} (`{gguf.name}`), "
+             f"{args.threads} thread(s), alternating, median of {args.reps} reps, {res['date']}.",
              "", f"CPU: {cpu} ({os.cpu_count()} cores seen), flags: {' '.join(flags)}  ",
              *[f"engine `{e}`: checkpoint `{i['checkpoint']}`, attention_bits={i['attention_bits']}, kernels "
                f"{i.get('simd')}" + "".join(f", {k}={v}" for k, v in i["env"].items()) + "  "

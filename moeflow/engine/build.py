@@ -34,8 +34,8 @@ from moeflow.io.checkpoint import CheckpointReader, open_checkpoint, read_json, 
 from moeflow.io.expert_index import ExpertIndex
 from moeflow.io.gguf import open_gguf, resolve_gguf
 from moeflow.io.tokenizer import Tokenizer
-from moeflow.kernels.dispatch import uses_cpu_int4, uses_triton
-from moeflow.kernels.formats import ExpertFormat
+from moeflow.kernels.dispatch import CPU_INT4, uses_cpu_int4, uses_triton
+from moeflow.kernels.formats import ExpertFormat, GGUFFormat
 from moeflow.moe.backend import ExpertBackend
 from moeflow.moe.resident import CpuInt4Experts
 from moeflow.offload import Stats, create_expert_backend, get_policy, min_slots
@@ -68,6 +68,8 @@ def resolve_kernels(kernels: str, device: torch.device, awq: bool) -> Kernels:
     (:mod:`moeflow.offload.cpu_slots`, see :func:`expert_storage_format`). Formats the int4 form cannot hold
     (biases, clamped activations, MXFP4: ``awq=False``) keep the torch reference. The lm_head and the AWQ
     attention projections run quantized CPU kernels (``linear="cpu-int4"``, :mod:`moeflow.engine.cpu_linears`).
+    GGUF experts of types with CPU kernels (Q8_0, Q4_K, Q5_K, Q6_K) get them from ``build_model`` under "auto" on
+    the CPU (``GGUFFormat.with_cpu_kernels``, reported as "cpu-int4" with the same quantized linears).
     """
     if kernels not in KERNEL_CHOICES:
         raise ValueError(f"kernels={kernels!r}: expected one of {KERNEL_CHOICES}")
@@ -182,6 +184,10 @@ def build_model(
             fmt = loading.requantized_expert_format(family)
         resolved = resolve_kernels(kernels, device,
                                    fmt.cpu_int4)  # cpu-int4: plain AWQ experts only
+        if isinstance(fmt, GGUFFormat) and kernels == "auto" and device.type == "cpu" and fmt.cpu_unsupported() is None:
+            # GGUF Q8_0/Q4_K/Q5_K/Q6_K experts on moeflow.kernels.cpu.gguf, the linears on the CPU kernels as AWQ's
+            fmt = fmt.with_cpu_kernels()
+            resolved = Kernels(CPU_INT4, resolved.experts, CPU_INT4)
         check_attention_bits(attention_bits, resolved.linear, lm_head_bits)
         attention_bits = resolve_attention_bits(attention_bits, resolved.linear,
                                                 family.kv_cache_spec().linear is not None)

@@ -60,7 +60,7 @@ def resolve_cpu_compute(config: OffloadConfig, spec: PolicySpec, fmt: ExpertForm
     if policy_mode is not None:
         raise SchedulingError(f"policy {spec.name!r} computes experts on the CPU, but {problem}")
     warnings.warn(
-        f"moeflow: cpu_compute={mode!r} needs AWQ or MXFP4 experts and torch's int4 CPU kernels, but {problem}; "
+        f"moeflow: cpu_compute={mode!r} needs experts with a CPU form (AWQ, MXFP4, GGUF Q8_0/K-quants), but {problem}; "
         "every expert is computed on the device (cpu_compute='never')", RuntimeWarning, stacklevel=3,
     )
     return "never"

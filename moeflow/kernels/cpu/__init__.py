@@ -1,9 +1,11 @@
 """moeflow's own CPU kernels: C sources built into one library on first use, their ctypes bindings and the fp32
 torch model of every function.
 
-* ``native.h``: the one header of the C sources; ``native.c`` (activation quantization, the linear and expert
-  entry points), ``q4.c`` / ``q8.c`` (int4 / int8 row-group kernels), ``step.c`` (a decode step's glue),
-  ``repack.c`` (load-time nibble transposes).
+* ``native.h``: the header of the C sources (``gguf.h`` beside it for the GGUF ones); ``native.c`` (activation
+  quantization, the linear and expert entry points), ``q4.c`` / ``q8.c`` (int4 / int8 row-group kernels),
+  ``step.c`` (a decode step's glue), ``repack.c`` (load-time nibble transposes), ``gguf.c`` / ``gguf_k.c``
+  (GGUF Q8_0 and K-quant experts as stored).
+* :mod:`moeflow.kernels.cpu.gguf`: the GGUF experts' CPU form (``GGUFCpuExpert``) and its fp32 model.
 * :mod:`moeflow.kernels.cpu.native`: the build (cached in ``$MOEFLOW_CACHE_DIR/cpu_native``), the bindings,
   :class:`Q4Matrix` / :class:`Q8Matrix` and the fp32 models; re-exported here.
 * :mod:`moeflow.kernels.cpu.quant_linear`: int8 / int4 linear layers (``CpuQuantLinear``).

@@ -25,7 +25,11 @@ Compute: SiLU gating, no biases, through the custom op ``torch.ops.moeflow.gguf_
 ``torch.compile(fullgraph=True)`` traces through; it rebuilds the format from its types). Backend ``"triton"``:
 :mod:`moeflow.kernels.experts.gguf` (grouped kernels decoding the blocks in the K loop, one w13 kernel reading gate
 and up); ``"torch"``: the plain-torch reference (:func:`moeflow.kernels.experts.biased.biased_expert_forward_reference`
-over :meth:`GGUFFormat.reference_weights`). Not in the fused eager MoE, not CUDA-graph captured, no CPU form.
+over :meth:`GGUFFormat.reference_weights`). Not in the fused eager MoE, not CUDA-graph captured.
+
+CPU form (hybrid compute, :meth:`GGUFFormat.cpu_expert`): Q8_0, Q4_K, Q5_K and Q6_K experts run
+:mod:`moeflow.kernels.cpu.gguf` (native kernels over the same blocks, int8 activations as llama.cpp's CPU backend);
+other types are refused by :meth:`GGUFFormat.cpu_unsupported`, naming them.
 """
 
 from __future__ import annotations
@@ -57,8 +61,9 @@ class GGUFFormat(ExpertFormat):
 
     gate_up_types: tuple[str, ...] = ()
     down_types: tuple[str, ...] = ()
+    cpu_kernels: bool = False  # CPU pools computed by moeflow.kernels.cpu.gguf, not the torch reference
     kind: ClassVar[str] = "gguf"
-    # the fused eager MoE and CUDA-graph capture read the plain layout only; no CPU kernels yet (cpu_unsupported)
+    # the fused eager MoE and CUDA-graph capture read the plain layout only; CPU kernels for some types
 
     def __post_init__(self) -> None:
         for role, names, k in (("gate/up", self.gate_up_types, self.hidden_size),
@@ -176,15 +181,49 @@ class GGUFFormat(ExpertFormat):
         if topk_ids.numel() == 0:
             return out
         flat_cfg = encode_stage_configs(config)
+        if self.cpu_kernels and backend == "torch" and x.device.type == "cpu":
+            backend = "cpu"  # the op's own name for moeflow.kernels.cpu.gguf
         _gguf_expert_forward_op(x, topk_ids, topk_weights, pool.buffer, slot_of_expert, expert_mask,
                                 self.hidden_size, self.intermediate_size, "+".join(self.gate_up_types),
                                 "+".join(self.down_types), self.dtype, flat_cfg, backend, out)
         return out
 
+    def with_cpu_kernels(self) -> GGUFFormat:
+        """This format with ``cpu_kernels``: its pools on the CPU computed by the native kernels of
+        :mod:`moeflow.kernels.cpu.gguf` (the CPU form's, so slots and hybrid compute give the same bits) where
+        backend "torch" would run the fp32 reference. A ValueError when the types have no CPU kernels."""
+        problem = self.cpu_unsupported()
+        if problem is not None:
+            raise ValueError(f"GGUF experts cannot use the CPU kernels: {problem}")
+        return _gguf_format(self.gate_up_types, self.down_types, self.hidden_size, self.intermediate_size,
+                            self.dtype, True)
+
     def cpu_unsupported(self) -> str | None:
-        types = "/".join("+".join(t) for t in (self.gate_up_types, self.down_types))
-        return (f"the experts are GGUF {types} blocks, which have no CPU kernels yet "
-                "(hybrid compute runs AWQ 4-bit or MXFP4 experts)")
+        """None when every block type of this format has CPU kernels (:mod:`moeflow.kernels.cpu.gguf`: Q8_0, Q4_K,
+        Q5_K, Q6_K) and they build here, else why not."""
+        from moeflow.kernels.cpu.gguf import CPU_TYPES
+        from moeflow.kernels.cpu.native import native_available
+
+        missing = [t for t in (*self.gate_up_types, *self.down_types) if t not in CPU_TYPES]
+        if missing:
+            return (f"the experts hold GGUF {'/'.join(dict.fromkeys(missing))} blocks, which have no CPU kernels "
+                    f"(the CPU computes GGUF {', '.join(CPU_TYPES)} experts, AWQ 4-bit and MXFP4)")
+        if not native_available():
+            return "moeflow's CPU kernels do not build here (no C compiler, or MOEFLOW_CPU_NATIVE=0)"
+        return None
+
+    def cpu_expert(self, tensors: dict[str, torch.Tensor]):  # -> GGUFCpuExpert
+        """The expert's CPU form: its loader-form blocks (``gate``, ``up``, ``down`` as the file stores them,
+        the row sizes telling the types) computed in place by :class:`~moeflow.kernels.cpu.gguf.GGUFCpuExpert`."""
+        from moeflow.kernels.cpu.gguf import GGUFCpuExpert
+
+        problem = self.cpu_unsupported()
+        if problem is not None:
+            raise ValueError(f"no CPU form for these GGUF experts: {problem}")
+        gate_up, down = self._type_of_rows("gate", tensors["gate"]), self._type_of_rows("down", tensors["down"])
+        if self._type_of_rows("up", tensors["up"]) != gate_up:
+            raise ValueError(f"GGUF expert gate ({gate_up.name}) and up must share a block type")
+        return GGUFCpuExpert(tensors["gate"].cpu(), tensors["up"].cpu(), tensors["down"].cpu(), gate_up, down)
 
 
 def gguf_expert_format(gate_up_types: str | int | Sequence[str | int], down_types: str | int | Sequence[str | int],
@@ -203,9 +242,38 @@ def gguf_expert_format(gate_up_types: str | int | Sequence[str | int], down_type
 
 @functools.lru_cache(maxsize=64)
 def _gguf_format(gate_up: tuple[str, ...], down: tuple[str, ...], hidden: int, inter: int,
-                 dtype: torch.dtype) -> GGUFFormat:
-    return GGUFFormat(hidden, inter, dtype, gate_up_types=gate_up, down_types=down)
+                 dtype: torch.dtype, cpu_kernels: bool = False) -> GGUFFormat:
+    return GGUFFormat(hidden, inter, dtype, gate_up_types=gate_up, down_types=down, cpu_kernels=cpu_kernels)
 
+
+def _cpu_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, pool: ExpertPool,
+                 slot_of_expert: torch.Tensor, out: torch.Tensor, expert_mask: torch.Tensor | None) -> None:
+    """out[pairs of each selected expert] = its CPU form over the slot's bytes (views, no copy): each expert
+    once on all its rows, the numbers hybrid compute's CPU form gives (x [T, H], topk int [T, k], out [T*k, H]).
+    Host-side bookkeeping in plain Python lists (a decode step's layer is a few experts on one row)."""
+    from moeflow.kernels.cpu.gguf import GGUFCpuExpert
+
+    fmt, t, k = pool.fmt, pool.tensors, topk_ids.shape[1]
+    by_code = {g.code: g for g in GGML_TYPES.values()}
+    types_at = fmt.spec("types").offset
+    mask = None if expert_mask is None else expert_mask.tolist()
+    slots = slot_of_expert.tolist()
+    groups: dict[int, list[int]] = {}
+    for pair, e in enumerate(topk_ids.reshape(-1).tolist()):
+        groups.setdefault(e, []).append(pair)
+    flat_w = topk_weights.reshape(-1).float()
+    for e, pairs in groups.items():
+        if mask is not None and not mask[e]:
+            continue
+        s = slots[e]
+        gate_up, down = (by_code[c] for c in pool.buffer[s, types_at : types_at + 2].tolist())
+        expert = GGUFCpuExpert(t["gate"][s], t["up"][s], t["down"][s], gate_up, down)
+        if len(pairs) == 1:
+            p = pairs[0]
+            out[p : p + 1] = expert.forward(x[p // k : p // k + 1], flat_w[p : p + 1]).to(out.dtype)
+        else:
+            idx = torch.tensor(pairs)
+            out[idx] = expert.forward(x[idx // k], flat_w[idx]).to(out.dtype)
 
 
 @custom_op("moeflow::gguf_expert_forward", mutates_args=("out",))
@@ -215,9 +283,13 @@ def _gguf_expert_forward_op(
     down_types: str, dtype: torch.dtype, config: list[int], backend: str, out: torch.Tensor,
 ) -> None:
     """out[pairs of selected experts] = weighted expert outputs; the pool is ``buffer`` uint8 [S, nbytes] of the
-    GGUF format with these types ("Q4_K" or "Q4_K+Q6_K")."""
+    GGUF format with these types ("Q4_K" or "Q4_K+Q6_K"); backend "triton", "torch" (the fp32 reference) or
+    "cpu" (:mod:`moeflow.kernels.cpu.gguf`)."""
     fmt = gguf_expert_format(gate_up_types.split("+"), down_types.split("+"), hidden, inter, dtype)
     pool = ExpertPool(fmt, buffer)
+    if backend == "cpu":
+        _cpu_forward(x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask)
+        return
     if backend == "triton":
         from moeflow.kernels.experts.gguf import gguf_expert_forward
 

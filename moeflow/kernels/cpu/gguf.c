@@ -1,0 +1,190 @@
+/* GGUF experts on the CPU (issue 39): an expert's gate, up and down matrices read as the file stores them (ggml
+   blocks, rows one after the other: the bytes the host store, the disk tier and the slots hold) times int8
+   activations. Types: Q8_0, Q4_K, Q5_K, Q6_K (block layouts: moeflow/kernels/experts/gguf_reference.py).
+   Binding and fp32 model: moeflow/kernels/cpu/gguf.py.
+
+   Activations (as llama.cpp pairs them): for Q8_0 weights, blocks of 32 (its Q8_0 activations), for the K-quants
+   blocks of 256 (its Q8_K) with the sums of each 16 codes; one fp32 scale per block, xs = max|x| / 127,
+   xq = round-half-even(x * (127 / max|x|)) in [-127, 127] (the rounding of native.c's activations).
+
+   Numerics, per output row and token, the same operations whatever the ISA (AVX-512 VNNI, AVX2, portable C) and
+   the batch, so the builds give the same bits and a token's outputs never depend on the other tokens:
+     Q8_0: per block 8 exact int32 lanes (lane l: codes 4l .. 4l + 3), each added to its fp32 lane by a fused
+       multiply-add with d * xs, the 8 lanes summed once per row in a fixed order (gguf.h's facc);
+     K-quants: per block 8 exact int32 lanes (gguf_k.c's kdot: lane l holds the codes 32 i + 4 l + c, c < 4, each
+       times its scale, and the mins' or offsets' share of two 16-groups), then 8 fp32 lanes accumulated across
+       blocks by fused multiply-adds, summed once per row in a fixed order:
+       Q4_K, Q5_K (q in [0, 31], 6-bit sc and m per 32 codes): lane += isum_l (d xs), lane += imin_l (-dmin xs),
+         isum = sum sc[s] q xq, imin = sum m[s] * (sum of 16 codes);
+       Q6_K (q in [0, 63] stored, value q - 32, int8 sc per 16): lane += (isum_l - imin_l) (d xs),
+         imin = sum 32 sc[g] * (sum of 16 codes).
+
+   How: a K-quant block is decoded once per row, block and tile of tokens into its 256 unsigned codes and its
+   scales widened to int16 lanes, held in registers, then each token's sums are maddubs (unsigned codes x
+   signed activations, pairs summed into int16: at most 2 * 63 * 127, no saturation) and a multiply-add with the
+   scales (vpdpwssd on AVX-512 VNNI, pmaddwd on AVX2). Q8_0 uses the sign trick of q8.c (|w| x sign(x, w)). */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gguf.h"
+
+void mf_silu_mul(const float* g, const float* u, int n, float* out); /* native.c */
+
+/* ---- activations -------------------------------------------------------------------------------------------- */
+
+/* x fp32 [K] -> xq int8 [K], xs fp32 [K / bs], bsum int16 [K / 16] (sums of 16 codes; NULL: not wanted). Scalar:
+   a few microseconds per expert, the same numbers on every build. */
+static void quantize_row(const float* x, int K, int bs, int8_t* xq, float* xs, int16_t* bsum) {
+    for (int b = 0; b < K / bs; b++) {
+        const float* xb = x + (size_t)b * bs;
+        float amax = 0.0f;
+        for (int i = 0; i < bs; i++) amax = fmaxf(amax, fabsf(xb[i]));
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        for (int i = 0; i < bs; i++) xq[(size_t)b * bs + i] = (int8_t)(int)nearbyintf(xb[i] * inv);
+        xs[b] = amax / 127.0f;
+    }
+    if (bsum)
+        for (int g = 0; g < K / 16; g++) {
+            int s = 0;
+            for (int i = 0; i < 16; i++) s += xq[(size_t)g * 16 + i];
+            bsum[g] = (int16_t)s;
+        }
+}
+
+static int acts_alloc(acts* a, int T, int K, int type) {
+    a->K = K;
+    a->bs = type_block(type);
+    a->q = malloc((size_t)T * K);
+    a->s = malloc(sizeof(float) * (size_t)T * (K / a->bs));
+    a->sum = malloc(sizeof(int16_t) * (size_t)T * (K / 16));
+    return a->q && a->s && a->sum ? 0 : -1;
+}
+static void acts_free(acts* a) { free(a->q); free(a->s); free(a->sum); }
+static void acts_row(acts* a, const float* x, int t) {
+    quantize_row(x, a->K, a->bs, a->q + (size_t)t * a->K, a->s + (size_t)t * (a->K / a->bs),
+                 a->bs == QKK ? a->sum + (size_t)t * (a->K / 16) : NULL);
+}
+
+/* ---- Q8_0 ------------------------------------------------------------------------------------------------------ */
+
+/* A Q8_0 block (34 bytes) against 32 activation codes into a token's lanes: lane l += (sum over codes 4l .. 4l + 3
+   of q xq) * dx, one fused multiply-add (dpbusd's and pmaddwd's lanes; |w| x sign(x, w), exact). */
+INLINE facc q8_0_add(facc acc, const uint8_t* w, const int8_t* x, float dx) {
+#if MF_AVX2
+    const __m256i wq = _mm256_loadu_si256((const __m256i*)(w + 2)), xq = _mm256_loadu_si256((const __m256i*)x);
+#if MF_AVX512
+    const __m256i v = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xq, wq));
+#else
+    const __m256i v = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xq, wq)),
+                                        _mm256_set1_epi16(1));
+#endif
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(dx), acc);
+#else
+    for (int l = 0; l < 8; l++) {
+        int s = 0;
+        for (int c = 0; c < 4; c++) s += (int8_t)w[2 + 4 * l + c] * x[4 * l + c];
+        acc.v[l] = fmaf((float)s, dx, acc.v[l]);
+    }
+    return acc;
+#endif
+}
+
+/* Row `row` (nb Q8_0 blocks) against the tokens t0 .. t0 + tt (a constant after inlining): y[t * ldy]. */
+INLINE void q8_0_tile(const uint8_t* row, int nb, int t0, int tt, const acts* a, float* y, int ldy) {
+    const int K = a->K;
+    facc acc[GTT];
+    for (int i = 0; i < tt; i++) acc[i] = facc_zero();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t* w = row + (size_t)b * 34;
+        const float d = h2f(w);
+        for (int i = 0; i < tt; i++) {
+            const int t = t0 + i;
+            acc[i] = q8_0_add(acc[i], w, a->q + (size_t)t * K + (size_t)b * 32, d * a->s[(size_t)t * (K / 32) + b]);
+        }
+    }
+    for (int i = 0; i < tt; i++) y[(size_t)(t0 + i) * ldy] = facc_sum(acc[i]);
+}
+
+static void q8_0_row(const uint8_t* row, int nb, int T, const acts* a, float* y, int ldy) {
+    int t0 = 0;
+    for (; t0 + GTT <= T; t0 += GTT) q8_0_tile(row, nb, t0, GTT, a, y, ldy);
+    if (T - t0 >= 4) { q8_0_tile(row, nb, t0, 4, a, y, ldy); t0 += 4; }
+    if (T - t0 >= 2) { q8_0_tile(row, nb, t0, 2, a, y, ldy); t0 += 2; }
+    if (T - t0 >= 1) q8_0_tile(row, nb, t0, 1, a, y, ldy);
+}
+
+/* ---- rows, linear, expert ---------------------------------------------------------------------------------- */
+
+static void rows(int type, const uint8_t* w, int64_t stride, int n0, int n1, int T, const acts* a, float* y,
+                 int ldy) {
+    const int nb = a->K / type_block(type);
+    for (int n = n0; n < n1; n++) {
+        const uint8_t* r = w + (size_t)n * stride;
+        switch (type) {
+            case GG_Q8_0: q8_0_row(r, nb, T, a, y + n, ldy); break;
+            default: mf_gguf_krow(type, r, nb, T, a, y + n, ldy); break;
+        }
+    }
+}
+
+static int check(int type, int K) { return type_bytes(type) && K % type_block(type) == 0 ? 0 : -2; }
+
+/* y fp32 [T, N] = x fp32 [T, K] @ W.T for W [N, K] of ggml type `type` (rows `stride` bytes apart).
+   Returns 0, -1 out of memory, -2 an unsupported type or K not a multiple of its block. */
+int mf_gguf_linear(const float* x, int T, int K, int N, int type, const uint8_t* w, int64_t stride, float* y,
+                   int nthreads) {
+    if (check(type, K)) return -2;
+    acts a;
+    if (acts_alloc(&a, T, K, type)) { acts_free(&a); return -1; }
+    for (int t = 0; t < T; t++) acts_row(&a, x + (size_t)t * K, t);
+    const int nc = (N + GROWS - 1) / GROWS;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int c = 0; c < nc; c++) rows(type, w, stride, c * GROWS, (c + 1) * GROWS < N ? (c + 1) * GROWS : N, T, &a, y, N);
+    acts_free(&a);
+    return 0;
+}
+
+/* One SwiGLU expert on T tokens, its matrices as the GGUF file stores them: gate and up [I, H] of type t13 (rows
+   s13 bytes apart), down [H, I] of type t2 (rows s2 bytes apart); x fp32 [T, H], weight fp32 [T], out fp32 [T, H]:
+   out[t] (+)= weight[t] * (silu(x gate.T) * (x up.T)) down.T. Returns as mf_gguf_linear. */
+int mf_gguf_expert(const float* x, int T, int H, int I, int t13, const uint8_t* gate, const uint8_t* up,
+                   int64_t s13, int t2, const uint8_t* down, int64_t s2, const float* weight, float* out,
+                   int accumulate, int nthreads) {
+    if (check(t13, H) || check(t2, I)) return -2;
+    acts ax, aa;
+    float* f = malloc(sizeof(float) * ((size_t)T * 3 * I + (size_t)T * H));
+    int bad = acts_alloc(&ax, T, H, t13) | acts_alloc(&aa, T, I, t2);
+    if (bad || !f) { acts_free(&ax); acts_free(&aa); free(f); return -1; }
+    float *hg = f, *hu = hg + (size_t)T * I, *act = hu + (size_t)T * I, *y = act + (size_t)T * I;
+    for (int t = 0; t < T; t++) acts_row(&ax, x + (size_t)t * H, t);
+    const int nc13 = (I + GROWS - 1) / GROWS, nc2 = (H + GROWS - 1) / GROWS;
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(static)
+        for (int c = 0; c < nc13; c++) {
+            const int n0 = c * GROWS, n1 = n0 + GROWS < I ? n0 + GROWS : I;
+            rows(t13, gate, s13, n0, n1, T, &ax, hg, I);
+            rows(t13, up, s13, n0, n1, T, &ax, hu, I);
+        }
+#pragma omp for schedule(static)
+        for (int t = 0; t < T; t++) {
+            mf_silu_mul(hg + (size_t)t * I, hu + (size_t)t * I, I, act + (size_t)t * I);
+            acts_row(&aa, act + (size_t)t * I, t);
+        }
+#pragma omp for schedule(static)
+        for (int c = 0; c < nc2; c++) {
+            const int n0 = c * GROWS, n1 = n0 + GROWS < H ? n0 + GROWS : H;
+            rows(t2, down, s2, n0, n1, T, &aa, y, H);
+            for (int t = 0; t < T; t++)
+                for (int n = n0; n < n1; n++) {
+                    const float v = weight[t] * y[(size_t)t * H + n];
+                    out[(size_t)t * H + n] = accumulate ? out[(size_t)t * H + n] + v : v;
+                }
+        }
+    }
+    acts_free(&ax); acts_free(&aa); free(f);
+    return 0;
+}

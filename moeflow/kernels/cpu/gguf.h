@@ -1,0 +1,73 @@
+/* The shared declarations of gguf.c (activations, Q8_0, the entry points) and gguf_k.c (the K-quant blocks): GGUF
+   experts on the CPU, see gguf.c's comment. */
+#ifndef MOEFLOW_CPU_GGUF_H
+#define MOEFLOW_CPU_GGUF_H
+#include <stdint.h>
+#include <string.h>
+
+#include "native.h"
+
+#define GG_Q8_0 8  /* ggml type ids (ggml.h) */
+#define GG_Q4_K 12
+#define GG_Q5_K 13
+#define GG_Q6_K 14
+#define QKK 256    /* elements of a K-quant block */
+#define GROWS 16   /* weight rows per parallel work item */
+#define GTT 8      /* tokens per tile: a block is decoded once per tile */
+
+static inline int type_block(int type) { return type == GG_Q8_0 ? 32 : QKK; }
+static inline int type_bytes(int type) {
+    switch (type) {
+        case GG_Q8_0: return 34;
+        case GG_Q4_K: return 144;
+        case GG_Q5_K: return 176;
+        case GG_Q6_K: return 210;
+        default: return 0;
+    }
+}
+
+static inline float h2f(const uint8_t* p) {  /* an fp16 field, exactly */
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if MF_AVX2
+    return _cvtsh_ss(h);
+#else
+    return mf_half_to_float(h);
+#endif
+}
+
+typedef struct {  /* T rows quantized for one weight type */
+    int8_t* q;     /* [T, K] */
+    float* s;      /* [T, K / bs] */
+    int16_t* sum;  /* [T, K / 16] (K-quants) */
+    int K, bs;
+} acts;
+
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* A token's 8 fp32 lanes, accumulated across a row's blocks by fused multiply-adds and summed once per row as
+   ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)): the same operations on every build. */
+#if MF_AVX2
+typedef __m256 facc;
+INLINE facc facc_zero(void) { return _mm256_setzero_ps(); }
+INLINE float facc_sum(facc a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#else
+typedef struct { float v[8]; } facc;
+INLINE facc facc_zero(void) { facc a = {{0}}; return a; }
+INLINE float facc_sum(facc a) {
+    float b[4];
+    for (int l = 0; l < 4; l++) b[l] = a.v[l] + a.v[l + 4];
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+#endif
+
+/* Row `row` (nb blocks of K-quant `type`: Q4_K, Q5_K, Q6_K) against the T quantized tokens of `a`: y[t * ldy]
+   (gguf_k.c). */
+__attribute__((visibility("hidden"))) void mf_gguf_krow(int type, const uint8_t* row, int nb, int T, const acts* a,
+                                                        float* y, int ldy);
+#endif

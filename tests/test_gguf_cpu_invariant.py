@@ -1,0 +1,104 @@
+"""The exact-token invariant with GGUF K-quant and Q8_0 experts on the CPU: a tiny Qwen3-MoE file whose layer 0
+holds Q4_K gate/up and Q6_K down experts (Q4_K_M's mix) and layer 1 Q8_0 experts, loaded on ``device="cpu"`` with
+``kernels="auto"``: every expert runs moeflow's native GGUF CPU kernels (``kernels/cpu/gguf.c``; the linears the CPU
+int8 kernels, as for AWQ), from a slot or, with hybrid compute (fiddler, ``cpu_compute="always"``; fiddler over the
+disk tier too), from the host store's CPU form. Every policy, at slot counts from the minimum to all experts, with
+the synchronous and the random-delay transport, generates exactly the resident model's greedy tokens. ~30 s on the
+2 cores at load ~9."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("gguf")
+from family_models import make_family_model  # noqa: E402
+from gguf_models import T, random_k_experts, write_gguf  # noqa: E402
+
+from moeflow import MoEModel, OffloadConfig  # noqa: E402
+from moeflow.kernels.cpu.native import native_available  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not native_available(), reason="moeflow's CPU kernels do not build here (no compiler)")
+
+EXPERTS, TOP_K, LAYERS, H, I = 8, 2, 2, 256, 256
+ALL_SLOTS = LAYERS * EXPERTS
+NEW_TOKENS = 6
+CASES = [*((p, None) for p in ("ondemand", "lru", "static")), ("fiddler", None), ("lru", "always")]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf_cpu_invariant")
+    model = make_family_model("qwen3_moe", seed=7, norm_topk_prob=True, hidden_size=H, moe_intermediate_size=I,
+                              num_hidden_layers=LAYERS, head_dim=32, num_experts=EXPERTS, num_experts_per_tok=TOP_K)
+    raw = {(0, proj): (random_k_experts(kind, EXPERTS, H if proj == "down" else I, seed), getattr(T, kind))
+           for seed, (proj, kind) in enumerate((("gate", "Q4_K"), ("up", "Q4_K"), ("down", "Q6_K")))}
+    path = root / "m.gguf"
+    write_gguf(model, path, expert_types=T.Q8_0, other_type=T.Q8_0, raw_experts=raw)  # layer 1: Q8_0 experts
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MOEFLOW_CACHE_DIR", str(root / "cache"))
+    resident = MoEModel.from_pretrained(path, dtype=torch.float32, offload=OffloadConfig(policy="resident"))
+    fmt = resident.experts.fmt
+    assert fmt.kind == "gguf" and fmt.cpu_kernels and resident.kernels == "cpu-int4"  # and the int8 linears
+    assert (fmt.gate_up_types, fmt.down_types) == (("Q8_0", "Q4_K"), ("Q8_0", "Q6_K"))
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 97, (2, 7), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # left padding
+    expected = resident.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                                 eos_token_id=[])
+    resident.close()
+    yield path, ids, mask, expected
+    mp.undo()
+
+
+@pytest.mark.parametrize("transport", ["sync", "random-delay"])
+@pytest.mark.parametrize(("policy", "cpu_compute"), CASES)
+def test_cpu_kernels_give_the_resident_tokens(tiny, policy, cpu_compute, transport):
+    path, ids, mask, expected = tiny
+    for n_slots in (TOP_K, TOP_K + 3, ALL_SLOTS):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # hybrid compute must not be refused (and fall back)
+            model = MoEModel.from_pretrained(path, dtype=torch.float32, offload=OffloadConfig(
+                policy=policy, gpu_expert_slots=n_slots, transport=transport, random_delay_ms=0.2, seed=n_slots,
+                cpu_compute=cpu_compute))
+        try:
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                                 eos_token_id=[])
+        finally:
+            model.close()
+        assert torch.equal(out, expected), f"{policy}/{cpu_compute}/{transport} with {n_slots} slots"
+        s = model.stats
+        if policy == "fiddler" or cpu_compute == "always":  # misses computed on the CPU from the host store's form
+            assert n_slots == ALL_SLOTS or s.prefill.cpu_experts + s.decode.cpu_experts > 0
+        elif n_slots < ALL_SLOTS:
+            assert s.prefill.bytes_h2d + s.decode.bytes_h2d > 0
+
+
+def test_fiddler_over_the_disk_tier(tiny):
+    """6 of the 16 experts in host memory, the rest read from the GGUF when needed: the CPU forms of disk experts
+    are the bytes read (``DiskHostStore.cpu_expert``), the tokens those of the resident model."""
+    from moeflow.engine.loading import non_expert_bytes
+    from moeflow.engine.memory import kv_cache_bytes
+    from moeflow.io.gguf import open_gguf
+    from moeflow.offload import DiskHostStore
+
+    path, ids, mask, expected = tiny
+    resident = MoEModel.from_pretrained(path, dtype=torch.float32)
+    row = resident.experts.fmt.nbytes
+    reserved = non_expert_bytes(resident.model) + kv_cache_bytes(resident.family.config, torch.float32, 4096)
+    resident.close()
+    staging = open_gguf(path).expert_source((0, 1), EXPERTS, H, I).staging_nbytes
+    budget = (reserved + 2 * staging + 6 * row + row // 2) / 2**30
+    model = MoEModel.from_pretrained(path, dtype=torch.float32, offload=OffloadConfig(
+        policy="fiddler", gpu_expert_slots=3, host_memory_gb=budget, disk_readers=2))
+    try:
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=[])
+        assert isinstance(model.experts.host, DiskHostStore) and model.experts.host.on_disk
+        assert torch.equal(out, expected)
+        assert model.stats.prefill.cpu_experts + model.stats.decode.cpu_experts > 0
+        assert model.experts.host.stats.bytes_read > 0
+    finally:
+        model.close()
