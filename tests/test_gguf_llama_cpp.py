@@ -12,6 +12,7 @@ vocabulary is the test's, the weights are what is checked)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -51,7 +52,20 @@ SIZES = {"mixtral": dict(hidden_size=256, intermediate_size=256),
                           head_dim=64, use_qk_norm=True, attention_bias=True, first_k_dense_replace=1,
                           norm_topk_prob=True, routed_scaling_factor=2.5, partial_rotary_factor=0.5),
          "minimax_m2": dict(hidden_size=256, intermediate_size=256, num_key_value_heads=2, head_dim=64, rotary_dim=32,
-                            use_qk_norm=True, use_routing_bias=True)}
+                            use_qk_norm=True, use_routing_bias=True),
+         # MLA sizes llama-quantize keeps mostly quantized; V3: sigmoid router with groups, YaRN (mscale ==
+         # mscale_all_dim, as llama.cpp's graph takes them); V2-Lite: one q_proj, softmax, greedy
+         "deepseek_v3": dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256, num_key_value_heads=4,
+                             kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+                             q_lora_rank=64, n_group=4, topk_group=2, first_k_dense_replace=1, n_shared_experts=1,
+                             norm_topk_prob=True, routed_scaling_factor=2.5,
+                             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                              "original_max_position_embeddings": 64, "mscale": 0.9,
+                                              "mscale_all_dim": 0.9, "beta_fast": 32, "beta_slow": 1}),
+         "deepseek_v2": dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256, num_key_value_heads=4,
+                             kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+                             q_lora_rank=None, topk_method="greedy", first_k_dense_replace=1, n_shared_experts=2,
+                             routed_scaling_factor=1.0)}
 
 
 def save_tokenizer(directory: Path, size: int) -> None:
@@ -71,21 +85,26 @@ def save_tokenizer(directory: Path, size: int) -> None:
     fast.save_pretrained(directory)
 
 
-def converted(tmp_path: Path, model_type: str, qtype: str):
+def converted(tmp_path: Path, model_type: str, qtype: str | None, **overrides):
     if model_type == "mixtral":
         src = make_tiny_model(seed=5, **SIZES[model_type])
-    elif model_type in ("glm4_moe", "minimax_m2"):
-        src = make_model(model_type, seed=5, **SIZES[model_type])
+    elif model_type in ("glm4_moe", "minimax_m2", "deepseek_v3", "deepseek_v2"):
+        src = make_model(model_type, seed=5, **{**SIZES[model_type], **overrides})
     else:
         src = make_family_model(model_type, seed=5, **SIZES[model_type])
     hf = tmp_path / "hf"
     src.save_pretrained(hf)
     save_tokenizer(hf, src.config.vocab_size)
+    if model_type == "deepseek_v3":  # as DeepSeek-V3's config.json says (transformers' config does not keep it)
+        config = json.loads((hf / "config.json").read_text())
+        (hf / "config.json").write_text(json.dumps({**config, "scoring_func": "sigmoid", "topk_method": "noaux_tc"}))
     script = tmp_path / "convert.py"
     script.write_text(CONVERT.format(src=str(LLAMA_CPP)))
     f32, out = tmp_path / "m-f32.gguf", tmp_path / f"m-{qtype}.gguf"
     subprocess.run([sys.executable, str(script), str(hf), "--outtype", "f32", "--outfile", str(f32)], check=True,
                    capture_output=True)
+    if qtype is None:  # the converter's f32 file
+        return src, hf, f32
     env = dict(os.environ, LD_LIBRARY_PATH=str(QUANTIZE.parent))
     subprocess.run([str(QUANTIZE), str(f32), str(out), qtype], check=True, capture_output=True, env=env)
     return src, hf, out
@@ -156,5 +175,23 @@ def test_gpt_oss_against_the_dequantized_file(tmp_path, checkpoint, qtype, kind)
     model = MoEModel.from_pretrained(path, dtype=torch.float32, kernels="torch")
     assert model.family.name == "gpt_oss" and model.experts.fmt.kind == kind
     assert model.family.config.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+    check(ref, model)
+    model.close()
+
+
+@pytest.mark.parametrize("model_type, qtype, kind", [
+    ("deepseek_v3", None, "dense"), ("deepseek_v3", "Q4_0", "awq"), ("deepseek_v3", "Q8_0", "gguf"),
+    ("deepseek_v3", "Q4_K_M", "gguf"), ("deepseek_v2", None, "dense"), ("deepseek_v2", "Q4_K_M", "gguf")])
+def test_deepseek2_against_the_dequantized_file(tmp_path, model_type, qtype, kind):
+    """deepseek2 as the converter writes it (kv_b_proj split into attn_k_b / attn_v_b, MLA as MQA, yarn_log_multiplier)
+    and llama-quantize requantizes it; the f32 file against the transformers model itself. (llama.cpp takes a
+    deepseek2 file for V2-Lite's single q_proj only at V2-Lite's layer counts, so the quantized V2 has a q LoRA.)"""
+    from gguf_deepseek2 import reference_from_deepseek2_file
+
+    lora = dict(q_lora_rank=64) if model_type == "deepseek_v2" and qtype is not None else {}
+    src, _, path = converted(tmp_path, model_type, qtype, **lora)
+    ref = src if qtype is None else reference_from_deepseek2_file(src, path)
+    model = MoEModel.from_pretrained(path, dtype=torch.float32, kernels="torch")
+    assert model.family.name == model_type and model.experts.fmt.kind == kind
     check(ref, model)
     model.close()
