@@ -139,6 +139,48 @@ def test_quantized_float_experts_are_dequantized_with_a_warning(tmp_path):
     assert any("Q8_0" in str(w.message) and "dequantized" in str(w.message) for w in caught)
 
 
+def fp16_biases(model):
+    """``model`` with its expert biases rounded to fp16 values (as bf16-published biases of ordinary size are)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".experts." in name and name.endswith("_bias"):
+                p.copy_(p.half().float())
+    return model
+
+
+def test_q4_0_experts_run_as_stored_in_the_biased_awq_format(tmp_path):
+    """A requantized gpt-oss file with Q4_0 experts: the biased AWQ format (Q4_0's codes and scales, the file's
+    biases), transformers' tokens on the dequantized weights, resident and offloaded (lru, 2 and 3 slots)."""
+    ref = fp16_biases(make_gpt_oss_model(seed=9, **SHAPE))
+    write_gpt_oss_gguf(ref, tmp_path / "m.gguf", expert_type=T.Q4_0)
+    x = ids()
+    with torch.no_grad():
+        want = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)
+    for slots in (None, 2, 3):
+        offload = None if slots is None else OffloadConfig(policy="lru", gpu_expert_slots=slots,
+                                                           transport="random-delay", random_delay_ms=0.3)
+        model = MoEModel.from_pretrained(tmp_path / "m.gguf", dtype=torch.float32, kernels="torch", offload=offload)
+        try:
+            assert model.experts.fmt.kind == "awq" and model.experts.fmt.bias
+            if slots is None:
+                with torch.no_grad():
+                    assert (model(x).logits - ref(x).logits).abs().max() < 1e-4
+            assert torch.equal(generate(model), want), f"{slots} slots"
+        finally:
+            model.close()
+
+
+def test_q4_0_experts_with_biases_fp16_cannot_hold_are_dequantized(tmp_path):
+    write_gpt_oss_gguf(make_gpt_oss_model(seed=6, **SHAPE), tmp_path / "m.gguf", expert_type=T.Q4_0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = MoEModel.from_pretrained(tmp_path / "m.gguf", dtype=torch.float32, kernels="torch")
+    model.close()
+    assert model.experts.fmt.kind == "dense"
+    assert any("Q4_0" in str(w.message) and "fp16" in str(w.message) for w in caught)
+
+
 def test_gpt_oss_gguf_without_sinks_is_refused(tmp_path):
     write_gpt_oss_gguf(make_gpt_oss_model(seed=6, **SHAPE), tmp_path / "m.gguf", leave_out="attn_sinks")
     with pytest.raises(CheckpointError, match=r"m\.gguf.*blk\.0\.attn_sinks\.weight"):
