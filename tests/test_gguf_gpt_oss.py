@@ -14,7 +14,7 @@ import pytest
 import torch
 
 pytest.importorskip("gguf")
-from gguf_gpt_oss import T, write_gpt_oss_gguf  # noqa: E402
+from gguf_gpt_oss import T, fp16_biases, write_gpt_oss_gguf  # noqa: E402
 from gpt_oss_helpers import make_gpt_oss_model  # noqa: E402
 
 from moeflow import MoEModel, OffloadConfig  # noqa: E402
@@ -137,15 +137,6 @@ def test_quantized_float_experts_are_dequantized_with_a_warning(tmp_path):
     model.close()
     assert model.experts.fmt.kind == "dense"
     assert any("Q8_0" in str(w.message) and "dequantized" in str(w.message) for w in caught)
-
-
-def fp16_biases(model):
-    """``model`` with its expert biases rounded to fp16 values (as bf16-published biases of ordinary size are)."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".experts." in name and name.endswith("_bias"):
-                p.copy_(p.half().float())
-    return model
 
 
 def test_q4_0_experts_run_as_stored_in_the_biased_awq_format(tmp_path):

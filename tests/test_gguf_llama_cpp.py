@@ -40,7 +40,7 @@ sys.path.insert(0, {src!r}); sys.path.insert(1, {src!r} + "/gguf-py")
 import conversion.base as base
 import conversion.glm as glm
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
-glm.Glm4MoeModel.set_vocab = lambda self: self._set_vocab_gpt2()  # (GLM's own wants its [gMASK] tokens)
+glm.Glm4MoeModel.set_vocab = glm.Glm4MoeLiteModel.set_vocab = lambda self: self._set_vocab_gpt2()  # (not [gMASK])
 sys.argv = ["convert_hf_to_gguf.py"] + sys.argv[1:]
 runpy.run_path({src!r} + "/convert_hf_to_gguf.py", run_name="__main__")
 """
@@ -65,7 +65,16 @@ SIZES = {"mixtral": dict(hidden_size=256, intermediate_size=256),
          "deepseek_v2": dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256, num_key_value_heads=4,
                              kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
                              q_lora_rank=None, topk_method="greedy", first_k_dense_replace=1, n_shared_experts=2,
-                             routed_scaling_factor=1.0)}
+                             routed_scaling_factor=1.0),
+         # GLM-4.7-Flash-like: its dense first layer said by mlp_layer_types, an MTP layer counted in block_count
+         "glm4_moe_lite": dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256,
+                               num_key_value_heads=4, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+                               v_head_dim=32, q_lora_rank=64, n_shared_experts=1, routed_scaling_factor=1.8,
+                               norm_topk_prob=True, mlp_layer_types=["dense", "sparse", "sparse"])}
+# config.json entries the published checkpoints have and transformers' tiny configs do not keep
+CONFIG_PATCH = {"deepseek_v3": dict(scoring_func="sigmoid", topk_method="noaux_tc"),
+                "glm4_moe_lite": dict(scoring_func="sigmoid", topk_method="noaux_tc", first_k_dense_replace=1,
+                                      num_nextn_predict_layers=1)}
 
 
 def save_tokenizer(directory: Path, size: int) -> None:
@@ -88,16 +97,16 @@ def save_tokenizer(directory: Path, size: int) -> None:
 def converted(tmp_path: Path, model_type: str, qtype: str | None, **overrides):
     if model_type == "mixtral":
         src = make_tiny_model(seed=5, **SIZES[model_type])
-    elif model_type in ("glm4_moe", "minimax_m2", "deepseek_v3", "deepseek_v2"):
+    elif model_type in ("glm4_moe", "minimax_m2", "deepseek_v3", "deepseek_v2", "glm4_moe_lite"):
         src = make_model(model_type, seed=5, **{**SIZES[model_type], **overrides})
     else:
         src = make_family_model(model_type, seed=5, **SIZES[model_type])
     hf = tmp_path / "hf"
     src.save_pretrained(hf)
     save_tokenizer(hf, src.config.vocab_size)
-    if model_type == "deepseek_v3":  # as DeepSeek-V3's config.json says (transformers' config does not keep it)
+    if model_type in CONFIG_PATCH:
         config = json.loads((hf / "config.json").read_text())
-        (hf / "config.json").write_text(json.dumps({**config, "scoring_func": "sigmoid", "topk_method": "noaux_tc"}))
+        (hf / "config.json").write_text(json.dumps({**config, **CONFIG_PATCH[model_type]}))
     script = tmp_path / "convert.py"
     script.write_text(CONVERT.format(src=str(LLAMA_CPP)))
     f32, out = tmp_path / "m-f32.gguf", tmp_path / f"m-{qtype}.gguf"
@@ -151,14 +160,17 @@ def test_families_against_the_dequantized_file(tmp_path, model_type, qtype):
 
 @pytest.mark.parametrize("checkpoint, qtype, kind", [("mxfp4", None, "mxfp4"), ("f32", "MXFP4_MOE", "mxfp4"),
                                                      ("f32", "Q8_0", "dense"), ("f32", "Q4_K_M", "dense"),
-                                                     ("f32", None, "dense")])
+                                                     ("f32", "Q4_0", "awq"), ("f32", None, "dense")])
 def test_gpt_oss_against_the_dequantized_file(tmp_path, checkpoint, qtype, kind):
     """gpt-oss: the converter repacks a published-layout MXFP4 checkpoint's blocks (``GptOssModel.repack_mxfp4``) or
-    writes f32 experts, which llama-quantize makes MXFP4 (``MXFP4_MOE``) or Q8_0."""
+    writes f32 experts, which llama-quantize makes MXFP4 (``MXFP4_MOE``), Q8_0, Q4_K_M or Q4_0."""
+    from gguf_gpt_oss import fp16_biases
     from gguf_gpt_oss import reference_from_file as gpt_oss_reference
     from gpt_oss_helpers import make_gpt_oss_model, save_gpt_oss_checkpoint
 
     src = make_gpt_oss_model(seed=5, intermediate_size=96, num_hidden_layers=3)
+    if qtype == "Q4_0":  # Q4_0 experts run in the biased AWQ format, whose fp16 holds biases of ordinary size
+        fp16_biases(src)
     hf = save_gpt_oss_checkpoint(src, tmp_path / "hf", mxfp4=checkpoint == "mxfp4")
     save_tokenizer(hf, src.config.vocab_size)
     script = tmp_path / "convert.py"
@@ -181,7 +193,8 @@ def test_gpt_oss_against_the_dequantized_file(tmp_path, checkpoint, qtype, kind)
 
 @pytest.mark.parametrize("model_type, qtype, kind", [
     ("deepseek_v3", None, "dense"), ("deepseek_v3", "Q4_0", "awq"), ("deepseek_v3", "Q8_0", "gguf"),
-    ("deepseek_v3", "Q4_K_M", "gguf"), ("deepseek_v2", None, "dense"), ("deepseek_v2", "Q4_K_M", "gguf")])
+    ("deepseek_v3", "Q4_K_M", "gguf"), ("deepseek_v2", None, "dense"), ("deepseek_v2", "Q4_K_M", "gguf"),
+    ("glm4_moe_lite", "Q8_0", "gguf")])
 def test_deepseek2_against_the_dequantized_file(tmp_path, model_type, qtype, kind):
     """deepseek2 as the converter writes it (kv_b_proj split into attn_k_b / attn_v_b, MLA as MQA, yarn_log_multiplier)
     and llama-quantize requantizes it; the f32 file against the transformers model itself. (llama.cpp takes a
@@ -192,6 +205,8 @@ def test_deepseek2_against_the_dequantized_file(tmp_path, model_type, qtype, kin
     src, _, path = converted(tmp_path, model_type, qtype, **lora)
     ref = src if qtype is None else reference_from_deepseek2_file(src, path)
     model = MoEModel.from_pretrained(path, dtype=torch.float32, kernels="torch")
-    assert model.family.name == model_type and model.experts.fmt.kind == kind
+    assert model.experts.fmt.kind == kind
+    assert model.family.name == ("deepseek_v3" if model_type == "glm4_moe_lite" else model_type)
+    assert model.family.config.num_hidden_layers == 3  # (GLM's MTP block counted in the file's block_count)
     check(ref, model)
     model.close()
