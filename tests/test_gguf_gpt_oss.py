@@ -3,7 +3,8 @@ out: tests/gguf_gpt_oss.py) loaded by ``from_pretrained``: the config from the m
 YaRN, experts), the attention sinks and biases, MXFP4 experts into the MXFP4 format as stored (float experts into
 the biased dense format); greedy tokens equal transformers' on the same dequantized weights (fp32, kernels="torch"),
 offloaded (lru, two slot counts; the disk tier reading the GGUF) equal to resident; the MXFP4 Triton kernels
-(interpreted) on the GGUF's experts. ~18 s on 2 cores (load 3; 11 s of it the interpreted kernels)."""
+(interpreted) on the GGUF's experts; Q4_0 experts (a requantized file) in the biased AWQ format, on the torch path
+and its Triton kernels (interpreted). ~18 s on 2 cores (load 3; 11 s of it the interpreted kernels)."""
 
 from __future__ import annotations
 
@@ -197,6 +198,23 @@ def test_gpt_oss_gguf_through_the_mxfp4_triton_kernels(tmp_path):
     x = ids()[:1]
     try:
         assert model.experts.fmt.kind == "mxfp4"
+        with torch.no_grad():
+            want = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=10, do_sample=False,
+                                eos_token_id=None, pad_token_id=0)
+        assert torch.equal(model.generate(x, max_new_tokens=10, do_sample=False, eos_token_id=[]), want)
+    finally:
+        model.close()
+
+
+def test_q4_0_experts_through_the_biased_awq_triton_kernels(tmp_path):
+    """The GGUF's Q4_0 experts in the biased AWQ format through its Triton kernels (interpreted on the CPU): the bias
+    and clamped-SwiGLU epilogue on Q4_0's codes give transformers' tokens."""
+    ref = fp16_biases(make_gpt_oss_model(seed=10, **SHAPE))
+    write_gpt_oss_gguf(ref, tmp_path / "m.gguf", expert_type=T.Q4_0)
+    model = MoEModel.from_pretrained(tmp_path / "m.gguf", device="cpu", dtype=torch.float32, kernels="triton")
+    x = ids()[:1]
+    try:
+        assert model.experts.fmt.kind == "awq" and model.experts.fmt.has_triton
         with torch.no_grad():
             want = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=10, do_sample=False,
                                 eos_token_id=None, pad_token_id=0)
