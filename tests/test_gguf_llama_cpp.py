@@ -2,13 +2,16 @@
 (f32) then ``llama-quantize`` (Q4_K_M, Q5_K_M, Q6_K, Q4_0, Q8_0). moeflow's greedy tokens (32) and logits on the
 file equal transformers' on the same weights: transformers' own GGUF loader for Qwen3-MoE, else the HF model holding
 gguf-py's dequantization of the file. gpt-oss: the converter's MXFP4 repack of a published-layout checkpoint, and
-llama-quantize's MXFP4_MOE, Q8_0 and Q4_K_M (Q5_0 at these sizes) of its f32 file.
+llama-quantize's MXFP4_MOE, Q8_0, Q4_K_M (Q5_0 at these sizes) and Q4_0 (the biased AWQ format) of its f32 file.
+deepseek2 (tests/gguf_deepseek2.py's reference): DeepSeek-V3- and V2-Lite-shaped checkpoints and a GLM-4.7-Flash-like
+one (an MTP layer in block_count), f32 against transformers itself, Q4_0 / Q8_0 / Q4_K_M against the dequantized file.
 
 Needs a llama.cpp source tree with ``llama-quantize`` built (llama-cpp-python's sdist vendors one; see
 benchmarks/peers/build_llama_cpp.sh): ``MOEFLOW_LLAMA_CPP_DIR=<tree> pytest tests/test_gguf_llama_cpp.py``; skipped
-without it. 2.5 to 4.5 min on 2 cores (20 conversions; 127 s at load 4.6 for the first 15, gpt-oss's 5 about
-30 s). The tiny vocabulary's BPE pre-tokenizer is unknown to the converter's hash table: it is told "qwen2" (the
-vocabulary is the test's, the weights are what is checked)."""
+without it. 2.5 to 4.5 min on 2 cores for the first 20 conversions (127 s at load 4.6 for the first 15, gpt-oss's
+5 about 30 s); all 28: 606 s at load 8.5 (the deepseek2 ones about 30 s each at that load).
+The tiny vocabulary's BPE pre-tokenizer is unknown to the converter's hash table: it is told "qwen2"
+(the vocabulary is the test's, the weights are what is checked)."""
 
 from __future__ import annotations
 
