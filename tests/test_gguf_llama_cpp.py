@@ -4,12 +4,13 @@ file equal transformers' on the same weights: transformers' own GGUF loader for 
 gguf-py's dequantization of the file. gpt-oss: the converter's MXFP4 repack of a published-layout checkpoint, and
 llama-quantize's MXFP4_MOE, Q8_0, Q4_K_M (Q5_0 at these sizes) and Q4_0 (the biased AWQ format) of its f32 file.
 deepseek2 (tests/gguf_deepseek2.py's reference): DeepSeek-V3- and V2-Lite-shaped checkpoints and a GLM-4.7-Flash-like
-one (an MTP layer in block_count), f32 against transformers itself, Q4_0 / Q8_0 / Q4_K_M against the dequantized file.
+one (an MTP layer in block_count), f32 against transformers itself, Q4_0 / Q8_0 / Q4_K_M against the dequantized file,
+and the f32 files' greedy tokens against llama.cpp's own (``llama-completion``, when built).
 
 Needs a llama.cpp source tree with ``llama-quantize`` built (llama-cpp-python's sdist vendors one; see
 benchmarks/peers/build_llama_cpp.sh): ``MOEFLOW_LLAMA_CPP_DIR=<tree> pytest tests/test_gguf_llama_cpp.py``; skipped
 without it. 2.5 to 4.5 min on 2 cores for the first 20 conversions (127 s at load 4.6 for the first 15, gpt-oss's
-5 about 30 s); all 28: 606 s at load 8.5 (the deepseek2 ones about 30 s each at that load).
+5 about 30 s); all 30: about 11 min at load 8.5 (the deepseek2 ones about 30 s each at that load).
 The tiny vocabulary's BPE pre-tokenizer is unknown to the converter's hash table: it is told "qwen2"
 (the vocabulary is the test's, the weights are what is checked)."""
 
@@ -213,3 +214,38 @@ def test_deepseek2_against_the_dequantized_file(tmp_path, model_type, qtype, kin
     assert model.family.config.num_hidden_layers == 3  # (GLM's MTP block counted in the file's block_count)
     check(ref, model)
     model.close()
+
+
+COMPLETION = QUANTIZE.parent / "llama-completion"
+
+
+@pytest.mark.skipif(not COMPLETION.is_file(), reason="no build/bin/llama-completion in MOEFLOW_LLAMA_CPP_DIR")
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "glm4_moe_lite"])
+def test_deepseek2_greedy_tokens_equal_llama_cpp(tmp_path, model_type):
+    """llama.cpp itself as the oracle: its greedy continuation (CPU, ``--ignore-eos``) of a prompt on the same file
+    equals moeflow's (the end-of-generation tokens masked likewise), which checks the metadata's meaning (YaRN's
+    mscale, groups, the sigmoid router, MLA's split kv_b, GLM's MTP layer in block_count) against llama.cpp's
+    reading rather than transformers'. On the converter's f32 files: on quantized ones llama.cpp's CPU kernels
+    quantize the activations to 8 bits (Q8_0 / Q8_K dot products), which moves these tiny models' near ties (Q8_0:
+    after one equal token here; Q4_0, Q4_K_M: after 7 to 11)."""
+    _, _, path = converted(tmp_path, model_type, None)
+    prompt, new = "abc def!#", 24
+    env = dict(os.environ, LD_LIBRARY_PATH=str(QUANTIZE.parent))
+    run = subprocess.run([str(COMPLETION), "-m", str(path), "-p", prompt, "-n", str(new), "--temp", "0", "-no-cnv",
+                          "--no-warmup", "--simple-io", "-dev", "none", "--ignore-eos", "-sp", "-t", "2"],
+                         check=True, capture_output=True, text=True, env=env)
+    model = MoEModel.from_pretrained(path, dtype=torch.float32, kernels="torch")
+    try:
+        ids = torch.tensor([model.tokenizer.encode(prompt, add_special_tokens=False)])
+        eog = [model.tokenizer.encode(t, add_special_tokens=False) for t in ("<|endoftext|>", "<|im_end|>")]
+        assert all(len(t) == 1 for t in eog)  # (each one special token)
+        eog = [t[0] for t in eog]
+        with torch.no_grad():
+            for _ in range(new):
+                logits = model(ids).logits[0, -1].clone()
+                logits[eog] = float("-inf")
+                ids = torch.cat([ids, logits.argmax().view(1, 1)], dim=1)
+        text = model.tokenizer.decode(ids[0, : -new // 3])  # (llama.cpp's last bytes may be cut at exit)
+    finally:
+        model.close()
+    assert len(text) > len(prompt) + 8 and run.stdout.strip().startswith(text), (run.stdout, text)
