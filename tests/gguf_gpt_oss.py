@@ -121,3 +121,12 @@ def reference_from_file(model, path: Path):
             ex.down_proj.copy_(stored[b + "ffn_down_exps.weight"].transpose(1, 2))
             ex.down_proj_bias.copy_(stored[b + "ffn_down_exps.bias"])
     return model
+
+
+def fp16_biases(model):
+    """``model`` with its expert biases rounded to fp16 values (as bf16-published biases of ordinary size are)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".experts." in name and name.endswith("_bias"):
+                p.copy_(p.half().float())
+    return model

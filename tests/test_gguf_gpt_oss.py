@@ -3,7 +3,8 @@ out: tests/gguf_gpt_oss.py) loaded by ``from_pretrained``: the config from the m
 YaRN, experts), the attention sinks and biases, MXFP4 experts into the MXFP4 format as stored (float experts into
 the biased dense format); greedy tokens equal transformers' on the same dequantized weights (fp32, kernels="torch"),
 offloaded (lru, two slot counts; the disk tier reading the GGUF) equal to resident; the MXFP4 Triton kernels
-(interpreted) on the GGUF's experts. ~18 s on 2 cores (load 3; 11 s of it the interpreted kernels)."""
+(interpreted) on the GGUF's experts; Q4_0 experts (a requantized file) in the biased AWQ format, on the torch path
+and its Triton kernels (interpreted). ~18 s on 2 cores (load 3; 11 s of it the interpreted kernels)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 pytest.importorskip("gguf")
-from gguf_gpt_oss import T, write_gpt_oss_gguf  # noqa: E402
+from gguf_gpt_oss import T, fp16_biases, write_gpt_oss_gguf  # noqa: E402
 from gpt_oss_helpers import make_gpt_oss_model  # noqa: E402
 
 from moeflow import MoEModel, OffloadConfig  # noqa: E402
@@ -139,6 +140,39 @@ def test_quantized_float_experts_are_dequantized_with_a_warning(tmp_path):
     assert any("Q8_0" in str(w.message) and "dequantized" in str(w.message) for w in caught)
 
 
+def test_q4_0_experts_run_as_stored_in_the_biased_awq_format(tmp_path):
+    """A requantized gpt-oss file with Q4_0 experts: the biased AWQ format (Q4_0's codes and scales, the file's
+    biases), transformers' tokens on the dequantized weights, resident and offloaded (lru, 2 and 3 slots)."""
+    ref = fp16_biases(make_gpt_oss_model(seed=9, **SHAPE))
+    write_gpt_oss_gguf(ref, tmp_path / "m.gguf", expert_type=T.Q4_0)
+    x = ids()
+    with torch.no_grad():
+        want = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)
+    for slots in (None, 2, 3):
+        offload = None if slots is None else OffloadConfig(policy="lru", gpu_expert_slots=slots,
+                                                           transport="random-delay", random_delay_ms=0.3)
+        model = MoEModel.from_pretrained(tmp_path / "m.gguf", dtype=torch.float32, kernels="torch", offload=offload)
+        try:
+            assert model.experts.fmt.kind == "awq" and model.experts.fmt.bias
+            if slots is None:
+                with torch.no_grad():
+                    assert (model(x).logits - ref(x).logits).abs().max() < 1e-4
+            assert torch.equal(generate(model), want), f"{slots} slots"
+        finally:
+            model.close()
+
+
+def test_q4_0_experts_with_biases_fp16_cannot_hold_are_dequantized(tmp_path):
+    write_gpt_oss_gguf(make_gpt_oss_model(seed=6, **SHAPE), tmp_path / "m.gguf", expert_type=T.Q4_0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = MoEModel.from_pretrained(tmp_path / "m.gguf", dtype=torch.float32, kernels="torch")
+    model.close()
+    assert model.experts.fmt.kind == "dense"
+    assert any("Q4_0" in str(w.message) and "fp16" in str(w.message) for w in caught)
+
+
 def test_gpt_oss_gguf_without_sinks_is_refused(tmp_path):
     write_gpt_oss_gguf(make_gpt_oss_model(seed=6, **SHAPE), tmp_path / "m.gguf", leave_out="attn_sinks")
     with pytest.raises(CheckpointError, match=r"m\.gguf.*blk\.0\.attn_sinks\.weight"):
@@ -164,6 +198,23 @@ def test_gpt_oss_gguf_through_the_mxfp4_triton_kernels(tmp_path):
     x = ids()[:1]
     try:
         assert model.experts.fmt.kind == "mxfp4"
+        with torch.no_grad():
+            want = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=10, do_sample=False,
+                                eos_token_id=None, pad_token_id=0)
+        assert torch.equal(model.generate(x, max_new_tokens=10, do_sample=False, eos_token_id=[]), want)
+    finally:
+        model.close()
+
+
+def test_q4_0_experts_through_the_biased_awq_triton_kernels(tmp_path):
+    """The GGUF's Q4_0 experts in the biased AWQ format through its Triton kernels (interpreted on the CPU): the bias
+    and clamped-SwiGLU epilogue on Q4_0's codes give transformers' tokens."""
+    ref = fp16_biases(make_gpt_oss_model(seed=10, **SHAPE))
+    write_gpt_oss_gguf(ref, tmp_path / "m.gguf", expert_type=T.Q4_0)
+    model = MoEModel.from_pretrained(tmp_path / "m.gguf", device="cpu", dtype=torch.float32, kernels="triton")
+    x = ids()[:1]
+    try:
+        assert model.experts.fmt.kind == "awq" and model.experts.fmt.has_triton
         with torch.no_grad():
             want = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=10, do_sample=False,
                                 eos_token_id=None, pad_token_id=0)

@@ -92,8 +92,10 @@ def gguf_expert_format(family: Family, model: GGUFModel, dtype: torch.dtype) -> 
 def gguf_biased_expert_format(family: Family, model: GGUFModel, dtype: torch.dtype
                               ) -> tuple[BiasedExpertFormat, ExpertConvert]:
     """gpt-oss's GGUF experts (biases, clamped SwiGLU; :mod:`moeflow.io.gguf.biased`): every expert MXFP4 -> the MXFP4
-    format, the blocks reshuffled into the published layout (bit for bit the same weights); float or other ggml
-    types -> dequantized exactly (fp32) into the biased dense format of ``dtype`` (a warning names quantized types).
+    format, the blocks reshuffled into the published layout (bit for bit the same weights); every expert Q4_0 (a
+    requantized file) -> the biased AWQ format (Q4_0's codes and fp16 scales as AWQ's, bit for bit), when the biases
+    are exact in its fp16; float or other ggml types -> dequantized exactly (fp32) into the biased dense format of
+    ``dtype`` (a warning names quantized types and why).
     The biases (``ffn_{gate,up,down}_exps.bias``) are read from the file beside each expert."""
     spec = family.expert_spec()
     H, I = spec.hidden_size, spec.intermediate_size  # noqa: E741
@@ -105,9 +107,14 @@ def gguf_biased_expert_format(family: Family, model: GGUFModel, dtype: torch.dty
     types = model.expert_types(tuple(family.moe_layers))
     if types == {"MXFP4"}:
         return MXFP4Format(H, I, dtype, 32, **kw), BiasedConvert(mxfp4_expert_tensors, biases)
+    why = "only MXFP4 and Q4_0 are kept as stored for biased experts"
+    if types == {"Q4_0"} and H % 32 == 0 and I % 32 == 0:  # the AWQ codes and fp16 scales, biases in fp16
+        if biases.exact_in(torch.float16, tuple(family.moe_layers)):
+            return BiasedAWQFormat(H, I, torch.float16, 32, **kw), BiasedConvert(q4_0_awq_expert_tensors, biases)
+        why = "the biased AWQ format holds the biases in its scales' fp16, which does not hold these exactly"
     if types - {"F32", "F16", "BF16"}:
         warnings.warn(f"{model.path}: {family.name} experts of types {sorted(types)} dequantized into {dtype} at "
-                      "load (only MXFP4 is kept as stored for biased experts)", stacklevel=3)
+                      f"load ({why})", stacklevel=3)
     return BiasedDenseFormat(H, I, dtype, **kw), BiasedConvert(dense_expert_tensors, biases)
 
 

@@ -5,7 +5,8 @@ llama.cpp's converter (``GptOssModel``) writes each layer's experts as ``blk.L.f
 blocks: the e8m0 exponent byte, then 16 bytes of nibbles) or, from a bf16 checkpoint, a float type, and the biases
 as ``blk.L.ffn_{gate,up,down}_exps.bias`` ``[E, out]`` (fp32).
 
-* :class:`ExpertBiases`: the stacked biases, read once per layer (fp32, exact) and handed out per expert;
+* :class:`ExpertBiases`: the stacked biases, read once per layer (fp32, exact) and handed out per expert (and
+  :meth:`ExpertBiases.exact_in`: whether a format's bias dtype holds them exactly);
 * :class:`BiasedConvert`: an expert convert (``ExpertConvert``) adding the biases to another's tensors (the MXFP4
   weights' convert, ``moeflow.engine.loading.mxfp4_expert_tensors``, lives above the kernels it uses).
 """
@@ -41,6 +42,11 @@ class ExpertBiases:
                          for p in ("gate", "up", "down")}
                 self._layers[block] = found
         return found
+
+    def exact_in(self, dtype: torch.dtype, blocks: tuple[int, ...]) -> bool:
+        """Whether every expert bias of decoder layers ``blocks`` survives a round trip through ``dtype`` (a format
+        that stores its biases in its scales' dtype, fp16 for Q4_0's, is then exact)."""
+        return all(torch.equal(t.to(dtype).float(), t) for b in blocks for t in self.layer(b).values())
 
     def _read(self, block: int, proj: str, out: int) -> torch.Tensor:
         name = f"blk.{block}.ffn_{proj}_exps.bias"

@@ -12,9 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
+
+import torch
 
 from moeflow.errors import CheckpointError
+from moeflow.io.gguf.deepseek2 import KEYS as DEEPSEEK2_KEYS
+from moeflow.io.gguf.deepseek2 import KvBJoin, derive_deepseek2
 
 # {arch}.<key> -> config.json field, for every architecture below
 COMMON = {
@@ -26,6 +30,22 @@ COMMON = {
 }
 TOKENIZER = {"tokenizer.ggml.bos_token_id": "bos_token_id", "tokenizer.ggml.eos_token_id": "eos_token_id",
              "tokenizer.ggml.padding_token_id": "pad_token_id"}
+
+
+class JoinedTensors(Protocol):
+    """HF tensors an architecture's files store as several GGUF tensors (deepseek2's ``kv_b_proj``)."""
+
+    def parts(self, name: str) -> tuple[str, ...] | None:
+        """The GGUF tensors HF tensor ``name`` is joined from, or None when it is not one."""
+
+    def names(self, tensors: dict[str, Any]) -> list[str]:
+        """The HF names of the joined tensors a file with these GGUF tensors (name -> anything) holds."""
+
+    def shape(self, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+        """The joined tensor's shape from its parts' (outermost first)."""
+
+    def join(self, parts: list[torch.Tensor], source: str) -> torch.Tensor:
+        """The joined tensor from its parts (fp32, dequantized), in :meth:`parts`' order."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +61,7 @@ class Architecture:
     rope_scaling: bool = False  # ``derive`` reads ``{arch}.rope.scaling.*`` (else any scaling is refused)
     # derive(raw, metadata, shapes, source): fields computed from several keys or from which tensors exist
     derive: Callable[[dict, dict, dict, str], None] | None = None
+    joined: JoinedTensors | None = None  # HF tensors stored as several GGUF ones
 
 
 def _glm4moe(raw: dict, metadata: dict, shapes: dict, source: str) -> None:
@@ -141,6 +162,9 @@ ARCHITECTURES: dict[str, Architecture] = {
                                         "expert_feed_forward_length": "intermediate_size",
                                         "attention.sliding_window": "sliding_window"},
                             rope_scaling=True, derive=_gpt_oss),
+    # DeepSeek-V2 / V3 / R1, Kimi-K2, GLM-4.7-Flash: MLA, the router by expert_gating_func (moeflow/io/gguf/deepseek2)
+    "deepseek2": Architecture("deepseek_v3", DEEPSEEK2_KEYS, rope_scaling=True, derive=derive_deepseek2,
+                              joined=KvBJoin()),
     "olmoe": Architecture("olmoe", {"expert_count": "num_experts", "expert_feed_forward_length": "intermediate_size",
                                     "attention.clamp_kqv": "clip_qkv"}, {"norm_topk_prob": False}),
 }

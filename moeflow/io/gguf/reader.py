@@ -12,6 +12,8 @@ and ``read_expert`` work unchanged:
 * the ``llama`` architecture's q/k rows: llama.cpp's converter permutes them for GGML's interleaved rotary
   (``LlamaModel.permute``); they are permuted back (:func:`unpermute_rope_rows`) to HF's two-halves rotary;
 * a GGUF ``[n]`` vector asked for as ``[1, n]`` (Qwen2-MoE's shared-expert gate) is reshaped;
+* an HF tensor the file stores as several (deepseek2's ``kv_b_proj`` as ``attn_k_b`` and ``attn_v_b``): joined by
+  the architecture's ``joined`` (:class:`~moeflow.io.gguf.config.JoinedTensors`);
 * gpt-oss's stacked expert biases (``ffn_{gate,up,down}_exps.bias`` ``[E, out]``) answer per-expert names
   (``...experts.5.gate_proj.bias``), its ``self_attn.sinks`` the converter's ``attn_sinks.weight``.
 
@@ -87,8 +89,16 @@ class GGUFCheckpointReader(CheckpointReader):
             return None
         return info, expert
 
+    def joined_parts(self, name: str) -> list[TensorInfo] | None:
+        """The GGUF tensors HF tensor ``name`` is joined from (the architecture's ``joined``), or None when the file
+        holds it as one tensor or not at all."""
+        parts = self.arch.joined.parts(name) if self.arch.joined is not None else None
+        if parts is None or not all(p in self.files.tensors for p in parts) or self.resolve(name) is not None:
+            return None
+        return [self.files.tensors[p] for p in parts]
+
     def __contains__(self, name: str) -> bool:
-        return self.resolve(name) is not None
+        return self.resolve(name) is not None or self.joined_parts(name) is not None
 
     def names(self) -> list[str]:
         """Every HF spelling (``model.*``, ``lm_head.*``) of every tensor in the file, experts one by one."""
@@ -106,6 +116,8 @@ class GGUFCheckpointReader(CheckpointReader):
                         out.append(f"{hf}_bias" if hf.endswith("e_score_correction") else f"{hf}{dot}{suffix}")
                     elif head.endswith(".experts"):  # a stacked [E, out, in] tensor: one name per expert
                         out += [f"{head}.{e}.{proj}{dot}{suffix}" for e in range(info.shape[0])]
+            if self.arch.joined is not None:
+                out += self.arch.joined.names(self.files.tensors)
             self._names = out
         return list(self._names)
 
@@ -117,12 +129,24 @@ class GGUFCheckpointReader(CheckpointReader):
         return found
 
     def shape(self, name: str) -> tuple[int, ...]:
+        joined = self.joined_parts(name)
+        if joined is not None:
+            return self.arch.joined.shape([p.shape for p in joined])
         info, expert = self._info(name)
         return info.shape[1:] if expert is not None else info.shape
 
     # ------------------------------------------------------------------ values
     def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         """Tensor ``name`` in fp32 (CPU), dequantized exactly; ``shape``: what config.json implies (checked)."""
+        joined = self.joined_parts(name)
+        if joined is not None:
+            t = self.arch.joined.join([dequantize(torch.from_numpy(np.ascontiguousarray(self.files.read(p))),
+                                                  p.type.id, f"{p.path}: {p.name}") for p in joined], self.source)
+            if shape is not None and tuple(t.shape) != tuple(shape):
+                raise CheckpointError(f"tensor {name!r} (joined from {', '.join(p.name for p in joined)} in "
+                                      f"{self.source}) has shape {tuple(t.shape)}, but the metadata implies "
+                                      f"{tuple(shape)}")
+            return t
         info, expert = self._info(name)
         raw = self.files.read(info, expert, expert + 1) if expert is not None else self.files.read(info)
         if expert is not None:
