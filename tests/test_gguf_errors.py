@@ -65,8 +65,8 @@ def test_unknown_architecture_lists_the_supported_ones(tmp_path):
     path = tmp_path / "g.gguf"
     _write_arch(path, "gemma2", None)
     with pytest.raises(CheckpointError, match=rf"{path}: GGUF architecture 'gemma2' is not supported; moeflow reads "
-                                              r"GGUF files of architecture deepseek2, glm4moe, gpt-oss, llama, minimax-m2, "
-                                              r"olmoe, qwen2moe, qwen3moe"):
+                                              r"GGUF files of architecture deepseek2, glm4moe, gpt-oss, llama, "
+                                              r"minimax-m2, olmoe, qwen2moe, qwen3moe"):
         MoEModel.from_pretrained(path)
 
 
