@@ -20,7 +20,12 @@ from torch import nn
 from moeflow.config import OffloadConfig
 from moeflow.engine import loading, memory
 from moeflow.engine.cpu_layers import native_layers
-from moeflow.engine.cpu_linears import check_attention_bits, quantize_decoder_linears, resolve_attention_bits
+from moeflow.engine.cpu_linears import (
+    check_attention_bits,
+    quantize_decoder_linears,
+    quantized_as_stored,
+    resolve_attention_bits,
+)
 from moeflow.engine.cpu_step import fuse_cpu_step
 from moeflow.engine.parallel_load import load_experts
 from moeflow.engine.sampling import GenerationConfig
@@ -193,7 +198,10 @@ def build_model(
             decoder = family.build_decoder(dtype, _linear_factory(dtype, awq_attention))
         if awq_attention is not None:
             loading.keep_dense_linears(decoder, reader, family, layout, dtype)
-        loading.load_non_expert_weights(decoder, reader, family, layout, device, dtype)
+        # the CPU int4 path quantizes the lm_head (and 16-bit attention) to int8 from the checkpoint's dtype
+        as_stored = quantized_as_stored(decoder, attention_bits, lm_head_bits) if uses_cpu_int4(resolved.linear) \
+            else frozenset()
+        loading.load_non_expert_weights(decoder, reader, family, layout, device, dtype, as_stored)
         mtp_module = loading.load_mtp(reader, family, layout, device, dtype, str(config_path)) if mtp else None
         if uses_cpu_int4(resolved.linear):
             quantize_decoder_linears(decoder, attention_bits, lm_head_bits)
