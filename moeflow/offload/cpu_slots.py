@@ -70,6 +70,9 @@ class CpuInt4Format(AWQFormat):
             for name, t in _tensor_fields(matrix):
                 specs.append(TensorSpec(f"{prefix}_{name}", t.dtype, tuple(t.shape), offset))
                 offset = -(-(offset + specs[-1].nbytes) // ALIGN) * ALIGN
+        # the layout is all the blank is kept for: its tensors become meta tensors (an expert's bytes of RAM freed)
+        template = dataclasses.replace(template, **{prefix: _meta_matrix(m) for prefix, m in
+                                                    (("w13", template.w13), ("w2", template.w2))})
         object.__setattr__(self, "_template", template)
         object.__setattr__(self, "specs", tuple(specs))
         object.__setattr__(self, "nbytes", offset)
@@ -114,6 +117,12 @@ def _tensor_fields(matrix) -> list[tuple[str, torch.Tensor]]:
     """The tensor fields of one matrix of an :class:`Int4Expert` (a dataclass), in declaration order."""
     return [(f.name, getattr(matrix, f.name)) for f in dataclasses.fields(matrix)
             if isinstance(getattr(matrix, f.name), torch.Tensor)]
+
+
+def _meta_matrix(matrix):
+    """``matrix`` (a dataclass of tensors) with every tensor field replaced by a meta tensor of its shape/dtype."""
+    return dataclasses.replace(matrix, **{name: torch.empty(t.shape, dtype=t.dtype, device="meta")
+                                          for name, t in _tensor_fields(matrix)})
 
 
 def int4_expert_of(fmt: ExpertFormat, region: torch.Tensor, *, own: bool = False) -> Int4Expert:
