@@ -62,8 +62,10 @@ class CpuInt4Format(AWQFormat):
     def __post_init__(self) -> None:
         super().__post_init__()  # checks the sizes against the group size, lays out the AWQ region
         object.__setattr__(self, "awq_nbytes", self.nbytes)
+        # packed words uninitialized (any bits are valid codes, and only the form's shapes are kept: zeroing 87 MB
+        # of a Mixtral expert cost more than the conversion); scales 1, an fp16 number
         blank = {name: (torch.ones(shape, dtype=self.dtype) if name.endswith("scales")
-                        else torch.zeros(shape, dtype=torch.int32)) for name, shape in self.loader_shapes().items()}
+                        else torch.empty(shape, dtype=torch.int32)) for name, shape in self.loader_shapes().items()}
         template = Int4Expert.from_awq_tensors(blank, self.group_size)
         specs, offset = [], 0
         for prefix, matrix in (("w13", template.w13), ("w2", template.w2)):
