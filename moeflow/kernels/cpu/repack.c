@@ -248,31 +248,30 @@ int mf_quantize_rows_int8_grouped(const void *w, int kind, int64_t rows, int64_t
 #pragma omp parallel num_threads(nthreads)
     {
         float *row = (float *)malloc((size_t)cols * sizeof(float));
-        if (!row) {
+        int8_t *codes = (int8_t *)malloc((size_t)cols);
+        if (!row || !codes) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++) {
-            if (!row) continue;
+            if (!row || !codes) continue;
             const int64_t r0 = g * Q8_GROUP, n = rows - r0 < Q8_GROUP ? rows - r0 : Q8_GROUP;
             int8_t *base = q + r0 * cols;
             for (int64_t i = 0; i < n; i++) {
                 float sf;
                 mf_widen_row(w, kind, r0 + i, cols, row);
                 scales_bf16[r0 + i] = mf_row_scale_int8(row, cols, &sf);
-                if (n < Q8_GROUP) {  /* the plain tail */
-                    for (int64_t c = 0; c < cols; c++) base[i * cols + c] = mf_code_int8(row[c], sf);
-                    continue;
-                }
-                for (int64_t b = 0; b < cols / QB; b++)
+                int8_t *out = n < Q8_GROUP ? base + i * cols : codes;  /* the plain tail: in place */
+                for (int64_t c = 0; c < cols; c++) out[c] = mf_code_int8(row[c], sf);  /* (vectorized) */
+                if (n < Q8_GROUP) continue;
+                for (int64_t b = 0; b < cols / QB; b++)  /* 4 codes at a time to their place in the group */
                     for (int c = 0; c < QB / 4; c++)
-                        for (int j = 0; j < 4; j++)
-                            base[b * QB * Q8_GROUP + c * 4 * Q8_GROUP + i * 4 + j] =
-                                mf_code_int8(row[b * QB + c * 4 + j], sf);
+                        memcpy(base + b * QB * Q8_GROUP + c * 4 * Q8_GROUP + i * 4, codes + b * QB + c * 4, 4);
             }
         }
         free(row);
+        free(codes);
     }
     return failed;
 }
