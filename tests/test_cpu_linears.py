@@ -18,6 +18,7 @@ from helpers import make_tiny_checkpoint
 
 from moeflow import MoEOffloadedMixtral
 from moeflow.cli import embedded_model_path
+from moeflow.engine.cpu_linears import quantize_rows_int8
 from moeflow.families.layers import AWQLinear
 from moeflow.kernels import combine
 from moeflow.kernels.cpu.int4 import Int4Expert, int4_cpu_available
@@ -81,6 +82,40 @@ def test_logits_close_and_greedy_equal_on_the_embedded_model(embedded):
         assert torch.equal(got[:, gen].argmax(-1), logits[:, gen].argmax(-1)), f"attention_bits={attention_bits}"
         out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=[])
         assert torch.equal(out, expected), f"attention_bits={attention_bits}"
+
+
+def test_int8_layers_quantized_from_the_stored_dtype_equal_the_fp32_path(embedded):
+    """from_pretrained quantizes the fp16 lm_head and attention projections to int8 from the checkpoint's bytes
+    (cpu_linears.quantize_rows_int8, never widened to an fp32 matrix): the buffers are bit for bit what
+    quantize_linear_cpu makes from the fp32 weights the reference holds."""
+    path, ref, *_ = embedded
+    model = MoEOffloadedMixtral.from_pretrained(path, attention_bits=8)
+    pairs = [(model.model.lm_head, ref.model.lm_head.weight),
+             (model.model.layers[1].self_attn.o_proj, ref.model.layers[1].self_attn.o_proj.weight)]
+    for got, weight in pairs:
+        assert weight.dtype == torch.float32
+        want = dict(quantize_linear_cpu(weight.detach(), bits=8).named_buffers())
+        have = dict(got.named_buffers())
+        assert have.keys() == want.keys()
+        for name in want:
+            assert have[name].dtype == want[name].dtype and torch.equal(have[name], want[name]), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_quantize_rows_int8_equals_quantize_linear_cpu(dtype):
+    """The one-pass int8 quantizer from a weight as stored against quantize_linear_cpu of its fp32 widening: rows
+    not a multiple of 8 (the plain tail), mixed scales, an all-zero row, exact halves and fp16 subnormals."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(45, 96, generator=g) * torch.logspace(-4, 1, 45)[:, None]
+    w[3] = 0.0
+    w[5, :8] = torch.arange(8) + 0.5
+    w[7, :4] = torch.tensor([6e-8, -6e-8, 3e-5, -1e-7])
+    w = w.to(dtype)
+    want = dict(quantize_linear_cpu(w.float(), bits=8).named_buffers())
+    have = dict(quantize_rows_int8(w).named_buffers())
+    assert have.keys() == want.keys()
+    for name in want:
+        assert have[name].dtype == want[name].dtype and torch.equal(have[name], want[name]), name
 
 
 def test_attention_bits_quantizes_16_bit_projections_when_asked(embedded):

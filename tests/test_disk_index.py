@@ -81,6 +81,26 @@ def test_awq_checkpoint_reads_few_ranges():
     assert index.nbytes(0, 0) < os.path.getsize(AWQ_DIR / "model.safetensors") / 16
 
 
+def test_joined_tensors_reuse_the_reading_buffers_arena():
+    """The w13 tensors a read joins from gate and up live in the staging buffer's arena, the same bytes read after
+    read (no fresh allocation per expert), and equal the family's own read; outside a read, concat allocates."""
+    from moeflow.families.gated_experts import concat
+
+    index, reader, read = open_index(AWQ_DIR)
+    staging = index.new_staging()
+    ptrs = set()
+    for key in [(0, 0), (0, 1), (1, 3)]:
+        got, want = index.read(*key, staging), read(reader, *key)
+        for name in got:
+            assert torch.equal(got[name], want[name]), (key, name)
+        ptrs.add(got["w13_qweight"].data_ptr())
+        assert got["w13_qweight"].untyped_storage().data_ptr() != staging.untyped_storage().data_ptr()
+    assert len(ptrs) == 1, "each read joined w13 into a fresh allocation"
+    a, b = torch.ones(2, 3), torch.zeros(2, 1)
+    joined = concat([a, b], dim=1)
+    assert torch.equal(joined, torch.cat([a, b], dim=1)) and joined.data_ptr() not in ptrs
+
+
 def test_fused_layout_reads_one_row_of_each_stacked_tensor(tmp_path):
     classic = tmp_path / "classic"
     make_tiny_model(seed=2).save_pretrained(classic)

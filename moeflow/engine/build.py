@@ -20,9 +20,14 @@ from torch import nn
 from moeflow.config import OffloadConfig
 from moeflow.engine import loading, memory
 from moeflow.engine.cpu_layers import native_layers
-from moeflow.engine.cpu_linears import check_attention_bits, quantize_decoder_linears, resolve_attention_bits
+from moeflow.engine.cpu_linears import (
+    check_attention_bits,
+    quantize_decoder_linears,
+    quantized_as_stored,
+    resolve_attention_bits,
+)
 from moeflow.engine.cpu_step import fuse_cpu_step
-from moeflow.engine.parallel_load import load_experts
+from moeflow.engine.parallel_load import ExpertLoad, load_experts
 from moeflow.engine.sampling import GenerationConfig
 from moeflow.errors import SchedulingError
 from moeflow.families import Family, family_for_config
@@ -41,6 +46,8 @@ from moeflow.moe.resident import CpuInt4Experts
 from moeflow.offload import Stats, create_expert_backend, get_policy, min_slots
 from moeflow.offload.backend import OffloadedExperts
 from moeflow.offload.cpu_slots import CpuInt4Format
+from moeflow.offload.host_store import HostStore
+from moeflow.offload.platform import real_host_store
 from moeflow.offload.predictors.base import PredictorMismatchError
 from moeflow.offload.units import format_bytes
 from moeflow.quant.fp8 import Fp8BlockReader, awq_expert_tensors, fp8_block_spec
@@ -104,7 +111,7 @@ def expert_storage_format(fmt: ExpertFormat, kernels: Kernels, offload: OffloadC
 def make_expert_backend(
     offload: OffloadConfig, kernels: Kernels, *, fmt: ExpertFormat, family: Family, decoder: CausalDecoder,
     device: torch.device, reserved_bytes: int, stats: Stats, checkpoint_dir: Path, expert_source=None,
-    host_reserved_bytes: int = 0, mtp: MultiTokenPredictor | None = None,
+    host_reserved_bytes: int = 0, mtp: MultiTokenPredictor | None = None, host_store: HostStore | None = None,
 ) -> ExpertBackend:
     """``CpuInt4Experts`` for resident experts computed with the CPU int4 kernels; otherwise the offload
     package's backend for ``offload.policy`` (``ResidentExperts`` for "resident"). ``mtp``: the MTP layers,
@@ -118,7 +125,7 @@ def make_expert_backend(
         top_k=family.router_spec().top_k, device=device, kernels_backend=kernels.experts,
         gates=[block.gate for block in blocks], route=blocks[0].route, reserved_bytes=reserved_bytes,
         stats=stats, checkpoint_dir=checkpoint_dir, expert_source=expert_source,
-        host_reserved_bytes=host_reserved_bytes,
+        host_reserved_bytes=host_reserved_bytes, host_store=host_store,
     )
 
 
@@ -173,6 +180,7 @@ def build_model(
     reader = gguf.reader if gguf else open_checkpoint(directory, quant)
     if fp8 is not None:
         reader = Fp8BlockReader(reader, fp8)
+    early: ExpertLoad | None = None
     try:
         layout = family.detect_expert_layout(reader)
         convert = None
@@ -195,11 +203,16 @@ def build_model(
             raise ValueError(f"attention_bits={attention_bits}: {family.name}'s gated attention and linear-attention "
                              "projections are not quantized at load; leave attention_bits unset")
         awq_attention = loading.detect_awq_attention(reader, family, layout, quant)
+        if gguf is None and fp8 is None and not mtp:  # the experts load while the rest is built (ExpertLoad)
+            early = early_expert_load(offload, fmt, resolved, family, reader, layout, quant, device, progress)
         with loading.skipped_weight_init():  # every parameter is read from the checkpoint below
             decoder = family.build_decoder(dtype, _linear_factory(dtype, awq_attention))
         if awq_attention is not None:
             loading.keep_dense_linears(decoder, reader, family, layout, dtype)
-        loading.load_non_expert_weights(decoder, reader, family, layout, device, dtype)
+        # the CPU int4 path quantizes the lm_head (and 16-bit attention) to int8 from the checkpoint's dtype
+        as_stored = quantized_as_stored(decoder, attention_bits, lm_head_bits) if uses_cpu_int4(resolved.linear) \
+            else frozenset()
+        loading.load_non_expert_weights(decoder, reader, family, layout, device, dtype, as_stored)
         mtp_module = loading.load_mtp(reader, family, layout, device, dtype, str(config_path)) if mtp else None
         if uses_cpu_int4(resolved.linear):
             quantize_decoder_linears(decoder, attention_bits, lm_head_bits)
@@ -223,13 +236,13 @@ def build_model(
         if offload is None:  # from_pretrained without an OffloadConfig: resident if it fits, else offload
             offload, planned = default_offload(family, fmt, device, dtype, non_expert, str(directory), cuda_graphs,
                                                extra)
-        stored = expert_storage_format(fmt, resolved, offload)
+        stored = early.store.fmt if early is not None else expert_storage_format(fmt, resolved, offload)
         if planned is None or stored is not fmt:  # (default_offload's plan is reused when the format is the same)
             planned = plan_memory(offload, family, stored, device, dtype, non_expert, cuda_graphs, extra)
         plan, sized = planned
-        source = None
-        if offload.host_memory_gb is not None or offload.background_load or fp8 is None:  # (FP8: one by one below)
-            if gguf is not None:
+        source = early.index if early is not None else None
+        if early is None and (offload.host_memory_gb is not None or offload.background_load or fp8 is None):
+            if gguf is not None:  # (FP8: one by one below)
                 source = loading.gguf_expert_source(gguf, family, convert, loading.mtp_moe_layers(mtp_module))
             else:
                 source = open_expert_index(reader, family, layout, quant, fmt if fp8 is not None else None,
@@ -240,9 +253,10 @@ def build_model(
                 sized, resolved, fmt=stored, family=family, decoder=decoder, device=device,
                 reserved_bytes=memory.reserved_device_bytes(plan), stats=stats, checkpoint_dir=directory,
                 expert_source=source, host_reserved_bytes=host_reserved, mtp=mtp_module,
+                host_store=early.store if early is not None else None,
             )
         except SchedulingError as e:
-            if source is not None:
+            if source is not None and early is None:  # (early's index: closed below, once its loader stopped)
                 source.close()
             if mtp_module is not None and isinstance(e.__cause__, PredictorMismatchError):
                 raise SchedulingError(
@@ -253,7 +267,7 @@ def build_model(
                     "files)") from e
             raise
         except BaseException:
-            if source is not None:
+            if source is not None and early is None:
                 source.close()
             raise
         host = backend.host if isinstance(backend, OffloadedExperts) else None
@@ -264,7 +278,9 @@ def build_model(
                         "and load DST to read int4 experts as stored", config_path, directory)
         if progress is None:
             progress = fmt.nbytes * len(family.moe_layers) * family.num_experts >= PROGRESS_MIN_BYTES
-        if not on_disk and fp8 is None:  # parallel preads straight into the backend's storage
+        if early is not None:  # its store is the backend's: wait for the last expert
+            early.result()
+        elif not on_disk and fp8 is None:  # parallel preads straight into the backend's storage
             try:
                 load_experts(source, backend.load_expert, progress=progress)
             finally:
@@ -282,6 +298,9 @@ def build_model(
             stats.disk = host.stats  # model.stats.summary() reports the disk traffic
         memory.fill_from_backend(plan, backend, offload, source.staging_nbytes if on_disk else 0)
     finally:
+        if early is not None:  # (a failed build: the loader stops before its index's files close)
+            early.cancel()
+            early.index.close()
         reader.close()
     gen = GenerationConfig.from_file(directory / "generation_config.json", cfg.eos_token_id, cfg.pad_token_id)
     tokenizer_dir = gguf.tokenizer_directory() if gguf is not None else directory  # (GGUF: rebuilt, cached)
@@ -290,6 +309,26 @@ def build_model(
         tokenizer = Tokenizer(tokenizer_dir / "tokenizer.json")
     return BuiltModel(family, decoder, backend, stats, gen, tokenizer, resolved, device, dtype, plan, offload,
                       mtp_module)
+
+
+def early_expert_load(offload: OffloadConfig | None, fmt: ExpertFormat, kernels: Kernels, family: Family,
+                      reader: CheckpointReader, layout, quant, device: torch.device, progress: bool | None
+                      ) -> ExpertLoad | None:
+    """The experts' load, started before the decoder is built, where the backend's host store is known up front:
+    an offloading policy on the CPU keeping every expert in a plain :class:`HostStore` (no ``host_memory_gb``,
+    no ``background_load``). The store is created here in the backend's format and handed to it later
+    (``make_expert_backend(host_store=)``); the experts are read and converted into it on loader threads while
+    this thread loads and quantizes the non-expert weights. None elsewhere (the experts load after the backend)."""
+    if offload is None or device.type != "cpu" or offload.host_memory_gb is not None or offload.background_load \
+            or not get_policy(offload.policy).offload:
+        return None
+    layers = len(family.moe_layers)
+    stored = expert_storage_format(fmt, kernels, offload)
+    source = open_expert_index(reader, family, layout, quant, None, layers)
+    store = real_host_store(stored, layers, family.num_experts, pin=offload.pin_memory, device=device)
+    if progress is None:
+        progress = fmt.nbytes * layers * family.num_experts >= PROGRESS_MIN_BYTES
+    return ExpertLoad(source, store.write, store, progress=progress)
 
 
 def default_offload(family: Family, fmt: ExpertFormat, device: torch.device, dtype: torch.dtype, non_expert: int,

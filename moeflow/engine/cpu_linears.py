@@ -33,9 +33,10 @@ from torch import nn
 
 from moeflow.families.layers import Attention, AWQLinear
 from moeflow.kernels.cpu.lm_head import RefinedInt4LmHead
-from moeflow.kernels.cpu.native import native_available
+from moeflow.kernels.cpu.native import Q8Matrix, library, native_available
 from moeflow.kernels.cpu.quant_linear import CpuQuantLinear, awq_linear_cpu, quantize_linear_cpu
 from moeflow.kernels.dispatch import uses_cpu_int4
+from moeflow.kernels.repack import quantize_rows_int8_grouped_native
 
 ATTENTION_BITS = (None, 8, 4, "auto")
 AUTO_ATTENTION_BITS = 8  # "auto" (the default) on the CPU int4 path: int8 16-bit attention projections
@@ -73,6 +74,21 @@ def resolve_attention_bits(attention_bits: int | str | None, kernels_linear: str
     return AUTO_ATTENTION_BITS if uses_cpu_int4(kernels_linear) and not linear_attention else None
 
 
+def quantized_as_stored(decoder: nn.Module, attention_bits: int | None, lm_head_bits: int = 8) -> frozenset[str]:
+    """The parameter names (``lm_head.weight``, ``layers.0.self_attn.q_proj.weight``, ...) that
+    :func:`quantize_decoder_linears` quantizes to int8 with :func:`quantize_rows_int8`, which takes them in the
+    checkpoint's dtype: the loader need not widen them to fp32 first (``load_non_expert_weights(as_stored=)``)."""
+    names = set()
+    if not (lm_head_bits == 4 and getattr(decoder.lm_head, "bias", None) is None):
+        names.add("lm_head.weight")
+    if attention_bits == 8:
+        for parent_name, parent in decoder.named_modules():
+            if isinstance(parent, Attention):
+                names.update(f"{parent_name}.{name}.weight" for name, child in parent.named_children()
+                             if name in PROJECTIONS and type(child) is nn.Linear)
+    return frozenset(names)
+
+
 def quantize_decoder_linears(decoder: nn.Module, attention_bits: int | None, lm_head_bits: int = 8
                              ) -> dict[str, int]:
     """Replace ``decoder``'s lm_head and attention projections in place (see the module docstring).
@@ -83,7 +99,7 @@ def quantize_decoder_linears(decoder: nn.Module, attention_bits: int | None, lm_
     if lm_head_bits == 4 and getattr(decoder.lm_head, "bias", None) is None:
         decoder.lm_head = RefinedInt4LmHead.quantize(decoder.lm_head.weight)
     else:
-        decoder.lm_head = _with_bias(quantize_linear_cpu(decoder.lm_head.weight, bits=8), decoder.lm_head)
+        decoder.lm_head = _with_bias(quantize_rows_int8(decoder.lm_head.weight), decoder.lm_head)
     counts["lm_head"] = 1
     for parent in list(decoder.modules()):
         for name, child in list(parent.named_children()):
@@ -100,6 +116,21 @@ def quantize_decoder_linears(decoder: nn.Module, attention_bits: int | None, lm_
     return counts
 
 
+def quantize_rows_int8(weight: torch.Tensor) -> CpuQuantLinear:
+    """``quantize_linear_cpu(weight.float(), bits=8)``, bit for bit, from the weight ``[out, in]`` as stored
+    (fp16, bf16 or fp32): each row is widened to fp32 in a row buffer, quantized and written into the kernel's
+    row groups in one native pass (:func:`~moeflow.kernels.repack.quantize_rows_int8_grouped_native`), so
+    neither an fp32 copy of the whole matrix nor a plain-row int8 copy is made (a Mixtral lm_head: 524 MB and
+    131 MB written and faulted in at load). Where moeflow's kernels do not build (or ``in % 32``):
+    :func:`quantize_linear_cpu`."""
+    w = weight.detach()
+    made = quantize_rows_int8_grouped_native(library(), w, torch.get_num_threads())
+    if made is None:
+        return quantize_linear_cpu(w.float(), bits=8)
+    out_features, in_features = w.shape
+    return CpuQuantLinear(8, in_features, out_features, int8=Q8Matrix(made[0], made[1].float()))
+
+
 def _int4_shape_ok(in_features: int, out_features: int) -> bool:
     return out_features % 16 == 0 and in_features % 32 == 0  # torch's int4 CPU kernel's tiling
 
@@ -107,7 +138,7 @@ def _int4_shape_ok(in_features: int, out_features: int) -> bool:
 def _quantize_dense(weight: torch.Tensor, bits: int) -> CpuQuantLinear | None:
     out_features, in_features = weight.shape
     if bits == 8:
-        return quantize_linear_cpu(weight, bits=8)
+        return quantize_rows_int8(weight)
     group = min(ATTENTION_GROUP, in_features)
     if not _int4_shape_ok(in_features, out_features) or in_features % group:
         return None  # the kernel cannot tile it: the projection stays 16-bit

@@ -195,9 +195,11 @@ def skipped_weight_init() -> Iterator[None]:
 
 def load_non_expert_weights(
     decoder: nn.Module, reader: CheckpointReader, family: Family, layout: ExpertLayout,
-    device: torch.device, dtype: torch.dtype,
+    device: torch.device, dtype: torch.dtype, as_stored: frozenset[str] = frozenset(),
 ) -> None:
-    """Fill every parameter/buffer of ``decoder`` from the checkpoint, checking shapes against config.json."""
+    """Fill every parameter/buffer of ``decoder`` from the checkpoint, checking shapes against config.json.
+    ``as_stored``: names (``lm_head.weight``) kept in the checkpoint's dtype, for a caller that quantizes them
+    next (an fp32 copy of a vocabulary-sized matrix is half a gigabyte written and dropped)."""
     tie = bool(getattr(family.config, "tie_word_embeddings", False))
     for module_name, module in decoder.named_modules():
         if module_name == "rotary":
@@ -210,7 +212,8 @@ def load_non_expert_weights(
             src = reader.get(ckpt, tuple(tensor.shape))
             # (an Fp32Linear keeps the dtype it was built in: DSA's fp32 weights_proj)
             keep = isinstance(module, (AWQLinear, Fp32Linear)) or pname in FP32_BUFFERS
-            target_dtype = tensor.dtype if keep else dtype
+            target_dtype = src.dtype if full in as_stored and src.is_floating_point() else \
+                tensor.dtype if keep else dtype
             with torch.no_grad():
                 tensor.data = src.to(device=device, dtype=target_dtype)
 

@@ -19,15 +19,17 @@ from tqdm.auto import tqdm
 
 from moeflow.config import load_workers
 from moeflow.io.expert_index import ExpertIndex
+from moeflow.offload.host_store import HostStore
 
 Sink = Callable[[int, int, dict[str, torch.Tensor]], None]  # (moe layer, expert, tensors) -> None
 
 
 def load_experts(index: ExpertIndex, sink: Sink, *, workers: int | None = None, progress: bool = False,
-                 keys: Iterable[tuple[int, int]] | None = None, desc: str = "loading experts") -> int:
+                 keys: Iterable[tuple[int, int]] | None = None, desc: str = "loading experts",
+                 cancel: threading.Event | None = None) -> int:
     """Read every (layer, expert) of ``index`` (or ``keys``) and hand its tensors to ``sink``, in ``workers``
     threads; returns the bytes read. The first error (a vanished or truncated shard: a CheckpointError naming the
-    file) stops the other threads and is raised."""
+    file) stops the other threads and is raised. ``cancel``: once set, no further expert is started."""
     todo = list(keys) if keys is not None else [(l, e) for l in range(index.num_layers)  # noqa: E741
                                                   for e in range(index.num_experts)]
     total = sum(index.nbytes(l, e) for l, e in todo)  # noqa: E741
@@ -40,7 +42,7 @@ def load_experts(index: ExpertIndex, sink: Sink, *, workers: int | None = None, 
         staging = index.new_staging()
         while True:
             with lock:
-                if state["failed"] or state["next"] >= len(todo):
+                if state["failed"] or state["next"] >= len(todo) or (cancel is not None and cancel.is_set()):
                     return
                 layer, expert = todo[state["next"]]
                 state["next"] += 1
@@ -61,3 +63,36 @@ def load_experts(index: ExpertIndex, sink: Sink, *, workers: int | None = None, 
     finally:
         bar.close()
     return total
+
+
+class ExpertLoad:
+    """:func:`load_experts` on a thread of its own, started before the rest of the model is built: the experts are
+    read and converted while the calling thread loads and quantizes the non-expert weights (on the CPU those are
+    mostly one thread's work, which left the other cores idle). :meth:`result` waits and raises the loader's
+    error; :meth:`cancel` (the build failed) stops it after the experts in flight and waits."""
+
+    def __init__(self, index: ExpertIndex, sink: Sink, store: HostStore | None = None, *, progress: bool = False,
+                 workers: int | None = None) -> None:
+        self.index, self.store = index, store  # (store: what ``sink`` writes into, for the caller to hand on)
+        self._cancel = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(sink, progress, workers), daemon=True,
+                                        name="moeflow-load-experts")
+        self._thread.start()
+
+    def _run(self, sink: Sink, progress: bool, workers: int | None) -> None:
+        try:
+            load_experts(self.index, sink, workers=workers, progress=progress, cancel=self._cancel)
+        except BaseException as exc:  # handed to result()
+            self._error = exc
+
+    def result(self) -> None:
+        """Wait for every expert; the loader's first error (a CheckpointError naming the file) is raised here."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+    def cancel(self) -> None:
+        """Start no further expert and wait for the ones in flight (a no-op once finished)."""
+        self._cancel.set()
+        self._thread.join()

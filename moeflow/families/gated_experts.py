@@ -22,6 +22,7 @@ import torch
 from moeflow.errors import CheckpointError
 from moeflow.families.base import ExpertLayout
 from moeflow.io.checkpoint import CheckpointReader, QuantizationSpec, get_slice
+from moeflow.io.expert_index import joined_empty
 
 AWQ_PARTS = ("qweight", "qzeros", "scales")
 
@@ -39,10 +40,12 @@ class ProjectionNames:
 def concat(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
     """``torch.cat`` for the expert read paths: one buffer and a copy per part. The expert index plans reads on
     meta tensors, and ``torch.cat``'s meta kernel is a Python decomposition whose first call imports
-    ``torch._dynamo`` (~1.8 s of a cold start, docs/disk.md); the copies' meta kernels are not."""
+    ``torch._dynamo`` (~1.8 s of a cold start, docs/disk.md); the copies' meta kernels are not. Inside an
+    :class:`~moeflow.io.expert_index.ExpertIndex` read the buffer is the read's arena
+    (:func:`~moeflow.io.expert_index.joined_empty`), not a fresh allocation per expert."""
     shape = list(tensors[0].shape)
     shape[dim] = sum(t.shape[dim] for t in tensors)
-    out = tensors[0].new_empty(shape)
+    out = joined_empty(tensors[0], shape)
     start = 0
     for t in tensors:
         out.narrow(dim, start, t.shape[dim]).copy_(t)

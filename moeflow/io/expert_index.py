@@ -18,7 +18,9 @@ import json
 import os
 import struct
 import threading
+import weakref
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -204,6 +206,7 @@ class ExpertIndex:
         self.expert_bytes = sum(e.nbytes for e in self.experts.values())  # what reading every expert once reads
         self._fds: dict[Path, int] = {}
         self._fd_lock = threading.Lock()
+        self._arenas: dict[int, _Arena] = {}  # id(staging buffer) -> its arena, dropped with the buffer
         self.bytes_read = 0
         self.reads = 0
         self._count_lock = threading.Lock()
@@ -246,8 +249,9 @@ class ExpertIndex:
     def read(self, layer: int, expert: int, staging: torch.Tensor) -> dict[str, torch.Tensor]:
         """The expert's tensors (named and shaped as ``read_expert`` gives them), read into ``staging``.
 
-        The tensors may be views of ``staging``: convert them (``ExpertFormat.write``) before the next read
-        into the same buffer. CheckpointError when a shard is gone or shorter than the index says.
+        The tensors may be views of ``staging``, or of its arena (tensors the family joins, e.g. w13 from gate
+        and up: :func:`joined_empty`): convert them (``ExpertFormat.write``) before the next read into the same
+        buffer. CheckpointError when a shard is gone or shorter than the index says.
         """
         plan = self.experts.get((layer, expert))
         if plan is None:
@@ -262,7 +266,23 @@ class ExpertIndex:
             self.reads += 1
         rec = _IndexReader(self.directory, self._weight_map, self.locations)
         rec.staging, rec.offsets = staging, plan.pieces
-        return self.read_expert(rec, layer, expert)
+        arena = self._arena_of(staging)
+        arena.used = 0
+        token = _ARENA.set(arena)
+        try:
+            return self.read_expert(rec, layer, expert)
+        finally:
+            _ARENA.reset(token)
+
+    def _arena_of(self, staging: torch.Tensor) -> _Arena:
+        """The arena of ``staging`` (made on its first read, freed with it)."""
+        key = id(staging)
+        with self._fd_lock:
+            arena = self._arenas.get(key)
+            if arena is None:
+                arena = self._arenas[key] = _Arena(self.staging_nbytes)
+                weakref.finalize(staging, self._arenas.pop, key, None)
+        return arena
 
     def _fd(self, path: Path) -> int:
         fd = self._fds.get(path)
@@ -284,6 +304,42 @@ class ExpertIndex:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
+
+
+class _Arena:
+    """Where the tensors one read joins from its pieces go (:func:`joined_empty`): one buffer per staging buffer,
+    reused by every read into it, instead of a fresh allocation per expert (a Mixtral w13 ``qweight`` is 58 MB:
+    its first-touch page faults cost as much as the conversion after it). Sized as the staging buffer: what a
+    read joins is made of its pieces; a tensor that does not fit gets its own allocation."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8)
+        self.used = 0
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        n = dtype.itemsize
+        for d in shape:
+            n *= d
+        at = _align(self.used)
+        if at + n > self.buffer.numel():
+            return None
+        self.used = at + n
+        return self.buffer[at : at + n].view(dtype).view(shape)
+
+
+_ARENA: ContextVar[_Arena | None] = ContextVar("moeflow_expert_read_arena", default=None)
+
+
+def joined_empty(like: torch.Tensor, shape: tuple[int, ...] | list[int]) -> torch.Tensor:
+    """An uninitialized tensor of ``shape`` and ``like``'s dtype and device, for a family's reader to join an
+    expert's pieces into: inside :meth:`ExpertIndex.read`, a view of the reading buffer's arena (valid until the
+    next read into that buffer, as the staging views are); elsewhere ``like.new_empty(shape)``."""
+    arena = _ARENA.get()
+    if arena is not None and like.device.type == "cpu":
+        out = arena.take(tuple(shape), like.dtype)
+        if out is not None:
+            return out
+    return like.new_empty(shape)
 
 
 def _preadv(fd: int, buffer: memoryview, offset: int) -> int:

@@ -178,3 +178,27 @@ def quantize_rows_int8_native(lib: Library | None, w: torch.Tensor) -> tuple[tor
     lib.mf_quantize_rows_int8(p(w.data_ptr()), ctypes.c_int64(w.shape[0]), ctypes.c_int64(w.shape[1]),
                                     p(scales.data_ptr()), p(q.data_ptr()))
     return q, scales
+
+
+_ROW_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # repack.c's MF_ROWS_*
+
+
+def quantize_rows_int8_grouped_native(lib: Library | None, w: torch.Tensor, threads: int = 1
+                                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``w`` fp32, fp16 or bf16 ``[rows, cols]`` (cols % 32 == 0) -> (int8 ``[rows, cols]`` in q8.c's row groups,
+    bf16 scales ``[rows]``): :func:`quantize_rows_int8_native` of ``w.float()`` followed by
+    :class:`~moeflow.kernels.cpu.native.Q8Matrix`'s row grouping, bit for bit, in one pass of
+    ``mf_quantize_rows_int8_grouped`` (each row widened to fp32 in a row buffer: no fp32 copy of the matrix, no
+    plain-row int8 copy), over ``threads`` threads. None off the CPU, for another dtype, or without moeflow's
+    CPU library."""
+    if not _on_cpu(lib, w) or w.dtype not in _ROW_KINDS or w.dim() != 2 or w.shape[1] % 32:
+        return None
+    w = w.contiguous()
+    q = torch.empty(w.shape, dtype=torch.int8)
+    scales = torch.empty(w.shape[0], dtype=torch.bfloat16)
+    p = ctypes.c_void_p
+    if lib.mf_quantize_rows_int8_grouped(p(w.data_ptr()), ctypes.c_int(_ROW_KINDS[w.dtype]),
+                                         ctypes.c_int64(w.shape[0]), ctypes.c_int64(w.shape[1]),
+                                         p(scales.data_ptr()), p(q.data_ptr()), ctypes.c_int(max(threads, 1))):
+        raise MemoryError("quantize_rows_int8_grouped_native: the CPU kernel could not allocate its row buffers")
+    return q, scales

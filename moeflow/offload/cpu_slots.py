@@ -62,14 +62,19 @@ class CpuInt4Format(AWQFormat):
     def __post_init__(self) -> None:
         super().__post_init__()  # checks the sizes against the group size, lays out the AWQ region
         object.__setattr__(self, "awq_nbytes", self.nbytes)
+        # packed words uninitialized (any bits are valid codes, and only the form's shapes are kept: zeroing 87 MB
+        # of a Mixtral expert cost more than the conversion); scales 1, an fp16 number
         blank = {name: (torch.ones(shape, dtype=self.dtype) if name.endswith("scales")
-                        else torch.zeros(shape, dtype=torch.int32)) for name, shape in self.loader_shapes().items()}
+                        else torch.empty(shape, dtype=torch.int32)) for name, shape in self.loader_shapes().items()}
         template = Int4Expert.from_awq_tensors(blank, self.group_size)
         specs, offset = [], 0
         for prefix, matrix in (("w13", template.w13), ("w2", template.w2)):
             for name, t in _tensor_fields(matrix):
                 specs.append(TensorSpec(f"{prefix}_{name}", t.dtype, tuple(t.shape), offset))
                 offset = -(-(offset + specs[-1].nbytes) // ALIGN) * ALIGN
+        # the layout is all the blank is kept for: its tensors become meta tensors (an expert's bytes of RAM freed)
+        template = dataclasses.replace(template, **{prefix: _meta_matrix(m) for prefix, m in
+                                                    (("w13", template.w13), ("w2", template.w2))})
         object.__setattr__(self, "_template", template)
         object.__setattr__(self, "specs", tuple(specs))
         object.__setattr__(self, "nbytes", offset)
@@ -114,6 +119,12 @@ def _tensor_fields(matrix) -> list[tuple[str, torch.Tensor]]:
     """The tensor fields of one matrix of an :class:`Int4Expert` (a dataclass), in declaration order."""
     return [(f.name, getattr(matrix, f.name)) for f in dataclasses.fields(matrix)
             if isinstance(getattr(matrix, f.name), torch.Tensor)]
+
+
+def _meta_matrix(matrix):
+    """``matrix`` (a dataclass of tensors) with every tensor field replaced by a meta tensor of its shape/dtype."""
+    return dataclasses.replace(matrix, **{name: torch.empty(t.shape, dtype=t.dtype, device="meta")
+                                          for name, t in _tensor_fields(matrix)})
 
 
 def int4_expert_of(fmt: ExpertFormat, region: torch.Tensor, *, own: bool = False) -> Int4Expert:

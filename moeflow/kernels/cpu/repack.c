@@ -9,6 +9,7 @@
    whole tensors) and the tests comparing both to the unpacking reference are in moeflow/kernels/repack.py. */
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "native.h"
@@ -176,29 +177,101 @@ void mf_permute_word_bits(const uint32_t *in, int64_t n, const uint32_t *lo, con
    to nearest even), q = clamp(nearbyint(w / s), -127, 127). scales_bf16: uint16 [rows], q: int8 [rows, cols]. */
 #include <math.h>
 
+/* The scale of one row (its bf16 bits; *sf: that bf16 as a float) and the row's codes, written at q[c]'s place
+   pos(c) by the callers: shared by the plain and the grouped quantizers so their numbers are the same. */
+static inline uint16_t mf_row_scale_int8(const float *row, int64_t cols, float *sf) {
+    float amax = 0.0f;
+    for (int64_t c = 0; c < cols; c++) {
+        const float a = fabsf(row[c]);
+        amax = a > amax ? a : amax;
+    }
+    float s = amax / 127.0f;
+    s = s < 1e-8f ? 1e-8f : s;
+    uint32_t bits;
+    memcpy(&bits, &s, 4);
+    bits += 0x7FFFu + ((bits >> 16) & 1u);  /* round to nearest even (s is finite and positive) */
+    const uint16_t b = (uint16_t)(bits >> 16);
+    uint32_t sb = (uint32_t)b << 16;
+    memcpy(sf, &sb, 4);
+    return b;
+}
+
+static inline int8_t mf_code_int8(float w, float sf) {
+    float v = nearbyintf(w / sf);
+    v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+    return (int8_t)v;
+}
+
 void mf_quantize_rows_int8(const float *w, int64_t rows, int64_t cols, uint16_t *scales_bf16, int8_t *q) {
     for (int64_t r = 0; r < rows; r++) {
         const float *row = w + r * cols;
-        float amax = 0.0f;
-        for (int64_t c = 0; c < cols; c++) {
-            const float a = fabsf(row[c]);
-            amax = a > amax ? a : amax;
-        }
-        float s = amax / 127.0f;
-        s = s < 1e-8f ? 1e-8f : s;
-        uint32_t bits;
-        memcpy(&bits, &s, 4);
-        bits += 0x7FFFu + ((bits >> 16) & 1u);  /* round to nearest even (s is finite and positive) */
-        const uint16_t b = (uint16_t)(bits >> 16);
-        scales_bf16[r] = b;
-        uint32_t sb = (uint32_t)b << 16;
         float sf;
-        memcpy(&sf, &sb, 4);
+        scales_bf16[r] = mf_row_scale_int8(row, cols, &sf);
         int8_t *out = q + r * cols;
-        for (int64_t c = 0; c < cols; c++) {
-            float v = nearbyintf(row[c] / sf);
-            v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
-            out[c] = (int8_t)v;
-        }
+        for (int64_t c = 0; c < cols; c++) out[c] = mf_code_int8(row[c], sf);
     }
+}
+
+/* Row r of a 16- or 32-bit matrix (kind MF_ROWS_F32 / _F16 / _BF16) widened to fp32, exactly. */
+#define MF_ROWS_F32 0
+#define MF_ROWS_F16 1
+#define MF_ROWS_BF16 2
+static void mf_widen_row(const void *w, int kind, int64_t r, int64_t cols, float *out) {
+    if (kind == MF_ROWS_F32) {
+        memcpy(out, (const float *)w + r * cols, (size_t)cols * 4);
+        return;
+    }
+    const uint16_t *row = (const uint16_t *)w + r * cols;
+    int64_t c = 0;
+    if (kind == MF_ROWS_BF16) {
+        for (; c < cols; c++) {
+            const uint32_t bits = (uint32_t)row[c] << 16;
+            memcpy(out + c, &bits, 4);
+        }
+        return;
+    }
+#ifdef __F16C__
+    for (; c + 8 <= cols; c += 8)
+        _mm256_storeu_ps(out + c, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + c))));
+#endif
+    for (; c < cols; c++) out[c] = mf_half_to_float(row[c]);
+}
+
+/* mf_quantize_rows_int8 of a matrix as stored (fp32, fp16 or bf16: widened exactly, a row at a time), its codes
+   written straight into q8.c's layout: in each group of 8 rows, per 32-feature block b, bytes [c, r, j] = row
+   r's feature 32b + 4c + j; the last rows % 8 rows plain (moeflow/kernels/cpu/native.py, _group_q8). cols % 32
+   == 0. The rows' groups are spread over nthreads threads. Returns 0, or 1 when a buffer cannot be had. */
+int mf_quantize_rows_int8_grouped(const void *w, int kind, int64_t rows, int64_t cols, uint16_t *scales_bf16,
+                                  int8_t *q, int nthreads) {
+    const int64_t groups = (rows + Q8_GROUP - 1) / Q8_GROUP;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *row = (float *)malloc((size_t)cols * sizeof(float));
+        int8_t *codes = (int8_t *)malloc((size_t)cols);
+        if (!row || !codes) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            if (!row || !codes) continue;
+            const int64_t r0 = g * Q8_GROUP, n = rows - r0 < Q8_GROUP ? rows - r0 : Q8_GROUP;
+            int8_t *base = q + r0 * cols;
+            for (int64_t i = 0; i < n; i++) {
+                float sf;
+                mf_widen_row(w, kind, r0 + i, cols, row);
+                scales_bf16[r0 + i] = mf_row_scale_int8(row, cols, &sf);
+                int8_t *out = n < Q8_GROUP ? base + i * cols : codes;  /* the plain tail: in place */
+                for (int64_t c = 0; c < cols; c++) out[c] = mf_code_int8(row[c], sf);  /* (vectorized) */
+                if (n < Q8_GROUP) continue;
+                for (int64_t b = 0; b < cols / QB; b++)  /* 4 codes at a time to their place in the group */
+                    for (int c = 0; c < QB / 4; c++)
+                        memcpy(base + b * QB * Q8_GROUP + c * 4 * Q8_GROUP + i * 4, codes + b * QB + c * 4, 4);
+            }
+        }
+        free(row);
+        free(codes);
+    }
+    return failed;
 }
