@@ -28,7 +28,7 @@ from torch import nn
 from moeflow.engine.kv_cache import PassCache
 from moeflow.families.base import CausalDecoder
 from moeflow.families.layers import Attention, PreNormLayer, RMSNorm
-from moeflow.kernels.cpu.native import ROW_GROUP, Q4Matrix, Q8Matrix, native_available
+from moeflow.kernels.cpu.native import ROW_GROUP, Q4Matrix, Q8Matrix, native_available, q4_fmt
 from moeflow.kernels.cpu.quant_linear import CpuQuantLinear
 from moeflow.kernels.cpu.step import (
     NATIVE_ATTENTION_TOKENS,
@@ -164,7 +164,7 @@ def fuse_qkv(projections: list[nn.Module]) -> nn.Module | None:
         return fused
     if not all(isinstance(p, CpuQuantLinear) and p.native for p in projections):
         return None
-    if len({(p.bits, p.in_features, p.group_size, p.scales.dtype if p.bits == 4 else None)
+    if len({(p.bits, p.in_features, p.group_size, q4_fmt(p.scales, p.mins) if p.bits == 4 else None)
             for p in projections}) != 1:
         return None  # (int4: one form of scales, Q4Matrix.fmt)
     if any(p.out_features % ROW_GROUP for p in projections):

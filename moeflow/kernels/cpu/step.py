@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from moeflow.kernels.cpu.native import Q4_F16Z, Q4_F32, Q4Matrix, library
+from moeflow.kernels.cpu.native import Q4_F32, Q4Matrix, library, q4_fmt
 from moeflow.kernels.cpu.quant_linear import CpuQuantLinear
 
 _DECLARED: set[int] = set()
@@ -221,7 +221,7 @@ def block_linear_ok(layer: torch.nn.Module) -> bool:
 def _linear_args(layer: CpuQuantLinear) -> tuple:
     """(bits, group, fmt, weight, scales, mins) of a native layer: mf_attn_block's arguments for one linear."""
     if layer.bits == 4:
-        fmt = Q4_F16Z if layer.scales.dtype == torch.float16 else Q4_F32
+        fmt = q4_fmt(layer.scales, layer.mins)
         return 4, layer.group_size, fmt, layer.packed.data_ptr(), layer.scales.data_ptr(), layer.mins.data_ptr()
     return 8, 0, Q4_F32, layer.int8_weight.data_ptr(), layer.int8_scales.data_ptr(), None
 

@@ -1,0 +1,137 @@
+"""moeflow's CPU q4 expert kernel (``q4_expert``: w13 then w2, one SwiGLU expert) at group 32 (a GGUF Q4_0 file's
+experts: fp16 scale per 32 inputs, zero point 8) against group 128 (AWQ's), on the peer benchmark's expert shape
+(hidden 1024, intermediate 3584), decode (T = 1) and a short prompt (T = 16), 1 and 2 threads (issue 42).
+
+Enough experts are cycled through (>= 200 MB) that the weights stream from memory, as in a decode step. Figures:
+weight bytes read per second (the median and the best of ``--reps`` passes), and group 32's time per expert over
+group 128's. Each ``--tree`` (``label=path``) runs in its own process (``PYTHONPATH=path``), rounds alternating the
+trees, so a loaded machine's load hits them alike.
+
+    python -m benchmarks.peers.bench_cpu_q4_group --tree base=/work/main --tree new=. --rounds 2 \\
+        --out benchmarks/results/peers/s15/q4_group
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.peers.peer_report import uptime, write_report
+
+H, INTER = 1024, 3584
+MIN_BYTES = 200_000_000
+
+
+def worker(groups: list[int], tokens: list[int], threads: list[int], reps: int) -> list[dict]:
+    """Runs inside the tree under test (imports its moeflow)."""
+    import torch
+
+    from moeflow.kernels.cpu import native
+    from moeflow.kernels.cpu.native import Q4Matrix, q4_expert
+
+    assert native.native_available(), "moeflow's CPU kernels did not build"
+    gen = torch.Generator().manual_seed(0)
+
+    def matrix(n: int, k: int, group: int) -> Q4Matrix:
+        packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+        s = (torch.rand(n, k // group, generator=gen) * 1e-2).half()
+        z = torch.full((n, k // group), 8, dtype=torch.uint8) if group == 32 else \
+            torch.randint(0, 16, (n, k // group), dtype=torch.uint8, generator=gen)
+        return Q4Matrix(packed, native._group_rows(s), native._group_rows(z), group)
+
+    rows = []
+    with torch.inference_mode():
+        for group in groups:
+            first = (matrix(2 * INTER, H, group), matrix(H, INTER, group))
+            nbytes = first[0].nbytes + first[1].nbytes
+            experts = [first] + [(matrix(2 * INTER, H, group), matrix(H, INTER, group))
+                                 for _ in range(max(1, -(-MIN_BYTES // nbytes)) - 1)]
+            for th in threads:
+                torch.set_num_threads(th)
+                for t in tokens:
+                    x = torch.randn(t, H, generator=gen)
+                    w = torch.ones(t)
+                    q4_expert(x, *experts[0], w)
+                    wall = []
+                    for _ in range(reps):
+                        t0 = time.perf_counter()
+                        for e in experts:
+                            q4_expert(x, *e, w)
+                        wall.append((time.perf_counter() - t0) / len(experts))
+                    rows.append({"group": group, "threads": th, "tokens": t, "expert_mb": round(nbytes / 1e6, 3),
+                                 "us_median": round(statistics.median(wall) * 1e6, 1),
+                                 "us_best": round(min(wall) * 1e6, 1),
+                                 "gbps_best": round(nbytes / min(wall) / 1e9, 2)})
+                    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+            del experts, first
+    return rows
+
+
+def run_tree(path: Path, args: argparse.Namespace) -> list[dict]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(path.resolve()), str(Path(__file__).resolve().parents[2])]))
+    cmd = [sys.executable, __file__, "--worker", "--groups", args.groups, "--tokens", args.tokens,
+           "--threads", args.threads, "--reps", str(args.reps)]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if res.returncode:
+        raise RuntimeError(f"{path}: exit {res.returncode}\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout)
+
+
+def summary(trees: list[str], rounds: list[dict]) -> list[str]:
+    lines = ["| tree | threads | T | g128 us/expert (best) | g32 us/expert (best) | g32 GB/s (best) "
+             "| g32 / g128 time |",
+             "|---|---|---|---|---|---|---|"]
+    for tree in trees:
+        rows = [r for rd in rounds for r in rd[tree]]
+        for th, t in sorted({(r["threads"], r["tokens"]) for r in rows}):
+            best = {g: min(r["us_best"] for r in rows if (r["group"], r["threads"], r["tokens"]) == (g, th, t))
+                    for g in (128, 32)}
+            g32 = [r for r in rows if (r["group"], r["threads"], r["tokens"]) == (32, th, t)]
+            lines.append(f"| {tree} | {th} | {t} | {best[128]:.0f} | {best[32]:.0f} | "
+                         f"{max(r['gbps_best'] for r in g32):.2f} | {best[32] / best[128]:.2f} |")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tree", action="append", default=[], help="label=path (repeatable); default: this tree")
+    ap.add_argument("--groups", default="128,32")
+    ap.add_argument("--tokens", default="1,16")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--out", type=Path, help="writes OUT.json and OUT.md")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
+        print(json.dumps(worker(ints(args.groups), ints(args.tokens), ints(args.threads), args.reps)))
+        return
+    trees = dict(t.split("=", 1) for t in args.tree) or {"this": "."}
+    marks, rounds = [uptime()], []
+    for r in range(args.rounds):
+        rounds.append({})
+        for label, path in trees.items():
+            rounds[-1][label] = run_tree(Path(path), args)
+            marks.append(f"round {r} {label}: {uptime()}")
+            print(marks[-1], flush=True)
+    cpu = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name")), "")
+    flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+    isa = " ".join(f for f in ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni") if f in flags.split())
+    lines = [f"CPU q4 expert kernel, group 32 vs 128 (H {H}, I {INTER}), trees {trees}, {args.rounds} round(s), "
+             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "", f"CPU: {cpu.split(':', 1)[-1].strip()} "
+             f"({isa})", "", *[f"* `{m}`" for m in marks], "", *summary(list(trees), rounds)]
+    print("\n".join(lines))
+    if args.out:
+        write_report(args.out, {"trees": trees, "args": vars(args) | {"out": str(args.out)}, "uptime": marks,
+                                "rounds": rounds}, lines)
+
+
+if __name__ == "__main__":
+    main()
