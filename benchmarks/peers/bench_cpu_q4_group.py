@@ -28,7 +28,7 @@ H, INTER = 1024, 3584
 MIN_BYTES = 200_000_000
 
 
-def worker(groups: list[int], tokens: list[int], threads: list[int], reps: int) -> list[dict]:
+def worker(groups: list[str], tokens: list[int], threads: list[int], reps: int, min_bytes: int) -> list[dict]:
     """Runs inside the tree under test (imports its moeflow)."""
     import torch
 
@@ -38,20 +38,25 @@ def worker(groups: list[int], tokens: list[int], threads: list[int], reps: int) 
     assert native.native_available(), "moeflow's CPU kernels did not build"
     gen = torch.Generator().manual_seed(0)
 
-    def matrix(n: int, k: int, group: int) -> Q4Matrix:
+    def matrix(n: int, k: int, form: str) -> Q4Matrix:
+        group = int(form.removesuffix("z8"))
         packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
         s = (torch.rand(n, k // group, generator=gen) * 1e-2).half()
         z = torch.full((n, k // group), 8, dtype=torch.uint8) if group == 32 else \
             torch.randint(0, 16, (n, k // group), dtype=torch.uint8, generator=gen)
+        if form.endswith("z8"):  # GGUF Q4_0's form: no zero points stored (trees that have it)
+            return Q4Matrix(packed, native._group_rows(s), torch.empty(0, dtype=torch.uint8), group)
         return Q4Matrix(packed, native._group_rows(s), native._group_rows(z), group)
 
     rows = []
     with torch.inference_mode():
         for group in groups:
+            if group.endswith("z8") and not hasattr(native, "Q4_F16Z8"):
+                continue
             first = (matrix(2 * INTER, H, group), matrix(H, INTER, group))
             nbytes = first[0].nbytes + first[1].nbytes
             experts = [first] + [(matrix(2 * INTER, H, group), matrix(H, INTER, group))
-                                 for _ in range(max(1, -(-MIN_BYTES // nbytes)) - 1)]
+                                 for _ in range(max(1, -(-min_bytes // nbytes)) - 1)]
             for th in threads:
                 torch.set_num_threads(th)
                 for t in tokens:
@@ -76,7 +81,7 @@ def worker(groups: list[int], tokens: list[int], threads: list[int], reps: int) 
 def run_tree(path: Path, args: argparse.Namespace) -> list[dict]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(path.resolve()), str(Path(__file__).resolve().parents[2])]))
     cmd = [sys.executable, __file__, "--worker", "--groups", args.groups, "--tokens", args.tokens,
-           "--threads", args.threads, "--reps", str(args.reps)]
+           "--threads", args.threads, "--reps", str(args.reps), "--min-mb", str(args.min_mb)]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if res.returncode:
         raise RuntimeError(f"{path}: exit {res.returncode}\n{res.stderr[-3000:]}")
@@ -84,24 +89,28 @@ def run_tree(path: Path, args: argparse.Namespace) -> list[dict]:
 
 
 def summary(trees: list[str], rounds: list[dict]) -> list[str]:
-    lines = ["| tree | threads | T | g128 us/expert (best) | g32 us/expert (best) | g32 GB/s (best) "
-             "| g32 / g128 time |",
+    lines = ["| tree | form | threads | T | us/expert (best) | GB/s (best) | time / g128's |",
              "|---|---|---|---|---|---|---|"]
     for tree in trees:
         rows = [r for rd in rounds for r in rd[tree]]
         for th, t in sorted({(r["threads"], r["tokens"]) for r in rows}):
-            best = {g: min(r["us_best"] for r in rows if (r["group"], r["threads"], r["tokens"]) == (g, th, t))
-                    for g in (128, 32)}
-            g32 = [r for r in rows if (r["group"], r["threads"], r["tokens"]) == (32, th, t)]
-            lines.append(f"| {tree} | {th} | {t} | {best[128]:.0f} | {best[32]:.0f} | "
-                         f"{max(r['gbps_best'] for r in g32):.2f} | {best[32] / best[128]:.2f} |")
+            best = {}
+            for r in rows:
+                if (r["threads"], r["tokens"]) == (th, t):
+                    best[r["group"]] = min(best.get(r["group"], r), r, key=lambda v: v["us_best"])
+            for g, r in best.items():
+                ratio = r["us_best"] / best["128"]["us_best"] if "128" in best else float("nan")
+                lines.append(f"| {tree} | g{g} | {th} | {t} | {r['us_best']:.0f} | {r['gbps_best']:.2f} | "
+                             f"{ratio:.2f} |")
     return lines
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tree", action="append", default=[], help="label=path (repeatable); default: this tree")
-    ap.add_argument("--groups", default="128,32")
+    ap.add_argument("--groups", default="128,32,32z8", help="128, 32 (zero points stored), 32z8 (GGUF Q4_0's form)")
+    ap.add_argument("--min-mb", type=int, default=MIN_BYTES // 10**6,
+                    help="experts cycled (MB): >= 200 streams from memory; 0: one expert, from cache")
     ap.add_argument("--tokens", default="1,16")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--reps", type=int, default=5)
@@ -111,7 +120,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker:
         ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
-        print(json.dumps(worker(ints(args.groups), ints(args.tokens), ints(args.threads), args.reps)))
+        print(json.dumps(worker(args.groups.split(","), ints(args.tokens), ints(args.threads), args.reps,
+                                args.min_mb * 10**6)))
         return
     trees = dict(t.split("=", 1) for t in args.tree) or {"this": "."}
     marks, rounds = [uptime()], []

@@ -25,6 +25,8 @@ fp32 model of ``forward`` (same rounding points).
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import nn
 
@@ -42,6 +44,14 @@ from moeflow.kernels.cpu.native import (
 from moeflow.quant.awq import check_group_size, dequantize, quantize_rtn
 
 INT8_MAX = 127
+
+
+class StoredLinears(Protocol):
+    """A checkpoint whose quantized linear layers the CPU path can take as stored (a GGUF file's Q4_0 / Q4_1
+    blocks: :class:`moeflow.io.gguf.linears.GGUFStoredLinears`) instead of quantizing their dense values again."""
+
+    def cpu_linear(self, module_name: str) -> CpuQuantLinear | None:
+        """The layer for the decoder module ``module_name`` from its stored codes, or None (keep the dense path)."""
 
 
 class CpuQuantLinear(nn.Module):
