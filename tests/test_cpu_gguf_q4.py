@@ -17,7 +17,7 @@ from moeflow import MoEModel, OffloadConfig  # noqa: E402
 from moeflow.io.gguf import open_gguf  # noqa: E402
 from moeflow.io.gguf.linears import GGUFStoredLinears  # noqa: E402
 from moeflow.kernels.cpu.native import Q4_F16Z8, Q4_F32, Q4Matrix, native_available  # noqa: E402
-from moeflow.kernels.cpu.quant_linear import CpuQuantLinear, reference_linear  # noqa: E402
+from moeflow.kernels.cpu.quant_linear import CpuQuantLinear, SplitLinear, reference_linear  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="moeflow's CPU kernels do not build here (no compiler)")
 
@@ -32,6 +32,9 @@ def files(tmp_path_factory):
     for kind in ("Q4_0", "Q4_1"):
         out[kind] = root / f"{kind}.gguf"
         write_gguf(model, out[kind], expert_types=T.Q4_0, other_type=getattr(T, kind))
+    out["mixed"] = root / "mixed.gguf"  # llama.cpp's Q4_0 for an 8-expert model: k and v in Q8_0
+    write_gguf(model, out["mixed"], expert_types=T.Q4_0, other_type=T.Q4_0,
+               types_by_suffix={"attn_k.weight": T.Q8_0, "attn_v.weight": T.Q8_0})
     mp = pytest.MonkeyPatch()
     mp.setenv("MOEFLOW_CACHE_DIR", str(root / "cache"))
     yield out
@@ -84,13 +87,35 @@ def test_auto_keeps_the_files_attention_bits(files, kind):
             model.close()
 
 
-def test_every_policy_gives_the_resident_tokens_on_cpu(files):
+def test_q4_0_q_beside_q8_0_k_and_v_runs_split(files):
+    """Q4_0 q and o with Q8_0 k and v: q and o keep the file's codes, k / v fuse as int8, the step's q/k/v
+    projection runs both (SplitLinear); its outputs are the three projections' side by side, and the one-call
+    layers step gives the tokens of the layers run one by one."""
+    model = MoEModel.from_pretrained(files["mixed"], device="cpu")
+    try:
+        dec = _decoder(model)
+        attn = dec.layers[0].self_attn
+        assert (attn.q_proj.bits, attn.q_proj.group_size, attn.k_proj.bits, attn.o_proj.bits) == (4, 32, 8, 4)
+        assert isinstance(attn.qkv_proj, SplitLinear) and attn.fused_step and dec.layers_step is not None
+        x = torch.randn(3, 64, generator=torch.Generator().manual_seed(3))
+        assert torch.equal(attn.qkv_proj(x), torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], -1))
+        ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(4))
+        one_call = model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=[])
+        dec.layers_step.enabled = False  # each layer's attention half in its own native call
+        assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=[]), one_call)
+    finally:
+        model.close()
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "mixed"])
+def test_every_policy_gives_the_resident_tokens_on_cpu(files, kind):
     """The exact-token invariant on ``device="cpu"`` with the file's Q4_0 attention and Q4_0 experts: resident
-    experts in the zero-point-free form, offloaded slots in the form with zero points; the same tokens."""
+    experts in the zero-point-free form, offloaded slots in the form with zero points; the same tokens. "mixed":
+    Q8_0 k / v beside Q4_0 q / o (the q/k/v projection in two parts)."""
     ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[1, :2] = 0
-    resident = MoEModel.from_pretrained(files["Q4_0"], device="cpu", offload=OffloadConfig(policy="resident"))
+    resident = MoEModel.from_pretrained(files[kind], device="cpu", offload=OffloadConfig(policy="resident"))
     assert _decoder(resident).layers[0].self_attn.o_proj.group_size == 32
     assert resident.experts.experts[0][0].w13.fmt == Q4_F16Z8  # resident: no zero points stored
     expected = resident.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, eos_token_id=[])
@@ -98,7 +123,7 @@ def test_every_policy_gives_the_resident_tokens_on_cpu(files):
     resident.close()
     for policy in ("ondemand", "lru", "static", "mixtral-offloading"):
         for slots in (2, 5):
-            model = MoEModel.from_pretrained(files["Q4_0"], device="cpu", offload=OffloadConfig(
+            model = MoEModel.from_pretrained(files[kind], device="cpu", offload=OffloadConfig(
                 policy=policy, gpu_expert_slots=slots, transport="random-delay", random_delay_ms=0.2, seed=slots))
             try:
                 assert "w13_mins" in {spec.name for spec in model.experts.fmt.specs}  # slots: zero points stored

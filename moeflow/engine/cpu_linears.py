@@ -21,9 +21,10 @@ replaces, in the built decoder, each module by a :class:`~moeflow.kernels.cpu.qu
   as stored with ``attention_bits=None``. Quantized, the model runs weights it was not evaluated with.
 * a GGUF file's attention projections stored in 4 bits (Q4_0, Q4_1; ``stored``: :mod:`moeflow.io.gguf.linears`)
   -> int4 group 32 with the file's own codes and scales, under ``attention_bits="auto"`` and ``4``: the file's
-  bits, no second rounding (llama.cpp's weights). q, k and v take it together or not at all (the CPU step fuses
-  them into one matrix of one form), so a file with Q4_0 q and Q8_0 k / v (llama.cpp's choice for 8-expert
-  models) keeps int8 q/k/v and takes o_proj from the file. ``attention_bits=8`` re-quantizes them to int8 as
+  bits, no second rounding (llama.cpp's weights). k and v take it together or not at all (the CPU step fuses
+  them into one matrix); q beside a k/v of another form runs as its own part of the step's q/k/v projection
+  (``SplitLinear``): a file with Q4_0 q and o and Q8_0 k / v (llama.cpp's choice for 8-expert models) runs q
+  and o in the file's Q4_0 and k / v in int8. ``attention_bits=8`` re-quantizes them to int8 as
   asked; ``None`` keeps the dequantized values. The lm_head stays int8 of its dequantized values (a Q6_K
   ``output.weight`` has no CPU form).
 
@@ -111,13 +112,14 @@ def quantize_decoder_linears(decoder: nn.Module, attention_bits: int | None, lm_
 
 
 def _take_stored(decoder: nn.Module, stored: StoredLinears) -> int:
-    """Put ``stored``'s layers in place of the dense attention projections that have one: q, k, v together (one
-    form, so the CPU step can fuse them) or none of them; o_proj on its own. Returns how many were replaced."""
+    """Put ``stored``'s layers in place of the dense attention projections that have one; k and v together or
+    neither (the CPU step fuses them into one matrix of one form; q beside them may be of another form:
+    :class:`~moeflow.kernels.cpu.quant_linear.SplitLinear`). Returns how many were replaced."""
     count = 0
     for path, parent in list(decoder.named_modules()):
         if not isinstance(parent, Attention):
             continue
-        for names in (("q_proj", "k_proj", "v_proj"), ("o_proj",)):
+        for names in (("q_proj",), ("k_proj", "v_proj"), ("o_proj",)):
             olds = [getattr(parent, n, None) for n in names]
             if not all(type(o) is nn.Linear for o in olds):
                 continue

@@ -7,8 +7,9 @@
    xq = round-half-even(x * (127 / max|x|)), int8 in [-127, 127].
    q4 weights: W[n, k] = q[n, k] * s[n, g] + m[n, g] with q in [0, 15] and g = k / group (AWQ's asymmetric
    format with the zero folded into m = -zero * s). Packed uint8 [N, K/2], s, m fp32 [N, K/group] (MF_Q4_F32),
-   or s fp16 and the uint8 zeros in m's place (MF_Q4_F16Z: the same numbers), rows interleaved in groups of 8
-   (layout and kernel in q4.c).
+   or s fp16 and the uint8 zeros in m's place (MF_Q4_F16Z: the same numbers), or s fp16 and every zero 8, m unused
+   (MF_Q4_F16Z8: GGUF's Q4_0, group 32), rows interleaved in groups of 8 (layout and kernel in q4.c; at group 32
+   the integer zeros are folded into the block sums, with xsum: each block's sum of xq).
    q8 weights: W[n, k] = q[n, k] * s[n], int8 [N, K] in [-127, 127], s fp32 [N], rows interleaved in groups of
    8 (layout and kernel in q8.c).
    y[t, n] = sum_k xs[t, k/32] * xq[t, k] * W[n, k], accumulated in int32 per block and in fp32 across blocks.

@@ -150,6 +150,26 @@ class CpuQuantLinear(nn.Module):
         return self.packed.numel() + self.scales_zeros.numel() * self.scales_zeros.element_size()
 
 
+class SplitLinear(nn.Module):
+    """``y = cat([p(x) for p in parts], -1)``: two native layers whose rows one fused matrix cannot hold, being of
+    different forms (a GGUF file's Q4_0 q beside its Q8_0 k and v): the CPU step's q/k/v projection
+    (:func:`~moeflow.kernels.cpu.step.attention_block` runs both parts in one call). Each output row's numbers are
+    its part's (a row's result does not depend on the other rows)."""
+
+    def __init__(self, parts: tuple[CpuQuantLinear, CpuQuantLinear]) -> None:
+        super().__init__()
+        if len({p.in_features for p in parts}) != 1:
+            raise ValueError(f"SplitLinear: parts of {[p.in_features for p in parts]} input features")
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self.bias = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> [..., out] in x's dtype: the parts' outputs side by side."""
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+
 def int4_dequantized(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                      group_size: int) -> torch.Tensor:
     """The weight an int4 :class:`CpuQuantLinear` built from these AWQ tensors multiplies by, fp32 [out, in]
