@@ -3,8 +3,8 @@ experts: fp16 scale per 32 inputs, zero point 8) against group 128 (AWQ's), on t
 (hidden 1024, intermediate 3584), decode (T = 1) and a short prompt (T = 16), 1 and 2 threads (issue 42).
 
 Enough experts are cycled through (>= 200 MB) that the weights stream from memory, as in a decode step. Figures:
-weight bytes read per second (the median and the best of ``--reps`` passes), and group 32's time per expert over
-group 128's. Each ``--tree`` (``label=path``) runs in its own process (``PYTHONPATH=path``), rounds alternating the
+CPU time per expert (process time, all threads: what a shared machine's load moves least; the median and the
+best of ``--reps`` passes), the weight bytes read per CPU second, and each form's time over group 128's. Each ``--tree`` (``label=path``) runs in its own process (``PYTHONPATH=path``), rounds alternating the
 trees, so a loaded machine's load hits them alike.
 
     python -m benchmarks.peers.bench_cpu_q4_group --tree base=/work/main --tree new=. --rounds 2 \\
@@ -63,12 +63,12 @@ def worker(groups: list[str], tokens: list[int], threads: list[int], reps: int, 
                     x = torch.randn(t, H, generator=gen)
                     w = torch.ones(t)
                     q4_expert(x, *experts[0], w)
-                    wall = []
+                    wall = []  # CPU time (all threads): what a shared machine's load moves least
                     for _ in range(reps):
-                        t0 = time.perf_counter()
+                        t0 = time.process_time()
                         for e in experts:
                             q4_expert(x, *e, w)
-                        wall.append((time.perf_counter() - t0) / len(experts))
+                        wall.append((time.process_time() - t0) / len(experts))
                     rows.append({"group": group, "threads": th, "tokens": t, "expert_mb": round(nbytes / 1e6, 3),
                                  "us_median": round(statistics.median(wall) * 1e6, 1),
                                  "us_best": round(min(wall) * 1e6, 1),
@@ -89,7 +89,7 @@ def run_tree(path: Path, args: argparse.Namespace) -> list[dict]:
 
 
 def summary(trees: list[str], rounds: list[dict]) -> list[str]:
-    lines = ["| tree | form | threads | T | us/expert (best) | GB/s (best) | time / g128's |",
+    lines = ["| tree | form | threads | T | CPU us/expert (best) | GB per CPU s (best) | time / g128's |",
              "|---|---|---|---|---|---|---|"]
     for tree in trees:
         rows = [r for rd in rounds for r in rd[tree]]

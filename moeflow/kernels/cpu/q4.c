@@ -125,6 +125,16 @@ static inline __attribute__((always_inline)) __m256i q4_zeros8(const void* m, in
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)((const uint8_t*)m + 8 * b)));
 }
 
+/* Prefetch of the group-32 scales (and zeros) of block b + PREFETCH / 128 (the weight stream's distance): one
+   64-byte line holds 4 blocks' scales of a row group (8 of its zeros), so every 4th block asks for the next. */
+static inline __attribute__((always_inline)) void q4z_prefetch(const void* s, const void* m, int fmt, int b) {
+    if (b % 4 == 0) {
+        _mm_prefetch((const char*)((const uint16_t*)s + 8 * (b + PREFETCH / 128)), _MM_HINT_T0);
+        if (fmt == MF_Q4_F16Z && b % 8 == 0)
+            _mm_prefetch((const char*)((const uint8_t*)m + 8 * (b + PREFETCH / 128)), _MM_HINT_T0);
+    }
+}
+
 /* q4_group_tile at group 32 with the zero points folded into the integer sums (see the file comment). */
 static inline __attribute__((always_inline)) void q4z_group_tile(
     const uint8_t* w, const void* s, const void* m, int fmt, int K, const int8_t* xq, const float* xs,
@@ -137,6 +147,7 @@ static inline __attribute__((always_inline)) void q4z_group_tile(
         const uint8_t* wb = w + (size_t)b * 128;
         _mm_prefetch((const char*)(wb + PREFETCH), _MM_HINT_T0);
         _mm_prefetch((const char*)(wb + PREFETCH + 64), _MM_HINT_T0);
+        q4z_prefetch(s, m, fmt, b);
         const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)s + 8 * b)));
         const __m256i zv = q4_zeros8(m, fmt, b);
         __m256i dot[TT];
@@ -229,6 +240,7 @@ static inline __attribute__((always_inline)) void q4z_group_tile512(
         const uint8_t* wb = w + (size_t)b * 128;
         _mm_prefetch((const char*)(wb + PREFETCH), _MM_HINT_T0);
         _mm_prefetch((const char*)(wb + PREFETCH + 64), _MM_HINT_T0);
+        q4z_prefetch(s, m, fmt, b);
         const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)s + 8 * b)));
         const __m256i zv = q4_zeros8(m, fmt, b);
         const __m512i p0 = _mm512_loadu_si512(wb), p1 = _mm512_loadu_si512(wb + 64);
@@ -340,6 +352,8 @@ static inline __attribute__((always_inline)) void q4z_pair_tile(
         _mm_prefetch((const char*)(wa + PREFETCH + 64), _MM_HINT_T0);
         _mm_prefetch((const char*)(wa + wb_off + PREFETCH), _MM_HINT_T0);
         _mm_prefetch((const char*)(wa + wb_off + PREFETCH + 64), _MM_HINT_T0);
+        q4z_prefetch(s, m, fmt, b);
+        q4z_prefetch((const uint16_t*)s + sm_off, (const uint8_t*)m + sm_off, fmt, b);
         const uint16_t* s16 = (const uint16_t*)s + 8 * b;
         const __m512 sv = _mm512_cvtph_ps(_mm256_inserti128_si256(
             _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)s16)), _mm_loadu_si128((const __m128i*)(s16 + sm_off)), 1));
