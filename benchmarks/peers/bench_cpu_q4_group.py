@@ -4,8 +4,9 @@ experts: fp16 scale per 32 inputs, zero point 8) against group 128 (AWQ's), on t
 
 Enough experts are cycled through (>= 200 MB) that the weights stream from memory, as in a decode step. Figures:
 CPU time per expert (process time, all threads: what a shared machine's load moves least; the median and the
-best of ``--reps`` passes), the weight bytes read per CPU second, and each form's time over group 128's. Each ``--tree`` (``label=path``) runs in its own process (``PYTHONPATH=path``), rounds alternating the
-trees, so a loaded machine's load hits them alike.
+best of ``--reps`` passes), the weight bytes read per CPU second, and each form's time over group 128's. Each
+``--tree`` (``label=path``) runs in its own process (``PYTHONPATH=path``), rounds alternating the trees, so a
+loaded machine's load hits them alike.
 
     python -m benchmarks.peers.bench_cpu_q4_group --tree base=/work/main --tree new=. --rounds 2 \\
         --out benchmarks/results/peers/s15/q4_group

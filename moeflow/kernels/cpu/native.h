@@ -1,5 +1,5 @@
-/* The one header of moeflow's CPU kernel sources (native.c, q4.c, q8.c, step.c, repack.c: one library, built by
-   native.py); see native.c's comment. */
+/* The one header of moeflow's CPU kernel sources (native.c, q4.c, q4z.c, q8.c, step.c, repack.c: one library,
+   built by native.py); see native.c's comment. */
 #ifndef MOEFLOW_CPU_NATIVE_H
 #define MOEFLOW_CPU_NATIVE_H
 #include <stdint.h>
@@ -99,6 +99,12 @@ static inline float mf_half_to_float(uint16_t h) {
 __attribute__((visibility("hidden"))) void mf_q4_rows(
     int n0, int n1, int T, int K, int group, int fmt, const uint8_t* qw, const void* s, const void* m,
     const int8_t* xq, const float* xs, const float* gsum, const int32_t* xsum, float* y, int ldy);
+
+/* Rows [n0, n1) of a q4 matrix [N, K] at group 32 with integer zero points (fmt MF_Q4_F16Z or MF_Q4_F16Z8; xsum
+   int32 [T, K/32]: each block's sum of xq) against T quantized tokens (q4z.c). */
+__attribute__((visibility("hidden"))) void mf_q4z_rows(
+    int n0, int n1, int T, int K, int fmt, const uint8_t* qw, const void* s, const void* m, const int8_t* xq,
+    const float* xs, const int32_t* xsum, float* y, int ldy);
 
 /* Rows [n0, n1) of a q8 matrix [N, K] against T quantized tokens: y[t, n] for n in [n0, n1) (q8.c). */
 __attribute__((visibility("hidden"))) void mf_q8_rows(

@@ -48,7 +48,7 @@ from moeflow.quant.awq import unpack_int4
 log = logging.getLogger(__name__)
 
 # one library: the matrix kernels, the int4 and int8 row-group kernels, the decode-step ops
-SOURCES = tuple(Path(__file__).with_name(f) for f in ("native.c", "q4.c", "q8.c", "step.c", "repack.c"))
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("native.c", "q4.c", "q4z.c", "q8.c", "step.c", "repack.c"))
 HEADER = Path(__file__).with_name("native.h")
 BLOCK = 32  # activation features per int8 scale (and the weights' packing block)
 ROW_GROUP = 8  # q4 and q8 rows interleaved together (q4.c's and q8.c's layouts)
@@ -73,7 +73,7 @@ SIMD_NAMES = {0: "scalar", 1: "avx2", 2: "avx512-vnni"}  # mf_simd()'s answers
 
 
 def build(cache: Path, native_arch: bool = True, isa: str | None = None) -> Path:
-    """Compile ``SOURCES`` (``native.c``, ``q4.c``, ``q8.c``, ``step.c``, ``repack.c``) into one library in
+    """Compile ``SOURCES`` (``native.c``, ``q4.c``, ``q4z.c``, ``q8.c``, ``step.c``, ``repack.c``) into one library in
     ``cache`` (once per source, compiler, flags and CPU); returns the library's path.
     ``isa`` (default ``$MOEFLOW_CPU_ISA``, else "native"): "native" (``-march=native``: the AVX-512 VNNI
     kernels where the CPU has them, else AVX2), "avx2" (the same without AVX-512: the path of an AVX2-only
