@@ -105,6 +105,13 @@ def test_q4_0_q_beside_q8_0_k_and_v_runs_split(files):
         assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=[]), one_call)
     finally:
         model.close()
+    model = MoEModel.from_pretrained(files["mixed"], device="cpu", attention_bits=4)  # k / v: int4 RTN of Q8_0 values
+    try:
+        parts = _decoder(model).layers[0].self_attn.qkv_proj.parts
+        assert [(p.bits, p.group_size) for p in parts] == [(4, 32), (4, 64)]  # (g128, at most hidden 64)
+        assert model.generate(ids, max_new_tokens=3, do_sample=False, eos_token_id=[]).shape == (1, 9)
+    finally:
+        model.close()
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "mixed"])
