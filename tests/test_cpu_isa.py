@@ -37,12 +37,14 @@ def _run(monkeypatch, lib, fn):
     return fn()
 
 
-def _q4(n: int, k: int, group: int, seed: int, half: bool) -> Q4Matrix:
+def _q4(n: int, k: int, group: int, seed: int, half: bool, zero8: bool = False) -> Q4Matrix:
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
     s = (torch.rand(n, k // group, generator=g) * 0.01 + 1e-4).half()
     z = torch.randint(0, 16, (n, k // group), generator=g, dtype=torch.uint8)
     rows = cpu_native._group_rows
+    if zero8:  # GGUF Q4_0's form (group 32, no zero points stored)
+        return Q4Matrix.from_q4_0(q, s)
     if half:
         return Q4Matrix(cpu_native._pack_q4(q), rows(s), rows(z), group)
     return Q4Matrix(cpu_native._pack_q4(q), rows(s.float()), rows(-z.float() * s.float()), group)
@@ -69,6 +71,8 @@ def _all_kernels() -> list[torch.Tensor]:
     for n, half in ((8 * 7 + 5, True), (8 * 6, False), (8, True), (24 + 3, False)):  # odd/even groups, tails
         m = _q4(n, 256, 64, seed=n, half=half)
         res += _cases(256, m.matmul)
+    for n, half, zero8 in ((8 * 5 + 3, True, True), (8 * 4, True, False), (16 + 5, False, False)):  # group 32
+        res += _cases(256, _q4(n, 256, 32, seed=n, half=half, zero8=zero8).matmul)
     g = torch.Generator().manual_seed(3)
     for n in (51, 64, 8, 24):
         q = torch.randint(-127, 128, (n, 128), generator=g, dtype=torch.int8)
@@ -79,6 +83,8 @@ def _all_kernels() -> list[torch.Tensor]:
     H, I, G = 128, 96, 32  # noqa: E741
     w13, w2 = _q4(2 * I, H, G, seed=1, half=True), _q4(H, I, G, seed=2, half=True)
     res += _cases(H, lambda x: q4_expert(x, w13, w2, torch.rand(x.shape[0], generator=g)), (1, 5, 9))
+    w13, w2 = _q4(2 * I, H, G, seed=3, half=True, zero8=True), _q4(H, I, G, seed=4, half=True, zero8=True)
+    res += _cases(H, lambda x: q4_expert(x, w13, w2, torch.rand(x.shape[0], generator=g)), (1, 9))
     return res
 
 
@@ -88,7 +94,8 @@ def test_avx512_and_avx2_kernels_give_the_same_bits(monkeypatch):
 
 
 def test_avx2_and_portable_q8_give_the_same_bits(monkeypatch):
-    """The q8 kernel's portable loops do the AVX2 lanes' operations (fmaf per block): the same bits too."""
+    """The q8 kernel's portable loops do the AVX2 lanes' operations (fmaf per block): the same bits too; so do
+    the q4 kernel's at group 32 with integer zero points (one fmaf per block)."""
     avx2 = _lib("avx2")
     base = cpu_native.load(cpu_native.build(CACHE, isa="baseline"))
     if base.mf_simd():
@@ -97,6 +104,10 @@ def test_avx2_and_portable_q8_give_the_same_bits(monkeypatch):
     q = torch.randint(-127, 128, (51, 128), generator=g, dtype=torch.int8)
     m8 = Q8Matrix.from_rows(q, torch.rand(51, generator=g))
     run = lambda: _cases(128, m8.matmul)  # noqa: E731
+    _same(_run(monkeypatch, avx2, run), _run(monkeypatch, base, run))
+    # the q4 kernel at group 32 with integer zero points: the portable loops do the lanes' operations too
+    z8, zs = _q4(8 * 3 + 5, 128, 32, seed=5, half=True, zero8=True), _q4(8 * 2 + 3, 128, 32, seed=6, half=True)
+    run = lambda: _cases(128, z8.matmul) + _cases(128, zs.matmul)  # noqa: E731
     _same(_run(monkeypatch, avx2, run), _run(monkeypatch, base, run))
 
 

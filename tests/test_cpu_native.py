@@ -61,7 +61,8 @@ def q4_both_forms(n: int, k: int, group: int, seed: int) -> tuple[Q4Matrix, Q4Ma
 
 def test_compact_form_gives_the_fp32_forms_results_bit_for_bit():
     """fp16 scales with uint8 zeros (Q4_F16Z) against fp32 scales and mins (Q4_F32) of the same weights: every
-    token tile, the plain tail rows, the expert, fused rows of both forms; 3 instead of 8 bytes per group."""
+    token tile, the plain tail rows, the expert, fused rows of both forms; 3 instead of 8 bytes per group. (At
+    group 32 the integer zero points are folded into the block sums instead: tests/test_cpu_q4_group32.py.)"""
     f32, f16 = q4_both_forms(8 * 5 + 5, 256, 64, seed=40)
     assert (f32.fmt, f16.fmt) == (cpu_native.Q4_F32, cpu_native.Q4_F16Z)
     assert torch.equal(f16.dequantized(), f32.dequantized()) and f16.fp32_form().scales.dtype == torch.float32
@@ -73,21 +74,21 @@ def test_compact_form_gives_the_fp32_forms_results_bit_for_bit():
     fused = Q4Matrix.concat_rows([g16, g32])  # mixed forms: the fp32 one
     assert fused.fmt == cpu_native.Q4_F32 and torch.equal(fused.matmul(x), torch.cat([g32.matmul(x)] * 2, 1))
     assert Q4Matrix.concat_rows([g16, g16]).fmt == cpu_native.Q4_F16Z
-    H, I, G = 128, 96, 32  # noqa: E741
+    H, I, G = 128, 192, 64  # noqa: E741
     a32, a16 = q4_both_forms(2 * I, H, G, seed=41)
     b32, b16 = q4_both_forms(H, I, G, seed=42)
     x, w = torch.randn(5, H, generator=torch.Generator().manual_seed(43)), torch.rand(5)
     assert torch.equal(q4_expert(x, a16, b16, w), q4_expert(x, a32, b32, w))
     assert torch.equal(q4_expert(x, a16, b32, w), q4_expert(x, a32, b32, w))  # mixed: both taken as fp32
     # from AWQ tensors: fp16 scales take the compact form (or not, when asked); the same results
-    t = quantize_rtn(torch.randn(64, 128, generator=torch.Generator().manual_seed(44)) * 0.05, 32)
-    c, p = Q4Matrix.from_awq(t.qweight, t.qzeros, t.scales, 32), Q4Matrix.from_awq(t.qweight, t.qzeros,
-                                                                                    t.scales.float(), 32)
+    t = quantize_rtn(torch.randn(64, 128, generator=torch.Generator().manual_seed(44)) * 0.05, 64)
+    c, p = Q4Matrix.from_awq(t.qweight, t.qzeros, t.scales, 64), Q4Matrix.from_awq(t.qweight, t.qzeros,
+                                                                                    t.scales.float(), 64)
     assert (c.fmt, p.fmt) == (cpu_native.Q4_F16Z, cpu_native.Q4_F32)
     assert torch.equal(c.matmul(x[:, :128]), p.matmul(x[:, :128]))
-    assert Q4Matrix.from_awq(t.qweight, t.qzeros, t.scales, 32, compact=False).fmt == cpu_native.Q4_F32
+    assert Q4Matrix.from_awq(t.qweight, t.qzeros, t.scales, 64, compact=False).fmt == cpu_native.Q4_F32
     with pytest.raises(ValueError, match="not all fp16"):
-        Q4Matrix.from_awq(t.qweight, t.qzeros, t.scales.float() * (1 + 1e-6), 32, compact=True)
+        Q4Matrix.from_awq(t.qweight, t.qzeros, t.scales.float() * (1 + 1e-6), 64, compact=True)
 
 
 @pytest.mark.parametrize("n,k,group,tokens", [(64, 128, 32, 1), (96, 256, 64, 3), (80, 256, 128, 9),

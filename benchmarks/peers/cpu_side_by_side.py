@@ -129,7 +129,8 @@ def main() -> None:
     specs = dict(t.rsplit("=", 1) for t in args.trees) or {"this tree": str(HERE.parents[2])}
     engines_spec = {}
     for label, spec in specs.items():
-        tree, ckpt, bits = (spec.split(":") + ["awq", args.attention_bits])[:3]
+        parts = spec.split(":")
+        tree, ckpt, bits = (parts + ["awq", args.attention_bits][len(parts) - 1:])[:3]
         engines_spec[label] = (tree, ckpt or "awq", bits or args.attention_bits)
     tree_env: dict[str, dict[str, str]] = {}
     for item in args.tree_env:

@@ -38,6 +38,7 @@ from moeflow.families.mtp import MultiTokenPredictor
 from moeflow.io.checkpoint import CheckpointReader, open_checkpoint, read_json, read_quantization, resolve_checkpoint
 from moeflow.io.expert_index import ExpertIndex
 from moeflow.io.gguf import open_gguf, resolve_gguf
+from moeflow.io.gguf.linears import GGUFStoredLinears
 from moeflow.io.tokenizer import Tokenizer
 from moeflow.kernels.dispatch import CPU_INT4, uses_cpu_int4, uses_triton
 from moeflow.kernels.formats import ExpertFormat, GGUFFormat
@@ -158,7 +159,8 @@ def build_model(
     ``families``: accept only these (else ValueError).
     ``cuda_graphs``: the decode step will be captured, so the memory plan reserves its graphs' pools.
     ``attention_bits``: quantize 16-bit attention projections at load (CPU int4 path only; "auto": int8 there,
-    kept elsewhere; see cpu_linears); ``lm_head_bits``: 8 (default) or 4 (CPU int4 path only, see cpu_linears).
+    kept elsewhere; a GGUF file's Q4_0 / Q4_1 projections keep the file's codes under "auto" and 4; see
+    cpu_linears); ``lm_head_bits``: 8 (default) or 4 (CPU int4 path only, see cpu_linears).
     ``mtp``: also read the multi-token-prediction layers (:mod:`moeflow.families.mtp`; CheckpointError naming the
     config field or the missing tensor when the checkpoint has none); their experts join the backend after the
     decoder's."""
@@ -197,6 +199,7 @@ def build_model(
             fmt = fmt.with_cpu_kernels()
             resolved = Kernels(CPU_INT4, resolved.experts, CPU_INT4)
         check_attention_bits(attention_bits, resolved.linear, lm_head_bits)
+        keep_stored = gguf is not None and attention_bits in ("auto", 4)  # a GGUF's 4-bit attention: the file's bits
         attention_bits = resolve_attention_bits(attention_bits, resolved.linear,
                                                 family.kv_cache_spec().linear is not None)
         if attention_bits is not None and family.kv_cache_spec().linear is not None:
@@ -215,7 +218,9 @@ def build_model(
         loading.load_non_expert_weights(decoder, reader, family, layout, device, dtype, as_stored)
         mtp_module = loading.load_mtp(reader, family, layout, device, dtype, str(config_path)) if mtp else None
         if uses_cpu_int4(resolved.linear):
-            quantize_decoder_linears(decoder, attention_bits, lm_head_bits)
+            stored = GGUFStoredLinears(gguf.reader, lambda m: family.checkpoint_name(f"{m}.weight", layout)) \
+                if keep_stored else None
+            quantize_decoder_linears(decoder, attention_bits, lm_head_bits, stored)
             fuse_cpu_step(decoder, dtype)
             decoder.set_layers_step(native_layers(decoder))  # one-token steps: every layer in one native call
         for module in decoder.modules():

@@ -19,6 +19,14 @@ replaces, in the built decoder, each module by a :class:`~moeflow.kernels.cpu.qu
   users run Q8_0; docs/cpu.md: held-out bits/byte of the embedded model 1.8845 against 1.8843 with fp32
   attention, and the decode speed beside llama.cpp), int4 (group 128) when asked (``attention_bits=4``), kept
   as stored with ``attention_bits=None``. Quantized, the model runs weights it was not evaluated with.
+* a GGUF file's attention projections stored in 4 bits (Q4_0, Q4_1; ``stored``: :mod:`moeflow.io.gguf.linears`)
+  -> int4 group 32 with the file's own codes and scales, under ``attention_bits="auto"`` and ``4``: the file's
+  bits, no second rounding (llama.cpp's weights). k and v take it together or not at all (the CPU step fuses
+  them into one matrix); q beside a k/v of another form runs as its own part of the step's q/k/v projection
+  (``SplitLinear``): a file with Q4_0 q and o and Q8_0 k / v (llama.cpp's choice for 8-expert models) runs q
+  and o in the file's Q4_0 and k / v in int8. ``attention_bits=8`` re-quantizes them to int8 as
+  asked; ``None`` keeps the dequantized values. The lm_head stays int8 of its dequantized values (a Q6_K
+  ``output.weight`` has no CPU form).
 
 The embeddings stay as loaded: a lookup reads only the prompt's rows, so quantizing them saves RAM, not time.
 Where moeflow's own CPU kernels build (:mod:`moeflow.kernels.cpu.native`), every module here runs them instead of
@@ -34,7 +42,7 @@ from torch import nn
 from moeflow.families.layers import Attention, AWQLinear
 from moeflow.kernels.cpu.lm_head import RefinedInt4LmHead
 from moeflow.kernels.cpu.native import Q8Matrix, library, native_available
-from moeflow.kernels.cpu.quant_linear import CpuQuantLinear, awq_linear_cpu, quantize_linear_cpu
+from moeflow.kernels.cpu.quant_linear import CpuQuantLinear, StoredLinears, awq_linear_cpu, quantize_linear_cpu
 from moeflow.kernels.dispatch import uses_cpu_int4
 from moeflow.kernels.repack import quantize_rows_int8_grouped_native
 
@@ -89,13 +97,16 @@ def quantized_as_stored(decoder: nn.Module, attention_bits: int | None, lm_head_
     return frozenset(names)
 
 
-def quantize_decoder_linears(decoder: nn.Module, attention_bits: int | None, lm_head_bits: int = 8
-                             ) -> dict[str, int]:
-    """Replace ``decoder``'s lm_head and attention projections in place (see the module docstring).
+def quantize_decoder_linears(decoder: nn.Module, attention_bits: int | None, lm_head_bits: int = 8,
+                             stored: StoredLinears | None = None) -> dict[str, int]:
+    """Replace ``decoder``'s lm_head and attention projections in place (see the module docstring); ``stored``:
+    the attention projections to take as the checkpoint stores them where it can (a GGUF file's Q4_0 / Q4_1).
 
-    Returns how many modules of each kind were replaced ({"lm_head", "awq", "attention"}).
+    Returns how many modules of each kind were replaced ({"lm_head", "awq", "attention", "stored"}).
     """
-    counts = {"lm_head": 0, "awq": 0, "attention": 0}
+    counts = {"lm_head": 0, "awq": 0, "attention": 0, "stored": 0}
+    if stored is not None:
+        counts["stored"] = _take_stored(decoder, stored)
     if lm_head_bits == 4 and getattr(decoder.lm_head, "bias", None) is None:
         decoder.lm_head = RefinedInt4LmHead.quantize(decoder.lm_head.weight)
     else:
@@ -129,6 +140,28 @@ def quantize_rows_int8(weight: torch.Tensor) -> CpuQuantLinear:
         return quantize_linear_cpu(w.float(), bits=8)
     out_features, in_features = w.shape
     return CpuQuantLinear(8, in_features, out_features, int8=Q8Matrix(made[0], made[1].float()))
+
+
+def _take_stored(decoder: nn.Module, stored: StoredLinears) -> int:
+    """Put ``stored``'s layers in place of the dense attention projections that have one; k and v together or
+    neither (the CPU step fuses them into one matrix of one form; q beside them may be of another form:
+    :class:`~moeflow.kernels.cpu.quant_linear.SplitLinear`). Returns how many were replaced."""
+    count = 0
+    for path, parent in list(decoder.named_modules()):
+        if not isinstance(parent, Attention):
+            continue
+        for names in (("q_proj",), ("k_proj", "v_proj"), ("o_proj",)):
+            olds = [getattr(parent, n, None) for n in names]
+            if not all(type(o) is nn.Linear for o in olds):
+                continue
+            news = [stored.cpu_linear(f"{path}.{n}" if path else n) for n in names]
+            if any(n is None for n in news) or len({(n.bits, n.group_size, n.scales.dtype, n.mins.numel() > 0)
+                                                    for n in news}) != 1:
+                continue
+            for n, old, new in zip(names, olds, news, strict=True):
+                setattr(parent, n, _with_bias(new, old))
+            count += len(names)
+    return count
 
 
 def _int4_shape_ok(in_features: int, out_features: int) -> bool:

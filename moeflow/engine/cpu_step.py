@@ -28,8 +28,8 @@ from torch import nn
 from moeflow.engine.kv_cache import PassCache
 from moeflow.families.base import CausalDecoder
 from moeflow.families.layers import Attention, PreNormLayer, RMSNorm
-from moeflow.kernels.cpu.native import ROW_GROUP, Q4Matrix, Q8Matrix, native_available
-from moeflow.kernels.cpu.quant_linear import CpuQuantLinear
+from moeflow.kernels.cpu.native import ROW_GROUP, Q4Matrix, Q8Matrix, native_available, q4_fmt
+from moeflow.kernels.cpu.quant_linear import CpuQuantLinear, SplitLinear
 from moeflow.kernels.cpu.step import (
     NATIVE_ATTENTION_TOKENS,
     attention_block,
@@ -150,7 +150,18 @@ def _attention_half(layer: nn.Module) -> NativeAttentionHalf | None:
 def fuse_qkv(projections: list[nn.Module]) -> nn.Module | None:
     """One linear module whose output is the projections' outputs concatenated, or None when they cannot share
     one matrix (different kinds, formats or input sizes, biases). Each projection's weight tensors become views
-    of the fused ones (so the memory is held once)."""
+    of the fused ones (so the memory is held once). Native q, k, v layers of two forms (a GGUF file's Q4_0 q, Q8_0
+    k and v) make a :class:`SplitLinear` of q and the fused k/v instead."""
+    fused = _fuse_one(projections)
+    if fused is None and len(projections) == 3 and all(isinstance(p, CpuQuantLinear) and p.native
+                                                       for p in projections):
+        kv = _fuse_one(projections[1:])
+        if kv is not None and projections[0].bias is None:
+            return SplitLinear((projections[0], kv))
+    return fused
+
+
+def _fuse_one(projections: list[nn.Module]) -> nn.Module | None:
     first = projections[0]
     if any(getattr(p, "bias", None) is not None for p in projections):
         return None
@@ -164,7 +175,7 @@ def fuse_qkv(projections: list[nn.Module]) -> nn.Module | None:
         return fused
     if not all(isinstance(p, CpuQuantLinear) and p.native for p in projections):
         return None
-    if len({(p.bits, p.in_features, p.group_size, p.scales.dtype if p.bits == 4 else None)
+    if len({(p.bits, p.in_features, p.group_size, q4_fmt(p.scales, p.mins) if p.bits == 4 else None)
             for p in projections}) != 1:
         return None  # (int4: one form of scales, Q4Matrix.fmt)
     if any(p.out_features % ROW_GROUP for p in projections):

@@ -19,6 +19,7 @@ Only :mod:`~moeflow.kernels.cpu.native` is re-exported: the other modules build 
 
 from moeflow.kernels.cpu.native import (
     Q4_F16Z,
+    Q4_F16Z8,
     Q4_F32,
     ROW_GROUP,
     SIMD_NAMES,
@@ -35,6 +36,7 @@ from moeflow.kernels.cpu.native import (
     source_digest,
 )
 
-__all__ = ["Q4_F16Z", "Q4_F32", "ROW_GROUP", "SIMD_NAMES", "Q4Matrix", "Q8Matrix", "build", "library", "load",
+__all__ = ["Q4_F16Z", "Q4_F16Z8", "Q4_F32", "ROW_GROUP", "SIMD_NAMES", "Q4Matrix", "Q8Matrix", "build", "library",
+           "load",
            "native_available", "q4_expert", "q4_expert_reference", "q4_reference", "quantize_activations",
            "source_digest"]

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from moeflow.kernels.cpu.native import Q4Matrix
-from moeflow.kernels.cpu.step import _check_fp32, _lib, _linear_args, block_linear_ok
+from moeflow.kernels.cpu.step import _check_fp32, _lib, _linear_args, block_linear_ok, qkv_args
 
 _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
@@ -34,7 +34,8 @@ class LayerDesc(ctypes.Structure):
     """step.c's ``mf_layer_desc``: one Mixtral-layout layer (attention half, softmax-top-k router, experts)."""
 
     _fields_ = [("w_in", _p), ("w_post", _p), ("eps", _f), ("qkv_bits", _i), ("qkv_group", _i), ("qkv_fmt", _i),
-                ("qkv_w", _p), ("qkv_s", _p), ("qkv_m", _p), ("o_bits", _i), ("o_group", _i), ("o_fmt", _i),
+                ("qkv_w", _p), ("qkv_s", _p), ("qkv_m", _p), ("kv_bits", _i), ("kv_group", _i), ("kv_fmt", _i),
+                ("kv_w", _p), ("kv_s", _p), ("kv_m", _p), ("o_bits", _i), ("o_group", _i), ("o_fmt", _i),
                 ("o_w", _p), ("o_s", _p), ("o_m", _p), ("nh", _i), ("nkv", _i), ("D", _i), ("gate", _p), ("E", _i),
                 ("k", _i), ("renorm", _i), ("I", _i), ("group", _i), ("experts", ctypes.POINTER(ExpertDesc))]
 
@@ -54,7 +55,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 def layer_desc(norm_in: torch.Tensor, norm_post: torch.Tensor, eps: float, qkv: torch.nn.Module,
                o: torch.nn.Module, n_heads: int, n_kv: int, head_dim: int, gate: torch.Tensor, top_k: int,
                renormalize: bool, experts: Sequence[tuple[Q4Matrix, Q4Matrix]]) -> tuple[LayerDesc, object]:
-    """One layer's descriptor: norms fp32 [H]; ``qkv``, ``o``: native int4/int8 CpuQuantLinear (no bias);
+    """One layer's descriptor: norms fp32 [H]; ``qkv``, ``o``: native int4/int8 CpuQuantLinear (no bias; ``qkv``
+    also a SplitLinear of two);
     gate fp32 [E, H] (contiguous); experts: E (w13 [2I, H], w2 [H, I]) pairs of one group size. Returns the
     descriptor and the expert array it points into (keep both alive together)."""
     if not (block_linear_ok(qkv) and block_linear_ok(o)):
@@ -75,7 +77,7 @@ def layer_desc(norm_in: torch.Tensor, norm_post: torch.Tensor, eps: float, qkv: 
     table = (ExpertDesc * len(experts))(*[
         ExpertDesc(a.packed.data_ptr(), a.scales.data_ptr(), a.mins.data_ptr(), b.packed.data_ptr(),
                    b.scales.data_ptr(), b.mins.data_ptr(), a.fmt) for a, b in experts])
-    desc = LayerDesc(norm_in.data_ptr(), norm_post.data_ptr(), eps, *_linear_args(qkv), *_linear_args(o), n_heads,
+    desc = LayerDesc(norm_in.data_ptr(), norm_post.data_ptr(), eps, *qkv_args(qkv), *_linear_args(o), n_heads,
                      n_kv, head_dim, gate.data_ptr(), gate.shape[0], top_k, int(renormalize), inter, w13.group_size,
                      table)
     return desc, table

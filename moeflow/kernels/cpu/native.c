@@ -7,8 +7,9 @@
    xq = round-half-even(x * (127 / max|x|)), int8 in [-127, 127].
    q4 weights: W[n, k] = q[n, k] * s[n, g] + m[n, g] with q in [0, 15] and g = k / group (AWQ's asymmetric
    format with the zero folded into m = -zero * s). Packed uint8 [N, K/2], s, m fp32 [N, K/group] (MF_Q4_F32),
-   or s fp16 and the uint8 zeros in m's place (MF_Q4_F16Z: the same numbers), rows interleaved in groups of 8
-   (layout and kernel in q4.c).
+   or s fp16 and the uint8 zeros in m's place (MF_Q4_F16Z: the same numbers), or s fp16 and every zero 8, m unused
+   (MF_Q4_F16Z8: GGUF's Q4_0, group 32), rows interleaved in groups of 8 (layout and kernel in q4.c; at group 32
+   the integer zeros are folded into the block sums, with xsum: each block's sum of xq).
    q8 weights: W[n, k] = q[n, k] * s[n], int8 [N, K] in [-127, 127], s fp32 [N], rows interleaved in groups of
    8 (layout and kernel in q8.c).
    y[t, n] = sum_k xs[t, k/32] * xq[t, k] * W[n, k], accumulated in int32 per block and in fp32 across blocks.
@@ -59,8 +60,9 @@ void mf_silu_mul_scalar(const float* g, const float* u, int n, float* out) {
     for (int i = 0; i < n; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }
 
-/* x fp32 [K] -> xq int8 [K], xs fp32 [K/32]; gsum fp32 [K/group] = sum over the group of xq * xs. */
-static void quantize_row(const float* x, int K, int group, int8_t* xq, float* xs, float* gsum) {
+/* x fp32 [K] -> xq int8 [K], xs fp32 [K/32]; gsum fp32 [K/group] = sum over the group of xq * xs; xsum int32
+   [K/32] (when not NULL) = each block's sum of xq (exact: the group-32 q4 kernels fold the zero points in there). */
+static void quantize_row(const float* x, int K, int group, int8_t* xq, float* xs, float* gsum, int32_t* xsum) {
     int nb = K / QB, bpg = group / QB;
     for (int b = 0; b < nb; b++) {
         const float* xb = x + b * QB;
@@ -97,6 +99,7 @@ static void quantize_row(const float* x, int K, int group, int8_t* xq, float* xs
         }
 #endif
         xs[b] = amax / 127.0f;
+        if (xsum) xsum[b] = sum;
         if (gsum) {
             if (b % bpg == 0) gsum[b / bpg] = 0.0f;
             gsum[b / bpg] += (float)sum * xs[b];
@@ -104,12 +107,13 @@ static void quantize_row(const float* x, int K, int group, int8_t* xq, float* xs
     }
 }
 
-static void quantize_rows(const float* x, int T, int K, int group, int8_t* xq, float* xs, float* gsum, int nthreads) {
+static void quantize_rows(const float* x, int T, int K, int group, int8_t* xq, float* xs, float* gsum,
+                          int32_t* xsum, int nthreads) {
     int nb = K / QB, ng = group ? K / group : 0;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (T * K >= 65536)
     for (int t = 0; t < T; t++)
         quantize_row(x + (size_t)t * K, K, group ? group : K, xq + (size_t)t * K, xs + (size_t)t * nb,
-                     gsum ? gsum + (size_t)t * ng : NULL);
+                     gsum ? gsum + (size_t)t * ng : NULL, xsum ? xsum + (size_t)t * nb : NULL);
 }
 
 static int nchunks(int N) { return (N + ROWS - 1) / ROWS; }
@@ -118,14 +122,15 @@ static int nchunks(int N) { return (N + ROWS - 1) / ROWS; }
 int mf_q4_linear(const float* x, int T, int K, int N, int group, int fmt, const uint8_t* qw, const void* s,
                  const void* m, float* y, int nthreads) {
     int8_t* xq = malloc((size_t)T * K);
-    float* xs = malloc(sizeof(float) * ((size_t)T * (K / QB) + (size_t)T * (K / group)));
+    float* xs = malloc(sizeof(float) * ((size_t)T * (K / QB) * 2 + (size_t)T * (K / group)));
     if (!xq || !xs) { free(xq); free(xs); return -1; }
-    float* gsum = xs + (size_t)T * (K / QB);
-    quantize_rows(x, T, K, group, xq, xs, gsum, nthreads);
+    int32_t* xsum = (int32_t*)(xs + (size_t)T * (K / QB));
+    float* gsum = xs + (size_t)T * (K / QB) * 2;
+    quantize_rows(x, T, K, group, xq, xs, gsum, xsum, nthreads);
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int c = 0; c < nchunks(N); c++) {
         int n1 = (c + 1) * ROWS < N ? (c + 1) * ROWS : N;
-        mf_q4_rows(c * ROWS, n1, T, K, group, fmt, qw, s, m, xq, xs, gsum, y, N);
+        mf_q4_rows(c * ROWS, n1, T, K, group, fmt, qw, s, m, xq, xs, gsum, xsum, y, N);
     }
     free(xq); free(xs);
     return 0;
@@ -136,7 +141,7 @@ int mf_q8_linear(const float* x, int T, int K, int N, const int8_t* w, const flo
     int8_t* xq = malloc((size_t)T * K);
     float* xs = malloc(sizeof(float) * (size_t)T * (K / QB));
     if (!xq || !xs) { free(xq); free(xs); return -1; }
-    quantize_rows(x, T, K, 0, xq, xs, NULL, nthreads);
+    quantize_rows(x, T, K, 0, xq, xs, NULL, NULL, nthreads);
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int c = 0; c < nchunks(N); c++) {
         int n1 = (c + 1) * ROWS < N ? (c + 1) * ROWS : N;
@@ -153,7 +158,7 @@ int mf_q8_linear_rows(const float* x, int T, int K, int N, const int8_t* w, cons
     int8_t* xq = malloc((size_t)T * K);
     float* xs = malloc(sizeof(float) * (size_t)T * (K / QB));
     if (!xq || !xs) { free(xq); free(xs); return -1; }
-    quantize_rows(x, T, K, 0, xq, xs, NULL, 1);
+    quantize_rows(x, T, K, 0, xq, xs, NULL, NULL, 1);
     for (int i = 0; i < nids; i++) mf_q8_row((int)ids[i], N, T, K, w, s, xq, xs, y + i, nids);
     free(xq); free(xs);
     return 0;
@@ -168,29 +173,30 @@ int mf_q4_expert(const float* x, int T, int H, int I, int group, int fmt,
                  const float* weight, float* out, int accumulate, int nthreads) {
     size_t kmax = (size_t)(H > I ? H : I);
     int8_t* xq = malloc((size_t)T * kmax);
-    float* f = malloc(sizeof(float) * ((size_t)T * 3 * I + (size_t)T * H + 2 * (size_t)T * (kmax / QB)));
+    float* f = malloc(sizeof(float) * ((size_t)T * 3 * I + (size_t)T * H + 3 * (size_t)T * (kmax / QB)));
     if (!xq || !f) { free(xq); free(f); return -1; }
     float* h = f;                        /* [T, 2I] */
     float* a = h + (size_t)T * 2 * I;    /* [T, I] */
     float* y = a + (size_t)T * I;        /* [T, H] */
     float* xs = y + (size_t)T * H;       /* [T, kmax/32] */
     float* gsum = xs + (size_t)T * (kmax / QB);
-    quantize_rows(x, T, H, group, xq, xs, gsum, nthreads);
+    int32_t* xsum = (int32_t*)(gsum + (size_t)T * (kmax / QB));  /* [T, kmax/32] */
+    quantize_rows(x, T, H, group, xq, xs, gsum, xsum, nthreads);
 #pragma omp parallel num_threads(nthreads)
     {
 #pragma omp for schedule(static)
         for (int c = 0; c < nchunks(2 * I); c++) {
             int n1 = (c + 1) * ROWS < 2 * I ? (c + 1) * ROWS : 2 * I;
-            mf_q4_rows(c * ROWS, n1, T, H, group, fmt, w13, s13, m13, xq, xs, gsum, h, 2 * I);
+            mf_q4_rows(c * ROWS, n1, T, H, group, fmt, w13, s13, m13, xq, xs, gsum, xsum, h, 2 * I);
         }
 #pragma omp for schedule(static)
         for (int t = 0; t < T; t++) mf_silu_mul(h + (size_t)t * 2 * I, h + (size_t)t * 2 * I + I, I, a + (size_t)t * I);
     }
-    quantize_rows(a, T, I, group, xq, xs, gsum, nthreads);
+    quantize_rows(a, T, I, group, xq, xs, gsum, xsum, nthreads);
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int c = 0; c < nchunks(H); c++) {
         int n1 = (c + 1) * ROWS < H ? (c + 1) * ROWS : H;
-        mf_q4_rows(c * ROWS, n1, T, I, group, fmt, w2, s2, m2, xq, xs, gsum, y, H);
+        mf_q4_rows(c * ROWS, n1, T, I, group, fmt, w2, s2, m2, xq, xs, gsum, xsum, y, H);
         for (int t = 0; t < T; t++)
             for (int n = c * ROWS; n < n1; n++) {
                 float v = weight[t] * y[(size_t)t * H + n];

@@ -1,5 +1,5 @@
-/* The one header of moeflow's CPU kernel sources (native.c, q4.c, q8.c, step.c, repack.c: one library, built by
-   native.py); see native.c's comment. */
+/* The one header of moeflow's CPU kernel sources (native.c, q4.c, q4z.c, q8.c, step.c, repack.c: one library,
+   built by native.py); see native.c's comment. */
 #ifndef MOEFLOW_CPU_NATIVE_H
 #define MOEFLOW_CPU_NATIVE_H
 #include <stdint.h>
@@ -72,6 +72,7 @@ static inline __m512 mf_load2x8ps(const float* a, const float* b) {
 #define QB 32       /* features per activation block */
 #define MF_Q4_F32 0   /* q4 scales and mins fp32 (q4.c) */
 #define MF_Q4_F16Z 1  /* q4 scales fp16, zero points uint8 in place of the mins (q4.c) */
+#define MF_Q4_F16Z8 2 /* q4 scales fp16, every zero point 8, none stored (GGUF's Q4_0; group 32 only; q4.c) */
 
 /* An IEEE half (bits) as a float, exactly (the portable form of F16C's conversion). */
 static inline float mf_half_to_float(uint16_t h) {
@@ -97,7 +98,13 @@ static inline float mf_half_to_float(uint16_t h) {
 /* Rows [n0, n1) of a q4 matrix [N, K] against T quantized tokens: y[t, n] for n in [n0, n1) (q4.c). */
 __attribute__((visibility("hidden"))) void mf_q4_rows(
     int n0, int n1, int T, int K, int group, int fmt, const uint8_t* qw, const void* s, const void* m,
-    const int8_t* xq, const float* xs, const float* gsum, float* y, int ldy);
+    const int8_t* xq, const float* xs, const float* gsum, const int32_t* xsum, float* y, int ldy);
+
+/* Rows [n0, n1) of a q4 matrix [N, K] at group 32 with integer zero points (fmt MF_Q4_F16Z or MF_Q4_F16Z8; xsum
+   int32 [T, K/32]: each block's sum of xq) against T quantized tokens (q4z.c). */
+__attribute__((visibility("hidden"))) void mf_q4z_rows(
+    int n0, int n1, int T, int K, int fmt, const uint8_t* qw, const void* s, const void* m, const int8_t* xq,
+    const float* xs, const int32_t* xsum, float* y, int ldy);
 
 /* Rows [n0, n1) of a q8 matrix [N, K] against T quantized tokens: y[t, n] for n in [n0, n1) (q8.c). */
 __attribute__((visibility("hidden"))) void mf_q8_rows(

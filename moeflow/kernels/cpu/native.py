@@ -50,7 +50,7 @@ from moeflow.user_cache import cache_dir
 log = logging.getLogger(__name__)
 
 # one library: the matrix kernels, the int4 and int8 row-group kernels, the decode-step ops
-SOURCES = tuple(Path(__file__).with_name(f) for f in ("native.c", "q4.c", "q8.c", "step.c", "repack.c",
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("native.c", "q4.c", "q4z.c", "q8.c", "step.c", "repack.c",
                                                      "gguf.c", "gguf_k.c"))  # GGUF experts (kernels/cpu/gguf.py)
 HEADERS = tuple(Path(__file__).with_name(f) for f in ("native.h", "gguf.h"))  # in the sources' digest
 BLOCK = 32  # activation features per int8 scale (and the weights' packing block)
@@ -76,7 +76,7 @@ SIMD_NAMES = {0: "scalar", 1: "avx2", 2: "avx512-vnni"}  # mf_simd()'s answers
 
 
 def build(cache: Path, native_arch: bool = True, isa: str | None = None) -> Path:
-    """Compile ``SOURCES`` (``native.c``, ``q4.c``, ``q8.c``, ``step.c``, ``repack.c``) into one library in
+    """Compile ``SOURCES`` (``native.c``, ``q4.c``, ``q4z.c``, ``q8.c``, ``step.c``, ``repack.c``) into one library in
     ``cache`` (once per source, compiler, flags and CPU); returns the library's path.
     ``isa`` (default ``$MOEFLOW_CPU_ISA``, else "native"): "native" (``-march=native``: the AVX-512 VNNI
     kernels where the CPU has them, else AVX2), "avx2" (the same without AVX-512: the path of an AVX2-only
@@ -159,7 +159,15 @@ def _fp32_rows(x: torch.Tensor, k: int) -> torch.Tensor:
     return rows if rows.dtype == torch.float32 and rows.is_contiguous() else rows.float().contiguous()
 
 
-Q4_F32, Q4_F16Z = 0, 1  # q4.c's forms of a q4 matrix's scales and mins (Q4Matrix.fmt)
+Q4_F32, Q4_F16Z, Q4_F16Z8 = 0, 1, 2  # q4.c's forms of a q4 matrix's scales and mins (Q4Matrix.fmt)
+Q4_0_GROUP = 32  # the one group size of the Q4_F16Z8 form (GGUF's Q4_0 block)
+
+
+def q4_fmt(scales: torch.Tensor, mins: torch.Tensor) -> int:
+    """The form (``Q4_F32``, ``Q4_F16Z``, ``Q4_F16Z8``) of a q4 matrix's scales and mins tensors."""
+    if scales.dtype != torch.float16:
+        return Q4_F32
+    return Q4_F16Z if mins.numel() else Q4_F16Z8
 
 
 @dataclass
@@ -170,15 +178,32 @@ class Q4Matrix:
     the last ``N % 8`` rows stored plainly; each group's bytes are its rows' bytes of a ``[N, K/2]`` tensor, so a
     range of rows starting and ending at multiples of 8 (or at N) is still a slice of every tensor.
 
-    Two forms (:attr:`fmt`): fp32 scales and mins (``Q4_F32``), or fp16 scales with the uint8 zero points held in
+    Three forms (:attr:`fmt`): fp32 scales and mins (``Q4_F32``), or fp16 scales with the uint8 zero points held in
     ``mins``' place (``Q4_F16Z``, m = -zero * s formed in fp32 by the kernel): the same weights and the same
     results bit for bit, 3 instead of 8 bytes per row and group (-7% of the bytes a call reads at group 128).
-    :meth:`from_awq` picks the second for fp16 scales (AWQ checkpoints', ``quantize_rtn``'s)."""
+    :meth:`from_awq` picks the second for fp16 scales (AWQ checkpoints', ``quantize_rtn``'s). The third,
+    ``Q4_F16Z8``, is GGUF's Q4_0 (group 32, every zero point 8): fp16 scales and an empty ``mins`` (nothing
+    stored or read for the zero points, 18 bytes per row and 32 inputs as in the file); :meth:`from_awq` picks it
+    for group 32 with every zero point 8, :meth:`from_q4_0` makes it from the file's blocks. At group 32 the
+    integer zero points (``Q4_F16Z``, ``Q4_F16Z8``) are folded into the integer block sums (q4.c), so both forms
+    of the same weights give the same bits."""
 
     packed: torch.Tensor  # uint8 [N, K/2], row-grouped (see _group_rows)
     scales: torch.Tensor  # fp32 or fp16 [N, K/g], row-grouped
-    mins: torch.Tensor  # fp32 [N, K/g] (= -zero * scale), or with fp16 scales uint8 zeros [N, K/g]; row-grouped
+    mins: torch.Tensor  # fp32 [N, K/g] (= -zero * scale), or with fp16 scales uint8 zeros [N, K/g] (or uint8 [0]:
+    # every zero point 8); row-grouped
     group_size: int
+
+    @classmethod
+    def from_q4_0(cls, codes: torch.Tensor, d: torch.Tensor) -> Q4Matrix:
+        """GGUF Q4_0 rows as stored (:func:`moeflow.quant.ggml.q4_0_codes`): codes uint8 [N, K] in [0, 15], d fp16
+        [N, K/32]; the weight ``(codes - 8) * d``, exactly, in the ``Q4_F16Z8`` form."""
+        n, k = codes.shape
+        if k % Q4_0_GROUP or tuple(d.shape) != (n, k // Q4_0_GROUP) or d.dtype != torch.float16:
+            raise ValueError(f"Q4_0 codes {tuple(codes.shape)} / scales {d.dtype} {tuple(d.shape)}: expected codes "
+                             f"[N, K] with K % 32 == 0 and fp16 scales [N, K/32]")
+        return cls(_pack_q4(codes.to(torch.uint8)), _group_rows(d.contiguous()), torch.empty(0, dtype=torch.uint8),
+                   Q4_0_GROUP)
 
     @classmethod
     def from_awq(cls, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,
@@ -200,8 +225,9 @@ class Q4Matrix:
             half = scales.cpu().half()
             if not torch.equal(half.float(), scales.cpu().float()):
                 raise ValueError("Q4Matrix.from_awq(compact=True): the scales are not all fp16 numbers")
-            made = cls(packed, _group_rows(half.T.contiguous()), _group_rows(zeros.to(torch.uint8).T.contiguous()),
-                       group_size)
+            zero8 = group_size == Q4_0_GROUP and (out is None or out.fmt == Q4_F16Z8) and bool((zeros == 8).all())
+            mins = torch.empty(0, dtype=torch.uint8) if zero8 else _group_rows(zeros.to(torch.uint8).T.contiguous())
+            made = cls(packed, _group_rows(half.T.contiguous()), mins, group_size)
         else:
             s = scales.cpu().float()
             mins = -zeros.float() * s
@@ -217,15 +243,17 @@ class Q4Matrix:
 
     @property
     def fmt(self) -> int:
-        """``Q4_F16Z`` (fp16 scales, uint8 zeros) or ``Q4_F32`` (fp32 scales and mins): the kernels' ``fmt``."""
-        return Q4_F16Z if self.scales.dtype == torch.float16 else Q4_F32
+        """``Q4_F16Z`` (fp16 scales, uint8 zeros), ``Q4_F16Z8`` (fp16 scales, zeros 8) or ``Q4_F32`` (fp32 scales
+        and mins): the kernels' ``fmt``."""
+        return q4_fmt(self.scales, self.mins)
 
     def fp32_form(self) -> Q4Matrix:
         """This matrix in the ``Q4_F32`` form (itself when it is): the same weights."""
         if self.fmt == Q4_F32:
             return self
         s = self.scales.float()
-        return Q4Matrix(self.packed, s, -self.mins.float() * s, self.group_size)
+        zeros = self.mins.float() if self.fmt == Q4_F16Z else torch.full_like(s, 8.0)
+        return Q4Matrix(self.packed, s, -zeros * s, self.group_size)
 
     @classmethod
     def concat_rows(cls, parts: list[Q4Matrix]) -> Q4Matrix:
@@ -236,12 +264,16 @@ class Q4Matrix:
             raise ValueError(f"concat_rows: parts of shapes {[p.shape for p in parts]} and group sizes "
                              f"{[p.group_size for p in parts]}: in_features and group_size must agree")
         if len({p.fmt for p in parts}) > 1:
+            # (the fp32 form's kernel at group 32 is not the integer-zero one: results of the parts change slightly)
             parts = [p.fp32_form() for p in parts]
         if all(p.shape[0] % ROW_GROUP == 0 for p in parts[:-1]):
             return cls(*(torch.cat([getattr(p, f) for p in parts]) for f in ("packed", "scales", "mins")),
                        parts[0].group_size)
         q = torch.cat([_unpack_q4(p.packed) for p in parts])
-        s, m = (torch.cat([_group_rows(getattr(p, f), inverse=True) for p in parts]) for f in ("scales", "mins"))
+        s = torch.cat([_group_rows(p.scales, inverse=True) for p in parts])
+        if parts[0].fmt == Q4_F16Z8:
+            return cls(_pack_q4(q), _group_rows(s), parts[0].mins, parts[0].group_size)
+        m = torch.cat([_group_rows(p.mins, inverse=True) for p in parts])
         return cls(_pack_q4(q), _group_rows(s), _group_rows(m), parts[0].group_size)
 
     @property
@@ -392,7 +424,9 @@ def q4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins:
     n, k = packed.shape[0], packed.shape[1] * 2
     rows = _fp32_rows(x, k)
     y = torch.empty((rows.shape[0], n), dtype=torch.float32)
-    fmt = Q4_F16Z if scales.dtype == torch.float16 else Q4_F32
+    fmt = q4_fmt(scales, mins)
+    if fmt == Q4_F16Z8 and group_size != Q4_0_GROUP:
+        raise ValueError(f"q4 matrix without zero points (Q4_F16Z8) needs group size 32, got {group_size}")
     _check(library().mf_q4_linear(rows.data_ptr(), rows.shape[0], k, n, group_size, fmt, packed.data_ptr(),
                                   scales.data_ptr(), mins.data_ptr(), y.data_ptr(), torch.get_num_threads()),
            "q4 linear")

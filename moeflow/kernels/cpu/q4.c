@@ -12,6 +12,8 @@
    scales are fp16 numbers (AWQ checkpoints' are): the same results bit for bit from 3 instead of 8 bytes per row
    and group (-7% of an int4 matrix's bytes at group 128).
 
+   Group 32 with integer zero points (MF_Q4_F16Z at group 32, and MF_Q4_F16Z8): q4z.c's kernels (mf_q4z_rows).
+
    Why this layout: one maddubs (unsigned x signed bytes, adjacent pairs summed into int16) then multiplies 8
    rows x 4 features by one token's 4 activations broadcast to every row, so its 16 int16 sums stay 2 per row.
    A block's 8 maddubs add exactly in int16 (|sum| <= 32 * 15 * 127 / 2 = 30480 < 32767) and widen once per block
@@ -315,7 +317,11 @@ static void q4_tail_row(const uint8_t* row, const void* s, const void* m, int fm
 }
 
 void mf_q4_rows(int n0, int n1, int T, int K, int group, int fmt, const uint8_t* qw, const void* s, const void* m,
-                const int8_t* xq, const float* xs, const float* gsum, float* y, int ldy) {
+                const int8_t* xq, const float* xs, const float* gsum, const int32_t* xsum, float* y, int ldy) {
+    if (fmt == MF_Q4_F16Z8 || (fmt == MF_Q4_F16Z && group == QB)) {  /* group 32, integer zero points: q4z.c */
+        mf_q4z_rows(n0, n1, T, K, fmt, qw, s, m, xq, xs, xsum, y, ldy);
+        return;
+    }
     const size_t ng = (size_t)(K / group), half = (size_t)(K / 2);
     const size_t ss = fmt == MF_Q4_F16Z ? 2 : 4, ms = fmt == MF_Q4_F16Z ? 1 : 4;  /* bytes per scale, per min */
     const char *sb = (const char*)s, *mb = (const char*)m;

@@ -25,6 +25,8 @@ fp32 model of ``forward`` (same rounding points).
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import nn
 
@@ -42,6 +44,14 @@ from moeflow.kernels.cpu.native import (
 from moeflow.quant.awq import check_group_size, dequantize, quantize_rtn
 
 INT8_MAX = 127
+
+
+class StoredLinears(Protocol):
+    """A checkpoint whose quantized linear layers the CPU path can take as stored (a GGUF file's Q4_0 / Q4_1
+    blocks: :class:`moeflow.io.gguf.linears.GGUFStoredLinears`) instead of quantizing their dense values again."""
+
+    def cpu_linear(self, module_name: str) -> CpuQuantLinear | None:
+        """The layer for the decoder module ``module_name`` from its stored codes, or None (keep the dense path)."""
 
 
 class CpuQuantLinear(nn.Module):
@@ -138,6 +148,26 @@ class CpuQuantLinear(nn.Module):
         if self.native:
             return q4_nbytes(self.packed, self.scales, self.mins)
         return self.packed.numel() + self.scales_zeros.numel() * self.scales_zeros.element_size()
+
+
+class SplitLinear(nn.Module):
+    """``y = cat([p(x) for p in parts], -1)``: two native layers whose rows one fused matrix cannot hold, being of
+    different forms (a GGUF file's Q4_0 q beside its Q8_0 k and v): the CPU step's q/k/v projection
+    (:func:`~moeflow.kernels.cpu.step.attention_block` runs both parts in one call). Each output row's numbers are
+    its part's (a row's result does not depend on the other rows)."""
+
+    def __init__(self, parts: tuple[CpuQuantLinear, CpuQuantLinear]) -> None:
+        super().__init__()
+        if len({p.in_features for p in parts}) != 1:
+            raise ValueError(f"SplitLinear: parts of {[p.in_features for p in parts]} input features")
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self.bias = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> [..., out] in x's dtype: the parts' outputs side by side."""
+        return torch.cat([p(x) for p in self.parts], dim=-1)
 
 
 def int4_dequantized(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,

@@ -124,7 +124,7 @@ int mf_attn_step(const float* qkv, int B, int T, int nh, int nkv, int D, const f
 }
 
 /* A quantized linear layer of the attention block: int4 (bits 4: packed, s, m, group, fmt: MF_Q4_F32 or
-   MF_Q4_F16Z) or int8 (bits 8: packed holds the int8 weight, s its row scales). */
+   MF_Q4_F16Z or MF_Q4_F16Z8) or int8 (bits 8: packed holds the int8 weight, s its row scales). */
 typedef struct {
     int bits, group, fmt, n;
     const void* w;
@@ -138,18 +138,45 @@ static int run_linear(const mf_linear* l, const float* x, int T, int K, float* y
     return mf_q8_linear(x, T, K, l->n, (const int8_t*)l->w, (const float*)l->s, y, nthreads);
 }
 
+/* The q/k/v projection h fp32 [BT, K] -> q fp32 [BT, F]: one linear of F rows, or (kv->bits != 0) q's rows
+   (qkv, nh D of them) and k's and v's (kv, F - nh D) in two linears of their own forms (a GGUF file's Q4_0 q beside
+   Q8_0 k and v), their outputs side by side per token: each row's numbers as in one matrix (a row's result does
+   not depend on the other rows). */
+static int run_qkv(const mf_linear* qkv, const mf_linear* kv, const float* h, int BT, int K, float* q,
+                   int nthreads) {
+    if (!kv->bits) return run_linear(qkv, h, BT, K, q, nthreads);
+    const int nq = qkv->n, nk = kv->n, F = nq + nk;
+    if (BT == 1) {
+        int rc = run_linear(qkv, h, 1, K, q, nthreads);
+        return rc ? rc : run_linear(kv, h, 1, K, q + nq, nthreads);
+    }
+    float* tmp = malloc(sizeof(float) * (size_t)BT * F);
+    if (!tmp) return -1;
+    int rc = run_linear(qkv, h, BT, K, tmp, nthreads);
+    if (!rc) rc = run_linear(kv, h, BT, K, tmp + (size_t)BT * nq, nthreads);
+    for (int t = 0; t < BT && !rc; t++) {
+        memcpy(q + (size_t)t * F, tmp + (size_t)t * nq, sizeof(float) * nq);
+        memcpy(q + (size_t)t * F + nq, tmp + (size_t)BT * nq + (size_t)t * nk, sizeof(float) * nk);
+    }
+    free(tmp);
+    return rc;
+}
+
 /* A decoder layer's attention half in one call, for x fp32 [B, T, H] (the layer's input):
    h = rmsnorm(x, w_in); qkv = h @ Wqkv.T; a = attention (mf_attn_step, writing the cache); o = a @ Wo.T;
    x_out = x + o; h_out = rmsnorm(x_out, w_post) (the MoE block's input). Exactly the sequence of the
-   separate calls, so the same numbers. Returns 0, or -1 when out of memory. */
+   separate calls, so the same numbers. kv_bits 0: Wqkv is the one qkv linear; else qkv holds q's rows and kv
+   k's and v's (run_qkv). Returns 0, or -1 when out of memory. */
 int mf_attn_block(const float* x, int B, int T, int H, const float* w_in, const float* w_post, float eps,
                   int qkv_bits, int qkv_group, int qkv_fmt, const void* qkv_w, const void* qkv_s, const void* qkv_m,
+                  int kv_bits, int kv_group, int kv_fmt, const void* kv_w, const void* kv_s, const void* kv_m,
                   int o_bits, int o_group, int o_fmt, const void* o_w, const void* o_s, const void* o_m,
                   int nh, int nkv, int D, const float* cos, const float* sin, float* kc, float* vc, int L,
                   const int64_t* pos, const uint8_t* mask, float scale, float* x_out, float* h_out,
                   int nthreads) {
     int BT = B * T, F = (nh + 2 * nkv) * D;
-    mf_linear qkv = {qkv_bits, qkv_group, qkv_fmt, F, qkv_w, qkv_s, qkv_m};
+    mf_linear qkv = {qkv_bits, qkv_group, qkv_fmt, kv_bits ? nh * D : F, qkv_w, qkv_s, qkv_m};
+    mf_linear kv = {kv_bits, kv_group, kv_fmt, 2 * nkv * D, kv_w, kv_s, kv_m};
     mf_linear o = {o_bits, o_group, o_fmt, H, o_w, o_s, o_m};
     float* buf = malloc(sizeof(float) * ((size_t)BT * H * 2 + (size_t)BT * F + (size_t)BT * nh * D));
     if (!buf) return -1;
@@ -158,7 +185,7 @@ int mf_attn_block(const float* x, int B, int T, int H, const float* w_in, const 
     float* a = q + (size_t)BT * F;             /* [BT, nh D] */
     float* y = a + (size_t)BT * nh * D;        /* [BT, H] */
     mf_rmsnorm(x, NULL, NULL, w_in, eps, BT, H, h);
-    int rc = run_linear(&qkv, h, BT, H, q, nthreads);
+    int rc = run_qkv(&qkv, &kv, h, BT, H, q, nthreads);
     if (!rc) rc = mf_attn_step(q, B, T, nh, nkv, D, cos, sin, kc, vc, L, pos, mask, scale, a, nthreads);
     if (!rc) rc = run_linear(&o, a, BT, nh * D, y, nthreads);
     if (!rc) mf_rmsnorm(x, y, x_out, w_post, eps, BT, H, h_out);
@@ -213,7 +240,7 @@ typedef struct {
     const uint8_t* w2;
     const void* s2;
     const void* m2;
-    int fmt;  /* MF_Q4_F32 or MF_Q4_F16Z, both matrices */
+    int fmt;  /* MF_Q4_F32, MF_Q4_F16Z or MF_Q4_F16Z8, both matrices */
 } mf_expert_desc;
 
 /* A Mixtral-layout decoder layer: the attention half of mf_attn_block, a plain softmax-top-k router (fp32 gate
@@ -226,6 +253,10 @@ typedef struct {
     const void* qkv_w;
     const void* qkv_s;
     const void* qkv_m;
+    int kv_bits, kv_group, kv_fmt;  /* kv_bits 0: qkv is all of q, k, v (mf_attn_block) */
+    const void* kv_w;
+    const void* kv_s;
+    const void* kv_m;
     int o_bits, o_group, o_fmt;
     const void* o_w;
     const void* o_s;
@@ -257,7 +288,8 @@ int mf_layers_step(const mf_layer_desc* layers, int n, float* x, int H, const fl
     for (int l = 0; l < n && !rc; l++) {
         const mf_layer_desc* d = &layers[l];
         rc = mf_attn_block(x, 1, 1, H, d->w_in, d->w_post, d->eps, d->qkv_bits, d->qkv_group, d->qkv_fmt, d->qkv_w,
-                           d->qkv_s, d->qkv_m, d->o_bits, d->o_group, d->o_fmt, d->o_w, d->o_s, d->o_m, d->nh, d->nkv,
+                           d->qkv_s, d->qkv_m, d->kv_bits, d->kv_group, d->kv_fmt, d->kv_w, d->kv_s, d->kv_m,
+                           d->o_bits, d->o_group, d->o_fmt, d->o_w, d->o_s, d->o_m, d->nh, d->nkv,
                            d->D, cos, sin,
                            (float*)kv[3 * l], (float*)kv[3 * l + 1], L, pos, (const uint8_t*)kv[3 * l + 2], scale,
                            xa, h, nthreads);

@@ -22,8 +22,8 @@ import math
 
 import torch
 
-from moeflow.kernels.cpu.native import Q4_F16Z, Q4_F32, Q4Matrix, library
-from moeflow.kernels.cpu.quant_linear import CpuQuantLinear
+from moeflow.kernels.cpu.native import Q4_F32, Q4Matrix, library, q4_fmt
+from moeflow.kernels.cpu.quant_linear import CpuQuantLinear, SplitLinear
 
 _DECLARED: set[int] = set()
 # tokens per sequence up to which the attention op runs (decode, short prompts); beyond, SDPA's blocked GEMMs
@@ -42,8 +42,8 @@ def _lib() -> ctypes.CDLL:
         lib.mf_rmsnorm.restype = None
         lib.mf_attn_step.argtypes = [p, i, i, i, i, i, p, p, p, p, i, p, p, f, p, i]
         lib.mf_attn_step.restype = i
-        lib.mf_attn_block.argtypes = [p, i, i, i, p, p, f, i, i, i, p, p, p, i, i, i, p, p, p, i, i, i, p, p, p, p,
-                                      i, p, p, f, p, p, i]
+        lib.mf_attn_block.argtypes = [p, i, i, i, p, p, f, i, i, i, p, p, p, i, i, i, p, p, p, i, i, i, p, p, p,
+                                      i, i, i, p, p, p, p, i, p, p, f, p, p, i]
         lib.mf_attn_block.restype = i
         lib.mf_dense_f32.argtypes = [p, i, i, i, p, p]
         lib.mf_dense_f32.restype = None
@@ -121,12 +121,13 @@ def attention_step(qkv: torch.Tensor, n_heads: int, n_kv: int, cos: torch.Tensor
 
 
 def attention_block(x: torch.Tensor, norm_in: torch.Tensor, norm_post: torch.Tensor, eps: float,
-                    qkv: CpuQuantLinear, o: CpuQuantLinear, n_heads: int, n_kv: int, cos: torch.Tensor,
+                    qkv: CpuQuantLinear | SplitLinear, o: CpuQuantLinear, n_heads: int, n_kv: int, cos: torch.Tensor,
                     sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_position: torch.Tensor,
                     mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A decoder layer's attention half in one call: x fp32 [B, T, H] -> (x + attn, rmsnorm(x + attn, norm_post)),
     where attn = o(attention_step(qkv(rmsnorm(x, norm_in)))), each fp32 [B, T, H]; writes this step's keys
-    and values into the cache. ``qkv``, ``o``: native int4/int8 :class:`CpuQuantLinear` without bias; the other
+    and values into the cache. ``qkv``, ``o``: native int4/int8 :class:`CpuQuantLinear` without bias (``qkv``: or a
+    :class:`SplitLinear` of two, q's rows and k's and v's); the other
     arguments as :func:`rmsnorm` and :func:`attention_step`. The same kernels in the same order as those calls."""
     b, t, h = x.shape
     _check_fp32("x", x)
@@ -134,7 +135,7 @@ def attention_block(x: torch.Tensor, norm_in: torch.Tensor, norm_post: torch.Ten
                           v_cache, cache_position, mask)
     x_out, h_out = torch.empty_like(x), torch.empty_like(x)
     rc = _lib().mf_attn_block(x.data_ptr(), b, t, h, norm_in.data_ptr(), norm_post.data_ptr(), eps,
-                              *_linear_args(qkv), *_linear_args(o), n_heads, n_kv, k_cache.shape[3],
+                              *qkv_args(qkv), *_linear_args(o), n_heads, n_kv, k_cache.shape[3],
                               cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                               k_cache.shape[2], cache_position.data_ptr(), mask.data_ptr(),
                               1.0 / math.sqrt(k_cache.shape[3]), x_out.data_ptr(), h_out.data_ptr(),
@@ -214,14 +215,25 @@ def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool = True
 
 
 def block_linear_ok(layer: torch.nn.Module) -> bool:
-    """Whether :func:`attention_block` takes ``layer`` as its qkv or o projection."""
+    """Whether :func:`attention_block` takes ``layer`` as its qkv or o projection (qkv: also a
+    :class:`~moeflow.kernels.cpu.quant_linear.SplitLinear` of two such layers, q's rows and k's and v's)."""
+    if isinstance(layer, SplitLinear):
+        return all(block_linear_ok(p) for p in layer.parts)
     return isinstance(layer, CpuQuantLinear) and layer.native and layer.bias is None and layer.bits in (4, 8)
+
+
+def qkv_args(layer: CpuQuantLinear | SplitLinear) -> tuple:
+    """mf_attn_block's 12 arguments for the q/k/v projection: one linear's, then (0, 0, 0, None, None, None); or a
+    split one's q part, then its k/v part."""
+    if isinstance(layer, SplitLinear):
+        return (*_linear_args(layer.parts[0]), *_linear_args(layer.parts[1]))
+    return (*_linear_args(layer), 0, 0, 0, None, None, None)
 
 
 def _linear_args(layer: CpuQuantLinear) -> tuple:
     """(bits, group, fmt, weight, scales, mins) of a native layer: mf_attn_block's arguments for one linear."""
     if layer.bits == 4:
-        fmt = Q4_F16Z if layer.scales.dtype == torch.float16 else Q4_F32
+        fmt = q4_fmt(layer.scales, layer.mins)
         return 4, layer.group_size, fmt, layer.packed.data_ptr(), layer.scales.data_ptr(), layer.mins.data_ptr()
     return 8, 0, Q4_F32, layer.int8_weight.data_ptr(), layer.int8_scales.data_ptr(), None
 

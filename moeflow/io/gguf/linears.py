@@ -1,0 +1,94 @@
+"""A GGUF file's 4-bit non-expert linear layers as the CPU path's int4 layers, with the file's own codes and scales.
+
+On ``device="cpu"`` moeflow's reader dequantizes every non-expert tensor at load (:mod:`moeflow.io.gguf.reader`),
+and the CPU path then quantizes the attention projections again (int8 by default: ``engine/cpu_linears.py``). For
+the block types whose values a CPU int4 form holds exactly, :class:`GGUFStoredLinears` builds the layer from the
+stored blocks instead (issue 42): no second rounding, the weights llama.cpp computes with, half of int8's bytes.
+
+* ``Q4_0`` (``(q - 8) * d`` per 32 inputs, fp16 ``d``) -> :meth:`~moeflow.kernels.cpu.native.Q4Matrix.from_q4_0`:
+  the ``Q4_F16Z8`` form (group 32, fp16 scales, no zero points stored: the file's 18 bytes per 32 weights);
+* ``Q4_1`` (``q * d + m`` per 32 inputs, fp16 ``d`` and ``m``) -> the ``Q4_F32`` form at group 32 (``s = d``,
+  ``m = m`` in fp32: the same values; 8 bytes of scale and min per 32 weights where the file has 4).
+
+Other types (F16 / BF16 / F32, ``Q8_0``: its per-32 scales have no int8 CPU form, which scales rows; the K-quants)
+are not taken here: they keep today's path (dequantized at load, then int8 on the CPU). The llama architecture's
+q/k rows are un-permuted as the reader does (:func:`~moeflow.io.gguf.reader.unpermute_rope_rows`): whole rows of
+codes and scales move, so the values are exact. What the layers compute: each weight exactly the file's
+dequantized value, times the activations rounded to int8 per 32 features (:func:`~moeflow.kernels.cpu.quant_linear.
+reference_linear` with the dequantized weight is its fp32 model).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from moeflow.io.gguf.reader import GGUFCheckpointReader, unpermute_rope_rows
+from moeflow.kernels.cpu.native import Q4Matrix, _group_rows, _pack_q4, native_available
+from moeflow.kernels.cpu.quant_linear import CpuQuantLinear
+from moeflow.quant.ggml import q4_0_codes
+
+NATIVE_TYPES = ("Q4_0", "Q4_1")  # block types read straight into a CPU int4 form
+GROUP = 32  # their block: the int4 group size
+
+
+def q4_1_codes(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_1 rows as 4-bit codes, scales and mins: raw uint8 [N, K/32 * 20] -> (codes uint8 [N, K] in [0, 15],
+    d fp16 [N, K/32], m fp16 [N, K/32]); value ``codes * d + m`` as ggml dequantizes it (blocks: fp16 d, fp16 m,
+    16 bytes of nibbles, value j in byte j's low nibble, value 16 + j in its high one)."""
+    n = raw.shape[0]
+    blocks = raw.reshape(-1, 20)
+    qs = blocks[:, 4:].reshape(-1, 1, 16)
+    codes = torch.cat([qs & 0x0F, qs >> 4], dim=1).reshape(n, -1)
+    d = blocks[:, :2].contiguous().view(torch.float16).reshape(n, -1)
+    m = blocks[:, 2:4].contiguous().view(torch.float16).reshape(n, -1)
+    return codes, d, m
+
+
+class GGUFStoredLinears:
+    """The CPU int4 layers a GGUF model's decoder modules can take from the file as stored (module docstring).
+
+    ``name_of`` maps a decoder module's name (``layers.3.self_attn.q_proj``) to the HF tensor name the reader
+    answers (the family's ``checkpoint_name`` of its ``.weight``)."""
+
+    def __init__(self, reader: GGUFCheckpointReader, name_of) -> None:
+        self.reader, self.name_of = reader, name_of
+
+    def stored_type(self, module_name: str) -> str | None:
+        """The ggml type the weight of ``module_name`` is stored in (None: not in the file as one tensor)."""
+        found = self.reader.resolve(self.name_of(module_name))
+        if found is None or found[1] is not None:
+            return None
+        return found[0].type.name
+
+    def cpu_linear(self, module_name: str) -> CpuQuantLinear | None:
+        """The int4 layer of ``module_name``'s weight from its stored blocks, or None where its type has no exact
+        CPU int4 form (:data:`NATIVE_TYPES`), the kernels do not build here, or the shape does not tile."""
+        if not native_available():
+            return None
+        found = self.reader.resolve(self.name_of(module_name))
+        if found is None or found[1] is not None:
+            return None
+        info = found[0]
+        if info.type.name not in NATIVE_TYPES or len(info.shape) != 2:
+            return None
+        out_features, in_features = info.shape
+        if in_features % GROUP:
+            return None
+        raw = torch.from_numpy(np.ascontiguousarray(self.reader.files.read(info)))
+        permute = self.reader.arch.rope_permuted and info.name.endswith(("attn_q.weight", "attn_k.weight"))
+        cfg = self.reader.config
+        heads = int(cfg["num_attention_heads" if "attn_q" in info.name else "num_key_value_heads"]
+                    or cfg["num_attention_heads"]) if permute else 0
+
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            return unpermute_rope_rows(t, heads).contiguous() if permute else t
+
+        if info.type.name == "Q4_0":
+            codes, d = q4_0_codes(raw)
+            matrix = Q4Matrix.from_q4_0(rows(codes), rows(d))
+        else:
+            codes, d, m = q4_1_codes(raw)
+            matrix = Q4Matrix(_pack_q4(rows(codes)), _group_rows(rows(d).float()), _group_rows(rows(m).float()),
+                              GROUP)
+        return CpuQuantLinear(4, in_features, out_features, int4=matrix)
