@@ -84,6 +84,9 @@ def test_acceptance_one_yields_two_tokens_per_verify_pass(tiny, monkeypatch):
     res = price(spec, "lru", 6, PROFILE)
     base = price(plain, "lru", 6, PROFILE)
     assert res["decode_tokens"] == NEW - 1 and base["decode_passes"] == NEW - 1
+    free = price(spec, "lru", 6, PROFILE, mtp_passes=False)  # the drafts as if free: only the verify passes
+    assert free["decode_passes"] == len(verify) and free["decode_tokens"] == NEW - 1
+    assert free["bytes_per_token"] < res["bytes_per_token"]
     assert sum(p.rows.stop - p.rows.start for p in verify) == 2 * ((NEW - 1) // 2) + (NEW - 1) % 2
 
 

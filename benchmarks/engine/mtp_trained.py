@@ -3,7 +3,9 @@ acceptance at k = 1, 2, 3; expert bytes moved per generated token with and witho
 and 50 % of the main model's experts (the MTP layer's experts share the slots) under lru and one predictive policy
 (mixtral-offloading: the next layer's router applied to this layer's input), measured by the engine on the CPU; and
 the simulator's price of the same runs (moeflow/sim/speculation.py: the recorded passes through the real scheduler
-on virtual time) on the PCIe 4 24 GB, DeepSeek-V3 PCIe 4 24 GB and H100 PCIe 5 profiles' costs. Every speculative
+on virtual time) on the PCIe 4 24 GB, DeepSeek-V3 PCIe 4 24 GB and H100 PCIe 5 profiles' costs, also without the
+MTP passes (``verify_only_*``: the drafts as if free, the limit of a model with many more MoE layers than MTP
+layers: DeepSeek-V3 has 58 to 1, this one 3 to 1). Every speculative
 run's tokens are asserted equal to plain greedy's. Prompts: windows of the training corpus's held-out split.
 
     python -m scripts.train_mtp_model --minutes 35 --out build/mtp-deepseekv3
@@ -119,6 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
                 base = price(plain, policy, slots, profile)
                 for k in args.ks:
                     sp = price(runs[k], policy, slots, profile)
+                    free = price(runs[k], policy, slots, profile, mtp_passes=False)  # the drafts as if free
                     row = dict(profile=name, policy=policy, experts_fraction=frac, slots=slots, k=k,
                                acceptance=runs[k].acceptance,
                                plain_bytes_per_token=base["bytes_per_token"],
@@ -127,7 +130,9 @@ def main(argv: list[str] | None = None) -> dict:
                                plain_ms_per_token=1e3 * base["time_per_token_s"],
                                spec_ms_per_token=1e3 * sp["time_per_token_s"],
                                time_ratio=sp["time_per_token_s"] / base["time_per_token_s"],
-                               plain_hit_rate=base["decode_hit_rate"], spec_hit_rate=sp["decode_hit_rate"])
+                               plain_hit_rate=base["decode_hit_rate"], spec_hit_rate=sp["decode_hit_rate"],
+                               verify_only_bytes_ratio=free["bytes_per_token"] / base["bytes_per_token"],
+                               verify_only_time_ratio=free["time_per_token_s"] / base["time_per_token_s"])
                     sim_rows.append(r4(row))
                     print(json.dumps(sim_rows[-1]), flush=True)
     info = Path("/proc/cpuinfo").read_text().splitlines()

@@ -30,7 +30,8 @@ from moeflow.trace import DECODE, PREFILL, Trace
 class RecordedRun:
     """One ``generate`` per prompt, recorded pass by pass: ``trace`` (rows of every pass, in order), ``passes`` (per
     sequence), ``outputs`` (each prompt's generated ids [1, T + n]), the drafts proposed / accepted and ``gates``
-    (the routers of every MoE layer, MTP layers last, for policies that apply them)."""
+    (the routers of every MoE layer, MTP layers last, for policies that apply them); ``main_layers``: the decoder's
+    MoE layers (the trace's first)."""
 
     trace: Trace
     passes: list[list[Pass]]
@@ -38,6 +39,7 @@ class RecordedRun:
     drafted: int
     accepted: int
     gates: list[nn.Module]
+    main_layers: int
 
     @property
     def acceptance(self) -> float | None:
@@ -154,7 +156,7 @@ def record_passes(model, prompts: Sequence[torch.Tensor], max_new_tokens: int,
                   hidden=torch.cat(cols["hidden"]), num_layers=L, num_experts=E, top_k=k, hidden_size=H,
                   model=str(getattr(model, "name_or_path", "")), source="recorded passes")
     blocks = list(model.model.moe_blocks) + (list(model.mtp.moe_blocks) if model.mtp is not None else [])
-    return RecordedRun(trace, passes, outputs, drafted, accepted, [b.gate for b in blocks])
+    return RecordedRun(trace, passes, outputs, drafted, accepted, [b.gate for b in blocks], n_main)
 
 
 def any_shape(profile: HardwareProfile) -> HardwareProfile:
@@ -164,13 +166,24 @@ def any_shape(profile: HardwareProfile) -> HardwareProfile:
                    name=profile.name if profile.num_layers is None else f"{profile.name} (costs; any shape)")
 
 
-def price(run: RecordedRun, policy: str, slots: int, profile: HardwareProfile, **options) -> dict:
+def without_mtp_passes(run: RecordedRun) -> list[list[Pass]]:
+    """``run``'s passes less those that ran only MTP layers (the drafts as if free: the MTP layers' experts never
+    moved): the verify passes' share of the price, which a model with many more MoE layers than MTP layers (58 to 1
+    in DeepSeek-V3) approaches."""
+    mtp_layers = set(range(run.main_layers, run.trace.num_layers))
+    return [[p for p in steps if not (p.layers and set(p.layers) <= mtp_layers)] for steps in run.passes]
+
+
+def price(run: RecordedRun, policy: str, slots: int, profile: HardwareProfile, mtp_passes: bool = True,
+          **options) -> dict:
     """Simulate ``run`` under ``policy`` with ``slots`` expert slots on ``profile`` (shape checks lifted:
-    :func:`any_shape`) -> bytes and time per generated token while decoding, hit rate, passes."""
+    :func:`any_shape`) -> bytes and time per generated token while decoding, hit rate, passes. ``mtp_passes``
+    False: without the passes that ran only MTP layers (:func:`without_mtp_passes`)."""
     from moeflow.sim.simulator import simulate
 
     needs_gates = policy == "mixtral-offloading"
-    res = simulate(run.trace, policy, slots, any_shape(profile), passes=run.passes, timeline=False,
+    passes = run.passes if mtp_passes else without_mtp_passes(run)
+    res = simulate(run.trace, policy, slots, any_shape(profile), passes=passes, timeline=False,
                    gates=run.gates if needs_gates else None, **options)
     return {"policy": res.policy, "slots": res.slots, "profile": profile.name,
             "decode_passes": res.decode_steps, "decode_tokens": res.decode_generated_tokens,
