@@ -1,7 +1,8 @@
 """scripts/train_mtp_model.py: a two-step run of a tiny shape writes a checkpoint in DeepSeek-V3's published names that
 moeflow reads with ``mtp=True``; moeflow's main logits and MTP-layer logits equal the training script's forward on the
 same weights (so the acceptance measured on the trained model is the trained head's), and speculation on it gives
-plain greedy's tokens. ~30 s on 2 cores (most of it collecting the corpus)."""
+plain greedy's tokens; benchmarks/engine/mtp_trained.py runs on it. ~40 s on 2 cores (most of it collecting the
+corpus)."""
 
 from __future__ import annotations
 
@@ -21,15 +22,23 @@ TINY = ["--steps", "2", "--warmup", "1", "--hidden", "64", "--experts", "8", "--
         "--seq-len", "32", "--batch-size", "2", "--eval-windows", "2"]
 
 
-def test_checkpoint_is_read_as_trained(tmp_path):
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
     from scripts import train_mtp_model as tm
 
     threads = torch.get_num_threads()
-    out = tmp_path / "ckpt"
+    out = tmp_path_factory.mktemp("train_mtp") / "ckpt"
     try:
         assert tm.main([*TINY, "--out", str(out)]) == 0
     finally:
         torch.set_num_threads(threads)
+    return out
+
+
+def test_checkpoint_is_read_as_trained(trained):
+    from scripts import train_mtp_model as tm
+
+    out = trained
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["num_hidden_layers"] == 4 and cfg["num_nextn_predict_layers"] == 1
     report = json.loads((out / "training_report.json").read_text())
@@ -80,3 +89,24 @@ def test_checkpoint_is_read_as_trained(tmp_path):
     plain = mf.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=[])
     spec = mf.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=[], num_speculative_tokens=2)
     assert torch.equal(plain, spec)
+
+
+def test_benchmark_on_the_checkpoint(trained, tmp_path):
+    """benchmarks/engine/mtp_trained.py in a tiny run: tokens equal plain greedy (it asserts it), and the simulator's
+    lru bytes ratio equals the engine's."""
+    from benchmarks.engine import mtp_trained
+
+    threads = torch.get_num_threads()
+    try:
+        report = mtp_trained.main(["--model", str(trained), "--prompts", "1", "--prompt-len", "16", "--new-tokens",
+                                   "6", "--ks", "1", "--policies", "lru", "--profiles", "pcie4-24gb",
+                                   "--out", str(tmp_path / "r.json")])
+    finally:
+        torch.set_num_threads(threads)
+    assert (tmp_path / "r.json").is_file() and report["acceptance"][0]["tokens_equal"]
+    engine = {r["experts_fraction"]: r for r in report["engine"]}
+    sim = {r["experts_fraction"]: r for r in report["simulated"]}
+    assert set(engine) == set(sim) == {0.25, 0.5}
+    for frac, row in engine.items():
+        assert row["tokens_equal"]
+        assert sim[frac]["bytes_ratio"] == pytest.approx(row["bytes_ratio"], rel=1e-3)
