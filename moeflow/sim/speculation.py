@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -24,6 +25,9 @@ from moeflow.moe.backend import StepInfo
 from moeflow.sim.passes import Pass
 from moeflow.sim.profile import HardwareProfile
 from moeflow.trace import DECODE, PREFILL, Trace
+
+if TYPE_CHECKING:
+    from moeflow.api import MoEModel
 
 
 @dataclass
@@ -50,7 +54,7 @@ class _PassRecorder:
     """Wraps the model's expert backend ``begin_step`` and hooks every MoE block (the decoder's and the MTP
     layers'): one record per pass with its StepInfo (host copies) and per layer (x, probs, topk)."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model: MoEModel) -> None:
         self.model, self.backend = model, model.experts
         self.blocks = list(model.model.moe_blocks) + (list(model.mtp.moe_blocks) if model.mtp is not None else [])
         self.passes: list[dict] = []
@@ -105,7 +109,7 @@ class _PassRecorder:
         return hook
 
 
-def record_passes(model, prompts: Sequence[torch.Tensor], max_new_tokens: int,
+def record_passes(model: MoEModel, prompts: Sequence[torch.Tensor], max_new_tokens: int,
                   num_speculative_tokens: int | None = None) -> RecordedRun:
     """Greedy ``generate`` of each prompt (ids [T] or [1, T]) on ``model`` (a :class:`~moeflow.api.MoEModel`;
     with ``num_speculative_tokens``, loaded with ``mtp=True``), every forward pass recorded (see the module
