@@ -7,7 +7,8 @@ The main model is random (transformers' DeepseekV3ForCausalLM, weights scaled as
 is far from ties); only its MTP layer is trained: its block (transformers' decoder layer N of an N + 1 layer model,
 MLA + MoE) and ``enorm`` / ``hnorm`` / ``eh_proj`` / ``shared_head.norm``, to predict token i + 2 from the final-normed
 hidden state at i and token i + 1 on greedy continuations of random prompts (the main model's embedding and head
-frozen, shared). So acceptance is real for this model, but it is not the issue's corpus-trained model (owed).
+frozen, shared). So acceptance is real for this model, but it is not the issue's corpus-trained model (that one:
+benchmarks/engine/mtp_trained.py on scripts/train_mtp_model.py's checkpoint).
 ``--forced``: rows where each draft token is replaced by the plain greedy one with a given probability after the
 real MTP passes ran (their expert traffic counted): bytes per generated token against acceptance on this model.
 

@@ -4,6 +4,7 @@ of tests/test_sim.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -15,11 +16,19 @@ from moeflow.trace import DECODE, PREFILL, Trace
 
 @dataclass
 class Pass:
-    """One forward pass of a trace sequence: its phase (PREFILL / DECODE) and its rows of the trace."""
+    """One forward pass of a trace sequence: its phase (PREFILL / DECODE) and its rows of the trace.
+
+    A recorded speculative run (:mod:`moeflow.sim.speculation`) also gives ``layers`` (the MoE layers the pass
+    runs, in order: an MTP pass runs only the MTP layer's; None: every layer of the trace), ``info`` (the
+    :class:`StepInfo` the engine gave the backend; None: built from the trace) and ``yields`` (the tokens the pass
+    produced: a verify pass 1 + its accepted drafts, an MTP pass 0)."""
 
     seq: int
     phase: int
     rows: slice
+    layers: tuple[int, ...] | None = None
+    info: StepInfo | None = None
+    yields: int = 1
 
 
 def sequence_passes(trace: Trace, max_sequences: int | None) -> list[list[Pass]]:
@@ -56,18 +65,20 @@ def step_info(trace: Trace, rows: slice, sequence_start: int, phase: str) -> Ste
                     history, torch.ones_like(history, dtype=torch.bool), all_real=True)
 
 
-def step_compute_s(trace: Trace, profile: HardwareProfile, rows: slice) -> float:
+def step_compute_s(trace: Trace, profile: HardwareProfile, rows: slice, layers: Sequence[int] | None = None) -> float:
     """One forward pass with compute alone: per layer attention plus each used expert for its tokens, plus the head."""
-    return step_bound_s(trace, profile, rows, 0.0, overlap=False)
+    return step_bound_s(trace, profile, rows, 0.0, overlap=False, layers=layers)
 
 
-def step_bound_s(trace: Trace, profile: HardwareProfile, rows: slice, sched_s: float, overlap: bool) -> float:
+def step_bound_s(trace: Trace, profile: HardwareProfile, rows: slice, sched_s: float, overlap: bool,
+                 layers: Sequence[int] | None = None) -> float:
     """One forward pass's compute (per layer attention plus each used expert for its tokens, plus the head) with
     the host's scheduling of each layer: after its experts (``overlap`` False: the serial schedule) or beside them
-    (early hits: the experts in slots run while the host schedules)."""
+    (early hits: the experts in slots run while the host schedules). ``layers``: the MoE layers the pass runs
+    (None: all)."""
     T = rows.stop - rows.start
     total = profile.head_s
-    for l in range(trace.num_layers):
+    for l in (range(trace.num_layers) if layers is None else layers):
         counts = torch.bincount(trace.topk_ids[rows, l].reshape(-1).long(), minlength=trace.num_experts)
         experts = sum(profile.expert_s(int(c)) for c in counts.tolist() if c)
         total += profile.attn_s(T) + (max(experts, sched_s) if overlap else experts + sched_s)

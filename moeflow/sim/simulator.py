@@ -42,7 +42,7 @@ from moeflow.sim.engine import Interval, SimClock, SimCopyEngine, SimHostStore, 
 from moeflow.sim.hybrid import SimHybridCompute, sim_hybrid_factory
 from moeflow.sim.llamacpp import LLAMACPP_POLICY, llamacpp_moe_layer, n_cpu_moe
 from moeflow.sim.oracle import OraclePredictor, oracle_policy
-from moeflow.sim.passes import sequence_passes, step_bound_s, step_compute_s, step_info
+from moeflow.sim.passes import Pass, sequence_passes, step_bound_s, step_compute_s, step_info
 from moeflow.sim.profile import HardwareProfile
 from moeflow.trace import DECODE, PREFILL, Trace
 
@@ -150,10 +150,23 @@ class SimResult:
     host_experts: int | None = None  # experts in the host cache (the rest read from disk)
     disk_bytes: int = 0  # read from disk after load (bytes of the profile)
     disk_busy_s: float = 0.0
+    decode_generated_tokens: int = 0  # tokens the decode passes produced (plain: one per pass)
+    decode_time_s: float = 0.0  # every decode pass, summed
 
     @property
     def tokens_per_s(self) -> float | None:
         return 1.0 / self.tpot_s if self.tpot_s else None
+
+    @property
+    def time_per_generated_token_s(self) -> float | None:
+        """Decode time per token produced while decoding (plain decoding: ``tpot_s``; speculation: its MTP and
+        verify passes over the tokens they yielded)."""
+        return self.decode_time_s / self.decode_generated_tokens if self.decode_generated_tokens else None
+
+    @property
+    def bytes_per_generated_token(self) -> float | None:
+        """Host -> device bytes while decoding per token produced while decoding (``Stats``' same ratio)."""
+        return self.decode_bytes_h2d / self.decode_generated_tokens if self.decode_generated_tokens else None
 
     def as_dict(self, timelines: bool = False) -> dict[str, Any]:
         d = asdict(self)
@@ -185,6 +198,7 @@ def simulate(
     cpu_compute: str | None = None,
     cpu_workers: int = 1,
     race_margin: float = 0.25,
+    passes: list[list[Pass]] | None = None,
 ) -> SimResult:
     """Run ``policy`` with ``slots`` device expert slots over ``trace`` on ``profile``'s hardware.
 
@@ -199,6 +213,8 @@ def simulate(
         the profile's CPU cost, decided by the runtime's cost model: :mod:`moeflow.sim.hybrid`); fiddler computes
         on the CPU whatever this says but "never". ``llamacpp-n-cpu-moe`` runs llama.cpp's placement for the budget
         (:mod:`moeflow.sim.llamacpp`).
+    passes: the forward passes per sequence, each with its MoE layers, StepInfo and yielded tokens (a recorded
+        speculative run, :mod:`moeflow.sim.speculation`); None: the trace's own (:func:`sequence_passes`).
     """
     profile.check_trace(trace.num_layers, trace.num_experts, trace.top_k, f"trace {trace.source}")
     check_policy(policy)
@@ -210,6 +226,8 @@ def simulate(
         profile.require_cpu(f"policy {policy!r}")
     if len(trace) == 0:
         raise SimulationError(f"{trace.source}: the trace holds no tokens")
+    if passes is not None and policy in SIM_ONLY_POLICIES:
+        raise SimulationError(f"policy {policy!r} replays a trace's own passes; it does not take passes=")
     L, E, k = trace.num_layers, trace.num_experts, trace.top_k
     total = L * E
     clock = SimClock()
@@ -286,7 +304,7 @@ def simulate(
     if slots > n_slots and policy not in ("resident", LLAMACPP_POLICY):
         notes.append(f"{slots} slots capped at the model's {n_slots} experts")
 
-    sequences = sequence_passes(trace, max_sequences)
+    sequences = passes if passes is not None else sequence_passes(trace, max_sequences)
     first_decodes = [s for s in sequences[0] if s.phase == DECODE]
     tl_decode = None
     if first_decodes:
@@ -304,7 +322,7 @@ def simulate(
     llama_bytes = {"prefill": 0, "decode": 0}  # llama.cpp: weights its op offload copies (prefill)
     compute_alone: list[float] = []
     bounds: list[float] = []  # per decode step: compute alone with the host's scheduling (step_bound_s)
-    prefill_tokens = 0
+    prefill_tokens = decode_generated = 0
     for steps in sequences:
         for i, step in enumerate(steps):
             phase = "prefill" if step.phase == PREFILL else "decode"
@@ -319,8 +337,9 @@ def simulate(
             start, stall0 = clock.now, transport.stall_s
             T = step.rows.stop - step.rows.start
             if backend is not None:  # the pass's tokens, embeddings and history, as the engine hands them over
-                backend.begin_step(step_info(trace, step.rows, steps[0].rows.start, phase))
-            for l in range(L):
+                backend.begin_step(step.info if step.info is not None else
+                                   step_info(trace, step.rows, steps[0].rows.start, phase))
+            for l in (range(L) if step.layers is None else step.layers):
                 topk = trace.topk_ids[step.rows, l]
                 counts_now = torch.bincount(topk.reshape(-1).long(), minlength=E).tolist()
                 transport.compute(profile.attn_s(T), "attention", f"L{l}")
@@ -357,9 +376,11 @@ def simulate(
                     ttfts.append(elapsed)
             else:
                 decode_times.append(elapsed)
-                compute_alone.append(step_compute_s(trace, profile, step.rows))
+                decode_generated += step.yields
+                compute_alone.append(step_compute_s(trace, profile, step.rows, step.layers))
                 if backend is not None:  # (llama.cpp and resident: the bound is compute alone)
-                    bounds.append(step_bound_s(trace, profile, step.rows, profile.sched_s, backend.early_hits))
+                    bounds.append(step_bound_s(trace, profile, step.rows, profile.sched_s, backend.early_hits,
+                                               step.layers))
             if record:
                 timelines[phase] = [Interval(iv.lane, iv.kind, iv.start - start, iv.end - start, iv.label)
                                     for iv in transport.intervals]
@@ -398,6 +419,7 @@ def simulate(
         host_experts=host_experts if transport.disk is not None else total,
         disk_bytes=transport.disk.bytes_read if transport.disk is not None else 0,
         disk_busy_s=transport.disk.busy_s if transport.disk is not None else 0.0,
+        decode_generated_tokens=decode_generated, decode_time_s=sum(decode_times),
     )
 
 
