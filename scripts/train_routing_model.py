@@ -111,6 +111,8 @@ def parse_args(argv=None):
     p.add_argument("--man-mb", type=float, default=24.0, help="man-page text taken, in MB")
     p.add_argument("--save-every", type=int, default=250,
                    help="steps between checkpoints saved to --out (an interrupted run leaves its latest one)")
+    p.add_argument("--report-only", action="store_true",
+                   help="no training: evaluate the checkpoint at --out again into its report")
     p.add_argument("--stats-prompts", type=int, default=24, help="held-out windows traced for the routing stats")
     args = p.parse_args(argv)
     if args.steps is not None and args.steps <= args.warmup:
@@ -119,13 +121,15 @@ def parse_args(argv=None):
 
 
 def held_out_bits(model, heldout, seq_len: int, max_windows: int = 64, batch_size: int = 8) -> dict:
-    """Held-out bits/byte over up to ``max_windows`` non-overlapping windows of ``seq_len`` bytes."""
+    """Held-out bits/byte over ``max_windows`` windows of ``seq_len`` bytes spread evenly over the held-out text
+    (Python docs, man pages and licences alike)."""
     import math
 
     import torch
 
     n = min(max_windows, (heldout.numel() - 1) // seq_len)
-    windows = [heldout[i * seq_len: i * seq_len + seq_len + 1] for i in range(n)]
+    stride = (heldout.numel() - seq_len - 1) // max(n, 1)
+    windows = [heldout[i * stride: i * stride + seq_len + 1] for i in range(n)]
     nll, count = 0.0, 0
     was_training = model.training
     model.eval()
@@ -168,6 +172,25 @@ def held_out_stats(out_dir: Path, heldout: bytes, n: int, seq_len: int = 96, new
     return routing_stats(trace)
 
 
+def report_only(args, heldout, info: dict) -> int:
+    """Evaluate the checkpoint at ``--out`` again (held-out bits/byte over the whole held-out text and over its
+    Python-docs start, as the embedded model reports it) into its training_report.json, without training."""
+    import torch
+    from transformers import Qwen3MoeForCausalLM
+
+    model = Qwen3MoeForCausalLM.from_pretrained(args.out, dtype=torch.float32)
+    path = args.out / "training_report.json"
+    report = json.loads(path.read_text())
+    py_bytes = split_corpus(collect_corpus()[0])[1]
+    py = torch.frombuffer(bytearray(py_bytes), dtype=torch.uint8).long()
+    report["heldout_all"] = held_out_bits(model, heldout, args.seq_len, max_windows=256)
+    report["heldout_python_docs"] = held_out_bits(model, py, args.seq_len, max_windows=256)
+    report["corpus_check"] = info["sha256"]
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps({k: report[k] for k in ("heldout_all", "heldout_python_docs")}), flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
@@ -181,6 +204,8 @@ def main(argv=None) -> int:
     train_bytes, heldout_bytes = split_corpus(data)
     train = torch.frombuffer(bytearray(train_bytes), dtype=torch.uint8).long()
     heldout = torch.frombuffer(bytearray(heldout_bytes), dtype=torch.uint8).long()
+    if args.report_only:
+        return report_only(args, heldout, info)
     print(f"corpus {info['bytes']:,} bytes ({info['man_pages']} man pages, {info['licences']} licences + Python "
           f"docs), sha256 {info['sha256'][:16]}", flush=True)
     config = make_config(args)
@@ -237,7 +262,7 @@ def main(argv=None) -> int:
     stats = held_out_stats(args.out, heldout_bytes, args.stats_prompts)
     defaults = vars(parse_args([]))
     changed = [f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-               if k not in ("steps", "minutes", "out", "save_every") and v != defaults[k]]
+               if k not in ("steps", "minutes", "out", "save_every", "report_only") and v != defaults[k]]
     report = {"steps": total, "tokens": total * B * T, "train_s": round(train_s, 1), "parameters": n_params,
               "heldout": heldout_eval, "corpus": info, "log": log, "routing_stats_heldout": stats,
               "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
