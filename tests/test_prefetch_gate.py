@@ -29,28 +29,33 @@ def test_gate_arithmetic():
     clock = Clock()
     # 100-byte experts over a 100 B/s link: one copy takes 1 s; 4 layers
     gate = PrefetchGate(100, 4, clock, lambda: 100.0)
-    # nothing known: accuracy 0.5 (the (1, 1) prior), fetch fraction 1 -> 0.5 * 1 >= 1 - 0.5: admitted
-    assert gate.accuracy(0, "decode") == 0.5
+    # nothing known: a = 0.5 (the (1, 1) prior), b = 0, fetch fraction 1 -> 0.5 * 1 + 0 >= 1 - 0.5: admitted
+    assert gate.accuracy(0, "decode") == (0.5, 0.0)
     assert gate.fetch_fraction(2, 1, 10_000, "decode") == 1.0
     assert gate.admit(2, 0, 1, 0, "decode")
-    gate.record(1, [5, 6], "decode")  # rank 0: expert 5, rank 1: expert 6 for layer 1
+    gate.record(1, [5, 6, 7], "decode")  # ranks 0, 1, 2 for layer 1
     gate.layer_gate(0, [0], "decode")  # t = 0
     clock.now = 2.0
-    gate.layer_gate(1, [5], "decode")  # period 2 s; rank 0 right (1 of 1), rank 1 wrong (0 of 1)
+    gate.layer_gate(1, [5], "decode")  # period 2 s; rank 0 needed at once; ranks 1 and 2 wait (1 gate seen)
     assert gate.period_s == {"prefill": None, "decode": 2.0}
-    assert gate.accuracy(0, "decode") == pytest.approx(2 / 3) and gate.accuracy(1, "decode") == pytest.approx(1 / 3)
+    assert gate.accuracy(0, "decode") == pytest.approx((2 / 3, 0.0))
+    gate.layer_gate(1, [7], "decode")  # the next pass: rank 2 needed later (b); not consecutive: no period sample
+    gate.layer_gate(1, [], "decode")
+    gate.layer_gate(1, [], "decode")  # rank 1 unused for HORIZON = 4 gates: counted as never needed
+    assert gate.period_s["decode"] == 2.0
+    assert gate.accuracy(1, "decode") == pytest.approx((1 / 3, 0.0))
+    assert gate.accuracy(2, "decode") == pytest.approx((1 / 3, 1 / 3))
     # layer 2 from layer 1: 1 layer x 2 s of slack = 2 copies: f = 1 behind 100 bytes, 0.4 behind 160
     assert gate.fetch_fraction(2, 1, 100, "decode") == 1.0
     assert gate.fetch_fraction(2, 1, 160, "decode") == pytest.approx(0.4)
     assert gate.fetch_fraction(0, 3, 0, "decode") == 1.0  # wraps: layer 0 of the next pass is one layer away
     assert gate.fetch_fraction(2, 1, 300, "decode") == 0.0  # the backlog outlasts the slack
-    # rank 0: 2/3 * 1 >= 1/3 and 2/3 * 0.4 < 1/3; rank 1: 1/3 * 1 < 2/3 even on an idle link
+    # rank 0 (2/3, 0): 2/3 * 1 >= 1/3, 2/3 * 0.4 < 1/3; rank 1 (1/3, 0): 1/3 < 2/3 even on an idle link;
+    # rank 2 (1/3, 1/3): its later uses pay where the copy lands late: 1/3 * 0.4 + 1/3 >= 1/3
     assert gate.admit(2, 0, 1, 100, "decode") and not gate.admit(2, 0, 1, 160, "decode")
     assert not gate.admit(2, 1, 1, 0, "decode")
+    assert gate.admit(2, 2, 1, 160, "decode")
     assert gate.admit(2, 1, 1, 0, "prefill")  # phases apart: prefill knows nothing yet
-    clock.now = 3.0
-    gate.layer_gate(3, [], "decode")  # not layer 2: no period sample
-    assert gate.period_s["decode"] == 2.0
 
 
 @pytest.mark.parametrize("gated", [False, True])
@@ -71,9 +76,9 @@ def test_gate_turns_away_what_does_not_pay(gated):
     backend.prefetch(1, [2, 3], layer_now=0)
     assert (stats.decode.prefetches, stats.decode.gated_prefetches) == (2, 0)
     clock.now = 1.0
-    step(backend, stats, 1, [2])  # a hit on the rank-0 guess; rank 1 wrong; period 1 s
-    # for layer 0 (next pass, one layer away: 1 s = one copy): rank 0 (2/3, f = 1) admitted, its copy fills the
-    # slack; rank 1 (1/3) turned away; without the gate both move
+    step(backend, stats, 1, [2])  # a hit on the rank-0 guess (a = 2/3); rank 1 not needed yet (prior a = 1/2); 1 s
+    # for layer 0 (next pass, one layer away: 1 s = one copy): rank 0 (2/3 x f = 1) admitted, its copy fills the
+    # slack; rank 1 (1/2 x f = 0 < 1/2) turned away; without the gate both move
     backend.prefetch(0, [2, 3], layer_now=1)
     assert (stats.decode.prefetches, stats.decode.gated_prefetches) == ((3, 1) if gated else (4, 0))
     assert stats.decode.hits == 2
