@@ -103,7 +103,8 @@ def layer_copy_ms(profile_name: str, top_k: int) -> tuple[float, float]:
 
 def cmd_headline(args) -> dict:
     from moeflow.offload.policies.expertflow.predictor import batch_level_report
-    from moeflow.offload.predictors import evaluate_held_out, goodpred, load_predictor
+    from moeflow.offload.predictors import evaluate_held_out, load_predictor
+    from moeflow.offload.predictors.evaluate import goodpred
 
     _, ev = traces(args.model, args.out, args.new_tokens)
     pdir = args.model / "predictors"
@@ -139,8 +140,8 @@ def cmd_headline(args) -> dict:
                      f"(mean); GoodPred highest at its stride | recall {f(r.get('recall'))}, precision "
                      f"{f(r.get('precision'))}; FetchRate {f(g['fetch_rate'])}, GoodPred {f(g['goodpred'])} |")
     bl = out["expertflow_batch_level"]
-    lines.append("| ExpertFlow eq. 7: batch-level accuracy at batch 1 / 4 / 16 | ~90 % (its Fig. 4) | "
-                 + " / ".join(f(bl[b].get("accuracy")) for b in ("1", "4", "16") if b in bl)
+    lines.append("| ExpertFlow eq. 7: batch-level accuracy at batch " + " / ".join(bl) + " | 73.6–87.0 % at batch 8–32 "
+                 "(its Table 1, Switch-32/64/128) | " + " / ".join(f(bl[b].get("accuracy")) for b in bl)
                  + f"; recall {f(out['expertflow'].get('recall'))} |")
     lines.append(f"| FineMoE: recall of the map store (δ-threshold sets) | – | {f(out['finemoe'].get('recall'))}, "
                  f"{out['finemoe'].get('mean_predicted', 0):.1f} experts per layer guessed |")
@@ -209,9 +210,9 @@ def cmd_sim(args) -> dict:
     rows, lines = [], []
     for prof_name in args.profiles:
         profile = dataclasses.replace(get_profile(prof_name), num_layers=None, num_experts=None, top_k=None)
-        lines += [f"\n**{prof_name}**\n", "| slots | policy | gate | hit decode | hit prefill | decode MB / token | "
-                  "prefill MB / token | decode ms / token | TTFT ms | useful prefetches |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"\n**{prof_name}**\n", "| slots | policy | gate | hit decode | ready hit decode | hit prefill | "
+                  "decode MB / token | prefill MB / token | decode ms / token | TTFT ms | useful prefetches | gated |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for slots in budgets:
             for policy in args.policies:
                 for gate in ((False, True) if policy in PREDICTIVE else (False,)):
@@ -233,9 +234,10 @@ def cmd_sim(args) -> dict:
                     rows.append(r)
                     useful = res.useful_prefetches / res.prefetches if res.prefetches else None
                     lines.append(f"| {slots} | {policy} | {'on' if gate else '–'} | {_pct(res.decode_hit_rate)} | "
-                                 f"{_pct(res.prefill_hit_rate)} | {r['decode_bytes_per_token'] / 1e6:.0f} | "
+                                 f"{_pct(res.decode_ready_hit_rate)} | {_pct(res.prefill_hit_rate)} | "
+                                 f"{r['decode_bytes_per_token'] / 1e6:.0f} | "
                                  f"{r['prefill_bytes_per_token'] / 1e6:.0f} | {_ms(res.tpot_s)} | {_ms(res.ttft_s)} | "
-                                 f"{_pct(useful)} |")
+                                 f"{_pct(useful)} | {res.gated_prefetches} |")
                     print(lines[-1], flush=True)
     md = "\n".join(lines)
     print(md)
