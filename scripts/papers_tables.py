@@ -8,6 +8,7 @@ One command per table; each prints its Markdown and writes its raw figures under
     python -m scripts.papers_tables sim          # every policy x 3 budgets, with / without the prefetch gate, batch 1
     python -m scripts.papers_tables batch8       # every policy x 3 budgets, batch-8 decode on the CPU runtime
     python -m scripts.papers_tables routing      # routing statistics beside the embedded model's and published ones
+    python -m scripts.papers_tables finemoe-store  # FineMoE's map-store capacity vs recall and hit rate
 
 Prompts: ``scripts/predictor_prompts.jsonl`` (held-out Python-docs text, held out for the routing model too: its
 corpus starts with the same text and splits it the same way). Every 8th line is an evaluation prompt (12); the
@@ -244,6 +245,38 @@ def cmd_sim(args) -> dict:
     return {"rows": rows, "budgets": budgets, "markdown": md}
 
 
+def cmd_finemoe_store(args) -> dict:
+    """FineMoE's Expert Map Store capacity against its recall and the simulator's decode hit rate (192 slots)."""
+    import shutil
+
+    from moeflow.offload.predictors import evaluate_held_out, train_predictor
+    from moeflow.sim import get_profile, simulate
+
+    train, ev = traces(args.model, args.out, args.new_tokens)
+    profile = dataclasses.replace(get_profile("pcie4-24gb"), num_layers=None, num_experts=None, top_k=None)
+    slots = round(ev.num_layers * ev.num_experts * 0.5)
+    rows, lines = [], [f"| store capacity (maps) | maps stored | decode recall | hit decode | ready hit decode | "
+                       f"decode MB / token ({slots} slots, `pcie4-24gb`) |", "|---|---|---|---|---|---|"]
+    for cap in (30, 100, 300, 1000, 3000):
+        ckpt = args.out / f"finemoe-c{cap}"
+        (ckpt / "predictors").mkdir(parents=True, exist_ok=True)
+        pred = train_predictor("finemoe", train, eval_fraction=0.1, seed=0, capacity=cap)
+        pred.save(ckpt / "predictors" / "finemoe.pt")
+        recall = evaluate_held_out(pred, ev, "decode").get("recall")
+        res = simulate(ev, "finemoe", slots, profile, timeline=False, predictor_dir=ckpt,
+                       max_sequences=args.sim_sequences)
+        stored = pred.train_info.notes.get("stored_maps")
+        rows.append({"capacity": cap, "stored": stored, "recall": recall, **res.as_dict()})
+        lines.append(f"| {cap} | {stored} | {_pct(recall)} | {_pct(res.decode_hit_rate)} | "
+                     f"{_pct(res.decode_ready_hit_rate)} | "
+                     f"{res.decode_bytes_h2d / max(res.decode_steps, 1) / 1e6:.0f} |")
+        print(lines[-1], flush=True)
+        shutil.rmtree(ckpt)
+    md = "\n".join(lines)
+    print(md)
+    return {"rows": rows, "markdown": md}
+
+
 def serve_batch(model_path: Path, policy: str, slots: int | None, gate: bool, ids, mask, new_tokens: int) -> dict:
     from moeflow import MoEModel, OffloadConfig
 
@@ -308,7 +341,7 @@ def _ms(seconds: float | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("table", choices=["predictors", "headline", "sim", "batch8", "routing"])
+    p.add_argument("table", choices=["predictors", "headline", "sim", "batch8", "routing", "finemoe-store"])
     p.add_argument("--model", type=Path, default=ROOT / "build" / "routing-qwen3moe")
     p.add_argument("--out", type=Path, default=ROOT / "build" / "papers-tables")
     p.add_argument("--new-tokens", type=int, default=16, help="greedy tokens per traced prompt")
@@ -325,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     before = machine()
     result = {"predictors": cmd_predictors, "headline": cmd_headline, "sim": cmd_sim, "batch8": cmd_batch8,
-              "routing": cmd_routing}[
+              "routing": cmd_routing, "finemoe-store": cmd_finemoe_store}[
         args.table](args)
     result.update(machine=before, machine_after=machine(), seconds=round(time.perf_counter() - start, 1),
                   model=str(args.model), args={k: str(v) for k, v in vars(args).items()})
