@@ -109,11 +109,52 @@ def parse_args(argv=None):
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--aux-coef", type=float, default=0.01, help="per-layer load balancing (Qwen3-MoE: 0.001)")
     p.add_argument("--man-mb", type=float, default=24.0, help="man-page text taken, in MB")
+    p.add_argument("--save-every", type=int, default=250,
+                   help="steps between checkpoints saved to --out (an interrupted run leaves its latest one)")
+    p.add_argument("--report-only", action="store_true",
+                   help="no training: evaluate the checkpoint at --out again into its report")
     p.add_argument("--stats-prompts", type=int, default=24, help="held-out windows traced for the routing stats")
     args = p.parse_args(argv)
     if args.steps is not None and args.steps <= args.warmup:
         p.error(f"--steps must exceed --warmup ({args.warmup})")
     return args
+
+
+def held_out_bits(model, heldout, seq_len: int, max_windows: int = 64, batch_size: int = 8) -> dict:
+    """Held-out bits/byte over ``max_windows`` windows of ``seq_len`` bytes spread evenly over the held-out text
+    (Python docs, man pages and licences alike)."""
+    import math
+
+    import torch
+
+    n = min(max_windows, (heldout.numel() - 1) // seq_len)
+    stride = (heldout.numel() - seq_len - 1) // max(n, 1)
+    windows = [heldout[i * stride: i * stride + seq_len + 1] for i in range(n)]
+    nll, count = 0.0, 0
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for start in range(0, n, batch_size):
+            batch = torch.stack(windows[start: start + batch_size])
+            logits = model(input_ids=batch[:, :-1], use_cache=False).logits
+            nll += torch.nn.functional.cross_entropy(logits.reshape(-1, 256).float(), batch[:, 1:].reshape(-1),
+                                                     reduction="sum").item()
+            count += batch[:, 1:].numel()
+    model.train(was_training)
+    return {"bits_per_byte": round(nll / count / math.log(2), 4), "bytes": count}
+
+
+def save_checkpoint(model, out: Path, report: dict) -> None:
+    """Write the checkpoint, tokenizer and ``report`` to ``out`` atomically (a ``.tmp`` sibling, then a rename)."""
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp)
+    build_byte_tokenizer().save(str(tmp / "tokenizer.json"))
+    (tmp / "training_report.json").write_text(json.dumps(report, indent=1) + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
 
 
 def held_out_stats(out_dir: Path, heldout: bytes, n: int, seq_len: int = 96, new_tokens: int = 16) -> dict:
@@ -131,6 +172,25 @@ def held_out_stats(out_dir: Path, heldout: bytes, n: int, seq_len: int = 96, new
     return routing_stats(trace)
 
 
+def report_only(args, heldout, info: dict) -> int:
+    """Evaluate the checkpoint at ``--out`` again (held-out bits/byte over the whole held-out text and over its
+    Python-docs start, as the embedded model reports it) into its training_report.json, without training."""
+    import torch
+    from transformers import Qwen3MoeForCausalLM
+
+    model = Qwen3MoeForCausalLM.from_pretrained(args.out, dtype=torch.float32)
+    path = args.out / "training_report.json"
+    report = json.loads(path.read_text())
+    py_bytes = split_corpus(collect_corpus()[0])[1]
+    py = torch.frombuffer(bytearray(py_bytes), dtype=torch.uint8).long()
+    report["heldout_all"] = held_out_bits(model, heldout, args.seq_len, max_windows=256)
+    report["heldout_python_docs"] = held_out_bits(model, py, args.seq_len, max_windows=256)
+    report["corpus_check"] = info["sha256"]
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps({k: report[k] for k in ("heldout_all", "heldout_python_docs")}), flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
@@ -143,6 +203,9 @@ def main(argv=None) -> int:
     data, info = corpus(args.man_mb)
     train_bytes, heldout_bytes = split_corpus(data)
     train = torch.frombuffer(bytearray(train_bytes), dtype=torch.uint8).long()
+    heldout = torch.frombuffer(bytearray(heldout_bytes), dtype=torch.uint8).long()
+    if args.report_only:
+        return report_only(args, heldout, info)
     print(f"corpus {info['bytes']:,} bytes ({info['man_pages']} man pages, {info['licences']} licences + Python "
           f"docs), sha256 {info['sha256'][:16]}", flush=True)
     config = make_config(args)
@@ -185,21 +248,23 @@ def main(argv=None) -> int:
             log.append({"step": step, "ce_bits": round(ce.item() / 0.6931, 4), "aux": round(aux.item(), 4)})
             print(f"step {step}/{total or '?'} lr {lr:.2e} ce {ce.item() / 0.6931:.3f} bits aux {aux.item():.3f} "
                   f"{rate:,.0f} tok/s", flush=True)
+        if args.save_every and step % args.save_every == 0 and step != total:
+            ev = held_out_bits(model, heldout, T, max_windows=16)
+            log.append({"step": step, "heldout_bits_per_byte_16w": ev["bits_per_byte"]})
+            save_checkpoint(model, args.out, {"partial": True, "step": step, "of_steps": total, "log": log,
+                                              "train_s": round(time.perf_counter() - t_train, 1)})
+            print(f"  checkpoint at step {step}: held-out {ev['bits_per_byte']:.3f} bits/byte (16 windows)",
+                  flush=True)
     train_s = time.perf_counter() - t_train
-    tmp = args.out.with_name(args.out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    model.save_pretrained(tmp)
-    build_byte_tokenizer().save(str(tmp / "tokenizer.json"))
-    if args.out.exists():
-        shutil.rmtree(args.out)
-    tmp.rename(args.out)
+    heldout_eval = held_out_bits(model, heldout, T)
+    print(f"held-out: {heldout_eval['bits_per_byte']:.4f} bits/byte over {heldout_eval['bytes']:,} bytes", flush=True)
+    save_checkpoint(model, args.out, {"partial": True, "step": total, "of_steps": total})
     stats = held_out_stats(args.out, heldout_bytes, args.stats_prompts)
     defaults = vars(parse_args([]))
     changed = [f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-               if k not in ("steps", "minutes", "out") and v != defaults[k]]
+               if k not in ("steps", "minutes", "out", "save_every", "report_only") and v != defaults[k]]
     report = {"steps": total, "tokens": total * B * T, "train_s": round(train_s, 1), "parameters": n_params,
-              "corpus": info, "log": log, "routing_stats_heldout": stats,
+              "heldout": heldout_eval, "corpus": info, "log": log, "routing_stats_heldout": stats,
               "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
               "reproduce": " ".join(["python -m scripts.train_routing_model", f"--steps {total}", *changed,
                                      f"--out {args.out}"])}

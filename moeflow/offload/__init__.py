@@ -184,4 +184,5 @@ def create_expert_backend(
         copy_chunks=config.copy_chunks, max_inflight_chunks=config.max_inflight_chunks,
         kernels_backend=kernels_backend, policy_name=spec.name, owns_host=owns_host, platform=platform,
         early_hits=config.early_hits, mechanisms=mechanisms,
+        h2d_bytes_per_s=config.h2d_gbps * 1e9 if config.h2d_gbps is not None else None,
     )

@@ -48,6 +48,7 @@ from moeflow.offload.plan import arrival_order, plan_layer
 from moeflow.offload.platform import REAL, Platform
 from moeflow.offload.policies.spec import Mechanisms
 from moeflow.offload.predictors.interface import Predictor
+from moeflow.offload.prefetch_gate import gate_for
 from moeflow.offload.prelude import PreludeCapture
 from moeflow.offload.readback import ReadBack, host_proposals
 from moeflow.offload.slot_loads import SlotLoader
@@ -61,6 +62,7 @@ class OffloadedExperts(ExpertBackend):
     Built by :func:`moeflow.offload.create_expert_backend` from a policy; ``platform`` supplies the clock,
     the copy engine and (optionally) the compute executor (see :mod:`moeflow.offload.platform`).
     prefill_ring: in prefill at most this many of a layer's loads hold slots at once (DuoServe), None: no limit.
+    h2d_bytes_per_s: the configured host->device rate (``OffloadConfig.h2d_gbps``) for the prefetch gate.
 
     Collaborators, each built here: ``loads`` (:class:`~moeflow.offload.slot_loads.SlotLoader`: the load side),
     ``prelude`` (:class:`~moeflow.offload.prelude.PreludeCapture`: the captured prelude), ``compute``
@@ -92,6 +94,7 @@ class OffloadedExperts(ExpertBackend):
         platform: Platform = REAL,
         early_hits: bool | None = None,
         mechanisms: Mechanisms | None = None,
+        h2d_bytes_per_s: float | None = None,
     ) -> None:
         self.fmt = fmt
         self.mechanisms = mechanisms if mechanisms is not None else Mechanisms()
@@ -125,7 +128,9 @@ class OffloadedExperts(ExpertBackend):
         self.prefill_ring = prefill_ring
         self.loads: SlotLoads = SlotLoader(self.cache, self.engine, host, transport, stats, predictor=predictor,
                                            clock=self.clock, prefill_ring=prefill_ring, num_layers=self.num_layers,
-                                           mechanisms=self.mechanisms)
+                                           mechanisms=self.mechanisms, gate=gate_for(
+                                               self.mechanisms.prefetch_gate, host, transport, self.device,
+                                               self.clock, h2d_bytes_per_s))
         self.prelude: PreludeStage = PreludeCapture(kernels_backend, predictor, self.readback, hybrid=cpu is not None)
         if predictor is not None:
             predictor.bind(self.loads)  # predictors that prefetch outside forward (FineMoE, ExpertFlow)
@@ -319,6 +324,7 @@ class OffloadedExperts(ExpertBackend):
         # 2. early preemption
         self.cache.poll()
         _, dropped = self.engine.preempt(layer, set(needed))
+        self.loads.layer_gate(layer, needed)
         for task in dropped:
             self.cache.drop(self.cache.lookup(task.key), task.fences())
 

@@ -14,6 +14,7 @@ from moeflow.offload.copy_engine import LoadTask
 from moeflow.offload.host_store import HostStore
 from moeflow.offload.policies.spec import Mechanisms
 from moeflow.offload.predictors.interface import Predictor
+from moeflow.offload.prefetch_gate import PrefetchGate, queued_bytes
 from moeflow.offload.stats import PhaseStats, Stats
 from moeflow.offload.transport import Transport
 
@@ -26,12 +27,13 @@ class SlotLoader:
     wait); stats: the counters (its ``phase`` decides whether ``prefill_ring`` applies); predictor: the policy's,
     asked for late proposals and queue priorities; clock: seconds, for the stall counter; prefill_ring: in prefill
     at most this many of a layer's loads hold slots at once (DuoServe), None: no limit; num_layers: the layers
-    a prefetch's distance wraps around; mechanisms: the policy's switches (refresh on prefetch, ranked queue).
+    a prefetch's distance wraps around; mechanisms: the policy's switches (refresh on prefetch, ranked queue);
+    gate: the bandwidth-aware prefetch gate (``Mechanisms.prefetch_gate``), None: every guess a slot can take.
     """
 
     def __init__(self, cache: ExpertCache, engine: LoadQueue, host: HostStore, transport: Transport, stats: Stats,
                  *, predictor: Predictor | None, clock: Callable[[], float], prefill_ring: int | None,
-                 num_layers: int, mechanisms: Mechanisms) -> None:
+                 num_layers: int, mechanisms: Mechanisms, gate: PrefetchGate | None = None) -> None:
         self.cache = cache
         self.engine = engine
         self.host = host
@@ -42,6 +44,7 @@ class SlotLoader:
         self.prefill_ring = prefill_ring
         self.num_layers = num_layers
         self.mechanisms = mechanisms
+        self.gate = gate
 
     def warm_fill(self, count: int, num_layers: int) -> None:
         """At load: fill ``count`` slots (expert 0 of every layer, then 1, ...: every layer gets a share) and wait
@@ -122,17 +125,31 @@ class SlotLoader:
             self.cache.drop(victim, self.engine.cancel(victim.task))
         return self.cache.allocate(key, layer)
 
+    def layer_gate(self, layer: int, needed: list[int]) -> None:
+        """Layer ``layer``'s routing is known: the prefetch gate counts its guesses' outcomes and the layer period."""
+        if self.gate is not None:
+            self.gate.layer_gate(layer, needed, self.stats.phase)
+
     def prefetch_guesses(self, target: int, experts: list[int], layer: int, st: PhaseStats) -> None:
-        """Queue low-priority loads of ``target``'s ``experts`` not cached yet, while a slot is free (never
-        cancelling another load for a guess)."""
+        """Queue low-priority loads of ``target``'s ``experts`` (most wanted first) not cached yet, while a slot is
+        free (never cancelling another load for a guess) and, with the prefetch gate, where it admits them."""
         refresh = self.mechanisms.refresh_on_prefetch
         ranked = self.mechanisms.queue_priority and self.predictor is not None
-        for e in experts:
+        gate, phase = self.gate, self.stats.phase
+        if gate is not None:
+            gate.record(target, experts, phase)
+            backlog = queued_bytes(self.engine)
+        for rank, e in enumerate(experts):
             key = (target, e)
             if self.cache.lookup(key) is not None:
                 if refresh:  # ProMoE's per-layer LRU: the prediction touches the cached expert
                     self.cache.policy.refreshed(key)
                 continue
+            if gate is not None:
+                if not gate.admit(target, rank, layer, backlog, phase):
+                    st.gated_prefetches += 1
+                    continue
+                backlog += self.host.fmt.nbytes
             if not self.host.stage(target, e):
                 continue  # disk tier: a guess not in host memory is read from disk now, copied when needed
             slot = self.cache.allocate(key, layer)

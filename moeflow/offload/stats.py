@@ -20,6 +20,7 @@ class PhaseStats:
     useful_prefetches: int = 0  # prefetched experts that were used before being evicted
     timely_prefetches: int = 0  # of those, the ones whose bytes had landed at their gate (ProMoE's FetchRate)
     wasted_prefetches: int = 0  # prefetched experts evicted (or dropped) unused
+    gated_prefetches: int = 0  # guesses the bandwidth-aware prefetch gate turned away (Mechanisms.prefetch_gate)
     bytes_h2d: int = 0  # host -> device bytes moved
     copies: int = 0  # copy operations handed to the transport (one cudaMemcpyAsync each)
     copy_batches: int = 0  # transport calls, each completing on one handle (one CUDA event)

@@ -111,6 +111,11 @@ class SimTransport:
         self.last: SimHandle | None = None
         self.disk = None  # a SimDiskTier: copies of experts not in host memory first wait for their disk read
 
+    @property
+    def link_bytes_per_s(self) -> float:
+        """Host-store bytes per second (the prefetch gate's KnownLinkRate): the profile's rate over ``scale``."""
+        return self.bandwidth_bps / self.scale
+
     def log(self, lane: str, kind: str, start: float, end: float, label: str) -> None:
         """Record a timeline bar (when recording): lanes compute, copy, disk, cpu."""
         if self.record and end > start:

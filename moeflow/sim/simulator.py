@@ -152,6 +152,8 @@ class SimResult:
     disk_busy_s: float = 0.0
     decode_generated_tokens: int = 0  # tokens the decode passes produced (plain: one per pass)
     decode_time_s: float = 0.0  # every decode pass, summed
+    decode_ready_hit_rate: float | None = None  # decode hits whose bytes had landed at the gate (not in flight)
+    gated_prefetches: int = 0  # guesses the prefetch gate turned away (Mechanisms.prefetch_gate)
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -404,6 +406,8 @@ def simulate(
         prefill_tokens=prefill_tokens, decode_steps=len(decode_times), ttft_s=mean(ttfts), tpot_s=mean(decode_times),
         decode_compute_s=compute_mean, decode_bound_s=bound,
         hit_rate=hits[0], prefill_hit_rate=hits[1], decode_hit_rate=hits[2],
+        decode_ready_hit_rate=dec.ready_hit_rate if backend is not None else None,
+        gated_prefetches=pre.gated_prefetches + dec.gated_prefetches,
         bytes_h2d=int(round((pre.bytes_h2d + dec.bytes_h2d) * scale)) + sum(llama_bytes.values()),
         prefill_bytes_h2d=int(round(pre.bytes_h2d * scale)) + llama_bytes["prefill"],
         decode_bytes_h2d=int(round(dec.bytes_h2d * scale)) + llama_bytes["decode"],

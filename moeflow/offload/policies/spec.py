@@ -46,6 +46,10 @@ class Mechanisms:
         clustering does not activate fewer (layer, expert) pairs (moeflow's variant); False: the balanced k-means
         clustering as the paper takes it (§3.3.3). Applies where the policy's decode strategy forms micro-batches
         (``generate(micro_batch_size=...)`` under expertflow: the prefill's and every decode round's).
+    prefetch_gate: beyond the papers (issue 41): queue a predicted load only where its expected benefit (the
+        predictor's online accuracy at the guess's rank x the share of the copy that lands before its layer,
+        from the copy engine's backlog and the measured layer period) pays for its link time
+        (:mod:`moeflow.offload.prefetch_gate`); False: every guess a free slot can take (the papers').
     """
 
     refresh_on_prefetch: bool = False
@@ -54,6 +58,7 @@ class Mechanisms:
     prefill_iteration: Literal["token", "pass"] = "token"
     predict_in_prefill: bool = True
     keep_contiguous: bool = True
+    prefetch_gate: bool = False
 
     def __post_init__(self) -> None:
         if self.prefetch_chunks not in ("pieces", "per-linear"):
@@ -63,7 +68,8 @@ class Mechanisms:
             raise SchedulingError(f"policy option prefill_iteration={self.prefill_iteration!r}: expected 'token' "
                                   "or 'pass'")
         for name, value in (("refresh_on_prefetch", self.refresh_on_prefetch), ("queue_priority", self.queue_priority),
-                            ("predict_in_prefill", self.predict_in_prefill), ("keep_contiguous", self.keep_contiguous)):
+                            ("predict_in_prefill", self.predict_in_prefill), ("keep_contiguous", self.keep_contiguous),
+                            ("prefetch_gate", self.prefetch_gate)):
             if not isinstance(value, bool):
                 raise SchedulingError(f"policy option {name}={value!r}: expected True or False")
 
