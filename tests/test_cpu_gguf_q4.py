@@ -1,5 +1,5 @@
 """A GGUF file's Q4_0 / Q4_1 attention on ``device="cpu"`` (issue 42): read straight into the CPU int4 form with the
-file's codes and scales (:mod:`moeflow.io.gguf.linears`), each weight exactly the file's dequantized value, each
+file's codes and scales (:mod:`moeflow.engine.gguf_linears`), each weight exactly the file's dequantized value, each
 output the fp32 reference of those weights with the CPU path's int8 activations; the Q4_0 experts in the
 zero-point-free group-32 form (resident) or with their zero points (offloaded slots): the same bits, so every
 policy gives the resident model's greedy tokens. ~25 s on 2 cores."""
@@ -14,8 +14,8 @@ from gguf_models import T, write_gguf  # noqa: E402
 from helpers import make_tiny_model  # noqa: E402
 
 from moeflow import MoEModel, OffloadConfig  # noqa: E402
+from moeflow.engine.gguf_linears import GGUFStoredLinears  # noqa: E402
 from moeflow.io.gguf import open_gguf  # noqa: E402
-from moeflow.io.gguf.linears import GGUFStoredLinears  # noqa: E402
 from moeflow.kernels.cpu.native import Q4_F16Z8, Q4_F32, Q4Matrix, native_available  # noqa: E402
 from moeflow.kernels.cpu.quant_linear import CpuQuantLinear, SplitLinear, reference_linear  # noqa: E402
 

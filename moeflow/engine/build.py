@@ -27,6 +27,7 @@ from moeflow.engine.cpu_linears import (
     resolve_attention_bits,
 )
 from moeflow.engine.cpu_step import fuse_cpu_step
+from moeflow.engine.gguf_linears import GGUFStoredLinears
 from moeflow.engine.parallel_load import ExpertLoad, load_experts
 from moeflow.engine.sampling import GenerationConfig
 from moeflow.errors import SchedulingError
@@ -38,7 +39,6 @@ from moeflow.families.mtp import MultiTokenPredictor
 from moeflow.io.checkpoint import CheckpointReader, open_checkpoint, read_json, read_quantization, resolve_checkpoint
 from moeflow.io.expert_index import ExpertIndex
 from moeflow.io.gguf import open_gguf, resolve_gguf
-from moeflow.io.gguf.linears import GGUFStoredLinears
 from moeflow.io.tokenizer import Tokenizer
 from moeflow.kernels.dispatch import CPU_INT4, uses_cpu_int4, uses_triton
 from moeflow.kernels.formats import ExpertFormat, GGUFFormat

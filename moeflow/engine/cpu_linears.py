@@ -19,7 +19,7 @@ replaces, in the built decoder, each module by a :class:`~moeflow.kernels.cpu.qu
   users run Q8_0; docs/cpu.md: held-out bits/byte of the embedded model 1.8845 against 1.8843 with fp32
   attention, and the decode speed beside llama.cpp), int4 (group 128) when asked (``attention_bits=4``), kept
   as stored with ``attention_bits=None``. Quantized, the model runs weights it was not evaluated with.
-* a GGUF file's attention projections stored in 4 bits (Q4_0, Q4_1; ``stored``: :mod:`moeflow.io.gguf.linears`)
+* a GGUF file's attention projections stored in 4 bits (Q4_0, Q4_1; ``stored``: :mod:`moeflow.engine.gguf_linears`)
   -> int4 group 32 with the file's own codes and scales, under ``attention_bits="auto"`` and ``4``: the file's
   bits, no second rounding (llama.cpp's weights). k and v take it together or not at all (the CPU step fuses
   them into one matrix); q beside a k/v of another form runs as its own part of the step's q/k/v projection

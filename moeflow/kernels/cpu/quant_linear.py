@@ -48,7 +48,7 @@ INT8_MAX = 127
 
 class StoredLinears(Protocol):
     """A checkpoint whose quantized linear layers the CPU path can take as stored (a GGUF file's Q4_0 / Q4_1
-    blocks: :class:`moeflow.io.gguf.linears.GGUFStoredLinears`) instead of quantizing their dense values again."""
+    blocks: :class:`moeflow.engine.gguf_linears.GGUFStoredLinears`) instead of quantizing their dense values again."""
 
     def cpu_linear(self, module_name: str) -> CpuQuantLinear | None:
         """The layer for the decoder module ``module_name`` from its stored codes, or None (keep the dense path)."""
