@@ -69,7 +69,7 @@ class ExpertFormat:
     kind: ClassVar[str] = ""  # the storage's name: messages, cache keys, the custom ops' argument
     # capabilities: what a caller may do with this format's pools
     fused_moe: ClassVar[bool] = False  # the fused eager Triton MoE (route + plan, w13, w2 + combine) reads it
-    capturable: ClassVar[bool] = False  # its compute can be captured in a CUDA graph (the plain kernels)
+    capturable: ClassVar[bool] = False  # captured_forward exists: its compute can be held by a CUDA graph
     cpu_int4: ClassVar[bool] = False  # kernels="cpu-int4" (torch's CPU int4 kernels, every expert resident) holds it
     w13_halves: ClassVar[bool] = False  # w13 is one tensor whose two byte halves may move as separate chunks
     # the gate epilogue (biased formats make these fields)
