@@ -1,10 +1,10 @@
-"""The exact-token invariant with the captured device part on the formats users run (issue 39 item 3): a tiny
-gpt-oss with MXFP4 experts, the same converted to biased AWQ (biases, clamped SwiGLU), and a tiny Qwen3-MoE GGUF
-(layer 0 Q4_K gate/up with Q6_K down, layer 1 Q8_0) generate, offloaded under lru with few slots and their decode
-step captured (the CPU recording stand-in, tests/graph_capture.py; the offload backend's expert GEMMs and
-combine replayed per layer from static buffers, moeflow/offload/device_step.py), the greedy tokens of the same
-model run eagerly and of the all-resident model; no layer runs eagerly after the warm-up. The expert kernels:
-the static torch forms, and (MXFP4, biased AWQ) the Triton kernels interpreted. ~60 s on 2 cores."""
+"""The exact-token invariant with the captured device part on the formats users run (issue 39 item 3): a tiny gpt-oss
+with MXFP4 experts, the same converted to biased AWQ (biases, clamped SwiGLU), and a tiny Qwen3-MoE GGUF (layer 0
+Q4_K gate/up with Q6_K down, layer 1 Q8_0) and a smaller all-Q8_0 one generate, offloaded under lru with few slots
+and their decode step captured (the CPU recording stand-in, tests/graph_capture.py; the offload backend's expert
+GEMMs and combine replayed per layer from static buffers, moeflow/offload/device_step.py), the greedy tokens of the
+same model run eagerly and of the all-resident model; no layer runs eagerly after the warm-up. The expert kernels:
+the static torch forms, and (MXFP4, biased AWQ, GGUF Q8_0) the Triton kernels interpreted. ~30 s on 2 cores."""
 
 from __future__ import annotations
 
@@ -42,6 +42,10 @@ def checkpoints(tmp_path_factory):
            for seed, (proj, kind) in enumerate((("gate", "Q4_K"), ("up", "Q4_K"), ("down", "Q6_K")))}
     paths["gguf"] = root / "m.gguf"
     write_gguf(model, paths["gguf"], expert_types=T.Q8_0, other_type=T.Q8_0, raw_experts=raw)
+    small = make_family_model("qwen3_moe", seed=8, norm_topk_prob=True, num_hidden_layers=LAYERS,
+                              num_experts=EXPERTS, num_experts_per_tok=TOP_K)  # the family's tiny sizes
+    paths["gguf-q8_0"] = root / "q8.gguf"
+    write_gguf(small, paths["gguf-q8_0"], expert_types=T.Q8_0, other_type=T.Q8_0)
     return paths
 
 
@@ -60,8 +64,10 @@ def _generate(path, kernels: str, offload: OffloadConfig | None, captured: bool,
         model.close()
 
 
+# the Triton kernels interpreted on the small models (the K-quant model's 256-wide GEMMs: the pool-level test,
+# tests/test_device_graphs_formats.py)
 CASES = [("mxfp4", "torch"), ("biased-awq", "torch"), ("gguf", "torch"), ("mxfp4", "triton"),
-         ("biased-awq", "triton")]
+         ("biased-awq", "triton"), ("gguf-q8_0", "triton")]
 
 
 @pytest.mark.parametrize(("model", "kernels"), CASES)
@@ -72,7 +78,7 @@ def test_captured_decode_gives_the_eager_and_resident_tokens(checkpoints, model,
     eager, _ = _generate(path, kernels, lru, False, monkeypatch, tmp_path)
     got, (step, device, fmt) = _generate(path, kernels, lru, True, monkeypatch, tmp_path)
     assert fmt.capture_unsupported("torch") is None and type(fmt).__name__ == {
-        "mxfp4": "MXFP4Format", "biased-awq": "BiasedAWQFormat", "gguf": "GGUFFormat"}[model]
+        "mxfp4": "MXFP4Format", "biased-awq": "BiasedAWQFormat", "gguf": "GGUFFormat", "gguf-q8_0": "GGUFFormat"}[model]
     assert step.refused is None and device.disabled is None and device.refused == {}, (device.disabled,
                                                                                          device.refused)
     # one bucket (batch 2) captured at the first decode step, replayed for every group and combine after it
