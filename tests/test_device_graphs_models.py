@@ -59,7 +59,7 @@ def _generate(path, kernels: str, offload: OffloadConfig | None, captured: bool,
             step.inner = model.model  # plain step inputs
             model.use_backend(HostArgs(model.experts))
         out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=[])
-        return out, (step, model.experts.device_graphs, model.experts.fmt) if captured else None
+        return out, (step, model.experts.device_graphs, model.experts.fmt, model.stats) if captured else None
     finally:
         model.close()
 
@@ -76,7 +76,7 @@ def test_captured_decode_gives_the_eager_and_resident_tokens(checkpoints, model,
     lru = OffloadConfig(policy="lru", gpu_expert_slots=TOP_K + 1)
     want, _ = _generate(path, kernels, None, False, monkeypatch, tmp_path)
     eager, _ = _generate(path, kernels, lru, False, monkeypatch, tmp_path)
-    got, (step, device, fmt) = _generate(path, kernels, lru, True, monkeypatch, tmp_path)
+    got, (step, device, fmt, _) = _generate(path, kernels, lru, True, monkeypatch, tmp_path)
     assert fmt.capture_unsupported("torch") is None and type(fmt).__name__ == {
         "mxfp4": "MXFP4Format", "biased-awq": "BiasedAWQFormat", "gguf": "GGUFFormat", "gguf-q8_0": "GGUFFormat"}[model]
     assert step.refused is None and device.disabled is None and device.refused == {}, (device.disabled,
@@ -85,3 +85,14 @@ def test_captured_decode_gives_the_eager_and_resident_tokens(checkpoints, model,
     assert device.captures == 1 and device.eager_layers == 0
     assert device.replays > 2 * (NEW_TOKENS - 2) * LAYERS
     assert torch.equal(eager, want) and torch.equal(got, want), (want, eager, got)
+
+
+def test_hybrid_cpu_experts_with_the_captured_device_part_on_mxfp4(checkpoints, monkeypatch, tmp_path):
+    """Misses computed on the CPU (MXFP4's CPU form) are written into the bucket's static ``out`` before the
+    combine's replay: the tokens are the same hybrid configuration's run eagerly."""
+    config = OffloadConfig(policy="lru", gpu_expert_slots=TOP_K + 1, cpu_compute="always")
+    eager, _ = _generate(checkpoints["mxfp4"], "torch", config, False, monkeypatch, tmp_path)
+    got, (step, device, _, stats) = _generate(checkpoints["mxfp4"], "torch", config, True, monkeypatch, tmp_path)
+    assert step.refused is None and device.refused == {} and device.captures == 1 and device.eager_layers == 0
+    assert stats.decode.cpu_experts > 0  # CPU work in the captured decode steps
+    assert torch.equal(got, eager)
