@@ -7,7 +7,9 @@ of experts, the expert GEMMs over the slot pool into ``out [T*k, H]``; once per 
 per batch size T: the layer's hidden state, routing ids and weights copied in, ``out``, ``y``, the kernels'
 workspace; one :class:`StaticSlotTable` shared by every bucket and layer), so each of the two pieces is
 captured once per bucket and replayed for every group of every layer: the pool and the slot table are the
-same for all layers, and nothing layer-specific is read except through these buffers.
+same for all layers, and nothing layer-specific is read except through these buffers. The expert GEMMs are the
+format's :meth:`~moeflow.kernels.formats.layout.ExpertFormat.captured_forward` over the bucket's buffers (plain,
+biased dense / AWQ, MXFP4, GGUF: their Triton kernels, or their static torch form).
 
 Ordering (why replaying is as safe as the eager launches; docs/design.md, "CUDA graphs"). A graph replay is
 one operation of the stream it is launched on: it starts after everything enqueued on that stream before it
