@@ -109,7 +109,8 @@ def test_layout_round_trip_and_errors():
     assert fmt.loader_shapes() == {"gate": (512, 144), "up": (512, 144), "down": (256, 420)}
     assert [s.offset % ALIGN for s in fmt.specs] == [0, 0, 0, 0] and fmt.nbytes % ALIGN == 0
     assert fmt.nbytes == 2 * 512 * 144 + 256 * 420 + ALIGN  # the file's bytes (whole ALIGN units) + the types
-    assert not fmt.fused_moe and not fmt.capturable and not fmt.cpu_int4 and not fmt.w13_halves
+    assert not fmt.fused_moe and not fmt.cpu_int4 and not fmt.w13_halves
+    assert fmt.capturable and fmt.capture_unsupported("triton") is None  # tests/test_device_graphs_formats.py
     assert fmt.cpu_unsupported() is None or "do not build" in fmt.cpu_unsupported()  # Q4_K, Q6_K: CPU kernels
     assert "Q4_1 blocks, which have no CPU kernels" in gguf_expert_format("Q4_1", "Q6_K", 256, 512,
                                                                           torch.float32).cpu_unsupported()

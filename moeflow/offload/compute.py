@@ -88,6 +88,5 @@ class LayerCompute:
             return "the simulator's compute executor accounts the compute instead of running it"
         if self.int4_slots is not None:
             return "kernels='cpu-int4' computes the slots with torch's CPU int4 kernels"
-        if not self.fmt.capturable:
-            return f"the {type(self.fmt).__name__} expert format (biases, clamped SwiGLU or MXFP4) has no captured form"
-        return None
+        backend = "triton" if kernels.uses_triton(self.kernels_backend, self.device) else "torch"
+        return self.fmt.capture_unsupported(backend)  # the format's own answer (ExpertFormat.captured_forward)

@@ -7,7 +7,9 @@ of experts, the expert GEMMs over the slot pool into ``out [T*k, H]``; once per 
 per batch size T: the layer's hidden state, routing ids and weights copied in, ``out``, ``y``, the kernels'
 workspace; one :class:`StaticSlotTable` shared by every bucket and layer), so each of the two pieces is
 captured once per bucket and replayed for every group of every layer: the pool and the slot table are the
-same for all layers, and nothing layer-specific is read except through these buffers.
+same for all layers, and nothing layer-specific is read except through these buffers. The expert GEMMs are the
+format's :meth:`~moeflow.kernels.formats.layout.ExpertFormat.captured_forward` over the bucket's buffers (plain,
+biased dense / AWQ, MXFP4, GGUF: their Triton kernels, or their static torch form).
 
 Ordering (why replaying is as safe as the eager launches; docs/design.md, "CUDA graphs"). A graph replay is
 one operation of the stream it is launched on: it starts after everything enqueued on that stream before it
@@ -41,9 +43,7 @@ import torch
 
 from moeflow import kernels
 from moeflow.kernels.experts import ops
-from moeflow.kernels.experts.capturable import nibble_shifts, static_expert_forward
 from moeflow.kernels.experts.checks import check_expert_args
-from moeflow.kernels.experts.reference import pool_weights
 from moeflow.kernels.pool import ExpertPool
 from moeflow.offload.combine import combine_in_order
 from moeflow.offload.readback import PinnedRing, pack_slot_table
@@ -89,7 +89,7 @@ class Bucket:
     weights: torch.Tensor  # fp32 [T, k]
     out: torch.Tensor  # [T*k, H] per-pair expert outputs, filled group by group
     y: torch.Tensor  # [T, H] combined: what forward returns (valid until the next layer's combine)
-    config: dict | None = None  # the Triton launch config of this T
+    forward: Callable[[], None] | None = None  # the format's captured_forward over these buffers (made once)
     workspace: dict[str, torch.Tensor] = field(default_factory=dict)
     compute: Callable[[], None] | None = None
     combine: Callable[[], None] | None = None
@@ -127,7 +127,6 @@ class DeviceGraphs:
         self.disabled = disabled
         self.capture_enabled = True  # False: the same device part from the same buffers, never replayed (tests)
         self.table = StaticSlotTable(self.device, num_experts)
-        self.shifts = nibble_shifts(self.device)
         self.buckets: dict[int, Bucket] = {}
         self.refused: dict[int, str] = {}
         self.captures = self.replays = self.eager_layers = 0
@@ -209,22 +208,15 @@ class DeviceGraphs:
     # ------------------------------------------------------------------ the two pieces
     def _compute_fn(self, bucket: Bucket) -> Callable[[], None]:
         table, pool = self.table, self.pool
-        if self.triton:
-            w13, w2, group = pool_weights(pool)
-            cfg, E = bucket.config, self.num_experts
+        if bucket.forward is None:  # the format's static form (its kernels, their launch config, its buffers)
+            bucket.forward = pool.fmt.captured_forward(pool, bucket.x, bucket.ids, bucket.weights, table.slot_of_expert,
+                                                       table.expert_mask, bucket.out, self.backend, bucket.alloc)
+        forward = bucket.forward
 
-            def compute() -> None:
-                table.derive_mask()
-                plan = ops.plan_eager(bucket.ids, E, cfg["BLOCK_M"], bucket.alloc)
-                ops.experts_eager(bucket.x, plan, bucket.weights, w13, w2, table.slot_of_expert, table.expert_mask,
-                                  group, cfg, bucket.out, bucket.alloc)
-            return compute
-
-        def compute_torch() -> None:
+        def compute() -> None:
             table.derive_mask()
-            static_expert_forward(bucket.x, bucket.ids, bucket.weights, pool, table.slot_of_expert,
-                                  table.expert_mask, bucket.out, self.shifts)
-        return compute_torch
+            forward()
+        return compute
 
     def _combine_fn(self, bucket: Bucket) -> Callable[[], None]:
         k = self.top_k
@@ -270,9 +262,6 @@ class DeviceGraphs:
                           self.table.expert_mask, self.pool.fmt.hidden_size)
         if self.triton:
             ops.check_triton_device(x)
-            w13, _, group = pool_weights(self.pool)
-            bucket.config = ops.resolve_moe_config(bucket.x, self.num_experts, k, w13[1], group,
-                                                   self.pool.fmt.intermediate_size)
         self.buckets[T] = bucket
         return bucket
 

@@ -10,11 +10,16 @@ routing weight and stored in the activation dtype. Dense weights in the activati
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
 from moeflow.kernels.formats.layout import ExpertFormat
 from moeflow.kernels.pool import ExpertPool
+
+if TYPE_CHECKING:
+    from moeflow.kernels.experts.ops import Alloc
 
 __all__ = ["biased_awq_forward", "biased_expert_forward_reference", "gate_activation"]
 
@@ -77,14 +82,16 @@ def biased_awq_forward(
     expert_mask: torch.Tensor | None = None,  # bool [E]
     *,
     config: dict | None = None,
+    alloc: Alloc | None = None,
 ) -> torch.Tensor:
     """Biased AWQ experts through the grouped AWQ Triton kernels: plan, w13 with ``+ bias`` and the format's
     activation in the epilogue, w2 with ``+ bias`` times the routing weight (``config``: ``{"BLOCK_M", "w13":
     {...}, "w2": {...}}`` overriding the heuristic defaults, ``SPLIT_K`` included: the in-kernel fixup sums the
-    splits and adds the bias once, after the sum)."""
+    splits and adds the bias once, after the sum). ``alloc``: the plan, ``h`` and the split-K partials in the
+    caller's persistent buffers (static shapes, no allocation: what a captured CUDA graph runs)."""
     from moeflow.kernels.experts import configs
     from moeflow.kernels.experts.gemm import expert_gemm
-    from moeflow.kernels.experts.ops import routing_plan
+    from moeflow.kernels.experts.ops import plan_eager, routing_plan
 
     fmt, t = pool.fmt, pool.tensors
     T, top_k = topk_ids.shape
@@ -94,13 +101,23 @@ def biased_awq_forward(
     config = config or {}
     block_m = int(config.get("BLOCK_M", cfg["BLOCK_M"]))
     stage = {name: {**cfg[name], **config.get(name, {}), "BLOCK_M": block_m} for name in ("w13", "w2")}
-    sorted_ids, expert_of_block, _ = routing_plan(topk_ids, num_experts, block_m, "triton")
     act = dict(activation=fmt.activation, alpha=fmt.swiglu_alpha, limit=fmt.swiglu_limit)
-    h = x.new_empty((num_pairs, inter))
+    ws = {}
+    if alloc is None:
+        sorted_ids, expert_of_block, _ = routing_plan(topk_ids, num_experts, block_m, "triton")
+        h = x.new_empty((num_pairs, inter))
+    else:
+        sorted_ids, expert_of_block = plan_eager(topk_ids, num_experts, block_m, alloc)[2:4]
+        h = alloc("h", (num_pairs, inter), x.dtype, x.device)
+        for name, n in (("w13", 2 * inter), ("w2", out.shape[1])):
+            split = int(stage[name].get("SPLIT_K", 1))
+            if split > 1:
+                ws[name] = alloc(f"ws{name[1:]}", (split, num_pairs, n), torch.float32, x.device)
     expert_gemm(0, x, (t["w13_qweight"], t["w13_qzeros"], t["w13_scales"]), h, sorted_ids, expert_of_block,
                 slot_of_expert, expert_mask, None, num_pairs, top_k, g, stage["w13"],
-                bias=t["w13_bias"] if fmt.bias else None, **act)
+                bias=t["w13_bias"] if fmt.bias else None, ws=ws.get("w13"), **act)
     w = topk_weights.reshape(-1).float().contiguous()
     expert_gemm(1, h, (t["w2_qweight"], t["w2_qzeros"], t["w2_scales"]), out, sorted_ids, expert_of_block,
-                slot_of_expert, expert_mask, w, num_pairs, 1, g, stage["w2"], bias=t["w2_bias"] if fmt.bias else None)
+                slot_of_expert, expert_mask, w, num_pairs, 1, g, stage["w2"], bias=t["w2_bias"] if fmt.bias else None,
+                ws=ws.get("w2"))
     return out

@@ -38,6 +38,8 @@ Importing this module imports triton: on a CPU ``TRITON_INTERPRET=1`` must be se
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
@@ -49,6 +51,9 @@ from moeflow.kernels.experts.gguf_reference import GGMLType
 from moeflow.kernels.experts.mxfp4 import default_block_m, dot_m
 from moeflow.kernels.formats.layout import ExpertPool
 from moeflow.kernels.triton_common import INTERPRETED, block_expert, cdiv, gemm_epilogue, plan_rows, splitk_fixup
+
+if TYPE_CHECKING:
+    from moeflow.kernels.experts.ops import Alloc
 
 # per stage: weight rows per program and k per iteration (reduced at launch to a power of two dividing K)
 DEFAULTS = {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1}
@@ -268,8 +273,10 @@ def gguf_gemm(
     top_k: int,
     block_m: int,
     config: dict,
+    alloc: Alloc | None = None,
 ) -> torch.Tensor:
-    """Launch one grouped GGUF GEMM stage; writes the rows of selected experts of ``out`` in place."""
+    """Launch one grouped GGUF GEMM stage; writes the rows of selected experts of ``out`` in place (``alloc``:
+    the split-K partials from the caller's persistent buffers, as a captured graph needs, else the scratch)."""
     K = a.shape[1]
     S, n_rows, row_bytes = blocks.shape
     names = "/".join(g.name for g in gtypes)
@@ -287,7 +294,9 @@ def gguf_gemm(
     split = max(1, int(config.get("SPLIT_K", 1)))
     grid = (expert_of_block.shape[0] * tiles, split)
     if split > 1:  # fp32 partials by pair, padded to whole tiles; the counters stay zero between launches
-        ws = workspace.scratch(workspace.SPLIT_K_PARTIALS, (split, out.shape[0], tiles * bn), torch.float32, a.device)
+        shape = (split, out.shape[0], tiles * bn)
+        ws = (workspace.scratch(workspace.SPLIT_K_PARTIALS, shape, torch.float32, a.device) if alloc is None
+              else alloc(f"ws{13 if mode == 0 else 2}", shape, torch.float32, a.device))
         cnt = workspace.counters(grid[0], a.device)
     else:
         ws, cnt = out, slot_of_expert  # placeholders, never read
@@ -323,22 +332,29 @@ def gguf_expert_forward(
     expert_mask: torch.Tensor | None = None,  # bool [E]
     *,
     config: dict | None = None,
+    alloc: Alloc | None = None,
 ) -> torch.Tensor:
     """Plan + w13 stage + w2 stage for the pairs of selected experts (``config``: ``{"BLOCK_M", "w13": {...},
     "w2": {...}}`` with ``BLOCK_N``, ``BLOCK_K``, ``SPLIT_K``, ``num_warps``, ``num_stages``; else
-    :func:`stage_configs`' defaults)."""
-    from moeflow.kernels.experts.ops import routing_plan
+    :func:`stage_configs`' defaults). ``alloc``: the plan, ``h`` and the split-K partials in the caller's
+    persistent buffers (static shapes, no allocation: what a captured CUDA graph runs)."""
+    from moeflow.kernels.experts.ops import plan_eager, routing_plan
 
     fmt, t = pool.fmt, pool.tensors
     T, top_k = topk_ids.shape
     num_experts = slot_of_expert.shape[0]
     config = stage_configs(T, num_experts, top_k, fmt.hidden_size, fmt.intermediate_size, config)
     block_m = config["BLOCK_M"]
-    sorted_ids, expert_of_block, _ = routing_plan(topk_ids, num_experts, block_m, "triton")
-    h = x.new_empty((T * top_k, fmt.intermediate_size))
+    if alloc is None:
+        sorted_ids, expert_of_block, _ = routing_plan(topk_ids, num_experts, block_m, "triton")
+        h = x.new_empty((T * top_k, fmt.intermediate_size))
+    else:
+        sorted_ids, expert_of_block = plan_eager(topk_ids, num_experts, block_m, alloc)[2:4]
+        h = alloc("h", (T * top_k, fmt.intermediate_size), x.dtype, x.device)
     up_off = fmt.spec("up").offset - fmt.spec("gate").offset
     gguf_gemm(0, x, t["gate"], up_off, fmt.types_of("gate"), t["types"], h, sorted_ids, expert_of_block,
-              slot_of_expert, expert_mask, None, top_k, block_m, config["w13"])
+              slot_of_expert, expert_mask, None, top_k, block_m, config["w13"], alloc)
     gguf_gemm(1, h, t["down"], 0, fmt.types_of("down"), t["types"], out, sorted_ids, expert_of_block,
-              slot_of_expert, expert_mask, topk_weights.reshape(-1).float().contiguous(), 1, block_m, config["w2"])
+              slot_of_expert, expert_mask, topk_weights.reshape(-1).float().contiguous(), 1, block_m, config["w2"],
+              alloc)
     return out

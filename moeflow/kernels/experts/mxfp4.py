@@ -44,6 +44,8 @@ Importing this module imports triton: on a CPU ``TRITON_INTERPRET=1`` must be se
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
@@ -62,6 +64,9 @@ from moeflow.kernels.triton_common import (
     plan_rows,
     splitk_fixup,
 )
+
+if TYPE_CHECKING:
+    from moeflow.kernels.experts.ops import Alloc
 
 ACTIVATION_CODES = {"silu": 0, "clamped_swiglu": 1}
 # per stage: weight rows per program, k per iteration (a multiple of 32 that divides K: reduced at launch; the
@@ -269,8 +274,10 @@ def mxfp4_gemm(
     alpha: float = 1.702,
     limit: float = 7.0,
     config: dict | None = None,
+    alloc: Alloc | None = None,
 ) -> torch.Tensor:
-    """Launch one grouped MXFP4 GEMM stage; writes the rows of selected experts of ``out`` in place."""
+    """Launch one grouped MXFP4 GEMM stage; writes the rows of selected experts of ``out`` in place (``alloc``:
+    the split-K partials from the caller's persistent buffers, as a captured graph needs, else the scratch)."""
     cfg = {**stage_defaults(block_m), **(config or {})}
     K = a.shape[1]
     if blocks.dim() != 5 or scales.dim() != 4:
@@ -301,7 +308,9 @@ def mxfp4_gemm(
     grid = (expert_of_block.shape[0] * tiles, split)
     if split > 1:  # fp32 partials by pair, padded to whole tiles (no column masks); the counters stay zero
         # a reused buffer (no allocation per call); w13 and w2 share it: stream order keeps their launches apart
-        ws = workspace.scratch(workspace.SPLIT_K_PARTIALS, (split, out.shape[0], tiles * bn), torch.float32, a.device)
+        shape = (split, out.shape[0], tiles * bn)
+        ws = (workspace.scratch(workspace.SPLIT_K_PARTIALS, shape, torch.float32, a.device) if alloc is None
+              else alloc(f"ws{13 if mode == 0 else 2}", shape, torch.float32, a.device))
         cnt = workspace.counters(grid[0], a.device)
     else:
         ws, cnt = scales, slot_of_expert  # placeholders, never read
@@ -338,27 +347,35 @@ def mxfp4_expert_forward(
     *,
     config: dict | None = None,
     weights: dict[str, torch.Tensor] | None = None,
+    alloc: Alloc | None = None,
 ) -> torch.Tensor:
     """Plan + w13 stage + w2 stage for the pairs of selected experts (``config``: ``{"BLOCK_M", "w13": {...},
     "w2": {...}}`` with ``BLOCK_N``, ``BLOCK_K``, ``SPLIT_K``, ``num_warps``, ``num_stages``; else
     :func:`stage_configs`' defaults). ``weights``: blocks and scales to read instead of the pool's (the same
-    experts in another layout, e.g. :func:`row_major_copy`'s; the biases stay the pool's)."""
-    from moeflow.kernels.experts.ops import routing_plan
+    experts in another layout, e.g. :func:`row_major_copy`'s; the biases stay the pool's). ``alloc``: the plan,
+    ``h`` and the split-K partials in the caller's persistent buffers (static shapes, no allocation: what a
+    captured CUDA graph runs, :meth:`~moeflow.kernels.formats.layout.ExpertFormat.captured_forward`)."""
+    from moeflow.kernels.experts.ops import plan_eager, routing_plan
 
     fmt, t = pool.fmt, {**pool.tensors, **(weights or {})}
     T, top_k = topk_ids.shape
     num_pairs, num_experts = T * top_k, slot_of_expert.shape[0]
     config = stage_configs(T, num_experts, top_k, fmt.hidden_size, fmt.intermediate_size, config)
     block_m = config["BLOCK_M"]
-    sorted_ids, expert_of_block, _ = routing_plan(topk_ids, num_experts, block_m, "triton")
-    h = x.new_empty((num_pairs, fmt.intermediate_size))
+    if alloc is None:
+        sorted_ids, expert_of_block, _ = routing_plan(topk_ids, num_experts, block_m, "triton")
+        h = x.new_empty((num_pairs, fmt.intermediate_size))
+    else:
+        sorted_ids, expert_of_block = plan_eager(topk_ids, num_experts, block_m, alloc)[2:4]
+        h = alloc("h", (num_pairs, fmt.intermediate_size), x.dtype, x.device)
     act = dict(activation=fmt.activation, alpha=fmt.swiglu_alpha, limit=fmt.swiglu_limit)
     has_bias = fmt.bias
     mxfp4_gemm(0, x, t["w13_blocks"], t["w13_scales"], t["w13_bias"] if has_bias else None, h, sorted_ids,
-               expert_of_block, slot_of_expert, expert_mask, None, top_k, block_m, **act, config=config.get("w13"))
+               expert_of_block, slot_of_expert, expert_mask, None, top_k, block_m, **act, config=config.get("w13"),
+               alloc=alloc)
     mxfp4_gemm(1, h, t["w2_blocks"], t["w2_scales"], t["w2_bias"] if has_bias else None, out, sorted_ids,
                expert_of_block, slot_of_expert, expert_mask, topk_weights.reshape(-1).float().contiguous(), 1,
-               block_m, **act, config=config.get("w2"))
+               block_m, **act, config=config.get("w2"), alloc=alloc)
     return out
 
 

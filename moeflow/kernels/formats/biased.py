@@ -31,6 +31,8 @@ from moeflow.kernels.formats.layout import ExpertFormat, ExpertPool
 from moeflow.kernels.formats.plain_layout import from_kernel_layout, to_kernel_layout
 
 if TYPE_CHECKING:
+    from moeflow.kernels.experts.capturable import StaticWeights
+    from moeflow.kernels.experts.ops import Alloc
     from moeflow.kernels.formats.layout import ReferenceWeights
 
 ACTIVATIONS = ("silu", "clamped_swiglu")
@@ -46,6 +48,7 @@ class BiasedExpertFormat(ExpertFormat):
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     has_triton: ClassVar[bool] = False  # :meth:`triton_forward` exists (else the plain-torch reference computes it)
+    capturable: ClassVar[bool] = True  # its Triton kernels over alloc's buffers, or the static torch form
     kinds: ClassVar[dict[str, type[BiasedExpertFormat]]] = {}  # storage name -> class, for the custom op
 
     def __init_subclass__(cls, **kwargs) -> None:
@@ -105,9 +108,30 @@ class BiasedExpertFormat(ExpertFormat):
 
     def triton_forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, pool: ExpertPool,
                        slot_of_expert: torch.Tensor, out: torch.Tensor, expert_mask: torch.Tensor | None,
-                       config: dict | None) -> torch.Tensor:
-        """The format's Triton kernels (shapes as :meth:`forward`); only where ``has_triton``."""
+                       config: dict | None, alloc: Alloc | None = None) -> torch.Tensor:
+        """The format's Triton kernels (shapes as :meth:`forward`); only where ``has_triton``. ``alloc``: their
+        plan, ``h`` and split-K partials in the caller's persistent buffers (the captured form)."""
         raise NotImplementedError(f"no Triton kernels for {type(self).__name__}")
+
+    def captured_forward(self, pool, x, topk_ids, topk_weights, slot_of_expert, expert_mask, out, backend,
+                         alloc):  # noqa: D102 (see ExpertFormat.captured_forward)
+        from moeflow.kernels.experts.capturable import static_biased_forward
+
+        if backend == "triton" and self.has_triton:  # the launch config is a function of T: fixed per bucket
+            def compute() -> None:
+                self.triton_forward(x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask, None,
+                                    alloc=alloc)
+            return compute
+        weights_of = self.static_weights(pool, alloc)
+
+        def compute_torch() -> None:
+            static_biased_forward(x, topk_ids, topk_weights, self, slot_of_expert, expert_mask, out, weights_of)
+        return compute_torch
+
+    def static_weights(self, pool: ExpertPool, alloc: Alloc) -> StaticWeights:
+        """The device-only dequantization of a slot the static torch form computes with (its constants made
+        now, in ``alloc``'s buffers)."""
+        raise NotImplementedError(f"{type(self).__name__}.static_weights")
 
 
 @dataclass(frozen=True)
@@ -127,6 +151,16 @@ class BiasedDenseFormat(BiasedExpertFormat):
 
     def dense_in(self, dtype: torch.dtype) -> bool:
         return dtype == self.dtype
+
+    def static_weights(self, pool: ExpertPool, alloc: Alloc) -> StaticWeights:
+        t = pool.tensors
+
+        def weights_of(slot: torch.Tensor):  # as stored: nn.Linear in their dtype, or made fp32 by the forward
+            w13, w2 = t["w13"].index_select(0, slot)[0], t["w2"].index_select(0, slot)[0]
+            b13 = t["w13_bias"].index_select(0, slot)[0] if self.bias else None
+            b2 = t["w2_bias"].index_select(0, slot)[0] if self.bias else None
+            return w13, b13, w2, b2
+        return weights_of
 
     def cpu_unsupported(self) -> str | None:
         return f"the experts are {self.kind!r}, not AWQ 4-bit or MXFP4"
@@ -171,10 +205,18 @@ class BiasedAWQFormat(BiasedExpertFormat):
         b13, b2 = (t["w13_bias"].float(), t["w2_bias"].float()) if self.bias else (None, None)
         return w13, b13, w2, b2
 
-    def triton_forward(self, x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask, config):
+    def triton_forward(self, x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask, config, alloc=None):
         from moeflow.kernels.experts.biased import biased_awq_forward
 
-        return biased_awq_forward(x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask, config=config)
+        return biased_awq_forward(x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask, config=config,
+                                  alloc=alloc)
+
+    def static_weights(self, pool: ExpertPool, alloc: Alloc) -> StaticWeights:
+        from moeflow.kernels.experts.capturable import awq_static_weights, nibble_shifts
+
+        shifts = alloc("nibble_shifts", (8,), torch.int32, pool.device)
+        shifts.copy_(nibble_shifts(pool.device))
+        return awq_static_weights(pool, shifts)
 
     def cpu_unsupported(self) -> str | None:
         return f"the AWQ experts carry biases or the {self.activation!r} activation (gpt-oss)"

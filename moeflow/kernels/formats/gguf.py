@@ -25,7 +25,8 @@ Compute: SiLU gating, no biases, through the custom op ``torch.ops.moeflow.gguf_
 ``torch.compile(fullgraph=True)`` traces through; it rebuilds the format from its types). Backend ``"triton"``:
 :mod:`moeflow.kernels.experts.gguf` (grouped kernels decoding the blocks in the K loop, one w13 kernel reading gate
 and up); ``"torch"``: the plain-torch reference (:func:`moeflow.kernels.experts.biased.biased_expert_forward_reference`
-over :meth:`GGUFFormat.reference_weights`). Not in the fused eager MoE, not CUDA-graph captured.
+over :meth:`GGUFFormat.reference_weights`). Not in the fused eager MoE. CUDA-graph capture
+(:meth:`GGUFFormat.captured_forward`): the same Triton kernels over persistent buffers, or a static torch form.
 
 CPU form (hybrid compute, :meth:`GGUFFormat.cpu_expert`): Q8_0, Q4_K, Q5_K and Q6_K experts run
 :mod:`moeflow.kernels.cpu.gguf` (native kernels over the same blocks, int8 activations as llama.cpp's CPU backend);
@@ -63,7 +64,8 @@ class GGUFFormat(ExpertFormat):
     down_types: tuple[str, ...] = ()
     cpu_kernels: bool = False  # CPU pools computed by moeflow.kernels.cpu.gguf, not the torch reference
     kind: ClassVar[str] = "gguf"
-    # the fused eager MoE and CUDA-graph capture read the plain layout only; CPU kernels for some types
+    capturable: ClassVar[bool] = True  # the Triton kernels over alloc's buffers, or the static torch form
+    # the fused eager MoE reads the plain layout only; CPU kernels for some types
 
     def __post_init__(self) -> None:
         for role, names, k in (("gate/up", self.gate_up_types, self.hidden_size),
@@ -187,6 +189,41 @@ class GGUFFormat(ExpertFormat):
                                 self.hidden_size, self.intermediate_size, "+".join(self.gate_up_types),
                                 "+".join(self.down_types), self.dtype, flat_cfg, backend, out)
         return out
+
+    def capture_unsupported(self, backend: str) -> str | None:
+        if self.cpu_kernels and backend == "torch":
+            return "GGUF experts computed by moeflow's native CPU kernels (cpu_kernels) are not device work"
+        return None
+
+    def captured_forward(self, pool, x, topk_ids, topk_weights, slot_of_expert, expert_mask, out, backend,
+                         alloc):  # noqa: D102 (see ExpertFormat.captured_forward)
+        from moeflow.kernels.experts.capturable import static_biased_forward
+
+        if backend == "triton":  # the launch config is a function of T: fixed per bucket
+            from moeflow.kernels.experts.gguf import gguf_expert_forward
+
+            def compute() -> None:
+                gguf_expert_forward(x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask, alloc=alloc)
+            return compute
+        t = pool.tensors
+
+        def matrix(name: str, slot: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+            """fp32 [N, K]: every type the matrix may hold dequantized, the region's chosen on the device."""
+            rows, k = t[name].index_select(0, slot)[0], self.input_size(name)
+            types = self.types_of(name)
+            ws = [dequantize(rows[:, : g.row_bytes(k)], g.name) for g in types]
+            if len(ws) == 1:
+                return ws[0]
+            return torch.where(codes[1 if name == "down" else 0] == types[0].code, ws[0], ws[1])
+
+        def weights_of(slot: torch.Tensor):
+            codes = t["types"].index_select(0, slot)[0]
+            w13 = torch.cat([matrix("gate", slot, codes), matrix("up", slot, codes)])
+            return w13, None, matrix("down", slot, codes), None
+
+        def compute_torch() -> None:
+            static_biased_forward(x, topk_ids, topk_weights, self, slot_of_expert, expert_mask, out, weights_of)
+        return compute_torch
 
     def with_cpu_kernels(self) -> GGUFFormat:
         """This format with ``cpu_kernels``: its pools on the CPU computed by the native kernels of

@@ -16,6 +16,7 @@ capabilities (the ``ClassVar`` flags below).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -68,7 +69,7 @@ class ExpertFormat:
     kind: ClassVar[str] = ""  # the storage's name: messages, cache keys, the custom ops' argument
     # capabilities: what a caller may do with this format's pools
     fused_moe: ClassVar[bool] = False  # the fused eager Triton MoE (route + plan, w13, w2 + combine) reads it
-    capturable: ClassVar[bool] = False  # its compute can be captured in a CUDA graph (the plain kernels)
+    capturable: ClassVar[bool] = False  # captured_forward exists: its compute can be held by a CUDA graph
     cpu_int4: ClassVar[bool] = False  # kernels="cpu-int4" (torch's CPU int4 kernels, every expert resident) holds it
     w13_halves: ClassVar[bool] = False  # w13 is one tensor whose two byte halves may move as separate chunks
     # the gate epilogue (biased formats make these fields)
@@ -138,6 +139,32 @@ class ExpertFormat:
     ) -> torch.Tensor:
         """``moeflow.kernels.expert_forward`` for this format's pools (its kernel set for ``backend``)."""
         raise NotImplementedError(f"{type(self).__name__}.forward")
+
+    def capture_unsupported(self, backend: str) -> str | None:
+        """None when :meth:`captured_forward` runs this format's pools with kernels ``backend`` (resolved: "torch"
+        or "triton") in a CUDA graph, else why not."""
+        if not self.capturable:
+            return f"the {type(self).__name__} expert format has no captured form"
+        return None
+
+    def captured_forward(
+        self,
+        pool: ExpertPool,  # slots [S, ...] of this format
+        x: torch.Tensor,  # [T, H]
+        topk_ids: torch.Tensor,  # int32 [T, k]
+        topk_weights: torch.Tensor,  # fp32 [T, k]
+        slot_of_expert: torch.Tensor,  # int32 [E]
+        expert_mask: torch.Tensor,  # bool [E]
+        out: torch.Tensor,  # [T*k, H]
+        backend: str,  # resolved: "torch" or "triton"
+        alloc: Callable[[str, tuple, torch.dtype, torch.device], torch.Tensor],
+    ) -> Callable[[], None]:
+        """:meth:`forward` over these fixed buffers as a function a CUDA graph can hold: static shapes, no host
+        read, no allocation (``alloc(name, shape, dtype, device)`` gives persistent buffers; made here, outside
+        any capture, with whatever the format sets up once). The offload backend's captured device part
+        (:class:`moeflow.offload.device_step.DeviceGraphs`) calls it once per batch size; only where
+        :meth:`capture_unsupported` is None."""
+        raise NotImplementedError(f"{type(self).__name__}.captured_forward")
 
     def kernel_weights(self, pool: ExpertPool) -> tuple[tuple, tuple, int]:
         """(w13, w2, group_size) views of a pool as the plain kernels take them: plain formats only."""

@@ -17,8 +17,11 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from moeflow.kernels.experts.mxfp4_reference import (
+from moeflow.kernels.experts.mxfp4_reference import (  # the bit tables of the kernel layout (static_weights)
+    _FROM_KERNEL,
     BLOCK,
+    E2M1_VALUES,
+    _half_word_luts,
     dequantize_mxfp4,
     from_kernel_layout,
     from_panels,
@@ -29,6 +32,8 @@ from moeflow.kernels.experts.mxfp4_reference import (
 from moeflow.kernels.formats.biased import BiasedExpertFormat
 
 if TYPE_CHECKING:
+    from moeflow.kernels.experts.capturable import StaticWeights
+    from moeflow.kernels.experts.ops import Alloc
     from moeflow.kernels.formats.layout import ExpertPool, ReferenceWeights
 
 
@@ -77,10 +82,37 @@ class MXFP4Format(BiasedExpertFormat):
         b13, b2 = (t["w13_bias"][slot].float(), t["w2_bias"][slot].float()) if self.bias else (None, None)
         return w13, b13, w2, b2
 
-    def triton_forward(self, x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask, config):
+    def triton_forward(self, x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask, config, alloc=None):
         from moeflow.kernels.experts.mxfp4 import mxfp4_expert_forward
 
-        return mxfp4_expert_forward(x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask, config=config)
+        return mxfp4_expert_forward(x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask, config=config,
+                                    alloc=alloc)
+
+    def static_weights(self, pool: ExpertPool, alloc: Alloc) -> StaticWeights:
+        """:meth:`reference_weights` on the device (exact: the same table lookups and ``ldexp``), its tables in
+        ``alloc``'s buffers."""
+        dev, t = pool.device, pool.tensors
+        lo_cpu, hi_cpu = _half_word_luts(tuple(_FROM_KERNEL))
+        lo, hi = (alloc(n, (65536,), torch.int32, dev) for n in ("mxfp4_lo", "mxfp4_hi"))
+        lut = alloc("e2m1", (16,), torch.float32, dev)
+        lo.copy_(lo_cpu)
+        hi.copy_(hi_cpu)
+        lut.copy_(torch.tensor(E2M1_VALUES, dtype=torch.float32))
+
+        def dequant(m: str, slot: torch.Tensor) -> torch.Tensor:
+            blocks = from_panels(t[f"{m}_blocks"].index_select(0, slot)[0]).contiguous()  # [N, K/32, 16]
+            scales = from_panels(t[f"{m}_scales"].index_select(0, slot)[0])  # [N, K/32]
+            word = blocks.view(torch.int32)
+            blocks = (lo[(word & 0xFFFF).long()] | hi[((word >> 16) & 0xFFFF).long()]).view(torch.uint8)
+            values = torch.stack((lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]), dim=-1).flatten(-2)
+            w = torch.ldexp(values, (scales.to(torch.int32) - 127)[..., None].to(torch.float32))
+            return w.flatten(-2)
+
+        def weights_of(slot: torch.Tensor):
+            b13 = t["w13_bias"].index_select(0, slot)[0].float() if self.bias else None
+            b2 = t["w2_bias"].index_select(0, slot)[0].float() if self.bias else None
+            return dequant("w13", slot), b13, dequant("w2", slot), b2
+        return weights_of
 
     def cpu_unsupported(self) -> str | None:
         return None

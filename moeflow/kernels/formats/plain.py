@@ -48,6 +48,28 @@ class PlainFormat(ExpertFormat):
         views = self.views(region.view(1, -1))
         return {name: from_kernel_layout(name, views[name][0], self.intermediate_size) for name in self.names}
 
+    def captured_forward(self, pool, x, topk_ids, topk_weights, slot_of_expert, expert_mask, out, backend,
+                         alloc):  # noqa: D102 (see ExpertFormat.captured_forward)
+        from moeflow.kernels.experts import ops
+        from moeflow.kernels.experts.capturable import nibble_shifts, static_expert_forward
+
+        if backend == "triton":  # the fused kernels' plan and GEMMs over alloc's buffers
+            ops.check_triton_device(x)
+            w13, w2, group = self.kernel_weights(pool)
+            E = slot_of_expert.shape[0]
+            cfg = ops.resolve_moe_config(x, E, topk_ids.shape[1], w13[1], group, self.intermediate_size)
+
+            def compute() -> None:
+                plan = ops.plan_eager(topk_ids, E, cfg["BLOCK_M"], alloc)
+                ops.experts_eager(x, plan, topk_weights, w13, w2, slot_of_expert, expert_mask, group, cfg, out, alloc)
+            return compute
+        shifts = alloc("nibble_shifts", (8,), torch.int32, x.device)
+        shifts.copy_(nibble_shifts(x.device))
+
+        def compute_torch() -> None:
+            static_expert_forward(x, topk_ids, topk_weights, pool, slot_of_expert, expert_mask, out, shifts)
+        return compute_torch
+
     def forward(self, x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask, backend, *,
                 config=None, validate=None):  # noqa: D102 (see ExpertFormat.forward)
         from moeflow.kernels.dispatch import plain_expert_forward
