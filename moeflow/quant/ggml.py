@@ -109,7 +109,7 @@ def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
 
 def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
     """Q5_0 / Q5_1's 4 bytes -> uint8 [n, 32]: bit j of the little-endian word, for value j."""
-    return ((qh.reshape(-1, 4, 1) >> _BITS8.to(qh.device).reshape(1, 1, 8)) & 1).reshape(-1, 32)
+    return ((qh.reshape(-1, 4, 1) >> _on(_BITS8, qh.device).reshape(1, 1, 8)) & 1).reshape(-1, 32)
 
 
 def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
@@ -149,6 +149,20 @@ def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
     return _k_scaled(blocks, _nibbles(blocks[:, 16:], 32).reshape(blocks.shape[0], 8, 32))
 
 
+_TABLES: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _on(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``table`` (a module constant) on ``device``, copied once per device: no host-to-device copy per call (a
+    CUDA-graph capture of the torch reference path refuses one)."""
+    if table.device == device:
+        return table
+    key = (id(table), device)
+    if key not in _TABLES:
+        _TABLES[key] = table.to(device)
+    return _TABLES[key]
+
+
 _BITS8 = torch.arange(8, dtype=torch.uint8)
 
 
@@ -156,7 +170,7 @@ def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
     ql = _nibbles(blocks[:, 48:], 32).reshape(n, 8, 32)
     # bit s of qh[j]: sub-block s
-    qh = (blocks[:, 16:48].reshape(n, 1, 32) >> _BITS8.to(blocks.device).reshape(1, 8, 1)) & 1
+    qh = (blocks[:, 16:48].reshape(n, 1, 32) >> _on(_BITS8, blocks.device).reshape(1, 8, 1)) & 1
     return _k_scaled(blocks, ql | (qh << 4))
 
 
@@ -168,7 +182,7 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     scales = blocks[:, 192:208].contiguous().view(torch.int8).float()
     d = (_half(blocks, 208) * scales).reshape(n, 16, 1)
     ql = _nibbles(blocks[:, :128], 64).reshape(n, 8, 32)  # per half of 128: ql[0:32] low, [32:64] low, then high
-    qh = (blocks[:, 128:192].reshape(n, 2, 1, 32) >> _SHIFTS4.to(blocks.device).reshape(1, 1, 4, 1)) & 3
+    qh = (blocks[:, 128:192].reshape(n, 2, 1, 32) >> _on(_SHIFTS4, blocks.device).reshape(1, 1, 4, 1)) & 3
     q = (ql | (qh.reshape(n, 8, 32) << 4)).to(torch.int8) - 32
     return (d * q.reshape(n, 16, 16).float()).reshape(n, QK_K)
 
@@ -186,7 +200,7 @@ def e8m0_to_fp32_half(e: torch.Tensor) -> torch.Tensor:
 def _mxfp4(blocks: torch.Tensor) -> torch.Tensor:
     d = e8m0_to_fp32_half(blocks[:, :1])
     q = _nibbles(blocks[:, 1:], 16).reshape(blocks.shape[0], 32)
-    return d * MXFP4_VALUES.to(q.device)[q.long()]
+    return d * _on(MXFP4_VALUES, q.device)[q.long()]
 
 
 _BLOCK_DEQUANT: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
