@@ -105,14 +105,14 @@ def test_no_native_layers_without_the_one_call_attention_half():
 
 # GGUF experts read as stored (kernels/cpu/gguf.c): per layer (gate/up type, down type); Q4_K_M mixes Q6_K and
 # Q4_K down projections across layers
-GGUF_MIXES = {"Q8_0": [("Q8_0", "Q8_0")] * 3, "Q4_K": [("Q4_K", "Q4_K")] * 3, "Q6_K": [("Q6_K", "Q6_K")] * 3,
-              "Q4_K_M": [("Q4_K", "Q6_K"), ("Q4_K", "Q4_K"), ("Q4_K", "Q6_K")]}
+GGUF_MIXES = {"Q8_0": [("Q8_0", "Q8_0")] * 3, "Q4_K": [("Q4_K", "Q4_K")] * 3, "Q5_K": [("Q5_K", "Q5_K")] * 3,
+              "Q6_K": [("Q6_K", "Q6_K")] * 3, "Q4_K_M": [("Q4_K", "Q6_K"), ("Q4_K", "Q4_K"), ("Q4_K", "Q6_K")]}
 
 
 @pytest.fixture(scope="module")
 def gguf_files(tmp_path_factory):
     pytest.importorskip("gguf")
-    from gguf_models import T, random_k_experts, write_gguf
+    from gguf_models import T, k_mix_experts, write_gguf
     from helpers import make_tiny_model
 
     root = tmp_path_factory.mktemp("cpu_layers_gguf")
@@ -120,12 +120,9 @@ def gguf_files(tmp_path_factory):
                             num_experts_per_tok=2)
     out = {}
     for name, mix in GGUF_MIXES.items():
-        raw = {(layer, proj): (random_k_experts(kinds[proj == "down"], 4, 256, 10 * layer + seed),
-                               getattr(T, kinds[proj == "down"]))
-               for layer, kinds in enumerate(mix) for seed, proj in enumerate(("gate", "up", "down"))}
-        out[name] = root / f"{name}.gguf"  # attention Q8_0: the int8 kernels, on the file's codes
-        write_gguf(model, out[name], expert_types=T.Q8_0, other_type=T.Q8_0,
-                   raw_experts=None if name == "Q8_0" else raw)
+        raw = None if name == "Q8_0" else k_mix_experts(mix, 4, 256, 256)  # Q8_0: gguf-py quantizes the model's
+        out[name] = root / f"{name}.gguf"  # attention Q8_0 (int8 per row at load: the one-call attention half)
+        write_gguf(model, out[name], expert_types=T.Q8_0, other_type=T.Q8_0, raw_experts=raw)
     mp = pytest.MonkeyPatch()
     mp.setenv("MOEFLOW_CACHE_DIR", str(root / "cache"))
     yield out

@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("gguf")
 from family_models import make_family_model  # noqa: E402
-from gguf_models import T, random_k_experts, write_gguf  # noqa: E402
+from gguf_models import T, k_mix_experts, random_k_experts, write_gguf  # noqa: E402
 
 from moeflow import MoEModel, OffloadConfig  # noqa: E402
 from moeflow.kernels.cpu.native import native_available  # noqa: E402
@@ -124,9 +124,7 @@ def test_one_call_layers_step_on_a_q4_k_m_mixtral(tmp_path, monkeypatch):
     experts, layers = 4, 3
     model = make_tiny_model(seed=5, hidden_size=H, intermediate_size=I, num_hidden_layers=layers,
                             num_local_experts=experts, num_experts_per_tok=TOP_K)
-    raw = {(layer, proj): (random_k_experts(kind, experts, H, 10 * layer + seed), getattr(T, kind))
-           for layer, down in enumerate(("Q6_K", "Q4_K", "Q6_K"))
-           for seed, (proj, kind) in enumerate((("gate", "Q4_K"), ("up", "Q4_K"), ("down", down)))}
+    raw = k_mix_experts([("Q4_K", "Q6_K"), ("Q4_K", "Q4_K"), ("Q4_K", "Q6_K")], experts, H, I)
     path = tmp_path / "q4_k_m.gguf"
     write_gguf(model, path, expert_types=T.Q8_0, other_type=T.Q8_0, raw_experts=raw)
     ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(3))
