@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "native.h"
+#include "gguf.h"  /* mf_gguf_expert (gguf.c); includes native.h */
 
 /* out[t] = w * (x[t] / sqrt(mean(x[t]^2) + eps)) for x fp32 [T, H]. With ``res`` (may be NULL): x[t] + res[t]
    is normalised instead and written to ``sum`` (the residual stream the layer continues with). */
@@ -231,11 +231,6 @@ void mf_softmax_topk(const float* logits, int T, int E, int k, int renorm, float
 }
 
 /* ---- a whole one-token step through the decoder layers ---- */
-
-/* gguf.c's GGUF expert (its entry point, same library) */
-int mf_gguf_expert(const float* x, int T, int H, int I, int t13, const uint8_t* gate, const uint8_t* up,
-                   int64_t s13, int t2, const uint8_t* down, int64_t s2, const float* weight, float* out,
-                   int accumulate, int nthreads);
 
 /* One expert: t13 == 0: q4 matrices w13 [2I, H] (gate then up), w2 [H, I] (q4.c's layout; s, m, fmt); t13 != 0:
    GGUF blocks as the file stores them (gguf.c): gate (w13) and up [I, H] of ggml type t13, rows s13 bytes apart,
