@@ -205,6 +205,15 @@ def random_k_experts(kind: str, num_experts: int, out: int, seed: int, inp: int 
     return raw.reshape(num_experts, out, -1)
 
 
+def k_mix_experts(mix: list[tuple[str, str]], num_experts: int, hidden: int, inter: int) -> dict:
+    """``write_gguf``'s ``raw_experts`` for a mix of block types per layer: mix[layer] = (gate/up type, down type),
+    e.g. Q4_K_M's [("Q4_K", "Q6_K"), ("Q4_K", "Q4_K"), ...] (hand-made blocks, :func:`random_k_experts`)."""
+    return {(layer, proj): (random_k_experts(kinds[proj == "down"], num_experts, hidden if proj == "down" else inter,
+                                             10 * layer + seed, inter if proj == "down" else hidden),
+                            getattr(T, kinds[proj == "down"]))
+            for layer, kinds in enumerate(mix) for seed, proj in enumerate(("gate", "up", "down"))}
+
+
 def _part(path: Path, i: int, split: int) -> Path:
     if split == 1:
         return path

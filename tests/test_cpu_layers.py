@@ -101,3 +101,45 @@ def test_no_native_layers_without_the_one_call_attention_half():
     # 16-bit attention kept (attention_bits=None): the layers' attention is not one native call
     model = MoEOffloadedMixtral.from_pretrained(embedded_model_path(), attention_bits=None)
     assert model.model.layers[0].attention_step is None and model.model.layers_step is None
+
+
+# GGUF experts read as stored (kernels/cpu/gguf.c): per layer (gate/up type, down type); Q4_K_M mixes Q6_K and
+# Q4_K down projections across layers
+GGUF_MIXES = {"Q8_0": [("Q8_0", "Q8_0")] * 3, "Q4_K": [("Q4_K", "Q4_K")] * 3, "Q5_K": [("Q5_K", "Q5_K")] * 3,
+              "Q6_K": [("Q6_K", "Q6_K")] * 3, "Q4_K_M": [("Q4_K", "Q6_K"), ("Q4_K", "Q4_K"), ("Q4_K", "Q6_K")]}
+
+
+@pytest.fixture(scope="module")
+def gguf_files(tmp_path_factory):
+    pytest.importorskip("gguf")
+    from gguf_models import T, k_mix_experts, write_gguf
+    from helpers import make_tiny_model
+
+    root = tmp_path_factory.mktemp("cpu_layers_gguf")
+    model = make_tiny_model(seed=5, hidden_size=256, intermediate_size=256, num_hidden_layers=3, num_local_experts=4,
+                            num_experts_per_tok=2)
+    out = {}
+    for name, mix in GGUF_MIXES.items():
+        raw = None if name == "Q8_0" else k_mix_experts(mix, 4, 256, 256)  # Q8_0: gguf-py quantizes the model's
+        out[name] = root / f"{name}.gguf"  # attention Q8_0 (int8 per row at load: the one-call attention half)
+        write_gguf(model, out[name], expert_types=T.Q8_0, other_type=T.Q8_0, raw_experts=raw)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MOEFLOW_CACHE_DIR", str(root / "cache"))
+    yield out
+    mp.undo()
+
+
+@pytest.mark.parametrize("kind", list(GGUF_MIXES))
+def test_native_layers_with_gguf_experts_are_the_per_layer_step(gguf_files, kind, counted):
+    from moeflow import MoEModel
+
+    model = MoEModel.from_pretrained(gguf_files[kind], dtype=torch.float32, device="cpu")
+    try:
+        fmt = model.experts.fmt
+        assert fmt.kind == "gguf" and fmt.cpu_kernels and model.model.layers_step is not None
+        types = {t for layer in GGUF_MIXES[kind] for t in layer}
+        assert set(fmt.gate_up_types) | set(fmt.down_types) == types
+        ids = torch.randint(3, 97, (1, 5), generator=torch.Generator().manual_seed(4))
+        _check_same_step(model, ids, counted, n=6)
+    finally:
+        model.close()

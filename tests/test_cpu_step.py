@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import make_tiny_checkpoint
+from helpers import make_tiny_checkpoint, make_tiny_model
 
 import moeflow.engine.build as build
 from moeflow import MoEOffloadedMixtral
@@ -290,3 +290,22 @@ def test_cache_layer_views_are_the_cache():
     k.fill_(1.0)
     v.fill_(2.0)
     assert cache.k[1].eq(1).all() and cache.v[1].eq(2).all() and cache.k[0].eq(0).all()
+
+
+def test_fused_step_on_a_q4_k_m_gguf(tmp_path, monkeypatch):
+    """GGUF experts read as stored (Q4_K gate/up, Q6_K / Q4_K down by layer: Q4_K_M's mix) on ``device="cpu"``:
+    the fused step (its decode steps one native call through every layer, GGUF experts inside) gives the unfused
+    model's tokens and logits."""
+    pytest.importorskip("gguf")
+    from gguf_models import T, k_mix_experts, write_gguf
+
+    monkeypatch.setenv("MOEFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    model = make_tiny_model(seed=5, hidden_size=256, intermediate_size=256, num_hidden_layers=3, num_local_experts=4,
+                            num_experts_per_tok=2)
+    path = tmp_path / "q4_k_m.gguf"
+    write_gguf(model, path, expert_types=T.Q8_0, other_type=T.Q8_0,
+               raw_experts=k_mix_experts([("Q4_K", "Q6_K"), ("Q4_K", "Q4_K"), ("Q4_K", "Q6_K")], 4, 256, 256))
+    ids = torch.randint(3, 97, (1, 6), generator=_gen(8))
+    fused, plain = _check_same_model(path, ids, new_tokens=8, device="cpu")
+    assert fused.model.layers_step is not None and plain.model.layers_step is None
+    assert fused.experts.fmt.down_types == ("Q4_K", "Q6_K") and fused.experts.fmt.cpu_kernels

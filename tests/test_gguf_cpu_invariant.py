@@ -3,8 +3,9 @@ holds Q4_K gate/up and Q6_K down experts (Q4_K_M's mix) and layer 1 Q8_0 experts
 ``kernels="auto"``: every expert runs moeflow's native GGUF CPU kernels (``kernels/cpu/gguf.c``; the linears the CPU
 int8 kernels, as for AWQ), from a slot or, with hybrid compute (fiddler, ``cpu_compute="always"``; fiddler over the
 disk tier too), from the host store's CPU form. Every policy, at slot counts from the minimum to all experts, with
-the synchronous and the random-delay transport, generates exactly the resident model's greedy tokens. ~30 s on the
-2 cores at load ~9."""
+the synchronous and the random-delay transport, generates exactly the resident model's greedy tokens. A Mixtral-layout
+Q4_K_M mix, resident, runs its decode steps as one native call through every layer (engine/cpu_layers.py), the
+offloaded policies layer by layer: the same tokens. ~35 s on the 2 cores at load ~9."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 
 pytest.importorskip("gguf")
 from family_models import make_family_model  # noqa: E402
-from gguf_models import T, random_k_experts, write_gguf  # noqa: E402
+from gguf_models import T, k_mix_experts, random_k_experts, write_gguf  # noqa: E402
 
 from moeflow import MoEModel, OffloadConfig  # noqa: E402
 from moeflow.kernels.cpu.native import native_available  # noqa: E402
@@ -102,3 +103,45 @@ def test_fiddler_over_the_disk_tier(tiny):
         assert model.experts.host.stats.bytes_read > 0
     finally:
         model.close()
+
+
+def test_one_call_layers_step_on_a_q4_k_m_mixtral(tmp_path, monkeypatch):
+    """A Mixtral-layout file with Q4_K_M's mix (Q4_K gate/up; Q6_K, Q4_K, Q6_K down by layer): resident on
+    ``device="cpu"`` every decode step runs all layers as one native call (engine/cpu_layers.py, the GGUF experts
+    inside it); offloaded and hybrid policies run the layers one by one: the same greedy tokens."""
+    from helpers import make_tiny_model
+
+    import moeflow.engine.cpu_layers as cpu_layers
+
+    monkeypatch.setenv("MOEFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    calls = [0]
+    inner = cpu_layers.layers_step
+
+    def counted(*a, **kw):
+        calls[0] += 1
+        return inner(*a, **kw)
+    monkeypatch.setattr(cpu_layers, "layers_step", counted)
+    experts, layers = 4, 3
+    model = make_tiny_model(seed=5, hidden_size=H, intermediate_size=I, num_hidden_layers=layers,
+                            num_local_experts=experts, num_experts_per_tok=TOP_K)
+    raw = k_mix_experts([("Q4_K", "Q6_K"), ("Q4_K", "Q4_K"), ("Q4_K", "Q6_K")], experts, H, I)
+    path = tmp_path / "q4_k_m.gguf"
+    write_gguf(model, path, expert_types=T.Q8_0, other_type=T.Q8_0, raw_experts=raw)
+    ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(3))
+    resident = MoEModel.from_pretrained(path, dtype=torch.float32, device="cpu")
+    try:
+        assert resident.experts.fmt.down_types == ("Q4_K", "Q6_K") and resident.experts.fmt.cpu_kernels
+        expected = resident.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=[])
+    finally:
+        resident.close()
+    assert calls[0] == NEW_TOKENS - 1  # every decode step in one call (the prefill layer by layer)
+    calls[0] = 0
+    for policy, cpu_compute in (("lru", None), ("fiddler", None), ("static", "always")):
+        offloaded = MoEModel.from_pretrained(path, dtype=torch.float32, device="cpu", offload=OffloadConfig(
+            policy=policy, gpu_expert_slots=TOP_K + 1, cpu_compute=cpu_compute))
+        try:
+            out = offloaded.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=[])
+        finally:
+            offloaded.close()
+        assert torch.equal(out, expected), f"{policy}/{cpu_compute}"
+    assert calls[0] == 0  # the offloaded layers ran one by one

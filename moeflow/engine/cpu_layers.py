@@ -4,10 +4,12 @@
 have the one-call attention half (:class:`~moeflow.engine.cpu_step.NativeAttentionHalf`) and an MoE block with the
 native router a :class:`NativeLayers`, which the decoder runs each pass (``CausalDecoder.set_layers_step``). It
 takes a pass only when the per-layer path would run exactly the native calls it makes itself
-(:func:`~moeflow.kernels.cpu.layers.layers_step`): one token, fp32, the engine's static cache, the experts in
-a :class:`~moeflow.moe.resident.CpuInt4Experts` backend on moeflow's kernels, every fused path switched on, no
-routing to record, no module hooks (a profiler's labels still see every module). Otherwise it returns None and
-the layers run one by one. Same calls in the same order: the same logits, bit for bit.
+(:func:`~moeflow.kernels.cpu.layers.layers_step`): one token, fp32, the engine's static cache, the experts in a
+:class:`~moeflow.moe.resident.CpuInt4Experts` backend on moeflow's kernels or GGUF experts (Q8_0, Q4_K, Q5_K,
+Q6_K, Q4_K_M's mixes) resident in a CPU pool on :mod:`moeflow.kernels.cpu.gguf` (:func:`native_experts`), every
+fused path switched on, no routing to record, no module hooks (a profiler's labels still see every module).
+Otherwise it returns None and the layers run one by one. Same calls in the same order: the same logits, bit for
+bit.
 """
 
 from __future__ import annotations
@@ -24,10 +26,13 @@ from moeflow.engine.cpu_step import NativeAttentionHalf, NativeRoute, NativeRout
 from moeflow.engine.kv_cache import PassCache
 from moeflow.families import llama_moe, mixtral
 from moeflow.families.base import CausalDecoder
+from moeflow.kernels.cpu.gguf import GGUFCpuExpert
 from moeflow.kernels.cpu.layers import LayerDesc, layer_desc, layers_step
+from moeflow.kernels.dispatch import resolve_backend
+from moeflow.kernels.formats.gguf import GGUFFormat
 from moeflow.moe.backend import ExpertBackend
 from moeflow.moe.block import MoEBlock, RoutingRecorder
-from moeflow.moe.resident import CpuInt4Experts
+from moeflow.moe.resident import CpuInt4Experts, ResidentExperts
 
 # the layer types whose forward is ``x, h = self.attention_half(...); x + moe_block(h)``, and their MoE block
 LAYER_BLOCKS: dict[type[nn.Module], Callable[[Any], nn.Module]] = {
@@ -57,20 +62,20 @@ class NativeLayers:
         return not (nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks or any(
             m._forward_hooks or m._forward_pre_hooks for m in self.modules))
 
-    def _descriptors(self, experts: CpuInt4Experts) -> ctypes.Array | None:
+    def _descriptors(self, experts: ExpertBackend) -> ctypes.Array | None:
         """The layers' descriptors for this backend (built once; None when an expert is not on the native kernels)."""
         if self._descs is not None and self._descs[0] is experts:
             return self._descs[1]
         descs, tables = [], []
         for layer, block in zip(self.layers, self.blocks, strict=True):
-            forms = experts.experts[block.layer_idx]
-            if any(f is None or not f.native or f.w13.fmt != f.w2.fmt for f in forms):
+            forms = _layer_experts(experts, block.layer_idx)
+            if forms is None:
                 return None
             half = layer.attention_step
             attn = half.attn
             desc, table = layer_desc(half.norm_in.weight, half.norm_post.weight, half.norm_in.eps, attn.qkv_proj,
                                      attn.o_proj, attn.n_heads, attn.n_kv, attn.head_dim, block.gate.weight,
-                                     block.route.top_k, block.route.renormalize, [(f.w13, f.w2) for f in forms])
+                                     block.route.top_k, block.route.renormalize, forms)
             descs.append(desc)
             tables.append(table)
         array = (LayerDesc * len(descs))(*descs)
@@ -84,7 +89,7 @@ class NativeLayers:
         ``masks``: each layer's attention mask bool [1, 1, 1, L]."""
         layer_kv = cache.layer_kv
         if not self.enabled or routing is not None or x.shape[:2] != (1, 1) or x.dtype != torch.float32 \
-                or layer_kv is None or type(experts) is not CpuInt4Experts or not self._fused():
+                or layer_kv is None or not native_experts(experts) or not self._fused():
             return None
         real = experts._real_tokens
         if real is not None and real[0] is not None:
@@ -104,6 +109,31 @@ class NativeLayers:
         if descs is None:
             return None
         return layers_step(descs, x.contiguous(), cos, sin, caches, cache_position)
+
+
+def native_experts(experts: ExpertBackend) -> bool:
+    """Whether the per-layer path computes ``experts`` with the native expert kernels the one call makes: a
+    :class:`~moeflow.moe.resident.CpuInt4Experts`, or every GGUF expert resident in a CPU pool computed by
+    :mod:`moeflow.kernels.cpu.gguf` (``GGUFFormat.cpu_kernels``; the op's "cpu" backend)."""
+    if type(experts) is CpuInt4Experts:
+        return True
+    return type(experts) is ResidentExperts and isinstance(experts.fmt, GGUFFormat) and experts.fmt.cpu_kernels \
+        and experts.pool.device.type == "cpu" and resolve_backend(experts.kernels_backend, experts.pool.device) \
+        == "torch"
+
+
+def _layer_experts(experts: ExpertBackend, layer: int) -> list | None:
+    """Layer ``layer``'s experts in expert order as :func:`~moeflow.kernels.cpu.layers.layer_desc` takes them:
+    q4 (w13, w2) pairs, or GGUF experts over the pool's slot bytes (the views the per-layer op computes on);
+    None when one is not on the native kernels."""
+    if type(experts) is CpuInt4Experts:
+        forms = experts.experts[layer]
+        if any(f is None or not f.native or f.w13.fmt != f.w2.fmt for f in forms):
+            return None
+        return [(f.w13, f.w2) for f in forms]
+    pool, t = experts.pool, experts.pool.tensors
+    return [GGUFCpuExpert(t["gate"][s], t["up"][s], t["down"][s], *pool.fmt.region_types(pool.buffer[s]))
+            for s in experts.slot_tables[layer].tolist()]
 
 
 def native_layers(decoder: CausalDecoder) -> NativeLayers | None:

@@ -66,6 +66,13 @@ INLINE float facc_sum(facc a) {
 }
 #endif
 
+/* gguf.c's entry points (also called by step.c's mf_layers_step). */
+int mf_gguf_linear(const float* x, int T, int K, int N, int type, const uint8_t* w, int64_t stride, float* y,
+                   int nthreads);
+int mf_gguf_expert(const float* x, int T, int H, int I, int t13, const uint8_t* gate, const uint8_t* up,
+                   int64_t s13, int t2, const uint8_t* down, int64_t s2, const float* weight, float* out,
+                   int accumulate, int nthreads);
+
 /* Row `row` (nb blocks of K-quant `type`: Q4_K, Q5_K, Q6_K) against the T quantized tokens of `a`: y[t * ldy]
    (gguf_k.c). */
 __attribute__((visibility("hidden"))) void mf_gguf_krow(int type, const uint8_t* row, int nb, int T, const acts* a,

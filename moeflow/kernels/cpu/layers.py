@@ -1,13 +1,14 @@
 """A one-token CPU decode step through all decoder layers as one native call (``mf_layers_step``, step.c).
 
 Per layer it runs, in C, exactly the calls the per-layer path makes from Python: the attention half
-(``mf_attn_block``, :func:`~moeflow.kernels.cpu.step.attention_block`), the router logits and the softmax
-top-k (``mf_dense_f32``, ``mf_softmax_topk``), the k experts accumulated in k order (``mf_q4_expert``,
-:func:`~moeflow.kernels.cpu.step.experts_step`) and the residual add (one fp32 add, as ``x + moe``): the same
-numbers, bit for bit, without ~150 Python calls and ~15 tensor allocations per layer (~1 ms per token on the
-peer benchmark's 8-layer model, issue 21). The layers are described once (:class:`LayerDesc`, pointers into the
-model's own weight tensors, which must stay where they are); each step passes the caches, the masks and the
-token.
+(``mf_attn_block``, :func:`~moeflow.kernels.cpu.step.attention_block`), the router logits and the softmax top-k
+(``mf_dense_f32``, ``mf_softmax_topk``), the k experts accumulated in k order (``mf_q4_expert``,
+:func:`~moeflow.kernels.cpu.step.experts_step`; or ``mf_gguf_expert`` for GGUF experts read as stored, the calls
+:class:`~moeflow.kernels.cpu.gguf.GGUFCpuExpert` makes, their rows summed in k order as the combine does) and the
+residual add (one fp32 add, as ``x + moe``): the same numbers, bit for bit, without ~150 Python calls and ~15
+tensor allocations per layer (~1 ms per token on the peer benchmark's 8-layer model, issue 21). The layers are
+described once (:class:`LayerDesc`, pointers into the model's own weight tensors, which must stay where they are);
+each step passes the caches, the masks and the token.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
+from moeflow.kernels.cpu.gguf import GGUFCpuExpert
 from moeflow.kernels.cpu.native import Q4Matrix
 from moeflow.kernels.cpu.step import _check_fp32, _lib, _linear_args, block_linear_ok, qkv_args
 
@@ -25,9 +27,41 @@ _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 
 class ExpertDesc(ctypes.Structure):
-    """step.c's ``mf_expert_desc``: one expert's q4 matrices (w13 [2I, H], w2 [H, I])."""
+    """step.c's ``mf_expert_desc``: one expert's q4 matrices (w13 [2I, H], w2 [H, I]; ``t13`` 0), or its GGUF
+    blocks (``t13``, ``t2`` ggml type ids; gate in w13, up, down in w2, row strides gs13, gs2 in bytes)."""
 
-    _fields_ = [*((n, _p) for n in ("w13", "s13", "m13", "w2", "s2", "m2")), ("fmt", _i)]
+    _fields_ = [*((n, _p) for n in ("w13", "s13", "m13", "w2", "s2", "m2")), ("fmt", _i), ("t13", _i), ("t2", _i),
+                ("gs13", ctypes.c_int64), ("gs2", ctypes.c_int64), ("up", _p)]
+
+
+def _q4_desc(w13: Q4Matrix, w2: Q4Matrix) -> ExpertDesc:
+    return ExpertDesc(w13.packed.data_ptr(), w13.scales.data_ptr(), w13.mins.data_ptr(), w2.packed.data_ptr(),
+                      w2.scales.data_ptr(), w2.mins.data_ptr(), w13.fmt)
+
+
+def _gguf_desc(e: GGUFCpuExpert) -> ExpertDesc:
+    return ExpertDesc(e.gate.data_ptr(), None, None, e.down.data_ptr(), None, None, 0, e.gate_up_type.type_id,
+                      e.down_type.type_id, e.gate.stride(0), e.down.stride(0), e.up.data_ptr())
+
+
+def _expert_table(experts: Sequence[tuple[Q4Matrix, Q4Matrix] | GGUFCpuExpert], h: int) -> tuple[ctypes.Array,
+                                                                                                      int, int]:
+    """(the experts' ExpertDesc array, intermediate size, q4 group size or 0) after checking they fit hidden size
+    ``h``: all q4 (one shape, group size and form of scales per expert) or all GGUF (one shape)."""
+    if all(isinstance(e, GGUFCpuExpert) for e in experts):
+        if len({(e.hidden_size, e.intermediate_size) for e in experts}) != 1 or experts[0].hidden_size != h:
+            raise ValueError(f"layer_desc: GGUF experts of one shape with hidden size {h} expected")
+        return (ExpertDesc * len(experts))(*map(_gguf_desc, experts)), experts[0].intermediate_size, 0
+    if any(isinstance(e, GGUFCpuExpert) for e in experts) or \
+            len({(w13.shape, w2.shape, w13.group_size, w2.group_size) for w13, w2 in experts}) != 1:
+        raise ValueError("layer_desc: the experts must be all GGUF or all q4 of one shape and group size")
+    w13, w2 = experts[0]
+    inter = w2.shape[1]
+    if w13.shape != (2 * inter, h) or w2.shape != (h, inter) or w13.group_size != w2.group_size:
+        raise ValueError(f"layer_desc: experts w13 {w13.shape}, w2 {w2.shape} for hidden size {h}")
+    if any(a.fmt != b.fmt for a, b in experts):
+        raise ValueError("layer_desc: an expert's w13 and w2 must share one form of scales (Q4Matrix.fmt)")
+    return (ExpertDesc * len(experts))(*[_q4_desc(a, b) for a, b in experts]), inter, w13.group_size
 
 
 class LayerDesc(ctypes.Structure):
@@ -54,33 +88,23 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 def layer_desc(norm_in: torch.Tensor, norm_post: torch.Tensor, eps: float, qkv: torch.nn.Module,
                o: torch.nn.Module, n_heads: int, n_kv: int, head_dim: int, gate: torch.Tensor, top_k: int,
-               renormalize: bool, experts: Sequence[tuple[Q4Matrix, Q4Matrix]]) -> tuple[LayerDesc, object]:
+               renormalize: bool, experts: Sequence[tuple[Q4Matrix, Q4Matrix] | GGUFCpuExpert],
+               ) -> tuple[LayerDesc, object]:
     """One layer's descriptor: norms fp32 [H]; ``qkv``, ``o``: native int4/int8 CpuQuantLinear (no bias; ``qkv``
     also a SplitLinear of two);
-    gate fp32 [E, H] (contiguous); experts: E (w13 [2I, H], w2 [H, I]) pairs of one group size. Returns the
-    descriptor and the expert array it points into (keep both alive together)."""
+    gate fp32 [E, H] (contiguous); experts: E (w13 [2I, H], w2 [H, I]) q4 pairs of one group size, or E GGUF
+    experts (gate/up [I, H], down [H, I] blocks, their types per expert: Q4_K_M mixes them). Returns the
+    descriptor and what it points into (the expert array and the experts: keep both alive together)."""
     if not (block_linear_ok(qkv) and block_linear_ok(o)):
         raise ValueError("layer_desc: q/k/v and o must be native int4/int8 CpuQuantLinear layers without bias")
     for name, t in (("norm_in", norm_in), ("norm_post", norm_post), ("gate", gate)):
         _check_fp32(name, t)
-    h = gate.shape[1]
-    if len(experts) != gate.shape[0] or len({(w13.shape, w2.shape, w13.group_size, w2.group_size)
-                                             for w13, w2 in experts}) != 1:
-        raise ValueError(f"layer_desc: {len(experts)} experts of one shape and group size expected for a gate "
-                         f"{tuple(gate.shape)}")
-    w13, w2 = experts[0]
-    inter = w2.shape[1]
-    if w13.shape != (2 * inter, h) or w2.shape != (h, inter) or w13.group_size != w2.group_size:
-        raise ValueError(f"layer_desc: experts w13 {w13.shape}, w2 {w2.shape} for hidden size {h}")
-    if any(a.fmt != b.fmt for a, b in experts):
-        raise ValueError("layer_desc: an expert's w13 and w2 must share one form of scales (Q4Matrix.fmt)")
-    table = (ExpertDesc * len(experts))(*[
-        ExpertDesc(a.packed.data_ptr(), a.scales.data_ptr(), a.mins.data_ptr(), b.packed.data_ptr(),
-                   b.scales.data_ptr(), b.mins.data_ptr(), a.fmt) for a, b in experts])
+    if len(experts) != gate.shape[0]:
+        raise ValueError(f"layer_desc: {len(experts)} experts for a gate {tuple(gate.shape)}")
+    table, inter, group = _expert_table(experts, gate.shape[1])
     desc = LayerDesc(norm_in.data_ptr(), norm_post.data_ptr(), eps, *qkv_args(qkv), *_linear_args(o), n_heads,
-                     n_kv, head_dim, gate.data_ptr(), gate.shape[0], top_k, int(renormalize), inter, w13.group_size,
-                     table)
-    return desc, table
+                     n_kv, head_dim, gate.data_ptr(), gate.shape[0], top_k, int(renormalize), inter, group, table)
+    return desc, (table, list(experts))  # the experts too: the table holds their tensors' addresses
 
 
 def layers_step(descs: ctypes.Array, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -102,6 +126,8 @@ def layers_step(descs: ctypes.Array, x: torch.Tensor, cos: torch.Tensor, sin: to
                                          ptrs, k_cache.shape[2], cache_position.data_ptr(),
                                          1.0 / math.sqrt(k_cache.shape[3]), ids.data_ptr(), weights.data_ptr(),
                                          torch.get_num_threads())
-    if rc:
+    if rc == -1:
         raise MemoryError("layers_step: the CPU kernel could not allocate its buffers")
+    if rc:
+        raise ValueError(f"layers_step: the CPU kernel refused a GGUF expert's type or size (code {rc})")
     return out

@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "native.h"
+#include "gguf.h"  /* mf_gguf_expert (gguf.c); includes native.h */
 
 /* out[t] = w * (x[t] / sqrt(mean(x[t]^2) + eps)) for x fp32 [T, H]. With ``res`` (may be NULL): x[t] + res[t]
    is normalised instead and written to ``sum`` (the residual stream the layer continues with). */
@@ -232,7 +232,9 @@ void mf_softmax_topk(const float* logits, int T, int E, int k, int renorm, float
 
 /* ---- a whole one-token step through the decoder layers ---- */
 
-/* One expert's q4 matrices: w13 [2I, H] (gate then up), w2 [H, I] (q4.c's layout). */
+/* One expert: t13 == 0: q4 matrices w13 [2I, H] (gate then up), w2 [H, I] (q4.c's layout; s, m, fmt); t13 != 0:
+   GGUF blocks as the file stores them (gguf.c): gate (w13) and up [I, H] of ggml type t13, rows s13 bytes apart,
+   down (w2) [H, I] of type t2, rows s2 bytes apart (a Q4_K_M layer: Q4_K gate/up beside Q6_K or Q4_K down). */
 typedef struct {
     const uint8_t* w13;
     const void* s13;
@@ -241,10 +243,13 @@ typedef struct {
     const void* s2;
     const void* m2;
     int fmt;  /* MF_Q4_F32, MF_Q4_F16Z or MF_Q4_F16Z8, both matrices */
+    int t13, t2;  /* GGUF: ggml type ids (GG_Q8_0, GG_Q4_K, ...); 0: q4 */
+    int64_t gs13, gs2;  /* GGUF: row strides in bytes */
+    const uint8_t* up;  /* GGUF: the up matrix */
 } mf_expert_desc;
 
 /* A Mixtral-layout decoder layer: the attention half of mf_attn_block, a plain softmax-top-k router (fp32 gate
-   [E, H]) and E SwiGLU q4 experts of intermediate size I. */
+   [E, H]) and E SwiGLU experts (q4 or GGUF, mf_expert_desc) of intermediate size I. */
 typedef struct {
     const float* w_in;
     const float* w_post;
@@ -268,10 +273,12 @@ typedef struct {
 } mf_layer_desc;
 
 /* One token x fp32 [H] through n layers, in place: per layer, (x, h) = mf_attn_block(x); logits = h @ gate.T;
-   (ids, weights) = mf_softmax_topk(logits); moe = the k experts' mf_q4_expert calls accumulated in k order;
+   (ids, weights) = mf_softmax_topk(logits); moe = the k experts' mf_q4_expert (or mf_gguf_expert) calls
+   accumulated in k order;
    x = x + moe. Exactly the calls (and the one fp32 add) of the per-layer path, so the same numbers.
    kv [n, 3]: each layer's k cache, v cache (fp32 [1, nkv, L, D]) and mask (bool [L]); ids int32 [n, k] and
-   weights fp32 [n, k] receive each layer's routing. Returns 0, or -1 when out of memory (x then undefined). */
+   weights fp32 [n, k] receive each layer's routing. Returns 0, -1 when out of memory, -2 when a GGUF expert's
+   type or size is refused (x then undefined). */
 int mf_layers_step(const mf_layer_desc* layers, int n, float* x, int H, const float* cos, const float* sin,
                    void* const* kv, int L, const int64_t* pos, float scale, int32_t* ids, float* weights,
                    int nthreads) {
@@ -300,8 +307,10 @@ int mf_layers_step(const mf_layer_desc* layers, int n, float* x, int H, const fl
         mf_softmax_topk(logits, 1, d->E, d->k, d->renorm, probs, il, wl);
         for (int j = 0; j < d->k && !rc; j++) {
             const mf_expert_desc* e = &d->experts[il[j]];
-            rc = mf_q4_expert(h, 1, H, d->I, d->group, e->fmt, e->w13, e->s13, e->m13, e->w2, e->s2, e->m2, wl + j,
-                              moe, j > 0, nthreads);
+            rc = e->t13 ? mf_gguf_expert(h, 1, H, d->I, e->t13, e->w13, e->up, e->gs13, e->t2, e->w2, e->gs2, wl + j,
+                                         moe, j > 0, nthreads)
+                        : mf_q4_expert(h, 1, H, d->I, d->group, e->fmt, e->w13, e->s13, e->m13, e->w2, e->s2, e->m2,
+                                       wl + j, moe, j > 0, nthreads);
         }
         for (int i = 0; i < H; i++) x[i] = xa[i] + moe[i];
     }
