@@ -28,7 +28,7 @@ from moeflow.families import llama_moe, mixtral
 from moeflow.families.base import CausalDecoder
 from moeflow.kernels.cpu.gguf import GGUFCpuExpert
 from moeflow.kernels.cpu.layers import LayerDesc, layer_desc, layers_step
-from moeflow.kernels.dispatch import resolve_backend
+from moeflow.kernels.dispatch import uses_triton
 from moeflow.kernels.formats.gguf import GGUFFormat
 from moeflow.moe.backend import ExpertBackend
 from moeflow.moe.block import MoEBlock, RoutingRecorder
@@ -118,8 +118,7 @@ def native_experts(experts: ExpertBackend) -> bool:
     if type(experts) is CpuInt4Experts:
         return True
     return type(experts) is ResidentExperts and isinstance(experts.fmt, GGUFFormat) and experts.fmt.cpu_kernels \
-        and experts.pool.device.type == "cpu" and resolve_backend(experts.kernels_backend, experts.pool.device) \
-        == "torch"
+        and experts.pool.device.type == "cpu" and not uses_triton(experts.kernels_backend, experts.pool.device)
 
 
 def _layer_experts(experts: ExpertBackend, layer: int) -> list | None:
