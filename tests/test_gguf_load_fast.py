@@ -1,18 +1,25 @@
-"""Q4_0 GGUF experts into the AWQ format by moving packed words (kernels/repack.q4_0_to_awq, cpu/repack.c's
-mf_q4_0_to_awq, and its plain-torch twin) against the unpacking reference (io/gguf/experts.
-q4_0_awq_expert_tensors_reference): bit for bit on random blocks holding every nibble value and scales of every
-sign, subnormals and odd mantissas; row counts that leave the AVX-512 loop a tail; the portable C build. ~3 s on
-2 cores."""
+"""The GGUF load's fast paths against what they replace, bit for bit.
+
+* Q4_0 experts into the AWQ format by moving packed words (kernels/repack.q4_0_to_awq, cpu/repack.c's
+  mf_q4_0_to_awq, and its plain-torch twin) against the unpacking reference (io/gguf/experts.
+  q4_0_awq_expert_tensors_reference): random blocks holding every nibble value, scales of every sign, subnormals
+  and odd mantissas; row counts that leave the AVX-512 loop a tail; the portable C build.
+* The metadata parse (io/gguf/files._open: gguf-py's reader slicing plain ndarrays) against gguf-py's own reader,
+  field by field.
+
+~4 s on 2 cores."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from moeflow.io.gguf import experts as gguf_experts
 from moeflow.io.gguf.experts import ExpertBytes, ExpertSlice, q4_0_awq_expert_tensors_reference
+from moeflow.io.gguf.files import _open
 from moeflow.kernels import repack
 from moeflow.kernels.cpu import native as cpu_native
 from moeflow.quant.ggml import ggml_type
@@ -85,3 +92,31 @@ def test_bad_input_is_named():
     bad = ExpertSlice(Path("m.gguf"), 0, 0, ggml_type(8), (32, 32), "blk.0.ffn_up_exps.weight")
     with pytest.raises(ValueError, match="m.gguf: blk.0.ffn_up_exps.weight: Q8_0, not Q4_0"):
         gguf_experts.q4_0_awq_expert_tensors(ExpertBytes(expert.gate, bad, expert.down), raw)
+
+
+def test_metadata_parse_equals_gguf_py_reader(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    path = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(3)
+    w.add_rope_freq_base(1e6)
+    w.add_token_list([b"<unk>", "\u2581h\u00e9".encode(), b""] + [f"t{i}".encode() for i in range(300)])
+    w.add_token_scores([float(-i) for i in range(303)])
+    w.add_token_types([2] + [1] * 302)
+    w.add_array("test.nested", [[1, 2], [3]])
+    w.add_tensor("a", np.arange(64, dtype=np.float32).reshape(2, 32))
+    w.add_tensor("b", np.ones((4, 8), dtype=np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    got, ref = _open(path), gguf.GGUFReader(path)
+    assert list(got.fields) == list(ref.fields) and len(got.fields["tokenizer.ggml.tokens"].data) == 303
+    for name, f in ref.fields.items():
+        g = got.fields[name]
+        assert (g.offset, g.name, g.data, g.types) == (f.offset, f.name, f.data, f.types), name
+        assert len(g.parts) == len(f.parts) and all(a.dtype == b.dtype and np.array_equal(a, b)
+                                                    for a, b in zip(g.parts, f.parts, strict=True)), name
+    assert [(t.name, t.tensor_type, t.data_offset, list(t.shape)) for t in got.tensors] == \
+        [(t.name, t.tensor_type, t.data_offset, list(t.shape)) for t in ref.tensors]
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(got.tensors, ref.tensors, strict=True))
