@@ -10,6 +10,10 @@ shift, xor, and), so no nibble is ever unpacked into its own integer:
 * :func:`awq_to_q4_packed`: the CPU kernels' row-grouped ``uint8 [N, K/2]`` (:class:`~moeflow.kernels.cpu.native.
   Q4Matrix`).
 
+Likewise :func:`q4_0_to_awq`, the same transpose from the other side: a GGUF's Q4_0 rows (``[N, K]``, 32 values per
+18-byte block) into AWQ's ``qweight`` / ``scales`` (GGUF Q4_0 experts as the AWQ format, at load;
+tests/test_gguf_load_fast.py checks it against the unpacking reference).
+
 Two implementations, bit-identical (tests/test_repack.py checks both against the unpacking references
 :func:`moeflow.kernels.pool.to_kernel_layout_reference` and ``Q4Matrix``'s ``_pack_q4``): ``mf_nibble_transpose``
 (``cpu_repack.c``, one pass over the bytes, no temporaries; CPU tensors where moeflow's CPU library builds, and
