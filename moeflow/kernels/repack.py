@@ -10,6 +10,10 @@ shift, xor, and), so no nibble is ever unpacked into its own integer:
 * :func:`awq_to_q4_packed`: the CPU kernels' row-grouped ``uint8 [N, K/2]`` (:class:`~moeflow.kernels.cpu.native.
   Q4Matrix`).
 
+Likewise :func:`q4_0_to_awq`, the same transpose from the other side: a GGUF's Q4_0 rows (``[N, K]``, 32 values per
+18-byte block) into AWQ's ``qweight`` / ``scales`` (GGUF Q4_0 experts as the AWQ format, at load;
+tests/test_gguf_load_fast.py checks it against the unpacking reference).
+
 Two implementations, bit-identical (tests/test_repack.py checks both against the unpacking references
 :func:`moeflow.kernels.pool.to_kernel_layout_reference` and ``Q4Matrix``'s ``_pack_q4``): ``mf_nibble_transpose``
 (``cpu_repack.c``, one pass over the bytes, no temporaries; CPU tensors where moeflow's CPU library builds, and
@@ -202,3 +206,37 @@ def quantize_rows_int8_grouped_native(lib: Library | None, w: torch.Tensor, thre
                                          p(scales.data_ptr()), p(q.data_ptr()), ctypes.c_int(max(threads, 1))):
         raise MemoryError("quantize_rows_int8_grouped_native: the CPU kernel could not allocate its row buffers")
     return q, scales
+
+def q4_0_to_awq(raw: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, lib: Library | None = None) -> None:
+    """Q4_0 rows -> AWQ's ``qweight`` and ``scales`` (group 32, zero point 8, the same codes and fp16 scales),
+    moving packed words. raw: uint8 ``[N, K/32 * 18]`` (N % 8 == 0, contiguous rows of Q4_0 blocks: fp16 ``d``,
+    16 bytes whose low nibbles are elements 0-15 and high nibbles 16-31); written into qweight int32 ``[K, N/8]``
+    (word ``(k, c)``, nibble ``i``: code of row ``8c + AWQ_ORDER[i]``, element ``k``) and scales fp16 ``[K/32, N]``,
+    which may be column slices of wider tensors (w13's gate and up halves: unit stride along the row). ``lib``:
+    moeflow's CPU library (``mf_q4_0_to_awq`` in cpu/repack.c, GIL released), else the same word transposes in
+    torch (:func:`nibble_transpose_torch`)."""
+    n = raw.shape[0]
+    k = raw.shape[1] // 18 * 32 if raw.dim() == 2 else -1
+    if (raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % 18 or n % 8
+            or tuple(qweight.shape) != (k, n // 8) or qweight.dtype != torch.int32
+            or tuple(scales.shape) != (k // 32, n) or scales.dtype != torch.float16):
+        raise ValueError(f"q4_0_to_awq: raw must be uint8 [N, K/32 * 18] with N % 8 == 0, qweight int32 [K, N/8], "
+                         f"scales fp16 [K/32, N]; got raw {raw.dtype} {tuple(raw.shape)}, qweight {qweight.dtype} "
+                         f"{tuple(qweight.shape)}, scales {scales.dtype} {tuple(scales.shape)}")
+    if k == 0 or n == 0:
+        return
+    if qweight.stride(1) != 1 or scales.stride(1) != 1:
+        raise ValueError("q4_0_to_awq: qweight and scales need unit stride along their rows")
+    if _on_cpu(lib, raw, qweight, scales):
+        r = raw.contiguous()
+        order = (ctypes.c_int32 * 8)(*AWQ_ORDER)
+        p = ctypes.c_void_p
+        lib.mf_q4_0_to_awq(p(r.data_ptr()), ctypes.c_int64(n), ctypes.c_int64(k), ctypes.cast(order, p),
+                           p(qweight.data_ptr()), ctypes.c_int64(qweight.stride(0)), p(scales.data_ptr()),
+                           ctypes.c_int64(scales.stride(0)))
+        return
+    blocks = raw.reshape(n, k // 32, 18)
+    qs = blocks[:, :, 2:].contiguous().view(torch.int32).view(n, k // 8)  # word 4b + ww, nibble 2j + h
+    x = nibble_transpose_torch(qs, AWQ_ORDER)  # [N/8, 8 (nibble 2j + h), K/8 (4b + ww)]: element 32b + 4ww + j + 16h
+    qweight.copy_(x.view(n // 8, 4, 2, k // 32, 4).permute(3, 2, 4, 1, 0).reshape(k, n // 8))
+    scales.copy_(blocks[:, :, :2].contiguous().view(torch.float16).view(n, k // 32).T)

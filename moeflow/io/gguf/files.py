@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -154,10 +155,31 @@ class GGUFFiles:
         return out.reshape(hi - lo, *info.shape[1:-1], info.row_bytes)
 
 
-def _open(path: Path) -> Any:
+@lru_cache(maxsize=1)
+def _reader_class() -> type:
+    """gguf-py's ``GGUFReader`` with its one slicing primitive (``_get``) taking plain ndarray views of the mapped
+    file: the same arrays and fields, without ``np.memmap``'s Python-level ``__getitem__`` / ``__array_finalize__``
+    on each of the ~3 slices per vocabulary token that parsing the metadata makes (most of the time to open a
+    file: 2-5 s for a 32k vocabulary on this machine, several times that for 150k). ``_get`` is the same in gguf
+    0.18 and 0.19 (bounded in pyproject.toml); the GGUF tests read every field through it."""
     gguf = _gguf()
+
+    class Reader(gguf.GGUFReader):
+        def _get(self, offset: int, dtype: Any, count: int = 1, override_order: str | None = None) -> np.ndarray:
+            plain = self.__dict__.get("_plain_data")
+            if plain is None or plain.base is not self.data.base:
+                plain = self._plain_data = self.data.view(np.ndarray)  # the same mapping, not a memmap subclass
+            count = int(count)
+            dtype = np.dtype(dtype)
+            arr = plain[offset: offset + dtype.itemsize * count].view(dtype)[:count]
+            return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+    return Reader
+
+
+def _open(path: Path) -> Any:
     try:
-        return gguf.GGUFReader(path)
+        return _reader_class()(path)
     except (ValueError, OSError, IndexError, KeyError, TypeError) as e:  # what gguf-py raises on a bad file
         size = path.stat().st_size if path.exists() else -1
         raise CheckpointError(f"cannot read GGUF file {path} ({size} bytes; truncated or not a GGUF file?): "

@@ -274,4 +274,62 @@ int mf_quantize_rows_int8_grouped(const void *w, int kind, int64_t rows, int64_t
         free(codes);
     }
     return failed;
+
+/* Q4_0 rows straight into AWQ's qweight and scales (GGUF experts as the AWQ format, moeflow/io/gguf/experts.py),
+   moving packed words: a Q4_0 block is an fp16 scale d and 16 bytes whose low nibbles are elements 0-15 and high
+   nibbles 16-31, so 32-bit word ww of a block holds, in nibble 2j + h, element 4 ww + j + 16 h. The same 8 x 8
+   transpose as above turns word ww of 8 rows into 8 words of one element each, holding those rows: AWQ's word
+   (k, c) once the rows are taken in row_order (AWQ_ORDER). raw: uint8 [n, k / 32 * 18] (n % 8 == 0, k % 32 == 0),
+   rows contiguous; qweight: uint32, word (k, c) at qweight[k * ld + c]; scales: uint16, block b of row m at
+   scales[b * lds + m]. Walks 16 row groups (128 rows) at a time down all of K: each output row's 16 words of a
+   step are one 64-byte store, and each input row is read sequentially (unaligned: blocks are 18 bytes). */
+void mf_q4_0_to_awq(const uint8_t *raw, int64_t n, int64_t k, const int32_t *row_order, uint32_t *qweight,
+                    int64_t ld, uint16_t *scales, int64_t lds) {
+    const int64_t nb = k / 32, row_bytes = nb * 18, groups = n / 8;
+    int64_t c0 = 0;
+#ifdef __AVX512F__
+    int32_t idx[8][16];  /* byte offset of row 8 l + row_order[r] from row 8 c0 */
+    for (int r = 0; r < 8; r++)
+        for (int l = 0; l < 16; l++)
+            idx[r][l] = (int32_t)((8 * l + row_order[r]) * row_bytes);
+    if (16 * 8 * row_bytes < INT32_MAX) {
+        __m512i vidx[8];
+        for (int r = 0; r < 8; r++)
+            vidx[r] = _mm512_loadu_si512((const void *)idx[r]);
+        for (; c0 + 16 <= groups; c0 += 16) {
+            const uint8_t *base = raw + 8 * c0 * row_bytes;
+            for (int64_t b = 0; b < nb; b++) {
+                for (int ww = 0; ww < 4; ww++) {
+                    __m512i x[8];
+                    for (int r = 0; r < 8; r++)
+                        x[r] = _mm512_i32gather_epi32(vidx[r], (const void *)(base + 18 * b + 2 + 4 * ww), 1);
+                    mf_transpose8x16(x);
+                    for (int i = 0; i < 8; i++) {
+                        const int64_t e = 32 * b + 4 * ww + (i >> 1) + 16 * (i & 1);
+                        _mm512_storeu_si512((void *)(qweight + e * ld + c0), x[i]);
+                    }
+                }
+                for (int64_t m = 0; m < 128; m++)
+                    memcpy(scales + b * lds + 8 * c0 + m, base + m * row_bytes + 18 * b, 2);
+            }
+        }
+    }
+#endif
+    for (; c0 < groups; c0++) {
+        const uint8_t *src[8];
+        for (int r = 0; r < 8; r++)
+            src[r] = raw + (8 * c0 + row_order[r]) * row_bytes;
+        for (int64_t b = 0; b < nb; b++) {
+            for (int ww = 0; ww < 4; ww++) {
+                uint32_t x[8];
+                for (int r = 0; r < 8; r++)
+                    memcpy(&x[r], src[r] + 18 * b + 2 + 4 * ww, 4);
+                mf_transpose8(x);
+                for (int i = 0; i < 8; i++)
+                    qweight[(32 * b + 4 * ww + (i >> 1) + 16 * (i & 1)) * ld + c0] = x[i];
+            }
+            for (int m = 0; m < 8; m++)
+                memcpy(scales + b * lds + 8 * c0 + m, raw + (8 * c0 + m) * row_bytes + 18 * b, 2);
+        }
+    }
 }
