@@ -155,6 +155,7 @@ class SimResult:
     decode_time_s: float = 0.0  # every decode pass, summed
     decode_ready_hit_rate: float | None = None  # decode hits whose bytes had landed at the gate (not in flight)
     gated_prefetches: int = 0  # guesses the prefetch gate turned away (Mechanisms.prefetch_gate)
+    batch: int = 1  # sequences per pass (simulate(batch=)): tpot_s is then one pass of up to ``batch`` tokens
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -435,7 +436,7 @@ def simulate(
         host_experts=host_experts if transport.disk is not None else total,
         disk_bytes=transport.disk.bytes_read if transport.disk is not None else 0,
         disk_busy_s=transport.disk.busy_s if transport.disk is not None else 0.0,
-        decode_generated_tokens=decode_generated, decode_time_s=sum(decode_times),
+        decode_generated_tokens=decode_generated, decode_time_s=sum(decode_times), batch=batch,
     )
 
 
