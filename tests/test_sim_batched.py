@@ -1,7 +1,8 @@
 """Batched replay (moeflow/sim/batched.py, ``simulate(batch=)``, ``moeflow simulate --batch``): B sequences of a
 batch-1 trace prefilled in one pass and decoded one pass per step. lru's and lfu's expert loads equal the CPU
 runtime's generate of the same prompts as one left-padded batch (batch 2-4); every pass hands begin_step what the
-engine hands it for that batch; pinned counts. ~8 s on 2 cores."""
+engine hands it for that batch, and on a link with instant copies mixtral-offloading's, duoserve's and promoe's
+loads equal the (synchronous) runtime's too; pinned counts. ~12 s on 2 cores."""
 
 from __future__ import annotations
 
@@ -72,6 +73,27 @@ def test_loads_equal_the_runtime_at_batch(recorded, policy, batch, slots):
     assert res.decode_steps == NEW - 1 and res.sequences == 1
     one = simulate(trace.select(range(batch)), policy, slots, PROFILE, timeline=False)  # one sequence at a time
     assert one.decode_steps == batch * (NEW - 1) and one.decode_hit_rate != pytest.approx(res.decode_hit_rate)
+
+
+# copies that take no time: the simulated copy queue lands every guess at once, as the runtime's synchronous copies do
+INSTANT = custom_profile(h2d_gbps=1e7, expert_mb=0.01, layer_ms=0.3, expert_ms=0.25, expert_ms_per_token=0.02,
+                         head_ms=0.4, sched_ms=0.05, latency_us=0.0)
+
+
+@pytest.mark.parametrize("policy", ["mixtral-offloading", "duoserve", "promoe"])
+def test_predictive_loads_equal_the_runtime_on_an_instant_link(recorded, policy):
+    """The predictors see at batch 3 what the engine's do (their tokens, histories, embeddings, hidden states):
+    with copies that take no time their guesses and so their loads are the synchronous runtime's."""
+    from moeflow.sim.simulator import load_gates
+
+    prompts, trace = recorded
+    stats, nbytes = runtime(policy, 12, prompts[:3])
+    gates = load_gates(embedded_model_path(), trace.num_layers)
+    res = simulate(trace.select(range(3)), policy, 12, INSTANT, timeline=False, batch=3, gates=gates,
+                   predictor_dir=embedded_model_path())
+    assert res.prefill_bytes_h2d / INSTANT.expert_bytes == pytest.approx(stats.prefill.bytes_h2d / nbytes)
+    assert res.decode_bytes_h2d / INSTANT.expert_bytes == pytest.approx(stats.decode.bytes_h2d / nbytes)
+    assert stats.decode.prefetches > 0
 
 
 def test_begin_step_gets_what_the_engine_gives(recorded):
