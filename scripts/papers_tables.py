@@ -7,6 +7,7 @@ One command per table; each prints its Markdown and writes its raw figures under
     python -m scripts.papers_tables headline     # each paper's metric beside the paper's figure
     python -m scripts.papers_tables sim          # every policy x 3 budgets, with / without the prefetch gate, batch 1
     python -m scripts.papers_tables batch8       # every policy x 3 budgets, batch-8 decode on the CPU runtime
+    python -m scripts.papers_tables sim8         # the simulator at batch 8 (the same 8 prompts), beside batch8
     python -m scripts.papers_tables routing      # routing statistics beside the embedded model's and published ones
     python -m scripts.papers_tables finemoe-store  # FineMoE's map-store capacity vs recall and hit rate
 
@@ -199,7 +200,9 @@ def cmd_routing(args) -> dict:
     return {**stats, "markdown": md}
 
 
-def cmd_sim(args) -> dict:
+def cmd_sim(args, batch: int = 1) -> dict:
+    """Every policy x budget (x the gate) on each profile; ``batch`` > 1: the first ``batch`` evaluation sequences
+    prefilled in one pass and decoded together (``simulate(batch=)``), beside the CPU runtime's batch8 counts."""
     from moeflow.offload.policies import POLICY_TABLE, register_policy, unregister_policy
     from moeflow.sim import get_profile, simulate
     from moeflow.sim.simulator import load_gates
@@ -208,12 +211,17 @@ def cmd_sim(args) -> dict:
     gates = load_gates(args.model, ev.num_layers)
     total = ev.num_layers * ev.num_experts
     budgets = [round(total * f) for f in args.fractions]
+    sequences = args.sim_sequences if batch == 1 else batch
+    measured = _runtime_batch8(args.out, args.model) if batch == 8 else {}
     rows, lines = [], []
     for prof_name in args.profiles:
         profile = dataclasses.replace(get_profile(prof_name), num_layers=None, num_experts=None, top_k=None)
-        lines += [f"\n**{prof_name}**\n", "| slots | policy | gate | hit decode | ready hit decode | hit prefill | "
-                  "decode MB / token | prefill MB / token | decode ms / token | TTFT ms | useful prefetches | gated |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        head = ("| slots | policy | gate | hit decode | ready hit decode | hit prefill | decode MB / token | "
+                "prefill MB / token | decode ms / token | TTFT ms | useful prefetches | gated |")
+        if batch > 1:
+            head = head.replace("decode ms / token |", "decode ms / token | decode pass ms |")
+            head += " runtime: hit decode | runtime: decode experts / token | sim: decode experts / token |"
+        lines += [f"\n**{prof_name}**\n", head, "|" + "---|" * head[1:].count("|")]
         for slots in budgets:
             for policy in args.policies:
                 for gate in ((False, True) if policy in PREDICTIVE else (False,)):
@@ -225,24 +233,57 @@ def cmd_sim(args) -> dict:
                             spec.mechanisms, prefetch_gate=True)))
                     try:
                         res = simulate(ev, name, slots, profile, gates=gates, timeline=False,
-                                       predictor_dir=args.model, max_sequences=args.sim_sequences)
+                                       predictor_dir=args.model, max_sequences=sequences, batch=batch)
                     finally:
                         if gate:
                             unregister_policy(name)
                     r = {"profile": prof_name, "slots": slots, "policy": policy, "gate": gate, **res.as_dict()}
-                    r["decode_bytes_per_token"] = res.decode_bytes_h2d / max(res.decode_steps, 1)
+                    r["decode_bytes_per_token"] = res.decode_bytes_h2d / max(res.decode_generated_tokens, 1)
                     r["prefill_bytes_per_token"] = res.prefill_bytes_h2d / max(res.prefill_tokens, 1)
+                    r["decode_ms_per_token"] = (res.time_per_generated_token_s or 0.0) * 1e3
                     rows.append(r)
                     useful = res.useful_prefetches / res.prefetches if res.prefetches else None
-                    lines.append(f"| {slots} | {policy} | {'on' if gate else '–'} | {_pct(res.decode_hit_rate)} | "
-                                 f"{_pct(res.decode_ready_hit_rate)} | {_pct(res.prefill_hit_rate)} | "
-                                 f"{r['decode_bytes_per_token'] / 1e6:.0f} | "
-                                 f"{r['prefill_bytes_per_token'] / 1e6:.0f} | {_ms(res.tpot_s)} | {_ms(res.ttft_s)} | "
-                                 f"{_pct(useful)} | {res.gated_prefetches} |")
+                    line = (f"| {slots} | {policy} | {'on' if gate else '–'} | {_pct(res.decode_hit_rate)} | "
+                            f"{_pct(res.decode_ready_hit_rate)} | {_pct(res.prefill_hit_rate)} | "
+                            f"{r['decode_bytes_per_token'] / 1e6:.0f} | "
+                            f"{r['prefill_bytes_per_token'] / 1e6:.0f} | {_ms(res.time_per_generated_token_s)} | ")
+                    if batch > 1:
+                        line += f"{_ms(res.tpot_s)} | "
+                    line += f"{_ms(res.ttft_s)} | {_pct(useful)} | {res.gated_prefetches} |"
+                    if batch > 1:
+                        m = measured.get((slots, policy, gate))
+                        sim_experts = r["decode_bytes_per_token"] / profile.expert_bytes
+                        r["runtime"] = m
+                        line += (f" {_pct(m['hit']) if m else '–'} | {f'{m[chr(101)]:.2f}' if m else '–'} | "
+                                 f"{sim_experts:.2f} |")
+                    lines.append(line)
                     print(lines[-1], flush=True)
     md = "\n".join(lines)
     print(md)
-    return {"rows": rows, "budgets": budgets, "markdown": md}
+    return {"rows": rows, "budgets": budgets, "batch": batch, "sequences": sequences, "markdown": md}
+
+
+def _runtime_batch8(out: Path, model_path: Path) -> dict:
+    """The CPU runtime's batch-8 decode hit rate and experts per token per (slots, policy, gate), from ``batch8``'s
+    JSON under ``out`` (empty when it was not run)."""
+    path = out / "batch8.json"
+    if not path.exists():
+        return {}
+    rows = json.loads(path.read_text())["rows"]
+    if any(r.get("expert_bytes") is None for r in rows):  # (written before batch8 kept it): the model's own
+        from moeflow import MoEModel, OffloadConfig
+
+        model = MoEModel.from_pretrained(model_path, device="cpu", kernels="torch",
+                                         offload=OffloadConfig(policy="lru", gpu_expert_slots=8, transport="sync"))
+        nbytes = model.experts.fmt.nbytes
+        model.experts.close()
+    got = {}
+    for row in rows:
+        d = row["decode"]
+        got[row["slots"], row["policy"], row["gate"]] = {
+            "hit": d["hits"] / max(d["hits"] + d["misses"], 1),
+            "e": d["bytes_h2d"] / max(d["tokens"], 1) / (row.get("expert_bytes") or nbytes)}
+    return got
 
 
 def cmd_finemoe_store(args) -> dict:
@@ -315,7 +356,7 @@ def cmd_batch8(args) -> dict:
                 r = serve_batch(args.model, policy, slots, gate, ids, mask, args.batch_tokens)
                 d, p = r["decode"], r["prefill"]
                 nb = r["expert_bytes"]
-                row = {"slots": slots, "policy": policy, "gate": gate, "prefill": p, "decode": d,
+                row = {"slots": slots, "policy": policy, "gate": gate, "prefill": p, "decode": d, "expert_bytes": nb,
                        "same_tokens": r["tokens"] == ref["tokens"]}
                 rows.append(row)
                 hit = lambda st: st["hits"] / max(st["hits"] + st["misses"], 1)  # noqa: E731
@@ -341,7 +382,7 @@ def _ms(seconds: float | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("table", choices=["predictors", "headline", "sim", "batch8", "routing", "finemoe-store"])
+    p.add_argument("table", choices=["predictors", "headline", "sim", "sim8", "batch8", "routing", "finemoe-store"])
     p.add_argument("--model", type=Path, default=ROOT / "build" / "routing-qwen3moe")
     p.add_argument("--out", type=Path, default=ROOT / "build" / "papers-tables")
     p.add_argument("--new-tokens", type=int, default=16, help="greedy tokens per traced prompt")
@@ -358,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     before = machine()
     result = {"predictors": cmd_predictors, "headline": cmd_headline, "sim": cmd_sim, "batch8": cmd_batch8,
+              "sim8": lambda a: cmd_sim(a, batch=8),
               "routing": cmd_routing, "finemoe-store": cmd_finemoe_store}[
         args.table](args)
     result.update(machine=before, machine_after=machine(), seconds=round(time.perf_counter() - start, 1),

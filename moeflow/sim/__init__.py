@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+from moeflow.sim.batched import batch_passes
 from moeflow.sim.engine import Interval, SimClock, SimCopyEngine, SimHandle, SimTransport
 from moeflow.sim.hybrid import SimHybridCompute
 from moeflow.sim.llamacpp import LLAMACPP_POLICY, analytic_llamacpp_step_s, n_cpu_moe
@@ -37,5 +38,5 @@ __all__ = [
     "ProfileError", "custom_profile", "get_profile", "presets", "SIM_FORMAT", "OraclePredictor", "SimResult",
     "SimulationError", "analytic_ondemand_step_s", "check_policy", "known_policies", "load_gates", "simulate",
     "step_compute_s", "SimHybridCompute", "LLAMACPP_POLICY", "analytic_llamacpp_step_s", "n_cpu_moe",
-    "analytic_placed_step_s",
+    "analytic_placed_step_s", "batch_passes",
 ]

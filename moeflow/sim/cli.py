@@ -94,15 +94,21 @@ def format_table(results: list[SimResult]) -> str:
     """The per-policy table (see docs/simulator.md: how to read it; docs/disk.md for the host column)."""
     disk = any(r.host_experts is not None and r.host_experts < r.total_experts for r in results)
     cpu = any(r.cpu_experts for r in results)
+    batched = any(r.batch != 1 for r in results)
     head = ("| policy | slots | TTFT ms | TPOT ms | tok/s | x bound | hit rate (prefill / decode) | GiB moved | "
             "decode stall ms/token | prefetches (useful / wasted) |")
+    if batched:  # a decode pass carries a token of each running sequence: TPOT and the stall are per pass
+        head = head.replace("TPOT ms", "decode pass ms | ms/token").replace("stall ms/token", "stall ms/pass")
     head += " CPU experts/token (decode) |" if cpu else ""
     head += " host experts | disk GiB read |" if disk else ""
-    lines = [head, "|" + "---|" * (10 + cpu + 2 * disk)]
+    lines = [head, "|" + "---|" * (10 + batched + cpu + 2 * disk)]
     for r in results:
         ttft = f"{r.ttft_s * 1e3:.1f}" if r.ttft_s is not None else "n/a"
         tpot = f"{r.tpot_s * 1e3:.2f}" if r.tpot_s is not None else "n/a"
-        tps = f"{1 / r.tpot_s:.1f}" if r.tpot_s else "n/a"
+        per_token = r.time_per_generated_token_s
+        if batched:
+            tpot += f" | {per_token * 1e3:.2f}" if per_token is not None else " | n/a"
+        tps = f"{1 / per_token:.1f}" if per_token else "n/a"
         bound = f"{r.tpot_s / r.decode_bound_s:.2f}" if r.tpot_s and r.decode_bound_s else "n/a"
         stall = f"{r.decode_stall_s / r.decode_steps * 1e3:.2f}" if r.decode_steps else "n/a"
         lines.append(
@@ -148,7 +154,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                              max_inflight_chunks=args.max_inflight, prefetch_distance=args.prefetch_distance,
                              gates=gates, max_sequences=args.max_sequences, timeline=bool(args.plot),
                              host_experts=host_experts, early_hits=not args.serial_schedule,
-                             predictor_dir=predictor_dir, cpu_compute=cpu_mode, cpu_workers=args.cpu_workers)
+                             predictor_dir=predictor_dir, cpu_compute=cpu_mode, cpu_workers=args.cpu_workers,
+                             batch=args.batch)
             except (SimulationError, SchedulingError, ProfileError) as e:  # e.g. a predictor without its file
                 if args.policy != "all":
                     raise
@@ -159,8 +166,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print(json.dumps({"profile": profile.as_dict(), "trace": str(args.trace),
                           "results": [r.as_dict() for r in results], "skipped": skipped}, indent=1))
     else:
+        batch = f", batch {args.batch}" if args.batch != 1 else ""
         print(f"trace {args.trace}: {trace.num_layers} layers x {trace.num_experts} experts, top-{trace.top_k}, "
-              f"{len(trace.sequence_ids())} sequences; profile {profile.name!r} ({profile.h2d_gbps:g} GB/s, "
+              f"{len(trace.sequence_ids())} sequences{batch}; profile {profile.name!r} ({profile.h2d_gbps:g} GB/s, "
               f"{profile.expert_bytes / 2**20:.1f} MiB per expert)")
         print(format_table(results))
         for s in skipped:
@@ -227,6 +235,8 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="the checkpoint whose predictors/<kind>.pt the learned policies load (duoserve, promoe, "
                         "expertflow: `moeflow train-predictor`); default: the --gates directory")
     p.add_argument("--max-sequences", type=int, default=None)
+    p.add_argument("--batch", type=int, default=1, help="sequences of the trace decoded together: each group of B "
+                   "prefilled in one pass, then one decode pass of B tokens per step (moeflow/sim/batched.py)")
     p.add_argument("--serial-schedule", action="store_true",
                    help="a layer's experts run after the host's scheduling (OffloadConfig.early_hits=False); "
                         "default: the experts in slots run while the host schedules, as on a GPU")

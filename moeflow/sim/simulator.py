@@ -37,6 +37,7 @@ from moeflow.offload.platform import Platform
 from moeflow.offload.policies import registered_policies
 from moeflow.offload.policies.mixtral_offloading.runtime import GateSpeculator
 from moeflow.offload.stats import Stats
+from moeflow.sim.batched import BatchError, batch_passes
 from moeflow.sim.disk import sim_disk_for
 from moeflow.sim.engine import Interval, SimClock, SimCopyEngine, SimHostStore, SimTransport
 from moeflow.sim.hybrid import SimHybridCompute, sim_hybrid_factory
@@ -154,6 +155,7 @@ class SimResult:
     decode_time_s: float = 0.0  # every decode pass, summed
     decode_ready_hit_rate: float | None = None  # decode hits whose bytes had landed at the gate (not in flight)
     gated_prefetches: int = 0  # guesses the prefetch gate turned away (Mechanisms.prefetch_gate)
+    batch: int = 1  # sequences per pass (simulate(batch=)): tpot_s is then one pass of up to ``batch`` tokens
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -201,6 +203,7 @@ def simulate(
     cpu_workers: int = 1,
     race_margin: float = 0.25,
     passes: list[list[Pass]] | None = None,
+    batch: int = 1,
 ) -> SimResult:
     """Run ``policy`` with ``slots`` device expert slots over ``trace`` on ``profile``'s hardware.
 
@@ -217,6 +220,9 @@ def simulate(
         (:mod:`moeflow.sim.llamacpp`).
     passes: the forward passes per sequence, each with its MoE layers, StepInfo and yielded tokens (a recorded
         speculative run, :mod:`moeflow.sim.speculation`); None: the trace's own (:func:`sequence_passes`).
+    batch: sequences decoded together (:mod:`moeflow.sim.batched`): each group of ``batch`` sequences prefilled in
+        one pass and decoded one pass per step, every pass carrying its rows' tokens (the union of their experts
+        per layer) and the StepInfo the engine gives a left-padded batch. Not with ``passes``.
     """
     profile.check_trace(trace.num_layers, trace.num_experts, trace.top_k, f"trace {trace.source}")
     check_policy(policy)
@@ -230,6 +236,13 @@ def simulate(
         raise SimulationError(f"{trace.source}: the trace holds no tokens")
     if passes is not None and policy in SIM_ONLY_POLICIES:
         raise SimulationError(f"policy {policy!r} replays a trace's own passes; it does not take passes=")
+    if batch != 1:
+        if passes is not None:
+            raise SimulationError(f"batch={batch} builds its own passes; it does not take passes=")
+        try:
+            trace, passes = batch_passes(trace, batch, max_sequences)
+        except BatchError as e:
+            raise SimulationError(str(e)) from None
     L, E, k = trace.num_layers, trace.num_experts, trace.top_k
     total = L * E
     clock = SimClock()
@@ -423,7 +436,7 @@ def simulate(
         host_experts=host_experts if transport.disk is not None else total,
         disk_bytes=transport.disk.bytes_read if transport.disk is not None else 0,
         disk_busy_s=transport.disk.busy_s if transport.disk is not None else 0.0,
-        decode_generated_tokens=decode_generated, decode_time_s=sum(decode_times),
+        decode_generated_tokens=decode_generated, decode_time_s=sum(decode_times), batch=batch,
     )
 
 
