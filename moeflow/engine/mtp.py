@@ -20,6 +20,12 @@ is a forward pass announced by ``begin_step``; the experts a verify pass needs f
 ``stats.bytes_per_generated_token`` divides the bytes moved while decoding by the tokens decoded (the first round's
 drafting, the MTP layer over the prompt, counts with the prefill, as the prefill of the MTP layer).
 
+Linear-attention layers (Qwen3-Next, Qwen3.5-MoE). Their recurrent and conv states have no per-position entries to
+leave behind: a verify pass advances them over all ``1 + k`` tokens. The states are copied before each verify pass
+(``HybridKVCache.snapshot``); when a draft is rejected they are put back and the main model runs once more over
+the kept tokens only (so the next pass starts from exactly the state plain decoding would have). A fully accepted
+draft needs no second pass; each rejection costs one pass of ``kept`` tokens (counted in ``stats.decode.steps``).
+
 Sampling (``do_sample=True``): standard speculative sampling (:mod:`moeflow.engine.spec_sampling`): drafts drawn from
 the MTP layer's distribution under the same sampler, each kept with probability min(1, p/q), the residual drawn at
 the first rejection, so the output is distributed as plain sampling's (not the same draws for a seed).
@@ -38,6 +44,7 @@ import torch
 from moeflow.engine.generate import Runner, positions_from_mask
 from moeflow.engine.kv_cache import PassCache
 from moeflow.engine.latent_cache import new_kv_cache
+from moeflow.engine.linear_state import HybridKVCache
 from moeflow.engine.lookup import begin_speculation, count_pass, pass_inputs, pick
 from moeflow.engine.sampling import GenerationConfig
 from moeflow.engine.spec_sampling import accept_or_resample, draw, sampler_probs
@@ -121,7 +128,7 @@ def generate_with_mtp(runner: Runner, mtp: MultiTokenPredictor, gen: GenerationC
     speculative sampling (:mod:`moeflow.engine.spec_sampling`; ``seed``: its generator's)."""
     stats, device = runner.stats, runner.device
     start_state = begin_speculation(runner, gen, input_ids, token_mask, "num_speculative_tokens", streamer,
-                                    reuse=False)
+                                    reuse=False, linear_ok=True)
     if start_state is None:
         return input_ids
     t, total, eos, cache, seq, pad, hist, hist_mask = start_state
@@ -172,6 +179,7 @@ def generate_with_mtp(runner: Runner, mtp: MultiTokenPredictor, gen: GenerationC
         seq[n:n + len(draft)] = torch.tensor(draft, dtype=torch.long)
         ids, pos, cache_position, mask = pass_inputs(seq[n - 1:n + len(draft)], n - 1, 1 + len(draft), pad,
                                                      cache.max_len, True, device)
+        restore = cache.snapshot() if isinstance(cache, HybridKVCache) else None
         logits, hidden = eager_pass(runner, ids, pos, cache, cache_position, mask, "decode", history, True)
         new = []
         for j in range(len(draft) + 1):
@@ -191,6 +199,12 @@ def generate_with_mtp(runner: Runner, mtp: MultiTokenPredictor, gen: GenerationC
         stats.generated_tokens += len(new)
         count_pass(stats, 1 + len(draft), start)
         kept = len(new)  # positions n - 1 .. n + kept - 2 now hold kept tokens whose next token is known
+        if restore is not None and kept < 1 + len(draft):  # the linear states advanced past the kept tokens
+            start = time.perf_counter()
+            restore()
+            eager_pass(runner, ids[:, :kept], pos[:, :kept], cache, cache_position[:kept], mask[:, :kept], "decode",
+                       history, True)
+            count_pass(stats, kept, start)
         mtp_in = (hidden[:, :kept], torch.tensor([new], device=device), pos[:, :kept], cache_position[:kept],
                   mask[:, :kept])
     produced = n - t
