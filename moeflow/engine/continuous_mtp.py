@@ -22,7 +22,8 @@ here) have no hidden state: the MTP layer starts after them (its keys there stay
 drafts, never the tokens.
 
 Limits: eager passes (the engine's CUDA graphs are off with the drafter: ``ContinuousEngine`` refuses
-``cuda_graphs=True`` together with it), no linear-attention layers.
+``cuda_graphs=True`` together with it), no linear-attention layers (refused by name: their states are rolled back
+past rejected drafts by ``generate`` only, :mod:`moeflow.engine.mtp`).
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ class MTPEngineDrafter:
                              "from_pretrained(..., mtp=True)")
         if engine.cache.linear is not None:
             raise ValueError(f"num_speculative_tokens: {model.family.name} has linear-attention layers, whose "
-                             "recurrent state a rejected draft would advance")
+                             "recurrent state a rejected draft would advance; the serving engine does not roll it "
+                             "back (generate(num_speculative_tokens=k) does, for one sequence)")
         if engine.graphs is not None:
             raise ValueError("num_speculative_tokens runs the engine's passes eagerly (the MTP layers read every "
                              "pass's hidden states): pass cuda_graphs=False (moeflow serve: --cuda-graphs off)")
