@@ -114,6 +114,31 @@ def test_resident_tokens_equal_plain_greedy(tiny, k):
     assert s.generated_tokens == NEW and s.accepted_tokens <= s.draft_tokens and s.draft_tokens > 0
 
 
+def test_left_padding_and_eos(tiny):
+    *_, model, ids, plain = tiny
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=[])
+    got = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=[],
+                         num_speculative_tokens=2)
+    assert torch.equal(got, want)
+    eos = int(plain[0, ids.shape[1] + 4])
+    want = model.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=eos)
+    assert torch.equal(model.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=eos,
+                                      num_speculative_tokens=3), want)
+
+
+def test_speculative_sampling_with_top_k_1_is_greedy(tiny):
+    """Sampling restricted to the top token: draft and target distributions are one-hot, so speculative sampling's
+    accept / resample steps (and the state rollback after a resample) give plain greedy's tokens."""
+    *_, model, ids, plain = tiny
+    model.stats.reset()
+    out = model.generate(ids, max_new_tokens=NEW, do_sample=True, top_k=1, eos_token_id=[], seed=3,
+                         num_speculative_tokens=2)
+    assert torch.equal(out, plain)
+    assert model.stats.draft_tokens > model.stats.accepted_tokens  # some drafts rejected: the rollback ran
+
+
 @pytest.mark.parametrize("wrong_every", [None, 3])
 def test_oracle_drafts_roll_the_linear_state_back(tiny, monkeypatch, wrong_every):
     """Drafts from the plain greedy tokens: all accepted (no second pass); every third wrong: cut there, the
