@@ -231,16 +231,6 @@ def test_quantize_keeps_the_mtp_layer(tiny, tmp_path):
     assert torch.equal(out, plain)
 
 
-def test_serving_engine_refuses_by_name(tiny):
-    """The continuous-batching engine does not roll the linear-attention states back: MTP drafting refused there."""
-    from moeflow.engine.continuous import ContinuousEngine
-    from moeflow.engine.kv_slots import SlotKVCache
-
-    *_, model, _, _ = tiny
-    with pytest.raises(ValueError, match="qwen3_next has linear-attention layers.*generate\\(num_speculative_tokens"):
-        ContinuousEngine(model, SlotKVCache.for_model(model, 64, max_rows=1), num_speculative_tokens=2)
-
-
 def test_qwen35_text_model_reads_and_drafts(tmp_path):
     path, ref, own = make_qwen_mtp_checkpoint(tmp_path, seed=6, kind="qwen3_5_moe_text")
     model = MoEModel.from_pretrained(path, mtp=True)

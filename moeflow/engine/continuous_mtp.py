@@ -21,9 +21,12 @@ catch-up before any query reads them, as in ``generate``). Positions the prefix 
 here) have no hidden state: the MTP layer starts after them (its keys there stay invalid), which changes the
 drafts, never the tokens.
 
+Linear-attention layers (Qwen3-Next, Qwen3.5-MoE): the row's states are copied before the verify pass; when a draft
+is rejected (and the sequence goes on) they are put back and the row runs once more over the kept tokens only, as
+``generate`` does (:mod:`moeflow.engine.mtp`).
+
 Limits: eager passes (the engine's CUDA graphs are off with the drafter: ``ContinuousEngine`` refuses
-``cuda_graphs=True`` together with it), no linear-attention layers (refused by name: their states are rolled back
-past rejected drafts by ``generate`` only, :mod:`moeflow.engine.mtp`).
+``cuda_graphs=True`` together with it).
 """
 
 from __future__ import annotations
@@ -73,10 +76,6 @@ class MTPEngineDrafter:
             raise ValueError(f"num_speculative_tokens: the model was loaded without multi-token-prediction layers "
                              f"({field or 'no config field'}={model.family.num_mtp_layers()}); load it with "
                              "from_pretrained(..., mtp=True)")
-        if engine.cache.linear is not None:
-            raise ValueError(f"num_speculative_tokens: {model.family.name} has linear-attention layers, whose "
-                             "recurrent state a rejected draft would advance; the serving engine does not roll it "
-                             "back (generate(num_speculative_tokens=k) does, for one sequence)")
         if engine.graphs is not None:
             raise ValueError("num_speculative_tokens runs the engine's passes eagerly (the MTP layers read every "
                              "pass's hidden states): pass cuda_graphs=False (moeflow serve: --cuda-graphs off)")
@@ -118,8 +117,14 @@ class MTPEngineDrafter:
             return False
         draft = propose(self, row, tokens, min(self.num_tokens, room - 1))
         ids, pos, real = verify_inputs(tokens[-1], draft, n - 1, 1 + len(draft), engine.cache.max_len)
+        linear = engine.cache.linear
+        saved = (linear.conv[:, row].clone(), linear.recurrent[:, row].clone()) if linear is not None else None
         logits = engine._pass("decode", [seq], ids, pos, real)[0]  # [1 + c, V] (hidden states stored)
         settle_verified(engine, seq, draft, logits, n)
+        kept = len(seq.generated) - (n - len(seq.prompt_ids))  # tokens recorded: the inputs whose outputs were kept
+        if saved is not None and kept < 1 + len(draft) and not seq.done:  # the states went past the kept tokens
+            linear.conv[:, row], linear.recurrent[:, row] = saved
+            engine._pass("decode", [seq], ids[:, :kept], pos[:, :kept], real[:, :kept])
         return True
 
     def run(self, depth: int, row: int, hidden: torch.Tensor, next_ids: list[int], first: int, n: int
