@@ -26,7 +26,9 @@ TYPES = ["linear_attention", "full_attention", "linear_attention"]
 def make_qwen_mtp_checkpoint(directory: str | Path, seed: int = 0, with_mtp: bool = True, kind: str = "qwen3_next",
                              **overrides) -> tuple[Path, object, dict[str, torch.Tensor]]:
     """(directory, the transformers model of N + 1 layers whose layer N is the MTP block, the MTP module's own
-    tensors {checkpoint name: fp32}) for a tiny ``kind`` ("qwen3_next" or "qwen3_5_moe_text")."""
+    tensors {checkpoint name: fp32}) for a tiny ``kind`` ("qwen3_next", "qwen3_5_moe_text", or "qwen3_5_moe": the
+    published conditional-generation checkpoint, text weights under ``model.language_model``, the MTP layer's still
+    under ``mtp.``)."""
     directory = Path(directory)
     fields = {**SHAPE, **overrides}
     n = fields.pop("num_hidden_layers")
@@ -38,11 +40,12 @@ def make_qwen_mtp_checkpoint(directory: str | Path, seed: int = 0, with_mtp: boo
         tensors.update(load_file(f))
         f.unlink()
     (directory / "model.safetensors.index.json").unlink(missing_ok=True)
-    prefix = f"model.layers.{n}."
+    nested = kind == "qwen3_5_moe"  # the conditional-generation checkpoint: text weights under model.language_model
+    prefix = f"model.language_model.layers.{n}." if nested else f"model.layers.{n}."
     block = {k: v for k, v in tensors.items() if k.startswith(prefix)}
     tensors = {k: v for k, v in tensors.items() if not k.startswith(prefix)}
     g = torch.Generator().manual_seed(seed + 100)
-    h = model.config.hidden_size
+    h = model.config.get_text_config().hidden_size
     own = {"mtp.pre_fc_norm_embedding.weight": 0.4 * torch.rand(h, generator=g) - 0.2,
            "mtp.pre_fc_norm_hidden.weight": 0.4 * torch.rand(h, generator=g) - 0.2,
            "mtp.fc.weight": 0.1 * torch.randn(h, 2 * h, generator=g),
@@ -52,7 +55,8 @@ def make_qwen_mtp_checkpoint(directory: str | Path, seed: int = 0, with_mtp: boo
         tensors.update({"mtp.layers.0." + k[len(prefix):]: v for k, v in block.items()})
     save_file({k: v.contiguous() for k, v in tensors.items()}, directory / "model.safetensors")
     config = json.loads((directory / "config.json").read_text())
-    config.update(num_hidden_layers=n, layer_types=types, mtp_num_hidden_layers=1)
+    (config["text_config"] if nested else config).update(num_hidden_layers=n, layer_types=types,
+                                                         mtp_num_hidden_layers=1)
     (directory / "config.json").write_text(json.dumps(config))
     return directory, model, own
 

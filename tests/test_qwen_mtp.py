@@ -231,11 +231,40 @@ def test_quantize_keeps_the_mtp_layer(tiny, tmp_path):
     assert torch.equal(out, plain)
 
 
-def test_qwen35_text_model_reads_and_drafts(tmp_path):
-    path, ref, own = make_qwen_mtp_checkpoint(tmp_path, seed=6, kind="qwen3_5_moe_text")
+@pytest.mark.parametrize("kind", ["qwen3_5_moe_text", "qwen3_5_moe"])
+def test_qwen35_reads_and_drafts(tmp_path, kind):
+    """Qwen3.5-MoE: the text-only checkpoint and the published conditional-generation one (``text_config``, text
+    weights under ``model.language_model``, a vision tower; the MTP layer under ``mtp.`` all the same)."""
+    path, _, _ = make_qwen_mtp_checkpoint(tmp_path, seed=6, kind=kind)
     model = MoEModel.from_pretrained(path, mtp=True)
     assert model.family.name == "qwen3_5_moe" and model.mtp is not None
     ids = torch.randint(0, 97, (1, 7), generator=torch.Generator().manual_seed(2))
     plain = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=[])
+    model.stats.reset()
     assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=[],
                                       num_speculative_tokens=2), plain)
+    assert model.stats.draft_tokens > 0
+
+
+def test_published_qwen35_397b_mtp_shapes():
+    """Qwen3.5-397B-A17B's config.json nests the text model in text_config (60 layers, hidden 4096, 32 query heads
+    and 2 KV heads of 256, 512 experts top-10, every layer MoE, 3 DeltaNet layers per full-attention layer, one MTP
+    layer; as NVIDIA's Megatron description of the model gives them); the MTP layer's names stay top-level
+    ``mtp.*``. The DeltaNet head counts and intermediate sizes below are placeholders the asserted shapes do not
+    depend on."""
+    text = {"model_type": "qwen3_5_moe_text", "vocab_size": 248320, "hidden_size": 4096, "num_hidden_layers": 60,
+            "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 256, "full_attention_interval": 4,
+            "linear_num_key_heads": 16, "linear_num_value_heads": 64, "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128, "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 1024,
+            "shared_expert_intermediate_size": 1024, "partial_rotary_factor": 0.25, "rope_theta": 10000000,
+            "mtp_num_hidden_layers": 1}
+    family = family_for_config({"model_type": "qwen3_5_moe", "text_config": text, "tie_word_embeddings": False})
+    assert family.name == "qwen3_5_moe" and family.num_mtp_layers() == 1
+    with torch.device("meta"):
+        mtp = family.build_mtp(torch.bfloat16, lambda _n, fan_in, fan_out, bias=False: nn.Linear(fan_in, fan_out, bias))
+    names = {family.mtp_checkpoint_name(p, None): tuple(t.shape) for p, t in mtp.named_parameters()}
+    assert names["mtp.fc.weight"] == (4096, 8192)
+    assert names["mtp.layers.0.self_attn.q_proj.weight"] == (2 * 32 * 256, 4096)
+    assert names["mtp.layers.0.self_attn.v_proj.weight"] == (2 * 256, 4096)
+    assert names["mtp.layers.0.mlp.gate.weight"] == (512, 4096)
+    assert mtp.moe_blocks[0].layer_idx == 60 == len(family.moe_layers)
