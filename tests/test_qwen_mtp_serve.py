@@ -65,3 +65,20 @@ def test_oracle_drafts_accepted_and_cut(path, monkeypatch):
         model.close()
     assert seq.generated == want
     assert 0 < seq.accepted_tokens < seq.draft_tokens
+
+
+def test_a_compiled_decode_step_rolls_back_with_a_second_pass(path, monkeypatch):
+    """A decode step that is not the eager decoder (a compiled one) records no DeltaNet input: the rollback reruns
+    the kept tokens as a whole pass instead; the tokens are plain greedy's all the same."""
+    model = MoEModel.from_pretrained(path, mtp=True)
+    ids = prompt(3)
+    want = greedy(model, ids)
+    decoder = model.runner.decoder
+    monkeypatch.setattr(model.runner, "decode_fn", lambda *a, **kw: decoder(*a, **kw))
+    try:
+        (seq,), _, engine = run(model, [(ids, SamplingParams(max_new_tokens=NEW))], lookup=None,
+                                num_speculative_tokens=3, rows=1)
+    finally:
+        model.close()
+    assert engine.mtp.recorder is None
+    assert seq.generated == want and seq.draft_tokens > seq.accepted_tokens
