@@ -113,7 +113,8 @@ class MoEModel(nn.Module):
             decoded token; the top 16 logits, so the greedy tokens, recomputed in int8, the others with int4's
             error; see :mod:`moeflow.kernels.cpu.lm_head`).
         mtp: also read the checkpoint's multi-token-prediction layers (DeepSeek-V3 / GLM-4.5's
-            ``num_nextn_predict_layers``) for ``generate(num_speculative_tokens=k)``; their experts join the
+            ``num_nextn_predict_layers``, Qwen3-Next / Qwen3.5-MoE's ``mtp_num_hidden_layers``) for
+            ``generate(num_speculative_tokens=k)``; their experts join the
             expert backend (offloaded like the others) as its last MoE layers. CheckpointError when the
             checkpoint has none.
         background_load: return once the non-expert weights are loaded, the experts filling host memory in the

@@ -21,8 +21,13 @@ catch-up before any query reads them, as in ``generate``). Positions the prefix 
 here) have no hidden state: the MTP layer starts after them (its keys there stay invalid), which changes the
 drafts, never the tokens.
 
+Linear-attention layers (Qwen3-Next, Qwen3.5-MoE): the row's states are copied before the verify pass; when a draft
+is rejected (and the sequence goes on) they are put back and the DeltaNet layers alone run again over the verify
+pass's inputs at the kept positions, as ``generate`` does (:mod:`moeflow.engine.linear_rollback`); with a compiled
+decode step (which records no layer input) the row runs one more pass over the kept tokens instead.
+
 Limits: eager passes (the engine's CUDA graphs are off with the drafter: ``ContinuousEngine`` refuses
-``cuda_graphs=True`` together with it), no linear-attention layers.
+``cuda_graphs=True`` together with it).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch
 
 from moeflow.engine.continuous_lookup import LookupDrafter, settle_verified, verify_inputs
 from moeflow.engine.kv_slots import LatentSlotKVCache, SlotKVCache, cache_spec
+from moeflow.engine.linear_rollback import LinearInputRecorder
 from moeflow.engine.sequence import Sequence
 from moeflow.engine.served import DraftHost, ServedModel
 from moeflow.families.mtp import MultiTokenPredictor
@@ -72,13 +78,14 @@ class MTPEngineDrafter:
             raise ValueError(f"num_speculative_tokens: the model was loaded without multi-token-prediction layers "
                              f"({field or 'no config field'}={model.family.num_mtp_layers()}); load it with "
                              "from_pretrained(..., mtp=True)")
-        if engine.cache.linear is not None:
-            raise ValueError(f"num_speculative_tokens: {model.family.name} has linear-attention layers, whose "
-                             "recurrent state a rejected draft would advance")
         if engine.graphs is not None:
             raise ValueError("num_speculative_tokens runs the engine's passes eagerly (the MTP layers read every "
                              "pass's hidden states): pass cuda_graphs=False (moeflow serve: --cuda-graphs off)")
         self.engine, self.mtp, self.num_tokens = engine, model.mtp, num_tokens
+        # linear-attention rows: the DeltaNet layers' inputs of each verify pass (eager decoder only)
+        runner = model.runner
+        self.recorder = LinearInputRecorder(runner.decoder) \
+            if engine.cache.linear is not None and runner.decode_fn is runner.decoder else None
         rows, max_len = engine.cache.rows, engine.cache.max_len
         self.cache = mtp_slot_cache(model, self.mtp, rows, max_len)
         hidden_size = model.runner.decoder.norm.weight.shape[-1]
@@ -116,8 +123,26 @@ class MTPEngineDrafter:
             return False
         draft = propose(self, row, tokens, min(self.num_tokens, room - 1))
         ids, pos, real = verify_inputs(tokens[-1], draft, n - 1, 1 + len(draft), engine.cache.max_len)
-        logits = engine._pass("decode", [seq], ids, pos, real)[0]  # [1 + c, V] (hidden states stored)
+        linear = engine.cache.linear
+        saved = (linear.conv[:, row].clone(), linear.recurrent[:, row].clone()) if linear is not None else None
+        if self.recorder is not None and saved is not None:
+            with self.recorder:
+                self.recorder.active = True
+                logits = engine._pass("decode", [seq], ids, pos, real)[0]  # [1 + c, V] (hidden states stored)
+                self.recorder.active = False
+        else:
+            logits = engine._pass("decode", [seq], ids, pos, real)[0]
         settle_verified(engine, seq, draft, logits, n)
+        kept = len(seq.generated) - (n - len(seq.prompt_ids))  # tokens recorded: the inputs whose outputs were kept
+        if saved is not None and kept < 1 + len(draft) and not seq.done:  # the states went past the kept tokens
+            linear.conv[:, row], linear.recurrent[:, row] = saved
+            if self.recorder is not None:  # the DeltaNet layers alone, over the verify pass's inputs
+                dev = engine.device
+                view = engine.cache.batch(torch.tensor([row], device=dev), pos[:, :kept].to(dev),
+                                          real[:, :kept].to(dev))
+                self.recorder.replay(view, kept)
+            else:  # a compiled decode step records nothing: the kept tokens again, a whole pass
+                engine._pass("decode", [seq], ids[:, :kept], pos[:, :kept], real[:, :kept])
         return True
 
     def run(self, depth: int, row: int, hidden: torch.Tensor, next_ids: list[int], first: int, n: int

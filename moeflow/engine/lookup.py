@@ -81,13 +81,15 @@ def check_lookup(gen: GenerationConfig, batch: int, num_tokens: object, max_ngra
 
 
 def begin_speculation(runner: Runner, gen: GenerationConfig, input_ids: torch.Tensor, token_mask: torch.Tensor,
-                      option: str, streamer: Streamer | None = None, reuse: bool = True) -> tuple | None:
+                      option: str, streamer: Streamer | None = None, reuse: bool = True,
+                      linear_ok: bool = False) -> tuple | None:
     """The set-up drafting decoders share (prompt lookup, MTP): the prompt to the streamer, the timings cleared,
     then None when no token is asked for, else ``(t, total, eos, cache, seq, pad, hist, hist_mask)``: the prompt
     length, the cache length, the eos ids, a one-row cache (``reuse``: the runner's kept one), the host copy of
     every token so far ``seq`` int64 [total] (left padding ``seq[:pad]`` never matched nor penalised), and every
     kept token on the device, cache-aligned (what path predictors read) ``hist`` / ``hist_mask`` [1, total].
-    ``option`` names the caller's argument in the refusal of linear-attention models."""
+    ``option`` names the caller's argument in the refusal of linear-attention models (``linear_ok``: the caller
+    rolls their recurrent state back itself)."""
     t = input_ids.shape[1]
     if streamer is not None:
         streamer.put(input_ids.cpu())
@@ -96,7 +98,7 @@ def begin_speculation(runner: Runner, gen: GenerationConfig, input_ids: torch.Te
         return None
     total = t + gen.max_new_tokens
     cache = runner.new_cache(1, total) if reuse else runner.new_cache(1, total, reuse=False)
-    if isinstance(cache, HybridKVCache):
+    if isinstance(cache, HybridKVCache) and not linear_ok:
         raise ValueError(f"{option}: this model has linear-attention layers, whose recurrent state a rejected draft "
                          "would advance; use plain decoding")
     seq = torch.zeros(total, dtype=torch.long)

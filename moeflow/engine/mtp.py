@@ -20,6 +20,12 @@ is a forward pass announced by ``begin_step``; the experts a verify pass needs f
 ``stats.bytes_per_generated_token`` divides the bytes moved while decoding by the tokens decoded (the first round's
 drafting, the MTP layer over the prompt, counts with the prefill, as the prefill of the MTP layer).
 
+Linear-attention layers (Qwen3-Next, Qwen3.5-MoE). Their recurrent and conv states have no per-position entries to
+leave behind: a verify pass advances them over all ``1 + k`` tokens. The states are copied before each verify pass
+(``HybridKVCache.snapshot``); when a draft is rejected they are put back and the DeltaNet layers alone run again
+over the inputs the verify pass gave them at the kept positions (:mod:`moeflow.engine.linear_rollback`: no second
+pass of the model, no expert moved), so the next pass starts from the state after the kept tokens.
+
 Sampling (``do_sample=True``): standard speculative sampling (:mod:`moeflow.engine.spec_sampling`): drafts drawn from
 the MTP layer's distribution under the same sampler, each kept with probability min(1, p/q), the residual drawn at
 the first rejection, so the output is distributed as plain sampling's (not the same draws for a seed).
@@ -38,6 +44,8 @@ import torch
 from moeflow.engine.generate import Runner, positions_from_mask
 from moeflow.engine.kv_cache import PassCache
 from moeflow.engine.latent_cache import new_kv_cache
+from moeflow.engine.linear_rollback import LinearInputRecorder
+from moeflow.engine.linear_state import HybridKVCache
 from moeflow.engine.lookup import begin_speculation, count_pass, pass_inputs, pick
 from moeflow.engine.sampling import GenerationConfig
 from moeflow.engine.spec_sampling import accept_or_resample, draw, sampler_probs
@@ -121,7 +129,7 @@ def generate_with_mtp(runner: Runner, mtp: MultiTokenPredictor, gen: GenerationC
     speculative sampling (:mod:`moeflow.engine.spec_sampling`; ``seed``: its generator's)."""
     stats, device = runner.stats, runner.device
     start_state = begin_speculation(runner, gen, input_ids, token_mask, "num_speculative_tokens", streamer,
-                                    reuse=False)
+                                    reuse=False, linear_ok=True)
     if start_state is None:
         return input_ids
     t, total, eos, cache, seq, pad, hist, hist_mask = start_state
@@ -152,47 +160,55 @@ def generate_with_mtp(runner: Runner, mtp: MultiTokenPredictor, gen: GenerationC
     mtp_in = (hidden, mtp_ids, positions, torch.arange(t, device=device), token_mask)
     decode_start = time.perf_counter()
     stats.set_phase("decode")
-    while True:
-        room = total - n - len(new)
-        seq[n:n + len(new)] = torch.tensor(new)
-        hist[0, n:n + len(new)] = seq[n:n + len(new)].to(device)
-        n += len(new)
-        if streamer is not None:
-            streamer.put(torch.tensor([new]))
-        if room == 0 or eos.intersection(new):
-            break
-        start = time.perf_counter()
-        history = (hist[:, :n], hist_mask[:, :n])
-        if n == t + 1:  # the first round's drafts: the MTP layer over the prompt, counted with the prefill
-            stats.set_phase("prefill")
-        draft, qs = propose(drafter, mtp_in, min(num_tokens, room - 1), n, pad, history, device,
-                            lambda logits, drafted, kept=seq[pad:n]: choose(logits, torch.cat((kept, torch.tensor(
-                                drafted, dtype=torch.long)))))
-        stats.set_phase("decode")
-        seq[n:n + len(draft)] = torch.tensor(draft, dtype=torch.long)
-        ids, pos, cache_position, mask = pass_inputs(seq[n - 1:n + len(draft)], n - 1, 1 + len(draft), pad,
-                                                     cache.max_len, True, device)
-        logits, hidden = eager_pass(runner, ids, pos, cache, cache_position, mask, "decode", history, True)
-        new = []
-        for j in range(len(draft) + 1):
-            if not sample:
-                tok = pick(logits[0, j:j + 1], gen, seq[pad:n + j], device)
-                kept = j < len(draft) and tok == draft[j]
-            elif j < len(draft):
-                kept, tok = accept_or_resample(sampler_probs(logits[0, j:j + 1], gen, seq[pad:n + j]), qs[j],
-                                               draft[j], generator)
-            else:
-                kept, tok = False, draw(sampler_probs(logits[0, j:j + 1], gen, seq[pad:n + j]), generator)
-            new.append(tok)
-            if not kept or tok in eos:
+    with LinearInputRecorder(runner.decoder) as recorder:  # (DeltaNet layers: see linear_rollback)
+        while True:
+            room = total - n - len(new)
+            seq[n:n + len(new)] = torch.tensor(new)
+            hist[0, n:n + len(new)] = seq[n:n + len(new)].to(device)
+            n += len(new)
+            if streamer is not None:
+                streamer.put(torch.tensor([new]))
+            if room == 0 or eos.intersection(new):
                 break
-        stats.draft_tokens += len(draft)
-        stats.accepted_tokens += len(new) - 1
-        stats.generated_tokens += len(new)
-        count_pass(stats, 1 + len(draft), start)
-        kept = len(new)  # positions n - 1 .. n + kept - 2 now hold kept tokens whose next token is known
-        mtp_in = (hidden[:, :kept], torch.tensor([new], device=device), pos[:, :kept], cache_position[:kept],
-                  mask[:, :kept])
+            start = time.perf_counter()
+            history = (hist[:, :n], hist_mask[:, :n])
+            if n == t + 1:  # the first round's drafts: the MTP layer over the prompt, counted with the prefill
+                stats.set_phase("prefill")
+            draft, qs = propose(drafter, mtp_in, min(num_tokens, room - 1), n, pad, history, device,
+                                lambda logits, drafted, kept=seq[pad:n]: choose(logits, torch.cat((kept, torch.tensor(
+                                    drafted, dtype=torch.long)))))
+            stats.set_phase("decode")
+            seq[n:n + len(draft)] = torch.tensor(draft, dtype=torch.long)
+            ids, pos, cache_position, mask = pass_inputs(seq[n - 1:n + len(draft)], n - 1, 1 + len(draft), pad,
+                                                         cache.max_len, True, device)
+            restore = cache.snapshot() if isinstance(cache, HybridKVCache) else None
+            recorder.active = restore is not None
+            logits, hidden = eager_pass(runner, ids, pos, cache, cache_position, mask, "decode", history, True)
+            recorder.active = False
+            new = []
+            for j in range(len(draft) + 1):
+                if not sample:
+                    tok = pick(logits[0, j:j + 1], gen, seq[pad:n + j], device)
+                    kept = j < len(draft) and tok == draft[j]
+                elif j < len(draft):
+                    kept, tok = accept_or_resample(sampler_probs(logits[0, j:j + 1], gen, seq[pad:n + j]), qs[j],
+                                                   draft[j], generator)
+                else:
+                    kept, tok = False, draw(sampler_probs(logits[0, j:j + 1], gen, seq[pad:n + j]), generator)
+                new.append(tok)
+                if not kept or tok in eos:
+                    break
+            stats.draft_tokens += len(draft)
+            stats.accepted_tokens += len(new) - 1
+            stats.generated_tokens += len(new)
+            count_pass(stats, 1 + len(draft), start)
+            kept = len(new)  # positions n - 1 .. n + kept - 2 now hold kept tokens whose next token is known
+            if restore is not None and kept < 1 + len(draft):  # the linear states advanced past the kept tokens
+                restore()
+                cache.mark_valid(cache_position[:kept], mask[:, :kept])  # (the pass mask the DeltaNet layers read)
+                recorder.replay(cache, kept)
+            mtp_in = (hidden[:, :kept], torch.tensor([new], device=device), pos[:, :kept], cache_position[:kept],
+                      mask[:, :kept])
     produced = n - t
     if produced > 1:
         stats.tpot_s = (time.perf_counter() - decode_start) / (produced - 1)

@@ -31,12 +31,15 @@ from moeflow.moe.block import MoEBlock
 MTP_OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.")
 
 
+NormFactory = Callable[[int, float, torch.dtype], nn.Module]  # (hidden size, eps, dtype) -> an RMS norm
+
+
 class SharedHeadNorm(nn.Module):
     """``shared_head``: the MTP layer's own final norm (its head is the main model's lm_head)."""
 
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, norm: NormFactory = RMSNorm) -> None:
         super().__init__()
-        self.norm = RMSNorm(hidden_size, eps, dtype)
+        self.norm = norm(hidden_size, eps, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(x)
@@ -44,20 +47,25 @@ class SharedHeadNorm(nn.Module):
 
 class MTPLayer(nn.Module):
     """One MTP layer: the fusion of (h, next embedding) then ``block``, a decoder layer called as the decoder's
-    layers are (``block(x, cos, sin, cache, cache_position, mask, experts, routing)``)."""
+    layers are (``block(x, cos, sin, cache, cache_position, mask, experts, routing)``). ``norm``: the family's RMS
+    norm (Qwen3-Next's are zero-centred); ``zero_first_embedding``: zero the embedding at position 0 (DeepSeek-V3's
+    and GLM's serving engines do; Qwen3-Next's MTP module does not)."""
 
-    def __init__(self, block: nn.Module, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+    def __init__(self, block: nn.Module, hidden_size: int, eps: float, dtype: torch.dtype,
+                 norm: NormFactory = RMSNorm, zero_first_embedding: bool = True) -> None:
         super().__init__()
-        self.enorm = RMSNorm(hidden_size, eps, dtype)
-        self.hnorm = RMSNorm(hidden_size, eps, dtype)
+        self.enorm = norm(hidden_size, eps, dtype)
+        self.hnorm = norm(hidden_size, eps, dtype)
         self.eh_proj = nn.Linear(2 * hidden_size, hidden_size, bias=False, dtype=dtype)
         self.block = block
-        self.shared_head = SharedHeadNorm(hidden_size, eps, dtype)
+        self.shared_head = SharedHeadNorm(hidden_size, eps, dtype, norm)
+        self.zero_first_embedding = zero_first_embedding
 
     def fuse(self, hidden: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """hidden [B, T, H] (the previous depth's, final-normed), embeds [B, T, H] of the next tokens, positions
-        [B, T] -> the block's input [B, T, H] (the embedding at position 0 zeroed)."""
-        embeds = torch.where((positions == 0)[..., None], torch.zeros_like(embeds), embeds)
+        [B, T] -> the block's input [B, T, H] (the embedding at position 0 zeroed where the family does)."""
+        if self.zero_first_embedding:
+            embeds = torch.where((positions == 0)[..., None], torch.zeros_like(embeds), embeds)
         return self.eh_proj(torch.cat((self.enorm(embeds), self.hnorm(hidden)), dim=-1))
 
     def forward(self, hidden: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,

@@ -16,7 +16,8 @@ Every layer's MLP is an MoE block (softmax top-k, renormalised; a shared expert 
 Norms are zero-centred (``1 + w``). The full-attention layers keep a KV cache, the linear ones a fixed-size state
 (:mod:`moeflow.engine.linear_state`). Qwen3.5 is published as a vision-language model: its config.json nests the
 text model's fields in ``text_config`` and its weights under ``model.language_model.``; moeflow reads the text
-model only (vision and MTP weights are never read).
+model only (vision weights are never read); ``from_pretrained(mtp=True)`` reads the multi-token-prediction
+layer (:mod:`moeflow.families.qwen3_next_mtp`).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ from moeflow.families.layers import (
     rotate_half,
 )
 from moeflow.families.llama_moe import SoftmaxRoutedFamily, expert_count, require, rope_theta, sparse_layers
+from moeflow.families.mtp import MultiTokenPredictor
+from moeflow.families.qwen3_next_mtp import MTP_FIELD, build_qwen_mtp, mtp_expert_base, qwen_mtp_checkpoint_name
 from moeflow.io.checkpoint import CheckpointReader, QuantizationSpec
 from moeflow.moe.block import MoEBlock
 from moeflow.moe.routing import RouterSpec
@@ -86,6 +89,7 @@ class HybridMoEConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
+    mtp_num_hidden_layers: int = 0  # the checkpoint's multi-token-prediction layers (families/qwen3_next_mtp.py)
 
     @property
     def full_layers(self) -> tuple[int, ...]:
@@ -159,7 +163,8 @@ def parse_hybrid(raw: dict[str, Any], source: str, model_type: str, dense_layers
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), bos_token_id=raw.get("bos_token_id"),
-        eos_token_id=raw.get("eos_token_id"), pad_token_id=raw.get("pad_token_id"))
+        eos_token_id=raw.get("eos_token_id"), pad_token_id=raw.get("pad_token_id"),
+        mtp_num_hidden_layers=int(raw.get("mtp_num_hidden_layers") or 0))
     if not 1 <= cfg.num_experts_per_tok <= num_experts:
         raise CheckpointError(f"{source}: num_experts_per_tok={cfg.num_experts_per_tok} must lie in [1, {key}="
                               f"{num_experts}]")
@@ -280,6 +285,18 @@ class Qwen3NextFamily(SoftmaxRoutedFamily):
         decoder.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta)
         return decoder
 
+    # ------------------------------------------------------------------ multi-token prediction
+    mtp_config_field = MTP_FIELD
+
+    def num_mtp_layers(self) -> int:
+        return self.config.mtp_num_hidden_layers
+
+    def build_mtp(self, dtype: torch.dtype, linear_factory: LinearFactory) -> MultiTokenPredictor:
+        return build_qwen_mtp(self, dtype, linear_factory)
+
+    def mtp_checkpoint_name(self, param_path: str, layout: ExpertLayout) -> str:
+        return qwen_mtp_checkpoint_name(param_path)
+
     def kv_cache_spec(self) -> KVCacheSpec:
         cfg = self.config
         shape = cfg.deltanet_shape(self.fused_projections)
@@ -308,14 +325,18 @@ class Qwen3NextFamily(SoftmaxRoutedFamily):
                     moe_layer: int, expert: int) -> dict[str, torch.Tensor]:
         cfg = self.config
         prefix = layout.text_prefix if isinstance(layout, TextLayout) else "model"
-        base = f"{prefix}.layers.{cfg.moe_layer_ids[moe_layer]}.mlp.experts"
+        base = mtp_expert_base(cfg, prefix, moe_layer)
         return read_gated_expert(reader, layout, quant, base, expert, PROJECTIONS, cfg.hidden_size,
                                  cfg.moe_intermediate_size, cfg.num_experts)
 
     # ------------------------------------------------------------------ quantization (moeflow quantize)
     def expert_linears(self, name: str, reader: CheckpointReader) -> Iterator[tuple[str, torch.Tensor]] | None:
-        """Routed experts (per expert or fused), under ``model.layers`` or Qwen3.5's ``model.language_model.layers``."""
+        """Routed experts (per expert or fused), under ``model.layers``, Qwen3.5's ``model.language_model.layers``
+        or the MTP layer's ``mtp.layers``."""
         nested = "model.language_model."
+        if name.startswith("mtp.layers."):  # the MTP layer's experts (quantized as the decoder's)
+            found = expert_linear_weights("model." + name[len("mtp."):], _Renamed(reader, name), "mlp", PROJECTIONS)
+            return None if found is None else (("mtp." + n[len("model."):], w) for n, w in found)
         if not name.startswith(nested):
             return expert_linear_weights(name, reader, "mlp", PROJECTIONS)
         found = expert_linear_weights("model." + name[len(nested):], _Renamed(reader, name), "mlp", PROJECTIONS)
