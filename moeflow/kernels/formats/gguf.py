@@ -262,6 +262,20 @@ class GGUFFormat(ExpertFormat):
             raise ValueError(f"GGUF expert gate ({gate_up.name}) and up must share a block type")
         return GGUFCpuExpert(tensors["gate"].cpu(), tensors["up"].cpu(), tensors["down"].cpu(), gate_up, down)
 
+    def cpu_region_expert(self, region: torch.Tensor):  # -> GGUFCpuExpert
+        """The CPU form of the expert in ``region`` ``uint8 [nbytes]``: views of its blocks as stored (a narrower
+        type's padded rows read by their stride), no copy: the kernels compute the region's bytes in place."""
+        from moeflow.kernels.cpu.gguf import GGUFCpuExpert
+
+        problem = self.cpu_unsupported()
+        if problem is not None:
+            raise ValueError(f"no CPU form for these GGUF experts: {problem}")
+        if region.device.type != "cpu":
+            return None
+        views = self.views(region.view(1, -1))
+        gate_up, down = self.region_types(region)
+        return GGUFCpuExpert(views["gate"][0], views["up"][0], views["down"][0], gate_up, down)
+
 
 def gguf_expert_format(gate_up_types: str | int | Sequence[str | int], down_types: str | int | Sequence[str | int],
                        hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> GGUFFormat:
