@@ -272,9 +272,14 @@ class GGUFFormat(ExpertFormat):
             raise ValueError(f"no CPU form for these GGUF experts: {problem}")
         if region.device.type != "cpu":
             return None
-        views = self.views(region.view(1, -1))
-        gate_up, down = self.region_types(region)
-        return GGUFCpuExpert(views["gate"][0], views["up"][0], views["down"][0], gate_up, down)
+        if region.dtype != torch.uint8 or tuple(region.shape) != (self.nbytes,):
+            raise ValueError(f"a GGUF expert region is uint8 [{self.nbytes}], got {region.dtype} {tuple(region.shape)}")
+        # every tensor of the region is uint8: plain slices (GGUFFormat.views' checks cost more than the form)
+        views = {name: region[spec.offset : spec.offset + spec.nbytes].view(spec.shape) for name in (*MATRICES, "types")
+                 for spec in (self.spec(name),)}
+        by_code = {g.code: g for g in GGML_TYPES.values()}
+        gate_up, down = (by_code[c] for c in views["types"].tolist())
+        return GGUFCpuExpert(views["gate"], views["up"], views["down"], gate_up, down)
 
 
 def gguf_expert_format(gate_up_types: str | int | Sequence[str | int], down_types: str | int | Sequence[str | int],
