@@ -45,6 +45,7 @@ def test_gguf_cpu_form_reads_the_host_region_in_place():
         for m in (form.gate, form.up, form.down):
             assert _inside(m, store.buffer, row)
         assert form.down_type.name == ("Q6_K" if e else "Q4_K")
+        assert all(torch.equal(getattr(form, m)[:, : t[m].shape[1]], t[m]) for m in ("gate", "up", "down"))
         copied = fmt.cpu_expert(fmt.loader_tensors(store.region(layer, e)))  # the converted copy: same bits
         assert torch.equal(form.forward(x, w), copied.forward(x, w))
     assert store.cpu_nbytes == 0
