@@ -2,7 +2,8 @@
 holds Q4_K gate/up and Q6_K down experts (Q4_K_M's mix) and layer 1 Q8_0 experts, loaded on ``device="cpu"`` with
 ``kernels="auto"``: every expert runs moeflow's native GGUF CPU kernels (``kernels/cpu/gguf.c``; the linears the CPU
 int8 kernels, as for AWQ), from a slot or, with hybrid compute (fiddler, ``cpu_compute="always"``; fiddler over the
-disk tier too), from the host store's CPU form. Every policy, at slot counts from the minimum to all experts, with
+disk tier too), from the host store's CPU form (views of the host regions' blocks; the disk tier's reused rows
+copied). Every policy, at slot counts from the minimum to all experts, with
 the synchronous and the random-delay transport, generates exactly the resident model's greedy tokens. A Mixtral-layout
 Q4_K_M mix, resident, runs its decode steps as one native call through every layer (engine/cpu_layers.py), the
 offloaded policies layer by layer: the same tokens. ~35 s on the 2 cores at load ~9."""
@@ -68,6 +69,11 @@ def test_cpu_kernels_give_the_resident_tokens(tiny, policy, cpu_compute, transpo
         try:
             out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
                                  eos_token_id=[])
+            if policy == "fiddler" or cpu_compute == "always":  # the CPU forms: the host regions' blocks in place
+                host = model.experts.host
+                assert host.cpu_nbytes == 0
+                lo, hi = host.buffer.data_ptr(), host.buffer.data_ptr() + host.buffer.numel()
+                assert all(lo <= host.cpu_expert(1, e).down.data_ptr() < hi for e in range(EXPERTS))
         finally:
             model.close()
         assert torch.equal(out, expected), f"{policy}/{cpu_compute}/{transport} with {n_slots} slots"
@@ -101,6 +107,9 @@ def test_fiddler_over_the_disk_tier(tiny):
         assert torch.equal(out, expected)
         assert model.stats.prefill.cpu_experts + model.stats.decode.cpu_experts > 0
         assert model.experts.host.stats.bytes_read > 0
+        host = model.experts.host  # a reused row is never read in place: its form is a copy (or a private read)
+        lo, hi = host.buffer.data_ptr(), host.buffer.data_ptr() + host.buffer.numel()
+        assert not any(lo <= host.cpu_expert(0, e).gate.data_ptr() < hi for e in range(EXPERTS))
     finally:
         model.close()
 

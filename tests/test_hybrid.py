@@ -91,5 +91,8 @@ def test_measured_rates_and_ram(tiny, tmp_path):
     host = model.experts.host
     # the CPU int4 form of every expert sits beside its AWQ bytes: about as large again
     assert 0.9 < host.cpu_nbytes / host.nbytes < 1.3
+    plan = model.memory_plan()  # and the memory plan counts it
+    assert plan.cpu_forms == host.cpu_nbytes and "CPU expert forms" in plan.summary()
+    assert plan.host_used == plan.host_reserved + plan.staging + plan.host_experts * plan.expert_bytes + plan.cpu_forms
     again = _check(tiny, policy="lru", gpu_expert_slots=3, cpu_compute="auto")
     assert again.experts.cpu.rates_source.startswith("cache") and again.experts.cpu.rates == cpu.rates

@@ -53,6 +53,9 @@ class MemoryPlan:
     staging: int = 0  # the disk readers' buffers
     host_experts: int = 0  # experts kept in host memory (the rest are read from disk)
     graph_pools: int = 0  # the captured decode steps' private memory pools (0: no CUDA graphs)
+    # hybrid compute's CPU forms converted beside the host store (AWQ 1.02x, MXFP4 2.35x an expert's bytes; GGUF and
+    # a CPU device's int4 store are computed in place: 0). A disk tier builds them on use: not counted
+    cpu_forms: int = 0
 
     @property
     def gpu_used(self) -> int:
@@ -60,7 +63,7 @@ class MemoryPlan:
 
     @property
     def host_used(self) -> int:
-        return self.host_reserved + self.staging + self.host_experts * self.expert_bytes
+        return self.host_reserved + self.staging + self.host_experts * self.expert_bytes + self.cpu_forms
 
     def as_dict(self) -> dict:
         return {**asdict(self), "gpu_used": self.gpu_used, "host_used": self.host_used}
@@ -85,6 +88,8 @@ class MemoryPlan:
             f"    expert cache       {g(self.host_experts * self.expert_bytes)}  ({self.host_experts} of "
             f"{self.total_experts} experts; {self.total_experts - self.host_experts} read from disk)",
         ]
+        if self.cpu_forms:
+            lines.append(f"    CPU expert forms   {g(self.cpu_forms)}  (hybrid compute's converted experts)")
         return "\n".join(lines)
 
 
@@ -215,3 +220,5 @@ def fill_from_backend(plan: MemoryPlan, backend: ExpertBackend, config: OffloadC
         plan.staging = config.disk_readers * staging_per_reader
     elif host is not None or on_cpu:
         plan.host_experts = total
+    if host is not None and not host.on_disk:
+        plan.cpu_forms = host.cpu_nbytes  # built when loading finished (HybridCompute.prepare)

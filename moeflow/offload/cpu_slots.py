@@ -110,6 +110,10 @@ class CpuInt4Format(AWQFormat):
                    for prefix, m in (("w13", self._template.w13), ("w2", self._template.w2)))
         return dataclasses.replace(self._template, w13=w13, w2=w2)
 
+    def cpu_region_expert(self, region: torch.Tensor) -> Int4Expert:
+        """The region's :class:`Int4Expert` (:meth:`int4_expert`): the CPU form is what the region holds."""
+        return self.int4_expert(region)
+
     def loader_tensors(self, region: torch.Tensor) -> dict[str, torch.Tensor]:
         raise ValueError("CpuInt4Format regions hold the CPU int4 form, not AWQ tensors: read them with "
                          "int4_expert(region)")

@@ -3,7 +3,9 @@
 A region is byte-identical to a device slot (:class:`moeflow.kernels.pool.ExpertFormat`), so moving an
 expert is one copy (or a few byte-range chunks). On a CPU device with the int4 kernels the format is
 :class:`~moeflow.offload.cpu_slots.CpuInt4Format`: every expert converted to torch's int4 layout once, as it is
-written here, so a CPU slot computes the very bytes it was copied. For CUDA the buffer is page-locked at its exact size
+written here, so a CPU slot computes the very bytes it was copied. Hybrid compute's CPU form of an expert
+(:meth:`HostStore.cpu_expert`) is views of its region where the CPU kernels read the stored layout (GGUF,
+CpuInt4Format), else a converted copy kept beside it (AWQ, MXFP4). For CUDA the buffer is page-locked at its exact size
 with ``cudaHostRegister``: PyTorch's pinned allocator rounds every block up to a power of two (an 87 MiB
 Mixtral expert would take 128 MiB, 32 GiB for the model instead of 22). If registration fails (memlock
 limits, containers, WSL) the store stays pageable and says once what that costs.
@@ -37,8 +39,10 @@ class HostStore:
         self._gaps = self._alignment_gaps(fmt)
         if pin and torch.device(device).type == "cuda":
             self._pin()
-        # hybrid execution: each AWQ expert also in torch's CPU int4 format, built on first use, then kept
+        # hybrid execution: each expert's CPU form, built on first use, then kept: views of the region where the
+        # format's CPU kernels read its layout (GGUF blocks, CpuInt4Format), else a converted copy (AWQ, MXFP4)
         self._cpu_forms: dict[int, object] = {}
+        self._cpu_views: dict[int, object] = {}
 
     @staticmethod
     def _alignment_gaps(fmt: ExpertFormat) -> list[tuple[int, int]]:
@@ -113,29 +117,35 @@ class HostStore:
             self.buffer[i, a:b].zero_()
         self.loaded[i] = True
         self._cpu_forms.pop(i, None)
+        self._cpu_views.pop(i, None)
 
     def cpu_expert(self, layer: int, expert: int):
-        """The expert's CPU form (its format's ``cpu_expert``: torch int4 for AWQ, two
-        exact int4 digits for MXFP4).
+        """The expert's CPU form (its format's ``cpu_expert``: torch int4 for AWQ, two exact int4 digits for MXFP4,
+        the blocks for GGUF).
 
-        A store in :class:`~moeflow.offload.cpu_slots.CpuInt4Format` (the CPU device's offloading) holds that
-        form already: views of the region, no copy. Other stores convert on first use and keep the form, about
-        1.02x the expert's AWQ bytes (2.4x its MXFP4 bytes) of extra RAM per converted expert (docs/hybrid.md).
-        Thread-safe: two threads converting the same expert at once both succeed, one copy is kept.
+        Where the format's CPU kernels read the region's layout as stored (:meth:`ExpertFormat.cpu_region_expert`:
+        GGUF blocks, a :class:`~moeflow.offload.cpu_slots.CpuInt4Format` store on the CPU device) the form is views
+        of the region: no copy, no extra RAM (a region is written once, at load, so nothing overwrites it while a
+        CPU job reads it). Other formats convert on first use and keep the form: about 1.01x the expert's AWQ
+        bytes, 2.35x its MXFP4 bytes of extra RAM per converted expert (:attr:`cpu_nbytes`;
+        ``benchmarks/host/cpu_form_rss.py``). Thread-safe: two threads building the same expert's form at once
+        both succeed, one is kept.
         """
-        from moeflow.offload.cpu_slots import CpuInt4Format
-
         i = self.index(layer, expert)
-        if isinstance(self.fmt, CpuInt4Format):
-            return self.fmt.int4_expert(self.buffer[i])
+        form = self._cpu_views.get(i)
+        if form is not None:
+            return form
         form = self._cpu_forms.get(i)
-        if form is None:
-            form = self._cpu_forms.setdefault(i, self.fmt.cpu_expert(self.fmt.loader_tensors(self.buffer[i])))
-        return form
+        if form is not None:
+            return form
+        view = self.fmt.cpu_region_expert(self.buffer[i])
+        if view is not None:
+            return self._cpu_views.setdefault(i, view)
+        return self._cpu_forms.setdefault(i, self.fmt.cpu_expert(self.fmt.loader_tensors(self.buffer[i])))
 
     @property
     def cpu_nbytes(self) -> int:
-        """RAM held by the CPU int4 forms built so far (none for a store that holds them as its regions)."""
+        """RAM held by the converted CPU forms built so far (none for views of the regions)."""
         return sum(f.nbytes for f in list(self._cpu_forms.values()))
 
     def missing(self) -> list[tuple[int, int]]:

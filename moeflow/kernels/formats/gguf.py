@@ -262,6 +262,25 @@ class GGUFFormat(ExpertFormat):
             raise ValueError(f"GGUF expert gate ({gate_up.name}) and up must share a block type")
         return GGUFCpuExpert(tensors["gate"].cpu(), tensors["up"].cpu(), tensors["down"].cpu(), gate_up, down)
 
+    def cpu_region_expert(self, region: torch.Tensor):  # -> GGUFCpuExpert
+        """The CPU form of the expert in ``region`` ``uint8 [nbytes]``: views of its blocks as stored (a narrower
+        type's padded rows read by their stride), no copy: the kernels compute the region's bytes in place."""
+        from moeflow.kernels.cpu.gguf import GGUFCpuExpert
+
+        problem = self.cpu_unsupported()
+        if problem is not None:
+            raise ValueError(f"no CPU form for these GGUF experts: {problem}")
+        if region.device.type != "cpu":
+            return None
+        if region.dtype != torch.uint8 or tuple(region.shape) != (self.nbytes,):
+            raise ValueError(f"a GGUF expert region is uint8 [{self.nbytes}], got {region.dtype} {tuple(region.shape)}")
+        # every tensor of the region is uint8: plain slices (GGUFFormat.views' checks cost more than the form)
+        views = {name: region[spec.offset : spec.offset + spec.nbytes].view(spec.shape) for name in (*MATRICES, "types")
+                 for spec in (self.spec(name),)}
+        by_code = {g.code: g for g in GGML_TYPES.values()}
+        gate_up, down = (by_code[c] for c in views["types"].tolist())
+        return GGUFCpuExpert(views["gate"], views["up"], views["down"], gate_up, down)
+
 
 def gguf_expert_format(gate_up_types: str | int | Sequence[str | int], down_types: str | int | Sequence[str | int],
                        hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> GGUFFormat:

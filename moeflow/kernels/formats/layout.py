@@ -192,6 +192,14 @@ class ExpertFormat:
         :meth:`loader_tensors` gives of its host region, or a disk read)."""
         raise ValueError(f"no CPU form for {self.kind!r} experts: {self.cpu_unsupported()}")
 
+    def cpu_region_expert(self, region: torch.Tensor):  # -> the cpu_expert form, or None
+        """The CPU form of the expert in ``region`` (``uint8 [nbytes]``, on the CPU) as views of its bytes, no copy,
+        where the CPU kernels read the region's layout as it is; None where they need another one (the host store
+        then converts once, :meth:`cpu_expert` over :meth:`loader_tensors`). The form reads whatever the region
+        holds when it computes: only for a region that is not overwritten while the form is in use (a host
+        store's, written once at load; never a disk tier's reused row)."""
+        return None
+
 
 @dataclass
 class ExpertPool:
