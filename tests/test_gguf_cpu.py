@@ -7,9 +7,6 @@ the 2 cores at load ~9 (three library builds the first time, cached after)."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 import torch
 from gguf_block_helpers import random_blocks, random_gguf_expert
@@ -26,6 +23,7 @@ from moeflow.kernels.cpu.native import SIMD_NAMES, native_available
 from moeflow.kernels.experts.gguf_reference import ggml_type
 from moeflow.kernels.formats import gguf_expert_format
 from moeflow.kernels.pool import ExpertPool
+from moeflow.user_cache import cache_dir
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="moeflow's CPU kernels do not build here (no compiler)")
 
@@ -86,7 +84,7 @@ def test_errors_name_the_types():
 
 # ---- every vector ISA: the same bits ----
 
-CACHE = Path(os.environ.get("MOEFLOW_CACHE", Path.home() / ".cache" / "moeflow")) / "cpu_native"
+CACHE = cache_dir() / "cpu_native"
 
 
 def _outputs(lib, monkeypatch) -> list[torch.Tensor]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -74,15 +75,16 @@ class LayerDesc(ctypes.Structure):
                 ("k", _i), ("renorm", _i), ("I", _i), ("group", _i), ("experts", ctypes.POINTER(ExpertDesc))]
 
 
-_DECLARED: set[int] = set()
+# the libraries whose signatures are declared, held weakly: an id() could be reused by a later library
+_DECLARED: weakref.WeakSet[ctypes.CDLL] = weakref.WeakSet()
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     """``lib`` with mf_layers_step's signature declared (once per loaded library)."""
-    if id(lib) not in _DECLARED:
+    if lib not in _DECLARED:
         lib.mf_layers_step.argtypes = [ctypes.POINTER(LayerDesc), _i, _p, _i, _p, _p, _p, _i, _p, _f, _p, _p, _i]
         lib.mf_layers_step.restype = _i
-        _DECLARED.add(id(lib))
+        _DECLARED.add(lib)
     return lib
 
 

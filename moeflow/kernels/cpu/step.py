@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import ctypes
 import math
+import weakref
 
 import torch
 
 from moeflow.kernels.cpu.native import Q4_F32, Q4Matrix, library, q4_fmt
 from moeflow.kernels.cpu.quant_linear import CpuQuantLinear, SplitLinear
 
-_DECLARED: set[int] = set()
+# the libraries whose signatures are declared, held weakly: an id() could be reused by a later library
+_DECLARED: weakref.WeakSet[ctypes.CDLL] = weakref.WeakSet()
 # tokens per sequence up to which the attention op runs (decode, short prompts); beyond, SDPA's blocked GEMMs
 # beat its loop over queries and positions
 NATIVE_ATTENTION_TOKENS = 16
@@ -36,7 +38,7 @@ def _lib() -> ctypes.CDLL:
     lib = library()
     if lib is None:
         raise RuntimeError("moeflow's CPU kernels are unavailable here (see moeflow.kernels.cpu.native)")
-    if id(lib) not in _DECLARED:
+    if lib not in _DECLARED:
         p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
         lib.mf_rmsnorm.argtypes = [p, p, p, p, f, i, i, p]
         lib.mf_rmsnorm.restype = None
@@ -49,7 +51,7 @@ def _lib() -> ctypes.CDLL:
         lib.mf_dense_f32.restype = None
         lib.mf_softmax_topk.argtypes = [p, i, i, i, i, p, p, p]
         lib.mf_softmax_topk.restype = None
-        _DECLARED.add(id(lib))
+        _DECLARED.add(lib)
     return lib
 
 
