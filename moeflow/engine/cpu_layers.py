@@ -75,7 +75,7 @@ class NativeLayers:
             attn = half.attn
             desc, table = layer_desc(half.norm_in.weight, half.norm_post.weight, half.norm_in.eps, attn.qkv_proj,
                                      attn.o_proj, attn.n_heads, attn.n_kv, attn.head_dim, block.gate.weight,
-                                     block.route.top_k, block.route.renormalize, forms)
+                                     block.route.top_k, block.route.renormalize, forms, attn.native_qk_norm())
             descs.append(desc)
             tables.append(table)
         array = (LayerDesc * len(descs))(*descs)

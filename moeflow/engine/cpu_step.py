@@ -3,7 +3,8 @@
 After :func:`~moeflow.engine.cpu_linears.quantize_decoder_linears`, when moeflow's CPU library is built and the
 model runs in fp32, :func:`fuse_cpu_step` changes, in the built decoder:
 
-* each plain attention layer (no QK-norm, no clamp, no biases): q/k/v become one matrix ``qkv_proj`` (one
+* each plain attention layer (no clamp, no biases; a QK-norm before the rotary, Qwen3's per head or OLMoE's
+  over the projection, is computed inside the one call): q/k/v become one matrix ``qkv_proj`` (one
   kernel call instead of three; q_proj/k_proj/v_proj stay as views of its rows, no second copy), and rotary +
   KV-cache write + attention run as one call (:func:`~moeflow.kernels.cpu.step.attention_step`) whenever
   the cache is the engine's static one;
@@ -52,7 +53,7 @@ def fuse_cpu_step(decoder: CausalDecoder, dtype: torch.dtype) -> dict[str, int]:
         if type(module) is RMSNorm and module.weight.dtype == torch.float32:
             module.native = True
             counts["norm"] += 1
-        elif type(module) is Attention and module.qk_norm is None and module.clip_qkv is None \
+        elif type(module) is Attention and _native_qk_norm_ok(module) and module.clip_qkv is None \
                 and module.rotary_dim == module.head_dim:
             fused = fuse_qkv([module.q_proj, module.k_proj, module.v_proj])
             if fused is not None:
@@ -66,6 +67,16 @@ def fuse_cpu_step(decoder: CausalDecoder, dtype: torch.dtype) -> dict[str, int]:
             layer.set_attention_step(half)
             counts["attention_half"] += 1
     return counts
+
+
+def _native_qk_norm_ok(attn: Attention) -> bool:
+    """Whether the CPU library's attention computes ``attn``'s QK-norm: none, or RMSNorm before the rotary per head
+    (Qwen3) or over the projection (OLMoE), fp32 weights, one eps."""
+    if attn.qk_norm is None:
+        return True
+    norms = (attn.q_norm, attn.k_norm)
+    return attn.qk_norm in ("head", "projection") and all(type(n) is RMSNorm and n.weight.dtype == torch.float32
+                                                           for n in norms) and attn.q_norm.eps == attn.k_norm.eps
 
 
 class NativeAttentionHalf:
@@ -90,7 +101,8 @@ class NativeAttentionHalf:
         if k_all.dtype != torch.float32:
             return None
         return attention_block(x, self.norm_in.weight, self.norm_post.weight, self.norm_in.eps, attn.qkv_proj,
-                               attn.o_proj, attn.n_heads, attn.n_kv, cos, sin, k_all, v_all, cache_position, mask)
+                               attn.o_proj, attn.n_heads, attn.n_kv, cos, sin, k_all, v_all, cache_position, mask,
+                               attn.native_qk_norm())
 
 
 class NativeRouterGate(nn.Module):

@@ -21,7 +21,7 @@ import torch
 
 from moeflow.kernels.cpu.gguf import GGUFCpuExpert
 from moeflow.kernels.cpu.native import Q4Matrix
-from moeflow.kernels.cpu.step import _check_fp32, _lib, _linear_args, block_linear_ok, qkv_args
+from moeflow.kernels.cpu.step import QKNorm, _check_fp32, _lib, _linear_args, block_linear_ok, qk_norm_args, qkv_args
 
 _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
@@ -65,12 +65,14 @@ def _expert_table(experts: Sequence[tuple[Q4Matrix, Q4Matrix] | GGUFCpuExpert], 
 
 
 class LayerDesc(ctypes.Structure):
-    """step.c's ``mf_layer_desc``: one Mixtral-layout layer (attention half, softmax-top-k router, experts)."""
+    """step.c's ``mf_layer_desc``: one Mixtral-layout layer (attention half with its QK-norm if any, softmax-top-k
+    router, experts)."""
 
     _fields_ = [("w_in", _p), ("w_post", _p), ("eps", _f), ("qkv_bits", _i), ("qkv_group", _i), ("qkv_fmt", _i),
                 ("qkv_w", _p), ("qkv_s", _p), ("qkv_m", _p), ("kv_bits", _i), ("kv_group", _i), ("kv_fmt", _i),
                 ("kv_w", _p), ("kv_s", _p), ("kv_m", _p), ("o_bits", _i), ("o_group", _i), ("o_fmt", _i),
-                ("o_w", _p), ("o_s", _p), ("o_m", _p), ("nh", _i), ("nkv", _i), ("D", _i), ("gate", _p), ("E", _i),
+                ("o_w", _p), ("o_s", _p), ("o_m", _p), ("nh", _i), ("nkv", _i), ("D", _i), ("qk", _i),
+                ("qn", _p), ("kn", _p), ("qk_eps", _f), ("gate", _p), ("E", _i),
                 ("k", _i), ("renorm", _i), ("I", _i), ("group", _i), ("experts", ctypes.POINTER(ExpertDesc))]
 
 
@@ -89,11 +91,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 def layer_desc(norm_in: torch.Tensor, norm_post: torch.Tensor, eps: float, qkv: torch.nn.Module,
                o: torch.nn.Module, n_heads: int, n_kv: int, head_dim: int, gate: torch.Tensor, top_k: int,
                renormalize: bool, experts: Sequence[tuple[Q4Matrix, Q4Matrix] | GGUFCpuExpert],
-               ) -> tuple[LayerDesc, object]:
+               qk_norm: QKNorm | None = None) -> tuple[LayerDesc, object]:
     """One layer's descriptor: norms fp32 [H]; ``qkv``, ``o``: native int4/int8 CpuQuantLinear (no bias; ``qkv``
     also a SplitLinear of two);
     gate fp32 [E, H] (contiguous); experts: E (w13 [2I, H], w2 [H, I]) q4 pairs of one group size, or E GGUF
-    experts (gate/up [I, H], down [H, I] blocks, their types per expert: Q4_K_M mixes them). Returns the
+    experts (gate/up [I, H], down [H, I] blocks, their types per expert: Q4_K_M mixes them); ``qk_norm``: the
+    attention's QK-norm (Qwen3-MoE, OLMoE), if any (its weights must stay where they are too). Returns the
     descriptor and what it points into (the expert array and the experts: keep both alive together)."""
     if not (block_linear_ok(qkv) and block_linear_ok(o)):
         raise ValueError("layer_desc: q/k/v and o must be native int4/int8 CpuQuantLinear layers without bias")
@@ -102,8 +105,11 @@ def layer_desc(norm_in: torch.Tensor, norm_post: torch.Tensor, eps: float, qkv: 
     if len(experts) != gate.shape[0]:
         raise ValueError(f"layer_desc: {len(experts)} experts for a gate {tuple(gate.shape)}")
     table, inter, group = _expert_table(experts, gate.shape[1])
+    if qk_norm is not None:
+        qk_norm.check(n_heads, n_kv, head_dim)
     desc = LayerDesc(norm_in.data_ptr(), norm_post.data_ptr(), eps, *qkv_args(qkv), *_linear_args(o), n_heads,
-                     n_kv, head_dim, gate.data_ptr(), gate.shape[0], top_k, int(renormalize), inter, group, table)
+                     n_kv, head_dim, *qk_norm_args(qk_norm), gate.data_ptr(), gate.shape[0], top_k,
+                     int(renormalize), inter, group, table)
     return desc, (table, list(experts))  # the experts too: the table holds their tensors' addresses
 
 

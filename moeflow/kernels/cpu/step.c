@@ -12,7 +12,8 @@
 #include "gguf.h"  /* mf_gguf_expert (gguf.c); includes native.h */
 
 /* out[t] = w * (x[t] / sqrt(mean(x[t]^2) + eps)) for x fp32 [T, H]. With ``res`` (may be NULL): x[t] + res[t]
-   is normalised instead and written to ``sum`` (the residual stream the layer continues with). */
+   is normalised instead and written to ``sum`` (the residual stream the layer continues with). ``out`` may be
+   ``x`` (in place, without ``res``). */
 void mf_rmsnorm(const float* x, const float* res, float* sum, const float* w, float eps, int T, int H, float* out) {
     for (int t = 0; t < T; t++) {
         const float* xt = x + (size_t)t * H;
@@ -53,11 +54,33 @@ static float dot(const float* q, const float* k, int D) {
    qkv fp32 [B, T, (nh + 2 nkv) D] (q heads, then k heads, then v heads); cos, sin fp32 [B, T, D];
    kc, vc fp32 [B, nkv, L, D]: this layer's static cache, written at positions pos int64 [T] (rotated keys);
    mask bool [B, T, L]: which cache positions each query sees; out fp32 [B, T, nh D]: softmax(q k^T * scale) v
-   per head, query head h reading kv head h / (nh / nkv). Returns 0, or -1 when out of memory. */
+   per head, query head h reading kv head h / (nh / nkv). QK-norm before the rotary (qk, qn fp32, kn fp32,
+   qk_eps): qk MF_QK_HEAD: q and k RMSNormed per head over D (weights [D], Qwen3); MF_QK_PROJ: over each token's
+   whole q projection (nh D, weights [nh D]) and k projection (nkv D, weights [nkv D]), OLMoE; MF_QK_NONE (0): none
+   (qn, kn unread). The norm is mf_rmsnorm on those rows (the op the per-layer path's q_norm / k_norm modules run).
+   Returns 0, or -1 when out of memory. */
 int mf_attn_step(const float* qkv, int B, int T, int nh, int nkv, int D, const float* cos, const float* sin,
-                 float* kc, float* vc, int L, const int64_t* pos, const uint8_t* mask, float scale, float* out,
-                 int nthreads) {
+                 float* kc, float* vc, int L, const int64_t* pos, const uint8_t* mask, float scale, int qk,
+                 const float* qn, const float* kn, float qk_eps, float* out, int nthreads) {
     int F = (nh + 2 * nkv) * D, groups = nh / nkv;
+    float* normed = NULL;
+    if (qk != MF_QK_NONE) {
+        normed = malloc(sizeof(float) * (size_t)B * T * F);
+        if (!normed) return -1;
+        memcpy(normed, qkv, sizeof(float) * (size_t)B * T * F);
+        for (size_t r = 0; r < (size_t)B * T; r++) {
+            float* q = normed + r * F;
+            float* k = q + (size_t)nh * D;
+            if (qk == MF_QK_HEAD) {
+                mf_rmsnorm(q, NULL, NULL, qn, qk_eps, nh, D, q);
+                mf_rmsnorm(k, NULL, NULL, kn, qk_eps, nkv, D, k);
+            } else {
+                mf_rmsnorm(q, NULL, NULL, qn, qk_eps, 1, nh * D, q);
+                mf_rmsnorm(k, NULL, NULL, kn, qk_eps, 1, nkv * D, k);
+            }
+        }
+        qkv = normed;
+    }
     for (int b = 0; b < B; b++)
         for (int t = 0; t < T; t++) {
             const float* row = qkv + ((size_t)b * T + t) * F;
@@ -120,6 +143,7 @@ int mf_attn_step(const float* qkv, int B, int T, int nh, int nkv, int D, const f
         }
         free(buf);
     }
+    free(normed);
     return fail ? -1 : 0;
 }
 
@@ -165,13 +189,15 @@ static int run_qkv(const mf_linear* qkv, const mf_linear* kv, const float* h, in
 /* A decoder layer's attention half in one call, for x fp32 [B, T, H] (the layer's input):
    h = rmsnorm(x, w_in); qkv = h @ Wqkv.T; a = attention (mf_attn_step, writing the cache); o = a @ Wo.T;
    x_out = x + o; h_out = rmsnorm(x_out, w_post) (the MoE block's input). Exactly the sequence of the
-   separate calls, so the same numbers. kv_bits 0: Wqkv is the one qkv linear; else qkv holds q's rows and kv
+   separate calls, so the same numbers. qk, qn, kn, qk_eps: the QK-norm (mf_attn_step). kv_bits 0: Wqkv is the
+   one qkv linear; else qkv holds q's rows and kv
    k's and v's (run_qkv). Returns 0, or -1 when out of memory. */
 int mf_attn_block(const float* x, int B, int T, int H, const float* w_in, const float* w_post, float eps,
                   int qkv_bits, int qkv_group, int qkv_fmt, const void* qkv_w, const void* qkv_s, const void* qkv_m,
                   int kv_bits, int kv_group, int kv_fmt, const void* kv_w, const void* kv_s, const void* kv_m,
                   int o_bits, int o_group, int o_fmt, const void* o_w, const void* o_s, const void* o_m,
-                  int nh, int nkv, int D, const float* cos, const float* sin, float* kc, float* vc, int L,
+                  int nh, int nkv, int D, int qk, const float* qn, const float* kn, float qk_eps,
+                  const float* cos, const float* sin, float* kc, float* vc, int L,
                   const int64_t* pos, const uint8_t* mask, float scale, float* x_out, float* h_out,
                   int nthreads) {
     int BT = B * T, F = (nh + 2 * nkv) * D;
@@ -186,7 +212,8 @@ int mf_attn_block(const float* x, int B, int T, int H, const float* w_in, const 
     float* y = a + (size_t)BT * nh * D;        /* [BT, H] */
     mf_rmsnorm(x, NULL, NULL, w_in, eps, BT, H, h);
     int rc = run_qkv(&qkv, &kv, h, BT, H, q, nthreads);
-    if (!rc) rc = mf_attn_step(q, B, T, nh, nkv, D, cos, sin, kc, vc, L, pos, mask, scale, a, nthreads);
+    if (!rc) rc = mf_attn_step(q, B, T, nh, nkv, D, cos, sin, kc, vc, L, pos, mask, scale, qk, qn, kn, qk_eps, a,
+                               nthreads);
     if (!rc) rc = run_linear(&o, a, BT, nh * D, y, nthreads);
     if (!rc) mf_rmsnorm(x, y, x_out, w_post, eps, BT, H, h_out);
     free(buf);
@@ -248,8 +275,9 @@ typedef struct {
     const uint8_t* up;  /* GGUF: the up matrix */
 } mf_expert_desc;
 
-/* A Mixtral-layout decoder layer: the attention half of mf_attn_block, a plain softmax-top-k router (fp32 gate
-   [E, H]) and E SwiGLU experts (q4 or GGUF, mf_expert_desc) of intermediate size I. */
+/* A Mixtral-layout decoder layer (or Qwen3-MoE's, OLMoE's: with a QK-norm): the attention half of mf_attn_block,
+   a plain softmax-top-k router (fp32 gate [E, H]) and E SwiGLU experts (q4 or GGUF, mf_expert_desc) of
+   intermediate size I. */
 typedef struct {
     const float* w_in;
     const float* w_post;
@@ -267,6 +295,10 @@ typedef struct {
     const void* o_s;
     const void* o_m;
     int nh, nkv, D;
+    int qk;  /* QK-norm (mf_attn_step): MF_QK_NONE, MF_QK_HEAD (qn, kn [D]) or MF_QK_PROJ (qn [nh D], kn [nkv D]) */
+    const float* qn;
+    const float* kn;
+    float qk_eps;
     const float* gate;
     int E, k, renorm, I, group;
     const mf_expert_desc* experts;
@@ -297,7 +329,7 @@ int mf_layers_step(const mf_layer_desc* layers, int n, float* x, int H, const fl
         rc = mf_attn_block(x, 1, 1, H, d->w_in, d->w_post, d->eps, d->qkv_bits, d->qkv_group, d->qkv_fmt, d->qkv_w,
                            d->qkv_s, d->qkv_m, d->kv_bits, d->kv_group, d->kv_fmt, d->kv_w, d->kv_s, d->kv_m,
                            d->o_bits, d->o_group, d->o_fmt, d->o_w, d->o_s, d->o_m, d->nh, d->nkv,
-                           d->D, cos, sin,
+                           d->D, d->qk, d->qn, d->kn, d->qk_eps, cos, sin,
                            (float*)kv[3 * l], (float*)kv[3 * l + 1], L, pos, (const uint8_t*)kv[3 * l + 2], scale,
                            xa, h, nthreads);
         if (rc) break;
