@@ -35,6 +35,8 @@ from moeflow.moe.block import MoEBlock, RoutingRecorder
 from moeflow.moe.resident import CpuInt4Experts, ResidentExperts
 
 # the layer types whose forward is ``x, h = self.attention_half(...); x + moe_block(h)``, and their MoE block
+# (llama_moe's: Qwen3-MoE and OLMoE too, their QK-norm inside the attention call; a dense MLP layer or a shared
+# expert, Qwen2-MoE's, keeps the decoder's layers one by one: native_layers)
 LAYER_BLOCKS: dict[type[nn.Module], Callable[[Any], nn.Module]] = {
     mixtral.DecoderLayer: lambda layer: layer.block_sparse_moe, llama_moe.DecoderLayer: lambda layer: layer.mlp,
 }
