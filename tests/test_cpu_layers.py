@@ -103,16 +103,19 @@ QWEN3_SHAPE = dict(hidden_size=128, moe_intermediate_size=128, intermediate_size
 
 @pytest.fixture(scope="module")
 def qk_norm_checkpoints(tmp_path_factory):
-    """AWQ checkpoints (experts; attention 16-bit or AWQ too) of a tiny Qwen3-MoE (QK-norm per head) and OLMoE
-    (QK-norm over the projection, no renormalised top-k)."""
+    """AWQ checkpoints (experts; attention 16-bit or AWQ too) of a tiny Qwen3-MoE (QK-norm per head), OLMoE
+    (QK-norm over the projection, no renormalised top-k) and Qwen2-MoE (q/k/v biases, a shared expert with a sigmoid
+    output gate)."""
     from family_models import make_family_checkpoint
 
     root = tmp_path_factory.mktemp("cpu_layers_qk_norm")
     out = {}
     for kind, shape in (("qwen3_moe", {**QWEN3_SHAPE, "norm_topk_prob": True}),
-                        ("olmoe", {k: v for k, v in QWEN3_SHAPE.items() if k != "moe_intermediate_size"})):
+                        ("olmoe", {k: v for k, v in QWEN3_SHAPE.items() if k != "moe_intermediate_size"}),
+                        ("qwen2_moe", {**QWEN3_SHAPE, "norm_topk_prob": True, "shared_expert_intermediate_size": 64})):
         src = make_family_checkpoint(root / kind, kind, seed=7, **shape)
-        out[kind] = quantize_checkpoint(src, root / f"{kind}_awq", group_size=32, progress=False)
+        if kind != "qwen2_moe":  # (its shared expert would stay 16-bit: attention_bits does not quantize it)
+            out[kind] = quantize_checkpoint(src, root / f"{kind}_awq", group_size=32, progress=False)
         out[f"{kind}_attn"] = quantize_checkpoint(src, root / f"{kind}_awq_attn", group_size=32,
                                                   quantize_attention=True, progress=False)
     return out
@@ -121,8 +124,10 @@ def qk_norm_checkpoints(tmp_path_factory):
 @pytest.mark.parametrize("kind,qk,kw", [("qwen3_moe", "head", dict(attention_bits=4)),
                                         ("qwen3_moe", "head", dict(attention_bits=8)),
                                         ("qwen3_moe_attn", "head", {}),
-                                        ("olmoe_attn", "projection", {})])
+                                        ("olmoe_attn", "projection", {}),
+                                        ("qwen2_moe_attn", None, {})])
 def test_native_layers_with_a_qk_norm_are_the_per_layer_step(qk_norm_checkpoints, kind, qk, kw, counted):
+    """Also Qwen2-MoE: its q/k/v bias inside the attention half, its shared expert inside the one call."""
     from moeflow import MoEModel
 
     model = MoEModel.from_pretrained(qk_norm_checkpoints[kind], device="cpu", **kw)
@@ -131,10 +136,15 @@ def test_native_layers_with_a_qk_norm_are_the_per_layer_step(qk_norm_checkpoints
         assert attn.qk_norm == qk and attn.fused_step and model.model.layers_step is not None
         ids = torch.randint(3, 97, (1, 5), generator=torch.Generator().manual_seed(6))
         _check_same_step(model, ids, counted, n=8)
-        # the one call's QK-norm is applied: with the norm weights changed, the tokens' hidden states change
+        # the one call applies the QK-norm (the q/k/v bias, the shared expert's gate): with those weights
+        # changed, the tokens' hidden states change
         _, before = _decode(model, ids, native=True, n=2)
         with torch.no_grad():
-            attn.k_norm.weight.mul_(1.5)
+            if qk is None:
+                attn.qkv_proj.bias.mul_(1.5)
+                model.model.layers[0].mlp.shared_expert.output_gate.weight.mul_(-1.0)
+            else:
+                attn.k_norm.weight.mul_(1.5)
         _, after = _decode(model, ids, native=True, n=2)
         assert not torch.equal(before[-1], after[-1])
     finally:

@@ -34,6 +34,8 @@ from moeflow.kernels.cpu.step import (
     rmsnorm,
     rmsnorm_reference,
     router_logits,
+    shared_expert_reference,
+    shared_expert_step,
     softmax_topk,
     softmax_topk_reference,
 )
@@ -224,6 +226,25 @@ def test_experts_step_is_the_accumulating_expert_calls():
     assert rel(out, ref) < 1e-3
 
 
+def test_shared_expert_step_is_the_expert_call_with_its_sigmoid_gate():
+    """A shared expert (Qwen2-MoE's, with its sigmoid output gate): one q4 expert call weighted per token by
+    sigmoid(x . gate) (1 without a gate), and its fp32 model; the GatedMLP module's native step is that call."""
+    g = _gen(12)
+    hidden, inter, t = 64, 96, 3
+    w13, w2 = (quantize_linear_cpu(torch.randn(n, k, generator=g) * 0.1, 4, group_size=32)
+               for n, k in ((2 * inter, hidden), (hidden, inter)))
+    w13, w2 = (Q4Matrix(m.packed, m.scales, m.mins, 32) for m in (w13, w2))
+    x = torch.randn(t, hidden, generator=g)
+    gate = torch.randn(hidden, generator=g) * 0.3
+    out = shared_expert_step(x, w13, w2, gate)
+    assert torch.equal(shared_expert_step(x, w13, w2, None), q4_expert(x, w13, w2, torch.ones(t)))
+    dense = (w13.dequantized(), w2.dequantized())
+    assert rel(out, shared_expert_reference(x, *dense, gate)) < 1e-3
+    assert rel(out, shared_expert_reference(x, *dense, None)) > 0.1  # the gate is applied
+    with pytest.raises(ValueError, match="shared_expert_step"):
+        shared_expert_step(x, w2, w13, gate)
+
+
 def test_expert_row_writes_the_weighted_expert_output_into_its_row():
     g = _gen(12)
     hidden, inter = 64, 96
@@ -350,20 +371,26 @@ def test_fused_step_on_an_awq_attention_checkpoint_with_padding(tmp_path):
         assert torch.equal(fused(ids, attention_mask=mask).logits, on)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "qwen2_moe"])
 def test_fused_step_with_a_qk_norm_gives_the_unfused_logits_and_tokens(tmp_path, family):
     """Qwen3-MoE (QK-norm per head) and OLMoE (over the projection) with AWQ attention: the QK-norm inside the
-    attention op (prefill and decode) against the unfused modules."""
+    attention op (prefill and decode) against the unfused modules; Qwen2-MoE: its q/k/v bias inside the attention
+    half and its shared expert (sigmoid output gate) as one call."""
     from family_models import make_family_checkpoint
 
     shape = dict(hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_experts=8, num_experts_per_tok=2)
-    if family == "qwen3_moe":
+    if family != "olmoe":
         shape.update(moe_intermediate_size=128, norm_topk_prob=True)
+    if family == "qwen2_moe":
+        shape.update(shared_expert_intermediate_size=128)
     src = make_family_checkpoint(tmp_path / "fp32", family, seed=4, **shape)
     awq = quantize_checkpoint(src, tmp_path / "awq", group_size=32, quantize_attention=True, progress=False)
     fused, _ = _check_same_model(awq, torch.randint(3, 97, (1, 7), generator=_gen(3)), new_tokens=12)
-    assert fused.model.layers[0].self_attn.qk_norm == ("head" if family == "qwen3_moe" else "projection")
-    assert fused.model.layers_step is not None
+    attn = fused.model.layers[0].self_attn
+    assert attn.qk_norm == {"qwen3_moe": "head", "olmoe": "projection", "qwen2_moe": None}[family]
+    assert fused.model.layers_step is not None and fused.model.layers[0].attention_step is not None
+    if family == "qwen2_moe":
+        assert attn.qkv_proj.bias is not None and fused.model.layers[0].mlp.shared_expert.native_step is not None
 
 
 def test_cache_layer_views_are_the_cache():

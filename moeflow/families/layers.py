@@ -223,9 +223,15 @@ class GatedMLP(nn.Module):
         self.down_proj = linear_factory("down_proj", intermediate_size, hidden_size)
         # a one-output linear is never quantized: always a plain linear layer
         self.output_gate = nn.Linear(hidden_size, 1, bias=False, dtype=dtype) if output_gate else None
+        # the whole MLP as one native call (the CPU engine's, engine.cpu_step); None or its None: the modules
+        self.native_step: Callable[[torch.Tensor], torch.Tensor | None] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., H] -> [..., H]."""
+        if self.native_step is not None:
+            y = self.native_step(x)
+            if y is not None:
+                return y
         y = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         if self.output_gate is not None:
             y = torch.sigmoid(self.output_gate(x)) * y

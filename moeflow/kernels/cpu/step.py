@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeflow.kernels.cpu.native import Q4_F32, Q4Matrix, library, q4_fmt
+from moeflow.kernels.cpu.native import Q4_F32, Q4Matrix, library, q4_expert_reference, q4_fmt
 from moeflow.kernels.cpu.quant_linear import CpuQuantLinear, SplitLinear
 
 _DECLARED: set[int] = set()
@@ -74,12 +74,14 @@ def _lib() -> ctypes.CDLL:
         lib.mf_attn_step.argtypes = [p, i, i, i, i, i, p, p, p, p, i, p, p, f, i, p, p, f, p, i]
         lib.mf_attn_step.restype = i
         lib.mf_attn_block.argtypes = [p, i, i, i, p, p, f, i, i, i, p, p, p, i, i, i, p, p, p, i, i, i, p, p, p,
-                                      i, i, i, i, p, p, f, p, p, p, p, i, p, p, f, p, p, i]
+                                      i, i, i, p, i, p, p, f, p, p, p, p, i, p, p, f, p, p, i]
         lib.mf_attn_block.restype = i
         lib.mf_dense_f32.argtypes = [p, i, i, i, p, p]
         lib.mf_dense_f32.restype = None
         lib.mf_softmax_topk.argtypes = [p, i, i, i, i, p, p, p]
         lib.mf_softmax_topk.restype = None
+        lib.mf_shared_expert.argtypes = [p, i, i, i, i, i, p, p, p, p, p, p, p, p, i, i]
+        lib.mf_shared_expert.restype = i
         _DECLARED.add(id(lib))
     return lib
 
@@ -163,7 +165,8 @@ def attention_block(x: torch.Tensor, norm_in: torch.Tensor, norm_post: torch.Ten
     where attn = o(attention_step(qkv(rmsnorm(x, norm_in)))), each fp32 [B, T, H]; writes this step's keys
     and values into the cache. ``qkv``, ``o``: native int4/int8 :class:`CpuQuantLinear` without bias (``qkv``: or a
     :class:`SplitLinear` of two, q's rows and k's and v's); the other arguments (``qk_norm`` too) as
-    :func:`rmsnorm` and :func:`attention_step`. The same kernels in the same order as those calls."""
+    :func:`rmsnorm` and :func:`attention_step`. The same kernels in the same order as those calls. ``qkv`` may
+    have a bias (added after the projection, as the layer's own forward adds it)."""
     b, t, h = x.shape
     d = qkv.out_features // (n_heads + 2 * n_kv)
     _check_fp32("x", x)
@@ -172,7 +175,7 @@ def attention_block(x: torch.Tensor, norm_in: torch.Tensor, norm_post: torch.Ten
         qk_norm.check(n_heads, n_kv, d)
     x_out, h_out = torch.empty_like(x), torch.empty_like(x)
     rc = _lib().mf_attn_block(x.data_ptr(), b, t, h, norm_in.data_ptr(), norm_post.data_ptr(), eps,
-                              *qkv_args(qkv), *_linear_args(o), n_heads, n_kv, k_cache.shape[3],
+                              *qkv_args(qkv), *_linear_args(o), n_heads, n_kv, k_cache.shape[3], bias_arg(qkv),
                               *qk_norm_args(qk_norm), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
                               v_cache.data_ptr(),
                               k_cache.shape[2], cache_position.data_ptr(), mask.data_ptr(),
@@ -227,6 +230,32 @@ def expert_row(x: torch.Tensor, w13: Q4Matrix, w2: Q4Matrix, weights: torch.Tens
                    accumulate=False, what="expert_row")
 
 
+def shared_expert_step(x: torch.Tensor, w13: Q4Matrix, w2: Q4Matrix, gate: torch.Tensor | None) -> torch.Tensor:
+    """A dense SwiGLU MLP (a shared expert) in one call: x fp32 [T, H] -> fp32 [T, H] =
+    ``sigmoid(x @ gate) * (silu(x W_gate) * (x W_up)) W_down``; w13 [2I, H] (gate rows, then up rows), w2 [H, I]: q4
+    matrices of one group size and form of scales; gate fp32 [H] (Qwen2-MoE's shared_expert_gate), or None (no
+    output gate). The same call the one-call layers make (``mf_shared_expert``)."""
+    _check_fp32("x", x)
+    inter = w2.shape[1]
+    if x.dim() != 2 or w13.shape != (2 * inter, x.shape[1]) or w2.shape[0] != x.shape[1] \
+            or w13.group_size != w2.group_size or w13.fmt != w2.fmt:
+        raise ValueError(f"shared_expert_step: x {tuple(x.shape)}, w13 {w13.shape} (group {w13.group_size}), w2 "
+                         f"{w2.shape} (group {w2.group_size}): expected [T, H], [2I, H], [H, I] of one group and form")
+    if gate is not None:
+        _check_fp32("gate", gate)
+        if gate.numel() != x.shape[1]:
+            raise ValueError(f"shared_expert_step: gate {tuple(gate.shape)} for hidden size {x.shape[1]}")
+    out = torch.empty_like(x)
+    rc = _lib().mf_shared_expert(x.data_ptr(), x.shape[0], x.shape[1], inter, w13.group_size, w13.fmt,
+                                 w13.packed.data_ptr(), w13.scales.data_ptr(), w13.mins.data_ptr(),
+                                 w2.packed.data_ptr(), w2.scales.data_ptr(), w2.mins.data_ptr(),
+                                 None if gate is None else gate.data_ptr(),
+                                 out.data_ptr(), 0, torch.get_num_threads())
+    if rc:
+        raise MemoryError("shared_expert_step: the CPU kernel could not allocate its buffers")
+    return out
+
+
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x fp32 [T, H] @ weight fp32 [E, H].T -> fp32 [T, E] (a router's logits: a few dot products, no BLAS call)."""
     _check_fp32("x", x)
@@ -252,12 +281,19 @@ def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool = True
     return probs, ids, weights
 
 
-def block_linear_ok(layer: torch.nn.Module) -> bool:
+def block_linear_ok(layer: torch.nn.Module, bias: bool = False) -> bool:
     """Whether :func:`attention_block` takes ``layer`` as its qkv or o projection (qkv: also a
-    :class:`~moeflow.kernels.cpu.quant_linear.SplitLinear` of two such layers, q's rows and k's and v's)."""
+    :class:`~moeflow.kernels.cpu.quant_linear.SplitLinear` of two such layers, q's rows and k's and v's; ``bias``:
+    a CpuQuantLinear's fp32 bias is allowed, the q/k/v projection's)."""
     if isinstance(layer, SplitLinear):
         return all(block_linear_ok(p) for p in layer.parts)
-    return isinstance(layer, CpuQuantLinear) and layer.native and layer.bias is None and layer.bits in (4, 8)
+    return isinstance(layer, CpuQuantLinear) and layer.native and layer.bits in (4, 8) and (
+        layer.bias is None or (bias and layer.bias.dtype == torch.float32 and layer.bias.is_contiguous()))
+
+
+def bias_arg(layer: torch.nn.Module) -> int | None:
+    """The address of ``layer``'s fp32 bias (mf_attn_block's ``qkv_b``), or None."""
+    return None if layer.bias is None else layer.bias.data_ptr()
 
 
 def qkv_args(layer: CpuQuantLinear | SplitLinear) -> tuple:
@@ -315,6 +351,14 @@ def attention_step_reference(qkv: torch.Tensor, n_heads: int, n_kv: int, cos: to
     scores = (q @ keys.transpose(-1, -2)) / math.sqrt(d)
     probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
     return (probs @ values).transpose(1, 2).reshape(b, t, n_heads * d)
+
+
+def shared_expert_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                            gate: torch.Tensor | None) -> torch.Tensor:
+    """fp32 model of :func:`shared_expert_step` on dense weights: x [T, H], w13 [2I, H] (gate rows, then up), w2
+    [H, I], gate [H] or None -> [T, H]: the expert's model weighted per token by ``sigmoid(x @ gate)``."""
+    weights = torch.ones(x.shape[0]) if gate is None else torch.sigmoid(x @ gate)
+    return q4_expert_reference(x, w13, w2, weights)
 
 
 def softmax_topk_reference(logits: torch.Tensor, top_k: int, renormalize: bool = True
