@@ -1,14 +1,16 @@
 """Qwen3-MoE on ``device="cpu"``: decode with every layer in one native call (QK-norm inside ``mf_attn_step``)
-against the per-layer step and the unfused step, A/B interleaved in one process (issues 39, 42).
+against the per-layer step and the unfused step, A/B interleaved in one process (issues 39, 42). ``--family
+qwen2_moe``: Qwen2-MoE (q/k/v bias in the attention half, shared expert with its sigmoid gate as one call).
 
-A random Qwen3-MoE checkpoint (transformers' own classes; ``--size`` tiny or medium) is written under ``--work``
+A random checkpoint (transformers' own classes; ``--size`` tiny or medium) is written under ``--work``
 and quantized to AWQ (experts and attention, group 32) once; one model is then switched rep after rep between
 
 * ``one call``: ``mf_layers_step`` through every decoder layer (``NativeLayers`` enabled);
 * ``per-layer``: the same fused ops, called layer by layer from Python (``layers_step.enabled = False``);
 * ``as s15-int``: the step of this branch's base for Qwen3-MoE: native norms and router, but the attention (q, k,
   v as three linears, q_norm / k_norm modules, torch rotary and SDPA) unfused, the layers one by one: every
-  attention's ``fused_qkv`` / ``fused_step`` off, as its QK-norm kept ``fuse_cpu_step`` from fusing it before;
+  attention's ``fused_qkv`` / ``fused_step`` off, as its QK-norm (Qwen2-MoE: its q/k/v bias) kept
+  ``fuse_cpu_step`` from fusing it before, and the shared expert's three linears as modules;
 * ``unfused``: ``set_cpu_step_fused(False)`` (torch norms and router too)
 
 so the shared machine's load hits all alike. Reports, per mode, the median wall ms per decoded token (generate's
@@ -41,25 +43,30 @@ SIZES = {
 }
 
 
-def _checkpoint(work: Path, size: str) -> Path:
-    """The AWQ checkpoint (experts and attention) of a random Qwen3-MoE of ``size`` (written once)."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+def _checkpoint(work: Path, size: str, family: str) -> Path:
+    """The AWQ checkpoint (experts and attention) of a random ``family`` model of ``size`` (written once)."""
+    import transformers as tf
 
     from moeflow.tools.quantize import quantize_checkpoint
 
-    awq = work / f"qwen3_{size}_awq"
+    name = f"{family.split('_')[0]}_{size}"
+    awq = work / f"{name}_awq"
     if (awq / "config.json").exists():
         return awq
     torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**SIZES[size], norm_topk_prob=True, max_position_embeddings=512))
+    config, model_cls = {"qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
+                         "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM)}[family]
+    extra = {"shared_expert_intermediate_size": 4 * SIZES[size]["moe_intermediate_size"]} \
+        if family == "qwen2_moe" else {}
+    model = model_cls(config(**SIZES[size], **extra, norm_topk_prob=True, max_position_embeddings=512))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             else:
                 p.normal_(0.0, 0.5 if name.endswith("mlp.gate.weight") else 0.05)
-    model.save_pretrained(work / f"qwen3_{size}_fp32")
-    return quantize_checkpoint(work / f"qwen3_{size}_fp32", awq, group_size=32, quantize_attention=True,
+    model.save_pretrained(work / f"{name}_fp32")
+    return quantize_checkpoint(work / f"{name}_fp32", awq, group_size=32, quantize_attention=True,
                                progress=False)
 
 
@@ -78,6 +85,7 @@ def main() -> None:
     ap.add_argument("--work", type=Path, required=True, help="scratch directory (the checkpoints)")
     ap.add_argument("--out", type=Path, required=True, help="output prefix (.json and .md are added)")
     ap.add_argument("--size", choices=list(SIZES), default="tiny")
+    ap.add_argument("--family", choices=["qwen3_moe", "qwen2_moe"], default="qwen3_moe")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--tg", type=int, default=32, help="decoded tokens per repetition")
@@ -85,11 +93,11 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     args.work.mkdir(parents=True, exist_ok=True)
-    path = _checkpoint(args.work, args.size)
+    path = _checkpoint(args.work, args.size, args.family)
     before = uptime()
     model = MoEModel.from_pretrained(path, device="cpu", progress=False)
     if model.model.layers_step is None:
-        raise SystemExit(f"{path}: no one-call layers on this tree (Qwen3-MoE's QK-norm not in the native step)")
+        raise SystemExit(f"{path}: no one-call layers on this tree (QK-norm / bias / shared expert not native)")
     ids = torch.randint(3, model.config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0))
 
     def set_mode(mode: str) -> None:
@@ -98,6 +106,8 @@ def main() -> None:
         if mode == "as s15-int":
             for layer in model.model.layers:
                 layer.self_attn.fused_qkv = layer.self_attn.fused_step = False
+                if layer.mlp.shared_expert is not None:
+                    layer.mlp.shared_expert.native_step.native = False
 
     def run(n: int) -> tuple[float, float, torch.Tensor]:
         c0 = time.process_time()
@@ -121,14 +131,15 @@ def main() -> None:
     set_mode("one call")
     flags = subprocess.run(["grep", "-m1", "^flags", "/proc/cpuinfo"], capture_output=True, text=True).stdout
     isa = " ".join(sorted(f for f in flags.split() if f.startswith(("avx", "fma", "f16c"))))
-    res = {"size": args.size, "shape": SIZES[args.size], "threads": args.threads, "prompt": args.prompt,
-           "tg": args.tg, "reps": args.reps, "cpu": _cpu(), "isa": isa, "torch": torch.__version__,
+    res = {"family": args.family, "size": args.size, "shape": SIZES[args.size], "threads": args.threads,
+           "prompt": args.prompt, "tg": args.tg, "reps": args.reps, "cpu": _cpu(), "isa": isa,
+           "torch": torch.__version__,
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "uptime_before": before,
            "uptime_after": uptime(), "samples": samples,
            "same_tokens": {m: bool(torch.equal(tokens[m], tokens["one call"])) for m in modes},
            "median": {m: {k: statistics.median(v) for k, v in s.items()} for m, s in samples.items()}}
     base = res["median"]["as s15-int"]["cpu_ms"]
-    lines = [f"Qwen3-MoE ({args.size}: {SIZES[args.size]}) AWQ (experts + attention, group 32), moeflow "
+    lines = [f"{args.family} ({args.size}: {SIZES[args.size]}) AWQ (experts + attention, group 32), moeflow "
              f"`device=\"cpu\"` decode, A/B interleaved ({args.reps} reps), {args.threads} thread(s), prompt "
              f"{args.prompt}, tg {args.tg}, {res['date']}.", "", f"CPU: {res['cpu']} ({isa})  ",
              f"uptime before: `{before}`  ", f"uptime after: `{res['uptime_after']}`  ",
