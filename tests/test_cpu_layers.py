@@ -97,6 +97,60 @@ def test_native_layers_on_an_awq_attention_checkpoint_and_where_they_step_aside(
     assert counted[0] == 3 and torch.equal(on, off)
 
 
+QWEN3_SHAPE = dict(hidden_size=128, moe_intermediate_size=128, intermediate_size=128, num_hidden_layers=3,
+                   num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2)
+
+
+@pytest.fixture(scope="module")
+def qk_norm_checkpoints(tmp_path_factory):
+    """AWQ checkpoints (experts; attention 16-bit or AWQ too) of a tiny Qwen3-MoE (QK-norm per head), OLMoE
+    (QK-norm over the projection, no renormalised top-k) and Qwen2-MoE (q/k/v biases, a shared expert with a sigmoid
+    output gate)."""
+    from family_models import make_family_checkpoint
+
+    root = tmp_path_factory.mktemp("cpu_layers_qk_norm")
+    out = {}
+    for kind, shape in (("qwen3_moe", {**QWEN3_SHAPE, "norm_topk_prob": True}),
+                        ("olmoe", {k: v for k, v in QWEN3_SHAPE.items() if k != "moe_intermediate_size"}),
+                        ("qwen2_moe", {**QWEN3_SHAPE, "norm_topk_prob": True, "shared_expert_intermediate_size": 64})):
+        src = make_family_checkpoint(root / kind, kind, seed=7, **shape)
+        if kind != "qwen2_moe":  # (its shared expert would stay 16-bit: attention_bits does not quantize it)
+            out[kind] = quantize_checkpoint(src, root / f"{kind}_awq", group_size=32, progress=False)
+        out[f"{kind}_attn"] = quantize_checkpoint(src, root / f"{kind}_awq_attn", group_size=32,
+                                                  quantize_attention=True, progress=False)
+    return out
+
+
+@pytest.mark.parametrize("kind,qk,kw", [("qwen3_moe", "head", dict(attention_bits=4)),
+                                        ("qwen3_moe", "head", dict(attention_bits=8)),
+                                        ("qwen3_moe_attn", "head", {}),
+                                        ("olmoe_attn", "projection", {}),
+                                        ("qwen2_moe_attn", None, {})])
+def test_native_layers_with_a_qk_norm_are_the_per_layer_step(qk_norm_checkpoints, kind, qk, kw, counted):
+    """Also Qwen2-MoE: its q/k/v bias inside the attention half, its shared expert inside the one call."""
+    from moeflow import MoEModel
+
+    model = MoEModel.from_pretrained(qk_norm_checkpoints[kind], device="cpu", **kw)
+    try:
+        attn = model.model.layers[0].self_attn
+        assert attn.qk_norm == qk and attn.fused_step and model.model.layers_step is not None
+        ids = torch.randint(3, 97, (1, 5), generator=torch.Generator().manual_seed(6))
+        _check_same_step(model, ids, counted, n=8)
+        # the one call applies the QK-norm (the q/k/v bias, the shared expert's gate): with those weights
+        # changed, the tokens' hidden states change
+        _, before = _decode(model, ids, native=True, n=2)
+        with torch.no_grad():
+            if qk is None:
+                attn.qkv_proj.bias.mul_(1.5)
+                model.model.layers[0].mlp.shared_expert.output_gate.weight.mul_(-1.0)
+            else:
+                attn.k_norm.weight.mul_(1.5)
+        _, after = _decode(model, ids, native=True, n=2)
+        assert not torch.equal(before[-1], after[-1])
+    finally:
+        model.close()
+
+
 def test_no_native_layers_without_the_one_call_attention_half():
     # 16-bit attention kept (attention_bits=None): the layers' attention is not one native call
     model = MoEOffloadedMixtral.from_pretrained(embedded_model_path(), attention_bits=None)
@@ -127,6 +181,39 @@ def gguf_files(tmp_path_factory):
     mp.setenv("MOEFLOW_CACHE_DIR", str(root / "cache"))
     yield out
     mp.undo()
+
+
+@pytest.fixture(scope="module")
+def qwen3_q4_k_m(tmp_path_factory):
+    """A tiny Qwen3-MoE (all layers MoE) as a GGUF file: Q4_K_M's expert mix, Q8_0 attention, F32 QK-norms."""
+    pytest.importorskip("gguf")
+    from family_models import make_family_model
+    from gguf_models import T, k_mix_experts, write_gguf
+
+    root = tmp_path_factory.mktemp("cpu_layers_qwen3_gguf")
+    model = make_family_model("qwen3_moe", seed=9, **{**QWEN3_SHAPE, "hidden_size": 256, "moe_intermediate_size": 256,
+                                                        "num_experts": 4, "norm_topk_prob": True})
+    path = root / "qwen3_q4_k_m.gguf"
+    write_gguf(model, path, expert_types=T.Q8_0, other_type=T.Q8_0, raw_experts=k_mix_experts(GGUF_MIXES["Q4_K_M"], 4,
+                                                                                              256, 256))
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MOEFLOW_CACHE_DIR", str(root / "cache"))
+    yield path
+    mp.undo()
+
+
+def test_native_layers_on_a_qwen3_q4_k_m_gguf_are_the_per_layer_step(qwen3_q4_k_m, counted):
+    from moeflow import MoEModel
+
+    model = MoEModel.from_pretrained(qwen3_q4_k_m, dtype=torch.float32, device="cpu")
+    try:
+        fmt = model.experts.fmt
+        assert fmt.kind == "gguf" and fmt.cpu_kernels and set(fmt.down_types) == {"Q4_K", "Q6_K"}
+        assert model.model.layers[0].self_attn.qk_norm == "head" and model.model.layers_step is not None
+        ids = torch.randint(3, 97, (1, 5), generator=torch.Generator().manual_seed(5))
+        _check_same_step(model, ids, counted, n=6)
+    finally:
+        model.close()
 
 
 @pytest.mark.parametrize("kind", list(GGUF_MIXES))

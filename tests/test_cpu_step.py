@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from helpers import make_tiny_checkpoint, make_tiny_model
 
 import moeflow.engine.build as build
-from moeflow import MoEOffloadedMixtral
+from moeflow import MoEModel, MoEOffloadedMixtral
 from moeflow.cli import embedded_model_path
 from moeflow.engine.cpu_step import fuse_qkv, set_cpu_step_fused
 from moeflow.engine.kv_cache import StaticKVCache, attention_mask
@@ -25,6 +25,7 @@ from moeflow.families.layers import Attention, RMSNorm, RotaryEmbedding, apply_r
 from moeflow.kernels.cpu.native import Q4Matrix, native_available, q4_expert, q4_expert_reference, q4_reference
 from moeflow.kernels.cpu.quant_linear import CpuQuantLinear, quantize_linear_cpu
 from moeflow.kernels.cpu.step import (
+    QKNorm,
     attention_block,
     attention_step,
     attention_step_reference,
@@ -33,6 +34,8 @@ from moeflow.kernels.cpu.step import (
     rmsnorm,
     rmsnorm_reference,
     router_logits,
+    shared_expert_reference,
+    shared_expert_step,
     softmax_topk,
     softmax_topk_reference,
 )
@@ -104,8 +107,71 @@ def test_attention_step_matches_its_reference_and_sdpa(batch, steps, heads, kv_h
     assert rel(out, sdpa.transpose(1, 2).reshape(batch, steps, heads * d)) < ATTN_RTOL
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_attention_block_is_the_separate_calls(bits):
+def _qk_norm(per_head: bool | None, heads: int, kv_heads: int, d: int, g: torch.Generator) -> QKNorm | None:
+    """Random QK-norm weights around 1 (None: no QK-norm)."""
+    if per_head is None:
+        return None
+    nq, nk = (d, d) if per_head else (heads * d, kv_heads * d)
+    return QKNorm(torch.rand(nq, generator=g) + 0.5, torch.rand(nk, generator=g) + 0.5, 1e-6, per_head)
+
+
+def _normed_qkv(qkv: torch.Tensor, norm: QKNorm, heads: int, kv_heads: int) -> torch.Tensor:
+    """qkv [B, T, F] with q and k put through the QK-norm by separate :func:`rmsnorm` calls (the per-layer
+    path's q_norm / k_norm modules)."""
+    b, t, f = qkv.shape
+    d = f // (heads + 2 * kv_heads)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    if norm.per_head:
+        q, k = q.reshape(b, t, heads, d), k.reshape(b, t, kv_heads, d)
+    q, k = rmsnorm(q.contiguous(), norm.q, norm.eps)[0], rmsnorm(k.contiguous(), norm.k, norm.eps)[0]
+    return torch.cat((q.reshape(b, t, -1), k.reshape(b, t, -1), v), dim=-1)
+
+
+@pytest.mark.parametrize("per_head", [True, False])
+def test_attention_step_with_a_qk_norm_is_the_norm_calls_then_the_step(per_head):
+    """Qwen3's per-head QK-norm and OLMoE's over the projection, inside the attention op: bit for bit
+    :func:`rmsnorm` on the q and k rows and then the op without it; its fp32 model and the Attention module's torch
+    path (q_norm / k_norm modules, rotary, SDPA) within ATTN_RTOL."""
+    b, t, heads, kv_heads, d, length, start = 2, 3, 4, 2, 16, 10, 4
+    g = _gen(40 + per_head)
+    qkv = torch.randn(b, t, (heads + 2 * kv_heads) * d, generator=g) * 2
+    norm = _qk_norm(per_head, heads, kv_heads, d, g)
+    pos = torch.arange(start, start + t)
+    cos, sin = RotaryEmbedding(d, 1e4)(pos.expand(b, t), torch.float32)
+    valid = torch.zeros(b, length, dtype=torch.bool)
+    valid[:, :start + t] = True
+    valid[1, :2] = False
+    mask = attention_mask(valid, pos, None)
+    caches = [torch.randn(b, kv_heads, length, d, generator=g) for _ in range(2)]
+    k1, v1, k2, v2, k3, v3 = (c.clone() for c in caches * 3)
+    out = attention_step(qkv, heads, kv_heads, cos, sin, k1, v1, pos, mask, norm)
+    sep = attention_step(_normed_qkv(qkv, norm, heads, kv_heads), heads, kv_heads, cos, sin, k2, v2, pos, mask)
+    assert torch.equal(out, sep) and torch.equal(k1, k2) and torch.equal(v1, v2)
+    plain = attention_step(qkv, heads, kv_heads, cos, sin, k3, v3, pos, mask)
+    assert rel(plain, out) > 1e-2  # the norm changes the result (weights not 1)
+    k4, v4 = (c.clone() for c in caches)
+    assert rel(out, attention_step_reference(qkv, heads, kv_heads, cos, sin, k4, v4, pos, mask, norm)) < ATTN_RTOL
+    attn = Attention(heads * d, heads, kv_heads, d, 0, lambda name, fan_in, fan_out: torch.nn.Linear(fan_in, fan_out),
+                     qk_norm="head" if per_head else "projection", norm_eps=norm.eps)
+    attn.q_norm.weight.data.copy_(norm.q)
+    attn.k_norm.weight.data.copy_(norm.k)
+    q, k, v = qkv.view(b, t, heads + 2 * kv_heads, d).transpose(1, 2).split([heads, kv_heads, kv_heads], 1)
+    q, k, v = attn._normalize_qkv(q, k, v)
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    ks, vs = (c.clone() for c in caches)
+    ks.index_copy_(2, pos, k)
+    vs.index_copy_(2, pos, v)
+    groups = heads // kv_heads
+    sdpa = F.scaled_dot_product_attention(q, ks.repeat_interleave(groups, 1), vs.repeat_interleave(groups, 1),
+                                          attn_mask=mask)
+    assert rel(out, sdpa.transpose(1, 2).reshape(b, t, heads * d)) < ATTN_RTOL
+    with pytest.raises(ValueError, match="QK-norm weights"):
+        attention_step(qkv, heads, kv_heads, cos, sin, k3, v3, pos, mask, QKNorm(norm.k, norm.q, 1e-6, per_head)
+                       if not per_head else QKNorm(norm.q[:8].contiguous(), norm.k, 1e-6, True))
+
+
+@pytest.mark.parametrize("bits,per_head", [(4, None), (8, None), (4, True), (8, False)])
+def test_attention_block_is_the_separate_calls(bits, per_head):
     b, t, h, heads, kv_heads, d, length = 2, 3, 64, 4, 2, 16, 9
     g = _gen(bits)
     qkv = quantize_linear_cpu(torch.randn((heads + 2 * kv_heads) * d, h, generator=g) * 0.2, bits, group_size=32)
@@ -120,9 +186,11 @@ def test_attention_block_is_the_separate_calls(bits):
     mask = attention_mask(valid, pos, None)
     caches = [torch.randn(b, kv_heads, length, d, generator=g) for _ in range(2)]
     k1, v1, k2, v2 = (c.clone() for c in caches + caches)
-    x_out, h_out = attention_block(x, w_in, w_post, 1e-5, qkv, o, heads, kv_heads, cos, sin, k1, v1, pos, mask)
+    norm = _qk_norm(per_head, heads, kv_heads, d, g)
+    x_out, h_out = attention_block(x, w_in, w_post, 1e-5, qkv, o, heads, kv_heads, cos, sin, k1, v1, pos, mask,
+                                   norm)
     normed, _ = rmsnorm(x, w_in, 1e-5)
-    a = attention_step(qkv(normed), heads, kv_heads, cos, sin, k2, v2, pos, mask)
+    a = attention_step(qkv(normed), heads, kv_heads, cos, sin, k2, v2, pos, mask, norm)
     after, total = rmsnorm(x, w_post, 1e-5, residual=o(a))
     assert torch.equal(x_out, total) and torch.equal(h_out, after) and torch.equal(k1, k2) and torch.equal(v1, v2)
     # and the plain-torch fp32 model of each step
@@ -130,7 +198,7 @@ def test_attention_block_is_the_separate_calls(bits):
     w_o = o.dequantized() if bits == 8 else Q4Matrix(o.packed, o.scales, o.mins, 32).dequantized()
     k3, v3 = (c.clone() for c in caches)
     ref_a = attention_step_reference(q4_reference(rmsnorm_reference(x, w_in, 1e-5)[0], w_qkv), heads, kv_heads,
-                                     cos, sin, k3, v3, pos, mask)
+                                     cos, sin, k3, v3, pos, mask, norm)
     ref_h, ref_total = rmsnorm_reference(x, w_post, 1e-5, residual=q4_reference(ref_a, w_o))
     # int8 activation rounding turns ~1e-7 differences into whole int8 steps at a few elements
     assert rel(x_out, ref_total) < 1e-3 and rel(h_out, ref_h) < 1e-3
@@ -156,6 +224,25 @@ def test_experts_step_is_the_accumulating_expert_calls():
     ref = sum(q4_expert_reference(x, w13.dequantized(), w2.dequantized(), weights[:, j])
               for j, (w13, w2) in enumerate(experts))
     assert rel(out, ref) < 1e-3
+
+
+def test_shared_expert_step_is_the_expert_call_with_its_sigmoid_gate():
+    """A shared expert (Qwen2-MoE's, with its sigmoid output gate): one q4 expert call weighted per token by
+    sigmoid(x . gate) (1 without a gate), and its fp32 model; the GatedMLP module's native step is that call."""
+    g = _gen(12)
+    hidden, inter, t = 64, 96, 3
+    w13, w2 = (quantize_linear_cpu(torch.randn(n, k, generator=g) * 0.1, 4, group_size=32)
+               for n, k in ((2 * inter, hidden), (hidden, inter)))
+    w13, w2 = (Q4Matrix(m.packed, m.scales, m.mins, 32) for m in (w13, w2))
+    x = torch.randn(t, hidden, generator=g)
+    gate = torch.randn(hidden, generator=g) * 0.3
+    out = shared_expert_step(x, w13, w2, gate)
+    assert torch.equal(shared_expert_step(x, w13, w2, None), q4_expert(x, w13, w2, torch.ones(t)))
+    dense = (w13.dequantized(), w2.dequantized())
+    assert rel(out, shared_expert_reference(x, *dense, gate)) < 1e-3
+    assert rel(out, shared_expert_reference(x, *dense, None)) > 0.1  # the gate is applied
+    with pytest.raises(ValueError, match="shared_expert_step"):
+        shared_expert_step(x, w2, w13, gate)
 
 
 def test_expert_row_writes_the_weighted_expert_output_into_its_row():
@@ -227,18 +314,18 @@ def test_fused_qkv_is_the_three_projections_with_their_memory_shared(bits):
     assert non_expert_bytes(module) == before  # the rows are held once
 
 
-def _unfused(path, **kw) -> MoEOffloadedMixtral:
+def _unfused(path, **kw) -> MoEModel:
     """The model as built before the CPU step was fused (fuse_cpu_step not called at all)."""
     orig = build.fuse_cpu_step
     build.fuse_cpu_step = lambda decoder, dtype: {"attention": 0, "norm": 0}
     try:
-        return MoEOffloadedMixtral.from_pretrained(path, **kw)
+        return MoEModel.from_pretrained(path, **kw)
     finally:
         build.fuse_cpu_step = orig
 
 
 def _check_same_model(path, ids, new_tokens=24, **kw):
-    fused, plain = MoEOffloadedMixtral.from_pretrained(path, **kw), _unfused(path, **kw)
+    fused, plain = MoEModel.from_pretrained(path, **kw), _unfused(path, **kw)
     attn = fused.model.layers[0].self_attn
     assert isinstance(attn, Attention) and attn.qkv_proj is not None and attn.fused_step
     assert fused.model.layers[0].input_layernorm.native and not plain.model.layers[0].input_layernorm.native
@@ -282,6 +369,28 @@ def test_fused_step_on_an_awq_attention_checkpoint_with_padding(tmp_path):
         assert torch.equal(fused(ids, attention_mask=mask).logits, plain(ids, attention_mask=mask).logits)
         set_cpu_step_fused(fused.model, True)
         assert torch.equal(fused(ids, attention_mask=mask).logits, on)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "qwen2_moe"])
+def test_fused_step_with_a_qk_norm_gives_the_unfused_logits_and_tokens(tmp_path, family):
+    """Qwen3-MoE (QK-norm per head) and OLMoE (over the projection) with AWQ attention: the QK-norm inside the
+    attention op (prefill and decode) against the unfused modules; Qwen2-MoE: its q/k/v bias inside the attention
+    half and its shared expert (sigmoid output gate) as one call."""
+    from family_models import make_family_checkpoint
+
+    shape = dict(hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_experts=8, num_experts_per_tok=2)
+    if family != "olmoe":
+        shape.update(moe_intermediate_size=128, norm_topk_prob=True)
+    if family == "qwen2_moe":
+        shape.update(shared_expert_intermediate_size=128)
+    src = make_family_checkpoint(tmp_path / "fp32", family, seed=4, **shape)
+    awq = quantize_checkpoint(src, tmp_path / "awq", group_size=32, quantize_attention=True, progress=False)
+    fused, _ = _check_same_model(awq, torch.randint(3, 97, (1, 7), generator=_gen(3)), new_tokens=12)
+    attn = fused.model.layers[0].self_attn
+    assert attn.qk_norm == {"qwen3_moe": "head", "olmoe": "projection", "qwen2_moe": None}[family]
+    assert fused.model.layers_step is not None and fused.model.layers[0].attention_step is not None
+    if family == "qwen2_moe":
+        assert attn.qkv_proj.bias is not None and fused.model.layers[0].mlp.shared_expert.native_step is not None
 
 
 def test_cache_layer_views_are_the_cache():

@@ -111,11 +111,12 @@ def test_published_fp8_checkpoint_loads_and_matches_transformers(tmp_path):
 
 
 @pytest.mark.skipif(not native_available(), reason="moeflow's CPU library is not built")
-@pytest.mark.parametrize(("rotary_dim", "fused"), [(16, False), (32, True)])
-def test_cpu_int4_fuses_attention_only_over_whole_head_rotary(tmp_path, rotary_dim, fused):
-    """Without QK-norm the CPU int4 path may run attention as one native call, which turns whole heads: a partial
-    rotary layer keeps the torch step (and computes what the torch kernels compute), a whole-head one is fused."""
-    config = dict(CONFIG, use_qk_norm=False, rotary_dim=rotary_dim)
+@pytest.mark.parametrize(("rotary_dim", "fused", "qk_norm"), [(16, False, False), (32, True, False), (32, True, True)])
+def test_cpu_int4_fuses_attention_only_over_whole_head_rotary(tmp_path, rotary_dim, fused, qk_norm):
+    """The CPU int4 path may run attention as one native call (with its QK-norm over the projection, if any), which
+    turns whole heads: a partial rotary layer keeps the torch step (and computes what the torch kernels compute), a
+    whole-head one is fused."""
+    config = dict(CONFIG, use_qk_norm=qk_norm, rotary_dim=rotary_dim)
     src, _ = make_checkpoint(tmp_path / "src", "minimax_m2", seed=5, **config)
     dst = quantize_checkpoint(src, tmp_path / "awq", group_size=GROUP, quantize_attention=True, progress=False)
     model = MoEModel.from_pretrained(dst, dtype=torch.float32)

@@ -48,6 +48,12 @@ def weight_bytes(name: str, a: tuple) -> int:
     if name == "mf_q8_linear_rows":
         return a[2] * a[7]
     if name == "mf_attn_block":
+        if len(a) in (39, 43):  # q (bits, group, fmt, w, s, m), k/v part (kv bits 0: none), o, nh, nkv, D, [QK-norm] ..
+            (nh, nkv, d), kv = a[25:28], (a[13], a[14], a[15])
+            h, f = a[3], (nh + 2 * nkv) * d
+            nq = nh * d if kv[0] else f
+            return (_linear_bytes(a[7], nq, h, a[8], a[9]) + _linear_bytes(a[19], h, nh * d, a[20], a[21])
+                    + (_linear_bytes(kv[0], f - nq, h, kv[1], kv[2]) if kv[0] else 0))
         if len(a) == 33:  # (.., qkv bits, group, fmt, w, s, m, o bits, group, fmt, w, s, m, nh, nkv, D, ..)
             qkv, o, (nh, nkv, d) = (a[7], a[8], a[9]), (a[13], a[14], a[15]), a[19:22]
         else:

@@ -22,10 +22,11 @@ import torch
 from torch import nn
 from torch.nn.modules import module as nn_module
 
-from moeflow.engine.cpu_step import NativeAttentionHalf, NativeRoute, NativeRouterGate
+from moeflow.engine.cpu_step import NativeAttentionHalf, NativeMLP, NativeRoute, NativeRouterGate
 from moeflow.engine.kv_cache import PassCache
 from moeflow.families import llama_moe, mixtral
 from moeflow.families.base import CausalDecoder
+from moeflow.families.layers import GatedMLP
 from moeflow.kernels.cpu.gguf import GGUFCpuExpert
 from moeflow.kernels.cpu.layers import LayerDesc, layer_desc, layers_step
 from moeflow.kernels.dispatch import uses_triton
@@ -35,6 +36,8 @@ from moeflow.moe.block import MoEBlock, RoutingRecorder
 from moeflow.moe.resident import CpuInt4Experts, ResidentExperts
 
 # the layer types whose forward is ``x, h = self.attention_half(...); x + moe_block(h)``, and their MoE block
+# (llama_moe's: Qwen3-MoE and OLMoE too, their QK-norm inside the attention call, and Qwen2-MoE with its shared
+# expert as a NativeMLP; a dense MLP layer keeps the decoder's layers one by one: native_layers)
 LAYER_BLOCKS: dict[type[nn.Module], Callable[[Any], nn.Module]] = {
     mixtral.DecoderLayer: lambda layer: layer.block_sparse_moe, llama_moe.DecoderLayer: lambda layer: layer.mlp,
 }
@@ -48,7 +51,8 @@ class NativeLayers:
         self.layers, self.blocks, self.enabled = layers, blocks, True
         halves = [layer.attention_step for layer in layers]
         self.modules = [m for layer, half, block in zip(layers, halves, blocks, strict=True) for m in
-                        (layer, half.norm_in, half.attn, half.norm_post, block, block.gate)]
+                        (layer, half.norm_in, half.attn, half.norm_post, block, block.gate,
+                         *([block.shared_expert] if block.shared_expert is not None else []))]
         self._descs: tuple[Any, ctypes.Array, list] | None = None  # (backend, descriptors, their expert tables)
 
     def _fused(self) -> bool:
@@ -57,7 +61,8 @@ class NativeLayers:
             half = layer.attention_step
             if not (isinstance(half, NativeAttentionHalf) and half.attn.fused_step and half.norm_in.native
                     and half.norm_post.native and isinstance(block.gate, NativeRouterGate) and block.gate.native
-                    and isinstance(block.route, NativeRoute) and block.route.native):
+                    and isinstance(block.route, NativeRoute) and block.route.native
+                    and (block.shared_expert is None or block.shared_expert.native_step.native)):
                 return False
         return not (nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks or any(
             m._forward_hooks or m._forward_pre_hooks for m in self.modules))
@@ -73,9 +78,11 @@ class NativeLayers:
                 return None
             half = layer.attention_step
             attn = half.attn
+            step = None if block.shared_expert is None else block.shared_expert.native_step
             desc, table = layer_desc(half.norm_in.weight, half.norm_post.weight, half.norm_in.eps, attn.qkv_proj,
                                      attn.o_proj, attn.n_heads, attn.n_kv, attn.head_dim, block.gate.weight,
-                                     block.route.top_k, block.route.renormalize, forms)
+                                     block.route.top_k, block.route.renormalize, forms, attn.native_qk_norm(),
+                                     None if step is None else (step.w13, step.w2, step.gate))
             descs.append(desc)
             tables.append(table)
         array = (LayerDesc * len(descs))(*descs)
@@ -111,6 +118,11 @@ class NativeLayers:
         return layers_step(descs, x.contiguous(), cos, sin, caches, cache_position)
 
 
+def _native_shared(shared: nn.Module | None) -> bool:
+    """Whether the one call computes ``shared`` (a block's shared expert): none, or one with a native step."""
+    return shared is None or (isinstance(shared, GatedMLP) and isinstance(shared.native_step, NativeMLP))
+
+
 def native_experts(experts: ExpertBackend) -> bool:
     """Whether the per-layer path computes ``experts`` with the native expert kernels the one call makes: a
     :class:`~moeflow.moe.resident.CpuInt4Experts`, or every GGUF expert resident in a CPU pool computed by
@@ -137,14 +149,15 @@ def _layer_experts(experts: ExpertBackend, layer: int) -> list | None:
 
 def native_layers(decoder: CausalDecoder) -> NativeLayers | None:
     """The decoder's :class:`NativeLayers` when every layer is of a known layout with a one-call attention half
-    and an MoE block (no shared expert) with the native router; else None."""
+    and an MoE block with the native router (and no shared expert, or one with a :class:`NativeMLP` step); else
+    None."""
     layers = list(decoder.layers)
     blocks = []
     for layer in layers:
         block_of = LAYER_BLOCKS.get(type(layer))
         block = block_of(layer) if block_of is not None else None
         if not isinstance(layer.attention_step if block_of is not None else None, NativeAttentionHalf) \
-                or not isinstance(block, MoEBlock) or block.shared_expert is not None \
+                or not isinstance(block, MoEBlock) or not _native_shared(block.shared_expert) \
                 or not isinstance(block.gate, NativeRouterGate) or not isinstance(block.route, NativeRoute):
             return None
         blocks.append(block)

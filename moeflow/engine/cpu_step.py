@@ -3,7 +3,8 @@
 After :func:`~moeflow.engine.cpu_linears.quantize_decoder_linears`, when moeflow's CPU library is built and the
 model runs in fp32, :func:`fuse_cpu_step` changes, in the built decoder:
 
-* each plain attention layer (no QK-norm, no clamp, no biases): q/k/v become one matrix ``qkv_proj`` (one
+* each plain attention layer (no clamp, no biases; a QK-norm before the rotary, Qwen3's per head or OLMoE's
+  over the projection, is computed inside the one call): q/k/v become one matrix ``qkv_proj`` (one
   kernel call instead of three; q_proj/k_proj/v_proj stay as views of its rows, no second copy), and rotary +
   KV-cache write + attention run as one call (:func:`~moeflow.kernels.cpu.step.attention_step`) whenever
   the cache is the engine's static one;
@@ -12,6 +13,8 @@ model runs in fp32, :func:`fuse_cpu_step` changes, in the built decoder:
 * each pre-norm decoder layer (``families.layers.PreNormLayer``: Mixtral, the Llama-MoE layouts) whose q/k/v and o
   projections are int4/int8 (``attention_bits``, AWQ attention): its whole attention half - input norm,
   q/k/v, attention, o_proj, residual add, post-attention norm - as one call (:class:`NativeAttentionHalf`);
+* each dense SwiGLU MLP (a shared expert with Qwen2-MoE's sigmoid output gate, a dense layer) whose projections
+  are native int4 of one form: the whole MLP as one call (:class:`NativeMLP`);
 * each MoE block with a plain softmax-top-k router: its logits and its routing as one call each
   (:class:`NativeRouterGate`, :class:`NativeRoute`); every expert backend gets the same routing from them.
 
@@ -27,7 +30,7 @@ from torch import nn
 
 from moeflow.engine.kv_cache import PassCache
 from moeflow.families.base import CausalDecoder
-from moeflow.families.layers import Attention, PreNormLayer, RMSNorm
+from moeflow.families.layers import Attention, GatedMLP, PreNormLayer, RMSNorm
 from moeflow.kernels.cpu.native import ROW_GROUP, Q4Matrix, Q8Matrix, native_available, q4_fmt
 from moeflow.kernels.cpu.quant_linear import CpuQuantLinear, SplitLinear
 from moeflow.kernels.cpu.step import (
@@ -35,6 +38,7 @@ from moeflow.kernels.cpu.step import (
     attention_block,
     block_linear_ok,
     router_logits,
+    shared_expert_step,
     softmax_topk,
 )
 from moeflow.moe.block import MoEBlock
@@ -43,21 +47,26 @@ from moeflow.moe.routing import Router
 
 def fuse_cpu_step(decoder: CausalDecoder, dtype: torch.dtype) -> dict[str, int]:
     """Fuse ``decoder``'s attention layers and norms in place (see the module docstring); returns how many
-    modules were changed ({"attention", "norm", "attention_half", "router"}). Nothing changes without the native library
-    or in 16-bit."""
-    counts = {"attention": 0, "norm": 0, "attention_half": 0, "router": 0}
+    modules were changed ({"attention", "norm", "attention_half", "router", "mlp"}). Nothing changes without the
+    native library or in 16-bit."""
+    counts = {"attention": 0, "norm": 0, "attention_half": 0, "router": 0, "mlp": 0}
     if dtype != torch.float32 or not native_available():
         return counts
     for module in decoder.modules():
         if type(module) is RMSNorm and module.weight.dtype == torch.float32:
             module.native = True
             counts["norm"] += 1
-        elif type(module) is Attention and module.qk_norm is None and module.clip_qkv is None \
+        elif type(module) is Attention and _native_qk_norm_ok(module) and module.clip_qkv is None \
                 and module.rotary_dim == module.head_dim:
             fused = fuse_qkv([module.q_proj, module.k_proj, module.v_proj])
             if fused is not None:
                 module.qkv_proj, module.fused_qkv, module.fused_step = fused, True, True
                 counts["attention"] += 1
+        elif type(module) is GatedMLP:
+            step = NativeMLP.of(module)
+            if step is not None:
+                module.native_step = step
+                counts["mlp"] += 1
     for block in [m for m in decoder.modules() if isinstance(m, MoEBlock)]:
         counts["router"] += _native_router(block)
     for layer in decoder.layers:
@@ -66,6 +75,16 @@ def fuse_cpu_step(decoder: CausalDecoder, dtype: torch.dtype) -> dict[str, int]:
             layer.set_attention_step(half)
             counts["attention_half"] += 1
     return counts
+
+
+def _native_qk_norm_ok(attn: Attention) -> bool:
+    """Whether the CPU library's attention computes ``attn``'s QK-norm: none, or RMSNorm before the rotary per head
+    (Qwen3) or over the projection (OLMoE), fp32 weights, one eps."""
+    if attn.qk_norm is None:
+        return True
+    norms = (attn.q_norm, attn.k_norm)
+    return attn.qk_norm in ("head", "projection") and all(type(n) is RMSNorm and n.weight.dtype == torch.float32
+                                                           for n in norms) and attn.q_norm.eps == attn.k_norm.eps
 
 
 class NativeAttentionHalf:
@@ -90,7 +109,41 @@ class NativeAttentionHalf:
         if k_all.dtype != torch.float32:
             return None
         return attention_block(x, self.norm_in.weight, self.norm_post.weight, self.norm_in.eps, attn.qkv_proj,
-                               attn.o_proj, attn.n_heads, attn.n_kv, cos, sin, k_all, v_all, cache_position, mask)
+                               attn.o_proj, attn.n_heads, attn.n_kv, cos, sin, k_all, v_all, cache_position, mask,
+                               attn.native_qk_norm())
+
+
+class NativeMLP:
+    """A dense SwiGLU MLP (a shared expert, with Qwen2-MoE's sigmoid output gate, or a dense layer) as one call
+    (:func:`~moeflow.kernels.cpu.step.shared_expert_step`, ``native``), its gate and up rows one q4 matrix (the
+    modules' tensors become views of it). Not a module: it holds the MLP's weights, no copy."""
+
+    def __init__(self, w13: Q4Matrix, w2: Q4Matrix, gate: torch.Tensor | None) -> None:
+        self.w13, self.w2, self.gate, self.native = w13, w2, gate, True
+
+    @classmethod
+    def of(cls, mlp: GatedMLP) -> NativeMLP | None:
+        """``mlp``'s native step when its three projections are native int4 without bias, of one group size and
+        form of scales (and its output gate, if any, fp32 without bias); else None (nothing changed)."""
+        projections = [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        og = mlp.output_gate
+        if not all(isinstance(p, CpuQuantLinear) and p.native and p.bits == 4 and p.bias is None for p in projections) \
+                or len({(p.group_size, q4_fmt(p.scales, p.mins)) for p in projections}) != 1 \
+                or (og is not None and (og.bias is not None or og.weight.dtype != torch.float32)):
+            return None
+        w13 = _fuse_one(projections[:2])
+        if w13 is None:
+            return None
+        down = mlp.down_proj
+        return cls(Q4Matrix(w13.packed, w13.scales, w13.mins, w13.group_size),
+                   Q4Matrix(down.packed, down.scales, down.mins, down.group_size),
+                   None if og is None else og.weight.detach().reshape(-1))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x [..., H] -> [..., H], or None when the native step is off or x is not contiguous fp32."""
+        if not self.native or x.dtype != torch.float32 or not x.is_contiguous():
+            return None
+        return shared_expert_step(x.reshape(-1, x.shape[-1]), self.w13, self.w2, self.gate).view(x.shape)
 
 
 class NativeRouterGate(nn.Module):
@@ -142,7 +195,7 @@ def _attention_half(layer: nn.Module) -> NativeAttentionHalf | None:
     if type(attn) is not Attention or not attn.fused_step or \
             any(type(n) is not RMSNorm or not n.native for n in (norm_in, norm_post)) or norm_in.eps != norm_post.eps:
         return None
-    if not (block_linear_ok(attn.qkv_proj) and block_linear_ok(attn.o_proj)):
+    if not (block_linear_ok(attn.qkv_proj, bias=True) and block_linear_ok(attn.o_proj)):
         return None
     return NativeAttentionHalf(norm_in, attn, norm_post)
 
@@ -163,8 +216,9 @@ def fuse_qkv(projections: list[nn.Module]) -> nn.Module | None:
 
 def _fuse_one(projections: list[nn.Module]) -> nn.Module | None:
     first = projections[0]
-    if any(getattr(p, "bias", None) is not None for p in projections):
-        return None
+    biased = [p.bias is not None for p in projections]
+    if any(biased) and not (all(biased) and all(isinstance(p, CpuQuantLinear) for p in projections)):
+        return None  # (native layers: all biased, Qwen2's q/k/v, or none)
     if all(type(p) is nn.Linear for p in projections):
         if len({(p.in_features, p.weight.dtype) for p in projections}) != 1:
             return None
@@ -190,6 +244,9 @@ def _fuse_one(projections: list[nn.Module]) -> nn.Module | None:
         fused = CpuQuantLinear(4, first.in_features, out_features, int4=Q4Matrix(
             tensors["packed"], tensors["scales"], tensors["mins"], first.group_size))
     _share_rows(projections, fused, names)
+    if all(biased):
+        fused.set_bias(torch.cat([p.bias for p in projections]))
+        _share_rows(projections, fused, ["bias"])
     return fused
 
 
@@ -216,5 +273,7 @@ def set_cpu_step_fused(decoder: nn.Module, fused: bool) -> None:
             module.fused_qkv = module.fused_step = fused
         elif isinstance(module, NativeRouterGate):
             module.native = fused
+        elif type(module) is GatedMLP and isinstance(module.native_step, NativeMLP):
+            module.native_step.native = fused
         elif isinstance(module, MoEBlock) and isinstance(module.route, NativeRoute):
             module.route.native = fused

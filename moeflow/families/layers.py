@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeflow import kernels
-from moeflow.kernels.cpu.step import NATIVE_ATTENTION_TOKENS, attention_step, rmsnorm
+from moeflow.kernels.cpu.step import NATIVE_ATTENTION_TOKENS, QKNorm, attention_step, rmsnorm
 from moeflow.kernels.experts.checks import check_pool_weights
 
 
@@ -223,9 +223,15 @@ class GatedMLP(nn.Module):
         self.down_proj = linear_factory("down_proj", intermediate_size, hidden_size)
         # a one-output linear is never quantized: always a plain linear layer
         self.output_gate = nn.Linear(hidden_size, 1, bias=False, dtype=dtype) if output_gate else None
+        # the whole MLP as one native call (the CPU engine's, engine.cpu_step); None or its None: the modules
+        self.native_step: Callable[[torch.Tensor], torch.Tensor | None] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., H] -> [..., H]."""
+        if self.native_step is not None:
+            y = self.native_step(x)
+            if y is not None:
+                return y
         y = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         if self.output_gate is not None:
             y = torch.sigmoid(self.output_gate(x)) * y
@@ -272,6 +278,13 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(head_dim if per_head else self.n_heads * head_dim, norm_eps, dtype)
             self.k_norm = RMSNorm(head_dim if per_head else self.n_kv * head_dim, norm_eps, dtype)
 
+    def native_qk_norm(self) -> QKNorm | None:
+        """The QK-norm as the CPU library's fused attention computes it (engine.cpu_step sets ``fused_step`` only
+        where it can: "head" or "projection", before the rotary); None without one."""
+        if self.qk_norm is None:
+            return None
+        return QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.qk_norm != "projection")
+
     def _normalize_qkv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [B, heads, T, D], k/v [B, kv_heads, T, D]: QK-norm, then the clamp (the order OLMoE uses)."""
@@ -297,7 +310,7 @@ class Attention(nn.Module):
                     and mask.is_contiguous() and layer_kv[self.layer_idx][0].dtype == torch.float32:
                 k_all, v_all = layer_kv[self.layer_idx]
                 return self.o_proj(attention_step(qkv, self.n_heads, self.n_kv, cos, sin, k_all, v_all,
-                                                  cache_position, mask))
+                                                  cache_position, mask, self.native_qk_norm()))
             q, k, v = qkv.split(self.qkv_sizes, dim=-1)
         else:
             q, k, v = project_qkv(self, x)

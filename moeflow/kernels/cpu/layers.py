@@ -22,7 +22,16 @@ import torch
 
 from moeflow.kernels.cpu.gguf import GGUFCpuExpert
 from moeflow.kernels.cpu.native import Q4Matrix
-from moeflow.kernels.cpu.step import _check_fp32, _lib, _linear_args, block_linear_ok, qkv_args
+from moeflow.kernels.cpu.step import (
+    QKNorm,
+    _check_fp32,
+    _lib,
+    _linear_args,
+    bias_arg,
+    block_linear_ok,
+    qk_norm_args,
+    qkv_args,
+)
 
 _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
@@ -66,13 +75,16 @@ def _expert_table(experts: Sequence[tuple[Q4Matrix, Q4Matrix] | GGUFCpuExpert], 
 
 
 class LayerDesc(ctypes.Structure):
-    """step.c's ``mf_layer_desc``: one Mixtral-layout layer (attention half, softmax-top-k router, experts)."""
+    """step.c's ``mf_layer_desc``: one Mixtral-layout layer (attention half with its QK-norm if any, softmax-top-k
+    router, experts)."""
 
     _fields_ = [("w_in", _p), ("w_post", _p), ("eps", _f), ("qkv_bits", _i), ("qkv_group", _i), ("qkv_fmt", _i),
                 ("qkv_w", _p), ("qkv_s", _p), ("qkv_m", _p), ("kv_bits", _i), ("kv_group", _i), ("kv_fmt", _i),
                 ("kv_w", _p), ("kv_s", _p), ("kv_m", _p), ("o_bits", _i), ("o_group", _i), ("o_fmt", _i),
-                ("o_w", _p), ("o_s", _p), ("o_m", _p), ("nh", _i), ("nkv", _i), ("D", _i), ("gate", _p), ("E", _i),
-                ("k", _i), ("renorm", _i), ("I", _i), ("group", _i), ("experts", ctypes.POINTER(ExpertDesc))]
+                ("o_w", _p), ("o_s", _p), ("o_m", _p), ("nh", _i), ("nkv", _i), ("D", _i), ("qkv_b", _p), ("qk", _i),
+                ("qn", _p), ("kn", _p), ("qk_eps", _f), ("gate", _p), ("E", _i),
+                ("k", _i), ("renorm", _i), ("I", _i), ("group", _i), ("experts", ctypes.POINTER(ExpertDesc)),
+                ("shared", ctypes.POINTER(ExpertDesc)), ("shared_gate", _p), ("shared_I", _i), ("shared_group", _i)]
 
 
 # the libraries whose signatures are declared, held weakly: an id() could be reused by a later library
@@ -91,22 +103,42 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 def layer_desc(norm_in: torch.Tensor, norm_post: torch.Tensor, eps: float, qkv: torch.nn.Module,
                o: torch.nn.Module, n_heads: int, n_kv: int, head_dim: int, gate: torch.Tensor, top_k: int,
                renormalize: bool, experts: Sequence[tuple[Q4Matrix, Q4Matrix] | GGUFCpuExpert],
-               ) -> tuple[LayerDesc, object]:
+               qk_norm: QKNorm | None = None,
+               shared: tuple[Q4Matrix, Q4Matrix, torch.Tensor | None] | None = None) -> tuple[LayerDesc, object]:
     """One layer's descriptor: norms fp32 [H]; ``qkv``, ``o``: native int4/int8 CpuQuantLinear (no bias; ``qkv``
     also a SplitLinear of two);
     gate fp32 [E, H] (contiguous); experts: E (w13 [2I, H], w2 [H, I]) q4 pairs of one group size, or E GGUF
-    experts (gate/up [I, H], down [H, I] blocks, their types per expert: Q4_K_M mixes them). Returns the
+    experts (gate/up [I, H], down [H, I] blocks, their types per expert: Q4_K_M mixes them); ``qk_norm``: the
+    attention's QK-norm (Qwen3-MoE, OLMoE), if any (its weights must stay where they are too); ``shared``: a shared
+    expert (w13 [2I, H] gate then up rows, w2 [H, I], its sigmoid output gate fp32 [H] or None), added to the
+    experts' sum as MoEBlock does (``mf_shared_expert``, the call its per-layer step makes). Returns the
     descriptor and what it points into (the expert array and the experts: keep both alive together)."""
-    if not (block_linear_ok(qkv) and block_linear_ok(o)):
-        raise ValueError("layer_desc: q/k/v and o must be native int4/int8 CpuQuantLinear layers without bias")
+    if not (block_linear_ok(qkv, bias=True) and block_linear_ok(o)):
+        raise ValueError("layer_desc: q/k/v and o must be native int4/int8 CpuQuantLinear layers (o without bias)")
     for name, t in (("norm_in", norm_in), ("norm_post", norm_post), ("gate", gate)):
         _check_fp32(name, t)
     if len(experts) != gate.shape[0]:
         raise ValueError(f"layer_desc: {len(experts)} experts for a gate {tuple(gate.shape)}")
     table, inter, group = _expert_table(experts, gate.shape[1])
+    if qk_norm is not None:
+        qk_norm.check(n_heads, n_kv, head_dim)
+    shared_table, shared_args = None, (None, None, 0, 0)
+    if shared is not None:
+        w13, w2, shared_gate = shared
+        s_inter, h = w2.shape[1], gate.shape[1]
+        if w13.shape != (2 * s_inter, h) or w2.shape != (h, s_inter) or w13.group_size != w2.group_size \
+                or w13.fmt != w2.fmt or (shared_gate is not None and shared_gate.numel() != h):
+            raise ValueError(f"layer_desc: shared expert w13 {w13.shape}, w2 {w2.shape} for hidden size {h}")
+        if shared_gate is not None:
+            _check_fp32("shared_gate", shared_gate)
+        shared_table = (ExpertDesc * 1)(_q4_desc(w13, w2))
+        shared_args = (shared_table, None if shared_gate is None else shared_gate.data_ptr(), s_inter,
+                       w13.group_size)
     desc = LayerDesc(norm_in.data_ptr(), norm_post.data_ptr(), eps, *qkv_args(qkv), *_linear_args(o), n_heads,
-                     n_kv, head_dim, gate.data_ptr(), gate.shape[0], top_k, int(renormalize), inter, group, table)
-    return desc, (table, list(experts))  # the experts too: the table holds their tensors' addresses
+                     n_kv, head_dim, bias_arg(qkv), *qk_norm_args(qk_norm), gate.data_ptr(), gate.shape[0], top_k,
+                     int(renormalize), inter, group, table, *shared_args)
+    # the experts too: the tables hold their tensors' addresses
+    return desc, (table, list(experts), shared_table, shared)
 
 
 def layers_step(descs: ctypes.Array, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -92,6 +92,9 @@ static inline float mf_half_to_float(uint16_t h) {
     memcpy(&f, &bits, 4);
     return f;
 }
+#define MF_QK_NONE 0  /* no QK-norm (step.c's attention) */
+#define MF_QK_HEAD 1  /* RMSNorm of q and k per head, before the rotary (Qwen3) */
+#define MF_QK_PROJ 2  /* RMSNorm of each token's whole q and whole k projection, before the rotary (OLMoE) */
 #define Q4_GROUP 8  /* q4 weight rows interleaved together (q4.c's layout) */
 #define Q8_GROUP 8  /* q8 weight rows interleaved together (q8.c's layout) */
 

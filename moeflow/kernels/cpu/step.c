@@ -12,7 +12,8 @@
 #include "gguf.h"  /* mf_gguf_expert (gguf.c); includes native.h */
 
 /* out[t] = w * (x[t] / sqrt(mean(x[t]^2) + eps)) for x fp32 [T, H]. With ``res`` (may be NULL): x[t] + res[t]
-   is normalised instead and written to ``sum`` (the residual stream the layer continues with). */
+   is normalised instead and written to ``sum`` (the residual stream the layer continues with). ``out`` may be
+   ``x`` (in place, without ``res``). */
 void mf_rmsnorm(const float* x, const float* res, float* sum, const float* w, float eps, int T, int H, float* out) {
     for (int t = 0; t < T; t++) {
         const float* xt = x + (size_t)t * H;
@@ -53,11 +54,33 @@ static float dot(const float* q, const float* k, int D) {
    qkv fp32 [B, T, (nh + 2 nkv) D] (q heads, then k heads, then v heads); cos, sin fp32 [B, T, D];
    kc, vc fp32 [B, nkv, L, D]: this layer's static cache, written at positions pos int64 [T] (rotated keys);
    mask bool [B, T, L]: which cache positions each query sees; out fp32 [B, T, nh D]: softmax(q k^T * scale) v
-   per head, query head h reading kv head h / (nh / nkv). Returns 0, or -1 when out of memory. */
+   per head, query head h reading kv head h / (nh / nkv). QK-norm before the rotary (qk, qn fp32, kn fp32,
+   qk_eps): qk MF_QK_HEAD: q and k RMSNormed per head over D (weights [D], Qwen3); MF_QK_PROJ: over each token's
+   whole q projection (nh D, weights [nh D]) and k projection (nkv D, weights [nkv D]), OLMoE; MF_QK_NONE (0): none
+   (qn, kn unread). The norm is mf_rmsnorm on those rows (the op the per-layer path's q_norm / k_norm modules run).
+   Returns 0, or -1 when out of memory. */
 int mf_attn_step(const float* qkv, int B, int T, int nh, int nkv, int D, const float* cos, const float* sin,
-                 float* kc, float* vc, int L, const int64_t* pos, const uint8_t* mask, float scale, float* out,
-                 int nthreads) {
+                 float* kc, float* vc, int L, const int64_t* pos, const uint8_t* mask, float scale, int qk,
+                 const float* qn, const float* kn, float qk_eps, float* out, int nthreads) {
     int F = (nh + 2 * nkv) * D, groups = nh / nkv;
+    float* normed = NULL;
+    if (qk != MF_QK_NONE) {
+        normed = malloc(sizeof(float) * (size_t)B * T * F);
+        if (!normed) return -1;
+        memcpy(normed, qkv, sizeof(float) * (size_t)B * T * F);
+        for (size_t r = 0; r < (size_t)B * T; r++) {
+            float* q = normed + r * F;
+            float* k = q + (size_t)nh * D;
+            if (qk == MF_QK_HEAD) {
+                mf_rmsnorm(q, NULL, NULL, qn, qk_eps, nh, D, q);
+                mf_rmsnorm(k, NULL, NULL, kn, qk_eps, nkv, D, k);
+            } else {
+                mf_rmsnorm(q, NULL, NULL, qn, qk_eps, 1, nh * D, q);
+                mf_rmsnorm(k, NULL, NULL, kn, qk_eps, 1, nkv * D, k);
+            }
+        }
+        qkv = normed;
+    }
     for (int b = 0; b < B; b++)
         for (int t = 0; t < T; t++) {
             const float* row = qkv + ((size_t)b * T + t) * F;
@@ -120,6 +143,7 @@ int mf_attn_step(const float* qkv, int B, int T, int nh, int nkv, int D, const f
         }
         free(buf);
     }
+    free(normed);
     return fail ? -1 : 0;
 }
 
@@ -165,13 +189,16 @@ static int run_qkv(const mf_linear* qkv, const mf_linear* kv, const float* h, in
 /* A decoder layer's attention half in one call, for x fp32 [B, T, H] (the layer's input):
    h = rmsnorm(x, w_in); qkv = h @ Wqkv.T; a = attention (mf_attn_step, writing the cache); o = a @ Wo.T;
    x_out = x + o; h_out = rmsnorm(x_out, w_post) (the MoE block's input). Exactly the sequence of the
-   separate calls, so the same numbers. kv_bits 0: Wqkv is the one qkv linear; else qkv holds q's rows and kv
+   separate calls, so the same numbers. qkv_b fp32 [F] or NULL: the q/k/v bias (Qwen2-MoE), added after the
+   projection. qk, qn, kn, qk_eps: the QK-norm (mf_attn_step). kv_bits 0: Wqkv is the
+   one qkv linear; else qkv holds q's rows and kv
    k's and v's (run_qkv). Returns 0, or -1 when out of memory. */
 int mf_attn_block(const float* x, int B, int T, int H, const float* w_in, const float* w_post, float eps,
                   int qkv_bits, int qkv_group, int qkv_fmt, const void* qkv_w, const void* qkv_s, const void* qkv_m,
                   int kv_bits, int kv_group, int kv_fmt, const void* kv_w, const void* kv_s, const void* kv_m,
                   int o_bits, int o_group, int o_fmt, const void* o_w, const void* o_s, const void* o_m,
-                  int nh, int nkv, int D, const float* cos, const float* sin, float* kc, float* vc, int L,
+                  int nh, int nkv, int D, const float* qkv_b, int qk, const float* qn, const float* kn,
+                  float qk_eps, const float* cos, const float* sin, float* kc, float* vc, int L,
                   const int64_t* pos, const uint8_t* mask, float scale, float* x_out, float* h_out,
                   int nthreads) {
     int BT = B * T, F = (nh + 2 * nkv) * D;
@@ -186,7 +213,11 @@ int mf_attn_block(const float* x, int B, int T, int H, const float* w_in, const 
     float* y = a + (size_t)BT * nh * D;        /* [BT, H] */
     mf_rmsnorm(x, NULL, NULL, w_in, eps, BT, H, h);
     int rc = run_qkv(&qkv, &kv, h, BT, H, q, nthreads);
-    if (!rc) rc = mf_attn_step(q, B, T, nh, nkv, D, cos, sin, kc, vc, L, pos, mask, scale, a, nthreads);
+    if (!rc && qkv_b)  /* the projection's bias, one fp32 add per output (CpuQuantLinear's ``y += bias``) */
+        for (int t = 0; t < BT; t++)
+            for (int j = 0; j < F; j++) q[(size_t)t * F + j] += qkv_b[j];
+    if (!rc) rc = mf_attn_step(q, B, T, nh, nkv, D, cos, sin, kc, vc, L, pos, mask, scale, qk, qn, kn, qk_eps, a,
+                               nthreads);
     if (!rc) rc = run_linear(&o, a, BT, nh * D, y, nthreads);
     if (!rc) mf_rmsnorm(x, y, x_out, w_post, eps, BT, H, h_out);
     free(buf);
@@ -197,6 +228,21 @@ int mf_attn_block(const float* x, int B, int T, int H, const float* w_in, const 
 void mf_dense_f32(const float* x, int T, int K, int N, const float* w, float* y) {
     for (int t = 0; t < T; t++)
         for (int n = 0; n < N; n++) y[(size_t)t * N + n] = dot(x + (size_t)t * K, w + (size_t)n * K, K);
+}
+
+/* A dense SwiGLU MLP on q4 matrices (a shared expert; Qwen2-MoE's with its sigmoid output gate) for x fp32 [T, H]:
+   out[t] (+)= g[t] * (silu(x W_gate) * (x W_up)) W_down, one mf_q4_expert call (w13 [2I, H] gate then up rows, w2
+   [H, I], both of form fmt), g[t] = 1 / (1 + expf(-(x[t] . gate))) for gate fp32 [H], or 1 when gate is NULL.
+   Returns 0, or -1 when out of memory. */
+int mf_shared_expert(const float* x, int T, int H, int I, int group, int fmt, const uint8_t* w13, const void* s13,
+                     const void* m13, const uint8_t* w2, const void* s2, const void* m2, const float* gate, float* out,
+                     int accumulate, int nthreads) {
+    float* g = malloc(sizeof(float) * (size_t)T);
+    if (!g) return -1;
+    for (int t = 0; t < T; t++) g[t] = gate ? 1.0f / (1.0f + expf(-dot(x + (size_t)t * H, gate, H))) : 1.0f;
+    int rc = mf_q4_expert(x, T, H, I, group, fmt, w13, s13, m13, w2, s2, m2, g, out, accumulate, nthreads);
+    free(g);
+    return rc;
 }
 
 /* Softmax routing per token: probs = softmax(logits [T, E]) in fp32; ids int32 [T, k]: the k largest
@@ -248,8 +294,9 @@ typedef struct {
     const uint8_t* up;  /* GGUF: the up matrix */
 } mf_expert_desc;
 
-/* A Mixtral-layout decoder layer: the attention half of mf_attn_block, a plain softmax-top-k router (fp32 gate
-   [E, H]) and E SwiGLU experts (q4 or GGUF, mf_expert_desc) of intermediate size I. */
+/* A Mixtral-layout decoder layer (or Qwen3-MoE's, OLMoE's: with a QK-norm): the attention half of mf_attn_block,
+   a plain softmax-top-k router (fp32 gate [E, H]) and E SwiGLU experts (q4 or GGUF, mf_expert_desc) of
+   intermediate size I. */
 typedef struct {
     const float* w_in;
     const float* w_post;
@@ -267,14 +314,22 @@ typedef struct {
     const void* o_s;
     const void* o_m;
     int nh, nkv, D;
+    const float* qkv_b;  /* the q/k/v bias fp32 [(nh + 2 nkv) D], or NULL */
+    int qk;  /* QK-norm (mf_attn_step): MF_QK_NONE, MF_QK_HEAD (qn, kn [D]) or MF_QK_PROJ (qn [nh D], kn [nkv D]) */
+    const float* qn;
+    const float* kn;
+    float qk_eps;
     const float* gate;
     int E, k, renorm, I, group;
     const mf_expert_desc* experts;
+    const mf_expert_desc* shared;  /* a q4 shared expert (mf_shared_expert; t13 0), or NULL */
+    const float* shared_gate;      /* its sigmoid output gate fp32 [H], or NULL */
+    int shared_I, shared_group;
 } mf_layer_desc;
 
 /* One token x fp32 [H] through n layers, in place: per layer, (x, h) = mf_attn_block(x); logits = h @ gate.T;
    (ids, weights) = mf_softmax_topk(logits); moe = the k experts' mf_q4_expert (or mf_gguf_expert) calls
-   accumulated in k order;
+   accumulated in k order; with a shared expert, moe = moe + mf_shared_expert(h) (MoEBlock's ``out + shared``);
    x = x + moe. Exactly the calls (and the one fp32 add) of the per-layer path, so the same numbers.
    kv [n, 3]: each layer's k cache, v cache (fp32 [1, nkv, L, D]) and mask (bool [L]); ids int32 [n, k] and
    weights fp32 [n, k] receive each layer's routing. Returns 0, -1 when out of memory, -2 when a GGUF expert's
@@ -284,12 +339,13 @@ int mf_layers_step(const mf_layer_desc* layers, int n, float* x, int H, const fl
                    int nthreads) {
     int emax = 1;
     for (int l = 0; l < n; l++) emax = layers[l].E > emax ? layers[l].E : emax;
-    float* buf = malloc(sizeof(float) * (4 * (size_t)H + 2 * (size_t)emax));
+    float* buf = malloc(sizeof(float) * (5 * (size_t)H + 2 * (size_t)emax));
     if (!buf) return -1;
     float* xa = buf;           /* [H] x + attention */
     float* h = xa + H;         /* [H] the MoE block's input */
     float* moe = h + H;        /* [H] */
-    float* logits = moe + H;   /* [E] */
+    float* sh = moe + H;       /* [H] the shared expert's output */
+    float* logits = sh + H;    /* [E] */
     float* probs = logits + emax;
     int rc = 0;
     for (int l = 0; l < n && !rc; l++) {
@@ -297,7 +353,7 @@ int mf_layers_step(const mf_layer_desc* layers, int n, float* x, int H, const fl
         rc = mf_attn_block(x, 1, 1, H, d->w_in, d->w_post, d->eps, d->qkv_bits, d->qkv_group, d->qkv_fmt, d->qkv_w,
                            d->qkv_s, d->qkv_m, d->kv_bits, d->kv_group, d->kv_fmt, d->kv_w, d->kv_s, d->kv_m,
                            d->o_bits, d->o_group, d->o_fmt, d->o_w, d->o_s, d->o_m, d->nh, d->nkv,
-                           d->D, cos, sin,
+                           d->D, d->qkv_b, d->qk, d->qn, d->kn, d->qk_eps, cos, sin,
                            (float*)kv[3 * l], (float*)kv[3 * l + 1], L, pos, (const uint8_t*)kv[3 * l + 2], scale,
                            xa, h, nthreads);
         if (rc) break;
@@ -311,6 +367,12 @@ int mf_layers_step(const mf_layer_desc* layers, int n, float* x, int H, const fl
                                          moe, j > 0, nthreads)
                         : mf_q4_expert(h, 1, H, d->I, d->group, e->fmt, e->w13, e->s13, e->m13, e->w2, e->s2, e->m2,
                                        wl + j, moe, j > 0, nthreads);
+        }
+        if (!rc && d->shared) {
+            const mf_expert_desc* s = d->shared;
+            rc = mf_shared_expert(h, 1, H, d->shared_I, d->shared_group, s->fmt, s->w13, s->s13, s->m13, s->w2, s->s2,
+                                  s->m2, d->shared_gate, sh, 0, nthreads);
+            for (int i = 0; i < H; i++) moe[i] = moe[i] + sh[i];
         }
         for (int i = 0; i < H; i++) x[i] = xa[i] + moe[i];
     }

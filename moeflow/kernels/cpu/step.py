@@ -7,7 +7,9 @@ call each, fp32 in and out:
 
 * :func:`rmsnorm`: ``w * (x / sqrt(mean(x^2) + eps))``, optionally after the residual add ``x + res``;
 * :func:`attention_step`: rotary on q and k, k/v written into the static cache, softmax attention of every
-  query head over the positions its mask allows, from the fused q/k/v projection's output.
+  query head over the positions its mask allows, from the fused q/k/v projection's output; optionally after a
+  QK-norm (:class:`QKNorm`: RMSNorm of q and k per head, Qwen3, or over the whole projection, OLMoE), which is
+  :func:`rmsnorm`'s op on those rows.
 
 Numerics (the fp32 torch models below: :func:`rmsnorm_reference`, :func:`attention_step_reference`): the same
 formulas in fp32; the rotary and the residual add round exactly as torch's unfused ops (the cache gets the
@@ -20,10 +22,11 @@ from __future__ import annotations
 import ctypes
 import math
 import weakref
+from dataclasses import dataclass
 
 import torch
 
-from moeflow.kernels.cpu.native import Q4_F32, Q4Matrix, library, q4_fmt
+from moeflow.kernels.cpu.native import Q4_F32, Q4Matrix, library, q4_expert_reference, q4_fmt
 from moeflow.kernels.cpu.quant_linear import CpuQuantLinear, SplitLinear
 
 # the libraries whose signatures are declared, held weakly: an id() could be reused by a later library
@@ -31,6 +34,34 @@ _DECLARED: weakref.WeakSet[ctypes.CDLL] = weakref.WeakSet()
 # tokens per sequence up to which the attention op runs (decode, short prompts); beyond, SDPA's blocked GEMMs
 # beat its loop over queries and positions
 NATIVE_ATTENTION_TOKENS = 16
+QK_HEAD, QK_PROJECTION = 1, 2  # native.h's MF_QK_HEAD, MF_QK_PROJ
+
+
+@dataclass(frozen=True)
+class QKNorm:
+    """A QK-norm before the rotary: RMSNorm of the queries and the keys with weights ``q``, ``k`` (fp32,
+    contiguous) and ``eps``; ``per_head``: over each head's D features (q, k [D], Qwen3), else over each token's
+    whole projection (q [n_heads D], k [n_kv D], OLMoE)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    eps: float
+    per_head: bool
+
+    def check(self, n_heads: int, n_kv: int, d: int) -> None:
+        _check_fp32("q_norm", self.q)
+        _check_fp32("k_norm", self.k)
+        want = (d, d) if self.per_head else (n_heads * d, n_kv * d)
+        if (self.q.numel(), self.k.numel()) != want:
+            raise ValueError(f"QK-norm weights q {tuple(self.q.shape)}, k {tuple(self.k.shape)}: expected {want[0]} "
+                             f"and {want[1]} values ({'per head' if self.per_head else 'per projection'})")
+
+
+def qk_norm_args(norm: QKNorm | None) -> tuple:
+    """mf_attn_step's (qk, qn, kn, qk_eps) arguments for ``norm`` (None: no QK-norm)."""
+    if norm is None:
+        return 0, None, None, 0.0
+    return QK_HEAD if norm.per_head else QK_PROJECTION, norm.q.data_ptr(), norm.k.data_ptr(), norm.eps
 
 
 def _lib() -> ctypes.CDLL:
@@ -42,15 +73,17 @@ def _lib() -> ctypes.CDLL:
         p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
         lib.mf_rmsnorm.argtypes = [p, p, p, p, f, i, i, p]
         lib.mf_rmsnorm.restype = None
-        lib.mf_attn_step.argtypes = [p, i, i, i, i, i, p, p, p, p, i, p, p, f, p, i]
+        lib.mf_attn_step.argtypes = [p, i, i, i, i, i, p, p, p, p, i, p, p, f, i, p, p, f, p, i]
         lib.mf_attn_step.restype = i
         lib.mf_attn_block.argtypes = [p, i, i, i, p, p, f, i, i, i, p, p, p, i, i, i, p, p, p, i, i, i, p, p, p,
-                                      i, i, i, p, p, p, p, i, p, p, f, p, p, i]
+                                      i, i, i, p, i, p, p, f, p, p, p, p, i, p, p, f, p, p, i]
         lib.mf_attn_block.restype = i
         lib.mf_dense_f32.argtypes = [p, i, i, i, p, p]
         lib.mf_dense_f32.restype = None
         lib.mf_softmax_topk.argtypes = [p, i, i, i, i, p, p, p]
         lib.mf_softmax_topk.restype = None
+        lib.mf_shared_expert.argtypes = [p, i, i, i, i, i, p, p, p, p, p, p, p, p, i, i]
+        lib.mf_shared_expert.restype = i
         _DECLARED.add(lib)
     return lib
 
@@ -103,20 +136,24 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def attention_step(qkv: torch.Tensor, n_heads: int, n_kv: int, cos: torch.Tensor, sin: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, cache_position: torch.Tensor,
-                   mask: torch.Tensor) -> torch.Tensor:
+                   mask: torch.Tensor, qk_norm: QKNorm | None = None) -> torch.Tensor:
     """One attention layer after its fused projection; writes this step's keys and values into the cache.
 
     qkv fp32 [B, T, (n_heads + 2 n_kv) D] (q heads, k heads, v heads); cos, sin fp32 [B, T, D];
     k_cache, v_cache fp32 [B, n_kv, L, D] (this layer's, contiguous); cache_position int64 [T];
-    mask bool [B, 1, T, L] -> fp32 [B, T, n_heads D] (heads concatenated, ready for o_proj)."""
+    mask bool [B, 1, T, L]; ``qk_norm``: the QK-norm before the rotary, if any
+    -> fp32 [B, T, n_heads D] (heads concatenated, ready for o_proj)."""
     b, t, features = qkv.shape
     d = features // (n_heads + 2 * n_kv)
     _check_fp32("qkv", qkv)
     _check_attention_args(b, t, n_heads, n_kv, d, cos, sin, k_cache, v_cache, cache_position, mask)
+    if qk_norm is not None:
+        qk_norm.check(n_heads, n_kv, d)
     out = torch.empty((b, t, n_heads * d), dtype=torch.float32)
     rc = _lib().mf_attn_step(qkv.data_ptr(), b, t, n_heads, n_kv, d, cos.data_ptr(), sin.data_ptr(),
                              k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[2], cache_position.data_ptr(),
-                             mask.data_ptr(), 1.0 / math.sqrt(d), out.data_ptr(), torch.get_num_threads())
+                             mask.data_ptr(), 1.0 / math.sqrt(d), *qk_norm_args(qk_norm), out.data_ptr(),
+                             torch.get_num_threads())
     if rc:
         raise MemoryError("attention_step: the CPU kernel could not allocate its score buffers")
     return out
@@ -125,20 +162,24 @@ def attention_step(qkv: torch.Tensor, n_heads: int, n_kv: int, cos: torch.Tensor
 def attention_block(x: torch.Tensor, norm_in: torch.Tensor, norm_post: torch.Tensor, eps: float,
                     qkv: CpuQuantLinear | SplitLinear, o: CpuQuantLinear, n_heads: int, n_kv: int, cos: torch.Tensor,
                     sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_position: torch.Tensor,
-                    mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                    mask: torch.Tensor, qk_norm: QKNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A decoder layer's attention half in one call: x fp32 [B, T, H] -> (x + attn, rmsnorm(x + attn, norm_post)),
     where attn = o(attention_step(qkv(rmsnorm(x, norm_in)))), each fp32 [B, T, H]; writes this step's keys
     and values into the cache. ``qkv``, ``o``: native int4/int8 :class:`CpuQuantLinear` without bias (``qkv``: or a
-    :class:`SplitLinear` of two, q's rows and k's and v's); the other
-    arguments as :func:`rmsnorm` and :func:`attention_step`. The same kernels in the same order as those calls."""
+    :class:`SplitLinear` of two, q's rows and k's and v's); the other arguments (``qk_norm`` too) as
+    :func:`rmsnorm` and :func:`attention_step`. The same kernels in the same order as those calls. ``qkv`` may
+    have a bias (added after the projection, as the layer's own forward adds it)."""
     b, t, h = x.shape
+    d = qkv.out_features // (n_heads + 2 * n_kv)
     _check_fp32("x", x)
-    _check_attention_args(b, t, n_heads, n_kv, qkv.out_features // (n_heads + 2 * n_kv), cos, sin, k_cache,
-                          v_cache, cache_position, mask)
+    _check_attention_args(b, t, n_heads, n_kv, d, cos, sin, k_cache, v_cache, cache_position, mask)
+    if qk_norm is not None:
+        qk_norm.check(n_heads, n_kv, d)
     x_out, h_out = torch.empty_like(x), torch.empty_like(x)
     rc = _lib().mf_attn_block(x.data_ptr(), b, t, h, norm_in.data_ptr(), norm_post.data_ptr(), eps,
-                              *qkv_args(qkv), *_linear_args(o), n_heads, n_kv, k_cache.shape[3],
-                              cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                              *qkv_args(qkv), *_linear_args(o), n_heads, n_kv, k_cache.shape[3], bias_arg(qkv),
+                              *qk_norm_args(qk_norm), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
+                              v_cache.data_ptr(),
                               k_cache.shape[2], cache_position.data_ptr(), mask.data_ptr(),
                               1.0 / math.sqrt(k_cache.shape[3]), x_out.data_ptr(), h_out.data_ptr(),
                               torch.get_num_threads())
@@ -191,6 +232,32 @@ def expert_row(x: torch.Tensor, w13: Q4Matrix, w2: Q4Matrix, weights: torch.Tens
                    accumulate=False, what="expert_row")
 
 
+def shared_expert_step(x: torch.Tensor, w13: Q4Matrix, w2: Q4Matrix, gate: torch.Tensor | None) -> torch.Tensor:
+    """A dense SwiGLU MLP (a shared expert) in one call: x fp32 [T, H] -> fp32 [T, H] =
+    ``sigmoid(x @ gate) * (silu(x W_gate) * (x W_up)) W_down``; w13 [2I, H] (gate rows, then up rows), w2 [H, I]: q4
+    matrices of one group size and form of scales; gate fp32 [H] (Qwen2-MoE's shared_expert_gate), or None (no
+    output gate). The same call the one-call layers make (``mf_shared_expert``)."""
+    _check_fp32("x", x)
+    inter = w2.shape[1]
+    if x.dim() != 2 or w13.shape != (2 * inter, x.shape[1]) or w2.shape[0] != x.shape[1] \
+            or w13.group_size != w2.group_size or w13.fmt != w2.fmt:
+        raise ValueError(f"shared_expert_step: x {tuple(x.shape)}, w13 {w13.shape} (group {w13.group_size}), w2 "
+                         f"{w2.shape} (group {w2.group_size}): expected [T, H], [2I, H], [H, I] of one group and form")
+    if gate is not None:
+        _check_fp32("gate", gate)
+        if gate.numel() != x.shape[1]:
+            raise ValueError(f"shared_expert_step: gate {tuple(gate.shape)} for hidden size {x.shape[1]}")
+    out = torch.empty_like(x)
+    rc = _lib().mf_shared_expert(x.data_ptr(), x.shape[0], x.shape[1], inter, w13.group_size, w13.fmt,
+                                 w13.packed.data_ptr(), w13.scales.data_ptr(), w13.mins.data_ptr(),
+                                 w2.packed.data_ptr(), w2.scales.data_ptr(), w2.mins.data_ptr(),
+                                 None if gate is None else gate.data_ptr(),
+                                 out.data_ptr(), 0, torch.get_num_threads())
+    if rc:
+        raise MemoryError("shared_expert_step: the CPU kernel could not allocate its buffers")
+    return out
+
+
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x fp32 [T, H] @ weight fp32 [E, H].T -> fp32 [T, E] (a router's logits: a few dot products, no BLAS call)."""
     _check_fp32("x", x)
@@ -216,12 +283,19 @@ def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool = True
     return probs, ids, weights
 
 
-def block_linear_ok(layer: torch.nn.Module) -> bool:
+def block_linear_ok(layer: torch.nn.Module, bias: bool = False) -> bool:
     """Whether :func:`attention_block` takes ``layer`` as its qkv or o projection (qkv: also a
-    :class:`~moeflow.kernels.cpu.quant_linear.SplitLinear` of two such layers, q's rows and k's and v's)."""
+    :class:`~moeflow.kernels.cpu.quant_linear.SplitLinear` of two such layers, q's rows and k's and v's; ``bias``:
+    a CpuQuantLinear's fp32 bias is allowed, the q/k/v projection's)."""
     if isinstance(layer, SplitLinear):
         return all(block_linear_ok(p) for p in layer.parts)
-    return isinstance(layer, CpuQuantLinear) and layer.native and layer.bias is None and layer.bits in (4, 8)
+    return isinstance(layer, CpuQuantLinear) and layer.native and layer.bits in (4, 8) and (
+        layer.bias is None or (bias and layer.bias.dtype == torch.float32 and layer.bias.is_contiguous()))
+
+
+def bias_arg(layer: torch.nn.Module) -> int | None:
+    """The address of ``layer``'s fp32 bias (mf_attn_block's ``qkv_b``), or None."""
+    return None if layer.bias is None else layer.bias.data_ptr()
 
 
 def qkv_args(layer: CpuQuantLinear | SplitLinear) -> tuple:
@@ -253,10 +327,18 @@ def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def attention_step_reference(qkv: torch.Tensor, n_heads: int, n_kv: int, cos: torch.Tensor, sin: torch.Tensor,
                              k_cache: torch.Tensor, v_cache: torch.Tensor, cache_position: torch.Tensor,
-                             mask: torch.Tensor) -> torch.Tensor:
+                             mask: torch.Tensor, qk_norm: QKNorm | None = None) -> torch.Tensor:
     """fp32 model of :func:`attention_step` (same arguments; writes the caches the same way)."""
     b, t, features = qkv.shape
     d = features // (n_heads + 2 * n_kv)
+    if qk_norm is not None:
+        q, k, v = qkv.split([n_heads * d, n_kv * d, n_kv * d], dim=-1)
+        if qk_norm.per_head:
+            q = rmsnorm_reference(q.reshape(b, t, n_heads, d), qk_norm.q, qk_norm.eps)[0].reshape(b, t, -1)
+            k = rmsnorm_reference(k.reshape(b, t, n_kv, d), qk_norm.k, qk_norm.eps)[0].reshape(b, t, -1)
+        else:
+            q, k = rmsnorm_reference(q, qk_norm.q, qk_norm.eps)[0], rmsnorm_reference(k, qk_norm.k, qk_norm.eps)[0]
+        qkv = torch.cat((q, k, v), dim=-1)
     q, k, v = qkv.view(b, t, n_heads + 2 * n_kv, d).transpose(1, 2).split([n_heads, n_kv, n_kv], dim=1)
 
     def rotary(x: torch.Tensor) -> torch.Tensor:
@@ -271,6 +353,14 @@ def attention_step_reference(qkv: torch.Tensor, n_heads: int, n_kv: int, cos: to
     scores = (q @ keys.transpose(-1, -2)) / math.sqrt(d)
     probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
     return (probs @ values).transpose(1, 2).reshape(b, t, n_heads * d)
+
+
+def shared_expert_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                            gate: torch.Tensor | None) -> torch.Tensor:
+    """fp32 model of :func:`shared_expert_step` on dense weights: x [T, H], w13 [2I, H] (gate rows, then up), w2
+    [H, I], gate [H] or None -> [T, H]: the expert's model weighted per token by ``sigmoid(x @ gate)``."""
+    weights = torch.ones(x.shape[0]) if gate is None else torch.sigmoid(x @ gate)
+    return q4_expert_reference(x, w13, w2, weights)
 
 
 def softmax_topk_reference(logits: torch.Tensor, top_k: int, renormalize: bool = True
