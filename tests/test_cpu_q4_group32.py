@@ -70,7 +70,7 @@ def test_expert_in_either_form_and_the_awq_conversion():
     """One expert (w13 [2I, H], w2 [H, I]) in both forms: the same bits, the reference within fp32 rounding; Q4_0
     experts converted to AWQ tensors (group 32, zeros 8) come back in the zero-point-free form, or in the form of
     a given ``out`` (an offloaded slot's region holds the zero points)."""
-    from moeflow.io.gguf.experts import q4_0_awq_expert_tensors  # noqa: F401  (the converter GGUF Q4_0 experts use)
+    from moeflow.engine.gguf_experts import q4_0_awq_expert_tensors  # noqa: F401  (the converter GGUF Q4_0 experts use)
     from moeflow.quant.awq import pack_int4
 
     H, I = 128, 96  # noqa: E741

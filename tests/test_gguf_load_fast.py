@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from moeflow.io.gguf import experts as gguf_experts
+from moeflow.engine import gguf_experts
 from moeflow.io.gguf.experts import ExpertBytes, ExpertSlice, q4_0_awq_expert_tensors_reference
 from moeflow.io.gguf.files import _open
 from moeflow.kernels import repack

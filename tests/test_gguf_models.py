@@ -16,7 +16,8 @@ from gguf_models import T, random_k_experts, reference_model, write_gguf  # noqa
 from helpers import make_tiny_model  # noqa: E402
 
 from moeflow import MoEModel, OffloadConfig  # noqa: E402
-from moeflow.io.gguf import open_gguf, q4_0_awq_expert_tensors  # noqa: E402
+from moeflow.engine.gguf_experts import q4_0_awq_expert_tensors  # noqa: E402
+from moeflow.io.gguf import open_gguf  # noqa: E402
 
 NEW_TOKENS = 20
 

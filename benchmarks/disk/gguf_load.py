@@ -61,8 +61,9 @@ def cold_load(tree: Path, path: Path, mode: str, repeat: int) -> dict:
 
 def conversion(gguf: Path) -> dict:
     """GB/s of Q4_0 bytes per CPU-second (this thread) converting one expert into the AWQ format's tensors."""
-    from moeflow.io.gguf import experts as ge
+    from moeflow.engine import gguf_experts as ge
     from moeflow.io.gguf import open_gguf
+    from moeflow.io.gguf.experts import q4_0_awq_expert_tensors_reference
 
     cfg = MIXTRAL_8X7B
     src = open_gguf(gguf).expert_source((0,), cfg["num_local_experts"], cfg["hidden_size"], cfg["intermediate_size"])
@@ -72,7 +73,7 @@ def conversion(gguf: Path) -> dict:
     out = {}
     for name, convert, use_lib, reps in (("packed words, C", ge.q4_0_awq_expert_tensors, True, 5),
                                          ("packed words, torch", ge.q4_0_awq_expert_tensors, False, 1),
-                                         ("unpacking reference", ge.q4_0_awq_expert_tensors_reference, True, 1)):
+                                         ("unpacking reference", q4_0_awq_expert_tensors_reference, True, 1)):
         ge.library = (lambda: lib) if use_lib else (lambda: None)
         try:
             convert(x, raw)

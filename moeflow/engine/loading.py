@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from moeflow.engine.gguf_experts import q4_0_awq_expert_tensors
 from moeflow.errors import CheckpointError
 from moeflow.families import Family, family_for_config
 from moeflow.families.base import ExpertLayout, ExpertSpec
@@ -26,7 +27,6 @@ from moeflow.io.gguf import (
     GGUFExpertSource,
     GGUFModel,
     dense_expert_tensors,
-    q4_0_awq_expert_tensors,
 )
 from moeflow.io.gguf.biased import BiasedConvert, ExpertBiases
 from moeflow.kernels.experts.mxfp4_reference import from_ggml_mxfp4

@@ -292,7 +292,8 @@ class Qwen3NextFamily(SoftmaxRoutedFamily):
         return self.config.mtp_num_hidden_layers
 
     def build_mtp(self, dtype: torch.dtype, linear_factory: LinearFactory) -> MultiTokenPredictor:
-        return build_qwen_mtp(self, dtype, linear_factory)
+        return build_qwen_mtp(self.config, lambda ext, idx: HybridDecoderLayer(
+            ext, idx, self.fused_projections, dtype, linear_factory, self.router_spec()), dtype)
 
     def mtp_checkpoint_name(self, param_path: str, layout: ExpertLayout) -> str:
         return qwen_mtp_checkpoint_name(param_path)

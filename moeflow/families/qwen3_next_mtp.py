@@ -16,30 +16,39 @@ final norm are shared by the layers, so a chain over several is not the DeepSeek
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
+from torch import nn
 
 from moeflow.errors import CheckpointError
 from moeflow.families.gated_deltanet import ZeroCenteredRMSNorm
-from moeflow.families.layers import LinearFactory
 from moeflow.families.mtp import MTPLayer, MultiTokenPredictor
 
-if TYPE_CHECKING:
-    from moeflow.families.qwen3_next import HybridMoEConfig, Qwen3NextFamily
+
+class HybridLayersConfig(Protocol):
+    """What the MTP layer reads of :class:`moeflow.families.qwen3_next.HybridMoEConfig` (a dataclass: ``replace``d
+    into the decoder extended by the MTP layer). Declared here so this module does not import the family's."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    mtp_num_hidden_layers: int
+    rms_norm_eps: float
+    layer_types: tuple[str, ...]
+    moe_layer_ids: tuple[int, ...]
+
 
 MTP_FIELD = "mtp_num_hidden_layers"
 OWN_NAMES = {"enorm.weight": "mtp.pre_fc_norm_embedding.weight", "hnorm.weight": "mtp.pre_fc_norm_hidden.weight",
              "eh_proj.weight": "mtp.fc.weight", "shared_head.norm.weight": "mtp.norm.weight"}
 
 
-def build_qwen_mtp(family: Qwen3NextFamily, dtype: torch.dtype, linear_factory: LinearFactory
-                   ) -> MultiTokenPredictor:
-    """The MTP layer with empty weights: its block a full-attention :class:`HybridDecoderLayer` with an MoE block."""
-    from moeflow.families.qwen3_next import HybridDecoderLayer
-
-    cfg: HybridMoEConfig = family.config
+def build_qwen_mtp(cfg: HybridLayersConfig, make_block: Callable[[HybridLayersConfig, int], nn.Module],
+                   dtype: torch.dtype) -> MultiTokenPredictor:
+    """The MTP layer with empty weights: its block ``make_block(extended config, layer index)``, the family's
+    full-attention ``HybridDecoderLayer`` with an MoE block."""
     n, m = cfg.num_hidden_layers, cfg.mtp_num_hidden_layers
     if m != 1:
         raise CheckpointError(f"config.json {MTP_FIELD}={m}: moeflow reads Qwen3-Next / Qwen3.5 checkpoints with one "
@@ -49,7 +58,7 @@ def build_qwen_mtp(family: Qwen3NextFamily, dtype: torch.dtype, linear_factory: 
                   moe_layer_ids=cfg.moe_layer_ids + tuple(range(n, n + m)))
     layers = []
     for j in range(m):
-        block = HybridDecoderLayer(ext, n + j, family.fused_projections, dtype, linear_factory, family.router_spec())
+        block = make_block(ext, n + j)
         assert block.self_attn is not None
         block.self_attn.kv_idx = j  # its place in the MTP layers' own cache
         layers.append(MTPLayer(block, cfg.hidden_size, cfg.rms_norm_eps, dtype, norm=ZeroCenteredRMSNorm,
@@ -66,7 +75,7 @@ def qwen_mtp_checkpoint_name(param_path: str) -> str:
     return f"mtp.layers.{j}.{rest}"
 
 
-def mtp_expert_base(cfg: HybridMoEConfig, text_prefix: str, moe_layer: int) -> str:
+def mtp_expert_base(cfg: HybridLayersConfig, text_prefix: str, moe_layer: int) -> str:
     """The checkpoint prefix of MoE layer ``moe_layer``'s experts (past the decoder's: the MTP layer's)."""
     n_moe = len(cfg.moe_layer_ids)
     if moe_layer < n_moe:

@@ -207,6 +207,7 @@ def quantize_rows_int8_grouped_native(lib: Library | None, w: torch.Tensor, thre
         raise MemoryError("quantize_rows_int8_grouped_native: the CPU kernel could not allocate its row buffers")
     return q, scales
 
+
 def q4_0_to_awq(raw: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, lib: Library | None = None) -> None:
     """Q4_0 rows -> AWQ's ``qweight`` and ``scales`` (group 32, zero point 8, the same codes and fp16 scales),
     moving packed words. raw: uint8 ``[N, K/32 * 18]`` (N % 8 == 0, contiguous rows of Q4_0 blocks: fp16 ``d``,

@@ -19,13 +19,13 @@ from moeflow.io.gguf.experts import (
     ExpertSlice,
     GGUFExpertSource,
     dense_expert_tensors,
-    q4_0_awq_expert_tensors,
+    q4_0_awq_expert_tensors_reference,
 )
 from moeflow.io.gguf.files import SPLIT, GGUFFiles, find_gguf, is_gguf_path
 from moeflow.io.gguf.reader import GGUFCheckpointReader, open_gguf_reader
 
 __all__ = ["GGUFModel", "open_gguf", "resolve_gguf", "ExpertSlice", "ExpertBytes", "ExpertConvert",
-           "GGUFExpertSource", "GGUFCheckpointReader", "dense_expert_tensors", "q4_0_awq_expert_tensors",
+           "GGUFExpertSource", "GGUFCheckpointReader", "dense_expert_tensors", "q4_0_awq_expert_tensors_reference",
            "supported_architectures"]
 
 

@@ -25,8 +25,6 @@ import torch
 from moeflow.errors import CheckpointError
 from moeflow.io.expert_index import read_range
 from moeflow.io.gguf.files import GGUFFiles
-from moeflow.kernels.cpu.native import library
-from moeflow.kernels.repack import q4_0_to_awq
 from moeflow.quant.awq import pack_int4
 from moeflow.quant.ggml import GGMLType, dequantize, q4_0_codes
 
@@ -79,36 +77,12 @@ def dense_expert_tensors(expert: ExpertBytes, raw: dict[str, torch.Tensor]) -> d
     return {"w13": torch.cat([deq["gate"], deq["up"]], dim=0), "w2": deq["down"]}
 
 
-def q4_0_awq_expert_tensors(expert: ExpertBytes, raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Q4_0 experts as the AWQ format's tensors (group 32, zero point 8, scale ``d``), bit for bit the same weights:
-    ``w13_qweight`` int32 [H, 2I/8] (gate columns, then up), ``w13_qzeros`` [H/32, 2I/8], ``w13_scales`` fp16
-    [H/32, 2I]; ``w2_*`` likewise for down ([I, H/8], [I/32, H/8], [I/32, H]). The stored words are moved, not
-    unpacked (:func:`moeflow.kernels.repack.q4_0_to_awq`; C where moeflow's CPU library builds);
-    :func:`q4_0_awq_expert_tensors_reference` unpacks every code (the tests compare them)."""
-    lib = library()
-    out = {}
-    for name, parts in (("w13", ("gate", "up")), ("w2", ("down",))):
-        _check_q4_0(expert, parts)
-        rows = [raw[p].shape[0] for p in parts]
-        n, k = sum(rows), expert.slices[parts[0]].shape[1]
-        qweight = torch.empty(k, n // 8, dtype=torch.int32)
-        scales = torch.empty(k // 32, n, dtype=torch.float16)
-        at = 0
-        for p, m in zip(parts, rows, strict=True):
-            q4_0_to_awq(raw[p], qweight[:, at // 8:(at + m) // 8], scales[:, at:at + m], lib)
-            at += m
-        out[f"{name}_qweight"] = qweight
-        out[f"{name}_qzeros"] = torch.full((k // 32, n // 8), AWQ_ZERO_8, dtype=torch.int32)
-        out[f"{name}_scales"] = scales
-    return out
-
-
 def q4_0_awq_expert_tensors_reference(expert: ExpertBytes, raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """:func:`q4_0_awq_expert_tensors` by unpacking every 4-bit code to a byte and packing them again (the
-    reference the word-moving conversion is tested against)."""
+    """:func:`moeflow.engine.gguf_experts.q4_0_awq_expert_tensors` by unpacking every 4-bit code to a byte and
+    packing them again (the reference the word-moving conversion is tested against)."""
     out = {}
     for name, parts in (("w13", ("gate", "up")), ("w2", ("down",))):
-        _check_q4_0(expert, parts)
+        check_q4_0(expert, parts)
         codes, d = zip(*(q4_0_codes(raw[p]) for p in parts), strict=True)
         codes, d = torch.cat(codes, dim=0), torch.cat(d, dim=0)  # [N, K], [N, K/32]
         out[f"{name}_qweight"] = pack_int4(codes.T.contiguous())
@@ -117,7 +91,8 @@ def q4_0_awq_expert_tensors_reference(expert: ExpertBytes, raw: dict[str, torch.
     return out
 
 
-def _check_q4_0(expert: ExpertBytes, parts: tuple[str, ...]) -> None:
+def check_q4_0(expert: ExpertBytes, parts: tuple[str, ...]) -> None:
+    """ValueError naming the file and tensor unless ``parts`` of ``expert`` are Q4_0 rows of whole AWQ words."""
     for p in parts:
         s = expert.slices[p]
         if s.type.name != "Q4_0":

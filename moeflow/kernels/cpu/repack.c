@@ -274,6 +274,7 @@ int mf_quantize_rows_int8_grouped(const void *w, int kind, int64_t rows, int64_t
         free(codes);
     }
     return failed;
+}
 
 /* Q4_0 rows straight into AWQ's qweight and scales (GGUF experts as the AWQ format, moeflow/io/gguf/experts.py),
    moving packed words: a Q4_0 block is an fp16 scale d and 16 bytes whose low nibbles are elements 0-15 and high
