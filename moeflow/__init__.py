@@ -3,10 +3,14 @@
 import os
 import sys
 
-if "torch" not in sys.modules:
-    # OpenMP threads spin-wait by default; with the small per-expert ops of a decode step on a busy machine
-    # that made the CPU path ~50x slower (0.8 vs 45 tok/s measured). Sleep instead, unless the user chose.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+if "torch" not in sys.modules and "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+    # OpenMP threads spin-wait ~3 ms by default; with the small per-expert ops of a decode step on a busy machine
+    # that made the CPU path ~50x slower (0.8 vs 45 tok/s measured). Sleeping at once instead cost a quiet
+    # machine's 2-thread decode 5-25 % (a sleeping thread is woken for each of a token's ~50 parallel regions):
+    # spin briefly (libgomp's count, ~0.1 ms), then sleep (benchmarks/results/peers/s15/spin_t2_quiet.md).
+    # A user's own OMP_WAIT_POLICY / GOMP_SPINCOUNT wins.
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    os.environ["GOMP_SPINCOUNT"] = "20000"
 
 from moeflow.api import CausalLMOutput, MoEModel, MoEOffloadedMixtral  # noqa: E402
 from moeflow.config import OffloadConfig  # noqa: E402
