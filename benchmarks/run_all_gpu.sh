@@ -164,7 +164,7 @@ case "$stage" in
       tests/test_cuda_lane.py tests/test_invariant.py tests/test_compile_cuda_graphs.py tests/test_serve_graphs.py \
       tests/test_cuda_mxfp4_splitk.py tests/test_cuda_panel_layout.py tests/test_cuda_deltanet.py \
       tests/test_cuda_slot_attention.py tests/test_cuda_latent_attention.py tests/test_lookup_graphs.py tests/test_engine_lookup_graphs.py \
-      tests/test_cuda_gguf_kernels.py ;;
+      tests/test_cuda_gguf_kernels.py tests/test_cuda_device_graphs_formats.py ;;
   kernels)
     if [ "${TINY:-0}" = 1 ]; then
       run 300 kernels.log "$py" -m benchmarks.gpu.kernels --dry-run --out "$out/kernels.json"
