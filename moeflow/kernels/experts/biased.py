@@ -91,7 +91,7 @@ def biased_awq_forward(
     caller's persistent buffers (static shapes, no allocation: what a captured CUDA graph runs)."""
     from moeflow.kernels.experts import configs
     from moeflow.kernels.experts.gemm import expert_gemm
-    from moeflow.kernels.experts.ops import plan_eager, routing_plan
+    from moeflow.kernels.experts.ops import plan_and_hidden, split_k_partials
 
     fmt, t = pool.fmt, pool.tensors
     T, top_k = topk_ids.shape
@@ -103,16 +103,12 @@ def biased_awq_forward(
     stage = {name: {**cfg[name], **config.get(name, {}), "BLOCK_M": block_m} for name in ("w13", "w2")}
     act = dict(activation=fmt.activation, alpha=fmt.swiglu_alpha, limit=fmt.swiglu_limit)
     ws = {}
-    if alloc is None:
-        sorted_ids, expert_of_block, _ = routing_plan(topk_ids, num_experts, block_m, "triton")
-        h = x.new_empty((num_pairs, inter))
-    else:
-        sorted_ids, expert_of_block = plan_eager(topk_ids, num_experts, block_m, alloc)[2:4]
-        h = alloc("h", (num_pairs, inter), x.dtype, x.device)
-        for name, n in (("w13", 2 * inter), ("w2", out.shape[1])):
+    sorted_ids, expert_of_block, h = plan_and_hidden(x, topk_ids, num_experts, block_m, inter, alloc)
+    if alloc is not None:  # (without: expert_gemm takes its partials from the shared scratch buffer)
+        for mode, (name, n) in enumerate((("w13", 2 * inter), ("w2", out.shape[1]))):
             split = int(stage[name].get("SPLIT_K", 1))
             if split > 1:
-                ws[name] = alloc(f"ws{name[1:]}", (split, num_pairs, n), torch.float32, x.device)
+                ws[name] = split_k_partials((split, num_pairs, n), mode, x.device, alloc)
     expert_gemm(0, x, (t["w13_qweight"], t["w13_qzeros"], t["w13_scales"]), h, sorted_ids, expert_of_block,
                 slot_of_expert, expert_mask, None, num_pairs, top_k, g, stage["w13"],
                 bias=t["w13_bias"] if fmt.bias else None, ws=ws.get("w13"), **act)

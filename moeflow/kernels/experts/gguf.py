@@ -277,6 +277,8 @@ def gguf_gemm(
 ) -> torch.Tensor:
     """Launch one grouped GGUF GEMM stage; writes the rows of selected experts of ``out`` in place (``alloc``:
     the split-K partials from the caller's persistent buffers, as a captured graph needs, else the scratch)."""
+    from moeflow.kernels.experts.ops import split_k_partials
+
     K = a.shape[1]
     S, n_rows, row_bytes = blocks.shape
     names = "/".join(g.name for g in gtypes)
@@ -295,8 +297,7 @@ def gguf_gemm(
     grid = (expert_of_block.shape[0] * tiles, split)
     if split > 1:  # fp32 partials by pair, padded to whole tiles; the counters stay zero between launches
         shape = (split, out.shape[0], tiles * bn)
-        ws = (workspace.scratch(workspace.SPLIT_K_PARTIALS, shape, torch.float32, a.device) if alloc is None
-              else alloc(f"ws{13 if mode == 0 else 2}", shape, torch.float32, a.device))
+        ws = split_k_partials(shape, mode, a.device, alloc)
         cnt = workspace.counters(grid[0], a.device)
     else:
         ws, cnt = out, slot_of_expert  # placeholders, never read
@@ -338,19 +339,14 @@ def gguf_expert_forward(
     "w2": {...}}`` with ``BLOCK_N``, ``BLOCK_K``, ``SPLIT_K``, ``num_warps``, ``num_stages``; else
     :func:`stage_configs`' defaults). ``alloc``: the plan, ``h`` and the split-K partials in the caller's
     persistent buffers (static shapes, no allocation: what a captured CUDA graph runs)."""
-    from moeflow.kernels.experts.ops import plan_eager, routing_plan
+    from moeflow.kernels.experts.ops import plan_and_hidden
 
     fmt, t = pool.fmt, pool.tensors
     T, top_k = topk_ids.shape
     num_experts = slot_of_expert.shape[0]
     config = stage_configs(T, num_experts, top_k, fmt.hidden_size, fmt.intermediate_size, config)
     block_m = config["BLOCK_M"]
-    if alloc is None:
-        sorted_ids, expert_of_block, _ = routing_plan(topk_ids, num_experts, block_m, "triton")
-        h = x.new_empty((T * top_k, fmt.intermediate_size))
-    else:
-        sorted_ids, expert_of_block = plan_eager(topk_ids, num_experts, block_m, alloc)[2:4]
-        h = alloc("h", (T * top_k, fmt.intermediate_size), x.dtype, x.device)
+    sorted_ids, expert_of_block, h = plan_and_hidden(x, topk_ids, num_experts, block_m, fmt.intermediate_size, alloc)
     up_off = fmt.spec("up").offset - fmt.spec("gate").offset
     gguf_gemm(0, x, t["gate"], up_off, fmt.types_of("gate"), t["types"], h, sorted_ids, expert_of_block,
               slot_of_expert, expert_mask, None, top_k, block_m, config["w13"], alloc)

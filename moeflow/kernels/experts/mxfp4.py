@@ -278,6 +278,8 @@ def mxfp4_gemm(
 ) -> torch.Tensor:
     """Launch one grouped MXFP4 GEMM stage; writes the rows of selected experts of ``out`` in place (``alloc``:
     the split-K partials from the caller's persistent buffers, as a captured graph needs, else the scratch)."""
+    from moeflow.kernels.experts.ops import split_k_partials
+
     cfg = {**stage_defaults(block_m), **(config or {})}
     K = a.shape[1]
     if blocks.dim() != 5 or scales.dim() != 4:
@@ -307,10 +309,8 @@ def mxfp4_gemm(
     split = max(1, int(cfg.get("SPLIT_K", 1)))
     grid = (expert_of_block.shape[0] * tiles, split)
     if split > 1:  # fp32 partials by pair, padded to whole tiles (no column masks); the counters stay zero
-        # a reused buffer (no allocation per call); w13 and w2 share it: stream order keeps their launches apart
         shape = (split, out.shape[0], tiles * bn)
-        ws = (workspace.scratch(workspace.SPLIT_K_PARTIALS, shape, torch.float32, a.device) if alloc is None
-              else alloc(f"ws{13 if mode == 0 else 2}", shape, torch.float32, a.device))
+        ws = split_k_partials(shape, mode, a.device, alloc)
         cnt = workspace.counters(grid[0], a.device)
     else:
         ws, cnt = scales, slot_of_expert  # placeholders, never read
@@ -355,19 +355,14 @@ def mxfp4_expert_forward(
     experts in another layout, e.g. :func:`row_major_copy`'s; the biases stay the pool's). ``alloc``: the plan,
     ``h`` and the split-K partials in the caller's persistent buffers (static shapes, no allocation: what a
     captured CUDA graph runs, :meth:`~moeflow.kernels.formats.layout.ExpertFormat.captured_forward`)."""
-    from moeflow.kernels.experts.ops import plan_eager, routing_plan
+    from moeflow.kernels.experts.ops import plan_and_hidden
 
     fmt, t = pool.fmt, {**pool.tensors, **(weights or {})}
     T, top_k = topk_ids.shape
-    num_pairs, num_experts = T * top_k, slot_of_expert.shape[0]
+    num_experts = slot_of_expert.shape[0]
     config = stage_configs(T, num_experts, top_k, fmt.hidden_size, fmt.intermediate_size, config)
     block_m = config["BLOCK_M"]
-    if alloc is None:
-        sorted_ids, expert_of_block, _ = routing_plan(topk_ids, num_experts, block_m, "triton")
-        h = x.new_empty((num_pairs, fmt.intermediate_size))
-    else:
-        sorted_ids, expert_of_block = plan_eager(topk_ids, num_experts, block_m, alloc)[2:4]
-        h = alloc("h", (num_pairs, fmt.intermediate_size), x.dtype, x.device)
+    sorted_ids, expert_of_block, h = plan_and_hidden(x, topk_ids, num_experts, block_m, fmt.intermediate_size, alloc)
     act = dict(activation=fmt.activation, alpha=fmt.swiglu_alpha, limit=fmt.swiglu_limit)
     has_bias = fmt.bias
     mxfp4_gemm(0, x, t["w13_blocks"], t["w13_scales"], t["w13_bias"] if has_bias else None, h, sorted_ids,

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from moeflow.kernels import workspace
 from moeflow.kernels.custom_op import custom_op
 from moeflow.kernels.experts import reference as ref
 from moeflow.kernels.experts.configs import GEMM_DEFAULTS, GEMM_KEYS, lookup_config
@@ -171,6 +172,27 @@ def _(topk_ids, num_experts, block_m, backend):
     nb = -(-ref.plan_size_bound(topk_ids.numel(), num_experts, block_m) // block_m)
     return (topk_ids.new_empty((nb * block_m,), dtype=torch.int32), topk_ids.new_empty((nb,), dtype=torch.int32),
             topk_ids.new_empty((1,), dtype=torch.int32))
+
+
+def plan_and_hidden(x: Tensor, topk_ids: Tensor, num_experts: int, block_m: int, width: int,
+                    alloc: Alloc | None) -> tuple[Tensor, Tensor, Tensor]:
+    """The routing plan and the w13 stage's output of a grouped expert launch: (sorted_ids int32, expert_of_block
+    int32, h [T*k, width] in x's dtype) for topk_ids int [T, k]. Fresh tensors (the plan through
+    :func:`routing_plan`), or with ``alloc`` the caller's persistent buffers (static shapes: a captured graph's)."""
+    rows = topk_ids.numel()
+    if alloc is None:
+        sorted_ids, expert_of_block, _ = routing_plan(topk_ids, num_experts, block_m, "triton")
+        return sorted_ids, expert_of_block, x.new_empty((rows, width))
+    sorted_ids, expert_of_block = plan_eager(topk_ids, num_experts, block_m, alloc)[2:4]
+    return sorted_ids, expert_of_block, alloc("h", (rows, width), x.dtype, x.device)
+
+
+def split_k_partials(shape: tuple[int, int, int], mode: int, device: torch.device, alloc: Alloc | None) -> Tensor:
+    """fp32 split-K partials [split, pairs, columns] of stage ``mode`` (0: w13, 1: w2): the reused scratch buffer
+    (w13 and w2 share it: stream order keeps their launches apart), or with ``alloc`` the caller's "ws13" / "ws2"."""
+    if alloc is None:
+        return workspace.scratch(workspace.SPLIT_K_PARTIALS, shape, torch.float32, device)
+    return alloc(f"ws{13 if mode == 0 else 2}", shape, torch.float32, device)
 
 
 @custom_op("moeflow::route", mutates_args=())
