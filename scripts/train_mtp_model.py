@@ -45,7 +45,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see train_tiny_model.py: busy 2-core machines
 
 from scripts.tiny_corpus import build_byte_tokenizer, collect_corpus, split_corpus
-from scripts.train_tiny_model import lr_at
+from scripts.train_tiny_model import StepBudget, lr_at, random_batch
 
 OWN = ("enorm", "hnorm", "eh_proj", "shared_head_norm")
 
@@ -291,22 +291,16 @@ def main(argv=None) -> int:
     rec = RoutingRecorder(model)
     gen = torch.Generator().manual_seed(args.seed)
     T, B, total = args.seq_len, args.batch_size, args.steps
-    calib_from, calib_to = min(5, args.warmup // 2), args.warmup
-    t_train, t_calib, step, log = time.perf_counter(), None, 0, []
+    budget = StepBudget(args, t_start, calib_from=min(5, args.warmup // 2), margin=0.92)
+    t_train, step, log = time.perf_counter(), 0, []
     model.train()
     while total is None or step < total:
         step += 1
-        if step == calib_from:
-            t_calib = time.perf_counter()
-        if total is None and step == calib_to + 1:
-            per_step = (time.perf_counter() - t_calib) / (calib_to - calib_from)
-            total = max(args.warmup + 1, int((args.minutes * 60 - (time.perf_counter() - t_start)) * 0.92 / per_step))
-            print(f"calibration: {per_step * 1e3:.0f} ms/step -> {total} steps", flush=True)
+        total = budget.at(step)
         lr = lr_at(step, total, args)
         for group in opt.param_groups:
             group["lr"] = lr
-        offs = torch.randint(0, train.numel() - T - 1, (B,), generator=gen)
-        batch = torch.stack([train[o: o + T + 1] for o in offs.tolist()])
+        batch = random_batch(train, T, B, gen)
         rec.calls.clear()
         logits, mlog = forward(model, mtp, batch, args.layers)
         ce = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), batch[:, 1:].reshape(-1))

@@ -167,6 +167,36 @@ def lr_at(step: int, total: int | None, args) -> float:
     return args.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
+def random_batch(train, seq_len: int, batch_size: int, gen):
+    """``batch_size`` windows of ``seq_len + 1`` bytes (inputs and their next bytes) at random offsets of
+    ``train`` (uint8/int64 [n])."""
+    import torch
+
+    offs = torch.randint(0, train.numel() - seq_len - 1, (batch_size,), generator=gen)
+    return torch.stack([train[o : o + seq_len + 1] for o in offs.tolist()])
+
+
+class StepBudget:
+    """The step count of a ``--minutes`` run (``args.steps`` None): steps ``calib_from`` .. ``args.warmup`` are
+    timed and the time left since ``t_start``, times ``margin`` (evaluation and saving), divided by their mean."""
+
+    def __init__(self, args, t_start: float, calib_from: int, margin: float) -> None:
+        self.total, self.minutes, self.warmup = args.steps, args.minutes, args.warmup
+        self.t_start, self.calib_from, self.margin = t_start, calib_from, margin
+        self.t_calib: float | None = None
+
+    def at(self, step: int) -> int | None:
+        """Called at the start of every step: the total (None until the warm-up has been timed)."""
+        if step == self.calib_from:
+            self.t_calib = time.perf_counter()
+        if self.total is None and step == self.warmup + 1:
+            per_step = (time.perf_counter() - self.t_calib) / (self.warmup - self.calib_from)
+            left = self.minutes * 60 - (time.perf_counter() - self.t_start)
+            self.total = max(self.warmup + 1, int(left * self.margin / per_step))
+            print(f"calibration: {per_step * 1e3:.0f} ms/step -> {self.total} steps", flush=True)
+        return self.total
+
+
 def generate_samples(model, tok, seed: int, max_new_tokens: int) -> dict:
     import torch
 
@@ -279,8 +309,7 @@ def main(argv=None) -> int:
         lr = lr_at(step, total, args)
         for group in opt.param_groups:
             group["lr"] = lr
-        offs = torch.randint(0, train.numel() - T - 1, (B,), generator=gen)
-        batch = torch.stack([train[o : o + T + 1] for o in offs.tolist()])
+        batch = random_batch(train, T, B, gen)
         out = model(input_ids=batch[:, :-1], output_router_logits=True, use_cache=False)
         ce = torch.nn.functional.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), batch[:, 1:].reshape(-1))
         aux = per_layer_balance_loss(out.router_logits, config.num_experts_per_tok)
