@@ -96,6 +96,39 @@ static inline float mf_half_to_float(uint16_t h) {
 #define MF_QK_HEAD 1  /* RMSNorm of q and k per head, before the rotary (Qwen3) */
 #define MF_QK_PROJ 2  /* RMSNorm of each token's whole q and whole k projection, before the rotary (OLMoE) */
 #define Q4_GROUP 8  /* q4 weight rows interleaved together (q4.c's layout) */
+#define MF_Q4_PREFETCH 3072  /* q4.c's and q4z.c's weight prefetch distance: bytes ahead of the block being read */
+
+#if MF_AVX512
+/* One 32-feature block b of the AVX-512 two-row-group tile (q4.c's q4_pair_tile, q4z.c's q4z_pair_tile): the
+   groups' 128 bytes each, at wa and wa + wb_off (prefetched MF_Q4_PREFETCH ahead), times tokens t0 .. t0 + tt - 1's
+   int8 activations of the block (xq [T, K]): the low and high nibbles of even and odd 8-feature steps in four
+   independent int32 sums dot[i][0..3], which the caller adds (exact). */
+static inline __attribute__((always_inline)) void mf_q4_pair_block_dots(const uint8_t* wa, size_t wb_off,
+                                                                         const int8_t* xq, int K, int b, int t0,
+                                                                         int tt, __m512i (*dot)[4]) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    _mm_prefetch((const char*)(wa + MF_Q4_PREFETCH), _MM_HINT_T0);
+    _mm_prefetch((const char*)(wa + MF_Q4_PREFETCH + 64), _MM_HINT_T0);
+    _mm_prefetch((const char*)(wa + wb_off + MF_Q4_PREFETCH), _MM_HINT_T0);
+    _mm_prefetch((const char*)(wa + wb_off + MF_Q4_PREFETCH + 64), _MM_HINT_T0);
+    for (int i = 0; i < tt; i++)
+        for (int a = 0; a < 4; a++) dot[i][a] = _mm512_setzero_si512();
+    for (int c = 0; c < 4; c++) {
+        const __m512i p = mf_load2x256(wa + 32 * c, wa + wb_off + 32 * c);
+        const __m512i lo = _mm512_and_si512(p, low);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
+        const int a = 2 * (c & 1);
+        for (int i = 0; i < tt; i++) {
+            const int8_t* xb = xq + (size_t)(t0 + i) * K + b * QB + 8 * c;
+            int32_t x0, x1;
+            memcpy(&x0, xb, 4);
+            memcpy(&x1, xb + 4, 4);
+            dot[i][a] = _mm512_dpbusd_epi32(dot[i][a], lo, _mm512_set1_epi32(x0));
+            dot[i][a + 1] = _mm512_dpbusd_epi32(dot[i][a + 1], hi, _mm512_set1_epi32(x1));
+        }
+    }
+}
+#endif
 #define Q8_GROUP 8  /* q8 weight rows interleaved together (q8.c's layout) */
 
 /* Rows [n0, n1) of a q4 matrix [N, K] against T quantized tokens: y[t, n] for n in [n0, n1) (q4.c). */

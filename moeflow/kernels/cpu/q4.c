@@ -32,7 +32,7 @@
 #ifndef PREFETCH
 /* bytes ahead of the block being read (24 blocks; the next row group's when near the end of this one): one token
    read an expert at 17.9 GB/s with 1024, 19.2-19.3 with 2048-4096 on the 2-core EPYC (bench of issue 21, s12) */
-#define PREFETCH 3072
+#define PREFETCH MF_Q4_PREFETCH  /* bytes ahead of the weight block being read (native.h) */
 #endif
 
 /* Scale and min of element i of a row group's (or a tail row's) s and m arrays, in either form. */
@@ -177,7 +177,6 @@ static inline __attribute__((always_inline)) void q4_pair_tile(
     const float* gsum, int t0, int tt, float* y, int ldy, int n) {
     const int nb = K / QB, ng = K / group, bpg = group / QB;
     const size_t wb_off = (size_t)Q4_GROUP * K / 2, sm_off = (size_t)Q4_GROUP * ng;  /* group B after A */
-    const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc[TT];
     for (int i = 0; i < tt; i++) acc[i] = _mm512_setzero_ps();
     for (int g = 0; g < ng; g++) {
@@ -187,27 +186,8 @@ static inline __attribute__((always_inline)) void q4_pair_tile(
             acc[i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(gsum[(size_t)(t0 + i) * ng + g]), acc[i]);
         for (int b = g * bpg; b < (g + 1) * bpg; b++) {
             const uint8_t* wa = w + (size_t)b * 128;
-            _mm_prefetch((const char*)(wa + PREFETCH), _MM_HINT_T0);
-            _mm_prefetch((const char*)(wa + PREFETCH + 64), _MM_HINT_T0);
-            _mm_prefetch((const char*)(wa + wb_off + PREFETCH), _MM_HINT_T0);
-            _mm_prefetch((const char*)(wa + wb_off + PREFETCH + 64), _MM_HINT_T0);
             __m512i dot[TT][4];  /* low, high nibbles of even, odd c: independent sums, added at the end (exact) */
-            for (int i = 0; i < tt; i++)
-                for (int a = 0; a < 4; a++) dot[i][a] = _mm512_setzero_si512();
-            for (int c = 0; c < 4; c++) {
-                const __m512i p = mf_load2x256(wa + 32 * c, wa + wb_off + 32 * c);
-                const __m512i lo = _mm512_and_si512(p, low);
-                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
-                const int a = 2 * (c & 1);
-                for (int i = 0; i < tt; i++) {
-                    const int8_t* xb = xq + (size_t)(t0 + i) * K + b * QB + 8 * c;
-                    int32_t x0, x1;
-                    memcpy(&x0, xb, 4);
-                    memcpy(&x1, xb + 4, 4);
-                    dot[i][a] = _mm512_dpbusd_epi32(dot[i][a], lo, _mm512_set1_epi32(x0));
-                    dot[i][a + 1] = _mm512_dpbusd_epi32(dot[i][a + 1], hi, _mm512_set1_epi32(x1));
-                }
-            }
+            mf_q4_pair_block_dots(wa, wb_off, xq, K, b, t0, tt, dot);
             for (int i = 0; i < tt; i++) {
                 const __m512i d = _mm512_add_epi32(_mm512_add_epi32(dot[i][0], dot[i][1]),
                                                    _mm512_add_epi32(dot[i][2], dot[i][3]));

@@ -19,7 +19,7 @@
 #include "native.h"
 
 #define TT 4            /* as q4.c: tokens per register tile */
-#define PREFETCH 3072   /* as q4.c: bytes ahead of the weight block being read */
+#define PREFETCH MF_Q4_PREFETCH  /* as q4.c (native.h) */
 #define Q4_PAIR_MIN_T 8 /* as q4.c: two row groups per register from this many tokens (AVX-512) */
 
 /* One block of the group-32 integer-zero-point path for element i of the scales (and zeros): acc = fma(float(dot -
@@ -137,15 +137,10 @@ static inline __attribute__((always_inline)) void q4z_pair_tile(
     const int32_t* xsum, int t0, int tt, float* y, int ldy, int n) {
     const int nb = K / QB;
     const size_t wb_off = (size_t)Q4_GROUP * K / 2, sm_off = (size_t)Q4_GROUP * nb;  /* group B after A */
-    const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc[TT];
     for (int i = 0; i < tt; i++) acc[i] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const uint8_t* wa = w + (size_t)b * 128;
-        _mm_prefetch((const char*)(wa + PREFETCH), _MM_HINT_T0);
-        _mm_prefetch((const char*)(wa + PREFETCH + 64), _MM_HINT_T0);
-        _mm_prefetch((const char*)(wa + wb_off + PREFETCH), _MM_HINT_T0);
-        _mm_prefetch((const char*)(wa + wb_off + PREFETCH + 64), _MM_HINT_T0);
         q4z_prefetch(s, m, fmt, b);
         q4z_prefetch((const uint16_t*)s + sm_off, (const uint8_t*)m + sm_off, fmt, b);
         const uint16_t* s16 = (const uint16_t*)s + 8 * b;
@@ -159,23 +154,8 @@ static inline __attribute__((always_inline)) void q4z_pair_tile(
             zv = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i*)z8),
                                                           _mm_loadl_epi64((const __m128i*)(z8 + sm_off))));
         }
-        __m512i dot[TT][4];
-        for (int i = 0; i < tt; i++)
-            for (int a = 0; a < 4; a++) dot[i][a] = _mm512_setzero_si512();
-        for (int c = 0; c < 4; c++) {
-            const __m512i p = mf_load2x256(wa + 32 * c, wa + wb_off + 32 * c);
-            const __m512i lo = _mm512_and_si512(p, low);
-            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
-            const int a = 2 * (c & 1);
-            for (int i = 0; i < tt; i++) {
-                const int8_t* xb = xq + (size_t)(t0 + i) * K + b * QB + 8 * c;
-                int32_t x0, x1;
-                memcpy(&x0, xb, 4);
-                memcpy(&x1, xb + 4, 4);
-                dot[i][a] = _mm512_dpbusd_epi32(dot[i][a], lo, _mm512_set1_epi32(x0));
-                dot[i][a + 1] = _mm512_dpbusd_epi32(dot[i][a + 1], hi, _mm512_set1_epi32(x1));
-            }
-        }
+        __m512i dot[TT][4];  /* as q4.c's: four independent sums, the zero points' share taken after */
+        mf_q4_pair_block_dots(wa, wb_off, xq, K, b, t0, tt, dot);
         for (int i = 0; i < tt; i++) {
             const __m512i d = _mm512_sub_epi32(
                 _mm512_add_epi32(_mm512_add_epi32(dot[i][0], dot[i][1]), _mm512_add_epi32(dot[i][2], dot[i][3])),
