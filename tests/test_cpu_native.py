@@ -297,3 +297,17 @@ def test_bad_shapes_are_named():
         Q8Matrix.from_rows(torch.zeros(8, 40, dtype=torch.int8), torch.ones(8))
     with pytest.raises(ValueError, match="one per row"):
         Q8Matrix.from_rows(torch.zeros(8, 64, dtype=torch.int8), torch.ones(4))
+
+
+def test_each_loaded_library_gets_a_binding_modules_signatures_once():
+    """native.declared: once per library object, again for a new one (the three binding modules once kept an id()
+    set, which a later library could match after a freed one: it then ran without signatures and crashed)."""
+    import ctypes
+
+    from moeflow.kernels.cpu.native import declared
+
+    calls = []
+    first, second = ctypes.CDLL(None), ctypes.CDLL(None)
+    for lib in (first, first, second):
+        assert declared(lib, calls.append) is lib
+    assert calls == [first, second]

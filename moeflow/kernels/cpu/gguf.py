@@ -16,19 +16,16 @@ AVX-512 VNNI, AVX2 and portable builds give the same bits and a token's result d
 from __future__ import annotations
 
 import ctypes
-import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from moeflow.kernels.cpu.native import library
+from moeflow.kernels.cpu.native import declared, library
 from moeflow.kernels.experts.gguf_reference import GGMLType, dequantize, ggml_type
 
 CPU_TYPES = ("Q8_0", "Q4_K", "Q5_K", "Q6_K")  # the block types gguf.c computes
 K_BLOCK = 256  # activation block of the K-quants (llama.cpp's Q8_K)
-# the libraries whose signatures are declared, held weakly: an id() could be reused by a later library
-_DECLARED: weakref.WeakSet[ctypes.CDLL] = weakref.WeakSet()
 
 
 def cpu_type(t: str | int | GGMLType) -> GGMLType:
@@ -39,18 +36,19 @@ def cpu_type(t: str | int | GGMLType) -> GGMLType:
     return g
 
 
+def _signatures(lib: ctypes.CDLL) -> None:
+    p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    lib.mf_gguf_linear.argtypes = [p, i, i, i, i, p, i64, p, i]
+    lib.mf_gguf_expert.argtypes = [p, i, i, i, i, p, p, i64, i, p, i64, p, p, i, i]
+    lib.mf_gguf_linear.restype = lib.mf_gguf_expert.restype = i
+
+
 def _lib() -> ctypes.CDLL:
     lib = library()
     if lib is None:
         raise RuntimeError("moeflow's CPU kernels are unavailable here (no C compiler, or MOEFLOW_CPU_NATIVE=0): "
                            "GGUF experts cannot be computed on the CPU")
-    if lib not in _DECLARED:
-        p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-        lib.mf_gguf_linear.argtypes = [p, i, i, i, i, p, i64, p, i]
-        lib.mf_gguf_expert.argtypes = [p, i, i, i, i, p, p, i64, i, p, i64, p, p, i, i]
-        lib.mf_gguf_linear.restype = lib.mf_gguf_expert.restype = i
-        _DECLARED.add(lib)
-    return lib
+    return declared(lib, _signatures)
 
 
 def _check_rc(rc: int, what: str) -> None:

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import ctypes
 import math
-import weakref
 from collections.abc import Sequence
 
 import torch
 
 from moeflow.kernels.cpu.gguf import GGUFCpuExpert
-from moeflow.kernels.cpu.native import Q4Matrix
+from moeflow.kernels.cpu.native import Q4Matrix, declared
 from moeflow.kernels.cpu.step import (
     QKNorm,
     _check_fp32,
@@ -87,17 +86,9 @@ class LayerDesc(ctypes.Structure):
                 ("shared", ctypes.POINTER(ExpertDesc)), ("shared_gate", _p), ("shared_I", _i), ("shared_group", _i)]
 
 
-# the libraries whose signatures are declared, held weakly: an id() could be reused by a later library
-_DECLARED: weakref.WeakSet[ctypes.CDLL] = weakref.WeakSet()
-
-
-def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """``lib`` with mf_layers_step's signature declared (once per loaded library)."""
-    if lib not in _DECLARED:
-        lib.mf_layers_step.argtypes = [ctypes.POINTER(LayerDesc), _i, _p, _i, _p, _p, _p, _i, _p, _f, _p, _p, _i]
-        lib.mf_layers_step.restype = _i
-        _DECLARED.add(lib)
-    return lib
+def _signatures(lib: ctypes.CDLL) -> None:
+    lib.mf_layers_step.argtypes = [ctypes.POINTER(LayerDesc), _i, _p, _i, _p, _p, _p, _i, _p, _f, _p, _p, _i]
+    lib.mf_layers_step.restype = _i
 
 
 def layer_desc(norm_in: torch.Tensor, norm_post: torch.Tensor, eps: float, qkv: torch.nn.Module,
@@ -156,10 +147,10 @@ def layers_step(descs: ctypes.Array, x: torch.Tensor, cos: torch.Tensor, sin: to
     weights = torch.empty((n, k), dtype=torch.float32) if weights is None else weights
     ptrs = (_p * (3 * n))(*[t.data_ptr() for c in caches for t in c])
     k_cache = caches[0][0]
-    rc = _declare(_lib()).mf_layers_step(descs, n, out.data_ptr(), x.shape[-1], cos.data_ptr(), sin.data_ptr(),
-                                         ptrs, k_cache.shape[2], cache_position.data_ptr(),
-                                         1.0 / math.sqrt(k_cache.shape[3]), ids.data_ptr(), weights.data_ptr(),
-                                         torch.get_num_threads())
+    lib = declared(_lib(), _signatures)
+    rc = lib.mf_layers_step(descs, n, out.data_ptr(), x.shape[-1], cos.data_ptr(), sin.data_ptr(), ptrs,
+                            k_cache.shape[2], cache_position.data_ptr(), 1.0 / math.sqrt(k_cache.shape[3]),
+                            ids.data_ptr(), weights.data_ptr(), torch.get_num_threads())
     if rc == -1:
         raise MemoryError("layers_step: the CPU kernel could not allocate its buffers")
     if rc:

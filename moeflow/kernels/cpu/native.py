@@ -38,6 +38,8 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,6 +125,20 @@ def library() -> ctypes.CDLL | None:
 def native_available() -> bool:
     """Whether moeflow's CPU kernels are built and loaded here (see the module docstring)."""
     return library() is not None
+
+
+# per loaded library, the signature declarations of the other binding modules already run on it; held weakly: a
+# later library could reuse a freed one's id() and would then run without its signatures
+_DECLARED: weakref.WeakKeyDictionary[ctypes.CDLL, set[Callable[[ctypes.CDLL], None]]] = weakref.WeakKeyDictionary()
+
+
+def declared(lib: ctypes.CDLL, declare: Callable[[ctypes.CDLL], None]) -> ctypes.CDLL:
+    """``lib`` once ``declare(lib)`` (a binding module's function signatures) has run on it: once per library."""
+    done = _DECLARED.setdefault(lib, set())
+    if declare not in done:
+        declare(lib)
+        done.add(declare)
+    return lib
 
 
 def load(path: Path) -> ctypes.CDLL:

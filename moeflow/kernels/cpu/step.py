@@ -21,16 +21,13 @@ from __future__ import annotations
 
 import ctypes
 import math
-import weakref
 from dataclasses import dataclass
 
 import torch
 
-from moeflow.kernels.cpu.native import Q4_F32, Q4Matrix, library, q4_expert_reference, q4_fmt
+from moeflow.kernels.cpu.native import Q4_F32, Q4Matrix, declared, library, q4_expert_reference, q4_fmt
 from moeflow.kernels.cpu.quant_linear import CpuQuantLinear, SplitLinear
 
-# the libraries whose signatures are declared, held weakly: an id() could be reused by a later library
-_DECLARED: weakref.WeakSet[ctypes.CDLL] = weakref.WeakSet()
 # tokens per sequence up to which the attention op runs (decode, short prompts); beyond, SDPA's blocked GEMMs
 # beat its loop over queries and positions
 NATIVE_ATTENTION_TOKENS = 16
@@ -64,28 +61,29 @@ def qk_norm_args(norm: QKNorm | None) -> tuple:
     return QK_HEAD if norm.per_head else QK_PROJECTION, norm.q.data_ptr(), norm.k.data_ptr(), norm.eps
 
 
+def _signatures(lib: ctypes.CDLL) -> None:
+    p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    lib.mf_rmsnorm.argtypes = [p, p, p, p, f, i, i, p]
+    lib.mf_rmsnorm.restype = None
+    lib.mf_attn_step.argtypes = [p, i, i, i, i, i, p, p, p, p, i, p, p, f, i, p, p, f, p, i]
+    lib.mf_attn_step.restype = i
+    lib.mf_attn_block.argtypes = [p, i, i, i, p, p, f, i, i, i, p, p, p, i, i, i, p, p, p, i, i, i, p, p, p,
+                                  i, i, i, p, i, p, p, f, p, p, p, p, i, p, p, f, p, p, i]
+    lib.mf_attn_block.restype = i
+    lib.mf_dense_f32.argtypes = [p, i, i, i, p, p]
+    lib.mf_dense_f32.restype = None
+    lib.mf_softmax_topk.argtypes = [p, i, i, i, i, p, p, p]
+    lib.mf_softmax_topk.restype = None
+    lib.mf_shared_expert.argtypes = [p, i, i, i, i, i, p, p, p, p, p, p, p, p, i, i]
+    lib.mf_shared_expert.restype = i
+
+
 def _lib() -> ctypes.CDLL:
     """The library with this section's functions declared (once per loaded library)."""
     lib = library()
     if lib is None:
         raise RuntimeError("moeflow's CPU kernels are unavailable here (see moeflow.kernels.cpu.native)")
-    if lib not in _DECLARED:
-        p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-        lib.mf_rmsnorm.argtypes = [p, p, p, p, f, i, i, p]
-        lib.mf_rmsnorm.restype = None
-        lib.mf_attn_step.argtypes = [p, i, i, i, i, i, p, p, p, p, i, p, p, f, i, p, p, f, p, i]
-        lib.mf_attn_step.restype = i
-        lib.mf_attn_block.argtypes = [p, i, i, i, p, p, f, i, i, i, p, p, p, i, i, i, p, p, p, i, i, i, p, p, p,
-                                      i, i, i, p, i, p, p, f, p, p, p, p, i, p, p, f, p, p, i]
-        lib.mf_attn_block.restype = i
-        lib.mf_dense_f32.argtypes = [p, i, i, i, p, p]
-        lib.mf_dense_f32.restype = None
-        lib.mf_softmax_topk.argtypes = [p, i, i, i, i, p, p, p]
-        lib.mf_softmax_topk.restype = None
-        lib.mf_shared_expert.argtypes = [p, i, i, i, i, i, p, p, p, p, p, p, p, p, i, i]
-        lib.mf_shared_expert.restype = i
-        _DECLARED.add(lib)
-    return lib
+    return declared(lib, _signatures)
 
 
 def _check_fp32(name: str, t: torch.Tensor) -> None:
