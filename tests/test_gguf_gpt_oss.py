@@ -130,14 +130,18 @@ def test_mxfp4_experts_are_the_published_blocks_and_the_files_biases(tmp_path):
         source.close()
 
 
-def test_quantized_float_experts_are_dequantized_with_a_warning(tmp_path):
-    write_gpt_oss_gguf(make_gpt_oss_model(seed=6, **SHAPE), tmp_path / "m.gguf", expert_type=T.Q8_0)
+@pytest.mark.parametrize(("expert_type", "reason"), [
+    ("Q8_0", "dequantized"),  # quantized float experts: no biased GGUF form
+    ("Q4_0", "fp16"),  # Q4_0 experts whose biases the biased AWQ format's fp16 cannot hold
+])
+def test_experts_without_a_biased_form_are_dequantized_with_a_warning(tmp_path, expert_type, reason):
+    write_gpt_oss_gguf(make_gpt_oss_model(seed=6, **SHAPE), tmp_path / "m.gguf", expert_type=getattr(T, expert_type))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model = MoEModel.from_pretrained(tmp_path / "m.gguf", dtype=torch.float32, kernels="torch")
     model.close()
     assert model.experts.fmt.kind == "dense"
-    assert any("Q8_0" in str(w.message) and "dequantized" in str(w.message) for w in caught)
+    assert any(expert_type in str(w.message) and reason in str(w.message) for w in caught)
 
 
 def test_q4_0_experts_run_as_stored_in_the_biased_awq_format(tmp_path):
@@ -161,16 +165,6 @@ def test_q4_0_experts_run_as_stored_in_the_biased_awq_format(tmp_path):
             assert torch.equal(generate(model), want), f"{slots} slots"
         finally:
             model.close()
-
-
-def test_q4_0_experts_with_biases_fp16_cannot_hold_are_dequantized(tmp_path):
-    write_gpt_oss_gguf(make_gpt_oss_model(seed=6, **SHAPE), tmp_path / "m.gguf", expert_type=T.Q4_0)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        model = MoEModel.from_pretrained(tmp_path / "m.gguf", dtype=torch.float32, kernels="torch")
-    model.close()
-    assert model.experts.fmt.kind == "dense"
-    assert any("Q4_0" in str(w.message) and "fp16" in str(w.message) for w in caught)
 
 
 def test_gpt_oss_gguf_without_sinks_is_refused(tmp_path):
