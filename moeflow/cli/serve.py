@@ -211,7 +211,8 @@ def cmd_serve(args) -> int:
     engine = ContinuousEngine(model, cache, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
                               listener=metrics, prefix_cache=args.prefix_cache == "on",
                               prompt_lookup=args.prompt_lookup, max_matching_ngram_size=args.max_matching_ngram_size,
-                              num_speculative_tokens=speculative)
+                              num_speculative_tokens=speculative, micro_batch_size=args.micro_batch_size,
+                              token_scheduler=args.token_scheduler)
     # the decode steps of every padded batch size at the smallest key bucket, captured before the first client
     steps, seconds = engine.warm_up()
     if engine.graphs is not None:
@@ -235,11 +236,33 @@ def cmd_serve(args) -> int:
           f"({cache.nbytes / 2**20:.1f} MiB) | "
           f"CUDA graphs {'on' if engine.graphs is not None else 'off'} | prefix cache {args.prefix_cache} | "
           f"prompt lookup {args.prompt_lookup or 'off'} | "
+          f"token scheduler {_describe(engine.regroup)} | "
           f"MTP speculation {f'{speculative} tokens, {engine.mtp.nbytes / 2**20:.1f} MiB' if speculative else 'off'} | "
           f"API key {'required' if api_key else 'off'}", flush=True)
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
     uvicorn.Server(config).run(sockets=[sock])
     return 0
+
+
+def _describe(regroup) -> str:
+    """The serve banner's token-scheduler field (``ContinuousEngine.regroup``)."""
+    if regroup is None:
+        return "off"
+    size = "2 micro-batches" if regroup.micro_batch_size == "auto" else f"micro-batches of {regroup.micro_batch_size}"
+    return f"{regroup.scheduler}, {size}"
+
+
+def _micro_batch_size(text: str) -> int | str | None:
+    """--micro-batch-size: "auto", "off" (None) or an integer >= 1."""
+    if text in ("auto", "off"):
+        return None if text == "off" else text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected auto, off or an integer >= 1, got {text!r}")
+    return value
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -262,6 +285,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def register(sub) -> None:
+    from moeflow.engine.continuous_regroup import SCHEDULERS
+
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (docs/serving.md)")
     _add_model_args(p)
     p.add_argument("--host", default="127.0.0.1")
@@ -282,6 +307,13 @@ def register(sub) -> None:
     p.add_argument("--max-matching-ngram-size", type=int, default=2,
                    help="longest n-gram --prompt-lookup matches (as generate's max_matching_ngram_size)")
     add_speculative_args(p)
+    p.add_argument("--micro-batch-size", type=_micro_batch_size, default="auto", metavar="auto|off|N",
+                   help="decode steps as micro-batches of at most N rows grouped by predicted routing paths "
+                        "(ExpertFlow's token scheduler; auto: two micro-batches under a policy that predicts routing "
+                        "paths, expertflow; off: one pass per step)")
+    p.add_argument("--token-scheduler", choices=list(SCHEDULERS), default="policy",
+                   help="how --micro-batch-size groups the rows: the policy's choice, the paper's clustering, "
+                        "the clustering unless the contiguous split activates no more experts, or row order")
     p.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (or set {API_KEY_ENV})")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: directory name)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")

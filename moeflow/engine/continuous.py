@@ -30,6 +30,10 @@ verifies tokens drafted from its own context, several tokens per pass (:mod:`moe
 captured too, one more step per key bucket). MTP speculation (``num_speculative_tokens``, off by default): the
 same, drafted by the model's multi-token-prediction layers (:mod:`moeflow.engine.continuous_mtp`: eager passes).
 
+Token scheduler (``micro_batch_size``, on by default where the policy predicts routing paths: expertflow): a decode
+step's rows run as micro-batches grouped by their predicted routing paths, each a pass of its own
+(:mod:`moeflow.engine.continuous_regroup`).
+
 Token history: a backend whose predictor reads every token so far (``ExpertBackend.needs_history``: the
 expertflow policy) gets them from a :class:`~moeflow.engine.token_history.TokenHistory` on the device, which each
 pass writes its own tokens into; other backends get none (no per-pass host work over the whole context).
@@ -48,6 +52,7 @@ import torch
 from moeflow.chat.guided import Guide
 from moeflow.engine.continuous_lookup import LookupDrafter
 from moeflow.engine.continuous_mtp import MTPEngineDrafter
+from moeflow.engine.continuous_regroup import make_regrouper, run_split
 from moeflow.engine.cuda_graphs import CudaGraphDecode
 from moeflow.engine.kv_slots import SlotKVCache, check_slotted
 from moeflow.engine.lookup import DEFAULT_MAX_NGRAM
@@ -90,13 +95,18 @@ class ContinuousEngine:
     (``from_pretrained(mtp=True)``) while one greedy sequence decodes alone (:class:`~moeflow.engine.
     continuous_mtp.MTPEngineDrafter`, ``self.mtp``; None when off, the default). Every pass then runs eagerly
     (``cuda_graphs`` None means off with it; True is refused) and keeps its hidden states for the MTP layers.
+    ``micro_batch_size``: decode steps in micro-batches grouped by predicted routing paths, ExpertFlow's token
+    scheduler (:mod:`moeflow.engine.continuous_regroup`, ``self.regroup``; None: off): "auto" (the default) turns
+    it on, two micro-batches, where the policy predicts routing paths (expertflow); ``token_scheduler`` picks how
+    they are grouped (``continuous_regroup.SCHEDULERS``; "policy": the policy's ``keep_contiguous``).
     """
 
     def __init__(self, model: ServedModel, cache: SlotKVCache, max_queue: int = 64, prefill_chunk: int = 64,
                  listener: EngineListener | None = None, cuda_graphs: bool | None = None,
                  prefix_cache: bool = True, prefix_min_tokens: int = MIN_PREFIX_TOKENS,
                  prompt_lookup: int | None = None, max_matching_ngram_size: int = DEFAULT_MAX_NGRAM,
-                 num_speculative_tokens: int | None = None) -> None:
+                 num_speculative_tokens: int | None = None, micro_batch_size: int | str | None = "auto",
+                 token_scheduler: str = "policy") -> None:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         if num_speculative_tokens is not None:
@@ -115,7 +125,8 @@ class ContinuousEngine:
         self.listener = listener or EngineListener()
         self.device = model.device
         backend = model.runner.backend
-        needs = backend is not None and backend.needs_history
+        self.regroup = make_regrouper(backend, micro_batch_size, token_scheduler)
+        needs = backend is not None and backend.needs_history or self.regroup is not None
         self.history = TokenHistory(cache.rows, cache.max_len, self.device) if needs else None
         self.prefix = PrefixCache(cache, prefix_min_tokens) if prefix_cache else None
         self.lookup = LookupDrafter(self, prompt_lookup, max_matching_ngram_size) if prompt_lookup else None
@@ -312,19 +323,27 @@ class ContinuousEngine:
         seqs = sorted(seqs, key=lambda s: s.row)
         ids = torch.tensor([[s.generated[-1]] for s in seqs], dtype=torch.long)
         pos = torch.tensor([[len(s.prompt_ids) + len(s.generated) - 1] for s in seqs], dtype=torch.long)
-        if self.graphs is not None and self.graphs.refused is None:
-            logits = self._captured_pass(seqs, ids, pos)
-        else:
-            logits = self._pass("decode", seqs, ids, pos, torch.ones_like(ids, dtype=torch.bool))
+        logits = run_split(self, self.regroup, seqs, ids, pos) if self.regroup is not None else None
+        if logits is None:  # (one pass over every row)
+            logits = self.decode_pass(seqs, ids, pos)
         greedy = logits[:, -1].argmax(dim=-1).tolist()
         for i, seq in enumerate(seqs):
             plain = not seq.gen_config.do_sample and not seq.params.adjusts_logits and seq.guide is None
             token = greedy[i] if plain else self._sample(seq, logits[i, -1])
             self._emit(seq, token, logits[i, -1])
 
+    def decode_pass(self, seqs: list[Sequence], ids: torch.Tensor, pos: torch.Tensor,
+                    path_scores: torch.Tensor | None = None) -> torch.Tensor:
+        """One decode pass over ``seqs``' rows (captured when the engine captures): ids/pos int64 [B, 1] ->
+        logits fp32 [B, 1, V]; ``path_scores`` fp32 [B, L, E]: the rows' routing-path scores predicted ahead."""
+        if self.graphs is not None and self.graphs.refused is None:
+            return self._captured_pass(seqs, ids, pos, path_scores=path_scores)
+        return self._pass("decode", seqs, ids, pos, torch.ones_like(ids, dtype=torch.bool), path_scores)
+
     def _pass(self, phase: str, seqs: list[Sequence], ids: torch.Tensor, pos: torch.Tensor,
-              mask: torch.Tensor) -> torch.Tensor:
-        """One forward pass over ``seqs``' rows: ids/pos int64 [B, T], mask bool [B, T] -> logits fp32 [B, T, V]."""
+              mask: torch.Tensor, path_scores: torch.Tensor | None = None) -> torch.Tensor:
+        """One forward pass over ``seqs``' rows: ids/pos int64 [B, T], mask bool [B, T] -> logits fp32 [B, T, V];
+        path_scores fp32 [B, L, E] or None (:meth:`decode_pass`)."""
         dev, host_pos, host_mask = self.device, pos, mask
         all_real = bool(mask.all())  # on the host still: a decode pass's backend reads no mask back
         history = self.history.feed([s.row for s in seqs], ids, pos, mask) if self.history is not None else None
@@ -335,8 +354,8 @@ class ContinuousEngine:
         stats.set_phase(phase)
         start = time.perf_counter()
         out = self.model.runner.forward_pass(ids, view.cache_position, view, view.cache_position, mask, phase,
-                                             rows=rows, history=history, all_real=all_real,
-                                             return_hidden=self.mtp is not None)
+                                             rows=rows, history=history, path_scores=path_scores,
+                                             all_real=all_real, return_hidden=self.mtp is not None)
         if self.mtp is not None:  # (every pass's hidden states: what the MTP layers read)
             out, hidden = out
             self.mtp.store(seqs, host_pos, host_mask, hidden)
@@ -345,10 +364,10 @@ class ContinuousEngine:
         return logits
 
     def _captured_pass(self, seqs: list[Sequence], ids: torch.Tensor, pos: torch.Tensor,
-                       count: bool = True) -> torch.Tensor:
+                       count: bool = True, path_scores: torch.Tensor | None = None) -> torch.Tensor:
         """A decode pass padded for its captured step: ids/pos int64 [B, 1] -> logits fp32 [B, 1, V] (the real
-        rows'). Padding row i copies row ``source[i]`` (0) of the pass: its token, position, cache row, history.
-        ``count``: into the stats and the listener (not the warm-up's)."""
+        rows'). Padding row i copies row ``source[i]`` (0) of the pass: its token, position, cache row, history
+        (and path scores [B, L, E], when given). ``count``: into the stats and the listener (not the warm-up's)."""
         dev, B = self.device, len(seqs)
         source = torch.tensor(list(range(B)) + [0] * (padded_batch(B) - B), dtype=torch.long)
         view = self.cache.decode_view(len(source), key_bucket(int(pos.max()) + 1, self.cache.max_len))
@@ -360,8 +379,10 @@ class ContinuousEngine:
         ids, pos, mask = ids.to(dev), pos.to(dev), mask.to(dev)
         self.model.stats.set_phase("decode")
         start = time.perf_counter()
+        if path_scores is not None:
+            path_scores = path_scores[source]
         logits = self.model.runner.forward_pass(ids, pos, view, pos, mask, "decode", rows=view.rows,
-                                                history=history, all_real=True)
+                                                history=history, path_scores=path_scores, all_real=True)
         logits = logits[:B].cpu()  # (the step's static buffer on the CPU: read before the step's next replay)
         if count:
             self._count("decode", B, B, time.perf_counter() - start)

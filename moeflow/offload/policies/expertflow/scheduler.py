@@ -48,6 +48,16 @@ def _group_sizes(batch: int, micro_batch_size: int) -> list[int]:
     return [base + (1 if g < extra else 0) for g in range(n_groups)]
 
 
+def balanced_split(batch: int, micro_batch_size: int) -> list[list[int]]:
+    """``range(batch)`` in row order as ceil(batch / micro_batch_size) micro-batches of near-equal size (the
+    contiguous split the clustering is balanced like)."""
+    groups, start = [], 0
+    for s in _group_sizes(batch, micro_batch_size):
+        groups.append(list(range(start, start + s)))
+        start += s
+    return groups
+
+
 def _assign(sim_to_centroids: torch.Tensor, sizes: list[int]) -> list[list[int]]:
     """Most confident sequences first, each to its most similar centroid that still has room."""
     batch, n_groups = sim_to_centroids.shape
@@ -78,10 +88,7 @@ def group_by_routing(
     if not isinstance(micro_batch_size, int) or micro_batch_size < 1 or micro_batch_size > batch:
         raise ValueError(f"micro_batch_size must be an integer in [1, batch={batch}], got {micro_batch_size!r}")
     sizes = _group_sizes(batch, micro_batch_size)
-    balanced, start = [], 0
-    for s in sizes:
-        balanced.append(list(range(start, start + s)))
-        start += s
+    balanced = balanced_split(batch, micro_batch_size)
     chunked = [list(range(i, min(i + micro_batch_size, batch))) for i in range(0, batch, micro_batch_size)]
     if len(sizes) == 1 or micro_batch_size == 1:
         return chunked
