@@ -1,12 +1,15 @@
 """Batched replay (moeflow/sim/batched.py, ``simulate(batch=)``, ``moeflow simulate --batch``): B sequences of a
 batch-1 trace prefilled in one pass and decoded one pass per step. lru's and lfu's expert loads equal the CPU
 runtime's generate of the same prompts as one left-padded batch (batch 2-4); every pass hands begin_step what the
-engine hands it for that batch, and on a link with instant copies mixtral-offloading's, duoserve's and promoe's
-loads equal the (synchronous) runtime's too; pinned counts. ~12 s on 2 cores."""
+engine hands it for that batch, and on an ideal link (``h2d_gbps=math.inf``: copies land as they are issued)
+mixtral-offloading's, duoserve's, promoe's, expertflow's and finemoe's loads equal the (synchronous) runtime's too,
+at batch 1 and 3 (a fast finite link does not: pinned); pinned counts. ~25 s on 2 cores."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -75,25 +78,44 @@ def test_loads_equal_the_runtime_at_batch(recorded, policy, batch, slots):
     assert one.decode_steps == batch * (NEW - 1) and one.decode_hit_rate != pytest.approx(res.decode_hit_rate)
 
 
-# copies that take no time: the simulated copy queue lands every guess at once, as the runtime's synchronous copies do
-INSTANT = custom_profile(h2d_gbps=1e7, expert_mb=0.01, layer_ms=0.3, expert_ms=0.25, expert_ms_per_token=0.02,
+# an ideal link (copies take no time): a copy lands at the instant it is issued, as the runtime's synchronous copies
+# do. A fast finite link is not enough: the host clock does not move between a layer's prefetches and the next
+# layer's proposals, so copies of even 1e-15 s are still in flight there (LOADING: neither free nor evictable),
+# which moves expertflow's whole-budget plan and finemoe's victims (docs/simulator.md "Batched decode")
+INSTANT = custom_profile(h2d_gbps=math.inf, expert_mb=0.01, layer_ms=0.3, expert_ms=0.25, expert_ms_per_token=0.02,
                          head_ms=0.4, sched_ms=0.05, latency_us=0.0)
+FAST = dataclasses.replace(INSTANT, h2d_gbps=1e7)
 
 
-@pytest.mark.parametrize("policy", ["mixtral-offloading", "duoserve", "promoe"])
-def test_predictive_loads_equal_the_runtime_on_an_instant_link(recorded, policy):
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("policy", ["mixtral-offloading", "duoserve", "promoe", "expertflow", "finemoe"])
+def test_predictive_loads_equal_the_runtime_on_an_instant_link(recorded, policy, batch):
     """The predictors see at batch 3 what the engine's do (their tokens, histories, embeddings, hidden states):
     with copies that take no time their guesses and so their loads are the synchronous runtime's."""
     from moeflow.sim.simulator import load_gates
 
     prompts, trace = recorded
-    stats, nbytes = runtime(policy, 12, prompts[:3])
+    stats, nbytes = runtime(policy, 12, prompts[:batch])
     gates = load_gates(embedded_model_path(), trace.num_layers)
-    res = simulate(trace.select(range(3)), policy, 12, INSTANT, timeline=False, batch=3, gates=gates,
+    res = simulate(trace.select(range(batch)), policy, 12, INSTANT, timeline=False, batch=batch, gates=gates,
                    predictor_dir=embedded_model_path())
     assert res.prefill_bytes_h2d / INSTANT.expert_bytes == pytest.approx(stats.prefill.bytes_h2d / nbytes)
     assert res.decode_bytes_h2d / INSTANT.expert_bytes == pytest.approx(stats.decode.bytes_h2d / nbytes)
     assert stats.decode.prefetches > 0
+
+
+def test_a_fast_link_is_not_an_instant_one(recorded):
+    """The cause of the difference the instant link removes: on a 1e7 GB/s link expertflow's prefetches are still
+    in flight at the next layer's proposal, its plan takes fewer slots, and it loads fewer experts than the
+    synchronous runtime (pinned: 100 against 120 experts moved in decode at batch 3)."""
+    from moeflow.sim.simulator import load_gates
+
+    prompts, trace = recorded
+    stats, nbytes = runtime("expertflow", 12, prompts[:3])
+    gates = load_gates(embedded_model_path(), trace.num_layers)
+    fast = simulate(trace.select(range(3)), "expertflow", 12, FAST, timeline=False, batch=3, gates=gates,
+                    predictor_dir=embedded_model_path())
+    assert (fast.decode_bytes_h2d / FAST.expert_bytes, stats.decode.bytes_h2d / nbytes) == (100, 120)
 
 
 def test_begin_step_gets_what_the_engine_gives(recorded):

@@ -65,7 +65,8 @@ class HardwareProfile:
     """Costs the simulator charges. Bandwidth in GB/s (1e9 B/s), times in ms unless named otherwise.
 
     * ``h2d_gbps`` / ``h2d_latency_us``: pinned host->device copy rate and the fixed cost of one copy call
-      (one chunk).
+      (one chunk). ``h2d_gbps=math.inf`` with no latency is an ideal link: a copy lands at the instant it is
+      issued, as the runtime's synchronous copies do (what validates the simulator's counts against them).
     * ``attn_ms`` + ``attn_ms_per_token`` * T: everything of one decoder layer except the experts
       (norms, attention, router) for a forward pass over T tokens.
     * ``expert_ms`` + ``expert_ms_per_token`` * n: one expert applied to the n tokens routed to it
@@ -115,9 +116,9 @@ class HardwareProfile:
     def validate(self) -> None:
         """ProfileError naming the field: bandwidth must be > 0, times >= 0, sizes > 0."""
         where = f"hardware profile {self.name!r}"
-        if not (isinstance(self.h2d_gbps, int | float) and math.isfinite(self.h2d_gbps) and self.h2d_gbps > 0):
+        if not (isinstance(self.h2d_gbps, int | float) and not math.isnan(self.h2d_gbps) and self.h2d_gbps > 0):
             raise ProfileError(f"{where}: h2d_gbps={self.h2d_gbps!r}; the host->device bandwidth must be a "
-                               "positive number of GB/s")
+                               "positive number of GB/s (inf: an ideal link, copies take no time)")
         if not (isinstance(self.expert_bytes, int) and self.expert_bytes > 0):
             raise ProfileError(f"{where}: expert_bytes={self.expert_bytes!r} must be a positive integer")
         for name in ("h2d_latency_us", "attn_ms", "attn_ms_per_token", "expert_ms", "expert_ms_per_token",
