@@ -79,10 +79,24 @@ def test_split_steps_give_resident_tokens(resident_replies, scheduler, size, tra
 def test_seeded_sampling_is_the_one_pass_engines():
     params = {"do_sample": True, "temperature": 0.9, "top_k": 20, "seed": 3}
     model = expertflow(12)
-    one, _ = serve(model, params=params, micro_batch_size=None)
-    split, eng = serve(model, params=params)
+    one, _ = serve(model, params=params)
+    split, eng = serve(model, params=params, micro_batch_size="auto")
     model.experts.close()
     assert split == one and eng.regroup.stats.steps >= 3
+
+
+def test_captured_split_passes_give_resident_tokens(resident_replies):
+    """The micro-batches' passes through the captured decode steps (TraceCapture, the CPU stand-in of CUDA graphs:
+    padded to 1 / 2 rows) give the eager split engine's tokens and the resident model's."""
+    from test_serve_graphs import captured
+
+    model, graphs = captured(OffloadConfig(policy="expertflow", gpu_expert_slots=12))
+    try:
+        got, eng = serve(model, micro_batch_size="auto", token_scheduler="clustering")
+    finally:
+        model.close()
+    assert eng.graphs is graphs and graphs.refused is None and graphs.captures > 0
+    assert got == resident_replies and eng.regroup.stats.steps >= 3
 
 
 class ParityPlanner:
@@ -166,6 +180,8 @@ def test_switches_and_errors():
     with pytest.raises(ValueError, match="predicts none"):
         make_regrouper(lru.experts, 2)
     model = expertflow(12)
+    engine = ContinuousEngine(model, SlotKVCache.for_model(model, 64, max_rows=2))
+    assert engine.regroup is None and engine.history is not None  # off by default; PLEC reads the history anyway
     assert make_regrouper(model.experts, None) is None
     assert make_regrouper(model.experts, "auto").size_for(5) == 3
     with pytest.raises(ValueError, match="token scheduler 'k-means'"):

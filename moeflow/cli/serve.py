@@ -307,10 +307,10 @@ def register(sub) -> None:
     p.add_argument("--max-matching-ngram-size", type=int, default=2,
                    help="longest n-gram --prompt-lookup matches (as generate's max_matching_ngram_size)")
     add_speculative_args(p)
-    p.add_argument("--micro-batch-size", type=_micro_batch_size, default="auto", metavar="auto|off|N",
+    p.add_argument("--micro-batch-size", type=_micro_batch_size, default=None, metavar="auto|off|N",
                    help="decode steps as micro-batches of at most N rows grouped by predicted routing paths "
                         "(ExpertFlow's token scheduler; auto: two micro-batches under a policy that predicts routing "
-                        "paths, expertflow; off: one pass per step)")
+                        "paths, expertflow; off, the default: one pass per step; docs/serving.md)")
     p.add_argument("--token-scheduler", choices=list(SCHEDULERS), default="policy",
                    help="how --micro-batch-size groups the rows: the policy's choice, the paper's clustering, "
                         "the clustering unless the contiguous split activates no more experts, or row order")

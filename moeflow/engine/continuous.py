@@ -30,8 +30,8 @@ verifies tokens drafted from its own context, several tokens per pass (:mod:`moe
 captured too, one more step per key bucket). MTP speculation (``num_speculative_tokens``, off by default): the
 same, drafted by the model's multi-token-prediction layers (:mod:`moeflow.engine.continuous_mtp`: eager passes).
 
-Token scheduler (``micro_batch_size``, on by default where the policy predicts routing paths: expertflow): a decode
-step's rows run as micro-batches grouped by their predicted routing paths, each a pass of its own
+Token scheduler (``micro_batch_size``, off by default; "auto": where the policy predicts routing paths, expertflow):
+a decode step's rows run as micro-batches grouped by their predicted routing paths, each a pass of its own
 (:mod:`moeflow.engine.continuous_regroup`).
 
 Token history: a backend whose predictor reads every token so far (``ExpertBackend.needs_history``: the
@@ -96,7 +96,7 @@ class ContinuousEngine:
     continuous_mtp.MTPEngineDrafter`, ``self.mtp``; None when off, the default). Every pass then runs eagerly
     (``cuda_graphs`` None means off with it; True is refused) and keeps its hidden states for the MTP layers.
     ``micro_batch_size``: decode steps in micro-batches grouped by predicted routing paths, ExpertFlow's token
-    scheduler (:mod:`moeflow.engine.continuous_regroup`, ``self.regroup``; None: off): "auto" (the default) turns
+    scheduler (:mod:`moeflow.engine.continuous_regroup`, ``self.regroup``; None, the default: off): "auto" turns
     it on, two micro-batches, where the policy predicts routing paths (expertflow); ``token_scheduler`` picks how
     they are grouped (``continuous_regroup.SCHEDULERS``; "policy": the policy's ``keep_contiguous``).
     """
@@ -105,7 +105,7 @@ class ContinuousEngine:
                  listener: EngineListener | None = None, cuda_graphs: bool | None = None,
                  prefix_cache: bool = True, prefix_min_tokens: int = MIN_PREFIX_TOKENS,
                  prompt_lookup: int | None = None, max_matching_ngram_size: int = DEFAULT_MAX_NGRAM,
-                 num_speculative_tokens: int | None = None, micro_batch_size: int | str | None = "auto",
+                 num_speculative_tokens: int | None = None, micro_batch_size: int | str | None = None,
                  token_scheduler: str = "policy") -> None:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")

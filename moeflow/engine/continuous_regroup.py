@@ -1,10 +1,10 @@
 """ExpertFlow's token scheduler in the serving engine: a decode step's running rows in micro-batches grouped by
 routing-path similarity (ExpertFlow §3.3), each micro-batch a pass of its own with its own expert loads.
 
-Without it (the default for every policy but expertflow) a decode step of the continuous-batching engine is one pass
-over every running row: per MoE layer it needs the union of their experts. With it the step runs the rows in
-micro-batches of at most ``micro_batch_size`` (``"auto"``: two, the paper's dual batch: the tokens of two batches
-regrouped into two balanced ones), formed from each row's routing path for the token it feeds, predicted before the
+Without it (the default) a decode step of the continuous-batching engine is one pass over every running row: per MoE
+layer it needs the union of their experts. With it the step runs the rows in micro-batches of at most
+``micro_batch_size`` (``"auto"``: two, the paper's dual batch: the tokens of two batches regrouped into two balanced
+ones), formed from each row's routing path for the token it feeds, predicted before the
 step by the policy's routing-path planner (expertflow's PLEC predictor, ``ExpertBackend.path_planner``: scores from
 each row's tokens so far, each row's top-k per layer) and grouped by ``scheduler``:
 
@@ -18,6 +18,9 @@ Each micro-batch's pass gets its rows' predicted scores (``StepInfo.path_scores`
 without predicting again. KV rows, positions and sampling are unchanged: the engine concatenates the micro-batches'
 logits back into row order before it samples, so every request's tokens are those of the one-pass step.
 ``RegroupStats`` counts what the scheduler did (the pairs are of the predicted paths).
+
+Off by default: on the embedded model at batch 8 two regrouped micro-batches need fewer experts each than two in
+row order, but move more bytes per token than one pass (docs/papers.md "ExpertFlow's token scheduler in the server").
 """
 
 from __future__ import annotations
