@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from moeflow import MoEOffloadedMixtral, OffloadConfig
-from moeflow.cli import embedded_model_path
+from moeflow.cli import build_parser, embedded_model_path
 from moeflow.cli.serve import _micro_batch_size
 from moeflow.engine.continuous import ContinuousEngine, SamplingParams
 from moeflow.engine.continuous_regroup import DecodeRegrouper, make_regrouper
@@ -191,5 +191,9 @@ def test_switches_and_errors():
     assert [_micro_batch_size(t) for t in ("auto", "off", "3")] == ["auto", None, 3]
     with pytest.raises(argparse.ArgumentTypeError, match="integer >= 1"):
         _micro_batch_size("0")
+    args = build_parser().parse_args(["serve", "--micro-batch-size", "3", "--token-scheduler", "clustering"])
+    assert (args.micro_batch_size, args.token_scheduler) == (3, "clustering")
+    args = build_parser().parse_args(["serve"])
+    assert (args.micro_batch_size, args.token_scheduler) == (None, "policy")  # off by default
     model.experts.close()
     lru.experts.close()
