@@ -5,7 +5,8 @@ rows as micro-batches grouped by predicted routing paths, each a pass of its own
 Exact tokens: concurrent requests on the embedded model under expertflow, every scheduler x slot counts x
 transports, give each request the all-resident model's greedy tokens; seeded sampling is the one-pass engine's.
 Pinned: a hand-made planner whose paths follow each row's position parity (hand-derived groups and pairs), and the
-embedded model's loads per scheduler (synchronous copies: a function of the requests). ~15 s on 2 cores.
+embedded model's loads per scheduler (synchronous copies: a function of the requests). ~25 s on the loaded
+2-core machine (9 s of it the captured passes).
 """
 
 from __future__ import annotations
