@@ -18,7 +18,7 @@ import torch
 
 from moeflow import MoEOffloadedMixtral, OffloadConfig
 from moeflow.cli import build_parser, embedded_model_path
-from moeflow.cli.serve import _micro_batch_size
+from moeflow.cli.serve import _describe, _micro_batch_size
 from moeflow.engine.continuous import ContinuousEngine, SamplingParams
 from moeflow.engine.continuous_regroup import DecodeRegrouper, make_regrouper
 from moeflow.engine.kv_slots import SlotKVCache
@@ -185,6 +185,8 @@ def test_switches_and_errors():
     assert engine.regroup is None and engine.history is not None  # off by default; PLEC reads the history anyway
     assert make_regrouper(model.experts, None) is None
     assert make_regrouper(model.experts, "auto").size_for(5) == 3
+    assert _describe(None) == "off" and _describe(make_regrouper(model.experts, "auto")) == "policy, 2 micro-batches"
+    assert _describe(make_regrouper(model.experts, 3, "contiguous")) == "contiguous, micro-batches of 3"  # the banner
     with pytest.raises(ValueError, match="token scheduler 'k-means'"):
         make_regrouper(model.experts, 2, "k-means")
     with pytest.raises(ValueError, match="micro_batch_size"):
