@@ -7,7 +7,8 @@ first, then up); ``dtype`` is the bias dtype. The region holds them in K panels 
 ``[H/P13, 2I, P13/32]``, ``w2_*`` likewise with ``I/P2`` panels of ``H`` rows, so the rows of a kernel tile in one
 panel are one contiguous range (the same bytes per expert); the blocks' bits are permuted within each 32-bit word
 (:func:`~moeflow.kernels.experts.mxfp4_reference.to_kernel_layout`). Kernels: :mod:`moeflow.kernels.experts.mxfp4`
-(Triton), :mod:`moeflow.kernels.cpu.mxfp4` (CPU).
+(Triton), :mod:`moeflow.kernels.cpu.mxfp4_native` (CPU: ``mxfp4.c`` on the region's bytes;
+:mod:`moeflow.kernels.cpu.mxfp4`'s torch int4 digits where it does not build).
 """
 
 from __future__ import annotations
@@ -117,10 +118,37 @@ class MXFP4Format(BiasedExpertFormat):
     def cpu_unsupported(self) -> str | None:
         return None
 
-    def cpu_expert(self, tensors: dict[str, torch.Tensor]):  # -> Mxfp4CpuExpert
+    def cpu_expert(self, tensors: dict[str, torch.Tensor]):  # -> Mxfp4NativeExpert | Mxfp4CpuExpert
+        """The CPU form of an expert from its loader-form ``tensors`` (a disk read, or :meth:`loader_tensors`):
+        written once into a region of its own and computed there by ``mxfp4.c`` (1x the expert's bytes), or,
+        where moeflow's CPU kernels do not build, torch's int4 digit form (2.35x, :mod:`moeflow.kernels.cpu.mxfp4`)."""
+        from moeflow.kernels.cpu.native import native_available
+
+        if native_available():
+            region = torch.zeros(self.nbytes, dtype=torch.uint8)
+            self.write(region, {k: v.cpu() for k, v in tensors.items()})
+            return self._native_form(region)
         from moeflow.kernels.cpu.mxfp4 import Mxfp4CpuExpert
 
         return Mxfp4CpuExpert.from_tensors(tensors, self)
+
+    def cpu_region_expert(self, region: torch.Tensor):  # -> Mxfp4NativeExpert | None
+        """The CPU form of the expert in ``region`` ``uint8 [nbytes]``: views of its blocks, scales and biases as
+        stored, computed in place by ``mxfp4.c`` (no copy, no extra RAM); None off the CPU or where the kernels do
+        not build."""
+        from moeflow.kernels.cpu.native import native_available
+
+        if region.device.type != "cpu" or not native_available():
+            return None
+        if region.dtype != torch.uint8 or tuple(region.shape) != (self.nbytes,):
+            raise ValueError(f"an MXFP4 expert region is uint8 [{self.nbytes}], got {region.dtype} "
+                             f"{tuple(region.shape)}")
+        return self._native_form(region)
+
+    def _native_form(self, region: torch.Tensor):  # -> Mxfp4NativeExpert
+        from moeflow.kernels.cpu.mxfp4_native import Mxfp4NativeExpert
+
+        return Mxfp4NativeExpert.from_views({k: v[0] for k, v in self.views(region.view(1, -1)).items()}, self)
 
 
 def _row_major(panel_shape: tuple[int, ...]) -> tuple[int, ...]:
