@@ -30,8 +30,9 @@
 
 #include "native.h"
 
-#define MX_ROWS 32  /* weight rows per parallel work item: a panel's 32 rows are 1 KB of contiguous blocks */
-#define MX_TT 8     /* tokens per tile: a block pair is decoded once per row and tile */
+#define MX_ROWS 128  /* weight rows per work item: a panel of them is 4 KB of contiguous blocks (the panels are
+                        N x 32 bytes apart; 32 rows, 1 KB, ran at half the speed for one token) */
+#define MX_TT 4      /* tokens per tile: a block pair is decoded once per row and tile (accumulators 16 KB) */
 #define MX_SILU 0
 #define MX_SWIGLU 1
 #define MX_BIAS_F32 0
@@ -49,8 +50,8 @@ typedef struct {  /* one matrix W [N, K] in the region layout */
 } mxmat;
 
 typedef struct {  /* T tokens quantized for K inputs */
-    int8_t* q;  /* [T, KP]: per block pair 64 codes, the two registers' orders */
-    float* s;   /* [T, 2 nbp]: xs per block, 0 for a missing odd block */
+    int8_t* q;  /* [T, nbp, 64]: per block pair 64 codes, the two registers' orders */
+    float* s;   /* [T, nbp, 8]: per block pair xs of block 2bp x4, of 2bp + 1 x4 (0 for a missing odd block) */
     int nbp;    /* block pairs: ceil(K / 64) */
 } mxacts;
 
@@ -62,10 +63,6 @@ MXI float e8_half(uint8_t e) {
     return f;
 }
 
-MXI size_t block_at(const mxmat* m, int n, int b) {  /* block b of row n: its index in blocks / 16 and in scales */
-    return ((size_t)(b / m->bpp) * m->N + n) * m->bpp + b % m->bpp;
-}
-
 /* ---- activations ------------------------------------------------------------------------------------------- */
 
 static void quantize_row(const float* x, int K, int8_t* xp, float* xs) {
@@ -75,13 +72,14 @@ static void quantize_row(const float* x, int K, int8_t* xp, float* xs) {
         memset(q, 0, sizeof q);
         for (int h = 0; h < 2; h++) {
             const int b = 2 * bp + h;
-            if (b >= nb) { xs[b] = 0.0f; continue; }
+            float* xsb = xs + (size_t)bp * 8 + 4 * h;
+            if (b >= nb) { xsb[0] = xsb[1] = xsb[2] = xsb[3] = 0.0f; continue; }
             const float* xb = x + (size_t)b * 32;
             float amax = 0.0f;
             for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
             const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
             for (int i = 0; i < 32; i++) q[32 * h + i] = (int8_t)(int)nearbyintf(xb[i] * inv);
-            xs[b] = amax / 127.0f;
+            xsb[0] = xsb[1] = xsb[2] = xsb[3] = amax / 127.0f;
         }
         int8_t* o = xp + (size_t)bp * 64;
         for (int l = 0; l < 8; l++)
@@ -95,12 +93,12 @@ static void quantize_row(const float* x, int K, int8_t* xp, float* xs) {
 static int acts_alloc(mxacts* a, int T, int K) {
     a->nbp = (K / 32 + 1) / 2;
     a->q = malloc((size_t)T * a->nbp * 64);
-    a->s = malloc(sizeof(float) * (size_t)T * 2 * a->nbp);
+    a->s = malloc(sizeof(float) * (size_t)T * 8 * a->nbp);
     return a->q && a->s ? 0 : -1;
 }
 static void acts_free(mxacts* a) { free(a->q); free(a->s); }
 static void acts_row(mxacts* a, const float* x, int K, int t) {
-    quantize_row(x, K, a->q + (size_t)t * a->nbp * 64, a->s + (size_t)t * 2 * a->nbp);
+    quantize_row(x, K, a->q + (size_t)t * a->nbp * 64, a->s + (size_t)t * 8 * a->nbp);
 }
 
 /* ---- one block pair ---------------------------------------------------------------------------------------- */
@@ -139,8 +137,9 @@ MXI decoded decode(const uint8_t* lo, const uint8_t* hi) {
     return r;
 }
 
-/* lanes += (the 8 exact word sums of the decoded pair times the token's codes xp[0 .. 63]) * (sc0 x4, sc1 x4) */
-MXI lanes pair_add(lanes acc, const decoded* w, const int8_t* xp, float sc0, float sc1) {
+/* lanes += (the 8 exact word sums of the decoded pair times the token's codes xp[0 .. 63]) * (xs8 * e8): xs8 the
+   token's (xs0 x4, xs1 x4), e8 the blocks' (2^(e0 - 128) x4, 2^(e1 - 128) x4), multiplied in fp32 per lane. */
+MXI lanes pair_add(lanes acc, const decoded* w, const int8_t* xp, const float* xs8, const float* e8) {
     const __m256i x0 = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)xp), w->val0);
     const __m256i x1 = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)(xp + 32)), w->val1);
 #if MF_AVX512
@@ -150,7 +149,7 @@ MXI lanes pair_add(lanes acc, const decoded* w, const int8_t* xp, float sc0, flo
                                                            _mm256_maddubs_epi16(w->mag1, x1)),
                                           _mm256_set1_epi16(1));
 #endif
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set_m128(_mm_set1_ps(sc1), _mm_set1_ps(sc0)), acc);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(_mm256_loadu_ps(xs8), _mm256_loadu_ps(e8)), acc);
 }
 #else
 typedef struct { float v[8]; } lanes;
@@ -177,12 +176,12 @@ MXI decoded decode(const uint8_t* lo, const uint8_t* hi) {
     return r;
 }
 
-MXI lanes pair_add(lanes acc, const decoded* w, const int8_t* xp, float sc0, float sc1) {
+MXI lanes pair_add(lanes acc, const decoded* w, const int8_t* xp, const float* xs8, const float* e8) {
     for (int l = 0; l < 8; l++) {
         int s = 0;
         for (int i = 0; i < 4; i++)
             s += VALUES[w->p[4 * l + i]] * xp[4 * l + i] + VALUES[w->p[32 + 4 * l + i]] * xp[32 + 4 * l + i];
-        acc.v[l] = fmaf((float)s, l < 4 ? sc0 : sc1, acc.v[l]);
+        acc.v[l] = fmaf((float)s, xs8[l] * e8[l], acc.v[l]);
     }
     return acc;
 }
@@ -197,24 +196,27 @@ static void mx_tile(const mxmat* m, int n0, int n1, int t0, int tt, const mxacts
     const int nb = m->K / 32, nr = n1 - n0;
     for (int i = 0; i < nr * tt; i++) lanes_store(acc + 8 * i, lanes_zero());
     static const uint8_t zeros[16];
+    /* pair bp of row n: blocks 2bp, 2bp + 1 at lo, lo + hi_off (one 32-byte panel row for P = 64, two panels for
+       P = 32), lo = blocks + bp N 32 + n 16 bpp; scales likewise (N 2 per pair, n bpp, + shi) */
+    const size_t pstride = (size_t)m->N * 32, sstride = (size_t)m->N * 2;
+    const size_t hi_off = m->bpp == 2 ? 16 : (size_t)m->N * 16, shi = m->bpp == 2 ? 1 : (size_t)m->N;
     for (int bp = 0; bp < a->nbp; bp++) {
-        const int b0 = 2 * bp, b1 = b0 + 1;
+        const int odd = 2 * bp + 1 >= nb;
+        const uint8_t* prow = m->blocks + bp * pstride + (size_t)n0 * 16 * m->bpp;
+        const uint8_t* srow = m->scales + bp * sstride + (size_t)n0 * m->bpp;
         for (int r = 0; r < nr; r++) {
-            const int n = n0 + r;
-            const size_t i0 = block_at(m, n, b0);
-            const int odd = b1 >= nb;
-            const size_t i1 = odd ? i0 : block_at(m, n, b1);
+            const uint8_t* lo = prow + (size_t)r * 16 * m->bpp;
+            const uint8_t* sc = srow + (size_t)r * m->bpp;
 #if MF_AVX2
-            if (b0 + 4 < nb) _mm_prefetch((const char*)(m->blocks + 16 * block_at(m, n, b0 + 4)), _MM_HINT_T0);
+            if (bp + 4 < a->nbp) _mm_prefetch((const char*)(lo + 4 * pstride), _MM_HINT_T0);
 #endif
-            const decoded w = decode(m->blocks + 16 * i0, odd ? zeros : m->blocks + 16 * i1);
-            const float e0 = e8_half(m->scales[i0]), e1 = odd ? 0.0f : e8_half(m->scales[i1]);
+            const decoded w = decode(lo, odd ? zeros : lo + hi_off);
+            const float f0 = e8_half(sc[0]), f1 = odd ? 0.0f : e8_half(sc[shi]);
+            const float e8[8] = {f0, f0, f0, f0, f1, f1, f1, f1};
             for (int i = 0; i < tt; i++) {
-                const int t = t0 + i;
-                const float* xs = a->s + (size_t)t * 2 * a->nbp + 2 * bp;
+                const size_t tp = (size_t)(t0 + i) * a->nbp + bp;
                 float* c = acc + 8 * (r * tt + i);
-                lanes_store(c, pair_add(lanes_load(c), &w, a->q + ((size_t)t * a->nbp + bp) * 64, xs[0] * e0,
-                                        xs[1] * e1));
+                lanes_store(c, pair_add(lanes_load(c), &w, a->q + tp * 64, a->s + tp * 8, e8));
             }
         }
     }
