@@ -284,6 +284,9 @@ def _biased_expert_forward_op(
     """out[pairs of selected experts] = weighted expert outputs; the pool is ``buffer`` uint8 [S, nbytes]."""
     fmt = _biased_format(hidden, inter, kind, dtype, group or None, activation, bias, alpha, limit)
     pool = ExpertPool(fmt, buffer)
+    if backend == "cpu":  # MXFP4Format.cpu_kernels: the native CPU kernel on the slots' bytes
+        fmt.cpu_pool_forward(x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask)
+        return
     if backend == "triton" and fmt.has_triton:
         cfg = decode_stage_configs(config)
         fmt.triton_forward(x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask, cfg)

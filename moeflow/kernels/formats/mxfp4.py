@@ -13,6 +13,7 @@ panel are one contiguous range (the same bytes per expert); the blocks' bits are
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -42,6 +43,51 @@ if TYPE_CHECKING:
 class MXFP4Format(BiasedExpertFormat):
     kind: ClassVar[str] = "mxfp4"
     has_triton: ClassVar[bool] = True
+    cpu_kernels: bool = False  # CPU pools computed by mxfp4.c (backend "cpu"), not the torch reference
+
+    def with_cpu_kernels(self) -> MXFP4Format:
+        """This format with ``cpu_kernels``: its pools on the CPU (``device="cpu"``: resident experts and slots)
+        computed by the native kernel on the slots' bytes (:mod:`moeflow.kernels.cpu.mxfp4_native`, the CPU form's
+        kernel, so slots and hybrid compute give the same bits) where backend "torch" would run the fp32
+        reference. A ValueError where the kernels do not build."""
+        from moeflow.kernels.cpu.native import native_available
+
+        if not native_available():
+            raise ValueError("MXFP4 experts cannot use the CPU kernels: moeflow's CPU kernels do not build here (no C "
+                             "compiler, or MOEFLOW_CPU_NATIVE=0)")
+        return dataclasses.replace(self, cpu_kernels=True)
+
+    def forward(self, x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask, backend, *,
+                config=None, validate=None):  # noqa: D102 (see ExpertFormat.forward)
+        if self.cpu_kernels and backend == "torch" and x.device.type == "cpu":
+            backend = "cpu"  # the biased op's name for the native kernel (cpu_pool_forward)
+        return super().forward(x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask, backend,
+                               config=config, validate=validate)
+
+    def capture_unsupported(self, backend: str) -> str | None:
+        if self.cpu_kernels and backend == "torch":
+            return "MXFP4 experts computed by moeflow's native CPU kernel (cpu_kernels) are not device work"
+        return None
+
+    def cpu_pool_forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                         pool: ExpertPool, slot_of_expert: torch.Tensor, out: torch.Tensor,
+                         expert_mask: torch.Tensor | None) -> None:
+        """out[pairs of selected experts] (``[T*k, H]``) = weighted outputs of a CPU pool's experts (x ``[T, H]``,
+        topk_ids / topk_weights ``[T, k]``), each computed on its slot's bytes by the native kernel, all its
+        rows at once (a token's result does not depend on the batch)."""
+        k = topk_ids.shape[1]
+        mask = None if expert_mask is None else expert_mask.tolist()
+        slots = slot_of_expert.tolist()
+        groups: dict[int, list[int]] = {}
+        for pair, e in enumerate(topk_ids.reshape(-1).tolist()):
+            groups.setdefault(e, []).append(pair)
+        flat_w = topk_weights.reshape(-1).float()
+        for e, pairs in groups.items():
+            if mask is not None and not mask[e]:
+                continue
+            expert = self._native_form(pool.buffer[slots[e]])
+            idx = torch.tensor(pairs)
+            out[idx] = expert.forward(x[idx // k], flat_w[idx]).to(out.dtype)
 
     @property
     def panels(self) -> tuple[int, int]:
