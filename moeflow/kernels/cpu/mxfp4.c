@@ -7,7 +7,11 @@
      A (m, e0, e1, s) = bits (6, 7, 8, 15), B = (3, 4, 5, 12), C = (0, 1, 2, 9), D = (10, 13, 14, 11)
    (codes 0, 2, 4, 6 of the word in its low half, 1, 3, 5, 7 in its high half, KERNEL_BITS). A few shifts and masks
    per 16-bit lane give each code's 4-bit e2m1 index (s e1 e0 m) in a byte of its own: C | B << 8 and A | D << 8,
-   so a word's 8 codes land in one 32-bit lane of two registers, in the order (4, 2, 5, 3) and (0, 6, 1, 7).
+   so a word's 8 codes land in one 32-bit lane of two registers, in the order (4, 2, 5, 3) and (0, 6, 1, 7). With
+   AVX-512 VBMI and BITALG (Zen 4, Ice Lake on) two rows at once, the same bytes in the same order from
+   vpmultishiftqb (each code's bit field into a byte), vpermb (field -> |2 e2m1|) and vpshufbitqmb (the sign bits
+   into a mask): 7 instructions per 128 codes instead of ~30 per 64 (one gpt-oss-120b w13: 1.1 -> 0.7 ms, ~12 GB/s
+   on one Zen 4 core).
 
    The technique of llama.cpp's CPU MXFP4 x Q8_0 dot product: a 16-entry int8 table of doubled e2m1 values
    (0, 1, 2, 3, 4, 6, 8, 12 and their negatives: pshufb), activations quantized to int8 per block of 32 (scale
@@ -139,7 +143,9 @@ MXI decoded decode(const uint8_t* lo, const uint8_t* hi) {
 
 /* lanes += (the 8 exact word sums of the decoded pair times the token's codes xp[0 .. 63]) * (xs8 * e8): xs8 the
    token's (xs0 x4, xs1 x4), e8 the blocks' (2^(e0 - 128) x4, 2^(e1 - 128) x4), multiplied in fp32 per lane. */
-MXI lanes pair_add(lanes acc, const decoded* w, const int8_t* xp, const float* xs8, const float* e8) {
+MXI lanes make_e(float f0, float f1) { return _mm256_set_m128(_mm_set1_ps(f1), _mm_set1_ps(f0)); }
+
+MXI lanes pair_add(lanes acc, const decoded* w, const int8_t* xp, const float* xs8, lanes e8) {
     const __m256i x0 = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)xp), w->val0);
     const __m256i x1 = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)(xp + 32)), w->val1);
 #if MF_AVX512
@@ -149,8 +155,61 @@ MXI lanes pair_add(lanes acc, const decoded* w, const int8_t* xp, const float* x
                                                            _mm256_maddubs_epi16(w->mag1, x1)),
                                           _mm256_set1_epi16(1));
 #endif
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(_mm256_loadu_ps(xs8), _mm256_loadu_ps(e8)), acc);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(_mm256_loadu_ps(xs8), e8), acc);
 }
+#if MF_AVX512 && defined(__AVX512VBMI__) && defined(__AVX512BITALG__)
+#define MX_PAIR2 1
+/* Two rows' pairs in one 512-bit register (row A's blocks in the low half, row B's in the high: the same bytes and
+   lanes as two decode() calls), the sign kept as a mask: x negated where the code's sign bit is set (|w| = 0 for
+   -0, so the word sums are decode()'s, exactly). */
+typedef struct { __m512i mag0, mag1; __mmask64 neg0, neg1; } decoded2;
+
+MXI __m512i load4x16(const uint8_t* alo, const uint8_t* ahi, const uint8_t* blo, const uint8_t* bhi) {
+    __m512i w = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)alo));
+    w = _mm512_inserti32x4(w, _mm_loadu_si128((const __m128i*)ahi), 1);
+    w = _mm512_inserti32x4(w, _mm_loadu_si128((const __m128i*)blo), 2);
+    return _mm512_inserti32x4(w, _mm_loadu_si128((const __m128i*)bhi), 3);
+}
+
+/* With VBMI and BITALG (Zen 4, Ice Lake and later): vpmultishiftqb gathers each code's bit field into a byte of
+   its own, in decode()'s byte order (register 0: C lo, B lo, C hi, B hi of each word; register 1: A lo, D lo, A hi,
+   D hi), vpermb maps fields to |2 e2m1| (bits of other codes in a field are ignored by the tables), and
+   vpshufbitqmb gathers the sign bits into the masks: 7 instructions for 128 codes. */
+static const uint8_t MS0[8] = {0, 3, 16, 19, 32, 35, 48, 51}, MS1[8] = {6, 10, 22, 26, 38, 42, 54, 58};
+static const uint8_t SG0[8] = {9, 12, 25, 28, 41, 44, 57, 60}, SG1[8] = {15, 11, 31, 27, 47, 43, 63, 59};
+
+MXI __m512i bcast8(const uint8_t* p) { uint64_t v; memcpy(&v, p, 8); return _mm512_set1_epi64((long long)v); }
+
+/* field (6 bits) -> |2 e2m1|: T7 of a magnitude code in bits 0-2 (A, B, C), TD of D's (m at bit 0, e at 3-4) */
+static const uint8_t T7[64] __attribute__((aligned(64))) = {
+    0, 1, 2, 3, 4, 6, 8, 12, 0, 1, 2, 3, 4, 6, 8, 12, 0, 1, 2, 3, 4, 6, 8, 12, 0, 1, 2, 3, 4, 6, 8, 12, 0, 1, 2, 3,
+    4, 6, 8, 12, 0, 1, 2, 3, 4, 6, 8, 12, 0, 1, 2, 3, 4, 6, 8, 12, 0, 1, 2, 3, 4, 6, 8, 12};
+static const uint8_t TD[64] __attribute__((aligned(64))) = {
+    0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 4, 6, 4, 6, 4, 6, 4, 6, 8, 12, 8, 12, 8, 12, 8, 12, 0, 1, 0, 1,
+    0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 4, 6, 4, 6, 4, 6, 4, 6, 8, 12, 8, 12, 8, 12, 8, 12};
+
+MXI decoded2 decode2(const uint8_t* alo, const uint8_t* ahi, const uint8_t* blo, const uint8_t* bhi) {
+    const __m512i w = load4x16(alo, ahi, blo, bhi);
+    const __m512i f0 = _mm512_multishift_epi64_epi8(bcast8(MS0), w);
+    const __m512i f1 = _mm512_multishift_epi64_epi8(bcast8(MS1), w);
+    const __m512i lut7 = _mm512_load_si512(T7), lutd = _mm512_load_si512(TD);
+    decoded2 r = {_mm512_permutexvar_epi8(f0, lut7),
+                  _mm512_mask_permutexvar_epi8(_mm512_permutexvar_epi8(f1, lut7), 0xAAAAAAAAAAAAAAAAull, f1, lutd),
+                  _mm512_bitshuffle_epi64_mask(w, bcast8(SG0)), _mm512_bitshuffle_epi64_mask(w, bcast8(SG1))};
+    return r;
+}
+
+/* The 16 lanes of rows A and B (acc: A's 8 then B's) += word sums * (xs8 * e16), as pair_add per row. */
+MXI __m512 pair_add2(__m512 acc, const decoded2* w, const int8_t* xp, const float* xs8, __m512 e16) {
+    const __m512i zero = _mm512_setzero_si512();
+    const __m512i x0 = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)xp));
+    const __m512i x1 = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(xp + 32)));
+    const __m512i s0 = _mm512_mask_sub_epi8(x0, w->neg0, zero, x0), s1 = _mm512_mask_sub_epi8(x1, w->neg1, zero, x1);
+    const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, w->mag0, s0), w->mag1, s1);
+    const __m512 xs = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(xs8))));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(xs, e16), acc);
+}
+#endif
 #else
 typedef struct { float v[8]; } lanes;
 MXI lanes lanes_zero(void) { lanes a = {{0}}; return a; }
@@ -176,12 +235,14 @@ MXI decoded decode(const uint8_t* lo, const uint8_t* hi) {
     return r;
 }
 
-MXI lanes pair_add(lanes acc, const decoded* w, const int8_t* xp, const float* xs8, const float* e8) {
+MXI lanes make_e(float f0, float f1) { lanes e = {{f0, f0, f0, f0, f1, f1, f1, f1}}; return e; }
+
+MXI lanes pair_add(lanes acc, const decoded* w, const int8_t* xp, const float* xs8, lanes e8) {
     for (int l = 0; l < 8; l++) {
         int s = 0;
         for (int i = 0; i < 4; i++)
             s += VALUES[w->p[4 * l + i]] * xp[4 * l + i] + VALUES[w->p[32 + 4 * l + i]] * xp[32 + 4 * l + i];
-        acc.v[l] = fmaf((float)s, xs8[l] * e8[l], acc.v[l]);
+        acc.v[l] = fmaf((float)s, xs8[l] * e8.v[l], acc.v[l]);
     }
     return acc;
 }
@@ -204,7 +265,25 @@ static void mx_tile(const mxmat* m, int n0, int n1, int t0, int tt, const mxacts
         const int odd = 2 * bp + 1 >= nb;
         const uint8_t* prow = m->blocks + bp * pstride + (size_t)n0 * 16 * m->bpp;
         const uint8_t* srow = m->scales + bp * sstride + (size_t)n0 * m->bpp;
-        for (int r = 0; r < nr; r++) {
+        int r = 0;
+#if MX_PAIR2
+        for (; r + 1 < nr; r += 2) {  /* two rows per 512-bit register */
+            const uint8_t *lo = prow + (size_t)r * 16 * m->bpp, *lo1 = lo + 16 * m->bpp;
+            const uint8_t* sc = srow + (size_t)r * m->bpp;
+            if (bp + 4 < a->nbp) _mm_prefetch((const char*)(lo + 4 * pstride), _MM_HINT_T0);
+            const decoded2 w = decode2(lo, odd ? zeros : lo + hi_off, lo1, odd ? zeros : lo1 + hi_off);
+            const float f0 = e8_half(sc[0]), f1 = odd ? 0.0f : e8_half(sc[shi]);
+            const float g0 = e8_half(sc[m->bpp]), g1 = odd ? 0.0f : e8_half(sc[m->bpp + shi]);
+            const __m512d ea = _mm512_castpd256_pd512(_mm256_castps_pd(make_e(f0, f1)));
+            const __m512 e16 = _mm512_castpd_ps(_mm512_insertf64x4(ea, _mm256_castps_pd(make_e(g0, g1)), 1));
+            for (int i = 0; i < tt; i++) {
+                const size_t tp = (size_t)(t0 + i) * a->nbp + bp;
+                float* c = acc + 8 * (i * nr + r);
+                _mm512_storeu_ps(c, pair_add2(_mm512_loadu_ps(c), &w, a->q + tp * 64, a->s + tp * 8, e16));
+            }
+        }
+#endif
+        for (; r < nr; r++) {
             const uint8_t* lo = prow + (size_t)r * 16 * m->bpp;
             const uint8_t* sc = srow + (size_t)r * m->bpp;
 #if MF_AVX2
@@ -212,16 +291,16 @@ static void mx_tile(const mxmat* m, int n0, int n1, int t0, int tt, const mxacts
 #endif
             const decoded w = decode(lo, odd ? zeros : lo + hi_off);
             const float f0 = e8_half(sc[0]), f1 = odd ? 0.0f : e8_half(sc[shi]);
-            const float e8[8] = {f0, f0, f0, f0, f1, f1, f1, f1};
+            const lanes e8 = make_e(f0, f1);
             for (int i = 0; i < tt; i++) {
                 const size_t tp = (size_t)(t0 + i) * a->nbp + bp;
-                float* c = acc + 8 * (r * tt + i);
+                float* c = acc + 8 * (i * nr + r);
                 lanes_store(c, pair_add(lanes_load(c), &w, a->q + tp * 64, a->s + tp * 8, e8));
             }
         }
     }
     for (int r = 0; r < nr; r++)
-        for (int i = 0; i < tt; i++) y[(size_t)(t0 + i) * ldy + n0 + r] = lanes_sum(lanes_load(acc + 8 * (r * tt + i)));
+        for (int i = 0; i < tt; i++) y[(size_t)(t0 + i) * ldy + n0 + r] = lanes_sum(lanes_load(acc + 8 * (i * nr + r)));
 }
 
 static void mx_rows(const mxmat* m, int n0, int n1, int T, const mxacts* a, float* y, int ldy) {
