@@ -40,7 +40,7 @@ from moeflow.io.checkpoint import CheckpointReader, open_checkpoint, read_json, 
 from moeflow.io.expert_index import ExpertIndex
 from moeflow.io.gguf import open_gguf, resolve_gguf
 from moeflow.io.tokenizer import Tokenizer
-from moeflow.kernels.cpu.native import native_available
+from moeflow.kernels.cpu import native as cpu_native
 from moeflow.kernels.dispatch import CPU_INT4, uses_cpu_int4, uses_triton
 from moeflow.kernels.formats import ExpertFormat, GGUFFormat, MXFP4Format
 from moeflow.moe.backend import ExpertBackend
@@ -200,7 +200,8 @@ def build_model(
             # GGUF Q8_0/Q4_K/Q5_K/Q6_K experts on moeflow.kernels.cpu.gguf, the linears on the CPU kernels as AWQ's
             fmt = fmt.with_cpu_kernels()
             resolved = Kernels(CPU_INT4, resolved.experts, CPU_INT4)
-        elif isinstance(fmt, MXFP4Format) and kernels == "auto" and device.type == "cpu" and native_available():
+        elif isinstance(fmt, MXFP4Format) and kernels == "auto" and device.type == "cpu" \
+                and cpu_native.native_available():
             fmt = fmt.with_cpu_kernels()  # MXFP4 experts on the CPU: mxfp4.c on the slots' bytes
         check_attention_bits(attention_bits, resolved.linear, lm_head_bits)
         keep_stored = gguf is not None and attention_bits in ("auto", 4)  # a GGUF's 4-bit attention: the file's bits
