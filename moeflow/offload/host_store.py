@@ -129,8 +129,8 @@ class HostStore:
         no copy, no extra RAM (a region is written once, at load, so nothing overwrites it while a CPU job reads
         it). Other formats convert on first use and keep the form: about 1.01x the expert's AWQ bytes (MXFP4
         without moeflow's C kernels: torch int4 digits, 2.35x) of extra RAM per converted expert
-        (:attr:`cpu_nbytes`; ``benchmarks/host/cpu_form_rss.py``). Thread-safe: two threads building the same expert's form at once
-        both succeed, one is kept.
+        (:attr:`cpu_nbytes`; ``benchmarks/host/cpu_form_rss.py``). Thread-safe: two threads building the same
+        expert's form at once both succeed, one is kept.
         """
         i = self.index(layer, expert)
         form = self._cpu_views.get(i)
