@@ -119,3 +119,22 @@ def test_bad_matrices_are_named():
     blocks, scales = mxfp4_weights(8, 64, seed=0)
     with pytest.raises(ValueError, match="MXFP4 w13: expected contiguous CPU uint8 blocks"):
         Mxfp4RegionMatrix(blocks, scales, "w13")  # the published layout, not the region's panels
+
+
+def test_thread_count_does_not_change_the_bits():
+    """OpenMP over rows (work items sized by the thread count): 1, 2 and 3 threads give the same bits."""
+    H, I = 128, 320  # noqa: E741
+    fmt = biased_expert_format(kind="mxfp4", hidden_size=H, intermediate_size=I, dtype=torch.bfloat16,
+                               activation="clamped_swiglu")
+    expert = fmt.cpu_expert(expert_tensors(H, I, torch.bfloat16, True, seed=21))
+    g = torch.Generator().manual_seed(2)
+    rows, weights = torch.randn(6, H, generator=g), torch.rand(6, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(expert.forward(rows, weights))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])

@@ -307,6 +307,14 @@ static void mx_rows(const mxmat* m, int n0, int n1, int T, const mxacts* a, floa
     for (int t0 = 0; t0 < T; t0 += MX_TT) mx_tile(m, n0, n1, t0, T - t0 < MX_TT ? T - t0 : MX_TT, a, y, ldy);
 }
 
+/* Rows per work item for N rows on nthreads: MX_ROWS, or fewer (a multiple of 16, at least 32) so that every
+   thread gets ~4 items (gpt-oss's w2, 2880 rows, is 23 items of 128: 16 threads would idle a third of the time).
+   The numbers do not depend on it (each row's operations are its own). */
+static int mx_chunk(int N, int nthreads) {
+    int c = (N / (4 * (nthreads > 0 ? nthreads : 1))) & ~15;
+    return c < 32 ? 32 : c > MX_ROWS ? MX_ROWS : c;
+}
+
 static int mx_check(int K, int panel, const uint8_t* b, const uint8_t* s) {
     return !b || !s || K <= 0 || K % 32 || (panel != 32 && panel != 64) || K % panel ? -2 : 0;
 }
@@ -320,9 +328,9 @@ int mf_mxfp4_linear(const float* x, int T, int K, int N, const uint8_t* blocks, 
     mxacts a;
     if (acts_alloc(&a, T, K)) { acts_free(&a); return -1; }
     for (int t = 0; t < T; t++) acts_row(&a, x + (size_t)t * K, K, t);
-    const int nc = (N + MX_ROWS - 1) / MX_ROWS;
+    const int ch = mx_chunk(N, nthreads), nc = (N + ch - 1) / ch;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int c = 0; c < nc; c++) mx_rows(&m, c * MX_ROWS, (c + 1) * MX_ROWS < N ? (c + 1) * MX_ROWS : N, T, &a, y, N);
+    for (int c = 0; c < nc; c++) mx_rows(&m, c * ch, (c + 1) * ch < N ? (c + 1) * ch : N, T, &a, y, N);
     acts_free(&a);
     return 0;
 }
@@ -355,12 +363,13 @@ int mf_mxfp4_expert(const float* x, int T, int H, int I, const uint8_t* b13, con
     if (bad || !f) { acts_free(&ax); acts_free(&aa); free(f); return -1; }
     float *h = f, *av = h + (size_t)T * 2 * I, *y = av + (size_t)T * I;
     for (int t = 0; t < T; t++) acts_row(&ax, x + (size_t)t * H, H, t);
-    const int nc13 = (2 * I + MX_ROWS - 1) / MX_ROWS, nc2 = (H + MX_ROWS - 1) / MX_ROWS;
+    const int ch13 = mx_chunk(2 * I, nthreads), ch2 = mx_chunk(H, nthreads);
+    const int nc13 = (2 * I + ch13 - 1) / ch13, nc2 = (H + ch2 - 1) / ch2;
 #pragma omp parallel num_threads(nthreads)
     {
 #pragma omp for schedule(static)
         for (int c = 0; c < nc13; c++)
-            mx_rows(&w13, c * MX_ROWS, (c + 1) * MX_ROWS < 2 * I ? (c + 1) * MX_ROWS : 2 * I, T, &ax, h, 2 * I);
+            mx_rows(&w13, c * ch13, (c + 1) * ch13 < 2 * I ? (c + 1) * ch13 : 2 * I, T, &ax, h, 2 * I);
 #pragma omp for schedule(static)
         for (int t = 0; t < T; t++) {
             const float* ht = h + (size_t)t * 2 * I;
@@ -380,7 +389,7 @@ int mf_mxfp4_expert(const float* x, int T, int H, int I, const uint8_t* b13, con
         }
 #pragma omp for schedule(static)
         for (int c = 0; c < nc2; c++) {
-            const int n0 = c * MX_ROWS, n1 = n0 + MX_ROWS < H ? n0 + MX_ROWS : H;
+            const int n0 = c * ch2, n1 = n0 + ch2 < H ? n0 + ch2 : H;
             mx_rows(&w2, n0, n1, T, &aa, y, H);
             for (int t = 0; t < T; t++)
                 for (int n = n0; n < n1; n++) {
