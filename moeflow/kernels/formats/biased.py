@@ -133,6 +133,12 @@ class BiasedExpertFormat(ExpertFormat):
         now, in ``alloc``'s buffers)."""
         raise NotImplementedError(f"{type(self).__name__}.static_weights")
 
+    def cpu_pool_forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                         pool: ExpertPool, slot_of_expert: torch.Tensor, out: torch.Tensor,
+                         expert_mask: torch.Tensor | None) -> None:
+        """The op's backend "cpu": a CPU pool computed by a native CPU kernel (MXFP4's ``cpu_kernels``)."""
+        raise ValueError(f"{type(self).__name__} experts have no native CPU pool kernel (backend 'cpu')")
+
 
 @dataclass(frozen=True)
 class BiasedDenseFormat(BiasedExpertFormat):

@@ -67,7 +67,7 @@ class MXFP4Format(BiasedExpertFormat):
     def capture_unsupported(self, backend: str) -> str | None:
         if self.cpu_kernels and backend == "torch":
             return "MXFP4 experts computed by moeflow's native CPU kernel (cpu_kernels) are not device work"
-        return None
+        return super().capture_unsupported(backend)
 
     def cpu_pool_forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                          pool: ExpertPool, slot_of_expert: torch.Tensor, out: torch.Tensor,
