@@ -2,7 +2,8 @@
 bits: the same int8 activations, integer block sums exact in int32 whatever the instruction (vpdpbusd, maddubs,
 C), and the same fp32 operations per output row in the same order. An ISA this CPU lacks is skipped with the
 reason printed; the AVX2 build (``-march=native -mno-avx512f``, ``MOEFLOW_CPU_ISA=avx2``) is the path of an
-AVX2-only machine, tested here on an AVX-512 one. ~5 s on the 2-core EPYC (three ~1 s builds, cached)."""
+AVX2-only machine, tested here on an AVX-512 one. The kernels: q4, q8, the q4 expert and the native MXFP4 expert
+(mxfp4.c; on AVX-512 VBMI machines its two-row decode). ~10 s on the loaded 2-core EPYC (three builds, cached)."""
 
 from __future__ import annotations
 
