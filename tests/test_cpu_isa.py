@@ -2,7 +2,8 @@
 bits: the same int8 activations, integer block sums exact in int32 whatever the instruction (vpdpbusd, maddubs,
 C), and the same fp32 operations per output row in the same order. An ISA this CPU lacks is skipped with the
 reason printed; the AVX2 build (``-march=native -mno-avx512f``, ``MOEFLOW_CPU_ISA=avx2``) is the path of an
-AVX2-only machine, tested here on an AVX-512 one. ~5 s on the 2-core EPYC (three ~1 s builds, cached)."""
+AVX2-only machine, tested here on an AVX-512 one. The kernels: q4, q8, the q4 expert and the native MXFP4 expert
+(mxfp4.c; on AVX-512 VBMI machines its two-row decode). ~10 s on the loaded 2-core EPYC (three builds, cached)."""
 
 from __future__ import annotations
 
@@ -85,6 +86,24 @@ def _all_kernels() -> list[torch.Tensor]:
     res += _cases(H, lambda x: q4_expert(x, w13, w2, torch.rand(x.shape[0], generator=g)), (1, 5, 9))
     w13, w2 = _q4(2 * I, H, G, seed=3, half=True, zero8=True), _q4(H, I, G, seed=4, half=True, zero8=True)
     res += _cases(H, lambda x: q4_expert(x, w13, w2, torch.rand(x.shape[0], generator=g)), (1, 9))
+    return res + _mxfp4_kernels()
+
+
+def _mxfp4_kernels() -> list[torch.Tensor]:
+    """The native MXFP4 expert (mxfp4.c) on the region layout: 64-input panels, and 32-input panels with an odd
+    number of blocks; every token tile; bf16 biases, clamped SwiGLU."""
+    from test_cpu_mxfp4_native import expert_tensors
+
+    from moeflow.kernels.formats import biased_expert_format
+
+    res = []
+    g = torch.Generator().manual_seed(8)
+    for H, I in ((128, 64), (96, 160)):  # noqa: E741
+        fmt = biased_expert_format(kind="mxfp4", hidden_size=H, intermediate_size=I, dtype=torch.bfloat16,
+                                   activation="clamped_swiglu")
+        expert = fmt.cpu_expert(expert_tensors(H, I, torch.bfloat16, True, seed=H))
+        res += _cases(H, lambda x, e=expert: e.forward(x, torch.rand(x.shape[0], generator=g)), (1, 5, 9, 17))
+        res += _cases(I, expert.w2.matmul, (1, 3))
     return res
 
 
@@ -109,6 +128,8 @@ def test_avx2_and_portable_q8_give_the_same_bits(monkeypatch):
     z8, zs = _q4(8 * 3 + 5, 128, 32, seed=5, half=True, zero8=True), _q4(8 * 2 + 3, 128, 32, seed=6, half=True)
     run = lambda: _cases(128, z8.matmul) + _cases(128, zs.matmul)  # noqa: E731
     _same(_run(monkeypatch, avx2, run), _run(monkeypatch, base, run))
+    # the native MXFP4 expert: the portable loops form the same word sums and fused multiply-adds
+    _same(_run(monkeypatch, avx2, _mxfp4_kernels), _run(monkeypatch, base, _mxfp4_kernels))
 
 
 def test_isa_is_chosen_by_the_environment_and_named():

@@ -1,7 +1,8 @@
 """The exact-token invariant on a gpt-oss-shaped tiny model (sink attention, sliding/full layers, biased
 top-k-then-softmax router, biased clamped-SwiGLU experts): every offload policy, at every slot count from the
 minimum to all experts, with the synchronous and the random-delay transport, generates the greedy tokens of
-"resident" - with fp32 experts, and with MXFP4 experts as published for a subset of the policies."""
+"resident" - with fp32 experts, and with MXFP4 experts as published for a subset of the policies (on the CPU, the
+resident model and the slots computed by the native MXFP4 kernel, moeflow/kernels/cpu/mxfp4.c)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from gpt_oss_helpers import make_gpt_oss_model, save_gpt_oss_checkpoint
 
 from moeflow import MoEModel, OffloadConfig
 from moeflow.errors import SchedulingError
+from moeflow.kernels.cpu.native import native_available
 from moeflow.offload.policies import POLICY_NAMES
 from moeflow.offload.predictors import train_predictor
 from moeflow.tools.record import record_trace
@@ -67,6 +69,8 @@ def test_greedy_tokens_equal_resident(checkpoints, experts, policy, transport):
         finally:
             model.experts.close()
         assert model.experts.fmt.kind == ("mxfp4" if experts == "mxfp4" else "dense")
+        if experts == "mxfp4" and model.experts.pool.device.type == "cpu" and native_available():
+            assert model.experts.fmt.cpu_kernels  # device="cpu": resident and slots on mxfp4.c
         assert torch.equal(out, expected[experts]), f"{policy}/{transport} with {n_slots} slots: {out}"
         s = model.stats
         assert s.prefill.hits + s.prefill.misses > 0 and s.decode.hits + s.decode.misses > 0

@@ -1,6 +1,8 @@
-"""MXFP4 experts computed on the CPU (moeflow.kernels.cpu.mxfp4) and hybrid execution on a tiny gpt-oss.
+"""MXFP4 experts computed on the CPU and hybrid execution on a tiny gpt-oss: the native kernel on the host store's
+bytes (moeflow.kernels.cpu.mxfp4_native, int8 activations; tests/test_cpu_mxfp4_native.py tests the kernel) and,
+where moeflow's CPU kernels do not build, torch's int4 digit form (moeflow.kernels.cpu.mxfp4, ``int4`` below).
 
-The CPU form holds every MXFP4 weight exactly (two int4 digits); activations go through the int4 kernel in bf16
+The int4 digit form holds every MXFP4 weight exactly (two int4 digits); activations go through the int4 kernel in bf16
 and each matmul's output is rounded to bf16, so results are within bf16 rounding of the fp32 reference. Hybrid
 runs therefore join the greedy-token invariant with a tolerance, as tests/test_hybrid.py does for AWQ: logits
 within INT4_RTOL of the all-resident model, and the fixture checks the reference's top-1 / top-2 margin along the
@@ -19,6 +21,7 @@ from hybrid_helpers import AUTO_RATES, INT4_RTOL, resident_reference, run_and_co
 from moeflow import MoEModel, OffloadConfig
 from moeflow.kernels.cpu.int4 import int4_cpu_available
 from moeflow.kernels.cpu.mxfp4 import Mxfp4CpuExpert, Mxfp4Int4Matrix, mxfp4_cpu_expert_reference
+from moeflow.kernels.cpu.mxfp4_native import Mxfp4NativeExpert
 from moeflow.kernels.experts.mxfp4_reference import dequantize_mxfp4, quantize_mxfp4
 from moeflow.kernels.formats import biased_expert_format
 from moeflow.offload.hybrid import resolve_cpu_compute
@@ -70,8 +73,7 @@ def test_expert_matches_its_reference_and_the_fp32_expert(bias):
     t = {"w13_blocks": w13_b, "w13_scales": w13_s, "w2_blocks": w2_b, "w2_scales": w2_s}
     if bias:
         t |= {"w13_bias": torch.randn(192, generator=g), "w2_bias": torch.randn(64, generator=g)}
-    expert = fmt.cpu_expert(t)
-    assert isinstance(expert, Mxfp4CpuExpert)
+    expert = Mxfp4CpuExpert.from_tensors(t, fmt)  # the int4 digit form (fmt.cpu_expert's without a C compiler)
     rows = torch.randn(7, 64, generator=g) * 4
     weights = torch.rand(7, generator=g)
     got = expert.forward(rows, weights)
@@ -106,6 +108,19 @@ def tiny(tmp_path_factory):
     return path, ids, expected, logits
 
 
+@pytest.fixture(params=["native", "int4"])
+def cpu_form(request, monkeypatch):
+    """Which CPU form MXFP4Format.cpu_expert builds: the native kernel's region views, or (as without a compiler)
+    torch's int4 digits."""
+    from moeflow.kernels.cpu import native
+
+    if request.param == "native" and not native.native_available():
+        pytest.skip("moeflow's CPU kernels do not build here")
+    if request.param == "int4":
+        monkeypatch.setattr(native, "native_available", lambda: False)
+    return request.param
+
+
 @pytest.mark.parametrize("config", [
     dict(policy="fiddler", gpu_expert_slots=5),
     dict(policy="fiddler", gpu_expert_slots=3, transport="random-delay", random_delay_ms=0.2),
@@ -113,7 +128,7 @@ def tiny(tmp_path_factory):
     dict(policy="lru", gpu_expert_slots=4, cpu_compute="auto", transport="random-delay", **AUTO_RATES),
     dict(policy="static", gpu_expert_slots=6, cpu_compute="auto", **AUTO_RATES),
 ])
-def test_cpu_computed_mxfp4_experts_keep_the_tokens(tiny, config):
+def test_cpu_computed_mxfp4_experts_keep_the_tokens(tiny, config, cpu_form):
     path, ids, expected, logits = tiny
     model = run_and_compare(path, ids, expected, logits, config)
     s = model.stats
@@ -121,11 +136,13 @@ def test_cpu_computed_mxfp4_experts_keep_the_tokens(tiny, config):
     cpu = model.experts.cpu
     assert cpu.rates is not None and cpu.rates.cpu_expert_s > 0
     host = model.experts.host
-    # every expert's digit form sits beside its MXFP4 bytes: ~2.4x them at real shapes, more at tiny ones
-    assert 1.5 < host.cpu_nbytes / host.nbytes < 4
+    if cpu_form == "native":  # views of the host store's regions: no extra RAM
+        assert isinstance(host.cpu_expert(0, 0), Mxfp4NativeExpert) and host.cpu_nbytes == 0
+    else:  # every expert's digit form sits beside its MXFP4 bytes: ~2.4x them at real shapes, more at tiny ones
+        assert isinstance(host.cpu_expert(0, 0), Mxfp4CpuExpert) and 1.5 < host.cpu_nbytes / host.nbytes < 4
 
 
-def test_fiddler_with_the_disk_tier(tiny):
+def test_fiddler_with_the_disk_tier(tiny, cpu_form):
     """Half the experts in host memory, the rest read from disk: the CPU forms of disk experts are converted from
     the bytes read (DiskHostStore.cpu_expert), the tokens stay those of the resident model."""
     from test_disk_tier import host_budget_gb
@@ -154,7 +171,7 @@ def test_cpu_rates_are_measured_for_the_mxfp4_form_and_cached_apart(tiny, tmp_pa
         model.generate(ids, max_new_tokens=2, do_sample=False, eos_token_id=[])
         cpu = model.experts.cpu
         assert cpu.rates_source.startswith("measured") and cpu.rates.cpu_expert_s > 0
-        assert isinstance(model.experts.host.cpu_expert(0, 0), Mxfp4CpuExpert)
+        assert isinstance(model.experts.host.cpu_expert(0, 0), (Mxfp4NativeExpert, Mxfp4CpuExpert))
         cached = json.loads(open(cpu.rates_source.split(" ", 1)[1]).read())
         assert cached["key"]["model"]["kind"] == "mxfp4"
     finally:

@@ -40,8 +40,9 @@ from moeflow.io.checkpoint import CheckpointReader, open_checkpoint, read_json, 
 from moeflow.io.expert_index import ExpertIndex
 from moeflow.io.gguf import open_gguf, resolve_gguf
 from moeflow.io.tokenizer import Tokenizer
+from moeflow.kernels.cpu import native as cpu_native
 from moeflow.kernels.dispatch import CPU_INT4, uses_cpu_int4, uses_triton
-from moeflow.kernels.formats import ExpertFormat, GGUFFormat
+from moeflow.kernels.formats import ExpertFormat, GGUFFormat, MXFP4Format
 from moeflow.moe.backend import ExpertBackend
 from moeflow.moe.resident import CpuInt4Experts
 from moeflow.offload import Stats, create_expert_backend, get_policy, min_slots
@@ -77,7 +78,8 @@ def resolve_kernels(kernels: str, device: torch.device, awq: bool) -> Kernels:
     (biases, clamped activations, MXFP4: ``awq=False``) keep the torch reference. The lm_head and the AWQ
     attention projections run quantized CPU kernels (``linear="cpu-int4"``, :mod:`moeflow.engine.cpu_linears`).
     GGUF experts of types with CPU kernels (Q8_0, Q4_K, Q5_K, Q6_K) get them from ``build_model`` under "auto" on
-    the CPU (``GGUFFormat.with_cpu_kernels``, reported as "cpu-int4" with the same quantized linears).
+    the CPU (``GGUFFormat.with_cpu_kernels``, reported as "cpu-int4" with the same quantized linears); MXFP4
+    experts get the native MXFP4 kernel (``MXFP4Format.with_cpu_kernels``, the linears unchanged).
     """
     if kernels not in KERNEL_CHOICES:
         raise ValueError(f"kernels={kernels!r}: expected one of {KERNEL_CHOICES}")
@@ -198,6 +200,9 @@ def build_model(
             # GGUF Q8_0/Q4_K/Q5_K/Q6_K experts on moeflow.kernels.cpu.gguf, the linears on the CPU kernels as AWQ's
             fmt = fmt.with_cpu_kernels()
             resolved = Kernels(CPU_INT4, resolved.experts, CPU_INT4)
+        elif isinstance(fmt, MXFP4Format) and kernels == "auto" and device.type == "cpu" \
+                and cpu_native.native_available():
+            fmt = fmt.with_cpu_kernels()  # MXFP4 experts on the CPU: mxfp4.c on the slots' bytes
         check_attention_bits(attention_bits, resolved.linear, lm_head_bits)
         keep_stored = gguf is not None and attention_bits in ("auto", 4)  # a GGUF's 4-bit attention: the file's bits
         attention_bits = resolve_attention_bits(attention_bits, resolved.linear,

@@ -4,14 +4,14 @@ Measured once (well under a second at tiny shapes, a few seconds at Mixtral's):
 
 * host->device: copies of one expert region from the host store into a device slot (the path the copy
   engine takes; on a CPU "device" this is a memory copy);
-* CPU: one expert in its CPU form (for AWQ the int4 format ``Int4Expert`` picks: moeflow's own kernels where
-  they build, else torch's; for MXFP4 the two-digit int4 form of :mod:`moeflow.kernels.cpu.mxfp4`, about twice
-  the AWQ work per weight) at 1, 8 and 16 tokens, on a worker of the CPU pool: the cost per further token is
-  the slope from 8 to 16, and the tokens that cost nothing extra (``Rates.cpu_free_tokens``) are where that
-  line meets the one-token cost - moeflow's int4 kernel is memory-bound up to ~3 tokens and compute-bound
-  beyond (benchmarks/results/cpu_native/README.md), torch's is compute-bound from the second token. The key
-  holds the expert kind and the CPU kernel (for moeflow's own, the hash of its C sources), so rates are cached
-  apart and a changed kernel is timed again.
+* CPU: one expert in its CPU form (for AWQ the int4 format ``Int4Expert`` picks: moeflow's own kernels where they
+  build, else torch's; for MXFP4 the native kernel on the stored blocks, :mod:`moeflow.kernels.cpu.mxfp4_native`,
+  else the two-digit int4 form of :mod:`moeflow.kernels.cpu.mxfp4`) at 1, 8 and 16 tokens, on a worker of the CPU
+  pool: the cost per further token is the slope from 8 to 16, and the tokens that cost nothing extra
+  (``Rates.cpu_free_tokens``) are where that line meets the one-token cost - moeflow's int4 kernel is memory-bound
+  up to ~3 tokens and compute-bound beyond (benchmarks/results/cpu_native/README.md), torch's is compute-bound from
+  the second token. The key holds the expert kind and the CPU kernel (for moeflow's own, the hash of its C sources),
+  so rates are cached apart and a changed kernel is timed again.
 
 The cache file holds the key it was measured under. A file whose key differs (another machine, another
 model shape, another torch, another device) is refused with a message saying what differs, and the

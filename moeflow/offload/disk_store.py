@@ -254,8 +254,10 @@ class DiskHostStore(HostStore):
         try:
             if isinstance(self.fmt, CpuInt4Format):
                 form = int4_expert_of(self.fmt, self.buffer[row], own=True)  # kept after the row is reused
-            else:
-                form = self.fmt.cpu_expert(self.fmt.loader_tensors(self.buffer[row]))
+            else:  # views of a private copy of the row where the kernels read the stored layout (GGUF, MXFP4)
+                form = self.fmt.cpu_region_expert(self.buffer[row].clone())
+                if form is None:
+                    form = self.fmt.cpu_expert(self.fmt.loader_tensors(self.buffer[row]))
         finally:
             with self._cond:
                 self._pins[row] -= 1

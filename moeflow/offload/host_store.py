@@ -120,16 +120,17 @@ class HostStore:
         self._cpu_views.pop(i, None)
 
     def cpu_expert(self, layer: int, expert: int):
-        """The expert's CPU form (its format's ``cpu_expert``: torch int4 for AWQ, two exact int4 digits for MXFP4,
-        the blocks for GGUF).
+        """The expert's CPU form (its format's ``cpu_expert``: torch int4 for AWQ, the stored blocks for MXFP4 and
+        GGUF).
 
         Where the format's CPU kernels read the region's layout as stored (:meth:`ExpertFormat.cpu_region_expert`:
-        GGUF blocks, a :class:`~moeflow.offload.cpu_slots.CpuInt4Format` store on the CPU device) the form is views
-        of the region: no copy, no extra RAM (a region is written once, at load, so nothing overwrites it while a
-        CPU job reads it). Other formats convert on first use and keep the form: about 1.01x the expert's AWQ
-        bytes, 2.35x its MXFP4 bytes of extra RAM per converted expert (:attr:`cpu_nbytes`;
-        ``benchmarks/host/cpu_form_rss.py``). Thread-safe: two threads building the same expert's form at once
-        both succeed, one is kept.
+        GGUF blocks, MXFP4 blocks and scales (``kernels/cpu/mxfp4.c``), a
+        :class:`~moeflow.offload.cpu_slots.CpuInt4Format` store on the CPU device) the form is views of the region:
+        no copy, no extra RAM (a region is written once, at load, so nothing overwrites it while a CPU job reads
+        it). Other formats convert on first use and keep the form: about 1.01x the expert's AWQ bytes (MXFP4
+        without moeflow's C kernels: torch int4 digits, 2.35x) of extra RAM per converted expert
+        (:attr:`cpu_nbytes`; ``benchmarks/host/cpu_form_rss.py``). Thread-safe: two threads building the same
+        expert's form at once both succeed, one is kept.
         """
         i = self.index(layer, expert)
         form = self._cpu_views.get(i)

@@ -1,5 +1,5 @@
-"""Hybrid execution: missed experts computed on the CPU (torch's int4 kernels; AWQ, or MXFP4 as two exact int4
-digits, :mod:`moeflow.kernels.cpu.mxfp4`) while the device computes the rest.
+"""Hybrid execution: missed experts computed on the CPU (AWQ on int4 kernels; MXFP4 on its stored blocks,
+:mod:`moeflow.kernels.cpu.mxfp4_native`; GGUF likewise) while the device computes the rest.
 
 :class:`HybridCompute` is an executor the backend hands each layer's misses and loads under way: it decides
 which missing experts are copied, computed on the CPU, or both (:mod:`.cost_model`), runs the CPU ones on a
@@ -11,8 +11,9 @@ property; CPU rows differ from the device's by the int4 kernel's bf16 rounding
 (see ``docs/hybrid.md`` for the tolerance).
 
 The CPU form of each expert comes from the host store (:meth:`HostStore.cpu_expert`): views of its region where
-the CPU kernels read the stored layout (GGUF blocks: no extra RAM), else converted for every expert when loading
-finishes (``prepare``; AWQ 1.02x, MXFP4 2.35x the expert's bytes), so no miss ever pays a conversion.
+the CPU kernels read the stored layout (GGUF and MXFP4 blocks: no extra RAM), else converted for every expert when
+loading finishes (``prepare``; AWQ 1.02x the expert's bytes, MXFP4 without moeflow's C kernels 2.35x), so no miss
+ever pays a conversion.
 """
 
 from __future__ import annotations

@@ -133,6 +133,12 @@ class BiasedExpertFormat(ExpertFormat):
         now, in ``alloc``'s buffers)."""
         raise NotImplementedError(f"{type(self).__name__}.static_weights")
 
+    def cpu_pool_forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                         pool: ExpertPool, slot_of_expert: torch.Tensor, out: torch.Tensor,
+                         expert_mask: torch.Tensor | None) -> None:
+        """The op's backend "cpu": a CPU pool computed by a native CPU kernel (MXFP4's ``cpu_kernels``)."""
+        raise ValueError(f"{type(self).__name__} experts have no native CPU pool kernel (backend 'cpu')")
+
 
 @dataclass(frozen=True)
 class BiasedDenseFormat(BiasedExpertFormat):
@@ -284,6 +290,9 @@ def _biased_expert_forward_op(
     """out[pairs of selected experts] = weighted expert outputs; the pool is ``buffer`` uint8 [S, nbytes]."""
     fmt = _biased_format(hidden, inter, kind, dtype, group or None, activation, bias, alpha, limit)
     pool = ExpertPool(fmt, buffer)
+    if backend == "cpu":  # MXFP4Format.cpu_kernels: the native CPU kernel on the slots' bytes
+        fmt.cpu_pool_forward(x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask)
+        return
     if backend == "triton" and fmt.has_triton:
         cfg = decode_stage_configs(config)
         fmt.triton_forward(x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask, cfg)

@@ -7,11 +7,13 @@ first, then up); ``dtype`` is the bias dtype. The region holds them in K panels 
 ``[H/P13, 2I, P13/32]``, ``w2_*`` likewise with ``I/P2`` panels of ``H`` rows, so the rows of a kernel tile in one
 panel are one contiguous range (the same bytes per expert); the blocks' bits are permuted within each 32-bit word
 (:func:`~moeflow.kernels.experts.mxfp4_reference.to_kernel_layout`). Kernels: :mod:`moeflow.kernels.experts.mxfp4`
-(Triton), :mod:`moeflow.kernels.cpu.mxfp4` (CPU).
+(Triton), :mod:`moeflow.kernels.cpu.mxfp4_native` (CPU: ``mxfp4.c`` on the region's bytes;
+:mod:`moeflow.kernels.cpu.mxfp4`'s torch int4 digits where it does not build).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -41,6 +43,51 @@ if TYPE_CHECKING:
 class MXFP4Format(BiasedExpertFormat):
     kind: ClassVar[str] = "mxfp4"
     has_triton: ClassVar[bool] = True
+    cpu_kernels: bool = False  # CPU pools computed by mxfp4.c (backend "cpu"), not the torch reference
+
+    def with_cpu_kernels(self) -> MXFP4Format:
+        """This format with ``cpu_kernels``: its pools on the CPU (``device="cpu"``: resident experts and slots)
+        computed by the native kernel on the slots' bytes (:mod:`moeflow.kernels.cpu.mxfp4_native`, the CPU form's
+        kernel, so slots and hybrid compute give the same bits) where backend "torch" would run the fp32
+        reference. A ValueError where the kernels do not build."""
+        from moeflow.kernels.cpu.native import native_available
+
+        if not native_available():
+            raise ValueError("MXFP4 experts cannot use the CPU kernels: moeflow's CPU kernels do not build here (no C "
+                             "compiler, or MOEFLOW_CPU_NATIVE=0)")
+        return dataclasses.replace(self, cpu_kernels=True)
+
+    def forward(self, x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask, backend, *,
+                config=None, validate=None):  # noqa: D102 (see ExpertFormat.forward)
+        if self.cpu_kernels and backend == "torch" and x.device.type == "cpu":
+            backend = "cpu"  # the biased op's name for the native kernel (cpu_pool_forward)
+        return super().forward(x, topk_ids, topk_weights, pool, slot_of_expert, out, expert_mask, backend,
+                               config=config, validate=validate)
+
+    def capture_unsupported(self, backend: str) -> str | None:
+        if self.cpu_kernels and backend == "torch":
+            return "MXFP4 experts computed by moeflow's native CPU kernel (cpu_kernels) are not device work"
+        return super().capture_unsupported(backend)
+
+    def cpu_pool_forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                         pool: ExpertPool, slot_of_expert: torch.Tensor, out: torch.Tensor,
+                         expert_mask: torch.Tensor | None) -> None:
+        """out[pairs of selected experts] (``[T*k, H]``) = weighted outputs of a CPU pool's experts (x ``[T, H]``,
+        topk_ids / topk_weights ``[T, k]``), each computed on its slot's bytes by the native kernel, all its
+        rows at once (a token's result does not depend on the batch)."""
+        k = topk_ids.shape[1]
+        mask = None if expert_mask is None else expert_mask.tolist()
+        slots = slot_of_expert.tolist()
+        groups: dict[int, list[int]] = {}
+        for pair, e in enumerate(topk_ids.reshape(-1).tolist()):
+            groups.setdefault(e, []).append(pair)
+        flat_w = topk_weights.reshape(-1).float()
+        for e, pairs in groups.items():
+            if mask is not None and not mask[e]:
+                continue
+            expert = self._native_form(pool.buffer[slots[e]])
+            idx = torch.tensor(pairs)
+            out[idx] = expert.forward(x[idx // k], flat_w[idx]).to(out.dtype)
 
     @property
     def panels(self) -> tuple[int, int]:
@@ -117,10 +164,37 @@ class MXFP4Format(BiasedExpertFormat):
     def cpu_unsupported(self) -> str | None:
         return None
 
-    def cpu_expert(self, tensors: dict[str, torch.Tensor]):  # -> Mxfp4CpuExpert
+    def cpu_expert(self, tensors: dict[str, torch.Tensor]):  # -> Mxfp4NativeExpert | Mxfp4CpuExpert
+        """The CPU form of an expert from its loader-form ``tensors`` (a disk read, or :meth:`loader_tensors`):
+        written once into a region of its own and computed there by ``mxfp4.c`` (1x the expert's bytes), or,
+        where moeflow's CPU kernels do not build, torch's int4 digit form (2.35x, :mod:`moeflow.kernels.cpu.mxfp4`)."""
+        from moeflow.kernels.cpu.native import native_available
+
+        if native_available():
+            region = torch.zeros(self.nbytes, dtype=torch.uint8)
+            self.write(region, {k: v.cpu() for k, v in tensors.items()})
+            return self._native_form(region)
         from moeflow.kernels.cpu.mxfp4 import Mxfp4CpuExpert
 
         return Mxfp4CpuExpert.from_tensors(tensors, self)
+
+    def cpu_region_expert(self, region: torch.Tensor):  # -> Mxfp4NativeExpert | None
+        """The CPU form of the expert in ``region`` ``uint8 [nbytes]``: views of its blocks, scales and biases as
+        stored, computed in place by ``mxfp4.c`` (no copy, no extra RAM); None off the CPU or where the kernels do
+        not build."""
+        from moeflow.kernels.cpu.native import native_available
+
+        if region.device.type != "cpu" or not native_available():
+            return None
+        if region.dtype != torch.uint8 or tuple(region.shape) != (self.nbytes,):
+            raise ValueError(f"an MXFP4 expert region is uint8 [{self.nbytes}], got {region.dtype} "
+                             f"{tuple(region.shape)}")
+        return self._native_form(region)
+
+    def _native_form(self, region: torch.Tensor):  # -> Mxfp4NativeExpert
+        from moeflow.kernels.cpu.mxfp4_native import Mxfp4NativeExpert
+
+        return Mxfp4NativeExpert.from_views({k: v[0] for k, v in self.views(region.view(1, -1)).items()}, self)
 
 
 def _row_major(panel_shape: tuple[int, ...]) -> tuple[int, ...]:
