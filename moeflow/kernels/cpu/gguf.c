@@ -35,13 +35,30 @@ void mf_silu_mul(const float* g, const float* u, int n, float* out); /* native.c
 
 /* ---- activations -------------------------------------------------------------------------------------------- */
 
-/* x fp32 [K] -> xq int8 [K], xs fp32 [K / bs], bsum int16 [K / 16] (sums of 16 codes; NULL: not wanted). Scalar:
-   a few microseconds per expert, the same numbers on every build. */
+/* max |x| over n (a multiple of 8) floats: fmaxf's result (a NaN is skipped, as fmaxf skips it); exact, so the
+   order of the comparisons does not matter. */
+static inline float absmax(const float* x, int n) {
+#if MF_AVX2
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 8) m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)), m);  /* NaN: m */
+    float v[8], r = 0.0f;
+    _mm256_storeu_ps(v, m);
+    for (int l = 0; l < 8; l++) r = v[l] > r ? v[l] : r;
+    return r;
+#else
+    float r = 0.0f;
+    for (int i = 0; i < n; i++) r = fmaxf(r, fabsf(x[i]));
+    return r;
+#endif
+}
+
+/* x fp32 [K] -> xq int8 [K], xs fp32 [K / bs], bsum int16 [K / 16] (sums of 16 codes; NULL: not wanted): the same
+   numbers on every build (rounding half to even, as nearbyintf in the default mode). */
 static void quantize_row(const float* x, int K, int bs, int8_t* xq, float* xs, int16_t* bsum) {
     for (int b = 0; b < K / bs; b++) {
         const float* xb = x + (size_t)b * bs;
-        float amax = 0.0f;
-        for (int i = 0; i < bs; i++) amax = fmaxf(amax, fabsf(xb[i]));
+        const float amax = absmax(xb, bs);
         const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
         for (int i = 0; i < bs; i++) xq[(size_t)b * bs + i] = (int8_t)(int)nearbyintf(xb[i] * inv);
         xs[b] = amax / 127.0f;
@@ -60,12 +77,20 @@ static int acts_alloc(acts* a, int T, int K, int type) {
     a->q = malloc((size_t)T * K);
     a->s = malloc(sizeof(float) * (size_t)T * (K / a->bs));
     a->sum = malloc(sizeof(int16_t) * (size_t)T * (K / 16));
-    return a->q && a->s && a->sum ? 0 : -1;
+    a->q2 = MF_AVX512 && a->bs == QKK ? malloc((size_t)T * 2 * K) : NULL;
+    return a->q && a->s && a->sum && (a->q2 || !(MF_AVX512 && a->bs == QKK)) ? 0 : -1;
 }
-static void acts_free(acts* a) { free(a->q); free(a->s); free(a->sum); }
+static void acts_free(acts* a) { free(a->q); free(a->s); free(a->sum); free(a->q2); }
 static void acts_row(acts* a, const float* x, int t) {
-    quantize_row(x, a->K, a->bs, a->q + (size_t)t * a->K, a->s + (size_t)t * (a->K / a->bs),
+    int8_t* q = a->q + (size_t)t * a->K;
+    quantize_row(x, a->K, a->bs, q, a->s + (size_t)t * (a->K / a->bs),
                  a->bs == QKK ? a->sum + (size_t)t * (a->K / 16) : NULL);
+    if (a->q2)
+        for (int j = 0; j < a->K / 32; j++) {
+            int8_t* d = a->q2 + (size_t)t * 2 * a->K + 64 * j;
+            memcpy(d, q + 32 * j, 32);
+            memcpy(d + 32, q + 32 * j, 32);
+        }
 }
 
 /* ---- Q8_0 ------------------------------------------------------------------------------------------------------ */
@@ -121,6 +146,11 @@ static void q8_0_row(const uint8_t* row, int nb, int T, const acts* a, float* y,
 static void rows(int type, const uint8_t* w, int64_t stride, int n0, int n1, int T, const acts* a, float* y,
                  int ldy) {
     const int nb = a->K / type_block(type);
+#if MF_AVX512
+    if (type != GG_Q8_0)  /* K-quant rows in pairs (gguf_k2.c), an odd last one below */
+        for (; n0 + 2 <= n1; n0 += 2)
+            mf_gguf_krow2(type, w + (size_t)n0 * stride, w + (size_t)(n0 + 1) * stride, nb, T, a, y + n0, ldy);
+#endif
     for (int n = n0; n < n1; n++) {
         const uint8_t* r = w + (size_t)n * stride;
         switch (type) {

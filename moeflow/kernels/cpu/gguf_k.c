@@ -262,6 +262,9 @@ INLINE void ktile(int type, const uint8_t* row, int nb, int t0, int tt, const ac
     for (int i = 0; i < tt; i++) acc[i] = facc_zero();
     for (int b = 0; b < nb; b++) {
         const uint8_t* w = row + (size_t)b * tb;
+#if MF_AVX2
+        for (int o = 0; o < tb; o += 64) _mm_prefetch((const char*)(w + MF_Q4_PREFETCH + o), _MM_HINT_T0);
+#endif
         kblock kb;
         if (type == GG_Q4_K) decode_q4k(w, &kb);
         else if (type == GG_Q5_K) decode_q5k(w, &kb);
