@@ -95,7 +95,7 @@ def _outputs(lib, monkeypatch) -> list[torch.Tensor]:
         for tokens in (1, 4, 9):
             x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(tokens)) * (1 + tokens)
             outs.append(e.forward(x, torch.rand(tokens, generator=torch.Generator().manual_seed(i))))
-    for kind in CPU_TYPES:  # an odd row count: AVX-512's K-quant rows in pairs, then one alone
+    for kind in CPU_TYPES:  # an odd row count, 1 to 7 tokens
         w = random_blocks(kind, 37, 512, torch.Generator().manual_seed(5))
         for tokens in (1, 2, 7):
             outs.append(gguf_linear(torch.randn(tokens, 512, generator=torch.Generator().manual_seed(tokens)), w, kind,

@@ -22,7 +22,9 @@
    How: a K-quant block is decoded once per row, block and tile of tokens into its 256 unsigned codes and its
    scales widened to int16 lanes, held in registers, then each token's sums are maddubs (unsigned codes x
    signed activations, pairs summed into int16: at most 2 * 63 * 127, no saturation) and a multiply-add with the
-   scales (vpdpwssd on AVX-512 VNNI, pmaddwd on AVX2). Q8_0 uses the sign trick of q8.c (|w| x sign(x, w)). */
+   scales (vpdpwssd on AVX-512 VNNI, pmaddwd on AVX2); on AVX-512 VNNI, Q4_K / Q5_K instead take vpdpbusd per
+   32-code sub-block and vpdpwssd with its scale (gguf_k.c's k4block: the same lanes). Weights are prefetched
+   MF_Q4_PREFETCH bytes ahead. Q8_0 uses the sign trick of q8.c (|w| x sign(x, w)). */
 
 #include <math.h>
 #include <stdint.h>
@@ -77,20 +79,12 @@ static int acts_alloc(acts* a, int T, int K, int type) {
     a->q = malloc((size_t)T * K);
     a->s = malloc(sizeof(float) * (size_t)T * (K / a->bs));
     a->sum = malloc(sizeof(int16_t) * (size_t)T * (K / 16));
-    a->q2 = MF_AVX512 && a->bs == QKK ? malloc((size_t)T * 2 * K) : NULL;
-    return a->q && a->s && a->sum && (a->q2 || !(MF_AVX512 && a->bs == QKK)) ? 0 : -1;
+    return a->q && a->s && a->sum ? 0 : -1;
 }
-static void acts_free(acts* a) { free(a->q); free(a->s); free(a->sum); free(a->q2); }
+static void acts_free(acts* a) { free(a->q); free(a->s); free(a->sum); }
 static void acts_row(acts* a, const float* x, int t) {
-    int8_t* q = a->q + (size_t)t * a->K;
-    quantize_row(x, a->K, a->bs, q, a->s + (size_t)t * (a->K / a->bs),
+    quantize_row(x, a->K, a->bs, a->q + (size_t)t * a->K, a->s + (size_t)t * (a->K / a->bs),
                  a->bs == QKK ? a->sum + (size_t)t * (a->K / 16) : NULL);
-    if (a->q2)
-        for (int j = 0; j < a->K / 32; j++) {
-            int8_t* d = a->q2 + (size_t)t * 2 * a->K + 64 * j;
-            memcpy(d, q + 32 * j, 32);
-            memcpy(d + 32, q + 32 * j, 32);
-        }
 }
 
 /* ---- Q8_0 ------------------------------------------------------------------------------------------------------ */
@@ -146,11 +140,6 @@ static void q8_0_row(const uint8_t* row, int nb, int T, const acts* a, float* y,
 static void rows(int type, const uint8_t* w, int64_t stride, int n0, int n1, int T, const acts* a, float* y,
                  int ldy) {
     const int nb = a->K / type_block(type);
-#if MF_AVX512
-    if (type != GG_Q8_0)  /* K-quant rows in pairs (gguf_k2.c), an odd last one below */
-        for (; n0 + 2 <= n1; n0 += 2)
-            mf_gguf_krow2(type, w + (size_t)n0 * stride, w + (size_t)(n0 + 1) * stride, nb, T, a, y + n0, ldy);
-#endif
     for (int n = n0; n < n1; n++) {
         const uint8_t* r = w + (size_t)n * stride;
         switch (type) {

@@ -1,5 +1,5 @@
-/* The shared declarations of gguf.c (activations, Q8_0, the entry points), gguf_k.c (the K-quant blocks) and
-   gguf_k2.c (K-quant rows in pairs on AVX-512): GGUF experts on the CPU, see gguf.c's comment. */
+/* The shared declarations of gguf.c (activations, Q8_0, the entry points) and gguf_k.c (the K-quant blocks): GGUF
+   experts on the CPU, see gguf.c's comment. */
 #ifndef MOEFLOW_CPU_GGUF_H
 #define MOEFLOW_CPU_GGUF_H
 #include <stdint.h>
@@ -40,7 +40,6 @@ typedef struct {  /* T rows quantized for one weight type */
     int8_t* q;     /* [T, K] */
     float* s;      /* [T, K / bs] */
     int16_t* sum;  /* [T, K / 16] (K-quants) */
-    int8_t* q2;    /* [T, 2K]: each 32 codes twice in a row (K-quants on AVX-512: gguf_k2.c's operands), else NULL */
     int K, bs;
 } acts;
 
@@ -78,8 +77,4 @@ int mf_gguf_expert(const float* x, int T, int H, int I, int t13, const uint8_t* 
    (gguf_k.c). */
 __attribute__((visibility("hidden"))) void mf_gguf_krow(int type, const uint8_t* row, int nb, int T, const acts* a,
                                                         float* y, int ldy);
-/* Rows ra and rb (K-quant `type`, nb blocks each) against the T tokens of `a`: y[t * ldy] and y[t * ldy + 1]
-   (gguf_k2.c, AVX-512 VNNI builds only; the bits of two mf_gguf_krow calls). */
-__attribute__((visibility("hidden"))) void mf_gguf_krow2(int type, const uint8_t* ra, const uint8_t* rb, int nb, int T,
-                                                         const acts* a, float* y, int ldy);
 #endif
