@@ -15,6 +15,7 @@ from moeflow.kernels.cpu import native as cpu_native
 from moeflow.kernels.cpu.gguf import (
     CPU_TYPES,
     GGUFCpuExpert,
+    GGUFLinear,
     gguf_expert_reference,
     gguf_linear,
     gguf_linear_reference,
@@ -69,6 +70,21 @@ def test_expert_matches_the_fp32_model_and_the_batch(t13, t2):
     acc = torch.ones(6, 256)
     assert torch.equal(e.forward(x, w, out=acc), 1 + y) and acc is not None
     assert e.forward(x.to(torch.bfloat16), w).dtype == torch.bfloat16
+
+
+def test_gguf_linear_module_is_the_kernel_and_its_fp32_model():
+    """GGUFLinear (a file's K-quant lm_head on its blocks): the kernel's bits, within TOL of the fp32 model."""
+    g = torch.Generator().manual_seed(4)
+    w = random_blocks("Q6_K", 40, 512, g)
+    head = GGUFLinear(w, "Q6_K", 512)
+    x = torch.randn(2, 3, 512, generator=g)
+    y = head(x)
+    assert y.shape == (2, 3, 40) and head.nbytes == w.numel()
+    assert torch.equal(y.reshape(6, 40), gguf_linear(x.reshape(6, 512), w, "Q6_K", 512))
+    _close(y.reshape(6, 40), gguf_linear_reference(x.reshape(6, 512), w, "Q6_K", 512))
+    assert head(x.to(torch.bfloat16)).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="this GGUF Q6_K layer takes 512"):
+        head(torch.randn(1, 256))
 
 
 def test_errors_name_the_types():
