@@ -28,7 +28,7 @@ replaces, in the built decoder, each module by a :class:`~moeflow.kernels.cpu.qu
   asked; ``None`` keeps the dequantized values. The lm_head of such a file (``stored``), where the file holds it
   as a K-quant (a Q4_K_M file's Q6_K ``output.weight``), runs on its own blocks under ``lm_head_bits=8``
   (:class:`~moeflow.kernels.cpu.gguf.GGUFLinear`: 0.82 bytes per weight, the file's weights, activations int8 per
-  256 features; 1.83 against 2.56 ms of CPU per token for the int8 head at 32000 x 1024,
+  256 features; 1.8-2.0 against 2.6 ms of CPU per token for the int8 head at 32000 x 1024,
   ``benchmarks/results/peers/s16/``); otherwise int8 of its dequantized values.
 
 The embeddings stay as loaded: a lookup reads only the prompt's rows, so quantizing them saves RAM, not time.

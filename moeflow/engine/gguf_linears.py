@@ -65,7 +65,7 @@ class GGUFStoredLinears:
 
     def lm_head(self) -> GGUFLinear | None:
         """The file's lm_head (``output.weight``) on its own blocks where it is a K-quant (:data:`LM_HEAD_TYPES`:
-        fewer bytes than the int8 head; a Q4_K_M file's Q6_K measured 1.83 against 2.56 ms of CPU per token at
+        fewer bytes than the int8 head; a Q4_K_M file's Q6_K measured 1.8-2.0 against 2.6 ms of CPU per token at
         32000 x 1024, ``benchmarks/results/peers/s16/``), else None (int8 of its dequantized values)."""
         if not native_available():
             return None
