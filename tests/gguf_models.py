@@ -90,12 +90,15 @@ def _stored(w: np.ndarray, qtype) -> tuple[np.ndarray, np.ndarray]:
 
 
 def write_gguf(model, path: Path, expert_types=T.Q8_0, other_type=T.F32, split: int = 1,
-               raw_experts: dict | None = None, types_by_suffix: dict | None = None) -> dict[str, np.ndarray]:
+               raw_experts: dict | None = None, types_by_suffix: dict | None = None,
+               raw_tensors: dict | None = None) -> dict[str, np.ndarray]:
     """Write ``model`` (a tiny transformers MoE) as a GGUF file (``split`` > 1: a split set, ``path`` its first
     part). ``expert_types``: one ggml type, or one per layer; ``other_type``: the 2-D non-expert weights' (norms and
     the router stay F32, as llama.cpp writes them). ``raw_experts``: {(layer, "gate"|"up"|"down"): uint8 bytes
     [E, out, row_bytes], type} written instead (hand-made K-quant blocks). ``types_by_suffix``: {GGUF name suffix
-    (``"attn_k.weight"``): type} in place of ``other_type`` (llama.cpp's Q8_0 k / v beside Q4_0). Returns every
+    (``"attn_k.weight"``): type} in place of ``other_type`` (llama.cpp's Q8_0 k / v beside Q4_0). ``raw_tensors``:
+    {GGUF name (``"output.weight"``): (uint8 bytes [rows, row_bytes], type)} written instead of the model's
+    values (a hand-made Q6_K lm_head). Returns every
     tensor as gguf-py dequantizes it, by HF name (experts: ``layers.L.{gate,up,down}`` [E, out, in])."""
     cfg = model.config
     kind = cfg.model_type
@@ -152,6 +155,11 @@ def write_gguf(model, path: Path, expert_types=T.Q8_0, other_type=T.F32, split: 
             t = t.reshape(-1)
         qtype = other_type if t.ndim == 2 and "gate_inp" not in name and t.shape[-1] % 32 == 0 else T.F32
         qtype = next((q for suffix, q in (types_by_suffix or {}).items() if name.endswith(suffix)), qtype)
+        if raw_tensors and name in raw_tensors:
+            data, qtype = raw_tensors[name]
+            written[hf] = dequantize(data, qtype)
+            tensors.append((name, data, qtype))
+            continue
         data, deq = _stored(t, qtype)
         if kind == "mixtral" and name.endswith(("attn_q.weight", "attn_k.weight")):  # back to HF's row order
             n = cfg.num_attention_heads if "attn_q" in name else cfg.num_key_value_heads

@@ -15,6 +15,7 @@ from moeflow.kernels.cpu import native as cpu_native
 from moeflow.kernels.cpu.gguf import (
     CPU_TYPES,
     GGUFCpuExpert,
+    GGUFLinear,
     gguf_expert_reference,
     gguf_linear,
     gguf_linear_reference,
@@ -71,6 +72,21 @@ def test_expert_matches_the_fp32_model_and_the_batch(t13, t2):
     assert e.forward(x.to(torch.bfloat16), w).dtype == torch.bfloat16
 
 
+def test_gguf_linear_module_is_the_kernel_and_its_fp32_model():
+    """GGUFLinear (a file's K-quant lm_head on its blocks): the kernel's bits, within TOL of the fp32 model."""
+    g = torch.Generator().manual_seed(4)
+    w = random_blocks("Q6_K", 40, 512, g)
+    head = GGUFLinear(w, "Q6_K", 512)
+    x = torch.randn(2, 3, 512, generator=g)
+    y = head(x)
+    assert y.shape == (2, 3, 40) and head.nbytes == w.numel()
+    assert torch.equal(y.reshape(6, 40), gguf_linear(x.reshape(6, 512), w, "Q6_K", 512))
+    _close(y.reshape(6, 40), gguf_linear_reference(x.reshape(6, 512), w, "Q6_K", 512))
+    assert head(x.to(torch.bfloat16)).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="this GGUF Q6_K layer takes 512"):
+        head(torch.randn(1, 256))
+
+
 def test_errors_name_the_types():
     g = torch.Generator().manual_seed(0)
     with pytest.raises(ValueError, match="Q4_1 experts have no CPU kernels: the CPU computes Q8_0, Q4_K"):
@@ -95,6 +111,11 @@ def _outputs(lib, monkeypatch) -> list[torch.Tensor]:
         for tokens in (1, 4, 9):
             x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(tokens)) * (1 + tokens)
             outs.append(e.forward(x, torch.rand(tokens, generator=torch.Generator().manual_seed(i))))
+    for kind in CPU_TYPES:  # an odd row count, 1 to 7 tokens
+        w = random_blocks(kind, 37, 512, torch.Generator().manual_seed(5))
+        for tokens in (1, 2, 7):
+            outs.append(gguf_linear(torch.randn(tokens, 512, generator=torch.Generator().manual_seed(tokens)), w, kind,
+                                    512))
     return outs
 
 

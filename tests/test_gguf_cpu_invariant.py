@@ -20,6 +20,7 @@ from family_models import make_family_model  # noqa: E402
 from gguf_models import T, k_mix_experts, random_k_experts, write_gguf  # noqa: E402
 
 from moeflow import MoEModel, OffloadConfig  # noqa: E402
+from moeflow.kernels.cpu.gguf import GGUFLinear  # noqa: E402
 from moeflow.kernels.cpu.native import native_available  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="moeflow's CPU kernels do not build here (no compiler)")
@@ -115,7 +116,8 @@ def test_fiddler_over_the_disk_tier(tiny):
 
 
 def test_one_call_layers_step_on_a_q4_k_m_mixtral(tmp_path, monkeypatch):
-    """A Mixtral-layout file with Q4_K_M's mix (Q4_K gate/up; Q6_K, Q4_K, Q6_K down by layer): resident on
+    """A Mixtral-layout file with Q4_K_M's mix (Q4_K gate/up; Q6_K, Q4_K, Q6_K down by layer; a Q6_K lm_head, run
+    on its blocks): resident on
     ``device="cpu"`` every decode step runs all layers as one native call (engine/cpu_layers.py, the GGUF experts
     inside it); offloaded and hybrid policies run the layers one by one: the same greedy tokens."""
     from helpers import make_tiny_model
@@ -134,12 +136,17 @@ def test_one_call_layers_step_on_a_q4_k_m_mixtral(tmp_path, monkeypatch):
     model = make_tiny_model(seed=5, hidden_size=H, intermediate_size=I, num_hidden_layers=layers,
                             num_local_experts=experts, num_experts_per_tok=TOP_K)
     raw = k_mix_experts([("Q4_K", "Q6_K"), ("Q4_K", "Q4_K"), ("Q4_K", "Q6_K")], experts, H, I)
+    head = random_k_experts("Q6_K", 1, model.config.vocab_size, 9, H)[0]  # Q4_K_M's Q6_K output.weight
     path = tmp_path / "q4_k_m.gguf"
-    write_gguf(model, path, expert_types=T.Q8_0, other_type=T.Q8_0, raw_experts=raw)
+    write_gguf(model, path, expert_types=T.Q8_0, other_type=T.Q8_0, raw_experts=raw,
+               raw_tensors={"output.weight": (head, T.Q6_K)})
     ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(3))
     resident = MoEModel.from_pretrained(path, dtype=torch.float32, device="cpu")
     try:
         assert resident.experts.fmt.down_types == ("Q4_K", "Q6_K") and resident.experts.fmt.cpu_kernels
+        lm_head = resident.model.lm_head  # the file's Q6_K blocks, not int8 of their values
+        assert isinstance(lm_head, GGUFLinear) and lm_head.type.name == "Q6_K"
+        assert torch.equal(lm_head.blocks, torch.from_numpy(head))
         expected = resident.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=[])
     finally:
         resident.close()

@@ -25,8 +25,11 @@ replaces, in the built decoder, each module by a :class:`~moeflow.kernels.cpu.qu
   them into one matrix); q beside a k/v of another form runs as its own part of the step's q/k/v projection
   (``SplitLinear``): a file with Q4_0 q and o and Q8_0 k / v (llama.cpp's choice for 8-expert models) runs q
   and o in the file's Q4_0 and k / v in int8. ``attention_bits=8`` re-quantizes them to int8 as
-  asked; ``None`` keeps the dequantized values. The lm_head stays int8 of its dequantized values (a Q6_K
-  ``output.weight`` has no CPU form).
+  asked; ``None`` keeps the dequantized values. The lm_head of such a file (``stored``), where the file holds it
+  as a K-quant (a Q4_K_M file's Q6_K ``output.weight``), runs on its own blocks under ``lm_head_bits=8``
+  (:class:`~moeflow.kernels.cpu.gguf.GGUFLinear`: 0.82 bytes per weight, the file's weights, activations int8 per
+  256 features; 1.8-2.0 against 2.6 ms of CPU per token for the int8 head at 32000 x 1024,
+  ``benchmarks/results/peers/s16/``); otherwise int8 of its dequantized values.
 
 The embeddings stay as loaded: a lookup reads only the prompt's rows, so quantizing them saves RAM, not time.
 Where moeflow's own CPU kernels build (:mod:`moeflow.kernels.cpu.native`), every module here runs them instead of
@@ -102,12 +105,18 @@ def quantize_decoder_linears(decoder: nn.Module, attention_bits: int | None, lm_
     """Replace ``decoder``'s lm_head and attention projections in place (see the module docstring); ``stored``:
     the attention projections to take as the checkpoint stores them where it can (a GGUF file's Q4_0 / Q4_1).
 
-    Returns how many modules of each kind were replaced ({"lm_head", "awq", "attention", "stored"}).
+    Returns how many modules of each kind were replaced ({"lm_head", "awq", "attention", "stored"}: "stored" counts
+    the lm_head too where it runs on the file's blocks).
     """
     counts = {"lm_head": 0, "awq": 0, "attention": 0, "stored": 0}
     if stored is not None:
         counts["stored"] = _take_stored(decoder, stored)
-    if lm_head_bits == 4 and getattr(decoder.lm_head, "bias", None) is None:
+    head = stored.lm_head() if stored is not None and lm_head_bits == 8 and \
+        getattr(decoder.lm_head, "bias", None) is None else None
+    if head is not None:
+        decoder.lm_head = head
+        counts["stored"] += 1
+    elif lm_head_bits == 4 and getattr(decoder.lm_head, "bias", None) is None:
         decoder.lm_head = RefinedInt4LmHead.quantize(decoder.lm_head.weight)
     else:
         decoder.lm_head = _with_bias(quantize_rows_int8(decoder.lm_head.weight), decoder.lm_head)

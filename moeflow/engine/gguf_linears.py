@@ -24,12 +24,14 @@ import numpy as np
 import torch
 
 from moeflow.io.gguf.reader import GGUFCheckpointReader, unpermute_rope_rows
+from moeflow.kernels.cpu.gguf import K_BLOCK, GGUFLinear
 from moeflow.kernels.cpu.native import Q4Matrix, _group_rows, _pack_q4, native_available
 from moeflow.kernels.cpu.quant_linear import CpuQuantLinear
 from moeflow.quant.ggml import q4_0_codes
 
 NATIVE_TYPES = ("Q4_0", "Q4_1")  # block types read straight into a CPU int4 form
 GROUP = 32  # their block: the int4 group size
+LM_HEAD_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # lm_head types computed on the file's blocks (GGUFLinear)
 
 
 def q4_1_codes(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -60,6 +62,21 @@ class GGUFStoredLinears:
         if found is None or found[1] is not None:
             return None
         return found[0].type.name
+
+    def lm_head(self) -> GGUFLinear | None:
+        """The file's lm_head (``output.weight``) on its own blocks where it is a K-quant (:data:`LM_HEAD_TYPES`:
+        fewer bytes than the int8 head; a Q4_K_M file's Q6_K measured 1.8-2.0 against 2.6 ms of CPU per token at
+        32000 x 1024, ``benchmarks/results/peers/s16/``), else None (int8 of its dequantized values)."""
+        if not native_available():
+            return None
+        found = self.reader.resolve(self.name_of("lm_head"))
+        if found is None or found[1] is not None:
+            return None
+        info = found[0]
+        if info.type.name not in LM_HEAD_TYPES or len(info.shape) != 2 or info.shape[1] % K_BLOCK:
+            return None
+        raw = torch.from_numpy(np.ascontiguousarray(self.reader.files.read(info)))
+        return GGUFLinear(raw.reshape(info.shape[0], -1), info.type.name, info.shape[1])
 
     def cpu_linear(self, module_name: str) -> CpuQuantLinear | None:
         """The int4 layer of ``module_name``'s weight from its stored blocks, or None where its type has no exact

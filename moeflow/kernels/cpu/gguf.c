@@ -22,7 +22,9 @@
    How: a K-quant block is decoded once per row, block and tile of tokens into its 256 unsigned codes and its
    scales widened to int16 lanes, held in registers, then each token's sums are maddubs (unsigned codes x
    signed activations, pairs summed into int16: at most 2 * 63 * 127, no saturation) and a multiply-add with the
-   scales (vpdpwssd on AVX-512 VNNI, pmaddwd on AVX2). Q8_0 uses the sign trick of q8.c (|w| x sign(x, w)). */
+   scales (vpdpwssd on AVX-512 VNNI, pmaddwd on AVX2); on AVX-512 VNNI, Q4_K / Q5_K instead take vpdpbusd per
+   32-code sub-block and vpdpwssd with its scale (gguf_k.c's k4block: the same lanes). Q4_K / Q5_K weights are
+   prefetched MF_Q4_PREFETCH bytes ahead. Q8_0 uses the sign trick of q8.c (|w| x sign(x, w)). */
 
 #include <math.h>
 #include <stdint.h>
@@ -35,13 +37,30 @@ void mf_silu_mul(const float* g, const float* u, int n, float* out); /* native.c
 
 /* ---- activations -------------------------------------------------------------------------------------------- */
 
-/* x fp32 [K] -> xq int8 [K], xs fp32 [K / bs], bsum int16 [K / 16] (sums of 16 codes; NULL: not wanted). Scalar:
-   a few microseconds per expert, the same numbers on every build. */
+/* max |x| over n (a multiple of 8) floats: fmaxf's result (a NaN is skipped, as fmaxf skips it); exact, so the
+   order of the comparisons does not matter. */
+static inline float absmax(const float* x, int n) {
+#if MF_AVX2
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 8) m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)), m);  /* NaN: m */
+    float v[8], r = 0.0f;
+    _mm256_storeu_ps(v, m);
+    for (int l = 0; l < 8; l++) r = v[l] > r ? v[l] : r;
+    return r;
+#else
+    float r = 0.0f;
+    for (int i = 0; i < n; i++) r = fmaxf(r, fabsf(x[i]));
+    return r;
+#endif
+}
+
+/* x fp32 [K] -> xq int8 [K], xs fp32 [K / bs], bsum int16 [K / 16] (sums of 16 codes; NULL: not wanted): the same
+   numbers on every build (rounding half to even, as nearbyintf in the default mode). */
 static void quantize_row(const float* x, int K, int bs, int8_t* xq, float* xs, int16_t* bsum) {
     for (int b = 0; b < K / bs; b++) {
         const float* xb = x + (size_t)b * bs;
-        float amax = 0.0f;
-        for (int i = 0; i < bs; i++) amax = fmaxf(amax, fabsf(xb[i]));
+        const float amax = absmax(xb, bs);
         const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
         for (int i = 0; i < bs; i++) xq[(size_t)b * bs + i] = (int8_t)(int)nearbyintf(xb[i] * inv);
         xs[b] = amax / 127.0f;

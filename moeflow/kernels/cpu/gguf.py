@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from moeflow.kernels.cpu.native import declared, library
 from moeflow.kernels.experts.gguf_reference import GGMLType, dequantize, ggml_type
@@ -84,6 +85,34 @@ def gguf_linear(x: torch.Tensor, w: torch.Tensor, t: str | int | GGMLType, k: in
     _check_rc(_lib().mf_gguf_linear(rows.data_ptr(), rows.shape[0], k, w.shape[0], g.type_id, w.data_ptr(), stride,
                                     y.data_ptr(), torch.get_num_threads()), f"gguf {g.name} linear")
     return y
+
+
+class GGUFLinear(nn.Module):
+    """``y = x @ W.T`` for ``W [out, in]`` held as a GGUF file stores it (``blocks`` uint8 ``[out, row_bytes]`` of
+    block type ``t``, computed by :func:`gguf_linear`): a file's lm_head on its own blocks (a Q4_K_M file's Q6_K
+    ``output.weight``: 0.82 bytes per weight where the int8 head reads 1.0 plus scales). fp32 model:
+    :func:`gguf_linear_reference` of the same blocks."""
+
+    def __init__(self, blocks: torch.Tensor, t: str | int | GGMLType, in_features: int) -> None:
+        super().__init__()
+        self.type = cpu_type(t)
+        _matrix(blocks, self.type, in_features, "linear")
+        self.register_buffer("blocks", blocks, persistent=False)
+        self.in_features, self.out_features = in_features, blocks.shape[0]
+        self.bias = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] (any float dtype) -> [..., out] in x's dtype (fp32 compute)."""
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"x has {x.shape[-1]} features in its last dimension, this GGUF {self.type.name} "
+                             f"layer takes {self.in_features}")
+        y = gguf_linear(x.reshape(-1, self.in_features), self.blocks, self.type, self.in_features)
+        return (y if x.dtype == torch.float32 else y.to(x.dtype)).view(*x.shape[:-1], self.out_features)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes read per call (the blocks)."""
+        return self.type.row_bytes(self.in_features) * self.out_features
 
 
 @dataclass

@@ -53,6 +53,10 @@ class StoredLinears(Protocol):
     def cpu_linear(self, module_name: str) -> CpuQuantLinear | None:
         """The layer for the decoder module ``module_name`` from its stored codes, or None (keep the dense path)."""
 
+    def lm_head(self) -> nn.Module | None:
+        """The lm_head on its stored blocks where that reads fewer bytes than int8 and a CPU kernel computes it,
+        else None (the int8 head)."""
+
 
 class CpuQuantLinear(nn.Module):
     """``y = x @ W.T (+ bias)`` for an ``nn.Linear`` weight ``W [out, in]`` held in int8 or int4 (bias: ``set_bias``).
