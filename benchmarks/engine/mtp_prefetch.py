@@ -7,9 +7,10 @@ moved per generated token on the CPU offloaded at 25 % / 50 % of the main model'
 prefetch, plain decode beside (the CPU transport is synchronous: every queued copy is made); and the simulator's
 price of the same runs (recorded passes replayed through the real scheduler on virtual time, the prefetch requests
 queued before each verify pass as the engine queues them) per profile, policy and budget, also with the MTP passes
-dropped (the drafts as if free). Also the routing locality of the plain run (the union of w consecutive tokens'
-experts per layer, in units of top-k) that decides what speculation can save. Every speculative run's tokens are
-asserted equal to plain greedy's.
+dropped (the drafts as if free), and with an exact prediction (``exact``: each verify pass's own experts
+requested before it, the bound of any proxy). Also the routing locality of the plain run (the union of w
+consecutive tokens' experts per layer, in units of top-k) that decides what speculation can save. Every
+speculative run's tokens are asserted equal to plain greedy's.
 
     python -m scripts.train_mtp_model --steps 1501 --out build/mtp-deepseekv3
     python -m benchmarks.engine.mtp_prefetch --model build/mtp-deepseekv3 --out benchmarks/results/mtp/<name>.json
@@ -18,8 +19,11 @@ asserted equal to plain greedy's.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -27,6 +31,7 @@ import torch
 from benchmarks.engine.mtp_trained import heldout_prompts, r4
 from moeflow import MoEModel, OffloadConfig
 from moeflow.engine.mtp_prefetch import PROXIES
+from moeflow.offload.policies import POLICY_TABLE, register_policy, unregister_policy
 from moeflow.sim.profile import get_profile
 from moeflow.sim.speculation import RecordedRun, price, record_passes
 from moeflow.trace import DECODE
@@ -49,6 +54,25 @@ def proxy_accuracy(run: RecordedRun) -> dict:
                 precision=both / predicted if predicted else None)
 
 
+def with_exact_prefetch(run: RecordedRun) -> RecordedRun:
+    """``run`` with each verify pass's prefetch requests replaced by the experts the pass really used (per main MoE
+    layer, most-used first): the bound of any draft-informed prediction (the simulator only: no engine makes it)."""
+    passes = []
+    for steps in run.passes:
+        out = []
+        for p in steps:
+            if p.phase == DECODE and p.yields > 0:
+                exact = []
+                for layer in range(run.main_layers):
+                    counts = torch.bincount(run.trace.topk_ids[p.rows, layer].reshape(-1).long())
+                    order = torch.argsort(counts, descending=True, stable=True)
+                    exact.append((layer, tuple(int(e) for e in order if counts[e] > 0)))
+                p = replace(p, prefetch=tuple(exact))
+            out.append(p)
+        passes.append(out)
+    return replace(run, passes=passes)
+
+
 def locality(plain: RecordedRun, windows=(1, 2, 3, 4)) -> dict:
     """Per window w: the mean union of w consecutive decode tokens' experts per main layer, over top-k (w = 1: 1)."""
     k, out = plain.trace.top_k, {}
@@ -64,9 +88,11 @@ def locality(plain: RecordedRun, windows=(1, 2, 3, 4)) -> dict:
     return out
 
 
-def engine_run(path: Path, prompts, new: int, policy: str, slots: int, k: int | None, prefetch: str | None) -> dict:
-    model = MoEModel.from_pretrained(path, mtp=k is not None,
-                                     offload=OffloadConfig(policy=policy, gpu_expert_slots=slots))
+def engine_run(path: Path, prompts, new: int, policy: str, slots: int, k: int | None, prefetch: str | None,
+               gate: bool = False) -> dict:
+    """The engine offloaded on the CPU (``gate``: the bandwidth-aware prefetch gate on, ``policy_options``)."""
+    model = MoEModel.from_pretrained(path, mtp=k is not None, offload=OffloadConfig(
+        policy=policy, gpu_expert_slots=slots, policy_options={"prefetch_gate": True} if gate else None))
     out = dict(bytes=0, decoded=0, outs=[], queued=0, queued_used=0, useful=0, timely=0, hits=0, misses=0)
     try:
         for ids in prompts:
@@ -85,6 +111,23 @@ def engine_run(path: Path, prompts, new: int, policy: str, slots: int, k: int | 
     finally:
         model.experts.close()
     return out
+
+
+@contextmanager
+def gated(policy: str, gate: bool):
+    """``policy``, or (``gate``) the same policy with the bandwidth-aware prefetch gate on, registered for the
+    simulator under ``<policy>+gate`` while the block runs."""
+    if not gate:
+        yield policy
+        return
+    spec = POLICY_TABLE[policy]
+    name = f"{policy}+gate"
+    register_policy(dataclasses.replace(spec, name=name, mechanisms=dataclasses.replace(spec.mechanisms,
+                                                                                        prefetch_gate=True)))
+    try:
+        yield name
+    finally:
+        unregister_policy(name)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -112,6 +155,8 @@ def main(argv: list[str] | None = None) -> dict:
             run = record_passes(spec_model, prompts, new, k, mtp_prefetch=proxy)
             assert all(torch.equal(a, b) for a, b in zip(plain.outputs, run.outputs, strict=True)), (k, proxy)
             runs[k, proxy] = run
+            if proxy is None:
+                runs[k, "exact"] = with_exact_prefetch(run)
             if proxy is not None:
                 accuracy.append(r4(dict(k=k, proxy=proxy, acceptance=run.acceptance, **proxy_accuracy(run))))
                 print(json.dumps(accuracy[-1]), flush=True)
@@ -121,10 +166,10 @@ def main(argv: list[str] | None = None) -> dict:
             slots = round(frac * main_experts)
             base = engine_run(args.model, prompts, new, policy, slots, None, None)
             for k in args.ks:
-                for proxy in (None, args.engine_proxy):
-                    spec = engine_run(args.model, prompts, new, policy, slots, k, proxy)
+                for proxy, gate in ((None, False), (args.engine_proxy, False), (args.engine_proxy, True)):
+                    spec = engine_run(args.model, prompts, new, policy, slots, k, proxy, gate)
                     assert all(torch.equal(a, b) for a, b in zip(base["outs"], spec["outs"], strict=True))
-                    row = dict(policy=policy, experts_fraction=frac, slots=slots, k=k, prefetch=proxy,
+                    row = dict(policy=policy, experts_fraction=frac, slots=slots, k=k, prefetch=proxy, gate=gate,
                                plain_bytes_per_token=base["bytes"] / base["decoded"],
                                spec_bytes_per_token=spec["bytes"] / spec["decoded"],
                                plain_hit_rate=base["hits"] / max(base["hits"] + base["misses"], 1),
@@ -141,22 +186,23 @@ def main(argv: list[str] | None = None) -> dict:
             for frac in FRACTIONS:
                 slots = round(frac * main_experts)
                 base = price(plain, policy, slots, profile)
-                for k in args.ks:
-                    for proxy in (None, *PROXIES):
-                        run = runs[k, proxy]
-                        sp = price(run, policy, slots, profile)
-                        free = price(run, policy, slots, profile, mtp_passes=False)
-                        row = dict(profile=name, policy=policy, experts_fraction=frac, slots=slots, k=k,
-                                   prefetch=proxy, acceptance=run.acceptance,
-                                   plain_ms_per_token=1e3 * base["time_per_token_s"],
-                                   spec_ms_per_token=1e3 * sp["time_per_token_s"],
-                                   bytes_ratio=sp["bytes_per_token"] / base["bytes_per_token"],
-                                   time_ratio=sp["time_per_token_s"] / base["time_per_token_s"],
-                                   spec_hit_rate=sp["decode_hit_rate"],
-                                   verify_only_bytes_ratio=free["bytes_per_token"] / base["bytes_per_token"],
-                                   verify_only_time_ratio=free["time_per_token_s"] / base["time_per_token_s"])
-                        sim_rows.append(r4(row))
-                        print(json.dumps(sim_rows[-1]), flush=True)
+                cases = [(k, proxy, False) for k in args.ks for proxy in (None, *PROXIES, "exact")]
+                cases += [(k, args.engine_proxy, True) for k in args.ks]
+                for k, proxy, gate in cases:
+                    run = runs[k, proxy]
+                    with gated(policy, gate) as name_used:
+                        sp = price(run, name_used, slots, profile)
+                        free = price(run, name_used, slots, profile, mtp_passes=False)
+                    row = dict(profile=name, policy=policy, experts_fraction=frac, slots=slots, k=k, prefetch=proxy,
+                               gate=gate, acceptance=run.acceptance, plain_ms_per_token=1e3 * base["time_per_token_s"],
+                               spec_ms_per_token=1e3 * sp["time_per_token_s"],
+                               bytes_ratio=sp["bytes_per_token"] / base["bytes_per_token"],
+                               time_ratio=sp["time_per_token_s"] / base["time_per_token_s"],
+                               spec_hit_rate=sp["decode_hit_rate"],
+                               verify_only_bytes_ratio=free["bytes_per_token"] / base["bytes_per_token"],
+                               verify_only_time_ratio=free["time_per_token_s"] / base["time_per_token_s"])
+                    sim_rows.append(r4(row))
+                    print(json.dumps(sim_rows[-1]), flush=True)
     info = Path("/proc/cpuinfo").read_text().splitlines()
     cpu = next((ln.split(":", 1)[1].strip() for ln in info if ln.startswith("model name")), "")
     flags = next((ln.split(":", 1)[1].split() for ln in info if ln.startswith("flags")), [])
