@@ -245,7 +245,7 @@ class MoEModel(nn.Module):
         prompt_lookup_num_tokens: int | None = None,
         max_matching_ngram_size: int | None = None,
         num_speculative_tokens: int | None = None,
-        mtp_prefetch: str | None = "mtp",
+        mtp_prefetch: str | None = None,
     ) -> torch.Tensor:
         """Generate up to ``max_new_tokens`` tokens; returns ``[B, T + n]`` ids including the prompt.
 
@@ -275,9 +275,10 @@ class MoEModel(nn.Module):
         (``moeflow.engine.mtp``: greedy, the tokens of plain greedy decoding; sampled, standard speculative
         sampling, distributed as plain sampling; one sequence; ``stats.draft_tokens``,
         ``stats.accepted_tokens``, ``stats.generated_tokens``, ``stats.bytes_per_generated_token``).
-        ``mtp_prefetch``: with ``num_speculative_tokens``, how each verify pass's experts are predicted from its
-        drafts and queued before it (``moeflow.engine.mtp_prefetch``: "mtp", "mtp-only", "embed"; None: no
-        prefetch; counters ``stats.draft_prefetch``).
+        ``mtp_prefetch``: with ``num_speculative_tokens``, predict each verify pass's experts from its drafts and
+        queue their copies before it (``moeflow.engine.mtp_prefetch``: "mtp", "mtp-only", "embed"; default None:
+        off, since on the trained model it moves more bytes than it saves, benchmarks/results/mtp/README.md;
+        counters ``stats.draft_prefetch``).
         """
         gen = self.generation_config.override(
             max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,

@@ -190,9 +190,10 @@ def main(argv: list[str] | None = None) -> dict:
                 cases += [(k, args.engine_proxy, True) for k in args.ks]
                 for k, proxy, gate in cases:
                     run = runs[k, proxy]
+                    gates = policy == "mixtral-offloading"
                     with gated(policy, gate) as name_used:
-                        sp = price(run, name_used, slots, profile)
-                        free = price(run, name_used, slots, profile, mtp_passes=False)
+                        sp = price(run, name_used, slots, profile, needs_gates=gates)
+                        free = price(run, name_used, slots, profile, mtp_passes=False, needs_gates=gates)
                     row = dict(profile=name, policy=policy, experts_fraction=frac, slots=slots, k=k, prefetch=proxy,
                                gate=gate, acceptance=run.acceptance, plain_ms_per_token=1e3 * base["time_per_token_s"],
                                spec_ms_per_token=1e3 * sp["time_per_token_s"],

@@ -192,13 +192,16 @@ def without_mtp_passes(run: RecordedRun) -> list[list[Pass]]:
 
 
 def price(run: RecordedRun, policy: str, slots: int, profile: HardwareProfile, mtp_passes: bool = True,
-          **options) -> dict:
+          needs_gates: bool | None = None, **options) -> dict:
     """Simulate ``run`` under ``policy`` with ``slots`` expert slots on ``profile`` (shape checks lifted:
     :func:`any_shape`) -> bytes and time per generated token while decoding, hit rate, passes. ``mtp_passes``
-    False: without the passes that ran only MTP layers (:func:`without_mtp_passes`)."""
+    False: without the passes that ran only MTP layers (:func:`without_mtp_passes`). ``needs_gates``: give the
+    policy the model's routers (None: for mixtral-offloading, which applies them; a variant of it registered under
+    another name passes True)."""
     from moeflow.sim.simulator import simulate
 
-    needs_gates = policy == "mixtral-offloading"
+    if needs_gates is None:  # the built-in policy that applies the routers (a variant registered under another
+        needs_gates = policy == "mixtral-offloading"  # name says so itself)
     passes = run.passes if mtp_passes else without_mtp_passes(run)
     res = simulate(run.trace, policy, slots, any_shape(profile), passes=passes, timeline=False,
                    gates=run.gates if needs_gates else None, **options)
