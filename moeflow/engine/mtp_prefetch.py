@@ -18,6 +18,12 @@ own router (``MoEBlock.route(gate(x))``: the group-limited, bias-corrected choic
 the rows' top-k is queued, most-chosen first. The prefetch changes which copies are under way, never a computed
 value, so the tokens stay plain greedy's. ``stats.draft_prefetch`` counts the predictions against the verify pass's
 routing (:class:`~moeflow.offload.stats.DraftPrefetchStats`).
+
+Measured (benchmarks/results/mtp/README.md, session 16): on the trained DeepSeek-V3-shaped model the ``"mtp"`` proxy
+is the best cheap one (a token's top-4 named 38 % of the time, chance 12.5 %), and no proxy, not even the verify
+pass's exact experts, lowers the bytes or the simulated time per token at 25 % / 50 % of the experts: the copies
+only move earlier while the pass-wide request takes slots from experts the pass would have hit. Hence off by
+default (``generate(mtp_prefetch=None)``).
 """
 
 from __future__ import annotations
