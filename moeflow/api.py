@@ -25,6 +25,7 @@ from moeflow.engine.generate import (
 )
 from moeflow.engine.lookup import DEFAULT_MAX_NGRAM, check_lookup, generate_with_lookup
 from moeflow.engine.mtp import check_mtp, generate_with_mtp
+from moeflow.engine.mtp_prefetch import check_proxy
 from moeflow.engine.sampling import GenerationConfig
 from moeflow.errors import InputError
 from moeflow.families import Family, MixtralFamily
@@ -244,6 +245,7 @@ class MoEModel(nn.Module):
         prompt_lookup_num_tokens: int | None = None,
         max_matching_ngram_size: int | None = None,
         num_speculative_tokens: int | None = None,
+        mtp_prefetch: str | None = None,
     ) -> torch.Tensor:
         """Generate up to ``max_new_tokens`` tokens; returns ``[B, T + n]`` ids including the prompt.
 
@@ -273,6 +275,10 @@ class MoEModel(nn.Module):
         (``moeflow.engine.mtp``: greedy, the tokens of plain greedy decoding; sampled, standard speculative
         sampling, distributed as plain sampling; one sequence; ``stats.draft_tokens``,
         ``stats.accepted_tokens``, ``stats.generated_tokens``, ``stats.bytes_per_generated_token``).
+        ``mtp_prefetch``: with ``num_speculative_tokens``, predict each verify pass's experts from its drafts and
+        queue their copies before it (``moeflow.engine.mtp_prefetch``: "mtp", "mtp-only", "embed"; default None:
+        off, since on the trained model it moves more bytes than it saves, benchmarks/results/mtp/README.md;
+        counters ``stats.draft_prefetch``).
         """
         gen = self.generation_config.override(
             max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
@@ -297,8 +303,9 @@ class MoEModel(nn.Module):
         if num_speculative_tokens is not None:
             check_mtp(self.family, self.mtp, gen, b, num_speculative_tokens, micro_batch_size, dual_batch,
                       prompt_lookup_num_tokens)
+            check_proxy(mtp_prefetch)
             return generate_with_mtp(self._runner, self.mtp, gen, input_ids, token_mask, num_speculative_tokens,
-                                     streamer=streamer, seed=seed)
+                                     streamer=streamer, seed=seed, prefetch=mtp_prefetch)
         if prompt_lookup_num_tokens is not None or max_matching_ngram_size is not None:
             ngram = max_matching_ngram_size if max_matching_ngram_size is not None else DEFAULT_MAX_NGRAM
             check_lookup(gen, b, prompt_lookup_num_tokens, ngram, micro_batch_size, dual_batch)

@@ -1,7 +1,8 @@
 """``generate(num_speculative_tokens=k)`` with DeepSeek-V3's MTP layer: greedy tokens = plain greedy, resident and
 under every offload policy that runs with the MTP layer x slot counts x sync / random-delay transport; the draft /
 accept counters pinned on a deterministic case and on oracle drafts (the verify loop's accept and reject paths); the
-MTP layer's experts go through the offload backend. ~40 s on 2 cores."""
+MTP layer's experts go through the offload backend; the draft-informed prefetch (each proxy, and none) leaves the
+tokens unchanged under every policy x transport and counts its predictions. ~45 s on 2 cores."""
 
 from __future__ import annotations
 
@@ -109,24 +110,53 @@ def test_oracle_drafts_accepted_and_rejected(tiny, monkeypatch, wrong_every):
         assert 0 < accepted < drafted
 
 
+# the draft-informed prefetch's proxy per slot count (engine/mtp_prefetch.py), each one under every policy x transport
+PREFETCH = {2: "mtp", 3: None, 7: "embed", EXPERTS * MOE_LAYERS: "mtp-only"}
+
+
 @pytest.mark.parametrize("transport", ["sync", "random-delay"])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_offloaded_tokens_equal_plain_greedy(tiny, policy, transport):
     path, _, ids, plain = tiny
-    for n_slots in (2, 3, 7, EXPERTS * MOE_LAYERS):
+    for n_slots, prefetch in PREFETCH.items():
         early = transport == "random-delay" and n_slots % 2 == 1  # each layer's hits launched before its read-back
         model = MoEModel.from_pretrained(path, mtp=True, offload=OffloadConfig(
             policy=policy, gpu_expert_slots=n_slots, transport=transport, random_delay_ms=0.3, seed=n_slots,
             early_hits=early))
         try:
-            out = model.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=[], num_speculative_tokens=2)
+            out = model.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=[], num_speculative_tokens=2,
+                                 mtp_prefetch=prefetch)
         finally:
             model.experts.close()
-        assert torch.equal(out, plain), f"{policy}/{transport}/{n_slots} slots"
+        assert torch.equal(out, plain), f"{policy}/{transport}/{n_slots} slots/prefetch {prefetch}"
         s = model.stats
         assert s.decode.hits + s.decode.misses > 0
         if n_slots < EXPERTS * MOE_LAYERS:
             assert s.bytes_per_generated_token is not None and s.bytes_per_generated_token > 0
+        dp = s.draft_prefetch
+        assert (dp.predicted > 0) == (prefetch is not None) and (dp.needed > 0) == (prefetch is not None)
+        assert dp.queued <= dp.predicted and dp.predicted_used <= min(dp.predicted, dp.needed)
+        if prefetch is not None:
+            assert dp.needed >= 2 * s.decode.steps  # every verify pass uses >= top-k experts in each of 2 layers
+
+
+def test_draft_prefetch_counts_and_refusal(tiny):
+    """Resident: the prefetch predicts (and queues nothing: every expert is in place); the "mtp" proxy's last draft
+    row comes from its embedding, "mtp-only" leaves it out, so it predicts no more pairs. An unknown proxy is refused
+    naming the argument."""
+    _, model, ids, plain = tiny
+    seen = {}
+    for proxy in ("mtp", "mtp-only", "embed"):
+        model.stats.reset()
+        out = model.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=[], num_speculative_tokens=1,
+                             mtp_prefetch=proxy)
+        assert torch.equal(out, plain)
+        dp = model.stats.draft_prefetch
+        assert dp.queued == 0 and dp.predicted > 0 and 0 < dp.predicted_used <= dp.needed
+        seen[proxy] = dp.predicted
+    assert seen["mtp-only"] <= seen["mtp"]
+    with pytest.raises(ValueError, match="mtp_prefetch must be one of"):
+        model.generate(ids, max_new_tokens=2, num_speculative_tokens=1, mtp_prefetch="router")
 
 
 def test_mtp_layer_experts_go_through_the_offload_backend(tiny):

@@ -52,7 +52,7 @@ def test_lru_loads_equal_the_real_engine(tiny, slots):
     for run, mtp in ((plain, False), (spec, True)):
         model = MoEModel.from_pretrained(path, mtp=mtp, offload=OffloadConfig(policy="lru", gpu_expert_slots=slots))
         model.generate(prompts[0][None], max_new_tokens=NEW, do_sample=False, eos_token_id=[],
-                       num_speculative_tokens=1 if mtp else None)
+                       num_speculative_tokens=1 if mtp else None, mtp_prefetch=None)
         real_loads = model.stats.decode.bytes_h2d / model.experts.fmt.nbytes
         model.experts.close()
         res = simulate(run.trace, "lru", slots, any_shape(PROFILE), passes=run.passes, timeline=False)
@@ -94,3 +94,37 @@ def test_oracle_refuses_recorded_passes(tiny):
     _, _, plain = tiny
     with pytest.raises(SimulationError, match="passes="):
         simulate(plain.trace, "oracle", 3, any_shape(PROFILE), passes=plain.passes)
+
+
+def test_draft_prefetch_is_recorded_and_replayed(tiny):
+    """generate(mtp_prefetch="mtp") asks the backend for each verify pass's predicted experts before the pass: the
+    requests ride with the recorded verify passes (and no other pass), and the simulator queues them (lru has no
+    predictor of its own: every prefetch it counts is one of them). The real engine counts the same requests: under
+    lru every prefetch the cache saw is a draft prefetch."""
+    path, prompts, plain = tiny
+    spec = record_passes(MoEModel.from_pretrained(path, mtp=True), prompts, NEW, 1, mtp_prefetch="mtp")
+    assert torch.equal(spec.outputs[0], plain.outputs[0])
+    verify = [p for p in spec.passes[0] if p.phase == DECODE and p.yields > 0]
+    assert verify and all(p.prefetch for p in verify)
+    assert not any(p.prefetch for p in spec.passes[0] if p not in verify)
+    assert all(layer < spec.main_layers for p in verify for layer, _ in p.prefetch)
+    res = simulate(spec.trace, "lru", 3, any_shape(PROFILE), passes=spec.passes, timeline=False)
+    bare = simulate(spec.trace, "lru", 3, any_shape(PROFILE), passes=without_prefetch(spec.passes), timeline=False)
+    assert res.prefetches > 0 and bare.prefetches == 0
+    model = MoEModel.from_pretrained(path, mtp=True, offload=OffloadConfig(policy="lru", gpu_expert_slots=3))
+    try:
+        out = model.generate(prompts[0][None], max_new_tokens=NEW, do_sample=False, eos_token_id=[],
+                             num_speculative_tokens=1, mtp_prefetch="mtp")
+    finally:
+        model.experts.close()
+    assert torch.equal(out, plain.outputs[0])
+    dp = model.stats.draft_prefetch
+    assert dp.queued == model.stats.decode.prefetches > 0
+    assert dp.predicted == sum(len(e) for p in verify for _, e in p.prefetch)
+    assert 0 < dp.predicted_used <= min(dp.predicted, dp.needed) and dp.queued_used <= dp.queued
+
+
+def without_prefetch(passes):
+    from dataclasses import replace
+
+    return [[replace(p, prefetch=()) for p in steps] for steps in passes]

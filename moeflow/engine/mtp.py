@@ -18,7 +18,9 @@ Offloading. The MTP layers' experts are the expert backend's last MoE layers: ev
 is a forward pass announced by ``begin_step``; the experts a verify pass needs for its 1 + k tokens are moved once.
 ``model.stats`` counts ``draft_tokens`` (proposed), ``accepted_tokens`` and ``generated_tokens``;
 ``stats.bytes_per_generated_token`` divides the bytes moved while decoding by the tokens decoded (the first round's
-drafting, the MTP layer over the prompt, counts with the prefill, as the prefill of the MTP layer).
+drafting, the MTP layer over the prompt, counts with the prefill, as the prefill of the MTP layer). With
+``prefetch`` (``generate(mtp_prefetch=...)``) the verify pass's experts are predicted from its drafts and queued
+before it runs (:mod:`moeflow.engine.mtp_prefetch`; ``stats.draft_prefetch`` counts them).
 
 Linear-attention layers (Qwen3-Next, Qwen3.5-MoE). Their recurrent and conv states have no per-position entries to
 leave behind: a verify pass advances them over all ``1 + k`` tokens. The states are copied before each verify pass
@@ -47,11 +49,13 @@ from moeflow.engine.latent_cache import new_kv_cache
 from moeflow.engine.linear_rollback import LinearInputRecorder
 from moeflow.engine.linear_state import HybridKVCache
 from moeflow.engine.lookup import begin_speculation, count_pass, pass_inputs, pick
+from moeflow.engine.mtp_prefetch import DraftPrefetcher
 from moeflow.engine.sampling import GenerationConfig
 from moeflow.engine.spec_sampling import accept_or_resample, draw, sampler_probs
 from moeflow.families.base import Family
 from moeflow.families.mtp import MultiTokenPredictor
 from moeflow.moe.backend import StepInfo
+from moeflow.moe.block import RoutingRecorder
 from moeflow.streaming import Streamer
 
 
@@ -90,6 +94,7 @@ class MTPDrafter:
             raise ValueError("MTP speculation needs the family's KV cache spec")
         spec = type(spec)(len(mtp.layers), spec.kv_heads, spec.head_dim, spec.latent_dim, None)
         self.cache = new_kv_cache(spec, 1, max_len, runner.dtype, runner.device)
+        self.states: list[torch.Tensor] = []  # this round's MTP outputs [H] of each run's last position
 
     def run(self, depth: int, hidden: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
             cache_position: torch.Tensor, token_mask: torch.Tensor, history: tuple
@@ -97,7 +102,8 @@ class MTPDrafter:
         """MTP layer ``depth % layers`` over hidden [1, T, H] (the depth before's, normed) and the next tokens
         next_ids [1, T] at positions [1, T] / cache_position [T] -> (logits fp32 [1, V] of the last position, its
         normed output [1, 1, H] for the next depth). The backend sees a pass of the stats' current phase (the
-        pass over the prompt is the MTP layer's prefill)."""
+        pass over the prompt is the MTP layer's prefill). The block's output at the last position [H] joins
+        ``states`` (the draft-informed prefetch's proxy, :mod:`moeflow.engine.mtp_prefetch`)."""
         runner, layer = self.runner, self.mtp.layers[depth % len(self.mtp.layers)]
         embeds = runner.decoder.embed_tokens(next_ids)
         runner.backend.begin_step(StepInfo(next_ids, positions, token_mask, runner.stats.phase, None, embeds,
@@ -106,27 +112,30 @@ class MTPDrafter:
         self.cache.mark_valid(cache_position, token_mask)
         mask = self.cache.attention_mask(cache_position, None)
         x = layer(hidden, embeds, positions, cos, sin, self.cache, cache_position, mask, runner.backend)
+        self.states.append(x[0, -1])
         out = layer.shared_head(x[:, -1:])
         return runner.decoder.lm_head(out).float()[:, -1], out
 
 
 def eager_pass(runner: Runner, ids: torch.Tensor, positions: torch.Tensor, cache: PassCache,
-               cache_position: torch.Tensor, token_mask: torch.Tensor, phase: str, history: tuple, all_real: bool
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One forward pass of the main decoder (eager) -> (logits fp32 [1, T, V], final-normed hidden [1, T, H])."""
+               cache_position: torch.Tensor, token_mask: torch.Tensor, phase: str, history: tuple, all_real: bool,
+               routing: RoutingRecorder | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward pass of the main decoder (eager) -> (logits fp32 [1, T, V], final-normed hidden [1, T, H]);
+    ``routing``: where the MoE layers keep their top-k ids."""
     embeds = runner.decoder.embed_tokens(ids)
     runner.backend.begin_step(StepInfo(ids, positions, token_mask, phase, None, embeds, history[0], history[1],
                                        all_real=all_real))
-    return runner.decoder(embeds, positions, cache, cache_position, token_mask, runner.backend, None,
+    return runner.decoder(embeds, positions, cache, cache_position, token_mask, runner.backend, routing,
                           return_hidden=True)
 
 
 def generate_with_mtp(runner: Runner, mtp: MultiTokenPredictor, gen: GenerationConfig, input_ids: torch.Tensor,
                       token_mask: torch.Tensor, num_tokens: int, streamer: Streamer | None = None,
-                      seed: int | None = None) -> torch.Tensor:
+                      seed: int | None = None, prefetch: str | None = None) -> torch.Tensor:
     """input_ids / token_mask [1, T] on the device -> [1, T + n] ids, drafting up to ``num_tokens`` tokens per
     round with the MTP layers and verifying them in one pass: greedy, or with ``gen.do_sample`` standard
-    speculative sampling (:mod:`moeflow.engine.spec_sampling`; ``seed``: its generator's)."""
+    speculative sampling (:mod:`moeflow.engine.spec_sampling`; ``seed``: its generator's). ``prefetch``: the
+    draft-informed prefetch's proxy (:mod:`moeflow.engine.mtp_prefetch`), None: none."""
     stats, device = runner.stats, runner.device
     start_state = begin_speculation(runner, gen, input_ids, token_mask, "num_speculative_tokens", streamer,
                                     reuse=False, linear_ok=True)
@@ -134,6 +143,9 @@ def generate_with_mtp(runner: Runner, mtp: MultiTokenPredictor, gen: GenerationC
         return input_ids
     t, total, eos, cache, seq, pad, hist, hist_mask = start_state
     drafter = MTPDrafter(runner, mtp, total)
+    blocks = runner.decoder.moe_blocks
+    prefetcher = DraftPrefetcher(blocks, runner.decoder.embed_tokens, runner.backend, prefetch) \
+        if prefetch is not None else None
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     sample = gen.do_sample
 
@@ -174,6 +186,7 @@ def generate_with_mtp(runner: Runner, mtp: MultiTokenPredictor, gen: GenerationC
             history = (hist[:, :n], hist_mask[:, :n])
             if n == t + 1:  # the first round's drafts: the MTP layer over the prompt, counted with the prefill
                 stats.set_phase("prefill")
+            drafter.states.clear()
             draft, qs = propose(drafter, mtp_in, min(num_tokens, room - 1), n, pad, history, device,
                                 lambda logits, drafted, kept=seq[pad:n]: choose(logits, torch.cat((kept, torch.tensor(
                                     drafted, dtype=torch.long)))))
@@ -183,7 +196,14 @@ def generate_with_mtp(runner: Runner, mtp: MultiTokenPredictor, gen: GenerationC
                                                          cache.max_len, True, device)
             restore = cache.snapshot() if isinstance(cache, HybridKVCache) else None
             recorder.active = restore is not None
-            logits, hidden = eager_pass(runner, ids, pos, cache, cache_position, mask, "decode", history, True)
+            routing = None
+            if prefetcher is not None:  # the verify pass's experts queued from its drafts
+                prefetcher.prefetch(ids[0], drafter.states)
+                routing = RoutingRecorder(len(blocks))
+            logits, hidden = eager_pass(runner, ids, pos, cache, cache_position, mask, "decode", history, True,
+                                        routing)
+            if prefetcher is not None:
+                prefetcher.count(stats.draft_prefetch, routing)
             recorder.active = False
             new = []
             for j in range(len(draft) + 1):

@@ -139,6 +139,12 @@ class ExpertBackend(ABC):
         """Predicted routing paths bool [B, L, E] for micro-batch grouping, or None (no path predictor)."""
         return None
 
+    def prefetch(self, target: int, experts: list[int], layer_now: int = 0) -> list[int]:
+        """Queue copies of MoE layer ``target``'s ``experts`` (most wanted first) ahead of the pass that needs them,
+        best effort, e.g. MTP speculation's verify pass predicted from its drafts (:mod:`moeflow.engine.mtp_prefetch`);
+        returns the experts whose copy was queued. Default: every expert is in place already, nothing to queue."""
+        return []
+
     @property
     def path_planner(self) -> RoutingPathPlanner | None:
         """The policy's routing-path planner (what expertflow's dual-batch pipeline drives), or None. Default: None."""

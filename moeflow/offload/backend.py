@@ -192,9 +192,10 @@ class OffloadedExperts(ExpertBackend):
         if self.warm_start:
             self.loads.warm_fill(min(self.n_slots, self.num_layers * self.num_experts), self.num_layers)
 
-    def prefetch(self, target: int, experts: list[int], layer_now: int = 0) -> None:
-        """Queue low-priority loads of ``target``'s ``experts`` outside ``forward`` (:meth:`SlotLoader.prefetch`)."""
-        self.loads.prefetch(target, experts, layer_now)
+    def prefetch(self, target: int, experts: list[int], layer_now: int = 0) -> list[int]:
+        """Queue low-priority loads of ``target``'s ``experts`` outside ``forward`` (:meth:`SlotLoader.prefetch`);
+        returns the experts queued."""
+        return self.loads.prefetch(target, experts, layer_now)
 
     # ------------------------------------------------------------------ one pass
     def begin_step(self, step: StepInfo) -> None:

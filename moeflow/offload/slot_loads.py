@@ -74,13 +74,15 @@ class SlotLoader:
         self.pump(st)
         return False
 
-    def prefetch(self, target: int, experts: list[int], layer_now: int = 0) -> None:
+    def prefetch(self, target: int, experts: list[int], layer_now: int = 0) -> list[int]:
         """Queue low-priority loads of ``target``'s ``experts`` outside ``forward`` (e.g. FineMoE's guesses for
-        the first layers, made from the token embeddings before layer 0 runs); best effort, as in step 4."""
+        the first layers, made from the token embeddings before layer 0 runs); best effort, as in step 4. Returns
+        the experts queued."""
         st = self.stats.current()
         self.cache.poll()
-        self.prefetch_guesses(target, list(experts), layer_now, st)
+        queued = self.prefetch_guesses(target, list(experts), layer_now, st)
         self.pump(st)
+        return queued
 
     def load_deferred(self, layer: int, deferred: deque[int], waiting: list[LoadTask], st: PhaseStats) -> None:
         """Give the deferred experts of ``layer`` slots, while slots can be had, and queue their loads (high)."""
@@ -130,15 +132,17 @@ class SlotLoader:
         if self.gate is not None:
             self.gate.layer_gate(layer, needed, self.stats.phase)
 
-    def prefetch_guesses(self, target: int, experts: list[int], layer: int, st: PhaseStats) -> None:
+    def prefetch_guesses(self, target: int, experts: list[int], layer: int, st: PhaseStats) -> list[int]:
         """Queue low-priority loads of ``target``'s ``experts`` (most wanted first) not cached yet, while a slot is
-        free (never cancelling another load for a guess) and, with the prefetch gate, where it admits them."""
+        free (never cancelling another load for a guess) and, with the prefetch gate, where it admits them. Returns
+        the experts queued."""
         refresh = self.mechanisms.refresh_on_prefetch
         ranked = self.mechanisms.queue_priority and self.predictor is not None
         gate, phase = self.gate, self.stats.phase
         if gate is not None:
             gate.record(target, experts, phase)
             backlog = queued_bytes(self.engine)
+        queued: list[int] = []
         for rank, e in enumerate(experts):
             key = (target, e)
             if self.cache.lookup(key) is not None:
@@ -154,11 +158,13 @@ class SlotLoader:
                 continue  # disk tier: a guess not in host memory is read from disk now, copied when needed
             slot = self.cache.allocate(key, layer)
             if slot is None:
-                return  # best effort: never cancel other loads for a guess
+                return queued  # best effort: never cancel other loads for a guess
             priority = self.predictor.queue_priority(target, e, layer) if ranked else 0.0
             task = self._submit(slot, target, e, high=False, stats=st, priority=priority)
             self.cache.start_load(slot, task, prefetched=True)
             st.prefetches += 1
+            queued.append(e)
+        return queued
 
     def pump(self, st: PhaseStats) -> None:
         """Synchronous transport: the copies happen here, on the critical path (counted as stall)."""

@@ -63,6 +63,37 @@ class PhaseStats:
 
 
 @dataclass
+class DraftPrefetchStats:
+    """MTP speculation's draft-informed prefetch (:mod:`moeflow.engine.mtp_prefetch`), in (MoE layer, expert) pairs
+    of the verify passes: ``predicted`` (the experts the drafts' proxies route to), ``queued`` (of those, the ones not
+    in place whose copy was queued before the pass), ``needed`` (the pairs the verify passes used), ``predicted_used``
+    (predicted and used) and ``queued_used`` (queued and used: at most the copies the pass found moved or moving
+    ahead, since a queued copy may be evicted by a later one before its layer; the cache's ``useful_prefetches`` and
+    ``timely_prefetches`` count what was found, every prefetch together)."""
+
+    predicted: int = 0
+    queued: int = 0
+    needed: int = 0
+    predicted_used: int = 0
+    queued_used: int = 0
+
+    @property
+    def recall(self) -> float | None:
+        """The share of the verify passes' experts the prediction named."""
+        return self.predicted_used / self.needed if self.needed else None
+
+    @property
+    def precision(self) -> float | None:
+        """The share of the predicted experts the verify passes used."""
+        return self.predicted_used / self.predicted if self.predicted else None
+
+    @property
+    def queued_used_rate(self) -> float | None:
+        """The share of the queued copies the verify passes routed to."""
+        return self.queued_used / self.queued if self.queued else None
+
+
+@dataclass
 class Stats:
     """``model.stats``: per-phase counters plus request-level timings."""
 
@@ -82,6 +113,8 @@ class Stats:
     disk: DiskStats | None = None
     # MTP speculation (generate(num_speculative_tokens=...)): tokens generated, the first one included
     generated_tokens: int = 0
+    # MTP speculation: the verify passes' experts prefetched from the drafts
+    draft_prefetch: DraftPrefetchStats = field(default_factory=DraftPrefetchStats)
 
     def current(self) -> PhaseStats:
         """The counters of the current phase."""
@@ -97,6 +130,7 @@ class Stats:
         self.prefill, self.decode = PhaseStats(), PhaseStats()
         self.phase, self.ttft_s, self.tpot_s, self.peak_gpu_bytes = "prefill", None, None, 0
         self.draft_tokens = self.accepted_tokens = self.generated_tokens = 0
+        self.draft_prefetch = DraftPrefetchStats()
         if self.disk is not None:
             self.disk.reset()
 

@@ -21,7 +21,8 @@ class Pass:
     A recorded speculative run (:mod:`moeflow.sim.speculation`) also gives ``layers`` (the MoE layers the pass
     runs, in order: an MTP pass runs only the MTP layer's; None: every layer of the trace), ``info`` (the
     :class:`StepInfo` the engine gave the backend; None: built from the trace) and ``yields`` (the tokens the pass
-    produced: a verify pass 1 + its accepted drafts, an MTP pass 0)."""
+    produced: a verify pass 1 + its accepted drafts, an MTP pass 0) and ``prefetch`` (the (layer, experts) the engine
+    asked the backend to prefetch just before the pass: MTP speculation's draft-informed prefetch)."""
 
     seq: int
     phase: int
@@ -29,6 +30,7 @@ class Pass:
     layers: tuple[int, ...] | None = None
     info: StepInfo | None = None
     yields: int = 1
+    prefetch: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
 
 def sequence_passes(trace: Trace, max_sequences: int | None) -> list[list[Pass]]:

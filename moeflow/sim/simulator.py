@@ -352,6 +352,8 @@ def simulate(
             start, stall0 = clock.now, transport.stall_s
             T = step.rows.stop - step.rows.start
             if backend is not None:  # the pass's tokens, embeddings and history, as the engine hands them over
+                for target, experts in step.prefetch:  # queued by the engine before the pass (mtp_prefetch)
+                    backend.prefetch(target, list(experts))
                 backend.begin_step(step.info if step.info is not None else
                                    step_info(trace, step.rows, steps[0].rows.start, phase))
             for l in (range(L) if step.layers is None else step.layers):

@@ -51,8 +51,9 @@ class RecordedRun:
 
 
 class _PassRecorder:
-    """Wraps the model's expert backend ``begin_step`` and hooks every MoE block (the decoder's and the MTP
-    layers'): one record per pass with its StepInfo (host copies) and per layer (x, probs, topk)."""
+    """Wraps the model's expert backend ``begin_step`` and ``prefetch`` and hooks every MoE block (the decoder's and
+    the MTP layers'): one record per pass with its StepInfo (host copies), the prefetches asked for just before it
+    and per layer (x, probs, topk)."""
 
     def __init__(self, model: MoEModel) -> None:
         self.model, self.backend = model, model.experts
@@ -61,6 +62,7 @@ class _PassRecorder:
         self._pending: int | None = None
         self._handles: list = []
         self._generated0 = 0
+        self._prefetch: list[tuple[int, tuple[int, ...]]] = []
 
     def __enter__(self) -> _PassRecorder:
         original = self.backend.begin_step
@@ -72,11 +74,19 @@ class _PassRecorder:
                            token_mask=cpu(step.token_mask), rows=cpu(step.rows), embeds=cpu(step.embeds),
                            history_ids=cpu(step.history_ids), history_mask=cpu(step.history_mask),
                            path_scores=cpu(step.path_scores))
-            self.passes.append({"info": info, "layers": {}, "yields": 0})
+            self.passes.append({"info": info, "layers": {}, "yields": 0, "prefetch": tuple(self._prefetch)})
+            self._prefetch.clear()
             self._generated0 = self.model.stats.generated_tokens
             original(step)
 
         self.backend.begin_step = begin_step
+        prefetch = self.backend.prefetch
+
+        def record_prefetch(target: int, experts: list[int], layer_now: int = 0) -> list[int]:
+            self._prefetch.append((target, tuple(experts)))
+            return prefetch(target, experts, layer_now)
+
+        self.backend.prefetch = record_prefetch
         for block in self.blocks:
             self._handles.append(block.register_forward_pre_hook(self._pre_hook(block.layer_idx)))
             self._handles.append(block.gate.register_forward_hook(self._gate_hook(block.layer_idx, block.route)))
@@ -88,7 +98,8 @@ class _PassRecorder:
 
     def __exit__(self, *exc) -> None:
         self._close_pass()
-        del self.backend.begin_step  # the class's method again
+        del self.backend.begin_step  # the class's methods again
+        del self.backend.prefetch
         for h in self._handles:
             h.remove()
 
@@ -110,11 +121,12 @@ class _PassRecorder:
 
 
 def record_passes(model: MoEModel, prompts: Sequence[torch.Tensor], max_new_tokens: int,
-                  num_speculative_tokens: int | None = None) -> RecordedRun:
+                  num_speculative_tokens: int | None = None, mtp_prefetch: str | None = None) -> RecordedRun:
     """Greedy ``generate`` of each prompt (ids [T] or [1, T]) on ``model`` (a :class:`~moeflow.api.MoEModel`;
     with ``num_speculative_tokens``, loaded with ``mtp=True``), every forward pass recorded (see the module
     docstring). A plain pass yields one token; a speculative run's passes yield what ``stats.generated_tokens``
-    counted after them (a verify pass: 1 + its accepted drafts; an MTP pass: 0)."""
+    counted after them (a verify pass: 1 + its accepted drafts; an MTP pass: 0). ``mtp_prefetch``: the draft-informed
+    prefetch (``generate(mtp_prefetch=...)``), whose requests each verify pass records for the simulator to replay."""
     family = model.family
     n_main = len(family.moe_layers)
     n_mtp = len(model.mtp.moe_blocks) if model.mtp is not None else 0
@@ -128,7 +140,7 @@ def record_passes(model: MoEModel, prompts: Sequence[torch.Tensor], max_new_toke
         model.stats.reset()
         with _PassRecorder(model) as rec:
             out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=[],
-                                 num_speculative_tokens=num_speculative_tokens)
+                                 num_speculative_tokens=num_speculative_tokens, mtp_prefetch=mtp_prefetch)
         outputs.append(out)
         drafted += model.stats.draft_tokens
         accepted += model.stats.accepted_tokens
@@ -145,7 +157,8 @@ def record_passes(model: MoEModel, prompts: Sequence[torch.Tensor], max_new_toke
                 hidden[:, layer] = rec_l["x"]
             phase = PREFILL if info.phase == "prefill" else DECODE
             yields = p["yields"] if num_speculative_tokens is not None else 1
-            steps.append(Pass(seq, phase, slice(row, row + t), tuple(sorted(p["layers"])), info, yields))
+            steps.append(Pass(seq, phase, slice(row, row + t), tuple(sorted(p["layers"])), info, yields,
+                              p["prefetch"]))
             cols["topk"].append(topk)
             cols["probs"].append(probs)
             cols["hidden"].append(hidden)
@@ -179,13 +192,16 @@ def without_mtp_passes(run: RecordedRun) -> list[list[Pass]]:
 
 
 def price(run: RecordedRun, policy: str, slots: int, profile: HardwareProfile, mtp_passes: bool = True,
-          **options) -> dict:
+          needs_gates: bool | None = None, **options) -> dict:
     """Simulate ``run`` under ``policy`` with ``slots`` expert slots on ``profile`` (shape checks lifted:
     :func:`any_shape`) -> bytes and time per generated token while decoding, hit rate, passes. ``mtp_passes``
-    False: without the passes that ran only MTP layers (:func:`without_mtp_passes`)."""
+    False: without the passes that ran only MTP layers (:func:`without_mtp_passes`). ``needs_gates``: give the
+    policy the model's routers (None: for mixtral-offloading, which applies them; a variant of it registered under
+    another name passes True)."""
     from moeflow.sim.simulator import simulate
 
-    needs_gates = policy == "mixtral-offloading"
+    if needs_gates is None:  # the built-in policy that applies the routers (a variant registered under another
+        needs_gates = policy == "mixtral-offloading"  # name says so itself)
     passes = run.passes if mtp_passes else without_mtp_passes(run)
     res = simulate(run.trace, policy, slots, any_shape(profile), passes=passes, timeline=False,
                    gates=run.gates if needs_gates else None, **options)

@@ -39,8 +39,9 @@ class PrefetchTarget(Protocol):
 
     cache: ExpertCache
 
-    def prefetch(self, target: int, experts: list[int], layer_now: int = 0) -> None:
-        """Queue low-priority loads of layer ``target``'s ``experts`` (best effort: never evicts a load)."""
+    def prefetch(self, target: int, experts: list[int], layer_now: int = 0) -> list[int]:
+        """Queue low-priority loads of layer ``target``'s ``experts`` (best effort: never evicts a load); returns
+        the experts queued."""
         ...
 
 
