@@ -28,6 +28,7 @@ from moeflow.engine.cpu_linears import (
 )
 from moeflow.engine.cpu_step import fuse_cpu_step
 from moeflow.engine.gguf_linears import GGUFStoredLinears
+from moeflow.engine.mapped_experts import MappedGGUFExperts
 from moeflow.engine.parallel_load import ExpertLoad, load_experts
 from moeflow.engine.sampling import GenerationConfig
 from moeflow.errors import SchedulingError
@@ -152,7 +153,7 @@ def build_model(
     path_or_id: str | os.PathLike, *, device: torch.device, dtype: torch.dtype, offload: OffloadConfig | None,
     kernels: str, revision: str | None, progress: bool | None, families: tuple[type[Family], ...] | None = None,
     attention_bits: int | str | None = "auto", lm_head_bits: int = 8, cuda_graphs: bool = False,
-    mtp: bool = False, gguf_file: str | None = None,
+    mtp: bool = False, gguf_file: str | None = None, mmap: bool = True,
 ) -> BuiltModel:
     """Load the checkpoint ``path_or_id`` (directory or hub id; or a GGUF model: a ``.gguf`` file, a directory
     holding one, a split set's first part, or ``gguf_file`` in a directory / hub repository).
@@ -163,7 +164,8 @@ def build_model(
     cpu_linears); ``lm_head_bits``: 8 (default) or 4 (CPU int4 path only, see cpu_linears).
     ``mtp``: also read the multi-token-prediction layers (:mod:`moeflow.families.mtp`; CheckpointError naming the
     config field or the missing tensor when the checkpoint has none); their experts join the backend after the
-    decoder's."""
+    decoder's. ``mmap``: GGUF experts computed on the CPU as the file stores them, resident on ``device="cpu"``,
+    are views of the mapped file (:class:`~moeflow.engine.mapped_experts.MappedGGUFExperts`), not copies."""
     gguf_path = resolve_gguf(path_or_id, gguf_file, revision)
     gguf = open_gguf(gguf_path) if gguf_path is not None else None
     if gguf is None:
@@ -253,13 +255,17 @@ def build_model(
                 source = open_expert_index(reader, family, layout, quant, fmt if fp8 is not None else None,
                                            len(family.moe_layers) + loading.mtp_moe_layers(mtp_module))
         host_reserved = plan.non_expert + plan.kv_cache if device.type == "cpu" else 0  # weights in host memory
+        mapped = mmap and gguf is not None and source is not None and mapped_experts_apply(sized, stored, device)
         try:
-            backend = make_expert_backend(
-                sized, resolved, fmt=stored, family=family, decoder=decoder, device=device,
-                reserved_bytes=memory.reserved_device_bytes(plan), stats=stats, checkpoint_dir=directory,
-                expert_source=source, host_reserved_bytes=host_reserved, mtp=mtp_module,
-                host_store=early.store if early is not None else None,
-            )
+            if mapped:  # the experts' CPU forms are views of the mapped file: nothing to read or copy
+                backend = MappedGGUFExperts(stored, source, resolved.experts)
+            else:
+                backend = make_expert_backend(
+                    sized, resolved, fmt=stored, family=family, decoder=decoder, device=device,
+                    reserved_bytes=memory.reserved_device_bytes(plan), stats=stats, checkpoint_dir=directory,
+                    expert_source=source, host_reserved_bytes=host_reserved, mtp=mtp_module,
+                    host_store=early.store if early is not None else None,
+                )
         except SchedulingError as e:
             if source is not None and early is None:  # (early's index: closed below, once its loader stopped)
                 source.close()
@@ -283,7 +289,9 @@ def build_model(
                         "and load DST to read int4 experts as stored", config_path, directory)
         if progress is None:
             progress = fmt.nbytes * len(family.moe_layers) * family.num_experts >= PROGRESS_MIN_BYTES
-        if early is not None:  # its store is the backend's: wait for the last expert
+        if mapped:
+            source.close()
+        elif early is not None:  # its store is the backend's: wait for the last expert
             early.result()
         elif not on_disk and fp8 is None:  # parallel preads straight into the backend's storage
             try:
@@ -334,6 +342,14 @@ def early_expert_load(offload: OffloadConfig | None, fmt: ExpertFormat, kernels:
     if progress is None:
         progress = fmt.nbytes * layers * family.num_experts >= PROGRESS_MIN_BYTES
     return ExpertLoad(source, store.write, store, progress=progress)
+
+
+def mapped_experts_apply(offload: OffloadConfig, fmt: ExpertFormat, device: torch.device) -> bool:
+    """Whether a GGUF model's experts are used as views of its mapped file: every expert resident on the CPU in
+    the GGUF format on the CPU kernels (their form is the file's blocks). Offloading policies keep copying (slots
+    and host rows are copies by design), as do CUDA and formats converted at load (Q4_0 -> AWQ)."""
+    return device.type == "cpu" and isinstance(fmt, GGUFFormat) and fmt.cpu_kernels \
+        and not get_policy(offload.policy).offload
 
 
 def default_offload(family: Family, fmt: ExpertFormat, device: torch.device, dtype: torch.dtype, non_expert: int,
