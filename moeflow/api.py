@@ -125,8 +125,9 @@ class MoEModel(nn.Module):
         mmap: a GGUF model's experts that the CPU computes as the file stores them (Q8_0, Q4_K, Q5_K, Q6_K:
             Q4_K_M's and Q8_0's files), all resident on ``device="cpu"``, are views of a copy-on-write mapping of
             the file, as llama.cpp's default load: nothing is read or copied at load, pages come in from the page
-            cache when first used (:mod:`moeflow.engine.mapped_experts`). False copies them into a pool at load.
-            Other cases always copy (CUDA, offloading policies, Q4_0 files: converted at load).
+            cache when first used (:mod:`moeflow.engine.mapped_experts`); on ``device="cpu"`` the embedding's rows
+            are dequantized from the mapped file when looked up (:mod:`moeflow.engine.stored_embedding`). False
+            copies them at load. Other cases always copy (CUDA, offloading policies, Q4_0 experts: converted).
         """
         device = torch.device(device)
         if device.type == "cuda" and not torch.cuda.is_available():

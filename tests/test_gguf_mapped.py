@@ -68,3 +68,26 @@ def test_views_are_private_and_outlive_the_backend(q4_k_m):
     form.down[0, :4] = 7  # copy-on-write: this page is now private, the file untouched
     assert q4_k_m.read_bytes() == before
     assert not MappedGGUF().owns(form.down)
+
+
+def test_stored_embedding_rows_equal_the_dequantized_table(q4_k_m):
+    """The embedding used as stored (mmap=True on the CPU) looks up the values of the table dequantized at load
+    (mmap=False's nn.Embedding), in the model's dtype; an id outside the table is an IndexError."""
+    from moeflow import MoEModel
+    from moeflow.engine.stored_embedding import StoredEmbedding
+
+    ids = torch.tensor([[0, 5, 96, 5], [1, 2, 3, 4]])
+    got = {}
+    for mmap in (True, False):
+        model = MoEModel.from_pretrained(q4_k_m, device="cpu", dtype=torch.bfloat16, mmap=mmap)
+        try:
+            embed = model.model.embed_tokens
+            assert isinstance(embed, StoredEmbedding) == mmap
+            got[mmap] = embed(ids)
+            if mmap:
+                with pytest.raises(IndexError, match="outside the embedding table"):
+                    embed(torch.tensor([97]))
+        finally:
+            model.close()
+    assert got[True].dtype == torch.bfloat16 and got[True].shape == (2, 4, H)
+    assert torch.equal(got[True], got[False])

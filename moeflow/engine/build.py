@@ -31,6 +31,7 @@ from moeflow.engine.gguf_linears import GGUFStoredLinears
 from moeflow.engine.mapped_experts import MappedGGUFExperts
 from moeflow.engine.parallel_load import ExpertLoad, load_experts
 from moeflow.engine.sampling import GenerationConfig
+from moeflow.engine.stored_embedding import use_stored_embedding
 from moeflow.errors import SchedulingError
 from moeflow.families import Family, family_for_config
 from moeflow.families.base import CausalDecoder
@@ -40,6 +41,7 @@ from moeflow.families.mtp import MultiTokenPredictor
 from moeflow.io.checkpoint import CheckpointReader, open_checkpoint, read_json, read_quantization, resolve_checkpoint
 from moeflow.io.expert_index import ExpertIndex
 from moeflow.io.gguf import open_gguf, resolve_gguf
+from moeflow.io.gguf.mapped import MappedGGUF
 from moeflow.io.tokenizer import Tokenizer
 from moeflow.kernels.dispatch import CPU_INT4, uses_cpu_int4, uses_triton
 from moeflow.kernels.formats import ExpertFormat, GGUFFormat
@@ -165,7 +167,8 @@ def build_model(
     ``mtp``: also read the multi-token-prediction layers (:mod:`moeflow.families.mtp`; CheckpointError naming the
     config field or the missing tensor when the checkpoint has none); their experts join the backend after the
     decoder's. ``mmap``: GGUF experts computed on the CPU as the file stores them, resident on ``device="cpu"``,
-    are views of the mapped file (:class:`~moeflow.engine.mapped_experts.MappedGGUFExperts`), not copies."""
+    are views of the mapped file (:class:`~moeflow.engine.mapped_experts.MappedGGUFExperts`), not copies, and the
+    embedding's rows are dequantized from it when looked up (:mod:`moeflow.engine.stored_embedding`)."""
     gguf_path = resolve_gguf(path_or_id, gguf_file, revision)
     gguf = open_gguf(gguf_path) if gguf_path is not None else None
     if gguf is None:
@@ -212,6 +215,9 @@ def build_model(
             early = early_expert_load(offload, fmt, resolved, family, reader, layout, quant, device, progress)
         with loading.skipped_weight_init():  # every parameter is read from the checkpoint below
             decoder = family.build_decoder(dtype, _linear_factory(dtype, awq_attention))
+        mapping = MappedGGUF() if mmap and gguf is not None and device.type == "cpu" else None
+        if mapping is not None:  # the embedding's rows dequantized when looked up, from the mapped file
+            use_stored_embedding(decoder, gguf, family.checkpoint_name("embed_tokens.weight", layout), dtype, mapping)
         if awq_attention is not None:
             loading.keep_dense_linears(decoder, reader, family, layout, dtype)
         # the CPU int4 path quantizes the lm_head (and 16-bit attention) to int8 from the checkpoint's dtype
@@ -255,10 +261,10 @@ def build_model(
                 source = open_expert_index(reader, family, layout, quant, fmt if fp8 is not None else None,
                                            len(family.moe_layers) + loading.mtp_moe_layers(mtp_module))
         host_reserved = plan.non_expert + plan.kv_cache if device.type == "cpu" else 0  # weights in host memory
-        mapped = mmap and gguf is not None and source is not None and mapped_experts_apply(sized, stored, device)
+        mapped = mapping is not None and source is not None and mapped_experts_apply(sized, stored, device)
         try:
             if mapped:  # the experts' CPU forms are views of the mapped file: nothing to read or copy
-                backend = MappedGGUFExperts(stored, source, resolved.experts)
+                backend = MappedGGUFExperts(stored, source, resolved.experts, mapping)
             else:
                 backend = make_expert_backend(
                     sized, resolved, fmt=stored, family=family, decoder=decoder, device=device,
