@@ -87,6 +87,7 @@ class MoEModel(nn.Module):
         background_load: bool = False,
         gguf_file: str | None = None,
         mmap: bool = True,
+        cpu_form_cache: bool = False,
     ):
         """Load an HF-layout checkpoint (fp32/fp16/bf16 or AWQ 4-bit) from a directory or the hub, or a GGUF model
         (llama.cpp's files: a ``.gguf`` path, a directory holding one, the first part of a split set, or a
@@ -128,6 +129,10 @@ class MoEModel(nn.Module):
             cache when first used (:mod:`moeflow.engine.mapped_experts`); on ``device="cpu"`` the embedding's rows
             are dequantized from the mapped file when looked up (:mod:`moeflow.engine.stored_embedding`). False
             copies them at load. Other cases always copy (CUDA, offloading policies, Q4_0 experts: converted).
+        cpu_form_cache: resident experts on ``device="cpu"`` in moeflow's CPU int4 form (AWQ checkpoints, GGUF Q4_0
+            files) are converted on the first load and written to ``moeflow.user_cache.cache_dir() / "cpu_forms"``
+            (keyed by the checkpoint files' names, sizes and times, and the kernels' revision), later loads map
+            that file instead of converting (:mod:`moeflow.engine.cpu_form_cache`). No effect elsewhere.
         """
         device = torch.device(device)
         if device.type == "cuda" and not torch.cuda.is_available():
@@ -145,7 +150,7 @@ class MoEModel(nn.Module):
         built = build_model(path_or_id, device=device, dtype=dtype, offload=offload, kernels=kernels,
                             revision=revision, progress=progress, families=cls._families,
                             attention_bits=attention_bits, lm_head_bits=lm_head_bits, cuda_graphs=cuda_graphs,
-                            mtp=mtp, gguf_file=gguf_file, mmap=mmap)
+                            mtp=mtp, gguf_file=gguf_file, mmap=mmap, cpu_form_cache=cpu_form_cache)
         runner = Runner(built.decoder, built.backend, built.stats, built.family.config, device, dtype,
                         kv_cache_spec=built.family.kv_cache_spec)
         self = cls(built.family, built.decoder, built.backend, runner, built.offload, built.generation_config,

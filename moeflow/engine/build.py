@@ -19,6 +19,7 @@ from torch import nn
 
 from moeflow.config import OffloadConfig
 from moeflow.engine import loading, memory
+from moeflow.engine.cpu_form_cache import cached_load
 from moeflow.engine.cpu_layers import native_layers
 from moeflow.engine.cpu_linears import (
     check_attention_bits,
@@ -155,7 +156,7 @@ def build_model(
     path_or_id: str | os.PathLike, *, device: torch.device, dtype: torch.dtype, offload: OffloadConfig | None,
     kernels: str, revision: str | None, progress: bool | None, families: tuple[type[Family], ...] | None = None,
     attention_bits: int | str | None = "auto", lm_head_bits: int = 8, cuda_graphs: bool = False,
-    mtp: bool = False, gguf_file: str | None = None, mmap: bool = True,
+    mtp: bool = False, gguf_file: str | None = None, mmap: bool = True, cpu_form_cache: bool = False,
 ) -> BuiltModel:
     """Load the checkpoint ``path_or_id`` (directory or hub id; or a GGUF model: a ``.gguf`` file, a directory
     holding one, a split set's first part, or ``gguf_file`` in a directory / hub repository).
@@ -168,7 +169,8 @@ def build_model(
     config field or the missing tensor when the checkpoint has none); their experts join the backend after the
     decoder's. ``mmap``: GGUF experts computed on the CPU as the file stores them, resident on ``device="cpu"``,
     are views of the mapped file (:class:`~moeflow.engine.mapped_experts.MappedGGUFExperts`), not copies, and the
-    embedding's rows are dequantized from it when looked up (:mod:`moeflow.engine.stored_embedding`)."""
+    embedding's rows are dequantized from it when looked up (:mod:`moeflow.engine.stored_embedding`).
+    ``cpu_form_cache``: resident CPU int4 experts converted once, then mapped (:mod:`moeflow.engine.cpu_form_cache`)."""
     gguf_path = resolve_gguf(path_or_id, gguf_file, revision)
     gguf = open_gguf(gguf_path) if gguf_path is not None else None
     if gguf is None:
@@ -301,7 +303,13 @@ def build_model(
             early.result()
         elif not on_disk and fp8 is None:  # parallel preads straight into the backend's storage
             try:
-                load_experts(source, backend.load_expert, progress=progress)
+                def convert() -> None:
+                    load_experts(source, backend.load_expert, progress=progress)
+                if cpu_form_cache and isinstance(backend, CpuInt4Experts):  # converted once, then mapped
+                    cached_load(backend, sorted(set(reader.weight_map.values())), family.expert_spec().hidden_size,
+                                family.expert_spec().intermediate_size, convert)
+                else:
+                    convert()
             finally:
                 source.close()
         elif not on_disk:  # the disk tier reads its experts itself, when needed

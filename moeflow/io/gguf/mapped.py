@@ -26,7 +26,8 @@ from moeflow.errors import CheckpointError
 
 
 class MappedGGUF:
-    """Copy-on-write maps of GGUF files, made on first use and kept (module doc). Thread-safe."""
+    """Copy-on-write maps of files (GGUF files; the CPU form cache's), made on first use and kept (module doc).
+    Thread-safe."""
 
     def __init__(self) -> None:
         self._maps: dict[Path, mmap.mmap] = {}
@@ -40,14 +41,14 @@ class MappedGGUF:
             try:
                 fd = os.open(path, os.O_RDONLY)
             except OSError as e:
-                raise CheckpointError(f"GGUF file {path} cannot be opened any more: {e}") from e
+                raise CheckpointError(f"{path} cannot be opened any more: {e}") from e
             try:
                 size = os.fstat(fd).st_size
                 if size == 0:
-                    raise CheckpointError(f"GGUF file {path} is empty")
+                    raise CheckpointError(f"{path} is empty")
                 mapped = mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             except (OSError, ValueError) as e:
-                raise CheckpointError(f"GGUF file {path} cannot be mapped: {e}") from e
+                raise CheckpointError(f"{path} cannot be mapped: {e}") from e
             finally:
                 os.close(fd)  # the mapping keeps the file
             self._maps[path] = mapped
