@@ -1,19 +1,20 @@
 """Cold start from GGUF files (issue 37): moeflow's experts as views of the mapped file against copied at load, and
 llama.cpp's mmap and reading loads of the same files, against the files' read rate.
 
-For each ``--gguf`` file, in one run (page cache warm for everyone):
+For each ``--model`` (a GGUF file, or an HF-layout checkpoint folder), in one run (page cache warm for everyone):
 
 * the file's read rate (one thread, 16 MiB reads);
 * cold processes (a fresh interpreter: imports included) of ``MoEModel.from_pretrained(path, device="cpu")``
   (every expert resident, ``kernels="auto"``) with ``mmap=True`` (the default: experts the CPU computes as stored
   are views of the mapped file, :mod:`moeflow.engine.mapped_experts`) and ``mmap=False`` (copied into a pool at
-  load: the path before session 16), best of ``--repeats`` by first token: ``from_pretrained`` seconds and CPU
-  seconds, the file's bytes over those seconds against the read rate, and the first token (one new token after a
-  4-token prompt) from process start;
+  load: the path before session 16) and ``mmap=True, cpu_form_cache=True`` (resident CPU int4 experts, AWQ and
+  Q4_0, mapped from the cache file a warm-up process wrote), best of ``--repeats`` by first token:
+  ``from_pretrained`` seconds and CPU seconds, the file's bytes over those seconds against the read rate, and
+  the first token (one new token after a 4-token prompt) from process start;
 * llama.cpp's ``llama-completion`` (CPU, one new token) with ``--load-mode mmap`` and ``none``: its load time and
   first token from process start (:func:`benchmarks.disk.cold_start.llama_cpp_cold`).
 
-    python -m benchmarks.disk.cold_start_mapped --gguf A.gguf --gguf B.gguf --llama-cpp BIN_DIR \\
+    python -m benchmarks.disk.cold_start_mapped --model A.gguf --model B.gguf --llama-cpp BIN_DIR \\
         --out benchmarks/results/cold_start/gguf-mmap-s16
 """
 
@@ -24,6 +25,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -37,7 +39,8 @@ cpu = lambda: sum(resource.getrusage(resource.RUSAGE_SELF)[:2])  # user + system
 import torch
 from moeflow import MoEModel
 t_imported, c_imported = time.time(), cpu()
-model = MoEModel.from_pretrained(sys.argv[1], device="cpu", progress=False, mmap=sys.argv[2] == "1")
+model = MoEModel.from_pretrained(sys.argv[1], device="cpu", progress=False, mmap=sys.argv[2] != "copy",
+                                 cpu_form_cache=sys.argv[2] == "cache")
 t_ready, c_ready = time.time(), cpu()
 model.generate(torch.tensor([[1, 15, 27, 3]]), max_new_tokens=1, do_sample=False)
 t_first, c_first = time.time(), cpu()
@@ -49,36 +52,42 @@ model.close()
 """
 
 
-def cold_process(gguf: Path, mmap: bool) -> dict:
+MODES = ("mmap", "copy", "cache")  # mmap=True; mmap=False; mmap=True with cpu_form_cache=True (written beforehand)
+
+
+def cold_process(model: Path, mode: str) -> dict:
     env = dict(os.environ, COLD_T0=repr(time.time()))
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    res = subprocess.run([sys.executable, "-c", CHILD, str(gguf), "1" if mmap else "0"], env=env,
-                         capture_output=True, text=True)
+    res = subprocess.run([sys.executable, "-c", CHILD, str(model), mode], env=env, capture_output=True, text=True)
     if res.returncode:
-        raise RuntimeError(f"cold process failed ({gguf}, mmap={mmap}):\n{res.stderr[-3000:]}")
+        raise RuntimeError(f"cold process failed ({model}, {mode}):\n{res.stderr[-3000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def one_file(gguf: Path, repeats: int, llama_cpp: Path | None) -> dict:
-    size = gguf.stat().st_size
-    read_single([gguf])  # page cache warm
-    read_gbps, _ = read_single([gguf])
-    cold_process(gguf, True)  # not counted: the tokenizer rebuilt from the metadata is cached, the library built
-    runs = {mode: [cold_process(gguf, mode == "mmap") for _ in range(repeats)] for mode in ("mmap", "copy")}
+def one_file(model: Path, repeats: int, llama_cpp: Path | None) -> dict:
+    files = [model] if model.is_file() else sorted(model.glob("*.safetensors"))
+    size = sum(f.stat().st_size for f in files)
+    read_single(files)  # page cache warm
+    read_gbps, _ = read_single(files)
+    cold_process(model, "cache")  # not counted: the tokenizer rebuilt from a GGUF's metadata and the CPU form
+    # cache written, the library built
+    runs = {mode: [cold_process(model, mode) for _ in range(repeats)] for mode in MODES}
     best = {mode: min(r, key=lambda x: x["first_token_s"]) for mode, r in runs.items()}
     for b in best.values():
         b["load_vs_read"] = round(size / b["from_pretrained_s"] / 1e9 / read_gbps, 3)
-    peer = [llama_cpp_cold(llama_cpp, gguf, mmap) for mmap in (True, False)] if llama_cpp is not None else None
-    return {"gguf": str(gguf), "bytes": size, "read_gbps": round(read_gbps, 3), "runs": runs, "best": best,
+    peer = [llama_cpp_cold(llama_cpp, model, mmap) for mmap in (True, False)] \
+        if llama_cpp is not None and model.is_file() else None
+    return {"model": str(model), "bytes": size, "read_gbps": round(read_gbps, 3), "runs": runs, "best": best,
             "llama_cpp": peer}
 
 
 def lines_of(r: dict) -> list[str]:
     peer = {p["mmap"]: p for p in r["llama_cpp"] or []}
-    out = [f"### {Path(r['gguf']).name} ({r['bytes'] / 1e9:.2f} GB; read {r['read_gbps']:.2f} GB/s, 1 thread)", "",
+    out = [f"### {Path(r['model']).name} ({r['bytes'] / 1e9:.2f} GB; read {r['read_gbps']:.2f} GB/s, 1 thread)", "",
            "| | backend | `from_pretrained` s (CPU s) | x of the read rate | first token from process start "
            "(imports) | max RSS |", "|---|---|---|---|---|---|"]
-    for mode, name in (("mmap", "moeflow, mmap=True"), ("copy", "moeflow, mmap=False (copied)")):
+    for mode, name in (("mmap", "moeflow, mmap=True"), ("copy", "moeflow, mmap=False (copied)"),
+                       ("cache", "moeflow, mmap=True, cpu_form_cache=True")):
         b = r["best"][mode]
         out.append(f"| {name} | {b['backend']} | {b['from_pretrained_s']:.2f} ({b['from_pretrained_cpu_s']:.2f}) | "
                    f"{b['load_vs_read']:.2f}x | {b['first_token_s']:.2f} s ({b['import_s']:.2f} s) | "
@@ -91,19 +100,22 @@ def lines_of(r: dict) -> list[str]:
     if peer:
         m = r["best"]["mmap"]["first_token_s"]
         out += ["", f"moeflow (mmap=True) first token / llama.cpp's: {m / peer[True]['first_token_s']:.2f}x its mmap "
-                    f"load, {m / peer[False]['first_token_s']:.2f}x its reading load.", ""]
-    return out
+                    f"load, {m / peer[False]['first_token_s']:.2f}x its reading load."]
+    return [*out, ""]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--gguf", type=Path, action="append", required=True)
+    ap.add_argument("--model", type=Path, action="append", required=True,
+                    help="a GGUF file or an HF-layout checkpoint folder (no llama.cpp run for a folder)")
     ap.add_argument("--llama-cpp", type=Path, default=None, help="a llama.cpp bin/ with llama-completion")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", type=Path, required=True, help="results path without suffix (.json and .md written)")
     args = ap.parse_args()
     before = uptime()
-    files = [one_file(g, args.repeats, args.llama_cpp) for g in args.gguf]
+    with tempfile.TemporaryDirectory() as cache:  # a fresh user cache: the warm-up process writes it
+        os.environ["MOEFLOW_CACHE_DIR"] = cache
+        files = [one_file(m, args.repeats, args.llama_cpp) for m in args.model]
     result = {"cpu": cpu_name(), "uptime_before": before, "uptime_after": uptime(), "files": files}
     c = result["cpu"]
     lines = ["# Cold start from GGUF files: experts mapped (mmap=True) or copied at load, llama.cpp beside", "",
