@@ -1,7 +1,7 @@
 """The CPU int4 form cache (``from_pretrained(cpu_form_cache=True)``, engine/cpu_form_cache.py): resident experts on
 ``device="cpu"`` converted on the first load and written under the user cache, mapped on later loads (views of the
 cache file, no conversion); the same greedy tokens as converting every time (a tiny AWQ checkpoint and a Q4_0 GGUF);
-a changed checkpoint file misses (a new key), a cache file cut short is warned about and rewritten. ~15 s."""
+a changed checkpoint file misses (a new key), a cache file cut short is warned about and rewritten. ~5 s."""
 
 from __future__ import annotations
 

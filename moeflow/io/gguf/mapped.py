@@ -3,10 +3,11 @@
 llama.cpp's default load maps the file and computes on the mapped blocks: loading reads nothing, and a page comes
 in from the page cache when a kernel first touches it. :class:`MappedGGUF` gives moeflow the same for the tensors
 whose CPU form is the file's own bytes (GGUF Q8_0 / K-quant experts: :mod:`moeflow.kernels.cpu.gguf` computes the
-blocks as stored): each file is mapped once, ``MAP_PRIVATE`` with read and write access, so torch gets a writable
-buffer without a copy (a write, which moeflow never makes, would copy that page and leave the file alone), and a
-view is ``torch.frombuffer`` over it. Every view holds a reference to its mapping (``frombuffer`` keeps the buffer
-alive), and :class:`MappedGGUF` keeps every mapping it made, so a mapping outlives its views.
+blocks as stored): each file is mapped once, copy-on-write (``mmap.ACCESS_COPY``: ``MAP_PRIVATE`` with read and
+write access on POSIX), so torch gets a writable buffer without a copy (a write, which moeflow never makes, would
+copy that page and leave the file alone), and a view is ``torch.frombuffer`` over it. Every view holds a
+reference to its mapping (``frombuffer`` keeps the buffer alive), and :class:`MappedGGUF` keeps every mapping it
+made, so a mapping outlives its views.
 
 A file shorter than its tensor table says is found when the range is mapped: a
 :class:`~moeflow.errors.CheckpointError` naming the file and the tensor, not a ``SIGBUS`` at the first touch. (A
@@ -46,7 +47,7 @@ class MappedGGUF:
                 size = os.fstat(fd).st_size
                 if size == 0:
                     raise CheckpointError(f"{path} is empty")
-                mapped = mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)  # MAP_PRIVATE, read + write (copy-on-write)
             except (OSError, ValueError) as e:
                 raise CheckpointError(f"{path} cannot be mapped: {e}") from e
             finally:
