@@ -87,6 +87,8 @@ class MoEModel(nn.Module):
         mtp: bool = False,
         background_load: bool = False,
         gguf_file: str | None = None,
+        mmap: bool = True,
+        cpu_form_cache: bool = False,
     ):
         """Load an HF-layout checkpoint (fp32/fp16/bf16 or AWQ 4-bit) from a directory or the hub, or a GGUF model
         (llama.cpp's files: a ``.gguf`` path, a directory holding one, the first part of a split set, or a
@@ -122,6 +124,16 @@ class MoEModel(nn.Module):
             background (``OffloadConfig.background_load``; an offloading ``offload`` is required).
         gguf_file: the GGUF file to load from the directory or hub repository ``path_or_id`` (as transformers'
             ``gguf_file=``).
+        mmap: a GGUF model's experts that the CPU computes as the file stores them (Q8_0, Q4_K, Q5_K, Q6_K:
+            Q4_K_M's and Q8_0's files), all resident on ``device="cpu"``, are views of a copy-on-write mapping of
+            the file, as llama.cpp's default load: nothing is read or copied at load, pages come in from the page
+            cache when first used (:mod:`moeflow.engine.mapped_experts`); on ``device="cpu"`` the embedding's rows
+            are dequantized from the mapped file when looked up (:mod:`moeflow.engine.stored_embedding`). False
+            copies them at load. Other cases always copy (CUDA, offloading policies, Q4_0 experts: converted).
+        cpu_form_cache: resident experts on ``device="cpu"`` in moeflow's CPU int4 form (AWQ checkpoints, GGUF Q4_0
+            files) are converted on the first load and written to ``moeflow.user_cache.cache_dir() / "cpu_forms"``
+            (keyed by the checkpoint files' names, sizes and times, and the kernels' revision), later loads map
+            that file instead of converting (:mod:`moeflow.engine.cpu_form_cache`). No effect elsewhere.
         """
         device = torch.device(device)
         if device.type == "cuda" and not torch.cuda.is_available():
@@ -139,7 +151,7 @@ class MoEModel(nn.Module):
         built = build_model(path_or_id, device=device, dtype=dtype, offload=offload, kernels=kernels,
                             revision=revision, progress=progress, families=cls._families,
                             attention_bits=attention_bits, lm_head_bits=lm_head_bits, cuda_graphs=cuda_graphs,
-                            mtp=mtp, gguf_file=gguf_file)
+                            mtp=mtp, gguf_file=gguf_file, mmap=mmap, cpu_form_cache=cpu_form_cache)
         runner = Runner(built.decoder, built.backend, built.stats, built.family.config, device, dtype,
                         kv_cache_spec=built.family.kv_cache_spec)
         self = cls(built.family, built.decoder, built.backend, runner, built.offload, built.generation_config,

@@ -18,6 +18,7 @@ from moeflow.engine.gguf_linears import GGUFStoredLinears  # noqa: E402
 from moeflow.io.gguf import open_gguf  # noqa: E402
 from moeflow.kernels.cpu.native import Q4_F16Z8, Q4_F32, Q4Matrix, native_available  # noqa: E402
 from moeflow.kernels.cpu.quant_linear import CpuQuantLinear, SplitLinear, reference_linear  # noqa: E402
+from moeflow.moe import CpuInt4Experts  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="moeflow's CPU kernels do not build here (no compiler)")
 
@@ -125,6 +126,9 @@ def test_every_policy_gives_the_resident_tokens_on_cpu(files, kind):
     resident = MoEModel.from_pretrained(files[kind], device="cpu", offload=OffloadConfig(policy="resident"))
     assert _decoder(resident).layers[0].self_attn.o_proj.group_size == 32
     assert resident.experts.experts[0][0].w13.fmt == Q4_F16Z8  # resident: no zero points stored
+    # (converted at load whatever from_pretrained's mmap says: the form's 4-bit codes are regrouped in 8-row tiles
+    # with the scales apart, not the file's 18-byte blocks; engine/mapped_experts.py maps the K-quants and Q8_0)
+    assert type(resident.experts) is CpuInt4Experts
     expected = resident.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, eos_token_id=[])
     one = resident.generate(ids[:1], max_new_tokens=5, do_sample=False, eos_token_id=[])  # the one-call layers step
     resident.close()

@@ -6,7 +6,9 @@ disk tier too), from the host store's CPU form (views of the host regions' block
 copied). Every policy, at slot counts from the minimum to all experts, with
 the synchronous and the random-delay transport, generates exactly the resident model's greedy tokens. A Mixtral-layout
 Q4_K_M mix, resident, runs its decode steps as one native call through every layer (engine/cpu_layers.py), the
-offloaded policies layer by layer: the same tokens. ~35 s on the 2 cores at load ~9."""
+offloaded policies layer by layer: the same tokens. Resident experts are views of the mapped file by default
+(``mmap=True``, engine/mapped_experts.py), a copied pool with ``mmap=False``: the same tokens. ~35 s on the 2 cores
+at load ~9."""
 
 from __future__ import annotations
 
@@ -20,8 +22,10 @@ from family_models import make_family_model  # noqa: E402
 from gguf_models import T, k_mix_experts, random_k_experts, write_gguf  # noqa: E402
 
 from moeflow import MoEModel, OffloadConfig  # noqa: E402
+from moeflow.engine.mapped_experts import MappedGGUFExperts  # noqa: E402
 from moeflow.kernels.cpu.gguf import GGUFLinear  # noqa: E402
 from moeflow.kernels.cpu.native import native_available  # noqa: E402
+from moeflow.moe import ResidentExperts  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="moeflow's CPU kernels do not build here (no compiler)")
 
@@ -42,7 +46,9 @@ def tiny(tmp_path_factory):
     write_gguf(model, path, expert_types=T.Q8_0, other_type=T.Q8_0, raw_experts=raw)  # layer 1: Q8_0 experts
     mp = pytest.MonkeyPatch()
     mp.setenv("MOEFLOW_CACHE_DIR", str(root / "cache"))
-    resident = MoEModel.from_pretrained(path, dtype=torch.float32, offload=OffloadConfig(policy="resident"))
+    resident = MoEModel.from_pretrained(path, dtype=torch.float32, offload=OffloadConfig(policy="resident"),
+                                        mmap=False)  # the experts copied into a CPU pool
+    assert type(resident.experts) is ResidentExperts
     fmt = resident.experts.fmt
     assert fmt.kind == "gguf" and fmt.cpu_kernels and resident.kernels == "cpu-int4"  # and the int8 linears
     assert (fmt.gate_up_types, fmt.down_types) == (("Q8_0", "Q4_K"), ("Q8_0", "Q6_K"))
@@ -83,6 +89,26 @@ def test_cpu_kernels_give_the_resident_tokens(tiny, policy, cpu_compute, transpo
             assert n_slots == ALL_SLOTS or s.prefill.cpu_experts + s.decode.cpu_experts > 0
         elif n_slots < ALL_SLOTS:
             assert s.prefill.bytes_h2d + s.decode.bytes_h2d > 0
+
+
+def test_mapped_experts_give_the_copied_tokens(tiny):
+    """mmap=True (the default), resident on the CPU: every expert's blocks are views of the mapped file
+    (engine/mapped_experts.py), nothing copied, and the greedy tokens those of the copied pool."""
+    path, ids, mask, expected = tiny
+    before = path.read_bytes()
+    model = MoEModel.from_pretrained(path, dtype=torch.float32, offload=OffloadConfig(policy="resident"))
+    try:
+        backend = model.experts
+        assert type(backend) is MappedGGUFExperts and backend.fmt.cpu_kernels
+        forms = [f for row in backend.experts for f in row]
+        assert len(forms) == ALL_SLOTS
+        assert all(backend.mapping.owns(t) for f in forms for t in (f.gate, f.up, f.down))
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                             eos_token_id=[])
+    finally:
+        model.close()
+    assert torch.equal(out, expected)
+    assert path.read_bytes() == before  # a private mapping: the file is never written
 
 
 def test_fiddler_over_the_disk_tier(tiny):
@@ -141,17 +167,22 @@ def test_one_call_layers_step_on_a_q4_k_m_mixtral(tmp_path, monkeypatch):
     write_gguf(model, path, expert_types=T.Q8_0, other_type=T.Q8_0, raw_experts=raw,
                raw_tensors={"output.weight": (head, T.Q6_K)})
     ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(3))
-    resident = MoEModel.from_pretrained(path, dtype=torch.float32, device="cpu")
-    try:
-        assert resident.experts.fmt.down_types == ("Q4_K", "Q6_K") and resident.experts.fmt.cpu_kernels
-        lm_head = resident.model.lm_head  # the file's Q6_K blocks, not int8 of their values
-        assert isinstance(lm_head, GGUFLinear) and lm_head.type.name == "Q6_K"
-        assert torch.equal(lm_head.blocks, torch.from_numpy(head))
-        expected = resident.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=[])
-    finally:
-        resident.close()
-    assert calls[0] == NEW_TOKENS - 1  # every decode step in one call (the prefill layer by layer)
-    calls[0] = 0
+    expected = None
+    for mmap, kind in ((False, ResidentExperts), (True, MappedGGUFExperts)):  # copied pool, views of the file
+        resident = MoEModel.from_pretrained(path, dtype=torch.float32, device="cpu", mmap=mmap)
+        try:
+            assert type(resident.experts) is kind
+            assert resident.experts.fmt.down_types == ("Q4_K", "Q6_K") and resident.experts.fmt.cpu_kernels
+            lm_head = resident.model.lm_head  # the file's Q6_K blocks, not int8 of their values
+            assert isinstance(lm_head, GGUFLinear) and lm_head.type.name == "Q6_K"
+            assert torch.equal(lm_head.blocks, torch.from_numpy(head))
+            out = resident.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=[])
+        finally:
+            resident.close()
+        expected = out if expected is None else expected
+        assert torch.equal(out, expected), f"mmap={mmap}"
+        assert calls[0] == NEW_TOKENS - 1, f"mmap={mmap}"  # every decode step in one call (the prefill by layer)
+        calls[0] = 0
     for policy, cpu_compute in (("lru", None), ("fiddler", None), ("static", "always")):
         offloaded = MoEModel.from_pretrained(path, dtype=torch.float32, device="cpu", offload=OffloadConfig(
             policy=policy, gpu_expert_slots=TOP_K + 1, cpu_compute=cpu_compute))

@@ -3,7 +3,8 @@ Qwen3-MoE offloaded by every policy gives the dequantized reference's greedy tok
 Q4_K_M writes them (Q4_K gate/up; Q6_K down in one layer, Q4_K in the other: hand-made blocks,
 ``gguf_models.k_mix_experts``), attention Q8_0. Every caching policy (and finemoe / auto) x the synchronous and
 random-delay transports x slot counts from the minimum to all experts = "resident" on the same file (resident
-against the dequantized weights: tests/test_gguf_models.py). ~15 s."""
+against the dequantized weights: tests/test_gguf_models.py); on the CPU kernels the experts as views of the mapped file,
+copied, and offloaded: the same tokens. ~17 s."""
 
 from __future__ import annotations
 
@@ -58,3 +59,24 @@ def test_q4_k_m_greedy_tokens_equal_resident(q4_k_m, policy, transport):
             assert model.stats.prefill.bytes_h2d + model.stats.decode.bytes_h2d > 0
         finally:
             model.close()
+
+
+def test_q4_k_m_mapped_on_the_cpu_kernels(q4_k_m):
+    """On ``device="cpu"`` with the CPU kernels (``kernels="auto"``): the resident experts as views of the mapped
+    file (``mmap=True``, the default), copied into a pool (``mmap=False``) and offloaded (lru, slots copied from the
+    host store) give the same greedy tokens (the CPU kernels' int8 activations: their own reference, not the torch
+    one above)."""
+    from moeflow.engine.mapped_experts import MappedGGUFExperts
+
+    path, ids, mask, _ = q4_k_m
+    outs = {}
+    for name, kw in (("mapped", {}), ("copied", {"mmap": False}),
+                     ("lru", {"offload": OffloadConfig(policy="lru", gpu_expert_slots=TOP_K + 1)})):
+        model = MoEModel.from_pretrained(path, device="cpu", **kw)
+        try:
+            assert model.experts.fmt.cpu_kernels
+            assert (type(model.experts) is MappedGGUFExperts) == (name == "mapped")
+            outs[name] = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, eos_token_id=[])
+        finally:
+            model.close()
+    assert torch.equal(outs["mapped"], outs["copied"]) and torch.equal(outs["lru"], outs["copied"]), outs

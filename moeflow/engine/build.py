@@ -19,6 +19,7 @@ from torch import nn
 
 from moeflow.config import OffloadConfig
 from moeflow.engine import loading, memory
+from moeflow.engine.cpu_form_cache import cached_load
 from moeflow.engine.cpu_layers import native_layers
 from moeflow.engine.cpu_linears import (
     check_attention_bits,
@@ -28,8 +29,10 @@ from moeflow.engine.cpu_linears import (
 )
 from moeflow.engine.cpu_step import fuse_cpu_step
 from moeflow.engine.gguf_linears import GGUFStoredLinears
+from moeflow.engine.mapped_experts import MappedGGUFExperts
 from moeflow.engine.parallel_load import ExpertLoad, load_experts
 from moeflow.engine.sampling import GenerationConfig
+from moeflow.engine.stored_embedding import use_stored_embedding
 from moeflow.errors import SchedulingError
 from moeflow.families import Family, family_for_config
 from moeflow.families.base import CausalDecoder
@@ -39,6 +42,7 @@ from moeflow.families.mtp import MultiTokenPredictor
 from moeflow.io.checkpoint import CheckpointReader, open_checkpoint, read_json, read_quantization, resolve_checkpoint
 from moeflow.io.expert_index import ExpertIndex
 from moeflow.io.gguf import open_gguf, resolve_gguf
+from moeflow.io.gguf.mapped import MappedGGUF
 from moeflow.io.tokenizer import Tokenizer
 from moeflow.kernels.cpu import native as cpu_native
 from moeflow.kernels.dispatch import CPU_INT4, uses_cpu_int4, uses_triton
@@ -154,7 +158,7 @@ def build_model(
     path_or_id: str | os.PathLike, *, device: torch.device, dtype: torch.dtype, offload: OffloadConfig | None,
     kernels: str, revision: str | None, progress: bool | None, families: tuple[type[Family], ...] | None = None,
     attention_bits: int | str | None = "auto", lm_head_bits: int = 8, cuda_graphs: bool = False,
-    mtp: bool = False, gguf_file: str | None = None,
+    mtp: bool = False, gguf_file: str | None = None, mmap: bool = True, cpu_form_cache: bool = False,
 ) -> BuiltModel:
     """Load the checkpoint ``path_or_id`` (directory or hub id; or a GGUF model: a ``.gguf`` file, a directory
     holding one, a split set's first part, or ``gguf_file`` in a directory / hub repository).
@@ -165,7 +169,10 @@ def build_model(
     cpu_linears); ``lm_head_bits``: 8 (default) or 4 (CPU int4 path only, see cpu_linears).
     ``mtp``: also read the multi-token-prediction layers (:mod:`moeflow.families.mtp`; CheckpointError naming the
     config field or the missing tensor when the checkpoint has none); their experts join the backend after the
-    decoder's."""
+    decoder's. ``mmap``: GGUF experts computed on the CPU as the file stores them, resident on ``device="cpu"``,
+    are views of the mapped file (:class:`~moeflow.engine.mapped_experts.MappedGGUFExperts`), not copies, and the
+    embedding's rows are dequantized from it when looked up (:mod:`moeflow.engine.stored_embedding`).
+    ``cpu_form_cache``: resident CPU int4 experts converted once, then mapped (:mod:`moeflow.engine.cpu_form_cache`)."""
     gguf_path = resolve_gguf(path_or_id, gguf_file, revision)
     gguf = open_gguf(gguf_path) if gguf_path is not None else None
     if gguf is None:
@@ -215,6 +222,9 @@ def build_model(
             early = early_expert_load(offload, fmt, resolved, family, reader, layout, quant, device, progress)
         with loading.skipped_weight_init():  # every parameter is read from the checkpoint below
             decoder = family.build_decoder(dtype, _linear_factory(dtype, awq_attention))
+        mapping = MappedGGUF() if mmap and gguf is not None and device.type == "cpu" else None
+        if mapping is not None:  # the embedding's rows dequantized when looked up, from the mapped file
+            use_stored_embedding(decoder, gguf, family.checkpoint_name("embed_tokens.weight", layout), dtype, mapping)
         if awq_attention is not None:
             loading.keep_dense_linears(decoder, reader, family, layout, dtype)
         # the CPU int4 path quantizes the lm_head (and 16-bit attention) to int8 from the checkpoint's dtype
@@ -258,13 +268,17 @@ def build_model(
                 source = open_expert_index(reader, family, layout, quant, fmt if fp8 is not None else None,
                                            len(family.moe_layers) + loading.mtp_moe_layers(mtp_module))
         host_reserved = plan.non_expert + plan.kv_cache if device.type == "cpu" else 0  # weights in host memory
+        mapped = mapping is not None and source is not None and mapped_experts_apply(sized, stored, device)
         try:
-            backend = make_expert_backend(
-                sized, resolved, fmt=stored, family=family, decoder=decoder, device=device,
-                reserved_bytes=memory.reserved_device_bytes(plan), stats=stats, checkpoint_dir=directory,
-                expert_source=source, host_reserved_bytes=host_reserved, mtp=mtp_module,
-                host_store=early.store if early is not None else None,
-            )
+            if mapped:  # the experts' CPU forms are views of the mapped file: nothing to read or copy
+                backend = MappedGGUFExperts(stored, source, resolved.experts, mapping)
+            else:
+                backend = make_expert_backend(
+                    sized, resolved, fmt=stored, family=family, decoder=decoder, device=device,
+                    reserved_bytes=memory.reserved_device_bytes(plan), stats=stats, checkpoint_dir=directory,
+                    expert_source=source, host_reserved_bytes=host_reserved, mtp=mtp_module,
+                    host_store=early.store if early is not None else None,
+                )
         except SchedulingError as e:
             if source is not None and early is None:  # (early's index: closed below, once its loader stopped)
                 source.close()
@@ -288,11 +302,19 @@ def build_model(
                         "and load DST to read int4 experts as stored", config_path, directory)
         if progress is None:
             progress = fmt.nbytes * len(family.moe_layers) * family.num_experts >= PROGRESS_MIN_BYTES
-        if early is not None:  # its store is the backend's: wait for the last expert
+        if mapped:
+            source.close()
+        elif early is not None:  # its store is the backend's: wait for the last expert
             early.result()
         elif not on_disk and fp8 is None:  # parallel preads straight into the backend's storage
             try:
-                load_experts(source, backend.load_expert, progress=progress)
+                def convert() -> None:
+                    load_experts(source, backend.load_expert, progress=progress)
+                if cpu_form_cache and isinstance(backend, CpuInt4Experts):  # converted once, then mapped
+                    cached_load(backend, sorted(set(reader.weight_map.values())), family.expert_spec().hidden_size,
+                                family.expert_spec().intermediate_size, convert)
+                else:
+                    convert()
             finally:
                 source.close()
         elif not on_disk:  # the disk tier reads its experts itself, when needed
@@ -339,6 +361,14 @@ def early_expert_load(offload: OffloadConfig | None, fmt: ExpertFormat, kernels:
     if progress is None:
         progress = fmt.nbytes * layers * family.num_experts >= PROGRESS_MIN_BYTES
     return ExpertLoad(source, store.write, store, progress=progress)
+
+
+def mapped_experts_apply(offload: OffloadConfig, fmt: ExpertFormat, device: torch.device) -> bool:
+    """Whether a GGUF model's experts are used as views of its mapped file: every expert resident on the CPU in
+    the GGUF format on the CPU kernels (their form is the file's blocks). Offloading policies keep copying (slots
+    and host rows are copies by design), as do CUDA and formats converted at load (Q4_0 -> AWQ)."""
+    return device.type == "cpu" and isinstance(fmt, GGUFFormat) and fmt.cpu_kernels \
+        and not get_policy(offload.policy).offload
 
 
 def default_offload(family: Family, fmt: ExpertFormat, device: torch.device, dtype: torch.dtype, non_expert: int,

@@ -24,6 +24,7 @@ from torch.nn.modules import module as nn_module
 
 from moeflow.engine.cpu_step import NativeAttentionHalf, NativeMLP, NativeRoute, NativeRouterGate
 from moeflow.engine.kv_cache import PassCache
+from moeflow.engine.mapped_experts import MappedGGUFExperts
 from moeflow.families import llama_moe, mixtral
 from moeflow.families.base import CausalDecoder
 from moeflow.families.layers import GatedMLP
@@ -126,8 +127,9 @@ def _native_shared(shared: nn.Module | None) -> bool:
 def native_experts(experts: ExpertBackend) -> bool:
     """Whether the per-layer path computes ``experts`` with the native expert kernels the one call makes: a
     :class:`~moeflow.moe.resident.CpuInt4Experts`, or every GGUF expert resident in a CPU pool computed by
-    :mod:`moeflow.kernels.cpu.gguf` (``GGUFFormat.cpu_kernels``; the op's "cpu" backend)."""
-    if type(experts) is CpuInt4Experts:
+    :mod:`moeflow.kernels.cpu.gguf` (``GGUFFormat.cpu_kernels``; the op's "cpu" backend) or over the mapped file
+    (:class:`~moeflow.engine.mapped_experts.MappedGGUFExperts`)."""
+    if type(experts) is CpuInt4Experts or type(experts) is MappedGGUFExperts:
         return True
     return type(experts) is ResidentExperts and isinstance(experts.fmt, GGUFFormat) and experts.fmt.cpu_kernels \
         and experts.pool.device.type == "cpu" and not uses_triton(experts.kernels_backend, experts.pool.device)
@@ -142,6 +144,8 @@ def _layer_experts(experts: ExpertBackend, layer: int) -> list | None:
         if any(f is None or not f.native or f.w13.fmt != f.w2.fmt for f in forms):
             return None
         return [(f.w13, f.w2) for f in forms]
+    if type(experts) is MappedGGUFExperts:  # the forms are views of the mapped file
+        return list(experts.experts[layer])
     pool, t = experts.pool, experts.pool.tensors
     return [GGUFCpuExpert(t["gate"][s], t["up"][s], t["down"][s], *pool.fmt.region_types(pool.buffer[s]))
             for s in experts.slot_tables[layer].tolist()]

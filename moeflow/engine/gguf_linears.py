@@ -5,8 +5,11 @@ and the CPU path then quantizes the attention projections again (int8 by default
 the block types whose values a CPU int4 form holds exactly, :class:`GGUFStoredLinears` builds the layer from the
 stored blocks instead (issue 42): no second rounding, the weights llama.cpp computes with, half of int8's bytes.
 
-* ``Q4_0`` (``(q - 8) * d`` per 32 inputs, fp16 ``d``) -> :meth:`~moeflow.kernels.cpu.native.Q4Matrix.from_q4_0`:
-  the ``Q4_F16Z8`` form (group 32, fp16 scales, no zero points stored: the file's 18 bytes per 32 weights);
+* ``Q4_0`` (``(q - 8) * d`` per 32 inputs, fp16 ``d``) -> the ``Q4_F16Z8`` form (group 32, fp16 scales, no zero
+  points stored: the file's 18 bytes per 32 weights), moving packed words as the Q4_0 experts do
+  (:func:`~moeflow.kernels.repack.q4_0_to_awq`, then :meth:`~moeflow.kernels.cpu.native.Q4Matrix.from_awq`; the
+  bytes :meth:`~moeflow.kernels.cpu.native.Q4Matrix.from_q4_0` makes by unpacking every code, which rows not in
+  whole groups of 8 still take);
 * ``Q4_1`` (``q * d + m`` per 32 inputs, fp16 ``d`` and ``m``) -> the ``Q4_F32`` form at group 32 (``s = d``,
   ``m = m`` in fp32: the same values; 8 bytes of scale and min per 32 weights where the file has 4).
 
@@ -23,10 +26,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from moeflow.io.gguf.experts import AWQ_ZERO_8
 from moeflow.io.gguf.reader import GGUFCheckpointReader, unpermute_rope_rows
 from moeflow.kernels.cpu.gguf import K_BLOCK, GGUFLinear
-from moeflow.kernels.cpu.native import Q4Matrix, _group_rows, _pack_q4, native_available
+from moeflow.kernels.cpu.native import Q4Matrix, _group_rows, _pack_q4, library, native_available
 from moeflow.kernels.cpu.quant_linear import CpuQuantLinear
+from moeflow.kernels.repack import q4_0_to_awq
 from moeflow.quant.ggml import q4_0_codes
 
 NATIVE_TYPES = ("Q4_0", "Q4_1")  # block types read straight into a CPU int4 form
@@ -101,7 +106,13 @@ class GGUFStoredLinears:
         def rows(t: torch.Tensor) -> torch.Tensor:
             return unpermute_rope_rows(t, heads).contiguous() if permute else t
 
-        if info.type.name == "Q4_0":
+        if info.type.name == "Q4_0" and out_features % 8 == 0:  # packed words moved, no code unpacked
+            qweight = torch.empty(in_features, out_features // 8, dtype=torch.int32)
+            scales = torch.empty(in_features // GROUP, out_features, dtype=torch.float16)
+            q4_0_to_awq(rows(raw.view(out_features, -1)), qweight, scales, library())
+            zeros = torch.full((in_features // GROUP, out_features // 8), AWQ_ZERO_8, dtype=torch.int32)
+            matrix = Q4Matrix.from_awq(qweight, zeros, scales, GROUP)  # Q4_F16Z8: from_q4_0's bytes
+        elif info.type.name == "Q4_0":
             codes, d = q4_0_codes(raw)
             matrix = Q4Matrix.from_q4_0(rows(codes), rows(d))
         else:

@@ -63,6 +63,7 @@ class CpuInt4Experts(ExpertBackend):
         self.fmt = fmt
         self._make = Int4Expert.from_awq_tensors
         self.experts: list[list] = [[None] * num_experts for _ in range(num_layers)]
+        self.form_mapping: object | None = None  # the mapped cache file the forms are views of (cpu_form_cache)
 
     def load_expert(self, layer: int, expert: int, tensors: dict[str, torch.Tensor]) -> None:
         self.experts[layer][expert] = self._make(tensors, self.fmt.group_size)

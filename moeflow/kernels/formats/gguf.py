@@ -36,7 +36,7 @@ other types are refused by :meth:`GGUFFormat.cpu_unsupported`, naming them.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -48,6 +48,7 @@ from moeflow.kernels.experts.gguf_reference import GGML_TYPES, GGMLType, dequant
 from moeflow.kernels.formats.layout import ExpertFormat, ExpertPool
 
 if TYPE_CHECKING:
+    from moeflow.kernels.cpu.gguf import GGUFCpuExpert
     from moeflow.kernels.formats.layout import ReferenceWeights
 
 MATRICES = ("gate", "up", "down")
@@ -304,16 +305,32 @@ def _gguf_format(gate_up: tuple[str, ...], down: tuple[str, ...], hidden: int, i
 
 def _cpu_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, pool: ExpertPool,
                  slot_of_expert: torch.Tensor, out: torch.Tensor, expert_mask: torch.Tensor | None) -> None:
-    """out[pairs of each selected expert] = its CPU form over the slot's bytes (views, no copy): each expert
-    once on all its rows, the numbers hybrid compute's CPU form gives (x [T, H], topk int [T, k], out [T*k, H]).
-    Host-side bookkeeping in plain Python lists (a decode step's layer is a few experts on one row)."""
+    """out[pairs of each selected expert] = its CPU form over the slot's bytes (views, no copy): the numbers
+    hybrid compute's CPU form gives (x [T, H], topk int [T, k], out [T*k, H]; :func:`cpu_forms_forward`)."""
     from moeflow.kernels.cpu.gguf import GGUFCpuExpert
 
-    fmt, t, k = pool.fmt, pool.tensors, topk_ids.shape[1]
+    fmt, t = pool.fmt, pool.tensors
     by_code = {g.code: g for g in GGML_TYPES.values()}
     types_at = fmt.spec("types").offset
-    mask = None if expert_mask is None else expert_mask.tolist()
     slots = slot_of_expert.tolist()
+
+    def form(e: int) -> GGUFCpuExpert:
+        s = slots[e]
+        gate_up, down = (by_code[c] for c in pool.buffer[s, types_at : types_at + 2].tolist())
+        return GGUFCpuExpert(t["gate"][s], t["up"][s], t["down"][s], gate_up, down)
+    cpu_forms_forward(x, topk_ids, topk_weights, form, out, expert_mask)
+
+
+def cpu_forms_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                      form: Callable[[int], GGUFCpuExpert], out: torch.Tensor,
+                      expert_mask: torch.Tensor | None = None) -> None:
+    """out[pairs of each selected expert] = ``form(expert)``'s output on them: each expert once on all its rows
+    (x [T, H], topk_ids int [T, k], topk_weights [T, k], out [T*k, H]; ``expert_mask`` bool [E]: False skips
+    that expert). The GGUF pools' CPU path and :class:`~moeflow.engine.mapped_experts.MappedGGUFExperts` (forms
+    over a mapped file) share it, so both give the same bits. Host-side bookkeeping in plain Python lists (a
+    decode step's layer is a few experts on one row)."""
+    k = topk_ids.shape[1]
+    mask = None if expert_mask is None else expert_mask.tolist()
     groups: dict[int, list[int]] = {}
     for pair, e in enumerate(topk_ids.reshape(-1).tolist()):
         groups.setdefault(e, []).append(pair)
@@ -321,9 +338,7 @@ def _cpu_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Te
     for e, pairs in groups.items():
         if mask is not None and not mask[e]:
             continue
-        s = slots[e]
-        gate_up, down = (by_code[c] for c in pool.buffer[s, types_at : types_at + 2].tolist())
-        expert = GGUFCpuExpert(t["gate"][s], t["up"][s], t["down"][s], gate_up, down)
+        expert = form(e)
         if len(pairs) == 1:
             p = pairs[0]
             out[p : p + 1] = expert.forward(x[p // k : p // k + 1], flat_w[p : p + 1]).to(out.dtype)

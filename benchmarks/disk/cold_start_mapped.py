@@ -1,0 +1,134 @@
+"""Cold start from GGUF files (issue 37): moeflow's experts as views of the mapped file against copied at load, and
+llama.cpp's mmap and reading loads of the same files, against the files' read rate.
+
+For each ``--model`` (a GGUF file, or an HF-layout checkpoint folder), in one run (page cache warm for everyone):
+
+* the file's read rate (one thread, 16 MiB reads);
+* cold processes (a fresh interpreter: imports included) of ``MoEModel.from_pretrained(path, device="cpu")``
+  (every expert resident, ``kernels="auto"``) with ``mmap=True`` (the default: experts the CPU computes as stored
+  are views of the mapped file, :mod:`moeflow.engine.mapped_experts`) and ``mmap=False`` (copied into a pool at
+  load: the path before session 16) and ``mmap=True, cpu_form_cache=True`` (resident CPU int4 experts, AWQ and
+  Q4_0, mapped from the cache file a warm-up process wrote), best of ``--repeats`` by first token:
+  ``from_pretrained`` seconds and CPU seconds, the file's bytes over those seconds against the read rate, and
+  the first token (one new token after a 4-token prompt) from process start;
+* llama.cpp's ``llama-completion`` (CPU, one new token) with ``--load-mode mmap`` and ``none``: its load time and
+  first token from process start (:func:`benchmarks.disk.cold_start.llama_cpp_cold`).
+
+    python -m benchmarks.disk.cold_start_mapped --model A.gguf --model B.gguf --llama-cpp BIN_DIR \\
+        --out benchmarks/results/cold_start/gguf-mmap-s16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.disk.cold_start import ROOT, cpu_name, llama_cpp_cold, read_single
+from benchmarks.peers.peer_report import uptime, write_report
+
+CHILD = r"""
+import json, os, resource, sys, time
+t_spawn = float(os.environ["COLD_T0"])
+cpu = lambda: sum(resource.getrusage(resource.RUSAGE_SELF)[:2])  # user + system seconds, every thread
+import torch
+from moeflow import MoEModel
+t_imported, c_imported = time.time(), cpu()
+model = MoEModel.from_pretrained(sys.argv[1], device="cpu", progress=False, mmap=sys.argv[2] != "copy",
+                                 cpu_form_cache=sys.argv[2] == "cache")
+t_ready, c_ready = time.time(), cpu()
+model.generate(torch.tensor([[1, 15, 27, 3]]), max_new_tokens=1, do_sample=False)
+t_first, c_first = time.time(), cpu()
+print(json.dumps({"import_s": t_imported - t_spawn, "from_pretrained_s": t_ready - t_imported,
+                  "from_pretrained_cpu_s": c_ready - c_imported, "first_token_s": t_first - t_spawn,
+                  "first_token_cpu_s": c_first - c_imported, "backend": type(model.experts).__name__,
+                  "max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))
+model.close()
+"""
+
+
+MODES = ("mmap", "copy", "cache")  # mmap=True; mmap=False; mmap=True with cpu_form_cache=True (written beforehand)
+
+
+def cold_process(model: Path, mode: str) -> dict:
+    env = dict(os.environ, COLD_T0=repr(time.time()))
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    res = subprocess.run([sys.executable, "-c", CHILD, str(model), mode], env=env, capture_output=True, text=True)
+    if res.returncode:
+        raise RuntimeError(f"cold process failed ({model}, {mode}):\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def one_file(model: Path, repeats: int, llama_cpp: Path | None) -> dict:
+    files = [model] if model.is_file() else sorted(model.glob("*.safetensors"))
+    size = sum(f.stat().st_size for f in files)
+    read_single(files)  # page cache warm
+    read_gbps, _ = read_single(files)
+    cold_process(model, "cache")  # not counted: the tokenizer rebuilt from a GGUF's metadata and the CPU form
+    # cache written, the library built
+    runs = {mode: [cold_process(model, mode) for _ in range(repeats)] for mode in MODES}
+    best = {mode: min(r, key=lambda x: x["first_token_s"]) for mode, r in runs.items()}
+    for b in best.values():
+        b["load_vs_read"] = round(size / b["from_pretrained_s"] / 1e9 / read_gbps, 3)
+    peer = [llama_cpp_cold(llama_cpp, model, mmap) for mmap in (True, False)] \
+        if llama_cpp is not None and model.is_file() else None
+    return {"model": str(model), "bytes": size, "read_gbps": round(read_gbps, 3), "runs": runs, "best": best,
+            "llama_cpp": peer}
+
+
+def lines_of(r: dict) -> list[str]:
+    peer = {p["mmap"]: p for p in r["llama_cpp"] or []}
+    out = [f"### {Path(r['model']).name} ({r['bytes'] / 1e9:.2f} GB; read {r['read_gbps']:.2f} GB/s, 1 thread)", "",
+           "| | backend | `from_pretrained` s (CPU s) | x of the read rate | first token from process start "
+           "(imports) | max RSS |", "|---|---|---|---|---|---|"]
+    for mode, name in (("mmap", "moeflow, mmap=True"), ("copy", "moeflow, mmap=False (copied)"),
+                       ("cache", "moeflow, mmap=True, cpu_form_cache=True")):
+        b = r["best"][mode]
+        out.append(f"| {name} | {b['backend']} | {b['from_pretrained_s']:.2f} ({b['from_pretrained_cpu_s']:.2f}) | "
+                   f"{b['load_vs_read']:.2f}x | {b['first_token_s']:.2f} s ({b['import_s']:.2f} s) | "
+                   f"{b['max_rss_gb']:.2f} GB |")
+    for mmap, name in ((True, "llama.cpp --load-mode mmap"), (False, "llama.cpp --load-mode none")):
+        if mmap in peer:
+            p = peer[mmap]
+            load = "?" if p["load_s"] is None else f"{p['load_s']:.2f}"
+            out.append(f"| {name} | | {load} (its log) | | {p['first_token_s']:.2f} s | |")
+    if peer:
+        m = r["best"]["mmap"]["first_token_s"]
+        out += ["", f"moeflow (mmap=True) first token / llama.cpp's: {m / peer[True]['first_token_s']:.2f}x its mmap "
+                    f"load, {m / peer[False]['first_token_s']:.2f}x its reading load."]
+    return [*out, ""]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", type=Path, action="append", required=True,
+                    help="a GGUF file or an HF-layout checkpoint folder (no llama.cpp run for a folder)")
+    ap.add_argument("--llama-cpp", type=Path, default=None, help="a llama.cpp bin/ with llama-completion")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--out", type=Path, required=True, help="results path without suffix (.json and .md written)")
+    args = ap.parse_args()
+    before = uptime()
+    with tempfile.TemporaryDirectory() as cache:  # a fresh user cache: the warm-up process writes it
+        os.environ["MOEFLOW_CACHE_DIR"] = cache
+        files = [one_file(m, args.repeats, args.llama_cpp) for m in args.model]
+    result = {"cpu": cpu_name(), "uptime_before": before, "uptime_after": uptime(), "files": files}
+    c = result["cpu"]
+    lines = ["# Cold start from GGUF files: experts mapped (mmap=True) or copied at load, llama.cpp beside", "",
+             f"CPU: {c['model_name']} ({c['cores']} cores, {', '.join(c['simd'])}); load before: `{before}`, after: "
+             f"`{result['uptime_after']}`. `from_pretrained(path, device=\"cpu\")`, every expert resident, cold "
+             f"processes, best of {args.repeats} by first token; page cache warm. \"x of the read rate\": the "
+             "file's bytes over the `from_pretrained` seconds, over the file's read rate in the same run (mapped "
+             "experts are read when first touched, inside the first token).", ""]
+    for r in files:
+        lines += lines_of(r)
+    write_report(args.out, result, lines)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""GGUF experts used as stored over a mapped file (issue 37's cold start): :class:`MappedGGUFExperts`.
+
+On ``device="cpu"`` with every expert resident, GGUF Q8_0 / Q4_K / Q5_K / Q6_K experts (Q4_K_M's and Q8_0's files)
+are computed by :mod:`moeflow.kernels.cpu.gguf` on their blocks as the file stores them. Copying those blocks into
+a pool at load (read, then fault in a fresh row for each expert) is all the load does for them, so here they are
+not copied at all: each expert's CPU form is three views of a copy-on-write mapping of its file
+(:class:`~moeflow.io.gguf.mapped.MappedGGUF`), as llama.cpp's default mmap load does. ``from_pretrained`` reads
+no expert byte; a page comes from the page cache (or the disk) when a kernel first touches it, and the pages
+are the page cache's own, shared with every other process that maps or reads the file.
+
+The numbers are those of the copied pool (:class:`~moeflow.moe.resident.ResidentExperts` with
+``GGUFFormat.cpu_kernels``): the same kernels over the same bytes, grouped by
+:func:`~moeflow.kernels.formats.gguf.cpu_forms_forward`, and the one-call decode step
+(:mod:`moeflow.engine.cpu_layers`) takes these forms as it takes the pool's. Q4_0 files are converted at load
+instead (their CPU int4 form is a re-laid-out copy: :mod:`moeflow.engine.gguf_experts`), as are experts on CUDA
+and under offloading policies (their slots and host rows are copies by design).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moeflow import kernels
+from moeflow.compile_boundary import host_logic
+from moeflow.io.gguf.experts import ExpertBytes, GGUFExpertSource
+from moeflow.io.gguf.mapped import MappedGGUF
+from moeflow.kernels.cpu.gguf import GGUFCpuExpert
+from moeflow.kernels.formats.gguf import MATRICES, GGUFFormat, cpu_forms_forward
+from moeflow.moe.backend import ExpertBackend
+
+
+class MappedGGUFExperts(ExpertBackend):
+    """Every expert of a GGUF model resident on the CPU as views of its mapped file (module doc).
+
+    fmt: the model's GGUF format with ``cpu_kernels``; source: where each (MoE layer, expert)'s matrices lie in
+    the files. ``experts[layer][expert]``: the :class:`~moeflow.kernels.cpu.gguf.GGUFCpuExpert` forms. The
+    mapping (:attr:`mapping`) is owned here and outlives every form (each view also holds it)."""
+
+    def __init__(self, fmt: GGUFFormat, source: GGUFExpertSource, kernels_backend: str = "torch",
+                 mapping: MappedGGUF | None = None) -> None:
+        if not (isinstance(fmt, GGUFFormat) and fmt.cpu_kernels):
+            raise ValueError(f"MappedGGUFExperts needs GGUF experts on the CPU kernels (GGUFFormat.cpu_kernels), "
+                             f"got {fmt!r}")
+        self.fmt, self.kernels_backend = fmt, kernels_backend
+        self.num_layers, self.num_experts = source.num_layers, source.num_experts
+        self.mapping = mapping if mapping is not None else MappedGGUF()
+        self.experts: list[list[GGUFCpuExpert]] = [
+            [self._form(source.expert(layer, e)) for e in range(self.num_experts)] for layer in range(self.num_layers)]
+
+    def _form(self, x: ExpertBytes) -> GGUFCpuExpert:
+        views = {}
+        for name in MATRICES:
+            s = x.slices[name]
+            allowed = [g.name for g in self.fmt.types_of(name)]
+            if s.type.name not in allowed:
+                raise ValueError(f"{s.path}: {s.tensor} holds {s.type.name} blocks, not {'/'.join(allowed)} as the "
+                                 "expert format was built for")
+            views[name] = self.mapping.view(s.path, s.offset, s.nbytes, f"tensor {s.tensor!r} (expert "
+                                            f"{x.expert} of blk.{x.block})").view(s.shape[0], -1)
+        return GGUFCpuExpert(views["gate"], views["up"], views["down"], x.gate.type.name, x.down.type.name)
+
+    def load_expert(self, layer: int, expert: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Replace an expert by a copy of its loader-form blocks (``gate``, ``up``, ``down`` uint8 as stored)."""
+        self.experts[layer][expert] = self.fmt.cpu_expert({n: tensors[n].clone() for n in MATRICES})
+
+    @host_logic  # host logic (reads the routing back): under torch.compile, the layer's one graph break
+    def forward(self, layer, x, probs, topk_ids, topk_weights):  # noqa: D102 (see ExpertBackend)
+        forms = self.experts[layer]
+        out = torch.empty((topk_ids.numel(), x.shape[-1]), dtype=x.dtype, device=x.device)
+        cpu_forms_forward(x, topk_ids, topk_weights, forms.__getitem__, out)
+        return kernels.combine(out, topk_ids.shape[1], kernels.resolve_backend(self.kernels_backend, x.device))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the experts' blocks (in the mapped files, not allocated here)."""
+        return sum(f.nbytes for row in self.experts for f in row)
