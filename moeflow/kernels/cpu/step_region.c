@@ -232,7 +232,7 @@ static void moe_half(const mf_layer_desc* d, int H, team_bufs* S, own_bufs* P, i
         quantize(P->act, Ij, 4, j < k ? G : sG, &P->ea[j]);
     }
     /* this thread's rows of every down matrix: one stream per expert (interleaving them 16 rows at a time cost a
-       thread ~15-25% of its speed at one thread, measured), then their weighted sum */
+       whole one-thread step ~20% slower, measured on the loaded machine), then their weighted sum *
     int n0, n1;
     span(H, tid, nth, &n0, &n1);
     for (int j = 0; j < k; j++) {  /* mf_q4_expert's out (+)= weight * y, in k order */
