@@ -231,8 +231,8 @@ static void moe_half(const mf_layer_desc* d, int H, team_bufs* S, own_bufs* P, i
         mf_silu_mul(S->h13 + (size_t)j * S->h13_ld, S->h13 + (size_t)j * S->h13_ld + Ij, Ij, P->act);
         quantize(P->act, Ij, 4, j < k ? G : sG, &P->ea[j]);
     }
-    /* this thread's rows of every down matrix: one stream per expert (interleaving them 16 rows at a time cost a
-       whole one-thread step ~20% slower, measured on the loaded machine), then their weighted sum *
+    /* this thread's rows of every down matrix: one stream per expert (interleaving the experts 16 rows at a time
+       made the whole one-thread step ~20% slower, measured on the loaded machine), then their weighted sum */
     int n0, n1;
     span(H, tid, nth, &n0, &n1);
     for (int j = 0; j < k; j++) {  /* mf_q4_expert's out (+)= weight * y, in k order */
