@@ -6,10 +6,11 @@
    schedules: equal rows, so equal bytes, per thread; 16-row items, cache-line aligned outputs), and the small
    serial parts (the norms, the activations' int8 quantization, the router, the residual adds) run on every thread
    at once on the same inputs into its own buffers (a few microseconds, no barrier to wait for). A layer then waits
-   at 4 or 5 barriers: after q/k/v, after the attention (split by kv head: each thread writes its kv heads' cache
-   rows, then runs their query heads), after o_proj, and after the experts: either every expert's rows split
-   across the team (a barrier between gate/up and down), or, when the team divides k and there is no shared
-   expert, each thread running whole experts on its own.
+   at 3 to 5 barriers: after the attention (each thread its own kv heads: their q/k/v rows, cache rows and query
+   heads, when the team divides the kv heads; else the rows split evenly, a barrier, then the heads), after
+   o_proj, and after the experts: when the team divides k and there is no shared expert, each thread runs whole
+   experts on its own; else every expert's rows are split across the team, with a barrier between gate/up and
+   down.
 
    Numerics: every output element is computed by the same row kernel (mf_q4_rows, mf_q8_rows), the same
    quantizer and the same fp32 operations in the same order as in the per-layer path, whatever thread runs it and
@@ -72,6 +73,13 @@ static void linear_rows(const mf_linear* l, int n0, int n1, int K, const acts1* 
         mf_q8_rows(n0, n1, 1, K, (const int8_t*)l->w, (const float*)l->s, a->q, a->s, y, l->n);
 }
 
+/* Rows [n0, n1) of a linear (+ b [l->n], one add per output, when b is not NULL): y [l->n]. */
+static void linear_range(const mf_linear* l, int n0, int n1, int K, const acts1* a, const float* b, float* y) {
+    linear_rows(l, n0, n1, K, a, y);
+    if (b)
+        for (int n = n0; n < n1; n++) y[n] += b[n];
+}
+
 /* y [l->n] = the linear's rows (+ b [l->n], one add per output, when b is not NULL), shared out among the team
    (an orphaned worksharing loop without its barrier). */
 static void linear_for(const mf_linear* l, int K, const acts1* a, const float* b, float* y) {
@@ -79,9 +87,7 @@ static void linear_for(const mf_linear* l, int K, const acts1* a, const float* b
 #pragma omp for schedule(static) nowait
     for (int c = 0; c < nc; c++) {
         const int n0 = c * MF_ROWS, n1 = n0 + MF_ROWS < l->n ? n0 + MF_ROWS : l->n;
-        linear_rows(l, n0, n1, K, a, y);
-        if (b)
-            for (int n = n0; n < n1; n++) y[n] += b[n];
+        linear_range(l, n0, n1, K, a, b, y);
     }
 }
 
@@ -127,43 +133,67 @@ static void own_take(own_bufs* o, char* p, const dims* m, int H, int L) {
 /* The attention half of a layer (mf_attn_block at B = T = 1), run by every thread of the team: x -> xa, hm (own
    buffers). */
 static void attention_half(const mf_layer_desc* d, int H, const float* cos, const float* sin, float* kc, float* vc,
-                           int L, int64_t pos, const uint8_t* mask, float scale, team_bufs* S, own_bufs* P, int nth) {
+                           int L, int64_t pos, const uint8_t* mask, float scale, team_bufs* S, own_bufs* P, int tid,
+                           int nth) {
     const int nh = d->nh, nkv = d->nkv, D = d->D, F = (nh + 2 * nkv) * D, nq = d->kv_bits ? nh * D : F;
     const mf_linear qkv = {d->qkv_bits, d->qkv_group, d->qkv_fmt, nq, d->qkv_w, d->qkv_s, d->qkv_m};
     const mf_linear kv = {d->kv_bits, d->kv_group, d->kv_fmt, F - nq, d->kv_w, d->kv_s, d->kv_m};
     const mf_linear o = {d->o_bits, d->o_group, d->o_fmt, H, d->o_w, d->o_s, d->o_m};
     mf_rmsnorm(P->x, NULL, NULL, d->w_in, d->eps, 1, H, P->hn);
     quantize(P->hn, H, qkv.bits, qkv.group, &P->in[0]);
-    linear_for(&qkv, H, &P->in[0], d->qkv_b, S->q);
-    if (kv.bits) {  /* k and v in a linear of their own (run_qkv), their outputs after q's */
-        quantize(P->hn, H, kv.bits, kv.group, &P->in[1]);
-        linear_for(&kv, H, &P->in[1], d->qkv_b ? d->qkv_b + nq : NULL, S->q + nq);
-    }
+    if (kv.bits) quantize(P->hn, H, kv.bits, kv.group, &P->in[1]);  /* k and v a linear of their own (run_qkv) */
+    const int groups = nh / nkv;
+    /* When the team divides the kv heads (and the QK-norm, if any, is per head), each thread takes its own kv
+       heads whole: their q, k and v rows, their cache rows and their query heads, with no barrier between the
+       projection and the attention. Else the rows are split evenly, then the heads. */
+    const int own = nkv % nth == 0 && d->qk != MF_QK_PROJ && D % Q4_GROUP == 0;
+    const int g0 = own ? nkv * tid / nth : 0, g1 = own ? nkv * (tid + 1) / nth : nkv;
+    const int seg[3][2] = {{g0 * groups * D, g1 * groups * D}, {(nh + g0) * D, (nh + g1) * D},
+                           {(nh + nkv + g0) * D, (nh + nkv + g1) * D}};  /* its q, k, v rows */
+    if (own) {
+        for (int i = 0; i < 3; i++) {  /* (a segment lies in one of the two linears: nq is nh D or F) */
+            if (seg[i][0] < nq)
+                linear_range(&qkv, seg[i][0], seg[i][1], H, &P->in[0], d->qkv_b, S->q);
+            else
+                linear_range(&kv, seg[i][0] - nq, seg[i][1] - nq, H, &P->in[1], d->qkv_b ? d->qkv_b + nq : NULL,
+                             S->q + nq);
+        }
+    } else {
+        linear_for(&qkv, H, &P->in[0], d->qkv_b, S->q);
+        if (kv.bits) linear_for(&kv, H, &P->in[1], d->qkv_b ? d->qkv_b + nq : NULL, S->q + nq);
 #pragma omp barrier
+    }
     const float* row = S->q;
-    if (d->qk != MF_QK_NONE) {  /* mf_attn_step's QK-norm, on a copy of one's own */
-        memcpy(P->qk, S->q, sizeof(float) * F);
-        float* k = P->qk + (size_t)nh * D;
+    if (d->qk != MF_QK_NONE) {  /* mf_attn_step's QK-norm, on a copy of one's own (of its own heads' rows) */
+        for (int i = 0; i < 3; i++)
+            memcpy(P->qk + seg[i][0], S->q + seg[i][0], sizeof(float) * (seg[i][1] - seg[i][0]));
+        float *q = P->qk + seg[0][0], *k = P->qk + seg[1][0];
         if (d->qk == MF_QK_HEAD) {
-            mf_rmsnorm(P->qk, NULL, NULL, d->qn, d->qk_eps, nh, D, P->qk);
-            mf_rmsnorm(k, NULL, NULL, d->kn, d->qk_eps, nkv, D, k);
+            mf_rmsnorm(q, NULL, NULL, d->qn, d->qk_eps, (g1 - g0) * groups, D, q);
+            mf_rmsnorm(k, NULL, NULL, d->kn, d->qk_eps, g1 - g0, D, k);
         } else {
-            mf_rmsnorm(P->qk, NULL, NULL, d->qn, d->qk_eps, 1, nh * D, P->qk);
+            mf_rmsnorm(q, NULL, NULL, d->qn, d->qk_eps, 1, nh * D, q);
             mf_rmsnorm(k, NULL, NULL, d->kn, d->qk_eps, 1, nkv * D, k);
         }
         row = P->qk;
     }
-    const int groups = nh / nkv, by_kv = nkv % nth == 0;  /* by kv head: each thread its heads' cache rows */
+    if (own) {
+        for (int g = g0; g < g1; g++) {
+            const size_t at = ((size_t)g * L + (size_t)pos) * D;
+            mf_rotary(row + (size_t)(nh + g) * D, cos, sin, D, kc + at);
+            memcpy(vc + at, row + (size_t)(nh + nkv + g) * D, sizeof(float) * D);
+            for (int h = g * groups; h < (g + 1) * groups; h++)
+                mf_attn_head(row + (size_t)h * D, cos, sin, D, mask, kc + (size_t)g * L * D, vc + (size_t)g * L * D,
+                             L, scale, P->abuf, S->att + (size_t)h * D);
+        }
+#pragma omp barrier
+    } else {  /* the cache rows, then the query heads */
 #pragma omp for schedule(static)
-    for (int g = 0; g < nkv; g++) {
-        const size_t at = ((size_t)g * L + (size_t)pos) * D;
-        mf_rotary(row + (size_t)(nh + g) * D, cos, sin, D, kc + at);
-        memcpy(vc + at, row + (size_t)(nh + nkv + g) * D, sizeof(float) * D);
-        for (int h = g * groups; by_kv && h < (g + 1) * groups; h++)
-            mf_attn_head(row + (size_t)h * D, cos, sin, D, mask, kc + (size_t)g * L * D, vc + (size_t)g * L * D, L,
-                         scale, P->abuf, S->att + (size_t)h * D);
-    }
-    if (!by_kv) {
+        for (int g = 0; g < nkv; g++) {
+            const size_t at = ((size_t)g * L + (size_t)pos) * D;
+            mf_rotary(row + (size_t)(nh + g) * D, cos, sin, D, kc + at);
+            memcpy(vc + at, row + (size_t)(nh + nkv + g) * D, sizeof(float) * D);
+        }
 #pragma omp for schedule(static)
         for (int h = 0; h < nh; h++)
             mf_attn_head(row + (size_t)h * D, cos, sin, D, mask, kc + (size_t)(h / groups) * L * D,
@@ -290,7 +320,7 @@ int mf_layers_step(const mf_layer_desc* layers, int n, float* x, int H, const fl
         for (int l = 0; l < n; l++) {
             const mf_layer_desc* d = &layers[l];
             attention_half(d, H, cos, sin, (float*)kv[3 * l], (float*)kv[3 * l + 1], L, pos[0],
-                           (const uint8_t*)kv[3 * l + 2], scale, &S, &P, nth);
+                           (const uint8_t*)kv[3 * l + 2], scale, &S, &P, tid, nth);
             moe_half(d, H, &S, &P, tid, nth, ids + (size_t)l * d->k, weights + (size_t)l * d->k);
         }
         if (tid == 0) memcpy(x, P.x, sizeof(float) * H);
