@@ -160,9 +160,9 @@ def test_no_native_layers_without_the_one_call_attention_half():
 @pytest.mark.parametrize("kind", ["embedded", "qwen3_moe_attn", "olmoe_attn", "qwen2_moe_attn"])
 def test_native_layers_give_the_same_bits_on_1_2_and_3_threads(qk_norm_checkpoints, kind, counted):
     """The one parallel region of step_region.c splits rows, kv heads and experts by the team's size (1 and 2
-    threads: each thread its own kv heads' q/k/v rows and attention, OLMoE's QK-norm over the projection aside; 2:
-    one whole expert per thread; 1 and 3: every expert's rows across the team, 3: the q/k/v rows, cache rows and
-    query heads split apart): each output the same bits, the per-layer path's."""
+    threads: each thread its own kv heads' q/k/v rows and attention, OLMoE's QK-norm over the projection aside, and
+    whole experts, Qwen2-MoE's shared expert aside; 3: every expert's rows across the team, the q/k/v rows, cache
+    rows and query heads split apart): each output the same bits, the per-layer path's."""
     from moeflow import MoEModel
 
     path = embedded_model_path() if kind == "embedded" else qk_norm_checkpoints[kind]

@@ -225,7 +225,7 @@ static void moe_half(const mf_layer_desc* d, int H, team_bufs* S, own_bufs* P, i
     const int k = d->k, I = d->I, G = d->group;
     const mf_expert_desc* sh = d->shared;
     quantize(P->hm, H, 4, G, &P->in[0]);
-    if (nth > 1 && !sh && k % nth == 0) {  /* whole experts per thread: no barrier inside an expert */
+    if (!sh && k % nth == 0) {  /* whole experts per thread (one thread: the per-layer order): no barrier inside one */
         for (int j = tid; j < k; j += nth) {
             const mf_expert_desc* e = &d->experts[P->ids[j]];
             expert_rows(e, 0, 0, 2 * I, H, 2 * I, G, &P->in[0], P->h13);
