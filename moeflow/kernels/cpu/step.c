@@ -154,7 +154,6 @@ int mf_attn_step(const float* qkv, int B, int T, int nh, int nkv, int D, const f
     return fail ? -1 : 0;
 }
 
-
 static int run_linear(const mf_linear* l, const float* x, int T, int K, float* y, int nthreads) {
     if (l->bits == 4)
         return mf_q4_linear(x, T, K, l->n, l->group, l->fmt, (const uint8_t*)l->w, l->s, l->m, y, nthreads);
@@ -276,8 +275,6 @@ void mf_softmax_topk(const float* logits, int T, int E, int k, int renorm, float
 }
 
 /* ---- a whole one-token step through the decoder layers ---- */
-
-
 
 /* One token x fp32 [H] through n layers, in place: per layer, (x, h) = mf_attn_block(x); logits = h @ gate.T;
    (ids, weights) = mf_softmax_topk(logits); moe = the k experts' mf_q4_expert (or mf_gguf_expert) calls
