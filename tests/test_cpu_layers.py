@@ -157,6 +157,31 @@ def test_no_native_layers_without_the_one_call_attention_half():
     assert model.model.layers[0].attention_step is None and model.model.layers_step is None
 
 
+@pytest.mark.parametrize("kind", ["embedded", "qwen3_moe_attn", "olmoe_attn", "qwen2_moe_attn"])
+def test_native_layers_give_the_same_bits_on_1_2_and_3_threads(qk_norm_checkpoints, kind, counted):
+    """The one parallel region of step_region.c splits rows, kv heads and experts by the team's size (1 and 2
+    threads: each thread its own kv heads' q/k/v rows and attention, OLMoE's QK-norm over the projection aside, and
+    whole experts, Qwen2-MoE's shared expert aside; 3: every expert's rows across the team, the q/k/v rows, cache
+    rows and query heads split apart): each output the same bits, the per-layer path's."""
+    from moeflow import MoEModel
+
+    path = embedded_model_path() if kind == "embedded" else qk_norm_checkpoints[kind]
+    model = MoEModel.from_pretrained(path, device="cpu", **({"attention_bits": 4} if kind == "embedded" else {}))
+    threads = torch.get_num_threads()
+    try:
+        ids = torch.randint(3, 97, (1, 5), generator=torch.Generator().manual_seed(8))
+        ref, ref_x = _decode(model, ids, native=False, n=5)
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            counted[0] = 0
+            out, x = _decode(model, ids, native=True, n=5)
+            assert counted[0] == 4 and torch.equal(out, ref)
+            assert all(torch.equal(a, b) for a, b in zip(x, ref_x, strict=True)), f"{t} threads"
+    finally:
+        torch.set_num_threads(threads)
+        model.close()
+
+
 # GGUF experts read as stored (kernels/cpu/gguf.c): per layer (gate/up type, down type); Q4_K_M mixes Q6_K and
 # Q4_K down projections across layers
 GGUF_MIXES = {"Q8_0": [("Q8_0", "Q8_0")] * 3, "Q4_K": [("Q4_K", "Q4_K")] * 3, "Q5_K": [("Q5_K", "Q5_K")] * 3,

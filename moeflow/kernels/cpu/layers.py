@@ -1,4 +1,4 @@
-"""A one-token CPU decode step through all decoder layers as one native call (``mf_layers_step``, step.c).
+"""A one-token CPU decode step through all decoder layers as one native call (``mf_layers_step``, step_region.c).
 
 Per layer it runs, in C, exactly the calls the per-layer path makes from Python: the attention half
 (``mf_attn_block``, :func:`~moeflow.kernels.cpu.step.attention_block`), the router logits and the softmax top-k
@@ -8,7 +8,9 @@ Per layer it runs, in C, exactly the calls the per-layer path makes from Python:
 residual add (one fp32 add, as ``x + moe``): the same numbers, bit for bit, without ~150 Python calls and ~15
 tensor allocations per layer (~1 ms per token on the peer benchmark's 8-layer model, issue 21). The layers are
 described once (:class:`LayerDesc`, pointers into the model's own weight tensors, which must stay where they are);
-each step passes the caches, the masks and the token.
+each step passes the caches, the masks and the token. The call is one OpenMP parallel region of torch's thread
+count for all the layers (each output the same bits at any count); layers with GGUF experts run the calls one by
+one (``mf_layers_step_calls``, step.c), each kernel with its own region.
 """
 
 from __future__ import annotations

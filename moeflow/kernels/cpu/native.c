@@ -22,7 +22,7 @@
 
 #include "native.h"
 
-#define ROWS 16   /* weight rows per parallel work item (a multiple of Q4_GROUP and Q8_GROUP) */
+#define ROWS MF_ROWS  /* weight rows per parallel work item (native.h) */
 
 /* The vector path built: 2 AVX-512 VNNI (q4.c's and q8.c's q4_group_pair, q8_group_pair), 1 AVX2,
    0 the portable loops. */
@@ -61,8 +61,9 @@ void mf_silu_mul_scalar(const float* g, const float* u, int n, float* out) {
 }
 
 /* x fp32 [K] -> xq int8 [K], xs fp32 [K/32]; gsum fp32 [K/group] = sum over the group of xq * xs; xsum int32
-   [K/32] (when not NULL) = each block's sum of xq (exact: the group-32 q4 kernels fold the zero points in there). */
-static void quantize_row(const float* x, int K, int group, int8_t* xq, float* xs, float* gsum, int32_t* xsum) {
+   [K/32] (when not NULL) = each block's sum of xq (exact: the group-32 q4 kernels fold the zero points in there).
+   xq and xs do not depend on ``group``, gsum and xsum. (Also step_region.c's, per thread.) */
+void mf_quantize_row(const float* x, int K, int group, int8_t* xq, float* xs, float* gsum, int32_t* xsum) {
     int nb = K / QB, bpg = group / QB;
     for (int b = 0; b < nb; b++) {
         const float* xb = x + b * QB;
@@ -112,7 +113,7 @@ static void quantize_rows(const float* x, int T, int K, int group, int8_t* xq, f
     int nb = K / QB, ng = group ? K / group : 0;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (T * K >= 65536)
     for (int t = 0; t < T; t++)
-        quantize_row(x + (size_t)t * K, K, group ? group : K, xq + (size_t)t * K, xs + (size_t)t * nb,
+        mf_quantize_row(x + (size_t)t * K, K, group ? group : K, xq + (size_t)t * K, xs + (size_t)t * nb,
                      gsum ? gsum + (size_t)t * ng : NULL, xsum ? xsum + (size_t)t * nb : NULL);
 }
 

@@ -130,6 +130,14 @@ static inline __attribute__((always_inline)) void mf_q4_pair_block_dots(const ui
 }
 #endif
 #define Q8_GROUP 8  /* q8 weight rows interleaved together (q8.c's layout) */
+#define MF_ROWS 16  /* weight rows per parallel work item (native.c, step_region.c; a multiple of both groups) */
+
+/* x fp32 [K] -> int8 activations xq [K], block scales xs [K/32], group sums gsum [K/group] (NULL: not wanted) and
+   block sums of xq xsum [K/32] (NULL: not wanted) (native.c; the one quantizer of every linear's input). */
+__attribute__((visibility("hidden"))) void mf_quantize_row(const float* x, int K, int group, int8_t* xq, float* xs,
+                                                           float* gsum, int32_t* xsum);
+/* out[i] = silu(g[i]) * u[i] for n features (native.c). */
+void mf_silu_mul(const float* g, const float* u, int n, float* out);
 
 /* Rows [n0, n1) of a q4 matrix [N, K] against T quantized tokens: y[t, n] for n in [n0, n1) (q4.c). */
 __attribute__((visibility("hidden"))) void mf_q4_rows(

@@ -52,10 +52,11 @@ from moeflow.user_cache import cache_dir
 log = logging.getLogger(__name__)
 
 # one library: the matrix kernels, the int4 and int8 row-group kernels, the decode-step ops
-SOURCES = tuple(Path(__file__).with_name(f) for f in ("native.c", "q4.c", "q4z.c", "q8.c", "step.c", "repack.c",
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("native.c", "q4.c", "q4z.c", "q8.c", "step.c", "step_region.c",
+                                                     "repack.c",
                                                      "gguf.c", "gguf_k.c",  # GGUF experts (kernels/cpu/gguf.py)
                                                      "mxfp4.c"))  # MXFP4 experts (kernels/cpu/mxfp4_native.py)
-HEADERS = tuple(Path(__file__).with_name(f) for f in ("native.h", "gguf.h"))  # in the sources' digest
+HEADERS = tuple(Path(__file__).with_name(f) for f in ("native.h", "gguf.h", "step.h"))  # in the sources' digest
 BLOCK = 32  # activation features per int8 scale (and the weights' packing block)
 ROW_GROUP = 8  # q4 and q8 rows interleaved together (q4.c's and q8.c's layouts)
 _LIB: ctypes.CDLL | None | bool = False  # False: not tried yet; None: unavailable

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "gguf.h"  /* mf_gguf_expert (gguf.c); includes native.h */
+#include "step.h"
 
 /* out[t] = w * (x[t] / sqrt(mean(x[t]^2) + eps)) for x fp32 [T, H]. With ``res`` (may be NULL): x[t] + res[t]
    is normalised instead and written to ``sum`` (the residual stream the layer continues with). ``out`` may be
@@ -33,14 +34,14 @@ void mf_rmsnorm(const float* x, const float* res, float* sum, const float* w, fl
 
 /* x [D] -> y [D]: y = x * cos + rotate_half(x) * sin (rotate_half(x) = [-x[D/2:], x[:D/2]]), the products
    rounded before the sum as torch's unfused ops do. */
-static void rotary(const float* x, const float* c, const float* s, int D, float* y) {
+void mf_rotary(const float* x, const float* c, const float* s, int D, float* y) {
     int h = D / 2;
     for (int i = 0; i < h; i++) y[i] = x[i] * c[i] + (-x[i + h]) * s[i];
     for (int i = h; i < D; i++) y[i] = x[i] * c[i] + x[i - h] * s[i];
 }
 
 /* q . k over D features in 8 interleaved partial sums (vectorizable without reordering a single sum). */
-static float dot(const float* q, const float* k, int D) {
+float mf_dot(const float* q, const float* k, int D) {
     float part[8] = {0};
     int j = 0;
     for (; j + 8 <= D; j += 8)
@@ -48,6 +49,42 @@ static float dot(const float* q, const float* k, int D) {
     float d = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
     for (; j < D; j++) d += q[j] * k[j];
     return d;
+}
+
+/* One query head over the cache: q = rotary(qh [D]) (c, s [D]); o [D] = softmax(q k^T * scale) v over the positions
+   l < L with mrow[l] (kh, vh fp32 [L, D]: the head's kv cache); buf: L + 2 D floats of scratch. */
+void mf_attn_head(const float* qh, const float* c, const float* s, int D, const uint8_t* mrow, const float* kh,
+                  const float* vh, int L, float scale, float* buf, float* o) {
+    float* p = buf;
+    float* q = buf + L;
+    float* acc = q + D;
+    mf_rotary(qh, c, s, D, q);
+    float mx = -INFINITY;
+    for (int l = 0; l < L; l++) {
+        if (!mrow[l]) {
+            p[l] = 0.0f;  /* never read below; a plain value keeps mf_exp8 on its fast path */
+            continue;
+        }
+        const float sc = mf_dot(q, kh + (size_t)l * D, D) * scale;
+        p[l] = sc;
+        mx = mx > sc ? mx : sc;  /* fmaxf(mx, sc) (x86 glibc: maxss) for scores that are not NaN */
+    }
+    int l0 = 0;  /* p[l] = expf(p[l] - mx) */
+#if MF_AVX2
+    for (const __m256 m8 = _mm256_set1_ps(mx); l0 + 8 <= L; l0 += 8)
+        _mm256_storeu_ps(p + l0, mf_exp8(_mm256_sub_ps(_mm256_loadu_ps(p + l0), m8)));
+#endif
+    for (; l0 < L; l0++) p[l0] = expf(p[l0] - mx);
+    float den = 0.0f;
+    for (int j = 0; j < D; j++) acc[j] = 0.0f;
+    for (int l = 0; l < L; l++) {
+        if (!mrow[l]) continue;
+        const float e = p[l];
+        den += e;
+        const float* vl = vh + (size_t)l * D;
+        for (int j = 0; j < D; j++) acc[j] += e * vl[j];
+    }
+    for (int j = 0; j < D; j++) o[j] = acc[j] / den;
 }
 
 /* One attention layer's step after its fused q/k/v projection.
@@ -88,7 +125,7 @@ int mf_attn_step(const float* qkv, int B, int T, int nh, int nkv, int D, const f
             const float* s = sin + ((size_t)b * T + t) * D;
             for (int h = 0; h < nkv; h++) {
                 size_t at = (((size_t)b * nkv + h) * L + (size_t)pos[t]) * D;
-                rotary(row + (size_t)(nh + h) * D, c, s, D, kc + at);
+                mf_rotary(row + (size_t)(nh + h) * D, c, s, D, kc + at);
                 memcpy(vc + at, row + (size_t)(nh + nkv + h) * D, sizeof(float) * D);
             }
         }
@@ -105,56 +142,17 @@ int mf_attn_step(const float* qkv, int B, int T, int nh, int nkv, int D, const f
         for (int i = 0; i < B * T * nh; i++) {
             if (!buf) continue;
             int b = i / (T * nh), t = (i / nh) % T, h = i % nh, kvh = h / groups;
-            float* p = buf;
-            float* q = buf + L;
-            float* acc = q + D;
             const float* row = qkv + ((size_t)b * T + t) * F;
-            rotary(row + (size_t)h * D, cos + ((size_t)b * T + t) * D, sin + ((size_t)b * T + t) * D, D, q);
-            const uint8_t* mrow = mask + ((size_t)b * T + t) * L;
-            const float* kh = kc + ((size_t)b * nkv + kvh) * L * D;
-            const float* vh = vc + ((size_t)b * nkv + kvh) * L * D;
-            float mx = -INFINITY;
-            for (int l = 0; l < L; l++) {
-                if (!mrow[l]) {
-                    p[l] = 0.0f;  /* never read below; a plain value keeps mf_exp8 on its fast path */
-                    continue;
-                }
-                const float sc = dot(q, kh + (size_t)l * D, D) * scale;
-                p[l] = sc;
-                mx = mx > sc ? mx : sc;  /* fmaxf(mx, sc) (x86 glibc: maxss) for scores that are not NaN */
-            }
-            int l0 = 0;  /* p[l] = expf(p[l] - mx) */
-#if MF_AVX2
-            for (const __m256 m8 = _mm256_set1_ps(mx); l0 + 8 <= L; l0 += 8)
-                _mm256_storeu_ps(p + l0, mf_exp8(_mm256_sub_ps(_mm256_loadu_ps(p + l0), m8)));
-#endif
-            for (; l0 < L; l0++) p[l0] = expf(p[l0] - mx);
-            float den = 0.0f;
-            for (int j = 0; j < D; j++) acc[j] = 0.0f;
-            for (int l = 0; l < L; l++) {
-                if (!mrow[l]) continue;
-                const float e = p[l];
-                den += e;
-                const float* vl = vh + (size_t)l * D;
-                for (int j = 0; j < D; j++) acc[j] += e * vl[j];
-            }
-            float* o = out + ((size_t)b * T + t) * nh * D + (size_t)h * D;
-            for (int j = 0; j < D; j++) o[j] = acc[j] / den;
+            mf_attn_head(row + (size_t)h * D, cos + ((size_t)b * T + t) * D, sin + ((size_t)b * T + t) * D, D,
+                         mask + ((size_t)b * T + t) * L, kc + ((size_t)b * nkv + kvh) * L * D,
+                         vc + ((size_t)b * nkv + kvh) * L * D, L, scale, buf,
+                         out + ((size_t)b * T + t) * nh * D + (size_t)h * D);
         }
         free(buf);
     }
     free(normed);
     return fail ? -1 : 0;
 }
-
-/* A quantized linear layer of the attention block: int4 (bits 4: packed, s, m, group, fmt: MF_Q4_F32 or
-   MF_Q4_F16Z or MF_Q4_F16Z8) or int8 (bits 8: packed holds the int8 weight, s its row scales). */
-typedef struct {
-    int bits, group, fmt, n;
-    const void* w;
-    const void* s;
-    const void* m;
-} mf_linear;
 
 static int run_linear(const mf_linear* l, const float* x, int T, int K, float* y, int nthreads) {
     if (l->bits == 4)
@@ -227,7 +225,7 @@ int mf_attn_block(const float* x, int B, int T, int H, const float* w_in, const 
 /* y fp32 [T, N] = x fp32 [T, K] @ w.T for a small fp32 matrix w [N, K] (a router: N = experts). */
 void mf_dense_f32(const float* x, int T, int K, int N, const float* w, float* y) {
     for (int t = 0; t < T; t++)
-        for (int n = 0; n < N; n++) y[(size_t)t * N + n] = dot(x + (size_t)t * K, w + (size_t)n * K, K);
+        for (int n = 0; n < N; n++) y[(size_t)t * N + n] = mf_dot(x + (size_t)t * K, w + (size_t)n * K, K);
 }
 
 /* A dense SwiGLU MLP on q4 matrices (a shared expert; Qwen2-MoE's with its sigmoid output gate) for x fp32 [T, H]:
@@ -239,7 +237,7 @@ int mf_shared_expert(const float* x, int T, int H, int I, int group, int fmt, co
                      int accumulate, int nthreads) {
     float* g = malloc(sizeof(float) * (size_t)T);
     if (!g) return -1;
-    for (int t = 0; t < T; t++) g[t] = gate ? 1.0f / (1.0f + expf(-dot(x + (size_t)t * H, gate, H))) : 1.0f;
+    for (int t = 0; t < T; t++) g[t] = gate ? 1.0f / (1.0f + expf(-mf_dot(x + (size_t)t * H, gate, H))) : 1.0f;
     int rc = mf_q4_expert(x, T, H, I, group, fmt, w13, s13, m13, w2, s2, m2, g, out, accumulate, nthreads);
     free(g);
     return rc;
@@ -278,55 +276,6 @@ void mf_softmax_topk(const float* logits, int T, int E, int k, int renorm, float
 
 /* ---- a whole one-token step through the decoder layers ---- */
 
-/* One expert: t13 == 0: q4 matrices w13 [2I, H] (gate then up), w2 [H, I] (q4.c's layout; s, m, fmt); t13 != 0:
-   GGUF blocks as the file stores them (gguf.c): gate (w13) and up [I, H] of ggml type t13, rows s13 bytes apart,
-   down (w2) [H, I] of type t2, rows s2 bytes apart (a Q4_K_M layer: Q4_K gate/up beside Q6_K or Q4_K down). */
-typedef struct {
-    const uint8_t* w13;
-    const void* s13;
-    const void* m13;
-    const uint8_t* w2;
-    const void* s2;
-    const void* m2;
-    int fmt;  /* MF_Q4_F32, MF_Q4_F16Z or MF_Q4_F16Z8, both matrices */
-    int t13, t2;  /* GGUF: ggml type ids (GG_Q8_0, GG_Q4_K, ...); 0: q4 */
-    int64_t gs13, gs2;  /* GGUF: row strides in bytes */
-    const uint8_t* up;  /* GGUF: the up matrix */
-} mf_expert_desc;
-
-/* A Mixtral-layout decoder layer (or Qwen3-MoE's, OLMoE's: with a QK-norm): the attention half of mf_attn_block,
-   a plain softmax-top-k router (fp32 gate [E, H]) and E SwiGLU experts (q4 or GGUF, mf_expert_desc) of
-   intermediate size I. */
-typedef struct {
-    const float* w_in;
-    const float* w_post;
-    float eps;
-    int qkv_bits, qkv_group, qkv_fmt;
-    const void* qkv_w;
-    const void* qkv_s;
-    const void* qkv_m;
-    int kv_bits, kv_group, kv_fmt;  /* kv_bits 0: qkv is all of q, k, v (mf_attn_block) */
-    const void* kv_w;
-    const void* kv_s;
-    const void* kv_m;
-    int o_bits, o_group, o_fmt;
-    const void* o_w;
-    const void* o_s;
-    const void* o_m;
-    int nh, nkv, D;
-    const float* qkv_b;  /* the q/k/v bias fp32 [(nh + 2 nkv) D], or NULL */
-    int qk;  /* QK-norm (mf_attn_step): MF_QK_NONE, MF_QK_HEAD (qn, kn [D]) or MF_QK_PROJ (qn [nh D], kn [nkv D]) */
-    const float* qn;
-    const float* kn;
-    float qk_eps;
-    const float* gate;
-    int E, k, renorm, I, group;
-    const mf_expert_desc* experts;
-    const mf_expert_desc* shared;  /* a q4 shared expert (mf_shared_expert; t13 0), or NULL */
-    const float* shared_gate;      /* its sigmoid output gate fp32 [H], or NULL */
-    int shared_I, shared_group;
-} mf_layer_desc;
-
 /* One token x fp32 [H] through n layers, in place: per layer, (x, h) = mf_attn_block(x); logits = h @ gate.T;
    (ids, weights) = mf_softmax_topk(logits); moe = the k experts' mf_q4_expert (or mf_gguf_expert) calls
    accumulated in k order; with a shared expert, moe = moe + mf_shared_expert(h) (MoEBlock's ``out + shared``);
@@ -334,9 +283,9 @@ typedef struct {
    kv [n, 3]: each layer's k cache, v cache (fp32 [1, nkv, L, D]) and mask (bool [L]); ids int32 [n, k] and
    weights fp32 [n, k] receive each layer's routing. Returns 0, -1 when out of memory, -2 when a GGUF expert's
    type or size is refused (x then undefined). */
-int mf_layers_step(const mf_layer_desc* layers, int n, float* x, int H, const float* cos, const float* sin,
-                   void* const* kv, int L, const int64_t* pos, float scale, int32_t* ids, float* weights,
-                   int nthreads) {
+int mf_layers_step_calls(const mf_layer_desc* layers, int n, float* x, int H, const float* cos, const float* sin,
+                         void* const* kv, int L, const int64_t* pos, float scale, int32_t* ids, float* weights,
+                         int nthreads) {
     int emax = 1;
     for (int l = 0; l < n; l++) emax = layers[l].E > emax ? layers[l].E : emax;
     float* buf = malloc(sizeof(float) * (5 * (size_t)H + 2 * (size_t)emax));

@@ -1,0 +1,87 @@
+/* The decode-step declarations shared by step.c (the per-call ops, mf_layers_step_calls) and step_region.c
+   (mf_layers_step: every layer of a one-token step in one OpenMP parallel region). */
+#ifndef MOEFLOW_CPU_STEP_H
+#define MOEFLOW_CPU_STEP_H
+#include <stdint.h>
+
+#include "native.h"
+
+/* A quantized linear layer of the attention block: int4 (bits 4: packed, s, m, group, fmt: MF_Q4_F32 or
+   MF_Q4_F16Z or MF_Q4_F16Z8) or int8 (bits 8: packed holds the int8 weight, s its row scales). */
+typedef struct {
+    int bits, group, fmt, n;
+    const void* w;
+    const void* s;
+    const void* m;
+} mf_linear;
+
+/* One expert: t13 == 0: q4 matrices w13 [2I, H] (gate then up), w2 [H, I] (q4.c's layout; s, m, fmt); t13 != 0:
+   GGUF blocks as the file stores them (gguf.c): gate (w13) and up [I, H] of ggml type t13, rows s13 bytes apart,
+   down (w2) [H, I] of type t2, rows s2 bytes apart (a Q4_K_M layer: Q4_K gate/up beside Q6_K or Q4_K down). */
+typedef struct {
+    const uint8_t* w13;
+    const void* s13;
+    const void* m13;
+    const uint8_t* w2;
+    const void* s2;
+    const void* m2;
+    int fmt;  /* MF_Q4_F32, MF_Q4_F16Z or MF_Q4_F16Z8, both matrices */
+    int t13, t2;  /* GGUF: ggml type ids (GG_Q8_0, GG_Q4_K, ...); 0: q4 */
+    int64_t gs13, gs2;  /* GGUF: row strides in bytes */
+    const uint8_t* up;  /* GGUF: the up matrix */
+} mf_expert_desc;
+
+/* A Mixtral-layout decoder layer (or Qwen3-MoE's, OLMoE's: with a QK-norm): the attention half of mf_attn_block,
+   a plain softmax-top-k router (fp32 gate [E, H]) and E SwiGLU experts (q4 or GGUF, mf_expert_desc) of
+   intermediate size I. */
+typedef struct {
+    const float* w_in;
+    const float* w_post;
+    float eps;
+    int qkv_bits, qkv_group, qkv_fmt;
+    const void* qkv_w;
+    const void* qkv_s;
+    const void* qkv_m;
+    int kv_bits, kv_group, kv_fmt;  /* kv_bits 0: qkv is all of q, k, v (mf_attn_block) */
+    const void* kv_w;
+    const void* kv_s;
+    const void* kv_m;
+    int o_bits, o_group, o_fmt;
+    const void* o_w;
+    const void* o_s;
+    const void* o_m;
+    int nh, nkv, D;
+    const float* qkv_b;  /* the q/k/v bias fp32 [(nh + 2 nkv) D], or NULL */
+    int qk;  /* QK-norm (mf_attn_step): MF_QK_NONE, MF_QK_HEAD (qn, kn [D]) or MF_QK_PROJ (qn [nh D], kn [nkv D]) */
+    const float* qn;
+    const float* kn;
+    float qk_eps;
+    const float* gate;
+    int E, k, renorm, I, group;
+    const mf_expert_desc* experts;
+    const mf_expert_desc* shared;  /* a q4 shared expert (mf_shared_expert; t13 0), or NULL */
+    const float* shared_gate;      /* its sigmoid output gate fp32 [H], or NULL */
+    int shared_I, shared_group;
+} mf_layer_desc;
+
+#define HIDDEN __attribute__((visibility("hidden")))
+/* step.c's ops, each one the per-layer path's call (the region's steps run the same ones, so the same numbers). */
+void mf_rmsnorm(const float* x, const float* res, float* sum, const float* w, float eps, int T, int H, float* out);
+HIDDEN void mf_rotary(const float* x, const float* c, const float* s, int D, float* y);
+HIDDEN float mf_dot(const float* q, const float* k, int D);
+HIDDEN void mf_attn_head(const float* qh, const float* c, const float* s, int D, const uint8_t* mrow,
+                         const float* kh, const float* vh, int L, float scale, float* buf, float* o);
+void mf_dense_f32(const float* x, int T, int K, int N, const float* w, float* y);
+void mf_softmax_topk(const float* logits, int T, int E, int k, int renorm, float* probs, int32_t* ids,
+                     float* weights);
+/* mf_layers_step as a sequence of the per-layer calls, each with its own parallel regions (step.c): the path of
+   layers with GGUF experts (gguf.c's mf_gguf_expert opens its own region). Its comment in step.c states the
+   arguments and results, which are mf_layers_step's (step_region.c). */
+HIDDEN int mf_layers_step_calls(const mf_layer_desc* layers, int n, float* x, int H, const float* cos,
+                                const float* sin, void* const* kv, int L, const int64_t* pos, float scale,
+                                int32_t* ids, float* weights, int nthreads);
+int mf_layers_step(const mf_layer_desc* layers, int n, float* x, int H, const float* cos, const float* sin,
+                   void* const* kv, int L, const int64_t* pos, float scale, int32_t* ids, float* weights,
+                   int nthreads);
+#undef HIDDEN
+#endif
