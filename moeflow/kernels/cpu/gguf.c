@@ -79,12 +79,18 @@ static int acts_alloc(acts* a, int T, int K, int type) {
     a->q = malloc((size_t)T * K);
     a->s = malloc(sizeof(float) * (size_t)T * (K / a->bs));
     a->sum = malloc(sizeof(int16_t) * (size_t)T * (K / 16));
-    return a->q && a->s && a->sum ? 0 : -1;
+    a->type = type;
+    a->z8 = type == GG_Q4_0 ? malloc(sizeof(int32_t) * (size_t)T * (K / 4)) : NULL;
+    return a->q && a->s && a->sum && (a->z8 || type != GG_Q4_0) ? 0 : -1;
 }
-static void acts_free(acts* a) { free(a->q); free(a->s); free(a->sum); }
+static void acts_free(acts* a) { free(a->q); free(a->s); free(a->sum); free(a->z8); }
 static void acts_row(acts* a, const float* x, int t) {
-    quantize_row(x, a->K, a->bs, a->q + (size_t)t * a->K, a->s + (size_t)t * (a->K / a->bs),
+    int8_t* q = a->q + (size_t)t * a->K;
+    quantize_row(x, a->K, a->bs, q, a->s + (size_t)t * (a->K / a->bs),
                  a->bs == QKK ? a->sum + (size_t)t * (a->K / 16) : NULL);
+    if (a->type == GG_Q4_0)
+        for (int l = 0; l < a->K / 4; l++)
+            a->z8[(size_t)t * (a->K / 4) + l] = -8 * (q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3]);
 }
 
 /* ---- Q8_0 ------------------------------------------------------------------------------------------------------ */
@@ -138,31 +144,31 @@ static void q8_0_row(const uint8_t* row, int nb, int T, const acts* a, float* y,
 /* ---- Q4_0 ------------------------------------------------------------------------------------------------------ */
 
 /* A Q4_0 block (18 bytes: fp16 d, 16 bytes of nibbles; code j < 16 the low nibble of byte j, code 16 + j its high
-   nibble, value q - 8) against 32 activation codes into a token's lanes, as Q8_0 (lane l += (sum over codes
-   4l .. 4l + 3 of (q - 8) xq) * dx, one fused multiply-add): the block is decoded to its 32 signed codes once per
-   tile of tokens (w: the codes, aw: |codes|), then per token the sign trick of Q8_0. */
+   nibble, value q - 8) against 32 activation codes into a token's lanes, as Q8_0: lane l += (sum over codes
+   4l .. 4l + 3 of (q - 8) xq) * dx, one fused multiply-add. The lane's integer is formed as z8_l + sum q xq
+   (z8_l = -8 x the lane's activation sum, acts_row's; unsigned codes x signed activations, exact), the block
+   decoded to its 32 codes once per tile of tokens. */
 #if MF_AVX2
 INLINE __m256i q4_0_codes(const uint8_t* w) {
     const __m128i raw = _mm_loadu_si128((const __m128i*)(w + 2));
-    const __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(15));
-    return _mm256_sub_epi8(q, _mm256_set1_epi8(8));
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(15));
 }
-INLINE facc q4_0_add(facc acc, __m256i wq, __m256i aw, const int8_t* x, float dx) {
-    const __m256i xq = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)x), wq);
+INLINE facc q4_0_add(facc acc, __m256i wq, const int8_t* x, const int32_t* z8, float dx) {
+    const __m256i xq = _mm256_loadu_si256((const __m256i*)x), z = _mm256_loadu_si256((const __m256i*)z8);
 #if MF_AVX512
-    const __m256i v = _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, xq);
+    const __m256i v = _mm256_dpbusd_epi32(z, wq, xq);
 #else
-    const __m256i v = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xq), _mm256_set1_epi16(1));
+    const __m256i v = _mm256_add_epi32(z, _mm256_madd_epi16(_mm256_maddubs_epi16(wq, xq), _mm256_set1_epi16(1)));
 #endif
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(dx), acc);
 }
 #else
-INLINE facc q4_0_add(facc acc, const uint8_t* w, const int8_t* x, float dx) {
+INLINE facc q4_0_add(facc acc, const uint8_t* w, const int8_t* x, const int32_t* z8, float dx) {
     for (int l = 0; l < 8; l++) {
-        int s = 0;
+        int s = z8[l];
         for (int c = 0; c < 4; c++) {
             const int j = 4 * l + c, q = j < 16 ? (w[2 + j] & 15) : (w[2 + j - 16] >> 4);
-            s += (q - 8) * x[j];
+            s += q * x[j];
         }
         acc.v[l] = fmaf((float)s, dx, acc.v[l]);
     }
@@ -179,17 +185,14 @@ INLINE void q4_0_tile(const uint8_t* row, int nb, int t0, int tt, const acts* a,
         const uint8_t* w = row + (size_t)b * 18;
         const float d = h2f(w);
 #if MF_AVX2
-        const __m256i wq = q4_0_codes(w), aw = _mm256_sign_epi8(wq, wq);
+        const __m256i wq = q4_0_codes(w);
+#else
+        const uint8_t* wq = w;
 #endif
         for (int i = 0; i < tt; i++) {
             const int t = t0 + i;
-            const int8_t* x = a->q + (size_t)t * K + (size_t)b * 32;
-            const float dx = d * a->s[(size_t)t * (K / 32) + b];
-#if MF_AVX2
-            acc[i] = q4_0_add(acc[i], wq, aw, x, dx);
-#else
-            acc[i] = q4_0_add(acc[i], w, x, dx);
-#endif
+            acc[i] = q4_0_add(acc[i], wq, a->q + (size_t)t * K + (size_t)b * 32, a->z8 + (size_t)t * (K / 4) + 8 * b,
+                              d * a->s[(size_t)t * (K / 32) + b]);
         }
     }
     for (int i = 0; i < tt; i++) y[(size_t)(t0 + i) * ldy] = facc_sum(acc[i]);

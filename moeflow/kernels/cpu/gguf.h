@@ -42,7 +42,8 @@ typedef struct {  /* T rows quantized for one weight type */
     int8_t* q;     /* [T, K] */
     float* s;      /* [T, K / bs] */
     int16_t* sum;  /* [T, K / 16] (K-quants) */
-    int K, bs;
+    int32_t* z8;   /* [T, K / 4]: -8 x the sum of codes 4l .. 4l + 3 (Q4_0's zero point, a lane's share) */
+    int K, bs, type;
 } acts;
 
 

@@ -1,7 +1,7 @@
 """GGUF experts computed on the CPU from their ggml blocks as the file stores them (``gguf.c``): Q4_0, Q8_0, Q4_K,
 Q5_K and Q6_K weights times int8 activations, the way llama.cpp's CPU backend pairs them (Q8_0 activations in
-blocks of 32 for Q4_0 and Q8_0 weights, Q8_K's blocks of 256 for the K-quants), so Q4_K_M files (Q4_K with Q6_K down projections)
-and Q8_0 files run hybrid compute and ``device="cpu"`` without converting a byte.
+blocks of 32 for Q4_0 and Q8_0 weights, Q8_K's blocks of 256 for the K-quants), so Q4_K_M files (Q4_K with Q6_K
+down projections) and Q8_0 files run hybrid compute and ``device="cpu"`` without converting a byte.
 
 The CPU form of an expert (:class:`GGUFCpuExpert`) is its three matrices' bytes (uint8 ``[rows, row_bytes]``, the
 region's or the loader form's) and their block types: it keeps no other copy, and a call reads exactly the
