@@ -3,14 +3,14 @@
    activations. Types: Q4_0, Q8_0, Q4_K, Q5_K, Q6_K (block layouts: moeflow/kernels/experts/gguf_reference.py).
    Binding and fp32 model: moeflow/kernels/cpu/gguf.py.
 
-   Activations (as llama.cpp pairs them): for Q4_0 and Q8_0 weights, blocks of 32 (its Q8_0 activations), for the K-quants
-   blocks of 256 (its Q8_K) with the sums of each 16 codes; one fp32 scale per block, xs = max|x| / 127,
+   Activations (as llama.cpp pairs them): for Q4_0 and Q8_0 weights, blocks of 32 (its Q8_0 activations), for the
+   K-quants blocks of 256 (its Q8_K) with the sums of each 16 codes; one fp32 scale per block, xs = max|x| / 127,
    xq = round-half-even(x * (127 / max|x|)) in [-127, 127] (the rounding of native.c's activations).
 
    Numerics, per output row and token, the same operations whatever the ISA (AVX-512 VNNI, AVX2, portable C) and
    the batch, so the builds give the same bits and a token's outputs never depend on the other tokens:
-     Q4_0 (value q - 8), Q8_0: per block 8 exact int32 lanes (lane l: codes 4l .. 4l + 3), each added to its fp32 lane by a fused
-       multiply-add with d * xs, the 8 lanes summed once per row in a fixed order (gguf.h's facc);
+     Q4_0 (value q - 8), Q8_0: per block 8 exact int32 lanes (lane l: codes 4l .. 4l + 3), each added to its fp32
+       lane by a fused multiply-add with d * xs, the 8 lanes summed once per row in a fixed order (gguf.h's facc);
      K-quants: per block 8 exact int32 lanes (gguf_k.c's kdot: lane l holds the codes 32 i + 4 l + c, c < 4, each
        times its scale, and the mins' or offsets' share of two 16-groups), then 8 fp32 lanes accumulated across
        blocks by fused multiply-adds, summed once per row in a fixed order:
