@@ -124,12 +124,13 @@ class MoEModel(nn.Module):
             background (``OffloadConfig.background_load``; an offloading ``offload`` is required).
         gguf_file: the GGUF file to load from the directory or hub repository ``path_or_id`` (as transformers'
             ``gguf_file=``).
-        mmap: a GGUF model's experts that the CPU computes as the file stores them (Q8_0, Q4_K, Q5_K, Q6_K:
-            Q4_K_M's and Q8_0's files), all resident on ``device="cpu"``, are views of a copy-on-write mapping of
-            the file, as llama.cpp's default load: nothing is read or copied at load, pages come in from the page
-            cache when first used (:mod:`moeflow.engine.mapped_experts`); on ``device="cpu"`` the embedding's rows
-            are dequantized from the mapped file when looked up (:mod:`moeflow.engine.stored_embedding`). False
-            copies them at load. Other cases always copy (CUDA, offloading policies, Q4_0 experts: converted).
+        mmap: a GGUF model's experts that the CPU computes as the file stores them (Q8_0, Q4_K, Q5_K, Q6_K,
+            Q4_0 beside another type: Q4_K_M's and Q8_0's files), all resident on ``device="cpu"``, are views of a
+            copy-on-write mapping of the file, as llama.cpp's default load: nothing is read or copied at load, pages
+            come in from the page cache when first used (:mod:`moeflow.engine.mapped_experts`); on
+            ``device="cpu"`` the embedding's rows are dequantized from the mapped file when looked up
+            (:mod:`moeflow.engine.stored_embedding`). False copies them at load. Other cases always copy (CUDA,
+            offloading policies, experts all Q4_0: converted).
         cpu_form_cache: resident experts on ``device="cpu"`` in moeflow's CPU int4 form (AWQ checkpoints, GGUF Q4_0
             files) are converted on the first load and written to ``moeflow.user_cache.cache_dir() / "cpu_forms"``
             (keyed by the checkpoint files' names, sizes and times, and the kernels' revision), later loads map

@@ -192,9 +192,9 @@ def write_gguf(model, path: Path, expert_types=T.Q8_0, other_type=T.F32, split: 
 
 
 def random_k_experts(kind: str, num_experts: int, out: int, seed: int, inp: int = 256) -> np.ndarray:
-    """Hand-made stacked expert blocks uint8 [E, out, row_bytes] of ``kind`` (Q4_K, Q5_K, Q6_K, MXFP4; gguf-py cannot
-    quantize to the K-quants): random bytes, with the fp16 scales (or MXFP4's exponents) set so the weights come out
-    around 0.1, as a trained model's."""
+    """Hand-made stacked expert blocks uint8 [E, out, row_bytes] of ``kind`` (Q4_0, Q4_K, Q5_K, Q6_K, MXFP4; gguf-py
+    cannot quantize to the K-quants): random bytes, with the fp16 scales (or MXFP4's exponents) set so the weights
+    come out around 0.1, as a trained model's."""
     qtype = getattr(T, kind)
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(seed)
@@ -208,6 +208,8 @@ def random_k_experts(kind: str, num_experts: int, out: int, seed: int, inp: int 
         raw[:, 0:2], raw[:, 2:4] = half(0.2 / (63 * (15 if kind == "Q4_K" else 31))), half(0.1 / (63 * 8))
     elif kind == "Q6_K":  # d * scale * (q - 32), |scale| <= 128
         raw[:, 208:210] = half(0.2 / (128 * 32))
+    elif kind == "Q4_0":  # d * (q - 8), q < 16
+        raw[:, 0:2] = half(0.2 / 8)
     elif kind == "MXFP4":  # 2^(e - 128) * e2m1 value up to 12
         raw[:, 0] = rng.integers(121, 124, n)
     return raw.reshape(num_experts, out, -1)

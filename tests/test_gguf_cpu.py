@@ -1,4 +1,4 @@
-"""The CPU kernels of GGUF experts (``kernels/cpu/gguf.c``: Q8_0, Q4_K, Q5_K, Q6_K blocks as stored, int8
+"""The CPU kernels of GGUF experts (``kernels/cpu/gguf.c``: Q4_0, Q8_0, Q4_K, Q5_K, Q6_K blocks as stored, int8
 activations): each type against its fp32 plain-torch model (the activation rounding emulated, the weights
 dequantized by the reference every GGUF kernel is checked against), odd row counts and token counts; a token's
 result independent of the batch; the AVX-512 VNNI, AVX2 and portable builds bit for bit (an ISA this CPU lacks is
@@ -29,7 +29,7 @@ from moeflow.user_cache import cache_dir
 pytestmark = pytest.mark.skipif(not native_available(), reason="moeflow's CPU kernels do not build here (no compiler)")
 
 TOL = 1e-5  # of the output's largest magnitude: fp32 summation order only (measured ~5e-7)
-PAIRS = (("Q4_K", "Q6_K"), ("Q8_0", "Q8_0"), ("Q5_K", "Q4_K"), ("Q6_K", "Q8_0"))
+PAIRS = (("Q4_K", "Q6_K"), ("Q8_0", "Q8_0"), ("Q5_K", "Q4_K"), ("Q6_K", "Q8_0"), ("Q4_0", "Q4_0"), ("Q4_0", "Q6_K"))
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -89,7 +89,7 @@ def test_gguf_linear_module_is_the_kernel_and_its_fp32_model():
 
 def test_errors_name_the_types():
     g = torch.Generator().manual_seed(0)
-    with pytest.raises(ValueError, match="Q4_1 experts have no CPU kernels: the CPU computes Q8_0, Q4_K"):
+    with pytest.raises(ValueError, match="Q4_1 experts have no CPU kernels: the CPU computes Q4_0, Q8_0, Q4_K"):
         gguf_linear(torch.randn(1, 256), random_blocks("Q4_1", 4, 256, g), "Q4_1", 256)
     with pytest.raises(ValueError, match="Q4_K rows of 256 inputs are 144 contiguous bytes"):
         gguf_linear(torch.randn(1, 256), torch.zeros(4, 100, dtype=torch.uint8), "Q4_K", 256)

@@ -141,11 +141,17 @@ def test_fiddler_over_the_disk_tier(tiny):
         model.close()
 
 
-def test_one_call_layers_step_on_a_q4_k_m_mixtral(tmp_path, monkeypatch):
+MIXES = {"q4_k_m": [("Q4_K", "Q6_K"), ("Q4_K", "Q4_K"), ("Q4_K", "Q6_K")],
+         "q4_0_mix": [("Q4_0", "Q6_K"), ("Q4_0", "Q4_0"), ("Q4_0", "Q6_K")]}
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_one_call_layers_step_on_a_q4_k_m_mixtral(tmp_path, monkeypatch, mix):
     """A Mixtral-layout file with Q4_K_M's mix (Q4_K gate/up; Q6_K, Q4_K, Q6_K down by layer; a Q6_K lm_head, run
-    on its blocks): resident on
+    on its blocks), or Q4_0 gate/up with Q6_K, Q4_0, Q6_K down (the stored Q4_0 kernel of gguf.c): resident on
     ``device="cpu"`` every decode step runs all layers as one native call (engine/cpu_layers.py, the GGUF experts
-    inside it); offloaded and hybrid policies run the layers one by one: the same greedy tokens."""
+    inside it; copied or views of the mapped file); offloaded and hybrid policies run the layers one by one: the
+    same greedy tokens."""
     from helpers import make_tiny_model
 
     import moeflow.engine.cpu_layers as cpu_layers
@@ -161,7 +167,7 @@ def test_one_call_layers_step_on_a_q4_k_m_mixtral(tmp_path, monkeypatch):
     experts, layers = 4, 3
     model = make_tiny_model(seed=5, hidden_size=H, intermediate_size=I, num_hidden_layers=layers,
                             num_local_experts=experts, num_experts_per_tok=TOP_K)
-    raw = k_mix_experts([("Q4_K", "Q6_K"), ("Q4_K", "Q4_K"), ("Q4_K", "Q6_K")], experts, H, I)
+    raw = k_mix_experts(MIXES[mix], experts, H, I)
     head = random_k_experts("Q6_K", 1, model.config.vocab_size, 9, H)[0]  # Q4_K_M's Q6_K output.weight
     path = tmp_path / "q4_k_m.gguf"
     write_gguf(model, path, expert_types=T.Q8_0, other_type=T.Q8_0, raw_experts=raw,
@@ -172,7 +178,9 @@ def test_one_call_layers_step_on_a_q4_k_m_mixtral(tmp_path, monkeypatch):
         resident = MoEModel.from_pretrained(path, dtype=torch.float32, device="cpu", mmap=mmap)
         try:
             assert type(resident.experts) is kind
-            assert resident.experts.fmt.down_types == ("Q4_K", "Q6_K") and resident.experts.fmt.cpu_kernels
+            fmt = resident.experts.fmt
+            assert fmt.gate_up_types == (MIXES[mix][0][0],) and fmt.cpu_kernels
+            assert fmt.down_types == (MIXES[mix][1][1], "Q6_K")
             lm_head = resident.model.lm_head  # the file's Q6_K blocks, not int8 of their values
             assert isinstance(lm_head, GGUFLinear) and lm_head.type.name == "Q6_K"
             assert torch.equal(lm_head.blocks, torch.from_numpy(head))

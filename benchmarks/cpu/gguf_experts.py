@@ -27,7 +27,7 @@ from moeflow.kernels.cpu.gguf import GGUFCpuExpert
 from moeflow.kernels.experts.gguf_reference import ggml_type
 
 MIXES = (("Q4_K", "Q6_K"), ("Q4_K", "Q4_K"), ("Q5_K", "Q5_K"), ("Q6_K", "Q6_K"), ("Q8_0", "Q8_0"))
-FP16_AT = {"Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+FP16_AT = {"Q4_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
 def blocks(kind: str, rows: int, k: int, gen: torch.Generator) -> torch.Tensor:

@@ -204,7 +204,7 @@ def build_model(
         resolved = resolve_kernels(kernels, device,
                                    fmt.cpu_int4)  # cpu-int4: plain AWQ experts only
         if isinstance(fmt, GGUFFormat) and kernels == "auto" and device.type == "cpu" and fmt.cpu_unsupported() is None:
-            # GGUF Q8_0/Q4_K/Q5_K/Q6_K experts on moeflow.kernels.cpu.gguf, the linears on the CPU kernels as AWQ's
+            # GGUF Q4_0/Q8_0/Q4_K/Q5_K/Q6_K experts on moeflow.kernels.cpu.gguf, the linears on the CPU kernels as AWQ's
             fmt = fmt.with_cpu_kernels()
             resolved = Kernels(CPU_INT4, resolved.experts, CPU_INT4)
         elif isinstance(fmt, MXFP4Format) and kernels == "auto" and device.type == "cpu" \

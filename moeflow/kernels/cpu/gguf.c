@@ -1,16 +1,16 @@
 /* GGUF experts on the CPU (issue 39): an expert's gate, up and down matrices read as the file stores them (ggml
    blocks, rows one after the other: the bytes the host store, the disk tier and the slots hold) times int8
-   activations. Types: Q8_0, Q4_K, Q5_K, Q6_K (block layouts: moeflow/kernels/experts/gguf_reference.py).
+   activations. Types: Q4_0, Q8_0, Q4_K, Q5_K, Q6_K (block layouts: moeflow/kernels/experts/gguf_reference.py).
    Binding and fp32 model: moeflow/kernels/cpu/gguf.py.
 
-   Activations (as llama.cpp pairs them): for Q8_0 weights, blocks of 32 (its Q8_0 activations), for the K-quants
-   blocks of 256 (its Q8_K) with the sums of each 16 codes; one fp32 scale per block, xs = max|x| / 127,
+   Activations (as llama.cpp pairs them): for Q4_0 and Q8_0 weights, blocks of 32 (its Q8_0 activations), for the
+   K-quants blocks of 256 (its Q8_K) with the sums of each 16 codes; one fp32 scale per block, xs = max|x| / 127,
    xq = round-half-even(x * (127 / max|x|)) in [-127, 127] (the rounding of native.c's activations).
 
    Numerics, per output row and token, the same operations whatever the ISA (AVX-512 VNNI, AVX2, portable C) and
    the batch, so the builds give the same bits and a token's outputs never depend on the other tokens:
-     Q8_0: per block 8 exact int32 lanes (lane l: codes 4l .. 4l + 3), each added to its fp32 lane by a fused
-       multiply-add with d * xs, the 8 lanes summed once per row in a fixed order (gguf.h's facc);
+     Q4_0 (value q - 8), Q8_0: per block 8 exact int32 lanes (lane l: codes 4l .. 4l + 3), each added to its fp32
+       lane by a fused multiply-add with d * xs, the 8 lanes summed once per row in a fixed order (gguf.h's facc);
      K-quants: per block 8 exact int32 lanes (gguf_k.c's kdot: lane l holds the codes 32 i + 4 l + c, c < 4, each
        times its scale, and the mins' or offsets' share of two 16-groups), then 8 fp32 lanes accumulated across
        blocks by fused multiply-adds, summed once per row in a fixed order:
@@ -79,12 +79,18 @@ static int acts_alloc(acts* a, int T, int K, int type) {
     a->q = malloc((size_t)T * K);
     a->s = malloc(sizeof(float) * (size_t)T * (K / a->bs));
     a->sum = malloc(sizeof(int16_t) * (size_t)T * (K / 16));
-    return a->q && a->s && a->sum ? 0 : -1;
+    a->type = type;
+    a->z8 = type == GG_Q4_0 ? malloc(sizeof(int32_t) * (size_t)T * (K / 4)) : NULL;
+    return a->q && a->s && a->sum && (a->z8 || type != GG_Q4_0) ? 0 : -1;
 }
-static void acts_free(acts* a) { free(a->q); free(a->s); free(a->sum); }
+static void acts_free(acts* a) { free(a->q); free(a->s); free(a->sum); free(a->z8); }
 static void acts_row(acts* a, const float* x, int t) {
-    quantize_row(x, a->K, a->bs, a->q + (size_t)t * a->K, a->s + (size_t)t * (a->K / a->bs),
+    int8_t* q = a->q + (size_t)t * a->K;
+    quantize_row(x, a->K, a->bs, q, a->s + (size_t)t * (a->K / a->bs),
                  a->bs == QKK ? a->sum + (size_t)t * (a->K / 16) : NULL);
+    if (a->type == GG_Q4_0)
+        for (int l = 0; l < a->K / 4; l++)
+            a->z8[(size_t)t * (a->K / 4) + l] = -8 * (q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3]);
 }
 
 /* ---- Q8_0 ------------------------------------------------------------------------------------------------------ */
@@ -135,6 +141,71 @@ static void q8_0_row(const uint8_t* row, int nb, int T, const acts* a, float* y,
     if (T - t0 >= 1) q8_0_tile(row, nb, t0, 1, a, y, ldy);
 }
 
+/* ---- Q4_0 ------------------------------------------------------------------------------------------------------ */
+
+/* A Q4_0 block (18 bytes: fp16 d, 16 bytes of nibbles; code j < 16 the low nibble of byte j, code 16 + j its high
+   nibble, value q - 8) against 32 activation codes into a token's lanes, as Q8_0: lane l += (sum over codes
+   4l .. 4l + 3 of (q - 8) xq) * dx, one fused multiply-add. The lane's integer is formed as z8_l + sum q xq
+   (z8_l = -8 x the lane's activation sum, acts_row's; unsigned codes x signed activations, exact), the block
+   decoded to its 32 codes once per tile of tokens. */
+#if MF_AVX2
+INLINE __m256i q4_0_codes(const uint8_t* w) {
+    const __m128i raw = _mm_loadu_si128((const __m128i*)(w + 2));
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(15));
+}
+INLINE facc q4_0_add(facc acc, __m256i wq, const int8_t* x, const int32_t* z8, float dx) {
+    const __m256i xq = _mm256_loadu_si256((const __m256i*)x), z = _mm256_loadu_si256((const __m256i*)z8);
+#if MF_AVX512
+    const __m256i v = _mm256_dpbusd_epi32(z, wq, xq);
+#else
+    const __m256i v = _mm256_add_epi32(z, _mm256_madd_epi16(_mm256_maddubs_epi16(wq, xq), _mm256_set1_epi16(1)));
+#endif
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(dx), acc);
+}
+#else
+INLINE facc q4_0_add(facc acc, const uint8_t* w, const int8_t* x, const int32_t* z8, float dx) {
+    for (int l = 0; l < 8; l++) {
+        int s = z8[l];
+        for (int c = 0; c < 4; c++) {
+            const int j = 4 * l + c, q = j < 16 ? (w[2 + j] & 15) : (w[2 + j - 16] >> 4);
+            s += q * x[j];
+        }
+        acc.v[l] = fmaf((float)s, dx, acc.v[l]);
+    }
+    return acc;
+}
+#endif
+
+/* Row `row` (nb Q4_0 blocks) against the tokens t0 .. t0 + tt (a constant after inlining): y[t * ldy]. */
+INLINE void q4_0_tile(const uint8_t* row, int nb, int t0, int tt, const acts* a, float* y, int ldy) {
+    const int K = a->K;
+    facc acc[GTT];
+    for (int i = 0; i < tt; i++) acc[i] = facc_zero();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t* w = row + (size_t)b * 18;
+        const float d = h2f(w);
+#if MF_AVX2
+        const __m256i wq = q4_0_codes(w);
+#else
+        const uint8_t* wq = w;
+#endif
+        for (int i = 0; i < tt; i++) {
+            const int t = t0 + i;
+            acc[i] = q4_0_add(acc[i], wq, a->q + (size_t)t * K + (size_t)b * 32, a->z8 + (size_t)t * (K / 4) + 8 * b,
+                              d * a->s[(size_t)t * (K / 32) + b]);
+        }
+    }
+    for (int i = 0; i < tt; i++) y[(size_t)(t0 + i) * ldy] = facc_sum(acc[i]);
+}
+
+static void q4_0_row(const uint8_t* row, int nb, int T, const acts* a, float* y, int ldy) {
+    int t0 = 0;
+    for (; t0 + GTT <= T; t0 += GTT) q4_0_tile(row, nb, t0, GTT, a, y, ldy);
+    if (T - t0 >= 4) { q4_0_tile(row, nb, t0, 4, a, y, ldy); t0 += 4; }
+    if (T - t0 >= 2) { q4_0_tile(row, nb, t0, 2, a, y, ldy); t0 += 2; }
+    if (T - t0 >= 1) q4_0_tile(row, nb, t0, 1, a, y, ldy);
+}
+
 /* ---- rows, linear, expert ---------------------------------------------------------------------------------- */
 
 static void rows(int type, const uint8_t* w, int64_t stride, int n0, int n1, int T, const acts* a, float* y,
@@ -144,6 +215,7 @@ static void rows(int type, const uint8_t* w, int64_t stride, int n0, int n1, int
         const uint8_t* r = w + (size_t)n * stride;
         switch (type) {
             case GG_Q8_0: q8_0_row(r, nb, T, a, y + n, ldy); break;
+            case GG_Q4_0: q4_0_row(r, nb, T, a, y + n, ldy); break;
             default: mf_gguf_krow(type, r, nb, T, a, y + n, ldy); break;
         }
     }

@@ -7,7 +7,8 @@
 
 #include "native.h"
 
-#define GG_Q8_0 8  /* ggml type ids (ggml.h) */
+#define GG_Q4_0 2  /* ggml type ids (ggml.h) */
+#define GG_Q8_0 8
 #define GG_Q4_K 12
 #define GG_Q5_K 13
 #define GG_Q6_K 14
@@ -15,9 +16,10 @@
 #define GROWS 16   /* weight rows per parallel work item */
 #define GTT 8      /* tokens per tile: a block is decoded once per tile */
 
-static inline int type_block(int type) { return type == GG_Q8_0 ? 32 : QKK; }
+static inline int type_block(int type) { return type == GG_Q8_0 || type == GG_Q4_0 ? 32 : QKK; }
 static inline int type_bytes(int type) {
     switch (type) {
+        case GG_Q4_0: return 18;
         case GG_Q8_0: return 34;
         case GG_Q4_K: return 144;
         case GG_Q5_K: return 176;
@@ -40,7 +42,8 @@ typedef struct {  /* T rows quantized for one weight type */
     int8_t* q;     /* [T, K] */
     float* s;      /* [T, K / bs] */
     int16_t* sum;  /* [T, K / 16] (K-quants) */
-    int K, bs;
+    int32_t* z8;   /* [T, K / 4]: -8 x the sum of codes 4l .. 4l + 3 (Q4_0's zero point, a lane's share) */
+    int K, bs, type;
 } acts;
 
 

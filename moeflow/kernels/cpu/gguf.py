@@ -1,7 +1,7 @@
-"""GGUF experts computed on the CPU from their ggml blocks as the file stores them (``gguf.c``): Q8_0, Q4_K, Q5_K
-and Q6_K weights times int8 activations, the way llama.cpp's CPU backend pairs them (Q8_0 activations in blocks of
-32 for Q8_0 weights, Q8_K's blocks of 256 for the K-quants), so Q4_K_M files (Q4_K with Q6_K down projections)
-and Q8_0 files run hybrid compute and ``device="cpu"`` without converting a byte.
+"""GGUF experts computed on the CPU from their ggml blocks as the file stores them (``gguf.c``): Q4_0, Q8_0, Q4_K,
+Q5_K and Q6_K weights times int8 activations, the way llama.cpp's CPU backend pairs them (Q8_0 activations in
+blocks of 32 for Q4_0 and Q8_0 weights, Q8_K's blocks of 256 for the K-quants), so Q4_K_M files (Q4_K with Q6_K
+down projections) and Q8_0 files run hybrid compute and ``device="cpu"`` without converting a byte.
 
 The CPU form of an expert (:class:`GGUFCpuExpert`) is its three matrices' bytes (uint8 ``[rows, row_bytes]``, the
 region's or the loader form's) and their block types: it keeps no other copy, and a call reads exactly the
@@ -25,7 +25,7 @@ from torch import nn
 from moeflow.kernels.cpu.native import declared, library
 from moeflow.kernels.experts.gguf_reference import GGMLType, dequantize, ggml_type
 
-CPU_TYPES = ("Q8_0", "Q4_K", "Q5_K", "Q6_K")  # the block types gguf.c computes
+CPU_TYPES = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # the block types gguf.c computes
 K_BLOCK = 256  # activation block of the K-quants (llama.cpp's Q8_K)
 
 
@@ -181,8 +181,8 @@ class GGUFCpuExpert:
 
 def quantize_activations(x: torch.Tensor, t: str | int | GGMLType) -> torch.Tensor:
     """x [..., K] -> fp32 [..., K]: the values the kernel multiplies weights of type ``t`` by (int8 per block of
-    32 for Q8_0, 256 for the K-quants; scale max|x| / 127, round half to even)."""
-    block = 32 if cpu_type(t).name == "Q8_0" else K_BLOCK
+    32 for Q4_0 and Q8_0, 256 for the K-quants; scale max|x| / 127, round half to even)."""
+    block = 32 if cpu_type(t).name in ("Q4_0", "Q8_0") else K_BLOCK
     b = x.float().reshape(*x.shape[:-1], x.shape[-1] // block, block)
     amax = b.abs().amax(-1, keepdim=True)
     # a true fp32 division, as the kernel's (torch's ``127.0 / amax`` multiplies by a rounded reciprocal)

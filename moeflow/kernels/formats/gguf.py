@@ -28,7 +28,7 @@ and up); ``"torch"``: the plain-torch reference (:func:`moeflow.kernels.experts.
 over :meth:`GGUFFormat.reference_weights`). Not in the fused eager MoE. CUDA-graph capture
 (:meth:`GGUFFormat.captured_forward`): the same Triton kernels over persistent buffers, or a static torch form.
 
-CPU form (hybrid compute, :meth:`GGUFFormat.cpu_expert`): Q8_0, Q4_K, Q5_K and Q6_K experts run
+CPU form (hybrid compute, :meth:`GGUFFormat.cpu_expert`): Q4_0, Q8_0, Q4_K, Q5_K and Q6_K experts run
 :mod:`moeflow.kernels.cpu.gguf` (native kernels over the same blocks, int8 activations as llama.cpp's CPU backend);
 other types are refused by :meth:`GGUFFormat.cpu_unsupported`, naming them.
 """
