@@ -47,6 +47,7 @@ from torch import nn
 
 from moeflow.families.gpt_oss_layers import SinkAttention
 from moeflow.families.layers import Attention, AWQLinear
+from moeflow.kernels.cpu.gguf import GGUFLinear
 from moeflow.kernels.cpu.lm_head import RefinedInt4LmHead
 from moeflow.kernels.cpu.native import Q8Matrix, library, native_available
 from moeflow.kernels.cpu.quant_linear import CpuQuantLinear, StoredLinears, awq_linear_cpu, quantize_linear_cpu
@@ -162,7 +163,15 @@ def _take_stored(decoder: nn.Module, stored: StoredLinears) -> int:
     :class:`~moeflow.kernels.cpu.quant_linear.SplitLinear`). Returns how many were replaced."""
     count = 0
     for path, parent in list(decoder.named_modules()):
-        if not isinstance(parent, ATTENTION_MODULES):
+        if isinstance(parent, SinkAttention):  # (no fused step) each projection on the file's Q8_0 blocks
+            for name in PROJECTIONS:
+                old = getattr(parent, name)
+                new = stored.exact_linear(f"{path}.{name}" if path else name) if type(old) is nn.Linear else None
+                if new is not None:
+                    setattr(parent, name, _with_bias(new, old))
+                    count += 1
+            continue
+        if not isinstance(parent, Attention):
             continue
         for names in (("q_proj",), ("k_proj", "v_proj"), ("o_proj",)):
             olds = [getattr(parent, n, None) for n in names]
@@ -192,7 +201,7 @@ def _quantize_dense(weight: torch.Tensor, bits: int) -> CpuQuantLinear | None:
     return quantize_linear_cpu(weight, bits=4, group_size=group)
 
 
-def _with_bias(new: CpuQuantLinear, old: nn.Module) -> CpuQuantLinear:
+def _with_bias(new: CpuQuantLinear | GGUFLinear, old: nn.Module) -> CpuQuantLinear | GGUFLinear:
     bias = getattr(old, "bias", None)
     if bias is not None:
         new.set_bias(bias)
