@@ -6,7 +6,9 @@ The file: a random transformers gpt-oss at gpt-oss-120b's expert shapes (H = I =
 by the tests' GGUF writer (``tests/gguf_gpt_oss.py``: llama.cpp's converter's layout, experts MXFP4 by gguf-py's
 quantizer, attention Q8_0). moeflow computes the experts with its native MXFP4 kernel on the stored blocks
 (``MXFP4Format.cpu_kernels``; the one-call decode step does not take MXFP4 experts, so layers run one by one) and
-the attention in fp32 (its reader dequantizes non-expert tensors at load); llama.cpp runs ``llama-bench -p 0 -n tg``.
+the attention projections on the file's Q8_0 blocks (``attention_bits="auto"``; fp32 before s16-gptosscpu); llama.cpp
+runs ``llama-bench -p 0 -n tg``. ``--before TREE``: a second moeflow tree (a worktree of the base branch) alternated
+with this one, each in its own worker process.
 
     python -m benchmarks.peers.gpt_oss_mxfp4_cpu --work /tmp/s16_gpt_oss --threads 1 --reps 3 \\
         --out benchmarks/results/peers/s16/gpt_oss_mxfp4_t1
