@@ -20,8 +20,10 @@ replaces, in the built decoder, each module by a :class:`~moeflow.kernels.cpu.qu
   users run Q8_0; docs/cpu.md: held-out bits/byte of the embedded model 1.8845 against 1.8843 with fp32
   attention, and the decode speed beside llama.cpp), int4 (group 128) when asked (``attention_bits=4``), kept
   as stored with ``attention_bits=None``. Quantized, the model runs weights it was not evaluated with. gpt-oss's
-  biased projections (:class:`~moeflow.families.gpt_oss_layers.SinkAttention`) likewise, their biases kept in fp32
-  (docs/cpu.md: the deviation measured on a synthetic gpt-oss).
+  biased projections (:class:`~moeflow.families.gpt_oss_layers.SinkAttention`) likewise, their biases kept in fp32;
+  a GGUF file's Q8_0 ones (``stored``, outside the fused step) run on the file's blocks under "auto"
+  (``StoredLinears.exact_linear``: :class:`~moeflow.kernels.cpu.gguf.GGUFLinear`, the weights exactly; docs/cpu.md:
+  the deviation measured on a synthetic gpt-oss).
 * a GGUF file's attention projections stored in 4 bits (Q4_0, Q4_1; ``stored``: :mod:`moeflow.engine.gguf_linears`)
   -> int4 group 32 with the file's own codes and scales, under ``attention_bits="auto"`` and ``4``: the file's
   bits, no second rounding (llama.cpp's weights). k and v take it together or not at all (the CPU step fuses
