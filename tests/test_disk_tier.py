@@ -36,15 +36,17 @@ READERS = 2
 pytestmark = pytest.mark.usefixtures("calibration_cache")
 
 
-def host_budget_gb(path: Path, rows: int, dtype=torch.float32) -> float:
-    """host_memory_gb that holds exactly ``rows`` experts next to the non-expert weights, KV cache and staging."""
+def host_budget_gb(path: Path, rows: int, dtype=torch.float32, kernels: str = "auto") -> float:
+    """host_memory_gb that holds exactly ``rows`` experts next to the non-expert weights, KV cache and staging, for
+    a model loaded with ``kernels`` (their non-expert weights differ: the CPU int4 path's int8 linears)."""
     reader, family, layout, quant = _reader_family_layout_quant(path)
     index = open_expert_index(reader, family, layout, quant)
     index.close()
-    resident = MoEModel.from_pretrained(path)  # the kernels _run gets (int8 lm_head on the CPU int4 path); any family
+    resident = MoEModel.from_pretrained(path, kernels=kernels)  # (int8 lm_head on the CPU int4 path); any family
     reserved = non_expert_bytes(resident.model) + kv_cache_bytes(family.config, dtype, 4096)
     row = resident.experts.fmt.nbytes
-    if resident.kernels == "cpu-int4":  # offloading on the CPU stores torch's int4 form (moeflow.offload.cpu_slots)
+    if resident.kernels == "cpu-int4" and resident.experts.fmt.cpu_int4:  # offloaded plain AWQ experts on the CPU:
+        # torch's int4 form (moeflow.offload.cpu_slots); MXFP4 / GGUF experts keep their bytes (their own kernels)
         row = CpuInt4Format.of(resident.experts.fmt).nbytes
     return (reserved + READERS * index.staging_nbytes + rows * row + row // 2) / 2**30
 

@@ -15,6 +15,7 @@ from gpt_oss_helpers import make_gpt_oss_model, save_gpt_oss_checkpoint
 from moeflow import MoEModel, OffloadConfig
 from moeflow.errors import SchedulingError
 from moeflow.kernels.cpu.native import native_available
+from moeflow.kernels.cpu.quant_linear import CpuQuantLinear
 from moeflow.offload.policies import POLICY_NAMES
 from moeflow.offload.predictors import train_predictor
 from moeflow.tools.record import record_trace
@@ -71,6 +72,7 @@ def test_greedy_tokens_equal_resident(checkpoints, experts, policy, transport):
         assert model.experts.fmt.kind == ("mxfp4" if experts == "mxfp4" else "dense")
         if experts == "mxfp4" and model.experts.pool.device.type == "cpu" and native_available():
             assert model.experts.fmt.cpu_kernels  # device="cpu": resident and slots on mxfp4.c
+            assert isinstance(model.model.layers[0].self_attn.q_proj, CpuQuantLinear)  # int8 attention (auto)
         assert torch.equal(out, expected[experts]), f"{policy}/{transport} with {n_slots} slots: {out}"
         s = model.stats
         assert s.prefill.hits + s.prefill.misses > 0 and s.decode.hits + s.decode.misses > 0

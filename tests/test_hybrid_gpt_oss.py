@@ -151,7 +151,7 @@ def test_fiddler_with_the_disk_tier(tiny, cpu_form):
 
     path, ids, expected, _ = tiny
     model = MoEModel.from_pretrained(path, kernels="torch", offload=OffloadConfig(
-        policy="fiddler", gpu_expert_slots=3, host_memory_gb=host_budget_gb(path, 8), disk_readers=2))
+        policy="fiddler", gpu_expert_slots=3, host_memory_gb=host_budget_gb(path, 8, kernels="torch"), disk_readers=2))
     try:
         out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=[])
         assert isinstance(model.experts.host, DiskHostStore)

@@ -6,7 +6,9 @@ The file: a random transformers gpt-oss at gpt-oss-120b's expert shapes (H = I =
 by the tests' GGUF writer (``tests/gguf_gpt_oss.py``: llama.cpp's converter's layout, experts MXFP4 by gguf-py's
 quantizer, attention Q8_0). moeflow computes the experts with its native MXFP4 kernel on the stored blocks
 (``MXFP4Format.cpu_kernels``; the one-call decode step does not take MXFP4 experts, so layers run one by one) and
-the attention in fp32 (its reader dequantizes non-expert tensors at load); llama.cpp runs ``llama-bench -p 0 -n tg``.
+the attention projections on the file's Q8_0 blocks (``attention_bits="auto"``; fp32 before s16-gptosscpu); llama.cpp
+runs ``llama-bench -p 0 -n tg``. ``--before TREE``: a second moeflow tree (a worktree of the base branch) alternated
+with this one, each in its own worker process.
 
     python -m benchmarks.peers.gpt_oss_mxfp4_cpu --work /tmp/s16_gpt_oss --threads 1 --reps 3 \\
         --out benchmarks/results/peers/s16/gpt_oss_mxfp4_t1
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -75,6 +78,8 @@ def main() -> None:
     ap.add_argument("--tg", type=int, default=16)
     ap.add_argument("--llama-bin", type=Path, default=Path("/tmp/peers/llama.cpp/build/bin"))
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--before", type=Path, help="a second moeflow tree (e.g. a worktree of the base branch), run as "
+                    "'moeflow (before)' alternated with this one and llama.cpp")
     ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -87,23 +92,31 @@ def main() -> None:
     name = next(ln.split(":", 1)[1].strip() for ln in cpu.splitlines() if ln.startswith("model name"))
     flags = " ".join(sorted({w for w in cpu.split() if w.startswith("avx512")}))
     loads = [uptime()]
-    p = subprocess.Popen([sys.executable, "-m", "benchmarks.peers.gpt_oss_mxfp4_cpu", "--worker", str(path),
-                          "--threads", str(args.threads), "--tg", str(args.tg), "--work", str(args.work)],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    info = json.loads(p.stdout.readline())
-    ours, theirs = [], []
+    trees = [("moeflow", ROOT)] + ([("moeflow (before)", args.before.resolve())] if args.before else [])
+    procs, infos, rows = {}, {}, {who: [] for who, _ in trees}
+    for who, tree in trees:  # each tree's worker imports that tree's moeflow
+        procs[who] = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.peers.gpt_oss_mxfp4_cpu", "--worker", str(path), "--threads",
+             str(args.threads), "--tg", str(args.tg), "--work", str(args.work)], cwd=tree,
+            env={**os.environ, "PYTHONPATH": str(tree)}, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        infos[who] = json.loads(procs[who].stdout.readline())
+    info = infos["moeflow"]
+    theirs = []
     for _ in range(args.reps):
-        p.stdin.write("\n")
-        p.stdin.flush()
-        ours.append(json.loads(p.stdout.readline()))
+        for who, p in procs.items():
+            p.stdin.write("\n")
+            p.stdin.flush()
+            rows[who].append(json.loads(p.stdout.readline()))
         theirs.append(llama_rep(args.llama_bin / "llama-bench", path, args.threads, args.tg))
         loads.append(uptime())
-    p.stdin.close()
-    p.wait()
-    med = {who: {k: statistics.median(r[k] for r in rows) for k in ("decode_tok_s", "cpu_ms")}
-           for who, rows in (("moeflow", ours), ("llama.cpp", theirs))}
+    for p in procs.values():
+        p.stdin.close()
+        p.wait()
+    med = {who: {k: statistics.median(r[k] for r in reps) for k in ("decode_tok_s", "cpu_ms")}
+           for who, reps in (*rows.items(), ("llama.cpp", theirs))}
     result = {"gguf": path.name, "bytes": path.stat().st_size, "threads": args.threads, "tg": args.tg,
-              "moeflow": {"info": info, "reps": ours}, "llama.cpp": {"reps": theirs}, "median": med,
+              **{who: {"info": infos[who], "reps": r} for who, r in rows.items()}, "llama.cpp": {"reps": theirs},
+              "median": med,
               "cpu": name, "avx512": flags, "uptime": loads}
     lines = [f"# gpt-oss MXFP4 on the CPU: moeflow device=\"cpu\" vs llama.cpp ({args.threads} thread(s))\n",
              f"`{' '.join(sys.argv)}`\n", f"CPU: {name}; {flags}\n", "uptime: " + " | ".join(loads) + "\n",
@@ -115,6 +128,10 @@ def main() -> None:
     lines += [f"| {who} | {v['decode_tok_s']:.2f} | {v['cpu_ms']:.1f} |" for who, v in med.items()]
     ratio = med["moeflow"]["decode_tok_s"] / med["llama.cpp"]["decode_tok_s"]
     lines.append(f"\nmoeflow / llama.cpp decode: {ratio:.2f}x")
+    if args.before:
+        lines.append(f"moeflow / moeflow (before, {args.before}) decode: "
+                     f"{med['moeflow']['decode_tok_s'] / med['moeflow (before)']['decode_tok_s']:.2f}x; before / "
+                     f"llama.cpp: {med['moeflow (before)']['decode_tok_s'] / med['llama.cpp']['decode_tok_s']:.2f}x")
     print("\n".join(lines))
     if args.out:
         write_report(args.out, result, lines)

@@ -83,7 +83,8 @@ def resolve_kernels(kernels: str, device: torch.device, awq: bool) -> Kernels:
     attention projections run quantized CPU kernels (``linear="cpu-int4"``, :mod:`moeflow.engine.cpu_linears`).
     GGUF experts of types with CPU kernels (Q8_0, Q4_K, Q5_K, Q6_K) get them from ``build_model`` under "auto" on
     the CPU (``GGUFFormat.with_cpu_kernels``, reported as "cpu-int4" with the same quantized linears); MXFP4
-    experts get the native MXFP4 kernel (``MXFP4Format.with_cpu_kernels``, the linears unchanged).
+    experts get the native MXFP4 kernel (``MXFP4Format.with_cpu_kernels``, reported as "cpu-int4" likewise: the
+    lm_head and the biased attention projections int8 under ``attention_bits="auto"``).
     """
     if kernels not in KERNEL_CHOICES:
         raise ValueError(f"kernels={kernels!r}: expected one of {KERNEL_CHOICES}")
@@ -210,6 +211,7 @@ def build_model(
         elif isinstance(fmt, MXFP4Format) and kernels == "auto" and device.type == "cpu" \
                 and cpu_native.native_available():
             fmt = fmt.with_cpu_kernels()  # MXFP4 experts on the CPU: mxfp4.c on the slots' bytes
+            resolved = Kernels(CPU_INT4, resolved.experts, CPU_INT4)  # the linears on the CPU kernels (cpu_linears)
         check_attention_bits(attention_bits, resolved.linear, lm_head_bits)
         keep_stored = gguf is not None and attention_bits in ("auto", 4)  # a GGUF's 4-bit attention: the file's bits
         attention_bits = resolve_attention_bits(attention_bits, resolved.linear,

@@ -1,6 +1,7 @@
 """The CPU int4 path's non-expert linear layers, quantized once at load (issue 21).
 
-When the kernels resolve to ``cpu-int4`` (``device="cpu"``, an AWQ checkpoint), :func:`quantize_decoder_linears`
+When the kernels resolve to ``cpu-int4`` (``device="cpu"``: an AWQ checkpoint, a GGUF file whose experts have CPU
+kernels, MXFP4 experts on ``mxfp4.c``), :func:`quantize_decoder_linears`
 replaces, in the built decoder, each module by a :class:`~moeflow.kernels.cpu.quant_linear.CpuQuantLinear`
 (the 16-bit module is dropped, never held beside it):
 
@@ -18,7 +19,11 @@ replaces, in the built decoder, each module by a :class:`~moeflow.kernels.cpu.qu
 * 16-bit attention projections -> int8 by default (``attention_bits="auto"``: 8 on this path, as llama.cpp
   users run Q8_0; docs/cpu.md: held-out bits/byte of the embedded model 1.8845 against 1.8843 with fp32
   attention, and the decode speed beside llama.cpp), int4 (group 128) when asked (``attention_bits=4``), kept
-  as stored with ``attention_bits=None``. Quantized, the model runs weights it was not evaluated with.
+  as stored with ``attention_bits=None``. Quantized, the model runs weights it was not evaluated with. gpt-oss's
+  biased projections (:class:`~moeflow.families.gpt_oss_layers.SinkAttention`) likewise, their biases kept in fp32;
+  a GGUF file's Q8_0 ones (``stored``, outside the fused step) run on the file's blocks under "auto"
+  (``StoredLinears.exact_linear``: :class:`~moeflow.kernels.cpu.gguf.GGUFLinear`, the weights exactly; docs/cpu.md:
+  the deviation measured on a synthetic gpt-oss).
 * a GGUF file's attention projections stored in 4 bits (Q4_0, Q4_1; ``stored``: :mod:`moeflow.engine.gguf_linears`)
   -> int4 group 32 with the file's own codes and scales, under ``attention_bits="auto"`` and ``4``: the file's
   bits, no second rounding (llama.cpp's weights). k and v take it together or not at all (the CPU step fuses
@@ -42,7 +47,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moeflow.families.gpt_oss_layers import SinkAttention
 from moeflow.families.layers import Attention, AWQLinear
+from moeflow.kernels.cpu.gguf import GGUFLinear
 from moeflow.kernels.cpu.lm_head import RefinedInt4LmHead
 from moeflow.kernels.cpu.native import Q8Matrix, library, native_available
 from moeflow.kernels.cpu.quant_linear import CpuQuantLinear, StoredLinears, awq_linear_cpu, quantize_linear_cpu
@@ -54,6 +61,7 @@ AUTO_ATTENTION_BITS = 8  # "auto" (the default) on the CPU int4 path: int8 16-bi
 LM_HEAD_BITS = (8, 4)  # 8: the default; 4: int4 with the top candidates recomputed in int8 (kernels/cpu/lm_head.py)
 ATTENTION_GROUP = 128  # int4 group size for projections quantized at load (the AWQ default)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+ATTENTION_MODULES = (Attention, SinkAttention)  # the attention modules whose PROJECTIONS are quantized here
 
 
 def check_attention_bits(attention_bits: int | str | None, kernels_linear: str, lm_head_bits: int = 8) -> None:
@@ -94,7 +102,7 @@ def quantized_as_stored(decoder: nn.Module, attention_bits: int | None, lm_head_
         names.add("lm_head.weight")
     if attention_bits == 8:
         for parent_name, parent in decoder.named_modules():
-            if isinstance(parent, Attention):
+            if isinstance(parent, ATTENTION_MODULES):
                 names.update(f"{parent_name}.{name}.weight" for name, child in parent.named_children()
                              if name in PROJECTIONS and type(child) is nn.Linear)
     return frozenset(names)
@@ -127,7 +135,7 @@ def quantize_decoder_linears(decoder: nn.Module, attention_bits: int | None, lm_
             if isinstance(child, AWQLinear) and _int4_shape_ok(child.in_features, child.out_features):
                 new = awq_linear_cpu(child.qweight, child.qzeros, child.scales, child.group_size)
                 counts["awq"] += 1
-            elif attention_bits is not None and isinstance(parent, Attention) and name in PROJECTIONS \
+            elif attention_bits is not None and isinstance(parent, ATTENTION_MODULES) and name in PROJECTIONS \
                     and type(child) is nn.Linear:
                 new = _quantize_dense(child.weight, attention_bits)
                 counts["attention"] += new is not None
@@ -157,6 +165,14 @@ def _take_stored(decoder: nn.Module, stored: StoredLinears) -> int:
     :class:`~moeflow.kernels.cpu.quant_linear.SplitLinear`). Returns how many were replaced."""
     count = 0
     for path, parent in list(decoder.named_modules()):
+        if isinstance(parent, SinkAttention):  # (no fused step) each projection on the file's Q8_0 blocks
+            for name in PROJECTIONS:
+                old = getattr(parent, name)
+                new = stored.exact_linear(f"{path}.{name}" if path else name) if type(old) is nn.Linear else None
+                if new is not None:
+                    setattr(parent, name, _with_bias(new, old))
+                    count += 1
+            continue
         if not isinstance(parent, Attention):
             continue
         for names in (("q_proj",), ("k_proj", "v_proj"), ("o_proj",)):
@@ -187,7 +203,7 @@ def _quantize_dense(weight: torch.Tensor, bits: int) -> CpuQuantLinear | None:
     return quantize_linear_cpu(weight, bits=4, group_size=group)
 
 
-def _with_bias(new: CpuQuantLinear, old: nn.Module) -> CpuQuantLinear:
+def _with_bias(new: CpuQuantLinear | GGUFLinear, old: nn.Module) -> CpuQuantLinear | GGUFLinear:
     bias = getattr(old, "bias", None)
     if bias is not None:
         new.set_bias(bias)

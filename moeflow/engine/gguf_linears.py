@@ -83,6 +83,22 @@ class GGUFStoredLinears:
         raw = torch.from_numpy(np.ascontiguousarray(self.reader.files.read(info)))
         return GGUFLinear(raw.reshape(info.shape[0], -1), info.type.name, info.shape[1])
 
+    def exact_linear(self, module_name: str) -> GGUFLinear | None:
+        """``module_name``'s weight on the file's own blocks where it is stored as Q8_0 (the weights exactly,
+        activations int8 per 32 as llama.cpp's Q8_0 x Q8_0), else None (no kernels here, another type, a split or
+        rope-permuted tensor). For projections outside the fused CPU step (gpt-oss's biased sink attention)."""
+        if not native_available():
+            return None
+        found = self.reader.resolve(self.name_of(module_name))
+        if found is None or found[1] is not None:
+            return None
+        info = found[0]
+        if info.type.name != "Q8_0" or len(info.shape) != 2 or info.shape[1] % GROUP or (
+                self.reader.arch.rope_permuted and info.name.endswith(("attn_q.weight", "attn_k.weight"))):
+            return None
+        raw = torch.from_numpy(np.ascontiguousarray(self.reader.files.read(info)))
+        return GGUFLinear(raw.reshape(info.shape[0], -1), "Q8_0", info.shape[1])
+
     def cpu_linear(self, module_name: str) -> CpuQuantLinear | None:
         """The int4 layer of ``module_name``'s weight from its stored blocks, or None where its type has no exact
         CPU int4 form (:data:`NATIVE_TYPES`), the kernels do not build here, or the shape does not tile."""

@@ -99,14 +99,22 @@ class GGUFLinear(nn.Module):
         _matrix(blocks, self.type, in_features, "linear")
         self.register_buffer("blocks", blocks, persistent=False)
         self.in_features, self.out_features = in_features, blocks.shape[0]
-        self.bias = None
+        self.register_buffer("bias", None, persistent=False)
+
+    def set_bias(self, bias: torch.Tensor) -> None:
+        """Add ``bias [out]`` to every output (a biased projection's bias, kept unquantized in fp32)."""
+        if tuple(bias.shape) != (self.out_features,):
+            raise ValueError(f"bias has shape {tuple(bias.shape)}, this GGUF layer has {self.out_features} outputs")
+        self.bias = bias.detach().float().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., in] (any float dtype) -> [..., out] in x's dtype (fp32 compute)."""
+        """x [..., in] (any float dtype) -> [..., out] in x's dtype (fp32 compute; + bias where set)."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f"x has {x.shape[-1]} features in its last dimension, this GGUF {self.type.name} "
                              f"layer takes {self.in_features}")
         y = gguf_linear(x.reshape(-1, self.in_features), self.blocks, self.type, self.in_features)
+        if self.bias is not None:
+            y += self.bias
         return (y if x.dtype == torch.float32 else y.to(x.dtype)).view(*x.shape[:-1], self.out_features)
 
     @property

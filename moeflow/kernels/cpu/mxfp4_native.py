@@ -171,6 +171,56 @@ class Mxfp4NativeExpert:
         return self.w13.nbytes + self.w2.nbytes
 
 
+
+@dataclass(frozen=True)
+class Mxfp4RegionLayout:
+    """Where an expert's matrices and biases sit in its region of one format (byte offsets), taken once from a
+    validated :class:`Mxfp4NativeExpert` (:func:`region_layout`): a slot's expert is then one kernel call on the
+    slot's address, without building views per call (the decode step's per-expert Python cost)."""
+
+    hidden: int
+    inter: int
+    p13: int
+    p2: int
+    offsets: tuple[int, int, int, int, int, int]  # w13 blocks, scales, bias; w2 blocks, scales, bias (-1: none)
+    bias_kind: int
+    activation: int
+    alpha: float
+    limit: float
+
+    def forward_at(self, base: int, x: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> None:
+        """out [n, H] (contiguous fp32, overwritten) = :meth:`Mxfp4NativeExpert.forward` of the expert whose
+        region starts at address ``base`` (of a live contiguous buffer) on x [n, H] (contiguous fp32) with routing
+        weights [n] (contiguous fp32): the same call, so the same bits."""
+        n = x.shape[0]
+        if not n:
+            return
+        b13, s13, c13, b2, s2, c2 = (base + o if o >= 0 else None for o in self.offsets)
+        _check_rc(_lib().mf_mxfp4_expert(
+            x.data_ptr(), n, self.hidden, self.inter, b13, s13, self.p13, c13, b2, s2, self.p2, c2, self.bias_kind,
+            self.activation, self.alpha, self.limit, weights.data_ptr(), out.data_ptr(), 0,
+            torch.get_num_threads()), "mxfp4 expert")
+
+
+_LAYOUTS: dict[BiasedExpertFormat, Mxfp4RegionLayout] = {}
+
+
+def region_layout(fmt: BiasedExpertFormat, region: torch.Tensor, views: dict[str, torch.Tensor]
+                  ) -> Mxfp4RegionLayout:
+    """The :class:`Mxfp4RegionLayout` of ``fmt`` (cached per format), from one region ``uint8 [nbytes]`` and its
+    typed ``views`` (validated by :class:`Mxfp4NativeExpert` the first time)."""
+    layout = _LAYOUTS.get(fmt)
+    if layout is None:
+        e = Mxfp4NativeExpert.from_views(views, fmt)
+        base = region.data_ptr()
+        tensors = (e.w13.blocks, e.w13.scales, e.b13, e.w2.blocks, e.w2.scales, e.b2)
+        offsets = tuple(-1 if t is None else t.data_ptr() - base for t in tensors)
+        layout = _LAYOUTS[fmt] = Mxfp4RegionLayout(
+            e.hidden_size, e.intermediate_size, e.w13.panel, e.w2.panel, offsets,
+            0 if e.b13 is None else BIAS_KINDS[e.b13.dtype], ACTIVATIONS[fmt.activation], fmt.swiglu_alpha,
+            fmt.swiglu_limit)
+    return layout
+
 # ---- plain-torch fp32 model (same rounding points; only the summation order differs) ----
 
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:

@@ -53,6 +53,10 @@ class StoredLinears(Protocol):
     def cpu_linear(self, module_name: str) -> CpuQuantLinear | None:
         """The layer for the decoder module ``module_name`` from its stored codes, or None (keep the dense path)."""
 
+    def exact_linear(self, module_name: str) -> nn.Module | None:
+        """A layer computed on ``module_name``'s stored blocks as they are (a GGUF file's Q8_0: ``GGUFLinear``,
+        with ``set_bias``), for projections outside the fused CPU step, or None (quantize the dense values)."""
+
     def lm_head(self) -> nn.Module | None:
         """The lm_head on its stored blocks where that reads fewer bytes than int8 and a CPU kernel computes it,
         else None (the int8 head)."""

@@ -75,19 +75,37 @@ class MXFP4Format(BiasedExpertFormat):
         """out[pairs of selected experts] (``[T*k, H]``) = weighted outputs of a CPU pool's experts (x ``[T, H]``,
         topk_ids / topk_weights ``[T, k]``), each computed on its slot's bytes by the native kernel, all its
         rows at once (a token's result does not depend on the batch)."""
-        k = topk_ids.shape[1]
+        from moeflow.kernels.cpu.mxfp4_native import region_layout
+
+        buffer = pool.buffer
+        if buffer.device.type != "cpu" or not buffer.is_contiguous() or buffer.dim() != 2 \
+                or buffer.shape[1] != self.nbytes:
+            raise ValueError(f"MXFP4 CPU pool: expected a contiguous CPU uint8 [n_slots, {self.nbytes}] buffer, got "
+                             f"{tuple(buffer.shape)} strides {buffer.stride()}")
+        layout = region_layout(self, buffer[0], {name: v[0] for name, v in pool.tensors.items()})
+        k, n_slots, base = topk_ids.shape[1], buffer.shape[0], buffer.data_ptr()
         mask = None if expert_mask is None else expert_mask.tolist()
         slots = slot_of_expert.tolist()
         groups: dict[int, list[int]] = {}
         for pair, e in enumerate(topk_ids.reshape(-1).tolist()):
             groups.setdefault(e, []).append(pair)
-        flat_w = topk_weights.reshape(-1).float()
+        xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+        flat_w = topk_weights.reshape(-1).float().contiguous()
+        direct = out.dtype == x.dtype == torch.float32 and out.is_contiguous()
         for e, pairs in groups.items():
             if mask is not None and not mask[e]:
                 continue
-            expert = self._native_form(pool.buffer[slots[e]])
+            if not 0 <= slots[e] < n_slots:
+                raise ValueError(f"MXFP4 CPU pool: expert {e} is in slot {slots[e]}, outside the pool's {n_slots}")
+            at = base + slots[e] * self.nbytes
+            if len(pairs) == 1 and direct:  # (a decode step: one row per expert, written in place)
+                p = pairs[0]
+                layout.forward_at(at, xf[p // k:p // k + 1], flat_w[p:p + 1], out[p:p + 1])
+                continue
             idx = torch.tensor(pairs)
-            out[idx] = expert.forward(x[idx // k], flat_w[idx]).to(out.dtype)
+            y = torch.empty((len(pairs), layout.hidden), dtype=torch.float32)
+            layout.forward_at(at, xf[idx // k], flat_w[idx].contiguous(), y)
+            out[idx] = y.to(x.dtype).to(out.dtype)  # (rounded as Mxfp4NativeExpert.forward returns it)
 
     @property
     def panels(self) -> tuple[int, int]:
