@@ -26,6 +26,7 @@ from moeflow.engine.cpu_linears import (
     quantize_decoder_linears,
     quantized_as_stored,
     resolve_attention_bits,
+    stored_weight_names,
 )
 from moeflow.engine.cpu_step import fuse_cpu_step
 from moeflow.engine.gguf_linears import GGUFStoredLinears
@@ -232,11 +233,13 @@ def build_model(
         # the CPU int4 path quantizes the lm_head (and 16-bit attention) to int8 from the checkpoint's dtype
         as_stored = quantized_as_stored(decoder, attention_bits, lm_head_bits) if uses_cpu_int4(resolved.linear) \
             else frozenset()
-        loading.load_non_expert_weights(decoder, reader, family, layout, device, dtype, as_stored)
+        stored = GGUFStoredLinears(gguf.reader, lambda m: family.checkpoint_name(f"{m}.weight", layout)) \
+            if keep_stored and uses_cpu_int4(resolved.linear) else None
+        # the weights taken as the file's blocks below (lm_head, Q4_0 / Q4_1 attention): never read nor dequantized
+        deferred = stored_weight_names(decoder, stored, lm_head_bits) if stored is not None else frozenset()
+        loading.load_non_expert_weights(decoder, reader, family, layout, device, dtype, as_stored, deferred)
         mtp_module = loading.load_mtp(reader, family, layout, device, dtype, str(config_path)) if mtp else None
         if uses_cpu_int4(resolved.linear):
-            stored = GGUFStoredLinears(gguf.reader, lambda m: family.checkpoint_name(f"{m}.weight", layout)) \
-                if keep_stored else None
             quantize_decoder_linears(decoder, attention_bits, lm_head_bits, stored)
             fuse_cpu_step(decoder, dtype)
             decoder.set_layers_step(native_layers(decoder))  # one-token steps: every layer in one native call

@@ -44,6 +44,8 @@ the fp32 reference, greedy tokens equal). ``kernels="torch"`` never comes here: 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -119,8 +121,7 @@ def quantize_decoder_linears(decoder: nn.Module, attention_bits: int | None, lm_
     counts = {"lm_head": 0, "awq": 0, "attention": 0, "stored": 0}
     if stored is not None:
         counts["stored"] = _take_stored(decoder, stored)
-    head = stored.lm_head() if stored is not None and lm_head_bits == 8 and \
-        getattr(decoder.lm_head, "bias", None) is None else None
+    head = _stored_head(decoder, stored, lm_head_bits)
     if head is not None:
         decoder.lm_head = head
         counts["stored"] += 1
@@ -160,10 +161,38 @@ def quantize_rows_int8(weight: torch.Tensor) -> CpuQuantLinear:
 
 
 def _take_stored(decoder: nn.Module, stored: StoredLinears) -> int:
-    """Put ``stored``'s layers in place of the dense attention projections that have one; k and v together or
-    neither (the CPU step fuses them into one matrix of one form; q beside them may be of another form:
-    :class:`~moeflow.kernels.cpu.quant_linear.SplitLinear`). Returns how many were replaced."""
+    """Put ``stored``'s layers in place of the dense attention projections that have one (:func:`_stored_groups`).
+    Returns how many were replaced."""
     count = 0
+    for _path, parent, names, olds, news in _stored_groups(decoder, stored):
+        for n, old, new in zip(names, olds, news, strict=True):
+            setattr(parent, n, _with_bias(new, old))
+        count += len(names)
+    return count
+
+
+def stored_weight_names(decoder: nn.Module, stored: StoredLinears, lm_head_bits: int = 8) -> frozenset[str]:
+    """The weights (``layers.0.self_attn.q_proj.weight``, ``lm_head.weight``) that
+    :func:`quantize_decoder_linears` with ``stored`` will replace by ``stored``'s layers: the loader need not read
+    or dequantize them (``load_non_expert_weights(deferred=)``). Builds those layers once (``stored`` keeps them for
+    the replacement)."""
+    names = {f"{path}.{n}.weight" if path else f"{n}.weight"
+             for path, _parent, group, _olds, _news in _stored_groups(decoder, stored) for n in group}
+    if _stored_head(decoder, stored, lm_head_bits) is not None:
+        names.add("lm_head.weight")
+    return frozenset(names)
+
+
+def _stored_head(decoder: nn.Module, stored: StoredLinears | None, lm_head_bits: int) -> nn.Module | None:
+    return stored.lm_head() if stored is not None and lm_head_bits == 8 and \
+        getattr(decoder.lm_head, "bias", None) is None else None
+
+
+def _stored_groups(decoder: nn.Module, stored: StoredLinears) \
+        -> Iterator[tuple[str, nn.Module, tuple[str, ...], list[nn.Module], list[CpuQuantLinear]]]:
+    """(path, parent, names, old modules, ``stored``'s layers) for each group of dense attention projections
+    ``stored`` has layers for: k and v together or neither (the CPU step fuses them into one matrix of one form;
+    q beside them may be of another form: :class:`~moeflow.kernels.cpu.quant_linear.SplitLinear`)."""
     for path, parent in list(decoder.named_modules()):
         if isinstance(parent, SinkAttention):  # (no fused step) each projection on the file's Q8_0 blocks
             for name in PROJECTIONS:
@@ -183,10 +212,7 @@ def _take_stored(decoder: nn.Module, stored: StoredLinears) -> int:
             if any(n is None for n in news) or len({(n.bits, n.group_size, n.scales.dtype, n.mins.numel() > 0)
                                                     for n in news}) != 1:
                 continue
-            for n, old, new in zip(names, olds, news, strict=True):
-                setattr(parent, n, _with_bias(new, old))
-            count += len(names)
-    return count
+            yield path, parent, names, olds, news
 
 
 def _int4_shape_ok(in_features: int, out_features: int) -> bool:

@@ -56,10 +56,14 @@ class GGUFStoredLinears:
     """The CPU int4 layers a GGUF model's decoder modules can take from the file as stored (module docstring).
 
     ``name_of`` maps a decoder module's name (``layers.3.self_attn.q_proj``) to the HF tensor name the reader
-    answers (the family's ``checkpoint_name`` of its ``.weight``)."""
+    answers (the family's ``checkpoint_name`` of its ``.weight``). Each layer is built once and kept: the loader
+    asks which weights will be taken (:func:`~moeflow.engine.cpu_linears.stored_weight_names`, so it neither reads
+    nor dequantizes them) before :func:`~moeflow.engine.cpu_linears.quantize_decoder_linears` puts them in place."""
 
     def __init__(self, reader: GGUFCheckpointReader, name_of) -> None:
         self.reader, self.name_of = reader, name_of
+        self._built: dict[str, CpuQuantLinear | None] = {}
+        self._head: list[GGUFLinear | None] = []  # [the lm_head] once built
 
     def stored_type(self, module_name: str) -> str | None:
         """The ggml type the weight of ``module_name`` is stored in (None: not in the file as one tensor)."""
@@ -72,6 +76,11 @@ class GGUFStoredLinears:
         """The file's lm_head (``output.weight``) on its own blocks where it is a K-quant (:data:`LM_HEAD_TYPES`:
         fewer bytes than the int8 head; a Q4_K_M file's Q6_K measured 1.8-2.0 against 2.6 ms of CPU per token at
         32000 x 1024, ``benchmarks/results/peers/s16/``), else None (int8 of its dequantized values)."""
+        if not self._head:
+            self._head.append(self._lm_head())
+        return self._head[0]
+
+    def _lm_head(self) -> GGUFLinear | None:
         if not native_available():
             return None
         found = self.reader.resolve(self.name_of("lm_head"))
@@ -102,6 +111,11 @@ class GGUFStoredLinears:
     def cpu_linear(self, module_name: str) -> CpuQuantLinear | None:
         """The int4 layer of ``module_name``'s weight from its stored blocks, or None where its type has no exact
         CPU int4 form (:data:`NATIVE_TYPES`), the kernels do not build here, or the shape does not tile."""
+        if module_name not in self._built:
+            self._built[module_name] = self._cpu_linear(module_name)
+        return self._built[module_name]
+
+    def _cpu_linear(self, module_name: str) -> CpuQuantLinear | None:
         if not native_available():
             return None
         found = self.reader.resolve(self.name_of(module_name))

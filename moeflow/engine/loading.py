@@ -196,16 +196,24 @@ def skipped_weight_init() -> Iterator[None]:
 def load_non_expert_weights(
     decoder: nn.Module, reader: CheckpointReader, family: Family, layout: ExpertLayout,
     device: torch.device, dtype: torch.dtype, as_stored: frozenset[str] = frozenset(),
+    deferred: frozenset[str] = frozenset(),
 ) -> None:
     """Fill every parameter/buffer of ``decoder`` from the checkpoint, checking shapes against config.json.
     ``as_stored``: names (``lm_head.weight``) kept in the checkpoint's dtype, for a caller that quantizes them
-    next (an fp32 copy of a vocabulary-sized matrix is half a gigabyte written and dropped)."""
+    next (an fp32 copy of a vocabulary-sized matrix is half a gigabyte written and dropped). ``deferred``: names
+    neither read nor dequantized, left on the meta device, for a caller that replaces their modules next by layers
+    built from the checkpoint's stored blocks (:func:`~moeflow.engine.cpu_linears.stored_weight_names`)."""
     tie = bool(getattr(family.config, "tie_word_embeddings", False))
     for module_name, module in decoder.named_modules():
         if module_name == "rotary":
             continue
         for pname, tensor in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
             full = f"{module_name}.{pname}"
+            if full in deferred:  # (an nn.Linear's weight: its module is replaced next)
+                meta = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+                setattr(module, pname, nn.Parameter(meta, requires_grad=False) if isinstance(tensor, nn.Parameter)
+                        else meta)
+                continue
             ckpt = family.checkpoint_name(full, layout)
             if full == "lm_head.weight" and ckpt not in reader and tie:
                 ckpt = family.checkpoint_name("embed_tokens.weight", layout)
