@@ -189,18 +189,18 @@ def _stored_head(decoder: nn.Module, stored: StoredLinears | None, lm_head_bits:
 
 
 def _stored_groups(decoder: nn.Module, stored: StoredLinears) \
-        -> Iterator[tuple[str, nn.Module, tuple[str, ...], list[nn.Module], list[CpuQuantLinear]]]:
+        -> Iterator[tuple[str, nn.Module, tuple[str, ...], list[nn.Module], list[CpuQuantLinear | GGUFLinear]]]:
     """(path, parent, names, old modules, ``stored``'s layers) for each group of dense attention projections
     ``stored`` has layers for: k and v together or neither (the CPU step fuses them into one matrix of one form;
-    q beside them may be of another form: :class:`~moeflow.kernels.cpu.quant_linear.SplitLinear`)."""
+    q beside them may be of another form: :class:`~moeflow.kernels.cpu.quant_linear.SplitLinear`); a sink
+    attention's (gpt-oss) projections one by one, on the file's Q8_0 blocks (``stored.exact_linear``)."""
     for path, parent in list(decoder.named_modules()):
         if isinstance(parent, SinkAttention):  # (no fused step) each projection on the file's Q8_0 blocks
             for name in PROJECTIONS:
                 old = getattr(parent, name)
                 new = stored.exact_linear(f"{path}.{name}" if path else name) if type(old) is nn.Linear else None
                 if new is not None:
-                    setattr(parent, name, _with_bias(new, old))
-                    count += 1
+                    yield path, parent, (name,), [old], [new]
             continue
         if not isinstance(parent, Attention):
             continue

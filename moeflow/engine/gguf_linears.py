@@ -64,6 +64,7 @@ class GGUFStoredLinears:
         self.reader, self.name_of = reader, name_of
         self._built: dict[str, CpuQuantLinear | None] = {}
         self._head: list[GGUFLinear | None] = []  # [the lm_head] once built
+        self._exact: dict[str, GGUFLinear | None] = {}
 
     def stored_type(self, module_name: str) -> str | None:
         """The ggml type the weight of ``module_name`` is stored in (None: not in the file as one tensor)."""
@@ -95,7 +96,13 @@ class GGUFStoredLinears:
     def exact_linear(self, module_name: str) -> GGUFLinear | None:
         """``module_name``'s weight on the file's own blocks where it is stored as Q8_0 (the weights exactly,
         activations int8 per 32 as llama.cpp's Q8_0 x Q8_0), else None (no kernels here, another type, a split or
-        rope-permuted tensor). For projections outside the fused CPU step (gpt-oss's biased sink attention)."""
+        rope-permuted tensor). For projections outside the fused CPU step (gpt-oss's biased sink attention). Built
+        once (asked before the load and again when the layers are replaced)."""
+        if module_name not in self._exact:
+            self._exact[module_name] = self._exact_linear(module_name)
+        return self._exact[module_name]
+
+    def _exact_linear(self, module_name: str) -> GGUFLinear | None:
         if not native_available():
             return None
         found = self.reader.resolve(self.name_of(module_name))
