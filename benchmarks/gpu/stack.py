@@ -28,6 +28,8 @@ OPTIONAL = {
     "xdist": "pytest -n", "prometheus_client": "moeflow serve", "fastapi": "moeflow serve (gpu_wheels.sh)",
     "uvicorn": "moeflow serve (gpu_wheels.sh)", "pydantic": "moeflow serve (gpu_wheels.sh)",
     "openai": "serve client (optional)", "hypothesis": "CPU property tests",
+    "gguf": "gpu_loan.sh's GGUF checkpoints and moeflow's GGUF loading (gpu_wheels.sh)",
+    "llguidance": "moeflow serve's guided decoding (gpu_wheels.sh)", "sentencepiece": "the peers' tokenizer",
 }
 # attributes the GPU-only paths call (moeflow/offload/host_store.py, readback.py, transport.py,
 # moeflow/engine/cuda_graphs.py, moeflow/kernels/experts/ops.py, tests/race_transport.py): present in torch >= 2.4
