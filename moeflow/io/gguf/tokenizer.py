@@ -76,15 +76,36 @@ def tokenizer_directory(files: GGUFFiles, model_type: str) -> Path | None:
     return out
 
 
+# the tokenizer fields transformers reads as metadata arrays
+_ARRAY_FIELDS = ("tokens", "token_type", "scores", "merges", "added_tokens")
+
+
 def _rebuild(files: GGUFFiles):
     """The ``tokenizers.Tokenizer`` transformers builds from the metadata: its GGUF tokenizer builders
-    (``transformers.integrations.gguf``, 5.24+: keyed by the tokenizer type, any architecture), else
-    ``AutoTokenizer.from_pretrained(gguf_file=...)`` (older transformers: only the architectures it loads)."""
+    (``transformers.integrations.gguf``, 5.24+: keyed by the tokenizer type, any architecture), else (older
+    transformers: only the architectures it loads) the converter ``AutoTokenizer.from_pretrained(gguf_file=...)``
+    calls, on the metadata as its reader returns it with every array field a list again: that reader (5.17) turns a
+    one-element array into its element, and the converter then splits a file's only merge "a b" character by
+    character (TypeError from tokenizers)."""
     try:
         from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
     except ImportError:
+        return _rebuild_before_5_24(files)
+    architecture, tokenizer_dict, _ = get_gguf_tokenizer(str(files.path))
+    return convert_gguf_tokenizer(architecture, tokenizer_dict)[0]
+
+
+def _rebuild_before_5_24(files: GGUFFiles):
+    try:
+        from transformers.integrations.ggml import convert_gguf_tokenizer
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    except ImportError:  # a transformers laid out otherwise: its own entry point
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(files.path.parent), gguf_file=files.path.name).backend_tokenizer
-    architecture, tokenizer_dict, _ = get_gguf_tokenizer(str(files.path))
-    return convert_gguf_tokenizer(architecture, tokenizer_dict)[0]
+    parsed = load_gguf_checkpoint(str(files.path), return_tensors=False)
+    tokenizer = dict(parsed["tokenizer"])
+    for key in _ARRAY_FIELDS:
+        if key in tokenizer and not isinstance(tokenizer[key], list):
+            tokenizer[key] = [tokenizer[key]]
+    return convert_gguf_tokenizer(parsed["config"]["model_type"], tokenizer)[0]
