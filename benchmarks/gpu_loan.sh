@@ -8,6 +8,11 @@
 #   run(command="bash benchmarks/gpu_loan.sh call1", carry=[".whl", ".peers/llama-cpp-cuda-sm90.tar.xz"], timeout_s=600)
 #   run(command="bash benchmarks/gpu_loan.sh call2", carry=[".whl", ".peers/llama-cpp-cuda-sm90.tar.xz"], timeout_s=360)
 #   give_back()
+# The 15 minutes: start ~90 s + call 1 (its limits: <= 530 s) + call 2 (<= 300 s) = 920 s at the limits, plus the
+# tree's transfers: call 2 gets what is left (~4-4.5 min after a call 1 that runs to its limits; `run` caps timeout_s
+# at the device time left and returns what $OUT holds), so its steps go in priority order, the Qwen3 moeflow rows
+# last. Call 2 must start within the machine's 30 s warm window (H200: "warm after a call 30 s"): a fresh machine
+# has neither call 1's GGUF file nor its JSON in /tmp, and a second start costs ~90 s that is not there.
 #
 #   call1 (limits sum to <= 9 min): stack check (versions; the prebuilt llama.cpp's --list-devices must show CUDA0
 #         with cuBLAS from torch's nvidia wheel on LD_LIBRARY_PATH; the compat libstdc++ is tried when it fails to
@@ -101,18 +106,20 @@ wait_background() {
   echo "== $(date -u +%T) +$(( $(date +%s) - t0 ))s background done" | tee -a "$log"
 }
 
-stack() {  # versions, the device, the stack check, the prebuilt llama.cpp's devices: $out/stack.txt
-  if [ "$plan" = 1 ]; then echo "plan 30 $py -m benchmarks.gpu.stack --cuda --pytest; llama_cpp_prebuilt.py"; return 0; fi
+stack() {  # versions, the device, the stack check, the prebuilt llama.cpp's devices: $out/stack.txt. At most 40 s:
+  # the wheels 10 (~3 s), the stack check 20 (15 s on the 2026-11-23 H100, cold), llama.cpp unpacked + listed 10 (~6 s
+  # on 2 loaded cores here); informative only (nothing below depends on it: the llama phase lists devices itself)
+  if [ "$plan" = 1 ]; then echo "plan 40 $py -m benchmarks.gpu.stack --cuda --pytest; llama_cpp_prebuilt.py"; return 0; fi
   if [ "${TINY:-0}" != 1 ] && ls .whl/*.whl >/dev/null 2>&1; then  # gguf (and the serve stage's packages)
-    "$py" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
+    timeout 10 "$py" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
     export PYTHONPATH="$PYTHONPATH:/tmp/site"
   fi
   local cuda=(--cuda --pytest)
   if [ "${TINY:-0}" = 1 ]; then cuda=(); fi
   { date -u +%FT%TZ; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null \
       || echo "no nvidia-smi"; grep -m1 "model name" /proc/cpuinfo; nproc; free -g | sed -n 2p; df -h /tmp | tail -1
-    timeout 25 "$py" -m benchmarks.gpu.stack "${cuda[@]}" 2>&1 | tail -8
-    timeout 25 "$py" -m benchmarks.peers.llama_cpp_prebuilt 2>&1 | tail -25; } > "$out/stack.txt" 2>&1
+    timeout --kill-after=2 20 "$py" -m benchmarks.gpu.stack "${cuda[@]}" 2>&1
+    timeout --kill-after=2 10 "$py" -m benchmarks.peers.llama_cpp_prebuilt 2>&1 | tail -25; } > "$out/stack.txt" 2>&1
   tee -a "$log" < "$out/stack.txt"
 }
 

@@ -100,7 +100,8 @@ def test_sparse_attention_equals_dense_mla_when_every_key_is_selected(tmp_path):
 
 def test_published_config_fields(tmp_path):
     """Fields as the hub's config.json has them (rope_scaling, indexer_rope_interleave, index_topk_freq) and as
-    transformers 5.x writes them (rope_parameters, mlp_layer_types, layer_types, indexer_types)."""
+    transformers 5.x writes them (rope_parameters, mlp_layer_types, layer_types: either version's name,
+    indexer_types)."""
     from moeflow.families import family_for_config
 
     make_dsa_checkpoint(tmp_path, "glm_moe_dsa", **GLM_MOE_DSA["shared-indexers-dense"])
@@ -108,6 +109,9 @@ def test_published_config_fields(tmp_path):
     family = family_for_config(written)
     assert family.config.indexer_types == ["full", "shared", "full", "shared"] and family.indexer_interleaved
     assert family.moe_layers == (1, 2, 3) and family.config.index_topk == 6
+    for kind in ("indexed_attention", "deepseek_sparse_attention"):  # transformers 5.24's name, 5.17's
+        assert family_for_config({**written, "layer_types": [kind] * 4}).config.indexer_types == \
+            family.config.indexer_types
     hub = {k: v for k, v in written.items() if k not in ("indexer_types", "mlp_layer_types", "layer_types",
                                                          "rope_parameters")}
     hub.update(num_hidden_layers=8, first_k_dense_replace=3, index_topk_freq=4, index_skip_topk_offset=2,

@@ -244,3 +244,21 @@ def test_the_peer_benchmarks_q4_0_gguf_runs_as_its_awq_checkpoint(tmp_path):
     assert torch.equal(model.generate(x, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=[]), want)
     awq.close()
     model.close()
+
+
+def test_sentencepiece_merges_are_the_ones_transformers_5_17_derives():
+    """A SentencePiece GGUF stores no merges; transformers 5.17 derives them in a loop quadratic in the vocabulary
+    (minutes at the GPU loan's 32k tokens), moeflow's rebuild hands it the same list made with a set."""
+    from moeflow.io.gguf.tokenizer import sentencepiece_merges
+
+    tokens = ["<unk>", "a", "b", "c", "ab", "bc", "abc", "\u2581", "\u2581a", "\u2581ab", "ca"]
+    scores = [0.0, -1.0, -2.0, -3.0, -4.0, -5.0, -6.0, -7.0, -8.0, -9.0, -10.0]
+    merges = sentencepiece_merges(tokens, scores)
+    # by the token's score; a token's splits by their halves' scores ("abc": a|bc before ab|c, "▁ab": ▁|ab first)
+    assert merges == ["a b", "b c", "a bc", "ab c", "\u2581 a", "\u2581 ab", "\u2581a b", "c a"]
+    assert sentencepiece_merges(["a", "b", "a b"], [0.0, -1.0, -2.0]) is None  # "a b" would not split back
+    try:  # transformers < 5.24: its own derivation gives the same pairs
+        from transformers.integrations.ggml import GGUFTokenizerSkeleton
+    except ImportError:
+        return
+    assert GGUFTokenizerSkeleton({"tokens": tokens, "scores": scores}).merges == [tuple(m.split(" ")) for m in merges]

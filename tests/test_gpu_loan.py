@@ -69,6 +69,30 @@ def test_the_two_calls_fit_one_loan(tmp_path):
     assert commands.index("--phase llama") < commands.index("--phase moeflow")
 
 
+def longest(steps: list[tuple[str, int, str]]) -> int:
+    """A command's length at its steps' limits (the background step overlapping the steps before the llama.cpp
+    step, as in :func:`assert_fits`; a command with none: their sum)."""
+    kinds = [kind for kind, _, _ in steps]
+    if "plan-background" not in kinds:
+        return sum(limit for _, limit, _ in steps)
+    wait = next(i for i, (_, _, c) in enumerate(steps) if "--phase llama" in c)
+    before = sum(limit for kind, limit, _ in steps[:wait] if kind == "plan")
+    return max(steps[kinds.index("plan-background")][1], before) + sum(limit for _, limit, _ in steps[wait:])
+
+
+def test_the_mixtral_rows_fit_the_fifteen_minutes(tmp_path):
+    """The loan is 15 minutes of device time with the machine's start (~90 s) and each call's transfers (~30 s for
+    both, a guess): call 1 (the headline) and call 2's first step (moeflow on the very GGUF llama.cpp ran) fit at
+    their limits; the rest of call 2 (Qwen3) gets what is left, as the header says."""
+    start, transfers = 90, 30
+    call1, call2 = plan("call1", tmp_path), plan("call2", tmp_path)
+    assert "--source gguf" in call2[0][2]
+    assert start + longest(call1) + call2[0][1] + transfers <= 15 * 60
+    header = SCRIPT.read_text().split("set -uo pipefail")[0]
+    total = start + longest(call1) + longest(call2)
+    assert f"call 1 (its limits: <= {longest(call1)} s) + call 2 (<= {longest(call2)} s) = {total} s" in header
+
+
 def test_the_gguf_command_fits_a_later_loan(tmp_path):
     """The later loan's `gguf` command: the GGUF kernels compiled (tests/test_cuda_gguf_kernels.py) while the Q4_K_M
     file is written, then llama.cpp and moeflow on that one file."""

@@ -28,6 +28,8 @@ OPTIONAL = {
     "xdist": "pytest -n", "prometheus_client": "moeflow serve", "fastapi": "moeflow serve (gpu_wheels.sh)",
     "uvicorn": "moeflow serve (gpu_wheels.sh)", "pydantic": "moeflow serve (gpu_wheels.sh)",
     "openai": "serve client (optional)", "hypothesis": "CPU property tests",
+    "gguf": "gpu_loan.sh's GGUF checkpoints and moeflow's GGUF loading (gpu_wheels.sh)",
+    "llguidance": "moeflow serve's guided decoding (gpu_wheels.sh)", "sentencepiece": "the peers' tokenizer",
 }
 # attributes the GPU-only paths call (moeflow/offload/host_store.py, readback.py, transport.py,
 # moeflow/engine/cuda_graphs.py, moeflow/kernels/experts/ops.py, tests/race_transport.py): present in torch >= 2.4
@@ -36,8 +38,10 @@ TORCH_APIS = (
     "cuda.graph_pool_handle", "cuda.is_current_stream_capturing", "cuda.cudart", "cuda._sleep", "cuda.mem_get_info",
     "library.custom_op", "library.register_fake", "compiler.disable", "compiler.is_compiling",
     "ops.aten._weight_int4pack_mm",
+    "utils._python_dispatch._get_current_dispatch_mode",  # moeflow/kernels/custom_op.py (private)
 )
-CUDA_BUILD_APIS = ("_C._cudart.cudaHostRegister", "_C._cudart.cudaHostUnregister")  # only a CUDA build has them
+# only a CUDA build has them (the last: moeflow/kernels/workspace.py's stream key, private)
+CUDA_BUILD_APIS = ("_C._cudart.cudaHostRegister", "_C._cudart.cudaHostUnregister", "_C._cuda_getCurrentRawStream")
 # the import name's distribution where it differs (for the version of a module without __version__)
 DISTRIBUTIONS = {"pytest_timeout": "pytest-timeout", "xdist": "pytest-xdist", "prometheus_client": "prometheus-client"}
 

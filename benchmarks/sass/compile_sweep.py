@@ -7,7 +7,8 @@ A Triton upgrade or downgrade (the lent GPU machines run 3.6, CI 3.9) is checked
     TRITON_INTERPRET=0 python -m pytest -q -p no:cacheprovider -p benchmarks.sass.compile_sweep \
         tests/test_kernels.py tests/test_kernels_fused.py tests/test_biased_kernels.py tests/test_mxfp4.py
 
-SWEEP_OUT (default triton_compile_sweep.json in the working directory): one row per launch compiled; SWEEP_SM (90).
+SWEEP_OUT (default triton_compile_sweep.json in the working directory): one row per launch compiled (with the test that
+made it); SWEEP_SM (90).
 The last lines printed: launches compiled, errors, and each error.
 """
 
@@ -30,12 +31,21 @@ def pytest_configure(config) -> None:
     _state["context"], _state["found"] = context, context.__enter__()
 
 
+def pytest_runtest_setup(item) -> None:
+    if "found" in _state:  # the launches from here on are this test's
+        _state.setdefault("starts", []).append((len(_state["found"]), item.nodeid))
+
+
+def _test_of(index: int) -> str | None:
+    return next((test for start, test in reversed(_state.get("starts", [])) if start <= index), None)
+
+
 def pytest_unconfigure(config) -> None:
     if "context" not in _state:
         return
     _state["context"].__exit__(None, None, None)
     rows = [{"kernel": c.name, "num_warps": c.num_warps, "regs": c.regs, "spill_bytes": c.spill_bytes,
-             "error": c.error} for c in _state["found"]]
+             "error": c.error, "test": _test_of(i)} for i, c in enumerate(_state["found"])]
     Path(os.environ.get("SWEEP_OUT", "triton_compile_sweep.json")).write_text(json.dumps(rows, indent=0))
     errors = [r for r in rows if r["error"]]
     kernels = sorted({r["kernel"] for r in rows})

@@ -43,6 +43,8 @@ from moeflow.families.layers import Fp32Linear, LinearFactory
 from moeflow.families.mla import LatentAttention, MLAShape, apply_rotary_halves, apply_rotary_pairs, rotary_from_config
 from moeflow.moe.block import MoEBlock
 
+# every layer's kind: transformers 5.24 writes "indexed_attention", 5.17 "deepseek_sparse_attention" (the same layer)
+DSA_LAYER_TYPES = ("indexed_attention", "deepseek_sparse_attention")
 INDEX_SCORE_BYTES = 1 << 28  # a prefill's fp32 [queries, heads, keys] index scores are computed in chunks of this
 
 
@@ -205,7 +207,7 @@ class DeepSeekV32Family(DeepSeekV3Family):
     def parse_config(cls, raw: dict[str, Any], source: str) -> DsaConfig:
         if raw.get("q_lora_rank") is None:
             raise CheckpointError(f"{source}: {cls.name} needs q_lora_rank (its indexer reads the q-LoRA latent)")
-        kinds = [k for k in raw.get("layer_types") or [] if k != "indexed_attention"]
+        kinds = [k for k in raw.get("layer_types") or [] if k not in DSA_LAYER_TYPES]
         if kinds:
             raise CheckpointError(f"{source}: layer_types {sorted(set(kinds))} are not supported for {cls.name} "
                                   "(every layer is 'indexed_attention')")

@@ -76,15 +76,61 @@ def tokenizer_directory(files: GGUFFiles, model_type: str) -> Path | None:
     return out
 
 
+# the tokenizer fields transformers reads as metadata arrays
+_ARRAY_FIELDS = ("tokens", "token_type", "scores", "merges", "added_tokens")
+
+
 def _rebuild(files: GGUFFiles):
     """The ``tokenizers.Tokenizer`` transformers builds from the metadata: its GGUF tokenizer builders
-    (``transformers.integrations.gguf``, 5.24+: keyed by the tokenizer type, any architecture), else
-    ``AutoTokenizer.from_pretrained(gguf_file=...)`` (older transformers: only the architectures it loads)."""
+    (``transformers.integrations.gguf``, 5.24+: keyed by the tokenizer type, any architecture), else (older
+    transformers: only the architectures it loads) the converter ``AutoTokenizer.from_pretrained(gguf_file=...)``
+    calls, on the metadata as its reader returns it with every array field a list again: that reader (5.17) turns a
+    one-element array into its element, and the converter then splits a file's only merge "a b" character by
+    character (TypeError from tokenizers); a vocabulary without merges gets them from :func:`sentencepiece_merges`
+    (the same merges, without transformers 5.17's quadratic loop)."""
     try:
         from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
     except ImportError:
+        return _rebuild_before_5_24(files)
+    architecture, tokenizer_dict, _ = get_gguf_tokenizer(str(files.path))
+    return convert_gguf_tokenizer(architecture, tokenizer_dict)[0]
+
+
+def _rebuild_before_5_24(files: GGUFFiles):
+    try:
+        from transformers.integrations.ggml import convert_gguf_tokenizer
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    except ImportError:  # a transformers laid out otherwise: its own entry point
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(files.path.parent), gguf_file=files.path.name).backend_tokenizer
-    architecture, tokenizer_dict, _ = get_gguf_tokenizer(str(files.path))
-    return convert_gguf_tokenizer(architecture, tokenizer_dict)[0]
+    parsed = load_gguf_checkpoint(str(files.path), return_tensors=False)
+    tokenizer = dict(parsed["tokenizer"])
+    for key in _ARRAY_FIELDS:
+        if key in tokenizer and not isinstance(tokenizer[key], list):
+            tokenizer[key] = [tokenizer[key]]
+    if "merges" not in tokenizer and "tokens" in tokenizer and "scores" in tokenizer:
+        merges = sentencepiece_merges(tokenizer["tokens"], tokenizer["scores"])
+        if merges is not None:
+            tokenizer["merges"] = merges
+    return convert_gguf_tokenizer(parsed["config"]["model_type"], tokenizer)[0]
+
+
+def sentencepiece_merges(tokens: list[str], scores: list[float]) -> list[str] | None:
+    """The merges transformers 5.17 derives for a vocabulary stored without them (a SentencePiece GGUF, e.g. the GPU
+    loan's synthetic one): every split of a token into two tokens, a token's splits by their halves' scores, then
+    all by the token's score, highest first; as "left right" strings, the form a file stores. Its own loop tests
+    membership in the token list (quadratic: ~1 min at 16k tokens on a CPU here, minutes at Mixtral's 32k, where
+    5.24 takes 2 s); here a set. None when a token holds a space (the strings would not split back)."""
+    if any(" " in t for t in tokens):
+        return None
+    vocab = {t: scores[i] for i, t in enumerate(tokens)}
+    known = set(tokens)
+    merges = []
+    for token, score in vocab.items():
+        local = [(token[:i], token[i:], score) for i in range(1, len(token))
+                 if token[:i] in known and token[i:] in known]
+        local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]), reverse=True)
+        merges.extend(local)
+    merges.sort(key=lambda m: m[2], reverse=True)
+    return [f"{left} {right}" for left, right, _ in merges]
