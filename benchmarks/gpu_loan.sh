@@ -55,8 +55,8 @@
 #     layers else Q4_K, as random blocks; bound by the disk like the Q4_0 file). `llama-quantize --allow-requantize
 #     <Q4_0> <out> Q4_K_M` from the prebuilt makes the same mixture but took 190 CPU-s for the 2-layer full-width
 #     slice here (2 threads, load average ~9): ~3000 CPU-s for 32 layers, 3-4 min of the device's 16 cores.
-#     moeflow's GGUF experts have no CUDA-graph captured form with offload yet, and no CPU kernels (its
-#     cpu_compute="auto" rows fall back to "never" and say so).
+#     moeflow's GGUF experts are captured with offload (ExpertFormat.captured_forward) and have CPU kernels
+#     (kernels/cpu/gguf.c, gguf_k.c: Q8_0, Q4_0, Q4_K, Q5_K, Q6_K), so its cpu_compute="auto" rows run (session 15).
 #
 # Later loans, in this order (benchmarks/run_all_gpu.sh stages, after this script's `gguf`; the owed list in
 # docs/status.md is the record):
