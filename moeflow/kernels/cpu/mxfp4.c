@@ -199,15 +199,33 @@ MXI decoded2 decode2(const uint8_t* alo, const uint8_t* ahi, const uint8_t* blo,
     return r;
 }
 
+/* e8_half of 4 scales (bytes of e4) each in 4 lanes, (0 1 2 3) -> lanes 0-3, 4-7, 8-11, 12-15; the same bits
+   (e >= 2: (e - 1) << 23, else 0x200000 << e); lanes of bytes 1 and 3 zero when odd (no block 2bp + 1). */
+MXI __m512 e8_half16(uint32_t e4, int odd) {
+    const __m128i idx = _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __m512i e = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(_mm_cvtsi32_si128((int)e4), idx));
+    const __m512i big = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+    const __m512i small = _mm512_sllv_epi32(_mm512_set1_epi32(0x200000), e);
+    const __mmask16 ge2 = _mm512_cmpge_epu32_mask(e, _mm512_set1_epi32(2));
+    const __m512i bits = _mm512_mask_blend_epi32(ge2, small, big);
+    return _mm512_castsi512_ps(_mm512_maskz_mov_epi32(odd ? 0x0F0F : 0xFFFF, bits));
+}
+
 /* The 16 lanes of rows A and B (acc: A's 8 then B's) += word sums * (xs8 * e16), as pair_add per row. */
-MXI __m512 pair_add2(__m512 acc, const decoded2* w, const int8_t* xp, const float* xs8, __m512 e16) {
-    const __m512i zero = _mm512_setzero_si512();
-    const __m512i x0 = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)xp));
-    const __m512i x1 = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(xp + 32)));
+typedef struct { __m512i x0, x1; __m512 xs; } token2;  /* a token's pair codes and xs8, in both halves */
+
+MXI token2 token_load2(const int8_t* xp, const float* xs8) {
+    token2 t = {_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)xp)),
+                _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(xp + 32))),
+                _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(xs8))))};
+    return t;
+}
+
+MXI __m512 pair_add2(__m512 acc, const decoded2* w, const token2* t, __m512 e16) {
+    const __m512i zero = _mm512_setzero_si512(), x0 = t->x0, x1 = t->x1;
     const __m512i s0 = _mm512_mask_sub_epi8(x0, w->neg0, zero, x0), s1 = _mm512_mask_sub_epi8(x1, w->neg1, zero, x1);
     const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, w->mag0, s0), w->mag1, s1);
-    const __m512 xs = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(xs8))));
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(xs, e16), acc);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(t->xs, e16), acc);
 }
 #endif
 #else
@@ -267,19 +285,28 @@ static void mx_tile(const mxmat* m, int n0, int n1, int t0, int tt, const mxacts
         const uint8_t* srow = m->scales + bp * sstride + (size_t)n0 * m->bpp;
         int r = 0;
 #if MX_PAIR2
+        token2 tk[MX_TT];  /* the tile's tokens at this pair, loaded once (int8 loads may alias acc's stores) */
+        for (int i = 0; i < tt; i++) {
+            const size_t tp = (size_t)(t0 + i) * a->nbp + bp;
+            tk[i] = token_load2(a->q + tp * 64, a->s + tp * 8);
+        }
         for (; r + 1 < nr; r += 2) {  /* two rows per 512-bit register */
             const uint8_t *lo = prow + (size_t)r * 16 * m->bpp, *lo1 = lo + 16 * m->bpp;
             const uint8_t* sc = srow + (size_t)r * m->bpp;
             if (bp + 4 < a->nbp) _mm_prefetch((const char*)(lo + 4 * pstride), _MM_HINT_T0);
             const decoded2 w = decode2(lo, odd ? zeros : lo + hi_off, lo1, odd ? zeros : lo1 + hi_off);
-            const float f0 = e8_half(sc[0]), f1 = odd ? 0.0f : e8_half(sc[shi]);
-            const float g0 = e8_half(sc[m->bpp]), g1 = odd ? 0.0f : e8_half(sc[m->bpp + shi]);
-            const __m512d ea = _mm512_castpd256_pd512(_mm256_castps_pd(make_e(f0, f1)));
-            const __m512 e16 = _mm512_castpd_ps(_mm512_insertf64x4(ea, _mm256_castps_pd(make_e(g0, g1)), 1));
-            for (int i = 0; i < tt; i++) {
-                const size_t tp = (size_t)(t0 + i) * a->nbp + bp;
-                float* c = acc + 8 * (i * nr + r);
-                _mm512_storeu_ps(c, pair_add2(_mm512_loadu_ps(c), &w, a->q + tp * 64, a->s + tp * 8, e16));
+            uint32_t e4;  /* the scales of row A's blocks 2bp, 2bp + 1, row B's (bytes 0-3) */
+            if (m->bpp == 2) memcpy(&e4, sc, 4);
+            else e4 = sc[0] | (uint32_t)sc[shi] << 8 | (uint32_t)sc[1] << 16 | (uint32_t)sc[1 + shi] << 24;
+            const __m512 e16 = e8_half16(e4, odd);
+            if (tt == 1) {
+                float* c = acc + 8 * r;
+                _mm512_storeu_ps(c, pair_add2(_mm512_loadu_ps(c), &w, &tk[0], e16));
+            } else {
+                for (int i = 0; i < tt; i++) {
+                    float* c = acc + 8 * (i * nr + r);
+                    _mm512_storeu_ps(c, pair_add2(_mm512_loadu_ps(c), &w, &tk[i], e16));
+                }
             }
         }
 #endif
