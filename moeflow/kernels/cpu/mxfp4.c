@@ -372,6 +372,38 @@ MXI float bias_at(const void* bias, int kind, int i) {
     return f;
 }
 
+#if MF_AVX2
+MXI __m256 bias8(const void* bias, int kind, int i) {  /* bias_at(bias, kind, i .. i + 7) */
+    if (kind == MX_BIAS_F32) return _mm256_loadu_ps((const float*)bias + i);
+    if (kind == MX_BIAS_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)((const uint16_t*)bias + i))), 16));
+    float v[8];  /* f16: the scalar conversion (vcvtph2ps would quieten a signalling NaN) */
+    for (int l = 0; l < 8; l++) v[l] = bias_at(bias, kind, i + l);
+    return _mm256_loadu_ps(v);
+}
+
+/* The epilogue's gate activation for 8 features j .. j + 7 (g at g8, u at u8): the scalar loop's operations in its
+   order, mf_exp8 (libm's expf bit for bit); min/max_ps take the scalar fminf/fmaxf's operand on a nan g or u. */
+MXI void act8(const float* g8, const float* u8, float* o, const void* bias, int kind, int j, int I, int act,
+              float alpha, float limit) {
+    __m256 g = _mm256_loadu_ps(g8), u = _mm256_loadu_ps(u8);
+    if (bias) { g = _mm256_add_ps(g, bias8(bias, kind, j)); u = _mm256_add_ps(u, bias8(bias, kind, I + j)); }
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    if (act == MX_SILU) {
+        const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, mf_exp8(_mm256_xor_ps(g, sign))));
+        _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_mul_ps(g, sig), u));
+    } else {
+        const __m256 lim = _mm256_set1_ps(limit);
+        g = _mm256_min_ps(g, lim);
+        u = _mm256_min_ps(_mm256_max_ps(u, _mm256_xor_ps(lim, sign)), lim);
+        const __m256 e = mf_exp8(_mm256_xor_ps(_mm256_mul_ps(g, _mm256_set1_ps(alpha)), sign));
+        const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, e));
+        _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_add_ps(u, one), _mm256_mul_ps(g, sig)));
+    }
+}
+#endif
+
 /* One gpt-oss expert on T tokens, its matrices as the region stores them: w13 [2I, H] (gate rows, then up) in
    panels of p13, w2 [H, I] in panels of p2; bias13 [2I], bias2 [H] of `bias_kind` (NULL: none); x fp32 [T, H],
    weight fp32 [T], out fp32 [T, H]: out[t] (+)= weight[t] * (act(x w13.T + bias13) w2.T + bias2). act MX_SILU or
@@ -401,7 +433,11 @@ int mf_mxfp4_expert(const float* x, int T, int H, int I, const uint8_t* b13, con
         for (int t = 0; t < T; t++) {
             const float* ht = h + (size_t)t * 2 * I;
             float* at = av + (size_t)t * I;
-            for (int j = 0; j < I; j++) {
+            int j = 0;
+#if MF_AVX2
+            for (; j + 8 <= I; j += 8) act8(ht + j, ht + I + j, at + j, bias13, bias_kind, j, I, act, alpha, limit);
+#endif
+            for (; j < I; j++) {
                 float g = ht[j], u = ht[I + j];
                 if (bias13) { g += bias_at(bias13, bias_kind, j); u += bias_at(bias13, bias_kind, I + j); }
                 if (act == MX_SILU) {
