@@ -69,59 +69,41 @@ MXI float e8_half(uint8_t e) {
 
 /* ---- activations ------------------------------------------------------------------------------------------- */
 
+/* One block of 32 to int8 (q) and its scale. AVX2: max_ps keeps amax on a nan x as fmaxf does (the max is exact in
+   any order); round to nearest even, truncate to int32, keep the low byte (0 for a nan's 0x80000000), as the cast. */
+static void quant32(const float* x, int8_t* q, float* xs) {
+    float amax = 0.0f;
 #if MF_AVX2
-/* One block of 32 (x) quantized as quantize_row's scalar loop: max_ps keeps amax on a nan x as fmaxf does, the max
-   exact in any order; round to nearest even, then truncate to int32 and keep the low byte, as (int8_t)(int). */
-MXI __m256i quant32(const float* x, float* xs) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256 v[4], m = _mm256_setzero_ps();
-    for (int i = 0; i < 4; i++) { v[i] = _mm256_loadu_ps(x + 8 * i); m = _mm256_max_ps(_mm256_andnot_ps(sign, v[i]), m); }
+    __m256 v[4], m = _mm256_setzero_ps(), sign = _mm256_set1_ps(-0.0f);
+    for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(x + 8 * i), m = _mm256_max_ps(_mm256_andnot_ps(sign, v[i]), m);
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
     h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
     const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-    *xs = amax / 127.0f;
-    __m256i q[4];
-    for (int i = 0; i < 4; i++)
-        q[i] = _mm256_cvttps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    /* each int32's low byte (the pack instructions saturate): 0x80000000 (a nan) gives 0, as the scalar cast */
-    const __m256i lo = _mm256_set1_epi32(0xFF);
-    const __m256i b01 = _mm256_packus_epi32(_mm256_and_si256(q[0], lo), _mm256_and_si256(q[1], lo));
-    const __m256i b23 = _mm256_packus_epi32(_mm256_and_si256(q[2], lo), _mm256_and_si256(q[3], lo));
-    /* the packs work per 128-bit lane: quads (0-3 8-11) (16-19 24-27) (4-7 12-15) (20-23 28-31), reordered */
-    const __m256i b = _mm256_permute4x64_epi64(_mm256_packus_epi16(b01, b23), 0xD8);
-    return _mm256_shuffle_epi32(b, 0xD8);
-}
+    __m256i r[4];
+    for (int i = 0; i < 4; i++)  /* the low bytes, packed per 128-bit lane: quads (0-3 8-11 16-19 24-27 4-7 ...) */
+        r[i] = _mm256_and_si256(_mm256_cvttps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT
+                                                                    | _MM_FROUND_NO_EXC)), _mm256_set1_epi32(0xFF));
+    const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(r[0], r[1]), _mm256_packus_epi32(r[2], r[3]));
+    _mm256_storeu_si256((__m256i*)q, _mm256_shuffle_epi32(_mm256_permute4x64_epi64(b, 0xD8), 0xD8));
+#else
+    for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(x[i]));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (int i = 0; i < 32; i++) q[i] = (int8_t)(int)nearbyintf(x[i] * inv);
 #endif
+    xs[0] = xs[1] = xs[2] = xs[3] = amax / 127.0f;
+}
 
 static void quantize_row(const float* x, int K, int8_t* xp, float* xs) {
     const int nb = K / 32, nbp = (nb + 1) / 2;
     int8_t q[64];
     for (int bp = 0; bp < nbp; bp++) {
-#if MF_AVX2
-        if (2 * bp + 1 < nb) {
-            float s0, s1;
-            const __m256i q0 = quant32(x + (size_t)bp * 64, &s0), q1 = quant32(x + (size_t)bp * 64 + 32, &s1);
-            _mm256_storeu_si256((__m256i*)q, q0);
-            _mm256_storeu_si256((__m256i*)(q + 32), q1);
-            float* xsb = xs + (size_t)bp * 8;
-            xsb[0] = xsb[1] = xsb[2] = xsb[3] = s0;
-            xsb[4] = xsb[5] = xsb[6] = xsb[7] = s1;
-        } else
-#endif
-        {
         memset(q, 0, sizeof q);
         for (int h = 0; h < 2; h++) {
             const int b = 2 * bp + h;
             float* xsb = xs + (size_t)bp * 8 + 4 * h;
-            if (b >= nb) { xsb[0] = xsb[1] = xsb[2] = xsb[3] = 0.0f; continue; }
-            const float* xb = x + (size_t)b * 32;
-            float amax = 0.0f;
-            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
-            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            for (int i = 0; i < 32; i++) q[32 * h + i] = (int8_t)(int)nearbyintf(xb[i] * inv);
-            xsb[0] = xsb[1] = xsb[2] = xsb[3] = amax / 127.0f;
-        }
+            if (b >= nb) xsb[0] = xsb[1] = xsb[2] = xsb[3] = 0.0f;
+            else quant32(x + (size_t)b * 32, q + 32 * h, xsb);
         }
         int8_t* o = xp + (size_t)bp * 64;
         for (int l = 0; l < 8; l++)
