@@ -23,7 +23,7 @@
    per row, token and pair of blocks (2bp, 2bp + 1) eight exact int32 lane sums, lane l the 8 codes of word l of the
    pair (lanes 0-3 block 2bp, 4-7 block 2bp + 1); each lane added to its fp32 lane by one fused multiply-add with
    fp32(xs_b * 2^(e_b - 128)); the 8 lanes summed once per row as ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)).
-   The expert's epilogue in scalar fp32: h + bias (gate rows first, then up, as the format stores them), the gate
+   The expert's epilogue in fp32 (8 features at a time on AVX2, mf_exp8 = expf): h + bias (gate rows first, then up, as the format stores them), the gate
    activation (MX_SILU: silu(g) u; MX_SWIGLU, gpt-oss: g' = min(g, limit), u' = clamp(u, -limit, limit),
    (u' + 1) g' sigmoid(alpha g')), libm's expf; then down, + bias, times the routing weight. */
 
@@ -313,11 +313,13 @@ static void mx_tile(const mxmat* m, int n0, int n1, int t0, int tt, const mxacts
         for (; r + 1 < nr; r += 2) {  /* two rows per 512-bit register */
             const uint8_t *lo = prow + (size_t)r * 16 * m->bpp, *lo1 = lo + 16 * m->bpp;
             const uint8_t* sc = srow + (size_t)r * m->bpp;
-            if (bp + 4 < a->nbp) _mm_prefetch((const char*)(lo + 4 * pstride), _MM_HINT_T0);
+            if (bp + 4 < a->nbp) {  /* the blocks and (every 32 rows) the scales 4 pairs on */
+                _mm_prefetch((const char*)(lo + 4 * pstride), _MM_HINT_T0);
+                if (!(r & 31)) _mm_prefetch((const char*)(sc + 4 * sstride), _MM_HINT_T0);
+            }
             const decoded2 w = decode2(lo, odd ? zeros : lo + hi_off, lo1, odd ? zeros : lo1 + hi_off);
-            uint32_t e4;  /* the scales of row A's blocks 2bp, 2bp + 1, row B's (bytes 0-3) */
-            if (m->bpp == 2) memcpy(&e4, sc, 4);
-            else e4 = sc[0] | (uint32_t)sc[shi] << 8 | (uint32_t)sc[1] << 16 | (uint32_t)sc[1 + shi] << 24;
+            uint32_t e4 = sc[0] | (uint32_t)sc[m->bpp] << 16;  /* bytes: row A's 2bp, 2bp + 1, row B's (0 if odd) */
+            if (!odd) e4 |= (uint32_t)sc[shi] << 8 | (uint32_t)sc[m->bpp + shi] << 24;
             const __m512 e16 = e8_half16(e4, odd);
             if (tt == 1) {
                 float* c = acc + 8 * r;
@@ -393,12 +395,11 @@ MXI float bias_at(const void* bias, int kind, int i) {
 }
 
 #if MF_AVX2
-MXI __m256 bias8(const void* bias, int kind, int i) {  /* bias_at(bias, kind, i .. i + 7) */
+MXI __m256 bias8(const void* bias, int kind, int i) {  /* bias_at(bias, kind, i .. i + 7); f16 as bias_at does */
+    float v[8];
     if (kind == MX_BIAS_F32) return _mm256_loadu_ps((const float*)bias + i);
-    if (kind == MX_BIAS_BF16)
-        return _mm256_castsi256_ps(_mm256_slli_epi32(
-            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)((const uint16_t*)bias + i))), 16));
-    float v[8];  /* f16: the scalar conversion (vcvtph2ps would quieten a signalling NaN) */
+    if (kind == MX_BIAS_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(
+                                  (const __m128i*)((const uint16_t*)bias + i))), 16));
     for (int l = 0; l < 8; l++) v[l] = bias_at(bias, kind, i + l);
     return _mm256_loadu_ps(v);
 }
