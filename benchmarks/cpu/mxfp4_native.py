@@ -3,7 +3,11 @@ kernel on the host store's bytes (``moeflow/kernels/cpu/mxfp4.c``, :class:`Mxfp4
 int4 digit form it replaces (:class:`Mxfp4CpuExpert`, 2.35x the bytes), in GB/s of the expert's MXFP4 bytes
 (blocks + scales: what the native kernel reads; the digit form reads 2.35x as many), one thread by default.
 
-    python -m benchmarks.cpu.mxfp4_native [--threads 1] [--reps 7] > benchmarks/results/s16_cpu_mxfp4_native/table.md
+    python -m benchmarks.cpu.mxfp4_native [--threads 1] [--reps 7] [--cold] \\
+        > benchmarks/results/s16_cpu_mxfp4_native/table.md
+
+``--cold``: 256 MB written between calls (not timed), so the expert's bytes come from DRAM as in a model's decode
+step (the default, one expert called again and again, reads them from the L3 cache: 13 MB fits a Zen 4 CCD's).
 """
 
 from __future__ import annotations
@@ -31,13 +35,15 @@ def cpu_name() -> str:
     return f"{name}; flags: {' '.join(f for f in flags if f.startswith(('avx512', 'avx2', 'fma', 'gfni')))}"
 
 
-def times_s(fn, reps: int) -> tuple[float, float]:
+def times_s(fn, reps: int, flush=None) -> tuple[float, float]:
     """(median, best) CPU seconds of the calling thread for ``fn`` over ``reps`` calls after one warm-up. One
     thread (``--threads 1``: the OpenMP team and torch's are the calling thread) on a shared, overloaded machine: a
     call's wall time is mostly waiting for a core, its thread time is what it computed."""
     fn()
     ts = []
     for _ in range(reps):
+        if flush is not None:
+            flush()
         t0 = time.thread_time()
         fn()
         ts.append(time.thread_time() - t0)
@@ -49,6 +55,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--cold", action="store_true", help="evict the caches between calls (256 MB written)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
@@ -72,8 +79,11 @@ def main() -> None:
     copy = torch.empty_like(flat)
     copy_s = times_s(lambda: copy.copy_(flat), args.reps)[1]
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    print(f"# Native MXFP4 CPU expert vs torch's int4 digits, gpt-oss-120b expert shapes\n\n"
-          f"`python -m benchmarks.cpu.mxfp4_native --threads {args.threads} --reps {args.reps}`\n\n"
+    junk = torch.zeros(64 << 20) if args.cold else None
+    flush = (lambda: junk.add_(1)) if args.cold else None
+    cold = " --cold" if args.cold else ""
+    print(f"# Native MXFP4 CPU expert vs torch's int4 digits, gpt-oss-120b expert shapes{cold}\n\n"
+          f"`python -m benchmarks.cpu.mxfp4_native --threads {args.threads} --reps {args.reps}{cold}`\n\n"
           f"CPU: {cpu_name()}\n\nuptime: {load}\n\ntorch {torch.__version__}, {args.threads} thread(s), "
           f"{args.reps} reps; os.cpu_count() {os.cpu_count()}\n")
     print(f"Expert MXFP4 bytes (blocks + scales, what the native kernel reads): {mx_bytes / 1e6:.1f} MB; digit form "
@@ -90,8 +100,8 @@ def main() -> None:
     for T in (1, 4, 8):
         x = torch.randn(T, H, generator=g)
         w = torch.ones(T)
-        mn, tn = times_s(lambda x=x, w=w: native.forward(x, w), args.reps)
-        md, td = times_s(lambda x=x, w=w: digits.forward(x, w), args.reps)
+        mn, tn = times_s(lambda x=x, w=w: native.forward(x, w), args.reps, flush)
+        md, td = times_s(lambda x=x, w=w: digits.forward(x, w), args.reps, flush)
         want = gate_activation(x @ w13f.T + t["w13_bias"].float(), fmt) @ w2f.T + t["w2_bias"].float()
         err = {name: float((f.forward(x, w).float() - want).norm() / want.norm()) for name, f in
                (("native", native), ("digits", digits))}

@@ -23,7 +23,7 @@
    per row, token and pair of blocks (2bp, 2bp + 1) eight exact int32 lane sums, lane l the 8 codes of word l of the
    pair (lanes 0-3 block 2bp, 4-7 block 2bp + 1); each lane added to its fp32 lane by one fused multiply-add with
    fp32(xs_b * 2^(e_b - 128)); the 8 lanes summed once per row as ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)).
-   The expert's epilogue in scalar fp32: h + bias (gate rows first, then up, as the format stores them), the gate
+   The expert's epilogue in fp32 (8 features at a time on AVX2, mf_exp8 = expf): h + bias (gate rows first, then up, as the format stores them), the gate
    activation (MX_SILU: silu(g) u; MX_SWIGLU, gpt-oss: g' = min(g, limit), u' = clamp(u, -limit, limit),
    (u' + 1) g' sigmoid(alpha g')), libm's expf; then down, + bias, times the routing weight. */
 
@@ -69,6 +69,31 @@ MXI float e8_half(uint8_t e) {
 
 /* ---- activations ------------------------------------------------------------------------------------------- */
 
+/* One block of 32 to int8 (q) and its scale. AVX2: max_ps keeps amax on a nan x as fmaxf does (the max is exact in
+   any order); round to nearest even, truncate to int32, keep the low byte (0 for a nan's 0x80000000), as the cast. */
+static void quant32(const float* x, int8_t* q, float* xs) {
+    float amax = 0.0f;
+#if MF_AVX2
+    __m256 v[4], m = _mm256_setzero_ps(), sign = _mm256_set1_ps(-0.0f);
+    for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(x + 8 * i), m = _mm256_max_ps(_mm256_andnot_ps(sign, v[i]), m);
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    __m256i r[4];
+    for (int i = 0; i < 4; i++)  /* the low bytes, packed per 128-bit lane: quads (0-3 8-11 16-19 24-27 4-7 ...) */
+        r[i] = _mm256_and_si256(_mm256_cvttps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT
+                                                                    | _MM_FROUND_NO_EXC)), _mm256_set1_epi32(0xFF));
+    const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(r[0], r[1]), _mm256_packus_epi32(r[2], r[3]));
+    _mm256_storeu_si256((__m256i*)q, _mm256_shuffle_epi32(_mm256_permute4x64_epi64(b, 0xD8), 0xD8));
+#else
+    for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(x[i]));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (int i = 0; i < 32; i++) q[i] = (int8_t)(int)nearbyintf(x[i] * inv);
+#endif
+    xs[0] = xs[1] = xs[2] = xs[3] = amax / 127.0f;
+}
+
 static void quantize_row(const float* x, int K, int8_t* xp, float* xs) {
     const int nb = K / 32, nbp = (nb + 1) / 2;
     int8_t q[64];
@@ -77,13 +102,8 @@ static void quantize_row(const float* x, int K, int8_t* xp, float* xs) {
         for (int h = 0; h < 2; h++) {
             const int b = 2 * bp + h;
             float* xsb = xs + (size_t)bp * 8 + 4 * h;
-            if (b >= nb) { xsb[0] = xsb[1] = xsb[2] = xsb[3] = 0.0f; continue; }
-            const float* xb = x + (size_t)b * 32;
-            float amax = 0.0f;
-            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
-            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            for (int i = 0; i < 32; i++) q[32 * h + i] = (int8_t)(int)nearbyintf(xb[i] * inv);
-            xsb[0] = xsb[1] = xsb[2] = xsb[3] = amax / 127.0f;
+            if (b >= nb) xsb[0] = xsb[1] = xsb[2] = xsb[3] = 0.0f;
+            else quant32(x + (size_t)b * 32, q + 32 * h, xsb);
         }
         int8_t* o = xp + (size_t)bp * 64;
         for (int l = 0; l < 8; l++)
@@ -199,15 +219,33 @@ MXI decoded2 decode2(const uint8_t* alo, const uint8_t* ahi, const uint8_t* blo,
     return r;
 }
 
+/* e8_half of 4 scales (bytes of e4) each in 4 lanes, (0 1 2 3) -> lanes 0-3, 4-7, 8-11, 12-15; the same bits
+   (e >= 2: (e - 1) << 23, else 0x200000 << e); lanes of bytes 1 and 3 zero when odd (no block 2bp + 1). */
+MXI __m512 e8_half16(uint32_t e4, int odd) {
+    const __m128i idx = _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __m512i e = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(_mm_cvtsi32_si128((int)e4), idx));
+    const __m512i big = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+    const __m512i small = _mm512_sllv_epi32(_mm512_set1_epi32(0x200000), e);
+    const __mmask16 ge2 = _mm512_cmpge_epu32_mask(e, _mm512_set1_epi32(2));
+    const __m512i bits = _mm512_mask_blend_epi32(ge2, small, big);
+    return _mm512_castsi512_ps(_mm512_maskz_mov_epi32(odd ? 0x0F0F : 0xFFFF, bits));
+}
+
 /* The 16 lanes of rows A and B (acc: A's 8 then B's) += word sums * (xs8 * e16), as pair_add per row. */
-MXI __m512 pair_add2(__m512 acc, const decoded2* w, const int8_t* xp, const float* xs8, __m512 e16) {
-    const __m512i zero = _mm512_setzero_si512();
-    const __m512i x0 = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)xp));
-    const __m512i x1 = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(xp + 32)));
+typedef struct { __m512i x0, x1; __m512 xs; } token2;  /* a token's pair codes and xs8, in both halves */
+
+MXI token2 token_load2(const int8_t* xp, const float* xs8) {
+    token2 t = {_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)xp)),
+                _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(xp + 32))),
+                _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(xs8))))};
+    return t;
+}
+
+MXI __m512 pair_add2(__m512 acc, const decoded2* w, const token2* t, __m512 e16) {
+    const __m512i zero = _mm512_setzero_si512(), x0 = t->x0, x1 = t->x1;
     const __m512i s0 = _mm512_mask_sub_epi8(x0, w->neg0, zero, x0), s1 = _mm512_mask_sub_epi8(x1, w->neg1, zero, x1);
     const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, w->mag0, s0), w->mag1, s1);
-    const __m512 xs = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(xs8))));
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(xs, e16), acc);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(t->xs, e16), acc);
 }
 #endif
 #else
@@ -267,19 +305,30 @@ static void mx_tile(const mxmat* m, int n0, int n1, int t0, int tt, const mxacts
         const uint8_t* srow = m->scales + bp * sstride + (size_t)n0 * m->bpp;
         int r = 0;
 #if MX_PAIR2
+        token2 tk[MX_TT];  /* the tile's tokens at this pair, loaded once (int8 loads may alias acc's stores) */
+        for (int i = 0; i < tt; i++) {
+            const size_t tp = (size_t)(t0 + i) * a->nbp + bp;
+            tk[i] = token_load2(a->q + tp * 64, a->s + tp * 8);
+        }
         for (; r + 1 < nr; r += 2) {  /* two rows per 512-bit register */
             const uint8_t *lo = prow + (size_t)r * 16 * m->bpp, *lo1 = lo + 16 * m->bpp;
             const uint8_t* sc = srow + (size_t)r * m->bpp;
-            if (bp + 4 < a->nbp) _mm_prefetch((const char*)(lo + 4 * pstride), _MM_HINT_T0);
+            if (bp + 4 < a->nbp) {  /* the blocks and (every 32 rows) the scales 4 pairs on */
+                _mm_prefetch((const char*)(lo + 4 * pstride), _MM_HINT_T0);
+                if (!(r & 31)) _mm_prefetch((const char*)(sc + 4 * sstride), _MM_HINT_T0);
+            }
             const decoded2 w = decode2(lo, odd ? zeros : lo + hi_off, lo1, odd ? zeros : lo1 + hi_off);
-            const float f0 = e8_half(sc[0]), f1 = odd ? 0.0f : e8_half(sc[shi]);
-            const float g0 = e8_half(sc[m->bpp]), g1 = odd ? 0.0f : e8_half(sc[m->bpp + shi]);
-            const __m512d ea = _mm512_castpd256_pd512(_mm256_castps_pd(make_e(f0, f1)));
-            const __m512 e16 = _mm512_castpd_ps(_mm512_insertf64x4(ea, _mm256_castps_pd(make_e(g0, g1)), 1));
-            for (int i = 0; i < tt; i++) {
-                const size_t tp = (size_t)(t0 + i) * a->nbp + bp;
-                float* c = acc + 8 * (i * nr + r);
-                _mm512_storeu_ps(c, pair_add2(_mm512_loadu_ps(c), &w, a->q + tp * 64, a->s + tp * 8, e16));
+            uint32_t e4 = sc[0] | (uint32_t)sc[m->bpp] << 16;  /* bytes: row A's 2bp, 2bp + 1, row B's (0 if odd) */
+            if (!odd) e4 |= (uint32_t)sc[shi] << 8 | (uint32_t)sc[m->bpp + shi] << 24;
+            const __m512 e16 = e8_half16(e4, odd);
+            if (tt == 1) {
+                float* c = acc + 8 * r;
+                _mm512_storeu_ps(c, pair_add2(_mm512_loadu_ps(c), &w, &tk[0], e16));
+            } else {
+                for (int i = 0; i < tt; i++) {
+                    float* c = acc + 8 * (i * nr + r);
+                    _mm512_storeu_ps(c, pair_add2(_mm512_loadu_ps(c), &w, &tk[i], e16));
+                }
             }
         }
 #endif
@@ -345,6 +394,37 @@ MXI float bias_at(const void* bias, int kind, int i) {
     return f;
 }
 
+#if MF_AVX2
+MXI __m256 bias8(const void* bias, int kind, int i) {  /* bias_at(bias, kind, i .. i + 7); f16 as bias_at does */
+    float v[8];
+    if (kind == MX_BIAS_F32) return _mm256_loadu_ps((const float*)bias + i);
+    if (kind == MX_BIAS_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(
+                                  (const __m128i*)((const uint16_t*)bias + i))), 16));
+    for (int l = 0; l < 8; l++) v[l] = bias_at(bias, kind, i + l);
+    return _mm256_loadu_ps(v);
+}
+
+/* The epilogue's gate activation for 8 features j .. j + 7 (g at g8, u at u8): the scalar loop's operations in its
+   order, mf_exp8 (libm's expf bit for bit); min/max_ps take the scalar fminf/fmaxf's operand on a nan g or u. */
+MXI void act8(const float* g8, const float* u8, float* o, const void* bias, int kind, int j, int I, int act,
+              float alpha, float limit) {
+    __m256 g = _mm256_loadu_ps(g8), u = _mm256_loadu_ps(u8);
+    if (bias) { g = _mm256_add_ps(g, bias8(bias, kind, j)); u = _mm256_add_ps(u, bias8(bias, kind, I + j)); }
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    if (act == MX_SILU) {
+        const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, mf_exp8(_mm256_xor_ps(g, sign))));
+        _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_mul_ps(g, sig), u));
+    } else {
+        const __m256 lim = _mm256_set1_ps(limit);
+        g = _mm256_min_ps(g, lim);
+        u = _mm256_min_ps(_mm256_max_ps(u, _mm256_xor_ps(lim, sign)), lim);
+        const __m256 e = mf_exp8(_mm256_xor_ps(_mm256_mul_ps(g, _mm256_set1_ps(alpha)), sign));
+        const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, e));
+        _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_add_ps(u, one), _mm256_mul_ps(g, sig)));
+    }
+}
+#endif
+
 /* One gpt-oss expert on T tokens, its matrices as the region stores them: w13 [2I, H] (gate rows, then up) in
    panels of p13, w2 [H, I] in panels of p2; bias13 [2I], bias2 [H] of `bias_kind` (NULL: none); x fp32 [T, H],
    weight fp32 [T], out fp32 [T, H]: out[t] (+)= weight[t] * (act(x w13.T + bias13) w2.T + bias2). act MX_SILU or
@@ -374,7 +454,11 @@ int mf_mxfp4_expert(const float* x, int T, int H, int I, const uint8_t* b13, con
         for (int t = 0; t < T; t++) {
             const float* ht = h + (size_t)t * 2 * I;
             float* at = av + (size_t)t * I;
-            for (int j = 0; j < I; j++) {
+            int j = 0;
+#if MF_AVX2
+            for (; j + 8 <= I; j += 8) act8(ht + j, ht + I + j, at + j, bias13, bias_kind, j, I, act, alpha, limit);
+#endif
+            for (; j < I; j++) {
                 float g = ht[j], u = ht[I + j];
                 if (bias13) { g += bias_at(bias13, bias_kind, j); u += bias_at(bias13, bias_kind, I + j); }
                 if (act == MX_SILU) {
