@@ -118,3 +118,36 @@ def test_offload_flags_or_from_pretrained_s_own_placement():
     assert offload_from_args(args, None, args.policy) == OffloadConfig(early_hits=False)
     args = parsed("--policy", "lru", "--slots", "8")
     assert offload_from_args(args, 8, args.policy) == OffloadConfig(policy="lru", gpu_expert_slots=8)
+
+
+@pytest.mark.parametrize("command", [["generate", "--model", "unused"], ["demo"], ["chat"], ["serve"],
+                                     ["generate", "--model", "unused", "--chat"],
+                                     ["trace", "--model", "unused", "--prompts", "p.jsonl", "--out", "t.safetensors"]])
+def test_loading_flags_reach_from_pretrained(command, monkeypatch):
+    """--no-mmap / --cpu-form-cache are from_pretrained's mmap=False / cpu_form_cache=True; without them its
+    defaults (mmap=True, cpu_form_cache=False), on every command that loads a model."""
+    import moeflow
+
+    seen = []
+
+    def fake_from_pretrained(*args, **kwargs):
+        seen.append((kwargs["mmap"], kwargs["cpu_form_cache"]))
+        raise SystemExit(0)  # stop before any loading
+
+    monkeypatch.setattr(moeflow.MoEModel, "from_pretrained", fake_from_pretrained)
+    for flags, want in (([], (True, False)), (["--no-mmap"], (False, False)), (["--cpu-form-cache"], (True, True)),
+                        (["--no-mmap", "--cpu-form-cache"], (False, True))):
+        with pytest.raises(SystemExit):
+            main([*command, "--device", "cpu", *flags])
+        assert seen[-1] == want, (command, flags)
+    assert len(seen) == 4
+
+
+def test_serve_help_lists_the_loading_flags(capsys):
+    """``moeflow serve --help`` shows both, with where the CPU form cache goes and what it costs on disk."""
+    with pytest.raises(SystemExit) as done:
+        main(["serve", "--help"])
+    assert done.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps the help at the terminal's width
+    assert "--no-mmap" in text and "--cpu-form-cache" in text
+    assert "cpu_forms" in text and "disk space equal to the experts' converted size" in text

@@ -80,6 +80,26 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
                    help="tokens drafted per pass with --speculative (default 1, the published use)")
 
 
+def add_loading_args(p: argparse.ArgumentParser) -> None:
+    """``--no-mmap`` and ``--cpu-form-cache``: from_pretrained's ``mmap`` and ``cpu_form_cache`` (llama.cpp's
+    names where it has one), read by :func:`loading_from_args`."""
+    p.add_argument("--no-mmap", dest="mmap", action="store_false",
+                   help="copy a GGUF file's experts into memory at load instead of mapping the file (llama.cpp's "
+                        "flag; mapping, the default, applies on --device cpu with every expert resident, to experts "
+                        "the CPU runs as stored: Q8_0, Q4_K, Q5_K, Q6_K)")
+    p.add_argument("--cpu-form-cache", action="store_true",
+                   help="on --device cpu with every expert resident: write AWQ / all-Q4_0 GGUF experts' converted "
+                        "CPU int4 form once to $MOEFLOW_CACHE_DIR/cpu_forms (default ~/.cache/moeflow/cpu_forms) "
+                        "and map it on later loads instead of converting; costs disk space equal to the experts' "
+                        "converted size (about their size in the checkpoint), one file per checkpoint")
+
+
+def loading_from_args(args: argparse.Namespace) -> dict[str, bool]:
+    """``--no-mmap`` / ``--cpu-form-cache`` as from_pretrained's keyword arguments ``mmap`` and
+    ``cpu_form_cache``."""
+    return {"mmap": args.mmap, "cpu_form_cache": args.cpu_form_cache}
+
+
 def _load(args, slots: int | None, policy: str | None):
     from moeflow import MoEModel
 
@@ -87,7 +107,8 @@ def _load(args, slots: int | None, policy: str | None):
     offload = offload_from_args(args, slots, policy)
     dtype = DTYPES[args.dtype] if args.dtype else None
     return MoEModel.from_pretrained(args.model, device=args.device, dtype=dtype, offload=offload,
-                                    kernels=args.kernels, cuda_graphs=AUTO_ON_OFF[args.cuda_graphs], mtp=mtp)
+                                    kernels=args.kernels, cuda_graphs=AUTO_ON_OFF[args.cuda_graphs], mtp=mtp,
+                                    **loading_from_args(args))
 
 
 def _run_prompt(model, prompt: str, args) -> int:
@@ -193,6 +214,7 @@ def _add_generation_args(p: argparse.ArgumentParser, default_policy: str | None)
                    help="an offload policy (default: every expert on the device when they fit, else 'auto'; "
                         "'auto' when --slots or --gpu-memory-gb is given)" if default_policy is None else None)
     add_device_switches(p, "step")
+    add_loading_args(p)
     p.add_argument("--json", action="store_true", help="also print the stats as JSON")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="time the very first call too (by default a one-token warm-up runs first)")

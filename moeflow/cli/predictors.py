@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from moeflow.cli.commands import add_loading_args, loading_from_args
+
 KINDS = ("duoserve", "promoe", "finemoe", "skip-gate", "popularity", "expertflow")
 
 
@@ -31,7 +33,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
     _threads(args)
     dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}.get(args.dtype)
-    model = MoEModel.from_pretrained(args.model, device=args.device, dtype=dtype)
+    model = MoEModel.from_pretrained(args.model, device=args.device, dtype=dtype, **loading_from_args(args))
     prompts = read_prompts(args.prompts, model.tokenizer)
     if args.limit:
         prompts = prompts[: args.limit]
@@ -125,6 +127,7 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_loading_args(p)
     p.set_defaults(func=cmd_trace)
 
     p = subparsers.add_parser("train-predictor", help="build an expert predictor from a trace")

@@ -19,8 +19,10 @@ from moeflow.cli.commands import (
     _default_device,
     _gb_or_auto,
     add_device_switches,
+    add_loading_args,
     add_speculative_args,
     embedded_model_path,
+    loading_from_args,
     offload_from_args,
     speculative_from_args,
 )
@@ -38,7 +40,7 @@ def _load_model(args, cuda_graphs: bool | None):
     dtype = DTYPES[args.dtype] if args.dtype else None
     return MoEModel.from_pretrained(args.model or str(embedded_model_path()), device=args.device,
                                     dtype=dtype, offload=offload, kernels=args.kernels,
-                                    cuda_graphs=cuda_graphs, mtp=mtp)
+                                    cuda_graphs=cuda_graphs, mtp=mtp, **loading_from_args(args))
 
 
 class ReplyStreamer:
@@ -279,6 +281,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--background-load", action="store_true",
                    help="ready once the non-expert weights are loaded; experts fill host memory in the background "
                         "(read on demand until then; needs an offloading placement)")
+    add_loading_args(p)
     p.add_argument("--policy", default=None,
                    help="an offload policy (default: every expert on the device when they fit, else 'auto'; "
                         "'auto' when --slots or --gpu-memory-gb is given)")
