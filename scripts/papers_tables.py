@@ -335,6 +335,12 @@ def serve_batch(model_path: Path, policy: str, slots: int | None, gate: bool, id
     return row
 
 
+def routed_experts(model) -> int:
+    """Routed experts in the whole model, the budgets' 100%: MoE layers x experts per layer, from the family (its
+    config's field: Mixtral's ``num_local_experts``, Qwen's ``num_experts``, DeepSeek's ``n_routed_experts``)."""
+    return len(model.family.moe_layers) * model.family.num_experts
+
+
 def cmd_batch8(args) -> dict:
     from moeflow import MoEModel
 
@@ -344,7 +350,7 @@ def cmd_batch8(args) -> dict:
     ids, mask = torch.zeros((len(ev), width), dtype=torch.long), torch.zeros((len(ev), width), dtype=torch.long)
     for i, p in enumerate(ev):
         ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
-    total = model.config.num_hidden_layers * model.config.num_experts
+    total = routed_experts(model)
     budgets = [round(total * f) for f in args.fractions]
     ref = serve_batch(args.model, "resident", None, False, ids, mask, args.batch_tokens)
     rows, lines = [], ["| slots | policy | gate | hit decode | hit prefill | decode experts / token | "
