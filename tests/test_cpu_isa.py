@@ -3,7 +3,8 @@ bits: the same int8 activations, integer block sums exact in int32 whatever the 
 C), and the same fp32 operations per output row in the same order. An ISA this CPU lacks is skipped with the
 reason printed; the AVX2 build (``-march=native -mno-avx512f``, ``MOEFLOW_CPU_ISA=avx2``) is the path of an
 AVX2-only machine, tested here on an AVX-512 one. The kernels: q4, q8, the q4 expert and the native MXFP4 expert
-(mxfp4.c; on AVX-512 VBMI machines its two-row decode). ~10 s on the loaded 2-core EPYC (three builds, cached)."""
+(mxfp4.c; on AVX-512 VBMI machines its two-row decode; both gate activations, f32 / f16 / bf16 biases, nan / inf
+inputs). ~10 s on the loaded 2-core EPYC (three builds, cached)."""
 
 from __future__ import annotations
 
@@ -89,21 +90,54 @@ def _all_kernels() -> list[torch.Tensor]:
     return res + _mxfp4_kernels()
 
 
+# (H, I, bias dtype or None, activation): 64-input panels (128, 64) and 32-input panels with an odd number of
+# blocks (96 = 3, 160 = 5); both gate activations with each bias dtype, and no bias
+MXFP4_CASES = ((128, 64, torch.bfloat16, "clamped_swiglu"), (96, 160, torch.bfloat16, "silu"),
+               (64, 96, torch.float16, "clamped_swiglu"), (96, 64, torch.float16, "silu"),
+               (160, 96, torch.float32, "clamped_swiglu"), (64, 128, torch.float32, "silu"),
+               (96, 64, None, "clamped_swiglu"))
+
+
+def _mxfp4_rows(t: int, k: int) -> torch.Tensor:
+    """t rows of k inputs, row r scaled by 0.1 x 4^(r mod 4): gate inputs where sigmoid is not yet 1 (an fp32
+    rounding of the epilogue changes an int8 block of the down projection) and beyond the SwiGLU clamp; from 8
+    tokens on, rows 1-4 hold a nan, a +inf, a -inf and an all-zero block of 32 (the int8 scale's special cases)."""
+    x = torch.randn(t, k, generator=torch.Generator().manual_seed(t)) * (0.1 * 4.0 ** (torch.arange(t) % 4))[:, None]
+    if t >= 8:
+        x[1, 5], x[2, 7], x[3, k - 9], x[4, 32:64] = float("nan"), float("inf"), -float("inf"), 0.0
+    return x
+
+
 def _mxfp4_kernels() -> list[torch.Tensor]:
-    """The native MXFP4 expert (mxfp4.c) on the region layout: 64-input panels, and 32-input panels with an odd
-    number of blocks; every token tile; bf16 biases, clamped SwiGLU."""
+    """The native MXFP4 expert (mxfp4.c, mxfp4_epilogue.c) on the region layout: MXFP4_CASES at 1, 3, 4, 8, 9
+    tokens (every token tile and tail, the nan / inf / zero rows), added into an ``out`` too; the down matrix
+    alone. The special rows' documented results are asserted on each build: a nan input reads as 0 (max|x| skips
+    it, its code is 0), an infinite one makes its token's gate row nan (code 0 times xs = inf), which the down
+    projection's int8 activations read as zeros (SiLU: the output is bias2 x weight; the clamped SwiGLU's min / max
+    keep the limit), so every output is finite."""
     from test_cpu_mxfp4_native import expert_tensors
 
     from moeflow.kernels.formats import biased_expert_format
 
     res = []
-    g = torch.Generator().manual_seed(8)
-    for H, I in ((128, 64), (96, 160)):  # noqa: E741
-        fmt = biased_expert_format(kind="mxfp4", hidden_size=H, intermediate_size=I, dtype=torch.bfloat16,
-                                   activation="clamped_swiglu")
-        expert = fmt.cpu_expert(expert_tensors(H, I, torch.bfloat16, True, seed=H))
-        res += _cases(H, lambda x, e=expert: e.forward(x, torch.rand(x.shape[0], generator=g)), (1, 5, 9, 17))
-        res += _cases(I, expert.w2.matmul, (1, 3))
+    for i, (H, I, dtype, act) in enumerate(MXFP4_CASES):  # noqa: E741
+        fmt = biased_expert_format(kind="mxfp4", hidden_size=H, intermediate_size=I, dtype=dtype or torch.float32,
+                                   activation=act, bias=dtype is not None)
+        tensors = expert_tensors(H, I, dtype, dtype is not None, seed=40 + i)
+        expert = fmt.cpu_expert(tensors)
+        for t in (1, 3, 4, 8, 9):
+            x, w = _mxfp4_rows(t, H), torch.rand(t, generator=torch.Generator().manual_seed(t))
+            y = expert.forward(x, w)
+            assert y.isfinite().all()
+            if t >= 8:
+                x0 = x.clone()
+                x0[1, 5] = 0.0
+                assert torch.equal(expert.forward(x0, w)[1], y[1])
+                if act == "silu":
+                    b2 = tensors["w2_bias"].float() if dtype is not None else torch.zeros(H)
+                    assert torch.equal(y[2:4], b2 * w[2:4, None])
+            acc = torch.randn(t, H, generator=torch.Generator().manual_seed(99))
+            res += [y, expert.forward(x, w, out=acc), expert.w2.matmul(_mxfp4_rows(t, I))]
     return res
 
 

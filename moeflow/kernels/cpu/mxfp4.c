@@ -17,34 +17,26 @@
    (0, 1, 2, 3, 4, 6, 8, 12 and their negatives: pshufb), activations quantized to int8 per block of 32 (scale
    xs = max|x| / 127, round half to even, as gguf.c), |w| x sign(x, w) summed exactly in int32 (vpdpbusd on AVX-512
    VNNI, maddubs + pmaddwd on AVX2, C loops on the portable build), and the block's factor 2^(e - 127) / 2 times xs.
-   The activations are stored permuted the way the codes come out of the decode (quantize_row), once per token.
+   The activations are stored permuted the way the codes come out of the decode, once per token (mx_acts_row).
 
    Numerics, the same operations on every build and whatever the batch (tests/test_cpu_isa.py compares bits):
    per row, token and pair of blocks (2bp, 2bp + 1) eight exact int32 lane sums, lane l the 8 codes of word l of the
    pair (lanes 0-3 block 2bp, 4-7 block 2bp + 1); each lane added to its fp32 lane by one fused multiply-add with
    fp32(xs_b * 2^(e_b - 128)); the 8 lanes summed once per row as ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)).
-   The expert's epilogue in fp32 (8 features at a time on AVX2, mf_exp8 = expf): h + bias (gate rows first, then up, as the format stores them), the gate
-   activation (MX_SILU: silu(g) u; MX_SWIGLU, gpt-oss: g' = min(g, limit), u' = clamp(u, -limit, limit),
-   (u' + 1) g' sigmoid(alpha g')), libm's expf; then down, + bias, times the routing weight. */
+   The activations' quantization and the expert's epilogue (biases, the gate activation, the routing weight) are in
+   mxfp4_epilogue.c, the declarations both files share in mxfp4.h. */
 
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "native.h"
+#include "mxfp4.h"
 
 #define MX_ROWS 128  /* weight rows per work item: a panel of them is 4 KB of contiguous blocks (the panels are
                         N x 32 bytes apart; 32 rows, 1 KB, ran at half the speed for one token) */
 #define MX_TT 4      /* tokens per tile: a block pair is decoded once per row and tile (accumulators 16 KB) */
-#define MX_SILU 0
-#define MX_SWIGLU 1
-#define MX_BIAS_F32 0
-#define MX_BIAS_BF16 1
-#define MX_BIAS_F16 2
-#define MXI static inline __attribute__((always_inline))
 
-static const int PERM0[4] = {4, 2, 5, 3}, PERM1[4] = {0, 6, 1, 7};  /* code of a word at byte i of its lane */
 static const int8_t VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};  /* 2 x e2m1 */
 
 typedef struct {  /* one matrix W [N, K] in the region layout */
@@ -53,76 +45,12 @@ typedef struct {  /* one matrix W [N, K] in the region layout */
     int N, K, bpp;  /* bpp: blocks per panel (P / 32) */
 } mxmat;
 
-typedef struct {  /* T tokens quantized for K inputs */
-    int8_t* q;  /* [T, nbp, 64]: per block pair 64 codes, the two registers' orders */
-    float* s;   /* [T, nbp, 8]: per block pair xs of block 2bp x4, of 2bp + 1 x4 (0 for a missing odd block) */
-    int nbp;    /* block pairs: ceil(K / 64) */
-} mxacts;
-
 /* 2^(e - 128) as a float (e8m0 halved: the table holds doubled values), exactly, subnormal for e < 2. */
 MXI float e8_half(uint8_t e) {
     const uint32_t bits = e >= 2 ? (uint32_t)(e - 1) << 23 : 0x200000u << e;
     float f;
     memcpy(&f, &bits, 4);
     return f;
-}
-
-/* ---- activations ------------------------------------------------------------------------------------------- */
-
-/* One block of 32 to int8 (q) and its scale. AVX2: max_ps keeps amax on a nan x as fmaxf does (the max is exact in
-   any order); round to nearest even, truncate to int32, keep the low byte (0 for a nan's 0x80000000), as the cast. */
-static void quant32(const float* x, int8_t* q, float* xs) {
-    float amax = 0.0f;
-#if MF_AVX2
-    __m256 v[4], m = _mm256_setzero_ps(), sign = _mm256_set1_ps(-0.0f);
-    for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(x + 8 * i), m = _mm256_max_ps(_mm256_andnot_ps(sign, v[i]), m);
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
-    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-    __m256i r[4];
-    for (int i = 0; i < 4; i++)  /* the low bytes, packed per 128-bit lane: quads (0-3 8-11 16-19 24-27 4-7 ...) */
-        r[i] = _mm256_and_si256(_mm256_cvttps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT
-                                                                    | _MM_FROUND_NO_EXC)), _mm256_set1_epi32(0xFF));
-    const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(r[0], r[1]), _mm256_packus_epi32(r[2], r[3]));
-    _mm256_storeu_si256((__m256i*)q, _mm256_shuffle_epi32(_mm256_permute4x64_epi64(b, 0xD8), 0xD8));
-#else
-    for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(x[i]));
-    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    for (int i = 0; i < 32; i++) q[i] = (int8_t)(int)nearbyintf(x[i] * inv);
-#endif
-    xs[0] = xs[1] = xs[2] = xs[3] = amax / 127.0f;
-}
-
-static void quantize_row(const float* x, int K, int8_t* xp, float* xs) {
-    const int nb = K / 32, nbp = (nb + 1) / 2;
-    int8_t q[64];
-    for (int bp = 0; bp < nbp; bp++) {
-        memset(q, 0, sizeof q);
-        for (int h = 0; h < 2; h++) {
-            const int b = 2 * bp + h;
-            float* xsb = xs + (size_t)bp * 8 + 4 * h;
-            if (b >= nb) xsb[0] = xsb[1] = xsb[2] = xsb[3] = 0.0f;
-            else quant32(x + (size_t)b * 32, q + 32 * h, xsb);
-        }
-        int8_t* o = xp + (size_t)bp * 64;
-        for (int l = 0; l < 8; l++)
-            for (int i = 0; i < 4; i++) {
-                o[4 * l + i] = q[8 * l + PERM0[i]];
-                o[32 + 4 * l + i] = q[8 * l + PERM1[i]];
-            }
-    }
-}
-
-static int acts_alloc(mxacts* a, int T, int K) {
-    a->nbp = (K / 32 + 1) / 2;
-    a->q = malloc((size_t)T * a->nbp * 64);
-    a->s = malloc(sizeof(float) * (size_t)T * 8 * a->nbp);
-    return a->q && a->s ? 0 : -1;
-}
-static void acts_free(mxacts* a) { free(a->q); free(a->s); }
-static void acts_row(mxacts* a, const float* x, int K, int t) {
-    quantize_row(x, K, a->q + (size_t)t * a->nbp * 64, a->s + (size_t)t * 8 * a->nbp);
 }
 
 /* ---- one block pair ---------------------------------------------------------------------------------------- */
@@ -375,55 +303,15 @@ int mf_mxfp4_linear(const float* x, int T, int K, int N, const uint8_t* blocks, 
     if (mx_check(K, panel, blocks, scales)) return -2;
     const mxmat m = {blocks, scales, N, K, panel / 32};
     mxacts a;
-    if (acts_alloc(&a, T, K)) { acts_free(&a); return -1; }
-    for (int t = 0; t < T; t++) acts_row(&a, x + (size_t)t * K, K, t);
+    if (mx_acts_alloc(&a, T, K)) { mx_acts_free(&a); return -1; }
+    for (int t = 0; t < T; t++) mx_acts_row(&a, x + (size_t)t * K, K, t);
     const int ch = mx_chunk(N, nthreads), nc = (N + ch - 1) / ch;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int c = 0; c < nc; c++) mx_rows(&m, c * ch, (c + 1) * ch < N ? (c + 1) * ch : N, T, &a, y, N);
-    acts_free(&a);
+    mx_acts_free(&a);
     return 0;
 }
 
-MXI float bias_at(const void* bias, int kind, int i) {
-    if (kind == MX_BIAS_F32) return ((const float*)bias)[i];
-    const uint16_t h = ((const uint16_t*)bias)[i];
-    if (kind == MX_BIAS_F16) return mf_half_to_float(h);
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-#if MF_AVX2
-MXI __m256 bias8(const void* bias, int kind, int i) {  /* bias_at(bias, kind, i .. i + 7); f16 as bias_at does */
-    float v[8];
-    if (kind == MX_BIAS_F32) return _mm256_loadu_ps((const float*)bias + i);
-    if (kind == MX_BIAS_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(
-                                  (const __m128i*)((const uint16_t*)bias + i))), 16));
-    for (int l = 0; l < 8; l++) v[l] = bias_at(bias, kind, i + l);
-    return _mm256_loadu_ps(v);
-}
-
-/* The epilogue's gate activation for 8 features j .. j + 7 (g at g8, u at u8): the scalar loop's operations in its
-   order, mf_exp8 (libm's expf bit for bit); min/max_ps take the scalar fminf/fmaxf's operand on a nan g or u. */
-MXI void act8(const float* g8, const float* u8, float* o, const void* bias, int kind, int j, int I, int act,
-              float alpha, float limit) {
-    __m256 g = _mm256_loadu_ps(g8), u = _mm256_loadu_ps(u8);
-    if (bias) { g = _mm256_add_ps(g, bias8(bias, kind, j)); u = _mm256_add_ps(u, bias8(bias, kind, I + j)); }
-    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
-    if (act == MX_SILU) {
-        const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, mf_exp8(_mm256_xor_ps(g, sign))));
-        _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_mul_ps(g, sig), u));
-    } else {
-        const __m256 lim = _mm256_set1_ps(limit);
-        g = _mm256_min_ps(g, lim);
-        u = _mm256_min_ps(_mm256_max_ps(u, _mm256_xor_ps(lim, sign)), lim);
-        const __m256 e = mf_exp8(_mm256_xor_ps(_mm256_mul_ps(g, _mm256_set1_ps(alpha)), sign));
-        const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, e));
-        _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_add_ps(u, one), _mm256_mul_ps(g, sig)));
-    }
-}
-#endif
 
 /* One gpt-oss expert on T tokens, its matrices as the region stores them: w13 [2I, H] (gate rows, then up) in
    panels of p13, w2 [H, I] in panels of p2; bias13 [2I], bias2 [H] of `bias_kind` (NULL: none); x fp32 [T, H],
@@ -439,10 +327,10 @@ int mf_mxfp4_expert(const float* x, int T, int H, int I, const uint8_t* b13, con
     const mxmat w13 = {b13, s13, 2 * I, H, p13 / 32}, w2 = {b2, s2, H, I, p2 / 32};
     mxacts ax, aa;
     float* f = malloc(sizeof(float) * ((size_t)T * 3 * I + (size_t)T * H));
-    const int bad = acts_alloc(&ax, T, H) | acts_alloc(&aa, T, I);
-    if (bad || !f) { acts_free(&ax); acts_free(&aa); free(f); return -1; }
+    const int bad = mx_acts_alloc(&ax, T, H) | mx_acts_alloc(&aa, T, I);
+    if (bad || !f) { mx_acts_free(&ax); mx_acts_free(&aa); free(f); return -1; }
     float *h = f, *av = h + (size_t)T * 2 * I, *y = av + (size_t)T * I;
-    for (int t = 0; t < T; t++) acts_row(&ax, x + (size_t)t * H, H, t);
+    for (int t = 0; t < T; t++) mx_acts_row(&ax, x + (size_t)t * H, H, t);
     const int ch13 = mx_chunk(2 * I, nthreads), ch2 = mx_chunk(H, nthreads);
     const int nc13 = (2 * I + ch13 - 1) / ch13, nc2 = (H + ch2 - 1) / ch2;
 #pragma omp parallel num_threads(nthreads)
@@ -454,36 +342,16 @@ int mf_mxfp4_expert(const float* x, int T, int H, int I, const uint8_t* b13, con
         for (int t = 0; t < T; t++) {
             const float* ht = h + (size_t)t * 2 * I;
             float* at = av + (size_t)t * I;
-            int j = 0;
-#if MF_AVX2
-            for (; j + 8 <= I; j += 8) act8(ht + j, ht + I + j, at + j, bias13, bias_kind, j, I, act, alpha, limit);
-#endif
-            for (; j < I; j++) {
-                float g = ht[j], u = ht[I + j];
-                if (bias13) { g += bias_at(bias13, bias_kind, j); u += bias_at(bias13, bias_kind, I + j); }
-                if (act == MX_SILU) {
-                    at[j] = g * (1.0f / (1.0f + expf(-g))) * u;
-                } else {
-                    g = fminf(g, limit);
-                    u = fminf(fmaxf(u, -limit), limit);
-                    at[j] = (u + 1.0f) * (g * (1.0f / (1.0f + expf(-(g * alpha)))));
-                }
-            }
-            acts_row(&aa, at, I, t);
+            mx_gate_up(ht, at, I, bias13, bias_kind, act, alpha, limit);
+            mx_acts_row(&aa, at, I, t);
         }
 #pragma omp for schedule(static)
         for (int c = 0; c < nc2; c++) {
             const int n0 = c * ch2, n1 = n0 + ch2 < H ? n0 + ch2 : H;
             mx_rows(&w2, n0, n1, T, &aa, y, H);
-            for (int t = 0; t < T; t++)
-                for (int n = n0; n < n1; n++) {
-                    float v = y[(size_t)t * H + n];
-                    if (bias2) v += bias_at(bias2, bias_kind, n);
-                    v *= weight[t];
-                    out[(size_t)t * H + n] = accumulate ? out[(size_t)t * H + n] + v : v;
-                }
+            mx_down_out(y, T, H, n0, n1, bias2, bias_kind, weight, out, accumulate);
         }
     }
-    acts_free(&ax); acts_free(&aa); free(f);
+    mx_acts_free(&ax); mx_acts_free(&aa); free(f);
     return 0;
 }
