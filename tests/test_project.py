@@ -35,3 +35,13 @@ def test_readme_usage_example_runs():
     exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 (our own README)
     assert namespace["out"].shape[1] > namespace["enc"]["input_ids"].shape[1]
     assert namespace["logits"].dim() == 3
+
+
+def test_import_restores_the_garbage_collectors_state():
+    """``import moeflow`` pauses the cyclic collector while it imports, then leaves it as the caller had it."""
+    probe = ("import gc, sys; was = gc.isenabled(); import moeflow; "
+             "sys.exit(0 if gc.isenabled() == was and 'moeflow.api' in sys.modules else 1)")
+    for setup in ("", "import gc; gc.disable(); "):
+        result = subprocess.run([sys.executable, "-c", setup + probe], cwd=ROOT, capture_output=True, text=True,
+                                timeout=300)
+        assert result.returncode == 0, f"setup {setup!r}: {result.stderr[-2000:]}"
