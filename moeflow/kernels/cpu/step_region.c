@@ -18,8 +18,8 @@
 
    Layers with GGUF experts run each routed expert, in k order, as gguf.c's mf_gguf_expert_team (mf_gguf_expert's
    numbers at T = 1, its row loops orphaned `omp for` loops of this team, its activations quantized by every
-   thread into its own scratch); a GGUF expert of a type it refuses (or a layer mixing GGUF and q4 experts, or a
-   GGUF shared expert) takes mf_layers_step_calls. */
+   thread into its own scratch); a GGUF expert of a type it refuses, a layer mixing GGUF and q4 experts, or GGUF
+   experts beside a shared expert take mf_layers_step_calls. */
 
 #include <math.h>
 #include <omp.h>
@@ -229,16 +229,17 @@ static void moe_half(const mf_layer_desc* d, int H, team_bufs* S, own_bufs* P, i
     }
     const int k = d->k, I = d->I, G = d->group;
     const mf_expert_desc* sh = d->shared;
-    const int gg = d->experts[0].t13 != 0;  /* GGUF experts (all of the layer's: mf_layers_step checks) */
-    if (gg)  /* each routed expert across the team in k order into moe (each ends at a barrier) */
-        for (int j = 0; j < k; j++) {
+    if (d->experts[0].t13) {  /* GGUF experts (all of the layer's, no shared expert: mf_layers_step checks) */
+        for (int j = 0; j < k; j++) {  /* each across the team, in k order, into moe (each ends at a barrier) */
             const mf_expert_desc* e = &d->experts[P->ids[j]];
             mf_gguf_expert_team(P->hm, H, I, e->t13, e->w13, e->up, e->gs13, e->t2, e->w2, e->gs2, P->wts[j], S->moe,
                                 j > 0, S->h13, S->ye, P->gg);
         }
-    else
-        quantize(P->hm, H, 4, G, &P->in[0]);
-    if (!gg && !sh && k % nth == 0) {  /* whole experts per thread (one thread: the per-layer order): no barrier inside one */
+        for (int n = 0; n < H; n++) P->x[n] = P->xa[n] + S->moe[n];
+        return;
+    }
+    quantize(P->hm, H, 4, G, &P->in[0]);
+    if (!sh && k % nth == 0) {  /* whole experts per thread (one thread: the per-layer order): no barrier inside one */
         for (int j = tid; j < k; j += nth) {
             const mf_expert_desc* e = &d->experts[P->ids[j]];
             expert_rows(e, 0, 0, 2 * I, H, 2 * I, G, &P->in[0], P->h13);
@@ -259,8 +260,7 @@ static void moe_half(const mf_layer_desc* d, int H, team_bufs* S, own_bufs* P, i
     const int sI = sh ? d->shared_I : 0, sG = sh ? d->shared_group : 0;
     const float gs = sh && d->shared_gate ? 1.0f / (1.0f + expf(-mf_dot(P->hm, d->shared_gate, H))) : 1.0f;
     if (sh) quantize(P->hm, H, 4, sG, &P->in[1]);
-    const int j0 = gg ? k : 0;  /* GGUF: only the shared expert is left */
-    for (int j = j0; j <= k; j++) {
+    for (int j = 0; j <= k; j++) {
         const mf_expert_desc* e = j < k ? &d->experts[P->ids[j]] : sh;
         if (!e) break;
         const int N = 2 * (j < k ? I : sI), nc = nchunks(N);
@@ -270,7 +270,7 @@ static void moe_half(const mf_layer_desc* d, int H, team_bufs* S, own_bufs* P, i
                         &P->in[j < k ? 0 : 1], S->h13 + (size_t)j * S->h13_ld);
     }
 #pragma omp barrier
-    for (int j = j0; j < k + (sh != NULL); j++) {
+    for (int j = 0; j < k + (sh != NULL); j++) {
         const int Ij = j < k ? I : sI;
         mf_silu_mul(S->h13 + (size_t)j * S->h13_ld, S->h13 + (size_t)j * S->h13_ld + Ij, Ij, P->act);
         quantize(P->act, Ij, 4, j < k ? G : sG, &P->ea[j]);
@@ -279,7 +279,7 @@ static void moe_half(const mf_layer_desc* d, int H, team_bufs* S, own_bufs* P, i
        made the whole one-thread step ~20% slower, measured on the loaded machine), then their weighted sum */
     int n0, n1;
     span(H, tid, nth, &n0, &n1);
-    for (int j = j0; j < k; j++) {  /* mf_q4_expert's out (+)= weight * y, in k order */
+    for (int j = 0; j < k; j++) {  /* mf_q4_expert's out (+)= weight * y, in k order */
         float* y = S->ye + (size_t)j * H;
         expert_rows(&d->experts[P->ids[j]], 1, n0, n1, I, H, G, &P->ea[j], y);
         for (int n = n0; n < n1; n++) {
@@ -304,7 +304,8 @@ int mf_layers_step(const mf_layer_desc* layers, int n, float* x, int H, const fl
     dims m = {1, 1, 1, 1, 1, 1, H};
     for (int l = 0; l < n; l++) {
         const mf_layer_desc* d = &layers[l];
-        int fall = d->shared && d->shared->t13;  /* (a shared expert is q4: mf_shared_expert) */
+        int fall = d->shared && (d->shared->t13 || d->experts[0].t13);  /* (GGUF experts beside a shared one: the
+            calls; no model takes that path yet) */
         for (int e = 0; e < d->E; e++) {
             const mf_expert_desc* x0 = &d->experts[0], *xe = &d->experts[e];
             fall |= (xe->t13 != 0) != (x0->t13 != 0) ||
