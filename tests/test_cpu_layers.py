@@ -255,3 +255,26 @@ def test_native_layers_with_gguf_experts_are_the_per_layer_step(gguf_files, kind
         _check_same_step(model, ids, counted, n=6)
     finally:
         model.close()
+
+
+@pytest.mark.parametrize("kind", ["Q4_K_M", "Q8_0"])
+def test_native_layers_with_gguf_experts_give_the_same_bits_on_1_2_and_3_threads(gguf_files, kind, counted):
+    """GGUF experts inside step_region.c's one parallel region (gguf.c's mf_gguf_expert_team: each expert's rows
+    split across the team, 1, 2 or 3 threads): each output the same bits, the per-layer path's."""
+    from moeflow import MoEModel
+
+    model = MoEModel.from_pretrained(gguf_files[kind], dtype=torch.float32, device="cpu")
+    threads = torch.get_num_threads()
+    try:
+        assert model.experts.fmt.kind == "gguf" and model.model.layers_step is not None
+        ids = torch.randint(3, 97, (1, 5), generator=torch.Generator().manual_seed(6))
+        ref, ref_x = _decode(model, ids, native=False, n=4)
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            counted[0] = 0
+            out, x = _decode(model, ids, native=True, n=4)
+            assert counted[0] == 3 and torch.equal(out, ref)
+            assert all(torch.equal(a, b) for a, b in zip(x, ref_x, strict=True)), f"{t} threads"
+    finally:
+        torch.set_num_threads(threads)
+        model.close()

@@ -279,3 +279,61 @@ int mf_gguf_expert(const float* x, int T, int H, int I, int t13, const uint8_t* 
     acts_free(&ax); acts_free(&aa); free(f);
     return 0;
 }
+
+/* ---- the one-token expert inside an enclosing parallel region (step_region.c) ---------------------------------- */
+
+/* 0 when mf_gguf_expert takes these types and sizes, else -2 (its refusal). */
+int mf_gguf_supported(int t13, int H, int t2, int I) { return check(t13, H) || check(t2, I) ? -2 : 0; }
+
+static size_t up64g(size_t n) { return (n + 63) & ~(size_t)63; }
+static size_t acts1_bytes(int K) {  /* one token's acts of any type (blocks of 32 at the least) */
+    return up64g((size_t)K) + up64g(sizeof(float) * (size_t)(K / 32)) + up64g(sizeof(int16_t) * (size_t)(K / 16)) +
+           up64g(sizeof(int32_t) * (size_t)(K / 4));
+}
+static void acts1_carve(acts* a, char** p, int K, int type) {
+    a->K = K;
+    a->bs = type_block(type);
+    a->type = type;
+    a->q = (int8_t*)*p; *p += up64g((size_t)K);
+    a->s = (float*)*p; *p += up64g(sizeof(float) * (size_t)(K / 32));
+    a->sum = (int16_t*)*p; *p += up64g(sizeof(int16_t) * (size_t)(K / 16));
+    a->z8 = (int32_t*)*p; *p += up64g(sizeof(int32_t) * (size_t)(K / 4));
+}
+
+/* The bytes of one thread's scratch for mf_gguf_expert_team (64-byte aligned pieces). */
+size_t mf_gguf_team_bytes(int H, int I) { return acts1_bytes(H) + acts1_bytes(I) + up64g(sizeof(float) * (size_t)I); }
+
+/* mf_gguf_expert at T = 1 (its numbers bit for bit), called by every thread of an enclosing team: the gate/up and
+   down rows are orphaned `omp for` loops (each ending at its barrier), the activations' quantization and the silu
+   run by every thread on the same inputs into its own scratch (mf_gguf_team_bytes(H, I) bytes, 64-byte aligned).
+   Outside a parallel region it runs on the calling thread. x fp32 [H] (read by all), h fp32 [2I] and y fp32 [H]
+   (shared scratch), out fp32 [H] (+)= weight * expert(x). Types must pass mf_gguf_supported. */
+void mf_gguf_expert_team(const float* x, int H, int I, int t13, const uint8_t* gate, const uint8_t* up, int64_t s13,
+                         int t2, const uint8_t* down, int64_t s2, float weight, float* out, int accumulate, float* h,
+                         float* y, void* scratch) {
+    char* p = scratch;
+    acts ax, aa;
+    acts1_carve(&ax, &p, H, t13);
+    acts1_carve(&aa, &p, I, t2);
+    float *hg = h, *hu = h + I;
+    acts_row(&ax, x, 0);
+    const int nc13 = (I + GROWS - 1) / GROWS, nc2 = (H + GROWS - 1) / GROWS;
+#pragma omp for schedule(static)
+    for (int c = 0; c < nc13; c++) {
+        const int n0 = c * GROWS, n1 = n0 + GROWS < I ? n0 + GROWS : I;
+        rows(t13, gate, s13, n0, n1, 1, &ax, hg, I);
+        rows(t13, up, s13, n0, n1, 1, &ax, hu, I);
+    }
+    float* act = (float*)p;  /* [I] the silu output (mf_gguf_expert's, every thread its own copy) */
+    mf_silu_mul(hg, hu, I, act);
+    acts_row(&aa, act, 0);
+#pragma omp for schedule(static)
+    for (int c = 0; c < nc2; c++) {
+        const int n0 = c * GROWS, n1 = n0 + GROWS < H ? n0 + GROWS : H;
+        rows(t2, down, s2, n0, n1, 1, &aa, y, H);
+        for (int n = n0; n < n1; n++) {
+            const float v = weight * y[n];
+            out[n] = accumulate ? out[n] + v : v;
+        }
+    }
+}

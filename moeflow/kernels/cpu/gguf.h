@@ -75,6 +75,12 @@ int mf_gguf_linear(const float* x, int T, int K, int N, int type, const uint8_t*
 int mf_gguf_expert(const float* x, int T, int H, int I, int t13, const uint8_t* gate, const uint8_t* up,
                    int64_t s13, int t2, const uint8_t* down, int64_t s2, const float* weight, float* out,
                    int accumulate, int nthreads);
+/* The one-token expert as worksharing loops of the enclosing OpenMP team (gguf.c; step_region.c). */
+int mf_gguf_supported(int t13, int H, int t2, int I);
+size_t mf_gguf_team_bytes(int H, int I);
+void mf_gguf_expert_team(const float* x, int H, int I, int t13, const uint8_t* gate, const uint8_t* up, int64_t s13,
+                         int t2, const uint8_t* down, int64_t s2, float weight, float* out, int accumulate, float* h,
+                         float* y, void* scratch);
 
 /* Row `row` (nb blocks of K-quant `type`: Q4_K, Q5_K, Q6_K) against the T quantized tokens of `a`: y[t * ldy]
    (gguf_k.c). */

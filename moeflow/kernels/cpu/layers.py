@@ -9,8 +9,9 @@ residual add (one fp32 add, as ``x + moe``): the same numbers, bit for bit, with
 tensor allocations per layer (~1 ms per token on the peer benchmark's 8-layer model, issue 21). The layers are
 described once (:class:`LayerDesc`, pointers into the model's own weight tensors, which must stay where they are);
 each step passes the caches, the masks and the token. The call is one OpenMP parallel region of torch's thread
-count for all the layers (each output the same bits at any count); layers with GGUF experts run the calls one by
-one (``mf_layers_step_calls``, step.c), each kernel with its own region.
+count for all the layers (each output the same bits at any count), GGUF experts included (gguf.c's
+``mf_gguf_expert_team``); only GGUF experts beside a shared expert run the calls one by one
+(``mf_layers_step_calls``, step.c), each kernel with its own region.
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ void mf_dense_f32(const float* x, int T, int K, int N, const float* w, float* y)
 void mf_softmax_topk(const float* logits, int T, int E, int k, int renorm, float* probs, int32_t* ids,
                      float* weights);
 /* mf_layers_step as a sequence of the per-layer calls, each with its own parallel regions (step.c): the path of
-   layers with GGUF experts (gguf.c's mf_gguf_expert opens its own region). Its comment in step.c states the
+   layers with GGUF experts beside a shared expert (gguf.c's mf_gguf_expert opens its own region). Its comment in step.c states the
    arguments and results, which are mf_layers_step's (step_region.c). */
 HIDDEN int mf_layers_step_calls(const mf_layer_desc* layers, int n, float* x, int H, const float* cos,
                                 const float* sin, void* const* kv, int L, const int64_t* pos, float scale,

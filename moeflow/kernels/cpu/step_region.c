@@ -16,8 +16,10 @@
    quantizer and the same fp32 operations in the same order as in the per-layer path, whatever thread runs it and
    however the rows are split: the same bits at any thread count (tests/test_cpu_layers.py).
 
-   Layers with GGUF experts (gguf.c's mf_gguf_expert, which opens a parallel region of its own) take
-   mf_layers_step_calls. */
+   Layers with GGUF experts run each routed expert, in k order, as gguf.c's mf_gguf_expert_team (mf_gguf_expert's
+   numbers at T = 1, its row loops orphaned `omp for` loops of this team, its activations quantized by every
+   thread into its own scratch); a GGUF expert of a type it refuses, a layer mixing GGUF and q4 experts, or GGUF
+   experts beside a shared expert take mf_layers_step_calls. */
 
 #include <math.h>
 #include <omp.h>
@@ -25,6 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "gguf.h"  /* mf_gguf_expert_team (gguf.c) */
 #include "step.h"
 
 typedef struct {  /* one token's int8 activations for a linear of up to K inputs (mf_quantize_row) */
@@ -101,6 +104,7 @@ typedef struct {  /* one thread's own buffers */
     int32_t* ids;
     acts1 in[2];  /* a linear's input: q/k/v's (k/v's when they are a linear of their own), o's, the experts' */
     acts1* ea;    /* [k + 1]: each expert's silu output (the shared expert's last) */
+    void* gg;     /* mf_gguf_expert_team's scratch */
 } own_bufs;
 
 typedef struct {  /* the largest sizes over the layers */
@@ -111,7 +115,7 @@ static size_t own_bytes(const dims* m, int H, int L) {
     return 5 * up64(sizeof(float) * H) + up64(sizeof(float) * m->F) + up64(sizeof(float) * ((size_t)L + 2 * m->D)) +
            2 * up64(sizeof(float) * m->E) + 2 * up64(sizeof(float) * m->k) + up64(sizeof(float) * m->I) +
            up64(sizeof(float) * 2 * (size_t)m->I) + 2 * acts_bytes(m->K) + up64(sizeof(acts1) * (m->k + 1)) +
-           (size_t)(m->k + 1) * acts_bytes(m->I);
+           (size_t)(m->k + 1) * acts_bytes(m->I) + up64(mf_gguf_team_bytes(H, m->I));
 }
 static void own_take(own_bufs* o, char* p, const dims* m, int H, int L) {
     float** hs[] = {&o->x, &o->xa, &o->hn, &o->hm, &o->y};
@@ -128,6 +132,7 @@ static void own_take(own_bufs* o, char* p, const dims* m, int H, int L) {
     acts_take(&o->in[1], &p, m->K);
     o->ea = take(&p, sizeof(acts1) * (m->k + 1));
     for (int j = 0; j <= m->k; j++) acts_take(&o->ea[j], &p, m->I);
+    o->gg = take(&p, mf_gguf_team_bytes(H, m->I));
 }
 
 /* The attention half of a layer (mf_attn_block at B = T = 1), run by every thread of the team: x -> xa, hm (own
@@ -224,6 +229,15 @@ static void moe_half(const mf_layer_desc* d, int H, team_bufs* S, own_bufs* P, i
     }
     const int k = d->k, I = d->I, G = d->group;
     const mf_expert_desc* sh = d->shared;
+    if (d->experts[0].t13) {  /* GGUF experts (all of the layer's, no shared expert: mf_layers_step checks) */
+        for (int j = 0; j < k; j++) {  /* each across the team, in k order, into moe (each ends at a barrier) */
+            const mf_expert_desc* e = &d->experts[P->ids[j]];
+            mf_gguf_expert_team(P->hm, H, I, e->t13, e->w13, e->up, e->gs13, e->t2, e->w2, e->gs2, P->wts[j], S->moe,
+                                j > 0, S->h13, S->ye, P->gg);
+        }
+        for (int n = 0; n < H; n++) P->x[n] = P->xa[n] + S->moe[n];
+        return;
+    }
     quantize(P->hm, H, 4, G, &P->in[0]);
     if (!sh && k % nth == 0) {  /* whole experts per thread (one thread: the per-layer order): no barrier inside one */
         for (int j = tid; j < k; j += nth) {
@@ -290,9 +304,14 @@ int mf_layers_step(const mf_layer_desc* layers, int n, float* x, int H, const fl
     dims m = {1, 1, 1, 1, 1, 1, H};
     for (int l = 0; l < n; l++) {
         const mf_layer_desc* d = &layers[l];
-        int gguf = d->shared && d->shared->t13;
-        for (int e = 0; e < d->E; e++) gguf |= d->experts[e].t13 != 0;
-        if (gguf) return mf_layers_step_calls(layers, n, x, H, cos, sin, kv, L, pos, scale, ids, weights, nthreads);
+        int fall = d->shared && (d->shared->t13 || d->experts[0].t13);  /* (GGUF experts beside a shared one: the
+            calls; no model takes that path yet) */
+        for (int e = 0; e < d->E; e++) {
+            const mf_expert_desc* x0 = &d->experts[0], *xe = &d->experts[e];
+            fall |= (xe->t13 != 0) != (x0->t13 != 0) ||
+                    (xe->t13 && mf_gguf_supported(xe->t13, H, xe->t2, d->I));
+        }
+        if (fall) return mf_layers_step_calls(layers, n, x, H, cos, sin, kv, L, pos, scale, ids, weights, nthreads);
         const int F = (d->nh + 2 * d->nkv) * d->D, sI = d->shared ? d->shared_I : 0;
         const int v[6] = {F, d->nh * d->D, d->D, d->I > sI ? d->I : sI, d->E, d->k};
         int* mv[6] = {&m.F, &m.nhD, &m.D, &m.I, &m.E, &m.k};
