@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeflow.kernels.cpu.native import declared, library
+from moeflow.kernels.cpu.native import check_rc, declared_library
 from moeflow.kernels.experts.gguf_reference import GGMLType, dequantize, ggml_type
 
 CPU_TYPES = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # the block types gguf.c computes
@@ -45,18 +45,7 @@ def _signatures(lib: ctypes.CDLL) -> None:
 
 
 def _lib() -> ctypes.CDLL:
-    lib = library()
-    if lib is None:
-        raise RuntimeError("moeflow's CPU kernels are unavailable here (no C compiler, or MOEFLOW_CPU_NATIVE=0): "
-                           "GGUF experts cannot be computed on the CPU")
-    return declared(lib, _signatures)
-
-
-def _check_rc(rc: int, what: str) -> None:
-    if rc == -1:
-        raise MemoryError(f"{what}: the CPU kernel could not allocate its activation buffers")
-    if rc:
-        raise ValueError(f"{what}: the CPU kernel refused its arguments (code {rc})")
+    return declared_library(_signatures, "GGUF experts cannot be computed on the CPU")
 
 
 def _matrix(w: torch.Tensor, g: GGMLType, k: int, name: str) -> int:
@@ -82,7 +71,7 @@ def gguf_linear(x: torch.Tensor, w: torch.Tensor, t: str | int | GGMLType, k: in
     stride = _matrix(w, g, k, "matrix")
     rows = _fp32(x, k)
     y = torch.empty((rows.shape[0], w.shape[0]), dtype=torch.float32)
-    _check_rc(_lib().mf_gguf_linear(rows.data_ptr(), rows.shape[0], k, w.shape[0], g.type_id, w.data_ptr(), stride,
+    check_rc(_lib().mf_gguf_linear(rows.data_ptr(), rows.shape[0], k, w.shape[0], g.type_id, w.data_ptr(), stride,
                                     y.data_ptr(), torch.get_num_threads()), f"gguf {g.name} linear")
     return y
 
@@ -171,7 +160,7 @@ class GGUFCpuExpert:
             raise ValueError(f"GGUFCpuExpert.forward(out=...): expected contiguous fp32 {(x.shape[0], h)}")
         if x.shape[0] == 0:
             return y if acc else y.to(rows.dtype)
-        _check_rc(_lib().mf_gguf_expert(
+        check_rc(_lib().mf_gguf_expert(
             x.data_ptr(), x.shape[0], h, self.intermediate_size, self.gate_up_type.type_id, self.gate.data_ptr(),
             self.up.data_ptr(), self._s13, self.down_type.type_id, self.down.data_ptr(), self._s2, w.data_ptr(),
             y.data_ptr(), int(acc), torch.get_num_threads()),

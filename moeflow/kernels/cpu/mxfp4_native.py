@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeflow.kernels.cpu.native import declared, library
+from moeflow.kernels.cpu.native import check_rc, declared_library
 from moeflow.kernels.experts.biased import gate_activation
 from moeflow.kernels.experts.mxfp4_reference import BLOCK, dequantize_mxfp4, from_kernel_layout, from_panels
 from moeflow.kernels.formats.biased import BiasedExpertFormat
@@ -38,18 +38,7 @@ def _signatures(lib: ctypes.CDLL) -> None:
 
 
 def _lib() -> ctypes.CDLL:
-    lib = library()
-    if lib is None:
-        raise RuntimeError("moeflow's CPU kernels are unavailable here (no C compiler, or MOEFLOW_CPU_NATIVE=0): "
-                           "the native MXFP4 expert cannot run")
-    return declared(lib, _signatures)
-
-
-def _check_rc(rc: int, what: str) -> None:
-    if rc == -1:
-        raise MemoryError(f"{what}: the CPU kernel could not allocate its activation buffers")
-    if rc:
-        raise ValueError(f"{what}: the CPU kernel refused its arguments (code {rc})")
+    return declared_library(_signatures, "the native MXFP4 expert cannot run")
 
 
 @dataclass
@@ -90,7 +79,7 @@ class Mxfp4RegionMatrix:
         """x [M, K] (any float dtype) -> x @ W.T fp32 [M, N] (int8 activations, see the module doc)."""
         rows = x.reshape(-1, self.k).float().contiguous()
         y = torch.empty((rows.shape[0], self.n), dtype=torch.float32)
-        _check_rc(_lib().mf_mxfp4_linear(rows.data_ptr(), rows.shape[0], self.k, self.n, self.blocks.data_ptr(),
+        check_rc(_lib().mf_mxfp4_linear(rows.data_ptr(), rows.shape[0], self.k, self.n, self.blocks.data_ptr(),
                                          self.scales.data_ptr(), self.panel, y.data_ptr(), torch.get_num_threads()),
                   f"mxfp4 {self.name} linear")
         return y
@@ -158,7 +147,7 @@ class Mxfp4NativeExpert:
         if x.shape[0]:
             b13, b2 = (None, None) if self.b13 is None else (self.b13.data_ptr(), self.b2.data_ptr())
             kind = 0 if self.b13 is None else BIAS_KINDS[self.b13.dtype]
-            _check_rc(_lib().mf_mxfp4_expert(
+            check_rc(_lib().mf_mxfp4_expert(
                 x.data_ptr(), x.shape[0], H, I, self.w13.blocks.data_ptr(), self.w13.scales.data_ptr(),
                 self.w13.panel, b13, self.w2.blocks.data_ptr(), self.w2.scales.data_ptr(), self.w2.panel, b2, kind,
                 ACTIVATIONS[self.fmt.activation], self.fmt.swiglu_alpha, self.fmt.swiglu_limit, w.data_ptr(),
@@ -196,7 +185,7 @@ class Mxfp4RegionLayout:
         if not n:
             return
         b13, s13, c13, b2, s2, c2 = (base + o if o >= 0 else None for o in self.offsets)
-        _check_rc(_lib().mf_mxfp4_expert(
+        check_rc(_lib().mf_mxfp4_expert(
             x.data_ptr(), n, self.hidden, self.inter, b13, s13, self.p13, c13, b2, s2, self.p2, c2, self.bias_kind,
             self.activation, self.alpha, self.limit, weights.data_ptr(), out.data_ptr(), 0,
             torch.get_num_threads()), "mxfp4 expert")

@@ -143,6 +143,25 @@ def declared(lib: ctypes.CDLL, declare: Callable[[ctypes.CDLL], None]) -> ctypes
     return lib
 
 
+def declared_library(declare: Callable[[ctypes.CDLL], None], what: str) -> ctypes.CDLL:
+    """The library with ``declare``'s signatures (:func:`declared`); a RuntimeError ending in ``what`` (what cannot
+    run) where the kernels do not build here."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("moeflow's CPU kernels are unavailable here (no C compiler, or MOEFLOW_CPU_NATIVE=0): "
+                           + what)
+    return declared(lib, declare)
+
+
+def check_rc(rc: int, what: str) -> None:
+    """A kernel entry point's return code: -1 could not allocate (MemoryError), any other non-zero refused its
+    arguments (ValueError naming the code)."""
+    if rc == -1:
+        raise MemoryError(f"{what}: the CPU kernel could not allocate its activation buffers")
+    if rc:
+        raise ValueError(f"{what}: the CPU kernel refused its arguments (code {rc})")
+
+
 def load(path: Path) -> ctypes.CDLL:
     """The library at ``path`` with its functions' signatures declared."""
     return _declare(ctypes.CDLL(str(path)))
