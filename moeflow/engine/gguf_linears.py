@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from moeflow.io.gguf.experts import AWQ_ZERO_8
+from moeflow.io.gguf.files import TensorInfo
 from moeflow.io.gguf.reader import GGUFCheckpointReader, unpermute_rope_rows
 from moeflow.kernels.cpu.gguf import K_BLOCK, GGUFLinear
 from moeflow.kernels.cpu.native import Q4Matrix, _group_rows, _pack_q4, library, native_available
@@ -68,10 +69,17 @@ class GGUFStoredLinears:
 
     def stored_type(self, module_name: str) -> str | None:
         """The ggml type the weight of ``module_name`` is stored in (None: not in the file as one tensor)."""
+        info = self._tensor(module_name)
+        return None if info is None else info.type.name
+
+    def _tensor(self, module_name: str) -> TensorInfo | None:
+        """The tensor info of ``module_name``'s weight where the file holds it as one tensor, else None."""
         found = self.reader.resolve(self.name_of(module_name))
-        if found is None or found[1] is not None:
-            return None
-        return found[0].type.name
+        return None if found is None or found[1] is not None else found[0]
+
+    def _blocks(self, info: TensorInfo) -> torch.Tensor:
+        """The tensor's stored bytes: uint8 [rows, bytes per row]."""
+        return torch.from_numpy(np.ascontiguousarray(self.reader.files.read(info))).reshape(info.shape[0], -1)
 
     def lm_head(self) -> GGUFLinear | None:
         """The file's lm_head (``output.weight``) on its own blocks where it is a K-quant (:data:`LM_HEAD_TYPES`:
@@ -82,16 +90,12 @@ class GGUFStoredLinears:
         return self._head[0]
 
     def _lm_head(self) -> GGUFLinear | None:
-        if not native_available():
+        info = self._tensor("lm_head") if native_available() else None
+        if info is None:
             return None
-        found = self.reader.resolve(self.name_of("lm_head"))
-        if found is None or found[1] is not None:
-            return None
-        info = found[0]
         if info.type.name not in LM_HEAD_TYPES or len(info.shape) != 2 or info.shape[1] % K_BLOCK:
             return None
-        raw = torch.from_numpy(np.ascontiguousarray(self.reader.files.read(info)))
-        return GGUFLinear(raw.reshape(info.shape[0], -1), info.type.name, info.shape[1])
+        return GGUFLinear(self._blocks(info), info.type.name, info.shape[1])
 
     def exact_linear(self, module_name: str) -> GGUFLinear | None:
         """``module_name``'s weight on the file's own blocks where it is stored as Q8_0 (the weights exactly,
@@ -103,17 +107,13 @@ class GGUFStoredLinears:
         return self._exact[module_name]
 
     def _exact_linear(self, module_name: str) -> GGUFLinear | None:
-        if not native_available():
+        info = self._tensor(module_name) if native_available() else None
+        if info is None:
             return None
-        found = self.reader.resolve(self.name_of(module_name))
-        if found is None or found[1] is not None:
-            return None
-        info = found[0]
         if info.type.name != "Q8_0" or len(info.shape) != 2 or info.shape[1] % GROUP or (
                 self.reader.arch.rope_permuted and info.name.endswith(("attn_q.weight", "attn_k.weight"))):
             return None
-        raw = torch.from_numpy(np.ascontiguousarray(self.reader.files.read(info)))
-        return GGUFLinear(raw.reshape(info.shape[0], -1), "Q8_0", info.shape[1])
+        return GGUFLinear(self._blocks(info), "Q8_0", info.shape[1])
 
     def cpu_linear(self, module_name: str) -> CpuQuantLinear | None:
         """The int4 layer of ``module_name``'s weight from its stored blocks, or None where its type has no exact
@@ -123,12 +123,9 @@ class GGUFStoredLinears:
         return self._built[module_name]
 
     def _cpu_linear(self, module_name: str) -> CpuQuantLinear | None:
-        if not native_available():
+        info = self._tensor(module_name) if native_available() else None
+        if info is None:
             return None
-        found = self.reader.resolve(self.name_of(module_name))
-        if found is None or found[1] is not None:
-            return None
-        info = found[0]
         if info.type.name not in NATIVE_TYPES or len(info.shape) != 2:
             return None
         out_features, in_features = info.shape
