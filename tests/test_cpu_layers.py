@@ -167,19 +167,27 @@ def test_native_layers_give_the_same_bits_on_1_2_and_3_threads(qk_norm_checkpoin
 
     path = embedded_model_path() if kind == "embedded" else qk_norm_checkpoints[kind]
     model = MoEModel.from_pretrained(path, device="cpu", **({"attention_bits": 4} if kind == "embedded" else {}))
-    threads = torch.get_num_threads()
     try:
         ids = torch.randint(3, 97, (1, 5), generator=torch.Generator().manual_seed(8))
-        ref, ref_x = _decode(model, ids, native=False, n=5)
+        _check_same_bits_on_1_2_3_threads(model, ids, 5, counted)
+    finally:
+        model.close()
+
+
+def _check_same_bits_on_1_2_3_threads(model, ids: torch.Tensor, n: int, counted: list[int]) -> None:
+    """``n`` greedy steps natively at 1, 2 and 3 threads: each gives the per-layer path's tokens and lm_head inputs
+    bit for bit, with every decode step (n - 1) in one native call."""
+    threads = torch.get_num_threads()
+    try:
+        ref, ref_x = _decode(model, ids, native=False, n=n)
         for t in (1, 2, 3):
             torch.set_num_threads(t)
             counted[0] = 0
-            out, x = _decode(model, ids, native=True, n=5)
-            assert counted[0] == 4 and torch.equal(out, ref)
+            out, x = _decode(model, ids, native=True, n=n)
+            assert counted[0] == n - 1 and torch.equal(out, ref)
             assert all(torch.equal(a, b) for a, b in zip(x, ref_x, strict=True)), f"{t} threads"
     finally:
         torch.set_num_threads(threads)
-        model.close()
 
 
 # GGUF experts read as stored (kernels/cpu/gguf.c): per layer (gate/up type, down type); Q4_K_M mixes Q6_K and
@@ -264,17 +272,9 @@ def test_native_layers_with_gguf_experts_give_the_same_bits_on_1_2_and_3_threads
     from moeflow import MoEModel
 
     model = MoEModel.from_pretrained(gguf_files[kind], dtype=torch.float32, device="cpu")
-    threads = torch.get_num_threads()
     try:
         assert model.experts.fmt.kind == "gguf" and model.model.layers_step is not None
         ids = torch.randint(3, 97, (1, 5), generator=torch.Generator().manual_seed(6))
-        ref, ref_x = _decode(model, ids, native=False, n=4)
-        for t in (1, 2, 3):
-            torch.set_num_threads(t)
-            counted[0] = 0
-            out, x = _decode(model, ids, native=True, n=4)
-            assert counted[0] == 3 and torch.equal(out, ref)
-            assert all(torch.equal(a, b) for a, b in zip(x, ref_x, strict=True)), f"{t} threads"
+        _check_same_bits_on_1_2_3_threads(model, ids, 4, counted)
     finally:
-        torch.set_num_threads(threads)
         model.close()
