@@ -10,11 +10,16 @@ and the copies ``embed_tokens`` / ``shared_head.head``) and writes config.json w
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 from tiny_families import make_model
+
+from moeflow.engine.generate import positions_from_mask
+from moeflow.engine.mtp import MTPDrafter, eager_pass
 
 
 def make_mtp_checkpoint(directory: str | Path, seed: int = 0, with_mtp: bool = True, kind: str = "deepseek_v3",
@@ -96,3 +101,40 @@ def reference_mtp_logits(model, own: dict[str, torch.Tensor], ids: torch.Tensor)
                         position_embeddings=(cos, sin))
     y = y[0] if isinstance(y, tuple) else y
     return model.lm_head(rms(y, own["shared_head.norm.weight"], eps))[0]
+
+
+def mtp_layer_logits(model, ids: torch.Tensor, cache_len: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """moeflow's logits of a loaded model's main pass and of its first MTP layer over ``ids [1, T]``: the main
+    pass's ``[1, T, V]`` and the MTP layer's ``[1, T - 1, V]`` (position i predicts token i + 2 from the main
+    model's hidden state at i and the embedding of token i + 1), computed layer by layer as the fp32 references are."""
+    runner, t = model.runner, ids.shape[1]
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    pos = positions_from_mask(mask)
+    with torch.inference_mode():
+        logits, hidden = eager_pass(runner, ids, pos, runner.new_cache(1, cache_len, reuse=False), torch.arange(t),
+                                    mask, "prefill", (ids, mask), True)
+        drafter = MTPDrafter(runner, model.mtp, cache_len)
+        layer = model.mtp.layers[0]
+        cos, sin = runner.decoder.rotary(pos[:, :-1], hidden.dtype)
+        drafter.cache.mark_valid(torch.arange(t - 1), mask[:, :-1])
+        x = layer(hidden[:, :-1], runner.decoder.embed_tokens(ids[:, 1:]), pos[:, :-1], cos, sin, drafter.cache,
+                  torch.arange(t - 1), drafter.cache.attention_mask(torch.arange(t - 1), None), runner.backend)
+        return logits, runner.decoder.lm_head(layer.shared_head(x)).float()
+
+
+@contextmanager
+def routed_layers(model) -> Iterator[list[int]]:
+    """The MoE layer index of every ``forward_logits`` call the model's expert backend takes inside the block, in
+    order; the backend is closed on the way out."""
+    seen: list[int] = []
+    forward = model.experts.forward_logits
+
+    def spy(layer, *args, **kwargs):
+        seen.append(layer)
+        return forward(layer, *args, **kwargs)
+
+    model.experts.forward_logits = spy
+    try:
+        yield seen
+    finally:
+        model.experts.close()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mtp_helpers import make_mtp_checkpoint
+from mtp_helpers import make_mtp_checkpoint, routed_layers
 from test_mtp import GLM_SHAPE, SHAPE
 from tiny_families import train_predictors
 
@@ -163,18 +163,8 @@ def test_mtp_layer_experts_go_through_the_offload_backend(tiny):
     """With lru over 2 slots the MTP passes route through MoE layer 2 (the MTP layer's): its experts are looked up."""
     path, _, ids, plain = tiny
     model = MoEModel.from_pretrained(path, mtp=True, offload=OffloadConfig(policy="lru", gpu_expert_slots=2))
-    seen = []
-    forward = model.experts.forward_logits
-
-    def spy(layer, *args, **kwargs):
-        seen.append(layer)
-        return forward(layer, *args, **kwargs)
-
-    model.experts.forward_logits = spy
-    try:
+    with routed_layers(model) as seen:
         out = model.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=[], num_speculative_tokens=2)
-    finally:
-        model.experts.close()
     assert torch.equal(out, plain)
     assert seen.count(2) > 0 and {0, 1, 2} == set(seen)
 

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from mtp_helpers import mtp_layer_logits, routed_layers
 from qwen_mtp_helpers import make_qwen_mtp_checkpoint, reference_qwen_mtp_logits
 from torch import nn
 
 import moeflow.engine.mtp as mtp_engine
 from moeflow import MoEModel, OffloadConfig
-from moeflow.engine.generate import positions_from_mask
-from moeflow.engine.mtp import MTPDrafter, eager_pass
 from moeflow.errors import CheckpointError
 from moeflow.families import family_for_config
 from moeflow.families.gated_deltanet import ZeroCenteredRMSNorm
@@ -76,20 +75,8 @@ def test_mtp_layer_matches_the_fp32_reference(tiny):
     path, ref, own, model, _, _ = tiny
     ids = torch.randint(0, 97, (1, 8), generator=torch.Generator().manual_seed(3))
     want = reference_qwen_mtp_logits(ref, own, ids)  # [7, V]: positions 0..6
-    runner, t = model.runner, ids.shape[1]
-    mask = torch.ones_like(ids, dtype=torch.bool)
-    pos = positions_from_mask(mask)
-    with torch.inference_mode():
-        _, hidden = eager_pass(runner, ids, pos, runner.new_cache(1, 16, reuse=False), torch.arange(t), mask,
-                               "prefill", (ids, mask), True)
-        drafter = MTPDrafter(runner, model.mtp, 16)
-        layer = model.mtp.layers[0]
-        cos, sin = runner.decoder.rotary(pos[:, :-1], hidden.dtype)
-        drafter.cache.mark_valid(torch.arange(t - 1), mask[:, :-1])
-        x = layer(hidden[:, :-1], runner.decoder.embed_tokens(ids[:, 1:]), pos[:, :-1], cos, sin, drafter.cache,
-                  torch.arange(t - 1), drafter.cache.attention_mask(torch.arange(t - 1), None), runner.backend)
-        got = runner.decoder.lm_head(layer.shared_head(x)).float()[0]
-    assert got.shape == want.shape == (t - 1, 97)
+    got = mtp_layer_logits(model, ids)[1][0]
+    assert got.shape == want.shape == (ids.shape[1] - 1, 97)
     assert float((got - want).abs().max() / want.abs().max()) < 1e-5
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
@@ -180,18 +167,8 @@ def test_lru_with_few_slots_equals_plain_greedy(tiny, n_slots):
     decoder's 3), whose experts are looked up like the decoder's; tokens = plain greedy."""
     path, *_, ids, plain = tiny
     model = MoEModel.from_pretrained(path, mtp=True, offload=OffloadConfig(policy="lru", gpu_expert_slots=n_slots))
-    seen = []
-    forward = model.experts.forward_logits
-
-    def spy(layer, *args, **kwargs):
-        seen.append(layer)
-        return forward(layer, *args, **kwargs)
-
-    model.experts.forward_logits = spy
-    try:
+    with routed_layers(model) as seen:
         out = model.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=[], num_speculative_tokens=2)
-    finally:
-        model.experts.close()
     assert torch.equal(out, plain)
     assert seen.count(3) > 0 and set(seen) == {0, 1, 2, 3}
     assert model.stats.decode.misses > 0

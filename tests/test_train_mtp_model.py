@@ -10,11 +10,10 @@ import json
 
 import pytest
 import torch
+from mtp_helpers import mtp_layer_logits
 from safetensors.torch import load_file
 
 from moeflow import MoEModel
-from moeflow.engine.generate import positions_from_mask
-from moeflow.engine.mtp import MTPDrafter, eager_pass
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -69,20 +68,7 @@ def test_checkpoint_is_read_as_trained(trained):
         want_main, want_mtp = tm.forward(model, mtp, ids, 4)  # main: positions 0..T-2; MTP: 0..T-3
 
     mf = MoEModel.from_pretrained(out, mtp=True)
-    runner, t = mf.runner, ids.shape[1] - 1
-    x = ids[:, :-1]
-    mask = torch.ones_like(x, dtype=torch.bool)
-    pos = positions_from_mask(mask)
-    with torch.inference_mode():
-        logits, hidden = eager_pass(runner, x, pos, runner.new_cache(1, 64, reuse=False), torch.arange(t), mask,
-                                    "prefill", (x, mask), True)
-        drafter = MTPDrafter(runner, mf.mtp, 64)
-        layer = mf.mtp.layers[0]
-        cos, sin = runner.decoder.rotary(pos[:, :-1], hidden.dtype)
-        drafter.cache.mark_valid(torch.arange(t - 1), mask[:, :-1])
-        y = layer(hidden[:, :-1], runner.decoder.embed_tokens(x[:, 1:]), pos[:, :-1], cos, sin, drafter.cache,
-                  torch.arange(t - 1), drafter.cache.attention_mask(torch.arange(t - 1), None), runner.backend)
-        got_mtp = runner.decoder.lm_head(layer.shared_head(y)).float()
+    logits, got_mtp = mtp_layer_logits(mf, ids[:, :-1], cache_len=64)
     assert float((logits - want_main).abs().max() / want_main.abs().max()) < 1e-4
     assert float((got_mtp - want_mtp).abs().max() / want_mtp.abs().max()) < 1e-4
 
