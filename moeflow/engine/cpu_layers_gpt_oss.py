@@ -29,15 +29,102 @@ from moeflow.kernels.cpu.gpt_oss_step import (
     gpt_oss_layer_desc,
     gpt_oss_step,
     proj_desc,
+    topk_softmax,
 )
 from moeflow.kernels.cpu.mxfp4_native import region_layout
+from moeflow.kernels.cpu.native import native_available
+from moeflow.kernels.cpu.step import router_logits
 from moeflow.kernels.dispatch import uses_triton
 from moeflow.kernels.formats.mxfp4 import MXFP4Format
 from moeflow.moe.backend import ExpertBackend
-from moeflow.moe.block import RoutingRecorder
+from moeflow.moe.block import MoEBlock, RoutingRecorder
 from moeflow.moe.resident import ResidentExperts
+from moeflow.moe.routing import Router
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+class NativeBiasedGate(nn.Module):
+    """gpt-oss's router linear layer (the MoE block's ``gate``: ``weight`` fp32 [E, H], ``bias`` fp32 [E] kept)
+    computed as the one-call step does (``native``): :func:`~moeflow.kernels.cpu.step.router_logits`, then one add
+    per logit; else ``F.linear``."""
+
+    def __init__(self, gate: nn.Linear) -> None:
+        super().__init__()
+        self.weight, self.bias, self.native = gate.weight, gate.bias, True
+        self.out_features, self.in_features = gate.weight.shape  # as the nn.Linear it replaces
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> logits [T, E]."""
+        if self.native and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous():
+            logits = router_logits(x, self.weight)
+            if self.bias is not None:
+                logits += self.bias
+            return logits
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+class NativeTopkSoftmax:
+    """gpt-oss's routing (the MoE block's ``route``: top-k logits, their softmax) as the one-call step routes
+    (``native``: :func:`~moeflow.kernels.cpu.gpt_oss_step.topk_softmax`), else the block's own router function."""
+
+    def __init__(self, route: Router, top_k: int) -> None:
+        self.fallback, self.top_k, self.native = route, top_k, True
+
+    def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.native and logits.dtype == torch.float32 and logits.dim() == 2 and logits.is_contiguous():
+            return topk_softmax(logits, self.top_k)
+        return self.fallback(logits)
+
+
+def _gpt_oss_router(block: MoEBlock) -> bool:
+    spec, gate = block.router, block.gate
+    return type(gate) is nn.Linear and gate.weight.dtype == torch.float32 and \
+        (gate.bias is None or gate.bias.dtype == torch.float32) and spec.topk_before_scoring and \
+        spec.scoring == "softmax" and not spec.selection_bias and spec.n_groups == 1 and spec.scaling_factor == 1.0
+
+
+def fuse_gpt_oss(decoder: nn.Module) -> int:
+    """On the CPU path (fp32, moeflow's CPU library built; called by :func:`~moeflow.engine.cpu_step.fuse_cpu_step`):
+    give each gpt-oss layer of ``decoder`` the one-call step's own ops for its norms, its one-token attention and
+    its router (:class:`NativeBiasedGate`, :class:`NativeTopkSoftmax`), so that the layers one by one compute what
+    :class:`NativeGptOssLayers` computes in one call, bit for bit (the projections and experts already run the same
+    kernels). Returns how many layers were changed."""
+    if not native_available():
+        return 0
+    count = 0
+    for layer in getattr(decoder, "layers", []):
+        if type(layer) is not gpt_oss.DecoderLayer or not _gpt_oss_router(layer.mlp):
+            continue
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        if any(n.weight.dtype != torch.float32 for n in norms) or layer.self_attn.sinks.dtype != torch.float32:
+            continue
+        for n in norms:
+            n.native = True
+        layer.self_attn.native = True
+        block = layer.mlp
+        block.gate = NativeBiasedGate(block.gate)
+        block.route = NativeTopkSoftmax(block.route, block.top_k)
+        count += 1
+    final = getattr(decoder, "norm", None)
+    if count and isinstance(final, gpt_oss.GptOssRMSNorm) and final.weight.dtype == torch.float32:
+        final.native = True
+    return count
+
+
+def set_gpt_oss_fused(decoder: nn.Module, fused: bool) -> None:
+    """Switch what :func:`fuse_gpt_oss` gave ``decoder`` on or off (:func:`~moeflow.engine.cpu_step.set_cpu_step_fused`;
+    off: the torch ops)."""
+    layers = [m for m in getattr(decoder, "layers", []) if type(m) is gpt_oss.DecoderLayer]
+    if not layers or not isinstance(layers[0].mlp.gate, NativeBiasedGate):
+        return
+    final = getattr(decoder, "norm", None)
+    for layer in layers:
+        for m in (layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn, layer.mlp.gate,
+                  layer.mlp.route):
+            m.native = fused
+    if isinstance(final, gpt_oss.GptOssRMSNorm) and final.weight.dtype == torch.float32:
+        final.native = fused
 
 
 def native_mxfp4_experts(experts: ExpertBackend) -> bool:
@@ -58,8 +145,15 @@ class NativeGptOssLayers:
                                                         *(getattr(layer.self_attn, n) for n in PROJECTIONS))]
         self._descs: tuple[Any, ctypes.Array, list] | None = None  # (backend, descriptors, what they point into)
 
-    def _hooked(self) -> bool:
-        return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks or any(
+    def _fused(self) -> bool:
+        """Whether every layer takes the step's own ops (fuse_gpt_oss' switches on) and no module is hooked."""
+        for layer in self.layers:
+            block = layer.mlp
+            if not (layer.input_layernorm.native and layer.post_attention_layernorm.native and layer.self_attn.native
+                    and isinstance(block.gate, NativeBiasedGate) and block.gate.native
+                    and isinstance(block.route, NativeTopkSoftmax) and block.route.native):
+                return False
+        return not (nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks or any(
             m._forward_hooks or m._forward_pre_hooks for m in self.modules))
 
     def _descriptors(self, experts: ResidentExperts) -> ctypes.Array | None:
@@ -101,7 +195,7 @@ class NativeGptOssLayers:
         ``masks``: each layer's attention mask bool [1, 1, 1, L] (its sliding window)."""
         layer_kv = cache.layer_kv
         if not self.enabled or routing is not None or x.shape[:2] != (1, 1) or x.dtype != torch.float32 \
-                or layer_kv is None or not native_mxfp4_experts(experts) or self._hooked():
+                or layer_kv is None or not native_mxfp4_experts(experts) or not self._fused():
             return None
         real = experts._real_tokens
         if real is not None and real[0] is not None:
@@ -125,20 +219,12 @@ class NativeGptOssLayers:
 
 
 def native_gpt_oss_layers(decoder: CausalDecoder) -> NativeGptOssLayers | None:
-    """The decoder's :class:`NativeGptOssLayers` when every layer is a gpt-oss layer whose norms, sinks and router
-    are fp32 with gpt-oss's router (top-k logits, then their softmax); else None. (The projections and the
-    experts are checked per pass: :meth:`NativeGptOssLayers.__call__`.)"""
+    """The decoder's :class:`NativeGptOssLayers` when every layer is a gpt-oss layer :func:`fuse_gpt_oss` gave the
+    step's ops (fp32 norms, sinks and router, gpt-oss's top-k-then-softmax routing); else None. (The projections
+    and the experts are checked per pass: :meth:`NativeGptOssLayers.__call__`.)"""
     layers = list(decoder.layers)
-    if not layers or not all(type(layer) is gpt_oss.DecoderLayer for layer in layers):
+    if not layers or not all(type(layer) is gpt_oss.DecoderLayer and isinstance(layer.mlp.gate, NativeBiasedGate)
+                             and layer.mlp.shared_expert is None
+                             and layer.input_layernorm.eps == layer.post_attention_layernorm.eps for layer in layers):
         return None
-    for layer in layers:
-        block, attn = layer.mlp, layer.self_attn
-        spec = block.router
-        tensors = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, attn.sinks,
-                   block.gate.weight, *([block.gate.bias] if block.gate.bias is not None else []))
-        if type(block.gate) is not nn.Linear or block.shared_expert is not None or not spec.topk_before_scoring \
-                or spec.scoring != "softmax" or spec.selection_bias or spec.n_groups != 1 \
-                or spec.scaling_factor != 1.0 or any(t.dtype != torch.float32 for t in tensors) \
-                or layer.input_layernorm.eps != layer.post_attention_layernorm.eps:
-            return None
     return NativeGptOssLayers(layers)

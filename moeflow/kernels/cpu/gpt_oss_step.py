@@ -124,3 +124,41 @@ def gpt_oss_step(descs: ctypes.Array, x: torch.Tensor, cos: torch.Tensor, sin: t
                                 weights.data_ptr(), torch.get_num_threads()), "gpt_oss_step")
     return out
 
+
+
+# ---- the per-layer path's ops: the step's own attention and routing, one call each ----
+
+def _signatures_ops(lib: ctypes.CDLL) -> None:
+    lib.mf_sink_attn_step.argtypes = [_p, _p, _p, _i, _i, _i, _p, _p, _p, _p, _i, ctypes.c_int64, _p, _f, _p, _p, _i]
+    lib.mf_sink_attn_step.restype = _i
+    lib.mf_topk_softmax.argtypes = [_p, _i, _i, _i, _p, _p]
+    lib.mf_topk_softmax.restype = None
+
+
+def sink_attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_heads: int, n_kv: int,
+                        cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        position: int, mask: torch.Tensor, sinks: torch.Tensor, scale: float) -> torch.Tensor:
+    """One token's sink attention as the one-call step computes it: q fp32 [nh D], k, v fp32 [nkv D] (projected,
+    before the rotary), cos, sin fp32 [D]; the rotated key and the value written at ``position`` of k_cache,
+    v_cache fp32 [1, nkv, L, D]; mask bool [L] (the layer's, its sliding window included); sinks fp32 [nh] ->
+    out fp32 [nh D]. All contiguous (the caller checks)."""
+    out = torch.empty(q.numel(), dtype=torch.float32)
+    lib = declared(_lib(), _signatures_ops)
+    check_rc(lib.mf_sink_attn_step(q.data_ptr(), k.data_ptr(), v.data_ptr(), n_heads, n_kv, q.numel() // n_heads,
+                                   cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                   k_cache.shape[2], position, mask.data_ptr(), scale, sinks.data_ptr(),
+                                   out.data_ptr(), torch.get_num_threads()), "sink_attention_step")
+    return out
+
+
+def topk_softmax(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`moeflow.moe.routing.topk_then_softmax` as the one-call step routes: logits fp32 [T, E] (contiguous)
+    -> (probs fp32 [T, E] (torch's softmax over every expert, for statistics), ids int32 [T, k] (largest first,
+    the lower index first among equals), weights fp32 [T, k])."""
+    _check_fp32("logits", logits)
+    t, e = logits.shape
+    ids = torch.empty((t, top_k), dtype=torch.int32)
+    weights = torch.empty((t, top_k), dtype=torch.float32)
+    declared(_lib(), _signatures_ops).mf_topk_softmax(logits.data_ptr(), t, e, top_k, ids.data_ptr(),
+                                                      weights.data_ptr())
+    return torch.softmax(logits, dim=-1, dtype=torch.float32), ids, weights

@@ -147,6 +147,31 @@ static void sink_head(const float* qh, const float* c, const float* s, int D, co
     }
 }
 
+/* The per-layer path's attention op for one token (gpt_oss_step.py's sink_attention_step; the step's own
+   attention, the same calls): q fp32 [nh D], k, v fp32 [nkv D] (before the rotary) -> the rotated key and the
+   value written at pos of kc, vc fp32 [nkv, L, D], out fp32 [nh D] (sink_head per query head; mask bool [L]).
+   Returns 0, or -1 when out of memory. */
+int mf_sink_attn_step(const float* q, const float* k, const float* v, int nh, int nkv, int D, const float* cos,
+                      const float* sin, float* kc, float* vc, int L, int64_t pos, const uint8_t* mask, float scale,
+                      const float* sinks, float* out, int nthreads) {
+    const int groups = nh / nkv;
+    for (int g = 0; g < nkv; g++) {
+        const size_t at = ((size_t)g * L + (size_t)pos) * D;
+        mf_rotary(k + (size_t)g * D, cos, sin, D, kc + at);
+        memcpy(vc + at, v + (size_t)g * D, sizeof(float) * D);
+    }
+    const int nt = nthreads > 1 ? nthreads : 1;
+    float* bufs = malloc(sizeof(float) * ((size_t)L + D) * nt);
+    if (!bufs) return -1;
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int h = 0; h < nh; h++)
+        sink_head(q + (size_t)h * D, cos, sin, D, mask, kc + (size_t)(h / groups) * L * D,
+                  vc + (size_t)(h / groups) * L * D, L, scale, sinks[h], bufs + ((size_t)L + D) * omp_get_thread_num(),
+                  out + (size_t)h * D);
+    free(bufs);
+    return 0;
+}
+
 typedef struct {  /* the buffers the whole team reads and writes */
     float *q, *k, *v, *att, *y, *h13, *ye, *moe;  /* [nh D], [nkv D] x2, [nh D], [H], [k, 2I], [k, H], [H] */
 } team_bufs;
@@ -219,27 +244,41 @@ static void attention_half(const mf_gptoss_layer* d, int H, const float* cos, co
     mf_rmsnorm(P->x, S->y, P->xa, d->w_post, d->eps, 1, H, P->hm);
 }
 
-/* The biased router (every thread, own buffers): the top k of logits = hm G.T + g, their softmax. */
+/* gpt-oss's routing of one token: ids [k] the k largest logits [E] (largest first, the lower index first among
+   equals), w [k] their softmax (max subtracted, expf, summed in k order, divided). */
+static void topk_softmax(const float* logits, int E, int k, int32_t* ids, float* w) {
+    for (int j = 0; j < k; j++) {
+        int best = -1;
+        for (int e = 0; e < E; e++) {
+            int taken = 0;
+            for (int i = 0; i < j; i++) taken |= ids[i] == e;
+            if (!taken && (best < 0 || logits[e] > logits[best])) best = e;
+        }
+        ids[j] = best;
+    }
+    const float mx = logits[ids[0]];
+    float sum = 0.0f;
+    for (int j = 0; j < k; j++) {
+        w[j] = expf(logits[ids[j]] - mx);
+        sum += w[j];
+    }
+    for (int j = 0; j < k; j++) w[j] /= sum;
+}
+
+/* The per-layer path's router op (gpt_oss_step.py's topk_softmax): logits fp32 [T, E] -> ids int32 [T, k],
+   weights fp32 [T, k], each token as the one-call step routes it. */
+void mf_topk_softmax(const float* logits, int T, int E, int k, int32_t* ids, float* weights) {
+    for (int t = 0; t < T; t++)
+        topk_softmax(logits + (size_t)t * E, E, k, ids + (size_t)t * k, weights + (size_t)t * k);
+}
+
+/* The biased router (every thread, own buffers): logits = hm G.T + g (the per-layer path's router_logits and its
+   one add per logit), then topk_softmax. */
 static void route(const mf_gptoss_layer* d, int H, own_bufs* P) {
     mf_dense_f32(P->hm, 1, H, d->E, d->gate, P->logits);
     if (d->gate_b)
         for (int e = 0; e < d->E; e++) P->logits[e] += d->gate_b[e];
-    for (int j = 0; j < d->k; j++) {  /* selection: the largest not yet taken, the lower index among equals */
-        int best = -1;
-        for (int e = 0; e < d->E; e++) {
-            int taken = 0;
-            for (int i = 0; i < j; i++) taken |= P->ids[i] == e;
-            if (!taken && (best < 0 || P->logits[e] > P->logits[best])) best = e;
-        }
-        P->ids[j] = best;
-    }
-    const float mx = P->logits[P->ids[0]];
-    float sum = 0.0f;
-    for (int j = 0; j < d->k; j++) {
-        P->wts[j] = expf(P->logits[P->ids[j]] - mx);
-        sum += P->wts[j];
-    }
-    for (int j = 0; j < d->k; j++) P->wts[j] /= sum;
+    topk_softmax(P->logits, d->E, d->k, P->ids, P->wts);
 }
 
 /* Thread tid's share [n0, n1) of N rows in 16-row items, as a static schedule deals them. */
