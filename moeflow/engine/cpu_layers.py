@@ -9,7 +9,7 @@ takes a pass only when the per-layer path would run exactly the native calls it 
 Q6_K, Q4_K_M's mixes) resident in a CPU pool on :mod:`moeflow.kernels.cpu.gguf` (:func:`native_experts`), every
 fused path switched on, no routing to record, no module hooks (a profiler's labels still see every module).
 Otherwise it returns None and the layers run one by one. Same calls in the same order: the same logits, bit for
-bit.
+bit. gpt-oss decoders get their own one call (:mod:`moeflow.engine.cpu_layers_gpt_oss`).
 """
 
 from __future__ import annotations
