@@ -4,7 +4,7 @@ biased q/k/v/o and router), the per-layer path's numbers bit for bit (the lm_hea
 the greedy tokens) at 1, 2 and 3 threads, for the safetensors MXFP4 checkpoint (int8 and int4 attention) and a
 GGUF file (Q8_0 attention on the file's blocks); offloaded (lru, the per-layer path on the slots) the same bits;
 the per-layer path's native ops within 1e-4 of its torch ops with the same greedy tokens; where the step steps
-aside. ~15 s on 2 cores."""
+aside; the attention and the routing ops against their torch models. ~20 s on 2 cores (loaded)."""
 
 from __future__ import annotations
 
@@ -152,3 +152,48 @@ def test_where_the_one_call_steps_aside(checkpoints, counted):
         assert counted[0] == 0
     finally:
         model.close()
+
+
+@pytest.mark.parametrize("n_heads, n_kv, window", [(4, 2, None), (8, 2, 3), (4, 4, 1)])
+def test_sink_attention_step_matches_the_torch_sink_attention(n_heads, n_kv, window):
+    """mf_sink_attn_step (the step's attention) against gpt_oss_layers.sink_attention after the torch rotary, on a
+    cache with holes (padding) and a sliding window: the cache rows written as cache.update writes them (bit for
+    bit: the rotary's products rounded as torch's), the output within 1e-5."""
+    from moeflow.engine.kv_cache import attention_mask
+    from moeflow.families.gpt_oss_layers import sink_attention
+    from moeflow.families.layers import apply_rotary
+    from moeflow.kernels.cpu.gpt_oss_step import sink_attention_step
+
+    gen = torch.Generator().manual_seed(n_heads + n_kv)
+    d, length, pos = 16, 12, 7
+    q, k, v = (torch.randn(n * d, generator=gen) for n in (n_heads, n_kv, n_kv))
+    cos, sin = torch.randn(2, d, generator=gen).unbind(0)
+    k_cache, v_cache = (torch.randn(1, n_kv, length, d, generator=gen) for _ in range(2))
+    sinks = torch.randn(n_heads, generator=gen) * 2
+    valid = torch.ones(1, length, dtype=torch.bool)
+    valid[0, 1:3] = False  # left padding
+    mask = attention_mask(valid, torch.tensor([pos]), window)  # [1, 1, 1, L]
+    kc, vc = k_cache.clone(), v_cache.clone()
+    got = sink_attention_step(q, k, v, n_heads, n_kv, cos, sin, kc, vc, pos, mask.contiguous(), sinks, d ** -0.5)
+    qh, kh = (apply_rotary(t.view(1, 1, n, d).transpose(1, 2), cos.view(1, 1, d), sin.view(1, 1, d))
+              for t, n in ((q, n_heads), (k, n_kv)))
+    k_cache[:, :, pos], v_cache[:, :, pos] = kh[:, :, 0], v.view(1, n_kv, d)
+    assert torch.equal(kc, k_cache) and torch.equal(vc, v_cache)
+    want = sink_attention(qh, k_cache, v_cache, mask, sinks, d ** -0.5).reshape(-1)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (got - want).abs().max()
+
+
+def test_topk_softmax_matches_topk_then_softmax():
+    """mf_topk_softmax (the step's routing) against moe.routing.topk_then_softmax: the same ids (at a tie the
+    lower expert first, where torch.topk's order is its own), weights within 1e-6, torch's probabilities."""
+    from moeflow.kernels.cpu.gpt_oss_step import topk_softmax
+    from moeflow.moe.routing import topk_then_softmax
+
+    logits = torch.randn(64, 32, generator=torch.Generator().manual_seed(2)) * 3
+    logits[0, 5] = logits[0, 9] = logits[0].max() + 1  # a tie at the top
+    probs, ids, weights = topk_softmax(logits, 4)
+    want_probs, want_ids, want_weights = topk_then_softmax(logits, 4)
+    assert ids[0, :2].tolist() == [5, 9] and set(want_ids[0, :2].tolist()) == {5, 9}
+    assert torch.equal(ids[:, 2:], want_ids[:, 2:]) and torch.equal(ids[1:], want_ids[1:])
+    assert torch.equal(probs, want_probs)
+    assert torch.allclose(weights, want_weights, rtol=1e-6, atol=1e-7)
