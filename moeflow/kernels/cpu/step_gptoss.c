@@ -15,8 +15,9 @@
      experts (MXFP4, mxfp4.c's region layout): out_j = w_j (act(h W13.T + b13) W2.T + b2) with gpt-oss's clamped
        SwiGLU (mx_gate_up), summed in k order ; x = x + sum.
 
-   Barriers per layer: after q/k/v, after the cache rows, after the heads, after o, after the experts' gate/up rows
-   and after their down rows. Each output element is computed by the same row kernels (mf_q8_rows, mf_q4_rows,
+   Barriers per layer: after q/k/v, after the cache rows, after the heads, after o, then, when the team divides k,
+   after the experts (each thread its own whole experts), else after the experts' gate/up rows (every expert's
+   rows split across the team) and after their down rows. Each output element is computed by the same row kernels (mf_q8_rows, mf_q4_rows,
    mf_gguf_rows1, mf_mxfp4_rows1), the same quantizers and the same fp32 operations in the same order whatever
    thread runs it: the same bits at any thread count. The projections and the experts are the per-layer path's
    kernels (CpuQuantLinear / GGUFLinear, mf_mxfp4_expert; the combine's k-order sum) bit for bit; the norms, the
@@ -298,6 +299,24 @@ static void moe_half(const mf_gptoss_layer* d, int H, team_bufs* S, own_bufs* P,
         memcpy(weights, P->wts, sizeof(float) * k);
     }
     mx_acts_row(&P->ax, P->hm, H, 0);
+    if (k % nth == 0) {  /* whole experts per thread (one thread: all of them, in k order): no barrier inside one */
+        for (int j = tid; j < k; j += nth) {
+            const mf_mx_expert* e = &d->experts[P->ids[j]];
+            float *h = S->h13 + (size_t)j * 2 * I, *y = S->ye + (size_t)j * H;
+            mf_mxfp4_rows1(e->b13, e->s13, 2 * I, H, d->p13, 0, 2 * I, &P->ax, h);
+            mx_gate_up(h, P->act, I, e->c13, d->bias_kind, d->act, d->alpha, d->limit);
+            mx_acts_row(&P->aa[0], P->act, I, 0);
+            mf_mxfp4_rows1(e->b2, e->s2, H, I, d->p2, 0, H, &P->aa[0], y);
+            mx_down_out(y, 1, H, 0, H, e->c2, d->bias_kind, &P->wts[j], y, 0);
+        }
+#pragma omp barrier
+        for (int n = 0; n < H; n++) {  /* the combine's k-order sum, then the residual add */
+            float m = S->ye[n];
+            for (int j = 1; j < k; j++) m = m + S->ye[(size_t)j * H + n];
+            P->x[n] = P->xa[n] + m;
+        }
+        return;
+    }
     const int nc = (2 * I + 127) / 128;  /* gate/up rows of every expert across the team, 128-row items */
     for (int j = 0; j < k; j++) {
         const mf_mx_expert* e = &d->experts[P->ids[j]];
