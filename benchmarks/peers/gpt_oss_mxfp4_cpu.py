@@ -5,7 +5,7 @@ The file: a random transformers gpt-oss at gpt-oss-120b's expert shapes (H = I =
 (``--layers``, ``--experts``, top-4 as gpt-oss) and a small attention (8 heads of 64, 2 KV heads; vocab 97), written
 by the tests' GGUF writer (``tests/gguf_gpt_oss.py``: llama.cpp's converter's layout, experts MXFP4 by gguf-py's
 quantizer, attention Q8_0). moeflow computes the experts with its native MXFP4 kernel on the stored blocks
-(``MXFP4Format.cpu_kernels``; the one-call decode step does not take MXFP4 experts, so layers run one by one) and
+(``MXFP4Format.cpu_kernels``; since s17 every layer of a decode step in one native call, step_gptoss.c) and
 the attention projections on the file's Q8_0 blocks (``attention_bits="auto"``; fp32 before s16-gptosscpu); llama.cpp
 runs ``llama-bench -p 0 -n tg``. ``--before TREE``: a second moeflow tree (a worktree of the base branch) alternated
 with this one, each in its own worker process.

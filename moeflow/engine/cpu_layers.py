@@ -9,7 +9,7 @@ takes a pass only when the per-layer path would run exactly the native calls it 
 Q6_K, Q4_K_M's mixes) resident in a CPU pool on :mod:`moeflow.kernels.cpu.gguf` (:func:`native_experts`), every
 fused path switched on, no routing to record, no module hooks (a profiler's labels still see every module).
 Otherwise it returns None and the layers run one by one. Same calls in the same order: the same logits, bit for
-bit.
+bit. gpt-oss decoders get their own one call (:mod:`moeflow.engine.cpu_layers_gpt_oss`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as nn_module
 
+from moeflow.engine.cpu_layers_gpt_oss import NativeGptOssLayers, native_gpt_oss_layers
 from moeflow.engine.cpu_step import NativeAttentionHalf, NativeMLP, NativeRoute, NativeRouterGate
 from moeflow.engine.kv_cache import PassCache
 from moeflow.engine.mapped_experts import MappedGGUFExperts
@@ -151,10 +152,13 @@ def _layer_experts(experts: ExpertBackend, layer: int) -> list | None:
             for s in experts.slot_tables[layer].tolist()]
 
 
-def native_layers(decoder: CausalDecoder) -> NativeLayers | None:
+def native_layers(decoder: CausalDecoder) -> NativeLayers | NativeGptOssLayers | None:
     """The decoder's :class:`NativeLayers` when every layer is of a known layout with a one-call attention half
-    and an MoE block with the native router (and no shared expert, or one with a :class:`NativeMLP` step); else
-    None."""
+    and an MoE block with the native router (and no shared expert, or one with a :class:`NativeMLP` step); a
+    gpt-oss decoder's :class:`~moeflow.engine.cpu_layers_gpt_oss.NativeGptOssLayers`; else None."""
+    gpt_oss_step = native_gpt_oss_layers(decoder)
+    if gpt_oss_step is not None:
+        return gpt_oss_step
     layers = list(decoder.layers)
     blocks = []
     for layer in layers:

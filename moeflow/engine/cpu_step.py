@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeflow.engine.cpu_layers_gpt_oss import fuse_gpt_oss, set_gpt_oss_fused
 from moeflow.engine.kv_cache import PassCache
 from moeflow.families.base import CausalDecoder
 from moeflow.families.layers import Attention, GatedMLP, PreNormLayer, RMSNorm
@@ -47,9 +48,9 @@ from moeflow.moe.routing import Router
 
 def fuse_cpu_step(decoder: CausalDecoder, dtype: torch.dtype) -> dict[str, int]:
     """Fuse ``decoder``'s attention layers and norms in place (see the module docstring); returns how many
-    modules were changed ({"attention", "norm", "attention_half", "router", "mlp"}). Nothing changes without the
-    native library or in 16-bit."""
-    counts = {"attention": 0, "norm": 0, "attention_half": 0, "router": 0, "mlp": 0}
+    modules were changed ({"attention", "norm", "attention_half", "router", "mlp"}; "gpt_oss": gpt-oss layers
+    given the one-call step's ops). Nothing changes without the native library or in 16-bit."""
+    counts = {"attention": 0, "norm": 0, "attention_half": 0, "router": 0, "mlp": 0, "gpt_oss": 0}
     if dtype != torch.float32 or not native_available():
         return counts
     for module in decoder.modules():
@@ -69,6 +70,7 @@ def fuse_cpu_step(decoder: CausalDecoder, dtype: torch.dtype) -> dict[str, int]:
                 counts["mlp"] += 1
     for block in [m for m in decoder.modules() if isinstance(m, MoEBlock)]:
         counts["router"] += _native_router(block)
+    counts["gpt_oss"] = fuse_gpt_oss(decoder)  # gpt-oss layers: the one-call step's own ops (cpu_layers_gpt_oss)
     for layer in decoder.layers:
         half = _attention_half(layer)
         if half is not None:
@@ -266,6 +268,7 @@ def set_cpu_step_fused(decoder: nn.Module, fused: bool) -> None:
     one-call layers (engine.cpu_layers), when it has them, are switched with the rest."""
     if isinstance(decoder, CausalDecoder) and decoder.layers_step is not None:
         decoder.layers_step.enabled = fused
+    set_gpt_oss_fused(decoder, fused)
     for module in decoder.modules():
         if type(module) is RMSNorm and module.weight.dtype == torch.float32:
             module.native = fused and native_available()

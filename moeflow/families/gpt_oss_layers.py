@@ -20,6 +20,8 @@ from torch import nn
 
 from moeflow.errors import CheckpointError
 from moeflow.families.layers import LinearFactory, RMSNorm, apply_rotary, attend_in_place
+from moeflow.kernels.cpu.gpt_oss_step import sink_attention_step
+from moeflow.kernels.cpu.step import rmsnorm
 
 
 def yarn_inv_freq(head_dim: int, theta: float, rope: dict[str, Any], max_position_embeddings: int,
@@ -75,7 +77,10 @@ class ScaledRotaryEmbedding(nn.Module):
 
 class GptOssRMSNorm(RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., H]: normalise and scale in fp32, then cast (gpt-oss keeps its norms in fp32)."""
+        """x [..., H]: normalise and scale in fp32, then cast (gpt-oss keeps its norms in fp32). ``native`` (the
+        CPU step, engine.cpu_layers_gpt_oss): one call into moeflow's CPU library for contiguous fp32 x."""
+        if self.native and x.dtype == torch.float32 and x.is_contiguous():
+            return rmsnorm(x, self.weight, self.eps)[0]
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight * h).to(x.dtype)
@@ -105,6 +110,7 @@ class SinkAttention(nn.Module):
         self.o_proj = biased(linear_factory("o_proj", num_heads * head_dim, hidden_size), "o_proj", dtype)
         self.sinks = nn.Parameter(torch.zeros(num_heads, dtype=dtype))
         self.sliding_window = sliding_window
+        self.native = False  # one-token steps' attention as one call (the CPU step; engine.cpu_layers_gpt_oss)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any,
@@ -112,9 +118,14 @@ class SinkAttention(nn.Module):
     ) -> torch.Tensor:
         """x [B, T, H] -> [B, T, H]; mask bool [B, 1, T, max_len] (this layer's: sliding or full)."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.native:
+            out = self._native_step(q, k, v, cos, sin, cache, cache_position, mask)
+            if out is not None:
+                return self.o_proj(out.view(b, t, -1))
+        q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = attend_in_place(cache, self.layer_idx, q, k, v, cache_position, self.sliding_window, self.sinks,
                               self.scaling)
@@ -122,6 +133,24 @@ class SinkAttention(nn.Module):
             k_all, v_all = cache.update(self.layer_idx, k, v, cache_position)
             out = sink_attention(q, k_all, v_all, mask, self.sinks, self.scaling)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+    def _native_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     cache: Any, cache_position: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+        """One token's attention (q [1, 1, nh D], k, v [1, 1, nkv D] projected) as the one-call CPU step computes
+        it (:func:`~moeflow.kernels.cpu.gpt_oss_step.sink_attention_step`: the cache written, out fp32 [nh D]), or
+        None where it does not apply (more tokens, not fp32, not the engine's static cache)."""
+        layer_kv = getattr(cache, "layer_kv", None)
+        if layer_kv is None or q.shape[:2] != (1, 1) or q.dtype != torch.float32:
+            return None
+        k_cache, v_cache = layer_kv[self.layer_idx]
+        tensors = (q, k, v, cos, sin, k_cache, v_cache, mask, self.sinks)
+        if k_cache.dtype != torch.float32 or k_cache.shape[0] != 1 or mask.dtype != torch.bool \
+                or mask.numel() != k_cache.shape[2] or cos.numel() != self.head_dim or cos.dtype != torch.float32 \
+                or self.sinks.dtype != torch.float32 or cache_position.numel() != 1 \
+                or not all(t.is_contiguous() for t in tensors):
+            return None
+        return sink_attention_step(q, k, v, self.n_heads, self.n_kv, cos, sin, k_cache, v_cache,
+                                   int(cache_position), mask, self.sinks, self.scaling)
 
 
 def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor,

@@ -337,3 +337,26 @@ void mf_gguf_expert_team(const float* x, int H, int I, int t13, const uint8_t* g
         }
     }
 }
+
+/* ---- one token's linear rows inside an enclosing team (step_gptoss.c: gpt-oss's Q8_0 attention projections) -- */
+
+/* The bytes of one token's activations for a linear of K inputs (mf_gguf_acts1's scratch, 64-byte aligned). */
+size_t mf_gguf_acts1_bytes(int K) { return acts1_bytes(K); }
+
+/* x fp32 [K] quantized for weights of `type` into scratch (mf_gguf_acts1_bytes(K) bytes): mf_gguf_linear's
+   activations of one token. */
+void mf_gguf_acts1(const float* x, int K, int type, void* scratch) {
+    char* p = scratch;
+    acts a;
+    acts1_carve(&a, &p, K, type);
+    acts_row(&a, x, 0);
+}
+
+/* Rows [n0, n1) of W [N, K] of `type` (rows `stride` bytes apart) against the token mf_gguf_acts1 quantized into
+   scratch: y[n], mf_gguf_linear's numbers bit for bit (each row's operations its own). */
+void mf_gguf_rows1(int type, const uint8_t* w, int64_t stride, int n0, int n1, int K, const void* scratch, float* y) {
+    char* p = (char*)scratch;
+    acts a;
+    acts1_carve(&a, &p, K, type);
+    rows(type, w, stride, n0, n1, 1, &a, y, 1);
+}

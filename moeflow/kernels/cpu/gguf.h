@@ -82,6 +82,11 @@ void mf_gguf_expert_team(const float* x, int H, int I, int t13, const uint8_t* g
                          int t2, const uint8_t* down, int64_t s2, float weight, float* out, int accumulate, float* h,
                          float* y, void* scratch);
 
+/* One token's linear rows as worksharing pieces of an enclosing team (gguf.c; step_gptoss.c). */
+size_t mf_gguf_acts1_bytes(int K);
+void mf_gguf_acts1(const float* x, int K, int type, void* scratch);
+void mf_gguf_rows1(int type, const uint8_t* w, int64_t stride, int n0, int n1, int K, const void* scratch, float* y);
+
 /* Row `row` (nb blocks of K-quant `type`: Q4_K, Q5_K, Q6_K) against the T quantized tokens of `a`: y[t * ldy]
    (gguf_k.c). */
 __attribute__((visibility("hidden"))) void mf_gguf_krow(int type, const uint8_t* row, int nb, int T, const acts* a,

@@ -33,4 +33,8 @@ MX_HIDDEN void mx_gate_up(const float* h, float* out, int I, const void* bias13,
                           float limit);
 MX_HIDDEN void mx_down_out(const float* y, int T, int H, int n0, int n1, const void* bias2, int kind,
                            const float* weight, float* out, int accumulate);
+/* mxfp4.c: rows [n0, n1) of W [N, K] (region layout, panels of `panel`) against token 0 of a -> y [N]; the rows of
+   mf_mxfp4_linear / mf_mxfp4_expert bit for bit (step_gptoss.c calls it on each thread's share of rows). */
+MX_HIDDEN void mf_mxfp4_rows1(const uint8_t* blocks, const uint8_t* scales, int N, int K, int panel, int n0, int n1,
+                              const mxacts* a, float* y);
 #endif
