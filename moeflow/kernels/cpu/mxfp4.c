@@ -33,9 +33,16 @@
 
 #include "mxfp4.h"
 
-#define MX_ROWS 128  /* weight rows per work item: a panel of them is 4 KB of contiguous blocks (the panels are
-                        N x 32 bytes apart; 32 rows, 1 KB, ran at half the speed for one token) */
-#define MX_TT 4      /* tokens per tile: a block pair is decoded once per row and tile (accumulators 16 KB) */
+#ifndef MX_ACC
+#define MX_ACC 16384  /* fp32 accumulators of a tile (64 KB): rows x tokens x 8 lanes */
+#endif
+#define MX_TT 4       /* tokens per tile: a block pair is decoded once per row and tile */
+#ifndef MX_PF
+#define MX_PF 1       /* software prefetch: the blocks (and scales) this many panels on, into L2 */
+#endif
+#ifndef MX_HINT
+#define MX_HINT _MM_HINT_T1
+#endif
 
 static const int8_t VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};  /* 2 x e2m1 */
 
@@ -136,8 +143,7 @@ static const uint8_t TD[64] __attribute__((aligned(64))) = {
     0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 4, 6, 4, 6, 4, 6, 4, 6, 8, 12, 8, 12, 8, 12, 8, 12, 0, 1, 0, 1,
     0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 4, 6, 4, 6, 4, 6, 4, 6, 8, 12, 8, 12, 8, 12, 8, 12};
 
-MXI decoded2 decode2(const uint8_t* alo, const uint8_t* ahi, const uint8_t* blo, const uint8_t* bhi) {
-    const __m512i w = load4x16(alo, ahi, blo, bhi);
+MXI decoded2 decode2(__m512i w) {
     const __m512i f0 = _mm512_multishift_epi64_epi8(bcast8(MS0), w);
     const __m512i f1 = _mm512_multishift_epi64_epi8(bcast8(MS1), w);
     const __m512i lut7 = _mm512_load_si512(T7), lutd = _mm512_load_si512(TD);
@@ -149,14 +155,24 @@ MXI decoded2 decode2(const uint8_t* alo, const uint8_t* ahi, const uint8_t* blo,
 
 /* e8_half of 4 scales (bytes of e4) each in 4 lanes, (0 1 2 3) -> lanes 0-3, 4-7, 8-11, 12-15; the same bits
    (e >= 2: (e - 1) << 23, else 0x200000 << e); lanes of bytes 1 and 3 zero when odd (no block 2bp + 1). */
-MXI __m512 e8_half16(uint32_t e4, int odd) {
-    const __m128i idx = _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    const __m512i e = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(_mm_cvtsi32_si128((int)e4), idx));
+MXI __m512i e8_bits16(__m512i e) {  /* 16 lanes of e (0 .. 255) -> the bits of e8_half(e) */
     const __m512i big = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
     const __m512i small = _mm512_sllv_epi32(_mm512_set1_epi32(0x200000), e);
-    const __mmask16 ge2 = _mm512_cmpge_epu32_mask(e, _mm512_set1_epi32(2));
-    const __m512i bits = _mm512_mask_blend_epi32(ge2, small, big);
+    return _mm512_mask_blend_epi32(_mm512_cmpge_epu32_mask(e, _mm512_set1_epi32(2)), small, big);
+}
+MXI __m512 e8_half16(uint32_t e4, int odd) {
+    const __m128i idx = _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __m512i bits = e8_bits16(_mm512_cvtepu8_epi32(_mm_shuffle_epi8(_mm_cvtsi32_si128((int)e4), idx)));
     return _mm512_castsi512_ps(_mm512_maskz_mov_epi32(odd ? 0x0F0F : 0xFFFF, bits));
+}
+/* P = 64: rows r .. r + 7's 16 scale bytes (2bp, 2bp + 1 of each row) -> e8_half of byte k in lane k; row pair j's
+   e8_half16 is then lanes 4j + (l / 4) (e16_of) */
+MXI __m512 e8_half_rows8(const uint8_t* sc) {
+    return _mm512_castsi512_ps(e8_bits16(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)sc))));
+}
+MXI __m512 e16_of(__m512 f, int j) {
+    const __m512i quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    return _mm512_permutexvar_ps(_mm512_add_epi32(quad, _mm512_set1_epi32(4 * j)), f);
 }
 
 /* The 16 lanes of rows A and B (acc: A's 8 then B's) += word sums * (xs8 * e16), as pair_add per row. */
@@ -169,11 +185,13 @@ MXI token2 token_load2(const int8_t* xp, const float* xs8) {
     return t;
 }
 
-MXI __m512 pair_add2(__m512 acc, const decoded2* w, const token2* t, __m512 e16) {
+MXI __m512 pair_dot2(const decoded2* w, const token2* t) {  /* the 16 exact word sums, as floats */
     const __m512i zero = _mm512_setzero_si512(), x0 = t->x0, x1 = t->x1;
     const __m512i s0 = _mm512_mask_sub_epi8(x0, w->neg0, zero, x0), s1 = _mm512_mask_sub_epi8(x1, w->neg1, zero, x1);
-    const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, w->mag0, s0), w->mag1, s1);
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(t->xs, e16), acc);
+    return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, w->mag0, s0), w->mag1, s1));
+}
+MXI __m512 pair_add2(__m512 acc, const decoded2* w, const token2* t, __m512 e16) {
+    return _mm512_fmadd_ps(pair_dot2(w, t), _mm512_mul_ps(t->xs, e16), acc);
 }
 #endif
 #else
@@ -216,10 +234,13 @@ MXI lanes pair_add(lanes acc, const decoded* w, const int8_t* xp, const float* x
 
 /* ---- rows ---------------------------------------------------------------------------------------------------- */
 
-/* Rows [n0, n1) (n1 - n0 <= MX_ROWS) against tokens t0 .. t0 + tt - 1 (tt <= MX_TT): y[t * ldy + n]. Panel by
-   panel (a panel's rows are contiguous), each row's and token's lanes accumulated in block order. */
+/* Rows [n0, n1) ((n1 - n0) tt 8 <= MX_ACC) against tokens t0 .. t0 + tt - 1 (tt <= MX_TT): y[t * ldy + n]. Panel by
+   panel, each row's and token's lanes accumulated in block order: a panel's rows are contiguous, so a tile reads one
+   run of (n1 - n0) 32 bytes per panel, the panels N x 32 bytes apart. The runs' length sets the speed from DRAM:
+   4 or 8 KB runs (128 or 256 rows) read at ~10 GB/s on one Zen 4 core where 16 KB runs read at ~17-20 and whole
+   panels at ~23 (a plain load loop over the same bytes); the next panel's run is prefetched into L2 meanwhile. */
 static void mx_tile(const mxmat* m, int n0, int n1, int t0, int tt, const mxacts* a, float* y, int ldy) {
-    float acc[MX_ROWS * MX_TT * 8] __attribute__((aligned(64)));
+    float acc[MX_ACC] __attribute__((aligned(64)));
     const int nb = m->K / 32, nr = n1 - n0;
     for (int i = 0; i < nr * tt; i++) lanes_store(acc + 8 * i, lanes_zero());
     static const uint8_t zeros[16];
@@ -228,7 +249,7 @@ static void mx_tile(const mxmat* m, int n0, int n1, int t0, int tt, const mxacts
     const size_t pstride = (size_t)m->N * 32, sstride = (size_t)m->N * 2;
     const size_t hi_off = m->bpp == 2 ? 16 : (size_t)m->N * 16, shi = m->bpp == 2 ? 1 : (size_t)m->N;
     for (int bp = 0; bp < a->nbp; bp++) {
-        const int odd = 2 * bp + 1 >= nb;
+        const int odd = 2 * bp + 1 >= nb, pf = bp + MX_PF < a->nbp;
         const uint8_t* prow = m->blocks + bp * pstride + (size_t)n0 * 16 * m->bpp;
         const uint8_t* srow = m->scales + bp * sstride + (size_t)n0 * m->bpp;
         int r = 0;
@@ -238,25 +259,48 @@ static void mx_tile(const mxmat* m, int n0, int n1, int t0, int tt, const mxacts
             const size_t tp = (size_t)(t0 + i) * a->nbp + bp;
             tk[i] = token_load2(a->q + tp * 64, a->s + tp * 8);
         }
+        if (m->bpp == 2) {  /* P = 64 (K even in blocks): 8 rows' 256 bytes and 16 scale bytes at a time */
+            const __m512 xs16 = _mm512_permutexvar_ps(_mm512_set1_epi64(4ll << 32), tk[0].xs);  /* xs0 xs1 .. */
+            for (; r + 8 <= nr; r += 8) {
+                const uint8_t *lo = prow + (size_t)r * 32, *sc = srow + (size_t)r * 2;
+                if (pf) {
+                    for (int j = 0; j < 4; j++) _mm_prefetch((const char*)(lo + 64 * j + MX_PF * pstride), MX_HINT);
+                    _mm_prefetch((const char*)(sc + MX_PF * sstride), MX_HINT);
+                }
+                const __m512 f = e8_half_rows8(sc);
+                if (tt == 1) {  /* xs e8 of the 16 bytes at once (the same products), e16_of per pair */
+                    const __m512 fx = _mm512_mul_ps(f, xs16);
+                    for (int j = 0; j < 4; j++) {
+                        const decoded2 w = decode2(_mm512_loadu_si512(lo + 64 * j));
+                        float* c = acc + 8 * (r + 2 * j);
+                        _mm512_storeu_ps(c, _mm512_fmadd_ps(pair_dot2(&w, &tk[0]), e16_of(fx, j), _mm512_loadu_ps(c)));
+                    }
+                    continue;
+                }
+                for (int j = 0; j < 4; j++) {  /* rows r + 2j, r + 2j + 1: 64 contiguous bytes */
+                    const decoded2 w = decode2(_mm512_loadu_si512(lo + 64 * j));
+                    const __m512 e16 = e16_of(f, j);
+                    for (int i = 0; i < tt; i++) {
+                        float* c = acc + 8 * (i * nr + r + 2 * j);
+                        _mm512_storeu_ps(c, pair_add2(_mm512_loadu_ps(c), &w, &tk[i], e16));
+                    }
+                }
+            }
+        }
         for (; r + 1 < nr; r += 2) {  /* two rows per 512-bit register */
             const uint8_t *lo = prow + (size_t)r * 16 * m->bpp, *lo1 = lo + 16 * m->bpp;
             const uint8_t* sc = srow + (size_t)r * m->bpp;
-            if (bp + 4 < a->nbp) {  /* the blocks and (every 32 rows) the scales 4 pairs on */
-                _mm_prefetch((const char*)(lo + 4 * pstride), _MM_HINT_T0);
-                if (!(r & 31)) _mm_prefetch((const char*)(sc + 4 * sstride), _MM_HINT_T0);
+            if (pf) {
+                _mm_prefetch((const char*)(lo + MX_PF * pstride), MX_HINT);
+                if (!(r & 31)) _mm_prefetch((const char*)(sc + MX_PF * sstride), MX_HINT);
             }
-            const decoded2 w = decode2(lo, odd ? zeros : lo + hi_off, lo1, odd ? zeros : lo1 + hi_off);
+            const decoded2 w = decode2(load4x16(lo, odd ? zeros : lo + hi_off, lo1, odd ? zeros : lo1 + hi_off));
             uint32_t e4 = sc[0] | (uint32_t)sc[m->bpp] << 16;  /* bytes: row A's 2bp, 2bp + 1, row B's (0 if odd) */
             if (!odd) e4 |= (uint32_t)sc[shi] << 8 | (uint32_t)sc[m->bpp + shi] << 24;
             const __m512 e16 = e8_half16(e4, odd);
-            if (tt == 1) {
-                float* c = acc + 8 * r;
-                _mm512_storeu_ps(c, pair_add2(_mm512_loadu_ps(c), &w, &tk[0], e16));
-            } else {
-                for (int i = 0; i < tt; i++) {
-                    float* c = acc + 8 * (i * nr + r);
-                    _mm512_storeu_ps(c, pair_add2(_mm512_loadu_ps(c), &w, &tk[i], e16));
-                }
+            for (int i = 0; i < tt; i++) {
+                float* c = acc + 8 * (i * nr + r);
+                _mm512_storeu_ps(c, pair_add2(_mm512_loadu_ps(c), &w, &tk[i], e16));
             }
         }
 #endif
@@ -264,7 +308,7 @@ static void mx_tile(const mxmat* m, int n0, int n1, int t0, int tt, const mxacts
             const uint8_t* lo = prow + (size_t)r * 16 * m->bpp;
             const uint8_t* sc = srow + (size_t)r * m->bpp;
 #if MF_AVX2
-            if (bp + 4 < a->nbp) _mm_prefetch((const char*)(lo + 4 * pstride), _MM_HINT_T0);
+            if (pf) _mm_prefetch((const char*)(lo + MX_PF * pstride), MX_HINT);
 #endif
             const decoded w = decode(lo, odd ? zeros : lo + hi_off);
             const float f0 = e8_half(sc[0]), f1 = odd ? 0.0f : e8_half(sc[shi]);
@@ -280,16 +324,22 @@ static void mx_tile(const mxmat* m, int n0, int n1, int t0, int tt, const mxacts
         for (int i = 0; i < tt; i++) y[(size_t)(t0 + i) * ldy + n0 + r] = lanes_sum(lanes_load(acc + 8 * (i * nr + r)));
 }
 
+/* Rows [n0, n1) on T tokens: tiles of as many rows as MX_ACC holds for MX_TT tokens (T >= 4: 512 rows, 16 KB runs;
+   T = 1: 2048), each computed for every tile of tokens while its blocks are in L2. */
 static void mx_rows(const mxmat* m, int n0, int n1, int T, const mxacts* a, float* y, int ldy) {
-    for (int t0 = 0; t0 < T; t0 += MX_TT) mx_tile(m, n0, n1, t0, T - t0 < MX_TT ? T - t0 : MX_TT, a, y, ldy);
+    const int tt = T < MX_TT ? T : MX_TT, cap = MX_ACC / (8 * tt), nt = (n1 - n0 + cap - 1) / cap;
+    const int rows = ((n1 - n0 + nt - 1) / nt + 7) & ~7;  /* tiles of equal rows, a multiple of 8 */
+    for (int s = n0; s < n1; s += rows)
+        for (int t0 = 0; t0 < T; t0 += MX_TT)
+            mx_tile(m, s, s + rows < n1 ? s + rows : n1, t0, T - t0 < MX_TT ? T - t0 : MX_TT, a, y, ldy);
 }
 
-/* Rows per work item for N rows on nthreads: MX_ROWS, or fewer (a multiple of 16, at least 32) so that every
-   thread gets ~4 items (gpt-oss's w2, 2880 rows, is 23 items of 128: 16 threads would idle a third of the time).
-   The numbers do not depend on it (each row's operations are its own). */
+/* Rows per work item for N rows on nthreads: an equal share per thread (a multiple of 16, at least 32), so that
+   each thread reads long runs of each panel (see mx_tile). The numbers do not depend on it (each row's operations
+   are its own). */
 static int mx_chunk(int N, int nthreads) {
-    int c = (N / (4 * (nthreads > 0 ? nthreads : 1))) & ~15;
-    return c < 32 ? 32 : c > MX_ROWS ? MX_ROWS : c;
+    const int n = nthreads > 0 ? nthreads : 1, c = ((N + n - 1) / n + 15) & ~15;
+    return c < 32 ? 32 : c;
 }
 
 static int mx_check(int K, int panel, const uint8_t* b, const uint8_t* s) {
