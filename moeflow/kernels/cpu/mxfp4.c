@@ -234,6 +234,72 @@ MXI lanes pair_add(lanes acc, const decoded* w, const int8_t* xp, const float* x
 
 /* ---- rows ---------------------------------------------------------------------------------------------------- */
 
+#if MX_PAIR2
+/* P = 64 on VBMI: 8 rows' 256 contiguous bytes and 16 scale bytes at a time (one scale decode for 4 row pairs);
+   one token: xs e8 formed for the 16 scale bytes at once, two panels per pass (a row pair's lanes loaded and
+   stored once per two panels). The same products, sums and order as the loops of mx_tile. */
+MXI __m512 xs_lanes(const token2* t) { return _mm512_permutexvar_ps(_mm512_set1_epi64(4ll << 32), t->xs); }
+
+MXI void p64_pass1(const uint8_t* lo, const uint8_t* sc, size_t pstride, size_t sstride, const token2* k,
+                   __m512 x0, __m512 x1, int two, int pf, float* c) {
+    if (pf)
+        for (int p = 2; p < 4; p++) {
+            for (int j = 0; j < 4; j++) _mm_prefetch((const char*)(lo + 64 * j + p * pstride), MX_HINT);
+            _mm_prefetch((const char*)(sc + p * sstride), MX_HINT);
+        }
+    const __m512 f0 = _mm512_mul_ps(e8_half_rows8(sc), x0);
+    const __m512 f1 = two ? _mm512_mul_ps(e8_half_rows8(sc + sstride), x1) : f0;
+    for (int j = 0; j < 4; j++) {  /* rows 2j, 2j + 1: 64 contiguous bytes */
+        const decoded2 w0 = decode2(_mm512_loadu_si512(lo + 64 * j));
+        __m512 v = _mm512_fmadd_ps(pair_dot2(&w0, &k[0]), e16_of(f0, j), _mm512_loadu_ps(c + 16 * j));
+        if (two) {
+            const decoded2 w1 = decode2(_mm512_loadu_si512(lo + pstride + 64 * j));
+            v = _mm512_fmadd_ps(pair_dot2(&w1, &k[1]), e16_of(f1, j), v);
+        }
+        _mm512_storeu_ps(c + 16 * j, v);
+    }
+}
+
+static void mx_p64(const mxmat* m, int n0, int nr, int nr8, int t0, int tt, const mxacts* a, float* acc) {
+    const size_t pstride = (size_t)m->N * 32, sstride = (size_t)m->N * 2;
+    const int nbp = a->nbp;
+    for (int bp = 0; bp < nbp; bp += tt == 1 ? 2 : 1) {
+        const uint8_t *prow = m->blocks + bp * pstride + (size_t)n0 * 32, *srow = m->scales + bp * sstride + n0 * 2;
+        token2 tk[MX_TT];
+        for (int i = 0; i < (tt == 1 ? 2 : tt) && bp + (tt == 1 ? i : 0) < nbp; i++) {
+            const size_t tp = tt == 1 ? (size_t)t0 * nbp + bp + i : (size_t)(t0 + i) * nbp + bp;
+            tk[i] = token_load2(a->q + tp * 64, a->s + tp * 8);
+        }
+        if (tt == 1) {
+            const int two = bp + 1 < nbp, pf = bp + 2 < nbp;
+            const __m512 x0 = xs_lanes(&tk[0]), x1 = two ? xs_lanes(&tk[1]) : x0;
+            for (int r = 0; r < nr8; r += 8) {
+                const uint8_t *lo = prow + (size_t)r * 32, *sc = srow + (size_t)r * 2;
+                if (two) p64_pass1(lo, sc, pstride, sstride, tk, x0, x1, 1, pf, acc + 8 * r);
+                else p64_pass1(lo, sc, pstride, sstride, tk, x0, x1, 0, pf, acc + 8 * r);
+            }
+            continue;
+        }
+        for (int r = 0; r < nr8; r += 8) {
+            const uint8_t *lo = prow + (size_t)r * 32, *sc = srow + (size_t)r * 2;
+            if (bp + MX_PF < nbp) {
+                for (int j = 0; j < 4; j++) _mm_prefetch((const char*)(lo + 64 * j + MX_PF * pstride), MX_HINT);
+                _mm_prefetch((const char*)(sc + MX_PF * sstride), MX_HINT);
+            }
+            const __m512 f = e8_half_rows8(sc);
+            for (int j = 0; j < 4; j++) {
+                const decoded2 w = decode2(_mm512_loadu_si512(lo + 64 * j));
+                const __m512 e16 = e16_of(f, j);
+                for (int i = 0; i < tt; i++) {
+                    float* c = acc + 8 * (i * nr + r + 2 * j);
+                    _mm512_storeu_ps(c, pair_add2(_mm512_loadu_ps(c), &w, &tk[i], e16));
+                }
+            }
+        }
+    }
+}
+#endif
+
 /* Rows [n0, n1) ((n1 - n0) tt 8 <= MX_ACC) against tokens t0 .. t0 + tt - 1 (tt <= MX_TT): y[t * ldy + n]. Panel by
    panel, each row's and token's lanes accumulated in block order: a panel's rows are contiguous, so a tile reads one
    run of (n1 - n0) 32 bytes per panel, the panels N x 32 bytes apart. The runs' length sets the speed from DRAM:
@@ -248,44 +314,20 @@ static void mx_tile(const mxmat* m, int n0, int n1, int t0, int tt, const mxacts
        P = 32), lo = blocks + bp N 32 + n 16 bpp; scales likewise (N 2 per pair, n bpp, + shi) */
     const size_t pstride = (size_t)m->N * 32, sstride = (size_t)m->N * 2;
     const size_t hi_off = m->bpp == 2 ? 16 : (size_t)m->N * 16, shi = m->bpp == 2 ? 1 : (size_t)m->N;
+    int r0 = 0;  /* rows from r0 on: the loops below */
+#if MX_PAIR2
+    if (m->bpp == 2) mx_p64(m, n0, nr, r0 = nr & ~7, t0, tt, a, acc);
+#endif
     for (int bp = 0; bp < a->nbp; bp++) {
         const int odd = 2 * bp + 1 >= nb, pf = bp + MX_PF < a->nbp;
         const uint8_t* prow = m->blocks + bp * pstride + (size_t)n0 * 16 * m->bpp;
         const uint8_t* srow = m->scales + bp * sstride + (size_t)n0 * m->bpp;
-        int r = 0;
+        int r = r0;
 #if MX_PAIR2
         token2 tk[MX_TT];  /* the tile's tokens at this pair, loaded once (int8 loads may alias acc's stores) */
         for (int i = 0; i < tt; i++) {
             const size_t tp = (size_t)(t0 + i) * a->nbp + bp;
             tk[i] = token_load2(a->q + tp * 64, a->s + tp * 8);
-        }
-        if (m->bpp == 2) {  /* P = 64 (K even in blocks): 8 rows' 256 bytes and 16 scale bytes at a time */
-            const __m512 xs16 = _mm512_permutexvar_ps(_mm512_set1_epi64(4ll << 32), tk[0].xs);  /* xs0 xs1 .. */
-            for (; r + 8 <= nr; r += 8) {
-                const uint8_t *lo = prow + (size_t)r * 32, *sc = srow + (size_t)r * 2;
-                if (pf) {
-                    for (int j = 0; j < 4; j++) _mm_prefetch((const char*)(lo + 64 * j + MX_PF * pstride), MX_HINT);
-                    _mm_prefetch((const char*)(sc + MX_PF * sstride), MX_HINT);
-                }
-                const __m512 f = e8_half_rows8(sc);
-                if (tt == 1) {  /* xs e8 of the 16 bytes at once (the same products), e16_of per pair */
-                    const __m512 fx = _mm512_mul_ps(f, xs16);
-                    for (int j = 0; j < 4; j++) {
-                        const decoded2 w = decode2(_mm512_loadu_si512(lo + 64 * j));
-                        float* c = acc + 8 * (r + 2 * j);
-                        _mm512_storeu_ps(c, _mm512_fmadd_ps(pair_dot2(&w, &tk[0]), e16_of(fx, j), _mm512_loadu_ps(c)));
-                    }
-                    continue;
-                }
-                for (int j = 0; j < 4; j++) {  /* rows r + 2j, r + 2j + 1: 64 contiguous bytes */
-                    const decoded2 w = decode2(_mm512_loadu_si512(lo + 64 * j));
-                    const __m512 e16 = e16_of(f, j);
-                    for (int i = 0; i < tt; i++) {
-                        float* c = acc + 8 * (i * nr + r + 2 * j);
-                        _mm512_storeu_ps(c, pair_add2(_mm512_loadu_ps(c), &w, &tk[i], e16));
-                    }
-                }
-            }
         }
         for (; r + 1 < nr; r += 2) {  /* two rows per 512-bit register */
             const uint8_t *lo = prow + (size_t)r * 16 * m->bpp, *lo1 = lo + 16 * m->bpp;
