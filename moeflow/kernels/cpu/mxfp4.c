@@ -15,14 +15,14 @@
 
    The order rows are read in (s17): a panel's rows are contiguous (32 bytes per row and pair for P = 64), the
    panels N x 32 bytes apart. A work item (a thread's share of the rows, mx_chunk) is cut into tiles of as many rows
-   as 64 KB of fp32 lanes hold (one token: 2048 rows; four: 512), each computed panel by panel, i.e. one contiguous
-   run of rows x 32 bytes per panel, the next panels' runs prefetched into L2 meanwhile. From DRAM on one Zen 4 core
-   runs of 4 or 8 KB (the former items of 128 rows) read at ~10-11 GB/s however fast the arithmetic (so does a plain
-   load loop over the same bytes in that order), 16 KB runs at 17-20, whole panels at the plain read's 22-24. With
-   P = 64 on VBMI 8 rows' 256 bytes and 16 scale bytes go at once (one e8m0 decode per 4 row pairs), and one token
-   takes two panels per pass (its lanes loaded and stored once per two): one gpt-oss-120b expert at one token,
-   called from C, 0.55-0.6 ms from the L3 cache (~22 GB/s of its 13.2 MB) and ~0.7 ms from DRAM (~19 GB/s; 1.2 ms
-   before), the same bits.
+   as 64 KB of fp32 lanes hold (one token: 2048 rows; four: 512), each computed panel by panel, i.e. one run of
+   rows x 32 bytes per panel, the next panels' runs prefetched into L2 meanwhile. A plain load loop in that order
+   (benchmarks/cpu/mxfp4_read_order.py, one Zen 4 core, from DRAM) reads runs of 4 or 8 KB at ~10.5 GB/s, 16-64 KB
+   runs at ~17.5 and front to back at ~21; with the L2 prefetch 4 KB runs at 16.5, 16-64 KB at 20.5-21. With P = 64
+   on VBMI 8 rows' 256 bytes and 16 scale bytes go at once (one load per row pair, one e8m0 decode per 4 pairs), one
+   token two panels per pass (its lanes loaded and stored once per two). One gpt-oss-120b expert at one token, from
+   C: 0.9 -> 0.6 ms from the L3 cache, 1.2 -> ~0.7 ms from DRAM (~19 GB/s of its 13.2 MB; the former items of 128
+   rows with the L1 prefetch 4 panels on read at ~10.5; 128-row tiles with this L2 prefetch ~17), the same bits.
 
    The technique of llama.cpp's CPU MXFP4 x Q8_0 dot product: a 16-entry int8 table of doubled e2m1 values
    (0, 1, 2, 3, 4, 6, 8, 12 and their negatives: pshufb), activations quantized to int8 per block of 32 (scale
