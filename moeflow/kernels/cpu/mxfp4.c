@@ -66,9 +66,9 @@ typedef struct {  /* one matrix W [N, K] in the region layout */
 /* ---- rows ---------------------------------------------------------------------------------------------------- */
 
 #if MX_PAIR2
-/* P = 64 on VBMI: 8 rows' 256 contiguous bytes and 16 scale bytes at a time (one scale decode for 4 row pairs);
-   one token: xs e8 formed for the 16 scale bytes at once, two panels per pass (a row pair's lanes loaded and
-   stored once per two panels). The same products, sums and order as the loops of mx_tile. */
+/* P = 64 on VBMI: 8 rows' 256 contiguous bytes and 16 scale bytes at a time (one scale decode for 4 row pairs), two
+   panels per pass (a row pair's lanes loaded and stored once per two panels); one token: xs e8 formed for the 16
+   scale bytes at once. The same products, sums and order as the loops of mx_tile. */
 MXI __m512 xs_lanes(const token2* t) { return _mm512_permutexvar_ps(_mm512_set1_epi64(4ll << 32), t->xs); }
 
 MXI void p64_pass1(const uint8_t* lo, const uint8_t* sc, size_t pstride, size_t sstride, const token2* k,
@@ -91,41 +91,54 @@ MXI void p64_pass1(const uint8_t* lo, const uint8_t* sc, size_t pstride, size_t 
     }
 }
 
+/* tt tokens (k[p][i]: token i at panel p of the pass), their lanes at c + 8 i nr: pair_add2 per panel */
+MXI void p64_passn(const uint8_t* lo, const uint8_t* sc, size_t pstride, size_t sstride, token2 (*k)[MX_TT],
+                   int tt, int two, int pf, float* c, int nr) {
+    if (pf)
+        for (int p = 2; p < 4; p++) {
+            for (int j = 0; j < 4; j++) _mm_prefetch((const char*)(lo + 64 * j + p * pstride), MX_HINT);
+            _mm_prefetch((const char*)(sc + p * sstride), MX_HINT);
+        }
+    const __m512 f0 = e8_half_rows8(sc), f1 = two ? e8_half_rows8(sc + sstride) : f0;
+    for (int j = 0; j < 4; j++) {
+        const decoded2 w0 = decode2(_mm512_loadu_si512(lo + 64 * j));
+        const decoded2 w1 = two ? decode2(_mm512_loadu_si512(lo + pstride + 64 * j)) : w0;
+        const __m512 e0 = e16_of(f0, j), e1 = e16_of(f1, j);
+        for (int i = 0; i < tt; i++) {
+            float* ci = c + (size_t)8 * i * nr + 16 * j;
+            __m512 v = pair_add2(_mm512_loadu_ps(ci), &w0, &k[0][i], e0);
+            if (two) v = pair_add2(v, &w1, &k[1][i], e1);
+            _mm512_storeu_ps(ci, v);
+        }
+    }
+}
+
 static void mx_p64(const mxmat* m, int n0, int nr, int nr8, int t0, int tt, const mxacts* a, float* acc) {
     const size_t pstride = (size_t)m->N * 32, sstride = (size_t)m->N * 2;
     const int nbp = a->nbp;
-    for (int bp = 0; bp < nbp; bp += tt == 1 ? 2 : 1) {
+    for (int bp = 0; bp < nbp; bp += 2) {  /* two panels per pass */
         const uint8_t *prow = m->blocks + bp * pstride + (size_t)n0 * 32, *srow = m->scales + bp * sstride + n0 * 2;
-        token2 tk[MX_TT];
-        for (int i = 0; i < (tt == 1 ? 2 : tt) && bp + (tt == 1 ? i : 0) < nbp; i++) {
-            const size_t tp = tt == 1 ? (size_t)t0 * nbp + bp + i : (size_t)(t0 + i) * nbp + bp;
-            tk[i] = token_load2(a->q + tp * 64, a->s + tp * 8);
-        }
+        const int two = bp + 1 < nbp, pf = bp + 2 < nbp;
+        token2 tk[2][MX_TT];
+        for (int p = 0; p < 1 + two; p++)
+            for (int i = 0; i < tt; i++) {
+                const size_t tp = (size_t)(t0 + i) * nbp + bp + p;
+                tk[p][i] = token_load2(a->q + tp * 64, a->s + tp * 8);
+            }
         if (tt == 1) {
-            const int two = bp + 1 < nbp, pf = bp + 2 < nbp;
-            const __m512 x0 = xs_lanes(&tk[0]), x1 = two ? xs_lanes(&tk[1]) : x0;
+            const __m512 x0 = xs_lanes(&tk[0][0]), x1 = two ? xs_lanes(&tk[1][0]) : x0;
+            const token2 k1[2] = {tk[0][0], two ? tk[1][0] : tk[0][0]};
             for (int r = 0; r < nr8; r += 8) {
                 const uint8_t *lo = prow + (size_t)r * 32, *sc = srow + (size_t)r * 2;
-                if (two) p64_pass1(lo, sc, pstride, sstride, tk, x0, x1, 1, pf, acc + 8 * r);
-                else p64_pass1(lo, sc, pstride, sstride, tk, x0, x1, 0, pf, acc + 8 * r);
+                if (two) p64_pass1(lo, sc, pstride, sstride, k1, x0, x1, 1, pf, acc + 8 * r);
+                else p64_pass1(lo, sc, pstride, sstride, k1, x0, x1, 0, pf, acc + 8 * r);
             }
             continue;
         }
         for (int r = 0; r < nr8; r += 8) {
             const uint8_t *lo = prow + (size_t)r * 32, *sc = srow + (size_t)r * 2;
-            if (bp + MX_PF < nbp) {
-                for (int j = 0; j < 4; j++) _mm_prefetch((const char*)(lo + 64 * j + MX_PF * pstride), MX_HINT);
-                _mm_prefetch((const char*)(sc + MX_PF * sstride), MX_HINT);
-            }
-            const __m512 f = e8_half_rows8(sc);
-            for (int j = 0; j < 4; j++) {
-                const decoded2 w = decode2(_mm512_loadu_si512(lo + 64 * j));
-                const __m512 e16 = e16_of(f, j);
-                for (int i = 0; i < tt; i++) {
-                    float* c = acc + 8 * (i * nr + r + 2 * j);
-                    _mm512_storeu_ps(c, pair_add2(_mm512_loadu_ps(c), &w, &tk[i], e16));
-                }
-            }
+            if (two) p64_passn(lo, sc, pstride, sstride, tk, tt, 1, pf, acc + 8 * r, nr);
+            else p64_passn(lo, sc, pstride, sstride, tk, tt, 0, pf, acc + 8 * r, nr);
         }
     }
 }
