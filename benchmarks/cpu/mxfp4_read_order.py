@@ -2,7 +2,8 @@
 arithmetic) over one gpt-oss-120b expert's MXFP4 bytes (w13 [5760, 2880] and w2 [2880, 2880], blocks in 64-input
 panels of N x 32 bytes, scales N x 2) in the kernel's order, tiles of R rows each read panel by panel (one run of
 R x 32 bytes per panel, the panels N x 32 bytes apart), against the bytes read front to back. With and without a
-prefetch of the next panel's run into L2 (``_mm_prefetch(..., _MM_HINT_T1)``, what the kernel issues since s17).
+prefetch of the next panel's run into L2 (``_mm_prefetch(..., _MM_HINT_T1)``, what the kernel issues since s17) or
+into L1 four panels on (before s17).
 One thread, 256 MB read between reps (the bytes come from DRAM), configurations alternated within each rep; the
 C source is compiled on the spot (``$CC`` or gcc, ``-O3 -march=native``; x86-64 with AVX-512F).
 
@@ -19,6 +20,8 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.cpu.mxfp4_native import cpu_name
+
+PREFETCH = {"0": "none", "1": "the next panel's run into L2 (s17)", "2": "into L1, four panels on (before s17)"}
 
 SOURCE = r"""
 #include <immintrin.h>
@@ -41,7 +44,8 @@ static unsigned char* buf(size_t n) {
     memset(p, 1, n);
     return p;
 }
-/* rows per tile R (0: front to back), pf: prefetch the next panel's run into L2 */
+/* rows per tile R (0: front to back); pf 1: prefetch the next panel's run into L2, 2: into L1 four panels on (the
+   kernel before s17) */
 static __m512i walk(const unsigned char* b, const unsigned char* s, int N, int K, int R, int pf) {
     __m512i a = _mm512_setzero_si512(), c = a;
     const int np = K / 64;
@@ -57,15 +61,19 @@ static __m512i walk(const unsigned char* b, const unsigned char* s, int N, int K
             const unsigned char* q = b + (size_t)p * N * 32 + (size_t)n0 * 32;
             const unsigned char* sc = s + (size_t)p * N * 2 + (size_t)n0 * 2;
             for (int i = 0; i + 128 <= nr * 32; i += 128) {
-                if (pf && p + 1 < np) {
+                if (pf == 1 && p + 1 < np) {
                     _mm_prefetch((const char*)q + i + (size_t)N * 32, _MM_HINT_T1);
                     _mm_prefetch((const char*)q + i + 64 + (size_t)N * 32, _MM_HINT_T1);
+                } else if (pf == 2 && p + 4 < np) {
+                    _mm_prefetch((const char*)q + i + (size_t)N * 128, _MM_HINT_T0);
+                    _mm_prefetch((const char*)q + i + 64 + (size_t)N * 128, _MM_HINT_T0);
                 }
                 a = _mm512_add_epi64(a, _mm512_loadu_si512(q + i));
                 c = _mm512_add_epi64(c, _mm512_loadu_si512(q + i + 64));
             }
             for (int i = 0; i + 64 <= nr * 2; i += 64) {
-                if (pf && p + 1 < np) _mm_prefetch((const char*)sc + i + (size_t)N * 2, _MM_HINT_T1);
+                if (pf == 1 && p + 1 < np) _mm_prefetch((const char*)sc + i + (size_t)N * 2, _MM_HINT_T1);
+                else if (pf == 2 && p + 4 < np) _mm_prefetch((const char*)sc + i + (size_t)N * 8, _MM_HINT_T0);
                 a = _mm512_add_epi64(a, _mm512_loadu_si512(sc + i));
             }
         }
@@ -74,7 +82,8 @@ static __m512i walk(const unsigned char* b, const unsigned char* s, int N, int K
 }
 int main(int argc, char** argv) {
     const int reps = atoi(argv[1]), shape[2][2] = {{5760, 2880}, {2880, 2880}};
-    const int cfg[][2] = {{0, 0}, {128, 0}, {256, 0}, {512, 0}, {2048, 0}, {6000, 0}, {128, 1}, {512, 1}, {2048, 1}};
+    const int cfg[][2] = {{0, 0}, {128, 0}, {256, 0}, {512, 0}, {2048, 0}, {6000, 0},
+                          {128, 2}, {128, 1}, {512, 1}, {2048, 1}};
     const int nc = sizeof cfg / sizeof cfg[0];
     const size_t jn = (size_t)256 << 20;
     unsigned char *junk = buf(jn), *b[2], *s[2];
@@ -122,7 +131,7 @@ def main() -> None:
     print(f"# Reading one gpt-oss-120b expert's MXFP4 bytes (13.2 MB) from DRAM in mxfp4.c's orders, one thread\n\n"
           f"`python -m benchmarks.cpu.mxfp4_read_order --reps {args.reps}`\n\nCPU: {cpu_name()}\n\nuptime: {load}\n\n"
           "A plain load loop, no arithmetic; the thread's CPU time, median / best of the reps; GB/s over the best.\n")
-    print("| order | run per panel | L2 prefetch of the next panel | ms | GB/s |")
+    print("| order | run per panel | prefetch | ms | GB/s |")
     print("|---|---|---|---|---|")
     for line in out.split("\n"):
         if not line.strip():
@@ -130,7 +139,7 @@ def main() -> None:
         rows, pf, med, best, gbs = line.split()
         order = "front to back" if rows == "0" else f"tiles of {rows} rows" if rows != "6000" else "whole panels"
         run = "-" if rows == "0" else f"{min(int(rows), 5760) * 32 // 1024} KB (w13)"
-        print(f"| {order} | {run} | {'yes' if pf == '1' else 'no'} | {float(med) * 1e3:.2f} / {float(best) * 1e3:.2f} "
+        print(f"| {order} | {run} | {PREFETCH[pf]} | {float(med) * 1e3:.2f} / {float(best) * 1e3:.2f} "
               f"| {float(gbs):.1f} |")
 
 
