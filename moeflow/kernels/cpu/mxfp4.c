@@ -138,6 +138,36 @@ static void mx_p64(const mxmat* m, int n0, int nr, int nr8, int t0, int tt, cons
 }
 #endif
 
+#if MF_AVX2 && !MX_PAIR2
+/* P = 64 on AVX2 (and AVX-512 without VBMI): 4 rows' 128 contiguous bytes and 8 scale bytes at a time, one 32-byte
+   load per row and one e8m0 decode per 4 rows; the same operations and order as mx_tile's loops. */
+static void mx_p64(const mxmat* m, int n0, int nr, int nr4, int t0, int tt, const mxacts* a, float* acc) {
+    const size_t pstride = (size_t)m->N * 32, sstride = (size_t)m->N * 2;
+    for (int bp = 0; bp < a->nbp; bp++) {
+        const uint8_t *prow = m->blocks + bp * pstride + (size_t)n0 * 32, *srow = m->scales + bp * sstride + n0 * 2;
+        const int pf = bp + MX_PF < a->nbp;
+        for (int r = 0; r < nr4; r += 4) {
+            const uint8_t *lo = prow + (size_t)r * 32, *sc = srow + (size_t)r * 2;
+            if (pf) {
+                _mm_prefetch((const char*)(lo + MX_PF * pstride), MX_HINT);
+                _mm_prefetch((const char*)(lo + 64 + MX_PF * pstride), MX_HINT);
+                if (!(r & 31)) _mm_prefetch((const char*)(sc + MX_PF * sstride), MX_HINT);
+            }
+            const __m256 f = e8_half_rows4(sc);
+            for (int q = 0; q < 4; q++) {
+                const decoded w = decode_w(_mm256_loadu_si256((const __m256i*)(lo + 32 * q)));
+                const lanes e8 = e8_of(f, q);
+                for (int i = 0; i < tt; i++) {
+                    const size_t tp = (size_t)(t0 + i) * a->nbp + bp;
+                    float* c = acc + 8 * (i * nr + r + q);
+                    lanes_store(c, pair_add(lanes_load(c), &w, a->q + tp * 64, a->s + tp * 8, e8));
+                }
+            }
+        }
+    }
+}
+#endif
+
 /* Rows [n0, n1) ((n1 - n0) tt 8 <= MX_ACC) against tokens t0 .. t0 + tt - 1 (tt <= MX_TT): y[t * ldy + n]. Panel by
    panel (one run of (n1 - n0) 32 bytes each, see the top), each row's and token's lanes accumulated in block order;
    P = 64 on VBMI in mx_p64 but for the last (n1 - n0) mod 8 rows. */
@@ -153,6 +183,8 @@ static void mx_tile(const mxmat* m, int n0, int n1, int t0, int tt, const mxacts
     int r0 = 0;  /* rows from r0 on: the loops below */
 #if MX_PAIR2
     if (m->bpp == 2) mx_p64(m, n0, nr, r0 = nr & ~7, t0, tt, a, acc);
+#elif MF_AVX2
+    if (m->bpp == 2) mx_p64(m, n0, nr, r0 = nr & ~3, t0, tt, a, acc);
 #endif
     for (int bp = 0; r0 < nr && bp < a->nbp; bp++) {
         const int odd = 2 * bp + 1 >= nb, pf = bp + MX_PF < a->nbp;

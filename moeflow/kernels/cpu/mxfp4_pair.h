@@ -33,9 +33,7 @@ MXI float lanes_sum(lanes a) {
 typedef struct { __m256i mag0, mag1, val0, val1; } decoded;
 
 /* 32 bytes (blocks 2bp at lo, 2bp + 1 at hi) -> the codes' |2 e2m1| and 2 e2m1 in the two registers' orders. */
-MXI decoded decode(const uint8_t* lo, const uint8_t* hi) {
-    const __m256i w = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)lo)),
-                                              _mm_loadu_si128((const __m128i*)hi), 1);
+MXI decoded decode_w(__m256i w) {
     const __m256i m7 = _mm256_set1_epi16(7), m8 = _mm256_set1_epi16(8);
     const __m256i s6 = _mm256_srli_epi16(w, 6), s12 = _mm256_srli_epi16(w, 12);
     const __m256i c = _mm256_or_si256(_mm256_and_si256(w, m7), _mm256_and_si256(s6, m8));
@@ -52,6 +50,23 @@ MXI decoded decode(const uint8_t* lo, const uint8_t* hi) {
     decoded r = {_mm256_shuffle_epi8(mt, p0), _mm256_shuffle_epi8(mt, p1), _mm256_shuffle_epi8(vt, p0),
                  _mm256_shuffle_epi8(vt, p1)};
     return r;
+}
+MXI decoded decode(const uint8_t* lo, const uint8_t* hi) {
+    return decode_w(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)lo)),
+                                            _mm_loadu_si128((const __m128i*)hi), 1));
+}
+
+/* P = 64: rows r .. r + 3's 8 scale bytes (2bp, 2bp + 1 of each) -> e8_half of byte k in lane k (the same bits);
+   row q's make_e(e8_half(2bp), e8_half(2bp + 1)) is then lanes (2q x4, 2q + 1 x4) (e8_of) */
+MXI __m256 e8_half_rows4(const uint8_t* sc) {
+    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)sc));
+    const __m256i big = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i small = _mm256_sllv_epi32(_mm256_set1_epi32(0x200000), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(small, big, _mm256_cmpgt_epi32(e, _mm256_set1_epi32(1))));
+}
+MXI lanes e8_of(__m256 f, int q) {
+    return _mm256_permutevar8x32_ps(f, _mm256_add_epi32(_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1),
+                                                        _mm256_set1_epi32(2 * q)));
 }
 
 /* lanes += (the 8 exact word sums of the decoded pair times the token's codes xp[0 .. 63]) * (xs8 * e8): xs8 the
