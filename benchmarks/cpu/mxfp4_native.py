@@ -24,6 +24,7 @@ import torch
 
 from moeflow.kernels.cpu.mxfp4 import Mxfp4CpuExpert
 from moeflow.kernels.cpu.mxfp4_native import Mxfp4NativeExpert
+from moeflow.kernels.cpu.native import SIMD_NAMES, library
 from moeflow.kernels.experts.biased import gate_activation
 from moeflow.kernels.experts.mxfp4_reference import dequantize_mxfp4, quantize_mxfp4
 from moeflow.kernels.formats import biased_expert_format
@@ -94,7 +95,9 @@ def main() -> None:
     cold = " --cold" if args.cold else ""
     print(f"# Native MXFP4 CPU expert vs torch's int4 digits, gpt-oss-120b expert shapes{cold}\n\n"
           f"`python -m benchmarks.cpu.mxfp4_native --threads {args.threads} --reps {args.reps}{cold}`\n\n"
-          f"CPU: {cpu_name()}\n\nuptime: {load}\n\ntorch {torch.__version__}, {args.threads} thread(s), "
+          f"CPU: {cpu_name()}\n\nuptime: {load}\n\nkernels: {SIMD_NAMES[library().mf_simd()]} build "
+          f"(MOEFLOW_CPU_ISA={os.environ.get('MOEFLOW_CPU_ISA', 'native')}); torch {torch.__version__}, "
+          f"{args.threads} thread(s), "
           f"{args.reps} reps; os.cpu_count() {os.cpu_count()}\n")
     print(f"Expert MXFP4 bytes (blocks + scales, what the native kernel reads): {mx_bytes / 1e6:.1f} MB; digit form "
           f"{digits.nbytes / 1e6:.1f} MB ({digits.nbytes / mx_bytes:.2f}x). Reading the MXFP4 bytes once (a plain "
