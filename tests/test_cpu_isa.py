@@ -115,7 +115,7 @@ def _mxfp4_kernels() -> list[torch.Tensor]:
     it, its code is 0), an infinite one makes its token's gate row nan (code 0 times xs = inf), which the down
     projection's int8 activations read as zeros (SiLU: the output is bias2 x weight; the clamped SwiGLU's min / max
     keep the limit), so every output is finite."""
-    from test_cpu_mxfp4_native import expert_tensors
+    from test_cpu_mxfp4_native import expert_tensors, odd_row_matrices
 
     from moeflow.kernels.formats import biased_expert_format
 
@@ -138,6 +138,8 @@ def _mxfp4_kernels() -> list[torch.Tensor]:
                     assert torch.equal(y[2:4], b2 * w[2:4, None])
             acc = torch.randn(t, H, generator=torch.Generator().manual_seed(99))
             res += [y, expert.forward(x, w, out=acc), expert.w2.matmul(_mxfp4_rows(t, I))]
+    for m in odd_row_matrices():  # the tails of the 8-row and two-row loops, a matrix split into row tiles
+        res += [m.matmul(_mxfp4_rows(t, m.k)) for t in (1, 5)]
     return res
 
 

@@ -43,6 +43,18 @@ def expert_tensors(H: int, I: int, dtype: torch.dtype, bias: bool, seed: int) ->
     return t
 
 
+def odd_row_matrices() -> list[Mxfp4RegionMatrix]:
+    """Region matrices of random codes and exponents 118-129 whose row counts leave tails in mxfp4.c's loops: 13
+    rows (8 + 2 x 2 + 1) in 64- and 32-input panels, and 2100 rows (one token's tile holds 2048: two tiles)."""
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for n, k, panel in ((13, 128, 64), (13, 96, 32), (2100, 64, 64)):
+        blocks = torch.randint(0, 256, (k // panel, n, panel // 32, 16), generator=g, dtype=torch.uint8)
+        scales = torch.randint(118, 130, (k // panel, n, panel // 32), generator=g, dtype=torch.uint8)
+        out.append(Mxfp4RegionMatrix(blocks, scales, f"{n}x{k}"))
+    return out
+
+
 def fp32_expert(t: dict[str, torch.Tensor], fmt, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     h = rows.float() @ dequantize_mxfp4(t["w13_blocks"], t["w13_scales"]).T
     if fmt.bias:
@@ -91,6 +103,14 @@ def test_linear_is_the_model_of_int8_activations_times_exact_weights():
         x = torch.randn(5, m.k, generator=torch.Generator().manual_seed(m.k))
         want = quantize_activations(x) @ m.dequantized().T
         assert float((m.matmul(x) - want).abs().max() / want.abs().max()) < MODEL_RTOL
+
+
+def test_linear_rows_in_every_loop_tail_match_the_model():
+    for m in odd_row_matrices():
+        for t in (1, 5):
+            x = torch.randn(t, m.k, generator=torch.Generator().manual_seed(t))
+            want = quantize_activations(x) @ m.dequantized().T
+            assert float((m.matmul(x) - want).abs().max() / want.abs().max()) < MODEL_RTOL, (m.name, t)
 
 
 def test_region_views_are_the_form_and_hold_no_copy():

@@ -6,8 +6,11 @@ int4 digit form it replaces (:class:`Mxfp4CpuExpert`, 2.35x the bytes), in GB/s 
     python -m benchmarks.cpu.mxfp4_native [--threads 1] [--reps 7] [--cold] \\
         > benchmarks/results/s16_cpu_mxfp4_native/table.md
 
-``--cold``: 256 MB written between calls (not timed), so the expert's bytes come from DRAM as in a model's decode
+``--cold``: 256 MB read between calls (not timed), so the expert's bytes come from DRAM as in a model's decode
 step (the default, one expert called again and again, reads them from the L3 cache: 13 MB fits a Zen 4 CCD's).
+Read, not written: a written buffer leaves the cache full of dirty lines whose write-backs share the kernel's DRAM
+bandwidth (before s17 it was written: ~0.1-0.3 ms more per call). The roofline beside it: a plain read of the
+same bytes (torch's max over them as int32), after the same flush.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 
 from moeflow.kernels.cpu.mxfp4 import Mxfp4CpuExpert
 from moeflow.kernels.cpu.mxfp4_native import Mxfp4NativeExpert
+from moeflow.kernels.cpu.native import SIMD_NAMES, library
 from moeflow.kernels.experts.biased import gate_activation
 from moeflow.kernels.experts.mxfp4_reference import dequantize_mxfp4, quantize_mxfp4
 from moeflow.kernels.formats import biased_expert_format
@@ -76,27 +80,40 @@ def main() -> None:
     mx_bytes = native.nbytes
     w13f, w2f = dequantize_mxfp4(b13, s13), dequantize_mxfp4(b2, s2)
     flat = torch.cat([b13.flatten(), s13.flatten(), b2.flatten(), s2.flatten()])
-    copy = torch.empty_like(flat)
-    copy_s = times_s(lambda: copy.copy_(flat), args.reps)[1]
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     junk = torch.zeros(64 << 20) if args.cold else None
-    flush = (lambda: junk.add_(1)) if args.cold else None
+    flush = (lambda: junk.sum()) if args.cold else None
+    words = flat[: flat.numel() // 4 * 4].view(torch.int32)
+    read_s = times_s(lambda: words.max(), args.reps, flush)[1]
+    small = biased_expert_format(kind="mxfp4", hidden_size=64, intermediate_size=64, dtype=torch.bfloat16,
+                                 activation="clamped_swiglu")
+    (sb13, ss13), (sb2, ss2) = quantize_mxfp4(torch.randn(128, 64, generator=g)), quantize_mxfp4(torch.randn(64, 64))
+    tiny = small.cpu_expert({"w13_blocks": sb13, "w13_scales": ss13, "w2_blocks": sb2, "w2_scales": ss2,
+                             "w13_bias": torch.zeros(128).bfloat16(), "w2_bias": torch.zeros(64).bfloat16()})
+    x1 = torch.randn(1, 64, generator=g)
+    call_s = times_s(lambda: tiny.forward(x1, torch.ones(1)), args.reps, flush)[1]
     cold = " --cold" if args.cold else ""
     print(f"# Native MXFP4 CPU expert vs torch's int4 digits, gpt-oss-120b expert shapes{cold}\n\n"
           f"`python -m benchmarks.cpu.mxfp4_native --threads {args.threads} --reps {args.reps}{cold}`\n\n"
-          f"CPU: {cpu_name()}\n\nuptime: {load}\n\ntorch {torch.__version__}, {args.threads} thread(s), "
+          f"CPU: {cpu_name()}\n\nuptime: {load}\n\nkernels: {SIMD_NAMES[library().mf_simd()]} build "
+          f"(MOEFLOW_CPU_ISA={os.environ.get('MOEFLOW_CPU_ISA', 'native')}); torch {torch.__version__}, "
+          f"{args.threads} thread(s), "
           f"{args.reps} reps; os.cpu_count() {os.cpu_count()}\n")
     print(f"Expert MXFP4 bytes (blocks + scales, what the native kernel reads): {mx_bytes / 1e6:.1f} MB; digit form "
-          f"{digits.nbytes / 1e6:.1f} MB ({digits.nbytes / mx_bytes:.2f}x). Reading the MXFP4 bytes once (a copy, "
-          f"best, "
-          f"{args.threads} thread(s)): {copy_s * 1e3:.2f} ms = {mx_bytes / copy_s / 1e9:.1f} GB/s. Building the form: "
+          f"{digits.nbytes / 1e6:.1f} MB ({digits.nbytes / mx_bytes:.2f}x). Reading the MXFP4 bytes once (a plain "
+          f"read, best, {args.threads} thread(s){cold}): {read_s * 1e3:.2f} ms = {mx_bytes / read_s / 1e9:.1f} GB/s. "
+          f"Building the form: "
           f"native {native_s * 1e3:.0f} ms (from loader tensors; 0 from a host store region), digits "
           f"{digits_s * 1e3:.0f} ms.\n")
+    print(f"A call's own cost (an H = I = 64 expert, 1 token, best{cold}): {call_s * 1e3:.3f} ms: the Python, "
+          "torch and ctypes code and data a call runs through, from DRAM after the flush; 'less the call' takes it "
+          "off.\n")
     print("ms: the calling thread's CPU time (thread_time; wall time on this overloaded machine is mostly waiting), "
           "median / best of the reps; GB/s: the expert's MXFP4 bytes over the best.\n")
-    print("| T | native ms | native GB/s | digits ms | digits GB/s (of MXFP4 bytes) | native / digits speed (best) | "
-          "native rel err vs fp32 | digits rel err vs fp32 |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| T | native ms | native GB/s | native GB/s less the call | native / plain read | digits ms | "
+          "digits GB/s (of MXFP4 bytes) | native / digits speed (best) | native rel err vs fp32 | digits rel err "
+          "vs fp32 |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for T in (1, 4, 8):
         x = torch.randn(T, H, generator=g)
         w = torch.ones(T)
@@ -106,6 +123,7 @@ def main() -> None:
         err = {name: float((f.forward(x, w).float() - want).norm() / want.norm()) for name, f in
                (("native", native), ("digits", digits))}
         print(f"| {T} | {mn * 1e3:.2f} / {tn * 1e3:.2f} | {mx_bytes / tn / 1e9:.2f} | "
+              f"{mx_bytes / max(tn - call_s, 1e-9) / 1e9:.2f} | {read_s / tn:.2f} | "
               f"{md * 1e3:.2f} / {td * 1e3:.2f} | "
               f"{mx_bytes / td / 1e9:.2f} | "
               f"{td / tn:.1f}x | {err['native']:.1e} | {err['digits']:.1e} |")
