@@ -320,10 +320,10 @@ int mf_mxfp4_expert(const float* x, int T, int H, int I, const uint8_t* b13, con
 /* ---- one token's rows inside an enclosing team (step_gptoss.c: gpt-oss's experts in the one-call decode step) -- */
 
 /* Rows [n0, n1) of W [N, K] in the region layout (blocks, scales; panels of `panel` inputs) against token 0 of a:
-   y[n] for n in [n0, n1), in pieces of MX_ROWS: mf_mxfp4_linear's and mf_mxfp4_expert's numbers bit for bit
+   y[n] for n in [n0, n1), tiled by mx_rows: mf_mxfp4_linear's and mf_mxfp4_expert's numbers bit for bit
    (each row's operations are its own, whatever the pieces). Called by any thread on its own rows. */
 void mf_mxfp4_rows1(const uint8_t* blocks, const uint8_t* scales, int N, int K, int panel, int n0, int n1,
                     const mxacts* a, float* y) {
     const mxmat m = {blocks, scales, N, K, panel / 32};
-    for (int r = n0; r < n1; r += MX_ROWS) mx_rows(&m, r, r + MX_ROWS < n1 ? r + MX_ROWS : n1, 1, a, y, N);
+    mx_rows(&m, n0, n1, 1, a, y, N);  /* it tiles long ranges itself: give it a thread's whole share */
 }

@@ -317,13 +317,11 @@ static void moe_half(const mf_gptoss_layer* d, int H, team_bufs* S, own_bufs* P,
         }
         return;
     }
-    const int nc = (2 * I + 127) / 128;  /* gate/up rows of every expert across the team, 128-row items */
+    int r0, r1;  /* this thread's gate/up rows of every expert: one long range (mxfp4.c reads long runs per panel) */
+    span(2 * I, tid, nth, &r0, &r1);
     for (int j = 0; j < k; j++) {
         const mf_mx_expert* e = &d->experts[P->ids[j]];
-#pragma omp for schedule(static) nowait
-        for (int c = 0; c < nc; c++)
-            mf_mxfp4_rows1(e->b13, e->s13, 2 * I, H, d->p13, c * 128, (c + 1) * 128 < 2 * I ? (c + 1) * 128 : 2 * I,
-                           &P->ax, S->h13 + (size_t)j * 2 * I);
+        mf_mxfp4_rows1(e->b13, e->s13, 2 * I, H, d->p13, r0, r1, &P->ax, S->h13 + (size_t)j * 2 * I);
     }
 #pragma omp barrier
     for (int j = 0; j < k; j++) {  /* every thread: the activations (mf_mxfp4_expert's epilogue) */
