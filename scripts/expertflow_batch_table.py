@@ -14,7 +14,8 @@ batched the same way.
 
 The expertflow predictor is trained here on the papers_tables training trace less the sequences of these 16
 prompts (``--max-seconds``), so that every prompt served is held out from the language model and the predictor
-alike (papers_tables' split holds out 12, every 8th line: too few for batch 16). ``--predictor`` takes another file.
+alike (papers_tables' split holds out 12, every 8th line: too few for batch 16), for all its epochs (no time cap,
+so the same predictor on any machine). ``--predictor`` takes another file.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def eval_lines(stride: int, count: int) -> list[int]:
     return list(range(0, stride * count, stride))
 
 
-def train_predictor_without(trace_path: Path, held_out: list[int], out: Path, max_seconds: float) -> dict:
+def train_predictor_without(trace_path: Path, held_out: list[int], out: Path, max_seconds: float | None) -> dict:
     """The expertflow predictor from papers_tables' training trace (its sequence j = the j-th prompt line not divisible
     by 8) less the sequences of the ``held_out`` lines; saved to ``out`` -> what it was trained on."""
     from moeflow.offload.predictors import train_predictor
@@ -115,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="papers_tables' --out (its train.trace.safetensors)")
     p.add_argument("--predictor", type=Path, default=None,
                    help="expertflow predictor file (default: trained here, see the docstring)")
-    p.add_argument("--max-seconds", type=float, default=90.0)
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="cap on the predictor's training (default: none, all its epochs: the same predictor on every "
+                        "machine; papers_tables' 90 s cap is not reached there)")
     p.add_argument("--stride", type=int, default=6)
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=BATCHES)
