@@ -49,8 +49,9 @@ class Mechanisms:
     prefill_regroup: ExpertFlow's token scheduler (§3.3) on the tokens of a prefill of several prompts: each MoE
         layer of the pass computes its experts for two balanced token micro-batches, the tokens of all prompts
         regrouped by the Hamming similarity of their predicted routing paths (attention stays one pass over whole
-        prompts, so every token keeps its context); False: one group of every token (moeflow's; measured to move
-        no more, docs/papers.md). Policies with a token-path predictor only (expertflow).
+        prompts, so every token keeps its context); False: one group of every token (moeflow's: the layer schedule
+        loads each needed expert once per layer, so one group loads no more; measured in docs/papers.md). Read by
+        policies whose predictor forms token groups (expertflow).
     prefetch_gate: beyond the papers (issue 41): queue a predicted load only where its expected benefit (the
         predictor's online accuracy at the guess's rank x the share of the copy that lands before its layer,
         from the copy engine's backlog and the measured layer period) pays for its link time
