@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     total = len(ref_model.family.moe_layers) * ref_model.family.num_experts
     ref_model.close()
     budgets = [round(total * f) for f in args.fractions]
-    md = ["| slots | batch | policy | hit decode | hit prefill | hit all | decode experts / token | "
+    md = ["| slots | batch | policy | hit decode | hit prefill | hit all | decode experts moved / token | "
           "expertflow − lru, decode (points) | = resident |", "|---|---|---|---|---|---|---|---|---|"]
     rows = []
     refs = {b: serve(args.model, "resident", None, None, batches(prompts, b), args.new_tokens)["tokens"]
