@@ -2,7 +2,7 @@
 """ExpertFlow's token scheduler in prefill, measured: docs/papers.md "ExpertFlow's token scheduler in prefill"
 (issue 41; ``Mechanisms.prefill_regroup``, moeflow/offload/token_groups.py).
 
-    python -m scripts.prefill_regroup_table       # the routing model, after `python -m scripts.papers_tables predictors`
+    python -m scripts.prefill_regroup_table     # routing model; after `python -m scripts.papers_tables predictors`
 
 The first ``--batch`` evaluation prompts (every 8th line of ``scripts/predictor_prompts.jsonl``) prefilled as one
 left-padded batch under expertflow, synchronous copies (exact counts), ``--new-tokens`` greedy tokens, at 3 slot
@@ -57,8 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     want = ref.generate(ids, attention_mask=mask, max_new_tokens=args.new_tokens, do_sample=False)
     total = len(ref.family.moe_layers) * ref.family.num_experts
     ref.close()
-    lines = ["| slots | prefill MoE as | hits | misses | experts loaded / prompt token | experts moved / prompt token | "
-             "predicted pairs (vs token order) | = resident |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| slots | prefill MoE as | hits | misses | experts loaded / prompt token | "
+             "experts moved / prompt token | predicted pairs (vs token order) | = resident |",
+             "|---|---|---|---|---|---|---|---|"]
     rows = []
     for slots in [round(total * f) for f in args.fractions]:
         for label, options, micro in MODES:

@@ -160,3 +160,26 @@ def test_exact_tokens_every_slot_count(ckpt, predictor_file):
         assert torch.equal(out, ref), (slots, transport, micro)
         assert model.experts.predictor.state.prefill_regroups == (1 if micro is None else 2), slots
         model.experts.cache.check()
+
+
+def test_the_server_keeps_the_tokens(ckpt, predictor_file):
+    """The continuous-batching engine's prefill of 4 prompts admitted at once (one pass over every prompt's tokens),
+    regrouped: each reply is the resident model's greedy continuation."""
+    from moeflow.engine.continuous import ContinuousEngine, SamplingParams
+    from moeflow.engine.kv_slots import SlotKVCache
+
+    prompts = [[5 + i, 17, 33 + 2 * i, 40, 9 + i, 61][: 3 + i] for i in range(4)]
+    ref = MoEOffloadedMixtral.from_pretrained(ckpt)
+    want = [ref.generate(torch.tensor([p]), max_new_tokens=4, eos_token_id=[])[0, len(p):].tolist() for p in prompts]
+    for slots in (3, 8, 13):
+        model = expertflow(ckpt, predictor_file, slots, True)
+        cache = SlotKVCache.for_model(model, 32, max_rows=4)
+        eng = ContinuousEngine(model, cache, prefill_chunk=64)
+        seqs = [eng.submit(p, SamplingParams(max_new_tokens=4)) for p in prompts]
+        eng.start()
+        try:
+            got = [s.result(120) for s in seqs]
+        finally:
+            eng.stop()
+        assert got == want, slots
+        assert model.experts.predictor.state.prefill_regroups >= 1, slots
