@@ -330,7 +330,7 @@ class OffloadedExperts(ExpertBackend):
     ) -> torch.Tensor:
         """Steps 2-5 of the module docstring; returns the uncombined ``out [T*k, H]`` (given when the early group
         already filled the rows of ``early``: the hits are pinned and released as ever, computed once). ``gate``
-        False: step 2 already ran for the layer (a token micro-batch after the first, token_groups.py)."""
+        False: step 2 already ran for the layer (token_groups.py runs it once, before its token micro-batches)."""
         # 2. early preemption
         self.cache.poll()
         if gate:
