@@ -81,7 +81,8 @@ def cmd_predictors(args) -> dict:
     pdir = args.model / "predictors"
     pdir.mkdir(exist_ok=True)
     rows = {}
-    jobs = [(k, None, pdir / f"{k}.pt") for k in KINDS] + [("promoe", d, args.out / f"promoe-d{d}.pt") for d in (1, 3)]
+    jobs = [(k, None, pdir / f"{k}.pt") for k in args.kinds]
+    jobs += [("promoe", d, args.out / f"promoe-d{d}.pt") for d in (1, 3) if "promoe" in args.kinds]
     for kind, distance, path in jobs:
         opts = {} if kind == "finemoe" else {"max_seconds": args.max_seconds}
         t0 = time.perf_counter()
@@ -395,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sim-sequences", type=int, default=6, help="evaluation sequences the simulator replays")
     p.add_argument("--batch-tokens", type=int, default=16, help="greedy tokens of the batch-8 runs")
     p.add_argument("--max-seconds", type=float, default=90.0, help="training time per learned predictor")
+    p.add_argument("--kinds", type=lambda s: s.split(","), default=KINDS, help="predictors: the kinds to train")
     p.add_argument("--fractions", type=lambda s: [float(x) for x in s.split(",")], default=[0.25, 0.5, 0.75],
                    help="slot budgets as fractions of every expert")
     p.add_argument("--profiles", type=lambda s: s.split(","), default=PROFILES)

@@ -53,6 +53,7 @@ from moeflow.offload.prelude import PreludeCapture
 from moeflow.offload.readback import ReadBack, host_proposals
 from moeflow.offload.slot_loads import SlotLoader
 from moeflow.offload.stats import PhaseStats, Stats
+from moeflow.offload.token_groups import forward_token_groups
 from moeflow.offload.transport import CudaTransport, Transport
 
 
@@ -283,7 +284,10 @@ class OffloadedExperts(ExpertBackend):
         else:  # the predictor searching on the host gets the routing in the same read
             self.readback.post(topk_ids, [*on_device, topk_ids] if host_routing else on_device,
                                [probs] if host_routing else [])
-        out, early = self._launch_early(layer, x, topk_ids, topk_weights) if self.early_hits else (None, ())
+        groups = pred.token_groups() if pred is not None else None  # ExpertFlow §3.3 in prefill (token_groups.py)
+        grouped = groups is not None and len(groups) > 1
+        early_hits = self.early_hits and not grouped
+        out, early = self._launch_early(layer, x, topk_ids, topk_weights) if early_hits else (None, ())
         needed, fetched, floats = self.readback.collect()
         if host_routing:
             top_host = torch.tensor(fetched.pop(), dtype=torch.int64).view(topk_ids.shape)
@@ -292,7 +296,10 @@ class OffloadedExperts(ExpertBackend):
             pred.observe_host(layer, floats[0], top_host)
 
         try:
-            out = self._schedule_and_compute(layer, x, topk_ids, topk_weights, needed, guesses, st, out, early)
+            if grouped:
+                y = forward_token_groups(self, layer, x, topk_ids, topk_weights, needed, guesses, st, groups)
+            else:
+                out = self._schedule_and_compute(layer, x, topk_ids, topk_weights, needed, guesses, st, out, early)
         except BaseException:
             self.compute.abort()
             # an interrupted layer (kernel error, Ctrl-C) must not leave slots pinned for good
@@ -306,7 +313,7 @@ class OffloadedExperts(ExpertBackend):
             raise
         if self._cuda_transport:
             st.stall_s += self.transport.collect_stall_s()
-        return self.compute.combine(out, k)
+        return y if grouped else self.compute.combine(out, k)
 
     def _schedule_and_compute(
         self,
@@ -319,15 +326,15 @@ class OffloadedExperts(ExpertBackend):
         st: PhaseStats,
         out: torch.Tensor | None = None,
         early: Collection[int] = (),
+        gate: bool = True,
     ) -> torch.Tensor:
         """Steps 2-5 of the module docstring; returns the uncombined ``out [T*k, H]`` (given when the early group
-        already filled the rows of ``early``: the hits are pinned and released as ever, computed once)."""
+        already filled the rows of ``early``: the hits are pinned and released as ever, computed once). ``gate``
+        False: step 2 already ran for the layer (token_groups.py runs it once, before its token micro-batches)."""
         # 2. early preemption
         self.cache.poll()
-        _, dropped = self.engine.preempt(layer, set(needed))
-        self.loads.layer_gate(layer, needed)
-        for task in dropped:
-            self.cache.drop(self.cache.lookup(task.key), task.fences())
+        if gate:
+            self.gate_layer(layer, needed)
 
         # 3. acquire: the plan from the cache's state, then the hits pinned and the loads under way promoted
         lookup = self.cache.lookup
@@ -394,6 +401,13 @@ class OffloadedExperts(ExpertBackend):
         if self.cpu is not None:
             self.cpu.finish(out, st)
         return out
+
+    def gate_layer(self, layer: int, needed: list[int]) -> None:
+        """Step 2: the layer's routing is known, its stale predicted loads dropped and the needed ones promoted."""
+        _, dropped = self.engine.preempt(layer, set(needed))
+        self.loads.layer_gate(layer, needed)
+        for task in dropped:
+            self.cache.drop(self.cache.lookup(task.key), task.fences())
 
     def _active_predictor(self) -> Predictor | None:
         """The predictor, unless the phase runs without one (``Mechanisms.predict_in_prefill``: DuoServe's prefill)."""

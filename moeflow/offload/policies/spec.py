@@ -46,6 +46,12 @@ class Mechanisms:
         clustering does not activate fewer (layer, expert) pairs (moeflow's variant); False: the balanced k-means
         clustering as the paper takes it (§3.3.3). Applies where the policy's decode strategy forms micro-batches
         (``generate(micro_batch_size=...)`` under expertflow: the prefill's and every decode round's).
+    prefill_regroup: ExpertFlow's token scheduler (§3.3) on the tokens of a prefill of several prompts: each MoE
+        layer of the pass computes its experts for two balanced token micro-batches, the tokens of all prompts
+        regrouped by the Hamming similarity of their predicted routing paths (attention stays one pass over whole
+        prompts, so every token keeps its context); False: one group of every token (moeflow's: the layer schedule
+        loads each needed expert once per layer, so one group loads no more; measured in docs/papers.md). Read by
+        policies whose predictor forms token groups (expertflow).
     prefetch_gate: beyond the papers (issue 41): queue a predicted load only where its expected benefit (the
         predictor's online accuracy at the guess's rank x the share of the copy that lands before its layer,
         from the copy engine's backlog and the measured layer period) pays for its link time
@@ -58,6 +64,7 @@ class Mechanisms:
     prefill_iteration: Literal["token", "pass"] = "token"
     predict_in_prefill: bool = True
     keep_contiguous: bool = True
+    prefill_regroup: bool = False
     prefetch_gate: bool = False
 
     def __post_init__(self) -> None:
@@ -69,7 +76,7 @@ class Mechanisms:
                                   "or 'pass'")
         for name, value in (("refresh_on_prefetch", self.refresh_on_prefetch), ("queue_priority", self.queue_priority),
                             ("predict_in_prefill", self.predict_in_prefill), ("keep_contiguous", self.keep_contiguous),
-                            ("prefetch_gate", self.prefetch_gate)):
+                            ("prefill_regroup", self.prefill_regroup), ("prefetch_gate", self.prefetch_gate)):
             if not isinstance(value, bool):
                 raise SchedulingError(f"policy option {name}={value!r}: expected True or False")
 

@@ -89,6 +89,12 @@ class Predictor(ABC):
         """Predicted routing paths bool [B, L, E] of ``step``'s sequences (None: no path prediction)."""
         return None
 
+    def token_groups(self) -> list[list[int]] | None:
+        """The pass's token micro-batches for its MoE layers (ExpertFlow's token scheduler in prefill,
+        ``Mechanisms.prefill_regroup``): index lists into the pass's real tokens in the order an MoE layer sees them
+        (row by row), together covering each token once; None: one group of every token. Default: None."""
+        return None
+
     def queue_priority(self, target: int, expert: int, layer_now: int) -> float:
         """Copy-queue priority of a predicted load of (``target``, ``expert``) queued at layer ``layer_now``, larger
         first (used with ``Mechanisms.queue_priority``). Default: FineMoE's p / (l - l_now) with p = 1, the nearer

@@ -44,7 +44,7 @@ from moeflow.moe.backend import StepInfo
 from moeflow.offload.cache import ExpertCache
 from moeflow.offload.eviction import EvictionPolicy, Key
 from moeflow.offload.policies.expertflow.predictor import ExpertFlowPredictor
-from moeflow.offload.policies.expertflow.scheduler import group_by_routing
+from moeflow.offload.policies.expertflow.scheduler import activated_pairs, balanced_split, group_by_routing
 from moeflow.offload.predictors.interface import Predictor, PrefetchTarget
 
 
@@ -71,6 +71,9 @@ class PLECState:
         self.next_mask = np.zeros((num_layers, num_experts), dtype=bool)
         self.next_rank = np.zeros((num_layers, num_experts), dtype=np.int64)
         self.prefetched_mask = np.zeros((num_layers, num_experts), dtype=bool)
+        # the token scheduler in prefill (Mechanisms.prefill_regroup): passes regrouped, and the (layer, expert)
+        # pairs of the predicted paths their two token micro-batches activate, as grouped / in token order
+        self.prefill_regroups = self.prefill_pairs = self.prefill_contiguous_pairs = 0
 
     def new_pass(self, plan: dict[int, list[int]]) -> None:
         self.pass_no += 1
@@ -200,11 +203,15 @@ class PLECPredictor(Predictor):
 
     needs_history = True  # begin_step plans from each row's tokens so far
 
-    def __init__(self, predictor: ExpertFlowPredictor, state: PLECState, keep_contiguous: bool = True) -> None:
-        """keep_contiguous: the token scheduler's variant (``Mechanisms.keep_contiguous``, :meth:`group`)."""
+    def __init__(self, predictor: ExpertFlowPredictor, state: PLECState, keep_contiguous: bool = True,
+                 prefill_regroup: bool = False) -> None:
+        """keep_contiguous: the token scheduler's variant (``Mechanisms.keep_contiguous``, :meth:`group`);
+        prefill_regroup: regroup a prefill's tokens across its prompts (``Mechanisms.prefill_regroup``,
+        :meth:`token_groups`)."""
         self.predictor = predictor
         self.state = state
-        self.keep_contiguous = keep_contiguous
+        self.keep_contiguous, self.prefill_regroup = keep_contiguous, prefill_regroup
+        self._token_groups: list[list[int]] | None = None
         self.backend: PrefetchTarget | None = None
         self._planned = False  # begin_step planned the pass that is starting
 
@@ -265,6 +272,7 @@ class PLECPredictor(Predictor):
 
     def begin_step(self, step: StepInfo) -> None:
         """Plan the pass: the OR over its tokens of each token's predicted path, then prefetch ahead."""
+        self._token_groups = None
         if step.path_scores is not None:  # predicted beside the previous pass (dual-batch pipeline)
             rows = step.token_mask.cpu().any(1)
             plan = self.plan_from_scores(step.path_scores.cpu()[rows])
@@ -279,11 +287,31 @@ class PLECPredictor(Predictor):
             L, E = self.state.num_layers, self.state.num_experts
             if len(scores) > 1:
                 scores = [torch.cat(scores)]
+                if self.prefill_regroup and step.phase == "prefill":
+                    self._token_groups = self._regroup_tokens(scores[0])
             plan = self.plan_from_scores(scores[0] if scores else torch.zeros(0, L, E))
         self.state.new_pass(plan)
         self.state.count_resident_at_start(self.backend.cache if self.backend is not None else None)
         self._planned = True
         self._prefetch_ahead(-1)
+
+    def _regroup_tokens(self, scores: torch.Tensor) -> list[list[int]]:
+        """ExpertFlow §3.3 on a prefill's tokens, scores fp32 [N, L, E] (every prompt's tokens, row by row): two
+        balanced token micro-batches by the Hamming similarity of the predicted paths (the policy's variant of the
+        clustering, ``keep_contiguous``). O(N^2) memory (the similarity matrix): for prefills of a few thousand
+        tokens."""
+        paths = self.predictor.token_paths(scores).cpu()
+        size = -(-paths.shape[0] // 2)
+        groups = group_by_routing(paths, size, keep_contiguous=self.keep_contiguous)
+        st = self.state
+        st.prefill_regroups += 1
+        st.prefill_pairs += activated_pairs(paths, groups)
+        st.prefill_contiguous_pairs += activated_pairs(paths, balanced_split(paths.shape[0], size))
+        return groups
+
+    def token_groups(self) -> list[list[int]] | None:
+        """This pass's token micro-batches (a prefill of several prompts with ``prefill_regroup``), else None."""
+        return self._token_groups
 
     def _budget_targets(self, layer_now: int) -> list[tuple[int, list[int]]]:
         """Planned experts of layers after ``layer_now`` not resident yet, as many as the pool can take without

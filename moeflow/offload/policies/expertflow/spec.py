@@ -13,7 +13,8 @@ from moeflow.offload.policies.spec import Mechanisms, PolicyContext, PolicySpec
 def make_plec_predictor(ctx: PolicyContext) -> PLECPredictor:
     """The expertflow predictor from ``OffloadConfig.predictor_path`` or ``<checkpoint>/predictors/expertflow.pt``."""
     pred = load_policy_predictor(ctx, "expertflow")
-    return PLECPredictor(pred, PLECState(ctx.num_layers, ctx.num_experts), ctx.mechanisms.keep_contiguous)
+    return PLECPredictor(pred, PLECState(ctx.num_layers, ctx.num_experts), ctx.mechanisms.keep_contiguous,
+                         ctx.mechanisms.prefill_regroup)
 
 
 def make_plec_eviction(ctx: PolicyContext) -> PLECEviction:
