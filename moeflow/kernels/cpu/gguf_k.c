@@ -111,7 +111,8 @@ INLINE void decode_k6_512(const uint8_t* w, k6block* kb) {
     kb->mn = _mm256_slli_epi16(_mm256_cvtepi8_epi16(s8), 5);
     const __m512i s32 = _mm512_and_si512(_mm512_cvtepi8_epi32(s8), _mm512_set1_epi32(0xFFFF));  /* (scale, 0) */
     const __m512i i4 = _mm512_loadu_si512((const void*)IDX4);
-    for (int k = 0; k < 4; k++) kb->sc[k] = _mm512_permutexvar_epi32(_mm512_add_epi32(i4, _mm512_set1_epi32(4 * k)), s32);
+    for (int k = 0; k < 4; k++)
+        kb->sc[k] = _mm512_permutexvar_epi32(_mm512_add_epi32(i4, _mm512_set1_epi32(4 * k)), s32);
     const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
     const __m512i c01 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);  /* j = 0: << 4, 1: << 2 */
     const __m512i c23 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);  /* j = 2: >> 0, 3: >> 2 */
