@@ -82,6 +82,9 @@ void mf_gguf_expert_team(const float* x, int H, int I, int t13, const uint8_t* g
                          int t2, const uint8_t* down, int64_t s2, float weight, float* out, int accumulate, float* h,
                          float* y, void* scratch);
 
+/* n K-quant rows dequantized as ggml does (gguf_k.c; a token embedding's lookup). */
+int mf_gguf_dequant_rows(int type, const uint8_t* rows, int n, int K, int64_t stride, float* out);
+
 /* Row `row` (nb blocks of K-quant `type`: Q4_K, Q5_K, Q6_K) against the T quantized tokens of `a`: y[t * ldy]
    (gguf_k.c). */
 __attribute__((visibility("hidden"))) void mf_gguf_krow(int type, const uint8_t* row, int nb, int T, const acts* a,
