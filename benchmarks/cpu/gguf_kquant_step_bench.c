@@ -145,7 +145,7 @@ static void hot(int type, int K) {
     for (int rep = 0; rep < 50; rep++) {
         const double t0 = now();
         for (int it = 0; it < IT; it++)
-            for (int r = 0; r < R; r++) mf_gguf_krow(type, w + (size_t)r * nb * type_bytes(type), nb, 1, &a, y + r, 1);
+            mf_gguf_krows(type, w, (int64_t)nb * type_bytes(type), 0, R, nb, 1, &a, y, 1);
         const double t = now() - t0;
         best = t < best ? t : best;
     }

@@ -85,8 +85,8 @@ void mf_gguf_expert_team(const float* x, int H, int I, int t13, const uint8_t* g
 /* n K-quant rows dequantized as ggml does (gguf_k.c; a token embedding's lookup). */
 int mf_gguf_dequant_rows(int type, const uint8_t* rows, int n, int K, int64_t stride, float* out);
 
-/* Row `row` (nb blocks of K-quant `type`: Q4_K, Q5_K, Q6_K) against the T quantized tokens of `a`: y[t * ldy]
-   (gguf_k.c). */
-__attribute__((visibility("hidden"))) void mf_gguf_krow(int type, const uint8_t* row, int nb, int T, const acts* a,
-                                                        float* y, int ldy);
+/* Rows [n0, n1) of a matrix (rows `stride` bytes apart, nb blocks of K-quant `type`: Q4_K, Q5_K, Q6_K) against
+   the T quantized tokens of `a`: y[t * ldy + n] (gguf_k.c). */
+__attribute__((visibility("hidden"))) void mf_gguf_krows(int type, const uint8_t* w, int64_t stride, int n0, int n1,
+                                                         int nb, int T, const acts* a, float* y, int ldy);
 #endif

@@ -375,11 +375,18 @@ INLINE void krow(int type, const uint8_t* row, int nb, int T, const acts* a, flo
     if (T - t0 >= 1) ktile(type, row, nb, t0, 1, a, y, ldy);
 }
 
-void mf_gguf_krow(int type, const uint8_t* row, int nb, int T, const acts* a, float* y, int ldy) {
-    switch (type) {  /* one copy of krow per type, its decode inlined */
-        case GG_Q4_K: krow(GG_Q4_K, row, nb, T, a, y, ldy); break;
-        case GG_Q5_K: krow(GG_Q5_K, row, nb, T, a, y, ldy); break;
-        default: krow(GG_Q6_K, row, nb, T, a, y, ldy); break;
+void mf_gguf_krows(int type, const uint8_t* w, int64_t stride, int n0, int n1, int nb, int T, const acts* a, float* y,
+                   int ldy) {
+    switch (type) {  /* one copy of the row loop per type, its decode inlined (no call per row) */
+        case GG_Q4_K:
+            for (int n = n0; n < n1; n++) krow(GG_Q4_K, w + (size_t)n * stride, nb, T, a, y + n, ldy);
+            break;
+        case GG_Q5_K:
+            for (int n = n0; n < n1; n++) krow(GG_Q5_K, w + (size_t)n * stride, nb, T, a, y + n, ldy);
+            break;
+        default:
+            for (int n = n0; n < n1; n++) krow(GG_Q6_K, w + (size_t)n * stride, nb, T, a, y + n, ldy);
+            break;
     }
 }
 
