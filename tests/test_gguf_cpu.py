@@ -11,11 +11,14 @@ import pytest
 import torch
 from gguf_block_helpers import random_blocks, random_gguf_expert
 
+from moeflow.engine.stored_embedding import StoredEmbedding
 from moeflow.kernels.cpu import native as cpu_native
 from moeflow.kernels.cpu.gguf import (
     CPU_TYPES,
+    DEQUANT_TYPES,
     GGUFCpuExpert,
     GGUFLinear,
+    dequantize_rows,
     gguf_expert_reference,
     gguf_linear,
     gguf_linear_reference,
@@ -24,6 +27,7 @@ from moeflow.kernels.cpu.native import SIMD_NAMES, native_available
 from moeflow.kernels.experts.gguf_reference import ggml_type
 from moeflow.kernels.formats import gguf_expert_format
 from moeflow.kernels.pool import ExpertPool
+from moeflow.quant.ggml import dequantize
 from moeflow.user_cache import cache_dir
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="moeflow's CPU kernels do not build here (no compiler)")
@@ -87,6 +91,24 @@ def test_gguf_linear_module_is_the_kernel_and_its_fp32_model():
         head(torch.randn(1, 256))
 
 
+@pytest.mark.parametrize("kind", DEQUANT_TYPES)
+def test_dequantized_rows_are_ggmls_values(kind):
+    """The native rows (a K-quant token embedding's lookup) are moeflow.quant.ggml's values bit for bit, padded
+    rows included; StoredEmbedding over K-quant blocks looks them up."""
+    w = random_blocks(kind, 9, 512, torch.Generator().manual_seed(7))
+    want = dequantize(w, ggml_type(kind).type_id)
+    assert torch.equal(dequantize_rows(w, kind, 512), want)
+    padded = torch.zeros(9, w.shape[1] + 24, dtype=torch.uint8)
+    padded[:, : w.shape[1]] = w
+    assert torch.equal(dequantize_rows(padded, kind, 512), want)
+    embed = StoredEmbedding(w, ggml_type(kind).type_id, 512, torch.float32, "table")
+    assert embed.native
+    ids = torch.tensor([[3, 0, 8], [8, 8, 1]])
+    assert torch.equal(embed(ids), want[ids])
+    with pytest.raises(ValueError, match="dequantize_rows takes Q4_K, Q5_K, Q6_K blocks, not Q8_0"):
+        dequantize_rows(random_blocks("Q8_0", 2, 64, torch.Generator()), "Q8_0", 64)
+
+
 def test_errors_name_the_types():
     g = torch.Generator().manual_seed(0)
     with pytest.raises(ValueError, match="Q4_1 experts have no CPU kernels: the CPU computes Q4_0, Q8_0, Q4_K"):
@@ -116,6 +138,8 @@ def _outputs(lib, monkeypatch) -> list[torch.Tensor]:
         for tokens in (1, 2, 7):
             outs.append(gguf_linear(torch.randn(tokens, 512, generator=torch.Generator().manual_seed(tokens)), w, kind,
                                     512))
+    for kind in DEQUANT_TYPES:
+        outs.append(dequantize_rows(random_blocks(kind, 5, 512, torch.Generator().manual_seed(6)), kind, 512))
     return outs
 
 

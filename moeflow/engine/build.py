@@ -167,7 +167,7 @@ def build_model(
     ``families``: accept only these (else ValueError).
     ``cuda_graphs``: the decode step will be captured, so the memory plan reserves its graphs' pools.
     ``attention_bits``: quantize 16-bit attention projections at load (CPU int4 path only; "auto": int8 there,
-    kept elsewhere; a GGUF file's Q4_0 / Q4_1 projections keep the file's codes under "auto" and 4; see
+    kept elsewhere; a GGUF file's Q4_0 / Q4_1 / Q4_K projections keep the file's codes under "auto" and 4; see
     cpu_linears); ``lm_head_bits``: 8 (default) or 4 (CPU int4 path only, see cpu_linears).
     ``mtp``: also read the multi-token-prediction layers (:mod:`moeflow.families.mtp`; CheckpointError naming the
     config field or the missing tensor when the checkpoint has none); their experts join the backend after the
@@ -235,7 +235,7 @@ def build_model(
             else frozenset()
         stored = GGUFStoredLinears(gguf.reader, lambda m: family.checkpoint_name(f"{m}.weight", layout)) \
             if keep_stored and uses_cpu_int4(resolved.linear) else None
-        # the weights taken as the file's blocks below (lm_head, Q4_0 / Q4_1 attention): never read nor dequantized
+        # the weights taken as the file's blocks below (lm_head, 4-bit attention): never read nor dequantized
         deferred = stored_weight_names(decoder, stored, lm_head_bits) if stored is not None else frozenset()
         loading.load_non_expert_weights(decoder, reader, family, layout, device, dtype, as_stored, deferred)
         mtp_module = loading.load_mtp(reader, family, layout, device, dtype, str(config_path)) if mtp else None

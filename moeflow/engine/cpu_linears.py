@@ -24,7 +24,7 @@ replaces, in the built decoder, each module by a :class:`~moeflow.kernels.cpu.qu
   a GGUF file's Q8_0 ones (``stored``, outside the fused step) run on the file's blocks under "auto"
   (``StoredLinears.exact_linear``: :class:`~moeflow.kernels.cpu.gguf.GGUFLinear`, the weights exactly; docs/cpu.md:
   the deviation measured on a synthetic gpt-oss).
-* a GGUF file's attention projections stored in 4 bits (Q4_0, Q4_1; ``stored``: :mod:`moeflow.engine.gguf_linears`)
+* a GGUF file's attention projections stored in 4 bits (Q4_0, Q4_1, Q4_K; :mod:`~moeflow.engine.gguf_linears`)
   -> int4 group 32 with the file's own codes and scales, under ``attention_bits="auto"`` and ``4``: the file's
   bits, no second rounding (llama.cpp's weights). k and v take it together or not at all (the CPU step fuses
   them into one matrix); q beside a k/v of another form runs as its own part of the step's q/k/v projection
@@ -113,7 +113,7 @@ def quantized_as_stored(decoder: nn.Module, attention_bits: int | None, lm_head_
 def quantize_decoder_linears(decoder: nn.Module, attention_bits: int | None, lm_head_bits: int = 8,
                              stored: StoredLinears | None = None) -> dict[str, int]:
     """Replace ``decoder``'s lm_head and attention projections in place (see the module docstring); ``stored``:
-    the attention projections to take as the checkpoint stores them where it can (a GGUF file's Q4_0 / Q4_1).
+    the attention projections to take as the checkpoint stores them where it can (a GGUF file's Q4_0 / Q4_1 / Q4_K).
 
     Returns how many modules of each kind were replaced ({"lm_head", "awq", "attention", "stored"}: "stored" counts
     the lm_head too where it runs on the file's blocks).

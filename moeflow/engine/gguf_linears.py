@@ -11,9 +11,12 @@ stored blocks instead (issue 42): no second rounding, the weights llama.cpp comp
   bytes :meth:`~moeflow.kernels.cpu.native.Q4Matrix.from_q4_0` makes by unpacking every code, which rows not in
   whole groups of 8 still take);
 * ``Q4_1`` (``q * d + m`` per 32 inputs, fp16 ``d`` and ``m``) -> the ``Q4_F32`` form at group 32 (``s = d``,
-  ``m = m`` in fp32: the same values; 8 bytes of scale and min per 32 weights where the file has 4).
+  ``m = m`` in fp32: the same values; 8 bytes of scale and min per 32 weights where the file has 4);
+* ``Q4_K`` (``d sc q - dmin m`` per 32 inputs, fp16 ``d`` and ``dmin`` per 256, 6-bit ``sc`` and ``m`` per 32: a
+  Q4_K_M file's q / k projections) -> the ``Q4_F32`` form at group 32 (``s = d sc``, ``m = -(dmin m)``, each an
+  exact fp32 product: the values ggml dequantizes; 0.75 bytes per weight against the file's 0.5625 and int8's 1).
 
-Other types (F16 / BF16 / F32, ``Q8_0``: its per-32 scales have no int8 CPU form, which scales rows; the K-quants)
+Other types (F16 / BF16 / F32, ``Q8_0``: its per-32 scales have no int8 CPU form, which scales rows; Q5_K, Q6_K)
 are not taken here: they keep today's path (dequantized at load, then int8 on the CPU). The llama architecture's
 q/k rows are un-permuted as the reader does (:func:`~moeflow.io.gguf.reader.unpermute_rope_rows`): whole rows of
 codes and scales move, so the values are exact. What the layers compute: each weight exactly the file's
@@ -33,9 +36,9 @@ from moeflow.kernels.cpu.gguf import K_BLOCK, GGUFLinear
 from moeflow.kernels.cpu.native import Q4Matrix, _group_rows, _pack_q4, library, native_available
 from moeflow.kernels.cpu.quant_linear import CpuQuantLinear
 from moeflow.kernels.repack import q4_0_to_awq
-from moeflow.quant.ggml import q4_0_codes
+from moeflow.quant.ggml import _half, _k_scale_min, _nibbles, q4_0_codes
 
-NATIVE_TYPES = ("Q4_0", "Q4_1")  # block types read straight into a CPU int4 form
+NATIVE_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # block types read straight into a CPU int4 form
 GROUP = 32  # their block: the int4 group size
 LM_HEAD_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # lm_head types computed on the file's blocks (GGUFLinear)
 
@@ -51,6 +54,19 @@ def q4_1_codes(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     d = blocks[:, :2].contiguous().view(torch.float16).reshape(n, -1)
     m = blocks[:, 2:4].contiguous().view(torch.float16).reshape(n, -1)
     return codes, d, m
+
+
+def q4_k_codes(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K rows as 4-bit codes with a scale and a min per 32: raw uint8 [N, K/256 * 144] -> (codes uint8 [N, K] in
+    [0, 15], s fp32 [N, K/32], m fp32 [N, K/32]); value ``codes * s + m``, ggml's ``d sc q - dmin mn`` (blocks: fp16
+    d, fp16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles: sub-block 2c the low nibbles of bytes
+    32c .. 32c + 31, 2c + 1 their high ones)."""
+    n = raw.shape[0]
+    blocks = raw.reshape(-1, 144)
+    sc, mn = _k_scale_min(blocks[:, 4:16])
+    s = _half(blocks, 0) * sc.float()
+    m = -(_half(blocks, 2) * mn.float())
+    return _nibbles(blocks[:, 16:], 32).reshape(n, -1), s.reshape(n, -1), m.reshape(n, -1)
 
 
 class GGUFStoredLinears:
@@ -129,7 +145,7 @@ class GGUFStoredLinears:
         if info.type.name not in NATIVE_TYPES or len(info.shape) != 2:
             return None
         out_features, in_features = info.shape
-        if in_features % GROUP:
+        if in_features % (K_BLOCK if info.type.name == "Q4_K" else GROUP):
             return None
         raw = torch.from_numpy(np.ascontiguousarray(self.reader.files.read(info)))
         permute = self.reader.arch.rope_permuted and info.name.endswith(("attn_q.weight", "attn_k.weight"))
@@ -150,7 +166,7 @@ class GGUFStoredLinears:
             codes, d = q4_0_codes(raw)
             matrix = Q4Matrix.from_q4_0(rows(codes), rows(d))
         else:
-            codes, d, m = q4_1_codes(raw)
+            codes, d, m = (q4_1_codes if info.type.name == "Q4_1" else q4_k_codes)(raw)
             matrix = Q4Matrix(_pack_q4(rows(codes)), _group_rows(rows(d).float()), _group_rows(rows(m).float()),
                               GROUP)
         return CpuQuantLinear(4, in_features, out_features, int4=matrix)

@@ -211,13 +211,14 @@ static void q4_0_row(const uint8_t* row, int nb, int T, const acts* a, float* y,
 static void rows(int type, const uint8_t* w, int64_t stride, int n0, int n1, int T, const acts* a, float* y,
                  int ldy) {
     const int nb = a->K / type_block(type);
+    if (type != GG_Q8_0 && type != GG_Q4_0) {  /* the K-quants: gguf_k.c's row loop */
+        mf_gguf_krows(type, w, stride, n0, n1, nb, T, a, y, ldy);
+        return;
+    }
     for (int n = n0; n < n1; n++) {
         const uint8_t* r = w + (size_t)n * stride;
-        switch (type) {
-            case GG_Q8_0: q8_0_row(r, nb, T, a, y + n, ldy); break;
-            case GG_Q4_0: q4_0_row(r, nb, T, a, y + n, ldy); break;
-            default: mf_gguf_krow(type, r, nb, T, a, y + n, ldy); break;
-        }
+        if (type == GG_Q8_0) q8_0_row(r, nb, T, a, y + n, ldy);
+        else q4_0_row(r, nb, T, a, y + n, ldy);
     }
 }
 

@@ -87,8 +87,11 @@ size_t mf_gguf_acts1_bytes(int K);
 void mf_gguf_acts1(const float* x, int K, int type, void* scratch);
 void mf_gguf_rows1(int type, const uint8_t* w, int64_t stride, int n0, int n1, int K, const void* scratch, float* y);
 
-/* Row `row` (nb blocks of K-quant `type`: Q4_K, Q5_K, Q6_K) against the T quantized tokens of `a`: y[t * ldy]
-   (gguf_k.c). */
-__attribute__((visibility("hidden"))) void mf_gguf_krow(int type, const uint8_t* row, int nb, int T, const acts* a,
-                                                        float* y, int ldy);
+/* n K-quant rows dequantized as ggml does (gguf_k.c; a token embedding's lookup). */
+int mf_gguf_dequant_rows(int type, const uint8_t* rows, int n, int K, int64_t stride, float* out);
+
+/* Rows [n0, n1) of a matrix (rows `stride` bytes apart, nb blocks of K-quant `type`: Q4_K, Q5_K, Q6_K) against
+   the T quantized tokens of `a`: y[t * ldy + n] (gguf_k.c). */
+__attribute__((visibility("hidden"))) void mf_gguf_krows(int type, const uint8_t* w, int64_t stride, int n0, int n1,
+                                                         int nb, int T, const acts* a, float* y, int ldy);
 #endif

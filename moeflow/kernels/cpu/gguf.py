@@ -41,7 +41,8 @@ def _signatures(lib: ctypes.CDLL) -> None:
     p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     lib.mf_gguf_linear.argtypes = [p, i, i, i, i, p, i64, p, i]
     lib.mf_gguf_expert.argtypes = [p, i, i, i, i, p, p, i64, i, p, i64, p, p, i, i]
-    lib.mf_gguf_linear.restype = lib.mf_gguf_expert.restype = i
+    lib.mf_gguf_dequant_rows.argtypes = [i, p, i, i, i64, p]
+    lib.mf_gguf_linear.restype = lib.mf_gguf_expert.restype = lib.mf_gguf_dequant_rows.restype = i
 
 
 def _lib() -> ctypes.CDLL:
@@ -74,6 +75,23 @@ def gguf_linear(x: torch.Tensor, w: torch.Tensor, t: str | int | GGMLType, k: in
     check_rc(_lib().mf_gguf_linear(rows.data_ptr(), rows.shape[0], k, w.shape[0], g.type_id, w.data_ptr(), stride,
                                     y.data_ptr(), torch.get_num_threads()), f"gguf {g.name} linear")
     return y
+
+
+DEQUANT_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # the block types dequantize_rows takes
+
+
+def dequantize_rows(rows: torch.Tensor, t: str | int | GGMLType, k: int) -> torch.Tensor:
+    """K-quant rows (``rows`` uint8 [n, >= row_bytes], CPU; :data:`DEQUANT_TYPES`) -> fp32 [n, k]: ggml's values,
+    the fp32 operations of :func:`moeflow.quant.ggml.dequantize` in its order (the same bits) in one native call
+    (a token embedding's lookup: ~100 us of torch operations per Q4_K row otherwise)."""
+    g = cpu_type(t)
+    if g.name not in DEQUANT_TYPES:
+        raise ValueError(f"dequantize_rows takes {', '.join(DEQUANT_TYPES)} blocks, not {g.name}")
+    stride = _matrix(rows, g, k, "rows")
+    out = torch.empty((rows.shape[0], k), dtype=torch.float32)
+    check_rc(_lib().mf_gguf_dequant_rows(g.type_id, rows.data_ptr(), rows.shape[0], k, stride, out.data_ptr()),
+             f"gguf {g.name} rows")
+    return out
 
 
 class GGUFLinear(nn.Module):

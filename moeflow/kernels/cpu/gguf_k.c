@@ -9,26 +9,6 @@
 
 /* ---- K-quant blocks ------------------------------------------------------------------------------------------- */
 
-/* A decoded block, in registers where the ISA allows (a tile of tokens reuses it): the 256 unsigned codes (Q6_K:
-   value + 32), the scales widened to int16 lanes matching maddubs' pairs, per 16-group corrections mn. */
-#if MF_AVX512
-#define KV 4  /* vectors of 64 codes */
-typedef __m512i kvec;
-#elif MF_AVX2
-#define KV 8  /* vectors of 32 codes */
-typedef __m256i kvec;
-#endif
-typedef struct {
-#if MF_AVX2
-    kvec q[KV], sc[KV];  /* sc: the scale of the codes of each int16 lane of maddubs(q, x) */
-    __m256i mn;          /* int16 [16]: per 16-group, Q4/5_K the min of its 32-group, Q6_K 32 * its scale */
-#else
-    uint8_t q[QKK];
-    int16_t sc[16], mn[16];  /* per 16-group */
-#endif
-    float d, dmin;
-} kblock;
-
 /* Q4_K / Q5_K's twelve scale bytes -> the 6-bit scales sc[8] and mins m[8] (llama.cpp's get_scale_min_k4 as one
    64-bit word each, byte j = sub-block j): scales 0-3 and mins 0-3 are the low 6 bits of bytes 0-3 and 4-7;
    4-7 take their low 4 bits from bytes 8-11 (scales the low nibbles, mins the high) and their top 2 from the top
@@ -43,150 +23,14 @@ INLINE void k4_scales(const uint8_t* s, uint64_t* sc, uint64_t* mn) {
     *mn = (uint64_t)(w1 & lo6) | (uint64_t)(((w2 >> 4) & lo4) | (((w1 >> 6) & lo2) << 4)) << 32;
 }
 
-#if MF_AVX512
-static const int16_t IOTA32[32] = {0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15,
-                                   16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31};
-/* lanes l of kvec i: the int16 value of `v16` (lanes 0..15) at index per * i + l / div */
-INLINE kvec spread16(__m512i v16, int i, int per, int shift) {
-    const __m512i idx = _mm512_add_epi16(_mm512_srli_epi16(_mm512_loadu_si512((const void*)IOTA32), shift),
-                                         _mm512_set1_epi16((short)(per * i)));
-    return _mm512_permutexvar_epi16(idx, v16);
-}
-/* a 32-byte vector twice, the copy in the high half shifted right by `hi` bits per 16-bit lane (the low by `lo`) */
-INLINE __m512i bcast_srl(const uint8_t* p, int lo, int hi) {
-    const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)p));
-    return _mm512_srlv_epi16(v, _mm512_inserti64x4(_mm512_set1_epi16((short)lo), _mm256_set1_epi16((short)hi), 1));
-}
-#endif
-
-/* the scales (one per 32 codes, bytes of sc8) and the mins (mn8) of a Q4_K / Q5_K block into kb */
-INLINE void k4_expand(kblock* kb, uint64_t sc8, uint64_t mn8) {
+/* One token against a decoded block, as 8 int32 lanes (exact): lane l of isum sums sc * q * x over the codes
+   p = 32 i + 4 l + c (i < 8, c < 4), lane l of imin is mn[2l] bsum[2l] + mn[2l + 1] bsum[2l + 1]: kdot4_512 and
+   kdot6_512 on AVX-512 VNNI, kdot on AVX2 (pmaddwd's lanes) and in portable C. */
 #if MF_AVX2
-    const __m128i m = _mm_cvtsi64_si128((long long)mn8);
-    kb->mn = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m, m));  /* each min for its two 16-groups */
-#if MF_AVX512
-    const __m512i s16 = _mm512_cvtepu8_epi16(_mm256_zextsi128_si256(_mm_cvtsi64_si128((long long)sc8)));
-    for (int i = 0; i < KV; i++) kb->sc[i] = spread16(s16, i, 2, 4);  /* lane l of 64 codes: sub-block 2i + l/16 */
+typedef __m256i lanes;
 #else
-    const __m256i s8 = _mm256_broadcastsi128_si256(_mm_cvtsi64_si128((long long)sc8));
-    for (int i = 0; i < KV; i++) kb->sc[i] = _mm256_shuffle_epi8(s8, _mm256_set1_epi16((short)(0x8000 | i)));
+typedef struct { int32_t v[8]; } lanes;
 #endif
-#else
-    for (int g = 0; g < 16; g++) {
-        kb->sc[g] = (int16_t)((sc8 >> (8 * (g / 2))) & 0xFF);
-        kb->mn[g] = (int16_t)((mn8 >> (8 * (g / 2))) & 0xFF);
-    }
-#endif
-}
-
-INLINE void decode_q4k(const uint8_t* w, kblock* kb) {
-    uint64_t sc8, mn8;
-    kb->d = h2f(w);
-    kb->dmin = h2f(w + 2);
-    k4_scales(w + 4, &sc8, &mn8);
-    k4_expand(kb, sc8, mn8);
-    const uint8_t* qs = w + 16;  /* 64-code chunk c: bytes 32c .. 32c + 31, low nibbles then high */
-#if MF_AVX512
-    for (int c = 0; c < 4; c++) kb->q[c] = _mm512_and_si512(bcast_srl(qs + 32 * c, 0, 4), _mm512_set1_epi8(0x0F));
-#elif MF_AVX2
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    for (int c = 0; c < 4; c++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * c));
-        kb->q[2 * c] = _mm256_and_si256(v, m4);
-        kb->q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-    }
-#else
-    for (int c = 0; c < 4; c++)
-        for (int l = 0; l < 32; l++) {
-            kb->q[64 * c + l] = qs[32 * c + l] & 15;
-            kb->q[64 * c + 32 + l] = qs[32 * c + l] >> 4;
-        }
-#endif
-}
-
-INLINE void decode_q5k(const uint8_t* w, kblock* kb) {
-    uint64_t sc8, mn8;
-    kb->d = h2f(w);
-    kb->dmin = h2f(w + 2);
-    k4_scales(w + 4, &sc8, &mn8);
-    k4_expand(kb, sc8, mn8);
-    const uint8_t *qh = w + 16, *qs = w + 48;  /* bit 2c of qh[l]: bit 4 of code 64c + l; bit 2c + 1: of 64c + 32 + l */
-#if MF_AVX512
-    for (int c = 0; c < 4; c++) {
-        const __m512i lo = _mm512_and_si512(bcast_srl(qs + 32 * c, 0, 4), _mm512_set1_epi8(0x0F));
-        const __m512i hi = _mm512_and_si512(bcast_srl(qh, 2 * c, 2 * c + 1), _mm512_set1_epi8(1));
-        kb->q[c] = _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4));
-    }
-#elif MF_AVX2
-    const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
-    const __m256i h = _mm256_loadu_si256((const __m256i*)qh);
-    for (int c = 0; c < 4; c++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * c));
-        const __m256i h0 = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * c)), one);
-        const __m256i h1 = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * c + 1)), one);
-        kb->q[2 * c] = _mm256_or_si256(_mm256_and_si256(v, m4), _mm256_slli_epi16(h0, 4));
-        kb->q[2 * c + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), _mm256_slli_epi16(h1, 4));
-    }
-#else
-    for (int c = 0; c < 4; c++)
-        for (int l = 0; l < 32; l++) {
-            kb->q[64 * c + l] = (qs[32 * c + l] & 15) | (((qh[l] >> (2 * c)) & 1) << 4);
-            kb->q[64 * c + 32 + l] = (qs[32 * c + l] >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4);
-        }
-#endif
-}
-
-INLINE void decode_q6k(const uint8_t* w, kblock* kb) {
-    const uint8_t *ql = w, *qh = w + 128;
-    const int8_t* sc = (const int8_t*)(w + 192);
-    kb->d = h2f(w + 208);
-    kb->dmin = 0.0f;
-    /* code 128n + 32j + l: low 4 bits ql[64n + 32(j % 2) + l] >> 4(j / 2), high 2 bits qh[32n + l] >> 2j */
-#if MF_AVX2
-    const __m128i s8 = _mm_loadu_si128((const __m128i*)sc);
-    kb->mn = _mm256_slli_epi16(_mm256_cvtepi8_epi16(s8), 5);  /* 32 * sc */
-#if MF_AVX512
-    const __m512i s16 = _mm512_cvtepi8_epi16(_mm256_zextsi128_si256(s8));
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(3);
-    for (int n = 0; n < 2; n++) {
-        const __m512i l = _mm512_loadu_si512((const void*)(ql + 64 * n));  /* j = 0, 1 low; j = 2, 3 high nibbles */
-        const __m512i h01 = _mm512_and_si512(bcast_srl(qh + 32 * n, 0, 2), m2);
-        const __m512i h23 = _mm512_and_si512(bcast_srl(qh + 32 * n, 4, 6), m2);
-        kb->q[2 * n] = _mm512_or_si512(_mm512_and_si512(l, m4), _mm512_slli_epi16(h01, 4));
-        kb->q[2 * n + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4), _mm512_slli_epi16(h23, 4));
-    }
-    for (int i = 0; i < KV; i++) kb->sc[i] = spread16(s16, i, 4, 3);  /* lane l of 64 codes: group 4i + l/8 */
-#else
-    const __m256i sb = _mm256_broadcastsi128_si256(s8);
-    for (int i = 0; i < KV; i++)  /* groups 2i (low 8 lanes) and 2i + 1: the byte into each lane's top, shifted down */
-        kb->sc[i] = _mm256_srai_epi16(_mm256_shuffle_epi8(sb, _mm256_set_m128i(_mm_set1_epi16((short)((2 * i + 1) << 8 | 0x80)),
-                                                                           _mm_set1_epi16((short)((2 * i) << 8 | 0x80)))), 8);
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
-    for (int n = 0; n < 2; n++) {
-        const __m256i l0 = _mm256_loadu_si256((const __m256i*)(ql + 64 * n));
-        const __m256i l1 = _mm256_loadu_si256((const __m256i*)(ql + 64 * n + 32));
-        const __m256i h = _mm256_loadu_si256((const __m256i*)(qh + 32 * n));
-        const __m256i lo[4] = {_mm256_and_si256(l0, m4), _mm256_and_si256(l1, m4),
-                               _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
-                               _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4)};
-        const __m256i hi[4] = {_mm256_and_si256(h, m2), _mm256_and_si256(_mm256_srli_epi16(h, 2), m2),
-                               _mm256_and_si256(_mm256_srli_epi16(h, 4), m2),
-                               _mm256_and_si256(_mm256_srli_epi16(h, 6), m2)};
-        for (int j = 0; j < 4; j++) kb->q[4 * n + j] = _mm256_or_si256(lo[j], _mm256_slli_epi16(hi[j], 4));
-    }
-#endif
-#else
-    for (int g = 0; g < 16; g++) {
-        kb->sc[g] = sc[g];
-        kb->mn[g] = (int16_t)(32 * sc[g]);
-    }
-    for (int n = 0; n < 2; n++)
-        for (int j = 0; j < 4; j++)
-            for (int l = 0; l < 32; l++)
-                kb->q[128 * n + 32 * j + l] = ((ql[64 * n + 32 * (j % 2) + l] >> (4 * (j / 2))) & 15)
-                                              | (((qh[32 * n + l] >> (2 * j)) & 3) << 4);
-#endif
-}
 
 #if MF_AVX512
 /* Q4_K / Q5_K on AVX-512 VNNI (session 16; 256-bit registers, which Zen 4 runs at the rate of 512-bit ones per
@@ -246,25 +90,179 @@ INLINE void kdot4_512(const k4block* kb, const int8_t* x, const int16_t* bsum, _
     *isum = _mm256_add_epi32(a0, a1);
     *imin = _mm256_madd_epi16(kb->mn, _mm256_loadu_si256((const __m256i*)bsum));
 }
-#endif
+/* Q6_K on AVX-512 VNNI (session 17): a block as 4 vectors of 64 codes in file order (vector k: codes 64k ..
+   64k + 63; its low 32 bytes the j = 0 / 2 quarter of ql's 64-byte half, its high 32 the j = 1 / 3 one, the two
+   high bits from qh broadcast to both halves and shifted by a per-half count), one token's 16 int32 lanes per vector
+   by vpdpbusd (lane L: codes 64k + 4L + c, c < 4, at most 4 * 63 * 127 = 32004, an int16), then times its group's
+   scale (group 4k + L / 4) by vpdpwssd against (scale, 0) word pairs: exact. Lanes L and L + 8 fold onto kdot's
+   lane L % 8 (the sub-blocks 2k and 2k + 1): the same integer lanes as kdot's, so the same bits. */
+typedef struct {
+    __m512i q[4], sc[4];
+    __m256i mn;  /* int16 [16]: 32 * the 16-groups' scales */
+    float d;
+} k6block;
 
-/* One token against a decoded block, as 8 int32 lanes (exact): lane l of isum sums sc * q * x over the codes
-   p = 32 i + 4 l + c (i < 8, c < 4), lane l of imin is mn[2l] bsum[2l] + mn[2l + 1] bsum[2l + 1]. (AVX2's pmaddwd
-   lanes; AVX-512's 16 lanes of 64 codes fold into them, lane l + 8 onto lane l.) */
-#if MF_AVX2
-typedef __m256i lanes;
-INLINE void kdot(const kblock* kb, const int8_t* x, const int16_t* bsum, lanes* isum, lanes* imin) {
-#if MF_AVX512
+static const int32_t IDX4[16] = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3};
+
+INLINE void decode_k6_512(const uint8_t* w, k6block* kb) {
+    const uint8_t *ql = w, *qh = w + 128;
+    const __m128i s8 = _mm_loadu_si128((const __m128i*)(w + 192));
+    kb->d = h2f(w + 208);
+    kb->mn = _mm256_slli_epi16(_mm256_cvtepi8_epi16(s8), 5);
+    const __m512i s32 = _mm512_and_si512(_mm512_cvtepi8_epi32(s8), _mm512_set1_epi32(0xFFFF));  /* (scale, 0) */
+    const __m512i i4 = _mm512_loadu_si512((const void*)IDX4);
+    for (int k = 0; k < 4; k++)
+        kb->sc[k] = _mm512_permutexvar_epi32(_mm512_add_epi32(i4, _mm512_set1_epi32(4 * k)), s32);
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    const __m512i c01 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);  /* j = 0: << 4, 1: << 2 */
+    const __m512i c23 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);  /* j = 2: >> 0, 3: >> 2 */
+    for (int n = 0; n < 2; n++) {
+        const __m512i l = _mm512_loadu_si512((const void*)(ql + 64 * n));
+        const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(qh + 32 * n)));
+        /* code | (high bits at bits 4, 5): ternary logic a | (b & c) */
+        kb->q[2 * n] = _mm512_ternarylogic_epi32(_mm512_and_si512(l, m4), _mm512_sllv_epi16(h, c01), m30, 0xF8);
+        kb->q[2 * n + 1] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
+                                                     _mm512_srlv_epi16(h, c23), m30, 0xF8);
+    }
+}
+
+INLINE void kdot6_512(const k6block* kb, const int8_t* x, const int16_t* bsum, __m256i* isum, __m256i* imin) {
     __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();  /* two chains: exact integer adds */
-    for (int i = 0; i < KV; i += 2) {
-        a0 = _mm512_dpwssd_epi32(a0, _mm512_maddubs_epi16(kb->q[i], _mm512_loadu_si512((const void*)(x + 64 * i))),
-                                 kb->sc[i]);
-        a1 = _mm512_dpwssd_epi32(a1, _mm512_maddubs_epi16(kb->q[i + 1],
-                                 _mm512_loadu_si512((const void*)(x + 64 * i + 64))), kb->sc[i + 1]);
+    for (int k = 0; k < 4; k += 2) {
+        const __m512i p0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), kb->q[k],
+                                               _mm512_loadu_si512((const void*)(x + 64 * k)));
+        const __m512i p1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), kb->q[k + 1],
+                                               _mm512_loadu_si512((const void*)(x + 64 * k + 64)));
+        a0 = _mm512_dpwssd_epi32(a0, p0, kb->sc[k]);
+        a1 = _mm512_dpwssd_epi32(a1, p1, kb->sc[k + 1]);
     }
     const __m512i a = _mm512_add_epi32(a0, a1);
     *isum = _mm256_add_epi32(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
+    *imin = _mm256_madd_epi16(kb->mn, _mm256_loadu_si256((const __m256i*)bsum));
+}
 #else
+/* A decoded block, in registers where the ISA allows (a tile of tokens reuses it): the 256 unsigned codes (Q6_K:
+   value + 32), the scales widened to int16 lanes matching maddubs' pairs, per 16-group corrections mn. */
+#if MF_AVX2
+#define KV 8  /* vectors of 32 codes */
+typedef __m256i kvec;
+#endif
+typedef struct {
+#if MF_AVX2
+    kvec q[KV], sc[KV];  /* sc: the scale of the codes of each int16 lane of maddubs(q, x) */
+    __m256i mn;          /* int16 [16]: per 16-group, Q4/5_K the min of its 32-group, Q6_K 32 * its scale */
+#else
+    uint8_t q[QKK];
+    int16_t sc[16], mn[16];  /* per 16-group */
+#endif
+    float d, dmin;
+} kblock;
+
+/* the scales (one per 32 codes, bytes of sc8) and the mins (mn8) of a Q4_K / Q5_K block into kb */
+INLINE void k4_expand(kblock* kb, uint64_t sc8, uint64_t mn8) {
+#if MF_AVX2
+    const __m128i m = _mm_cvtsi64_si128((long long)mn8);
+    kb->mn = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m, m));  /* each min for its two 16-groups */
+    const __m256i s8 = _mm256_broadcastsi128_si256(_mm_cvtsi64_si128((long long)sc8));
+    for (int i = 0; i < KV; i++) kb->sc[i] = _mm256_shuffle_epi8(s8, _mm256_set1_epi16((short)(0x8000 | i)));
+#else
+    for (int g = 0; g < 16; g++) {
+        kb->sc[g] = (int16_t)((sc8 >> (8 * (g / 2))) & 0xFF);
+        kb->mn[g] = (int16_t)((mn8 >> (8 * (g / 2))) & 0xFF);
+    }
+#endif
+}
+
+INLINE void decode_q4k(const uint8_t* w, kblock* kb) {
+    uint64_t sc8, mn8;
+    kb->d = h2f(w);
+    kb->dmin = h2f(w + 2);
+    k4_scales(w + 4, &sc8, &mn8);
+    k4_expand(kb, sc8, mn8);
+    const uint8_t* qs = w + 16;  /* 64-code chunk c: bytes 32c .. 32c + 31, low nibbles then high */
+#if MF_AVX2
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int c = 0; c < 4; c++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * c));
+        kb->q[2 * c] = _mm256_and_si256(v, m4);
+        kb->q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    }
+#else
+    for (int c = 0; c < 4; c++)
+        for (int l = 0; l < 32; l++) {
+            kb->q[64 * c + l] = qs[32 * c + l] & 15;
+            kb->q[64 * c + 32 + l] = qs[32 * c + l] >> 4;
+        }
+#endif
+}
+
+INLINE void decode_q5k(const uint8_t* w, kblock* kb) {
+    uint64_t sc8, mn8;
+    kb->d = h2f(w);
+    kb->dmin = h2f(w + 2);
+    k4_scales(w + 4, &sc8, &mn8);
+    k4_expand(kb, sc8, mn8);
+    const uint8_t *qh = w + 16, *qs = w + 48;  /* bit 2c of qh[l]: bit 4 of code 64c + l; bit 2c + 1: of 64c + 32 + l */
+#if MF_AVX2
+    const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    const __m256i h = _mm256_loadu_si256((const __m256i*)qh);
+    for (int c = 0; c < 4; c++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * c));
+        const __m256i h0 = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * c)), one);
+        const __m256i h1 = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * c + 1)), one);
+        kb->q[2 * c] = _mm256_or_si256(_mm256_and_si256(v, m4), _mm256_slli_epi16(h0, 4));
+        kb->q[2 * c + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), _mm256_slli_epi16(h1, 4));
+    }
+#else
+    for (int c = 0; c < 4; c++)
+        for (int l = 0; l < 32; l++) {
+            kb->q[64 * c + l] = (qs[32 * c + l] & 15) | (((qh[l] >> (2 * c)) & 1) << 4);
+            kb->q[64 * c + 32 + l] = (qs[32 * c + l] >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4);
+        }
+#endif
+}
+
+INLINE void decode_q6k(const uint8_t* w, kblock* kb) {
+    const uint8_t *ql = w, *qh = w + 128;
+    const int8_t* sc = (const int8_t*)(w + 192);
+    kb->d = h2f(w + 208);
+    kb->dmin = 0.0f;
+    /* code 128n + 32j + l: low 4 bits ql[64n + 32(j % 2) + l] >> 4(j / 2), high 2 bits qh[32n + l] >> 2j */
+#if MF_AVX2
+    const __m128i s8 = _mm_loadu_si128((const __m128i*)sc);
+    kb->mn = _mm256_slli_epi16(_mm256_cvtepi8_epi16(s8), 5);  /* 32 * sc */
+    const __m256i sb = _mm256_broadcastsi128_si256(s8);
+    for (int i = 0; i < KV; i++)  /* groups 2i (low 8 lanes) and 2i + 1: the byte into each lane's top, shifted down */
+        kb->sc[i] = _mm256_srai_epi16(_mm256_shuffle_epi8(sb, _mm256_set_m128i(_mm_set1_epi16((short)((2 * i + 1) << 8 | 0x80)),
+                                                                           _mm_set1_epi16((short)((2 * i) << 8 | 0x80)))), 8);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
+    for (int n = 0; n < 2; n++) {
+        const __m256i l0 = _mm256_loadu_si256((const __m256i*)(ql + 64 * n));
+        const __m256i l1 = _mm256_loadu_si256((const __m256i*)(ql + 64 * n + 32));
+        const __m256i h = _mm256_loadu_si256((const __m256i*)(qh + 32 * n));
+        const __m256i lo[4] = {_mm256_and_si256(l0, m4), _mm256_and_si256(l1, m4),
+                               _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                               _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4)};
+        const __m256i hi[4] = {_mm256_and_si256(h, m2), _mm256_and_si256(_mm256_srli_epi16(h, 2), m2),
+                               _mm256_and_si256(_mm256_srli_epi16(h, 4), m2),
+                               _mm256_and_si256(_mm256_srli_epi16(h, 6), m2)};
+        for (int j = 0; j < 4; j++) kb->q[4 * n + j] = _mm256_or_si256(lo[j], _mm256_slli_epi16(hi[j], 4));
+    }
+#else
+    for (int g = 0; g < 16; g++) {
+        kb->sc[g] = sc[g];
+        kb->mn[g] = (int16_t)(32 * sc[g]);
+    }
+    for (int n = 0; n < 2; n++)
+        for (int j = 0; j < 4; j++)
+            for (int l = 0; l < 32; l++)
+                kb->q[128 * n + 32 * j + l] = ((ql[64 * n + 32 * (j % 2) + l] >> (4 * (j / 2))) & 15)
+                                              | (((qh[32 * n + l] >> (2 * j)) & 3) << 4);
+#endif
+}
+
+#if MF_AVX2
+INLINE void kdot(const kblock* kb, const int8_t* x, const int16_t* bsum, lanes* isum, lanes* imin) {
     __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
     for (int i = 0; i < KV; i += 2) {
         a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(
@@ -273,11 +271,9 @@ INLINE void kdot(const kblock* kb, const int8_t* x, const int16_t* bsum, lanes* 
             _mm256_maddubs_epi16(kb->q[i + 1], _mm256_loadu_si256((const __m256i*)(x + 32 * i + 32))), kb->sc[i + 1]));
     }
     *isum = _mm256_add_epi32(a0, a1);
-#endif
     *imin = _mm256_madd_epi16(kb->mn, _mm256_loadu_si256((const __m256i*)bsum));
 }
 #else
-typedef struct { int32_t v[8]; } lanes;
 INLINE void kdot(const kblock* kb, const int8_t* x, const int16_t* bsum, lanes* isum, lanes* imin) {
     for (int l = 0; l < 8; l++) {
         int s = 0;
@@ -291,6 +287,8 @@ INLINE void kdot(const kblock* kb, const int8_t* x, const int16_t* bsum, lanes* 
     }
 }
 #endif
+
+#endif  /* MF_AVX512 */
 
 /* A K-quant block's share of a token's 8 fp32 lanes (gguf.h's facc): acc[l] = fma(isum_l, d xs, acc[l]) then
    fma(imin_l, -(dmin xs), acc[l]) (Q6_K: one fma of isum_l - imin_l). */
@@ -323,35 +321,47 @@ INLINE void ktile(int type, const uint8_t* row, int nb, int t0, int tt, const ac
     for (int b = 0; b < nb; b++) {
         const uint8_t* w = row + (size_t)b * tb;
 #if MF_AVX2
-        if (type != GG_Q6_K)  /* q4.c's distance; Q6_K ran ~12% slower from memory with it (paired runs, s16) */
-            for (int o = 0; o < tb; o += 64) _mm_prefetch((const char*)(w + MF_Q4_PREFETCH + o), _MM_HINT_T0);
+        /* q4.c's distance; Q6_K ran ~12% slower from memory with it into L1 (paired runs, s16), ~10% faster (the
+           32000-row head) as a non-temporal prefetch (s17: benchmarks/results/peers/s17/kquant_README.md) */
+        for (int o = 0; o < tb; o += 64)
+            _mm_prefetch((const char*)(w + MF_Q4_PREFETCH + o), type == GG_Q6_K ? _MM_HINT_NTA : _MM_HINT_T0);
 #endif
+        const int8_t* xq = a->q + (size_t)b * QKK;
+        const int16_t* bs = a->sum + 16 * (size_t)b;
+        const float* xs = a->s + b;
+#define TOKEN(i) xq + (size_t)(t0 + i) * K, bs + (size_t)(t0 + i) * (K / 16)
+#define XS(i) xs[(size_t)(t0 + i) * (K / QKK)]
 #if MF_AVX512
-        if (type != GG_Q6_K) {
+        if (type == GG_Q6_K) {
+            k6block kb;
+            decode_k6_512(w, &kb);
+            for (int i = 0; i < tt; i++) {
+                lanes is, im;
+                kdot6_512(&kb, TOKEN(i), &is, &im);
+                acc[i] = facc_add(type, acc[i], is, im, kb.d * XS(i), 0.0f);
+            }
+        } else {
             k4block kb;
             decode_k4_512(type, w, &kb);
             for (int i = 0; i < tt; i++) {
-                const int t = t0 + i;
                 lanes is, im;
-                kdot4_512(&kb, a->q + (size_t)t * K + (size_t)b * QKK, a->sum + (size_t)t * (K / 16) + 16 * b, &is,
-                          &im);
-                const float xs = a->s[(size_t)t * (K / QKK) + b];
-                acc[i] = facc_add(type, acc[i], is, im, kb.d * xs, -(kb.dmin * xs));
+                kdot4_512(&kb, TOKEN(i), &is, &im);
+                acc[i] = facc_add(type, acc[i], is, im, kb.d * XS(i), -(kb.dmin * XS(i)));
             }
-            continue;
         }
-#endif
+#else
         kblock kb;
         if (type == GG_Q4_K) decode_q4k(w, &kb);
         else if (type == GG_Q5_K) decode_q5k(w, &kb);
         else decode_q6k(w, &kb);
         for (int i = 0; i < tt; i++) {
-            const int t = t0 + i;
             lanes is, im;
-            kdot(&kb, a->q + (size_t)t * K + (size_t)b * QKK, a->sum + (size_t)t * (K / 16) + 16 * b, &is, &im);
-            const float xs = a->s[(size_t)t * (K / QKK) + b];
-            acc[i] = facc_add(type, acc[i], is, im, kb.d * xs, -(kb.dmin * xs));
+            kdot(&kb, TOKEN(i), &is, &im);
+            acc[i] = facc_add(type, acc[i], is, im, kb.d * XS(i), -(kb.dmin * XS(i)));
         }
+#endif
+#undef TOKEN
+#undef XS
     }
     for (int i = 0; i < tt; i++) y[(size_t)(t0 + i) * ldy] = facc_sum(acc[i]);
 }
@@ -365,10 +375,57 @@ INLINE void krow(int type, const uint8_t* row, int nb, int T, const acts* a, flo
     if (T - t0 >= 1) ktile(type, row, nb, t0, 1, a, y, ldy);
 }
 
-void mf_gguf_krow(int type, const uint8_t* row, int nb, int T, const acts* a, float* y, int ldy) {
-    switch (type) {  /* one copy of krow per type, its decode inlined */
-        case GG_Q4_K: krow(GG_Q4_K, row, nb, T, a, y, ldy); break;
-        case GG_Q5_K: krow(GG_Q5_K, row, nb, T, a, y, ldy); break;
-        default: krow(GG_Q6_K, row, nb, T, a, y, ldy); break;
+void mf_gguf_krows(int type, const uint8_t* w, int64_t stride, int n0, int n1, int nb, int T, const acts* a, float* y,
+                   int ldy) {
+    switch (type) {  /* one copy of the row loop per type, its decode inlined (no call per row) */
+        case GG_Q4_K:
+            for (int n = n0; n < n1; n++) krow(GG_Q4_K, w + (size_t)n * stride, nb, T, a, y + n, ldy);
+            break;
+        case GG_Q5_K:
+            for (int n = n0; n < n1; n++) krow(GG_Q5_K, w + (size_t)n * stride, nb, T, a, y + n, ldy);
+            break;
+        default:
+            for (int n = n0; n < n1; n++) krow(GG_Q6_K, w + (size_t)n * stride, nb, T, a, y + n, ldy);
+            break;
     }
+}
+
+/* ---- rows dequantized (a token embedding's lookup) -------------------------------------------------------------- */
+
+/* n rows of K-quant blocks (`stride` bytes apart, K values each) -> out fp32 [n, K], the fp32 operations of
+   moeflow.quant.ggml's dequantize in its order (ggml's values): Q4_K / Q5_K (d sc) q - (dmin m) per 32 values,
+   Q6_K (d sc) (q - 32) per 16. Scalar: a lookup reads a few rows. Returns 0, or -2 for another type or K not a
+   multiple of 256. */
+int mf_gguf_dequant_rows(int type, const uint8_t* rows, int n, int K, int64_t stride, float* out) {
+    if ((type != GG_Q4_K && type != GG_Q5_K && type != GG_Q6_K) || K % QKK) return -2;
+    for (int r = 0; r < n; r++)
+        for (int b = 0; b < K / QKK; b++) {
+            const uint8_t* w = rows + (size_t)r * stride + (size_t)b * type_bytes(type);
+            float* y = out + (size_t)r * K + (size_t)b * QKK;
+            if (type == GG_Q6_K) {
+                const float d = h2f(w + 208);
+                for (int n2 = 0; n2 < 2; n2++)
+                    for (int j = 0; j < 4; j++)
+                        for (int l = 0; l < 32; l++) {
+                            const int p = 128 * n2 + 32 * j + l;
+                            const int q = (((w[64 * n2 + 32 * (j % 2) + l] >> (4 * (j / 2))) & 15)
+                                           | (((w[128 + 32 * n2 + l] >> (2 * j)) & 3) << 4)) - 32;
+                            y[p] = (d * (float)(int8_t)w[192 + p / 16]) * (float)q;
+                        }
+                continue;
+            }
+            uint64_t sc8, mn8;
+            k4_scales(w + 4, &sc8, &mn8);
+            const float d = h2f(w), dmin = h2f(w + 2);
+            const uint8_t* qs = w + (type == GG_Q4_K ? 16 : 48);
+            for (int i = 0; i < 8; i++) {  /* sub-block i: nibbles (i % 2) of bytes 32 (i / 2) .. + 31 */
+                const float ds = d * (float)((sc8 >> (8 * i)) & 0xFF), dm = dmin * (float)((mn8 >> (8 * i)) & 0xFF);
+                for (int l = 0; l < 32; l++) {
+                    int q = (qs[32 * (i / 2) + l] >> (4 * (i % 2))) & 15;
+                    if (type == GG_Q5_K) q |= ((w[16 + l] >> i) & 1) << 4;
+                    y[32 * i + l] = ds * (float)q - dm;
+                }
+            }
+        }
+    return 0;
 }

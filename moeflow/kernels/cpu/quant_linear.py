@@ -47,7 +47,7 @@ INT8_MAX = 127
 
 
 class StoredLinears(Protocol):
-    """A checkpoint whose quantized linear layers the CPU path can take as stored (a GGUF file's Q4_0 / Q4_1
+    """A checkpoint whose quantized linear layers the CPU path can take as stored (a GGUF file's Q4_0 / Q4_1 / Q4_K
     blocks: :class:`moeflow.engine.gguf_linears.GGUFStoredLinears`) instead of quantizing their dense values again."""
 
     def cpu_linear(self, module_name: str) -> CpuQuantLinear | None:
