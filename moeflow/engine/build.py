@@ -29,6 +29,7 @@ from moeflow.engine.cpu_linears import (
     stored_weight_names,
 )
 from moeflow.engine.cpu_step import fuse_cpu_step
+from moeflow.engine.gguf_experts import DirectQ4_0Load, q4_0_direct_applies
 from moeflow.engine.gguf_linears import GGUFStoredLinears
 from moeflow.engine.mapped_experts import MappedGGUFExperts
 from moeflow.engine.parallel_load import ExpertLoad, load_experts
@@ -194,6 +195,7 @@ def build_model(
     if fp8 is not None:
         reader = Fp8BlockReader(reader, fp8)
     early: ExpertLoad | None = None
+    direct: DirectQ4_0Load | None = None  # an all-Q4_0 GGUF's experts straight into the CPU int4 form
     try:
         layout = family.detect_expert_layout(reader)
         convert = None
@@ -221,11 +223,15 @@ def build_model(
             raise ValueError(f"attention_bits={attention_bits}: {family.name}'s gated attention and linear-attention "
                              "projections are not quantized at load; leave attention_bits unset")
         awq_attention = loading.detect_awq_attention(reader, family, layout, quant)
+        mapping = MappedGGUF() if mmap and gguf is not None and device.type == "cpu" else None
         if gguf is None and fp8 is None and not mtp:  # the experts load while the rest is built (ExpertLoad)
             early = early_expert_load(offload, fmt, resolved, family, reader, layout, quant, device, progress)
+        elif gguf is not None and not mtp and q4_0_direct_applies(convert, offload and offload.policy,
+                                                                  uses_cpu_int4(resolved.experts), device):
+            direct = DirectQ4_0Load(fmt, len(family.moe_layers), family.num_experts, loading.gguf_expert_source(
+                gguf, family, convert), mapping, _progress(progress, fmt, family), start=not cpu_form_cache)
         with loading.skipped_weight_init():  # every parameter is read from the checkpoint below
             decoder = family.build_decoder(dtype, _linear_factory(dtype, awq_attention))
-        mapping = MappedGGUF() if mmap and gguf is not None and device.type == "cpu" else None
         if mapping is not None:  # the embedding's rows dequantized when looked up, from the mapped file
             use_stored_embedding(decoder, gguf, family.checkpoint_name("embed_tokens.weight", layout), dtype, mapping)
         if awq_attention is not None:
@@ -266,7 +272,8 @@ def build_model(
             planned = plan_memory(offload, family, stored, device, dtype, non_expert, cuda_graphs, extra)
         plan, sized = planned
         source = early.index if early is not None else None
-        if early is None and (offload.host_memory_gb is not None or offload.background_load or fp8 is None):
+        if early is None and direct is None and (offload.host_memory_gb is not None or offload.background_load
+                                                 or fp8 is None):
             if gguf is not None:  # (FP8: one by one below)
                 source = loading.gguf_expert_source(gguf, family, convert, loading.mtp_moe_layers(mtp_module))
             else:
@@ -277,6 +284,8 @@ def build_model(
         try:
             if mapped:  # the experts' CPU forms are views of the mapped file: nothing to read or copy
                 backend = MappedGGUFExperts(stored, source, resolved.experts, mapping)
+            elif direct is not None:
+                backend = direct.backend
             else:
                 backend = make_expert_backend(
                     sized, resolved, fmt=stored, family=family, decoder=decoder, device=device,
@@ -305,10 +314,12 @@ def build_model(
             log.warning("%s: experts stay on disk in FP8, so every read from disk requantizes one to int4 on the "
                         "CPU (about a second per expert at DeepSeek-V3 sizes): run `moeflow quantize %s DST` once "
                         "and load DST to read int4 experts as stored", config_path, directory)
-        if progress is None:
-            progress = fmt.nbytes * len(family.moe_layers) * family.num_experts >= PROGRESS_MIN_BYTES
+        progress = _progress(progress, fmt, family)
         if mapped:
             source.close()
+        elif direct is not None:  # started early, or through the CPU form cache here
+            direct.finish((lambda b, load: cached_load(b, sorted(set(reader.weight_map.values())), family.expert_spec(
+                ).hidden_size, family.expert_spec().intermediate_size, load)) if cpu_form_cache else None)
         elif early is not None:  # its store is the backend's: wait for the last expert
             early.result()
         elif not on_disk and fp8 is None:  # parallel preads straight into the backend's storage
@@ -338,6 +349,8 @@ def build_model(
         if early is not None:  # (a failed build: the loader stops before its index's files close)
             early.cancel()
             early.index.close()
+        if direct is not None:
+            direct.close()
         reader.close()
     gen = GenerationConfig.from_file(directory / "generation_config.json", cfg.eos_token_id, cfg.pad_token_id)
     tokenizer_dir = gguf.tokenizer_directory() if gguf is not None else directory  # (GGUF: rebuilt, cached)
@@ -363,9 +376,13 @@ def early_expert_load(offload: OffloadConfig | None, fmt: ExpertFormat, kernels:
     stored = expert_storage_format(fmt, kernels, offload)
     source = open_expert_index(reader, family, layout, quant, None, layers)
     store = real_host_store(stored, layers, family.num_experts, pin=offload.pin_memory, device=device)
-    if progress is None:
-        progress = fmt.nbytes * layers * family.num_experts >= PROGRESS_MIN_BYTES
-    return ExpertLoad(source, store.write, store, progress=progress)
+    return ExpertLoad(source, store.write, store, progress=_progress(progress, fmt, family))
+
+
+def _progress(progress: bool | None, fmt: ExpertFormat, family: Family) -> bool:
+    """The loading progress bar: as asked, else above PROGRESS_MIN_BYTES of experts."""
+    return progress if progress is not None else \
+        fmt.nbytes * len(family.moe_layers) * family.num_experts >= PROGRESS_MIN_BYTES
 
 
 def mapped_experts_apply(offload: OffloadConfig, fmt: ExpertFormat, device: torch.device) -> bool:

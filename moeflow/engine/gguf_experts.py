@@ -1,14 +1,31 @@
-"""GGUF Q4_0 experts into the AWQ format at load by moving packed words (engine side: the conversion runs moeflow's
-CPU library, which :mod:`moeflow.io` may not import; the byte ranges and the unpacking reference are in
-:mod:`moeflow.io.gguf.experts`)."""
+"""GGUF Q4_0 experts at load (engine side: the conversions run moeflow's CPU library, which :mod:`moeflow.io` may not
+import; the byte ranges and the unpacking reference are in :mod:`moeflow.io.gguf.experts`).
+
+* :func:`q4_0_awq_expert_tensors`: into the AWQ format's tensors by moving packed words (the format every backend
+  of an all-Q4_0 file holds: the GPU pool, host rows, offloading slots).
+* :func:`q4_0_int4_expert` and :func:`start_q4_0_load`: on ``device="cpu"`` with every expert resident
+  (:class:`~moeflow.moe.resident.CpuInt4Experts`), straight from the stored blocks into the CPU int4 form
+  (:class:`~moeflow.kernels.cpu.native.Q4Matrix`'s ``Q4_F16Z8``: one pass, ``mf_q4_0_to_q4z``), read from the
+  mapped file (or preads when ``mmap=False``), on loader threads started before the decoder is built, so the
+  conversion overlaps the non-expert load (issue 37's cold start). The result is bit for bit
+  ``Int4Expert.from_awq_tensors(q4_0_awq_expert_tensors(...))`` (tests/test_gguf_q4_0_direct.py), so the tokens
+  are those of the AWQ route.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from moeflow.io.gguf.experts import AWQ_ZERO_8, ExpertBytes, check_q4_0
-from moeflow.kernels.cpu.native import library
-from moeflow.kernels.repack import q4_0_to_awq
+from moeflow.engine.parallel_load import ExpertLoad, load_experts
+from moeflow.io.gguf.experts import AWQ_ZERO_8, ExpertBytes, GGUFExpertSource, check_q4_0
+from moeflow.io.gguf.mapped import MappedGGUF
+from moeflow.kernels.cpu.int4 import Int4Expert
+from moeflow.kernels.cpu.native import Q4_0_GROUP, Q4Matrix, library, native_available
+from moeflow.kernels.formats import ExpertFormat
+from moeflow.kernels.repack import q4_0_to_awq, q4_0_to_q4z
+from moeflow.moe.resident import CpuInt4Experts
 
 
 def q4_0_awq_expert_tensors(expert: ExpertBytes, raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -33,3 +50,103 @@ def q4_0_awq_expert_tensors(expert: ExpertBytes, raw: dict[str, torch.Tensor]) -
         out[f"{name}_qzeros"] = torch.full((k // 32, n // 8), AWQ_ZERO_8, dtype=torch.int32)
         out[f"{name}_scales"] = scales
     return out
+
+
+def q4_0_int4_expert(expert: ExpertBytes, raw: dict[str, torch.Tensor]) -> Int4Expert:
+    """A Q4_0 expert straight into moeflow's CPU int4 form: ``w13`` [2I, H] (gate rows, then up) and ``w2`` [H, I]
+    as ``Q4_F16Z8`` :class:`~moeflow.kernels.cpu.native.Q4Matrix` (the stored codes and fp16 scales re-laid out
+    in one pass). raw: "gate" / "up" / "down" -> uint8 [out, in/32 * 18] as stored (views of the mapped file or
+    of a staging buffer). Needs moeflow's CPU library (:func:`~moeflow.kernels.cpu.native.native_available`)."""
+    lib = library()
+    mats = []
+    for parts in (("gate", "up"), ("down",)):
+        check_q4_0(expert, parts)  # (rows % 8: gate's rows end on a row group, so up's start on one)
+        n, k = sum(raw[p].shape[0] for p in parts), expert.slices[parts[0]].shape[1]
+        packed = torch.empty(n, k // 2, dtype=torch.uint8)
+        scales = torch.empty(n, k // Q4_0_GROUP, dtype=torch.float16)
+        at = 0
+        for p in parts:
+            m = raw[p].shape[0]
+            q4_0_to_q4z(raw[p].contiguous(), packed[at:at + m], scales[at:at + m], lib)
+            at += m
+        mats.append(Q4Matrix(packed, scales, torch.empty(0, dtype=torch.uint8), Q4_0_GROUP))
+    return Int4Expert(mats[0], mats[1], expert.down.shape[1])
+
+
+class StoredQ4_0Reads:
+    """A GGUF source's experts as their stored bytes (an index for :func:`~moeflow.engine.parallel_load.
+    load_experts`): views of the mapped files when ``mapping`` is given (nothing copied; a file shorter than its
+    tensor table is a CheckpointError naming it), else preads into each thread's staging buffer."""
+
+    def __init__(self, source: GGUFExpertSource, mapping: MappedGGUF | None) -> None:
+        self.source, self.mapping = source, mapping
+        self.num_layers, self.num_experts = source.num_layers, source.num_experts
+
+    def nbytes(self, layer: int, expert: int) -> int:
+        return self.source.nbytes(layer, expert)
+
+    def new_staging(self) -> torch.Tensor | None:
+        return None if self.mapping is not None else self.source.new_staging()
+
+    def read(self, layer: int, expert: int, staging: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """"gate" / "up" / "down" -> uint8 [out, row_bytes] as stored."""
+        if self.mapping is None:
+            assert staging is not None
+            return self.source.read_raw(layer, expert, staging)
+        x = self.source.expert(layer, expert)
+        return {p: self.mapping.view(s.path, s.offset, s.nbytes, f"tensor {s.tensor!r} (expert {x.expert} of "
+                                     f"blk.{x.block})").view(s.shape[0], -1) for p, s in x.slices.items()}
+
+    def close(self) -> None:
+        self.source.close()
+
+
+def q4_0_direct_applies(convert: object, offload_policy: str | None, cpu_int4_experts: bool,
+                        device: torch.device) -> bool:
+    """Whether an all-Q4_0 GGUF model's experts go straight into the CPU int4 form: resident
+    (:class:`~moeflow.moe.resident.CpuInt4Experts`: no OffloadConfig, or policy "resident") on ``device="cpu"``
+    on the CPU int4 kernels, moeflow's CPU library built."""
+    return convert is q4_0_awq_expert_tensors and device.type == "cpu" and cpu_int4_experts \
+        and offload_policy in (None, "resident") and native_available()
+
+
+def _sink(backend: CpuInt4Experts, source: GGUFExpertSource):
+    """The loader's sink: each expert converted, then stored whole in ``backend`` (never half an expert)."""
+    def sink(layer: int, expert: int, raw: dict[str, torch.Tensor]) -> None:
+        backend.experts[layer][expert] = q4_0_int4_expert(source.expert(layer, expert), raw)
+    return sink
+
+
+class DirectQ4_0Load:
+    """An all-Q4_0 GGUF model's resident CPU experts (``backend``) loaded straight into the CPU int4 form from
+    ``source`` (read through ``mapping``, else preads). ``start``: the loader threads start now (before the decoder
+    is built: the conversion overlaps the non-expert load); else :meth:`finish` loads (the CPU form cache's way: a
+    cache hit maps the forms and converts nothing). :meth:`close` stops a started load (a failed build) and
+    closes the source."""
+
+    def __init__(self, fmt: ExpertFormat, num_layers: int, num_experts: int, source: GGUFExpertSource,
+                 mapping: MappedGGUF | None, progress: bool, start: bool) -> None:
+        self.backend = CpuInt4Experts(fmt, num_layers, num_experts)
+        self.reads = StoredQ4_0Reads(source, mapping)
+        self.progress = progress
+        self._sink = _sink(self.backend, source)
+        self._load = ExpertLoad(self.reads, self._sink, progress=progress) if start else None  # type: ignore[arg-type]
+
+    def _load_here(self) -> None:
+        load_experts(self.reads, self._sink, progress=self.progress)  # type: ignore[arg-type]
+
+    def finish(self, cached: Callable[[CpuInt4Experts, Callable[[], None]], None] | None = None) -> CpuInt4Experts:
+        """Every expert in ``backend`` (the loader's first error, a CheckpointError naming the file, raised):
+        waits for the started load, else loads here, through ``cached(backend, load)`` when given."""
+        if self._load is not None:
+            self._load.result()
+        elif cached is not None:
+            cached(self.backend, self._load_here)
+        else:
+            self._load_here()
+        return self.backend
+
+    def close(self) -> None:
+        if self._load is not None:
+            self._load.cancel()
+        self.reads.close()

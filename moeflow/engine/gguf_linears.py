@@ -26,14 +26,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from moeflow.io.gguf.experts import AWQ_ZERO_8
 from moeflow.io.gguf.files import TensorInfo
 from moeflow.io.gguf.reader import GGUFCheckpointReader, unpermute_rope_rows
 from moeflow.kernels.cpu.gguf import K_BLOCK, GGUFLinear
 from moeflow.kernels.cpu.native import Q4Matrix, _group_rows, _pack_q4, library, native_available
 from moeflow.kernels.cpu.quant_linear import CpuQuantLinear
-from moeflow.kernels.repack import q4_0_to_awq
-from moeflow.quant.ggml import q4_0_codes
+from moeflow.kernels.repack import q4_0_to_q4z
 
 NATIVE_TYPES = ("Q4_0", "Q4_1")  # block types read straight into a CPU int4 form
 GROUP = 32  # their block: the int4 group size
@@ -140,15 +138,11 @@ class GGUFStoredLinears:
         def rows(t: torch.Tensor) -> torch.Tensor:
             return unpermute_rope_rows(t, heads).contiguous() if permute else t
 
-        if info.type.name == "Q4_0" and out_features % 8 == 0:  # packed words moved, no code unpacked
-            qweight = torch.empty(in_features, out_features // 8, dtype=torch.int32)
-            scales = torch.empty(in_features // GROUP, out_features, dtype=torch.float16)
-            q4_0_to_awq(rows(raw.view(out_features, -1)), qweight, scales, library())
-            zeros = torch.full((in_features // GROUP, out_features // 8), AWQ_ZERO_8, dtype=torch.int32)
-            matrix = Q4Matrix.from_awq(qweight, zeros, scales, GROUP)  # Q4_F16Z8: from_q4_0's bytes
-        elif info.type.name == "Q4_0":
-            codes, d = q4_0_codes(raw)
-            matrix = Q4Matrix.from_q4_0(rows(codes), rows(d))
+        if info.type.name == "Q4_0":  # the stored blocks re-laid out in one pass, no code unpacked
+            packed = torch.empty(out_features, in_features // 2, dtype=torch.uint8)
+            scales = torch.empty(out_features, in_features // GROUP, dtype=torch.float16)
+            q4_0_to_q4z(rows(raw.view(out_features, -1)).contiguous(), packed, scales, library())
+            matrix = Q4Matrix(packed, scales, torch.empty(0, dtype=torch.uint8), GROUP)  # Q4_F16Z8: from_q4_0's
         else:
             codes, d, m = q4_1_codes(raw)
             matrix = Q4Matrix(_pack_q4(rows(codes)), _group_rows(rows(d).float()), _group_rows(rows(m).float()),
