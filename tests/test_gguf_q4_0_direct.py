@@ -136,3 +136,36 @@ def test_a_failed_read_stops_the_load_and_names_the_file(monkeypatch, q4_0_gguf)
     monkeypatch.setattr(gguf_experts.StoredQ4_0Reads, "read", fail_one)
     with pytest.raises(CheckpointError, match=f"{q4_0_gguf}: vanished"):
         MoEModel.from_pretrained(q4_0_gguf, device="cpu")
+
+
+@pytest.mark.parametrize("other", ["F16", "F32"])
+def test_float_lm_head_as_stored_gives_the_same_model(monkeypatch, tmp_path, other):
+    """A float lm_head (llama.cpp's Q4_0 files keep output.weight F16) is quantized from the file's own dtype, a
+    view of the mapping (or one read): the same int8 rows and tokens as from get's fp32 copy."""
+    pytest.importorskip("gguf")
+    from gguf_models import T, write_gguf
+
+    from moeflow.io.gguf.reader import GGUFCheckpointReader
+
+    path = tmp_path / "m.gguf"
+    write_gguf(make_tiny_model(seed=6), path, expert_types=T.Q4_0, other_type=getattr(T, other))
+    ids = torch.randint(0, 97, (1, 5), generator=torch.Generator().manual_seed(3))
+    views = []
+    stored = GGUFCheckpointReader.stored_float
+    monkeypatch.setattr(GGUFCheckpointReader, "stored_float",
+                        lambda self, name, *a: views.append((name, stored(self, name, *a))) or views[-1][1])
+    runs = []
+    for mmap, keep in ((True, True), (False, True), (True, False)):
+        if not keep:
+            monkeypatch.setattr(GGUFCheckpointReader, "stored_float", lambda self, *a: None)
+        model = MoEModel.from_pretrained(path, device="cpu", mmap=mmap)
+        try:
+            head = model.model.lm_head
+            runs.append((head.int8_weight.clone(), head.int8_scales.clone(),
+                         model.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=[])))
+        finally:
+            model.close()
+    heads = [v for name, v in views if name == "lm_head.weight"]  # (rope-permuted q / k: None, read by get)
+    assert [v.dtype for v in heads] == [getattr(torch, {"F16": "float16", "F32": "float32"}[other])] * 2
+    for w, s, tokens in runs[:2]:
+        assert torch.equal(w, runs[2][0]) and torch.equal(s, runs[2][1]) and torch.equal(tokens, runs[2][2])

@@ -243,7 +243,8 @@ def build_model(
             if keep_stored and uses_cpu_int4(resolved.linear) else None
         # the weights taken as the file's blocks below (lm_head, Q4_0 / Q4_1 attention): never read nor dequantized
         deferred = stored_weight_names(decoder, stored, lm_head_bits) if stored is not None else frozenset()
-        loading.load_non_expert_weights(decoder, reader, family, layout, device, dtype, as_stored, deferred)
+        loading.load_non_expert_weights(decoder, reader, family, layout, device, dtype, as_stored, deferred,
+                                        mapping)
         mtp_module = loading.load_mtp(reader, family, layout, device, dtype, str(config_path)) if mtp else None
         if uses_cpu_int4(resolved.linear):
             quantize_decoder_linears(decoder, attention_bits, lm_head_bits, stored)

@@ -3,7 +3,7 @@ import; the byte ranges and the unpacking reference are in :mod:`moeflow.io.gguf
 
 * :func:`q4_0_awq_expert_tensors`: into the AWQ format's tensors by moving packed words (the format every backend
   of an all-Q4_0 file holds: the GPU pool, host rows, offloading slots).
-* :func:`q4_0_int4_expert` and :func:`start_q4_0_load`: on ``device="cpu"`` with every expert resident
+* :func:`q4_0_int4_expert` and :class:`DirectQ4_0Load`: on ``device="cpu"`` with every expert resident
   (:class:`~moeflow.moe.resident.CpuInt4Experts`), straight from the stored blocks into the CPU int4 form
   (:class:`~moeflow.kernels.cpu.native.Q4Matrix`'s ``Q4_F16Z8``: one pass, ``mf_q4_0_to_q4z``), read from the
   mapped file (or preads when ``mmap=False``), on loader threads started before the decoder is built, so the
@@ -97,6 +97,13 @@ class StoredQ4_0Reads:
         return {p: self.mapping.view(s.path, s.offset, s.nbytes, f"tensor {s.tensor!r} (expert {x.expert} of "
                                      f"blk.{x.block})").view(s.shape[0], -1) for p, s in x.slices.items()}
 
+    def done(self, layer: int, expert: int) -> None:
+        """The expert's bytes were converted: their pages leave the process's resident set (mapped reads;
+        :meth:`~moeflow.io.gguf.mapped.MappedGGUF.release`)."""
+        if self.mapping is not None:
+            for s in self.source.expert(layer, expert).slices.values():
+                self.mapping.release(s.path, s.offset, s.nbytes)
+
     def close(self) -> None:
         self.source.close()
 
@@ -110,10 +117,11 @@ def q4_0_direct_applies(convert: object, offload_policy: str | None, cpu_int4_ex
         and offload_policy in (None, "resident") and native_available()
 
 
-def _sink(backend: CpuInt4Experts, source: GGUFExpertSource):
+def _sink(backend: CpuInt4Experts, reads: StoredQ4_0Reads):
     """The loader's sink: each expert converted, then stored whole in ``backend`` (never half an expert)."""
     def sink(layer: int, expert: int, raw: dict[str, torch.Tensor]) -> None:
-        backend.experts[layer][expert] = q4_0_int4_expert(source.expert(layer, expert), raw)
+        backend.experts[layer][expert] = q4_0_int4_expert(reads.source.expert(layer, expert), raw)
+        reads.done(layer, expert)
     return sink
 
 
@@ -129,7 +137,7 @@ class DirectQ4_0Load:
         self.backend = CpuInt4Experts(fmt, num_layers, num_experts)
         self.reads = StoredQ4_0Reads(source, mapping)
         self.progress = progress
-        self._sink = _sink(self.backend, source)
+        self._sink = _sink(self.backend, self.reads)
         self._load = ExpertLoad(self.reads, self._sink, progress=progress) if start else None  # type: ignore[arg-type]
 
     def _load_here(self) -> None:
