@@ -2,7 +2,7 @@
 DirectQ4_0Load, cpu/repack.c's mf_q4_0_to_q4z), against the AWQ route it replaces, bit for bit:
 
 * ``q4_0_to_q4z`` against ``Q4Matrix.from_q4_0`` of the unpacked codes (row counts with an 8-row tail, row ranges
-  as threads split a matrix; the AVX-512 and the portable C loops);
+  as threads split a matrix; the -march=native and the portable C builds);
 * one expert against ``Int4Expert.from_awq_tensors`` of the unpacking reference's AWQ tensors;
 * a tiny Q4_0 GGUF loaded with ``mmap=True`` and ``mmap=False``: every expert's form and the greedy tokens equal
   the AWQ route's (the direct path switched off);

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 
+from moeflow.config import load_workers
 from moeflow.engine.parallel_load import ExpertLoad, load_experts
 from moeflow.io.gguf.experts import AWQ_ZERO_8, ExpertBytes, GGUFExpertSource, check_q4_0
 from moeflow.io.gguf.mapped import MappedGGUF
@@ -138,7 +139,9 @@ class DirectQ4_0Load:
         self.reads = StoredQ4_0Reads(source, mapping)
         self.progress = progress
         self._sink = _sink(self.backend, self.reads)
-        self._load = ExpertLoad(self.reads, self._sink, progress=progress) if start else None  # type: ignore[arg-type]
+        # started early, the loader leaves one core to the thread building the decoder (the load's critical path)
+        self._load = ExpertLoad(self.reads, self._sink, progress=progress,  # type: ignore[arg-type]
+                                workers=max(1, load_workers() - 1)) if start else None
 
     def _load_here(self) -> None:
         load_experts(self.reads, self._sink, progress=self.progress)  # type: ignore[arg-type]
