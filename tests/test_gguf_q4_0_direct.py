@@ -169,3 +169,32 @@ def test_float_lm_head_as_stored_gives_the_same_model(monkeypatch, tmp_path, oth
     assert [v.dtype for v in heads] == [getattr(torch, {"F16": "float16", "F32": "float32"}[other])] * 2
     for w, s, tokens in runs[:2]:
         assert torch.equal(w, runs[2][0]) and torch.equal(s, runs[2][1]) and torch.equal(tokens, runs[2][2])
+
+
+def test_an_interrupted_build_stops_the_loader(monkeypatch, q4_0_gguf):
+    """Ctrl-C while the decoder is built (the experts loading beside it): the loader threads stop and are joined
+    before from_pretrained raises, and no model is returned."""
+    import threading
+
+    from moeflow.engine import loading
+
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    import time
+
+    read, reads = gguf_experts.StoredQ4_0Reads.read, []
+
+    def slow(self, layer, expert, staging):  # a slow disk: the build is interrupted with experts still to read
+        time.sleep(0.2)
+        reads.append((layer, expert))
+        return read(self, layer, expert, staging)
+
+    monkeypatch.setattr(gguf_experts.StoredQ4_0Reads, "read", slow)
+    monkeypatch.setattr(loading, "load_non_expert_weights", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        MoEModel.from_pretrained(q4_0_gguf, device="cpu")
+    assert not [t for t in threading.enumerate() if t.name.startswith("moeflow-load")]
+    n = len(reads)
+    time.sleep(0.5)
+    assert len(reads) == n < 8  # stopped: nothing read after from_pretrained raised, most of the 12 never read
