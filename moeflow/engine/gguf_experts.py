@@ -14,12 +14,13 @@ import; the byte ranges and the unpacking reference are in :mod:`moeflow.io.gguf
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
+from tqdm.auto import tqdm
 
 from moeflow.config import load_workers
-from moeflow.engine.parallel_load import ExpertLoad, load_experts
 from moeflow.io.gguf.experts import AWQ_ZERO_8, ExpertBytes, GGUFExpertSource, check_q4_0
 from moeflow.io.gguf.mapped import MappedGGUF
 from moeflow.kernels.cpu.int4 import Int4Expert
@@ -128,10 +129,15 @@ def _sink(backend: CpuInt4Experts, reads: StoredQ4_0Reads):
 
 class DirectQ4_0Load:
     """An all-Q4_0 GGUF model's resident CPU experts (``backend``) loaded straight into the CPU int4 form from
-    ``source`` (read through ``mapping``, else preads). ``start``: the loader threads start now (before the decoder
-    is built: the conversion overlaps the non-expert load); else :meth:`finish` loads (the CPU form cache's way: a
-    cache hit maps the forms and converts nothing). :meth:`close` stops a started load (a failed build) and
-    closes the source."""
+    ``source`` (read through ``mapping``, else preads).
+
+    ``start``: loader threads start now, before the decoder is built, one fewer than the load's workers
+    (:func:`~moeflow.config.load_workers`: the calling thread builds the decoder meanwhile, the load's other half),
+    and :meth:`finish` converts the experts still left on the calling thread beside them; else :meth:`finish` does
+    the whole load (the CPU form cache's way: a hit maps the forms and converts nothing). The first error (a
+    CheckpointError naming the file) stops every thread and is raised by :meth:`finish`; :meth:`close` (a failed
+    or interrupted build) stops the threads after the experts in flight, waits for them and closes the source.
+    An expert enters ``backend`` whole, once converted. The progress bar counts bytes (bytes/s)."""
 
     def __init__(self, fmt: ExpertFormat, num_layers: int, num_experts: int, source: GGUFExpertSource,
                  mapping: MappedGGUF | None, progress: bool, start: bool) -> None:
@@ -139,25 +145,67 @@ class DirectQ4_0Load:
         self.reads = StoredQ4_0Reads(source, mapping)
         self.progress = progress
         self._sink = _sink(self.backend, self.reads)
-        # started early, the loader leaves one core to the thread building the decoder (the load's critical path)
-        self._load = ExpertLoad(self.reads, self._sink, progress=progress,  # type: ignore[arg-type]
-                                workers=max(1, load_workers() - 1)) if start else None
+        self._todo = [(layer, e) for layer in range(num_layers) for e in range(num_experts)]
+        self._next, self._lock, self._stop = 0, threading.Lock(), threading.Event()
+        self._error: BaseException | None = None
+        self._threads: list[threading.Thread] = []
+        self._bar: tqdm | None = None
+        if start:
+            self._start(load_workers() - 1)
+
+    def _start(self, threads: int) -> None:
+        self._bar = tqdm(total=sum(self.reads.nbytes(*k) for k in self._todo), desc="loading experts", unit="B",
+                         unit_scale=True, unit_divisor=1024, disable=not self.progress)
+        self._threads = [threading.Thread(target=self._work, daemon=True, name=f"moeflow-load-q4_0-{i}")
+                         for i in range(max(threads, 0))]
+        for t in self._threads:
+            t.start()
+
+    def _work(self) -> None:
+        """Convert experts until none is left, the load stopped, or one failed (its error kept for finish)."""
+        staging = self.reads.new_staging()
+        while True:
+            with self._lock:
+                if self._stop.is_set() or self._next >= len(self._todo):
+                    return
+                key = self._todo[self._next]
+                self._next += 1
+            try:
+                self._sink(*key, self.reads.read(*key, staging))
+            except BaseException as exc:
+                with self._lock:
+                    self._error = self._error or exc
+                self._stop.set()
+                return
+            if self._bar is not None:
+                self._bar.update(self.reads.nbytes(*key))
+
+    def _join(self) -> None:
+        for t in self._threads:
+            t.join()
+        if self._bar is not None:
+            self._bar.close()
 
     def _load_here(self) -> None:
-        load_experts(self.reads, self._sink, progress=self.progress)  # type: ignore[arg-type]
+        if self._bar is None:
+            self._start(load_workers() - 1)
+        try:
+            self._work()
+        finally:
+            self._join()
+        if self._error is not None:
+            raise self._error
 
     def finish(self, cached: Callable[[CpuInt4Experts, Callable[[], None]], None] | None = None) -> CpuInt4Experts:
-        """Every expert in ``backend`` (the loader's first error, a CheckpointError naming the file, raised):
-        waits for the started load, else loads here, through ``cached(backend, load)`` when given."""
-        if self._load is not None:
-            self._load.result()
-        elif cached is not None:
+        """Every expert in ``backend``: the started load joined by this thread, else the whole load here (through
+        ``cached(backend, load)`` when given). Raises the loader's first error."""
+        if self._bar is None and cached is not None:
             cached(self.backend, self._load_here)
         else:
             self._load_here()
         return self.backend
 
     def close(self) -> None:
-        if self._load is not None:
-            self._load.cancel()
+        self._stop.set()
+        self._join()
         self.reads.close()
