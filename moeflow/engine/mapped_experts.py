@@ -12,9 +12,10 @@ The numbers are those of the copied pool (:class:`~moeflow.moe.resident.Resident
 ``GGUFFormat.cpu_kernels``): the same kernels over the same bytes, grouped by
 :func:`~moeflow.kernels.formats.gguf.cpu_forms_forward`, and the one-call decode step
 (:mod:`moeflow.engine.cpu_layers`) takes these forms as it takes the pool's. Files whose experts are all Q4_0
-are converted at load instead (to the AWQ format, whose CPU int4 form ``Q4_F16Z8`` is a re-laid-out copy, faster
-than gguf.c's kernel on the stored Q4_0 blocks: benchmarks/results/cpu/gguf_q4_0_t1.md; a Q4_0 mixed with another
-type is mapped, on that kernel), as are experts on CUDA
+are converted at load instead (the AWQ format; resident on the CPU, its int4 form ``Q4_F16Z8`` straight from the
+mapped blocks, :class:`~moeflow.engine.gguf_experts.DirectQ4_0Load`: a re-laid-out copy, faster than gguf.c's
+kernel on the stored Q4_0 blocks: benchmarks/results/cpu/gguf_q4_0_t1.md; a Q4_0 mixed with another type is
+mapped, on that kernel), as are experts on CUDA
 and under offloading policies (their slots and host rows are copies by design).
 """
 
