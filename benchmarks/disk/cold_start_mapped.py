@@ -62,7 +62,9 @@ MODES = ("mmap", "copy", "cache")  # mmap=True; mmap=False; mmap=True with cpu_f
 def cold_process(model: Path, mode: str, root: Path = ROOT) -> dict:
     env = dict(os.environ, COLD_T0=repr(time.time()))
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    res = subprocess.run([sys.executable, "-c", CHILD, str(model), mode], env=env, capture_output=True, text=True)
+    # run in the tree: ``python -c`` puts the working directory first on sys.path, ahead of PYTHONPATH
+    res = subprocess.run([sys.executable, "-c", CHILD, str(model.resolve()), mode], env=env, capture_output=True,
+                         text=True, cwd=root)
     if res.returncode:
         raise RuntimeError(f"cold process failed ({model}, {mode}):\n{res.stderr[-3000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
