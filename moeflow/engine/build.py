@@ -31,8 +31,8 @@ from moeflow.engine.cpu_linears import (
 from moeflow.engine.cpu_step import fuse_cpu_step
 from moeflow.engine.gguf_experts import DirectQ4_0Load, q4_0_direct_applies
 from moeflow.engine.gguf_linears import GGUFStoredLinears
-from moeflow.engine.mapped_experts import MappedGGUFExperts
-from moeflow.engine.parallel_load import ExpertLoad, load_experts
+from moeflow.engine.mapped_experts import MappedGGUFExperts, mapped_experts_apply
+from moeflow.engine.parallel_load import ExpertLoad, load_experts, show_progress
 from moeflow.engine.sampling import GenerationConfig
 from moeflow.engine.stored_embedding import use_stored_embedding
 from moeflow.errors import SchedulingError
@@ -61,7 +61,6 @@ from moeflow.offload.units import format_bytes
 from moeflow.quant.fp8 import Fp8BlockReader, awq_expert_tensors, fp8_block_spec
 
 KERNEL_CHOICES = ("auto", "torch", "triton", "cpu-int4")
-PROGRESS_MIN_BYTES = 256 * 2**20  # show a loading progress bar above this much expert data
 
 log = logging.getLogger(__name__)
 
@@ -224,12 +223,13 @@ def build_model(
                              "projections are not quantized at load; leave attention_bits unset")
         awq_attention = loading.detect_awq_attention(reader, family, layout, quant)
         mapping = MappedGGUF() if mmap and gguf is not None and device.type == "cpu" else None
+        progress = show_progress(progress, fmt.nbytes * len(family.moe_layers) * family.num_experts)
         if gguf is None and fp8 is None and not mtp:  # the experts load while the rest is built (ExpertLoad)
             early = early_expert_load(offload, fmt, resolved, family, reader, layout, quant, device, progress)
         elif gguf is not None and not mtp and q4_0_direct_applies(convert, offload and offload.policy,
                                                                   uses_cpu_int4(resolved.experts), device):
             direct = DirectQ4_0Load(fmt, len(family.moe_layers), family.num_experts, loading.gguf_expert_source(
-                gguf, family, convert), mapping, _progress(progress, fmt, family), start=not cpu_form_cache)
+                gguf, family, convert), mapping, progress, start=not cpu_form_cache)
         with loading.skipped_weight_init():  # every parameter is read from the checkpoint below
             decoder = family.build_decoder(dtype, _linear_factory(dtype, awq_attention))
         if mapping is not None:  # the embedding's rows dequantized when looked up, from the mapped file
@@ -243,8 +243,7 @@ def build_model(
             if keep_stored and uses_cpu_int4(resolved.linear) else None
         # the weights taken as the file's blocks below (lm_head, Q4_0 / Q4_1 attention): never read nor dequantized
         deferred = stored_weight_names(decoder, stored, lm_head_bits) if stored is not None else frozenset()
-        loading.load_non_expert_weights(decoder, reader, family, layout, device, dtype, as_stored, deferred,
-                                        mapping)
+        loading.load_non_expert_weights(decoder, reader, family, layout, device, dtype, as_stored, deferred, mapping)
         mtp_module = loading.load_mtp(reader, family, layout, device, dtype, str(config_path)) if mtp else None
         if uses_cpu_int4(resolved.linear):
             quantize_decoder_linears(decoder, attention_bits, lm_head_bits, stored)
@@ -273,8 +272,7 @@ def build_model(
             planned = plan_memory(offload, family, stored, device, dtype, non_expert, cuda_graphs, extra)
         plan, sized = planned
         source = early.index if early is not None else None
-        if early is None and direct is None and (offload.host_memory_gb is not None or offload.background_load
-                                                 or fp8 is None):
+        if early is direct is None and (offload.host_memory_gb is not None or offload.background_load or fp8 is None):
             if gguf is not None:  # (FP8: one by one below)
                 source = loading.gguf_expert_source(gguf, family, convert, loading.mtp_moe_layers(mtp_module))
             else:
@@ -315,12 +313,10 @@ def build_model(
             log.warning("%s: experts stay on disk in FP8, so every read from disk requantizes one to int4 on the "
                         "CPU (about a second per expert at DeepSeek-V3 sizes): run `moeflow quantize %s DST` once "
                         "and load DST to read int4 experts as stored", config_path, directory)
-        progress = _progress(progress, fmt, family)
         if mapped:
             source.close()
         elif direct is not None:  # started early, or through the CPU form cache here
-            direct.finish((lambda b, load: cached_load(b, sorted(set(reader.weight_map.values())), family.expert_spec(
-                ).hidden_size, family.expert_spec().intermediate_size, load)) if cpu_form_cache else None)
+            direct.finish(sorted(set(reader.weight_map.values())) if cpu_form_cache else None)
         elif early is not None:  # its store is the backend's: wait for the last expert
             early.result()
         elif not on_disk and fp8 is None:  # parallel preads straight into the backend's storage
@@ -377,21 +373,8 @@ def early_expert_load(offload: OffloadConfig | None, fmt: ExpertFormat, kernels:
     stored = expert_storage_format(fmt, kernels, offload)
     source = open_expert_index(reader, family, layout, quant, None, layers)
     store = real_host_store(stored, layers, family.num_experts, pin=offload.pin_memory, device=device)
-    return ExpertLoad(source, store.write, store, progress=_progress(progress, fmt, family))
-
-
-def _progress(progress: bool | None, fmt: ExpertFormat, family: Family) -> bool:
-    """The loading progress bar: as asked, else above PROGRESS_MIN_BYTES of experts."""
-    return progress if progress is not None else \
-        fmt.nbytes * len(family.moe_layers) * family.num_experts >= PROGRESS_MIN_BYTES
-
-
-def mapped_experts_apply(offload: OffloadConfig, fmt: ExpertFormat, device: torch.device) -> bool:
-    """Whether a GGUF model's experts are used as views of its mapped file: every expert resident on the CPU in
-    the GGUF format on the CPU kernels (their form is the file's blocks). Offloading policies keep copying (slots
-    and host rows are copies by design), as do CUDA and formats converted at load (Q4_0 -> AWQ)."""
-    return device.type == "cpu" and isinstance(fmt, GGUFFormat) and fmt.cpu_kernels \
-        and not get_policy(offload.policy).offload
+    progress = show_progress(progress, fmt.nbytes * layers * family.num_experts)
+    return ExpertLoad(source, store.write, store, progress=progress)
 
 
 def default_offload(family: Family, fmt: ExpertFormat, device: torch.device, dtype: torch.dtype, non_expert: int,

@@ -15,12 +15,13 @@ import; the byte ranges and the unpacking reference are in :mod:`moeflow.io.gguf
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from moeflow.config import load_workers
+from moeflow.engine.cpu_form_cache import cached_load
 from moeflow.io.gguf.experts import AWQ_ZERO_8, ExpertBytes, GGUFExpertSource, check_q4_0
 from moeflow.io.gguf.mapped import MappedGGUF
 from moeflow.kernels.cpu.int4 import Int4Expert
@@ -196,11 +197,13 @@ class DirectQ4_0Load:
         if self._error is not None:
             raise self._error
 
-    def finish(self, cached: Callable[[CpuInt4Experts, Callable[[], None]], None] | None = None) -> CpuInt4Experts:
-        """Every expert in ``backend``: the started load joined by this thread, else the whole load here (through
-        ``cached(backend, load)`` when given). Raises the loader's first error."""
-        if self._bar is None and cached is not None:
-            cached(self.backend, self._load_here)
+    def finish(self, cache_files: list[Path] | None = None) -> CpuInt4Experts:
+        """Every expert in ``backend``: the started load joined by this thread, else the whole load here, through
+        the CPU form cache keyed by ``cache_files`` when given (:func:`~moeflow.engine.cpu_form_cache.cached_load`).
+        Raises the loader's first error."""
+        if self._bar is None and cache_files is not None:
+            gate = self.reads.source.expert(0, 0).gate  # [I, H]
+            cached_load(self.backend, cache_files, gate.shape[1], gate.shape[0], self._load_here)
         else:
             self._load_here()
         return self.backend
