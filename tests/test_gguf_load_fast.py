@@ -4,8 +4,8 @@
   mf_q4_0_to_awq, and its plain-torch twin) against the unpacking reference (io/gguf/experts.
   q4_0_awq_expert_tensors_reference): random blocks holding every nibble value, scales of every sign, subnormals
   and odd mantissas; row counts that leave the AVX-512 loop a tail; the portable C build.
-* The metadata parse (io/gguf/files._open: gguf-py's reader slicing plain ndarrays) against gguf-py's own reader,
-  field by field.
+* The metadata parse (io/gguf/files._open: gguf-py's reader slicing plain ndarrays, arrays of scalars and strings
+  walked in one loop) against gguf-py's own reader, field by field; a file cut inside an array is named.
 
 ~4 s on 2 cores."""
 
@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from moeflow.engine import gguf_experts
+from moeflow.errors import CheckpointError
 from moeflow.io.gguf.experts import ExpertBytes, ExpertSlice, q4_0_awq_expert_tensors_reference
 from moeflow.io.gguf.files import _open
 from moeflow.kernels import repack
@@ -120,3 +121,8 @@ def test_metadata_parse_equals_gguf_py_reader(tmp_path):
     assert [(t.name, t.tensor_type, t.data_offset, list(t.shape)) for t in got.tensors] == \
         [(t.name, t.tensor_type, t.data_offset, list(t.shape)) for t in ref.tensors]
     assert all(np.array_equal(a.data, b.data) for a, b in zip(got.tensors, ref.tensors, strict=True))
+    for field in ("tokenizer.ggml.tokens", "tokenizer.ggml.scores"):  # cut inside an array: the file named
+        cut = tmp_path / f"cut-{field}.gguf"
+        cut.write_bytes(path.read_bytes()[: ref.fields[field].offset + 200])
+        with pytest.raises(CheckpointError, match=f"cannot read GGUF file {cut}"):
+            _open(cut)

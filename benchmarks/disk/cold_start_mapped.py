@@ -16,6 +16,10 @@ For each ``--model`` (a GGUF file, or an HF-layout checkpoint folder), in one ru
 
     python -m benchmarks.disk.cold_start_mapped --model A.gguf --model B.gguf --llama-cpp BIN_DIR \\
         --out benchmarks/results/cold_start/gguf-mmap-s16
+
+``--tree before=/work/main --tree after=$PWD`` runs the cold processes of several source trees (each on its own
+``PYTHONPATH``), alternating with each other and the modes within every repeat: before and after in one run on a
+machine whose load drifts. ``--modes mmap,cache`` runs a subset of the modes.
 """
 
 from __future__ import annotations
@@ -55,24 +59,31 @@ model.close()
 MODES = ("mmap", "copy", "cache")  # mmap=True; mmap=False; mmap=True with cpu_form_cache=True (written beforehand)
 
 
-def cold_process(model: Path, mode: str) -> dict:
+def cold_process(model: Path, mode: str, root: Path = ROOT) -> dict:
     env = dict(os.environ, COLD_T0=repr(time.time()))
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    res = subprocess.run([sys.executable, "-c", CHILD, str(model), mode], env=env, capture_output=True, text=True)
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    # run in the tree: ``python -c`` puts the working directory first on sys.path, ahead of PYTHONPATH
+    res = subprocess.run([sys.executable, "-c", CHILD, str(model.resolve()), mode], env=env, capture_output=True,
+                         text=True, cwd=root)
     if res.returncode:
         raise RuntimeError(f"cold process failed ({model}, {mode}):\n{res.stderr[-3000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def one_file(model: Path, repeats: int, llama_cpp: Path | None) -> dict:
+def one_file(model: Path, repeats: int, llama_cpp: Path | None, trees: dict[str, Path], modes: tuple[str, ...]
+             ) -> dict:
     files = [model] if model.is_file() else sorted(model.glob("*.safetensors"))
     size = sum(f.stat().st_size for f in files)
     read_single(files)  # page cache warm
     read_gbps, _ = read_single(files)
-    cold_process(model, "cache")  # not counted: the tokenizer rebuilt from a GGUF's metadata and the CPU form
-    # cache written, the library built
-    runs = {mode: [cold_process(model, mode) for _ in range(repeats)] for mode in MODES}
-    best = {mode: min(r, key=lambda x: x["first_token_s"]) for mode, r in runs.items()}
+    for root in trees.values():  # not counted: the tokenizer rebuilt from a GGUF's metadata and the CPU form
+        cold_process(model, "cache", root)  # cache written, the library built
+    runs: dict[str, list[dict]] = {}
+    for _ in range(repeats):  # the trees and modes alternate within each repeat (a shared machine's load drifts)
+        for tree, root in trees.items():
+            for mode in modes:
+                runs.setdefault(f"{tree}:{mode}", []).append(cold_process(model, mode, root))
+    best = {key: min(r, key=lambda x: x["first_token_s"]) for key, r in runs.items()}
     for b in best.values():
         b["load_vs_read"] = round(size / b["from_pretrained_s"] / 1e9 / read_gbps, 3)
     peer = [llama_cpp_cold(llama_cpp, model, mmap) for mmap in (True, False)] \
@@ -81,14 +92,17 @@ def one_file(model: Path, repeats: int, llama_cpp: Path | None) -> dict:
             "llama_cpp": peer}
 
 
+NAMES = {"mmap": "mmap=True", "copy": "mmap=False (copied)", "cache": "mmap=True, cpu_form_cache=True"}
+
+
 def lines_of(r: dict) -> list[str]:
     peer = {p["mmap"]: p for p in r["llama_cpp"] or []}
     out = [f"### {Path(r['model']).name} ({r['bytes'] / 1e9:.2f} GB; read {r['read_gbps']:.2f} GB/s, 1 thread)", "",
            "| | backend | `from_pretrained` s (CPU s) | x of the read rate | first token from process start "
            "(imports) | max RSS |", "|---|---|---|---|---|---|"]
-    for mode, name in (("mmap", "moeflow, mmap=True"), ("copy", "moeflow, mmap=False (copied)"),
-                       ("cache", "moeflow, mmap=True, cpu_form_cache=True")):
-        b = r["best"][mode]
+    for key, b in r["best"].items():
+        tree, mode = key.split(":")
+        name = f"moeflow{'' if tree == 'moeflow' else f' ({tree})'}, {NAMES[mode]}"
         out.append(f"| {name} | {b['backend']} | {b['from_pretrained_s']:.2f} ({b['from_pretrained_cpu_s']:.2f}) | "
                    f"{b['load_vs_read']:.2f}x | {b['first_token_s']:.2f} s ({b['import_s']:.2f} s) | "
                    f"{b['max_rss_gb']:.2f} GB |")
@@ -97,11 +111,20 @@ def lines_of(r: dict) -> list[str]:
             p = peer[mmap]
             load = "?" if p["load_s"] is None else f"{p['load_s']:.2f}"
             out.append(f"| {name} | | {load} (its log) | | {p['first_token_s']:.2f} s | |")
-    if peer:
-        m = r["best"]["mmap"]["first_token_s"]
-        out += ["", f"moeflow (mmap=True) first token / llama.cpp's: {m / peer[True]['first_token_s']:.2f}x its mmap "
-                    f"load, {m / peer[False]['first_token_s']:.2f}x its reading load."]
+    for key, b in r["best"].items():
+        if peer and key.endswith(":mmap"):
+            m, tree = b["first_token_s"], key.split(":")[0]
+            out += ["", f"{tree} (mmap=True) first token / llama.cpp's: {m / peer[True]['first_token_s']:.2f}x its "
+                        f"mmap load, {m / peer[False]['first_token_s']:.2f}x its reading load."]
     return [*out, ""]
+
+
+def _commit(root: Path) -> str:
+    """``root``'s checkout as ``path @ commit`` (and ``+dirty`` with uncommitted changes)."""
+    git = ["git", "-C", str(root)]
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run([*git, "status", "--porcelain", "-uno"], capture_output=True, text=True).stdout.strip()
+    return f"{root} @ {head or '?'}{' +dirty' if dirty else ''}"
 
 
 def main() -> None:
@@ -110,20 +133,31 @@ def main() -> None:
                     help="a GGUF file or an HF-layout checkpoint folder (no llama.cpp run for a folder)")
     ap.add_argument("--llama-cpp", type=Path, default=None, help="a llama.cpp bin/ with llama-completion")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--tree", action="append", default=[], metavar="NAME=PATH",
+                    help="a moeflow source tree to run (repeatable; default: this one, named moeflow), e.g. "
+                         "before=/work/main after=$PWD: before and after in one run")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     ap.add_argument("--out", type=Path, required=True, help="results path without suffix (.json and .md written)")
     args = ap.parse_args()
     before = uptime()
     with tempfile.TemporaryDirectory() as cache:  # a fresh user cache: the warm-up process writes it
         os.environ["MOEFLOW_CACHE_DIR"] = cache
-        files = [one_file(m, args.repeats, args.llama_cpp) for m in args.model]
-    result = {"cpu": cpu_name(), "uptime_before": before, "uptime_after": uptime(), "files": files}
+        trees = dict(t.split("=", 1) for t in args.tree) or {"moeflow": str(ROOT)}
+        modes = tuple(m for m in args.modes.split(",") if m)
+        if set(modes) - set(MODES):
+            ap.error(f"--modes: expected a subset of {MODES}, got {args.modes!r}")
+        files = [one_file(m, args.repeats, args.llama_cpp, {k: Path(v) for k, v in trees.items()}, modes)
+                 for m in args.model]
+    result = {"cpu": cpu_name(), "uptime_before": before, "uptime_after": uptime(), "files": files,
+              "trees": {k: _commit(Path(v)) for k, v in trees.items()}}
     c = result["cpu"]
     lines = ["# Cold start from GGUF files: experts mapped (mmap=True) or copied at load, llama.cpp beside", "",
              f"CPU: {c['model_name']} ({c['cores']} cores, {', '.join(c['simd'])}); load before: `{before}`, after: "
              f"`{result['uptime_after']}`. `from_pretrained(path, device=\"cpu\")`, every expert resident, cold "
              f"processes, best of {args.repeats} by first token; page cache warm. \"x of the read rate\": the "
              "file's bytes over the `from_pretrained` seconds, over the file's read rate in the same run (mapped "
-             "experts are read when first touched, inside the first token).", ""]
+             "experts are read when first touched, inside the first token). Trees: "
+             + "; ".join(f"{k}: `{v}`" for k, v in result["trees"].items()) + ".", ""]
     for r in files:
         lines += lines_of(r)
     write_report(args.out, result, lines)

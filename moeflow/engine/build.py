@@ -29,9 +29,10 @@ from moeflow.engine.cpu_linears import (
     stored_weight_names,
 )
 from moeflow.engine.cpu_step import fuse_cpu_step
+from moeflow.engine.gguf_experts import DirectQ4_0Load, q4_0_direct_applies
 from moeflow.engine.gguf_linears import GGUFStoredLinears
-from moeflow.engine.mapped_experts import MappedGGUFExperts
-from moeflow.engine.parallel_load import ExpertLoad, load_experts
+from moeflow.engine.mapped_experts import MappedGGUFExperts, mapped_experts_apply
+from moeflow.engine.parallel_load import ExpertLoad, load_experts, show_progress
 from moeflow.engine.sampling import GenerationConfig
 from moeflow.engine.stored_embedding import use_stored_embedding
 from moeflow.errors import SchedulingError
@@ -60,7 +61,6 @@ from moeflow.offload.units import format_bytes
 from moeflow.quant.fp8 import Fp8BlockReader, awq_expert_tensors, fp8_block_spec
 
 KERNEL_CHOICES = ("auto", "torch", "triton", "cpu-int4")
-PROGRESS_MIN_BYTES = 256 * 2**20  # show a loading progress bar above this much expert data
 
 log = logging.getLogger(__name__)
 
@@ -194,6 +194,7 @@ def build_model(
     if fp8 is not None:
         reader = Fp8BlockReader(reader, fp8)
     early: ExpertLoad | None = None
+    direct: DirectQ4_0Load | None = None  # an all-Q4_0 GGUF's experts straight into the CPU int4 form
     try:
         layout = family.detect_expert_layout(reader)
         convert = None
@@ -221,11 +222,16 @@ def build_model(
             raise ValueError(f"attention_bits={attention_bits}: {family.name}'s gated attention and linear-attention "
                              "projections are not quantized at load; leave attention_bits unset")
         awq_attention = loading.detect_awq_attention(reader, family, layout, quant)
+        mapping = MappedGGUF() if mmap and gguf is not None and device.type == "cpu" else None
+        progress = show_progress(progress, fmt.nbytes * len(family.moe_layers) * family.num_experts)
         if gguf is None and fp8 is None and not mtp:  # the experts load while the rest is built (ExpertLoad)
             early = early_expert_load(offload, fmt, resolved, family, reader, layout, quant, device, progress)
+        elif gguf is not None and not mtp and q4_0_direct_applies(convert, offload and offload.policy,
+                                                                  uses_cpu_int4(resolved.experts), device):
+            direct = DirectQ4_0Load(fmt, len(family.moe_layers), family.num_experts, loading.gguf_expert_source(
+                gguf, family, convert), mapping, progress, start=not cpu_form_cache)
         with loading.skipped_weight_init():  # every parameter is read from the checkpoint below
             decoder = family.build_decoder(dtype, _linear_factory(dtype, awq_attention))
-        mapping = MappedGGUF() if mmap and gguf is not None and device.type == "cpu" else None
         if mapping is not None:  # the embedding's rows dequantized when looked up, from the mapped file
             use_stored_embedding(decoder, gguf, family.checkpoint_name("embed_tokens.weight", layout), dtype, mapping)
         if awq_attention is not None:
@@ -237,7 +243,7 @@ def build_model(
             if keep_stored and uses_cpu_int4(resolved.linear) else None
         # the weights taken as the file's blocks below (lm_head, 4-bit attention): never read nor dequantized
         deferred = stored_weight_names(decoder, stored, lm_head_bits) if stored is not None else frozenset()
-        loading.load_non_expert_weights(decoder, reader, family, layout, device, dtype, as_stored, deferred)
+        loading.load_non_expert_weights(decoder, reader, family, layout, device, dtype, as_stored, deferred, mapping)
         mtp_module = loading.load_mtp(reader, family, layout, device, dtype, str(config_path)) if mtp else None
         if uses_cpu_int4(resolved.linear):
             quantize_decoder_linears(decoder, attention_bits, lm_head_bits, stored)
@@ -266,7 +272,7 @@ def build_model(
             planned = plan_memory(offload, family, stored, device, dtype, non_expert, cuda_graphs, extra)
         plan, sized = planned
         source = early.index if early is not None else None
-        if early is None and (offload.host_memory_gb is not None or offload.background_load or fp8 is None):
+        if early is direct is None and (offload.host_memory_gb is not None or offload.background_load or fp8 is None):
             if gguf is not None:  # (FP8: one by one below)
                 source = loading.gguf_expert_source(gguf, family, convert, loading.mtp_moe_layers(mtp_module))
             else:
@@ -277,6 +283,8 @@ def build_model(
         try:
             if mapped:  # the experts' CPU forms are views of the mapped file: nothing to read or copy
                 backend = MappedGGUFExperts(stored, source, resolved.experts, mapping)
+            elif direct is not None:
+                backend = direct.backend
             else:
                 backend = make_expert_backend(
                     sized, resolved, fmt=stored, family=family, decoder=decoder, device=device,
@@ -305,10 +313,10 @@ def build_model(
             log.warning("%s: experts stay on disk in FP8, so every read from disk requantizes one to int4 on the "
                         "CPU (about a second per expert at DeepSeek-V3 sizes): run `moeflow quantize %s DST` once "
                         "and load DST to read int4 experts as stored", config_path, directory)
-        if progress is None:
-            progress = fmt.nbytes * len(family.moe_layers) * family.num_experts >= PROGRESS_MIN_BYTES
         if mapped:
             source.close()
+        elif direct is not None:  # started early, or through the CPU form cache here
+            direct.finish(sorted(set(reader.weight_map.values())) if cpu_form_cache else None)
         elif early is not None:  # its store is the backend's: wait for the last expert
             early.result()
         elif not on_disk and fp8 is None:  # parallel preads straight into the backend's storage
@@ -338,6 +346,8 @@ def build_model(
         if early is not None:  # (a failed build: the loader stops before its index's files close)
             early.cancel()
             early.index.close()
+        if direct is not None:
+            direct.close()
         reader.close()
     gen = GenerationConfig.from_file(directory / "generation_config.json", cfg.eos_token_id, cfg.pad_token_id)
     tokenizer_dir = gguf.tokenizer_directory() if gguf is not None else directory  # (GGUF: rebuilt, cached)
@@ -363,17 +373,8 @@ def early_expert_load(offload: OffloadConfig | None, fmt: ExpertFormat, kernels:
     stored = expert_storage_format(fmt, kernels, offload)
     source = open_expert_index(reader, family, layout, quant, None, layers)
     store = real_host_store(stored, layers, family.num_experts, pin=offload.pin_memory, device=device)
-    if progress is None:
-        progress = fmt.nbytes * layers * family.num_experts >= PROGRESS_MIN_BYTES
+    progress = show_progress(progress, fmt.nbytes * layers * family.num_experts)
     return ExpertLoad(source, store.write, store, progress=progress)
-
-
-def mapped_experts_apply(offload: OffloadConfig, fmt: ExpertFormat, device: torch.device) -> bool:
-    """Whether a GGUF model's experts are used as views of its mapped file: every expert resident on the CPU in
-    the GGUF format on the CPU kernels (their form is the file's blocks). Offloading policies keep copying (slots
-    and host rows are copies by design), as do CUDA and formats converted at load (Q4_0 -> AWQ)."""
-    return device.type == "cpu" and isinstance(fmt, GGUFFormat) and fmt.cpu_kernels \
-        and not get_policy(offload.policy).offload
 
 
 def default_offload(family: Family, fmt: ExpertFormat, device: torch.device, dtype: torch.dtype, non_expert: int,

@@ -7,9 +7,8 @@ stored blocks instead (issue 42): no second rounding, the weights llama.cpp comp
 
 * ``Q4_0`` (``(q - 8) * d`` per 32 inputs, fp16 ``d``) -> the ``Q4_F16Z8`` form (group 32, fp16 scales, no zero
   points stored: the file's 18 bytes per 32 weights), moving packed words as the Q4_0 experts do
-  (:func:`~moeflow.kernels.repack.q4_0_to_awq`, then :meth:`~moeflow.kernels.cpu.native.Q4Matrix.from_awq`; the
-  bytes :meth:`~moeflow.kernels.cpu.native.Q4Matrix.from_q4_0` makes by unpacking every code, which rows not in
-  whole groups of 8 still take);
+  (:func:`~moeflow.kernels.repack.q4_0_to_q4z`, one native pass from the stored blocks; the bytes
+  :meth:`~moeflow.kernels.cpu.native.Q4Matrix.from_q4_0` makes by unpacking every code);
 * ``Q4_1`` (``q * d + m`` per 32 inputs, fp16 ``d`` and ``m``) -> the ``Q4_F32`` form at group 32 (``s = d``,
   ``m = m`` in fp32: the same values; 8 bytes of scale and min per 32 weights where the file has 4);
 * ``Q4_K`` (``d sc q - dmin m`` per 32 inputs, fp16 ``d`` and ``dmin`` per 256, 6-bit ``sc`` and ``m`` per 32: a
@@ -29,14 +28,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from moeflow.io.gguf.experts import AWQ_ZERO_8
 from moeflow.io.gguf.files import TensorInfo
 from moeflow.io.gguf.reader import GGUFCheckpointReader, unpermute_rope_rows
 from moeflow.kernels.cpu.gguf import K_BLOCK, GGUFLinear
 from moeflow.kernels.cpu.native import Q4Matrix, _group_rows, _pack_q4, library, native_available
 from moeflow.kernels.cpu.quant_linear import CpuQuantLinear
-from moeflow.kernels.repack import q4_0_to_awq
-from moeflow.quant.ggml import _half, _k_scale_min, _nibbles, q4_0_codes
+from moeflow.kernels.repack import q4_0_to_q4z
+from moeflow.quant.ggml import _half, _k_scale_min, _nibbles
 
 NATIVE_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # block types read straight into a CPU int4 form
 GROUP = 32  # their block: the int4 group size
@@ -156,15 +154,11 @@ class GGUFStoredLinears:
         def rows(t: torch.Tensor) -> torch.Tensor:
             return unpermute_rope_rows(t, heads).contiguous() if permute else t
 
-        if info.type.name == "Q4_0" and out_features % 8 == 0:  # packed words moved, no code unpacked
-            qweight = torch.empty(in_features, out_features // 8, dtype=torch.int32)
-            scales = torch.empty(in_features // GROUP, out_features, dtype=torch.float16)
-            q4_0_to_awq(rows(raw.view(out_features, -1)), qweight, scales, library())
-            zeros = torch.full((in_features // GROUP, out_features // 8), AWQ_ZERO_8, dtype=torch.int32)
-            matrix = Q4Matrix.from_awq(qweight, zeros, scales, GROUP)  # Q4_F16Z8: from_q4_0's bytes
-        elif info.type.name == "Q4_0":
-            codes, d = q4_0_codes(raw)
-            matrix = Q4Matrix.from_q4_0(rows(codes), rows(d))
+        if info.type.name == "Q4_0":  # the stored blocks re-laid out in one pass, no code unpacked
+            packed = torch.empty(out_features, in_features // 2, dtype=torch.uint8)
+            scales = torch.empty(out_features, in_features // GROUP, dtype=torch.float16)
+            q4_0_to_q4z(rows(raw.view(out_features, -1)).contiguous(), packed, scales, library())
+            matrix = Q4Matrix(packed, scales, torch.empty(0, dtype=torch.uint8), GROUP)  # Q4_F16Z8: from_q4_0's
         else:
             codes, d, m = (q4_1_codes if info.type.name == "Q4_1" else q4_k_codes)(raw)
             matrix = Q4Matrix(_pack_q4(rows(codes)), _group_rows(rows(d).float()), _group_rows(rows(m).float()),

@@ -29,6 +29,8 @@ from moeflow.io.gguf import (
     dense_expert_tensors,
 )
 from moeflow.io.gguf.biased import BiasedConvert, ExpertBiases
+from moeflow.io.gguf.mapped import MappedGGUF
+from moeflow.io.gguf.reader import GGUFCheckpointReader
 from moeflow.kernels.experts.mxfp4_reference import from_ggml_mxfp4
 from moeflow.kernels.formats import (
     AWQFormat,
@@ -196,13 +198,14 @@ def skipped_weight_init() -> Iterator[None]:
 def load_non_expert_weights(
     decoder: nn.Module, reader: CheckpointReader, family: Family, layout: ExpertLayout,
     device: torch.device, dtype: torch.dtype, as_stored: frozenset[str] = frozenset(),
-    deferred: frozenset[str] = frozenset(),
+    deferred: frozenset[str] = frozenset(), mapping: MappedGGUF | None = None,
 ) -> None:
     """Fill every parameter/buffer of ``decoder`` from the checkpoint, checking shapes against config.json.
     ``as_stored``: names (``lm_head.weight``) kept in the checkpoint's dtype, for a caller that quantizes them
     next (an fp32 copy of a vocabulary-sized matrix is half a gigabyte written and dropped). ``deferred``: names
     neither read nor dequantized, left on the meta device, for a caller that replaces their modules next by layers
-    built from the checkpoint's stored blocks (:func:`~moeflow.engine.cpu_linears.stored_weight_names`)."""
+    built from the checkpoint's stored blocks (:func:`~moeflow.engine.cpu_linears.stored_weight_names`).
+    ``mapping``: a GGUF's as-stored float weights are views of it (:meth:`GGUFCheckpointReader.stored_float`)."""
     tie = bool(getattr(family.config, "tie_word_embeddings", False))
     for module_name, module in decoder.named_modules():
         if module_name == "rotary":
@@ -217,7 +220,10 @@ def load_non_expert_weights(
             ckpt = family.checkpoint_name(full, layout)
             if full == "lm_head.weight" and ckpt not in reader and tie:
                 ckpt = family.checkpoint_name("embed_tokens.weight", layout)
-            src = reader.get(ckpt, tuple(tensor.shape))
+            src = reader.stored_float(ckpt, tuple(tensor.shape), mapping) \
+                if full in as_stored and isinstance(reader, GGUFCheckpointReader) else None
+            if src is None:
+                src = reader.get(ckpt, tuple(tensor.shape))
             # (an Fp32Linear keeps the dtype it was built in: DSA's fp32 weights_proj)
             keep = isinstance(module, (AWQLinear, Fp32Linear)) or pname in FP32_BUFFERS
             target_dtype = src.dtype if full in as_stored and src.is_floating_point() else \

@@ -12,9 +12,10 @@ The numbers are those of the copied pool (:class:`~moeflow.moe.resident.Resident
 ``GGUFFormat.cpu_kernels``): the same kernels over the same bytes, grouped by
 :func:`~moeflow.kernels.formats.gguf.cpu_forms_forward`, and the one-call decode step
 (:mod:`moeflow.engine.cpu_layers`) takes these forms as it takes the pool's. Files whose experts are all Q4_0
-are converted at load instead (to the AWQ format, whose CPU int4 form ``Q4_F16Z8`` is a re-laid-out copy, faster
-than gguf.c's kernel on the stored Q4_0 blocks: benchmarks/results/cpu/gguf_q4_0_t1.md; a Q4_0 mixed with another
-type is mapped, on that kernel), as are experts on CUDA
+are converted at load instead (the AWQ format; resident on the CPU, its int4 form ``Q4_F16Z8`` straight from the
+mapped blocks, :class:`~moeflow.engine.gguf_experts.DirectQ4_0Load`: a re-laid-out copy, faster than gguf.c's
+kernel on the stored Q4_0 blocks: benchmarks/results/cpu/gguf_q4_0_t1.md; a Q4_0 mixed with another type is
+mapped, on that kernel), as are experts on CUDA
 and under offloading policies (their slots and host rows are copies by design).
 """
 
@@ -24,11 +25,14 @@ import torch
 
 from moeflow import kernels
 from moeflow.compile_boundary import host_logic
+from moeflow.config import OffloadConfig
 from moeflow.io.gguf.experts import ExpertBytes, GGUFExpertSource
 from moeflow.io.gguf.mapped import MappedGGUF
 from moeflow.kernels.cpu.gguf import GGUFCpuExpert
+from moeflow.kernels.formats import ExpertFormat
 from moeflow.kernels.formats.gguf import MATRICES, GGUFFormat, cpu_forms_forward
 from moeflow.moe.backend import ExpertBackend
+from moeflow.offload import get_policy
 
 
 class MappedGGUFExperts(ExpertBackend):
@@ -76,3 +80,12 @@ class MappedGGUFExperts(ExpertBackend):
     def nbytes(self) -> int:
         """Bytes of the experts' blocks (in the mapped files, not allocated here)."""
         return sum(f.nbytes for row in self.experts for f in row)
+
+
+def mapped_experts_apply(offload: OffloadConfig, fmt: ExpertFormat, device: torch.device) -> bool:
+    """Whether a GGUF model's experts are used as views of its mapped file: every expert resident on the CPU in
+    the GGUF format on the CPU kernels (their form is the file's blocks). Offloading policies keep copying (slots
+    and host rows are copies by design), as do CUDA and formats converted at load (Q4_0: the AWQ format, or its
+    CPU int4 form)."""
+    return device.type == "cpu" and isinstance(fmt, GGUFFormat) and fmt.cpu_kernels \
+        and not get_policy(offload.policy).offload

@@ -22,6 +22,12 @@ from moeflow.io.expert_index import ExpertIndex
 from moeflow.offload.host_store import HostStore
 
 Sink = Callable[[int, int, dict[str, torch.Tensor]], None]  # (moe layer, expert, tensors) -> None
+PROGRESS_MIN_BYTES = 256 * 2**20  # show a loading progress bar above this much expert data
+
+
+def show_progress(progress: bool | None, expert_bytes: int) -> bool:
+    """The loading progress bar: as asked, else for more than ``PROGRESS_MIN_BYTES`` of experts."""
+    return progress if progress is not None else expert_bytes >= PROGRESS_MIN_BYTES
 
 
 def load_experts(index: ExpertIndex, sink: Sink, *, workers: int | None = None, progress: bool = False,

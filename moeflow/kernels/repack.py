@@ -241,3 +241,26 @@ def q4_0_to_awq(raw: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     x = nibble_transpose_torch(qs, AWQ_ORDER)  # [N/8, 8 (nibble 2j + h), K/8 (4b + ww)]: element 32b + 4ww + j + 16h
     qweight.copy_(x.view(n // 8, 4, 2, k // 32, 4).permute(3, 2, 4, 1, 0).reshape(k, n // 8))
     scales.copy_(blocks[:, :, :2].contiguous().view(torch.float16).view(n, k // 32).T)
+
+
+def q4_0_to_q4z(raw: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, lib: Library,
+                rows: tuple[int, int] | None = None) -> None:
+    """Q4_0 rows straight into :class:`~moeflow.kernels.cpu.native.Q4Matrix`'s ``Q4_F16Z8`` form (the codes and
+    fp16 scales in q4.c's row-grouped layout), one pass over the stored blocks (``mf_q4_0_to_q4z`` in cpu/repack.c,
+    GIL released). raw: uint8 ``[N, K/32 * 18]`` (contiguous rows of Q4_0 blocks); packed: uint8 ``[N, K/2]``;
+    scales: fp16 ``[N, K/32]``, both contiguous (bit for bit ``Q4Matrix.from_q4_0`` of the unpacked codes).
+    ``rows``: write only rows ``[r0, r1)`` (multiples of 8, or N), so threads may split a matrix."""
+    n = raw.shape[0]
+    k = raw.shape[1] // 18 * 32 if raw.dim() == 2 else -1
+    if (raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % 18 or not raw.is_contiguous()
+            or tuple(packed.shape) != (n, k // 2) or packed.dtype != torch.uint8 or not packed.is_contiguous()
+            or tuple(scales.shape) != (n, k // 32) or scales.dtype != torch.float16 or not scales.is_contiguous()):
+        raise ValueError(f"q4_0_to_q4z: raw must be contiguous uint8 [N, K/32 * 18], packed uint8 [N, K/2] and "
+                         f"scales fp16 [N, K/32], contiguous; got raw {raw.dtype} {tuple(raw.shape)}, packed "
+                         f"{packed.dtype} {tuple(packed.shape)}, scales {scales.dtype} {tuple(scales.shape)}")
+    r0, r1 = rows if rows is not None else (0, n)
+    if not (0 <= r0 <= r1 <= n and r0 % 8 == 0 and (r1 % 8 == 0 or r1 == n)):
+        raise ValueError(f"q4_0_to_q4z: rows {rows} of {n}: a range of whole row groups (multiples of 8, or N)")
+    p = ctypes.c_void_p
+    lib.mf_q4_0_to_q4z(p(raw.data_ptr()), ctypes.c_int64(n), ctypes.c_int64(k), ctypes.c_int64(r0),
+                       ctypes.c_int64(r1), p(packed.data_ptr()), p(scales.data_ptr()))

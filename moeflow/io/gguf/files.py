@@ -174,6 +174,38 @@ def _reader_class() -> type:
             arr = plain[offset: offset + dtype.itemsize * count].view(dtype)[:count]
             return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
 
+        def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list, list[int], list]:
+            """gguf-py's, with an array of scalars or strings (a vocabulary's tokens, scores and types: 3 x 32k+
+            elements) walked in one loop of views instead of a recursive call and one or two ``_get`` per element:
+            the same parts (each element's own 1-element array, a string's length and bytes), data indices and
+            types (tests/test_gguf_load_fast.py compares them field by field with gguf-py's reader)."""
+            vt = gguf.GGUFValueType
+            if raw_type != vt.ARRAY:
+                return super()._get_field_parts(orig_offs, raw_type)
+            raw_itype = self._get(orig_offs, np.uint32)
+            alen = self._get(orig_offs + 4, np.uint64)
+            itype, n, offs = int(raw_itype[0]), int(alen[0]), orig_offs + 12
+            nptype = self.gguf_scalar_to_np.get(vt(itype)) if itype != vt.STRING else None
+            if n == 0 or (itype != vt.STRING and nptype is None):  # (nested arrays: gguf-py's recursion)
+                return super()._get_field_parts(orig_offs, raw_type)
+            parts: list = [raw_itype, alen]
+            if nptype is not None:
+                whole = self._get(offs, nptype, n)
+                if len(whole) != n:
+                    raise ValueError(f"array at {orig_offs} runs past the end of the file")
+                parts += [whole[i: i + 1] for i in range(n)]
+                return 12 + int(whole.nbytes), parts, list(range(2, 2 + n)), [vt.ARRAY, vt(itype)]
+            plain = self._plain_data  # (set by the _get above)
+            buf, u64 = memoryview(plain), np.dtype(np.uint64).newbyteorder(self.byte_order)
+            little = u64.byteorder in "<=" if np.little_endian else u64.byteorder == "<"
+            for _ in range(n):
+                slen = int.from_bytes(buf[offs: offs + 8], "little" if little else "big")
+                parts += [plain[offs: offs + 8].view(u64), plain[offs + 8: offs + 8 + slen]]
+                offs += 8 + slen
+            if offs > len(plain):
+                raise ValueError(f"string array at {orig_offs} runs past the end of the file")
+            return offs - orig_offs, parts, list(range(3, 2 + 2 * n, 2)), [vt.ARRAY, vt.STRING]
+
     return Reader
 
 

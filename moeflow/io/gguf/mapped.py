@@ -64,6 +64,19 @@ class MappedGGUF:
                                   f"{len(mapped)}")
         return torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes, offset=offset)
 
+    def release(self, path: Path, offset: int, nbytes: int) -> None:
+        """Drop this process's page-table entries for bytes ``[offset, offset + nbytes)`` of ``path``'s mapping
+        (``MADV_DONTNEED``, whole pages inside the range): for bytes read once and copied elsewhere (an all-Q4_0
+        file's experts, converted at load), so they stop counting in the process's resident set. The pages stay
+        in the page cache, and a later touch maps them again (nothing was ever written to them)."""
+        mapped = self._maps.get(path)
+        if mapped is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
+        end = min(offset + nbytes, len(mapped)) // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > start:
+            mapped.madvise(mmap.MADV_DONTNEED, start, end - start)
+
     def owns(self, t: torch.Tensor) -> bool:
         """Whether ``t``'s bytes lie in one of these mappings."""
         import ctypes

@@ -34,7 +34,10 @@ from moeflow.errors import CheckpointError
 from moeflow.io.checkpoint import CheckpointReader
 from moeflow.io.gguf.config import architecture
 from moeflow.io.gguf.files import GGUFFiles, TensorInfo, _gguf
+from moeflow.io.gguf.mapped import MappedGGUF
 from moeflow.quant.ggml import dequantize
+
+FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}  # stored as these dtypes
 
 PER_EXPERT = re.compile(r"^(?P<head>.*\.experts)\.(?P<expert>\d+)\.(?P<tail>.*)$")
 SUFFIXES = (".weight", ".bias")
@@ -161,6 +164,26 @@ class GGUFCheckpointReader(CheckpointReader):
             raise CheckpointError(f"tensor {name!r} ({info.name} in {info.path.name}) has shape {tuple(t.shape)}, but "
                                   f"the GGUF metadata implies {tuple(shape)}")
         return t
+
+    def stored_float(self, name: str, shape: tuple[int, ...], mapping: MappedGGUF | None = None
+                     ) -> torch.Tensor | None:
+        """Tensor ``name`` in the float type the file stores it in (F32, F16, BF16: the same numbers as
+        :meth:`get`, without its fp32 copy), a view of ``mapping`` when given (nothing read: an F16 Mixtral
+        lm_head is 262 MB read and 524 MB of fp32 written otherwise), else read; None where :meth:`get` has more to
+        do (a quantized type, a joined, rope-permuted or expert tensor, another shape). For a caller that quantizes
+        the weight next (``load_non_expert_weights``' ``as_stored``)."""
+        if self.joined_parts(name) is not None:
+            return None
+        info, expert = self._info(name)
+        dtype = FLOAT_TYPES.get(info.type.name)
+        if dtype is None or expert is not None or tuple(info.shape) != tuple(shape) or (
+                self.arch.rope_permuted and info.name.endswith(("attn_q.weight", "attn_k.weight"))):
+            return None
+        if mapping is not None:
+            raw = mapping.view(info.path, info.offset, info.nbytes, f"tensor {info.name!r}")
+        else:
+            raw = torch.from_numpy(np.ascontiguousarray(self.files.read(info))).reshape(-1)
+        return raw.view(dtype).view(tuple(shape))
 
     def close(self) -> None:
         pass

@@ -173,6 +173,8 @@ void mf_nibble_transpose_grouped(const uint32_t* in, int64_t rows, int64_t cols,
 void mf_permute_word_bits(const uint32_t* in, int64_t n, const uint32_t* lo, const uint32_t* hi, uint32_t* out);
 void mf_q4_0_to_awq(const uint8_t* raw, int64_t n, int64_t k, const int32_t* row_order, uint32_t* qweight,
                     int64_t ld, uint16_t* scales, int64_t lds);
+void mf_q4_0_to_q4z(const uint8_t* raw, int64_t n, int64_t k, int64_t row0, int64_t row1, uint8_t* packed,
+                    uint16_t* scales);
 void mf_quantize_rows_int8(const float* w, int64_t rows, int64_t cols, uint16_t* scales_bf16, int8_t* q);
 int mf_quantize_rows_int8_grouped(const void* w, int kind, int64_t rows, int64_t cols, uint16_t* scales_bf16,
                                   int8_t* q, int nthreads);

@@ -183,6 +183,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.mf_permute_word_bits.restype = None
     lib.mf_q4_0_to_awq.argtypes = [p, ctypes.c_int64, ctypes.c_int64, p, p, ctypes.c_int64, p, ctypes.c_int64]
     lib.mf_q4_0_to_awq.restype = None
+    lib.mf_q4_0_to_q4z.argtypes = [p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, p, p]
+    lib.mf_q4_0_to_q4z.restype = None
     lib.mf_quantize_rows_int8.argtypes = [p, ctypes.c_int64, ctypes.c_int64, p, p]
     lib.mf_quantize_rows_int8.restype = None
     for f in (lib.mf_q4_linear, lib.mf_q8_linear, lib.mf_q8_linear_rows, lib.mf_q4_expert):

@@ -334,3 +334,41 @@ void mf_q4_0_to_awq(const uint8_t *raw, int64_t n, int64_t k, const int32_t *row
         }
     }
 }
+
+/* GGUF Q4_0 rows straight into q4.c's layout, MF_Q4_F16Z8 form (q4.c's file comment; issue 37's cold start: one
+   pass over the stored blocks, no AWQ intermediate). raw: n rows of k / 32 blocks (fp16 d, then 16 bytes: byte j
+   = code j | code 16 + j << 4), rows contiguous; packed: uint8 [n, k / 2], scales uint16 [n, k / 32], both in
+   q4.c's row-grouped order. Rows [row0, row1) are written (row0, row1 multiples of 8 or n): callers may split a
+   matrix between threads. In a row group, vector c of block b holds codes 8c + j (low nibble) and 8c + 4 + j
+   (high) of row r at byte 4r + j; with w0..w3 the block's 4 words of bytes, P0 = lo(w0) | lo(w1) << 4,
+   P1 = lo(w2) | lo(w3) << 4, P2 = hi(w0) >> 4 | hi(w1), P3 = hi(w2) >> 4 | hi(w3): word moves and masks. Each
+   input row is read in order, its words stored 32 bytes apart into the group's 8 * k / 2 bytes (cache-resident
+   at Mixtral's sizes); 2.0-2.5 GB/s of input on the loaded 2-core EPYC against memcpy's ~4 (an AVX-512 gather of
+   the 8 rows' words per block measured 1.3-1.9). The last n % 8 rows are plain rows, whose bytes are Q4_0's own. */
+void mf_q4_0_to_q4z(const uint8_t *raw, int64_t n, int64_t k, int64_t row0, int64_t row1, uint8_t *packed,
+                    uint16_t *scales) {
+    const int64_t nb = k / 32, row_bytes = nb * 18, whole = n - n % 8;
+    const uint32_t lo = 0x0F0F0F0Fu, hi = 0xF0F0F0F0u;
+    int64_t r0 = row0;
+    for (; r0 + 8 <= row1 && r0 + 8 <= whole; r0 += 8) {
+        for (int r = 0; r < 8; r++) {
+            const uint8_t *src = raw + (r0 + r) * row_bytes;
+            uint32_t *dst = (uint32_t *)(packed + r0 * (k / 2)) + r;
+            uint16_t *sd = scales + r0 * nb + r;
+            for (int64_t b = 0; b < nb; b++, src += 18, dst += 32, sd += 8) {
+                uint32_t w[4];
+                memcpy(w, src + 2, 16);
+                memcpy(sd, src, 2);
+                dst[0] = (w[0] & lo) | (w[1] & lo) << 4;
+                dst[8] = (w[2] & lo) | (w[3] & lo) << 4;
+                dst[16] = (w[0] & hi) >> 4 | (w[1] & hi);
+                dst[24] = (w[2] & hi) >> 4 | (w[3] & hi);
+            }
+        }
+    }
+    for (int64_t m = r0; m < row1; m++)  /* tail rows: the stored bytes */
+        for (int64_t b = 0; b < nb; b++) {
+            memcpy(packed + m * (k / 2) + 16 * b, raw + m * row_bytes + 18 * b + 2, 16);
+            memcpy(scales + m * nb + b, raw + m * row_bytes + 18 * b, 2);
+        }
+}
