@@ -84,14 +84,13 @@ def main() -> None:
             ts = tensors(w13) + tensors(w2)
             nbytes = sum(t.numel() * t.element_size() for t in ts)
             words = [t.view(torch.uint8).reshape(-1).view(torch.int32) for t in ts]
-            read_s = times_s(lambda: [w.max() for w in words], args.reps, flush)[1]
+            read_s = times_s(lambda words=words: [w.max() for w in words], args.reps, flush)[1]
             for T in args.tokens:
                 x, wt = torch.randn(T, h, generator=gen), torch.ones(T)
-                med, best = times_s(lambda x=x, wt=wt: q4_expert(x, w13, w2, wt), args.reps, flush)
+                med, best = times_s(lambda x=x, wt=wt, a=w13, b=w2: q4_expert(x, a, b, wt), args.reps, flush)
                 print(f"| {shape} | {form} | {nbytes / 1e6:.1f} | {read_s * 1e3:.2f} ({nbytes / read_s / 1e9:.1f}) "
                       f"| {T} | {med * 1e3:.2f} / {best * 1e3:.2f} | {nbytes / best / 1e9:.1f} | "
                       f"{read_s / best:.2f} |", flush=True)
-            del w13, w2, ts, words
     print(f"\nuptime (end): {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
 
 
