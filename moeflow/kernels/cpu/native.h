@@ -51,8 +51,8 @@ static inline __m256 mf_exp8(__m256 x) {
 
 /* AVX-512 with VNNI (Zen 4, Ice Lake and later; -march=native on such a CPU, unless the build asks for the AVX2
    path with -mno-avx512f: native.py's MOEFLOW_CPU_ISA=avx2). The integer dot products then run on
-   vpdpbusd over 512-bit registers (q4.c: a row group's block in two registers, one weight stream as AVX2,
-   or from 8 tokens two row groups per register; q8.c: two row groups, 16 rows, per register): the same integer block sums (exact in int32) and the same
+   vpdpbusd (q4.c: a row group's block on 256-bit registers, one weight stream as AVX2, or from 4 tokens two
+   row groups per 512-bit register; q8.c: two row groups, 16 rows, per register): the same integer block sums (exact in int32) and the same
    fp32 operations per row as the AVX2 path, so the same bits (tests/test_cpu_isa.py). */
 #if MF_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define MF_AVX512 1
