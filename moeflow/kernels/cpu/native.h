@@ -101,6 +101,8 @@ static inline float mf_half_to_float(uint16_t h) {
    One Mixtral-8x7B expert (AWQ group 128, 92 MB) at one token from DRAM, one Zen 4 core: 3072 bytes into L1
    (before s17) ~0.74 of a plain read's rate, 4-64 KB into L2 ~0.80-0.83, no prefetch ~0.7 (the whole file
    measured alike at one token; at four tokens no prefetch was 1.6x slower). -D overrides for tuning. */
+#define MF_PRAGMA(x) _Pragma(#x)
+#define MF_UNROLL(n) MF_PRAGMA(GCC unroll n)  /* a loop unrolled n times (gcc; clang reads it too) */
 #ifndef MF_Q4_PF_DIST
 #define MF_Q4_PF_DIST 8192
 #endif

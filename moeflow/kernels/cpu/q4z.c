@@ -96,6 +96,7 @@ static inline __attribute__((always_inline)) void q4z_group_tile512(
     const int nb = K / QB;
     __m256 acc[TT];
     for (int i = 0; i < tt; i++) acc[i] = _mm256_setzero_ps();
+    MF_UNROLL(2)  /* two blocks per pass: -16-25 % at 1 token from the L2 cache, none from DRAM (s17) */
     for (int b = 0; b < nb; b++) {
         const uint8_t* wb = w + (size_t)b * 128;
         _mm_prefetch((const char*)(wb + PREFETCH), MF_Q4_PF_HINT);
