@@ -67,7 +67,7 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
 
 
 def _all_kernels() -> list[torch.Tensor]:
-    """Every kernel on shapes that take each path: 16-row pairs (q8 always, q4 from 8 tokens), a lone 8-row
+    """Every kernel on shapes that take each path: 16-row pairs (q8 always, q4 from 4 tokens), a lone 8-row
     group, plain tail rows, both q4 forms, every token tile, the q8 rows picked by index, the expert."""
     res = []
     for n, half in ((8 * 7 + 5, True), (8 * 6, False), (8, True), (24 + 3, False)):  # odd/even groups, tails

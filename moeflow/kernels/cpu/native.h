@@ -51,8 +51,8 @@ static inline __m256 mf_exp8(__m256 x) {
 
 /* AVX-512 with VNNI (Zen 4, Ice Lake and later; -march=native on such a CPU, unless the build asks for the AVX2
    path with -mno-avx512f: native.py's MOEFLOW_CPU_ISA=avx2). The integer dot products then run on
-   vpdpbusd over 512-bit registers (q4.c: a row group's block in two registers, one weight stream as AVX2,
-   or from 8 tokens two row groups per register; q8.c: two row groups, 16 rows, per register): the same integer block sums (exact in int32) and the same
+   vpdpbusd (q4.c: a row group's block on 256-bit registers, one weight stream as AVX2, or from 4 tokens two
+   row groups per 512-bit register; q8.c: two row groups, 16 rows, per register): the same integer block sums (exact in int32) and the same
    fp32 operations per row as the AVX2 path, so the same bits (tests/test_cpu_isa.py). */
 #if MF_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define MF_AVX512 1
@@ -96,21 +96,61 @@ static inline float mf_half_to_float(uint16_t h) {
 #define MF_QK_HEAD 1  /* RMSNorm of q and k per head, before the rotary (Qwen3) */
 #define MF_QK_PROJ 2  /* RMSNorm of each token's whole q and whole k projection, before the rotary (OLMoE) */
 #define Q4_GROUP 8  /* q4 weight rows interleaved together (q4.c's layout) */
-#define MF_Q4_PREFETCH 3072  /* q4.c's and q4z.c's weight prefetch distance: bytes ahead of the block being read */
+#define MF_Q4_PREFETCH 3072  /* gguf.c's and gguf_k.c's weight prefetch distance: bytes ahead of the block being read */
+/* q4.c's and q4z.c's weight prefetch (s17, issue 42): MF_Q4_PF_DIST bytes ahead of the block being read, into L2.
+   One Mixtral-8x7B expert (AWQ group 128, 92 MB) at one token from DRAM, one Zen 4 core: 3072 bytes into L1
+   (before s17) ~0.74 of a plain read's rate, 4-64 KB into L2 ~0.80-0.83, no prefetch ~0.7 (the whole file
+   measured alike at one token; at four tokens no prefetch was 1.6x slower). -D overrides for tuning. */
+#define MF_PRAGMA(x) _Pragma(#x)
+#define MF_UNROLL(n) MF_PRAGMA(GCC unroll n)  /* a loop unrolled n times (gcc; clang reads it too) */
+#ifndef MF_Q4_PF_DIST
+#define MF_Q4_PF_DIST 8192
+#endif
+#ifndef MF_Q4_PF_HINT
+#define MF_Q4_PF_HINT _MM_HINT_T1
+#endif
 
 #if MF_AVX512
+/* One 32-feature block b of a q4 row group (128 bytes at wb: 8 rows, q4.c's layout) times tokens t0 .. t0 + tt - 1's
+   int8 activations of the block (xq [T, K], tt <= 4): each row's exact int32 sum in lane r of dot[i], the AVX2
+   path's integers. 256-bit vpdpbusd against each token's 4 activations broadcast: step c's low nibbles (p & 0x0F)
+   against features 8c .. 8c + 3, its high ones left in place (p & 0xF0: 16x each nibble) against 8c + 4 .. 8c + 7,
+   two independent sums, the second shifted down by 4 at the end (a multiple of 16: exact). 8 dpbusd, 8 and/andnot
+   per block and no permutes, where two 512-bit registers took 4 permutes, 4 dpbusd and 6 shift/and per token and a
+   fold of the halves (Zen 4 runs a 512-bit operation as two 256-bit halves): from the L2 cache -8 % at one token,
+   -30 % at four (s17). */
+static inline __attribute__((always_inline)) void mf_q4_block_dots256(const uint8_t* wb, const int8_t* xq, int K,
+                                                                       int b, int t0, int tt, __m256i* dot) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    __m256i dl[4], dh[4];
+    for (int i = 0; i < tt; i++) dl[i] = dh[i] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; c++) {
+        const __m256i p = _mm256_loadu_si256((const __m256i*)(wb + 32 * c));
+        const __m256i lo = _mm256_and_si256(p, low), hi16 = _mm256_andnot_si256(low, p);
+        for (int i = 0; i < tt; i++) {
+            const int8_t* xb = xq + (size_t)(t0 + i) * K + b * QB + 8 * c;
+            int32_t x0, x1;
+            memcpy(&x0, xb, 4);
+            memcpy(&x1, xb + 4, 4);
+            dl[i] = _mm256_dpbusd_epi32(dl[i], lo, _mm256_set1_epi32(x0));
+            dh[i] = _mm256_dpbusd_epi32(dh[i], hi16, _mm256_set1_epi32(x1));
+        }
+    }
+    for (int i = 0; i < tt; i++) dot[i] = _mm256_add_epi32(dl[i], _mm256_srai_epi32(dh[i], 4));
+}
+
 /* One 32-feature block b of the AVX-512 two-row-group tile (q4.c's q4_pair_tile, q4z.c's q4z_pair_tile): the
-   groups' 128 bytes each, at wa and wa + wb_off (prefetched MF_Q4_PREFETCH ahead), times tokens t0 .. t0 + tt - 1's
+   groups' 128 bytes each, at wa and wa + wb_off (prefetched MF_Q4_PF_DIST ahead), times tokens t0 .. t0 + tt - 1's
    int8 activations of the block (xq [T, K]): the low and high nibbles of even and odd 8-feature steps in four
    independent int32 sums dot[i][0..3], which the caller adds (exact). */
 static inline __attribute__((always_inline)) void mf_q4_pair_block_dots(const uint8_t* wa, size_t wb_off,
                                                                          const int8_t* xq, int K, int b, int t0,
                                                                          int tt, __m512i (*dot)[4]) {
     const __m512i low = _mm512_set1_epi8(0x0F);
-    _mm_prefetch((const char*)(wa + MF_Q4_PREFETCH), _MM_HINT_T0);
-    _mm_prefetch((const char*)(wa + MF_Q4_PREFETCH + 64), _MM_HINT_T0);
-    _mm_prefetch((const char*)(wa + wb_off + MF_Q4_PREFETCH), _MM_HINT_T0);
-    _mm_prefetch((const char*)(wa + wb_off + MF_Q4_PREFETCH + 64), _MM_HINT_T0);
+    _mm_prefetch((const char*)(wa + MF_Q4_PF_DIST), MF_Q4_PF_HINT);
+    _mm_prefetch((const char*)(wa + MF_Q4_PF_DIST + 64), MF_Q4_PF_HINT);
+    _mm_prefetch((const char*)(wa + wb_off + MF_Q4_PF_DIST), MF_Q4_PF_HINT);
+    _mm_prefetch((const char*)(wa + wb_off + MF_Q4_PF_DIST + 64), MF_Q4_PF_HINT);
     for (int i = 0; i < tt; i++)
         for (int a = 0; a < 4; a++) dot[i][a] = _mm512_setzero_si512();
     for (int c = 0; c < 4; c++) {

@@ -29,11 +29,10 @@
 #include "native.h"
 
 #define TT 4  /* tokens per register tile (3..8 measured alike; 4 keeps every accumulator in a register) */
-#ifndef PREFETCH
-/* bytes ahead of the block being read (24 blocks; the next row group's when near the end of this one): one token
-   read an expert at 17.9 GB/s with 1024, 19.2-19.3 with 2048-4096 on the 2-core EPYC (bench of issue 21, s12) */
-#define PREFETCH MF_Q4_PREFETCH  /* bytes ahead of the weight block being read (native.h) */
-#endif
+/* bytes ahead of the block being read, into L2 (native.h's MF_Q4_PF_DIST, MF_Q4_PF_HINT; the next row group's when
+   near the end of this one). Before s17 3072 into L1: 17.9 GB/s with 1024, 19.2-19.3 with 2048-4096 from one token
+   on the 2-core EPYC (issue 21, s12); s17 measured L2 at 4-64 KB ~8 % faster than that (benchmarks/cpu/q4_cold.py) */
+#define PREFETCH MF_Q4_PF_DIST
 
 /* Scale and min of element i of a row group's (or a tail row's) s and m arrays, in either form. */
 static inline float q4_scale(const void* s, int fmt, size_t i) {
@@ -72,8 +71,8 @@ static inline __attribute__((always_inline)) void q4_group_tile(
             acc[i] = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(gsum + (size_t)(t0 + i) * ng + g), acc[i]);
         for (int b = g * bpg; b < (g + 1) * bpg; b++) {
             const uint8_t* wb = w + (size_t)b * 128;
-            _mm_prefetch((const char*)(wb + PREFETCH), _MM_HINT_T0);
-            _mm_prefetch((const char*)(wb + PREFETCH + 64), _MM_HINT_T0);
+            _mm_prefetch((const char*)(wb + PREFETCH), MF_Q4_PF_HINT);
+            _mm_prefetch((const char*)(wb + PREFETCH + 64), MF_Q4_PF_HINT);
             __m256i dot[TT];
             for (int i = 0; i < tt; i++) dot[i] = _mm256_setzero_si256();
             for (int c = 0; c < 4; c++) {
@@ -100,22 +99,14 @@ static inline __attribute__((always_inline)) void q4_group_tile(
 }
 
 #if MF_AVX512
-/* AVX-512 VNNI: one row group's block (128 bytes) in two 512-bit registers, P0|P1 and P2|P3, read as the AVX2
-   path reads it (one stream; its prefetch). vpdpbusd multiplies the unsigned nibbles by the token's activations
-   permuted to match (the low half of P0|P1 is c = 0, the high half c = 1: activation dwords 0 and 2 for the low
-   nibbles, 1 and 3 for the high ones), into four independent int32 sums that add up, and then fold their
-   halves, to the block's 8 row sums: the AVX2 path's integers exactly. The fp32 part is the AVX2 path's
-   operations on the same 8 lanes, so the same bits. */
+/* AVX-512 VNNI: one row group's block (128 bytes) as the AVX2 path reads it (one stream; its prefetch), its 8 row
+   sums from 256-bit vpdpbusd on the broadcast activations (native.h's mf_q4_block_dots256, the AVX2 path's integers
+   exactly; before s17 two 512-bit registers against permuted activations, folded: 8-30 % slower). The fp32 part is
+   the AVX2 path's operations on the same 8 lanes, so the same bits. */
 static inline __attribute__((always_inline)) void q4_group_tile512(
     const uint8_t* w, const void* s, const void* m, int fmt, int K, int group, const int8_t* xq, const float* xs,
     const float* gsum, int t0, int tt, float* y, int ldy, int n) {
     const int nb = K / QB, ng = K / group, bpg = group / QB;
-    const __m512i low = _mm512_set1_epi8(0x0F);
-    const __m512i perm[4] = {  /* activation dwords for lo(P0|P1), hi(P0|P1), lo(P2|P3), hi(P2|P3) */
-        _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2),
-        _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3),
-        _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6),
-        _mm512_setr_epi32(5, 5, 5, 5, 5, 5, 5, 5, 7, 7, 7, 7, 7, 7, 7, 7)};
     __m256 acc[TT];
     for (int i = 0; i < tt; i++) acc[i] = _mm256_setzero_ps();
     for (int g = 0; g < ng; g++) {
@@ -123,23 +114,16 @@ static inline __attribute__((always_inline)) void q4_group_tile512(
         q4_scales8(s, m, fmt, g, &sv, &mv);
         for (int i = 0; i < tt; i++)
             acc[i] = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(gsum + (size_t)(t0 + i) * ng + g), acc[i]);
+        MF_UNROLL(2)  /* two blocks per pass: -16-25 % at 1 token from the L2 cache, none from DRAM (s17) */
         for (int b = g * bpg; b < (g + 1) * bpg; b++) {
             const uint8_t* wb = w + (size_t)b * 128;
-            _mm_prefetch((const char*)(wb + PREFETCH), _MM_HINT_T0);
-            _mm_prefetch((const char*)(wb + PREFETCH + 64), _MM_HINT_T0);
-            const __m512i p0 = _mm512_loadu_si512(wb), p1 = _mm512_loadu_si512(wb + 64);
-            const __m512i wv[4] = {_mm512_and_si512(p0, low), _mm512_and_si512(_mm512_srli_epi16(p0, 4), low),
-                                   _mm512_and_si512(p1, low), _mm512_and_si512(_mm512_srli_epi16(p1, 4), low)};
+            _mm_prefetch((const char*)(wb + PREFETCH), MF_Q4_PF_HINT);
+            _mm_prefetch((const char*)(wb + PREFETCH + 64), MF_Q4_PF_HINT);
+            __m256i d8[TT];
+            mf_q4_block_dots256(wb, xq, K, b, t0, tt, d8);
             for (int i = 0; i < tt; i++) {
-                const __m512i xv = _mm512_castsi256_si512(
-                    _mm256_loadu_si256((const __m256i*)(xq + (size_t)(t0 + i) * K + b * QB)));
-                __m512i d[4];
-                for (int a = 0; a < 4; a++)
-                    d[a] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[a], _mm512_permutexvar_epi32(perm[a], xv));
-                const __m512i d16 = _mm512_add_epi32(_mm512_add_epi32(d[0], d[1]), _mm512_add_epi32(d[2], d[3]));
-                const __m256i d8 = _mm256_add_epi32(_mm512_castsi512_si256(d16), _mm512_extracti64x4_epi64(d16, 1));
                 const __m256 scale = _mm256_mul_ps(sv, _mm256_broadcast_ss(xs + (size_t)(t0 + i) * nb + b));
-                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d8), scale, acc[i]);
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d8[i]), scale, acc[i]);
             }
         }
     }
@@ -147,13 +131,13 @@ static inline __attribute__((always_inline)) void q4_group_tile512(
 }
 #define Q4_TILE q4_group_tile512  /* the tile q4_group_fmt runs */
 
-/* Prompts (T >= Q4_PAIR_MIN_T tokens per call): two row groups at once, 16 rows = the 16 lanes of a register
+/* Several tokens (T >= Q4_PAIR_MIN_T per call): two row groups at once, 16 rows = the 16 lanes of a register
    (group A's 8 rows low, B's high; B's bytes 8 * K/2 after A's, its scales 8 * K/group after A's), the
-   activations broadcast to every lane (no permute): ~1.25x the single group's compute per token, so faster
-   where the weights are reused over many tokens; from memory at one token its two streams read at half the
-   single group's rate (measured), hence the threshold. Per row the same integers and fp32 operations as
-   q4_group_tile512: the same bits. */
-#define Q4_PAIR_MIN_T 8
+   activations broadcast to every lane: ~0.8x the single group's compute per token (s17, from the L2 cache), so
+   faster where the weights are reused over tokens; from memory at one token its two streams read slower than the
+   single group's one (s17, from DRAM: 0.70 vs 0.77 of a plain read), hence the threshold (four tokens from DRAM:
+   -8 %). Per row the same integers and fp32 operations as q4_group_tile512: the same bits. */
+#define Q4_PAIR_MIN_T 4
 static inline __attribute__((always_inline)) void q4_scales16(const void* s, const void* m, int fmt, size_t ab,
                                                                int g, __m512* sv, __m512* mv) {
     if (fmt == MF_Q4_F16Z) {

@@ -9,8 +9,8 @@
    order: the same bits (tests/test_cpu_isa.py, tests/test_cpu_q4_group32.py).
 
    Scales: fp16 s[8R * nb + 8b + r] (row group R, block b, row r; a tail row n: s[n * nb + b]), zeros likewise
-   (uint8, MF_Q4_F16Z). The tiles are q4.c's (the AVX2 maddubs tile, AVX-512's single row group with permuted
-   activations below Q4_PAIR_MIN_T tokens, two row groups per register from there) with the min term replaced. */
+   (uint8, MF_Q4_F16Z). The tiles are q4.c's (the AVX2 maddubs tile, AVX-512's single row group on 256-bit vpdpbusd
+   below Q4_PAIR_MIN_T tokens, two row groups per register from there) with the min term replaced. */
 
 #include <math.h>
 #include <stddef.h>
@@ -19,8 +19,8 @@
 #include "native.h"
 
 #define TT 4            /* as q4.c: tokens per register tile */
-#define PREFETCH MF_Q4_PREFETCH  /* as q4.c (native.h) */
-#define Q4_PAIR_MIN_T 8 /* as q4.c: two row groups per register from this many tokens (AVX-512) */
+#define PREFETCH MF_Q4_PF_DIST  /* as q4.c (native.h): into L2 */
+#define Q4_PAIR_MIN_T 4 /* as q4.c: two row groups per register from this many tokens (AVX-512) */
 
 /* One block of the group-32 integer-zero-point path for element i of the scales (and zeros): acc = fma(float(dot -
    z * xsum), s * xs, acc), a vector lane's operations. */
@@ -42,9 +42,9 @@ static inline __attribute__((always_inline)) __m256i q4_zeros8(const void* m, in
    64-byte line holds 4 blocks' scales of a row group (8 of its zeros), so every 4th block asks for the next. */
 static inline __attribute__((always_inline)) void q4z_prefetch(const void* s, const void* m, int fmt, int b) {
     if (b % 4 == 0) {
-        _mm_prefetch((const char*)((const uint16_t*)s + 8 * (b + PREFETCH / 128)), _MM_HINT_T0);
+        _mm_prefetch((const char*)((const uint16_t*)s + 8 * (b + PREFETCH / 128)), MF_Q4_PF_HINT);
         if (fmt == MF_Q4_F16Z && b % 8 == 0)
-            _mm_prefetch((const char*)((const uint8_t*)m + 8 * (b + PREFETCH / 128)), _MM_HINT_T0);
+            _mm_prefetch((const char*)((const uint8_t*)m + 8 * (b + PREFETCH / 128)), MF_Q4_PF_HINT);
     }
 }
 
@@ -58,8 +58,8 @@ static inline __attribute__((always_inline)) void q4z_group_tile(
     for (int i = 0; i < tt; i++) acc[i] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const uint8_t* wb = w + (size_t)b * 128;
-        _mm_prefetch((const char*)(wb + PREFETCH), _MM_HINT_T0);
-        _mm_prefetch((const char*)(wb + PREFETCH + 64), _MM_HINT_T0);
+        _mm_prefetch((const char*)(wb + PREFETCH), MF_Q4_PF_HINT);
+        _mm_prefetch((const char*)(wb + PREFETCH + 64), MF_Q4_PF_HINT);
         q4z_prefetch(s, m, fmt, b);
         const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)s + 8 * b)));
         const __m256i zv = q4_zeros8(m, fmt, b);
@@ -88,40 +88,27 @@ static inline __attribute__((always_inline)) void q4z_group_tile(
 }
 
 #if MF_AVX512
-/* q4_group_tile512 at group 32 with the zero points folded into the integer sums: the AVX2 tile's integers and
-   fp32 operations (the same bits). */
+/* q4_group_tile512 at group 32 with the zero points folded into the integer sums (mf_q4_block_dots256): the AVX2
+   tile's integers and fp32 operations (the same bits). */
 static inline __attribute__((always_inline)) void q4z_group_tile512(
     const uint8_t* w, const void* s, const void* m, int fmt, int K, const int8_t* xq, const float* xs,
     const int32_t* xsum, int t0, int tt, float* y, int ldy, int n) {
     const int nb = K / QB;
-    const __m512i low = _mm512_set1_epi8(0x0F);
-    const __m512i perm[4] = {
-        _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2),
-        _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3),
-        _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6),
-        _mm512_setr_epi32(5, 5, 5, 5, 5, 5, 5, 5, 7, 7, 7, 7, 7, 7, 7, 7)};
     __m256 acc[TT];
     for (int i = 0; i < tt; i++) acc[i] = _mm256_setzero_ps();
+    MF_UNROLL(2)  /* two blocks per pass: -16-25 % at 1 token from the L2 cache, none from DRAM (s17) */
     for (int b = 0; b < nb; b++) {
         const uint8_t* wb = w + (size_t)b * 128;
-        _mm_prefetch((const char*)(wb + PREFETCH), _MM_HINT_T0);
-        _mm_prefetch((const char*)(wb + PREFETCH + 64), _MM_HINT_T0);
+        _mm_prefetch((const char*)(wb + PREFETCH), MF_Q4_PF_HINT);
+        _mm_prefetch((const char*)(wb + PREFETCH + 64), MF_Q4_PF_HINT);
         q4z_prefetch(s, m, fmt, b);
         const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)s + 8 * b)));
         const __m256i zv = q4_zeros8(m, fmt, b);
-        const __m512i p0 = _mm512_loadu_si512(wb), p1 = _mm512_loadu_si512(wb + 64);
-        const __m512i wv[4] = {_mm512_and_si512(p0, low), _mm512_and_si512(_mm512_srli_epi16(p0, 4), low),
-                               _mm512_and_si512(p1, low), _mm512_and_si512(_mm512_srli_epi16(p1, 4), low)};
+        __m256i dd[TT];
+        mf_q4_block_dots256(wb, xq, K, b, t0, tt, dd);
         for (int i = 0; i < tt; i++) {
-            const __m512i xv = _mm512_castsi256_si512(
-                _mm256_loadu_si256((const __m256i*)(xq + (size_t)(t0 + i) * K + b * QB)));
-            __m512i d[4];
-            for (int a = 0; a < 4; a++)
-                d[a] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[a], _mm512_permutexvar_epi32(perm[a], xv));
-            const __m512i d16 = _mm512_add_epi32(_mm512_add_epi32(d[0], d[1]), _mm512_add_epi32(d[2], d[3]));
             const __m256i d8 = _mm256_sub_epi32(
-                _mm256_add_epi32(_mm512_castsi512_si256(d16), _mm512_extracti64x4_epi64(d16, 1)),
-                _mm256_mullo_epi32(zv, _mm256_set1_epi32(xsum[(size_t)(t0 + i) * nb + b])));
+                dd[i], _mm256_mullo_epi32(zv, _mm256_set1_epi32(xsum[(size_t)(t0 + i) * nb + b])));
             const __m256 scale = _mm256_mul_ps(sv, _mm256_broadcast_ss(xs + (size_t)(t0 + i) * nb + b));
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d8), scale, acc[i]);
         }
