@@ -27,9 +27,10 @@ from moeflow.engine.kv_cache import PassCache
 from moeflow.engine.mapped_experts import MappedGGUFExperts
 from moeflow.families import llama_moe, mixtral
 from moeflow.families.base import CausalDecoder
-from moeflow.families.layers import GatedMLP
+from moeflow.families.layers import GatedMLP, RMSNorm
 from moeflow.kernels.cpu.gguf import GGUFCpuExpert
-from moeflow.kernels.cpu.layers import LayerDesc, layer_desc, layers_step
+from moeflow.kernels.cpu.layers import HeadDesc, LayerDesc, decode_step, head_desc, head_ok, layer_desc, layers_step
+from moeflow.kernels.cpu.step import _linear_args
 from moeflow.kernels.dispatch import uses_triton
 from moeflow.kernels.formats.gguf import GGUFFormat
 from moeflow.moe.backend import ExpertBackend
@@ -55,6 +56,8 @@ class NativeLayers:
                         (layer, half.norm_in, half.attn, half.norm_post, block, block.gate,
                          *([block.shared_expert] if block.shared_expert is not None else []))]
         self._descs: tuple[Any, ctypes.Array, list] | None = None  # (backend, descriptors, their expert tables)
+        self._head: tuple[tuple, HeadDesc] | None = None  # (what it was built from, the tail's descriptor)
+        self._scratch: tuple[torch.Tensor, ...] | None = None  # the tail's out [1, 1, H], ids / weights [n, k]
 
     def _fused(self) -> bool:
         """Whether every layer would take its fused calls (the switches set_cpu_step_fused flips)."""
@@ -95,6 +98,45 @@ class NativeLayers:
                  routing: RoutingRecorder | None) -> torch.Tensor | None:
         """x fp32 [1, 1, H] after every layer, or None when this pass is not one it takes (module docstring).
         ``masks``: each layer's attention mask bool [1, 1, 1, L]."""
+        taken = self._take(x, cos, sin, cache, cache_position, masks, experts, routing)
+        if taken is None:
+            return None
+        return layers_step(taken[0], x.contiguous(), cos, sin, taken[1], cache_position)
+
+    def logits(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PassCache,
+               cache_position: torch.Tensor, masks: list[torch.Tensor], experts: ExpertBackend,
+               routing: RoutingRecorder | None, norm: nn.Module, lm_head: nn.Module) -> torch.Tensor | None:
+        """The pass's logits fp32 [1, 1, V] = ``lm_head(norm(x after every layer))`` with the tail in the same
+        native call (:func:`~moeflow.kernels.cpu.layers.decode_step`), or None (nothing run) when the pass is not
+        one :meth:`__call__` takes, or ``norm`` / ``lm_head`` are not the native RMSNorm and int8/int4
+        CpuQuantLinear (a RefinedInt4LmHead, a GGUF head, a hook on either: the head runs in Python)."""
+        if type(norm) is not RMSNorm or not norm.native or not head_ok(norm.weight, lm_head) or any(
+                m._forward_hooks or m._forward_pre_hooks for m in (norm, lm_head)):
+            return None
+        taken = self._take(x, cos, sin, cache, cache_position, masks, experts, routing)
+        if taken is None:
+            return None
+        descs, caches = taken
+        h = x.shape[-1]
+        key = (norm.weight.data_ptr(), float(norm.eps), *_linear_args(lm_head), lm_head.out_features)
+        if self._head is None or self._head[0] != key:
+            self._head = (key, head_desc(norm.weight, norm.eps, lm_head))
+        n, k = len(descs), max(d.k for d in descs)
+        if self._scratch is None or self._scratch[0].shape[-1] != h or self._scratch[1].shape != (n, k):
+            self._scratch = (torch.empty((1, 1, h)), torch.empty((n, k), dtype=torch.int32), torch.empty((n, k)))
+        out, ids, weights = self._scratch
+        logits = torch.empty((1, 1, lm_head.out_features))
+        kv = (ctypes.c_void_p * (3 * n))(*[t.data_ptr() for c in caches for t in c])
+        k_cache = caches[0][0]
+        decode_step(descs, x, cos, sin, kv, k_cache.shape[2], k_cache.shape[3], cache_position, self._head[1], out,
+                    logits, ids, weights)
+        return logits
+
+    def _take(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PassCache,
+              cache_position: torch.Tensor, masks: list[torch.Tensor], experts: ExpertBackend,
+              routing: RoutingRecorder | None) -> tuple[ctypes.Array, list[tuple[torch.Tensor, ...]]] | None:
+        """(the layers' descriptors, each layer's (k cache, v cache, mask)) when this pass is one the native call
+        takes, else None (module docstring)."""
         layer_kv = cache.layer_kv
         if not self.enabled or routing is not None or x.shape[:2] != (1, 1) or x.dtype != torch.float32 \
                 or layer_kv is None or not native_experts(experts) or not self._fused():
@@ -114,9 +156,7 @@ class NativeLayers:
                 or cos.dtype != torch.float32 or cos.numel() != caches[0][0].shape[3]:
             return None
         descs = self._descriptors(experts)
-        if descs is None:
-            return None
-        return layers_step(descs, x.contiguous(), cos, sin, caches, cache_position)
+        return None if descs is None else (descs, caches)
 
 
 def _native_shared(shared: nn.Module | None) -> bool:

@@ -24,6 +24,7 @@ import torch
 
 from moeflow.kernels.cpu.gguf import GGUFCpuExpert
 from moeflow.kernels.cpu.native import Q4Matrix, declared
+from moeflow.kernels.cpu.quant_linear import CpuQuantLinear
 from moeflow.kernels.cpu.step import (
     QKNorm,
     _check_fp32,
@@ -89,9 +90,42 @@ class LayerDesc(ctypes.Structure):
                 ("shared", ctypes.POINTER(ExpertDesc)), ("shared_gate", _p), ("shared_I", _i), ("shared_group", _i)]
 
 
+class LinearDesc(ctypes.Structure):
+    """step.h's ``mf_linear``: an int8 or int4 matrix of ``n`` rows (bits, group, fmt, weight, scales, mins)."""
+
+    _fields_ = [("bits", _i), ("group", _i), ("fmt", _i), ("n", _i), ("w", _p), ("s", _p), ("m", _p)]
+
+
+class HeadDesc(ctypes.Structure):
+    """step.h's ``mf_head_desc``: the final RMSNorm (weight fp32 [H], eps) and a native int8 or int4 lm_head
+    [V, H] (``mf_linear``'s fields)."""
+
+    _fields_ = [("norm", _p), ("eps", _f), ("head", LinearDesc)]
+
+
 def _signatures(lib: ctypes.CDLL) -> None:
     lib.mf_layers_step.argtypes = [ctypes.POINTER(LayerDesc), _i, _p, _i, _p, _p, _p, _i, _p, _f, _p, _p, _i]
     lib.mf_layers_step.restype = _i
+    lib.mf_decode_step.argtypes = [ctypes.POINTER(LayerDesc), _i, _p, _i, _p, _p, _p, _i, _p, _f, _p, _p,
+                                   ctypes.POINTER(HeadDesc), _p, _i]
+    lib.mf_decode_step.restype = _i
+
+
+def head_ok(norm_weight: torch.Tensor, lm_head: torch.nn.Module) -> bool:
+    """Whether :func:`head_desc` takes this final norm's weight and lm_head: a native int8 or int4
+    CpuQuantLinear without bias over a contiguous fp32 norm weight of its input size."""
+    return isinstance(lm_head, CpuQuantLinear) and block_linear_ok(lm_head) and norm_weight.dtype == torch.float32 \
+        and norm_weight.is_contiguous() and norm_weight.numel() == lm_head.in_features
+
+
+def head_desc(norm_weight: torch.Tensor, eps: float, lm_head: CpuQuantLinear) -> HeadDesc:
+    """The tail's descriptor: the final norm (weight fp32 [H]) and lm_head (``head_ok``), pointers into their
+    tensors (which must stay where they are)."""
+    if not head_ok(norm_weight, lm_head):
+        raise ValueError("head_desc: expected a native int8/int4 CpuQuantLinear lm_head without bias and its "
+                         "final norm's fp32 weight of in_features values")
+    bits, group, fmt, w, s, m = _linear_args(lm_head)
+    return HeadDesc(norm_weight.data_ptr(), eps, LinearDesc(bits, group, fmt, lm_head.out_features, w, s, m))
 
 
 def layer_desc(norm_in: torch.Tensor, norm_post: torch.Tensor, eps: float, qkv: torch.nn.Module,
@@ -159,3 +193,24 @@ def layers_step(descs: ctypes.Array, x: torch.Tensor, cos: torch.Tensor, sin: to
     if rc:
         raise ValueError(f"layers_step: the CPU kernel refused a GGUF expert's type or size (code {rc})")
     return out
+
+
+def decode_step(descs: ctypes.Array, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: ctypes.Array,
+                cache_len: int, head_dim: int, cache_position: torch.Tensor, head: HeadDesc, out: torch.Tensor,
+                logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
+    """One token through the described layers, then the final norm and the lm_head, in one parallel region
+    (``mf_decode_step``): :func:`layers_step`'s numbers, then ``lm_head(norm(x))``'s (the per-call kernels' bits).
+
+    x, out fp32 [1, 1, H] (x read; out: the last layer's output), logits fp32 [1, 1, V] (written); ``kv``: the
+    3 n addresses :func:`layers_step` passes (each layer's k cache, v cache [n_kv, cache_len, head_dim], mask bool
+    [cache_len]); cos, sin fp32 [head_dim]; cache_position int64 [1]; ids int32 / weights fp32 [n, k] receive the
+    routing. The caller checks shapes and keeps every buffer contiguous (as NativeLayers does)."""
+    out.copy_(x)
+    lib = declared(_lib(), _signatures)
+    rc = lib.mf_decode_step(descs, len(descs), out.data_ptr(), out.shape[-1], cos.data_ptr(), sin.data_ptr(), kv,
+                            cache_len, cache_position.data_ptr(), 1.0 / math.sqrt(head_dim), ids.data_ptr(),
+                            weights.data_ptr(), ctypes.byref(head), logits.data_ptr(), torch.get_num_threads())
+    if rc == -1:
+        raise MemoryError("decode_step: the CPU kernel could not allocate its buffers")
+    if rc:
+        raise ValueError(f"decode_step: the CPU kernel refused a GGUF expert's type or size, or the head (code {rc})")

@@ -1,0 +1,21 @@
+/* The tail of a one-token decode step outside a parallel region (step.h's mf_head_calls): the final RMSNorm and the
+   lm_head as the per-layer path calls them (step.c's mf_rmsnorm, native.c's mf_q8_linear / mf_q4_linear), for the
+   layers mf_layers_step runs as separate calls (mf_layers_step_calls). mf_decode_step runs the same numbers
+   inside its one region (step_region.c). */
+
+#include <stdlib.h>
+
+#include "step.h"
+
+int mf_head_calls(const mf_head_desc* head, const float* x, int H, float* logits, int nthreads) {
+    float* h = malloc(sizeof(float) * (size_t)H);
+    if (!h) return -1;
+    mf_rmsnorm(x, NULL, NULL, head->norm, head->eps, 1, H, h);
+    const mf_linear* l = &head->head;
+    const int rc = l->bits == 8 ? mf_q8_linear(h, 1, H, l->n, (const int8_t*)l->w, (const float*)l->s, logits,
+                                               nthreads)
+                                : mf_q4_linear(h, 1, H, l->n, l->group, l->fmt, (const uint8_t*)l->w, l->s, l->m,
+                                               logits, nthreads);
+    free(h);
+    return rc;
+}

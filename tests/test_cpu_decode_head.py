@@ -1,0 +1,94 @@
+"""The tail of the one-call CPU decode step (kernels/cpu/step_region.c's mf_decode_step, engine/cpu_layers.py's
+``NativeLayers.logits``): the final RMSNorm and the int8 (or int4) lm_head after the last layer, in the same
+parallel region, the rows shared out by the team. Each decode step's logits are, bit for bit, what the per-call
+path computes from the same last-layer output (``lm_head(norm(x))``: mf_rmsnorm, then mf_q8_linear /
+mf_q4_linear), at 1, 2 and 3 threads, with the greedy tokens of the model run without the one call. ~15 s."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moeflow.engine.cpu_layers as cpu_layers
+from moeflow import MoEOffloadedMixtral
+from moeflow.cli import embedded_model_path
+from moeflow.kernels.cpu.lm_head import RefinedInt4LmHead
+from moeflow.kernels.cpu.native import native_available
+from moeflow.kernels.cpu.quant_linear import quantize_linear_cpu
+
+pytestmark = pytest.mark.skipif(not native_available(), reason="moeflow's CPU kernels cannot be built here")
+PROMPT = "The \"with\" statement is used to wrap the execution"
+
+
+@pytest.fixture
+def tails(monkeypatch):
+    """Every call of the tail: (the last layer's output [1, 1, H], the logits [1, 1, V]) as copies."""
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    inner = cpu_layers.decode_step
+
+    def decode_step(*a, **kw):
+        inner(*a, **kw)
+        out, logits = a[9], a[10]
+        seen.append((out.clone(), logits.clone()))
+    monkeypatch.setattr(cpu_layers, "decode_step", decode_step)
+    return seen
+
+
+def _generate(model: MoEOffloadedMixtral, ids: torch.Tensor, n: int) -> torch.Tensor:
+    with torch.inference_mode():
+        return model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=[])
+
+
+def _check(model: MoEOffloadedMixtral, ids: torch.Tensor, n: int, tails: list) -> None:
+    """n greedy tokens at 1, 2 and 3 threads: each decode step's logits from the tail, the per-call head's logits
+    of the same last-layer output bit for bit and the same at every thread count; the tokens of the layers run one
+    by one (the one call off)."""
+    dec = model.model
+    dec.layers_step.enabled = False
+    ref = _generate(model, ids, n)
+    dec.layers_step.enabled = True
+    assert not tails
+    threads = torch.get_num_threads()
+    per_count = []
+    try:
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            tails.clear()
+            out = _generate(model, ids, n)
+            assert torch.equal(out, ref), f"{t} threads"
+            assert len(tails) == n - 1  # every decode step (the prefill runs the layers one by one)
+            with torch.inference_mode():
+                for x, logits in tails:
+                    assert torch.equal(logits, dec.lm_head(dec.norm(x)).float()), f"{t} threads"
+            per_count.append([lg for _, lg in tails])
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for other in per_count[1:] for a, b in zip(per_count[0], other, strict=True))
+
+
+def test_the_tail_is_the_per_call_head_on_1_2_3_threads(tails):
+    model = MoEOffloadedMixtral.from_pretrained(embedded_model_path(), attention_bits=4, lm_head_bits=8)
+    ids = torch.tensor([model.tokenizer.encode(PROMPT)])
+    _check(model, ids, 6, tails)
+    # an int4 head (a native CpuQuantLinear of 4 bits): the tail runs it too, the same bits as its forward
+    model.model.lm_head = quantize_linear_cpu(model.model.lm_head.dequantized(), bits=4, group_size=32)
+    tails.clear()
+    _check(model, ids, 4, tails)
+
+
+def test_the_tail_steps_aside_for_a_hooked_or_refined_head(tails):
+    model = MoEOffloadedMixtral.from_pretrained(embedded_model_path(), attention_bits=4, lm_head_bits=4)
+    assert isinstance(model.model.lm_head, RefinedInt4LmHead)
+    ids = torch.tensor([model.tokenizer.encode(PROMPT)])
+    _generate(model, ids, 3)
+    assert not tails  # the refined int4 head runs in Python, after the layers' one call
+    model = MoEOffloadedMixtral.from_pretrained(embedded_model_path(), attention_bits=4, lm_head_bits=8)
+    seen = []
+    hook = model.model.norm.register_forward_hook(lambda m, a, o: seen.append(o.shape))
+    try:
+        _generate(model, ids, 3)
+    finally:
+        hook.remove()
+    assert not tails and len(seen) == 3  # a hook on the final norm: it runs as a module, every pass
+    _generate(model, ids, 3)
+    assert len(tails) == 2
