@@ -60,13 +60,15 @@ class NativeLayers:
         self._scratch: tuple[torch.Tensor, ...] | None = None  # the tail's out [1, 1, H], ids / weights [n, k]
 
     def _fused(self) -> bool:
-        """Whether every layer would take its fused calls (the switches set_cpu_step_fused flips)."""
+        """Whether every layer would take its fused calls (the switches set_cpu_step_fused flips). Read per pass
+        from the objects themselves (the modules' own dicts: no nn.Module attribute look-up, ~10 us for 8 layers)."""
         for layer, block in zip(self.layers, self.blocks, strict=True):
-            half = layer.attention_step
+            half, parts = layer.__dict__.get("attention_step"), block._modules
+            gate, shared, route = parts.get("gate"), parts.get("shared_expert"), block.__dict__.get("route")
             if not (isinstance(half, NativeAttentionHalf) and half.attn.fused_step and half.norm_in.native
-                    and half.norm_post.native and isinstance(block.gate, NativeRouterGate) and block.gate.native
-                    and isinstance(block.route, NativeRoute) and block.route.native
-                    and (block.shared_expert is None or block.shared_expert.native_step.native)):
+                    and half.norm_post.native and isinstance(gate, NativeRouterGate) and gate.native
+                    and isinstance(route, NativeRoute) and route.native
+                    and (shared is None or shared.native_step.native)):
                 return False
         return not (nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks or any(
             m._forward_hooks or m._forward_pre_hooks for m in self.modules))
