@@ -48,3 +48,16 @@ def test_one_position_rotary_is_computed_once_with_the_same_bits():
             # a row of a longer pass: the same numbers as the one-position call
             row = rot(torch.tensor([[pos, pos + 1]]), dtype)
             assert torch.equal(row[0][:, :1], first[0]) and torch.equal(row[1][:, :1], first[1])
+
+
+def test_greedy_next_tokens_on_the_cpu_are_torch_argmax():
+    from moeflow.engine.sampling import GenerationConfig, next_tokens
+
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn((4, 1000), generator=g)
+    logits[1, 10] = logits[1, 500] = 100.0  # a tie: the first
+    logits[2, 7] = float("nan")  # NaN counts as the largest, as in torch
+    logits[3] = float("-inf")
+    got = next_tokens(logits, GenerationConfig(), None)
+    assert got.dtype == torch.int64 and torch.equal(got, logits.argmax(dim=-1))
+    assert got.tolist()[1:] == [10, 7, 0]

@@ -10,6 +10,8 @@ from collections.abc import Callable
 
 import torch
 
+from moeflow.compile_boundary import eager_host_step
+
 
 def _nothing_to_restore() -> None:
     return None
@@ -89,7 +91,7 @@ def attention_mask(valid: torch.Tensor, cache_position: torch.Tensor, sliding_wi
     A query may always see its own position, so rows of padding queries are never empty (no NaN). One query on
     the CPU (a decode step) takes three ops for the same booleans instead of seven.
     """
-    if cache_position.numel() == 1 and valid.device.type == "cpu" and not torch.compiler.is_compiling() \
+    if cache_position.numel() == 1 and eager_host_step(valid, cache_position) \
             and 0 <= (q := int(cache_position)) < valid.shape[1]:
         allowed = valid.clone()
         allowed[:, q + 1:] = False

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeflow import kernels
+from moeflow.compile_boundary import eager_host_step
 from moeflow.kernels.cpu.step import NATIVE_ATTENTION_TOKENS, QKNorm, attention_step, rmsnorm
 from moeflow.kernels.experts.checks import check_pool_weights
 
@@ -55,7 +56,7 @@ class RotaryEmbedding(nn.Module):
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """position_ids [B, T] -> (cos, sin) [B, T, head_dim], computed in fp32 (for one position on the CPU,
         computed once and kept: do not write into them)."""
-        if position_ids.numel() == 1 and position_ids.device.type == "cpu" and not torch.compiler.is_compiling():
+        if position_ids.numel() == 1 and eager_host_step(position_ids):
             key = (int(position_ids), position_ids.dim(), dtype)
             hit = self._one.get(key)
             if hit is None:
