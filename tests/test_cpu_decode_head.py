@@ -24,13 +24,14 @@ PROMPT = "The \"with\" statement is used to wrap the execution"
 def tails(monkeypatch):
     """Every call of the tail: (the last layer's output [1, 1, H], the logits [1, 1, V]) as copies."""
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
-    inner = cpu_layers.decode_step
+    inner = cpu_layers.layers_step
 
-    def decode_step(*a, **kw):
-        inner(*a, **kw)
-        out, logits = a[9], a[10]
-        seen.append((out.clone(), logits.clone()))
-    monkeypatch.setattr(cpu_layers, "decode_step", decode_step)
+    def layers_step(*a, **kw):
+        out = inner(*a, **kw)
+        if kw.get("head") is not None:
+            seen.append((out.clone(), kw["logits"].clone()))
+        return out
+    monkeypatch.setattr(cpu_layers, "layers_step", layers_step)
     return seen
 
 
@@ -92,3 +93,30 @@ def test_the_tail_steps_aside_for_a_hooked_or_refined_head(tails):
     assert not tails and len(seen) == 3  # a hook on the final norm: it runs as a module, every pass
     _generate(model, ids, 3)
     assert len(tails) == 2
+
+
+def test_the_tail_runs_a_gguf_files_q6_k_head_on_its_blocks(tmp_path, monkeypatch, tails):
+    """A Q4_K_M-style file's Q6_K output.weight (GGUFLinear on the file's blocks) in the tail: gguf.c's
+    mf_gguf_linear_team, mf_gguf_linear's numbers (the per-call GGUFLinear) at 1, 2 and 3 threads."""
+    pytest.importorskip("gguf")
+    from gguf_models import T, k_mix_experts, random_k_experts, write_gguf
+    from helpers import make_tiny_model
+
+    from moeflow import MoEModel
+    from moeflow.kernels.cpu.gguf import GGUFLinear
+
+    monkeypatch.setenv("MOEFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    model = make_tiny_model(seed=5, hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_local_experts=4,
+                            num_experts_per_tok=2)
+    raw = k_mix_experts([("Q4_K", "Q6_K"), ("Q4_K", "Q4_K")], 4, 256, 256)
+    head = random_k_experts("Q6_K", 1, model.config.vocab_size, 9, 256)[0]
+    path = tmp_path / "q4_k_m.gguf"
+    write_gguf(model, path, expert_types=T.Q8_0, other_type=T.Q8_0, raw_experts=raw,
+               raw_tensors={"output.weight": (head, T.Q6_K)})
+    resident = MoEModel.from_pretrained(path, dtype=torch.float32, device="cpu")
+    try:
+        assert isinstance(resident.model.lm_head, GGUFLinear) and resident.model.lm_head.type.name == "Q6_K"
+        ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(3))
+        _check(resident, ids, 5, tails)
+    finally:
+        resident.close()

@@ -29,8 +29,7 @@ from moeflow.families import llama_moe, mixtral
 from moeflow.families.base import CausalDecoder
 from moeflow.families.layers import GatedMLP, RMSNorm
 from moeflow.kernels.cpu.gguf import GGUFCpuExpert
-from moeflow.kernels.cpu.layers import HeadDesc, LayerDesc, decode_step, head_desc, head_ok, layer_desc, layers_step
-from moeflow.kernels.cpu.step import _linear_args
+from moeflow.kernels.cpu.layers import HeadDesc, LayerDesc, head_desc, head_ok, layer_desc, layers_step
 from moeflow.kernels.dispatch import uses_triton
 from moeflow.kernels.formats.gguf import GGUFFormat
 from moeflow.moe.backend import ExpertBackend
@@ -57,7 +56,6 @@ class NativeLayers:
                          *([block.shared_expert] if block.shared_expert is not None else []))]
         self._descs: tuple[Any, ctypes.Array, list] | None = None  # (backend, descriptors, their expert tables)
         self._head: tuple[tuple, HeadDesc] | None = None  # (what it was built from, the tail's descriptor)
-        self._scratch: tuple[torch.Tensor, ...] | None = None  # the tail's out [1, 1, H], ids / weights [n, k]
 
     def _fused(self) -> bool:
         """Whether every layer would take its fused calls (the switches set_cpu_step_fused flips). Read per pass
@@ -109,29 +107,20 @@ class NativeLayers:
                cache_position: torch.Tensor, masks: list[torch.Tensor], experts: ExpertBackend,
                routing: RoutingRecorder | None, norm: nn.Module, lm_head: nn.Module) -> torch.Tensor | None:
         """The pass's logits fp32 [1, 1, V] = ``lm_head(norm(x after every layer))`` with the tail in the same
-        native call (:func:`~moeflow.kernels.cpu.layers.decode_step`), or None (nothing run) when the pass is not
-        one :meth:`__call__` takes, or ``norm`` / ``lm_head`` are not the native RMSNorm and int8/int4
-        CpuQuantLinear (a RefinedInt4LmHead, a GGUF head, a hook on either: the head runs in Python)."""
+        native call (:func:`~moeflow.kernels.cpu.layers.layers_step` with a ``head``), or None (nothing run) when
+        the pass is not one :meth:`__call__` takes, or ``norm`` / ``lm_head`` are not the native RMSNorm and an
+        int8/int4 CpuQuantLinear or a GGUFLinear (a RefinedInt4LmHead, a hook on either: the head runs in Python)."""
         if type(norm) is not RMSNorm or not norm.native or not head_ok(norm.weight, lm_head) or any(
                 m._forward_hooks or m._forward_pre_hooks for m in (norm, lm_head)):
             return None
         taken = self._take(x, cos, sin, cache, cache_position, masks, experts, routing)
         if taken is None:
             return None
-        descs, caches = taken
-        h = x.shape[-1]
-        key = (norm.weight.data_ptr(), float(norm.eps), *_linear_args(lm_head), lm_head.out_features)
+        key = (norm.weight.data_ptr(), float(norm.eps), lm_head, _head_tensors(lm_head))
         if self._head is None or self._head[0] != key:
             self._head = (key, head_desc(norm.weight, norm.eps, lm_head))
-        n, k = len(descs), max(d.k for d in descs)
-        if self._scratch is None or self._scratch[0].shape[-1] != h or self._scratch[1].shape != (n, k):
-            self._scratch = (torch.empty((1, 1, h)), torch.empty((n, k), dtype=torch.int32), torch.empty((n, k)))
-        out, ids, weights = self._scratch
         logits = torch.empty((1, 1, lm_head.out_features))
-        kv = (ctypes.c_void_p * (3 * n))(*[t.data_ptr() for c in caches for t in c])
-        k_cache = caches[0][0]
-        decode_step(descs, x, cos, sin, kv, k_cache.shape[2], k_cache.shape[3], cache_position, self._head[1], out,
-                    logits, ids, weights)
+        layers_step(taken[0], x.contiguous(), cos, sin, taken[1], cache_position, head=self._head[1], logits=logits)
         return logits
 
     def _take(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PassCache,
@@ -159,6 +148,11 @@ class NativeLayers:
             return None
         descs = self._descriptors(experts)
         return None if descs is None else (descs, caches)
+
+
+def _head_tensors(lm_head: nn.Module) -> tuple[int, ...]:
+    """The addresses of ``lm_head``'s tensors the tail's descriptor points into (rebuilt when one moves)."""
+    return tuple(t.data_ptr() for t in lm_head.buffers())
 
 
 def _native_shared(shared: nn.Module | None) -> bool:

@@ -82,6 +82,10 @@ void mf_gguf_expert_team(const float* x, int H, int I, int t13, const uint8_t* g
                          int t2, const uint8_t* down, int64_t s2, float weight, float* out, int accumulate, float* h,
                          float* y, void* scratch);
 
+/* One token's rows of a GGUF matrix as a worksharing loop of the enclosing team (gguf.c; step_region.c's tail). */
+void mf_gguf_linear_team(const float* x, int K, int N, int type, const uint8_t* w, int64_t stride, float* y,
+                         void* scratch);
+
 /* Row `row` (nb blocks of K-quant `type`: Q4_K, Q5_K, Q6_K) against the T quantized tokens of `a`: y[t * ldy]
    (gguf_k.c). */
 __attribute__((visibility("hidden"))) void mf_gguf_krow(int type, const uint8_t* row, int nb, int T, const acts* a,

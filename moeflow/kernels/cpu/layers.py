@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from moeflow.kernels.cpu.gguf import GGUFCpuExpert
+from moeflow.kernels.cpu.gguf import GGUFCpuExpert, GGUFLinear
 from moeflow.kernels.cpu.native import Q4Matrix, declared
 from moeflow.kernels.cpu.quant_linear import CpuQuantLinear
 from moeflow.kernels.cpu.step import (
@@ -97,10 +97,11 @@ class LinearDesc(ctypes.Structure):
 
 
 class HeadDesc(ctypes.Structure):
-    """step.h's ``mf_head_desc``: the final RMSNorm (weight fp32 [H], eps) and a native int8 or int4 lm_head
-    [V, H] (``mf_linear``'s fields)."""
+    """step.h's ``mf_head_desc``: the final RMSNorm (weight fp32 [H], eps) and an lm_head [V, H]: a native int8 or
+    int4 matrix (``head``), or a GGUF file's blocks (``gguf_type`` the ggml type id, ``head.w`` the blocks, rows
+    ``stride`` bytes apart)."""
 
-    _fields_ = [("norm", _p), ("eps", _f), ("head", LinearDesc)]
+    _fields_ = [("norm", _p), ("eps", _f), ("head", LinearDesc), ("gguf_type", _i), ("stride", ctypes.c_int64)]
 
 
 def _signatures(lib: ctypes.CDLL) -> None:
@@ -113,17 +114,24 @@ def _signatures(lib: ctypes.CDLL) -> None:
 
 def head_ok(norm_weight: torch.Tensor, lm_head: torch.nn.Module) -> bool:
     """Whether :func:`head_desc` takes this final norm's weight and lm_head: a native int8 or int4
-    CpuQuantLinear without bias over a contiguous fp32 norm weight of its input size."""
-    return isinstance(lm_head, CpuQuantLinear) and block_linear_ok(lm_head) and norm_weight.dtype == torch.float32 \
-        and norm_weight.is_contiguous() and norm_weight.numel() == lm_head.in_features
+    CpuQuantLinear or a GGUFLinear (a file's K-quant head on its blocks), without bias, over a contiguous fp32
+    norm weight of its input size."""
+    head = (isinstance(lm_head, CpuQuantLinear) and block_linear_ok(lm_head)) or \
+        (isinstance(lm_head, GGUFLinear) and lm_head.bias is None)
+    return head and norm_weight.dtype == torch.float32 and norm_weight.is_contiguous() \
+        and norm_weight.numel() == lm_head.in_features
 
 
-def head_desc(norm_weight: torch.Tensor, eps: float, lm_head: CpuQuantLinear) -> HeadDesc:
+def head_desc(norm_weight: torch.Tensor, eps: float, lm_head: CpuQuantLinear | GGUFLinear) -> HeadDesc:
     """The tail's descriptor: the final norm (weight fp32 [H]) and lm_head (``head_ok``), pointers into their
     tensors (which must stay where they are)."""
     if not head_ok(norm_weight, lm_head):
-        raise ValueError("head_desc: expected a native int8/int4 CpuQuantLinear lm_head without bias and its "
-                         "final norm's fp32 weight of in_features values")
+        raise ValueError("head_desc: expected a native int8/int4 CpuQuantLinear or a GGUFLinear lm_head without "
+                         "bias and its final norm's fp32 weight of in_features values")
+    if isinstance(lm_head, GGUFLinear):
+        return HeadDesc(norm_weight.data_ptr(), eps, LinearDesc(0, 0, 0, lm_head.out_features,
+                                                                lm_head.blocks.data_ptr()),
+                        lm_head.type.type_id, lm_head.blocks.stride(0))
     bits, group, fmt, w, s, m = _linear_args(lm_head)
     return HeadDesc(norm_weight.data_ptr(), eps, LinearDesc(bits, group, fmt, lm_head.out_features, w, s, m))
 
@@ -171,12 +179,16 @@ def layer_desc(norm_in: torch.Tensor, norm_post: torch.Tensor, eps: float, qkv: 
 
 def layers_step(descs: ctypes.Array, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 caches: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], cache_position: torch.Tensor,
-                ids: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> torch.Tensor:
+                ids: torch.Tensor | None = None, weights: torch.Tensor | None = None, head: HeadDesc | None = None,
+                logits: torch.Tensor | None = None) -> torch.Tensor:
     """One token through the described layers: x fp32 [1, 1, H] -> fp32 [1, 1, H] (x is not changed).
 
     cos, sin fp32 [1, 1, D]; caches: per layer (k cache, v cache fp32 [1, n_kv, L, D], mask bool [1, 1, 1, L]),
     each contiguous and written at ``cache_position`` (int64 [1]); ``ids`` int32 [n, k] / ``weights`` fp32
-    [n, k] (optional) receive each layer's routing. The caller checks shapes (as attention_block does)."""
+    [n, k] (optional) receive each layer's routing. The caller checks shapes (as attention_block does).
+    ``head`` (:func:`head_desc`): then, in the same parallel region (``mf_decode_step``), the final norm and the
+    lm_head of the result into ``logits`` fp32 [1, 1, V] (contiguous): ``lm_head(norm(result))``'s numbers, bit
+    for bit (the per-call kernels': mf_rmsnorm, then mf_q8_linear / mf_q4_linear / mf_gguf_linear)."""
     n = len(descs)
     out = x.clone()
     k = max(d.k for d in descs)
@@ -185,32 +197,17 @@ def layers_step(descs: ctypes.Array, x: torch.Tensor, cos: torch.Tensor, sin: to
     ptrs = (_p * (3 * n))(*[t.data_ptr() for c in caches for t in c])
     k_cache = caches[0][0]
     lib = declared(_lib(), _signatures)
-    rc = lib.mf_layers_step(descs, n, out.data_ptr(), x.shape[-1], cos.data_ptr(), sin.data_ptr(), ptrs,
-                            k_cache.shape[2], cache_position.data_ptr(), 1.0 / math.sqrt(k_cache.shape[3]),
-                            ids.data_ptr(), weights.data_ptr(), torch.get_num_threads())
+    args = (descs, n, out.data_ptr(), x.shape[-1], cos.data_ptr(), sin.data_ptr(), ptrs, k_cache.shape[2],
+            cache_position.data_ptr(), 1.0 / math.sqrt(k_cache.shape[3]), ids.data_ptr(), weights.data_ptr())
+    if head is None:
+        rc = lib.mf_layers_step(*args, torch.get_num_threads())
+    else:
+        if logits is None or logits.dtype != torch.float32 or not logits.is_contiguous() \
+                or logits.numel() != head.head.n:
+            raise ValueError(f"layers_step: logits must be a contiguous fp32 tensor of {head.head.n} values")
+        rc = lib.mf_decode_step(*args, ctypes.byref(head), logits.data_ptr(), torch.get_num_threads())
     if rc == -1:
         raise MemoryError("layers_step: the CPU kernel could not allocate its buffers")
     if rc:
-        raise ValueError(f"layers_step: the CPU kernel refused a GGUF expert's type or size (code {rc})")
+        raise ValueError(f"layers_step: the CPU kernel refused a GGUF expert's type or size, or the head (code {rc})")
     return out
-
-
-def decode_step(descs: ctypes.Array, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: ctypes.Array,
-                cache_len: int, head_dim: int, cache_position: torch.Tensor, head: HeadDesc, out: torch.Tensor,
-                logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
-    """One token through the described layers, then the final norm and the lm_head, in one parallel region
-    (``mf_decode_step``): :func:`layers_step`'s numbers, then ``lm_head(norm(x))``'s (the per-call kernels' bits).
-
-    x, out fp32 [1, 1, H] (x read; out: the last layer's output), logits fp32 [1, 1, V] (written); ``kv``: the
-    3 n addresses :func:`layers_step` passes (each layer's k cache, v cache [n_kv, cache_len, head_dim], mask bool
-    [cache_len]); cos, sin fp32 [head_dim]; cache_position int64 [1]; ids int32 / weights fp32 [n, k] receive the
-    routing. The caller checks shapes and keeps every buffer contiguous (as NativeLayers does)."""
-    out.copy_(x)
-    lib = declared(_lib(), _signatures)
-    rc = lib.mf_decode_step(descs, len(descs), out.data_ptr(), out.shape[-1], cos.data_ptr(), sin.data_ptr(), kv,
-                            cache_len, cache_position.data_ptr(), 1.0 / math.sqrt(head_dim), ids.data_ptr(),
-                            weights.data_ptr(), ctypes.byref(head), logits.data_ptr(), torch.get_num_threads())
-    if rc == -1:
-        raise MemoryError("decode_step: the CPU kernel could not allocate its buffers")
-    if rc:
-        raise ValueError(f"decode_step: the CPU kernel refused a GGUF expert's type or size, or the head (code {rc})")

@@ -348,8 +348,13 @@ static int layers_region(const mf_layer_desc* layers, int n, float* x, int H, co
         if (tid == 0) memcpy(x, P.x, sizeof(float) * H);
         if (head) {  /* the tail: the final norm and the lm_head's rows shared out (mf_head_calls' numbers) */
             mf_rmsnorm(P.x, NULL, NULL, head->norm, head->eps, 1, H, P.hn);
-            quantize(P.hn, H, head->head.bits, head->head.group, &P.in[0]);
-            linear_for(&head->head, H, &P.in[0], NULL, logits);
+            if (head->gguf_type) {
+                mf_gguf_linear_team(P.hn, H, head->head.n, head->gguf_type, (const uint8_t*)head->head.w,
+                                    head->stride, logits, P.gg);
+            } else {
+                quantize(P.hn, H, head->head.bits, head->head.group, &P.in[0]);
+                linear_for(&head->head, H, &P.in[0], NULL, logits);
+            }
         }
     }
     free(mem);
@@ -366,6 +371,6 @@ int mf_layers_step(const mf_layer_desc* layers, int n, float* x, int H, const fl
 int mf_decode_step(const mf_layer_desc* layers, int n, float* x, int H, const float* cos, const float* sin,
                    void* const* kv, int L, const int64_t* pos, float scale, int32_t* ids, float* weights,
                    const mf_head_desc* head, float* logits, int nthreads) {
-    if (head->head.bits != 4 && head->head.bits != 8) return -2;
+    if (mf_head_check(head, H)) return -2;
     return layers_region(layers, n, x, H, cos, sin, kv, L, pos, scale, ids, weights, head, logits, nthreads);
 }
