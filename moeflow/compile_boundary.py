@@ -53,5 +53,7 @@ def eager_host_step(*tensors: Any) -> bool:
     import torch
     from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
-    return all(type(t) is torch.Tensor and t.device.type == "cpu" for t in tensors) \
-        and not torch.compiler.is_compiling() and not is_in_torch_dispatch_mode()
+    for t in tensors:
+        if type(t) is not torch.Tensor or not t.is_cpu:
+            return False
+    return not is_in_torch_dispatch_mode() and not torch.compiler.is_compiling()

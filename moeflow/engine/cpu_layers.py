@@ -56,6 +56,7 @@ class NativeLayers:
                          *([block.shared_expert] if block.shared_expert is not None else []))]
         self._descs: tuple[Any, ctypes.Array, list] | None = None  # (backend, descriptors, their expert tables)
         self._head: tuple[tuple, HeadDesc] | None = None  # (what it was built from, the tail's descriptor)
+        self._kv: tuple[list, list] | None = None  # (a cache's layer_kv, its layers' (k, v) checked)
 
     def _fused(self) -> bool:
         """Whether every layer would take its fused calls (the switches set_cpu_step_fused flips). Read per pass
@@ -110,18 +111,34 @@ class NativeLayers:
         native call (:func:`~moeflow.kernels.cpu.layers.layers_step` with a ``head``), or None (nothing run) when
         the pass is not one :meth:`__call__` takes, or ``norm`` / ``lm_head`` are not the native RMSNorm and an
         int8/int4 CpuQuantLinear or a GGUFLinear (a RefinedInt4LmHead, a hook on either: the head runs in Python)."""
-        if type(norm) is not RMSNorm or not norm.native or not head_ok(norm.weight, lm_head) or any(
-                m._forward_hooks or m._forward_pre_hooks for m in (norm, lm_head)):
+        if type(norm) is not RMSNorm or not norm.native or any(m._forward_hooks or m._forward_pre_hooks
+                                                               for m in (norm, lm_head)):
             return None
+        # the descriptor kept while the norm and head and their tensors' addresses stay the same
+        tensors = (norm._parameters.get("weight"), *lm_head._buffers.values())
+        key = (norm, lm_head, norm.eps, *(None if t is None else t.data_ptr() for t in tensors))
+        if self._head is None or self._head[0] != key:
+            if not head_ok(norm.weight, lm_head):
+                return None
+            self._head = (key, head_desc(norm.weight, norm.eps, lm_head))
         taken = self._take(x, cos, sin, cache, cache_position, masks, experts, routing)
         if taken is None:
             return None
-        key = (norm.weight.data_ptr(), float(norm.eps), lm_head, _head_tensors(lm_head))
-        if self._head is None or self._head[0] != key:
-            self._head = (key, head_desc(norm.weight, norm.eps, lm_head))
         logits = torch.empty((1, 1, lm_head.out_features))
         layers_step(taken[0], x.contiguous(), cos, sin, taken[1], cache_position, head=self._head[1], logits=logits)
         return logits
+
+    def _layer_kv(self, layer_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> list | None:
+        """Each layer's (k, v) cache from the cache's ``layer_kv`` when every one is a contiguous fp32 [1, n_kv, L,
+        D] of one shape, else None; checked once per ``layer_kv`` list (a cache's views, made once)."""
+        if self._kv is not None and self._kv[0] is layer_kv:
+            return self._kv[1]
+        kv = [layer_kv[layer.attention_step.attn.layer_idx] for layer in self.layers]
+        if any(k.dtype != torch.float32 or not (k.is_contiguous() and v.is_contiguous()) or k.shape[0] != 1
+               or v.shape != k.shape for k, v in kv) or len({k.shape for k, _ in kv}) != 1:
+            return None
+        self._kv = (layer_kv, kv)
+        return kv
 
     def _take(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PassCache,
               cache_position: torch.Tensor, masks: list[torch.Tensor], experts: ExpertBackend,
@@ -135,24 +152,22 @@ class NativeLayers:
         real = experts._real_tokens
         if real is not None and real[0] is not None:
             return None
-        caches = []
-        for layer, mask in zip(self.layers, masks, strict=True):
-            k, v = layer_kv[layer.attention_step.attn.layer_idx]
-            if k.dtype != torch.float32 or not (k.is_contiguous() and v.is_contiguous() and mask.is_contiguous()) \
-                    or mask.dtype != torch.bool or mask.numel() != k.shape[2] or k.shape[0] != 1:
-                return None
-            caches.append((k, v, mask))
-        if len({c[0].shape for c in caches}) != 1 or cache_position.dtype != torch.int64 \
-                or cache_position.numel() != 1 or not (cos.is_contiguous() and sin.is_contiguous()) \
-                or cos.dtype != torch.float32 or cos.numel() != caches[0][0].shape[3]:
+        kv = self._layer_kv(layer_kv)
+        if kv is None:
             return None
+        length, checked = kv[0][0].shape[2], set()
+        for mask in masks:  # (the layers share one mask per window: each checked once)
+            if id(mask) not in checked:
+                if mask.dtype != torch.bool or not mask.is_contiguous() or mask.numel() != length:
+                    return None
+                checked.add(id(mask))
+        if cache_position.dtype != torch.int64 or cache_position.numel() != 1 \
+                or not (cos.is_contiguous() and sin.is_contiguous()) or cos.dtype != torch.float32 \
+                or cos.numel() != kv[0][0].shape[3]:
+            return None
+        caches = [(k, v, mask) for (k, v), mask in zip(kv, masks, strict=True)]
         descs = self._descriptors(experts)
         return None if descs is None else (descs, caches)
-
-
-def _head_tensors(lm_head: nn.Module) -> tuple[int, ...]:
-    """The addresses of ``lm_head``'s tensors the tail's descriptor points into (rebuilt when one moves)."""
-    return tuple(t.data_ptr() for t in lm_head.buffers())
 
 
 def _native_shared(shared: nn.Module | None) -> bool:

@@ -93,12 +93,12 @@ def attention_mask(valid: torch.Tensor, cache_position: torch.Tensor, sliding_wi
     """
     if cache_position.numel() == 1 and eager_host_step(valid, cache_position) \
             and 0 <= (q := int(cache_position)) < valid.shape[1]:
-        allowed = valid.clone()
+        allowed = valid.numpy().copy()  # (numpy's slices: ~1 us each where torch's take ~5)
         allowed[:, q + 1:] = False
         if sliding_window is not None:
             allowed[:, :max(q - sliding_window + 1, 0)] = False
         allowed[:, q] = True
-        return allowed[:, None, None]
+        return torch.from_numpy(allowed)[:, None, None]
     keys = torch.arange(valid.shape[1], device=cache_position.device)
     q = cache_position[:, None]  # [T, 1]
     allowed = (keys[None, :] <= q)[None] & valid[:, None, :]  # [B, T, max_len]
