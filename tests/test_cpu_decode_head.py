@@ -77,13 +77,27 @@ def test_the_tail_is_the_per_call_head_on_1_2_3_threads(tails):
     _check(model, ids, 4, tails)
 
 
-def test_the_tail_steps_aside_for_a_hooked_or_refined_head(tails):
+def test_the_tail_runs_the_refined_int4_head(tails):
+    """lm_head_bits=4 (lm_head.py's RefinedInt4LmHead): the int4 logits across the team, then its 16 largest
+    recomputed in int8 by one thread (step_head.c's mf_head_refine): its forward's numbers."""
     model = MoEOffloadedMixtral.from_pretrained(embedded_model_path(), attention_bits=4, lm_head_bits=4)
     assert isinstance(model.model.lm_head, RefinedInt4LmHead)
     ids = torch.tensor([model.tokenizer.encode(PROMPT)])
-    _generate(model, ids, 3)
-    assert not tails  # the refined int4 head runs in Python, after the layers' one call
+    _check(model, ids, 6, tails)
+    # every logit but the candidates is the int4 head's: the candidates' differ (int8), the rest are equal
+    x, logits = tails[-1]
+    with torch.inference_mode():
+        h = model.model.norm(x)
+        int4, int8 = model.model.lm_head.int4(h), model.model.lm_head.int8(h)
+    changed = (logits != int4).reshape(-1)
+    assert 0 < int(changed.sum()) <= model.model.lm_head.candidates
+    top = int4.reshape(-1).topk(model.model.lm_head.candidates).indices
+    assert torch.equal(logits.reshape(-1)[top], int8.reshape(-1)[top])
+
+
+def test_the_tail_steps_aside_for_a_hooked_norm(tails):
     model = MoEOffloadedMixtral.from_pretrained(embedded_model_path(), attention_bits=4, lm_head_bits=8)
+    ids = torch.tensor([model.tokenizer.encode(PROMPT)])
     seen = []
     hook = model.model.norm.register_forward_hook(lambda m, a, o: seen.append(o.shape))
     try:

@@ -110,12 +110,14 @@ class NativeLayers:
         """The pass's logits fp32 [1, 1, V] = ``lm_head(norm(x after every layer))`` with the tail in the same
         native call (:func:`~moeflow.kernels.cpu.layers.layers_step` with a ``head``), or None (nothing run) when
         the pass is not one :meth:`__call__` takes, or ``norm`` / ``lm_head`` are not the native RMSNorm and an
-        int8/int4 CpuQuantLinear or a GGUFLinear (a RefinedInt4LmHead, a hook on either: the head runs in Python)."""
+        int8/int4 CpuQuantLinear, a GGUFLinear or a RefinedInt4LmHead (:func:`~moeflow.kernels.cpu.layers.head_ok`;
+        a hook on either: the head runs in Python)."""
         if type(norm) is not RMSNorm or not norm.native or any(m._forward_hooks or m._forward_pre_hooks
                                                                for m in (norm, lm_head)):
             return None
         # the descriptor kept while the norm and head and their tensors' addresses stay the same
-        tensors = (norm._parameters.get("weight"), *lm_head._buffers.values())
+        tensors = (norm._parameters.get("weight"), *lm_head._buffers.values(),  # (a refined head's: its two)
+                   *(t for m in lm_head._modules.values() if m is not None for t in m._buffers.values()))
         key = (norm, lm_head, norm.eps, *(None if t is None else t.data_ptr() for t in tensors))
         if self._head is None or self._head[0] != key:
             if not head_ok(norm.weight, lm_head):

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from moeflow.kernels.cpu.gguf import GGUFCpuExpert, GGUFLinear
+from moeflow.kernels.cpu.lm_head import RefinedInt4LmHead
 from moeflow.kernels.cpu.native import Q4Matrix, declared
 from moeflow.kernels.cpu.quant_linear import CpuQuantLinear
 from moeflow.kernels.cpu.step import (
@@ -37,6 +38,7 @@ from moeflow.kernels.cpu.step import (
 )
 
 _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+MAX_CANDIDATES = 64  # step.h's MF_MAX_CANDIDATES: a refined int4 head's recomputed logits, at most
 
 
 class ExpertDesc(ctypes.Structure):
@@ -101,7 +103,8 @@ class HeadDesc(ctypes.Structure):
     int4 matrix (``head``), or a GGUF file's blocks (``gguf_type`` the ggml type id, ``head.w`` the blocks, rows
     ``stride`` bytes apart)."""
 
-    _fields_ = [("norm", _p), ("eps", _f), ("head", LinearDesc), ("gguf_type", _i), ("stride", ctypes.c_int64)]
+    _fields_ = [("norm", _p), ("eps", _f), ("head", LinearDesc), ("gguf_type", _i), ("stride", ctypes.c_int64),
+                ("candidates", _i), ("exact", LinearDesc)]
 
 
 def _signatures(lib: ctypes.CDLL) -> None:
@@ -114,10 +117,13 @@ def _signatures(lib: ctypes.CDLL) -> None:
 
 def head_ok(norm_weight: torch.Tensor, lm_head: torch.nn.Module) -> bool:
     """Whether :func:`head_desc` takes this final norm's weight and lm_head: a native int8 or int4
-    CpuQuantLinear or a GGUFLinear (a file's K-quant head on its blocks), without bias, over a contiguous fp32
-    norm weight of its input size."""
+    CpuQuantLinear, a GGUFLinear (a file's K-quant head on its blocks) or a RefinedInt4LmHead (its int4 logits,
+    then its candidates recomputed in int8: ``mf_head_refine``, its forward's numbers at one token; ties at the
+    last candidate to the lower index), without bias, over a contiguous fp32 norm weight of its input size."""
     head = (isinstance(lm_head, CpuQuantLinear) and block_linear_ok(lm_head)) or \
-        (isinstance(lm_head, GGUFLinear) and lm_head.bias is None)
+        (isinstance(lm_head, GGUFLinear) and lm_head.bias is None) or \
+        (isinstance(lm_head, RefinedInt4LmHead) and block_linear_ok(lm_head.int4) and block_linear_ok(lm_head.int8)
+         and lm_head.candidates <= MAX_CANDIDATES)
     return head and norm_weight.dtype == torch.float32 and norm_weight.is_contiguous() \
         and norm_weight.numel() == lm_head.in_features
 
@@ -128,6 +134,10 @@ def head_desc(norm_weight: torch.Tensor, eps: float, lm_head: CpuQuantLinear | G
     if not head_ok(norm_weight, lm_head):
         raise ValueError("head_desc: expected a native int8/int4 CpuQuantLinear or a GGUFLinear lm_head without "
                          "bias and its final norm's fp32 weight of in_features values")
+    if isinstance(lm_head, RefinedInt4LmHead):
+        int4, int8 = (LinearDesc(*_linear_args(m)[:3], lm_head.out_features, *_linear_args(m)[3:])
+                      for m in (lm_head.int4, lm_head.int8))
+        return HeadDesc(norm_weight.data_ptr(), eps, int4, 0, 0, lm_head.candidates, int8)
     if isinstance(lm_head, GGUFLinear):
         return HeadDesc(norm_weight.data_ptr(), eps, LinearDesc(0, 0, 0, lm_head.out_features,
                                                                 lm_head.blocks.data_ptr()),

@@ -355,6 +355,10 @@ static int layers_region(const mf_layer_desc* layers, int n, float* x, int H, co
                 quantize(P.hn, H, head->head.bits, head->head.group, &P.in[0]);
                 linear_for(&head->head, H, &P.in[0], NULL, logits);
             }
+            if (head->candidates) {  /* the refined int4 head: its candidates recomputed in int8 by one thread */
+#pragma omp barrier
+                if (tid == 0) mf_head_refine(head, P.hn, H, logits, P.in[1].q, P.in[1].s);
+            }
         }
     }
     free(mem);
