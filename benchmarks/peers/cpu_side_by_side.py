@@ -14,10 +14,12 @@ hits all alike. Per rep and engine:
   process time; llama.cpp: ``-n tg+1`` minus ``-n 1``, child rusage) - the figure the machine's load moves least
   at one thread.
 
-Medians over reps, ``uptime`` before, between and after. ``--trees label=path[:checkpoint[:attention_bits]]``
-(repeatable; checkpoint: a folder under ``--work``, default ``awq``; attention_bits: ``auto``, ``none``, 8 or 4,
-default ``--attention-bits``): e.g. one engine on a ``--quantize-attention`` checkpoint and one on the default
-(16-bit attention) checkpoint with the library's default, in the same alternation.
+Medians over reps, ``uptime`` before, between and after; a roofline line per engine (weight bytes per decoded
+token x tok/s against ``read_probe.c``'s GB/s, run before and after the reps: ``decode_roofline.py``).
+``--trees label=path[:checkpoint[:attention_bits[:lm_head_bits]]]`` (repeatable; checkpoint: a folder or file
+under ``--work``, default ``awq``; attention_bits: ``auto``, ``none``, 8 or 4, default ``--attention-bits``;
+lm_head_bits 8 or 4, default ``--lm-head-bits``): e.g. one engine on a ``--quantize-attention`` checkpoint and one
+on the default (16-bit attention) checkpoint with the library's default, in the same alternation.
 
     python -m benchmarks.peers.cpu_side_by_side --work /tmp/peers --threads 1 --reps 7 \\
         --trees before=/work/main --trees after=. --out benchmarks/results/peers/s12/side_t1
@@ -144,8 +146,8 @@ def main() -> None:
     engines_spec = {}
     for label, spec in specs.items():
         parts = spec.split(":")
-        tree, ckpt, bits = (parts + ["awq", args.attention_bits][len(parts) - 1:])[:3]
-        engines_spec[label] = (tree, ckpt or "awq", bits or args.attention_bits)
+        tree, ckpt, bits, head = (parts + ["awq", args.attention_bits, str(args.lm_head_bits)][len(parts) - 1:])[:4]
+        engines_spec[label] = (tree, ckpt or "awq", bits or args.attention_bits, head or str(args.lm_head_bits))
     tree_env: dict[str, dict[str, str]] = {}
     for item in args.tree_env:
         label, assignment = item.split(":", 1)
@@ -158,16 +160,17 @@ def main() -> None:
     roofline = _roofline()
     probes = [roofline.probe_gbps(args.threads)[args.threads]]  # the read roofline, before and after the reps
     workers, info = {}, {}
-    for label, (tree, ckpt, bits) in engines_spec.items():
+    for label, (tree, ckpt, bits, head) in engines_spec.items():
         # moeflow from ``tree``; ``benchmarks`` (peer_report) from this checkout unless ``tree`` has it as a package
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(tree).resolve()), str(HERE.parents[2])]),
                "OMP_NUM_THREADS": str(args.threads), **tree_env.get(label, {})}
         p = subprocess.Popen([sys.executable, str(HERE), "--worker", "--work", str(args.work), "--threads",
-                              str(args.threads), "--lm-head-bits", str(args.lm_head_bits), "--tg", str(args.tg),
+                              str(args.threads), "--lm-head-bits", head, "--tg", str(args.tg),
                               "--checkpoint", ckpt, "--attention-bits", bits],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         workers[label] = p
         info[label] = {"tree": str(Path(tree).resolve()), "checkpoint": ckpt, "attention_bits": bits,
+                       "lm_head_bits": int(head),
                        "env": tree_env.get(label, {}),
                        **json.loads(p.stdout.readline())}
     engines = [*workers, peer]
@@ -205,10 +208,11 @@ def main() -> None:
            "llama_cpp_gguf": str(gguf), "samples": samples, "median": med, "ratios_vs_llama_cpp": ratios,
            "read_probe_gbps": probes, "weight_bytes_per_token": per_token}
     probe = max(probes)  # the machine's best read rate seen in the run (the load lowers either)
-    lines = [f"moeflow `device=\"cpu\"` (lm_head_bits={args.lm_head_bits}) beside {peer} (`{gguf.name}`), "
+    lines = [f"moeflow `device=\"cpu\"` (lm_head_bits {args.lm_head_bits} unless an engine says) beside {peer} (`{gguf.name}`), "
              f"{args.threads} thread(s), alternating, median of {args.reps} reps, {res['date']}.",
              "", f"CPU: {cpu} ({os.cpu_count()} cores seen), flags: {' '.join(flags)}  ",
-             *[f"engine `{e}`: checkpoint `{i['checkpoint']}`, attention_bits={i['attention_bits']}, kernels "
+             *[f"engine `{e}`: checkpoint `{i['checkpoint']}`, attention_bits={i['attention_bits']}, "
+               f"lm_head_bits={i['lm_head_bits']}, kernels "
                f"{i.get('simd')}" + "".join(f", {k}={v}" for k, v in i["env"].items()) + "  "
                for e, i in info.items()],
              *[f"uptime: `{u}`  " for u in (loads[0], loads[len(loads) // 2], loads[-1])],
