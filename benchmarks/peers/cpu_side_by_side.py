@@ -208,7 +208,7 @@ def main() -> None:
            "llama_cpp_gguf": str(gguf), "samples": samples, "median": med, "ratios_vs_llama_cpp": ratios,
            "read_probe_gbps": probes, "weight_bytes_per_token": per_token}
     probe = max(probes)  # the machine's best read rate seen in the run (the load lowers either)
-    lines = [f"moeflow `device=\"cpu\"` (lm_head_bits {args.lm_head_bits} unless an engine says) beside {peer} (`{gguf.name}`), "
+    lines = [f"moeflow `device=\"cpu\"` beside {peer} (`{gguf.name}`), "
              f"{args.threads} thread(s), alternating, median of {args.reps} reps, {res['date']}.",
              "", f"CPU: {cpu} ({os.cpu_count()} cores seen), flags: {' '.join(flags)}  ",
              *[f"engine `{e}`: checkpoint `{i['checkpoint']}`, attention_bits={i['attention_bits']}, "
