@@ -95,11 +95,12 @@ typedef struct {
     mf_linear exact;  /* recomputed from these int8 rows (mf_q8_linear_rows' numbers), written in their place */
 } mf_head_desc;
 #define MF_MAX_CANDIDATES 64
-/* x fp32 [H] -> logits fp32 [head.n] = head(rmsnorm(x)): mf_rmsnorm, then mf_q8_linear / mf_q4_linear /
-   mf_gguf_linear's numbers (step_head.c; its own parallel region). Returns 0, -1 when out of memory, -2 a head it
-   does not take. */
 HIDDEN int mf_head_check(const mf_head_desc* head, int H);  /* 0: the tail takes this head (step_head.c) */
+/* The refined int4 head's candidates recomputed in int8 into logits (step_head.c's comment). */
 HIDDEN int mf_head_refine(const mf_head_desc* head, const float* x, int H, float* logits, int8_t* xq, float* xs);
+/* x fp32 [H] -> logits fp32 [head.n] = head(rmsnorm(x)): mf_rmsnorm, then mf_q8_linear / mf_q4_linear /
+   mf_gguf_linear's numbers (+ mf_head_refine) (step_head.c; its own parallel region). Returns 0, -1 when out of
+   memory, -2 a head it does not take. */
 HIDDEN int mf_head_calls(const mf_head_desc* head, const float* x, int H, float* logits, int nthreads);
 /* mf_layers_step, then in the same region the tail: the logits of the token after the last layer (step_region.c):
    the numbers of mf_layers_step followed by mf_head_calls, bit for bit. Returns as mf_layers_step; -2 for a
