@@ -42,3 +42,18 @@ def arm() -> None:
     for owner, name, fn in _methods:
         setattr(owner, name, _disabled(fn))
     _armed = True
+
+
+def eager_host_step(*tensors: Any) -> bool:
+    """Whether a step may read ``tensors``' values on the host and hand back results kept from earlier steps (the
+    CPU decode glue's shortcuts: the one-query mask, a position's rotary, numpy's argmax): plain CPU tensors (not
+    a subclass: the tests' stand-in for device memory is one), not under ``torch.compile`` nor inside a
+    ``TorchDispatchMode`` (a recording of the step's ops, as the tests' CPU stand-in for a CUDA graph capture,
+    replays ops: a kept result or a host read would not replay)."""
+    import torch
+    from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
+    for t in tensors:
+        if type(t) is not torch.Tensor or not t.is_cpu:
+            return False
+    return not is_in_torch_dispatch_mode() and not torch.compiler.is_compiling()

@@ -14,10 +14,12 @@ hits all alike. Per rep and engine:
   process time; llama.cpp: ``-n tg+1`` minus ``-n 1``, child rusage) - the figure the machine's load moves least
   at one thread.
 
-Medians over reps, ``uptime`` before, between and after. ``--trees label=path[:checkpoint[:attention_bits]]``
-(repeatable; checkpoint: a folder under ``--work``, default ``awq``; attention_bits: ``auto``, ``none``, 8 or 4,
-default ``--attention-bits``): e.g. one engine on a ``--quantize-attention`` checkpoint and one on the default
-(16-bit attention) checkpoint with the library's default, in the same alternation.
+Medians over reps, ``uptime`` before, between and after; a roofline line per engine (weight bytes per decoded
+token x tok/s against ``read_probe.c``'s GB/s, run before and after the reps: ``decode_roofline.py``).
+``--trees label=path[:checkpoint[:attention_bits[:lm_head_bits]]]`` (repeatable; checkpoint: a folder or file
+under ``--work``, default ``awq``; attention_bits: ``auto``, ``none``, 8 or 4, default ``--attention-bits``;
+lm_head_bits 8 or 4, default ``--lm-head-bits``): e.g. one engine on a ``--quantize-attention`` checkpoint and one
+on the default (16-bit attention) checkpoint with the library's default, in the same alternation.
 
     python -m benchmarks.peers.cpu_side_by_side --work /tmp/peers --threads 1 --reps 7 \\
         --trees before=/work/main --trees after=. --out benchmarks/results/peers/s12/side_t1
@@ -33,6 +35,7 @@ mixtral-synth-bf16.gguf <work>/mixtral-synth-Q4_K_M.gguf Q4_K_M``):
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import resource
@@ -41,10 +44,19 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 
 from benchmarks.peers.peer_report import uptime, write_report
 
 HERE = Path(__file__).resolve()
+
+
+def _roofline() -> ModuleType:
+    """This checkout's decode_roofline.py, by its path (a worker's ``benchmarks`` package may be another tree's)."""
+    spec = importlib.util.spec_from_file_location("decode_roofline", HERE.with_name("decode_roofline.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _bits(text: str) -> int | str | None:
@@ -70,7 +82,11 @@ def worker(model: Path, threads: int, lm_head_bits: int, tg: int, attention_bits
         m.generate(prompt_ids, max_new_tokens=1, **kw)
         lib = library()
         one_call = getattr(m.model, "layers_step", getattr(m.model, "native_layers", None))  # (older trees' name)
-        print(json.dumps({"ready": True, "native_layers": one_call is not None,
+        try:
+            per_token = _roofline().moeflow_bytes(m)["total"]
+        except (AttributeError, ImportError, TypeError):  # (a tree whose layers do not take the one call)
+            per_token = None
+        print(json.dumps({"ready": True, "native_layers": one_call is not None, "bytes_per_token": per_token,
                           "simd": {0: "scalar", 1: "avx2", 2: "avx512-vnni"}[lib.mf_simd()] if lib else None,
                           "greedy_tokens": tokens}), flush=True)
         for _ in sys.stdin:
@@ -130,8 +146,8 @@ def main() -> None:
     engines_spec = {}
     for label, spec in specs.items():
         parts = spec.split(":")
-        tree, ckpt, bits = (parts + ["awq", args.attention_bits][len(parts) - 1:])[:3]
-        engines_spec[label] = (tree, ckpt or "awq", bits or args.attention_bits)
+        tree, ckpt, bits, head = (parts + ["awq", args.attention_bits, str(args.lm_head_bits)][len(parts) - 1:])[:4]
+        engines_spec[label] = (tree, ckpt or "awq", bits or args.attention_bits, head or str(args.lm_head_bits))
     tree_env: dict[str, dict[str, str]] = {}
     for item in args.tree_env:
         label, assignment = item.split(":", 1)
@@ -141,17 +157,20 @@ def main() -> None:
     gguf = args.work / args.llama_gguf
     peer = "llama.cpp " + gguf.stem.rsplit("-", 1)[-1]  # "llama.cpp Q4_0"
     loads = [uptime()]
+    roofline = _roofline()
+    probes = [roofline.probe_gbps(args.threads)[args.threads]]  # the read roofline, before and after the reps
     workers, info = {}, {}
-    for label, (tree, ckpt, bits) in engines_spec.items():
+    for label, (tree, ckpt, bits, head) in engines_spec.items():
         # moeflow from ``tree``; ``benchmarks`` (peer_report) from this checkout unless ``tree`` has it as a package
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(tree).resolve()), str(HERE.parents[2])]),
                "OMP_NUM_THREADS": str(args.threads), **tree_env.get(label, {})}
         p = subprocess.Popen([sys.executable, str(HERE), "--worker", "--work", str(args.work), "--threads",
-                              str(args.threads), "--lm-head-bits", str(args.lm_head_bits), "--tg", str(args.tg),
+                              str(args.threads), "--lm-head-bits", head, "--tg", str(args.tg),
                               "--checkpoint", ckpt, "--attention-bits", bits],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         workers[label] = p
         info[label] = {"tree": str(Path(tree).resolve()), "checkpoint": ckpt, "attention_bits": bits,
+                       "lm_head_bits": int(head),
                        "env": tree_env.get(label, {}),
                        **json.loads(p.stdout.readline())}
     engines = [*workers, peer]
@@ -168,7 +187,11 @@ def main() -> None:
         for p in workers.values():
             p.stdin.close()
             p.wait()
-    same = len({tuple(i["greedy_tokens"]) for i in info.values()}) == 1
+    probes.append(roofline.probe_gbps(args.threads)[args.threads])
+    per_token = {**{e: i.get("bytes_per_token") for e, i in info.items()}, peer: roofline.gguf_bytes(gguf)["total"]}
+    # per checkpoint: the trees on one checkpoint give the same greedy tokens
+    same = all(len({tuple(i["greedy_tokens"]) for i in info.values() if i["checkpoint"] == c}) == 1
+               for c in {i["checkpoint"] for i in info.values()})
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), "?")
     flags = sorted({f for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")
@@ -182,15 +205,23 @@ def main() -> None:
            "nproc": os.cpu_count(), "tg": args.tg,
            "reps": args.reps, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "uptime": loads,
            "trees": info, "same_greedy_tokens": same, "llama_cpp_build": samples[peer][0]["build"],
-           "llama_cpp_gguf": str(gguf), "samples": samples, "median": med, "ratios_vs_llama_cpp": ratios}
-    lines = [f"moeflow `device=\"cpu\"` (lm_head_bits={args.lm_head_bits}) beside {peer} (`{gguf.name}`), "
+           "llama_cpp_gguf": str(gguf), "samples": samples, "median": med, "ratios_vs_llama_cpp": ratios,
+           "read_probe_gbps": probes, "weight_bytes_per_token": per_token}
+    probe = max(probes)  # the machine's best read rate seen in the run (the load lowers either)
+    lines = [f"moeflow `device=\"cpu\"` beside {peer} (`{gguf.name}`), "
              f"{args.threads} thread(s), alternating, median of {args.reps} reps, {res['date']}.",
              "", f"CPU: {cpu} ({os.cpu_count()} cores seen), flags: {' '.join(flags)}  ",
-             *[f"engine `{e}`: checkpoint `{i['checkpoint']}`, attention_bits={i['attention_bits']}, kernels "
+             *[f"engine `{e}`: checkpoint `{i['checkpoint']}`, attention_bits={i['attention_bits']}, "
+               f"lm_head_bits={i['lm_head_bits']}, kernels "
                f"{i.get('simd')}" + "".join(f", {k}={v}" for k, v in i["env"].items()) + "  "
                for e, i in info.items()],
              *[f"uptime: `{u}`  " for u in (loads[0], loads[len(loads) // 2], loads[-1])],
-             f"greedy tokens (prompt 16, {args.tg + 1} new) identical across the trees: {same}", "",
+             f"greedy tokens (prompt 16, {args.tg + 1} new) identical across the trees on each checkpoint: {same}",
+             f"read probe (read_probe.c, {args.threads} thread(s), before / after the reps): "
+             f"{probes[0]:.1f} / {probes[1]:.1f} GB/s  ", "", "Roofline (weight bytes per decoded token x median "
+             "decode tok/s against the probe's best; decode_roofline.py):", "",
+             *[f"* {roofline.roofline_line(e, med[e]['decode_tok_s'], per_token[e], probe)}"
+               for e in engines if per_token.get(e)], "",
              "| engine | decode tok/s | pp32 tok/s | CPU ms / decoded token | decode vs llama.cpp (tok/s; by CPU ms) "
              "| pp32 vs llama.cpp |", "|---|---|---|---|---|---|"]
     for e in engines:

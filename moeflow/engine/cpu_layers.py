@@ -28,9 +28,9 @@ from moeflow.engine.kv_cache import PassCache
 from moeflow.engine.mapped_experts import MappedGGUFExperts
 from moeflow.families import llama_moe, mixtral
 from moeflow.families.base import CausalDecoder
-from moeflow.families.layers import GatedMLP
+from moeflow.families.layers import GatedMLP, RMSNorm
 from moeflow.kernels.cpu.gguf import GGUFCpuExpert
-from moeflow.kernels.cpu.layers import LayerDesc, layer_desc, layers_step
+from moeflow.kernels.cpu.layers import HeadDesc, LayerDesc, head_desc, head_ok, layer_desc, layers_step
 from moeflow.kernels.dispatch import uses_triton
 from moeflow.kernels.formats.gguf import GGUFFormat
 from moeflow.moe.backend import ExpertBackend
@@ -56,15 +56,19 @@ class NativeLayers:
                         (layer, half.norm_in, half.attn, half.norm_post, block, block.gate,
                          *([block.shared_expert] if block.shared_expert is not None else []))]
         self._descs: tuple[Any, ctypes.Array, list] | None = None  # (backend, descriptors, their expert tables)
+        self._head: tuple[tuple, HeadDesc] | None = None  # (what it was built from, the tail's descriptor)
+        self._kv: tuple[list, list] | None = None  # (a cache's layer_kv, its layers' (k, v) checked)
 
     def _fused(self) -> bool:
-        """Whether every layer would take its fused calls (the switches set_cpu_step_fused flips)."""
+        """Whether every layer would take its fused calls (the switches set_cpu_step_fused flips). Read per pass
+        from the objects themselves (the modules' own dicts: no nn.Module attribute look-up, ~10 us for 8 layers)."""
         for layer, block in zip(self.layers, self.blocks, strict=True):
-            half = layer.attention_step
+            half, parts = layer.__dict__.get("attention_step"), block._modules
+            gate, shared, route = parts.get("gate"), parts.get("shared_expert"), block.__dict__.get("route")
             if not (isinstance(half, NativeAttentionHalf) and half.attn.fused_step and half.norm_in.native
-                    and half.norm_post.native and isinstance(block.gate, NativeRouterGate) and block.gate.native
-                    and isinstance(block.route, NativeRoute) and block.route.native
-                    and (block.shared_expert is None or block.shared_expert.native_step.native)):
+                    and half.norm_post.native and isinstance(gate, NativeRouterGate) and gate.native
+                    and isinstance(route, NativeRoute) and route.native
+                    and (shared is None or shared.native_step.native)):
                 return False
         return not (nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks or any(
             m._forward_hooks or m._forward_pre_hooks for m in self.modules))
@@ -96,6 +100,54 @@ class NativeLayers:
                  routing: RoutingRecorder | None) -> torch.Tensor | None:
         """x fp32 [1, 1, H] after every layer, or None when this pass is not one it takes (module docstring).
         ``masks``: each layer's attention mask bool [1, 1, 1, L]."""
+        taken = self._take(x, cos, sin, cache, cache_position, masks, experts, routing)
+        if taken is None:
+            return None
+        return layers_step(taken[0], x.contiguous(), cos, sin, taken[1], cache_position)
+
+    def logits(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PassCache,
+               cache_position: torch.Tensor, masks: list[torch.Tensor], experts: ExpertBackend,
+               routing: RoutingRecorder | None, norm: nn.Module, lm_head: nn.Module) -> torch.Tensor | None:
+        """The pass's logits fp32 [1, 1, V] = ``lm_head(norm(x after every layer))`` with the tail in the same
+        native call (:func:`~moeflow.kernels.cpu.layers.layers_step` with a ``head``), or None (nothing run) when
+        the pass is not one :meth:`__call__` takes, or ``norm`` / ``lm_head`` are not the native RMSNorm and an
+        int8/int4 CpuQuantLinear, a GGUFLinear or a RefinedInt4LmHead (:func:`~moeflow.kernels.cpu.layers.head_ok`;
+        a hook on either: the head runs in Python)."""
+        if type(norm) is not RMSNorm or not norm.native or any(m._forward_hooks or m._forward_pre_hooks
+                                                               for m in (norm, lm_head)):
+            return None
+        # the descriptor kept while the norm and head and their tensors' addresses stay the same
+        tensors = (norm._parameters.get("weight"), *lm_head._buffers.values(),  # (a refined head's: its two)
+                   *(t for m in lm_head._modules.values() if m is not None for t in m._buffers.values()))
+        key = (norm, lm_head, norm.eps, *(None if t is None else t.data_ptr() for t in tensors))
+        if self._head is None or self._head[0] != key:
+            if not head_ok(norm.weight, lm_head):
+                return None
+            self._head = (key, head_desc(norm.weight, norm.eps, lm_head))
+        taken = self._take(x, cos, sin, cache, cache_position, masks, experts, routing)
+        if taken is None:
+            return None
+        logits = torch.empty((1, 1, lm_head.out_features))
+        layers_step(taken[0], x.contiguous(), cos, sin, taken[1], cache_position, head=self._head[1], logits=logits)
+        return logits
+
+    def _layer_kv(self, layer_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> list | None:
+        """Each layer's (k, v) cache from the cache's ``layer_kv`` when every one is a contiguous fp32 [1, n_kv, L,
+        D] of one shape, else None; checked once per ``layer_kv`` list (a cache's views, made once)."""
+        if self._kv is not None and self._kv[0] is layer_kv:
+            return self._kv[1]
+        kv = [layer_kv[layer.attention_step.attn.layer_idx] for layer in self.layers]
+        if any(k.dtype != torch.float32 or not (k.is_contiguous() and v.is_contiguous()) or k.shape[0] != 1
+               or v.shape != k.shape for k, v in kv) or len({k.shape for k, _ in kv}) != 1:
+            return None
+        self._kv = (layer_kv, kv)
+        return kv
+
+    def _take(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PassCache,
+              cache_position: torch.Tensor, masks: list[torch.Tensor], experts: ExpertBackend,
+              routing: RoutingRecorder | None) -> tuple[ctypes.Array, list[tuple[torch.Tensor, ...]]] | None:
+        """(the layers' descriptors, each layer's (k cache, v cache, mask)) when this pass is one the native call
+        takes, else None (module docstring)."""
         layer_kv = cache.layer_kv
         if not self.enabled or routing is not None or x.shape[:2] != (1, 1) or x.dtype != torch.float32 \
                 or layer_kv is None or not native_experts(experts) or not self._fused():
@@ -103,21 +155,22 @@ class NativeLayers:
         real = experts._real_tokens
         if real is not None and real[0] is not None:
             return None
-        caches = []
-        for layer, mask in zip(self.layers, masks, strict=True):
-            k, v = layer_kv[layer.attention_step.attn.layer_idx]
-            if k.dtype != torch.float32 or not (k.is_contiguous() and v.is_contiguous() and mask.is_contiguous()) \
-                    or mask.dtype != torch.bool or mask.numel() != k.shape[2] or k.shape[0] != 1:
-                return None
-            caches.append((k, v, mask))
-        if len({c[0].shape for c in caches}) != 1 or cache_position.dtype != torch.int64 \
-                or cache_position.numel() != 1 or not (cos.is_contiguous() and sin.is_contiguous()) \
-                or cos.dtype != torch.float32 or cos.numel() != caches[0][0].shape[3]:
+        kv = self._layer_kv(layer_kv)
+        if kv is None:
             return None
+        length, checked = kv[0][0].shape[2], set()
+        for mask in masks:  # (the layers share one mask per window: each checked once)
+            if id(mask) not in checked:
+                if mask.dtype != torch.bool or not mask.is_contiguous() or mask.numel() != length:
+                    return None
+                checked.add(id(mask))
+        if cache_position.dtype != torch.int64 or cache_position.numel() != 1 \
+                or not (cos.is_contiguous() and sin.is_contiguous()) or cos.dtype != torch.float32 \
+                or cos.numel() != kv[0][0].shape[3]:
+            return None
+        caches = [(k, v, mask) for (k, v), mask in zip(kv, masks, strict=True)]
         descs = self._descriptors(experts)
-        if descs is None:
-            return None
-        return layers_step(descs, x.contiguous(), cos, sin, caches, cache_position)
+        return None if descs is None else (descs, caches)
 
 
 def _native_shared(shared: nn.Module | None) -> bool:

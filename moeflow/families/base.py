@@ -129,6 +129,12 @@ class LayersStep(Protocol):
                  cache_position: torch.Tensor, masks: list[torch.Tensor], experts: ExpertBackend,
                  routing: RoutingRecorder | None) -> torch.Tensor | None: ...
 
+    def logits(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any,
+               cache_position: torch.Tensor, masks: list[torch.Tensor], experts: ExpertBackend,
+               routing: RoutingRecorder | None, norm: nn.Module, lm_head: nn.Module) -> torch.Tensor | None:
+        """The pass's logits fp32 [B, T, V] = ``lm_head(norm(x after the last layer))`` in the same call, or None
+        when it cannot take the pass or this head (then it has run nothing)."""
+
 
 class CausalDecoder(nn.Module):
     """Embeddings -> decoder layers -> final norm -> LM head; the families' layers plug in.
@@ -178,8 +184,14 @@ class CausalDecoder(nn.Module):
         cache.mark_valid(cache_position, token_mask)
         windows = self.layer_windows or [self.sliding_window] * len(self.layers)
         masks = {w: cache.attention_mask(cache_position, w) for w in dict.fromkeys(windows)}
+        layer_masks = [masks[w] for w in windows]
+        if self.layers_step is not None and not return_hidden:  # (one position: last_only changes nothing)
+            logits = self.layers_step.logits(x, cos, sin, cache, cache_position, layer_masks, experts, routing,
+                                             self.norm, self.lm_head)
+            if logits is not None:
+                return logits
         done = None if self.layers_step is None else self.layers_step(
-            x, cos, sin, cache, cache_position, [masks[w] for w in windows], experts, routing)
+            x, cos, sin, cache, cache_position, layer_masks, experts, routing)
         if done is not None:
             x = done
         else:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeflow import kernels
+from moeflow.compile_boundary import eager_host_step
 from moeflow.kernels.cpu.step import NATIVE_ATTENTION_TOKENS, QKNorm, attention_step, rmsnorm
 from moeflow.kernels.experts.checks import check_pool_weights
 
@@ -40,14 +41,32 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
+ONE_POSITION_MEMO = 8192  # one-position (cos, sin) pairs a RotaryEmbedding keeps on the CPU (~1 KB each at D 128)
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # a CPU decode step's one position -> its (cos, sin), computed once by the ops below (the same bits):
+        # the step then costs a dict look-up instead of five small torch ops
+        self._one: dict[tuple[int, int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """position_ids [B, T] -> (cos, sin) [B, T, head_dim], computed in fp32."""
+        """position_ids [B, T] -> (cos, sin) [B, T, head_dim], computed in fp32 (for one position on the CPU,
+        computed once and kept: do not write into them)."""
+        if position_ids.numel() == 1 and eager_host_step(position_ids):
+            key = (int(position_ids), position_ids.dim(), dtype)
+            hit = self._one.get(key)
+            if hit is None:
+                hit = self._compute(position_ids, dtype)
+                if len(self._one) < ONE_POSITION_MEMO:
+                    self._one[key] = hit
+            return hit
+        return self._compute(position_ids, dtype)
+
+    def _compute(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = position_ids.to(torch.float32)[..., None] * self.inv_freq.to(position_ids.device)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)

@@ -361,3 +361,18 @@ void mf_gguf_rows1(int type, const uint8_t* w, int64_t stride, int n0, int n1, i
     acts1_carve(&a, &p, K, type);
     rows(type, w, stride, n0, n1, 1, &a, y, 1);
 }
+
+/* Rows of W [N, K] (ggml `type`, rows `stride` bytes apart) against one token x fp32 [K] as an orphaned worksharing
+   loop of the enclosing team, without its barrier: y fp32 [N], mf_gguf_linear's numbers at T = 1. Every thread
+   quantizes x into its own scratch (mf_gguf_team_bytes(K, 0) bytes at the least, 64-byte aligned). The type must
+   be one mf_gguf_linear takes for K (step_region.c's tail: a file's Q6_K lm_head). */
+void mf_gguf_linear_team(const float* x, int K, int N, int type, const uint8_t* w, int64_t stride, float* y,
+                         void* scratch) {
+    char* p = scratch;
+    acts a;
+    acts1_carve(&a, &p, K, type);
+    acts_row(&a, x, 0);
+    const int nc = (N + GROWS - 1) / GROWS;
+#pragma omp for schedule(static) nowait
+    for (int c = 0; c < nc; c++) rows(type, w, stride, c * GROWS, (c + 1) * GROWS < N ? (c + 1) * GROWS : N, 1, &a, y, N);
+}

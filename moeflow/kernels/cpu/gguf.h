@@ -82,6 +82,10 @@ void mf_gguf_expert_team(const float* x, int H, int I, int t13, const uint8_t* g
                          int t2, const uint8_t* down, int64_t s2, float weight, float* out, int accumulate, float* h,
                          float* y, void* scratch);
 
+/* One token's rows of a GGUF matrix as a worksharing loop of the enclosing team (gguf.c; step_region.c's tail). */
+void mf_gguf_linear_team(const float* x, int K, int N, int type, const uint8_t* w, int64_t stride, float* y,
+                         void* scratch);
+
 /* One token's linear rows as worksharing pieces of an enclosing team (gguf.c; step_gptoss.c). */
 size_t mf_gguf_acts1_bytes(int K);
 void mf_gguf_acts1(const float* x, int K, int type, void* scratch);

@@ -22,8 +22,10 @@ from collections.abc import Sequence
 
 import torch
 
-from moeflow.kernels.cpu.gguf import GGUFCpuExpert
+from moeflow.kernels.cpu.gguf import GGUFCpuExpert, GGUFLinear
+from moeflow.kernels.cpu.lm_head import RefinedInt4LmHead
 from moeflow.kernels.cpu.native import Q4Matrix, declared
+from moeflow.kernels.cpu.quant_linear import CpuQuantLinear
 from moeflow.kernels.cpu.step import (
     QKNorm,
     _check_fp32,
@@ -36,6 +38,7 @@ from moeflow.kernels.cpu.step import (
 )
 
 _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+MAX_CANDIDATES = 64  # step.h's MF_MAX_CANDIDATES: a refined int4 head's recomputed logits, at most
 
 
 class ExpertDesc(ctypes.Structure):
@@ -89,9 +92,58 @@ class LayerDesc(ctypes.Structure):
                 ("shared", ctypes.POINTER(ExpertDesc)), ("shared_gate", _p), ("shared_I", _i), ("shared_group", _i)]
 
 
+class LinearDesc(ctypes.Structure):
+    """step.h's ``mf_linear``: an int8 or int4 matrix of ``n`` rows (bits, group, fmt, weight, scales, mins)."""
+
+    _fields_ = [("bits", _i), ("group", _i), ("fmt", _i), ("n", _i), ("w", _p), ("s", _p), ("m", _p)]
+
+
+class HeadDesc(ctypes.Structure):
+    """step.h's ``mf_head_desc``: the final RMSNorm (weight fp32 [H], eps) and an lm_head [V, H]: a native int8 or
+    int4 matrix (``head``), or a GGUF file's blocks (``gguf_type`` the ggml type id, ``head.w`` the blocks, rows
+    ``stride`` bytes apart)."""
+
+    _fields_ = [("norm", _p), ("eps", _f), ("head", LinearDesc), ("gguf_type", _i), ("stride", ctypes.c_int64),
+                ("candidates", _i), ("exact", LinearDesc)]
+
+
 def _signatures(lib: ctypes.CDLL) -> None:
     lib.mf_layers_step.argtypes = [ctypes.POINTER(LayerDesc), _i, _p, _i, _p, _p, _p, _i, _p, _f, _p, _p, _i]
     lib.mf_layers_step.restype = _i
+    lib.mf_decode_step.argtypes = [ctypes.POINTER(LayerDesc), _i, _p, _i, _p, _p, _p, _i, _p, _f, _p, _p,
+                                   ctypes.POINTER(HeadDesc), _p, _i]
+    lib.mf_decode_step.restype = _i
+
+
+def head_ok(norm_weight: torch.Tensor, lm_head: torch.nn.Module) -> bool:
+    """Whether :func:`head_desc` takes this final norm's weight and lm_head: a native int8 or int4
+    CpuQuantLinear, a GGUFLinear (a file's K-quant head on its blocks) or a RefinedInt4LmHead (its int4 logits,
+    then its candidates recomputed in int8: ``mf_head_refine``, its forward's numbers at one token; ties at the
+    last candidate to the lower index), without bias, over a contiguous fp32 norm weight of its input size."""
+    head = (isinstance(lm_head, CpuQuantLinear) and block_linear_ok(lm_head)) or \
+        (isinstance(lm_head, GGUFLinear) and lm_head.bias is None) or \
+        (isinstance(lm_head, RefinedInt4LmHead) and block_linear_ok(lm_head.int4) and block_linear_ok(lm_head.int8)
+         and lm_head.candidates <= MAX_CANDIDATES)
+    return head and norm_weight.dtype == torch.float32 and norm_weight.is_contiguous() \
+        and norm_weight.numel() == lm_head.in_features
+
+
+def head_desc(norm_weight: torch.Tensor, eps: float, lm_head: CpuQuantLinear | GGUFLinear) -> HeadDesc:
+    """The tail's descriptor: the final norm (weight fp32 [H]) and lm_head (``head_ok``), pointers into their
+    tensors (which must stay where they are)."""
+    if not head_ok(norm_weight, lm_head):
+        raise ValueError("head_desc: expected a native int8/int4 CpuQuantLinear or a GGUFLinear lm_head without "
+                         "bias and its final norm's fp32 weight of in_features values")
+    if isinstance(lm_head, RefinedInt4LmHead):
+        int4, int8 = (LinearDesc(*_linear_args(m)[:3], lm_head.out_features, *_linear_args(m)[3:])
+                      for m in (lm_head.int4, lm_head.int8))
+        return HeadDesc(norm_weight.data_ptr(), eps, int4, 0, 0, lm_head.candidates, int8)
+    if isinstance(lm_head, GGUFLinear):
+        return HeadDesc(norm_weight.data_ptr(), eps, LinearDesc(0, 0, 0, lm_head.out_features,
+                                                                lm_head.blocks.data_ptr()),
+                        lm_head.type.type_id, lm_head.blocks.stride(0))
+    bits, group, fmt, w, s, m = _linear_args(lm_head)
+    return HeadDesc(norm_weight.data_ptr(), eps, LinearDesc(bits, group, fmt, lm_head.out_features, w, s, m))
 
 
 def layer_desc(norm_in: torch.Tensor, norm_post: torch.Tensor, eps: float, qkv: torch.nn.Module,
@@ -137,12 +189,16 @@ def layer_desc(norm_in: torch.Tensor, norm_post: torch.Tensor, eps: float, qkv: 
 
 def layers_step(descs: ctypes.Array, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 caches: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], cache_position: torch.Tensor,
-                ids: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> torch.Tensor:
+                ids: torch.Tensor | None = None, weights: torch.Tensor | None = None, head: HeadDesc | None = None,
+                logits: torch.Tensor | None = None) -> torch.Tensor:
     """One token through the described layers: x fp32 [1, 1, H] -> fp32 [1, 1, H] (x is not changed).
 
     cos, sin fp32 [1, 1, D]; caches: per layer (k cache, v cache fp32 [1, n_kv, L, D], mask bool [1, 1, 1, L]),
     each contiguous and written at ``cache_position`` (int64 [1]); ``ids`` int32 [n, k] / ``weights`` fp32
-    [n, k] (optional) receive each layer's routing. The caller checks shapes (as attention_block does)."""
+    [n, k] (optional) receive each layer's routing. The caller checks shapes (as attention_block does).
+    ``head`` (:func:`head_desc`): then, in the same parallel region (``mf_decode_step``), the final norm and the
+    lm_head of the result into ``logits`` fp32 [1, 1, V] (contiguous): ``lm_head(norm(result))``'s numbers, bit
+    for bit (the per-call kernels': mf_rmsnorm, then mf_q8_linear / mf_q4_linear / mf_gguf_linear)."""
     n = len(descs)
     out = x.clone()
     k = max(d.k for d in descs)
@@ -151,11 +207,17 @@ def layers_step(descs: ctypes.Array, x: torch.Tensor, cos: torch.Tensor, sin: to
     ptrs = (_p * (3 * n))(*[t.data_ptr() for c in caches for t in c])
     k_cache = caches[0][0]
     lib = declared(_lib(), _signatures)
-    rc = lib.mf_layers_step(descs, n, out.data_ptr(), x.shape[-1], cos.data_ptr(), sin.data_ptr(), ptrs,
-                            k_cache.shape[2], cache_position.data_ptr(), 1.0 / math.sqrt(k_cache.shape[3]),
-                            ids.data_ptr(), weights.data_ptr(), torch.get_num_threads())
+    args = (descs, n, out.data_ptr(), x.shape[-1], cos.data_ptr(), sin.data_ptr(), ptrs, k_cache.shape[2],
+            cache_position.data_ptr(), 1.0 / math.sqrt(k_cache.shape[3]), ids.data_ptr(), weights.data_ptr())
+    if head is None:
+        rc = lib.mf_layers_step(*args, torch.get_num_threads())
+    else:
+        if logits is None or logits.dtype != torch.float32 or not logits.is_contiguous() \
+                or logits.numel() != head.head.n:
+            raise ValueError(f"layers_step: logits must be a contiguous fp32 tensor of {head.head.n} values")
+        rc = lib.mf_decode_step(*args, ctypes.byref(head), logits.data_ptr(), torch.get_num_threads())
     if rc == -1:
         raise MemoryError("layers_step: the CPU kernel could not allocate its buffers")
     if rc:
-        raise ValueError(f"layers_step: the CPU kernel refused a GGUF expert's type or size (code {rc})")
+        raise ValueError(f"layers_step: the CPU kernel refused a GGUF expert's type or size, or the head (code {rc})")
     return out

@@ -83,5 +83,30 @@ HIDDEN int mf_layers_step_calls(const mf_layer_desc* layers, int n, float* x, in
 int mf_layers_step(const mf_layer_desc* layers, int n, float* x, int H, const float* cos, const float* sin,
                    void* const* kv, int L, const int64_t* pos, float scale, int32_t* ids, float* weights,
                    int nthreads);
+/* The tail of a decode step: the final RMSNorm (norm fp32 [H], eps) and an lm_head of head.n rows: int8 or int4
+   (head.bits), or with gguf_type != 0 a GGUF file's blocks of that ggml type (head.w, rows `stride` bytes apart). */
+typedef struct {
+    const float* norm;
+    float eps;
+    mf_linear head;
+    int gguf_type;
+    int64_t stride;
+    int candidates;  /* > 0: lm_head.py's refined int4 head: head is int4, then its `candidates` largest logits */
+    mf_linear exact;  /* recomputed from these int8 rows (mf_q8_linear_rows' numbers), written in their place */
+} mf_head_desc;
+#define MF_MAX_CANDIDATES 64
+HIDDEN int mf_head_check(const mf_head_desc* head, int H);  /* 0: the tail takes this head (step_head.c) */
+/* The refined int4 head's candidates recomputed in int8 into logits (step_head.c's comment). */
+HIDDEN int mf_head_refine(const mf_head_desc* head, const float* x, int H, float* logits, int8_t* xq, float* xs);
+/* x fp32 [H] -> logits fp32 [head.n] = head(rmsnorm(x)): mf_rmsnorm, then mf_q8_linear / mf_q4_linear /
+   mf_gguf_linear's numbers (+ mf_head_refine) (step_head.c; its own parallel region). Returns 0, -1 when out of
+   memory, -2 a head it does not take. */
+HIDDEN int mf_head_calls(const mf_head_desc* head, const float* x, int H, float* logits, int nthreads);
+/* mf_layers_step, then in the same region the tail: the logits of the token after the last layer (step_region.c):
+   the numbers of mf_layers_step followed by mf_head_calls, bit for bit. Returns as mf_layers_step; -2 for a
+   head it does not take. */
+int mf_decode_step(const mf_layer_desc* layers, int n, float* x, int H, const float* cos, const float* sin,
+                   void* const* kv, int L, const int64_t* pos, float scale, int32_t* ids, float* weights,
+                   const mf_head_desc* head, float* logits, int nthreads);
 #undef HIDDEN
 #endif

@@ -297,10 +297,10 @@ static void moe_half(const mf_layer_desc* d, int H, team_bufs* S, own_bufs* P, i
 }
 
 /* One token x fp32 [H] through n layers, in place (step.h; the arguments and results of mf_layers_step_calls,
-   whose numbers these are bit for bit). */
-int mf_layers_step(const mf_layer_desc* layers, int n, float* x, int H, const float* cos, const float* sin,
-                   void* const* kv, int L, const int64_t* pos, float scale, int32_t* ids, float* weights,
-                   int nthreads) {
+   whose numbers these are bit for bit); then, when head is not NULL, the logits [head->head.n] (mf_decode_step). */
+static int layers_region(const mf_layer_desc* layers, int n, float* x, int H, const float* cos, const float* sin,
+                         void* const* kv, int L, const int64_t* pos, float scale, int32_t* ids, float* weights,
+                         const mf_head_desc* head, float* logits, int nthreads) {
     dims m = {1, 1, 1, 1, 1, 1, H};
     for (int l = 0; l < n; l++) {
         const mf_layer_desc* d = &layers[l];
@@ -311,13 +311,16 @@ int mf_layers_step(const mf_layer_desc* layers, int n, float* x, int H, const fl
             fall |= (xe->t13 != 0) != (x0->t13 != 0) ||
                     (xe->t13 && mf_gguf_supported(xe->t13, H, xe->t2, d->I));
         }
-        if (fall) return mf_layers_step_calls(layers, n, x, H, cos, sin, kv, L, pos, scale, ids, weights, nthreads);
+        if (fall) {
+            const int rc = mf_layers_step_calls(layers, n, x, H, cos, sin, kv, L, pos, scale, ids, weights, nthreads);
+            return rc || !head ? rc : mf_head_calls(head, x, H, logits, nthreads);
+        }
         const int F = (d->nh + 2 * d->nkv) * d->D, sI = d->shared ? d->shared_I : 0;
         const int v[6] = {F, d->nh * d->D, d->D, d->I > sI ? d->I : sI, d->E, d->k};
         int* mv[6] = {&m.F, &m.nhD, &m.D, &m.I, &m.E, &m.k};
         for (int i = 0; i < 6; i++) *mv[i] = v[i] > *mv[i] ? v[i] : *mv[i];
     }
-    if (n <= 0) return 0;
+    if (n <= 0) return head ? mf_head_calls(head, x, H, logits, nthreads) : 0;
     m.K = m.nhD > H ? m.nhD : H;
     const int nt = nthreads > 1 ? nthreads : 1;
     const size_t h13_ld = 2 * (size_t)m.I;
@@ -343,7 +346,35 @@ int mf_layers_step(const mf_layer_desc* layers, int n, float* x, int H, const fl
             moe_half(d, H, &S, &P, tid, nth, ids + (size_t)l * d->k, weights + (size_t)l * d->k);
         }
         if (tid == 0) memcpy(x, P.x, sizeof(float) * H);
+        if (head) {  /* the tail: the final norm and the lm_head's rows shared out (mf_head_calls' numbers) */
+            mf_rmsnorm(P.x, NULL, NULL, head->norm, head->eps, 1, H, P.hn);
+            if (head->gguf_type) {
+                mf_gguf_linear_team(P.hn, H, head->head.n, head->gguf_type, (const uint8_t*)head->head.w,
+                                    head->stride, logits, P.gg);
+            } else {
+                quantize(P.hn, H, head->head.bits, head->head.group, &P.in[0]);
+                linear_for(&head->head, H, &P.in[0], NULL, logits);
+            }
+            if (head->candidates) {  /* the refined int4 head: its candidates recomputed in int8 by one thread */
+#pragma omp barrier
+                if (tid == 0) mf_head_refine(head, P.hn, H, logits, P.in[1].q, P.in[1].s);
+            }
+        }
     }
     free(mem);
     return 0;
+}
+
+int mf_layers_step(const mf_layer_desc* layers, int n, float* x, int H, const float* cos, const float* sin,
+                   void* const* kv, int L, const int64_t* pos, float scale, int32_t* ids, float* weights,
+                   int nthreads) {
+    return layers_region(layers, n, x, H, cos, sin, kv, L, pos, scale, ids, weights, NULL, NULL, nthreads);
+}
+
+/* mf_layers_step, then the final norm and the lm_head of one token in the same parallel region (step.h). */
+int mf_decode_step(const mf_layer_desc* layers, int n, float* x, int H, const float* cos, const float* sin,
+                   void* const* kv, int L, const int64_t* pos, float scale, int32_t* ids, float* weights,
+                   const mf_head_desc* head, float* logits, int nthreads) {
+    if (mf_head_check(head, H)) return -2;
+    return layers_region(layers, n, x, H, cos, sin, kv, L, pos, scale, ids, weights, head, logits, nthreads);
 }
