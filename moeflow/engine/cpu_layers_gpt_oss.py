@@ -218,6 +218,13 @@ class NativeGptOssLayers:
                             self.layers[0].self_attn.scaling)
 
 
+    def logits(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PassCache,
+               cache_position: torch.Tensor, masks: list[torch.Tensor], experts: ExpertBackend,
+               routing: RoutingRecorder | None, norm: nn.Module, lm_head: nn.Module) -> None:
+        """Always None (nothing run): gpt-oss's region has no tail yet (step_region.c's final norm and lm_head), so
+        the decoder calls :meth:`__call__` and runs its norm and head in Python after it."""
+        return None
+
 def native_gpt_oss_layers(decoder: CausalDecoder) -> NativeGptOssLayers | None:
     """The decoder's :class:`NativeGptOssLayers` when every layer is a gpt-oss layer :func:`fuse_gpt_oss` gave the
     step's ops (fp32 norms, sinks and router, gpt-oss's top-k-then-softmax routing); else None. (The projections
