@@ -45,12 +45,14 @@ the fp32 reference, greedy tokens equal). ``kernels="torch"`` never comes here: 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import nullcontext
 
 import torch
 from torch import nn
 
 from moeflow.families.gpt_oss_layers import SinkAttention
 from moeflow.families.layers import Attention, AWQLinear
+from moeflow.kernels.cpu import hugepages
 from moeflow.kernels.cpu.gguf import GGUFLinear
 from moeflow.kernels.cpu.lm_head import RefinedInt4LmHead
 from moeflow.kernels.cpu.native import Q8Matrix, library, native_available
@@ -63,6 +65,9 @@ AUTO_ATTENTION_BITS = 8  # "auto" (the default) on the CPU int4 path: int8 16-bi
 LM_HEAD_BITS = (8, 4)  # 8: the default; 4: int4 with the top candidates recomputed in int8 (kernels/cpu/lm_head.py)
 ATTENTION_GROUP = 128  # int4 group size for projections quantized at load (the AWQ default)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# fused by the CPU step into one matrix each (fuse_qkv, NativeMLP.of): made in plain memory here, the fused matrix
+# on huge pages (kernels/cpu/hugepages.py: a dropped tensor among kept ones would stay resident in its chunk)
+STEP_FUSED = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ATTENTION_MODULES = (Attention, SinkAttention)  # the attention modules whose PROJECTIONS are quantized here
 
 
@@ -132,17 +137,25 @@ def quantize_decoder_linears(decoder: nn.Module, attention_bits: int | None, lm_
     counts["lm_head"] = 1
     for parent in list(decoder.modules()):
         for name, child in list(parent.named_children()):
-            new = None
-            if isinstance(child, AWQLinear) and _int4_shape_ok(child.in_features, child.out_features):
-                new = awq_linear_cpu(child.qweight, child.qzeros, child.scales, child.group_size)
-                counts["awq"] += 1
-            elif attention_bits is not None and isinstance(parent, ATTENTION_MODULES) and name in PROJECTIONS \
-                    and type(child) is nn.Linear:
-                new = _quantize_dense(child.weight, attention_bits)
-                counts["attention"] += new is not None
+            with hugepages.plain() if name in STEP_FUSED else nullcontext():
+                new = _quantized(parent, name, child, attention_bits, counts)
             if new is not None:
                 setattr(parent, name, _with_bias(new, child))
     return counts
+
+
+def _quantized(parent: nn.Module, name: str, child: nn.Module, attention_bits: int | None,
+               counts: dict[str, int]) -> CpuQuantLinear | None:
+    """``parent.name`` (``child``) quantized for the CPU (:func:`quantize_decoder_linears`), or None (kept)."""
+    if isinstance(child, AWQLinear) and _int4_shape_ok(child.in_features, child.out_features):
+        counts["awq"] += 1
+        return awq_linear_cpu(child.qweight, child.qzeros, child.scales, child.group_size)
+    if attention_bits is not None and isinstance(parent, ATTENTION_MODULES) and name in PROJECTIONS \
+            and type(child) is nn.Linear:
+        new = _quantize_dense(child.weight, attention_bits)
+        counts["attention"] += new is not None
+        return new
+    return None
 
 
 def quantize_rows_int8(weight: torch.Tensor) -> CpuQuantLinear:

@@ -32,6 +32,7 @@ from moeflow.engine.cpu_layers_gpt_oss import fuse_gpt_oss, set_gpt_oss_fused
 from moeflow.engine.kv_cache import PassCache
 from moeflow.families.base import CausalDecoder
 from moeflow.families.layers import Attention, GatedMLP, PreNormLayer, RMSNorm
+from moeflow.kernels.cpu import hugepages
 from moeflow.kernels.cpu.native import ROW_GROUP, Q4Matrix, Q8Matrix, native_available, q4_fmt
 from moeflow.kernels.cpu.quant_linear import CpuQuantLinear, SplitLinear
 from moeflow.kernels.cpu.step import (
@@ -226,7 +227,7 @@ def _fuse_one(projections: list[nn.Module]) -> nn.Module | None:
             return None
         fused = nn.Linear(first.in_features, sum(p.out_features for p in projections), bias=False,
                           dtype=first.weight.dtype)
-        fused.weight = nn.Parameter(torch.cat([p.weight.detach() for p in projections]), requires_grad=False)
+        fused.weight = nn.Parameter(hugepages.cat([p.weight.detach() for p in projections]), requires_grad=False)
         _share_rows(projections, fused, ["weight"])
         return fused
     if not all(isinstance(p, CpuQuantLinear) and p.native for p in projections):
@@ -237,7 +238,7 @@ def _fuse_one(projections: list[nn.Module]) -> nn.Module | None:
     if any(p.out_features % ROW_GROUP for p in projections):
         return None  # int4/int8 rows are interleaved in groups of ROW_GROUP: row views are valid only at group bounds
     names = ["int8_weight", "int8_scales"] if first.bits == 8 else ["packed", "scales", "mins"]
-    tensors = {n: torch.cat([getattr(p, n) for p in projections]) for n in names}
+    tensors = {n: hugepages.cat([getattr(p, n) for p in projections]) for n in names}  # (the forms: huge pages)
     out_features = sum(p.out_features for p in projections)
     if first.bits == 8:
         fused = CpuQuantLinear(8, first.in_features, out_features,

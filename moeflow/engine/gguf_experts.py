@@ -24,6 +24,7 @@ from moeflow.config import load_workers
 from moeflow.engine.cpu_form_cache import cached_load
 from moeflow.io.gguf.experts import AWQ_ZERO_8, ExpertBytes, GGUFExpertSource, check_q4_0
 from moeflow.io.gguf.mapped import MappedGGUF
+from moeflow.kernels.cpu import hugepages
 from moeflow.kernels.cpu.int4 import Int4Expert
 from moeflow.kernels.cpu.native import Q4_0_GROUP, Q4Matrix, library, native_available
 from moeflow.kernels.formats import ExpertFormat
@@ -65,8 +66,8 @@ def q4_0_int4_expert(expert: ExpertBytes, raw: dict[str, torch.Tensor]) -> Int4E
     for parts in (("gate", "up"), ("down",)):
         check_q4_0(expert, parts)  # (rows % 8: gate's rows end on a row group, so up's start on one)
         n, k = sum(raw[p].shape[0] for p in parts), expert.slices[parts[0]].shape[1]
-        packed = torch.empty(n, k // 2, dtype=torch.uint8)
-        scales = torch.empty(n, k // Q4_0_GROUP, dtype=torch.float16)
+        packed = hugepages.empty((n, k // 2), torch.uint8)  # (the resident form: on huge pages)
+        scales = hugepages.empty((n, k // Q4_0_GROUP), torch.float16)
         at = 0
         for p in parts:
             m = raw[p].shape[0]

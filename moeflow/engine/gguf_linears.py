@@ -25,11 +25,15 @@ reference_linear` with the dequantized weight is its fp32 model).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import numpy as np
 import torch
 
+from moeflow.engine.cpu_linears import STEP_FUSED
 from moeflow.io.gguf.files import TensorInfo
 from moeflow.io.gguf.reader import GGUFCheckpointReader, unpermute_rope_rows
+from moeflow.kernels.cpu import hugepages
 from moeflow.kernels.cpu.gguf import K_BLOCK, GGUFLinear
 from moeflow.kernels.cpu.native import Q4Matrix, _group_rows, _pack_q4, library, native_available
 from moeflow.kernels.cpu.quant_linear import CpuQuantLinear
@@ -133,7 +137,9 @@ class GGUFStoredLinears:
         """The int4 layer of ``module_name``'s weight from its stored blocks, or None where its type has no exact
         CPU int4 form (:data:`NATIVE_TYPES`), the kernels do not build here, or the shape does not tile."""
         if module_name not in self._built:
-            self._built[module_name] = self._cpu_linear(module_name)
+            fused = module_name.rsplit(".", 1)[-1] in STEP_FUSED  # (the fused matrix goes on huge pages instead)
+            with hugepages.plain() if fused else nullcontext():
+                self._built[module_name] = self._cpu_linear(module_name)
         return self._built[module_name]
 
     def _cpu_linear(self, module_name: str) -> CpuQuantLinear | None:
@@ -155,8 +161,8 @@ class GGUFStoredLinears:
             return unpermute_rope_rows(t, heads).contiguous() if permute else t
 
         if info.type.name == "Q4_0":  # the stored blocks re-laid out in one pass, no code unpacked
-            packed = torch.empty(out_features, in_features // 2, dtype=torch.uint8)
-            scales = torch.empty(out_features, in_features // GROUP, dtype=torch.float16)
+            packed = hugepages.empty((out_features, in_features // 2), torch.uint8)
+            scales = hugepages.empty((out_features, in_features // GROUP), torch.float16)
             q4_0_to_q4z(rows(raw.view(out_features, -1)).contiguous(), packed, scales, library())
             matrix = Q4Matrix(packed, scales, torch.empty(0, dtype=torch.uint8), GROUP)  # Q4_F16Z8: from_q4_0's
         else:

@@ -28,6 +28,7 @@ from functools import lru_cache
 
 import torch
 
+from moeflow.kernels.cpu import hugepages
 from moeflow.quant.awq import AWQ_ORDER, AWQ_REVERSE_ORDER
 
 NATURAL_ROWS = (0, 1, 2, 3, 4, 5, 6, 7)  # nibble i of an output word holds row 8kb + i (the pool's panels)
@@ -136,8 +137,9 @@ def awq_to_q4_packed(qweight: torch.Tensor, out: torch.Tensor | None = None, lib
     k, n = qweight.shape[0], qweight.shape[1] * 8
     if k % 32:
         raise ValueError(f"awq_to_q4_packed: K={k} is not a multiple of 32 (the CPU kernels' block)")
-    if out is None:
-        out = torch.empty((n, k // 2), dtype=torch.uint8, device=qweight.device)
+    if out is None:  # (on the CPU: a weight form, on huge pages)
+        out = hugepages.empty((n, k // 2), torch.uint8) if qweight.device.type == "cpu" else \
+            torch.empty((n, k // 2), dtype=torch.uint8, device=qweight.device)
     elif tuple(out.shape) != (n, k // 2) or out.dtype != torch.uint8 or not out.is_contiguous():
         raise ValueError(f"awq_to_q4_packed: out must be contiguous uint8 {(n, k // 2)}, got {out.dtype} "
                          f"{tuple(out.shape)}")
@@ -198,7 +200,7 @@ def quantize_rows_int8_grouped_native(lib: Library | None, w: torch.Tensor, thre
     if not _on_cpu(lib, w) or w.dtype not in _ROW_KINDS or w.dim() != 2 or w.shape[1] % 32:
         return None
     w = w.contiguous()
-    q = torch.empty(w.shape, dtype=torch.int8)
+    q = hugepages.empty(w.shape, torch.int8)  # the weight form itself (the lm_head's, the attention's)
     scales = torch.empty(w.shape[0], dtype=torch.bfloat16)
     p = ctypes.c_void_p
     if lib.mf_quantize_rows_int8_grouped(p(w.data_ptr()), ctypes.c_int(_ROW_KINDS[w.dtype]),

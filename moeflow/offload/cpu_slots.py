@@ -31,6 +31,7 @@ from typing import ClassVar
 
 import torch
 
+from moeflow.kernels.cpu import hugepages
 from moeflow.kernels.cpu.int4 import Int4Expert
 from moeflow.kernels.cpu.step import expert_row, experts_step
 from moeflow.kernels.experts import reference
@@ -66,7 +67,8 @@ class CpuInt4Format(AWQFormat):
         # of a Mixtral expert cost more than the conversion); scales 1, an fp16 number
         blank = {name: (torch.ones(shape, dtype=self.dtype) if name.endswith("scales")
                         else torch.empty(shape, dtype=torch.int32)) for name, shape in self.loader_shapes().items()}
-        template = Int4Expert.from_awq_tensors(blank, self.group_size)
+        with hugepages.plain():  # (dropped below: not worth a huge page)
+            template = Int4Expert.from_awq_tensors(blank, self.group_size)
         specs, offset = [], 0
         for prefix, matrix in (("w13", template.w13), ("w2", template.w2)):
             for name, t in _tensor_fields(matrix):

@@ -26,6 +26,7 @@ from typing import Protocol
 
 import torch
 
+from moeflow.kernels.cpu import hugepages
 from moeflow.kernels.formats import ExpertFormat
 from moeflow.offload.eviction import EvictionPolicy, Key
 from moeflow.offload.host_store import HostStore
@@ -92,7 +93,9 @@ class DiskHostStore(HostStore):
         self.source = source
         self.num_layers, self.num_experts = source.num_layers, source.num_experts
         self.capacity = capacity
-        self.buffer = torch.empty((capacity, fmt.nbytes), dtype=torch.uint8)
+        shape = (capacity, fmt.nbytes)  # (the CPU kernels read it on device="cpu": on huge pages, as HostStore's)
+        self.buffer = hugepages.empty(shape, torch.uint8) if torch.device(device).type == "cpu" else \
+            torch.empty(shape, dtype=torch.uint8)
         self.pinned, self._registered_ptr = False, None
         if pin and torch.device(device).type == "cuda":
             self._pin()

@@ -17,6 +17,7 @@ import warnings
 
 import torch
 
+from moeflow.kernels.cpu import hugepages
 from moeflow.kernels.formats import ExpertFormat
 
 _CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context, not only the current one
@@ -31,8 +32,11 @@ class HostStore:
         self.fmt = fmt
         self.num_layers = num_layers
         self.num_experts = num_experts
-        # torch.empty on the host never zero-fills, so the only full-size copy of the model is this one
-        self.buffer = torch.empty((num_layers * num_experts, fmt.nbytes), dtype=torch.uint8)
+        # torch.empty on the host never zero-fills, so the only full-size copy of the model is this one; for the CPU
+        # kernels (device="cpu") on huge pages (kernels/cpu/hugepages.py), not where it is pinned for a GPU's copies
+        shape = (num_layers * num_experts, fmt.nbytes)
+        self.buffer = hugepages.empty(shape, torch.uint8) if torch.device(device).type == "cpu" else \
+            torch.empty(shape, dtype=torch.uint8)
         self.pinned = False
         self._registered_ptr: int | None = None
         self.loaded = torch.zeros(num_layers * num_experts, dtype=torch.bool)

@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from moeflow.kernels.cpu import hugepages
 from moeflow.quant.awq import unpack_int4
 from moeflow.user_cache import cache_dir
 
@@ -264,17 +265,20 @@ class Q4Matrix:
         packed = awq_to_q4_packed(qweight.cpu(), out=None if out is None else out.packed, lib=library())
         zeros = unpack_int4(qzeros.cpu())
         compact = scales.dtype == torch.float16 if compact is None else compact
+        form = out is None  # (else the scales and mins are temporaries, copied into out's)
         if compact:
             half = scales.cpu().half()
             if not torch.equal(half.float(), scales.cpu().float()):
                 raise ValueError("Q4Matrix.from_awq(compact=True): the scales are not all fp16 numbers")
             zero8 = group_size == Q4_0_GROUP and (out is None or out.fmt == Q4_F16Z8) and bool((zeros == 8).all())
-            mins = torch.empty(0, dtype=torch.uint8) if zero8 else _group_rows(zeros.to(torch.uint8).T.contiguous())
-            made = cls(packed, _group_rows(half.T.contiguous()), mins, group_size)
+            mins = torch.empty(0, dtype=torch.uint8) if zero8 else \
+                _group_rows(zeros.to(torch.uint8).T.contiguous(), form=form)
+            made = cls(packed, _group_rows(half.T.contiguous(), form=form), mins, group_size)
         else:
             s = scales.cpu().float()
             mins = -zeros.float() * s
-            made = cls(packed, _group_rows(s.T.contiguous()), _group_rows(mins.T.contiguous()), group_size)
+            made = cls(packed, _group_rows(s.T.contiguous(), form=form), _group_rows(mins.T.contiguous(), form=form),
+                       group_size)
         if out is None:
             return made
         if made.fmt != out.fmt or made.group_size != out.group_size:
@@ -310,7 +314,7 @@ class Q4Matrix:
             # (the fp32 form's kernel at group 32 is not the integer-zero one: results of the parts change slightly)
             parts = [p.fp32_form() for p in parts]
         if all(p.shape[0] % ROW_GROUP == 0 for p in parts[:-1]):
-            return cls(*(torch.cat([getattr(p, f) for p in parts]) for f in ("packed", "scales", "mins")),
+            return cls(*(hugepages.cat([getattr(p, f) for p in parts]) for f in ("packed", "scales", "mins")),
                        parts[0].group_size)
         q = torch.cat([_unpack_q4(p.packed) for p in parts])
         s = torch.cat([_group_rows(p.scales, inverse=True) for p in parts])
@@ -338,12 +342,15 @@ class Q4Matrix:
         return q4_nbytes(self.packed, self.scales, self.mins)
 
 
-def _group_rows(t: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Per-row values [N, C] (scales, mins) <-> the kernel's order: within each group of 8 rows, [C, 8]."""
+def _group_rows(t: torch.Tensor, inverse: bool = False, form: bool = True) -> torch.Tensor:
+    """Per-row values [N, C] (scales, mins) <-> the kernel's order: within each group of 8 rows, [C, 8]. ``form``:
+    the kernel's order is a weight form to keep (on huge pages: :mod:`~moeflow.kernels.cpu.hugepages`), else a
+    temporary."""
     n, c = t.shape
     whole = n - n % ROW_GROUP
     g = t[:whole].reshape(whole // ROW_GROUP, *((c, ROW_GROUP) if inverse else (ROW_GROUP, c)))
-    return torch.cat([g.transpose(1, 2).reshape(whole, c), t[whole:]]).contiguous()
+    parts = [g.transpose(1, 2).reshape(whole, c), t[whole:]]
+    return hugepages.cat(parts) if form and not inverse else torch.cat(parts).contiguous()
 
 
 def _pack_q4(q: torch.Tensor) -> torch.Tensor:
@@ -354,7 +361,7 @@ def _pack_q4(q: torch.Tensor) -> torch.Tensor:
     g = q[:whole].reshape(whole // ROW_GROUP, ROW_GROUP, k // BLOCK, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
     grouped = (g[..., 0] | (g[..., 1] << 4)).reshape(whole, k // 2)
     tail = q[whole:].reshape(n - whole, k // BLOCK, 2, BLOCK // 2)  # plain rows: byte j = q[j] | q[16 + j] << 4
-    return torch.cat([grouped, (tail[:, :, 0] | (tail[:, :, 1] << 4)).reshape(n - whole, k // 2)]).contiguous()
+    return hugepages.cat([grouped, (tail[:, :, 0] | (tail[:, :, 1] << 4)).reshape(n - whole, k // 2)])
 
 
 def _unpack_q4(packed: torch.Tensor) -> torch.Tensor:
@@ -394,7 +401,7 @@ class Q8Matrix:
             raise ValueError(f"concat_rows: parts of shapes {[p.shape for p in parts]}: in_features must agree")
         scales = torch.cat([p.scales for p in parts])
         if all(p.shape[0] % ROW_GROUP == 0 for p in parts[:-1]):
-            return cls(torch.cat([p.weight for p in parts]), scales)
+            return cls(hugepages.cat([p.weight for p in parts]), scales)
         return cls(_group_q8(torch.cat([_group_q8(p.weight, inverse=True) for p in parts])), scales)
 
     @property
@@ -452,8 +459,14 @@ def _group_q8(q: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     whole = n - n % ROW_GROUP
     shape = (k // BLOCK, BLOCK // 4, ROW_GROUP, 4) if inverse else (ROW_GROUP, k // BLOCK, BLOCK // 4, 4)
     order = (0, 3, 1, 2, 4) if inverse else (0, 2, 3, 1, 4)  # [group, b, c, r, j] <-> [group, r, b, c, j]
-    g = q[:whole].reshape(whole // ROW_GROUP, *shape).permute(*order).reshape(whole, k)  # a copy
-    return g if whole == n else torch.cat([g, q[whole:]])  # one copy of a 600 MB lm_head at load, not two
+    g = q[:whole].reshape(whole // ROW_GROUP, *shape).permute(*order)
+    if inverse:
+        g = g.reshape(whole, k)  # a copy
+        return g if whole == n else torch.cat([g, q[whole:]])
+    out = hugepages.empty((n, k), q.dtype)  # the weight form: written once (a 600 MB lm_head), on huge pages
+    out[:whole].view(g.shape).copy_(g)
+    out[whole:] = q[whole:]
+    return out
 
 
 def q4_nbytes(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> int:

@@ -30,6 +30,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from moeflow.kernels.cpu import hugepages
 from moeflow.kernels.cpu.int4 import COMPUTE_DTYPE, Int4Matrix, native_format_fits
 from moeflow.kernels.cpu.native import (
     BLOCK,
@@ -183,7 +184,8 @@ def int4_dequantized(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.
     """The weight an int4 :class:`CpuQuantLinear` built from these AWQ tensors multiplies by, fp32 [out, in]
     (moeflow's kernel: fp32 scales; torch's: scales rounded to bf16, as its int4 format stores them)."""
     if native_format_fits(group_size):
-        return Q4Matrix.from_awq(qweight, qzeros, scales, group_size).dequantized()
+        with hugepages.plain():  # (a temporary form)
+            return Q4Matrix.from_awq(qweight, qzeros, scales, group_size).dequantized()
     s = scales.float().to(COMPUTE_DTYPE).float()
     return dequantize(qweight, qzeros, s, group_size).T.contiguous()
 

@@ -1,0 +1,190 @@
+"""moeflow's CPU weight forms on transparent huge pages (issue 42).
+
+Why: the CPU kernels stream every weight of a decode step once (memory-bound), and on 4 KB pages the hardware
+prefetchers stop at each page boundary and every 4 KB costs a TLB entry. On a kernel whose transparent huge pages
+are ``madvise`` only (the usual distribution default), memory is placed on 2 MB pages only where the process asks
+(``madvise(MADV_HUGEPAGE)``). torch's ``THP_MEM_ALLOC_ENABLE=1`` asks for every allocation of 2 MB and more and
+measured +6 % decode tok/s at one thread and +19 % at two on the AWQ peer model (docs/cpu.md, "huge pages"); but
+it is a process-wide switch that c10 reads once, at its first large allocation, so a library cannot rely on it
+and should not change the whole process. moeflow instead allocates **its own CPU weight forms** (the q4 expert
+matrices, the int8 / int4 attention and lm_head matrices, the CPU host store) with :func:`empty` / :func:`copy` /
+:func:`cat` here: the same bytes in another allocation, so the numbers do not change.
+
+How: anonymous private mappings (``mmap.mmap(-1, n, MAP_PRIVATE | MAP_ANONYMOUS)``: a shared anonymous mapping is
+shmem, which THP's ``shmem_enabled`` governs, usually ``never``) advised ``MADV_HUGEPAGE``, with the tensors placed
+from a 2 MB boundary of the mapping and wrapped by ``torch.frombuffer`` (each tensor's storage keeps its mapping
+alive; a mapping is unmapped when its last tensor goes). A tensor of :data:`CHUNK` / 2 or more gets a mapping of
+its own, rounded up to 2 MB; smaller ones (an expert's down matrix of a small model: 1.8 MB on the peer model,
+a third of its expert bytes) are packed one after the other ([:data:`ALIGN`]-byte aligned) into shared
+:data:`CHUNK`-byte mappings (a bump arena; a chunk is freed when every tensor in it is), so they share huge pages
+rather than each rounding up to one. The arena never reuses a freed tensor's bytes, so a form made only to be
+copied and dropped (q, k and v before the CPU step fuses them, a conversion's scratch) is made inside
+:func:`plain`, in torch's memory, lest its bytes stay resident in a chunk beside kept forms.
+
+Where it falls back to ``torch.empty`` (plain 4 KB-page memory, the same results): not Linux or a Python without
+``mmap.MADV_HUGEPAGE``; THP ``never`` on this kernel (nothing would be gained); tensors under :data:`MIN_BYTES`
+(scales of a small matrix: a page or a few, not worth holding a chunk for); ``madvise`` refused (a kernel built
+without THP: then off for the process); ``MOEFLOW_HUGEPAGES=0`` in the environment (read at every allocation: the
+A/B switch). Cost: first touching an advised 2 MB extent faults in (and zeroes) a whole huge page, and with THP
+``defrag`` at its ``madvise`` default the kernel may compact memory to find one, so a load can take longer on a
+fragmented machine (docs/cpu.md); the form cache's mapped files (``cpu_form_cache``) and mapped GGUF views are
+file pages, which anonymous huge pages do not cover.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import mmap
+import os
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+HUGE_PAGE = 2 << 20  # x86-64 / arm64 (4 KB base pages) PMD size
+CHUNK = 32 << 20  # the arena's mappings for tensors under CHUNK / 2
+MIN_BYTES = 64 << 10  # smaller tensors stay on torch's allocator
+ALIGN = 64  # each arena tensor starts on a cache line
+ENV = "MOEFLOW_HUGEPAGES"
+THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+_refused = False  # madvise(MADV_HUGEPAGE) failed once: off for this process
+_local = threading.local()  # .plain: depth of plain() on this thread
+
+
+def thp_mode() -> str | None:
+    """This kernel's THP mode (``always``, ``madvise``, ``never``), or None where it has none (not Linux, no THP)."""
+    try:
+        text = THP_ENABLED.read_text()
+    except OSError:
+        return None
+    start, end = text.find("["), text.find("]")
+    return text[start + 1:end] if 0 <= start < end else None
+
+
+def enabled() -> bool:
+    """Whether :func:`empty` places large tensors on huge-page-advised mappings here (module doc's fallbacks), on
+    this thread (not inside :func:`plain`)."""
+    return os.environ.get(ENV, "1") != "0" and not getattr(_local, "plain", 0) and sys.platform.startswith("linux") \
+        and hasattr(mmap, "MADV_HUGEPAGE") and not _refused and thp_mode() in ("always", "madvise")
+
+
+@contextmanager
+def plain() -> Iterator[None]:
+    """Within it, on this thread, :func:`empty` is ``torch.empty``: for forms about to be copied and dropped (q, k
+    and v before the CPU step fuses them, a conversion's temporaries). An arena chunk is unmapped only when all its
+    tensors are gone, so a short-lived tensor placed among long-lived ones would keep its bytes resident."""
+    _local.plain = getattr(_local, "plain", 0) + 1
+    try:
+        yield
+    finally:
+        _local.plain -= 1
+
+
+def _advised(nbytes: int) -> memoryview | None:
+    """A writable view of ``nbytes`` (a multiple of :data:`HUGE_PAGE`) starting on a 2 MB boundary of a fresh
+    anonymous private mapping advised ``MADV_HUGEPAGE``; None where the kernel refuses the advice."""
+    global _refused
+    mm = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mm.madvise(mmap.MADV_HUGEPAGE)  # the whole mapping: one VMA (the unused head and tail are never touched)
+    except OSError:
+        _refused = True
+        mm.close()
+        return None
+    anchor = ctypes.c_char.from_buffer(mm)
+    address = ctypes.addressof(anchor)
+    del anchor  # (releases its export of the mapping)
+    start = -address % HUGE_PAGE
+    return memoryview(mm)[start:start + nbytes]
+
+
+class _Arena:
+    """Bump allocation of tensors under :data:`CHUNK` / 2 from shared advised chunks (thread safe: loader threads
+    convert experts concurrently)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._chunk: memoryview | None = None
+        self._used = 0
+
+    def take(self, nbytes: int) -> memoryview | None:
+        if nbytes >= CHUNK // 2:
+            view = _advised(-(-nbytes // HUGE_PAGE) * HUGE_PAGE)
+            return None if view is None else view[:nbytes]
+        with self._lock:
+            start = -(-self._used // ALIGN) * ALIGN
+            if self._chunk is None or start + nbytes > len(self._chunk):
+                chunk = _advised(CHUNK)
+                if chunk is None:
+                    return None
+                self._chunk, start = chunk, 0  # the old chunk lives on in its tensors
+            self._used = start + nbytes
+            return self._chunk[start:start + nbytes]
+
+
+_ARENA = _Arena()
+
+
+def empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized CPU tensor of ``shape`` and ``dtype`` (contiguous), on a huge-page-advised mapping where
+    :func:`enabled` and it is :data:`MIN_BYTES` or more, else ``torch.empty`` (module doc)."""
+    shape = tuple(int(s) for s in shape)
+    numel = math.prod(shape)
+    nbytes = numel * dtype.itemsize
+    if nbytes < MIN_BYTES or not enabled():
+        return torch.empty(shape, dtype=dtype)
+    view = _ARENA.take(nbytes)
+    if view is None:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(view, dtype=dtype, count=numel).view(shape)
+
+
+def copy(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values (a CPU tensor [...]) in a contiguous tensor from :func:`empty`; ``t`` itself where that would
+    be plain memory anyway (small, or off) and ``t`` is contiguous."""
+    if t.numel() * t.element_size() < MIN_BYTES or not enabled():
+        return t.contiguous()
+    out = empty(t.shape, t.dtype)
+    out.copy_(t)
+    return out
+
+
+def cat(tensors: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """``torch.cat(tensors, dim)`` (tensors of one dtype) written into a tensor from :func:`empty` (off the CPU:
+    ``torch.cat``)."""
+    if tensors[0].device.type != "cpu":
+        return torch.cat(list(tensors), dim)
+    shape = list(tensors[0].shape)
+    shape[dim] = sum(t.shape[dim] for t in tensors)
+    return torch.cat(list(tensors), dim, out=empty(shape, tensors[0].dtype))
+
+
+def mapping_of(t: torch.Tensor) -> dict[str, object] | None:
+    """The ``/proc/self/smaps`` entry of the mapping holding ``t``'s first byte: ``{"range": (lo, hi), "flags":
+    set of VmFlags (``hg``: advised MADV_HUGEPAGE), "AnonHugePages": kB, "pathname": str}``; None where there is
+    no smaps (not Linux) or no mapping holds it. For tests and diagnostics."""
+    address = t.data_ptr()
+    try:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+    except OSError:
+        return None
+    found: dict[str, object] | None = None
+    for line in lines:
+        head = line.split(None, 1)[0] if line.strip() else ""
+        if "-" in head and ":" not in head:  # a mapping's first line: lo-hi perms offset dev inode [pathname]
+            if found is not None:
+                return found
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            parts = line.split(None, 5)
+            found = {"range": (lo, hi), "flags": set(), "AnonHugePages": 0,
+                     "pathname": parts[5] if len(parts) > 5 else ""} if lo <= address < hi else None
+        elif found is not None and head == "VmFlags:":
+            found["flags"] = set(line.split()[1:])
+        elif found is not None and head == "AnonHugePages:":
+            found["AnonHugePages"] = int(line.split()[1])
+    return found

@@ -1,0 +1,130 @@
+"""moeflow's CPU weight forms on transparent huge pages (issue 42, kernels/cpu/hugepages.py): the allocator's
+tensors lie in anonymous mappings advised MADV_HUGEPAGE (``hg`` in /proc/self/smaps' VmFlags), the forms a
+``device="cpu"`` model builds (resident q4 experts from AWQ and from a Q4_0 GGUF, the fused attention, the int8
+lm_head) are on them, ``MOEFLOW_HUGEPAGES=0`` gives plain tensors, and the tokens and logits are the same either
+way (the same bytes in another allocation). Skipped, with the reason, where the kernel has no THP or it is
+``never``. ~10 s."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+from helpers import make_tiny_checkpoint, make_tiny_model
+
+from moeflow import MoEModel
+from moeflow.kernels.cpu import hugepages
+from moeflow.kernels.cpu.native import Q4Matrix, native_available
+from moeflow.kernels.cpu.quant_linear import CpuQuantLinear
+from moeflow.moe import CpuInt4Experts
+
+# hidden 256, intermediate 512: every expert matrix (w13 128 KB, w2 64 KB packed), the fused q/k/v and the lm_head
+# (vocab 512: 128 KB of int8) at or above hugepages.MIN_BYTES
+SIZES = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_local_experts=4, vocab_size=512)
+
+
+def _need_thp() -> None:
+    if not hugepages.enabled():
+        pytest.skip(f"no transparent huge pages to advise here (platform {sys.platform}, THP mode "
+                    f"{hugepages.thp_mode()!r}, {hugepages.ENV}={os.environ.get(hugepages.ENV)!r})")
+
+
+def _advised(t: torch.Tensor) -> bool:
+    m = hugepages.mapping_of(t)
+    return m is not None and "hg" in m["flags"]
+
+
+def test_empty_places_large_tensors_on_advised_anonymous_mappings(monkeypatch):
+    monkeypatch.delenv(hugepages.ENV, raising=False)
+    _need_thp()
+    big = hugepages.empty((5, 1 << 20), torch.float16)  # 10 MB: a chunk's share
+    own = hugepages.empty((3, 7 << 20), torch.uint8)  # 21 MB: a mapping of its own
+    small = hugepages.empty((100,), torch.float32)
+    for t in (big, own):
+        m = hugepages.mapping_of(t)
+        assert m is not None and "hg" in m["flags"] and m["pathname"] == "", m
+        assert t.is_contiguous() and t.data_ptr() % hugepages.ALIGN == 0
+    assert own.data_ptr() % hugepages.HUGE_PAGE == 0
+    assert not _advised(small) or os.environ.get("THP_MEM_ALLOC_ENABLE")
+    # arena tensors under CHUNK / 2 share a mapping, without overlapping
+    a, b = hugepages.empty((1 << 20,), torch.uint8), hugepages.empty((1 << 20,), torch.uint8)
+    if hugepages.mapping_of(a)["range"] == hugepages.mapping_of(b)["range"]:  # (else a fresh chunk began)
+        assert abs(a.data_ptr() - b.data_ptr()) >= 1 << 20
+    a.fill_(1)
+    b.fill_(2)
+    assert int(a.sum()) == 1 << 20 and int(b.sum()) == 2 << 20
+    src = torch.arange(3 << 20, dtype=torch.int32).view(3, -1)
+    assert torch.equal(hugepages.copy(src), src) and _advised(hugepages.copy(src))
+    parts = [src[:1], src[1:]]
+    assert torch.equal(hugepages.cat(parts), src) and _advised(hugepages.cat(parts))
+    own[2, -1] = 7  # the last byte is writable (the view ends inside its mapping)
+    assert int(own[2, -1]) == 7
+
+
+def test_switched_off_gives_plain_tensors(monkeypatch):
+    monkeypatch.setenv(hugepages.ENV, "0")
+    assert not hugepages.enabled()
+    t = hugepages.empty((4 << 20,), torch.uint8)
+    assert t.untyped_storage().resizable()  # torch's allocator (torch.frombuffer's storages are not resizable)
+    assert not _advised(t) or os.environ.get("THP_MEM_ALLOC_ENABLE")
+
+
+def _forms(model: MoEModel) -> dict[str, torch.Tensor]:
+    """The model's CPU weight forms of MIN_BYTES or more: expert q4 matrices, quantized linears' buffers."""
+    assert type(model.experts) is CpuInt4Experts
+    out = {}
+    for layer, row in enumerate(model.experts.experts):
+        for e, x in enumerate(row):
+            for name, m in (("w13", x.w13), ("w2", x.w2)):
+                assert isinstance(m, Q4Matrix)
+                out |= {f"{layer}.{e}.{name}.{f}": getattr(m, f) for f in ("packed", "scales", "mins")}
+    for path, module in model.model.named_modules():
+        if isinstance(module, CpuQuantLinear):
+            out |= {f"{path}.{n}": b for n, b in module.named_buffers(recurse=False) if b is not None}
+    return {k: t for k, t in out.items() if t.numel() * t.element_size() >= hugepages.MIN_BYTES}
+
+
+def _checkpoints(tmp_path):
+    from moeflow.tools.quantize import quantize_checkpoint
+
+    src = make_tiny_checkpoint(tmp_path / "fp32", seed=6, **SIZES)
+    yield "awq", quantize_checkpoint(src, tmp_path / "awq", group_size=32, quantize_attention=True, progress=False)
+    pytest.importorskip("gguf")
+    from gguf_models import T, write_gguf
+
+    path = tmp_path / "q4_0.gguf"
+    gguf_sizes = {k: v for k, v in SIZES.items() if k != "vocab_size"}  # (the tests' GGUF vocabulary: 228 at most)
+    write_gguf(make_tiny_model(seed=7, **gguf_sizes), path, expert_types=T.Q4_0, other_type=T.Q8_0)
+    yield "q4_0", path
+
+
+@pytest.mark.skipif(not native_available(), reason="moeflow's CPU kernels do not build here (no compiler)")
+def test_cpu_forms_are_on_huge_pages_and_give_the_same_tokens(tmp_path, monkeypatch):
+    monkeypatch.delenv(hugepages.ENV, raising=False)
+    _need_thp()
+    ids = torch.randint(0, 97, (2, 6), generator=torch.Generator().manual_seed(2))
+    for kind, path in _checkpoints(tmp_path):
+        results = {}
+        for switch in ("1", "0"):
+            monkeypatch.setenv(hugepages.ENV, switch)
+            model = MoEModel.from_pretrained(path, device="cpu")
+            try:
+                forms = _forms(model)
+                names = {n.rsplit(".", 1)[-1] for n in forms}
+                assert {"packed"} <= names and any(".w2." in n for n in forms), (kind, sorted(forms))
+                if kind == "awq":  # the fused q/k/v (int4 here) and the int8 lm_head too
+                    assert any("qkv_proj" in n for n in forms) and "lm_head.int8_weight" in forms, sorted(forms)
+                plain = [n for n, t in forms.items() if not _advised(t)]
+                if switch == "1":
+                    assert not plain, (kind, plain)
+                elif not os.environ.get("THP_MEM_ALLOC_ENABLE"):
+                    assert len(plain) == len(forms), (kind, sorted(set(forms) - set(plain)))
+                with torch.inference_mode():
+                    tokens = model.generate(ids, max_new_tokens=5, do_sample=False, eos_token_id=[])
+                    results[switch] = tokens, model(tokens).logits
+            finally:
+                model.close()
+        assert torch.equal(results["1"][0], results["0"][0]), kind
+        assert torch.equal(results["1"][1], results["0"][1]), kind
