@@ -7,14 +7,13 @@ import pytest
 import torch
 from helpers import make_tiny_checkpoint
 from test_expertflow import padded_batch  # n left-padded prompts of random lengths
+from tiny_families import expertflow_predictor_file
 
 from moeflow import MoEOffloadedMixtral, OffloadConfig
 from moeflow.engine.side_lane import InlineLane, VirtualLane
 from moeflow.errors import InputError, SchedulingError
 from moeflow.offload.policies.expertflow.pipeline import DualBatchPipeline
-from moeflow.offload.predictors import train_predictor
 from moeflow.sim.engine import SimClock
-from moeflow.tools.record import record_trace
 
 LAYERS, EXPERTS = 3, 8
 
@@ -27,12 +26,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def predictor_file(ckpt, tmp_path_factory):
-    model = MoEOffloadedMixtral.from_pretrained(ckpt)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 97, (int(torch.randint(4, 14, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(12)]
-    pred = train_predictor("expertflow", record_trace(model, prompts, 5), epochs=3, seed=0)
-    return pred.save(tmp_path_factory.mktemp("dbp") / "expertflow.pt")
+    return expertflow_predictor_file(ckpt, tmp_path_factory.mktemp("dbp"))
 
 
 def expertflow(ckpt, predictor_file, slots: int, transport: str = "sync", seed: int = 0):

@@ -10,13 +10,12 @@ from helpers import make_tiny_checkpoint
 from test_expertflow import padded_batch  # n left-padded prompts of random lengths
 from test_policy_counts import backend_for, resident
 from test_scheduling_helpers import DENSE, Synthetic
+from tiny_families import expertflow_predictor_file
 
 from moeflow import MoEOffloadedMixtral, OffloadConfig
 from moeflow.errors import SchedulingError
 from moeflow.offload.policies.expertflow.scheduler import activated_pairs, balanced_split, group_by_routing
-from moeflow.offload.predictors import train_predictor
 from moeflow.offload.predictors.interface import Predictor, Proposals
-from moeflow.tools.record import record_trace
 
 LAYERS, EXPERTS = 3, 8
 
@@ -98,12 +97,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def predictor_file(ckpt, tmp_path_factory):
-    model = MoEOffloadedMixtral.from_pretrained(ckpt)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 97, (int(torch.randint(4, 14, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(12)]
-    pred = train_predictor("expertflow", record_trace(model, prompts, 5), epochs=3, seed=0)
-    return pred.save(tmp_path_factory.mktemp("prp") / "expertflow.pt")
+    return expertflow_predictor_file(ckpt, tmp_path_factory.mktemp("prp"))
 
 
 def expertflow(ckpt, predictor_file, slots: int, regroup: bool, keep_contiguous: bool = True,

@@ -210,6 +210,21 @@ def train_predictors(resident, path: Path, gen: torch.Generator) -> None:
         train_predictor(kind, trace, eval_fraction=0.2, **opts).save(path / "predictors" / f"{kind}.pt")
 
 
+def expertflow_predictor_file(checkpoint: Path, directory: Path) -> Path:
+    """An expertflow predictor for the checkpoint, trained (3 epochs, seed 0) on its trace of 12 random prompts of
+    4-13 tokens, 5 new tokens each, saved as ``<directory>/expertflow.pt``."""
+    from moeflow import MoEOffloadedMixtral
+    from moeflow.offload.predictors import train_predictor
+    from moeflow.tools.record import record_trace
+
+    model = MoEOffloadedMixtral.from_pretrained(checkpoint)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 97, (int(torch.randint(4, 14, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(12)]
+    pred = train_predictor("expertflow", record_trace(model, prompts, 5), epochs=3, seed=0)
+    return pred.save(directory / "expertflow.pt")
+
+
 def offloaded_generate(path: Path, ids: torch.Tensor, mask: torch.Tensor, policy: str, transport: str,
                        n_slots: int, new_tokens: int, early_hits: bool = False):
     """(greedy tokens, stats) of the checkpoint at ``path`` offloaded with ``policy`` into ``n_slots`` slots over

@@ -26,6 +26,7 @@ from moeflow.engine.cpu_layers_gpt_oss import NativeGptOssLayers, native_gpt_oss
 from moeflow.engine.cpu_step import NativeAttentionHalf, NativeMLP, NativeRoute, NativeRouterGate
 from moeflow.engine.kv_cache import PassCache
 from moeflow.engine.mapped_experts import MappedGGUFExperts
+from moeflow.engine.one_token_pass import layer_caches, one_real_token, pass_caches
 from moeflow.families import llama_moe, mixtral
 from moeflow.families.base import CausalDecoder
 from moeflow.families.layers import GatedMLP, RMSNorm
@@ -136,9 +137,8 @@ class NativeLayers:
         D] of one shape, else None; checked once per ``layer_kv`` list (a cache's views, made once)."""
         if self._kv is not None and self._kv[0] is layer_kv:
             return self._kv[1]
-        kv = [layer_kv[layer.attention_step.attn.layer_idx] for layer in self.layers]
-        if any(k.dtype != torch.float32 or not (k.is_contiguous() and v.is_contiguous()) or k.shape[0] != 1
-               or v.shape != k.shape for k, v in kv) or len({k.shape for k, _ in kv}) != 1:
+        kv = layer_caches(layer_kv, [layer.attention_step.attn.layer_idx for layer in self.layers])
+        if kv is None:
             return None
         self._kv = (layer_kv, kv)
         return kv
@@ -149,26 +149,13 @@ class NativeLayers:
         """(the layers' descriptors, each layer's (k cache, v cache, mask)) when this pass is one the native call
         takes, else None (module docstring)."""
         layer_kv = cache.layer_kv
-        if not self.enabled or routing is not None or x.shape[:2] != (1, 1) or x.dtype != torch.float32 \
-                or layer_kv is None or not native_experts(experts) or not self._fused():
-            return None
-        real = experts._real_tokens
-        if real is not None and real[0] is not None:
+        if not self.enabled or layer_kv is None or not one_real_token(x, routing, experts) \
+                or not native_experts(experts) or not self._fused():
             return None
         kv = self._layer_kv(layer_kv)
-        if kv is None:
+        caches = None if kv is None else pass_caches(kv, masks, cos, sin, cache_position)
+        if caches is None:
             return None
-        length, checked = kv[0][0].shape[2], set()
-        for mask in masks:  # (the layers share one mask per window: each checked once)
-            if id(mask) not in checked:
-                if mask.dtype != torch.bool or not mask.is_contiguous() or mask.numel() != length:
-                    return None
-                checked.add(id(mask))
-        if cache_position.dtype != torch.int64 or cache_position.numel() != 1 \
-                or not (cos.is_contiguous() and sin.is_contiguous()) or cos.dtype != torch.float32 \
-                or cos.numel() != kv[0][0].shape[3]:
-            return None
-        caches = [(k, v, mask) for (k, v), mask in zip(kv, masks, strict=True)]
         descs = self._descriptors(experts)
         return None if descs is None else (descs, caches)
 

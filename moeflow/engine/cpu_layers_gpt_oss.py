@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn.modules import module as nn_module
 
 from moeflow.engine.kv_cache import PassCache
+from moeflow.engine.one_token_pass import layer_caches, one_real_token, pass_caches
 from moeflow.families import gpt_oss
 from moeflow.families.base import CausalDecoder
 from moeflow.kernels.cpu.gpt_oss_step import (
@@ -194,22 +195,12 @@ class NativeGptOssLayers:
         """x fp32 [1, 1, H] after every layer, or None when this pass is not one it takes (module docstring).
         ``masks``: each layer's attention mask bool [1, 1, 1, L] (its sliding window)."""
         layer_kv = cache.layer_kv
-        if not self.enabled or routing is not None or x.shape[:2] != (1, 1) or x.dtype != torch.float32 \
-                or layer_kv is None or not native_mxfp4_experts(experts) or not self._fused():
+        if not self.enabled or layer_kv is None or not one_real_token(x, routing, experts) \
+                or not native_mxfp4_experts(experts) or not self._fused():
             return None
-        real = experts._real_tokens
-        if real is not None and real[0] is not None:
-            return None
-        caches = []
-        for layer, mask in zip(self.layers, masks, strict=True):
-            k, v = layer_kv[layer.self_attn.layer_idx]
-            if k.dtype != torch.float32 or not (k.is_contiguous() and v.is_contiguous() and mask.is_contiguous()) \
-                    or mask.dtype != torch.bool or mask.numel() != k.shape[2] or k.shape[0] != 1:
-                return None
-            caches.append((k, v, mask))
-        if len({c[0].shape for c in caches}) != 1 or cache_position.dtype != torch.int64 \
-                or cache_position.numel() != 1 or not (cos.is_contiguous() and sin.is_contiguous()) \
-                or cos.dtype != torch.float32 or cos.numel() != caches[0][0].shape[3]:
+        kv = layer_caches(layer_kv, [layer.self_attn.layer_idx for layer in self.layers])
+        caches = None if kv is None else pass_caches(kv, masks, cos, sin, cache_position)
+        if caches is None:
             return None
         descs = self._descriptors(experts)
         if descs is None:
@@ -217,13 +208,13 @@ class NativeGptOssLayers:
         return gpt_oss_step(descs, x.contiguous(), cos, sin, caches, cache_position,
                             self.layers[0].self_attn.scaling)
 
-
     def logits(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PassCache,
                cache_position: torch.Tensor, masks: list[torch.Tensor], experts: ExpertBackend,
                routing: RoutingRecorder | None, norm: nn.Module, lm_head: nn.Module) -> None:
         """Always None (nothing run): gpt-oss's region has no tail yet (step_region.c's final norm and lm_head), so
         the decoder calls :meth:`__call__` and runs its norm and head in Python after it."""
         return None
+
 
 def native_gpt_oss_layers(decoder: CausalDecoder) -> NativeGptOssLayers | None:
     """The decoder's :class:`NativeGptOssLayers` when every layer is a gpt-oss layer :func:`fuse_gpt_oss` gave the

@@ -25,7 +25,7 @@ import torch
 from moeflow.kernels.cpu.gguf import GGUFLinear
 from moeflow.kernels.cpu.native import check_rc, declared
 from moeflow.kernels.cpu.quant_linear import CpuQuantLinear
-from moeflow.kernels.cpu.step import _check_fp32, _lib, _linear_args
+from moeflow.kernels.cpu.step import _check_fp32, _lib, _linear_args, step_routing_and_caches
 
 _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 GGUF_TYPES = {2: 32, 8: 32, 12: 256, 13: 256, 14: 256}  # ggml type ids gguf.c computes (Q4_0, Q8_0, Q4/5/6_K): block
@@ -115,9 +115,7 @@ def gpt_oss_step(descs: ctypes.Array, x: torch.Tensor, cos: torch.Tensor, sin: t
     n = len(descs)
     out = x.clone()
     k = max(d.k for d in descs)
-    ids = torch.empty((n, k), dtype=torch.int32) if ids is None else ids
-    weights = torch.empty((n, k), dtype=torch.float32) if weights is None else weights
-    ptrs = (_p * (3 * n))(*[t.data_ptr() for c in caches for t in c])
+    ids, weights, ptrs = step_routing_and_caches(k, caches, ids, weights)
     lib = declared(_lib(), _signatures)
     check_rc(lib.mf_gptoss_step(descs, n, out.data_ptr(), x.shape[-1], cos.data_ptr(), sin.data_ptr(), ptrs,
                                 caches[0][0].shape[2], cache_position.data_ptr(), scale, ids.data_ptr(),

@@ -34,6 +34,7 @@ file pages, which anonymous huge pages do not cover.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import mmap
 import os
@@ -56,8 +57,10 @@ _refused = False  # madvise(MADV_HUGEPAGE) failed once: off for this process
 _local = threading.local()  # .plain: depth of plain() on this thread
 
 
+@functools.cache
 def thp_mode() -> str | None:
-    """This kernel's THP mode (``always``, ``madvise``, ``never``), or None where it has none (not Linux, no THP)."""
+    """This kernel's THP mode (``always``, ``madvise``, ``never``), or None where it has none (not Linux, no THP);
+    read once per process (an administrator's setting), not at each of a load's thousands of allocations."""
     try:
         text = THP_ENABLED.read_text()
     except OSError:

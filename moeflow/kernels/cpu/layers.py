@@ -35,6 +35,7 @@ from moeflow.kernels.cpu.step import (
     block_linear_ok,
     qk_norm_args,
     qkv_args,
+    step_routing_and_caches,
 )
 
 _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -202,9 +203,7 @@ def layers_step(descs: ctypes.Array, x: torch.Tensor, cos: torch.Tensor, sin: to
     n = len(descs)
     out = x.clone()
     k = max(d.k for d in descs)
-    ids = torch.empty((n, k), dtype=torch.int32) if ids is None else ids
-    weights = torch.empty((n, k), dtype=torch.float32) if weights is None else weights
-    ptrs = (_p * (3 * n))(*[t.data_ptr() for c in caches for t in c])
+    ids, weights, ptrs = step_routing_and_caches(k, caches, ids, weights)
     k_cache = caches[0][0]
     lib = declared(_lib(), _signatures)
     args = (descs, n, out.data_ptr(), x.shape[-1], cos.data_ptr(), sin.data_ptr(), ptrs, k_cache.shape[2],

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -254,6 +255,18 @@ def shared_expert_step(x: torch.Tensor, w13: Q4Matrix, w2: Q4Matrix, gate: torch
     if rc:
         raise MemoryError("shared_expert_step: the CPU kernel could not allocate its buffers")
     return out
+
+
+def step_routing_and_caches(k: int, caches: Sequence[tuple[torch.Tensor, ...]], ids: torch.Tensor | None,
+                            weights: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, ctypes.Array]:
+    """A one-call step's routing outputs and cache pointers for n = len(caches) layers of top-``k`` routing:
+    ``ids`` int32 [n, k] and ``weights`` fp32 [n, k] (the caller's, else new), and each layer's (k cache, v cache,
+    mask) data pointers in order (3 n)."""
+    n = len(caches)
+    ids = torch.empty((n, k), dtype=torch.int32) if ids is None else ids
+    weights = torch.empty((n, k), dtype=torch.float32) if weights is None else weights
+    ptrs = (ctypes.c_void_p * (3 * n))(*[t.data_ptr() for c in caches for t in c])
+    return ids, weights, ptrs
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

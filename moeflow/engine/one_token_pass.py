@@ -1,0 +1,48 @@
+"""What a pass must look like for a one-call native decode step (:mod:`moeflow.engine.cpu_layers`,
+:mod:`moeflow.engine.cpu_layers_gpt_oss`): one real token in fp32, no routing recorder, each layer's KV cache a
+contiguous fp32 [1, n_kv, L, D] of one shape, masks bool [1, 1, 1, L], cos / sin contiguous fp32 [.., D], one int64
+cache position. Each check returns None (the caller runs the layers one by one) rather than raising."""
+
+from __future__ import annotations
+
+import torch
+
+from moeflow.moe.backend import ExpertBackend
+from moeflow.moe.block import RoutingRecorder
+
+
+def one_real_token(x: torch.Tensor, routing: RoutingRecorder | None, experts: ExpertBackend) -> bool:
+    """x [B, T, H]: whether the pass is one fp32 token, not recorded, with no padding marked on the backend."""
+    if routing is not None or x.shape[:2] != (1, 1) or x.dtype != torch.float32:
+        return False
+    real = experts._real_tokens
+    return real is None or real[0] is None
+
+
+def layer_caches(layer_kv: list[tuple[torch.Tensor, torch.Tensor]],
+                 layer_ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """The (k, v) caches of the layers ``layer_ids`` from a cache's ``layer_kv`` when every one is a contiguous fp32
+    [1, n_kv, L, D] and all have one shape, else None."""
+    kv = [layer_kv[i] for i in layer_ids]
+    if any(k.dtype != torch.float32 or not (k.is_contiguous() and v.is_contiguous()) or k.shape[0] != 1
+           or v.shape != k.shape for k, v in kv) or len({k.shape for k, _ in kv}) != 1:
+        return None
+    return kv
+
+
+def pass_caches(kv: list[tuple[torch.Tensor, torch.Tensor]], masks: list[torch.Tensor], cos: torch.Tensor,
+                sin: torch.Tensor, cache_position: torch.Tensor) -> list[tuple[torch.Tensor, ...]] | None:
+    """Each layer's (k cache, v cache, mask) when the masks (bool [1, 1, 1, L], contiguous), the rotary cos / sin
+    (contiguous fp32, D values) and ``cache_position`` (int64, one) are what the native step reads, else None.
+    ``kv``: :func:`layer_caches`' list."""
+    length, checked = kv[0][0].shape[2], set()
+    for mask in masks:  # (layers share one mask per window: each checked once)
+        if id(mask) not in checked:
+            if mask.dtype != torch.bool or not mask.is_contiguous() or mask.numel() != length:
+                return None
+            checked.add(id(mask))
+    if cache_position.dtype != torch.int64 or cache_position.numel() != 1 \
+            or not (cos.is_contiguous() and sin.is_contiguous()) or cos.dtype != torch.float32 \
+            or cos.numel() != kv[0][0].shape[3]:
+        return None
+    return [(k, v, mask) for (k, v), mask in zip(kv, masks, strict=True)]
