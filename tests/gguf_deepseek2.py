@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf_models import T, _stored, add_test_vocab, gguf
+from gguf_models import T, _stored, add_test_vocab, gguf, nextn_tensors
 
 ATTN = {"self_attn.q_proj": "attn_q", "self_attn.q_a_proj": "attn_q_a", "self_attn.q_a_layernorm": "attn_q_a_norm",
         "self_attn.q_b_proj": "attn_q_b", "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
@@ -35,11 +35,15 @@ def join_kv_b(k_b: np.ndarray, v_b: np.ndarray) -> np.ndarray:
     return np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, k_b.shape[1])
 
 
-def write_deepseek2_gguf(model, path: Path, expert_type=T.F32, other_type=T.F32, kv_b: str = "split") -> None:
+def write_deepseek2_gguf(model, path: Path, expert_type=T.F32, other_type=T.F32, kv_b: str = "split",
+                         nextn: dict | None = None) -> dict[str, np.ndarray]:
     """Write ``model`` (a tiny transformers DeepseekV2/V3ForCausalLM) as a deepseek2 GGUF and replace its weights, in
     place, by what gguf-py dequantizes the file's bytes to. ``expert_type``: the stacked experts' ggml type;
     ``other_type``: the 2-D non-expert weights' whose rows allow it (norms, router, selection bias stay F32);
-    ``kv_b``: "split" (``attn_k_b`` / ``attn_v_b``, today's converter) or "combined" (``attn_kv_b``, older ones)."""
+    ``kv_b``: "split" (``attn_k_b`` / ``attn_v_b``, today's converter) or "combined" (``attn_kv_b``, older ones).
+    ``nextn``: the MTP layer's own tensors (tests/mtp_helpers.py's ``own``): ``model``'s last layer is its block,
+    written as llama.cpp's ``Glm4MoeLiteModel`` does (``nextn_predict_layers`` 1, ``blk.N.nextn.*``); returns what
+    gguf-py dequantizes them to by ``own``'s names (empty without)."""
     cfg = model.config
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     sigmoid = cfg.model_type == "deepseek_v3"
@@ -85,6 +89,8 @@ def write_deepseek2_gguf(model, path: Path, expert_type=T.F32, other_type=T.F32,
         w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
         w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
         w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+    if nextn is not None:
+        w.add_nextn_predict_layers(1)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     add_test_vocab(w, cfg.vocab_size, "qwen2")
 
@@ -126,6 +132,10 @@ def write_deepseek2_gguf(model, path: Path, expert_type=T.F32, other_type=T.F32,
         written[f"{p}.mlp.experts.gate_up_proj"] = np.concatenate([deq["gate"], deq["up"]], axis=1)
         written[f"{p}.mlp.experts.down_proj"] = deq["down"]
         assert written[f"{p}.mlp.experts.down_proj"].shape[0] == E
+    own: dict[str, np.ndarray] = {}
+    if nextn is not None:
+        more, own = nextn_tensors(cfg.num_hidden_layers - 1, nextn, sd, other_type)
+        tensors += more
     for name, data, qtype in tensors:
         w.add_tensor(name, data, raw_dtype=qtype)
     w.write_header_to_file()
@@ -136,6 +146,7 @@ def write_deepseek2_gguf(model, path: Path, expert_type=T.F32, other_type=T.F32,
         for name, t in model.state_dict().items():
             if name in written:
                 t.copy_(torch.from_numpy(np.ascontiguousarray(written[name])).reshape(t.shape))
+    return own
 
 
 def reference_from_deepseek2_file(model, path: Path):

@@ -79,6 +79,30 @@ def add_test_vocab(w: gguf.GGUFWriter, vocab_size: int, pre: str) -> None:
     w.add_chat_template(CHAT_TEMPLATE)
 
 
+
+# the MTP layer's own tensors as llama.cpp's converter names them (gguf-py's MODEL_TENSOR.NEXTN_*), by HF name
+NEXTN = {"eh_proj.weight": "nextn.eh_proj.weight", "enorm.weight": "nextn.enorm.weight",
+         "hnorm.weight": "nextn.hnorm.weight", "shared_head.norm.weight": "nextn.shared_head_norm.weight"}
+
+
+def nextn_tensors(block: int, own: dict, sd: dict, other_type) -> tuple[list, dict[str, np.ndarray]]:
+    """The MTP layer's own tensors at block ``block`` (the last, past the decoder's) as the converter writes them
+    (``blk.N.nextn.*``, with the copies of the embedding and head it keeps too), and what gguf-py dequantizes them
+    to by ``own``'s names. own: {"eh_proj.weight": [H, 2H], "enorm.weight": [H], ...} (tests/mtp_helpers.py)."""
+    tensors, written = [], {}
+
+    def put(name: str, t: np.ndarray) -> np.ndarray:
+        qtype = other_type if t.ndim == 2 and t.shape[-1] % 32 == 0 else T.F32
+        data, deq = _stored(np.ascontiguousarray(t, dtype=np.float32), qtype)
+        tensors.append((f"blk.{block}.{name}", data, qtype))
+        return deq.reshape(t.shape)
+
+    for key, value in own.items():
+        written[key] = put(NEXTN[key], np.asarray(value, dtype=np.float32))
+    put("nextn.embed_tokens.weight", sd["model.embed_tokens.weight"])
+    put("nextn.shared_head_head.weight", sd["lm_head.weight"])
+    return tensors, written
+
 def _stored(w: np.ndarray, qtype) -> tuple[np.ndarray, np.ndarray]:
     """(the bytes or values to write, what gguf-py dequantizes them to in fp32)."""
     if qtype == T.F32:
@@ -91,15 +115,17 @@ def _stored(w: np.ndarray, qtype) -> tuple[np.ndarray, np.ndarray]:
 
 def write_gguf(model, path: Path, expert_types=T.Q8_0, other_type=T.F32, split: int = 1,
                raw_experts: dict | None = None, types_by_suffix: dict | None = None,
-               raw_tensors: dict | None = None) -> dict[str, np.ndarray]:
+               raw_tensors: dict | None = None, nextn: dict | None = None) -> dict[str, np.ndarray]:
     """Write ``model`` (a tiny transformers MoE) as a GGUF file (``split`` > 1: a split set, ``path`` its first
     part). ``expert_types``: one ggml type, or one per layer; ``other_type``: the 2-D non-expert weights' (norms and
     the router stay F32, as llama.cpp writes them). ``raw_experts``: {(layer, "gate"|"up"|"down"): uint8 bytes
     [E, out, row_bytes], type} written instead (hand-made K-quant blocks). ``types_by_suffix``: {GGUF name suffix
     (``"attn_k.weight"``): type} in place of ``other_type`` (llama.cpp's Q8_0 k / v beside Q4_0). ``raw_tensors``:
     {GGUF name (``"output.weight"``): (uint8 bytes [rows, row_bytes], type)} written instead of the model's
-    values (a hand-made Q6_K lm_head). Returns every
-    tensor as gguf-py dequantizes it, by HF name (experts: ``layers.L.{gate,up,down}`` [E, out, in])."""
+    values (a hand-made Q6_K lm_head). ``nextn``: the MTP layer's own tensors (tests/mtp_helpers.py's ``own``):
+    ``model``'s last layer is then its block, written as llama.cpp's converter does (``nextn_predict_layers`` 1,
+    :func:`nextn_tensors`). Returns every tensor as gguf-py dequantizes it, by HF name (experts:
+    ``layers.L.{gate,up,down}`` [E, out, in]; the MTP layer's own: ``nextn.<own name>``)."""
     cfg = model.config
     kind = cfg.model_type
     arch = ARCH[kind]
@@ -139,6 +165,8 @@ def write_gguf(model, path: Path, expert_types=T.Q8_0, other_type=T.F32, split: 
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
         w.add_expert_weights_scale(cfg.routed_scaling_factor)
         w.add_expert_weights_norm(cfg.norm_topk_prob)
+    if nextn is not None:
+        w.add_nextn_predict_layers(1)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
     add_test_vocab(w, cfg.vocab_size, "qwen2")
     for i, part in enumerate(writers):
@@ -181,6 +209,10 @@ def write_gguf(model, path: Path, expert_types=T.Q8_0, other_type=T.F32, split: 
                 data, deq = _stored(np.ascontiguousarray(t), qtype)
                 tensors.append((f"blk.{layer}.ffn_{proj}_exps.weight", data, qtype))
             written[f"layers.{layer}.{proj}"] = deq
+    if nextn is not None:
+        more, deq_own = nextn_tensors(L - 1, nextn, sd, other_type)
+        tensors += more
+        written.update({f"nextn.{k}": v for k, v in deq_own.items()})
     for i, (name, data, qtype) in enumerate(tensors):
         writers[i * split // len(tensors)].add_tensor(name, data, raw_dtype=qtype)
     for part in writers:

@@ -199,7 +199,7 @@ def build_model(
         layout = family.detect_expert_layout(reader)
         convert = None
         if gguf is not None:  # the GGUF experts' format, and how a read turns their bytes into its tensors
-            fmt, convert = loading.gguf_expert_format(family, gguf, dtype)
+            fmt, convert = loading.gguf_expert_format(family, gguf, dtype, mtp)
         else:
             fmt = loading.expert_format(family, layout, quant, dtype)
         if fp8 is not None:  # FP8 experts become int4 (AWQ) experts

@@ -30,6 +30,7 @@ from moeflow.io.gguf import (
 )
 from moeflow.io.gguf.biased import BiasedConvert, ExpertBiases
 from moeflow.io.gguf.mapped import MappedGGUF
+from moeflow.io.gguf.nextn import mtp_blocks, no_mtp_layers
 from moeflow.io.gguf.reader import GGUFCheckpointReader
 from moeflow.kernels.experts.mxfp4_reference import from_ggml_mxfp4
 from moeflow.kernels.formats import (
@@ -63,7 +64,8 @@ def expert_format(family: Family, layout: ExpertLayout, quant: QuantizationSpec 
     return DenseFormat(spec.hidden_size, spec.intermediate_size, dtype)
 
 
-def gguf_expert_format(family: Family, model: GGUFModel, dtype: torch.dtype) -> tuple[ExpertFormat, ExpertConvert]:
+def gguf_expert_format(family: Family, model: GGUFModel, dtype: torch.dtype, mtp: bool = False
+                       ) -> tuple[ExpertFormat, ExpertConvert]:
     """The slot format of a GGUF model's experts, and the ``convert`` that turns an expert's bytes as stored
     (:class:`~moeflow.io.gguf.ExpertBytes`, read by :func:`gguf_expert_source`) into that format's tensors.
 
@@ -75,12 +77,15 @@ def gguf_expert_format(family: Family, model: GGUFModel, dtype: torch.dtype) -> 
     * a mix the GGUF format cannot hold (more than two types in one projection, two types of the same row size):
       dequantized exactly (fp32, :mod:`moeflow.quant.ggml`) at load into the dense format of ``dtype``, with a
       warning naming the types;
-    * biased experts (gpt-oss): :func:`gguf_biased_expert_format`."""
+    * biased experts (gpt-oss): :func:`gguf_biased_expert_format`.
+
+    ``mtp``: the MTP layers' experts (blocks past the decoder's, :func:`~moeflow.io.gguf.nextn.mtp_blocks`) are
+    read too, so their types count."""
     spec = family.expert_spec()
     if spec.activation != "silu" or spec.bias:
         return gguf_biased_expert_format(family, model, dtype)
     H, I = spec.hidden_size, spec.intermediate_size  # noqa: E741
-    blocks = tuple(family.moe_layers)
+    blocks = tuple(family.moe_layers) + (mtp_blocks(model.config) if mtp else ())
     if model.expert_types(blocks) == {"Q4_0"} and H % 32 == 0 and I % 32 == 0:
         return AWQFormat(H, I, torch.float16, 32), q4_0_awq_expert_tensors
     types = model.projection_types(blocks)
@@ -143,13 +148,14 @@ def stored_expert_tensors(expert: ExpertBytes, raw: dict[str, torch.Tensor]) -> 
 
 def gguf_expert_source(model: GGUFModel, family: Family, convert: ExpertConvert,
                        extra_layers: int = 0) -> GGUFExpertSource:
-    """Every expert of the GGUF model by MoE layer (the family's MoE layers are GGUF blocks ``blk.N``)."""
-    if extra_layers:
-        raise CheckpointError(f"{model.path}: multi-token-prediction layers are not read from GGUF files; load "
-                              "with mtp=False")
+    """Every expert of the GGUF model by MoE layer (the family's MoE layers are GGUF blocks ``blk.N``), then the
+    ``extra_layers`` MTP layers' (MoE layers ``len(moe_layers) + j``: blocks ``blk.{num_hidden_layers + j}``)."""
     spec = family.expert_spec()
-    return model.expert_source(tuple(family.moe_layers), family.num_experts, spec.hidden_size,
-                               spec.intermediate_size, convert)
+    blocks = tuple(family.moe_layers) + mtp_blocks(model.config)[:extra_layers]
+    if len(blocks) != len(family.moe_layers) + extra_layers:
+        raise CheckpointError(f"{model.path}: {extra_layers} multi-token-prediction MoE layer(s) asked, but the file "
+                              f"has {len(mtp_blocks(model.config))} MTP block(s)")
+    return model.expert_source(blocks, family.num_experts, spec.hidden_size, spec.intermediate_size, convert)
 
 
 def biased_expert_format(spec: ExpertSpec, layout: ExpertLayout, quant: QuantizationSpec | None,
@@ -239,7 +245,10 @@ def load_mtp(reader: CheckpointReader, family: Family, layout: ExpertLayout, dev
     config.json declares none, or the first missing tensor when the checkpoint lacks them (a checkpoint saved by
     transformers drops them)."""
     field = family.mtp_config_field
+    gguf = reader if isinstance(reader, GGUFCheckpointReader) else None
     if field is None or family.num_mtp_layers() == 0:
+        if gguf is not None:
+            raise CheckpointError(no_mtp_layers(gguf.source, gguf.files.architecture, gguf.files.metadata))
         what = f"{field}={family.num_mtp_layers()}" if field else f"the {family.name} family has no such layers"
         raise CheckpointError(f"{source}: mtp=True but the model has no multi-token-prediction layers ({what})")
     try:
@@ -249,6 +258,12 @@ def load_mtp(reader: CheckpointReader, family: Family, layout: ExpertLayout, dev
         raise CheckpointError(f"{source}: mtp=True: {e}") from None
     for name, tensor in list(mtp.named_parameters()) + list(mtp.named_buffers()):
         ckpt = family.mtp_checkpoint_name(name, layout)
+        if ckpt not in reader and gguf is not None:
+            stored = gguf.gguf_name(ckpt)
+            raise CheckpointError(f"{gguf.source}: mtp=True but the multi-token-prediction tensor "
+                                  f"{stored[0] if stored else ckpt!r} ({ckpt}) is missing "
+                                  f"({gguf.files.architecture}.nextn_predict_layers={family.num_mtp_layers()}); "
+                                  "load with mtp=False")
         if ckpt not in reader:
             raise CheckpointError(f"{reader.directory}: mtp=True but the multi-token-prediction tensor {ckpt!r} is "
                                   f"missing ({field}={family.num_mtp_layers()} in {source}); load with mtp=False")

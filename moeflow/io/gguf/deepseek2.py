@@ -17,7 +17,9 @@ Metadata (as ``convert_hf_to_gguf.py``'s ``DeepseekV2Model.set_gguf_parameters``
   follows), ``expert_weights_scale`` -> ``routed_scaling_factor`` (absent 1), ``expert_weights_norm`` ->
   ``norm_topk_prob`` (absent false: the converter writes it only when true), ``leading_dense_block_count``,
   ``expert_shared_count``, ``expert_feed_forward_length``; ``nextn_predict_layers`` (GLM-4.7-Flash's MTP layers,
-  counted in ``block_count``) are taken off and not read.
+  counted in ``block_count``, which the converter's ``Glm4MoeLiteModel`` keeps; its ``DeepseekV2Model`` drops
+  DeepSeek-V3's) are taken off the decoder's layers and kept as ``num_nextn_predict_layers``, read with
+  ``from_pretrained(mtp=True)`` (``blk.N.nextn.*`` and the block's own tensors, :mod:`moeflow.io.gguf.reader`).
 * Rotary: llama.cpp runs deepseek2's rotary on interleaved pairs (``LLAMA_ROPE_TYPE_NORM``) and the converter does
   not permute q/k, so the file's weights are the checkpoint's with ``rope_interleave`` true. YaRN from
   ``rope.scaling.{factor, original_context_length, yarn_beta_fast, yarn_beta_slow}``; ``yarn_log_multiplier`` is
@@ -56,7 +58,6 @@ def derive_deepseek2(raw: dict[str, Any], metadata: dict[str, Any], shapes: dict
     a = "deepseek2"
     layers_in_file = int(raw["num_hidden_layers"])
     raw["num_hidden_layers"] = layers_in_file - int(raw.get("num_nextn_predict_layers") or 0)
-    raw["num_nextn_predict_layers"] = 0  # (the MTP layers a GLM-4.7-Flash file holds are not read)
     for name in ("kv_lora_rank", "qk_rope_head_dim"):
         if raw.get(name) is None:
             raise CheckpointError(f"{source}: a deepseek2 GGUF file without {a}.{_key(name)} (multi-head latent "

@@ -15,7 +15,12 @@ and ``read_expert`` work unchanged:
 * an HF tensor the file stores as several (deepseek2's ``kv_b_proj`` as ``attn_k_b`` and ``attn_v_b``): joined by
   the architecture's ``joined`` (:class:`~moeflow.io.gguf.config.JoinedTensors`);
 * gpt-oss's stacked expert biases (``ffn_{gate,up,down}_exps.bias`` ``[E, out]``) answer per-expert names
-  (``...experts.5.gate_proj.bias``), its ``self_attn.sinks`` the converter's ``attn_sinks.weight``.
+  (``...experts.5.gate_proj.bias``), its ``self_attn.sinks`` the converter's ``attn_sinks.weight``;
+* the multi-token-prediction (nextn) layers llama.cpp's converter appends past the decoder's blocks (GLM-4.5's
+  glm4moe, GLM-4.7-Flash's deepseek2; ``{arch}.nextn_predict_layers``): the name map covers those blocks too, and
+  their own tensors (``model.layers.N.eh_proj`` -> ``blk.N.nextn.eh_proj``, ``enorm``, ``hnorm``,
+  ``shared_head.norm``, ...) are answered from gguf-py's nextn names even where its map of the architecture lacks
+  them (gguf-py 0.19's deepseek2).
 
 The non-expert tensors are dequantized once, at load, into the model dtype: they are read once and are small
 next to the experts (the embedding and lm_head are the largest), so keeping them quantized would save little and
@@ -35,6 +40,7 @@ from moeflow.io.checkpoint import CheckpointReader
 from moeflow.io.gguf.config import architecture
 from moeflow.io.gguf.files import GGUFFiles, TensorInfo, _gguf
 from moeflow.io.gguf.mapped import MappedGGUF
+from moeflow.io.gguf.nextn import mtp_blocks, nextn_names
 from moeflow.quant.ggml import dequantize
 
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}  # stored as these dtypes
@@ -63,14 +69,17 @@ class GGUFCheckpointReader(CheckpointReader):
         if arch_id is None:
             raise CheckpointError(f"{files.path}: gguf-py {getattr(gguf, '__version__', '')} does not know the "
                                   f"architecture {files.architecture!r}")
-        self.name_map = gguf.get_tensor_name_map(arch_id, int(config["num_hidden_layers"]))
+        blocks = mtp_blocks(config)  # (the MTP layers' blocks follow the decoder's)
+        self.name_map = gguf.get_tensor_name_map(arch_id, int(config["num_hidden_layers"]) + len(blocks))
+        self.nextn = nextn_names(gguf, blocks)  # their own tensors (blk.N.nextn.*)
         self.num_experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
         self.weight_map = {name: info.path for name, info in files.tensors.items()}  # by GGUF name: which part
         self._names: list[str] | None = None
 
     # ------------------------------------------------------------------ names
-    def resolve(self, name: str) -> tuple[TensorInfo, int | None] | None:
-        """(the GGUF tensor holding HF tensor ``name``, the expert row or None), or None when the file has none."""
+    def gguf_name(self, name: str) -> tuple[str, int | None] | None:
+        """(the GGUF tensor name HF tensor ``name`` maps to, the expert row or None), whether or not the file holds
+        it; None when gguf-py's map (and the nextn names) have no such name."""
         expert = None
         if name.endswith("e_score_correction_bias"):  # a buffer, spelled as the converter renames it
             name = name[: -len("_bias")] + ".bias"
@@ -79,14 +88,23 @@ class GGUFCheckpointReader(CheckpointReader):
             expert = int(m["expert"])
             name = f"{m['head']}.{m['tail']}"
         found = self.name_map.get_type_and_name(name, try_suffixes=SUFFIXES)
-        if found is None:
+        if found is not None:
+            return found[1], expert
+        base, dot, suffix = name.rpartition(".")
+        return (f"{self.nextn[base]}{dot}{suffix}", expert) if base in self.nextn else None
+
+    def resolve(self, name: str) -> tuple[TensorInfo, int | None] | None:
+        """(the GGUF tensor holding HF tensor ``name``, the expert row or None), or None when the file has none."""
+        mapped = self.gguf_name(name)
+        if mapped is None:
             return None
+        gguf_name, expert = mapped
         # (gpt-oss's ``self_attn.sinks`` has no suffix in HF; the converter writes ``attn_sinks.weight``)
-        info = self.files.tensors.get(found[1]) or self.files.tensors.get(f"{found[1]}.weight")
+        info = self.files.tensors.get(gguf_name) or self.files.tensors.get(f"{gguf_name}.weight")
         if info is None:
             return None
         if expert is not None:  # a row of a stacked [E, out, in] weight or [E, out] bias (gpt-oss)
-            if len(info.shape) != (2 if found[1].endswith(".bias") else 3) or expert >= info.shape[0]:
+            if len(info.shape) != (2 if gguf_name.endswith(".bias") else 3) or expert >= info.shape[0]:
                 return None
         elif len(info.shape) == 3 and ".experts." in name:  # a stacked tensor asked for whole: not an HF name
             return None
@@ -109,6 +127,9 @@ class GGUFCheckpointReader(CheckpointReader):
             by_gguf: dict[str, list[str]] = {}
             for hf, (_kind, gguf_name) in self.name_map.mapping.items():
                 if hf.startswith(("model.", "lm_head")):
+                    by_gguf.setdefault(gguf_name, []).append(hf)
+            for hf, gguf_name in self.nextn.items():
+                if hf not in by_gguf.get(gguf_name, []):
                     by_gguf.setdefault(gguf_name, []).append(hf)
             out = []
             for tname, info in self.files.tensors.items():
