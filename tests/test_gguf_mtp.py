@@ -52,6 +52,8 @@ def files(tmp_path_factory):
     out["glm4moe"] = (path, root / "glm.gguf")
     written = write_gguf(glm, root / "glm-q8.gguf", expert_types=T.Q8_0, other_type=T.Q8_0, nextn=own)
     out["q8"] = (glm, written, root / "glm-q8.gguf")
+    write_gguf(glm, root / "glm-q4.gguf", expert_types=T.Q4_0, other_type=T.Q4_0, nextn=own)
+    out["q4"] = root / "glm-q4.gguf"
     path, ds, own = make_mtp_checkpoint(root / "ds", seed=5, **dict(SHAPE))
     write_deepseek2_gguf(copy.deepcopy(ds), root / "ds.gguf", nextn=own)
     out["deepseek2"] = (path, root / "ds.gguf")
@@ -107,6 +109,16 @@ def test_q8_0_nextn_tensors_dequantized(files):
         assert torch.equal(greedy(model, num_speculative_tokens=2), plain), offload
 
 
+def test_q4_0_file_experts_in_the_awq_format(files):
+    """An all-Q4_0 file (the MTP layer's experts too): the experts become the AWQ format (CPU int4), resident and
+    under lru; greedy with speculation is plain greedy."""
+    for offload in (None, OffloadConfig(policy="lru", gpu_expert_slots=4)):
+        model = MoEModel.from_pretrained(files["q4"], mtp=True, offload=offload)
+        assert model.experts.fmt.cpu_int4
+        plain = greedy(model)
+        assert torch.equal(greedy(model, num_speculative_tokens=2), plain), offload
+
+
 def test_without_mtp_the_file_loads_as_before(files):
     """mtp=False (the default) on a file with an MTP layer: the decoder only; speculation refused naming mtp=True;
     prompt lookup drafts."""
@@ -137,3 +149,24 @@ def test_refusals_name_the_file_and_the_key_or_tensor(files):
     with pytest.raises(CheckpointError, match=r"no-eh\.gguf: mtp=True .*'blk\.3\.nextn\.eh_proj\.weight'"):
         MoEModel.from_pretrained(root / "no-eh.gguf", mtp=True)
     assert MoEModel.from_pretrained(root / "no-eh.gguf").mtp is None  # (the decoder alone still loads)
+
+
+def test_cli_generate_speculative_on_the_gguf(files, capsys, monkeypatch, tmp_path):
+    """``moeflow generate --model <gguf> --speculative mtp``: the text of plain greedy, drafts counted (the
+    tokenizer rebuilt from the file's metadata)."""
+    import json
+
+    from moeflow.cli import main
+
+    monkeypatch.setenv("MOEFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    _, gguf_path = files["glm4moe"]
+    gen = ["generate", "--model", str(gguf_path), "--device", "cpu", "--greedy", "--max-new-tokens", "12",
+           "--no-warmup", "--prompt", "abc def", "--json"]
+    outs = []
+    for flags in ([], ["--speculative", "mtp", "--num-speculative-tokens", "2"]):
+        assert main(gen + flags) == 0
+        outs.append(capsys.readouterr().out)
+    plain, drafted = outs
+    assert drafted.splitlines()[0] == plain.splitlines()[0]
+    stats = json.loads(drafted.strip().splitlines()[-1])
+    assert stats["draft_tokens"] > 0 and stats["generated_tokens"] == 12
