@@ -7,8 +7,10 @@ written by the tests' GGUF writers as the converter lays them out (the MTP block
 same checkpoint exactly (same fp32 weights, same code); a Q8_0 file's MTP logits equal the fp32 reference module
 on gguf-py's dequantization within 1e-4 (torch kernels); greedy tokens with speculation = plain greedy, resident,
 under lru with a random-delay transport (the MTP layer's experts looked up through the backend) and on the CPU GGUF
-kernels over the mapped file; without ``mtp`` the file loads as before; refusals name the file and the key or
-tensor. tests/test_gguf_mtp_llama_cpp.py does the same on files made by llama.cpp's converter. ~25 s on 2 cores."""
+kernels over the mapped file, and on an all-Q4_0 file (the AWQ format); the serving engine's drafts and
+``moeflow generate --speculative mtp`` on the file give plain greedy's tokens / text; without ``mtp`` the file loads
+as before; refusals name the file and the key or tensor. tests/test_gguf_mtp_llama_cpp.py does the same on files
+made by llama.cpp's converter. ~20 s on 2 cores.
 
 from __future__ import annotations
 
@@ -170,3 +172,19 @@ def test_cli_generate_speculative_on_the_gguf(files, capsys, monkeypatch, tmp_pa
     assert drafted.splitlines()[0] == plain.splitlines()[0]
     stats = json.loads(drafted.strip().splitlines()[-1])
     assert stats["draft_tokens"] > 0 and stats["generated_tokens"] == 12
+
+
+@pytest.mark.parametrize("arch", ["glm4moe", "deepseek2"])
+def test_serving_engine_drafts_on_the_gguf(files, arch):
+    """The continuous-batching engine (``moeflow serve --speculative mtp``) on the GGUF with its MTP layer: a greedy
+    request alone gets plain greedy's tokens, with drafts."""
+    from test_engine_lookup import run
+
+    from moeflow.engine.continuous import SamplingParams
+
+    _, gguf_path = files[arch]
+    model = MoEModel.from_pretrained(gguf_path, mtp=True)
+    ids = IDS[0].tolist()
+    want = greedy(model)[0, len(ids):].tolist()
+    (seq,), _, _ = run(model, [(ids, SamplingParams(max_new_tokens=NEW))], lookup=None, num_speculative_tokens=2)
+    assert seq.generated == want and seq.draft_tokens > 0
