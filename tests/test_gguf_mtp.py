@@ -10,7 +10,7 @@ under lru with a random-delay transport (the MTP layer's experts looked up throu
 kernels over the mapped file, and on an all-Q4_0 file (the AWQ format); the serving engine's drafts and
 ``moeflow generate --speculative mtp`` on the file give plain greedy's tokens / text; without ``mtp`` the file loads
 as before; refusals name the file and the key or tensor. tests/test_gguf_mtp_llama_cpp.py does the same on files
-made by llama.cpp's converter. ~20 s on 2 cores.
+made by llama.cpp's converter. ~20 s on 2 cores."""
 
 from __future__ import annotations
 
