@@ -6,7 +6,7 @@ mf_rmsnorm, then mf_q8_linear / mf_q4_linear, the refined int4 head's int8 candi
 the greedy tokens of the layers run one by one; for the heads a gpt-oss model gets on the CPU: int8 (the default,
 a safetensors checkpoint's and a GGUF file's Q8_0 output.weight, which llama.cpp writes for gpt-oss at any file
 type: its hidden size 2880 takes no K-quant), int4, the refined int4 head. A hook on the final norm leaves the tail
-to Python. ~15 s on 2 cores (loaded)."""
+to Python. ~9 s on 2 cores (loaded)."""
 
 from __future__ import annotations
 
