@@ -67,11 +67,11 @@ def worker(model: Path, threads: int, lm_head_bits: int, tg: int, attention_bits
     """Load the model, then answer every line on stdin with one measurement (a JSON line)."""
     import torch
 
-    from moeflow import MoEOffloadedMixtral
+    from moeflow import MoEModel  # (any family: a gpt-oss GGUF too)
 
     torch.set_num_threads(threads)
-    m = MoEOffloadedMixtral.from_pretrained(model, device="cpu", attention_bits=attention_bits,
-                                            lm_head_bits=lm_head_bits, progress=False)
+    m = MoEModel.from_pretrained(model, device="cpu", attention_bits=attention_bits,
+                                 lm_head_bits=lm_head_bits, progress=False)
     from moeflow.kernels.cpu.native import library
     gen = torch.Generator().manual_seed(0)
     decode_ids = torch.randint(3, m.config.vocab_size, (1, 16), generator=gen)

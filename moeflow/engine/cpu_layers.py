@@ -26,12 +26,12 @@ from moeflow.engine.cpu_layers_gpt_oss import NativeGptOssLayers, native_gpt_oss
 from moeflow.engine.cpu_step import NativeAttentionHalf, NativeMLP, NativeRoute, NativeRouterGate
 from moeflow.engine.kv_cache import PassCache
 from moeflow.engine.mapped_experts import MappedGGUFExperts
-from moeflow.engine.one_token_pass import layer_caches, one_real_token, pass_caches
+from moeflow.engine.one_token_pass import TailHead, layer_caches, one_real_token, pass_caches
 from moeflow.families import llama_moe, mixtral
 from moeflow.families.base import CausalDecoder
 from moeflow.families.layers import GatedMLP, RMSNorm
 from moeflow.kernels.cpu.gguf import GGUFCpuExpert
-from moeflow.kernels.cpu.layers import HeadDesc, LayerDesc, head_desc, head_ok, layer_desc, layers_step
+from moeflow.kernels.cpu.layers import LayerDesc, layer_desc, layers_step
 from moeflow.kernels.dispatch import uses_triton
 from moeflow.kernels.formats.gguf import GGUFFormat
 from moeflow.moe.backend import ExpertBackend
@@ -57,7 +57,7 @@ class NativeLayers:
                         (layer, half.norm_in, half.attn, half.norm_post, block, block.gate,
                          *([block.shared_expert] if block.shared_expert is not None else []))]
         self._descs: tuple[Any, ctypes.Array, list] | None = None  # (backend, descriptors, their expert tables)
-        self._head: tuple[tuple, HeadDesc] | None = None  # (what it was built from, the tail's descriptor)
+        self._tail = TailHead(RMSNorm)  # the final norm and lm_head's descriptor
         self._kv: tuple[list, list] | None = None  # (a cache's layer_kv, its layers' (k, v) checked)
 
     def _fused(self) -> bool:
@@ -114,22 +114,14 @@ class NativeLayers:
         the pass is not one :meth:`__call__` takes, or ``norm`` / ``lm_head`` are not the native RMSNorm and an
         int8/int4 CpuQuantLinear, a GGUFLinear or a RefinedInt4LmHead (:func:`~moeflow.kernels.cpu.layers.head_ok`;
         a hook on either: the head runs in Python)."""
-        if type(norm) is not RMSNorm or not norm.native or any(m._forward_hooks or m._forward_pre_hooks
-                                                               for m in (norm, lm_head)):
+        head = self._tail.desc(norm, lm_head)
+        if head is None:
             return None
-        # the descriptor kept while the norm and head and their tensors' addresses stay the same
-        tensors = (norm._parameters.get("weight"), *lm_head._buffers.values(),  # (a refined head's: its two)
-                   *(t for m in lm_head._modules.values() if m is not None for t in m._buffers.values()))
-        key = (norm, lm_head, norm.eps, *(None if t is None else t.data_ptr() for t in tensors))
-        if self._head is None or self._head[0] != key:
-            if not head_ok(norm.weight, lm_head):
-                return None
-            self._head = (key, head_desc(norm.weight, norm.eps, lm_head))
         taken = self._take(x, cos, sin, cache, cache_position, masks, experts, routing)
         if taken is None:
             return None
         logits = torch.empty((1, 1, lm_head.out_features))
-        layers_step(taken[0], x.contiguous(), cos, sin, taken[1], cache_position, head=self._head[1], logits=logits)
+        layers_step(taken[0], x.contiguous(), cos, sin, taken[1], cache_position, head=head, logits=logits)
         return logits
 
     def _layer_kv(self, layer_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> list | None:

@@ -8,7 +8,9 @@ when: one token, fp32, the engine's static cache, every attention projection on 
 CPU pool computed by ``mxfp4.c`` (``MXFP4Format.cpu_kernels``: ``device="cpu"``), no routing to record, no module
 hooks. Otherwise it returns None and the layers run one by one. The projections and the experts are the per-layer
 path's numbers bit for bit; the norms, the attention with its sinks and the router are its formulas in C
-(:mod:`moeflow.kernels.cpu.gpt_oss_step`).
+(:mod:`moeflow.kernels.cpu.gpt_oss_step`). :meth:`NativeGptOssLayers.logits` runs the tail (the final norm and the
+lm_head) in the same call, as the Mixtral-style step does (``NativeLayers.logits``): the per-call head's logits bit
+for bit; a hook on the norm or the head, or a head it does not take, leaves the tail to Python.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from torch import nn
 from torch.nn.modules import module as nn_module
 
 from moeflow.engine.kv_cache import PassCache
-from moeflow.engine.one_token_pass import layer_caches, one_real_token, pass_caches
+from moeflow.engine.one_token_pass import TailHead, layer_caches, one_real_token, pass_caches
 from moeflow.families import gpt_oss
 from moeflow.families.base import CausalDecoder
 from moeflow.kernels.cpu.gpt_oss_step import (
@@ -145,6 +147,7 @@ class NativeGptOssLayers:
                                                         layer.post_attention_layernorm, layer.mlp, layer.mlp.gate,
                                                         *(getattr(layer.self_attn, n) for n in PROJECTIONS))]
         self._descs: tuple[Any, ctypes.Array, list] | None = None  # (backend, descriptors, what they point into)
+        self._tail = TailHead(gpt_oss.GptOssRMSNorm)  # the final norm and lm_head's descriptor
 
     def _fused(self) -> bool:
         """Whether every layer takes the step's own ops (fuse_gpt_oss' switches on) and no module is hooked."""
@@ -189,11 +192,11 @@ class NativeGptOssLayers:
         self._descs = (experts, array, keep)
         return array
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PassCache,
-                 cache_position: torch.Tensor, masks: list[torch.Tensor], experts: ExpertBackend,
-                 routing: RoutingRecorder | None) -> torch.Tensor | None:
-        """x fp32 [1, 1, H] after every layer, or None when this pass is not one it takes (module docstring).
-        ``masks``: each layer's attention mask bool [1, 1, 1, L] (its sliding window)."""
+    def _take(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PassCache,
+              cache_position: torch.Tensor, masks: list[torch.Tensor], experts: ExpertBackend,
+              routing: RoutingRecorder | None) -> tuple[ctypes.Array, list[tuple[torch.Tensor, ...]]] | None:
+        """(the layers' descriptors, each layer's (k cache, v cache, mask)) when this pass is one the native call
+        takes, else None (module docstring)."""
         layer_kv = cache.layer_kv
         if not self.enabled or layer_kv is None or not one_real_token(x, routing, experts) \
                 or not native_mxfp4_experts(experts) or not self._fused():
@@ -203,17 +206,38 @@ class NativeGptOssLayers:
         if caches is None:
             return None
         descs = self._descriptors(experts)
-        if descs is None:
+        return None if descs is None else (descs, caches)
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PassCache,
+                 cache_position: torch.Tensor, masks: list[torch.Tensor], experts: ExpertBackend,
+                 routing: RoutingRecorder | None) -> torch.Tensor | None:
+        """x fp32 [1, 1, H] after every layer, or None when this pass is not one it takes (module docstring).
+        ``masks``: each layer's attention mask bool [1, 1, 1, L] (its sliding window)."""
+        taken = self._take(x, cos, sin, cache, cache_position, masks, experts, routing)
+        if taken is None:
             return None
-        return gpt_oss_step(descs, x.contiguous(), cos, sin, caches, cache_position,
+        return gpt_oss_step(taken[0], x.contiguous(), cos, sin, taken[1], cache_position,
                             self.layers[0].self_attn.scaling)
 
     def logits(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PassCache,
                cache_position: torch.Tensor, masks: list[torch.Tensor], experts: ExpertBackend,
-               routing: RoutingRecorder | None, norm: nn.Module, lm_head: nn.Module) -> None:
-        """Always None (nothing run): gpt-oss's region has no tail yet (step_region.c's final norm and lm_head), so
-        the decoder calls :meth:`__call__` and runs its norm and head in Python after it."""
-        return None
+               routing: RoutingRecorder | None, norm: nn.Module, lm_head: nn.Module) -> torch.Tensor | None:
+        """The pass's logits fp32 [1, 1, V] = ``lm_head(norm(x after every layer))`` with the tail in the same
+        native call (:func:`~moeflow.kernels.cpu.gpt_oss_step.gpt_oss_step` with a ``head``: step_head.c's code,
+        the per-call head's numbers bit for bit), or None (nothing run) when the pass is not one :meth:`__call__`
+        takes, or ``norm`` / ``lm_head`` are not the native GptOssRMSNorm and an int8/int4 CpuQuantLinear, a
+        GGUFLinear or a RefinedInt4LmHead (:func:`~moeflow.kernels.cpu.layers.head_ok`; a hook on either: the
+        decoder calls :meth:`__call__` and runs its norm and head in Python)."""
+        head = self._tail.desc(norm, lm_head)
+        if head is None:
+            return None
+        taken = self._take(x, cos, sin, cache, cache_position, masks, experts, routing)
+        if taken is None:
+            return None
+        logits = torch.empty((1, 1, lm_head.out_features))
+        gpt_oss_step(taken[0], x.contiguous(), cos, sin, taken[1], cache_position, self.layers[0].self_attn.scaling,
+                     head=head, logits=logits)
+        return logits
 
 
 def native_gpt_oss_layers(decoder: CausalDecoder) -> NativeGptOssLayers | None:

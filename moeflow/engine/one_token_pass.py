@@ -1,12 +1,16 @@
 """What a pass must look like for a one-call native decode step (:mod:`moeflow.engine.cpu_layers`,
 :mod:`moeflow.engine.cpu_layers_gpt_oss`): one real token in fp32, no routing recorder, each layer's KV cache a
 contiguous fp32 [1, n_kv, L, D] of one shape, masks bool [1, 1, 1, L], cos / sin contiguous fp32 [.., D], one int64
-cache position. Each check returns None (the caller runs the layers one by one) rather than raising."""
+cache position. Each check returns None (the caller runs the layers one by one) rather than raising. And the tail
+both steps run after their last layer (:class:`TailHead`: the final norm and the lm_head in the same call)."""
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
+from moeflow.families.layers import RMSNorm
+from moeflow.kernels.cpu.layers import HeadDesc, head_desc, head_ok
 from moeflow.moe.backend import ExpertBackend
 from moeflow.moe.block import RoutingRecorder
 
@@ -46,3 +50,29 @@ def pass_caches(kv: list[tuple[torch.Tensor, torch.Tensor]], masks: list[torch.T
             or cos.numel() != kv[0][0].shape[3]:
         return None
     return [(k, v, mask) for (k, v), mask in zip(kv, masks, strict=True)]
+
+
+class TailHead:
+    """The tail's descriptor (:func:`~moeflow.kernels.cpu.layers.head_desc`) for a decoder's final norm and lm_head,
+    built once and kept while the norm, the head and their tensors' addresses stay the same. ``norm_type``: the
+    decoder's final norm class (an :class:`~moeflow.families.layers.RMSNorm` whose ``native`` call the tail's
+    mf_rmsnorm is)."""
+
+    def __init__(self, norm_type: type[RMSNorm]) -> None:
+        self.norm_type = norm_type
+        self._head: tuple[tuple, HeadDesc] | None = None  # (what it was built from, the descriptor)
+
+    def desc(self, norm: nn.Module, lm_head: nn.Module) -> HeadDesc | None:
+        """The descriptor, or None (the decoder runs its norm and head in Python) when ``norm`` is not the native
+        ``norm_type``, a hook is on either, or :func:`~moeflow.kernels.cpu.layers.head_ok` refuses the head."""
+        if type(norm) is not self.norm_type or not norm.native or any(m._forward_hooks or m._forward_pre_hooks
+                                                                       for m in (norm, lm_head)):
+            return None
+        tensors = (norm._parameters.get("weight"), *lm_head._buffers.values(),  # (a refined head's: its two)
+                   *(t for m in lm_head._modules.values() if m is not None for t in m._buffers.values()))
+        key = (norm, lm_head, norm.eps, *(None if t is None else t.data_ptr() for t in tensors))
+        if self._head is None or self._head[0] != key:
+            if not head_ok(norm.weight, lm_head):
+                return None
+            self._head = (key, head_desc(norm.weight, norm.eps, lm_head))
+        return self._head[1]

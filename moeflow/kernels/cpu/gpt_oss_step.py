@@ -12,7 +12,10 @@ torch: the same formulas in another summation order (tests/test_gpt_oss_step.py:
 greedy tokens equal, the same bits at any thread count).
 
 The layers are described once (:func:`gpt_oss_layer_desc`: pointers into the model's weights and the expert pool,
-which must stay where they are); each step passes the caches, the masks and the token.
+which must stay where they are); each step passes the caches, the masks and the token. With a ``head``
+(:func:`~moeflow.kernels.cpu.layers.head_desc`), the step also runs the tail in the same region
+(``mf_gptoss_decode_step``: the final norm and the lm_head, step_head.c's code, which the Mixtral-style step runs
+too): the per-call ``lm_head(norm(x))``'s logits bit for bit.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from moeflow.kernels.cpu.gguf import GGUFLinear
+from moeflow.kernels.cpu.layers import HeadDesc, check_logits
 from moeflow.kernels.cpu.native import check_rc, declared
 from moeflow.kernels.cpu.quant_linear import CpuQuantLinear
 from moeflow.kernels.cpu.step import _check_fp32, _lib, _linear_args, step_routing_and_caches
@@ -58,6 +62,9 @@ class GptOssLayerDesc(ctypes.Structure):
 def _signatures(lib: ctypes.CDLL) -> None:
     lib.mf_gptoss_step.argtypes = [ctypes.POINTER(GptOssLayerDesc), _i, _p, _i, _p, _p, _p, _i, _p, _f, _p, _p, _i]
     lib.mf_gptoss_step.restype = _i
+    lib.mf_gptoss_decode_step.argtypes = [ctypes.POINTER(GptOssLayerDesc), _i, _p, _i, _p, _p, _p, _i, _p, _f, _p,
+                                          _p, ctypes.POINTER(HeadDesc), _p, _i]
+    lib.mf_gptoss_decode_step.restype = _i
 
 
 def proj_desc(layer: torch.nn.Module) -> ProjDesc | None:
@@ -105,23 +112,30 @@ def gpt_oss_layer_desc(norm_in: torch.Tensor, norm_post: torch.Tensor, eps: floa
 
 def gpt_oss_step(descs: ctypes.Array, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  caches: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], cache_position: torch.Tensor,
-                 scale: float, ids: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> torch.Tensor:
+                 scale: float, ids: torch.Tensor | None = None, weights: torch.Tensor | None = None,
+                 head: HeadDesc | None = None, logits: torch.Tensor | None = None) -> torch.Tensor:
     """One token through the described layers: x fp32 [1, 1, H] -> fp32 [1, 1, H] (x is not changed).
 
     cos, sin fp32 [1, 1, D]; caches: per layer (k cache, v cache fp32 [1, n_kv, L, D], mask bool [1, 1, 1, L]: the
     layer's, its sliding window included), each contiguous and written at ``cache_position`` (int64 [1]);
     ``scale``: the attention scores' factor; ``ids`` int32 [n, k] / ``weights`` fp32 [n, k] (optional) receive
-    each layer's routing. The caller checks shapes."""
+    each layer's routing. The caller checks shapes. ``head``: then, in the same parallel region, the final norm and
+    the lm_head of the result into ``logits`` fp32 [1, 1, V] (contiguous), ``lm_head(norm(result))``'s numbers bit
+    for bit (the per-call kernels': mf_rmsnorm, then mf_q8_linear / mf_q4_linear / mf_gguf_linear)."""
     n = len(descs)
     out = x.clone()
     k = max(d.k for d in descs)
     ids, weights, ptrs = step_routing_and_caches(k, caches, ids, weights)
     lib = declared(_lib(), _signatures)
-    check_rc(lib.mf_gptoss_step(descs, n, out.data_ptr(), x.shape[-1], cos.data_ptr(), sin.data_ptr(), ptrs,
-                                caches[0][0].shape[2], cache_position.data_ptr(), scale, ids.data_ptr(),
-                                weights.data_ptr(), torch.get_num_threads()), "gpt_oss_step")
+    args = (descs, n, out.data_ptr(), x.shape[-1], cos.data_ptr(), sin.data_ptr(), ptrs, caches[0][0].shape[2],
+            cache_position.data_ptr(), scale, ids.data_ptr(), weights.data_ptr())
+    if head is None:
+        check_rc(lib.mf_gptoss_step(*args, torch.get_num_threads()), "gpt_oss_step")
+    else:
+        check_logits(head, logits, "gpt_oss_step")
+        check_rc(lib.mf_gptoss_decode_step(*args, ctypes.byref(head), logits.data_ptr(), torch.get_num_threads()),
+                 "gpt_oss_step")
     return out
-
 
 
 # ---- the per-layer path's ops: the step's own attention and routing, one call each ----

@@ -147,6 +147,12 @@ def head_desc(norm_weight: torch.Tensor, eps: float, lm_head: CpuQuantLinear | G
     return HeadDesc(norm_weight.data_ptr(), eps, LinearDesc(bits, group, fmt, lm_head.out_features, w, s, m))
 
 
+def check_logits(head: HeadDesc, logits: torch.Tensor | None, caller: str) -> None:
+    """Raise unless ``logits`` is a contiguous fp32 tensor of the head's ``head.n`` values (the tail's output)."""
+    if logits is None or logits.dtype != torch.float32 or not logits.is_contiguous() or logits.numel() != head.head.n:
+        raise ValueError(f"{caller}: logits must be a contiguous fp32 tensor of {head.head.n} values")
+
+
 def layer_desc(norm_in: torch.Tensor, norm_post: torch.Tensor, eps: float, qkv: torch.nn.Module,
                o: torch.nn.Module, n_heads: int, n_kv: int, head_dim: int, gate: torch.Tensor, top_k: int,
                renormalize: bool, experts: Sequence[tuple[Q4Matrix, Q4Matrix] | GGUFCpuExpert],
@@ -211,9 +217,7 @@ def layers_step(descs: ctypes.Array, x: torch.Tensor, cos: torch.Tensor, sin: to
     if head is None:
         rc = lib.mf_layers_step(*args, torch.get_num_threads())
     else:
-        if logits is None or logits.dtype != torch.float32 or not logits.is_contiguous() \
-                or logits.numel() != head.head.n:
-            raise ValueError(f"layers_step: logits must be a contiguous fp32 tensor of {head.head.n} values")
+        check_logits(head, logits, "layers_step")
         rc = lib.mf_decode_step(*args, ctypes.byref(head), logits.data_ptr(), torch.get_num_threads())
     if rc == -1:
         raise MemoryError("layers_step: the CPU kernel could not allocate its buffers")

@@ -2,6 +2,7 @@
    (mf_layers_step: every layer of a one-token step in one OpenMP parallel region). */
 #ifndef MOEFLOW_CPU_STEP_H
 #define MOEFLOW_CPU_STEP_H
+#include <stddef.h>
 #include <stdint.h>
 
 #include "native.h"
@@ -64,6 +65,21 @@ typedef struct {
     int shared_I, shared_group;
 } mf_layer_desc;
 
+/* The one-call steps' carving of their buffers and sharing of rows (step_region.c, step_gptoss.c, step_head.c). */
+static inline size_t mf_up64(size_t n) { return (n + 63) & ~(size_t)63; }
+static inline void* mf_take(char** p, size_t bytes) {  /* the next 64-byte aligned piece of a block */
+    void* r = *p;
+    *p += mf_up64(bytes);
+    return r;
+}
+static inline int mf_nchunks(int N) { return (N + MF_ROWS - 1) / MF_ROWS; }
+/* Thread tid's share [n0, n1) of N rows: a contiguous run of 16-row items, as a static schedule deals them. */
+static inline void mf_span(int N, int tid, int nth, int* n0, int* n1) {
+    const int nc = mf_nchunks(N), c0 = (int)((int64_t)nc * tid / nth), c1 = (int)((int64_t)nc * (tid + 1) / nth);
+    *n0 = c0 * MF_ROWS;
+    *n1 = c1 * MF_ROWS < N ? c1 * MF_ROWS : N;
+}
+
 #define HIDDEN __attribute__((visibility("hidden")))
 /* step.c's ops, each one the per-layer path's call (the region's steps run the same ones, so the same numbers). */
 void mf_rmsnorm(const float* x, const float* res, float* sum, const float* w, float eps, int T, int H, float* out);
@@ -102,6 +118,12 @@ HIDDEN int mf_head_refine(const mf_head_desc* head, const float* x, int H, float
    mf_gguf_linear's numbers (+ mf_head_refine) (step_head.c; its own parallel region). Returns 0, -1 when out of
    memory, -2 a head it does not take. */
 HIDDEN int mf_head_calls(const mf_head_desc* head, const float* x, int H, float* logits, int nthreads);
+/* The tail inside an enclosing OpenMP team (step_head.c), called by every thread of it after the last layer: x fp32
+   [H] (the thread's own copy of the last layer's output) -> logits fp32 [head.n] (shared), mf_head_calls' numbers
+   bit for bit; the rows shared out by an orphaned worksharing loop. scratch: the thread's own
+   mf_head_team_bytes(H) bytes, 64-byte aligned. The head must pass mf_head_check. */
+HIDDEN size_t mf_head_team_bytes(int H);
+HIDDEN void mf_head_team(const mf_head_desc* head, const float* x, int H, float* logits, void* scratch);
 /* mf_layers_step, then in the same region the tail: the logits of the token after the last layer (step_region.c):
    the numbers of mf_layers_step followed by mf_head_calls, bit for bit. Returns as mf_layers_step; -2 for a
    head it does not take. */

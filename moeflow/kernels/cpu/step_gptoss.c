@@ -17,11 +17,15 @@
 
    Barriers per layer: after q/k/v, after the cache rows, after the heads, after o, then, when the team divides k,
    after the experts (each thread its own whole experts), else after the experts' gate/up rows (every expert's
-   rows split across the team) and after their down rows. Each output element is computed by the same row kernels (mf_q8_rows, mf_q4_rows,
-   mf_gguf_rows1, mf_mxfp4_rows1), the same quantizers and the same fp32 operations in the same order whatever
+   rows split across the team) and after their down rows. Each output element is computed by the same row kernels
+   (mf_q8_rows, mf_q4_rows, mf_gguf_rows1, mf_mxfp4_rows1), the same quantizers and the same fp32 operations in the same order whatever
    thread runs it: the same bits at any thread count. The projections and the experts are the per-layer path's
    kernels (CpuQuantLinear / GGUFLinear, mf_mxfp4_expert; the combine's k-order sum) bit for bit; the norms, the
-   attention and the router differ from its torch ops in summation order only (tests/test_gpt_oss_step.py). */
+   attention and the router differ from its torch ops in summation order only (tests/test_gpt_oss_step.py).
+
+   mf_gptoss_decode_step runs the tail too, in the same region: the final norm and the lm_head (step_head.c's
+   mf_head_team, which step_region.c's mf_decode_step runs as well: int8 / int4 native heads, a GGUF file's
+   K-quant head on its blocks, the refined int4 head), mf_head_calls' numbers bit for bit. */
 
 #include <math.h>
 #include <omp.h>
@@ -60,14 +64,6 @@ typedef struct {  /* one gpt-oss decoder layer */
     const mf_mx_expert* experts;      /* [E] */
 } mf_gptoss_layer;
 
-static size_t up64(size_t n) { return (n + 63) & ~(size_t)63; }
-static void* take(char** p, size_t bytes) {
-    void* r = *p;
-    *p += up64(bytes);
-    return r;
-}
-static int nchunks(int N) { return (N + MF_ROWS - 1) / MF_ROWS; }
-
 /* ---- projections ------------------------------------------------------------------------------------------- */
 
 typedef struct {  /* one token's activations for a projection of up to K inputs, in the form its kernel takes */
@@ -78,14 +74,14 @@ typedef struct {  /* one token's activations for a projection of up to K inputs,
 } pacts;
 
 static size_t pacts_bytes(int K) {
-    return up64((size_t)K) + 3 * up64(sizeof(float) * (size_t)(K / QB)) + up64(mf_gguf_acts1_bytes(K));
+    return mf_up64((size_t)K) + 3 * mf_up64(sizeof(float) * (size_t)(K / QB)) + mf_up64(mf_gguf_acts1_bytes(K));
 }
 static void pacts_take(pacts* a, char** p, int K) {
-    a->q = take(p, (size_t)K);
-    a->s = take(p, sizeof(float) * (size_t)(K / QB));
-    a->gsum = take(p, sizeof(float) * (size_t)(K / QB));
-    a->sum = take(p, sizeof(int32_t) * (size_t)(K / QB));
-    a->gg = take(p, mf_gguf_acts1_bytes(K));
+    a->q = mf_take(p, (size_t)K);
+    a->s = mf_take(p, sizeof(float) * (size_t)(K / QB));
+    a->gsum = mf_take(p, sizeof(float) * (size_t)(K / QB));
+    a->sum = mf_take(p, sizeof(int32_t) * (size_t)(K / QB));
+    a->gg = mf_take(p, mf_gguf_acts1_bytes(K));
 }
 
 /* x fp32 [K] as the projection's kernel quantizes it (mf_q8_linear's, mf_q4_linear's, mf_gguf_linear's). */
@@ -104,7 +100,7 @@ static int same_acts(const mf_proj* a, const mf_proj* b) {
 /* y [N] = the projection's rows (+ bias: one add per output, as the module's y += bias) shared out among the team
    in 16-row items (an orphaned worksharing loop without its barrier). */
 static void proj_for(const mf_proj* l, int N, int K, const pacts* a, float* y) {
-    const int nc = nchunks(N);
+    const int nc = mf_nchunks(N);
 #pragma omp for schedule(static) nowait
     for (int c = 0; c < nc; c++) {
         const int n0 = c * MF_ROWS, n1 = n0 + MF_ROWS < N ? n0 + MF_ROWS : N;
@@ -187,28 +183,32 @@ typedef struct {  /* one thread's own buffers */
 
 typedef struct { int F, D, I, E, k, K; } dims;  /* the largest sizes over the layers (F: nh D) */
 
-static size_t mx_bytes(int K) { const size_t nbp = (size_t)(K / 32 + 1) / 2; return up64(nbp * 64) + up64(32 * nbp); }
+static size_t mx_bytes(int K) {
+    const size_t nbp = (size_t)(K / 32 + 1) / 2;
+    return mf_up64(nbp * 64) + mf_up64(32 * nbp);
+}
 static void mx_take(mxacts* a, char** p, int K) {
     a->nbp = (K / 32 + 1) / 2;
-    a->q = take(p, (size_t)a->nbp * 64);
-    a->s = take(p, sizeof(float) * 8 * (size_t)a->nbp);
+    a->q = mf_take(p, (size_t)a->nbp * 64);
+    a->s = mf_take(p, sizeof(float) * 8 * (size_t)a->nbp);
 }
 static size_t own_bytes(const dims* m, int H, int L) {
-    return 4 * up64(sizeof(float) * H) + up64(sizeof(float) * ((size_t)L + m->D)) + up64(sizeof(float) * m->E) +
-           up64(sizeof(float) * m->k) + up64(sizeof(int32_t) * m->k) + up64(sizeof(float) * m->I) +
-           4 * pacts_bytes(m->K) + mx_bytes(H) + up64(sizeof(mxacts) * m->k) + (size_t)m->k * mx_bytes(m->I);
+    return 4 * mf_up64(sizeof(float) * H) + mf_up64(sizeof(float) * ((size_t)L + m->D)) +
+           mf_up64(sizeof(float) * m->E) + mf_up64(sizeof(float) * m->k) + mf_up64(sizeof(int32_t) * m->k) +
+           mf_up64(sizeof(float) * m->I) +
+           4 * pacts_bytes(m->K) + mx_bytes(H) + mf_up64(sizeof(mxacts) * m->k) + (size_t)m->k * mx_bytes(m->I);
 }
 static void own_take(own_bufs* o, char* p, const dims* m, int H, int L) {
     float** hs[] = {&o->x, &o->xa, &o->hn, &o->hm};
-    for (int i = 0; i < 4; i++) *hs[i] = take(&p, sizeof(float) * H);
-    o->abuf = take(&p, sizeof(float) * ((size_t)L + m->D));
-    o->logits = take(&p, sizeof(float) * m->E);
-    o->wts = take(&p, sizeof(float) * m->k);
-    o->ids = take(&p, sizeof(int32_t) * m->k);
-    o->act = take(&p, sizeof(float) * m->I);
+    for (int i = 0; i < 4; i++) *hs[i] = mf_take(&p, sizeof(float) * H);
+    o->abuf = mf_take(&p, sizeof(float) * ((size_t)L + m->D));
+    o->logits = mf_take(&p, sizeof(float) * m->E);
+    o->wts = mf_take(&p, sizeof(float) * m->k);
+    o->ids = mf_take(&p, sizeof(int32_t) * m->k);
+    o->act = mf_take(&p, sizeof(float) * m->I);
     for (int i = 0; i < 4; i++) pacts_take(&o->in[i], &p, m->K);
     mx_take(&o->ax, &p, H);
-    o->aa = take(&p, sizeof(mxacts) * m->k);
+    o->aa = mf_take(&p, sizeof(mxacts) * m->k);
     for (int j = 0; j < m->k; j++) mx_take(&o->aa[j], &p, m->I);
 }
 
@@ -282,13 +282,6 @@ static void route(const mf_gptoss_layer* d, int H, own_bufs* P) {
     topk_softmax(P->logits, d->E, d->k, P->ids, P->wts);
 }
 
-/* Thread tid's share [n0, n1) of N rows in 16-row items, as a static schedule deals them. */
-static void span(int N, int tid, int nth, int* n0, int* n1) {
-    const int nc = nchunks(N), c0 = (int)((int64_t)nc * tid / nth), c1 = (int)((int64_t)nc * (tid + 1) / nth);
-    *n0 = c0 * MF_ROWS;
-    *n1 = c1 * MF_ROWS < N ? c1 * MF_ROWS : N;
-}
-
 /* The MoE half, run by every thread of the team: hm -> x = xa + the k experts' weighted outputs (own buffers). */
 static void moe_half(const mf_gptoss_layer* d, int H, team_bufs* S, own_bufs* P, int tid, int nth, int32_t* ids,
                      float* weights) {
@@ -318,7 +311,7 @@ static void moe_half(const mf_gptoss_layer* d, int H, team_bufs* S, own_bufs* P,
         return;
     }
     int r0, r1;  /* this thread's gate/up rows of every expert: one long range (mxfp4.c reads long runs per panel) */
-    span(2 * I, tid, nth, &r0, &r1);
+    mf_span(2 * I, tid, nth, &r0, &r1);
     for (int j = 0; j < k; j++) {
         const mf_mx_expert* e = &d->experts[P->ids[j]];
         mf_mxfp4_rows1(e->b13, e->s13, 2 * I, H, d->p13, r0, r1, &P->ax, S->h13 + (size_t)j * 2 * I);
@@ -330,7 +323,7 @@ static void moe_half(const mf_gptoss_layer* d, int H, team_bufs* S, own_bufs* P,
         mx_acts_row(&P->aa[j], P->act, I, 0);
     }
     int n0, n1;  /* this thread's rows of every down matrix, then their sum in k order (the combine's) */
-    span(H, tid, nth, &n0, &n1);
+    mf_span(H, tid, nth, &n0, &n1);
     for (int j = 0; j < k; j++) {
         const mf_mx_expert* e = &d->experts[P->ids[j]];
         float* y = S->ye + (size_t)j * H;
@@ -342,13 +335,11 @@ static void moe_half(const mf_gptoss_layer* d, int H, team_bufs* S, own_bufs* P,
     for (int n = 0; n < H; n++) P->x[n] = P->xa[n] + S->moe[n];
 }
 
-/* One token x fp32 [H] through n gpt-oss layers, in place. cos, sin fp32 [D]; kv: per layer (k cache, v cache fp32
-   [nkv, L, D], mask bool [L]: the positions the layer's query sees, its sliding window included), written at
-   pos[0]; scale: the scores' factor; ids int32 [n, k], weights fp32 [n, k]: each layer's routing. Returns 0, -1
-   out of memory, -2 bad arguments (sizes the kernels do not take). */
-int mf_gptoss_step(const mf_gptoss_layer* layers, int n, float* x, int H, const float* cos, const float* sin,
-                   void* const* kv, int L, const int64_t* pos, float scale, int32_t* ids, float* weights,
-                   int nthreads) {
+/* One token x fp32 [H] through n gpt-oss layers, in place (mf_gptoss_step); then, when head is not NULL, in the
+   same region the tail (step_head.c's mf_head_team): logits fp32 [head->head.n] (mf_gptoss_decode_step). */
+static int gptoss_region(const mf_gptoss_layer* layers, int n, float* x, int H, const float* cos, const float* sin,
+                         void* const* kv, int L, const int64_t* pos, float scale, int32_t* ids, float* weights,
+                         const mf_head_desc* head, float* logits, int nthreads) {
     dims m = {1, 1, 1, 1, 1, H};
     for (int l = 0; l < n; l++) {
         const mf_gptoss_layer* d = &layers[l];
@@ -359,24 +350,24 @@ int mf_gptoss_step(const mf_gptoss_layer* layers, int n, float* x, int H, const 
         int* mv[5] = {&m.F, &m.D, &m.I, &m.E, &m.k};
         for (int i = 0; i < 5; i++) *mv[i] = v[i] > *mv[i] ? v[i] : *mv[i];
     }
-    if (n <= 0) return 0;
+    if (n <= 0) return head ? mf_head_calls(head, x, H, logits, nthreads) : 0;
     m.K = m.F > H ? m.F : H;
     const int nt = nthreads > 1 ? nthreads : 1;
-    const size_t team = 4 * up64(sizeof(float) * m.F) + 2 * up64(sizeof(float) * H) +
-                        up64(sizeof(float) * m.k * 2 * (size_t)m.I) + up64(sizeof(float) * m.k * (size_t)H);
-    const size_t own = own_bytes(&m, H, L);
-    char* mem = aligned_alloc(64, team + nt * own);
+    const size_t team = 4 * mf_up64(sizeof(float) * m.F) + 2 * mf_up64(sizeof(float) * H) +
+                        mf_up64(sizeof(float) * m.k * 2 * (size_t)m.I) + mf_up64(sizeof(float) * m.k * (size_t)H);
+    const size_t own = own_bytes(&m, H, L), tail = head ? mf_head_team_bytes(H) : 0;
+    char* mem = aligned_alloc(64, team + nt * (own + tail));
     if (!mem) return -1;
     char* p = mem;
     team_bufs S;
-    S.q = take(&p, sizeof(float) * m.F);
-    S.k = take(&p, sizeof(float) * m.F);
-    S.v = take(&p, sizeof(float) * m.F);
-    S.att = take(&p, sizeof(float) * m.F);
-    S.y = take(&p, sizeof(float) * H);
-    S.moe = take(&p, sizeof(float) * H);
-    S.h13 = take(&p, sizeof(float) * m.k * 2 * (size_t)m.I);
-    S.ye = take(&p, sizeof(float) * m.k * (size_t)H);
+    S.q = mf_take(&p, sizeof(float) * m.F);
+    S.k = mf_take(&p, sizeof(float) * m.F);
+    S.v = mf_take(&p, sizeof(float) * m.F);
+    S.att = mf_take(&p, sizeof(float) * m.F);
+    S.y = mf_take(&p, sizeof(float) * H);
+    S.moe = mf_take(&p, sizeof(float) * H);
+    S.h13 = mf_take(&p, sizeof(float) * m.k * 2 * (size_t)m.I);
+    S.ye = mf_take(&p, sizeof(float) * m.k * (size_t)H);
 #pragma omp parallel num_threads(nt)
     {
         const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
@@ -390,7 +381,28 @@ int mf_gptoss_step(const mf_gptoss_layer* layers, int n, float* x, int H, const 
             moe_half(d, H, &S, &P, tid, nth, ids + (size_t)l * d->k, weights + (size_t)l * d->k);
         }
         if (tid == 0) memcpy(x, P.x, sizeof(float) * H);
+        if (head) mf_head_team(head, P.x, H, logits, mem + team + nt * own + (size_t)tid * tail);
     }
     free(mem);
     return 0;
+}
+
+/* One token x fp32 [H] through n gpt-oss layers, in place. cos, sin fp32 [D]; kv: per layer (k cache, v cache fp32
+   [nkv, L, D], mask bool [L]: the positions the layer's query sees, its sliding window included), written at
+   pos[0]; scale: the scores' factor; ids int32 [n, k], weights fp32 [n, k]: each layer's routing. Returns 0, -1
+   out of memory, -2 bad arguments (sizes the kernels do not take). */
+int mf_gptoss_step(const mf_gptoss_layer* layers, int n, float* x, int H, const float* cos, const float* sin,
+                   void* const* kv, int L, const int64_t* pos, float scale, int32_t* ids, float* weights,
+                   int nthreads) {
+    return gptoss_region(layers, n, x, H, cos, sin, kv, L, pos, scale, ids, weights, NULL, NULL, nthreads);
+}
+
+/* mf_gptoss_step, then in the same parallel region the final norm and the lm_head of the token (step.h's
+   mf_head_desc): logits fp32 [head->head.n], mf_head_calls' numbers bit for bit. Returns as mf_gptoss_step; -2
+   also for a head the tail does not take (mf_head_check). */
+int mf_gptoss_decode_step(const mf_gptoss_layer* layers, int n, float* x, int H, const float* cos, const float* sin,
+                          void* const* kv, int L, const int64_t* pos, float scale, int32_t* ids, float* weights,
+                          const mf_head_desc* head, float* logits, int nthreads) {
+    if (mf_head_check(head, H)) return -2;
+    return gptoss_region(layers, n, x, H, cos, sin, kv, L, pos, scale, ids, weights, head, logits, nthreads);
 }

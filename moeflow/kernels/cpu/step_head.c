@@ -1,8 +1,10 @@
-/* The tail of a one-token decode step outside a parallel region (step.h's mf_head_calls): the final RMSNorm and the
-   lm_head as the per-layer path calls them (step.c's mf_rmsnorm, native.c's mf_q8_linear / mf_q4_linear), for the
-   layers mf_layers_step runs as separate calls (mf_layers_step_calls). mf_decode_step runs the same numbers
-   inside its one region (step_region.c). */
+/* The tail of a one-token decode step: the final RMSNorm and the lm_head as the per-layer path calls them (step.c's
+   mf_rmsnorm, native.c's mf_q8_linear / mf_q4_linear, gguf.c's mf_gguf_linear, the refined int4 head's int8
+   candidates). mf_head_calls runs it outside a parallel region (after mf_layers_step_calls, or with no layers);
+   mf_head_team runs the same numbers inside the one region of a one-call step (step_region.c's mf_decode_step,
+   step_gptoss.c's mf_gptoss_decode_step), the rows shared out by the team. */
 
+#include <omp.h>
 #include <stdlib.h>
 
 #include "gguf.h"  /* mf_gguf_linear, mf_gguf_supported, GG_Q8_0 */
@@ -64,4 +66,43 @@ int mf_head_refine(const mf_head_desc* head, const float* x, int H, float* logit
         mf_q8_row(ids[i], V, 1, H, (const int8_t*)e->w, (const float*)e->s, xq, xs, logits + ids[i], 1);
     if (own) { free(xq); free(xs); }
     return 0;
+}
+
+size_t mf_head_team_bytes(int H) {
+    return mf_up64(sizeof(float) * (size_t)H) + mf_up64((size_t)H) + 2 * mf_up64(sizeof(float) * (size_t)(H / QB)) +
+           mf_up64(sizeof(int32_t) * (size_t)(H / QB)) + mf_up64(mf_gguf_acts1_bytes(H));
+}
+
+void mf_head_team(const mf_head_desc* head, const float* x, int H, float* logits, void* scratch) {
+    char* p = scratch;
+    float* h = mf_take(&p, sizeof(float) * (size_t)H);
+    int8_t* q = mf_take(&p, (size_t)H);
+    float* s = mf_take(&p, sizeof(float) * (size_t)(H / QB));
+    float* gsum = mf_take(&p, sizeof(float) * (size_t)(H / QB));
+    int32_t* sum = mf_take(&p, sizeof(int32_t) * (size_t)(H / QB));
+    void* gg = mf_take(&p, mf_gguf_acts1_bytes(H));
+    mf_rmsnorm(x, NULL, NULL, head->norm, head->eps, 1, H, h);  /* every thread, into its own h */
+    const mf_linear* l = &head->head;
+    if (head->gguf_type) {
+        mf_gguf_linear_team(h, H, l->n, head->gguf_type, (const uint8_t*)l->w, head->stride, logits, gg);
+    } else {  /* the activations as mf_q4_linear (with its group's sums) / mf_q8_linear quantize them */
+        if (l->bits == 4)
+            mf_quantize_row(h, H, l->group, q, s, gsum, sum);
+        else
+            mf_quantize_row(h, H, H, q, s, NULL, NULL);
+        const int nc = mf_nchunks(l->n);
+#pragma omp for schedule(static) nowait
+        for (int c = 0; c < nc; c++) {
+            const int n0 = c * MF_ROWS, n1 = n0 + MF_ROWS < l->n ? n0 + MF_ROWS : l->n;
+            if (l->bits == 4)
+                mf_q4_rows(n0, n1, 1, H, l->group, l->fmt, (const uint8_t*)l->w, l->s, l->m, q, s, gsum, sum, logits,
+                           l->n);
+            else
+                mf_q8_rows(n0, n1, 1, H, (const int8_t*)l->w, (const float*)l->s, q, s, logits, l->n);
+        }
+    }
+    if (head->candidates) {  /* the refined int4 head: its candidates recomputed in int8 by one thread */
+#pragma omp barrier
+        if (omp_get_thread_num() == 0) mf_head_refine(head, h, H, logits, q, s);
+    }
 }

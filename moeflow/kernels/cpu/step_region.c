@@ -37,18 +37,12 @@ typedef struct {  /* one token's int8 activations for a linear of up to K inputs
     int32_t* sum;
 } acts1;
 
-static size_t up64(size_t n) { return (n + 63) & ~(size_t)63; }
-static void* take(char** p, size_t bytes) {  /* the next 64-byte aligned piece of a block */
-    void* r = *p;
-    *p += up64(bytes);
-    return r;
-}
-static size_t acts_bytes(int K) { return up64((size_t)K) + 3 * up64(sizeof(float) * (size_t)(K / QB)); }
+static size_t acts_bytes(int K) { return mf_up64((size_t)K) + 3 * mf_up64(sizeof(float) * (size_t)(K / QB)); }
 static void acts_take(acts1* a, char** p, int K) {
-    a->q = take(p, (size_t)K);
-    a->s = take(p, sizeof(float) * (size_t)(K / QB));
-    a->gsum = take(p, sizeof(float) * (size_t)(K / QB));
-    a->sum = take(p, sizeof(int32_t) * (size_t)(K / QB));
+    a->q = mf_take(p, (size_t)K);
+    a->s = mf_take(p, sizeof(float) * (size_t)(K / QB));
+    a->gsum = mf_take(p, sizeof(float) * (size_t)(K / QB));
+    a->sum = mf_take(p, sizeof(int32_t) * (size_t)(K / QB));
 }
 /* The activations a linear of `bits` (4: with its group's sums, as mf_q4_linear; 8: none, as mf_q8_linear). */
 static void quantize(const float* x, int K, int bits, int group, acts1* a) {
@@ -56,15 +50,6 @@ static void quantize(const float* x, int K, int bits, int group, acts1* a) {
         mf_quantize_row(x, K, group, a->q, a->s, a->gsum, a->sum);
     else
         mf_quantize_row(x, K, K, a->q, a->s, NULL, NULL);
-}
-
-static int nchunks(int N) { return (N + MF_ROWS - 1) / MF_ROWS; }
-
-/* Thread tid's share [n0, n1) of N rows: a contiguous run of 16-row items, as a static schedule deals them. */
-static void span(int N, int tid, int nth, int* n0, int* n1) {
-    const int nc = nchunks(N), c0 = (int)((int64_t)nc * tid / nth), c1 = (int)((int64_t)nc * (tid + 1) / nth);
-    *n0 = c0 * MF_ROWS;
-    *n1 = c1 * MF_ROWS < N ? c1 * MF_ROWS : N;
 }
 
 /* Rows [n0, n1) of a linear against one token: y[n]. */
@@ -86,7 +71,7 @@ static void linear_range(const mf_linear* l, int n0, int n1, int K, const acts1*
 /* y [l->n] = the linear's rows (+ b [l->n], one add per output, when b is not NULL), shared out among the team
    (an orphaned worksharing loop without its barrier). */
 static void linear_for(const mf_linear* l, int K, const acts1* a, const float* b, float* y) {
-    const int nc = nchunks(l->n);
+    const int nc = mf_nchunks(l->n);
 #pragma omp for schedule(static) nowait
     for (int c = 0; c < nc; c++) {
         const int n0 = c * MF_ROWS, n1 = n0 + MF_ROWS < l->n ? n0 + MF_ROWS : l->n;
@@ -112,27 +97,28 @@ typedef struct {  /* the largest sizes over the layers */
 } dims;
 
 static size_t own_bytes(const dims* m, int H, int L) {
-    return 5 * up64(sizeof(float) * H) + up64(sizeof(float) * m->F) + up64(sizeof(float) * ((size_t)L + 2 * m->D)) +
-           2 * up64(sizeof(float) * m->E) + 2 * up64(sizeof(float) * m->k) + up64(sizeof(float) * m->I) +
-           up64(sizeof(float) * 2 * (size_t)m->I) + 2 * acts_bytes(m->K) + up64(sizeof(acts1) * (m->k + 1)) +
-           (size_t)(m->k + 1) * acts_bytes(m->I) + up64(mf_gguf_team_bytes(H, m->I));
+    return 5 * mf_up64(sizeof(float) * H) + mf_up64(sizeof(float) * m->F) +
+           mf_up64(sizeof(float) * ((size_t)L + 2 * m->D)) +
+           2 * mf_up64(sizeof(float) * m->E) + 2 * mf_up64(sizeof(float) * m->k) + mf_up64(sizeof(float) * m->I) +
+           mf_up64(sizeof(float) * 2 * (size_t)m->I) + 2 * acts_bytes(m->K) + mf_up64(sizeof(acts1) * (m->k + 1)) +
+           (size_t)(m->k + 1) * acts_bytes(m->I) + mf_up64(mf_gguf_team_bytes(H, m->I));
 }
 static void own_take(own_bufs* o, char* p, const dims* m, int H, int L) {
     float** hs[] = {&o->x, &o->xa, &o->hn, &o->hm, &o->y};
-    for (int i = 0; i < 5; i++) *hs[i] = take(&p, sizeof(float) * H);
-    o->qk = take(&p, sizeof(float) * m->F);
-    o->abuf = take(&p, sizeof(float) * ((size_t)L + 2 * m->D));
-    o->logits = take(&p, sizeof(float) * m->E);
-    o->probs = take(&p, sizeof(float) * m->E);
-    o->wts = take(&p, sizeof(float) * m->k);
-    o->ids = take(&p, sizeof(int32_t) * m->k);
-    o->act = take(&p, sizeof(float) * m->I);
-    o->h13 = take(&p, sizeof(float) * 2 * (size_t)m->I);
+    for (int i = 0; i < 5; i++) *hs[i] = mf_take(&p, sizeof(float) * H);
+    o->qk = mf_take(&p, sizeof(float) * m->F);
+    o->abuf = mf_take(&p, sizeof(float) * ((size_t)L + 2 * m->D));
+    o->logits = mf_take(&p, sizeof(float) * m->E);
+    o->probs = mf_take(&p, sizeof(float) * m->E);
+    o->wts = mf_take(&p, sizeof(float) * m->k);
+    o->ids = mf_take(&p, sizeof(int32_t) * m->k);
+    o->act = mf_take(&p, sizeof(float) * m->I);
+    o->h13 = mf_take(&p, sizeof(float) * 2 * (size_t)m->I);
     acts_take(&o->in[0], &p, m->K);
     acts_take(&o->in[1], &p, m->K);
-    o->ea = take(&p, sizeof(acts1) * (m->k + 1));
+    o->ea = mf_take(&p, sizeof(acts1) * (m->k + 1));
     for (int j = 0; j <= m->k; j++) acts_take(&o->ea[j], &p, m->I);
-    o->gg = take(&p, mf_gguf_team_bytes(H, m->I));
+    o->gg = mf_take(&p, mf_gguf_team_bytes(H, m->I));
 }
 
 /* The attention half of a layer (mf_attn_block at B = T = 1), run by every thread of the team: x -> xa, hm (own
@@ -263,7 +249,7 @@ static void moe_half(const mf_layer_desc* d, int H, team_bufs* S, own_bufs* P, i
     for (int j = 0; j <= k; j++) {
         const mf_expert_desc* e = j < k ? &d->experts[P->ids[j]] : sh;
         if (!e) break;
-        const int N = 2 * (j < k ? I : sI), nc = nchunks(N);
+        const int N = 2 * (j < k ? I : sI), nc = mf_nchunks(N);
 #pragma omp for schedule(static) nowait
         for (int c = 0; c < nc; c++)
             expert_rows(e, 0, c * MF_ROWS, (c + 1) * MF_ROWS < N ? (c + 1) * MF_ROWS : N, H, N, j < k ? G : sG,
@@ -278,7 +264,7 @@ static void moe_half(const mf_layer_desc* d, int H, team_bufs* S, own_bufs* P, i
     /* this thread's rows of every down matrix: one stream per expert (interleaving the experts 16 rows at a time
        made the whole one-thread step ~20% slower, measured on the loaded machine), then their weighted sum */
     int n0, n1;
-    span(H, tid, nth, &n0, &n1);
+    mf_span(H, tid, nth, &n0, &n1);
     for (int j = 0; j < k; j++) {  /* mf_q4_expert's out (+)= weight * y, in k order */
         float* y = S->ye + (size_t)j * H;
         expert_rows(&d->experts[P->ids[j]], 1, n0, n1, I, H, G, &P->ea[j], y);
@@ -324,15 +310,15 @@ static int layers_region(const mf_layer_desc* layers, int n, float* x, int H, co
     m.K = m.nhD > H ? m.nhD : H;
     const int nt = nthreads > 1 ? nthreads : 1;
     const size_t h13_ld = 2 * (size_t)m.I;
-    const size_t team = up64(sizeof(float) * m.F) + up64(sizeof(float) * m.nhD) + 2 * up64(sizeof(float) * H) +
-                        up64(sizeof(float) * (m.k + 1) * h13_ld) + up64(sizeof(float) * (m.k + 1) * (size_t)H);
-    const size_t own = own_bytes(&m, H, L);
-    char* mem = aligned_alloc(64, team + nt * own);
+    const size_t team = mf_up64(sizeof(float) * m.F) + mf_up64(sizeof(float) * m.nhD) + 2 * mf_up64(sizeof(float) * H) +
+                        mf_up64(sizeof(float) * (m.k + 1) * h13_ld) + mf_up64(sizeof(float) * (m.k + 1) * (size_t)H);
+    const size_t own = own_bytes(&m, H, L), tail = head ? mf_head_team_bytes(H) : 0;
+    char* mem = aligned_alloc(64, team + nt * (own + tail));
     if (!mem) return -1;
     char* p = mem;
-    team_bufs S = {take(&p, sizeof(float) * m.F), take(&p, sizeof(float) * m.nhD), take(&p, sizeof(float) * H),
-                   take(&p, sizeof(float) * H), take(&p, sizeof(float) * (m.k + 1) * h13_ld),
-                   take(&p, sizeof(float) * (m.k + 1) * (size_t)H), h13_ld};
+    team_bufs S = {mf_take(&p, sizeof(float) * m.F), mf_take(&p, sizeof(float) * m.nhD), mf_take(&p, sizeof(float) * H),
+                   mf_take(&p, sizeof(float) * H), mf_take(&p, sizeof(float) * (m.k + 1) * h13_ld),
+                   mf_take(&p, sizeof(float) * (m.k + 1) * (size_t)H), h13_ld};
 #pragma omp parallel num_threads(nt)
     {
         const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
@@ -346,20 +332,7 @@ static int layers_region(const mf_layer_desc* layers, int n, float* x, int H, co
             moe_half(d, H, &S, &P, tid, nth, ids + (size_t)l * d->k, weights + (size_t)l * d->k);
         }
         if (tid == 0) memcpy(x, P.x, sizeof(float) * H);
-        if (head) {  /* the tail: the final norm and the lm_head's rows shared out (mf_head_calls' numbers) */
-            mf_rmsnorm(P.x, NULL, NULL, head->norm, head->eps, 1, H, P.hn);
-            if (head->gguf_type) {
-                mf_gguf_linear_team(P.hn, H, head->head.n, head->gguf_type, (const uint8_t*)head->head.w,
-                                    head->stride, logits, P.gg);
-            } else {
-                quantize(P.hn, H, head->head.bits, head->head.group, &P.in[0]);
-                linear_for(&head->head, H, &P.in[0], NULL, logits);
-            }
-            if (head->candidates) {  /* the refined int4 head: its candidates recomputed in int8 by one thread */
-#pragma omp barrier
-                if (tid == 0) mf_head_refine(head, P.hn, H, logits, P.in[1].q, P.in[1].s);
-            }
-        }
+        if (head) mf_head_team(head, P.x, H, logits, mem + team + nt * own + (size_t)tid * tail);
     }
     free(mem);
     return 0;

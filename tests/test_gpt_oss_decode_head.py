@@ -1,0 +1,145 @@
+"""The tail of gpt-oss's one-call CPU decode step (kernels/cpu/step_gptoss.c's mf_gptoss_decode_step,
+engine/cpu_layers_gpt_oss.py's ``NativeGptOssLayers.logits``): the final RMSNorm and the lm_head after the last
+layer, in the same parallel region (step_head.c's mf_head_team, the Mixtral-style step's code). Each decode step's
+logits are, bit for bit, what the per-call path computes from the same last-layer output (``lm_head(norm(x))``:
+mf_rmsnorm, then mf_q8_linear / mf_q4_linear, the refined int4 head's int8 candidates), at 1, 2 and 3 threads, with
+the greedy tokens of the layers run one by one; for the heads a gpt-oss model gets on the CPU: int8 (the default,
+a safetensors checkpoint's and a GGUF file's Q8_0 output.weight, which llama.cpp writes for gpt-oss at any file
+type: its hidden size 2880 takes no K-quant), int4, the refined int4 head. A hook on the final norm leaves the tail
+to Python. ~9 s on 2 cores (loaded)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gpt_oss_helpers import make_gpt_oss_model, save_gpt_oss_checkpoint
+
+import moeflow.engine.cpu_layers_gpt_oss as cpu_layers_gpt_oss
+from moeflow import MoEModel
+from moeflow.kernels.cpu.lm_head import RefinedInt4LmHead
+from moeflow.kernels.cpu.native import native_available
+from moeflow.kernels.cpu.quant_linear import CpuQuantLinear, quantize_linear_cpu
+
+pytestmark = pytest.mark.skipif(not native_available(), reason="moeflow's CPU kernels cannot be built here")
+SHAPE = dict(num_hidden_layers=3, intermediate_size=96, vocab_size=112)  # sliding, full, sliding (window 4); 4
+# experts, top-2; a vocabulary of whole 16-row items (the int4 heads)
+
+
+@pytest.fixture
+def tails(monkeypatch):
+    """Every call of the step with a tail: (the last layer's output [1, 1, H], the logits [1, 1, V]) as copies."""
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    inner = cpu_layers_gpt_oss.gpt_oss_step
+
+    def step(*a, **kw):
+        out = inner(*a, **kw)
+        if kw.get("head") is not None:
+            seen.append((out.clone(), kw["logits"].clone()))
+        return out
+    monkeypatch.setattr(cpu_layers_gpt_oss, "gpt_oss_step", step)
+    return seen
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A tiny gpt-oss as a safetensors MXFP4 checkpoint and as a GGUF file (MXFP4 experts, Q8_0 attention and
+    output.weight)."""
+    pytest.importorskip("gguf")
+    from gguf_gpt_oss import write_gpt_oss_gguf
+
+    root = tmp_path_factory.mktemp("gpt_oss_head")
+    write_gpt_oss_gguf(make_gpt_oss_model(seed=12, **SHAPE), root / "m.gguf")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MOEFLOW_CACHE_DIR", str(root / "cache"))
+    yield {"mxfp4": save_gpt_oss_checkpoint(make_gpt_oss_model(seed=12, **SHAPE), root / "st", mxfp4=True),
+           "gguf": root / "m.gguf"}
+    mp.undo()
+
+
+def _generate(model: MoEModel, n: int) -> torch.Tensor:
+    ids = torch.randint(3, 97, (1, 6), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        return model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=[])
+
+
+def _check(model: MoEModel, n: int, tails: list) -> None:
+    """n greedy tokens at 1, 2 and 3 threads: each decode step's logits from the tail, the per-call head's logits
+    of the same last-layer output bit for bit and the same at every thread count; the tokens of the layers run one
+    by one (the one call off)."""
+    dec = model.model
+    assert isinstance(dec.layers_step, cpu_layers_gpt_oss.NativeGptOssLayers)
+    dec.layers_step.enabled = False
+    ref = _generate(model, n)
+    dec.layers_step.enabled = True
+    assert not tails
+    threads = torch.get_num_threads()
+    per_count = []
+    try:
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            tails.clear()
+            out = _generate(model, n)
+            assert torch.equal(out, ref), f"{t} threads"
+            assert len(tails) == n - 1  # every decode step (the prefill runs the layers one by one)
+            with torch.inference_mode():
+                for x, logits in tails:
+                    assert torch.equal(logits, dec.lm_head(dec.norm(x)).float()), f"{t} threads"
+            per_count.append([lg for _, lg in tails])
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for other in per_count[1:] for a, b in zip(per_count[0], other, strict=True))
+
+
+@pytest.mark.parametrize("form", ["mxfp4", "gguf"])
+def test_the_tail_is_the_per_call_int8_head_on_1_2_3_threads(checkpoints, form, tails):
+    model = MoEModel.from_pretrained(checkpoints[form], device="cpu", dtype=torch.float32)
+    try:
+        head = model.model.lm_head
+        assert isinstance(head, CpuQuantLinear) and head.bits == 8
+        _check(model, 5, tails)
+        if form == "mxfp4":  # an int4 head (a native CpuQuantLinear of 4 bits): the tail runs it too
+            model.model.lm_head = quantize_linear_cpu(head.dequantized(), bits=4, group_size=32)
+            tails.clear()
+            _check(model, 4, tails)
+    finally:
+        model.close()
+
+
+def test_the_tail_runs_the_refined_int4_head(checkpoints, tails):
+    """lm_head_bits=4 (RefinedInt4LmHead): the int4 logits across the team, then its candidates recomputed in int8
+    by one thread (step_head.c's mf_head_refine): its forward's numbers."""
+    model = MoEModel.from_pretrained(checkpoints["mxfp4"], device="cpu", dtype=torch.float32, lm_head_bits=4)
+    try:
+        assert isinstance(model.model.lm_head, RefinedInt4LmHead)
+        _check(model, 5, tails)
+        x, logits = tails[-1]
+        with torch.inference_mode():
+            int4 = model.model.lm_head.int4(model.model.norm(x))
+        assert 0 < int((logits != int4).sum()) <= model.model.lm_head.candidates  # the candidates' differ
+    finally:
+        model.close()
+
+
+def test_a_hooked_final_norm_runs_the_tail_in_python(checkpoints, tails):
+    """A hook on the final norm: the layers still take the one call (without a tail), the norm runs as a module
+    every pass; without the hook the tail runs again."""
+    model = MoEModel.from_pretrained(checkpoints["mxfp4"], device="cpu", dtype=torch.float32)
+    calls, seen = [0], []
+    inner = cpu_layers_gpt_oss.gpt_oss_step
+
+    def counted(*a, **kw):
+        calls[0] += 1
+        return inner(*a, **kw)
+    try:
+        cpu_layers_gpt_oss.gpt_oss_step = counted
+        hook = model.model.norm.register_forward_hook(lambda m, a, o: seen.append(o.shape))
+        try:
+            _generate(model, 3)
+        finally:
+            hook.remove()
+        assert not tails and len(seen) == 3 and calls[0] == 2
+        _generate(model, 3)
+        assert len(tails) == 2 and calls[0] == 4
+    finally:
+        cpu_layers_gpt_oss.gpt_oss_step = inner
+        model.close()
