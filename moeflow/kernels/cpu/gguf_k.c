@@ -90,6 +90,51 @@ INLINE void kdot4_512(const k4block* kb, const int8_t* x, const int16_t* bsum, _
     *isum = _mm256_add_epi32(a0, a1);
     *imin = _mm256_madd_epi16(kb->mn, _mm256_loadu_si256((const __m256i*)bsum));
 }
+/* Q4_K on AVX-512 VNNI (session 18): kdot4_512's lanes with half its scale multiplies. A 32-byte chunk c holds
+   sub-block 2c (low nibbles) and 2c + 1 (high); vpdpbusd gives P_lo (lane l: the 4 codes 64c + 4l + j times the
+   activations) and, on the high nibbles left in place (v & 0xF0 = 16 q), 16 P_hi; both fit an int16 (|P| <= 4 * 15
+   * 127), so (16 P_hi) << 12 = P_hi << 16 blended over P_lo's high word is the word pair (P_lo, P_hi) and one
+   vpdpwssd against (sc[2c], sc[2c + 1]) adds sc[2c] P_lo + sc[2c + 1] P_hi to lane l: the same exact integers as
+   kdot4_512, so the same bits; per block 8 vpdpbusd + 4 vpdpwssd where kdot4_512 takes 8 + 8, and one AND per high
+   nibble in place of a shift and an AND. (Q5_K's fifth bit puts its codes past an int16 pair: it keeps kdot4_512.)
+   A scale pair is a dword of the scales widened to words (sc2[c] = sc[2c] | sc[2c + 1] << 16). */
+typedef struct {
+    __m256i lo[4], hi[4], mn;
+    int32_t sc2[4];
+    float d, dmin;
+} q4kblock;
+
+INLINE void decode_q4k_512(const uint8_t* w, q4kblock* kb) {
+    uint64_t sc8, mn8;
+    kb->d = h2f(w);
+    kb->dmin = h2f(w + 2);
+    k4_scales(w + 4, &sc8, &mn8);
+    _mm_storeu_si128((__m128i*)kb->sc2, _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc8)));
+    const __m128i m = _mm_cvtsi64_si128((long long)mn8);
+    kb->mn = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m, m));  /* each min for its two 16-groups */
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m4h = _mm256_set1_epi8((char)0xF0);
+    for (int c = 0; c < 4; c++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(w + 16 + 32 * c));
+        kb->lo[c] = _mm256_and_si256(v, m4);
+        kb->hi[c] = _mm256_and_si256(v, m4h);
+    }
+}
+
+INLINE void kdotq4k_512(const q4kblock* kb, const int8_t* x, const int16_t* bsum, __m256i* isum, __m256i* imin) {
+    __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();  /* two chains: exact integer adds */
+    for (int c = 0; c < 4; c++) {
+        const __m256i p0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), kb->lo[c],
+                                               _mm256_loadu_si256((const __m256i*)(x + 64 * c)));
+        const __m256i p1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), kb->hi[c],
+                                               _mm256_loadu_si256((const __m256i*)(x + 64 * c + 32)));
+        const __m256i pk = _mm256_mask_blend_epi16(0xAAAA, p0, _mm256_slli_epi32(p1, 12));
+        if (c % 2) a1 = _mm256_dpwssd_epi32(a1, pk, _mm256_set1_epi32(kb->sc2[c]));
+        else a0 = _mm256_dpwssd_epi32(a0, pk, _mm256_set1_epi32(kb->sc2[c]));
+    }
+    *isum = _mm256_add_epi32(a0, a1);
+    *imin = _mm256_madd_epi16(kb->mn, _mm256_loadu_si256((const __m256i*)bsum));
+}
+
 /* Q6_K on AVX-512 VNNI (session 17): a block as 4 vectors of 64 codes in file order (vector k: codes 64k ..
    64k + 63; its low 32 bytes the j = 0 / 2 quarter of ql's 64-byte half, its high 32 the j = 1 / 3 one, the two
    high bits from qh broadcast to both halves and shifted by a per-half count), one token's 16 int32 lanes per vector
@@ -339,6 +384,14 @@ INLINE void ktile(int type, const uint8_t* row, int nb, int t0, int tt, const ac
                 lanes is, im;
                 kdot6_512(&kb, TOKEN(i), &is, &im);
                 acc[i] = facc_add(type, acc[i], is, im, kb.d * XS(i), 0.0f);
+            }
+        } else if (type == GG_Q4_K) {
+            q4kblock kb;
+            decode_q4k_512(w, &kb);
+            for (int i = 0; i < tt; i++) {
+                lanes is, im;
+                kdotq4k_512(&kb, TOKEN(i), &is, &im);
+                acc[i] = facc_add(type, acc[i], is, im, kb.d * XS(i), -(kb.dmin * XS(i)));
             }
         } else {
             k4block kb;
