@@ -139,25 +139,28 @@ INLINE void kdotq4k_512(const q4kblock* kb, const int8_t* x, const int16_t* bsum
    64k + 63; its low 32 bytes the j = 0 / 2 quarter of ql's 64-byte half, its high 32 the j = 1 / 3 one, the two
    high bits from qh broadcast to both halves and shifted by a per-half count), one token's 16 int32 lanes per vector
    by vpdpbusd (lane L: codes 64k + 4L + c, c < 4, at most 4 * 63 * 127 = 32004, an int16), then times its group's
-   scale (group 4k + L / 4) by vpdpwssd against (scale, 0) word pairs: exact. Lanes L and L + 8 fold onto kdot's
-   lane L % 8 (the sub-blocks 2k and 2k + 1): the same integer lanes as kdot's, so the same bits. */
+   scale (group 4k + L / 4): since session 18 vectors 2j and 2j + 1 as one int16 word pair per lane (P_2j's low word
+   under P_2j+1 << 16) by one vpdpwssd against the pair of their groups' scales (one vpermw per pair), where session
+   17 took a vpdpwssd per vector against (scale, 0): exact either way. Lanes L and L + 8 fold onto kdot's lane L % 8
+   (the sub-blocks 2k and 2k + 1): the same integer lanes as kdot's, so the same bits. */
 typedef struct {
-    __m512i q[4], sc[4];
+    __m512i q[4], sc[2];  /* sc[j]: the word pairs of vectors 2j, 2j + 1 */
     __m256i mn;  /* int16 [16]: 32 * the 16-groups' scales */
     float d;
 } k6block;
 
-static const int32_t IDX4[16] = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3};
+static const int16_t IDX6P[32] = {0, 4, 0, 4, 0, 4, 0, 4, 1, 5, 1, 5, 1, 5, 1, 5,
+                                  2, 6, 2, 6, 2, 6, 2, 6, 3, 7, 3, 7, 3, 7, 3, 7};
 
 INLINE void decode_k6_512(const uint8_t* w, k6block* kb) {
     const uint8_t *ql = w, *qh = w + 128;
     const __m128i s8 = _mm_loadu_si128((const __m128i*)(w + 192));
     kb->d = h2f(w + 208);
     kb->mn = _mm256_slli_epi16(_mm256_cvtepi8_epi16(s8), 5);
-    const __m512i s32 = _mm512_and_si512(_mm512_cvtepi8_epi32(s8), _mm512_set1_epi32(0xFFFF));  /* (scale, 0) */
-    const __m512i i4 = _mm512_loadu_si512((const void*)IDX4);
-    for (int k = 0; k < 4; k++)
-        kb->sc[k] = _mm512_permutexvar_epi32(_mm512_add_epi32(i4, _mm512_set1_epi32(4 * k)), s32);
+    const __m512i s16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(s8));
+    const __m512i i2 = _mm512_loadu_si512((const void*)IDX6P);
+    for (int j = 0; j < 2; j++)  /* lane L of pair j: (scale of group 8j + L / 4, of group 8j + 4 + L / 4) */
+        kb->sc[j] = _mm512_permutexvar_epi16(_mm512_add_epi16(i2, _mm512_set1_epi16((short)(8 * j))), s16);
     const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
     const __m512i c01 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);  /* j = 0: << 4, 1: << 2 */
     const __m512i c23 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);  /* j = 2: >> 0, 3: >> 2 */
@@ -173,13 +176,14 @@ INLINE void decode_k6_512(const uint8_t* w, k6block* kb) {
 
 INLINE void kdot6_512(const k6block* kb, const int8_t* x, const int16_t* bsum, __m256i* isum, __m256i* imin) {
     __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();  /* two chains: exact integer adds */
-    for (int k = 0; k < 4; k += 2) {
-        const __m512i p0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), kb->q[k],
-                                               _mm512_loadu_si512((const void*)(x + 64 * k)));
-        const __m512i p1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), kb->q[k + 1],
-                                               _mm512_loadu_si512((const void*)(x + 64 * k + 64)));
-        a0 = _mm512_dpwssd_epi32(a0, p0, kb->sc[k]);
-        a1 = _mm512_dpwssd_epi32(a1, p1, kb->sc[k + 1]);
+    for (int j = 0; j < 2; j++) {
+        const __m512i p0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), kb->q[2 * j],
+                                               _mm512_loadu_si512((const void*)(x + 128 * j)));
+        const __m512i p1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), kb->q[2 * j + 1],
+                                               _mm512_loadu_si512((const void*)(x + 128 * j + 64)));
+        const __m512i pk = _mm512_mask_blend_epi16(0xAAAAAAAAu, p0, _mm512_slli_epi32(p1, 16));
+        if (j) a1 = _mm512_dpwssd_epi32(a1, pk, kb->sc[j]);
+        else a0 = _mm512_dpwssd_epi32(a0, pk, kb->sc[j]);
     }
     const __m512i a = _mm512_add_epi32(a0, a1);
     *isum = _mm256_add_epi32(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
