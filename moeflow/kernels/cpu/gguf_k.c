@@ -347,6 +347,19 @@ INLINE facc facc_add(int type, facc acc, lanes is, lanes im, float dx, float mx)
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_set1_ps(dx), acc);
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(im), _mm256_set1_ps(mx), acc);
 }
+/* facc_add for Q4_K / Q5_K with its two products formed in one multiply: dd = (d, dmin) from the block's two fp16
+   fields, (d xs, dmin xs) = dd * xs, and fma(imin, -(dmin xs), acc) as fnmadd(imin, dmin xs, acc) (the same
+   rounding of the same exact value): facc_add's bits. */
+INLINE __m128 k4_dd(const uint8_t* w) {
+    int32_t v;
+    memcpy(&v, w, 4);
+    return _mm_cvtph_ps(_mm_cvtsi32_si128(v));
+}
+INLINE facc facc_add_k4(facc acc, lanes is, lanes im, __m128 dd, float xs) {
+    const __m256 f = _mm256_castps128_ps256(_mm_mul_ps(dd, _mm_set1_ps(xs)));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_permutevar8x32_ps(f, _mm256_setzero_si256()), acc);
+    return _mm256_fnmadd_ps(_mm256_cvtepi32_ps(im), _mm256_permutevar8x32_ps(f, _mm256_set1_epi32(1)), acc);
+}
 #else
 INLINE facc facc_add(int type, facc acc, lanes is, lanes im, float dx, float mx) {
     for (int l = 0; l < 8; l++) {
@@ -392,18 +405,20 @@ INLINE void ktile(int type, const uint8_t* row, int nb, int t0, int tt, const ac
         } else if (type == GG_Q4_K) {
             q4kblock kb;
             decode_q4k_512(w, &kb);
+            const __m128 dd = k4_dd(w);
             for (int i = 0; i < tt; i++) {
                 lanes is, im;
                 kdotq4k_512(&kb, TOKEN(i), &is, &im);
-                acc[i] = facc_add(type, acc[i], is, im, kb.d * XS(i), -(kb.dmin * XS(i)));
+                acc[i] = facc_add_k4(acc[i], is, im, dd, XS(i));
             }
         } else {
             k4block kb;
             decode_k4_512(type, w, &kb);
+            const __m128 dd = k4_dd(w);
             for (int i = 0; i < tt; i++) {
                 lanes is, im;
                 kdot4_512(&kb, TOKEN(i), &is, &im);
-                acc[i] = facc_add(type, acc[i], is, im, kb.d * XS(i), -(kb.dmin * XS(i)));
+                acc[i] = facc_add_k4(acc[i], is, im, dd, XS(i));
             }
         }
 #else
@@ -411,6 +426,17 @@ INLINE void ktile(int type, const uint8_t* row, int nb, int t0, int tt, const ac
         if (type == GG_Q4_K) decode_q4k(w, &kb);
         else if (type == GG_Q5_K) decode_q5k(w, &kb);
         else decode_q6k(w, &kb);
+#if MF_AVX2
+        if (type != GG_Q6_K) {
+            const __m128 dd = k4_dd(w);
+            for (int i = 0; i < tt; i++) {
+                lanes is, im;
+                kdot(&kb, TOKEN(i), &is, &im);
+                acc[i] = facc_add_k4(acc[i], is, im, dd, XS(i));
+            }
+            continue;
+        }
+#endif
         for (int i = 0; i < tt; i++) {
             lanes is, im;
             kdot(&kb, TOKEN(i), &is, &im);
