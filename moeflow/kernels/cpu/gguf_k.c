@@ -9,20 +9,6 @@
 
 /* ---- K-quant blocks ------------------------------------------------------------------------------------------- */
 
-/* Q4_K / Q5_K's twelve scale bytes -> the 6-bit scales sc[8] and mins m[8] (llama.cpp's get_scale_min_k4 as one
-   64-bit word each, byte j = sub-block j): scales 0-3 and mins 0-3 are the low 6 bits of bytes 0-3 and 4-7;
-   4-7 take their low 4 bits from bytes 8-11 (scales the low nibbles, mins the high) and their top 2 from the top
-   bits of bytes 0-3 (scales) and 4-7 (mins). */
-INLINE void k4_scales(const uint8_t* s, uint64_t* sc, uint64_t* mn) {
-    uint32_t w0, w1, w2;
-    memcpy(&w0, s, 4);
-    memcpy(&w1, s + 4, 4);
-    memcpy(&w2, s + 8, 4);
-    const uint32_t lo6 = 0x3F3F3F3Fu, lo4 = 0x0F0F0F0Fu, lo2 = 0x03030303u;
-    *sc = (uint64_t)(w0 & lo6) | (uint64_t)((w2 & lo4) | (((w0 >> 6) & lo2) << 4)) << 32;
-    *mn = (uint64_t)(w1 & lo6) | (uint64_t)(((w2 >> 4) & lo4) | (((w1 >> 6) & lo2) << 4)) << 32;
-}
-
 /* One token against a decoded block, as 8 int32 lanes (exact): lane l of isum sums sc * q * x over the codes
    p = 32 i + 4 l + c (i < 8, c < 4), lane l of imin is mn[2l] bsum[2l] + mn[2l + 1] bsum[2l + 1]: kdot4_512 and
    kdot6_512 on AVX-512 VNNI, kdot on AVX2 (pmaddwd's lanes) and in portable C. */
@@ -40,8 +26,7 @@ typedef struct { int32_t v[8]; } lanes;
    (scale, 0) word pairs in every lane: lane l += P_l * scale, exact. The same integer lanes as kdot's, so the same
    bits. Measured (Qwen3-30B-A3B shapes, one thread, median expert call): benchmarks/results/peers/s16/. Two rows
    per 512-bit register (row A's sub-block in the low half, B's in the high, their fp32 steps in one instruction)
-   was tried: 25% faster from the caches, 1.5-2x slower from memory (the prefetchers lose the two-row pattern,
-   software prefetch did not recover it), not kept. */
+   was tried: faster from the caches, 1.5-2x slower from memory (docs/cpu.md, "K-quant kernels"), not kept. */
 typedef struct {
     __m256i q[8], mn;
     int32_t sc[8];
@@ -101,13 +86,10 @@ INLINE void kdot4_512(const k4block* kb, const int8_t* x, const int16_t* bsum, _
 typedef struct {
     __m256i lo[4], hi[4], mn;
     int32_t sc2[4];
-    float d, dmin;
-} q4kblock;
+} q4kblock;  /* d and dmin: k4_dd */
 
 INLINE void decode_q4k_512(const uint8_t* w, q4kblock* kb) {
     uint64_t sc8, mn8;
-    kb->d = h2f(w);
-    kb->dmin = h2f(w + 2);
     k4_scales(w + 4, &sc8, &mn8);
     _mm_storeu_si128((__m128i*)kb->sc2, _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc8)));
     const __m128i m = _mm_cvtsi64_si128((long long)mn8);
@@ -471,44 +453,4 @@ void mf_gguf_krows(int type, const uint8_t* w, int64_t stride, int n0, int n1, i
             for (int n = n0; n < n1; n++) krow(GG_Q6_K, w + (size_t)n * stride, nb, T, a, y + n, ldy);
             break;
     }
-}
-
-/* ---- rows dequantized (a token embedding's lookup) -------------------------------------------------------------- */
-
-/* n rows of K-quant blocks (`stride` bytes apart, K values each) -> out fp32 [n, K], the fp32 operations of
-   moeflow.quant.ggml's dequantize in its order (ggml's values): Q4_K / Q5_K (d sc) q - (dmin m) per 32 values,
-   Q6_K (d sc) (q - 32) per 16. Scalar: a lookup reads a few rows. Returns 0, or -2 for another type or K not a
-   multiple of 256. */
-int mf_gguf_dequant_rows(int type, const uint8_t* rows, int n, int K, int64_t stride, float* out) {
-    if ((type != GG_Q4_K && type != GG_Q5_K && type != GG_Q6_K) || K % QKK) return -2;
-    for (int r = 0; r < n; r++)
-        for (int b = 0; b < K / QKK; b++) {
-            const uint8_t* w = rows + (size_t)r * stride + (size_t)b * type_bytes(type);
-            float* y = out + (size_t)r * K + (size_t)b * QKK;
-            if (type == GG_Q6_K) {
-                const float d = h2f(w + 208);
-                for (int n2 = 0; n2 < 2; n2++)
-                    for (int j = 0; j < 4; j++)
-                        for (int l = 0; l < 32; l++) {
-                            const int p = 128 * n2 + 32 * j + l;
-                            const int q = (((w[64 * n2 + 32 * (j % 2) + l] >> (4 * (j / 2))) & 15)
-                                           | (((w[128 + 32 * n2 + l] >> (2 * j)) & 3) << 4)) - 32;
-                            y[p] = (d * (float)(int8_t)w[192 + p / 16]) * (float)q;
-                        }
-                continue;
-            }
-            uint64_t sc8, mn8;
-            k4_scales(w + 4, &sc8, &mn8);
-            const float d = h2f(w), dmin = h2f(w + 2);
-            const uint8_t* qs = w + (type == GG_Q4_K ? 16 : 48);
-            for (int i = 0; i < 8; i++) {  /* sub-block i: nibbles (i % 2) of bytes 32 (i / 2) .. + 31 */
-                const float ds = d * (float)((sc8 >> (8 * i)) & 0xFF), dm = dmin * (float)((mn8 >> (8 * i)) & 0xFF);
-                for (int l = 0; l < 32; l++) {
-                    int q = (qs[32 * (i / 2) + l] >> (4 * (i % 2))) & 15;
-                    if (type == GG_Q5_K) q |= ((w[16 + l] >> i) & 1) << 4;
-                    y[32 * i + l] = ds * (float)q - dm;
-                }
-            }
-        }
-    return 0;
 }
