@@ -23,7 +23,8 @@
    scales widened to int16 lanes, held in registers, then each token's sums are maddubs (unsigned codes x
    signed activations, pairs summed into int16: at most 2 * 63 * 127, no saturation) and a multiply-add with the
    scales (vpdpwssd on AVX-512 VNNI, pmaddwd on AVX2); on AVX-512 VNNI, Q4_K / Q5_K instead take vpdpbusd per
-   32-code sub-block and vpdpwssd with its scale (gguf_k.c's k4block: the same lanes). Q4_K / Q5_K weights are
+   32-code sub-block and vpdpwssd with its scale (gguf_k.c's k4block: the same lanes; Q4_K and Q6_K two sums as one
+   word pair per vpdpwssd, gguf_k.c's q4kblock and k6block). Q4_K / Q5_K weights are
    prefetched MF_Q4_PREFETCH bytes ahead. Q8_0 uses the sign trick of q8.c (|w| x sign(x, w)). */
 
 #include <math.h>
