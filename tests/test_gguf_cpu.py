@@ -138,6 +138,18 @@ def _outputs(lib, monkeypatch) -> list[torch.Tensor]:
         for tokens in (1, 2, 7):
             outs.append(gguf_linear(torch.randn(tokens, 512, generator=torch.Generator().manual_seed(tokens)), w, kind,
                                     512))
+    for kind in ("Q4_K", "Q5_K", "Q6_K"):  # the integer lanes at their bounds: every code and scale at its largest
+        w = random_blocks(kind, 9, 512, torch.Generator().manual_seed(7))
+        t = ggml_type(kind)
+        blocks = w.view(9, -1, t.type_size)
+        fields = torch.zeros(t.type_size, dtype=torch.bool)
+        for off in (0, 2) if kind != "Q6_K" else (208,):
+            fields[off : off + 2] = True
+        blocks[..., ~fields] = 0xFF if kind != "Q6_K" else 0x7F  # Q6_K: scales 127 (int8), codes 63 or 31
+        g = torch.Generator().manual_seed(8)
+        for x in (torch.ones(1, 512), -torch.ones(3, 512), torch.randn(1, 512, generator=g),
+                  torch.randn(3, 512, generator=g)):
+            outs.append(gguf_linear(x, w, kind, 512))
     for kind in DEQUANT_TYPES:
         outs.append(dequantize_rows(random_blocks(kind, 5, 512, torch.Generator().manual_seed(6)), kind, 512))
     return outs

@@ -10,13 +10,14 @@
      S=moeflow/kernels/cpu; gcc -O3 -march=native -ffp-contract=off -fopenmp benchmarks/cpu/gguf_kquant_step_bench.c \
          $S/native.c $S/q4.c $S/q4z.c $S/q8.c $S/step.c $S/step_region.c $S/repack.c $S/gguf.c $S/gguf_k.c \
          -o /tmp/kq_step -lm
-     /tmp/kq_step step 30      # experts + head (K-quants), then the q4z experts
+     /tmp/kq_step step 30      # experts + head (K-quants), a plain read of the experts' bytes, the q4z experts
      /tmp/kq_step hot 1024     # compute per block, K = 1024 (4 blocks a row) */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <immintrin.h>
 
 #include "../../moeflow/kernels/cpu/gguf.h"
 
@@ -97,6 +98,28 @@ static void step(int reps) {
     const double me = median(te, reps), mh = median(th, reps), hb = (double)V * (H / QKK) * type_bytes(GG_Q6_K);
     printf("K-quant experts %.3f ms (%.1f MB, %.2f GB/s)  Q6_K head %.3f ms (%.2f GB/s)  checksum %.6g\n", me * 1e3,
            eb / 1e6, eb / me / 1e9, mh * 1e3, hb / mh / 1e9, cs);
+    /* a plain read of the same expert bytes in the same order (4 streams of 256-bit loads): the roofline */
+    for (int r = 0; r < reps; r++) {
+        const double t0 = now();
+        __m256i a0 = _mm256_setzero_si256(), a1 = a0;
+        for (int l = 0; l < NL; l++)
+            for (int j = 0; j < 2; j++) {
+                const int e = pick(r, l, j);
+                const uint8_t* m[3] = {g[l][e], u[l][e], d[l][e]};
+                const size_t nb[3] = {(size_t)I * (H / QKK) * type_bytes(GG_Q4_K),
+                                      (size_t)I * (H / QKK) * type_bytes(GG_Q4_K),
+                                      (size_t)H * (I / QKK) * type_bytes(t2[l])};
+                for (int k = 0; k < 3; k++)
+                    for (size_t i = 0; i + 64 <= nb[k]; i += 64) {
+                        a0 = _mm256_add_epi64(a0, _mm256_loadu_si256((const __m256i*)(m[k] + i)));
+                        a1 = _mm256_add_epi64(a1, _mm256_loadu_si256((const __m256i*)(m[k] + i + 32)));
+                    }
+            }
+        te[r] = now() - t0;
+        cs += (double)_mm256_extract_epi64(_mm256_add_epi64(a0, a1), 0) * 1e-30;
+    }
+    const double mr = median(te, reps);
+    printf("plain read      %.3f ms (%.1f MB, %.2f GB/s)  checksum %.3g\n", mr * 1e3, eb / 1e6, eb / mr / 1e9, cs);
     /* the same experts as q4z (Q4_0's converted form: codes [2I or H, K/2], fp16 scales [.., K/32], zero point 8) */
     static uint8_t *w13[NL][E], *s13[NL][E], *w2[NL][E], *s2[NL][E];
     for (int l = 0; l < NL; l++)

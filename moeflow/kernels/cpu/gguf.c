@@ -23,7 +23,8 @@
    scales widened to int16 lanes, held in registers, then each token's sums are maddubs (unsigned codes x
    signed activations, pairs summed into int16: at most 2 * 63 * 127, no saturation) and a multiply-add with the
    scales (vpdpwssd on AVX-512 VNNI, pmaddwd on AVX2); on AVX-512 VNNI, Q4_K / Q5_K instead take vpdpbusd per
-   32-code sub-block and vpdpwssd with its scale (gguf_k.c's k4block: the same lanes). Q4_K / Q5_K weights are
+   32-code sub-block and vpdpwssd with its scale (gguf_k.c's k4block: the same lanes; Q4_K and Q6_K two sums as one
+   word pair per vpdpwssd, gguf_k.c's q4kblock and k6block). Q4_K / Q5_K weights are
    prefetched MF_Q4_PREFETCH bytes ahead. Q8_0 uses the sign trick of q8.c (|w| x sign(x, w)). */
 
 #include <math.h>
@@ -375,4 +376,44 @@ void mf_gguf_linear_team(const float* x, int K, int N, int type, const uint8_t* 
     const int nc = (N + GROWS - 1) / GROWS;
 #pragma omp for schedule(static) nowait
     for (int c = 0; c < nc; c++) rows(type, w, stride, c * GROWS, (c + 1) * GROWS < N ? (c + 1) * GROWS : N, 1, &a, y, N);
+}
+
+/* ---- rows dequantized (a token embedding's lookup of K-quant blocks) --------------------------------------------- */
+
+/* n rows of K-quant blocks (`stride` bytes apart, K values each) -> out fp32 [n, K], the fp32 operations of
+   moeflow.quant.ggml's dequantize in its order (ggml's values): Q4_K / Q5_K (d sc) q - (dmin m) per 32 values,
+   Q6_K (d sc) (q - 32) per 16. Scalar: a lookup reads a few rows. Returns 0, or -2 for another type or K not a
+   multiple of 256. */
+int mf_gguf_dequant_rows(int type, const uint8_t* rows, int n, int K, int64_t stride, float* out) {
+    if ((type != GG_Q4_K && type != GG_Q5_K && type != GG_Q6_K) || K % QKK) return -2;
+    for (int r = 0; r < n; r++)
+        for (int b = 0; b < K / QKK; b++) {
+            const uint8_t* w = rows + (size_t)r * stride + (size_t)b * type_bytes(type);
+            float* y = out + (size_t)r * K + (size_t)b * QKK;
+            if (type == GG_Q6_K) {
+                const float d = h2f(w + 208);
+                for (int n2 = 0; n2 < 2; n2++)
+                    for (int j = 0; j < 4; j++)
+                        for (int l = 0; l < 32; l++) {
+                            const int p = 128 * n2 + 32 * j + l;
+                            const int q = (((w[64 * n2 + 32 * (j % 2) + l] >> (4 * (j / 2))) & 15)
+                                           | (((w[128 + 32 * n2 + l] >> (2 * j)) & 3) << 4)) - 32;
+                            y[p] = (d * (float)(int8_t)w[192 + p / 16]) * (float)q;
+                        }
+                continue;
+            }
+            uint64_t sc8, mn8;
+            k4_scales(w + 4, &sc8, &mn8);
+            const float d = h2f(w), dmin = h2f(w + 2);
+            const uint8_t* qs = w + (type == GG_Q4_K ? 16 : 48);
+            for (int i = 0; i < 8; i++) {  /* sub-block i: nibbles (i % 2) of bytes 32 (i / 2) .. + 31 */
+                const float ds = d * (float)((sc8 >> (8 * i)) & 0xFF), dm = dmin * (float)((mn8 >> (8 * i)) & 0xFF);
+                for (int l = 0; l < 32; l++) {
+                    int q = (qs[32 * (i / 2) + l] >> (4 * (i % 2))) & 15;
+                    if (type == GG_Q5_K) q |= ((w[16 + l] >> i) & 1) << 4;
+                    y[32 * i + l] = ds * (float)q - dm;
+                }
+            }
+        }
+    return 0;
 }

@@ -38,6 +38,20 @@ static inline float h2f(const uint8_t* p) {  /* an fp16 field, exactly */
 #endif
 }
 
+/* Q4_K / Q5_K's twelve scale bytes -> the 6-bit scales sc[8] and mins m[8] (llama.cpp's get_scale_min_k4 as one
+   64-bit word each, byte j = sub-block j): scales 0-3 and mins 0-3 are the low 6 bits of bytes 0-3 and 4-7;
+   4-7 take their low 4 bits from bytes 8-11 (scales the low nibbles, mins the high) and their top 2 from the top
+   bits of bytes 0-3 (scales) and 4-7 (mins). */
+static inline void k4_scales(const uint8_t* s, uint64_t* sc, uint64_t* mn) {
+    uint32_t w0, w1, w2;
+    memcpy(&w0, s, 4);
+    memcpy(&w1, s + 4, 4);
+    memcpy(&w2, s + 8, 4);
+    const uint32_t lo6 = 0x3F3F3F3Fu, lo4 = 0x0F0F0F0Fu, lo2 = 0x03030303u;
+    *sc = (uint64_t)(w0 & lo6) | (uint64_t)((w2 & lo4) | (((w0 >> 6) & lo2) << 4)) << 32;
+    *mn = (uint64_t)(w1 & lo6) | (uint64_t)(((w2 >> 4) & lo4) | (((w1 >> 6) & lo2) << 4)) << 32;
+}
+
 typedef struct {  /* T rows quantized for one weight type */
     int8_t* q;     /* [T, K] */
     float* s;      /* [T, K / bs] */
@@ -91,7 +105,7 @@ size_t mf_gguf_acts1_bytes(int K);
 void mf_gguf_acts1(const float* x, int K, int type, void* scratch);
 void mf_gguf_rows1(int type, const uint8_t* w, int64_t stride, int n0, int n1, int K, const void* scratch, float* y);
 
-/* n K-quant rows dequantized as ggml does (gguf_k.c; a token embedding's lookup). */
+/* n K-quant rows dequantized as ggml does (gguf.c; a token embedding's lookup). */
 int mf_gguf_dequant_rows(int type, const uint8_t* rows, int n, int K, int64_t stride, float* out);
 
 /* Rows [n0, n1) of a matrix (rows `stride` bytes apart, nb blocks of K-quant `type`: Q4_K, Q5_K, Q6_K) against

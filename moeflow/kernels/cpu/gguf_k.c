@@ -9,20 +9,6 @@
 
 /* ---- K-quant blocks ------------------------------------------------------------------------------------------- */
 
-/* Q4_K / Q5_K's twelve scale bytes -> the 6-bit scales sc[8] and mins m[8] (llama.cpp's get_scale_min_k4 as one
-   64-bit word each, byte j = sub-block j): scales 0-3 and mins 0-3 are the low 6 bits of bytes 0-3 and 4-7;
-   4-7 take their low 4 bits from bytes 8-11 (scales the low nibbles, mins the high) and their top 2 from the top
-   bits of bytes 0-3 (scales) and 4-7 (mins). */
-INLINE void k4_scales(const uint8_t* s, uint64_t* sc, uint64_t* mn) {
-    uint32_t w0, w1, w2;
-    memcpy(&w0, s, 4);
-    memcpy(&w1, s + 4, 4);
-    memcpy(&w2, s + 8, 4);
-    const uint32_t lo6 = 0x3F3F3F3Fu, lo4 = 0x0F0F0F0Fu, lo2 = 0x03030303u;
-    *sc = (uint64_t)(w0 & lo6) | (uint64_t)((w2 & lo4) | (((w0 >> 6) & lo2) << 4)) << 32;
-    *mn = (uint64_t)(w1 & lo6) | (uint64_t)(((w2 >> 4) & lo4) | (((w1 >> 6) & lo2) << 4)) << 32;
-}
-
 /* One token against a decoded block, as 8 int32 lanes (exact): lane l of isum sums sc * q * x over the codes
    p = 32 i + 4 l + c (i < 8, c < 4), lane l of imin is mn[2l] bsum[2l] + mn[2l + 1] bsum[2l + 1]: kdot4_512 and
    kdot6_512 on AVX-512 VNNI, kdot on AVX2 (pmaddwd's lanes) and in portable C. */
@@ -40,8 +26,7 @@ typedef struct { int32_t v[8]; } lanes;
    (scale, 0) word pairs in every lane: lane l += P_l * scale, exact. The same integer lanes as kdot's, so the same
    bits. Measured (Qwen3-30B-A3B shapes, one thread, median expert call): benchmarks/results/peers/s16/. Two rows
    per 512-bit register (row A's sub-block in the low half, B's in the high, their fp32 steps in one instruction)
-   was tried: 25% faster from the caches, 1.5-2x slower from memory (the prefetchers lose the two-row pattern,
-   software prefetch did not recover it), not kept. */
+   was tried: faster from the caches, 1.5-2x slower from memory (docs/cpu.md, "K-quant kernels"), not kept. */
 typedef struct {
     __m256i q[8], mn;
     int32_t sc[8];
@@ -90,29 +75,74 @@ INLINE void kdot4_512(const k4block* kb, const int8_t* x, const int16_t* bsum, _
     *isum = _mm256_add_epi32(a0, a1);
     *imin = _mm256_madd_epi16(kb->mn, _mm256_loadu_si256((const __m256i*)bsum));
 }
+/* Q4_K on AVX-512 VNNI (session 18): kdot4_512's lanes with half its scale multiplies. A 32-byte chunk c holds
+   sub-block 2c (low nibbles) and 2c + 1 (high); vpdpbusd gives P_lo (lane l: the 4 codes 64c + 4l + j times the
+   activations) and, on the high nibbles left in place (v & 0xF0 = 16 q), 16 P_hi; both fit an int16 (|P| <= 4 * 15
+   * 127), so (16 P_hi) << 12 = P_hi << 16 blended over P_lo's high word is the word pair (P_lo, P_hi) and one
+   vpdpwssd against (sc[2c], sc[2c + 1]) adds sc[2c] P_lo + sc[2c + 1] P_hi to lane l: the same exact integers as
+   kdot4_512, so the same bits; per block 8 vpdpbusd + 4 vpdpwssd where kdot4_512 takes 8 + 8, and one AND per high
+   nibble in place of a shift and an AND. (Q5_K's fifth bit puts its codes past an int16 pair: it keeps kdot4_512.)
+   A scale pair is a dword of the scales widened to words (sc2[c] = sc[2c] | sc[2c + 1] << 16). */
+typedef struct {
+    __m256i lo[4], hi[4], mn;
+    int32_t sc2[4];
+} q4kblock;  /* d and dmin: k4_dd */
+
+INLINE void decode_q4k_512(const uint8_t* w, q4kblock* kb) {
+    uint64_t sc8, mn8;
+    k4_scales(w + 4, &sc8, &mn8);
+    _mm_storeu_si128((__m128i*)kb->sc2, _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc8)));
+    const __m128i m = _mm_cvtsi64_si128((long long)mn8);
+    kb->mn = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m, m));  /* each min for its two 16-groups */
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m4h = _mm256_set1_epi8((char)0xF0);
+    for (int c = 0; c < 4; c++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(w + 16 + 32 * c));
+        kb->lo[c] = _mm256_and_si256(v, m4);
+        kb->hi[c] = _mm256_and_si256(v, m4h);
+    }
+}
+
+INLINE void kdotq4k_512(const q4kblock* kb, const int8_t* x, const int16_t* bsum, __m256i* isum, __m256i* imin) {
+    __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();  /* two chains: exact integer adds */
+    for (int c = 0; c < 4; c++) {
+        const __m256i p0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), kb->lo[c],
+                                               _mm256_loadu_si256((const __m256i*)(x + 64 * c)));
+        const __m256i p1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), kb->hi[c],
+                                               _mm256_loadu_si256((const __m256i*)(x + 64 * c + 32)));
+        const __m256i pk = _mm256_mask_blend_epi16(0xAAAA, p0, _mm256_slli_epi32(p1, 12));
+        if (c % 2) a1 = _mm256_dpwssd_epi32(a1, pk, _mm256_set1_epi32(kb->sc2[c]));
+        else a0 = _mm256_dpwssd_epi32(a0, pk, _mm256_set1_epi32(kb->sc2[c]));
+    }
+    *isum = _mm256_add_epi32(a0, a1);
+    *imin = _mm256_madd_epi16(kb->mn, _mm256_loadu_si256((const __m256i*)bsum));
+}
+
 /* Q6_K on AVX-512 VNNI (session 17): a block as 4 vectors of 64 codes in file order (vector k: codes 64k ..
    64k + 63; its low 32 bytes the j = 0 / 2 quarter of ql's 64-byte half, its high 32 the j = 1 / 3 one, the two
    high bits from qh broadcast to both halves and shifted by a per-half count), one token's 16 int32 lanes per vector
    by vpdpbusd (lane L: codes 64k + 4L + c, c < 4, at most 4 * 63 * 127 = 32004, an int16), then times its group's
-   scale (group 4k + L / 4) by vpdpwssd against (scale, 0) word pairs: exact. Lanes L and L + 8 fold onto kdot's
-   lane L % 8 (the sub-blocks 2k and 2k + 1): the same integer lanes as kdot's, so the same bits. */
+   scale (group 4k + L / 4): since session 18 vectors 2j and 2j + 1 as one int16 word pair per lane (P_2j's low word
+   under P_2j+1 << 16) by one vpdpwssd against the pair of their groups' scales (one vpermw per pair), where session
+   17 took a vpdpwssd per vector against (scale, 0): exact either way. Lanes L and L + 8 fold onto kdot's lane L % 8
+   (the sub-blocks 2k and 2k + 1): the same integer lanes as kdot's, so the same bits. */
 typedef struct {
-    __m512i q[4], sc[4];
+    __m512i q[4], sc[2];  /* sc[j]: the word pairs of vectors 2j, 2j + 1 */
     __m256i mn;  /* int16 [16]: 32 * the 16-groups' scales */
     float d;
 } k6block;
 
-static const int32_t IDX4[16] = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3};
+static const int16_t IDX6P[32] = {0, 4, 0, 4, 0, 4, 0, 4, 1, 5, 1, 5, 1, 5, 1, 5,
+                                  2, 6, 2, 6, 2, 6, 2, 6, 3, 7, 3, 7, 3, 7, 3, 7};
 
 INLINE void decode_k6_512(const uint8_t* w, k6block* kb) {
     const uint8_t *ql = w, *qh = w + 128;
     const __m128i s8 = _mm_loadu_si128((const __m128i*)(w + 192));
     kb->d = h2f(w + 208);
     kb->mn = _mm256_slli_epi16(_mm256_cvtepi8_epi16(s8), 5);
-    const __m512i s32 = _mm512_and_si512(_mm512_cvtepi8_epi32(s8), _mm512_set1_epi32(0xFFFF));  /* (scale, 0) */
-    const __m512i i4 = _mm512_loadu_si512((const void*)IDX4);
-    for (int k = 0; k < 4; k++)
-        kb->sc[k] = _mm512_permutexvar_epi32(_mm512_add_epi32(i4, _mm512_set1_epi32(4 * k)), s32);
+    const __m512i s16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(s8));
+    const __m512i i2 = _mm512_loadu_si512((const void*)IDX6P);
+    for (int j = 0; j < 2; j++)  /* lane L of pair j: (scale of group 8j + L / 4, of group 8j + 4 + L / 4) */
+        kb->sc[j] = _mm512_permutexvar_epi16(_mm512_add_epi16(i2, _mm512_set1_epi16((short)(8 * j))), s16);
     const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
     const __m512i c01 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);  /* j = 0: << 4, 1: << 2 */
     const __m512i c23 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);  /* j = 2: >> 0, 3: >> 2 */
@@ -128,13 +158,14 @@ INLINE void decode_k6_512(const uint8_t* w, k6block* kb) {
 
 INLINE void kdot6_512(const k6block* kb, const int8_t* x, const int16_t* bsum, __m256i* isum, __m256i* imin) {
     __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();  /* two chains: exact integer adds */
-    for (int k = 0; k < 4; k += 2) {
-        const __m512i p0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), kb->q[k],
-                                               _mm512_loadu_si512((const void*)(x + 64 * k)));
-        const __m512i p1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), kb->q[k + 1],
-                                               _mm512_loadu_si512((const void*)(x + 64 * k + 64)));
-        a0 = _mm512_dpwssd_epi32(a0, p0, kb->sc[k]);
-        a1 = _mm512_dpwssd_epi32(a1, p1, kb->sc[k + 1]);
+    for (int j = 0; j < 2; j++) {
+        const __m512i p0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), kb->q[2 * j],
+                                               _mm512_loadu_si512((const void*)(x + 128 * j)));
+        const __m512i p1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), kb->q[2 * j + 1],
+                                               _mm512_loadu_si512((const void*)(x + 128 * j + 64)));
+        const __m512i pk = _mm512_mask_blend_epi16(0xAAAAAAAAu, p0, _mm512_slli_epi32(p1, 16));
+        if (j) a1 = _mm512_dpwssd_epi32(a1, pk, kb->sc[j]);
+        else a0 = _mm512_dpwssd_epi32(a0, pk, kb->sc[j]);
     }
     const __m512i a = _mm512_add_epi32(a0, a1);
     *isum = _mm256_add_epi32(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
@@ -298,6 +329,19 @@ INLINE facc facc_add(int type, facc acc, lanes is, lanes im, float dx, float mx)
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_set1_ps(dx), acc);
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(im), _mm256_set1_ps(mx), acc);
 }
+/* facc_add for Q4_K / Q5_K with its two products formed in one multiply: dd = (d, dmin) from the block's two fp16
+   fields, (d xs, dmin xs) = dd * xs, and fma(imin, -(dmin xs), acc) as fnmadd(imin, dmin xs, acc) (the same
+   rounding of the same exact value): facc_add's bits. */
+INLINE __m128 k4_dd(const uint8_t* w) {
+    int32_t v;
+    memcpy(&v, w, 4);
+    return _mm_cvtph_ps(_mm_cvtsi32_si128(v));
+}
+INLINE facc facc_add_k4(facc acc, lanes is, lanes im, __m128 dd, float xs) {
+    const __m256 f = _mm256_castps128_ps256(_mm_mul_ps(dd, _mm_set1_ps(xs)));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_permutevar8x32_ps(f, _mm256_setzero_si256()), acc);
+    return _mm256_fnmadd_ps(_mm256_cvtepi32_ps(im), _mm256_permutevar8x32_ps(f, _mm256_set1_epi32(1)), acc);
+}
 #else
 INLINE facc facc_add(int type, facc acc, lanes is, lanes im, float dx, float mx) {
     for (int l = 0; l < 8; l++) {
@@ -340,13 +384,23 @@ INLINE void ktile(int type, const uint8_t* row, int nb, int t0, int tt, const ac
                 kdot6_512(&kb, TOKEN(i), &is, &im);
                 acc[i] = facc_add(type, acc[i], is, im, kb.d * XS(i), 0.0f);
             }
+        } else if (type == GG_Q4_K) {
+            q4kblock kb;
+            decode_q4k_512(w, &kb);
+            const __m128 dd = k4_dd(w);
+            for (int i = 0; i < tt; i++) {
+                lanes is, im;
+                kdotq4k_512(&kb, TOKEN(i), &is, &im);
+                acc[i] = facc_add_k4(acc[i], is, im, dd, XS(i));
+            }
         } else {
             k4block kb;
             decode_k4_512(type, w, &kb);
+            const __m128 dd = k4_dd(w);
             for (int i = 0; i < tt; i++) {
                 lanes is, im;
                 kdot4_512(&kb, TOKEN(i), &is, &im);
-                acc[i] = facc_add(type, acc[i], is, im, kb.d * XS(i), -(kb.dmin * XS(i)));
+                acc[i] = facc_add_k4(acc[i], is, im, dd, XS(i));
             }
         }
 #else
@@ -354,6 +408,17 @@ INLINE void ktile(int type, const uint8_t* row, int nb, int t0, int tt, const ac
         if (type == GG_Q4_K) decode_q4k(w, &kb);
         else if (type == GG_Q5_K) decode_q5k(w, &kb);
         else decode_q6k(w, &kb);
+#if MF_AVX2
+        if (type != GG_Q6_K) {
+            const __m128 dd = k4_dd(w);
+            for (int i = 0; i < tt; i++) {
+                lanes is, im;
+                kdot(&kb, TOKEN(i), &is, &im);
+                acc[i] = facc_add_k4(acc[i], is, im, dd, XS(i));
+            }
+            continue;
+        }
+#endif
         for (int i = 0; i < tt; i++) {
             lanes is, im;
             kdot(&kb, TOKEN(i), &is, &im);
@@ -388,44 +453,4 @@ void mf_gguf_krows(int type, const uint8_t* w, int64_t stride, int n0, int n1, i
             for (int n = n0; n < n1; n++) krow(GG_Q6_K, w + (size_t)n * stride, nb, T, a, y + n, ldy);
             break;
     }
-}
-
-/* ---- rows dequantized (a token embedding's lookup) -------------------------------------------------------------- */
-
-/* n rows of K-quant blocks (`stride` bytes apart, K values each) -> out fp32 [n, K], the fp32 operations of
-   moeflow.quant.ggml's dequantize in its order (ggml's values): Q4_K / Q5_K (d sc) q - (dmin m) per 32 values,
-   Q6_K (d sc) (q - 32) per 16. Scalar: a lookup reads a few rows. Returns 0, or -2 for another type or K not a
-   multiple of 256. */
-int mf_gguf_dequant_rows(int type, const uint8_t* rows, int n, int K, int64_t stride, float* out) {
-    if ((type != GG_Q4_K && type != GG_Q5_K && type != GG_Q6_K) || K % QKK) return -2;
-    for (int r = 0; r < n; r++)
-        for (int b = 0; b < K / QKK; b++) {
-            const uint8_t* w = rows + (size_t)r * stride + (size_t)b * type_bytes(type);
-            float* y = out + (size_t)r * K + (size_t)b * QKK;
-            if (type == GG_Q6_K) {
-                const float d = h2f(w + 208);
-                for (int n2 = 0; n2 < 2; n2++)
-                    for (int j = 0; j < 4; j++)
-                        for (int l = 0; l < 32; l++) {
-                            const int p = 128 * n2 + 32 * j + l;
-                            const int q = (((w[64 * n2 + 32 * (j % 2) + l] >> (4 * (j / 2))) & 15)
-                                           | (((w[128 + 32 * n2 + l] >> (2 * j)) & 3) << 4)) - 32;
-                            y[p] = (d * (float)(int8_t)w[192 + p / 16]) * (float)q;
-                        }
-                continue;
-            }
-            uint64_t sc8, mn8;
-            k4_scales(w + 4, &sc8, &mn8);
-            const float d = h2f(w), dmin = h2f(w + 2);
-            const uint8_t* qs = w + (type == GG_Q4_K ? 16 : 48);
-            for (int i = 0; i < 8; i++) {  /* sub-block i: nibbles (i % 2) of bytes 32 (i / 2) .. + 31 */
-                const float ds = d * (float)((sc8 >> (8 * i)) & 0xFF), dm = dmin * (float)((mn8 >> (8 * i)) & 0xFF);
-                for (int l = 0; l < 32; l++) {
-                    int q = (qs[32 * (i / 2) + l] >> (4 * (i % 2))) & 15;
-                    if (type == GG_Q5_K) q |= ((w[16 + l] >> i) & 1) << 4;
-                    y[32 * i + l] = ds * (float)q - dm;
-                }
-            }
-        }
-    return 0;
 }
