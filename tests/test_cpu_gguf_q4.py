@@ -16,7 +16,8 @@ from helpers import make_tiny_model  # noqa: E402
 from moeflow import MoEModel, OffloadConfig  # noqa: E402
 from moeflow.engine.gguf_linears import GGUFStoredLinears  # noqa: E402
 from moeflow.io.gguf import open_gguf  # noqa: E402
-from moeflow.kernels.cpu.native import Q4_F16Z8, Q4_F32, Q4Matrix, native_available  # noqa: E402
+from moeflow.kernels.cpu.native import native_available  # noqa: E402
+from moeflow.kernels.cpu.q4_matrix import Q4_F16Z8, Q4_F32, Q4Matrix  # noqa: E402
 from moeflow.kernels.cpu.quant_linear import CpuQuantLinear, SplitLinear, reference_linear  # noqa: E402
 from moeflow.moe import CpuInt4Experts  # noqa: E402
 

@@ -18,7 +18,8 @@ from helpers import make_tiny_model  # noqa: E402
 from moeflow import MoEModel, OffloadConfig  # noqa: E402
 from moeflow.engine.gguf_linears import GGUFStoredLinears, q4_k_codes  # noqa: E402
 from moeflow.io.gguf import open_gguf  # noqa: E402
-from moeflow.kernels.cpu.native import Q4_F32, Q4Matrix, _group_rows, _pack_q4, native_available  # noqa: E402
+from moeflow.kernels.cpu.native import native_available  # noqa: E402
+from moeflow.kernels.cpu.q4_matrix import Q4_F32, Q4Matrix, group_rows, pack_q4  # noqa: E402
 from moeflow.kernels.cpu.quant_linear import CpuQuantLinear, SplitLinear, reference_linear  # noqa: E402
 from moeflow.quant.ggml import dequantize  # noqa: E402
 
@@ -49,7 +50,7 @@ def test_q4_k_codes_are_the_dequantized_values():
     raw = random_blocks("Q4_K", 5, 512, torch.Generator().manual_seed(1))
     codes, s, m = q4_k_codes(raw)
     assert codes.shape == (5, 512) and s.shape == m.shape == (5, 16) and int(codes.max()) <= 15
-    matrix = Q4Matrix(_pack_q4(codes), _group_rows(s), _group_rows(m), 32)
+    matrix = Q4Matrix(pack_q4(codes), group_rows(s), group_rows(m), 32)
     assert matrix.fmt == Q4_F32
     assert torch.equal(matrix.dequantized(), dequantize(raw.reshape(-1, 144), 12).reshape(5, 512))  # type 12: Q4_K
 

@@ -16,7 +16,8 @@ from helpers import make_tiny_checkpoint, make_tiny_model
 
 from moeflow import MoEModel
 from moeflow.kernels.cpu import hugepages
-from moeflow.kernels.cpu.native import Q4Matrix, native_available
+from moeflow.kernels.cpu.native import native_available
+from moeflow.kernels.cpu.q4_matrix import Q4Matrix
 from moeflow.kernels.cpu.quant_linear import CpuQuantLinear
 from moeflow.moe import CpuInt4Experts
 

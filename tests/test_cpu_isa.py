@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from moeflow.kernels.cpu import native as cpu_native
-from moeflow.kernels.cpu.native import SIMD_NAMES, Q4Matrix, Q8Matrix, native_available, q4_expert
+from moeflow.kernels.cpu.native import SIMD_NAMES, native_available
+from moeflow.kernels.cpu.q4_matrix import Q4Matrix, group_rows, pack_q4, q4_expert
+from moeflow.kernels.cpu.q8_matrix import Q8Matrix
 from moeflow.user_cache import cache_dir
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="moeflow's CPU kernels do not build here (no compiler)")
@@ -34,9 +36,9 @@ def _lib(isa: str):
     return lib
 
 
-def _run(monkeypatch, lib, fn):
-    monkeypatch.setattr(cpu_native, "_LIB", lib)
-    return fn()
+def _run(lib, fn):
+    with cpu_native.using_library(lib):
+        return fn()
 
 
 def _q4(n: int, k: int, group: int, seed: int, half: bool, zero8: bool = False) -> Q4Matrix:
@@ -44,12 +46,12 @@ def _q4(n: int, k: int, group: int, seed: int, half: bool, zero8: bool = False) 
     q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
     s = (torch.rand(n, k // group, generator=g) * 0.01 + 1e-4).half()
     z = torch.randint(0, 16, (n, k // group), generator=g, dtype=torch.uint8)
-    rows = cpu_native._group_rows
+    rows = group_rows
     if zero8:  # GGUF Q4_0's form (group 32, no zero points stored)
         return Q4Matrix.from_q4_0(q, s)
     if half:
-        return Q4Matrix(cpu_native._pack_q4(q), rows(s), rows(z), group)
-    return Q4Matrix(cpu_native._pack_q4(q), rows(s.float()), rows(-z.float() * s.float()), group)
+        return Q4Matrix(pack_q4(q), rows(s), rows(z), group)
+    return Q4Matrix(pack_q4(q), rows(s.float()), rows(-z.float() * s.float()), group)
 
 
 def _cases(x_k: int, fn_of_x, tokens=(1, 2, 3, 4, 5, 8, 9, 17)):
@@ -143,12 +145,12 @@ def _mxfp4_kernels() -> list[torch.Tensor]:
     return res
 
 
-def test_avx512_and_avx2_kernels_give_the_same_bits(monkeypatch):
+def test_avx512_and_avx2_kernels_give_the_same_bits():
     native, avx2 = _lib("native"), _lib("avx2")
-    _same(_run(monkeypatch, native, _all_kernels), _run(monkeypatch, avx2, _all_kernels))
+    _same(_run(native, _all_kernels), _run(avx2, _all_kernels))
 
 
-def test_avx2_and_portable_q8_give_the_same_bits(monkeypatch):
+def test_avx2_and_portable_q8_give_the_same_bits():
     """The q8 kernel's portable loops do the AVX2 lanes' operations (fmaf per block): the same bits too; so do
     the q4 kernel's at group 32 with integer zero points (one fmaf per block)."""
     avx2 = _lib("avx2")
@@ -159,13 +161,13 @@ def test_avx2_and_portable_q8_give_the_same_bits(monkeypatch):
     q = torch.randint(-127, 128, (51, 128), generator=g, dtype=torch.int8)
     m8 = Q8Matrix.from_rows(q, torch.rand(51, generator=g))
     run = lambda: _cases(128, m8.matmul)  # noqa: E731
-    _same(_run(monkeypatch, avx2, run), _run(monkeypatch, base, run))
+    _same(_run(avx2, run), _run(base, run))
     # the q4 kernel at group 32 with integer zero points: the portable loops do the lanes' operations too
     z8, zs = _q4(8 * 3 + 5, 128, 32, seed=5, half=True, zero8=True), _q4(8 * 2 + 3, 128, 32, seed=6, half=True)
     run = lambda: _cases(128, z8.matmul) + _cases(128, zs.matmul)  # noqa: E731
-    _same(_run(monkeypatch, avx2, run), _run(monkeypatch, base, run))
+    _same(_run(avx2, run), _run(base, run))
     # the native MXFP4 expert: the portable loops form the same word sums and fused multiply-adds
-    _same(_run(monkeypatch, avx2, _mxfp4_kernels), _run(monkeypatch, base, _mxfp4_kernels))
+    _same(_run(avx2, _mxfp4_kernels), _run(base, _mxfp4_kernels))
 
 
 def test_isa_is_chosen_by_the_environment_and_named():

@@ -14,7 +14,8 @@ import torch
 from moeflow import MoEOffloadedMixtral
 from moeflow.cli import embedded_model_path
 from moeflow.kernels.cpu.lm_head import EXACT_ROWS, RefinedInt4LmHead, refined_reference
-from moeflow.kernels.cpu.native import Q4Matrix, native_available
+from moeflow.kernels.cpu.native import native_available
+from moeflow.kernels.cpu.q4_matrix import Q4Matrix
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="moeflow's CPU kernels cannot be built here")
 

@@ -11,15 +11,10 @@ import pytest
 import torch
 
 from moeflow.kernels.cpu import native as cpu_native
-from moeflow.kernels.cpu.native import (
-    Q4Matrix,
-    Q8Matrix,
-    native_available,
-    q4_expert,
-    q4_expert_reference,
-    q4_reference,
-    quantize_activations,
-)
+from moeflow.kernels.cpu.matrix_reference import q4_expert_reference, q4_reference, quantize_activations
+from moeflow.kernels.cpu.native import native_available
+from moeflow.kernels.cpu.q4_matrix import Q4_F16Z, Q4_F32, Q4Matrix, group_rows, pack_q4, q4_expert, unpack_q4
+from moeflow.kernels.cpu.q8_matrix import Q8Matrix
 from moeflow.quant.awq import dequantize, quantize_rtn
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="moeflow's CPU kernels do not build here (no compiler)")
@@ -45,7 +40,7 @@ def q4_any_rows(n: int, k: int, group: int, seed: int) -> tuple[Q4Matrix, torch.
     q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
     s, m = torch.rand(n, k // group, generator=g) * 0.01, -torch.rand(n, k // group, generator=g) * 0.08
     w = q.float() * s.repeat_interleave(group, 1) + m.repeat_interleave(group, 1)
-    return Q4Matrix(cpu_native._pack_q4(q), cpu_native._group_rows(s), cpu_native._group_rows(m), group), w
+    return Q4Matrix(pack_q4(q), group_rows(s), group_rows(m), group), w
 
 
 def q4_both_forms(n: int, k: int, group: int, seed: int) -> tuple[Q4Matrix, Q4Matrix]:
@@ -54,7 +49,7 @@ def q4_both_forms(n: int, k: int, group: int, seed: int) -> tuple[Q4Matrix, Q4Ma
     q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
     s = (torch.rand(n, k // group, generator=g) * 0.01 + 1e-4).half()
     z = torch.randint(0, 16, (n, k // group), generator=g, dtype=torch.uint8)
-    packed, rows = cpu_native._pack_q4(q), cpu_native._group_rows
+    packed, rows = pack_q4(q), group_rows
     return (Q4Matrix(packed, rows(s.float()), rows(-z.float() * s.float()), group),
             Q4Matrix(packed, rows(s), rows(z), group))
 
@@ -64,7 +59,7 @@ def test_compact_form_gives_the_fp32_forms_results_bit_for_bit():
     token tile, the plain tail rows, the expert, fused rows of both forms; 3 instead of 8 bytes per group. (At
     group 32 the integer zero points are folded into the block sums instead: tests/test_cpu_q4_group32.py.)"""
     f32, f16 = q4_both_forms(8 * 5 + 5, 256, 64, seed=40)
-    assert (f32.fmt, f16.fmt) == (cpu_native.Q4_F32, cpu_native.Q4_F16Z)
+    assert (f32.fmt, f16.fmt) == (Q4_F32, Q4_F16Z)
     assert torch.equal(f16.dequantized(), f32.dequantized()) and f16.fp32_form().scales.dtype == torch.float32
     assert f32.nbytes - f16.nbytes == 5 * f32.scales.numel()
     for tokens in (1, 2, 3, 4, 5, 9, 17):
@@ -72,8 +67,8 @@ def test_compact_form_gives_the_fp32_forms_results_bit_for_bit():
         assert torch.equal(f16.matmul(x), f32.matmul(x))
     g32, g16 = q4_both_forms(40, 256, 64, seed=45)  # whole row groups: the fused rows computed as before
     fused = Q4Matrix.concat_rows([g16, g32])  # mixed forms: the fp32 one
-    assert fused.fmt == cpu_native.Q4_F32 and torch.equal(fused.matmul(x), torch.cat([g32.matmul(x)] * 2, 1))
-    assert Q4Matrix.concat_rows([g16, g16]).fmt == cpu_native.Q4_F16Z
+    assert fused.fmt == Q4_F32 and torch.equal(fused.matmul(x), torch.cat([g32.matmul(x)] * 2, 1))
+    assert Q4Matrix.concat_rows([g16, g16]).fmt == Q4_F16Z
     H, I, G = 128, 192, 64  # noqa: E741
     a32, a16 = q4_both_forms(2 * I, H, G, seed=41)
     b32, b16 = q4_both_forms(H, I, G, seed=42)
@@ -84,9 +79,9 @@ def test_compact_form_gives_the_fp32_forms_results_bit_for_bit():
     t = quantize_rtn(torch.randn(64, 128, generator=torch.Generator().manual_seed(44)) * 0.05, 64)
     c, p = Q4Matrix.from_awq(t.qweight, t.qzeros, t.scales, 64), Q4Matrix.from_awq(t.qweight, t.qzeros,
                                                                                     t.scales.float(), 64)
-    assert (c.fmt, p.fmt) == (cpu_native.Q4_F16Z, cpu_native.Q4_F32)
+    assert (c.fmt, p.fmt) == (Q4_F16Z, Q4_F32)
     assert torch.equal(c.matmul(x[:, :128]), p.matmul(x[:, :128]))
-    assert Q4Matrix.from_awq(t.qweight, t.qzeros, t.scales, 64, compact=False).fmt == cpu_native.Q4_F32
+    assert Q4Matrix.from_awq(t.qweight, t.qzeros, t.scales, 64, compact=False).fmt == Q4_F32
     with pytest.raises(ValueError, match="not all fp16"):
         Q4Matrix.from_awq(t.qweight, t.qzeros, t.scales.float() * (1 + 1e-6), 64, compact=True)
 
@@ -119,9 +114,9 @@ def test_q4_every_token_count_and_row_tail(tokens):
 def test_q4_layout_round_trips_and_keeps_row_groups_as_slices():
     m, w = q4_any_rows(8 * 3 + 3, 128, 32, seed=11)
     assert m.packed.shape == (27, 64) and m.scales.shape == (27, 4)
-    assert torch.equal(cpu_native._unpack_q4(cpu_native._pack_q4(torch.arange(16).repeat(27, 8).to(torch.uint8))),
+    assert torch.equal(unpack_q4(pack_q4(torch.arange(16).repeat(27, 8).to(torch.uint8))),
                        torch.arange(16).repeat(27, 8).to(torch.uint8))
-    assert torch.equal(cpu_native._group_rows(cpu_native._group_rows(m.scales), inverse=True), m.scales)
+    assert torch.equal(group_rows(group_rows(m.scales), inverse=True), m.scales)
     # rows 8..16 of the matrix are rows 8..16 of every tensor: a slice the kernel reads as a matrix of its own
     part = Q4Matrix(m.packed[8:16], m.scales[8:16], m.mins[8:16], 32)
     assert torch.equal(part.dequantized(), w[8:16])
@@ -261,24 +256,24 @@ def test_a_tokens_result_does_not_depend_on_the_batch():
     assert torch.equal(w13.matmul(x[5:6]), w13.matmul(x)[5:6])
 
 
-def test_portable_build_gives_the_same_results(tmp_path, monkeypatch):
+def test_portable_build_gives_the_same_results(tmp_path):
     """The plain C loops (machines without AVX2) against the same reference."""
     lib = cpu_native.load(cpu_native.build(tmp_path, native_arch=False))
     if lib.mf_simd():
         pytest.skip("this compiler enables AVX2 by default: no portable build to test")
-    monkeypatch.setattr(cpu_native, "_LIB", lib)
-    m, w = q4_any_rows(67, 256, 64, seed=7)  # 8 row groups and 3 plain tail rows
-    for tokens in (1, 2, 5, 9):
-        x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(8))
-        assert rel(m.matmul(x), q4_reference(x, w)) < NATIVE_RTOL
-    q, s = q8_codes(51, 128, seed=9)  # 6 row groups and 3 tail rows
-    m8 = Q8Matrix.from_rows(q, s)
-    assert rel(m8.matmul(x[:, :128]), q4_reference(x[:, :128], q.float() * s[:, None])) < NATIVE_RTOL
-    ids = torch.tensor([50, 3, 9])
-    assert torch.equal(Q8Matrix.from_rows(m8.rows(ids), s[ids]).matmul(x[:, :128]), m8.matmul(x[:, :128])[:, ids])
-    f32, f16 = q4_both_forms(67, 256, 64, seed=10)  # the compact form's scalar loads
-    assert torch.equal(f16.matmul(x), f32.matmul(x))
-    assert torch.equal(m8.matmul_rows(x[:, :128], ids), m8.matmul(x[:, :128])[:, ids])
+    with cpu_native.using_library(lib):
+        m, w = q4_any_rows(67, 256, 64, seed=7)  # 8 row groups and 3 plain tail rows
+        for tokens in (1, 2, 5, 9):
+            x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(8))
+            assert rel(m.matmul(x), q4_reference(x, w)) < NATIVE_RTOL
+        q, s = q8_codes(51, 128, seed=9)  # 6 row groups and 3 tail rows
+        m8 = Q8Matrix.from_rows(q, s)
+        assert rel(m8.matmul(x[:, :128]), q4_reference(x[:, :128], q.float() * s[:, None])) < NATIVE_RTOL
+        ids = torch.tensor([50, 3, 9])
+        assert torch.equal(Q8Matrix.from_rows(m8.rows(ids), s[ids]).matmul(x[:, :128]), m8.matmul(x[:, :128])[:, ids])
+        f32, f16 = q4_both_forms(67, 256, 64, seed=10)  # the compact form's scalar loads
+        assert torch.equal(f16.matmul(x), f32.matmul(x))
+        assert torch.equal(m8.matmul_rows(x[:, :128], ids), m8.matmul(x[:, :128])[:, ids])
 
 
 def test_switched_off_falls_back_to_torchs_kernels():

@@ -8,16 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeflow.kernels.cpu import native as cpu_native
-from moeflow.kernels.cpu.native import (
-    Q4_F16Z,
-    Q4_F16Z8,
-    Q4Matrix,
-    native_available,
-    q4_expert,
-    q4_expert_reference,
-    q4_reference,
-)
+from moeflow.kernels.cpu.matrix_reference import q4_expert_reference, q4_reference, quantize_activations
+from moeflow.kernels.cpu.native import native_available
+from moeflow.kernels.cpu.q4_matrix import Q4_F16Z, Q4_F16Z8, Q4Matrix, group_rows, q4_expert, q4_matmul
 from moeflow.quant.ggml import dequantize, q4_0_codes
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="moeflow's CPU kernels do not build here (no compiler)")
@@ -36,7 +29,7 @@ def both_forms(n: int, k: int, seed: int) -> tuple[Q4Matrix, Q4Matrix, torch.Ten
     raw = q4_0_blocks(n, k, seed)
     codes, d = q4_0_codes(raw)
     z8 = Q4Matrix.from_q4_0(codes, d)
-    zs = Q4Matrix(z8.packed, z8.scales, cpu_native._group_rows(torch.full((n, k // 32), 8, dtype=torch.uint8)), 32)
+    zs = Q4Matrix(z8.packed, z8.scales, group_rows(torch.full((n, k // 32), 8, dtype=torch.uint8)), 32)
     return z8, zs, dequantize(raw, 2)
 
 
@@ -52,7 +45,7 @@ def test_q4_0_forms_agree_bitwise_and_match_the_reference(n):
         assert torch.equal(y, zs.matmul(x)), f"{n} rows, {tokens} tokens"
         ref = q4_reference(x, w)  # fp32, the same int8 activations: only the summation order differs
         # each output against the scale of its own sum's terms (sum |x| |w|): fp32 rounding, not cancellation
-        err = (y - ref).abs() / (cpu_native.quantize_activations(x).abs() @ w.abs().T)
+        err = (y - ref).abs() / (quantize_activations(x).abs() @ w.abs().T)
         assert float(err.max()) < 1e-6, f"{n} rows, {tokens} tokens: {float(err.max())}"
 
 
@@ -91,4 +84,4 @@ def test_expert_in_either_form_and_the_awq_conversion():
     assert Q4Matrix.from_awq(qweight, qzeros, scales, 32, out=out) is out and out.fmt == Q4_F16Z
     assert torch.equal(out.dequantized(), m.dequantized())
     with pytest.raises(ValueError, match="group size 32"):
-        cpu_native.q4_matmul(torch.randn(1, 128), m.packed, m.scales, m.mins, 64)
+        q4_matmul(torch.randn(1, 128), m.packed, m.scales, m.mins, 64)

@@ -22,7 +22,9 @@ from moeflow.engine.cpu_step import fuse_qkv, set_cpu_step_fused
 from moeflow.engine.kv_cache import StaticKVCache, attention_mask
 from moeflow.engine.loading import non_expert_bytes
 from moeflow.families.layers import Attention, RMSNorm, RotaryEmbedding, apply_rotary
-from moeflow.kernels.cpu.native import Q4Matrix, native_available, q4_expert, q4_expert_reference, q4_reference
+from moeflow.kernels.cpu.matrix_reference import q4_expert_reference, q4_reference
+from moeflow.kernels.cpu.native import native_available
+from moeflow.kernels.cpu.q4_matrix import Q4Matrix, q4_expert
 from moeflow.kernels.cpu.quant_linear import CpuQuantLinear, quantize_linear_cpu
 from moeflow.kernels.cpu.step import (
     QKNorm,

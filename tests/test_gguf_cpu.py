@@ -125,8 +125,13 @@ def test_errors_name_the_types():
 CACHE = cache_dir() / "cpu_native"
 
 
-def _outputs(lib, monkeypatch) -> list[torch.Tensor]:
-    monkeypatch.setattr(cpu_native, "_LIB", lib)
+def _outputs(lib) -> list[torch.Tensor]:
+    """Every GGUF kernel's outputs below, run on ``lib``."""
+    with cpu_native.using_library(lib):
+        return _all_outputs()
+
+
+def _all_outputs() -> list[torch.Tensor]:
     outs = []
     for i, (t13, t2) in enumerate(PAIRS):
         e = _expert(t13, t2, 256, 256, seed=10 + i)
@@ -156,7 +161,7 @@ def _outputs(lib, monkeypatch) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize(("isa", "want"), [("native", 2), ("avx2", 1)])
-def test_each_isa_gives_the_portable_bits(isa, want, monkeypatch):
+def test_each_isa_gives_the_portable_bits(isa, want):
     lib = cpu_native.load(cpu_native.build(CACHE, isa=isa))
     if lib.mf_simd() < want:
         pytest.skip(f"this CPU has no {SIMD_NAMES[want]} (the {isa} build runs {SIMD_NAMES[lib.mf_simd()]}): its "
@@ -164,7 +169,7 @@ def test_each_isa_gives_the_portable_bits(isa, want, monkeypatch):
     portable = cpu_native.load(cpu_native.build(CACHE, isa="baseline"))
     if portable.mf_simd() != 0:
         pytest.skip("this compiler enables AVX2 by default: no portable build to compare")
-    got, ref = _outputs(lib, monkeypatch), _outputs(portable, monkeypatch)
+    got, ref = _outputs(lib), _outputs(portable)
     for a, b in zip(got, ref, strict=True):
         assert torch.equal(a, b)
 

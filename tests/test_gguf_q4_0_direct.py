@@ -26,6 +26,7 @@ from moeflow.errors import CheckpointError
 from moeflow.io.gguf.experts import q4_0_awq_expert_tensors_reference
 from moeflow.kernels.cpu import native as cpu_native
 from moeflow.kernels.cpu.int4 import Int4Expert
+from moeflow.kernels.cpu.q4_matrix import Q4_F16Z8, Q4Matrix
 from moeflow.kernels.repack import q4_0_to_q4z
 from moeflow.moe import CpuInt4Experts
 from moeflow.quant.ggml import q4_0_codes
@@ -53,7 +54,7 @@ def lib(request, tmp_path_factory):
 @pytest.mark.parametrize("n,k", [(8, 32), (24, 64), (13, 96), (5, 32), (136, 256)])
 def test_q4_0_to_q4z_equals_the_unpacked_codes(lib, n, k):
     raw = q4_0_rows(n, k, n + k)
-    ref = cpu_native.Q4Matrix.from_q4_0(*q4_0_codes(raw))
+    ref = Q4Matrix.from_q4_0(*q4_0_codes(raw))
     packed = torch.full((n, k // 2), 0xAA, dtype=torch.uint8)
     scales = torch.zeros(n, k // 32, dtype=torch.float16)
     cut = [0, *range(8, n, 16), n]  # ranges of whole row groups, the last one ending at the tail
@@ -74,7 +75,7 @@ def test_expert_equals_the_awq_route(monkeypatch, lib, i, h):
     ref = Int4Expert.from_awq_tensors(q4_0_awq_expert_tensors_reference(expert, raw), 32)
     assert got.intermediate_size == ref.intermediate_size == i
     assert _same_matrix(got.w13, ref.w13) and _same_matrix(got.w2, ref.w2)
-    assert got.w13.fmt == cpu_native.Q4_F16Z8
+    assert got.w13.fmt == Q4_F16Z8
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import torch
 from moeflow.kernels import repack
 from moeflow.kernels.cpu import native as cpu_native
 from moeflow.kernels.cpu.int4 import Int4Expert
-from moeflow.kernels.cpu.native import Q4Matrix, _pack_q4
+from moeflow.kernels.cpu.q4_matrix import Q4Matrix, pack_q4
 from moeflow.kernels.formats import expert_format
 from moeflow.kernels.formats.plain_layout import awq_panel, to_kernel_layout, to_kernel_layout_reference
 from moeflow.quant.awq import unpack_int4
@@ -47,7 +47,7 @@ def test_panels_equal_the_unpacking_reference(lib, k, n, group):
 @pytest.mark.parametrize("k,n,group", SHAPES)
 def test_q4_rows_equal_the_unpacking_reference(lib, k, n, group):
     q = words(k, n, 7 * k + n)
-    ref = _pack_q4(unpack_int4(q).T.to(torch.uint8))
+    ref = pack_q4(unpack_int4(q).T.to(torch.uint8))
     out = torch.full_like(ref, 0xAB)
     assert torch.equal(repack.awq_to_q4_packed(q, out=out, lib=lib), ref)
 
@@ -59,7 +59,7 @@ def test_portable_c_build_gives_the_same_bytes(tmp_path):
         q = words(k, n, 3 * k + n)
         assert torch.equal(repack.awq_to_panels(q, awq_panel(group), True, lib=lib),
                            to_kernel_layout_reference("w13_qweight", q, n // 2, group))
-        assert torch.equal(repack.awq_to_q4_packed(q, lib=lib), _pack_q4(unpack_int4(q).T.to(torch.uint8)))
+        assert torch.equal(repack.awq_to_q4_packed(q, lib=lib), pack_q4(unpack_int4(q).T.to(torch.uint8)))
 
 
 def test_expert_region_round_trips_and_cpu_form_converts_in_place():

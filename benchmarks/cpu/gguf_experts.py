@@ -23,6 +23,7 @@ import torch
 from benchmarks.peers.cpu_roofline import measure
 from benchmarks.peers.peer_report import uptime, write_report
 from moeflow.kernels.cpu import native as cn
+from moeflow.kernels.cpu import q4_matrix as qm
 from moeflow.kernels.cpu.gguf import GGUFCpuExpert
 from moeflow.kernels.experts.gguf_reference import ggml_type
 
@@ -43,11 +44,11 @@ def blocks(kind: str, rows: int, k: int, gen: torch.Generator) -> torch.Tensor:
 def q4_expert(h: int, i: int, gen: torch.Generator):
     g = 32
 
-    def mat(n: int, k: int) -> cn.Q4Matrix:
+    def mat(n: int, k: int) -> qm.Q4Matrix:
         q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
         s = (torch.rand(n, k // g, generator=gen) * 1e-2).half()
         z = torch.randint(0, 16, (n, k // g), generator=gen, dtype=torch.uint8)
-        return cn.Q4Matrix(cn._pack_q4(q), cn._group_rows(s), cn._group_rows(z), g)
+        return qm.Q4Matrix(qm.pack_q4(q), qm.group_rows(s), qm.group_rows(z), g)
 
     return mat(2 * i, h), mat(h, i)
 
@@ -79,7 +80,7 @@ def main() -> None:
         for t in args.tokens:
             x, w = torch.randn(t, H, generator=gen), torch.ones(t)
             runs = {name: [lambda e=e, x=x, w=w: e.forward(x, w) for e in experts] for name, experts in sets.items()}
-            runs["q4 g32 (moeflow int4, AWQ form)"] = [lambda a=a, b=b, x=x, w=w: cn.q4_expert(x, a, b, w)
+            runs["q4 g32 (moeflow int4, AWQ form)"] = [lambda a=a, b=b, x=x, w=w: qm.q4_expert(x, a, b, w)
                                                        for a, b in q4]
             for name, fns in runs.items():
                 t0 = time.perf_counter()

@@ -23,6 +23,7 @@ import torch
 from benchmarks.cpu.gguf_experts import blocks
 from benchmarks.peers.peer_report import uptime, write_report
 from moeflow.kernels.cpu import native as cn
+from moeflow.kernels.cpu import q4_matrix as qm
 from moeflow.kernels.cpu.gguf import GGUFCpuExpert
 from moeflow.kernels.experts.gguf_reference import ggml_type
 from moeflow.quant.ggml import q4_0_codes
@@ -42,8 +43,8 @@ def run(h: int, i: int, n: int, tokens: list[int], reps: int, gen: torch.Generat
     for _ in range(n):
         gate, up, down = blocks("Q4_0", i, h, gen), blocks("Q4_0", i, h, gen), blocks("Q4_0", h, i, gen)
         stored.append(GGUFCpuExpert(gate, up, down, q40, q40))
-        q4z.append((cn.Q4Matrix.from_q4_0(*q4_0_codes(torch.cat([gate, up]))),
-                    cn.Q4Matrix.from_q4_0(*q4_0_codes(down))))
+        q4z.append((qm.Q4Matrix.from_q4_0(*q4_0_codes(torch.cat([gate, up]))),
+                    qm.Q4Matrix.from_q4_0(*q4_0_codes(down))))
     nbytes = stored[0].nbytes
     out = {}
     for t in tokens:
@@ -52,7 +53,7 @@ def run(h: int, i: int, n: int, tokens: list[int], reps: int, gen: torch.Generat
         for _ in range(reps):
             for e, (w13, w2) in zip(stored, q4z, strict=True):
                 a.append(_cpu_time(lambda e=e, x=x, w=w: e.forward(x, w)))
-                b.append(_cpu_time(lambda w13=w13, w2=w2, x=x, w=w: cn.q4_expert(x, w13, w2, w)))
+                b.append(_cpu_time(lambda w13=w13, w2=w2, x=x, w=w: qm.q4_expert(x, w13, w2, w)))
         ga, gb = nbytes / statistics.median(a) / 1e9, nbytes / statistics.median(b) / 1e9
         out[t] = {"stored_q4_0_gbps": ga, "q4z_gbps": gb, "ratio": ga / gb}
     return {"expert_bytes": nbytes, "by_tokens": out}

@@ -1,7 +1,7 @@
 """One int4 expert in moeflow's q4 forms on the CPU (``moeflow/kernels/cpu/q4.c`` for AWQ group 128, ``q4z.c`` for
 group 32: GGUF Q4_0 and AWQ group 32 with its zero points) from DRAM, against a plain read of the same bytes
 (issue 42): Mixtral-8x7B's expert (H 4096, I 14336: w13 [28672, 4096], w2 [4096, 14336]) and the peer benchmark's
-synthetic Mixtral (H 1024, I 3584). :func:`moeflow.kernels.cpu.native.q4_expert` at T tokens, 256 MB read
+synthetic Mixtral (H 1024, I 3584). :func:`moeflow.kernels.cpu.q4_matrix.q4_expert` at T tokens, 256 MB read
 between calls (not timed) so the expert's bytes come from DRAM as in a model's decode step; the roofline beside
 it: the expert's tensors read by torch (max over them as int32) after the same flush. One thread by default; the
 calling thread's CPU time (``time.thread_time``: on a shared machine wall time is mostly waiting for a core).
@@ -28,7 +28,8 @@ import torch
 
 from benchmarks.cpu.mxfp4_native import cpu_name
 from moeflow.kernels.cpu import native
-from moeflow.kernels.cpu.native import SIMD_NAMES, Q4Matrix, library
+from moeflow.kernels.cpu.native import SIMD_NAMES, library
+from moeflow.kernels.cpu.q4_matrix import Q4Matrix
 
 SHAPES = {"mixtral": (4096, 14336), "synthetic": (1024, 3584)}
 FORMS = {"awq128": "AWQ group 128 (q4.c, fp16 scales + uint8 zeros)",
@@ -76,7 +77,7 @@ def tree_library(tree: Path, out: Path) -> ctypes.CDLL:
 
 
 def call(lib: ctypes.CDLL, x: torch.Tensor, w13: Q4Matrix, w2: Q4Matrix, w: torch.Tensor) -> torch.Tensor:
-    """``native.q4_expert`` (x fp32 [T, H], routing weights w fp32 [T] -> fp32 [T, H]) on the library ``lib``."""
+    """``q4_matrix.q4_expert`` (x fp32 [T, H], routing weights w fp32 [T] -> fp32 [T, H]) on the library ``lib``."""
     h, inter = w2.shape
     out = torch.empty((x.shape[0], h), dtype=torch.float32)
     native.check_rc(lib.mf_q4_expert(

@@ -113,7 +113,8 @@ def read_threads(files: list[Path], workers: int, chunk: int = 64 * 2**20) -> fl
 def conversions(config: dict, group: int) -> dict:
     """Per-core GB/s (thread CPU time, best of 2) of one expert's w13 qweight conversions, old and new."""
     from moeflow.kernels import repack
-    from moeflow.kernels.cpu.native import _pack_q4, library, native_available
+    from moeflow.kernels.cpu.native import library, native_available
+    from moeflow.kernels.cpu.q4_matrix import pack_q4
     from moeflow.kernels.formats.plain_layout import awq_panel, to_kernel_layout_reference
     from moeflow.quant.awq import unpack_int4
 
@@ -124,7 +125,7 @@ def conversions(config: dict, group: int) -> dict:
     cases = {
         "pool panels, unpacking reference": lambda: to_kernel_layout_reference("w13_qweight", q, I, group),
         "pool panels, packed words": lambda: repack.awq_to_panels(q, awq_panel(group), True, lib=library()),
-        "cpu q4 rows, unpacking reference": lambda: _pack_q4(unpack_int4(q).T.to(torch.uint8)),
+        "cpu q4 rows, unpacking reference": lambda: pack_q4(unpack_int4(q).T.to(torch.uint8)),
         "cpu q4 rows, packed words": lambda: repack.awq_to_q4_packed(q, lib=library()),
     }
     out = {}

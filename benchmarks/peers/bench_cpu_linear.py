@@ -42,7 +42,8 @@ def worker(shapes: list[str], tokens: list[int], threads: list[int], bits: list[
     import torch
 
     from benchmarks.peers.cpu_roofline import measure
-    from moeflow.kernels.cpu.native import Q4Matrix, native_available
+    from moeflow.kernels.cpu.native import native_available
+    from moeflow.kernels.cpu.q4_matrix import Q4Matrix
     from moeflow.kernels.cpu.quant_linear import CpuQuantLinear
 
     assert native_available(), "moeflow's CPU kernels did not build"

@@ -25,7 +25,8 @@ import torch
 
 from benchmarks.peers.peer_report import uptime
 from moeflow.kernels.cpu.int4 import COMPUTE_DTYPE, Int4Matrix
-from moeflow.kernels.cpu.native import Q4Matrix, library, q4_expert
+from moeflow.kernels.cpu.native import library
+from moeflow.kernels.cpu.q4_matrix import Q4Matrix, q4_expert
 from moeflow.quant.awq import quantize_rtn
 
 SHAPES = {"synthetic": (1024, 3584), "mixtral-8x7b": (4096, 14336)}

@@ -34,7 +34,7 @@ def worker(groups: list[str], tokens: list[int], threads: list[int], reps: int, 
     import torch
 
     from moeflow.kernels.cpu import native
-    from moeflow.kernels.cpu.native import Q4Matrix, q4_expert
+    from moeflow.kernels.cpu.q4_matrix import Q4Matrix, group_rows, q4_expert
 
     assert native.native_available(), "moeflow's CPU kernels did not build"
     gen = torch.Generator().manual_seed(0)
@@ -46,8 +46,8 @@ def worker(groups: list[str], tokens: list[int], threads: list[int], reps: int, 
         z = torch.full((n, k // group), 8, dtype=torch.uint8) if group == 32 else \
             torch.randint(0, 16, (n, k // group), dtype=torch.uint8, generator=gen)
         if form.endswith("z8"):  # GGUF Q4_0's form: no zero points stored (trees that have it)
-            return Q4Matrix(packed, native._group_rows(s), torch.empty(0, dtype=torch.uint8), group)
-        return Q4Matrix(packed, native._group_rows(s), native._group_rows(z), group)
+            return Q4Matrix(packed, group_rows(s), torch.empty(0, dtype=torch.uint8), group)
+        return Q4Matrix(packed, group_rows(s), group_rows(z), group)
 
     rows = []
     with torch.inference_mode():

@@ -75,7 +75,7 @@ def count_native_calls() -> collections.Counter | None:
             fn = getattr(lib, name)
             return lambda *a: calls.update([name]) or fn(*a)
 
-    cpu_native._LIB = Counting()
+    cpu_native.set_library(Counting())
     return calls
 
 

@@ -108,7 +108,7 @@ def profile_model(path: Path, lm_head_bits: int, prompt: int, tg: int, reps: int
         cpu_layers_ops._declare(cpu_native.library())
     clock = time.perf_counter if wall else time.process_time
     timed = Timed(cpu_native.library(), clock)
-    cpu_native._LIB = timed
+    cpu_native.set_library(timed)
     cpu_step_ops._DECLARED.add(id(timed))
     ids = torch.randint(3, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
 
@@ -116,7 +116,7 @@ def profile_model(path: Path, lm_head_bits: int, prompt: int, tg: int, reps: int
     native = getattr(model.model, "layers_step", getattr(model.model, "native_layers", None))
 
     def run(n: int, wrapped: bool = True, one_call: bool = False) -> tuple[float, tuple]:
-        cpu_native._LIB = timed if wrapped else timed.lib
+        cpu_native.set_library(timed if wrapped else timed.lib)
         if native is not None:  # the kernels are timed on the per-layer path: the same calls, one by one
             native.enabled = one_call
         before = timed.snapshot()
@@ -144,7 +144,7 @@ def profile_model(path: Path, lm_head_bits: int, prompt: int, tg: int, reps: int
                               "calls": (nf[k] - n1.get(k, 0)) / tg}
                 per_rep.append(row)
     finally:
-        cpu_native._LIB = timed.lib
+        cpu_native.set_library(timed.lib)
         if native is not None:
             native.enabled = True
     med = {k: statistics.median(r[k] for r in per_rep) for k in per_rep[0] if k.startswith("total")}

@@ -1,7 +1,7 @@
 """The CPU int4 form of a checkpoint's experts, converted once and mapped on later loads (issue 37's cold start).
 
 Resident experts on ``device="cpu"`` (:class:`~moeflow.moe.resident.CpuInt4Experts`: AWQ safetensors checkpoints,
-GGUF Q4_0 files) are converted at load into moeflow's q4 form (:class:`~moeflow.kernels.cpu.native.Q4Matrix`:
+GGUF Q4_0 files) are converted at load into moeflow's q4 form (:class:`~moeflow.kernels.cpu.q4_matrix.Q4Matrix`:
 8-row tiles, scales apart), whose bytes are not the checkpoint's. With ``from_pretrained(cpu_form_cache=True)``
 the first load writes every expert's form to one safetensors file under ``moeflow.user_cache.cache_dir() /
 "cpu_forms"`` (written to a temporary name, then renamed: a reader never sees half a file), and later loads map
@@ -29,7 +29,8 @@ import torch
 from moeflow.errors import CheckpointError
 from moeflow.io.gguf.mapped import MappedGGUF
 from moeflow.kernels.cpu.int4 import Int4Expert
-from moeflow.kernels.cpu.native import Q4Matrix, source_digest
+from moeflow.kernels.cpu.native import source_digest
+from moeflow.kernels.cpu.q4_matrix import Q4Matrix
 from moeflow.moe.resident import CpuInt4Experts
 from moeflow.user_cache import cache_dir
 

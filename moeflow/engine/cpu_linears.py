@@ -55,7 +55,8 @@ from moeflow.families.layers import Attention, AWQLinear
 from moeflow.kernels.cpu import hugepages
 from moeflow.kernels.cpu.gguf import GGUFLinear
 from moeflow.kernels.cpu.lm_head import RefinedInt4LmHead
-from moeflow.kernels.cpu.native import Q8Matrix, library, native_available
+from moeflow.kernels.cpu.native import library, native_available
+from moeflow.kernels.cpu.q8_matrix import Q8Matrix
 from moeflow.kernels.cpu.quant_linear import CpuQuantLinear, StoredLinears, awq_linear_cpu, quantize_linear_cpu
 from moeflow.kernels.dispatch import uses_cpu_int4
 from moeflow.kernels.repack import quantize_rows_int8_grouped_native

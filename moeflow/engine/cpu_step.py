@@ -33,7 +33,9 @@ from moeflow.engine.kv_cache import PassCache
 from moeflow.families.base import CausalDecoder
 from moeflow.families.layers import Attention, GatedMLP, PreNormLayer, RMSNorm
 from moeflow.kernels.cpu import hugepages
-from moeflow.kernels.cpu.native import ROW_GROUP, Q4Matrix, Q8Matrix, native_available, q4_fmt
+from moeflow.kernels.cpu.native import ROW_GROUP, native_available
+from moeflow.kernels.cpu.q4_matrix import Q4Matrix, q4_fmt
+from moeflow.kernels.cpu.q8_matrix import Q8Matrix
 from moeflow.kernels.cpu.quant_linear import CpuQuantLinear, SplitLinear
 from moeflow.kernels.cpu.step import (
     NATIVE_ATTENTION_TOKENS,

@@ -5,7 +5,7 @@ import; the byte ranges and the unpacking reference are in :mod:`moeflow.io.gguf
   of an all-Q4_0 file holds: the GPU pool, host rows, offloading slots).
 * :func:`q4_0_int4_expert` and :class:`DirectQ4_0Load`: on ``device="cpu"`` with every expert resident
   (:class:`~moeflow.moe.resident.CpuInt4Experts`), straight from the stored blocks into the CPU int4 form
-  (:class:`~moeflow.kernels.cpu.native.Q4Matrix`'s ``Q4_F16Z8``: one pass, ``mf_q4_0_to_q4z``), read from the
+  (:class:`~moeflow.kernels.cpu.q4_matrix.Q4Matrix`'s ``Q4_F16Z8``: one pass, ``mf_q4_0_to_q4z``), read from the
   mapped file (or preads when ``mmap=False``), on loader threads started before the decoder is built, so the
   conversion overlaps the non-expert load (issue 37's cold start). The result is bit for bit
   ``Int4Expert.from_awq_tensors(q4_0_awq_expert_tensors(...))`` (tests/test_gguf_q4_0_direct.py), so the tokens
@@ -26,7 +26,8 @@ from moeflow.io.gguf.experts import AWQ_ZERO_8, ExpertBytes, GGUFExpertSource, c
 from moeflow.io.gguf.mapped import MappedGGUF
 from moeflow.kernels.cpu import hugepages
 from moeflow.kernels.cpu.int4 import Int4Expert
-from moeflow.kernels.cpu.native import Q4_0_GROUP, Q4Matrix, library, native_available
+from moeflow.kernels.cpu.native import library, native_available
+from moeflow.kernels.cpu.q4_matrix import Q4_0_GROUP, Q4Matrix
 from moeflow.kernels.formats import ExpertFormat
 from moeflow.kernels.repack import q4_0_to_awq, q4_0_to_q4z
 from moeflow.moe.resident import CpuInt4Experts
@@ -58,7 +59,7 @@ def q4_0_awq_expert_tensors(expert: ExpertBytes, raw: dict[str, torch.Tensor]) -
 
 def q4_0_int4_expert(expert: ExpertBytes, raw: dict[str, torch.Tensor]) -> Int4Expert:
     """A Q4_0 expert straight into moeflow's CPU int4 form: ``w13`` [2I, H] (gate rows, then up) and ``w2`` [H, I]
-    as ``Q4_F16Z8`` :class:`~moeflow.kernels.cpu.native.Q4Matrix` (the stored codes and fp16 scales re-laid out
+    as ``Q4_F16Z8`` :class:`~moeflow.kernels.cpu.q4_matrix.Q4Matrix` (the stored codes and fp16 scales re-laid out
     in one pass). raw: "gate" / "up" / "down" -> uint8 [out, in/32 * 18] as stored (views of the mapped file or
     of a staging buffer). Needs moeflow's CPU library (:func:`~moeflow.kernels.cpu.native.native_available`)."""
     lib = library()

@@ -8,7 +8,7 @@ stored blocks instead (issue 42): no second rounding, the weights llama.cpp comp
 * ``Q4_0`` (``(q - 8) * d`` per 32 inputs, fp16 ``d``) -> the ``Q4_F16Z8`` form (group 32, fp16 scales, no zero
   points stored: the file's 18 bytes per 32 weights), moving packed words as the Q4_0 experts do
   (:func:`~moeflow.kernels.repack.q4_0_to_q4z`, one native pass from the stored blocks; the bytes
-  :meth:`~moeflow.kernels.cpu.native.Q4Matrix.from_q4_0` makes by unpacking every code);
+  :meth:`~moeflow.kernels.cpu.q4_matrix.Q4Matrix.from_q4_0` makes by unpacking every code);
 * ``Q4_1`` (``q * d + m`` per 32 inputs, fp16 ``d`` and ``m``) -> the ``Q4_F32`` form at group 32 (``s = d``,
   ``m = m`` in fp32: the same values; 8 bytes of scale and min per 32 weights where the file has 4);
 * ``Q4_K`` (``d sc q - dmin m`` per 32 inputs, fp16 ``d`` and ``dmin`` per 256, 6-bit ``sc`` and ``m`` per 32: a
@@ -35,7 +35,8 @@ from moeflow.io.gguf.files import TensorInfo
 from moeflow.io.gguf.reader import GGUFCheckpointReader, unpermute_rope_rows
 from moeflow.kernels.cpu import hugepages
 from moeflow.kernels.cpu.gguf import K_BLOCK, GGUFLinear
-from moeflow.kernels.cpu.native import Q4Matrix, _group_rows, _pack_q4, library, native_available
+from moeflow.kernels.cpu.native import library, native_available
+from moeflow.kernels.cpu.q4_matrix import Q4Matrix, group_rows, pack_q4
 from moeflow.kernels.cpu.quant_linear import CpuQuantLinear
 from moeflow.kernels.repack import q4_0_to_q4z
 from moeflow.quant.ggml import _half, _k_scale_min, _nibbles
@@ -167,6 +168,6 @@ class GGUFStoredLinears:
             matrix = Q4Matrix(packed, scales, torch.empty(0, dtype=torch.uint8), GROUP)  # Q4_F16Z8: from_q4_0's
         else:
             codes, d, m = (q4_1_codes if info.type.name == "Q4_1" else q4_k_codes)(raw)
-            matrix = Q4Matrix(_pack_q4(rows(codes)), _group_rows(rows(d).float()), _group_rows(rows(m).float()),
+            matrix = Q4Matrix(pack_q4(rows(codes)), group_rows(rows(d).float()), group_rows(rows(m).float()),
                               GROUP)
         return CpuQuantLinear(4, in_features, out_features, int4=matrix)

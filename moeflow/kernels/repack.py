@@ -7,7 +7,7 @@ shift, xor, and), so no nibble is ever unpacked into its own integer:
 
 * :func:`awq_to_panels`: the GPU pool's panel-major ``qweight [K/P, N, P/8]``
   (:mod:`moeflow.kernels.pool`), gate/up columns interleaved for w13;
-* :func:`awq_to_q4_packed`: the CPU kernels' row-grouped ``uint8 [N, K/2]`` (:class:`~moeflow.kernels.cpu.native.
+* :func:`awq_to_q4_packed`: the CPU kernels' row-grouped ``uint8 [N, K/2]`` (:class:`~moeflow.kernels.cpu.q4_matrix.
   Q4Matrix`).
 
 Likewise :func:`q4_0_to_awq`, the same transpose from the other side: a GGUF's Q4_0 rows (``[N, K]``, 32 values per
@@ -15,7 +15,7 @@ Likewise :func:`q4_0_to_awq`, the same transpose from the other side: a GGUF's Q
 tests/test_gguf_load_fast.py checks it against the unpacking reference).
 
 Two implementations, bit-identical (tests/test_repack.py checks both against the unpacking references
-:func:`moeflow.kernels.pool.to_kernel_layout_reference` and ``Q4Matrix``'s ``_pack_q4``): ``mf_nibble_transpose``
+:func:`moeflow.kernels.pool.to_kernel_layout_reference` and ``Q4Matrix``'s ``pack_q4``): ``mf_nibble_transpose``
 (``cpu_repack.c``, one pass over the bytes, no temporaries; CPU tensors where moeflow's CPU library builds, and
 it releases the GIL so loader threads convert experts in parallel) and :func:`nibble_transpose_torch` (the same
 rounds on whole tensors; any device: a CUDA tensor is converted on the GPU).
@@ -193,7 +193,7 @@ def quantize_rows_int8_grouped_native(lib: Library | None, w: torch.Tensor, thre
                                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``w`` fp32, fp16 or bf16 ``[rows, cols]`` (cols % 32 == 0) -> (int8 ``[rows, cols]`` in q8.c's row groups,
     bf16 scales ``[rows]``): :func:`quantize_rows_int8_native` of ``w.float()`` followed by
-    :class:`~moeflow.kernels.cpu.native.Q8Matrix`'s row grouping, bit for bit, in one pass of
+    :class:`~moeflow.kernels.cpu.q8_matrix.Q8Matrix`'s row grouping, bit for bit, in one pass of
     ``mf_quantize_rows_int8_grouped`` (each row widened to fp32 in a row buffer: no fp32 copy of the matrix, no
     plain-row int8 copy), over ``threads`` threads. None off the CPU, for another dtype, or without moeflow's
     CPU library."""
@@ -247,7 +247,7 @@ def q4_0_to_awq(raw: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
 
 def q4_0_to_q4z(raw: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, lib: Library,
                 rows: tuple[int, int] | None = None) -> None:
-    """Q4_0 rows straight into :class:`~moeflow.kernels.cpu.native.Q4Matrix`'s ``Q4_F16Z8`` form (the codes and
+    """Q4_0 rows straight into :class:`~moeflow.kernels.cpu.q4_matrix.Q4Matrix`'s ``Q4_F16Z8`` form (the codes and
     fp16 scales in q4.c's row-grouped layout), one pass over the stored blocks (``mf_q4_0_to_q4z`` in cpu/repack.c,
     GIL released). raw: uint8 ``[N, K/32 * 18]`` (contiguous rows of Q4_0 blocks); packed: uint8 ``[N, K/2]``;
     scales: fp16 ``[N, K/32]``, both contiguous (bit for bit ``Q4Matrix.from_q4_0`` of the unpacked codes).

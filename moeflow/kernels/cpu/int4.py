@@ -22,7 +22,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moeflow.kernels.cpu.native import Q4Matrix, native_available, q4_expert, q4_expert_reference
+from moeflow.kernels.cpu.matrix_reference import q4_expert_reference
+from moeflow.kernels.cpu.native import native_available
+from moeflow.kernels.cpu.q4_matrix import Q4Matrix, q4_expert
 from moeflow.quant.awq import unpack_int4
 
 COMPUTE_DTYPE = torch.bfloat16
@@ -129,7 +131,7 @@ def cpu_expert_kernel() -> str:
 @dataclass
 class Int4Expert:
     """One expert (fused gate/up ``w13`` and down ``w2``) in a CPU int4 format: moeflow's own
-    (:class:`~moeflow.kernels.cpu.native.Q4Matrix`) where it builds, else torch's (:class:`Int4Matrix`)."""
+    (:class:`~moeflow.kernels.cpu.q4_matrix.Q4Matrix`) where it builds, else torch's (:class:`Int4Matrix`)."""
 
     w13: Int4Matrix | Q4Matrix
     w2: Int4Matrix | Q4Matrix

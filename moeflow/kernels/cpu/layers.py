@@ -24,7 +24,8 @@ import torch
 
 from moeflow.kernels.cpu.gguf import GGUFCpuExpert, GGUFLinear
 from moeflow.kernels.cpu.lm_head import RefinedInt4LmHead
-from moeflow.kernels.cpu.native import Q4Matrix, declared
+from moeflow.kernels.cpu.native import declared
+from moeflow.kernels.cpu.q4_matrix import Q4Matrix
 from moeflow.kernels.cpu.quant_linear import CpuQuantLinear
 from moeflow.kernels.cpu.step import (
     QKNorm,

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moeflow.kernels.cpu.native import q4_reference
+from moeflow.kernels.cpu.matrix_reference import q4_reference
 from moeflow.kernels.cpu.quant_linear import CpuQuantLinear, quantize_linear_cpu
 
 CANDIDATES = 16

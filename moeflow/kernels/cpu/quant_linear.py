@@ -32,16 +32,10 @@ from torch import nn
 
 from moeflow.kernels.cpu import hugepages
 from moeflow.kernels.cpu.int4 import COMPUTE_DTYPE, Int4Matrix, native_format_fits
-from moeflow.kernels.cpu.native import (
-    BLOCK,
-    Q4Matrix,
-    Q8Matrix,
-    native_available,
-    q4_matmul,
-    q4_nbytes,
-    q4_reference,
-    q8_matmul,
-)
+from moeflow.kernels.cpu.matrix_reference import q4_reference
+from moeflow.kernels.cpu.native import BLOCK, native_available
+from moeflow.kernels.cpu.q4_matrix import Q4Matrix, q4_matmul, q4_nbytes
+from moeflow.kernels.cpu.q8_matrix import Q8Matrix, q8_matmul
 from moeflow.quant.awq import check_group_size, dequantize, quantize_rtn
 
 INT8_MAX = 127

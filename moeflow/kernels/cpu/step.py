@@ -26,7 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from moeflow.kernels.cpu.native import Q4_F32, Q4Matrix, declared, library, q4_expert_reference, q4_fmt
+from moeflow.kernels.cpu.matrix_reference import q4_expert_reference
+from moeflow.kernels.cpu.native import declared, library
+from moeflow.kernels.cpu.q4_matrix import Q4_F32, Q4Matrix, q4_fmt
 from moeflow.kernels.cpu.quant_linear import CpuQuantLinear, SplitLinear
 
 # tokens per sequence up to which the attention op runs (decode, short prompts); beyond, SDPA's blocked GEMMs
