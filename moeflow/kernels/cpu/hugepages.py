@@ -25,10 +25,14 @@ Where it falls back to ``torch.empty`` (plain 4 KB-page memory, the same results
 ``mmap.MADV_HUGEPAGE``; THP ``never`` on this kernel (nothing would be gained); tensors under :data:`MIN_BYTES`
 (scales of a small matrix: a page or a few, not worth holding a chunk for); ``madvise`` refused (a kernel built
 without THP: then off for the process); ``MOEFLOW_HUGEPAGES=0`` in the environment (read at every allocation: the
-A/B switch). Cost: first touching an advised 2 MB extent faults in (and zeroes) a whole huge page, and with THP
-``defrag`` at its ``madvise`` default the kernel may compact memory to find one, so a load can take longer on a
-fragmented machine (docs/cpu.md); the form cache's mapped files (``cpu_form_cache``) and mapped GGUF views are
-file pages, which anonymous huge pages do not cover.
+A/B switch). Cost: first touching an advised 2 MB extent faults in (and zeroes) a whole huge page, and on this VM
+a fresh huge page is one the host must back again (its balloon's free page reporting hands every free 2 MB block
+back): 0.6-0.9 GB/s against 1.2-2.7 for 4 KB pages (:mod:`~moeflow.kernels.cpu.thp_collapse`). So a load
+(``from_pretrained``, inside :func:`deferred`) writes the forms on 4 KB pages, at the old load's speed, and a
+background thread collapses them onto huge pages once the model is ready (``MADV_COLLAPSE``, Linux 6.1+; else
+the advice, for ``khugepaged``); :func:`wait_collapsed` waits for it. ``MOEFLOW_HUGEPAGES=fault`` faults huge
+pages in at load instead (session 17's way; A/B runs). The form cache's mapped files (``cpu_form_cache``) and
+mapped GGUF views are file pages, which anonymous huge pages do not cover.
 """
 
 from __future__ import annotations
