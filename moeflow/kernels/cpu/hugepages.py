@@ -121,10 +121,12 @@ def deferred() -> Iterator[None]:
     finally:
         with _defer_lock:
             _defer_depth -= 1
-            batch = list(_pending) if _defer_depth == 0 else []
-            if _defer_depth == 0:
+            last = _defer_depth == 0
+            batch = list(_pending) if last else []
+            if last:
                 _pending.clear()
-                _ARENA.retire()  # (its chunk, if deferred, takes no more tensors: later ones get advised memory)
+        if last:  # (outside _defer_lock: the arena's lock is taken before it in take())
+            _ARENA.retire()  # (its chunk, if deferred, takes no more tensors: later ones get advised memory)
         COLLAPSER.submit(batch)
 
 
