@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import pytest
 import torch
 from helpers import make_tiny_checkpoint, make_tiny_model
 
 from moeflow import MoEModel
-from moeflow.kernels.cpu import hugepages
+from moeflow.kernels.cpu import hugepages, thp_collapse
 from moeflow.kernels.cpu.native import Q4Matrix, native_available
 from moeflow.kernels.cpu.quant_linear import CpuQuantLinear
-from moeflow.kernels.cpu.thp_collapse import COLLAPSER
 from moeflow.moe import CpuInt4Experts
 
 # hidden 256, intermediate 512: every expert matrix (w13 128 KB, w2 64 KB packed), the fused q/k/v and the lm_head
@@ -80,7 +80,7 @@ def test_a_loads_forms_go_on_small_pages_then_are_collapsed_onto_huge_pages(monk
             m = hugepages.mapping_of(t)
             assert "hg" not in m["flags"] and m["AnonHugePages"] == 0, m
     assert hugepages.wait_collapsed(60)
-    stats = COLLAPSER.stats
+    stats = thp_collapse.COLLAPSER.stats
     for t in (own, shared):
         m = hugepages.mapping_of(t)
         assert "hg" in m["flags"], m
@@ -92,6 +92,22 @@ def test_a_loads_forms_go_on_small_pages_then_are_collapsed_onto_huge_pages(monk
     monkeypatch.setenv(hugepages.ENV, hugepages.FAULT)
     with hugepages.deferred():
         assert not hugepages.deferring() and _advised(hugepages.empty((3, 7 << 20), torch.uint8))
+
+
+def test_without_madv_collapse_a_loads_mappings_keep_the_advice(monkeypatch):
+    """A kernel without MADV_COLLAPSE (before 6.1: EINVAL, as for the unknown advice used here): the collapsing
+    thread stops trying, and the load's mappings are left advised MADV_HUGEPAGE (for khugepaged), values intact."""
+    monkeypatch.delenv(hugepages.ENV, raising=False)
+    _need_thp()
+    monkeypatch.setattr(thp_collapse, "MADV_COLLAPSE", 0x7FFF)
+    collapser = thp_collapse.Collapser()
+    monkeypatch.setattr(hugepages, "COLLAPSER", collapser)
+    with hugepages.deferred():
+        t = hugepages.empty((3, 7 << 20), torch.uint8)
+        t.fill_(5)
+    assert hugepages.wait_collapsed(60)
+    assert collapser.stats.unsupported and collapser.stats.collapsed == 0, collapser.stats
+    assert _advised(t) and int(t.sum()) == 5 * 21 << 20
 
 
 def test_switched_off_gives_plain_tensors(monkeypatch):
@@ -136,7 +152,9 @@ def test_cpu_forms_are_on_huge_pages_and_give_the_same_tokens(tmp_path, monkeypa
     monkeypatch.delenv(hugepages.ENV, raising=False)
     _need_thp()
     ids = torch.randint(0, 97, (2, 6), generator=torch.Generator().manual_seed(2))
-    for kind, path in _checkpoints(tmp_path):
+    madvise = thp_collapse._madvise
+    monkeypatch.setattr(thp_collapse, "_madvise", lambda *a: time.sleep(0.01) or madvise(*a))  # (a slow collapse:
+    for kind, path in _checkpoints(tmp_path):  # the first generate below runs while it collapses the forms)
         results = {}
         for switch in ("1", "0"):
             monkeypatch.setenv(hugepages.ENV, switch)
