@@ -27,7 +27,7 @@ Where it falls back to ``torch.empty`` (plain 4 KB-page memory, the same results
 without THP: then off for the process); ``MOEFLOW_HUGEPAGES=0`` in the environment (read at every allocation: the
 A/B switch). Cost: first touching an advised 2 MB extent faults in (and zeroes) a whole huge page, and on this VM
 a fresh huge page is one the host must back again (its balloon's free page reporting hands every free 2 MB block
-back): 0.6-0.9 GB/s against 1.2-2.7 for 4 KB pages (:mod:`~moeflow.kernels.cpu.thp_collapse`). So a load
+back): 0.3-0.9 GB/s against 1.0-2.7 for 4 KB pages (:mod:`~moeflow.kernels.cpu.thp_collapse`). So a load
 (``from_pretrained``, inside :func:`deferred`) writes the forms on 4 KB pages, at the old load's speed, and a
 background thread collapses them onto huge pages once the model is ready (``MADV_COLLAPSE``, Linux 6.1+; else
 the advice, for ``khugepaged``); :func:`wait_collapsed` waits for it. ``MOEFLOW_HUGEPAGES=fault`` faults huge

@@ -2,8 +2,8 @@
 
 Why (issue 37's cold start, session 18): first touching an advised 2 MB extent faults in a fresh huge page, and on a
 VM whose balloon reports free memory to the host (``virtio_balloon`` free page reporting, ``page_reporting_order``
-9: every free 2 MB block is handed back), a fresh huge page is one the host must back again: 0.6-0.9 GB/s of
-first touch on this machine against 1.2-2.7 GB/s for 4 KB pages (``benchmarks/results/cold_start/s18-probe.md``),
+9: every free 2 MB block is handed back), a fresh huge page is one the host must back again: 0.3-0.9 GB/s of
+first touch on this machine against 1.0-2.7 GB/s for 4 KB pages (``benchmarks/results/cold_start/s18-probe.md``),
 which made the load of the 2-layer Mixtral-8x7B Q4_0 slice 0.5-1.5 s slower. So :mod:`hugepages` writes a load's
 forms on plain 4 KB pages (inside :func:`~moeflow.kernels.cpu.hugepages.deferred`), and this module's one daemon
 thread then advises each of those mappings ``MADV_HUGEPAGE`` and collapses its written extents 2 MB at a time
