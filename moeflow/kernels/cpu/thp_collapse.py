@@ -139,3 +139,13 @@ class Collapser:
 
 
 COLLAPSER = Collapser()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has no collapsing thread (and may have forked while its lock was held): it starts afresh; the
+    parent's queued mappings are left to the parent's thread (the child's copies stay on small pages)."""
+    COLLAPSER.__init__()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
