@@ -29,6 +29,7 @@ from moeflow.engine.mtp_prefetch import check_proxy
 from moeflow.engine.sampling import GenerationConfig
 from moeflow.errors import InputError
 from moeflow.families import Family, MixtralFamily
+from moeflow.kernels.cpu import hugepages
 from moeflow.moe.backend import ExpertBackend
 
 __all__ = ["MoEModel", "MoEOffloadedMixtral", "CausalLMOutput", "KERNEL_CHOICES"]
@@ -149,10 +150,11 @@ class MoEModel(nn.Module):
                                  "OffloadConfig(policy='lru', gpu_expert_slots=...)): the experts fill host memory "
                                  "in the background and reach the slots from there")
             offload = dataclasses.replace(offload, background_load=True)
-        built = build_model(path_or_id, device=device, dtype=dtype, offload=offload, kernels=kernels,
-                            revision=revision, progress=progress, families=cls._families,
-                            attention_bits=attention_bits, lm_head_bits=lm_head_bits, cuda_graphs=cuda_graphs,
-                            mtp=mtp, gguf_file=gguf_file, mmap=mmap, cpu_form_cache=cpu_form_cache)
+        with hugepages.deferred():  # the CPU forms written on small pages, collapsed onto huge ones once ready
+            built = build_model(path_or_id, device=device, dtype=dtype, offload=offload, kernels=kernels,
+                                revision=revision, progress=progress, families=cls._families,
+                                attention_bits=attention_bits, lm_head_bits=lm_head_bits, cuda_graphs=cuda_graphs,
+                                mtp=mtp, gguf_file=gguf_file, mmap=mmap, cpu_form_cache=cpu_form_cache)
         runner = Runner(built.decoder, built.backend, built.stats, built.family.config, device, dtype,
                         kv_cache_spec=built.family.kv_cache_spec)
         self = cls(built.family, built.decoder, built.backend, runner, built.offload, built.generation_config,

@@ -3,19 +3,21 @@ tensors lie in anonymous mappings advised MADV_HUGEPAGE (``hg`` in /proc/self/sm
 ``device="cpu"`` model builds (resident q4 experts from AWQ and from a Q4_0 GGUF, the fused attention, the int8
 lm_head) are on them, ``MOEFLOW_HUGEPAGES=0`` gives plain tensors, and the tokens and logits are the same either
 way (the same bytes in another allocation). Skipped, with the reason, where the kernel has no THP or it is
-``never``. ~10 s."""
+``never``. A load (from_pretrained: hugepages.deferred) writes them on small pages and a background thread collapses
+them onto huge pages (MADV_COLLAPSE) once the model is ready: tokens before and after it are the same. ~10 s."""
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 
 import pytest
 import torch
 from helpers import make_tiny_checkpoint, make_tiny_model
 
 from moeflow import MoEModel
-from moeflow.kernels.cpu import hugepages
+from moeflow.kernels.cpu import hugepages, thp_collapse
 from moeflow.kernels.cpu.native import native_available
 from moeflow.kernels.cpu.q4_matrix import Q4Matrix
 from moeflow.kernels.cpu.quant_linear import CpuQuantLinear
@@ -64,6 +66,51 @@ def test_empty_places_large_tensors_on_advised_anonymous_mappings(monkeypatch):
     assert int(own[2, -1]) == 7
 
 
+def test_a_loads_forms_go_on_small_pages_then_are_collapsed_onto_huge_pages(monkeypatch):
+    """Inside deferred() (a load), mappings are not advised (written on 4 KB pages); on leaving it the background
+    thread advises and collapses their written extents (MADV_COLLAPSE), the values unchanged; after it, a fresh
+    chunk is advised at once; MOEFLOW_HUGEPAGES=fault advises at once inside it too."""
+    monkeypatch.delenv(hugepages.ENV, raising=False)
+    _need_thp()
+    with hugepages.deferred():
+        own = hugepages.empty((3, 7 << 20), torch.uint8)  # a mapping of its own (22 MB of extents)
+        shared = hugepages.empty((1 << 20,), torch.int32)  # in a chunk
+        own.fill_(3)
+        shared.copy_(torch.arange(1 << 20, dtype=torch.int32))
+        for t in (own, shared):
+            m = hugepages.mapping_of(t)
+            assert "hg" not in m["flags"] and m["AnonHugePages"] == 0, m
+    assert hugepages.wait_collapsed(60)
+    stats = thp_collapse.COLLAPSER.stats
+    for t in (own, shared):
+        m = hugepages.mapping_of(t)
+        assert "hg" in m["flags"], m
+        if not stats.unsupported and not stats.failed:  # (kernel >= 6.1 and free huge pages to be had)
+            assert m["AnonHugePages"] >= 2048, (m, stats)
+    assert int(own.sum()) == 3 * 21 << 20
+    assert torch.equal(shared, torch.arange(1 << 20, dtype=torch.int32))
+    assert _advised(hugepages.empty((1 << 20,), torch.uint8))  # (the load's chunk was retired)
+    monkeypatch.setenv(hugepages.ENV, hugepages.FAULT)
+    with hugepages.deferred():
+        assert not hugepages.deferring() and _advised(hugepages.empty((3, 7 << 20), torch.uint8))
+
+
+def test_without_madv_collapse_a_loads_mappings_keep_the_advice(monkeypatch):
+    """A kernel without MADV_COLLAPSE (before 6.1: EINVAL, as for the unknown advice used here): the collapsing
+    thread stops trying, and the load's mappings are left advised MADV_HUGEPAGE (for khugepaged), values intact."""
+    monkeypatch.delenv(hugepages.ENV, raising=False)
+    _need_thp()
+    monkeypatch.setattr(thp_collapse, "MADV_COLLAPSE", 0x7FFF)
+    collapser = thp_collapse.Collapser()
+    monkeypatch.setattr(hugepages, "COLLAPSER", collapser)
+    with hugepages.deferred():
+        t = hugepages.empty((3, 7 << 20), torch.uint8)
+        t.fill_(5)
+    assert hugepages.wait_collapsed(60)
+    assert collapser.stats.unsupported and collapser.stats.collapsed == 0, collapser.stats
+    assert _advised(t) and int(t.sum()) == 5 * 21 << 20
+
+
 def test_switched_off_gives_plain_tensors(monkeypatch):
     monkeypatch.setenv(hugepages.ENV, "0")
     assert not hugepages.enabled()
@@ -106,12 +153,17 @@ def test_cpu_forms_are_on_huge_pages_and_give_the_same_tokens(tmp_path, monkeypa
     monkeypatch.delenv(hugepages.ENV, raising=False)
     _need_thp()
     ids = torch.randint(0, 97, (2, 6), generator=torch.Generator().manual_seed(2))
-    for kind, path in _checkpoints(tmp_path):
+    madvise = thp_collapse._madvise
+    monkeypatch.setattr(thp_collapse, "_madvise", lambda *a: time.sleep(0.01) or madvise(*a))  # (a slow collapse:
+    for kind, path in _checkpoints(tmp_path):  # the first generate below runs while it collapses the forms)
         results = {}
         for switch in ("1", "0"):
             monkeypatch.setenv(hugepages.ENV, switch)
             model = MoEModel.from_pretrained(path, device="cpu")
             try:
+                with torch.inference_mode():  # (while the background collapse of the forms may be running)
+                    early = model.generate(ids, max_new_tokens=5, do_sample=False, eos_token_id=[])
+                assert hugepages.wait_collapsed(60)
                 forms = _forms(model)
                 names = {n.rsplit(".", 1)[-1] for n in forms}
                 assert {"packed"} <= names and any(".w2." in n for n in forms), (kind, sorted(forms))
@@ -125,6 +177,7 @@ def test_cpu_forms_are_on_huge_pages_and_give_the_same_tokens(tmp_path, monkeypa
                 with torch.inference_mode():
                     tokens = model.generate(ids, max_new_tokens=5, do_sample=False, eos_token_id=[])
                     results[switch] = tokens, model(tokens).logits
+                assert torch.equal(early, tokens), kind
             finally:
                 model.close()
         assert torch.equal(results["1"][0], results["0"][0]), kind

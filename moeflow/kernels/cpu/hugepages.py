@@ -25,10 +25,14 @@ Where it falls back to ``torch.empty`` (plain 4 KB-page memory, the same results
 ``mmap.MADV_HUGEPAGE``; THP ``never`` on this kernel (nothing would be gained); tensors under :data:`MIN_BYTES`
 (scales of a small matrix: a page or a few, not worth holding a chunk for); ``madvise`` refused (a kernel built
 without THP: then off for the process); ``MOEFLOW_HUGEPAGES=0`` in the environment (read at every allocation: the
-A/B switch). Cost: first touching an advised 2 MB extent faults in (and zeroes) a whole huge page, and with THP
-``defrag`` at its ``madvise`` default the kernel may compact memory to find one, so a load can take longer on a
-fragmented machine (docs/cpu.md); the form cache's mapped files (``cpu_form_cache``) and mapped GGUF views are
-file pages, which anonymous huge pages do not cover.
+A/B switch). Cost: first touching an advised 2 MB extent faults in (and zeroes) a whole huge page, and on this VM
+a fresh huge page is one the host must back again (its balloon's free page reporting hands every free 2 MB block
+back): 0.3-0.9 GB/s against 1.0-2.7 for 4 KB pages (:mod:`~moeflow.kernels.cpu.thp_collapse`). So a load
+(``from_pretrained``, inside :func:`deferred`) writes the forms on 4 KB pages, at the old load's speed, and a
+background thread collapses them onto huge pages once the model is ready (``MADV_COLLAPSE``, Linux 6.1+; else
+the advice, for ``khugepaged``); :func:`wait_collapsed` waits for it. ``MOEFLOW_HUGEPAGES=fault`` faults huge
+pages in at load instead (session 17's way; A/B runs). The form cache's mapped files (``cpu_form_cache``) and
+mapped GGUF views are file pages, which anonymous huge pages do not cover.
 """
 
 from __future__ import annotations
@@ -40,11 +44,14 @@ import mmap
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+from moeflow.kernels.cpu.thp_collapse import COLLAPSER, Deferred
 
 HUGE_PAGE = 2 << 20  # x86-64 / arm64 (4 KB base pages) PMD size
 CHUNK = 32 << 20  # the arena's mappings for tensors under CHUNK / 2
@@ -53,7 +60,12 @@ ALIGN = 64  # each arena tensor starts on a cache line
 ENV = "MOEFLOW_HUGEPAGES"
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
+FAULT = "fault"  # MOEFLOW_HUGEPAGES=fault: huge pages faulted in at load too (session 17's way; for A/B runs)
+
 _refused = False  # madvise(MADV_HUGEPAGE) failed once: off for this process
+_defer_lock = threading.Lock()
+_defer_depth = 0  # deferred() contexts open in this process
+_pending: list[Deferred] = []  # mappings made while deferring, for the collapse when the last one closes
 _local = threading.local()  # .plain: depth of plain() on this thread
 
 
@@ -88,13 +100,54 @@ def plain() -> Iterator[None]:
         _local.plain -= 1
 
 
-def _advised(nbytes: int) -> memoryview | None:
+def deferring() -> bool:
+    """Whether new mappings are left on small pages for :func:`deferred`'s collapse (a load is running in this
+    process, and ``MOEFLOW_HUGEPAGES`` is not ``fault``)."""
+    return _defer_depth > 0 and os.environ.get(ENV, "1") != FAULT
+
+
+@contextmanager
+def deferred() -> Iterator[None]:
+    """Within it (process wide: a load's loader threads allocate too), the mappings :func:`empty` makes are not
+    advised, so a load writes its forms on 4 KB pages, which are faster to fault in fresh than huge pages on this
+    VM (:mod:`~moeflow.kernels.cpu.thp_collapse`); when the last one open is left, those mappings' written extents
+    are collapsed onto huge pages by a background thread (:data:`~moeflow.kernels.cpu.thp_collapse.COLLAPSER`;
+    :func:`wait_collapsed` waits for it). Mappings made outside are advised at once (faulted in as huge pages)."""
+    global _defer_depth
+    with _defer_lock:
+        _defer_depth += 1
+    try:
+        yield
+    finally:
+        with _defer_lock:
+            _defer_depth -= 1
+            last = _defer_depth == 0
+            batch = list(_pending) if last else []
+            if last:
+                _pending.clear()
+        if last:  # (outside _defer_lock: the arena's lock is taken before it in take())
+            _ARENA.retire()  # (its chunk, if deferred, takes no more tensors: later ones get advised memory)
+        COLLAPSER.submit(batch)
+
+
+def wait_collapsed(timeout: float | None = None) -> bool:
+    """Wait until the background collapse of every finished load's forms is done; False on ``timeout`` (seconds).
+    For benchmarks of steady decode and tests: the tokens are the same before, during and after."""
+    return COLLAPSER.wait(timeout)
+
+
+def _advised(nbytes: int) -> tuple[memoryview, Deferred | None] | None:
     """A writable view of ``nbytes`` (a multiple of :data:`HUGE_PAGE`) starting on a 2 MB boundary of a fresh
-    anonymous private mapping advised ``MADV_HUGEPAGE``; None where the kernel refuses the advice."""
+    anonymous private mapping advised ``MADV_HUGEPAGE`` (None where the kernel refuses the advice), or, while
+    :func:`deferring`, not advised and registered for the collapse (its record returned beside the view)."""
     global _refused
     mm = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    defer = deferring()
     try:
-        mm.madvise(mmap.MADV_HUGEPAGE)  # the whole mapping: one VMA (the unused head and tail are never touched)
+        if not defer:
+            mm.madvise(mmap.MADV_HUGEPAGE)  # the whole mapping: one VMA (the unused head and tail are never touched)
+        elif thp_mode() == "always":
+            mm.madvise(mmap.MADV_NOHUGEPAGE)  # (small pages until the collapse, which advises MADV_HUGEPAGE first)
     except OSError:
         _refused = True
         mm.close()
@@ -103,7 +156,12 @@ def _advised(nbytes: int) -> memoryview | None:
     address = ctypes.addressof(anchor)
     del anchor  # (releases its export of the mapping)
     start = -address % HUGE_PAGE
-    return memoryview(mm)[start:start + nbytes]
+    record = None
+    if defer:
+        record = Deferred(weakref.ref(mm), address + start, nbytes)
+        with _defer_lock:
+            _pending.append(record)
+    return memoryview(mm)[start:start + nbytes], record
 
 
 class _Arena:
@@ -113,21 +171,34 @@ class _Arena:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._chunk: memoryview | None = None
+        self._record: Deferred | None = None  # the chunk's, while it awaits a deferred collapse
         self._used = 0
 
     def take(self, nbytes: int) -> memoryview | None:
         if nbytes >= CHUNK // 2:
-            view = _advised(-(-nbytes // HUGE_PAGE) * HUGE_PAGE)
-            return None if view is None else view[:nbytes]
+            got = _advised(-(-nbytes // HUGE_PAGE) * HUGE_PAGE)
+            if got is None:
+                return None
+            if got[1] is not None:
+                got[1].used = nbytes
+            return got[0][:nbytes]
         with self._lock:
             start = -(-self._used // ALIGN) * ALIGN
-            if self._chunk is None or start + nbytes > len(self._chunk):
-                chunk = _advised(CHUNK)
-                if chunk is None:
+            if self._chunk is None or start + nbytes > len(self._chunk) or (self._record is not None) != deferring():
+                got = _advised(CHUNK)
+                if got is None:
                     return None
-                self._chunk, start = chunk, 0  # the old chunk lives on in its tensors
+                (self._chunk, self._record), start = got, 0  # the old chunk lives on in its tensors
             self._used = start + nbytes
+            if self._record is not None:
+                self._record.used = self._used
             return self._chunk[start:start + nbytes]
+
+    def retire(self) -> None:
+        """A deferred chunk takes no more tensors (its collapse covers what it holds now)."""
+        with self._lock:
+            if self._record is not None:
+                self._chunk, self._record = None, None
 
 
 _ARENA = _Arena()
