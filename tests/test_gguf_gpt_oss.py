@@ -72,7 +72,7 @@ def test_gpt_oss_gguf_tokenizer_or_a_warning_where_transformers_cannot_rebuild_i
         model = MoEModel.from_pretrained(tmp_path / "m.gguf", dtype=torch.float32, kernels="torch")
     try:
         try:
-            from transformers.integrations.gguf import get_gguf_tokenizer  # noqa: F401  (5.24+)
+            from transformers.integrations.gguf import convert_gguf_tokenizer  # noqa: F401  (5.24+, as moeflow)
         except ImportError:
             import transformers
 

@@ -95,11 +95,13 @@ def _rebuild(files: GGUFFiles, model_type: str):
     calls, on the metadata as its reader returns it with every array field a list again: that reader (5.17) turns a
     one-element array into its element, and the converter then splits a file's only merge "a b" character by
     character (TypeError from tokenizers); a vocabulary without merges gets them from :func:`sentencepiece_merges`
-    (the same merges, without transformers 5.17's quadratic loop)."""
+    (the same merges, without transformers 5.17's quadratic loop). Older transformers keys its converters by
+    architecture and has none for some (5.17: gpt-oss, DeepSeek-V2/V3): :class:`NoConverterError`, raised before
+    its reader runs (5.17's reader fails on a gpt-oss file's YaRN fields under numpy 2.5)."""
     try:
         from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
     except ImportError:
-        return _rebuild_before_5_24(files)
+        return _rebuild_before_5_24(files, model_type)
     architecture, tokenizer_dict, _ = get_gguf_tokenizer(str(files.path))
     return convert_gguf_tokenizer(architecture, tokenizer_dict)[0]
 
