@@ -130,8 +130,7 @@ def write_gguf(model, path: Path, expert_types=T.Q8_0, other_type=T.F32, split: 
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     if kind == "minimax_m2":  # as llama.cpp's MiniMaxM2Model.set_gguf_parameters writes them
         w.add_expert_feed_forward_length(cfg.intermediate_size)
-        factor = cfg.rope_parameters.get("partial_rotary_factor")  # (transformers 5.17 keeps only rotary_dim)
-        w.add_rope_dimension_count(int(cfg.head_dim * factor) if factor is not None else int(cfg.rotary_dim))
+        w.add_rope_dimension_count(int(cfg.head_dim * cfg.rope_parameters["partial_rotary_factor"]))
     if kind == "glm4_moe":  # as llama.cpp's Glm4MoeModel.set_gguf_parameters writes them
         head_dim = getattr(cfg, "head_dim", None) or H // cfg.num_attention_heads
         w.add_rope_dimension_count(int(head_dim * cfg.rope_parameters["partial_rotary_factor"]))
