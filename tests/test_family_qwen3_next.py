@@ -148,6 +148,20 @@ def test_unsupported_configs_are_refused_by_name(tmp_path, change, match):
         MoEModel.from_pretrained(tmp_path)
 
 
+def test_rope_parameters_factor_wins_over_a_stale_top_level_one(tmp_path):
+    """transformers 5.17 (the lent GPU machine's) writes a top-level partial_rotary_factor 0.25 (its default) beside
+    rope_parameters' own, and its model turns rope_parameters' share of each head; moeflow reads that one too."""
+    make_checkpoint(tmp_path, "qwen3_next", **QWEN3_NEXT["interval4-mha-unnormalised"])
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["rope_parameters"]["partial_rotary_factor"] == 0.5
+    (tmp_path / "config.json").write_text(json.dumps({**config, "partial_rotary_factor": 0.25}))
+    model = MoEModel.from_pretrained(tmp_path, dtype=torch.float32)
+    try:
+        assert model.family.config.partial_rotary_factor == 0.5
+    finally:
+        model.close()
+
+
 def test_conditional_config_without_text_config_is_refused(tmp_path):
     make_checkpoint(tmp_path, "qwen3_5_moe", **QWEN3_5_MOE["interval3-tied"])
     config = json.loads((tmp_path / "config.json").read_text())

@@ -262,3 +262,20 @@ def test_sentencepiece_merges_are_the_ones_transformers_5_17_derives():
     except ImportError:
         return
     assert GGUFTokenizerSkeleton({"tokens": tokens, "scores": scores}).merges == [tuple(m.split(" ")) for m in merges]
+
+
+def test_the_tokenizer_converter_transformers_before_5_24_has_for_an_architecture():
+    """transformers < 5.24 keys its GGUF tokenizer converters by architecture (5.17, the lent GPU machine's: none for
+    gpt-oss or DeepSeek-V2/V3); moeflow looks the file up first and, without one, loads the model without a
+    tokenizer (test_gguf_gpt_oss.py) instead of refusing it. 5.17's table, as it names the architectures:"""
+    from moeflow.io.gguf.tokenizer import converter_name
+
+    table = {"llama", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen3_5_text", "phi3", "bloom", "falcon", "stablelm",
+             "gpt2", "starcoder2", "t5", "mamba", "nemotron", "gemma2", "gemma3_text", "gemma4_text", "umt5", "deci",
+             "decilm", "minimax_m2"}
+    assert converter_name("llama", "mixtral", table) == "llama"  # Mixtral's files are llama.cpp's "llama"
+    assert converter_name("qwen3moe", "qwen3_moe", table) == "qwen3_moe"
+    assert converter_name("minimax-m2", "minimax_m2", table) == "minimax_m2"
+    assert converter_name("gpt-oss", "gpt_oss", table) is None
+    assert converter_name("deepseek2", "deepseek_v3", table) is None
+    assert converter_name("gpt-oss", "gpt_oss", table | {"gpt_oss"}) == "gpt_oss"

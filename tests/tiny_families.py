@@ -91,6 +91,10 @@ def make_model(kind: str, seed: int = 0, **overrides):
     config_name, model_name, attention = classes[kind]
     base = {"minimax_m2": MINIMAX_BASE, "hunyuan_v1_moe": HUNYUAN_BASE}.get(kind, BASE)
     cfg = getattr(transformers, config_name)(**{**base, **attention, **overrides})
+    if kind == "minimax_m2" and "partial_rotary_factor" not in cfg.rope_parameters and cfg.rotary_dim:
+        # the released checkpoints' rotary_dim, as transformers >= 5.24's config derives the factor from it (5.17, the
+        # lent GPU machine's, ignores it: its model would turn the whole head; moeflow reads rotary_dim)
+        cfg.rope_parameters["partial_rotary_factor"] = cfg.rotary_dim / cfg.head_dim
     model_cls = getattr(transformers, model_name)
     torch.manual_seed(seed)
     model = model_cls(cfg).eval()

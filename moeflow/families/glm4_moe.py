@@ -61,8 +61,8 @@ class Glm4MoeConfig(SharedExpertMoEConfig):
     def from_dict(cls, d: dict[str, Any], source: str) -> Glm4MoeConfig:
         d = dict(d)
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        for key in ("rope_theta", "partial_rotary_factor"):
-            if d.get(key) is None and rope.get(key) is not None:
+        for key in ("rope_theta", "partial_rotary_factor"):  # rope_parameters' first, as transformers 5.x reads them
+            if rope.get(key) is not None:  # (5.17's config.json also writes a stale top-level partial_rotary_factor)
                 d[key] = rope[key]
         kind = rope.get("rope_type", rope.get("type", "default")) or "default"
         if kind != "default":

@@ -49,7 +49,8 @@ class MiniMaxM2Config(MixtralConfig):
         cfg = super().from_dict(d, source)
         assert isinstance(cfg, MiniMaxM2Config)
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        factor = d.get("partial_rotary_factor", rope.get("partial_rotary_factor"))
+        factor = next((f for f in (rope.get("partial_rotary_factor"), d.get("partial_rotary_factor")) if f is not None),
+                      None)  # rope_parameters' first, as transformers 5.x reads it
         given = d.get("rotary_dim")
         cfg.rotary_dim = int(cfg.head_dim * float(factor)) if factor is not None else int(given or cfg.head_dim)
         if given is not None and int(given) != cfg.rotary_dim:

@@ -132,7 +132,10 @@ def parse_hybrid(raw: dict[str, Any], source: str, model_type: str, dense_layers
                               f"{model_type} (the attention output is always gated)")
     num_experts, key = expert_count(raw, source, ("num_experts",))
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    partial = float(raw.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.25)))
+    # rope_parameters' factor first, as transformers 5.x's model reads it (5.17's config.json also writes a stale
+    # top-level default 0.25 beside it); a config without one (published, pre-5.x): the top-level field
+    partial = float(next((f for f in (rope.get("partial_rotary_factor"), raw.get("partial_rotary_factor"))
+                          if f is not None), 0.25))
     nk, nv = int(raw["linear_num_key_heads"]), int(raw["linear_num_value_heads"])
     kernel = int(raw.get("linear_conv_kernel_dim", 4))
     if nv % nk:

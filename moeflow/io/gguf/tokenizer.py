@@ -15,6 +15,7 @@ import json
 import logging
 import shutil
 import tempfile
+from collections.abc import Collection
 from pathlib import Path
 
 from moeflow.errors import CheckpointError
@@ -44,10 +45,13 @@ def tokenizer_directory(files: GGUFFiles, model_type: str) -> Path | None:
     if (out / "tokenizer.json").is_file() and (out / "tokenizer_config.json").is_file():
         return out
     try:
-        backend = _rebuild(files)
+        backend = _rebuild(files, model_type)
     except ImportError:
         log.warning("%s: the tokenizer in the GGUF metadata needs transformers to be rebuilt (pip install "
                     "'moeflow[gguf]'); loading without a tokenizer", files.path)
+        return None
+    except NoConverterError as e:
+        log.warning("%s; loading without a tokenizer", e)
         return None
     except Exception as e:  # transformers raises many types on a vocabulary it cannot rebuild
         raise CheckpointError(f"{files.path}: transformers could not rebuild the tokenizer from the GGUF metadata "
@@ -80,30 +84,43 @@ def tokenizer_directory(files: GGUFFiles, model_type: str) -> Path | None:
 _ARRAY_FIELDS = ("tokens", "token_type", "scores", "merges", "added_tokens")
 
 
-def _rebuild(files: GGUFFiles):
+class NoConverterError(Exception):
+    """The installed transformers (< 5.24) has no GGUF tokenizer converter for the file's architecture."""
+
+
+def _rebuild(files: GGUFFiles, model_type: str):
     """The ``tokenizers.Tokenizer`` transformers builds from the metadata: its GGUF tokenizer builders
     (``transformers.integrations.gguf``, 5.24+: keyed by the tokenizer type, any architecture), else (older
     transformers: only the architectures it loads) the converter ``AutoTokenizer.from_pretrained(gguf_file=...)``
     calls, on the metadata as its reader returns it with every array field a list again: that reader (5.17) turns a
     one-element array into its element, and the converter then splits a file's only merge "a b" character by
     character (TypeError from tokenizers); a vocabulary without merges gets them from :func:`sentencepiece_merges`
-    (the same merges, without transformers 5.17's quadratic loop)."""
+    (the same merges, without transformers 5.17's quadratic loop). Older transformers keys its converters by
+    architecture and has none for some (5.17: gpt-oss, DeepSeek-V2/V3): :class:`NoConverterError`, raised before
+    its reader runs (5.17's reader fails on a gpt-oss file's YaRN fields under numpy 2.5)."""
     try:
         from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
     except ImportError:
-        return _rebuild_before_5_24(files)
+        return _rebuild_before_5_24(files, model_type)
     architecture, tokenizer_dict, _ = get_gguf_tokenizer(str(files.path))
     return convert_gguf_tokenizer(architecture, tokenizer_dict)[0]
 
 
-def _rebuild_before_5_24(files: GGUFFiles):
+def _rebuild_before_5_24(files: GGUFFiles, model_type: str):
     try:
-        from transformers.integrations.ggml import convert_gguf_tokenizer
+        from transformers.integrations.ggml import GGUF_TO_FAST_CONVERTERS, convert_gguf_tokenizer
         from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
     except ImportError:  # a transformers laid out otherwise: its own entry point
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(files.path.parent), gguf_file=files.path.name).backend_tokenizer
+    architecture = str(files.get("general.architecture"))
+    if converter_name(architecture, model_type, GGUF_TO_FAST_CONVERTERS) is None:
+        import transformers
+
+        raise NoConverterError(f"{files.path}: transformers {transformers.__version__} cannot rebuild the tokenizer of "
+                               f"a GGUF file of architecture {architecture!r} ({model_type}); transformers >= 5.24 "
+                               f"can")
     parsed = load_gguf_checkpoint(str(files.path), return_tensors=False)
     tokenizer = dict(parsed["tokenizer"])
     for key in _ARRAY_FIELDS:
@@ -114,6 +131,14 @@ def _rebuild_before_5_24(files: GGUFFiles):
         if merges is not None:
             tokenizer["merges"] = merges
     return convert_gguf_tokenizer(parsed["config"]["model_type"], tokenizer)[0]
+
+
+def converter_name(architecture: str, model_type: str, converters: Collection[str]) -> str | None:
+    """The name under which transformers < 5.24 keys the GGUF tokenizer converter of a file of ``architecture``
+    (``general.architecture``, e.g. "llama", "qwen3moe", "gpt-oss") that moeflow reads as ``model_type``, among
+    ``converters`` (its ``GGUF_TO_FAST_CONVERTERS``), or None when it has none: the architecture as the file spells
+    it ("llama": Mixtral's files too), with "_" for "-", or moeflow's model type ("qwen3_moe" for "qwen3moe")."""
+    return next((n for n in (architecture, architecture.replace("-", "_"), model_type) if n in converters), None)
 
 
 def sentencepiece_merges(tokens: list[str], scores: list[float]) -> list[str] | None:
