@@ -30,11 +30,13 @@ replaces, in the built decoder, each module by a :class:`~moeflow.kernels.cpu.qu
   them into one matrix); q beside a k/v of another form runs as its own part of the step's q/k/v projection
   (``SplitLinear``): a file with Q4_0 q and o and Q8_0 k / v (llama.cpp's choice for 8-expert models) runs q
   and o in the file's Q4_0 and k / v in int8. ``attention_bits=8`` re-quantizes them to int8 as
-  asked; ``None`` keeps the dequantized values. The lm_head of such a file (``stored``), where the file holds it
-  as a K-quant (a Q4_K_M file's Q6_K ``output.weight``), runs on its own blocks under ``lm_head_bits=8``
-  (:class:`~moeflow.kernels.cpu.gguf.GGUFLinear`: 0.82 bytes per weight, the file's weights, activations int8 per
-  256 features; 1.8-2.0 against 2.6 ms of CPU per token for the int8 head at 32000 x 1024,
-  ``benchmarks/results/peers/s16/``); otherwise int8 of its dequantized values.
+  asked; ``None`` keeps the dequantized values. The lm_head of a GGUF file (``stored``), where the file holds it
+  as a K-quant (a Q4_K_M file's Q6_K ``output.weight``) or Q8_0 (llama.cpp's Q8_0 files; a gpt-oss file's at
+  every file type), runs on its own blocks under ``lm_head_bits=8``
+  (:class:`~moeflow.kernels.cpu.gguf.GGUFLinear`: the file's weights, never dequantized at load; activations int8
+  per 256 features (K-quants) or 32 (Q8_0); Q6_K: 0.82 bytes per weight, 1.8-2.0 against 2.6 ms of CPU per token
+  for the int8 head at 32000 x 1024, ``benchmarks/results/peers/s16/``); otherwise int8 of its dequantized
+  values.
 
 The embeddings stay as loaded: a lookup reads only the prompt's rows, so quantizing them saves RAM, not time.
 Where moeflow's own CPU kernels build (:mod:`moeflow.kernels.cpu.native`), every module here runs them instead of

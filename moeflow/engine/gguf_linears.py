@@ -42,7 +42,7 @@ from moeflow.quant.ggml import _half, _k_scale_min, _nibbles
 
 NATIVE_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # block types read straight into a CPU int4 form
 GROUP = 32  # their block: the int4 group size
-LM_HEAD_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # lm_head types computed on the file's blocks (GGUFLinear)
+LM_HEAD_TYPES = ("Q8_0", "Q4_K", "Q5_K", "Q6_K")  # lm_head types computed on the file's blocks (GGUFLinear)
 
 
 def q4_1_codes(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -100,9 +100,12 @@ class GGUFStoredLinears:
         return torch.from_numpy(np.ascontiguousarray(self.reader.files.read(info))).reshape(info.shape[0], -1)
 
     def lm_head(self) -> GGUFLinear | None:
-        """The file's lm_head (``output.weight``) on its own blocks where it is a K-quant (:data:`LM_HEAD_TYPES`:
-        fewer bytes than the int8 head; a Q4_K_M file's Q6_K measured 1.8-2.0 against 2.6 ms of CPU per token at
-        32000 x 1024, ``benchmarks/results/peers/s16/``), else None (int8 of its dequantized values)."""
+        """The file's lm_head (``output.weight``) on its own blocks where it is a K-quant or Q8_0
+        (:data:`LM_HEAD_TYPES`), else None (int8 of its dequantized values). A K-quant reads fewer bytes than the
+        int8 head (a Q4_K_M file's Q6_K measured 1.8-2.0 against 2.6 ms of CPU per token at 32000 x 1024,
+        ``benchmarks/results/peers/s16/``); Q8_0 (gpt-oss files' output.weight at every file type) reads about as
+        many (34 bytes per 32 weights) and keeps the file's weights exactly, where the int8 head rounded them a
+        second time (and the load dequantized and requantized the whole matrix)."""
         if not self._head:
             self._head.append(self._lm_head())
         return self._head[0]
@@ -111,7 +114,8 @@ class GGUFStoredLinears:
         info = self._tensor("lm_head") if native_available() else None
         if info is None:
             return None
-        if info.type.name not in LM_HEAD_TYPES or len(info.shape) != 2 or info.shape[1] % K_BLOCK:
+        block = GROUP if info.type.name == "Q8_0" else K_BLOCK
+        if info.type.name not in LM_HEAD_TYPES or len(info.shape) != 2 or info.shape[1] % block:
             return None
         return GGUFLinear(self._blocks(info), info.type.name, info.shape[1])
 
