@@ -45,8 +45,8 @@ def _load_and_generate(path, ids, monkeypatch) -> tuple[torch.Tensor, list[str],
 
 
 def test_stored_tensors_are_not_dequantized(tmp_path, monkeypatch):
-    """Q4_0 q / o and a Q6_K lm_head taken as stored: not dequantized; Q8_0 k / v (no int4 form: int8 of their
-    values), the norms and the router: dequantized as before. Same tokens as dequantizing everything."""
+    """Q4_0 q / o, Q8_0 k / v (on the file's blocks: GGUFLinear) and a Q6_K lm_head taken as stored: not
+    dequantized; the norms and the router: dequantized as before. Same tokens as dequantizing everything."""
     monkeypatch.setenv("MOEFLOW_CACHE_DIR", str(tmp_path / "cache"))
     model = make_tiny_model(seed=5, hidden_size=H, intermediate_size=I, num_hidden_layers=LAYERS)
     head = random_k_experts("Q6_K", 1, model.config.vocab_size, 9, H)[0]
@@ -58,10 +58,10 @@ def test_stored_tensors_are_not_dequantized(tmp_path, monkeypatch):
 
     out, seen, head_type = _load_and_generate(path, ids, monkeypatch)
     assert head_type is GGUFLinear
-    skipped = {"output.weight"} | {f"blk.{i}.attn_{p}.weight" for i in range(LAYERS) for p in ("q", "output")}
+    skipped = {"output.weight"} | {f"blk.{i}.attn_{p}.weight" for i in range(LAYERS) for p in ("q", "k", "v", "output")}
     assert not skipped & set(seen), sorted(skipped & set(seen))
     for i in range(LAYERS):  # the rest is read as before
-        assert {f"blk.{i}.attn_k.weight", f"blk.{i}.attn_v.weight", f"blk.{i}.attn_norm.weight"} <= set(seen)
+        assert {f"blk.{i}.attn_norm.weight", f"blk.{i}.ffn_gate_inp.weight"} <= set(seen)
 
     # the path before: every non-expert tensor dequantized at load, then replaced by the same stored layers
     monkeypatch.setattr(build, "stored_weight_names", lambda *a, **k: frozenset())
