@@ -4,7 +4,7 @@ weight the file's dequantized value, fp32 activations), under the source tree on
 of 16 tokens (one thread). Run it once per tree to compare two trees' numerics, e.g.
 
     S=$PWD/benchmarks/peers/gguf_logit_error.py
-    for t in /work/wt/storedlin-before $PWD; do (cd $t && PYTHONPATH=$t python $S /tmp/peers/mixtral-synth-Q4_0.gguf); done
+    for t in /work/wt/storedlin-before $PWD; do (cd $t && PYTHONPATH=$t python $S /tmp/peers/m-Q4_0.gguf); done
 
 (run from inside the tree: ``python script`` puts the script's folder, not the working directory, first on the
 path, and ``PYTHONPATH`` picks the tree).
