@@ -4,7 +4,7 @@ one-call step and the per-layer attention half), under ``attention_bits="auto"``
 weight the file's value (q / k rows un-permuted as whole rows of blocks), k and v fused as one matrix of rows
 (q beside them in another type: ``SplitLinear``); the one-call step's lm_head inputs the per-layer path's bit for
 bit at 1, 2 and 3 threads; every offload policy the resident model's greedy tokens; ``attention_bits=4`` keeps the
-path before (int4 of the dequantized values). Q4_K_M-like mix: q Q5_K, k / v Q6_K, o Q8_0. ~20 s on 2 cores."""
+path before (int4 of the dequantized values). Q4_K_M-like mix: q Q5_K, k / v Q6_K, o Q8_0. ~12 s on 2 cores."""
 
 from __future__ import annotations
 
