@@ -109,9 +109,11 @@ def test_the_tail_steps_aside_for_a_hooked_norm(tails):
     assert len(tails) == 2
 
 
-def test_the_tail_runs_a_gguf_files_q6_k_head_on_its_blocks(tmp_path, monkeypatch, tails):
-    """A Q4_K_M-style file's Q6_K output.weight (GGUFLinear on the file's blocks) in the tail: gguf.c's
-    mf_gguf_linear_team, mf_gguf_linear's numbers (the per-call GGUFLinear) at 1, 2 and 3 threads."""
+@pytest.mark.parametrize("kind", ["Q6_K", "Q8_0"])
+def test_the_tail_runs_a_gguf_files_head_on_its_blocks(tmp_path, monkeypatch, tails, kind):
+    """A Q4_K_M-style file's Q6_K output.weight, or a Q8_0 one (llama.cpp's Q8_0 files, and gpt-oss's at any file
+    type), as GGUFLinear on the file's blocks in the tail: gguf.c's mf_gguf_linear_team, mf_gguf_linear's numbers
+    (the per-call GGUFLinear) at 1, 2 and 3 threads."""
     pytest.importorskip("gguf")
     from gguf_models import T, k_mix_experts, random_k_experts, write_gguf
     from helpers import make_tiny_model
@@ -123,13 +125,13 @@ def test_the_tail_runs_a_gguf_files_q6_k_head_on_its_blocks(tmp_path, monkeypatc
     model = make_tiny_model(seed=5, hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_local_experts=4,
                             num_experts_per_tok=2)
     raw = k_mix_experts([("Q4_K", "Q6_K"), ("Q4_K", "Q4_K")], 4, 256, 256)
-    head = random_k_experts("Q6_K", 1, model.config.vocab_size, 9, 256)[0]
-    path = tmp_path / "q4_k_m.gguf"
-    write_gguf(model, path, expert_types=T.Q8_0, other_type=T.Q8_0, raw_experts=raw,
-               raw_tensors={"output.weight": (head, T.Q6_K)})
+    head = {"output.weight": (random_k_experts("Q6_K", 1, model.config.vocab_size, 9, 256)[0], T.Q6_K)} \
+        if kind == "Q6_K" else {}  # (Q8_0: the writer quantizes the model's lm_head as every other tensor)
+    path = tmp_path / "m.gguf"
+    write_gguf(model, path, expert_types=T.Q8_0, other_type=T.Q8_0, raw_experts=raw, raw_tensors=head)
     resident = MoEModel.from_pretrained(path, dtype=torch.float32, device="cpu")
     try:
-        assert isinstance(resident.model.lm_head, GGUFLinear) and resident.model.lm_head.type.name == "Q6_K"
+        assert isinstance(resident.model.lm_head, GGUFLinear) and resident.model.lm_head.type.name == kind
         ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(3))
         _check(resident, ids, 5, tails)
     finally:

@@ -90,15 +90,19 @@ def test_auto_keeps_the_files_attention_bits(files, kind):
 
 
 def test_q4_0_q_beside_q8_0_k_and_v_runs_split(files):
-    """Q4_0 q and o with Q8_0 k and v: q and o keep the file's codes, k / v fuse as int8, the step's q/k/v
-    projection runs both (SplitLinear); its outputs are the three projections' side by side, and the one-call
-    layers step gives the tokens of the layers run one by one."""
+    """Q4_0 q and o with Q8_0 k and v: q and o keep the file's codes, k / v fuse as the file's Q8_0 blocks
+    (GGUFLinear), the step's q/k/v projection runs both (SplitLinear); its outputs are the three projections' side
+    by side, and the one-call layers step gives the tokens of the layers run one by one."""
+    from moeflow.kernels.cpu.gguf import GGUFLinear
+
     model = MoEModel.from_pretrained(files["mixed"], device="cpu")
     try:
         dec = _decoder(model)
         attn = dec.layers[0].self_attn
-        assert (attn.q_proj.bits, attn.q_proj.group_size, attn.k_proj.bits, attn.o_proj.bits) == (4, 32, 8, 4)
+        assert (attn.q_proj.bits, attn.q_proj.group_size, attn.o_proj.bits) == (4, 32, 4)
+        assert isinstance(attn.k_proj, GGUFLinear) and attn.k_proj.type.name == "Q8_0"
         assert isinstance(attn.qkv_proj, SplitLinear) and attn.fused_step and dec.layers_step is not None
+        assert isinstance(attn.qkv_proj.parts[1], GGUFLinear)  # k and v: one matrix of the file's rows
         x = torch.randn(3, 64, generator=torch.Generator().manual_seed(3))
         assert torch.equal(attn.qkv_proj(x), torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], -1))
         ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(4))

@@ -1,9 +1,9 @@
-"""A GGUF file's Q4_K attention projections (a Q4_K_M file's q / k) on ``device="cpu"`` (issue 42): read straight
-into the CPU int4 form at group 32 (``s = d sc``, ``m = -(dmin mn)``: ``gguf_linears.q4_k_codes``), each weight
-exactly the file's dequantized value (q / k rows un-permuted), each output the fp32 reference of those weights with
-the CPU path's int8 activations; beside a Q8_0 v (k and v then int8) the q/k/v projection runs in two parts, Q4_K q,
-k, v fuse in int4; the one-call layers step gives the layers' own tokens, every policy the resident model's. ~15 s
-on 2 cores."""
+"""A GGUF file's Q4_K attention projections (a Q4_K_M file's q / k) on ``device="cpu"`` (issue 42): read straight into
+the CPU int4 form at group 32 (``s = d sc``, ``m = -(dmin mn)``: ``gguf_linears.q4_k_codes``), each weight exactly
+the file's dequantized value (q / k rows un-permuted), each output the fp32 reference of those weights with the CPU
+path's int8 activations; beside a Q8_0 v (k and v then int8; o: the file's Q8_0 blocks) the q/k/v projection runs in
+two parts, Q4_K q, k, v fuse in int4; the one-call layers step gives the layers' own tokens, every policy the
+resident model's. ~15 s on 2 cores."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from helpers import make_tiny_model  # noqa: E402
 from moeflow import MoEModel, OffloadConfig  # noqa: E402
 from moeflow.engine.gguf_linears import GGUFStoredLinears, q4_k_codes  # noqa: E402
 from moeflow.io.gguf import open_gguf  # noqa: E402
+from moeflow.kernels.cpu.gguf import GGUFLinear  # noqa: E402
 from moeflow.kernels.cpu.native import native_available  # noqa: E402
 from moeflow.kernels.cpu.q4_matrix import Q4_F32, Q4Matrix, group_rows, pack_q4  # noqa: E402
 from moeflow.kernels.cpu.quant_linear import CpuQuantLinear, SplitLinear, reference_linear  # noqa: E402
@@ -79,7 +80,8 @@ def test_q4_k_attention_in_the_step_and_every_policy(q4_k_file):
         split, fused = dec.layers[0].self_attn, dec.layers[1].self_attn
         assert (split.q_proj.bits, split.q_proj.group_size, split.k_proj.bits, split.v_proj.bits) == (4, 32, 8, 8)
         assert isinstance(split.qkv_proj, SplitLinear) and dec.layers_step is not None
-        assert (fused.qkv_proj.bits, fused.qkv_proj.group_size, fused.o_proj.bits) == (4, 32, 8) and fused.fused_qkv
+        assert (fused.qkv_proj.bits, fused.qkv_proj.group_size) == (4, 32) and fused.fused_qkv
+        assert isinstance(fused.o_proj, GGUFLinear) and fused.o_proj.type.name == "Q8_0"  # the file's blocks
         expected = resident.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=[])
         dec.layers_step.enabled = False  # each layer's attention half in its own native call
         assert torch.equal(resident.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=[]), expected)

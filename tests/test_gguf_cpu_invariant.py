@@ -1,14 +1,14 @@
-"""The exact-token invariant with GGUF K-quant and Q8_0 experts on the CPU: a tiny Qwen3-MoE file whose layer 0
-holds Q4_K gate/up and Q6_K down experts (Q4_K_M's mix) and layer 1 Q8_0 experts, loaded on ``device="cpu"`` with
-``kernels="auto"``: every expert runs moeflow's native GGUF CPU kernels (``kernels/cpu/gguf.c``; the linears the CPU
-int8 kernels, as for AWQ), from a slot or, with hybrid compute (fiddler, ``cpu_compute="always"``; fiddler over the
-disk tier too), from the host store's CPU form (views of the host regions' blocks; the disk tier's reused rows
-copied). Every policy, at slot counts from the minimum to all experts, with
-the synchronous and the random-delay transport, generates exactly the resident model's greedy tokens. A Mixtral-layout
-Q4_K_M mix, resident, runs its decode steps as one native call through every layer (engine/cpu_layers.py), the
-offloaded policies layer by layer: the same tokens. Resident experts are views of the mapped file by default
-(``mmap=True``, engine/mapped_experts.py), a copied pool with ``mmap=False``: the same tokens. ~35 s on the 2 cores
-at load ~9."""
+"""The exact-token invariant with GGUF K-quant and Q8_0 experts on the CPU: a tiny Qwen3-MoE file whose layer 0 holds
+Q4_K gate/up and Q6_K down experts (Q4_K_M's mix) and layer 1 Q8_0 experts, loaded on ``device="cpu"`` with
+``kernels="auto"``: every expert runs moeflow's native GGUF CPU kernels (``kernels/cpu/gguf.c``; the attention the
+CPU int8 kernels, as for AWQ; the file's Q8_0 lm_head on its blocks, gguf.c), from a slot or, with hybrid compute
+(fiddler, ``cpu_compute="always"``; fiddler over the disk tier too), from the host store's CPU form (views of the
+host regions' blocks; the disk tier's reused rows copied). Every policy, at slot counts from the minimum to all
+experts, with the synchronous and the random-delay transport, generates exactly the resident model's greedy tokens. A
+Mixtral-layout Q4_K_M mix, resident, runs its decode steps as one native call through every layer
+(engine/cpu_layers.py), the offloaded policies layer by layer: the same tokens. Resident experts are views of the
+mapped file by default (``mmap=True``, engine/mapped_experts.py), a copied pool with ``mmap=False``: the same tokens.
+~35 s on the 2 cores at load ~9."""
 
 from __future__ import annotations
 
@@ -52,6 +52,8 @@ def tiny(tmp_path_factory):
     fmt = resident.experts.fmt
     assert fmt.kind == "gguf" and fmt.cpu_kernels and resident.kernels == "cpu-int4"  # and the int8 linears
     assert (fmt.gate_up_types, fmt.down_types) == (("Q8_0", "Q4_K"), ("Q8_0", "Q6_K"))
+    head = resident.model.lm_head  # the file's Q8_0 output.weight on its blocks (every policy's)
+    assert isinstance(head, GGUFLinear) and head.type.name == "Q8_0"
     gen = torch.Generator().manual_seed(2)
     ids = torch.randint(0, 97, (2, 7), generator=gen)
     mask = torch.ones_like(ids)

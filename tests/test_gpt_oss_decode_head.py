@@ -3,9 +3,10 @@ engine/cpu_layers_gpt_oss.py's ``NativeGptOssLayers.logits``): the final RMSNorm
 layer, in the same parallel region (step_head.c's mf_head_team, the Mixtral-style step's code). Each decode step's
 logits are, bit for bit, what the per-call path computes from the same last-layer output (``lm_head(norm(x))``:
 mf_rmsnorm, then mf_q8_linear / mf_q4_linear, the refined int4 head's int8 candidates), at 1, 2 and 3 threads, with
-the greedy tokens of the layers run one by one; for the heads a gpt-oss model gets on the CPU: int8 (the default,
-a safetensors checkpoint's and a GGUF file's Q8_0 output.weight, which llama.cpp writes for gpt-oss at any file
-type: its hidden size 2880 takes no K-quant), int4, the refined int4 head. A hook on the final norm leaves the tail
+the greedy tokens of the layers run one by one; for the heads a gpt-oss model gets on the CPU: int8 (the default
+for a safetensors checkpoint), a GGUF file's Q8_0 output.weight on the file's own blocks (GGUFLinear: llama.cpp
+writes it Q8_0 for gpt-oss at any file type, its hidden size 2880 taking no K-quant; gguf.c's mf_gguf_linear_team
+in the tail), int4, the refined int4 head. A hook on the final norm leaves the tail
 to Python. ~9 s on 2 cores (loaded)."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from gpt_oss_helpers import make_gpt_oss_model, save_gpt_oss_checkpoint
 
 import moeflow.engine.cpu_layers_gpt_oss as cpu_layers_gpt_oss
 from moeflow import MoEModel
+from moeflow.kernels.cpu.gguf import GGUFLinear
 from moeflow.kernels.cpu.lm_head import RefinedInt4LmHead
 from moeflow.kernels.cpu.native import native_available
 from moeflow.kernels.cpu.quant_linear import CpuQuantLinear, quantize_linear_cpu
@@ -91,11 +93,20 @@ def _check(model: MoEModel, n: int, tails: list) -> None:
 
 
 @pytest.mark.parametrize("form", ["mxfp4", "gguf"])
-def test_the_tail_is_the_per_call_int8_head_on_1_2_3_threads(checkpoints, form, tails):
+def test_the_tail_is_the_per_call_head_on_1_2_3_threads(checkpoints, form, tails):
+    """The int8 head (safetensors) or the file's Q8_0 blocks (GGUF)."""
     model = MoEModel.from_pretrained(checkpoints[form], device="cpu", dtype=torch.float32)
     try:
         head = model.model.lm_head
-        assert isinstance(head, CpuQuantLinear) and head.bits == 8
+        if form == "gguf":  # the file's Q8_0 output.weight, its bytes as stored
+            import gguf
+
+            assert isinstance(head, GGUFLinear) and head.type.name == "Q8_0"
+            raw = next(t for t in gguf.GGUFReader(checkpoints[form]).tensors if t.name == "output.weight")
+            assert torch.equal(head.blocks.reshape(-1), torch.from_numpy(raw.data.copy()).view(torch.uint8)
+                               .reshape(-1))
+        else:
+            assert isinstance(head, CpuQuantLinear) and head.bits == 8
         _check(model, 5, tails)
         if form == "mxfp4":  # an int4 head (a native CpuQuantLinear of 4 bits): the tail runs it too
             model.model.lm_head = quantize_linear_cpu(head.dequantized(), bits=4, group_size=32)

@@ -216,6 +216,7 @@ def build_model(
             resolved = Kernels(CPU_INT4, resolved.experts, CPU_INT4)  # the linears on the CPU kernels (cpu_linears)
         check_attention_bits(attention_bits, resolved.linear, lm_head_bits)
         keep_stored = gguf is not None and attention_bits in ("auto", 4)  # a GGUF's 4-bit attention: the file's bits
+        stored_blocks = attention_bits == "auto"  # and its Q8_0 / Q5_K / Q6_K attention on the file's blocks
         attention_bits = resolve_attention_bits(attention_bits, resolved.linear,
                                                 family.kv_cache_spec().linear is not None)
         if attention_bits is not None and family.kv_cache_spec().linear is not None:
@@ -239,7 +240,8 @@ def build_model(
         # the CPU int4 path quantizes the lm_head (and 16-bit attention) to int8 from the checkpoint's dtype
         as_stored = quantized_as_stored(decoder, attention_bits, lm_head_bits) if uses_cpu_int4(resolved.linear) \
             else frozenset()
-        stored = GGUFStoredLinears(gguf.reader, lambda m: family.checkpoint_name(f"{m}.weight", layout)) \
+        stored = GGUFStoredLinears(gguf.reader, lambda m: family.checkpoint_name(f"{m}.weight", layout),
+                                   blocks=stored_blocks) \
             if keep_stored and uses_cpu_int4(resolved.linear) else None
         # the weights taken as the file's blocks below (lm_head, 4-bit attention): never read nor dequantized
         deferred = stored_weight_names(decoder, stored, lm_head_bits) if stored is not None else frozenset()

@@ -26,15 +26,19 @@ replaces, in the built decoder, each module by a :class:`~moeflow.kernels.cpu.qu
   the deviation measured on a synthetic gpt-oss).
 * a GGUF file's attention projections stored in 4 bits (Q4_0, Q4_1, Q4_K; :mod:`~moeflow.engine.gguf_linears`)
   -> int4 group 32 with the file's own codes and scales, under ``attention_bits="auto"`` and ``4``: the file's
-  bits, no second rounding (llama.cpp's weights). k and v take it together or not at all (the CPU step fuses
-  them into one matrix); q beside a k/v of another form runs as its own part of the step's q/k/v projection
-  (``SplitLinear``): a file with Q4_0 q and o and Q8_0 k / v (llama.cpp's choice for 8-expert models) runs q
-  and o in the file's Q4_0 and k / v in int8. ``attention_bits=8`` re-quantizes them to int8 as
-  asked; ``None`` keeps the dequantized values. The lm_head of such a file (``stored``), where the file holds it
-  as a K-quant (a Q4_K_M file's Q6_K ``output.weight``), runs on its own blocks under ``lm_head_bits=8``
-  (:class:`~moeflow.kernels.cpu.gguf.GGUFLinear`: 0.82 bytes per weight, the file's weights, activations int8 per
-  256 features; 1.8-2.0 against 2.6 ms of CPU per token for the int8 head at 32000 x 1024,
-  ``benchmarks/results/peers/s16/``); otherwise int8 of its dequantized values.
+  bits, no second rounding (llama.cpp's weights); stored as Q8_0, Q5_K or Q6_K -> the file's blocks
+  (:class:`~moeflow.kernels.cpu.gguf.GGUFLinear`) under ``"auto"`` (int4 g128 of their values under ``4``). k
+  and v take it together or not at all (the CPU step fuses them into one matrix); q beside a k/v of another form
+  runs as its own part of the step's q/k/v projection (``SplitLinear``): a file with Q4_0 q and o and Q8_0 k / v
+  (llama.cpp's choice for 8-expert models) runs q and o in the file's Q4_0 and k / v on the file's Q8_0 blocks
+  (int4 g128 of their values under ``4``). ``attention_bits=8`` re-quantizes them to int8 as
+  asked; ``None`` keeps the dequantized values. The lm_head of a GGUF file (``stored``), where the file holds it
+  as a K-quant (a Q4_K_M file's Q6_K ``output.weight``) or Q8_0 (llama.cpp's Q8_0 files; a gpt-oss file's at
+  every file type), runs on its own blocks under ``lm_head_bits=8``
+  (:class:`~moeflow.kernels.cpu.gguf.GGUFLinear`: the file's weights, never dequantized at load; activations int8
+  per 256 features (K-quants) or 32 (Q8_0); Q6_K: 0.82 bytes per weight, 1.8-2.0 against 2.6 ms of CPU per token
+  for the int8 head at 32000 x 1024, ``benchmarks/results/peers/s16/``); otherwise int8 of its dequantized
+  values.
 
 The embeddings stay as loaded: a lookup reads only the prompt's rows, so quantizing them saves RAM, not time.
 Where moeflow's own CPU kernels build (:mod:`moeflow.kernels.cpu.native`), every module here runs them instead of
@@ -223,10 +227,16 @@ def _stored_groups(decoder: nn.Module, stored: StoredLinears) \
             if not all(type(o) is nn.Linear for o in olds):
                 continue
             news = [stored.cpu_linear(f"{path}.{n}" if path else n) for n in names]
-            if any(n is None for n in news) or len({(n.bits, n.group_size, n.scales.dtype, n.mins.numel() > 0)
-                                                    for n in news}) != 1:
+            if any(n is None for n in news) or len({_form(n) for n in news}) != 1:
                 continue
             yield path, parent, names, olds, news
+
+
+def _form(layer: CpuQuantLinear | GGUFLinear) -> tuple:
+    """What k and v must share to fuse into one matrix: a GGUF layer's block type, an int4 / int8 layer's form."""
+    if isinstance(layer, GGUFLinear):
+        return ("gguf", layer.type.name)
+    return layer.bits, layer.group_size, layer.scales.dtype, layer.mins.numel() > 0
 
 
 def _int4_shape_ok(in_features: int, out_features: int) -> bool:

@@ -33,6 +33,7 @@ from moeflow.engine.kv_cache import PassCache
 from moeflow.families.base import CausalDecoder
 from moeflow.families.layers import Attention, GatedMLP, PreNormLayer, RMSNorm
 from moeflow.kernels.cpu import hugepages
+from moeflow.kernels.cpu.gguf import GGUFLinear
 from moeflow.kernels.cpu.native import ROW_GROUP, native_available
 from moeflow.kernels.cpu.q4_matrix import Q4Matrix, q4_fmt
 from moeflow.kernels.cpu.q8_matrix import Q8Matrix
@@ -209,10 +210,11 @@ def fuse_qkv(projections: list[nn.Module]) -> nn.Module | None:
     """One linear module whose output is the projections' outputs concatenated, or None when they cannot share
     one matrix (different kinds, formats or input sizes, biases). Each projection's weight tensors become views
     of the fused ones (so the memory is held once). Native q, k, v layers of two forms (a GGUF file's Q4_0 q, Q8_0
-    k and v) make a :class:`SplitLinear` of q and the fused k/v instead."""
+    k and v) make a :class:`SplitLinear` of q and the fused k/v instead. GGUF layers of one block type
+    (:class:`GGUFLinear`: a file's Q8_0 / Q5_K / Q6_K projections on its blocks) fuse as their rows of blocks."""
     fused = _fuse_one(projections)
-    if fused is None and len(projections) == 3 and all(isinstance(p, CpuQuantLinear) and p.native
-                                                       for p in projections):
+    if fused is None and len(projections) == 3 and all((isinstance(p, CpuQuantLinear) and p.native)
+                                                       or isinstance(p, GGUFLinear) for p in projections):
         kv = _fuse_one(projections[1:])
         if kv is not None and projections[0].bias is None:
             return SplitLinear((projections[0], kv))
@@ -222,8 +224,17 @@ def fuse_qkv(projections: list[nn.Module]) -> nn.Module | None:
 def _fuse_one(projections: list[nn.Module]) -> nn.Module | None:
     first = projections[0]
     biased = [p.bias is not None for p in projections]
-    if any(biased) and not (all(biased) and all(isinstance(p, CpuQuantLinear) for p in projections)):
+    if any(biased) and not (all(biased) and all(isinstance(p, (CpuQuantLinear, GGUFLinear)) for p in projections)):
         return None  # (native layers: all biased, Qwen2's q/k/v, or none)
+    if all(isinstance(p, GGUFLinear) for p in projections):
+        if len({(p.type.type_id, p.in_features) for p in projections}) != 1:
+            return None
+        fused = GGUFLinear(hugepages.cat([p.blocks for p in projections]), first.type, first.in_features)
+        _share_rows(projections, fused, ["blocks"])
+        if all(biased):
+            fused.set_bias(torch.cat([p.bias for p in projections]))
+            _share_rows(projections, fused, ["bias"])
+        return fused
     if all(type(p) is nn.Linear for p in projections):
         if len({(p.in_features, p.weight.dtype) for p in projections}) != 1:
             return None

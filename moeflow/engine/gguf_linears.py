@@ -15,8 +15,11 @@ stored blocks instead (issue 42): no second rounding, the weights llama.cpp comp
   Q4_K_M file's q / k projections) -> the ``Q4_F32`` form at group 32 (``s = d sc``, ``m = -(dmin m)``, each an
   exact fp32 product: the values ggml dequantizes; 0.75 bytes per weight against the file's 0.5625 and int8's 1).
 
-Other types (F16 / BF16 / F32, ``Q8_0``: its per-32 scales have no int8 CPU form, which scales rows; Q5_K, Q6_K)
-are not taken here: they keep today's path (dequantized at load, then int8 on the CPU). The llama architecture's
+``Q8_0``, ``Q5_K`` and ``Q6_K`` (no exact int8 / int4 CPU form: Q8_0's per-32 scales, where int8 scales rows) ->
+:class:`~moeflow.kernels.cpu.gguf.GGUFLinear` on the stored blocks under ``attention_bits="auto"`` (``blocks=True``:
+gguf.c's kernels, llama.cpp's pairing of weights and int8 activations; the CPU step computes them in its one call,
+``step.h``'s ``MF_LINEAR_GGUF``); otherwise (``attention_bits=4``), and for F16 / BF16 / F32, they keep the path
+before (dequantized at load, then int8 or int4 on the CPU). The llama architecture's
 q/k rows are un-permuted as the reader does (:func:`~moeflow.io.gguf.reader.unpermute_rope_rows`): whole rows of
 codes and scales move, so the values are exact. What the layers compute: each weight exactly the file's
 dequantized value, times the activations rounded to int8 per 32 features (:func:`~moeflow.kernels.cpu.quant_linear.
@@ -42,8 +45,9 @@ from moeflow.kernels.repack import q4_0_to_q4z
 from moeflow.quant.ggml import _half, _k_scale_min, _nibbles
 
 NATIVE_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # block types read straight into a CPU int4 form
+BLOCK_TYPES = ("Q8_0", "Q5_K", "Q6_K")  # attention types computed on the stored blocks (GGUFLinear) with blocks=True
 GROUP = 32  # their block: the int4 group size
-LM_HEAD_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # lm_head types computed on the file's blocks (GGUFLinear)
+LM_HEAD_TYPES = ("Q8_0", "Q4_K", "Q5_K", "Q6_K")  # lm_head types computed on the file's blocks (GGUFLinear)
 
 
 def q4_1_codes(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -78,11 +82,13 @@ class GGUFStoredLinears:
     ``name_of`` maps a decoder module's name (``layers.3.self_attn.q_proj``) to the HF tensor name the reader
     answers (the family's ``checkpoint_name`` of its ``.weight``). Each layer is built once and kept: the loader
     asks which weights will be taken (:func:`~moeflow.engine.cpu_linears.stored_weight_names`, so it neither reads
-    nor dequantizes them) before :func:`~moeflow.engine.cpu_linears.quantize_decoder_linears` puts them in place."""
+    nor dequantizes them) before :func:`~moeflow.engine.cpu_linears.quantize_decoder_linears` puts them in place.
+    ``blocks``: the attention projections of :data:`BLOCK_TYPES` too, as GGUFLinear layers
+    (``attention_bits="auto"``)."""
 
-    def __init__(self, reader: GGUFCheckpointReader, name_of) -> None:
-        self.reader, self.name_of = reader, name_of
-        self._built: dict[str, CpuQuantLinear | None] = {}
+    def __init__(self, reader: GGUFCheckpointReader, name_of, blocks: bool = False) -> None:
+        self.reader, self.name_of, self.blocks = reader, name_of, blocks
+        self._built: dict[str, CpuQuantLinear | GGUFLinear | None] = {}
         self._head: list[GGUFLinear | None] = []  # [the lm_head] once built
         self._exact: dict[str, GGUFLinear | None] = {}
 
@@ -101,9 +107,12 @@ class GGUFStoredLinears:
         return torch.from_numpy(np.ascontiguousarray(self.reader.files.read(info))).reshape(info.shape[0], -1)
 
     def lm_head(self) -> GGUFLinear | None:
-        """The file's lm_head (``output.weight``) on its own blocks where it is a K-quant (:data:`LM_HEAD_TYPES`:
-        fewer bytes than the int8 head; a Q4_K_M file's Q6_K measured 1.8-2.0 against 2.6 ms of CPU per token at
-        32000 x 1024, ``benchmarks/results/peers/s16/``), else None (int8 of its dequantized values)."""
+        """The file's lm_head (``output.weight``) on its own blocks where it is a K-quant or Q8_0
+        (:data:`LM_HEAD_TYPES`), else None (int8 of its dequantized values). A K-quant reads fewer bytes than the
+        int8 head (a Q4_K_M file's Q6_K measured 1.8-2.0 against 2.6 ms of CPU per token at 32000 x 1024,
+        ``benchmarks/results/peers/s16/``); Q8_0 (gpt-oss files' output.weight at every file type) reads about as
+        many (34 bytes per 32 weights) and keeps the file's weights exactly, where the int8 head rounded them a
+        second time (and the load dequantized and requantized the whole matrix)."""
         if not self._head:
             self._head.append(self._lm_head())
         return self._head[0]
@@ -112,7 +121,8 @@ class GGUFStoredLinears:
         info = self._tensor("lm_head") if native_available() else None
         if info is None:
             return None
-        if info.type.name not in LM_HEAD_TYPES or len(info.shape) != 2 or info.shape[1] % K_BLOCK:
+        block = GROUP if info.type.name == "Q8_0" else K_BLOCK
+        if info.type.name not in LM_HEAD_TYPES or len(info.shape) != 2 or info.shape[1] % block:
             return None
         return GGUFLinear(self._blocks(info), info.type.name, info.shape[1])
 
@@ -134,23 +144,25 @@ class GGUFStoredLinears:
             return None
         return GGUFLinear(self._blocks(info), "Q8_0", info.shape[1])
 
-    def cpu_linear(self, module_name: str) -> CpuQuantLinear | None:
-        """The int4 layer of ``module_name``'s weight from its stored blocks, or None where its type has no exact
-        CPU int4 form (:data:`NATIVE_TYPES`), the kernels do not build here, or the shape does not tile."""
+    def cpu_linear(self, module_name: str) -> CpuQuantLinear | GGUFLinear | None:
+        """The int4 layer of ``module_name``'s weight from its stored blocks (:data:`NATIVE_TYPES`), a GGUFLinear of
+        them (:data:`BLOCK_TYPES`, with ``blocks``), or None where its type is neither, the kernels do not build
+        here, or the shape does not tile."""
         if module_name not in self._built:
             fused = module_name.rsplit(".", 1)[-1] in STEP_FUSED  # (the fused matrix goes on huge pages instead)
             with hugepages.plain() if fused else nullcontext():
                 self._built[module_name] = self._cpu_linear(module_name)
         return self._built[module_name]
 
-    def _cpu_linear(self, module_name: str) -> CpuQuantLinear | None:
+    def _cpu_linear(self, module_name: str) -> CpuQuantLinear | GGUFLinear | None:
         info = self._tensor(module_name) if native_available() else None
         if info is None:
             return None
-        if info.type.name not in NATIVE_TYPES or len(info.shape) != 2:
+        kind = info.type.name
+        if not (kind in NATIVE_TYPES or (self.blocks and kind in BLOCK_TYPES)) or len(info.shape) != 2:
             return None
         out_features, in_features = info.shape
-        if in_features % (K_BLOCK if info.type.name == "Q4_K" else GROUP):
+        if in_features % (GROUP if kind in ("Q4_0", "Q4_1", "Q8_0") else K_BLOCK):
             return None
         raw = torch.from_numpy(np.ascontiguousarray(self.reader.files.read(info)))
         permute = self.reader.arch.rope_permuted and info.name.endswith(("attn_q.weight", "attn_k.weight"))
@@ -161,7 +173,9 @@ class GGUFStoredLinears:
         def rows(t: torch.Tensor) -> torch.Tensor:
             return unpermute_rope_rows(t, heads).contiguous() if permute else t
 
-        if info.type.name == "Q4_0":  # the stored blocks re-laid out in one pass, no code unpacked
+        if kind in BLOCK_TYPES:  # the stored rows of blocks as they are (whole rows un-permuted)
+            return GGUFLinear(rows(raw.view(out_features, -1)).contiguous(), kind, in_features)
+        if kind == "Q4_0":  # the stored blocks re-laid out in one pass, no code unpacked
             packed = hugepages.empty((out_features, in_features // 2), torch.uint8)
             scales = hugepages.empty((out_features, in_features // GROUP), torch.float16)
             q4_0_to_q4z(rows(raw.view(out_features, -1)).contiguous(), packed, scales, library())

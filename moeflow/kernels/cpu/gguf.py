@@ -97,7 +97,8 @@ def dequantize_rows(rows: torch.Tensor, t: str | int | GGMLType, k: int) -> torc
 class GGUFLinear(nn.Module):
     """``y = x @ W.T`` for ``W [out, in]`` held as a GGUF file stores it (``blocks`` uint8 ``[out, row_bytes]`` of
     block type ``t``, computed by :func:`gguf_linear`): a file's lm_head on its own blocks (a Q4_K_M file's Q6_K
-    ``output.weight``: 0.82 bytes per weight where the int8 head reads 1.0 plus scales). fp32 model:
+    ``output.weight``: 0.82 bytes per weight where the int8 head reads 1.0 plus scales; a Q8_0 one: 1.06, the
+    file's weights exactly), gpt-oss's Q8_0 attention projections. fp32 model:
     :func:`gguf_linear_reference` of the same blocks."""
 
     def __init__(self, blocks: torch.Tensor, t: str | int | GGMLType, in_features: int) -> None:

@@ -119,7 +119,7 @@ def _signatures(lib: ctypes.CDLL) -> None:
 
 def head_ok(norm_weight: torch.Tensor, lm_head: torch.nn.Module) -> bool:
     """Whether :func:`head_desc` takes this final norm's weight and lm_head: a native int8 or int4
-    CpuQuantLinear, a GGUFLinear (a file's K-quant head on its blocks) or a RefinedInt4LmHead (its int4 logits,
+    CpuQuantLinear, a GGUFLinear (a file's K-quant or Q8_0 head on its blocks) or a RefinedInt4LmHead (its int4 logits,
     then its candidates recomputed in int8: ``mf_head_refine``, its forward's numbers at one token; ties at the
     last candidate to the lower index), without bias, over a contiguous fp32 norm weight of its input size."""
     head = (isinstance(lm_head, CpuQuantLinear) and block_linear_ok(lm_head)) or \

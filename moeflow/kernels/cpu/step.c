@@ -155,6 +155,8 @@ int mf_attn_step(const float* qkv, int B, int T, int nh, int nkv, int D, const f
 }
 
 static int run_linear(const mf_linear* l, const float* x, int T, int K, float* y, int nthreads) {
+    if (l->bits == MF_LINEAR_GGUF)
+        return mf_gguf_linear(x, T, K, l->n, l->fmt, (const uint8_t*)l->w, l->group, y, nthreads);
     if (l->bits == 4)
         return mf_q4_linear(x, T, K, l->n, l->group, l->fmt, (const uint8_t*)l->w, l->s, l->m, y, nthreads);
     return mf_q8_linear(x, T, K, l->n, (const int8_t*)l->w, (const float*)l->s, y, nthreads);

@@ -8,7 +8,10 @@
 #include "native.h"
 
 /* A quantized linear layer of the attention block: int4 (bits 4: packed, s, m, group, fmt: MF_Q4_F32 or
-   MF_Q4_F16Z or MF_Q4_F16Z8) or int8 (bits 8: packed holds the int8 weight, s its row scales). */
+   MF_Q4_F16Z or MF_Q4_F16Z8), int8 (bits 8: packed holds the int8 weight, s its row scales) or a GGUF file's blocks
+   (bits MF_LINEAR_GGUF: w the rows of blocks, fmt their ggml type id, group the row stride in bytes; gguf.c's
+   mf_gguf_linear / mf_gguf_acts1 + mf_gguf_rows1, the same numbers). */
+#define MF_LINEAR_GGUF 64
 typedef struct {
     int bits, group, fmt, n;
     const void* w;

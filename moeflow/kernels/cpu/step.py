@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moeflow.kernels.cpu.gguf import GGUFLinear
 from moeflow.kernels.cpu.matrix_reference import q4_expert_reference
 from moeflow.kernels.cpu.native import declared, library
 from moeflow.kernels.cpu.q4_matrix import Q4_F32, Q4Matrix, q4_fmt
@@ -34,6 +35,7 @@ from moeflow.kernels.cpu.quant_linear import CpuQuantLinear, SplitLinear
 # tokens per sequence up to which the attention op runs (decode, short prompts); beyond, SDPA's blocked GEMMs
 # beat its loop over queries and positions
 NATIVE_ATTENTION_TOKENS = 16
+LINEAR_GGUF = 64  # step.h's MF_LINEAR_GGUF: an mf_linear of a GGUF file's blocks (GGUFLinear)
 QK_HEAD, QK_PROJECTION = 1, 2  # native.h's MF_QK_HEAD, MF_QK_PROJ
 
 
@@ -302,8 +304,9 @@ def block_linear_ok(layer: torch.nn.Module, bias: bool = False) -> bool:
     a CpuQuantLinear's fp32 bias is allowed, the q/k/v projection's)."""
     if isinstance(layer, SplitLinear):
         return all(block_linear_ok(p) for p in layer.parts)
-    return isinstance(layer, CpuQuantLinear) and layer.native and layer.bits in (4, 8) and (
-        layer.bias is None or (bias and layer.bias.dtype == torch.float32 and layer.bias.is_contiguous()))
+    kind = (isinstance(layer, CpuQuantLinear) and layer.native and layer.bits in (4, 8)) or (
+        isinstance(layer, GGUFLinear) and layer.blocks.stride(1) == 1 and layer.blocks.stride(0) < 2**31)
+    return kind and (layer.bias is None or (bias and layer.bias.dtype == torch.float32 and layer.bias.is_contiguous()))
 
 
 def bias_arg(layer: torch.nn.Module) -> int | None:
@@ -319,8 +322,11 @@ def qkv_args(layer: CpuQuantLinear | SplitLinear) -> tuple:
     return (*_linear_args(layer), 0, 0, 0, None, None, None)
 
 
-def _linear_args(layer: CpuQuantLinear) -> tuple:
-    """(bits, group, fmt, weight, scales, mins) of a native layer: mf_attn_block's arguments for one linear."""
+def _linear_args(layer: CpuQuantLinear | GGUFLinear) -> tuple:
+    """(bits, group, fmt, weight, scales, mins) of a native layer: mf_attn_block's arguments for one linear (a
+    GGUFLinear's: MF_LINEAR_GGUF, its row stride in bytes, its ggml type id, its blocks; step.h's mf_linear)."""
+    if isinstance(layer, GGUFLinear):
+        return LINEAR_GGUF, layer.blocks.stride(0), layer.type.type_id, layer.blocks.data_ptr(), None, None
     if layer.bits == 4:
         fmt = q4_fmt(layer.scales, layer.mins)
         return 4, layer.group_size, fmt, layer.packed.data_ptr(), layer.scales.data_ptr(), layer.mins.data_ptr()

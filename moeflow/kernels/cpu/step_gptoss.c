@@ -25,7 +25,7 @@
 
    mf_gptoss_decode_step runs the tail too, in the same region: the final norm and the lm_head (step_head.c's
    mf_head_team, which step_region.c's mf_decode_step runs as well: int8 / int4 native heads, a GGUF file's
-   K-quant head on its blocks, the refined int4 head), mf_head_calls' numbers bit for bit. */
+   K-quant or Q8_0 head on its blocks, the refined int4 head), mf_head_calls' numbers bit for bit. */
 
 #include <math.h>
 #include <omp.h>

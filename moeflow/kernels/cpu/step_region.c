@@ -12,8 +12,8 @@
    experts on its own; else every expert's rows are split across the team, with a barrier between gate/up and
    down.
 
-   Numerics: every output element is computed by the same row kernel (mf_q4_rows, mf_q8_rows), the same
-   quantizer and the same fp32 operations in the same order as in the per-layer path, whatever thread runs it and
+   Numerics: every output element is computed by the same row kernel (mf_q4_rows, mf_q8_rows; a GGUF projection's
+   mf_gguf_rows1), the same quantizer and the same fp32 operations in the same order as in the per-layer path, whatever thread runs it and
    however the rows are split: the same bits at any thread count (tests/test_cpu_layers.py).
 
    Layers with GGUF experts run each routed expert, in k order, as gguf.c's mf_gguf_expert_team (mf_gguf_expert's
@@ -35,6 +35,7 @@ typedef struct {  /* one token's int8 activations for a linear of up to K inputs
     float* s;
     float* gsum;
     int32_t* sum;
+    void* gg;  /* an attention input's: gguf.c's mf_gguf_acts1 (a GGUF projection's activations), else NULL */
 } acts1;
 
 static size_t acts_bytes(int K) { return mf_up64((size_t)K) + 3 * mf_up64(sizeof(float) * (size_t)(K / QB)); }
@@ -43,6 +44,7 @@ static void acts_take(acts1* a, char** p, int K) {
     a->s = mf_take(p, sizeof(float) * (size_t)(K / QB));
     a->gsum = mf_take(p, sizeof(float) * (size_t)(K / QB));
     a->sum = mf_take(p, sizeof(int32_t) * (size_t)(K / QB));
+    a->gg = NULL;
 }
 /* The activations a linear of `bits` (4: with its group's sums, as mf_q4_linear; 8: none, as mf_q8_linear). */
 static void quantize(const float* x, int K, int bits, int group, acts1* a) {
@@ -52,9 +54,19 @@ static void quantize(const float* x, int K, int bits, int group, acts1* a) {
         mf_quantize_row(x, K, K, a->q, a->s, NULL, NULL);
 }
 
+/* x fp32 [K] as the linear's kernel quantizes it (mf_q4_linear's, mf_q8_linear's, mf_gguf_linear's). */
+static void quantize_for(const mf_linear* l, const float* x, int K, acts1* a) {
+    if (l->bits == MF_LINEAR_GGUF)
+        mf_gguf_acts1(x, K, l->fmt, a->gg);
+    else
+        quantize(x, K, l->bits, l->group, a);
+}
+
 /* Rows [n0, n1) of a linear against one token: y[n]. */
 static void linear_rows(const mf_linear* l, int n0, int n1, int K, const acts1* a, float* y) {
-    if (l->bits == 4)
+    if (l->bits == MF_LINEAR_GGUF)
+        mf_gguf_rows1(l->fmt, (const uint8_t*)l->w, l->group, n0, n1, K, a->gg, y);
+    else if (l->bits == 4)
         mf_q4_rows(n0, n1, 1, K, l->group, l->fmt, (const uint8_t*)l->w, l->s, l->m, a->q, a->s, a->gsum, a->sum, y,
                    l->n);
     else
@@ -100,7 +112,8 @@ static size_t own_bytes(const dims* m, int H, int L) {
     return 5 * mf_up64(sizeof(float) * H) + mf_up64(sizeof(float) * m->F) +
            mf_up64(sizeof(float) * ((size_t)L + 2 * m->D)) +
            2 * mf_up64(sizeof(float) * m->E) + 2 * mf_up64(sizeof(float) * m->k) + mf_up64(sizeof(float) * m->I) +
-           mf_up64(sizeof(float) * 2 * (size_t)m->I) + 2 * acts_bytes(m->K) + mf_up64(sizeof(acts1) * (m->k + 1)) +
+           mf_up64(sizeof(float) * 2 * (size_t)m->I) + 2 * (acts_bytes(m->K) + mf_up64(mf_gguf_acts1_bytes(m->K))) +
+           mf_up64(sizeof(acts1) * (m->k + 1)) +
            (size_t)(m->k + 1) * acts_bytes(m->I) + mf_up64(mf_gguf_team_bytes(H, m->I));
 }
 static void own_take(own_bufs* o, char* p, const dims* m, int H, int L) {
@@ -114,8 +127,10 @@ static void own_take(own_bufs* o, char* p, const dims* m, int H, int L) {
     o->ids = mf_take(&p, sizeof(int32_t) * m->k);
     o->act = mf_take(&p, sizeof(float) * m->I);
     o->h13 = mf_take(&p, sizeof(float) * 2 * (size_t)m->I);
-    acts_take(&o->in[0], &p, m->K);
-    acts_take(&o->in[1], &p, m->K);
+    for (int i = 0; i < 2; i++) {
+        acts_take(&o->in[i], &p, m->K);
+        o->in[i].gg = mf_take(&p, mf_gguf_acts1_bytes(m->K));
+    }
     o->ea = mf_take(&p, sizeof(acts1) * (m->k + 1));
     for (int j = 0; j <= m->k; j++) acts_take(&o->ea[j], &p, m->I);
     o->gg = mf_take(&p, mf_gguf_team_bytes(H, m->I));
@@ -131,8 +146,8 @@ static void attention_half(const mf_layer_desc* d, int H, const float* cos, cons
     const mf_linear kv = {d->kv_bits, d->kv_group, d->kv_fmt, F - nq, d->kv_w, d->kv_s, d->kv_m};
     const mf_linear o = {d->o_bits, d->o_group, d->o_fmt, H, d->o_w, d->o_s, d->o_m};
     mf_rmsnorm(P->x, NULL, NULL, d->w_in, d->eps, 1, H, P->hn);
-    quantize(P->hn, H, qkv.bits, qkv.group, &P->in[0]);
-    if (kv.bits) quantize(P->hn, H, kv.bits, kv.group, &P->in[1]);  /* k and v a linear of their own (run_qkv) */
+    quantize_for(&qkv, P->hn, H, &P->in[0]);
+    if (kv.bits) quantize_for(&kv, P->hn, H, &P->in[1]);  /* k and v a linear of their own (run_qkv) */
     const int groups = nh / nkv;
     /* When the team divides the kv heads (and the QK-norm, if any, is per head), each thread takes its own kv
        heads whole: their q, k and v rows, their cache rows and their query heads, with no barrier between the
@@ -190,7 +205,7 @@ static void attention_half(const mf_layer_desc* d, int H, const float* cos, cons
             mf_attn_head(row + (size_t)h * D, cos, sin, D, mask, kc + (size_t)(h / groups) * L * D,
                          vc + (size_t)(h / groups) * L * D, L, scale, P->abuf, S->att + (size_t)h * D);
     }
-    quantize(S->att, nh * D, o.bits, o.group, &P->in[0]);
+    quantize_for(&o, S->att, nh * D, &P->in[0]);
     linear_for(&o, nh * D, &P->in[0], NULL, S->y);
 #pragma omp barrier
     mf_rmsnorm(P->x, S->y, P->xa, d->w_post, d->eps, 1, H, P->hm);
