@@ -77,6 +77,11 @@ def worker(model: Path, threads: int, lm_head_bits: int, tg: int, attention_bits
     decode_ids = torch.randint(3, m.config.vocab_size, (1, 16), generator=gen)
     prompt_ids = torch.randint(3, m.config.vocab_size, (1, 32), generator=gen)
     kw = dict(do_sample=False, eos_token_id=[])
+    try:  # steady-state decode: the weights' move onto huge pages (a background thread since session 18) done
+        from moeflow.kernels.cpu.hugepages import wait_collapsed
+        wait_collapsed(120)
+    except ImportError:  # (an older tree: no deferred collapse)
+        pass
     with torch.inference_mode():
         tokens = m.generate(decode_ids, max_new_tokens=tg + 1, **kw)[0, 16:].tolist()  # warm-up
         m.generate(prompt_ids, max_new_tokens=1, **kw)
