@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 
 import pytest
@@ -109,6 +110,37 @@ def test_without_madv_collapse_a_loads_mappings_keep_the_advice(monkeypatch):
     assert hugepages.wait_collapsed(60)
     assert collapser.stats.unsupported and collapser.stats.collapsed == 0, collapser.stats
     assert _advised(t) and int(t.sum()) == 5 * 21 << 20
+
+
+def test_the_collapse_waits_while_the_rest_of_the_process_computes(monkeypatch):
+    """A collapse holds its core ~4 ms per extent inside the kernel, which stalls a decode step's OpenMP team at its
+    barriers: the thread collapses only while the process's other threads idle. With another thread computing, no
+    extent is collapsed (it counts its waits); once that thread stops, the collapse completes."""
+    monkeypatch.delenv(hugepages.ENV, raising=False)
+    _need_thp()
+    collapser = thp_collapse.Collapser()
+    monkeypatch.setattr(hugepages, "COLLAPSER", collapser)
+    stop = threading.Event()
+
+    def compute() -> None:  # (a decode's stand-in: one thread on a core, in C most of the time)
+        a = torch.randn(256, 256)
+        while not stop.is_set():
+            a = torch.tanh(a @ a)
+
+    worker = threading.Thread(target=compute, daemon=True)
+    worker.start()
+    try:
+        with hugepages.deferred():
+            t = hugepages.empty((3, 7 << 20), torch.uint8)
+            t.fill_(9)
+        assert not collapser.wait(0.5)  # (still waiting for an idle process)
+        assert collapser.stats.collapsed == 0 and collapser.stats.failed == 0 and collapser.stats.idle_waits > 0
+    finally:
+        stop.set()
+        worker.join()
+    assert collapser.wait(60)
+    assert collapser.stats.unsupported or collapser.stats.collapsed + collapser.stats.failed > 0, collapser.stats
+    assert int(t.sum()) == 9 * 21 << 20
 
 
 def test_switched_off_gives_plain_tensors(monkeypatch):
