@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from decode_tail_helpers import check_tail, record_tails
 
 import moeflow.engine.cpu_layers as cpu_layers
 from moeflow import MoEOffloadedMixtral
@@ -23,16 +24,7 @@ PROMPT = "The \"with\" statement is used to wrap the execution"
 @pytest.fixture
 def tails(monkeypatch):
     """Every call of the tail: (the last layer's output [1, 1, H], the logits [1, 1, V]) as copies."""
-    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
-    inner = cpu_layers.layers_step
-
-    def layers_step(*a, **kw):
-        out = inner(*a, **kw)
-        if kw.get("head") is not None:
-            seen.append((out.clone(), kw["logits"].clone()))
-        return out
-    monkeypatch.setattr(cpu_layers, "layers_step", layers_step)
-    return seen
+    return record_tails(monkeypatch, cpu_layers, "layers_step")
 
 
 def _generate(model: MoEOffloadedMixtral, ids: torch.Tensor, n: int) -> torch.Tensor:
@@ -41,30 +33,7 @@ def _generate(model: MoEOffloadedMixtral, ids: torch.Tensor, n: int) -> torch.Te
 
 
 def _check(model: MoEOffloadedMixtral, ids: torch.Tensor, n: int, tails: list) -> None:
-    """n greedy tokens at 1, 2 and 3 threads: each decode step's logits from the tail, the per-call head's logits
-    of the same last-layer output bit for bit and the same at every thread count; the tokens of the layers run one
-    by one (the one call off)."""
-    dec = model.model
-    dec.layers_step.enabled = False
-    ref = _generate(model, ids, n)
-    dec.layers_step.enabled = True
-    assert not tails
-    threads = torch.get_num_threads()
-    per_count = []
-    try:
-        for t in (1, 2, 3):
-            torch.set_num_threads(t)
-            tails.clear()
-            out = _generate(model, ids, n)
-            assert torch.equal(out, ref), f"{t} threads"
-            assert len(tails) == n - 1  # every decode step (the prefill runs the layers one by one)
-            with torch.inference_mode():
-                for x, logits in tails:
-                    assert torch.equal(logits, dec.lm_head(dec.norm(x)).float()), f"{t} threads"
-            per_count.append([lg for _, lg in tails])
-    finally:
-        torch.set_num_threads(threads)
-    assert all(torch.equal(a, b) for other in per_count[1:] for a, b in zip(per_count[0], other, strict=True))
+    check_tail(model, lambda k: _generate(model, ids, k), n, tails)
 
 
 def test_the_tail_is_the_per_call_head_on_1_2_3_threads(tails):

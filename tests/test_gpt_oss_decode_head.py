@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from decode_tail_helpers import check_tail, record_tails
 from gpt_oss_helpers import make_gpt_oss_model, save_gpt_oss_checkpoint
 
 import moeflow.engine.cpu_layers_gpt_oss as cpu_layers_gpt_oss
@@ -30,16 +31,7 @@ SHAPE = dict(num_hidden_layers=3, intermediate_size=96, vocab_size=112)  # slidi
 @pytest.fixture
 def tails(monkeypatch):
     """Every call of the step with a tail: (the last layer's output [1, 1, H], the logits [1, 1, V]) as copies."""
-    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
-    inner = cpu_layers_gpt_oss.gpt_oss_step
-
-    def step(*a, **kw):
-        out = inner(*a, **kw)
-        if kw.get("head") is not None:
-            seen.append((out.clone(), kw["logits"].clone()))
-        return out
-    monkeypatch.setattr(cpu_layers_gpt_oss, "gpt_oss_step", step)
-    return seen
+    return record_tails(monkeypatch, cpu_layers_gpt_oss, "gpt_oss_step")
 
 
 @pytest.fixture(scope="module")
@@ -65,31 +57,8 @@ def _generate(model: MoEModel, n: int) -> torch.Tensor:
 
 
 def _check(model: MoEModel, n: int, tails: list) -> None:
-    """n greedy tokens at 1, 2 and 3 threads: each decode step's logits from the tail, the per-call head's logits
-    of the same last-layer output bit for bit and the same at every thread count; the tokens of the layers run one
-    by one (the one call off)."""
-    dec = model.model
-    assert isinstance(dec.layers_step, cpu_layers_gpt_oss.NativeGptOssLayers)
-    dec.layers_step.enabled = False
-    ref = _generate(model, n)
-    dec.layers_step.enabled = True
-    assert not tails
-    threads = torch.get_num_threads()
-    per_count = []
-    try:
-        for t in (1, 2, 3):
-            torch.set_num_threads(t)
-            tails.clear()
-            out = _generate(model, n)
-            assert torch.equal(out, ref), f"{t} threads"
-            assert len(tails) == n - 1  # every decode step (the prefill runs the layers one by one)
-            with torch.inference_mode():
-                for x, logits in tails:
-                    assert torch.equal(logits, dec.lm_head(dec.norm(x)).float()), f"{t} threads"
-            per_count.append([lg for _, lg in tails])
-    finally:
-        torch.set_num_threads(threads)
-    assert all(torch.equal(a, b) for other in per_count[1:] for a, b in zip(per_count[0], other, strict=True))
+    assert isinstance(model.model.layers_step, cpu_layers_gpt_oss.NativeGptOssLayers)
+    check_tail(model, lambda k: _generate(model, k), n, tails)
 
 
 @pytest.mark.parametrize("form", ["mxfp4", "gguf"])
