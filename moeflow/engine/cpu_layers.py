@@ -26,7 +26,7 @@ from moeflow.engine.cpu_layers_gpt_oss import NativeGptOssLayers, native_gpt_oss
 from moeflow.engine.cpu_step import NativeAttentionHalf, NativeMLP, NativeRoute, NativeRouterGate
 from moeflow.engine.kv_cache import PassCache
 from moeflow.engine.mapped_experts import MappedGGUFExperts
-from moeflow.engine.one_token_pass import TailHead, layer_caches, one_real_token, pass_caches
+from moeflow.engine.one_token_pass import LayerCaches, TailHead, one_real_token, pass_caches
 from moeflow.families import llama_moe, mixtral
 from moeflow.families.base import CausalDecoder
 from moeflow.families.layers import GatedMLP, RMSNorm
@@ -58,7 +58,7 @@ class NativeLayers:
                          *([block.shared_expert] if block.shared_expert is not None else []))]
         self._descs: tuple[Any, ctypes.Array, list] | None = None  # (backend, descriptors, their expert tables)
         self._tail = TailHead(RMSNorm)  # the final norm and lm_head's descriptor
-        self._kv: tuple[list, list] | None = None  # (a cache's layer_kv, its layers' (k, v) checked)
+        self._kv = LayerCaches()  # each layer's (k, v) cache, checked once per cache
 
     def _fused(self) -> bool:
         """Whether every layer would take its fused calls (the switches set_cpu_step_fused flips). Read per pass
@@ -124,17 +124,6 @@ class NativeLayers:
         layers_step(taken[0], x.contiguous(), cos, sin, taken[1], cache_position, head=head, logits=logits)
         return logits
 
-    def _layer_kv(self, layer_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> list | None:
-        """Each layer's (k, v) cache from the cache's ``layer_kv`` when every one is a contiguous fp32 [1, n_kv, L,
-        D] of one shape, else None; checked once per ``layer_kv`` list (a cache's views, made once)."""
-        if self._kv is not None and self._kv[0] is layer_kv:
-            return self._kv[1]
-        kv = layer_caches(layer_kv, [layer.attention_step.attn.layer_idx for layer in self.layers])
-        if kv is None:
-            return None
-        self._kv = (layer_kv, kv)
-        return kv
-
     def _take(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PassCache,
               cache_position: torch.Tensor, masks: list[torch.Tensor], experts: ExpertBackend,
               routing: RoutingRecorder | None) -> tuple[ctypes.Array, list[tuple[torch.Tensor, ...]]] | None:
@@ -144,7 +133,7 @@ class NativeLayers:
         if not self.enabled or layer_kv is None or not one_real_token(x, routing, experts) \
                 or not native_experts(experts) or not self._fused():
             return None
-        kv = self._layer_kv(layer_kv)
+        kv = self._kv(layer_kv, lambda: [layer.attention_step.attn.layer_idx for layer in self.layers])
         caches = None if kv is None else pass_caches(kv, masks, cos, sin, cache_position)
         if caches is None:
             return None

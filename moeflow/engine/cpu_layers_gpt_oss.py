@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn.modules import module as nn_module
 
 from moeflow.engine.kv_cache import PassCache
-from moeflow.engine.one_token_pass import TailHead, layer_caches, one_real_token, pass_caches
+from moeflow.engine.one_token_pass import LayerCaches, TailHead, one_real_token, pass_caches
 from moeflow.families import gpt_oss
 from moeflow.families.base import CausalDecoder
 from moeflow.kernels.cpu.gpt_oss_step import (
@@ -148,6 +148,7 @@ class NativeGptOssLayers:
                                                         *(getattr(layer.self_attn, n) for n in PROJECTIONS))]
         self._descs: tuple[Any, ctypes.Array, list] | None = None  # (backend, descriptors, what they point into)
         self._tail = TailHead(gpt_oss.GptOssRMSNorm)  # the final norm and lm_head's descriptor
+        self._kv = LayerCaches()  # each layer's (k, v) cache, checked once per cache
 
     def _fused(self) -> bool:
         """Whether every layer takes the step's own ops (fuse_gpt_oss' switches on) and no module is hooked."""
@@ -201,7 +202,7 @@ class NativeGptOssLayers:
         if not self.enabled or layer_kv is None or not one_real_token(x, routing, experts) \
                 or not native_mxfp4_experts(experts) or not self._fused():
             return None
-        kv = layer_caches(layer_kv, [layer.self_attn.layer_idx for layer in self.layers])
+        kv = self._kv(layer_kv, lambda: [layer.self_attn.layer_idx for layer in self.layers])
         caches = None if kv is None else pass_caches(kv, masks, cos, sin, cache_position)
         if caches is None:
             return None

@@ -6,6 +6,8 @@ both steps run after their last layer (:class:`TailHead`: the final norm and the
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -32,6 +34,25 @@ def layer_caches(layer_kv: list[tuple[torch.Tensor, torch.Tensor]],
            or v.shape != k.shape for k, v in kv) or len({k.shape for k, _ in kv}) != 1:
         return None
     return kv
+
+
+class LayerCaches:
+    """:func:`layer_caches` for one step's layers, checked once per cache: a cache's ``layer_kv`` is a list of views
+    made once with the cache (engine/kv_cache.py), so the same list holds the same tensors. A refusal is not kept
+    (checked again on the next pass)."""
+
+    def __init__(self) -> None:
+        self._seen: tuple[list, list] | None = None  # (a cache's layer_kv, its layers' (k, v) checked)
+
+    def __call__(self, layer_kv: list[tuple[torch.Tensor, torch.Tensor]],
+                 layer_ids: Callable[[], list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """The layers' (k, v) caches (``layer_ids()``: their indices, read only when ``layer_kv`` is new), or None."""
+        if self._seen is not None and self._seen[0] is layer_kv:
+            return self._seen[1]
+        kv = layer_caches(layer_kv, layer_ids())
+        if kv is not None:
+            self._seen = (layer_kv, kv)
+        return kv
 
 
 def pass_caches(kv: list[tuple[torch.Tensor, torch.Tensor]], masks: list[torch.Tensor], cos: torch.Tensor,
