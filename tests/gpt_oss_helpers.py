@@ -70,3 +70,14 @@ def save_gpt_oss_checkpoint(model, directory: str | Path, mxfp4: bool = False, d
             "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
         (directory / "config.json").write_text(json.dumps(config, indent=2))
     return directory
+
+
+def gpt_oss_checkpoint_pair(root: Path, seed: int, **overrides) -> dict[str, Path]:
+    """The same tiny gpt-oss (``make_gpt_oss_model(seed, **overrides)``) as a safetensors MXFP4 checkpoint
+    (``"mxfp4"``) and as a GGUF file (``"gguf"``: MXFP4 experts, Q8_0 attention and output.weight) under ``root``.
+    Needs the ``gguf`` package."""
+    from gguf_gpt_oss import write_gpt_oss_gguf
+
+    write_gpt_oss_gguf(make_gpt_oss_model(seed=seed, **overrides), root / "m.gguf")
+    return {"mxfp4": save_gpt_oss_checkpoint(make_gpt_oss_model(seed=seed, **overrides), root / "st", mxfp4=True),
+            "gguf": root / "m.gguf"}

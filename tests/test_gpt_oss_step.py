@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpt_oss_helpers import make_gpt_oss_model, save_gpt_oss_checkpoint
+from gpt_oss_helpers import gpt_oss_checkpoint_pair
 
 import moeflow.engine.cpu_layers_gpt_oss as cpu_layers_gpt_oss
 from moeflow import MoEModel, OffloadConfig
@@ -41,14 +41,10 @@ def counted(monkeypatch):
 def checkpoints(tmp_path_factory):
     """The same tiny gpt-oss as a safetensors MXFP4 checkpoint and as a GGUF file (MXFP4 experts, Q8_0 attention)."""
     pytest.importorskip("gguf")
-    from gguf_gpt_oss import write_gpt_oss_gguf
-
     root = tmp_path_factory.mktemp("gpt_oss_step")
-    write_gpt_oss_gguf(make_gpt_oss_model(seed=11, **SHAPE), root / "m.gguf")
     mp = pytest.MonkeyPatch()
     mp.setenv("MOEFLOW_CACHE_DIR", str(root / "cache"))
-    yield {"mxfp4": save_gpt_oss_checkpoint(make_gpt_oss_model(seed=11, **SHAPE), root / "st", mxfp4=True),
-           "gguf": root / "m.gguf"}
+    yield gpt_oss_checkpoint_pair(root, 11, **SHAPE)
     mp.undo()
 
 
