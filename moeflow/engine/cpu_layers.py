@@ -31,7 +31,7 @@ from moeflow.families import llama_moe, mixtral
 from moeflow.families.base import CausalDecoder
 from moeflow.families.layers import GatedMLP, RMSNorm
 from moeflow.kernels.cpu.gguf import GGUFCpuExpert
-from moeflow.kernels.cpu.layers import LayerDesc, layer_desc, layers_step
+from moeflow.kernels.cpu.layers import HeadDesc, LayerDesc, layer_desc, layers_step
 from moeflow.kernels.dispatch import uses_triton
 from moeflow.kernels.formats.gguf import GGUFFormat
 from moeflow.moe.backend import ExpertBackend
@@ -123,6 +123,20 @@ class NativeLayers:
         logits = torch.empty((1, 1, lm_head.out_features))
         layers_step(taken[0], x.contiguous(), cos, sin, taken[1], cache_position, head=head, logits=logits)
         return logits
+
+    def loop_parts(self, cache: PassCache, experts: ExpertBackend, norm: nn.Module, lm_head: nn.Module
+                   ) -> tuple[ctypes.Array, HeadDesc, list[tuple[torch.Tensor, torch.Tensor]]] | None:
+        """(the layers' descriptors, the tail's, each layer's (k, v) cache) for a greedy loop of one-token passes
+        (:mod:`moeflow.engine.native_decode`) when :meth:`logits` would take such a pass on ``cache`` with these
+        ``experts``, ``norm`` and ``lm_head``, else None: the checks of :meth:`_take` that do not depend on the
+        pass's own tensors (those the loop makes itself: one fp32 token, cos / sin, masks, its position)."""
+        head = self._tail.desc(norm, lm_head)
+        layer_kv = cache.layer_kv
+        if head is None or not self.enabled or layer_kv is None or not native_experts(experts) or not self._fused():
+            return None
+        kv = self._kv(layer_kv, lambda: [layer.attention_step.attn.layer_idx for layer in self.layers])
+        descs = None if kv is None else self._descriptors(experts)
+        return None if descs is None else (descs, head, kv)
 
     def _take(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PassCache,
               cache_position: torch.Tensor, masks: list[torch.Tensor], experts: ExpertBackend,

@@ -18,6 +18,7 @@ import torch
 from moeflow.engine.decode import DecodeStrategyFactory, GenerateLoop, MicroBatcher, choose_decode, policy_decode
 from moeflow.engine.kv_cache import PassCache, StaticKVCache
 from moeflow.engine.latent_cache import new_kv_cache
+from moeflow.engine.native_decode import native_decode
 from moeflow.engine.sampling import GenerationConfig, next_tokens
 from moeflow.engine.side_lane import Lane, ThreadLane
 from moeflow.errors import InputError
@@ -151,7 +152,8 @@ def generate(
     [B, T + n] ids. ``predict_paths`` (default: the backend's) groups micro-batches before each step.
     The decode steps run through a strategy (:func:`~moeflow.engine.decode.choose_decode`): the policy's where
     ``dual_batch`` asks for it (expertflow's dual-batch pipeline, its side work on ``lane``, default a
-    :class:`ThreadLane`; an :class:`InlineLane` runs the same work without the overlap), else the plain loop."""
+    :class:`ThreadLane`; an :class:`InlineLane` runs the same work without the overlap), else the plain loop
+    (greedy batch-1 steps on the CPU's one-call step in native chunks: :mod:`moeflow.engine.native_decode`)."""
     stats, device = runner.stats, runner.device
     b, t = input_ids.shape
     custom_paths = predict_paths is not None
@@ -194,6 +196,8 @@ def generate(
 
     loop = GenerateLoop(runner, cache, hist, hist_mask, finished, micro_batch_size, pick, side_lane)
     strategy = choose_decode(loop, dual_batch, predict_paths, custom_paths)
+    # greedy batch-1 CPU decoding in native chunks where it gives the plain loop's tokens (engine.native_decode)
+    strategy = native_decode(strategy, loop, gen, custom_paths, streamer)
     batcher = loop.batcher = MicroBatcher(runner, b, micro_batch_size, strategy.regroup)
     if micro_batch_size is not None:
         paths = predict_paths(StepInfo(input_ids, positions, token_mask, "prefill", history_ids=input_ids,
