@@ -1,0 +1,194 @@
+"""Greedy batch-1 CPU decoding in native chunks (engine/native_decode.py, kernels/cpu/step_loop.c): the same tokens
+as the per-token path (``MOEFLOW_NATIVE_LOOP=0``), each step's logits bit for bit the per-token step's, the KV cache
+and its ``valid`` row left the same, at 1, 2 and 3 threads; EOS inside a chunk, one and two new tokens, chunks
+crossed under a streamer (the same tokens in the same order), the stats set; and the calls it steps aside from
+(sampling, a repetition penalty, a batch of two, an offloading policy, a hook) run the plain loop. ~25 s."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moeflow.engine.cpu_layers as cpu_layers
+import moeflow.engine.native_decode as native_decode
+from moeflow import MoEModel, OffloadConfig
+from moeflow.cli import embedded_model_path
+from moeflow.kernels.cpu.native import native_available
+from moeflow.tools.quantize import quantize_checkpoint
+
+pytestmark = pytest.mark.skipif(not native_available(), reason="moeflow's CPU kernels cannot be built here")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """The embedded model (int4 attention, int8 lm_head) and a tiny Qwen3-MoE (QK-norm; AWQ attention)."""
+    from family_models import make_family_checkpoint
+
+    root = tmp_path_factory.mktemp("native_loop")
+    src = make_family_checkpoint(root / "qwen3", "qwen3_moe", seed=7, hidden_size=128, moe_intermediate_size=128,
+                                 intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                                 num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
+    qwen3 = quantize_checkpoint(src, root / "qwen3_awq", group_size=32, quantize_attention=True, progress=False)
+    out = {"embedded": MoEModel.from_pretrained(embedded_model_path(), device="cpu", attention_bits=4,
+                                                lm_head_bits=8),
+           "qwen3_moe": MoEModel.from_pretrained(qwen3, device="cpu")}
+    yield out
+    for m in out.values():
+        m.close()
+
+
+@pytest.fixture
+def chunks(monkeypatch):
+    """Every native chunk: (its tokens, its logits fp32 [n, V]: every step's, as the loop computed them)."""
+    seen = []
+    inner = native_decode.decode_chunk
+
+    def chunk(descs, head, embed, cos, sin, kv, valid, pos, token, eos, n, logits=None):
+        logits = torch.empty((n, head.head.n))
+        tokens, times = inner(descs, head, embed, cos, sin, kv, valid, pos, token, eos, n, logits)
+        assert len(times) == len(tokens) + 1 and times == sorted(times)
+        seen.append((tokens, logits[:len(tokens)].clone()))
+        return tokens, times
+    monkeypatch.setattr(native_decode, "decode_chunk", chunk)
+    return seen
+
+
+@pytest.fixture
+def steps(monkeypatch):
+    """Every per-token one-call step with a tail: its logits [V]."""
+    seen = []
+    inner = cpu_layers.layers_step
+
+    def step(*a, **kw):
+        out = inner(*a, **kw)
+        if kw.get("head") is not None:
+            seen.append(kw["logits"].reshape(-1).clone())
+        return out
+    monkeypatch.setattr(cpu_layers, "layers_step", step)
+    return seen
+
+
+class Streamer:
+    def __init__(self) -> None:
+        self.puts: list[list[int]] = []
+        self.ended = False
+
+    def put(self, ids: torch.Tensor) -> None:
+        self.puts.append(ids.reshape(-1).tolist())
+
+    def end(self) -> None:
+        self.ended = True
+
+
+def _run(model, ids, native: bool, monkeypatch, n: int = 8, keep_cache: list | None = None, **kw) -> torch.Tensor:
+    monkeypatch.setenv(native_decode.NATIVE_LOOP_ENV, "1" if native else "0")
+    runner = model._runner
+    if keep_cache is not None:  # the generate call's KV cache, to compare what it leaves
+        new_cache = runner.new_cache
+        runner.new_cache = lambda *a, **k: keep_cache.append(new_cache(*a, **k)) or keep_cache[-1]
+    model.stats.reset()
+    try:
+        with torch.inference_mode():
+            kw = {"do_sample": False, "eos_token_id": [], **kw}
+            return model.generate(ids, max_new_tokens=n, **kw)
+    finally:
+        if keep_cache is not None:
+            del runner.new_cache
+
+
+def _ids(seed: int, batch: int = 1) -> torch.Tensor:
+    return torch.randint(3, 97, (batch, 5), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("kind", ["embedded", "qwen3_moe"])
+def test_the_native_loop_is_the_per_token_path_on_1_2_3_threads(models, kind, chunks, steps, monkeypatch):
+    model, ids, n = models[kind], _ids(4), 8
+    ref_cache: list = []
+    ref = _run(model, ids, False, monkeypatch, n, ref_cache)
+    ref_logits = list(steps)
+    assert not chunks and len(ref_logits) == n - 1  # every decode step took the per-token one-call step
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            chunks.clear()
+            steps.clear()
+            cache: list = []
+            out = _run(model, ids, True, monkeypatch, n, cache)
+            assert torch.equal(out, ref), f"{t} threads"
+            assert len(chunks) == 1 and not steps  # every decode step in one native call
+            tokens, logits = chunks[0]
+            assert tokens == out[0, ids.shape[1] + 1:].tolist()
+            assert all(torch.equal(a, b) for a, b in zip(logits, ref_logits, strict=True)), f"{t} threads"
+            (c,), (r,) = cache, ref_cache
+            assert torch.equal(c.valid, r.valid) and torch.equal(c.k, r.k) and torch.equal(c.v, r.v)
+    finally:
+        torch.set_num_threads(threads)
+    assert model.stats.ttft_s > 0 and model.stats.tpot_s > 0 and model.stats.decode.steps == n - 1 \
+        and model.stats.decode.tokens == n - 1
+
+
+def test_eos_inside_a_chunk_and_short_calls(models, chunks, monkeypatch):
+    model, ids = models["embedded"], _ids(5)
+    ref = _run(model, ids, False, monkeypatch, 12)[0, ids.shape[1]:].tolist()
+    # an EOS id first produced at the 7th new token (inside the chunk of 11 decode steps, and inside the second
+    # streamed chunk of 4)
+    at = next(i for i in range(5, len(ref)) if ref[i] not in ref[:i])
+    for streamer in (None, Streamer()):
+        chunks.clear()
+        out = _run(model, ids, True, monkeypatch, 12, eos_token_id=ref[at], streamer=streamer)
+        assert out[0, ids.shape[1]:].tolist() == ref[:at + 1]
+        assert len(chunks) == (1 if streamer is None else -(-at // native_decode.STREAM_CHUNK))
+        assert chunks[-1][0][-1] == ref[at]
+    for n, calls in ((1, 0), (2, 1)):
+        chunks.clear()
+        assert _run(model, ids, True, monkeypatch, n)[0, ids.shape[1]:].tolist() == ref[:n]
+        assert len(chunks) == calls
+    assert model.stats.tpot_s is not None  # (the second token: one decode step)
+
+
+def test_a_streamer_receives_the_same_tokens_across_chunks(models, chunks, monkeypatch):
+    model, ids, n = models["qwen3_moe"], _ids(6), 2 * native_decode.STREAM_CHUNK + 2
+    ref_stream, stream = Streamer(), Streamer()
+    ref = _run(model, ids, False, monkeypatch, n, streamer=ref_stream)
+    out = _run(model, ids, True, monkeypatch, n, streamer=stream)
+    assert torch.equal(out, ref) and stream.puts == ref_stream.puts and stream.ended
+    assert [len(t) for t, _ in chunks] == [4, 4, 1]  # n - 1 decode steps, STREAM_CHUNK per call
+    assert model.stats.ttft_s > 0 and model.stats.tpot_s > 0 and model.stats.decode.steps == n - 1 \
+        and model.stats.decode.tokens == n - 1
+
+
+def test_where_the_native_loop_steps_aside(models, chunks, monkeypatch):
+    model, ids = models["embedded"], _ids(7)
+    refused = [dict(do_sample=True, seed=3, top_k=None), dict(repetition_penalty=1.3)]
+    for kw in refused:
+        ref = _run(model, ids, False, monkeypatch, 6, **kw)
+        assert torch.equal(_run(model, ids, True, monkeypatch, 6, **kw), ref) and not chunks, kw
+    two = _ids(8, batch=2)
+    assert torch.equal(_run(model, two, True, monkeypatch, 4), _run(model, two, False, monkeypatch, 4))
+    handle = model.model.embed_tokens.register_forward_hook(lambda m, a, o: None)
+    try:
+        assert torch.equal(_run(model, ids, True, monkeypatch, 4), _run(model, ids, False, monkeypatch, 4))
+    finally:
+        handle.remove()
+    assert not chunks
+    # the one-call step switched off: the plain loop
+    model.model.layers_step.enabled = False
+    try:
+        _run(model, ids, True, monkeypatch, 4)
+    finally:
+        model.model.layers_step.enabled = True
+    assert not chunks
+    _run(model, ids, True, monkeypatch, 4)
+    assert len(chunks) == 1
+
+
+def test_an_offloading_policy_runs_the_plain_loop(chunks, monkeypatch):
+    model = MoEModel.from_pretrained(embedded_model_path(), device="cpu", attention_bits=4,
+                                     offload=OffloadConfig(policy="lru"))
+    try:
+        ids = _ids(9)
+        ref = _run(model, ids, False, monkeypatch, 4)
+        assert torch.equal(_run(model, ids, True, monkeypatch, 4), ref) and not chunks
+    finally:
+        model.close()
