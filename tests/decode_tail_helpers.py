@@ -13,9 +13,13 @@ import torch
 
 def record_tails(monkeypatch: pytest.MonkeyPatch, module: ModuleType, name: str) -> list:
     """Wrap ``module.name`` (the step function its native layers call) so that every call with a ``head`` appends
-    (the last layer's output [1, 1, H], the logits [1, 1, V]) as copies to the returned list."""
+    (the last layer's output [1, 1, H], the logits [1, 1, V]) as copies to the returned list; the native
+    multi-token loop is switched off (``MOEFLOW_NATIVE_LOOP=0``)."""
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
     inner = getattr(module, name)
+    # every decode step through the per-token step (not engine/native_decode.py's chunks, which
+    # tests/test_native_decode_loop.py checks against it)
+    monkeypatch.setenv("MOEFLOW_NATIVE_LOOP", "0")
 
     def step(*a, **kw):
         out = inner(*a, **kw)

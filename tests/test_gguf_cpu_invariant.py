@@ -159,6 +159,7 @@ def test_one_call_layers_step_on_a_q4_k_m_mixtral(tmp_path, monkeypatch, mix):
     import moeflow.engine.cpu_layers as cpu_layers
 
     monkeypatch.setenv("MOEFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("MOEFLOW_NATIVE_LOOP", "0")  # each decode step its own call (not engine/native_decode.py's)
     calls = [0]
     inner = cpu_layers.layers_step
 
