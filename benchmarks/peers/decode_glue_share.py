@@ -29,6 +29,8 @@ def measure(model: Path, threads: int, lm_head_bits: int, tokens: int, reps: int
     from moeflow.kernels.cpu import hugepages
 
     torch.set_num_threads(threads)
+    # the per-token path (its step call timed); engine/native_decode.py's chunks: benchmarks/peers/native_loop_ab.py
+    os.environ["MOEFLOW_NATIVE_LOOP"] = "0"
     m = MoEModel.from_pretrained(model, device="cpu", lm_head_bits=lm_head_bits, progress=False)
     hugepages.wait_collapsed(120)
     inner, spent = cpu_layers.layers_step, [0.0, 0]
