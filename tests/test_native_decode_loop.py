@@ -1,8 +1,9 @@
 """Greedy batch-1 CPU decoding in native chunks (engine/native_decode.py, kernels/cpu/step_loop.c): the same tokens
 as the per-token path (``MOEFLOW_NATIVE_LOOP=0``), each step's logits bit for bit the per-token step's, the KV cache
-and its ``valid`` row left the same, at 1, 2 and 3 threads; EOS inside a chunk, one and two new tokens, chunks
-crossed under a streamer (the same tokens in the same order), the stats set; and the calls it steps aside from
-(sampling, a repetition penalty, a batch of two, an offloading policy, a hook) run the plain loop. ~25 s."""
+and its ``valid`` row left the same, at 1, 2 and 3 threads, on the embedded Mixtral, a tiny Qwen3-MoE and a tiny
+gpt-oss (sliding-window layers); EOS inside a chunk, one and two new tokens, chunks crossed under a streamer (the
+same tokens in the same order), the stats set; and the calls it steps aside from (sampling, a repetition penalty, a
+batch of two, an offloading policy, a hook, the one-call step off) run the plain loop. ~10 s on 2 cores."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 import moeflow.engine.cpu_layers as cpu_layers
+import moeflow.engine.cpu_layers_gpt_oss as cpu_layers_gpt_oss
 import moeflow.engine.native_decode as native_decode
 from moeflow import MoEModel, OffloadConfig
 from moeflow.cli import embedded_model_path
@@ -21,8 +23,10 @@ pytestmark = pytest.mark.skipif(not native_available(), reason="moeflow's CPU ke
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """The embedded model (int4 attention, int8 lm_head) and a tiny Qwen3-MoE (QK-norm; AWQ attention)."""
+    """The embedded model (int4 attention, int8 lm_head), a tiny Qwen3-MoE (QK-norm; AWQ attention) and a tiny
+    gpt-oss (MXFP4 experts; sliding-window layers of window 4 beside full-attention ones, sink attention)."""
     from family_models import make_family_checkpoint
+    from gpt_oss_helpers import make_gpt_oss_model, save_gpt_oss_checkpoint
 
     root = tmp_path_factory.mktemp("native_loop")
     src = make_family_checkpoint(root / "qwen3", "qwen3_moe", seed=7, hidden_size=128, moe_intermediate_size=128,
@@ -31,7 +35,10 @@ def models(tmp_path_factory):
     qwen3 = quantize_checkpoint(src, root / "qwen3_awq", group_size=32, quantize_attention=True, progress=False)
     out = {"embedded": MoEModel.from_pretrained(embedded_model_path(), device="cpu", attention_bits=4,
                                                 lm_head_bits=8),
-           "qwen3_moe": MoEModel.from_pretrained(qwen3, device="cpu")}
+           "qwen3_moe": MoEModel.from_pretrained(qwen3, device="cpu"),
+           "gpt_oss": MoEModel.from_pretrained(save_gpt_oss_checkpoint(
+               make_gpt_oss_model(seed=12, num_hidden_layers=3, intermediate_size=96, vocab_size=112),
+               root / "gpt_oss", mxfp4=True), device="cpu", dtype=torch.float32)}
     yield out
     for m in out.values():
         m.close()
@@ -43,9 +50,9 @@ def chunks(monkeypatch):
     seen = []
     inner = native_decode.decode_chunk
 
-    def chunk(descs, head, embed, cos, sin, kv, valid, pos, token, eos, n, logits=None):
-        logits = torch.empty((n, head.head.n))
-        tokens, times = inner(descs, head, embed, cos, sin, kv, valid, pos, token, eos, n, logits)
+    def chunk(parts, embed, cos, sin, windows, valid, pos, token, eos, n, logits=None):
+        logits = torch.empty((n, parts.head.head.n))
+        tokens, times = inner(parts, embed, cos, sin, windows, valid, pos, token, eos, n, logits)
         assert len(times) == len(tokens) + 1 and times == sorted(times)
         seen.append((tokens, logits[:len(tokens)].clone()))
         return tokens, times
@@ -55,16 +62,17 @@ def chunks(monkeypatch):
 
 @pytest.fixture
 def steps(monkeypatch):
-    """Every per-token one-call step with a tail: its logits [V]."""
+    """Every per-token one-call step with a tail (the Mixtral-layout one, gpt-oss's): its logits [V]."""
     seen = []
-    inner = cpu_layers.layers_step
+    for module, name in ((cpu_layers, "layers_step"), (cpu_layers_gpt_oss, "gpt_oss_step")):
+        inner = getattr(module, name)
 
-    def step(*a, **kw):
-        out = inner(*a, **kw)
-        if kw.get("head") is not None:
-            seen.append(kw["logits"].reshape(-1).clone())
-        return out
-    monkeypatch.setattr(cpu_layers, "layers_step", step)
+        def step(*a, inner=inner, **kw):
+            out = inner(*a, **kw)
+            if kw.get("head") is not None:
+                seen.append(kw["logits"].reshape(-1).clone())
+            return out
+        monkeypatch.setattr(module, name, step)
     return seen
 
 
@@ -100,9 +108,10 @@ def _ids(seed: int, batch: int = 1) -> torch.Tensor:
     return torch.randint(3, 97, (batch, 5), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("kind", ["embedded", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["embedded", "qwen3_moe", "gpt_oss"])
 def test_the_native_loop_is_the_per_token_path_on_1_2_3_threads(models, kind, chunks, steps, monkeypatch):
-    model, ids, n = models[kind], _ids(4), 8
+    """gpt-oss: 5 prompt tokens and 9 decode steps cross its window of 4 (each layer's own mask)."""
+    model, ids, n = models[kind], _ids(4), 10
     ref_cache: list = []
     ref = _run(model, ids, False, monkeypatch, n, ref_cache)
     ref_logits = list(steps)

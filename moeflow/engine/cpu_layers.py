@@ -15,6 +15,7 @@ bit. gpt-oss decoders get their own one call (:mod:`moeflow.engine.cpu_layers_gp
 from __future__ import annotations
 
 import ctypes
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -30,8 +31,9 @@ from moeflow.engine.one_token_pass import LayerCaches, TailHead, one_real_token,
 from moeflow.families import llama_moe, mixtral
 from moeflow.families.base import CausalDecoder
 from moeflow.families.layers import GatedMLP, RMSNorm
+from moeflow.kernels.cpu.decode_loop import LoopParts
 from moeflow.kernels.cpu.gguf import GGUFCpuExpert
-from moeflow.kernels.cpu.layers import HeadDesc, LayerDesc, layer_desc, layers_step
+from moeflow.kernels.cpu.layers import LayerDesc, layer_desc, layers_step
 from moeflow.kernels.dispatch import uses_triton
 from moeflow.kernels.formats.gguf import GGUFFormat
 from moeflow.moe.backend import ExpertBackend
@@ -125,9 +127,10 @@ class NativeLayers:
         return logits
 
     def loop_parts(self, cache: PassCache, experts: ExpertBackend, norm: nn.Module, lm_head: nn.Module
-                   ) -> tuple[ctypes.Array, HeadDesc, list[tuple[torch.Tensor, torch.Tensor]]] | None:
-        """(the layers' descriptors, the tail's, each layer's (k, v) cache) for a greedy loop of one-token passes
-        (:mod:`moeflow.engine.native_decode`) when :meth:`logits` would take such a pass on ``cache`` with these
+                   ) -> LoopParts | None:
+        """The step's :class:`~moeflow.kernels.cpu.decode_loop.LoopParts` (the layers' descriptors, the tail's, each
+        layer's (k, v) cache, the scale) for a greedy loop of one-token passes (:mod:`moeflow.engine.native_decode`)
+        when :meth:`logits` would take such a pass on ``cache`` with these
         ``experts``, ``norm`` and ``lm_head``, else None: the checks of :meth:`_take` that do not depend on the
         pass's own tensors (those the loop makes itself: one fp32 token, cos / sin, masks, its position)."""
         head = self._tail.desc(norm, lm_head)
@@ -136,7 +139,7 @@ class NativeLayers:
             return None
         kv = self._kv(layer_kv, lambda: [layer.attention_step.attn.layer_idx for layer in self.layers])
         descs = None if kv is None else self._descriptors(experts)
-        return None if descs is None else (descs, head, kv)
+        return None if descs is None else LoopParts("layers", descs, head, kv, 1.0 / math.sqrt(kv[0][0].shape[3]))
 
     def _take(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PassCache,
               cache_position: torch.Tensor, masks: list[torch.Tensor], experts: ExpertBackend,

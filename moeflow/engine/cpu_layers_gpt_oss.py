@@ -26,6 +26,7 @@ from moeflow.engine.kv_cache import PassCache
 from moeflow.engine.one_token_pass import LayerCaches, TailHead, one_real_token, pass_caches
 from moeflow.families import gpt_oss
 from moeflow.families.base import CausalDecoder
+from moeflow.kernels.cpu.decode_loop import LoopParts
 from moeflow.kernels.cpu.gpt_oss_step import (
     GptOssLayerDesc,
     MxExpertDesc,
@@ -208,6 +209,21 @@ class NativeGptOssLayers:
             return None
         descs = self._descriptors(experts)
         return None if descs is None else (descs, caches)
+
+    def loop_parts(self, cache: PassCache, experts: ExpertBackend, norm: nn.Module, lm_head: nn.Module
+                   ) -> LoopParts | None:
+        """The step's :class:`~moeflow.kernels.cpu.decode_loop.LoopParts` for a greedy loop of one-token passes
+        (:mod:`moeflow.engine.native_decode`) when :meth:`logits` would take such a pass on ``cache`` with these
+        ``experts``, ``norm`` and ``lm_head``, else None: the checks of :meth:`_take` that do not depend on the
+        pass's own tensors (the loop makes those itself: one fp32 token, cos / sin, each layer's window's mask)."""
+        head = self._tail.desc(norm, lm_head)
+        layer_kv = cache.layer_kv
+        if head is None or not self.enabled or layer_kv is None or not native_mxfp4_experts(experts) \
+                or not self._fused():
+            return None
+        kv = self._kv(layer_kv, lambda: [layer.self_attn.layer_idx for layer in self.layers])
+        descs = None if kv is None else self._descriptors(experts)
+        return None if descs is None else LoopParts("gpt_oss", descs, head, kv, self.layers[0].self_attn.scaling)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PassCache,
                  cache_position: torch.Tensor, masks: list[torch.Tensor], experts: ExpertBackend,

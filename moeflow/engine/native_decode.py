@@ -1,14 +1,16 @@
 """Greedy decoding of one sequence on the CPU in native chunks (issue 42): :class:`NativeDecode`.
 
-With the one-call step (:class:`~moeflow.engine.cpu_layers.NativeLayers`), a decoded token's layers, final norm and
-lm_head are one native call, and 10-13 % of its wall time (0.6-1.0 ms on the peer benchmark's 8-layer model) was
-Python around it: the strategy's step, ``Runner.forward_pass`` (embedding, ``begin_step``), ``CausalDecoder.forward``
+With the one-call step (:class:`~moeflow.engine.cpu_layers.NativeLayers`, gpt-oss's
+:class:`~moeflow.engine.cpu_layers_gpt_oss.NativeGptOssLayers`), a decoded token's layers, final norm and lm_head
+are one native call, and 10-13 % of its wall time (0.6-1.0 ms on the peer benchmark's 8-layer model) was Python
+around it: the strategy's step, ``Runner.forward_pass`` (embedding, ``begin_step``), ``CausalDecoder.forward``
 (rotary, ``mark_valid``, ``attention_mask``), the step's checks, the argmax. :class:`NativeDecode` decodes several
-tokens per native call instead (:func:`~moeflow.kernels.cpu.layers.decode_loop`, step_loop.c): per token the
-embedding row, the rotary row (computed beforehand by the decoder's own ``RotaryEmbedding``, one call per position as
-the per-token path makes it), the full-attention mask the per-token path builds, ``mf_decode_step`` itself and
-numpy's argmax; it stops at an EOS id. The same numbers in the same order: the same logits bit for bit, the same
-tokens, the cache (k / v, ``valid``) left as the per-token path leaves it.
+tokens per native call instead (:func:`~moeflow.kernels.cpu.decode_loop.decode_loop`, step_loop.c): per token the
+embedding row, the rotary row (computed beforehand by the decoder's own rotary module, one call per position as the
+per-token path makes it), each layer's mask as the per-token path builds it (its sliding window or full attention),
+the step itself (``mf_decode_step``; gpt-oss's ``mf_gptoss_decode_step``) and numpy's argmax; it stops at an EOS
+id. The same numbers in the same order: the same logits bit for bit, the same tokens, the cache (k / v,
+``valid``) left as the per-token path leaves it.
 
 It is a :class:`~moeflow.moe.decode.DecodeStrategy` over the plain loop: ``generate()`` still runs its loop token
 by token (the history, EOS, the stats, the streamer), and each step of :class:`NativeDecode` hands out the next token
@@ -19,11 +21,12 @@ mean (``stats.tpot_s``) and their sum (the phase's time) stay right.
 Taken only where the per-token path would run exactly these calls (:func:`native_decode`): batch 1, greedy (no
 sampling, no repetition penalty: :func:`~moeflow.engine.sampling.next_tokens` is then numpy's argmax), the plain
 loop (no micro-batches, no dual batch, no path predictor), the decoder's own forward with an fp32 ``nn.Embedding``,
-full attention only, no hook on the decoder, its embedding or its rotary, the eager step (not a compiled one), the
-engine's :class:`~moeflow.engine.kv_cache.StaticKVCache`, a backend whose ``begin_step`` is the base's (the native
-experts of :func:`~moeflow.engine.cpu_layers.native_experts`; no offloading policy), and, checked again before
-every chunk, :meth:`~moeflow.engine.cpu_layers.NativeLayers.loop_parts` (the one-call step enabled and taking
-this backend, head and cache). Otherwise each step is the plain loop's. ``MOEFLOW_NATIVE_LOOP=0`` switches it off.
+no hook on the decoder, its embedding or its rotary, the eager step (not a compiled one), the engine's
+:class:`~moeflow.engine.kv_cache.StaticKVCache`, a backend whose ``begin_step`` is the base's (the native experts;
+no offloading policy), and, checked again before every chunk, the one-call step's ``loop_parts``
+(:meth:`~moeflow.engine.cpu_layers.NativeLayers.loop_parts`,
+:meth:`~moeflow.engine.cpu_layers_gpt_oss.NativeGptOssLayers.loop_parts`: the step enabled and taking this
+backend, head and cache). Otherwise each step is the plain loop's. ``MOEFLOW_NATIVE_LOOP=0`` switches it off.
 """
 
 from __future__ import annotations
@@ -36,11 +39,12 @@ import torch
 from torch import nn
 
 from moeflow.engine.cpu_layers import NativeLayers
+from moeflow.engine.cpu_layers_gpt_oss import NativeGptOssLayers
 from moeflow.engine.decode import GenerateLoop, PlainDecode
 from moeflow.engine.kv_cache import StaticKVCache
 from moeflow.engine.sampling import GenerationConfig
 from moeflow.families.base import CausalDecoder
-from moeflow.kernels.cpu import layers as native_layers
+from moeflow.kernels.cpu.decode_loop import LoopParts, decode_loop
 from moeflow.moe.backend import ExpertBackend, StepInfo
 from moeflow.moe.decode import DecodeStrategy
 
@@ -59,17 +63,17 @@ def _hooked(*modules: nn.Module) -> bool:
 
 def decoder_takes_loop(decoder: Any, decode_fn: Any) -> bool:
     """Whether the per-token pass of ``decoder`` (run as ``decode_fn``) is the one the native loop reproduces: the
-    eager :class:`CausalDecoder` forward with a one-call step (:class:`NativeLayers`), an fp32 ``nn.Embedding``
-    without ``max_norm``, full attention in every layer and no hook on the decoder, its embedding or its rotary."""
+    eager :class:`CausalDecoder` forward with a one-call step (:class:`NativeLayers`, :class:`NativeGptOssLayers`),
+    an fp32 ``nn.Embedding`` without ``max_norm`` and no hook on the decoder, its embedding or its rotary."""
     if decode_fn is not decoder or not isinstance(decoder, CausalDecoder) \
-            or type(decoder).forward is not CausalDecoder.forward or not isinstance(decoder.layers_step, NativeLayers):
+            or type(decoder).forward is not CausalDecoder.forward \
+            or not isinstance(decoder.layers_step, (NativeLayers, NativeGptOssLayers)):
         return False
     embed = decoder.embed_tokens
     if type(embed) is not nn.Embedding or embed.max_norm is not None or embed.weight.dtype != torch.float32 \
             or embed.weight.device.type != "cpu" or not embed.weight.is_contiguous():
         return False
-    windows = decoder.layer_windows or [decoder.sliding_window]
-    return all(w is None for w in windows) and not _hooked(decoder, embed, decoder.rotary)
+    return not _hooked(decoder, embed, decoder.rotary)
 
 
 def native_decode(strategy: DecodeStrategy, loop: GenerateLoop, gen: GenerationConfig, custom_paths: bool,
@@ -115,7 +119,7 @@ class NativeDecode:
         self._next_n = n + 1
         return torch.tensor([self._queue.popleft()]), 1
 
-    def _parts(self) -> tuple[Any, ...] | None:
+    def _parts(self) -> LoopParts | None:
         runner = self.loop.runner
         decoder = runner.decoder
         if not decoder_takes_loop(decoder, runner.decode_fn):
@@ -127,7 +131,6 @@ class NativeDecode:
         parts = self._parts()
         if parts is None:
             return
-        descs, head, kv = parts
         loop, decoder = self.loop, self.loop.runner.decoder
         left = loop.hist.shape[1] - n
         count = left if self.chunk is None else min(self.chunk, left)
@@ -140,7 +143,9 @@ class NativeDecode:
         loop.runner.backend.begin_step(StepInfo(tok[:, None], next_pos[:, None], self._ones, "decode",
                                                 history_ids=loop.hist[:, :n], history_mask=loop.hist_mask[:, :n],
                                                 all_real=True))
-        tokens, _ = decode_chunk(descs, head, decoder.embed_tokens.weight, cos, sin, kv, loop.cache.valid[0], n - 1,
+        # each layer's window, as CausalDecoder.forward reads them (None: full attention)
+        windows = decoder.layer_windows or [decoder.sliding_window] * len(decoder.layers)
+        tokens, _ = decode_chunk(parts, decoder.embed_tokens.weight, cos, sin, windows, loop.cache.valid[0], n - 1,
                                  int(tok[0]), self.eos, count)
         self.calls += 1
         self._queue.extend(tokens)
@@ -150,8 +155,9 @@ class NativeDecode:
         self.plain.close()
 
 
-def decode_chunk(descs: Any, head: Any, embed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 kv: list[tuple[torch.Tensor, torch.Tensor]], valid: torch.Tensor, cache_position: int, token: int,
-                 eos: list[int], n: int, logits: torch.Tensor | None = None) -> tuple[list[int], list[float]]:
-    """One chunk: :func:`~moeflow.kernels.cpu.layers.decode_loop` (a seam tests wrap to read each step's logits)."""
-    return native_layers.decode_loop(descs, head, embed, cos, sin, kv, valid, cache_position, token, eos, n, logits)
+def decode_chunk(parts: LoopParts, embed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 windows: list[int | None], valid: torch.Tensor, cache_position: int, token: int, eos: list[int],
+                 n: int, logits: torch.Tensor | None = None) -> tuple[list[int], list[float]]:
+    """One chunk: :func:`~moeflow.kernels.cpu.decode_loop.decode_loop` (a seam tests wrap to read each step's
+    logits)."""
+    return decode_loop(parts, embed, cos, sin, windows, valid, cache_position, token, eos, n, logits)

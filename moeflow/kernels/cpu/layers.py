@@ -115,10 +115,6 @@ def _signatures(lib: ctypes.CDLL) -> None:
     lib.mf_decode_step.argtypes = [ctypes.POINTER(LayerDesc), _i, _p, _i, _p, _p, _p, _i, _p, _f, _p, _p,
                                    ctypes.POINTER(HeadDesc), _p, _i]
     lib.mf_decode_step.restype = _i
-    lib.mf_decode_loop.argtypes = [ctypes.POINTER(LayerDesc), _i, _i, _p, ctypes.c_int64, _p, _p, _i, _p, _p, _p, _i,
-                                   ctypes.c_int64, ctypes.c_int64, _f, ctypes.POINTER(HeadDesc), _p, _i, _p, _i, _i,
-                                   _p, _p, _i]
-    lib.mf_decode_loop.restype = _i
 
 
 def head_ok(norm_weight: torch.Tensor, lm_head: torch.nn.Module) -> bool:
@@ -230,49 +226,3 @@ def layers_step(descs: ctypes.Array, x: torch.Tensor, cos: torch.Tensor, sin: to
         raise ValueError(f"layers_step: the CPU kernel refused a GGUF expert's type or size, or the head (code {rc})")
     return out
 
-
-def decode_loop(descs: ctypes.Array, head: HeadDesc, embed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv: Sequence[tuple[torch.Tensor, torch.Tensor]], valid: torch.Tensor, cache_position: int,
-                token: int, eos: Sequence[int], n: int, logits: torch.Tensor | None = None
-                ) -> tuple[list[int], list[float]]:
-    """Up to ``n`` greedy tokens of one sequence in one native call (step_loop.c's ``mf_decode_loop``): per token,
-    its embedding row, :func:`layers_step` with ``head`` at the next cache position (the full-attention mask of
-    ``cache.mark_valid`` + ``attention_mask``), then the first largest logit (numpy's argmax); it stops after a
-    token in ``eos``. ``token``: the first step's input, at ``cache_position``.
-
-    embed fp32 [V', H] (contiguous; the decoder's ``embed_tokens.weight``); cos, sin fp32 [n, D] (contiguous; row
-    i: the rotary of the i-th step's position); kv: per layer (k cache, v cache fp32 [1, n_kv, L, D]), written in
-    place; valid bool [L] (contiguous: the cache's ``valid`` row), written; ``logits``: fp32 [n, V] to receive
-    every step's logits, or None. Returns (the tokens, the times: ``time.monotonic()`` seconds at the call's
-    start, then at each token's end)."""
-    length, dim = kv[0][0].shape[2], kv[0][0].shape[3]
-    if cos.shape != (n, dim) or sin.shape != (n, dim) or not (cos.is_contiguous() and sin.is_contiguous()) \
-            or cos.dtype != torch.float32 or sin.dtype != torch.float32:
-        raise ValueError(f"decode_loop: cos / sin must be contiguous fp32 [{n}, {dim}]")
-    if embed.dtype != torch.float32 or not embed.is_contiguous() or embed.dim() != 2:
-        raise ValueError("decode_loop: embed must be a contiguous fp32 [V, H] table")
-    if valid.dtype != torch.bool or not valid.is_contiguous() or valid.numel() != length:
-        raise ValueError(f"decode_loop: valid must be a contiguous bool tensor of {length} values")
-    keep = logits is not None
-    if keep and (logits.dtype != torch.float32 or not logits.is_contiguous() or logits.numel() != n * head.head.n):
-        raise ValueError(f"decode_loop: logits must be a contiguous fp32 [{n}, {head.head.n}] tensor")
-    mask = torch.empty(length, dtype=torch.bool)
-    ptrs = (ctypes.c_void_p * (3 * len(kv)))(*[p for k, v in kv for p in (k.data_ptr(), v.data_ptr(),
-                                                                             mask.data_ptr())])
-    out = torch.empty(max(n, 1), dtype=torch.int64)
-    times = torch.empty(n + 1, dtype=torch.float64)
-    stops = torch.tensor(list(eos) or [0], dtype=torch.int64)
-    row = logits if keep else torch.empty(head.head.n, dtype=torch.float32)
-    lib = declared(_lib(), _signatures)
-    rc = lib.mf_decode_loop(descs, len(descs), embed.shape[1], embed.data_ptr(), embed.shape[0], cos.data_ptr(),
-                            sin.data_ptr(), dim, ptrs, mask.data_ptr(), valid.data_ptr(), length, cache_position,
-                            token, 1.0 / math.sqrt(dim), ctypes.byref(head), row.data_ptr(), int(keep),
-                            stops.data_ptr(), len(eos), n, out.data_ptr(), times.data_ptr(), torch.get_num_threads())
-    if rc == -1:
-        raise MemoryError("decode_loop: the CPU kernel could not allocate its buffers")
-    if rc == -3:
-        raise IndexError(f"decode_loop: a token outside the embedding table ({embed.shape[0]} rows) or a cache "
-                         f"position past its {length}")
-    if rc < 0:
-        raise ValueError(f"decode_loop: the CPU kernel refused a GGUF expert's type or size, or the head (code {rc})")
-    return out[:rc].tolist(), times[:rc + 1].tolist()
