@@ -149,6 +149,11 @@ def test_eos_inside_a_chunk_and_short_calls(models, chunks, monkeypatch):
         assert out[0, ids.shape[1]:].tolist() == ref[:at + 1]
         assert len(chunks) == (1 if streamer is None else -(-at // native_decode.STREAM_CHUNK))
         assert chunks[-1][0][-1] == ref[at]
+    # a left-padded prompt of one row: rotary positions behind the cache positions, the padding never valid
+    mask = torch.tensor([[0, 0, 1, 1, 1]])
+    chunks.clear()
+    assert torch.equal(_run(model, ids, True, monkeypatch, 6, attention_mask=mask),
+                       _run(model, ids, False, monkeypatch, 6, attention_mask=mask)) and len(chunks) == 1
     for n, calls in ((1, 0), (2, 1)):
         chunks.clear()
         assert _run(model, ids, True, monkeypatch, n)[0, ids.shape[1]:].tolist() == ref[:n]
