@@ -154,6 +154,11 @@ def test_eos_inside_a_chunk_and_short_calls(models, chunks, monkeypatch):
     chunks.clear()
     assert torch.equal(_run(model, ids, True, monkeypatch, 6, attention_mask=mask),
                        _run(model, ids, False, monkeypatch, 6, attention_mask=mask)) and len(chunks) == 1
+    # chunks of at most MAX_CHUNK tokens without a streamer: 11 decode steps in chunks of 4, 4, 3
+    monkeypatch.setattr(native_decode, "MAX_CHUNK", 4)
+    chunks.clear()
+    assert _run(model, ids, True, monkeypatch, 12)[0, ids.shape[1]:].tolist() == ref
+    assert [len(t) for t, _ in chunks] == [4, 4, 3]
     for n, calls in ((1, 0), (2, 1)):
         chunks.clear()
         assert _run(model, ids, True, monkeypatch, n)[0, ids.shape[1]:].tolist() == ref[:n]

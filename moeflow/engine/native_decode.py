@@ -14,9 +14,10 @@ id. The same numbers in the same order: the same logits bit for bit, the same to
 
 It is a :class:`~moeflow.moe.decode.DecodeStrategy` over the plain loop: ``generate()`` still runs its loop token
 by token (the history, EOS, the stats, the streamer), and each step of :class:`NativeDecode` hands out the next token
-of the running chunk, decoding a new chunk when it is empty (all the tokens left at once; :data:`STREAM_CHUNK` with
-a streamer, so it stays live). The per-step times ``generate()`` measures then fall on each chunk's first step; their
-mean (``stats.tpot_s``) and their sum (the phase's time) stay right.
+of the running chunk, decoding a new chunk when it is empty (all the tokens left at once, up to
+:data:`MAX_CHUNK`; :data:`STREAM_CHUNK` with a streamer, so it stays live). The per-step times ``generate()``
+measures then fall on each chunk's first step; their mean (``stats.tpot_s``) and their sum (the phase's time)
+stay right.
 
 Taken only where the per-token path would run exactly these calls (:func:`native_decode`): batch 1, greedy (no
 sampling, no repetition penalty: :func:`~moeflow.engine.sampling.next_tokens` is then numpy's argmax), the plain
@@ -49,7 +50,10 @@ from moeflow.moe.backend import ExpertBackend, StepInfo
 from moeflow.moe.decode import DecodeStrategy
 
 NATIVE_LOOP_ENV = "MOEFLOW_NATIVE_LOOP"  # "0": every decode step through the plain loop (A/B runs, tests)
-STREAM_CHUNK = 4  # tokens per native call when a streamer receives them (without one: every token left at once)
+STREAM_CHUNK = 4  # tokens per native call when a streamer receives them
+# without one: every token left, at most this many per call (a call is not interruptible: Ctrl-C waits for its end;
+# the Python between two calls, ~0.1 ms, is then < 1 us per token)
+MAX_CHUNK = 256
 
 
 def native_loop_enabled() -> bool:
@@ -88,16 +92,16 @@ def native_decode(strategy: DecodeStrategy, loop: GenerateLoop, gen: GenerationC
             or type(backend).begin_step is not ExpertBackend.begin_step \
             or not decoder_takes_loop(runner.decoder, runner.decode_fn):
         return strategy
-    return NativeDecode(strategy, loop, gen.eos_ids(), STREAM_CHUNK if streamer is not None else None)
+    return NativeDecode(strategy, loop, gen.eos_ids(), STREAM_CHUNK if streamer is not None else MAX_CHUNK)
 
 
 class NativeDecode:
-    """The plain loop's steps, decoded ``chunk`` tokens per native call (None: every token left) while
+    """The plain loop's steps, decoded up to ``chunk`` tokens per native call while
     :meth:`_parts` takes them (module docstring); ``eos``: the ids that end the sequence."""
 
     stats = None
 
-    def __init__(self, plain: PlainDecode, loop: GenerateLoop, eos: list[int], chunk: int | None) -> None:
+    def __init__(self, plain: PlainDecode, loop: GenerateLoop, eos: list[int], chunk: int) -> None:
         self.plain, self.loop, self.eos, self.chunk = plain, loop, eos, chunk
         self.calls = 0  # native calls made (each one chunk)
         self._queue: deque[int] = deque()  # the running chunk's tokens not handed out yet
@@ -133,7 +137,7 @@ class NativeDecode:
             return
         loop, decoder = self.loop, self.loop.runner.decoder
         left = loop.hist.shape[1] - n
-        count = left if self.chunk is None else min(self.chunk, left)
+        count = min(self.chunk, left)
         first = int(next_pos[0])
         # the rotary rows, each from the per-token path's own call (one position [1, 1], fp32): the same bits
         rows = [decoder.rotary(torch.tensor([[p]]), torch.float32) for p in range(first, first + count)]
