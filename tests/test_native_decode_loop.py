@@ -3,7 +3,8 @@ as the per-token path (``MOEFLOW_NATIVE_LOOP=0``), each step's logits bit for bi
 and its ``valid`` row left the same, at 1, 2 and 3 threads, on the embedded Mixtral, a tiny Qwen3-MoE and a tiny
 gpt-oss (sliding-window layers); EOS inside a chunk, one and two new tokens, chunks crossed under a streamer (the
 same tokens in the same order), the stats set; and the calls it steps aside from (sampling, a repetition penalty, a
-batch of two, an offloading policy, a hook, the one-call step off) run the plain loop. ~10 s on 2 cores."""
+batch of two, an offloading policy, a hook, the one-call step off) run the plain loop; tied and NaN logits pick
+numpy's index. ~12 s on 2 cores."""
 
 from __future__ import annotations
 
@@ -211,3 +212,34 @@ def test_an_offloading_policy_runs_the_plain_loop(chunks, monkeypatch):
         assert torch.equal(_run(model, ids, True, monkeypatch, 4), ref) and not chunks
     finally:
         model.close()
+
+
+def test_ties_and_nan_logits_pick_numpys_index(models, chunks, monkeypatch):
+    """An lm_head whose second half repeats its first (every logit tied with its twin V/2 later: the first wins),
+    then one with a NaN row (a NaN logit every step: the first NaN wins), as numpy's argmax in the per-token path."""
+    from moeflow.kernels.cpu.quant_linear import quantize_linear_cpu
+
+    model, ids = models["embedded"], _ids(10)
+    dec = model.model
+    head = dec.lm_head
+    w = head.dequantized()
+    half = w.shape[0] // 2
+    try:
+        twins = w.clone()
+        twins[half:2 * half] = twins[:half]
+        for weight in (twins, w):
+            dec.lm_head = quantize_linear_cpu(weight, bits=8)
+            if weight is w:  # row 7's scale NaN: its logit NaN
+                dec.lm_head.int8_scales.view(-1)[7] = float("nan")
+            chunks.clear()
+            ref = _run(model, ids, False, monkeypatch, 6)
+            out = _run(model, ids, True, monkeypatch, 6)
+            assert torch.equal(out, ref) and len(chunks) == 1
+            logits = chunks[0][1]
+            if weight is twins:
+                assert torch.equal(logits[:, :half], logits[:, half:2 * half])  # the ties are there
+                assert all(t < half for t in chunks[0][0])
+            else:
+                assert bool(logits[:, 7].isnan().all()) and chunks[0][0] == [7] * 5
+    finally:
+        dec.lm_head = head

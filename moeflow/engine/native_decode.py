@@ -103,7 +103,6 @@ class NativeDecode:
 
     def __init__(self, plain: PlainDecode, loop: GenerateLoop, eos: list[int], chunk: int) -> None:
         self.plain, self.loop, self.eos, self.chunk = plain, loop, eos, chunk
-        self.calls = 0  # native calls made (each one chunk)
         self._queue: deque[int] = deque()  # the running chunk's tokens not handed out yet
         self._next_n = -1  # the step (its ``n``) the queue's head answers
         self._ones = torch.ones((1, 1), dtype=torch.bool)
@@ -151,7 +150,6 @@ class NativeDecode:
         windows = decoder.layer_windows or [decoder.sliding_window] * len(decoder.layers)
         tokens, _ = decode_chunk(parts, decoder.embed_tokens.weight, cos, sin, windows, loop.cache.valid[0], n - 1,
                                  int(tok[0]), self.eos, count)
-        self.calls += 1
         self._queue.extend(tokens)
         self._next_n = n
 
