@@ -225,4 +225,3 @@ def layers_step(descs: ctypes.Array, x: torch.Tensor, cos: torch.Tensor, sin: to
     if rc:
         raise ValueError(f"layers_step: the CPU kernel refused a GGUF expert's type or size, or the head (code {rc})")
     return out
-
