@@ -141,13 +141,19 @@ def test_the_native_loop_is_the_per_token_path_on_1_2_3_threads(models, kind, ch
 def test_eos_inside_a_chunk_and_short_calls(models, chunks, monkeypatch):
     model, ids = models["embedded"], _ids(5)
     ref = _run(model, ids, False, monkeypatch, 12)[0, ids.shape[1]:].tolist()
-    # an EOS id first produced at the 7th new token (inside the chunk of 11 decode steps, and inside the second
-    # streamed chunk of 4)
+    # an EOS id first produced at new token ``at`` >= 5 (inside the chunk of 11 decode steps, and inside a streamed
+    # chunk of 4 past the first): the same tokens, the cache left as the per-token path leaves it
     at = next(i for i in range(5, len(ref)) if ref[i] not in ref[:i])
+    assert at < len(ref) - 1 and at % native_decode.STREAM_CHUNK
+    ref_cache: list = []
+    _run(model, ids, False, monkeypatch, 12, ref_cache, eos_token_id=ref[at])
     for streamer in (None, Streamer()):
         chunks.clear()
-        out = _run(model, ids, True, monkeypatch, 12, eos_token_id=ref[at], streamer=streamer)
+        cache: list = []
+        out = _run(model, ids, True, monkeypatch, 12, cache, eos_token_id=ref[at], streamer=streamer)
         assert out[0, ids.shape[1]:].tolist() == ref[:at + 1]
+        (c,), (r,) = cache, ref_cache
+        assert torch.equal(c.valid, r.valid) and torch.equal(c.k, r.k) and torch.equal(c.v, r.v)
         assert len(chunks) == (1 if streamer is None else -(-at // native_decode.STREAM_CHUNK))
         assert chunks[-1][0][-1] == ref[at]
     # a left-padded prompt of one row: rotary positions behind the cache positions, the padding never valid
