@@ -1,11 +1,11 @@
 """Greedy batch-1 CPU decoding in native chunks (engine/native_decode.py, kernels/cpu/step_loop.c): the same tokens
 as the per-token path (``MOEFLOW_NATIVE_LOOP=0``), each step's logits bit for bit the per-token step's, the KV cache
 and its ``valid`` row left the same, at 1, 2 and 3 threads, on the embedded Mixtral, a tiny Qwen3-MoE, a tiny
-gpt-oss (sliding-window layers) and a GGUF file's K-quant experts and head; EOS inside a chunk, one and two new
-tokens, chunks crossed with and without a streamer (the same tokens in the same order), the stats set; and the calls
-it steps aside from (sampling, a repetition penalty, a batch of two, an offloading policy, a hook, the one-call step
-off, a GGUF embedding used as stored) run the plain loop; tied and NaN logits pick numpy's index. ~10-20 s on 2
-loaded cores."""
+gpt-oss (sliding-window layers) and a GGUF file's K-quant experts, head and embedding; EOS inside a chunk, one and
+two new tokens, chunks crossed with and without a streamer (the same tokens in the same order), the stats set; and
+the calls it steps aside from (sampling, a repetition penalty, a batch of two, an offloading policy, a hook, the
+one-call step off, a GGUF Q8_0 embedding used as stored) run the plain loop; tied and NaN logits pick numpy's
+index. ~15-25 s on 2 loaded cores."""
 
 from __future__ import annotations
 
@@ -252,11 +252,12 @@ def test_ties_and_nan_logits_pick_numpys_index(models, chunks, monkeypatch):
         dec.lm_head = head
 
 
-def test_gguf_experts_and_head_and_a_stored_embedding(tmp_path, chunks, steps, monkeypatch):
+def test_gguf_experts_head_and_stored_embeddings(tmp_path, chunks, steps, monkeypatch):
     """A Mixtral-layout GGUF file (Q4_K gate/up, Q6_K / Q4_K down by layer, a Q6_K lm_head on its blocks, Q8_0
-    attention): resident on ``device="cpu"`` the native loop runs the GGUF experts and head in the one-call step,
-    each step's logits the per-token step's; mapped (``mmap=True``: its Q8_0 embedding used as stored, not an fp32
-    ``nn.Embedding``) the plain loop runs, the same tokens."""
+    attention) on ``device="cpu"``: copied (an fp32 ``nn.Embedding``) and mapped with a Q4_K embedding used as stored
+    (``mmap=True``: its rows dequantized per lookup, gguf.c's call in the loop too), the native loop runs the GGUF
+    experts and head, each step's logits the per-token step's; mapped with a Q8_0 embedding (a lookup in Python's
+    dequantizer) the plain loop runs, the same tokens."""
     pytest.importorskip("gguf")
     from gguf_models import T, k_mix_experts, random_k_experts, write_gguf
     from helpers import make_tiny_model
@@ -268,25 +269,30 @@ def test_gguf_experts_and_head_and_a_stored_embedding(tmp_path, chunks, steps, m
     model = make_tiny_model(seed=5, hidden_size=h, intermediate_size=i, num_hidden_layers=2, num_local_experts=4,
                             num_experts_per_tok=2)
     raw = k_mix_experts([("Q4_K", "Q6_K"), ("Q4_K", "Q4_K")], 4, h, i)
-    head = random_k_experts("Q6_K", 1, model.config.vocab_size, 9, h)[0]
-    path = tmp_path / "m.gguf"
-    write_gguf(model, path, expert_types=T.Q8_0, other_type=T.Q8_0, raw_experts=raw,
-               raw_tensors={"output.weight": (head, T.Q6_K)})
-    ids, n = _ids(11), 6
-    for mmap in (False, True):
-        m = MoEModel.from_pretrained(path, dtype=torch.float32, device="cpu", mmap=mmap)
-        try:
-            assert isinstance(m.model.embed_tokens, StoredEmbedding) == mmap
-            chunks.clear()
-            steps.clear()
-            ref = _run(m, ids, False, monkeypatch, n)
-            ref_logits = list(steps)
-            assert len(ref_logits) == n - 1
-            assert torch.equal(_run(m, ids, True, monkeypatch, n), ref)
-            if mmap:
-                assert not chunks
-            else:
-                assert len(chunks) == 1 and all(torch.equal(a, b) for a, b in zip(chunks[0][1], ref_logits,
-                                                                                   strict=True))
-        finally:
-            m.close()
+    vocab = model.config.vocab_size
+    head = random_k_experts("Q6_K", 1, vocab, 9, h)[0]
+    for embedding in ("Q8_0", "Q4_K"):
+        path = tmp_path / f"{embedding}.gguf"
+        tensors = {"output.weight": (head, T.Q6_K)}
+        if embedding == "Q4_K":
+            tensors["token_embd.weight"] = (random_k_experts("Q4_K", 1, vocab, 10, h)[0], T.Q4_K)
+        write_gguf(model, path, expert_types=T.Q8_0, other_type=T.Q8_0, raw_experts=raw, raw_tensors=tensors)
+        ids, n = _ids(11), 6
+        for mmap in (False, True):
+            m = MoEModel.from_pretrained(path, dtype=torch.float32, device="cpu", mmap=mmap)
+            try:
+                embed = m.model.embed_tokens
+                assert isinstance(embed, StoredEmbedding) == mmap
+                taken = not mmap or embed.native
+                assert taken == (not mmap or embedding == "Q4_K")
+                chunks.clear()
+                steps.clear()
+                ref = _run(m, ids, False, monkeypatch, n)
+                ref_logits = list(steps)
+                assert len(ref_logits) == n - 1
+                assert torch.equal(_run(m, ids, True, monkeypatch, n), ref)
+                assert len(chunks) == int(taken)
+                if taken:
+                    assert all(torch.equal(a, b) for a, b in zip(chunks[0][1], ref_logits, strict=True))
+            finally:
+                m.close()

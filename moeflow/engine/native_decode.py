@@ -21,11 +21,11 @@ stay right.
 
 Taken only where the per-token path would run exactly these calls (:func:`native_decode`): batch 1, greedy (no
 sampling, no repetition penalty: :func:`~moeflow.engine.sampling.next_tokens` is then numpy's argmax), the plain
-loop (no micro-batches, no dual batch, no path predictor), the decoder's own forward with an fp32 ``nn.Embedding``,
-no hook on the decoder, its embedding or its rotary, the eager step (not a compiled one), the engine's
-:class:`~moeflow.engine.kv_cache.StaticKVCache`, a backend whose ``begin_step`` is the base's (the native experts;
-no offloading policy), and, checked again before every chunk, the one-call step's ``loop_parts``
-(:meth:`~moeflow.engine.cpu_layers.NativeLayers.loop_parts`,
+loop (no micro-batches, no dual batch, no path predictor), the decoder's own forward with an fp32 ``nn.Embedding``
+or a GGUF file's K-quant embedding used as stored (:func:`embed_table`), no hook on the decoder, its embedding or
+its rotary, the eager step (not a compiled one), the engine's :class:`~moeflow.engine.kv_cache.StaticKVCache`, a
+backend whose ``begin_step`` is the base's (the native experts; no offloading policy), and, checked again before
+every chunk, the one-call step's ``loop_parts`` (:meth:`~moeflow.engine.cpu_layers.NativeLayers.loop_parts`,
 :meth:`~moeflow.engine.cpu_layers_gpt_oss.NativeGptOssLayers.loop_parts`: the step enabled and taking this
 backend, head and cache). Otherwise each step is the plain loop's. ``MOEFLOW_NATIVE_LOOP=0`` switches it off.
 """
@@ -44,8 +44,9 @@ from moeflow.engine.cpu_layers_gpt_oss import NativeGptOssLayers
 from moeflow.engine.decode import GenerateLoop, PlainDecode
 from moeflow.engine.kv_cache import StaticKVCache
 from moeflow.engine.sampling import GenerationConfig
+from moeflow.engine.stored_embedding import StoredEmbedding
 from moeflow.families.base import CausalDecoder
-from moeflow.kernels.cpu.decode_loop import LoopParts, decode_loop
+from moeflow.kernels.cpu.decode_loop import EmbedTable, LoopParts, decode_loop
 from moeflow.moe.backend import ExpertBackend, StepInfo
 from moeflow.moe.decode import DecodeStrategy
 
@@ -65,19 +66,30 @@ def _hooked(*modules: nn.Module) -> bool:
     return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
 
 
+def embed_table(embed: nn.Module) -> EmbedTable | None:
+    """The token embedding as the native loop reads it: an ``nn.Embedding`` of an fp32 contiguous CPU weight without
+    ``max_norm``, or a GGUF file's K-quant table used as stored (:class:`StoredEmbedding` with its native lookup,
+    fp32 out); else None (the plain loop)."""
+    if type(embed) is nn.Embedding:
+        w = embed.weight
+        if embed.max_norm is None and w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous():
+            return EmbedTable(w, w.shape[1])
+    elif type(embed) is StoredEmbedding and embed.native and embed.dtype == torch.float32 \
+            and embed.raw.device.type == "cpu" and embed.raw.dim() == 2 and embed.raw.stride(1) == 1:
+        return EmbedTable(embed.raw, embed.embedding_dim, embed.type_id)
+    return None
+
+
 def decoder_takes_loop(decoder: Any, decode_fn: Any) -> bool:
     """Whether the per-token pass of ``decoder`` (run as ``decode_fn``) is the one the native loop reproduces: the
     eager :class:`CausalDecoder` forward with a one-call step (:class:`NativeLayers`, :class:`NativeGptOssLayers`),
-    an fp32 ``nn.Embedding`` without ``max_norm`` and no hook on the decoder, its embedding or its rotary."""
+    an embedding :func:`embed_table` takes and no hook on the decoder, its embedding or its rotary."""
     if decode_fn is not decoder or not isinstance(decoder, CausalDecoder) \
             or type(decoder).forward is not CausalDecoder.forward \
             or not isinstance(decoder.layers_step, (NativeLayers, NativeGptOssLayers)):
         return False
     embed = decoder.embed_tokens
-    if type(embed) is not nn.Embedding or embed.max_norm is not None or embed.weight.dtype != torch.float32 \
-            or embed.weight.device.type != "cpu" or not embed.weight.is_contiguous():
-        return False
-    return not _hooked(decoder, embed, decoder.rotary)
+    return embed_table(embed) is not None and not _hooked(decoder, embed, decoder.rotary)
 
 
 def native_decode(strategy: DecodeStrategy, loop: GenerateLoop, gen: GenerationConfig, custom_paths: bool,
@@ -148,8 +160,8 @@ class NativeDecode:
                                                 all_real=True))
         # each layer's window, as CausalDecoder.forward reads them (None: full attention)
         windows = decoder.layer_windows or [decoder.sliding_window] * len(decoder.layers)
-        tokens, _ = decode_chunk(parts, decoder.embed_tokens.weight, cos, sin, windows, loop.cache.valid[0], n - 1,
-                                 int(tok[0]), self.eos, count)
+        tokens, _ = decode_chunk(parts, embed_table(decoder.embed_tokens), cos, sin, windows, loop.cache.valid[0],
+                                 n - 1, int(tok[0]), self.eos, count)
         self._queue.extend(tokens)
         self._next_n = n
 
@@ -157,7 +169,7 @@ class NativeDecode:
         self.plain.close()
 
 
-def decode_chunk(parts: LoopParts, embed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def decode_chunk(parts: LoopParts, embed: EmbedTable, cos: torch.Tensor, sin: torch.Tensor,
                  windows: list[int | None], valid: torch.Tensor, cache_position: int, token: int, eos: list[int],
                  n: int, logits: torch.Tensor | None = None) -> tuple[list[int], list[float]]:
     """One chunk: :func:`~moeflow.kernels.cpu.decode_loop.decode_loop` (a seam tests wrap to read each step's

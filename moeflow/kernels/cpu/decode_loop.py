@@ -1,9 +1,9 @@
 """Greedy decoding of one sequence, several tokens per native call (step_loop.c's ``mf_decode_loop``, issue 42):
-per token its embedding row, the one-call step with its tail (``mf_decode_step`` for Mixtral-layout decoders,
-:mod:`~moeflow.kernels.cpu.layers`; ``mf_gptoss_decode_step`` for gpt-oss, :mod:`~moeflow.kernels.cpu.gpt_oss_step`)
-at the next cache position under the masks ``cache.mark_valid`` + ``attention_mask`` give (each layer's sliding
-window or full attention), then numpy's argmax; it stops at an EOS id. The engine's driver:
-:mod:`moeflow.engine.native_decode`."""
+per token its embedding row (fp32, or a GGUF file's K-quant row dequantized), the one-call step with its tail
+(``mf_decode_step`` for Mixtral-layout decoders, :mod:`~moeflow.kernels.cpu.layers`; ``mf_gptoss_decode_step`` for
+gpt-oss, :mod:`~moeflow.kernels.cpu.gpt_oss_step`) at the next cache position under the masks
+``cache.mark_valid`` + ``attention_mask`` give (each layer's sliding window or full attention), then numpy's argmax;
+it stops at an EOS id. The engine's driver: :mod:`moeflow.engine.native_decode`."""
 
 from __future__ import annotations
 
@@ -34,19 +34,30 @@ class LoopParts:
     scale: float
 
 
+@dataclass(frozen=True)
+class EmbedTable:
+    """The token embedding the loop reads a row of per token: ``table`` fp32 [V, dim] (contiguous; ``type_id`` 0,
+    ``nn.Embedding``'s weight), or a GGUF file's K-quant rows used as stored, uint8 [V, row_bytes] of ggml type
+    ``type_id`` (Q4_K, Q5_K, Q6_K: ``engine.stored_embedding.StoredEmbedding``'s native lookup)."""
+
+    table: torch.Tensor
+    dim: int
+    type_id: int = 0
+
+
 def _signatures(lib: ctypes.CDLL) -> None:
-    lib.mf_decode_loop.argtypes = [_i, _p, _i, _i, _i, _p, _i64, _p, _p, _i, _p, _p, _p, _i, _p, _i, _i64, _i64, _f,
-                                   ctypes.POINTER(HeadDesc), _p, _i, _p, _i, _i, _p, _p, _i]
+    lib.mf_decode_loop.argtypes = [_i, _p, _i, _i, _i, _p, _i64, _i, _i64, _p, _p, _i, _p, _p, _p, _i, _p, _i,
+                                   _i64, _i64, _f, ctypes.POINTER(HeadDesc), _p, _i, _p, _i, _i, _p, _p, _i]
     lib.mf_decode_loop.restype = _i
 
 
-def decode_loop(parts: LoopParts, embed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def decode_loop(parts: LoopParts, embed: EmbedTable, cos: torch.Tensor, sin: torch.Tensor,
                 windows: Sequence[int | None], valid: torch.Tensor, cache_position: int, token: int,
                 eos: Sequence[int], n: int, logits: torch.Tensor | None = None) -> tuple[list[int], list[float]]:
     """Up to ``n`` greedy tokens from ``token`` (the first step's input, at ``cache_position``), one native call.
 
-    parts: the step (:class:`LoopParts`; its caches written in place); embed fp32 [V', H] (contiguous: the
-    decoder's ``embed_tokens.weight``); cos, sin fp32 [n, D] (contiguous; row i: the rotary of step i's position);
+    parts: the step (:class:`LoopParts`; its caches written in place); embed: the token embedding
+    (:class:`EmbedTable`); cos, sin fp32 [n, D] (contiguous; row i: the rotary of step i's position);
     windows: per layer its sliding window (None: full attention); valid bool [L] (contiguous: the cache's ``valid``
     row), written; ``logits``: fp32 [n, V] to receive every step's logits, or None. Returns (the tokens, the
     times: ``time.monotonic()`` seconds at the call's start, then at each token's end)."""
@@ -57,8 +68,12 @@ def decode_loop(parts: LoopParts, embed: torch.Tensor, cos: torch.Tensor, sin: t
     if cos.shape != (n, dim) or sin.shape != (n, dim) or not (cos.is_contiguous() and sin.is_contiguous()) \
             or cos.dtype != torch.float32 or sin.dtype != torch.float32:
         raise ValueError(f"decode_loop: cos / sin must be contiguous fp32 [{n}, {dim}]")
-    if embed.dtype != torch.float32 or not embed.is_contiguous() or embed.dim() != 2:
-        raise ValueError("decode_loop: embed must be a contiguous fp32 [V, H] table")
+    table = embed.table
+    if table.dim() != 2 or table.device.type != "cpu" or table.stride(1) != 1 \
+            or (embed.type_id == 0 and (table.dtype != torch.float32 or not table.is_contiguous()
+                                        or table.shape[1] != embed.dim)) \
+            or (embed.type_id != 0 and table.dtype != torch.uint8):
+        raise ValueError("decode_loop: embed must be a contiguous fp32 [V, H] table or uint8 [V, row_bytes] rows")
     if valid.dtype != torch.bool or not valid.is_contiguous() or valid.numel() != length:
         raise ValueError(f"decode_loop: valid must be a contiguous bool tensor of {length} values")
     keep = logits is not None
@@ -76,16 +91,19 @@ def decode_loop(parts: LoopParts, embed: torch.Tensor, cos: torch.Tensor, sin: t
     row = logits if keep else torch.empty(head.head.n, dtype=torch.float32)
     lib = declared_library(_signatures, "the native decode loop")
     kmax = max(d.k for d in descs)
-    rc = lib.mf_decode_loop(KINDS[parts.kind], ctypes.addressof(descs), len(descs), kmax, embed.shape[1],
-                            embed.data_ptr(), embed.shape[0], cos.data_ptr(), sin.data_ptr(), dim, ptrs,
+    row_bytes = table.stride(0) * table.element_size()
+    rc = lib.mf_decode_loop(KINDS[parts.kind], ctypes.addressof(descs), len(descs), kmax, embed.dim,
+                            table.data_ptr(), table.shape[0], embed.type_id, row_bytes, cos.data_ptr(),
+                            sin.data_ptr(), dim, ptrs,
                             masks.data_ptr(), widths.data_ptr(), len(distinct), valid.data_ptr(), length,
                             cache_position, token, parts.scale, ctypes.byref(head), row.data_ptr(), int(keep),
                             stops.data_ptr(), len(eos), n, out.data_ptr(), times.data_ptr(), torch.get_num_threads())
     if rc == -1:
         raise MemoryError("decode_loop: the CPU kernel could not allocate its buffers")
     if rc == -3:
-        raise IndexError(f"decode_loop: a token outside the embedding table ({embed.shape[0]} rows) or a cache "
+        raise IndexError(f"decode_loop: a token outside the embedding table ({table.shape[0]} rows) or a cache "
                          f"position past its {length}")
     if rc < 0:
-        raise ValueError(f"decode_loop: the CPU kernel refused a GGUF expert's type or size, or the head (code {rc})")
+        raise ValueError(f"decode_loop: the CPU kernel refused a GGUF expert's type or size, the head or the "
+                         f"embedding's type (code {rc})")
     return out[:rc].tolist(), times[:rc + 1].tolist()

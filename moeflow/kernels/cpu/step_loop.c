@@ -5,7 +5,9 @@
    CausalDecoder.forward, NativeLayers.logits / NativeGptOssLayers.logits, sampling.next_tokens), in the same order
    and with the same numbers:
 
-   * the embedding: the last token's row of the fp32 table (nn.Embedding's lookup: a copy of the row);
+   * the embedding: the last token's row of the fp32 table (nn.Embedding's lookup: a copy of the row), or of a GGUF
+     file's K-quant table used as stored (embed_type its ggml type id: engine/stored_embedding.py's lookup,
+     gguf.c's mf_gguf_dequant_rows, the same call);
    * the rotary cos / sin: row i of tables the caller computed with the decoder's own rotary module for the
      positions the call covers (the same bits as the per-token path's);
    * the masks: cache.mark_valid (valid[q] = 1 for the real token at cache position q), then kv_cache.py's
@@ -23,6 +25,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "gguf.h"  /* mf_gguf_dequant_rows */
 #include "step.h"
 
 /* step_gptoss.c's (its layer type is private to it: the descriptors pass through as they came from Python) */
@@ -49,18 +52,19 @@ static int64_t argmax_first(const float* v, int n) {
 }
 
 /* kind 0: layers mf_layer_desc [nl], 1: gpt-oss's [nl]; H, kv (3 per layer: k cache, v cache, the layer's mask
-   row), L, scale, head and nthreads: the step's. kmax: the layers' largest top-k. embed fp32 [n_embed, H]; cos / sin
+   row), L, scale, head and nthreads: the step's. kmax: the layers' largest top-k. embed: fp32 [n_embed, H]
+   (embed_type 0), or n_embed rows of ggml type embed_type, embed_stride bytes apart (a K-quant type); cos / sin
    fp32 [n, D] (row i: step i's position); masks uint8 [n_masks, L] (scratch the kv entries point into), windows
    int64 [n_masks] (each row's sliding window, -1: full attention); valid uint8 [L] (the cache's row, written); the
    first step's input token tok0 at cache position q0. logits fp32 [V] (keep_all: [n, V], every step's). Output:
    tokens int64 [n], times fp64 [n + 1] (CLOCK_MONOTONIC seconds: the call's start, then each token's end).
    Returns how many tokens were decoded (1 .. n), or the step's error code (-1 out of memory, -2 refused), -3 for a
    token outside the embedding table or a position past the cache. */
-int mf_decode_loop(int kind, const void* layers, int nl, int kmax, int H, const float* embed, int64_t n_embed,
-                   const float* cos, const float* sin, int D, void* const* kv, uint8_t* masks, const int64_t* windows,
-                   int n_masks, uint8_t* valid, int L, int64_t q0, int64_t tok0, float scale, const mf_head_desc* head,
-                   float* logits, int keep_all, const int64_t* eos, int n_eos, int n, int64_t* tokens, double* times,
-                   int nthreads) {
+int mf_decode_loop(int kind, const void* layers, int nl, int kmax, int H, const void* embed, int64_t n_embed,
+                   int embed_type, int64_t embed_stride, const float* cos, const float* sin, int D, void* const* kv,
+                   uint8_t* masks, const int64_t* windows, int n_masks, uint8_t* valid, int L, int64_t q0,
+                   int64_t tok0, float scale, const mf_head_desc* head, float* logits, int keep_all,
+                   const int64_t* eos, int n_eos, int n, int64_t* tokens, double* times, int nthreads) {
     times[0] = now_s();
     if (n <= 0) return 0;
     const size_t nk = (size_t)(nl > 0 ? nl : 1) * (size_t)(kmax > 0 ? kmax : 1);
@@ -73,7 +77,12 @@ int mf_decode_loop(int kind, const void* layers, int nl, int kmax, int H, const 
     for (int i = 0; i < n && !rc; i++) {
         const int64_t tok = i ? tokens[i - 1] : tok0, q = q0 + i;
         if (tok < 0 || tok >= n_embed || q < 0 || q >= L) { rc = -3; break; }
-        memcpy(x, embed + tok * (int64_t)H, sizeof(float) * (size_t)H);
+        if (embed_type) {
+            rc = mf_gguf_dequant_rows(embed_type, (const uint8_t*)embed + tok * embed_stride, 1, H, embed_stride, x);
+            if (rc) break;
+        } else {
+            memcpy(x, (const float*)embed + tok * (int64_t)H, sizeof(float) * (size_t)H);
+        }
         valid[q] = 1;
         for (int m = 0; m < n_masks; m++) {
             uint8_t* mask = masks + (size_t)m * L;
