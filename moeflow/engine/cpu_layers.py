@@ -130,9 +130,9 @@ class NativeLayers:
                    ) -> LoopParts | None:
         """The step's :class:`~moeflow.kernels.cpu.decode_loop.LoopParts` (the layers' descriptors, the tail's, each
         layer's (k, v) cache, the scale) for a greedy loop of one-token passes (:mod:`moeflow.engine.native_decode`)
-        when :meth:`logits` would take such a pass on ``cache`` with these
-        ``experts``, ``norm`` and ``lm_head``, else None: the checks of :meth:`_take` that do not depend on the
-        pass's own tensors (those the loop makes itself: one fp32 token, cos / sin, masks, its position)."""
+        when :meth:`logits` would take such a pass on ``cache`` with these ``experts``, ``norm`` and ``lm_head``,
+        else None: the checks of :meth:`_take` that do not depend on the pass's own tensors (those the loop makes
+        itself: one fp32 token, cos / sin, masks, its position)."""
         head = self._tail.desc(norm, lm_head)
         layer_kv = cache.layer_kv
         if head is None or not self.enabled or layer_kv is None or not native_experts(experts) or not self._fused():

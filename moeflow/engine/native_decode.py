@@ -154,6 +154,8 @@ class NativeDecode:
         rows = [decoder.rotary(torch.tensor([[p]]), torch.float32) for p in range(first, first + count)]
         cos = torch.cat([c.reshape(1, -1) for c, _ in rows])
         sin = torch.cat([s.reshape(1, -1) for _, s in rows])
+        if cos.dtype != torch.float32 or cos.shape[1] != parts.kv[0][0].shape[3]:
+            return  # (a partial rotary: the per-token step's checks refuse it too, pass_caches)
         # what Runner.forward_pass tells the backend before each pass (the base's begin_step: the real tokens)
         loop.runner.backend.begin_step(StepInfo(tok[:, None], next_pos[:, None], self._ones, "decode",
                                                 history_ids=loop.hist[:, :n], history_mask=loop.hist_mask[:, :n],
