@@ -356,7 +356,78 @@ INLINE facc facc_add(int type, facc acc, lanes is, lanes im, float dx, float mx)
 }
 #endif
 
-/* Row `row` (nb blocks of K-quant `type`) against the tokens t0 .. t0 + tt: y[t * ldy]. `type` and `tt` are
+/* Q4_K (session 19): a block's 8 integer lanes summed into one exact isum and one imin per token, then across
+   blocks A = fma(isum, d xs, A), B = fma(imin, dmin xs, B), y = A - B: the numbers of the 8-row interleaved form
+   (gguf_q4kx8.c), which sums each row's block in one register lane. kacc holds (A, B). */
+#if MF_AVX2
+typedef __m128 kacc;  /* (A, B, 0, 0) */
+typedef __m128 kdd;   /* (d, dmin, 0, 0): k4_dd */
+INLINE kacc kacc_zero(void) { return _mm_setzero_ps(); }
+INLINE kacc kacc_add(kacc acc, lanes is, lanes im, kdd dd, float xs) {
+    const __m256i t = _mm256_hadd_epi32(is, im);
+    __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+    u = _mm_hadd_epi32(u, u);  /* (isum, imin, isum, imin) */
+    return _mm_fmadd_ps(_mm_cvtepi32_ps(u), _mm_mul_ps(dd, _mm_set1_ps(xs)), acc);
+}
+INLINE float kacc_y(kacc acc) { return _mm_cvtss_f32(_mm_sub_ss(acc, _mm_movehdup_ps(acc))); }
+#else
+typedef struct { float a, b; } kacc;
+typedef struct { float d, dmin; } kdd;
+INLINE kacc kacc_zero(void) { kacc z = {0.0f, 0.0f}; return z; }
+INLINE kacc kacc_add(kacc acc, lanes is, lanes im, kdd dd, float xs) {
+    int32_t s = 0, m = 0;
+    for (int l = 0; l < 8; l++) { s += is.v[l]; m += im.v[l]; }
+    acc.a = fmaf((float)s, dd.d * xs, acc.a);
+    acc.b = fmaf((float)m, dd.dmin * xs, acc.b);
+    return acc;
+}
+INLINE float kacc_y(kacc acc) { return acc.a - acc.b; }
+#endif
+
+INLINE void q4k_tile(const uint8_t* row, int nb, int t0, int tt, const acts* a, float* y, int ldy) {
+    const int K = a->K;
+    kacc acc[GTT];
+    for (int i = 0; i < tt; i++) acc[i] = kacc_zero();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t* w = row + (size_t)b * 144;
+#if MF_AVX2
+        for (int o = 0; o < 144; o += 64) _mm_prefetch((const char*)(w + MF_Q4_PREFETCH + o), _MM_HINT_T0);
+        const kdd dd = k4_dd(w);
+#else
+        const kdd dd = {h2f(w), h2f(w + 2)};
+#endif
+        const int8_t* xq = a->q + (size_t)b * QKK;
+        const int16_t* bs = a->sum + 16 * (size_t)b;
+        const float* xs = a->s + b;
+#if MF_AVX512
+        q4kblock kb;
+        decode_q4k_512(w, &kb);
+#else
+        kblock kb;
+        decode_q4k(w, &kb);
+#endif
+        for (int i = 0; i < tt; i++) {
+            lanes is, im;
+#if MF_AVX512
+            kdotq4k_512(&kb, xq + (size_t)(t0 + i) * K, bs + (size_t)(t0 + i) * (K / 16), &is, &im);
+#else
+            kdot(&kb, xq + (size_t)(t0 + i) * K, bs + (size_t)(t0 + i) * (K / 16), &is, &im);
+#endif
+            acc[i] = kacc_add(acc[i], is, im, dd, xs[(size_t)(t0 + i) * (K / QKK)]);
+        }
+    }
+    for (int i = 0; i < tt; i++) y[(size_t)(t0 + i) * ldy] = kacc_y(acc[i]);
+}
+
+INLINE void q4k_row(const uint8_t* row, int nb, int T, const acts* a, float* y, int ldy) {
+    int t0 = 0;
+    for (; t0 + GTT <= T; t0 += GTT) q4k_tile(row, nb, t0, GTT, a, y, ldy);
+    if (T - t0 >= 4) { q4k_tile(row, nb, t0, 4, a, y, ldy); t0 += 4; }
+    if (T - t0 >= 2) { q4k_tile(row, nb, t0, 2, a, y, ldy); t0 += 2; }
+    if (T - t0 >= 1) q4k_tile(row, nb, t0, 1, a, y, ldy);
+}
+
+/* Row `row` (nb blocks of K-quant `type`: Q5_K, Q6_K) against the tokens t0 .. t0 + tt: y[t * ldy]. `type` and `tt` are
    constants after inlining, so the tile's accumulators stay in registers. */
 INLINE void ktile(int type, const uint8_t* row, int nb, int t0, int tt, const acts* a, float* y, int ldy) {
     const int K = a->K, tb = type_bytes(type);
@@ -384,15 +455,6 @@ INLINE void ktile(int type, const uint8_t* row, int nb, int t0, int tt, const ac
                 kdot6_512(&kb, TOKEN(i), &is, &im);
                 acc[i] = facc_add(type, acc[i], is, im, kb.d * XS(i), 0.0f);
             }
-        } else if (type == GG_Q4_K) {
-            q4kblock kb;
-            decode_q4k_512(w, &kb);
-            const __m128 dd = k4_dd(w);
-            for (int i = 0; i < tt; i++) {
-                lanes is, im;
-                kdotq4k_512(&kb, TOKEN(i), &is, &im);
-                acc[i] = facc_add_k4(acc[i], is, im, dd, XS(i));
-            }
         } else {
             k4block kb;
             decode_k4_512(type, w, &kb);
@@ -405,8 +467,7 @@ INLINE void ktile(int type, const uint8_t* row, int nb, int t0, int tt, const ac
         }
 #else
         kblock kb;
-        if (type == GG_Q4_K) decode_q4k(w, &kb);
-        else if (type == GG_Q5_K) decode_q5k(w, &kb);
+        if (type == GG_Q5_K) decode_q5k(w, &kb);
         else decode_q6k(w, &kb);
 #if MF_AVX2
         if (type != GG_Q6_K) {
@@ -444,7 +505,7 @@ void mf_gguf_krows(int type, const uint8_t* w, int64_t stride, int n0, int n1, i
                    int ldy) {
     switch (type) {  /* one copy of the row loop per type, its decode inlined (no call per row) */
         case GG_Q4_K:
-            for (int n = n0; n < n1; n++) krow(GG_Q4_K, w + (size_t)n * stride, nb, T, a, y + n, ldy);
+            for (int n = n0; n < n1; n++) q4k_row(w + (size_t)n * stride, nb, T, a, y + n, ldy);
             break;
         case GG_Q5_K:
             for (int n = n0; n < n1; n++) krow(GG_Q5_K, w + (size_t)n * stride, nb, T, a, y + n, ldy);
