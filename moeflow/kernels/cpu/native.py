@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name(f) for f in ("native.c", "q4.c", "q4z.c", "q8.c", "step.c", "step_region.c",
                                                      "step_gptoss.c",  # gpt-oss's one-call decode step
                                                      "step_head.c", "repack.c",
-                                                     "gguf.c", "gguf_k.c", "gguf_q4kx8.c",  # GGUF experts (kernels/cpu/gguf.py)
+                                                     "gguf.c", "gguf_k.c", "gguf_q4kx8.c",  # GGUF experts (gguf.py)
                                                      "mxfp4.c", "mxfp4_epilogue.c"))  # MXFP4 (mxfp4_native.py)
 HEADERS = tuple(Path(__file__).with_name(f) for f in ("native.h", "gguf.h", "step.h", "mxfp4.h",  # in the digest
                                                      "mxfp4_pair.h"))
