@@ -26,6 +26,8 @@ and under offloading policies (their slots and host rows are copies by design).
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from moeflow import kernels
@@ -58,13 +60,15 @@ class MappedGGUFExperts(ExpertBackend):
         self.mapping = mapping if mapping is not None else MappedGGUF()
         stored = [[source.expert(layer, e) for e in range(self.num_experts)] for layer in range(self.num_layers)]
         self.experts: list[list[GGUFCpuExpert]] = [[self._form(x) for x in row] for row in stored]
-        self.repacked_nbytes = 0  # bytes of the interleaved Q4_K copies (gguf_repack)
+        self.repacked_nbytes, self.repack_s = 0, 0.0  # the interleaved Q4_K copies (gguf_repack): bytes, seconds
         if gguf_repack.enabled():
+            start = time.perf_counter()
             def release(layer: int, expert: int, names: list[str]) -> None:  # the mapped pages read: out of the RSS
                 for name in names:
                     s = stored[layer][expert].slices[name]
                     self.mapping.release(s.path, s.offset, s.nbytes)
             self.repacked_nbytes = gguf_repack.repack_experts(self.experts, load_workers(), release)
+            self.repack_s = time.perf_counter() - start
 
     def _form(self, x: ExpertBytes) -> GGUFCpuExpert:
         views = {}
