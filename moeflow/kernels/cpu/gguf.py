@@ -5,7 +5,9 @@ down projections) and Q8_0 files run hybrid compute and ``device="cpu"`` without
 
 The CPU form of an expert (:class:`GGUFCpuExpert`) is its three matrices' bytes (uint8 ``[rows, row_bytes]``, the
 region's or the loader form's) and their block types: it keeps no other copy, and a call reads exactly the
-expert's file bytes (gate and up row by row in one pass, then down).
+expert's file bytes (gate and up row by row in one pass, then down). The exception: Q4_K matrices of the experts
+resident over a mapped file, repacked at load into rows interleaved 8 at a time (:data:`Q4_K_X8`,
+:mod:`moeflow.kernels.cpu.gguf_repack`), which give the same bits as their Q4_K blocks.
 
 Numerics (:func:`gguf_expert_reference` is the fp32 model): activations rounded to int8 per block (scale
 max|x| / 127, round half to even), weights exact, each block's integer sum exact, fp32 across blocks; the
@@ -140,7 +142,8 @@ class GGUFLinear(nn.Module):
 @dataclass
 class GGUFCpuExpert:
     """One SwiGLU expert as GGUF blocks: ``gate``, ``up`` uint8 ``[I, >= row_bytes]`` of ``gate_up_type``, ``down``
-    uint8 ``[H, >= row_bytes]`` of ``down_type`` (views of a region or the loader form: no copy is made)."""
+    uint8 ``[H, >= row_bytes]`` of ``down_type`` (views of a region or the loader form: no copy is made; a type
+    :data:`Q4_K_X8`: the interleaved copy of Q4_K rows, contiguous ``[rows, row_bytes]``)."""
 
     gate: torch.Tensor
     up: torch.Tensor

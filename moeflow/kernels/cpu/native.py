@@ -52,8 +52,8 @@ SOURCES = tuple(Path(__file__).with_name(f) for f in ("native.c", "q4.c", "q4z.c
                                                      "step_head.c", "repack.c",
                                                      "gguf.c", "gguf_k.c", "gguf_q4kx8.c",  # GGUF experts (gguf.py)
                                                      "mxfp4.c", "mxfp4_epilogue.c"))  # MXFP4 (mxfp4_native.py)
-HEADERS = tuple(Path(__file__).with_name(f) for f in ("native.h", "gguf.h", "step.h", "mxfp4.h",  # in the digest
-                                                     "mxfp4_pair.h"))
+HEADERS = tuple(Path(__file__).with_name(f) for f in ("native.h", "gguf.h", "gguf_kblock.h", "step.h", "mxfp4.h",
+                                                     "mxfp4_pair.h"))  # in the digest
 BLOCK = 32  # activation features per int8 scale (and the weights' packing block)
 ROW_GROUP = 8  # q4 and q8 rows interleaved together (q4.c's and q8.c's layouts)
 _LIB: ctypes.CDLL | None | bool = False  # False: not tried yet; None: unavailable
