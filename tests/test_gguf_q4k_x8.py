@@ -50,6 +50,18 @@ def test_repacked_rows_are_the_row_kernels_bits_and_the_fp32_model(n, k):
         _close(y, _fp32_model(x, w, k))
 
 
+def test_the_repacked_form_lies_on_huge_page_memory(monkeypatch):
+    """The interleaved copy comes from kernels/cpu/hugepages.py: an anonymous mapping advised MADV_HUGEPAGE."""
+    from moeflow.kernels.cpu import hugepages
+
+    monkeypatch.delenv(hugepages.ENV, raising=False)
+    if not hugepages.enabled():
+        pytest.skip(f"no transparent huge pages to advise here (THP mode {hugepages.thp_mode()!r})")
+    x8 = repack_q4k(random_blocks("Q4_K", 512, 1024, torch.Generator().manual_seed(5)), 1024)  # 296 KB
+    m = hugepages.mapping_of(x8)
+    assert m is not None and "hg" in m["flags"] and m["pathname"] == "", m
+
+
 def test_ragged_rows_stay_on_the_row_kernel():
     w = random_blocks("Q4_K", 37, 512, torch.Generator().manual_seed(1))
     assert not repackable(w, Q4_K) and repackable(w[:32], Q4_K) and not repackable(w[:32], ggml_type("Q6_K"))
