@@ -48,9 +48,34 @@ static void repack_groups(const uint8_t* w, int64_t stride, int nb, int g0, int 
                     o[32 + 8 * i + r] = (uint8_t)(sc8 >> (8 * i));
                     o[96 + 8 * i + r] = (uint8_t)(mn8 >> (8 * i));
                 }
+#if !MF_AVX2
                 for (int c = 0; c < 4; c++)
                     for (int q = 0; q < 8; q++) memcpy(o + 160 + ((c * 8 + q) * 8 + r) * 4, s + 16 + 32 * c + 4 * q, 4);
+#endif
             }
+#if MF_AVX2
+            /* the codes: per chunk an 8 x 8 transpose of dwords (row r's quad q -> vector q's dword r) */
+            const uint8_t* s0 = w + (size_t)(8 * g) * stride + (size_t)b * 144 + 16;
+            for (int c = 0; c < 4; c++) {
+                __m256i v[8], t[8], u[8];
+                for (int r = 0; r < 8; r++) v[r] = _mm256_loadu_si256((const __m256i*)(s0 + (size_t)r * stride + 32 * c));
+                for (int k = 0; k < 4; k++) {  /* t[2k] (rows 2k, 2k + 1): quads 0, 1 | 4, 5; t[2k + 1]: 2, 3 | 6, 7 */
+                    t[2 * k] = _mm256_unpacklo_epi32(v[2 * k], v[2 * k + 1]);
+                    t[2 * k + 1] = _mm256_unpackhi_epi32(v[2 * k], v[2 * k + 1]);
+                }
+                for (int k = 0; k < 2; k++) {  /* u[4k + j] (rows 4k .. 4k + 3): quad j | j + 4 */
+                    u[4 * k] = _mm256_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
+                    u[4 * k + 1] = _mm256_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
+                    u[4 * k + 2] = _mm256_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
+                    u[4 * k + 3] = _mm256_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
+                }
+                uint8_t* d = o + 160 + c * 8 * 32;
+                for (int j = 0; j < 4; j++) {
+                    _mm256_storeu_si256((__m256i*)(d + 32 * j), _mm256_permute2x128_si256(u[j], u[4 + j], 0x20));
+                    _mm256_storeu_si256((__m256i*)(d + 32 * (j + 4)), _mm256_permute2x128_si256(u[j], u[4 + j], 0x31));
+                }
+            }
+#endif
         }
 }
 
