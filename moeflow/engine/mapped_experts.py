@@ -10,8 +10,9 @@ are the page cache's own, shared with every other process that maps or reads the
 
 Q4_K matrices (rows in multiples of 8) are the exception: they are repacked at load into rows interleaved 8 at a
 time (:mod:`moeflow.kernels.cpu.gguf_repack`, in anonymous huge-page memory, on the load's threads; the pages read
-are dropped from the process's resident set, ``MADV_DONTNEED``, and stay in the page cache), which the kernels run
-1.5x faster with the same bits; ``MOEFLOW_GGUF_REPACK=0`` keeps them mapped.
+are dropped from the process's resident set, ``MADV_DONTNEED``, and stay in the page cache): the same bits, a block
+in ~0.6x the row kernel's compute, 10-13 % less CPU time per decoded token on the peer Q4_K_M file
+(benchmarks/results/peers/s19/q4kx8_README.md); ``MOEFLOW_GGUF_REPACK=0`` keeps them mapped.
 
 The numbers are those of the copied pool (:class:`~moeflow.moe.resident.ResidentExperts` with
 ``GGUFFormat.cpu_kernels``): the same kernels over the same bytes, grouped by
