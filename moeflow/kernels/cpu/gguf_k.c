@@ -106,10 +106,69 @@ INLINE void q4k_tile(const uint8_t* row, int nb, int t0, int tt, const acts* a, 
     for (int i = 0; i < tt; i++) y[(size_t)(t0 + i) * ldy] = kacc_y(acc[i]);
 }
 
+#if MF_AVX2
+/* q4k_tile for tt (a multiple of 4) tokens, 4 tokens' sums reduced at once: r = (isum, imin) of tokens 0 .. 3 as
+   8 int32 lanes, then (A, B) of the 4 tokens in one register by one fused multiply-add per lane: kacc_add's
+   operations lane by lane, so its bits (the integers are exact in any order). */
+INLINE __m256i k4_reduce4(const lanes* is, const lanes* im) {
+    const __m256i a = _mm256_hadd_epi32(is[0], im[0]), b = _mm256_hadd_epi32(is[1], im[1]);
+    const __m256i c = _mm256_hadd_epi32(is[2], im[2]), d = _mm256_hadd_epi32(is[3], im[3]);
+    const __m256i ab = _mm256_hadd_epi32(a, b), cd = _mm256_hadd_epi32(c, d);  /* per 128-bit half: is0 im0 is1 im1 */
+    return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20), _mm256_permute2x128_si256(ab, cd, 0x31));
+}
+
+INLINE void q4k_tile4(const uint8_t* row, int nb, int t0, int tt, const acts* a, float* y, int ldy) {
+    const int K = a->K;
+    const __m256i pairs = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+    __m256 acc[GTT / 4];
+    for (int j = 0; j < tt / 4; j++) acc[j] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t* w = row + (size_t)b * 144;
+        for (int o = 0; o < 144; o += 64) _mm_prefetch((const char*)(w + MF_Q4_PREFETCH + o), _MM_HINT_T0);
+        const __m256 dd = _mm256_castpd_ps(_mm256_broadcastsd_pd(_mm_castps_pd(k4_dd(w))));  /* (d, dmin) x 4 */
+        const int8_t* xq = a->q + (size_t)b * QKK;
+        const int16_t* bs = a->sum + 16 * (size_t)b;
+        const float* xs = a->s + b;
+#if MF_AVX512
+        q4kblock kb;
+        decode_q4k_512(w, &kb);
+#else
+        kblock kb;
+        decode_q4k(w, &kb);
+#endif
+        for (int j = 0; j < tt / 4; j++) {
+            lanes is[4], im[4];
+            float x4[4];
+            for (int i = 0; i < 4; i++) {
+                const size_t t = (size_t)(t0 + 4 * j + i);
+#if MF_AVX512
+                kdotq4k_512(&kb, xq + t * K, bs + t * (K / 16), &is[i], &im[i]);
+#else
+                kdot(&kb, xq + t * K, bs + t * (K / 16), &is[i], &im[i]);
+#endif
+                x4[i] = xs[t * (K / QKK)];
+            }
+            const __m256 xv = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(x4)), pairs);
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(k4_reduce4(is, im)), _mm256_mul_ps(dd, xv), acc[j]);
+        }
+    }
+    for (int j = 0; j < tt / 4; j++) {
+        float v[8];
+        _mm256_storeu_ps(v, _mm256_sub_ps(acc[j], _mm256_movehdup_ps(acc[j])));  /* A - B in the even lanes */
+        for (int i = 0; i < 4; i++) y[(size_t)(t0 + 4 * j + i) * ldy] = v[2 * i];
+    }
+}
+#endif
+
 INLINE void q4k_row(const uint8_t* row, int nb, int T, const acts* a, float* y, int ldy) {
     int t0 = 0;
+#if MF_AVX2
+    for (; t0 + GTT <= T; t0 += GTT) q4k_tile4(row, nb, t0, GTT, a, y, ldy);
+    if (T - t0 >= 4) { q4k_tile4(row, nb, t0, 4, a, y, ldy); t0 += 4; }
+#else
     for (; t0 + GTT <= T; t0 += GTT) q4k_tile(row, nb, t0, GTT, a, y, ldy);
     if (T - t0 >= 4) { q4k_tile(row, nb, t0, 4, a, y, ldy); t0 += 4; }
+#endif
     if (T - t0 >= 2) { q4k_tile(row, nb, t0, 2, a, y, ldy); t0 += 2; }
     if (T - t0 >= 1) q4k_tile(row, nb, t0, 1, a, y, ldy);
 }
