@@ -12,7 +12,13 @@ import torch
 from gguf_block_helpers import random_blocks
 
 from moeflow.kernels.cpu import native as cpu_native
-from moeflow.kernels.cpu.gguf import Q4_K_X8, GGUFCpuExpert, gguf_linear, quantize_activations
+from moeflow.kernels.cpu.gguf import (
+    Q4_K_X8,
+    GGUFCpuExpert,
+    gguf_expert_reference,
+    gguf_linear,
+    quantize_activations,
+)
 from moeflow.kernels.cpu.gguf_repack import repack_q4k, repackable, repacked_expert, unpack_q4k_x8
 from moeflow.kernels.cpu.native import SIMD_NAMES, native_available
 from moeflow.kernels.experts.gguf_reference import ggml_type
@@ -84,6 +90,7 @@ def test_a_repacked_expert_gives_the_stored_experts_bits(down):
     assert r.nbytes == e.nbytes * 148 // 144 if down == "Q4_K" else r.down is e.down
     x, w = torch.randn(5, 256, generator=g), torch.rand(5, generator=g)
     assert torch.equal(r.forward(x, w), e.forward(x, w))
+    assert torch.equal(gguf_expert_reference(r, x, w), gguf_expert_reference(e, x, w))  # (the unpacked values)
 
 
 def _x8_outputs() -> list[torch.Tensor]:
