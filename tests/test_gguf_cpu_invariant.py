@@ -93,9 +93,13 @@ def test_cpu_kernels_give_the_resident_tokens(tiny, policy, cpu_compute, transpo
             assert s.prefill.bytes_h2d + s.decode.bytes_h2d > 0
 
 
-def test_mapped_experts_give_the_copied_tokens(tiny):
+@pytest.mark.parametrize("repack", ["1", "0"])
+def test_mapped_experts_give_the_copied_tokens(tiny, repack, monkeypatch):
     """mmap=True (the default), resident on the CPU: every expert's blocks are views of the mapped file
-    (engine/mapped_experts.py), nothing copied, and the greedy tokens those of the copied pool."""
+    (engine/mapped_experts.py), nothing copied, except Q4_K matrices repacked into rows interleaved by 8
+    (kernels/cpu/gguf_repack.py; ``MOEFLOW_GGUF_REPACK=0``: views too), and the greedy tokens those of the
+    copied pool."""
+    monkeypatch.setenv("MOEFLOW_GGUF_REPACK", repack)
     path, ids, mask, expected = tiny
     before = path.read_bytes()
     model = MoEModel.from_pretrained(path, dtype=torch.float32, offload=OffloadConfig(policy="resident"))
@@ -104,7 +108,12 @@ def test_mapped_experts_give_the_copied_tokens(tiny):
         assert type(backend) is MappedGGUFExperts and backend.fmt.cpu_kernels
         forms = [f for row in backend.experts for f in row]
         assert len(forms) == ALL_SLOTS
-        assert all(backend.mapping.owns(t) for f in forms for t in (f.gate, f.up, f.down))
+        stored = [t for f in forms for t, kind in ((f.gate, f.gate_up_type), (f.up, f.gate_up_type),
+                                                   (f.down, f.down_type)) if kind.name != "Q4_K_X8"]
+        assert all(backend.mapping.owns(t) for t in stored)
+        # layer 0's Q4_K gate and up (8 experts x 2 x 256 rows of 148 bytes per block) repacked, or none
+        assert len(stored) == 3 * ALL_SLOTS - (2 * EXPERTS if repack == "1" else 0)
+        assert backend.repacked_nbytes == (EXPERTS * 2 * I * H // 256 * 148 if repack == "1" else 0)
         out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
                              eos_token_id=[])
     finally:

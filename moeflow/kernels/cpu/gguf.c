@@ -1,6 +1,7 @@
 /* GGUF experts on the CPU (issue 39): an expert's gate, up and down matrices read as the file stores them (ggml
    blocks, rows one after the other: the bytes the host store, the disk tier and the slots hold) times int8
-   activations. Types: Q4_0, Q8_0, Q4_K, Q5_K, Q6_K (block layouts: moeflow/kernels/experts/gguf_reference.py).
+   activations. Types: Q4_0, Q8_0, Q4_K, Q5_K, Q6_K (block layouts: moeflow/kernels/experts/gguf_reference.py), and
+   Q4_K rows repacked 8 at a time at load (GG_Q4_KX8, gguf_q4kx8.c: Q4_K's numbers bit for bit).
    Binding and fp32 model: moeflow/kernels/cpu/gguf.py.
 
    Activations (as llama.cpp pairs them): for Q4_0 and Q8_0 weights, blocks of 32 (its Q8_0 activations), for the
@@ -14,8 +15,11 @@
      K-quants: per block 8 exact int32 lanes (gguf_k.c's kdot: lane l holds the codes 32 i + 4 l + c, c < 4, each
        times its scale, and the mins' or offsets' share of two 16-groups), then 8 fp32 lanes accumulated across
        blocks by fused multiply-adds, summed once per row in a fixed order:
-       Q4_K, Q5_K (q in [0, 31], 6-bit sc and m per 32 codes): lane += isum_l (d xs), lane += imin_l (-dmin xs),
+       Q5_K (q in [0, 31], 6-bit sc and m per 32 codes): lane += isum_l (d xs), lane += imin_l (-dmin xs),
          isum = sum sc[s] q xq, imin = sum m[s] * (sum of 16 codes);
+       Q4_K (since session 19, so that the 8-row interleaved form gives the same bits): the 8 lanes summed into one
+         exact int32 per block, isum and imin, then A = fma(isum, d xs, A), B = fma(imin, dmin xs, B) across blocks
+         and the row's y = A - B;
        Q6_K (q in [0, 63] stored, value q - 32, int8 sc per 16): lane += (isum_l - imin_l) (d xs),
          imin = sum 32 sc[g] * (sum of 16 codes).
 
@@ -212,6 +216,10 @@ static void q4_0_row(const uint8_t* row, int nb, int T, const acts* a, float* y,
 static void rows(int type, const uint8_t* w, int64_t stride, int n0, int n1, int T, const acts* a, float* y,
                  int ldy) {
     const int nb = a->K / type_block(type);
+    if (type == GG_Q4_KX8) {  /* Q4_K rows interleaved by 8 (gguf_q4kx8.c; n0, n1 multiples of 8: GROWS is) */
+        mf_gguf_x8rows(w, stride, n0, n1, nb, T, a, y, ldy);
+        return;
+    }
     if (type != GG_Q8_0 && type != GG_Q4_0) {  /* the K-quants: gguf_k.c's row loop */
         mf_gguf_krows(type, w, stride, n0, n1, nb, T, a, y, ldy);
         return;
@@ -224,12 +232,14 @@ static void rows(int type, const uint8_t* w, int64_t stride, int n0, int n1, int
 }
 
 static int check(int type, int K) { return type_bytes(type) && K % type_block(type) == 0 ? 0 : -2; }
+/* check() for a matrix of N rows (GG_Q4_KX8: rows in groups of 8) */
+static int check_rows(int type, int K, int N) { return check(type, K) || (type == GG_Q4_KX8 && N % 8) ? -2 : 0; }
 
 /* y fp32 [T, N] = x fp32 [T, K] @ W.T for W [N, K] of ggml type `type` (rows `stride` bytes apart).
    Returns 0, -1 out of memory, -2 an unsupported type or K not a multiple of its block. */
 int mf_gguf_linear(const float* x, int T, int K, int N, int type, const uint8_t* w, int64_t stride, float* y,
                    int nthreads) {
-    if (check(type, K)) return -2;
+    if (check_rows(type, K, N)) return -2;
     acts a;
     if (acts_alloc(&a, T, K, type)) { acts_free(&a); return -1; }
     for (int t = 0; t < T; t++) acts_row(&a, x + (size_t)t * K, t);
@@ -246,7 +256,7 @@ int mf_gguf_linear(const float* x, int T, int K, int N, int type, const uint8_t*
 int mf_gguf_expert(const float* x, int T, int H, int I, int t13, const uint8_t* gate, const uint8_t* up,
                    int64_t s13, int t2, const uint8_t* down, int64_t s2, const float* weight, float* out,
                    int accumulate, int nthreads) {
-    if (check(t13, H) || check(t2, I)) return -2;
+    if (check_rows(t13, H, I) || check_rows(t2, I, H)) return -2;
     acts ax, aa;
     float* f = malloc(sizeof(float) * ((size_t)T * 3 * I + (size_t)T * H));
     int bad = acts_alloc(&ax, T, H, t13) | acts_alloc(&aa, T, I, t2);
@@ -285,7 +295,7 @@ int mf_gguf_expert(const float* x, int T, int H, int I, int t13, const uint8_t* 
 /* ---- the one-token expert inside an enclosing parallel region (step_region.c) ---------------------------------- */
 
 /* 0 when mf_gguf_expert takes these types and sizes, else -2 (its refusal). */
-int mf_gguf_supported(int t13, int H, int t2, int I) { return check(t13, H) || check(t2, I) ? -2 : 0; }
+int mf_gguf_supported(int t13, int H, int t2, int I) { return check_rows(t13, H, I) || check_rows(t2, I, H) ? -2 : 0; }
 
 static size_t up64g(size_t n) { return (n + 63) & ~(size_t)63; }
 static size_t acts1_bytes(int K) {  /* one token's acts of any type (blocks of 32 at the least) */

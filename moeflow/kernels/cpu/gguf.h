@@ -12,11 +12,13 @@
 #define GG_Q4_K 12
 #define GG_Q5_K 13
 #define GG_Q6_K 14
+#define GG_Q4_KX8 1012  /* not a ggml id: Q4_K rows interleaved 8 at a time (gguf_q4kx8.c), repacked at load */
 #define QKK 256    /* elements of a K-quant block */
 #define GROWS 16   /* weight rows per parallel work item */
 #define GTT 8      /* tokens per tile: a block is decoded once per tile */
 
 static inline int type_block(int type) { return type == GG_Q8_0 || type == GG_Q4_0 ? 32 : QKK; }
+/* bytes per block and row (GG_Q4_KX8: 1184 per block of 8 rows, gguf_q4kx8.c's layout) */
 static inline int type_bytes(int type) {
     switch (type) {
         case GG_Q4_0: return 18;
@@ -24,6 +26,7 @@ static inline int type_bytes(int type) {
         case GG_Q4_K: return 144;
         case GG_Q5_K: return 176;
         case GG_Q6_K: return 210;
+        case GG_Q4_KX8: return 148;
         default: return 0;
     }
 }
@@ -112,4 +115,8 @@ int mf_gguf_dequant_rows(int type, const uint8_t* rows, int n, int K, int64_t st
    the T quantized tokens of `a`: y[t * ldy + n] (gguf_k.c). */
 __attribute__((visibility("hidden"))) void mf_gguf_krows(int type, const uint8_t* w, int64_t stride, int n0, int n1,
                                                          int nb, int T, const acts* a, float* y, int ldy);
+/* Rows [n0, n1) (multiples of 8) of a GG_Q4_KX8 matrix against the T tokens of `a`: y[t * ldy + n] (gguf_q4kx8.c;
+   gguf_k.c's Q4_K numbers bit for bit). */
+__attribute__((visibility("hidden"))) void mf_gguf_x8rows(const uint8_t* w, int64_t stride, int n0, int n1, int nb,
+                                                          int T, const acts* a, float* y, int ldy);
 #endif

@@ -5,7 +5,9 @@ down projections) and Q8_0 files run hybrid compute and ``device="cpu"`` without
 
 The CPU form of an expert (:class:`GGUFCpuExpert`) is its three matrices' bytes (uint8 ``[rows, row_bytes]``, the
 region's or the loader form's) and their block types: it keeps no other copy, and a call reads exactly the
-expert's file bytes (gate and up row by row in one pass, then down).
+expert's file bytes (gate and up row by row in one pass, then down). The exception: Q4_K matrices of the experts
+resident over a mapped file, repacked at load into rows interleaved 8 at a time (:data:`Q4_K_X8`,
+:mod:`moeflow.kernels.cpu.gguf_repack`), which give the same bits as their Q4_K blocks.
 
 Numerics (:func:`gguf_expert_reference` is the fp32 model): activations rounded to int8 per block (scale
 max|x| / 127, round half to even), weights exact, each block's integer sum exact, fp32 across blocks; the
@@ -27,12 +29,15 @@ from moeflow.kernels.experts.gguf_reference import GGMLType, dequantize, ggml_ty
 
 CPU_TYPES = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # the block types gguf.c computes
 K_BLOCK = 256  # activation block of the K-quants (llama.cpp's Q8_K)
+# Q4_K rows interleaved 8 at a time (gguf_q4kx8.c, repacked at load by moeflow.kernels.cpu.gguf_repack): no file
+# type (its id is gguf.h's GG_Q4_KX8, no ggml id), 1184 bytes per 8 rows and 256 inputs, Q4_K's numbers bit for bit
+Q4_K_X8 = GGMLType("Q4_K_X8", 1012, K_BLOCK, 148, -1)
 
 
 def cpu_type(t: str | int | GGMLType) -> GGMLType:
     """The block type ``t`` if the CPU kernels compute it, else a ValueError naming the ones they do."""
     g = t if isinstance(t, GGMLType) else ggml_type(t)
-    if g.name not in CPU_TYPES:
+    if g.name not in CPU_TYPES and g != Q4_K_X8:
         raise ValueError(f"GGUF {g.name} experts have no CPU kernels: the CPU computes {', '.join(CPU_TYPES)}")
     return g
 
@@ -57,6 +62,9 @@ def _matrix(w: torch.Tensor, g: GGMLType, k: int, name: str) -> int:
     if k % g.block_size or w.shape[1] < g.row_bytes(k) or (w.shape[0] > 1 and w.stride(1) != 1):
         raise ValueError(f"GGUF {name}: {g.name} rows of {k} inputs are {g.row_bytes(k)} contiguous bytes (k a "
                          f"multiple of {g.block_size}), got shape {tuple(w.shape)} strides {w.stride()}")
+    if g == Q4_K_X8 and (w.shape[0] % 8 or not w.is_contiguous() or w.shape[1] != g.row_bytes(k)):
+        raise ValueError(f"GGUF {name}: a {g.name} matrix is contiguous groups of 8 rows, got shape {tuple(w.shape)} "
+                         f"strides {w.stride()} for {k} inputs")
     return w.stride(0)
 
 
@@ -134,7 +142,8 @@ class GGUFLinear(nn.Module):
 @dataclass
 class GGUFCpuExpert:
     """One SwiGLU expert as GGUF blocks: ``gate``, ``up`` uint8 ``[I, >= row_bytes]`` of ``gate_up_type``, ``down``
-    uint8 ``[H, >= row_bytes]`` of ``down_type`` (views of a region or the loader form: no copy is made)."""
+    uint8 ``[H, >= row_bytes]`` of ``down_type`` (views of a region or the loader form: no copy is made; a type
+    :data:`Q4_K_X8`: the interleaved copy of Q4_K rows, contiguous ``[rows, row_bytes]``)."""
 
     gate: torch.Tensor
     up: torch.Tensor
@@ -209,6 +218,10 @@ def quantize_activations(x: torch.Tensor, t: str | int | GGMLType) -> torch.Tens
 def gguf_linear_reference(x: torch.Tensor, w: torch.Tensor, t: str | int | GGMLType, k: int) -> torch.Tensor:
     """fp32 model of :func:`gguf_linear`."""
     g = cpu_type(t)
+    if g == Q4_K_X8:  # (the interleaved form's values are its Q4_K rows')
+        from moeflow.kernels.cpu.gguf_repack import unpack_q4k_x8
+
+        w, g = unpack_q4k_x8(w, k), ggml_type("Q4_K")
     return quantize_activations(x.float(), g) @ dequantize(w[:, : g.row_bytes(k)].contiguous(), g.name).T
 
 

@@ -49,12 +49,12 @@ log = logging.getLogger(__name__)
 # one library: the matrix kernels, the int4 and int8 row-group kernels, the decode-step ops
 SOURCES = tuple(Path(__file__).with_name(f) for f in ("native.c", "q4.c", "q4z.c", "q8.c", "step.c", "step_region.c",
                                                      "step_gptoss.c",  # gpt-oss's one-call decode step
-                                                     "step_head.c", "step_loop.c",  # the greedy multi-token loop
-                                                     "repack.c",
-                                                     "gguf.c", "gguf_k.c",  # GGUF experts (kernels/cpu/gguf.py)
+                                                      "step_head.c", "step_loop.c",  # the greedy multi-token loop
+                                                      "repack.c",
+                                                      "gguf.c", "gguf_k.c", "gguf_q4kx8.c",  # GGUF experts (gguf.py)
                                                      "mxfp4.c", "mxfp4_epilogue.c"))  # MXFP4 (mxfp4_native.py)
-HEADERS = tuple(Path(__file__).with_name(f) for f in ("native.h", "gguf.h", "step.h", "mxfp4.h",  # in the digest
-                                                     "mxfp4_pair.h"))
+HEADERS = tuple(Path(__file__).with_name(f) for f in ("native.h", "gguf.h", "gguf_kblock.h", "step.h", "mxfp4.h",
+                                                     "mxfp4_pair.h"))  # in the digest
 BLOCK = 32  # activation features per int8 scale (and the weights' packing block)
 ROW_GROUP = 8  # q4 and q8 rows interleaved together (q4.c's and q8.c's layouts)
 _LIB: ctypes.CDLL | None | bool = False  # False: not tried yet; None: unavailable
