@@ -49,9 +49,9 @@ log = logging.getLogger(__name__)
 # one library: the matrix kernels, the int4 and int8 row-group kernels, the decode-step ops
 SOURCES = tuple(Path(__file__).with_name(f) for f in ("native.c", "q4.c", "q4z.c", "q8.c", "step.c", "step_region.c",
                                                      "step_gptoss.c",  # gpt-oss's one-call decode step
-                                                      "step_head.c", "step_loop.c",  # the greedy multi-token loop
-                                                      "repack.c",
-                                                      "gguf.c", "gguf_k.c", "gguf_q4kx8.c",  # GGUF experts (gguf.py)
+                                                     "step_head.c", "step_loop.c",  # the greedy multi-token loop
+                                                     "repack.c",
+                                                     "gguf.c", "gguf_k.c", "gguf_q4kx8.c",  # GGUF experts (gguf.py)
                                                      "mxfp4.c", "mxfp4_epilogue.c"))  # MXFP4 (mxfp4_native.py)
 HEADERS = tuple(Path(__file__).with_name(f) for f in ("native.h", "gguf.h", "gguf_kblock.h", "step.h", "mxfp4.h",
                                                      "mxfp4_pair.h"))  # in the digest
