@@ -96,7 +96,7 @@ def test_native_attention_over_a_long_cache_is_the_short_caches_numbers():
     heads, kv_heads, d, pos = 4, 2, 16, 21
     qkv = torch.randn(1, 1, (heads + 2 * kv_heads) * d, generator=g)
     cos, sin = torch.randn(1, 1, d, generator=g), torch.randn(1, 1, d, generator=g)
-    short_k, short_v = torch.randn(1, kv_heads, pos + 1, d, generator=g), torch.randn(1, kv_heads, pos + 1, d, generator=g)
+    short_k, short_v = (torch.randn(1, kv_heads, pos + 1, d, generator=g) for _ in range(2))
     outs = []
     for length in (pos + 1, 300):  # (300: the scan stops at position pos, past 37 words of masked positions)
         k, v = torch.zeros(1, kv_heads, length, d), torch.zeros(1, kv_heads, length, d)

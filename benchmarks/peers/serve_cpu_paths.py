@@ -103,10 +103,11 @@ def measure(model_path: Path, threads: int, tokens: int, reps: int, max_batch: i
         m.close()
     result = {"threads": threads, "tokens": tokens, "kv_rows": max_batch, "max_len": max_len,
               "same_tokens": tokens_of["generate"] == tokens_of["engine"],
-              "first_difference": next((i for i, (a, b) in enumerate(zip(*tokens_of.values())) if a != b), None), "profile": profile_text}
+              "first_difference": next((i for i, (a, b) in enumerate(zip(*tokens_of.values(), strict=False))
+                                        if a != b), None), "profile": profile_text}
     for name, rs in rows.items():
-        result[name] = {"ttft_ms": statistics.median(r[0] for r in rs), "decode_tok_s": statistics.median(r[1] for r in rs),
-                        "native_steps": steps[name], "reps": rs}
+        result[name] = {"ttft_ms": statistics.median(r[0] for r in rs),
+                        "decode_tok_s": statistics.median(r[1] for r in rs), "native_steps": steps[name], "reps": rs}
     return result
 
 
@@ -138,7 +139,8 @@ def main() -> None:
     for r in results:
         for name in ("generate", "engine"):
             x = r[name]
-            lines.append(f"| {r['threads']} | {name}{' (' + str(r['kv_rows']) + ' rows x ' + str(r['max_len']) + ')' if name == 'engine' else ''} | "
+            rows = f" ({r['kv_rows']} rows x {r['max_len']})" if name == "engine" else ""
+            lines.append(f"| {r['threads']} | {name}{rows} | "
                          f"{x['ttft_ms']:.1f} | {x['decode_tok_s']:.1f} | {x['native_steps']} | "
                          f"{x['decode_tok_s'] / r['generate']['decode_tok_s']:.2f}x | {r['same_tokens']} |")
     for r in results:

@@ -350,17 +350,12 @@ class ContinuousEngine:
         history = self.history.feed([s.row for s in seqs], ids, pos, mask) if self.history is not None else None
         ids, pos, mask = ids.to(dev), pos.to(dev), mask.to(dev)
         rows = torch.tensor([s.row for s in seqs], dtype=torch.long, device=dev)
-        # one sequence, every token real, on the CPU: its row as a batch-1 static cache (the native attention and
-        # the one-call decode step run on it in place, as in generate), for as many tokens as the native attention
-        # takes (longer prefill chunks attend in torch: over the batch view's keys, not the whole row); else the
-        # rows' batch view
+        # one sequence of real tokens on the CPU, as many as the native attention takes: its row as a batch-1 static
+        # cache (generate's native attention and one-call decode step, in place); else the rows' batch view
         row = self.cache.row(seqs[0].row) if len(seqs) == 1 and all_real \
             and ids.shape[1] <= NATIVE_ATTENTION_TOKENS else None
-        if row is not None:
-            view, positions, cache_position = row, pos, pos[0]
-        else:
-            view = self.cache.batch(rows, pos, mask)
-            view, positions, cache_position = view, view.cache_position, view.cache_position
+        view = row if row is not None else self.cache.batch(rows, pos, mask)
+        positions, cache_position = (pos, pos[0]) if row is not None else (view.cache_position, view.cache_position)
         self.model.stats.set_phase(phase)
         start = time.perf_counter()
         out = self.model.runner.forward_pass(ids, positions, view, cache_position, mask, phase,

@@ -8,9 +8,8 @@ The decoder reaches a cache only through ``mark_valid``, ``attention_mask`` and 
 ``moeflow/families/layers.py``); :class:`SlotBatch` implements them for one pass over some rows, with a
 position per token (``cache_position [B, T]``) instead of one shared column range. :class:`SlotDecodeView`
 implements them for the engine's captured decode passes (CUDA graphs): the same reads and writes with no host
-read and no shape that depends on values, over persistent row tensors the graphs bake in. :class:`SlotRow` is
-one row of a CPU cache as a batch-1 static cache (``layer_kv`` views), so a pass of one sequence runs the CPU's
-native attention and its one-call decode step (``moeflow.engine.cpu_layers``) on the row in place.
+read and no shape that depends on values, over persistent row tensors the graphs bake in. A CPU pass of one
+sequence runs on its row as a batch-1 static cache instead (:class:`~moeflow.engine.kv_slot_row.SlotRow`).
 """
 
 from __future__ import annotations
@@ -21,7 +20,8 @@ from typing import ClassVar
 
 import torch
 
-from moeflow.engine.kv_cache import PassCache, attention_mask
+from moeflow.engine.kv_cache import PassCache
+from moeflow.engine.kv_slot_row import SlotRow
 from moeflow.engine.linear_state import LinearState
 from moeflow.errors import InputError
 from moeflow.families.base import KVCacheSpec, LinearStateSpec
@@ -251,35 +251,6 @@ class SlotBatch(PassCache):
         kl[self._write_rows, :, self._write_pos] = k.transpose(1, 2)[self._b, self._t]
         vl[self._write_rows, :, self._write_pos] = v.transpose(1, 2)[self._b, self._t]
         return kl[self._read_rows, :, : self.key_len], vl[self._read_rows, :, : self.key_len]
-
-
-class SlotRow(PassCache):
-    """Row ``row`` of a CPU :class:`SlotKVCache` as a batch-1 :class:`~moeflow.engine.kv_cache.StaticKVCache`: the
-    same calls with the same meaning (cache_position int64 [T]: where the pass's tokens go, every one real), on
-    views of the row: ``layer_kv`` each layer's k/v [1, kv_heads, max_len, D] (contiguous: what the CPU's native
-    attention and one-call step write in place), ``valid`` bool [1, max_len]. A pass over one sequence on it is a
-    ``generate()`` pass of batch 1 over a cache of ``max_len`` positions."""
-
-    def __init__(self, parent: SlotKVCache, row: int) -> None:
-        self.parent, self.index, self.max_len = parent, row, parent.max_len
-        self.valid = parent.valid[row:row + 1]
-        self.layer_kv = [(parent.k[i, row:row + 1], parent.v[i, row:row + 1]) for i in range(parent.k.shape[0])]
-
-    def mark_valid(self, cache_position: torch.Tensor, token_mask: torch.Tensor) -> None:
-        """token_mask bool [1, T]: the tokens written at cache_position [T] (all real)."""
-        self.valid.index_copy_(1, cache_position, token_mask)
-
-    def attention_mask(self, cache_position: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
-        """Boolean mask [1, 1, T, max_len], as the static cache's."""
-        return attention_mask(self.valid, cache_position, sliding_window)
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, cache_position: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k/v [1, kv_heads, T, D] at cache_position [T]; return the row's k/v [1, kv_heads, max_len, D]."""
-        kl, vl = self.layer_kv[layer]
-        kl.index_copy_(2, cache_position, k)
-        vl.index_copy_(2, cache_position, v)
-        return kl, vl
 
 
 class SlotDecodeView(PassCache):
