@@ -37,6 +37,7 @@ from benchmarks.peers.peer_report import uptime, write_report
 REPO = Path(__file__).resolve().parents[2]
 NAME = "bench"  # the model id every server answers to
 START_TIMEOUT_S = 300
+SERVERS = ("moeflow-awq", "moeflow-gguf", "llama-server")
 
 
 def free_port() -> int:
@@ -132,9 +133,10 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--context", type=int, default=4096, help="moeflow's --max-model-len and llama-server's -c")
+    ap.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS), help="which servers run")
     ap.add_argument("--out", type=Path, required=True, help="results path without suffix (.json and .md written)")
     args = ap.parse_args()
-    if not args.llama_server.exists():
+    if "llama-server" in args.servers and not args.llama_server.exists():
         raise SystemExit(f"{args.llama_server}: no llama-server binary (build the llama-server target, "
                          "benchmarks/peers/README.md)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -144,12 +146,15 @@ def main() -> None:
         logs.mkdir(exist_ok=True)
         servers = []
         try:  # (started one after another: a loading server does not share the cores with another's warm-up)
-            servers.append(moeflow_server("moeflow AWQ", args.awq, threads, args.context,
-                                          logs / f"moeflow_awq_t{threads}.log"))
-            servers.append(moeflow_server("moeflow GGUF Q4_0", args.gguf, threads, args.context,
-                                          logs / f"moeflow_gguf_t{threads}.log"))
-            servers.append(llama_server(args.llama_server, args.gguf, threads, args.context,
-                                        logs / f"llama_server_t{threads}.log"))
+            if "moeflow-awq" in args.servers:
+                servers.append(moeflow_server("moeflow AWQ", args.awq, threads, args.context,
+                                              logs / f"moeflow_awq_t{threads}.log"))
+            if "moeflow-gguf" in args.servers:
+                servers.append(moeflow_server("moeflow GGUF Q4_0", args.gguf, threads, args.context,
+                                              logs / f"moeflow_gguf_t{threads}.log"))
+            if "llama-server" in args.servers:
+                servers.append(llama_server(args.llama_server, args.gguf, threads, args.context,
+                                            logs / f"llama_server_t{threads}.log"))
             warm = torch.randint(3, 32000, (args.prompt_tokens,), generator=torch.Generator().manual_seed(99)).tolist()
             for s in servers:  # one request each first: first-use costs are no rep's
                 stream_once(s, warm, 8)
@@ -174,10 +179,12 @@ def main() -> None:
              "| threads | server | decode tok/s | TPOT ms (median gap) | TTFT ms | decode vs llama-server | "
              "TTFT vs llama-server |", "|---|---|---|---|---|---|---|"]
     for r in results:
-        peer = next(x for x in results if x["threads"] == r["threads"] and x["server"].startswith("llama-server"))
+        peer = next((x for x in results if x["threads"] == r["threads"] and x["server"].startswith("llama-server")),
+                    None)
+        ratios = ("n/a", "n/a") if peer is None else (f"{r['decode_tok_s'] / peer['decode_tok_s']:.2f}x",
+                                                      f"{r['ttft_ms'] / peer['ttft_ms']:.2f}x")
         lines.append(f"| {r['threads']} | {r['server']} | {r['decode_tok_s']:.1f} | {r['tpot_ms']:.2f} | "
-                     f"{r['ttft_ms']:.1f} | {r['decode_tok_s'] / peer['decode_tok_s']:.2f}x | "
-                     f"{r['ttft_ms'] / peer['ttft_ms']:.2f}x |")
+                     f"{r['ttft_ms']:.1f} | {ratios[0]} | {ratios[1]} |")
     write_report(args.out, {"cpu": cpu_line(), "uptime": loads, "args": {k: str(v) for k, v in vars(args).items()},
                             "results": results}, lines)
     print("\n".join(lines))
