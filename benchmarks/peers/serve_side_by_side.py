@@ -25,6 +25,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -80,6 +81,28 @@ class ServerProc:
             self.proc.kill()
             self.proc.wait()
         self._out.close()
+
+
+def with_tokenizer(checkpoint: Path, gguf: Path, work: Path) -> Path:
+    """``checkpoint``, or where it has no ``tokenizer.json`` (moeflow serve needs one; the synthetic peer model ships
+    a sentencepiece ``tokenizer.model``), a folder of links to its files plus the ``tokenizer.json`` moeflow rebuilds
+    from the GGUF's metadata (the same vocabulary: the GGUF was converted from that checkpoint)."""
+    if (checkpoint / "tokenizer.json").is_file():
+        return checkpoint
+    from moeflow.io.gguf.files import GGUFFiles
+    from moeflow.io.gguf.tokenizer import tokenizer_directory
+
+    source = tokenizer_directory(GGUFFiles(gguf), "mixtral")
+    if source is None:
+        raise SystemExit(f"{checkpoint} has no tokenizer.json and {gguf} holds no tokenizer to rebuild one from")
+    out = work / f"{checkpoint.name}-serve"
+    out.mkdir(parents=True, exist_ok=True)
+    for f in checkpoint.iterdir():
+        if not (out / f.name).exists():
+            (out / f.name).symlink_to(f.resolve())
+    if not (out / "tokenizer.json").exists():
+        (out / "tokenizer.json").symlink_to(source / "tokenizer.json")
+    return out
 
 
 def moeflow_server(label: str, model: Path, threads: int, context: int, log: Path) -> ServerProc:
@@ -140,6 +163,7 @@ def main() -> None:
         raise SystemExit(f"{args.llama_server}: no llama-server binary (build the llama-server target, "
                          "benchmarks/peers/README.md)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    awq = with_tokenizer(args.awq, args.gguf, Path(tempfile.gettempdir()) / "moeflow-serve-bench")
     loads, results = [uptime()], []
     for threads in args.threads:
         logs = args.out.parent / "logs"
@@ -147,7 +171,7 @@ def main() -> None:
         servers = []
         try:  # (started one after another: a loading server does not share the cores with another's warm-up)
             if "moeflow-awq" in args.servers:
-                servers.append(moeflow_server("moeflow AWQ", args.awq, threads, args.context,
+                servers.append(moeflow_server("moeflow AWQ", awq, threads, args.context,
                                               logs / f"moeflow_awq_t{threads}.log"))
             if "moeflow-gguf" in args.servers:
                 servers.append(moeflow_server("moeflow GGUF Q4_0", args.gguf, threads, args.context,
