@@ -1,6 +1,7 @@
 """What one client of ``moeflow serve`` gets on the CPU against ``generate()`` (issue 42): single-stream greedy
 decode tok/s and TTFT of (a) ``MoEModel.generate()`` and (b) the serving engine itself (``ContinuousEngine`` on a
-``SlotKVCache`` built as ``moeflow serve`` builds it: ``--max-batch`` rows of the model's context, at most 4096),
+``SlotKVCache`` built as ``moeflow serve`` builds it: ``--max-batch`` rows of the model's context, at most 4096;
+its prefix cache off, so each rep prefills the whole prompt),
 in one process per thread count, alternating, with the number of decode passes that took the one native step call
 (``cpu_layers.layers_step`` wrapped with a counter, as ``decode_glue_share.py`` does) and the tokens of both
 compared. ``--profile``: a cProfile of one engine run's top entries (cumulative time). The HTTP side is
@@ -27,7 +28,7 @@ import torch
 
 from benchmarks.peers.peer_report import uptime, write_report
 
-PROMPT_TOKENS = 16
+PROMPT_TOKENS = 16  # (the default: what generate's native attention takes in its prefill too)
 
 
 def _engine_run(engine, prompt: list[int], tokens: int) -> tuple[list[int], float, float]:
@@ -40,7 +41,7 @@ def _engine_run(engine, prompt: list[int], tokens: int) -> tuple[list[int], floa
 
 
 def measure(model_path: Path, threads: int, tokens: int, reps: int, max_batch: int, profile: bool,
-            max_len: int | None = None) -> dict:
+            max_len: int | None = None, prompt_tokens: int = PROMPT_TOKENS) -> dict:
     """Median TTFT (ms) and decode tok/s of generate() and the engine, one request at a time, ``reps`` each."""
     from moeflow import MoEModel
     from moeflow.engine import cpu_layers
@@ -59,9 +60,11 @@ def measure(model_path: Path, threads: int, tokens: int, reps: int, max_batch: i
         return inner(*a, **kw)
 
     cpu_layers.layers_step = counted
-    prompt = torch.randint(3, m.config.vocab_size, (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(0))
+    prompt = torch.randint(3, m.config.vocab_size, (1, prompt_tokens), generator=torch.Generator().manual_seed(0))
     max_len = max_len or min(m.config.max_position_embeddings, DEFAULT_CONTEXT)
-    engine = ContinuousEngine(m, SlotKVCache.for_model(m, max_len, None, max_rows=max_batch)).start()
+    # (no prefix cache: every rep sends the same prompt, which would leave one token to prefill)
+    engine = ContinuousEngine(m, SlotKVCache.for_model(m, max_len, None, max_rows=max_batch),
+                              prefix_cache=False).start()
     rows: dict[str, list] = {"generate": [], "engine": []}
     steps: dict[str, int] = {}
     tokens_of: dict[str, list[int]] = {}
@@ -76,7 +79,7 @@ def measure(model_path: Path, threads: int, tokens: int, reps: int, max_batch: i
             with torch.inference_mode():
                 out = m.generate(prompt, max_new_tokens=tokens, do_sample=False, eos_token_id=[])
             wall = time.perf_counter() - t0
-            steps["generate"], tokens_of["generate"] = calls[0], out[0, PROMPT_TOKENS:].tolist()
+            steps["generate"], tokens_of["generate"] = calls[0], out[0, prompt_tokens:].tolist()
             rows["generate"].append((m.stats.ttft_s * 1e3 if m.stats.ttft_s else float("nan"),
                                      1.0 / m.stats.tpot_s, wall))
             calls[0] = 0
@@ -85,7 +88,7 @@ def measure(model_path: Path, threads: int, tokens: int, reps: int, max_batch: i
             rows["engine"].append((ttft * 1e3, rate, None))
         if profile:  # (the scheduler thread stopped: its loop's passes run here, where the profiler sees them)
             engine.stop()
-            engine = ContinuousEngine(m, engine.cache)
+            engine = ContinuousEngine(m, engine.cache, prefix_cache=False)
             seq = engine.submit(prompt[0].tolist(), SamplingParams(max_new_tokens=tokens))
             prof = cProfile.Profile()
             prof.enable()
@@ -117,6 +120,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
     ap.add_argument("--max-batch", type=int, default=16, help="the engine's KV rows (moeflow serve's --max-batch)")
     ap.add_argument("--max-len", type=int, default=None,
                     help="the engine's context per row (moeflow serve's --max-model-len; default: its default)")
@@ -130,8 +134,9 @@ def main() -> None:
         os.environ["OMP_NUM_THREADS"] = str(t)
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
             results.append(pool.submit(measure, args.model, t, args.tokens, args.reps, args.max_batch,
-                                       args.profile and i == 0, args.max_len).result())
-    lines = [f"One greedy request at a time on `{args.model}`, {PROMPT_TOKENS}-token prompt, {args.tokens} new "
+                                       args.profile and i == 0, args.max_len,
+                                       args.prompt_tokens).result())
+    lines = [f"One greedy request at a time on `{args.model}`, {args.prompt_tokens}-token prompt, {args.tokens} new "
              f"tokens, median of {args.reps} (alternating). CPU: {cpu}.  ",
              f"uptime before: `{before}`, after: `{uptime()}`", "",
              "| threads | path | TTFT ms | decode tok/s | native one-call steps | engine / generate | same tokens |",

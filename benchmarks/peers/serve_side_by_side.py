@@ -5,8 +5,10 @@ the Q4_0 GGUF file, ``llama-server`` on the same GGUF (``-t``/``-tb`` threads, i
 moeflow's rows hold). Each rep sends one prompt (the same fixed token ids to every server, new ids each rep so no
 prefix cache helps) to each server in turn, the order rotated per rep, through the ``openai`` client's streaming
 ``/v1/completions``: temperature 0, ``ignore_eos``, ``max_tokens`` new tokens (every reply must end by length).
-From the chunks' arrival times: TTFT (request -> first text chunk), decode tok/s ((max_tokens - 1) / (last
-text chunk - first)) and the median gap between text chunks (TPOT). Medians over the reps, the ratio to
+From the chunks' arrival times (a token's chunk: each one before the chunk that ends the reply; llama-server
+sends one per token, even when its text is empty, and moeflow one per token whose text is complete; ``chunks``
+in the JSON): TTFT (request -> first token chunk), decode tok/s ((max_tokens - 1) / (last token chunk - first))
+and the median gap between token chunks (TPOT). Medians over the reps, the ratio to
 llama-server, ``uptime`` and the CPU's model and flags in the result. One command:
 
     python -m benchmarks.peers.serve_side_by_side --threads 1 2 --out benchmarks/results/peers/s19/serve_side_by_side
@@ -39,6 +41,7 @@ REPO = Path(__file__).resolve().parents[2]
 NAME = "bench"  # the model id every server answers to
 START_TIMEOUT_S = 300
 SERVERS = ("moeflow-awq", "moeflow-gguf", "llama-server")
+SETTLE_S = 10.0  # idle seconds after the warm-up requests, before the reps
 
 
 def free_port() -> int:
@@ -120,18 +123,18 @@ def llama_server(binary: Path, gguf: Path, threads: int, context: int, log: Path
 
 
 def stream_once(server: ServerProc, prompt: list[int], tokens: int) -> dict:
-    """One streamed completion: TTFT ms, decode tok/s, median inter-chunk gap ms, text chunks seen."""
+    """One streamed completion: TTFT ms, decode tok/s, median inter-chunk gap ms, token chunks seen."""
     t0 = time.perf_counter()
     stream = server.client.completions.create(model=NAME, prompt=prompt, max_tokens=tokens, temperature=0,
                                               stream=True, extra_body={"ignore_eos": True})
     stamps, finish = [], None
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].text:
+    for chunk in stream:  # a token's chunk: before the one that ends the reply (or that one, when it has text)
+        if chunk.choices and (chunk.choices[0].finish_reason is None or chunk.choices[0].text):
             stamps.append(time.perf_counter())
         if chunk.choices and chunk.choices[0].finish_reason:
             finish = chunk.choices[0].finish_reason
     if finish != "length" or len(stamps) < 2:
-        raise RuntimeError(f"{server.label}: the reply ended by {finish!r} after {len(stamps)} text chunks; "
+        raise RuntimeError(f"{server.label}: the reply ended by {finish!r} after {len(stamps)} token chunks; "
                            f"expected {tokens} tokens (ignore_eos)")
     gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
     return {"ttft_ms": (stamps[0] - t0) * 1e3, "decode_tok_s": (tokens - 1) / (stamps[-1] - stamps[0]),
@@ -182,6 +185,7 @@ def main() -> None:
             warm = torch.randint(3, 32000, (args.prompt_tokens,), generator=torch.Generator().manual_seed(99)).tolist()
             for s in servers:  # one request each first: first-use costs are no rep's
                 stream_once(s, warm, 8)
+            time.sleep(SETTLE_S)  # (moeflow moves its weights onto huge pages while idle: thp_collapse.py)
             runs: dict[str, list[dict]] = {s.label: [] for s in servers}
             for rep in range(args.reps):
                 prompt = torch.randint(3, 32000, (args.prompt_tokens,),
