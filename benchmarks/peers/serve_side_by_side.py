@@ -169,8 +169,8 @@ def main() -> None:
     awq = with_tokenizer(args.awq, args.gguf, Path(tempfile.gettempdir()) / "moeflow-serve-bench")
     loads, results = [uptime()], []
     for threads in args.threads:
-        logs = args.out.parent / "logs"
-        logs.mkdir(exist_ok=True)
+        logs = Path(tempfile.gettempdir()) / "moeflow-serve-bench" / "logs"  # (the servers' output, not kept)
+        logs.mkdir(parents=True, exist_ok=True)
         servers = []
         try:  # (started one after another: a loading server does not share the cores with another's warm-up)
             if "moeflow-awq" in args.servers:
