@@ -204,15 +204,18 @@ def main() -> None:
              f"tokens, temperature 0, ignore_eos; servers alternating, median of {args.reps} reps; context "
              f"{args.context}. {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.  ",
              f"CPU: {cpu_line()}  ", *(f"uptime: `{u}`  " for u in loads), "",
-             "| threads | server | decode tok/s | TPOT ms (median gap) | TTFT ms | decode vs llama-server | "
-             "TTFT vs llama-server |", "|---|---|---|---|---|---|---|"]
+             "Decode tok/s: (tokens - 1) / (last token chunk - first), stalls included; TPOT: the median gap between "
+             "token chunks, robust to another process taking a core for a while (1000 / TPOT beside it).", "",
+             "| threads | server | decode tok/s | TPOT ms (median gap) | 1000 / TPOT | TTFT ms | decode vs "
+             "llama-server | 1000 / TPOT vs llama-server | TTFT vs llama-server |", "|" + "---|" * 9]
     for r in results:
         peer = next((x for x in results if x["threads"] == r["threads"] and x["server"].startswith("llama-server")),
                     None)
-        ratios = ("n/a", "n/a") if peer is None else (f"{r['decode_tok_s'] / peer['decode_tok_s']:.2f}x",
-                                                      f"{r['ttft_ms'] / peer['ttft_ms']:.2f}x")
+        ratios = ("n/a",) * 3 if peer is None else (f"{r['decode_tok_s'] / peer['decode_tok_s']:.2f}x",
+                                                    f"{peer['tpot_ms'] / r['tpot_ms']:.2f}x",
+                                                    f"{r['ttft_ms'] / peer['ttft_ms']:.2f}x")
         lines.append(f"| {r['threads']} | {r['server']} | {r['decode_tok_s']:.1f} | {r['tpot_ms']:.2f} | "
-                     f"{r['ttft_ms']:.1f} | {ratios[0]} | {ratios[1]} |")
+                     f"{1e3 / r['tpot_ms']:.1f} | {r['ttft_ms']:.1f} | {' | '.join(ratios)} |")
     write_report(args.out, {"cpu": cpu_line(), "uptime": loads, "args": {k: str(v) for k, v in vars(args).items()},
                             "results": results}, lines)
     print("\n".join(lines))
