@@ -130,6 +130,8 @@ class ContinuousEngine:
         needs = backend is not None and backend.needs_history or self.regroup is not None
         self.history = TokenHistory(cache.rows, cache.max_len, self.device) if needs else None
         self.prefix = PrefixCache(cache, prefix_min_tokens) if prefix_cache else None
+        # a lone sequence's passes on its row (SlotRow) where the decoder's layers have the native attention
+        self.row_passes = model.runner.decoder.layers_step is not None and cache.row(0) is not None
         self.lookup = LookupDrafter(self, prompt_lookup, max_matching_ngram_size) if prompt_lookup else None
         self.mtp = MTPEngineDrafter(self, num_speculative_tokens) if num_speculative_tokens is not None else None
         self._waiting: collections.deque[Sequence] = collections.deque()
@@ -352,7 +354,7 @@ class ContinuousEngine:
         rows = torch.tensor([s.row for s in seqs], dtype=torch.long, device=dev)
         # one sequence of real tokens on the CPU, as many as the native attention takes: its row as a batch-1 static
         # cache (generate's native attention and one-call decode step, in place); else the rows' batch view
-        row = self.cache.row(seqs[0].row) if len(seqs) == 1 and all_real \
+        row = self.cache.row(seqs[0].row) if self.row_passes and len(seqs) == 1 and all_real \
             and ids.shape[1] <= NATIVE_ATTENTION_TOKENS else None
         view = row if row is not None else self.cache.batch(rows, pos, mask)
         positions, cache_position = (pos, pos[0]) if row is not None else (view.cache_position, view.cache_position)

@@ -180,8 +180,11 @@ class SlotKVCache:
     def row(self, row: int) -> SlotRow | None:
         """Row ``row`` as a batch-1 static cache (:class:`SlotRow`, made once per row: the one-call step checks a
         cache's ``layer_kv`` once per list), or None where a pass must take :meth:`batch` instead: a cache off the
-        CPU (its decode passes have their own views and kernels), a latent cache or one with linear states."""
-        if type(self) is not SlotKVCache or self.linear is not None or self.k.device.type != "cpu":
+        CPU (its decode passes have their own views and kernels) or not fp32 (the CPU's native attention, which
+        reads only the row's written keys, takes fp32; torch's would read the whole row), a latent cache or one
+        with linear states."""
+        if type(self) is not SlotKVCache or self.linear is not None or self.k.device.type != "cpu" \
+                or self.k.dtype != torch.float32:
             return None
         view = self._row_views.get(row)
         if view is None:
