@@ -1,8 +1,9 @@
 """The serving engine on the CPU takes generate()'s one-call native decode step (engine/cpu_layers.py) when one
-sequence decodes alone: its row of the slotted cache as a batch-1 static cache (kv_slots.SlotRow), with the same
-greedy tokens as generate() at 1 and 2 threads; a pass of two rows at their own positions runs the layers one by
-one. And the native attention over a long cache holding a short sequence scans only the sequence's own positions
-(step.c's mf_mask_extent): the same numbers as over a cache of its length."""
+sequence decodes alone: its row of the slotted cache as a batch-1 static cache (kv_slot_row.SlotRow), with the same
+greedy tokens as generate() at 1 and 2 threads; a decode pass of up to ROW_LOOP_MAX rows runs them one after another
+the same way, and a larger one runs the layers one by one over the batch. And the native attention over a long
+cache holding a short sequence scans only the sequence's own positions (step.c's mf_mask_extent): the same numbers
+as over a cache of its length."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 import moeflow.engine.cpu_layers as cpu_layers
 from moeflow import MoEOffloadedMixtral
 from moeflow.cli import embedded_model_path
-from moeflow.engine.continuous import ContinuousEngine, SamplingParams
+from moeflow.engine.continuous import ROW_LOOP_MAX, ContinuousEngine, SamplingParams
 from moeflow.engine.kv_slots import SlotKVCache, SlotRow
 from moeflow.kernels.cpu.native import native_available
 from moeflow.kernels.cpu.step import attention_step
@@ -76,19 +77,23 @@ def test_one_sequence_takes_the_native_step_with_generates_tokens(model, counted
         torch.set_num_threads(before)
 
 
-def test_two_rows_at_their_own_positions_run_the_layers_one_by_one(model, counted):
+def test_a_few_rows_step_one_after_another_and_more_run_the_layers_together(model, counted):
+    """ROW_LOOP_MAX rows decoding at their own positions: one native call per row and pass; one more row: the
+    layers one by one over the batch (no native call). Generate's tokens either way."""
     n = 6
-    want = [_generate(model, p, n) for p in PROMPTS]
-    engine = ContinuousEngine(model, SlotKVCache.for_model(model, 128, max_rows=2), prefill_chunk=128)
-    seqs = [engine.submit(p, SamplingParams(max_new_tokens=n)) for p in PROMPTS]  # (both admitted at once)
-    counted[0] = 0
-    engine.start()
-    try:
-        got = [s.result(TIMEOUT_S) for s in seqs]
-    finally:
-        engine.stop()
-    assert counted[0] == 0  # every decode pass held both rows, at positions 29.. and 44..
-    assert got == want
+    prompts = [*PROMPTS, list(b"Then"), list(b"So the module")][: ROW_LOOP_MAX + 1]
+    want = [_generate(model, p, n) for p in prompts]
+    for k, native in ((ROW_LOOP_MAX, ROW_LOOP_MAX * (n - 1)), (ROW_LOOP_MAX + 1, 0)):
+        engine = ContinuousEngine(model, SlotKVCache.for_model(model, 128, max_rows=k), prefill_chunk=256)
+        seqs = [engine.submit(p, SamplingParams(max_new_tokens=n)) for p in prompts[:k]]  # (all admitted at once)
+        counted[0] = 0
+        engine.start()
+        try:
+            got = [s.result(TIMEOUT_S) for s in seqs]
+        finally:
+            engine.stop()
+        assert got == want[:k]
+        assert counted[0] == native  # (the one prefill pass holds every row: no native call)
 
 
 def test_native_attention_over_a_long_cache_is_the_short_caches_numbers():
