@@ -90,6 +90,17 @@ def test_completion_is_greedy_generate(server, ref, stream):
     assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (len(ids), n, len(ids) + n)
 
 
+def test_ignore_eos_goes_on_to_max_tokens(server, ref):
+    """An end-of-turn token made certain by logit_bias ends the reply, unless ignore_eos (vLLM's, llama.cpp's)."""
+    c = client(server)
+    bias = {str(ref.stop_ids[0]): 100}
+    ended = c.completions.create(model=MODEL_NAME, prompt="The", max_tokens=6, temperature=0, logit_bias=bias)
+    assert ended.choices[0].finish_reason == "stop" and ended.usage.completion_tokens == 1
+    full = c.completions.create(model=MODEL_NAME, prompt="The", max_tokens=6, temperature=0, logit_bias=bias,
+                                extra_body={"ignore_eos": True})
+    assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 6
+
+
 def test_stop_string_cuts_the_text(server, ref):
     prompt = "The import statement"
     want, _ = ref.greedy(ref.tokenizer.encode(prompt), 24)

@@ -53,18 +53,26 @@ from moeflow.chat.guided import Guide
 from moeflow.engine.continuous_lookup import LookupDrafter
 from moeflow.engine.continuous_mtp import MTPEngineDrafter
 from moeflow.engine.continuous_regroup import make_regrouper, run_split
+from moeflow.engine.continuous_sampling import sample_token
 from moeflow.engine.cuda_graphs import CudaGraphDecode
 from moeflow.engine.kv_slots import SlotKVCache, check_slotted
 from moeflow.engine.lookup import DEFAULT_MAX_NGRAM
 from moeflow.engine.prefix_cache import MIN_PREFIX_TOKENS, PrefixCache
-from moeflow.engine.sampling import SamplingParams, adjust_logits, next_tokens
+from moeflow.engine.sampling import SamplingParams
 from moeflow.engine.sequence import EngineListener, Sequence
 from moeflow.engine.served import ServedModel
 from moeflow.engine.slot_verify import key_bucket
 from moeflow.engine.token_history import TokenHistory
 from moeflow.errors import InputError, MoeflowError
+from moeflow.kernels.cpu.step import NATIVE_ATTENTION_TOKENS
 
 log = logging.getLogger(__name__)
+
+
+# a CPU decode pass of up to this many sequences runs them one after another, each on its row through the one-call
+# step (each row generate's numbers): faster than the layers one by one over the batch at 2 (aggregate tok/s on the
+# peer model, 2-core Zen 4: 143 vs 127 at 1 thread, 181 vs 109 at 2); at 3 the batched layers win at 1 thread
+ROW_LOOP_MAX = 2
 
 
 def padded_batch(batch: int) -> int:
@@ -129,6 +137,11 @@ class ContinuousEngine:
         needs = backend is not None and backend.needs_history or self.regroup is not None
         self.history = TokenHistory(cache.rows, cache.max_len, self.device) if needs else None
         self.prefix = PrefixCache(cache, prefix_min_tokens) if prefix_cache else None
+        # one sequence's passes on its row (SlotRow) where the decoder has the one-call step; decode passes of up to
+        # row_loop sequences as one such pass per row (not where a pass reads history or keeps MTP hidden states)
+        self.row_passes = model.runner.decoder.layers_step is not None and cache.row(0) is not None
+        self.row_loop = ROW_LOOP_MAX if self.row_passes and self.history is None and num_speculative_tokens is None \
+            else 0
         self.lookup = LookupDrafter(self, prompt_lookup, max_matching_ngram_size) if prompt_lookup else None
         self.mtp = MTPEngineDrafter(self, num_speculative_tokens) if num_speculative_tokens is not None else None
         self._waiting: collections.deque[Sequence] = collections.deque()
@@ -316,7 +329,7 @@ class ContinuousEngine:
         for i, (seq, start, take) in enumerate(chunks):
             seq.prefilled = start + take
             if seq.prefilled == len(seq.prompt_ids):
-                self._emit(seq, self._sample(seq, logits[i, take - 1]), logits[i, take - 1])
+                self._emit(seq, sample_token(seq, logits[i, take - 1]), logits[i, take - 1])
 
     def _decode(self, seqs: list[Sequence]) -> None:
         """Feed each sequence's last token at its own position: [B, 1]."""
@@ -329,7 +342,7 @@ class ContinuousEngine:
         greedy = logits[:, -1].argmax(dim=-1).tolist()
         for i, seq in enumerate(seqs):
             plain = not seq.gen_config.do_sample and not seq.params.adjusts_logits and seq.guide is None
-            token = greedy[i] if plain else self._sample(seq, logits[i, -1])
+            token = greedy[i] if plain else sample_token(seq, logits[i, -1])
             self._emit(seq, token, logits[i, -1])
 
     def decode_pass(self, seqs: list[Sequence], ids: torch.Tensor, pos: torch.Tensor,
@@ -341,26 +354,38 @@ class ContinuousEngine:
         return self._pass("decode", seqs, ids, pos, torch.ones_like(ids, dtype=torch.bool), path_scores)
 
     def _pass(self, phase: str, seqs: list[Sequence], ids: torch.Tensor, pos: torch.Tensor,
-              mask: torch.Tensor, path_scores: torch.Tensor | None = None) -> torch.Tensor:
+              mask: torch.Tensor, path_scores: torch.Tensor | None = None, count: bool = True) -> torch.Tensor:
         """One forward pass over ``seqs``' rows: ids/pos int64 [B, T], mask bool [B, T] -> logits fp32 [B, T, V];
-        path_scores fp32 [B, L, E] or None (:meth:`decode_pass`)."""
+        path_scores fp32 [B, L, E] or None (:meth:`decode_pass`); ``count``: into the stats and the listener."""
+        if phase == "decode" and 1 < len(seqs) <= self.row_loop and ids.shape[1] == 1 and bool(mask.all()):
+            start = time.perf_counter()  # (ROW_LOOP_MAX: each row through the one-call step; counted as one pass)
+            logits = torch.cat([self._pass(phase, [s], ids[i:i + 1], pos[i:i + 1], mask[i:i + 1],
+                                           None if path_scores is None else path_scores[i:i + 1], count=False)
+                                for i, s in enumerate(seqs)])
+            self._count(phase, len(seqs), len(seqs), time.perf_counter() - start)
+            return logits
         dev, host_pos, host_mask = self.device, pos, mask
         all_real = bool(mask.all())  # on the host still: a decode pass's backend reads no mask back
         history = self.history.feed([s.row for s in seqs], ids, pos, mask) if self.history is not None else None
         ids, pos, mask = ids.to(dev), pos.to(dev), mask.to(dev)
         rows = torch.tensor([s.row for s in seqs], dtype=torch.long, device=dev)
-        view = self.cache.batch(rows, pos, mask)
-        stats = self.model.stats
-        stats.set_phase(phase)
+        # one sequence of real tokens on the CPU, as many as the native attention takes: its row as a batch-1 static
+        # cache (generate's native attention and one-call decode step, in place); else the rows' batch view
+        row = self.cache.row(seqs[0].row) if self.row_passes and len(seqs) == 1 and all_real \
+            and ids.shape[1] <= NATIVE_ATTENTION_TOKENS else None
+        view = row if row is not None else self.cache.batch(rows, pos, mask)
+        positions, cache_position = (pos, pos[0]) if row is not None else (view.cache_position, view.cache_position)
+        self.model.stats.set_phase(phase)
         start = time.perf_counter()
-        out = self.model.runner.forward_pass(ids, view.cache_position, view, view.cache_position, mask, phase,
+        out = self.model.runner.forward_pass(ids, positions, view, cache_position, mask, phase,
                                              rows=rows, history=history, path_scores=path_scores,
                                              all_real=all_real, return_hidden=self.mtp is not None)
         if self.mtp is not None:  # (every pass's hidden states: what the MTP layers read)
             out, hidden = out
             self.mtp.store(seqs, host_pos, host_mask, hidden)
         logits = out.cpu()
-        self._count(phase, len(seqs), int(mask.sum()), time.perf_counter() - start)
+        if count:
+            self._count(phase, len(seqs), int(mask.sum()), time.perf_counter() - start)
         return logits
 
     def _captured_pass(self, seqs: list[Sequence], ids: torch.Tensor, pos: torch.Tensor,
@@ -395,21 +420,6 @@ class ContinuousEngine:
         current.tokens += tokens
         current.time_s += seconds
         self.listener.on_pass(phase, batch, tokens, seconds)
-
-    @staticmethod
-    def _sample(seq: Sequence, logits: torch.Tensor) -> int:
-        """logits fp32 [V] -> the next token, by the sequence's own settings and generator."""
-        params, logits = seq.params, logits[None].float()
-        if params.adjusts_logits:
-            logits = adjust_logits(logits, seq.prompt_ids, seq.generated, params.logit_bias,
-                                   params.repetition_penalty, params.presence_penalty, params.frequency_penalty)
-        allowed = seq.guide.allowed() if seq.guide is not None else None
-        if allowed is not None:
-            logits = logits.masked_fill(~allowed[None], float("-inf"))
-        token = int(next_tokens(logits, seq.sampler_config, seq.generator)[0])
-        if seq.guide is not None:
-            seq.guide.advance(token)
-        return token
 
     def _emit(self, seq: Sequence, token: int, logits: torch.Tensor) -> None:
         """Record and report ``token`` (logits fp32 [V] it was chosen from); finish ``seq`` when it ends there."""

@@ -76,7 +76,7 @@ class ServeState:
             temperature=gen.temperature if req.temperature in (None, 0) else req.temperature,
             top_k=gen.top_k if req.top_k is None else (None if req.top_k in (0, -1) else req.top_k),
             top_p=pick(req.top_p, gen.top_p), min_p=pick(req.min_p, gen.min_p), seed=req.seed,
-            stop_token_ids=self.stop_ids, logprobs=req.logprob_count(),
+            stop_token_ids=() if req.ignore_eos else self.stop_ids, logprobs=req.logprob_count(),
             repetition_penalty=pick(req.repetition_penalty, gen.repetition_penalty),
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             logit_bias=req.token_biases(self.model.config.vocab_size),

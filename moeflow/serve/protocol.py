@@ -50,6 +50,7 @@ class SamplingFields(BaseModel):
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
+    ignore_eos: bool = False  # go on past the end-of-turn tokens to max_tokens (benchmarks; vLLM's, llama.cpp's)
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -51,6 +51,19 @@ float mf_dot(const float* q, const float* k, int D) {
     return d;
 }
 
+/* 1 + the last set position of the mask row m [L] (0 when none). The positions after it are never read by
+   mf_attn_head, so bounding its scan there gives the same numbers (mf_exp8 is expf bit for bit: the scores' exp
+   does not depend on where the vector loop stops) while a long cache holding a short sequence (a serving row of
+   4096 positions, generate with a large max_new_tokens) costs what the sequence's own positions cost. */
+int mf_mask_extent(const uint8_t* m, int L) {
+    for (uint64_t w; L >= 8; L -= 8) {  /* 8 positions a word from the end */
+        memcpy(&w, m + L - 8, sizeof(w));
+        if (w) break;
+    }
+    while (L > 0 && !m[L - 1]) L--;
+    return L;
+}
+
 /* One query head over the cache: q = rotary(qh [D]) (c, s [D]); o [D] = softmax(q k^T * scale) v over the positions
    l < L with mrow[l] (kh, vh fp32 [L, D]: the head's kv cache); buf: L + 2 D floats of scratch. */
 void mf_attn_head(const float* qh, const float* c, const float* s, int D, const uint8_t* mrow, const float* kh,
@@ -145,7 +158,8 @@ int mf_attn_step(const float* qkv, int B, int T, int nh, int nkv, int D, const f
             const float* row = qkv + ((size_t)b * T + t) * F;
             mf_attn_head(row + (size_t)h * D, cos + ((size_t)b * T + t) * D, sin + ((size_t)b * T + t) * D, D,
                          mask + ((size_t)b * T + t) * L, kc + ((size_t)b * nkv + kvh) * L * D,
-                         vc + ((size_t)b * nkv + kvh) * L * D, L, scale, buf,
+                         vc + ((size_t)b * nkv + kvh) * L * D, mf_mask_extent(mask + ((size_t)b * T + t) * L, L),
+                         scale, buf,
                          out + ((size_t)b * T + t) * nh * D + (size_t)h * D);
         }
         free(buf);

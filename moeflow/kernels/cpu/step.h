@@ -88,6 +88,7 @@ static inline void mf_span(int N, int tid, int nth, int* n0, int* n1) {
 void mf_rmsnorm(const float* x, const float* res, float* sum, const float* w, float eps, int T, int H, float* out);
 HIDDEN void mf_rotary(const float* x, const float* c, const float* s, int D, float* y);
 HIDDEN float mf_dot(const float* q, const float* k, int D);
+HIDDEN int mf_mask_extent(const uint8_t* m, int L);
 HIDDEN void mf_attn_head(const float* qh, const float* c, const float* s, int D, const uint8_t* mrow,
                          const float* kh, const float* vh, int L, float scale, float* buf, float* o);
 void mf_dense_f32(const float* x, int T, int K, int N, const float* w, float* y);

@@ -121,6 +121,7 @@ static void proj_for(const mf_proj* l, int N, int K, const pacts* a, float* y) {
    q.k_l * scale, sink) without the sink's share; kh, vh fp32 [L, D]; buf: L + D floats. */
 static void sink_head(const float* qh, const float* c, const float* s, int D, const uint8_t* mrow, const float* kh,
                       const float* vh, int L, float scale, float sink, float* buf, float* o) {
+    L = mf_mask_extent(mrow, L);  /* (the masked positions after the last visible one: never read) */
     float *p = buf, *q = buf + L;
     mf_rotary(qh, c, s, D, q);
     float mx = sink;

@@ -183,6 +183,7 @@ static void attention_half(const mf_layer_desc* d, int H, const float* cos, cons
         }
         row = P->qk;
     }
+    const int keys = mf_mask_extent(mask, L);  /* the positions a head's scan reads (the rest are masked) */
     if (own) {
         for (int g = g0; g < g1; g++) {
             const size_t at = ((size_t)g * L + (size_t)pos) * D;
@@ -190,7 +191,7 @@ static void attention_half(const mf_layer_desc* d, int H, const float* cos, cons
             memcpy(vc + at, row + (size_t)(nh + nkv + g) * D, sizeof(float) * D);
             for (int h = g * groups; h < (g + 1) * groups; h++)
                 mf_attn_head(row + (size_t)h * D, cos, sin, D, mask, kc + (size_t)g * L * D, vc + (size_t)g * L * D,
-                             L, scale, P->abuf, S->att + (size_t)h * D);
+                             keys, scale, P->abuf, S->att + (size_t)h * D);
         }
 #pragma omp barrier
     } else {  /* the cache rows, then the query heads */
@@ -203,7 +204,7 @@ static void attention_half(const mf_layer_desc* d, int H, const float* cos, cons
 #pragma omp for schedule(static)
         for (int h = 0; h < nh; h++)
             mf_attn_head(row + (size_t)h * D, cos, sin, D, mask, kc + (size_t)(h / groups) * L * D,
-                         vc + (size_t)(h / groups) * L * D, L, scale, P->abuf, S->att + (size_t)h * D);
+                         vc + (size_t)(h / groups) * L * D, keys, scale, P->abuf, S->att + (size_t)h * D);
     }
     quantize_for(&o, S->att, nh * D, &P->in[0]);
     linear_for(&o, nh * D, &P->in[0], NULL, S->y);
