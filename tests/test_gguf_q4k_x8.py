@@ -19,8 +19,9 @@ from moeflow.kernels.cpu.gguf import (
     gguf_linear,
     quantize_activations,
 )
-from moeflow.kernels.cpu.gguf_repack import repack_q4k, repackable, repacked_expert, unpack_q4k_x8
+from moeflow.kernels.cpu.gguf_repack import repack_q4k, repackable, repacked_expert
 from moeflow.kernels.cpu.native import SIMD_NAMES, native_available
+from moeflow.kernels.cpu.q4k_x8_form import unpack_q4k_x8
 from moeflow.kernels.experts.gguf_reference import ggml_type
 from moeflow.user_cache import cache_dir
 

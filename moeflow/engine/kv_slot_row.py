@@ -5,14 +5,21 @@ generate()'s cache."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from moeflow.engine.kv_cache import PassCache, attention_mask
 
-if TYPE_CHECKING:
-    from moeflow.engine.kv_slots import SlotKVCache
+
+class SlottedTensors(Protocol):
+    """What a row is taken from (:class:`~moeflow.engine.kv_slots.SlotKVCache`, which imports this module): keys and
+    values [layers, rows, kv_heads, max_len, D], ``valid`` bool [rows, max_len]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    valid: torch.Tensor
+    max_len: int
 
 
 class SlotRow(PassCache):
@@ -22,7 +29,7 @@ class SlotRow(PassCache):
     attention and one-call step write in place), ``valid`` bool [1, max_len]. A pass over one sequence on it is a
     ``generate()`` pass of batch 1 over a cache of ``max_len`` positions."""
 
-    def __init__(self, parent: SlotKVCache, row: int) -> None:
+    def __init__(self, parent: SlottedTensors, row: int) -> None:
         self.parent, self.index, self.max_len = parent, row, parent.max_len
         self.valid = parent.valid[row:row + 1]
         self.layer_kv = [(parent.k[i, row:row + 1], parent.v[i, row:row + 1]) for i in range(parent.k.shape[0])]

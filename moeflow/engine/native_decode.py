@@ -101,7 +101,7 @@ def native_decode(strategy: DecodeStrategy, loop: GenerateLoop, gen: GenerationC
     if not native_loop_enabled() or type(strategy) is not PlainDecode or loop.batch != 1 \
             or loop.micro_batch_size is not None or custom_paths or gen.do_sample or gen.repetition_penalty != 1.0 \
             or runner.device.type != "cpu" or type(loop.cache) is not StaticKVCache \
-            or type(backend).begin_step is not ExpertBackend.begin_step \
+            or not isinstance(backend, ExpertBackend) or type(backend).begin_step is not ExpertBackend.begin_step \
             or not decoder_takes_loop(runner.decoder, runner.decode_fn):
         return strategy
     return NativeDecode(strategy, loop, gen.eos_ids(), STREAM_CHUNK if streamer is not None else MAX_CHUNK)

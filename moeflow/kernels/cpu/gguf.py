@@ -25,13 +25,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeflow.kernels.cpu.native import check_rc, declared_library
+from moeflow.kernels.cpu.q4k_x8_form import K_BLOCK, Q4_K_X8, unpack_q4k_x8
 from moeflow.kernels.experts.gguf_reference import GGMLType, dequantize, ggml_type
 
 CPU_TYPES = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # the block types gguf.c computes
-K_BLOCK = 256  # activation block of the K-quants (llama.cpp's Q8_K)
-# Q4_K rows interleaved 8 at a time (gguf_q4kx8.c, repacked at load by moeflow.kernels.cpu.gguf_repack): no file
-# type (its id is gguf.h's GG_Q4_KX8, no ggml id), 1184 bytes per 8 rows and 256 inputs, Q4_K's numbers bit for bit
-Q4_K_X8 = GGMLType("Q4_K_X8", 1012, K_BLOCK, 148, -1)
 
 
 def cpu_type(t: str | int | GGMLType) -> GGMLType:
@@ -219,8 +216,6 @@ def gguf_linear_reference(x: torch.Tensor, w: torch.Tensor, t: str | int | GGMLT
     """fp32 model of :func:`gguf_linear`."""
     g = cpu_type(t)
     if g == Q4_K_X8:  # (the interleaved form's values are its Q4_K rows')
-        from moeflow.kernels.cpu.gguf_repack import unpack_q4k_x8
-
         w, g = unpack_q4k_x8(w, k), ggml_type("Q4_K")
     return quantize_activations(x.float(), g) @ dequantize(w[:, : g.row_bytes(k)].contiguous(), g.name).T
 
