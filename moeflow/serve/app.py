@@ -3,7 +3,7 @@ metrics, and the API-key check.
 
 Requests become engine sequences (:class:`~moeflow.engine.continuous.ContinuousEngine`); the engine thread
 reports tokens through a callback that hands them to the request's asyncio queue (through a
-:class:`~moeflow.serve.wake.LoopWaker`, so that the engine never waits for the event loop). A client that goes away
+:class:`~moeflow.serve.wake.LoopWaker`, so that the report does not release the engine's GIL). A client that goes away
 (a closed stream, or a dropped connection while waiting for a plain response) cancels its sequence, which
 frees its KV row at the engine's next iteration.
 """

@@ -8,8 +8,9 @@ cost beyond the engine (issue 42).
 
 :class:`LoopWaker` puts events into a ``queue.SimpleQueue`` instead, whose ``put`` wakes a waiting thread with
 the GIL held. Its own thread takes the events and wakes the loop once per batch of them; it gets the GIL when
-the engine thread next lets it go, which is in the decode pass's native call (ctypes releases the GIL), so the
-event loop's work runs beside the pass, not in front of it. Events keep their order.
+the engine thread next lets it go: in the decode pass's native call (ctypes releases the GIL) or, sooner, in any
+torch op before it (those release it too, so the event loop can still delay the engine there). Events keep their
+order.
 """
 
 from __future__ import annotations
