@@ -2,7 +2,8 @@
 metrics, and the API-key check.
 
 Requests become engine sequences (:class:`~moeflow.engine.continuous.ContinuousEngine`); the engine thread
-reports tokens through a callback that hands them to the request's asyncio queue. A client that goes away
+reports tokens through a callback that hands them to the request's asyncio queue (through a
+:class:`~moeflow.serve.wake.LoopWaker`, so that the report does not release the engine's GIL). A client that goes away
 (a closed stream, or a dropped connection while waiting for a plain response) cancels its sequence, which
 frees its KV row at the engine's next iteration.
 """
@@ -32,6 +33,7 @@ from moeflow.serve.choices import Choice, wait_for_ends
 from moeflow.serve.errors import APIError, error_body, install_handlers
 from moeflow.serve.metrics import ServeMetrics
 from moeflow.serve.text import ChatReplies, MarkupAssembler, TextAssembler
+from moeflow.serve.wake import LoopWaker
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +48,7 @@ class ServeState:
         self.model, self.engine, self.metrics = model, engine, metrics
         self.tokenizer, self.model_name = model.tokenizer, model_name
         self.names = {model_name, *aliases}
+        self._waker: LoopWaker | None = None
         self.template = ChatTemplate.from_directory(model.tokenizer.path.parent)
         self.stop_ids = stop_token_ids(self.template, model.generation_config.eos_ids(), self.tokenizer.encode)
         # chat replies split into content / reasoning_content / tool_calls: harmony (gpt-oss) or text markup
@@ -58,6 +61,18 @@ class ServeState:
         except Exception as e:  # a tokenizer the grammar engine cannot read: serve, refuse guided requests by name
             self.guides_error = f"guided decoding is not available for {self.tokenizer.path}: {e}"
             log.warning(self.guides_error)
+
+    def waker(self, loop: asyncio.AbstractEventLoop) -> LoopWaker:
+        """The engine thread's way to hand token events to ``loop`` (one per event loop the app runs on)."""
+        if self._waker is None or self._waker.loop is not loop:
+            self.close_waker()
+            self._waker = LoopWaker(loop)
+        return self._waker
+
+    def close_waker(self) -> None:
+        if self._waker is not None:
+            self._waker.close()
+            self._waker = None
 
     def check_model(self, name: str) -> None:
         if name not in self.names:
@@ -124,7 +139,7 @@ class ServeState:
         """Queue ``req.n`` engine sequences for ``ids`` (seeded ``seed + i``): their choices, and the queue the
         engine thread reports (choice, token, reason) into."""
         params = self.sampling(req, req.token_limit(), len(ids))
-        loop = asyncio.get_running_loop()
+        waker = self.waker(asyncio.get_running_loop())
         events: asyncio.Queue = asyncio.Queue()
         choices: list[Choice] = []
         try:
@@ -132,10 +147,7 @@ class ServeState:
                 text, guide = self._assembler(kind, req, prompt)
 
                 def on_event(token: int | None, reason: str | None, i: int = i) -> None:  # engine thread
-                    try:
-                        loop.call_soon_threadsafe(events.put_nowait, (i, token, reason))
-                    except RuntimeError:  # the event loop is gone (server shutting down)
-                        pass
+                    waker.post(events.put_nowait, (i, token, reason))
 
                 seeded = params if req.seed is None else replace(params, seed=req.seed + i)
                 stop_check = text.hits_stop_string if text.stop_strings else None
@@ -270,6 +282,7 @@ def create_app(model, engine: ContinuousEngine, metrics: ServeMetrics, model_nam
             yield
         finally:
             engine.stop()
+            state.close_waker()
 
     app = FastAPI(title="moeflow", lifespan=lifespan)
     app.state.serve = state
