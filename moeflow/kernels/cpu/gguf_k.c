@@ -71,6 +71,22 @@ INLINE kacc kacc_add(kacc acc, lanes is, lanes im, kdd dd, float xs) {
 INLINE float kacc_y(kacc acc) { return acc.a - acc.b; }
 #endif
 
+/* A Q4_K block decoded for this ISA's dot product (AVX-512 VNNI: q4kblock's paired sub-blocks; else kblock), and
+   its integer sums with one token: the tiles below share these. */
+#if MF_AVX512
+typedef q4kblock q4kdec;
+INLINE void q4k_decode(const uint8_t* w, q4kdec* kb) { decode_q4k_512(w, kb); }
+INLINE void q4k_dot(const q4kdec* kb, const int8_t* x, const int16_t* bs, lanes* is, lanes* im) {
+    kdotq4k_512(kb, x, bs, is, im);
+}
+#else
+typedef kblock q4kdec;
+INLINE void q4k_decode(const uint8_t* w, q4kdec* kb) { decode_q4k(w, kb); }
+INLINE void q4k_dot(const q4kdec* kb, const int8_t* x, const int16_t* bs, lanes* is, lanes* im) {
+    kdot(kb, x, bs, is, im);
+}
+#endif
+
 INLINE void q4k_tile(const uint8_t* row, int nb, int t0, int tt, const acts* a, float* y, int ldy) {
     const int K = a->K;
     kacc acc[GTT];
@@ -86,20 +102,11 @@ INLINE void q4k_tile(const uint8_t* row, int nb, int t0, int tt, const acts* a, 
         const int8_t* xq = a->q + (size_t)b * QKK;
         const int16_t* bs = a->sum + 16 * (size_t)b;
         const float* xs = a->s + b;
-#if MF_AVX512
-        q4kblock kb;
-        decode_q4k_512(w, &kb);
-#else
-        kblock kb;
-        decode_q4k(w, &kb);
-#endif
+        q4kdec kb;
+        q4k_decode(w, &kb);
         for (int i = 0; i < tt; i++) {
             lanes is, im;
-#if MF_AVX512
-            kdotq4k_512(&kb, xq + (size_t)(t0 + i) * K, bs + (size_t)(t0 + i) * (K / 16), &is, &im);
-#else
-            kdot(&kb, xq + (size_t)(t0 + i) * K, bs + (size_t)(t0 + i) * (K / 16), &is, &im);
-#endif
+            q4k_dot(&kb, xq + (size_t)(t0 + i) * K, bs + (size_t)(t0 + i) * (K / 16), &is, &im);
             acc[i] = kacc_add(acc[i], is, im, dd, xs[(size_t)(t0 + i) * (K / QKK)]);
         }
     }
@@ -129,23 +136,14 @@ INLINE void q4k_tile4(const uint8_t* row, int nb, int t0, int tt, const acts* a,
         const int8_t* xq = a->q + (size_t)b * QKK;
         const int16_t* bs = a->sum + 16 * (size_t)b;
         const float* xs = a->s + b;
-#if MF_AVX512
-        q4kblock kb;
-        decode_q4k_512(w, &kb);
-#else
-        kblock kb;
-        decode_q4k(w, &kb);
-#endif
+        q4kdec kb;
+        q4k_decode(w, &kb);
         for (int j = 0; j < tt / 4; j++) {
             lanes is[4], im[4];
             float x4[4];
             for (int i = 0; i < 4; i++) {
                 const size_t t = (size_t)(t0 + 4 * j + i);
-#if MF_AVX512
-                kdotq4k_512(&kb, xq + t * K, bs + t * (K / 16), &is[i], &im[i]);
-#else
-                kdot(&kb, xq + t * K, bs + t * (K / 16), &is[i], &im[i]);
-#endif
+                q4k_dot(&kb, xq + t * K, bs + t * (K / 16), &is[i], &im[i]);
                 x4[i] = xs[t * (K / QKK)];
             }
             const __m256 xv = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(x4)), pairs);
