@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.peers.peer_report import uptime, write_report
+from benchmarks.peers.peer_report import cpu_line, uptime, write_report
 
 MODES = ("on", "off")
 
@@ -80,9 +80,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--out", type=Path, required=True, help="results path without suffix (.json and .md written)")
     args = ap.parse_args()
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    flags = next((ln.split(":", 1)[1].split() for ln in open("/proc/cpuinfo") if ln.startswith("flags")), [])
-    isa = " ".join(f for f in flags if f in ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"))
+    cpu = cpu_line()
     before = uptime()
     results = []
     for t in args.threads:
@@ -92,14 +90,14 @@ def main() -> None:
                 results.append(pool.submit(measure, args.model, t, b, args.tokens, args.reps).result())
     lines = [f"Native multi-token decode loop on vs off (`MOEFLOW_NATIVE_LOOP`), `{args.model}`, batch 1, greedy, "
              f"{args.tokens + 1} new tokens after a 16-token prompt, on/off alternating, median of {args.reps} each; "
-             f"the same tokens both ways (checked). CPU: {cpu} ({isa}).  ",
+             f"the same tokens both ways (checked). CPU: {cpu}.  ",
              f"uptime before: `{before}`, after: `{uptime()}`", "",
              "| threads | lm_head_bits | TPOT on ms | TPOT off ms | TPOT off/on | wall/token on ms | "
              "wall/token off ms | wall off/on |", "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['threads']} | {r['lm_head_bits']} | {r['tpot_on_ms']:.3f} | {r['tpot_off_ms']:.3f} | "
               f"{r['tpot_off_ms'] / r['tpot_on_ms']:.3f}x | {r['wall_on_ms']:.3f} | {r['wall_off_ms']:.3f} | "
               f"{r['wall_off_ms'] / r['wall_on_ms']:.3f}x |" for r in results]
-    write_report(args.out, {"model": str(args.model), "cpu": cpu, "isa": isa, "results": results}, lines)
+    write_report(args.out, {"model": str(args.model), "cpu": cpu, "results": results}, lines)
     print("\n".join(lines))
 
 

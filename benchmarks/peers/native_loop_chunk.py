@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.peers.peer_report import uptime, write_report
+from benchmarks.peers.peer_report import cpu_line, uptime, write_report
 
 MODES = ("on", "off")
 
@@ -120,9 +120,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=60)
     ap.add_argument("--out", type=Path, required=True, help="results path without suffix (.json and .md written)")
     args = ap.parse_args()
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    flags = next((ln.split(":", 1)[1].split() for ln in open("/proc/cpuinfo") if ln.startswith("flags")), [])
-    isa = " ".join(f for f in flags if f in ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"))
+    cpu = cpu_line()
     before = uptime()
     results = []
     for t in args.threads:
@@ -130,7 +128,7 @@ def main() -> None:
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
             results.append(pool.submit(measure, args.model, t, args.chunk, args.reps).result())
     lines = [f"Native loop: chunk heads and pp32 after a looped decode (`native_loop_chunk.py`), `{args.model}`, "
-             f"{args.chunk} tokens per native call, on/off alternating, {args.reps} reps each. CPU: {cpu} ({isa}).  ",
+             f"{args.chunk} tokens per native call, on/off alternating, {args.reps} reps each. CPU: {cpu}.  ",
              f"uptime before: `{before}`, after: `{uptime()}`", "",
              "Per decoded token, median ms (on: the C loop's own timestamps; off: `PlainDecode.step`, glue "
              "included); faults: minor page faults over each native call (max over all chunks).", "",
@@ -154,7 +152,7 @@ def main() -> None:
             cells.append(f"| {statistics.median(a):.2f} | {statistics.median(b):.2f} | {ratio:.4f} | "
                          f"{slower}/{len(a)} | {lo:.4f}-{hi:.4f} ")
         lines.append("".join(cells) + "|")
-    write_report(args.out, {"model": str(args.model), "cpu": cpu, "isa": isa, "results": results}, lines)
+    write_report(args.out, {"model": str(args.model), "cpu": cpu, "results": results}, lines)
     print("\n".join(lines))
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.peers.peer_report import uptime, write_report
+from benchmarks.peers.peer_report import cpu_line, uptime, write_report
 
 PROMPT_TOKENS = 16  # (the default: what generate's native attention takes in its prefill too)
 
@@ -127,7 +127,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="cProfile one engine run (the first thread count)")
     ap.add_argument("--out", type=Path, required=True, help="results path without suffix (.json and .md written)")
     args = ap.parse_args()
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    cpu = cpu_line()
     before = uptime()
     results = []
     for i, t in enumerate(args.threads):

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.peers.peer_report import uptime
-from benchmarks.peers.serve_side_by_side import NAME, ServerProc, cpu_line, free_port
+from benchmarks.peers.peer_report import cpu_line, uptime
+from benchmarks.peers.serve_side_by_side import NAME, ServerProc, free_port
 
 TICK = os.sysconf("SC_CLK_TCK")
 

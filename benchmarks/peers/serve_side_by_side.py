@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import socket
 import statistics
 import subprocess
@@ -35,7 +34,7 @@ import httpx
 import openai
 import torch
 
-from benchmarks.peers.peer_report import uptime, write_report
+from benchmarks.peers.peer_report import cpu_line, uptime, write_report
 
 REPO = Path(__file__).resolve().parents[2]
 NAME = "bench"  # the model id every server answers to
@@ -139,14 +138,6 @@ def stream_once(server: ServerProc, prompt: list[int], tokens: int) -> dict:
     gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
     return {"ttft_ms": (stamps[0] - t0) * 1e3, "decode_tok_s": (tokens - 1) / (stamps[-1] - stamps[0]),
             "tpot_ms": statistics.median(gaps) * 1e3, "chunks": len(stamps)}
-
-
-def cpu_line() -> str:
-    info = Path("/proc/cpuinfo").read_text()
-    model = re.search(r"model name\s*:\s*(.*)", info)
-    flags = set(re.search(r"flags\s*:\s*(.*)", info).group(1).split())
-    keep = sorted(f for f in flags if f.startswith(("avx", "fma", "f16c", "amx")))
-    return f"{model.group(1) if model else '?'} ({os.cpu_count()} cores seen), flags: {' '.join(keep)}"
 
 
 def main() -> None:
