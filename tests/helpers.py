@@ -94,3 +94,15 @@ def host_budget_rows_gb(path: str | Path, rows: int, readers: int, dtype: torch.
         row = CpuInt4Format.of(resident.experts.fmt).nbytes
     reserved = non_expert_bytes(resident.model) + kv_cache_bytes(family.config, dtype, 4096)
     return (reserved + readers * index.staging_nbytes + rows * row + row // 2) / 2**30
+
+
+def count_calls(monkeypatch, owner: object, name: str) -> list[int]:
+    """Wrap ``owner.name`` (a module's function: e.g. ``cpu_layers.layers_step``, the one native step call) so that
+    each call adds one to the returned counter ``[n]``, for the rest of the test (monkeypatch undoes it)."""
+    calls, inner = [0], getattr(owner, name)
+
+    def counted(*a, **kw):
+        calls[0] += 1
+        return inner(*a, **kw)
+    monkeypatch.setattr(owner, name, counted)
+    return calls

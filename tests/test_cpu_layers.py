@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_tiny_checkpoint
+from helpers import count_calls, make_tiny_checkpoint
 
 import moeflow.engine.cpu_layers as cpu_layers
 from moeflow import MoEOffloadedMixtral
@@ -22,14 +22,7 @@ PROMPT = "The \"with\" statement is used to wrap the execution"
 @pytest.fixture
 def counted(monkeypatch):
     """How many passes the one native call took."""
-    calls = [0]
-    inner = cpu_layers.layers_step
-
-    def layers_step(*a, **kw):
-        calls[0] += 1
-        return inner(*a, **kw)
-    monkeypatch.setattr(cpu_layers, "layers_step", layers_step)
-    return calls
+    return count_calls(monkeypatch, cpu_layers, "layers_step")
 
 
 def _decode(model: MoEOffloadedMixtral, ids: torch.Tensor, native: bool, n: int = 12, **kw):

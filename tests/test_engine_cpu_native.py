@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import count_calls
 
 import moeflow.engine.cpu_layers as cpu_layers
 from moeflow import MoEOffloadedMixtral
@@ -34,14 +35,7 @@ def model():
 @pytest.fixture
 def counted(monkeypatch):
     """How many passes took the one native call."""
-    calls = [0]
-    inner = cpu_layers.layers_step
-
-    def layers_step(*a, **kw):
-        calls[0] += 1
-        return inner(*a, **kw)
-    monkeypatch.setattr(cpu_layers, "layers_step", layers_step)
-    return calls
+    return count_calls(monkeypatch, cpu_layers, "layers_step")
 
 
 def _generate(model, prompt: list[int], n: int) -> list[int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from gguf_block_helpers import random_blocks
+from helpers import count_calls
 
 from moeflow.kernels.cpu import native as cpu_native
 from moeflow.kernels.cpu.gguf import (
@@ -169,12 +170,7 @@ def test_repacked_model_steps_as_the_per_call_path_and_the_stored_blocks(q4_k_m,
     from moeflow import MoEModel, OffloadConfig
     from moeflow.engine.mapped_experts import MappedGGUFExperts
 
-    calls, inner = [0], cpu_layers.layers_step
-
-    def counted(*a, **kw):
-        calls[0] += 1
-        return inner(*a, **kw)
-    monkeypatch.setattr(cpu_layers, "layers_step", counted)
+    calls = count_calls(monkeypatch, cpu_layers, "layers_step")
     ids = torch.randint(3, 97, (1, 5), generator=torch.Generator().manual_seed(4))
     runs = {}
     threads = torch.get_num_threads()
