@@ -1,5 +1,5 @@
 """The serving engine on the CPU takes generate()'s one-call native decode step (engine/cpu_layers.py) when one
-sequence decodes alone: its row of the slotted cache as a batch-1 static cache (kv_slot_row.SlotRow), with the same
+sequence decodes alone: its row of the slotted cache as a batch-1 static cache (SlotKVCache.row), with the same
 greedy tokens as generate() at 1 and 2 threads; a decode pass of up to ROW_LOOP_MAX rows runs them one after another
 the same way, and a larger one runs the layers one by one over the batch. And the native attention over a long
 cache holding a short sequence scans only the sequence's own positions (step.c's mf_mask_extent): the same numbers
@@ -15,7 +15,8 @@ import moeflow.engine.cpu_layers as cpu_layers
 from moeflow import MoEOffloadedMixtral
 from moeflow.cli import embedded_model_path
 from moeflow.engine.continuous import ROW_LOOP_MAX, ContinuousEngine, SamplingParams
-from moeflow.engine.kv_slots import SlotKVCache, SlotRow
+from moeflow.engine.kv_cache import StaticKVCache
+from moeflow.engine.kv_slots import SlotKVCache
 from moeflow.kernels.cpu.native import native_available
 from moeflow.kernels.cpu.step import attention_step
 
@@ -66,7 +67,7 @@ def test_one_sequence_takes_the_native_step_with_generates_tokens(model, counted
         # every decode pass (the first token comes from the prompt's prefill in torch: more than 16 tokens); the
         # prefix cache's request prefills its last prompt token alone: one more
         assert steps == [n - 1, n - 1, n]
-        assert isinstance(cache.row(0), SlotRow) and cache.row(0) is cache.row(0)  # one view per row
+        assert isinstance(cache.row(0), StaticKVCache) and cache.row(0) is cache.row(0)  # one view per row
     finally:
         torch.set_num_threads(before)
 

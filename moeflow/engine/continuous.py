@@ -137,7 +137,7 @@ class ContinuousEngine:
         needs = backend is not None and backend.needs_history or self.regroup is not None
         self.history = TokenHistory(cache.rows, cache.max_len, self.device) if needs else None
         self.prefix = PrefixCache(cache, prefix_min_tokens) if prefix_cache else None
-        # one sequence's passes on its row (SlotRow) where the decoder has the one-call step; decode passes of up to
+        # one sequence's passes on its row (cache.row) where the decoder has the one-call step; decode passes of up to
         # row_loop sequences as one such pass per row (not where a pass reads history or keeps MTP hidden states)
         self.row_passes = model.runner.decoder.layers_step is not None and cache.row(0) is not None
         self.row_loop = ROW_LOOP_MAX if self.row_passes and self.history is None and num_speculative_tokens is None \

@@ -51,6 +51,15 @@ class StaticKVCache(PassCache):
         # each layer's k/v [B, kv_heads, max_len, D] as views made once (the CPU step's attention op writes them)
         self.layer_kv = [(self.k[i], self.v[i]) for i in range(num_layers)]
 
+    @classmethod
+    def over(cls, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> StaticKVCache:
+        """A static cache over existing tensors, read and written in place: k/v [layers, B, kv_heads, max_len, D],
+        valid bool [B, max_len] (a serving cache's row: :meth:`~moeflow.engine.kv_slots.SlotKVCache.row`)."""
+        cache = cls.__new__(cls)  # (nothing allocated: __init__ would make zeroed tensors of its own)
+        cache.k, cache.v, cache.valid, cache.max_len = k, v, valid, valid.shape[1]
+        cache.layer_kv = [(k[i], v[i]) for i in range(k.shape[0])]
+        return cache
+
     @property
     def graph_owner(self) -> StaticKVCache:
         """A captured decode step on this cache bakes in its own tensors (moeflow.engine.cuda_graphs)."""

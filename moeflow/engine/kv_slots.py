@@ -9,7 +9,8 @@ The decoder reaches a cache only through ``mark_valid``, ``attention_mask`` and 
 position per token (``cache_position [B, T]``) instead of one shared column range. :class:`SlotDecodeView`
 implements them for the engine's captured decode passes (CUDA graphs): the same reads and writes with no host
 read and no shape that depends on values, over persistent row tensors the graphs bake in. A CPU pass of one
-sequence runs on its row as a batch-1 static cache instead (:class:`~moeflow.engine.kv_slot_row.SlotRow`).
+sequence runs on its row as a batch-1 static cache instead (:meth:`SlotKVCache.row`: a
+:class:`~moeflow.engine.kv_cache.StaticKVCache` over the row's views).
 """
 
 from __future__ import annotations
@@ -20,8 +21,7 @@ from typing import ClassVar
 
 import torch
 
-from moeflow.engine.kv_cache import PassCache
-from moeflow.engine.kv_slot_row import SlotRow
+from moeflow.engine.kv_cache import PassCache, StaticKVCache
 from moeflow.engine.linear_state import LinearState
 from moeflow.errors import InputError
 from moeflow.families.base import KVCacheSpec, LinearStateSpec
@@ -104,7 +104,7 @@ class SlotKVCache:
         self.linear = LinearState(linear, rows, dtype, device) if linear is not None else None
         self._free = list(range(rows - 1, -1, -1))  # pop() hands out the lowest row first
         self._views: dict[tuple[int, int], SlotDecodeView] = {}
-        self._row_views: dict[int, SlotRow] = {}
+        self._row_views: dict[int, StaticKVCache] = {}
 
     @classmethod
     def for_model(cls, model, max_len: int, budget_bytes: int | None = None, max_rows: int = 16) -> SlotKVCache:
@@ -177,18 +177,19 @@ class SlotKVCache:
         """The view one forward pass over ``rows`` [B] writes and reads (see :class:`SlotBatch`)."""
         return self.batch_type(self, rows, cache_position, token_mask)
 
-    def row(self, row: int) -> SlotRow | None:
-        """Row ``row`` as a batch-1 static cache (:class:`SlotRow`, made once per row: the one-call step checks a
-        cache's ``layer_kv`` once per list), or None where a pass must take :meth:`batch` instead: a cache off the
-        CPU (its decode passes have their own views and kernels) or not fp32 (the CPU's native attention, which
-        reads only the row's written keys, takes fp32; torch's would read the whole row), a latent cache or one
-        with linear states."""
+    def row(self, row: int) -> StaticKVCache | None:
+        """Row ``row`` as a batch-1 static cache (:meth:`StaticKVCache.over` its views, made once per row: the
+        one-call step checks a cache's ``layer_kv`` once per list), or None where a pass must take :meth:`batch`
+        instead: a cache off the CPU (its decode passes have their own views and kernels) or not fp32 (the CPU's
+        native attention, which reads only the row's written keys, takes fp32; torch's would read the whole row), a
+        latent cache or one with linear states."""
         if type(self) is not SlotKVCache or self.linear is not None or self.k.device.type != "cpu" \
                 or self.k.dtype != torch.float32:
             return None
         view = self._row_views.get(row)
         if view is None:
-            view = self._row_views[row] = SlotRow(self, row)
+            view = self._row_views[row] = StaticKVCache.over(self.k[:, row:row + 1], self.v[:, row:row + 1],
+                                                             self.valid[row:row + 1])
         return view
 
     def decode_view(self, batch: int, key_len: int) -> SlotDecodeView:
